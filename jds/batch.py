@@ -1,0 +1,149 @@
+"""The paged, flattened batch a server step hands to the attention layers.
+
+T tokens from R request rows (prefills, prefill chunks and decodes mixed). Every cache of a layer is
+addressed through the same ``block_tables`` ([R, max_blocks] of page ids); ``slot_mapping`` is each
+token's write slot (-1 = padding: writes nothing, its output is garbage-free but ignored).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PagedBatch:
+    positions: jax.Array  # [T] int32, absolute position of the token in its request
+    req_idx: jax.Array  # [T] int32, row of block_tables / seq_lens
+    slot_mapping: jax.Array  # [T] int32, cache slot (block_size granularity), -1 = padding
+    block_tables: jax.Array  # [R, max_blocks] int32
+    seq_lens: jax.Array  # [R] int32, keys visible after this step
+    query_start_loc: jax.Array  # [R + 1] int32, token offsets of each request row
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.block_tables.shape[0])
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """``num_tokens`` consecutive tokens of request row ``req`` starting at position ``start``."""
+
+    req: int
+    start: int
+    num_tokens: int
+
+
+def make_batch(chunks: Sequence[Chunk], block_tables: np.ndarray, block_size: int,
+               pad_to: int | None = None) -> PagedBatch:
+    """Host-side builder: one chunk per request row (row = ``chunk.req``), tokens in chunk order.
+
+    Rows of ``block_tables`` without a chunk get seq_len 0. ``pad_to`` appends padding tokens
+    (slot -1, position 0, request row 0) so shapes can be bucketed.
+    """
+    block_tables = np.asarray(block_tables, np.int32)
+    r = block_tables.shape[0]
+    seen: set[int] = set()
+    pos, req, slot = [], [], []
+    seq_lens = np.zeros(r, np.int32)
+    qsl = np.zeros(r + 1, np.int32)
+    counts = np.zeros(r, np.int32)
+    for c in chunks:
+        if not 0 <= c.req < r:
+            raise ValueError(f"chunk.req={c.req} outside block_tables rows [0, {r})")
+        if c.req in seen:
+            raise ValueError(f"chunk.req={c.req} appears twice; one chunk per request row per step")
+        if c.start < 0 or c.num_tokens < 1:
+            raise ValueError(f"chunk for req {c.req}: start must be >= 0 and num_tokens >= 1")
+        seen.add(c.req)
+        p = np.arange(c.start, c.start + c.num_tokens, dtype=np.int32)
+        if (p.max() // block_size) >= block_tables.shape[1]:
+            raise ValueError(f"block_tables row {c.req} is too short for position {int(p.max())}")
+        pos.append(p)
+        req.append(np.full_like(p, c.req))
+        slot.append(block_tables[c.req, p // block_size] * block_size + p % block_size)
+        seq_lens[c.req] = c.start + c.num_tokens
+        counts[c.req] = c.num_tokens
+    order = [c.req for c in chunks]
+    if order != sorted(order):
+        raise ValueError("chunks must be given in increasing request-row order")
+    qsl[1:] = np.cumsum(counts)
+    positions = np.concatenate(pos) if pos else np.zeros(0, np.int32)
+    req_idx = np.concatenate(req) if req else np.zeros(0, np.int32)
+    slots = np.concatenate(slot) if slot else np.zeros(0, np.int32)
+    if pad_to is not None:
+        n = pad_to - positions.shape[0]
+        if n < 0:
+            raise ValueError(f"pad_to={pad_to} is smaller than the {positions.shape[0]} tokens")
+        positions = np.concatenate([positions, np.zeros(n, np.int32)])
+        req_idx = np.concatenate([req_idx, np.zeros(n, np.int32)])
+        slots = np.concatenate([slots, np.full(n, -1, np.int32)])
+    return PagedBatch(positions=jnp.asarray(positions), req_idx=jnp.asarray(req_idx),
+                      slot_mapping=jnp.asarray(slots.astype(np.int32)), block_tables=jnp.asarray(block_tables),
+                      seq_lens=jnp.asarray(seq_lens), query_start_loc=jnp.asarray(qsl))
+
+
+def validate_batch(batch: PagedBatch, *, num_blocks: int, block_size: int, max_seq_len: int,
+                   num_tokens: int | None = None) -> None:
+    """Eager (host) checks of everything jit cannot check; raises ValueError naming the field.
+
+    Checked: shapes and dtypes agree; positions within [0, max_seq_len) and below the request's
+    seq_len; every non-padding slot inside the pool and equal to the block-table slot of its
+    position; block-table rows long enough for seq_lens; page ids inside the pool.
+    Not checkable inside jit: all of the above on traced values — call this before jitting.
+    """
+    pos = np.asarray(batch.positions)
+    req = np.asarray(batch.req_idx)
+    slot = np.asarray(batch.slot_mapping)
+    bt = np.asarray(batch.block_tables)
+    sl = np.asarray(batch.seq_lens)
+    t = pos.shape[0]
+    for name, a in (("req_idx", req), ("slot_mapping", slot)):
+        if a.shape != (t,):
+            raise ValueError(f"batch.{name} has shape {a.shape}, expected ({t},) like positions")
+    if num_tokens is not None and t != num_tokens:
+        raise ValueError(f"batch.positions has {t} tokens but the hidden states have {num_tokens}")
+    if bt.ndim != 2:
+        raise ValueError(f"batch.block_tables must be 2-D [R, max_blocks], got shape {bt.shape}")
+    r = bt.shape[0]
+    if sl.shape != (r,):
+        raise ValueError(f"batch.seq_lens has shape {sl.shape}, expected ({r},)")
+    if np.asarray(batch.query_start_loc).shape != (r + 1,):
+        raise ValueError(f"batch.query_start_loc must have shape ({r + 1},)")
+    real = slot >= 0
+    if ((req < 0) | (req >= r)).any():
+        raise ValueError("batch.req_idx holds a row outside block_tables")
+    if ((pos < 0) | (pos >= max_seq_len)).any():
+        raise ValueError(f"batch.positions holds a position outside [0, max_seq_len={max_seq_len})")
+    if (real & (pos >= sl[req])).any():
+        raise ValueError("batch.positions holds a position at or beyond its request's seq_len")
+    if (sl > bt.shape[1] * block_size).any():
+        raise ValueError(f"batch.block_tables is too short: {bt.shape[1]} blocks of {block_size} cannot hold "
+                         f"seq_len {int(sl.max())}")
+    if (sl > max_seq_len).any():
+        raise ValueError(f"batch.seq_lens exceeds max_seq_len={max_seq_len}")
+    if (slot >= num_blocks * block_size).any() or (slot < -1).any():
+        raise ValueError(f"batch.slot_mapping holds a slot outside the pool of {num_blocks * block_size} slots")
+    need = -(-sl // block_size)
+    for i in range(r):
+        pages = bt[i, : need[i]]
+        if ((pages < 0) | (pages >= num_blocks)).any():
+            raise ValueError(f"batch.block_tables row {i} holds a page outside [0, {num_blocks})")
+    if real.any():
+        expect = bt[req[real], pos[real] // block_size] * block_size + pos[real] % block_size
+        if (expect != slot[real]).any():
+            raise ValueError("batch.slot_mapping disagrees with block_tables for some token")
+
+
+def replace(batch: PagedBatch, **kw) -> PagedBatch:
+    return dataclasses.replace(batch, **kw)

@@ -1,0 +1,62 @@
+"""The lightning-indexer score and top-k selection shared by V3.2 (keys = tokens) and V4 C4
+(keys = compressed entries). Pure-JAX reference of pallas_kernels/sparse_indexer.py.
+
+Score: I(t, s) = sum_h w[t, h] * relu(q[t, h] . k[s]) in float32, where q and k are the
+*dequantised* FP8 values. Because the FP8 scales are powers of two, this equals the kernel form
+k_scale[s] * sum_h (w * q_scale)[t, h] * relu(q8 . k8) exactly (barring overflow).
+
+Tie rule (all implementations): among equal scores the lower key index wins (jax.lax.top_k's order).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jds.ops.hadamard import hadamard_rotate
+from jds.ops.quant import act_quant, dequant
+
+
+def prepare_indexer_q(q: jax.Array, w: jax.Array, *, head_dim: int, n_heads: int, fp8: bool,
+                      hadamard: bool, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """Roped indexer q [T, Hi, Di] and raw head weights [T, Hi] -> (q for scoring, folded weights).
+
+    Weights fold the constant scales Di^-1/2 * Hi^-1/2 (the FP8 q scale stays in the dequantised q).
+    """
+    q = q.astype(dtype)
+    if hadamard:
+        q = hadamard_rotate(q)
+    if fp8:
+        q8, s = act_quant(q, head_dim, "ue8m0", 1e-4)
+        q = dequant(q8, s, head_dim)
+    wf = w.astype(jnp.float32) * (head_dim ** -0.5) * (n_heads ** -0.5)
+    return q.astype(jnp.float32), wf
+
+
+def prepare_indexer_k(k: jax.Array, *, hadamard: bool, dtype: jnp.dtype) -> jax.Array:
+    """Roped indexer key rows -> the rows handed to the cache writer (which quantises if FP8)."""
+    k = k.astype(dtype)
+    return hadamard_rotate(k) if hadamard else k
+
+
+def index_scores(q: jax.Array, w: jax.Array, keys: jax.Array) -> jax.Array:
+    """q [T, Hi, D], w [T, Hi], keys [T, N, D] (each token's own request's keys) -> [T, N] float32."""
+    dots = jnp.einsum("thd,tnd->thn", q.astype(jnp.float32), keys.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+    return jnp.einsum("th,thn->tn", w, jax.nn.relu(dots), precision=jax.lax.Precision.HIGHEST)
+
+
+def topk_visible(scores: jax.Array, n_visible: jax.Array, k: int) -> jax.Array:
+    """Top-k over the first ``n_visible[t]`` entries of each row; int32 [T, k], -1 where fewer exist.
+
+    Returns request-local key indices (order within the set carries no meaning).
+    """
+    n = scores.shape[-1]
+    kk = min(k, n)
+    col = jnp.arange(n, dtype=jnp.int32)
+    masked = jnp.where(col[None, :] < n_visible[:, None], scores, -jnp.inf)
+    vals, idx = jax.lax.top_k(masked, kk)
+    idx = jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
+    if kk < k:
+        idx = jnp.pad(idx, ((0, 0), (0, k - kk)), constant_values=-1)
+    return idx

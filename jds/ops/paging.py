@@ -1,0 +1,71 @@
+"""Paged-cache plumbing shared by every cache: slot arithmetic, record read/write, per-request gathers.
+
+A cache is an array ``[num_blocks, page_elems]``; a *record format* maps a global slot to the element
+offsets of its record inside the flattened cache and packs/unpacks rows. Writes are one scatter with
+out-of-range offsets dropped (slot -1 = padding writes nothing); reads are one gather.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+
+
+class RecordFormat(Protocol):
+    """How one cache stores one row per slot."""
+
+    entries_per_page: int
+    page_elems: int
+    dtype: jnp.dtype
+
+    def offsets(self, slots: jax.Array) -> jax.Array:
+        """[..., rec] element offsets of each slot's record in the flattened cache."""
+
+    def pack(self, rows: jax.Array) -> jax.Array:
+        """[..., D] rows -> [..., rec] stored elements."""
+
+    def unpack(self, recs: jax.Array) -> jax.Array:
+        """[..., rec] stored elements -> [..., D] float32 rows (dequantised)."""
+
+
+def global_slots(block_tables: jax.Array, req_idx: jax.Array, local: jax.Array, entries_per_page: int) -> jax.Array:
+    """Request-local entry index -> global slot through the block table; local < 0 stays -1.
+
+    ``local`` is [T, ...] and ``req_idx`` [T]: each token uses its own request's row.
+    """
+    safe = jnp.maximum(local, 0)
+    rows = block_tables[req_idx]  # [T, max_blocks]
+    page = jnp.take_along_axis(rows, (safe // entries_per_page).reshape(safe.shape[0], -1), axis=1).reshape(safe.shape)
+    slot = page * entries_per_page + safe % entries_per_page
+    return jnp.where(local >= 0, slot, -1).astype(jnp.int32)
+
+
+def write_records(cache: jax.Array, fmt: RecordFormat, slots: jax.Array, rows: jax.Array) -> jax.Array:
+    """Store ``rows`` [N, D] at ``slots`` [N]; slot -1 writes nothing."""
+    n_total = cache.size
+    off = fmt.offsets(jnp.maximum(slots, 0))
+    off = jnp.where((slots >= 0)[:, None], off, n_total)  # out of range -> dropped
+    vals = fmt.pack(rows).astype(cache.dtype)
+    flat = cache.reshape(-1).at[off.reshape(-1)].set(vals.reshape(-1), mode="drop")
+    return flat.reshape(cache.shape)
+
+
+def read_records(cache: jax.Array, fmt: RecordFormat, slots: jax.Array) -> jax.Array:
+    """Gather and dequantise the rows at ``slots`` (any shape); slot -1 reads slot 0 (mask it yourself)."""
+    off = fmt.offsets(jnp.maximum(slots, 0))
+    recs = cache.reshape(-1)[off]
+    return fmt.unpack(recs)
+
+
+def gather_request_rows(cache: jax.Array, fmt: RecordFormat, block_tables: jax.Array, max_entries: int) -> jax.Array:
+    """All of each request's first ``max_entries`` entries: [R, max_entries, D] float32 (unmasked)."""
+    r = block_tables.shape[0]
+    local = jnp.broadcast_to(jnp.arange(max_entries, dtype=jnp.int32), (r, max_entries))
+    slots = global_slots(block_tables, jnp.arange(r, dtype=jnp.int32), local, fmt.entries_per_page)
+    return read_records(cache, fmt, slots)
+
+
+def empty_cache(fmt: RecordFormat, num_blocks: int) -> jax.Array:
+    return jnp.zeros((num_blocks, fmt.page_elems), fmt.dtype)

@@ -1,0 +1,102 @@
+"""FP8 e4m3 emulation: block activation quantisation (UE8M0 / amax scales), dequantisation,
+weight block quantisation and the block-scaled FP8 linear of DeepSeek's reference.
+
+All math is float32; e4m3 rounding is round-to-nearest-even on a value already clamped to
+[-448, 448], so the cast can never produce NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FP8_MAX = 448.0
+FP8 = jnp.float8_e4m3fn
+ScaleFmt = Literal["ue8m0", "amax"]
+
+
+def ue8m0_ceil(v: jax.Array) -> jax.Array:
+    """2^ceil(log2 v) for positive float32 v, exact (frexp: v = m 2^e, m in [0.5, 1))."""
+    m, e = jnp.frexp(v.astype(jnp.float32))
+    exp = jnp.where(m == 0.5, e - 1, e)
+    return jnp.ldexp(jnp.ones_like(v, jnp.float32), exp)
+
+
+def block_scale(amax: jax.Array, fmt: ScaleFmt, amax_floor: float) -> jax.Array:
+    """Scale for one block from its absolute maximum (float32)."""
+    a = jnp.maximum(amax.astype(jnp.float32), np.float32(amax_floor))
+    v = a * np.float32(1.0 / FP8_MAX)
+    return ue8m0_ceil(v) if fmt == "ue8m0" else v
+
+
+def quantize_e4m3(x_over_s: jax.Array) -> jax.Array:
+    """Clamp to +-448 then round-to-nearest-even into float8_e4m3fn."""
+    return jnp.clip(x_over_s.astype(jnp.float32), -FP8_MAX, FP8_MAX).astype(FP8)
+
+
+def act_quant(x: jax.Array, block: int = 128, fmt: ScaleFmt = "ue8m0",
+              amax_floor: float = 1e-4) -> tuple[jax.Array, jax.Array]:
+    """Quantise along the last axis in blocks: returns (q e4m3 [..., n], s float32 [..., n/block])."""
+    n = x.shape[-1]
+    if n % block:
+        raise ValueError(f"act_quant: last dim {n} is not a multiple of block {block}")
+    xb = x.astype(jnp.float32).reshape(x.shape[:-1] + (n // block, block))
+    s = block_scale(jnp.max(jnp.abs(xb), axis=-1), fmt, amax_floor)
+    q = quantize_e4m3(xb / s[..., None]).reshape(x.shape)
+    return q, s
+
+
+def dequant(q: jax.Array, s: jax.Array, block: int = 128) -> jax.Array:
+    """float32 q * s, with one scale per ``block`` of the last axis."""
+    n = q.shape[-1]
+    qb = q.astype(jnp.float32).reshape(q.shape[:-1] + (n // block, block))
+    return (qb * s[..., None].astype(jnp.float32)).reshape(q.shape)
+
+
+def fake_quant(x: jax.Array, block: int, fmt: ScaleFmt = "ue8m0", amax_floor: float = 1e-4) -> jax.Array:
+    """Quantise-dequantise round trip (float32 result)."""
+    q, s = act_quant(x, block, fmt, amax_floor)
+    return dequant(q, s, block)
+
+
+def quantize_weight_blocks(w: np.ndarray, block: int = 128) -> tuple[np.ndarray, np.ndarray]:
+    """[out, in] float weight -> (e4m3 weight, float32 scale [ceil(out/b), ceil(in/b)]), amax/448 per block.
+
+    Host-side (numpy) because it runs once at init/checkpoint conversion, never per step.
+    """
+    import ml_dtypes
+
+    w = np.asarray(w, np.float32)
+    o, i = w.shape
+    ob, ib = -(-o // block), -(-i // block)
+    pad = np.zeros((ob * block, ib * block), np.float32)
+    pad[:o, :i] = w
+    blocks = pad.reshape(ob, block, ib, block)
+    amax = np.abs(blocks).max(axis=(1, 3))
+    s = np.maximum(amax, np.float32(1e-4)) / np.float32(FP8_MAX)
+    s = s.astype(np.float32)
+    q = np.clip(blocks / s[:, None, :, None], -FP8_MAX, FP8_MAX).reshape(ob * block, ib * block)[:o, :i]
+    return q.astype(ml_dtypes.float8_e4m3fn), s
+
+
+def dequant_weight_blocks(wq: jax.Array, scale: jax.Array, block: int = 128) -> jax.Array:
+    """float32 W = Wq * S[i//b, j//b]."""
+    o, i = wq.shape
+    s = jnp.repeat(jnp.repeat(scale.astype(jnp.float32), block, axis=0)[:o], block, axis=1)[:, :i]
+    return wq.astype(jnp.float32) * s
+
+
+def fp8_linear(x: jax.Array, wq: jax.Array, scale: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
+    """DeepSeek's ``linear()`` with an FP8 weight: re-quantise x per 128 (UE8M0), fp32 accumulation.
+
+    x_deq = q*s is exact in float32 (s is a power of two), so one float32 matmul of the
+    dequantised operands equals the block-sum of fp8 MMAs up to float32 summation order.
+    """
+    xq, sx = act_quant(x, 128, "ue8m0")
+    xd = dequant(xq, sx, 128)
+    w = dequant_weight_blocks(wq, scale)
+    y = jnp.einsum("...i,oi->...o", xd, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return y.astype(out_dtype)

@@ -1,0 +1,179 @@
+"""The concrete cache record formats (see docs/DESIGN.md): float rows, V3.2's 656-byte fp8_ds_mla,
+the 132-byte indexer record, and V4's 584-byte fp8_ds_mla. Kernels in pallas_kernels/ write the
+same bytes; these pack/unpack functions are their reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jds.ops.quant import FP8, act_quant, block_scale, quantize_e4m3
+
+
+def _bytes(x: jax.Array) -> jax.Array:
+    """Bitcast to uint8 with a trailing byte axis merged into the last axis."""
+    b = jax.lax.bitcast_convert_type(x, jnp.uint8)
+    if b.ndim > x.ndim:
+        b = b.reshape(x.shape[:-1] + (x.shape[-1] * b.shape[-1],))
+    return b
+
+
+def _from_bytes(b: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    size = jnp.dtype(dtype).itemsize
+    if size == 1:
+        return jax.lax.bitcast_convert_type(b, dtype)
+    return jax.lax.bitcast_convert_type(b.reshape(b.shape[:-1] + (b.shape[-1] // size, size)), dtype)
+
+
+@dataclass(frozen=True)
+class FloatRows:
+    """Plain rows of ``dim`` elements in ``dtype`` (bf16/f32 caches, compressor state)."""
+
+    dim: int
+    entries_per_page: int
+    dtype: jnp.dtype = jnp.float32
+
+    @property
+    def page_elems(self) -> int:
+        return self.entries_per_page * self.dim
+
+    def offsets(self, slots: jax.Array) -> jax.Array:
+        return slots[..., None] * self.dim + jnp.arange(self.dim, dtype=jnp.int32)
+
+    def pack(self, rows: jax.Array) -> jax.Array:
+        return rows.astype(self.dtype)
+
+    def unpack(self, recs: jax.Array) -> jax.Array:
+        return recs.astype(jnp.float32)
+
+
+@dataclass(frozen=True)
+class MlaRecord656:
+    """V3.2 ``fp8_ds_mla``: [512 e4m3 latent | 4 fp32 scales | 64 bf16 rope] per token, contiguous.
+
+    scale_fmt "ue8m0" (DeepSeek [R-fix], floor 1e-4) or "amax" (vLLM: amax/448, floor FLT_MIN).
+    """
+
+    entries_per_page: int
+    scale_fmt: str = "ue8m0"
+    latent_dim: int = 512
+    rope_dim: int = 64
+    dtype: jnp.dtype = jnp.uint8
+
+    @property
+    def record_bytes(self) -> int:
+        return self.latent_dim + 4 * (self.latent_dim // 128) + 2 * self.rope_dim
+
+    @property
+    def page_elems(self) -> int:
+        return self.entries_per_page * self.record_bytes
+
+    def offsets(self, slots: jax.Array) -> jax.Array:
+        return slots[..., None] * self.record_bytes + jnp.arange(self.record_bytes, dtype=jnp.int32)
+
+    def _floor(self) -> float:
+        return 1e-4 if self.scale_fmt == "ue8m0" else float(np.finfo(np.float32).tiny)
+
+    def pack(self, rows: jax.Array) -> jax.Array:
+        lat, pe = rows[..., : self.latent_dim], rows[..., self.latent_dim:]
+        q, s = act_quant(lat, 128, self.scale_fmt, self._floor())
+        return jnp.concatenate([_bytes(q), _bytes(s), _bytes(pe.astype(jnp.bfloat16))], axis=-1)
+
+    def unpack(self, recs: jax.Array) -> jax.Array:
+        n_s = self.latent_dim // 128
+        q = _from_bytes(recs[..., : self.latent_dim], FP8).astype(jnp.float32)
+        s = _from_bytes(recs[..., self.latent_dim: self.latent_dim + 4 * n_s], jnp.float32)
+        pe = _from_bytes(recs[..., self.latent_dim + 4 * n_s:], jnp.bfloat16).astype(jnp.float32)
+        lat = (q.reshape(q.shape[:-1] + (n_s, 128)) * s[..., None]).reshape(q.shape)
+        return jnp.concatenate([lat, pe], axis=-1)
+
+
+@dataclass(frozen=True)
+class IndexerRecord132:
+    """Indexer key: 128 e4m3 values + 1 fp32 UE8M0 scale; page = [bs x 128 values][bs x 4-byte scales]."""
+
+    entries_per_page: int
+    dim: int = 128
+    dtype: jnp.dtype = jnp.uint8
+
+    @property
+    def page_elems(self) -> int:
+        return self.entries_per_page * (self.dim + 4)
+
+    def offsets(self, slots: jax.Array) -> jax.Array:
+        page, j = slots // self.entries_per_page, slots % self.entries_per_page
+        base = page * self.page_elems
+        vals = (base + j * self.dim)[..., None] + jnp.arange(self.dim, dtype=jnp.int32)
+        scl = (base + self.entries_per_page * self.dim + j * 4)[..., None] + jnp.arange(4, dtype=jnp.int32)
+        return jnp.concatenate([vals, scl], axis=-1)
+
+    def pack(self, rows: jax.Array) -> jax.Array:
+        q, s = act_quant(rows, self.dim, "ue8m0", 1e-4)
+        return jnp.concatenate([_bytes(q), _bytes(s)], axis=-1)
+
+    def unpack(self, recs: jax.Array) -> jax.Array:
+        q = _from_bytes(recs[..., : self.dim], FP8).astype(jnp.float32)
+        s = _from_bytes(recs[..., self.dim:], jnp.float32)
+        return q * s
+
+
+@dataclass(frozen=True)
+class MlaRecord584:
+    """V4 ``fp8_ds_mla``: per entry 448 e4m3 NoPE + 64 bf16 rope (576 B), plus 7 UE8M0 exponent
+    bytes (e+127, one per 64 NoPE dims) and a zero pad byte; page = [bs x 576 B][bs x 8 B].
+
+    NoPE values are rounded to bf16 before amax (vLLM); floor 1e-4; RoPE dims stay bf16.
+    """
+
+    entries_per_page: int
+    nope_dim: int = 448
+    rope_dim: int = 64
+    block: int = 64
+    dtype: jnp.dtype = jnp.uint8
+
+    @property
+    def data_bytes(self) -> int:
+        return self.nope_dim + 2 * self.rope_dim
+
+    @property
+    def n_scales(self) -> int:
+        return self.nope_dim // self.block
+
+    @property
+    def scale_bytes(self) -> int:
+        return self.n_scales + 1
+
+    @property
+    def page_elems(self) -> int:
+        return self.entries_per_page * (self.data_bytes + self.scale_bytes)
+
+    def offsets(self, slots: jax.Array) -> jax.Array:
+        page, j = slots // self.entries_per_page, slots % self.entries_per_page
+        base = page * self.page_elems
+        data = (base + j * self.data_bytes)[..., None] + jnp.arange(self.data_bytes, dtype=jnp.int32)
+        scl = (base + self.entries_per_page * self.data_bytes + j * self.scale_bytes)[..., None] + jnp.arange(
+            self.scale_bytes, dtype=jnp.int32)
+        return jnp.concatenate([data, scl], axis=-1)
+
+    def pack(self, rows: jax.Array) -> jax.Array:
+        nope = rows[..., : self.nope_dim].astype(jnp.bfloat16).astype(jnp.float32)
+        pe = rows[..., self.nope_dim:]
+        nb = nope.reshape(nope.shape[:-1] + (self.n_scales, self.block))
+        s = block_scale(jnp.max(jnp.abs(nb), axis=-1), "ue8m0", 1e-4)
+        q = quantize_e4m3(nb / s[..., None]).reshape(nope.shape)
+        _, e = jnp.frexp(s)  # s = 0.5 * 2^e exactly -> exponent e-1
+        ebytes = (e - 1 + 127).astype(jnp.uint8)
+        pad = jnp.zeros(ebytes.shape[:-1] + (1,), jnp.uint8)
+        return jnp.concatenate([_bytes(q), _bytes(pe.astype(jnp.bfloat16)), ebytes, pad], axis=-1)
+
+    def unpack(self, recs: jax.Array) -> jax.Array:
+        q = _from_bytes(recs[..., : self.nope_dim], FP8).astype(jnp.float32)
+        pe = _from_bytes(recs[..., self.nope_dim: self.data_bytes], jnp.bfloat16).astype(jnp.float32)
+        e = recs[..., self.data_bytes: self.data_bytes + self.n_scales].astype(jnp.int32) - 127
+        s = jnp.ldexp(jnp.ones(e.shape, jnp.float32), e)
+        nope = (q.reshape(q.shape[:-1] + (self.n_scales, self.block)) * s[..., None]).reshape(q.shape)
+        return jnp.concatenate([nope, pe], axis=-1)

@@ -1,0 +1,229 @@
+"""DeepSeek-V3.2 attention: MLA + lightning indexer + top-k sparse attention, over paged caches.
+
+Stages (the boundary runner in jds/runner.py cuts between them):
+  project_in   x -> raw q latent, raw kv (latent + rope key), raw indexer key, indexer head weights
+  prepare      norms, RoPE, W_UK absorption, indexer q prep, and the MLA/indexer cache inserts
+  select       indexer logits over each token's keys 0..p + top-k          (eager in vLLM)
+  attend       sparse MQA over the selected cache rows, then W_UV           (eager in vLLM)
+  project_out  wo
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jds.batch import PagedBatch, validate_batch
+from jds.config import Numerics, RopeConfig, V32Config
+from jds.nn import Linear, LayerNorm, RMSNorm, jdtype
+from jds.ops.indexer import index_scores, prepare_indexer_k, prepare_indexer_q, topk_visible
+from jds.ops.paging import RecordFormat, empty_cache, gather_request_rows, global_slots, read_records, write_records
+from jds.ops.records import FloatRows, IndexerRecord132, MlaRecord656
+from jds.ops.rope import rope_cos_sin, rope_inv_freqs, rope_part
+from jds.ops.sparse_mqa import sparse_mqa
+
+AttnForm = Literal["absorbed", "mha"]
+Implementation = Literal["xla", "pallas"]
+
+
+@functools.lru_cache(maxsize=None)
+def _inv_freqs(rope: RopeConfig, dim: int) -> np.ndarray:
+    return rope_inv_freqs(rope, dim)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class V32Cache:
+    kv: jax.Array  # MLA latent + rope key, one record per token
+    index_k: jax.Array  # indexer keys, one record per token
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class V32Inputs:
+    """Outputs of the input projections (always inside the captured region)."""
+
+    q_lat: jax.Array  # [T, q_lora] before q_norm
+    kv: jax.Array  # [T, kv_lora + rope] before kv_norm / RoPE
+    index_k: jax.Array  # [T, Di] before LayerNorm / RoPE
+    index_w: jax.Array  # [T, Hi] float32 head weights
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class V32Query:
+    """Query-side producer outputs handed to the consumers."""
+
+    q: jax.Array  # absorbed [T, H, kv_lora + rope] or MHA [T, H, nope + rope]
+    index_q: jax.Array  # [T, Hi, Di] float32 (FP8-dequantised when indexer_fp8)
+    index_w: jax.Array  # [T, Hi] float32, constant scales folded in
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class AttentionResult:
+    y: jax.Array  # [T, hidden]
+    cache: V32Cache
+    topk: jax.Array  # [T, index_topk] request-local key positions, -1 padded
+
+
+class V32Indexer(nnx.Module):
+    def __init__(self, cfg: V32Config, numerics: Numerics, rngs: nnx.Rngs):
+        dt, fp8 = jdtype(numerics.dtype), numerics.fp8_linear
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, dtype=dt, fp8=fp8, rngs=rngs)
+        self.wk = Linear(cfg.hidden_size, cfg.index_head_dim, dtype=dt, fp8=fp8, rngs=rngs)
+        self.k_norm = LayerNorm(cfg.index_head_dim, eps=cfg.rms_norm_eps, rngs=rngs)
+        self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, dtype=jnp.float32, fp8=False, rngs=rngs)
+
+
+class V32Attention(nnx.Module):
+    def __init__(self, cfg: V32Config, numerics: Numerics, *, rngs: nnx.Rngs, form: AttnForm = "absorbed",
+                 implementation: Implementation = "xla"):
+        if form not in ("absorbed", "mha"):
+            raise ValueError(f"form must be 'absorbed' or 'mha', got {form!r}")
+        if implementation not in ("xla", "pallas"):
+            raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}")
+        self.cfg, self.numerics, self.form, self.implementation = cfg, numerics, form, implementation
+        dt, fp8 = jdtype(numerics.dtype), numerics.fp8_linear
+        self.dtype = dt
+        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype=dt, fp8=fp8, rngs=rngs)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, eps=cfg.rms_norm_eps, rngs=rngs)
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.n_heads * cfg.qk_head_dim, dtype=dt, fp8=fp8, rngs=rngs)
+        self.wkv_a = Linear(cfg.hidden_size, cfg.kv_record_dim, dtype=dt, fp8=fp8, rngs=rngs)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, eps=cfg.rms_norm_eps, rngs=rngs)
+        self.wkv_b = Linear(cfg.kv_lora_rank, cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype=dt,
+                            fp8=fp8, rngs=rngs)
+        self.wo = Linear(cfg.n_heads * cfg.v_head_dim, cfg.hidden_size, dtype=dt, fp8=fp8, rngs=rngs)
+        self.indexer = V32Indexer(cfg, numerics, rngs)
+
+    # ----- cache formats -------------------------------------------------------------------------
+    @property
+    def kv_format(self) -> RecordFormat:
+        n = self.numerics
+        if n.kv_cache_dtype == "fp8":
+            return MlaRecord656(self.cfg.block_size, n.latent_scale_fmt, self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim)
+        return FloatRows(self.cfg.kv_record_dim, self.cfg.block_size, jdtype(n.kv_cache_dtype))
+
+    @property
+    def index_format(self) -> RecordFormat:
+        if self.numerics.indexer_fp8:
+            return IndexerRecord132(self.cfg.block_size, self.cfg.index_head_dim)
+        return FloatRows(self.cfg.index_head_dim, self.cfg.block_size, self.dtype)
+
+    def init_cache(self, num_blocks: int) -> V32Cache:
+        return V32Cache(kv=empty_cache(self.kv_format, num_blocks), index_k=empty_cache(self.index_format, num_blocks))
+
+    # ----- forward ----------------------------------------------------------------------------------
+    def __call__(self, x: jax.Array, batch: PagedBatch, cache: V32Cache) -> AttentionResult:
+        self.check_inputs(x, batch, cache)
+        inp = self.project_in(x)
+        query, cache = self.prepare(inp, batch, cache)
+        topk = self.select(query, batch, cache)
+        o = self.attend(query, topk, batch, cache)
+        return AttentionResult(y=self.project_out(o), cache=cache, topk=topk)
+
+    def project_in(self, x: jax.Array) -> V32Inputs:
+        x = x.astype(self.dtype)
+        return V32Inputs(q_lat=self.wq_a(x), kv=self.wkv_a(x), index_k=self.indexer.wk(x),
+                         index_w=self.indexer.weights_proj(x.astype(jnp.float32), jnp.float32))
+
+    def prepare(self, inp: V32Inputs, batch: PagedBatch, cache: V32Cache) -> tuple[V32Query, V32Cache]:
+        cfg, dt = self.cfg, self.dtype
+        cos, sin = rope_cos_sin(_inv_freqs(cfg.rope, cfg.qk_rope_head_dim), batch.positions)
+        # MLA query
+        q_c = self.q_norm(inp.q_lat, dt)
+        q = self.wq_b(q_c).reshape(-1, cfg.n_heads, cfg.qk_head_dim)
+        q = rope_part(q, cos, sin, rope_dim=cfg.qk_rope_head_dim, first=False, interleaved=True)
+        q = self._absorb_uk(q) if self.form == "absorbed" else q
+        # MLA key: normalised latent + roped shared key, inserted before attention reads it
+        c = self.kv_norm(inp.kv[:, : cfg.kv_lora_rank], dt)
+        k_pe = rope_part(inp.kv[:, cfg.kv_lora_rank:], cos, sin, rope_dim=cfg.qk_rope_head_dim, first=False,
+                         interleaved=True)
+        kv_cache = write_records(cache.kv, self.kv_format, batch.slot_mapping, jnp.concatenate([c, k_pe], -1))
+        # indexer key and query (RoPE on the first rope dims; NeoX unless GLM-style interleave)
+        ilv = cfg.indexer_rope_interleave
+        ki = self.indexer.k_norm(inp.index_k, dt)
+        ki = rope_part(ki, cos, sin, rope_dim=cfg.qk_rope_head_dim, first=True, interleaved=ilv)
+        ki = prepare_indexer_k(ki, hadamard=self.numerics.indexer_hadamard, dtype=dt)
+        index_cache = write_records(cache.index_k, self.index_format, batch.slot_mapping, ki)
+        qi = self.indexer.wq_b(q_c).reshape(-1, cfg.index_n_heads, cfg.index_head_dim)
+        qi = rope_part(qi, cos, sin, rope_dim=cfg.qk_rope_head_dim, first=True, interleaved=ilv)
+        qi, wi = prepare_indexer_q(qi, inp.index_w, head_dim=cfg.index_head_dim, n_heads=cfg.index_n_heads,
+                                   fp8=self.numerics.indexer_fp8, hadamard=self.numerics.indexer_hadamard, dtype=dt)
+        return V32Query(q=q, index_q=qi, index_w=wi), V32Cache(kv=kv_cache, index_k=index_cache)
+
+    def select(self, query: V32Query, batch: PagedBatch, cache: V32Cache) -> jax.Array:
+        """Top-k request-local key positions among 0..p for every token."""
+        max_keys = batch.block_tables.shape[1] * self.cfg.block_size
+        keys = gather_request_rows(cache.index_k, self.index_format, batch.block_tables, max_keys)
+        scores = index_scores(query.index_q, query.index_w, keys[batch.req_idx])
+        return topk_visible(scores, batch.positions + 1, self.cfg.index_topk)
+
+    def attend(self, query: V32Query, topk: jax.Array, batch: PagedBatch, cache: V32Cache) -> jax.Array:
+        """Sparse attention over the selected keys; returns [T, H * v_head_dim] in the activation dtype."""
+        cfg = self.cfg
+        slots = global_slots(batch.block_tables, batch.req_idx, topk, cfg.block_size)
+        rows = read_records(cache.kv, self.kv_format, slots)  # [T, K, kv_lora + rope] float32
+        valid = topk >= 0
+        if self.form == "absorbed":
+            o_lat = sparse_mqa(query.q, rows, valid, scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank)
+            o = self._apply_uv(o_lat.astype(self.dtype))
+        else:
+            o = self._mha(query.q, rows, valid)
+        return o.reshape(o.shape[0], -1).astype(self.dtype)
+
+    def project_out(self, o: jax.Array) -> jax.Array:
+        return self.wo(o)
+
+    # ----- helpers ----------------------------------------------------------------------------------
+    def _wkv_b_heads(self) -> tuple[jax.Array, jax.Array]:
+        cfg = self.cfg
+        w = self.wkv_b.dense_weight().reshape(cfg.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim:]
+
+    def _absorb_uk(self, q: jax.Array) -> jax.Array:
+        """[q_nope W_UK ; q_pe]: the query in latent space (576-d)."""
+        w_uk, _ = self._wkv_b_heads()
+        nope = self.cfg.qk_nope_head_dim
+        q_lat = jnp.einsum("thd,hdc->thc", q[..., :nope].astype(jnp.float32), w_uk,
+                           precision=jax.lax.Precision.HIGHEST)
+        return jnp.concatenate([q_lat.astype(self.dtype), q[..., nope:]], axis=-1)
+
+    def _apply_uv(self, o_lat: jax.Array) -> jax.Array:
+        _, w_uv = self._wkv_b_heads()
+        return jnp.einsum("thc,hdc->thd", o_lat.astype(jnp.float32), w_uv,
+                          precision=jax.lax.Precision.HIGHEST).astype(self.dtype)
+
+    def _mha(self, q: jax.Array, rows: jax.Array, valid: jax.Array) -> jax.Array:
+        """Prefill form: up-project every candidate latent with wkv_b (the fp8 GEMM re-quantises it)."""
+        cfg = self.cfg
+        c = rows[..., : cfg.kv_lora_rank].astype(self.dtype)
+        k_pe = rows[..., cfg.kv_lora_rank:]
+        kvb = self.wkv_b(c).reshape(c.shape[:2] + (cfg.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim))
+        k_nope, v = kvb[..., : cfg.qk_nope_head_dim], kvb[..., cfg.qk_nope_head_dim:]
+        hp = jax.lax.Precision.HIGHEST
+        nope = cfg.qk_nope_head_dim
+        s = (jnp.einsum("thd,tkhd->thk", q[..., :nope].astype(jnp.float32), k_nope.astype(jnp.float32), precision=hp)
+             + jnp.einsum("thr,tkr->thk", q[..., nope:].astype(jnp.float32), k_pe, precision=hp)) * cfg.softmax_scale
+        s = jnp.where(valid[:, None, :], s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1)
+        p = jnp.where(valid.any(-1)[:, None, None], p, 0.0)
+        return jnp.einsum("thk,tkhd->thd", p, v.astype(jnp.float32), precision=hp)
+
+    def check_inputs(self, x: jax.Array, batch: PagedBatch, cache: V32Cache) -> None:
+        """Eager validation (skipped under jit, where values are abstract): see validate_batch."""
+        if isinstance(x, jax.core.Tracer) or isinstance(batch.positions, jax.core.Tracer):
+            return
+        if x.ndim != 2 or x.shape[1] != self.cfg.hidden_size:
+            raise ValueError(f"x must be [T, hidden_size={self.cfg.hidden_size}], got shape {x.shape}")
+        nb = cache.kv.shape[0]
+        if cache.kv.shape != (nb, self.kv_format.page_elems) or cache.index_k.shape != (nb, self.index_format.page_elems):
+            raise ValueError(f"cache shapes {cache.kv.shape}/{cache.index_k.shape} do not match this layer's formats")
+        validate_batch(batch, num_blocks=nb, block_size=self.cfg.block_size, max_seq_len=self.cfg.max_seq_len,
+                       num_tokens=x.shape[0])
