@@ -7,7 +7,7 @@ exchange weights without transposes. Exported names follow docs/DESIGN.md: a Lin
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jds.ops.norms import layer_norm, rms_norm
-from jds.ops.quant import fp8_linear, quantize_weight_blocks
+from jds.ops.quant import act_quant, dequant, fp8_linear, quantize_weight_blocks
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -55,12 +55,61 @@ class Linear(nnx.Module):
             return fp8_linear(x, self.weight[...], self.scale[...], out_dtype)
         return matmul(x.astype(self.dtype), self.weight[...], out_dtype)
 
+    def grouped(self, x: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
+        """Block-diagonal use of the weight: x [..., G, in] with W viewed as [G, out/G, in].
+
+        y[..., g, :] = W_g x[..., g, :], one batched einsum (V4's grouped ``wo_a``). With ``fp8`` the input
+        is re-quantised per 128 along ``in`` exactly as ``__call__`` would quantise each group's slice.
+        """
+        out_dtype = out_dtype or self.dtype
+        g = x.shape[-2]
+        if self.fp8:
+            xq, sx = act_quant(x, 128, "ue8m0")
+            xd, w, prec = dequant(xq, sx, 128), self.dense_weight(), HIGHEST
+        else:
+            xd, w = x.astype(self.dtype), self.weight[...]
+            prec = HIGHEST if xd.dtype == jnp.float32 else None
+        w = w.reshape(g, w.shape[0] // g, w.shape[1]).astype(xd.dtype)
+        y = jnp.einsum("...gi,goi->...go", xd, w, precision=prec, preferred_element_type=jnp.float32)
+        return y.astype(out_dtype)
+
     def dense_weight(self) -> jax.Array:
         """The weight as float32 [out, in] (dequantised if fp8), e.g. for MLA absorption."""
         if self.fp8:
             from jds.ops.quant import dequant_weight_blocks
             return dequant_weight_blocks(self.weight[...], self.scale[...])
         return self.weight[...].astype(jnp.float32)
+
+
+class FusedLinear(Linear):
+    """Several checkpoint linears that share one input, stored row-concatenated and run as one GEMM.
+
+    ``parts`` = ((name, out_features), ...) in row order. export_weights/load_weights never see the fused
+    module's own name: each part is exported/loaded under ``name`` (and ``name.scale``) as a sibling of
+    this module, so checkpoints keep their separate tensors while the step does a single matmul.
+    With ``fp8`` every part but the last must span whole 128-row scale blocks.
+    """
+
+    def __init__(self, in_features: int, parts: Sequence[tuple[str, int]], *, dtype: jnp.dtype, fp8: bool,
+                 rngs: nnx.Rngs):
+        parts = tuple((str(n), int(o)) for n, o in parts)
+        if fp8 and any(o % 128 for _, o in parts[:-1]):
+            raise ValueError(f"FusedLinear parts {parts}: with fp8 weights every part but the last needs a "
+                             "multiple of 128 rows (one scale block must not straddle two parts)")
+        super().__init__(in_features, sum(o for _, o in parts), dtype=dtype, fp8=fp8, rngs=rngs)
+        self.parts = parts
+
+    def row_ranges(self, scale: bool = False) -> list[tuple[str, int, int]]:
+        """(name, first row, end row) of each part in the weight (or, with ``scale``, in the scale grid)."""
+        out, r = [], 0
+        for n, o in self.parts:
+            out.append((n, r, r + o) if not scale else (n, r // 128, -(-(r + o) // 128)))
+            r += o
+        return out
+
+    def split(self, y: jax.Array) -> tuple[jax.Array, ...]:
+        """Cut a fused output [..., sum(out)] into the parts' outputs."""
+        return tuple(y[..., a:b] for _, a, b in self.row_ranges())
 
 
 class RMSNorm(nnx.Module):
@@ -87,24 +136,34 @@ class LayerNorm(nnx.Module):
         return layer_norm(x, self.weight[...], self.bias[...], self.eps, out_dtype)
 
 
-def _param_paths(module: nnx.Module) -> dict[str, tuple[Any, str]]:
-    """Exported name -> (owning module, attribute)."""
-    out: dict[str, tuple[Any, str]] = {}
+def _param_paths(module: nnx.Module) -> dict[str, tuple[Any, str, tuple[int, int] | None]]:
+    """Exported name -> (owning module, attribute, row range of the parameter or None for all of it)."""
+    out: dict[str, tuple[Any, str, tuple[int, int] | None]] = {}
     for path, node in nnx.iter_graph(module):
         if isinstance(node, nnx.Param) and path:
             owner = module
             for p in path[:-1]:
                 owner = owner[p] if isinstance(p, int) else getattr(owner, p)
             names = [str(p) for p in path]
+            if isinstance(owner, FusedLinear):
+                attr = str(path[-1])
+                for n, a, b in owner.row_ranges(scale=attr == "scale"):
+                    leaf = [n] if attr == "weight" else [n, attr]
+                    out[".".join(names[:-2] + leaf)] = (owner, attr, (a, b))
+                continue
             if getattr(owner, "_flat_export", False) and names[-1] == "weight":
                 names = names[:-1]
-            out[".".join(names)] = (owner, str(path[-1]))
+            out[".".join(names)] = (owner, str(path[-1]), None)
     return out
 
 
 def export_weights(module: nnx.Module) -> dict[str, np.ndarray]:
     """All parameters as numpy arrays under their DESIGN.md names."""
-    return {k: np.asarray(getattr(o, a).get_value()) for k, (o, a) in _param_paths(module).items()}
+    out = {}
+    for k, (o, a, rows) in _param_paths(module).items():
+        v = np.asarray(getattr(o, a).get_value())
+        out[k] = v if rows is None else v[rows[0]:rows[1]]
+    return out
 
 
 def load_weights(module: nnx.Module, weights: dict[str, Any], *, strict: bool = True) -> None:
@@ -118,12 +177,13 @@ def load_weights(module: nnx.Module, weights: dict[str, Any], *, strict: bool = 
     for k, v in weights.items():
         if k not in paths:
             continue
-        owner, attr = paths[k]
+        owner, attr, rows = paths[k]
         var = getattr(owner, attr)
-        cur = var.get_value()
+        full = var.get_value()
+        cur = full if rows is None else full[rows[0]:rows[1]]
         arr = jnp.asarray(v)
         if arr.shape != cur.shape:
             raise ValueError(f"weights[{k!r}] has shape {arr.shape}, expected {cur.shape}")
         if arr.dtype != cur.dtype:
             raise ValueError(f"weights[{k!r}] has dtype {arr.dtype}, expected {cur.dtype}")
-        var.set_value(arr)
+        var.set_value(arr if rows is None else full.at[rows[0]:rows[1]].set(arr))

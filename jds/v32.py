@@ -10,31 +10,25 @@ Stages (the boundary runner in jds/runner.py cuts between them):
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jds.batch import PagedBatch, validate_batch
-from jds.config import Numerics, RopeConfig, V32Config
+from jds.config import Numerics, V32Config
 from jds.nn import Linear, LayerNorm, RMSNorm, jdtype
 from jds.ops.indexer import index_scores, prepare_indexer_k, prepare_indexer_q, topk_visible
 from jds.ops.paging import RecordFormat, empty_cache, gather_request_rows, global_slots, read_records, write_records
 from jds.ops.records import FloatRows, IndexerRecord132, MlaRecord656
-from jds.ops.rope import rope_cos_sin, rope_inv_freqs, rope_part
+from jds.ops.rope import cached_inv_freqs as _inv_freqs
+from jds.ops.rope import rope_cos_sin, rope_part
 from jds.ops.sparse_mqa import sparse_mqa
 
 AttnForm = Literal["absorbed", "mha"]
 Implementation = Literal["xla", "pallas"]
-
-
-@functools.lru_cache(maxsize=None)
-def _inv_freqs(rope: RopeConfig, dim: int) -> np.ndarray:
-    return rope_inv_freqs(rope, dim)
 
 
 @jax.tree_util.register_dataclass
@@ -68,9 +62,11 @@ class V32Query:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class AttentionResult:
+    """What one attention layer returns; shared by V3.2 (cache: V32Cache) and V4 (cache: V4Cache)."""
+
     y: jax.Array  # [T, hidden]
-    cache: V32Cache
-    topk: jax.Array  # [T, index_topk] request-local key positions, -1 padded
+    cache: Any  # the layer's updated cache pytree
+    topk: jax.Array  # [T, k] request-local key/entry indices, -1 padded ([T, 0] for layers without an indexer)
 
 
 class V32Indexer(nnx.Module):

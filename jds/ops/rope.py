@@ -6,6 +6,7 @@ Angles are fp32(p) * f_i in float32 as in DeepSeek's reference (precompute_freqs
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -31,6 +32,14 @@ def rope_inv_freqs(cfg: RopeConfig, dim: int) -> np.ndarray:
     ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
     smooth = (1 - ramp).astype(np.float32)
     return (f / np.float32(cfg.factor) * (1 - smooth) + f * smooth).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def cached_inv_freqs(cfg: RopeConfig, dim: int) -> np.ndarray:
+    """rope_inv_freqs memoised per (config, dim): layers build their tables once, at trace time."""
+    f = rope_inv_freqs(cfg, dim)
+    f.flags.writeable = False
+    return f
 
 
 def rope_cos_sin(inv_freqs: jax.Array | np.ndarray, positions: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -389,6 +389,7 @@ class TorchV4Attention:
         self.dtype = _torch_dtype(numerics.dtype)
         self.scale = cfg.softmax_scale
         self.eps = cfg.rms_norm_eps
+        self.query_chunk = 256  # queries per attention/indexer pass (memory bound only; results identical)
         hd = cfg.head_dim
 
         lin = lambda n: _Linear(n, weights, numerics, self.dtype)  # noqa: E731
@@ -507,6 +508,36 @@ class TorchV4Attention:
         safe = torch.where(denom > 0, denom, torch.ones_like(denom))
         return torch.where((denom > 0)[..., None], o / safe[..., None], torch.zeros_like(o))
 
+    def _attend(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, pos: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Attention of the queries at consecutive positions ``pos`` over window + compressed candidates.
+
+        Keys: window positions [k0, end) then compressed entries [0, end // ratio) (all already written).
+        Returns o [B, s, H, D] fp32 (not rounded) and, for C4, index scores and top-k.
+        """
+        cfg = self.cfg
+        bsz, seqlen = q.shape[:2]
+        end = int(pos[-1]) + 1
+        k0 = max(0, int(pos[0]) - cfg.window_size + 1)
+        kpos = torch.arange(k0, end)
+        win_mask = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - cfg.window_size)
+        keys = self.kv_window[:bsz, k0:end]
+        mask = win_mask[None].expand(bsz, -1, -1)
+        scores = topk = None
+        if self.ratio:
+            n_ent = end // self.ratio
+            if self.ratio == 4:
+                scores, topk = self._indexer(x, qr, pos, end)
+                sel = torch.zeros(bsz, seqlen, n_ent + 1, dtype=torch.bool)
+                sel.scatter_(2, torch.where(topk >= 0, topk, n_ent), True)  # -1 -> dummy column
+                cmask = sel[..., :n_ent]
+            else:
+                ent = torch.arange(n_ent)
+                cmask = (ent[None, :] < ((pos + 1) // self.ratio)[:, None])[None].expand(bsz, -1, -1)
+            keys = torch.cat([keys, self.kv_compressed[:bsz, :n_ent]], dim=1)
+            mask = torch.cat([mask, cmask], dim=2)
+        return self._sink_attention(q, keys, mask, self.attn_sink, self.scale), scores, topk
+
     # ---------------------------------------------------------------- forward
     @torch.no_grad()
     def forward(self, x: torch.Tensor, start_pos: int, return_debug: bool = False) -> dict[str, torch.Tensor]:
@@ -524,6 +555,7 @@ class TorchV4Attention:
                              f"(max_batch={self.max_batch}, max_seq_len={self.max_seq_len})")
         h, hd = cfg.n_heads, cfg.head_dim
         pos = torch.arange(start_pos, end)
+        x = x if isinstance(x, torch.Tensor) else _to_f32_tensor(x)
         x = _round(x.detach().to("cpu", _F32), self.dtype)
 
         # projections and norms (3.1)
@@ -545,28 +577,21 @@ class TorchV4Attention:
                 self.indexer_compressor.project(x, start_pos)
             self._emit_blocks(bsz, start_pos, end)
 
-        # candidate set (3.6): window keys [k0, end) then compressed entries [0, n_ent)
-        k0 = max(0, start_pos - cfg.window_size + 1)
-        kpos = torch.arange(k0, end)
-        win_mask = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - cfg.window_size)
-        win_mask = win_mask[None].expand(bsz, -1, -1)
-        keys = self.kv_window[:bsz, k0:end]
-        mask = win_mask
-        if self.ratio:
-            n_ent = end // self.ratio
-            ent = torch.arange(n_ent)
-            if self.ratio == 4:
-                scores, topk = self._indexer(x, qr, pos, end)
-                result["topk"], result["index_scores"] = topk, scores
-                sel = torch.zeros(bsz, seqlen, n_ent + 1, dtype=torch.bool)
-                sel.scatter_(2, torch.where(topk >= 0, topk, n_ent), True)  # -1 -> dummy column
-                cmask = sel[..., :n_ent]
-            else:
-                cmask = (ent[None, :] < ((pos + 1) // self.ratio)[:, None])[None].expand(bsz, -1, -1)
-            keys = torch.cat([keys, self.kv_compressed[:bsz, :n_ent]], dim=1)
-            mask = torch.cat([mask, cmask], dim=2)
-
-        o = self._sink_attention(q, keys, mask, self.attn_sink, self.scale)
+        # candidate set (3.6) and attention, in query chunks (rows are independent; bounds memory)
+        o_parts: list[torch.Tensor] = []
+        sc_parts: list[torch.Tensor] = []
+        tk_parts: list[torch.Tensor] = []
+        for s0 in range(0, seqlen, self.query_chunk):
+            s1 = min(seqlen, s0 + self.query_chunk)
+            o_c, sc_c, tk_c = self._attend(x[:, s0:s1], qr[:, s0:s1], q[:, s0:s1], pos[s0:s1])
+            o_parts.append(o_c)
+            if sc_c is not None:
+                sc_parts.append(sc_c)
+                tk_parts.append(tk_c)
+        o = torch.cat(o_parts, dim=1)
+        if sc_parts:
+            result["topk"] = torch.cat(tk_parts, dim=1)
+            result["index_scores"] = torch.cat(sc_parts, dim=1)
         o = _round(o, self.dtype)
         if return_debug:
             result["q"], result["o"] = q, o

@@ -1,0 +1,203 @@
+"""The decoder the server runs: embedding -> L x [RMSNorm -> attention -> RMSNorm -> FFN] -> RMSNorm -> head.
+
+Attention is V3.2 (every layer alike) or V4 (per-layer window-only / C4 / C128 from compress_ratios).
+The FFN is a SwiGLU MLP or a DeepSeek-style MoE (sigmoid-scored routed top-k experts + a shared expert)
+so step times carry the real structure. Weights are random from a seed unless loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jds.batch import PagedBatch
+from jds.config import Numerics, V32Config, V4Config, _require
+from jds.nn import Linear, RMSNorm, jdtype
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: Literal["v32", "v4"]
+    attn: V32Config | V4Config
+    n_layers: int
+    vocab_size: int = 512
+    intermediate_size: int = 512
+    n_routed_experts: int = 0  # 0 = dense SwiGLU MLP
+    n_shared_experts: int = 1
+    moe_topk: int = 2
+    moe_intermediate_size: int = 256
+    numerics: Numerics = field(default_factory=Numerics.bf16)
+    bos_token_id: int = 256
+    eos_token_id: int = 257
+
+    def __post_init__(self) -> None:
+        _require(self.arch in ("v32", "v4"), "arch", f"must be 'v32' or 'v4', got {self.arch!r}")
+        want = V32Config if self.arch == "v32" else V4Config
+        _require(isinstance(self.attn, want), "attn", f"must be a {want.__name__} for arch {self.arch!r}")
+        _require(self.n_layers > 0, "n_layers", "must be > 0")
+        if self.arch == "v4":
+            _require(self.n_layers <= len(self.attn.compress_ratios), "n_layers",
+                     f"exceeds len(compress_ratios)={len(self.attn.compress_ratios)}")
+        _require(self.vocab_size > max(self.bos_token_id, self.eos_token_id), "vocab_size",
+                 "must exceed the special token ids")
+        _require(self.intermediate_size > 0, "intermediate_size", "must be > 0")
+        if self.n_routed_experts:
+            _require(0 < self.moe_topk <= self.n_routed_experts, "moe_topk", "must be in [1, n_routed_experts]")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.attn.hidden_size
+
+    @property
+    def block_size(self) -> int:
+        return self.attn.block_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.attn.max_seq_len
+
+    def layer_kind(self, i: int) -> str:
+        """Layers of one kind share compiled executables."""
+        if self.arch == "v32":
+            return "mla"
+        return {0: "swa", 4: "c4"}.get(self.attn.compress_ratios[i], "c128")
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+    """Named model presets. ``*-tiny`` run on a CPU; ``*-bench`` have the real attention head dims."""
+    if name == "v32-tiny":
+        cfg = ModelConfig("v32", V32Config.tiny(), n_layers=2)
+    elif name == "v4-tiny":
+        cfg = ModelConfig("v4", V4Config.tiny(), n_layers=3)
+    elif name == "v32-bench":
+        # Real V3.2 attention at full hidden size; 8 layers; dense MLP with the MoE expert width.
+        cfg = ModelConfig("v32", dataclasses.replace(V32Config(), max_seq_len=16384), n_layers=8, vocab_size=32768,
+                          intermediate_size=2048)
+    elif name == "v4-bench":
+        cfg = ModelConfig("v4", dataclasses.replace(V4Config(), max_seq_len=65536), n_layers=8, vocab_size=32768,
+                          intermediate_size=2048)
+    else:
+        raise ValueError(f"unknown preset {name!r}; choose v32-tiny, v4-tiny, v32-bench, v4-bench")
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg
+
+
+class MLP(nnx.Module):
+    def __init__(self, hidden: int, inter: int, dtype: jnp.dtype, fp8: bool, rngs: nnx.Rngs):
+        self.w1 = Linear(hidden, inter, dtype=dtype, fp8=fp8, rngs=rngs)
+        self.w3 = Linear(hidden, inter, dtype=dtype, fp8=fp8, rngs=rngs)
+        self.w2 = Linear(inter, hidden, dtype=dtype, fp8=fp8, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.w2(jax.nn.silu(self.w1(x).astype(jnp.float32)).astype(x.dtype) * self.w3(x))
+
+
+class MoE(nnx.Module):
+    """Routed experts (sigmoid scores, normalised top-k weights) + shared expert, via ragged_dot."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        h, e, f = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+        self.topk = cfg.moe_topk
+        self.gate = Linear(h, e, dtype=jnp.float32, fp8=False, rngs=rngs)
+        init = lambda shape, fan_in: nnx.Param(  # noqa: E731
+            (jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in ** -0.5).astype(dtype))
+        self.w1 = init((e, h, f), h)
+        self.w3 = init((e, h, f), h)
+        self.w2 = init((e, f, h), f)
+        self.shared = MLP(h, f * cfg.n_shared_experts, dtype, False, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        t = x.shape[0]
+        scores = jax.nn.sigmoid(self.gate(x.astype(jnp.float32), jnp.float32))
+        w, idx = jax.lax.top_k(scores, self.topk)
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+        flat = idx.reshape(-1)
+        order = jnp.argsort(flat)
+        xs = jnp.repeat(x, self.topk, axis=0)[order]
+        sizes = jnp.bincount(flat, length=self.w1.shape[0]).astype(jnp.int32)
+        g = jax.lax.ragged_dot(xs, self.w1[...], sizes, preferred_element_type=jnp.float32)
+        u = jax.lax.ragged_dot(xs, self.w3[...], sizes, preferred_element_type=jnp.float32)
+        a = (jax.nn.silu(g) * u).astype(x.dtype)
+        y = jax.lax.ragged_dot(a, self.w2[...], sizes, preferred_element_type=jnp.float32)
+        y = jnp.zeros_like(y).at[order].set(y).reshape(t, self.topk, -1)
+        routed = jnp.einsum("tk,tkh->th", w, y)
+        return (routed + self.shared(x).astype(jnp.float32)).astype(x.dtype)
+
+
+def make_attention(cfg: ModelConfig, layer_id: int, implementation: str, rngs: nnx.Rngs) -> nnx.Module:
+    if cfg.arch == "v32":
+        from jds.v32 import V32Attention
+        return V32Attention(cfg.attn, cfg.numerics, rngs=rngs, implementation=implementation)
+    from jds.v4 import V4Attention
+    return V4Attention(cfg.attn, cfg.numerics, layer_id, rngs=rngs, implementation=implementation)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, implementation: str, rngs: nnx.Rngs):
+        dt = jdtype(cfg.numerics.dtype)
+        eps = cfg.attn.rms_norm_eps
+        self.attn_norm = RMSNorm(cfg.hidden_size, eps=eps, rngs=rngs)
+        self.attn = make_attention(cfg, layer_id, implementation, rngs)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, eps=eps, rngs=rngs)
+        self.ffn = (MoE(cfg, dt, rngs) if cfg.n_routed_experts
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, dt, cfg.numerics.fp8_linear, rngs))
+
+    # The two halves the boundary runner places around the attention consumers.
+    def pre_attention(self, h: jax.Array) -> Any:
+        return self.attn.project_in(self.attn_norm(h))
+
+    def post_attention(self, h: jax.Array, o: jax.Array) -> jax.Array:
+        h = h + self.attn.project_out(o).astype(h.dtype)
+        return h + self.ffn(self.ffn_norm(h)).astype(h.dtype)
+
+    def __call__(self, h: jax.Array, batch: PagedBatch, cache: Any) -> tuple[jax.Array, Any]:
+        inp = self.pre_attention(h)
+        query, cache = self.attn.prepare(inp, batch, cache)
+        topk = self.attn.select(query, batch, cache)
+        o = self.attn.attend(query, topk, batch, cache)
+        return self.post_attention(h, o), cache
+
+
+class Head(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt = jdtype(cfg.numerics.dtype)
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.attn.rms_norm_eps, rngs=rngs)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dt, fp8=False, rngs=rngs)
+
+    def __call__(self, h: jax.Array, logits_indices: jax.Array) -> jax.Array:
+        return self.lm_head(self.norm(h[logits_indices]), jnp.float32)
+
+
+class Embedding(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt = jdtype(cfg.numerics.dtype)
+        self.weight = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32).astype(dt))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return self.weight[...][tokens]
+
+
+class Decoder(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, seed: int = 0, implementation: str = "xla"):
+        rngs = nnx.Rngs(seed)
+        self.cfg = cfg
+        self.embed = Embedding(cfg, rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, i, implementation, rngs) for i in range(cfg.n_layers)])
+        self.head = Head(cfg, rngs)
+
+    def init_caches(self, num_blocks: int) -> list[Any]:
+        return [layer.attn.init_cache(num_blocks) for layer in self.layers]
+
+    def __call__(self, tokens: jax.Array, batch: PagedBatch, caches: list[Any],
+                 logits_indices: jax.Array) -> tuple[jax.Array, list[Any]]:
+        """The whole step (the ``fused`` executable): logits [S, vocab] float32 and the new caches."""
+        h = self.embed(tokens)
+        new_caches = []
+        for layer, cache in zip(self.layers, caches):
+            h, cache = layer(h, batch, cache)
+            new_caches.append(cache)
+        return self.head(h, logits_indices), new_caches

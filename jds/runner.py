@@ -1,0 +1,283 @@
+"""The step runner: one decoder step split at the execution boundary, in three modes.
+
+  wide    captured: embed / post-attention + FFN + norm + input projections;
+          eager per layer: prepare (wq_b, norms, RoPE, cache inserts, indexer prep, compressors) + select + attend
+  narrow  captured: everything above plus ``prepare``; eager per layer: select (indexer) + attend (MQA, W_UV)
+  fused   the whole step is one executable (static, bucketed shapes)
+
+Captured segments are jitted executables with XLA command buffers (CUDA graphs) on, one per
+(layer kind before, layer kind after) pair and token bucket, reused across layers. Eager regions are
+separate host dispatches compiled with command buffers *off* (direct launches, like PyTorch eager);
+their launch configuration — the number of key blocks they scan — is chosen on the host from this
+step's actual sequence lengths. narrow/wide issue L eager + L+1 captured dispatches; fused issues 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jds.batch import Chunk, PagedBatch, make_batch
+from jds.model import Decoder, ModelConfig, preset
+
+Mode = Literal["wide", "narrow", "fused"]
+MODES: tuple[str, ...] = ("wide", "narrow", "fused")
+
+
+def _buckets(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= factor
+    out.append(hi)
+    return tuple(sorted(set(out)))
+
+
+def _pick(buckets: tuple[int, ...], n: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclass
+class DispatchStats:
+    captured: int = 0
+    eager: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.captured + self.eager
+
+
+@dataclass
+class BoundaryRunner:
+    """Runs ``Decoder`` steps over paged caches in one boundary mode."""
+
+    model: Decoder
+    mode: Mode
+    num_blocks: int
+    max_num_seqs: int
+    max_num_tokens: int
+    max_model_len: int
+    token_buckets: tuple[int, ...] = ()
+    key_block_buckets: tuple[int, ...] = ()
+    last_dispatch: DispatchStats = field(default_factory=DispatchStats)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        cfg = self.model.cfg
+        if self.max_model_len > cfg.max_seq_len:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
+        self.block_size = cfg.block_size
+        self.max_blocks = -(-self.max_model_len // self.block_size)
+        self.token_buckets = self.token_buckets or _buckets(min(16, self.max_num_tokens), self.max_num_tokens)
+        self.key_block_buckets = self.key_block_buckets or _buckets(min(4, self.max_blocks), self.max_blocks)
+        self.caches = self.model.init_caches(self.num_blocks)
+        self._embed = nnx.split(self.model.embed)
+        self._layers = [nnx.split(layer) for layer in self.model.layers]
+        self._head = nnx.split(self.model.head)
+        self._kinds = [cfg.layer_kind(i) for i in range(cfg.n_layers)]
+        self._gd_of_kind = {k: self._layers[i][0] for i, k in reversed(list(enumerate(self._kinds)))}
+        self._on_gpu = jax.default_backend() == "gpu"
+        self._jits: dict[Any, Callable] = {}
+
+    # ----- executables ------------------------------------------------------------------------------
+    def _jit(self, key: Any, fn: Callable, *, eager: bool, donate: tuple[int, ...] = ()) -> Callable:
+        if key not in self._jits:
+            opts = {"xla_gpu_enable_command_buffer": ""} if (eager and self._on_gpu) else None
+            self._jits[key] = jax.jit(fn, donate_argnums=donate, compiler_options=opts)
+        return self._jits[key]
+
+    def _first(self, kind: str) -> Callable:
+        egd, lgd = self._embed[0], self._gd_of_kind[kind]
+        narrow = self.mode == "narrow"
+
+        def first(est, lst, tokens, batch, cache):
+            h = nnx.merge(egd, est)(tokens)
+            layer = nnx.merge(lgd, lst)
+            inp = layer.pre_attention(h)
+            if narrow:
+                query, cache = layer.attn.prepare(inp, batch, cache)
+                return h, query, cache
+            return h, inp, cache
+
+        return self._jit(("first", kind), first, eager=False, donate=(4,))
+
+    def _mid(self, prev: str, nxt: str) -> Callable:
+        pgd, ngd = self._gd_of_kind[prev], self._gd_of_kind[nxt]
+        narrow = self.mode == "narrow"
+
+        def mid(pst, nst, h, o, batch, cache):
+            h = nnx.merge(pgd, pst).post_attention(h, o)
+            layer = nnx.merge(ngd, nst)
+            inp = layer.pre_attention(h)
+            if narrow:
+                query, cache = layer.attn.prepare(inp, batch, cache)
+                return h, query, cache
+            return h, inp, cache
+
+        return self._jit(("mid", prev, nxt), mid, eager=False, donate=(5,))
+
+    def _last(self, kind: str) -> Callable:
+        pgd, hgd = self._gd_of_kind[kind], self._head[0]
+
+        def last(pst, hst, h, o, logits_indices):
+            h = nnx.merge(pgd, pst).post_attention(h, o)
+            return nnx.merge(hgd, hst)(h, logits_indices)
+
+        return self._jit(("last", kind), last, eager=False)
+
+    def _eager(self, kind: str) -> Callable:
+        gd = self._gd_of_kind[kind]
+        if self.mode == "narrow":
+            def consume(st, query, batch, cache):
+                attn = nnx.merge(gd, st).attn
+                topk = attn.select(query, batch, cache)
+                return attn.attend(query, topk, batch, cache), cache
+            return self._jit(("eager", kind), consume, eager=True)
+
+        def prepare_and_consume(st, inp, batch, cache):
+            attn = nnx.merge(gd, st).attn
+            query, cache = attn.prepare(inp, batch, cache)
+            topk = attn.select(query, batch, cache)
+            return attn.attend(query, topk, batch, cache), cache
+
+        return self._jit(("eager", kind), prepare_and_consume, eager=True, donate=(3,))
+
+    def _fused(self) -> Callable:
+        gd = nnx.graphdef(self.model)
+
+        def full(st, tokens, batch, caches, logits_indices):
+            return nnx.merge(gd, st)(tokens, batch, caches, logits_indices)
+
+        return self._jit(("fused",), full, eager=False, donate=(3,))
+
+    # ----- one step ---------------------------------------------------------------------------------
+    def prepare_inputs(self, token_ids: np.ndarray, chunks: list[Chunk], block_tables: np.ndarray
+                       ) -> tuple[jax.Array, PagedBatch, jax.Array, int]:
+        """Pad tokens to a bucket and rows to max_num_seqs; return (tokens, batch, logits_indices, key blocks)."""
+        t = int(sum(c.num_tokens for c in chunks))
+        if len(token_ids) != t:
+            raise ValueError(f"token_ids has {len(token_ids)} tokens but the chunks hold {t}")
+        if not chunks:
+            raise ValueError("chunks must not be empty")
+        if len(chunks) > self.max_num_seqs:
+            raise ValueError(f"{len(chunks)} request rows exceed max_num_seqs={self.max_num_seqs}")
+        bt = np.zeros((self.max_num_seqs, self.max_blocks), np.int32)
+        src = np.asarray(block_tables, np.int32)
+        if src.shape[1] > self.max_blocks:
+            raise ValueError(f"block_tables has {src.shape[1]} columns, more than max_blocks={self.max_blocks}")
+        bt[: src.shape[0], : src.shape[1]] = np.maximum(src, 0)
+        end = max(c.start + c.num_tokens for c in chunks)
+        if end > self.max_model_len:
+            raise ValueError(f"a chunk reaches position {end}, beyond max_model_len={self.max_model_len}")
+        tb = _pick(self.token_buckets, t)
+        batch = make_batch(chunks, bt, self.block_size, pad_to=tb)
+        if (np.asarray(batch.slot_mapping)[:t] >= self.num_blocks * self.block_size).any():
+            raise ValueError("block_tables references a page outside the pool")
+        tokens = np.zeros(tb, np.int32)
+        tokens[:t] = token_ids
+        ends = np.cumsum([c.num_tokens for c in chunks]) - 1
+        li = np.zeros(self.max_num_seqs, np.int32)
+        li[: len(chunks)] = ends
+        kb = _pick(self.key_block_buckets, -(-end // self.block_size))
+        return jnp.asarray(tokens), batch, jnp.asarray(li), kb
+
+    def execute(self, token_ids: np.ndarray, chunks: list[Chunk], block_tables: np.ndarray) -> np.ndarray:
+        """One step; float32 logits [len(chunks), vocab] of each chunk's last token."""
+        tokens, batch, li, kb = self.prepare_inputs(token_ids, chunks, block_tables)
+        logits = self.step(tokens, batch, li, kb)
+        return np.asarray(logits[: len(chunks)])
+
+    def step(self, tokens: jax.Array, batch: PagedBatch, logits_indices: jax.Array, key_blocks: int) -> jax.Array:
+        """Dispatch one step in this runner's mode; the caches advance in place of ``self.caches``."""
+        stats = DispatchStats()
+        small = PagedBatch(positions=batch.positions, req_idx=batch.req_idx, slot_mapping=batch.slot_mapping,
+                           block_tables=batch.block_tables[:, :key_blocks], seq_lens=batch.seq_lens,
+                           query_start_loc=batch.query_start_loc)
+        if self.mode == "fused":
+            state = nnx.state(self.model)
+            logits, self.caches = self._fused()(state, tokens, small, self.caches, logits_indices)
+            stats.captured += 1
+            self.last_dispatch = stats
+            return logits
+        kinds, layers = self._kinds, self._layers
+        h, x, self.caches[0] = self._first(kinds[0])(self._embed[1], layers[0][1], tokens, batch, self.caches[0])
+        stats.captured += 1
+        for i in range(len(layers)):
+            o, self.caches[i] = self._eager(kinds[i])(layers[i][1], x, small, self.caches[i])
+            stats.eager += 1
+            if i + 1 < len(layers):
+                h, x, self.caches[i + 1] = self._mid(kinds[i], kinds[i + 1])(
+                    layers[i][1], layers[i + 1][1], h, o, batch, self.caches[i + 1])
+            else:
+                logits = self._last(kinds[i])(layers[i][1], self._head[1], h, o, logits_indices)
+            stats.captured += 1
+        self.last_dispatch = stats
+        return logits
+
+    def warmup(self, progress: Callable[[str], None] | None = None) -> None:
+        """Compile every (token bucket x key-block bucket) executable with all-padding steps."""
+        combos = [(tb, kb) for tb in self.token_buckets for kb in self.key_block_buckets]
+        t0 = time.perf_counter()
+        for n, (tb, kb) in enumerate(combos, 1):
+            tokens = jnp.zeros(tb, jnp.int32)
+            bt = np.zeros((self.max_num_seqs, self.max_blocks), np.int32)
+            batch = make_batch([], bt, self.block_size, pad_to=tb)
+            li = jnp.zeros(self.max_num_seqs, jnp.int32)
+            jax.block_until_ready(self.step(tokens, batch, li, kb))
+            if progress:
+                progress(f"compiled bucket {n}/{len(combos)} (tokens={tb}, key_blocks={kb}) "
+                         f"[{time.perf_counter() - t0:.1f}s]")
+
+
+class ModelRunner(BoundaryRunner):
+    """The server-facing runner (see jds/engine): builds a Decoder from a preset/config/checkpoint."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.cfg.vocab_size
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.model.cfg.eos_token_id
+
+    @property
+    def bos_token_id(self) -> int:
+        return self.model.cfg.bos_token_id
+
+    @classmethod
+    def build(cls, *, preset: str = "v32-tiny", config_path: str | None = None, checkpoint: str | None = None,
+              mode: str = "narrow", implementation: str = "xla", num_blocks: int = 256, max_num_seqs: int = 16,
+              max_num_tokens: int = 256, max_model_len: int = 1024, seed: int = 0, moe: bool = False) -> "ModelRunner":
+        cfg = load_model_config(preset, config_path, moe=moe)
+        model = Decoder(cfg, seed=seed, implementation=implementation)
+        if checkpoint:
+            from jds.checkpoint import load_checkpoint
+            load_checkpoint(model, checkpoint)
+        return cls(model=model, mode=mode, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                   max_num_tokens=max_num_tokens, max_model_len=max_model_len)
+
+
+def load_model_config(name: str, config_path: str | None = None, *, moe: bool = False) -> ModelConfig:
+    """A preset, optionally with its attention config replaced from a HF config.json."""
+    import dataclasses
+
+    cfg = preset(name)
+    if config_path:
+        from jds.config import V32Config, V4Config
+        attn = (V32Config if cfg.arch == "v32" else V4Config).from_hf_config(config_path)
+        cfg = dataclasses.replace(cfg, attn=attn)
+    if moe:
+        cfg = dataclasses.replace(cfg, n_routed_experts=8, moe_topk=2, n_shared_experts=1)
+    return cfg
