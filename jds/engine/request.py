@@ -30,6 +30,7 @@ class Request:
     admit_seq: int = -1  # order of (re)admission to the running set; the largest is the newest
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    queue_time_reported: bool = False
     first_token_time: float | None = None
     last_token_time: float | None = None
 

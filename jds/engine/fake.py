@@ -1,0 +1,81 @@
+"""A deterministic stand-in for ``jds.runner.ModelRunner`` (no JAX): engine and server tests run fast.
+
+It keeps a real paged "KV cache" (the token id written at each slot) and computes each chunk's logits
+from the tokens it reads back through the block table, so a scheduler or block-manager bug that
+loses, overwrites or mis-addresses a page changes the output, as it would with the real model.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+
+from jds.batch import Chunk
+
+_MASK = (1 << 61) - 1
+
+
+class FakeRunner:
+    def __init__(self, *, block_size: int = 4, num_blocks: int = 64, vocab_size: int = 512,
+                 max_model_len: int = 256, max_num_tokens: int = 64, max_num_seqs: int = 8,
+                 eos_token_id: int = 257, step_delay: float = 0.0, eos_bias: float = 0.0) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_num_tokens = max_num_tokens
+        self.max_num_seqs = max_num_seqs
+        self.eos_token_id = eos_token_id
+        self.step_delay = step_delay
+        self.eos_bias = eos_bias
+        self.cache = np.full(num_blocks * block_size, -1, np.int64)
+        self.num_calls = 0
+
+    def warmup(self, progress: Callable[[str], None] | None = None) -> None:
+        if progress:
+            progress("fake runner: nothing to compile")
+
+    def _context_logits(self, ctx: np.ndarray) -> np.ndarray:
+        h = 1469598103934665603
+        for t in ctx.tolist():
+            h = (h * 1099511628211 + int(t) + 7) & _MASK
+        logits = np.random.default_rng(h).standard_normal(self.vocab_size).astype(np.float32) * 3.0
+        logits[self.eos_token_id] += self.eos_bias
+        return logits
+
+    def execute(self, token_ids: np.ndarray, chunks: list[Chunk], block_tables: np.ndarray) -> np.ndarray:
+        self.num_calls += 1
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        token_ids = np.asarray(token_ids)
+        bs = self.block_size
+        if token_ids.shape[0] != sum(c.num_tokens for c in chunks):
+            raise ValueError("token_ids length != sum of chunk lengths")
+        if token_ids.shape[0] > self.max_num_tokens or len(chunks) > self.max_num_seqs:
+            raise ValueError("step exceeds the compiled token / row budget")
+        if [c.req for c in chunks] != sorted({c.req for c in chunks}):
+            raise ValueError("chunks must be sorted by row, one per row")
+        out = np.zeros((len(chunks), self.vocab_size), np.float32)
+        off = 0
+        for i, c in enumerate(chunks):
+            end = c.start + c.num_tokens
+            if end > self.max_model_len:
+                raise ValueError("position beyond max_model_len")
+            pos = np.arange(end)
+            pages = block_tables[c.req, pos // bs]
+            if (pages < 0).any() or (pages >= self.num_blocks).any():
+                raise ValueError(f"row {c.req}: block table does not cover {end} tokens")
+            slots = pages * bs + pos % bs
+            self.cache[slots[c.start:]] = token_ids[off:off + c.num_tokens]
+            off += c.num_tokens
+            ctx = self.cache[slots]
+            if (ctx < 0).any():
+                raise ValueError(f"row {c.req}: reads a slot never written")
+            out[i] = self._context_logits(ctx)
+        return out
+
+    def reference_logits(self, tokens: list[int]) -> np.ndarray:
+        """The logits the fake produces after ``tokens`` when its cache is intact (for tests)."""
+        return self._context_logits(np.asarray(tokens))

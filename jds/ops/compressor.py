@@ -1,0 +1,106 @@
+"""DeepSeek-V4's KV compressor: gated per-channel softmax pooling of r-token blocks over a paged state cache.
+
+Shared by the main C4/C128 compressors (d = head_dim) and the C4 indexer's key compressor (d = 128, r = 4).
+
+Per token at position p the layer projects ``kv, z`` (fp32, c*d wide each; c = 2 iff r == 4) and this
+module stores the state row ``[kv | z + ape[p % r]]`` (fp32, 2*c*d) at the token's slot of a
+``FloatRows(2*c*d, block_size)`` cache, every token, through ``paging.write_records`` (slot -1 = padding
+writes nothing). A token with (p + 1) % r == 0 closes block b = p // r; its entry is, per channel j < d,
+
+    softmax over candidates s of score[s, j], weighted sum of kv[s, j]
+
+where the candidates are block b's r tokens (channels [d:2d] when overlapping, else [0:d]) and, at r = 4,
+block b-1's r tokens on channels [0:d] (score -inf when b = 0). All candidate states are read back from
+the cache through the block table, so earlier chunks/steps of a request (chunked prefill, decode) are
+seen exactly like tokens of the current step. The pooled vector is RMSNorm'ed (learned weight) and
+RoPE'd (interleaved, last ``rope_dim`` dims) at position b*r, and goes to compressed-cache slot
+``global_slots(block_tables, req, b, block_size // r)``; every other row of the output has slot -1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jds.ops.norms import rms_norm
+from jds.ops.paging import global_slots, read_records, write_records
+from jds.ops.records import FloatRows
+from jds.ops.rope import rope_cos_sin, rope_part
+
+
+def overlap_factor(ratio: int) -> int:
+    """c: 2 for the overlapping ratio-4 compressor, else 1."""
+    return 2 if ratio == 4 else 1
+
+
+def state_format(ratio: int, d: int, block_size: int) -> FloatRows:
+    """Per-token fp32 state rows [kv (c*d) | score + ape (c*d)], one row per token slot."""
+    return FloatRows(2 * overlap_factor(ratio) * d, block_size, jnp.float32)
+
+
+def max_closing(num_tokens: int, num_reqs: int, ratio: int) -> int:
+    """Static bound on the block-closing tokens of a step whose requests each contribute consecutive
+    positions: a run of n positions closes at most n // r + 1 blocks, and sum(n_i // r) <= T // r."""
+    return max(1, min(num_tokens, num_tokens // ratio + num_reqs))
+
+
+def state_rows(kv: jax.Array, score: jax.Array, ape: jax.Array, positions: jax.Array) -> jax.Array:
+    """[T, c*d] kv and gate projections + ape [r, c*d] -> fp32 state rows [T, 2*c*d]."""
+    r = ape.shape[0]
+    s = score.astype(jnp.float32) + ape.astype(jnp.float32)[positions % r]
+    return jnp.concatenate([kv.astype(jnp.float32), s], axis=-1)
+
+
+def closing_tokens(positions: jax.Array, slot_mapping: jax.Array, ratio: int, max_out: int) -> jax.Array:
+    """Indices (into the step's tokens) of the real tokens that close a block, -1 filled to ``max_out``."""
+    closes = ((positions + 1) % ratio == 0) & (slot_mapping >= 0)
+    (idx,) = jnp.nonzero(closes, size=max_out, fill_value=-1)
+    return idx.astype(jnp.int32)
+
+
+def pool_blocks(state_cache: jax.Array, block_tables: jax.Array, req: jax.Array, blocks: jax.Array, *,
+                ratio: int, d: int, block_size: int) -> jax.Array:
+    """Softmax-pool block ``blocks[n]`` of request row ``req[n]`` (block < 0: ignored row) -> [N, d] fp32."""
+    c = overlap_factor(ratio)
+    fmt = state_format(ratio, d, block_size)
+    j = jnp.arange(ratio, dtype=jnp.int32)
+
+    def gather(b: jax.Array) -> tuple[jax.Array, jax.Array]:
+        local = jnp.where((b >= 0)[:, None], b[:, None] * ratio + j, -1)  # [N, r] token positions
+        rows = read_records(state_cache, fmt, global_slots(block_tables, req, local, block_size))
+        return rows, local >= 0
+
+    cur, _ = gather(blocks)
+    kv = cur[..., (c - 1) * d: c * d]
+    sc = cur[..., c * d + (c - 1) * d:]
+    if c == 2:
+        prev, ok = gather(jnp.where(blocks >= 1, blocks - 1, -1))
+        kv = jnp.concatenate([prev[..., :d], kv], axis=1)
+        sc = jnp.concatenate([jnp.where(ok[..., None], prev[..., c * d: c * d + d], -jnp.inf), sc], axis=1)
+    a = jax.nn.softmax(sc, axis=1)  # per channel, over the c*r candidates
+    return jnp.sum(a * kv, axis=1)
+
+
+def compress(state_cache: jax.Array, rows: jax.Array, *, positions: jax.Array, req_idx: jax.Array,
+             slot_mapping: jax.Array, block_tables: jax.Array, ratio: int, d: int, block_size: int,
+             norm_weight: jax.Array, eps: float, inv_freqs: np.ndarray, rope_dim: int, dtype: jnp.dtype,
+             max_out: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Save this step's state ``rows`` [T, 2*c*d], then emit every block a token of this step closes.
+
+    Returns (new state cache, entries [max_out, d] in ``dtype`` (normed, roped), compressed-cache slots
+    [max_out] int32 with -1 for unused rows). The caller writes the entries with its record format.
+    """
+    fmt = state_format(ratio, d, block_size)
+    state_cache = write_records(state_cache, fmt, slot_mapping, rows)
+    idx = closing_tokens(positions, slot_mapping, ratio, max_out)
+    valid = idx >= 0
+    tok = jnp.maximum(idx, 0)
+    req = req_idx[tok]
+    block = jnp.where(valid, positions[tok] // ratio, -1)
+    pooled = pool_blocks(state_cache, block_tables, req, block, ratio=ratio, d=d, block_size=block_size)
+    entry = rms_norm(pooled, norm_weight, eps, dtype)
+    cos, sin = rope_cos_sin(inv_freqs, jnp.maximum(block, 0) * ratio)
+    entry = rope_part(entry, cos, sin, rope_dim=rope_dim, first=False, interleaved=True)
+    slots = global_slots(block_tables, req, block, block_size // ratio)
+    return state_cache, entry, slots

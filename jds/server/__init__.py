@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP front end (aiohttp) over ``jds.engine``: routes, validation, SSE, metrics."""

@@ -1,0 +1,306 @@
+"""DeepSeek-V4 attention: sliding window + compressed KV (C4 with lightning indexer, C128) + attention sink,
+MQA with one shared 512-d K = V and a grouped low-rank output projection, over paged caches.
+
+One class serves the three layer kinds, chosen by ``ratio = cfg.compress_ratios[layer_id]``:
+0 = window only, 4 = window + indexer top-k of the C4 entries, 128 = window + every visible C128 entry.
+
+Stages (the same cut as jds.v32; the boundary runner jits them separately):
+  project_in   x -> [q latent ; kv] (one fused GEMM), compressor kv/gate (fp32), indexer head weights
+  prepare      norms, RoPE, window-cache insert, compressor state save + compressed inserts, indexer q prep
+  select       C4: indexer scores over the request's compressed indexer keys + top-k  (eager in vLLM)
+  attend       sparse MQA over window + compressed candidates with the sink           (eager in vLLM)
+  project_out  inverse RoPE, grouped wo_a, wo_b
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jds.batch import PagedBatch, validate_batch
+from jds.config import Numerics, V4Config
+from jds.nn import FusedLinear, Linear, RMSNorm, jdtype
+from jds.ops import compressor as comp
+from jds.ops.indexer import index_scores, prepare_indexer_k, prepare_indexer_q, topk_visible
+from jds.ops.norms import rms_norm
+from jds.ops.paging import RecordFormat, empty_cache, gather_request_rows, global_slots, read_records, write_records
+from jds.ops.records import FloatRows, IndexerRecord132, MlaRecord584
+from jds.ops.rope import cached_inv_freqs, rope_cos_sin, rope_part
+from jds.ops.sparse_mqa import sparse_mqa
+from jds.v32 import AttentionResult, Implementation
+
+__all__ = ["V4Attention", "V4Cache", "V4Inputs", "V4Query", "V4Compressor", "AttentionResult"]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class V4Cache:
+    """All paged caches of one V4 layer, [num_blocks, page_elems] each; kinds without a cache hold
+    [num_blocks, 0] arrays (so every layer's cache is the same pytree structure)."""
+
+    window: jax.Array  # window K=V, one record per token slot (every kind)
+    compressed: jax.Array  # main compressed entries, block_size // ratio per page (C4, C128)
+    state: jax.Array  # main compressor fp32 state, one row per token slot (C4, C128)
+    index_k: jax.Array  # indexer compressed keys, block_size // 4 per page (C4)
+    index_state: jax.Array  # indexer compressor fp32 state, one row per token slot (C4)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class V4Inputs:
+    """Outputs of the input projections (absent parts are [T, 0])."""
+
+    q_lat: jax.Array  # [T, q_lora] before q_norm
+    kv: jax.Array  # [T, head_dim] before kv_norm / RoPE
+    comp: jax.Array  # [T, 2*c*head_dim] fp32 main compressor [kv | gate]
+    index_comp: jax.Array  # [T, 4*index_head_dim] fp32 indexer compressor [kv | gate]
+    index_w: jax.Array  # [T, Hi] fp32 indexer head weights
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class V4Query:
+    """Query-side producer outputs handed to the consumers."""
+
+    q: jax.Array  # [T, H, head_dim] normed + roped
+    index_q: jax.Array  # [T, Hi, Di] fp32 (FP8-dequantised when indexer_fp8); [T, 0, 0] without indexer
+    index_w: jax.Array  # [T, Hi] fp32 with constant scales folded in; [T, 0] without indexer
+
+
+class V4Compressor(nnx.Module):
+    """Parameters of one compressor: wkv/wgate [c*d, hidden] (fp32 math), ape [ratio, c*d], norm [d]."""
+
+    def __init__(self, hidden: int, d: int, ratio: int, eps: float, rngs: nnx.Rngs):
+        c = comp.overlap_factor(ratio)
+        self.d, self.ratio = d, ratio
+        self.wkv = Linear(hidden, c * d, dtype=jnp.float32, fp8=False, rngs=rngs)
+        self.wgate = Linear(hidden, c * d, dtype=jnp.float32, fp8=False, rngs=rngs)
+        self.ape = nnx.Param(0.5 * jax.random.normal(rngs.params(), (ratio, c * d), jnp.float32))
+        self.norm = RMSNorm(d, eps=eps, rngs=rngs)
+
+    def project(self, x: jax.Array) -> jax.Array:
+        """x [T, hidden] -> [kv | gate] [T, 2*c*d] fp32: one GEMM over the two stacked weights (tiny: fp32 math)."""
+        w = jnp.concatenate([self.wkv.weight[...], self.wgate.weight[...]], axis=0)
+        return jnp.einsum("ti,oi->to", x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+
+
+class V4Indexer(nnx.Module):
+    def __init__(self, cfg: V4Config, numerics: Numerics, rngs: nnx.Rngs):
+        dt, fp8 = jdtype(numerics.dtype), numerics.fp8_linear
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, dtype=dt, fp8=fp8, rngs=rngs)
+        self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, dtype=jnp.float32, fp8=False, rngs=rngs)
+        self.compressor = V4Compressor(cfg.hidden_size, cfg.index_head_dim, 4, cfg.rms_norm_eps, rngs)
+
+
+class V4Attention(nnx.Module):
+    def __init__(self, cfg: V4Config, numerics: Numerics, layer_id: int, *, rngs: nnx.Rngs,
+                 implementation: Implementation = "xla"):
+        if implementation not in ("xla", "pallas"):
+            raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}")
+        if not 0 <= layer_id < cfg.n_layers:
+            raise ValueError(f"layer_id {layer_id} outside [0, {cfg.n_layers})")
+        self.cfg, self.numerics, self.layer_id, self.implementation = cfg, numerics, layer_id, implementation
+        self.ratio = int(cfg.compress_ratios[layer_id])
+        dt, fp8 = jdtype(numerics.dtype), numerics.fp8_linear
+        self.dtype = dt
+        hd = cfg.head_dim
+        # wq_a and wkv share x: stored fused (one GEMM), exported/loaded as the checkpoint's wq_a and wkv.
+        self.wq_a_wkv = FusedLinear(cfg.hidden_size, (("wq_a", cfg.q_lora_rank), ("wkv", hd)), dtype=dt, fp8=fp8,
+                                    rngs=rngs)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, eps=cfg.rms_norm_eps, rngs=rngs)
+        self.kv_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, rngs=rngs)
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.n_heads * hd, dtype=dt, fp8=fp8, rngs=rngs)
+        self.wo_a = Linear((cfg.n_heads // cfg.o_groups) * hd, cfg.o_groups * cfg.o_lora_rank, dtype=dt, fp8=fp8,
+                           rngs=rngs)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, dtype=dt, fp8=fp8, rngs=rngs)
+        self.attn_sink = nnx.Param(jax.random.normal(rngs.params(), (cfg.n_heads,), jnp.float32))
+        if self.ratio:
+            self.compressor = V4Compressor(cfg.hidden_size, hd, self.ratio, cfg.rms_norm_eps, rngs)
+        if self.has_indexer:
+            self.indexer = V4Indexer(cfg, numerics, rngs)
+
+    @property
+    def has_indexer(self) -> bool:
+        return self.ratio == 4
+
+    # ----- cache formats -------------------------------------------------------------------------
+    def _kv_format(self, entries_per_page: int) -> RecordFormat:
+        cfg, n = self.cfg, self.numerics
+        if n.kv_cache_dtype == "fp8":
+            return MlaRecord584(entries_per_page, cfg.head_dim - cfg.rope_head_dim, cfg.rope_head_dim,
+                                cfg.quant_block)
+        return FloatRows(cfg.head_dim, entries_per_page, jdtype(n.kv_cache_dtype))
+
+    @property
+    def window_format(self) -> RecordFormat:
+        return self._kv_format(self.cfg.block_size)
+
+    @property
+    def compressed_format(self) -> RecordFormat:
+        return self._kv_format(self.cfg.block_size // self.ratio)
+
+    @property
+    def index_format(self) -> RecordFormat:
+        epp = self.cfg.block_size // 4
+        if self.numerics.indexer_fp8:
+            return IndexerRecord132(epp, self.cfg.index_head_dim)
+        return FloatRows(self.cfg.index_head_dim, epp, self.dtype)
+
+    def _page_elems(self) -> dict[str, int]:
+        cfg = self.cfg
+        out = dict(window=self.window_format.page_elems, compressed=0, state=0, index_k=0, index_state=0)
+        if self.ratio:
+            out.update(compressed=self.compressed_format.page_elems,
+                       state=comp.state_format(self.ratio, cfg.head_dim, cfg.block_size).page_elems)
+        if self.has_indexer:
+            out.update(index_k=self.index_format.page_elems,
+                       index_state=comp.state_format(4, cfg.index_head_dim, cfg.block_size).page_elems)
+        return out
+
+    def init_cache(self, num_blocks: int) -> V4Cache:
+        pe = self._page_elems()
+        fmts = dict(window=self.window_format)
+        if self.ratio:
+            fmts.update(compressed=self.compressed_format,
+                        state=comp.state_format(self.ratio, self.cfg.head_dim, self.cfg.block_size))
+        if self.has_indexer:
+            fmts.update(index_k=self.index_format,
+                        index_state=comp.state_format(4, self.cfg.index_head_dim, self.cfg.block_size))
+        return V4Cache(**{k: empty_cache(fmts[k], num_blocks) if k in fmts else jnp.zeros((num_blocks, 0), jnp.float32)
+                          for k in pe})
+
+    # ----- forward ----------------------------------------------------------------------------------
+    def __call__(self, x: jax.Array, batch: PagedBatch, cache: V4Cache) -> AttentionResult:
+        self.check_inputs(x, batch, cache)
+        inp = self.project_in(x)
+        query, cache = self.prepare(inp, batch, cache)
+        topk = self.select(query, batch, cache)
+        o = self.attend(query, topk, batch, cache)
+        return AttentionResult(y=self.project_out(o, batch), cache=cache, topk=topk)
+
+    def project_in(self, x: jax.Array) -> V4Inputs:
+        x = x.astype(self.dtype)
+        t = x.shape[0]
+        none = jnp.zeros((t, 0), jnp.float32)
+        q_lat, kv = self.wq_a_wkv.split(self.wq_a_wkv(x))
+        c = self.compressor.project(x) if self.ratio else none
+        if self.has_indexer:
+            ic = self.indexer.compressor.project(x)
+            iw = self.indexer.weights_proj(x.astype(jnp.float32), jnp.float32)
+        else:
+            ic, iw = none, none
+        return V4Inputs(q_lat=q_lat, kv=kv, comp=c, index_comp=ic, index_w=iw)
+
+    def prepare(self, inp: V4Inputs, batch: PagedBatch, cache: V4Cache) -> tuple[V4Query, V4Cache]:
+        cfg, dt, rd = self.cfg, self.dtype, self.cfg.rope_head_dim
+        freqs = self._freqs()
+        cos, sin = rope_cos_sin(freqs, batch.positions)
+        # query: q_norm -> wq_b -> weightless per-head RMSNorm -> RoPE (last dims, interleaved)
+        qr = self.q_norm(inp.q_lat, dt)
+        q = self.wq_b(qr).reshape(-1, cfg.n_heads, cfg.head_dim)
+        q = rms_norm(q, None, cfg.rms_norm_eps, dt)
+        q = rope_part(q, cos, sin, rope_dim=rd, first=False, interleaved=True)
+        # window K = V, written before attention reads it (a query sees itself)
+        k = rope_part(self.kv_norm(inp.kv, dt), cos, sin, rope_dim=rd, first=False, interleaved=True)
+        window = write_records(cache.window, self.window_format, batch.slot_mapping, k)
+        t = q.shape[0]
+        compressed, state, index_k, index_state = cache.compressed, cache.state, cache.index_k, cache.index_state
+        index_q, index_w = jnp.zeros((t, 0, 0), jnp.float32), jnp.zeros((t, 0), jnp.float32)
+        if self.ratio:
+            state, e, slots = self._compress(self.compressor, state, inp.comp, batch)
+            compressed = write_records(compressed, self.compressed_format, slots, e)
+        if self.has_indexer:
+            index_state, e, slots = self._compress(self.indexer.compressor, index_state, inp.index_comp, batch)
+            e = prepare_indexer_k(e, hadamard=self.numerics.indexer_hadamard, dtype=dt)
+            index_k = write_records(index_k, self.index_format, slots, e)
+            qi = self.indexer.wq_b(qr).reshape(-1, cfg.index_n_heads, cfg.index_head_dim)
+            qi = rope_part(qi, cos, sin, rope_dim=rd, first=False, interleaved=True)
+            index_q, index_w = prepare_indexer_q(qi, inp.index_w, head_dim=cfg.index_head_dim,
+                                                 n_heads=cfg.index_n_heads, fp8=self.numerics.indexer_fp8,
+                                                 hadamard=self.numerics.indexer_hadamard, dtype=dt)
+        new = V4Cache(window=window, compressed=compressed, state=state, index_k=index_k, index_state=index_state)
+        return V4Query(q=q, index_q=index_q, index_w=index_w), new
+
+    def select(self, query: V4Query, batch: PagedBatch, cache: V4Cache) -> jax.Array:
+        """C4: top-k request-local compressed entries among 0..(p+1)//4 - 1; other kinds: int32 [T, 0]."""
+        if not self.has_indexer:
+            return jnp.zeros((batch.positions.shape[0], 0), jnp.int32)
+        keys = gather_request_rows(cache.index_k, self.index_format, batch.block_tables, self._max_entries(batch))
+        scores = index_scores(query.index_q, query.index_w, keys[batch.req_idx])
+        return topk_visible(scores, (batch.positions + 1) // 4, self.cfg.index_topk)
+
+    def attend(self, query: V4Query, topk: jax.Array, batch: PagedBatch, cache: V4Cache) -> jax.Array:
+        """One sparse MQA over [window | compressed] candidates with the sink; [T, H, head_dim] in dtype."""
+        cfg, p = self.cfg, batch.positions
+        w_local = p[:, None] - cfg.window_size + 1 + jnp.arange(cfg.window_size, dtype=jnp.int32)
+        w_local = jnp.where(w_local >= 0, w_local, -1)
+        w_slots = global_slots(batch.block_tables, batch.req_idx, w_local, cfg.block_size)
+        rows = [read_records(cache.window, self.window_format, w_slots)]
+        valid = [w_local >= 0]
+        if self.ratio:
+            if self.ratio == 4:
+                c_local = topk
+            else:
+                n = self._max_entries(batch)
+                c_local = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (p.shape[0], n))
+                c_local = jnp.where(c_local < ((p + 1) // self.ratio)[:, None], c_local, -1)
+            c_slots = global_slots(batch.block_tables, batch.req_idx, c_local, cfg.block_size // self.ratio)
+            rows.append(read_records(cache.compressed, self.compressed_format, c_slots))
+            valid.append(c_local >= 0)
+        o = sparse_mqa(query.q, jnp.concatenate(rows, axis=1), jnp.concatenate(valid, axis=1),
+                       scale=cfg.softmax_scale, v_dim=cfg.head_dim, sink=self.attn_sink[...])
+        return o.astype(self.dtype)
+
+    def project_out(self, o: jax.Array, batch: PagedBatch) -> jax.Array:
+        """Inverse RoPE at p on the last dims, grouped wo_a (block-diagonal), then wo_b."""
+        cfg = self.cfg
+        cos, sin = rope_cos_sin(self._freqs(), batch.positions)
+        o = rope_part(o, cos, sin, rope_dim=cfg.rope_head_dim, first=False, interleaved=True, inverse=True)
+        og = o.reshape(o.shape[0], cfg.o_groups, (cfg.n_heads // cfg.o_groups) * cfg.head_dim)
+        z = self.wo_a.grouped(og)
+        return self.wo_b(z.reshape(z.shape[0], -1))
+
+    # ----- helpers ----------------------------------------------------------------------------------
+    def _freqs(self) -> np.ndarray:
+        return cached_inv_freqs(self.cfg.rope_for(self.ratio), self.cfg.rope_head_dim)
+
+    def _max_entries(self, batch: PagedBatch) -> int:
+        """Static candidate width: entries a block-table row can address."""
+        return batch.block_tables.shape[1] * (self.cfg.block_size // self.ratio)
+
+    def _compress(self, mod: V4Compressor, state: jax.Array, proj: jax.Array, batch: PagedBatch
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        cfg = self.cfg
+        rows = comp.state_rows(*jnp.split(proj, 2, axis=-1), mod.ape[...], batch.positions)
+        return comp.compress(
+            state, rows, positions=batch.positions, req_idx=batch.req_idx, slot_mapping=batch.slot_mapping,
+            block_tables=batch.block_tables, ratio=mod.ratio, d=mod.d, block_size=cfg.block_size,
+            norm_weight=mod.norm.weight[...], eps=cfg.rms_norm_eps, inv_freqs=self._freqs(),
+            rope_dim=cfg.rope_head_dim, dtype=self.dtype,
+            max_out=comp.max_closing(batch.positions.shape[0], batch.block_tables.shape[0], mod.ratio))
+
+    def check_inputs(self, x: jax.Array, batch: PagedBatch, cache: V4Cache) -> None:
+        """Eager validation (skipped under jit, where values are abstract): see validate_batch, plus the
+        compressor's static bound on block-closing tokens (each request's tokens at consecutive positions)."""
+        if isinstance(x, jax.core.Tracer) or isinstance(batch.positions, jax.core.Tracer):
+            return
+        if x.ndim != 2 or x.shape[1] != self.cfg.hidden_size:
+            raise ValueError(f"x must be [T, hidden_size={self.cfg.hidden_size}], got shape {x.shape}")
+        nb = cache.window.shape[0]
+        for name, pe in self._page_elems().items():
+            got = getattr(cache, name).shape
+            if got != (nb, pe):
+                raise ValueError(f"cache.{name} has shape {got}, expected {(nb, pe)} for this layer's formats")
+        validate_batch(batch, num_blocks=nb, block_size=self.cfg.block_size, max_seq_len=self.cfg.max_seq_len,
+                       num_tokens=x.shape[0])
+        if self.ratio:
+            pos, slot = np.asarray(batch.positions), np.asarray(batch.slot_mapping)
+            n = int((((pos + 1) % self.ratio == 0) & (slot >= 0)).sum())
+            bound = comp.max_closing(pos.shape[0], batch.block_tables.shape[0], self.ratio)
+            if n > bound:
+                raise ValueError(f"batch closes {n} compressor blocks but at most {bound} fit the static bound "
+                                 "(each request's tokens must be consecutive positions)")

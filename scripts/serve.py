@@ -1,0 +1,100 @@
+#!/usr/bin/env python
+"""Serve a jds model over an OpenAI-compatible HTTP API (the project's main job).
+
+    python scripts/serve.py                      # tiny V3.2, random weights, 127.0.0.1:8000, CPU ok
+    python scripts/serve.py --preset v32-bench --mode fused --max-num-seqs 64 --num-blocks 4096
+
+The port opens at once (``/health`` answers 503); the step's shape buckets are compiled with progress
+printed, then ``/health`` turns 200 and requests are served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jds.engine.core import Engine  # noqa: E402
+from jds.engine.loop import EngineLoop  # noqa: E402
+from jds.server.app import ServerConfig, build_app, serve  # noqa: E402
+from jds.server.tokenizer import load_tokenizer  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="v32-tiny", help="v32-tiny (default), v4-tiny, v32-bench, v4-bench")
+    p.add_argument("--config", default=None, help="HF config.json replacing the preset's attention config")
+    p.add_argument("--checkpoint", default=None, help="checkpoint directory (a tokenizer.json there is used)")
+    p.add_argument("--mode", choices=("wide", "narrow", "fused"), default="narrow", help="execution boundary")
+    p.add_argument("--implementation", choices=("xla", "pallas"), default="xla")
+    p.add_argument("--moe", action="store_true", help="DeepSeek-style MoE FFN instead of the dense MLP")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="max request rows per step")
+    p.add_argument("--num-blocks", type=int, default=256, help="KV pages in the pool")
+    p.add_argument("--max-num-tokens", type=int, default=256, help="token budget per step")
+    p.add_argument("--max-model-len", type=int, default=1024, help="longest prompt + output")
+    p.add_argument("--max-queue-len", type=int, default=256, help="waiting requests beyond the batch (then 429)")
+    p.add_argument("--seed", type=int, default=0, help="random-weight seed")
+    p.add_argument("--served-model-name", default=None, help="model id in the API (default jds-<preset>)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--runner", choices=("model", "fake"), default="model",
+                   help="'fake': deterministic numpy stand-in (front-end testing without JAX)")
+    p.add_argument("--fake-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def build_runner(a: argparse.Namespace):
+    if a.runner == "fake":
+        from jds.engine.fake import FakeRunner
+
+        return FakeRunner(block_size=16, num_blocks=a.num_blocks, max_model_len=a.max_model_len,
+                          max_num_tokens=a.max_num_tokens, max_num_seqs=a.max_num_seqs,
+                          step_delay=a.fake_step_delay)
+    from jds.runner import ModelRunner
+
+    return ModelRunner.build(preset=a.preset, config_path=a.config, checkpoint=a.checkpoint, mode=a.mode,
+                             implementation=a.implementation, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
+                             max_num_tokens=a.max_num_tokens, max_model_len=a.max_model_len, seed=a.seed,
+                             moe=a.moe)
+
+
+async def main(a: argparse.Namespace) -> None:
+    say = lambda msg: print(f"[serve] {msg}", flush=True)  # noqa: E731
+    t0 = time.perf_counter()
+    say(f"building {a.runner if a.runner == 'fake' else a.preset} (mode={a.mode}, impl={a.implementation}, "
+        f"moe={a.moe}, num_blocks={a.num_blocks}, max_num_seqs={a.max_num_seqs}, "
+        f"max_num_tokens={a.max_num_tokens}, max_model_len={a.max_model_len})")
+    runner = build_runner(a)
+    say(f"built in {time.perf_counter() - t0:.1f}s; block_size={runner.block_size}, vocab={runner.vocab_size}")
+    engine = Engine(runner)
+    loop = EngineLoop(engine)
+    tok = load_tokenizer(a.checkpoint, bos_token_id=getattr(runner, "bos_token_id", 256),
+                         eos_token_id=runner.eos_token_id)
+    name = a.served_model_name or f"jds-{a.preset}"
+    app, _ = build_app(loop, tok, ServerConfig(model_name=name, max_queue_len=a.max_queue_len))
+    site = await serve(app, a.host, a.port)
+    say(f"listening on http://{a.host}:{a.port} (model id {name!r}); /health is 503 until compiled")
+
+    def warmup() -> None:
+        t = time.perf_counter()
+        runner.warmup(lambda m: say(f"warmup: {m}"))
+        say(f"ready after {time.perf_counter() - t:.1f}s of warmup; /health is 200")
+
+    loop.start(warmup)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    say("shutting down")
+    await site.cleanup()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(main(parse_args()))
