@@ -98,8 +98,8 @@ def validate_batch(batch: PagedBatch, *, num_blocks: int, block_size: int, max_s
     """Eager (host) checks of everything jit cannot check; raises ValueError naming the field.
 
     Checked: shapes and dtypes agree; positions within [0, max_seq_len) and below the request's
-    seq_len; every non-padding slot inside the pool and equal to the block-table slot of its
-    position; block-table rows long enough for seq_lens; page ids inside the pool.
+    seq_len; every non-padding slot inside the pool, equal to the block-table slot of its position and
+    written by one token only; block-table rows long enough for seq_lens; page ids inside the pool.
     Not checkable inside jit: all of the above on traced values — call this before jitting.
     """
     pos = np.asarray(batch.positions)
@@ -143,6 +143,10 @@ def validate_batch(batch: PagedBatch, *, num_blocks: int, block_size: int, max_s
         expect = bt[req[real], pos[real] // block_size] * block_size + pos[real] % block_size
         if (expect != slot[real]).any():
             raise ValueError("batch.slot_mapping disagrees with block_tables for some token")
+        uniq, counts = np.unique(slot[real], return_counts=True)
+        if (counts > 1).any():
+            raise ValueError(f"batch.slot_mapping writes slot {int(uniq[counts > 1][0])} more than once "
+                             "(a request row's token appears twice in the step)")
 
 
 def replace(batch: PagedBatch, **kw) -> PagedBatch:

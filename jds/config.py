@@ -196,9 +196,7 @@ class V32Config:
                       original_seq_len=int(rs.get("original_max_position_embeddings", 4096)),
                       beta_fast=float(rs.get("beta_fast", 32.0)), beta_slow=float(rs.get("beta_slow", 1.0)),
                       mscale=float(rs.get("mscale", 1.0)))
-        missing = [k for k, v in kw.items() if v is None]
-        if missing:
-            raise ValueError(f"invalid config field {missing[0]!r}: missing from config.json")
+        _check_missing(kw, {"n_heads": "num_attention_heads", "max_seq_len": "max_position_embeddings"})
         kw.update(overrides)
         return cls(**kw)
 
@@ -248,7 +246,10 @@ class V4Config:
         for r in self.compress_ratios:
             _require(r == 0 or self.block_size % r == 0, "block_size", f"must be a multiple of every ratio ({r})")
         _require(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
-        self.compressed_rope  # validates
+        _require(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
+        _require(self.compress_rope_theta > 0, "compress_rope_theta", f"must be > 0, got {self.compress_rope_theta}")
+        _require(self.rope_factor >= 1.0, "rope_factor", f"must be >= 1, got {self.rope_factor}")
+        self.compressed_rope  # validates the YaRN fields
 
     @property
     def window_rope(self) -> RopeConfig:
@@ -305,11 +306,19 @@ class V4Config:
                       beta_fast=float(rs.get("beta_fast", 32.0)), beta_slow=float(rs.get("beta_slow", 1.0)))
         else:
             kw["rope_factor"] = 1.0
-        missing = [k for k, v in kw.items() if v is None]
-        if missing:
-            raise ValueError(f"invalid config field {missing[0]!r}: missing from config.json")
+        _check_missing(kw, {"n_heads": "num_attention_heads", "rope_head_dim": "qk_rope_head_dim",
+                            "window_size": "sliding_window", "max_seq_len": "max_position_embeddings"})
         kw.update(overrides)
         return cls(**kw)
+
+
+def _check_missing(kw: dict[str, Any], hf_keys: dict[str, str]) -> None:
+    """Raise naming the first field absent from config.json (and its config.json key when it differs)."""
+    missing = [k for k, v in kw.items() if v is None]
+    if missing:
+        k = missing[0]
+        key = f" (key {hf_keys[k]!r})" if k in hf_keys else ""
+        raise ValueError(f"invalid config field {k!r}: missing from config.json{key}")
 
 
 def _v4_flash_ratios() -> tuple[int, ...]:

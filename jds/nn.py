@@ -39,11 +39,11 @@ class Linear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, *, dtype: jnp.dtype, fp8: bool, rngs: nnx.Rngs,
                  std: float | None = None):
         std = in_features ** -0.5 if std is None else std
-        w = np.asarray(jax.random.normal(rngs.params(), (out_features, in_features), jnp.float32)) * std
+        w = jax.random.normal(rngs.params(), (out_features, in_features), jnp.float32) * std
         self.fp8 = fp8
         self.dtype = dtype
         if fp8:
-            wq, s = quantize_weight_blocks(w)
+            wq, s = quantize_weight_blocks(np.asarray(w))
             self.weight = nnx.Param(jnp.asarray(wq))
             self.scale = nnx.Param(jnp.asarray(s))
         else:

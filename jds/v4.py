@@ -8,8 +8,10 @@ Stages (the same cut as jds.v32; the boundary runner jits them separately):
   project_in   x -> [q latent ; kv] (one fused GEMM), compressor kv/gate (fp32), indexer head weights
   prepare      norms, RoPE, window-cache insert, compressor state save + compressed inserts, indexer q prep
   select       C4: indexer scores over the request's compressed indexer keys + top-k  (eager in vLLM)
-  attend       sparse MQA over window + compressed candidates with the sink           (eager in vLLM)
-  project_out  inverse RoPE, grouped wo_a, wo_b
+  attend       sparse MQA over window + compressed candidates with the sink, then the inverse RoPE of
+               the output at p (vLLM fuses it into o_proj; here it is attend's epilogue so that
+               project_out(o) keeps V3.2's signature)                                 (eager in vLLM)
+  project_out  grouped wo_a (block-diagonal batched einsum), wo_b
 """
 
 from __future__ import annotations
@@ -180,7 +182,7 @@ class V4Attention(nnx.Module):
         query, cache = self.prepare(inp, batch, cache)
         topk = self.select(query, batch, cache)
         o = self.attend(query, topk, batch, cache)
-        return AttentionResult(y=self.project_out(o, batch), cache=cache, topk=topk)
+        return AttentionResult(y=self.project_out(o), cache=cache, topk=topk)
 
     def project_in(self, x: jax.Array) -> V4Inputs:
         x = x.astype(self.dtype)
@@ -234,7 +236,8 @@ class V4Attention(nnx.Module):
         return topk_visible(scores, (batch.positions + 1) // 4, self.cfg.index_topk)
 
     def attend(self, query: V4Query, topk: jax.Array, batch: PagedBatch, cache: V4Cache) -> jax.Array:
-        """One sparse MQA over [window | compressed] candidates with the sink; [T, H, head_dim] in dtype."""
+        """One sparse MQA over [window | compressed] candidates with the sink, then inverse RoPE at p:
+        [T, H * head_dim] in the activation dtype."""
         cfg, p = self.cfg, batch.positions
         w_local = p[:, None] - cfg.window_size + 1 + jnp.arange(cfg.window_size, dtype=jnp.int32)
         w_local = jnp.where(w_local >= 0, w_local, -1)
@@ -252,14 +255,16 @@ class V4Attention(nnx.Module):
             rows.append(read_records(cache.compressed, self.compressed_format, c_slots))
             valid.append(c_local >= 0)
         o = sparse_mqa(query.q, jnp.concatenate(rows, axis=1), jnp.concatenate(valid, axis=1),
-                       scale=cfg.softmax_scale, v_dim=cfg.head_dim, sink=self.attn_sink[...])
-        return o.astype(self.dtype)
-
-    def project_out(self, o: jax.Array, batch: PagedBatch) -> jax.Array:
-        """Inverse RoPE at p on the last dims, grouped wo_a (block-diagonal), then wo_b."""
-        cfg = self.cfg
-        cos, sin = rope_cos_sin(self._freqs(), batch.positions)
+                       scale=cfg.softmax_scale, v_dim=cfg.head_dim, sink=self.attn_sink[...]).astype(self.dtype)
+        # epilogue: inverse RoPE at p on the last dims (kept here, where positions are at hand, so that
+        # project_out(o) has the same signature as V3.2's and the model/runner treat both alike)
+        cos, sin = rope_cos_sin(self._freqs(), p)
         o = rope_part(o, cos, sin, rope_dim=cfg.rope_head_dim, first=False, interleaved=True, inverse=True)
+        return o.reshape(o.shape[0], -1)
+
+    def project_out(self, o: jax.Array) -> jax.Array:
+        """o [T, H*head_dim] (already inverse-RoPE'd by attend) -> grouped wo_a (block-diagonal) -> wo_b."""
+        cfg = self.cfg
         og = o.reshape(o.shape[0], cfg.o_groups, (cfg.n_heads // cfg.o_groups) * cfg.head_dim)
         z = self.wo_a.grouped(og)
         return self.wo_b(z.reshape(z.shape[0], -1))

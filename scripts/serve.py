@@ -39,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-tokens", type=int, default=256, help="token budget per step")
     p.add_argument("--max-model-len", type=int, default=1024, help="longest prompt + output")
     p.add_argument("--max-queue-len", type=int, default=256, help="waiting requests beyond the batch (then 429)")
+    p.add_argument("--tokenizer", default=None,
+                   help="directory holding a HF tokenizer.json (default: the checkpoint dir; else byte-level)")
     p.add_argument("--seed", type=int, default=0, help="random-weight seed")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default jds-<preset>)")
     p.add_argument("--host", default="127.0.0.1")
@@ -74,8 +76,9 @@ async def main(a: argparse.Namespace) -> None:
     say(f"built in {time.perf_counter() - t0:.1f}s; block_size={runner.block_size}, vocab={runner.vocab_size}")
     engine = Engine(runner)
     loop = EngineLoop(engine)
-    tok = load_tokenizer(a.checkpoint, bos_token_id=getattr(runner, "bos_token_id", 256),
+    tok = load_tokenizer(a.tokenizer or a.checkpoint, bos_token_id=getattr(runner, "bos_token_id", 256),
                          eos_token_id=runner.eos_token_id)
+    say(f"tokenizer: {type(tok).__name__}")
     name = a.served_model_name or f"jds-{a.preset}"
     app, _ = build_app(loop, tok, ServerConfig(model_name=name, max_queue_len=a.max_queue_len))
     site = await serve(app, a.host, a.port)
@@ -90,7 +93,15 @@ async def main(a: argparse.Namespace) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
+    while not stop.is_set():  # a failed warmup ends the process instead of serving 503 forever
+        if loop.warmup_error is not None:
+            say(f"warmup failed: {loop.warmup_error!r}")
+            await site.cleanup()
+            raise SystemExit(1)
+        try:
+            await asyncio.wait_for(stop.wait(), 0.5)
+        except asyncio.TimeoutError:
+            pass
     say("shutting down")
     await site.cleanup()
 

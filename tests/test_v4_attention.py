@@ -16,7 +16,7 @@ import pytest
 import torch
 from flax import nnx
 
-from jds.batch import Chunk, make_batch
+from jds.batch import Chunk, make_batch, replace
 from jds.config import Numerics, V4Config
 from jds.nn import export_weights, load_weights
 from jds.ops.paging import read_records, write_records
@@ -36,14 +36,7 @@ EXACT_RTOL = 1e-5
 
 def _weights(layer_id: int, seed: int, numerics: Numerics, sink_scale: float = 1.0) -> dict[str, np.ndarray]:
     w = make_random_v4_weights(CFG, layer_id, seed=seed, sink_scale=sink_scale)
-    if numerics.fp8_linear:
-        w = quantize_weights_fp8(w)
-    if numerics.dtype == "bfloat16":  # plain (non-fp8) linears are held in the activation dtype
-        ref = V4Attention(CFG, numerics, layer_id, rngs=nnx.Rngs(0))
-        dt = {k: v.dtype for k, v in export_weights(ref).items()}
-        w = {k: (v.astype(ml_dtypes.bfloat16) if dt[k] == ml_dtypes.bfloat16 and v.dtype != dt[k] else v)
-             for k, v in w.items()}
-    return w
+    return quantize_weights_fp8(w) if numerics.fp8_linear else w
 
 
 class Runner:
@@ -56,12 +49,17 @@ class Runner:
         self.fn = jax.jit(lambda st, x, b, c: nnx.merge(gd, st)(x, b, c))
         self.cache = self.layer.init_cache(num_blocks)
 
-    def step(self, xs: list[np.ndarray], chunks: list[Chunk], bt: np.ndarray, pad_to: int | None = None
-             ) -> tuple[np.ndarray, np.ndarray]:
-        """xs[i] = hidden states of chunks[i]; returns (y, topk) of the real tokens (float32, int32)."""
+    def step(self, xs: list[np.ndarray], chunks: list[Chunk], bt: np.ndarray, pad_to: int | None = None,
+             pad_pos: int = 0, pad_req: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """xs[i] = hidden states of chunks[i]; returns (y, topk) of the real tokens (float32, int32).
+
+        Padding tokens (slot -1) get position ``pad_pos`` and request row ``pad_req``."""
         batch = make_batch(chunks, bt, CFG.block_size, pad_to)
         x = np.concatenate(xs, axis=0)
         n = x.shape[0]
+        pad = np.arange(batch.num_tokens) >= n
+        batch = replace(batch, positions=jnp.where(pad, pad_pos, batch.positions),
+                        req_idx=jnp.where(pad, pad_req, batch.req_idx))
         x = np.pad(x, ((0, batch.num_tokens - n), (0, 0)))
         x = jnp.asarray(x)
         self.layer.check_inputs(x, batch, self.cache)
@@ -187,8 +185,8 @@ def test_decode_and_chunked_prefill_equal_prefill(layer_id: int) -> None:
         y, tk, cache = replay(sizes, pad)
         _assert_exact(y, y_full, f"{name} output")
         if layer_id == 1:
-            scores_free = (tk == tk_full).all(-1).mean()
-            assert scores_free > 0.95, f"{name}: top-k differs on {1 - scores_free:.1%} of tokens"
+            agree = (np.sort(tk, -1) == np.sort(tk_full, -1)).all(-1).mean()
+            assert agree > 0.95, f"{name}: top-k differs on {1 - agree:.1%} of tokens"  # only near-ties may flip
         for field in ("window", "compressed", "state", "index_k", "index_state"):
             a, b = np.asarray(getattr(cache, field)), np.asarray(getattr(full.cache, field))
             assert a.shape == b.shape
@@ -220,7 +218,11 @@ def test_mixed_batch_shuffled_pages(layer_id: int) -> None:
     oracles = [_oracle(layer_id, w, Numerics.exact(), 1) for _ in totals]
     for plan in steps:
         chunks = [Chunk(r, p, n) for r, (p, n) in enumerate(plan)]
-        y, tk = run.step([xs[r][0, p:p + n] for r, (p, n) in enumerate(plan)], chunks, bt, pad_to=400)
+        # padding tokens sit at a block-closing position request 1 never reaches, right after its last token
+        # (C4: block 50 pools block 49's written state; C128: block 1 is partly written): they must still
+        # write nothing, and a stray write would be non-zero (checked below)
+        y, tk = run.step([xs[r][0, p:p + n] for r, (p, n) in enumerate(plan)], chunks, bt, pad_to=400,
+                         pad_pos=203 if layer_id == 1 else 255, pad_req=1)
         off = 0
         for r, (p, n) in enumerate(plan):
             ref = oracles[r].forward(torch.from_numpy(xs[r][:, p:p + n]), p)
@@ -232,10 +234,14 @@ def test_mixed_batch_shuffled_pages(layer_id: int) -> None:
         arr = np.asarray(getattr(run.cache, field))
         for page in set(range(nb)) - used:
             assert not arr[page].any(), f"cache.{field} page {page} was written (padding / idle row)"
-    if layer_id == 2:  # the not-yet-closed C128 entry of request 1 (block 1: positions 128..255) is unwritten
-        fmt = run.layer.compressed_format
-        slot = jnp.asarray([int(bt[1, 1]) * fmt.entries_per_page])
-        assert not np.asarray(read_records(run.cache.compressed, fmt, slot)).any()
+    ratio = CFG.compress_ratios[layer_id]
+    caches = [("compressed", run.layer.compressed_format)] if ratio else []
+    caches += [("index_k", run.layer.index_format)] if ratio == 4 else []
+    for field, fmt in caches:  # entries of blocks no token closed yet are unwritten
+        for r, n in enumerate(totals):
+            local = np.arange(n // ratio, -(-n // CFG.block_size) * fmt.entries_per_page)
+            slots = bt[r, local // fmt.entries_per_page] * fmt.entries_per_page + local % fmt.entries_per_page
+            assert not np.asarray(read_records(getattr(run.cache, field), fmt, jnp.asarray(slots))).any(), (field, r)
 
 
 # ------------------------------------------------------------------------------------------ sink
@@ -263,7 +269,7 @@ def test_sink_shrinks_output() -> None:
     for sink in (-60.0, 0.0, 3.0, 60.0):
         load_weights(layer, dict(w, attn_sink=np.full(CFG.n_heads, sink, np.float32)))
         o, q = attn(nnx.split(layer)[1], x, batch, layer.init_cache(4))
-        norms.append(np.linalg.norm(np.asarray(o), axis=-1))  # [T, H]
+        norms.append(np.linalg.norm(np.asarray(o).reshape(s, CFG.n_heads, -1), axis=-1))  # [T, H]
     assert (norms[1] < norms[0]).all() and (norms[2] < norms[1]).all()
     assert (norms[3] < 1e-20 * norms[0] + 1e-30).all()
     assert np.isfinite(norms).all()
@@ -281,15 +287,16 @@ def test_sink_shrinks_output() -> None:
 @pytest.mark.parametrize("layer_id", KINDS)
 def test_fp8_reference_numerics(layer_id: int) -> None:
     """Numerics.reference(): bf16 activations, fp8 block-scaled linears, 584-byte window/compressed records,
-    fp8 indexer with Hadamard.
+    fp8 indexer with Hadamard, against the oracle in the same numerics.
 
-    Tolerance: both sides round to bf16 at the same stage ends and quantise at the same points, but sum in a
-    different fp32 order, so an intermediate lying within float32 noise of a bf16 rounding boundary can land
-    one bf16 ulp (2^-8 relative) apart, and an e4m3 value one e4m3 ulp (2^-3 of that element; rare). These
-    rare flips propagate through two GEMMs; the output itself is bf16, so a one-ulp difference in y near its
-    maximum is 2^-8 * 2 * max|y|/2... We therefore require every element within 2^-5 of max|y| (a few bf16
-    ulps at the largest elements, ~1/30) and the mean error below 2^-10 of max|y| (most elements agree to
-    within one bf16 ulp of themselves). Any semantic error (a wrong channel, position or block) is O(max|y|).
+    Tolerance: both sides round to bf16 / quantise to e4m3 at the same points, so they differ only where a
+    different fp32 summation order puts an intermediate on the other side of a rounding boundary: one bf16
+    ulp (2^-8 relative) or, rarely, one e4m3 step (2^-3 of that element, e.g. in q or a cached kv value),
+    which then propagates through the softmax and two GEMMs into a few output elements. Measured on these
+    inputs: <= 0.7% of output elements differ by more than one bf16 ulp of themselves, mean error ~1e-5 and
+    max error ~6e-3 of max|y|. Bounds, with margin: every element within 2^-6 of max|y|, mean error below
+    2^-12 of max|y|, at most 2% of elements beyond one bf16 ulp. A semantic bug (wrong channel, position,
+    block or candidate) moves most elements by O(max|y|).
     """
     num = Numerics.reference()
     rng = np.random.default_rng(40 + layer_id)
@@ -305,15 +312,16 @@ def test_fp8_reference_numerics(layer_id: int) -> None:
     r = ref["out"].numpy()
     err = np.abs(y.reshape(2, s, -1) - r)
     scale = float(np.abs(r).max())
-    assert err.max() <= 2.0 ** -5 * scale, err.max() / scale
-    assert err.mean() <= 2.0 ** -10 * scale, err.mean() / scale
+    assert err.max() <= 2.0 ** -6 * scale, err.max() / scale
+    assert err.mean() <= 2.0 ** -12 * scale, err.mean() / scale
+    ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(r), 1e-30))) - 7)  # one bf16 ulp of each element
+    assert (err > ulp).mean() <= 0.02, (err > ulp).mean()
     # the window cache holds what the oracle reads back from its cache (584-byte record round trip)
     fmt = run.layer.window_format
     pos = np.arange(s)
     slots = jnp.asarray(bt[0, pos // CFG.block_size] * CFG.block_size + pos % CFG.block_size)
-    kv = np.asarray(read_records(run.cache.window, fmt, slots))
-    ok = np.isclose(kv, orc.kv_window[0, :s].numpy(), rtol=2.0 ** -3, atol=1e-3)
-    assert ok.mean() > 0.99
+    kv, okv = np.asarray(read_records(run.cache.window, fmt, slots)), orc.kv_window[0, :s].numpy()
+    assert (kv == okv).mean() > 0.99 and np.abs(kv - okv).max() <= 2.0 ** -3 * np.abs(okv).max()
     if layer_id == 1:
         same = np.mean([set(a) == set(b) for a, b in zip(topk.reshape(2 * s, -1), ref["topk"].numpy().reshape(
             2 * s, -1))])

@@ -150,12 +150,13 @@ class Engine:
         eos = self.runner.eos_token_id
         outs = []
         now = time.monotonic()
+        argmax = logits.argmax(axis=-1)  # one vectorised pass for every greedy row
         for row, (req, n) in enumerate(zip(reqs, num_tokens)):
             req.num_computed += n
             if req.num_remaining > 0:
                 continue  # a prefill chunk that did not reach the end: nothing to sample yet
             p = req.params
-            tok = sample(logits[row], p, req.seed, len(req.output_ids))
+            tok = int(argmax[row]) if p.greedy else sample(logits[row], p, req.seed, len(req.output_ids))
             req.output_ids.append(tok)
             self._token_metrics(req, now)
             reason, on_token = None, False

@@ -24,6 +24,11 @@ log = logging.getLogger(__name__)
 _STOP = object()
 
 
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
+
+
 class EngineLoop:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -79,13 +84,17 @@ class EngineLoop:
         self._cmds.put(("abort", request_id))
 
     # -- the thread -----------------------------------------------------------------------------
-    def _deliver(self, out: RequestOutput) -> None:
+    def _deliver(self, *outs: RequestOutput) -> None:
+        """Hand outputs to their requests' queues: one thread-safe wake-up per event loop per step."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._sinks_lock:
-            sink = self._sinks.get(out.request_id)
-        if sink is not None:
-            loop, q = sink
+            for out in outs:
+                sink = self._sinks.get(out.request_id)
+                if sink is not None:
+                    by_loop.setdefault(sink[0], []).append((sink[1], out))
+        for loop, items in by_loop.items():
             try:
-                loop.call_soon_threadsafe(q.put_nowait, out)
+                loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the loop is closed (server shutting down)
                 pass
 
@@ -130,6 +139,5 @@ class EngineLoop:
                     log.exception("engine step raised outside the runner")
                     outs = []
                     time.sleep(0.01)
-                for out in outs:
-                    self._deliver(out)
+                self._deliver(*outs)
             self._stats = self.engine.stats()

@@ -47,7 +47,9 @@ class Request:
         p = len(self.prompt_ids)
         if start + n <= p:
             return self.prompt_ids[start:start + n]
-        return (self.prompt_ids + self.output_ids)[start:start + n]
+        if start >= p:  # decode: only output tokens (no O(length) concatenation per step)
+            return self.output_ids[start - p:start - p + n]
+        return self.prompt_ids[start:] + self.output_ids[: start + n - p]
 
 
 @dataclass

@@ -57,6 +57,5 @@ def sample(logits: np.ndarray, params: SamplingParams, seed: int, index: int) ->
         keep = int(np.searchsorted(cum, params.top_p, side="left")) + 1  # smallest prefix with mass >= top_p
         cand, p = cand[:keep], p[:keep] / p[:keep].sum()
     rng = np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, index])
-    u = rng.random()
-    i = int(np.searchsorted(np.cumsum(p), u * 1.0, side="right"))
+    i = int(np.searchsorted(np.cumsum(p), rng.random(), side="right"))
     return int(cand[min(i, len(cand) - 1)])

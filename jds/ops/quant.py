@@ -25,16 +25,34 @@ def ue8m0_ceil(v: jax.Array) -> jax.Array:
     return jnp.ldexp(jnp.ones_like(v, jnp.float32), exp)
 
 
+FLT_MIN = np.float32(np.finfo(np.float32).tiny)
+
+
 def block_scale(amax: jax.Array, fmt: ScaleFmt, amax_floor: float) -> jax.Array:
-    """Scale for one block from its absolute maximum (float32)."""
+    """Scale for one block from its absolute maximum (float32).
+
+    The scale is kept >= FLT_MIN: XLA flushes subnormals to zero, so a subnormal scale (a floor below
+    448 * FLT_MIN, e.g. FLT_MIN itself) would become 0 and an all-zero block would quantise to 0/0 = NaN.
+    """
     a = jnp.maximum(amax.astype(jnp.float32), np.float32(amax_floor))
-    v = a * np.float32(1.0 / FP8_MAX)
+    v = jnp.maximum(a * np.float32(1.0 / FP8_MAX), FLT_MIN)
     return ue8m0_ceil(v) if fmt == "ue8m0" else v
 
 
 def quantize_e4m3(x_over_s: jax.Array) -> jax.Array:
     """Clamp to +-448 then round-to-nearest-even into float8_e4m3fn."""
     return jnp.clip(x_over_s.astype(jnp.float32), -FP8_MAX, FP8_MAX).astype(FP8)
+
+
+def true_divide(x: jax.Array, d: jax.Array | float) -> jax.Array:
+    """IEEE (correctly rounded) x / d with d broadcast to x's shape.
+
+    XLA's algebraic simplifier rewrites ``x / broadcast(d)`` as ``x * broadcast(1 / d)``, which is off by
+    an ulp for about half of all inputs when d is not a power of two; that flips e4m3 rounding ties. The
+    optimization barrier keeps the divisor a full-shape operand, so the division stays a division.
+    """
+    d = jnp.broadcast_to(jnp.asarray(d, jnp.float32), x.shape)
+    return x.astype(jnp.float32) / jax.lax.optimization_barrier(d)
 
 
 def act_quant(x: jax.Array, block: int = 128, fmt: ScaleFmt = "ue8m0",
@@ -45,7 +63,9 @@ def act_quant(x: jax.Array, block: int = 128, fmt: ScaleFmt = "ue8m0",
         raise ValueError(f"act_quant: last dim {n} is not a multiple of block {block}")
     xb = x.astype(jnp.float32).reshape(x.shape[:-1] + (n // block, block))
     s = block_scale(jnp.max(jnp.abs(xb), axis=-1), fmt, amax_floor)
-    q = quantize_e4m3(xb / s[..., None]).reshape(x.shape)
+    # power-of-two scales divide exactly either way; amax scales need a true division (see true_divide)
+    xs = xb / s[..., None] if fmt == "ue8m0" else true_divide(xb, s[..., None])
+    q = quantize_e4m3(xs).reshape(x.shape)
     return q, s
 
 

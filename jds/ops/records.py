@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jds.ops.quant import FP8, act_quant, block_scale, quantize_e4m3
+from jds.ops.quant import FLT_MIN, FP8, FP8_MAX, act_quant, block_scale, quantize_e4m3, true_divide
 
 
 def _bytes(x: jax.Array) -> jax.Array:
@@ -75,12 +75,14 @@ class MlaRecord656:
     def offsets(self, slots: jax.Array) -> jax.Array:
         return slots[..., None] * self.record_bytes + jnp.arange(self.record_bytes, dtype=jnp.int32)
 
-    def _floor(self) -> float:
-        return 1e-4 if self.scale_fmt == "ue8m0" else float(np.finfo(np.float32).tiny)
-
     def pack(self, rows: jax.Array) -> jax.Array:
         lat, pe = rows[..., : self.latent_dim], rows[..., self.latent_dim:]
-        q, s = act_quant(lat, 128, self.scale_fmt, self._floor())
+        if self.scale_fmt == "ue8m0":
+            q, s = act_quant(lat, 128, "ue8m0", 1e-4)
+        else:  # vLLM's writer: scale = max(amax / 448, FLT_MIN) (a true division), then x / scale saturated
+            lb = lat.astype(jnp.float32).reshape(lat.shape[:-1] + (self.latent_dim // 128, 128))
+            s = jnp.maximum(true_divide(jnp.max(jnp.abs(lb), axis=-1), FP8_MAX), FLT_MIN)
+            q = quantize_e4m3(true_divide(lb, s[..., None])).reshape(lat.shape)
         return jnp.concatenate([_bytes(q), _bytes(s), _bytes(pe.astype(jnp.bfloat16))], axis=-1)
 
     def unpack(self, recs: jax.Array) -> jax.Array:

@@ -55,7 +55,7 @@ class OpenAIServer:
         self.created = int(time.time())
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors])
+        app = web.Application(middlewares=[self._errors], client_max_size=64 * 2**20)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -75,6 +75,12 @@ class OpenAIServer:
             if e.status < 400:
                 raise
             return web.json_response(error_body(e.reason, "invalid_request_error", None, e.status), status=e.status)
+        except (asyncio.CancelledError, ConnectionError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug in one request must not look like a dead server
+            log.exception("unhandled error in %s", request.path)
+            return web.json_response(error_body(f"internal error: {type(e).__name__}: {e}", "internal_server_error",
+                                                None, 500), status=500)
 
     def _check_ready(self) -> None:
         if self.engine_loop.warmup_error is not None:
@@ -204,7 +210,7 @@ class OpenAIServer:
         def chunk(text: str | None, new: list[int], reason: str | None, first: bool) -> dict:
             if gen.chat:
                 delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-                if reason is not None and not text:
+                if reason is not None and not text and not first:
                     delta = {}
                 choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
             else:

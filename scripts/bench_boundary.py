@@ -1,0 +1,183 @@
+"""The seeds' experiment in JAX: short-prefill TTFT, saturated throughput and decode step latency for
+a V3.2 and a V4-Flash-pattern stack at real head dims, in the wide / narrow / fused boundary modes.
+
+    python scripts/bench_boundary.py --arch v32 v4 --layers 8 --out benchmarks/results/boundary.json
+    python scripts/bench_boundary.py --dump /tmp/xla_dump --out dump.json   # thunk/launch counts only
+
+TTFT here is the model-step part of TTFT: host input preparation + dispatch + device time + logits
+back to the host, for one 128-token prompt at concurrency 1 (no HTTP, no tokenizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    s = sorted(xs)
+    return {"mean_ms": 1e3 * statistics.fmean(s), "p50_ms": 1e3 * s[len(s) // 2],
+            "p99_ms": 1e3 * s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))], "n": len(s)}
+
+
+def build(arch: str, layers: int, inter: int | None):
+    from jds.config import Numerics
+    from jds.model import Decoder, preset
+
+    over = {"n_layers": layers, "numerics": Numerics.serving()}
+    if inter:
+        over["intermediate_size"] = inter
+    cfg = preset(f"{arch}-bench", **over)
+    return Decoder(cfg, seed=0)
+
+
+def make_runner(model, mode: str, max_seqs: int, ctx: int):
+    from jds.runner import BoundaryRunner
+
+    bs = model.cfg.block_size
+    max_len = ctx + bs
+    nb = max_seqs * (-(-max_len // bs)) + 8
+    return BoundaryRunner(model=model, mode=mode, num_blocks=nb, max_num_seqs=max_seqs, max_num_tokens=max_seqs * 128,
+                          max_model_len=max_len, token_buckets=(16, 64, 128, max_seqs * 128),
+                          key_block_buckets=tuple(sorted({-(-128 // bs), -(-ctx // bs), -(-max_len // bs)})))
+
+
+def time_steps(runner, chunks, n_warm: int, n: int) -> tuple[dict, dict]:
+    """Wall time per step (inputs -> logits on host) and host-side enqueue time of the step call."""
+    import jax
+    import numpy as np
+
+    bs = runner.block_size
+    bt = np.arange(runner.max_num_seqs * runner.max_blocks, dtype=np.int32).reshape(runner.max_num_seqs, -1)
+    bt = bt % runner.num_blocks
+    t_tok = sum(c.num_tokens for c in chunks)
+    ids = np.random.default_rng(0).integers(0, 256, t_tok).astype(np.int32)
+    walls, enq = [], []
+    for i in range(n_warm + n):
+        t0 = time.perf_counter()
+        tokens, batch, li, kb = runner.prepare_inputs(ids, chunks, bt[: len(chunks)])
+        logits = runner.step(tokens, batch, li, kb)
+        t1 = time.perf_counter()
+        np.asarray(logits[: len(chunks)])
+        t2 = time.perf_counter()
+        if i >= n_warm:
+            walls.append(t2 - t0)
+            enq.append(t1 - t0)
+    del bs
+    jax.block_until_ready(runner.caches)
+    return _stats(walls), _stats(enq)
+
+
+def bench_arch(arch: str, layers: int, inter: int | None, ctx: int, quick: bool) -> dict:
+    import jax
+    from jds.batch import Chunk
+
+    model = build(arch, layers, inter)
+    out: dict = {"arch": arch, "layers": layers, "config": str(model.cfg), "modes": {}}
+    n_ttft, n_dec, n_tp = (30, 30, 5) if quick else (300, 100, 20)
+    for mode in ("wide", "narrow", "fused"):
+        t0 = time.perf_counter()
+        r = make_runner(model, mode, 64, ctx)
+        res = {}
+        ttft, enq = time_steps(r, [Chunk(0, 0, 128)], 20, n_ttft)
+        res["ttft_128"] = ttft
+        res["ttft_128_host_enqueue"] = enq
+        res["dispatches_per_step"] = {"captured": r.last_dispatch.captured, "eager": r.last_dispatch.eager}
+        tp, _ = time_steps(r, [Chunk(i, 0, 128) for i in range(64)], 3, n_tp)
+        res["prefill_64x128"] = tp
+        res["throughput_req_per_s"] = 64e3 / tp["mean_ms"]
+        for b in (1, 64):
+            d, e = time_steps(r, [Chunk(i, ctx - 1, 1) for i in range(b)], 10, n_dec)
+            res[f"decode_b{b}_ctx{ctx}"] = d
+            res[f"decode_b{b}_ctx{ctx}_host_enqueue"] = e
+        res["bench_seconds"] = time.perf_counter() - t0
+        out["modes"][mode] = res
+        print(json.dumps({arch: {mode: {k: (v["mean_ms"] if isinstance(v, dict) and "mean_ms" in v else v)
+                                         for k, v in res.items()}}}), flush=True)
+        del r
+        jax.clear_caches()
+    m = out["modes"]
+    out["ratios"] = {f"{a}/wide_{k}": m[a][k]["mean_ms"] / m["wide"][k]["mean_ms"]
+                     for a in ("narrow", "fused") for k in ("ttft_128", f"decode_b64_ctx{ctx}", "prefill_64x128")}
+    return out
+
+
+def dump_counts(dump_dir: str, arch: str, layers: int) -> dict:
+    """One step per mode with XLA dumping on; count graphs and direct launches per step."""
+    from jds.batch import Chunk
+    from jds.thunks import read_dump
+    import numpy as np
+
+    model = build(arch, layers, 2048)
+    result = {}
+    seen: set[str] = set()
+    for mode in ("wide", "narrow", "fused"):
+        r = make_runner(model, mode, 2, 256)
+        ids = np.arange(128, dtype=np.int32)
+        bt = np.arange(2 * r.max_blocks, dtype=np.int32).reshape(2, -1)
+        r.execute(ids, [Chunk(0, 0, 128)], bt[:1])
+        mods = read_dump(dump_dir)
+        new = {k: v for k, v in mods.items() if k not in seen}
+        seen |= set(mods)
+        per = {k: {"command_buffers": v.command_buffers, "direct_launches": v.direct_launches,
+                   "top_level": len(v.top_level), "in_graphs": len(v.in_graphs)} for k, v in new.items()}
+        kinds = [model.cfg.layer_kind(i) for i in range(layers)]
+
+        def launches(tag: str) -> int:
+            return sum(v["direct_launches"] for k, v in per.items() if tag in k)
+
+        if mode == "fused":
+            step = launches("jit_full")
+        else:
+            eager_tag = "jit_consume" if mode == "narrow" else "jit_prepare_and_consume"
+            n_e = len([k for k in per if eager_tag in k])
+            n_m = len([k for k in per if "jit_mid" in k])
+            # each compiled module is one executable; the step calls mid (layers-1)x, eager (layers)x
+            step = (launches("jit_first") + launches("jit_last")
+                    + (launches("jit_mid") / max(n_m, 1)) * (layers - 1)
+                    + (launches(eager_tag) / max(n_e, 1)) * layers)
+        result[mode] = {"modules": per, "direct_launches_per_step": step, "layer_kinds": kinds}
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--arch", nargs="+", default=["v32", "v4"])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--intermediate", type=int, default=None, help="MLP width (default: v32 18432, v4 2048*?)")
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--dump", default=None, help="XLA dump dir: count thunks instead of timing")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    if a.dump:
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={a.dump}"
+    import jax
+
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "jax": jax.__version__,
+            "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
+            "command": " ".join(["python"] + sys.argv)}
+    results = {"meta": meta, "archs": {}}
+    for arch in a.arch:
+        inter = a.intermediate or (18432 if arch == "v32" else 2048)
+        if a.dump:
+            results["archs"][arch] = dump_counts(a.dump, arch, min(a.layers, 4))
+            a.dump = a.dump  # same dir; dump_counts diffs module sets per mode
+        else:
+            results["archs"][arch] = bench_arch(arch, a.layers, inter, a.ctx, a.quick)
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
+    print(json.dumps(results if a.dump else {k: v.get("ratios") for k, v in results["archs"].items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""Config presets against the spec numbers, HF config.json loading, and validation messages (no JAX)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from jds.config import Numerics, RopeConfig, V32Config, V4Config, replace, yarn_mscale
+
+# DeepSeek-V3.2 config.json attention fields (spec §1; HF field names)
+V32_HF = {
+    "hidden_size": 7168, "num_attention_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048,
+    "rope_theta": 10000, "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "num_hidden_layers": 61, "vocab_size": 129280,  # unrelated fields are ignored
+}
+
+# DeepSeek-V4-Flash config.json attention fields (V4 spec §1)
+V4_RATIOS = [0, 0] + [4 if i % 2 == 0 else 128 for i in range(2, 43)] + [0]
+V4_HF = {
+    "hidden_size": 4096, "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512,
+    "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_lora_rank": 1024, "o_groups": 8, "sliding_window": 128,
+    "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000, "compress_rope_theta": 160000, "max_position_embeddings": 1048576,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                     "beta_fast": 32, "beta_slow": 1},
+    "compress_ratios": V4_RATIOS, "num_hidden_layers": 43,
+}
+
+
+def write_json(tmp_path, d: dict):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(d))
+    return p
+
+
+# ------------------------------------------------------------------------------------------
+# presets
+# ------------------------------------------------------------------------------------------
+
+
+def test_v32_preset_spec_values() -> None:
+    c = V32Config.deepseek_v32()
+    assert (c.hidden_size, c.n_heads, c.q_lora_rank, c.kv_lora_rank) == (7168, 128, 1536, 512)
+    assert (c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.qk_head_dim) == (128, 64, 128, 192)
+    assert (c.index_n_heads, c.index_head_dim, c.index_topk) == (64, 128, 2048)
+    assert (c.rope_theta, c.rope_factor, c.original_seq_len, c.beta_fast, c.beta_slow, c.mscale) == \
+        (10000.0, 40.0, 4096, 32.0, 1.0, 1.0)
+    assert c.max_seq_len == 163840 and c.rms_norm_eps == 1e-6 and c.kv_record_dim == 576
+    assert c.yarn_active
+    assert c.rope == RopeConfig(10000.0, True, 40.0, 4096, 32.0, 1.0)
+    assert abs(yarn_mscale(c.rope_factor, c.mscale) - 1.3688879454113936) < 1e-15
+    assert abs(c.softmax_scale - 0.1352337788608801) < 1e-12
+    assert abs(c.softmax_scale - 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2) < 1e-15
+
+
+def test_v32_yarn_pitfall_short_max_seq_len() -> None:
+    """[R]: YaRN (frequencies and mscale) only when max_seq_len > original_seq_len (spec §1 pitfall)."""
+    c = replace(V32Config(), max_seq_len=4096)
+    assert not c.yarn_active and not c.rope.yarn
+    assert c.softmax_scale == 192 ** -0.5
+    assert replace(V32Config(), rope_factor=1.0).softmax_scale == 192 ** -0.5
+
+
+def test_v4_flash_preset_spec_values() -> None:
+    c = V4Config.deepseek_v4_flash()
+    assert (c.hidden_size, c.n_heads, c.head_dim, c.rope_head_dim) == (4096, 64, 512, 64)
+    assert (c.q_lora_rank, c.o_lora_rank, c.o_groups, c.window_size) == (1024, 1024, 8, 128)
+    assert (c.index_n_heads, c.index_head_dim, c.index_topk) == (64, 128, 512)
+    assert c.rms_norm_eps == 1e-6 and c.max_seq_len == 1048576
+    assert c.compress_ratios == tuple(V4_RATIOS)
+    assert len(c.compress_ratios) == 44 and c.n_layers == 44
+    assert c.compress_ratios[:4] == (0, 0, 4, 128) and c.compress_ratios[-2:] == (4, 0)
+    assert [i for i, r in enumerate(c.compress_ratios) if r == 4] == list(range(2, 43, 2))  # 21 C4 layers
+    assert [i for i, r in enumerate(c.compress_ratios) if r == 128] == list(range(3, 42, 2))  # 20 C128 layers
+    assert c.window_rope == RopeConfig(theta=10000.0, yarn=False)
+    assert c.compressed_rope == RopeConfig(160000.0, True, 16.0, 65536, 32.0, 1.0)
+    assert c.rope_for(0) == c.window_rope and c.rope_for(4) == c.rope_for(128) == c.compressed_rope
+    assert c.softmax_scale == 512 ** -0.5
+
+
+def test_tiny_presets_validate() -> None:
+    t = V32Config.tiny()
+    assert (t.kv_lora_rank, t.qk_rope_head_dim, t.index_head_dim) == (512, 64, 128)  # real record sizes
+    assert t.yarn_active
+    v = V4Config.tiny()
+    assert (v.head_dim, v.rope_head_dim) == (512, 64) and v.compress_ratios == (0, 4, 128)
+
+
+def test_numerics_presets() -> None:
+    e = Numerics.exact()
+    assert (e.dtype, e.kv_cache_dtype, e.fp8_linear, e.indexer_fp8) == ("float32", "float32", False, False)
+    r = Numerics.reference()
+    assert (r.dtype, r.kv_cache_dtype, r.fp8_linear, r.indexer_fp8, r.indexer_hadamard) == \
+        ("bfloat16", "fp8", True, True, True)
+    assert Numerics.serving().indexer_hadamard is False
+
+
+# ------------------------------------------------------------------------------------------
+# from_hf_config
+# ------------------------------------------------------------------------------------------
+
+
+def test_v32_from_hf_config_reproduces_preset(tmp_path) -> None:
+    p = write_json(tmp_path, V32_HF)
+    assert V32Config.from_hf_config(p) == V32Config.deepseek_v32()
+    assert V32Config.from_hf_config(tmp_path) == V32Config.deepseek_v32()  # a directory holding config.json
+    assert V32Config.from_hf_config(str(p)) == V32Config.deepseek_v32()
+    d = dict(V32_HF, rope_scaling=dict(V32_HF["rope_scaling"]))
+    del d["rope_scaling"]["type"]
+    d["rope_scaling"]["rope_type"] = "yarn"  # newer transformers spelling
+    assert V32Config.from_hf_config(d) == V32Config.deepseek_v32()
+    assert V32Config.from_hf_config(p, block_size=32).block_size == 32  # overrides
+
+
+def test_v32_from_hf_config_default_rope(tmp_path) -> None:
+    d = {k: v for k, v in V32_HF.items() if k != "rope_scaling"}
+    c = V32Config.from_hf_config(write_json(tmp_path, d))
+    assert c.rope_factor == 1.0 and not c.yarn_active and c.softmax_scale == 192 ** -0.5
+
+
+def test_v4_from_hf_config_reproduces_preset(tmp_path) -> None:
+    p = write_json(tmp_path, V4_HF)
+    assert V4Config.from_hf_config(p) == V4Config.deepseek_v4_flash()
+    assert V4Config.from_hf_config(tmp_path) == V4Config.deepseek_v4_flash()
+    assert V4Config.from_hf_config(dict(V4_HF)) == V4Config.deepseek_v4_flash()
+
+
+# config.json key -> the jds field named in the error (the message names the config.json key too)
+V32_REQUIRED = {"hidden_size": "hidden_size", "num_attention_heads": "n_heads", "q_lora_rank": "q_lora_rank",
+                "kv_lora_rank": "kv_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim",
+                "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim", "index_n_heads": "index_n_heads",
+                "index_head_dim": "index_head_dim", "index_topk": "index_topk",
+                "max_position_embeddings": "max_seq_len"}
+V4_REQUIRED = {"hidden_size": "hidden_size", "num_attention_heads": "n_heads", "head_dim": "head_dim",
+               "qk_rope_head_dim": "rope_head_dim", "q_lora_rank": "q_lora_rank", "o_lora_rank": "o_lora_rank",
+               "o_groups": "o_groups", "sliding_window": "window_size", "index_n_heads": "index_n_heads",
+               "index_head_dim": "index_head_dim", "index_topk": "index_topk",
+               "max_position_embeddings": "max_seq_len", "compress_ratios": "compress_ratios"}
+
+
+@pytest.mark.parametrize("field", sorted(V32_REQUIRED))
+def test_v32_missing_field(tmp_path, field: str) -> None:
+    d = {k: v for k, v in V32_HF.items() if k != field}
+    with pytest.raises(ValueError, match="missing from config.json") as e:
+        V32Config.from_hf_config(write_json(tmp_path, d))
+    assert f"invalid config field '{V32_REQUIRED[field]}'" in str(e.value) and f"'{field}'" in str(e.value)
+
+
+@pytest.mark.parametrize("field", sorted(V4_REQUIRED))
+def test_v4_missing_field(tmp_path, field: str) -> None:
+    d = {k: v for k, v in V4_HF.items() if k != field}
+    with pytest.raises(ValueError, match="missing from config.json") as e:
+        V4Config.from_hf_config(write_json(tmp_path, d))
+    assert f"invalid config field '{V4_REQUIRED[field]}'" in str(e.value) and f"'{field}'" in str(e.value)
+
+
+@pytest.mark.parametrize("hf_field,value,name", [
+    ("num_attention_heads", 0, "n_heads"),
+    ("kv_lora_rank", 500, "kv_lora_rank"),
+    ("qk_rope_head_dim", 63, "qk_rope_head_dim"),
+    ("index_head_dim", 64, "index_head_dim"),
+    ("rms_norm_eps", 0.0, "rms_norm_eps"),
+    ("rope_theta", -1.0, "rope_theta"),
+])
+def test_v32_invalid_hf_value(tmp_path, hf_field: str, value, name: str) -> None:
+    with pytest.raises(ValueError, match=f"'{name}'"):
+        V32Config.from_hf_config(write_json(tmp_path, dict(V32_HF, **{hf_field: value})))
+
+
+# ------------------------------------------------------------------------------------------
+# validation: each invalid value raises ValueError naming its field
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field,value", [
+    ("hidden_size", 0), ("hidden_size", 7000), ("n_heads", -4), ("n_heads", 2.0), ("q_lora_rank", 1000),
+    ("kv_lora_rank", 0), ("kv_lora_rank", 500), ("qk_nope_head_dim", 0), ("qk_rope_head_dim", 63),
+    ("v_head_dim", 0), ("index_n_heads", 0), ("index_head_dim", 64), ("index_head_dim", 200), ("index_topk", 0),
+    ("max_seq_len", 0), ("block_size", 0), ("rms_norm_eps", 0.0), ("rope_factor", 0.5), ("rope_theta", 0.0),
+    ("beta_fast", 0.5), ("n_heads", True),
+])
+def test_v32_invalid_field(field: str, value) -> None:
+    with pytest.raises(ValueError, match=f"invalid config field '{field}'"):
+        replace(V32Config(), **{field: value})
+
+
+@pytest.mark.parametrize("field,value", [
+    ("hidden_size", 0), ("n_heads", 0), ("head_dim", -512), ("rope_head_dim", 63), ("rope_head_dim", 512),
+    ("q_lora_rank", 0), ("o_lora_rank", 0), ("o_groups", 3), ("o_groups", 0), ("window_size", 0),
+    ("index_n_heads", 0), ("index_head_dim", 64), ("index_topk", 0), ("compress_ratios", ()),
+    ("compress_ratios", [0, 4]), ("compress_ratios", (0, 3)), ("compress_ratios", (0, 512)), ("block_size", 0),
+    ("quant_block", 0), ("quant_block", 60), ("rms_norm_eps", -1e-6), ("max_seq_len", 0),
+    ("compress_rope_theta", 0.0), ("rope_theta", -1.0), ("rope_factor", 0.5), ("beta_fast", 0.5),
+])
+def test_v4_invalid_field(field: str, value) -> None:
+    with pytest.raises(ValueError, match=f"invalid config field '{field}'"):
+        replace(V4Config(), **{field: value})
+
+
+@pytest.mark.parametrize("field,value", [("dtype", "float16"), ("kv_cache_dtype", "int8"),
+                                         ("latent_scale_fmt", "e8m0")])
+def test_numerics_invalid_field(field: str, value) -> None:
+    with pytest.raises(ValueError, match=f"invalid config field '{field}'"):
+        dataclasses.replace(Numerics(), **{field: value})
