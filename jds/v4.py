@@ -16,6 +16,7 @@ Stages (the same cut as jds.v32; the boundary runner jits them separately):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -152,28 +153,21 @@ class V4Attention(nnx.Module):
             return IndexerRecord132(epp, self.cfg.index_head_dim)
         return FloatRows(self.cfg.index_head_dim, epp, self.dtype)
 
-    def _page_elems(self) -> dict[str, int]:
+    def cache_formats(self) -> dict[str, RecordFormat]:
+        """Record format of each V4Cache field this layer kind has (the others are [num_blocks, 0])."""
         cfg = self.cfg
-        out = dict(window=self.window_format.page_elems, compressed=0, state=0, index_k=0, index_state=0)
-        if self.ratio:
-            out.update(compressed=self.compressed_format.page_elems,
-                       state=comp.state_format(self.ratio, cfg.head_dim, cfg.block_size).page_elems)
-        if self.has_indexer:
-            out.update(index_k=self.index_format.page_elems,
-                       index_state=comp.state_format(4, cfg.index_head_dim, cfg.block_size).page_elems)
-        return out
-
-    def init_cache(self, num_blocks: int) -> V4Cache:
-        pe = self._page_elems()
-        fmts = dict(window=self.window_format)
+        fmts: dict[str, RecordFormat] = dict(window=self.window_format)
         if self.ratio:
             fmts.update(compressed=self.compressed_format,
-                        state=comp.state_format(self.ratio, self.cfg.head_dim, self.cfg.block_size))
+                        state=comp.state_format(self.ratio, cfg.head_dim, cfg.block_size))
         if self.has_indexer:
-            fmts.update(index_k=self.index_format,
-                        index_state=comp.state_format(4, self.cfg.index_head_dim, self.cfg.block_size))
-        return V4Cache(**{k: empty_cache(fmts[k], num_blocks) if k in fmts else jnp.zeros((num_blocks, 0), jnp.float32)
-                          for k in pe})
+            fmts.update(index_k=self.index_format, index_state=comp.state_format(4, cfg.index_head_dim, cfg.block_size))
+        return fmts
+
+    def init_cache(self, num_blocks: int) -> V4Cache:
+        fmts = self.cache_formats()
+        return V4Cache(**{f.name: empty_cache(fmts[f.name], num_blocks) if f.name in fmts
+                          else jnp.zeros((num_blocks, 0), jnp.float32) for f in dataclasses.fields(V4Cache)})
 
     # ----- forward ----------------------------------------------------------------------------------
     def __call__(self, x: jax.Array, batch: PagedBatch, cache: V4Cache) -> AttentionResult:
@@ -296,10 +290,12 @@ class V4Attention(nnx.Module):
         if x.ndim != 2 or x.shape[1] != self.cfg.hidden_size:
             raise ValueError(f"x must be [T, hidden_size={self.cfg.hidden_size}], got shape {x.shape}")
         nb = cache.window.shape[0]
-        for name, pe in self._page_elems().items():
-            got = getattr(cache, name).shape
-            if got != (nb, pe):
-                raise ValueError(f"cache.{name} has shape {got}, expected {(nb, pe)} for this layer's formats")
+        fmts = self.cache_formats()
+        for f in dataclasses.fields(V4Cache):
+            want = (nb, fmts[f.name].page_elems if f.name in fmts else 0)
+            got = getattr(cache, f.name).shape
+            if got != want:
+                raise ValueError(f"cache.{f.name} has shape {got}, expected {want} for this layer's formats")
         validate_batch(batch, num_blocks=nb, block_size=self.cfg.block_size, max_seq_len=self.cfg.max_seq_len,
                        num_tokens=x.shape[0])
         if self.ratio:

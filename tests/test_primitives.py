@@ -213,6 +213,9 @@ def test_act_quant_edges(fmt: str, floor: float) -> None:
     qb, sb = ref_act_quant(x, 128, fmt, floor)
     np.testing.assert_array_equal(bits(q), qb)
     np.testing.assert_array_equal(np_(s).view(np.uint32), sb.view(np.uint32))
+    qj, sj = jax.jit(act_quant, static_argnums=(1, 2, 3))(jnp.asarray(x), 128, fmt, floor)  # as inside a layer
+    np.testing.assert_array_equal(bits(qj), qb)
+    np.testing.assert_array_equal(np_(sj).view(np.uint32), sb.view(np.uint32))
     if fmt == "ue8m0":
         assert float(s[0, 0]) == 2.0 ** -22  # zeros: 1e-4 * fp32(1/448) = 2.2e-7 -> 2^-22
         assert np.all(np.abs(e4m3_values(bits(q))) <= 448)
