@@ -83,9 +83,12 @@ class BoundaryRunner:
         self.token_buckets = self.token_buckets or _buckets(min(16, self.max_num_tokens), self.max_num_tokens)
         self.key_block_buckets = self.key_block_buckets or _buckets(min(4, self.max_blocks), self.max_blocks)
         self.caches = self.model.init_caches(self.num_blocks)
-        self._embed = nnx.split(self.model.embed)
-        self._layers = [nnx.split(layer) for layer in self.model.layers]
-        self._head = nnx.split(self.model.head)
+        # Parameters are flattened to plain leaf lists once: jit's C++ path flattens a list of arrays in
+        # microseconds, while an nnx.State pytree costs milliseconds of Python per call.
+        self._embed = _split_flat(self.model.embed)
+        self._layers = [_split_flat(layer) for layer in self.model.layers]
+        self._head = _split_flat(self.model.head)
+        self._whole = _split_flat(self.model)
         self._kinds = [cfg.layer_kind(i) for i in range(cfg.n_layers)]
         self._gd_of_kind = {k: self._layers[i][0] for i, k in reversed(list(enumerate(self._kinds)))}
         self._on_gpu = jax.default_backend() == "gpu"
@@ -94,7 +97,11 @@ class BoundaryRunner:
     # ----- executables ------------------------------------------------------------------------------
     def _jit(self, key: Any, fn: Callable, *, eager: bool, donate: tuple[int, ...] = ()) -> Callable:
         if key not in self._jits:
-            opts = {"xla_gpu_enable_command_buffer": ""} if (eager and self._on_gpu) else None
+            opts = None
+            if eager and self._on_gpu:
+                # Per-executable options replace the debug options of this compile, so carry a
+                # --xla_dump_to from XLA_FLAGS along (the thunk-count check reads those dumps).
+                opts = {"xla_gpu_enable_command_buffer": "", **_dump_options()}
             self._jits[key] = jax.jit(fn, donate_argnums=donate, compiler_options=opts)
         return self._jits[key]
 
@@ -103,8 +110,8 @@ class BoundaryRunner:
         narrow = self.mode == "narrow"
 
         def first(est, lst, tokens, batch, cache):
-            h = nnx.merge(egd, est)(tokens)
-            layer = nnx.merge(lgd, lst)
+            h = _merge(egd, est)(tokens)
+            layer = _merge(lgd, lst)
             inp = layer.pre_attention(h)
             if narrow:
                 query, cache = layer.attn.prepare(inp, batch, cache)
@@ -118,8 +125,8 @@ class BoundaryRunner:
         narrow = self.mode == "narrow"
 
         def mid(pst, nst, h, o, batch, cache):
-            h = nnx.merge(pgd, pst).post_attention(h, o)
-            layer = nnx.merge(ngd, nst)
+            h = _merge(pgd, pst).post_attention(h, o)
+            layer = _merge(ngd, nst)
             inp = layer.pre_attention(h)
             if narrow:
                 query, cache = layer.attn.prepare(inp, batch, cache)
@@ -132,8 +139,8 @@ class BoundaryRunner:
         pgd, hgd = self._gd_of_kind[kind], self._head[0]
 
         def last(pst, hst, h, o, logits_indices):
-            h = nnx.merge(pgd, pst).post_attention(h, o)
-            return nnx.merge(hgd, hst)(h, logits_indices)
+            h = _merge(pgd, pst).post_attention(h, o)
+            return _merge(hgd, hst)(h, logits_indices)
 
         return self._jit(("last", kind), last, eager=False)
 
@@ -141,13 +148,13 @@ class BoundaryRunner:
         gd = self._gd_of_kind[kind]
         if self.mode == "narrow":
             def consume(st, query, batch, cache):
-                attn = nnx.merge(gd, st).attn
+                attn = _merge(gd, st).attn
                 topk = attn.select(query, batch, cache)
                 return attn.attend(query, topk, batch, cache), cache
             return self._jit(("eager", kind), consume, eager=True)
 
         def prepare_and_consume(st, inp, batch, cache):
-            attn = nnx.merge(gd, st).attn
+            attn = _merge(gd, st).attn
             query, cache = attn.prepare(inp, batch, cache)
             topk = attn.select(query, batch, cache)
             return attn.attend(query, topk, batch, cache), cache
@@ -155,17 +162,18 @@ class BoundaryRunner:
         return self._jit(("eager", kind), prepare_and_consume, eager=True, donate=(3,))
 
     def _fused(self) -> Callable:
-        gd = nnx.graphdef(self.model)
+        gd = self._whole[0]
 
         def full(st, tokens, batch, caches, logits_indices):
-            return nnx.merge(gd, st)(tokens, batch, caches, logits_indices)
+            return _merge(gd, st)(tokens, batch, caches, logits_indices)
 
         return self._jit(("fused",), full, eager=False, donate=(3,))
 
     # ----- one step ---------------------------------------------------------------------------------
     def prepare_inputs(self, token_ids: np.ndarray, chunks: list[Chunk], block_tables: np.ndarray
-                       ) -> tuple[jax.Array, PagedBatch, jax.Array, int]:
-        """Pad tokens to a bucket and rows to max_num_seqs; return (tokens, batch, logits_indices, key blocks)."""
+                       ) -> tuple[jax.Array, PagedBatch, jax.Array, PagedBatch]:
+        """Pad tokens to a bucket and rows to max_num_seqs; return (tokens, batch, logits_indices, the
+        batch with block tables cut to this step's key-block bucket)."""
         t = int(sum(c.num_tokens for c in chunks))
         if len(token_ids) != t:
             raise ValueError(f"token_ids has {len(token_ids)} tokens but the chunks hold {t}")
@@ -191,23 +199,25 @@ class BoundaryRunner:
         li = np.zeros(self.max_num_seqs, np.int32)
         li[: len(chunks)] = ends
         kb = _pick(self.key_block_buckets, -(-end // self.block_size))
-        return jnp.asarray(tokens), batch, jnp.asarray(li), kb
+        small = PagedBatch(positions=batch.positions, req_idx=batch.req_idx, slot_mapping=batch.slot_mapping,
+                           block_tables=jnp.asarray(bt[:, :kb]), seq_lens=batch.seq_lens,
+                           query_start_loc=batch.query_start_loc)
+        return jnp.asarray(tokens), batch, jnp.asarray(li), small
 
     def execute(self, token_ids: np.ndarray, chunks: list[Chunk], block_tables: np.ndarray) -> np.ndarray:
         """One step; float32 logits [len(chunks), vocab] of each chunk's last token."""
-        tokens, batch, li, kb = self.prepare_inputs(token_ids, chunks, block_tables)
-        logits = self.step(tokens, batch, li, kb)
+        tokens, batch, li, small = self.prepare_inputs(token_ids, chunks, block_tables)
+        logits = self.step(tokens, batch, li, small)
         return np.asarray(logits[: len(chunks)])
 
-    def step(self, tokens: jax.Array, batch: PagedBatch, logits_indices: jax.Array, key_blocks: int) -> jax.Array:
-        """Dispatch one step in this runner's mode; the caches advance in place of ``self.caches``."""
+    def step(self, tokens: jax.Array, batch: PagedBatch, logits_indices: jax.Array, small: PagedBatch) -> jax.Array:
+        """Dispatch one step in this runner's mode; the caches advance in place of ``self.caches``.
+
+        ``small`` is ``batch`` with block tables cut to this step's key-block bucket (built on the host).
+        """
         stats = DispatchStats()
-        small = PagedBatch(positions=batch.positions, req_idx=batch.req_idx, slot_mapping=batch.slot_mapping,
-                           block_tables=batch.block_tables[:, :key_blocks], seq_lens=batch.seq_lens,
-                           query_start_loc=batch.query_start_loc)
         if self.mode == "fused":
-            state = nnx.state(self.model)
-            logits, self.caches = self._fused()(state, tokens, small, self.caches, logits_indices)
+            logits, self.caches = self._fused()(self._whole[1], tokens, small, self.caches, logits_indices)
             stats.captured += 1
             self.last_dispatch = stats
             return logits
@@ -234,8 +244,9 @@ class BoundaryRunner:
             tokens = jnp.zeros(tb, jnp.int32)
             bt = np.zeros((self.max_num_seqs, self.max_blocks), np.int32)
             batch = make_batch([], bt, self.block_size, pad_to=tb)
+            small = make_batch([], bt[:, :kb], self.block_size, pad_to=tb)
             li = jnp.zeros(self.max_num_seqs, jnp.int32)
-            jax.block_until_ready(self.step(tokens, batch, li, kb))
+            jax.block_until_ready(self.step(tokens, batch, li, small))
             if progress:
                 progress(f"compiled bucket {n}/{len(combos)} (tokens={tb}, key_blocks={kb}) "
                          f"[{time.perf_counter() - t0:.1f}s]")
@@ -281,3 +292,23 @@ def load_model_config(name: str, config_path: str | None = None, *, moe: bool = 
     if moe:
         cfg = dataclasses.replace(cfg, n_routed_experts=8, moe_topk=2, n_shared_experts=1)
     return cfg
+
+
+def _split_flat(module: nnx.Module) -> tuple[Any, list[jax.Array]]:
+    """(graphdef + treedef, parameter leaves) so a jitted call receives a plain list of arrays."""
+    gd, state = nnx.split(module)
+    leaves, treedef = jax.tree.flatten(state)
+    return (gd, treedef), leaves
+
+
+def _merge(gd_treedef: tuple[Any, Any], leaves: list[jax.Array]) -> Any:
+    gd, treedef = gd_treedef
+    return nnx.merge(gd, jax.tree.unflatten(treedef, leaves))
+
+
+def _dump_options() -> dict[str, str]:
+    import os
+    import re
+
+    m = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
+    return {"xla_dump_to": m.group(1)} if m else {}

@@ -63,8 +63,8 @@ def time_steps(runner, chunks, n_warm: int, n: int) -> tuple[dict, dict]:
     walls, enq = [], []
     for i in range(n_warm + n):
         t0 = time.perf_counter()
-        tokens, batch, li, kb = runner.prepare_inputs(ids, chunks, bt[: len(chunks)])
-        logits = runner.step(tokens, batch, li, kb)
+        tokens, batch, li, small = runner.prepare_inputs(ids, chunks, bt[: len(chunks)])
+        logits = runner.step(tokens, batch, li, small)
         t1 = time.perf_counter()
         np.asarray(logits[: len(chunks)])
         t2 = time.perf_counter()

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import pytest
@@ -22,15 +23,24 @@ def test_command_buffers_and_direct_launches(tmp_path) -> None:
                     "--layers", "4", "--dump", str(tmp_path / "xla"), "--out", str(out)], check=True, cwd=ROOT,
                    env={**os.environ, "PYTHONPATH": ROOT})
     res = json.loads(out.read_text())["archs"]
+    if os.environ.get("JDS_GPU_OUT"):  # keep the evidence (device runs copy this dir back)
+        (Path(os.environ["JDS_GPU_OUT"]) / "thunk_counts.json").write_text(out.read_text())
+    problems = []
     for arch, modes in res.items():
         for mode, r in modes.items():
             mods = r["modules"]
             captured = {k: v for k, v in mods.items() if any(t in k for t in ("jit_first", "jit_mid", "jit_last", "jit_full"))}
             eager = {k: v for k, v in mods.items() if "consume" in k}
-            assert captured, f"{arch}/{mode}: no captured modules in the dump"
+            if not captured:
+                problems.append(f"{arch}/{mode}: no captured modules in the dump")
             for k, v in captured.items():
-                assert v["command_buffers"] >= 1 and v["in_graphs"] > 0, f"{arch}/{mode}/{k} not captured: {v}"
+                if not (v["command_buffers"] >= 1 and v["in_graphs"] > 0):
+                    problems.append(f"{arch}/{mode}/{k} not captured: {v}")
             for k, v in eager.items():
-                assert v["command_buffers"] == 0, f"{arch}/{mode}/{k}: eager region was captured"
-        assert modes["narrow"]["direct_launches_per_step"] < modes["wide"]["direct_launches_per_step"], arch
-        assert modes["fused"]["direct_launches_per_step"] <= 3, arch
+                if v["command_buffers"] != 0:
+                    problems.append(f"{arch}/{mode}/{k}: eager region was captured: {v}")
+        if not modes["narrow"]["direct_launches_per_step"] < modes["wide"]["direct_launches_per_step"]:
+            problems.append(f"{arch}: narrow does not launch fewer kernels directly than wide")
+        if not modes["fused"]["direct_launches_per_step"] <= 3:
+            problems.append(f"{arch}: fused launches {modes['fused']['direct_launches_per_step']} directly")
+    assert not problems, "\n".join(problems)
