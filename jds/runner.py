@@ -14,8 +14,6 @@ step's actual sequence lengths. narrow/wide issue L eager + L+1 captured dispatc
 
 from __future__ import annotations
 
-import functools
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal

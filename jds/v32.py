@@ -11,12 +11,13 @@ Stages (the boundary runner in jds/runner.py cuts between them):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jds.attention import Implementation, StagedAttention
 from jds.batch import PagedBatch, validate_batch
 from jds.config import Numerics, V32Config
 from jds.nn import Linear, LayerNorm, RMSNorm, jdtype
@@ -28,7 +29,6 @@ from jds.ops.rope import rope_cos_sin, rope_part
 from jds.ops.sparse_mqa import sparse_mqa
 
 AttnForm = Literal["absorbed", "mha"]
-Implementation = Literal["xla", "pallas"]
 
 
 @jax.tree_util.register_dataclass
@@ -59,16 +59,6 @@ class V32Query:
     index_w: jax.Array  # [T, Hi] float32, constant scales folded in
 
 
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class AttentionResult:
-    """What one attention layer returns; shared by V3.2 (cache: V32Cache) and V4 (cache: V4Cache)."""
-
-    y: jax.Array  # [T, hidden]
-    cache: Any  # the layer's updated cache pytree
-    topk: jax.Array  # [T, k] request-local key/entry indices, -1 padded ([T, 0] for layers without an indexer)
-
-
 class V32Indexer(nnx.Module):
     def __init__(self, cfg: V32Config, numerics: Numerics, rngs: nnx.Rngs):
         dt, fp8 = jdtype(numerics.dtype), numerics.fp8_linear
@@ -78,7 +68,7 @@ class V32Indexer(nnx.Module):
         self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, dtype=jnp.float32, fp8=False, rngs=rngs)
 
 
-class V32Attention(nnx.Module):
+class V32Attention(StagedAttention):
     def __init__(self, cfg: V32Config, numerics: Numerics, *, rngs: nnx.Rngs, form: AttnForm = "absorbed",
                  implementation: Implementation = "xla"):
         if form not in ("absorbed", "mha"):
@@ -116,14 +106,6 @@ class V32Attention(nnx.Module):
         return V32Cache(kv=empty_cache(self.kv_format, num_blocks), index_k=empty_cache(self.index_format, num_blocks))
 
     # ----- forward ----------------------------------------------------------------------------------
-    def __call__(self, x: jax.Array, batch: PagedBatch, cache: V32Cache) -> AttentionResult:
-        self.check_inputs(x, batch, cache)
-        inp = self.project_in(x)
-        query, cache = self.prepare(inp, batch, cache)
-        topk = self.select(query, batch, cache)
-        o = self.attend(query, topk, batch, cache)
-        return AttentionResult(y=self.project_out(o), cache=cache, topk=topk)
-
     def project_in(self, x: jax.Array) -> V32Inputs:
         x = x.astype(self.dtype)
         return V32Inputs(q_lat=self.wq_a(x), kv=self.wkv_a(x), index_k=self.indexer.wk(x),

@@ -34,7 +34,7 @@ from jds.ops.paging import RecordFormat, empty_cache, gather_request_rows, globa
 from jds.ops.records import FloatRows, IndexerRecord132, MlaRecord584
 from jds.ops.rope import cached_inv_freqs, rope_cos_sin, rope_part
 from jds.ops.sparse_mqa import sparse_mqa
-from jds.v32 import AttentionResult, Implementation
+from jds.attention import AttentionResult, Implementation, StagedAttention
 
 __all__ = ["V4Attention", "V4Cache", "V4Inputs", "V4Query", "V4Compressor", "AttentionResult"]
 
@@ -99,7 +99,7 @@ class V4Indexer(nnx.Module):
         self.compressor = V4Compressor(cfg.hidden_size, cfg.index_head_dim, 4, cfg.rms_norm_eps, rngs)
 
 
-class V4Attention(nnx.Module):
+class V4Attention(StagedAttention):
     def __init__(self, cfg: V4Config, numerics: Numerics, layer_id: int, *, rngs: nnx.Rngs,
                  implementation: Implementation = "xla"):
         if implementation not in ("xla", "pallas"):
@@ -170,14 +170,6 @@ class V4Attention(nnx.Module):
                           else jnp.zeros((num_blocks, 0), jnp.float32) for f in dataclasses.fields(V4Cache)})
 
     # ----- forward ----------------------------------------------------------------------------------
-    def __call__(self, x: jax.Array, batch: PagedBatch, cache: V4Cache) -> AttentionResult:
-        self.check_inputs(x, batch, cache)
-        inp = self.project_in(x)
-        query, cache = self.prepare(inp, batch, cache)
-        topk = self.select(query, batch, cache)
-        o = self.attend(query, topk, batch, cache)
-        return AttentionResult(y=self.project_out(o), cache=cache, topk=topk)
-
     def project_in(self, x: jax.Array) -> V4Inputs:
         x = x.astype(self.dtype)
         t = x.shape[0]

@@ -1,0 +1,34 @@
+"""What the V3.2 and V4 attention layers share above the primitives: the result type and the stage
+order of a forward pass (the boundary runner calls the same stages one by one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jax
+from flax import nnx
+
+from jds.batch import PagedBatch
+
+Implementation = Literal["xla", "pallas"]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class AttentionResult:
+    y: jax.Array  # [T, hidden]
+    cache: Any  # the layer's cache pytree after this step's inserts
+    topk: jax.Array  # [T, index_topk] request-local indices (-1 padded); [T, 0] for layers without an indexer
+
+
+class StagedAttention(nnx.Module):
+    """Base of both layers: ``__call__`` is the list of stages every subclass implements."""
+
+    def __call__(self, x: jax.Array, batch: PagedBatch, cache: Any) -> AttentionResult:
+        self.check_inputs(x, batch, cache)
+        inp = self.project_in(x)
+        query, cache = self.prepare(inp, batch, cache)
+        topk = self.select(query, batch, cache)
+        o = self.attend(query, topk, batch, cache)
+        return AttentionResult(y=self.project_out(o), cache=cache, topk=topk)
