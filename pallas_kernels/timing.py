@@ -1,0 +1,39 @@
+"""Timing helpers shared by the kernel benchmarks (scripts/bench_kernels.py): median of many runs after
+warm-up, and the device ceilings (copy bandwidth, bf16 matmul FLOP/s) measured in the same run."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def time_fn(fn: Callable[..., Any], *args: Any, warmup: int = 5, iters: int = 50) -> dict[str, float]:
+    """Median / P10 / P90 wall time in microseconds of ``fn(*args)`` (blocking on the result)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return {"median_us": 1e6 * statistics.median(ts), "p10_us": 1e6 * ts[len(ts) // 10],
+            "p90_us": 1e6 * ts[(9 * len(ts)) // 10], "iters": iters}
+
+
+def measure_ceilings(quick: bool = False) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written per second) and bf16 matmul FLOP/s on this device."""
+    n = (1 << 28) if not quick else (1 << 20)
+    x = jnp.ones((n,), jnp.float32)
+    copy = jax.jit(lambda a: a + 1.0)
+    t = time_fn(copy, x, iters=20 if not quick else 3)["median_us"] * 1e-6
+    bw = 2 * 4 * n / t
+    m = 8192 if not quick else 256
+    a = jnp.ones((m, m), jnp.bfloat16)
+    mm = jax.jit(lambda p, q: p @ q)
+    t = time_fn(mm, a, a, iters=20 if not quick else 3)["median_us"] * 1e-6
+    return {"copy_bytes_per_s": bw, "bf16_flops_per_s": 2 * m ** 3 / t}

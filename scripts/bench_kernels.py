@@ -1,0 +1,52 @@
+"""Kernel benchmarks (issues 6-8): each kernel against its XLA implementation in the same run, with
+achieved bandwidth / FLOP/s as fractions of the ceilings measured in the same run.
+
+    python scripts/bench_kernels.py [--only fused_insert sparse_indexer sparse_mqa] [--quick] --out FILE.json
+
+Each kernel module ``pallas_kernels/bench_<name>.py`` provides ``benchmark(quick: bool) -> list[dict]``
+whose rows hold at least: kernel, case, impl ("pallas" | "xla"), median_us, bytes, flops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+KERNELS = ("fused_insert", "sparse_indexer", "sparse_mqa")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--only", nargs="+", default=list(KERNELS), choices=KERNELS)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    import jax
+
+    from pallas_kernels.timing import measure_ceilings
+
+    ceil = measure_ceilings(a.quick)
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "jax": jax.__version__,
+            "device": jax.devices()[0].device_kind, "command": " ".join(["python"] + sys.argv), **ceil}
+    rows = []
+    for name in a.only:
+        mod = importlib.import_module(f"pallas_kernels.bench_{name}")
+        for r in mod.benchmark(a.quick):
+            t = r["median_us"] * 1e-6
+            r["bandwidth_frac"] = r["bytes"] / t / ceil["copy_bytes_per_s"] if r.get("bytes") else None
+            r["flops_frac"] = r["flops"] / t / ceil["bf16_flops_per_s"] if r.get("flops") else None
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
