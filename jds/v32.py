@@ -146,6 +146,9 @@ class V32Attention(StagedAttention):
     def attend(self, query: V32Query, topk: jax.Array, batch: PagedBatch, cache: V32Cache) -> jax.Array:
         """Sparse attention over the selected keys; returns [T, H * v_head_dim] in the activation dtype."""
         cfg = self.cfg
+        # at most block_tables.shape[1] * block_size keys exist in this step's bucket: the -1 padding
+        # beyond that is static and would only be gathered and masked
+        topk = topk[:, : min(topk.shape[1], batch.block_tables.shape[1] * cfg.block_size)]
         slots = global_slots(batch.block_tables, batch.req_idx, topk, cfg.block_size)
         rows = read_records(cache.kv, self.kv_format, slots)  # [T, K, kv_lora + rope] float32
         valid = topk >= 0

@@ -232,7 +232,7 @@ class V4Attention(StagedAttention):
         valid = [w_local >= 0]
         if self.ratio:
             if self.ratio == 4:
-                c_local = topk
+                c_local = topk[:, : min(topk.shape[1], self._max_entries(batch))]  # static -1 tail cut
             else:
                 n = self._max_entries(batch)
                 c_local = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (p.shape[0], n))

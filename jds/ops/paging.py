@@ -20,6 +20,9 @@ class RecordFormat(Protocol):
     page_elems: int
     dtype: jnp.dtype
 
+    def segments(self, slots: jax.Array) -> tuple[tuple[jax.Array, int], ...]:
+        """The record's contiguous parts: (start offset [...] in the flattened cache, length) each."""
+
     def offsets(self, slots: jax.Array) -> jax.Array:
         """[..., rec] element offsets of each slot's record in the flattened cache."""
 
@@ -43,20 +46,38 @@ def global_slots(block_tables: jax.Array, req_idx: jax.Array, local: jax.Array, 
 
 
 def write_records(cache: jax.Array, fmt: RecordFormat, slots: jax.Array, rows: jax.Array) -> jax.Array:
-    """Store ``rows`` [N, D] at ``slots`` [N]; slot -1 writes nothing."""
-    n_total = cache.size
-    off = fmt.offsets(jnp.maximum(slots, 0))
-    off = jnp.where((slots >= 0)[:, None], off, n_total)  # out of range -> dropped
+    """Store ``rows`` [N, D] at ``slots`` [N]; slot -1 writes nothing.
+
+    One windowed scatter per contiguous segment of the record (a whole 656-byte record, or a
+    split page's value and scale parts), so each token moves as a few contiguous windows rather
+    than as one index per byte.
+    """
+    flat = cache.reshape(-1)
     vals = fmt.pack(rows).astype(cache.dtype)
-    flat = cache.reshape(-1).at[off.reshape(-1)].set(vals.reshape(-1), mode="drop")
+    pos = 0
+    for start, n in fmt.segments(jnp.maximum(slots, 0)):
+        start = jnp.where(slots >= 0, start, flat.shape[0])  # out of bounds -> window dropped
+        flat = jax.lax.scatter(flat, start[:, None].astype(jnp.int32), vals[:, pos: pos + n], _SCATTER,
+                               indices_are_sorted=False, unique_indices=False,
+                               mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+        pos += n
     return flat.reshape(cache.shape)
 
 
 def read_records(cache: jax.Array, fmt: RecordFormat, slots: jax.Array) -> jax.Array:
     """Gather and dequantise the rows at ``slots`` (any shape); slot -1 reads slot 0 (mask it yourself)."""
-    off = fmt.offsets(jnp.maximum(slots, 0))
-    recs = cache.reshape(-1)[off]
-    return fmt.unpack(recs)
+    flat = cache.reshape(-1)
+    parts = []
+    for start, n in fmt.segments(jnp.maximum(slots, 0)):
+        g = jax.lax.gather(flat, start.reshape(-1, 1).astype(jnp.int32), _GATHER, slice_sizes=(n,),
+                           mode=jax.lax.GatherScatterMode.CLIP)
+        parts.append(g.reshape(slots.shape + (n,)))
+    return fmt.unpack(jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0])
+
+
+_GATHER = jax.lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(), start_index_map=(0,))
+_SCATTER = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(),
+                                           scatter_dims_to_operand_dims=(0,))
 
 
 def gather_request_rows(cache: jax.Array, fmt: RecordFormat, block_tables: jax.Array, max_entries: int) -> jax.Array:

@@ -29,6 +29,11 @@ def _from_bytes(b: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(b.reshape(b.shape[:-1] + (b.shape[-1] // size, size)), dtype)
 
 
+def offsets_from_segments(segs: tuple[tuple[jax.Array, int], ...]) -> jax.Array:
+    """Element offsets [..., record] of a record made of contiguous (start, length) segments."""
+    return jnp.concatenate([st[..., None] + jnp.arange(n, dtype=jnp.int32) for st, n in segs], axis=-1)
+
+
 @dataclass(frozen=True)
 class FloatRows:
     """Plain rows of ``dim`` elements in ``dtype`` (bf16/f32 caches, compressor state)."""
@@ -41,8 +46,11 @@ class FloatRows:
     def page_elems(self) -> int:
         return self.entries_per_page * self.dim
 
+    def segments(self, slots: jax.Array) -> tuple[tuple[jax.Array, int], ...]:
+        return ((slots * self.dim, self.dim),)
+
     def offsets(self, slots: jax.Array) -> jax.Array:
-        return slots[..., None] * self.dim + jnp.arange(self.dim, dtype=jnp.int32)
+        return offsets_from_segments(self.segments(slots))
 
     def pack(self, rows: jax.Array) -> jax.Array:
         return rows.astype(self.dtype)
@@ -72,8 +80,11 @@ class MlaRecord656:
     def page_elems(self) -> int:
         return self.entries_per_page * self.record_bytes
 
+    def segments(self, slots: jax.Array) -> tuple[tuple[jax.Array, int], ...]:
+        return ((slots * self.record_bytes, self.record_bytes),)
+
     def offsets(self, slots: jax.Array) -> jax.Array:
-        return slots[..., None] * self.record_bytes + jnp.arange(self.record_bytes, dtype=jnp.int32)
+        return offsets_from_segments(self.segments(slots))
 
     def pack(self, rows: jax.Array) -> jax.Array:
         lat, pe = rows[..., : self.latent_dim], rows[..., self.latent_dim:]
@@ -106,12 +117,13 @@ class IndexerRecord132:
     def page_elems(self) -> int:
         return self.entries_per_page * (self.dim + 4)
 
-    def offsets(self, slots: jax.Array) -> jax.Array:
+    def segments(self, slots: jax.Array) -> tuple[tuple[jax.Array, int], ...]:
         page, j = slots // self.entries_per_page, slots % self.entries_per_page
         base = page * self.page_elems
-        vals = (base + j * self.dim)[..., None] + jnp.arange(self.dim, dtype=jnp.int32)
-        scl = (base + self.entries_per_page * self.dim + j * 4)[..., None] + jnp.arange(4, dtype=jnp.int32)
-        return jnp.concatenate([vals, scl], axis=-1)
+        return ((base + j * self.dim, self.dim), (base + self.entries_per_page * self.dim + j * 4, 4))
+
+    def offsets(self, slots: jax.Array) -> jax.Array:
+        return offsets_from_segments(self.segments(slots))
 
     def pack(self, rows: jax.Array) -> jax.Array:
         q, s = act_quant(rows, self.dim, "ue8m0", 1e-4)
@@ -153,13 +165,14 @@ class MlaRecord584:
     def page_elems(self) -> int:
         return self.entries_per_page * (self.data_bytes + self.scale_bytes)
 
-    def offsets(self, slots: jax.Array) -> jax.Array:
+    def segments(self, slots: jax.Array) -> tuple[tuple[jax.Array, int], ...]:
         page, j = slots // self.entries_per_page, slots % self.entries_per_page
         base = page * self.page_elems
-        data = (base + j * self.data_bytes)[..., None] + jnp.arange(self.data_bytes, dtype=jnp.int32)
-        scl = (base + self.entries_per_page * self.data_bytes + j * self.scale_bytes)[..., None] + jnp.arange(
-            self.scale_bytes, dtype=jnp.int32)
-        return jnp.concatenate([data, scl], axis=-1)
+        return ((base + j * self.data_bytes, self.data_bytes),
+                (base + self.entries_per_page * self.data_bytes + j * self.scale_bytes, self.scale_bytes))
+
+    def offsets(self, slots: jax.Array) -> jax.Array:
+        return offsets_from_segments(self.segments(slots))
 
     def pack(self, rows: jax.Array) -> jax.Array:
         nope = rows[..., : self.nope_dim].astype(jnp.bfloat16).astype(jnp.float32)
