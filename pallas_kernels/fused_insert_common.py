@@ -1,0 +1,170 @@
+"""Helpers shared by the fused norm/RoPE/cache-insert kernels (fused_insert_v32.py, fused_insert_v4.py).
+
+Backend: the Pallas *Triton* lowering (``pl.pallas_call`` with ``jax.experimental.pallas.triton``
+compiler params; ``interpret=True`` on the CPU), not Mosaic GPU. Why (jax 0.11.2, Hopper):
+
+* the cache records are byte rows mixing e4m3 values, fp32 scales / UE8M0 exponent bytes and bf16 rope
+  values in one ``uint8`` array. Mosaic GPU has no ref bitcast (its lowering knows no bitcast transform)
+  and register bitcasts must keep the element width, so each fp32/bf16 would have to be split into bytes
+  and stored through strided SMEM views of 4- to 64-element arrays, which the warpgroup layouts reject;
+* per-token scatter targets are small and unaligned for TMA: the indexer scale is 4 bytes at
+  ``bs*128 + 4*j`` and V4's scale group 8 bytes at ``bs*576 + 8*j`` (TMA needs 16-byte granules), and
+  Mosaic GPU rejects vector indices on Hopper ("Arrays are not supported as indices"; TMA gather/scatter
+  is sm100 only), so every row would be a separate scalar-indexed copy;
+* Triton expresses all of it directly: per-element pointer arithmetic with masks (slot -1 and the
+  token tail write nothing), same-width bitcasts plus shifts for the byte split, RNE f32->e4m3;
+* and the Triton lowering runs on a CPU-only machine (``check_triton_lowering``), so the kernels are
+  lowered to Triton IR in the CPU tests; Mosaic GPU's lowering needs the CUDA plugin.
+
+Every load/store uses *array* indices only (no strided slices: interpret mode rejects strides), on
+the arrays' natural 2-D/3-D shapes so that the Triton lowering widens offsets to 64 bits when a cache
+exceeds 4 GiB. Masked-out store lanes are pointed one past the first axis (an out-of-range index that
+interpret mode's scatter drops); masked-out load lanes are clamped to valid rows.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from jds.ops.quant import FLT_MIN, FP8, FP8_MAX, true_divide
+
+F32 = jnp.float32
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """None -> interpret unless the default backend is a GPU."""
+    return jax.default_backend() != "gpu" if interpret is None else bool(interpret)
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def log2(n: int) -> int:
+    assert is_pow2(n), n
+    return int(math.log2(n))
+
+
+def pallas_call(kernel: Any, *, out_shape: Any, grid: tuple[int, ...], aliases: dict[int, int],
+                interpret: bool, name: str, num_warps: int = 4) -> Any:
+    """pl.pallas_call on the Triton backend (explicit Triton params; GPU interpret mode on the CPU)."""
+    return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, input_output_aliases=aliases,
+                          interpret=interpret, name=name,
+                          compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1))
+
+
+# ----- kernel-side helpers (traced inside kernel bodies) ----------------------------------------------
+def iota(shape: tuple[int, ...], dim: int) -> jax.Array:
+    return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def store(ref: Any, idx: tuple[jax.Array, ...], val: jax.Array, mask: jax.Array) -> None:
+    """Masked scatter store; all index arrays are broadcast to the value's shape."""
+    idx = tuple(jnp.broadcast_to(i, val.shape) for i in idx)
+    plt.store(ref.at[idx], val, mask=jnp.broadcast_to(mask, val.shape))
+
+
+def load(ref: Any, idx: tuple[jax.Array, ...], shape: tuple[int, ...], mask: jax.Array | None = None,
+         other: float | int = 0) -> jax.Array:
+    """Gather load at in-range indices (optionally masked, masked lanes = ``other``)."""
+    idx = tuple(jnp.broadcast_to(i, shape) for i in idx)
+    if mask is None:
+        return ref[idx]
+    return plt.load(ref.at[idx], mask=jnp.broadcast_to(mask, shape), other=other)
+
+
+def ue8m0_scale(amax: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """jds.ops.quant.block_scale(amax, "ue8m0", 1e-4) by exponent bits.
+
+    Returns (s, 1/s, biased exponent of s as int32). s = 2^ceil(log2 v) with v = max(max(amax, 1e-4)/448,
+    FLT_MIN) normal, so s has biased exponent E + (mantissa(v) != 0); 1/s is exact, hence x * (1/s) ==
+    x / s bit for bit.
+    """
+    a = jnp.maximum(amax.astype(F32), np.float32(1e-4))
+    v = jnp.maximum(a * np.float32(1.0 / FP8_MAX), FLT_MIN)
+    bits = jax.lax.bitcast_convert_type(v, jnp.int32)
+    e = jax.lax.shift_right_logical(bits, 23) + jnp.where((bits & 0x7FFFFF) != 0, 1, 0)
+    s = jax.lax.bitcast_convert_type(jax.lax.shift_left(e, 23), F32)
+    inv = jax.lax.bitcast_convert_type(jax.lax.shift_left(254 - e, 23), F32)
+    return s, inv, e
+
+
+def div_rn(x: jax.Array, y: jax.Array, interpret: bool) -> jax.Array:
+    """IEEE round-to-nearest x / y (same shape): jds.ops.quant.true_divide on the CPU, PTX div.rn.f32
+    on the GPU (Triton lowers ``/`` to an approximate division)."""
+    if interpret:
+        return true_divide(x, y)
+    return plt.elementwise_inline_asm("div.rn.f32 $0, $1, $2;", args=[x.astype(F32), y.astype(F32)],
+                                      constraints="=r,r,r", pack=1,
+                                      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, F32)])[0]
+
+
+def e4m3_bytes(x_scaled: jax.Array) -> jax.Array:
+    """clip(x, +-448) -> float8_e4m3fn (RNE) -> its uint8 bit pattern (jds.ops.quant.quantize_e4m3)."""
+    return jax.lax.bitcast_convert_type(jnp.clip(x_scaled, -FP8_MAX, FP8_MAX).astype(FP8), jnp.uint8)
+
+
+def u16_bytes(x_bf16: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Little-endian (low, high) bytes of bf16 values."""
+    u = jax.lax.bitcast_convert_type(x_bf16, jnp.uint16)
+    return (u & 0xFF).astype(jnp.uint8), jax.lax.shift_right_logical(u, jnp.uint16(8)).astype(jnp.uint8)
+
+
+def u32_byte(x_f32: jax.Array, k: int) -> jax.Array:
+    """Byte k (little-endian) of fp32 values."""
+    u = jax.lax.bitcast_convert_type(x_f32, jnp.uint32)
+    return (jax.lax.shift_right_logical(u, jnp.uint32(8 * k)) & 0xFF).astype(jnp.uint8)
+
+
+def rope_rows(y: jax.Array, yp: jax.Array, cs: jax.Array, sn: jax.Array, first_of_pair: jax.Array,
+              in_rope: jax.Array) -> jax.Array:
+    """RoPE on whole rows given each element's pair partner ``yp`` (float32 in, float32 out).
+
+    jds.ops.rope.apply_rope computes (u*c - v*s, u*s + v*c) for a pair (u, v): the first element of a pair
+    gets y*c - yp*s, the second yp*s + y*c (the same products and sum). Outside ``in_rope`` y passes through.
+    """
+    rot = jnp.where(first_of_pair, y * cs - yp * sn, yp * sn + y * cs)
+    return jnp.where(in_rope, rot, y)
+
+
+def rope_partner(col: jax.Array, start: int, rope_dim: int, interleaved: bool) -> tuple[
+        jax.Array, jax.Array, jax.Array, jax.Array]:
+    """For columns ``col`` of a row whose rope slice is [start, start + rope_dim):
+    (in_rope, partner column, cos/sin column, first-of-pair) (outside the slice: itself, 0, True)."""
+    rel = col - start
+    in_rope = (rel >= 0) & (rel < rope_dim)
+    half = rope_dim // 2
+    if interleaved:
+        partner = start + (rel ^ 1)
+        freq = jax.lax.shift_right_logical(rel, 1)
+        first = (rel & 1) == 0
+    else:
+        first = rel < half
+        partner = jnp.where(first, col + half, col - half)
+        freq = jnp.where(first, rel, rel - half)
+    return (in_rope, jnp.where(in_rope, partner, col), jnp.where(in_rope, freq, 0), first)
+
+
+def check_triton_lowering(fn: Any, *args: Any) -> str:
+    """Lower ``fn(*args)`` for CUDA (an abstract H200) on any machine and return the HLO text.
+
+    This runs the Pallas -> Triton IR lowering (every primitive needs a Triton rule, every array a
+    power-of-2 size, f32->e4m3 casts need sm89+), not ptxas: a CPU-side check of what the H200 run
+    compiles. Pass ``interpret=False`` through ``fn``.
+    """
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    dev = AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=dev)):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
