@@ -119,7 +119,7 @@ def dump_counts(dump_dir: str, arch: str, layers: int) -> dict:
 
     model = build(arch, layers, 2048)
     result = {}
-    seen: set[str] = set()
+    seen: set[str] = set(read_dump(dump_dir)) if os.path.isdir(dump_dir) else set()  # earlier archs' modules
     for mode in ("wide", "narrow", "fused"):
         r = make_runner(model, mode, 2, 256)
         ids = np.arange(128, dtype=np.int32)
