@@ -112,6 +112,8 @@ class V32Attention(StagedAttention):
                          index_w=self.indexer.weights_proj(x.astype(jnp.float32), jnp.float32))
 
     def prepare(self, inp: V32Inputs, batch: PagedBatch, cache: V32Cache) -> tuple[V32Query, V32Cache]:
+        if self.implementation == "pallas":
+            return self._prepare_pallas(inp, batch, cache)
         cfg, dt = self.cfg, self.dtype
         cos, sin = rope_cos_sin(_inv_freqs(cfg.rope, cfg.qk_rope_head_dim), batch.positions)
         # MLA query
@@ -136,8 +138,39 @@ class V32Attention(StagedAttention):
                                    fp8=self.numerics.indexer_fp8, hadamard=self.numerics.indexer_hadamard, dtype=dt)
         return V32Query(q=q, index_q=qi, index_w=wi), V32Cache(kv=kv_cache, index_k=index_cache)
 
+    def _prepare_pallas(self, inp: V32Inputs, batch: PagedBatch, cache: V32Cache) -> tuple[V32Query, V32Cache]:
+        """``prepare`` through the fused kernels of pallas_kernels/fused_insert_v32.py (same outputs)."""
+        from pallas_kernels.fused_insert_v32 import fused_kv_insert_v32, fused_q_v32
+
+        cfg, dt, n = self.cfg, self.dtype, self.numerics
+        cos, sin = rope_cos_sin(_inv_freqs(cfg.rope, cfg.qk_rope_head_dim), batch.positions)
+        kv_cache, index_cache = fused_kv_insert_v32(
+            inp.kv, inp.index_k, cos, sin, batch.slot_mapping, cache.kv, cache.index_k, self.kv_norm.weight[...],
+            self.indexer.k_norm.weight[...], self.indexer.k_norm.bias[...], kv_format=self.kv_format,
+            index_format=self.index_format, eps=cfg.rms_norm_eps, dtype=dt,
+            indexer_interleave=cfg.indexer_rope_interleave, hadamard=n.indexer_hadamard)
+        q_c = self.q_norm(inp.q_lat, dt)
+        q = self.wq_b(q_c).reshape(-1, cfg.n_heads, cfg.qk_head_dim)
+        qi = self.indexer.wq_b(q_c).reshape(-1, cfg.index_n_heads, cfg.index_head_dim)
+        q_pe, qi, qs, _ = fused_q_v32(q, qi, inp.index_w, cos, sin, nope_dim=cfg.qk_nope_head_dim, dtype=dt,
+                                      indexer_interleave=cfg.indexer_rope_interleave,
+                                      hadamard=n.indexer_hadamard, fp8=n.indexer_fp8)
+        q = jnp.concatenate([q[..., : cfg.qk_nope_head_dim], q_pe], axis=-1)
+        q = self._absorb_uk(q) if self.form == "absorbed" else q
+        # V32Query keeps the dequantised q and the constant-scaled weights (as the xla path); the kernel's
+        # q-scale-folded weights (its 4th output) are score-equivalent for a select that reads e4m3 q
+        index_q = qi.astype(jnp.float32) * qs[..., None]
+        index_w = inp.index_w.astype(jnp.float32) * (cfg.index_head_dim ** -0.5) * (cfg.index_n_heads ** -0.5)
+        return V32Query(q=q, index_q=index_q, index_w=index_w), V32Cache(kv=kv_cache, index_k=index_cache)
+
     def select(self, query: V32Query, batch: PagedBatch, cache: V32Cache) -> jax.Array:
         """Top-k request-local key positions among 0..p for every token."""
+        if self.implementation == "pallas":
+            from pallas_kernels import sparse_indexer  # FP8 paged logits kernel + top-k, chunked over tokens
+            if sparse_indexer.supports(self.index_format, self.cfg.index_head_dim):
+                return sparse_indexer.indexer_topk(query.index_q, query.index_w, cache.index_k, self.index_format,
+                                                   batch.block_tables, batch.req_idx, batch.positions + 1,
+                                                   self.cfg.index_topk)
         max_keys = batch.block_tables.shape[1] * self.cfg.block_size
         keys = gather_request_rows(cache.index_k, self.index_format, batch.block_tables, max_keys)
         scores = index_scores(query.index_q, query.index_w, keys[batch.req_idx])

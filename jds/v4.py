@@ -190,11 +190,18 @@ class V4Attention(StagedAttention):
         # query: q_norm -> wq_b -> weightless per-head RMSNorm -> RoPE (last dims, interleaved)
         qr = self.q_norm(inp.q_lat, dt)
         q = self.wq_b(qr).reshape(-1, cfg.n_heads, cfg.head_dim)
-        q = rms_norm(q, None, cfg.rms_norm_eps, dt)
-        q = rope_part(q, cos, sin, rope_dim=rd, first=False, interleaved=True)
-        # window K = V, written before attention reads it (a query sees itself)
-        k = rope_part(self.kv_norm(inp.kv, dt), cos, sin, rope_dim=rd, first=False, interleaved=True)
-        window = write_records(cache.window, self.window_format, batch.slot_mapping, k)
+        if self.implementation == "pallas":  # the same two steps, fused (pallas_kernels/fused_insert_v4.py)
+            from pallas_kernels.fused_insert_v4 import fused_qnorm_rope_kv_insert_v4
+
+            q, window = fused_qnorm_rope_kv_insert_v4(q, inp.kv, cos, sin, batch.slot_mapping, cache.window,
+                                                      self.kv_norm.weight[...], window_format=self.window_format,
+                                                      eps=cfg.rms_norm_eps, dtype=dt)
+        else:
+            q = rms_norm(q, None, cfg.rms_norm_eps, dt)
+            q = rope_part(q, cos, sin, rope_dim=rd, first=False, interleaved=True)
+            # window K = V, written before attention reads it (a query sees itself)
+            k = rope_part(self.kv_norm(inp.kv, dt), cos, sin, rope_dim=rd, first=False, interleaved=True)
+            window = write_records(cache.window, self.window_format, batch.slot_mapping, k)
         t = q.shape[0]
         compressed, state, index_k, index_state = cache.compressed, cache.state, cache.index_k, cache.index_state
         index_q, index_w = jnp.zeros((t, 0, 0), jnp.float32), jnp.zeros((t, 0), jnp.float32)
@@ -217,6 +224,12 @@ class V4Attention(StagedAttention):
         """C4: top-k request-local compressed entries among 0..(p+1)//4 - 1; other kinds: int32 [T, 0]."""
         if not self.has_indexer:
             return jnp.zeros((batch.positions.shape[0], 0), jnp.int32)
+        if self.implementation == "pallas":
+            from pallas_kernels import sparse_indexer  # FP8 paged logits kernel + top-k, chunked over tokens
+            if sparse_indexer.supports(self.index_format, self.cfg.index_head_dim):
+                return sparse_indexer.indexer_topk(query.index_q, query.index_w, cache.index_k, self.index_format,
+                                                   batch.block_tables, batch.req_idx, (batch.positions + 1) // 4,
+                                                   self.cfg.index_topk)
         keys = gather_request_rows(cache.index_k, self.index_format, batch.block_tables, self._max_entries(batch))
         scores = index_scores(query.index_q, query.index_w, keys[batch.req_idx])
         return topk_visible(scores, (batch.positions + 1) // 4, self.cfg.index_topk)

@@ -56,9 +56,13 @@ def log2(n: int) -> int:
     return int(math.log2(n))
 
 
+NUM_WARPS: dict[str, int] = {}  # kernel name -> num_warps of its last launch (for compile_sm90_report)
+
+
 def pallas_call(kernel: Any, *, out_shape: Any, grid: tuple[int, ...], aliases: dict[int, int],
                 interpret: bool, name: str, num_warps: int = 4) -> Any:
     """pl.pallas_call on the Triton backend (explicit Triton params; GPU interpret mode on the CPU)."""
+    NUM_WARPS[name] = num_warps
     return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, input_output_aliases=aliases,
                           interpret=interpret, name=name,
                           compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1))
@@ -168,3 +172,55 @@ def check_triton_lowering(fn: Any, *args: Any) -> str:
     dev = AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
     with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=dev)):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def compile_sm90_report(fn: Any, *args: Any) -> list[dict[str, Any]]:
+    """Lower ``fn(*args)`` for CUDA, then compile every Pallas Triton kernel in it for sm_90a with the pip
+    ``triton`` package (PTX + ptxas, no GPU needed). Returns [{name, registers, spill_bytes, smem_bytes}].
+
+    A development check, not the H200 gate: XLA compiles the same Triton IR with the Triton bundled in
+    the CUDA plugin, whose version differs from pip's. Raises ImportError without pip ``triton``.
+    Captures the IR through jax's private Pallas Triton lowering module (jax 0.11.2).
+    """
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from jax._src.pallas.triton import pallas_call_registration as reg
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia import compiler as nvc
+
+    mods: list[str] = []
+    orig = reg.lowering.lower_jaxpr_to_triton_module
+
+    def capture(*a: Any, **k: Any) -> Any:
+        res = orig(*a, **k)
+        mods.append(res.module.operation.get_asm(enable_debug_info=False))
+        return res
+
+    reg.lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        check_triton_lowering(fn, *args)
+    finally:
+        reg.lowering.lower_jaxpr_to_triton_module = orig
+    ptxas = nvc.get_ptxas(90).path
+    out = []
+    with tempfile.TemporaryDirectory() as d:
+        for i, m in enumerate(mods):
+            src = f"{d}/k{i}.ttir"
+            with open(src, "w") as f:
+                f.write(m)
+            name = re.search(r"module @(\w+)", m).group(1)
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": NUM_WARPS.get(name, 4), "num_stages": 1})
+            ptx = f"{d}/k{i}.ptx"
+            with open(ptx, "w") as f:
+                f.write(k.asm["ptx"])
+            log = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", ptx, "-o", f"{d}/k{i}.cubin"],
+                                 capture_output=True, text=True, check=True).stderr
+            regs = re.search(r"Used (\d+) registers", log)
+            spill = re.search(r"(\d+) bytes spill stores", log)
+            out.append({"name": name, "num_warps": NUM_WARPS.get(name, 4), "registers": int(regs.group(1)),
+                        "spill_bytes": int(spill.group(1)), "smem_bytes": int(k.metadata.shared)})
+    return out

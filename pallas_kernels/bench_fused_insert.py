@@ -1,0 +1,111 @@
+"""Benchmark of the fused norm / RoPE / cache-insert kernels against their XLA implementations, at real
+DeepSeek-V3.2 / V4 dims (bf16 activations, FP8 caches, DeepSeek reference numerics: Hadamard on, UE8M0).
+
+Driven by scripts/bench_kernels.py (``--only fused_insert``). Rows: kernel, case, impl ("pallas" | "xla"),
+median_us / p10_us / p90_us (pallas_kernels.timing.time_fn), bytes (compulsory HBM traffic: every input
+read once, every output written once; caches count only the records written), flops 0.
+
+Caches are donated and threaded from call to call (each call updates the previous call's cache in place),
+so neither implementation pays for a cache copy. Slots are a shuffled permutation (decode-like scatter).
+
+Off-GPU the kernels only run in GPU interpret mode: with ``quick`` their rows are produced from a few
+interpreted runs (marked ``interpret: true`` — functional smoke, not performance); without ``quick`` the
+pallas rows are skipped with a message on stderr.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jds.config import V32Config, V4Config
+from jds.ops.records import IndexerRecord132, MlaRecord584, MlaRecord656
+from jds.ops.rope import cached_inv_freqs, rope_cos_sin
+from pallas_kernels.fused_insert_v32 import fused_kv_insert_v32, fused_q_v32
+from pallas_kernels.fused_insert_v4 import fused_qnorm_rope_kv_insert_v4
+from pallas_kernels.timing import time_fn
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+def _threaded(step: Callable[..., Any], cache_pos: tuple[int, ...], args: list[Any], out_pos: tuple[int, ...]):
+    """A no-argument callable running ``step(*args)`` with the caches at ``cache_pos`` donated and replaced
+    by the outputs at ``out_pos`` after each call."""
+    state = list(args)
+
+    def run():
+        outs = step(*state)
+        for i, o in zip(cache_pos, out_pos):
+            state[i] = outs[o]
+        return outs
+
+    return run
+
+
+def _cases(quick: bool):
+    ts = (1, 64) if quick else (1, 64, 1024, 8192)
+    v32, v4 = V32Config.deepseek_v32(), V4Config.deepseek_v4_flash()
+    for t in ts:
+        rng = np.random.default_rng(t)
+        pos = jnp.asarray(rng.integers(0, 100_000, t), jnp.int32)
+        # --- V3.2 kv latent + indexer key insert ---
+        cos, sin = rope_cos_sin(cached_inv_freqs(v32.rope, 64), pos)
+        bs = v32.block_size
+        nb = -(-t // bs) + 1
+        slots = jnp.asarray(rng.permutation(nb * bs)[:t], jnp.int32)
+        kvf, ixf = MlaRecord656(bs, "ue8m0"), IndexerRecord132(bs)
+        args = [jnp.asarray(rng.normal(size=(t, 576)), BF16), jnp.asarray(rng.normal(size=(t, 128)), BF16),
+                cos, sin, slots, jnp.zeros((nb, kvf.page_elems), jnp.uint8), jnp.zeros((nb, ixf.page_elems), jnp.uint8),
+                jnp.ones(512, F32), jnp.ones(128, F32), jnp.zeros(128, F32)]
+        nbytes = t * (576 * 2 + 128 * 2 + 64 * 4 + 4 + kvf.record_bytes + 132)
+        static = dict(kv_format=kvf, index_format=ixf, eps=1e-6, dtype=BF16, indexer_interleave=False, hadamard=True)
+        yield ("v32_kv_insert", f"T={t} fp8_ds_mla656+indexer132 hadamard", fused_kv_insert_v32, static, args,
+               (5, 6), (0, 1), nbytes)
+        # --- V3.2 q_pe RoPE + indexer q ---
+        h, hi = v32.n_heads, v32.index_n_heads
+        args = [jnp.asarray(rng.normal(size=(t, h, 192)), BF16), jnp.asarray(rng.normal(size=(t, hi, 128)), BF16),
+                jnp.asarray(rng.normal(size=(t, hi)), F32), cos, sin]
+        nbytes = t * (h * 64 * 2 * 2 + hi * 128 * 2 + hi * 4 + 64 * 4 + hi * 128 + 2 * hi * 4)
+        static = dict(nope_dim=128, dtype=BF16, indexer_interleave=False, hadamard=True, fp8=True)
+        yield "v32_fused_q", f"T={t} H=128 Hi=64 hadamard fp8", fused_q_v32, static, args, (), (), nbytes
+        # --- V4 q head norm + RoPE, window insert ---
+        cos, sin = rope_cos_sin(cached_inv_freqs(v4.rope_for(4), 64), pos)
+        bs = v4.block_size
+        nb = -(-t // bs) + 1
+        slots = jnp.asarray(rng.permutation(nb * bs)[:t], jnp.int32)
+        wf = MlaRecord584(bs)
+        args = [jnp.asarray(rng.normal(size=(t, v4.n_heads, 512)), BF16), jnp.asarray(rng.normal(size=(t, 512)), BF16),
+                cos, sin, slots, jnp.zeros((nb, wf.page_elems), jnp.uint8), jnp.ones(512, F32)]
+        nbytes = t * (v4.n_heads * 512 * 2 * 2 + 512 * 2 + 64 * 4 + 4 + 584)
+        static = dict(window_format=wf, eps=1e-6, dtype=BF16)
+        yield ("v4_qnorm_rope_kv_insert", f"T={t} H=64 fp8_ds_mla584", fused_qnorm_rope_kv_insert_v4, static, args,
+               (5,), (1,), nbytes)
+
+
+def benchmark(quick: bool) -> list[dict]:
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu:
+        msg = ("pallas rows run in GPU interpret mode (functional smoke, not performance)" if quick
+               else "pallas rows skipped: no GPU (run with --quick for an interpret-mode smoke run)")
+        print(f"bench_fused_insert: backend {jax.default_backend()}: {msg}", file=sys.stderr, flush=True)
+    rows = []
+    for kernel, case, fn, static, args, cache_pos, out_pos, nbytes in _cases(quick):
+        for impl in ("pallas", "xla"):
+            interpret = impl == "pallas" and not on_gpu
+            if interpret and not quick:
+                continue
+            kw = dict(static, implementation=impl)
+            if impl == "pallas":
+                kw["interpret"] = interpret
+            step = jax.jit(functools.partial(fn, **kw), donate_argnums=cache_pos)
+            # fresh copies: the donated caches of one impl must not be the other's inputs
+            run = _threaded(step, cache_pos, [jnp.array(a, copy=True) for a in args], out_pos)
+            t = time_fn(run, warmup=1 if interpret else 5, iters=3 if interpret else 50)
+            rows.append({"kernel": kernel, "case": case, "impl": impl, **t, "bytes": nbytes, "flops": 0,
+                         "interpret": interpret})
+    return rows

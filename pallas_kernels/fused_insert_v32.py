@@ -1,0 +1,306 @@
+"""DeepSeek-V3.2 producer kernels (vLLM's ``fused_norm_rope`` and ``fused_q`` stages), Pallas on GPU.
+
+* ``fused_kv_insert_v32`` — per token: kv latent RMSNorm + interleaved RoPE on k_pe -> the MLA cache
+  record at ``slot_mapping`` (656-byte ``fp8_ds_mla``, UE8M0 or vLLM amax scales, or bf16/f32 rows);
+  indexer key LayerNorm -> RoPE on the first rope dims (NeoX, or interleaved for GLM) -> Hadamard ->
+  FP8 quantisation -> the 132-byte indexer record (or float rows). Slot -1 writes nothing. Both caches
+  are updated in place (``input_output_aliases``: donate them to keep XLA from copying).
+  Pure-JAX reference: ``fused_kv_insert_v32_reference`` (the jds.ops code of ``V32Attention.prepare``).
+* ``fused_q_v32`` — MLA q_pe interleaved RoPE; indexer q RoPE -> Hadamard -> per-(token, head) FP8
+  quantisation with the q scale folded into the head weights (w * q_scale * Di^-1/2 * Hi^-1/2).
+  Pure-JAX reference: ``fused_q_v32_reference``.
+
+Backend and layout rules: see pallas_kernels/fused_insert_common.py (Triton lowering; why not Mosaic GPU).
+``implementation="xla"`` runs the reference, ``"pallas"`` the kernel (GPU interpret mode off-GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from jds.ops.hadamard import hadamard_matrix, hadamard_rotate
+from jds.ops.indexer import prepare_indexer_k
+from jds.ops.norms import layer_norm, rms_norm
+from jds.ops.paging import RecordFormat, write_records
+from jds.ops.quant import FLT_MIN, FP8, FP8_MAX, act_quant
+from jds.ops.records import IndexerRecord132, MlaRecord656
+from jds.ops.rope import rope_part
+from pallas_kernels import fused_insert_common as C
+
+Implementation = Literal["xla", "pallas"]
+F32 = jnp.float32
+
+
+# =====================================================================================================
+# kv latent + rope key -> MLA cache; indexer key -> indexer cache
+# =====================================================================================================
+def fused_kv_insert_v32_reference(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache, kv_norm_w,
+                                  k_norm_w, k_norm_b, *, kv_format: RecordFormat, index_format: RecordFormat,
+                                  eps: float, dtype, indexer_interleave: bool, hadamard: bool):
+    """kv [T, kv_lora + rope] and index_k [T, Di] (activation dtype, before norms) -> updated caches.
+
+    Exactly the cache half of ``V32Attention.prepare`` (jds.ops primitives)."""
+    rd = 2 * cos.shape[-1]
+    lat = kv.shape[-1] - rd
+    c = rms_norm(kv[:, :lat], kv_norm_w, eps, dtype)
+    k_pe = rope_part(kv[:, lat:], cos, sin, rope_dim=rd, first=False, interleaved=True)
+    kv_cache = write_records(kv_cache, kv_format, slot_mapping, jnp.concatenate([c, k_pe], -1))
+    ki = layer_norm(index_k, k_norm_w, k_norm_b, eps, dtype)
+    ki = rope_part(ki, cos, sin, rope_dim=rd, first=True, interleaved=indexer_interleave)
+    ki = prepare_indexer_k(ki, hadamard=hadamard, dtype=dtype)
+    index_cache = write_records(index_cache, index_format, slot_mapping, ki)
+    return kv_cache, index_cache
+
+
+def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_ref, knb_ref, *rest,
+                      T, BT, lat, rd, di, eps, dtype, kv_fmt, idx_fmt, ilv, hadamard, dot_dtype, interpret):
+    if hadamard:
+        h_ref, _, _, kv_out, ix_out = rest
+    else:
+        h_ref = None
+        _, _, kv_out, ix_out = rest
+    pid = pl.program_id(0)
+    t = pid * BT + C.iota((BT, 1), 0)  # [BT, 1]
+    tc = jnp.minimum(t, T - 1)
+    slot = C.load(slot_ref, (tc,), (BT, 1))
+    ok = (t < T) & (slot >= 0)
+    safe = jnp.where(ok, slot, 0)
+
+    # ---- MLA: latent RMSNorm (weighted) and k_pe RoPE ----
+    col = C.iota((1, lat), 1)
+    x = C.load(kv_ref, (tc, col), (BT, lat)).astype(F32)
+    r = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    c = (x * r * C.load(kvw_ref, (col,), (1, lat)).astype(F32)).astype(dtype)
+    p = C.iota((1, rd), 1)
+    _, pcol, fcol, first = C.rope_partner(p, 0, rd, True)
+    u = C.load(kv_ref, (tc, lat + p), (BT, rd)).astype(F32)
+    v = C.load(kv_ref, (tc, lat + pcol), (BT, rd)).astype(F32)
+    cs, sn = C.load(cos_ref, (tc, fcol), (BT, rd)), C.load(sin_ref, (tc, fcol), (BT, rd))
+    pe = C.rope_rows(u, v, cs, sn, first, True).astype(dtype)
+
+    epp = kv_fmt.entries_per_page
+    nb = kv_out.shape[0]
+    page = jnp.where(ok, jax.lax.div(safe, epp), nb)  # masked lanes: one past the last page
+    j = jax.lax.rem(safe, epp)
+    if isinstance(kv_fmt, MlaRecord656):
+        rec = kv_fmt.record_bytes
+        nblk = lat // 128
+        cf = c.astype(F32).reshape(BT, nblk, 128)
+        amax = jnp.max(jnp.abs(cf), axis=-1)  # [BT, nblk]
+        if kv_fmt.scale_fmt == "ue8m0":
+            s, inv, _ = C.ue8m0_scale(amax)
+            q = C.e4m3_bytes(cf * inv[..., None])
+        else:  # vLLM: max(amax / 448, FLT_MIN), then a true division
+            s = jnp.maximum(C.div_rn(amax, jnp.full(amax.shape, FP8_MAX, F32), interpret), FLT_MIN)
+            q = C.e4m3_bytes(C.div_rn(cf, jnp.broadcast_to(s[..., None], cf.shape), interpret))
+        base = j * rec
+        C.store(kv_out, (page, base + col), q.reshape(BT, lat), ok)
+        sc = C.iota((1, nblk), 1)
+        for k in range(4):
+            C.store(kv_out, (page, base + lat + 4 * sc + k), C.u32_byte(s, k), ok)
+        lo, hi = C.u16_bytes(pe.astype(jnp.bfloat16))
+        off = base + lat + 4 * nblk + 2 * p
+        C.store(kv_out, (page, off), lo, ok)
+        C.store(kv_out, (page, off + 1), hi, ok)
+    else:  # FloatRows(lat + rd)
+        base = j * kv_fmt.dim
+        C.store(kv_out, (page, base + col), c.astype(kv_out.dtype), ok)
+        C.store(kv_out, (page, base + lat + p), pe.astype(kv_out.dtype), ok)
+
+    # ---- indexer key: LayerNorm -> RoPE (first rd dims) -> Hadamard -> quantise ----
+    ci = C.iota((1, di), 1)
+    in_rope, pci, fci, firsti = C.rope_partner(ci, 0, rd, ilv)
+    xk = C.load(ik_ref, (tc, ci), (BT, di)).astype(F32)
+    xp = C.load(ik_ref, (tc, pci), (BT, di), mask=in_rope).astype(F32)
+    mu = jnp.mean(xk, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xk - mu), axis=-1, keepdims=True)
+    rs = jax.lax.rsqrt(var + eps)
+    y = ((xk - mu) * rs * C.load(knw_ref, (ci,), (1, di)) + C.load(knb_ref, (ci,), (1, di))).astype(dtype)
+    yp = ((xp - mu) * rs * C.load(knw_ref, (pci,), (1, di)) + C.load(knb_ref, (pci,), (1, di))).astype(dtype)
+    csi, sni = C.load(cos_ref, (tc, fci), (BT, di)), C.load(sin_ref, (tc, fci), (BT, di))
+    k = C.rope_rows(y.astype(F32), yp.astype(F32), csi, sni, firsti, in_rope).astype(dtype)
+    if hadamard:
+        hm = h_ref[...]
+        kk = jax.lax.dot(k.astype(dot_dtype), hm, precision=jax.lax.Precision.HIGHEST,
+                         preferred_element_type=F32)
+        k = (kk * np.float32(di ** -0.5)).astype(dtype)
+
+    iepp = idx_fmt.entries_per_page
+    nbi = ix_out.shape[0]
+    pagei = jnp.where(ok, jax.lax.div(safe, iepp), nbi)
+    ji = jax.lax.rem(safe, iepp)
+    if isinstance(idx_fmt, IndexerRecord132):
+        kf = k.astype(F32)
+        s, inv, _ = C.ue8m0_scale(jnp.max(jnp.abs(kf), axis=-1, keepdims=True))  # [BT, 1]
+        C.store(ix_out, (pagei, ji * di + ci), C.e4m3_bytes(kf * inv), ok)
+        b = C.iota((1, 4), 1)
+        sb = jnp.broadcast_to(s, (BT, 4))
+        byte = jnp.zeros((BT, 4), jnp.uint8)
+        for kk_ in range(4):
+            byte = jnp.where(b == kk_, C.u32_byte(sb, kk_), byte)
+        C.store(ix_out, (pagei, iepp * di + ji * 4 + b), byte, ok)
+    else:  # FloatRows(di)
+        C.store(ix_out, (pagei, ji * idx_fmt.dim + ci), k.astype(ix_out.dtype), ok)
+
+
+def fused_kv_insert_v32(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache, kv_norm_w, k_norm_w,
+                        k_norm_b, *, kv_format: RecordFormat, index_format: RecordFormat, eps: float, dtype,
+                        indexer_interleave: bool, hadamard: bool, implementation: Implementation = "pallas",
+                        interpret: bool | None = None, block_tokens: int = 16, num_warps: int = 8):
+    """Same inputs/outputs as ``fused_kv_insert_v32_reference``; returns (kv_cache, index_cache).
+
+    kv [T, lat + rd], index_k [T, Di] in ``dtype``; cos/sin [T, rd/2] float32 (jds.ops.rope.rope_cos_sin);
+    slot_mapping [T] int32 (-1 = padding); caches [num_blocks, page_elems] of their formats.
+    """
+    if implementation == "xla":
+        return fused_kv_insert_v32_reference(
+            kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache, kv_norm_w, k_norm_w, k_norm_b,
+            kv_format=kv_format, index_format=index_format, eps=eps, dtype=dtype,
+            indexer_interleave=indexer_interleave, hadamard=hadamard)
+    if implementation != "pallas":
+        raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}")
+    interpret = C.resolve_interpret(interpret)
+    t, width = kv.shape
+    rd = 2 * cos.shape[-1]
+    lat = width - rd
+    di = index_k.shape[-1]
+    for name, n in (("latent dim", lat), ("rope dim", rd), ("indexer head dim", di), ("block_tokens", block_tokens)):
+        if not C.is_pow2(n):
+            raise NotImplementedError(f"fused_kv_insert_v32: {name} {n} is not a power of 2")
+    if isinstance(kv_format, MlaRecord656) and (kv_format.latent_dim != lat or kv_format.rope_dim != rd):
+        raise ValueError(f"kv_format {kv_format} does not match kv width {width}")
+    dt = jnp.dtype(dtype)
+    bt = block_tokens
+    dot_dtype = F32 if (interpret or dt == F32) else jnp.bfloat16
+    args = [kv, index_k, cos.astype(F32), sin.astype(F32), slot_mapping.astype(jnp.int32),
+            kv_norm_w.astype(F32), k_norm_w.astype(F32), k_norm_b.astype(F32)]
+    if hadamard:
+        args.append(jnp.asarray(hadamard_matrix(di), dot_dtype))
+    n_in = len(args)
+    args += [kv_cache, index_cache]
+    kernel = functools.partial(
+        _kv_insert_kernel, T=t, BT=bt, lat=lat, rd=rd, di=di, eps=eps, dtype=dt, kv_fmt=kv_format,
+        idx_fmt=index_format, ilv=indexer_interleave, hadamard=hadamard, dot_dtype=dot_dtype, interpret=interpret)
+    out_shape = (jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
+                 jax.ShapeDtypeStruct(index_cache.shape, index_cache.dtype))
+    return C.pallas_call(kernel, out_shape=out_shape, grid=(pl.cdiv(t, bt),), aliases={n_in: 0, n_in + 1: 1},
+                         interpret=interpret, name="v32_kv_insert", num_warps=num_warps)(*args)
+
+
+# =====================================================================================================
+# MLA q_pe RoPE + indexer q prep
+# =====================================================================================================
+def fused_q_v32_reference(q, index_q, index_w, cos, sin, *, nope_dim: int, dtype, indexer_interleave: bool,
+                          hadamard: bool, fp8: bool):
+    """q [T, H, nope + rd] and index_q [T, Hi, Di] (``dtype``, after wq_b), index_w [T, Hi] float32 ->
+
+    (q_pe [T, H, rd] roped, index_q [T, Hi, Di] e4m3 (``fp8``) or ``dtype``, index_scale [T, Hi] float32
+    (1 without ``fp8``), index_w [T, Hi] float32 = w * Di^-1/2 * Hi^-1/2 * index_scale).
+    Dequantised q = index_q * index_scale is what jds.ops.indexer.prepare_indexer_q returns."""
+    rd = 2 * cos.shape[-1]
+    hi, di = index_q.shape[1:]
+    q_pe = rope_part(q[..., nope_dim:], cos, sin, rope_dim=rd, first=False, interleaved=True)
+    qi = rope_part(index_q, cos, sin, rope_dim=rd, first=True, interleaved=indexer_interleave).astype(dtype)
+    if hadamard:
+        qi = hadamard_rotate(qi)
+    wf = index_w.astype(F32) * (di ** -0.5) * (hi ** -0.5)
+    if fp8:
+        qi, s = act_quant(qi, di, "ue8m0", 1e-4)
+        s = s[..., 0]
+        return q_pe, qi, s, wf * s
+    return q_pe, qi, jnp.ones(wf.shape, F32), wf
+
+
+def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, HiP, nope, rd, di, dtype,
+              ilv, hadamard, fp8, dot_dtype):
+    if hadamard:
+        h_ref, qpe_out, iq_out, is_out, iw_out = rest
+    else:
+        h_ref = None
+        qpe_out, iq_out, is_out, iw_out = rest
+    pid = pl.program_id(0)
+
+    # ---- MLA q_pe: interleaved RoPE on the last rd dims of every head ----
+    r = C.iota((BT * HP, 1), 0)
+    tok = pid * BT + jax.lax.shift_right_logical(r, C.log2(HP))
+    head = r & (HP - 1)
+    ok = (tok < T) & (head < H)
+    tc, hc = jnp.minimum(tok, T - 1), jnp.minimum(head, H - 1)
+    p = C.iota((1, rd), 1)
+    _, pcol, fcol, first = C.rope_partner(p, 0, rd, True)
+    u = C.load(q_ref, (tc, hc, nope + p), (BT * HP, rd)).astype(F32)
+    v = C.load(q_ref, (tc, hc, nope + pcol), (BT * HP, rd)).astype(F32)
+    cs, sn = C.load(cos_ref, (tc, fcol), (BT * HP, rd)), C.load(sin_ref, (tc, fcol), (BT * HP, rd))
+    pe = C.rope_rows(u, v, cs, sn, first, True).astype(dtype)
+    C.store(qpe_out, (jnp.where(ok, tok, T), hc, p), pe, ok)
+
+    # ---- indexer q: RoPE (first rd dims) -> Hadamard -> per-head FP8 with the scale folded into w ----
+    ri = C.iota((BT * HiP, 1), 0)
+    tok = pid * BT + jax.lax.shift_right_logical(ri, C.log2(HiP))
+    head = ri & (HiP - 1)
+    ok = (tok < T) & (head < Hi)
+    tc, hc = jnp.minimum(tok, T - 1), jnp.minimum(head, Hi - 1)
+    ci = C.iota((1, di), 1)
+    in_rope, pci, fci, firsti = C.rope_partner(ci, 0, rd, ilv)
+    x = C.load(iq_ref, (tc, hc, ci), (BT * HiP, di)).astype(F32)
+    xp = C.load(iq_ref, (tc, hc, pci), (BT * HiP, di), mask=in_rope).astype(F32)
+    csi, sni = C.load(cos_ref, (tc, fci), (BT * HiP, di)), C.load(sin_ref, (tc, fci), (BT * HiP, di))
+    k = C.rope_rows(x, xp, csi, sni, firsti, in_rope).astype(dtype)
+    if hadamard:
+        kk = jax.lax.dot(k.astype(dot_dtype), h_ref[...], precision=jax.lax.Precision.HIGHEST,
+                         preferred_element_type=F32)
+        k = (kk * np.float32(di ** -0.5)).astype(dtype)
+    w = C.load(iw_ref, (tc, hc), (BT * HiP, 1)).astype(F32)
+    wf = w * (di ** -0.5) * (Hi ** -0.5)
+    tok_s = jnp.where(ok, tok, T)
+    if fp8:
+        kf = k.astype(F32)
+        s, inv, _ = C.ue8m0_scale(jnp.max(jnp.abs(kf), axis=-1, keepdims=True))
+        qv = jnp.clip(kf * inv, -FP8_MAX, FP8_MAX).astype(FP8)
+        wf = wf * s
+    else:
+        qv, s = k, jnp.ones((BT * HiP, 1), F32)
+    C.store(iq_out, (tok_s, hc, ci), qv, ok)
+    C.store(is_out, (tok_s, hc), s, ok)
+    C.store(iw_out, (tok_s, hc), wf, ok)
+
+
+def fused_q_v32(q, index_q, index_w, cos, sin, *, nope_dim: int, dtype, indexer_interleave: bool,
+                hadamard: bool, fp8: bool, implementation: Implementation = "pallas",
+                interpret: bool | None = None, rows_per_program: int = 64, num_warps: int = 8):
+    """Same inputs/outputs as ``fused_q_v32_reference``."""
+    if implementation == "xla":
+        return fused_q_v32_reference(q, index_q, index_w, cos, sin, nope_dim=nope_dim, dtype=dtype,
+                                     indexer_interleave=indexer_interleave, hadamard=hadamard, fp8=fp8)
+    if implementation != "pallas":
+        raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}")
+    interpret = C.resolve_interpret(interpret)
+    t, h, qk = q.shape
+    _, hi, di = index_q.shape
+    rd = 2 * cos.shape[-1]
+    if qk != nope_dim + rd:
+        raise ValueError(f"q head dim {qk} != nope {nope_dim} + rope {rd}")
+    for name, n in (("rope dim", rd), ("indexer head dim", di)):
+        if not C.is_pow2(n):
+            raise NotImplementedError(f"fused_q_v32: {name} {n} is not a power of 2")
+    hp, hip = C.next_pow2(h), C.next_pow2(hi)
+    # tokens per program: >= 16 indexer rows (tl.dot's minimum M), at most ``rows_per_program`` rows
+    bt = max(1, C.next_pow2(max(16, rows_per_program) // max(hp, hip)))
+    bt = max(bt, C.next_pow2(-(-16 // hip)))
+    dt = jnp.dtype(dtype)
+    dot_dtype = F32 if (interpret or dt == F32) else jnp.bfloat16
+    args = [q, index_q, index_w.astype(F32), cos.astype(F32), sin.astype(F32)]
+    if hadamard:
+        args.append(jnp.asarray(hadamard_matrix(di), dot_dtype))
+    kernel = functools.partial(_q_kernel, T=t, BT=bt, H=h, HP=hp, Hi=hi, HiP=hip, nope=nope_dim, rd=rd, di=di,
+                               dtype=dt, ilv=indexer_interleave, hadamard=hadamard, fp8=fp8, dot_dtype=dot_dtype)
+    out_shape = (jax.ShapeDtypeStruct((t, h, rd), dt), jax.ShapeDtypeStruct((t, hi, di), FP8 if fp8 else dt),
+                 jax.ShapeDtypeStruct((t, hi), F32), jax.ShapeDtypeStruct((t, hi), F32))
+    return C.pallas_call(kernel, out_shape=out_shape, grid=(pl.cdiv(t, bt),), aliases={}, interpret=interpret,
+                         name="v32_fused_q", num_warps=num_warps)(*args)

@@ -1,0 +1,141 @@
+"""DeepSeek-V4 producer kernel (vLLM's ``fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert``), Pallas on GPU.
+
+``fused_qnorm_rope_kv_insert_v4`` in one launch:
+* q [T, H, D] (after wq_b): weightless per-head RMSNorm, interleaved RoPE on the last rope dims;
+* window kv [T, D] (before kv_norm): weighted RMSNorm, interleaved RoPE on the last rope dims, then the
+  584-byte ``fp8_ds_mla`` record (448 e4m3 NoPE in 64-wide UE8M0 blocks | 64 bf16 rope | 7 exponent
+  bytes + 1 zero pad, data and scales segregated per page) or bf16/f32 rows, written in place at
+  ``slot_mapping`` (slot -1 writes nothing).
+Grid: (token blocks, head blocks + 1); the last program column does the kv insert.
+Pure-JAX reference: ``fused_qnorm_rope_kv_insert_v4_reference`` (the jds.ops code of ``V4Attention.prepare``).
+Backend and layout rules: pallas_kernels/fused_insert_common.py (Triton lowering; why not Mosaic GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jds.ops.norms import rms_norm
+from jds.ops.paging import RecordFormat, write_records
+from jds.ops.records import MlaRecord584
+from jds.ops.rope import rope_part
+from pallas_kernels import fused_insert_common as C
+
+Implementation = Literal["xla", "pallas"]
+F32 = jnp.float32
+
+
+def fused_qnorm_rope_kv_insert_v4_reference(q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w, *,
+                                            window_format: RecordFormat, eps: float, dtype):
+    """(q normed + roped [T, H, D] in ``dtype``, updated window cache): the q / window half of
+    ``V4Attention.prepare``."""
+    rd = 2 * cos.shape[-1]
+    q = rms_norm(q, None, eps, dtype)
+    q = rope_part(q, cos, sin, rope_dim=rd, first=False, interleaved=True)
+    k = rope_part(rms_norm(kv, kv_norm_w, eps, dtype), cos, sin, rope_dim=rd, first=False, interleaved=True)
+    return q, write_records(window_cache, window_format, slot_mapping, k)
+
+
+def _v4_kernel(q_ref, kv_ref, cos_ref, sin_ref, slot_ref, w_ref, _cache_in, q_out, c_out, *, T, BT, H, HB, nhb,
+               D, rd, eps, dtype, fmt):
+    pid, jh = pl.program_id(0), pl.program_id(1)
+    col = C.iota((1, D), 1)
+    in_rope, pcol, fcol, first = C.rope_partner(col, D - rd, rd, True)
+
+    @pl.when(jh < nhb)
+    def _q():
+        r = C.iota((BT * HB, 1), 0)
+        tok = pid * BT + jax.lax.shift_right_logical(r, C.log2(HB))
+        head = jh * HB + (r & (HB - 1))
+        ok = (tok < T) & (head < H)
+        tc, hc = jnp.minimum(tok, T - 1), jnp.minimum(head, H - 1)
+        shape = (BT * HB, D)
+        x = C.load(q_ref, (tc, hc, col), shape).astype(F32)
+        xp = C.load(q_ref, (tc, hc, pcol), shape, mask=in_rope).astype(F32)
+        r_ = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+        y, yp = (x * r_).astype(dtype).astype(F32), (xp * r_).astype(dtype).astype(F32)
+        cs, sn = C.load(cos_ref, (tc, fcol), shape), C.load(sin_ref, (tc, fcol), shape)
+        out = C.rope_rows(y, yp, cs, sn, first, in_rope).astype(dtype)
+        C.store(q_out, (jnp.where(ok, tok, T), hc, col), out, ok)
+
+    @pl.when(jh == nhb)
+    def _kv():
+        t = pid * BT + C.iota((BT, 1), 0)
+        tc = jnp.minimum(t, T - 1)
+        slot = C.load(slot_ref, (tc,), (BT, 1))
+        ok = (t < T) & (slot >= 0)
+        safe = jnp.where(ok, slot, 0)
+        shape = (BT, D)
+        x = C.load(kv_ref, (tc, col), shape).astype(F32)
+        xp = C.load(kv_ref, (tc, pcol), shape, mask=in_rope).astype(F32)
+        r_ = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+        y = (x * r_ * C.load(w_ref, (col,), (1, D))).astype(dtype).astype(F32)
+        yp = (xp * r_ * C.load(w_ref, (pcol,), (1, D))).astype(dtype).astype(F32)
+        cs, sn = C.load(cos_ref, (tc, fcol), shape), C.load(sin_ref, (tc, fcol), shape)
+        k = C.rope_rows(y, yp, cs, sn, first, in_rope).astype(dtype)  # [BT, D]
+
+        epp = fmt.entries_per_page
+        page = jnp.where(ok, jax.lax.div(safe, epp), c_out.shape[0])
+        j = jax.lax.rem(safe, epp)
+        if isinstance(fmt, MlaRecord584):
+            nope, blk, data = fmt.nope_dim, fmt.block, fmt.data_bytes
+            nblk = D // blk  # NoPE blocks plus the rope block(s), whose scales are not stored
+            kb = k.astype(jnp.bfloat16)
+            nf = kb.astype(F32).reshape(BT, nblk, blk)
+            s, inv, e = C.ue8m0_scale(jnp.max(jnp.abs(nf), axis=-1))  # [BT, nblk]
+            q8 = C.e4m3_bytes(nf * inv[..., None]).reshape(shape)
+            lo, hi = C.u16_bytes(kb)
+            is_nope = col < nope
+            roff = nope + 2 * (col - nope)
+            base = j * data
+            C.store(c_out, (page, base + jnp.where(is_nope, col, roff)), jnp.where(is_nope, q8, lo), ok)
+            C.store(c_out, (page, jnp.where(is_nope, c_out.shape[1], base + roff + 1)), hi, ok & ~is_nope)
+            # scale bytes: nblk >= n_scales + 1 (one pad byte per entry, written as 0)
+            b = C.iota((1, nblk), 1)
+            ebytes = jnp.where(b < fmt.n_scales, e, 0).astype(jnp.uint8)
+            C.store(c_out, (page, epp * data + j * fmt.scale_bytes + b), ebytes, ok & (b < fmt.scale_bytes))
+        else:  # FloatRows(D)
+            C.store(c_out, (page, j * fmt.dim + col), k.astype(c_out.dtype), ok)
+
+
+def fused_qnorm_rope_kv_insert_v4(q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w, *,
+                                  window_format: RecordFormat, eps: float, dtype,
+                                  implementation: Implementation = "pallas", interpret: bool | None = None,
+                                  rows_per_program: int = 8, num_warps: int = 8):
+    """Same inputs/outputs as ``fused_qnorm_rope_kv_insert_v4_reference``.
+
+    q [T, H, D], kv [T, D] in ``dtype``; cos/sin [T, rd/2] float32; slot_mapping [T] int32 (-1 = padding);
+    window_cache [num_blocks, page_elems] (donate it: it is updated in place)."""
+    if implementation == "xla":
+        return fused_qnorm_rope_kv_insert_v4_reference(q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w,
+                                                       window_format=window_format, eps=eps, dtype=dtype)
+    if implementation != "pallas":
+        raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}")
+    interpret = C.resolve_interpret(interpret)
+    t, h, d = q.shape
+    rd = 2 * cos.shape[-1]
+    for name, n in (("head dim", d), ("rope dim", rd), ("rows_per_program", rows_per_program)):
+        if not C.is_pow2(n):
+            raise NotImplementedError(f"fused_qnorm_rope_kv_insert_v4: {name} {n} is not a power of 2")
+    if isinstance(window_format, MlaRecord584):
+        f = window_format
+        if f.nope_dim + f.rope_dim != d or f.rope_dim != rd or d % f.block or d // f.block < f.scale_bytes:
+            raise ValueError(f"window_format {f} does not fit head dim {d} / rope dim {rd}")
+    hp = C.next_pow2(h)
+    # decode (few tokens): one token per program, heads spread over programs; prefill: more tokens each
+    bt = 1 if t < rows_per_program else rows_per_program
+    hb = min(hp, max(1, rows_per_program // bt))
+    nhb = -(-h // hb)
+    dt = jnp.dtype(dtype)
+    kernel = functools.partial(_v4_kernel, T=t, BT=bt, H=h, HB=hb, nhb=nhb, D=d, rd=rd, eps=eps, dtype=dt,
+                               fmt=window_format)
+    out_shape = (jax.ShapeDtypeStruct((t, h, d), dt), jax.ShapeDtypeStruct(window_cache.shape, window_cache.dtype))
+    args = [q, kv, cos.astype(F32), sin.astype(F32), slot_mapping.astype(jnp.int32), kv_norm_w.astype(F32),
+            window_cache]
+    return C.pallas_call(kernel, out_shape=out_shape, grid=(pl.cdiv(t, bt), nhb + 1), aliases={6: 1},
+                         interpret=interpret, name="v4_qnorm_rope_kv_insert", num_warps=num_warps)(*args)

@@ -1,0 +1,294 @@
+"""Fused norm / RoPE / cache-insert kernels (pallas_kernels/fused_insert_v32.py, fused_insert_v4.py) against
+their pure-JAX references, and the layers' ``implementation="pallas"`` prepare against ``"xla"``.
+
+Modes: ``interpret`` (GPU interpret mode, any backend) and ``gpu`` (compiled Triton kernels; marked ``gpu``,
+skipped unless jax.default_backend() == "gpu").
+
+Exactness. In interpret mode the kernel body runs as XLA CPU ops that mirror the reference op by op, so with
+bf16 activations the caches and q outputs are *bit-identical* to the reference. Two places compare with a
+tolerance instead:
+* the Hadamard rotation: the kernel's [rows, 128] x H128 dot accumulates in a different order than the
+  reference einsum, so a bf16 rounding (and then an e4m3 byte) occasionally differs;
+* float32 activations: 1-ulp differences from reduction order / FMA contraction inside XLA CPU fusions.
+On the GPU every comparison uses the tolerances: Triton's reduction trees and FMA contraction differ from XLA's.
+Bytes the step does not write (other slots, padding tokens' slots) are compared exactly in every mode.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jds.batch import Chunk, make_batch
+from jds.config import Numerics, V32Config, V4Config
+from jds.ops.paging import read_records
+from jds.ops.records import FloatRows, IndexerRecord132, MlaRecord584, MlaRecord656
+from jds.ops.rope import cached_inv_freqs, rope_cos_sin
+from pallas_kernels import fused_insert_common as C
+from pallas_kernels.fused_insert_v32 import fused_kv_insert_v32, fused_q_v32
+from pallas_kernels.fused_insert_v4 import fused_qnorm_rope_kv_insert_v4
+
+ON_GPU = jax.default_backend() == "gpu"
+MODES = [pytest.param("interpret", id="interpret"),
+         pytest.param("gpu", id="gpu", marks=[pytest.mark.gpu,
+                                              pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")])]
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+def _interpret(mode: str) -> bool:
+    return mode == "interpret"
+
+
+def _slots(rng: np.random.Generator, t: int, n_slots: int) -> np.ndarray:
+    """Shuffled distinct slots, two of them padding (-1)."""
+    s = rng.permutation(n_slots)[:t].astype(np.int32)
+    s[1] = -1
+    s[t // 2] = -1
+    return s
+
+
+def _noise_cache(rng: np.random.Generator, fmt, num_blocks: int) -> jax.Array:
+    if jnp.dtype(fmt.dtype) == jnp.uint8:
+        return jnp.asarray(rng.integers(0, 256, (num_blocks, fmt.page_elems)), jnp.uint8)
+    return jnp.asarray(rng.normal(size=(num_blocks, fmt.page_elems)), fmt.dtype)
+
+
+def _written_mask(fmt, cache_shape, slots: np.ndarray) -> np.ndarray:
+    m = np.zeros(int(np.prod(cache_shape)), bool)
+    off = np.asarray(fmt.offsets(jnp.asarray(slots[slots >= 0])))
+    m[off.reshape(-1)] = True
+    return m.reshape(cache_shape)
+
+
+def assert_cache_match(fmt, got, want, slots: np.ndarray, exact: bool, what: str) -> None:
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if exact:
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), err_msg=what)
+        return
+    written = _written_mask(fmt, got.shape, slots)
+    np.testing.assert_array_equal(got[~written].view(np.uint8), want[~written].view(np.uint8),
+                                  err_msg=f"{what}: bytes outside this step's records changed")
+    valid = jnp.asarray(slots[slots >= 0])
+    g = np.asarray(read_records(jnp.asarray(got), fmt, valid))
+    w = np.asarray(read_records(jnp.asarray(want), fmt, valid))
+    quantised = jnp.dtype(fmt.dtype) == jnp.uint8
+    rtol = 0.13 if quantised else (2e-2 if jnp.dtype(fmt.dtype) == BF16 else 2e-5)
+    atol = 2e-2 * np.abs(w).max() if quantised else 1e-5
+    np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg=what)
+    if quantised:  # rare rounding flips only
+        assert (got != want).mean() < 0.02, f"{what}: {(got != want).mean():.3%} bytes differ"
+
+
+def assert_q_match(got, want, exact: bool, what: str, rtol: float) -> None:
+    got, want = np.asarray(jnp.asarray(got).astype(F32)), np.asarray(jnp.asarray(want).astype(F32))
+    if exact:
+        np.testing.assert_array_equal(got, want, err_msg=what)
+    else:
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max() * 1e-2, err_msg=what)
+
+
+def _rtol(dt) -> float:
+    return 2e-2 if dt == BF16 else 2e-5
+
+
+def _run(fn, static, *args):
+    """Both implementations under jit (the caches donated, as the layer's runner does)."""
+    outs = {}
+    for impl, extra in (("xla", {}), ("pallas", static.pop("_kernel", {}))):
+        f = jax.jit(functools.partial(fn, implementation=impl, **static, **extra))
+        outs[impl] = jax.block_until_ready(f(*args))
+    return outs["pallas"], outs["xla"]
+
+
+# ----- V3.2: kv latent + rope key -> MLA cache, indexer key -> indexer cache ------------------------------
+V32_KV_CASES = [  # kv format, index format, dtype, hadamard, indexer interleave, tokens
+    pytest.param(MlaRecord656(16, "ue8m0"), IndexerRecord132(16), BF16, False, False, 20, id="656ue8m0-132-bf16"),
+    pytest.param(MlaRecord656(16, "amax"), IndexerRecord132(16), BF16, True, True, 7, id="656amax-132-had-ilv"),
+    pytest.param(FloatRows(576, 16, BF16), FloatRows(128, 16, BF16), BF16, True, False, 7, id="rows-bf16-had"),
+    pytest.param(MlaRecord656(16, "ue8m0"), FloatRows(128, 16, F32), F32, False, False, 20, id="656-f32"),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kv_fmt,idx_fmt,dt,had,ilv,t", V32_KV_CASES)
+def test_v32_kv_insert(mode, kv_fmt, idx_fmt, dt, had, ilv, t):
+    cfg = V32Config.tiny()
+    rng = np.random.default_rng(t)
+    nb = 4
+    kv = jnp.asarray(rng.normal(size=(t, 576)) * 2, dt)
+    ik = jnp.asarray(rng.normal(size=(t, 128)), dt)
+    cos, sin = rope_cos_sin(cached_inv_freqs(cfg.rope, 64), jnp.asarray(rng.integers(0, 2000, t), jnp.int32))
+    slots = _slots(rng, t, nb * 16)
+    w, kw, kb = (jnp.asarray(1 + 0.1 * rng.normal(size=512), F32), jnp.asarray(1 + 0.1 * rng.normal(size=128), F32),
+                 jnp.asarray(0.1 * rng.normal(size=128), F32))
+    kc, ic = _noise_cache(rng, kv_fmt, nb), _noise_cache(rng, idx_fmt, nb)
+    static = dict(kv_format=kv_fmt, index_format=idx_fmt, eps=1e-6, dtype=dt, indexer_interleave=ilv, hadamard=had,
+                  _kernel=dict(interpret=_interpret(mode)))
+    got, want = _run(fused_kv_insert_v32, static, kv, ik, cos, sin, jnp.asarray(slots), kc, ic, w, kw, kb)
+    exact = mode == "interpret" and dt == BF16
+    assert_cache_match(kv_fmt, got[0], want[0], slots, exact, "MLA cache")
+    assert_cache_match(idx_fmt, got[1], want[1], slots, exact and not had, "indexer cache")
+
+
+# ----- V3.2: q_pe RoPE + indexer q --------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dt,had,ilv,fp8,t", [
+    pytest.param(BF16, False, False, True, 20, id="bf16-fp8"),
+    pytest.param(BF16, True, True, True, 5, id="bf16-had-ilv-fp8"),
+    pytest.param(BF16, True, False, False, 5, id="bf16-had-nofp8"),
+    pytest.param(F32, True, False, True, 5, id="f32-had-fp8"),
+])
+def test_v32_fused_q(mode, dt, had, ilv, fp8, t):
+    cfg = V32Config.tiny()
+    rng = np.random.default_rng(10 + t)
+    q = jnp.asarray(rng.normal(size=(t, cfg.n_heads, 192)), dt)
+    iq = jnp.asarray(rng.normal(size=(t, cfg.index_n_heads, 128)), dt)
+    iw = jnp.asarray(rng.normal(size=(t, cfg.index_n_heads)), F32)
+    cos, sin = rope_cos_sin(cached_inv_freqs(cfg.rope, 64), jnp.asarray(rng.integers(0, 2000, t), jnp.int32))
+    static = dict(nope_dim=128, dtype=dt, indexer_interleave=ilv, hadamard=had, fp8=fp8,
+                  _kernel=dict(interpret=_interpret(mode)))
+    (qpe, q8, s, wf), (rqpe, rq8, rs, rwf) = _run(fused_q_v32, static, q, iq, iw, cos, sin)
+    exact = mode == "interpret" and dt == BF16
+    assert q8.dtype == (jnp.float8_e4m3fn if fp8 else dt) and qpe.shape == (t, cfg.n_heads, 64)
+    assert_q_match(qpe, rqpe, exact, "q_pe", _rtol(dt))
+    exact_i = exact and not had
+    if exact_i:
+        for a, b, n in ((q8, rq8, "index q"), (s, rs, "index scale"), (wf, rwf, "index weights")):
+            assert_q_match(a, b, True, n, 0)
+    else:  # dequantised q and the unfolded weights (w'' / s) within rounding
+        deq = lambda qq, ss: np.asarray(qq.astype(F32)) * np.asarray(ss)[..., None]
+        g, w = deq(q8, s), deq(rq8, rs)
+        np.testing.assert_allclose(g, w, rtol=0.13, atol=2e-2 * np.abs(w).max())
+        np.testing.assert_allclose(np.asarray(wf) / np.asarray(s), np.asarray(rwf) / np.asarray(rs), rtol=1e-6)
+
+
+# ----- V4: q head norm + RoPE, window kv RoPE + FP8 insert -------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fmt,dt,t", [
+    pytest.param(MlaRecord584(128), BF16, 5, id="584-bf16-decode"),
+    pytest.param(MlaRecord584(128), BF16, 20, id="584-bf16-prefill"),
+    pytest.param(FloatRows(512, 128, BF16), BF16, 20, id="rows-bf16"),
+    pytest.param(MlaRecord584(128), F32, 5, id="584-f32"),
+])
+def test_v4_qnorm_rope_kv_insert(mode, fmt, dt, t):
+    cfg = V4Config.tiny()
+    rng = np.random.default_rng(20 + t)
+    nb = 3
+    q = jnp.asarray(rng.normal(size=(t, cfg.n_heads, 512)) * 3, dt)
+    kv = jnp.asarray(rng.normal(size=(t, 512)), dt)
+    w = jnp.asarray(1 + 0.1 * rng.normal(size=512), F32)
+    cos, sin = rope_cos_sin(cached_inv_freqs(cfg.rope_for(4), 64), jnp.asarray(rng.integers(0, 4000, t), jnp.int32))
+    slots = _slots(rng, t, nb * 128)
+    cache = _noise_cache(rng, fmt, nb)
+    static = dict(window_format=fmt, eps=1e-6, dtype=dt, _kernel=dict(interpret=_interpret(mode)))
+    (gq, gc), (wq, wc) = _run(fused_qnorm_rope_kv_insert_v4, static, q, kv, cos, sin, jnp.asarray(slots), cache, w)
+    exact = mode == "interpret" and dt == BF16
+    assert_q_match(gq, wq, exact, "q", _rtol(dt))
+    assert_cache_match(fmt, gc, wc, slots, exact, "window cache")
+
+
+# ----- the layers: implementation="pallas" prepare == "xla" prepare ------------------------------------------
+def _batch(block_size: int, seed: int):
+    """Two requests (a 6-token prefill chunk at 3 and a decode token at 20) + 2 padding tokens, shuffled pages."""
+    rng = np.random.default_rng(seed)
+    per_row = -(-21 // block_size)
+    nb = 2 * per_row + 2
+    tables = rng.permutation(nb)[: 2 * per_row].reshape(2, per_row).astype(np.int32)
+    return make_batch([Chunk(0, 3, 6), Chunk(1, 20, 1)], tables, block_size, pad_to=9), nb
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("numerics", [  # fp8_linear off: it only changes the projections, and compiles slowly
+    pytest.param(Numerics(fp8_linear=False, latent_scale_fmt="amax"), id="fp8cache-hadamard-amax"),
+    pytest.param(Numerics.serving(), id="serving")])
+def test_v32_layer_prepare(mode, numerics, monkeypatch):
+    from jds.v32 import V32Attention
+
+    monkeypatch.setattr(C, "resolve_interpret", lambda interpret: _interpret(mode) if interpret is None else interpret)
+    cfg = V32Config.tiny()
+    batch, nb = _batch(cfg.block_size, 1)
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(9, cfg.hidden_size)), BF16)
+    res = {}
+    for impl in ("xla", "pallas"):
+        layer = V32Attention(cfg, numerics, rngs=nnx.Rngs(0), implementation=impl)
+        f = nnx.jit(lambda m, x, b, c: m.prepare(m.project_in(x), b, c))
+        res[impl] = f(layer, x, batch, layer.init_cache(nb))
+    (gq, gc), (wq, wc) = res["pallas"], res["xla"]
+    # tolerances: inside one jit XLA fuses the reference's RoPE with its neighbours, which moves f32 roundings
+    # (FMA contraction) and now and then flips a bf16 / e4m3 rounding; the kernel tests above check exactness
+    slots = np.asarray(batch.slot_mapping)
+    layer = V32Attention(cfg, numerics, rngs=nnx.Rngs(0))
+    assert_cache_match(layer.kv_format, gc.kv, wc.kv, slots, False, "MLA cache")
+    assert_cache_match(layer.index_format, gc.index_k, wc.index_k, slots, False, "indexer cache")
+    assert_q_match(gq.q, wq.q, False, "q", 2e-2)
+    assert_q_match(gq.index_w, wq.index_w, True, "index_w", 0)
+    np.testing.assert_allclose(np.asarray(gq.index_q), np.asarray(wq.index_q), rtol=0.13,
+                               atol=2e-2 * float(np.abs(np.asarray(wq.index_q)).max()))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layer_id", [pytest.param(0, id="swa")])
+def test_v4_layer_prepare(mode, layer_id, monkeypatch):
+    from jds.v4 import V4Attention
+
+    monkeypatch.setattr(C, "resolve_interpret", lambda interpret: _interpret(mode) if interpret is None else interpret)
+    cfg = V4Config.tiny()
+    batch, nb = _batch(cfg.block_size, 3)
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(9, cfg.hidden_size)), BF16)
+    res = {}
+    for impl in ("xla", "pallas"):
+        layer = V4Attention(cfg, Numerics(fp8_linear=False), layer_id, rngs=nnx.Rngs(0), implementation=impl)
+        f = nnx.jit(lambda m, x, b, c: m.prepare(m.project_in(x), b, c))
+        res[impl] = f(layer, x, batch, layer.init_cache(nb))
+    (gq, gc), (wq, wc) = res["pallas"], res["xla"]
+    layer = V4Attention(cfg, Numerics(fp8_linear=False), layer_id, rngs=nnx.Rngs(0))
+    assert_q_match(gq.q, wq.q, False, "q", 2e-2)  # tolerances: see test_v32_layer_prepare
+    assert_cache_match(layer.window_format, gc.window, wc.window, np.asarray(batch.slot_mapping), False, "window")
+    for name in ("compressed", "state", "index_k", "index_state"):  # untouched by the kernel: same XLA code
+        np.testing.assert_array_equal(np.asarray(getattr(gc, name)), np.asarray(getattr(wc, name)), err_msg=name)
+    np.testing.assert_array_equal(np.asarray(gq.index_q), np.asarray(wq.index_q))
+
+
+# ----- lowering checks (any machine) ----------------------------------------------------------------------------
+def _lowering_cases():
+    t, dt = 33, BF16
+    cos = jnp.zeros((t, 32), F32)
+    slots = jnp.zeros((t,), jnp.int32)
+    kv32 = functools.partial(fused_kv_insert_v32, kv_format=MlaRecord656(64), index_format=IndexerRecord132(64),
+                             eps=1e-6, dtype=dt, indexer_interleave=False, hadamard=True, interpret=False)
+    kv32_args = (jnp.zeros((t, 576), dt), jnp.zeros((t, 128), dt), cos, cos, slots,
+                 jnp.zeros((4, 64 * 656), jnp.uint8), jnp.zeros((4, 64 * 132), jnp.uint8),
+                 jnp.ones(512), jnp.ones(128), jnp.zeros(128))
+    q32 = functools.partial(fused_q_v32, nope_dim=128, dtype=dt, indexer_interleave=False, hadamard=True, fp8=True,
+                            interpret=False)
+    q32_args = (jnp.zeros((t, 128, 192), dt), jnp.zeros((t, 64, 128), dt), jnp.zeros((t, 64), F32), cos, cos)
+    v4 = functools.partial(fused_qnorm_rope_kv_insert_v4, window_format=MlaRecord584(256), eps=1e-6, dtype=dt,
+                           interpret=False)
+    v4_args = (jnp.zeros((t, 64, 512), dt), jnp.zeros((t, 512), dt), cos, cos, slots,
+               jnp.zeros((2, 256 * 584), jnp.uint8), jnp.ones(512))
+    return [pytest.param(kv32, kv32_args, True, id="v32_kv_insert"),
+            pytest.param(q32, q32_args, False, id="v32_fused_q"),
+            pytest.param(v4, v4_args, True, id="v4_qnorm_rope_kv_insert")]
+
+
+@pytest.mark.parametrize("fn,args,inserts", _lowering_cases())
+def test_triton_lowering_real_dims(fn, args, inserts):
+    """Pallas -> Triton IR for an (abstract) H200 at real V3.2/V4 dims, with the caches aliased in place."""
+    hlo = C.check_triton_lowering(fn, *args)
+    assert "__gpu$xla.gpu.triton" in hlo
+    assert ("output_operand_aliases" in hlo) == inserts  # the cache operands are updated in place
+
+
+@pytest.mark.parametrize("fn,args,inserts", _lowering_cases())
+def test_sm90_compile_no_spills(fn, args, inserts):
+    """Triton IR -> PTX -> ptxas (sm_90a) with pip triton: no register spills (skipped without triton)."""
+    pytest.importorskip("triton")
+    for k in C.compile_sm90_report(fn, *args):
+        assert k["spill_bytes"] == 0, k
+        assert k["registers"] <= 255, k
