@@ -1,0 +1,178 @@
+"""Benchmarks of the paged FP8 indexer logits kernel and the indexer top-k (issue 7), each against the
+XLA implementation in the same run. Driven by scripts/bench_kernels.py (``--only sparse_indexer``).
+
+Cases (full run; ``quick`` uses tiny shapes and few iterations, e.g. to smoke-test on the CPU):
+- decode_logits / decode_select: batch B in {1, 16, 64} x context C in {4K, 32K, 128K}, one token per
+  request at position C - 1 (all C keys visible), 64 heads, 64-entry pages shuffled in the pool.
+  *_logits = the logits alone; *_select = logits + top-2048 (``indexer_topk``, what ``select`` runs).
+- prefill_select: one request, a chunk of Q in {1K, 4K, 8K} queries at positions C-Q..C-1 over
+  C in {8K, 32K, 64K} (Q <= C), causal; logits bounded by the 512 MiB default workspace (pallas) and an
+  8 GiB workspace for the XLA path (its gathered fp32 keys are 129x the logits).
+- prefill_logits: the kernel alone on a 1K-query chunk (XLA only where its [Q, C, 128] fp32 gather fits).
+- topk: ``lax.top_k`` (k = 2048) alone over [B, C] logits rows, with ``bytes`` = one read of the logits,
+  so ``bandwidth_frac`` says how close top-k gets to reading its input once (issue target: >= 0.5 at
+  B = 64, C = 64K); ``_seg*`` rows: the exact two-stage variant (``IndexerKernelConfig.topk_segment``).
+
+``bytes`` / ``flops`` are the kernel's own model for both implementations (so the fractions compare):
+FP8 key bytes read once per query group (132 B per key and group, groups of G tokens), the fp32 logits
+written once (select adds the top-k's read of them), 2 * 64 * 128 FLOPs per visible (token, key) pair.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jds.ops.quant import FP8
+from jds.ops.records import IndexerRecord132
+from pallas_kernels import sparse_indexer as si
+from pallas_kernels.timing import time_fn
+
+HI = 64
+EPP = 64
+K = 2048
+
+
+def _cache(key, n_pages: int) -> jax.Array:
+    """Random FP8 key pages (no NaN codes) with power-of-two fp32 scales, laid out as IndexerRecord132."""
+    kv, ks = jax.random.split(key)
+    vals = jax.random.randint(kv, (n_pages, EPP * 128), 0, 256, jnp.int32).astype(jnp.uint8)
+    vals = jnp.where((vals & 0x7F) == 0x7F, vals ^ 0x01, vals)  # 0x7f / 0xff are e4m3 NaN
+    scales = jnp.exp2(jax.random.randint(ks, (n_pages, EPP), -10, 0).astype(jnp.float32))
+    sbytes = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(n_pages, EPP * 4)
+    return jnp.concatenate([vals, sbytes], axis=1)
+
+
+def _queries(key, t: int) -> tuple[jax.Array, jax.Array]:
+    kq, kw = jax.random.split(key)
+    q8 = (jax.random.normal(kq, (t, HI, 128)) * 100).astype(FP8)
+    s = jnp.exp2(jax.random.randint(kw, (t, HI, 1), -12, -6).astype(jnp.float32))
+    index_q = q8.astype(jnp.float32) * s  # the dequantised q the layers hand over
+    index_w = jax.random.normal(kw, (t, HI), jnp.float32) * (128 ** -0.5) * (HI ** -0.5)
+    return index_q, index_w
+
+
+def _tables(key, rows: int, width: int) -> tuple[jax.Array, int]:
+    nb = rows * width + 1
+    return jax.random.permutation(key, nb)[: rows * width].reshape(rows, width).astype(jnp.int32), nb
+
+
+def _model(t: int, n_cols: int, vis: np.ndarray, g: int, req: np.ndarray, select: bool) -> tuple[int, int]:
+    """(bytes, flops): keys once per group of g consecutive same-request tokens, logits written once."""
+    key_reads = 0
+    for r in np.unique(req):
+        v = vis[req == r]
+        key_reads += int(sum(v[i: i + g].max() for i in range(0, len(v), g)))
+    logits = 4 * t * n_cols
+    nbytes = 132 * key_reads + logits + t * HI * (128 + 4)
+    if select:
+        nbytes += logits + 4 * t * K
+    return nbytes, 2 * HI * 128 * int(vis.sum())
+
+
+def _row(case: str, impl: str, fn, args, nbytes: int, flops: int, quick: bool, big: bool = False, **extra) -> dict:
+    warm, iters = (1, 3) if quick else ((2, 5) if big else (5, 30))
+    r = time_fn(fn, *args, warmup=warm, iters=iters)
+    return {"kernel": "sparse_indexer", "case": case, "impl": impl, **r, "bytes": nbytes, "flops": flops, **extra}
+
+
+def benchmark(quick: bool) -> list[dict]:
+    rows: list[dict] = []
+    interpret = jax.default_backend() != "gpu"
+    fmt = IndexerRecord132(EPP)
+    cfg = si.IndexerKernelConfig()
+    xla_cfg = si.IndexerKernelConfig(max_logits_bytes=8 << 30)
+    key = jax.random.key(0)
+
+    logits_p = jax.jit(functools.partial(si.paged_logits, entries_per_page=EPP, config=cfg, interpret=interpret))
+    logits_x = jax.jit(si.xla_logits, static_argnums=3)
+
+    def selector(impl: str, config: si.IndexerKernelConfig):
+        def run(iq, iw, cache, bt, req, nvis):
+            return si.indexer_topk_jit(iq, iw, cache, fmt, bt, req, nvis, K, impl, config, interpret)
+        return run
+
+    select_p, select_x = selector("pallas", cfg), selector("xla", xla_cfg)
+    topk = jax.jit(si.topk_from_logits, static_argnums=(1, 2))
+
+    # ----- decode -----
+    decode = [(1, 1024), (4, 1024)] if quick else [(b, c) for b in (1, 16, 64) for c in (4096, 32768, 131072)]
+    for b, c in decode:
+        k1, k2, k3, key = jax.random.split(key, 4)
+        bt, nb = _tables(k1, b, c // EPP)
+        cache = _cache(k2, nb)
+        iq, iw = _queries(k3, b)
+        q8, w8 = si.quantize_q(iq, iw)
+        req = jnp.arange(b, dtype=jnp.int32)
+        nvis = jnp.full((b,), c, jnp.int32)
+        vis_np, req_np = np.full(b, c), np.arange(b)
+        nbytes, flops = _model(b, c, vis_np, 1, req_np, False)
+        case = f"decode_logits_b{b}_c{c}"
+        rows.append(_row(case, "pallas", logits_p, (q8, w8, cache, bt, req, nvis), nbytes, flops, quick))
+        big_x = b * c * 129 * 4 * 3 > (60 << 30)
+        if not big_x:
+            rows.append(_row(case, "xla", logits_x, (iq, iw, cache, fmt, bt, req, nvis), nbytes, flops, quick,
+                             big=b * c >= (1 << 21)))
+        nbytes, flops = _model(b, c, vis_np, 1, req_np, True)
+        case = f"decode_select_b{b}_c{c}"
+        args = (iq, iw, cache, bt, req, nvis)
+        rows.append(_row(case, "pallas", select_p, args, nbytes, flops, quick))
+        rows.append(_row(case, "xla", select_x, args, nbytes, flops, quick, big=b * c >= (1 << 21)))
+        if (b, c) == (64, 32768):  # tuning sweep of the kernel at the bandwidth-target point
+            nbytes, flops = _model(b, c, vis_np, 1, req_np, False)
+            sweep = [(f"tpc{tpc}_nbuf{nbuf}", si.IndexerKernelConfig(tiles_per_cta=tpc, num_buffers=nbuf))
+                     for tpc, nbuf in ((8, 2), (16, 3), (32, 4), (64, 4))]
+            sweep.append(("gathered", si.IndexerKernelConfig(key_source="gathered")))  # fallback key source
+            for name, c2 in sweep:
+                f = jax.jit(functools.partial(si.paged_logits, entries_per_page=EPP, config=c2, interpret=interpret))
+                rows.append(_row(f"decode_logits_b{b}_c{c}_{name}", "pallas", f,
+                                 (q8, w8, cache, bt, req, nvis), nbytes, flops, quick))
+        del cache
+
+    # ----- top-k alone over logits rows -----
+    tk = [(4, 1024)] if quick else [(b, c) for b in (16, 64) for c in (32768, 65536, 131072)]
+    for b, c in tk:
+        k1, key = jax.random.split(key)
+        lg = jax.random.normal(k1, (b, c), jnp.float32)
+        rows.append(_row(f"topk_k{K}_b{b}_c{c}", "xla", topk, (lg, K, None), 4 * b * c, 0, quick))
+        for seg in ((1024,) if quick else (8192, 16384)):  # two-stage (exact) variant
+            rows.append(_row(f"topk_k{K}_b{b}_c{c}_seg{seg}", "xla", topk, (lg, K, seg), 4 * b * c, 0, quick))
+        del lg
+
+    # ----- prefill (one request, the last Q positions of a C-token context) -----
+    prefill = [(128, 512)] if quick else [(q, c) for c in (8192, 32768, 65536) for q in (1024, 4096, 8192) if q <= c]
+    for q, c in prefill:
+        k1, k2, k3, key = jax.random.split(key, 4)
+        bt, nb = _tables(k1, 1, c // EPP)
+        cache = _cache(k2, nb)
+        iq, iw = _queries(k3, q)
+        req = jnp.zeros((q,), jnp.int32)
+        pos = np.arange(c - q, c)
+        nvis = jnp.asarray(pos + 1, jnp.int32)
+        vis_np, req_np = pos + 1, np.zeros(q, np.int64)
+        g = 4
+        if q == (128 if quick else 1024):
+            q8, w8 = si.quantize_q(iq, iw)
+            nbytes, flops = _model(q, c, vis_np, g, req_np, False)
+            case = f"prefill_logits_q{q}_c{c}"
+            rows.append(_row(case, "pallas", logits_p, (q8, w8, cache, bt, req, nvis), nbytes, flops, quick))
+            if q * c * 129 * 4 * 3 <= (60 << 30):
+                rows.append(_row(case, "xla", logits_x, (iq, iw, cache, fmt, bt, req, nvis), nbytes, flops, quick,
+                                 big=True))
+        nbytes, flops = _model(q, c, vis_np, g, req_np, True)
+        case = f"prefill_select_q{q}_c{c}"
+        args = (iq, iw, cache, bt, req, nvis)
+        rows.append(_row(case, "pallas", select_p, args, nbytes, flops, quick, big=q * c >= (1 << 27)))
+        rows.append(_row(case, "xla", select_x, args, nbytes, flops, quick, big=True))
+        del cache
+    return rows
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import json
+
+    for r in benchmark(quick=True):
+        print(json.dumps(r))
