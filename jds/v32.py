@@ -183,6 +183,13 @@ class V32Attention(StagedAttention):
         # beyond that is static and would only be gathered and masked
         topk = topk[:, : min(topk.shape[1], batch.block_tables.shape[1] * cfg.block_size)]
         slots = global_slots(batch.block_tables, batch.req_idx, topk, cfg.block_size)
+        if self.form == "absorbed" and self.implementation == "pallas":
+            from pallas_kernels import sparse_mqa as mqa  # gathers + dequantises the records inside the kernel
+            if mqa.supports((self.kv_format,), cfg.kv_lora_rank):
+                o_lat = mqa.sparse_mqa(query.q, (cache.kv,), (self.kv_format,), (slots,), scale=cfg.softmax_scale,
+                                       v_dim=cfg.kv_lora_rank, out_dtype=self.dtype)
+                o = self._apply_uv(o_lat.astype(self.dtype))
+                return o.reshape(o.shape[0], -1).astype(self.dtype)
         rows = read_records(cache.kv, self.kv_format, slots)  # [T, K, kv_lora + rope] float32
         valid = topk >= 0
         if self.form == "absorbed":

@@ -241,8 +241,7 @@ class V4Attention(StagedAttention):
         w_local = p[:, None] - cfg.window_size + 1 + jnp.arange(cfg.window_size, dtype=jnp.int32)
         w_local = jnp.where(w_local >= 0, w_local, -1)
         w_slots = global_slots(batch.block_tables, batch.req_idx, w_local, cfg.block_size)
-        rows = [read_records(cache.window, self.window_format, w_slots)]
-        valid = [w_local >= 0]
+        lists = [(cache.window, self.window_format, w_slots, w_local >= 0)]  # (cache, format, slots, valid)
         if self.ratio:
             if self.ratio == 4:
                 c_local = topk[:, : min(topk.shape[1], self._max_entries(batch))]  # static -1 tail cut
@@ -251,10 +250,18 @@ class V4Attention(StagedAttention):
                 c_local = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (p.shape[0], n))
                 c_local = jnp.where(c_local < ((p + 1) // self.ratio)[:, None], c_local, -1)
             c_slots = global_slots(batch.block_tables, batch.req_idx, c_local, cfg.block_size // self.ratio)
-            rows.append(read_records(cache.compressed, self.compressed_format, c_slots))
-            valid.append(c_local >= 0)
-        o = sparse_mqa(query.q, jnp.concatenate(rows, axis=1), jnp.concatenate(valid, axis=1),
-                       scale=cfg.softmax_scale, v_dim=cfg.head_dim, sink=self.attn_sink[...]).astype(self.dtype)
+            lists.append((cache.compressed, self.compressed_format, c_slots, c_local >= 0))
+        caches, fmts, slots, valid = (list(x) for x in zip(*lists))
+        mqa = None
+        if self.implementation == "pallas":
+            from pallas_kernels import sparse_mqa as mqa  # window + compressed in one kernel softmax, with the sink
+        if mqa is not None and mqa.supports(fmts, cfg.head_dim):
+            o = mqa.sparse_mqa(query.q, caches, fmts, slots, scale=cfg.softmax_scale, v_dim=cfg.head_dim,
+                               sink=self.attn_sink[...], out_dtype=self.dtype)
+        else:
+            rows = [read_records(c, f, s) for c, f, s in zip(caches, fmts, slots)]
+            o = sparse_mqa(query.q, jnp.concatenate(rows, axis=1), jnp.concatenate(valid, axis=1),
+                           scale=cfg.softmax_scale, v_dim=cfg.head_dim, sink=self.attn_sink[...]).astype(self.dtype)
         # epilogue: inverse RoPE at p on the last dims (kept here, where positions are at hand, so that
         # project_out(o) has the same signature as V3.2's and the model/runner treat both alike)
         cos, sin = rope_cos_sin(self._freqs(), p)

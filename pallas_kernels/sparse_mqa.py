@@ -1,0 +1,553 @@
+"""Token-level sparse MQA over the paged caches on Hopper (Pallas Mosaic GPU), with the pure-JAX path
+(``implementation="xla"``: ``jds.ops.paging.read_records`` + ``jds.ops.sparse_mqa.sparse_mqa``) as reference.
+
+For every query token t, one float32 softmax over the candidates of all its lists (global cache slots,
+-1 = masked), all heads at once (the KV row is shared by every head):
+
+    l[h, s] = scale * q[t, h] . K[s]
+    o[t, h] = sum_s e^{l[h,s]-m} K[s, :v_dim] / (sum_s e^{l[h,s]-m} + e^{sink[h]-m})
+
+V3.2 (absorbed MLA): one list over the 656-byte ``MlaRecord656`` cache, K = [latent 512; rope 64], V = the
+latent. V4: two lists, window and compressed candidates, each over its own 584-byte ``MlaRecord584`` cache
+(``caches``/``formats``/``slots`` are sequences; the lists are concatenated into one softmax, window first),
+K = V = 512, plus the per-head attention sink. The bf16 ``FloatRows`` caches of both models work too.
+Rows with no valid candidate (and no sink) give zeros; with a sink and nothing valid the output is zero as well.
+Returns [T, H, v_dim] (float32 unless ``out_dtype``). Decode (one token per request) and prefill (every
+token its own lists) are the same call: the kernel never looks at requests, only at each token's slot lists.
+
+Kernel (``plgpu.kernel``, Lane lowering semantics, two compute warpgroups per CTA):
+- CTA = (token, tile of 64 heads, candidate split). Heads are padded to a multiple of 64 (wgmma needs
+  M >= 64; padded heads get q = 0 and sink -inf, and are sliced away). Blocks of 64 candidates stream
+  through SMEM. A block whose 64 slots are all -1 is skipped: the wrapper lists each token's live blocks
+  first (a tiny XLA argsort over [T, K/64]), so prefill tokens early in the sequence, short contexts and
+  masked rows cost only their live blocks. ``num_splits`` cuts each token's live-block list into CTAs
+  (small decode batches need them to fill the GPU); their partial (acc, m, l) are merged in JAX with the
+  sink (with one split the CTA normalises and writes the final rows itself).
+- Row gather: Hopper has no gather TMA, so every candidate row is one (V3.2, bf16 rows) or two (V4: data,
+  UE8M0 exponents) contiguous bulk TMA copies ``cache[page, start:start+n] -> staging[row]`` with the page
+  and byte offset computed from the slot by scalar code. Lane semantics makes every thread of the issuing
+  warpgroup arrive on the barrier with n/128 bytes, so n must divide by 128: the copies over-fetch
+  (V3.2: 768 bytes from 112 bytes before the record, or from the page start for the first entry; V4:
+  640 bytes of token data, 128 bytes of the scale region ending at the entry's 16-byte group) and the
+  destination offset inside the staging row is chosen so that the record always lands at the same column.
+- Dequantisation in registers: Mosaic GPU bitcasts only between equal widths and SMEM only through
+  ``RefUnion`` (which GPU interpret mode does not alias), and XLA materialises a different-width bitcast
+  of the whole cache, so the fp32 scales (V3.2) and the bf16 rope values are rebuilt from their bytes:
+  scale = bitcast(sum_j byte_j << 8j) via a masked row reduction; a UE8M0 exponent e gives bitcast(e << 23);
+  a bf16 rope value = bitcast(((hi << 8) | lo) << 16), where (lo + 256 hi) comes exactly out of a small
+  wgmma of the byte values (0..255, exact in bf16) against a 0/1/256 selection matrix (pairs of adjacent
+  bytes cannot be combined elementwise in the WGMMA register layout, and strided SMEM loads do not lower).
+  The e4m3 latent/NoPE bytes are bitcast to float8_e4m3fn, converted, scaled per 128 (V3.2) / 64 (V4)
+  columns and stored as bf16 into the swizzled K tile [64, 576|512].
+- Per block: QK = wgmma(Q [64, Dk] SMEM, K tile^T) in fp32; masked online softmax in base 2; P (bf16)
+  through SMEM; PV = wgmma(P, K tile[:, wg half]) into each warpgroup's [64, v_dim/2] fp32 accumulator
+  (a [64, 512] fp32 accumulator would need all 256 KB of registers; each warpgroup computes the same S
+  and owns half of the value columns, and the two warpgroups dequantise half of the K tile each).
+  The next block's rows are copied while the current block is multiplied.
+- Numerics: q and K enter the tensor cores as bf16 (the pure-JAX path multiplies in fp32; K is
+  bf16-exact for bf16 rows and power-of-two fp8 scales, rounded to bf16 with vLLM's amax scales), P is
+  rounded to bf16 for PV, softmax statistics stay fp32 (exp2.approx). A masked candidate reads slot 0 (as
+  the pure-JAX path does) and gets p = 0, so a non-finite value stored there would poison the row in both.
+- GPU interpret mode lacks ``run_state``: under interpret the PV product goes through a fresh accumulator
+  and is added (same sum); compiled, it accumulates in place (a second [64, 256] fp32 accumulator would not
+  fit in the registers). Everything else is the same code in both modes.
+
+Why Mosaic GPU and not Triton: the per-row bulk TMA expresses the gather on sm90; the Triton backend is
+deprecated since jax 0.11. GPU interpret mode cannot run wgmma with a register A operand, so P goes through
+SMEM (one [64, 64] bf16 tile per block, written once and shared by both warpgroups). Warpgroup lowering
+semantics was tried first: its layout inference assigns tiled/swizzled layouts to the staging buffers that
+the row copies must fill linearly (and crashes on the row subviews), so the kernel uses Lane semantics
+with explicit register layouts and no automatic barriers (``unsafe_no_auto_barriers``; the mbarrier
+protocol below orders every SMEM reuse).
+
+Synchronisation per block k (both warpgroups; mbarriers): wait rows(k) landed; wait K tile free (PV(k-1)
+of both done); dequantise own half of the K tile; fence + arrive/wait "ready" (K complete, staging and
+slot buffer read); then warpgroup w issues the row copies of block k+1 for its 32 rows and warpgroup 0
+the slot copy of block k+2; QK; softmax; warpgroup 0 publishes P ("P" barrier), warpgroup 1 waits; PV;
+arrive "free". Every barrier phase is waited once per waiter (GPU interpret mode checks this and has
+race-detected these kernels clean at the test shapes).
+
+Shared memory (of 227 KB): q 72 KB + K tile 72 KB + staging 55 KB + P / rope bytes 16 KB + selection
+matrix 8 KB (V3.2 fp8, 224 KB); bf16 rows with dim 576 leave under 2 KB, so they get no bank-skew padding.
+One CTA per SM.
+
+Requirements (``supports``): MlaRecord656 with the standard 512 + 64 dims and >= 2 entries per page;
+MlaRecord584 with 448 + 64 dims, 64-wide scale blocks and an even number of entries per page (16-byte
+aligned pages); FloatRows in bfloat16 with dim % 64 == 0 and dim <= 576; all lists in one format kind and
+width; v_dim a multiple of 128 and <= dim. Caches up to 2^31 pages; offsets inside a page are int32.
+``interpret=None`` runs GPU interpret mode off-GPU (the same kernel on the CPU, slow: tests only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal, Sequence
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from jds.ops.paging import RecordFormat, read_records
+from jds.ops.records import FloatRows, MlaRecord584, MlaRecord656
+from jds.ops.sparse_mqa import sparse_mqa as sparse_mqa_reference
+
+Implementation = Literal["pallas", "xla"]
+
+HEAD_TILE = 64  # wgmma M
+BLOCK_K = 64  # candidates per block (the dequantised [64, 64] chunks use the WGMMA register layout)
+NUM_WG = 2  # compute warpgroups per CTA, each owns v_dim / 2 output columns
+NUM_SMS = 132  # H100/H200; only steers the automatic num_splits
+MIN_BLOCKS_PER_SPLIT = 2
+LOG2E = 1.4426950408889634
+M_INIT = -1e30  # finite running-max start: exp2(m_old - m_new) never sees -inf - -inf
+
+
+# ----------------------------------------------------------------------------------------------------
+# formats
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """What the kernel needs to know about one cache: record kind, entries per page, K width."""
+
+    kind: Literal["mla656", "mla584", "rows"]
+    entries_per_page: int
+    dim: int
+    page_elems: int
+
+
+def cache_spec(fmt: RecordFormat) -> CacheSpec | None:
+    """The kernel's view of ``fmt``; None when the kernel cannot read it."""
+    if isinstance(fmt, MlaRecord656):
+        if fmt.latent_dim == 512 and fmt.rope_dim == 64 and fmt.entries_per_page >= 2:
+            return CacheSpec("mla656", fmt.entries_per_page, 576, fmt.page_elems)
+    elif isinstance(fmt, MlaRecord584):
+        if (fmt.nope_dim == 448 and fmt.rope_dim == 64 and fmt.block == 64 and fmt.entries_per_page >= 2
+                and fmt.entries_per_page % 2 == 0):
+            return CacheSpec("mla584", fmt.entries_per_page, 512, fmt.page_elems)
+    elif isinstance(fmt, FloatRows):
+        if jnp.dtype(fmt.dtype) == jnp.bfloat16 and fmt.dim % 64 == 0 and 128 <= fmt.dim <= 576:
+            return CacheSpec("rows", fmt.entries_per_page, fmt.dim, fmt.page_elems)
+    return None
+
+
+def supports(formats: Sequence[RecordFormat], v_dim: int) -> bool:
+    """True when the Pallas kernel handles these cache formats (one per candidate list) and v_dim."""
+    specs = [cache_spec(f) for f in formats]
+    if not specs or any(s is None for s in specs):
+        return False
+    kinds = {(s.kind, s.dim) for s in specs}
+    dim = specs[0].dim
+    return len(kinds) == 1 and v_dim % (64 * NUM_WG) == 0 and v_dim <= dim
+
+
+# staging-row geometry (bytes for fp8 records, elements for bf16 rows)
+_M656_W, _M656_REC, _M656_COPY, _M656_BACK = 880, 112, 768, 112  # record at column 112 of an 880-byte row
+_M584_W, _M584_REC, _M584_COPY, _M584_BACK = 880, 64, 640, 64  # data at column 64; scale window at 704
+_M584_SC, _M584_SC_COPY = 704, 128
+
+
+def _copies_per_row(kind: str) -> int:
+    return 2 if kind == "mla584" else 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# public entry point
+def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[RecordFormat],
+               slots: Sequence[jax.Array], *, scale: float, v_dim: int, sink: jax.Array | None = None,
+               implementation: Implementation = "pallas", num_splits: int | None = None,
+               out_dtype: jnp.dtype = jnp.float32, p_in_registers: bool = False,
+               interpret: bool | plgpu.InterpretGPUParams | None = None) -> jax.Array:
+    """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
+    ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
+    ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype).
+
+    ``implementation="xla"``: gather + dequantise with ``read_records`` and the pure-JAX softmax.
+    ``num_splits``: candidate splits per (token, head tile); None picks enough CTAs for the GPU.
+    ``p_in_registers`` (compiled kernel only, an experiment for the H200): each warpgroup feeds its own P
+    to PV from registers (wgmma A operand) instead of warpgroup 0's SMEM copy: no P store, no "P" barrier.
+    ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``, e.g. with ``detect_races``);
+    None = whenever the default backend is not a GPU.
+    """
+    caches, formats, slots = tuple(caches), tuple(formats), tuple(slots)
+    if not (len(caches) == len(formats) == len(slots) >= 1):
+        raise ValueError("caches, formats and slots must be sequences of the same non-zero length")
+    if implementation == "xla":
+        return _sparse_mqa_xla(q, caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink).astype(out_dtype)
+    if implementation != "pallas":
+        raise ValueError(f"implementation must be 'pallas' or 'xla', got {implementation!r}")
+    if not supports(formats, v_dim):
+        raise NotImplementedError(f"sparse_mqa kernel: unsupported formats {formats} / v_dim {v_dim} "
+                                  "(see pallas_kernels.sparse_mqa.supports)")
+    specs = tuple(cache_spec(f) for f in formats)
+    t, h, dk = q.shape
+    if dk != specs[0].dim:
+        raise ValueError(f"q head dim {dk} does not match the cache rows ({specs[0].dim})")
+    for c, f in zip(caches, formats):
+        if c.ndim != 2 or c.shape[1] != f.page_elems:
+            raise ValueError(f"cache of shape {c.shape} is not [num_blocks, {f.page_elems}]")
+    if t == 0:
+        return jnp.zeros((0, h, v_dim), out_dtype)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
+    hp = -(-h // HEAD_TILE) * HEAD_TILE
+    qp = jnp.pad(q.astype(jnp.bfloat16), ((0, 0), (0, hp - h), (0, 0)))
+    padded, list_blocks = [], []
+    for s in slots:
+        k = s.shape[1]
+        kp = max(BLOCK_K, -(-k // BLOCK_K) * BLOCK_K)
+        padded.append(jnp.pad(s.astype(jnp.int32), ((0, 0), (0, kp - k)), constant_values=-1))
+        list_blocks.append(kp // BLOCK_K)
+    slots_all = jnp.concatenate(padded, axis=1) if len(padded) > 1 else padded[0]
+    nb = sum(list_blocks)
+    g = hp // HEAD_TILE
+    if num_splits is None:
+        num_splits = max(1, min(NUM_SMS // max(1, t * g), nb // MIN_BLOCKS_PER_SPLIT))
+    bps = -(-nb // max(1, min(num_splits, nb)))
+    n_splits = -(-nb // bps)
+    has_sink = sink is not None
+    sink_p = (jnp.pad(sink.astype(jnp.float32), (0, hp - h), constant_values=-jnp.inf) if has_sink
+              else jnp.zeros((hp,), jnp.float32))
+    call = _build_call(specs=specs, list_blocks=tuple(list_blocks), t=t, hp=hp, dv=v_dim, scale=float(scale),
+                       has_sink=has_sink, n_splits=n_splits, bps=bps, out_dtype=jnp.dtype(out_dtype),
+                       p_regs=bool(p_in_registers) and not interpret, interpret=interpret or None)
+    # blocks of 64 candidates with at least one valid slot, per token, compacted to the front (the kernel
+    # skips the rest: prefill tokens early in the sequence, short contexts, fully masked rows)
+    live = jnp.any(slots_all.reshape(t, nb, BLOCK_K) >= 0, axis=-1)
+    n_live = jnp.sum(live, axis=1).astype(jnp.int32)
+    order = jnp.argsort(jnp.where(live, 0, 1), axis=1, stable=True).astype(jnp.int32)
+    outs = call(qp, slots_all, order, n_live, sink_p, *caches)
+    if n_splits == 1:
+        return outs[:, :h]
+    o, m, l = outs
+    return _combine(o[:, :, :h], m[:, :, :h], l[:, :, :h],
+                    sink.astype(jnp.float32) if has_sink else None).astype(out_dtype)
+
+
+def _sparse_mqa_xla(q, caches, formats, slots, *, scale, v_dim, sink):
+    rows = [read_records(c, f, s) for c, f, s in zip(caches, formats, slots)]
+    valid = [s >= 0 for s in slots]
+    rows = jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0]
+    valid = jnp.concatenate(valid, axis=1) if len(valid) > 1 else valid[0]
+    return sparse_mqa_reference(q, rows, valid, scale=scale, v_dim=v_dim, sink=sink)
+
+
+def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -> jax.Array:
+    """Merge per-split (acc [S,T,H,D], m, l [S,T,H]; base-2 logits) and the sink into the softmax output."""
+    mx = jnp.max(m, axis=0)
+    if sink is not None:
+        mx = jnp.maximum(mx, sink[None, :] * LOG2E)
+    w = jnp.exp2(m - mx[None])
+    den = jnp.sum(w * l, axis=0)
+    if sink is not None:
+        den = den + jnp.exp2(sink[None, :] * LOG2E - mx)
+    num = jnp.sum(w[..., None] * o, axis=0)
+    return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the kernel
+@functools.lru_cache(maxsize=None)
+def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t: int, hp: int, dv: int,
+                scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype, p_regs: bool,
+                interpret: plgpu.InterpretGPUParams | None):
+    kind, dk = specs[0].kind, specs[0].dim
+    nc = len(specs)
+    nb = sum(list_blocks)
+    list_start = [sum(list_blocks[:i]) for i in range(nc)]
+    G = hp // HEAD_TILE
+    BK = BLOCK_K
+    dvw = dv // NUM_WG
+    fp8 = kind != "rows"
+    nch = dk // 64  # 64-column chunks of the K tile (the last one is the rope for fp8 records)
+    wg_chunks = (list(range(0, nch // 2)), list(range(nch // 2, nch)))
+    copies = _copies_per_row(kind)
+    # bf16 rows: a 16-byte pad per staging row spreads the rows over the SMEM banks (no room at 576)
+    rows_w = dk + 8 if dk <= 512 else dk
+    L = plgpu.Layout.WGMMA
+    ROW, COL = L.reduce(1), L.reduce(0)
+    SW = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    PIB = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
+    s2 = scale * LOG2E
+
+    def issue_row_copies(cache_refs, st, idx_s, islot, gb, w, bar_kv):
+        """Bulk-copy the records of rows [w*BK/2, (w+1)*BK/2) of global block gb into the staging rows."""
+
+        def one_cache(ci):
+            spec, ref = specs[ci], cache_refs[ci]
+            epp = spec.entries_per_page
+
+            @pl.loop(w * (BK // NUM_WG), (w + 1) * (BK // NUM_WG))
+            def _(i):
+                slot = jnp.maximum(idx_s[islot, i], 0)
+                page, j = slot // epp, slot % epp
+                first = j == 0
+                if kind == "mla656":
+                    src = pl.multiple_of(jnp.where(first, 0, j * 656 - _M656_BACK), 16)
+                    dst = pl.multiple_of(jnp.where(first, _M656_REC, 0), 16)
+                    plgpu.copy_gmem_to_smem(ref.at[page, pl.ds(src, _M656_COPY)], st.at[i, pl.ds(dst, _M656_COPY)],
+                                            bar_kv, oob_mode=PIB)
+                elif kind == "mla584":
+                    src = pl.multiple_of(jnp.where(first, 0, j * 576 - _M584_BACK), 16)
+                    dst = pl.multiple_of(jnp.where(first, _M584_REC, 0), 16)
+                    plgpu.copy_gmem_to_smem(ref.at[page, pl.ds(src, _M584_COPY)], st.at[i, pl.ds(dst, _M584_COPY)],
+                                            bar_kv, oob_mode=PIB)
+                    sc = epp * 576 + 8 * j
+                    win = pl.multiple_of((sc // 16) * 16 - 112, 16)
+                    plgpu.copy_gmem_to_smem(ref.at[page, pl.ds(win, _M584_SC_COPY)],
+                                            st.at[i, pl.ds(_M584_SC, _M584_SC_COPY)], bar_kv, oob_mode=PIB)
+                else:
+                    src = pl.multiple_of(j * dk, 64)
+                    plgpu.copy_gmem_to_smem(ref.at[page, pl.ds(src, dk)], st.at[i, pl.ds(0, dk)], bar_kv,
+                                            oob_mode=PIB)
+
+        if nc == 1:
+            one_cache(0)
+        else:
+            for ci in range(nc):
+                lo, hi = list_start[ci], list_start[ci] + list_blocks[ci]
+                pl.when((gb >= lo) & (gb < hi))(functools.partial(one_cache, ci))
+
+    def dequant(w, st, k_s, pb_s, sel_s, slot_row):
+        """Write this warpgroup's chunks of the bf16 K tile from the staged records."""
+        mine = wg_chunks[w]
+        if kind == "rows":
+            for c in mine:
+                k_s[:, pl.ds(64 * c, 64)] = plgpu.load(st.at[:, pl.ds(64 * c, 64)], layout=L,
+                                                       optimized=rows_w != dk)
+            return
+        col = plgpu.broadcasted_iota(jnp.int32, (BK, 16), 1, layout=L)
+        rope_chunk = nch - 1
+        if kind == "mla656":
+            b = plgpu.load(st.at[:, pl.ds(_M656_REC + 512, 16)], layout=L, optimized=True).astype(jnp.int32)
+            wb = lax.shift_left(b, 8 * (col & 3))
+            scales = {}
+            for c in mine:
+                if c != rope_chunk and c // 2 not in scales:
+                    v = jnp.sum(jnp.where(lax.shift_right_logical(col, 2) == c // 2, wb, 0), axis=1)
+                    scales[c // 2] = lax.bitcast_convert_type(v, jnp.float32)
+            data_col, rope_col = _M656_REC, _M656_REC + 512 + 16
+            scale_of = lambda c: scales[c // 2]
+        else:
+            b = plgpu.load(st.at[:, pl.ds(_M584_SC + 112, 16)], layout=L, optimized=True).astype(jnp.int32)
+            h8 = lax.broadcast_in_dim(8 * (jnp.maximum(slot_row, 0) & 1), (BK, 16), [0])
+            scales = {}
+            for c in mine:
+                if c != rope_chunk:
+                    e = jnp.sum(jnp.where(col == h8 + c, b, 0), axis=1)
+                    scales[c] = lax.bitcast_convert_type(lax.shift_left(e, 23), jnp.float32)
+            data_col, rope_col = _M584_REC, _M584_REC + 448
+            scale_of = lambda c: scales[c]
+        for c in mine:
+            if c == rope_chunk:
+                continue
+            x8 = plgpu.load(st.at[:, pl.ds(data_col + 64 * c, 64)], layout=L, optimized=True)
+            x = lax.bitcast_convert_type(x8, jnp.float8_e4m3fn).astype(jnp.float32)
+            x = x * lax.broadcast_in_dim(scale_of(c), (BK, 64), [0])
+            k_s[:, pl.ds(64 * c, 64)] = x.astype(jnp.bfloat16)
+        if rope_chunk in mine:
+            rb = plgpu.load(st.at[:, pl.ds(rope_col, 128)], layout=L, optimized=True)
+            pb_s[...] = rb.astype(jnp.int32).astype(jnp.float32).astype(jnp.bfloat16)
+            plgpu.commit_smem()
+
+            def pair(half):
+                def mm(acc):
+                    plgpu.wgmma(acc, pb_s.at[:, pl.ds(64 * half, 64)], sel_s)
+                    plgpu.wgmma_wait(0)
+                    return acc[...]
+                return pl.run_scoped(mm, plgpu.ACC((BK, 64), jnp.float32))
+
+            lo, hi = pair(0), pair(1)
+            u16 = jnp.concatenate([lo[:, :32], hi[:, :32]], axis=1).astype(jnp.int32)
+            pe = lax.bitcast_convert_type(lax.shift_left(u16, 16), jnp.float32)
+            k_s[:, pl.ds(64 * rope_chunk, 64)] = pe.astype(jnp.bfloat16)
+
+    def kernel(q_ref, slots_ref, blocks_ref, nlive_ref, sink_ref, *rest):
+        cache_refs = rest[:nc]
+        if n_splits == 1:
+            (o_ref,), scratch = rest[nc:nc + 1], rest[nc + 1:]
+        else:
+            (o_ref, m_ref, l_ref), scratch = rest[nc:nc + 3], rest[nc + 3:]
+        if fp8:
+            q_s, k_s, st, (p_s, pb_s), sel_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_free, bar_p = scratch
+        else:
+            q_s, k_s, st, p_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_free, bar_p = scratch
+            pb_s = sel_s = None
+        pid = lax.axis_index("cta")
+        gi = pid % G
+        ti = (pid // G) % t
+        si = pid // (G * t)
+        b0 = si * bps  # this split's first position in the token's list of live blocks
+        nblk = jnp.clip(nlive_ref[ti] - b0, 0, bps)
+        wg = lax.axis_index("wg")
+
+        def block_id(k):  # k-th block of this split -> block index in the concatenated candidate lists
+            return blocks_ref[ti, b0 + k]
+
+        def idx_copy(k, islot):
+            start = pl.multiple_of(block_id(k) * BK, BK)
+            plgpu.copy_gmem_to_smem(slots_ref.at[ti, pl.ds(start, BK)], idx_s.at[islot], bar_i.at[islot])
+
+        def run(w):
+            # ---- prologue
+            if w == 0:
+                plgpu.copy_gmem_to_smem(q_ref.at[ti, pl.ds(gi * HEAD_TILE, HEAD_TILE)], q_s, bar_q.at[0])
+
+                @pl.when(nblk > 0)
+                def _():
+                    idx_copy(0, 0)
+
+                @pl.when(nblk > 1)
+                def _():
+                    idx_copy(1, 1)
+            elif fp8:
+                r = plgpu.broadcasted_iota(jnp.int32, (64, 64), 0, layout=L)
+                c = plgpu.broadcasted_iota(jnp.int32, (64, 64), 1, layout=L)
+                sel = jnp.where(lax.shift_right_logical(r, 1) == c, jnp.where((r & 1) == 0, 1.0, 256.0), 0.0)
+                sel_s[...] = sel.astype(jnp.bfloat16)
+                plgpu.commit_smem()
+            @pl.when(nblk > 0)
+            def _():
+                plgpu.barrier_wait(bar_i.at[0])
+                issue_row_copies(cache_refs, st, idx_s, 0, block_id(0), w, bar_kv.at[0])
+            if has_sink and n_splits == 1:
+                sk = plgpu.load(sink_ref.at[pl.ds(gi * HEAD_TILE, HEAD_TILE)], layout=ROW, optimized=False) * LOG2E
+                m0 = jnp.maximum(sk, M_INIT)
+                l0 = jnp.exp2(sk - m0)
+            else:
+                m0 = plgpu.layout_cast(jnp.full((HEAD_TILE,), M_INIT, jnp.float32), ROW)
+                l0 = plgpu.layout_cast(jnp.full((HEAD_TILE,), 0.0, jnp.float32), ROW)
+            acc0 = plgpu.layout_cast(jnp.full((HEAD_TILE, dvw), 0.0, jnp.float32), L)
+            plgpu.barrier_wait(bar_q.at[0])
+
+            def body(k, carry):
+                acc, m, l = carry
+                islot = k % 2
+                plgpu.barrier_wait(bar_kv.at[0])
+
+                @pl.when(k > 0)
+                def _():
+                    plgpu.barrier_wait(bar_free.at[0])
+
+                valid = plgpu.load(idx_s.at[islot], layout=COL, optimized=False) >= 0
+                slot_row = plgpu.load(idx_s.at[islot], layout=ROW, optimized=False) if kind == "mla584" else None
+                dequant(w, st, k_s, pb_s, sel_s, slot_row)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(bar_ready.at[0])
+                plgpu.barrier_wait(bar_ready.at[0])
+
+                # prefetch: rows of block k+1 (their slots landed in the other idx slot), slots of block k+2
+                @pl.when(k + 1 < nblk)
+                def _():
+                    plgpu.barrier_wait(bar_i.at[1 - islot])
+                    issue_row_copies(cache_refs, st, idx_s, 1 - islot, block_id(k + 1), w, bar_kv.at[0])
+
+                if w == 0:
+                    @pl.when(k + 2 < nblk)
+                    def _():
+                        idx_copy(k + 2, islot)
+
+                # S = Q K^T, masked online softmax (base 2)
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_s, k_s.T)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref[...]
+
+                sc = pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, BK), jnp.float32)) * s2
+                sc = jnp.where(lax.broadcast_in_dim(valid, sc.shape, [1]), sc, -jnp.inf)
+                m_new = jnp.maximum(m, sc.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                v_ref = k_s.at[:, pl.ds(w * dvw, dvw)]
+                if p_regs:  # P straight from registers: no SMEM round trip, no cross-warpgroup wait
+                    p16 = p.astype(jnp.bfloat16)
+
+                    def pv_regs(acc_ref):
+                        plgpu.wgmma(acc_ref, p16, v_ref)
+                        plgpu.wgmma_wait(0)
+
+                    acc = pl.run_state(pv_regs)(plgpu.ACC.init(acc))
+                    plgpu.barrier_arrive(bar_free.at[0])
+                    return acc, m_new, l
+                if w == 0:
+                    p_s[...] = p.astype(jnp.bfloat16)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(bar_p.at[0])
+                else:
+                    plgpu.barrier_wait(bar_p.at[0])
+
+                if interpret:  # interpret mode has no run_state: same sum, through a fresh accumulator
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p_s, v_ref)
+                        plgpu.wgmma_wait(0)
+                        return acc_ref[...]
+
+                    acc = acc + pl.run_scoped(pv, plgpu.ACC((HEAD_TILE, dvw), jnp.float32))
+                else:  # accumulate in place (a second [64, 256] fp32 accumulator would not fit the registers)
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p_s, v_ref)
+                        plgpu.wgmma_wait(0)
+
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(bar_free.at[0])
+                return acc, m_new, l
+
+            acc, m, l = lax.fori_loop(0, nblk, body, (acc0, m0, l0))
+
+            @pl.when(nblk > 0)
+            def _():
+                plgpu.barrier_wait(bar_free.at[0])  # observe the last block's phase (every phase is waited once)
+            heads = pl.ds(gi * HEAD_TILE, HEAD_TILE)
+            cols = pl.ds(w * dvw, dvw)
+            if n_splits == 1:
+                inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+                o_ref.at[ti, heads, cols][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(out_dtype)
+            else:
+                o_ref.at[si, ti, heads, cols][...] = acc
+                if w == 0:
+                    m_ref.at[si, ti, heads][...] = m
+                    l_ref.at[si, ti, heads][...] = l
+
+        for w in range(NUM_WG):
+            pl.when(wg == w)(functools.partial(run, w))
+
+    if kind == "mla656":
+        st_t = plgpu.SMEM((BK, _M656_W), jnp.uint8)
+    elif kind == "mla584":
+        st_t = plgpu.SMEM((BK, _M584_W), jnp.uint8)
+    else:
+        st_t = plgpu.SMEM((BK, rows_w), jnp.bfloat16)
+    p_t = plgpu.SMEM((HEAD_TILE, BK), jnp.bfloat16, transforms=SW)
+    if fp8:  # P (softmax phase) and the rope byte tile (dequant phase) never live at the same time
+        mid = [plgpu.RefUnion(p_t, plgpu.SMEM((BK, 128), jnp.bfloat16, transforms=SW)),
+               plgpu.SMEM((64, 64), jnp.bfloat16, transforms=SW)]  # byte-pair selection matrix
+    else:
+        mid = [p_t]
+    scratch = [
+        plgpu.SMEM((HEAD_TILE, dk), jnp.bfloat16, transforms=SW),  # q tile
+        plgpu.SMEM((BK, dk), jnp.bfloat16, transforms=SW),  # dequantised K tile (V = its first dv columns)
+        st_t, *mid,
+        plgpu.SMEM((2, BK), jnp.int32),  # slots of the current and next block
+        plgpu.Barrier(num_arrivals=1, num_barriers=1),  # q landed
+        plgpu.Barrier(num_arrivals=1, num_barriers=2),  # slots landed (per idx slot)
+        plgpu.Barrier(num_arrivals=BK * copies, num_barriers=1),  # all row copies of a block landed
+        plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1),  # K tile complete, staging/slots read
+        plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1),  # K tile and P consumed
+        plgpu.Barrier(num_arrivals=1, num_barriers=1),  # P published by warpgroup 0
+    ]
+    if n_splits == 1:
+        out_type = jax.ShapeDtypeStruct((t, hp, dv), out_dtype)
+    else:
+        out_type = (jax.ShapeDtypeStruct((n_splits, t, hp, dv), jnp.float32),
+                    jax.ShapeDtypeStruct((n_splits, t, hp), jnp.float32),
+                    jax.ShapeDtypeStruct((n_splits, t, hp), jnp.float32))
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, unsafe_no_auto_barriers=True,
+                                  approx_math=True, reduction_scratch_bytes=0)  # row reductions stay in-warp
+    return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=(n_splits * t * G,),
+                        grid_names=("cta",), num_threads=NUM_WG, thread_name="wg", compiler_params=params,
+                        interpret=interpret if interpret is not None else False)

@@ -1,0 +1,271 @@
+"""The token-level sparse MQA kernel (pallas_kernels/sparse_mqa.py) against the pure-JAX path
+(``implementation="xla"``: read_records + jds.ops.sparse_mqa) over the paged caches.
+
+Every kernel test runs twice: ``interpret`` (Mosaic GPU interpret mode on the CPU, small shapes) and ``native``
+(marked ``gpu``: the compiled kernel, skipped unless jax.default_backend() == "gpu"; larger, real shapes).
+Cases: V3.2 656-byte records (UE8M0 and vLLM amax scales), V4 584-byte records over two caches (window +
+compressed, different entries per page) with the sink, bf16 FloatRows (576 and 512 wide), padded heads
+(4 -> 64, 72 -> 128), candidate splits merged in JAX, rows with no valid candidate (zeros, never NaN), and
+the V3.2 / V4 layers' ``attend`` switched to the kernel. A CPU-only test lowers the kernel for CUDA at the
+real shapes (no GPU needed) to catch Mosaic layout / TMA / wgmma / shared-memory rule errors.
+
+Tolerance (every element): |kernel - xla| <= TOL * max|V| with V the dequantised value rows. The xla path
+multiplies in fp32; the kernel feeds the tensor cores bf16 q, K, V and P with fp32 accumulation. The test
+q is bf16-exact and K/V are bf16-exact for bf16 rows and for power-of-two scales (e4m3 * 2^k has 4 significant
+bits), so the one rounding left is P -> bf16: p_i (1 + e_i), |e_i| <= 2^-9, moves o = sum p_i v_i / sum p_i by
+at most 2^-9 max|v_i - o| <= 2^-8 max|V| (the fp32 l sum, exp2.approx and fp32 MMA accumulation order add
+~1e-6 relative). With vLLM's amax scales (not powers of two) K/V themselves round to bf16 (2^-9 relative),
+adding at most 2^-9 max|V| to the values and a logit error that is a sum of independent roundings (about
+2^-9 * scale * |q| |k| / sqrt(d) ~ 1e-3 here): 2^-7 max|V| covers both.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jds.batch import Chunk, make_batch
+from jds.config import Numerics, V32Config, V4Config
+from jds.ops.paging import empty_cache, read_records, write_records
+from jds.ops.records import FloatRows, MlaRecord584, MlaRecord656
+from jds.v32 import V32Attention
+from jds.v4 import V4Attention
+from pallas_kernels import sparse_mqa as mqa
+
+ON_GPU = jax.default_backend() == "gpu"
+MODES = ["interpret", pytest.param("native", marks=pytest.mark.gpu)]
+TOL_EXACT_KV = 2.0 ** -8
+TOL_AMAX = 2.0 ** -7
+
+
+def _interpret(mode: str) -> bool:
+    if mode == "native" and not ON_GPU:
+        pytest.skip("native kernel needs a CUDA GPU")
+    if mode == "interpret" and ON_GPU:
+        pytest.skip("interpret mode is the CPU CI's stand-in for the native run")
+    return mode == "interpret"
+
+
+def _bf16_exact(x: np.ndarray) -> jax.Array:
+    return jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def _cache(fmt, num_blocks: int, dim: int, rng: np.random.Generator, spread: float = 1.0) -> jax.Array:
+    """A full cache of random rows (per-row magnitudes vary so the FP8 scales differ)."""
+    n = num_blocks * fmt.entries_per_page
+    rows = rng.standard_normal((n, dim)).astype(np.float32) * np.exp(spread * rng.standard_normal((n, 1)))
+    return write_records(empty_cache(fmt, num_blocks), fmt, jnp.arange(n, dtype=jnp.int32), jnp.asarray(rows))
+
+
+def _slots(rng, t: int, k: int, n: int, p_masked: float, empty_rows=()) -> jax.Array:
+    s = np.where(rng.random((t, k)) < p_masked, -1, rng.integers(0, n, (t, k))).astype(np.int32)
+    for r in empty_rows:
+        s[r] = -1
+    return jnp.asarray(s)
+
+
+def _check(q, caches, fmts, slots, *, scale, v_dim, sink, tol, interpret, num_splits=None, **kw):
+    got = mqa.sparse_mqa(q, caches, fmts, slots, scale=scale, v_dim=v_dim, sink=sink, num_splits=num_splits,
+                         interpret=interpret, **kw)
+    want = mqa.sparse_mqa(q, caches, fmts, slots, scale=scale, v_dim=v_dim, sink=sink, implementation="xla")
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape == (q.shape[0], q.shape[1], v_dim)
+    assert np.isfinite(got).all()
+    vmax = max(float(jnp.abs(read_records(c, f, jnp.maximum(s, 0))[..., :v_dim]).max())
+               for c, f, s in zip(caches, fmts, slots))
+    err = np.abs(got - want)
+    assert err.max() <= tol * vmax, f"max err {err.max():.3g} > {tol:.3g} * max|V| {vmax:.3g}"
+    return got
+
+
+# ----- V3.2: absorbed MLA over the 656-byte record ------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", "amax"])
+def test_v32_fp8(mode, scale_fmt):
+    interpret = _interpret(mode)
+    rng = np.random.default_rng(1)
+    if interpret:  # 4 heads (padded to 64), 2 blocks of candidates, one row fully masked
+        t, h, k, nblk, epp = 3, 4, 100, 8, 16
+    else:  # V3.2 decode shape: 128 heads, top-2048
+        t, h, k, nblk, epp = 4, 128, 2048, 96, 64
+    fmt = MlaRecord656(epp, scale_fmt)
+    cache = _cache(fmt, nblk, 576, rng)
+    slots = _slots(rng, t, k, nblk * epp, 0.2, empty_rows=(1,))
+    q = _bf16_exact(rng.standard_normal((t, h, 576)))
+    out = _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None,
+                 tol=TOL_EXACT_KV if scale_fmt == "ue8m0" else TOL_AMAX, interpret=interpret)
+    assert np.all(out[1] == 0.0)  # no valid candidate -> zeros
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_v32_padded_heads_and_splits(mode):
+    """72 heads -> two 64-head tiles (56 padded heads); 3 candidate blocks (the middle one fully masked, so
+    2 live blocks) cut into 2 and 3 splits (the third split has no block: it contributes nothing)."""
+    interpret = _interpret(mode)
+    rng = np.random.default_rng(2)
+    t, h, k, epp = (1, 72, 150, 8) if interpret else (3, 200, 1000, 8)
+    fmt = MlaRecord656(epp, "ue8m0")
+    cache = _cache(fmt, 12, 576, rng)
+    slots = _slots(rng, t, k, 12 * epp, 0.3).at[0, 64:128].set(-1)  # a dead middle block is skipped
+    q = _bf16_exact(rng.standard_normal((t, h, 576)))
+    for s in (2, 3):
+        _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_EXACT_KV,
+               interpret=interpret, num_splits=s)
+
+
+# ----- V4: window + compressed, two caches, attention sink ----------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_v4_window_compressed_sink(mode, num_splits):
+    interpret = _interpret(mode)
+    rng = np.random.default_rng(3)
+    if interpret:  # window list (16 wide) and compressed list (70 wide) -> 1 + 2 blocks
+        t, h, kw, kc, ew, ec = 3, 4, 16, 70, 16, 8
+    else:  # V4-Flash decode shape: 64 heads, window 128 + top-512 (C4 page: 64 entries)
+        t, h, kw, kc, ew, ec = 4, 64, 128, 512, 256, 64
+    fw, fc = MlaRecord584(ew), MlaRecord584(ec)
+    cw, cc = _cache(fw, 4, 512, rng), _cache(fc, 16, 512, rng)
+    sw = _slots(rng, t, kw, 4 * ew, 0.2, empty_rows=(2,))
+    sc = _slots(rng, t, kc, 16 * ec, 0.4, empty_rows=(2,))
+    q = _bf16_exact(rng.standard_normal((t, h, 512)))
+    sink = jnp.asarray(rng.standard_normal(h).astype(np.float32))
+    out = _check(q, [cw, cc], [fw, fc], [sw, sc], scale=512 ** -0.5, v_dim=512, sink=sink, tol=TOL_EXACT_KV,
+                 interpret=interpret, num_splits=num_splits)
+    assert np.all(out[2] == 0.0)  # only the sink's mass: zero output
+
+
+# ----- bf16 FloatRows caches -----------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dim", [576, 512])
+def test_bf16_rows(mode, dim):
+    interpret = _interpret(mode)
+    rng = np.random.default_rng(4)
+    t, h, k, epp = (2, 4, 90, 16) if interpret else (8, 128 if dim == 576 else 64, 640, 64)
+    fmt = FloatRows(dim, epp, jnp.bfloat16)
+    cache = _cache(fmt, 8, dim, rng)
+    slots = _slots(rng, t, k, 8 * epp, 0.2)
+    q = _bf16_exact(rng.standard_normal((t, h, dim)))
+    sink = jnp.asarray(rng.standard_normal(h).astype(np.float32)) if dim == 512 else None
+    _check(q, [cache], [fmt], [slots], scale=dim ** -0.5, v_dim=512, sink=sink, tol=TOL_EXACT_KV,
+           interpret=interpret)
+
+
+# ----- masked rows -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_all_masked_rows_give_zeros(mode):
+    """Every candidate masked, with and without a sink (padded heads have sink -inf): zeros, never NaN."""
+    interpret = _interpret(mode)
+    rng = np.random.default_rng(5)
+    fmt = MlaRecord584(8)
+    cache = _cache(fmt, 2, 512, rng)
+    slots = jnp.full((2, 10), -1, jnp.int32)
+    q = _bf16_exact(rng.standard_normal((2, 4, 512)))
+    for sink in (None, jnp.asarray([0.5, -3.0, -jnp.inf, 2.0], jnp.float32)):
+        out = np.asarray(mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.05, v_dim=512, sink=sink,
+                                        interpret=interpret, num_splits=1))
+        assert np.all(out == 0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="p_in_registers is a compiled-kernel variant (interpret mode has no register A)")
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_p_in_registers_native(num_splits):
+    rng = np.random.default_rng(8)
+    f32, f4w, f4c = MlaRecord656(64, "ue8m0"), MlaRecord584(256), MlaRecord584(64)
+    c32, cw, cc = _cache(f32, 64, 576, rng), _cache(f4w, 4, 512, rng), _cache(f4c, 16, 512, rng)
+    q32 = _bf16_exact(rng.standard_normal((4, 128, 576)))
+    _check(q32, [c32], [f32], [_slots(rng, 4, 2048, 64 * 64, 0.1, empty_rows=(3,))], scale=0.06, v_dim=512,
+           sink=None, tol=TOL_EXACT_KV, interpret=False, num_splits=num_splits, p_in_registers=True)
+    q4 = _bf16_exact(rng.standard_normal((4, 64, 512)))
+    _check(q4, [cw, cc], [f4w, f4c], [_slots(rng, 4, 128, 1024, 0.1), _slots(rng, 4, 512, 1024, 0.2)],
+           scale=512 ** -0.5, v_dim=512, sink=jnp.asarray(rng.standard_normal(64).astype(np.float32)),
+           tol=TOL_EXACT_KV, interpret=False, num_splits=num_splits, p_in_registers=True)
+
+
+def test_supports_and_fallback_formats():
+    assert mqa.supports([MlaRecord656(64)], 512)
+    assert mqa.supports([MlaRecord584(256), MlaRecord584(64)], 512)
+    assert mqa.supports([FloatRows(576, 64, jnp.bfloat16)], 512)
+    assert not mqa.supports([MlaRecord584(1)], 512)  # odd entries per page: pages not 16-byte aligned
+    assert not mqa.supports([FloatRows(576, 64, jnp.float32)], 512)  # fp32 rows: the layers use the xla path
+    assert not mqa.supports([MlaRecord584(64), FloatRows(512, 64, jnp.bfloat16)], 512)  # mixed kinds
+    assert not mqa.supports([MlaRecord656(64)], 576)  # v_dim must split into two multiples of 64
+    with pytest.raises(NotImplementedError):
+        mqa.sparse_mqa(jnp.zeros((1, 4, 512)), [jnp.zeros((2, 584), jnp.uint8)], [MlaRecord584(1)],
+                       [jnp.zeros((1, 4), jnp.int32)], scale=1.0, v_dim=512)
+
+
+# ----- the layers' attend on the kernel ----------------------------------------------------------------------
+def _layer_inputs(layer, cfg, rng, lens):
+    """Two prefill chunks (every token its own candidate lists) through the layer's own xla prepare/select."""
+    nb = 8
+    bt = rng.permutation(nb).reshape(2, nb // 2).astype(np.int32)
+    cache = layer.init_cache(nb)
+    chunks = [Chunk(0, 0, lens[0]), Chunk(1, 0, lens[1])]
+    batch = make_batch(chunks, bt, cfg.block_size)
+    x = jnp.asarray(rng.standard_normal((batch.num_tokens, cfg.hidden_size)).astype(np.float32))
+
+    @nnx.jit
+    def producers(layer, x, batch, cache):
+        query, cache = layer.prepare(layer.project_in(x), batch, cache)
+        return query, layer.select(query, batch, cache), cache
+
+    query, topk, cache = producers(layer, x, batch, cache)
+    return query, topk, batch, cache
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_v32_layer_attend(mode):
+    _interpret(mode)
+    cfg = V32Config.tiny()
+    layer = V32Attention(cfg, Numerics.serving(), rngs=nnx.Rngs(0))
+    query, topk, batch, cache = _layer_inputs(layer, cfg, np.random.default_rng(6), (5, 3))
+    want = np.asarray(layer.attend(query, topk, batch, cache).astype(jnp.float32))
+    layer.implementation = "pallas"  # same weights, same query/cache: only attend's path changes
+    got = np.asarray(layer.attend(query, topk, batch, cache).astype(jnp.float32))
+    # bf16 outputs of W_UV(o_lat): the kernel's o_lat error (<= 2^-8 max|V|) passes through a fixed linear map
+    # and the bf16 rounding of both paths (one bf16 ulp = 2^-8 relative)
+    np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max(), rtol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_v4_layer_attend(mode):
+    _interpret(mode)
+    cfg = V4Config.tiny()
+    layer = V4Attention(cfg, Numerics.serving(), 1, rngs=nnx.Rngs(0))  # C4: window + indexer top-k
+    query, topk, batch, cache = _layer_inputs(layer, cfg, np.random.default_rng(7), (7, 2))
+    want = np.asarray(layer.attend(query, topk, batch, cache).astype(jnp.float32))
+    layer.implementation = "pallas"
+    got = np.asarray(layer.attend(query, topk, batch, cache).astype(jnp.float32))
+    np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max(), rtol=0)
+
+
+# ----- lowering for the H200 without a GPU --------------------------------------------------------------------
+@pytest.mark.skipif(ON_GPU, reason="the native tests compile the kernel")
+@pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16"])
+def test_lowers_for_cuda(case):
+    """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
+    shared-memory limits for sm90) on the CPU at the real shapes."""
+    t = 8
+    if case.startswith("v32"):
+        h, lists, v, dim = 128, [2048], 512, 576
+        fmts = [MlaRecord656(64) if "fp8" in case else FloatRows(576, 64, jnp.bfloat16)]
+    else:
+        h, lists, v, dim = 64, [128, 512], 512, 512
+        fmts = ([MlaRecord584(256), MlaRecord584(64)] if "fp8" in case
+                else [FloatRows(512, 256, jnp.bfloat16), FloatRows(512, 64, jnp.bfloat16)])
+    caches = [jax.ShapeDtypeStruct((64, f.page_elems), f.dtype) for f in fmts]
+    slots = [jax.ShapeDtypeStruct((t, k), jnp.int32) for k in lists]
+    sink = jax.ShapeDtypeStruct((h,), jnp.float32) if case.startswith("v4") else None
+    splits = 4 if "splits" in case else 1
+
+    def f(q, caches, slots, sink):
+        return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,
+                              interpret=False)
+
+    exp = jax.export.export(jax.jit(f), platforms=["cuda"])(
+        jax.ShapeDtypeStruct((t, h, dim), jnp.bfloat16), caches, slots, sink)
+    assert "mosaic_gpu" in exp.mlir_module()
