@@ -109,12 +109,7 @@ class BoundaryRunner:
 
         def first(est, lst, tokens, batch, cache):
             h = _merge(egd, est)(tokens)
-            layer = _merge(lgd, lst)
-            inp = layer.pre_attention(h)
-            if narrow:
-                query, cache = layer.attn.prepare(inp, batch, cache)
-                return h, query, cache
-            return h, inp, cache
+            return (h,) + _producers(_merge(lgd, lst), h, batch, cache, narrow)
 
         return self._jit(("first", kind), first, eager=False, donate=(4,))
 
@@ -124,12 +119,7 @@ class BoundaryRunner:
 
         def mid(pst, nst, h, o, batch, cache):
             h = _merge(pgd, pst).post_attention(h, o)
-            layer = _merge(ngd, nst)
-            inp = layer.pre_attention(h)
-            if narrow:
-                query, cache = layer.attn.prepare(inp, batch, cache)
-                return h, query, cache
-            return h, inp, cache
+            return (h,) + _producers(_merge(ngd, nst), h, batch, cache, narrow)
 
         return self._jit(("mid", prev, nxt), mid, eager=False, donate=(5,))
 
@@ -310,3 +300,14 @@ def _dump_options() -> dict[str, str]:
 
     m = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
     return {"xla_dump_to": m.group(1)} if m else {}
+
+
+def _producers(layer: Any, h: jax.Array, batch: PagedBatch, cache: Any, narrow: bool) -> tuple[Any, Any]:
+    """The captured producer tail of a segment: input projections, plus (narrow) the whole ``prepare``.
+
+    Returns what the eager call consumes (``V*Query`` when narrow, ``V*Inputs`` when wide) and the cache.
+    """
+    inp = layer.pre_attention(h)
+    if narrow:
+        return layer.attn.prepare(inp, batch, cache)
+    return inp, cache
