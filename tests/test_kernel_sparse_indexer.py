@@ -30,16 +30,10 @@ from jds.ops.quant import FP8
 from jds.ops.records import FloatRows, IndexerRecord132
 from pallas_kernels import sparse_indexer as si
 
-ON_GPU = jax.default_backend() == "gpu"
-MODES = ["interpret", pytest.param("native", marks=pytest.mark.gpu)]
+from tests.kernel_modes import MODES, ON_GPU, interpret_for
 
 
-def _interpret(mode: str) -> bool:
-    if mode == "native" and not ON_GPU:
-        pytest.skip("native kernel needs a CUDA GPU")
-    if mode == "interpret" and ON_GPU:
-        pytest.skip("interpret mode is the CPU CI's stand-in for the native run")
-    return mode == "interpret"
+_interpret = interpret_for
 
 
 def _rtol(mode: str) -> float:

@@ -35,18 +35,12 @@ from jds.v32 import V32Attention
 from jds.v4 import V4Attention
 from pallas_kernels import sparse_mqa as mqa
 
-ON_GPU = jax.default_backend() == "gpu"
-MODES = ["interpret", pytest.param("native", marks=pytest.mark.gpu)]
+from tests.kernel_modes import MODES, ON_GPU, interpret_for
 TOL_EXACT_KV = 2.0 ** -8
 TOL_AMAX = 2.0 ** -7
 
 
-def _interpret(mode: str) -> bool:
-    if mode == "native" and not ON_GPU:
-        pytest.skip("native kernel needs a CUDA GPU")
-    if mode == "interpret" and ON_GPU:
-        pytest.skip("interpret mode is the CPU CI's stand-in for the native run")
-    return mode == "interpret"
+_interpret = interpret_for
 
 
 def _bf16_exact(x: np.ndarray) -> jax.Array:
