@@ -43,9 +43,15 @@ def main() -> None:
             r["flops_frac"] = r["flops"] / t / ceil["bf16_flops_per_s"] if r.get("flops") else None
             rows.append(r)
             print(json.dumps(r), flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
+            _write(a.out, meta, rows)  # after every row: a run cut short keeps what it measured
+    _write(a.out, {**meta, "complete": True}, rows)
+
+
+def _write(path: str, meta: dict, rows: list[dict]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

@@ -37,19 +37,28 @@ _interpret = interpret_for
 
 
 def _rtol(mode: str) -> float:
-    return 1e-5 if mode == "interpret" else 5e-4
+    """Interpret mode is exact fp32. On the H200 the e4m3 wgmma accumulates with reduced precision (about
+    2^-14 per step of its K = 128 chain, as in DeepGEMM): measured worst error 1.7e-3 of the per-logit
+    abs-sum (2026-11-29), so 4e-3 there. ``test_native_integer_keys_exact`` separately pins the addressing
+    with data whose dots are exact at any accumulator precision."""
+    return 1e-5 if mode == "interpret" else 4e-3
 
 
 # ----- cases --------------------------------------------------------------------------------------
-def paged_keys(epp: int, lens: list[int], nblk: int, seed: int, dup_keys: bool = False, return_rows: bool = False):
+def paged_keys(epp: int, lens: list[int], nblk: int, seed: int, dup_keys: bool = False, return_rows: bool = False,
+               integer: bool = False):
     """An FP8 indexer cache with each request's keys on shuffled, non-contiguous pages (spare pages
-    hold other random keys). Returns (fmt, cache, block_tables)."""
+    hold other random keys). ``integer``: keys are small integers (|k| <= 3), so every e4m3 value and every
+    dot with integer queries is exact. Returns (fmt, cache, block_tables)."""
     rng = np.random.default_rng(seed)
     fmt = IndexerRecord132(epp)
     r = len(lens)
     nb = r * nblk + 3
     bt = rng.permutation(nb)[: r * nblk].reshape(r, nblk).astype(np.int32)
     rows = rng.standard_normal((nb * epp, 128)) * rng.uniform(0.01, 4, (nb * epp, 1))  # spread of k scales
+    if integer:
+        rows = rng.integers(-3, 4, (nb * epp, 128)).astype(np.float64)
+        rows[:, 0] = 3.0  # every key's amax is 3: one UE8M0 scale, exact e4m3 values
     for i, n in enumerate(lens):
         loc = np.arange(n)
         slots = bt[i, loc // epp] * epp + loc % epp
@@ -73,10 +82,14 @@ def _prep_q(t: int, hi: int, q: jax.Array, w: jax.Array) -> tuple[jax.Array, jax
     return prepare_indexer_q(q, w, head_dim=128, n_heads=hi, fp8=True, hadamard=False, dtype=jnp.float32)
 
 
-def queries(t: int, hi: int, seed: int) -> tuple[jax.Array, jax.Array]:
+def queries(t: int, hi: int, seed: int, integer: bool = False) -> tuple[jax.Array, jax.Array]:
     """Indexer q / folded weights as the layers hand them over (FP8-dequantised q, signed weights)."""
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.standard_normal((t, hi, 128)) * rng.uniform(0.05, 3, (t, hi, 1)), jnp.float32)
+    if integer:
+        qi = rng.integers(-3, 4, (t, hi, 128))
+        qi[..., 0] = 3
+        q = jnp.asarray(qi, jnp.float32)
     w = jnp.asarray(rng.standard_normal((t, hi)), jnp.float32)
     return _prep_q(t, hi, q, w)
 
@@ -380,6 +393,24 @@ def test_native_decode_larger(b: int, ctx: int, source: str) -> None:
     got = np.asarray(si.indexer_topk(qd, wf, cache, fmt, bt, req, nvis, 2048, config=cfg))
     want = np.asarray(topk_visible(jnp.asarray(np.where(np.isfinite(ref), ref, 0.0)), nvis, 2048))
     check_topk(got, want, ref, abssum, _rtol("native"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("source", ["paged", "gathered"])
+def test_native_integer_keys_exact(source: str) -> None:
+    """Integer keys and queries: each head's dot is exact whatever the MMA accumulator keeps, so the kernel
+    must match the reference to fp32 rounding of the head sum: this isolates paging/aliasing/masking
+    errors from FP8 accumulation precision. Decode rows plus a prefill run, shuffled pages."""
+    lens = [1, 70, 200, 1500]
+    fmt, cache, bt = paged_keys(64, lens, 24, 11, integer=True)
+    req = jnp.asarray([0, 1, 2] + [3] * 9, jnp.int32)
+    nvis = jnp.asarray([1, 70, 200] + list(range(1492, 1501)), jnp.int32)
+    qd, wf = queries(12, 64, 12, integer=True)
+    ref, abssum = reference(qd, wf, cache, fmt, bt, req, nvis)
+    cfg = si.IndexerKernelConfig(key_source=source)
+    out = np.asarray(si.paged_logits(*si.quantize_q(qd, wf), cache, bt, req, nvis, entries_per_page=64, config=cfg))
+    check_logits(out, ref, abssum, 1e-6)
 
 
 @pytest.mark.gpu

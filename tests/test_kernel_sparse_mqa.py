@@ -30,6 +30,7 @@ from flax import nnx
 from jds.batch import Chunk, make_batch
 from jds.config import Numerics, V32Config, V4Config
 from jds.ops.paging import empty_cache, read_records, write_records
+from jds.ops.sparse_mqa import sparse_mqa as sparse_mqa_reference
 from jds.ops.records import FloatRows, MlaRecord584, MlaRecord656
 from jds.v32 import V32Attention
 from jds.v4 import V4Attention
@@ -37,7 +38,9 @@ from pallas_kernels import sparse_mqa as mqa
 
 from tests.kernel_modes import MODES, ON_GPU, interpret_for
 TOL_EXACT_KV = 2.0 ** -8
-TOL_AMAX = 2.0 ** -7
+# Peaked softmaxes (logits of tens) turn K's bf16 rounding (2^-9 relative) into probability shifts of a few
+# percent; the H200 measured 2.3% of max|V| on test_v32_fp8[amax] (2026-11-29), hence 2^-4 vs fp32 K.
+TOL_AMAX_VS_F32 = 2.0 ** -4
 
 
 _interpret = interpret_for
@@ -61,10 +64,22 @@ def _slots(rng, t: int, k: int, n: int, p_masked: float, empty_rows=()) -> jax.A
     return jnp.asarray(s)
 
 
-def _check(q, caches, fmts, slots, *, scale, v_dim, sink, tol, interpret, num_splits=None, **kw):
+def _bf16_k_reference(q, caches, fmts, slots, *, scale, v_dim, sink):
+    """The pure-JAX attention over K/V rows rounded to bf16, as the kernel feeds its tensor cores (with
+    vLLM's amax scales the dequantised K is not bf16-exact; with UE8M0 scales it is)."""
+    rows = jnp.concatenate([read_records(c, f, s) for c, f, s in zip(caches, fmts, slots)], axis=1)
+    valid = jnp.concatenate([s >= 0 for s in slots], axis=1)
+    rows = rows.astype(jnp.bfloat16).astype(jnp.float32)
+    return sparse_mqa_reference(q, rows, valid, scale=scale, v_dim=v_dim, sink=sink)
+
+
+def _check(q, caches, fmts, slots, *, scale, v_dim, sink, tol, interpret, num_splits=None, bf16_k=False, **kw):
     got = mqa.sparse_mqa(q, caches, fmts, slots, scale=scale, v_dim=v_dim, sink=sink, num_splits=num_splits,
                          interpret=interpret, **kw)
-    want = mqa.sparse_mqa(q, caches, fmts, slots, scale=scale, v_dim=v_dim, sink=sink, implementation="xla")
+    if bf16_k:
+        want = _bf16_k_reference(q, caches, fmts, slots, scale=scale, v_dim=v_dim, sink=sink)
+    else:
+        want = mqa.sparse_mqa(q, caches, fmts, slots, scale=scale, v_dim=v_dim, sink=sink, implementation="xla")
     got, want = np.asarray(got), np.asarray(want)
     assert got.shape == want.shape == (q.shape[0], q.shape[1], v_dim)
     assert np.isfinite(got).all()
@@ -89,8 +104,10 @@ def test_v32_fp8(mode, scale_fmt):
     cache = _cache(fmt, nblk, 576, rng)
     slots = _slots(rng, t, k, nblk * epp, 0.2, empty_rows=(1,))
     q = _bf16_exact(rng.standard_normal((t, h, 576)))
-    out = _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None,
-                 tol=TOL_EXACT_KV if scale_fmt == "ue8m0" else TOL_AMAX, interpret=interpret)
+    out = _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_EXACT_KV,
+                 interpret=interpret, bf16_k=scale_fmt == "amax")
+    if scale_fmt == "amax":  # against the fp32-K attention: the bf16 rounding of K is all that differs
+        _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_AMAX_VS_F32, interpret=interpret)
     assert np.all(out[1] == 0.0)  # no valid candidate -> zeros
 
 
