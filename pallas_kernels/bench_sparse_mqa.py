@@ -21,6 +21,7 @@ per token) and, on the pallas row, max_abs_err / ref_max against the XLA output 
 from __future__ import annotations
 
 import gc
+from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -159,16 +160,18 @@ def _run_case(kernel_case: str, name: str, c: dict, quick: bool) -> list[dict]:
     return rows
 
 
-def benchmark(quick: bool) -> list[dict]:
+def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]:
+    """Rows case by case (a generator: the caller records each as it comes). ``cases``: run only the
+    named cases (e.g. ``v32_decode_64``)."""
     decode = (1, 2) if quick else (1, 8, 64, 128)
     prefill = 8 if quick else PREFILL
-    rows: list[dict] = []
     key = jax.random.key(0)
     for arch, make in (("v32", _v32_case), ("v4", _v4_case)):
         for i, (t, pre) in enumerate([(b, False) for b in decode] + [(prefill, True)]):
             name = f"{arch}_{'prefill' if pre else 'decode'}_{t}"
-            c = make(t, pre, quick, jax.random.fold_in(key, 100 * len(rows) + i))
-            rows.extend(_run_case("sparse_mqa", name, c, quick))
+            if cases and name not in cases:
+                continue
+            c = make(t, pre, quick, jax.random.fold_in(key, 1000 * (arch == "v4") + i))
+            yield from _run_case("sparse_mqa", name, c, quick)
             del c
             gc.collect()
-    return rows

@@ -25,6 +25,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--only", nargs="+", default=list(KERNELS), choices=KERNELS)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--cases", nargs="+", default=None, help="only these case names (modules that support it)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import jax
@@ -37,7 +38,7 @@ def main() -> None:
     rows = []
     for name in a.only:
         mod = importlib.import_module(f"pallas_kernels.bench_{name}")
-        for r in mod.benchmark(a.quick):
+        for r in mod.benchmark(a.quick, **({"cases": a.cases} if a.cases else {})):
             t = r["median_us"] * 1e-6
             r["bandwidth_frac"] = r["bytes"] / t / ceil["copy_bytes_per_s"] if r.get("bytes") else None
             r["flops_frac"] = r["flops"] / t / ceil["bf16_flops_per_s"] if r.get("flops") else None

@@ -39,9 +39,10 @@ _interpret = interpret_for
 def _rtol(mode: str) -> float:
     """Interpret mode is exact fp32. On the H200 the e4m3 wgmma accumulates with reduced precision (about
     2^-14 per step of its K = 128 chain, as in DeepGEMM): measured worst error 1.7e-3 of the per-logit
-    abs-sum (2026-11-29), so 4e-3 there. ``test_native_integer_keys_exact`` separately pins the addressing
-    with data whose dots are exact at any accumulator precision."""
-    return 1e-5 if mode == "interpret" else 4e-3
+    abs-sum with 64 heads and 6.2e-3 with 4 heads (2026-11-29), so 1e-2 there.
+    ``test_native_integer_keys_exact`` separately pins the addressing with data whose dots are exact at
+    any accumulator precision (it passes at 1e-6 on the H200)."""
+    return 1e-5 if mode == "interpret" else 1e-2
 
 
 # ----- cases --------------------------------------------------------------------------------------
