@@ -256,14 +256,21 @@ class ModelRunner(BoundaryRunner):
         return self.model.cfg.bos_token_id
 
     @classmethod
-    def build(cls, *, preset: str = "v32-tiny", config_path: str | None = None, checkpoint: str | None = None,
-              mode: str = "narrow", implementation: str = "xla", num_blocks: int = 256, max_num_seqs: int = 16,
+    def build(cls, *, preset: str | None = None, config_path: str | None = None, checkpoint: str | None = None,
+              mode: str = "narrow", implementation: str = "auto", num_blocks: int = 256, max_num_seqs: int = 16,
               max_num_tokens: int = 256, max_model_len: int = 1024, seed: int = 0, moe: bool = False) -> "ModelRunner":
-        cfg = load_model_config(preset, config_path, moe=moe)
-        model = Decoder(cfg, seed=seed, implementation=implementation)
-        if checkpoint:
-            from jds.checkpoint import load_checkpoint
-            load_checkpoint(model, checkpoint)
+        """``preset`` defaults to v32-tiny. With ``checkpoint`` and no ``preset`` / ``config_path`` / ``moe``
+        the checkpoint's stored config builds the model; otherwise the checkpoint must match that config
+        (a mismatch is a ValueError naming the first differing parameter)."""
+        if checkpoint and preset is None and config_path is None and not moe:
+            from jds.checkpoint import restore_model
+            model = restore_model(checkpoint, implementation=implementation, seed=seed)
+        else:
+            cfg = load_model_config(preset or "v32-tiny", config_path, moe=moe)
+            model = Decoder(cfg, seed=seed, implementation=implementation)
+            if checkpoint:
+                from jds.checkpoint import load_checkpoint
+                load_checkpoint(model, checkpoint)
         return cls(model=model, mode=mode, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                    max_num_tokens=max_num_tokens, max_model_len=max_model_len)
 

@@ -1,6 +1,9 @@
-"""Write a random-initialised model of a preset as a jds checkpoint directory (for serve.py --checkpoint).
+"""Write a random-initialised model of a preset as a jds (orbax) checkpoint directory, config included.
 
     python scripts/make_checkpoint.py --preset v32-tiny --seed 0 --out /tmp/ckpt
+    python scripts/serve.py --checkpoint /tmp/ckpt
+
+An existing jds checkpoint at --out is replaced (atomically); any other existing directory is refused.
 """
 
 from __future__ import annotations
@@ -12,13 +15,13 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="v32-tiny")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--moe", action="store_true")
     ap.add_argument("--out", required=True)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     from jds.checkpoint import save_checkpoint
     from jds.model import Decoder
     from jds.runner import load_model_config
@@ -29,4 +32,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,731 @@
+"""Import HuggingFace-layout DeepSeek-V3.2 / V4 checkpoints (config.json + *.safetensors) as jds checkpoints.
+
+``convert_hf_checkpoint(src, out)`` maps every tensor of a jds ``Decoder`` to its HF tensor(s), checks
+names, shapes and dtypes from the safetensors headers *before* reading any data, then streams tensor by tensor
+(memory-mapped reads, see ``jds.safetensors_io``) into an orbax checkpoint (``jds.checkpoint``) written
+atomically: on any error there is no output directory. ``export_hf`` is the inverse (used by the tests to
+write synthetic HF checkpoints; it also documents the mapping in code).
+
+FP8 weights: an FP8 checkpoint (``quantization_config.quant_method == "fp8"``, 128x128 blocks) stores a linear
+as an e4m3 ``weight`` plus a float32 block scale; HF V3.2 calls it ``weight_scale_inv``, V4 calls it ``scale``.
+Both are the multiplier (W_real = W_fp8 * s[i//128, j//128]), i.e. exactly jds's ``W.scale``. By default the
+e4m3 bits and scales are kept (the model gets ``Numerics.fp8_linear = True``); ``dequantize=True`` multiplies
+them out in float32 and rounds once to the activation dtype (bf16), giving ``fp8_linear = False``. Tensors jds
+keeps in bf16/fp32 (MoE experts, shared experts, router, head, norms, indexer weights_proj, V4 compressors)
+are always dequantised. V4 FP4 experts (int8-packed e2m1 + ue8m0 scales per 1x32) are dequantised too.
+
+Name mapping (jds name, DESIGN.md "Weight dictionaries" <- HF tensor), ``i`` = layer, ``j`` = expert:
+
+  V3.2 (HF ``model.`` layout)                         V4 (DeepSeek-native layout of the V4 release)
+  embed.weight        <- model.embed_tokens.weight      <- embed.weight
+  head.norm           <- model.norm.weight              <- norm.weight
+  head.lm_head        <- lm_head.weight                 <- head.weight
+  layers.i.attn_norm  <- model.layers.i.input_layernorm.weight           <- layers.i.attn_norm.weight
+  layers.i.ffn_norm   <- model.layers.i.post_attention_layernorm.weight  <- layers.i.ffn_norm.weight
+  V3.2 attention, prefix model.layers.i.self_attn.:   V4 attention, prefix layers.i.attn. (same names as jds):
+    attn.wq_a   <- q_a_proj           attn.kv_norm <- kv_a_layernorm     wq_a, wkv, wq_b, wo_a, wo_b (+ .scale),
+    attn.q_norm <- q_a_layernorm      attn.wkv_b   <- kv_b_proj          q_norm, kv_norm, attn_sink (no .weight),
+    attn.wq_b   <- q_b_proj           attn.wo      <- o_proj             compressor.{wkv,wgate,norm}, compressor.ape,
+    attn.wkv_a  <- kv_a_proj_with_mqa attn.indexer.{wq_b,wk,k_norm,weights_proj} <- indexer.*   indexer.{wq_b,
+                                                                         weights_proj}, indexer.compressor.*
+  FFN, dense:   ffn.w1 <- mlp.gate_proj, ffn.w3 <- mlp.up_proj, ffn.w2 <- mlp.down_proj   (V4: ffn.w1/w3/w2)
+  FFN, MoE:     ffn.gate <- mlp.gate (V4: ffn.gate); ffn.shared.w1/w3/w2 <- mlp.shared_experts.gate/up/down_proj
+                (V4: ffn.shared_experts.w1/w3/w2); ffn.w1[j] <- mlp.experts.j.gate_proj.weight TRANSPOSED,
+                ffn.w3[j] <- up_proj^T, ffn.w2[j] <- down_proj^T (V4: ffn.experts.j.w1/w3/w2): jds stacks the
+                experts as [E, in, out] for ragged_dot, HF stores one [out, in] matrix per expert.
+  Linear tensors are ``<name>.weight`` (+ scale); jds ``W`` / ``W.scale``. V4's fused ``wq_a_wkv`` module
+  exports/loads as the separate ``wq_a`` and ``wkv`` tensors already (jds.nn.FusedLinear), so no split here.
+  MLA/indexer RoPE layouts need no permutation: HF stores DeepSeek's own layout (DeepSeek's convert.py
+  only renames), which is what jds.v32 reads (interleaved MLA rope, NeoX indexer rope).
+
+Skipped HF tensors (reported, never silently): layers >= the converted layer count (``--layers N``) and
+V3.2's MTP layer (model.layers.{num_hidden_layers}); V3.2 ``mlp.gate.e_score_correction_bias`` and V4
+``ffn.gate.bias`` / ``ffn.gate.tid2eid`` (jds's MoE routes by plain sigmoid top-k: no selection bias, no hash
+routing); V4 ``hc_*`` hyper-connection tensors and ``mtp.*`` (jds's V4 decoder has no mHC / MTP);
+``rotary_emb.inv_freq``. Anything else not mapped is an error (``allow_unexpected`` downgrades it).
+So imported real weights run through jds's structural decoder, not a bit-faithful DeepSeek forward.
+
+Config mapping: attention fields via ``V32Config/V4Config.from_hf_config``; ``num_hidden_layers`` -> n_layers
+(or ``layers``), ``vocab_size``, ``intermediate_size``, ``n_routed_experts``, ``num_experts_per_tok`` ->
+moe_topk, ``n_shared_experts``, ``moe_intermediate_size``, ``bos/eos_token_id``. jds uses one FFN kind in every
+layer, so a MoE checkpoint whose first ``first_k_dense_replace`` layers are dense converts only with
+``layers <= first_k_dense_replace`` (all dense); otherwise a ValueError names that field. jds-only fields
+(e.g. the cache ``block_size``) take their defaults unless given in ``overrides``.
+
+Sources the names were checked against (no code copied):
+  * HF transformers 5.17 (read in the GPU image): ``models/deepseek_v32/modeling_deepseek_v32.py`` module names
+    (``self_attn.{q_a_proj,q_a_layernorm,q_b_proj,kv_a_proj_with_mqa,kv_a_layernorm,kv_b_proj,o_proj}``,
+    ``self_attn.indexer.{wq_b,wk,k_norm(LayerNorm: weight+bias),weights_proj}``, ``mlp.{gate_proj,up_proj,
+    down_proj}``, ``mlp.gate.{weight,e_score_correction_bias}``, ``mlp.shared_experts``, ``input_layernorm``,
+    ``post_attention_layernorm``, ``model.embed_tokens``, ``model.norm``, ``lm_head``; model_type
+    ``deepseek_v32``) and ``conversion_mapping.py`` (deepseek_v32 uses the per-expert checkpoint layout
+    ``mlp.experts.*.{gate,up,down}_proj.weight``; the ``deepseek_v4`` entry renames the released checkpoint's
+    names ``embed.weight``, ``head.weight``, ``norm.weight``, ``.attn.``, ``.ffn.``, ``.attn_norm.``,
+    ``.ffn_norm.``, ``.attn_sink``, ``.wq_a.``, ``.wkv.``, ``.wq_b.``, ``.wo_a.``, ``.wo_b.``, ``.q_norm.``,
+    ``.wgate.``, compressor ``.norm.`` and ``.ape``, ``.indexer.wq_b.``, ``.indexer.weights_proj.``,
+    ``.indexer.compressor.``, ``.gate.bias``, ``.shared_experts.w1/w2/w3.``, ``.experts.*.w1.weight``,
+    ``hc_*``); ``modeling_deepseek_v4.py`` for shapes (compressor position bias [ratio, coff*d], coff = 2 at
+    ratio 4; a hash-routed layer's gate has a ``weight`` and a ``tid2eid`` table; every V4 layer is MoE).
+  * vLLM ``vllm/model_executor/models/deepseek_v4.py`` (weights mapper / ``load_weights``): the ``.scale``
+    suffix of V4 block scales (float8_e8m0fnu when the experts are FP4, float32 otherwise), ``mtp.*``.
+  * DeepSeek-V3/V3.2 ``inference/convert.py`` HF->DeepSeek name table (public copies): gate_proj->w1,
+    down_proj->w2, up_proj->w3, weight_scale_inv->scale; MTP layer = ``model.layers.{num_hidden_layers}``.
+  * A public copy of DeepSeek-V4 ``convert.py``'s FP4 cast: int8 holding two e2m1 values, low nibble first,
+    ue8m0 scales per 1x32 block.
+  * The safetensors writer/reader was cross-checked against the ``safetensors`` package (0.8.0, GPU image):
+    each reads the other's files bit-exactly (F32, BF16, F8_E4M3, F8_E8M0, I8).
+UNVERIFIED:
+  * V4 dense-FFN names ``layers.N.ffn.w{1,2,3}`` (the released V4 has a MoE in every layer; DeepSeek naming).
+  * The FP4 nibble order / value table (third-party copy of DeepSeek's function, not the original file);
+    no real FP4 or real V4 / V3.2 safetensors file was read.
+  * V4's ``.scale`` suffix and its dtypes come from vLLM only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import ml_dtypes
+import numpy as np
+
+from jds.checkpoint import DEFAULT_SHARD_BYTES, CheckpointWriter
+from jds.safetensors_io import INDEX_NAME, SafetensorsDir, write_safetensors
+
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+F32 = np.dtype(np.float32)
+BLOCK = 128
+SCALE_SUFFIX = {"v32": ".weight_scale_inv", "v4": ".scale"}
+FLOAT_DTYPES = ("F32", "BF16", "F16")
+SCALE_DTYPES = ("F32", "BF16", "F8_E8M0")
+FP4_BLOCK = 32
+_FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+NUMERICS = ("reference", "bf16", "serving", "exact")
+
+
+# ----- the mapping -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Entry:
+    """One jds tensor and where it comes from.
+
+    kind ``linear``: HF ``{hf}.weight`` [out, in] (+ the block scale ``{hf}{suffix}``) -> jds ``jds`` (+ ``.scale``)
+    kind ``param``:  HF ``{hf}`` as is -> jds ``jds``
+    kind ``experts``: HF ``{hf[j]}.weight`` [out, in] for each expert j -> jds ``jds`` [E, in, out] (transposed)
+    """
+
+    jds: str
+    hf: tuple[str, ...]
+    kind: Literal["linear", "param", "experts"]
+
+
+def _lin(j: str, h: str) -> Entry:
+    return Entry(j, (h,), "linear")
+
+
+def _par(j: str, h: str) -> Entry:
+    return Entry(j, (h,), "param")
+
+
+def plan(cfg: Any) -> list[Entry]:
+    """Every jds tensor of ``cfg``'s Decoder with its HF source (the mapping table above, in code)."""
+    v4 = cfg.arch == "v4"
+    if v4:
+        out = [_par("embed.weight", "embed.weight")]
+    else:
+        out = [_par("embed.weight", "model.embed_tokens.weight")]
+    for i in range(cfg.n_layers):
+        J = f"layers.{i}."
+        if v4:
+            P = f"layers.{i}."
+            A = P + "attn."
+            out += [_par(J + "attn_norm", P + "attn_norm.weight"), _par(J + "ffn_norm", P + "ffn_norm.weight")]
+            out += [_lin(J + "attn." + n, A + n) for n in ("wq_a", "wkv", "wq_b", "wo_a", "wo_b")]
+            out += [_par(J + "attn.q_norm", A + "q_norm.weight"), _par(J + "attn.kv_norm", A + "kv_norm.weight"),
+                    _par(J + "attn.attn_sink", A + "attn_sink")]
+            ratio = cfg.attn.compress_ratios[i]
+            if ratio:
+                out += _compressor(J + "attn.compressor.", A + "compressor.")
+            if ratio == 4:
+                out += [_lin(J + "attn.indexer.wq_b", A + "indexer.wq_b"),
+                        _lin(J + "attn.indexer.weights_proj", A + "indexer.weights_proj")]
+                out += _compressor(J + "attn.indexer.compressor.", A + "indexer.compressor.")
+            F = P + "ffn."
+            names = {"w1": "w1", "w3": "w3", "w2": "w2"}
+            dense = {k: F + v for k, v in names.items()}
+            expert = lambda j, k: f"{F}experts.{j}.{names[k]}"  # noqa: E731
+            shared = {k: F + "shared_experts." + v for k, v in names.items()}
+            gate = F + "gate"
+        else:
+            P = f"model.layers.{i}."
+            A = P + "self_attn."
+            out += [_par(J + "attn_norm", P + "input_layernorm.weight"),
+                    _par(J + "ffn_norm", P + "post_attention_layernorm.weight")]
+            out += [_lin(J + "attn.wq_a", A + "q_a_proj"), _par(J + "attn.q_norm", A + "q_a_layernorm.weight"),
+                    _lin(J + "attn.wq_b", A + "q_b_proj"), _lin(J + "attn.wkv_a", A + "kv_a_proj_with_mqa"),
+                    _par(J + "attn.kv_norm", A + "kv_a_layernorm.weight"), _lin(J + "attn.wkv_b", A + "kv_b_proj"),
+                    _lin(J + "attn.wo", A + "o_proj"),
+                    _lin(J + "attn.indexer.wq_b", A + "indexer.wq_b"), _lin(J + "attn.indexer.wk", A + "indexer.wk"),
+                    _par(J + "attn.indexer.k_norm.weight", A + "indexer.k_norm.weight"),
+                    _par(J + "attn.indexer.k_norm.bias", A + "indexer.k_norm.bias"),
+                    _lin(J + "attn.indexer.weights_proj", A + "indexer.weights_proj")]
+            F = P + "mlp."
+            names = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+            dense = {k: F + v for k, v in names.items()}
+            expert = lambda j, k: f"{F}experts.{j}.{names[k]}"  # noqa: E731
+            shared = {k: F + "shared_experts." + v for k, v in names.items()}
+            gate = F + "gate"
+        if cfg.n_routed_experts:
+            out.append(_lin(J + "ffn.gate", gate))
+            for k in ("w1", "w3", "w2"):
+                out.append(Entry(J + "ffn." + k, tuple(expert(j, k) for j in range(cfg.n_routed_experts)), "experts"))
+            out += [_lin(J + "ffn.shared." + k, shared[k]) for k in ("w1", "w3", "w2")]
+        else:
+            out += [_lin(J + "ffn." + k, dense[k]) for k in ("w1", "w3", "w2")]
+    if v4:
+        out += [_par("head.norm", "norm.weight"), _lin("head.lm_head", "head")]
+    else:
+        out += [_par("head.norm", "model.norm.weight"), _lin("head.lm_head", "lm_head")]
+    return out
+
+
+def _compressor(j: str, h: str) -> list[Entry]:
+    return [_lin(j + "wkv", h + "wkv"), _lin(j + "wgate", h + "wgate"), _par(j + "ape", h + "ape"),
+            _par(j + "norm", h + "norm.weight")]
+
+
+def skip_reason(name: str, arch: str, n_layers: int) -> str | None:
+    """Why an HF tensor without a jds counterpart may be skipped (None: it may not)."""
+    m = re.match(r"(?:model\.)?layers\.(\d+)\.", name)
+    if m and int(m.group(1)) >= n_layers:
+        return "layer beyond the converted stack (--layers) or an MTP layer"
+    if "rotary_emb.inv_freq" in name:
+        return "rotary table (recomputed)"
+    if arch == "v32":
+        if name.endswith(".mlp.gate.e_score_correction_bias"):
+            return "MoE routing bias (jds's router has none)"
+        return None
+    if name.startswith("mtp."):
+        return "MTP module"
+    if re.search(r"(^|\.)hc_", name):
+        return "hyper-connection (jds's V4 decoder has none)"
+    if re.search(r"\.ffn\.gate\.(bias|tid2eid)$", name):
+        return "MoE routing bias / hash table (jds's router has neither)"
+    return None
+
+
+def _fp8_able(cfg: Any, name: str) -> bool:
+    """The linears a jds Decoder stores as e4m3 + scale when ``numerics.fp8_linear`` (see DESIGN.md)."""
+    attn = ("wq_a|wq_b|wkv_a|wkv_b|wo|indexer\\.wq_b|indexer\\.wk" if cfg.arch == "v32"
+            else "wq_a|wkv|wq_b|wo_a|wo_b|indexer\\.wq_b")
+    if re.fullmatch(rf"layers\.\d+\.attn\.({attn})", name):
+        return True
+    return not cfg.n_routed_experts and re.fullmatch(r"layers\.\d+\.ffn\.w[123]", name) is not None
+
+
+def target_spec(cfg: Any) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """jds name -> (shape, dtype) of every parameter of ``Decoder(cfg)``, without allocating it.
+
+    Shapes/dtypes come from ``nnx.eval_shape`` of the model with fp8 off (the fp8 init quantises on the
+    host, which eval_shape cannot trace); the fp8 linears are then swapped to e4m3 + float32 block scales by
+    the DESIGN.md rule (tests check this equals a real fp8 model's export_weights).
+    """
+    from flax import nnx
+
+    from jds.model import Decoder
+    from jds.nn import _param_paths
+
+    base = dataclasses.replace(cfg, numerics=dataclasses.replace(cfg.numerics, fp8_linear=False))
+    abstract = nnx.eval_shape(lambda: Decoder(base))
+    spec: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+    for name, (owner, attr, rows) in _param_paths(abstract).items():
+        v = getattr(owner, attr).get_value()
+        shape = tuple(v.shape) if rows is None else (rows[1] - rows[0],) + tuple(v.shape[1:])
+        if cfg.numerics.fp8_linear and _fp8_able(cfg, name):
+            spec[name] = (shape, E4M3)
+            spec[name + ".scale"] = ((-(-shape[0] // BLOCK), -(-shape[1] // BLOCK)), F32)
+        else:
+            spec[name] = (shape, np.dtype(v.dtype))
+    return spec
+
+
+def _check_plan(entries: list[Entry], spec: dict[str, Any]) -> None:
+    covered = []
+    for e in entries:
+        covered.append(e.jds)
+        if e.kind == "linear" and e.jds + ".scale" in spec:
+            covered.append(e.jds + ".scale")
+    missing = [n for n in spec if n not in set(covered)]
+    unknown = [n for n in covered if n not in spec]
+    if missing or unknown or len(covered) != len(set(covered)):
+        raise ValueError(f"internal: the HF mapping does not match the jds model (unmapped {missing[:3]}, "
+                         f"unknown {unknown[:3]}, {len(covered) - len(set(covered))} duplicates)")
+
+
+# ----- config.json <-> ModelConfig ---------------------------------------------------------------------
+def hf_arch(d: dict[str, Any]) -> str:
+    mt = str(d.get("model_type", ""))
+    if mt == "deepseek_v4" or (not mt.startswith("deepseek_v3") and "compress_ratios" in d):
+        return "v4"
+    if mt in ("deepseek_v32", "deepseek_v3_2") or "index_topk" in d:
+        return "v32"
+    raise ValueError(f"invalid config field 'model_type': {mt!r} is not a DeepSeek-V3.2 or V4 config "
+                     "(no index_topk / compress_ratios either)")
+
+
+_V4_LAYER_TYPE_RATIO = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+
+
+def normalize_v4_config(d: dict[str, Any]) -> dict[str, Any]:
+    """Fold the newer transformers spelling of a V4 config.json into the released one jds.config reads.
+
+    Released V4 configs carry ``compress_ratios`` (0/4/128 per layer, + the MTP layer), ``qk_rope_head_dim``
+    and a YaRN ``rope_scaling``; transformers' DeepseekV4Config writes ``layer_types`` (+ ``compress_rates``),
+    ``partial_rotary_factor`` and ``rope_parameters = {"main": {...}, "compress": {...}}`` instead.
+    """
+    d = dict(d)
+    if d.get("compress_ratios") is None and d.get("layer_types") is not None:
+        rates = dict(_V4_LAYER_TYPE_RATIO)
+        for k, v in (d.get("compress_rates") or {}).items():
+            rates[k] = int(v)
+        ratios = []
+        for t in d["layer_types"]:
+            if t not in rates:
+                raise ValueError(f"invalid config field 'layer_types': unknown V4 layer type {t!r}")
+            ratios.append(rates[t])
+        d["compress_ratios"] = ratios
+    if d.get("qk_rope_head_dim") is None and d.get("partial_rotary_factor") and d.get("head_dim"):
+        d["qk_rope_head_dim"] = int(round(d["head_dim"] * d["partial_rotary_factor"]))
+    rp = d.get("rope_parameters")
+    if isinstance(rp, dict) and isinstance(rp.get("compress"), dict):
+        comp, main = rp["compress"], rp.get("main") or {}
+        if main.get("rope_theta") is not None:
+            d.setdefault("rope_theta", main["rope_theta"])
+        if comp.get("rope_theta") is not None:
+            d.setdefault("compress_rope_theta", comp["rope_theta"])
+        if not d.get("rope_scaling") and comp.get("rope_type", comp.get("type")) == "yarn":
+            d["rope_scaling"] = {k: v for k, v in comp.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    return d
+
+
+def is_fp8_checkpoint(d: dict[str, Any]) -> bool:
+    """True for a block-FP8 checkpoint (``quantization_config.quant_method`` fp8, 128x128 blocks)."""
+    qc = d.get("quantization_config")
+    if not qc:
+        return False
+    if not isinstance(qc, dict) or qc.get("quant_method") not in ("fp8", "deepseek_v4_fp8"):
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        raise ValueError(f"invalid config field 'quantization_config.quant_method': {method!r} is not supported "
+                         "(only block FP8)")
+    if list(qc.get("weight_block_size", [BLOCK, BLOCK])) != [BLOCK, BLOCK]:
+        raise ValueError(f"invalid config field 'quantization_config.weight_block_size': "
+                         f"{qc.get('weight_block_size')}, jds needs [128, 128]")
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"invalid config field 'quantization_config.fmt': {qc.get('fmt')!r}, jds needs e4m3")
+    return True
+
+
+def _int_field(d: dict[str, Any], key: str) -> int:
+    v = d.get(key)
+    if isinstance(v, list) and v:
+        v = v[0]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"invalid config field {key!r}: missing from config.json or not an integer ({v!r})")
+    return v
+
+
+def make_numerics(numerics: Any, fp8: bool) -> Any:
+    from jds.config import Numerics
+
+    if isinstance(numerics, str):
+        if numerics not in NUMERICS:
+            raise ValueError(f"invalid config field 'numerics': {numerics!r}, choose one of {NUMERICS}")
+        numerics = getattr(Numerics, numerics)()
+    return dataclasses.replace(numerics, fp8_linear=fp8)
+
+
+def hf_model_config(hf: Any, *, layers: int | None = None, dequantize: bool = False, numerics: Any = "reference",
+                    overrides: dict[str, Any] | None = None) -> Any:
+    """The jds ModelConfig of a HF config.json (path, directory or dict).
+
+    ``layers`` keeps the first N layers; ``numerics`` is a Numerics or a preset name whose ``fp8_linear`` is
+    set to (checkpoint is FP8 and not ``dequantize``); ``overrides`` sets ModelConfig or attention-config
+    fields that config.json lacks (e.g. ``{"block_size": 16}``).
+    """
+    from jds.config import V32Config, V4Config, _load_json
+    from jds.model import ModelConfig
+
+    d = _load_json(hf)
+    arch = hf_arch(d)
+    if arch == "v4":
+        d = normalize_v4_config(d)
+    attn_cls = V32Config if arch == "v32" else V4Config
+    attn_fields = {f.name for f in dataclasses.fields(attn_cls)}
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"arch", "attn", "numerics"}
+    attn_ovr, model_ovr = {}, {}
+    for k, v in (overrides or {}).items():
+        if k in attn_fields:
+            attn_ovr[k] = tuple(v) if isinstance(v, list) else v
+        elif k in model_fields:
+            model_ovr[k] = v
+        else:
+            raise ValueError(f"invalid config field {k!r}: not a field of ModelConfig or {attn_cls.__name__}")
+    attn = attn_cls.from_hf_config(d, **attn_ovr)
+    n_hf = _int_field(d, "num_hidden_layers")
+    n = n_hf if layers is None else layers
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= n_hf:
+        raise ValueError(f"invalid config field 'layers': {n!r} must be in [1, num_hidden_layers={n_hf}]")
+    n_routed = d.get("n_routed_experts") or 0
+    first_dense = int(d.get("first_k_dense_replace") or 0) if n_routed else n
+    if n_routed and d.get("moe_layer_freq", 1) != 1:
+        raise ValueError(f"invalid config field 'moe_layer_freq': {d['moe_layer_freq']!r}, jds supports 1")
+    if n_routed and 0 < first_dense < n:
+        raise ValueError(f"invalid config field 'first_k_dense_replace': layers 0..{first_dense - 1} are dense and "
+                         f"the rest MoE, but the jds Decoder uses one FFN kind in every layer; convert with "
+                         f"layers <= {first_dense} (all dense)")
+    moe = bool(n_routed) and first_dense == 0
+    kw: dict[str, Any] = dict(arch=arch, attn=attn, n_layers=n, vocab_size=_int_field(d, "vocab_size"),
+                              n_routed_experts=int(n_routed) if moe else 0)
+    if d.get("intermediate_size") is not None or not moe:
+        kw["intermediate_size"] = _int_field(d, "intermediate_size")
+    for field_, key in (("n_shared_experts", "n_shared_experts"), ("moe_topk", "num_experts_per_tok"),
+                        ("moe_intermediate_size", "moe_intermediate_size")):
+        if d.get(key) is not None or moe:
+            kw[field_] = _int_field(d, key)
+    if moe and kw["n_shared_experts"] < 1:
+        raise ValueError("invalid config field 'n_shared_experts': jds's MoE always has a shared expert (>= 1)")
+    for field_, key, default in (("bos_token_id", "bos_token_id", 0), ("eos_token_id", "eos_token_id", 1)):
+        kw[field_] = _int_field(d, key) if d.get(key) is not None else default
+    kw["numerics"] = make_numerics(numerics, is_fp8_checkpoint(d) and not dequantize)
+    kw.update(model_ovr)
+    return ModelConfig(**kw)
+
+
+def hf_config_dict(cfg: Any, *, fp8: bool | None = None) -> dict[str, Any]:
+    """A HF config.json for ``cfg`` (inverse of :func:`hf_model_config` up to jds-only fields)."""
+    a = cfg.attn
+    fp8 = cfg.numerics.fp8_linear if fp8 is None else fp8
+    d: dict[str, Any] = {
+        "num_hidden_layers": cfg.n_layers, "vocab_size": cfg.vocab_size, "hidden_size": a.hidden_size,
+        "num_attention_heads": a.n_heads, "q_lora_rank": a.q_lora_rank,
+        "index_n_heads": a.index_n_heads, "index_head_dim": a.index_head_dim, "index_topk": a.index_topk,
+        "rope_theta": a.rope_theta, "max_position_embeddings": a.max_seq_len, "rms_norm_eps": a.rms_norm_eps,
+        "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
+        "n_routed_experts": cfg.n_routed_experts or None, "n_shared_experts": cfg.n_shared_experts,
+        "num_experts_per_tok": cfg.moe_topk, "first_k_dense_replace": 0 if cfg.n_routed_experts else cfg.n_layers,
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "tie_word_embeddings": False,
+        "hidden_act": "silu", "torch_dtype": "bfloat16",
+    }
+    if cfg.arch == "v32":
+        d.update(model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"], kv_lora_rank=a.kv_lora_rank,
+                 qk_nope_head_dim=a.qk_nope_head_dim, qk_rope_head_dim=a.qk_rope_head_dim, v_head_dim=a.v_head_dim,
+                 rope_scaling={"type": "yarn", "factor": a.rope_factor, "original_max_position_embeddings":
+                               a.original_seq_len, "beta_fast": a.beta_fast, "beta_slow": a.beta_slow,
+                               "mscale": a.mscale, "mscale_all_dim": a.mscale})
+        if a.indexer_rope_interleave:
+            d["indexer_rope_interleave"] = True
+    else:
+        d.update(model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"], head_dim=a.head_dim,
+                 qk_rope_head_dim=a.rope_head_dim, o_lora_rank=a.o_lora_rank, o_groups=a.o_groups,
+                 sliding_window=a.window_size, compress_ratios=list(a.compress_ratios),
+                 compress_rope_theta=a.compress_rope_theta,
+                 rope_scaling={"type": "yarn", "factor": a.rope_factor, "original_max_position_embeddings":
+                               a.original_seq_len, "beta_fast": a.beta_fast, "beta_slow": a.beta_slow})
+    if fp8:
+        d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                    "weight_block_size": [BLOCK, BLOCK]}
+        if cfg.arch == "v4":
+            d["quantization_config"]["scale_fmt"] = "ue8m0"
+    return d
+
+
+# ----- numeric conversions -----------------------------------------------------------------------------
+def scale_to_f32(s: np.ndarray) -> np.ndarray:
+    """A block-scale tensor (F32, BF16 or ue8m0 F8_E8M0) as float32; all three convert exactly."""
+    return np.asarray(s).astype(np.float32)
+
+
+def dequant_fp8_blocks(w: np.ndarray, scale: np.ndarray, block: int = BLOCK) -> np.ndarray:
+    """float32 W = W_e4m3 * scale[i // block, j // block] (the same float32 product as jds.ops.quant)."""
+    o, i = w.shape
+    s = np.repeat(np.repeat(scale_to_f32(scale), block, axis=0)[:o], block, axis=1)[:, :i]
+    return np.asarray(w).astype(np.float32) * s
+
+
+def dequant_fp4_e2m1(packed: np.ndarray, scale: np.ndarray, block: int = FP4_BLOCK) -> np.ndarray:
+    """float32 W [out, in] from int8-packed e2m1 [out, in/2] (low nibble = even column) and 1x``block`` scales."""
+    b = np.asarray(packed).view(np.uint8)
+    o, half = b.shape
+    vals = np.empty((o, 2 * half), np.float32)
+    vals[:, 0::2] = _FP4_VALUES[b & 0x0F]
+    vals[:, 1::2] = _FP4_VALUES[b >> 4]
+    return vals * np.repeat(scale_to_f32(scale), block, axis=1)
+
+
+# ----- validation (headers only) and conversion ----------------------------------------------------------
+@dataclass
+class _Job:
+    entry: Entry
+    modes: list[str]  # per HF source: fp8 | float | dequant | fp4
+    out: list[tuple[str, tuple[int, ...], np.dtype]]  # jds tensors produced
+    nbytes: int
+
+
+def _block_shape(shape: tuple[int, ...], block: int = BLOCK) -> tuple[int, int]:
+    return (-(-shape[0] // block), -(-shape[1] // block))
+
+
+def _check_linear(src: SafetensorsDir, hf: str, shape: tuple[int, ...], fp8: bool, suffix: str, jds: str,
+                  consumed: set[str]) -> str:
+    """Check one HF linear (weight + optional scale) from its header; return how to convert it."""
+    wname, sname = hf + ".weight", hf + suffix
+    if wname not in src:
+        raise ValueError(f"HF checkpoint {src.path!r}: missing tensor {wname!r} (for jds {jds!r})")
+    dt, shp = src.info(wname)
+    has_scale = sname in src
+    consumed.add(wname)
+    if has_scale:
+        consumed.add(sname)
+
+    def need_shape(want: tuple[int, ...]) -> None:
+        if tuple(shp) != tuple(want):
+            raise ValueError(f"HF tensor {wname!r} has shape {tuple(shp)}, expected {tuple(want)} (for jds {jds!r})")
+
+    def need_scale(want: tuple[int, ...]) -> None:
+        if not has_scale:
+            raise ValueError(f"HF checkpoint {src.path!r}: missing tensor {sname!r}, the block scale of the {dt} "
+                             f"weight {wname!r}")
+        sdt, sshp = src.info(sname)
+        if sdt not in SCALE_DTYPES:
+            raise ValueError(f"HF tensor {sname!r} has dtype {sdt}, expected one of {SCALE_DTYPES}")
+        if tuple(sshp) != tuple(want):
+            raise ValueError(f"HF tensor {sname!r} has shape {tuple(sshp)}, expected {tuple(want)} "
+                             f"(the block scales of {wname!r})")
+
+    if fp8:
+        if dt != "F8_E4M3":
+            raise ValueError(f"HF tensor {wname!r} has dtype {dt}, expected F8_E4M3 with a {suffix!r} block scale "
+                             f"(the fp8 model keeps e4m3 weights for jds {jds!r}; convert with --dequantize "
+                             "for a bf16 model)")
+        need_shape(shape)
+        need_scale(_block_shape(shape))
+        return "fp8"
+    if dt in FLOAT_DTYPES:
+        need_shape(shape)
+        if has_scale:
+            raise ValueError(f"HF tensor {wname!r} has dtype {dt} but also a block scale {sname!r}")
+        return "float"
+    if dt == "F8_E4M3":
+        need_shape(shape)
+        need_scale(_block_shape(shape))
+        return "dequant"
+    if dt in ("I8", "U8") and has_scale and len(shape) == 2 and shape[1] % FP4_BLOCK == 0 \
+            and tuple(shp) == (shape[0], shape[1] // 2):
+        need_scale((shape[0], shape[1] // FP4_BLOCK))
+        return "fp4"
+    raise ValueError(f"HF tensor {wname!r} has dtype {dt}{list(shp)}; expected {list(shape)} as one of "
+                     f"{FLOAT_DTYPES} or F8_E4M3 with a block scale (for jds {jds!r})")
+
+
+def _check_param(src: SafetensorsDir, hf: str, shape: tuple[int, ...], jds: str, consumed: set[str]) -> str:
+    if hf not in src:
+        raise ValueError(f"HF checkpoint {src.path!r}: missing tensor {hf!r} (for jds {jds!r})")
+    dt, shp = src.info(hf)
+    consumed.add(hf)
+    if dt not in FLOAT_DTYPES:
+        raise ValueError(f"HF tensor {hf!r} has dtype {dt}, expected a float tensor ({', '.join(FLOAT_DTYPES)}) "
+                         f"for jds {jds!r}")
+    if tuple(shp) != tuple(shape):
+        raise ValueError(f"HF tensor {hf!r} has shape {tuple(shp)}, expected {tuple(shape)} (for jds {jds!r})")
+    return "float"
+
+
+def _validate(src: SafetensorsDir, e: Entry, spec: dict[str, Any], suffix: str, consumed: set[str]) -> _Job:
+    shape, dt = spec[e.jds]
+    if e.kind == "param":
+        modes = [_check_param(src, e.hf[0], shape, e.jds, consumed)]
+    elif e.kind == "linear":
+        modes = [_check_linear(src, e.hf[0], shape, dt == E4M3, suffix, e.jds, consumed)]
+    else:
+        n_exp, d_in, d_out = shape
+        if len(e.hf) != n_exp:
+            raise ValueError(f"internal: {e.jds} expects {n_exp} experts, mapping has {len(e.hf)}")
+        modes = [_check_linear(src, h, (d_out, d_in), False, suffix, e.jds, consumed) for h in e.hf]
+    out = [(e.jds, shape, dt)]
+    if e.jds + ".scale" in spec and e.kind == "linear":
+        out.append((e.jds + ".scale",) + spec[e.jds + ".scale"])
+    return _Job(e, modes, out, sum(math.prod(s) * d.itemsize for _, s, d in out))
+
+
+def _read_linear(src: SafetensorsDir, hf: str, mode: str, dtype: np.dtype, suffix: str) -> np.ndarray:
+    w = src.get(hf + ".weight")
+    if mode == "float":
+        return w.astype(dtype, copy=False)
+    s = src.get(hf + suffix)
+    full = dequant_fp8_blocks(w, s) if mode == "dequant" else dequant_fp4_e2m1(w, s)
+    return full.astype(dtype, copy=False)
+
+
+def _convert(src: SafetensorsDir, job: _Job, suffix: str) -> list[tuple[str, np.ndarray]]:
+    e = job.entry
+    name, shape, dt = job.out[0]
+    if e.kind == "param":
+        return [(name, src.get(e.hf[0]).astype(dt, copy=False))]
+    if e.kind == "linear":
+        if job.modes[0] == "fp8":
+            return [(name, src.get(e.hf[0] + ".weight")),
+                    (name + ".scale", scale_to_f32(src.get(e.hf[0] + suffix)))]
+        return [(name, _read_linear(src, e.hf[0], job.modes[0], dt, suffix))]
+    stack = np.empty(shape, dt)
+    for j, (h, mode) in enumerate(zip(e.hf, job.modes)):
+        stack[j] = _read_linear(src, h, mode, dt, suffix).T
+    return [(name, stack)]
+
+
+class _Progress:
+    """A plain stderr progress bar (bytes written / total), redrawn at most 10 times a second."""
+
+    def __init__(self, total: int, enabled: bool, stream: Any = None):
+        self.total, self.enabled, self.stream = max(total, 1), enabled, stream or sys.stderr
+        self.done, self.t0, self.last = 0, time.perf_counter(), 0.0
+
+    def update(self, n: int, label: str) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if not self.enabled or (now - self.last < 0.1 and self.done < self.total):
+            return
+        self.last = now
+        frac = min(self.done / self.total, 1.0)
+        bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
+        self.stream.write(f"\r[{bar}] {100 * frac:5.1f}% {self.done / 2**20:9.1f}/{self.total / 2**20:.1f} MiB "
+                          f"{now - self.t0:6.1f}s  {label[:48]:<48}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def convert_hf_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, layers: int | None = None,
+                          dequantize: bool = False, numerics: Any = "reference",
+                          overrides: dict[str, Any] | None = None, overwrite: bool = False,
+                          shard_bytes: int = DEFAULT_SHARD_BYTES, allow_unexpected: bool = False,
+                          progress: bool = True) -> dict[str, Any]:
+    """Convert a HF DeepSeek-V3.2/V4 directory into a jds orbax checkpoint at ``out``; returns a report.
+
+    Every tensor is checked (name, shape, dtype, scale) from the safetensors headers before anything is
+    written; conversion then streams tensor by tensor into orbax shards of about ``shard_bytes``. Errors are
+    ValueErrors naming the tensor or config field; ``out`` is then left absent (or untouched).
+    """
+    t0 = time.perf_counter()
+    src, out = os.fspath(src), os.fspath(out)
+    if os.path.abspath(src) == os.path.abspath(out):
+        raise ValueError("the output directory must differ from the HF checkpoint directory")
+    cfg_path = os.path.join(src, "config.json")
+    if not os.path.exists(cfg_path):
+        raise ValueError(f"HF checkpoint {src!r}: no config.json")
+    try:
+        with open(cfg_path) as f:
+            hf_cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"HF checkpoint {src!r}: cannot read config.json ({e})") from e
+    cfg = hf_model_config(hf_cfg, layers=layers, dequantize=dequantize, numerics=numerics, overrides=overrides)
+    spec = target_spec(cfg)
+    entries = plan(cfg)
+    _check_plan(entries, spec)
+    reader = SafetensorsDir(src)
+    suffix = SCALE_SUFFIX[cfg.arch]
+    consumed: set[str] = set()
+    jobs = [_validate(reader, e, spec, suffix, consumed) for e in entries]
+    skipped: dict[str, list[str]] = {}
+    unexpected = []
+    for name in reader.names():
+        if name in consumed:
+            continue
+        why = skip_reason(name, cfg.arch, cfg.n_layers)
+        if why is None:
+            unexpected.append(name)
+        else:
+            skipped.setdefault(why, []).append(name)
+    if unexpected and not allow_unexpected:
+        raise ValueError(f"HF checkpoint {src!r}: tensor {unexpected[0]!r} has no place in the jds model "
+                         f"({len(unexpected)} such tensors; allow_unexpected / --allow-unexpected skips them)")
+    if unexpected:
+        skipped["not mapped (allowed)"] = unexpected
+    extra = {"source": os.path.abspath(src), "hf_model_type": hf_cfg.get("model_type"),
+             "hf_num_hidden_layers": hf_cfg.get("num_hidden_layers"), "layers": cfg.n_layers,
+             "dequantized": bool(dequantize), "fp8_source": is_fp8_checkpoint(hf_cfg),
+             "skipped": {k: len(v) for k, v in skipped.items()}}
+    bar = _Progress(sum(j.nbytes for j in jobs), progress)
+    try:
+        with CheckpointWriter(out, cfg, extra=extra, shard_bytes=shard_bytes, overwrite=overwrite) as w:
+            for job in jobs:
+                produced = _convert(reader, job, suffix)
+                for (name, arr), (want, shape, dt) in zip(produced, job.out):
+                    if name != want or arr.shape != tuple(shape) or arr.dtype != dt:
+                        raise ValueError(f"internal: converted {name!r} as {arr.dtype}{arr.shape}, expected "
+                                         f"{dt}{tuple(shape)}")
+                    w.add(name, arr)
+                bar.update(job.nbytes, job.entry.jds)
+    finally:
+        bar.close()
+    return {"out": os.path.abspath(out), "config": cfg, "tensors": sum(len(j.out) for j in jobs),
+            "bytes": sum(j.nbytes for j in jobs), "skipped": skipped, "seconds": time.perf_counter() - t0}
+
+
+# ----- export (the inverse; writes synthetic HF checkpoints for tests) -----------------------------------
+def export_hf(model: Any, out_dir: str | os.PathLike, *, n_shards: int = 2, routing_bias: bool = True) -> None:
+    """Write ``model`` (a jds Decoder) as a HF-layout directory: config.json, ``n_shards`` safetensors files
+    and ``model.safetensors.index.json``. fp8 linears are written as F8_E4M3 + float32 scales under the HF
+    scale name; experts are written one [out, in] matrix each. With ``routing_bias`` the MoE routing-bias
+    tensors real checkpoints carry (zeros here) are added, so the importer's skip path is exercised.
+    """
+    from jds.nn import export_weights
+
+    out_dir = os.fspath(out_dir)
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise ValueError(f"export_hf: {out_dir!r} exists and is not empty")
+    os.makedirs(out_dir, exist_ok=True)
+    cfg = model.cfg
+    weights = export_weights(model)
+    suffix = SCALE_SUFFIX[cfg.arch]
+    tensors: list[tuple[str, np.ndarray]] = []
+    for e in plan(cfg):
+        if e.kind == "param":
+            tensors.append((e.hf[0], weights[e.jds]))
+        elif e.kind == "linear":
+            tensors.append((e.hf[0] + ".weight", weights[e.jds]))
+            if e.jds + ".scale" in weights:
+                tensors.append((e.hf[0] + suffix, weights[e.jds + ".scale"]))
+        else:
+            tensors += [(h + ".weight", np.ascontiguousarray(weights[e.jds][j].T)) for j, h in enumerate(e.hf)]
+    if routing_bias and cfg.n_routed_experts:
+        for i in range(cfg.n_layers):
+            name = (f"model.layers.{i}.mlp.gate.e_score_correction_bias" if cfg.arch == "v32"
+                    else f"layers.{i}.ffn.gate.bias")
+            tensors.append((name, np.zeros(cfg.n_routed_experts, np.float32)))
+    total = sum(a.nbytes for _, a in tensors)
+    n_shards = max(1, min(n_shards, len(tensors)))
+    groups: list[list[tuple[str, np.ndarray]]] = [[] for _ in range(n_shards)]
+    acc = 0
+    for name, arr in tensors:
+        k = min(n_shards - 1, acc * n_shards // max(total, 1))
+        groups[k].append((name, arr))
+        acc += arr.nbytes
+    weight_map = {}
+    for k, group in enumerate(groups):
+        fname = f"model-{k + 1:05d}-of-{n_shards:05d}.safetensors"
+        write_safetensors(os.path.join(out_dir, fname), group, metadata={"format": "pt"})
+        weight_map.update({name: fname for name, _ in group})
+    with open(os.path.join(out_dir, INDEX_NAME), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config_dict(cfg), f, indent=1)

@@ -1,0 +1,381 @@
+"""HF-format import: a synthetic DeepSeek-V3.2 / V4 checkpoint (config.json, two real safetensors shards with
+FP8 e4m3 weights and 128x128 block scales, a sharded index) written by jds.hf_import.export_hf, converted by
+scripts/convert_checkpoint.py, restored, and giving the in-memory model's logits exactly; --layers, --dequantize,
+and every kind of bad input (a ValueError naming the tensor or field, no output directory left behind)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jds import hf_import
+from jds.checkpoint import load_checkpoint, read_checkpoint, read_meta, restore_model
+from jds.config import Numerics
+from jds.model import Decoder, preset
+from jds.nn import _param_paths, export_weights
+from jds.runner import ModelRunner
+from jds.safetensors_io import INDEX_NAME, SafetensorsDir, SafetensorsFile, write_safetensors
+from tests.test_checkpoint import assert_same_weights, no_temp_dirs, step_logits
+
+ROOT = Path(__file__).resolve().parents[1]
+N_TOKENS = {"v32": 12, "v4": 40}
+
+
+def _script() -> Any:
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", ROOT / "scripts" / "convert_checkpoint.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+CONVERT = _script()
+
+
+def tiny_cfg(arch: str, moe: bool, numerics: Numerics | None = None):
+    cfg = dataclasses.replace(preset(f"{arch}-tiny"), numerics=numerics or Numerics.reference())
+    return dataclasses.replace(cfg, n_routed_experts=4, moe_topk=2) if moe else cfg
+
+
+def convert(src: Path, out: Path, block_size: int, *args: str) -> dict[str, Any]:
+    return CONVERT.main([str(src), str(out), "--no-progress", "--override", f"block_size={block_size}", *args])
+
+
+class Source:
+    """A tiny fp8 model, its synthetic HF directory and (lazily) its logits."""
+
+    def __init__(self, root: Path, arch: str, moe: bool):
+        self.arch = arch
+        self.cfg = tiny_cfg(arch, moe)
+        self.model = Decoder(self.cfg, seed=7)
+        self.hf = root / f"hf_{arch}"
+        hf_import.export_hf(self.model, self.hf, n_shards=2)
+        self._logits = None
+
+    @property
+    def logits(self) -> np.ndarray:
+        if self._logits is None:
+            self._logits = step_logits(self.model, N_TOKENS[self.arch])
+        return self._logits
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> Callable[[str], Source]:
+    root = tmp_path_factory.mktemp("hf")
+    cache: dict[str, Source] = {}
+
+    def get(arch: str) -> Source:
+        if arch not in cache:  # V3.2 with a MoE FFN, V4 with the dense FFN: both FFN mappings end to end
+            cache[arch] = Source(root, arch, moe=arch == "v32")
+        return cache[arch]
+
+    return get
+
+
+def test_synthetic_checkpoint_is_real_hf_layout(sources) -> None:
+    s = sources("v32")
+    index = json.loads((s.hf / INDEX_NAME).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) == 2 and all((s.hf / f).exists() for f in shards)
+    f = SafetensorsFile(s.hf / shards[0])
+    assert f.info("model.layers.0.self_attn.q_a_proj.weight") == ("F8_E4M3", (256, 256))
+    assert f.info("model.layers.0.self_attn.q_a_proj.weight_scale_inv") == ("F32", (2, 2))
+    cfg = json.loads((s.hf / "config.json").read_text())
+    assert cfg["quantization_config"]["weight_block_size"] == [128, 128]
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in index["weight_map"]
+
+
+@pytest.mark.parametrize("arch", ["v32", "v4"])
+def test_convert_restore_same_logits(tmp_path, sources, arch: str) -> None:
+    s = sources(arch)
+    out = tmp_path / "out"
+    rep = convert(s.hf, out, s.cfg.block_size, "--shard-mb", "1")  # several orbax shards
+    assert len(read_meta(out)["shards"]) > 1
+    assert rep["config"] == s.cfg
+    restored = restore_model(out)
+    assert restored.cfg == s.cfg
+    assert_same_weights(export_weights(s.model), export_weights(restored))
+    np.testing.assert_array_equal(s.logits, step_logits(restored, N_TOKENS[arch]))
+    if arch == "v32":  # the MoE routing bias real checkpoints carry is skipped, and said so
+        assert sum(len(v) for v in rep["skipped"].values()) == s.cfg.n_layers
+    # the server path: ModelRunner.build(checkpoint=...) takes the stored config
+    runner = ModelRunner.build(checkpoint=str(out), num_blocks=2, max_num_seqs=1, max_num_tokens=16,
+                               max_model_len=s.cfg.block_size)
+    assert runner.model.cfg == s.cfg
+
+
+@pytest.mark.parametrize("arch,moe", [("v32", False), ("v32", True), ("v4", False), ("v4", True)])
+def test_mapping_covers_every_parameter(tmp_path, arch: str, moe: bool) -> None:
+    """target_spec (no allocation) equals a real model's export; export -> convert is bit-exact for each
+    architecture x FFN kind, in both the fp8 and the bf16 numerics."""
+    for numerics in (Numerics.reference(), Numerics.bf16()):
+        cfg = tiny_cfg(arch, moe, numerics)
+        model = Decoder(cfg, seed=11)
+        w = export_weights(model)
+        spec = hf_import.target_spec(cfg)
+        assert spec == {k: (v.shape, v.dtype) for k, v in w.items()}
+        hf = tmp_path / f"hf_{numerics.fp8_linear}"
+        hf_import.export_hf(model, hf)
+        out = tmp_path / f"out_{numerics.fp8_linear}"
+        rep = hf_import.convert_hf_checkpoint(hf, out, numerics=numerics, overrides={"block_size": cfg.block_size},
+                                              progress=False)
+        assert rep["config"] == cfg
+        assert_same_weights(w, read_checkpoint(out))
+
+
+def test_layers_truncation(tmp_path, sources) -> None:
+    s = sources("v32")
+    out = tmp_path / "out"
+    rep = convert(s.hf, out, s.cfg.block_size, "--layers", "1")
+    cut = dataclasses.replace(s.cfg, n_layers=1)
+    assert rep["config"] == cut and restore_model(out).cfg == cut
+    full = export_weights(s.model)
+    want = {k: v for k, v in full.items() if not k.startswith("layers.1.")}
+    assert_same_weights(want, read_checkpoint(out))
+    skipped = [n for names in rep["skipped"].values() for n in names]
+    assert "model.layers.1.self_attn.q_a_proj.weight" in skipped
+    with pytest.raises(ValueError, match="'layers'"):
+        convert(s.hf, tmp_path / "out3", s.cfg.block_size, "--layers", "3")
+    assert not (tmp_path / "out3").exists()
+
+
+def test_dequantize_to_bf16(tmp_path, sources) -> None:
+    s = sources("v32")
+    out = tmp_path / "out"
+    rep = convert(s.hf, out, s.cfg.block_size, "--dequantize")
+    cfg = rep["config"]
+    assert cfg == dataclasses.replace(s.cfg, numerics=dataclasses.replace(s.cfg.numerics, fp8_linear=False))
+    got = read_checkpoint(out)
+    assert not any(".scale" in k or v.dtype == ml_dtypes.float8_e4m3fn for k, v in got.items())
+    expected = {}
+    n_fp8 = 0
+    for name, (owner, attr, _) in _param_paths(s.model).items():
+        if attr == "scale":
+            continue
+        if getattr(owner, "fp8", False) and attr == "weight":
+            dense = np.asarray(owner.dense_weight())  # float32 W_e4m3 * scale, jds's own dequantisation
+            assert got[name].dtype == ml_dtypes.bfloat16
+            np.testing.assert_allclose(got[name].astype(np.float32), dense, rtol=2.0 ** -8, atol=0, err_msg=name)
+            expected[name] = dense.astype(ml_dtypes.bfloat16)  # rounded once: bit-equal to the converter's
+            assert expected[name].tobytes() == got[name].tobytes(), name
+            n_fp8 += 1
+        else:
+            expected[name] = export_weights(s.model)[name]
+    assert n_fp8 == 7 * s.cfg.n_layers
+    # the restored model is a bf16 model holding exactly jds's dequantised weights (same weights + same
+    # config => the same logits; the fp8 model's own logits differ by its activation quantisation)
+    restored = restore_model(out)
+    assert restored.cfg == cfg and not restored.cfg.numerics.fp8_linear
+    assert_same_weights(expected, export_weights(restored))
+
+
+# ----- bad inputs ------------------------------------------------------------------------------------------
+def _shard_of(hf: Path, name: str) -> Path:
+    return hf / json.loads((hf / INDEX_NAME).read_text())["weight_map"][name]
+
+
+def _rewrite_shard(hf: Path, name: str, fn: Callable[[dict[str, np.ndarray]], None], index: bool = False) -> None:
+    """Apply ``fn`` to the tensors of ``name``'s shard and rewrite it (and the index when ``index``)."""
+    path = _shard_of(hf, name)
+    f = SafetensorsFile(path)
+    tensors = {k: np.array(f.get(k)) for k in f.keys()}
+    fn(tensors)
+    write_safetensors(path, tensors)
+    if index:
+        idx = json.loads((hf / INDEX_NAME).read_text())
+        idx["weight_map"] = {k: v for k, v in idx["weight_map"].items() if k in tensors or v != path.name}
+        idx["weight_map"].update({k: path.name for k in tensors})
+        (hf / INDEX_NAME).write_text(json.dumps(idx))
+
+
+def _edit_config(hf: Path, fn: Callable[[dict], None]) -> None:
+    d = json.loads((hf / "config.json").read_text())
+    fn(d)
+    (hf / "config.json").write_text(json.dumps(d))
+
+
+L0 = "model.layers.0."
+L1 = "model.layers.1."
+Mutation = Callable[[Path], "str | None"]
+
+
+def _remove(name: str, index: bool = True) -> Mutation:
+    """Drop a tensor from its shard (and from the index unless ``index=False``)."""
+    return lambda hf: _rewrite_shard(hf, name, lambda t: t.pop(name), index=index)
+
+
+def _replace(name: str, fn: Callable[[np.ndarray], np.ndarray]) -> Mutation:
+    return lambda hf: _rewrite_shard(hf, name, lambda t: t.__setitem__(name, fn(t[name])))
+
+
+def _add(beside: str, name: str, arr: np.ndarray) -> Mutation:
+    return lambda hf: _rewrite_shard(hf, beside, lambda t: t.__setitem__(name, arr), index=True)
+
+
+def _config(fn: Callable[[dict], Any]) -> Mutation:
+    return lambda hf: _edit_config(hf, fn)
+
+
+def _truncate(hf: Path) -> str:
+    """Cut the second shard to 60% of its size; return the pattern of the error (a tensor it held)."""
+    idx = json.loads((hf / INDEX_NAME).read_text())["weight_map"]
+    second = sorted(set(idx.values()))[1]
+    path = hf / second
+    with open(path, "r+b") as f:
+        f.truncate(int(os.path.getsize(path) * 0.6))
+    held = "|".join(re.escape(n) for n, s in idx.items() if s == second)
+    return rf"tensor '({held})'.*truncated"
+
+
+# case -> (how to damage a copy of the synthetic HF directory, the pattern the ValueError must match)
+BAD_INPUTS: dict[str, tuple[Mutation, str | None]] = {
+    # a tensor missing from both its shard and the index
+    "missing_tensor": (_remove(L1 + "self_attn.kv_b_proj.weight"),
+                       re.escape(f"missing tensor '{L1}self_attn.kv_b_proj.weight'")),
+    # listed in the sharded index, absent from the shard file
+    "missing_from_shard": (_remove(L0 + "mlp.experts.3.down_proj.weight", index=False),
+                           re.escape(f"'{L0}mlp.experts.3.down_proj.weight' is listed")),
+    "missing_scale": (_remove(L0 + "self_attn.o_proj.weight_scale_inv"),
+                      re.escape(f"missing tensor '{L0}self_attn.o_proj.weight_scale_inv'")),
+    "wrong_shape": (_replace(L0 + "self_attn.q_b_proj.weight", lambda a: a[:-1]),
+                    re.escape(f"'{L0}self_attn.q_b_proj.weight' has shape (767, 256), expected (768, 256)")),
+    "wrong_scale_shape": (_replace(L1 + "self_attn.kv_b_proj.weight_scale_inv", lambda a: a[:, :2]),
+                          re.escape(f"'{L1}self_attn.kv_b_proj.weight_scale_inv' has shape (8, 2)")),
+    "wrong_dtype_fp8_weight": (_replace(L0 + "self_attn.q_a_proj.weight", lambda a: a.astype(ml_dtypes.bfloat16)),
+                               re.escape(f"'{L0}self_attn.q_a_proj.weight' has dtype BF16, expected F8_E4M3")),
+    "wrong_dtype_norm": (_replace(L1 + "input_layernorm.weight", lambda a: a.astype(np.int32)),
+                         re.escape(f"'{L1}input_layernorm.weight' has dtype I32")),
+    "truncated_shard": (_truncate, None),
+    "unexpected_tensor": (_add(L0 + "input_layernorm.weight", L0 + "self_attn.mystery.weight", np.zeros(4, np.float32)),
+                          re.escape(f"tensor '{L0}self_attn.mystery.weight' has no place")),
+    # config.json that does not match the tensors / lacks a field / describes what jds cannot hold
+    "config_mismatch": (_config(lambda d: d.update(hidden_size=384)),
+                        re.escape("'model.embed_tokens.weight' has shape (512, 256), expected (512, 384)")),
+    "config_missing_field": (_config(lambda d: d.pop("num_attention_heads")), "num_attention_heads"),
+    "config_mixed_dense_moe": (_config(lambda d: d.update(first_k_dense_replace=1)), "first_k_dense_replace"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_names_the_tensor_and_leaves_no_output(tmp_path, sources, case: str) -> None:
+    s = sources("v32")
+    hf = tmp_path / "hf"
+    shutil.copytree(s.hf, hf)
+    mutate, pattern = BAD_INPUTS[case]
+    pattern = mutate(hf) or pattern
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=pattern):
+        convert(hf, out, s.cfg.block_size)
+    assert not out.exists() and no_temp_dirs(tmp_path)
+
+
+def test_unexpected_tensors_can_be_allowed(tmp_path, sources) -> None:
+    s = sources("v32")
+    hf = tmp_path / "hf"
+    shutil.copytree(s.hf, hf)
+    BAD_INPUTS["unexpected_tensor"][0](hf)
+    rep = convert(hf, tmp_path / "out", s.cfg.block_size, "--allow-unexpected")
+    assert rep["skipped"]["not mapped (allowed)"] == [L0 + "self_attn.mystery.weight"]
+
+
+def test_failure_mid_conversion_and_existing_output(tmp_path, sources, monkeypatch) -> None:
+    s = sources("v32")
+    out = tmp_path / "out"
+    real, calls = hf_import._convert, []
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == 20:
+            raise ValueError("HF tensor 'x': read error")
+        return real(*a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(hf_import, "_convert", flaky)
+        with pytest.raises(ValueError, match="read error"):
+            convert(s.hf, out, s.cfg.block_size, "--shard-mb", "0.5")
+    assert not out.exists() and no_temp_dirs(tmp_path)
+    convert(s.hf, out, s.cfg.block_size)
+    with pytest.raises(ValueError, match="already exists"):
+        convert(s.hf, out, s.cfg.block_size, "--layers", "1")
+    convert(s.hf, out, s.cfg.block_size, "--layers", "1", "--overwrite")
+    assert restore_model(out).cfg.n_layers == 1 and no_temp_dirs(tmp_path)
+
+
+def test_restore_into_another_config_names_the_parameter(tmp_path, sources) -> None:
+    s = sources("v32")
+    out = tmp_path / "out"
+    convert(s.hf, out, s.cfg.block_size)
+    dense = dataclasses.replace(s.cfg, n_routed_experts=0)
+    with pytest.raises(ValueError, match=r"'layers\.0\.ffn\.[\w.]+'.*'n_routed_experts'"):
+        load_checkpoint(Decoder(dense), out)
+    with pytest.raises(ValueError, match=r"parameter 'layers\.0\.[\w.]+'"):
+        ModelRunner.build(preset="v32-tiny", checkpoint=str(out), num_blocks=2)
+
+
+# ----- formats ---------------------------------------------------------------------------------------------
+def test_safetensors_io_round_trip_and_errors(tmp_path) -> None:
+    rng = np.random.default_rng(0)
+    tensors = {
+        "f32": rng.standard_normal((3, 5)).astype(np.float32),
+        "bf16": rng.standard_normal((4,)).astype(ml_dtypes.bfloat16),
+        "f16": rng.standard_normal((2, 2)).astype(np.float16),
+        "e4m3": rng.standard_normal((2, 3)).astype(ml_dtypes.float8_e4m3fn),
+        "e8m0": np.array([0.25, 1.0, 8.0], ml_dtypes.float8_e8m0fnu),
+        "i32": np.arange(6, dtype=np.int32).reshape(2, 3),
+        "i8": np.array([-1, 2], np.int8),
+        "scalar": np.array(3.0, np.float32),
+        "empty": np.zeros((0, 4), np.float32),
+    }
+    p = tmp_path / "a.safetensors"
+    write_safetensors(p, tensors, metadata={"format": "pt"})
+    f = SafetensorsFile(p)
+    assert f.metadata == {"format": "pt"} and f.keys() == list(tensors)
+    for k, v in tensors.items():
+        got = f.get(k)
+        assert got.dtype == v.dtype and got.shape == v.shape and got.tobytes() == v.tobytes(), k
+    assert SafetensorsDir(tmp_path).info("e4m3") == ("F8_E4M3", (2, 3))  # no index: every file in the dir
+    (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+    with pytest.raises(ValueError, match="bad.safetensors.*not valid JSON"):
+        SafetensorsFile(tmp_path / "bad.safetensors")
+    with open(p, "r+b") as fh:
+        fh.truncate(os.path.getsize(p) - 1)
+    with pytest.raises(ValueError, match="tensor 'empty'|tensor 'scalar'"):
+        SafetensorsFile(p).get("scalar")  # the last tensor with bytes ("scalar") lost its last byte
+
+
+def test_fp4_experts_and_e8m0_scales_dequantise() -> None:
+    # two e2m1 values per byte, low nibble first: 0x21 -> (0.5, 1.0); 0xF9 -> (-0.5, -6.0)
+    packed = np.zeros((2, 16), np.uint8)
+    packed[0, 0], packed[1, 15] = 0x21, 0xF9
+    scale = np.array([[2.0], [0.25]], ml_dtypes.float8_e8m0fnu)  # one ue8m0 scale per 1x32 block
+    w = hf_import.dequant_fp4_e2m1(packed.view(np.int8), scale)
+    assert w.shape == (2, 32) and w.dtype == np.float32
+    assert w[0, :2].tolist() == [1.0, 2.0] and w[1, 30:].tolist() == [-0.125, -1.5]
+    assert np.count_nonzero(w) == 4
+    s = np.array([[1.0, 0.5]], ml_dtypes.float8_e8m0fnu)
+    q = np.ones((1, 256), ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(hf_import.dequant_fp8_blocks(q, s), np.repeat([[1.0, 0.5]], 128, axis=1))
+
+
+def test_v4_config_in_transformers_spelling_maps_the_same() -> None:
+    cfg = tiny_cfg("v4", moe=True)
+    legacy = hf_import.hf_config_dict(cfg)
+    modern = dict(legacy)
+    ratio_type = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+    modern["layer_types"] = [ratio_type[r] for r in modern.pop("compress_ratios")]
+    modern["partial_rotary_factor"] = modern.pop("qk_rope_head_dim") / modern["head_dim"]
+    modern["rope_parameters"] = {
+        "main": {"rope_type": "default", "rope_theta": modern.pop("rope_theta")},
+        "compress": {"rope_theta": modern.pop("compress_rope_theta"), "rope_type": "yarn",
+                     **{k: v for k, v in modern.pop("rope_scaling").items() if k != "type"}}}
+    kw = dict(overrides={"block_size": cfg.block_size})
+    assert hf_import.hf_model_config(modern, **kw) == hf_import.hf_model_config(legacy, **kw) == cfg
