@@ -11,7 +11,18 @@ from flax import nnx
 
 from jds.batch import PagedBatch
 
-Implementation = Literal["xla", "pallas"]
+Implementation = Literal["xla", "pallas", "auto"]
+
+
+def resolve_implementation(implementation: str) -> Literal["xla", "pallas"]:
+    """``"auto"``: the Pallas kernels on a GPU backend, the pure-JAX stages elsewhere (the kernels only run
+    in interpret mode off-GPU: correct but slow). Each kernel wrapper still falls back to its XLA reference
+    for shapes it does not support (see each kernel's ``supports``)."""
+    if implementation == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    if implementation not in ("xla", "pallas"):
+        raise ValueError(f"implementation must be 'xla', 'pallas' or 'auto', got {implementation!r}")
+    return implementation  # type: ignore[return-value]
 
 
 @jax.tree_util.register_dataclass

@@ -182,7 +182,7 @@ class Embedding(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, seed: int = 0, implementation: str = "xla"):
+    def __init__(self, cfg: ModelConfig, *, seed: int = 0, implementation: str = "auto"):
         rngs = nnx.Rngs(seed)
         self.cfg = cfg
         self.embed = Embedding(cfg, rngs)

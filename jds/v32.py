@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jds.attention import Implementation, StagedAttention
+from jds.attention import Implementation, StagedAttention, resolve_implementation
 from jds.batch import PagedBatch, validate_batch
 from jds.config import Numerics, V32Config
 from jds.nn import Linear, LayerNorm, RMSNorm, jdtype
@@ -70,11 +70,10 @@ class V32Indexer(nnx.Module):
 
 class V32Attention(StagedAttention):
     def __init__(self, cfg: V32Config, numerics: Numerics, *, rngs: nnx.Rngs, form: AttnForm = "absorbed",
-                 implementation: Implementation = "xla"):
+                 implementation: Implementation = "auto"):
         if form not in ("absorbed", "mha"):
             raise ValueError(f"form must be 'absorbed' or 'mha', got {form!r}")
-        if implementation not in ("xla", "pallas"):
-            raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}")
+        implementation = resolve_implementation(implementation)
         self.cfg, self.numerics, self.form, self.implementation = cfg, numerics, form, implementation
         dt, fp8 = jdtype(numerics.dtype), numerics.fp8_linear
         self.dtype = dt

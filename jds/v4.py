@@ -34,7 +34,7 @@ from jds.ops.paging import RecordFormat, empty_cache, gather_request_rows, globa
 from jds.ops.records import FloatRows, IndexerRecord132, MlaRecord584
 from jds.ops.rope import cached_inv_freqs, rope_cos_sin, rope_part
 from jds.ops.sparse_mqa import sparse_mqa
-from jds.attention import AttentionResult, Implementation, StagedAttention
+from jds.attention import AttentionResult, Implementation, StagedAttention, resolve_implementation
 
 __all__ = ["V4Attention", "V4Cache", "V4Inputs", "V4Query", "V4Compressor", "AttentionResult"]
 
@@ -101,9 +101,8 @@ class V4Indexer(nnx.Module):
 
 class V4Attention(StagedAttention):
     def __init__(self, cfg: V4Config, numerics: Numerics, layer_id: int, *, rngs: nnx.Rngs,
-                 implementation: Implementation = "xla"):
-        if implementation not in ("xla", "pallas"):
-            raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}")
+                 implementation: Implementation = "auto"):
+        implementation = resolve_implementation(implementation)
         if not 0 <= layer_id < cfg.n_layers:
             raise ValueError(f"layer_id {layer_id} outside [0, {cfg.n_layers})")
         self.cfg, self.numerics, self.layer_id, self.implementation = cfg, numerics, layer_id, implementation

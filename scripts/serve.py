@@ -26,19 +26,33 @@ from jds.server.app import ServerConfig, build_app, serve  # noqa: E402
 from jds.server.tokenizer import load_tokenizer  # noqa: E402
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a zero or negative pool/batch/length is refused at start-up)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="v32-tiny", help="v32-tiny (default), v4-tiny, v32-bench, v4-bench")
+    p.add_argument("--preset", default=None,
+                   help="v32-tiny (default), v4-tiny, v32-bench, v4-bench; with --checkpoint alone, the "
+                        "checkpoint's stored config")
     p.add_argument("--config", default=None, help="HF config.json replacing the preset's attention config")
     p.add_argument("--checkpoint", default=None, help="checkpoint directory (a tokenizer.json there is used)")
     p.add_argument("--mode", choices=("wide", "narrow", "fused"), default="narrow", help="execution boundary")
-    p.add_argument("--implementation", choices=("xla", "pallas"), default="xla")
+    p.add_argument("--implementation", choices=("auto", "xla", "pallas"), default="auto",
+                   help="attention kernels: auto = Pallas on a GPU, pure JAX elsewhere")
     p.add_argument("--moe", action="store_true", help="DeepSeek-style MoE FFN instead of the dense MLP")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="max request rows per step")
-    p.add_argument("--num-blocks", type=int, default=256, help="KV pages in the pool")
-    p.add_argument("--max-num-tokens", type=int, default=256, help="token budget per step")
-    p.add_argument("--max-model-len", type=int, default=1024, help="longest prompt + output")
-    p.add_argument("--max-queue-len", type=int, default=256, help="waiting requests beyond the batch (then 429)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=16, help="max request rows per step")
+    p.add_argument("--num-blocks", type=positive_int, default=256, help="KV pages in the pool")
+    p.add_argument("--max-num-tokens", type=positive_int, default=256, help="token budget per step")
+    p.add_argument("--max-model-len", type=positive_int, default=1024, help="longest prompt + output")
+    p.add_argument("--max-queue-len", type=positive_int, default=256, help="waiting requests beyond the batch (then 429)")
     p.add_argument("--tokenizer", default=None,
                    help="directory holding a HF tokenizer.json (default: the checkpoint dir; else byte-level)")
     p.add_argument("--seed", type=int, default=0, help="random-weight seed")
@@ -48,7 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runner", choices=("model", "fake"), default="model",
                    help="'fake': deterministic numpy stand-in (front-end testing without JAX)")
     p.add_argument("--fake-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if not 0 <= a.port <= 65535:
+        p.error(f"--port must be in 0..65535, got {a.port}")
+    return a
 
 
 def build_runner(a: argparse.Namespace):
@@ -69,7 +86,8 @@ def build_runner(a: argparse.Namespace):
 async def main(a: argparse.Namespace) -> None:
     say = lambda msg: print(f"[serve] {msg}", flush=True)  # noqa: E731
     t0 = time.perf_counter()
-    say(f"building {a.runner if a.runner == 'fake' else a.preset} (mode={a.mode}, impl={a.implementation}, "
+    label = a.preset or ("checkpoint" if a.checkpoint else "v32-tiny")
+    say(f"building {a.runner if a.runner == 'fake' else label} (mode={a.mode}, impl={a.implementation}, "
         f"moe={a.moe}, num_blocks={a.num_blocks}, max_num_seqs={a.max_num_seqs}, "
         f"max_num_tokens={a.max_num_tokens}, max_model_len={a.max_model_len})")
     runner = build_runner(a)
@@ -79,7 +97,7 @@ async def main(a: argparse.Namespace) -> None:
     tok = load_tokenizer(a.tokenizer or a.checkpoint, bos_token_id=getattr(runner, "bos_token_id", 256),
                          eos_token_id=runner.eos_token_id)
     say(f"tokenizer: {type(tok).__name__}")
-    name = a.served_model_name or f"jds-{a.preset}"
+    name = a.served_model_name or f"jds-{label}"
     app, _ = build_app(loop, tok, ServerConfig(model_name=name, max_queue_len=a.max_queue_len))
     site = await serve(app, a.host, a.port)
     say(f"listening on http://{a.host}:{a.port} (model id {name!r}); /health is 503 until compiled")
