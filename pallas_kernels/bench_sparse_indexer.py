@@ -21,6 +21,7 @@ written once (select adds the top-k's read of them), 2 * 64 * 128 FLOPs per visi
 from __future__ import annotations
 
 import functools
+from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -79,8 +80,11 @@ def _row(case: str, impl: str, fn, args, nbytes: int, flops: int, quick: bool, b
     return {"kernel": "sparse_indexer", "case": case, "impl": impl, **r, "bytes": nbytes, "flops": flops, **extra}
 
 
-def benchmark(quick: bool) -> list[dict]:
-    rows: list[dict] = []
+def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]:
+    """Rows as they are measured. ``cases``: only these sections ("decode", "topk", "prefill")."""
+    want = set(cases or ("decode", "topk", "prefill"))
+    if not want <= {"decode", "topk", "prefill"}:
+        raise ValueError(f"cases for sparse_indexer are decode / topk / prefill, got {sorted(want)}")
     interpret = jax.default_backend() != "gpu"
     fmt = IndexerRecord132(EPP)
     cfg = si.IndexerKernelConfig()
@@ -96,10 +100,11 @@ def benchmark(quick: bool) -> list[dict]:
         return run
 
     select_p, select_x = selector("pallas", cfg), selector("xla", xla_cfg)
-    topk = jax.jit(si.topk_from_logits, static_argnums=(1, 2))
+    topk = jax.jit(si.topk_from_logits, static_argnums=(1, 2, 3))
 
     # ----- decode -----
     decode = [(1, 1024), (4, 1024)] if quick else [(b, c) for b in (1, 16, 64) for c in (4096, 32768, 131072)]
+    decode = decode if "decode" in want else []
     for b, c in decode:
         k1, k2, k3, key = jax.random.split(key, 4)
         bt, nb = _tables(k1, b, c // EPP)
@@ -111,16 +116,16 @@ def benchmark(quick: bool) -> list[dict]:
         vis_np, req_np = np.full(b, c), np.arange(b)
         nbytes, flops = _model(b, c, vis_np, 1, req_np, False)
         case = f"decode_logits_b{b}_c{c}"
-        rows.append(_row(case, "pallas", logits_p, (q8, w8, cache, bt, req, nvis), nbytes, flops, quick))
+        yield (_row(case, "pallas", logits_p, (q8, w8, cache, bt, req, nvis), nbytes, flops, quick))
         big_x = b * c * 129 * 4 * 3 > (60 << 30)
         if not big_x:
-            rows.append(_row(case, "xla", logits_x, (iq, iw, cache, fmt, bt, req, nvis), nbytes, flops, quick,
+            yield (_row(case, "xla", logits_x, (iq, iw, cache, fmt, bt, req, nvis), nbytes, flops, quick,
                              big=b * c >= (1 << 21)))
         nbytes, flops = _model(b, c, vis_np, 1, req_np, True)
         case = f"decode_select_b{b}_c{c}"
         args = (iq, iw, cache, bt, req, nvis)
-        rows.append(_row(case, "pallas", select_p, args, nbytes, flops, quick))
-        rows.append(_row(case, "xla", select_x, args, nbytes, flops, quick, big=b * c >= (1 << 21)))
+        yield (_row(case, "pallas", select_p, args, nbytes, flops, quick))
+        yield (_row(case, "xla", select_x, args, nbytes, flops, quick, big=b * c >= (1 << 21)))
         if (b, c) == (64, 32768):  # tuning sweep of the kernel at the bandwidth-target point
             nbytes, flops = _model(b, c, vis_np, 1, req_np, False)
             sweep = [(f"tpc{tpc}_nbuf{nbuf}", si.IndexerKernelConfig(tiles_per_cta=tpc, num_buffers=nbuf))
@@ -128,22 +133,25 @@ def benchmark(quick: bool) -> list[dict]:
             sweep.append(("gathered", si.IndexerKernelConfig(key_source="gathered")))  # fallback key source
             for name, c2 in sweep:
                 f = jax.jit(functools.partial(si.paged_logits, entries_per_page=EPP, config=c2, interpret=interpret))
-                rows.append(_row(f"decode_logits_b{b}_c{c}_{name}", "pallas", f,
+                yield (_row(f"decode_logits_b{b}_c{c}_{name}", "pallas", f,
                                  (q8, w8, cache, bt, req, nvis), nbytes, flops, quick))
         del cache
 
     # ----- top-k alone over logits rows -----
     tk = [(4, 1024)] if quick else [(b, c) for b in (16, 64) for c in (32768, 65536, 131072)]
+    tk = tk if "topk" in want else []
     for b, c in tk:
         k1, key = jax.random.split(key)
         lg = jax.random.normal(k1, (b, c), jnp.float32)
-        rows.append(_row(f"topk_k{K}_b{b}_c{c}", "xla", topk, (lg, K, None), 4 * b * c, 0, quick))
+        yield (_row(f"topk_k{K}_b{b}_c{c}", "xla", topk, (lg, K, None, "lax"), 4 * b * c, 0, quick))
+        yield (_row(f"topk_k{K}_b{b}_c{c}_radix", "xla", topk, (lg, K, None, "radix"), 4 * b * c, 0, quick))
         for seg in ((1024,) if quick else (8192, 16384)):  # two-stage (exact) variant
-            rows.append(_row(f"topk_k{K}_b{b}_c{c}_seg{seg}", "xla", topk, (lg, K, seg), 4 * b * c, 0, quick))
+            yield (_row(f"topk_k{K}_b{b}_c{c}_seg{seg}", "xla", topk, (lg, K, seg, "lax"), 4 * b * c, 0, quick))
         del lg
 
     # ----- prefill (one request, the last Q positions of a C-token context) -----
     prefill = [(128, 512)] if quick else [(q, c) for c in (8192, 32768, 65536) for q in (1024, 4096, 8192) if q <= c]
+    prefill = prefill if "prefill" in want else []
     for q, c in prefill:
         k1, k2, k3, key = jax.random.split(key, 4)
         bt, nb = _tables(k1, 1, c // EPP)
@@ -158,17 +166,16 @@ def benchmark(quick: bool) -> list[dict]:
             q8, w8 = si.quantize_q(iq, iw)
             nbytes, flops = _model(q, c, vis_np, g, req_np, False)
             case = f"prefill_logits_q{q}_c{c}"
-            rows.append(_row(case, "pallas", logits_p, (q8, w8, cache, bt, req, nvis), nbytes, flops, quick))
+            yield (_row(case, "pallas", logits_p, (q8, w8, cache, bt, req, nvis), nbytes, flops, quick))
             if q * c * 129 * 4 * 3 <= (60 << 30):
-                rows.append(_row(case, "xla", logits_x, (iq, iw, cache, fmt, bt, req, nvis), nbytes, flops, quick,
+                yield (_row(case, "xla", logits_x, (iq, iw, cache, fmt, bt, req, nvis), nbytes, flops, quick,
                                  big=True))
         nbytes, flops = _model(q, c, vis_np, g, req_np, True)
         case = f"prefill_select_q{q}_c{c}"
         args = (iq, iw, cache, bt, req, nvis)
-        rows.append(_row(case, "pallas", select_p, args, nbytes, flops, quick, big=q * c >= (1 << 27)))
-        rows.append(_row(case, "xla", select_x, args, nbytes, flops, quick, big=True))
+        yield (_row(case, "pallas", select_p, args, nbytes, flops, quick, big=q * c >= (1 << 27)))
+        yield (_row(case, "xla", select_x, args, nbytes, flops, quick, big=True))
         del cache
-    return rows
 
 
 if __name__ == "__main__":  # pragma: no cover
