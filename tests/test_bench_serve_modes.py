@@ -1,0 +1,37 @@
+"""The end-to-end driver (scripts/bench_serve_modes.py) against serve.py's fake runner: every mode and
+concurrency is measured and tabulated, and a server that cannot start is recorded, not fatal."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import bench_serve_modes  # noqa: E402
+
+
+def test_all_modes_measured(tmp_path) -> None:
+    out = tmp_path / "serve.json"
+    res = bench_serve_modes.main(["--num-prompts", "12", "--num-warmups", "1", "--concurrency", "1", "4",
+                                  "--out", str(out), "--", "--runner", "fake"])
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["mode"] for r in runs] == ["wide", "narrow", "fused"]
+    for r in runs:
+        assert "error" not in r, r
+        for c in (1, 4):
+            s = r[f"c{c}"]
+            assert s["completed"] == 12 and s["failed"] == 0 and s["max_concurrency"] == c
+            assert s["total_output_tokens"] == 12 and s["mean_ttft_ms"] > 0
+    assert res["table"].count("\n") == 2 + 6 - 1
+
+
+def test_failed_server_is_recorded(tmp_path) -> None:
+    out = tmp_path / "serve.json"
+    res = bench_serve_modes.main(["--modes", "narrow", "--num-prompts", "2", "--startup-timeout", "60",
+                                  "--out", str(out), "--", "--runner", "fake", "--max-model-len", "-5"])
+    (run,) = res["runs"]
+    assert "error" in run and "exited" in run["error"]
+    assert "error" in res["table"]
