@@ -39,6 +39,16 @@ def _buckets(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
+def _bucket_set(name: str, given: tuple[int, ...], top: int, default: tuple[int, ...]) -> tuple[int, ...]:
+    """Sorted compile buckets; ``top`` (the largest step) is always one of them, so every step fits."""
+    if not given:
+        return default
+    bad = [b for b in given if not 1 <= int(b) <= top]
+    if bad:
+        raise ValueError(f"{name}: {bad} outside [1, {top}]")
+    return tuple(sorted({int(b) for b in given} | {top}))
+
+
 def _pick(buckets: tuple[int, ...], n: int) -> int:
     for b in buckets:
         if b >= n:
@@ -78,8 +88,10 @@ class BoundaryRunner:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
         self.block_size = cfg.block_size
         self.max_blocks = -(-self.max_model_len // self.block_size)
-        self.token_buckets = self.token_buckets or _buckets(min(16, self.max_num_tokens), self.max_num_tokens)
-        self.key_block_buckets = self.key_block_buckets or _buckets(min(4, self.max_blocks), self.max_blocks)
+        self.token_buckets = _bucket_set("token_buckets", self.token_buckets, self.max_num_tokens,
+                                         _buckets(min(16, self.max_num_tokens), self.max_num_tokens))
+        self.key_block_buckets = _bucket_set("key_block_buckets", self.key_block_buckets, self.max_blocks,
+                                             _buckets(min(4, self.max_blocks), self.max_blocks))
         self.caches = self.model.init_caches(self.num_blocks)
         # Parameters are flattened to plain leaf lists once: jit's C++ path flattens a list of arrays in
         # microseconds, while an nnx.State pytree costs milliseconds of Python per call.
@@ -136,9 +148,11 @@ class BoundaryRunner:
         gd = self._gd_of_kind[kind]
         if self.mode == "narrow":
             def consume(st, query, batch, cache):
+                """Reads the caches only: returns the attention output alone (handing the cache back
+                from a call that does not donate it would make XLA copy every page)."""
                 attn = _merge(gd, st).attn
                 topk = attn.select(query, batch, cache)
-                return attn.attend(query, topk, batch, cache), cache
+                return attn.attend(query, topk, batch, cache)
             return self._jit(("eager", kind), consume, eager=True)
 
         def prepare_and_consume(st, inp, batch, cache):
@@ -213,7 +227,10 @@ class BoundaryRunner:
         h, x, self.caches[0] = self._first(kinds[0])(self._embed[1], layers[0][1], tokens, batch, self.caches[0])
         stats.captured += 1
         for i in range(len(layers)):
-            o, self.caches[i] = self._eager(kinds[i])(layers[i][1], x, small, self.caches[i])
+            if self.mode == "narrow":
+                o = self._eager(kinds[i])(layers[i][1], x, small, self.caches[i])
+            else:
+                o, self.caches[i] = self._eager(kinds[i])(layers[i][1], x, small, self.caches[i])
             stats.eager += 1
             if i + 1 < len(layers):
                 h, x, self.caches[i + 1] = self._mid(kinds[i], kinds[i + 1])(
@@ -258,7 +275,8 @@ class ModelRunner(BoundaryRunner):
     @classmethod
     def build(cls, *, preset: str | None = None, config_path: str | None = None, checkpoint: str | None = None,
               mode: str = "narrow", implementation: str = "auto", num_blocks: int = 256, max_num_seqs: int = 16,
-              max_num_tokens: int = 256, max_model_len: int = 1024, seed: int = 0, moe: bool = False) -> "ModelRunner":
+              max_num_tokens: int = 256, max_model_len: int = 1024, seed: int = 0, moe: bool = False,
+              token_buckets: tuple[int, ...] = (), key_block_buckets: tuple[int, ...] = ()) -> "ModelRunner":
         """``preset`` defaults to v32-tiny. With ``checkpoint`` and no ``preset`` / ``config_path`` / ``moe``
         the checkpoint's stored config builds the model; otherwise the checkpoint must match that config
         (a mismatch is a ValueError naming the first differing parameter)."""
@@ -272,7 +290,16 @@ class ModelRunner(BoundaryRunner):
                 from jds.checkpoint import load_checkpoint
                 load_checkpoint(model, checkpoint)
         return cls(model=model, mode=mode, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                   max_num_tokens=max_num_tokens, max_model_len=max_model_len)
+                   max_num_tokens=max_num_tokens, max_model_len=max_model_len, token_buckets=tuple(token_buckets),
+                   key_block_buckets=tuple(key_block_buckets))
+
+
+def enable_compile_cache(cache_dir: str) -> None:
+    """Persist every compiled executable (no size or compile-time threshold) under ``cache_dir``, so a
+    restarted server, or a timed run after a parallel precompile, loads instead of compiling."""
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 def load_model_config(name: str, config_path: str | None = None, *, moe: bool = False) -> ModelConfig:

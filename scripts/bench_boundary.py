@@ -11,7 +11,6 @@ back to the host, for one 128-token prompt at concurrency 1 (no HTTP, no tokeniz
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -22,20 +21,23 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+MODES = ("wide", "narrow", "fused")
+
+
 def _stats(xs: list[float]) -> dict[str, float]:
     s = sorted(xs)
     return {"mean_ms": 1e3 * statistics.fmean(s), "p50_ms": 1e3 * s[len(s) // 2],
             "p99_ms": 1e3 * s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))], "n": len(s)}
 
 
-def build(arch: str, layers: int, inter: int | None):
+def build(arch: str, layers: int, inter: int | None, size: str = "bench"):
     from jds.config import Numerics
     from jds.model import Decoder, preset
 
     over = {"n_layers": layers, "numerics": Numerics.serving()}
     if inter:
         over["intermediate_size"] = inter
-    cfg = preset(f"{arch}-bench", **over)
+    cfg = preset(f"{arch}-{size}", **over)
     return Decoder(cfg, seed=0)
 
 
@@ -73,30 +75,49 @@ def time_steps(runner, chunks, n_warm: int, n: int) -> tuple[dict, dict]:
             enq.append(t1 - t0)
     del bs
     jax.block_until_ready(runner.caches)
-    return _stats(walls), _stats(enq)
+    return (_stats(walls), _stats(enq)) if walls else ({}, {})
 
 
-def bench_arch(arch: str, layers: int, inter: int | None, ctx: int, quick: bool) -> dict:
-    import jax
+def step_shapes(ctx: int) -> dict:
+    """The steps the benchmark times, by name: lists of (request row, start position, tokens) chunks."""
     from jds.batch import Chunk
 
-    model = build(arch, layers, inter)
+    return {"ttft_128": [Chunk(0, 0, 128)],
+            "prefill_64x128_step": [Chunk(i, 0, 128) for i in range(64)],
+            f"decode_b1_ctx{ctx}": [Chunk(0, ctx - 1, 1)],
+            f"decode_b64_ctx{ctx}": [Chunk(i, ctx - 1, 1) for i in range(64)]}
+
+
+def bench_arch(arch: str, layers: int, inter: int | None, ctx: int, quick: bool,
+               modes: tuple[str, ...] = MODES, warm_only: bool = False, size: str = "bench") -> dict:
+    """Time every step shape in each mode. ``warm_only``: run each shape once (compiles, fills the
+    persistent compilation cache for a later timed run) and time nothing."""
+    import jax
+
+    model = build(arch, layers, inter, size)
     out: dict = {"arch": arch, "layers": layers, "config": str(model.cfg), "modes": {}}
     n_ttft, n_dec, n_tp = (30, 30, 5) if quick else (300, 100, 20)
-    for mode in ("wide", "narrow", "fused"):
+    shapes = step_shapes(ctx)
+    for mode in modes:
         t0 = time.perf_counter()
         r = make_runner(model, mode, 64, ctx)
+        if warm_only:
+            for chunks in shapes.values():
+                time_steps(r, chunks, 1, 0)
+            out["modes"][mode] = {"warm_seconds": time.perf_counter() - t0}
+            del r
+            continue
         res = {}
-        ttft, enq = time_steps(r, [Chunk(0, 0, 128)], 20, n_ttft)
+        ttft, enq = time_steps(r, shapes["ttft_128"], 20, n_ttft)
         res["ttft_128"] = ttft
         res["ttft_128_host_enqueue"] = enq
         res["dispatches_per_step"] = {"captured": r.last_dispatch.captured, "eager": r.last_dispatch.eager}
         # saturated: 64 concurrent 128-token prompts prefilled in one 8192-token step
-        tp, _ = time_steps(r, [Chunk(i, 0, 128) for i in range(64)], 3, n_tp)
+        tp, _ = time_steps(r, shapes["prefill_64x128_step"], 3, n_tp)
         res["prefill_64x128_step"] = tp
         res["throughput_req_per_s"] = 64e3 / tp["mean_ms"]
         for b in (1, 64):
-            d, e = time_steps(r, [Chunk(i, ctx - 1, 1) for i in range(b)], 10, n_dec)
+            d, e = time_steps(r, shapes[f"decode_b{b}_ctx{ctx}"], 10, n_dec)
             res[f"decode_b{b}_ctx{ctx}"] = d
             res[f"decode_b{b}_ctx{ctx}_host_enqueue"] = e
         res["bench_seconds"] = time.perf_counter() - t0
@@ -106,9 +127,39 @@ def bench_arch(arch: str, layers: int, inter: int | None, ctx: int, quick: bool)
         del r
         jax.clear_caches()
     m = out["modes"]
-    out["ratios"] = {f"{a}/wide_{k}": m[a][k]["mean_ms"] / m["wide"][k]["mean_ms"]
-                     for a in ("narrow", "fused") for k in ("ttft_128", f"decode_b1_ctx{ctx}", f"decode_b64_ctx{ctx}", "prefill_64x128_step")}
+    if not warm_only and "wide" in m:
+        out["ratios"] = {f"{a}/wide_{k}": m[a][k]["mean_ms"] / m["wide"][k]["mean_ms"]
+                         for a in ("narrow", "fused") if a in m
+                         for k in ("ttft_128", f"decode_b1_ctx{ctx}", f"decode_b64_ctx{ctx}", "prefill_64x128_step")}
     return out
+
+
+def precompile(archs: list[str], modes: tuple[str, ...], a: argparse.Namespace, cache_dir: str) -> dict:
+    """Compile every (arch, mode) in its own process (an arch's modes at once) into the persistent cache.
+
+    Why: compiling is host work, one executable at a time per process, and a V4 stack's executables
+    (three layer kinds, their pairs, four step shapes, three modes) took longer than a device session's
+    call limit when compiled one after another. The timed run then loads them from the cache.
+    """
+    import subprocess
+
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "JDS_COMPILE_CACHE": cache_dir}
+    report = {}
+    for arch in archs:  # one arch at a time: its modes' processes share the GPU memory
+        procs = {}
+        for mode in modes:
+            cmd = [sys.executable, os.path.abspath(__file__), "--arch", arch, "--modes", mode, "--layers",
+                   str(a.layers), "--ctx", str(a.ctx), "--size", a.size, "--warm-only", "--out", os.devnull]
+            if a.intermediate:
+                cmd += ["--intermediate", str(a.intermediate)]
+            procs[mode] = (subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                            text=True), time.perf_counter())
+        for mode, (p, t0) in procs.items():
+            text, _ = p.communicate()
+            report[f"{arch}/{mode}"] = {"rc": p.returncode, "seconds": time.perf_counter() - t0}
+            if p.returncode:
+                report[f"{arch}/{mode}"]["log_tail"] = text[-2000:]
+    return report
 
 
 def dump_counts(dump_dir: str, arch: str, layers: int) -> dict:
@@ -153,19 +204,38 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--arch", nargs="+", default=["v32", "v4"])
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--intermediate", type=int, default=None, help="MLP width (default: v32 18432, v4 2048*?)")
+    ap.add_argument("--intermediate", type=int, default=None, help="MLP width (default: v32 18432, v4 2048)")
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--size", choices=("bench", "tiny"), default="bench",
+                    help="bench = real head dims (the experiment); tiny = the CPU smoke test's presets")
     ap.add_argument("--dump", default=None, help="XLA dump dir: count thunks instead of timing")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--precompile", action="store_true",
+                    help="first compile every (arch, mode) in parallel processes into a persistent cache")
+    ap.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    cache_dir = os.environ.get("JDS_COMPILE_CACHE")
+    if a.precompile and not cache_dir:
+        import tempfile
+
+        cache_dir = tempfile.mkdtemp(prefix="jds_xla_cache_")
+    if cache_dir:
+        from jds.runner import enable_compile_cache
+
+        enable_compile_cache(cache_dir)
     if a.dump:
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={a.dump}"
     import jax
 
+    precompiled = None
+    if a.precompile and not a.dump:  # before this process touches the GPU (and preallocates its memory)
+        precompiled = precompile(a.arch, tuple(a.modes), a, cache_dir)
+        print(json.dumps({"precompile": precompiled}), flush=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "jax": jax.__version__,
             "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
-            "command": " ".join(["python"] + sys.argv)}
+            "command": " ".join(["python"] + sys.argv), "precompile": precompiled}
     results = {"meta": meta, "archs": {}}
     for arch in a.arch:
         inter = a.intermediate or (18432 if arch == "v32" else 2048)
@@ -173,7 +243,8 @@ def main() -> None:
             results["archs"][arch] = dump_counts(a.dump, arch, min(a.layers, 4))
             a.dump = a.dump  # same dir; dump_counts diffs module sets per mode
         else:
-            results["archs"][arch] = bench_arch(arch, a.layers, inter, a.ctx, a.quick)
+            results["archs"][arch] = bench_arch(arch, a.layers, inter, a.ctx, a.quick, tuple(a.modes), a.warm_only,
+                                                 a.size)
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -8,6 +8,8 @@ wait for ``/health``, run ``scripts/bench_serve.py`` at concurrency 1 and 64 (12
 
 Arguments after ``--`` go to serve.py unchanged (e.g. ``--runner fake`` for a front-end smoke run).
 A mode whose server fails to start or become healthy is recorded with its error; the others still run.
+``--parallel-startup`` compiles all modes' servers at once (compilation is host work; the timed
+benchmarks still run one mode at a time).
 """
 
 from __future__ import annotations
@@ -60,34 +62,75 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def run_mode(mode: str, a: argparse.Namespace, serve_args: list[str], log_dir: str) -> dict:
+class Server:
+    """One serve.py subprocess in one boundary mode, logging to ``log_dir/serve_<mode>.log``."""
+
+    def __init__(self, mode: str, a: argparse.Namespace, serve_args: list[str], log_dir: str, env: dict):
+        self.mode, self.port = mode, free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, os.path.join(ROOT, "scripts", "serve.py"), "--preset", a.preset, "--mode",
+                    mode, "--port", str(self.port), "--max-num-seqs", str(a.max_num_seqs), "--max-num-tokens",
+                    str(a.max_num_tokens), *serve_args]
+        self.log_path = os.path.join(log_dir, f"serve_{mode}.log")
+        self.t0 = time.monotonic()
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     env={**os.environ, "PYTHONPATH": ROOT, **env})
+        self.record: dict = {"mode": mode, "server_command": " ".join(self.cmd), "server_log": self.log_path}
+
+    def wait_ready(self, timeout: float) -> bool:
+        try:
+            wait_healthy(self.base, self.proc, timeout)
+            self.record["startup_s"] = time.monotonic() - self.t0
+            return True
+        except ValueError as e:
+            self.record["error"] = str(e)
+            self.stop()
+            return False
+
+    def stop(self) -> None:
+        stop(self.proc)
+        self.log.close()
+
+
+def bench(server: Server, a: argparse.Namespace) -> None:
     import bench_serve
 
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "serve.py"), "--preset", a.preset, "--mode", mode,
-           "--port", str(port), "--max-num-seqs", str(a.max_num_seqs), "--max-num-tokens",
-           str(a.max_num_tokens), *serve_args]
-    log_path = os.path.join(log_dir, f"serve_{mode}.log")
-    out: dict = {"mode": mode, "server_command": " ".join(cmd), "server_log": log_path}
-    t0 = time.monotonic()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**os.environ, "PYTHONPATH": ROOT})
-        try:
-            wait_healthy(base, proc, a.startup_timeout)
-            out["startup_s"] = time.monotonic() - t0
-            for conc in a.concurrency:
-                res = bench_serve.main(["--base-url", base, "--input-len", str(a.input_len), "--output-len",
-                                        str(a.output_len), "--num-prompts", str(a.num_prompts),
-                                        "--max-concurrency", str(conc), "--num-warmups", str(a.num_warmups),
-                                        "--ignore-eos", "--disable-tqdm", "--label", f"{mode} c={conc}"])
-                out[f"c{conc}"] = res
-        except ValueError as e:
-            out["error"] = str(e)
-        finally:
-            stop(proc)
-    return out
+    for conc in a.concurrency:
+        server.record[f"c{conc}"] = bench_serve.main(
+            ["--base-url", server.base, "--input-len", str(a.input_len), "--output-len", str(a.output_len),
+             "--num-prompts", str(a.num_prompts), "--max-concurrency", str(conc), "--num-warmups",
+             str(a.num_warmups), "--ignore-eos", "--disable-tqdm", "--label", f"{server.mode} c={conc}"])
+
+
+def run_modes(a: argparse.Namespace, serve_args: list[str], log_dir: str, save) -> list[dict]:
+    """Sequential: start, benchmark, stop each mode in turn. ``--parallel-startup``: start (and compile)
+    every mode's server at once, each with a share of GPU memory, then benchmark them one at a time
+    (the idle ones wait on an empty queue) and stop each after its runs."""
+    runs: list[dict] = []
+    if a.parallel_startup:
+        share = {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{0.9 / len(a.modes):.2f}"}
+        servers = [Server(m, a, serve_args, log_dir, share) for m in a.modes]
+        ready = [s.wait_ready(a.startup_timeout) for s in servers]
+        for s, ok in zip(servers, ready):
+            if ok:
+                try:
+                    bench(s, a)
+                finally:
+                    s.stop()
+            runs.append(s.record)
+            save(runs)
+        return runs
+    for m in a.modes:
+        s = Server(m, a, serve_args, log_dir, {})
+        if s.wait_ready(a.startup_timeout):
+            try:
+                bench(s, a)
+            finally:
+                s.stop()
+        runs.append(s.record)
+        save(runs)
+    return runs
 
 
 def table(runs: list[dict], concurrency: list[int]) -> str:
@@ -130,6 +173,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-tokens", type=int, default=2048)
     ap.add_argument("--startup-timeout", type=float, default=900.0)
+    ap.add_argument("--parallel-startup", action="store_true",
+                    help="start and compile every mode's server at once (GPU memory split between them)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if any(c < 1 for c in a.concurrency) or a.num_prompts < 1:
@@ -141,11 +186,11 @@ def main(argv: list[str] | None = None) -> dict:
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "jax": jax.__version__,
             "device": _device_name(), "command": " ".join(["python", "scripts/bench_serve_modes.py", *raw]),
             "preset": a.preset, "serve_args": serve_args}
-    runs = []
-    for mode in a.modes:
-        runs.append(run_mode(mode, a, serve_args, log_dir))
-        with open(a.out, "w") as f:  # after every mode: a cut-short run keeps what it measured
+    def save(runs: list[dict]) -> None:  # after every mode: a cut-short run keeps what it measured
+        with open(a.out, "w") as f:
             json.dump({"meta": meta, "runs": runs}, f, indent=1)
+
+    runs = run_modes(a, serve_args, log_dir, save)
     md = table(runs, a.concurrency)
     print(md)
     return {"meta": meta, "runs": runs, "table": md}

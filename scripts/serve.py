@@ -53,6 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-tokens", type=positive_int, default=256, help="token budget per step")
     p.add_argument("--max-model-len", type=positive_int, default=1024, help="longest prompt + output")
     p.add_argument("--max-queue-len", type=positive_int, default=256, help="waiting requests beyond the batch (then 429)")
+    p.add_argument("--token-buckets", type=positive_int, nargs="+", default=(),
+                   help="step sizes (tokens) to compile; --max-num-tokens is always added (default: x4 ladder)")
+    p.add_argument("--key-block-buckets", type=positive_int, nargs="+", default=(),
+                   help="key-block counts to compile for the eager region; the maximum is always added")
+    p.add_argument("--compile-cache", default=None,
+                   help="persistent XLA compilation cache directory (a restart or a second server reuses it)")
     p.add_argument("--tokenizer", default=None,
                    help="directory holding a HF tokenizer.json (default: the checkpoint dir; else byte-level)")
     p.add_argument("--seed", type=int, default=0, help="random-weight seed")
@@ -80,7 +86,8 @@ def build_runner(a: argparse.Namespace):
     return ModelRunner.build(preset=a.preset, config_path=a.config, checkpoint=a.checkpoint, mode=a.mode,
                              implementation=a.implementation, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
                              max_num_tokens=a.max_num_tokens, max_model_len=a.max_model_len, seed=a.seed,
-                             moe=a.moe)
+                             moe=a.moe, token_buckets=tuple(a.token_buckets),
+                             key_block_buckets=tuple(a.key_block_buckets))
 
 
 async def main(a: argparse.Namespace) -> None:
@@ -90,6 +97,10 @@ async def main(a: argparse.Namespace) -> None:
     say(f"building {a.runner if a.runner == 'fake' else label} (mode={a.mode}, impl={a.implementation}, "
         f"moe={a.moe}, num_blocks={a.num_blocks}, max_num_seqs={a.max_num_seqs}, "
         f"max_num_tokens={a.max_num_tokens}, max_model_len={a.max_model_len})")
+    if a.compile_cache:
+        from jds.runner import enable_compile_cache
+
+        enable_compile_cache(a.compile_cache)
     runner = build_runner(a)
     say(f"built in {time.perf_counter() - t0:.1f}s; block_size={runner.block_size}, vocab={runner.vocab_size}")
     engine = Engine(runner)

@@ -11,12 +11,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import bench_serve_modes  # noqa: E402
+import pytest  # noqa: E402
 
 
-def test_all_modes_measured(tmp_path) -> None:
+@pytest.mark.parametrize("parallel", [False, True])
+def test_all_modes_measured(tmp_path, parallel: bool) -> None:
     out = tmp_path / "serve.json"
     res = bench_serve_modes.main(["--num-prompts", "12", "--num-warmups", "1", "--concurrency", "1", "4",
-                                  "--out", str(out), "--", "--runner", "fake"])
+                                  "--out", str(out)] + (["--parallel-startup"] if parallel else [])
+                                 + ["--", "--runner", "fake"])
     runs = json.loads(out.read_text())["runs"]
     assert [r["mode"] for r in runs] == ["wide", "narrow", "fused"]
     for r in runs:
@@ -29,6 +32,7 @@ def test_all_modes_measured(tmp_path) -> None:
 
 
 def test_failed_server_is_recorded(tmp_path) -> None:
+    """A server refusing its flags is recorded as an error; the other mode still runs (parallel start)."""
     out = tmp_path / "serve.json"
     res = bench_serve_modes.main(["--modes", "narrow", "--num-prompts", "2", "--startup-timeout", "60",
                                   "--out", str(out), "--", "--runner", "fake", "--max-model-len", "-5"])

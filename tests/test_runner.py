@@ -98,3 +98,31 @@ def test_runner_rejects_bad_steps() -> None:
         r.execute(np.zeros(4, np.int32), [Chunk(0, 254, 4)], np.zeros((1, 16), np.int32))
     with pytest.raises(ValueError, match="mode"):
         BoundaryRunner(model=r.model, mode="eager", num_blocks=4, max_num_seqs=2, max_num_tokens=16, max_model_len=64)
+
+
+def test_compile_buckets_always_cover_the_largest_step() -> None:
+    """Given buckets are sorted and extended by the maximum; out-of-range ones name the field."""
+    model = Decoder(preset("v32-tiny"), seed=0)
+    r = BoundaryRunner(model=model, mode="narrow", num_blocks=8, max_num_seqs=2, max_num_tokens=32,
+                       max_model_len=64, token_buckets=(16, 8), key_block_buckets=(2,))
+    assert r.token_buckets == (8, 16, 32) and r.key_block_buckets == (2, r.max_blocks)
+    with pytest.raises(ValueError, match="token_buckets"):
+        BoundaryRunner(model=model, mode="narrow", num_blocks=8, max_num_seqs=2, max_num_tokens=32,
+                       max_model_len=64, token_buckets=(64,))
+    with pytest.raises(ValueError, match="key_block_buckets"):
+        BoundaryRunner(model=model, mode="narrow", num_blocks=8, max_num_seqs=2, max_num_tokens=32,
+                       max_model_len=64, key_block_buckets=(0,))
+
+
+@pytest.mark.parametrize("arch", ["v32", "v4"])
+def test_narrow_eager_region_reads_the_caches_only(arch: str) -> None:
+    """The narrow eager call returns the attention output alone: handing back a cache it was not given
+    to donate makes XLA copy every page (measured on the CPU: 51 ms -> 0.7 ms per C4 layer, v4-tiny)."""
+    import jax
+
+    r = make_runner(arch, "narrow")
+    tokens, batch, li, small = r.prepare_inputs(np.arange(9, dtype=np.int32), [Chunk(0, 0, 9)],
+                                                np.arange(4 * r.max_blocks, dtype=np.int32).reshape(4, -1) % 24)
+    h, x, cache = r._first(r._kinds[0])(r._embed[1], r._layers[0][1], tokens, batch, r.caches[0])
+    out = r._eager(r._kinds[0])(r._layers[0][1], x, small, cache)
+    assert isinstance(out, jax.Array) and out.shape[0] == tokens.shape[0]

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The H200 runbook, one stage per device call (each fits the 10-minute call limit; outputs land in $OUT,
+# written as they are produced so a cut-short stage keeps what it measured):
+#
+#   scripts/gpu_session.sh tests      # every gpu-marked test (kernels natively, thunk-dump boundary check)
+#   scripts/gpu_session.sh kernels    # kernel benchmarks (pipelined timing) incl. radix top-k rows
+#   scripts/gpu_session.sh boundary   # bench_boundary, V3.2 + V4, compiled in parallel processes first
+#   scripts/gpu_session.sh serve      # bench_serve_modes: the server in each mode, c=1 and c=64
+#
+# Each stage gives every step its own timeout with SIGINT, so pytest still prints its summary.
+set -u
+OUT=${OUT:-/tmp/jds_out}
+mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
+nvidia-smi -L > "$OUT/device.txt" 2>&1 || true
+
+case "${1:-}" in
+  tests)
+    timeout -s INT 420 python3 -m pytest -m gpu -v --tb=short -rfE -p no:cacheprovider \
+      tests/test_kernel_sparse_mqa.py tests/test_kernel_sparse_indexer.py tests/test_kernel_fused_insert.py \
+      > "$OUT/gpu_kernel_tests.log" 2>&1
+    echo "kernel tests rc=$?"; tail -3 "$OUT/gpu_kernel_tests.log"
+    JDS_GPU_OUT="$OUT" timeout -s INT 150 python3 -m pytest -m gpu -v --tb=short -p no:cacheprovider \
+      tests/test_gpu_boundary.py > "$OUT/gpu_boundary_test.log" 2>&1
+    echo "boundary test rc=$?"; tail -3 "$OUT/gpu_boundary_test.log"
+    ;;
+  kernels)
+    timeout 200 python3 scripts/bench_kernels.py --only sparse_indexer --cases decode topk \
+      --out "$OUT/kernels_indexer.json" > "$OUT/bench_indexer.log" 2>&1; echo "indexer rc=$?"
+    timeout 150 python3 scripts/bench_kernels.py --only fused_insert --out "$OUT/kernels_fused_insert.json" \
+      > "$OUT/bench_fused_insert.log" 2>&1; echo "fused_insert rc=$?"
+    timeout 200 python3 scripts/bench_kernels.py --only sparse_mqa \
+      --cases v32_decode_1 v32_decode_8 v4_decode_1 v4_decode_8 v32_prefill_4096 v4_prefill_4096 \
+      --out "$OUT/kernels_mqa.json" > "$OUT/bench_mqa.log" 2>&1; echo "mqa rc=$?"
+    ;;
+  boundary)
+    timeout 570 python3 scripts/bench_boundary.py --arch v32 v4 --layers 8 --precompile \
+      --out "$OUT/boundary_h200.json" > "$OUT/bench_boundary.log" 2>&1; echo "boundary rc=$?"
+    tail -30 "$OUT/bench_boundary.log"
+    ;;
+  serve)
+    timeout 570 python3 scripts/bench_serve_modes.py --preset v32-bench --num-prompts 200 --num-warmups 10 \
+      --parallel-startup --out "$OUT/serve_v32_h200.json" \
+      -- --num-blocks 600 --token-buckets 256 2048 --key-block-buckets 4 > "$OUT/bench_serve_modes.log" 2>&1
+    echo "serve rc=$?"; tail -12 "$OUT/bench_serve_modes.log"
+    ;;
+  *)
+    echo "usage: $0 tests|kernels|boundary|serve" >&2; exit 2 ;;
+esac
