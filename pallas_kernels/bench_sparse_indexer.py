@@ -29,6 +29,7 @@ import numpy as np
 
 from jds.ops.quant import FP8
 from jds.ops.records import IndexerRecord132
+from jds.ops.select import radix_topk
 from pallas_kernels import sparse_indexer as si
 from pallas_kernels.timing import time_fn
 
@@ -101,6 +102,7 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
 
     select_p, select_x = selector("pallas", cfg), selector("xla", xla_cfg)
     topk = jax.jit(si.topk_from_logits, static_argnums=(1, 2, 3))
+    radix = jax.jit(radix_topk, static_argnums=(1, 2))
 
     # ----- decode -----
     decode = [(1, 1024), (4, 1024)] if quick else [(b, c) for b in (1, 16, 64) for c in (4096, 32768, 131072)]
@@ -144,7 +146,9 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
         k1, key = jax.random.split(key)
         lg = jax.random.normal(k1, (b, c), jnp.float32)
         yield (_row(f"topk_k{K}_b{b}_c{c}", "xla", topk, (lg, K, None, "lax"), 4 * b * c, 0, quick))
-        yield (_row(f"topk_k{K}_b{b}_c{c}_radix", "xla", topk, (lg, K, None, "radix"), 4 * b * c, 0, quick))
+        for bits in (1, 2, 4):  # counting passes of radix select: 32 / bits, each 2^bits compares per key
+            yield (_row(f"topk_k{K}_b{b}_c{c}_radix{bits}", "xla", radix, (lg, min(K, c), bits), 4 * b * c, 0,
+                        quick))
         for seg in ((1024,) if quick else (8192, 16384)):  # two-stage (exact) variant
             yield (_row(f"topk_k{K}_b{b}_c{c}_seg{seg}", "xla", topk, (lg, K, seg, "lax"), 4 * b * c, 0, quick))
         del lg
