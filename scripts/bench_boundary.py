@@ -31,6 +31,8 @@ def _stats(xs: list[float]) -> dict[str, float]:
 
 
 def build(arch: str, layers: int, inter: int | None, size: str = "bench"):
+    """A random-initialised stack; the attention ``implementation`` comes from JDS_IMPLEMENTATION
+    (``--implementation``, default auto: the Pallas kernels on a GPU)."""
     from jds.config import Numerics
     from jds.model import Decoder, preset
 
@@ -38,7 +40,7 @@ def build(arch: str, layers: int, inter: int | None, size: str = "bench"):
     if inter:
         over["intermediate_size"] = inter
     cfg = preset(f"{arch}-{size}", **over)
-    return Decoder(cfg, seed=0)
+    return Decoder(cfg, seed=0, implementation=os.environ.get("JDS_IMPLEMENTATION", "auto"))
 
 
 def make_runner(model, mode: str, max_seqs: int, ctx: int):
@@ -211,11 +213,15 @@ def main() -> None:
                     help="bench = real head dims (the experiment); tiny = the CPU smoke test's presets")
     ap.add_argument("--dump", default=None, help="XLA dump dir: count thunks instead of timing")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--implementation", choices=("auto", "xla", "pallas"), default=None,
+                    help="attention stages (default: $JDS_IMPLEMENTATION or auto = Pallas on a GPU)")
     ap.add_argument("--precompile", action="store_true",
                     help="first compile every (arch, mode) in parallel processes into a persistent cache")
     ap.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if a.implementation:  # through the environment so the precompile processes build the same model
+        os.environ["JDS_IMPLEMENTATION"] = a.implementation
     cache_dir = os.environ.get("JDS_COMPILE_CACHE")
     if a.precompile and not cache_dir:
         import tempfile
@@ -235,7 +241,8 @@ def main() -> None:
         print(json.dumps({"precompile": precompiled}), flush=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "jax": jax.__version__,
             "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
-            "command": " ".join(["python"] + sys.argv), "precompile": precompiled}
+            "command": " ".join(["python"] + sys.argv), "precompile": precompiled,
+            "implementation": os.environ.get("JDS_IMPLEMENTATION", "auto")}
     results = {"meta": meta, "archs": {}}
     for arch in a.arch:
         inter = a.intermediate or (18432 if arch == "v32" else 2048)

@@ -5,6 +5,7 @@
 #   scripts/gpu_session.sh tests      # every gpu-marked test (kernels natively, thunk-dump boundary check)
 #   scripts/gpu_session.sh kernels    # kernel benchmarks (pipelined timing) incl. radix top-k rows
 #   scripts/gpu_session.sh boundary   # bench_boundary, V3.2 + V4, compiled in parallel processes first
+#                                     # (boundary-xla: the same with the pure-JAX attention stages)
 #   scripts/gpu_session.sh serve      # bench_serve_modes: the server in each mode, c=1 and c=64
 #
 # Each stage gives every step its own timeout with SIGINT, so pytest still prints its summary.
@@ -33,10 +34,11 @@ case "${1:-}" in
       --cases v32_decode_1 v32_decode_8 v4_decode_1 v4_decode_8 v32_prefill_4096 v4_prefill_4096 \
       --out "$OUT/kernels_mqa.json" > "$OUT/bench_mqa.log" 2>&1; echo "mqa rc=$?"
     ;;
-  boundary)
-    timeout 570 python3 scripts/bench_boundary.py --arch v32 v4 --layers 8 --precompile \
-      --out "$OUT/boundary_h200.json" > "$OUT/bench_boundary.log" 2>&1; echo "boundary rc=$?"
-    tail -30 "$OUT/bench_boundary.log"
+  boundary|boundary-xla)
+    impl=auto; [ "$1" = boundary-xla ] && impl=xla   # auto = the Pallas kernels on the GPU
+    timeout 570 python3 scripts/bench_boundary.py --arch v32 v4 --layers 8 --precompile --implementation $impl \
+      --out "$OUT/boundary_h200_$impl.json" > "$OUT/bench_boundary_$impl.log" 2>&1; echo "boundary rc=$?"
+    tail -30 "$OUT/bench_boundary_$impl.log"
     ;;
   serve)
     timeout 570 python3 scripts/bench_serve_modes.py --preset v32-bench --num-prompts 200 --num-warmups 10 \
@@ -45,5 +47,5 @@ case "${1:-}" in
     echo "serve rc=$?"; tail -12 "$OUT/bench_serve_modes.log"
     ;;
   *)
-    echo "usage: $0 tests|kernels|boundary|serve" >&2; exit 2 ;;
+    echo "usage: $0 tests|kernels|boundary|boundary-xla|serve" >&2; exit 2 ;;
 esac
