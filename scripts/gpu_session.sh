@@ -2,7 +2,8 @@
 # The H200 runbook, one stage per device call (each fits the 10-minute call limit; outputs land in $OUT,
 # written as they are produced so a cut-short stage keeps what it measured):
 #
-#   scripts/gpu_session.sh tests      # every gpu-marked test (kernels natively, thunk-dump boundary check)
+#   scripts/gpu_session.sh tests      # native kernel tests not yet passed on the H200 + thunk-dump check
+#   scripts/gpu_session.sh tests-all  # every gpu-marked kernel test
 #   scripts/gpu_session.sh kernels    # kernel benchmarks (pipelined timing) incl. radix top-k rows
 #   scripts/gpu_session.sh boundary   # bench_boundary, V3.2 + V4, compiled in parallel processes first
 #                                     # (boundary-xla: the same with the pure-JAX attention stages)
@@ -16,14 +17,20 @@ export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 nvidia-smi -L > "$OUT/device.txt" 2>&1 || true
 
 case "${1:-}" in
-  tests)
-    timeout -s INT 420 python3 -m pytest -m gpu -v --tb=short -rfE -p no:cacheprovider \
+  tests)  # what has not passed on the H200 yet (2026-11-29), then the thunk-dump boundary check
+    timeout -s INT 240 python3 -m pytest -m gpu -v --tb=short -rfE -p no:cacheprovider \
+      tests/test_kernel_sparse_mqa.py tests/test_kernel_sparse_indexer.py \
+      -k "p_in_registers or layer_attend or v4_decode_tiny_heads" > "$OUT/gpu_pending_tests.log" 2>&1
+    echo "pending kernel tests rc=$?"; tail -3 "$OUT/gpu_pending_tests.log"
+    JDS_GPU_OUT="$OUT" timeout -s INT 300 python3 -m pytest -m gpu -v --tb=short -p no:cacheprovider \
+      tests/test_gpu_boundary.py > "$OUT/gpu_boundary_test.log" 2>&1
+    echo "boundary test rc=$?"; tail -3 "$OUT/gpu_boundary_test.log"
+    ;;
+  tests-all)  # every gpu-marked kernel test (about 10 minutes of compiles: may need two calls)
+    timeout -s INT 570 python3 -m pytest -m gpu -v --tb=short -rfE -p no:cacheprovider \
       tests/test_kernel_sparse_mqa.py tests/test_kernel_sparse_indexer.py tests/test_kernel_fused_insert.py \
       > "$OUT/gpu_kernel_tests.log" 2>&1
     echo "kernel tests rc=$?"; tail -3 "$OUT/gpu_kernel_tests.log"
-    JDS_GPU_OUT="$OUT" timeout -s INT 150 python3 -m pytest -m gpu -v --tb=short -p no:cacheprovider \
-      tests/test_gpu_boundary.py > "$OUT/gpu_boundary_test.log" 2>&1
-    echo "boundary test rc=$?"; tail -3 "$OUT/gpu_boundary_test.log"
     ;;
   kernels)
     timeout 200 python3 scripts/bench_kernels.py --only sparse_indexer --cases decode topk \
@@ -47,5 +54,5 @@ case "${1:-}" in
     echo "serve rc=$?"; tail -12 "$OUT/bench_serve_modes.log"
     ;;
   *)
-    echo "usage: $0 tests|kernels|boundary|boundary-xla|serve" >&2; exit 2 ;;
+    echo "usage: $0 tests|tests-all|kernels|boundary|boundary-xla|serve" >&2; exit 2 ;;
 esac
