@@ -112,7 +112,10 @@ class V32Attention(StagedAttention):
 
     def prepare(self, inp: V32Inputs, batch: PagedBatch, cache: V32Cache) -> tuple[V32Query, V32Cache]:
         if self.implementation == "pallas":
-            return self._prepare_pallas(inp, batch, cache)
+            from pallas_kernels.fused_insert_v32 import supports
+
+            if supports(self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim, self.cfg.index_head_dim):
+                return self._prepare_pallas(inp, batch, cache)
         cfg, dt = self.cfg, self.dtype
         cos, sin = rope_cos_sin(_inv_freqs(cfg.rope, cfg.qk_rope_head_dim), batch.positions)
         # MLA query

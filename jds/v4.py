@@ -99,6 +99,12 @@ class V4Indexer(nnx.Module):
         self.compressor = V4Compressor(cfg.hidden_size, cfg.index_head_dim, 4, cfg.rms_norm_eps, rngs)
 
 
+def _fused_v4_supports(head_dim: int, rope_dim: int) -> bool:
+    from pallas_kernels.fused_insert_v4 import supports
+
+    return supports(head_dim, rope_dim)
+
+
 class V4Attention(StagedAttention):
     def __init__(self, cfg: V4Config, numerics: Numerics, layer_id: int, *, rngs: nnx.Rngs,
                  implementation: Implementation = "auto"):
@@ -189,7 +195,8 @@ class V4Attention(StagedAttention):
         # query: q_norm -> wq_b -> weightless per-head RMSNorm -> RoPE (last dims, interleaved)
         qr = self.q_norm(inp.q_lat, dt)
         q = self.wq_b(qr).reshape(-1, cfg.n_heads, cfg.head_dim)
-        if self.implementation == "pallas":  # the same two steps, fused (pallas_kernels/fused_insert_v4.py)
+        if self.implementation == "pallas" and _fused_v4_supports(cfg.head_dim, rd):
+            # the same two steps, fused (pallas_kernels/fused_insert_v4.py)
             from pallas_kernels.fused_insert_v4 import fused_qnorm_rope_kv_insert_v4
 
             q, window = fused_qnorm_rope_kv_insert_v4(q, inp.kv, cos, sin, batch.slot_mapping, cache.window,

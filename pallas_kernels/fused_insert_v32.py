@@ -149,6 +149,12 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
         C.store(ix_out, (pagei, ji * idx_fmt.dim + ci), k.astype(ix_out.dtype), ok)
 
 
+def supports(latent_dim: int, rope_dim: int, index_head_dim: int) -> bool:
+    """Whether both V3.2 kernels take these dims (Triton blocks are powers of two). The layers fall back to
+    the pure-JAX ``prepare`` otherwise, so ``implementation="auto"`` never fails on a config."""
+    return all(C.is_pow2(n) for n in (latent_dim, rope_dim, index_head_dim))
+
+
 def fused_kv_insert_v32(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache, kv_norm_w, k_norm_w,
                         k_norm_b, *, kv_format: RecordFormat, index_format: RecordFormat, eps: float, dtype,
                         indexer_interleave: bool, hadamard: bool, implementation: Implementation = "pallas",

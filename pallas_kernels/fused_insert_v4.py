@@ -103,6 +103,12 @@ def _v4_kernel(q_ref, kv_ref, cos_ref, sin_ref, slot_ref, w_ref, _cache_in, q_ou
             C.store(c_out, (page, j * fmt.dim + col), k.astype(c_out.dtype), ok)
 
 
+def supports(head_dim: int, rope_dim: int) -> bool:
+    """Whether the kernel takes these dims (Triton blocks are powers of two); the layer falls back to the
+    pure-JAX steps otherwise."""
+    return C.is_pow2(head_dim) and C.is_pow2(rope_dim)
+
+
 def fused_qnorm_rope_kv_insert_v4(q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w, *,
                                   window_format: RecordFormat, eps: float, dtype,
                                   implementation: Implementation = "pallas", interpret: bool | None = None,

@@ -292,3 +292,24 @@ def test_sm90_compile_no_spills(fn, args, inserts):
     for k in C.compile_sm90_report(fn, *args):
         assert k["spill_bytes"] == 0, k
         assert k["registers"] <= 255, k
+
+
+def test_unsupported_dims_fall_back_to_xla_prepare() -> None:
+    """A config the Triton kernels cannot take (a 384-dim indexer head) still prepares, through the pure-JAX
+    steps, with identical results: ``implementation="auto"`` must not fail on a HF config."""
+    import dataclasses
+
+    from jds.v32 import V32Attention
+    from pallas_kernels.fused_insert_v32 import supports
+
+    cfg = dataclasses.replace(V32Config.tiny(), index_head_dim=384)
+    assert not supports(cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim)
+    batch, nb = _batch(cfg.block_size, 1)
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(9, cfg.hidden_size)), BF16)
+    res = {}
+    for impl in ("xla", "pallas"):
+        numerics = dataclasses.replace(Numerics.bf16(), indexer_hadamard=False)  # H_n needs n = 2^k
+        layer = V32Attention(cfg, numerics, rngs=nnx.Rngs(0), implementation=impl)
+        res[impl] = jax.jit(lambda x, b, c, m=layer: m.prepare(m.project_in(x), b, c))(x, batch, layer.init_cache(nb))
+    for a, b in zip(jax.tree.leaves(res["pallas"]), jax.tree.leaves(res["xla"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
