@@ -235,16 +235,21 @@ def main() -> None:
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={a.dump}"
     import jax
 
-    precompiled = None
-    if a.precompile and not a.dump:  # before this process touches the GPU (and preallocates its memory)
-        precompiled = precompile(a.arch, tuple(a.modes), a, cache_dir)
-        print(json.dumps({"precompile": precompiled}), flush=True)
+    if a.precompile and not a.dump:
+        # This process must not touch the GPU before the compile processes run (it would preallocate
+        # most of the memory), and each arch is precompiled just before it is timed, so a run cut short
+        # keeps the archs it finished.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "jax": jax.__version__,
-            "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
-            "command": " ".join(["python"] + sys.argv), "precompile": precompiled,
+            "command": " ".join(["python"] + sys.argv), "precompile": {},
             "implementation": os.environ.get("JDS_IMPLEMENTATION", "auto")}
     results = {"meta": meta, "archs": {}}
     for arch in a.arch:
+        if a.precompile and not a.dump:
+            meta["precompile"].update(precompile([arch], tuple(a.modes), a, cache_dir))
+            print(json.dumps({"precompile": meta["precompile"]}), flush=True)
+        meta.setdefault("device", str(jax.devices()[0].device_kind))
+        meta.setdefault("backend", jax.default_backend())
         inter = a.intermediate or (18432 if arch == "v32" else 2048)
         if a.dump:
             results["archs"][arch] = dump_counts(a.dump, arch, min(a.layers, 4))

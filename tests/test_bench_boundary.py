@@ -1,0 +1,29 @@
+"""scripts/bench_boundary.py end to end on the CPU at tiny sizes: the parallel precompile into the
+persistent compilation cache, then the timed modes, the JSON and the ratios (the GPU runs the same code
+at real dims, so a break here would otherwise first show in device time)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_tiny_precompiled_run(tmp_path) -> None:
+    out = tmp_path / "b.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_boundary.py"), "--arch", "v32",
+                    "--size", "tiny", "--layers", "2", "--intermediate", "64", "--ctx", "128", "--quick",
+                    "--precompile", "--modes", "wide", "narrow", "--out", str(out)],
+                   check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, timeout=900,
+                   capture_output=True)
+    res = json.loads(out.read_text())
+    pre = res["meta"]["precompile"]
+    assert set(pre) == {"v32/wide", "v32/narrow"} and all(v["rc"] == 0 for v in pre.values()), pre
+    modes = res["archs"]["v32"]["modes"]
+    for mode in ("wide", "narrow"):
+        assert modes[mode]["ttft_128"]["n"] == 30 and modes[mode]["ttft_128"]["mean_ms"] > 0
+        assert modes[mode]["dispatches_per_step"] == {"captured": 3, "eager": 2}
+    assert set(res["archs"]["v32"]["ratios"]) >= {"narrow/wide_ttft_128", "narrow/wide_decode_b64_ctx128"}
