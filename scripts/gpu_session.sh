@@ -50,7 +50,7 @@ case "${1:-}" in
   serve)
     timeout 570 python3 scripts/bench_serve_modes.py --preset v32-bench --num-prompts 200 --num-warmups 10 \
       --parallel-startup --out "$OUT/serve_v32_h200.json" \
-      -- --num-blocks 600 --token-buckets 256 2048 --key-block-buckets 4 > "$OUT/bench_serve_modes.log" 2>&1
+      -- --num-blocks 600 --token-buckets 128 2048 --key-block-buckets 4 > "$OUT/bench_serve_modes.log" 2>&1
     echo "serve rc=$?"; tail -12 "$OUT/bench_serve_modes.log"
     ;;
   *)
