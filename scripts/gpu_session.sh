@@ -8,6 +8,7 @@
 #   scripts/gpu_session.sh boundary   # bench_boundary, V3.2 + V4, compiled in parallel processes first
 #                                     # (boundary-xla: the same with the pure-JAX attention stages)
 #   scripts/gpu_session.sh serve      # bench_serve_modes: the server in each mode, c=1 and c=64
+#   scripts/gpu_session.sh probe      # host launch cost of a captured step vs input-buffer addresses
 #
 # Each stage gives every step its own timeout with SIGINT, so pytest still prints its summary.
 set -u
@@ -47,6 +48,10 @@ case "${1:-}" in
       --out "$OUT/boundary_h200_$impl.json" > "$OUT/bench_boundary_$impl.log" 2>&1; echo "boundary rc=$?"
     tail -30 "$OUT/bench_boundary_$impl.log"
     ;;
+  probe)  # does the captured step's launch cost follow input-buffer addresses? (see the script's doc)
+    timeout 570 python3 scripts/probe_graph_updates.py --layers 4 --out "$OUT/probe_graph_updates.json" \
+      > "$OUT/probe_graph_updates.log" 2>&1; echo "probe rc=$?"; tail -8 "$OUT/probe_graph_updates.log"
+    ;;
   serve)
     timeout 570 python3 scripts/bench_serve_modes.py --preset v32-bench --num-prompts 200 --num-warmups 10 \
       --parallel-startup --out "$OUT/serve_v32_h200.json" \
@@ -54,5 +59,5 @@ case "${1:-}" in
     echo "serve rc=$?"; tail -12 "$OUT/bench_serve_modes.log"
     ;;
   *)
-    echo "usage: $0 tests|tests-all|kernels|boundary|boundary-xla|serve" >&2; exit 2 ;;
+    echo "usage: $0 tests|tests-all|kernels|boundary|boundary-xla|serve|probe" >&2; exit 2 ;;
 esac
