@@ -44,6 +44,8 @@ def build(arch: str, layers: int, inter: int | None, size: str = "bench"):
 
 
 def make_runner(model, mode: str, max_seqs: int, ctx: int):
+    """A runner for ``ctx``-token contexts; JDS_STABLE_INPUTS=1 (``--stable-inputs``) keeps step inputs
+    in persistent device buffers."""
     from jds.runner import BoundaryRunner
 
     bs = model.cfg.block_size
@@ -51,7 +53,8 @@ def make_runner(model, mode: str, max_seqs: int, ctx: int):
     nb = max_seqs * (-(-max_len // bs)) + 8
     return BoundaryRunner(model=model, mode=mode, num_blocks=nb, max_num_seqs=max_seqs, max_num_tokens=max_seqs * 128,
                           max_model_len=max_len, token_buckets=(16, 64, 128, max_seqs * 128),
-                          key_block_buckets=tuple(sorted({-(-128 // bs), -(-ctx // bs), -(-max_len // bs)})))
+                          key_block_buckets=tuple(sorted({-(-128 // bs), -(-ctx // bs), -(-max_len // bs)})),
+                          stable_inputs=os.environ.get("JDS_STABLE_INPUTS") == "1")
 
 
 def time_steps(runner, chunks, n_warm: int, n: int) -> tuple[dict, dict]:
@@ -215,6 +218,8 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--implementation", choices=("auto", "xla", "pallas"), default=None,
                     help="attention stages (default: $JDS_IMPLEMENTATION or auto = Pallas on a GPU)")
+    ap.add_argument("--stable-inputs", action="store_true",
+                    help="step inputs in persistent device buffers (BoundaryRunner.stable_inputs)")
     ap.add_argument("--precompile", action="store_true",
                     help="first compile every (arch, mode) in parallel processes into a persistent cache")
     ap.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
@@ -222,6 +227,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.implementation:  # through the environment so the precompile processes build the same model
         os.environ["JDS_IMPLEMENTATION"] = a.implementation
+    if a.stable_inputs:
+        os.environ["JDS_STABLE_INPUTS"] = "1"
     cache_dir = os.environ.get("JDS_COMPILE_CACHE")
     if a.precompile and not cache_dir:
         import tempfile
@@ -242,7 +249,8 @@ def main() -> None:
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "jax": jax.__version__,
             "command": " ".join(["python"] + sys.argv), "precompile": {},
-            "implementation": os.environ.get("JDS_IMPLEMENTATION", "auto")}
+            "implementation": os.environ.get("JDS_IMPLEMENTATION", "auto"),
+            "stable_inputs": os.environ.get("JDS_STABLE_INPUTS") == "1"}
     results = {"meta": meta, "archs": {}}
     for arch in a.arch:
         if a.precompile and not a.dump:
