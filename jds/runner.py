@@ -299,7 +299,8 @@ class ModelRunner(BoundaryRunner):
     def build(cls, *, preset: str | None = None, config_path: str | None = None, checkpoint: str | None = None,
               mode: str = "narrow", implementation: str = "auto", num_blocks: int = 256, max_num_seqs: int = 16,
               max_num_tokens: int = 256, max_model_len: int = 1024, seed: int = 0, moe: bool = False,
-              token_buckets: tuple[int, ...] = (), key_block_buckets: tuple[int, ...] = ()) -> "ModelRunner":
+              token_buckets: tuple[int, ...] = (), key_block_buckets: tuple[int, ...] = (),
+              stable_inputs: bool = False) -> "ModelRunner":
         """``preset`` defaults to v32-tiny. With ``checkpoint`` and no ``preset`` / ``config_path`` / ``moe``
         the checkpoint's stored config builds the model; otherwise the checkpoint must match that config
         (a mismatch is a ValueError naming the first differing parameter)."""
@@ -314,7 +315,7 @@ class ModelRunner(BoundaryRunner):
                 load_checkpoint(model, checkpoint)
         return cls(model=model, mode=mode, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                    max_num_tokens=max_num_tokens, max_model_len=max_model_len, token_buckets=tuple(token_buckets),
-                   key_block_buckets=tuple(key_block_buckets))
+                   key_block_buckets=tuple(key_block_buckets), stable_inputs=stable_inputs)
 
 
 def enable_compile_cache(cache_dir: str) -> None:

@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="step sizes (tokens) to compile; --max-num-tokens is always added (default: x4 ladder)")
     p.add_argument("--key-block-buckets", type=positive_int, nargs="+", default=(),
                    help="key-block counts to compile for the eager region; the maximum is always added")
+    p.add_argument("--stable-inputs", action="store_true",
+                   help="keep step inputs in persistent device buffers (fixed addresses for the CUDA graphs)")
     p.add_argument("--compile-cache", default=None,
                    help="persistent XLA compilation cache directory (a restart or a second server reuses it)")
     p.add_argument("--tokenizer", default=None,
@@ -87,7 +89,7 @@ def build_runner(a: argparse.Namespace):
                              implementation=a.implementation, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
                              max_num_tokens=a.max_num_tokens, max_model_len=a.max_model_len, seed=a.seed,
                              moe=a.moe, token_buckets=tuple(a.token_buckets),
-                             key_block_buckets=tuple(a.key_block_buckets))
+                             key_block_buckets=tuple(a.key_block_buckets), stable_inputs=a.stable_inputs)
 
 
 async def main(a: argparse.Namespace) -> None:
