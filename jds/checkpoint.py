@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from jds.nn import export_weights, load_weights
+from jds.safetensors_io import read_json
 
 FORMAT = "jds-orbax-v1"
 META = "jds_checkpoint.json"
@@ -233,11 +234,7 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
             raise ValueError(f"checkpoint {path!r}: no {META}; this is the retired jds-weights-v1 format "
                              "(manifest.json + weights.bin): re-create it (scripts/make_checkpoint.py)")
         raise ValueError(f"checkpoint {path!r}: no {META} (is it a jds checkpoint directory?)")
-    try:
-        with open(mpath) as f:
-            meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"checkpoint {path!r}: cannot read {META} ({e})") from e
+    meta = read_json(mpath, f"checkpoint {path!r}")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         fmt = meta.get("format") if isinstance(meta, dict) else None
         raise ValueError(f"checkpoint {path!r}: format {fmt!r}, expected {FORMAT!r}")

@@ -97,7 +97,7 @@ import ml_dtypes
 import numpy as np
 
 from jds.checkpoint import DEFAULT_SHARD_BYTES, CheckpointWriter
-from jds.safetensors_io import INDEX_NAME, SafetensorsDir, write_safetensors
+from jds.safetensors_io import INDEX_NAME, SafetensorsDir, read_json, write_safetensors
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 F32 = np.dtype(np.float32)
@@ -159,10 +159,6 @@ def plan(cfg: Any) -> list[Entry]:
                 out += _compressor(J + "attn.indexer.compressor.", A + "indexer.compressor.")
             F = P + "ffn."
             names = {"w1": "w1", "w3": "w3", "w2": "w2"}
-            dense = {k: F + v for k, v in names.items()}
-            expert = lambda j, k: f"{F}experts.{j}.{names[k]}"  # noqa: E731
-            shared = {k: F + "shared_experts." + v for k, v in names.items()}
-            gate = F + "gate"
         else:
             P = f"model.layers.{i}."
             A = P + "self_attn."
@@ -178,10 +174,10 @@ def plan(cfg: Any) -> list[Entry]:
                     _lin(J + "attn.indexer.weights_proj", A + "indexer.weights_proj")]
             F = P + "mlp."
             names = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-            dense = {k: F + v for k, v in names.items()}
-            expert = lambda j, k: f"{F}experts.{j}.{names[k]}"  # noqa: E731
-            shared = {k: F + "shared_experts." + v for k, v in names.items()}
-            gate = F + "gate"
+        dense = {k: F + v for k, v in names.items()}
+        expert = lambda j, k: f"{F}experts.{j}.{names[k]}"  # noqa: E731
+        shared = {k: F + "shared_experts." + v for k, v in names.items()}
+        gate = F + "gate"
         if cfg.n_routed_experts:
             out.append(_lin(J + "ffn.gate", gate))
             for k in ("w1", "w3", "w2"):
@@ -632,11 +628,7 @@ def convert_hf_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, lay
     cfg_path = os.path.join(src, "config.json")
     if not os.path.exists(cfg_path):
         raise ValueError(f"HF checkpoint {src!r}: no config.json")
-    try:
-        with open(cfg_path) as f:
-            hf_cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"HF checkpoint {src!r}: cannot read config.json ({e})") from e
+    hf_cfg = read_json(cfg_path, f"HF checkpoint {src!r}")
     cfg = hf_model_config(hf_cfg, layers=layers, dequantize=dequantize, numerics=numerics, overrides=overrides)
     spec = target_spec(cfg)
     entries = plan(cfg)

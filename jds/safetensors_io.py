@@ -151,6 +151,16 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]
             f.write(np.ascontiguousarray(arr).view(np.uint8).reshape(-1).data if np.asarray(arr).size else b"")
 
 
+def read_json(path: str, label: str) -> Any:
+    """The JSON document at ``path``; an unreadable or malformed file is a ValueError "<label>: cannot read
+    <file name> (...)" (the checkpoint, HF config and index readers share it)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{label}: cannot read {os.path.basename(path)} ({e})") from e
+
+
 class SafetensorsDir:
     """All tensors of a HF checkpoint directory: a sharded index, or every ``*.safetensors`` file in it.
 
@@ -165,11 +175,8 @@ class SafetensorsDir:
         index = os.path.join(self.path, INDEX_NAME)
         self.weight_map: dict[str, str] = {}
         if os.path.exists(index):
-            try:
-                with open(index) as f:
-                    wm = json.load(f).get("weight_map")
-            except (OSError, json.JSONDecodeError, AttributeError) as e:
-                raise ValueError(f"HF checkpoint {self.path!r}: cannot read {INDEX_NAME} ({e})") from e
+            doc = read_json(index, f"HF checkpoint {self.path!r}")
+            wm = doc.get("weight_map") if isinstance(doc, dict) else None
             if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
                 raise ValueError(f"HF checkpoint {self.path!r}: {INDEX_NAME} has no weight_map of name -> file")
             self.weight_map = dict(wm)

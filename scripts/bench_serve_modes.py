@@ -107,23 +107,16 @@ def run_modes(a: argparse.Namespace, serve_args: list[str], log_dir: str, save) 
     """Sequential: start, benchmark, stop each mode in turn. ``--parallel-startup``: start (and compile)
     every mode's server at once, each with a share of GPU memory, then benchmark them one at a time
     (the idle ones wait on an empty queue) and stop each after its runs."""
-    runs: list[dict] = []
     if a.parallel_startup:
         share = {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{0.9 / len(a.modes):.2f}"}
         servers = [Server(m, a, serve_args, log_dir, share) for m in a.modes]
-        ready = [s.wait_ready(a.startup_timeout) for s in servers]
-        for s, ok in zip(servers, ready):
-            if ok:
-                try:
-                    bench(s, a)
-                finally:
-                    s.stop()
-            runs.append(s.record)
-            save(runs)
-        return runs
-    for m in a.modes:
-        s = Server(m, a, serve_args, log_dir, {})
-        if s.wait_ready(a.startup_timeout):
+        started = list(zip(servers, [s.wait_ready(a.startup_timeout) for s in servers]))
+    else:  # lazily: each server starts only when the previous one has been benchmarked and stopped
+        started = ((s, s.wait_ready(a.startup_timeout))
+                   for s in (Server(m, a, serve_args, log_dir, {}) for m in a.modes))
+    runs: list[dict] = []
+    for s, ready in started:
+        if ready:
             try:
                 bench(s, a)
             finally:
