@@ -106,6 +106,9 @@ class BoundaryRunner:
         self._on_gpu = jax.default_backend() == "gpu"
         self._jits: dict[Any, Callable] = {}
         self._staged: dict[Any, Any] = {}  # (token bucket, key-block bucket) -> persistent step inputs
+        self._stage_in = jax.jit(  # writes a step's inputs in place into the donated previous ones
+            lambda old, new: jax.tree.map(lambda o, n: lax.dynamic_update_slice(o, n, (0,) * o.ndim), old, new),
+            donate_argnums=0)
 
     # ----- executables ------------------------------------------------------------------------------
     def _jit(self, key: Any, fn: Callable, *, eager: bool, donate: tuple[int, ...] = ()) -> Callable:
@@ -219,14 +222,8 @@ class BoundaryRunner:
         kernels). A donated ``dynamic_update_slice`` writes in place, so the addresses stay put (checked
         with ``unsafe_buffer_pointer`` in tests/test_runner.py). Costs one small dispatch per step.
         """
-        if key not in self._staged:
-            self._staged[key] = jax.tree.map(jnp.copy, fresh)
-            return self._staged[key]
-        if "stage" not in self._jits:
-            self._jits["stage"] = jax.jit(
-                lambda old, new: jax.tree.map(lambda o, n: lax.dynamic_update_slice(o, n, (0,) * o.ndim), old, new),
-                donate_argnums=0)
-        self._staged[key] = self._jits["stage"](self._staged[key], fresh)
+        prev = self._staged.get(key)
+        self._staged[key] = jax.tree.map(jnp.copy, fresh) if prev is None else self._stage_in(prev, fresh)
         return self._staged[key]
 
     def execute(self, token_ids: np.ndarray, chunks: list[Chunk], block_tables: np.ndarray) -> np.ndarray:
