@@ -62,8 +62,14 @@ def parse_thunk_file(path: str) -> ModuleThunks:
 
 
 def read_dump(dump_dir: str) -> dict[str, ModuleThunks]:
-    """Module name -> thunks, from the final (after passes) sequence of every executable in the dump."""
-    files = sorted(glob.glob(os.path.join(dump_dir, "*thunk_sequence_after_thunk_passes.txt")))
-    if not files:
-        files = sorted(glob.glob(os.path.join(dump_dir, "*thunk_sequence.txt")))
-    return {m.name: m for m in (parse_thunk_file(p) for p in files)}
+    """Module name -> thunks, per executable from its final sequence.
+
+    A module compiled with command buffers has a ``*thunk_sequence_after_thunk_passes.txt`` (the
+    sequence after the command-buffer conversion); one compiled with them disabled (the eager regions)
+    may have only ``*thunk_sequence.txt``, so each module takes the former when it exists, else the latter.
+    """
+    chosen: dict[str, str] = {}
+    for pattern in ("*thunk_sequence.txt", "*thunk_sequence_after_thunk_passes.txt"):  # later wins
+        for p in sorted(glob.glob(os.path.join(dump_dir, pattern))):
+            chosen[os.path.basename(p).split(".thunk_sequence")[0]] = p
+    return {name: parse_thunk_file(p) for name, p in sorted(chosen.items())}

@@ -17,21 +17,32 @@ mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 nvidia-smi -L > "$OUT/device.txt" 2>&1 || true
 
-case "${1:-}" in
-  tests)  # what has not passed on the H200 yet (2026-11-29), then the thunk-dump boundary check
-    timeout -s INT 240 python3 -m pytest -m gpu -v --tb=short -rfE -p no:cacheprovider \
+[ $# -ge 1 ] || set -- usage
+for stage in "$@"; do
+case "$stage" in
+  tests)  # what has not passed on the H200 yet (2026-11-29), then the thunk-dump boundary check; the two
+          # pytest runs compile in parallel (no timings here), so neither may preallocate the GPU
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    timeout -s INT 290 python3 -m pytest -m gpu -v --tb=short -rfE -p no:cacheprovider \
       tests/test_kernel_sparse_mqa.py tests/test_kernel_sparse_indexer.py \
-      -k "p_in_registers or layer_attend or v4_decode_tiny_heads" > "$OUT/gpu_pending_tests.log" 2>&1
-    echo "pending kernel tests rc=$?"; tail -3 "$OUT/gpu_pending_tests.log"
-    JDS_GPU_OUT="$OUT" timeout -s INT 300 python3 -m pytest -m gpu -v --tb=short -p no:cacheprovider \
+      -k "p_in_registers or layer_attend or v4_decode_tiny_heads" > "$OUT/gpu_pending_tests.log" 2>&1 &
+    pending=$!
+    JDS_GPU_OUT="$OUT" timeout -s INT 290 python3 -m pytest -m gpu -v --tb=short -p no:cacheprovider \
       tests/test_gpu_boundary.py > "$OUT/gpu_boundary_test.log" 2>&1
     echo "boundary test rc=$?"; tail -3 "$OUT/gpu_boundary_test.log"
+    wait $pending; echo "pending kernel tests rc=$?"; tail -3 "$OUT/gpu_pending_tests.log"
+    unset XLA_PYTHON_CLIENT_PREALLOCATE
     ;;
   tests-all)  # every gpu-marked kernel test (about 10 minutes of compiles: may need two calls)
     timeout -s INT 570 python3 -m pytest -m gpu -v --tb=short -rfE -p no:cacheprovider \
       tests/test_kernel_sparse_mqa.py tests/test_kernel_sparse_indexer.py tests/test_kernel_fused_insert.py \
       > "$OUT/gpu_kernel_tests.log" 2>&1
     echo "kernel tests rc=$?"; tail -3 "$OUT/gpu_kernel_tests.log"
+    ;;
+  mqa)  # the MQA rows not yet measured on the H200: batch 1 and 8, and the 4K prefill
+    timeout 200 python3 scripts/bench_kernels.py --only sparse_mqa \
+      --cases v32_decode_1 v32_decode_8 v4_decode_1 v4_decode_8 v32_prefill_4096 v4_prefill_4096 \
+      --out "$OUT/kernels_mqa.json" > "$OUT/bench_mqa.log" 2>&1; echo "mqa rc=$?"; tail -12 "$OUT/bench_mqa.log"
     ;;
   kernels)
     timeout 200 python3 scripts/bench_kernels.py --only sparse_indexer --cases decode topk \
@@ -43,10 +54,15 @@ case "${1:-}" in
       --out "$OUT/kernels_mqa.json" > "$OUT/bench_mqa.log" 2>&1; echo "mqa rc=$?"
     ;;
   boundary|boundary-xla)
-    impl=auto; [ "$1" = boundary-xla ] && impl=xla   # auto = the Pallas kernels on the GPU
-    timeout 570 python3 scripts/bench_boundary.py --arch v32 v4 --layers 8 --precompile --implementation $impl \
+    impl=auto; [ "$stage" = boundary-xla ] && impl=xla   # auto = the Pallas kernels on the GPU
+    timeout ${BOUNDARY_TIMEOUT:-570} python3 scripts/bench_boundary.py --arch v32 v4 --layers 8 --precompile --implementation $impl \
       --out "$OUT/boundary_h200_$impl.json" > "$OUT/bench_boundary_$impl.log" 2>&1; echo "boundary rc=$?"
     tail -30 "$OUT/bench_boundary_$impl.log"
+    ;;
+  thunks)  # the thunk-dump check alone (captured segments are kCommandBuffer; direct launches per mode)
+    JDS_GPU_OUT="$OUT" timeout -s INT ${THUNKS_TIMEOUT:-290} python3 -m pytest -m gpu -v --tb=short -p no:cacheprovider \
+      tests/test_gpu_boundary.py > "$OUT/gpu_boundary_test.log" 2>&1
+    echo "boundary test rc=$?"; tail -3 "$OUT/gpu_boundary_test.log"
     ;;
   probe)  # does the captured step's launch cost follow input-buffer addresses? (see the script's doc)
     timeout 570 python3 scripts/probe_graph_updates.py --layers 4 --out "$OUT/probe_graph_updates.json" \
@@ -59,5 +75,6 @@ case "${1:-}" in
     echo "serve rc=$?"; tail -12 "$OUT/bench_serve_modes.log"
     ;;
   *)
-    echo "usage: $0 tests|tests-all|kernels|boundary|boundary-xla|serve|probe" >&2; exit 2 ;;
+    echo "usage: $0 STAGE... (tests|tests-all|kernels|mqa|boundary|boundary-xla|serve|probe)" >&2; exit 2 ;;
 esac
+done

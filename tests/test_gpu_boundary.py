@@ -25,6 +25,8 @@ def test_command_buffers_and_direct_launches(tmp_path) -> None:
     res = json.loads(out.read_text())["archs"]
     if os.environ.get("JDS_GPU_OUT"):  # keep the evidence (device runs copy this dir back)
         (Path(os.environ["JDS_GPU_OUT"]) / "thunk_counts.json").write_text(out.read_text())
+        names = sorted(p.name for p in (tmp_path / "xla").iterdir() if "thunk_sequence" in p.name)
+        (Path(os.environ["JDS_GPU_OUT"]) / "thunk_files.txt").write_text("\n".join(names) + "\n")
     problems = []
     for arch, modes in res.items():
         for mode, r in modes.items():
