@@ -45,11 +45,12 @@ class Chunk:
 
 
 def make_batch(chunks: Sequence[Chunk], block_tables: np.ndarray, block_size: int,
-               pad_to: int | None = None) -> PagedBatch:
+               pad_to: int | None = None, *, host: bool = False) -> PagedBatch:
     """Host-side builder: one chunk per request row (row = ``chunk.req``), tokens in chunk order.
 
     Rows of ``block_tables`` without a chunk get seq_len 0. ``pad_to`` appends padding tokens
-    (slot -1, position 0, request row 0) so shapes can be bucketed.
+    (slot -1, position 0, request row 0) so shapes can be bucketed. ``host=True`` leaves the fields as
+    numpy arrays, so a caller can check them and move a whole step's inputs in one transfer.
     """
     block_tables = np.asarray(block_tables, np.int32)
     r = block_tables.shape[0]
@@ -88,9 +89,9 @@ def make_batch(chunks: Sequence[Chunk], block_tables: np.ndarray, block_size: in
         positions = np.concatenate([positions, np.zeros(n, np.int32)])
         req_idx = np.concatenate([req_idx, np.zeros(n, np.int32)])
         slots = np.concatenate([slots, np.full(n, -1, np.int32)])
-    return PagedBatch(positions=jnp.asarray(positions), req_idx=jnp.asarray(req_idx),
-                      slot_mapping=jnp.asarray(slots.astype(np.int32)), block_tables=jnp.asarray(block_tables),
-                      seq_lens=jnp.asarray(seq_lens), query_start_loc=jnp.asarray(qsl))
+    batch = PagedBatch(positions=positions, req_idx=req_idx, slot_mapping=slots.astype(np.int32),
+                       block_tables=block_tables, seq_lens=seq_lens, query_start_loc=qsl)
+    return batch if host else jax.tree.map(jnp.asarray, batch)
 
 
 def validate_batch(batch: PagedBatch, *, num_blocks: int, block_size: int, max_seq_len: int,

@@ -24,7 +24,7 @@ from jax import lax
 import numpy as np
 from flax import nnx
 
-from jds.batch import Chunk, PagedBatch, make_batch
+from jds.batch import Chunk, PagedBatch, make_batch, replace as replace_batch
 from jds.model import Decoder, ModelConfig, preset
 
 Mode = Literal["wide", "narrow", "fused"]
@@ -57,6 +57,11 @@ def _pick(buckets: tuple[int, ...], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+# Values of XLA's DebugOptions.CommandBufferUpdateMode in jax 0.11.2's XLA (read from the enum
+# descriptor in jaxlib; an unknown value is rejected at compile time).
+GRAPH_UPDATE_MODES = ("ALWAYS_UPDATE", "SKIP_TEMP", "SKIP_PROFILED")
+
+
 @dataclass
 class DispatchStats:
     captured: int = 0
@@ -81,10 +86,17 @@ class BoundaryRunner:
     key_block_buckets: tuple[int, ...] = ()
     last_dispatch: DispatchStats = field(default_factory=DispatchStats)
     stable_inputs: bool = False  # write each step's inputs into persistent device buffers (see _stage)
+    # XLA's ``xla_gpu_command_buffer_update_mode`` for the captured executables (None = XLA's default,
+    # ALWAYS_UPDATE). SKIP_TEMP / SKIP_PROFILED keep buffers at fixed virtual addresses so a launch need
+    # not re-record its CUDA graph when an input lands at a new address (see GRAPH_UPDATE_MODES).
+    graph_update_mode: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.graph_update_mode is not None and self.graph_update_mode not in GRAPH_UPDATE_MODES:
+            raise ValueError(f"graph_update_mode must be one of {GRAPH_UPDATE_MODES} or None, "
+                             f"got {self.graph_update_mode!r}")
         cfg = self.model.cfg
         if self.max_model_len > cfg.max_seq_len:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
@@ -115,9 +127,11 @@ class BoundaryRunner:
         if key not in self._jits:
             opts = None
             if eager and self._on_gpu:
-                # Per-executable options replace the debug options of this compile, so carry a
-                # --xla_dump_to from XLA_FLAGS along (the thunk-count check reads those dumps).
+                # Per-executable options: carry a --xla_dump_to from XLA_FLAGS along explicitly (the
+                # thunk-count check reads the eager executables' dumps too).
                 opts = {"xla_gpu_enable_command_buffer": "", **_dump_options()}
+            elif not eager and self.graph_update_mode and self._on_gpu:
+                opts = {"xla_gpu_command_buffer_update_mode": self.graph_update_mode, **_dump_options()}
             self._jits[key] = jax.jit(fn, donate_argnums=donate, compiler_options=opts)
         return self._jits[key]
 
@@ -199,8 +213,9 @@ class BoundaryRunner:
         if end > self.max_model_len:
             raise ValueError(f"a chunk reaches position {end}, beyond max_model_len={self.max_model_len}")
         tb = _pick(self.token_buckets, t)
-        batch = make_batch(chunks, bt, self.block_size, pad_to=tb)
-        if (np.asarray(batch.slot_mapping)[:t] >= self.num_blocks * self.block_size).any():
+        batch = make_batch(chunks, bt, self.block_size, pad_to=tb, host=True)
+        # Checked on the host: reading a device copy back here would wait for the previous step.
+        if (batch.slot_mapping[:t] >= self.num_blocks * self.block_size).any():
             raise ValueError("block_tables references a page outside the pool")
         tokens = np.zeros(tb, np.int32)
         tokens[:t] = token_ids
@@ -208,10 +223,9 @@ class BoundaryRunner:
         li = np.zeros(self.max_num_seqs, np.int32)
         li[: len(chunks)] = ends
         kb = _pick(self.key_block_buckets, -(-end // self.block_size))
-        small = PagedBatch(positions=batch.positions, req_idx=batch.req_idx, slot_mapping=batch.slot_mapping,
-                           block_tables=jnp.asarray(bt[:, :kb]), seq_lens=batch.seq_lens,
-                           query_start_loc=batch.query_start_loc)
-        inputs = (jnp.asarray(tokens), batch, jnp.asarray(li), small)
+        tokens, batch, li, small_bt = jax.device_put((tokens, batch, li, bt[:, :kb]))  # one transfer call
+        small = replace_batch(batch, block_tables=small_bt)
+        inputs = (tokens, batch, li, small)
         return self._stage((tb, kb), inputs) if self.stable_inputs else inputs
 
     def _stage(self, key: Any, fresh: Any) -> Any:
@@ -297,7 +311,7 @@ class ModelRunner(BoundaryRunner):
               mode: str = "narrow", implementation: str = "auto", num_blocks: int = 256, max_num_seqs: int = 16,
               max_num_tokens: int = 256, max_model_len: int = 1024, seed: int = 0, moe: bool = False,
               token_buckets: tuple[int, ...] = (), key_block_buckets: tuple[int, ...] = (),
-              stable_inputs: bool = False) -> "ModelRunner":
+              stable_inputs: bool = False, graph_update_mode: str | None = None) -> "ModelRunner":
         """``preset`` defaults to v32-tiny. With ``checkpoint`` and no ``preset`` / ``config_path`` / ``moe``
         the checkpoint's stored config builds the model; otherwise the checkpoint must match that config
         (a mismatch is a ValueError naming the first differing parameter)."""
@@ -312,7 +326,8 @@ class ModelRunner(BoundaryRunner):
                 load_checkpoint(model, checkpoint)
         return cls(model=model, mode=mode, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                    max_num_tokens=max_num_tokens, max_model_len=max_model_len, token_buckets=tuple(token_buckets),
-                   key_block_buckets=tuple(key_block_buckets), stable_inputs=stable_inputs)
+                   key_block_buckets=tuple(key_block_buckets), stable_inputs=stable_inputs,
+                   graph_update_mode=graph_update_mode)
 
 
 def enable_compile_cache(cache_dir: str) -> None:

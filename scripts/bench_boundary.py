@@ -54,7 +54,8 @@ def make_runner(model, mode: str, max_seqs: int, ctx: int):
     return BoundaryRunner(model=model, mode=mode, num_blocks=nb, max_num_seqs=max_seqs, max_num_tokens=max_seqs * 128,
                           max_model_len=max_len, token_buckets=(16, 64, 128, max_seqs * 128),
                           key_block_buckets=tuple(sorted({-(-128 // bs), -(-ctx // bs), -(-max_len // bs)})),
-                          stable_inputs=os.environ.get("JDS_STABLE_INPUTS") == "1")
+                          stable_inputs=os.environ.get("JDS_STABLE_INPUTS") == "1",
+                          graph_update_mode=os.environ.get("JDS_GRAPH_UPDATE_MODE") or None)
 
 
 def time_steps(runner, chunks, n_warm: int, n: int) -> tuple[dict, dict]:
@@ -220,6 +221,8 @@ def main() -> None:
                     help="attention stages (default: $JDS_IMPLEMENTATION or auto = Pallas on a GPU)")
     ap.add_argument("--stable-inputs", action="store_true",
                     help="step inputs in persistent device buffers (BoundaryRunner.stable_inputs)")
+    ap.add_argument("--graph-update-mode", default=None, choices=("ALWAYS_UPDATE", "SKIP_TEMP", "SKIP_PROFILED"),
+                    help="XLA command-buffer update mode of the captured executables (BoundaryRunner.graph_update_mode)")
     ap.add_argument("--precompile", action="store_true",
                     help="first compile every (arch, mode) in parallel processes into a persistent cache")
     ap.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
@@ -229,6 +232,8 @@ def main() -> None:
         os.environ["JDS_IMPLEMENTATION"] = a.implementation
     if a.stable_inputs:
         os.environ["JDS_STABLE_INPUTS"] = "1"
+    if a.graph_update_mode:
+        os.environ["JDS_GRAPH_UPDATE_MODE"] = a.graph_update_mode
     cache_dir = os.environ.get("JDS_COMPILE_CACHE")
     if a.precompile and not cache_dir:
         import tempfile
@@ -250,7 +255,8 @@ def main() -> None:
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "jax": jax.__version__,
             "command": " ".join(["python"] + sys.argv), "precompile": {},
             "implementation": os.environ.get("JDS_IMPLEMENTATION", "auto"),
-            "stable_inputs": os.environ.get("JDS_STABLE_INPUTS") == "1"}
+            "stable_inputs": os.environ.get("JDS_STABLE_INPUTS") == "1",
+            "graph_update_mode": os.environ.get("JDS_GRAPH_UPDATE_MODE")}
     results = {"meta": meta, "archs": {}}
     for arch in a.arch:
         if a.precompile and not a.dump:

@@ -12,6 +12,9 @@ This script times the host enqueue of the same step (a V3.2 stack, 128-token pre
   same_inputs_no_graph    as same_inputs, command buffers off
   fresh_inputs_stable_buffers   the runner's ``stable_inputs``: fresh values copied into persistent buffers
                                 (the candidate fix; its enqueue time includes preparing and staging)
+  fresh_inputs_update_<MODE>    fresh inputs, captured executables compiled with XLA's
+                                ``xla_gpu_command_buffer_update_mode`` = MODE (SKIP_TEMP, SKIP_PROFILED:
+                                XLA keeps buffers at fixed virtual addresses instead of updating the graph)
 If same_inputs is much cheaper than fresh_inputs with command buffers, but the two are alike without
 them, input address changes drive the launch cost; the fix is to keep step inputs in persistent,
 donated device buffers.
@@ -64,6 +67,8 @@ def main() -> None:
     ap.add_argument("--size", choices=("bench", "tiny"), default="bench")
     ap.add_argument("--modes", nargs="+", default=["fused", "narrow"], choices=("wide", "narrow", "fused"))
     ap.add_argument("--n", type=int, default=50)
+    ap.add_argument("--update-modes", nargs="*", default=["SKIP_TEMP", "SKIP_PROFILED"],
+                    choices=("ALWAYS_UPDATE", "SKIP_TEMP", "SKIP_PROFILED"))
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import jax
@@ -101,6 +106,15 @@ def main() -> None:
                 key = "fresh_inputs_stable_buffers"
                 res["modes"][mode][key] = measure(r, ids, chunks, bt, False, a.n, stage_in_timing=True)
                 print(json.dumps({mode: {key: res["modes"][mode][key]}}), flush=True)
+            del r
+            jax.clear_caches()
+        for um in a.update_modes:
+            r = make_runner(model, mode, 64, 512)
+            r.graph_update_mode = um  # read when the executables are first built
+            bt = np.arange(r.max_num_seqs * r.max_blocks, dtype=np.int32).reshape(r.max_num_seqs, -1)[:1] % r.num_blocks
+            key = f"fresh_inputs_update_{um}"
+            res["modes"][mode][key] = measure(r, ids, chunks, bt, False, a.n)
+            print(json.dumps({mode: {key: res["modes"][mode][key]}}), flush=True)
             del r
             jax.clear_caches()
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

@@ -146,3 +146,14 @@ def test_stable_inputs_same_logits_same_addresses(mode: str) -> None:
     again = stable.prepare_inputs(ids + 1, chunks, bt[:1])
     assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(again)] == first
     assert int(again[0][0]) == 1
+
+
+def test_graph_update_mode_is_checked() -> None:
+    """An unknown XLA command-buffer update mode is a ValueError naming the field, not a compile error later."""
+    model = Decoder(preset("v32-tiny", n_layers=1), seed=0)
+    with pytest.raises(ValueError, match="graph_update_mode"):
+        BoundaryRunner(model=model, mode="narrow", num_blocks=8, max_num_seqs=2, max_num_tokens=16,
+                       max_model_len=64, graph_update_mode="SOMETIMES")
+    r = BoundaryRunner(model=model, mode="narrow", num_blocks=8, max_num_seqs=2, max_num_tokens=16,
+                       max_model_len=64, graph_update_mode="SKIP_PROFILED")
+    assert r.graph_update_mode == "SKIP_PROFILED"
