@@ -176,7 +176,6 @@ async def run(a: argparse.Namespace) -> dict:
         rng = np.random.default_rng(a.seed)
 
         async def go(p) -> Result:
-            nonlocal in_flight, peak
             async def call() -> Result:
                 nonlocal in_flight, peak
                 in_flight += 1

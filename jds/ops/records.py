@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jds.ops.quant import FLT_MIN, FP8, FP8_MAX, act_quant, block_scale, quantize_e4m3, true_divide
 
