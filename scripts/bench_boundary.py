@@ -168,6 +168,32 @@ def precompile(archs: list[str], modes: tuple[str, ...], a: argparse.Namespace, 
     return report
 
 
+def launches_per_step(modules: dict[str, dict], kinds: list[str], mode: str) -> int:
+    """Direct launches of one step, from the thunk counts of the executables its first step compiled.
+
+    Executables are compiled in first-use order and XLA numbers modules in compile order, so the k-th
+    eager (or mid) module by number belongs to the k-th distinct layer kind (or kind transition) the
+    step meets; the step then calls each once per layer (per transition) of that kind.
+    """
+    def by_tag(tag: str) -> list[int]:
+        hits = sorted((int(k.split(".")[0].split("_")[-1]), v["direct_launches"]) for k, v in modules.items()
+                      if k.endswith("." + tag))
+        return [n for _, n in hits]
+
+    if mode == "fused":
+        return sum(by_tag("jit_full"))
+    eager = by_tag("jit_consume" if mode == "narrow" else "jit_prepare_and_consume")
+    mids = by_tag("jit_mid")
+    kind_order = list(dict.fromkeys(kinds))
+    pairs = list(zip(kinds, kinds[1:]))
+    pair_order = list(dict.fromkeys(pairs))
+    if len(eager) != len(kind_order) or len(mids) != len(pair_order):
+        raise ValueError(f"{mode}: {len(eager)} eager / {len(mids)} mid executables in the dump for layer kinds "
+                         f"{kind_order} and transitions {pair_order}")
+    return (sum(by_tag("jit_first")) + sum(by_tag("jit_last"))
+            + sum(eager[kind_order.index(k)] for k in kinds) + sum(mids[pair_order.index(p)] for p in pairs))
+
+
 def dump_counts(dump_dir: str, arch: str, layers: int) -> dict:
     """One step per mode with XLA dumping on; count graphs and direct launches per step."""
     from jds.batch import Chunk
@@ -188,20 +214,7 @@ def dump_counts(dump_dir: str, arch: str, layers: int) -> dict:
         per = {k: {"command_buffers": v.command_buffers, "direct_launches": v.direct_launches,
                    "top_level": len(v.top_level), "in_graphs": len(v.in_graphs)} for k, v in new.items()}
         kinds = [model.cfg.layer_kind(i) for i in range(layers)]
-
-        def launches(tag: str) -> int:
-            return sum(v["direct_launches"] for k, v in per.items() if tag in k)
-
-        if mode == "fused":
-            step = launches("jit_full")
-        else:
-            eager_tag = "jit_consume" if mode == "narrow" else "jit_prepare_and_consume"
-            n_e = len([k for k in per if eager_tag in k])
-            n_m = len([k for k in per if "jit_mid" in k])
-            # each compiled module is one executable; the step calls mid (layers-1)x, eager (layers)x
-            step = (launches("jit_first") + launches("jit_last")
-                    + (launches("jit_mid") / max(n_m, 1)) * (layers - 1)
-                    + (launches(eager_tag) / max(n_e, 1)) * layers)
+        step = launches_per_step(per, kinds, mode)
         result[mode] = {"modules": per, "direct_launches_per_step": step, "layer_kinds": kinds}
     return result
 

@@ -27,3 +27,20 @@ def test_tiny_precompiled_run(tmp_path) -> None:
         assert modes[mode]["ttft_128"]["n"] == 30 and modes[mode]["ttft_128"]["mean_ms"] > 0
         assert modes[mode]["dispatches_per_step"] == {"captured": 3, "eager": 2}
     assert set(res["archs"]["v32"]["ratios"]) >= {"narrow/wide_ttft_128", "narrow/wide_decode_b64_ctx128"}
+
+
+def test_launches_per_step_counts_each_layer_kind() -> None:
+    """Mixed layer kinds (V4: window-only, C4, C128) each use their own eager executable's launch count."""
+    import sys
+    sys.path.insert(0, "scripts")
+    from bench_boundary import launches_per_step
+
+    def m(n: int) -> dict:
+        return {"direct_launches": n}
+
+    mods = {"module_10.jit_first": m(1), "module_20.jit_consume": m(7), "module_30.jit_mid": m(1),
+            "module_40.jit_mid": m(1), "module_50.jit_consume": m(20), "module_60.jit_mid": m(1),
+            "module_70.jit_consume": m(8), "module_80.jit_last": m(1)}
+    # swa->swa, swa->c4, c4->c128: three transitions, each compiled once
+    assert launches_per_step(mods, ["swa", "swa", "c4", "c128"], "narrow") == 1 + 7 + 7 + 20 + 8 + 3 + 1
+    assert launches_per_step({"module_1.jit_full": m(1)}, ["swa"], "fused") == 1
