@@ -54,34 +54,35 @@ def make_batch(chunks: Sequence[Chunk], block_tables: np.ndarray, block_size: in
     """
     block_tables = np.asarray(block_tables, np.int32)
     r = block_tables.shape[0]
-    seen: set[int] = set()
-    pos, req, slot = [], [], []
-    seq_lens = np.zeros(r, np.int32)
-    qsl = np.zeros(r + 1, np.int32)
-    counts = np.zeros(r, np.int32)
-    for c in chunks:
-        if not 0 <= c.req < r:
-            raise ValueError(f"chunk.req={c.req} outside block_tables rows [0, {r})")
-        if c.req in seen:
-            raise ValueError(f"chunk.req={c.req} appears twice; one chunk per request row per step")
-        if c.start < 0 or c.num_tokens < 1:
-            raise ValueError(f"chunk for req {c.req}: start must be >= 0 and num_tokens >= 1")
-        seen.add(c.req)
-        p = np.arange(c.start, c.start + c.num_tokens, dtype=np.int32)
-        if (p.max() // block_size) >= block_tables.shape[1]:
-            raise ValueError(f"block_tables row {c.req} is too short for position {int(p.max())}")
-        pos.append(p)
-        req.append(np.full_like(p, c.req))
-        slot.append(block_tables[c.req, p // block_size] * block_size + p % block_size)
-        seq_lens[c.req] = c.start + c.num_tokens
-        counts[c.req] = c.num_tokens
-    order = [c.req for c in chunks]
-    if order != sorted(order):
+    # vectorised over chunks: a 64-request decode step is built in tens of microseconds, not a Python loop
+    req = np.fromiter((c.req for c in chunks), np.int64, len(chunks))
+    start = np.fromiter((c.start for c in chunks), np.int64, len(chunks))
+    n_tok = np.fromiter((c.num_tokens for c in chunks), np.int64, len(chunks))
+    bad = np.flatnonzero((req < 0) | (req >= r))
+    if bad.size:
+        raise ValueError(f"chunk.req={int(req[bad[0]])} outside block_tables rows [0, {r})")
+    rows, seen = np.unique(req, return_counts=True)
+    if (seen > 1).any():
+        raise ValueError(f"chunk.req={int(rows[seen > 1][0])} appears twice; one chunk per request row per step")
+    bad = np.flatnonzero((start < 0) | (n_tok < 1))
+    if bad.size:
+        raise ValueError(f"chunk for req {int(req[bad[0]])}: start must be >= 0 and num_tokens >= 1")
+    last = start + n_tok - 1
+    bad = np.flatnonzero(last // block_size >= block_tables.shape[1])
+    if bad.size:
+        raise ValueError(f"block_tables row {int(req[bad[0]])} is too short for position {int(last[bad[0]])}")
+    if (np.diff(req) < 0).any():
         raise ValueError("chunks must be given in increasing request-row order")
+    seq_lens = np.zeros(r, np.int32)
+    seq_lens[req] = start + n_tok
+    counts = np.zeros(r, np.int32)
+    counts[req] = n_tok
+    qsl = np.zeros(r + 1, np.int32)
     qsl[1:] = np.cumsum(counts)
-    positions = np.concatenate(pos) if pos else np.zeros(0, np.int32)
-    req_idx = np.concatenate(req) if req else np.zeros(0, np.int32)
-    slots = np.concatenate(slot) if slot else np.zeros(0, np.int32)
+    tok_start = np.cumsum(n_tok) - n_tok  # each chunk's first token in the flat batch
+    req_idx = np.repeat(req, n_tok).astype(np.int32)
+    positions = (np.arange(int(n_tok.sum())) - np.repeat(tok_start - start, n_tok)).astype(np.int32)
+    slots = block_tables[req_idx, positions // block_size] * block_size + positions % block_size
     if pad_to is not None:
         n = pad_to - positions.shape[0]
         if n < 0:
