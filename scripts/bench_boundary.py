@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -95,9 +96,11 @@ def step_shapes(ctx: int) -> dict:
 
 
 def bench_arch(arch: str, layers: int, inter: int | None, ctx: int, quick: bool,
-               modes: tuple[str, ...] = MODES, warm_only: bool = False, size: str = "bench") -> dict:
+               modes: tuple[str, ...] = MODES, warm_only: bool = False, size: str = "bench",
+               on_mode: Callable[[dict], None] | None = None) -> dict:
     """Time every step shape in each mode. ``warm_only``: run each shape once (compiles, fills the
-    persistent compilation cache for a later timed run) and time nothing."""
+    persistent compilation cache for a later timed run) and time nothing. ``on_mode`` gets the partial
+    result after each mode (the caller saves it, so a run cut short by a time limit keeps full stats)."""
     import jax
 
     model = build(arch, layers, inter, size)
@@ -130,6 +133,8 @@ def bench_arch(arch: str, layers: int, inter: int | None, ctx: int, quick: bool,
         out["modes"][mode] = res
         print(json.dumps({arch: {mode: {k: (v["mean_ms"] if isinstance(v, dict) and "mean_ms" in v else v)
                                          for k, v in res.items()}}}), flush=True)
+        if on_mode:
+            on_mode(out)
         del r
         jax.clear_caches()
     m = out["modes"]
@@ -278,15 +283,20 @@ def main() -> None:
         meta.setdefault("device", str(jax.devices()[0].device_kind))
         meta.setdefault("backend", jax.default_backend())
         inter = a.intermediate or (18432 if arch == "v32" else 2048)
+
+        def save(partial: dict | None = None) -> None:
+            if partial is not None:
+                results["archs"][arch] = partial
+            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+            with open(a.out, "w") as f:
+                json.dump(results, f, indent=1)
+
         if a.dump:
             results["archs"][arch] = dump_counts(a.dump, arch, min(a.layers, 4))
-            a.dump = a.dump  # same dir; dump_counts diffs module sets per mode
         else:
             results["archs"][arch] = bench_arch(arch, a.layers, inter, a.ctx, a.quick, tuple(a.modes), a.warm_only,
-                                                 a.size)
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump(results, f, indent=1)
+                                                 a.size, on_mode=save)
+        save()
     print(json.dumps(results if a.dump else {k: v.get("ratios") for k, v in results["archs"].items()}, indent=1))
 
 

@@ -77,6 +77,11 @@ def main() -> None:
     from bench_boundary import build, make_runner
     from jds.batch import Chunk
 
+    def save(res: dict) -> None:  # after every row: a run cut short by its time limit keeps what it measured
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
     model = build("v32", a.layers, 2048 if a.size == "bench" else 64, a.size)
     ids = np.arange(128, dtype=np.int32) % 256
     chunks = [Chunk(0, 0, 128)]
@@ -101,11 +106,13 @@ def main() -> None:
                 key = f"{'same' if same else 'fresh'}_inputs{tag}"
                 res["modes"][mode][key] = measure(r, ids, chunks, bt, same, a.n)
                 print(json.dumps({mode: {key: res["modes"][mode][key]}}), flush=True)
+                save(res)
             if graphs:  # the candidate fix: fresh values written into persistent buffers (one extra dispatch)
                 r.stable_inputs = True
                 key = "fresh_inputs_stable_buffers"
                 res["modes"][mode][key] = measure(r, ids, chunks, bt, False, a.n, stage_in_timing=True)
                 print(json.dumps({mode: {key: res["modes"][mode][key]}}), flush=True)
+                save(res)
             del r
             jax.clear_caches()
         for um in a.update_modes:
@@ -115,11 +122,10 @@ def main() -> None:
             key = f"fresh_inputs_update_{um}"
             res["modes"][mode][key] = measure(r, ids, chunks, bt, False, a.n)
             print(json.dumps({mode: {key: res["modes"][mode][key]}}), flush=True)
+            save(res)
             del r
             jax.clear_caches()
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+    save(res)
 
 
 if __name__ == "__main__":
