@@ -14,6 +14,7 @@ step's actual sequence lengths. narrow/wide issue L eager + L+1 captured dispatc
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
@@ -58,8 +59,28 @@ def _pick(buckets: tuple[int, ...], n: int) -> int:
 
 
 # Values of XLA's DebugOptions.CommandBufferUpdateMode in jax 0.11.2's XLA (read from the enum
-# descriptor in jaxlib; an unknown value is rejected at compile time).
+# descriptor in jaxlib; an unknown value is rejected when XLA parses its flags).
 GRAPH_UPDATE_MODES = ("ALWAYS_UPDATE", "SKIP_TEMP", "SKIP_PROFILED")
+
+
+def use_graph_update_mode(mode: str) -> None:
+    """Process-wide ``--xla_gpu_command_buffer_update_mode``; call before JAX initialises its backends.
+
+    Why: with the default ALWAYS_UPDATE, XLA patches a recorded CUDA graph whenever a buffer it uses
+    moves (fresh inputs, new temp and output allocations), and re-traces library commands (GEMMs).
+    SKIP_TEMP pins temp buffers, SKIP_PROFILED also the parameters and outputs that kept their address
+    over the first calls, at fixed virtual addresses. Both need XLA's VMM allocator, which XLA selects
+    only when the mode is in XLA_FLAGS at client creation: as a per-executable compiler option it would
+    silently fall back (openxla/xla gpu_executable_va_remap_allocator.cc, 2026).
+    """
+    if mode not in GRAPH_UPDATE_MODES:
+        raise ValueError(f"graph_update_mode must be one of {GRAPH_UPDATE_MODES}, got {mode!r}")
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError("graph_update_mode must be set before JAX initialises its backends")
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_command_buffer_update_mode={mode}".strip()
 
 
 @dataclass
@@ -86,17 +107,10 @@ class BoundaryRunner:
     key_block_buckets: tuple[int, ...] = ()
     last_dispatch: DispatchStats = field(default_factory=DispatchStats)
     stable_inputs: bool = False  # write each step's inputs into persistent device buffers (see _stage)
-    # XLA's ``xla_gpu_command_buffer_update_mode`` for the captured executables (None = XLA's default,
-    # ALWAYS_UPDATE). SKIP_TEMP / SKIP_PROFILED keep buffers at fixed virtual addresses so a launch need
-    # not re-record its CUDA graph when an input lands at a new address (see GRAPH_UPDATE_MODES).
-    graph_update_mode: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.graph_update_mode is not None and self.graph_update_mode not in GRAPH_UPDATE_MODES:
-            raise ValueError(f"graph_update_mode must be one of {GRAPH_UPDATE_MODES} or None, "
-                             f"got {self.graph_update_mode!r}")
         cfg = self.model.cfg
         if self.max_model_len > cfg.max_seq_len:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
@@ -130,8 +144,6 @@ class BoundaryRunner:
                 # Per-executable options: carry a --xla_dump_to from XLA_FLAGS along explicitly (the
                 # thunk-count check reads the eager executables' dumps too).
                 opts = {"xla_gpu_enable_command_buffer": "", **_dump_options()}
-            elif not eager and self.graph_update_mode and self._on_gpu:
-                opts = {"xla_gpu_command_buffer_update_mode": self.graph_update_mode, **_dump_options()}
             self._jits[key] = jax.jit(fn, donate_argnums=donate, compiler_options=opts)
         return self._jits[key]
 
@@ -311,7 +323,7 @@ class ModelRunner(BoundaryRunner):
               mode: str = "narrow", implementation: str = "auto", num_blocks: int = 256, max_num_seqs: int = 16,
               max_num_tokens: int = 256, max_model_len: int = 1024, seed: int = 0, moe: bool = False,
               token_buckets: tuple[int, ...] = (), key_block_buckets: tuple[int, ...] = (),
-              stable_inputs: bool = False, graph_update_mode: str | None = None) -> "ModelRunner":
+              stable_inputs: bool = False) -> "ModelRunner":
         """``preset`` defaults to v32-tiny. With ``checkpoint`` and no ``preset`` / ``config_path`` / ``moe``
         the checkpoint's stored config builds the model; otherwise the checkpoint must match that config
         (a mismatch is a ValueError naming the first differing parameter)."""
@@ -326,8 +338,7 @@ class ModelRunner(BoundaryRunner):
                 load_checkpoint(model, checkpoint)
         return cls(model=model, mode=mode, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                    max_num_tokens=max_num_tokens, max_model_len=max_model_len, token_buckets=tuple(token_buckets),
-                   key_block_buckets=tuple(key_block_buckets), stable_inputs=stable_inputs,
-                   graph_update_mode=graph_update_mode)
+                   key_block_buckets=tuple(key_block_buckets), stable_inputs=stable_inputs)
 
 
 def enable_compile_cache(cache_dir: str) -> None:

@@ -55,8 +55,7 @@ def make_runner(model, mode: str, max_seqs: int, ctx: int):
     return BoundaryRunner(model=model, mode=mode, num_blocks=nb, max_num_seqs=max_seqs, max_num_tokens=max_seqs * 128,
                           max_model_len=max_len, token_buckets=(16, 64, 128, max_seqs * 128),
                           key_block_buckets=tuple(sorted({-(-128 // bs), -(-ctx // bs), -(-max_len // bs)})),
-                          stable_inputs=os.environ.get("JDS_STABLE_INPUTS") == "1",
-                          graph_update_mode=os.environ.get("JDS_GRAPH_UPDATE_MODE") or None)
+                          stable_inputs=os.environ.get("JDS_STABLE_INPUTS") == "1")
 
 
 def time_steps(runner, chunks, n_warm: int, n: int) -> tuple[dict, dict]:
@@ -240,7 +239,7 @@ def main() -> None:
     ap.add_argument("--stable-inputs", action="store_true",
                     help="step inputs in persistent device buffers (BoundaryRunner.stable_inputs)")
     ap.add_argument("--graph-update-mode", default=None, choices=("ALWAYS_UPDATE", "SKIP_TEMP", "SKIP_PROFILED"),
-                    help="XLA command-buffer update mode of the captured executables (BoundaryRunner.graph_update_mode)")
+                    help="XLA command-buffer update mode, process-wide (jds.runner.use_graph_update_mode)")
     ap.add_argument("--precompile", action="store_true",
                     help="first compile every (arch, mode) in parallel processes into a persistent cache")
     ap.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
@@ -250,8 +249,10 @@ def main() -> None:
         os.environ["JDS_IMPLEMENTATION"] = a.implementation
     if a.stable_inputs:
         os.environ["JDS_STABLE_INPUTS"] = "1"
-    if a.graph_update_mode:
-        os.environ["JDS_GRAPH_UPDATE_MODE"] = a.graph_update_mode
+    if a.graph_update_mode:  # into XLA_FLAGS, which the precompile processes inherit
+        from jds.runner import use_graph_update_mode
+
+        use_graph_update_mode(a.graph_update_mode)
     cache_dir = os.environ.get("JDS_COMPILE_CACHE")
     if a.precompile and not cache_dir:
         import tempfile
@@ -274,7 +275,7 @@ def main() -> None:
             "command": " ".join(["python"] + sys.argv), "precompile": {},
             "implementation": os.environ.get("JDS_IMPLEMENTATION", "auto"),
             "stable_inputs": os.environ.get("JDS_STABLE_INPUTS") == "1",
-            "graph_update_mode": os.environ.get("JDS_GRAPH_UPDATE_MODE")}
+            "graph_update_mode": a.graph_update_mode}
     results = {"meta": meta, "archs": {}}
     for arch in a.arch:
         if a.precompile and not a.dump:

@@ -2,7 +2,7 @@
 # The H200 runbook. Stages run in the order given; each fits the 10-minute call limit on its own, and
 # its outputs land in $OUT as they are produced, so a stage that is cut short keeps what it measured:
 #
-#   scripts/gpu_session.sh probe         # host launch cost of a captured step: input addresses, update modes
+#   scripts/gpu_session.sh probe         # host launch cost of a captured step: addresses, update modes, GEMMs
 #   scripts/gpu_session.sh boundary      # bench_boundary, V3.2 + V4, compiled in parallel processes first
 #   scripts/gpu_session.sh boundary-v4   # the V4 stack alone (all three modes)
 #   scripts/gpu_session.sh boundary-xla  # as boundary, with the pure-JAX attention stages
@@ -25,8 +25,10 @@ nvidia-smi -L > "$OUT/device.txt" 2>&1 || true
 for stage in "$@"; do
 case "$stage" in
   probe)
-    timeout ${PROBE_TIMEOUT:-570} python3 scripts/probe_graph_updates.py --layers 4 --out "$OUT/probe_graph_updates.json" \
-      > "$OUT/probe_graph_updates.log" 2>&1; echo "probe rc=$?"; grep '^{' "$OUT/probe_graph_updates.log" | tail -14
+    # one process per variant (update modes pick XLA's allocator at start-up); fused first: one executable
+    timeout ${PROBE_TIMEOUT:-570} python3 scripts/probe_graph_updates.py --layers 2 ${PROBE_ARGS:---modes fused} \
+      --out "$OUT/probe_graph_updates.json" > "$OUT/probe_graph_updates.log" 2>&1
+    echo "probe rc=$?"; grep '^{' "$OUT/probe_graph_updates.log" | cut -c1-160
     ;;
   boundary|boundary-xla|boundary-v4)
     impl=auto; [ "$stage" = boundary-xla ] && impl=xla   # auto = the Pallas kernels on the GPU

@@ -1,25 +1,27 @@
-"""Does a captured executable's host launch cost depend on whether its input buffers move?
+"""What makes a captured step's host launch cost milliseconds? Input addresses, graph updates, traced GEMMs.
 
-On the H200 (2026-11-29) the fused step (one executable, one command buffer holding about 220 kernels)
-took 6.3 ms of host time to enqueue, where replaying a CUDA graph should cost tens of microseconds.
-Hypothesis: XLA updates the recorded command buffer whenever a buffer it uses sits at a new address,
-and every step's inputs (tokens, positions, slot mapping, block tables) are fresh device buffers.
+On the H200 (2026-11-29, BENCHMARKS.md) the fused V3.2 step, one executable whose thunk sequence is one
+command buffer, took 4.3-5.1 ms of host time to enqueue, against about 42 µs for a small jitted call.
+XLA's CommandBufferThunk (openxla/xla, 2026) patches the recorded graph's nodes whenever a buffer they use
+sits at a new address (with the default ``xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE``), and
+re-captures library commands (cuBLAS GEMMs) whose addresses miss a small trace cache. Every step brings
+fresh inputs and fresh temp/output allocations.
 
-This script times the host enqueue of the same step (a V3.2 stack, 128-token prefill) in four ways:
-  fresh_inputs            the inputs rebuilt and transferred every step (what the runner does)
-  same_inputs             the very same device arrays passed every step (stable addresses)
-  fresh_inputs_no_graph   as fresh_inputs, compiled with command buffers off (direct launches)
-  same_inputs_no_graph    as same_inputs, command buffers off
-  fresh_inputs_stable_buffers   the runner's ``stable_inputs``: fresh values copied into persistent buffers
-                                (the candidate fix; its enqueue time includes preparing and staging)
-  fresh_inputs_update_<MODE>    fresh inputs, captured executables compiled with XLA's
-                                ``xla_gpu_command_buffer_update_mode`` = MODE (SKIP_TEMP, SKIP_PROFILED:
-                                XLA keeps buffers at fixed virtual addresses instead of updating the graph)
-If same_inputs is much cheaper than fresh_inputs with command buffers, but the two are alike without
-them, input address changes drive the launch cost; the fix is to keep step inputs in persistent,
-donated device buffers.
+Each variant runs in its own process (the update modes choose XLA's allocator at client creation):
+  base             default flags. Rows: fresh_inputs (what the runner does), same_inputs (the very same
+                   device arrays every step), stable_buffers (the runner's ``stable_inputs``: fresh values
+                   written in place into persistent buffers; its time includes preparing and staging),
+                   no_graph_* (command buffers off: direct launches), fusion_only_* (captured executables
+                   keep only fusions and custom calls in the graph: GEMMs run as direct launches, never
+                   re-traced)
+  trace_cache_128  --xla_cmd_buffer_trace_cache_size=128
+  skip_temp        --xla_gpu_command_buffer_update_mode=SKIP_TEMP (temp buffers at fixed addresses)
+  skip_profiled    --xla_gpu_command_buffer_update_mode=SKIP_PROFILED (also parameters / outputs that kept
+                   their address over the first calls)
+Reading: if same_inputs or an update mode is much cheaper than fresh_inputs while no_graph is not,
+address-driven graph updates are the cost; if fusion_only or trace_cache_128 fixes it, GEMM re-tracing is.
 
-    python scripts/probe_graph_updates.py --layers 4 --out probe.json
+    python scripts/probe_graph_updates.py --layers 2 --out probe.json
 """
 
 from __future__ import annotations
@@ -29,11 +31,20 @@ import datetime
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+VARIANTS = {  # name -> extra XLA_FLAGS of its process
+    "base": "",
+    "trace_cache_128": "--xla_cmd_buffer_trace_cache_size=128",
+    "skip_temp": "--xla_gpu_command_buffer_update_mode=SKIP_TEMP",
+    "skip_profiled": "--xla_gpu_command_buffer_update_mode=SKIP_PROFILED",
+}
 
 
 def measure(runner, ids, chunks, bt, same: bool, n: int, stage_in_timing: bool = False) -> dict:
@@ -61,71 +72,104 @@ def measure(runner, ids, chunks, bt, same: bool, n: int, stage_in_timing: bool =
             "n": n}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--size", choices=("bench", "tiny"), default="bench")
-    ap.add_argument("--modes", nargs="+", default=["fused", "narrow"], choices=("wide", "narrow", "fused"))
-    ap.add_argument("--n", type=int, default=50)
-    ap.add_argument("--update-modes", nargs="*", default=["SKIP_TEMP", "SKIP_PROFILED"],
-                    choices=("ALWAYS_UPDATE", "SKIP_TEMP", "SKIP_PROFILED"))
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
+def _runner(model, mode: str, captured_opts: dict | None, all_eager: bool = False):
+    """A runner whose captured executables get ``captured_opts`` (None = XLA's defaults); ``all_eager``
+    compiles every executable as the eager ones are (command buffers off)."""
+    import jax
+
+    from bench_boundary import make_runner
+
+    r = make_runner(model, mode, 64, 512)
+    orig = r._jit
+
+    def jit(key, fn, *, eager, donate=()):
+        if eager or all_eager:
+            return orig(key, fn, eager=True, donate=donate)
+        if captured_opts is None:
+            return orig(key, fn, eager=False, donate=donate)
+        if key not in r._jits:
+            r._jits[key] = jax.jit(fn, donate_argnums=donate, compiler_options=captured_opts)
+        return r._jits[key]
+
+    r._jit = jit
+    return r
+
+
+def child(a: argparse.Namespace) -> None:
+    """One variant in this process: every row of it, for every mode; JSON saved after each row."""
     import jax
     import numpy as np
 
-    from bench_boundary import build, make_runner
+    from bench_boundary import build
     from jds.batch import Chunk
-
-    def save(res: dict) -> None:  # after every row: a run cut short by its time limit keeps what it measured
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
 
     model = build("v32", a.layers, 2048 if a.size == "bench" else 64, a.size)
     ids = np.arange(128, dtype=np.int32) % 256
     chunks = [Chunk(0, 0, 128)]
-    res = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "jax": jax.__version__,
-                    "device": str(jax.devices()[0].device_kind), "command": " ".join(["python"] + sys.argv)},
-           "modes": {}}
+    res: dict = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "device": str(jax.devices()[0].device_kind),
+                 "modes": {}}
+
+    def row(mode: str, key: str, r, same: bool = False, staged: bool = False) -> None:
+        bt = np.arange(r.max_num_seqs * r.max_blocks, dtype=np.int32).reshape(r.max_num_seqs, -1)[:1] % r.num_blocks
+        if staged:
+            r.stable_inputs = True
+        res["modes"].setdefault(mode, {})[key] = measure(r, ids, chunks, bt, same, a.n, stage_in_timing=staged)
+        print(json.dumps({a.child: {mode: {key: res["modes"][mode][key]}}}), flush=True)
+        with open(a.child_out, "w") as f:
+            json.dump(res, f, indent=1)
+
     for mode in a.modes:
-        for graphs in (True, False):
-            r = make_runner(model, mode, 64, 512)
-            if not graphs:  # every executable of this runner compiled as the eager ones are
-                orig = r._jit
-
-                def jit_no_graphs(key, fn, *, eager, donate=(), _orig=orig):
-                    return _orig(key, fn, eager=True, donate=donate)
-
-                r._jit = jit_no_graphs
-            bt = np.arange(r.max_num_seqs * r.max_blocks, dtype=np.int32).reshape(r.max_num_seqs, -1)
-            bt = bt[:1] % r.num_blocks
-            tag = "" if graphs else "_no_graph"
-            res["modes"].setdefault(mode, {})
-            for same in (False, True):
-                key = f"{'same' if same else 'fresh'}_inputs{tag}"
-                res["modes"][mode][key] = measure(r, ids, chunks, bt, same, a.n)
-                print(json.dumps({mode: {key: res["modes"][mode][key]}}), flush=True)
-                save(res)
-            if graphs:  # the candidate fix: fresh values written into persistent buffers (one extra dispatch)
-                r.stable_inputs = True
-                key = "fresh_inputs_stable_buffers"
-                res["modes"][mode][key] = measure(r, ids, chunks, bt, False, a.n, stage_in_timing=True)
-                print(json.dumps({mode: {key: res["modes"][mode][key]}}), flush=True)
-                save(res)
+        r = _runner(model, mode, None)
+        row(mode, "fresh_inputs", r)
+        row(mode, "same_inputs", r, same=True)
+        if a.child != "trace_cache_128":
+            row(mode, "stable_buffers", r, staged=True)
+        del r
+        jax.clear_caches()
+        if a.child == "base":
+            r = _runner(model, mode, None, all_eager=True)
+            row(mode, "no_graph_fresh_inputs", r)
+            row(mode, "no_graph_same_inputs", r, same=True)
             del r
             jax.clear_caches()
-        for um in a.update_modes:
-            r = make_runner(model, mode, 64, 512)
-            r.graph_update_mode = um  # read when the executables are first built
-            bt = np.arange(r.max_num_seqs * r.max_blocks, dtype=np.int32).reshape(r.max_num_seqs, -1)[:1] % r.num_blocks
-            key = f"fresh_inputs_update_{um}"
-            res["modes"][mode][key] = measure(r, ids, chunks, bt, False, a.n)
-            print(json.dumps({mode: {key: res["modes"][mode][key]}}), flush=True)
-            save(res)
+            r = _runner(model, mode, {"xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL"})
+            row(mode, "fusion_only_fresh_inputs", r)
+            row(mode, "fusion_only_same_inputs", r, same=True)
             del r
             jax.clear_caches()
-    save(res)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--size", choices=("bench", "tiny"), default="bench")
+    ap.add_argument("--modes", nargs="+", default=["fused", "narrow"], choices=("wide", "narrow", "fused"))
+    ap.add_argument("--n", type=int, default=50)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        child(a)
+        return
+    out = os.path.abspath(a.out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    res = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                    "command": " ".join(["python"] + sys.argv), "layers": a.layers, "size": a.size},
+           "variants": {}}
+    for v in a.variants:  # one process at a time: the timings never share the machine
+        part = f"{out}.{v}.json"
+        env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {VARIANTS[v]}".strip()}
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", v, "--child-out", part, "--layers", str(a.layers),
+               "--size", a.size, "--n", str(a.n), "--modes", *a.modes, "--out", out]
+        rc = subprocess.run(cmd, env=env).returncode
+        res["variants"][v] = json.load(open(part)) if os.path.exists(part) else {}
+        res["variants"][v]["rc"] = rc
+        if os.path.exists(part):
+            os.remove(part)
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

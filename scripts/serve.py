@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jds.engine.core import Engine  # noqa: E402
 from jds.engine.loop import EngineLoop  # noqa: E402
-from jds.runner import GRAPH_UPDATE_MODES  # noqa: E402
+from jds.runner import GRAPH_UPDATE_MODES, use_graph_update_mode  # noqa: E402
 from jds.server.app import ServerConfig, build_app, serve  # noqa: E402
 from jds.server.tokenizer import load_tokenizer  # noqa: E402
 
@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stable-inputs", action="store_true",
                    help="keep step inputs in persistent device buffers (fixed addresses for the CUDA graphs)")
     p.add_argument("--graph-update-mode", default=None, choices=GRAPH_UPDATE_MODES,
-                   help="XLA command-buffer update mode of the captured executables (default: XLA's)")
+                   help="XLA command-buffer update mode (process-wide XLA flag; default: XLA's ALWAYS_UPDATE)")
     p.add_argument("--compile-cache", default=None,
                    help="persistent XLA compilation cache directory (a restart or a second server reuses it)")
     p.add_argument("--tokenizer", default=None,
@@ -80,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_runner(a: argparse.Namespace):
+    if a.graph_update_mode:
+        use_graph_update_mode(a.graph_update_mode)  # before anything touches a device
     if a.runner == "fake":
         from jds.engine.fake import FakeRunner
 
@@ -92,8 +94,7 @@ def build_runner(a: argparse.Namespace):
                              implementation=a.implementation, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
                              max_num_tokens=a.max_num_tokens, max_model_len=a.max_model_len, seed=a.seed,
                              moe=a.moe, token_buckets=tuple(a.token_buckets),
-                             key_block_buckets=tuple(a.key_block_buckets), stable_inputs=a.stable_inputs,
-                             graph_update_mode=a.graph_update_mode)
+                             key_block_buckets=tuple(a.key_block_buckets), stable_inputs=a.stable_inputs)
 
 
 async def main(a: argparse.Namespace) -> None:
