@@ -256,7 +256,6 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 interpret: plgpu.InterpretGPUParams | None):
     kind, dk = specs[0].kind, specs[0].dim
     nc = len(specs)
-    nb = sum(list_blocks)
     list_start = [sum(list_blocks[:i]) for i in range(nc)]
     G = hp // HEAD_TILE
     BK = BLOCK_K
@@ -464,14 +463,18 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 l = l * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 v_ref = k_s.at[:, pl.ds(w * dvw, dvw)]
-                if p_regs:  # P straight from registers: no SMEM round trip, no cross-warpgroup wait
-                    p16 = p.astype(jnp.bfloat16)
 
-                    def pv_regs(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, v_ref)
+                def pv_in_place(acc, p_operand):
+                    """acc += P V, accumulating in place (a second [64, 256] fp32 accumulator would not fit
+                    the registers)."""
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p_operand, v_ref)
                         plgpu.wgmma_wait(0)
 
-                    acc = pl.run_state(pv_regs)(plgpu.ACC.init(acc))
+                    return pl.run_state(pv)(plgpu.ACC.init(acc))
+
+                if p_regs:  # P straight from registers: no SMEM round trip, no cross-warpgroup wait
+                    acc = pv_in_place(acc, p.astype(jnp.bfloat16))
                     plgpu.barrier_arrive(bar_free.at[0])
                     return acc, m_new, l
                 if w == 0:
@@ -488,12 +491,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                         return acc_ref[...]
 
                     acc = acc + pl.run_scoped(pv, plgpu.ACC((HEAD_TILE, dvw), jnp.float32))
-                else:  # accumulate in place (a second [64, 256] fp32 accumulator would not fit the registers)
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p_s, v_ref)
-                        plgpu.wgmma_wait(0)
-
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                else:
+                    acc = pv_in_place(acc, p_s)
                 plgpu.barrier_arrive(bar_free.at[0])
                 return acc, m_new, l
 

@@ -21,6 +21,8 @@ from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from jds.results import write_json  # noqa: E402
+
 
 MODES = ("wide", "narrow", "fused")
 
@@ -288,9 +290,7 @@ def main() -> None:
         def save(partial: dict | None = None) -> None:
             if partial is not None:
                 results["archs"][arch] = partial
-            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-            with open(a.out, "w") as f:
-                json.dump(results, f, indent=1)
+            write_json(a.out, results)
 
         if a.dump:
             results["archs"][arch] = dump_counts(a.dump, arch, min(a.layers, 4))

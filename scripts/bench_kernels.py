@@ -18,6 +18,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from jds.results import write_json  # noqa: E402
+
 KERNELS = ("fused_insert", "sparse_indexer", "sparse_mqa")
 
 
@@ -44,15 +46,8 @@ def main() -> None:
             r["flops_frac"] = r["flops"] / t / ceil["bf16_flops_per_s"] if r.get("flops") else None
             rows.append(r)
             print(json.dumps(r), flush=True)
-            _write(a.out, meta, rows)  # after every row: a run cut short keeps what it measured
-    _write(a.out, {**meta, "complete": True}, rows)
-
-
-def _write(path: str, meta: dict, rows: list[dict]) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    os.replace(path + ".tmp", path)
+            write_json(a.out, {"meta": meta, "rows": rows})  # after every row: a cut-short run keeps them
+    write_json(a.out, {"meta": {**meta, "complete": True}, "rows": rows})
 
 
 if __name__ == "__main__":

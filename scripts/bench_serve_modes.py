@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import signal
 import socket
@@ -28,6 +27,8 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from jds.results import write_json  # noqa: E402
 
 
 def free_port() -> int:
@@ -180,8 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
             "device": _device_name(), "command": " ".join(["python", "scripts/bench_serve_modes.py", *raw]),
             "preset": a.preset, "serve_args": serve_args}
     def save(runs: list[dict]) -> None:  # after every mode: a cut-short run keeps what it measured
-        with open(a.out, "w") as f:
-            json.dump({"meta": meta, "runs": runs}, f, indent=1)
+        write_json(a.out, {"meta": meta, "runs": runs})
 
     runs = run_modes(a, serve_args, log_dir, save)
     md = table(runs, a.concurrency)

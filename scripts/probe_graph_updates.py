@@ -39,6 +39,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from jds.results import write_json  # noqa: E402
+
 VARIANTS = {  # name -> extra XLA_FLAGS of its process
     "base": "",
     "trace_cache_128": "--xla_cmd_buffer_trace_cache_size=128",
@@ -115,8 +117,7 @@ def child(a: argparse.Namespace) -> None:
             r.stable_inputs = True
         res["modes"].setdefault(mode, {})[key] = measure(r, ids, chunks, bt, same, a.n, stage_in_timing=staged)
         print(json.dumps({a.child: {mode: {key: res["modes"][mode][key]}}}), flush=True)
-        with open(a.child_out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(a.child_out, res)
 
     for mode in a.modes:
         r = _runner(model, mode, None)
@@ -154,7 +155,6 @@ def main() -> None:
         child(a)
         return
     out = os.path.abspath(a.out)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
     res = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                     "command": " ".join(["python"] + sys.argv), "layers": a.layers, "size": a.size},
            "variants": {}}
@@ -168,8 +168,7 @@ def main() -> None:
         res["variants"][v]["rc"] = rc
         if os.path.exists(part):
             os.remove(part)
-        with open(out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(out, res)
 
 
 if __name__ == "__main__":
