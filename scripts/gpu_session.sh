@@ -2,7 +2,7 @@
 # The H200 runbook. Stages run in the order given; each fits the 10-minute call limit on its own, and
 # its outputs land in $OUT as they are produced, so a stage that is cut short keeps what it measured:
 #
-#   scripts/gpu_session.sh probe         # host launch cost of a captured step: addresses, update modes, GEMMs
+#   scripts/gpu_session.sh probe         # host cost of a captured step: preparation vs dispatch, graphs vs none
 #   scripts/gpu_session.sh boundary      # bench_boundary, V3.2 + V4, compiled in parallel processes first
 #   scripts/gpu_session.sh boundary-v4   # the V4 stack alone (all three modes)
 #   scripts/gpu_session.sh boundary-xla  # as boundary, with the pure-JAX attention stages
@@ -26,7 +26,8 @@ for stage in "$@"; do
 case "$stage" in
   probe)
     # one process per variant (update modes pick XLA's allocator at start-up); fused first: one executable
-    timeout ${PROBE_TIMEOUT:-570} python3 scripts/probe_graph_updates.py --layers 2 ${PROBE_ARGS:---modes fused} \
+    # 2026-11-29 at 2 layers: graph updates refuted (BENCHMARKS.md); next: 8 layers, preparation split out
+    timeout ${PROBE_TIMEOUT:-570} python3 scripts/probe_graph_updates.py ${PROBE_ARGS:---layers 8 --modes fused --variants base} \
       --out "$OUT/probe_graph_updates.json" > "$OUT/probe_graph_updates.log" 2>&1
     echo "probe rc=$?"; grep '^{' "$OUT/probe_graph_updates.log" | cut -c1-160
     ;;

@@ -25,3 +25,4 @@ def test_probe_tiny(tmp_path) -> None:
                                                   "fusion_only_fresh_inputs", "fusion_only_same_inputs"}
     assert set(res["skip_profiled"]["modes"]["fused"]) == {"fresh_inputs", "same_inputs", "stable_buffers"}
     assert all(r["enqueue_ms_median"] > 0 for r in res["base"]["modes"]["fused"].values())
+    assert res["base"]["modes"]["fused"]["fresh_inputs"]["prepare_ms_median"] > 0  # fresh rows time preparing too
