@@ -2,7 +2,8 @@
 DeepSeek-V3.2 / V4 dims (bf16 activations, FP8 caches, DeepSeek reference numerics: Hadamard on, UE8M0).
 
 Driven by scripts/bench_kernels.py (``--only fused_insert``). Rows: kernel, case, impl ("pallas" | "xla"),
-median_us / p10_us / p90_us (pallas_kernels.timing.time_fn), bytes (compulsory HBM traffic: every input
+median_us / p10_us / p90_us (pallas_kernels.timing.time_fn), device_us (device_time_us: the call looped
+inside one executable, dispatch excluded; rows under 1 ms), bytes (compulsory HBM traffic: every input
 read once, every output written once; caches count only the records written), flops 0.
 
 Caches are donated and threaded from call to call (each call updates the previous call's cache in place),
@@ -28,7 +29,7 @@ from jds.ops.records import IndexerRecord132, MlaRecord584, MlaRecord656
 from jds.ops.rope import cached_inv_freqs, rope_cos_sin
 from pallas_kernels.fused_insert_v32 import fused_kv_insert_v32, fused_q_v32
 from pallas_kernels.fused_insert_v4 import fused_qnorm_rope_kv_insert_v4
-from pallas_kernels.timing import time_fn
+from pallas_kernels.timing import device_row, time_fn
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -106,6 +107,8 @@ def benchmark(quick: bool) -> list[dict]:
             # fresh copies: the donated caches of one impl must not be the other's inputs
             run = _threaded(step, cache_pos, [jnp.array(a, copy=True) for a in args], out_pos)
             t = time_fn(run, warmup=1 if interpret else 5, iters=3 if interpret else 50)
+            t.update(device_row(functools.partial(fn, **kw), *[jnp.array(a, copy=True) for a in args],
+                                median_us=t["median_us"], thread=tuple(zip(cache_pos, out_pos)), quick=quick))
             rows.append({"kernel": kernel, "case": case, "impl": impl, **t, "bytes": nbytes, "flops": 0,
                          "interpret": interpret})
     return rows

@@ -30,7 +30,7 @@ import numpy as np
 from jds.ops.paging import empty_cache, write_records
 from jds.ops.records import MlaRecord584, MlaRecord656
 from pallas_kernels import sparse_mqa as mqa
-from pallas_kernels.timing import time_fn
+from pallas_kernels.timing import device_row, time_fn
 
 CTX = 8192  # decode context length per request
 PREFILL = 4096
@@ -155,6 +155,7 @@ def _run_case(kernel_case: str, name: str, c: dict, quick: bool) -> list[dict]:
     timing = dict(warmup=1, iters=3) if quick else dict(warmup=5, iters=30)
     for impl in fns:
         r = dict(common, impl=impl, **time_fn(fns[impl], *args, **timing))
+        r.update(device_row(fns[impl], *args, median_us=r["median_us"], quick=quick))
         r.update(errs.get(impl, xla_note))
         rows.append(r)
     return rows

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 
 def time_fn(fn: Callable[..., Any], *args: Any, warmup: int = 5, iters: int = 50) -> dict[str, float]:
@@ -41,6 +43,80 @@ def time_fn(fn: Callable[..., Any], *args: Any, warmup: int = 5, iters: int = 50
     return {"median_us": 1e6 * statistics.median(rounds), "sync_median_us": 1e6 * statistics.median(ts),
             "p10_us": 1e6 * ts[len(ts) // 10], "p90_us": 1e6 * ts[(9 * len(ts)) // 10], "iters": iters,
             "pipelined_calls": n}
+
+
+def device_loop(fn: Callable[..., Any], n: int, args: Sequence[Any], thread: Sequence[tuple[int, int]] = ()
+                ) -> Callable[..., Any]:
+    """A jitted function of ``args`` running ``fn`` ``n`` times in one ``fori_loop`` and returning the last
+    outputs (see ``device_time_us``). Arguments that are not arrays (formats, ints: ``fn``'s static
+    arguments) are bound as constants; call the result with all of ``args`` as given."""
+    dyn = [i for i, a in enumerate(args) if isinstance(a, (jax.Array, np.ndarray)) or
+           (jax.tree.leaves(a) and all(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree.leaves(a)))]
+
+    def call(cur: Sequence[Any]) -> Any:
+        full = list(args)
+        for i, x in zip(dyn, cur):
+            full[i] = x
+        return fn(*full)
+
+    outs0 = jax.eval_shape(lambda *c: call(c), *[args[i] for i in dyn])
+    pos = {i: j for j, i in enumerate(dyn)}
+
+    @jax.jit
+    def loop(*d: Any) -> Any:
+        def body(_: Any, carry: Any) -> Any:
+            cur, _prev = carry
+            out = call(cur)
+            nxt = list(cur)
+            for ai, oi in thread:
+                nxt[pos[ai]] = out[oi]
+            return lax.optimization_barrier((tuple(nxt), out))
+        init = (tuple(d), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), outs0))
+        return lax.fori_loop(0, n, body, init)[1]
+
+    def run(*a: Any) -> Any:
+        return loop(*[a[i] for i in dyn])
+
+    run.lower = lambda *a: loop.lower(*[a[i] for i in dyn])  # type: ignore[attr-defined]
+    return run
+
+
+def device_time_us(fn: Callable[..., Any], *args: Any, thread: Sequence[tuple[int, int]] = (),
+                   reps: tuple[int, int] = (5, 25), iters: int = 5) -> float:
+    """Device time per call of the traceable ``fn(*args)``, in microseconds, without host dispatch.
+
+    Why: ``time_fn``'s pipelined rounds cannot go below JAX's per-call dispatch cost (40-80 µs on the
+    H200 host for a kernel call; BENCHMARKS.md), so kernels shorter than that read as equal. Here one
+    executable runs ``fn`` ``n`` times in a ``fori_loop``; the time difference between ``reps[1]`` and
+    ``reps[0]`` iterations, divided by their difference, cancels launch and synchronisation.
+    Each iteration's arguments and outputs pass through ``lax.optimization_barrier``, so XLA can neither
+    hoist the loop-invariant call out of the loop nor drop outputs it would not otherwise need.
+    ``thread``: (argument index, output index) pairs fed back each iteration (donated caches).
+    Caveat: the same inputs every iteration, so inputs that fit the 50 MB L2 are read from L2.
+    """
+    if not 0 < reps[0] < reps[1]:
+        raise ValueError(f"reps must be two increasing positive counts, got {reps}")
+    per = []
+    for n in reps:
+        f = device_loop(fn, n, args, thread)
+        jax.block_until_ready(f(*args))  # compile + warm
+        ts = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            ts.append(time.perf_counter() - t0)
+        per.append(statistics.median(ts))
+    return max(0.0, 1e6 * (per[1] - per[0]) / (reps[1] - reps[0]))
+
+
+def device_row(fn: Callable[..., Any], *args: Any, median_us: float, thread: Sequence[tuple[int, int]] = (),
+               quick: bool = False, below_us: float = 1000.0) -> dict[str, float]:
+    """``{"device_us": ...}`` for calls whose pipelined time is under ``below_us`` (where per-call dispatch
+    can hide the kernel), else ``{}``: above it dispatch is a small share and the loop would cost seconds."""
+    if median_us >= below_us:
+        return {}
+    reps, iters = ((1, 2), 1) if quick else ((5, 25), 5)
+    return {"device_us": device_time_us(fn, *args, thread=thread, reps=reps, iters=iters)}
 
 
 def measure_ceilings(quick: bool = False) -> dict[str, float]:

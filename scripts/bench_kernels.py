@@ -44,6 +44,10 @@ def main() -> None:
             t = r["median_us"] * 1e-6
             r["bandwidth_frac"] = r["bytes"] / t / ceil["copy_bytes_per_s"] if r.get("bytes") else None
             r["flops_frac"] = r["flops"] / t / ceil["bf16_flops_per_s"] if r.get("flops") else None
+            if r.get("device_us"):  # device time alone (pallas_kernels.timing.device_time_us)
+                td = r["device_us"] * 1e-6
+                r["device_bandwidth_frac"] = r["bytes"] / td / ceil["copy_bytes_per_s"] if r.get("bytes") else None
+                r["device_flops_frac"] = r["flops"] / td / ceil["bf16_flops_per_s"] if r.get("flops") else None
             rows.append(r)
             print(json.dumps(r), flush=True)
             write_json(a.out, {"meta": meta, "rows": rows})  # after every row: a cut-short run keeps them
