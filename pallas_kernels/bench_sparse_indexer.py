@@ -31,7 +31,7 @@ from jds.ops.quant import FP8
 from jds.ops.records import IndexerRecord132
 from jds.ops.select import radix_topk
 from pallas_kernels import sparse_indexer as si
-from pallas_kernels.timing import time_fn
+from pallas_kernels.timing import device_row, time_fn
 
 HI = 64
 EPP = 64
@@ -78,6 +78,7 @@ def _model(t: int, n_cols: int, vis: np.ndarray, g: int, req: np.ndarray, select
 def _row(case: str, impl: str, fn, args, nbytes: int, flops: int, quick: bool, big: bool = False, **extra) -> dict:
     warm, iters = (1, 3) if quick else ((2, 5) if big else (5, 30))
     r = time_fn(fn, *args, warmup=warm, iters=iters)
+    r.update(device_row(fn, *args, median_us=r["median_us"], quick=quick))
     return {"kernel": "sparse_indexer", "case": case, "impl": impl, **r, "bytes": nbytes, "flops": flops, **extra}
 
 
