@@ -6,6 +6,9 @@ median_us / p10_us / p90_us (pallas_kernels.timing.time_fn), device_us (device_t
 inside one executable, dispatch excluded; rows under 1 ms), bytes (compulsory HBM traffic: every input
 read once, every output written once; caches count only the records written), flops 0.
 
+On the GPU, each kernel at T = 8192 is also timed with the tile variants of ``SWEEP`` (rows with a
+``tiles`` field and ``matches_default``: outputs bit-identical to the default tiling).
+
 Caches are donated and threaded from call to call (each call updates the previous call's cache in place),
 so neither implementation pays for a cache copy. Slots are a shuffled permutation (decode-like scatter).
 
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -88,13 +91,12 @@ def _cases(quick: bool):
                (5,), (1,), nbytes)
 
 
-def benchmark(quick: bool) -> list[dict]:
+def benchmark(quick: bool) -> Iterator[dict]:
     on_gpu = jax.default_backend() == "gpu"
     if not on_gpu:
         msg = ("pallas rows run in GPU interpret mode (functional smoke, not performance)" if quick
                else "pallas rows skipped: no GPU (run with --quick for an interpret-mode smoke run)")
         print(f"bench_fused_insert: backend {jax.default_backend()}: {msg}", file=sys.stderr, flush=True)
-    rows = []
     for kernel, case, fn, static, args, cache_pos, out_pos, nbytes in _cases(quick):
         for impl in ("pallas", "xla"):
             interpret = impl == "pallas" and not on_gpu
@@ -109,6 +111,39 @@ def benchmark(quick: bool) -> list[dict]:
             t = time_fn(run, warmup=1 if interpret else 5, iters=3 if interpret else 50)
             t.update(device_row(functools.partial(fn, **kw), *[jnp.array(a, copy=True) for a in args],
                                 median_us=t["median_us"], thread=tuple(zip(cache_pos, out_pos)), quick=quick))
-            rows.append({"kernel": kernel, "case": case, "impl": impl, **t, "bytes": nbytes, "flops": 0,
-                         "interpret": interpret})
+            yield {"kernel": kernel, "case": case, "impl": impl, **t, "bytes": nbytes, "flops": 0,
+                   "interpret": interpret}
+        if on_gpu and not quick and case.startswith("T=8192"):
+            yield from _sweep(kernel, case, fn, static, args, cache_pos, out_pos, nbytes)
+
+
+# Tile parameters of each kernel tried at T = 8192 beside its default (the first of each list); never
+# tuned on the H200 before (BENCHMARKS.md, issue 6).
+SWEEP = {"v32_kv_insert": [dict(block_tokens=16, num_warps=4), dict(block_tokens=32), dict(block_tokens=64)],
+         "v32_fused_q": [dict(rows_per_program=64, num_warps=4), dict(rows_per_program=128),
+                         dict(rows_per_program=256)],
+         "v4_qnorm_rope_kv_insert": [dict(rows_per_program=8, num_warps=4), dict(rows_per_program=16),
+                                     dict(rows_per_program=32)]}
+
+
+def _sweep(kernel: str, case: str, fn, static: dict, args: list, cache_pos: tuple, out_pos: tuple,
+           nbytes: int) -> list[dict]:
+    """Pallas rows for the SWEEP variants: device time, plus whether the outputs equal the default
+    variant's bit for bit (a variant that fails to compile gets its error instead)."""
+    ref = jax.jit(functools.partial(fn, **static, implementation="pallas"))(*args)
+    rows = []
+    for tiles in SWEEP[kernel]:
+        f = functools.partial(fn, **static, implementation="pallas", **tiles)
+        row = {"kernel": kernel, "case": f"{case} " + " ".join(f"{k}={v}" for k, v in tiles.items()),
+               "impl": "pallas", "tiles": tiles, "bytes": nbytes, "flops": 0, "interpret": False}
+        try:
+            got = jax.jit(f)(*args)
+            row["matches_default"] = all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(got),
+                                                                                      jax.tree.leaves(ref)))
+            t = time_fn(jax.jit(f), *args, warmup=3, iters=20)
+            t.update(device_row(f, *args, median_us=t["median_us"], thread=tuple(zip(cache_pos, out_pos))))
+            row.update(t)
+        except Exception as e:  # noqa: BLE001 - a tile that does not compile is a result, not a crash
+            row["error"] = str(e).splitlines()[0][:300]
+        rows.append(row)
     return rows

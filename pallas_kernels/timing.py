@@ -45,11 +45,12 @@ def time_fn(fn: Callable[..., Any], *args: Any, warmup: int = 5, iters: int = 50
             "pipelined_calls": n}
 
 
-def device_loop(fn: Callable[..., Any], n: int, args: Sequence[Any], thread: Sequence[tuple[int, int]] = ()
+def device_loop(fn: Callable[..., Any], args: Sequence[Any], thread: Sequence[tuple[int, int]] = ()
                 ) -> Callable[..., Any]:
-    """A jitted function of ``args`` running ``fn`` ``n`` times in one ``fori_loop`` and returning the last
-    outputs (see ``device_time_us``). Arguments that are not arrays (formats, ints: ``fn``'s static
-    arguments) are bound as constants; call the result with all of ``args`` as given."""
+    """``run(n, *args)``: one executable running ``fn`` ``n`` times (``n`` a runtime value, so one compile
+    serves every count) in a ``fori_loop``, returning the last outputs (see ``device_time_us``). Arguments
+    that are not arrays (formats, ints: ``fn``'s static arguments) are bound as constants; pass all of
+    ``args`` as given."""
     dyn = [i for i, a in enumerate(args) if isinstance(a, (jax.Array, np.ndarray)) or
            (jax.tree.leaves(a) and all(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree.leaves(a)))]
 
@@ -63,7 +64,7 @@ def device_loop(fn: Callable[..., Any], n: int, args: Sequence[Any], thread: Seq
     pos = {i: j for j, i in enumerate(dyn)}
 
     @jax.jit
-    def loop(*d: Any) -> Any:
+    def loop(n: jax.Array, *d: Any) -> Any:
         def body(_: Any, carry: Any) -> Any:
             cur, _prev = carry
             out = call(cur)
@@ -74,10 +75,10 @@ def device_loop(fn: Callable[..., Any], n: int, args: Sequence[Any], thread: Seq
         init = (tuple(d), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), outs0))
         return lax.fori_loop(0, n, body, init)[1]
 
-    def run(*a: Any) -> Any:
-        return loop(*[a[i] for i in dyn])
+    def run(n: int, *a: Any) -> Any:
+        return loop(jnp.int32(n), *[a[i] for i in dyn])
 
-    run.lower = lambda *a: loop.lower(*[a[i] for i in dyn])  # type: ignore[attr-defined]
+    run.lower = lambda n, *a: loop.lower(jnp.int32(n), *[a[i] for i in dyn])  # type: ignore[attr-defined]
     return run
 
 
@@ -96,14 +97,14 @@ def device_time_us(fn: Callable[..., Any], *args: Any, thread: Sequence[tuple[in
     """
     if not 0 < reps[0] < reps[1]:
         raise ValueError(f"reps must be two increasing positive counts, got {reps}")
+    f = device_loop(fn, args, thread)
+    jax.block_until_ready(f(reps[0], *args))  # compile + warm
     per = []
     for n in reps:
-        f = device_loop(fn, n, args, thread)
-        jax.block_until_ready(f(*args))  # compile + warm
         ts = []
         for _ in range(iters):
             t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
+            jax.block_until_ready(f(n, *args))
             ts.append(time.perf_counter() - t0)
         per.append(statistics.median(ts))
     return max(0.0, 1e6 * (per[1] - per[0]) / (reps[1] - reps[0]))

@@ -41,9 +41,9 @@ def main() -> None:
     for name in a.only:
         mod = importlib.import_module(f"pallas_kernels.bench_{name}")
         for r in mod.benchmark(a.quick, **({"cases": a.cases} if a.cases else {})):
-            t = r["median_us"] * 1e-6
-            r["bandwidth_frac"] = r["bytes"] / t / ceil["copy_bytes_per_s"] if r.get("bytes") else None
-            r["flops_frac"] = r["flops"] / t / ceil["bf16_flops_per_s"] if r.get("flops") else None
+            t = r["median_us"] * 1e-6 if r.get("median_us") else None  # None: a row that records an error
+            r["bandwidth_frac"] = r["bytes"] / t / ceil["copy_bytes_per_s"] if t and r.get("bytes") else None
+            r["flops_frac"] = r["flops"] / t / ceil["bf16_flops_per_s"] if t and r.get("flops") else None
             if r.get("device_us"):  # device time alone (pallas_kernels.timing.device_time_us)
                 td = r["device_us"] * 1e-6
                 r["device_bandwidth_frac"] = r["bytes"] / td / ceil["copy_bytes_per_s"] if r.get("bytes") else None

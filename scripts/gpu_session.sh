@@ -9,7 +9,7 @@
 #   scripts/gpu_session.sh serve         # bench_serve_modes: the server in each mode, c=1 and c=64
 #   scripts/gpu_session.sh thunks        # thunk-dump check: graphs, direct launches per step per mode
 #   scripts/gpu_session.sh tests-all     # every gpu-marked kernel test (about 10 minutes of compiles)
-#   scripts/gpu_session.sh kernels       # fused insert + indexer benchmarks (pipelined timing), radix top-k
+#   scripts/gpu_session.sh kernels       # fused insert (+ tile sweep) + indexer rows with device_us, top-k variants
 #   scripts/gpu_session.sh mqa           # the MQA rows not yet measured (V4 4K prefill) and small batches
 #
 # Every timed process runs alone; every process sets XLA_PYTHON_CLIENT_PREALLOCATE=false so a compile
@@ -56,9 +56,11 @@ case "$stage" in
     echo "kernel tests rc=$?"; tail -3 "$OUT/gpu_kernel_tests.log"
     ;;
   kernels)
-    timeout 200 python3 scripts/bench_kernels.py --only sparse_indexer --cases decode topk \
+    # 2026-11-29 these took about 250 s together; device_us (one more compile per row) and the fused-insert
+    # tile sweep add to that, so the stage needs a call of its own
+    timeout ${INDEXER_TIMEOUT:-330} python3 scripts/bench_kernels.py --only sparse_indexer --cases decode topk \
       --out "$OUT/kernels_indexer.json" > "$OUT/bench_indexer.log" 2>&1; echo "indexer rc=$?"
-    timeout 150 python3 scripts/bench_kernels.py --only fused_insert --out "$OUT/kernels_fused_insert.json" \
+    timeout ${FUSED_TIMEOUT:-230} python3 scripts/bench_kernels.py --only fused_insert --out "$OUT/kernels_fused_insert.json" \
       > "$OUT/bench_fused_insert.log" 2>&1; echo "fused_insert rc=$?"
     ;;
   mqa)

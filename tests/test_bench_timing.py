@@ -53,10 +53,11 @@ def test_device_loop_runs_every_iteration() -> None:
         return jnp.sin(x) * 2.0, c + 1.0
 
     x, c = jnp.ones(8), jnp.zeros(4096)
-    assert float(device_loop(step, 6, (x, c), thread=[(1, 1)])(x, c)[1][0]) == 6.0
-    f = device_loop(step, 6, (x, c))  # nothing threaded: the same inputs each iteration
-    assert "sine" in _while_body_ops(f.lower(x, c).compile().as_text())  # sin was not hoisted out of the loop
-    np.testing.assert_allclose(np.asarray(f(x, c)[0]), np.sin(1.0) * 2.0, rtol=1e-6)
+    looped = device_loop(step, (x, c), thread=[(1, 1)])
+    assert float(looped(6, x, c)[1][0]) == 6.0 and float(looped(2, x, c)[1][0]) == 2.0  # one compile, any n
+    f = device_loop(step, (x, c))  # nothing threaded: the same inputs each iteration
+    assert "sine" in _while_body_ops(f.lower(6, x, c).compile().as_text())  # sin was not hoisted out of the loop
+    np.testing.assert_allclose(np.asarray(f(6, x, c)[0]), np.sin(1.0) * 2.0, rtol=1e-6)
     us = device_time_us(step, x, c, thread=[(1, 1)], reps=(2, 6), iters=2)
     assert 0 <= us < 1e6
 
@@ -76,6 +77,6 @@ def test_device_loop_binds_static_arguments() -> None:
 
     f = jax.jit(lambda x, k: x * k, static_argnums=1)
     x = jnp.arange(4.0)
-    np.testing.assert_allclose(np.asarray(device_loop(f, 3, (x, 3))(x, 3)), np.arange(4.0) * 3)
+    np.testing.assert_allclose(np.asarray(device_loop(f, (x, 3))(3, x, 3)), np.arange(4.0) * 3)
     assert device_row(f, x, 3, median_us=10.0, quick=True)["device_us"] >= 0
     assert device_row(f, x, 3, median_us=5000.0, quick=True) == {}  # long calls: no loop needed
