@@ -11,7 +11,10 @@ Cases (full run; ``quick`` uses tiny shapes and few iterations, e.g. to smoke-te
 - prefill_logits: the kernel alone on a 1K-query chunk (XLA only where its [Q, C, 128] fp32 gather fits).
 - topk: ``lax.top_k`` (k = 2048) alone over [B, C] logits rows, with ``bytes`` = one read of the logits,
   so ``bandwidth_frac`` says how close top-k gets to reading its input once (issue target: >= 0.5 at
-  B = 64, C = 64K); ``_seg*`` rows: the exact two-stage variant (``IndexerKernelConfig.topk_segment``).
+  B = 64, C = 64K); ``_seg*`` rows: the exact two-stage variant (``IndexerKernelConfig.topk_segment``);
+  ``_radix*``: jds.ops.select in XLA; ``_pallas_radix``: the same selection as a Pallas kernel
+  (pallas_kernels/topk_select.py, default config: sampled-pivot prefilter), ``_pallas_radix_direct``:
+  that kernel without the prefilter.
 
 ``bytes`` / ``flops`` are the kernel's own model for both implementations (so the fractions compare):
 FP8 key bytes read once per query group (132 B per key and group, groups of G tokens), the fp32 logits
@@ -32,6 +35,7 @@ from jds.ops.records import IndexerRecord132
 from jds.ops.select import radix_topk
 from pallas_kernels import sparse_indexer as si
 from pallas_kernels.timing import device_row, time_fn
+from pallas_kernels.topk_select import TopkSelectConfig, topk_select
 
 HI = 64
 EPP = 64
@@ -104,6 +108,8 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
     select_p, select_x = selector("pallas", cfg), selector("xla", xla_cfg)
     topk = jax.jit(si.topk_from_logits, static_argnums=(1, 2, 3))
     radix = jax.jit(radix_topk, static_argnums=(1, 2))
+    pallas_radix = {name: jax.jit(functools.partial(topk_select, interpret=interpret, config=c2), static_argnums=1)
+                    for name, c2 in (("pallas_radix", None), ("pallas_radix_direct", TopkSelectConfig(capacity=0)))}
 
     # ----- decode -----
     decode = [(1, 1024), (4, 1024)] if quick else [(b, c) for b in (1, 16, 64) for c in (4096, 32768, 131072)]
@@ -150,6 +156,8 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
         for bits in (1, 2, 4):  # counting passes of radix select: 32 / bits, each 2^bits compares per key
             yield (_row(f"topk_k{K}_b{b}_c{c}_radix{bits}", "xla", radix, (lg, min(K, c), bits), 4 * b * c, 0,
                         quick))
+        for name, f in pallas_radix.items():  # radix select as one Pallas kernel (+ a sort of the k winners)
+            yield (_row(f"topk_k{K}_b{b}_c{c}_{name}", "pallas", f, (lg, min(K, c)), 4 * b * c, 0, quick))
         for seg in ((1024,) if quick else (8192, 16384)):  # two-stage (exact) variant
             yield (_row(f"topk_k{K}_b{b}_c{c}_seg{seg}", "xla", topk, (lg, K, seg, "lax"), 4 * b * c, 0, quick))
         del lg

@@ -19,7 +19,8 @@ Tie rule (all implementations): ``lax.top_k`` over the logits row, so among equa
 index wins; invisible keys are -inf and come back as -1 (also when fewer than k keys are visible).
 ``IndexerKernelConfig.topk_segment`` switches to an exact two-stage top-k (per-segment top-k, then top-k
 of the winners in segment order), ``topk_algorithm="radix"`` to radix selection (``jds.ops.select``:
-counting passes, then a sort of the k winners only): same indices, same order, same tie rule.
+counting passes, then a sort of the k winners only), ``"pallas_radix"`` to the same selection as a Pallas
+kernel (``pallas_kernels.topk_select``): same indices, same order, same tie rule.
 
 Kernel layout (Mosaic GPU, one warpgroup per CTA):
 - grid = (query groups, key splits). A *group* is up to G consecutive tokens of one request (G = 1 for
@@ -83,6 +84,7 @@ from jds.ops.select import radix_topk
 from jds.ops.paging import gather_request_rows
 from jds.ops.quant import FP8, act_quant
 from jds.ops.records import IndexerRecord132
+from pallas_kernels.topk_select import topk_select
 
 TILE = 64  # keys per MMA tile (wgmma M)
 HEAD_DIM = 128
@@ -103,7 +105,8 @@ class IndexerKernelConfig:
     key_source: KeySource = "auto"  # "paged" on the GPU, "views" when interpreting (see module doc)
     topk_segment: int | None = None  # two-stage top-k: lax.top_k per segment of this many keys, then
     #                                  over the segments' winners (exact, same tie rule); None = one stage
-    topk_algorithm: Literal["lax", "radix"] = "lax"  # "radix": jds.ops.select (exact, same order)
+    topk_algorithm: Literal["lax", "radix", "pallas_radix"] = "lax"  # "radix": jds.ops.select, "pallas_radix":
+    #                                  pallas_kernels.topk_select (both exact, same order)
 
     def __post_init__(self) -> None:
         if self.queries_per_cta is not None and not 1 <= self.queries_per_cta <= 4:
@@ -116,8 +119,8 @@ class IndexerKernelConfig:
             raise ValueError(f"max_logits_bytes must be >= {4 * TILE}, got {self.max_logits_bytes}")
         if self.topk_segment is not None and self.topk_segment < 1:
             raise ValueError(f"topk_segment must be >= 1, got {self.topk_segment}")
-        if self.topk_algorithm not in ("lax", "radix"):
-            raise ValueError(f"topk_algorithm must be 'lax' or 'radix', got {self.topk_algorithm!r}")
+        if self.topk_algorithm not in ("lax", "radix", "pallas_radix"):
+            raise ValueError(f"topk_algorithm must be 'lax', 'radix' or 'pallas_radix', got {self.topk_algorithm!r}")
         if self.key_source not in ("auto", "paged", "views", "gathered"):
             raise ValueError(f"key_source must be auto, paged, views or gathered, got {self.key_source!r}")
 
@@ -126,7 +129,8 @@ def default_config() -> IndexerKernelConfig:
     """The config used when none is passed (the layers' ``select``): ``IndexerKernelConfig()``, with
     ``key_source`` taken from the environment variable JDS_INDEXER_KEY_SOURCE when set (e.g. "gathered"
     to run the layers without the RefUnion SMEM bitcast), and ``topk_algorithm`` from JDS_INDEXER_TOPK
-    ("radix" to try jds.ops.select in the layers; the default stays "lax" until the H200 says otherwise)."""
+    ("radix" / "pallas_radix" to try jds.ops.select / its Pallas kernel in the layers; the default stays "lax"
+    until the H200 says otherwise)."""
     over = {}
     if os.environ.get("JDS_INDEXER_KEY_SOURCE"):
         over["key_source"] = os.environ["JDS_INDEXER_KEY_SOURCE"]
@@ -472,11 +476,12 @@ def xla_logits(index_q: jax.Array, index_w: jax.Array, cache: jax.Array, fmt, bl
 
 
 def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
-                     algorithm: Literal["lax", "radix"] = "lax") -> jax.Array:
+                     algorithm: Literal["lax", "radix", "pallas_radix"] = "lax") -> jax.Array:
     """lax.top_k of rows already -inf at invisible keys: int32 [T, k], -1 where fewer are visible.
 
     ``algorithm="radix"``: ``jds.ops.select.radix_topk`` (counting passes instead of a sort), identical
-    output; ``segment`` is then ignored.
+    output; ``"pallas_radix"``: the same selection as a Pallas kernel (``pallas_kernels.topk_select``,
+    GPU interpret mode off-GPU), identical output. ``segment`` is then ignored.
 
     Tie rule: among equal scores the lower key index wins (lax.top_k's order). With ``segment``, a
     two-stage selection: top-k of each segment of ``segment`` keys, then top-k of the concatenated winners
@@ -487,6 +492,8 @@ def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
     kk = min(k, n)
     if algorithm == "radix":
         vals, idx = radix_topk(logits, kk)
+    elif algorithm == "pallas_radix":
+        vals, idx = topk_select(logits, kk)
     elif segment is None or n <= segment or segment < kk:
         vals, idx = lax.top_k(logits, kk)
     else:

@@ -1,0 +1,260 @@
+"""Exact top-k by radix selection in one Pallas GPU kernel (issue 7: the indexer's top-2048).
+
+``topk_select(x, k)`` returns what ``jax.lax.top_k(x, k)`` returns for rows of float logits without NaN:
+values descending, equal values by ascending index, +0.0 above -0.0. Pure-JAX reference:
+``jds.ops.select.radix_topk`` (``implementation="xla"``), whose definitions the kernel follows: the ordered
+key, the k-th largest key tau (``kth_largest_key``) and the kept set (every key > tau, plus the lowest-index
+keys == tau up to exactly k). XLA then sorts only the k survivors, as radix_topk does.
+
+Why a kernel: the XLA radix select reduces a [T, 2^bits, N] comparison per counting pass and compacts
+with full-row cumsums and a scatter. Here one program per row streams its row in blocks; the largest
+intermediate is a [2^bits, hist_block] tile of per-lane counters ([2^bits, sample] for the pivot), and
+each survivor is stored straight to its output slot. Per row:
+
+1. Prefilter (rows with N >= 8k by default, ``TopkSelectConfig.capacity``): the r-th largest key of an
+   evenly spaced sample of the row is a pivot below tau with high probability (r: ``_sample_rank``; an
+   expected 1.8 x k keys reach it for k = 2048 of 64K random values). One streaming pass copies the keys
+   >= pivot with their columns, in column order, into a per-row candidate buffer. When it holds between k
+   and ``capacity`` keys it contains every key >= tau (tau >= pivot), so steps 2-3 read the buffer instead
+   of the row. Otherwise (a skewed sample, or ties at the pivot) they read the row: slower, same result.
+2. Counting: 32 / bits digit passes, most significant first. ``ge[d]`` = candidates (decided high bits ==
+   prefix) whose current digit is >= d: compare-and-sum over the 2^bits digit values into per-lane
+   counters, one cross-lane reduction per pass (no atomics). The largest d with ``ge[d] >= k'`` extends the
+   prefix, and k' drops by ``ge[d + 1]``. After the last pass the prefix is tau and k' = ``need``, the
+   number of keys == tau to keep (>= 1). The prefilter's pivot is the same computation on the sample.
+3. Compaction: one more loop keeps key > tau, and key == tau while fewer than ``need`` equal keys came
+   before; an exclusive prefix sum of the kept mask within the block plus the count so far is each
+   survivor's slot in the [T, k] output (a masked scatter store).
+
+Backend: the Triton lowering (conventions of ``pallas_kernels/fused_insert_common.py``), not Mosaic GPU.
+The prefilter and the compaction store each kept key at a data-dependent position, a vector scatter, and
+Mosaic GPU rejects vector indices on Hopper (TMA scatter is sm100 only). Triton expresses it as a masked
+store through a pointer tensor and lowers ``cumsum`` to ``tt.scan``; its lowering runs on a CPU-only
+machine (``check_triton_lowering``), so the CPU tests run interpret mode and lower the kernel for an H200.
+The candidate buffer is a kernel output in GPU memory: the native kernel places a CTA barrier
+(``debug_barrier``) between writing it and reading it back from other threads.
+
+Keys stay int32 in the kernel: ``s`` = the signed image of the float bits (``bits ^ 0x7fffffff`` for
+negative floats), ordered as the floats are; ``u = s ^ 0x80000000`` is ``jds.ops.select.ordered_key``'s
+uint32 key as a bit pattern, whose digits are taken with logical shifts. Padding lanes (past N, past the
+buffer's fill) get u = 0, below every non-NaN float (-inf has u = 0x007fffff): they never change tau nor
+get kept (k <= N).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import operator
+from typing import Callable, Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from jds.ops.select import ordered_key, radix_topk
+from pallas_kernels import fused_insert_common as C
+
+Implementation = Literal["xla", "pallas"]
+I32 = jnp.int32
+_SIGN = -(1 << 31)  # 0x80000000 as int32: s <-> u
+_FLOAT_DTYPES = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16))  # exact in float32
+
+
+@dataclasses.dataclass(frozen=True)
+class TopkSelectConfig:
+    """Tuning knobs of the kernel (static). Every setting gives the same result."""
+
+    bits: int = 4  # digit width (1, 2 or 4): 32 / bits counting passes of 2^bits compares per key
+    block: int = 2048  # keys per step of the streaming loops over the row (prefilter)
+    hist_block: int = 256  # keys per step of the counting / compaction loops ([2^bits, hist_block] counters;
+    #                        512 spilled in ptxas for sm_90a without the prefilter)
+    sample: int = 1024  # evenly spaced row keys that pick the prefilter pivot
+    capacity: int | None = None  # candidate buffer per row; None: 4 k when N >= 8 k, else no prefilter; 0: none
+    num_warps: int = 8
+
+    def __post_init__(self) -> None:
+        if self.bits not in (1, 2, 4):  # 8 would need [256, hist_block] counters: spills
+            raise ValueError(f"bits must be 1, 2 or 4, got {self.bits}")
+        for name in ("block", "hist_block", "sample", "num_warps"):
+            if not C.is_pow2(getattr(self, name)):
+                raise ValueError(f"{name} must be a power of 2, got {getattr(self, name)}")
+        if self.capacity is not None and self.capacity < 0:
+            raise ValueError(f"capacity must be >= 0 or None, got {self.capacity}")
+
+    def buffer_capacity(self, n: int, k: int) -> int:
+        """Candidate buffer length per row for rows of n and this k (0: no prefilter)."""
+        cap = (4 * k if n >= 8 * k else 0) if self.capacity is None else self.capacity
+        return cap if k <= cap < n and self.sample <= n else 0
+
+
+def _sample_rank(n: int, k: int, sample: int) -> int:
+    """Rank r of the pivot in the sample. About m = sample * k / n sampled keys reach tau; r = m + 4 sqrt(m) + 4
+    puts the pivot below tau unless the sample holds >= r of the row's top k, a ~4-sigma event for a sample
+    of randomly ordered values (e.g. k = 2048, n = 64K: m = 32, r = 59, ~3.8K candidates expected)."""
+    m = sample * k / n
+    return min(sample, math.ceil(m + 4 * math.sqrt(m) + 4))
+
+
+# ----- kernel-side pieces ----------------------------------------------------------------------------
+Source = tuple[jax.Array | int, Callable[[jax.Array], tuple[jax.Array, jax.Array]]]  # (blocks, block -> (s, col))
+
+
+def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int) -> tuple[jax.Array, jax.Array]:
+    """(u of the k-th largest key over all sources' blocks [1, width], need = k - #keys above it)."""
+    nd = 1 << bits
+    d = C.iota((nd, 1), 0)
+    d1 = C.iota((nd,), 0)
+
+    def digit_pass(p, carry):
+        prefix, k_rem = carry
+        shift = 32 - bits - bits * p
+
+        def count(load):
+            def body(b, acc):
+                top = lax.shift_right_logical(load(b)[0] ^ _SIGN, shift)
+                # digit of a candidate (high bits == prefix); -1 (below every d) for the rest
+                dig = jnp.where(lax.shift_right_logical(top, bits) == prefix, top & (nd - 1), -1)
+                return acc + (dig >= d).astype(I32)
+            return body
+
+        acc = jnp.zeros((nd, width), I32)  # per-lane counters, reduced once per pass
+        for n_blocks, load in sources:
+            acc = lax.fori_loop(0, n_blocks, count(load), acc)
+        ge = jnp.sum(acc, axis=1)
+        sel = jnp.sum((ge >= k_rem).astype(I32)) - 1  # ge[0] = all candidates >= k_rem
+        above = jnp.sum(jnp.where(d1 == sel + 1, ge, 0))  # candidates with a larger digit
+        return (prefix << bits) | sel, k_rem - above
+
+    return lax.fori_loop(0, 32 // bits, digit_pass, (jnp.zeros((), I32), jnp.asarray(k, I32)))
+
+
+def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, *bufs, n: int, k: int, cfg: TopkSelectConfig, cap: int,
+                   interpret: bool) -> None:
+    row = pl.program_id(0)
+    t = idx_ref.shape[0]
+    hb = cfg.hist_block
+    row11 = row + jnp.zeros((1, 1), I32)  # [1, 1] index of this row's scalar outputs
+    one11 = jnp.ones((1, 1), bool)
+
+    def x_keys(b, width):  # (s, column) of the row's block b: [1, width]
+        col = b * width + C.iota((1, width), 1)
+        inside = col < n
+        xb = lax.bitcast_convert_type(C.load(x_ref, (row, col), (1, width), mask=inside), I32)
+        return jnp.where(inside, jnp.where(xb < 0, xb ^ 0x7FFFFFFF, xb), _SIGN), col
+
+    def scatter(ref, slot, val, ok):  # masked-out lanes point one past the first axis (interpret drops them)
+        C.store(ref, (jnp.where(ok, row, t), jnp.where(ok, slot, 0)), val, ok)
+
+    from_row: Source = (pl.cdiv(n, hb), lambda b: x_keys(b, hb))
+    sources = [from_row]
+    if cap:
+        bkey_ref, bcol_ref = bufs
+        s_n = cfg.sample
+        scol = lax.div(C.iota((1, s_n), 1) * n, s_n)  # evenly spaced, distinct (s_n <= n)
+        xs = lax.bitcast_convert_type(C.load(x_ref, (row, scol), (1, s_n)), I32)
+        xs = jnp.where(xs < 0, xs ^ 0x7FFFFFFF, xs)
+        piv_u, _ = _kth_key([(1, lambda b: (xs, scol))], _sample_rank(n, k, s_n), cfg.bits, s_n)
+        piv = piv_u ^ _SIGN
+
+        def prefilter(b, filled):
+            s, col = x_keys(b, cfg.block)
+            ki = (s >= piv).astype(I32)
+            slot = filled + jnp.cumsum(ki, axis=1) - ki
+            ok = (ki == 1) & (slot < cap)
+            scatter(bkey_ref, slot, s, ok)
+            scatter(bcol_ref, slot, col, ok)
+            return filled + jnp.sum(ki)
+
+        filled = lax.fori_loop(0, pl.cdiv(n, cfg.block), prefilter, jnp.zeros((), I32))
+        if not interpret:
+            plt.debug_barrier()  # the buffer's stores -> its loads by other threads of the CTA
+        use_buf = (filled >= k) & (filled <= cap)
+        C.store(cand_ref, (row11,), jnp.full((1, 1), filled, I32), one11)
+
+        def buf_keys(b):
+            j = b * hb + C.iota((1, hb), 1)
+            inside = j < filled
+            s = C.load(bkey_ref, (row, j), (1, hb), mask=inside)
+            return jnp.where(inside, s, _SIGN), C.load(bcol_ref, (row, j), (1, hb), mask=inside)
+
+        on = use_buf.astype(I32)  # not jnp.where(use_buf, 0, m): Triton lowered those literals as i1
+        sources = [(on * lax.shift_right_logical(filled + hb - 1, C.log2(hb)), buf_keys),
+                   ((1 - on) * from_row[0], from_row[1])]
+
+    tau_u, need = _kth_key(sources, k, cfg.bits, hb)
+    tau = tau_u ^ _SIGN
+    C.store(tau_ref, (row11,), jnp.full((1, 1), tau_u, I32), one11)
+    if not cap:
+        C.store(cand_ref, (row11,), jnp.full((1, 1), n, I32), one11)
+
+    def compact(load):
+        def body(b, carry):
+            eq_seen, kept = carry
+            s, col = load(b)
+            eq = (s == tau).astype(I32)
+            keep = (s > tau) | ((eq == 1) & (eq_seen + jnp.cumsum(eq, axis=1) - eq < need))
+            ki = keep.astype(I32)
+            scatter(idx_ref, kept + jnp.cumsum(ki, axis=1) - ki, col, keep)
+            return eq_seen + jnp.sum(eq), kept + jnp.sum(ki)
+        return body
+
+    carry = (jnp.zeros((), I32), jnp.zeros((), I32))
+    for n_blocks, load in sources:  # in column order (the buffer is); one of them has blocks
+        carry = lax.fori_loop(0, n_blocks, compact(load), carry)
+
+
+# ----- wrappers --------------------------------------------------------------------------------------
+def _check(x: jax.Array, k: int) -> int:
+    if x.ndim != 2:
+        raise ValueError(f"x must be a 2-D array [rows, N], got shape {x.shape}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"x must be float32, bfloat16 or float16, got dtype {x.dtype}")
+    try:
+        k = operator.index(k)
+    except TypeError:
+        raise ValueError(f"k must be an int, got {k!r}") from None
+    n = x.shape[1]
+    if not 1 <= k <= n:
+        raise ValueError(f"k must be in [1, {n}] for rows of {n}, got {k}")
+    return k
+
+
+def select_unsorted(x: jax.Array, k: int, *, config: TopkSelectConfig | None = None,
+                    interpret: bool | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The kernel alone: (kept columns int32 [T, k] in ascending order; tau uint32 [T] = the k-th largest
+    ``ordered_key`` of each row, i.e. ``jds.ops.select.kth_largest_key``; candidates int32 [T] = keys the
+    prefilter kept (steps 2-3 read the buffer iff k <= candidates <= capacity), N without a prefilter)."""
+    k = _check(x, k)
+    cfg = config or TopkSelectConfig()
+    interpret = C.resolve_interpret(interpret)
+    t, n = x.shape
+    if t == 0:
+        return jnp.zeros((0, k), I32), jnp.zeros((0,), jnp.uint32), jnp.zeros((0,), I32)
+    cap = cfg.buffer_capacity(n, k)
+    if cap and n * cfg.sample >= 1 << 31:
+        raise ValueError(f"rows of {n} with sample {cfg.sample}: column * n overflows int32")
+    out_shape = [jax.ShapeDtypeStruct((t, k), I32), jax.ShapeDtypeStruct((t,), I32), jax.ShapeDtypeStruct((t,), I32)]
+    out_shape += [jax.ShapeDtypeStruct((t, cap), I32)] * 2 if cap else []  # candidate keys, columns
+    kernel = functools.partial(_select_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret)
+    idx, tau, cand, *_ = C.pallas_call(kernel, out_shape=tuple(out_shape), grid=(t,), aliases={}, interpret=interpret,
+                                 name="topk_radix_select", num_warps=cfg.num_warps)(x.astype(jnp.float32))
+    return idx, lax.bitcast_convert_type(tau, jnp.uint32), cand
+
+
+def topk_select(x: jax.Array, k: int, *, implementation: Implementation = "pallas", interpret: bool | None = None,
+                config: TopkSelectConfig | None = None) -> tuple[jax.Array, jax.Array]:
+    """(values [T, k] in x's dtype, int32 indices [T, k]) of the k largest entries of each row of ``x``
+    [T, N] (float32 / bfloat16 / float16, no NaN): identical to ``lax.top_k(x, k)``."""
+    k = _check(x, k)
+    if implementation == "xla":
+        return radix_topk(x, k, (config or TopkSelectConfig()).bits)
+    if implementation != "pallas":
+        raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}")
+    idx, _, _ = select_unsorted(x, k, config=config, interpret=interpret)
+    sel = jnp.take_along_axis(x, idx, axis=1)
+    _, idx, vals = lax.sort((~ordered_key(sel), idx, sel), dimension=1, num_keys=2)  # value desc, index asc
+    return vals, idx

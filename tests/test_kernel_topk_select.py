@@ -1,0 +1,146 @@
+"""The Pallas radix-select top-k kernel (pallas_kernels/topk_select.py) against ``jax.lax.top_k``: every
+index and value, in order, with the row kinds of tests/test_radix_select.py (normal, heavy ties, -inf runs,
+signed zeros); tau against ``jds.ops.select.kth_largest_key``; both paths of the prefilter (candidate
+buffer, and the fall back to the row); the indexer's ``topk_algorithm="pallas_radix"``; argument errors;
+and the Triton lowering / sm_90a compile at the real shape (64 x 64K, k = 2048).
+
+Each kernel test runs in ``interpret`` mode (CPU) and ``native`` (marked ``gpu``). Shapes are small and
+one call holds rows of every kind, so each case compiles once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jds.ops.select import kth_largest_key, ordered_key
+from pallas_kernels import fused_insert_common as C
+from pallas_kernels.sparse_indexer import IndexerKernelConfig, topk_from_logits
+from pallas_kernels.topk_select import TopkSelectConfig, select_unsorted, topk_select
+from tests.kernel_modes import MODES, interpret_for
+from tests.test_radix_select import _rows
+
+KINDS = ("normal", "ties", "neginf", "zeros")
+SMALL = TopkSelectConfig(block=256, hist_block=128, sample=256)  # small tiles: several blocks per row
+
+
+def _mixed(n: int, rng: np.random.Generator, per_kind: int = 2) -> np.ndarray:
+    """Rows of every kind, ``per_kind`` of each."""
+    return np.concatenate([_rows(kind, per_kind, n, rng) for kind in KINDS])
+
+
+def _check(x: np.ndarray, k: int, interpret: bool, config: TopkSelectConfig | None = None) -> np.ndarray:
+    """topk_select == lax.top_k (indices and values, in order) and tau == kth_largest_key; returns the
+    kernel's per-row candidate counts."""
+    xj = jnp.asarray(x)
+    want_v, want_i = jax.lax.top_k(xj, k)
+    got_v, got_i = topk_select(xj, k, interpret=interpret, config=config)
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i), err_msg=f"n={x.shape[1]} k={k}")
+    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+    assert got_v.dtype == xj.dtype and got_i.dtype == jnp.int32
+    idx, tau, cand = select_unsorted(xj, k, interpret=interpret, config=config)
+    np.testing.assert_array_equal(np.asarray(tau), np.asarray(kth_largest_key(ordered_key(xj), k)))
+    np.testing.assert_array_equal(np.sort(np.asarray(idx), axis=1), np.asarray(idx))  # column order
+    return np.asarray(cand)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("n,k,bits", [(300, 37, 4), (100, 100, 2), (1000, 1, 4), (129, 128, 1)])
+def test_direct_matches_lax_top_k(mode: str, n: int, k: int, bits: int) -> None:
+    """No prefilter: N not a multiple of the block, k not a multiple of it, k = N, k = 1; digit widths."""
+    cfg = TopkSelectConfig(bits=bits, hist_block=128, capacity=0)
+    cand = _check(_mixed(n, np.random.default_rng(n + k)), k, interpret_for(mode), cfg)
+    assert (cand == n).all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prefilter_buffer_and_fallback(mode: str) -> None:
+    """With the prefilter (N = 3000, k = 50, buffer 400): random rows read the candidate buffer. Rows whose
+    pivot is a heavy tie overflow it, and rows where only the sampled columns hold large values leave fewer
+    than k candidates: both fall back to the row, with the same result."""
+    n, k = 3000, 50
+    cfg = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=400)
+    rng = np.random.default_rng(7)
+    skewed = rng.standard_normal((2, n)).astype(np.float32)
+    skewed[:, (np.arange(256) * n) // 256] += 100.0  # the sampled columns: the pivot lands among them
+    x = np.concatenate([_mixed(n, rng), skewed, rng.standard_normal((2, n)).astype(np.float32)])
+    cand = _check(x, k, interpret_for(mode), cfg)
+    buffered = (cand >= k) & (cand <= 400)
+    assert buffered[[0, 1, 8, 9, 10, 11]].tolist() == [True, True, False, False, True, True], cand  # normal + random
+    assert (cand[2:4] > 400).all(), cand  # ties: the pivot's value is shared by ~1/6 of the row
+    assert (cand[8:10] < k).all(), cand  # skewed sample
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_default_config_and_bf16(mode: str) -> None:
+    """The default config at N = 8k (prefilter on) and bf16 input (values come back in bf16)."""
+    rng = np.random.default_rng(11)
+    x = _mixed(2048, rng, 1)
+    cand = _check(x, 256, interpret_for(mode))
+    assert ((cand >= 256) & (cand <= 1024))[0], cand  # the normal row uses the buffer
+    _check(x.astype(jnp.bfloat16), 256, interpret_for(mode), SMALL)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("k", [5, 64, 300])
+def test_indexer_topk_from_logits_pallas_radix(mode: str, k: int) -> None:
+    """The indexer's selection with topk_algorithm="pallas_radix" equals the lax path, -1 padding included
+    (rows with fewer than k visible keys; k > N pads with -1)."""
+    interpret_for(mode)
+    rng = np.random.default_rng(k)
+    x = jnp.asarray(_rows("neginf", 6, 200, rng))
+    np.testing.assert_array_equal(np.asarray(topk_from_logits(x, k, algorithm="pallas_radix")),
+                                  np.asarray(topk_from_logits(x, k)))
+    assert IndexerKernelConfig(topk_algorithm="pallas_radix").topk_algorithm == "pallas_radix"
+
+
+def test_xla_implementation_is_the_reference() -> None:
+    x = jnp.asarray(_mixed(300, np.random.default_rng(2)))
+    for got, want in zip(topk_select(x, 20, implementation="xla"), jax.lax.top_k(x, 20)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_bad_arguments() -> None:
+    x = jnp.zeros((2, 5))
+    with pytest.raises(ValueError, match="k must be in"):
+        topk_select(x, 6)
+    with pytest.raises(ValueError, match="k must be in"):
+        topk_select(x, 0, implementation="xla")
+    with pytest.raises(ValueError, match="k must be an int"):
+        topk_select(x, 2.5)
+    with pytest.raises(ValueError, match="x must be float32"):
+        topk_select(jnp.zeros((2, 5), jnp.int32), 1)
+    with pytest.raises(ValueError, match="x must be a 2-D"):
+        topk_select(jnp.zeros((5,)), 1)
+    with pytest.raises(ValueError, match="implementation"):
+        topk_select(x, 1, implementation="cuda")
+    with pytest.raises(ValueError, match="bits"):
+        TopkSelectConfig(bits=8)
+    with pytest.raises(ValueError, match="hist_block"):
+        TopkSelectConfig(hist_block=100)
+    with pytest.raises(ValueError, match="topk_algorithm"):
+        IndexerKernelConfig(topk_algorithm="pallas")
+
+
+REAL = [pytest.param(64, 65536, None, id="64x64K"), pytest.param(64, 100000, None, id="64x100000"),
+        pytest.param(64, 65536, TopkSelectConfig(capacity=0), id="64x64K_direct")]
+
+
+@pytest.mark.parametrize("t,n,config", REAL)
+def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> None:
+    """Pallas -> Triton IR for an (abstract) H200 at the indexer's shapes, k = 2048."""
+    fn = functools.partial(topk_select, k=2048, interpret=False, config=config)
+    assert "__gpu$xla.gpu.triton" in C.check_triton_lowering(fn, jax.ShapeDtypeStruct((t, n), jnp.float32))
+
+
+@pytest.mark.parametrize("t,n,config", REAL)
+def test_sm90_compile_no_spills(t: int, n: int, config: TopkSelectConfig | None) -> None:
+    """Triton IR -> PTX -> ptxas (sm_90a) with pip triton: no register spills (skipped without triton)."""
+    pytest.importorskip("triton")
+    fn = functools.partial(topk_select, k=2048, interpret=False, config=config)
+    for k in C.compile_sm90_report(fn, jax.ShapeDtypeStruct((t, n), jnp.float32)):
+        assert k["spill_bytes"] == 0, k
