@@ -10,6 +10,7 @@
 #   scripts/gpu_session.sh thunks        # thunk-dump check: graphs, direct launches per step per mode
 #   scripts/gpu_session.sh tests-all     # every gpu-marked kernel test (about 10 minutes of compiles)
 #   scripts/gpu_session.sh kernels       # fused insert (+ tile sweep) + indexer rows with device_us, top-k variants
+#   scripts/gpu_session.sh topk          # Pallas radix-select top-k: native tests, then the top-k rows
 #   scripts/gpu_session.sh mqa           # the MQA rows not yet measured (V4 4K prefill) and small batches
 #
 # Every timed process runs alone; every process sets XLA_PYTHON_CLIENT_PREALLOCATE=false so a compile
@@ -51,7 +52,7 @@ case "$stage" in
     ;;
   tests-all)
     timeout -s INT ${TESTS_TIMEOUT:-570} python3 -m pytest -m gpu -v --tb=short -rfE -p no:cacheprovider \
-      tests/test_kernel_sparse_mqa.py tests/test_kernel_sparse_indexer.py tests/test_kernel_fused_insert.py \
+      tests/test_kernel_sparse_mqa.py tests/test_kernel_sparse_indexer.py tests/test_kernel_fused_insert.py tests/test_kernel_topk_select.py \
       > "$OUT/gpu_kernel_tests.log" 2>&1
     echo "kernel tests rc=$?"; tail -3 "$OUT/gpu_kernel_tests.log"
     ;;
@@ -63,13 +64,21 @@ case "$stage" in
     timeout ${FUSED_TIMEOUT:-230} python3 scripts/bench_kernels.py --only fused_insert --out "$OUT/kernels_fused_insert.json" \
       > "$OUT/bench_fused_insert.log" 2>&1; echo "fused_insert rc=$?"
     ;;
+  topk)
+    # the Pallas radix-select kernel: its native tests first, then the top-k rows (lax / XLA radix / Pallas)
+    timeout -s INT ${TOPK_TESTS_TIMEOUT:-240} python3 -m pytest -m gpu -v --tb=short -rfE -p no:cacheprovider \
+      tests/test_kernel_topk_select.py > "$OUT/gpu_topk_tests.log" 2>&1
+    echo "topk tests rc=$?"; tail -3 "$OUT/gpu_topk_tests.log"
+    timeout ${TOPK_TIMEOUT:-300} python3 scripts/bench_kernels.py --only sparse_indexer --cases topk \
+      --out "$OUT/kernels_topk.json" > "$OUT/bench_topk.log" 2>&1; echo "topk bench rc=$?"
+    ;;
   mqa)
     timeout ${MQA_TIMEOUT:-200} python3 scripts/bench_kernels.py --only sparse_mqa \
       --cases v4_prefill_4096 v32_decode_1 v4_decode_1 \
       --out "$OUT/kernels_mqa.json" > "$OUT/bench_mqa.log" 2>&1; echo "mqa rc=$?"; tail -6 "$OUT/bench_mqa.log"
     ;;
   *)
-    echo "usage: $0 STAGE... (probe|boundary|boundary-v4|boundary-xla|serve|thunks|tests-all|kernels|mqa)" >&2
+    echo "usage: $0 STAGE... (probe|boundary|boundary-v4|boundary-xla|serve|thunks|tests-all|kernels|topk|mqa)" >&2
     exit 2 ;;
 esac
 done
