@@ -11,7 +11,7 @@
 #   scripts/gpu_session.sh tests-all     # every gpu-marked kernel test (about 10 minutes of compiles)
 #   scripts/gpu_session.sh kernels       # fused insert (+ tile sweep) + indexer rows with device_us, top-k variants
 #   scripts/gpu_session.sh topk          # Pallas radix-select top-k: native tests, then the top-k rows
-#   scripts/gpu_session.sh mqa           # the MQA rows not yet measured (V4 4K prefill) and small batches
+#   scripts/gpu_session.sh mqa           # MQA decode rows again, now with device_us (b1/b8 sit at the dispatch floor)
 #
 # Every timed process runs alone; every process sets XLA_PYTHON_CLIENT_PREALLOCATE=false so a compile
 # helper beside it cannot run the GPU out of memory. Timeouts use SIGINT so pytest prints its summary.
@@ -74,7 +74,7 @@ case "$stage" in
     ;;
   mqa)
     timeout ${MQA_TIMEOUT:-200} python3 scripts/bench_kernels.py --only sparse_mqa \
-      --cases v4_prefill_4096 v32_decode_1 v4_decode_1 \
+      --cases v32_decode_1 v4_decode_1 v32_decode_8 v4_decode_8 v32_decode_64 v4_decode_64 \
       --out "$OUT/kernels_mqa.json" > "$OUT/bench_mqa.log" 2>&1; echo "mqa rc=$?"; tail -6 "$OUT/bench_mqa.log"
     ;;
   *)
