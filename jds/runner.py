@@ -72,6 +72,8 @@ def use_graph_update_mode(mode: str) -> None:
     over the first calls, at fixed virtual addresses. Both need XLA's VMM allocator, which XLA selects
     only when the mode is in XLA_FLAGS at client creation: as a per-executable compiler option it would
     silently fall back (openxla/xla gpu_executable_va_remap_allocator.cc, 2026).
+    Measured on the H200 (2026-11-29, BENCHMARKS.md): neither mode cuts the host cost of a captured
+    step (0.41-0.73 ms against 0.51-0.54 ms per 2-layer fused dispatch), so it stays an option, off by default.
     """
     if mode not in GRAPH_UPDATE_MODES:
         raise ValueError(f"graph_update_mode must be one of {GRAPH_UPDATE_MODES}, got {mode!r}")
