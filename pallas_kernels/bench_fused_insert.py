@@ -105,11 +105,12 @@ def benchmark(quick: bool) -> Iterator[dict]:
             kw = dict(static, implementation=impl)
             if impl == "pallas":
                 kw["interpret"] = interpret
-            step = jax.jit(functools.partial(fn, **kw), donate_argnums=cache_pos)
+            call = functools.partial(fn, **kw)
+            step = jax.jit(call, donate_argnums=cache_pos)
             # fresh copies: the donated caches of one impl must not be the other's inputs
             run = _threaded(step, cache_pos, [jnp.array(a, copy=True) for a in args], out_pos)
             t = time_fn(run, warmup=1 if interpret else 5, iters=3 if interpret else 50)
-            t.update(device_row(functools.partial(fn, **kw), *[jnp.array(a, copy=True) for a in args],
+            t.update(device_row(call, *[jnp.array(a, copy=True) for a in args],
                                 median_us=t["median_us"], thread=tuple(zip(cache_pos, out_pos)), quick=quick))
             yield {"kernel": kernel, "case": case, "impl": impl, **t, "bytes": nbytes, "flops": 0,
                    "interpret": interpret}
@@ -137,10 +138,11 @@ def _sweep(kernel: str, case: str, fn, static: dict, args: list, cache_pos: tupl
         row = {"kernel": kernel, "case": f"{case} " + " ".join(f"{k}={v}" for k, v in tiles.items()),
                "impl": "pallas", "tiles": tiles, "bytes": nbytes, "flops": 0, "interpret": False}
         try:
-            got = jax.jit(f)(*args)
+            jf = jax.jit(f)
+            got = jf(*args)
             row["matches_default"] = all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(got),
                                                                                       jax.tree.leaves(ref)))
-            t = time_fn(jax.jit(f), *args, warmup=3, iters=20)
+            t = time_fn(jf, *args, warmup=3, iters=20)
             t.update(device_row(f, *args, median_us=t["median_us"], thread=tuple(zip(cache_pos, out_pos))))
             row.update(t)
         except Exception as e:  # noqa: BLE001 - a tile that does not compile is a result, not a crash

@@ -51,8 +51,8 @@ def device_loop(fn: Callable[..., Any], args: Sequence[Any], thread: Sequence[tu
     serves every count) in a ``fori_loop``, returning the last outputs (see ``device_time_us``). Arguments
     that are not arrays (formats, ints: ``fn``'s static arguments) are bound as constants; pass all of
     ``args`` as given."""
-    dyn = [i for i, a in enumerate(args) if isinstance(a, (jax.Array, np.ndarray)) or
-           (jax.tree.leaves(a) and all(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree.leaves(a)))]
+    dyn = [i for i, a in enumerate(args)
+           if (leaves := jax.tree.leaves(a)) and all(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)]
 
     def call(cur: Sequence[Any]) -> Any:
         full = list(args)

@@ -23,6 +23,13 @@ from jds.results import write_json  # noqa: E402
 KERNELS = ("fused_insert", "sparse_indexer", "sparse_mqa")
 
 
+def _fractions(r: dict, time_key: str, prefix: str, ceil: dict) -> None:
+    """Bytes/s and FLOP/s of row ``r`` at its ``time_key`` time, as fractions of the measured ceilings."""
+    t = r[time_key] * 1e-6 if r.get(time_key) else None
+    r[prefix + "bandwidth_frac"] = r["bytes"] / t / ceil["copy_bytes_per_s"] if t and r.get("bytes") else None
+    r[prefix + "flops_frac"] = r["flops"] / t / ceil["bf16_flops_per_s"] if t and r.get("flops") else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--only", nargs="+", default=list(KERNELS), choices=KERNELS)
@@ -41,13 +48,9 @@ def main() -> None:
     for name in a.only:
         mod = importlib.import_module(f"pallas_kernels.bench_{name}")
         for r in mod.benchmark(a.quick, **({"cases": a.cases} if a.cases else {})):
-            t = r["median_us"] * 1e-6 if r.get("median_us") else None  # None: a row that records an error
-            r["bandwidth_frac"] = r["bytes"] / t / ceil["copy_bytes_per_s"] if t and r.get("bytes") else None
-            r["flops_frac"] = r["flops"] / t / ceil["bf16_flops_per_s"] if t and r.get("flops") else None
+            _fractions(r, "median_us", "", ceil)  # absent on a row that records an error
             if r.get("device_us"):  # device time alone (pallas_kernels.timing.device_time_us)
-                td = r["device_us"] * 1e-6
-                r["device_bandwidth_frac"] = r["bytes"] / td / ceil["copy_bytes_per_s"] if r.get("bytes") else None
-                r["device_flops_frac"] = r["flops"] / td / ceil["bf16_flops_per_s"] if r.get("flops") else None
+                _fractions(r, "device_us", "device_", ceil)
             rows.append(r)
             print(json.dumps(r), flush=True)
             write_json(a.out, {"meta": meta, "rows": rows})  # after every row: a cut-short run keeps them
