@@ -45,14 +45,17 @@ def time_fn(fn: Callable[..., Any], *args: Any, warmup: int = 5, iters: int = 50
             "pipelined_calls": n}
 
 
-def device_loop(fn: Callable[..., Any], args: Sequence[Any], thread: Sequence[tuple[int, int]] = ()
-                ) -> Callable[..., Any]:
-    """``run(n, *args)``: one executable running ``fn`` ``n`` times (``n`` a runtime value, so one compile
-    serves every count) in a ``fori_loop``, returning the last outputs (see ``device_time_us``). Arguments
-    that are not arrays (formats, ints: ``fn``'s static arguments) are bound as constants; pass all of
-    ``args`` as given."""
+def device_loop(fn: Callable[..., Any], args: Sequence[Any], thread: Sequence[tuple[int, int]] = (),
+                unroll: int | None = None) -> Callable[..., Any]:
+    """``run(n, *args)``: one executable running ``fn`` ``n`` times back to back and returning the last
+    outputs (see ``device_time_us``). ``unroll=None``: a ``fori_loop`` with ``n`` a runtime value (one
+    compile serves every count); ``unroll=m``: ``m`` copies in straight-line code (``run`` ignores its
+    ``n``, which must equal ``m``), so no while loop and its per-iteration predicate check sits between
+    the calls. Arguments that are not arrays (formats, ints: ``fn``'s static arguments) are bound as
+    constants; pass all of ``args`` as given."""
     dyn = [i for i, a in enumerate(args)
            if (leaves := jax.tree.leaves(a)) and all(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)]
+    pos = {i: j for j, i in enumerate(dyn)}
 
     def call(cur: Sequence[Any]) -> Any:
         full = list(args)
@@ -60,47 +63,66 @@ def device_loop(fn: Callable[..., Any], args: Sequence[Any], thread: Sequence[tu
             full[i] = x
         return fn(*full)
 
+    def body(_: Any, carry: Any) -> Any:
+        cur, _prev = carry
+        out = call(cur)
+        nxt = list(cur)
+        for ai, oi in thread:
+            nxt[pos[ai]] = out[oi]
+        return lax.optimization_barrier((tuple(nxt), out))
+
     outs0 = jax.eval_shape(lambda *c: call(c), *[args[i] for i in dyn])
-    pos = {i: j for j, i in enumerate(dyn)}
 
     @jax.jit
     def loop(n: jax.Array, *d: Any) -> Any:
-        def body(_: Any, carry: Any) -> Any:
-            cur, _prev = carry
-            out = call(cur)
-            nxt = list(cur)
-            for ai, oi in thread:
-                nxt[pos[ai]] = out[oi]
-            return lax.optimization_barrier((tuple(nxt), out))
-        init = (tuple(d), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), outs0))
-        return lax.fori_loop(0, n, body, init)[1]
+        carry = (tuple(d), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), outs0))
+        if unroll is None:
+            return lax.fori_loop(0, n, body, carry)[1]
+        # straight-line copies: an output nothing reads would be dead code, so every copy's outputs are
+        # returned (the threaded caches only once: each copy consumes the previous one's)
+        fed = {oi for _, oi in thread}
+        kept = []
+        for i in range(unroll):
+            carry = body(i, carry)
+            out = carry[1]
+            kept.append([o for k, o in enumerate(out) if k not in fed] if fed else out)
+        return carry[1], kept
 
     def run(n: int, *a: Any) -> Any:
-        return loop(jnp.int32(n), *[a[i] for i in dyn])
+        if unroll is not None and n != unroll:
+            raise ValueError(f"this executable is unrolled {unroll} times, asked for n={n}")
+        res = loop(jnp.int32(n), *[a[i] for i in dyn])
+        return res if unroll is None else res[0]
 
     run.lower = lambda n, *a: loop.lower(jnp.int32(n), *[a[i] for i in dyn])  # type: ignore[attr-defined]
     return run
 
 
 def device_time_us(fn: Callable[..., Any], *args: Any, thread: Sequence[tuple[int, int]] = (),
-                   reps: tuple[int, int] = (5, 25), iters: int = 5) -> float:
+                   reps: tuple[int, int] = (5, 25), iters: int = 5, unrolled: bool = False) -> float:
     """Device time per call of the traceable ``fn(*args)``, in microseconds, without host dispatch.
 
     Why: ``time_fn``'s pipelined rounds cannot go below JAX's per-call dispatch cost (40-80 µs on the
     H200 host for a kernel call; BENCHMARKS.md), so kernels shorter than that read as equal. Here one
-    executable runs ``fn`` ``n`` times in a ``fori_loop``; the time difference between ``reps[1]`` and
-    ``reps[0]`` iterations, divided by their difference, cancels launch and synchronisation.
-    Each iteration's arguments and outputs pass through ``lax.optimization_barrier``, so XLA can neither
-    hoist the loop-invariant call out of the loop nor drop outputs it would not otherwise need.
-    ``thread``: (argument index, output index) pairs fed back each iteration (donated caches).
-    Caveat: the same inputs every iteration, so inputs that fit the 50 MB L2 are read from L2.
+    executable runs ``fn`` ``n`` times; the time difference between ``reps[1]`` and ``reps[0]`` calls,
+    divided by their difference, cancels launch and synchronisation.
+    ``unrolled=False``: a ``fori_loop`` (one compile); each iteration also pays the loop's own overhead
+    (``measure_floors`` measures it with a trivial body). ``unrolled=True``: straight-line copies (two
+    compiles, one per count), no loop overhead; what remains per call is the launch of a kernel node
+    inside the captured command buffer.
+    Each call's arguments and outputs pass through ``lax.optimization_barrier``, so XLA can neither
+    hoist or merge the loop-invariant calls nor drop outputs it would not otherwise need.
+    ``thread``: (argument index, output index) pairs fed back each call (donated caches).
+    Caveat: the same inputs every call, so inputs that fit the 50 MB L2 are read from L2.
     """
     if not 0 < reps[0] < reps[1]:
         raise ValueError(f"reps must be two increasing positive counts, got {reps}")
-    f = device_loop(fn, args, thread)
-    jax.block_until_ready(f(reps[0], *args))  # compile + warm
+    fs = ([device_loop(fn, args, thread, unroll=n) for n in reps] if unrolled
+          else [device_loop(fn, args, thread)] * 2)
+    for f, n in zip(fs, reps):
+        jax.block_until_ready(f(n, *args))  # compile + warm
     per = []
-    for n in reps:
+    for f, n in zip(fs, reps):
         ts = []
         for _ in range(iters):
             t0 = time.perf_counter()
@@ -112,12 +134,29 @@ def device_time_us(fn: Callable[..., Any], *args: Any, thread: Sequence[tuple[in
 
 def device_row(fn: Callable[..., Any], *args: Any, median_us: float, thread: Sequence[tuple[int, int]] = (),
                quick: bool = False, below_us: float = 1000.0) -> dict[str, float]:
-    """``{"device_us": ...}`` for calls whose pipelined time is under ``below_us`` (where per-call dispatch
-    can hide the kernel), else ``{}``: above it dispatch is a small share and the loop would cost seconds."""
+    """``{"device_us": ..., "device_unrolled_us": ...}`` (both ``device_time_us`` methods) for calls whose
+    pipelined time is under ``below_us`` (where per-call dispatch can hide the kernel), else ``{}``: above
+    it dispatch is a small share and the loop would cost seconds."""
     if median_us >= below_us:
         return {}
     reps, iters = ((1, 2), 1) if quick else ((5, 25), 5)
-    return {"device_us": device_time_us(fn, *args, thread=thread, reps=reps, iters=iters)}
+    return {"device_us": device_time_us(fn, *args, thread=thread, reps=reps, iters=iters),
+            "device_unrolled_us": device_time_us(fn, *args, thread=thread, reps=reps, iters=iters,
+                                                 unrolled=True)}
+
+
+def measure_floors(quick: bool = False) -> dict[str, float]:
+    """What each ``device_time_us`` method reports for a trivial call (one add on a 1 KiB array), threaded
+    and not: the per-call overhead of the method itself, to read small rows against."""
+    x = jnp.ones((256,), jnp.float32)
+    reps, iters = ((1, 2), 1) if quick else ((5, 25), 5)
+    out = {}
+    for unrolled in (False, True):
+        name = "unrolled" if unrolled else "loop"
+        out[f"{name}_floor_us"] = device_time_us(lambda a: a + 1.0, x, reps=reps, iters=iters, unrolled=unrolled)
+        out[f"{name}_threaded_floor_us"] = device_time_us(lambda a: (a + 1.0,), x, thread=[(0, 0)], reps=reps,
+                                                          iters=iters, unrolled=unrolled)
+    return out
 
 
 def measure_ceilings(quick: bool = False) -> dict[str, float]:

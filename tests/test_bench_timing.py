@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,6 +62,21 @@ def test_device_loop_runs_every_iteration() -> None:
     np.testing.assert_allclose(np.asarray(f(6, x, c)[0]), np.sin(1.0) * 2.0, rtol=1e-6)
     us = device_time_us(step, x, c, thread=[(1, 1)], reps=(2, 6), iters=2)
     assert 0 <= us < 1e6
+    unrolled = device_loop(step, (x, c), thread=[(1, 1)], unroll=5)
+    assert float(unrolled(5, x, c)[1][0]) == 5.0  # every straight-line copy ran, none merged
+    assert unrolled.lower(5, x, c).compile().as_text().count("sine") >= 5
+    with pytest.raises(ValueError, match="unrolled 5 times"):
+        unrolled(6, x, c)
+    assert 0 <= device_time_us(step, x, c, thread=[(1, 1)], reps=(2, 6), iters=2, unrolled=True) < 1e6
+
+
+def test_measure_floors_reports_both_methods() -> None:
+    from pallas_kernels.timing import measure_floors
+
+    floors = measure_floors(quick=True)
+    assert set(floors) == {"loop_floor_us", "loop_threaded_floor_us", "unrolled_floor_us",
+                           "unrolled_threaded_floor_us"}
+    assert all(0 <= v < 1e6 for v in floors.values())
 
 
 def test_device_time_us_rejects_bad_reps() -> None:
@@ -78,5 +95,6 @@ def test_device_loop_binds_static_arguments() -> None:
     f = jax.jit(lambda x, k: x * k, static_argnums=1)
     x = jnp.arange(4.0)
     np.testing.assert_allclose(np.asarray(device_loop(f, (x, 3))(3, x, 3)), np.arange(4.0) * 3)
-    assert device_row(f, x, 3, median_us=10.0, quick=True)["device_us"] >= 0
+    row = device_row(f, x, 3, median_us=10.0, quick=True)
+    assert row["device_us"] >= 0 and row["device_unrolled_us"] >= 0
     assert device_row(f, x, 3, median_us=5000.0, quick=True) == {}  # long calls: no loop needed
