@@ -124,8 +124,14 @@ def benchmark(quick: bool) -> Iterator[dict]:
 SWEEP = {"v32_kv_insert": [dict(block_tokens=16, num_warps=4), dict(block_tokens=32), dict(block_tokens=64)],
          "v32_fused_q": [dict(rows_per_program=64, num_warps=4), dict(rows_per_program=128),
                          dict(rows_per_program=256)],
+         # 2026-11-29: rows_per_program 16 / 32 (tokens of one head) were slower than the default 8; the
+         # heads_per_program variants read a token's heads, which are contiguous, instead
          "v4_qnorm_rope_kv_insert": [dict(rows_per_program=8, num_warps=4), dict(rows_per_program=16),
-                                     dict(rows_per_program=32)]}
+                                     dict(rows_per_program=8, heads_per_program=8),
+                                     dict(rows_per_program=16, heads_per_program=16),
+                                     dict(rows_per_program=16, heads_per_program=8),
+                                     dict(rows_per_program=32, heads_per_program=32, num_warps=8),
+                                     dict(rows_per_program=16, heads_per_program=16, num_warps=4)]}
 
 
 def _bytes(x: jax.Array) -> jax.Array:

@@ -112,11 +112,16 @@ def supports(head_dim: int, rope_dim: int) -> bool:
 def fused_qnorm_rope_kv_insert_v4(q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w, *,
                                   window_format: RecordFormat, eps: float, dtype,
                                   implementation: Implementation = "pallas", interpret: bool | None = None,
-                                  rows_per_program: int = 8, num_warps: int = 8):
+                                  rows_per_program: int = 8, num_warps: int = 8,
+                                  heads_per_program: int | None = None):
     """Same inputs/outputs as ``fused_qnorm_rope_kv_insert_v4_reference``.
 
     q [T, H, D], kv [T, D] in ``dtype``; cos/sin [T, rd/2] float32; slot_mapping [T] int32 (-1 = padding);
-    window_cache [num_blocks, page_elems] (donate it: it is updated in place)."""
+    window_cache [num_blocks, page_elems] (donate it: it is updated in place).
+    Tiling: a q program normalises ``rows_per_program`` (token, head) rows. ``heads_per_program=None``:
+    one token's heads when T < ``rows_per_program`` (decode), else that many tokens of one head;
+    ``heads_per_program=h``: h heads of ``rows_per_program // h`` tokens (a token's heads are contiguous
+    in memory, so h > 1 reads longer runs)."""
     if implementation == "xla":
         return fused_qnorm_rope_kv_insert_v4_reference(q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w,
                                                        window_format=window_format, eps=eps, dtype=dtype)
@@ -125,7 +130,8 @@ def fused_qnorm_rope_kv_insert_v4(q, kv, cos, sin, slot_mapping, window_cache, k
     interpret = C.resolve_interpret(interpret)
     t, h, d = q.shape
     rd = 2 * cos.shape[-1]
-    for name, n in (("head dim", d), ("rope dim", rd), ("rows_per_program", rows_per_program)):
+    for name, n in (("head dim", d), ("rope dim", rd), ("rows_per_program", rows_per_program),
+                    ("heads_per_program", heads_per_program or 1)):
         if not C.is_pow2(n):
             raise NotImplementedError(f"fused_qnorm_rope_kv_insert_v4: {name} {n} is not a power of 2")
     if isinstance(window_format, MlaRecord584):
@@ -134,8 +140,12 @@ def fused_qnorm_rope_kv_insert_v4(q, kv, cos, sin, slot_mapping, window_cache, k
             raise ValueError(f"window_format {f} does not fit head dim {d} / rope dim {rd}")
     hp = C.next_pow2(h)
     # decode (few tokens): one token per program, heads spread over programs; prefill: more tokens each
-    bt = 1 if t < rows_per_program else rows_per_program
-    hb = min(hp, max(1, rows_per_program // bt))
+    if heads_per_program is None:
+        bt = 1 if t < rows_per_program else rows_per_program
+        hb = min(hp, max(1, rows_per_program // bt))
+    else:
+        hb = min(hp, heads_per_program)
+        bt = max(1, rows_per_program // hb)
     nhb = -(-h // hb)
     dt = jnp.dtype(dtype)
     kernel = functools.partial(_v4_kernel, T=t, BT=bt, H=h, HB=hb, nhb=nhb, D=d, rd=rd, eps=eps, dtype=dt,

@@ -20,7 +20,8 @@ index wins; invisible keys are -inf and come back as -1 (also when fewer than k 
 ``IndexerKernelConfig.topk_segment`` switches to an exact two-stage top-k (per-segment top-k, then top-k
 of the winners in segment order), ``topk_algorithm="radix"`` to radix selection (``jds.ops.select``:
 counting passes, then a sort of the k winners only), ``"pallas_radix"`` to the same selection as a Pallas
-kernel (``pallas_kernels.topk_select``): same indices, same order, same tie rule.
+kernel (``pallas_kernels.topk_select``): same indices, same order, same tie rule. The default
+``"auto"`` picks between ``lax`` and ``pallas_radix`` by size (``resolve_topk_algorithm``).
 
 Kernel layout (Mosaic GPU, one warpgroup per CTA):
 - grid = (query groups, key splits). A *group* is up to G consecutive tokens of one request (G = 1 for
@@ -92,6 +93,9 @@ DEFAULT_MAX_LOGITS_BYTES = 512 << 20
 _H200_SMS = 132
 
 KeySource = Literal["auto", "paged", "views", "gathered"]
+TopkAlgorithm = Literal["auto", "lax", "radix", "pallas_radix"]
+TOPK_ALGORITHMS = ("auto", "lax", "radix", "pallas_radix")
+AUTO_PALLAS_TOPK_ELEMS = 1 << 20  # rows x candidates from which "auto" selects with the Pallas kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +109,8 @@ class IndexerKernelConfig:
     key_source: KeySource = "auto"  # "paged" on the GPU, "views" when interpreting (see module doc)
     topk_segment: int | None = None  # two-stage top-k: lax.top_k per segment of this many keys, then
     #                                  over the segments' winners (exact, same tie rule); None = one stage
-    topk_algorithm: Literal["lax", "radix", "pallas_radix"] = "lax"  # "radix": jds.ops.select, "pallas_radix":
-    #                                  pallas_kernels.topk_select (both exact, same order)
+    topk_algorithm: TopkAlgorithm = "auto"  # "radix": jds.ops.select, "pallas_radix": pallas_kernels.topk_select
+    #                                  (all exact, same order); "auto": resolve_topk_algorithm
 
     def __post_init__(self) -> None:
         if self.queries_per_cta is not None and not 1 <= self.queries_per_cta <= 4:
@@ -119,8 +123,8 @@ class IndexerKernelConfig:
             raise ValueError(f"max_logits_bytes must be >= {4 * TILE}, got {self.max_logits_bytes}")
         if self.topk_segment is not None and self.topk_segment < 1:
             raise ValueError(f"topk_segment must be >= 1, got {self.topk_segment}")
-        if self.topk_algorithm not in ("lax", "radix", "pallas_radix"):
-            raise ValueError(f"topk_algorithm must be 'lax', 'radix' or 'pallas_radix', got {self.topk_algorithm!r}")
+        if self.topk_algorithm not in TOPK_ALGORITHMS:
+            raise ValueError(f"topk_algorithm must be one of {TOPK_ALGORITHMS}, got {self.topk_algorithm!r}")
         if self.key_source not in ("auto", "paged", "views", "gathered"):
             raise ValueError(f"key_source must be auto, paged, views or gathered, got {self.key_source!r}")
 
@@ -129,8 +133,7 @@ def default_config() -> IndexerKernelConfig:
     """The config used when none is passed (the layers' ``select``): ``IndexerKernelConfig()``, with
     ``key_source`` taken from the environment variable JDS_INDEXER_KEY_SOURCE when set (e.g. "gathered"
     to run the layers without the RefUnion SMEM bitcast), and ``topk_algorithm`` from JDS_INDEXER_TOPK
-    ("radix" / "pallas_radix" to try jds.ops.select / its Pallas kernel in the layers; the default stays "lax"
-    until the H200 says otherwise)."""
+    ("lax" / "radix" / "pallas_radix" to force one selection in the layers; the default is "auto")."""
     over = {}
     if os.environ.get("JDS_INDEXER_KEY_SOURCE"):
         over["key_source"] = os.environ["JDS_INDEXER_KEY_SOURCE"]
@@ -475,13 +478,27 @@ def xla_logits(index_q: jax.Array, index_w: jax.Array, cache: jax.Array, fmt, bl
     return jnp.where(col[None, :] < n_visible[:, None], scores, -jnp.inf)
 
 
+def resolve_topk_algorithm(rows: int, cols: int, backend: str | None = None) -> str:
+    """What ``topk_algorithm="auto"`` runs for a [rows, cols] logits block: the Pallas radix select on the
+    GPU from ``AUTO_PALLAS_TOPK_ELEMS`` elements, ``lax.top_k`` below that and off the GPU (where the
+    kernel would only run interpreted).
+
+    Why the threshold: H200, 2026-11-29 (BENCHMARKS.md, k = 2048), Pallas radix against lax.top_k:
+    16 x 32K 111 vs 92 µs (lax wins), 16 x 64K 153 vs 182, 64 x 32K 118 vs 265, 64 x 64K 143 vs 541,
+    16 x 128K 207 vs 389, 64 x 128K 224 vs 1056. Both give the same indices in the same order.
+    """
+    backend = backend or jax.default_backend()
+    return "pallas_radix" if backend == "gpu" and rows * cols >= AUTO_PALLAS_TOPK_ELEMS else "lax"
+
+
 def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
-                     algorithm: Literal["lax", "radix", "pallas_radix"] = "lax") -> jax.Array:
+                     algorithm: TopkAlgorithm = "lax") -> jax.Array:
     """lax.top_k of rows already -inf at invisible keys: int32 [T, k], -1 where fewer are visible.
 
     ``algorithm="radix"``: ``jds.ops.select.radix_topk`` (counting passes instead of a sort), identical
     output; ``"pallas_radix"``: the same selection as a Pallas kernel (``pallas_kernels.topk_select``,
-    GPU interpret mode off-GPU), identical output. ``segment`` is then ignored.
+    GPU interpret mode off-GPU), identical output; ``"auto"``: ``resolve_topk_algorithm``. ``segment``
+    applies to ``"lax"`` only.
 
     Tie rule: among equal scores the lower key index wins (lax.top_k's order). With ``segment``, a
     two-stage selection: top-k of each segment of ``segment`` keys, then top-k of the concatenated winners
@@ -490,6 +507,8 @@ def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
     """
     t, n = logits.shape
     kk = min(k, n)
+    if algorithm == "auto":  # an explicit segment asks for the two-stage lax selection
+        algorithm = "lax" if segment is not None else resolve_topk_algorithm(t, n)
     if algorithm == "radix":
         vals, idx = radix_topk(logits, kk)
     elif algorithm == "pallas_radix":

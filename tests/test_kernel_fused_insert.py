@@ -176,7 +176,7 @@ def test_v32_fused_q(mode, dt, had, ilv, fp8, t):
     pytest.param(FloatRows(512, 128, BF16), BF16, 20, id="rows-bf16"),
     pytest.param(MlaRecord584(128), F32, 5, id="584-f32"),
 ])
-def test_v4_qnorm_rope_kv_insert(mode, fmt, dt, t):
+def test_v4_qnorm_rope_kv_insert(mode, fmt, dt, t, tiles=None):
     cfg = V4Config.tiny()
     rng = np.random.default_rng(20 + t)
     nb = 3
@@ -186,11 +186,23 @@ def test_v4_qnorm_rope_kv_insert(mode, fmt, dt, t):
     cos, sin = rope_cos_sin(cached_inv_freqs(cfg.rope_for(4), 64), jnp.asarray(rng.integers(0, 4000, t), jnp.int32))
     slots = _slots(rng, t, nb * 128)
     cache = _noise_cache(rng, fmt, nb)
-    static = dict(window_format=fmt, eps=1e-6, dtype=dt, _kernel=dict(interpret=_interpret(mode)))
+    static = dict(window_format=fmt, eps=1e-6, dtype=dt, _kernel=dict(interpret=_interpret(mode), **(tiles or {})))
     (gq, gc), (wq, wc) = _run(fused_qnorm_rope_kv_insert_v4, static, q, kv, cos, sin, jnp.asarray(slots), cache, w)
     exact = mode == "interpret" and dt == BF16
     assert_q_match(gq, wq, exact, "q", _rtol(dt))
     assert_cache_match(fmt, gc, wc, slots, exact, "window cache")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("tiles", [  # heads first (several heads of a token per program), with token tails
+    pytest.param(dict(rows_per_program=8, heads_per_program=4), id="h4xt2"),
+    pytest.param(dict(rows_per_program=16, heads_per_program=16), id="h16(all)xt1"),
+    pytest.param(dict(rows_per_program=32, heads_per_program=8, num_warps=4), id="h8xt4-w4"),
+])
+def test_v4_tilings(mode, tiles):
+    """Every tiling of the sweep in bench_fused_insert computes the same records (T = 20 tokens: a partial
+    token block, two padding slots)."""
+    test_v4_qnorm_rope_kv_insert(mode, MlaRecord584(128), BF16, 20, tiles)
 
 
 # ----- the layers: implementation="pallas" prepare == "xla" prepare ------------------------------------------

@@ -98,6 +98,35 @@ def test_indexer_topk_from_logits_pallas_radix(mode: str, k: int) -> None:
     assert IndexerKernelConfig(topk_algorithm="pallas_radix").topk_algorithm == "pallas_radix"
 
 
+def test_auto_resolution() -> None:
+    """"auto" (the default) uses the Pallas kernel on the GPU from AUTO_PALLAS_TOPK_ELEMS elements, lax below
+    it, off the GPU and when a two-stage segment is asked for."""
+    from pallas_kernels.sparse_indexer import AUTO_PALLAS_TOPK_ELEMS, resolve_topk_algorithm
+
+    assert IndexerKernelConfig().topk_algorithm == "auto"
+    assert resolve_topk_algorithm(16, 65536, "gpu") == "pallas_radix" == resolve_topk_algorithm(64, 32768, "gpu")
+    assert resolve_topk_algorithm(16, 32768, "gpu") == "lax"
+    assert resolve_topk_algorithm(64, 131072, "cpu") == "lax"
+    assert resolve_topk_algorithm(1, AUTO_PALLAS_TOPK_ELEMS, "gpu") == "pallas_radix"
+    x = jnp.asarray(_mixed(300, np.random.default_rng(3)))  # small: lax on every backend
+    np.testing.assert_array_equal(np.asarray(topk_from_logits(x, 20, algorithm="auto")),
+                                  np.asarray(topk_from_logits(x, 20)))
+    np.testing.assert_array_equal(np.asarray(topk_from_logits(x, 20, 64, algorithm="auto")),
+                                  np.asarray(topk_from_logits(x, 20)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+def test_auto_at_the_decode_size_matches_lax() -> None:
+    """At 16 x 65536 (k = 2048) "auto" runs the Pallas kernel; rows of every kind, -1 padding included."""
+    from pallas_kernels.sparse_indexer import resolve_topk_algorithm
+
+    assert resolve_topk_algorithm(16, 65536) == "pallas_radix"
+    x = jnp.asarray(_mixed(65536, np.random.default_rng(4), per_kind=4))
+    np.testing.assert_array_equal(np.asarray(topk_from_logits(x, 2048, algorithm="auto")),
+                                  np.asarray(topk_from_logits(x, 2048, algorithm="lax")))
+
+
 def test_xla_implementation_is_the_reference() -> None:
     x = jnp.asarray(_mixed(300, np.random.default_rng(2)))
     for got, want in zip(topk_select(x, 20, implementation="xla"), jax.lax.top_k(x, 20)):
