@@ -2,8 +2,8 @@
 DeepSeek-V3.2 / V4 dims (bf16 activations, FP8 caches, DeepSeek reference numerics: Hadamard on, UE8M0).
 
 Driven by scripts/bench_kernels.py (``--only fused_insert``). Rows: kernel, case, impl ("pallas" | "xla"),
-median_us / p10_us / p90_us (pallas_kernels.timing.time_fn), device_us (device_time_us: the call looped
-inside one executable, dispatch excluded; rows under 1 ms), bytes (compulsory HBM traffic: every input
+median_us / p10_us / p90_us (pallas_kernels.timing.time_fn), device_unrolled_us (device_time_us: the
+call repeated inside one executable, dispatch excluded; rows under 1 ms), bytes (compulsory HBM traffic: every input
 read once, every output written once; caches count only the records written), flops 0.
 
 On the GPU, each kernel at T = 8192 is also timed with the tile variants of ``SWEEP`` (rows with a
@@ -121,17 +121,17 @@ def benchmark(quick: bool) -> Iterator[dict]:
 
 # Tile parameters of each kernel tried at T = 8192 beside its default (the first of each list); never
 # tuned on the H200 before (BENCHMARKS.md, issue 6).
+# 2026-11-29 (BENCHMARKS.md): the defaults of v32_fused_q (1 token, 4 warps) and of the V4 kernel's prefill
+# (16 heads x 1 token, 4 warps) were the fastest variants at T = 8192; the first variant of each is the
+# previous default.
 SWEEP = {"v32_kv_insert": [dict(block_tokens=16, num_warps=4), dict(block_tokens=32), dict(block_tokens=64)],
-         "v32_fused_q": [dict(rows_per_program=64, num_warps=4), dict(rows_per_program=128),
-                         dict(rows_per_program=256)],
-         # 2026-11-29: rows_per_program 16 / 32 (tokens of one head) were slower than the default 8; the
-         # heads_per_program variants read a token's heads, which are contiguous, instead
-         "v4_qnorm_rope_kv_insert": [dict(rows_per_program=8, num_warps=4), dict(rows_per_program=16),
-                                     dict(rows_per_program=8, heads_per_program=8),
-                                     dict(rows_per_program=16, heads_per_program=16),
-                                     dict(rows_per_program=16, heads_per_program=8),
-                                     dict(rows_per_program=32, heads_per_program=32, num_warps=8),
-                                     dict(rows_per_program=16, heads_per_program=16, num_warps=4)]}
+         "v32_fused_q": [dict(rows_per_program=256, num_warps=8), dict(rows_per_program=64, num_warps=8),
+                         dict(rows_per_program=256, num_warps=4), dict(rows_per_program=512, num_warps=4)],
+         "v4_qnorm_rope_kv_insert": [dict(rows_per_program=8, num_warps=8),
+                                     dict(rows_per_program=8, heads_per_program=8, num_warps=8),
+                                     dict(rows_per_program=32, heads_per_program=16, num_warps=4),
+                                     dict(rows_per_program=16, heads_per_program=16, num_warps=2),
+                                     dict(rows_per_program=32, heads_per_program=32, num_warps=4)]}
 
 
 def _bytes(x: jax.Array) -> jax.Array:

@@ -5,6 +5,8 @@ Cases (full run; ``quick`` uses tiny shapes and few iterations, e.g. to smoke-te
 - decode_logits / decode_select: batch B in {1, 16, 64} x context C in {4K, 32K, 128K}, one token per
   request at position C - 1 (all C keys visible), 64 heads, 64-entry pages shuffled in the pool.
   *_logits = the logits alone; *_select = logits + top-2048 (``indexer_topk``, what ``select`` runs).
+- select (only when asked for): decode_select at B in {16, 64} x C in {32K, 128K} with the default
+  top-k (``topk_algorithm="auto"``, field ``topk``), the same with ``lax.top_k`` (``_lax``) and XLA.
 - prefill_select: one request, a chunk of Q in {1K, 4K, 8K} queries at positions C-Q..C-1 over
   C in {8K, 32K, 64K} (Q <= C), causal; logits bounded by the 512 MiB default workspace (pallas) and an
   8 GiB workspace for the XLA path (its gathered fp32 keys are 129x the logits).
@@ -87,10 +89,11 @@ def _row(case: str, impl: str, fn, args, nbytes: int, flops: int, quick: bool, b
 
 
 def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]:
-    """Rows as they are measured. ``cases``: only these sections ("decode", "topk", "prefill")."""
+    """Rows as they are measured. ``cases``: only these sections ("decode", "select", "topk", "prefill";
+    "select" runs only when asked for)."""
     want = set(cases or ("decode", "topk", "prefill"))
-    if not want <= {"decode", "topk", "prefill"}:
-        raise ValueError(f"cases for sparse_indexer are decode / topk / prefill, got {sorted(want)}")
+    if not want <= {"decode", "select", "topk", "prefill"}:
+        raise ValueError(f"cases for sparse_indexer are decode / select / topk / prefill, got {sorted(want)}")
     interpret = jax.default_backend() != "gpu"
     fmt = IndexerRecord132(EPP)
     cfg = si.IndexerKernelConfig()
@@ -147,6 +150,25 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
                 f = jax.jit(functools.partial(si.paged_logits, entries_per_page=EPP, config=c2, interpret=interpret))
                 yield (_row(f"decode_logits_b{b}_c{c}_{name}", "pallas", f,
                                  (q8, w8, cache, bt, req, nvis), nbytes, flops, quick))
+        del cache
+
+    # ----- decode logits + top-k with each selection, one run (the "auto" default against lax) -----
+    sel = [(b, c) for b in (16, 64) for c in (32768, 131072)] if "select" in want and not quick else []
+    sel_lax = selector("pallas", si.IndexerKernelConfig(topk_algorithm="lax"))
+    for b, c in sel:
+        k1, k2, k3, key = jax.random.split(key, 4)
+        bt, nb = _tables(k1, b, c // EPP)
+        cache = _cache(k2, nb)
+        iq, iw = _queries(k3, b)
+        req = jnp.arange(b, dtype=jnp.int32)
+        nvis = jnp.full((b,), c, jnp.int32)
+        nbytes, flops = _model(b, c, np.full(b, c), 1, np.arange(b), True)
+        args = (iq, iw, cache, bt, req, nvis)
+        case = f"decode_select_b{b}_c{c}"
+        auto = si.resolve_topk_algorithm(b, c)
+        yield _row(case, "pallas", select_p, args, nbytes, flops, quick, topk=auto)
+        yield _row(case + "_lax", "pallas", sel_lax, args, nbytes, flops, quick, topk="lax")
+        yield _row(case, "xla", select_x, args, nbytes, flops, quick, big=True, topk="lax")
         del cache
 
     # ----- top-k alone over logits rows -----

@@ -48,7 +48,8 @@ def is_pow2(n: int) -> bool:
 
 
 def next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def log2(n: int) -> int:

@@ -279,8 +279,12 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
 
 def fused_q_v32(q, index_q, index_w, cos, sin, *, nope_dim: int, dtype, indexer_interleave: bool,
                 hadamard: bool, fp8: bool, implementation: Implementation = "pallas",
-                interpret: bool | None = None, rows_per_program: int = 64, num_warps: int = 8):
-    """Same inputs/outputs as ``fused_q_v32_reference``."""
+                interpret: bool | None = None, rows_per_program: int = 64, num_warps: int = 4):
+    """Same inputs/outputs as ``fused_q_v32_reference``.
+
+    Tiling: ``rows_per_program`` // max(H, Hi) tokens per program (at least one, and at least 16
+    indexer rows for the Hadamard dot). H200, T = 8192, 2026-11-29: one token per program and 4 warps
+    each beat two tokens with 8 warps (the previous default) by 1.2-1.3x, bit-identical outputs."""
     if implementation == "xla":
         return fused_q_v32_reference(q, index_q, index_w, cos, sin, nope_dim=nope_dim, dtype=dtype,
                                      indexer_interleave=indexer_interleave, hadamard=hadamard, fp8=fp8)

@@ -112,16 +112,19 @@ def supports(head_dim: int, rope_dim: int) -> bool:
 def fused_qnorm_rope_kv_insert_v4(q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w, *,
                                   window_format: RecordFormat, eps: float, dtype,
                                   implementation: Implementation = "pallas", interpret: bool | None = None,
-                                  rows_per_program: int = 8, num_warps: int = 8,
+                                  rows_per_program: int | None = None, num_warps: int | None = None,
                                   heads_per_program: int | None = None):
     """Same inputs/outputs as ``fused_qnorm_rope_kv_insert_v4_reference``.
 
     q [T, H, D], kv [T, D] in ``dtype``; cos/sin [T, rd/2] float32; slot_mapping [T] int32 (-1 = padding);
     window_cache [num_blocks, page_elems] (donate it: it is updated in place).
-    Tiling: a q program normalises ``rows_per_program`` (token, head) rows. ``heads_per_program=None``:
-    one token's heads when T < ``rows_per_program`` (decode), else that many tokens of one head;
-    ``heads_per_program=h``: h heads of ``rows_per_program // h`` tokens (a token's heads are contiguous
-    in memory, so h > 1 reads longer runs)."""
+    Tiling: a q program normalises ``rows_per_program`` (token, head) rows. ``heads_per_program=h``: h
+    heads of ``rows_per_program // h`` tokens (a token's heads are contiguous in memory, so h > 1 reads
+    longer runs); ``heads_per_program=None`` with ``rows_per_program`` given: one token's heads when
+    T < ``rows_per_program``, else that many tokens of one head (the tiling before 2026-11-29).
+    All None: 8 heads x 1 token, 8 warps for T < 16 (decode); 16 heads x 1 token, 4 warps from 16
+    tokens, which ran at 62% of copy bandwidth at T = 8192 on the H200 against 52% for 8 tokens x 1 head
+    (BENCHMARKS.md, issue 6), bit-identical."""
     if implementation == "xla":
         return fused_qnorm_rope_kv_insert_v4_reference(q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w,
                                                        window_format=window_format, eps=eps, dtype=dtype)
@@ -130,6 +133,11 @@ def fused_qnorm_rope_kv_insert_v4(q, kv, cos, sin, slot_mapping, window_cache, k
     interpret = C.resolve_interpret(interpret)
     t, h, d = q.shape
     rd = 2 * cos.shape[-1]
+    if rows_per_program is None and heads_per_program is None:
+        rows_per_program = heads_per_program = 8 if t < 16 else 16
+        num_warps = num_warps or (8 if t < 16 else 4)
+    rows_per_program = rows_per_program or 8
+    num_warps = num_warps or 8
     for name, n in (("head dim", d), ("rope dim", rd), ("rows_per_program", rows_per_program),
                     ("heads_per_program", heads_per_program or 1)):
         if not C.is_pow2(n):

@@ -96,5 +96,5 @@ def test_device_loop_binds_static_arguments() -> None:
     x = jnp.arange(4.0)
     np.testing.assert_allclose(np.asarray(device_loop(f, (x, 3))(3, x, 3)), np.arange(4.0) * 3)
     row = device_row(f, x, 3, median_us=10.0, quick=True)
-    assert row["device_us"] >= 0 and row["device_unrolled_us"] >= 0
+    assert row["device_unrolled_us"] >= 0
     assert device_row(f, x, 3, median_us=5000.0, quick=True) == {}  # long calls: no loop needed
