@@ -20,8 +20,8 @@ index wins; invisible keys are -inf and come back as -1 (also when fewer than k 
 ``IndexerKernelConfig.topk_segment`` switches to an exact two-stage top-k (per-segment top-k, then top-k
 of the winners in segment order), ``topk_algorithm="radix"`` to radix selection (``jds.ops.select``:
 counting passes, then a sort of the k winners only), ``"pallas_radix"`` to the same selection as a Pallas
-kernel (``pallas_kernels.topk_select``): same indices, same order, same tie rule. The default
-``"auto"`` picks between ``lax`` and ``pallas_radix`` by size (``resolve_topk_algorithm``).
+kernel (``pallas_kernels.topk_select``): same indices, same order, same tie rule. ``"auto"`` picks
+between ``lax`` and ``pallas_radix`` by size (``resolve_topk_algorithm``); the default stays ``lax``.
 
 Kernel layout (Mosaic GPU, one warpgroup per CTA):
 - grid = (query groups, key splits). A *group* is up to G consecutive tokens of one request (G = 1 for
@@ -109,8 +109,9 @@ class IndexerKernelConfig:
     key_source: KeySource = "auto"  # "paged" on the GPU, "views" when interpreting (see module doc)
     topk_segment: int | None = None  # two-stage top-k: lax.top_k per segment of this many keys, then
     #                                  over the segments' winners (exact, same tie rule); None = one stage
-    topk_algorithm: TopkAlgorithm = "auto"  # "radix": jds.ops.select, "pallas_radix": pallas_kernels.topk_select
-    #                                  (all exact, same order); "auto": resolve_topk_algorithm
+    topk_algorithm: TopkAlgorithm = "lax"  # "radix": jds.ops.select, "pallas_radix": pallas_kernels.topk_select
+    #                                  (all exact, same order); "auto": resolve_topk_algorithm. Why not "auto"
+    #                                  by default: see resolve_topk_algorithm
 
     def __post_init__(self) -> None:
         if self.queries_per_cta is not None and not 1 <= self.queries_per_cta <= 4:
@@ -133,7 +134,7 @@ def default_config() -> IndexerKernelConfig:
     """The config used when none is passed (the layers' ``select``): ``IndexerKernelConfig()``, with
     ``key_source`` taken from the environment variable JDS_INDEXER_KEY_SOURCE when set (e.g. "gathered"
     to run the layers without the RefUnion SMEM bitcast), and ``topk_algorithm`` from JDS_INDEXER_TOPK
-    ("lax" / "radix" / "pallas_radix" to force one selection in the layers; the default is "auto")."""
+    ("auto" / "radix" / "pallas_radix" to try another selection in the layers; the default is "lax")."""
     over = {}
     if os.environ.get("JDS_INDEXER_KEY_SOURCE"):
         over["key_source"] = os.environ["JDS_INDEXER_KEY_SOURCE"]
@@ -486,6 +487,15 @@ def resolve_topk_algorithm(rows: int, cols: int, backend: str | None = None) -> 
     Why the threshold: H200, 2026-11-29 (BENCHMARKS.md, k = 2048), Pallas radix against lax.top_k:
     16 x 32K 111 vs 92 µs (lax wins), 16 x 64K 153 vs 182, 64 x 32K 118 vs 265, 64 x 64K 143 vs 541,
     16 x 128K 207 vs 389, 64 x 128K 224 vs 1056. Both give the same indices in the same order.
+
+    Why it is not the default: the kernel is one CTA per row, and a row whose prefilter fails (fewer than
+    k keys above the sampled pivot, or more than the buffer holds) reads the whole row again, so the
+    slowest row sets the time (no prefilter: 357 µs at 64 x 32K, 1271 µs at 64 x 128K). A decode batch
+    with one request shorter than the row width (its invisible keys are -inf), or a NaN row, is such a
+    row. The H200 select run with "auto" measured 338 vs 486 µs (lax) at 16 x 128K, and 592 µs at
+    64 x 32K against 366 µs for lax in an earlier call; the benchmark's queries then held rows of NaN
+    logits (fixed since). A per-row cheap path for short rows, measured on mixed-length batches, comes
+    before a default change.
     """
     backend = backend or jax.default_backend()
     return "pallas_radix" if backend == "gpu" and rows * cols >= AUTO_PALLAS_TOPK_ELEMS else "lax"

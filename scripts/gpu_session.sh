@@ -11,7 +11,7 @@
 #   scripts/gpu_session.sh tests-all     # every gpu-marked kernel test (about 10 minutes of compiles)
 #   scripts/gpu_session.sh kernels       # fused insert (+ tile sweep) + indexer rows with device_us, top-k variants
 #   scripts/gpu_session.sh topk          # Pallas radix-select top-k: native tests, then the top-k rows
-#   scripts/gpu_session.sh select      # indexer decode select: the default top-k ("auto") against lax and XLA
+#   scripts/gpu_session.sh select      # indexer decode select: top-k "auto" against the default lax, and XLA
 #   scripts/gpu_session.sh mqa           # MQA decode rows again, now with device_us (b1/b8 sit at the dispatch floor)
 #
 # Every timed process runs alone; every process sets XLA_PYTHON_CLIENT_PREALLOCATE=false so a compile
@@ -74,7 +74,7 @@ case "$stage" in
       --out "$OUT/kernels_topk.json" > "$OUT/bench_topk.log" 2>&1; echo "topk bench rc=$?"
     ;;
   select)
-    # the indexer's decode select with the default top-k ("auto": Pallas radix select from 1M logits) vs lax
+    # the indexer decode select: top-k "auto" (Pallas radix select from 1M logits) against the default lax, full and mixed-length batches
     timeout ${SELECT_TIMEOUT:-200} python3 scripts/bench_kernels.py --only sparse_indexer --cases select \
       --out "$OUT/kernels_select.json" > "$OUT/bench_select.log" 2>&1; echo "select rc=$?"
     ;;

@@ -99,11 +99,12 @@ def test_indexer_topk_from_logits_pallas_radix(mode: str, k: int) -> None:
 
 
 def test_auto_resolution() -> None:
-    """"auto" (the default) uses the Pallas kernel on the GPU from AUTO_PALLAS_TOPK_ELEMS elements, lax below
-    it, off the GPU and when a two-stage segment is asked for."""
+    """"auto" uses the Pallas kernel on the GPU from AUTO_PALLAS_TOPK_ELEMS elements, lax below it, off the
+    GPU and when a two-stage segment is asked for. The default stays lax (resolve_topk_algorithm says why)."""
     from pallas_kernels.sparse_indexer import AUTO_PALLAS_TOPK_ELEMS, resolve_topk_algorithm
 
-    assert IndexerKernelConfig().topk_algorithm == "auto"
+    assert IndexerKernelConfig().topk_algorithm == "lax"
+    assert IndexerKernelConfig(topk_algorithm="auto").topk_algorithm == "auto"
     assert resolve_topk_algorithm(16, 65536, "gpu") == "pallas_radix" == resolve_topk_algorithm(64, 32768, "gpu")
     assert resolve_topk_algorithm(16, 32768, "gpu") == "lax"
     assert resolve_topk_algorithm(64, 131072, "cpu") == "lax"
