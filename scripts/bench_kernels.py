@@ -44,7 +44,7 @@ def main() -> None:
     ceil = measure_ceilings(a.quick)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "jax": jax.__version__,
             "device": jax.devices()[0].device_kind, "command": " ".join(["python"] + sys.argv), **ceil,
-            "device_time_floors_us": measure_floors(a.quick)}  # what device_us reads for a trivial call
+            "device_time_floors_us": measure_floors(a.quick)}  # what each device-time method reads for a trivial call
     rows = []
     for name in a.only:
         mod = importlib.import_module(f"pallas_kernels.bench_{name}")
