@@ -71,6 +71,14 @@ def _tables(key, rows: int, width: int) -> tuple[jax.Array, int]:
     return jax.random.permutation(key, nb)[: rows * width].reshape(rows, width).astype(jnp.int32), nb
 
 
+def _decode_inputs(key, b: int, c: int) -> tuple[jax.Array, ...]:
+    """(block tables, cache, index_q, index_w, req_idx) of b decode requests over c-key contexts."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    bt, nb = _tables(k1, b, c // EPP)
+    iq, iw = _queries(k3, b)
+    return bt, _cache(k2, nb), iq, iw, jnp.arange(b, dtype=jnp.int32)
+
+
 def _model(t: int, n_cols: int, vis: np.ndarray, g: int, req: np.ndarray, select: bool) -> tuple[int, int]:
     """(bytes, flops): keys once per group of g consecutive same-request tokens, logits written once."""
     key_reads = 0
@@ -121,12 +129,9 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
     decode = [(1, 1024), (4, 1024)] if quick else [(b, c) for b in (1, 16, 64) for c in (4096, 32768, 131072)]
     decode = decode if "decode" in want else []
     for b, c in decode:
-        k1, k2, k3, key = jax.random.split(key, 4)
-        bt, nb = _tables(k1, b, c // EPP)
-        cache = _cache(k2, nb)
-        iq, iw = _queries(k3, b)
+        k, key = jax.random.split(key)
+        bt, cache, iq, iw, req = _decode_inputs(k, b, c)
         q8, w8 = si.quantize_q(iq, iw)
-        req = jnp.arange(b, dtype=jnp.int32)
         nvis = jnp.full((b,), c, jnp.int32)
         vis_np, req_np = np.full(b, c), np.arange(b)
         nbytes, flops = _model(b, c, vis_np, 1, req_np, False)
@@ -159,11 +164,8 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
     sel = [(b, c) for b in (16, 64) for c in (32768, 131072)] if "select" in want and not quick else []
     sel_auto = selector("pallas", si.IndexerKernelConfig(topk_algorithm="auto"))
     for b, c in sel:
-        k1, k2, k3, key = jax.random.split(key, 4)
-        bt, nb = _tables(k1, b, c // EPP)
-        cache = _cache(k2, nb)
-        iq, iw = _queries(k3, b)
-        req = jnp.arange(b, dtype=jnp.int32)
+        k, key = jax.random.split(key)
+        bt, cache, iq, iw, req = _decode_inputs(k, b, c)
         # full rows, then one request of 1000 tokens among full ones (its row is mostly -inf: the Pallas
         # top-k's prefilter fails on it and that row reads itself again)
         for tag, vis in (("", np.full(b, c)), ("_mixed", np.r_[1000, np.full(b - 1, c)])):

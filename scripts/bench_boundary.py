@@ -226,6 +226,8 @@ def dump_counts(dump_dir: str, arch: str, layers: int) -> dict:
 
 
 def main() -> None:
+    from jds.runner import GRAPH_UPDATE_MODES, use_graph_update_mode  # jax imported, no backend touched yet
+
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--arch", nargs="+", default=["v32", "v4"])
     ap.add_argument("--layers", type=int, default=8)
@@ -240,7 +242,7 @@ def main() -> None:
                     help="attention stages (default: $JDS_IMPLEMENTATION or auto = Pallas on a GPU)")
     ap.add_argument("--stable-inputs", action="store_true",
                     help="step inputs in persistent device buffers (BoundaryRunner.stable_inputs)")
-    ap.add_argument("--graph-update-mode", default=None, choices=("ALWAYS_UPDATE", "SKIP_TEMP", "SKIP_PROFILED"),
+    ap.add_argument("--graph-update-mode", default=None, choices=GRAPH_UPDATE_MODES,
                     help="XLA command-buffer update mode, process-wide (jds.runner.use_graph_update_mode)")
     ap.add_argument("--precompile", action="store_true",
                     help="first compile every (arch, mode) in parallel processes into a persistent cache")
@@ -252,8 +254,6 @@ def main() -> None:
     if a.stable_inputs:
         os.environ["JDS_STABLE_INPUTS"] = "1"
     if a.graph_update_mode:  # into XLA_FLAGS, which the precompile processes inherit
-        from jds.runner import use_graph_update_mode
-
         use_graph_update_mode(a.graph_update_mode)
     cache_dir = os.environ.get("JDS_COMPILE_CACHE")
     if a.precompile and not cache_dir:
