@@ -1,0 +1,240 @@
+"""Where a step's host time goes: a host trace of one boundary-mode step at several depths.
+
+    python -m jds.bench.host_profile --arch v32 --layers 2 8 16 --mode fused \
+        --update-modes ALWAYS_UPDATE SKIP_TEMP SKIP_PROFILED --update-mode-layers 8 \
+        --out benchmarks/results/host_profile_<device>_<date>.json
+
+Each step runs inside ``TraceAnnotation`` windows (``jds_prepare``: input preparation, ``jds_launch``: the
+runner's dispatch, ``jds_sync``: waiting for the logits). ``jax.profiler`` records XLA's and PjRt's own
+TraceMe events on every host thread and, on a GPU, CUPTI's kernel records. The trace is read back with
+``jax.profiler.ProfileData`` and reduced to, per step: the self time of every host event name inside each
+window (self = its duration minus the events nested in it on the same thread), when the first GPU kernel of
+the step started relative to the step's start (the host critical path), and the device span and busy time.
+Names whose time grows with depth are what launch cost scales with.
+
+Each command-buffer update mode runs in its own process: XLA picks its allocator from ``XLA_FLAGS`` at
+client creation (``jds.runner.use_graph_update_mode``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from typing import Any
+
+WINDOWS = ("jds_prepare", "jds_launch", "jds_sync")
+
+
+def _self_times(events: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """(name, start, self_ns) for events of one thread, nesting read from time containment."""
+    events = sorted(events, key=lambda e: (e[1], -e[2]))
+    out: list[list[Any]] = []
+    stack: list[int] = []  # indices into out, innermost last
+    for name, start, dur in events:
+        while stack and out[stack[-1]][1] + out[stack[-1]][3] <= start:
+            stack.pop()
+        if stack:
+            out[stack[-1]][2] -= min(dur, out[stack[-1]][1] + out[stack[-1]][3] - start)
+        out.append([name, start, dur, dur])
+        stack.append(len(out) - 1)
+    return [(n, s, max(0, slf)) for n, s, slf, _ in out]
+
+
+def read_trace(trace_dir: str) -> dict[str, Any]:
+    """Reduce the xplane under ``trace_dir`` to per-step window times, host self times and GPU timing."""
+    from jax.profiler import ProfileData
+
+    files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    if not files:
+        raise FileNotFoundError(f"no .xplane.pb under {trace_dir}")
+    pd = ProfileData.from_file(max(files, key=os.path.getmtime))
+    host_lines: dict[str, list[tuple[str, int, int]]] = {}
+    device_events: list[tuple[int, int]] = []
+    device_lines: list[str] = []
+    for plane in pd.planes:
+        if plane.name == "/host:CPU":
+            for line in plane.lines:
+                host_lines[line.name] = [(e.name, int(e.start_ns), int(e.duration_ns)) for e in line.events]
+        elif plane.name.startswith("/device:GPU"):
+            for line in plane.lines:
+                device_lines.append(f"{plane.name}|{line.name}")
+                # CUPTI lines: kernels and memcpys per stream; skip the XLA op / module summary lines
+                if "stream" not in line.name.lower():
+                    continue
+                device_events += [(int(e.start_ns), int(e.duration_ns)) for e in line.events]
+    windows: dict[str, list[tuple[int, int]]] = {w: [] for w in WINDOWS}
+    steps: list[tuple[int, int]] = []
+    for evs in host_lines.values():
+        for name, s, d in evs:
+            if name in windows:
+                windows[name].append((s, s + d))
+            elif name == "jds_step":
+                steps.append((s, s + d))
+    steps.sort()
+    n = len(steps)
+    if not n:
+        raise ValueError("the trace holds no jds_step annotation")
+    for w in windows.values():
+        w.sort()
+
+    def window_of(t: int) -> str | None:
+        for w, spans in windows.items():
+            for s, e in spans:
+                if s <= t < e:
+                    return w
+        return None
+
+    self_ns: dict[tuple[str, str], int] = defaultdict(int)
+    count: dict[tuple[str, str], int] = defaultdict(int)
+    for evs in host_lines.values():
+        for name, s, slf in _self_times(evs):
+            if name in windows or name == "jds_step":
+                continue
+            w = window_of(s)
+            if w is None:
+                continue
+            self_ns[(w, name)] += slf
+            count[(w, name)] += 1
+    top = sorted(self_ns, key=lambda k: -self_ns[k])
+    rows = [{"window": w, "name": name, "self_us_per_step": self_ns[(w, name)] / n / 1e3,
+             "count_per_step": count[(w, name)] / n} for w, name in top[:40]]
+    res: dict[str, Any] = {
+        "steps": n,
+        "window_ms": {w: sum(e - s for s, e in spans) / n / 1e6 for w, spans in windows.items()},
+        "host_self_top": rows,
+        "device_lines": device_lines,
+    }
+    if device_events:
+        device_events.sort()
+        first_after, span, busy = [], [], []
+        for i, (s0, _) in enumerate(steps):
+            nxt = steps[i + 1][0] if i + 1 < n else float("inf")
+            mine = [(s, d) for s, d in device_events if s0 <= s < nxt]
+            if not mine:
+                continue
+            first_after.append((mine[0][0] - s0) / 1e6)
+            span.append((max(s + d for s, d in mine) - mine[0][0]) / 1e6)
+            busy.append(sum(d for _, d in mine) / 1e6)
+        med = lambda xs: sorted(xs)[len(xs) // 2] if xs else None  # noqa: E731
+        res["gpu"] = {"first_kernel_after_step_start_ms": med(first_after), "device_span_ms": med(span),
+                      "kernel_busy_ms": med(busy), "kernels_per_step": len(device_events) / n}
+    return res
+
+
+def profile_depth(arch: str, layers: int, mode: str, steps: int, implementation: str,
+                  runner_kw: dict[str, Any], size: str = "bench") -> dict[str, Any]:
+    """Build, warm up and trace ``steps`` TTFT steps (one 128-token prompt) of an ``layers``-deep stack."""
+    import jax
+    import numpy as np
+    from jax import profiler
+
+    from jds.bench.stack import block_table, build_stack, make_runner, step_shapes
+
+    t0 = time.perf_counter()
+    model = build_stack(arch, layers, implementation=implementation, size=size)
+    ctx = min(4096, model.cfg.max_seq_len // 2)
+    runner = make_runner(model, mode, 64, ctx, **runner_kw)
+    chunks = step_shapes(ctx)["ttft_128"]
+    bt = block_table(runner, len(chunks))
+    ids = np.random.default_rng(0).integers(0, 256, 128).astype(np.int32)
+    t1 = time.perf_counter()
+    np.asarray(runner.step(*runner.prepare_inputs(ids, chunks, bt)))
+    compile_s = time.perf_counter() - t1
+    walls = []
+    for _ in range(20):
+        a = time.perf_counter()
+        np.asarray(runner.step(*runner.prepare_inputs(ids, chunks, bt)))
+        walls.append(time.perf_counter() - a)
+    trace_dir = tempfile.mkdtemp(prefix="jds_trace_")
+    opts = profiler.ProfileOptions()
+    opts.host_tracer_level = 3
+    opts.python_tracer_level = 0
+    profiler.start_trace(trace_dir, profiler_options=opts)
+    for _ in range(steps):
+        with profiler.TraceAnnotation("jds_step"):
+            with profiler.TraceAnnotation("jds_prepare"):
+                inputs = runner.prepare_inputs(ids, chunks, bt)
+            with profiler.TraceAnnotation("jds_launch"):
+                logits = runner.step(*inputs)
+            with profiler.TraceAnnotation("jds_sync"):
+                np.asarray(logits)
+    profiler.stop_trace()
+    res = read_trace(trace_dir)
+    res.update(layers=layers, mode=mode, arch=arch, build_s=t1 - t0, first_step_s=compile_s,
+               untraced_wall_ms_median=1e3 * sorted(walls)[len(walls) // 2],
+               dispatches=vars(runner.last_dispatch))
+    del runner
+    jax.clear_caches()
+    return res
+
+
+def _child(a: argparse.Namespace) -> None:
+    from jds.results import write_json
+
+    import jax
+
+    out: dict[str, Any] = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "backend": jax.default_backend(),
+                           "device": str(jax.devices()[0].device_kind), "depths": {}}
+    kw = json.loads(a.runner_kw)
+    for layers in a.layers:
+        out["depths"][str(layers)] = profile_depth(a.arch, layers, a.mode, a.steps, a.implementation, kw, a.size)
+        d = out["depths"][str(layers)]
+        print(json.dumps({"layers": layers, "window_ms": d["window_ms"], "gpu": d.get("gpu"),
+                          "wall_ms": d["untraced_wall_ms_median"]}), flush=True)
+        write_json(a.child_out, out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="v32", choices=("v32", "v4"))
+    ap.add_argument("--layers", type=int, nargs="+", default=[2, 8, 16])
+    ap.add_argument("--mode", default="fused", choices=("wide", "narrow", "fused"))
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--size", default="bench", choices=("bench", "tiny"), help="tiny: the CPU presets")
+    ap.add_argument("--implementation", default="auto", choices=("auto", "xla", "pallas"))
+    ap.add_argument("--runner-kw", default="{}", help="JSON dict of extra BoundaryRunner fields")
+    ap.add_argument("--update-modes", nargs="*", default=[],
+                    help="also profile under these command-buffer update modes (one process each)")
+    ap.add_argument("--update-mode-layers", type=int, default=8)
+    ap.add_argument("--no-graph", action="store_true", help="also profile with command buffers off")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--child-out", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child_out:
+        _child(a)
+        return
+    from jds.results import write_json
+
+    res: dict[str, Any] = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                                    "command": " ".join(["python -m jds.bench.host_profile"] + sys.argv[1:]),
+                                    "complete": False},
+                           "variants": {}}
+    variants = [("default", "", a.layers)]
+    variants += [(m, f"--xla_gpu_command_buffer_update_mode={m}", [a.update_mode_layers]) for m in a.update_modes]
+    if a.no_graph:
+        variants.append(("no_command_buffers", "--xla_gpu_enable_command_buffer=", [a.update_mode_layers]))
+    base = [sys.executable, "-m", "jds.bench.host_profile", "--arch", a.arch, "--mode", a.mode, "--steps",
+            str(a.steps), "--size", a.size, "--implementation", a.implementation, "--runner-kw", a.runner_kw, "--out", a.out]
+    for name, flags, layers in variants:
+        part = os.path.abspath(f"{a.out}.{name}.part.json")
+        env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
+        rc = subprocess.run(base + ["--layers", *map(str, layers), "--child-out", part], env=env).returncode
+        res["variants"][name] = json.load(open(part)) if os.path.exists(part) else {}
+        res["variants"][name]["rc"] = rc
+        if os.path.exists(part):
+            os.remove(part)
+        write_json(a.out, res)
+    res["meta"]["complete"] = all(v["rc"] == 0 for v in res["variants"].values())
+    write_json(a.out, res)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Random-weight decoder stacks at real attention dims and runners over them, for the step benchmarks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from jds.batch import Chunk
+
+
+def build_stack(arch: str, layers: int, *, intermediate: int | None = None, size: str = "bench",
+                implementation: str = "auto", moe_experts: int = 0, moe_topk: int = 8,
+                moe_intermediate: int = 2048, seed: int = 0) -> Any:
+    """A ``Decoder`` from the ``{arch}-{size}`` preset with serving numerics.
+
+    ``moe_experts > 0`` swaps the dense MLP for a DeepSeek-style MoE FFN (routed experts of width
+    ``moe_intermediate``, top-``moe_topk`` routing, one shared expert).
+    """
+    from jds.config import Numerics
+    from jds.model import Decoder, preset
+
+    over: dict[str, Any] = {"n_layers": layers, "numerics": Numerics.serving()}
+    if intermediate:
+        over["intermediate_size"] = intermediate
+    if moe_experts:
+        over.update(n_routed_experts=moe_experts, moe_topk=moe_topk, n_shared_experts=1,
+                    moe_intermediate_size=moe_intermediate)
+    return Decoder(preset(f"{arch}-{size}", **over), seed=seed, implementation=implementation)
+
+
+def make_runner(model: Any, mode: str, max_seqs: int, ctx: int, **runner_kw: Any) -> Any:
+    """A ``BoundaryRunner`` for ``ctx``-token contexts and up to ``max_seqs`` rows of 128-token prompts."""
+    from jds.runner import BoundaryRunner
+
+    bs = model.cfg.block_size
+    max_len = ctx + bs
+    nb = max_seqs * (-(-max_len // bs)) + 8
+    return BoundaryRunner(model=model, mode=mode, num_blocks=nb, max_num_seqs=max_seqs,
+                          max_num_tokens=max_seqs * 128, max_model_len=max_len,
+                          token_buckets=(16, 64, 128, max_seqs * 128),
+                          key_block_buckets=tuple(sorted({-(-128 // bs), -(-ctx // bs), -(-max_len // bs)})),
+                          **runner_kw)
+
+
+def block_table(runner: Any, rows: int) -> np.ndarray:
+    """Distinct pages for ``rows`` request rows (wrapping inside the pool)."""
+    bt = np.arange(runner.max_num_seqs * runner.max_blocks, dtype=np.int32).reshape(runner.max_num_seqs, -1)
+    return (bt % runner.num_blocks)[:rows]
+
+
+def step_shapes(ctx: int) -> dict[str, list[Chunk]]:
+    """The steps the benchmarks time, by name."""
+    return {"ttft_128": [Chunk(0, 0, 128)],
+            "prefill_64x128_step": [Chunk(i, 0, 128) for i in range(64)],
+            f"decode_b1_ctx{ctx}": [Chunk(0, ctx - 1, 1)],
+            f"decode_b64_ctx{ctx}": [Chunk(i, ctx - 1, 1) for i in range(64)]}
