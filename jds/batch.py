@@ -153,3 +153,83 @@ def validate_batch(batch: PagedBatch, *, num_blocks: int, block_size: int, max_s
 
 def replace(batch: PagedBatch, **kw) -> PagedBatch:
     return dataclasses.replace(batch, **kw)
+
+
+# ----- one packed int32 buffer per step (the runner's device-side input preparation) -------------------
+_HEADER = 3  # num_tokens, num_chunks, num_block_table_updates
+
+
+def step_buffer_len(num_tokens: int, num_rows: int, update_capacity: int) -> int:
+    """Length of the packed step buffer for a ``num_tokens`` bucket (see ``pack_step``)."""
+    return _HEADER + num_tokens + 3 * num_rows + 3 * update_capacity
+
+
+def pack_step(token_ids: np.ndarray, chunks: Sequence[Chunk], updates: tuple[np.ndarray, np.ndarray, np.ndarray],
+              *, num_tokens: int, num_rows: int, update_capacity: int) -> np.ndarray:
+    """The host's whole per-step input as one int32 array: what ``unpack_step`` expands on the device.
+
+    Layout: [num_tokens, num_chunks, num_updates | token ids (padded to the bucket) | chunk rows | chunk
+    starts | chunk lengths (each padded to ``num_rows``) | update rows | update columns | update pages
+    (each padded to ``update_capacity``)]. ``updates`` are the block-table entries that changed since the
+    last step (rows, columns, page ids). Why one array: each host-to-device transfer costs tens of
+    microseconds of host time whatever its size, and an argument whose address changes makes XLA update
+    every recorded graph command that reads it; the packed buffer is read only by the first few.
+    """
+    t = len(token_ids)
+    c = len(chunks)
+    rows, cols, pages = updates
+    u = len(rows)
+    if t > num_tokens or c > num_rows or u > update_capacity:
+        raise ValueError(f"step of {t} tokens / {c} chunks / {u} block-table updates exceeds the buffer's "
+                         f"{num_tokens} / {num_rows} / {update_capacity}")
+    buf = np.zeros(step_buffer_len(num_tokens, num_rows, update_capacity), np.int32)
+    buf[:_HEADER] = (t, c, u)
+    o = _HEADER
+    buf[o:o + t] = token_ids
+    o += num_tokens
+    buf[o:o + c] = [ch.req for ch in chunks]
+    buf[o + num_rows:o + num_rows + c] = [ch.start for ch in chunks]
+    buf[o + 2 * num_rows:o + 2 * num_rows + c] = [ch.num_tokens for ch in chunks]
+    o += 3 * num_rows
+    buf[o:o + u] = rows
+    buf[o + update_capacity:o + update_capacity + u] = cols
+    buf[o + 2 * update_capacity:o + 2 * update_capacity + u] = pages
+    return buf
+
+
+def unpack_step(buf: jax.Array, block_tables: jax.Array, *, num_rows: int, update_capacity: int,
+                block_size: int) -> tuple[jax.Array, PagedBatch, jax.Array, jax.Array]:
+    """Device-side ``make_batch``: (token ids, the step's PagedBatch, logits indices, block tables after
+    this step's updates) from a ``pack_step`` buffer and the persistent block tables [num_rows, max_blocks].
+
+    Traced inside the step's captured executable, so positions, slots, request rows, query offsets,
+    sequence lengths and logits indices cost no host time. Equal to ``make_batch`` field for field
+    (tests/test_batch.py checks randomised mixed batches).
+    """
+    r = num_rows
+    tb = buf.shape[0] - step_buffer_len(0, r, update_capacity)
+    t, c, nu = buf[0], buf[1], buf[2]
+    o = _HEADER
+    tokens = buf[o:o + tb]
+    o += tb
+    ch_row, ch_start, ch_len = buf[o:o + r], buf[o + r:o + 2 * r], buf[o + 2 * r:o + 3 * r]
+    o += 3 * r
+    u = update_capacity
+    up_row, up_col, up_page = buf[o:o + u], buf[o + u:o + 2 * u], buf[o + 2 * u:o + 3 * u]
+    live = jnp.arange(u) < nu
+    bt = block_tables.at[jnp.where(live, up_row, r), up_col].set(up_page, mode="drop")
+    is_chunk = jnp.arange(r) < c
+    row_of_chunk = jnp.where(is_chunk, ch_row, r)  # r: out of range, dropped by the scatters
+    counts = jnp.zeros(r, jnp.int32).at[row_of_chunk].set(ch_len, mode="drop")
+    starts = jnp.zeros(r, jnp.int32).at[row_of_chunk].set(ch_start, mode="drop")
+    seq_lens = jnp.where(counts > 0, starts + counts, 0)
+    qsl = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
+    i = jnp.arange(tb, dtype=jnp.int32)
+    real = i < t
+    req = jnp.where(real, jnp.searchsorted(qsl[1:], i, side="right").astype(jnp.int32), 0)
+    pos = jnp.where(real, starts[req] + i - qsl[req], 0)
+    slot = jnp.where(real, bt[req, pos // block_size] * block_size + pos % block_size, -1)
+    li = jnp.where(is_chunk, qsl[jnp.minimum(row_of_chunk, r - 1)] + ch_len - 1, 0)
+    batch = PagedBatch(positions=pos, req_idx=req, slot_mapping=slot, block_tables=bt, seq_lens=seq_lens,
+                       query_start_loc=qsl)
+    return tokens, batch, li.astype(jnp.int32), bt

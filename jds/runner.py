@@ -25,11 +25,23 @@ from jax import lax
 import numpy as np
 from flax import nnx
 
-from jds.batch import Chunk, PagedBatch, make_batch, replace as replace_batch
+from jds.batch import Chunk, PagedBatch, make_batch, pack_step, replace as replace_batch, step_buffer_len, unpack_step
 from jds.model import Decoder, ModelConfig, preset
 
 Mode = Literal["wide", "narrow", "fused"]
 MODES: tuple[str, ...] = ("wide", "narrow", "fused")
+INPUT_PREPS: tuple[str, ...] = ("device", "host")
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """A step's inputs under ``input_prep="device"``: one packed int32 buffer (``jds.batch.pack_step``) on
+    the device, and the step's static shape buckets (tokens, key blocks)."""
+
+    packed: jax.Array
+    token_bucket: int
+    key_blocks: int
+    block_tables: np.ndarray  # the host's tables after this step (the device's copy once it ran)
 
 
 def _buckets(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:
@@ -108,11 +120,17 @@ class BoundaryRunner:
     token_buckets: tuple[int, ...] = ()
     key_block_buckets: tuple[int, ...] = ()
     last_dispatch: DispatchStats = field(default_factory=DispatchStats)
-    stable_inputs: bool = False  # write each step's inputs into persistent device buffers (see _stage)
+    stable_inputs: bool = False  # host prep: write each step's inputs into persistent device buffers (_stage)
+    input_prep: str = "device"  # "device": one packed buffer, batch built in the graph; "host": make_batch
+    update_capacity: int = 0  # block-table entries one packed step may change (0: 4 per row + 64)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.input_prep not in INPUT_PREPS:
+            raise ValueError(f"input_prep must be one of {INPUT_PREPS}, got {self.input_prep!r}")
+        if self.update_capacity < 0:
+            raise ValueError(f"update_capacity must be >= 0, got {self.update_capacity}")
         cfg = self.model.cfg
         if self.max_model_len > cfg.max_seq_len:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
@@ -137,6 +155,11 @@ class BoundaryRunner:
         self._stage_in = jax.jit(  # writes a step's inputs in place into the donated previous ones
             lambda old, new: jax.tree.map(lambda o, n: lax.dynamic_update_slice(o, n, (0,) * o.ndim), old, new),
             donate_argnums=0)
+        # Device-side input preparation: the block tables live on the device and each step sends only
+        # the entries that changed; ``_bt_host`` mirrors what the device holds.
+        self.update_capacity = self.update_capacity or 4 * self.max_num_seqs + 64
+        self._bt_host = np.zeros((self.max_num_seqs, self.max_blocks), np.int32)
+        self._bt_state = jnp.zeros((self.max_num_seqs, self.max_blocks), jnp.int32)
 
     # ----- executables ------------------------------------------------------------------------------
     def _jit(self, key: Any, fn: Callable, *, eager: bool, donate: tuple[int, ...] = ()) -> Callable:
@@ -205,12 +228,43 @@ class BoundaryRunner:
 
         return self._jit(("fused",), full, eager=False, donate=(3,))
 
+    def _unpack(self, packed: jax.Array, bt_state: jax.Array, kb: int) -> tuple:
+        tokens, batch, li, bt = unpack_step(packed, bt_state, num_rows=self.max_num_seqs,
+                                            update_capacity=self.update_capacity, block_size=self.block_size)
+        return tokens, batch, li, replace_batch(batch, block_tables=bt[:, :kb]), bt
+
+    def _first_dev(self, kind: str, kb: int) -> Callable:
+        egd, lgd = self._embed[0], self._gd_of_kind[kind]
+        narrow = self.mode == "narrow"
+
+        def first(est, lst, packed, bt_state, cache):
+            tokens, batch, li, small, bt = self._unpack(packed, bt_state, kb)
+            h = _merge(egd, est)(tokens)
+            return (h,) + _producers(_merge(lgd, lst), h, batch, cache, narrow) + (bt, batch, small, li)
+
+        return self._jit(("first_dev", kind, kb), first, eager=False, donate=(3, 4))
+
+    def _fused_dev(self, kb: int) -> Callable:
+        gd = self._whole[0]
+
+        def full(st, packed, bt_state, caches):
+            tokens, _, li, small, bt = self._unpack(packed, bt_state, kb)
+            logits, caches = _merge(gd, st)(tokens, small, caches, li)
+            return logits, caches, bt
+
+        return self._jit(("fused_dev", kb), full, eager=False, donate=(2, 3))
+
     # ----- one step ---------------------------------------------------------------------------------
-    def prepare_inputs(self, token_ids: np.ndarray, chunks: list[Chunk], block_tables: np.ndarray
-                       ) -> tuple[jax.Array, PagedBatch, jax.Array, PagedBatch]:
-        """Pad tokens to a bucket and rows to max_num_seqs; return (tokens, batch, logits_indices, the
-        batch with block tables cut to this step's key-block bucket). With ``stable_inputs`` the arrays
-        are valid until the next call of the same buckets (which writes into them)."""
+    def prepare_inputs(self, token_ids: np.ndarray, chunks: list[Chunk], block_tables: np.ndarray) -> tuple:
+        """The arguments of ``step`` for one step: ``step(*runner.prepare_inputs(...))``.
+
+        ``input_prep="device"``: a 1-tuple ``(StepInputs,)``: token ids, chunks and the changed
+        block-table entries packed into one int32 array and sent in one transfer; the batch is built
+        inside the captured executable. ``"host"``: (tokens, batch, logits_indices, the batch with block
+        tables cut to this step's key-block bucket), built by ``make_batch`` and transferred field by field
+        (with ``stable_inputs`` the arrays are valid until the next call of the same buckets).
+        """
+        token_ids = np.asarray(token_ids)
         t = int(sum(c.num_tokens for c in chunks))
         if len(token_ids) != t:
             raise ValueError(f"token_ids has {len(token_ids)} tokens but the chunks hold {t}")
@@ -222,11 +276,16 @@ class BoundaryRunner:
         src = np.asarray(block_tables, np.int32)
         if src.shape[1] > self.max_blocks:
             raise ValueError(f"block_tables has {src.shape[1]} columns, more than max_blocks={self.max_blocks}")
+        if src.shape[0] > self.max_num_seqs:
+            raise ValueError(f"block_tables has {src.shape[0]} rows, more than max_num_seqs={self.max_num_seqs}")
         bt[: src.shape[0], : src.shape[1]] = np.maximum(src, 0)
         end = max(c.start + c.num_tokens for c in chunks)
         if end > self.max_model_len:
             raise ValueError(f"a chunk reaches position {end}, beyond max_model_len={self.max_model_len}")
         tb = _pick(self.token_buckets, t)
+        kb = _pick(self.key_block_buckets, -(-end // self.block_size))
+        if self.input_prep == "device":
+            return (self._pack(token_ids, chunks, src.shape[0], bt, tb, kb),)
         batch = make_batch(chunks, bt, self.block_size, pad_to=tb, host=True)
         # Checked on the host: reading a device copy back here would wait for the previous step.
         if (batch.slot_mapping[:t] >= self.num_blocks * self.block_size).any():
@@ -236,11 +295,38 @@ class BoundaryRunner:
         ends = np.cumsum([c.num_tokens for c in chunks]) - 1
         li = np.zeros(self.max_num_seqs, np.int32)
         li[: len(chunks)] = ends
-        kb = _pick(self.key_block_buckets, -(-end // self.block_size))
         tokens, batch, li, small_bt = jax.device_put((tokens, batch, li, bt[:, :kb]))  # one transfer call
         small = replace_batch(batch, block_tables=small_bt)
         inputs = (tokens, batch, li, small)
         return self._stage((tb, kb), inputs) if self.stable_inputs else inputs
+
+    def _pack(self, token_ids: np.ndarray, chunks: list[Chunk], src_rows: int, bt: np.ndarray, tb: int,
+              kb: int) -> StepInputs:
+        """Check the chunks as ``make_batch`` does, diff the block tables against the device's copy and
+        pack the step (``jds.batch.pack_step``)."""
+        req = np.fromiter((c.req for c in chunks), np.int64, len(chunks))
+        start = np.fromiter((c.start for c in chunks), np.int64, len(chunks))
+        n_tok = np.fromiter((c.num_tokens for c in chunks), np.int64, len(chunks))
+        if ((req < 0) | (req >= src_rows)).any():
+            raise ValueError(f"chunk.req outside block_tables rows [0, {src_rows})")
+        if (np.diff(req) <= 0).any():
+            raise ValueError("chunks must be given in increasing request-row order, one per row")
+        if ((start < 0) | (n_tok < 1)).any():
+            raise ValueError("every chunk needs start >= 0 and num_tokens >= 1")
+        first_page, last_page = start // self.block_size, (start + n_tok - 1) // self.block_size
+        if (last_page >= self.max_blocks).any():
+            raise ValueError("block_tables row is too short for a chunk's last position")
+        for r, a, b in zip(req, first_page, last_page):  # the pages this step writes
+            if (bt[r, a:b + 1] >= self.num_blocks).any():
+                raise ValueError("block_tables references a page outside the pool")
+        rows, cols = np.nonzero(bt != self._bt_host)
+        if len(rows) > self.update_capacity:  # more changed than one step carries: replace the whole table
+            self._bt_state = jax.device_put(bt)
+            self._bt_host = bt
+            rows = cols = np.zeros(0, np.int64)
+        packed = pack_step(token_ids, chunks, (rows, cols, bt[rows, cols]), num_tokens=tb,
+                           num_rows=self.max_num_seqs, update_capacity=self.update_capacity)
+        return StepInputs(jax.device_put(packed), tb, kb, bt)
 
     def _stage(self, key: Any, fresh: Any) -> Any:
         """Copy this step's inputs into the same device buffers as the last step of this shape.
@@ -256,15 +342,37 @@ class BoundaryRunner:
 
     def execute(self, token_ids: np.ndarray, chunks: list[Chunk], block_tables: np.ndarray) -> np.ndarray:
         """One step; float32 logits [len(chunks), vocab] of each chunk's last token."""
-        tokens, batch, li, small = self.prepare_inputs(token_ids, chunks, block_tables)
-        logits = self.step(tokens, batch, li, small)
+        logits = self.step(*self.prepare_inputs(token_ids, chunks, block_tables))
         return np.asarray(logits[: len(chunks)])
 
-    def step(self, tokens: jax.Array, batch: PagedBatch, logits_indices: jax.Array, small: PagedBatch) -> jax.Array:
-        """Dispatch one step in this runner's mode; the caches advance in place of ``self.caches``.
+    def step(self, *inputs: Any) -> jax.Array:
+        """Dispatch one step in this runner's mode from ``prepare_inputs``'s tuple; the caches advance in
+        place of ``self.caches``. Returns the device logits [max_num_seqs, vocab] (rows past the step's
+        chunks are padding)."""
+        if len(inputs) == 1 and isinstance(inputs[0], StepInputs):
+            return self._step_device(inputs[0])
+        return self._step_host(*inputs)
 
-        ``small`` is ``batch`` with block tables cut to this step's key-block bucket (built on the host).
-        """
+    def _step_device(self, inp: StepInputs) -> jax.Array:
+        stats = DispatchStats(captured=1)
+        kb = inp.key_blocks
+        if self.mode == "fused":
+            logits, self.caches, self._bt_state = self._fused_dev(kb)(
+                self._whole[1], inp.packed, self._bt_state, self.caches)
+            self._bt_host = inp.block_tables
+            self.last_dispatch = stats
+            return logits
+        kinds, layers = self._kinds, self._layers
+        h, x, self.caches[0], self._bt_state, batch, small, li = self._first_dev(kinds[0], kb)(
+            self._embed[1], layers[0][1], inp.packed, self._bt_state, self.caches[0])
+        self._bt_host = inp.block_tables
+        logits = self._layer_loop(h, x, batch, small, li, stats)
+        self.last_dispatch = stats
+        return logits
+
+    def _step_host(self, tokens: jax.Array, batch: PagedBatch, logits_indices: jax.Array,
+                   small: PagedBatch) -> jax.Array:
+        """``small`` is ``batch`` with block tables cut to this step's key-block bucket (built on the host)."""
         stats = DispatchStats()
         if self.mode == "fused":
             logits, self.caches = self._fused()(self._whole[1], tokens, small, self.caches, logits_indices)
@@ -274,6 +382,14 @@ class BoundaryRunner:
         kinds, layers = self._kinds, self._layers
         h, x, self.caches[0] = self._first(kinds[0])(self._embed[1], layers[0][1], tokens, batch, self.caches[0])
         stats.captured += 1
+        logits = self._layer_loop(h, x, batch, small, logits_indices, stats)
+        self.last_dispatch = stats
+        return logits
+
+    def _layer_loop(self, h: jax.Array, x: Any, batch: PagedBatch, small: PagedBatch, logits_indices: jax.Array,
+                    stats: DispatchStats) -> jax.Array:
+        """wide / narrow after the first segment: per layer the eager call, then the next captured one."""
+        kinds, layers = self._kinds, self._layers
         for i in range(len(layers)):
             if self.mode == "narrow":
                 o = self._eager(kinds[i])(layers[i][1], x, small, self.caches[i])
@@ -286,7 +402,6 @@ class BoundaryRunner:
             else:
                 logits = self._last(kinds[i])(layers[i][1], self._head[1], h, o, logits_indices)
             stats.captured += 1
-        self.last_dispatch = stats
         return logits
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> None:
@@ -294,6 +409,13 @@ class BoundaryRunner:
         combos = [(tb, kb) for tb in self.token_buckets for kb in self.key_block_buckets]
         t0 = time.perf_counter()
         for n, (tb, kb) in enumerate(combos, 1):
+            if self.input_prep == "device":  # an all-padding step: no chunks, no block-table updates
+                packed = jnp.zeros(step_buffer_len(tb, self.max_num_seqs, self.update_capacity), jnp.int32)
+                jax.block_until_ready(self.step(StepInputs(packed, tb, kb, self._bt_host)))
+                if progress:
+                    progress(f"compiled bucket {n}/{len(combos)} (tokens={tb}, key_blocks={kb}) "
+                             f"[{time.perf_counter() - t0:.1f}s]")
+                continue
             tokens = jnp.zeros(tb, jnp.int32)
             bt = np.zeros((self.max_num_seqs, self.max_blocks), np.int32)
             batch = make_batch([], bt, self.block_size, pad_to=tb)
@@ -325,7 +447,7 @@ class ModelRunner(BoundaryRunner):
               mode: str = "narrow", implementation: str = "auto", num_blocks: int = 256, max_num_seqs: int = 16,
               max_num_tokens: int = 256, max_model_len: int = 1024, seed: int = 0, moe: bool = False,
               token_buckets: tuple[int, ...] = (), key_block_buckets: tuple[int, ...] = (),
-              stable_inputs: bool = False) -> "ModelRunner":
+              stable_inputs: bool = False, input_prep: str = "device") -> "ModelRunner":
         """``preset`` defaults to v32-tiny. With ``checkpoint`` and no ``preset`` / ``config_path`` / ``moe``
         the checkpoint's stored config builds the model; otherwise the checkpoint must match that config
         (a mismatch is a ValueError naming the first differing parameter)."""
@@ -340,7 +462,8 @@ class ModelRunner(BoundaryRunner):
                 load_checkpoint(model, checkpoint)
         return cls(model=model, mode=mode, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                    max_num_tokens=max_num_tokens, max_model_len=max_model_len, token_buckets=tuple(token_buckets),
-                   key_block_buckets=tuple(key_block_buckets), stable_inputs=stable_inputs)
+                   key_block_buckets=tuple(key_block_buckets), stable_inputs=stable_inputs,
+                   input_prep=input_prep)
 
 
 def enable_compile_cache(cache_dir: str) -> None:

@@ -16,13 +16,13 @@ from jds.model import Decoder, preset
 from jds.runner import MODES, BoundaryRunner
 
 
-def make_runner(arch: str, mode: str, moe: bool = False) -> BoundaryRunner:
+def make_runner(arch: str, mode: str, moe: bool = False, input_prep: str = "device") -> BoundaryRunner:
     cfg = dataclasses.replace(preset(f"{arch}-tiny"), numerics=Numerics.exact())
     if moe:
         cfg = dataclasses.replace(cfg, n_routed_experts=4, moe_topk=2)
     model = Decoder(cfg, seed=0)
     return BoundaryRunner(model=model, mode=mode, num_blocks=24, max_num_seqs=4, max_num_tokens=512,
-                          max_model_len=640 if arch == "v4" else 256)
+                          max_model_len=640 if arch == "v4" else 256, input_prep=input_prep)
 
 
 def greedy_rollout(runner: BoundaryRunner, prompts: list[np.ndarray], steps: int,
@@ -122,7 +122,7 @@ def test_narrow_eager_region_reads_the_caches_only(arch: str) -> None:
     to donate makes XLA copy every page (measured on the CPU: 51 ms -> 0.7 ms per C4 layer, v4-tiny)."""
     import jax
 
-    r = make_runner(arch, "narrow")
+    r = make_runner(arch, "narrow", input_prep="host")
     tokens, batch, li, small = r.prepare_inputs(np.arange(9, dtype=np.int32), [Chunk(0, 0, 9)],
                                                 np.arange(4 * r.max_blocks, dtype=np.int32).reshape(4, -1) % 24)
     h, x, cache = r._first(r._kinds[0])(r._embed[1], r._layers[0][1], tokens, batch, r.caches[0])
@@ -136,7 +136,7 @@ def test_stable_inputs_same_logits_same_addresses(mode: str) -> None:
     addresses do not move) and changes nothing else: the same logits over a multi-step mixed rollout."""
     prompts = [np.random.default_rng(i).integers(0, 256, n).astype(np.int32) for i, n in enumerate((13, 7, 20))]
     bt = np.arange(24, dtype=np.int32)[:18].reshape(3, 6)
-    plain, stable = make_runner("v32", mode), make_runner("v32", mode)
+    plain, stable = make_runner("v32", mode, input_prep="host"), make_runner("v32", mode, input_prep="host")
     stable.stable_inputs = True
     want, _ = greedy_rollout(plain, prompts, 3, bt)
     got, _ = greedy_rollout(stable, prompts, 3, bt)

@@ -1,0 +1,109 @@
+"""Device-side input preparation: the packed step buffer expanded by ``unpack_step`` (inside the captured
+executable) equals the host's ``make_batch``, field for field, for randomised mixed batches; and the
+runner's incremental block-table updates keep the device's tables equal to the host's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jds.batch import Chunk, make_batch, pack_step, unpack_step
+from jds.config import Numerics
+from jds.model import Decoder, preset
+from jds.runner import BoundaryRunner
+
+
+def _random_step(rng: np.random.Generator, rows: int, max_blocks: int, bs: int, pool: int):
+    """A mixed batch: a random subset of rows, each a prefill, a prefill chunk or a decode."""
+    used = np.sort(rng.choice(rows, size=rng.integers(1, rows + 1), replace=False))
+    chunks = []
+    for r in used:
+        start = int(rng.integers(0, max_blocks * bs - 1))
+        n = int(rng.integers(1, min(max_blocks * bs - start, 40) + 1)) if rng.random() < 0.5 else 1
+        chunks.append(Chunk(int(r), start, n))
+    bt = rng.integers(0, pool, (rows, max_blocks)).astype(np.int32)
+    return chunks, bt
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_unpack_equals_make_batch(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    rows, max_blocks, bs, pool, cap = 6, 9, 4, 64, 80
+    chunks, bt = _random_step(rng, rows, max_blocks, bs, pool)
+    t = sum(c.num_tokens for c in chunks)
+    tb = t + int(rng.integers(0, 20))
+    ids = rng.integers(0, 1000, t).astype(np.int32)
+    want = make_batch(chunks, bt, bs, pad_to=tb, host=True)
+    # the device holds an older table; the buffer carries exactly the entries that differ
+    old = bt.copy()
+    flip = rng.random(bt.shape) < 0.15
+    old[flip] = rng.integers(0, pool, int(flip.sum()))
+    r_idx, c_idx = np.nonzero(bt != old)
+    buf = pack_step(ids, chunks, (r_idx, c_idx, bt[r_idx, c_idx]), num_tokens=tb, num_rows=rows,
+                    update_capacity=cap)
+    tokens, batch, li, new_bt = jax.jit(unpack_step, static_argnames=("num_rows", "update_capacity", "block_size"))(
+        jnp.asarray(buf), jnp.asarray(old), num_rows=rows, update_capacity=cap, block_size=bs)
+    np.testing.assert_array_equal(np.asarray(new_bt), bt)
+    for f in dataclasses.fields(want):
+        np.testing.assert_array_equal(np.asarray(getattr(batch, f.name)), getattr(want, f.name), err_msg=f.name)
+    exp_tokens = np.zeros(tb, np.int32)
+    exp_tokens[:t] = ids
+    np.testing.assert_array_equal(np.asarray(tokens), exp_tokens)
+    exp_li = np.zeros(rows, np.int32)
+    exp_li[: len(chunks)] = np.cumsum([c.num_tokens for c in chunks]) - 1
+    np.testing.assert_array_equal(np.asarray(li), exp_li)
+
+
+def test_pack_step_rejects_overflow() -> None:
+    with pytest.raises(ValueError, match="exceeds the buffer"):
+        pack_step(np.zeros(5, np.int32), [Chunk(0, 0, 5)], (np.zeros(0), np.zeros(0), np.zeros(0)),
+                  num_tokens=4, num_rows=2, update_capacity=4)
+
+
+def _runner(input_prep: str, update_capacity: int = 0) -> BoundaryRunner:
+    cfg = dataclasses.replace(preset("v32-tiny"), numerics=Numerics.exact())
+    return BoundaryRunner(model=Decoder(cfg, seed=0), mode="fused", num_blocks=24, max_num_seqs=4,
+                          max_num_tokens=64, max_model_len=96, input_prep=input_prep,
+                          update_capacity=update_capacity)
+
+
+@pytest.mark.parametrize("capacity", [0, 2])
+def test_device_tables_follow_the_host(capacity: int) -> None:
+    """Rows that change between steps (a request leaves, another takes its row, pages are appended) keep
+    the device's tables equal to the host's, with a small update capacity (whole-table upload) too, and
+    the logits equal the host-prepared path's."""
+    rng = np.random.default_rng(3)
+    dev, host = _runner("device", capacity), _runner("host")
+    pages = rng.permutation(24).astype(np.int32)
+    tables = [pages[:6].reshape(2, 3), pages[[0, 1, 2, 9, 10, 11]].reshape(2, 3),
+              np.stack([pages[[0, 1, 2, 12]], pages[[13, 14, 15, 16]], pages[[17, 18, 19, 20]]])]
+    steps = [([Chunk(0, 0, 9), Chunk(1, 0, 5)], tables[0]),
+             ([Chunk(0, 9, 1), Chunk(1, 0, 7)], tables[1]),
+             ([Chunk(0, 10, 3), Chunk(1, 7, 1), Chunk(2, 0, 11)], tables[2])]
+    for chunks, bt in steps:
+        ids = rng.integers(0, 256, sum(c.num_tokens for c in chunks)).astype(np.int32)
+        a = dev.execute(ids, chunks, bt)
+        b = host.execute(ids, chunks, bt)
+        np.testing.assert_array_equal(a, b)
+        want = np.zeros_like(dev._bt_host)
+        want[: bt.shape[0], : bt.shape[1]] = bt
+        np.testing.assert_array_equal(np.asarray(dev._bt_state), want)
+        np.testing.assert_array_equal(dev._bt_host, want)
+
+
+def test_device_prep_checks_like_the_host() -> None:
+    r = _runner("device")
+    bt = np.arange(8, dtype=np.int32).reshape(2, 4)
+    with pytest.raises(ValueError, match="token_ids"):
+        r.execute(np.zeros(3, np.int32), [Chunk(0, 0, 4)], bt)
+    with pytest.raises(ValueError, match="increasing request-row order"):
+        r.execute(np.zeros(2, np.int32), [Chunk(1, 0, 1), Chunk(0, 0, 1)], bt)
+    with pytest.raises(ValueError, match="outside the pool"):
+        r.execute(np.zeros(2, np.int32), [Chunk(0, 0, 2)], np.full((1, 4), 99, np.int32))
+    with pytest.raises(ValueError, match="input_prep"):
+        BoundaryRunner(model=r.model, mode="fused", num_blocks=4, max_num_seqs=2, max_num_tokens=16,
+                       max_model_len=64, input_prep="gpu")
