@@ -58,6 +58,7 @@ def read_trace(trace_dir: str) -> dict[str, Any]:
     pd = ProfileData.from_file(max(files, key=os.path.getmtime))
     host_lines: dict[str, list[tuple[str, int, int]]] = {}
     device_events: list[tuple[int, int]] = []
+    compute_events: list[tuple[int, int]] = []
     device_lines: list[str] = []
     for plane in pd.planes:
         if plane.name == "/host:CPU":
@@ -69,7 +70,10 @@ def read_trace(trace_dir: str) -> dict[str, Any]:
                 # CUPTI lines: kernels and memcpys per stream; skip the XLA op / module summary lines
                 if "stream" not in line.name.lower():
                     continue
-                device_events += [(int(e.start_ns), int(e.duration_ns)) for e in line.events]
+                evs = [(int(e.start_ns), int(e.duration_ns)) for e in line.events]
+                device_events += evs
+                if "compute" in line.name.lower():
+                    compute_events += evs
     windows: dict[str, list[tuple[int, int]]] = {w: [] for w in WINDOWS}
     steps: list[tuple[int, int]] = []
     for evs in host_lines.values():
@@ -112,12 +116,12 @@ def read_trace(trace_dir: str) -> dict[str, Any]:
         "host_self_top": rows,
         "device_lines": device_lines,
     }
-    if device_events:
-        device_events.sort()
+    if compute_events:
+        compute_events.sort()
         first_after, span, busy = [], [], []
         for i, (s0, _) in enumerate(steps):
             nxt = steps[i + 1][0] if i + 1 < n else float("inf")
-            mine = [(s, d) for s, d in device_events if s0 <= s < nxt]
+            mine = [(s, d) for s, d in compute_events if s0 <= s < nxt]
             if not mine:
                 continue
             first_after.append((mine[0][0] - s0) / 1e6)
@@ -125,12 +129,14 @@ def read_trace(trace_dir: str) -> dict[str, Any]:
             busy.append(sum(d for _, d in mine) / 1e6)
         med = lambda xs: sorted(xs)[len(xs) // 2] if xs else None  # noqa: E731
         res["gpu"] = {"first_kernel_after_step_start_ms": med(first_after), "device_span_ms": med(span),
-                      "kernel_busy_ms": med(busy), "kernels_per_step": len(device_events) / n}
+                      "kernel_busy_ms": med(busy), "kernels_per_step": len(compute_events) / n,
+                      "device_events_per_step": len(device_events) / n}
     return res
 
 
 def profile_depth(arch: str, layers: int, mode: str, steps: int, implementation: str,
-                  runner_kw: dict[str, Any], size: str = "bench") -> dict[str, Any]:
+                  runner_kw: dict[str, Any], size: str = "bench", intermediate: int | None = None,
+                  moe_experts: int = 0) -> dict[str, Any]:
     """Build, warm up and trace ``steps`` TTFT steps (one 128-token prompt) of an ``layers``-deep stack."""
     import jax
     import numpy as np
@@ -139,7 +145,8 @@ def profile_depth(arch: str, layers: int, mode: str, steps: int, implementation:
     from jds.bench.stack import block_table, build_stack, make_runner, step_shapes
 
     t0 = time.perf_counter()
-    model = build_stack(arch, layers, implementation=implementation, size=size)
+    model = build_stack(arch, layers, implementation=implementation, size=size, intermediate=intermediate,
+                        moe_experts=moe_experts)
     ctx = min(4096, model.cfg.max_seq_len // 2)
     runner = make_runner(model, mode, 64, ctx, **runner_kw)
     chunks = step_shapes(ctx)["ttft_128"]
@@ -185,7 +192,8 @@ def _child(a: argparse.Namespace) -> None:
                            "device": str(jax.devices()[0].device_kind), "depths": {}}
     kw = json.loads(a.runner_kw)
     for layers in a.layers:
-        out["depths"][str(layers)] = profile_depth(a.arch, layers, a.mode, a.steps, a.implementation, kw, a.size)
+        out["depths"][str(layers)] = profile_depth(a.arch, layers, a.mode, a.steps, a.implementation, kw, a.size,
+                                                   a.intermediate, a.moe_experts)
         d = out["depths"][str(layers)]
         print(json.dumps({"layers": layers, "window_ms": d["window_ms"], "gpu": d.get("gpu"),
                           "wall_ms": d["untraced_wall_ms_median"]}), flush=True)
@@ -198,6 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 8, 16])
     ap.add_argument("--mode", default="fused", choices=("wide", "narrow", "fused"))
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--intermediate", type=int, default=None, help="dense MLP width (default: the preset's)")
+    ap.add_argument("--moe-experts", type=int, default=0, help="routed experts per layer (0: dense MLP)")
     ap.add_argument("--size", default="bench", choices=("bench", "tiny"), help="tiny: the CPU presets")
     ap.add_argument("--implementation", default="auto", choices=("auto", "xla", "pallas"))
     ap.add_argument("--runner-kw", default="{}", help="JSON dict of extra BoundaryRunner fields")
@@ -222,7 +232,9 @@ def main(argv: list[str] | None = None) -> None:
     if a.no_graph:
         variants.append(("no_command_buffers", "--xla_gpu_enable_command_buffer=", [a.update_mode_layers]))
     base = [sys.executable, "-m", "jds.bench.host_profile", "--arch", a.arch, "--mode", a.mode, "--steps",
-            str(a.steps), "--size", a.size, "--implementation", a.implementation, "--runner-kw", a.runner_kw, "--out", a.out]
+            str(a.steps), "--size", a.size, "--moe-experts", str(a.moe_experts), "--implementation", a.implementation, "--runner-kw", a.runner_kw, "--out", a.out]
+    if a.intermediate:
+        base += ["--intermediate", str(a.intermediate)]
     for name, flags, layers in variants:
         part = os.path.abspath(f"{a.out}.{name}.part.json")
         env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
