@@ -123,12 +123,17 @@ class BoundaryRunner:
     stable_inputs: bool = False  # host prep: write each step's inputs into persistent device buffers (_stage)
     input_prep: str = "device"  # "device": one packed buffer, batch built in the graph; "host": make_batch
     update_capacity: int = 0  # block-table entries one packed step may change (0: 4 per row + 64)
+    segments: int = 1  # fused + device prep: the step as this many captured executables, launched in order
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.input_prep not in INPUT_PREPS:
             raise ValueError(f"input_prep must be one of {INPUT_PREPS}, got {self.input_prep!r}")
+        if not 1 <= self.segments <= self.model.cfg.n_layers:
+            raise ValueError(f"segments must be in [1, n_layers={self.model.cfg.n_layers}], got {self.segments}")
+        if self.segments > 1 and (self.mode != "fused" or self.input_prep != "device"):
+            raise ValueError("segments > 1 needs mode='fused' and input_prep='device'")
         if self.update_capacity < 0:
             raise ValueError(f"update_capacity must be >= 0, got {self.update_capacity}")
         cfg = self.model.cfg
@@ -254,6 +259,62 @@ class BoundaryRunner:
 
         return self._jit(("fused_dev", kb), full, eager=False, donate=(2, 3))
 
+    def _segment_bounds(self) -> list[tuple[int, int]]:
+        n, k = self.model.cfg.n_layers, self.segments
+        cuts = [round(i * n / k) for i in range(k + 1)]
+        return list(zip(cuts[:-1], cuts[1:]))
+
+    def _segment(self, k: int, kb: int) -> Callable:
+        """Segment ``k`` of a fused step split into ``segments`` captured executables.
+
+        Why: XLA launches a captured executable's command buffer only after updating and submitting
+        all of it, so the device idles for the whole launch. Launched in pieces, the device runs the first
+        piece while the host launches the next; only the first piece's launch stays on the critical path.
+        """
+        lo, hi = self._segment_bounds()[k]
+        gds = [self._layers[i][0] for i in range(lo, hi)]
+        first, last = k == 0, k == self.segments - 1
+        egd, hgd = self._embed[0], self._head[0]
+
+        def layers(sts, h, small, caches):
+            out = []
+            for gd, st, cache in zip(gds, sts, caches):
+                h, cache = _merge(gd, st)(h, small, cache)
+                out.append(cache)
+            return h, out
+
+        if first:
+            def seg(est, sts, packed, bt_state, caches):
+                tokens, _, li, small, bt = self._unpack(packed, bt_state, kb)
+                h, caches = layers(sts, _merge(egd, est)(tokens), small, caches)
+                return h, small, li, bt, caches
+            return self._jit(("segment", k, kb, self.segments), seg, eager=False, donate=(3, 4))
+        if last:
+            def seg(sts, hst, h, small, li, caches):
+                h, caches = layers(sts, h, small, caches)
+                return _merge(hgd, hst)(h, li), caches
+            return self._jit(("segment", k, kb, self.segments), seg, eager=False, donate=(5,))
+
+        def seg(sts, h, small, caches):
+            return layers(sts, h, small, caches)
+        return self._jit(("segment", k, kb, self.segments), seg, eager=False, donate=(3,))
+
+    def _step_segments(self, inp: StepInputs) -> jax.Array:
+        kb, bounds, L = inp.key_blocks, self._segment_bounds(), self._layers
+        sts = lambda lo, hi: [L[i][1] for i in range(lo, hi)]  # noqa: E731
+        lo, hi = bounds[0]
+        h, small, li, self._bt_state, self.caches[lo:hi] = self._segment(0, kb)(
+            self._embed[1], sts(lo, hi), inp.packed, self._bt_state, self.caches[lo:hi])
+        self._bt_host = inp.block_tables
+        for k in range(1, self.segments - 1):
+            lo, hi = bounds[k]
+            h, self.caches[lo:hi] = self._segment(k, kb)(sts(lo, hi), h, small, self.caches[lo:hi])
+        lo, hi = bounds[-1]
+        logits, self.caches[lo:hi] = self._segment(self.segments - 1, kb)(
+            sts(lo, hi), self._head[1], h, small, li, self.caches[lo:hi])
+        self.last_dispatch = DispatchStats(captured=self.segments)
+        return logits
+
     # ----- one step ---------------------------------------------------------------------------------
     def prepare_inputs(self, token_ids: np.ndarray, chunks: list[Chunk], block_tables: np.ndarray) -> tuple:
         """The arguments of ``step`` for one step: ``step(*runner.prepare_inputs(...))``.
@@ -356,6 +417,8 @@ class BoundaryRunner:
     def _step_device(self, inp: StepInputs) -> jax.Array:
         stats = DispatchStats(captured=1)
         kb = inp.key_blocks
+        if self.mode == "fused" and self.segments > 1:
+            return self._step_segments(inp)
         if self.mode == "fused":
             logits, self.caches, self._bt_state = self._fused_dev(kb)(
                 self._whole[1], inp.packed, self._bt_state, self.caches)
@@ -447,7 +510,7 @@ class ModelRunner(BoundaryRunner):
               mode: str = "narrow", implementation: str = "auto", num_blocks: int = 256, max_num_seqs: int = 16,
               max_num_tokens: int = 256, max_model_len: int = 1024, seed: int = 0, moe: bool = False,
               token_buckets: tuple[int, ...] = (), key_block_buckets: tuple[int, ...] = (),
-              stable_inputs: bool = False, input_prep: str = "device") -> "ModelRunner":
+              stable_inputs: bool = False, input_prep: str = "device", segments: int = 1) -> "ModelRunner":
         """``preset`` defaults to v32-tiny. With ``checkpoint`` and no ``preset`` / ``config_path`` / ``moe``
         the checkpoint's stored config builds the model; otherwise the checkpoint must match that config
         (a mismatch is a ValueError naming the first differing parameter)."""
@@ -463,7 +526,7 @@ class ModelRunner(BoundaryRunner):
         return cls(model=model, mode=mode, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                    max_num_tokens=max_num_tokens, max_model_len=max_model_len, token_buckets=tuple(token_buckets),
                    key_block_buckets=tuple(key_block_buckets), stable_inputs=stable_inputs,
-                   input_prep=input_prep)
+                   input_prep=input_prep, segments=segments)
 
 
 def enable_compile_cache(cache_dir: str) -> None:

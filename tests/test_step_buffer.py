@@ -107,3 +107,20 @@ def test_device_prep_checks_like_the_host() -> None:
     with pytest.raises(ValueError, match="input_prep"):
         BoundaryRunner(model=r.model, mode="fused", num_blocks=4, max_num_seqs=2, max_num_tokens=16,
                        max_model_len=64, input_prep="gpu")
+
+
+@pytest.mark.parametrize("segments", [3])
+def test_fused_segments_equal_one_executable(segments: int) -> None:
+    """A fused step launched as several captured executables gives the one-executable step's logits."""
+    cfg = dataclasses.replace(preset("v4-tiny"), numerics=Numerics.exact())
+    model = Decoder(cfg, seed=0)
+    kw = dict(model=model, mode="fused", num_blocks=8, max_num_seqs=2, max_num_tokens=256, max_model_len=320)
+    one, split = BoundaryRunner(**kw), BoundaryRunner(**kw, segments=segments)
+    bt = np.arange(2 * one.max_blocks, dtype=np.int32).reshape(2, -1)
+    rng = np.random.default_rng(0)
+    for chunks in ([Chunk(0, 0, 150), Chunk(1, 0, 30)], [Chunk(0, 150, 1), Chunk(1, 30, 1)]):
+        ids = rng.integers(0, 256, sum(c.num_tokens for c in chunks)).astype(np.int32)
+        np.testing.assert_array_equal(split.execute(ids, chunks, bt), one.execute(ids, chunks, bt))
+    assert split.last_dispatch.captured == segments
+    with pytest.raises(ValueError, match="segments"):
+        BoundaryRunner(**{**kw, "mode": "narrow"}, segments=2)
