@@ -1,0 +1,112 @@
+"""TTFT of one 128-token prompt, and its parts, for runner variants side by side in one process.
+
+    python -m jds.bench.ttft --arch v32 --layers 8 --intermediate 18432 \
+        --variants fused:host fused:device fused:device:2 fused:device:4 fused:device:8 narrow:host narrow:device \
+        --out benchmarks/results/ttft_<device>_<date>.json
+
+A variant is ``mode:input_prep[:segments]``. Per variant, after warm-up: the median wall time of a step
+(inputs -> logits on the host), its host input preparation and its launch (host time of ``runner.step``),
+and the device-bound time per step (``n`` steps enqueued back to back, one wait). Every variant shares
+the same model and weights, so the rows are comparable within the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from typing import Any
+
+
+def _median_ms(xs: list[float]) -> float:
+    return 1e3 * sorted(xs)[len(xs) // 2]
+
+
+def time_variant(model: Any, mode: str, prep: str, segments: int, n: int, moe: bool = False) -> dict[str, Any]:
+    import jax
+    import numpy as np
+
+    from jds.bench.stack import block_table, make_runner, step_shapes
+
+    t0 = time.perf_counter()
+    runner = make_runner(model, mode, 64, 512, input_prep=prep, segments=segments)
+    chunks = step_shapes(512)["ttft_128"]
+    bt = block_table(runner, 1)
+    ids = np.random.default_rng(0).integers(0, 256, 128).astype(np.int32)
+    np.asarray(runner.step(*runner.prepare_inputs(ids, chunks, bt)))
+    compile_s = time.perf_counter() - t0
+    walls, preps, launches = [], [], []
+    for i in range(n + 10):
+        a = time.perf_counter()
+        inputs = runner.prepare_inputs(ids, chunks, bt)
+        b = time.perf_counter()
+        logits = runner.step(*inputs)
+        c = time.perf_counter()
+        np.asarray(logits)
+        if i >= 10:
+            walls.append(time.perf_counter() - a)
+            preps.append(b - a)
+            launches.append(c - b)
+    reps = []
+    for _ in range(5):  # device-bound: ten steps in flight, one wait
+        a = time.perf_counter()
+        for _ in range(10):
+            out = runner.step(*runner.prepare_inputs(ids, chunks, bt))
+        jax.block_until_ready(out)
+        reps.append((time.perf_counter() - a) / 10)
+    res = {"mode": mode, "input_prep": prep, "segments": segments, "first_step_s": compile_s,
+           "ttft_ms": _median_ms(walls), "prepare_ms": _median_ms(preps), "launch_ms": _median_ms(launches),
+           "back_to_back_step_ms": _median_ms(reps), "n": n,
+           "dispatches": {"captured": runner.last_dispatch.captured, "eager": runner.last_dispatch.eager}}
+    del runner
+    jax.clear_caches()
+    return res
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="v32", choices=("v32", "v4"))
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--intermediate", type=int, default=None)
+    ap.add_argument("--moe-experts", type=int, default=0, help="routed experts per layer (0: dense MLP)")
+    ap.add_argument("--moe-topk", type=int, default=8)
+    ap.add_argument("--size", default="bench", choices=("bench", "tiny"))
+    ap.add_argument("--implementation", default="auto", choices=("auto", "xla", "pallas"))
+    ap.add_argument("--variants", nargs="+", default=["fused:host", "fused:device"])
+    ap.add_argument("--n", type=int, default=50)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    import jax
+
+    from jds.bench.stack import build_stack
+    from jds.results import write_json
+
+    t0 = time.perf_counter()
+    model = build_stack(a.arch, a.layers, intermediate=a.intermediate, size=a.size, implementation=a.implementation,
+                        moe_experts=a.moe_experts, moe_topk=a.moe_topk)
+    res: dict[str, Any] = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                                    "command": " ".join(["python -m jds.bench.ttft"] + sys.argv[1:]),
+                                    "jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
+                                    "backend": jax.default_backend(), "arch": a.arch, "layers": a.layers,
+                                    "intermediate": a.intermediate, "moe_experts": a.moe_experts,
+                                    "moe_topk": a.moe_topk, "build_s": time.perf_counter() - t0,
+                                    "complete": False},
+                           "variants": {}}
+    for v in a.variants:
+        parts = v.split(":")
+        mode, prep = parts[0], parts[1]
+        segments = int(parts[2]) if len(parts) > 2 else 1
+        try:
+            res["variants"][v] = time_variant(model, mode, prep, segments, a.n)
+        except Exception as e:  # noqa: BLE001 - a variant that fails records why; the others still run
+            res["variants"][v] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        print(json.dumps({v: res["variants"][v]}), flush=True)
+        write_json(a.out, res)
+    res["meta"]["complete"] = all("error" not in r for r in res["variants"].values())
+    write_json(a.out, res)
+
+
+if __name__ == "__main__":
+    main()
