@@ -243,7 +243,7 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "x" * 100, "max_tokens": 40}, 400, "max_tokens"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
     ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "no role"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "no role"}]}, 400, "messages[0].role"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x" * 200}]}, 400, "messages"),
     ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
 ]
@@ -349,6 +349,7 @@ def test_full_queue_gets_429():
     try:
         extra, long = asyncio.run(go())
         assert extra.status_code == 429 and extra.json()["error"]["code"] == "too_many_requests"
+        assert int(extra.headers["Retry-After"]) >= 1  # when to come back
         assert [r.status_code for r in long] == [200, 200, 200]
         assert httpx.post(s.base + "/v1/completions", json={"prompt": "after", "max_tokens": 1}).status_code == 200
     finally:
