@@ -346,16 +346,18 @@ def test_completion_default_max_tokens_is_16(srv):
 
 def test_text_only_options_are_accepted(srv):
     base = {"messages": U, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-    ref = srv.post(CH, json=base).json()["choices"][0]["message"]["content"]
+    ref_body = srv.post(CH, json=base).json()
+    ref, ref_usage = ref_body["choices"][0]["message"]["content"], ref_body["usage"]
     for extra in ({"response_format": {"type": "text"}}, {"logprobs": False, "top_logprobs": 0},
                   {"presence_penalty": 0, "frequency_penalty": 0.0, "tools": [], "tool_choice": "none"},
                   {"messages": [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text",
                                                                                              "text": "i"}]}]},
-                  {"messages": [{"role": "user", "content": "hi", "name": "alice"}]},
                   {"stop": []}, {"user": "u1", "seed": 3}):
         r = srv.post(CH, json={**base, **extra})
         assert r.status_code == 200, (extra, r.text)
         assert r.json()["choices"][0]["message"]["content"] == ref, extra
+    named = srv.post(CH, json={**base, "messages": [{"role": "user", "content": "hi", "name": "alice"}]}).json()
+    assert named["usage"]["prompt_tokens"] == ref_usage["prompt_tokens"] + len(" (alice)")  # rendered, not dropped
     for role in ("system", "developer", "assistant"):
         r = srv.post(CH, json={**base, "messages": [{"role": role, "content": "x"}, *U]})
         assert r.status_code == 200, (role, r.text)

@@ -206,10 +206,11 @@ def _messages_to_text(messages: Any) -> list[dict]:
         for key in ("tool_calls", "function_call", "audio"):
             if m.get(key) is not None and m.get(key) != []:
                 raise _bad(f"{at}.{key} is not supported by this server", f"{at}.{key}")
-        if m.get("name") is not None:
-            if not isinstance(m["name"], str):
+        name = m.get("name")
+        if name is not None:
+            if not isinstance(name, str):
                 raise _bad(f"{at}.name must be a string", f"{at}.name")
-            _text(m["name"], f"{at}.name")
+            _text(name, f"{at}.name")
         c = m.get("content")
         if isinstance(c, list):  # content parts: text only
             if not c:
@@ -228,7 +229,7 @@ def _messages_to_text(messages: Any) -> list[dict]:
             c = "".join(texts)
         elif not isinstance(c, str):
             raise _bad(f"{at}.content must be a string or a list of text parts", f"{at}.content")
-        out.append({"role": role, "content": _text(c, f"{at}.content")})
+        out.append({"role": role, "content": _text(c, f"{at}.content"), **({"name": name} if name else {})})
     return out
 
 

@@ -125,6 +125,8 @@ def load_tokenizer(model_dir: str | None, *, bos_token_id: int, eos_token_id: in
 
 
 def apply_chat_template(messages: list[dict]) -> str:
-    """Plain template: one ``role: content`` line per message, then ``assistant: `` to answer."""
-    lines = [f"{m['role']}: {m['content']}" for m in messages]
+    """Plain template: one ``role: content`` line per message (``role (name): content`` when the message
+    names its participant), then ``assistant: `` to answer."""
+    lines = [f"{m['role']} ({m['name']}): {m['content']}" if m.get("name") else f"{m['role']}: {m['content']}"
+             for m in messages]
     return "\n".join(lines) + "\nassistant: "
