@@ -1,4 +1,5 @@
-# Two commands on a fresh machine:  `make demo` (main job)  and  `make test` (what CI runs).
+# Two commands on a fresh machine:  `make serve` (the main job: the OpenAI-compatible server)  and  `make test` (what CI runs).
+# Flags pass through ARGS:  make serve ARGS='--port 8080 --max-num-seqs 32'   (also make demo ARGS='--arch v4').
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -12,10 +13,10 @@ $(STAMP): pyproject.toml
 	  $(PY) -m pip install -q -e '.[test]'; touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) scripts/demo.py
+	$(PY) scripts/demo.py $(ARGS)
 
 serve: $(STAMP)
-	$(PY) scripts/serve.py
+	$(PY) scripts/serve.py $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
 import time
+from typing import NoReturn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -97,8 +100,43 @@ def build_runner(a: argparse.Namespace):
                              key_block_buckets=tuple(a.key_block_buckets), stable_inputs=a.stable_inputs)
 
 
+def check_port(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on (None if it can): bound and released here, before minutes
+    of model building, with the same address reuse as the server's own listener."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        return f"cannot resolve host {host!r}: {e.strerror or e}"
+    for family, type_, proto, _, addr in infos:
+        with socket.socket(family, type_, proto) as s:
+            if hasattr(socket, "SO_REUSEADDR") and os.name == "posix":
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(addr)
+                s.listen(1)
+            except OSError as e:
+                return listen_error(host, port, e)
+    return None
+
+
+def listen_error(host: str, port: int, e: OSError) -> str:
+    hint = " (another server is running there? pick another --port)" if e.errno == errno.EADDRINUSE else ""
+    return f"cannot listen on {host}:{port}: {e.strerror or e}{hint}"
+
+
+def fail(msg: str) -> NoReturn:
+    """One line on stderr and exit 1: start-up errors are the user's to fix, not a traceback to read."""
+    print(f"serve.py: error: {msg}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
+
+
 async def main(a: argparse.Namespace) -> None:
     say = lambda msg: print(f"[serve] {msg}", flush=True)  # noqa: E731
+    why = check_port(a.host, a.port)
+    if why:
+        fail(why)
     t0 = time.perf_counter()
     label = a.preset or ("checkpoint" if a.checkpoint else "v32-tiny")
     say(f"building {a.runner if a.runner == 'fake' else label} (mode={a.mode}, impl={a.implementation}, "
@@ -117,7 +155,10 @@ async def main(a: argparse.Namespace) -> None:
     say(f"tokenizer: {type(tok).__name__}")
     name = a.served_model_name or f"jds-{label}"
     app, _ = build_app(loop, tok, ServerConfig(model_name=name, max_queue_len=a.max_queue_len))
-    site = await serve(app, a.host, a.port)
+    try:
+        site = await serve(app, a.host, a.port)
+    except OSError as e:  # taken between the check and now
+        fail(listen_error(a.host, a.port, e))
     say(f"listening on http://{a.host}:{a.port} (model id {name!r}); /health is 503 until compiled")
 
     def warmup() -> None:

@@ -115,6 +115,9 @@ def test_health_turns_200_after_warmup(server):
 def test_models(server):
     d = server.get("/v1/models").json()
     assert d["object"] == "list" and d["data"][0]["id"] == MODEL and d["data"][0]["max_model_len"] == 128
+    assert server.get(f"/v1/models/{MODEL}").json() == d["data"][0]  # the client's models.retrieve
+    r = server.get("/v1/models/gpt-4")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_completion_and_stream_agree(server):
@@ -243,7 +246,7 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "x" * 100, "max_tokens": 40}, 400, "max_tokens"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
     ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "no role"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "no role"}]}, 400, "messages[0].role"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x" * 200}]}, 400, "messages"),
     ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
 ]
@@ -349,6 +352,7 @@ def test_full_queue_gets_429():
     try:
         extra, long = asyncio.run(go())
         assert extra.status_code == 429 and extra.json()["error"]["code"] == "too_many_requests"
+        assert int(extra.headers["Retry-After"]) >= 1  # when to come back
         assert [r.status_code for r in long] == [200, 200, 200]
         assert httpx.post(s.base + "/v1/completions", json={"prompt": "after", "max_tokens": 1}).status_code == 200
     finally:
@@ -441,3 +445,34 @@ def test_hf_tokenizer_json_is_used_when_present(tmp_path):
     dec = tok.decoder()
     pieces = [dec.feed([i]) for i in ids] + [dec.flush()]
     assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
+
+
+def test_hf_stream_decoding_is_windowed(tmp_path):
+    """Streaming a long reply decodes a bounded window per token (not the whole output, which would be
+    quadratic on the event loop) and still equals the one-shot decode."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from jds.server.tokenizer import HFTokenizer
+
+    t = tokenizers.Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.train_from_iterator(["the quick brown fox, naïve ✓ café 😀"] * 50,
+                          trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    t.save(str(tmp_path / "tokenizer.json"))
+    tok = HFTokenizer(str(tmp_path / "tokenizer.json"))
+    lengths = []
+    real = tok.decode
+    tok.decode = lambda ids: (lengths.append(len(ids)), real(ids))[1]
+    text = " ".join(["the quick brown fox", "naïve ✓", "café 😀", "jumps"] * 300)
+    ids = tok.encode(text)
+    dec = tok.decoder()
+    pieces = [dec.feed([i]) for i in ids] + [dec.flush()]
+    assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
+    assert len(ids) > 1000 and max(lengths) <= 16
+    rng = __import__("random").Random(0)  # random ids: lone bytes, U+FFFD runs; the window stays bounded
+    lengths.clear()
+    dec = tok.decoder()
+    out = "".join(dec.feed([rng.randrange(300)]) for _ in range(2000)) + dec.flush()
+    assert out and max(lengths) <= 16

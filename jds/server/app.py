@@ -22,7 +22,8 @@ from aiohttp import web
 from jds.engine.loop import EngineLoop
 from jds.engine.request import RequestOutput
 from jds.server.metrics import ServerMetrics
-from jds.server.protocol import ApiError, GenerationRequest, check_length, error_body, parse_request
+from jds.server.protocol import (ApiError, GenerationRequest, check_content_type, check_length, error_body,
+                                 parse_json_body, parse_request)
 from jds.server.stop import StopChecker
 from jds.server.tokenizer import Tokenizer, apply_chat_template
 
@@ -59,6 +60,7 @@ class OpenAIServer:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model_id:.+}", self.model_info)  # served names may hold a '/'
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_route)
         app.router.add_get("/engine/stats", self.engine_stats)
@@ -70,17 +72,24 @@ class OpenAIServer:
         try:
             return await handler(request)
         except ApiError as e:
-            return web.json_response(e.body(), status=e.status)
+            return web.json_response(e.body(), status=e.status, headers=e.headers)
         except web.HTTPException as e:  # 404/405 from routing, 413 from the body limit
             if e.status < 400:
                 raise
-            return web.json_response(error_body(e.reason, "invalid_request_error", None, e.status), status=e.status)
+            if e.status == 404:
+                msg = f"Invalid URL ({request.method} {request.path[:200]})"
+            elif e.status == 405:
+                msg = f"Method {request.method} is not allowed for {request.path[:200]}"
+            else:
+                msg = e.text if e.status == 413 and e.text else e.reason
+            keep = {k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")}
+            return web.json_response(error_body(msg, "invalid_request_error"), status=e.status, headers=keep)
         except (asyncio.CancelledError, ConnectionError):
             raise
         except Exception as e:  # noqa: BLE001 - a bug in one request must not look like a dead server
             log.exception("unhandled error in %s", request.path)
-            return web.json_response(error_body(f"internal error: {type(e).__name__}: {e}", "internal_server_error",
-                                                None, 500), status=500)
+            return web.json_response(error_body(f"internal error: {type(e).__name__}: {e}", "internal_server_error"),
+                                     status=500)
 
     def _check_ready(self) -> None:
         if self.engine_loop.warmup_error is not None:
@@ -94,10 +103,20 @@ class OpenAIServer:
         ok = self.engine_loop.ready.is_set() and self.engine_loop.warmup_error is None
         return web.json_response({"status": "ok" if ok else "loading"}, status=200 if ok else 503)
 
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.cfg.model_name, "object": "model", "created": self.created, "owned_by": "jds",
+                "root": self.cfg.model_name, "max_model_len": self.engine.max_seq_len}
+
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": self.cfg.model_name, "object": "model", "created": self.created, "owned_by": "jds",
-            "root": self.cfg.model_name, "max_model_len": self.engine.max_seq_len}]})
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{id}`` (the client's ``models.retrieve``)."""
+        model_id = request.match_info["model_id"]
+        if model_id != self.cfg.model_name:
+            raise ApiError(404, f"The model '{model_id[:200]}' does not exist", param="model",
+                           code="model_not_found")
+        return web.json_response(self._model_card())
 
     async def metrics_route(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
@@ -113,13 +132,12 @@ class OpenAIServer:
         return await self._generate(request, chat=True)
 
     async def _parse(self, request: web.Request, chat: bool) -> tuple[GenerationRequest, list[int], Any]:
-        try:
-            body = json.loads(await request.read())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"invalid JSON body: {e}")
+        check_content_type(request.headers.get("Content-Type"))
+        body = parse_json_body(await request.read())
         gen, messages = parse_request(body, chat=chat)
         if gen.model is not None and gen.model != self.cfg.model_name:
-            raise ApiError(404, f"The model `{gen.model}` does not exist.", param="model", code="model_not_found")
+            raise ApiError(404, f"The model `{gen.model[:200]}` does not exist.", param="model",
+                           code="model_not_found")
         if chat:
             ids = self.tokenizer.encode(apply_chat_template(messages))
         elif gen.prompt_ids is not None:
@@ -137,8 +155,8 @@ class OpenAIServer:
         gen, ids, body = await self._parse(request, chat)
         if self.in_flight >= self.max_in_flight:
             raise ApiError(429, f"server is at capacity ({self.max_in_flight} requests in flight); retry later",
-                           type_="rate_limit_error", code="too_many_requests")
-        want_ids = bool(body.get("return_token_ids"))
+                           type_="rate_limit_error", code="too_many_requests", headers={"Retry-After": "1"})
+        want_ids = gen.return_token_ids
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.in_flight += 1
         stream = self._run(rid, gen, ids, arrival)
@@ -183,7 +201,7 @@ class OpenAIServer:
         async for text, new, fin, err, out in stream:
             last = out
             if err is not None:
-                raise ApiError(500, err, type_="internal_server_error", code=500)
+                raise ApiError(500, err, type_="internal_server_error")
             texts.append(text)
             toks.extend(new)
             reason = fin
@@ -235,12 +253,12 @@ class OpenAIServer:
                 last = out
                 if resp is None:
                     if err is not None:  # failed before anything was sent: a plain 500
-                        raise ApiError(500, err, type_="internal_server_error", code=500)
+                        raise ApiError(500, err, type_="internal_server_error")
                     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                        "Cache-Control": "no-cache"})
                     await resp.prepare(request)
                 if err is not None:
-                    await send(error_body(err, "internal_server_error", None, 500))
+                    await send(error_body(err, "internal_server_error"))
                     break
                 await send(chunk(text, new, fin, first))
                 first = False
@@ -251,7 +269,7 @@ class OpenAIServer:
                             "choices": [], "usage": self._usage(len(ids), last)})
             await send("[DONE]")
             await resp.write_eof()
-        except _ClientGone:
+        except (_ClientGone, ConnectionError):  # prepare / write_eof too: a client may leave right after [DONE]
             log.info("client of %s disconnected; aborted", rid)
         return resp
 

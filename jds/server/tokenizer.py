@@ -72,25 +72,44 @@ class HFTokenizer:
 
 
 class _HFDecoder:
-    """Decode the whole sequence and emit the new suffix, holding it back while it ends in U+FFFD."""
+    """Decode a short window of recent tokens and emit what the newest ones added.
+
+    Decoding the whole sequence per token costs the event loop time proportional to the output, so a
+    long reply would cost quadratic time overall; a token decoded alone can lose its leading space
+    (SentencePiece) or be half a character (byte fallback). So each step decodes from ``_prefix`` (the
+    start of the last emitted piece, which keeps the context that spacing needs) to the end, compares
+    with the already-emitted part ``_prefix:_read``, and holds back text that ends in U+FFFD, for at
+    most ``MAX_HOLD`` tokens (a character spans at most 4 byte tokens; longer runs are real U+FFFDs, and
+    holding them would grow the window again).
+    """
+
+    MAX_HOLD = 8
 
     def __init__(self, tok: HFTokenizer) -> None:
         self._tok = tok
         self._ids: list[int] = []
-        self._emitted = 0
+        self._prefix = 0  # window start: first token of the last emitted piece
+        self._read = 0  # tokens up to here have been emitted as text
+
+    def _step(self, final: bool) -> str:
+        seen = self._tok.decode(self._ids[self._prefix:self._read])
+        text = self._tok.decode(self._ids[self._prefix:])
+        held = len(self._ids) - self._read
+        if len(text) <= len(seen):  # nothing new (e.g. special tokens): keep the window short all the same
+            if held >= self.MAX_HOLD:
+                self._prefix = self._read = len(self._ids)
+            return ""
+        if text.endswith("\ufffd") and not final and held < self.MAX_HOLD:
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(seen):]
 
     def feed(self, token_ids: list[int]) -> str:
         self._ids.extend(token_ids)
-        text = self._tok.decode(self._ids)
-        if text.endswith("\ufffd"):
-            return ""
-        new, self._emitted = text[self._emitted:], len(text)
-        return new
+        return self._step(final=False)
 
     def flush(self) -> str:
-        text = self._tok.decode(self._ids)
-        new, self._emitted = text[self._emitted:], len(text)
-        return new
+        return self._step(final=True)
 
 
 def load_tokenizer(model_dir: str | None, *, bos_token_id: int, eos_token_id: int) -> Tokenizer:
@@ -106,6 +125,8 @@ def load_tokenizer(model_dir: str | None, *, bos_token_id: int, eos_token_id: in
 
 
 def apply_chat_template(messages: list[dict]) -> str:
-    """Plain template: one ``role: content`` line per message, then ``assistant: `` to answer."""
-    lines = [f"{m['role']}: {m['content']}" for m in messages]
+    """Plain template: one ``role: content`` line per message (``role (name): content`` when the message
+    names its participant), then ``assistant: `` to answer."""
+    lines = [f"{m['role']} ({m['name']}): {m['content']}" if m.get("name") else f"{m['role']}: {m['content']}"
+             for m in messages]
     return "\n".join(lines) + "\nassistant: "
