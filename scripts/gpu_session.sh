@@ -2,6 +2,8 @@
 # The H200 runbook. Stages run in the order given; each fits the 10-minute call limit on its own, and
 # its outputs land in $OUT as they are produced, so a stage that is cut short keeps what it measured:
 #
+#   scripts/gpu_session.sh hostpath      # issue 16: TTFT variants (host vs device prep, segments) at 8 layers,
+#                                        # the host trace at 2/8/16, then 61 layers (MoE: 16 routed experts, top-8)
 #   scripts/gpu_session.sh probe         # host cost of a captured step: preparation vs dispatch, graphs vs none
 #   scripts/gpu_session.sh boundary      # bench_boundary, V3.2 + V4, compiled in parallel processes first
 #   scripts/gpu_session.sh boundary-v4   # the V4 stack alone (all three modes)
@@ -26,6 +28,17 @@ nvidia-smi -L > "$OUT/device.txt" 2>&1 || true
 [ $# -ge 1 ] || set -- usage
 for stage in "$@"; do
 case "$stage" in
+  hostpath)
+    V="fused:host fused:device fused:device:2 fused:device:4 fused:device:8 narrow:host narrow:device wide:host wide:device"
+    timeout ${TTFT_TIMEOUT:-200} python3 -m jds.bench.ttft --arch v32 --layers 8 --intermediate 18432 --variants $V \
+      --out "$OUT/ttft_v32_8l.json" > "$OUT/ttft_v32_8l.log" 2>&1; echo "ttft8 rc=$?"; grep '^{' "$OUT/ttft_v32_8l.log" | cut -c1-250
+    timeout ${HP_TIMEOUT:-120} python3 -m jds.bench.host_profile --arch v32 --layers 2 8 16 --intermediate 18432 \
+      --runner-kw '{"input_prep": "device"}' --out "$OUT/host_profile_device.json" > "$OUT/host_profile.log" 2>&1
+    echo "host_profile rc=$?"; grep '^{' "$OUT/host_profile.log" | cut -c1-250
+    timeout ${DEEP_TIMEOUT:-300} python3 -m jds.bench.ttft --arch v32 --layers 61 --moe-experts 16 --moe-topk 8 --n 20 \
+      --variants fused:device:8 fused:device fused:host --out "$OUT/ttft_v32_61l.json" > "$OUT/ttft_v32_61l.log" 2>&1
+    echo "ttft61 rc=$?"; grep '^{' "$OUT/ttft_v32_61l.log" | cut -c1-250
+    ;;
   probe)
     # one process per variant (update modes pick XLA's allocator at start-up); fused first: one executable
     # 2026-11-29 at 2 layers: graph updates refuted (BENCHMARKS.md); next: 8 layers, preparation split out

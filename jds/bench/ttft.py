@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
             res["variants"][v] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         print(json.dumps({v: res["variants"][v]}), flush=True)
         write_json(a.out, res)
+    stats = jax.devices()[0].memory_stats() or {}
+    res["meta"]["memory_gib"] = {k: stats[k] / 2**30 for k in ("peak_bytes_in_use", "bytes_limit") if k in stats}
     res["meta"]["complete"] = all("error" not in r for r in res["variants"].values())
     write_json(a.out, res)
 
