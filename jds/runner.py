@@ -51,6 +51,27 @@ def _bucket_set(name: str, given: tuple[int, ...], top: int, default: tuple[int,
     return tuple(sorted({int(b) for b in given} | {top}))
 
 
+def invariant_buckets(token_buckets: tuple[int, ...], key_block_buckets: tuple[int, ...], max_num_tokens: int,
+                      max_blocks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The buckets of batch-invariant mode: only the largest step and the longest block table.
+
+    Why: a token's logits must not depend on what it is batched with, how its prompt was chunked or
+    whether it was recomputed after preemption. Every per-token op of the decoder is row-local (norms,
+    per-row FP8 scales, RoPE, per-token attention over the paged cache, which prefill and decode both
+    read back after writing), so the remaining source is the shape of each executable: XLA picks a
+    GEMM/reduction algorithm (tiling, split-K, vectorised tail) per shape, so the same row rounds
+    differently in a 16-token and a 256-token step, and a softmax or indexer scan over a 4-block and a
+    64-block table sums in a different order. One token bucket and one key-block bucket give every step
+    the same executables, so each row's reduction order is fixed. Costs: every step computes
+    ``max_num_tokens`` rows and scans ``max_blocks`` key blocks. Other buckets are refused, not ignored.
+    """
+    for name, given, top in (("token_buckets", token_buckets, max_num_tokens),
+                             ("key_block_buckets", key_block_buckets, max_blocks)):
+        if any(int(b) != top for b in given):
+            raise ValueError(f"{name}={tuple(given)}: batch_invariant mode uses the single bucket {top}")
+    return (max_num_tokens,), (max_blocks,)
+
+
 def _pick(buckets: tuple[int, ...], n: int) -> int:
     for b in buckets:
         if b >= n:
@@ -109,6 +130,7 @@ class BoundaryRunner:
     key_block_buckets: tuple[int, ...] = ()
     last_dispatch: DispatchStats = field(default_factory=DispatchStats)
     stable_inputs: bool = False  # write each step's inputs into persistent device buffers (see _stage)
+    batch_invariant: bool = False  # one token bucket and one key-block bucket (see invariant_buckets)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -118,6 +140,9 @@ class BoundaryRunner:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
         self.block_size = cfg.block_size
         self.max_blocks = -(-self.max_model_len // self.block_size)
+        if self.batch_invariant:
+            self.token_buckets, self.key_block_buckets = invariant_buckets(
+                self.token_buckets, self.key_block_buckets, self.max_num_tokens, self.max_blocks)
         self.token_buckets = _bucket_set("token_buckets", self.token_buckets, self.max_num_tokens,
                                          _buckets(min(16, self.max_num_tokens), self.max_num_tokens))
         self.key_block_buckets = _bucket_set("key_block_buckets", self.key_block_buckets, self.max_blocks,
@@ -325,10 +350,11 @@ class ModelRunner(BoundaryRunner):
               mode: str = "narrow", implementation: str = "auto", num_blocks: int = 256, max_num_seqs: int = 16,
               max_num_tokens: int = 256, max_model_len: int = 1024, seed: int = 0, moe: bool = False,
               token_buckets: tuple[int, ...] = (), key_block_buckets: tuple[int, ...] = (),
-              stable_inputs: bool = False) -> "ModelRunner":
+              stable_inputs: bool = False, batch_invariant: bool = False) -> "ModelRunner":
         """``preset`` defaults to v32-tiny. With ``checkpoint`` and no ``preset`` / ``config_path`` / ``moe``
         the checkpoint's stored config builds the model; otherwise the checkpoint must match that config
-        (a mismatch is a ValueError naming the first differing parameter)."""
+        (a mismatch is a ValueError naming the first differing parameter). ``batch_invariant``: see
+        ``invariant_buckets``."""
         if checkpoint and preset is None and config_path is None and not moe:
             from jds.checkpoint import restore_model
             model = restore_model(checkpoint, implementation=implementation, seed=seed)
@@ -340,7 +366,8 @@ class ModelRunner(BoundaryRunner):
                 load_checkpoint(model, checkpoint)
         return cls(model=model, mode=mode, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                    max_num_tokens=max_num_tokens, max_model_len=max_model_len, token_buckets=tuple(token_buckets),
-                   key_block_buckets=tuple(key_block_buckets), stable_inputs=stable_inputs)
+                   key_block_buckets=tuple(key_block_buckets), stable_inputs=stable_inputs,
+                   batch_invariant=batch_invariant)
 
 
 def enable_compile_cache(cache_dir: str) -> None:
