@@ -119,3 +119,30 @@ def test_v4_alone_cobatched_chunked_preempted_identical():
     r = ModelRunner.build(preset="v4-tiny", num_blocks=4, max_num_seqs=4, max_num_tokens=32, max_model_len=256,
                           batch_invariant=True)
     _check_all_conditions(r, _requests(4, lo=100, hi=125, max_tokens=12, seed=6), chunk=9)
+
+
+@pytest.mark.slow
+def test_bench_script_runs_on_cpu(tmp_path):
+    """scripts/bench_batch_invariant.py end to end on the tiny preset (the H200 run uses the same code)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import bench_batch_invariant as bench
+
+    out = tmp_path / "bi.json"
+    res = bench.main(["--preset", "v32-tiny", "--configs", "invariant", "--greedy", "4", "--seeded", "2",
+                      "--num-blocks", "6", "--prompt-len", "20", "40", "--max-tokens", "16", "--max-model-len", "128",
+                      "--max-num-tokens", "32", "--throughput-seqs", "4", "--throughput-prompt-len", "16",
+                      "--throughput-tokens", "8", "--repeat", "1", "--out", str(out)])
+    rec = res["configs"][0]
+    assert out.exists() and rec["num_preemptions"] > 0
+    assert (rec["greedy_identical"], rec["seeded_identical"]) == (4, 2)
+    assert rec["throughput"]["decode_tok_s"] > 0
+
+
+def test_serve_flag_reaches_the_runner():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import serve
+
+    a = serve.parse_args(["--batch-invariant", "--num-blocks", "8", "--max-num-tokens", "32", "--max-model-len", "64"])
+    r = serve.build_runner(a)
+    assert r.batch_invariant and r.token_buckets == (32,) and r.key_block_buckets == (r.max_blocks,)
+    assert not serve.parse_args([]).batch_invariant
