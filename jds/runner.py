@@ -56,13 +56,19 @@ def invariant_buckets(token_buckets: tuple[int, ...], key_block_buckets: tuple[i
     """The buckets of batch-invariant mode: only the largest step and the longest block table.
 
     Why: a token's logits must not depend on what it is batched with, how its prompt was chunked or
-    whether it was recomputed after preemption. Every per-token op of the decoder is row-local (norms,
-    per-row FP8 scales, RoPE, per-token attention over the paged cache, which prefill and decode both
-    read back after writing), so the remaining source is the shape of each executable: XLA picks a
-    GEMM/reduction algorithm (tiling, split-K, vectorised tail) per shape, so the same row rounds
-    differently in a 16-token and a 256-token step, and a softmax or indexer scan over a 4-block and a
-    64-block table sums in a different order. One token bucket and one key-block bucket give every step
-    the same executables, so each row's reduction order is fixed. Costs: every step computes
+    whether it was recomputed after preemption. The decoder has no cross-row reduction: norms, FP8
+    activation scales (per row, per 128 columns), RoPE and the cache records are per token, and
+    attention reads each key back from the paged cache in prefill and decode alike (a position is
+    written before it is read), so recompute sees the keys that decode saw. What remains is the shape:
+    XLA compiles each step shape separately (GEMM algorithms, tilings, fusions), so a row can round
+    differently in a 16-token and a 256-token step, and a near-tie greedy or seeded choice flips. One
+    token bucket gives every step the same executables, so each row's reduction order is fixed, given
+    that a kernel reduces a row the same way at any row index of its shape (true of the CPU backend;
+    the bench's co-batched runs check a GPU, where a stream-K GEMM need not). The key-block bucket is fixed too, so that attention and indexer reductions never change
+    width with the step's longest sequence (the CPU backend was found insensitive to it; a GPU's
+    reduction tiling need not be). The MoE FFN's ragged_dot groups rows by expert, so its per-expert
+    shapes depend on the other rows: invariant on the CPU backend (tests/test_batch_invariant.py),
+    to be checked on a GPU (scripts/bench_batch_invariant.py --moe). Costs: every step computes
     ``max_num_tokens`` rows and scans ``max_blocks`` key blocks. Other buckets are refused, not ignored.
     """
     for name, given, top in (("token_buckets", token_buckets, max_num_tokens),
