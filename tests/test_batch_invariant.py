@@ -113,6 +113,7 @@ def test_v32_many_requests_identical(v32_runner):
     _check_all_conditions(v32_runner, _requests(16, lo=5, hi=60, max_tokens=24, seed=3), chunk=5)
 
 
+@pytest.mark.slow
 def test_v4_alone_cobatched_chunked_preempted_identical():
     # Pages of 128 tokens: prompts of 100-124 tokens cross into a second page while decoding, and 4 pages
     # cannot hold 4 such requests: preemption. Covers the window, C4 (indexer) and C128 layers.
