@@ -63,6 +63,33 @@ def _bucket_set(name: str, given: tuple[int, ...], top: int, default: tuple[int,
     return tuple(sorted({int(b) for b in given} | {top}))
 
 
+def invariant_buckets(token_buckets: tuple[int, ...], key_block_buckets: tuple[int, ...], max_num_tokens: int,
+                      max_blocks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The buckets of batch-invariant mode: only the largest step and the longest block table.
+
+    Why: a token's logits must not depend on what it is batched with, how its prompt was chunked or
+    whether it was recomputed after preemption. The decoder has no cross-row reduction: norms, FP8
+    activation scales (per row, per 128 columns), RoPE and the cache records are per token, and
+    attention reads each key back from the paged cache in prefill and decode alike (a position is
+    written before it is read), so recompute sees the keys that decode saw. What remains is the shape:
+    XLA compiles each step shape separately (GEMM algorithms, tilings, fusions), so a row can round
+    differently in a 16-token and a 256-token step, and a near-tie greedy or seeded choice flips. One
+    token bucket gives every step the same executables, so each row's reduction order is fixed, given
+    that a kernel reduces a row the same way at any row index of its shape (true of the CPU backend;
+    the bench's co-batched runs check a GPU, where a stream-K GEMM need not). The key-block bucket is fixed too, so that attention and indexer reductions never change
+    width with the step's longest sequence (the CPU backend was found insensitive to it; a GPU's
+    reduction tiling need not be). The MoE FFN's ragged_dot groups rows by expert, so its per-expert
+    shapes depend on the other rows: invariant on the CPU backend (tests/test_batch_invariant.py),
+    to be checked on a GPU (scripts/bench_batch_invariant.py --moe). Costs: every step computes
+    ``max_num_tokens`` rows and scans ``max_blocks`` key blocks. Other buckets are refused, not ignored.
+    """
+    for name, given, top in (("token_buckets", token_buckets, max_num_tokens),
+                             ("key_block_buckets", key_block_buckets, max_blocks)):
+        if any(int(b) != top for b in given):
+            raise ValueError(f"{name}={tuple(given)}: batch_invariant mode uses the single bucket {top}")
+    return (max_num_tokens,), (max_blocks,)
+
+
 def _pick(buckets: tuple[int, ...], n: int) -> int:
     for b in buckets:
         if b >= n:
@@ -124,6 +151,7 @@ class BoundaryRunner:
     input_prep: str = "device"  # "device": one packed buffer, batch built in the graph; "host": make_batch
     update_capacity: int = 0  # block-table entries one packed step may change (0: 4 per row + 64)
     segments: int = 1  # fused + device prep: the step as this many captured executables, launched in order
+    batch_invariant: bool = False  # one token bucket and one key-block bucket (see invariant_buckets)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -141,6 +169,9 @@ class BoundaryRunner:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
         self.block_size = cfg.block_size
         self.max_blocks = -(-self.max_model_len // self.block_size)
+        if self.batch_invariant:
+            self.token_buckets, self.key_block_buckets = invariant_buckets(
+                self.token_buckets, self.key_block_buckets, self.max_num_tokens, self.max_blocks)
         self.token_buckets = _bucket_set("token_buckets", self.token_buckets, self.max_num_tokens,
                                          _buckets(min(16, self.max_num_tokens), self.max_num_tokens))
         self.key_block_buckets = _bucket_set("key_block_buckets", self.key_block_buckets, self.max_blocks,
@@ -510,10 +541,12 @@ class ModelRunner(BoundaryRunner):
               mode: str = "narrow", implementation: str = "auto", num_blocks: int = 256, max_num_seqs: int = 16,
               max_num_tokens: int = 256, max_model_len: int = 1024, seed: int = 0, moe: bool = False,
               token_buckets: tuple[int, ...] = (), key_block_buckets: tuple[int, ...] = (),
-              stable_inputs: bool = False, input_prep: str = "device", segments: int = 1) -> "ModelRunner":
+              stable_inputs: bool = False, input_prep: str = "device", segments: int = 1,
+              batch_invariant: bool = False) -> "ModelRunner":
         """``preset`` defaults to v32-tiny. With ``checkpoint`` and no ``preset`` / ``config_path`` / ``moe``
         the checkpoint's stored config builds the model; otherwise the checkpoint must match that config
-        (a mismatch is a ValueError naming the first differing parameter)."""
+        (a mismatch is a ValueError naming the first differing parameter). ``batch_invariant``: see
+        ``invariant_buckets``."""
         if checkpoint and preset is None and config_path is None and not moe:
             from jds.checkpoint import restore_model
             model = restore_model(checkpoint, implementation=implementation, seed=seed)
@@ -526,7 +559,7 @@ class ModelRunner(BoundaryRunner):
         return cls(model=model, mode=mode, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                    max_num_tokens=max_num_tokens, max_model_len=max_model_len, token_buckets=tuple(token_buckets),
                    key_block_buckets=tuple(key_block_buckets), stable_inputs=stable_inputs,
-                   input_prep=input_prep, segments=segments)
+                   input_prep=input_prep, segments=segments, batch_invariant=batch_invariant)
 
 
 def enable_compile_cache(cache_dir: str) -> None:

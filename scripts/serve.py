@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="key-block counts to compile for the eager region; the maximum is always added")
     p.add_argument("--stable-inputs", action="store_true",
                    help="keep step inputs in persistent device buffers (fixed addresses for the CUDA graphs)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="one token bucket and one key-block bucket, so a request's tokens do not depend on "
+                        "its batch, chunking or preemption (costs throughput; see jds.runner.invariant_buckets)")
     p.add_argument("--graph-update-mode", default=None, choices=GRAPH_UPDATE_MODES,
                    help="XLA command-buffer update mode (process-wide XLA flag; default: XLA's ALWAYS_UPDATE)")
     p.add_argument("--compile-cache", default=None,
@@ -97,7 +100,8 @@ def build_runner(a: argparse.Namespace):
                              implementation=a.implementation, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
                              max_num_tokens=a.max_num_tokens, max_model_len=a.max_model_len, seed=a.seed,
                              moe=a.moe, token_buckets=tuple(a.token_buckets),
-                             key_block_buckets=tuple(a.key_block_buckets), stable_inputs=a.stable_inputs)
+                             key_block_buckets=tuple(a.key_block_buckets), stable_inputs=a.stable_inputs,
+                             batch_invariant=a.batch_invariant)
 
 
 def check_port(host: str, port: int) -> str | None:

@@ -1,7 +1,15 @@
 """Per-request sampling in numpy: greedy, temperature, top-k, top-p, seeded.
 
-Randomness is drawn from ``default_rng([seed, i])`` for the i-th output token, so a seeded request
-produces the same tokens whatever it was batched with and however often it was preempted.
+Randomness is drawn from ``default_rng([seed, i])`` for the i-th output token, and every row is sampled
+on its own, so the draw never depends on the batch: given the same logits, a seeded request gets the
+same tokens whatever it was batched with and however often it was preempted.
+
+The logits themselves are the same only when the runner is batch-invariant
+(``ModelRunner.build(batch_invariant=True)``, ``scripts/serve.py --batch-invariant``; see
+``jds.runner.invariant_buckets``). With the default bucket ladders a row's logits can differ in the
+last bits with the step's token bucket (co-batching, chunked prefill, recompute after preemption), so
+a greedy token at a near tie or a seeded draw near a probability boundary can change, and the rest of
+that request diverges from there.
 """
 
 from __future__ import annotations
