@@ -17,3 +17,19 @@ def interpret_for(mode: str) -> bool:
     if mode == "interpret" and ON_GPU:
         pytest.skip("interpret mode is the CPU CI's stand-in for the native run")
     return mode == "interpret"
+
+
+def pallas_calls(method, module, *args) -> int:
+    """How many ``pallas_call``s a fresh trace of ``method(module, *args)`` contains (nested jaxprs included).
+
+    Why: a spy on a kernel wrapper counts only calls made while tracing, and a cached ``nnx.jit`` /
+    ``jax.jit`` trace makes no calls, so a spy can miss a kernel that runs or count one that does not.
+    ``jax.make_jaxpr`` always traces anew, so this is a direct look at what the layer's step would run."""
+    from flax import nnx
+
+    graphdef, state = nnx.split(module)
+
+    def f(state, *args):
+        return method(nnx.merge(graphdef, state), *args)
+
+    return str(jax.make_jaxpr(f)(state, *args)).count("pallas_call")
