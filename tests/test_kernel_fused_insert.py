@@ -238,7 +238,8 @@ def _batch(block_size: int, seed: int):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("numerics", [  # fp8_linear off: it only changes the projections, and compiles slowly
-    pytest.param(Numerics(fp8_linear=False, latent_scale_fmt="amax"), id="fp8cache-hadamard-amax"),
+    pytest.param(Numerics(fp8_linear=False, latent_scale_fmt="amax"), id="fp8cache-hadamard-amax",
+                 marks=pytest.mark.slow),
     pytest.param(Numerics.serving(), id="serving")])
 def test_v32_layer_prepare(mode, numerics, monkeypatch):
     from jds.v32 import V32Attention

@@ -225,8 +225,14 @@ def test_quantize_q_is_exact() -> None:
     assert q8.dtype == FP8
 
 
+# the default run keeps one case per key source and model (V3.2 decode / mixed prefill, V4 prefill, gathered);
+# the other shapes are slow
+SLOW_CASES = {"v4_decode_tiny_heads", "epp128_g3", "odd_heads", "gathered_v4"}
+
+
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.name in SLOW_CASES else [])
+                                  for c in CASES])
 def test_logits_match_reference(case: Case, mode: str) -> None:
     out, ref, abssum, _ = _run_case(case, mode)
     check_logits(out, ref, abssum, _rtol(mode))
@@ -298,8 +304,13 @@ def test_no_visible_keys_gives_minus_one(mode: str) -> None:
     assert (got[:2] == -1).all() and got[2, 0] == 0 and (got[2, 1:] == -1).all()
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_layer_select_wiring(mode: str, monkeypatch) -> None:
+@pytest.mark.parametrize("mode,arch", [  # V4 interpreted is slow; its metadata is in the kernel tests above
+    pytest.param("interpret", "v32", id="interpret-v32"),
+    pytest.param("interpret", "v4", id="interpret-v4", marks=pytest.mark.slow),
+    pytest.param("native", "v32", id="native-v32", marks=pytest.mark.gpu),
+    pytest.param("native", "v4", id="native-v4", marks=pytest.mark.gpu),
+])
+def test_layer_select_wiring(mode: str, arch: str, monkeypatch) -> None:
     """V32Attention / V4Attention.select with implementation='pallas' picks the kernel and agrees with the
     XLA path on the same query and cache (V3.2 block_size 32; V4 tiny C4 layer: 32 entries per page).
 
@@ -317,13 +328,14 @@ def test_layer_select_wiring(mode: str, monkeypatch) -> None:
     rng = np.random.default_rng(0)
     cfg32 = dataclasses.replace(V32Config.tiny(), block_size=32)
     cfg4 = V4Config.tiny()
-    layers = [
+    layers = {
         # built under nnx.jit: one compile instead of an eager op per parameter
-        (cfg32, nnx.jit(lambda: V32Attention(cfg32, num, rngs=nnx.Rngs(0), implementation="xla")),
-         lambda p: p + 1),
-        (cfg4, nnx.jit(lambda: V4Attention(cfg4, num, 1, rngs=nnx.Rngs(0), implementation="xla")),
-         lambda p: (p + 1) // 4),
-    ]
+        "v32": (cfg32, nnx.jit(lambda: V32Attention(cfg32, num, rngs=nnx.Rngs(0), implementation="xla")),
+                lambda p: p + 1),
+        "v4": (cfg4, nnx.jit(lambda: V4Attention(cfg4, num, 1, rngs=nnx.Rngs(0), implementation="xla")),
+               lambda p: (p + 1) // 4),
+    }
+    layers = [layers[arch]]
     select = nnx.jit(lambda m, q, b, c: m.select(q, b, c))
     sel = lambda m, q, b, c: m.select(q, b, c)
     for cfg, make, vis in layers:

@@ -92,7 +92,7 @@ def _check(q, caches, fmts, slots, *, scale, v_dim, sink, tol, interpret, num_sp
 
 # ----- V3.2: absorbed MLA over the 656-byte record ------------------------------------------------------
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("scale_fmt", ["ue8m0", "amax"])
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", pytest.param("amax", marks=pytest.mark.slow)])
 def test_v32_fp8(mode, scale_fmt):
     interpret = _interpret(mode)
     rng = np.random.default_rng(1)
@@ -129,7 +129,7 @@ def test_v32_padded_heads_and_splits(mode):
 
 # ----- V4: window + compressed, two caches, attention sink ----------------------------------------------
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("num_splits", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_v4_window_compressed_sink(mode, num_splits):
     interpret = _interpret(mode)
     rng = np.random.default_rng(3)
