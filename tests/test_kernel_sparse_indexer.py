@@ -257,10 +257,11 @@ def test_topk_matches_reference_with_chunking(mode: str) -> None:
         want = np.asarray(topk_visible(jnp.asarray(np.where(np.isfinite(ref), ref, 0.0)), nvis, k))
         got = np.asarray(si.indexer_topk(qd, wf, cache, fmt, bt, req, nvis, k, config=cfg, interpret=interpret))
         check_topk(got, want, ref, abssum, _rtol(mode))
-        # the XLA path with the same chunking gives the reference exactly
+        # the XLA path with the same chunking: the same logits up to float32 rounding (another program's
+        # fusion), so the same sets except keys tying the k-th score within float32 rounding
         got = np.asarray(si.indexer_topk(qd, wf, cache, fmt, bt, req, nvis, k, implementation="xla",
                                          config=si.IndexerKernelConfig(max_logits_bytes=4 * 129 * 3 * 192)))
-        np.testing.assert_array_equal(got, want)
+        check_topk(got, want, ref, abssum, _rtol("interpret"))
 
 
 @pytest.mark.parametrize("segment", [None, 64, 100, 256])
