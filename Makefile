@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo serve test test-gpu clean
+.PHONY: demo serve test test-all test-gpu clean
 
 $(STAMP): pyproject.toml
 	@set -e; PYBIN=$$(scripts/find_python.sh); echo "using $$PYBIN"; \
@@ -18,11 +18,17 @@ demo: $(STAMP)
 serve: $(STAMP)
 	$(PY) scripts/serve.py $(ARGS)
 
+# progress as "[ n/N]" per test line (readable in CI logs), the 15 slowest tests at the end
+PYTEST_FLAGS := -o console_output_style=count --durations=15
+
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest $(PYTEST_FLAGS) -m "not slow" tests
+
+test-all: $(STAMP)
+	$(PY) -m pytest $(PYTEST_FLAGS) tests
 
 test-gpu: $(STAMP)
-	$(PY) -m pytest -q -m gpu tests
+	$(PY) -m pytest $(PYTEST_FLAGS) -m gpu tests
 
 clean:
 	rm -rf $(VENV)

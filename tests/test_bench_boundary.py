@@ -9,9 +9,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # a whole bench run; the boundary modes are covered by tests/test_runner.py
 def test_tiny_precompiled_run(tmp_path) -> None:
     out = tmp_path / "b.json"
     subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_boundary.py"), "--arch", "v32",

@@ -42,7 +42,7 @@ def no_temp_dirs(parent) -> bool:
     return not [p for p in os.listdir(parent) if ".tmp-" in p]
 
 
-@pytest.mark.parametrize("numerics", [Numerics.bf16(), Numerics.reference()])
+@pytest.mark.parametrize("numerics", [Numerics.bf16(), pytest.param(Numerics.reference(), marks=pytest.mark.slow)])
 def test_round_trip_and_same_logits(tmp_path, numerics: Numerics) -> None:
     cfg = dataclasses.replace(preset("v32-tiny"), numerics=numerics)
     a, b = Decoder(cfg, seed=1), Decoder(cfg, seed=2)

@@ -94,7 +94,7 @@ def test_synthetic_checkpoint_is_real_hf_layout(sources) -> None:
     assert "model.layers.0.mlp.experts.3.down_proj.weight" in index["weight_map"]
 
 
-@pytest.mark.parametrize("arch", ["v32", "v4"])
+@pytest.mark.parametrize("arch", ["v32", pytest.param("v4", marks=pytest.mark.slow)])
 def test_convert_restore_same_logits(tmp_path, sources, arch: str) -> None:
     s = sources(arch)
     out = tmp_path / "out"

@@ -4,14 +4,18 @@ their pure-JAX references, and the layers' ``implementation="pallas"`` prepare a
 Modes: ``interpret`` (GPU interpret mode, any backend) and ``gpu`` (compiled Triton kernels; marked ``gpu``,
 skipped unless jax.default_backend() == "gpu").
 
-Exactness. In interpret mode the kernel body runs as XLA CPU ops that mirror the reference op by op, so with
-bf16 activations the caches and q outputs are *bit-identical* to the reference. Two places compare with a
-tolerance instead:
+Tolerances (see tests/tolerances.py). In interpret mode the kernel body runs as XLA CPU ops that mirror the
+reference op by op, so with bf16 activations the caches and q outputs are *nearly* bit-identical to the
+reference; but whether CPU float code is bit-identical depends on the machine's vector ISA and XLA's fusion
+choices (an AVX2 machine showed one bf16 ulp in 40,960 elements). So the "tight" comparisons allow one step of
+the storage format (one bf16 ulp; one e4m3 step of the block scale for decoded FP8 records) on a small fraction
+of elements, never more. Looser tolerances remain for:
 * the Hadamard rotation: the kernel's [rows, 128] x H128 dot accumulates in a different order than the
-  reference einsum, so a bf16 rounding (and then an e4m3 byte) occasionally differs;
-* float32 activations: 1-ulp differences from reduction order / FMA contraction inside XLA CPU fusions.
-On the GPU every comparison uses the tolerances: Triton's reduction trees and FMA contraction differ from XLA's.
-Bytes the step does not write (other slots, padding tokens' slots) are compared exactly in every mode.
+  reference einsum, so a bf16 rounding (and then an e4m3 byte) differs more often;
+* float32 activations: differences from reduction order / FMA contraction inside XLA CPU fusions.
+On the GPU every comparison uses the loose tolerances: Triton's reduction trees and FMA contraction differ from
+XLA's. Bytes the step does not write (other slots, padding tokens' slots) are compared exactly in every mode:
+they are copied, never computed.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from jds.ops.rope import cached_inv_freqs, rope_cos_sin
 from pallas_kernels import fused_insert_common as C
 from pallas_kernels.fused_insert_v32 import fused_kv_insert_v32, fused_q_v32
 from pallas_kernels.fused_insert_v4 import fused_qnorm_rope_kv_insert_v4
+from tests.kernel_modes import pallas_calls
+from tests.tolerances import assert_decoded_within_step, assert_e4m3_within_step, assert_within_ulps
 
 ON_GPU = jax.default_backend() == "gpu"
 MODES = [pytest.param("interpret", id="interpret"),
@@ -65,18 +71,24 @@ def _written_mask(fmt, cache_shape, slots: np.ndarray) -> np.ndarray:
     return m.reshape(cache_shape)
 
 
-def assert_cache_match(fmt, got, want, slots: np.ndarray, exact: bool, what: str) -> None:
+# tight mode: rounding flips of one storage step are rare (a few per 10^4 in practice); 2% caps a systematic bias
+FLIP_FRAC = 0.02
+
+
+def assert_cache_match(fmt, got, want, slots: np.ndarray, tight: bool, what: str) -> None:
+    """Unwritten bytes exactly (copied, never computed); the written records decoded, within one storage
+    step (``tight``) or within the loose GPU / Hadamard / f32 tolerances."""
     got, want = np.asarray(got), np.asarray(want)
     assert got.shape == want.shape and got.dtype == want.dtype
-    if exact:
-        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), err_msg=what)
-        return
     written = _written_mask(fmt, got.shape, slots)
     np.testing.assert_array_equal(got[~written].view(np.uint8), want[~written].view(np.uint8),
                                   err_msg=f"{what}: bytes outside this step's records changed")
     valid = jnp.asarray(slots[slots >= 0])
     g = np.asarray(read_records(jnp.asarray(got), fmt, valid))
     w = np.asarray(read_records(jnp.asarray(want), fmt, valid))
+    if tight:
+        assert_decoded_within_step(fmt, g, w, what, max_frac=FLIP_FRAC)
+        return
     quantised = jnp.dtype(fmt.dtype) == jnp.uint8
     rtol = 0.13 if quantised else (2e-2 if jnp.dtype(fmt.dtype) == BF16 else 2e-5)
     atol = 2e-2 * np.abs(w).max() if quantised else 1e-5
@@ -85,12 +97,13 @@ def assert_cache_match(fmt, got, want, slots: np.ndarray, exact: bool, what: str
         assert (got != want).mean() < 0.02, f"{what}: {(got != want).mean():.3%} bytes differ"
 
 
-def assert_q_match(got, want, exact: bool, what: str, rtol: float) -> None:
+def assert_q_match(got, want, tight: bool, what: str, rtol: float) -> None:
+    """``tight``: within one ulp of the outputs' dtype on at most FLIP_FRAC of the elements."""
+    if tight:
+        assert_within_ulps(got, want, jnp.asarray(want).dtype, 1, what, max_frac=FLIP_FRAC)
+        return
     got, want = np.asarray(jnp.asarray(got).astype(F32)), np.asarray(jnp.asarray(want).astype(F32))
-    if exact:
-        np.testing.assert_array_equal(got, want, err_msg=what)
-    else:
-        np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max() * 1e-2, err_msg=what)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max() * 1e-2, err_msg=what)
 
 
 def _rtol(dt) -> float:
@@ -157,13 +170,17 @@ def test_v32_fused_q(mode, dt, had, ilv, fp8, t):
     exact = mode == "interpret" and dt == BF16
     assert q8.dtype == (jnp.float8_e4m3fn if fp8 else dt) and qpe.shape == (t, cfg.n_heads, 64)
     assert_q_match(qpe, rqpe, exact, "q_pe", _rtol(dt))
-    exact_i = exact and not had
-    if exact_i:
-        for a, b, n in ((q8, rq8, "index q"), (s, rs, "index scale"), (wf, rwf, "index weights")):
-            assert_q_match(a, b, True, n, 0)
+    deq = lambda qq, ss: np.asarray(qq.astype(F32)) * np.asarray(ss)[..., None]
+    g, w = deq(q8, s), deq(rq8, rs)
+    if exact and not had:  # one e4m3 step (or bf16 ulp without fp8) where the quantiser's input flipped
+        if fp8:
+            assert_e4m3_within_step(g, w, 128, "index q", max_frac=FLIP_FRAC)
+        else:
+            assert_within_ulps(q8, rq8, dt, 1, "index q", max_frac=FLIP_FRAC)
+        # the weights are the same f32 products on both paths, up to the scale they are folded with
+        np.testing.assert_allclose(np.asarray(wf) / np.asarray(s), np.asarray(rwf) / np.asarray(rs), rtol=2.0 ** -22,
+                                   err_msg="index weights")
     else:  # dequantised q and the unfolded weights (w'' / s) within rounding
-        deq = lambda qq, ss: np.asarray(qq.astype(F32)) * np.asarray(ss)[..., None]
-        g, w = deq(q8, s), deq(rq8, rs)
         np.testing.assert_allclose(g, w, rtol=0.13, atol=2e-2 * np.abs(w).max())
         np.testing.assert_allclose(np.asarray(wf) / np.asarray(s), np.asarray(rwf) / np.asarray(rs), rtol=1e-6)
 
@@ -206,6 +223,10 @@ def test_v4_tilings(mode, tiles):
 
 
 # ----- the layers: implementation="pallas" prepare == "xla" prepare ------------------------------------------
+def _prepare(m, x, b, c):
+    return m.prepare(m.project_in(x), b, c)
+
+
 def _batch(block_size: int, seed: int):
     """Two requests (a 6-token prefill chunk at 3 and a decode token at 20) + 2 padding tokens, shuffled pages."""
     rng = np.random.default_rng(seed)
@@ -217,7 +238,8 @@ def _batch(block_size: int, seed: int):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("numerics", [  # fp8_linear off: it only changes the projections, and compiles slowly
-    pytest.param(Numerics(fp8_linear=False, latent_scale_fmt="amax"), id="fp8cache-hadamard-amax"),
+    pytest.param(Numerics(fp8_linear=False, latent_scale_fmt="amax"), id="fp8cache-hadamard-amax",
+                 marks=pytest.mark.slow),
     pytest.param(Numerics.serving(), id="serving")])
 def test_v32_layer_prepare(mode, numerics, monkeypatch):
     from jds.v32 import V32Attention
@@ -229,8 +251,9 @@ def test_v32_layer_prepare(mode, numerics, monkeypatch):
     res = {}
     for impl in ("xla", "pallas"):
         layer = V32Attention(cfg, numerics, rngs=nnx.Rngs(0), implementation=impl)
-        f = nnx.jit(lambda m, x, b, c: m.prepare(m.project_in(x), b, c))
-        res[impl] = f(layer, x, batch, layer.init_cache(nb))
+        # the kernel is in a fresh trace of the pallas layer's step, and only there
+        assert (pallas_calls(_prepare, layer, x, batch, layer.init_cache(nb)) > 0) == (impl == "pallas"), impl
+        res[impl] = nnx.jit(_prepare)(layer, x, batch, layer.init_cache(nb))
     (gq, gc), (wq, wc) = res["pallas"], res["xla"]
     # tolerances: inside one jit XLA fuses the reference's RoPE with its neighbours, which moves f32 roundings
     # (FMA contraction) and now and then flips a bf16 / e4m3 rounding; the kernel tests above check exactness
@@ -239,7 +262,7 @@ def test_v32_layer_prepare(mode, numerics, monkeypatch):
     assert_cache_match(layer.kv_format, gc.kv, wc.kv, slots, False, "MLA cache")
     assert_cache_match(layer.index_format, gc.index_k, wc.index_k, slots, False, "indexer cache")
     assert_q_match(gq.q, wq.q, False, "q", 2e-2)
-    assert_q_match(gq.index_w, wq.index_w, True, "index_w", 0)
+    assert_q_match(gq.index_w, wq.index_w, True, "index_w", 0)  # f32: one ulp on a few elements
     np.testing.assert_allclose(np.asarray(gq.index_q), np.asarray(wq.index_q), rtol=0.13,
                                atol=2e-2 * float(np.abs(np.asarray(wq.index_q)).max()))
 
@@ -256,13 +279,14 @@ def test_v4_layer_prepare(mode, layer_id, monkeypatch):
     res = {}
     for impl in ("xla", "pallas"):
         layer = V4Attention(cfg, Numerics(fp8_linear=False), layer_id, rngs=nnx.Rngs(0), implementation=impl)
-        f = nnx.jit(lambda m, x, b, c: m.prepare(m.project_in(x), b, c))
-        res[impl] = f(layer, x, batch, layer.init_cache(nb))
+        # the kernel is in a fresh trace of the pallas layer's step, and only there
+        assert (pallas_calls(_prepare, layer, x, batch, layer.init_cache(nb)) > 0) == (impl == "pallas"), impl
+        res[impl] = nnx.jit(_prepare)(layer, x, batch, layer.init_cache(nb))
     (gq, gc), (wq, wc) = res["pallas"], res["xla"]
     layer = V4Attention(cfg, Numerics(fp8_linear=False), layer_id, rngs=nnx.Rngs(0))
     assert_q_match(gq.q, wq.q, False, "q", 2e-2)  # tolerances: see test_v32_layer_prepare
     assert_cache_match(layer.window_format, gc.window, wc.window, np.asarray(batch.slot_mapping), False, "window")
-    for name in ("compressed", "state", "index_k", "index_state"):  # untouched by the kernel: same XLA code
+    for name in ("compressed", "state", "index_k", "index_state"):  # [nb, 0] for the SWA layer: exact trivially
         np.testing.assert_array_equal(np.asarray(getattr(gc, name)), np.asarray(getattr(wc, name)), err_msg=name)
     np.testing.assert_array_equal(np.asarray(gq.index_q), np.asarray(wq.index_q))
 
@@ -323,5 +347,5 @@ def test_unsupported_dims_fall_back_to_xla_prepare() -> None:
         numerics = dataclasses.replace(Numerics.bf16(), indexer_hadamard=False)  # H_n needs n = 2^k
         layer = V32Attention(cfg, numerics, rngs=nnx.Rngs(0), implementation=impl)
         res[impl] = jax.jit(lambda x, b, c, m=layer: m.prepare(m.project_in(x), b, c))(x, batch, layer.init_cache(nb))
-    for a, b in zip(jax.tree.leaves(res["pallas"]), jax.tree.leaves(res["xla"])):
+    for a, b in zip(jax.tree.leaves(res["pallas"]), jax.tree.leaves(res["xla"])):  # one code path: exact
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -33,6 +33,7 @@ def test_notebooks_present() -> None:
     assert "01_sparse_attention.ipynb" in names and "02_execution_boundary.ipynb" in names, names
 
 
+@pytest.mark.slow  # documentation notebooks run end to end; the code they call has its own tests
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     nb = _load(path)

@@ -8,9 +8,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # a whole probe script run; the graph-update modes are covered by tests/test_runner.py
 def test_probe_tiny(tmp_path) -> None:
     out = tmp_path / "p.json"
     subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "probe_graph_updates.py"), "--size", "tiny",

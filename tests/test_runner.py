@@ -56,7 +56,7 @@ def greedy_rollout(runner: BoundaryRunner, prompts: list[np.ndarray], steps: int
     return logits_log, toks
 
 
-@pytest.mark.parametrize("arch", ["v32", "v4"])
+@pytest.mark.parametrize("arch", ["v32", pytest.param("v4", marks=pytest.mark.slow)])  # v4: long prompts (C128)
 def test_modes_agree(arch: str) -> None:
     rng = np.random.default_rng(0)
     lens = [40, 23, 9] if arch == "v32" else [300, 140, 17]
@@ -74,6 +74,8 @@ def test_modes_agree(arch: str) -> None:
     base_logits, base_toks = results["wide"]
     for mode in ("narrow", "fused"):
         logits, toks = results[mode]
+        # float32 numerics: a greedy flip needs a top-2 logit gap within float32 rounding (not seen; the
+        # logits below agree to 1e-6)
         assert toks == base_toks, f"{mode} greedy tokens differ from wide"
         for a, b in zip(logits, base_logits):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max())
@@ -140,7 +142,7 @@ def test_stable_inputs_same_logits_same_addresses(mode: str) -> None:
     stable.stable_inputs = True
     want, _ = greedy_rollout(plain, prompts, 3, bt)
     got, _ = greedy_rollout(stable, prompts, 3, bt)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want):  # the same compiled steps on the same inputs: exact by construction
         np.testing.assert_array_equal(a, b)
     ids, chunks = np.arange(5, dtype=np.int32), [Chunk(0, 0, 5)]
     first = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(stable.prepare_inputs(ids, chunks, bt[:1]))]

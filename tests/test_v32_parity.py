@@ -52,7 +52,8 @@ def test_dense_regime_equals_dense_causal_mla() -> None:
         np.testing.assert_allclose(j.out[i], t.out[i], rtol=1e-5, atol=1e-5 * np.abs(t.out[i]).max())
 
 
-@pytest.mark.parametrize("form", ["absorbed", "mha"])
+@pytest.mark.parametrize("form", ["absorbed", pytest.param("mha", marks=pytest.mark.slow)])  # mha: slow (the
+# absorbed == mha test below covers it fast)
 def test_sparse_mixed_batch_float32(form: str) -> None:
     """(b)+(c)+(d): sparse regime, >= 3 requests, prefill -> decodes -> further chunk, shuffled pages."""
     layer, w = make_layer(CFG, Numerics.exact(), seed=2, form=form)
@@ -72,18 +73,18 @@ def test_absorbed_equals_mha_form() -> None:
     m, _ = make_layer(CFG, Numerics.exact(), seed=4, form="mha")
     xs = random_inputs(LENGTHS, CFG.hidden_size, seed=14)
     ra, rm = run_jax(a, xs, mixed_schedule()), run_jax(m, xs, mixed_schedule())
-    for i in range(len(xs)):
+    for i in range(len(xs)):  # the indexer is the same eager code in both forms (same ops, same order): exact
         np.testing.assert_array_equal(ra.topk[i], rm.topk[i])
         np.testing.assert_allclose(ra.out[i], rm.out[i], rtol=1e-5, atol=1e-5 * np.abs(rm.out[i]).max())
 
 
-@pytest.mark.parametrize("numerics,tol", [
-    (Numerics.bf16(), 2e-2),
+@pytest.mark.parametrize("numerics,tol", [  # the serving numerics by default, the other three are slow
+    pytest.param(Numerics.bf16(), 2e-2, marks=pytest.mark.slow),
     (Numerics.serving(), 2e-2),
-    (Numerics.reference(), 4e-2),
+    pytest.param(Numerics.reference(), 4e-2, marks=pytest.mark.slow),
     # vLLM's amax/448 latent scale is not a power of two: the oracle rounds the dequantised latent to
     # bf16, jds keeps it float32 until the MMA, one more bf16 rounding apart (measured ~4.9e-2).
-    (dataclasses.replace(Numerics.reference(), latent_scale_fmt="amax"), 8e-2),
+    pytest.param(dataclasses.replace(Numerics.reference(), latent_scale_fmt="amax"), 8e-2, marks=pytest.mark.slow),
 ])
 def test_low_precision_paths(numerics: Numerics, tol: float) -> None:
     """(d): bf16 / FP8 cache / FP8 linears against the oracle under the same numerics (see module doc)."""
@@ -99,12 +100,15 @@ def test_low_precision_paths(numerics: Numerics, tol: float) -> None:
 
 def test_jit_matches_eager_and_decode_matches_prefill() -> None:
     """Token-by-token decode == one-shot prefill (cache plumbing), under jit."""
-    layer, _ = make_layer(CFG, Numerics.exact(), seed=7)
+    layer, w = make_layer(CFG, Numerics.exact(), seed=7)
     xs = random_inputs([26], CFG.hidden_size, seed=17)
     one = run_jax(layer, xs, [[Chunk(0, 0, 26)]])
     step = run_jax(layer, xs, [[Chunk(0, 0, 3)]] + [[Chunk(0, p, 1)] for p in range(3, 26)], jit=True)
     np.testing.assert_allclose(step.out[0], one.out[0], rtol=1e-5, atol=1e-5 * np.abs(one.out[0]).max())
-    np.testing.assert_array_equal(np.sort(step.topk[0], 1), np.sort(one.topk[0], 1))
+    # decode (jit) and prefill (eager) compute the index scores in differently shaped dots, so a key whose
+    # score ties the k-th one within float32 rounding may swap; any other difference is a bug
+    ref = run_torch(CFG, w, Numerics.exact(), xs, [[Chunk(0, 0, 26)]])
+    assert_sets_match(step.topk[0], one.topk[0], ref.scores[0])
 
 
 def test_fp8_cache_bytes_are_the_656_record() -> None:

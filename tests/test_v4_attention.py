@@ -284,7 +284,8 @@ def test_sink_shrinks_output() -> None:
 # ------------------------------------------------------------------------------------------ fp8
 
 
-@pytest.mark.parametrize("layer_id", KINDS)
+@pytest.mark.parametrize("layer_id", [0, 1, pytest.param(2, marks=pytest.mark.slow)])  # C128: long prompts; its
+# fp8 record path is the same as C4's, and C128 itself runs in the exact-numerics tests above
 def test_fp8_reference_numerics(layer_id: int) -> None:
     """Numerics.reference(): bf16 activations, fp8 block-scaled linears, 584-byte window/compressed records,
     fp8 indexer with Hadamard, against the oracle in the same numerics.
