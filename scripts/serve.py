@@ -65,7 +65,7 @@ if __name__ == "__main__":  # before the heavy imports, so a signal during them 
 from jds.engine.core import Engine  # noqa: E402
 from jds.engine.loop import EngineLoop  # noqa: E402
 from jds.runner import GRAPH_UPDATE_MODES, use_graph_update_mode  # noqa: E402
-from jds.server.app import ServerConfig, build_app, serve  # noqa: E402
+from jds.server.app import ServerConfig, build_app, serve, shutdown_reserve  # noqa: E402
 from jds.server.tokenizer import load_tokenizer  # noqa: E402
 
 
@@ -168,7 +168,7 @@ async def main(a: argparse.Namespace) -> int:
     app, srv = build_app(loop, tok, ServerConfig(model_name=name, max_queue_len=a.max_queue_len,
                                                  shutdown_timeout=a.shutdown_timeout))
     got, stop = _install_drain_signals(say)
-    site = await serve(app, a.host, a.port, shutdown_timeout=max(0.1, min(1.0, 0.1 * a.shutdown_timeout)))
+    site = await serve(app, a.host, a.port, shutdown_timeout=shutdown_reserve(a.shutdown_timeout) / 2)
     say(f"listening on http://{a.host}:{a.port} (model id {name!r}); /health is 503 until compiled")
 
     def warmup() -> None:

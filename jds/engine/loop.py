@@ -154,7 +154,11 @@ class EngineLoop:
 
     # -- the thread -----------------------------------------------------------------------------
     def _deliver(self, *outs: RequestOutput) -> None:
-        """Hand outputs to their requests' queues: one thread-safe wake-up per event loop per step."""
+        """Hand outputs to their requests' queues: one thread-safe wake-up per event loop per step.
+
+        The stats snapshot is refreshed first, so a client that got its output never reads stats older
+        than that output (e.g. pages still counted as used after its request finished)."""
+        self._stats = self.engine.stats()
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._sinks_lock:
             for out in outs:

@@ -296,12 +296,13 @@ class OpenAIServer:
     async def drain(self, timeout: float | None = None) -> int:
         """Shut the request side down within ``timeout`` (default ``cfg.shutdown_timeout``) seconds.
 
-        Refuses new and never-started requests at once, waits for running ones, and at the deadline
-        ends the rest (an error event + ``[DONE]`` for a stream, a 503 otherwise). A slice of the budget
-        (a tenth, at most 1 s) is kept for those last writes. Returns how many requests were ended."""
+        Refuses new and never-started requests at once, waits for running ones, and ends the rest
+        (an error event + ``[DONE]`` for a stream, a 503 otherwise) ``shutdown_reserve(timeout)`` before
+        the deadline; half of that reserve lets their handlers run, the other half is for the
+        listener's close (``serve``'s ``shutdown_timeout``). Returns how many requests were ended."""
         timeout = self.cfg.shutdown_timeout if timeout is None else max(0.0, timeout)
         t0 = time.monotonic()
-        reserve = min(1.0, 0.1 * timeout)
+        reserve = shutdown_reserve(timeout)
         self.draining = True
         self.engine_loop.drain()
         deadline = t0 + timeout - reserve
@@ -311,9 +312,15 @@ class OpenAIServer:
         if self.in_flight:
             ended = self.engine_loop.fail_all()
             log.warning("shutdown timeout: ended %d unfinished request(s)", ended)
-            while self.in_flight and time.monotonic() < t0 + timeout:
+            while self.in_flight and time.monotonic() < t0 + timeout - reserve / 2:
                 await asyncio.sleep(0.01)
         return ended
+
+
+def shutdown_reserve(timeout: float) -> float:
+    """Seconds at the end of a ``timeout``-second shutdown kept for ending unfinished requests and
+    closing connections (running requests get the rest)."""
+    return min(2.0, 0.25 * timeout)
 
 
 def build_app(loop: EngineLoop, tokenizer: Tokenizer, cfg: ServerConfig) -> tuple[web.Application, OpenAIServer]:
