@@ -163,6 +163,8 @@ class Result:
         if len(self.events) < 2 or self.events[-1] != "[DONE]":
             return f"BROKEN: stream without a final [DONE] ({self.events[-2:]}; {self.transport_error})"
         last = self.events[-2]
+        if isinstance(last, dict) and last.get("choices") == [] and "usage" in last and len(self.events) >= 3:
+            last = self.events[-3]  # include_usage: the usage chunk follows the finishing one
         if "error" in last:
             return "ended" if last["error"].get("type") == "service_unavailable" else f"BROKEN: error {last}"
         if last.get("choices") and last["choices"][0].get("finish_reason") in ("stop", "length"):
@@ -253,8 +255,9 @@ def _trial(i: int, phase: str, sig: int, delay: float) -> tuple[str, str]:
         before = srv.output.split(f"{signal.Signals(sig).name}")[0]
         landed = "serving" if "/health is 200" in before else "warm-up" if "listening on" in before else "start-up"
         kinds = sorted(r.kind() for r in results)
-        return landed, (f"trial {i}: {phase}+{delay:.2f}s {signal.Signals(sig).name} (landed in {landed}) -> rc {rc} "
-                        f"in {took:.2f}s; responses: {', '.join(f'{k} x{kinds.count(k)}' for k in dict.fromkeys(kinds))}")
+        summary = ", ".join(f"{k} x{kinds.count(k)}" for k in dict.fromkeys(kinds))
+        return landed, (f"trial {i}: {phase}+{delay:.2f}s {signal.Signals(sig).name} (landed in {landed}) "
+                        f"-> rc {rc} in {took:.2f}s; responses: {summary}")
     finally:
         srv.kill()
 
