@@ -339,6 +339,20 @@ def test_sigterm_drains_60_in_flight_requests():
         srv.kill()
 
 
+def test_second_signal_exits_at_once():
+    """A warm-up "compile" of 20 s and a 30 s budget: the first SIGINT waits, the second one leaves now."""
+    srv = Server("--fake-warmup-delay", "20", "--shutdown-timeout", "30")
+    try:
+        assert srv.wait_line("listening on"), srv.output
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.wait_line("next compile boundary", 10), srv.output
+        rc, took = srv.stop_and_wait(signal.SIGTERM, SHUTDOWN_SLACK)
+        assert_no_crash(srv, rc, signal.SIGINT)  # the first signal sets the exit code
+        assert "SIGTERM again: exiting now" in srv.output, srv.output
+    finally:
+        srv.kill()
+
+
 # --- 3: the real tiny model, signalled while it compiles ----------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("sig,timeout", [(signal.SIGINT, 1.0), (signal.SIGTERM, 120.0)],
