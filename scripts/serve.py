@@ -6,12 +6,24 @@
 
 The port opens at once (``/health`` answers 503); the step's shape buckets are compiled with progress
 printed, then ``/health`` turns 200 and requests are served.
+
+SIGINT (Ctrl-C) or SIGTERM drains: new and still-queued requests get 503, running ones may finish for
+``--shutdown-timeout`` seconds, then the rest are ended (an error event and ``[DONE]`` for a stream).
+A warm-up stops at its next compile boundary. The exit code is 130 after SIGINT and 0 after SIGTERM;
+a second signal exits at once.
+
+Every exit goes through ``os._exit`` after flushing (and, when the engine thread has ended, after the
+``atexit`` callbacks): letting the interpreter finalize while a thread is inside XLA is what crashed
+(SIGSEGV / SIGABRT), a compile cannot be interrupted, and even after a clean stop the native teardown
+of JAX only costs seconds on a loaded machine. Nothing is left to clean up by then: requests are
+answered, sockets closed, output flushed.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import errno
 import logging
 import os
@@ -23,10 +35,40 @@ from typing import NoReturn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+
+def _exit_code(signum: int) -> int:
+    """SIGINT -> 130 (the shell's Ctrl-C convention); SIGTERM -> 0 (a requested, orderly stop)."""
+    return 130 if signum == signal.SIGINT else 0
+
+
+def _leave(code: int, message: str | None = None) -> None:
+    """Print, flush and exit without finalizing the interpreter (no native teardown under a live thread)."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, RuntimeError, ValueError):  # a reentrant flush from a signal handler, a closed pipe
+        pass
+    if message:
+        try:
+            os.write(1, f"[serve] {message}\n".encode())
+        except OSError:
+            pass
+    os._exit(code)
+
+
+def _exit_during_startup(signum: int, frame: object = None) -> None:
+    """Until the server drains properly (nothing is served yet), a signal just ends the process."""
+    _leave(_exit_code(signum), f"{signal.Signals(signum).name} during start-up: exiting")
+
+
+if __name__ == "__main__":  # before the heavy imports, so a signal during them also exits cleanly
+    for _sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_sig, _exit_during_startup)
+
 from jds.engine.core import Engine  # noqa: E402
 from jds.engine.loop import EngineLoop  # noqa: E402
 from jds.runner import GRAPH_UPDATE_MODES, use_graph_update_mode  # noqa: E402
-from jds.server.app import ServerConfig, build_app, serve  # noqa: E402
+from jds.server.app import ServerConfig, build_app, serve, shutdown_reserve  # noqa: E402
 from jds.server.tokenizer import load_tokenizer  # noqa: E402
 
 
@@ -79,9 +121,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runner", choices=("model", "fake"), default="model",
                    help="'fake': deterministic numpy stand-in (front-end testing without JAX)")
     p.add_argument("--fake-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--fake-warmup-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running requests may take to finish after SIGINT/SIGTERM (then they are "
+                        "ended with an error) and the bound on the whole exit")
     a = p.parse_args(argv)
     if not 0 <= a.port <= 65535:
         p.error(f"--port must be in 0..65535, got {a.port}")
+    if not 0 <= a.shutdown_timeout < float("inf"):
+        p.error(f"--shutdown-timeout must be a finite number >= 0, got {a.shutdown_timeout}")
     return a
 
 
@@ -93,7 +141,7 @@ def build_runner(a: argparse.Namespace):
 
         return FakeRunner(block_size=16, num_blocks=a.num_blocks, max_model_len=a.max_model_len,
                           max_num_tokens=a.max_num_tokens, max_num_seqs=a.max_num_seqs,
-                          step_delay=a.fake_step_delay)
+                          step_delay=a.fake_step_delay, warmup_delay=a.fake_warmup_delay)
     from jds.runner import ModelRunner
 
     return ModelRunner.build(preset=a.preset, config_path=a.config, checkpoint=a.checkpoint, mode=a.mode,
@@ -136,7 +184,8 @@ def fail(msg: str) -> NoReturn:
     raise SystemExit(1)
 
 
-async def main(a: argparse.Namespace) -> None:
+async def main(a: argparse.Namespace) -> int:
+    """Serve until a signal (or a failed warm-up); returns the exit code, or leaves via ``os._exit``."""
     say = lambda msg: print(f"[serve] {msg}", flush=True)  # noqa: E731
     why = check_port(a.host, a.port)
     if why:
@@ -158,35 +207,85 @@ async def main(a: argparse.Namespace) -> None:
                          eos_token_id=runner.eos_token_id)
     say(f"tokenizer: {type(tok).__name__}")
     name = a.served_model_name or f"jds-{label}"
-    app, _ = build_app(loop, tok, ServerConfig(model_name=name, max_queue_len=a.max_queue_len))
+    app, srv = build_app(loop, tok, ServerConfig(model_name=name, max_queue_len=a.max_queue_len,
+                                                 shutdown_timeout=a.shutdown_timeout))
+    got, stop = _install_drain_signals(say)
     try:
-        site = await serve(app, a.host, a.port)
+        site = await serve(app, a.host, a.port, shutdown_timeout=shutdown_reserve(a.shutdown_timeout) / 2)
     except OSError as e:  # taken between the check and now
         fail(listen_error(a.host, a.port, e))
     say(f"listening on http://{a.host}:{a.port} (model id {name!r}); /health is 503 until compiled")
 
     def warmup() -> None:
         t = time.perf_counter()
-        runner.warmup(lambda m: say(f"warmup: {m}"))
+
+        def progress(m: str) -> None:
+            say(f"warmup: {m}")
+            loop.checkpoint()  # a shutdown request ends the warm-up here, between two compiles
+
+        runner.warmup(progress)
         say(f"ready after {time.perf_counter() - t:.1f}s of warmup; /health is 200")
 
-    loop.start(warmup)
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    if not got:  # a signal during the listener's start: no warm-up to begin
+        loop.start(warmup)
+    code = 0
     while not stop.is_set():  # a failed warmup ends the process instead of serving 503 forever
         if loop.warmup_error is not None:
             say(f"warmup failed: {loop.warmup_error!r}")
-            await site.cleanup()
-            raise SystemExit(1)
+            code = 1
+            break
         try:
             await asyncio.wait_for(stop.wait(), 0.5)
         except asyncio.TimeoutError:
             pass
-    say("shutting down")
+    return await _shut_down(srv, loop, site, code if not got else _exit_code(got[0]), a.shutdown_timeout, say)
+
+
+def _install_drain_signals(say) -> tuple[list[int], asyncio.Event]:
+    """Route SIGINT/SIGTERM to a drain (first signal) or an immediate exit (second signal)."""
+    got: list[int] = []
+    stop = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        if got:
+            _leave(_exit_code(got[0]), f"{signal.Signals(signum).name} again: exiting now")
+        got.append(signum)
+        say(f"{signal.Signals(signum).name}: shutting down")
+        stop.set()
+
+    aloop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        aloop.add_signal_handler(sig, on_signal, sig)
+    return got, stop
+
+
+async def _shut_down(srv, loop: EngineLoop, site, code: int, timeout: float, say) -> int:
+    """Drain requests, stop the engine thread and the listener, all within ``timeout`` seconds."""
+    t0 = time.monotonic()
+    if srv.in_flight or loop.ready.is_set():
+        say(f"draining: {srv.in_flight} request(s) in flight, up to {timeout:g}s")
+    ended = await srv.drain(timeout)
+    if ended:
+        say(f"ended {ended} unfinished request(s) at the shutdown timeout")
+    loop.shutdown(0.0)  # ask the engine thread to stop while the listener closes
+    if not loop.ready.is_set() and loop.warmup_error is None:
+        left = max(0.0, t0 + timeout - time.monotonic())
+        say(f"stopping the warm-up at its next compile boundary (at most {left:.0f}s; signal again to exit now)")
     await site.cleanup()
+    remaining = max(0.2, t0 + timeout - time.monotonic())
+    stopped = await asyncio.get_running_loop().run_in_executor(None, loop.shutdown, remaining)
+    aloop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the exit is decided: a late signal changes nothing
+        aloop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)
+    if not stopped:
+        _leave(code, "the engine thread is still inside a compile or a step: exiting without finalizing")
+    say("stopped")
+    return code
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(main(parse_args()))
+    exit_code = asyncio.run(main(parse_args()))
+    atexit._run_exitfuncs()  # the engine thread has ended (main leaves by itself otherwise): logging, JAX
+    _leave(exit_code)

@@ -20,7 +20,8 @@ _MASK = (1 << 61) - 1
 class FakeRunner:
     def __init__(self, *, block_size: int = 4, num_blocks: int = 64, vocab_size: int = 512,
                  max_model_len: int = 256, max_num_tokens: int = 64, max_num_seqs: int = 8,
-                 eos_token_id: int = 257, step_delay: float = 0.0, eos_bias: float = 0.0) -> None:
+                 eos_token_id: int = 257, step_delay: float = 0.0, eos_bias: float = 0.0,
+                 warmup_delay: float = 0.0, warmup_buckets: int = 4) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.vocab_size = vocab_size
@@ -30,12 +31,22 @@ class FakeRunner:
         self.eos_token_id = eos_token_id
         self.step_delay = step_delay
         self.eos_bias = eos_bias
+        self.warmup_delay = warmup_delay  # total seconds the fake "compile" takes (shutdown tests)
+        self.warmup_buckets = warmup_buckets
         self.cache = np.full(num_blocks * block_size, -1, np.int64)
         self.num_calls = 0
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> None:
-        if progress:
-            progress("fake runner: nothing to compile")
+        """Nothing to compile; with ``warmup_delay`` it sleeps in ``warmup_buckets`` parts and reports
+        each, like ``ModelRunner.warmup``, so a test can land a signal inside a warm-up."""
+        if not self.warmup_delay:
+            if progress:
+                progress("fake runner: nothing to compile")
+            return
+        for n in range(1, self.warmup_buckets + 1):
+            time.sleep(self.warmup_delay / self.warmup_buckets)
+            if progress:
+                progress(f"fake bucket {n}/{self.warmup_buckets}")
 
     def _context_logits(self, ctx: np.ndarray) -> np.ndarray:
         h = 1469598103934665603

@@ -4,6 +4,11 @@ Requests are validated and tokenized on the event loop, then handed to ``EngineL
 engine output (one token) becomes one SSE chunk, so TTFT/ITL seen by a client match the engine's.
 Leaving the generator for any reason (client gone, stop string, handler cancelled) aborts the request
 in the engine, which frees its pages.
+
+Shutdown (``OpenAIServer.drain``): new requests and queued ones that never started get a 503 with an
+OpenAI error body; running ones may finish until ``ServerConfig.shutdown_timeout``, after which each
+still open stream gets an error event and ``[DONE]`` and each non-stream request a 503, so no client
+is left with a bare connection close.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from jds.engine.loop import EngineLoop
+from jds.engine.loop import SHUTDOWN, EngineLoop
 from jds.engine.request import RequestOutput
 from jds.server.metrics import ServerMetrics
 from jds.server.protocol import (ApiError, GenerationRequest, check_content_type, check_length, error_body,
@@ -34,6 +39,14 @@ log = logging.getLogger(__name__)
 class ServerConfig:
     model_name: str = "jds-v32-tiny"
     max_queue_len: int = 256  # requests beyond max_num_seqs that may wait; more -> 429
+    shutdown_timeout: float = 30.0  # seconds running requests may take to finish once draining starts
+
+
+class ServerShuttingDown(ApiError):
+    """A request refused or ended because the server is draining (always a 503)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, type_="service_unavailable", code="server_shutting_down")
 
 
 class _ClientGone(Exception):
@@ -54,6 +67,7 @@ class OpenAIServer:
         self.max_in_flight = self.engine.runner.max_num_seqs + cfg.max_queue_len
         self._ids = itertools.count()
         self.created = int(time.time())
+        self.draining = False
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors], client_max_size=64 * 2**20)
@@ -100,6 +114,8 @@ class OpenAIServer:
 
     # -- simple routes ----------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return web.json_response({"status": "draining"}, status=503)
         ok = self.engine_loop.ready.is_set() and self.engine_loop.warmup_error is None
         return web.json_response({"status": "ok" if ok else "loading"}, status=200 if ok else 503)
 
@@ -151,6 +167,7 @@ class OpenAIServer:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrival = time.monotonic()
+        self._check_accepting()
         self._check_ready()
         gen, ids, body = await self._parse(request, chat)
         if self.in_flight >= self.max_in_flight:
@@ -175,6 +192,8 @@ class OpenAIServer:
         agen = self.engine_loop.generate(rid, ids, gen.params, arrival)
         try:
             async for out in agen:
+                if out.finish_reason == SHUTDOWN:
+                    raise ServerShuttingDown(out.error or "the server is shutting down")
                 toks = out.new_token_ids
                 text_ids = toks[:-1] if out.stopped_on_token else toks
                 text = stops.feed(decoder.feed(text_ids))
@@ -271,7 +290,55 @@ class OpenAIServer:
             await resp.write_eof()
         except (_ClientGone, ConnectionError):  # prepare / write_eof too: a client may leave right after [DONE]
             log.info("client of %s disconnected; aborted", rid)
+        except ServerShuttingDown as e:
+            if resp is None:  # nothing sent yet: a plain 503
+                raise
+            await self._end_stream(resp, e)
         return resp
+
+    # -- shutdown -------------------------------------------------------------------------------
+    def _check_accepting(self) -> None:
+        if self.draining:
+            raise ServerShuttingDown("the server is shutting down and accepts no new requests")
+
+    @staticmethod
+    async def _end_stream(resp: web.StreamResponse, e: ApiError) -> None:
+        """End a stream that already sent its 200: an error event, then ``[DONE]``."""
+        body = json.dumps(e.body(), separators=(",", ":"))
+        try:
+            await resp.write(f"data: {body}\n\ndata: [DONE]\n\n".encode())
+            await resp.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass  # the client left meanwhile
+
+    async def drain(self, timeout: float | None = None) -> int:
+        """Shut the request side down within ``timeout`` (default ``cfg.shutdown_timeout``) seconds.
+
+        Refuses new and never-started requests at once, waits for running ones, and ends the rest
+        (an error event + ``[DONE]`` for a stream, a 503 otherwise) ``shutdown_reserve(timeout)`` before
+        the deadline; half of that reserve lets their handlers run, the other half is for the
+        listener's close (``serve``'s ``shutdown_timeout``). Returns how many requests were ended."""
+        timeout = self.cfg.shutdown_timeout if timeout is None else max(0.0, timeout)
+        t0 = time.monotonic()
+        reserve = shutdown_reserve(timeout)
+        self.draining = True
+        self.engine_loop.drain()
+        deadline = t0 + timeout - reserve
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        ended = 0
+        if self.in_flight:
+            ended = self.engine_loop.fail_all()
+            log.warning("shutdown timeout: ended %d unfinished request(s)", ended)
+            while self.in_flight and time.monotonic() < t0 + timeout - reserve / 2:
+                await asyncio.sleep(0.01)
+        return ended
+
+
+def shutdown_reserve(timeout: float) -> float:
+    """Seconds at the end of a ``timeout``-second shutdown kept for ending unfinished requests and
+    closing connections (running requests get the rest)."""
+    return min(2.0, 0.25 * timeout)
 
 
 def build_app(loop: EngineLoop, tokenizer: Tokenizer, cfg: ServerConfig) -> tuple[web.Application, OpenAIServer]:
@@ -279,15 +346,19 @@ def build_app(loop: EngineLoop, tokenizer: Tokenizer, cfg: ServerConfig) -> tupl
     app = srv.app()
 
     async def _cleanup(_: web.Application) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, loop.shutdown)
+        if not loop.stop_requested:  # serve.py stops the engine itself, with its own deadline
+            await asyncio.get_running_loop().run_in_executor(None, loop.shutdown)
 
     app.on_cleanup.append(_cleanup)
     return app, srv
 
 
-async def serve(app: web.Application, host: str, port: int) -> web.AppRunner:
-    """Start listening (handler cancellation on, so a vanished client cancels its handler)."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+async def serve(app: web.Application, host: str, port: int, *, shutdown_timeout: float = 60.0) -> web.AppRunner:
+    """Start listening (handler cancellation on, so a vanished client cancels its handler).
+
+    ``shutdown_timeout``: how long ``cleanup()`` lets handlers still running finish before it cancels
+    them (after ``OpenAIServer.drain`` only the last writes are left)."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner
