@@ -275,8 +275,7 @@ class Engine:
             req.num_pending -= 1
             if req.status is RequestStatus.FINISHED:
                 continue  # stopped, aborted or failed after this step was submitted: emits nothing
-            req.output_ids.append(int(tok))
-            req.finishing = False
+            req.output_ids.append(int(tok))  # ``finishing`` stays: it describes the newest pending token
             out = self._check_stop(req, int(tok), now)
             outs.append(out)
         return outs
