@@ -336,8 +336,8 @@ class BoundaryRunner:
         top_k[:r], index[:r] = sampling.top_k, sampling.index
         seeds = np.zeros(m, np.uint64)
         seeds[:r] = sampling.seed
-        sampled = sample_tokens(logits, greedy, temp, top_k, top_p, split_seeds(seeds), index,
-                                all_greedy=bool(greedy.all()))
+        rows = jax.device_put((greedy, temp, top_k, top_p, split_seeds(seeds), index))  # one transfer call
+        sampled = sample_tokens(logits, *rows, all_greedy=bool(greedy.all()))
         sampled.copy_to_host_async()  # start the read-back now; result() then rarely waits for the copy
         self._prev_sampled, self._prev_rows = sampled, r
         return DevicePending(sampled, r)

@@ -1,7 +1,8 @@
 """Serving engine: paged KV block manager, continuous-batching scheduler, sampling and the step loop.
 
-Pure host-side (numpy) code; the model is reached only through ``runner.execute`` so the engine can be
-tested with the deterministic ``jds.engine.fake.FakeRunner``.
+Pure host-side (numpy) code; the model is reached only through ``runner.execute`` (sync stepping) or
+``runner.submit`` (async stepping), so the engine can be tested with the deterministic
+``jds.engine.fake.FakeRunner``.
 """
 
 from jds.engine.blocks import BlockManager

@@ -218,7 +218,7 @@ class Engine:
             return self._fail(sched.reqs, e)
 
     def _step_async(self) -> list[RequestOutput]:
-        prev, self._inflight = self._inflight, None
+        prev, new = self._inflight, None  # prev stays recorded until the new step replaces it
         sched = self.scheduler.schedule()
         failed: tuple[list[Request], Exception] | None = None
         if sched:
@@ -250,7 +250,8 @@ class Engine:
                         p = req.params
                         req.finishing = (len(req.output_ids) + req.num_pending >= p.max_tokens
                                          or req.num_tokens >= self.max_seq_len)
-                self._inflight = _InFlight(pending, sched.reqs, sched.num_tokens, samples)
+                new = _InFlight(pending, sched.reqs, sched.num_tokens, samples)
+        self._inflight = new
         outs = self._read(prev) if prev is not None else []
         if failed is not None:
             outs += self._fail(*failed)
