@@ -194,7 +194,13 @@ def mixed_requests(make_runner, n: int, seed: int = 0) -> dict:
             for i, (p, sp) in enumerate(zip(ps, sps))}
 
 
-def test_fake_async_equals_sync_with_every_stop_rule_and_preemption():
+def test_fake_async_equals_sync_with_every_stop_rule_and_preemption(monkeypatch):
+    from jds.engine.scheduler import Scheduler
+
+    victims_in_flight = []
+    preempt = Scheduler._preempt
+    monkeypatch.setattr(Scheduler, "_preempt",
+                        lambda self, req: (victims_in_flight.append(req.num_pending), preempt(self, req)))
     make = lambda: FakeRunner(block_size=4, num_blocks=14, max_num_tokens=24, max_num_seqs=6,  # noqa: E731
                               eos_bias=4.0)
     eos = make().eos_token_id
@@ -205,6 +211,7 @@ def test_fake_async_equals_sync_with_every_stop_rule_and_preemption():
     assert any(r["reason"] == "stop" and r["tokens"][-1] == eos for r in a.values()), "no eos stop"
     assert any(r["reason"] == "stop" and r["tokens"][-1] != eos for r in a.values()), "no stop-token stop"
     assert sync.stats().num_preemptions > 0 and asy.stats().num_preemptions > 0
+    assert any(victims_in_flight), "no request was preempted with its token still in flight"
 
 
 def test_fake_async_greedy_matches_rollout_and_overlaps():
