@@ -27,7 +27,7 @@ from flax import nnx
 
 from jds.batch import Chunk, PagedBatch, make_batch, replace as replace_batch
 from jds.model import Decoder, ModelConfig, preset
-from jds.sampling import sample_tokens, split_seeds
+from jds.sampling import greedy_tokens, sample_tokens, split_seeds
 
 if TYPE_CHECKING:
     from jds.engine.sampling import SamplingRows
@@ -322,22 +322,26 @@ class BoundaryRunner:
             raise ValueError(f"token_ids must be in [0, {self.model.cfg.vocab_size}) or the placeholder -1")
         tokens, batch, li, small = self.prepare_inputs(np.where(hole, 0, token_ids).astype(np.int32), chunks,
                                                        block_tables)
+        r, m = len(chunks), self.max_num_seqs
+        fpad, rows = None, None
         if hole.any():
             fpad = np.full(tokens.shape[0], -1, np.int32)
             fpad[: len(feed)] = feed
+        if not sampling.greedy.all():
+            greedy = np.ones(m, bool)
+            greedy[:r] = sampling.greedy
+            temp, top_p = np.ones(m, np.float32), np.ones(m, np.float32)
+            temp[:r], top_p[:r] = sampling.temperature, sampling.top_p
+            top_k, index = np.zeros(m, np.int32), np.zeros(m, np.int32)
+            top_k[:r], index[:r] = sampling.top_k, sampling.index
+            seeds = np.zeros(m, np.uint64)
+            seeds[:r] = sampling.seed
+            rows = (greedy, temp, top_k, top_p, split_seeds(seeds), index)
+        fpad, rows = jax.device_put((fpad, rows))  # one transfer call (None stays None)
+        if fpad is not None:
             tokens = _feed_tokens(tokens, self._prev_sampled, fpad)
         logits = self.step(tokens, batch, li, small)
-        r, m = len(chunks), self.max_num_seqs
-        greedy = np.ones(m, bool)
-        greedy[:r] = sampling.greedy
-        temp, top_p = np.ones(m, np.float32), np.ones(m, np.float32)
-        temp[:r], top_p[:r] = sampling.temperature, sampling.top_p
-        top_k, index = np.zeros(m, np.int32), np.zeros(m, np.int32)
-        top_k[:r], index[:r] = sampling.top_k, sampling.index
-        seeds = np.zeros(m, np.uint64)
-        seeds[:r] = sampling.seed
-        rows = jax.device_put((greedy, temp, top_k, top_p, split_seeds(seeds), index))  # one transfer call
-        sampled = sample_tokens(logits, *rows, all_greedy=bool(greedy.all()))
+        sampled = greedy_tokens(logits) if rows is None else sample_tokens(logits, *rows)
         sampled.copy_to_host_async()  # start the read-back now; result() then rarely waits for the copy
         self._prev_sampled, self._prev_rows = sampled, r
         return DevicePending(sampled, r)
@@ -348,8 +352,8 @@ class BoundaryRunner:
         logits = jnp.zeros((m, v), jnp.float32)
         rows = (np.ones(m, bool), np.ones(m, np.float32), np.zeros(m, np.int32), np.ones(m, np.float32),
                 np.zeros((m, 2), np.uint32), np.zeros(m, np.int32))
-        prev = sample_tokens(logits, *rows, all_greedy=True)
-        jax.block_until_ready(sample_tokens(logits, *rows, all_greedy=False))
+        prev = greedy_tokens(logits)
+        jax.block_until_ready(sample_tokens(logits, *rows))
         for tb in self.token_buckets:
             jax.block_until_ready(_feed_tokens(jnp.zeros(tb, jnp.int32), prev, np.full(tb, -1, np.int32)))
         if progress:

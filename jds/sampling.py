@@ -10,8 +10,6 @@ The two samplers use different generators, so seeded draws agree in distribution
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,22 +42,25 @@ def _sample_row(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top
     return order[j]
 
 
-@partial(jax.jit, static_argnames=("all_greedy",))
+@jax.jit
 def sample_tokens(logits: jax.Array, greedy: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                  top_p: jax.Array, key_words: jax.Array, index: jax.Array, *, all_greedy: bool = False
-                  ) -> jax.Array:
+                  top_p: jax.Array, key_words: jax.Array, index: jax.Array) -> jax.Array:
     """Token ids [R] int32 from logits [R, V].
 
     Per row: ``greedy`` bool, ``temperature`` f32 (ignored when greedy), ``top_k`` int32 (<= 0: off),
     ``top_p`` f32 in (0, 1], ``key_words`` [R, 2] uint32 (``split_seeds`` of the request seed),
-    ``index`` int32 output position. ``all_greedy`` (static) compiles the argmax alone, skipping the
-    full-vocabulary sort when no row samples.
+    ``index`` int32 output position. A step whose rows are all greedy should call ``greedy_tokens``,
+    which skips the full-vocabulary sort and needs none of these arrays.
     """
     logits = logits.astype(jnp.float32)
     best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if all_greedy:
-        return best
     temp = jnp.where(greedy, 1.0, temperature).astype(jnp.float32)
     drawn = jax.vmap(_sample_row)(logits, temp, top_k.astype(jnp.int32), top_p.astype(jnp.float32),
                                   key_words.astype(jnp.uint32), index.astype(jnp.int32))
     return jnp.where(greedy, best, drawn.astype(jnp.int32))
+
+
+@jax.jit
+def greedy_tokens(logits: jax.Array) -> jax.Array:
+    """Argmax ids [R] int32 of logits [R, V] (the all-greedy step: no per-row parameters to transfer)."""
+    return jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)

@@ -19,17 +19,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jds.engine import Engine, SamplingParams, sample  # noqa: E402
 from jds.engine.fake import FakeRunner  # noqa: E402
 from jds.engine.sampling import SamplingRows  # noqa: E402
-from jds.sampling import sample_tokens, split_seeds  # noqa: E402
+from jds.sampling import greedy_tokens, sample_tokens, split_seeds  # noqa: E402
 from tests.test_engine import greedy_rollout, prompts  # noqa: E402
 
 
 # --- the device sampler ------------------------------------------------------------------------------
 def device_sample(logits: np.ndarray, params: list[SamplingParams], seeds: list[int], index: list[int],
                   *, all_greedy: bool = False) -> np.ndarray:
+    if all_greedy:
+        return np.asarray(greedy_tokens(logits))
     rows = SamplingRows.build(params, seeds, index)
     return np.asarray(sample_tokens(logits, rows.greedy, rows.temperature.astype(np.float32), rows.top_k,
-                                    rows.top_p.astype(np.float32), split_seeds(rows.seed), rows.index,
-                                    all_greedy=all_greedy))
+                                    rows.top_p.astype(np.float32), split_seeds(rows.seed), rows.index))
 
 
 def test_device_greedy_equals_host_including_ties():
