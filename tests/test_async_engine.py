@@ -390,3 +390,29 @@ def test_runner_submit_rejects_bad_feed():
     fake = FakeRunner()
     with pytest.raises(ValueError, match="no step was submitted"):
         fake.submit(np.array([5, -1]), [Chunk(0, 0, 2)], table, rows, np.array([-1, 0]))
+
+
+def test_runner_submit_feeds_placeholders_on_the_device():
+    """Three submits before any result is read: each placeholder takes the previous step's sampled row
+    (checked against a teacher-forced execute() on other pages); greedy and sampled steps alike."""
+    from jds.batch import Chunk
+    from jds.runner import ModelRunner
+
+    r = ModelRunner.build(preset="v32-tiny", mode="fused", num_blocks=8, max_num_seqs=2, max_num_tokens=16,
+                          max_model_len=32)
+    greedy = SamplingRows.build([SamplingParams(temperature=0)] * 2, [0, 0], [0, 0])
+    table = np.array([[0, 1], [2, 3]], np.int32)
+    prompt = [5, 6, 7]
+    p1 = r.submit(np.array(prompt + prompt[:2]), [Chunk(0, 0, 3), Chunk(1, 0, 2)], table, greedy,
+                  np.full(5, -1))
+    p2 = r.submit(np.array([-1, prompt[2]]), [Chunk(0, 3, 1), Chunk(1, 2, 1)], table, greedy, np.array([0, -1]))
+    p3 = r.submit(np.array([-1, -1]), [Chunk(0, 4, 1), Chunk(1, 3, 1)], table,
+                  SamplingRows.build([SamplingParams(temperature=0.8), SamplingParams(temperature=0)], [1, 2], [2, 1]),
+                  np.array([0, 1]))
+    t1, t2, t3 = p1.result(), p2.result(), p3.result()
+    assert t1.dtype == np.int32 and t1.shape == (2,) and t3.shape == (2,)
+    assert t2[1] == t1[0]  # row 1 reaches row 0's prompt one step later (its last token from the host)
+    fresh = np.array([[4, 5], [6, 7]], np.int32)  # teacher-forced on other pages through execute()
+    lg = r.execute(np.array(prompt + [t1[0]]), [Chunk(0, 0, 4)], fresh[:1])
+    assert int(np.argmax(lg[0])) == t2[0]
+    assert t3[1] == t2[0]  # row 1 (greedy) in a sampled step: its placeholder came from step 2's row 1
