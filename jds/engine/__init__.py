@@ -8,8 +8,8 @@ Pure host-side (numpy) code; the model is reached only through ``runner.execute`
 from jds.engine.blocks import BlockManager
 from jds.engine.core import Engine, EngineStats
 from jds.engine.request import Request, RequestOutput, RequestStatus
-from jds.engine.sampling import SamplingParams, sample
+from jds.engine.sampling import SamplingParams, SamplingRows, sample
 from jds.engine.scheduler import Scheduler, SchedulerOutput
 
 __all__ = ["BlockManager", "Engine", "EngineStats", "Request", "RequestOutput", "RequestStatus",
-           "SamplingParams", "sample", "Scheduler", "SchedulerOutput"]
+           "SamplingParams", "SamplingRows", "sample", "Scheduler", "SchedulerOutput"]
