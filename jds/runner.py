@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,10 @@ from flax import nnx
 
 from jds.batch import Chunk, PagedBatch, make_batch, pack_step, replace as replace_batch, step_buffer_len, unpack_step
 from jds.model import Decoder, ModelConfig, preset
+from jds.sampling import greedy_tokens, sample_tokens, split_seeds
+
+if TYPE_CHECKING:
+    from jds.engine.sampling import SamplingRows
 
 Mode = Literal["wide", "narrow", "fused"]
 MODES: tuple[str, ...] = ("wide", "narrow", "fused")
@@ -188,6 +192,8 @@ class BoundaryRunner:
         self._on_gpu = jax.default_backend() == "gpu"
         self._jits: dict[Any, Callable] = {}
         self._staged: dict[Any, Any] = {}  # (token bucket, key-block bucket) -> persistent step inputs
+        self._prev_sampled: jax.Array | None = None  # the last submit's sampled tokens (on the device)
+        self._prev_rows = 0
         self._stage_in = jax.jit(  # writes a step's inputs in place into the donated previous ones
             lambda old, new: jax.tree.map(lambda o, n: lax.dynamic_update_slice(o, n, (0,) * o.ndim), old, new),
             donate_argnums=0)
@@ -498,6 +504,70 @@ class BoundaryRunner:
             stats.captured += 1
         return logits
 
+    # ----- async stepping (sampling and token feed on the device) -----------------------------------
+    def submit(self, token_ids: np.ndarray, chunks: list[Chunk], block_tables: np.ndarray,
+               sampling: "SamplingRows", feed: np.ndarray) -> "DevicePending":
+        """Enqueue one step and its sampling; return without waiting for the device.
+
+        ``token_ids[i] == -1`` is a placeholder for the token that row ``feed[i]`` sampled in the previous
+        ``submit`` (``feed[i] == -1`` elsewhere): it is gathered on the device, so the host never reads
+        that token before enqueueing this step. Built on ``prepare_inputs`` + ``step``; nothing here blocks.
+        """
+        token_ids = np.asarray(token_ids, np.int64)
+        feed = np.asarray(feed, np.int64)
+        if feed.shape != token_ids.shape:
+            raise ValueError(f"feed has shape {feed.shape}, token_ids {token_ids.shape}")
+        hole = token_ids == -1
+        if (hole != (feed >= 0)).any():
+            raise ValueError("feed must be >= 0 exactly where token_ids holds the placeholder -1")
+        if len(sampling) != len(chunks):
+            raise ValueError(f"sampling has {len(sampling)} rows for {len(chunks)} chunks")
+        if hole.any():
+            if self._prev_sampled is None:
+                raise ValueError("token_ids holds placeholders but no step was submitted before")
+            if feed[hole].max() >= self._prev_rows:
+                raise ValueError(f"feed names row {int(feed[hole].max())} of a step with {self._prev_rows} rows")
+        if ((token_ids < -1) | (token_ids >= self.model.cfg.vocab_size)).any():
+            raise ValueError(f"token_ids must be in [0, {self.model.cfg.vocab_size}) or the placeholder -1")
+        tokens, batch, li, small = self.prepare_inputs(np.where(hole, 0, token_ids).astype(np.int32), chunks,
+                                                       block_tables)
+        r, m = len(chunks), self.max_num_seqs
+        fpad, rows = None, None
+        if hole.any():
+            fpad = np.full(tokens.shape[0], -1, np.int32)
+            fpad[: len(feed)] = feed
+        if not sampling.greedy.all():
+            greedy = np.ones(m, bool)
+            greedy[:r] = sampling.greedy
+            temp, top_p = np.ones(m, np.float32), np.ones(m, np.float32)
+            temp[:r], top_p[:r] = sampling.temperature, sampling.top_p
+            top_k, index = np.zeros(m, np.int32), np.zeros(m, np.int32)
+            top_k[:r], index[:r] = sampling.top_k, sampling.index
+            seeds = np.zeros(m, np.uint64)
+            seeds[:r] = sampling.seed
+            rows = (greedy, temp, top_k, top_p, split_seeds(seeds), index)
+        fpad, rows = jax.device_put((fpad, rows))  # one transfer call (None stays None)
+        if fpad is not None:
+            tokens = _feed_tokens(tokens, self._prev_sampled, fpad)
+        logits = self.step(tokens, batch, li, small)
+        sampled = greedy_tokens(logits) if rows is None else sample_tokens(logits, *rows)
+        sampled.copy_to_host_async()  # start the read-back now; result() then rarely waits for the copy
+        self._prev_sampled, self._prev_rows = sampled, r
+        return DevicePending(sampled, r)
+
+    def warmup_submit(self, progress: Callable[[str], None] | None = None) -> None:
+        """Compile what ``submit`` adds to ``warmup``: the token feed per token bucket and both samplers."""
+        m, v = self.max_num_seqs, self.model.cfg.vocab_size
+        logits = jnp.zeros((m, v), jnp.float32)
+        rows = (np.ones(m, bool), np.ones(m, np.float32), np.zeros(m, np.int32), np.ones(m, np.float32),
+                np.zeros((m, 2), np.uint32), np.zeros(m, np.int32))
+        prev = greedy_tokens(logits)
+        jax.block_until_ready(sample_tokens(logits, *rows))
+        for tb in self.token_buckets:
+            jax.block_until_ready(_feed_tokens(jnp.zeros(tb, jnp.int32), prev, np.full(tb, -1, np.int32)))
+        if progress:
+            progress(f"compiled the device sampler and {len(self.token_buckets)} token feeds")
+
     def warmup(self, progress: Callable[[str], None] | None = None) -> None:
         """Compile every (token bucket x key-block bucket) executable with all-padding steps."""
         combos = [(tb, kb) for tb in self.token_buckets for kb in self.key_block_buckets]
@@ -519,6 +589,23 @@ class BoundaryRunner:
             if progress:
                 progress(f"compiled bucket {n}/{len(combos)} (tokens={tb}, key_blocks={kb}) "
                          f"[{time.perf_counter() - t0:.1f}s]")
+
+
+@jax.jit
+def _feed_tokens(tokens: jax.Array, prev: jax.Array, feed: jax.Array) -> jax.Array:
+    """tokens[i] = prev[feed[i]] where feed[i] >= 0: the previous step's sampled ids, gathered on the device."""
+    return jnp.where(feed >= 0, prev[jnp.maximum(feed, 0)], tokens)
+
+
+class DevicePending:
+    """A submitted step's sampled tokens, still on the device until ``result()``."""
+
+    def __init__(self, sampled: jax.Array, rows: int) -> None:
+        self._sampled = sampled
+        self._rows = rows
+
+    def result(self) -> np.ndarray:
+        return np.asarray(self._sampled)[: self._rows]
 
 
 class ModelRunner(BoundaryRunner):

@@ -118,6 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-model-name", default=None, help="model id in the API (default jds-<preset>)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--no-async", dest="async_steps", action="store_false",
+                   help="synchronous stepping (host sampling, no overlap of host and device work) for comparison")
     p.add_argument("--runner", choices=("model", "fake"), default="model",
                    help="'fake': deterministic numpy stand-in (front-end testing without JAX)")
     p.add_argument("--fake-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -194,14 +196,14 @@ async def main(a: argparse.Namespace) -> int:
     label = a.preset or ("checkpoint" if a.checkpoint else "v32-tiny")
     say(f"building {a.runner if a.runner == 'fake' else label} (mode={a.mode}, impl={a.implementation}, "
         f"moe={a.moe}, num_blocks={a.num_blocks}, max_num_seqs={a.max_num_seqs}, "
-        f"max_num_tokens={a.max_num_tokens}, max_model_len={a.max_model_len})")
+        f"max_num_tokens={a.max_num_tokens}, max_model_len={a.max_model_len}, async={a.async_steps})")
     if a.compile_cache:
         from jds.runner import enable_compile_cache
 
         enable_compile_cache(a.compile_cache)
     runner = build_runner(a)
     say(f"built in {time.perf_counter() - t0:.1f}s; block_size={runner.block_size}, vocab={runner.vocab_size}")
-    engine = Engine(runner)
+    engine = Engine(runner, async_steps=a.async_steps)
     loop = EngineLoop(engine)
     tok = load_tokenizer(a.tokenizer or a.checkpoint, bos_token_id=getattr(runner, "bos_token_id", 256),
                          eos_token_id=runner.eos_token_id)
@@ -224,6 +226,8 @@ async def main(a: argparse.Namespace) -> int:
             loop.checkpoint()  # a shutdown request ends the warm-up here, between two compiles
 
         runner.warmup(progress)
+        if a.async_steps and hasattr(runner, "warmup_submit"):
+            runner.warmup_submit(progress)
         say(f"ready after {time.perf_counter() - t:.1f}s of warmup; /health is 200")
 
     if not got:  # a signal during the listener's start: no warm-up to begin

@@ -68,6 +68,21 @@ class CheckingRunner:
             raise RuntimeError("injected fault")
         return self.inner.execute(token_ids, chunks, block_tables)
 
+    def submit(self, token_ids, chunks, block_tables, sampling, feed):
+        """The async-step entry point, under the same per-step checks (placeholders -1 allowed)."""
+        self.calls.append(list(chunks))
+        assert len(token_ids) == sum(c.num_tokens for c in chunks) <= self.max_num_tokens
+        assert 1 <= len(chunks) <= self.max_num_seqs and len(sampling) == len(chunks)
+        assert [c.req for c in chunks] == list(range(len(chunks)))
+        if self.fail_on_call is not None and len(self.calls) == self.fail_on_call:
+            raise RuntimeError("injected fault")
+        return self.inner.submit(token_ids, chunks, block_tables, sampling, feed)
+
+
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def async_steps(request) -> bool:
+    return request.param
+
 
 # ---------------------------------------------------------------------------------------------------
 def test_block_manager():
@@ -111,12 +126,12 @@ def test_sampling_rules():
         SamplingParams(max_tokens=0)
 
 
-def test_greedy_concurrent_chunked_matches_rollout():
+def test_greedy_concurrent_chunked_matches_rollout(async_steps):
     """20 requests, chunked prefill (budget 16 tokens), 4 rows: each equals its own greedy rollout."""
     fake = FakeRunner(block_size=4, num_blocks=256, max_num_tokens=16, max_num_seqs=4)
     runner = CheckingRunner(fake)
     ps = prompts(20)
-    res = run_all(Engine(runner), {str(i): (p, GREEDY) for i, p in enumerate(ps)})
+    res = run_all(Engine(runner, async_steps=async_steps), {str(i): (p, GREEDY) for i, p in enumerate(ps)})
     for i, p in enumerate(ps):
         assert res[str(i)]["tokens"] == greedy_rollout(fake, p, 12), i
         assert res[str(i)]["reason"] == "length"
@@ -137,10 +152,10 @@ def test_decodes_scheduled_first_under_tight_budget():
     assert eng.requests["a"].num_tokens == 5 + 4
 
 
-def test_preemption_tiny_pool_matches_solo_and_frees_everything():
+def test_preemption_tiny_pool_matches_solo_and_frees_everything(async_steps):
     fake = FakeRunner(block_size=4, num_blocks=12, max_num_tokens=32, max_num_seqs=8)  # 48 slots
     runner = CheckingRunner(fake)
-    eng = Engine(runner)
+    eng = Engine(runner, async_steps=async_steps)
     ps = prompts(10, lo=5, hi=20, seed=3)
     sp = {str(i): (p, SamplingParams(max_tokens=16, temperature=0.7 if i % 2 else 0.0, seed=100 + i,
                                      ignore_eos=True)) for i, p in enumerate(ps)}
@@ -217,10 +232,10 @@ def test_rejects_impossible_requests():
         eng.add_request("z", [600], SamplingParams())
 
 
-def test_step_exception_fails_only_that_steps_requests():
+def test_step_exception_fails_only_that_steps_requests(async_steps):
     fake = FakeRunner(block_size=4, num_blocks=64, max_num_tokens=64, max_num_seqs=2)
     runner = CheckingRunner(fake, fail_on_call=3)
-    eng = Engine(runner)
+    eng = Engine(runner, async_steps=async_steps)
     ps = prompts(5, seed=9)
     res = run_all(eng, {str(i): (p, GREEDY) for i, p in enumerate(ps)})
     failed_rows = len(runner.calls[2])

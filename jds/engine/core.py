@@ -1,9 +1,36 @@
-"""The synchronous engine: schedule a step, run it through the runner, sample, report.
+"""The engine: schedule a step, run it through the runner, sample, report.
 
 ``Engine.step()`` is single-threaded and deterministic (tests drive it directly); ``jds.engine.loop``
-runs it in a background thread for the HTTP server. An exception raised by ``runner.execute`` fails
-exactly the requests of that step (their pages are freed, each gets a finished output with
+runs it in a background thread for the HTTP server. An exception raised by the runner fails exactly
+the requests of that step (their pages are freed, each gets a finished output with
 ``finish_reason="error"``) and the engine carries on with the rest.
+
+Two ways to step:
+  sync   ``runner.execute`` returns host logits; the engine samples and advances. The device idles while
+         the host samples, schedules and prepares the next step.
+  async  (vLLM's async scheduling) ``runner.submit`` samples on the device and returns a handle. One
+         ``step()`` plans step N+1 as if every request of step N got its token (that token is a
+         placeholder -1 the runner fills on the device from step N's sampled row), submits N+1, and only
+         then reads step N's tokens and applies the stop rules. So the host's work for N+1 overlaps the
+         device's work for N, and tokens reach the streams one step late, in order.
+
+Exactness of async stepping:
+  * A request that stops on step N's token (eos, stop token, max_tokens, length, abort, error) may
+    already sit in step N+1; its row there is computed and discarded: a finished request's outputs
+    are never applied again. A token that is certainly the last (max_tokens, length) is known when
+    step N is submitted (``Request.finishing``), so such a request is not scheduled in N+1 at all.
+  * Pages. A stopped, aborted or preempted request's pages return to the pool while steps that still
+    write into them may be in flight. They can only be handed out by a later ``schedule()``, i.e. to a
+    step submitted after those: every step consumes the caches the previous one produced (a device
+    data dependency, and the fake runner computes eagerly in order), so the stale writes land before
+    the new owner's, and a row reads only slots its own request wrote. A step already submitted never
+    gets a page freed after its submission: its block tables are fixed at submit time.
+  * Preemption with a step in flight: the victim's in-flight token is still read and appended (it was
+    computed from a correct context), then the victim is recomputed from its full token list. A step
+    that preempts admits nothing new (the scheduler's rule), so a victim with an unread token is never
+    rescheduled before that token is read.
+  * Failure: an exception from ``submit`` fails that step's requests after the previous step's tokens
+    are applied; an exception from ``result()`` fails the requests of the step it belongs to.
 """
 
 from __future__ import annotations
@@ -18,7 +45,7 @@ import numpy as np
 from jds.batch import Chunk
 from jds.engine.blocks import BlockManager
 from jds.engine.request import Request, RequestOutput, RequestStatus
-from jds.engine.sampling import SamplingParams, sample
+from jds.engine.sampling import SamplingParams, SamplingRows, sample
 from jds.engine.scheduler import Scheduler
 
 
@@ -34,6 +61,20 @@ class Runner(Protocol):
     eos_token_id: int
 
     def execute(self, token_ids: np.ndarray, chunks: list[Chunk], block_tables: np.ndarray) -> np.ndarray: ...
+
+    def submit(self, token_ids: np.ndarray, chunks: list[Chunk], block_tables: np.ndarray,
+               sampling: SamplingRows, feed: np.ndarray) -> "Pending":
+        """Enqueue one step with sampling on the device; return before it runs.
+
+        ``token_ids[i] == -1`` is a placeholder for the token that row ``feed[i]`` sampled in the previously
+        submitted step (``feed[i] == -1`` elsewhere). Only needed for async stepping."""
+        ...
+
+
+class Pending(Protocol):
+    def result(self) -> np.ndarray:
+        """Block until the step is done; its sampled token ids, int32 [number of chunks]."""
+        ...
 
 
 class MetricsSink(Protocol):
@@ -58,8 +99,25 @@ class EngineStats:
     num_step_failures: int
 
 
+@dataclass
+class _InFlight:
+    """A submitted async step: its handle and, per row, the request and how many tokens it fed."""
+
+    pending: Pending
+    reqs: list[Request]
+    num_tokens: list[int]
+    samples: list[bool]  # row reached the end of its known tokens, so its sampled token is real
+
+
 class Engine:
-    def __init__(self, runner: Runner, *, metrics: MetricsSink | None = None) -> None:
+    def __init__(self, runner: Runner, *, metrics: MetricsSink | None = None,
+                 async_steps: bool | None = None) -> None:
+        """``async_steps``: None = on when the runner has ``submit``; True requires it; False = sync."""
+        has_submit = callable(getattr(runner, "submit", None))
+        if async_steps and not has_submit:
+            raise ValueError(f"async_steps=True needs a runner with submit(); {type(runner).__name__} has none")
+        self.async_steps = has_submit if async_steps is None else bool(async_steps)
+        self._inflight: _InFlight | None = None
         self.runner = runner
         self.blocks = BlockManager(runner.num_blocks, runner.block_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=runner.max_num_seqs,
@@ -103,7 +161,7 @@ class Engine:
         return self._final(req, [], "abort")
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._inflight is not None or self.scheduler.has_work()
 
     def stats(self) -> EngineStats:
         b = self.blocks
@@ -113,9 +171,10 @@ class Engine:
 
     # -- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
-        if not sched:
-            return []
+        """One step (sync) or: plan and submit the next step, then apply the previous one (async)."""
+        return self._step_async() if self.async_steps else self._step_sync()
+
+    def _inputs(self, sched) -> tuple[list[Chunk], list[int], np.ndarray]:
         self.num_steps += 1
         if self.metrics:
             for req in sched.reqs:
@@ -129,25 +188,100 @@ class Engine:
             toks.extend(req.token_slice(req.num_computed, n))
             pages = self.blocks.blocks_of(req.request_id)
             table[row, : len(pages)] = pages
+        return chunks, toks, table
+
+    def _fail(self, reqs: list[Request], e: Exception) -> list[RequestOutput]:
+        """Fail the still-live requests of a failed step (pages freed, one error output each)."""
+        self.num_step_failures += 1
+        msg = f"step failed: {type(e).__name__}: {e}"
+        outs = []
+        for req in reqs:
+            if req.status is not RequestStatus.FINISHED and self.requests.get(req.request_id) is req:
+                self.requests.pop(req.request_id)
+                self.scheduler.remove(req)
+                out = self._final(req, [], "error")
+                out.error = msg
+                outs.append(out)
+        return outs
+
+    def _step_sync(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        chunks, toks, table = self._inputs(sched)
         try:
             logits = np.asarray(self.runner.execute(np.asarray(toks, np.int32), chunks, table))
             if logits.shape[0] != len(chunks):
                 raise RuntimeError(f"runner returned {logits.shape[0]} logit rows for {len(chunks)} chunks")
             return self._advance(sched.reqs, sched.num_tokens, logits)
         except Exception as e:  # noqa: BLE001 - a failed step must not take the engine down
-            self.num_step_failures += 1
-            msg = f"step failed: {type(e).__name__}: {e}"
-            outs = []
-            for req in sched.reqs:
-                if self.requests.pop(req.request_id, None) is not None:
-                    self.scheduler.remove(req)
-                    out = self._final(req, [], "error")
-                    out.error = msg
-                    outs.append(out)
-            return outs
+            return self._fail(sched.reqs, e)
+
+    def _step_async(self) -> list[RequestOutput]:
+        prev, new = self._inflight, None  # prev stays recorded until the new step replaces it
+        sched = self.scheduler.schedule()
+        failed: tuple[list[Request], Exception] | None = None
+        if sched:
+            chunks, toks, table = self._inputs(sched)
+            feed = np.full(len(toks), -1, np.int32)
+            params, seeds, index, samples = [], [], [], []
+            off = 0
+            for req, n in zip(sched.reqs, sched.num_tokens):
+                known = len(req.prompt_ids) + len(req.output_ids)
+                if req.num_computed + n > known:  # the unread token of the step in flight
+                    assert prev is not None and req.num_pending == 1 and req.num_computed + n == known + 1
+                    feed[off + n - 1] = req.pending_row
+                off += n
+                params.append(req.params)
+                seeds.append(req.seed)
+                index.append(len(req.output_ids) + req.num_pending)
+                samples.append(req.num_computed + n == req.num_tokens)
+            try:
+                pending = self.runner.submit(np.asarray(toks, np.int32), chunks, table,
+                                             SamplingRows.build(params, seeds, index), feed)
+            except Exception as e:  # noqa: BLE001 - failed after the previous step's tokens are applied
+                failed = (sched.reqs, e)
+            else:
+                for row, (req, n, s) in enumerate(zip(sched.reqs, sched.num_tokens, samples)):
+                    req.num_computed += n
+                    if s:
+                        req.num_pending += 1
+                        req.pending_row = row
+                        p = req.params
+                        req.finishing = (len(req.output_ids) + req.num_pending >= p.max_tokens
+                                         or req.num_tokens >= self.max_seq_len)
+                new = _InFlight(pending, sched.reqs, sched.num_tokens, samples)
+        self._inflight = new
+        outs = self._read(prev) if prev is not None else []
+        if failed is not None:
+            outs += self._fail(*failed)
+        return outs
+
+    def _read(self, step: _InFlight) -> list[RequestOutput]:
+        """Wait for a submitted step's tokens and apply them to the requests still alive."""
+        try:
+            toks = np.asarray(step.pending.result())
+            if toks.shape[0] != len(step.reqs):
+                raise RuntimeError(f"runner returned {toks.shape[0]} tokens for {len(step.reqs)} rows")
+        except Exception as e:  # noqa: BLE001
+            for req, s in zip(step.reqs, step.samples):
+                if s:
+                    req.num_pending -= 1
+            return self._fail(step.reqs, e)
+        outs = []
+        now = time.monotonic()
+        for req, s, tok in zip(step.reqs, step.samples, toks.tolist()):
+            if not s:
+                continue
+            req.num_pending -= 1
+            if req.status is RequestStatus.FINISHED:
+                continue  # stopped, aborted or failed after this step was submitted: emits nothing
+            req.output_ids.append(int(tok))  # ``finishing`` stays: it describes the newest pending token
+            out = self._check_stop(req, int(tok), now)
+            outs.append(out)
+        return outs
 
     def _advance(self, reqs: list[Request], num_tokens: list[int], logits: np.ndarray) -> list[RequestOutput]:
-        eos = self.runner.eos_token_id
         outs = []
         now = time.monotonic()
         argmax = logits.argmax(axis=-1)  # one vectorised pass for every greedy row
@@ -158,22 +292,26 @@ class Engine:
             p = req.params
             tok = int(argmax[row]) if p.greedy else sample(logits[row], p, req.seed, len(req.output_ids))
             req.output_ids.append(tok)
-            self._token_metrics(req, now)
-            reason, on_token = None, False
-            if (tok == eos and not p.ignore_eos) or tok in p.stop_token_ids:
-                reason, on_token = "stop", True
-            elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_seq_len:
-                reason = "length"
-            if reason is None:
-                outs.append(RequestOutput(req.request_id, [tok], num_prompt_tokens=len(req.prompt_ids),
-                                          num_output_tokens=len(req.output_ids)))
-            else:
-                self.requests.pop(req.request_id, None)
-                self.scheduler.remove(req)
-                out = self._final(req, [tok], reason)
-                out.stopped_on_token = on_token
-                outs.append(out)
+            outs.append(self._check_stop(req, tok, now))
         return outs
+
+    def _check_stop(self, req: Request, tok: int, now: float) -> RequestOutput:
+        """``tok`` was just appended to ``req``: report it, finishing the request if a stop rule holds."""
+        self._token_metrics(req, now)
+        p = req.params
+        reason, on_token = None, False
+        if (tok == self.runner.eos_token_id and not p.ignore_eos) or tok in p.stop_token_ids:
+            reason, on_token = "stop", True
+        elif len(req.output_ids) >= p.max_tokens or len(req.prompt_ids) + len(req.output_ids) >= self.max_seq_len:
+            reason = "length"
+        if reason is None:
+            return RequestOutput(req.request_id, [tok], num_prompt_tokens=len(req.prompt_ids),
+                                 num_output_tokens=len(req.output_ids))
+        self.requests.pop(req.request_id, None)
+        self.scheduler.remove(req)
+        out = self._final(req, [tok], reason)
+        out.stopped_on_token = on_token
+        return out
 
     def _token_metrics(self, req: Request, now: float) -> None:
         first = req.first_token_time is None

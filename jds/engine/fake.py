@@ -13,6 +13,7 @@ from typing import Callable
 import numpy as np
 
 from jds.batch import Chunk
+from jds.engine.sampling import SamplingRows, sample_rows
 
 _MASK = (1 << 61) - 1
 
@@ -35,6 +36,7 @@ class FakeRunner:
         self.warmup_buckets = warmup_buckets
         self.cache = np.full(num_blocks * block_size, -1, np.int64)
         self.num_calls = 0
+        self._prev_sampled: np.ndarray | None = None  # the last submitted step's tokens (placeholder source)
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> None:
         """Nothing to compile; with ``warmup_delay`` it sleeps in ``warmup_buckets`` parts and reports
@@ -87,6 +89,48 @@ class FakeRunner:
             out[i] = self._context_logits(ctx)
         return out
 
+    def submit(self, token_ids: np.ndarray, chunks: list[Chunk], block_tables: np.ndarray,
+               sampling: SamplingRows, feed: np.ndarray) -> "DonePending":
+        """The async-step contract of ``jds.runner.BoundaryRunner.submit``, computed eagerly.
+
+        A token id -1 is a placeholder for the token sampled by row ``feed[i]`` of the previously submitted
+        step; the runner resolves it itself (the engine never saw that token). Errors raise here.
+        """
+        tokens = resolve_placeholders(token_ids, feed, self._prev_sampled)
+        if len(sampling) != len(chunks):
+            raise ValueError(f"sampling has {len(sampling)} rows for {len(chunks)} chunks")
+        sampled = sample_rows(self.execute(tokens, chunks, block_tables), sampling)
+        self._prev_sampled = sampled
+        return DonePending(sampled)
+
     def reference_logits(self, tokens: list[int]) -> np.ndarray:
         """The logits the fake produces after ``tokens`` when its cache is intact (for tests)."""
         return self._context_logits(np.asarray(tokens))
+
+
+class DonePending:
+    """A step whose sampled tokens are already on the host."""
+
+    def __init__(self, tokens: np.ndarray) -> None:
+        self._tokens = tokens
+
+    def result(self) -> np.ndarray:
+        return self._tokens
+
+
+def resolve_placeholders(token_ids: np.ndarray, feed: np.ndarray, prev: np.ndarray | None) -> np.ndarray:
+    """Host version of the device-side feed: token -1 at i becomes ``prev[feed[i]]``; checks the contract."""
+    tokens = np.asarray(token_ids, np.int64).copy()
+    feed = np.asarray(feed)
+    if feed.shape != tokens.shape:
+        raise ValueError(f"feed has shape {feed.shape}, token_ids {tokens.shape}")
+    hole = tokens == -1
+    if (hole != (feed >= 0)).any():
+        raise ValueError("feed must be >= 0 exactly where token_ids holds the placeholder -1")
+    if hole.any():
+        if prev is None:
+            raise ValueError("token_ids holds placeholders but no step was submitted before")
+        if feed[hole].max() >= prev.shape[0]:
+            raise ValueError(f"feed names row {int(feed[hole].max())} of a step with {prev.shape[0]} rows")
+        tokens[hole] = prev[feed[hole]]
+    return tokens

@@ -33,10 +33,16 @@ class Request:
     queue_time_reported: bool = False
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # Async stepping: output tokens sampled on the device but not read back yet (0 or 1 at planning time;
+    # they count as tokens, as placeholders -1), the row that sampled the newest one in its step, and
+    # whether that token is certainly the last (max_tokens / length), so nothing is scheduled after it.
+    num_pending: int = 0
+    pending_row: int = -1
+    finishing: bool = False
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
 
     @property
     def num_remaining(self) -> int:
@@ -44,6 +50,11 @@ class Request:
         return self.num_tokens - self.num_computed
 
     def token_slice(self, start: int, n: int) -> list[int]:
+        """Token ids [start, start + n); a pending (not yet read) output token is the placeholder -1."""
+        known = len(self.prompt_ids) + len(self.output_ids)
+        if start + n > known:
+            head = self.token_slice(start, known - start) if start < known else []
+            return head + [-1] * (n - len(head))
         p = len(self.prompt_ids)
         if start + n <= p:
             return self.prompt_ids[start:start + n]

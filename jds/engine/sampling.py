@@ -67,3 +67,45 @@ def sample(logits: np.ndarray, params: SamplingParams, seed: int, index: int) ->
     rng = np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, index])
     i = int(np.searchsorted(np.cumsum(p), rng.random(), side="right"))
     return int(cand[min(i, len(cand) - 1)])
+
+
+@dataclass(frozen=True)
+class SamplingRows:
+    """One step's sampling parameters, one entry per request row (what a runner's ``submit`` samples with).
+
+    Plain numpy so the engine stays free of JAX; a runner moves them to its device. ``index`` is the
+    output position of the token each row samples (it keys the RNG together with ``seed``).
+    """
+
+    greedy: np.ndarray  # [R] bool
+    temperature: np.ndarray  # [R] float64 (exactly the request's value; a device casts)
+    top_k: np.ndarray  # [R] int32, <= 0: off
+    top_p: np.ndarray  # [R] float64
+    seed: np.ndarray  # [R] uint64
+    index: np.ndarray  # [R] int32
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], seeds: list[int], indices: list[int]) -> "SamplingRows":
+        return cls(greedy=np.fromiter((p.greedy for p in params), bool, len(params)),
+                   temperature=np.fromiter((p.temperature for p in params), np.float64, len(params)),
+                   top_k=np.fromiter((p.top_k for p in params), np.int32, len(params)),
+                   top_p=np.fromiter((p.top_p for p in params), np.float64, len(params)),
+                   seed=np.fromiter((s & 0xFFFFFFFFFFFFFFFF for s in seeds), np.uint64, len(seeds)),
+                   index=np.fromiter(indices, np.int32, len(indices)))
+
+    def __len__(self) -> int:
+        return int(self.greedy.shape[0])
+
+    def params(self, row: int) -> SamplingParams:
+        """The row's rules as ``SamplingParams`` (for the host sampler)."""
+        return SamplingParams(temperature=float(self.temperature[row]), top_k=int(self.top_k[row]),
+                              top_p=float(self.top_p[row]))
+
+
+def sample_rows(logits: np.ndarray, rows: SamplingRows) -> np.ndarray:
+    """Host reference of a runner's device sampling: ``sample`` per row, greedy rows by one argmax."""
+    logits = np.asarray(logits)
+    out = logits.argmax(axis=-1).astype(np.int32)
+    for i in np.flatnonzero(~rows.greedy):
+        out[i] = sample(logits[i], rows.params(int(i)), int(rows.seed[i]), int(rows.index[i]))
+    return out

@@ -81,8 +81,10 @@ class Scheduler:
         budget = self.max_num_tokens
         chosen: dict[str, int] = {}
         preempted: list[Request] = []
-        decodes = [r for r in self.running if r.num_remaining == 1]
-        prefills = [r for r in self.running if r.num_remaining > 1]
+        # A request whose in-flight token is certainly its last (async stepping) gets nothing more.
+        live = [r for r in self.running if not r.finishing]
+        decodes = [r for r in live if r.num_remaining == 1]
+        prefills = [r for r in live if r.num_remaining > 1]
         for req in decodes + prefills:
             if req.status is not RequestStatus.RUNNING or budget == 0:
                 continue
