@@ -132,7 +132,7 @@ def test_narrow_eager_region_reads_the_caches_only(arch: str) -> None:
     assert isinstance(out, jax.Array) and out.shape[0] == tokens.shape[0]
 
 
-@pytest.mark.parametrize("mode", ["narrow", "fused"])
+@pytest.mark.parametrize("mode", ["narrow", pytest.param("fused", marks=pytest.mark.slow)])  # same input buffers
 def test_stable_inputs_same_logits_same_addresses(mode: str) -> None:
     """stable_inputs writes each step's inputs into the previous step's buffers (in place: the device
     addresses do not move) and changes nothing else: the same logits over a multi-step mixed rollout."""
