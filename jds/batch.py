@@ -161,17 +161,19 @@ _HEADER = 3  # num_tokens, num_chunks, num_block_table_updates
 
 def step_buffer_len(num_tokens: int, num_rows: int, update_capacity: int) -> int:
     """Length of the packed step buffer for a ``num_tokens`` bucket (see ``pack_step``)."""
-    return _HEADER + num_tokens + 3 * num_rows + 3 * update_capacity
+    return _HEADER + 2 * num_tokens + 3 * num_rows + 3 * update_capacity
 
 
 def pack_step(token_ids: np.ndarray, chunks: Sequence[Chunk], updates: tuple[np.ndarray, np.ndarray, np.ndarray],
-              *, num_tokens: int, num_rows: int, update_capacity: int) -> np.ndarray:
+              *, num_tokens: int, num_rows: int, update_capacity: int, feed: np.ndarray | None = None) -> np.ndarray:
     """The host's whole per-step input as one int32 array: what ``unpack_step`` expands on the device.
 
-    Layout: [num_tokens, num_chunks, num_updates | token ids (padded to the bucket) | chunk rows | chunk
+    Layout: [num_tokens, num_chunks, num_updates | token ids (padded to the bucket) | feed (padded with -1)
+    | chunk rows | chunk
     starts | chunk lengths (each padded to ``num_rows``) | update rows | update columns | update pages
     (each padded to ``update_capacity``)]. ``updates`` are the block-table entries that changed since the
-    last step (rows, columns, page ids). Why one array: each host-to-device transfer costs tens of
+    last step (rows, columns, page ids). ``feed[i] >= 0`` makes token i the one the previous step sampled
+    for its row ``feed[i]`` (asynchronous stepping: the host never waits for it). Why one array: each host-to-device transfer costs tens of
     microseconds of host time whatever its size, and an argument whose address changes makes XLA update
     every recorded graph command that reads it; the packed buffer is read only by the first few.
     """
@@ -187,6 +189,12 @@ def pack_step(token_ids: np.ndarray, chunks: Sequence[Chunk], updates: tuple[np.
     o = _HEADER
     buf[o:o + t] = token_ids
     o += num_tokens
+    buf[o:o + num_tokens] = -1
+    if feed is not None:
+        if len(feed) != t:
+            raise ValueError(f"feed has {len(feed)} entries for {t} tokens")
+        buf[o:o + t] = feed
+    o += num_tokens
     buf[o:o + c] = [ch.req for ch in chunks]
     buf[o + num_rows:o + num_rows + c] = [ch.start for ch in chunks]
     buf[o + 2 * num_rows:o + 2 * num_rows + c] = [ch.num_tokens for ch in chunks]
@@ -198,19 +206,26 @@ def pack_step(token_ids: np.ndarray, chunks: Sequence[Chunk], updates: tuple[np.
 
 
 def unpack_step(buf: jax.Array, block_tables: jax.Array, *, num_rows: int, update_capacity: int,
-                block_size: int) -> tuple[jax.Array, PagedBatch, jax.Array, jax.Array]:
+                block_size: int, prev_tokens: jax.Array | None = None
+                ) -> tuple[jax.Array, PagedBatch, jax.Array, jax.Array]:
     """Device-side ``make_batch``: (token ids, the step's PagedBatch, logits indices, block tables after
     this step's updates) from a ``pack_step`` buffer and the persistent block tables [num_rows, max_blocks].
+    ``prev_tokens`` [rows] are the previous step's sampled tokens that the buffer's feed entries name.
 
     Traced inside the step's captured executable, so positions, slots, request rows, query offsets,
     sequence lengths and logits indices cost no host time. Equal to ``make_batch`` field for field
     (tests/test_batch.py checks randomised mixed batches).
     """
     r = num_rows
-    tb = buf.shape[0] - step_buffer_len(0, r, update_capacity)
+    tb = (buf.shape[0] - step_buffer_len(0, r, update_capacity)) // 2
     t, c, nu = buf[0], buf[1], buf[2]
     o = _HEADER
     tokens = buf[o:o + tb]
+    o += tb
+    if prev_tokens is not None:
+        feed = buf[o:o + tb]
+        fed = prev_tokens[jnp.clip(feed, 0, prev_tokens.shape[0] - 1)].astype(tokens.dtype)
+        tokens = jnp.where(feed >= 0, fed, tokens)
     o += tb
     ch_row, ch_start, ch_len = buf[o:o + r], buf[o + r:o + 2 * r], buf[o + 2 * r:o + 3 * r]
     o += 3 * r

@@ -14,6 +14,7 @@ step's actual sequence lengths. narrow/wide issue L eager + L+1 captured dispatc
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ class StepInputs:
     token_bucket: int
     key_blocks: int
     block_tables: np.ndarray  # the host's tables after this step (the device's copy once it ran)
+    prev_tokens: jax.Array | None = None  # the previous step's sampled tokens, for the packed feed
 
 
 def _buckets(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:
@@ -202,6 +204,7 @@ class BoundaryRunner:
         self.update_capacity = self.update_capacity or 4 * self.max_num_seqs + 64
         self._bt_host = np.zeros((self.max_num_seqs, self.max_blocks), np.int32)
         self._bt_state = jnp.zeros((self.max_num_seqs, self.max_blocks), jnp.int32)
+        self._no_prev: jax.Array | None = None
 
     # ----- executables ------------------------------------------------------------------------------
     def _jit(self, key: Any, fn: Callable, *, eager: bool, donate: tuple[int, ...] = ()) -> Callable:
@@ -270,31 +273,32 @@ class BoundaryRunner:
 
         return self._jit(("fused",), full, eager=False, donate=(3,))
 
-    def _unpack(self, packed: jax.Array, bt_state: jax.Array, kb: int) -> tuple:
+    def _unpack(self, packed: jax.Array, bt_state: jax.Array, kb: int, prev: jax.Array) -> tuple:
         tokens, batch, li, bt = unpack_step(packed, bt_state, num_rows=self.max_num_seqs,
-                                            update_capacity=self.update_capacity, block_size=self.block_size)
+                                            update_capacity=self.update_capacity, block_size=self.block_size,
+                                            prev_tokens=prev)
         return tokens, batch, li, replace_batch(batch, block_tables=bt[:, :kb]), bt
 
     def _first_dev(self, kind: str, kb: int) -> Callable:
         egd, lgd = self._embed[0], self._gd_of_kind[kind]
         narrow = self.mode == "narrow"
 
-        def first(est, lst, packed, bt_state, cache):
-            tokens, batch, li, small, bt = self._unpack(packed, bt_state, kb)
+        def first(est, lst, packed, prev, bt_state, cache):
+            tokens, batch, li, small, bt = self._unpack(packed, bt_state, kb, prev)
             h = _merge(egd, est)(tokens)
             return (h,) + _producers(_merge(lgd, lst), h, batch, cache, narrow) + (bt, batch, small, li)
 
-        return self._jit(("first_dev", kind, kb), first, eager=False, donate=(3, 4))
+        return self._jit(("first_dev", kind, kb), first, eager=False, donate=(4, 5))
 
     def _fused_dev(self, kb: int) -> Callable:
         gd = self._whole[0]
 
-        def full(st, packed, bt_state, caches):
-            tokens, _, li, small, bt = self._unpack(packed, bt_state, kb)
+        def full(st, packed, prev, bt_state, caches):
+            tokens, _, li, small, bt = self._unpack(packed, bt_state, kb, prev)
             logits, caches = _merge(gd, st)(tokens, small, caches, li)
             return logits, caches, bt
 
-        return self._jit(("fused_dev", kb), full, eager=False, donate=(2, 3))
+        return self._jit(("fused_dev", kb), full, eager=False, donate=(3, 4))
 
     def _segment_bounds(self) -> list[tuple[int, int]]:
         n, k = self.model.cfg.n_layers, self.segments
@@ -321,11 +325,11 @@ class BoundaryRunner:
             return h, out
 
         if first:
-            def seg(est, sts, packed, bt_state, caches):
-                tokens, _, li, small, bt = self._unpack(packed, bt_state, kb)
+            def seg(est, sts, packed, prev, bt_state, caches):
+                tokens, _, li, small, bt = self._unpack(packed, bt_state, kb, prev)
                 h, caches = layers(sts, _merge(egd, est)(tokens), small, caches)
                 return h, small, li, bt, caches
-            return self._jit(("segment", k, kb, self.segments), seg, eager=False, donate=(3, 4))
+            return self._jit(("segment", k, kb, self.segments), seg, eager=False, donate=(4, 5))
         if last:
             def seg(sts, hst, h, small, li, caches):
                 h, caches = layers(sts, h, small, caches)
@@ -341,7 +345,7 @@ class BoundaryRunner:
         sts = lambda lo, hi: [L[i][1] for i in range(lo, hi)]  # noqa: E731
         lo, hi = bounds[0]
         h, small, li, self._bt_state, self.caches[lo:hi] = self._segment(0, kb)(
-            self._embed[1], sts(lo, hi), inp.packed, self._bt_state, self.caches[lo:hi])
+            self._embed[1], sts(lo, hi), inp.packed, self._prev_of(inp), self._bt_state, self.caches[lo:hi])
         self._bt_host = inp.block_tables
         for k in range(1, self.segments - 1):
             lo, hi = bounds[k]
@@ -353,7 +357,8 @@ class BoundaryRunner:
         return logits
 
     # ----- one step ---------------------------------------------------------------------------------
-    def prepare_inputs(self, token_ids: np.ndarray, chunks: list[Chunk], block_tables: np.ndarray) -> tuple:
+    def prepare_inputs(self, token_ids: np.ndarray, chunks: list[Chunk], block_tables: np.ndarray, *,
+                       feed: np.ndarray | None = None, prev_tokens: jax.Array | None = None) -> tuple:
         """The arguments of ``step`` for one step: ``step(*runner.prepare_inputs(...))``.
 
         ``input_prep="device"``: a 1-tuple ``(StepInputs,)``: token ids, chunks and the changed
@@ -361,7 +366,10 @@ class BoundaryRunner:
         inside the captured executable. ``"host"``: (tokens, batch, logits_indices, the batch with block
         tables cut to this step's key-block bucket), built by ``make_batch`` and transferred field by field
         (with ``stable_inputs`` the arrays are valid until the next call of the same buckets).
+        ``feed`` / ``prev_tokens`` (device prep only): token i is ``prev_tokens[feed[i]]`` where feed >= 0.
         """
+        if feed is not None and self.input_prep != "device":
+            raise ValueError("feed needs input_prep='device' (the host path feeds tokens in submit)")
         token_ids = np.asarray(token_ids)
         t = int(sum(c.num_tokens for c in chunks))
         if len(token_ids) != t:
@@ -383,7 +391,8 @@ class BoundaryRunner:
         tb = _pick(self.token_buckets, t)
         kb = _pick(self.key_block_buckets, -(-end // self.block_size))
         if self.input_prep == "device":
-            return (self._pack(token_ids, chunks, src.shape[0], bt, tb, kb),)
+            inp = self._pack(token_ids, chunks, src.shape[0], bt, tb, kb, feed)
+            return (dataclasses.replace(inp, prev_tokens=prev_tokens),)
         batch = make_batch(chunks, bt, self.block_size, pad_to=tb, host=True)
         # Checked on the host: reading a device copy back here would wait for the previous step.
         if (batch.slot_mapping[:t] >= self.num_blocks * self.block_size).any():
@@ -399,7 +408,7 @@ class BoundaryRunner:
         return self._stage((tb, kb), inputs) if self.stable_inputs else inputs
 
     def _pack(self, token_ids: np.ndarray, chunks: list[Chunk], src_rows: int, bt: np.ndarray, tb: int,
-              kb: int) -> StepInputs:
+              kb: int, feed: np.ndarray | None = None) -> StepInputs:
         """Check the chunks as ``make_batch`` does, diff the block tables against the device's copy and
         pack the step (``jds.batch.pack_step``)."""
         req = np.fromiter((c.req for c in chunks), np.int64, len(chunks))
@@ -423,7 +432,7 @@ class BoundaryRunner:
             self._bt_host = bt
             rows = cols = np.zeros(0, np.int64)
         packed = pack_step(token_ids, chunks, (rows, cols, bt[rows, cols]), num_tokens=tb,
-                           num_rows=self.max_num_seqs, update_capacity=self.update_capacity)
+                           num_rows=self.max_num_seqs, update_capacity=self.update_capacity, feed=feed)
         return StepInputs(jax.device_put(packed), tb, kb, bt)
 
     def _stage(self, key: Any, fresh: Any) -> Any:
@@ -451,6 +460,15 @@ class BoundaryRunner:
             return self._step_device(inputs[0])
         return self._step_host(*inputs)
 
+    def _prev_of(self, inp: StepInputs) -> jax.Array:
+        """The feed's source: the previous step's sampled tokens, or (no feed) a fixed zero array, so the
+        executable's signature and the graph's argument addresses do not change."""
+        if inp.prev_tokens is not None:
+            return inp.prev_tokens
+        if self._no_prev is None:
+            self._no_prev = jnp.zeros(self.max_num_seqs, jnp.int32)
+        return self._no_prev
+
     def _step_device(self, inp: StepInputs) -> jax.Array:
         stats = DispatchStats(captured=1)
         kb = inp.key_blocks
@@ -458,13 +476,13 @@ class BoundaryRunner:
             return self._step_segments(inp)
         if self.mode == "fused":
             logits, self.caches, self._bt_state = self._fused_dev(kb)(
-                self._whole[1], inp.packed, self._bt_state, self.caches)
+                self._whole[1], inp.packed, self._prev_of(inp), self._bt_state, self.caches)
             self._bt_host = inp.block_tables
             self.last_dispatch = stats
             return logits
         kinds, layers = self._kinds, self._layers
         h, x, self.caches[0], self._bt_state, batch, small, li = self._first_dev(kinds[0], kb)(
-            self._embed[1], layers[0][1], inp.packed, self._bt_state, self.caches[0])
+            self._embed[1], layers[0][1], inp.packed, self._prev_of(inp), self._bt_state, self.caches[0])
         self._bt_host = inp.block_tables
         logits = self._layer_loop(h, x, batch, small, li, stats)
         self.last_dispatch = stats
@@ -529,11 +547,16 @@ class BoundaryRunner:
                 raise ValueError(f"feed names row {int(feed[hole].max())} of a step with {self._prev_rows} rows")
         if ((token_ids < -1) | (token_ids >= self.model.cfg.vocab_size)).any():
             raise ValueError(f"token_ids must be in [0, {self.model.cfg.vocab_size}) or the placeholder -1")
-        tokens, batch, li, small = self.prepare_inputs(np.where(hole, 0, token_ids).astype(np.int32), chunks,
-                                                       block_tables)
+        ids = np.where(hole, 0, token_ids).astype(np.int32)
         r, m = len(chunks), self.max_num_seqs
+        if self.input_prep == "device":  # the feed travels in the packed buffer; the graph gathers it
+            inputs = self.prepare_inputs(ids, chunks, block_tables, feed=feed.astype(np.int32) if hole.any() else None,
+                                         prev_tokens=self._prev_sampled if hole.any() else None)
+        else:
+            inputs = self.prepare_inputs(ids, chunks, block_tables)
         fpad, rows = None, None
-        if hole.any():
+        if hole.any() and self.input_prep != "device":
+            tokens = inputs[0]
             fpad = np.full(tokens.shape[0], -1, np.int32)
             fpad[: len(feed)] = feed
         if not sampling.greedy.all():
@@ -548,8 +571,8 @@ class BoundaryRunner:
             rows = (greedy, temp, top_k, top_p, split_seeds(seeds), index)
         fpad, rows = jax.device_put((fpad, rows))  # one transfer call (None stays None)
         if fpad is not None:
-            tokens = _feed_tokens(tokens, self._prev_sampled, fpad)
-        logits = self.step(tokens, batch, li, small)
+            inputs = (_feed_tokens(inputs[0], self._prev_sampled, fpad),) + tuple(inputs[1:])
+        logits = self.step(*inputs)
         sampled = greedy_tokens(logits) if rows is None else sample_tokens(logits, *rows)
         sampled.copy_to_host_async()  # start the read-back now; result() then rarely waits for the copy
         self._prev_sampled, self._prev_rows = sampled, r

@@ -321,14 +321,15 @@ class EosAs:
         return getattr(self._inner, k)
 
 
-@pytest.mark.parametrize("mode", ["wide", "narrow", "fused"])
-def test_real_model_async_equals_sync(mode: str):
+@pytest.mark.parametrize("mode,input_prep", [("wide", "device"), ("narrow", "device"), ("fused", "device"),
+                                             ("fused", "host")])
+def test_real_model_async_equals_sync(mode: str, input_prep: str):
     """Greedy streams identical with async on and off: eos, stop tokens, max_tokens and preemption
     (5 pages of 16 tokens for 8 requests). One token bucket and one key-block bucket keep compiles short."""
     from jds.runner import ModelRunner
 
     r = ModelRunner.build(preset="v32-tiny", mode=mode, num_blocks=5, max_num_seqs=8, max_num_tokens=16,
-                          max_model_len=48)
+                          max_model_len=48, input_prep=input_prep)
     ps = prompts(8, lo=10, hi=30, seed=1)
     base = drive(Engine(r, async_steps=False),
                  {str(i): (p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)) for i, p in enumerate(ps)})
