@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 Mode = Literal["wide", "narrow", "fused"]
 MODES: tuple[str, ...] = ("wide", "narrow", "fused")
-INPUT_PREPS: tuple[str, ...] = ("device", "host")
+INPUT_PREPS: tuple[str, ...] = ("auto", "device", "host")
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ class BoundaryRunner:
     key_block_buckets: tuple[int, ...] = ()
     last_dispatch: DispatchStats = field(default_factory=DispatchStats)
     stable_inputs: bool = False  # host prep: write each step's inputs into persistent device buffers (_stage)
-    input_prep: str = "device"  # "device": one packed buffer, batch built in the graph; "host": make_batch
+    input_prep: str = "auto"  # "device": one packed buffer, batch built in the graph; "host": make_batch
     update_capacity: int = 0  # block-table entries one packed step may change (0: 4 per row + 64)
     segments: int = 1  # fused + device prep: the step as this many captured executables, launched in order
     batch_invariant: bool = False  # one token bucket and one key-block bucket (see invariant_buckets)
@@ -164,6 +164,11 @@ class BoundaryRunner:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.input_prep not in INPUT_PREPS:
             raise ValueError(f"input_prep must be one of {INPUT_PREPS}, got {self.input_prep!r}")
+        if self.input_prep == "auto":
+            # fused builds the batch inside its one executable; in wide / narrow the batch would leave the
+            # first segment as outputs that every later dispatch waits on (measured slower for narrow:
+            # benchmarks/results/ttft_h200_2026-11-30.json, narrow:host vs narrow:device)
+            self.input_prep = "device" if self.mode == "fused" else "host"
         if not 1 <= self.segments <= self.model.cfg.n_layers:
             raise ValueError(f"segments must be in [1, n_layers={self.model.cfg.n_layers}], got {self.segments}")
         if self.segments > 1 and (self.mode != "fused" or self.input_prep != "device"):
@@ -651,7 +656,7 @@ class ModelRunner(BoundaryRunner):
               mode: str = "narrow", implementation: str = "auto", num_blocks: int = 256, max_num_seqs: int = 16,
               max_num_tokens: int = 256, max_model_len: int = 1024, seed: int = 0, moe: bool = False,
               token_buckets: tuple[int, ...] = (), key_block_buckets: tuple[int, ...] = (),
-              stable_inputs: bool = False, input_prep: str = "device", segments: int = 1,
+              stable_inputs: bool = False, input_prep: str = "auto", segments: int = 1,
               batch_invariant: bool = False) -> "ModelRunner":
         """``preset`` defaults to v32-tiny. With ``checkpoint`` and no ``preset`` / ``config_path`` / ``moe``
         the checkpoint's stored config builds the model; otherwise the checkpoint must match that config
