@@ -21,13 +21,11 @@ import sys
 import time
 from typing import NoReturn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from jds.engine.core import Engine  # noqa: E402
-from jds.engine.loop import EngineLoop  # noqa: E402
-from jds.runner import GRAPH_UPDATE_MODES, use_graph_update_mode  # noqa: E402
-from jds.server.app import ServerConfig, build_app, serve  # noqa: E402
-from jds.server.tokenizer import load_tokenizer  # noqa: E402
+from jds.engine.core import Engine
+from jds.engine.loop import EngineLoop
+from jds.runner import GRAPH_UPDATE_MODES, use_graph_update_mode
+from jds.server.app import ServerConfig, build_app, serve
+from jds.server.tokenizer import load_tokenizer
 
 
 def positive_int(text: str) -> int:

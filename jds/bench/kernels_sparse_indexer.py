@@ -1,5 +1,5 @@
 """Benchmarks of the paged FP8 indexer logits kernel and the indexer top-k (issue 7), each against the
-XLA implementation in the same run. Driven by scripts/bench_kernels.py (``--only sparse_indexer``).
+XLA implementation in the same run. Driven by ``python -m jds.bench.kernels`` (``--only sparse_indexer``).
 
 Cases (full run; ``quick`` uses tiny shapes and few iterations, e.g. to smoke-test on the CPU):
 - decode_logits / decode_select: batch B in {1, 16, 64} x context C in {4K, 32K, 128K}, one token per
@@ -37,7 +37,7 @@ from jds.ops.quant import FP8
 from jds.ops.records import IndexerRecord132
 from jds.ops.select import radix_topk
 from pallas_kernels import sparse_indexer as si
-from pallas_kernels.timing import device_row, time_fn
+from jds.bench.timing import device_row, time_fn
 from pallas_kernels.topk_select import TopkSelectConfig, topk_select
 
 HI = 64

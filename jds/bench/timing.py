@@ -1,4 +1,4 @@
-"""Timing helpers shared by the kernel benchmarks (scripts/bench_kernels.py): median of many runs after
+"""Timing helpers shared by the kernel benchmarks (``python -m jds.bench.kernels``): median of many runs after
 warm-up, and the device ceilings (copy bandwidth, bf16 matmul FLOP/s) measured in the same run."""
 
 from __future__ import annotations
