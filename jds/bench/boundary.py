@@ -42,8 +42,7 @@ def time_steps(runner, chunks, n_warm: int, n: int) -> tuple[dict, dict]:
     walls, enq = [], []
     for i in range(n_warm + n):
         t0 = time.perf_counter()
-        tokens, batch, li, small = runner.prepare_inputs(ids, chunks, bt[: len(chunks)])
-        logits = runner.step(tokens, batch, li, small)
+        logits = runner.step(*runner.prepare_inputs(ids, chunks, bt[: len(chunks)]))
         t1 = time.perf_counter()
         np.asarray(logits[: len(chunks)])
         t2 = time.perf_counter()

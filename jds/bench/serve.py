@@ -27,7 +27,7 @@ import aiohttp
 import numpy as np
 
 from jds.bench.results import write_json
-from jds.bench.stats import summarize
+from jds.bench.stats import summarize as summary_stats
 
 
 @dataclass
@@ -208,7 +208,7 @@ async def run(a: argparse.Namespace) -> dict:
 
 def _stats(name: str, xs: list[float], pcts: list[float]) -> dict:
     """vLLM's key names (``mean_ttft_ms``, ``p99_ttft_ms``, ...) over ``summarize`` of seconds."""
-    s = summarize(xs, pcts)
+    s = summary_stats(xs, pcts)
     del s["n"]
     return {f"{k}_{name}_ms": v for k, v in s.items()}
 
