@@ -1,15 +1,17 @@
 """What makes a captured step's host launch cost milliseconds? Input addresses, graph updates, traced GEMMs.
 
-On the H200 (2026-11-29, BENCHMARKS.md) the fused V3.2 step, one executable whose thunk sequence is one
-command buffer, took 4.3-5.1 ms of host time to enqueue, against about 42 µs for a small jitted call.
+The fused V3.2 step, one executable whose thunk sequence is one command buffer, takes milliseconds of host
+time to enqueue on the H200 (``benchmarks/results/boundary_v32_*.json``:
+``archs.v32.modes.fused.ttft_128_host_enqueue``), far more than a small jitted call.
 XLA's CommandBufferThunk (openxla/xla, 2026) patches the recorded graph's nodes whenever a buffer they use
 sits at a new address (with the default ``xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE``), and
 re-captures library commands (cuBLAS GEMMs) whose addresses miss a small trace cache. Every step brings
 fresh inputs and fresh temp/output allocations.
 
-Measured 2026-11-29 (H200, V3.2, 2 layers; BENCHMARKS.md): dispatch 0.54 ms with fresh inputs, 0.51 ms
-with the same arrays, 0.41-0.73 ms under the other flags, 1.02 ms without graphs: graph updates are not
-the cost. Fresh rows now also time the input preparation (``prepare_ms_median``) to split the 8-layer
+The 2-layer run (``benchmarks/results/archive/probe_graph_updates_2layers_h200_2026-11-29.json``,
+``variants.*.modes.fused.*.enqueue_ms_median``) found fresh inputs, the same arrays and the other flags
+within a fraction of a millisecond of each other, and no graphs slower: graph updates are not the cost
+(docs/perf-log.md). Fresh rows now also time the input preparation (``prepare_ms_median``) to split the 8-layer
 bench's enqueue into preparation and dispatch.
 
 Each variant runs in its own process (the update modes choose XLA's allocator at client creation):
