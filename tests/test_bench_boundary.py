@@ -1,6 +1,6 @@
-"""jds.bench.boundary (through its scripts/bench_boundary.py entry point) end to end on the CPU at tiny sizes: the parallel precompile into the
-persistent compilation cache, then the timed modes, the JSON and the ratios (the GPU runs the same code
-at real dims, so a break here would otherwise first show in device time)."""
+"""jds.bench.boundary (through its scripts/bench_boundary.py entry point) end to end on the CPU at tiny sizes:
+the parallel precompile into the persistent compilation cache, then the timed modes, the JSON and the ratios
+(the GPU runs the same code at real dims, so a break here would otherwise first show in device time)."""
 
 from __future__ import annotations
 

@@ -98,3 +98,17 @@ def test_device_loop_binds_static_arguments() -> None:
     row = device_row(f, x, 3, median_us=10.0, quick=True)
     assert row["device_unrolled_us"] >= 0
     assert device_row(f, x, 3, median_us=5000.0, quick=True) == {}  # long calls: no loop needed
+
+
+def test_summarize_is_the_one_stats_helper() -> None:
+    """Seconds in, scaled summary out; percentiles interpolate linearly; an empty list gives n = 0."""
+    from jds.bench.stats import median, summarize
+
+    s = summarize([0.004, 0.001, 0.003, 0.002], percentiles=(50, 99))
+    assert s["n"] == 4
+    np.testing.assert_allclose([s["mean"], s["median"], s["p50"], s["p99"], s["std"]],
+                               [2.5, 2.5, 2.5, 3.97, np.std([1.0, 2.0, 3.0, 4.0])], rtol=1e-12)
+    assert summarize([], percentiles=(99,)) == {"n": 0, "mean": 0.0, "median": 0.0, "std": 0.0, "p99": 0.0}
+    assert median([3.0, 1.0, 2.0], 1e3) == 2000.0
+    with pytest.raises(ValueError, match="empty"):
+        median([])

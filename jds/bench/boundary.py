@@ -234,8 +234,9 @@ def main(argv: list[str] | None = None) -> None:
         # most of the memory), and each arch is precompiled just before it is timed, so a run cut short
         # keeps the archs it finished.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    cmd = " ".join(["python -m jds.bench.boundary"] + (sys.argv[1:] if argv is None else argv))
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "jax": jax.__version__,
-            "command": " ".join(["python -m jds.bench.boundary"] + sys.argv[1:]), "precompile": {},
+            "command": cmd, "precompile": {},
             "implementation": a.implementation, "stable_inputs": a.stable_inputs,
             "graph_update_mode": a.graph_update_mode, "complete": False}
     results = {"meta": meta, "archs": {}}

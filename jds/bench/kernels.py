@@ -39,9 +39,11 @@ def main(argv: list[str] | None = None) -> None:
     from jds.bench.timing import measure_ceilings, measure_floors
 
     ceil = measure_ceilings(a.quick)
+    cmd = " ".join(["python -m jds.bench.kernels"] + (sys.argv[1:] if argv is None else argv))
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "jax": jax.__version__,
-            "device": jax.devices()[0].device_kind, "command": " ".join(["python -m jds.bench.kernels"] + (sys.argv[1:] if argv is None else argv)), **ceil,
-            "device_time_floors_us": measure_floors(a.quick), "complete": False}  # what each device-time method reads for a trivial call
+            "device": jax.devices()[0].device_kind, "command": cmd, **ceil,
+            # what each device-time method reads for a trivial call
+            "device_time_floors_us": measure_floors(a.quick), "complete": False}
     rows = []
     for name in a.only:
         mod = importlib.import_module(f"jds.bench.kernels_{name}")

@@ -1,6 +1,7 @@
 """Sparse MQA benchmark (issue 8): the Pallas kernel against the XLA gather implementation in the same run.
 
-    python -m jds.bench.kernels --only sparse_mqa --out benchmarks/results/kernels_sparse_mqa_<device>_<date>.json [--quick]
+    python -m jds.bench.kernels --only sparse_mqa [--quick] \
+        --out benchmarks/results/kernels_sparse_mqa_<device>_<date>.json
 
 Cases (``quick``: tiny shapes, for a CPU smoke run in GPU interpret mode):
 - v32: DeepSeek-V3.2 absorbed MLA, 128 heads, q 576 / v 512, top-2048 over the 656-byte FP8 cache

@@ -154,8 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     for v in a.variants:  # one process at a time: the timings never share the machine
         part = f"{out}.{v}.json"
         env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {VARIANTS[v]}".strip()}
-        cmd = [sys.executable, "-m", "jds.bench.probe_graph_updates", "--child", v, "--child-out", part, "--layers", str(a.layers),
-               "--size", a.size, "--n", str(a.n), "--modes", *a.modes, "--out", out]
+        cmd = [sys.executable, "-m", "jds.bench.probe_graph_updates", "--child", v, "--child-out", part,
+               "--layers", str(a.layers), "--size", a.size, "--n", str(a.n), "--modes", *a.modes, "--out", out]
         rc = subprocess.run(cmd, env=env).returncode
         res["variants"][v] = json.load(open(part)) if os.path.exists(part) else {}
         res["variants"][v]["rc"] = rc

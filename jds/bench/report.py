@@ -81,9 +81,10 @@ def _boundary(d: dict) -> list[str]:
                                                         for m in have if m != "wide"])
         rows.append(["throughput_req_per_s"] + [_fmt(modes[m].get("throughput_req_per_s"), 0) for m in have]
                     + ["" for m in have if m != "wide"])
+        disp = [modes[m].get("dispatches_per_step") for m in have]
         rows.append(["dispatches_per_step (captured + eager)"]
-                    + [f"{modes[m]['dispatches_per_step']['captured']} + {modes[m]['dispatches_per_step']['eager']}"
-                       if "dispatches_per_step" in modes[m] else "—" for m in have] + ["" for m in have if m != "wide"])
+                    + [f"{x['captured']} + {x['eager']}" if x else "—" for x in disp]
+                    + ["" for m in have if m != "wide"])
         out += [f"{arch}, {r.get('layers', '?')} layers; median ms ({keys and modes[have[0]][keys[0]].get('n')} "
                 f"steps for TTFT); ratios are mode / wide:", ""]
         out += _table(["step"] + have + [f"{m}/wide" for m in have if m != "wide"], rows)
@@ -110,7 +111,7 @@ def _serve(d: dict) -> list[str]:
             w = wide[c]["median_ttft_ms"] if wide and c in wide else None
             rows.append([r["mode"], c[1:], _fmt(s["median_ttft_ms"]), _fmt(s["mean_ttft_ms"]),
                          _fmt(s.get("p99_ttft_ms")), _fmt(s["request_throughput"], 1), _ratio(s["median_ttft_ms"], w)])
-    return ["`python -m jds.bench.serve_modes`: the HTTP server in each mode, 128-token prompts, 1 output token:", ""] + \
+    return ["The HTTP server in each mode (`jds.bench.serve_modes`), 128-token prompts, 1 output token:", ""] + \
         _table(["mode", "concurrency", "TTFT median ms", "TTFT mean ms", "TTFT P99 ms", "req/s",
                 "TTFT median / wide"], rows)
 
@@ -188,7 +189,8 @@ def _kernel_rows(d: dict) -> list[str]:
                     + [_fmt(per.get(i, {}).get("device_unrolled_us"), 1) for i in impls if i in ("pallas", "xla")]
                     + [_ratio(x.get("median_us"), p.get("median_us")), _pct(p.get("bandwidth_frac")),
                        _pct(p.get("flops_frac"))])
-    hdr = (["kernel", "case"] + [f"{i} µs" for i in impls] + [f"{i} unrolled µs" for i in impls if i in ("pallas", "xla")]
+    hdr = (["kernel", "case"] + [f"{i} µs" for i in impls]
+           + [f"{i} unrolled µs" for i in impls if i in ("pallas", "xla")]
            + ["xla / pallas", "pallas bandwidth_frac", "pallas flops_frac"])
     return (["Pipelined median per call (µs; `median_us`), device time without dispatch where measured "
              "(`device_unrolled_us`), roofline fractions of the copy bandwidth / bf16 FLOP/s measured in the same run "
