@@ -158,6 +158,8 @@ class BoundaryRunner:
     update_capacity: int = 0  # block-table entries one packed step may change (0: 4 per row + 64)
     segments: int = 1  # fused + device prep: the step as this many captured executables, launched in order
     batch_invariant: bool = False  # one token bucket and one key-block bucket (see invariant_buckets)
+    captured_compiler_options: dict | None = None  # XLA options of the captured executables (None: XLA's own)
+    all_eager: bool = False  # compile every executable as the eager ones are (command buffers off)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -215,10 +217,13 @@ class BoundaryRunner:
     def _jit(self, key: Any, fn: Callable, *, eager: bool, donate: tuple[int, ...] = ()) -> Callable:
         if key not in self._jits:
             opts = None
+            eager = eager or self.all_eager
             if eager and self._on_gpu:
                 # Per-executable options: carry a --xla_dump_to from XLA_FLAGS along explicitly (the
                 # thunk-count check reads the eager executables' dumps too).
                 opts = {"xla_gpu_enable_command_buffer": "", **_dump_options()}
+            elif not eager and self.captured_compiler_options is not None:
+                opts = dict(self.captured_compiler_options)
             self._jits[key] = jax.jit(fn, donate_argnums=donate, compiler_options=opts)
         return self._jits[key]
 

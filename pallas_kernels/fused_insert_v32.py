@@ -283,8 +283,9 @@ def fused_q_v32(q, index_q, index_w, cos, sin, *, nope_dim: int, dtype, indexer_
     """Same inputs/outputs as ``fused_q_v32_reference``.
 
     Tiling: ``rows_per_program`` // max(H, Hi) tokens per program (at least one, and at least 16
-    indexer rows for the Hadamard dot). H200, T = 8192, 2026-11-29: one token per program and 4 warps
-    each beat two tokens with 8 warps (the previous default) by 1.2-1.3x, bit-identical outputs."""
+    indexer rows for the Hadamard dot). One token per program and 4 warps each beat two tokens with 8 warps
+    (the previous default) at T = 8192 with bit-identical outputs (``benchmarks/results/kernels_fused_insert_*.json``,
+    rows with ``tiles``; ``archive/fused_insert_defaults_h200_2026-11-29.json``: new against old default)."""
     if implementation == "xla":
         return fused_q_v32_reference(q, index_q, index_w, cos, sin, nope_dim=nope_dim, dtype=dtype,
                                      indexer_interleave=indexer_interleave, hadamard=hadamard, fp8=fp8)

@@ -123,8 +123,9 @@ def fused_qnorm_rope_kv_insert_v4(q, kv, cos, sin, slot_mapping, window_cache, k
     longer runs); ``heads_per_program=None`` with ``rows_per_program`` given: one token's heads when
     T < ``rows_per_program``, else that many tokens of one head (the tiling before 2026-11-29).
     All None: 8 heads x 1 token, 8 warps for T < 16 (decode); 16 heads x 1 token, 4 warps from 16
-    tokens, which ran at 62% of copy bandwidth at T = 8192 on the H200 against 52% for 8 tokens x 1 head
-    (BENCHMARKS.md, issue 6), bit-identical."""
+    tokens, the fastest tiling of the T = 8192 sweep, bit-identical to 8 tokens x 1 head
+    (``benchmarks/results/kernels_fused_insert_*.json``, rows with ``tiles``: ``bandwidth_frac``,
+    ``bytes_differing``; issue 6)."""
     if implementation == "xla":
         return fused_qnorm_rope_kv_insert_v4_reference(q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w,
                                                        window_format=window_format, eps=eps, dtype=dtype)

@@ -484,18 +484,19 @@ def resolve_topk_algorithm(rows: int, cols: int, backend: str | None = None) -> 
     GPU from ``AUTO_PALLAS_TOPK_ELEMS`` elements, ``lax.top_k`` below that and off the GPU (where the
     kernel would only run interpreted).
 
-    Why the threshold: H200, 2026-11-29 (BENCHMARKS.md, k = 2048), Pallas radix against lax.top_k:
-    16 x 32K 111 vs 92 µs (lax wins), 16 x 64K 153 vs 182, 64 x 32K 118 vs 265, 64 x 64K 143 vs 541,
-    16 x 128K 207 vs 389, 64 x 128K 224 vs 1056. Both give the same indices in the same order.
+    Why the threshold: on the H200 at k = 2048 the Pallas radix select beats ``lax.top_k`` at every shape
+    measured except the smallest, 16 x 32K (``benchmarks/results/kernels_sparse_indexer_*.json``, rows
+    ``topk_k2048_b*_c*`` against ``..._pallas_radix``, key ``median_us``). Both give the same indices in
+    the same order.
 
     Why it is not the default: the kernel is one CTA per row, and a row whose prefilter fails (fewer than
     k keys above the sampled pivot, or more than the buffer holds) reads the whole row again, so the
-    slowest row sets the time (no prefilter: 357 µs at 64 x 32K, 1271 µs at 64 x 128K). A decode batch
-    with one request shorter than the row width (its invisible keys are -inf), or a NaN row, is such a
-    row. The H200 select run with "auto" measured 338 vs 486 µs (lax) at 16 x 128K, and 592 µs at
-    64 x 32K against 366 µs for lax in an earlier call; the benchmark's queries then held rows of NaN
-    logits (fixed since). A per-row cheap path for short rows, measured on mixed-length batches, comes
-    before a default change.
+    slowest row sets the time (no prefilter: rows ``..._pallas_radix_direct``, several times slower). A
+    decode batch with one request shorter than the row width (its invisible keys are -inf), or a NaN row,
+    is such a row. The select run with "auto" (``benchmarks/results/kernels_select_h200_2026-11-29.json``,
+    incomplete; rows ``decode_select_*``, key ``topk``) won at 16 x 128K and lost at 64 x 32K to lax in an
+    earlier call; the benchmark's queries then held rows of NaN logits (fixed since). A per-row cheap path
+    for short rows, measured on mixed-length batches, comes before a default change.
     """
     backend = backend or jax.default_backend()
     return "pallas_radix" if backend == "gpu" and rows * cols >= AUTO_PALLAS_TOPK_ELEMS else "lax"

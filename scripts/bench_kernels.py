@@ -1,62 +1,7 @@
-"""Kernel benchmarks (issues 6-8): each kernel against its XLA implementation in the same run, with
-achieved bandwidth / FLOP/s as fractions of the ceilings measured in the same run.
+#!/usr/bin/env python
+"""Entry point of ``python -m jds.bench.kernels`` (see that module for what it measures and its flags)."""
 
-    python scripts/bench_kernels.py [--only fused_insert sparse_indexer sparse_mqa] [--quick] --out FILE.json
-
-Each kernel module ``pallas_kernels/bench_<name>.py`` provides ``benchmark(quick: bool) -> list[dict]``
-whose rows hold at least: kernel, case, impl ("pallas" | "xla"), median_us, bytes, flops.
-"""
-
-from __future__ import annotations
-
-import argparse
-import datetime
-import importlib
-import json
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from jds.results import write_json  # noqa: E402
-
-KERNELS = ("fused_insert", "sparse_indexer", "sparse_mqa")
-
-
-def _fractions(r: dict, time_key: str, prefix: str, ceil: dict) -> None:
-    """Bytes/s and FLOP/s of row ``r`` at its ``time_key`` time, as fractions of the measured ceilings."""
-    t = r[time_key] * 1e-6 if r.get(time_key) else None
-    r[prefix + "bandwidth_frac"] = r["bytes"] / t / ceil["copy_bytes_per_s"] if t and r.get("bytes") else None
-    r[prefix + "flops_frac"] = r["flops"] / t / ceil["bf16_flops_per_s"] if t and r.get("flops") else None
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--only", nargs="+", default=list(KERNELS), choices=KERNELS)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--cases", nargs="+", default=None, help="only these case names (modules that support it)")
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
-    import jax
-
-    from pallas_kernels.timing import measure_ceilings, measure_floors
-
-    ceil = measure_ceilings(a.quick)
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "jax": jax.__version__,
-            "device": jax.devices()[0].device_kind, "command": " ".join(["python"] + sys.argv), **ceil,
-            "device_time_floors_us": measure_floors(a.quick)}  # what each device-time method reads for a trivial call
-    rows = []
-    for name in a.only:
-        mod = importlib.import_module(f"pallas_kernels.bench_{name}")
-        for r in mod.benchmark(a.quick, **({"cases": a.cases} if a.cases else {})):
-            _fractions(r, "median_us", "", ceil)  # absent on a row that records an error
-            if r.get("device_unrolled_us"):  # device time alone (timing.device_row)
-                _fractions(r, "device_unrolled_us", "device_unrolled_", ceil)
-            rows.append(r)
-            print(json.dumps(r), flush=True)
-            write_json(a.out, {"meta": meta, "rows": rows})  # after every row: a cut-short run keeps them
-    write_json(a.out, {"meta": {**meta, "complete": True}, "rows": rows})
-
+from jds.bench.kernels import main
 
 if __name__ == "__main__":
     main()

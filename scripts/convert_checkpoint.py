@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _override(text: str) -> tuple[str, Any]:

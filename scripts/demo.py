@@ -7,17 +7,13 @@ lightning indexer selected per request, plus the output norms.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from jds.batch import Chunk, make_batch  # noqa: E402
-from jds.config import Numerics, V32Config, V4Config  # noqa: E402
+from jds.batch import Chunk, make_batch
+from jds.config import Numerics, V32Config, V4Config
 
 
 def run_v32(seed: int) -> None:

@@ -41,7 +41,7 @@ case "$stage" in
     ;;
   probe)
     # one process per variant (update modes pick XLA's allocator at start-up); fused first: one executable
-    # 2026-11-29 at 2 layers: graph updates refuted (BENCHMARKS.md); next: 8 layers, preparation split out
+    # 2026-11-29 at 2 layers: graph updates refuted (docs/perf-log.md); next: 8 layers, preparation split out
     timeout ${PROBE_TIMEOUT:-570} python3 scripts/probe_graph_updates.py ${PROBE_ARGS:---layers 8 --modes fused --variants base} \
       --out "$OUT/probe_graph_updates.json" > "$OUT/probe_graph_updates.log" 2>&1
     echo "probe rc=$?"; grep '^{' "$OUT/probe_graph_updates.log" | cut -c1-160

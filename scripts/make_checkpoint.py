@@ -9,10 +9,7 @@ An existing jds checkpoint at --out is replaced (atomically); any other existing
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv: list[str] | None = None) -> None:

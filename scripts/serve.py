@@ -33,9 +33,6 @@ import sys
 import time
 from typing import NoReturn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 def _exit_code(signum: int) -> int:
     """SIGINT -> 130 (the shell's Ctrl-C convention); SIGTERM -> 0 (a requested, orderly stop)."""
     return 130 if signum == signal.SIGINT else 0

@@ -1,6 +1,6 @@
-"""scripts/bench_boundary.py end to end on the CPU at tiny sizes: the parallel precompile into the
-persistent compilation cache, then the timed modes, the JSON and the ratios (the GPU runs the same code
-at real dims, so a break here would otherwise first show in device time)."""
+"""jds.bench.boundary (through its scripts/bench_boundary.py entry point) end to end on the CPU at tiny sizes:
+the parallel precompile into the persistent compilation cache, then the timed modes, the JSON and the ratios
+(the GPU runs the same code at real dims, so a break here would otherwise first show in device time)."""
 
 from __future__ import annotations
 
@@ -34,9 +34,7 @@ def test_tiny_precompiled_run(tmp_path) -> None:
 
 def test_launches_per_step_counts_each_layer_kind() -> None:
     """Mixed layer kinds (V4: window-only, C4, C128) each use their own eager executable's launch count."""
-    import sys
-    sys.path.insert(0, "scripts")
-    from bench_boundary import launches_per_step
+    from jds.bench.boundary import launches_per_step
 
     def m(n: int) -> dict:
         return {"direct_launches": n}

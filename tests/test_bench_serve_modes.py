@@ -1,17 +1,13 @@
-"""The end-to-end driver (scripts/bench_serve_modes.py) against serve.py's fake runner: every mode and
+"""The end-to-end driver (jds.bench.serve_modes) against serve.py's fake runner: every mode and
 concurrency is measured and tabulated, and a server that cannot start is recorded, not fatal."""
 
 from __future__ import annotations
 
 import json
-import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import pytest
 
-import bench_serve_modes  # noqa: E402
-import pytest  # noqa: E402
+from jds.bench import serve_modes as bench_serve_modes
 
 
 @pytest.mark.parametrize("parallel", [False, True])

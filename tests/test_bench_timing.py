@@ -1,4 +1,4 @@
-"""pallas_kernels.timing.time_fn works for calls that donate and thread their inputs (the fused-insert
+"""jds.bench.timing.time_fn works for calls that donate and thread their inputs (the fused-insert
 benchmark's caches): pipelined rounds must not touch results a later call has already donated."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.bench_fused_insert import _threaded
-from pallas_kernels.timing import time_fn
+from jds.bench.kernels_fused_insert import _threaded
+from jds.bench.timing import time_fn
 
 
 def test_time_fn_with_threaded_donation() -> None:
@@ -49,7 +49,7 @@ def _while_body_ops(hlo: str) -> str:
 def test_device_loop_runs_every_iteration() -> None:
     """The looped call is neither hoisted nor dropped: a threaded counter advances once per iteration, an
     unthreaded call still runs inside the while body, and device_time_us gives a finite positive time."""
-    from pallas_kernels.timing import device_loop, device_time_us
+    from jds.bench.timing import device_loop, device_time_us
 
     def step(x, c):
         return jnp.sin(x) * 2.0, c + 1.0
@@ -71,7 +71,7 @@ def test_device_loop_runs_every_iteration() -> None:
 
 
 def test_measure_floors_reports_both_methods() -> None:
-    from pallas_kernels.timing import measure_floors
+    from jds.bench.timing import measure_floors
 
     floors = measure_floors(quick=True)
     assert set(floors) == {"loop_floor_us", "loop_threaded_floor_us", "unrolled_floor_us",
@@ -82,7 +82,7 @@ def test_measure_floors_reports_both_methods() -> None:
 def test_device_time_us_rejects_bad_reps() -> None:
     import pytest
 
-    from pallas_kernels.timing import device_time_us
+    from jds.bench.timing import device_time_us
 
     with pytest.raises(ValueError, match="reps"):
         device_time_us(lambda x: x, jnp.ones(2), reps=(5, 5))
@@ -90,7 +90,7 @@ def test_device_time_us_rejects_bad_reps() -> None:
 
 def test_device_loop_binds_static_arguments() -> None:
     """Non-array arguments (record formats, sizes: the kernels' static arguments) are constants of the loop."""
-    from pallas_kernels.timing import device_loop, device_row
+    from jds.bench.timing import device_loop, device_row
 
     f = jax.jit(lambda x, k: x * k, static_argnums=1)
     x = jnp.arange(4.0)
@@ -98,3 +98,17 @@ def test_device_loop_binds_static_arguments() -> None:
     row = device_row(f, x, 3, median_us=10.0, quick=True)
     assert row["device_unrolled_us"] >= 0
     assert device_row(f, x, 3, median_us=5000.0, quick=True) == {}  # long calls: no loop needed
+
+
+def test_summarize_is_the_one_stats_helper() -> None:
+    """Seconds in, scaled summary out; percentiles interpolate linearly; an empty list gives n = 0."""
+    from jds.bench.stats import median, summarize
+
+    s = summarize([0.004, 0.001, 0.003, 0.002], percentiles=(50, 99))
+    assert s["n"] == 4
+    np.testing.assert_allclose([s["mean"], s["median"], s["p50"], s["p99"], s["std"]],
+                               [2.5, 2.5, 2.5, 3.97, np.std([1.0, 2.0, 3.0, 4.0])], rtol=1e-12)
+    assert summarize([], percentiles=(99,)) == {"n": 0, "mean": 0.0, "median": 0.0, "std": 0.0, "p99": 0.0}
+    assert median([3.0, 1.0, 2.0], 1e3) == 2000.0
+    with pytest.raises(ValueError, match="empty"):
+        median([])

@@ -1,4 +1,4 @@
-"""scripts/probe_graph_updates.py end to end on the CPU at tiny size: one process per variant (XLA flags
+"""jds.bench.probe_graph_updates (``python -m``) end to end on the CPU at tiny size: one process per variant (XLA flags
 included), every row written, so the H200 run does not first break in device time."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.slow  # a whole probe script run; the graph-update modes are covered by tests/test_runner.py
 def test_probe_tiny(tmp_path) -> None:
     out = tmp_path / "p.json"
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "probe_graph_updates.py"), "--size", "tiny",
+    subprocess.run([sys.executable, "-m", "jds.bench.probe_graph_updates", "--size", "tiny",
                     "--layers", "1", "--n", "2", "--modes", "fused", "--variants", "base", "skip_profiled",
                     "--out", str(out)], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, timeout=900,
                    capture_output=True)

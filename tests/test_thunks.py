@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jds.thunks import read_dump
+from jds.bench.thunks import read_dump
 
 
 def test_read_dump_takes_each_modules_final_sequence(tmp_path) -> None:

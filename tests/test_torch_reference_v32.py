@@ -8,18 +8,14 @@ float64 MLA + indexer written here from the spec.
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from jds.config import Numerics, V32Config  # noqa: E402
-from tests.reference.torch_v32 import (  # noqa: E402
+from jds.config import Numerics, V32Config
+from tests.reference.torch_v32 import (
     TorchMLA,
     act_quant,
     block_dequant_weight,

@@ -198,7 +198,7 @@ def profile_depth(arch: str, layers: int, mode: str, steps: int, implementation:
 
 
 def _child(a: argparse.Namespace) -> None:
-    from jds.results import write_json
+    from jds.bench.results import write_json
 
     import jax
 
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.child_out:
         _child(a)
         return
-    from jds.results import write_json
+    from jds.bench.results import write_json
 
     res: dict[str, Any] = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                                     "command": " ".join(["python -m jds.bench.host_profile"] + sys.argv[1:]),

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     import jax
 
     from jds.bench.stack import build_stack
-    from jds.results import write_json
+    from jds.bench.results import write_json
 
     t0 = time.perf_counter()
     model = build_stack(a.arch, a.layers, intermediate=a.intermediate, size=a.size, implementation=a.implementation,

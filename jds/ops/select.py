@@ -1,7 +1,8 @@
 """Exact top-k by radix selection: the indexer's top-k without a full sort.
 
-Why: XLA's GPU TopK sorts for large k. On the H200 it took 680-860 µs for k = 2048 over 64 rows of 64K
-fp32 logits (BENCHMARKS.md), against about 5 µs to read those logits once. Radix selection finds each
+Why: XLA's GPU TopK sorts for large k, so at k = 2048 it takes many times one read of the logits
+(``benchmarks/results/kernels_sparse_indexer_*.json``, rows ``topk_k2048_b*_c*``: ``median_us`` against
+``bytes`` / ``bandwidth_frac``). Radix selection finds each
 row's k-th largest value in ``32 / bits`` counting passes over the row. Each pass is one fused
 compare-and-reduce that reads the row once. It then keeps the elements above that value, plus the
 lowest-index elements equal to it, compacts them with a prefix sum and sorts only those k.

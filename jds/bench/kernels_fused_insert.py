@@ -1,10 +1,11 @@
 """Benchmark of the fused norm / RoPE / cache-insert kernels against their XLA implementations, at real
 DeepSeek-V3.2 / V4 dims (bf16 activations, FP8 caches, DeepSeek reference numerics: Hadamard on, UE8M0).
 
-Driven by scripts/bench_kernels.py (``--only fused_insert``). Rows: kernel, case, impl ("pallas" | "xla"),
-median_us / p10_us / p90_us (pallas_kernels.timing.time_fn), device_unrolled_us (device_time_us: the
-call repeated inside one executable, dispatch excluded; rows under 200 µs), bytes (compulsory HBM traffic: every input
-read once, every output written once; caches count only the records written), flops 0.
+Driven by ``python -m jds.bench.kernels`` (``--only fused_insert``). Rows: kernel, case, impl ("pallas" | "xla"),
+median_us / p10_us / p90_us (jds.bench.timing.time_fn), device_unrolled_us (device_time_us: the
+call repeated inside one executable, dispatch excluded; rows under ``device_row``'s ``below_us``), bytes
+(compulsory HBM traffic: every input read once, every output written once; caches count only the records
+written), flops 0.
 
 On the GPU, each kernel at T = 8192 is also timed with the tile variants of ``SWEEP`` (rows with a
 ``tiles`` field, ``matches_default``: outputs bit-identical to the default tiling, and ``bytes_differing``
@@ -33,7 +34,7 @@ from jds.ops.records import IndexerRecord132, MlaRecord584, MlaRecord656
 from jds.ops.rope import cached_inv_freqs, rope_cos_sin
 from pallas_kernels.fused_insert_v32 import fused_kv_insert_v32, fused_q_v32
 from pallas_kernels.fused_insert_v4 import fused_qnorm_rope_kv_insert_v4
-from pallas_kernels.timing import device_row, time_fn
+from jds.bench.timing import device_row, time_fn
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -97,7 +98,7 @@ def benchmark(quick: bool) -> Iterator[dict]:
     if not on_gpu:
         msg = ("pallas rows run in GPU interpret mode (functional smoke, not performance)" if quick
                else "pallas rows skipped: no GPU (run with --quick for an interpret-mode smoke run)")
-        print(f"bench_fused_insert: backend {jax.default_backend()}: {msg}", file=sys.stderr, flush=True)
+        print(f"jds.bench.kernels_fused_insert: backend {jax.default_backend()}: {msg}", file=sys.stderr, flush=True)
     for kernel, case, fn, static, args, cache_pos, out_pos, nbytes in _cases(quick):
         for impl in ("pallas", "xla"):
             interpret = impl == "pallas" and not on_gpu
@@ -119,8 +120,9 @@ def benchmark(quick: bool) -> Iterator[dict]:
             yield from _sweep(kernel, case, fn, static, args, cache_pos, out_pos, nbytes)
 
 
-# Tile parameters of each kernel tried at T = 8192 beside its default. 2026-11-29 (BENCHMARKS.md): the defaults of v32_fused_q (1 token, 4 warps) and of the V4 kernel's prefill
-# (16 heads x 1 token, 4 warps) were the fastest variants at T = 8192; the first variant of each is the
+# Tile parameters of each kernel tried at T = 8192 beside its default. The defaults of v32_fused_q (1 token,
+# 4 warps) and of the V4 kernel's prefill (16 heads x 1 token, 4 warps) were the fastest variants at T = 8192
+# (benchmarks/results/kernels_fused_insert_*.json, rows with ``tiles``); the first variant of each is the
 # previous default.
 SWEEP = {"v32_kv_insert": [dict(block_tokens=16, num_warps=4), dict(block_tokens=32), dict(block_tokens=64)],
          "v32_fused_q": [dict(rows_per_program=256, num_warps=8), dict(rows_per_program=64, num_warps=8),

@@ -1,4 +1,4 @@
-"""Timing helpers shared by the kernel benchmarks (scripts/bench_kernels.py): median of many runs after
+"""Timing helpers shared by the kernel benchmarks (``python -m jds.bench.kernels``): median of many runs after
 warm-up, and the device ceilings (copy bandwidth, bf16 matmul FLOP/s) measured in the same run."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ def time_fn(fn: Callable[..., Any], *args: Any, warmup: int = 5, iters: int = 50
     ``median_us``: median over rounds of ``iters`` back-to-back calls with one block at the end, divided by
     ``iters`` (the device is kept busy, so for calls longer than JAX's dispatch cost this is device time);
     ``sync_median_us`` / p10 / p90: each call blocked on alone (adds dispatch + synchronisation latency,
-    tens of microseconds on the H200 host, which dominates kernels of a few microseconds).
+    which dominates kernels of a few microseconds: compare the two keys of a small row in any
+    ``benchmarks/results/kernels_*.json``).
     """
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
@@ -102,8 +103,8 @@ def device_time_us(fn: Callable[..., Any], *args: Any, thread: Sequence[tuple[in
                    reps: tuple[int, int] = (5, 25), iters: int = 5, unrolled: bool = False) -> float:
     """Device time per call of the traceable ``fn(*args)``, in microseconds, without host dispatch.
 
-    Why: ``time_fn``'s pipelined rounds cannot go below JAX's per-call dispatch cost (40-80 µs on the
-    H200 host for a kernel call; BENCHMARKS.md), so kernels shorter than that read as equal. Here one
+    Why: ``time_fn``'s pipelined rounds cannot go below JAX's per-call dispatch cost (the ``median_us`` of
+    the smallest rows in ``benchmarks/results/kernels_*.json``), so kernels shorter than that read as equal. Here one
     executable runs ``fn`` ``n`` times; the time difference between ``reps[1]`` and ``reps[0]`` calls,
     divided by their difference, cancels launch and synchronisation.
     ``unrolled=False``: a ``fori_loop`` (one compile); each iteration also pays the loop's own overhead
@@ -138,11 +139,13 @@ def device_row(fn: Callable[..., Any], *args: Any, median_us: float, thread: Seq
     pipelined time is under ``below_us`` (where per-call dispatch can hide the kernel), else ``{}``: above
     it dispatch is a small share.
 
-    Why unrolled only: on the H200 (2026-11-29) the loop method read 19 µs for a trivial call (31 µs with a
-    threaded cache), the unrolled one 0-5 µs, so loop rows under ~50 µs measured the loop. 40 extra calls
-    keep the host's timing jitter (a few µs per call) below the kernels compared; 100 made the compiles
-    too slow for one 10-minute call. Above 200 µs the pipelined median already matched the unrolled time
-    within 5% (2026-11-29), so those rows skip the two extra compiles."""
+    Why unrolled only: on the H200 the loop method's floor for a trivial call is of the order of the
+    small kernels themselves, the unrolled one's near zero (``meta.device_time_floors_us`` of
+    ``benchmarks/results/kernels_fused_insert_*.json``), so small loop rows measured the loop. 40 extra
+    calls keep the host's timing jitter below the kernels compared; 100 made the compiles too slow for one
+    10-minute call. Above ``below_us`` the pipelined median already matched the unrolled time (rows with
+    both ``median_us`` and ``device_unrolled_us`` in the same file), so those rows skip the two extra
+    compiles."""
     if median_us >= below_us:
         return {}
     reps, iters = ((1, 2), 1) if quick else ((8, 48), 7)

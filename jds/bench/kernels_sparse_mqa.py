@@ -1,6 +1,7 @@
 """Sparse MQA benchmark (issue 8): the Pallas kernel against the XLA gather implementation in the same run.
 
-    python scripts/bench_kernels.py --only sparse_mqa --out benchmarks/results/kernels_sparse_mqa.json [--quick]
+    python -m jds.bench.kernels --only sparse_mqa [--quick] \
+        --out benchmarks/results/kernels_sparse_mqa_<device>_<date>.json
 
 Cases (``quick``: tiny shapes, for a CPU smoke run in GPU interpret mode):
 - v32: DeepSeek-V3.2 absorbed MLA, 128 heads, q 576 / v 512, top-2048 over the 656-byte FP8 cache
@@ -12,7 +13,7 @@ Cases (``quick``: tiny shapes, for a CPU smoke run in GPU interpret mode):
   (8K contexts: 2048 compressed entries each) and a 4K-token prefill (window [i-127, i], top-min((i+1)//4, 512)).
 
 Per row: kernel, case, impl ("pallas" | "xla"; on a GPU also "pallas_p_regs", the kernel with P fed to the
-PV wgmma from registers), median_us (pallas_kernels.timing.time_fn), bytes (the
+PV wgmma from registers), median_us (jds.bench.timing.time_fn), bytes (the
 unavoidable traffic: valid records gathered once per token + bf16 q + fp32 output), flops
 (2 * heads * valid candidates * (d_qk + d_v), summed over tokens), tokens, heads, candidates (mean valid
 per token) and, on the pallas row, max_abs_err / ref_max against the XLA output of the same inputs.
@@ -30,7 +31,7 @@ import numpy as np
 from jds.ops.paging import empty_cache, write_records
 from jds.ops.records import MlaRecord584, MlaRecord656
 from pallas_kernels import sparse_mqa as mqa
-from pallas_kernels.timing import device_row, time_fn
+from jds.bench.timing import device_row, time_fn
 
 CTX = 8192  # decode context length per request
 PREFILL = 4096

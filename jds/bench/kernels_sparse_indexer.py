@@ -1,5 +1,5 @@
 """Benchmarks of the paged FP8 indexer logits kernel and the indexer top-k (issue 7), each against the
-XLA implementation in the same run. Driven by scripts/bench_kernels.py (``--only sparse_indexer``).
+XLA implementation in the same run. Driven by ``python -m jds.bench.kernels`` (``--only sparse_indexer``).
 
 Cases (full run; ``quick`` uses tiny shapes and few iterations, e.g. to smoke-test on the CPU):
 - decode_logits / decode_select: batch B in {1, 16, 64} x context C in {4K, 32K, 128K}, one token per
@@ -37,7 +37,7 @@ from jds.ops.quant import FP8
 from jds.ops.records import IndexerRecord132
 from jds.ops.select import radix_topk
 from pallas_kernels import sparse_indexer as si
-from pallas_kernels.timing import device_row, time_fn
+from jds.bench.timing import device_row, time_fn
 from pallas_kernels.topk_select import TopkSelectConfig, topk_select
 
 HI = 64
@@ -148,8 +148,9 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
         yield (_row(case, "xla", select_x, args, nbytes, flops, quick, big=b * c >= (1 << 21)))
         if (b, c) in ((64, 32768), (64, 131072), (16, 131072)):  # tuning sweep at and beyond the target point
             nbytes, flops = _model(b, c, vis_np, 1, req_np, False)
-            # 2026-11-29 at b64 / 32K: tpc 16 / 3 buffers 69% of copy BW against the default's (tpc 32) 60%;
-            # the other points say whether a smaller default cap would hold at long context
+            # b64 / 32K: the tpc / buffer variants against the default (kernels_sparse_indexer_*.json, rows
+            # decode_logits_b64_c32768_tpc*, key bandwidth_frac); the other points say whether a smaller
+            # default cap would hold at long context
             sweep = [(f"tpc{tpc}_nbuf{nbuf}", si.IndexerKernelConfig(tiles_per_cta=tpc, num_buffers=nbuf))
                      for tpc, nbuf in ((8, 2), (16, 3), (32, 4), (64, 4))]
             if c == 32768:

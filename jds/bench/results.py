@@ -1,4 +1,4 @@
-"""Benchmark result files: every script writes its JSON through ``write_json``."""
+"""Benchmark result files: every benchmark writes its JSON through ``write_json``."""
 
 from __future__ import annotations
 

@@ -1,0 +1,68 @@
+"""BENCHMARKS.md is generated from the result files (``python -m jds.bench.report``): the committed page is what
+the generator writes from the repository's results, it stays under 250 lines, and every table names the one
+complete JSON file its numbers come from."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from jds.bench.report import collect, is_complete, render
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+
+
+def test_page_is_generated_from_the_results() -> None:
+    text = render(RESULTS)
+    with open(os.path.join(ROOT, "BENCHMARKS.md")) as f:
+        assert f.read() == text, "BENCHMARKS.md is stale: run python -m jds.bench.report"
+    assert text.count("\n") < 250
+
+
+def test_every_table_names_an_existing_complete_file() -> None:
+    sections = re.split(r"\n## ", render(RESULTS))[1:]
+    tabulated = [s for s in sections if "|---" in s]
+    assert len(tabulated) >= 8
+    for s in tabulated:
+        title = s.splitlines()[0]
+        (src,) = re.findall(r"^Source: `benchmarks/results/([^`]+)`$", s, re.M)
+        path = os.path.join(RESULTS, src)
+        assert os.path.isfile(path), (title, src)
+        assert src.startswith(title + "_") and re.fullmatch(r".+_[a-z0-9]+_\d{4}-\d{2}-\d{2}\.json", src), src
+        with open(path) as f:
+            assert is_complete(src, json.load(f)), src
+
+
+def test_table_numbers_come_from_the_source_file() -> None:
+    """Each median in the boundary tables equals the source file's value for that step and mode."""
+    current, _, _ = collect(RESULTS)
+    name, d = current["boundary_v32"]
+    section = render(RESULTS).split("## boundary_v32\n")[1].split("\n## ")[0]
+    modes = d["archs"]["v32"]["modes"]
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0] in modes["wide"] and isinstance(modes["wide"][cells[0]], dict):
+            for mode, cell in zip(("wide", "narrow", "fused"), cells[1:4]):
+                stat = modes[mode][cells[0]]
+                assert cell == f"{stat.get('median_ms', stat.get('p50_ms')):.2f}", (cells[0], mode)
+
+
+def test_completeness_and_current_file(tmp_path) -> None:
+    """Newest complete file per benchmark; a ``complete: false`` or ``partial`` file is listed, not tabulated."""
+    def put(name: str, meta: dict) -> None:
+        (tmp_path / name).write_text(json.dumps({"meta": meta, "variants": {
+            "fused:host": {"ttft_ms": 2.0, "prepare_ms": 0.5, "launch_ms": 1.0, "back_to_back_step_ms": 1.5,
+                           "first_step_s": 3.0, "dispatches": {"captured": 1, "eager": 0}},
+            "fused:device": {"ttft_ms": 1.0, "prepare_ms": 0.1, "launch_ms": 0.5, "back_to_back_step_ms": 1.4,
+                             "first_step_s": 3.0, "dispatches": {"captured": 1, "eager": 0}}}}))
+
+    put("ttft_h200_2026-11-28.json", {"date": "2026-11-28", "complete": True})
+    put("ttft_h200_2026-11-30.json", {"date": "2026-11-30", "complete": False})
+    put("ttft_partial_h200_2026-11-30.json", {"date": "2026-11-30"})
+    current, rest, _ = collect(str(tmp_path))
+    assert current["ttft"][0] == "ttft_h200_2026-11-28.json" and "ttft_partial" not in current
+    assert rest == {"ttft_h200_2026-11-30.json": "incomplete", "ttft_partial_h200_2026-11-30.json": "incomplete"}
+    text = render(str(tmp_path))
+    assert "| fused:device | 1.00 | 0.10 | 0.50 | 1.40 | 3.0 | 1 + 0 | 0.50 |" in text
