@@ -145,27 +145,58 @@ def _ttft(d: dict) -> list[str]:
 
 
 def _host_profile(d: dict, top: int = 8) -> list[str]:
-    out = ["Window times per step (ms) and GPU timing, per command-buffer variant and depth:", ""]
+    """Window times per variant and depth, then one table of the top host self-time events of the first
+    variant with a column per depth (what grows with depth is what launch cost scales with)."""
+    out = ["Window times per step (ms; traced, and the untraced medians where recorded) and GPU timing:", ""]
     rows = []
     for v, vr in d.get("variants", {}).items():
         for depth, r in vr.get("depths", {}).items():
-            w, g = r.get("window_ms", {}), r.get("gpu", {})
+            w, g = r.get("window_ms", {}), r.get("gpu") or {}
             rows.append([v, str(depth), _fmt(w.get("jds_prepare")), _fmt(w.get("jds_launch")), _fmt(w.get("jds_sync")),
+                         _fmt(r.get("untraced_prepare_ms_median")), _fmt(r.get("untraced_launch_ms_median")),
+                         _fmt(r.get("untraced_wall_ms_median")),
                          _fmt(g.get("first_kernel_after_step_start_ms")), _fmt(g.get("device_span_ms")),
-                         _fmt(g.get("kernel_busy_ms"))])
-    out += _table(["variant", "layers", "prepare", "launch", "sync", "first kernel after step start",
-                   "device span", "kernel busy"], rows)
+                         _fmt(g.get("kernel_busy_ms")), "trace failed" if r.get("trace_error") else ""])
+    out += _table(["variant", "layers", "prepare", "launch", "sync", "untraced prepare", "untraced launch",
+                   "untraced wall", "first kernel after step start", "device span", "kernel busy", "note"], rows)
     first = next(iter(d.get("variants", {}).items()), None)
-    if first:
-        v, vr = first
-        for depth, r in vr.get("depths", {}).items():
-            hs = sorted(r.get("host_self_top", []), key=lambda e: -e["self_us_per_step"])[:top]
-            out += ["", f"Host self time, variant {v}, {depth} layers (top {len(hs)} of "
-                    f"{len(r.get('host_self_top', []))}; µs per step):", ""]
-            out += _table(["window", "event", "self µs / step", "count / step"],
-                          [[e["window"], e["name"].replace("|", "/"), _fmt(e["self_us_per_step"], 1),
-                            _fmt(e["count_per_step"], 1)] for e in hs])
+    depths = first[1].get("depths", {}) if first else {}
+    if depths and any(r.get("host_self_top") for r in depths.values()):
+        deepest = list(depths.values())[-1]
+        keys = [(e["window"], _event(e["name"])) for e in
+                sorted(deepest.get("host_self_top", []), key=lambda e: -e["self_us_per_step"])[:top]]
+        per = {dep: {(e["window"], _event(e["name"])): e for e in r.get("host_self_top", [])}
+               for dep, r in depths.items()}
+        out += ["", f"Host self time of the top events at the deepest stack, variant {first[0]} "
+                "(µs per step, count per step in brackets), by depth:", ""]
+        out += _table(["window", "event"] + [f"{dep} layers" for dep in depths],
+                      [[w, n.replace("|", "/")] + [
+                          (f"{_fmt(per[dep][(w, n)]['self_us_per_step'], 1)} "
+                           f"({_fmt(per[dep][(w, n)]['count_per_step'], 1)})") if (w, n) in per[dep] else "—"
+                          for dep in depths] for w, n in keys])
     return out
+
+
+def _event(name: str) -> str:
+    """An event name without the per-executable graph id, so one event lines up across depths."""
+    return re.sub(r"\(CudaGraph:\d+\)", "(CudaGraph)", name)
+
+
+def _batch_invariant(d: dict) -> list[str]:
+    rows = []
+    base = next((c.get("throughput", {}).get("decode_tok_s") for c in d.get("configs", [])
+                 if c.get("config") == "default"), None)
+    for c in d.get("configs", []):
+        t = c.get("throughput", {})
+        rows.append([c.get("config", "?"), f"{c.get('greedy_identical')}/{c.get('greedy_total')}",
+                     f"{c.get('seeded_identical')}/{c.get('seeded_total')}", str(c.get("num_preemptions")),
+                     str(c.get("repeat_identical")), _fmt(t.get("decode_step_ms_median")), _fmt(t.get("decode_tok_s"), 0),
+                     _ratio(t.get("decode_tok_s"), base)])
+    args = d.get("meta", {}).get("args", {})
+    return [f"Requests identical alone vs all together ({args.get('preset')}, {args.get('mode')} mode, "
+            f"{args.get('num_blocks')} pages), and decode throughput:", ""] + \
+        _table(["config", "greedy identical", "seeded identical", "preemptions", "run twice identical",
+                "decode step ms", "decode tok/s", "tok/s / default"], rows)
 
 
 def _kernel_rows(d: dict) -> list[str]:
@@ -227,6 +258,7 @@ RENDERERS: list[tuple[Callable[[str, dict], bool], Callable[[dict], list[str]]]]
     (lambda b, d: b.startswith("probe_graph_updates"), _probe),
     (lambda b, d: b.startswith("host_profile"), _host_profile),
     (lambda b, d: b.startswith("ttft"), _ttft),
+    (lambda b, d: b.startswith("batch_invariant"), _batch_invariant),
     (lambda b, d: b.startswith("kernels"), _kernels),
 ]
 
