@@ -168,14 +168,13 @@ def pack_step(token_ids: np.ndarray, chunks: Sequence[Chunk], updates: tuple[np.
               *, num_tokens: int, num_rows: int, update_capacity: int, feed: np.ndarray | None = None) -> np.ndarray:
     """The host's whole per-step input as one int32 array: what ``unpack_step`` expands on the device.
 
-    Layout: [num_tokens, num_chunks, num_updates | token ids (padded to the bucket) | feed (padded with -1)
-    | chunk rows | chunk
-    starts | chunk lengths (each padded to ``num_rows``) | update rows | update columns | update pages
-    (each padded to ``update_capacity``)]. ``updates`` are the block-table entries that changed since the
-    last step (rows, columns, page ids). ``feed[i] >= 0`` makes token i the one the previous step sampled
-    for its row ``feed[i]`` (asynchronous stepping: the host never waits for it). Why one array: each host-to-device transfer costs tens of
-    microseconds of host time whatever its size, and an argument whose address changes makes XLA update
-    every recorded graph command that reads it; the packed buffer is read only by the first few.
+    Layout: [num_tokens, num_chunks, num_updates | token ids (padded to the bucket) | feed (padded with -1) | chunk
+    rows | chunk starts | chunk lengths (each padded to ``num_rows``) | update rows | update columns | update pages
+    (each padded to ``update_capacity``)]. ``updates`` are the block-table entries that changed since the last step
+    (rows, columns, page ids). ``feed[i] >= 0`` makes token i the one the previous step sampled for its row
+    ``feed[i]`` (asynchronous stepping: the host never waits for it). Why one array: each host-to-device transfer
+    costs tens of microseconds of host time whatever its size, and an argument whose address changes makes XLA
+    update every recorded graph command that reads it; the packed buffer is read only by the first few.
     """
     t = len(token_ids)
     c = len(chunks)

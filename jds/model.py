@@ -128,20 +128,24 @@ class MoE(nnx.Module):
         return (routed + self.shared(x).astype(jnp.float32)).astype(x.dtype)
 
 
-def make_attention(cfg: ModelConfig, layer_id: int, implementation: str, rngs: nnx.Rngs) -> nnx.Module:
+def make_attention(cfg: ModelConfig, layer_id: int, implementation: str, rngs: nnx.Rngs,
+                   indexer_config: Any = None) -> nnx.Module:
     if cfg.arch == "v32":
         from jds.v32 import V32Attention
-        return V32Attention(cfg.attn, cfg.numerics, rngs=rngs, implementation=implementation)
+        return V32Attention(cfg.attn, cfg.numerics, rngs=rngs, implementation=implementation,
+                            indexer_config=indexer_config)
     from jds.v4 import V4Attention
-    return V4Attention(cfg.attn, cfg.numerics, layer_id, rngs=rngs, implementation=implementation)
+    return V4Attention(cfg.attn, cfg.numerics, layer_id, rngs=rngs, implementation=implementation,
+                       indexer_config=indexer_config)
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, implementation: str, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layer_id: int, implementation: str, rngs: nnx.Rngs,
+                 indexer_config: Any = None):
         dt = jdtype(cfg.numerics.dtype)
         eps = cfg.attn.rms_norm_eps
         self.attn_norm = RMSNorm(cfg.hidden_size, eps=eps, rngs=rngs)
-        self.attn = make_attention(cfg, layer_id, implementation, rngs)
+        self.attn = make_attention(cfg, layer_id, implementation, rngs, indexer_config)
         self.ffn_norm = RMSNorm(cfg.hidden_size, eps=eps, rngs=rngs)
         self.ffn = (MoE(cfg, dt, rngs) if cfg.n_routed_experts
                     else MLP(cfg.hidden_size, cfg.intermediate_size, dt, cfg.numerics.fp8_linear, rngs))
@@ -182,11 +186,14 @@ class Embedding(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, seed: int = 0, implementation: str = "auto"):
+    def __init__(self, cfg: ModelConfig, *, seed: int = 0, implementation: str = "auto", indexer_config: Any = None):
+        """``indexer_config``: a ``pallas_kernels.sparse_indexer.IndexerKernelConfig`` for every layer's
+        indexer kernel (key source, top-k algorithm); None takes the kernel's defaults."""
         rngs = nnx.Rngs(seed)
         self.cfg = cfg
         self.embed = Embedding(cfg, rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, i, implementation, rngs) for i in range(cfg.n_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, i, implementation, rngs, indexer_config)
+                                for i in range(cfg.n_layers)])
         self.head = Head(cfg, rngs)
 
     def init_caches(self, num_blocks: int) -> list[Any]:

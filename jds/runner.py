@@ -73,21 +73,21 @@ def invariant_buckets(token_buckets: tuple[int, ...], key_block_buckets: tuple[i
                       max_blocks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The buckets of batch-invariant mode: only the largest step and the longest block table.
 
-    Why: a token's logits must not depend on what it is batched with, how its prompt was chunked or
-    whether it was recomputed after preemption. The decoder has no cross-row reduction: norms, FP8
-    activation scales (per row, per 128 columns), RoPE and the cache records are per token, and
-    attention reads each key back from the paged cache in prefill and decode alike (a position is
-    written before it is read), so recompute sees the keys that decode saw. What remains is the shape:
-    XLA compiles each step shape separately (GEMM algorithms, tilings, fusions), so a row can round
-    differently in a 16-token and a 256-token step, and a near-tie greedy or seeded choice flips. One
-    token bucket gives every step the same executables, so each row's reduction order is fixed, given
-    that a kernel reduces a row the same way at any row index of its shape (true of the CPU backend;
-    the bench's co-batched runs check a GPU, where a stream-K GEMM need not). The key-block bucket is fixed too, so that attention and indexer reductions never change
-    width with the step's longest sequence (the CPU backend was found insensitive to it; a GPU's
-    reduction tiling need not be). The MoE FFN's ragged_dot groups rows by expert, so its per-expert
-    shapes depend on the other rows: invariant on the CPU backend (tests/test_batch_invariant.py),
-    to be checked on a GPU (scripts/bench_batch_invariant.py --moe). Costs: every step computes
-    ``max_num_tokens`` rows and scans ``max_blocks`` key blocks. Other buckets are refused, not ignored.
+    Why: a token's logits must not depend on what it is batched with, how its prompt was chunked or whether it was
+    recomputed after preemption. The decoder has no cross-row reduction: norms, FP8 activation scales (per row, per
+    128 columns), RoPE and the cache records are per token, and attention reads each key back from the paged cache
+    in prefill and decode alike (a position is written before it is read), so recompute sees the keys that decode
+    saw. What remains is the shape: XLA compiles each step shape separately (GEMM algorithms, tilings, fusions), so
+    a row can round differently in a 16-token and a 256-token step, and a near-tie greedy or seeded choice flips.
+    One token bucket gives every step the same executables, so each row's reduction order is fixed, given that a
+    kernel reduces a row the same way at any row index of its shape (true of the CPU backend; the bench's co-batched
+    runs check a GPU, where a stream-K GEMM need not; on the H200 they held:
+    benchmarks/results/batch_invariant_h200_2026-11-30.json). The key-block bucket is fixed too, so that attention
+    and indexer reductions never change width with the step's longest sequence (the CPU backend was found
+    insensitive to it; a GPU's reduction tiling need not be). The MoE FFN's ragged_dot groups rows by expert, so its
+    per-expert shapes depend on the other rows: invariant on the CPU backend (tests/test_batch_invariant.py), to be
+    checked on a GPU (scripts/bench_batch_invariant.py --moe). Costs: every step computes ``max_num_tokens`` rows
+    and scans ``max_blocks`` key blocks. Other buckets are refused, not ignored.
     """
     for name, given, top in (("token_buckets", token_buckets, max_num_tokens),
                              ("key_block_buckets", key_block_buckets, max_blocks)):
@@ -117,8 +117,9 @@ def use_graph_update_mode(mode: str) -> None:
     over the first calls, at fixed virtual addresses. Both need XLA's VMM allocator, which XLA selects
     only when the mode is in XLA_FLAGS at client creation: as a per-executable compiler option it would
     silently fall back (openxla/xla gpu_executable_va_remap_allocator.cc, 2026).
-    Measured on the H200 (2026-11-29, BENCHMARKS.md): neither mode cuts the host cost of a captured
-    step (0.41-0.73 ms against 0.51-0.54 ms per 2-layer fused dispatch), so it stays an option, off by default.
+    Neither mode removed the per-step ``command_buffer::update`` of a fused step whose inputs are fresh
+    device arrays (benchmarks/results/host_profile_h200_2026-11-30.json, variants SKIP_TEMP / SKIP_PROFILED
+    against default), so it stays an option, off by default.
     """
     if mode not in GRAPH_UPDATE_MODES:
         raise ValueError(f"graph_update_mode must be one of {GRAPH_UPDATE_MODES}, got {mode!r}")

@@ -11,7 +11,7 @@ Stages (the boundary runner in jds/runner.py cuts between them):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -70,11 +70,12 @@ class V32Indexer(nnx.Module):
 
 class V32Attention(StagedAttention):
     def __init__(self, cfg: V32Config, numerics: Numerics, *, rngs: nnx.Rngs, form: AttnForm = "absorbed",
-                 implementation: Implementation = "auto"):
+                 implementation: Implementation = "auto", indexer_config: Any = None):
         if form not in ("absorbed", "mha"):
             raise ValueError(f"form must be 'absorbed' or 'mha', got {form!r}")
         implementation = resolve_implementation(implementation)
         self.cfg, self.numerics, self.form, self.implementation = cfg, numerics, form, implementation
+        self.indexer_config = indexer_config  # pallas_kernels.sparse_indexer.IndexerKernelConfig; None: default
         dt, fp8 = jdtype(numerics.dtype), numerics.fp8_linear
         self.dtype = dt
         self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype=dt, fp8=fp8, rngs=rngs)
@@ -172,7 +173,7 @@ class V32Attention(StagedAttention):
             if sparse_indexer.supports(self.index_format, self.cfg.index_head_dim):
                 return sparse_indexer.indexer_topk(query.index_q, query.index_w, cache.index_k, self.index_format,
                                                    batch.block_tables, batch.req_idx, batch.positions + 1,
-                                                   self.cfg.index_topk)
+                                                   self.cfg.index_topk, config=self.indexer_config)
         max_keys = batch.block_tables.shape[1] * self.cfg.block_size
         keys = gather_request_rows(cache.index_k, self.index_format, batch.block_tables, max_keys)
         scores = index_scores(query.index_q, query.index_w, keys[batch.req_idx])

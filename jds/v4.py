@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -107,8 +108,9 @@ def _fused_v4_supports(head_dim: int, rope_dim: int) -> bool:
 
 class V4Attention(StagedAttention):
     def __init__(self, cfg: V4Config, numerics: Numerics, layer_id: int, *, rngs: nnx.Rngs,
-                 implementation: Implementation = "auto"):
+                 implementation: Implementation = "auto", indexer_config: Any = None):
         implementation = resolve_implementation(implementation)
+        self.indexer_config = indexer_config  # pallas_kernels.sparse_indexer.IndexerKernelConfig; None: default
         if not 0 <= layer_id < cfg.n_layers:
             raise ValueError(f"layer_id {layer_id} outside [0, {cfg.n_layers})")
         self.cfg, self.numerics, self.layer_id, self.implementation = cfg, numerics, layer_id, implementation
@@ -235,7 +237,7 @@ class V4Attention(StagedAttention):
             if sparse_indexer.supports(self.index_format, self.cfg.index_head_dim):
                 return sparse_indexer.indexer_topk(query.index_q, query.index_w, cache.index_k, self.index_format,
                                                    batch.block_tables, batch.req_idx, (batch.positions + 1) // 4,
-                                                   self.cfg.index_topk)
+                                                   self.cfg.index_topk, config=self.indexer_config)
         keys = gather_request_rows(cache.index_k, self.index_format, batch.block_tables, self._max_entries(batch))
         scores = index_scores(query.index_q, query.index_w, keys[batch.req_idx])
         return topk_visible(scores, (batch.positions + 1) // 4, self.cfg.index_topk)

@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Literal
 
 import jax
@@ -131,16 +130,9 @@ class IndexerKernelConfig:
 
 
 def default_config() -> IndexerKernelConfig:
-    """The config used when none is passed (the layers' ``select``): ``IndexerKernelConfig()``, with
-    ``key_source`` taken from the environment variable JDS_INDEXER_KEY_SOURCE when set (e.g. "gathered"
-    to run the layers without the RefUnion SMEM bitcast), and ``topk_algorithm`` from JDS_INDEXER_TOPK
-    ("auto" / "radix" / "pallas_radix" to try another selection in the layers; the default is "lax")."""
-    over = {}
-    if os.environ.get("JDS_INDEXER_KEY_SOURCE"):
-        over["key_source"] = os.environ["JDS_INDEXER_KEY_SOURCE"]
-    if os.environ.get("JDS_INDEXER_TOPK"):
-        over["topk_algorithm"] = os.environ["JDS_INDEXER_TOPK"]
-    return IndexerKernelConfig(**over)
+    """The config used when none is passed. Another key source or top-k algorithm in the layers goes
+    through their constructors (``Decoder(..., indexer_config=IndexerKernelConfig(...))``)."""
+    return IndexerKernelConfig()
 
 
 def supports(fmt: object, head_dim: int = HEAD_DIM) -> bool:

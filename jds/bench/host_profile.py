@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.no_graph:
         variants.append(("no_command_buffers", "--xla_gpu_enable_command_buffer=", [a.update_mode_layers]))
     base = [sys.executable, "-m", "jds.bench.host_profile", "--arch", a.arch, "--mode", a.mode, "--steps",
-            str(a.steps), "--size", a.size, "--moe-experts", str(a.moe_experts), "--implementation", a.implementation, "--runner-kw", a.runner_kw, "--out", a.out]
+            str(a.steps), "--size", a.size, "--moe-experts", str(a.moe_experts), "--implementation",
+            a.implementation, "--runner-kw", a.runner_kw, "--out", a.out]
     if a.intermediate:
         base += ["--intermediate", str(a.intermediate)]
     for name, flags, layers in variants:
