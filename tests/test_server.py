@@ -425,18 +425,23 @@ def test_byte_tokenizer_streams_split_utf8():
     assert dec.feed([tok.eos_token_id, 300]) == "" and dec.feed([0xE2, 0x9C]) == "" and dec.feed([0x93]) == "✓"
 
 
-def test_hf_tokenizer_json_is_used_when_present(tmp_path):
+def _train_bpe(tmp_path, corpus: str) -> None:
+    """A small byte-level BPE ``tokenizer.json`` in ``tmp_path`` (skips without the tokenizers package)."""
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    from jds.server.tokenizer import HFTokenizer, load_tokenizer
 
     t = tokenizers.Tokenizer(models.BPE())
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     t.decoder = decoders.ByteLevel()
-    t.train_from_iterator(["hello world, naïve ✓ café"] * 50,
+    t.train_from_iterator([corpus] * 50,
                           trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     t.save(str(tmp_path / "tokenizer.json"))
+
+
+def test_hf_tokenizer_json_is_used_when_present(tmp_path):
+    from jds.server.tokenizer import HFTokenizer, load_tokenizer
+
+    _train_bpe(tmp_path, "hello world, naïve ✓ café")
     tok = load_tokenizer(str(tmp_path), bos_token_id=0, eos_token_id=1)
     assert isinstance(tok, HFTokenizer)
     assert isinstance(load_tokenizer(str(tmp_path / "missing"), bos_token_id=0, eos_token_id=1), ByteTokenizer)
@@ -450,17 +455,9 @@ def test_hf_tokenizer_json_is_used_when_present(tmp_path):
 def test_hf_stream_decoding_is_windowed(tmp_path):
     """Streaming a long reply decodes a bounded window per token (not the whole output, which would be
     quadratic on the event loop) and still equals the one-shot decode."""
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
     from jds.server.tokenizer import HFTokenizer
 
-    t = tokenizers.Tokenizer(models.BPE())
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    t.train_from_iterator(["the quick brown fox, naïve ✓ café 😀"] * 50,
-                          trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    t.save(str(tmp_path / "tokenizer.json"))
+    _train_bpe(tmp_path, "the quick brown fox, naïve ✓ café 😀")
     tok = HFTokenizer(str(tmp_path / "tokenizer.json"))
     lengths = []
     real = tok.decode

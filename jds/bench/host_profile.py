@@ -145,7 +145,7 @@ def profile_depth(arch: str, layers: int, mode: str, steps: int, implementation:
     import numpy as np
     from jax import profiler
 
-    from jds.bench.stack import block_table, build_stack, make_runner, step_shapes
+    from jds.bench.stack import block_table, build_stack, make_runner, step_shapes, time_steps
 
     t0 = time.perf_counter()
     model = build_stack(arch, layers, implementation=implementation, size=size, intermediate=intermediate,
@@ -158,17 +158,7 @@ def profile_depth(arch: str, layers: int, mode: str, steps: int, implementation:
     t1 = time.perf_counter()
     np.asarray(runner.step(*runner.prepare_inputs(ids, chunks, bt)))
     compile_s = time.perf_counter() - t1
-    walls, preps, launches = [], [], []
-    for _ in range(30):
-        a = time.perf_counter()
-        inputs = runner.prepare_inputs(ids, chunks, bt)
-        b = time.perf_counter()
-        logits = runner.step(*inputs)
-        c = time.perf_counter()
-        np.asarray(logits)
-        walls.append(time.perf_counter() - a)
-        preps.append(b - a)
-        launches.append(c - b)
+    walls, preps, launches = time_steps(runner, ids, chunks, bt, 30, warm=0)
     med = lambda xs: 1e3 * sorted(xs)[len(xs) // 2]  # noqa: E731
     trace_dir = tempfile.mkdtemp(prefix="jds_trace_")
     opts = profiler.ProfileOptions()

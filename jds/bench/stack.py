@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -55,3 +56,22 @@ def step_shapes(ctx: int) -> dict[str, list[Chunk]]:
             "prefill_64x128_step": [Chunk(i, 0, 128) for i in range(64)],
             f"decode_b1_ctx{ctx}": [Chunk(0, ctx - 1, 1)],
             f"decode_b64_ctx{ctx}": [Chunk(i, ctx - 1, 1) for i in range(64)]}
+
+
+def time_steps(runner: Any, ids: np.ndarray, chunks: list[Chunk], bt: np.ndarray, n: int, warm: int = 10
+               ) -> tuple[list[float], list[float], list[float]]:
+    """Seconds per step, over ``n`` steps after ``warm``: (wall: inputs -> logits on the host, host input
+    preparation, host launch of ``runner.step``)."""
+    walls, preps, launches = [], [], []
+    for i in range(warm + n):
+        a = time.perf_counter()
+        inputs = runner.prepare_inputs(ids, chunks, bt)
+        b = time.perf_counter()
+        logits = runner.step(*inputs)
+        c = time.perf_counter()
+        np.asarray(logits)
+        if i >= warm:
+            walls.append(time.perf_counter() - a)
+            preps.append(b - a)
+            launches.append(c - b)
+    return walls, preps, launches

@@ -28,7 +28,7 @@ def time_variant(model: Any, mode: str, prep: str, segments: int, n: int, moe: b
     import jax
     import numpy as np
 
-    from jds.bench.stack import block_table, make_runner, step_shapes
+    from jds.bench.stack import block_table, make_runner, step_shapes, time_steps
 
     t0 = time.perf_counter()
     runner = make_runner(model, mode, 64, 512, input_prep=prep, segments=segments)
@@ -37,18 +37,7 @@ def time_variant(model: Any, mode: str, prep: str, segments: int, n: int, moe: b
     ids = np.random.default_rng(0).integers(0, 256, 128).astype(np.int32)
     np.asarray(runner.step(*runner.prepare_inputs(ids, chunks, bt)))
     compile_s = time.perf_counter() - t0
-    walls, preps, launches = [], [], []
-    for i in range(n + 10):
-        a = time.perf_counter()
-        inputs = runner.prepare_inputs(ids, chunks, bt)
-        b = time.perf_counter()
-        logits = runner.step(*inputs)
-        c = time.perf_counter()
-        np.asarray(logits)
-        if i >= 10:
-            walls.append(time.perf_counter() - a)
-            preps.append(b - a)
-            launches.append(c - b)
+    walls, preps, launches = time_steps(runner, ids, chunks, bt, n)
     reps = []
     for _ in range(5):  # device-bound: ten steps in flight, one wait
         a = time.perf_counter()
