@@ -2,8 +2,9 @@
 # The H200 runbook. Stages run in the order given; each fits the 10-minute call limit on its own, and
 # its outputs land in $OUT as they are produced, so a stage that is cut short keeps what it measured:
 #
-#   scripts/gpu_session.sh hostpath      # issue 16: TTFT variants (host vs device prep, segments) at 8 layers,
-#                                        # the host trace at 2/8/16, then 61 layers (MoE: 16 routed experts, top-8)
+#   scripts/gpu_session.sh hostpath      # issue 16: TTFT variants (host vs device prep, segments), update modes
+#   scripts/gpu_session.sh deep          # issue 16: 61 layers, MoE (8 routed experts, top-8)
+#   scripts/gpu_session.sh async         # issue 16: the server, async stepping on vs --no-async
 #   scripts/gpu_session.sh probe         # host cost of a captured step: preparation vs dispatch, graphs vs none
 #   scripts/gpu_session.sh boundary      # bench_boundary, V3.2 + V4, compiled in parallel processes first
 #   scripts/gpu_session.sh boundary-v4   # the V4 stack alone (all three modes)
@@ -29,15 +30,32 @@ nvidia-smi -L > "$OUT/device.txt" 2>&1 || true
 for stage in "$@"; do
 case "$stage" in
   hostpath)
-    V="fused:host fused:device fused:device:2 fused:device:4 fused:device:8 narrow:host narrow:device wide:host wide:device"
+    # issue 16. 2026-11-30: device prep + segments took the fused 8-layer TTFT from 10.26 to 8.55 ms, but the
+    # one-executable launch did not shrink (docs/perf-log.md): next, device prep under SKIP_TEMP / SKIP_PROFILED
+    V="fused:host fused:device fused:device:2 fused:device:4 fused:device:8 narrow:host wide:host wide:device"
     timeout ${TTFT_TIMEOUT:-200} python3 -m jds.bench.ttft --arch v32 --layers 8 --intermediate 18432 --variants $V \
-      --out "$OUT/ttft_v32_8l.json" > "$OUT/ttft_v32_8l.log" 2>&1; echo "ttft8 rc=$?"; grep '^{' "$OUT/ttft_v32_8l.log" | cut -c1-250
-    timeout ${HP_TIMEOUT:-120} python3 -m jds.bench.host_profile --arch v32 --layers 2 8 16 --intermediate 18432 \
-      --runner-kw '{"input_prep": "device"}' --out "$OUT/host_profile_device.json" > "$OUT/host_profile.log" 2>&1
-    echo "host_profile rc=$?"; grep '^{' "$OUT/host_profile.log" | cut -c1-250
-    timeout ${DEEP_TIMEOUT:-300} python3 -m jds.bench.ttft --arch v32 --layers 61 --moe-experts 16 --moe-topk 8 --n 20 \
-      --variants fused:device:8 fused:device fused:host --out "$OUT/ttft_v32_61l.json" > "$OUT/ttft_v32_61l.log" 2>&1
-    echo "ttft61 rc=$?"; grep '^{' "$OUT/ttft_v32_61l.log" | cut -c1-250
+      --out "$OUT/ttft_v32_h200.json" > "$OUT/ttft_v32.log" 2>&1; echo "ttft8 rc=$?"; grep '^{' "$OUT/ttft_v32.log" | cut -c1-250
+    for m in SKIP_TEMP SKIP_PROFILED; do
+      timeout ${TTFT_MODE_TIMEOUT:-90} python3 -m jds.bench.ttft --arch v32 --layers 8 --intermediate 18432 \
+        --graph-update-mode $m --variants fused:host fused:device fused:device:4 --out "$OUT/ttft_v32_$m.json" \
+        > "$OUT/ttft_v32_$m.log" 2>&1; echo "ttft $m rc=$?"; grep '^{' "$OUT/ttft_v32_$m.log" | cut -c1-200
+    done
+    ;;
+  deep)
+    # issue 16 item 5: 61 layers, MoE with 8 routed experts (1.2 GB per layer; 16 did not fit the 0.75 default fraction)
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout ${DEEP_TIMEOUT:-420} python3 -m jds.bench.ttft --arch v32 --layers 61 \
+      --moe-experts 8 --moe-topk 8 --n 20 --variants fused:device:8 fused:device fused:host \
+      --out "$OUT/ttft_v32_61l_h200.json" > "$OUT/ttft_v32_61l.log" 2>&1
+    echo "deep rc=$?"; grep '^{' "$OUT/ttft_v32_61l.log" | cut -c1-250
+    ;;
+  async)
+    # issue 16 item 4: the server with async stepping on and off, fused mode, c=1 and c=64
+    timeout ${ASYNC_TIMEOUT:-570} python3 scripts/bench_serve_modes.py --preset v32-bench --modes fused --num-prompts 200 --output-len 64 \
+      --num-warmups 10 --out "$OUT/serve_async_h200.json" -- --num-blocks 600 --token-buckets 128 2048 \
+      --key-block-buckets 4 > "$OUT/serve_async.log" 2>&1; echo "async rc=$?"; tail -6 "$OUT/serve_async.log"
+    timeout ${ASYNC_TIMEOUT:-570} python3 scripts/bench_serve_modes.py --preset v32-bench --modes fused --num-prompts 200 --output-len 64 \
+      --num-warmups 10 --out "$OUT/serve_sync_h200.json" -- --num-blocks 600 --token-buckets 128 2048 \
+      --key-block-buckets 4 --no-async > "$OUT/serve_sync.log" 2>&1; echo "sync rc=$?"; tail -6 "$OUT/serve_sync.log"
     ;;
   probe)
     # one process per variant (update modes pick XLA's allocator at start-up); fused first: one executable

@@ -65,8 +65,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--implementation", default="auto", choices=("auto", "xla", "pallas"))
     ap.add_argument("--variants", nargs="+", default=["fused:host", "fused:device"])
     ap.add_argument("--n", type=int, default=50)
+    ap.add_argument("--graph-update-mode", default=None,
+                    help="XLA command-buffer update mode for the whole process (ALWAYS_UPDATE, SKIP_TEMP, SKIP_PROFILED)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
+    if a.graph_update_mode:  # before JAX creates its GPU client: XLA picks its allocator from it then
+        from jds.runner import use_graph_update_mode
+
+        use_graph_update_mode(a.graph_update_mode)
     import jax
 
     from jds.bench.stack import build_stack
@@ -81,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
                                     "backend": jax.default_backend(), "arch": a.arch, "layers": a.layers,
                                     "intermediate": a.intermediate, "moe_experts": a.moe_experts,
                                     "moe_topk": a.moe_topk, "build_s": time.perf_counter() - t0,
+                                    "graph_update_mode": a.graph_update_mode,
                                     "complete": False},
                            "variants": {}}
     for v in a.variants:
