@@ -130,7 +130,8 @@ class Recorder:
     def submit(self, token_ids, chunks, block_tables, sampling, feed):
         self.calls.append((list(chunks), np.array(token_ids), np.array(feed)))
         assert len(token_ids) == sum(c.num_tokens for c in chunks) <= self.max_num_tokens
-        assert [c.req for c in chunks] == list(range(len(chunks))) and len(sampling) == len(chunks)
+        rows = [c.req for c in chunks]  # persistent rows: strictly increasing, inside the table
+        assert rows == sorted(set(rows)) and rows[-1] < self.max_num_seqs and len(sampling) == len(chunks)
         off = 0
         for c in chunks:  # placeholders only as the single token of a decode row
             hole = np.flatnonzero(np.asarray(token_ids[off:off + c.num_tokens]) == -1)

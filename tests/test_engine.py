@@ -48,6 +48,16 @@ def greedy_rollout(fake: FakeRunner, prompt: list[int], n: int) -> list[int]:
     return ctx[len(prompt):]
 
 
+def _check_rows(chunks, block_tables, max_num_seqs: int, block_size: int) -> None:
+    """Persistent rows: chunks in strictly increasing row order, each row inside the table, and each
+    chunk's row holds a page for every position up to the last one it writes."""
+    rows = [c.req for c in chunks]
+    assert rows == sorted(set(rows)) and 0 <= rows[0] and rows[-1] < max_num_seqs
+    assert block_tables.shape[0] == max_num_seqs
+    for c in chunks:
+        assert (block_tables[c.req, : (c.start + c.num_tokens - 1) // block_size + 1] >= 0).all()
+
+
 class CheckingRunner:
     """Wraps a runner and asserts the scheduler's per-step contract on every call."""
 
@@ -63,7 +73,7 @@ class CheckingRunner:
         self.calls.append(list(chunks))
         assert len(token_ids) == sum(c.num_tokens for c in chunks) <= self.max_num_tokens
         assert 1 <= len(chunks) <= self.max_num_seqs
-        assert [c.req for c in chunks] == list(range(len(chunks)))
+        _check_rows(chunks, block_tables, self.max_num_seqs, self.block_size)
         if self.fail_on_call is not None and len(self.calls) == self.fail_on_call:
             raise RuntimeError("injected fault")
         return self.inner.execute(token_ids, chunks, block_tables)
@@ -73,7 +83,7 @@ class CheckingRunner:
         self.calls.append(list(chunks))
         assert len(token_ids) == sum(c.num_tokens for c in chunks) <= self.max_num_tokens
         assert 1 <= len(chunks) <= self.max_num_seqs and len(sampling) == len(chunks)
-        assert [c.req for c in chunks] == list(range(len(chunks)))
+        _check_rows(chunks, block_tables, self.max_num_seqs, self.block_size)
         if self.fail_on_call is not None and len(self.calls) == self.fail_on_call:
             raise RuntimeError("injected fault")
         return self.inner.submit(token_ids, chunks, block_tables, sampling, feed)
@@ -289,3 +299,21 @@ def test_real_model_preemption_matches_solo(model_runner):
     for i, p in enumerate(ps[:4]):
         solo = run_all(Engine(model_runner), {"s": (p, sp)})["s"]["tokens"]
         assert res[str(i)]["tokens"] == solo, i
+
+
+def test_running_requests_keep_their_rows(async_steps):
+    """Persistent rows: a request keeps its block-table row from admission to finish, a finished request's
+    row goes to the next admitted one, and the rows stay within max_num_seqs."""
+    fake = FakeRunner(block_size=4, num_blocks=256, max_num_tokens=32, max_num_seqs=3)
+    eng = Engine(CheckingRunner(fake), async_steps=async_steps)
+    for i, n in enumerate((2, 9, 4, 6, 3, 5)):
+        eng.add_request(str(i), prompts(1, seed=i)[0], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    seen: dict[str, int] = {}
+    for _ in range(200):
+        if not eng.has_work():
+            break
+        eng.step()
+        for rid, row in eng._row_of.items():
+            assert seen.setdefault(rid, row) == row, f"request {rid} moved from row {seen[rid]} to {row}"
+        assert sorted(eng._row_of.values()) == sorted(set(eng._row_of.values()))
+    assert len(seen) == 6 and set(seen.values()) <= {0, 1, 2}

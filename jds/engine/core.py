@@ -127,6 +127,11 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.num_step_failures = 0
+        # Persistent rows (vLLM's persistent batch): a running request keeps its block-table row from
+        # admission to finish or preemption, so a step's block tables differ from the last step's only by
+        # appended pages and by rows that changed hands; a runner that keeps the tables on the device then
+        # sends only those entries.
+        self._row_of: dict[str, int] = {}
 
     # -- limits the front end validates against ----------------------------------------------
     @property
@@ -181,14 +186,31 @@ class Engine:
                 if not req.queue_time_reported:
                     req.queue_time_reported = True
                     self.metrics.on_scheduled(req.first_scheduled_time - req.arrival_time)
+        rows = self._assign_rows()
+        order = sorted(range(len(sched.reqs)), key=lambda i: rows[sched.reqs[i].request_id])
+        sched.reqs[:] = [sched.reqs[i] for i in order]  # chunks go in increasing row order
+        sched.num_tokens[:] = [sched.num_tokens[i] for i in order]
         chunks, toks = [], []
-        table = np.full((len(sched.reqs), self.max_blocks_per_seq), -1, np.int32)
-        for row, (req, n) in enumerate(zip(sched.reqs, sched.num_tokens)):
-            chunks.append(Chunk(req=row, start=req.num_computed, num_tokens=n))
-            toks.extend(req.token_slice(req.num_computed, n))
+        table = np.full((self.runner.max_num_seqs, self.max_blocks_per_seq), -1, np.int32)
+        for req in self.scheduler.running:  # every running request's row, scheduled this step or not
             pages = self.blocks.blocks_of(req.request_id)
-            table[row, : len(pages)] = pages
+            table[rows[req.request_id], : len(pages)] = pages
+        for req, n in zip(sched.reqs, sched.num_tokens):
+            chunks.append(Chunk(req=rows[req.request_id], start=req.num_computed, num_tokens=n))
+            toks.extend(req.token_slice(req.num_computed, n))
         return chunks, toks, table
+
+    def _assign_rows(self) -> dict[str, int]:
+        """Release the rows of requests no longer running (finished, aborted, failed, preempted) and give
+        each newly running request the lowest free row."""
+        running = {r.request_id for r in self.scheduler.running}
+        for rid in [rid for rid in self._row_of if rid not in running]:
+            del self._row_of[rid]
+        free = sorted(set(range(self.runner.max_num_seqs)) - set(self._row_of.values()))
+        for req in self.scheduler.running:
+            if req.request_id not in self._row_of:
+                self._row_of[req.request_id] = free.pop(0)
+        return self._row_of
 
     def _fail(self, reqs: list[Request], e: Exception) -> list[RequestOutput]:
         """Fail the still-live requests of a failed step (pages freed, one error output each)."""
