@@ -773,6 +773,88 @@ def convert_hf_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, lay
             "bytes": sum(j.nbytes for j in jobs), "skipped": skipped, "seconds": time.perf_counter() - t0}
 
 
+# ----- convert on first use (scripts/serve.py --model) ---------------------------------------------------
+CACHE_VERSION = 1  # bump when the conversion's output changes for the same input
+
+
+def source_fingerprint(src: str | os.PathLike, **options: Any) -> str:
+    """A hash of what a conversion depends on: config.json and the index (contents), every safetensors
+    file's name, size and mtime (not its bytes: hashing hundreds of GB would cost minutes), the
+    conversion ``options`` and the converter's format version."""
+    import hashlib
+
+    src = os.fspath(src)
+    h = hashlib.sha256(json.dumps({"version": CACHE_VERSION, "options": options}, sort_keys=True).encode())
+    for name in ("config.json", INDEX_NAME):
+        path = os.path.join(src, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                h.update(name.encode() + b"\0" + f.read())
+    for name in sorted(os.listdir(src)):
+        if name.endswith(".safetensors"):
+            st = os.stat(os.path.join(src, name))
+            h.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    return h.hexdigest()
+
+
+def default_cache_root(src: str | os.PathLike) -> str:
+    """Converted checkpoints of ``src`` live beside it, in ``<src>.jds/``."""
+    return os.path.abspath(os.fspath(src)).rstrip(os.sep) + ".jds"
+
+
+def cached_conversion(src: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None,
+                      layers: int | None = None, dequantize: bool = False, numerics: str = "reference",
+                      overrides: dict[str, Any] | None = None, progress: bool = True,
+                      say: Any = None) -> tuple[str, bool]:
+    """The jds checkpoint of HF directory ``src``: converted on first use, then reused; returns (path, hit).
+
+    The converted checkpoint is ``<cache_dir or src.jds>/<name>-<layers>L-<fingerprint[:16]>``; a changed
+    source (config, index, a shard's size or mtime) or other options give another directory, and a hit is
+    only taken when the stored full fingerprint matches. Conversion is atomic (no partial cache entry).
+    """
+    say = say or (lambda msg: log.info("%s", msg))
+    src = os.fspath(src)
+    if not os.path.isfile(os.path.join(src, "config.json")):
+        raise ValueError(f"--model {src!r}: not a HF checkpoint directory (no config.json)")
+    options = {"layers": layers, "dequantize": bool(dequantize), "numerics": numerics,
+               "overrides": dict(sorted((overrides or {}).items()))}
+    fp = source_fingerprint(src, **options)
+    root = os.fspath(cache_dir) if cache_dir is not None else default_cache_root(src)
+    base = os.path.basename(os.path.abspath(src).rstrip(os.sep)) or "model"
+    path = os.path.join(root, f"{base}-{layers if layers else 'all'}L-{fp[:16]}")
+
+    def hit() -> bool:
+        if not os.path.exists(path):
+            return False
+        from jds.checkpoint import read_meta
+
+        meta = read_meta(path)  # a ValueError naming the path if it is not a jds checkpoint
+        if meta.get("extra", {}).get("cache_fingerprint") != fp:
+            raise ValueError(f"cache entry {path!r} was written for another source or options (fingerprint "
+                             "mismatch); remove it or choose another --cache-dir")
+        return True
+
+    if hit():
+        say(f"using the cached conversion {path}")
+        return path, True
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cache directory {root!r} cannot be created ({e.strerror or e}); pass --cache-dir") from None
+    say(f"converting {src} to a jds checkpoint at {path} (first use; layers={layers or 'all'})")
+    try:
+        rep = convert_hf_checkpoint(src, path, layers=layers, dequantize=dequantize, numerics=numerics,
+                                    overrides=overrides, progress=progress,
+                                    extra={"cache_fingerprint": fp, "cache_options": options})
+    except ValueError:
+        if os.path.exists(path) and hit():  # another process converted it meanwhile
+            return path, True
+        raise
+    say(f"converted {rep['tensors']} tensors ({rep['bytes'] / 2**20:.1f} MiB) in {rep['seconds']:.1f}s; "
+        f"{describe_quantization(rep['quantization'])}")
+    return path, False
+
+
 # ----- export (the inverse; writes synthetic HF checkpoints for tests) -----------------------------------
 def export_hf(model: Any, out_dir: str | os.PathLike, *, n_shards: int = 2, routing_bias: bool = True) -> None:
     """Write ``model`` (a jds Decoder) as a HF-layout directory: config.json, ``n_shards`` safetensors files
