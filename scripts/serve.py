@@ -183,7 +183,8 @@ def prepare_model_dir(a: argparse.Namespace, say) -> None:
 def describe_tokenizer(tok, runner) -> str:
     """The tokenizer, its chat format, and a warning when its EOS is not the model's (generation stops on
     the model's ``eos_token_id``)."""
-    text = f"{type(tok).__name__}; chat: {tok.chat_format.description}"
+    fmt = getattr(tok, "chat_format", None)
+    text = f"{type(tok).__name__}; chat: {fmt.description if fmt else 'plain'}"
     eos = getattr(runner, "eos_token_id", None)
     if tok.eos_token_id is not None and eos is not None and tok.eos_token_id != eos:
         text += (f"; WARNING: the tokenizer's eos_token_id {tok.eos_token_id} differs from the model config's "

@@ -21,7 +21,8 @@ BOS, EOS, USER, ASSISTANT = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sen
 SPECIAL_IDS = {BOS: 256, EOS: 257, USER: 258, ASSISTANT: 259}
 # Block tags on their own, indented lines: compiled with trim_blocks + lstrip_blocks (as HF transformers does)
 # they leave no spaces or newlines behind, while the newline after a ``{{ ... }}`` line stays.
-TEMPLATE = """{{ bos_token }}
+TEMPLATE = """{% if tools is not none %}{{ raise_exception('no tools here') }}{% endif %}
+{{ bos_token }}
 {% for m in messages %}
     {% if m['role'] == 'system' %}
         {% if not loop.first %}{{ raise_exception('the system message must come first') }}{% endif %}
@@ -121,8 +122,13 @@ def test_template_sources_and_helpers(tmp_path, caplog) -> None:
         tok = load_tokenizer(str(d), bos_token_id=0, eos_token_id=1)
     assert "ships no Jinja chat template" in caplog.text and "fallback" in tok.chat_format.description
     assert render_chat(tok, msgs) == "user: ü\nassistant: "
-    # the byte tokenizer keeps the plain template
+    # the byte tokenizer keeps the plain template; a tokenizer jds cannot read is said so
     assert render_chat(ByteTokenizer(), msgs) == "user: ü\nassistant: "
+    (d / "tokenizer.json").unlink()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jds.server.tokenizer"):
+        assert isinstance(load_tokenizer(str(d), bos_token_id=0, eos_token_id=1), ByteTokenizer)
+    assert "no tokenizer.json" in caplog.text
 
 
 @pytest.mark.parametrize("config,pattern", [

@@ -161,6 +161,9 @@ def load_tokenizer(model_dir: str | None, *, bos_token_id: int, eos_token_id: in
             else:
                 _configure_from_dir(tok, model_dir)
                 return tok
+        elif any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer_config.json", "tokenizer.model")):
+            log.warning("%s has a tokenizer but no tokenizer.json (the only format jds reads): using the byte "
+                        "tokenizer and the plain chat template", model_dir)
     return ByteTokenizer(bos_token_id, eos_token_id)
 
 
@@ -273,8 +276,9 @@ class JinjaChatTemplate:
         import jinja2
 
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+            # tools / documents are None as HF passes them when a request has none (tools are refused upstream)
+            return self._template.render(messages=messages, tools=None, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **self.special_tokens)
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as e:  # the template refused this conversation (sandbox, undefined, ...)
