@@ -330,6 +330,7 @@ ACTIVATION_SCHEMES = ("dynamic",)
 # scales DeepSeek's reference uses when the field is absent or null (``act_quant(..., scale_fmt=None)``).
 SCALE_FMTS = ("ue8m0", "amax")
 IMPLEMENTED_SCALE_FMT = "ue8m0"
+QUANT_KEYS = ("quant_method", "fmt", "scale_fmt", "weight_block_size", "activation_scheme")
 
 
 def quantization_config(d: dict[str, Any]) -> dict[str, Any] | None:
@@ -338,7 +339,8 @@ def quantization_config(d: dict[str, Any]) -> dict[str, Any] | None:
     Returns ``quant_method``, ``fmt``, ``scale_fmt`` ("ue8m0" or "amax"), ``weight_block_size`` and
     ``activation_scheme``. A value jds does not know is a ValueError naming the field; absent fields take
     the meaning DeepSeek's reference gives them (fmt e4m3, dynamic activations, 128x128 blocks, and, for
-    ``scale_fmt``, plain amax/448 scales), and ``defaulted`` lists which ones were absent.
+    ``scale_fmt``, plain amax/448 scales), and ``defaulted`` lists which ones were absent; ``unread`` lists
+    other keys (reported by :func:`describe_quantization`, not interpreted).
     """
     qc = d.get("quantization_config")
     if not qc:
@@ -368,8 +370,9 @@ def quantization_config(d: dict[str, Any]) -> dict[str, Any] | None:
     if scale_fmt not in SCALE_FMTS:
         raise ValueError(f"invalid config field 'quantization_config.scale_fmt': {scale_fmt!r}, expected "
                          "'ue8m0' or absent/null (plain amax/448 scales)")
+    unread = sorted(k for k in qc if k not in QUANT_KEYS)
     return {"quant_method": method, "fmt": fmt, "scale_fmt": scale_fmt, "weight_block_size": [BLOCK, BLOCK],
-            "activation_scheme": scheme, "defaulted": defaulted}
+            "activation_scheme": scheme, "defaulted": defaulted, "unread": unread}
 
 
 def describe_quantization(quant: dict[str, Any] | None) -> str:
@@ -379,7 +382,11 @@ def describe_quantization(quant: dict[str, Any] | None) -> str:
     text = (f"quantization_config: quant_method={quant['quant_method']} fmt={quant['fmt']} "
             f"scale_fmt={quant['scale_fmt']} weight_block_size={quant['weight_block_size']} "
             f"activation_scheme={quant['activation_scheme']}")
-    return text + (f" (absent, taken as default: {', '.join(quant['defaulted'])})" if quant["defaulted"] else "")
+    if quant["defaulted"]:
+        text += f" (absent, taken as default: {', '.join(quant['defaulted'])})"
+    if quant.get("unread"):
+        text += f" (other keys, not interpreted: {', '.join(quant['unread'])})"
+    return text
 
 
 def is_fp8_checkpoint(d: dict[str, Any]) -> bool:
@@ -828,14 +835,14 @@ def cached_conversion(src: str | os.PathLike, *, cache_dir: str | os.PathLike | 
             return False
         from jds.checkpoint import read_meta
 
-        meta = read_meta(path)  # a ValueError naming the path if it is not a jds checkpoint
-        if meta.get("extra", {}).get("cache_fingerprint") != fp:
+        extra = read_meta(path).get("extra", {})  # a ValueError naming the path if not a jds checkpoint
+        if extra.get("cache_fingerprint") != fp:
             raise ValueError(f"cache entry {path!r} was written for another source or options (fingerprint "
                              "mismatch); remove it or choose another --cache-dir")
+        say(f"using the cached conversion {path}; {describe_quantization(extra.get('quantization'))}")
         return True
 
     if hit():
-        say(f"using the cached conversion {path}")
         return path, True
     try:
         os.makedirs(root, exist_ok=True)

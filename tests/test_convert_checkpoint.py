@@ -431,10 +431,13 @@ def test_quantization_config_is_read_and_stored(arch: str) -> None:
     assert d["quantization_config"]["scale_fmt"] == "ue8m0"  # what the released V3.2 / V4 configs say
     assert hf_import.quantization_config(d) == {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                                                 "weight_block_size": [128, 128], "activation_scheme": "dynamic",
-                                                "defaulted": []}
+                                                "defaulted": [], "unread": []}
     for k in ("fmt", "activation_scheme", "weight_block_size"):  # absent: the reference's defaults, said so
         d["quantization_config"].pop(k)
+    d["quantization_config"]["modules_to_not_convert"] = None  # another key: reported, not interpreted
     q = hf_import.quantization_config(d)
+    assert q["unread"] == ["modules_to_not_convert"]
+    assert "not interpreted: modules_to_not_convert" in hf_import.describe_quantization(q)
     assert (q["fmt"], q["activation_scheme"], q["weight_block_size"]) == ("e4m3", "dynamic", [128, 128])
     assert q["defaulted"] == ["fmt", "weight_block_size", "activation_scheme"]
     assert "absent, taken as default" in hf_import.describe_quantization(q)
@@ -461,7 +464,7 @@ def test_converted_checkpoint_records_quantization(tmp_path, sources, caplog, ca
     with caplog.at_level("INFO", logger="jds.hf_import"):
         rep = convert(s.hf, out, s.cfg.block_size, "--layers", "1")
     want = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128],
-            "activation_scheme": "dynamic", "defaulted": []}
+            "activation_scheme": "dynamic", "defaulted": [], "unread": []}
     assert rep["quantization"] == want and read_meta(out)["extra"]["quantization"] == want
     assert "scale_fmt=ue8m0" in caplog.text and "scale_fmt=ue8m0" in capsys.readouterr().out
     hf = tmp_path / "hf"
