@@ -421,8 +421,10 @@ def check_rope_mscale(d: dict[str, Any]) -> None:
         return
     if rs.get("rope_type", rs.get("type", "default")) in (None, "default"):
         return
-    mscale, all_dim = rs.get("mscale", 1.0), rs["mscale_all_dim"]
-    if not isinstance(all_dim, (int, float)) or isinstance(all_dim, bool) or float(all_dim) != float(mscale):
+    mscale = 1.0 if rs.get("mscale") is None else rs["mscale"]  # absent: DeepSeek's reference default
+    all_dim = rs["mscale_all_dim"]
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (mscale, all_dim))
+    if not numbers or float(all_dim) != float(mscale):
         raise ValueError(f"invalid config field 'rope_scaling.mscale_all_dim': {all_dim!r} differs from "
                          f"rope_scaling.mscale={mscale!r}; jds implements only mscale_all_dim == mscale")
 
