@@ -62,7 +62,7 @@ def write_tokenizer_dir(root: Path, template: str | None = TEMPLATE, **config) -
 def _bytes_to_unicode() -> list[str]:
     """GPT-2's byte -> printable character table (printable Latin-1 bytes map to themselves, the rest to
     U+0100 onwards in byte order): the alphabet byte-level BPE vocabularies are written in."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     out, extra = [], 0
     for b in range(256):
         if b in keep:
