@@ -14,6 +14,15 @@ them out in float32 and rounds once to the activation dtype (bf16), giving ``fp8
 keeps in bf16/fp32 (MoE experts, shared experts, router, head, norms, indexer weights_proj, V4 compressors)
 are always dequantised. V4 FP4 experts (int8-packed e2m1 + ue8m0 scales per 1x32) are dequantised too.
 
+``quantization_config`` is read for both V3.2 and V4 (:func:`quantization_config`): ``quant_method`` (block
+fp8), ``fmt`` (e4m3), ``weight_block_size`` ([128, 128]), ``activation_scheme`` (dynamic) and ``scale_fmt``;
+any other value is a ValueError naming the field. ``scale_fmt`` says how activations are quantised at run time:
+"ue8m0" (power-of-two scales, what jds implements in every activation quantiser) or absent (DeepSeek's
+reference then uses plain amax/448 scales, not implemented in jds yet: such a checkpoint is refused, never
+converted to a different quantisation). The validated values are stored in the converted checkpoint's
+``extra["quantization"]`` and logged. ``rope_scaling.mscale_all_dim`` must equal ``mscale`` (jds applies
+``mscale`` only, as DeepSeek's reference does), else a ValueError names it.
+
 Name mapping (jds name, DESIGN.md "Weight dictionaries" <- HF tensor), ``i`` = layer, ``j`` = expert:
 
   V3.2 (HF ``model.`` layout)                         V4 (DeepSeek-native layout of the V4 release)
@@ -93,12 +102,15 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import logging
+
 import ml_dtypes
 import numpy as np
 
 from jds.checkpoint import DEFAULT_SHARD_BYTES, CheckpointWriter
 from jds.safetensors_io import INDEX_NAME, SafetensorsDir, read_json, write_safetensors
 
+log = logging.getLogger(__name__)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 F32 = np.dtype(np.float32)
 BLOCK = 128
@@ -311,21 +323,110 @@ def normalize_v4_config(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
-def is_fp8_checkpoint(d: dict[str, Any]) -> bool:
-    """True for a block-FP8 checkpoint (``quantization_config.quant_method`` fp8, 128x128 blocks)."""
+QUANT_METHODS = ("fp8", "deepseek_v4_fp8")
+QUANT_FMTS = ("e4m3",)
+ACTIVATION_SCHEMES = ("dynamic",)
+# scale_fmt spellings: "ue8m0" (power-of-two activation scales, what jds implements) and the plain amax/448
+# scales DeepSeek's reference uses when the field is absent or null (``act_quant(..., scale_fmt=None)``).
+SCALE_FMTS = ("ue8m0", "amax")
+IMPLEMENTED_SCALE_FMT = "ue8m0"
+QUANT_KEYS = ("quant_method", "fmt", "scale_fmt", "weight_block_size", "activation_scheme")
+
+
+def quantization_config(d: dict[str, Any]) -> dict[str, Any] | None:
+    """The checkpoint's ``quantization_config``, validated and normalised (None for an unquantised checkpoint).
+
+    Returns ``quant_method``, ``fmt``, ``scale_fmt`` ("ue8m0" or "amax"), ``weight_block_size`` and
+    ``activation_scheme``. A value jds does not know is a ValueError naming the field; absent fields take
+    the meaning DeepSeek's reference gives them (fmt e4m3, dynamic activations, 128x128 blocks, and, for
+    ``scale_fmt``, plain amax/448 scales), and ``defaulted`` lists which ones were absent; ``unread`` lists
+    other keys (reported by :func:`describe_quantization`, not interpreted).
+    """
     qc = d.get("quantization_config")
     if not qc:
-        return False
-    if not isinstance(qc, dict) or qc.get("quant_method") not in ("fp8", "deepseek_v4_fp8"):
-        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        return None
+    if not isinstance(qc, dict):
+        raise ValueError(f"invalid config field 'quantization_config': expected an object, got {qc!r}")
+    method = qc.get("quant_method")
+    if method not in QUANT_METHODS:
         raise ValueError(f"invalid config field 'quantization_config.quant_method': {method!r} is not supported "
-                         "(only block FP8)")
-    if list(qc.get("weight_block_size", [BLOCK, BLOCK])) != [BLOCK, BLOCK]:
-        raise ValueError(f"invalid config field 'quantization_config.weight_block_size': "
-                         f"{qc.get('weight_block_size')}, jds needs [128, 128]")
-    if qc.get("fmt", "e4m3") != "e4m3":
-        raise ValueError(f"invalid config field 'quantization_config.fmt': {qc.get('fmt')!r}, jds needs e4m3")
-    return True
+                         f"(only block FP8: {', '.join(QUANT_METHODS)})")
+    defaulted = [k for k in ("fmt", "scale_fmt", "weight_block_size", "activation_scheme") if qc.get(k) is None]
+    fmt = qc.get("fmt") or "e4m3"
+    if fmt not in QUANT_FMTS:
+        raise ValueError(f"invalid config field 'quantization_config.fmt': {fmt!r}, jds supports "
+                         f"{', '.join(QUANT_FMTS)}")
+    block = qc.get("weight_block_size")
+    block = [BLOCK, BLOCK] if block is None else block
+    if not isinstance(block, (list, tuple)) or list(block) != [BLOCK, BLOCK]:
+        raise ValueError(f"invalid config field 'quantization_config.weight_block_size': {block!r}, jds needs "
+                         f"[{BLOCK}, {BLOCK}]")
+    scheme = qc.get("activation_scheme") or "dynamic"
+    if scheme not in ACTIVATION_SCHEMES:
+        raise ValueError(f"invalid config field 'quantization_config.activation_scheme': {scheme!r}, jds supports "
+                         f"{', '.join(ACTIVATION_SCHEMES)} (activations quantised per 1x{BLOCK} group at run time)")
+    scale_fmt = qc.get("scale_fmt")
+    scale_fmt = "amax" if scale_fmt is None else scale_fmt
+    if scale_fmt not in SCALE_FMTS:
+        raise ValueError(f"invalid config field 'quantization_config.scale_fmt': {scale_fmt!r}, expected "
+                         "'ue8m0' or absent/null (plain amax/448 scales)")
+    unread = sorted(k for k in qc if k not in QUANT_KEYS)
+    return {"quant_method": method, "fmt": fmt, "scale_fmt": scale_fmt, "weight_block_size": [BLOCK, BLOCK],
+            "activation_scheme": scheme, "defaulted": defaulted, "unread": unread}
+
+
+def describe_quantization(quant: dict[str, Any] | None) -> str:
+    """One line for logs: what the checkpoint says about its quantisation."""
+    if quant is None:
+        return "unquantised (no quantization_config)"
+    text = (f"quantization_config: quant_method={quant['quant_method']} fmt={quant['fmt']} "
+            f"scale_fmt={quant['scale_fmt']} weight_block_size={quant['weight_block_size']} "
+            f"activation_scheme={quant['activation_scheme']}")
+    if quant["defaulted"]:
+        text += f" (absent, taken as default: {', '.join(quant['defaulted'])})"
+    if quant.get("unread"):
+        text += f" (other keys, not interpreted: {', '.join(quant['unread'])})"
+    return text
+
+
+def is_fp8_checkpoint(d: dict[str, Any]) -> bool:
+    """True for a block-FP8 checkpoint (``quantization_config.quant_method`` fp8, 128x128 blocks)."""
+    return quantization_config(d) is not None
+
+
+def quantises_activations(numerics: Any) -> bool:
+    """Whether a model run with ``numerics`` quantises any activation with jds's activation scales
+    (fp8 linears re-quantise their inputs, the FP8 indexer its q/k, the FP8 caches their records)."""
+    return bool(numerics.fp8_linear or numerics.indexer_fp8 or numerics.kv_cache_dtype == "fp8")
+
+
+def check_scale_fmt(quant: dict[str, Any] | None, numerics: Any) -> None:
+    """Refuse a checkpoint whose activation scales differ from the ones jds implements, unless the chosen
+    numerics quantise no activation at all (an explicit ``--dequantize --numerics bf16`` departure)."""
+    if quant is None or quant["scale_fmt"] == IMPLEMENTED_SCALE_FMT or not quantises_activations(numerics):
+        return
+    raise ValueError(
+        f"invalid config field 'quantization_config.scale_fmt': the checkpoint quantises activations with "
+        f"{quant['scale_fmt']!r} scales (plain amax/448), but jds implements only {IMPLEMENTED_SCALE_FMT!r} "
+        "(power-of-two) activation scales; the amax/448 path is not implemented yet. Refusing to convert to a "
+        "different quantisation (dequantising with numerics 'bf16' or 'exact', which quantise no activation, "
+        "is the only explicit way around it)")
+
+
+def check_rope_mscale(d: dict[str, Any]) -> None:
+    """jds (like DeepSeek's reference) scales the YaRN softmax by ``mscale`` alone; HF's modeling code uses
+    ``mscale_all_dim`` there and rescales cos/sin by their ratio. The two agree only when they are equal."""
+    rs = d.get("rope_scaling") or d.get("rope_parameters") or {}
+    if not isinstance(rs, dict) or rs.get("mscale_all_dim") is None:
+        return
+    if rs.get("rope_type", rs.get("type", "default")) in (None, "default"):
+        return
+    mscale = 1.0 if rs.get("mscale") is None else rs["mscale"]  # absent: DeepSeek's reference default
+    all_dim = rs["mscale_all_dim"]
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (mscale, all_dim))
+    if not numbers or float(all_dim) != float(mscale):
+        raise ValueError(f"invalid config field 'rope_scaling.mscale_all_dim': {all_dim!r} differs from "
+                         f"rope_scaling.mscale={mscale!r}; jds implements only mscale_all_dim == mscale")
 
 
 def _int_field(d: dict[str, Any], key: str) -> int:
@@ -399,7 +500,10 @@ def hf_model_config(hf: Any, *, layers: int | None = None, dequantize: bool = Fa
         raise ValueError("invalid config field 'n_shared_experts': jds's MoE always has a shared expert (>= 1)")
     for field_, key, default in (("bos_token_id", "bos_token_id", 0), ("eos_token_id", "eos_token_id", 1)):
         kw[field_] = _int_field(d, key) if d.get(key) is not None else default
-    kw["numerics"] = make_numerics(numerics, is_fp8_checkpoint(d) and not dequantize)
+    check_rope_mscale(d)
+    quant = quantization_config(d)
+    kw["numerics"] = make_numerics(numerics, quant is not None and not dequantize)
+    check_scale_fmt(quant, kw["numerics"])
     kw.update(model_ovr)
     return ModelConfig(**kw)
 
@@ -436,9 +540,7 @@ def hf_config_dict(cfg: Any, *, fp8: bool | None = None) -> dict[str, Any]:
                                a.original_seq_len, "beta_fast": a.beta_fast, "beta_slow": a.beta_slow})
     if fp8:
         d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                    "weight_block_size": [BLOCK, BLOCK]}
-        if cfg.arch == "v4":
-            d["quantization_config"]["scale_fmt"] = "ue8m0"
+                                    "weight_block_size": [BLOCK, BLOCK], "scale_fmt": "ue8m0"}
     return d
 
 
@@ -614,8 +716,12 @@ def convert_hf_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, lay
                           dequantize: bool = False, numerics: Any = "reference",
                           overrides: dict[str, Any] | None = None, overwrite: bool = False,
                           shard_bytes: int = DEFAULT_SHARD_BYTES, allow_unexpected: bool = False,
-                          progress: bool = True) -> dict[str, Any]:
+                          progress: bool = True, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Convert a HF DeepSeek-V3.2/V4 directory into a jds orbax checkpoint at ``out``; returns a report.
+
+    The checkpoint's validated ``quantization_config`` (see :func:`quantization_config`) is stored in the
+    checkpoint's ``extra["quantization"]`` and returned as ``report["quantization"]``, so the activation-scale
+    path can be chosen from it later; ``extra`` adds caller entries (e.g. a cache fingerprint).
 
     Every tensor is checked (name, shape, dtype, scale) from the safetensors headers before anything is
     written; conversion then streams tensor by tensor into orbax shards of about ``shard_bytes``. Errors are
@@ -629,6 +735,7 @@ def convert_hf_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, lay
     if not os.path.exists(cfg_path):
         raise ValueError(f"HF checkpoint {src!r}: no config.json")
     hf_cfg = read_json(cfg_path, f"HF checkpoint {src!r}")
+    quant = quantization_config(hf_cfg)
     cfg = hf_model_config(hf_cfg, layers=layers, dequantize=dequantize, numerics=numerics, overrides=overrides)
     spec = target_spec(cfg)
     entries = plan(cfg)
@@ -652,13 +759,14 @@ def convert_hf_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, lay
                          f"({len(unexpected)} such tensors; allow_unexpected / --allow-unexpected skips them)")
     if unexpected:
         skipped["not mapped (allowed)"] = unexpected
-    extra = {"source": os.path.abspath(src), "hf_model_type": hf_cfg.get("model_type"),
+    stored = {"source": os.path.abspath(src), "hf_model_type": hf_cfg.get("model_type"),
              "hf_num_hidden_layers": hf_cfg.get("num_hidden_layers"), "layers": cfg.n_layers,
-             "dequantized": bool(dequantize), "fp8_source": is_fp8_checkpoint(hf_cfg),
-             "skipped": {k: len(v) for k, v in skipped.items()}}
+             "dequantized": bool(dequantize), "fp8_source": quant is not None, "quantization": quant,
+             "skipped": {k: len(v) for k, v in skipped.items()}, **(extra or {})}
+    log.info("HF checkpoint %s: %s", src, describe_quantization(quant))
     bar = _Progress(sum(j.nbytes for j in jobs), progress)
     try:
-        with CheckpointWriter(out, cfg, extra=extra, shard_bytes=shard_bytes, overwrite=overwrite) as w:
+        with CheckpointWriter(out, cfg, extra=stored, shard_bytes=shard_bytes, overwrite=overwrite) as w:
             for job in jobs:
                 produced = _convert(reader, job, suffix)
                 for (name, arr), (want, shape, dt) in zip(produced, job.out):
@@ -669,8 +777,91 @@ def convert_hf_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, lay
                 bar.update(job.nbytes, job.entry.jds)
     finally:
         bar.close()
-    return {"out": os.path.abspath(out), "config": cfg, "tensors": sum(len(j.out) for j in jobs),
+    return {"out": os.path.abspath(out), "config": cfg, "quantization": quant,
+            "tensors": sum(len(j.out) for j in jobs),
             "bytes": sum(j.nbytes for j in jobs), "skipped": skipped, "seconds": time.perf_counter() - t0}
+
+
+# ----- convert on first use (scripts/serve.py --model) ---------------------------------------------------
+CACHE_VERSION = 1  # bump when the conversion's output changes for the same input
+
+
+def source_fingerprint(src: str | os.PathLike, **options: Any) -> str:
+    """A hash of what a conversion depends on: config.json and the index (contents), every safetensors
+    file's name, size and mtime (not its bytes: hashing hundreds of GB would cost minutes), the
+    conversion ``options`` and the converter's format version."""
+    import hashlib
+
+    src = os.fspath(src)
+    h = hashlib.sha256(json.dumps({"version": CACHE_VERSION, "options": options}, sort_keys=True).encode())
+    for name in ("config.json", INDEX_NAME):
+        path = os.path.join(src, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                h.update(name.encode() + b"\0" + f.read())
+    for name in sorted(os.listdir(src)):
+        if name.endswith(".safetensors"):
+            st = os.stat(os.path.join(src, name))
+            h.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    return h.hexdigest()
+
+
+def default_cache_root(src: str | os.PathLike) -> str:
+    """Converted checkpoints of ``src`` live beside it, in ``<src>.jds/``."""
+    return os.path.abspath(os.fspath(src)).rstrip(os.sep) + ".jds"
+
+
+def cached_conversion(src: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None,
+                      layers: int | None = None, dequantize: bool = False, numerics: str = "reference",
+                      overrides: dict[str, Any] | None = None, progress: bool = True,
+                      say: Any = None) -> tuple[str, bool]:
+    """The jds checkpoint of HF directory ``src``: converted on first use, then reused; returns (path, hit).
+
+    The converted checkpoint is ``<cache_dir or src.jds>/<name>-<layers>L-<fingerprint[:16]>``; a changed
+    source (config, index, a shard's size or mtime) or other options give another directory, and a hit is
+    only taken when the stored full fingerprint matches. Conversion is atomic (no partial cache entry).
+    """
+    say = say or (lambda msg: log.info("%s", msg))
+    src = os.fspath(src)
+    if not os.path.isfile(os.path.join(src, "config.json")):
+        raise ValueError(f"--model {src!r}: not a HF checkpoint directory (no config.json)")
+    options = {"layers": layers, "dequantize": bool(dequantize), "numerics": numerics,
+               "overrides": dict(sorted((overrides or {}).items()))}
+    fp = source_fingerprint(src, **options)
+    root = os.fspath(cache_dir) if cache_dir is not None else default_cache_root(src)
+    base = os.path.basename(os.path.abspath(src).rstrip(os.sep)) or "model"
+    path = os.path.join(root, f"{base}-{layers if layers else 'all'}L-{fp[:16]}")
+
+    def hit() -> bool:
+        if not os.path.exists(path):
+            return False
+        from jds.checkpoint import read_meta
+
+        extra = read_meta(path).get("extra", {})  # a ValueError naming the path if not a jds checkpoint
+        if extra.get("cache_fingerprint") != fp:
+            raise ValueError(f"cache entry {path!r} was written for another source or options (fingerprint "
+                             "mismatch); remove it or choose another --cache-dir")
+        say(f"using the cached conversion {path}; {describe_quantization(extra.get('quantization'))}")
+        return True
+
+    if hit():
+        return path, True
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cache directory {root!r} cannot be created ({e.strerror or e}); pass --cache-dir") from None
+    say(f"converting {src} to a jds checkpoint at {path} (first use; layers={layers or 'all'})")
+    try:
+        rep = convert_hf_checkpoint(src, path, layers=layers, dequantize=dequantize, numerics=numerics,
+                                    overrides=overrides, progress=progress,
+                                    extra={"cache_fingerprint": fp, "cache_options": options})
+    except ValueError:
+        if os.path.exists(path) and hit():  # another process converted it meanwhile
+            return path, True
+        raise
+    say(f"converted {rep['tensors']} tensors ({rep['bytes'] / 2**20:.1f} MiB) in {rep['seconds']:.1f}s; "
+        f"{describe_quantization(rep['quantization'])}")
+    return path, False
 
 
 # ----- export (the inverse; writes synthetic HF checkpoints for tests) -----------------------------------

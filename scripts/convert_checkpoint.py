@@ -7,7 +7,9 @@ HF_DIR holds config.json and *.safetensors (with or without model.safetensors.in
 their e4m3 bits and 128x128 scales (a model with fp8_linear on) unless --dequantize, which writes bf16 weights
 (fp8_linear off). --layers N keeps the first N layers (the written config has n_layers=N). Tensors are read
 one at a time (memory-mapped) and written to orbax shards of about --shard-mb; every name / shape / dtype is
-checked from the headers first, and on any error no OUT_DIR is left behind. Serve the result with
+checked from the headers first, and on any error no OUT_DIR is left behind. The checkpoint's
+quantization_config (fmt, scale_fmt, weight_block_size, activation_scheme) is validated, printed and stored in
+the output; a scale_fmt jds does not implement (plain amax/448 activation scales) is refused. Serve the result with
 ``scripts/serve.py --checkpoint OUT_DIR``. The name mapping is documented in jds/hf_import.py.
 """
 
@@ -50,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the conversion; raises ValueError (naming the tensor or field) on bad input."""
     a = parse_args(argv)
-    from jds.hf_import import convert_hf_checkpoint
+    from jds.hf_import import convert_hf_checkpoint, describe_quantization
 
     rep = convert_hf_checkpoint(a.hf_dir, a.out, layers=a.layers, dequantize=a.dequantize, numerics=a.numerics,
                                 overrides=dict(a.override), overwrite=a.overwrite,
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = rep["config"]
     print(f"wrote {rep['out']}: {cfg.arch}, {cfg.n_layers} layers, {rep['tensors']} tensors, "
           f"{rep['bytes'] / 2**20:.1f} MiB, fp8_linear={cfg.numerics.fp8_linear}, {rep['seconds']:.1f}s")
+    print(f"  {describe_quantization(rep['quantization'])}")
     for why, names in rep["skipped"].items():
         print(f"  skipped {len(names)} HF tensors ({why}), e.g. {names[0]}")
     return rep

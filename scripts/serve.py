@@ -3,6 +3,11 @@
 
     python scripts/serve.py                      # tiny V3.2, random weights, 127.0.0.1:8000, CPU ok
     python scripts/serve.py --preset v32-bench --mode fused --max-num-seqs 64 --num-blocks 4096
+    python scripts/serve.py --model /models/DeepSeek-V3.2 --num-layers 3   # a HF checkpoint directory
+
+``--model HF_DIR`` converts the HF checkpoint to a jds checkpoint on first use (a progress bar on stderr),
+caches it beside the directory (``HF_DIR.jds/``) or under ``--cache-dir``, and reuses it on later starts; the
+directory's tokenizer.json, tokenizer_config.json and chat template serve the requests.
 
 The port opens at once (``/health`` answers 503); the step's shape buckets are compiled with progress
 printed, then ``/health`` turns 200 and requests are served.
@@ -124,12 +129,67 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests may take to finish after SIGINT/SIGTERM (then they are "
                         "ended with an error) and the bound on the whole exit")
+    add_model_dir_args(p)
     a = p.parse_args(argv)
+    check_model_dir_args(p, a)
     if not 0 <= a.port <= 65535:
         p.error(f"--port must be in 0..65535, got {a.port}")
     if not 0 <= a.shutdown_timeout < float("inf"):
         p.error(f"--shutdown-timeout must be a finite number >= 0, got {a.shutdown_timeout}")
     return a
+
+
+def add_model_dir_args(p: argparse.ArgumentParser) -> None:
+    """``--model`` / ``--cache-dir`` / ``--num-layers``: serve a HF checkpoint directory as it is stored."""
+    g = p.add_argument_group("HF checkpoint directory")
+    g.add_argument("--model", default=None, metavar="HF_DIR",
+                   help="HF DeepSeek-V3.2 / V4 checkpoint directory (config.json + *.safetensors, its tokenizer "
+                        "and chat template); converted to a jds checkpoint on first use and cached")
+    g.add_argument("--cache-dir", default=None,
+                   help="where converted checkpoints are cached (default: beside the model, HF_DIR.jds/)")
+    g.add_argument("--num-layers", type=positive_int, default=None,
+                   help="load only the first N layers of --model (converted and cached per N)")
+
+
+def check_model_dir_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if a.model is None:
+        for flag, v in (("--cache-dir", a.cache_dir), ("--num-layers", a.num_layers)):
+            if v is not None:
+                p.error(f"{flag} needs --model")
+        return
+    for flag, v in (("--checkpoint", a.checkpoint), ("--preset", a.preset), ("--config", a.config),
+                    ("--moe", a.moe or None)):
+        if v is not None:
+            p.error(f"--model takes the model from the HF directory; {flag} cannot be combined with it")
+    if a.runner == "fake":
+        p.error("--model needs --runner model")
+
+
+def prepare_model_dir(a: argparse.Namespace, say) -> None:
+    """For ``--model``: point ``a.checkpoint`` at the (cached or freshly converted) jds checkpoint and the
+    tokenizer at the HF directory; a ValueError names what is wrong with the directory."""
+    if a.model is None:
+        return
+    from jds.hf_import import cached_conversion
+
+    if a.tokenizer is None:
+        a.tokenizer = a.model
+    load_tokenizer(a.tokenizer, bos_token_id=0, eos_token_id=0)  # a bad tokenizer_config fails before converting
+    a.checkpoint, _ = cached_conversion(a.model, cache_dir=a.cache_dir, layers=a.num_layers, say=say)
+    if a.served_model_name is None:
+        a.served_model_name = os.path.basename(os.path.abspath(a.model).rstrip(os.sep))
+
+
+def describe_tokenizer(tok, runner) -> str:
+    """The tokenizer, its chat format, and a warning when its EOS is not the model's (generation stops on
+    the model's ``eos_token_id``)."""
+    fmt = getattr(tok, "chat_format", None)
+    text = f"{type(tok).__name__}; chat: {fmt.description if fmt else 'plain'}"
+    eos = getattr(runner, "eos_token_id", None)
+    if tok.eos_token_id is not None and eos is not None and tok.eos_token_id != eos:
+        text += (f"; WARNING: the tokenizer's eos_token_id {tok.eos_token_id} differs from the model config's "
+                 f"{eos} (generation stops on {eos})")
+    return text
 
 
 def build_runner(a: argparse.Namespace):
@@ -189,6 +249,10 @@ async def main(a: argparse.Namespace) -> int:
     why = check_port(a.host, a.port)
     if why:
         fail(why)
+    try:
+        prepare_model_dir(a, say)
+    except ValueError as e:
+        fail(str(e))
     t0 = time.perf_counter()
     label = a.preset or ("checkpoint" if a.checkpoint else "v32-tiny")
     say(f"building {a.runner if a.runner == 'fake' else label} (mode={a.mode}, impl={a.implementation}, "
@@ -204,7 +268,7 @@ async def main(a: argparse.Namespace) -> int:
     loop = EngineLoop(engine)
     tok = load_tokenizer(a.tokenizer or a.checkpoint, bos_token_id=getattr(runner, "bos_token_id", 256),
                          eos_token_id=runner.eos_token_id)
-    say(f"tokenizer: {type(tok).__name__}")
+    say(f"tokenizer: {describe_tokenizer(tok, runner)}")
     name = a.served_model_name or f"jds-{label}"
     app, srv = build_app(loop, tok, ServerConfig(model_name=name, max_queue_len=a.max_queue_len,
                                                  shutdown_timeout=a.shutdown_timeout))

@@ -379,3 +379,97 @@ def test_v4_config_in_transformers_spelling_maps_the_same() -> None:
                      **{k: v for k, v in modern.pop("rope_scaling").items() if k != "type"}}}
     kw = dict(overrides={"block_size": cfg.block_size})
     assert hf_import.hf_model_config(modern, **kw) == hf_import.hf_model_config(legacy, **kw) == cfg
+
+
+# ----- quantization_config and rope_scaling fields --------------------------------------------------------
+def _qc(**kw: Any) -> Callable[[dict], None]:
+    """Edit (value given) or drop (value None) quantization_config fields of a config.json dict."""
+    def edit(d: dict) -> None:
+        for k, v in kw.items():
+            if v is None:
+                d["quantization_config"].pop(k, None)
+            else:
+                d["quantization_config"][k] = v
+    return edit
+
+
+def _rope(**kw: Any) -> Callable[[dict], None]:
+    return lambda d: d["rope_scaling"].update(kw)
+
+
+NOT_IMPLEMENTED = r"'quantization_config\.scale_fmt'.*amax/448 path is not implemented yet"
+# case -> (config.json edit, the pattern of the ValueError)
+BAD_QUANT: dict[str, tuple[Callable[[dict], None], str]] = {
+    "scale_fmt_absent": (_qc(scale_fmt=None), NOT_IMPLEMENTED),  # DeepSeek's reference: plain amax/448
+    "scale_fmt_unknown": (_qc(scale_fmt="e5m2"), r"'quantization_config\.scale_fmt': 'e5m2'"),
+    "fmt_unknown": (_qc(fmt="e5m2"), r"'quantization_config\.fmt': 'e5m2'"),
+    "block_size": (_qc(weight_block_size=[64, 64]), r"'quantization_config\.weight_block_size': \[64, 64\]"),
+    "activation_static": (_qc(activation_scheme="static"), r"'quantization_config\.activation_scheme': 'static'"),
+    "quant_method": (_qc(quant_method="gptq"), r"'quantization_config\.quant_method': 'gptq'"),
+    "not_an_object": (lambda d: d.update(quantization_config="fp8"), r"'quantization_config'"),
+    "mscale_all_dim": (_rope(mscale=1.0, mscale_all_dim=0.707), r"'rope_scaling\.mscale_all_dim': 0\.707"),
+}
+
+
+@pytest.mark.parametrize("arch", ["v32", "v4"])
+@pytest.mark.parametrize("case", list(BAD_QUANT))
+def test_quantization_config_fields_are_validated(case: str, arch: str) -> None:
+    """Every quantization_config field is read for V3.2 and V4; an unknown value or the unimplemented
+    amax/448 activation scales are a ValueError naming the field, never a silent conversion."""
+    cfg = tiny_cfg(arch, moe=False)
+    d = hf_import.hf_config_dict(cfg)
+    edit, pattern = BAD_QUANT[case]
+    edit(d)
+    with pytest.raises(ValueError, match=pattern):
+        hf_import.hf_model_config(d, overrides={"block_size": cfg.block_size})
+
+
+@pytest.mark.parametrize("arch", ["v32", "v4"])
+def test_quantization_config_is_read_and_stored(arch: str) -> None:
+    cfg = tiny_cfg(arch, moe=False)
+    d = hf_import.hf_config_dict(cfg)
+    assert d["quantization_config"]["scale_fmt"] == "ue8m0"  # what the released V3.2 / V4 configs say
+    assert hf_import.quantization_config(d) == {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                                "weight_block_size": [128, 128], "activation_scheme": "dynamic",
+                                                "defaulted": [], "unread": []}
+    for k in ("fmt", "activation_scheme", "weight_block_size"):  # absent: the reference's defaults, said so
+        d["quantization_config"].pop(k)
+    d["quantization_config"]["modules_to_not_convert"] = None  # another key: reported, not interpreted
+    q = hf_import.quantization_config(d)
+    assert q["unread"] == ["modules_to_not_convert"]
+    assert "not interpreted: modules_to_not_convert" in hf_import.describe_quantization(q)
+    assert (q["fmt"], q["activation_scheme"], q["weight_block_size"]) == ("e4m3", "dynamic", [128, 128])
+    assert q["defaulted"] == ["fmt", "weight_block_size", "activation_scheme"]
+    assert "absent, taken as default" in hf_import.describe_quantization(q)
+    kw = dict(overrides={"block_size": cfg.block_size})
+    # amax/448 scales: refused for every numerics that quantises activations, with or without --dequantize ...
+    d["quantization_config"].pop("scale_fmt")
+    assert hf_import.quantization_config(d)["scale_fmt"] == "amax"
+    for numerics in ("reference", "serving"):
+        with pytest.raises(ValueError, match=NOT_IMPLEMENTED):
+            hf_import.hf_model_config(d, numerics=numerics, dequantize=True, **kw)
+    # ... and only an explicit dequantisation to numerics that quantise nothing gets through
+    got = hf_import.hf_model_config(d, numerics="bf16", dequantize=True, **kw)
+    assert not hf_import.quantises_activations(got.numerics)
+    # equal mscale / mscale_all_dim (the released configs) is accepted; an unquantised checkpoint has none
+    d = hf_import.hf_config_dict(cfg)
+    d.setdefault("rope_scaling", {}).update(mscale=0.707, mscale_all_dim=0.707)
+    hf_import.hf_model_config(d, **kw)
+    assert hf_import.quantization_config(hf_import.hf_config_dict(cfg, fp8=False)) is None
+
+
+def test_converted_checkpoint_records_quantization(tmp_path, sources, caplog, capsys) -> None:
+    s = sources("v32")
+    out = tmp_path / "out"
+    with caplog.at_level("INFO", logger="jds.hf_import"):
+        rep = convert(s.hf, out, s.cfg.block_size, "--layers", "1")
+    want = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128],
+            "activation_scheme": "dynamic", "defaulted": [], "unread": []}
+    assert rep["quantization"] == want and read_meta(out)["extra"]["quantization"] == want
+    assert "scale_fmt=ue8m0" in caplog.text and "scale_fmt=ue8m0" in capsys.readouterr().out
+    hf = tmp_path / "hf"
+    shutil.copytree(s.hf, hf)
+    _edit_config(hf, _qc(scale_fmt=None))
+    with pytest.raises(ValueError, match=NOT_IMPLEMENTED):
+        convert(hf, tmp_path / "out2", s.cfg.block_size, "--dequantize")
+    assert not (tmp_path / "out2").exists()

@@ -296,10 +296,12 @@ class FaultyRunner(FakeRunner):
 
 
 class InProcess:
-    def __init__(self, runner, *, max_queue_len: int = 8, gate: threading.Event | None = None) -> None:
+    def __init__(self, runner, *, max_queue_len: int = 8, gate: threading.Event | None = None,
+                 tokenizer=None) -> None:
         self.engine = Engine(runner)
         self.loop = EngineLoop(self.engine)
-        app, self.srv = build_app(self.loop, ByteTokenizer(), ServerConfig(MODEL, max_queue_len=max_queue_len))
+        app, self.srv = build_app(self.loop, tokenizer or ByteTokenizer(),
+                                  ServerConfig(MODEL, max_queue_len=max_queue_len))
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self._aio = asyncio.new_event_loop()

@@ -30,7 +30,7 @@ from jds.server.metrics import ServerMetrics
 from jds.server.protocol import (ApiError, GenerationRequest, check_content_type, check_length, error_body,
                                  parse_json_body, parse_request)
 from jds.server.stop import StopChecker
-from jds.server.tokenizer import Tokenizer, apply_chat_template
+from jds.server.tokenizer import ChatTemplateError, Tokenizer, render_chat
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,11 @@ class OpenAIServer:
             raise ApiError(404, f"The model `{gen.model[:200]}` does not exist.", param="model",
                            code="model_not_found")
         if chat:
-            ids = self.tokenizer.encode(apply_chat_template(messages))
+            try:
+                prompt = render_chat(self.tokenizer, messages)  # the model's own chat template
+            except ChatTemplateError as e:
+                raise ApiError(400, str(e), param="messages") from None
+            ids = self.tokenizer.encode(prompt)
         elif gen.prompt_ids is not None:
             ids = gen.prompt_ids
         else:
