@@ -25,9 +25,10 @@ real-file commit and the V4-Pro copy ``Nicooo-Wang/DeepSeek-V4-Pro-code``):
   rounded to the activation dtype and computed on in fp32, ``up`` clamped to [-limit, limit] and ``gate``
   clamped from above only, the routing weight applied to the hidden activation *before* ``w2``, expert
   outputs summed in fp32 with the shared expert, one final rounding.
-  The shared expert's clamp: the release's first revision built it without ``swiglu_limit``; the current
-  revision clamps it like the routed experts. ``V4BlockConfig.shared_swiglu_limit`` picks (default: the
-  current revision).
+  The shared expert's clamp: the release's first revision (the Mockingjay mirror) built it without
+  ``swiglu_limit``; the later revision (the Nicooo-Wang copy; a third-party audit of the HF history names
+  this as the only change to model.py between the two) clamps it like the routed experts.
+  ``V4BlockConfig.shared_swiglu_limit`` picks; the default is the later revision.
 * ``V4Block``         -> model.py ``Block.forward``: hc_pre -> attn_norm -> attention -> hc_post, then the
   same around ffn_norm -> MoE.
 
@@ -341,7 +342,9 @@ class V4Expert(nnx.Module):
     """One SwiGLU FFN with [out, in] weights (the shared expert)."""
 
     def __init__(self, d: int, f: int, dtype: jnp.dtype, limit: float, rngs: nnx.Rngs):
-        init = lambda o, i: nnx.Param((jax.random.normal(rngs.params(), (o, i), jnp.float32) * i ** -0.5).astype(dtype))  # noqa: E731
+        def init(o: int, i: int) -> nnx.Param:
+            return nnx.Param((jax.random.normal(rngs.params(), (o, i), jnp.float32) * i ** -0.5).astype(dtype))
+
         self.w1, self.w3, self.w2 = init(f, d), init(f, d), init(d, f)
         self.limit = limit
 
@@ -406,8 +409,11 @@ class V4MoE(nnx.Module):
         h = swiglu(_ragged_linear(xs, self.w1[...], sizes, dt), _ragged_linear(xs, self.w3[...], sizes, dt),
                    self.cfg.swiglu_limit)
         h = (h * weights.reshape(-1)[order][:, None]).astype(dt)
-        y = _ragged_linear(h, self.w2[...], sizes, dt).astype(jnp.float32)
-        return jnp.zeros((t, x.shape[-1]), jnp.float32).at[rows].add(y)
+        y = _ragged_linear(h, self.w2[...], sizes, dt)
+        # Un-sort with a permutation (no scatter-add), then sum the k slots in slot order: deterministic, and
+        # the same summation as the gather path.
+        y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)
+        return jnp.sum(y.astype(jnp.float32), axis=1)
 
     def __call__(self, x: jax.Array, tokens: jax.Array | None = None) -> jax.Array:
         weights, indices = self.gate(x, tokens)

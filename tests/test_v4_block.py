@@ -191,9 +191,10 @@ def test_tid2eid_validation():
 # hyper-connections
 
 
-@pytest.mark.parametrize("spread,iters", [(0.5, 20), (2.0, 20), (2.0, 1), (1.0, 3)])
-def test_sinkhorn_split(spread, iters):
-    hc, eps, t = 4, 1e-6, 64
+@pytest.mark.parametrize("spread,iters,eps", [(0.5, 20, 1e-6), (2.0, 20, 1e-6), (2.0, 1, 1e-6), (1.0, 3, 1e-6),
+                                              (1.0, 20, 1e-2)])
+def test_sinkhorn_split(spread, iters, eps):
+    hc, t = 4, 64
     rng = np.random.default_rng(int(spread * 10) + iters)
     mixes = rng.normal(size=(t, (2 + hc) * hc)) * spread
     scale = rng.uniform(0.5, 1.5, 3)
@@ -222,7 +223,7 @@ def test_sinkhorn_split(spread, iters):
     np.testing.assert_allclose(1 - wcomb.sum(axis=-2), eps / (last[0] + eps), rtol=1e-9)
     assert np.all(np.abs(cols - 1) <= eps / last[0] + noise), np.abs(cols - 1).max()
     np.testing.assert_allclose(rows, wcomb.sum(axis=-1), rtol=0, atol=noise)
-    if spread <= 0.5 and iters == 20:
+    if spread <= 0.5 and iters == 20 and eps < 1e-4:
         assert np.abs(rows - 1).max() < 1e-5  # converged for mild logits
     assert np.all(wcomb > 0) and np.all(post > 0) and np.all(post < 2) and np.all(pre > eps)
 
@@ -244,7 +245,8 @@ def _bound_bf16_or_f32(got, want, mag, dt, n_terms: int, what: str):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_hc_pre_post(dtype):
-    cfg = V4BlockConfig.tiny(dtype="bfloat16" if dtype == jnp.bfloat16 else "float32")
+    # hc_eps and norm_eps made large and distinct so that using one for the other would show.
+    cfg = V4BlockConfig.tiny(dtype="bfloat16" if dtype == jnp.bfloat16 else "float32", hc_eps=1e-2, norm_eps=0.05)
     hc_mod = HyperConnection(cfg, nnx.Rngs(1))
     p = _params(hc_mod)
     rng = np.random.default_rng(2)
@@ -283,7 +285,7 @@ def test_hc_pre_post(dtype):
 
 
 def test_hc_head_and_expand():
-    cfg = V4BlockConfig.tiny(dtype="float32")
+    cfg = V4BlockConfig.tiny(dtype="float32", hc_eps=1e-2, norm_eps=0.05)
     head = HCHead(cfg, nnx.Rngs(3))
     p = _params(head)
     rng = np.random.default_rng(4)
