@@ -1,0 +1,470 @@
+"""DeepSeek-V4's decoder block around an arbitrary attention: hyper-connections (HC) and the V4 MoE.
+
+Why a separate module: V4 does not keep one residual stream per token but ``hc_mult`` of them, and mixes
+them before and after every sub-layer with per-token weights computed from the streams themselves. Its MoE
+also differs from V3's (scoring, bias, hash-routed first layers, clamped SwiGLU). Everything here is pure
+JAX/Flax NNX and takes the attention as a function, so it can be tested in isolation and wired into
+``jds.model.Decoder`` later.
+
+Reference semantics followed (DeepSeek's V4-Flash release, ``inference/model.py`` and ``inference/kernel.py``;
+read in two public copies, the V4-Flash mirror ``Mockingjay1316/deepseek-v4-flash-spark`` at its first
+real-file commit and the V4-Pro copy ``Nicooo-Wang/DeepSeek-V4-Pro-code``):
+
+* ``sinkhorn_split``  -> kernel.py ``hc_split_sinkhorn`` (and its tilelang kernel): the split of the
+  ``(2 + hc) * hc`` mixes into pre / post / comb, the softmax + eps start and the alternating row / column
+  normalisation, ending on a column step.
+* ``HyperConnection.pre`` / ``.post`` -> model.py ``Block.hc_pre`` / ``Block.hc_post``.
+* ``HCHead``          -> model.py ``ParallelHead.hc_head`` (the final reduction of the streams before
+  ``norm`` and the LM head; sigmoid weights, no Sinkhorn).
+* ``expand_streams``  -> model.py ``Transformer.forward`` (the embedding repeated into ``hc_mult`` streams).
+* ``router_scores`` / ``V4Gate`` -> model.py ``Gate.forward``: fp32 logits, sqrtsoftplus (or sigmoid /
+  softmax), the bias added for the top-k *selection only*, weights gathered from the unbiased scores,
+  renormalised (not for softmax) and multiplied by ``route_scale``; hash layers (``layer_id <
+  n_hash_layers``) take the experts from ``tid2eid[token]`` and have no bias.
+* ``swiglu`` / ``V4MoE`` -> model.py ``Expert.forward`` / ``MoE.forward``: the gate and up projections
+  rounded to the activation dtype and computed on in fp32, ``up`` clamped to [-limit, limit] and ``gate``
+  clamped from above only, the routing weight applied to the hidden activation *before* ``w2``, expert
+  outputs summed in fp32 with the shared expert, one final rounding.
+  The shared expert's clamp: the release's first revision (the Mockingjay mirror) built it without
+  ``swiglu_limit``; the later revision (the Nicooo-Wang copy; a third-party audit of the HF history names
+  this as the only change to model.py between the two) clamps it like the routed experts.
+  ``V4BlockConfig.shared_swiglu_limit`` picks; the default is the later revision.
+* ``V4Block``         -> model.py ``Block.forward``: hc_pre -> attn_norm -> attention -> hc_post, then the
+  same around ffn_norm -> MoE.
+
+Not done yet (later steps of issue 22):
+* FP4 routed experts (packed e2m1 with 1x32 E8M0 scales; the reference also quantises the experts'
+  activations to FP8 per 128): experts here are plain ``dtype`` (bf16) weights, and the shared expert is not
+  FP8 either.
+* The MTP module; wiring ``V4Block`` / ``HCHead`` into ``jds.model.Decoder``; the importer's mapping of the
+  ``hc_*``, ``gate.bias``, ``gate.tid2eid`` and per-expert tensors onto these parameters; a GPU grouped-GEMM
+  kernel (the XLA ``ragged`` path is the only grouped path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jds.ops.norms import rms_norm
+
+HIGHEST = jax.lax.Precision.HIGHEST
+SCORINGS = ("sqrtsoftplus", "sigmoid", "softmax")
+MOE_IMPLS = ("ragged", "gather")
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class V4BlockConfig:
+    """The block's hyper-parameters; defaults are V4-Flash's (``inference/config.json``).
+
+    ``swiglu_limit`` 0 disables the clamp (as in the reference). ``moe_impl``: ``ragged`` sorts the
+    token-expert pairs by expert and runs grouped GEMMs (prefill); ``gather`` fetches each pair's expert
+    weights (decode: reads only the selected experts). ``dtype`` is the activation / weight dtype."""
+
+    hidden_size: int = 4096
+    vocab_size: int = 129280
+    norm_eps: float = 1e-6
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    moe_topk: int = 6
+    moe_intermediate_size: int = 2048
+    route_scale: float = 1.5
+    scoring: str = "sqrtsoftplus"
+    n_hash_layers: int = 3
+    swiglu_limit: float = 10.0
+    shared_swiglu_limit: bool = True
+    dtype: str = "bfloat16"
+    moe_impl: str = "ragged"
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "vocab_size", "hc_mult", "hc_sinkhorn_iters", "n_routed_experts",
+                     "moe_topk", "moe_intermediate_size"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("n_shared_experts", "n_hash_layers"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+        if self.n_shared_experts > 1:
+            raise ValueError(f"n_shared_experts must be 0 or 1 (V4 has one shared expert of "
+                             f"moe_intermediate_size), got {self.n_shared_experts}")
+        if self.moe_topk > self.n_routed_experts:
+            raise ValueError(f"moe_topk ({self.moe_topk}) must be <= n_routed_experts ({self.n_routed_experts})")
+        for name, lo_ok in (("norm_eps", False), ("hc_eps", True), ("route_scale", False), ("swiglu_limit", True)):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) \
+                    or v < 0 or (v == 0 and not lo_ok):
+                raise ValueError(f"{name} must be a finite number {'>= 0' if lo_ok else '> 0'}, got {v!r}")
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"scoring must be one of {SCORINGS}, got {self.scoring!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+        if not isinstance(self.shared_swiglu_limit, bool):
+            raise ValueError(f"shared_swiglu_limit must be a bool, got {self.shared_swiglu_limit!r}")
+
+    @property
+    def jdtype(self) -> jnp.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def mix_hc(self) -> int:
+        """Rows of an HC mixing matrix: hc pre weights, hc post weights, hc x hc comb."""
+        return (2 + self.hc_mult) * self.hc_mult
+
+    def is_hash_layer(self, layer_id: int) -> bool:
+        return layer_id < self.n_hash_layers
+
+    @classmethod
+    def tiny(cls, **overrides) -> "V4BlockConfig":
+        """A CPU-test size with V4-Flash's structure (hc 4, 20 iterations, sqrtsoftplus, hash layers)."""
+        base = dict(hidden_size=64, vocab_size=97, n_routed_experts=16, moe_topk=4, moe_intermediate_size=32,
+                    n_hash_layers=1)
+        base.update(overrides)
+        return cls(**base)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Hyper-connections
+
+
+def sinkhorn_split(mixes: jax.Array, scale: jax.Array, base: jax.Array, hc: int, iters: int,
+                   eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """mixes [..., (2+hc)*hc] -> pre [..., hc], post [..., hc], comb [..., hc, hc] (all float32).
+
+    pre = sigmoid(.) + eps weights the streams into the sub-layer input; post = 2 sigmoid(.) spreads the
+    output over the streams; comb starts as a row softmax + eps and is pushed towards doubly stochastic by
+    ``iters`` column normalisations with ``iters - 1`` row normalisations in between (each dividing by
+    sum + eps), so its columns sum to 1 - O(eps) and its rows approximately to 1."""
+    m = mixes.astype(jnp.float32)
+    s = scale.astype(jnp.float32)
+    b = base.astype(jnp.float32)
+    pre = jax.nn.sigmoid(m[..., :hc] * s[0] + b[:hc]) + eps
+    post = 2.0 * jax.nn.sigmoid(m[..., hc:2 * hc] * s[1] + b[hc:2 * hc])
+    logits = (m[..., 2 * hc:] * s[2] + b[2 * hc:]).reshape(m.shape[:-1] + (hc, hc))
+    comb = jax.nn.softmax(logits, axis=-1) + eps
+
+    def col(c: jax.Array) -> jax.Array:
+        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+
+    def row(c: jax.Array) -> jax.Array:
+        return c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
+
+    comb = col(comb)
+    comb = jax.lax.fori_loop(0, iters - 1, lambda _, c: col(row(c)), comb)
+    return pre, post, comb
+
+
+def _hc_mixes(streams: jax.Array, fn: jax.Array, norm_eps: float) -> tuple[jax.Array, jax.Array]:
+    """The streams as float32 [..., hc, d] and their mixes fn . flat(x) / rms(flat(x)) (float32)."""
+    x = streams.astype(jnp.float32)
+    flat = x.reshape(x.shape[:-2] + (x.shape[-2] * x.shape[-1],))
+    rsqrt = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + norm_eps)
+    mixes = jnp.einsum("...i,oi->...o", flat, fn.astype(jnp.float32), precision=HIGHEST,
+                       preferred_element_type=jnp.float32) * rsqrt
+    return x, mixes
+
+
+def expand_streams(h: jax.Array, hc_mult: int) -> jax.Array:
+    """Embedding output [..., d] -> the initial residual streams [..., hc_mult, d] (identical copies)."""
+    return jnp.broadcast_to(h[..., None, :], h.shape[:-1] + (hc_mult, h.shape[-1]))
+
+
+class HyperConnection(nnx.Module):
+    """The HC mixing around one sub-layer. ``fn`` [mix_hc, hc*d], ``base`` [mix_hc], ``scale`` [3], float32.
+
+    Streams are [..., hc, d] in the activation dtype; the sub-layer sees [..., d]."""
+
+    def __init__(self, cfg: V4BlockConfig, rngs: nnx.Rngs):
+        hc, d = cfg.hc_mult, cfg.hidden_size
+        self.hc, self.iters, self.hc_eps, self.norm_eps = hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps
+        # Random but well-conditioned: mixes ~ N(0, 1) for normalised streams.
+        self.fn = nnx.Param(jax.random.normal(rngs.params(), (cfg.mix_hc, hc * d), jnp.float32) * (hc * d) ** -0.5)
+        self.base = nnx.Param(0.5 * jax.random.normal(rngs.params(), (cfg.mix_hc,), jnp.float32))
+        self.scale = nnx.Param(0.5 + 0.5 * jax.random.uniform(rngs.params(), (3,), jnp.float32))
+
+    def weights(self, streams: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """pre [..., hc], post [..., hc], comb [..., hc, hc] for these streams (float32)."""
+        _, mixes = _hc_mixes(streams, self.fn[...], self.norm_eps)
+        return sinkhorn_split(mixes, self.scale[...], self.base[...], self.hc, self.iters, self.hc_eps)
+
+    def pre(self, streams: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The sub-layer input sum_j pre_j x_j (streams' dtype) and the (post, comb) to write back with."""
+        x, mixes = _hc_mixes(streams, self.fn[...], self.norm_eps)
+        pre, post, comb = sinkhorn_split(mixes, self.scale[...], self.base[...], self.hc, self.iters, self.hc_eps)
+        y = jnp.sum(pre[..., None] * x, axis=-2)
+        return y.astype(streams.dtype), post, comb
+
+    @staticmethod
+    def post(out: jax.Array, streams: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+        """New stream k = post_k * out + sum_j comb[j, k] * stream_j, in float32, rounded to the streams' dtype."""
+        o = out.astype(jnp.float32)
+        r = streams.astype(jnp.float32)
+        y = post[..., None] * o[..., None, :] + jnp.einsum("...jk,...jd->...kd", comb, r, precision=HIGHEST)
+        return y.astype(streams.dtype)
+
+    def __call__(self, streams: jax.Array, inner: Callable[[jax.Array], jax.Array]) -> jax.Array:
+        x, post, comb = self.pre(streams)
+        return self.post(inner(x), streams, post, comb)
+
+
+class HCHead(nnx.Module):
+    """The final reduction of the streams before the LM head's norm: sum_j (sigmoid(.) + hc_eps)_j x_j.
+
+    ``fn`` [hc, hc*d], ``base`` [hc], ``scale`` [1] (float32)."""
+
+    def __init__(self, cfg: V4BlockConfig, rngs: nnx.Rngs):
+        hc, d = cfg.hc_mult, cfg.hidden_size
+        self.hc_eps, self.norm_eps = cfg.hc_eps, cfg.norm_eps
+        self.fn = nnx.Param(jax.random.normal(rngs.params(), (hc, hc * d), jnp.float32) * (hc * d) ** -0.5)
+        self.base = nnx.Param(0.5 * jax.random.normal(rngs.params(), (hc,), jnp.float32))
+        self.scale = nnx.Param(0.5 + 0.5 * jax.random.uniform(rngs.params(), (1,), jnp.float32))
+
+    def __call__(self, streams: jax.Array) -> jax.Array:
+        x, mixes = _hc_mixes(streams, self.fn[...], self.norm_eps)
+        pre = jax.nn.sigmoid(mixes * self.scale[...][0] + self.base[...]) + self.hc_eps
+        return jnp.sum(pre[..., None] * x, axis=-2).astype(streams.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# MoE
+
+
+def router_scores(logits: jax.Array, scoring: str) -> jax.Array:
+    """Expert affinities from the float32 router logits: sqrt(softplus), sigmoid or softmax."""
+    z = logits.astype(jnp.float32)
+    if scoring == "sqrtsoftplus":
+        return jnp.sqrt(jax.nn.softplus(z))
+    if scoring == "sigmoid":
+        return jax.nn.sigmoid(z)
+    if scoring == "softmax":
+        return jax.nn.softmax(z, axis=-1)
+    raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+
+
+def routing_weights(scores: jax.Array, indices: jax.Array, scoring: str, route_scale: float) -> jax.Array:
+    """The chosen experts' weights: the (unbiased) scores at ``indices``, renormalised to sum 1 unless
+    softmax, times ``route_scale``."""
+    w = jnp.take_along_axis(scores, indices, axis=-1)
+    if scoring != "softmax":
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+    return w * route_scale
+
+
+def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+    """silu(min(gate, limit)) * clip(up, -limit, limit) in float32; ``limit`` 0 = no clamp."""
+    g = gate.astype(jnp.float32)
+    u = up.astype(jnp.float32)
+    if limit > 0:
+        u = jnp.clip(u, -limit, limit)
+        g = jnp.minimum(g, limit)
+    return jax.nn.silu(g) * u
+
+
+def validate_tid2eid(table: np.ndarray, vocab_size: int, topk: int, n_experts: int) -> None:
+    """A hash-routing table must be int [vocab, topk] with expert ids in [0, n_experts)."""
+    t = np.asarray(table)
+    if t.shape != (vocab_size, topk) or not np.issubdtype(t.dtype, np.integer):
+        raise ValueError(f"tid2eid must be an integer array of shape {(vocab_size, topk)}, got {t.dtype} {t.shape}")
+    if t.size and (t.min() < 0 or t.max() >= n_experts):
+        raise ValueError(f"tid2eid: expert ids must lie in [0, {n_experts}), got [{t.min()}, {t.max()}]")
+
+
+def _check_tokens(tokens: jax.Array, vocab_size: int) -> None:
+    """Eager range check of the token ids (skipped under tracing, where the caller's host code checks)."""
+    if isinstance(tokens, jax.core.Tracer):
+        return
+    t = np.asarray(tokens)
+    if not np.issubdtype(t.dtype, np.integer):
+        raise ValueError(f"tokens must be integer ids, got {t.dtype}")
+    if t.size and (t.min() < 0 or t.max() >= vocab_size):
+        raise ValueError(f"tokens: ids must lie in [0, {vocab_size}), got [{t.min()}, {t.max()}]")
+
+
+class V4Gate(nnx.Module):
+    """The router of one layer: ``weight`` [E, d] (activation dtype, used in float32), then either ``bias``
+    [E] float32 (score layers) or ``tid2eid`` [vocab, topk] int32 (hash layers)."""
+
+    def __init__(self, cfg: V4BlockConfig, layer_id: int, rngs: nnx.Rngs):
+        e, d = cfg.n_routed_experts, cfg.hidden_size
+        self.topk, self.scoring, self.route_scale = cfg.moe_topk, cfg.scoring, cfg.route_scale
+        self.vocab_size = cfg.vocab_size
+        self.hash = cfg.is_hash_layer(layer_id)
+        self.weight = nnx.Param((jax.random.normal(rngs.params(), (e, d), jnp.float32) * d ** -0.5).astype(cfg.jdtype))
+        if self.hash:
+            # Each token id gets topk distinct experts, like a real table.
+            keys = jax.random.split(rngs.params(), cfg.vocab_size)
+            table = jax.vmap(lambda k: jax.random.permutation(k, e)[:cfg.moe_topk])(keys)
+            self.tid2eid = nnx.Param(table.astype(jnp.int32))
+        else:
+            self.bias = nnx.Param(0.1 * jax.random.normal(rngs.params(), (e,), jnp.float32))
+
+    def scores(self, x: jax.Array) -> jax.Array:
+        """Unbiased affinities [T, E] (float32) of normed activations x [T, d]."""
+        logits = jnp.einsum("ti,ei->te", x.astype(jnp.float32), self.weight[...].astype(jnp.float32),
+                            precision=HIGHEST, preferred_element_type=jnp.float32)
+        return router_scores(logits, self.scoring)
+
+    def __call__(self, x: jax.Array, tokens: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """(weights [T, k] float32, expert ids [T, k] int32). ``tokens`` [T] is required on hash layers."""
+        scores = self.scores(x)
+        if self.hash:
+            if tokens is None:
+                raise ValueError("tokens: a hash-routed layer needs the token ids")
+            _check_tokens(tokens, self.vocab_size)
+            indices = self.tid2eid[...][tokens.astype(jnp.int32)]
+        else:
+            _, indices = jax.lax.top_k(scores + self.bias[...], self.topk)
+        indices = indices.astype(jnp.int32)
+        return routing_weights(scores, indices, self.scoring, self.route_scale), indices
+
+
+def _linear(x: jax.Array, w: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
+    """x [..., in] @ w[out, in]^T, float32 accumulation, rounded to ``out_dtype``."""
+    prec = HIGHEST if x.dtype == jnp.float32 else None
+    return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), precision=prec,
+                      preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+class V4Expert(nnx.Module):
+    """One SwiGLU FFN with [out, in] weights (the shared expert)."""
+
+    def __init__(self, d: int, f: int, dtype: jnp.dtype, limit: float, rngs: nnx.Rngs):
+        def init(o: int, i: int) -> nnx.Param:
+            return nnx.Param((jax.random.normal(rngs.params(), (o, i), jnp.float32) * i ** -0.5).astype(dtype))
+
+        self.w1, self.w3, self.w2 = init(f, d), init(f, d), init(d, f)
+        self.limit = limit
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = swiglu(_linear(x, self.w1[...], x.dtype), _linear(x, self.w3[...], x.dtype), self.limit)
+        return _linear(h.astype(x.dtype), self.w2[...], x.dtype)
+
+
+_RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
+                                               lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+
+def _ragged_linear(x: jax.Array, w: jax.Array, sizes: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
+    """Rows of x [M, in] grouped by expert (``sizes`` [E]) times their expert's w [E, out, in]^T."""
+    prec = HIGHEST if x.dtype == jnp.float32 else None
+    y = jax.lax.ragged_dot_general(x, w.astype(x.dtype), sizes, _RAGGED_DN, precision=prec,
+                                   preferred_element_type=jnp.float32)
+    return y.astype(out_dtype)
+
+
+class V4MoE(nnx.Module):
+    """Routed experts ``w1``/``w3`` [E, f, d], ``w2`` [E, d, f] (activation dtype, not yet FP4) + shared
+    expert, with the V4 gate. Input: ffn-normed activations [T, d] and their token ids [T]."""
+
+    def __init__(self, cfg: V4BlockConfig, layer_id: int, rngs: nnx.Rngs):
+        e, d, f, dt = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.jdtype
+        self.cfg = cfg
+        self.gate = V4Gate(cfg, layer_id, rngs)
+        init = lambda shape, fan_in: nnx.Param(  # noqa: E731
+            (jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in ** -0.5).astype(dt))
+        self.w1 = init((e, f, d), d)
+        self.w3 = init((e, f, d), d)
+        self.w2 = init((e, d, f), f)
+        if cfg.n_shared_experts:
+            self.shared = V4Expert(d, f, dt, cfg.swiglu_limit if cfg.shared_swiglu_limit else 0.0, rngs)
+
+    def routed(self, x: jax.Array, weights: jax.Array, indices: jax.Array) -> jax.Array:
+        """sum_k (expert_{idx_k} with weight_k) (x), float32 [T, d]; each expert's output rounded to x.dtype."""
+        if self.cfg.moe_impl == "gather":
+            return self._routed_gather(x, weights, indices)
+        return self._routed_ragged(x, weights, indices)
+
+    def _routed_gather(self, x: jax.Array, weights: jax.Array, indices: jax.Array) -> jax.Array:
+        dt = x.dtype
+        prec = HIGHEST if dt == jnp.float32 else None
+        mm = lambda a, w, eq: jnp.einsum(eq, a, w.astype(dt), precision=prec,  # noqa: E731
+                                         preferred_element_type=jnp.float32).astype(dt)
+        w1, w3, w2 = self.w1[...][indices], self.w3[...][indices], self.w2[...][indices]  # [T, k, ., .]
+        h = swiglu(mm(x, w1, "ti,tkoi->tko"), mm(x, w3, "ti,tkoi->tko"), self.cfg.swiglu_limit)
+        h = (h * weights[..., None]).astype(dt)
+        y = mm(h, w2, "tki,tkoi->tko")
+        return jnp.sum(y.astype(jnp.float32), axis=1)
+
+    def _routed_ragged(self, x: jax.Array, weights: jax.Array, indices: jax.Array) -> jax.Array:
+        dt = x.dtype
+        t, k = indices.shape
+        flat = indices.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        rows = order // k  # token of each sorted (token, slot) pair
+        sizes = jnp.bincount(flat, length=self.cfg.n_routed_experts).astype(jnp.int32)
+        xs = x[rows]
+        h = swiglu(_ragged_linear(xs, self.w1[...], sizes, dt), _ragged_linear(xs, self.w3[...], sizes, dt),
+                   self.cfg.swiglu_limit)
+        h = (h * weights.reshape(-1)[order][:, None]).astype(dt)
+        y = _ragged_linear(h, self.w2[...], sizes, dt)
+        # Un-sort with a permutation (no scatter-add), then sum the k slots in slot order: deterministic, and
+        # the same summation as the gather path.
+        y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)
+        return jnp.sum(y.astype(jnp.float32), axis=1)
+
+    def __call__(self, x: jax.Array, tokens: jax.Array | None = None) -> jax.Array:
+        weights, indices = self.gate(x, tokens)
+        y = self.routed(x, weights, indices)
+        if self.cfg.n_shared_experts:
+            y = y + self.shared(x).astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The block
+
+
+class V4Block(nnx.Module):
+    """One V4 decoder layer minus its attention, which the caller passes as a function [T, d] -> [T, d].
+
+    ``__call__`` is the whole layer; ``pre_attention`` / ``post_attention`` are its two halves for a runner
+    that places the attention's cache work in between (as ``jds.model.DecoderLayer`` is split)."""
+
+    def __init__(self, cfg: V4BlockConfig, layer_id: int, rngs: nnx.Rngs, jitter: float = 0.1):
+        d = cfg.hidden_size
+        self.cfg, self.layer_id = cfg, layer_id
+        self.hc_attn = HyperConnection(cfg, rngs)
+        self.hc_ffn = HyperConnection(cfg, rngs)
+        self.attn_norm = nnx.Param(1.0 + jitter * jax.random.normal(rngs.params(), (d,), jnp.float32))
+        self.ffn_norm = nnx.Param(1.0 + jitter * jax.random.normal(rngs.params(), (d,), jnp.float32))
+        self.ffn = V4MoE(cfg, layer_id, rngs)
+
+    def pre_attention(self, streams: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """(attention input = attn_norm(hc pre-mix) [T, d], the (post, comb) that post_attention needs)."""
+        x, post, comb = self.hc_attn.pre(streams)
+        return rms_norm(x, self.attn_norm[...], self.cfg.norm_eps), (post, comb)
+
+    def post_attention(self, streams: jax.Array, attn_out: jax.Array, mix: tuple[jax.Array, jax.Array],
+                       tokens: jax.Array | None) -> jax.Array:
+        """Write the attention output back into the streams, then the HC-wrapped MoE."""
+        streams = HyperConnection.post(attn_out, streams, *mix)
+        x, post, comb = self.hc_ffn.pre(streams)
+        y = self.ffn(rms_norm(x, self.ffn_norm[...], self.cfg.norm_eps), tokens)
+        return HyperConnection.post(y, streams, post, comb)
+
+    def __call__(self, streams: jax.Array, attn_fn: Callable[[jax.Array], jax.Array],
+                 tokens: jax.Array | None = None) -> jax.Array:
+        """streams [T, hc, d] -> streams [T, hc, d]; ``tokens`` [T] (needed on hash-routed layers)."""
+        if streams.ndim != 3 or streams.shape[1:] != (self.cfg.hc_mult, self.cfg.hidden_size):
+            raise ValueError(f"streams must be [T, {self.cfg.hc_mult}, {self.cfg.hidden_size}], got {streams.shape}")
+        x, mix = self.pre_attention(streams)
+        return self.post_attention(streams, attn_fn(x), mix, tokens)
+
+
+def block(layer: V4Block, streams: jax.Array, attn_fn: Callable[[jax.Array], jax.Array],
+          tokens: jax.Array | None = None) -> jax.Array:
+    """Functional spelling of ``layer(streams, attn_fn, tokens)``."""
+    return layer(streams, attn_fn, tokens)
