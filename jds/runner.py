@@ -213,9 +213,11 @@ class BoundaryRunner:
         self._bt_host = np.zeros((self.max_num_seqs, self.max_blocks), np.int32)
         self._bt_state = jnp.zeros((self.max_num_seqs, self.max_blocks), jnp.int32)
         self._no_prev: jax.Array | None = None
+        self._carry: dict[tuple[int, int], tuple] = {}  # segment-boundary buffers per (tokens, key blocks)
 
     # ----- executables ------------------------------------------------------------------------------
-    def _jit(self, key: Any, fn: Callable, *, eager: bool, donate: tuple[int, ...] = ()) -> Callable:
+    def _jit(self, key: Any, fn: Callable, *, eager: bool, donate: tuple[int, ...] = (),
+             keep_unused: bool = False) -> Callable:
         if key not in self._jits:
             opts = None
             eager = eager or self.all_eager
@@ -225,7 +227,7 @@ class BoundaryRunner:
                 opts = {"xla_gpu_enable_command_buffer": "", **_dump_options()}
             elif not eager and self.captured_compiler_options is not None:
                 opts = dict(self.captured_compiler_options)
-            self._jits[key] = jax.jit(fn, donate_argnums=donate, compiler_options=opts)
+            self._jits[key] = jax.jit(fn, donate_argnums=donate, compiler_options=opts, keep_unused=keep_unused)
         return self._jits[key]
 
     def _first(self, kind: str) -> Callable:
@@ -322,6 +324,11 @@ class BoundaryRunner:
         Why: XLA launches a captured executable's command buffer only after updating and submitting
         all of it, so the device idles for the whole launch. Launched in pieces, the device runs the first
         piece while the host launches the next; only the first piece's launch stays on the critical path.
+        What crosses a segment boundary (the hidden state, the step's batch, the logits indices) lives in
+        persistent buffers: the first segment takes them donated and writes the step's values into them
+        (its outputs mirror its donated inputs, so XLA aliases each output to the same buffer), and the
+        middle segments update the hidden state in place. Every later segment therefore reads the same
+        addresses every step, and XLA has no recorded command to update for them.
         """
         lo, hi = self._segment_bounds()[k]
         gds = [self._layers[i][0] for i in range(lo, hi)]
@@ -335,35 +342,53 @@ class BoundaryRunner:
                 out.append(cache)
             return h, out
 
+        key = ("segment", k, kb, self.segments)
         if first:
-            def seg(est, sts, packed, prev, bt_state, caches):
+            def seg(est, sts, packed, prev, state):
+                _, bt_state, caches = state  # the carry's old values are overwritten
                 tokens, _, li, small, bt = self._unpack(packed, bt_state, kb, prev)
                 h, caches = layers(sts, _merge(egd, est)(tokens), small, caches)
-                return h, small, li, bt, caches
-            return self._jit(("segment", k, kb, self.segments), seg, eager=False, donate=(4, 5))
+                return (h, small, li), bt, caches
+            # keep_unused: the carry's old values are not read, but its buffers must stay arguments so that
+            # XLA aliases the outputs to them
+            return self._jit(key, seg, eager=False, donate=(4,), keep_unused=True)
         if last:
-            def seg(sts, hst, h, small, li, caches):
+            def seg(sts, hst, small, li, h, caches):
                 h, caches = layers(sts, h, small, caches)
                 return _merge(hgd, hst)(h, li), caches
-            return self._jit(("segment", k, kb, self.segments), seg, eager=False, donate=(5,))
+            return self._jit(key, seg, eager=False, donate=(5,))
 
-        def seg(sts, h, small, caches):
-            return layers(sts, h, small, caches)
-        return self._jit(("segment", k, kb, self.segments), seg, eager=False, donate=(3,))
+        def seg(sts, small, state):
+            return layers(sts, state[0], small, state[1])
+        return self._jit(key, seg, eager=False, donate=(2,))
+
+    def _segment_carry(self, tb: int, kb: int) -> tuple:
+        """The persistent boundary buffers of (token bucket, key blocks): hidden state, batch, logits indices."""
+        carry = self._carry.pop((tb, kb), None)
+        if carry is None:
+            r, i32 = self.max_num_seqs, jnp.int32
+            h = jnp.zeros((tb, self.model.cfg.hidden_size), self.model.embed.weight[...].dtype)
+            small = PagedBatch(positions=jnp.zeros(tb, i32), req_idx=jnp.zeros(tb, i32),
+                               slot_mapping=jnp.zeros(tb, i32), block_tables=jnp.zeros((r, kb), i32),
+                               seq_lens=jnp.zeros(r, i32), query_start_loc=jnp.zeros(r + 1, i32))
+            carry = (h, small, jnp.zeros(r, i32))
+        return carry
 
     def _step_segments(self, inp: StepInputs) -> jax.Array:
         kb, bounds, L = inp.key_blocks, self._segment_bounds(), self._layers
         sts = lambda lo, hi: [L[i][1] for i in range(lo, hi)]  # noqa: E731
         lo, hi = bounds[0]
-        h, small, li, self._bt_state, self.caches[lo:hi] = self._segment(0, kb)(
-            self._embed[1], sts(lo, hi), inp.packed, self._prev_of(inp), self._bt_state, self.caches[lo:hi])
+        state = (self._segment_carry(inp.token_bucket, kb), self._bt_state, self.caches[lo:hi])
+        (h, small, li), self._bt_state, self.caches[lo:hi] = self._segment(0, kb)(
+            self._embed[1], sts(lo, hi), inp.packed, self._prev_of(inp), state)
         self._bt_host = inp.block_tables
         for k in range(1, self.segments - 1):
             lo, hi = bounds[k]
-            h, self.caches[lo:hi] = self._segment(k, kb)(sts(lo, hi), h, small, self.caches[lo:hi])
+            h, self.caches[lo:hi] = self._segment(k, kb)(sts(lo, hi), small, (h, self.caches[lo:hi]))
         lo, hi = bounds[-1]
         logits, self.caches[lo:hi] = self._segment(self.segments - 1, kb)(
-            sts(lo, hi), self._head[1], h, small, li, self.caches[lo:hi])
+            sts(lo, hi), self._head[1], small, li, h, self.caches[lo:hi])
+        self._carry[(inp.token_bucket, kb)] = (h, small, li)
         self.last_dispatch = DispatchStats(captured=self.segments)
         return logits
 

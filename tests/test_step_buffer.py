@@ -122,5 +122,14 @@ def test_fused_segments_equal_one_executable(segments: int) -> None:
         ids = rng.integers(0, 256, sum(c.num_tokens for c in chunks)).astype(np.int32)
         np.testing.assert_array_equal(split.execute(ids, chunks, bt), one.execute(ids, chunks, bt))
     assert split.last_dispatch.captured == segments
+    # the segment boundary, the block tables and the caches live in persistent buffers: the same
+    # addresses step after step
+    key = min(split._carry)  # the decode step's (token bucket, key blocks)
+    state = lambda: (split._carry[key], split._bt_state, split.caches)  # noqa: E731
+    before = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(state())]
+    ids = rng.integers(0, 256, 2).astype(np.int32)
+    np.testing.assert_array_equal(split.execute(ids, [Chunk(0, 151, 1), Chunk(1, 31, 1)], bt),
+                                  one.execute(ids, [Chunk(0, 151, 1), Chunk(1, 31, 1)], bt))
+    assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(state())] == before
     with pytest.raises(ValueError, match="segments"):
         BoundaryRunner(**{**kw, "mode": "narrow"}, segments=2)
