@@ -64,7 +64,8 @@ if __name__ == "__main__":  # before the heavy imports, so a signal during them 
 
 from jds.engine.core import Engine  # noqa: E402
 from jds.engine.loop import EngineLoop  # noqa: E402
-from jds.runner import GRAPH_UPDATE_MODES, use_graph_update_mode  # noqa: E402
+from jds.bench.cli import GRAPH_UPDATE_MODES, add_moe_flags, moe_overrides, use_graph_update_mode  # noqa: E402
+from jds.config import RunnerConfig  # noqa: E402
 from jds.server.app import ServerConfig, build_app, serve, shutdown_reserve  # noqa: E402
 from jds.server.tokenizer import load_tokenizer  # noqa: E402
 
@@ -90,7 +91,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", choices=("wide", "narrow", "fused"), default="narrow", help="execution boundary")
     p.add_argument("--implementation", choices=("auto", "xla", "pallas"), default="auto",
                    help="attention kernels: auto = Pallas on a GPU, pure JAX elsewhere")
-    p.add_argument("--moe", action="store_true", help="DeepSeek-style MoE FFN instead of the dense MLP")
     p.add_argument("--max-num-seqs", type=positive_int, default=16, help="max request rows per step")
     p.add_argument("--num-blocks", type=positive_int, default=256, help="KV pages in the pool")
     p.add_argument("--max-num-tokens", type=positive_int, default=256, help="token budget per step")
@@ -124,12 +124,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests may take to finish after SIGINT/SIGTERM (then they are "
                         "ended with an error) and the bound on the whole exit")
+    add_moe_flags(p)
     a = p.parse_args(argv)
+    try:  # the model and runner settings are checked here, before minutes of model building
+        a.model_overrides = moe_overrides(a)
+        a.runner_config = runner_config(a)
+    except ValueError as e:
+        p.error(str(e))
     if not 0 <= a.port <= 65535:
         p.error(f"--port must be in 0..65535, got {a.port}")
     if not 0 <= a.shutdown_timeout < float("inf"):
         p.error(f"--shutdown-timeout must be a finite number >= 0, got {a.shutdown_timeout}")
     return a
+
+
+def runner_config(a: argparse.Namespace) -> RunnerConfig:
+    """The runner's settings from the flags (validated: a bad combination is a ValueError naming the field)."""
+    return RunnerConfig(mode=a.mode, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
+                        max_num_tokens=a.max_num_tokens, max_model_len=a.max_model_len,
+                        token_buckets=tuple(a.token_buckets), key_block_buckets=tuple(a.key_block_buckets),
+                        stable_inputs=a.stable_inputs, batch_invariant=a.batch_invariant)
 
 
 def build_runner(a: argparse.Namespace):
@@ -143,12 +157,9 @@ def build_runner(a: argparse.Namespace):
                           step_delay=a.fake_step_delay, warmup_delay=a.fake_warmup_delay)
     from jds.runner import ModelRunner
 
-    return ModelRunner.build(preset=a.preset, config_path=a.config, checkpoint=a.checkpoint, mode=a.mode,
-                             implementation=a.implementation, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
-                             max_num_tokens=a.max_num_tokens, max_model_len=a.max_model_len, seed=a.seed,
-                             moe=a.moe, token_buckets=tuple(a.token_buckets),
-                             key_block_buckets=tuple(a.key_block_buckets), stable_inputs=a.stable_inputs,
-                             batch_invariant=a.batch_invariant)
+    return ModelRunner.build(preset=a.preset, config_path=a.config, checkpoint=a.checkpoint,
+                             model_overrides=a.model_overrides, implementation=a.implementation, seed=a.seed,
+                             runner=a.runner_config)
 
 
 def check_port(host: str, port: int) -> str | None:
@@ -192,7 +203,7 @@ async def main(a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     label = a.preset or ("checkpoint" if a.checkpoint else "v32-tiny")
     say(f"building {a.runner if a.runner == 'fake' else label} (mode={a.mode}, impl={a.implementation}, "
-        f"moe={a.moe}, num_blocks={a.num_blocks}, max_num_seqs={a.max_num_seqs}, "
+        f"moe={a.model_overrides or 'off'}, num_blocks={a.num_blocks}, max_num_seqs={a.max_num_seqs}, "
         f"max_num_tokens={a.max_num_tokens}, max_model_len={a.max_model_len}, async={a.async_steps})")
     if a.compile_cache:
         from jds.runner import enable_compile_cache

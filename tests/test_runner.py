@@ -4,7 +4,6 @@ multi-step mixed batch, and each mode issues the number of host dispatches the d
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import numpy as np
@@ -151,26 +150,3 @@ def test_stable_inputs_same_logits_same_addresses(mode: str) -> None:
     assert int(again[0][0]) == 1
 
 
-def test_graph_update_mode_is_checked() -> None:
-    """An unknown XLA command-buffer update mode is a ValueError naming the field; once the backends are up
-    (as in this test process) a valid one is refused, since XLA reads it only at client creation."""
-    from jds.runner import use_graph_update_mode
-
-    with pytest.raises(ValueError, match="graph_update_mode"):
-        use_graph_update_mode("SOMETIMES")
-    jax.devices()
-    with pytest.raises(RuntimeError, match="before JAX initialises"):
-        use_graph_update_mode("SKIP_PROFILED")
-
-
-def test_graph_update_mode_flag_parses(tmp_path) -> None:
-    """A fresh process with the flag set runs a step (XLA accepts the flag and value on every backend)."""
-    import subprocess
-    import sys
-
-    code = ("from jds.runner import use_graph_update_mode; use_graph_update_mode('SKIP_PROFILED'); "
-            "import jax, jax.numpy as jnp; print(float(jax.jit(lambda x: x * 2)(jnp.ones(2)).sum()))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))})
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().endswith("4.0")
