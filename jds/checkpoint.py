@@ -23,7 +23,6 @@ of another config never loads silently. :func:`restore_model` builds the model f
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -33,6 +32,7 @@ from typing import Any, Iterator
 import numpy as np
 from flax import nnx
 
+from jds.config import ModelConfig, config_diff
 from jds.nn import export_weights, load_weights
 from jds.safetensors_io import read_json
 
@@ -44,49 +44,16 @@ CHUNK_BYTES = 64 << 20  # orbax/tensorstore storage chunk of large tensors
 
 
 # ----- config <-> JSON ---------------------------------------------------------------------------------
-def config_to_dict(cfg: Any) -> dict[str, Any]:
-    """A ModelConfig (nested frozen dataclasses) as plain JSON-able data."""
-    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+# The ModelConfig's (de)serialisation lives with the config (jds.config.ModelConfig.to_dict / from_dict).
+def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """A ModelConfig as plain JSON-able data (``ModelConfig.to_dict``)."""
+    return cfg.to_dict()
 
 
-def config_from_dict(d: dict[str, Any]) -> Any:
-    """Inverse of :func:`config_to_dict`; an unknown or invalid field is a ValueError naming it."""
-    from jds.config import Numerics, V32Config, V4Config
-    from jds.model import ModelConfig
-
-    if not isinstance(d, dict) or "arch" not in d:
-        raise ValueError("checkpoint config: missing field 'arch'")
-    attn_cls = {"v32": V32Config, "v4": V4Config}.get(d["arch"])
-    if attn_cls is None:
-        raise ValueError(f"checkpoint config field 'arch': unknown value {d['arch']!r}")
-
-    def build(cls: type, data: Any, where: str) -> Any:
-        if not isinstance(data, dict):
-            raise ValueError(f"checkpoint config field {where!r}: expected an object")
-        names = {f.name for f in dataclasses.fields(cls)}
-        for k in data:
-            if k not in names:
-                raise ValueError(f"checkpoint config field {(where + '.' if where else '') + k!r}: unknown to "
-                                 f"{cls.__name__} (checkpoint from a newer jds?)")
-        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
-        return kw
-
-    kw = build(ModelConfig, d, "")
-    kw["attn"] = attn_cls(**build(attn_cls, d.get("attn"), "attn"))
-    if "numerics" in kw:
-        kw["numerics"] = Numerics(**build(Numerics, d["numerics"], "numerics"))
-    return ModelConfig(**kw)
-
-
-def config_diff(a: Any, b: Any, prefix: str = "") -> tuple[str, Any, Any] | None:
-    """The first field (dotted path) where two configs differ, with both values; None when equal."""
-    if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b) and type(a) is type(b):
-        for f in dataclasses.fields(a):
-            r = config_diff(getattr(a, f.name), getattr(b, f.name), prefix + f.name + ".")
-            if r:
-                return r
-        return None
-    return None if a == b else (prefix.rstrip(".") or "<config>", a, b)
+def config_from_dict(d: dict[str, Any]) -> ModelConfig:
+    """Inverse of :func:`config_to_dict` (``ModelConfig.from_dict``); an unknown or invalid field is a
+    ValueError naming it."""
+    return ModelConfig.from_dict(d)
 
 
 # ----- writing -----------------------------------------------------------------------------------------
@@ -244,7 +211,7 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def checkpoint_config(path: str | os.PathLike) -> Any:
+def checkpoint_config(path: str | os.PathLike) -> ModelConfig:
     """The ModelConfig stored in a checkpoint."""
     try:
         return config_from_dict(read_meta(path)["config"])

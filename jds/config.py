@@ -1,8 +1,11 @@
-"""Configuration dataclasses for the DeepSeek-V3.2 and DeepSeek-V4 attention layers.
+"""Every configuration of the project: attention (V3.2, V4), numerics, the decoder model and its presets,
+and the step runner's settings.
 
-Pure Python (no JAX import) so the PyTorch reference and the server can read it too.
-Every config validates itself in ``__post_init__`` and raises ``ValueError`` naming the
-offending field, because a wrong head size silently produces garbage otherwise.
+Pure Python (no JAX import) so the PyTorch reference, the checkpoint reader and the server can read it too.
+Every config is a frozen dataclass that validates itself in ``__post_init__`` and raises ``ValueError``
+naming the offending field, because a wrong head size silently produces garbage otherwise. Settings reach
+the library only through these objects, passed down constructors: the library reads no environment
+variables (the command-line layer, ``scripts/`` and ``jds.bench``, turns flags into configs).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 DType = Literal["float32", "bfloat16"]
 KVCacheDType = Literal["fp8", "bfloat16", "float32"]
@@ -338,5 +341,235 @@ def _load_json(path_or_dict: str | os.PathLike | dict) -> dict:
 
 
 def replace(cfg: Any, **kw: Any) -> Any:
-    """dataclasses.replace that re-runs validation (frozen dataclasses re-validate in __post_init__)."""
+    """dataclasses.replace that re-runs validation (frozen dataclasses re-validate in __post_init__) and
+    names an unknown field in a ValueError instead of a TypeError about ``__init__``."""
+    names = {f.name for f in dataclasses.fields(cfg) if f.init}
+    for k in kw:
+        _require(k in names, k, f"not a field of {type(cfg).__name__}")
     return dataclasses.replace(cfg, **kw)
+
+
+# ----- the decoder model ------------------------------------------------------------------------------
+Arch = Literal["v32", "v4"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The decoder (jds.model.Decoder): attention of one architecture, layer count, vocabulary and FFN.
+
+    ``n_routed_experts == 0`` is a dense SwiGLU MLP of ``intermediate_size``; otherwise a DeepSeek-style MoE
+    of ``n_routed_experts`` experts of width ``moe_intermediate_size``, ``moe_topk`` routed per token, plus
+    ``n_shared_experts`` always-on experts. Stored as JSON beside a checkpoint's parameters (``to_dict``).
+    """
+
+    arch: Arch
+    attn: V32Config | V4Config
+    n_layers: int
+    vocab_size: int = 512
+    intermediate_size: int = 512
+    n_routed_experts: int = 0  # 0 = dense SwiGLU MLP
+    n_shared_experts: int = 1
+    moe_topk: int = 2
+    moe_intermediate_size: int = 256
+    numerics: Numerics = field(default_factory=Numerics.bf16)
+    bos_token_id: int = 256
+    eos_token_id: int = 257
+
+    def __post_init__(self) -> None:
+        _require(self.arch in ("v32", "v4"), "arch", f"must be 'v32' or 'v4', got {self.arch!r}")
+        want = V32Config if self.arch == "v32" else V4Config
+        _require(isinstance(self.attn, want), "attn", f"must be a {want.__name__} for arch {self.arch!r}")
+        _require(isinstance(self.numerics, Numerics), "numerics", f"must be a Numerics, got {self.numerics!r}")
+        _positive(self, "n_layers", "vocab_size", "intermediate_size")
+        if self.arch == "v4":
+            _require(self.n_layers <= len(self.attn.compress_ratios), "n_layers",
+                     f"exceeds len(compress_ratios)={len(self.attn.compress_ratios)}")
+        for n in ("bos_token_id", "eos_token_id", "n_routed_experts"):
+            v = getattr(self, n)
+            _require(isinstance(v, int) and not isinstance(v, bool) and v >= 0, n, f"must be an int >= 0, got {v!r}")
+        _require(self.vocab_size > max(self.bos_token_id, self.eos_token_id), "vocab_size",
+                 "must exceed the special token ids")
+        if self.n_routed_experts:
+            _positive(self, "moe_topk", "n_shared_experts", "moe_intermediate_size")
+            _require(self.moe_topk <= self.n_routed_experts, "moe_topk",
+                     f"must be in [1, n_routed_experts={self.n_routed_experts}], got {self.moe_topk}")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.attn.hidden_size
+
+    @property
+    def block_size(self) -> int:
+        return self.attn.block_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.attn.max_seq_len
+
+    def layer_kind(self, i: int) -> str:
+        """Layers of one kind share compiled executables."""
+        if self.arch == "v32":
+            return "mla"
+        return {0: "swa", 4: "c4"}.get(self.attn.compress_ratios[i], "c128")
+
+    # ----- (de)serialisation -----
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data (nested dicts, tuples as lists); :meth:`from_dict` inverts it exactly."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "ModelConfig":
+        """Inverse of :meth:`to_dict`. A missing, unknown or invalid field is a ValueError naming it (dotted
+        for nested fields, e.g. ``attn.index_topk``), so a config from another jds version never loads
+        half-understood."""
+        _require(isinstance(d, dict), "<config>", f"expected an object, got {type(d).__name__}")
+        _require("arch" in d, "arch", "missing")
+        attn_cls = {"v32": V32Config, "v4": V4Config}.get(d["arch"]) if isinstance(d["arch"], str) else None
+        _require(attn_cls is not None, "arch", f"must be 'v32' or 'v4', got {d['arch']!r}")
+        kw = _fields_from_dict(cls, d, "")
+        kw["attn"] = attn_cls(**_fields_from_dict(attn_cls, d.get("attn"), "attn"))
+        if "numerics" in kw:
+            kw["numerics"] = Numerics(**_fields_from_dict(Numerics, kw["numerics"], "numerics"))
+        return cls(**kw)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelConfig":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"invalid config: not valid JSON ({e})") from None
+        return cls.from_dict(d)
+
+
+def _fields_from_dict(cls: type, data: Any, where: str) -> dict[str, Any]:
+    """Constructor keywords of dataclass ``cls`` from JSON data: every key known, every required one present,
+    JSON lists back to tuples."""
+    prefix = where + "." if where else ""
+    _require(isinstance(data, dict), where or "<config>", f"expected an object, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for k in data:
+        _require(k in fields, prefix + k, f"unknown to {cls.__name__} (a config from a newer jds?)")
+    for name, f in fields.items():
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        _require(name in data or not required, prefix + name, "missing")
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+
+
+def config_diff(a: Any, b: Any, prefix: str = "") -> tuple[str, Any, Any] | None:
+    """The first field (dotted path) where two configs differ, with both values; None when equal."""
+    if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b) and type(a) is type(b):
+        for f in dataclasses.fields(a):
+            r = config_diff(getattr(a, f.name), getattr(b, f.name), prefix + f.name + ".")
+            if r:
+                return r
+        return None
+    return None if a == b else (prefix.rstrip(".") or "<config>", a, b)
+
+
+PRESETS: tuple[str, ...] = ("v32-tiny", "v4-tiny", "v32-bench", "v4-bench")
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+    """Named model presets. ``*-tiny`` run on a CPU; ``*-bench`` have the real attention head dims.
+    ``overrides`` replace ModelConfig fields (an unknown name is a ValueError)."""
+    if name == "v32-tiny":
+        cfg = ModelConfig("v32", V32Config.tiny(), n_layers=2)
+    elif name == "v4-tiny":
+        cfg = ModelConfig("v4", V4Config.tiny(), n_layers=3)
+    elif name == "v32-bench":
+        # Real V3.2 attention at full hidden size; 8 layers; dense MLP with the MoE expert width.
+        cfg = ModelConfig("v32", dataclasses.replace(V32Config(), max_seq_len=16384), n_layers=8, vocab_size=32768,
+                          intermediate_size=2048)
+    elif name == "v4-bench":
+        cfg = ModelConfig("v4", dataclasses.replace(V4Config(), max_seq_len=65536), n_layers=8, vocab_size=32768,
+                          intermediate_size=2048)
+    else:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return replace(cfg, **overrides) if overrides else cfg
+
+
+def load_model_config(name: str = "v32-tiny", config_path: str | os.PathLike | None = None,
+                      **overrides: Any) -> ModelConfig:
+    """A preset, optionally with its attention config replaced from a HF ``config.json``, then
+    ``overrides`` of ModelConfig fields (e.g. the MoE ones: ``n_routed_experts``, ``moe_topk``,
+    ``n_shared_experts``, ``moe_intermediate_size``)."""
+    cfg = preset(name)
+    if config_path:
+        attn = (V32Config if cfg.arch == "v32" else V4Config).from_hf_config(config_path)
+        cfg = replace(cfg, attn=attn)
+    return replace(cfg, **overrides) if overrides else cfg
+
+
+# ----- the step runner --------------------------------------------------------------------------------
+RUNNER_MODES: tuple[str, ...] = ("wide", "narrow", "fused")
+INPUT_PREPS: tuple[str, ...] = ("auto", "device", "host")
+CompilerOptions = Mapping[str, "str | bool | int | float"]
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """The step runner's settings (``jds.runner.BoundaryRunner`` / ``ModelRunner``); the model's are in
+    ``ModelConfig``. Built once at the command line (``scripts/serve.py``) or in a benchmark and passed down.
+
+    Checked here: everything that needs no model. The runner adds the checks that do (``segments`` against
+    the layer count, ``max_model_len`` against the model's ``max_seq_len``, key-block buckets against the
+    block table's width).
+
+    Compiler options are XLA ``DebugOptions`` fields set per executable (``jax.jit(compiler_options=)``).
+    Captured executables get ``captured_compiler_options`` alone (None: XLA's defaults, CUDA graphs on).
+    Eager ones get command buffers off on a GPU, then ``eager_compiler_options`` over that. ``dump_dir`` adds
+    ``xla_dump_to`` to both, so a dump covers exactly this runner's executables without editing ``XLA_FLAGS``.
+    """
+
+    mode: str = "narrow"  # execution boundary: wide / narrow / fused (see jds.runner)
+    num_blocks: int = 256  # KV pages in the pool
+    max_num_seqs: int = 16  # request rows per step
+    max_num_tokens: int = 256  # tokens per step (the largest token bucket)
+    max_model_len: int = 1024  # longest sequence, prompt + output
+    token_buckets: tuple[int, ...] = ()  # step sizes to compile; () = a x4 ladder; max_num_tokens is added
+    key_block_buckets: tuple[int, ...] = ()  # key-block counts to compile; () = a x4 ladder; the maximum is added
+    input_prep: str = "auto"  # "device": one packed buffer, batch built in the graph; "host": make_batch
+    stable_inputs: bool = False  # host prep: write each step's inputs into persistent device buffers
+    update_capacity: int = 0  # block-table entries one packed step may change (0: 4 per row + 64)
+    segments: int = 1  # fused + device prep: the step as this many captured executables, launched in order
+    batch_invariant: bool = False  # one token bucket and one key-block bucket (jds.runner.invariant_buckets)
+    all_eager: bool = False  # compile every executable as the eager ones are (command buffers off)
+    captured_compiler_options: CompilerOptions | None = None  # XLA options of the captured executables
+    eager_compiler_options: CompilerOptions | None = None  # XLA options of the eager executables
+    dump_dir: str | None = None  # XLA dump directory for every executable of the runner (xla_dump_to)
+
+    def __post_init__(self) -> None:
+        _require(self.mode in RUNNER_MODES, "mode", f"must be one of {RUNNER_MODES}, got {self.mode!r}")
+        _require(self.input_prep in INPUT_PREPS, "input_prep", f"must be one of {INPUT_PREPS}, got {self.input_prep!r}")
+        _positive(self, "num_blocks", "max_num_seqs", "max_num_tokens", "max_model_len", "segments")
+        v = self.update_capacity
+        _require(isinstance(v, int) and not isinstance(v, bool) and v >= 0, "update_capacity",
+                 f"must be an int >= 0, got {v!r}")
+        for n in ("stable_inputs", "batch_invariant", "all_eager"):
+            _require(isinstance(getattr(self, n), bool), n, f"must be a bool, got {getattr(self, n)!r}")
+        for n, top in (("token_buckets", self.max_num_tokens), ("key_block_buckets", None)):
+            given = getattr(self, n)
+            _require(isinstance(given, (tuple, list)), n, f"must be a tuple of ints, got {given!r}")
+            bad = [b for b in given if isinstance(b, bool) or not isinstance(b, int) or b < 1
+                   or (top is not None and b > top)]
+            _require(not bad, n, f"{bad} outside [1, {top if top is not None else 'the block table width'}]")
+            object.__setattr__(self, n, tuple(given))
+        if self.segments > 1:
+            _require(self.mode == "fused" and self.input_prep in ("auto", "device"), "segments",
+                     "segments > 1 needs mode='fused' and input_prep='device'")
+        for n in ("captured_compiler_options", "eager_compiler_options"):
+            opts = getattr(self, n)
+            if opts is None:
+                continue
+            _require(isinstance(opts, Mapping) and all(isinstance(k, str) for k in opts), n,
+                     f"must be a mapping of XLA option names to values, got {opts!r}")
+            bad = {k: o for k, o in opts.items() if not isinstance(o, (str, bool, int, float))}
+            _require(not bad, n, f"option values must be str, bool, int or float, got {bad!r}")
+            _require(self.dump_dir is None or "xla_dump_to" not in opts, "dump_dir",
+                     f"given twice: as dump_dir and as xla_dump_to in {n}")
+            object.__setattr__(self, n, dict(opts))
+        _require(self.dump_dir is None or (isinstance(self.dump_dir, str) and self.dump_dir != ""), "dump_dir",
+                 f"must be a non-empty path or None, got {self.dump_dir!r}")

@@ -7,83 +7,15 @@ so step times carry the real structure. Weights are random from a seed unless lo
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jds.batch import PagedBatch
-from jds.config import Numerics, V32Config, V4Config, _require
+from jds.config import ModelConfig, preset  # noqa: F401  (defined in jds.config; re-exported here)
 from jds.nn import Linear, RMSNorm, jdtype
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    arch: Literal["v32", "v4"]
-    attn: V32Config | V4Config
-    n_layers: int
-    vocab_size: int = 512
-    intermediate_size: int = 512
-    n_routed_experts: int = 0  # 0 = dense SwiGLU MLP
-    n_shared_experts: int = 1
-    moe_topk: int = 2
-    moe_intermediate_size: int = 256
-    numerics: Numerics = field(default_factory=Numerics.bf16)
-    bos_token_id: int = 256
-    eos_token_id: int = 257
-
-    def __post_init__(self) -> None:
-        _require(self.arch in ("v32", "v4"), "arch", f"must be 'v32' or 'v4', got {self.arch!r}")
-        want = V32Config if self.arch == "v32" else V4Config
-        _require(isinstance(self.attn, want), "attn", f"must be a {want.__name__} for arch {self.arch!r}")
-        _require(self.n_layers > 0, "n_layers", "must be > 0")
-        if self.arch == "v4":
-            _require(self.n_layers <= len(self.attn.compress_ratios), "n_layers",
-                     f"exceeds len(compress_ratios)={len(self.attn.compress_ratios)}")
-        _require(self.vocab_size > max(self.bos_token_id, self.eos_token_id), "vocab_size",
-                 "must exceed the special token ids")
-        _require(self.intermediate_size > 0, "intermediate_size", "must be > 0")
-        if self.n_routed_experts:
-            _require(0 < self.moe_topk <= self.n_routed_experts, "moe_topk", "must be in [1, n_routed_experts]")
-
-    @property
-    def hidden_size(self) -> int:
-        return self.attn.hidden_size
-
-    @property
-    def block_size(self) -> int:
-        return self.attn.block_size
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.attn.max_seq_len
-
-    def layer_kind(self, i: int) -> str:
-        """Layers of one kind share compiled executables."""
-        if self.arch == "v32":
-            return "mla"
-        return {0: "swa", 4: "c4"}.get(self.attn.compress_ratios[i], "c128")
-
-
-def preset(name: str, **overrides: Any) -> ModelConfig:
-    """Named model presets. ``*-tiny`` run on a CPU; ``*-bench`` have the real attention head dims."""
-    if name == "v32-tiny":
-        cfg = ModelConfig("v32", V32Config.tiny(), n_layers=2)
-    elif name == "v4-tiny":
-        cfg = ModelConfig("v4", V4Config.tiny(), n_layers=3)
-    elif name == "v32-bench":
-        # Real V3.2 attention at full hidden size; 8 layers; dense MLP with the MoE expert width.
-        cfg = ModelConfig("v32", dataclasses.replace(V32Config(), max_seq_len=16384), n_layers=8, vocab_size=32768,
-                          intermediate_size=2048)
-    elif name == "v4-bench":
-        cfg = ModelConfig("v4", dataclasses.replace(V4Config(), max_seq_len=65536), n_layers=8, vocab_size=32768,
-                          intermediate_size=2048)
-    else:
-        raise ValueError(f"unknown preset {name!r}; choose v32-tiny, v4-tiny, v32-bench, v4-bench")
-    return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
 
 class MLP(nnx.Module):

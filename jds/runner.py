@@ -15,9 +15,8 @@ step's actual sequence lengths. narrow/wide issue L eager + L+1 captured dispatc
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import jax
@@ -27,15 +26,15 @@ import numpy as np
 from flax import nnx
 
 from jds.batch import Chunk, PagedBatch, make_batch, pack_step, replace as replace_batch, step_buffer_len, unpack_step
-from jds.model import Decoder, ModelConfig, preset
+from jds.config import INPUT_PREPS, RUNNER_MODES, ModelConfig, RunnerConfig, load_model_config, replace  # noqa: F401
+from jds.model import Decoder
 from jds.sampling import greedy_tokens, sample_tokens, split_seeds
 
 if TYPE_CHECKING:
     from jds.engine.sampling import SamplingRows
 
 Mode = Literal["wide", "narrow", "fused"]
-MODES: tuple[str, ...] = ("wide", "narrow", "fused")
-INPUT_PREPS: tuple[str, ...] = ("auto", "device", "host")
+MODES: tuple[str, ...] = RUNNER_MODES
 
 
 @dataclass(frozen=True)
@@ -103,34 +102,6 @@ def _pick(buckets: tuple[int, ...], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-# Values of XLA's DebugOptions.CommandBufferUpdateMode in jax 0.11.2's XLA (read from the enum
-# descriptor in jaxlib; an unknown value is rejected when XLA parses its flags).
-GRAPH_UPDATE_MODES = ("ALWAYS_UPDATE", "SKIP_TEMP", "SKIP_PROFILED")
-
-
-def use_graph_update_mode(mode: str) -> None:
-    """Process-wide ``--xla_gpu_command_buffer_update_mode``; call before JAX initialises its backends.
-
-    Why: with the default ALWAYS_UPDATE, XLA patches a recorded CUDA graph whenever a buffer it uses
-    moves (fresh inputs, new temp and output allocations), and re-traces library commands (GEMMs).
-    SKIP_TEMP pins temp buffers, SKIP_PROFILED also the parameters and outputs that kept their address
-    over the first calls, at fixed virtual addresses. Both need XLA's VMM allocator, which XLA selects
-    only when the mode is in XLA_FLAGS at client creation: as a per-executable compiler option it would
-    silently fall back (openxla/xla gpu_executable_va_remap_allocator.cc, 2026).
-    Neither mode removed the per-step ``command_buffer::update`` of a fused step whose inputs are fresh
-    device arrays (benchmarks/results/host_profile_h200_2026-11-30.json, variants SKIP_TEMP / SKIP_PROFILED
-    against default), so it stays an option, off by default.
-    """
-    if mode not in GRAPH_UPDATE_MODES:
-        raise ValueError(f"graph_update_mode must be one of {GRAPH_UPDATE_MODES}, got {mode!r}")
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
-        raise RuntimeError("graph_update_mode must be set before JAX initialises its backends")
-    flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_command_buffer_update_mode={mode}".strip()
-
-
 @dataclass
 class DispatchStats:
     captured: int = 0
@@ -141,32 +112,38 @@ class DispatchStats:
         return self.captured + self.eager
 
 
-@dataclass
 class BoundaryRunner:
-    """Runs ``Decoder`` steps over paged caches in one boundary mode."""
+    """Runs ``Decoder`` steps over paged caches in one boundary mode.
 
-    model: Decoder
-    mode: Mode
-    num_blocks: int
-    max_num_seqs: int
-    max_num_tokens: int
-    max_model_len: int
-    token_buckets: tuple[int, ...] = ()
-    key_block_buckets: tuple[int, ...] = ()
-    last_dispatch: DispatchStats = field(default_factory=DispatchStats)
-    stable_inputs: bool = False  # host prep: write each step's inputs into persistent device buffers (_stage)
-    input_prep: str = "auto"  # "device": one packed buffer, batch built in the graph; "host": make_batch
-    update_capacity: int = 0  # block-table entries one packed step may change (0: 4 per row + 64)
-    segments: int = 1  # fused + device prep: the step as this many captured executables, launched in order
-    batch_invariant: bool = False  # one token bucket and one key-block bucket (see invariant_buckets)
-    captured_compiler_options: dict | None = None  # XLA options of the captured executables (None: XLA's own)
-    all_eager: bool = False  # compile every executable as the eager ones are (command buffers off)
+    ``BoundaryRunner(model, RunnerConfig(...))``; keyword settings are RunnerConfig fields replacing the
+    config's (``BoundaryRunner(model, mode="fused", num_blocks=24)``), validated alike. The resolved settings
+    (``input_prep="auto"`` decided, the buckets completed) are the runner's attributes (``runner.mode``,
+    ``runner.token_buckets``, ...); ``runner.config`` gives them back as a RunnerConfig.
+    """
+
+    def __init__(self, model: Decoder, config: RunnerConfig | None = None, **settings: Any) -> None:
+        config = config if config is not None else RunnerConfig()
+        if not isinstance(config, RunnerConfig):
+            raise ValueError(f"config must be a RunnerConfig, got {type(config).__name__}")
+        if settings:
+            config = replace(config, **settings)
+        self.model = model
+        for f in dataclasses.fields(RunnerConfig):
+            setattr(self, f.name, getattr(config, f.name))
+        self.last_dispatch = DispatchStats()
+        self.__post_init__()
+
+    @classmethod
+    def from_config(cls, model: Decoder, config: RunnerConfig) -> "BoundaryRunner":
+        return cls(model, config)
+
+    @property
+    def config(self) -> RunnerConfig:
+        """This runner's settings as resolved at construction (valid input to build another runner)."""
+        return RunnerConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RunnerConfig)})
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.input_prep not in INPUT_PREPS:
-            raise ValueError(f"input_prep must be one of {INPUT_PREPS}, got {self.input_prep!r}")
+        """The checks that need the model (RunnerConfig made the others), then the resolved settings."""
         if self.input_prep == "auto":
             # fused builds the batch inside its one executable; in wide / narrow the batch would leave the
             # first segment as outputs that every later dispatch waits on (measured slower for narrow:
@@ -174,10 +151,6 @@ class BoundaryRunner:
             self.input_prep = "device" if self.mode == "fused" else "host"
         if not 1 <= self.segments <= self.model.cfg.n_layers:
             raise ValueError(f"segments must be in [1, n_layers={self.model.cfg.n_layers}], got {self.segments}")
-        if self.segments > 1 and (self.mode != "fused" or self.input_prep != "device"):
-            raise ValueError("segments > 1 needs mode='fused' and input_prep='device'")
-        if self.update_capacity < 0:
-            raise ValueError(f"update_capacity must be >= 0, got {self.update_capacity}")
         cfg = self.model.cfg
         if self.max_model_len > cfg.max_seq_len:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
@@ -219,16 +192,22 @@ class BoundaryRunner:
     def _jit(self, key: Any, fn: Callable, *, eager: bool, donate: tuple[int, ...] = (),
              keep_unused: bool = False) -> Callable:
         if key not in self._jits:
-            opts = None
-            eager = eager or self.all_eager
-            if eager and self._on_gpu:
-                # Per-executable options: carry a --xla_dump_to from XLA_FLAGS along explicitly (the
-                # thunk-count check reads the eager executables' dumps too).
-                opts = {"xla_gpu_enable_command_buffer": "", **_dump_options()}
-            elif not eager and self.captured_compiler_options is not None:
-                opts = dict(self.captured_compiler_options)
+            opts = self._compiler_options(eager or self.all_eager)
             self._jits[key] = jax.jit(fn, donate_argnums=donate, compiler_options=opts, keep_unused=keep_unused)
         return self._jits[key]
+
+    def _compiler_options(self, eager: bool) -> dict[str, Any] | None:
+        """Per-executable XLA options (RunnerConfig): eager ones run with command buffers off on a GPU
+        (direct launches), then ``eager_compiler_options``; captured ones take ``captured_compiler_options``
+        (None: XLA's defaults); ``dump_dir`` dumps both kinds."""
+        if eager:
+            opts = {"xla_gpu_enable_command_buffer": ""} if self._on_gpu else {}
+            opts.update(self.eager_compiler_options or {})
+        else:
+            opts = dict(self.captured_compiler_options or {})
+        if self.dump_dir:
+            opts["xla_dump_to"] = self.dump_dir
+        return opts or None
 
     def _first(self, kind: str) -> Callable:
         egd, lgd = self._embed[0], self._gd_of_kind[kind]
@@ -684,28 +663,29 @@ class ModelRunner(BoundaryRunner):
 
     @classmethod
     def build(cls, *, preset: str | None = None, config_path: str | None = None, checkpoint: str | None = None,
-              mode: str = "narrow", implementation: str = "auto", num_blocks: int = 256, max_num_seqs: int = 16,
-              max_num_tokens: int = 256, max_model_len: int = 1024, seed: int = 0, moe: bool = False,
-              token_buckets: tuple[int, ...] = (), key_block_buckets: tuple[int, ...] = (),
-              stable_inputs: bool = False, input_prep: str = "auto", segments: int = 1,
-              batch_invariant: bool = False) -> "ModelRunner":
-        """``preset`` defaults to v32-tiny. With ``checkpoint`` and no ``preset`` / ``config_path`` / ``moe``
-        the checkpoint's stored config builds the model; otherwise the checkpoint must match that config
-        (a mismatch is a ValueError naming the first differing parameter). ``batch_invariant``: see
-        ``invariant_buckets``."""
-        if checkpoint and preset is None and config_path is None and not moe:
+              model_config: ModelConfig | None = None, model_overrides: dict[str, Any] | None = None,
+              implementation: str = "auto", seed: int = 0, runner: RunnerConfig | None = None,
+              **settings: Any) -> "ModelRunner":
+        """A runner over a model from one source, with ``runner``'s settings (default ``RunnerConfig()``).
+
+        The model: ``model_config``; or the preset (default v32-tiny) with its attention replaced from the HF
+        ``config_path`` and ``model_overrides`` (ModelConfig fields, e.g. the MoE ones) applied; or, with
+        ``checkpoint`` alone, the checkpoint's stored config. Given another source too, the checkpoint must
+        match it (a mismatch is a ValueError naming the first differing parameter). ``settings``: RunnerConfig
+        fields replacing ``runner``'s, as ``BoundaryRunner`` takes them.
+        """
+        if model_config is not None and (preset is not None or config_path or model_overrides):
+            raise ValueError("model_config: give it alone, or preset / config_path / model_overrides")
+        if checkpoint and model_config is None and preset is None and not config_path and not model_overrides:
             from jds.checkpoint import restore_model
             model = restore_model(checkpoint, implementation=implementation, seed=seed)
         else:
-            cfg = load_model_config(preset or "v32-tiny", config_path, moe=moe)
+            cfg = model_config or load_model_config(preset or "v32-tiny", config_path, **(model_overrides or {}))
             model = Decoder(cfg, seed=seed, implementation=implementation)
             if checkpoint:
                 from jds.checkpoint import load_checkpoint
                 load_checkpoint(model, checkpoint)
-        return cls(model=model, mode=mode, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                   max_num_tokens=max_num_tokens, max_model_len=max_model_len, token_buckets=tuple(token_buckets),
-                   key_block_buckets=tuple(key_block_buckets), stable_inputs=stable_inputs,
-                   input_prep=input_prep, segments=segments, batch_invariant=batch_invariant)
+        return cls(model, runner, **settings)
 
 
 def enable_compile_cache(cache_dir: str) -> None:
@@ -714,20 +694,6 @@ def enable_compile_cache(cache_dir: str) -> None:
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-
-
-def load_model_config(name: str, config_path: str | None = None, *, moe: bool = False) -> ModelConfig:
-    """A preset, optionally with its attention config replaced from a HF config.json."""
-    import dataclasses
-
-    cfg = preset(name)
-    if config_path:
-        from jds.config import V32Config, V4Config
-        attn = (V32Config if cfg.arch == "v32" else V4Config).from_hf_config(config_path)
-        cfg = dataclasses.replace(cfg, attn=attn)
-    if moe:
-        cfg = dataclasses.replace(cfg, n_routed_experts=8, moe_topk=2, n_shared_experts=1)
-    return cfg
 
 
 def _split_flat(module: nnx.Module) -> tuple[Any, list[jax.Array]]:
@@ -740,14 +706,6 @@ def _split_flat(module: nnx.Module) -> tuple[Any, list[jax.Array]]:
 def _merge(gd_treedef: tuple[Any, Any], leaves: list[jax.Array]) -> Any:
     gd, treedef = gd_treedef
     return nnx.merge(gd, jax.tree.unflatten(treedef, leaves))
-
-
-def _dump_options() -> dict[str, str]:
-    import os
-    import re
-
-    m = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
-    return {"xla_dump_to": m.group(1)} if m else {}
 
 
 def _producers(layer: Any, h: jax.Array, batch: PagedBatch, cache: Any, narrow: bool) -> tuple[Any, Any]:

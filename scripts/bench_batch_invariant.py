@@ -37,7 +37,8 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
-from jds.results import write_json  # noqa: E402
+from jds.bench.cli import add_moe_flags, moe_overrides  # noqa: E402
+from jds.bench.results import write_json  # noqa: E402
 
 CONFIGS = ("default", "token_only", "invariant")
 
@@ -89,6 +90,7 @@ def first_diff(x: list[int], y: list[int]) -> int:
 
 
 def build(a: argparse.Namespace, config: str, num_blocks: int):
+    from jds.config import RunnerConfig
     from jds.runner import ModelRunner
 
     kw: dict[str, Any] = {}
@@ -96,9 +98,10 @@ def build(a: argparse.Namespace, config: str, num_blocks: int):
         kw["token_buckets"] = (a.max_num_tokens,)
     elif config == "invariant":
         kw["batch_invariant"] = True
-    return ModelRunner.build(preset=a.preset, mode=a.mode, implementation=a.implementation, moe=a.moe,
-                             num_blocks=num_blocks, max_num_seqs=a.max_num_seqs, max_num_tokens=a.max_num_tokens,
-                             max_model_len=a.max_model_len, seed=0, **kw)
+    runner = RunnerConfig(mode=a.mode, num_blocks=num_blocks, max_num_seqs=a.max_num_seqs,
+                          max_num_tokens=a.max_num_tokens, max_model_len=a.max_model_len, **kw)
+    return ModelRunner.build(preset=a.preset, model_overrides=moe_overrides(a), implementation=a.implementation,
+                             seed=0, runner=runner)
 
 
 def run_config(a: argparse.Namespace, config: str, reqs: dict[str, tuple[list[int], Any]]) -> dict:
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--preset", default="v32-bench")
     ap.add_argument("--mode", choices=("wide", "narrow", "fused"), default="narrow")
     ap.add_argument("--implementation", choices=("auto", "xla", "pallas"), default="auto")
-    ap.add_argument("--moe", action="store_true")
+    add_moe_flags(ap)
     ap.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     ap.add_argument("--greedy", type=int, default=24)
     ap.add_argument("--seeded", type=int, default=16)
@@ -182,6 +185,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="default benchmarks/results/batch_invariant_<device>_<date>.json")
     a = ap.parse_args(argv)
+    try:
+        moe_overrides(a)
+    except ValueError as e:
+        ap.error(str(e))
     lo, hi = a.prompt_len
     if not 1 <= lo <= hi:
         ap.error(f"--prompt-len needs 1 <= LO <= HI, got {lo} {hi}")

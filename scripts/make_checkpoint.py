@@ -13,18 +13,21 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> None:
+    from jds.bench.cli import add_moe_flags, moe_overrides
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="v32-tiny")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--moe", action="store_true")
     ap.add_argument("--out", required=True)
+    add_moe_flags(ap)
     a = ap.parse_args(argv)
     from jds.checkpoint import save_checkpoint
+    from jds.config import load_model_config
     from jds.model import Decoder
-    from jds.runner import load_model_config
 
-    cfg = load_model_config(a.preset, moe=a.moe)
-    save_checkpoint(Decoder(cfg, seed=a.seed), a.out, extra={"preset": a.preset, "seed": a.seed, "moe": a.moe})
+    moe = moe_overrides(a)
+    cfg = load_model_config(a.preset, **moe)
+    save_checkpoint(Decoder(cfg, seed=a.seed), a.out, extra={"preset": a.preset, "seed": a.seed, "moe": moe})
     print(f"wrote {a.out} ({cfg.arch}, {cfg.n_layers} layers)")
 
 

@@ -69,7 +69,8 @@ if __name__ == "__main__":  # before the heavy imports, so a signal during them 
 
 from jds.engine.core import Engine  # noqa: E402
 from jds.engine.loop import EngineLoop  # noqa: E402
-from jds.runner import GRAPH_UPDATE_MODES, use_graph_update_mode  # noqa: E402
+from jds.bench.cli import GRAPH_UPDATE_MODES, add_moe_flags, moe_overrides, use_graph_update_mode  # noqa: E402
+from jds.config import RunnerConfig  # noqa: E402
 from jds.server.app import ServerConfig, build_app, serve, shutdown_reserve  # noqa: E402
 from jds.server.tokenizer import load_tokenizer  # noqa: E402
 
@@ -95,7 +96,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", choices=("wide", "narrow", "fused"), default="narrow", help="execution boundary")
     p.add_argument("--implementation", choices=("auto", "xla", "pallas"), default="auto",
                    help="attention kernels: auto = Pallas on a GPU, pure JAX elsewhere")
-    p.add_argument("--moe", action="store_true", help="DeepSeek-style MoE FFN instead of the dense MLP")
     p.add_argument("--max-num-seqs", type=positive_int, default=16, help="max request rows per step")
     p.add_argument("--num-blocks", type=positive_int, default=256, help="KV pages in the pool")
     p.add_argument("--max-num-tokens", type=positive_int, default=256, help="token budget per step")
@@ -110,6 +110,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-invariant", action="store_true",
                    help="one token bucket and one key-block bucket, so a request's tokens do not depend on "
                         "its batch, chunking or preemption (costs throughput; see jds.runner.invariant_buckets)")
+    p.add_argument("--input-prep", choices=("auto", "device", "host"), default="auto",
+                   help="step inputs: one packed buffer with the batch built on the device, or make_batch on the "
+                        "host (auto: device for fused, host for wide / narrow)")
+    p.add_argument("--segments", type=positive_int, default=1,
+                   help="fused + device prep: launch each step as this many captured executables")
     p.add_argument("--graph-update-mode", default=None, choices=GRAPH_UPDATE_MODES,
                    help="XLA command-buffer update mode (process-wide XLA flag; default: XLA's ALWAYS_UPDATE)")
     p.add_argument("--compile-cache", default=None,
@@ -130,8 +135,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds running requests may take to finish after SIGINT/SIGTERM (then they are "
                         "ended with an error) and the bound on the whole exit")
     add_model_dir_args(p)
+    add_moe_flags(p)
     a = p.parse_args(argv)
     check_model_dir_args(p, a)
+    try:  # the model and runner settings are checked here, before minutes of model building
+        a.model_overrides = moe_overrides(a)
+        a.runner_config = runner_config(a)
+    except ValueError as e:
+        p.error(str(e))
     if not 0 <= a.port <= 65535:
         p.error(f"--port must be in 0..65535, got {a.port}")
     if not 0 <= a.shutdown_timeout < float("inf"):
@@ -158,7 +169,7 @@ def check_model_dir_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> N
                 p.error(f"{flag} needs --model")
         return
     for flag, v in (("--checkpoint", a.checkpoint), ("--preset", a.preset), ("--config", a.config),
-                    ("--moe", a.moe or None)):
+                    ("--moe", a.moe or None), ("--moe-experts", a.moe_experts)):
         if v is not None:
             p.error(f"--model takes the model from the HF directory; {flag} cannot be combined with it")
     if a.runner == "fake":
@@ -192,6 +203,15 @@ def describe_tokenizer(tok, runner) -> str:
     return text
 
 
+def runner_config(a: argparse.Namespace) -> RunnerConfig:
+    """The runner's settings from the flags (validated: a bad combination is a ValueError naming the field)."""
+    return RunnerConfig(mode=a.mode, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
+                        max_num_tokens=a.max_num_tokens, max_model_len=a.max_model_len,
+                        token_buckets=tuple(a.token_buckets), key_block_buckets=tuple(a.key_block_buckets),
+                        stable_inputs=a.stable_inputs, batch_invariant=a.batch_invariant,
+                        input_prep=a.input_prep, segments=a.segments)
+
+
 def build_runner(a: argparse.Namespace):
     if a.graph_update_mode:
         use_graph_update_mode(a.graph_update_mode)  # before anything touches a device
@@ -203,12 +223,9 @@ def build_runner(a: argparse.Namespace):
                           step_delay=a.fake_step_delay, warmup_delay=a.fake_warmup_delay)
     from jds.runner import ModelRunner
 
-    return ModelRunner.build(preset=a.preset, config_path=a.config, checkpoint=a.checkpoint, mode=a.mode,
-                             implementation=a.implementation, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
-                             max_num_tokens=a.max_num_tokens, max_model_len=a.max_model_len, seed=a.seed,
-                             moe=a.moe, token_buckets=tuple(a.token_buckets),
-                             key_block_buckets=tuple(a.key_block_buckets), stable_inputs=a.stable_inputs,
-                             batch_invariant=a.batch_invariant)
+    return ModelRunner.build(preset=a.preset, config_path=a.config, checkpoint=a.checkpoint,
+                             model_overrides=a.model_overrides, implementation=a.implementation, seed=a.seed,
+                             runner=a.runner_config)
 
 
 def check_port(host: str, port: int) -> str | None:
@@ -256,7 +273,7 @@ async def main(a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     label = a.preset or ("checkpoint" if a.checkpoint else "v32-tiny")
     say(f"building {a.runner if a.runner == 'fake' else label} (mode={a.mode}, impl={a.implementation}, "
-        f"moe={a.moe}, num_blocks={a.num_blocks}, max_num_seqs={a.max_num_seqs}, "
+        f"moe={a.model_overrides or 'off'}, num_blocks={a.num_blocks}, max_num_seqs={a.max_num_seqs}, "
         f"max_num_tokens={a.max_num_tokens}, max_model_len={a.max_model_len}, async={a.async_steps})")
     if a.compile_cache:
         from jds.runner import enable_compile_cache

@@ -103,7 +103,8 @@ def test_v32_other_modes_identical(mode):
 
 
 def test_v32_moe_identical():
-    r = ModelRunner.build(preset="v32-tiny", moe=True, num_blocks=12, max_num_seqs=8, max_num_tokens=32,
+    r = ModelRunner.build(preset="v32-tiny", model_overrides=dict(n_routed_experts=8, moe_topk=2, n_shared_experts=1),
+                          num_blocks=12, max_num_seqs=8, max_num_tokens=32,
                           max_model_len=128, batch_invariant=True)
     _check_all_conditions(r, _requests(6, lo=5, hi=50, max_tokens=10, seed=5), chunk=6)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 
@@ -209,3 +210,116 @@ def test_v4_invalid_field(field: str, value) -> None:
 def test_numerics_invalid_field(field: str, value) -> None:
     with pytest.raises(ValueError, match=f"invalid config field '{field}'"):
         dataclasses.replace(Numerics(), **{field: value})
+
+
+# ------------------------------------------------------------------------------------------
+# ModelConfig, presets and their JSON form; RunnerConfig
+# ------------------------------------------------------------------------------------------
+from jds.config import PRESETS, ModelConfig, RunnerConfig, load_model_config, preset  # noqa: E402
+
+
+def _model_variants() -> list[ModelConfig]:
+    out = [preset(name) for name in PRESETS]
+    out.append(preset("v4-tiny", n_layers=2, n_routed_experts=8, moe_topk=2, numerics=Numerics.reference()))
+    out.append(dataclasses.replace(preset("v32-tiny"), numerics=Numerics.serving(), bos_token_id=0, eos_token_id=1))
+    return out
+
+
+@pytest.mark.parametrize("cfg", _model_variants(), ids=lambda c: f"{c.arch}-{c.n_layers}-{c.n_routed_experts}")
+def test_model_config_json_round_trip(cfg: ModelConfig) -> None:
+    """to_dict / to_json and back give an equal config (tuples survive JSON's lists)."""
+    d = cfg.to_dict()
+    assert json.loads(json.dumps(d)) == d
+    assert ModelConfig.from_dict(d) == cfg
+    assert ModelConfig.from_json(cfg.to_json()) == cfg
+    if cfg.arch == "v4":
+        assert isinstance(ModelConfig.from_dict(d).attn.compress_ratios, tuple)
+
+
+@pytest.mark.parametrize("edit,field", [
+    (lambda d: d.update(arch="v5"), "arch"),
+    (lambda d: d.pop("arch"), "arch"),
+    (lambda d: d.pop("n_layers"), "n_layers"),
+    (lambda d: d.update(layers=2), "layers"),
+    (lambda d: d["attn"].update(window=3), "attn.window"),
+    (lambda d: d["numerics"].update(fp16=True), "numerics.fp16"),
+    (lambda d: d.update(attn=[1, 2]), "attn"),
+    (lambda d: d["attn"].update(index_topk=0), "index_topk"),
+    (lambda d: d.update(n_layers=0), "n_layers"),
+])
+def test_model_config_from_dict_names_the_bad_field(edit, field: str) -> None:
+    d = preset("v32-tiny").to_dict()
+    edit(d)
+    with pytest.raises(ValueError, match=f"invalid config field '{re.escape(field)}'"):
+        ModelConfig.from_dict(d)
+
+
+def test_model_config_from_json_rejects_bad_json() -> None:
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ModelConfig.from_json("{arch: v32")
+
+
+@pytest.mark.parametrize("field,value", [
+    ("n_layers", 0), ("n_layers", 2.0), ("vocab_size", 100), ("intermediate_size", 0), ("n_routed_experts", -1),
+    ("numerics", "bf16"), ("attn", V4Config.tiny()), ("arch", "v5"), ("bos_token_id", -1),
+])
+def test_model_config_invalid_field(field: str, value) -> None:
+    with pytest.raises(ValueError, match=f"invalid config field '{field}'"):
+        replace(preset("v32-tiny"), **{field: value})
+
+
+@pytest.mark.parametrize("field,value", [("moe_topk", 9), ("moe_topk", 0), ("n_shared_experts", 0),
+                                         ("moe_intermediate_size", 0)])
+def test_moe_fields_checked_when_moe(field: str, value) -> None:
+    with pytest.raises(ValueError, match=f"invalid config field '{field}'"):
+        preset("v32-tiny", n_routed_experts=8, **{field: value})
+    assert preset("v32-tiny", **{field: value}).n_routed_experts == 0  # dense: the MoE fields are unused
+
+
+def test_presets_and_overrides() -> None:
+    assert [preset(n).arch for n in PRESETS] == ["v32", "v4", "v32", "v4"]
+    with pytest.raises(ValueError, match="unknown preset 'v33-tiny'"):
+        preset("v33-tiny")
+    with pytest.raises(ValueError, match="invalid config field 'moe'"):  # no shortcut flags in the library
+        preset("v32-tiny", moe=True)
+    cfg = load_model_config("v4-tiny", n_routed_experts=4, moe_topk=1)
+    assert (cfg.arch, cfg.n_routed_experts, cfg.moe_topk, cfg.n_shared_experts) == ("v4", 4, 1, 1)
+    assert load_model_config() == preset("v32-tiny")
+
+
+def test_load_model_config_takes_hf_attention(tmp_path) -> None:
+    cfg = load_model_config("v32-bench", write_json(tmp_path, V32_HF))
+    assert cfg.attn == V32Config.deepseek_v32() and cfg.n_layers == preset("v32-bench").n_layers
+
+
+def test_runner_config_defaults_and_normalisation() -> None:
+    opts = {"xla_gpu_enable_command_buffer": "FUSION"}
+    rc = RunnerConfig(token_buckets=[16, 64], key_block_buckets=[2], captured_compiler_options=opts)
+    assert rc.token_buckets == (16, 64) and rc.key_block_buckets == (2,)
+    opts["xla_gpu_enable_command_buffer"] = ""  # the config keeps its own copy
+    assert rc.captured_compiler_options == {"xla_gpu_enable_command_buffer": "FUSION"}
+    assert RunnerConfig() == RunnerConfig(mode="narrow", num_blocks=256, max_num_seqs=16, max_num_tokens=256,
+                                          max_model_len=1024)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rc.mode = "fused"  # type: ignore[misc]
+    assert replace(rc, mode="fused", segments=2).segments == 2
+
+
+@pytest.mark.parametrize("field,kw", [
+    ("mode", {"mode": "eager"}), ("input_prep", {"input_prep": "gpu"}), ("num_blocks", {"num_blocks": 0}),
+    ("max_num_seqs", {"max_num_seqs": -1}), ("max_num_tokens", {"max_num_tokens": 2.0}),
+    ("max_model_len", {"max_model_len": 0}), ("segments", {"segments": 0}),
+    ("update_capacity", {"update_capacity": -1}), ("stable_inputs", {"stable_inputs": "yes"}),
+    ("batch_invariant", {"batch_invariant": 1}), ("all_eager", {"all_eager": None}),
+    ("token_buckets", {"token_buckets": (0,)}), ("token_buckets", {"token_buckets": (512,)}),
+    ("token_buckets", {"token_buckets": 16}), ("key_block_buckets", {"key_block_buckets": (0,)}),
+    ("segments", {"segments": 2}), ("segments", {"segments": 2, "mode": "fused", "input_prep": "host"}),
+    ("captured_compiler_options", {"captured_compiler_options": "FUSION"}),
+    ("eager_compiler_options", {"eager_compiler_options": {"xla_dump_to": ["a"]}}),
+    ("dump_dir", {"dump_dir": ""}),
+    ("dump_dir", {"dump_dir": "/tmp/d", "captured_compiler_options": {"xla_dump_to": "/tmp/e"}}),
+    ("nmu_blocks", {"nmu_blocks": 4}),
+])
+def test_runner_config_invalid_field(field: str, kw: dict) -> None:
+    with pytest.raises(ValueError, match=f"invalid config field '{field}'"):
+        replace(RunnerConfig(), **kw)

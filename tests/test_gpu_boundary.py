@@ -1,5 +1,8 @@
 """On a GPU: the captured segments really run as CUDA graphs (kCommandBuffer in the thunk dump), the
-eager regions run as direct launches, and narrow issues fewer direct launches per step than wide."""
+eager regions run as direct launches, and narrow issues fewer direct launches per step than wide.
+
+The dump is the runner's own (``--dump`` -> ``RunnerConfig.dump_dir`` -> every executable's ``xla_dump_to``
+option): the child process gets no ``--xla_dump_to`` in ``XLA_FLAGS``."""
 
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ def test_command_buffers_and_direct_launches(tmp_path) -> None:
     out = tmp_path / "dump.json"
     subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_boundary.py"), "--arch", "v32", "v4",
                     "--layers", "4", "--dump", str(tmp_path / "xla"), "--out", str(out)], check=True, cwd=ROOT,
-                   env={**os.environ, "PYTHONPATH": ROOT})
+                   env={**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": " ".join(
+                       f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_dump_to"))})
     res = json.loads(out.read_text())["archs"]
     if os.environ.get("JDS_GPU_OUT"):  # keep the evidence (device runs copy this dir back)
         (Path(os.environ["JDS_GPU_OUT"]) / "thunk_counts.json").write_text(out.read_text())

@@ -4,7 +4,6 @@ multi-step mixed batch, and each mode issues the number of host dispatches the d
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import numpy as np
@@ -13,7 +12,8 @@ import pytest
 from jds.batch import Chunk
 from jds.config import Numerics
 from jds.model import Decoder, preset
-from jds.runner import MODES, BoundaryRunner
+from jds.config import RunnerConfig
+from jds.runner import MODES, BoundaryRunner, ModelRunner
 
 
 def make_runner(arch: str, mode: str, moe: bool = False, input_prep: str = "device") -> BoundaryRunner:
@@ -151,26 +151,60 @@ def test_stable_inputs_same_logits_same_addresses(mode: str) -> None:
     assert int(again[0][0]) == 1
 
 
-def test_graph_update_mode_is_checked() -> None:
-    """An unknown XLA command-buffer update mode is a ValueError naming the field; once the backends are up
-    (as in this test process) a valid one is refused, since XLA reads it only at client creation."""
-    from jds.runner import use_graph_update_mode
-
-    with pytest.raises(ValueError, match="graph_update_mode"):
-        use_graph_update_mode("SOMETIMES")
-    jax.devices()
-    with pytest.raises(RuntimeError, match="before JAX initialises"):
-        use_graph_update_mode("SKIP_PROFILED")
 
 
-def test_graph_update_mode_flag_parses(tmp_path) -> None:
-    """A fresh process with the flag set runs a step (XLA accepts the flag and value on every backend)."""
-    import subprocess
-    import sys
+def test_runner_takes_one_runner_config() -> None:
+    """A RunnerConfig and the same settings as keywords build the same runner; keywords replace the
+    config's fields; ``runner.config`` gives the resolved settings back (and builds an equal runner)."""
+    model = Decoder(preset("v32-tiny"), seed=0)
+    rc = RunnerConfig(mode="fused", num_blocks=8, max_num_seqs=2, max_num_tokens=32, max_model_len=64)
+    a = BoundaryRunner(model, rc)
+    b = BoundaryRunner(model=model, mode="fused", num_blocks=8, max_num_seqs=2, max_num_tokens=32, max_model_len=64)
+    assert a.config == b.config == BoundaryRunner.from_config(model, rc).config
+    assert a.config == dataclasses.replace(rc, input_prep="device", token_buckets=(16, 32), key_block_buckets=(4,),
+                                           update_capacity=4 * 2 + 64)
+    assert BoundaryRunner(model, a.config).config == a.config
+    c = BoundaryRunner(model, rc, mode="narrow", max_num_tokens=16)
+    assert (c.mode, c.input_prep, c.max_num_tokens, c.num_blocks) == ("narrow", "host", 16, 8)
+    with pytest.raises(ValueError, match="'mode'"):
+        BoundaryRunner(model, rc, mode="eager")
+    with pytest.raises(ValueError, match="'num_block'"):  # a misspelt setting is not ignored
+        BoundaryRunner(model, rc, num_block=4)
+    with pytest.raises(ValueError, match="RunnerConfig"):
+        BoundaryRunner(model, {"mode": "fused"})
+    with pytest.raises(ValueError, match="segments"):  # needs the model: 2 layers
+        BoundaryRunner(model, rc, segments=3)
 
-    code = ("from jds.runner import use_graph_update_mode; use_graph_update_mode('SKIP_PROFILED'); "
-            "import jax, jax.numpy as jnp; print(float(jax.jit(lambda x: x * 2)(jnp.ones(2)).sum()))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))})
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().endswith("4.0")
+
+def test_model_runner_build_takes_a_runner_config() -> None:
+    rc = RunnerConfig(mode="wide", num_blocks=4, max_num_seqs=2, max_num_tokens=16, max_model_len=64)
+    r = ModelRunner.build(preset="v4-tiny", model_overrides={"n_layers": 2, "n_routed_experts": 4}, runner=rc)
+    assert (r.model.cfg.arch, r.model.cfg.n_layers, r.model.cfg.n_routed_experts) == ("v4", 2, 4)
+    assert r.config == dataclasses.replace(rc, input_prep="host", token_buckets=(16,), key_block_buckets=(1,),
+                                           update_capacity=72)
+    cfg = preset("v32-tiny", n_layers=1)
+    assert ModelRunner.build(model_config=cfg, runner=rc).model.cfg == cfg
+    with pytest.raises(ValueError, match="model_config"):
+        ModelRunner.build(model_config=cfg, preset="v32-tiny", runner=rc)
+    with pytest.raises(ValueError, match="'moe'"):  # the old shortcut is a command-line alias now
+        ModelRunner.build(preset="v32-tiny", model_overrides={"moe": True}, runner=rc)
+
+
+def test_compiler_options_and_dump_dir_reach_their_executables(tmp_path) -> None:
+    """Captured and eager executables take their own XLA options from the RunnerConfig, and ``dump_dir``
+    dumps every executable of the runner (no XLA_FLAGS involved)."""
+    model = Decoder(preset("v32-tiny"), seed=0)
+    ids, chunks, bt = np.arange(5, dtype=np.int32), [Chunk(0, 0, 5)], np.arange(8, dtype=np.int32).reshape(2, 4)
+    kw = dict(mode="narrow", num_blocks=8, max_num_seqs=2, max_num_tokens=16, max_model_len=64)
+
+    def modules(d) -> set[str]:
+        return {p.name.split(".")[1] for p in d.iterdir() if p.name.endswith(".before_optimizations.txt")}
+
+    r = BoundaryRunner(model, RunnerConfig(**kw, captured_compiler_options={"xla_dump_to": str(tmp_path / "cap")},
+                                           eager_compiler_options={"xla_dump_to": str(tmp_path / "eager")}))
+    r.execute(ids, chunks, bt)
+    assert modules(tmp_path / "cap") == {"jit_first", "jit_mid", "jit_last"}
+    assert modules(tmp_path / "eager") == {"jit_consume"}
+    r = BoundaryRunner(model, RunnerConfig(**kw, dump_dir=str(tmp_path / "all")))
+    r.execute(ids, chunks, bt)
+    assert modules(tmp_path / "all") == {"jit_first", "jit_mid", "jit_last", "jit_consume"}

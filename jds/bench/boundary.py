@@ -163,7 +163,8 @@ def launches_per_step(modules: dict[str, dict], kinds: list[str], mode: str) -> 
 
 def dump_counts(dump_dir: str, arch: str, layers: int, implementation: str = "auto",
                 stable_inputs: bool = False) -> dict:
-    """One step per mode with XLA dumping on; count graphs and direct launches per step."""
+    """One step per mode with XLA dumping on (every executable of the runners, through
+    ``RunnerConfig.dump_dir``); count graphs and direct launches per step."""
     import numpy as np
 
     from jds.batch import Chunk
@@ -173,7 +174,7 @@ def dump_counts(dump_dir: str, arch: str, layers: int, implementation: str = "au
     result = {}
     seen: set[str] = set(read_dump(dump_dir)) if os.path.isdir(dump_dir) else set()  # earlier archs' modules
     for mode in ("wide", "narrow", "fused"):
-        r = make_runner(model, mode, 2, 256, stable_inputs=stable_inputs)
+        r = make_runner(model, mode, 2, 256, stable_inputs=stable_inputs, dump_dir=dump_dir)
         ids = np.arange(128, dtype=np.int32)
         bt = np.arange(2 * r.max_blocks, dtype=np.int32).reshape(2, -1)
         r.execute(ids, [Chunk(0, 0, 128)], bt[:1])
@@ -189,7 +190,7 @@ def dump_counts(dump_dir: str, arch: str, layers: int, implementation: str = "au
 
 
 def main(argv: list[str] | None = None) -> None:
-    from jds.runner import GRAPH_UPDATE_MODES, use_graph_update_mode  # jax imported, no backend touched yet
+    from jds.bench.cli import GRAPH_UPDATE_MODES, use_graph_update_mode  # no backend touched yet
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--arch", nargs="+", default=["v32", "v4"])
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stable-inputs", action="store_true",
                     help="step inputs in persistent device buffers (BoundaryRunner.stable_inputs)")
     ap.add_argument("--graph-update-mode", default=None, choices=GRAPH_UPDATE_MODES,
-                    help="XLA command-buffer update mode, process-wide (jds.runner.use_graph_update_mode)")
+                    help="XLA command-buffer update mode, process-wide (jds.bench.cli.use_graph_update_mode)")
     ap.add_argument("--precompile", action="store_true",
                     help="first compile every (arch, mode) in parallel processes into a persistent cache")
     ap.add_argument("--compile-cache", default=None,
@@ -225,8 +226,6 @@ def main(argv: list[str] | None = None) -> None:
         from jds.runner import enable_compile_cache
 
         enable_compile_cache(cache_dir)
-    if a.dump:  # XLA's own interface: its flags are read from the environment at backend start
-        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={a.dump}"
     import jax
 
     if a.precompile and not a.dump:

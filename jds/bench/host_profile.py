@@ -13,7 +13,7 @@ the step started relative to the step's start (the host critical path), and the 
 Names whose time grows with depth are what launch cost scales with.
 
 Each command-buffer update mode runs in its own process: XLA picks its allocator from ``XLA_FLAGS`` at
-client creation (``jds.runner.use_graph_update_mode``).
+client creation (``jds.bench.cli.use_graph_update_mode``).
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--moe-experts", type=int, default=0, help="routed experts per layer (0: dense MLP)")
     ap.add_argument("--size", default="bench", choices=("bench", "tiny"), help="tiny: the CPU presets")
     ap.add_argument("--implementation", default="auto", choices=("auto", "xla", "pallas"))
-    ap.add_argument("--runner-kw", default="{}", help="JSON dict of extra BoundaryRunner fields")
+    ap.add_argument("--runner-kw", default="{}", help="JSON dict of extra RunnerConfig fields")
     ap.add_argument("--update-modes", nargs="*", default=[],
                     help="also profile under these command-buffer update modes (one process each)")
     ap.add_argument("--update-mode-layers", type=int, default=8)

@@ -30,18 +30,19 @@ def build_stack(arch: str, layers: int, *, intermediate: int | None = None, size
     return Decoder(preset(f"{arch}-{size}", **over), seed=seed, implementation=implementation)
 
 
-def make_runner(model: Any, mode: str, max_seqs: int, ctx: int, **runner_kw: Any) -> Any:
-    """A ``BoundaryRunner`` for ``ctx``-token contexts and up to ``max_seqs`` rows of 128-token prompts."""
+def make_runner(model: Any, mode: str, max_seqs: int, ctx: int, **settings: Any) -> Any:
+    """A ``BoundaryRunner`` for ``ctx``-token contexts and up to ``max_seqs`` rows of 128-token prompts;
+    ``settings`` are further ``RunnerConfig`` fields (input_prep, segments, compiler options, dump_dir, ...)."""
+    from jds.config import RunnerConfig, replace
     from jds.runner import BoundaryRunner
 
     bs = model.cfg.block_size
     max_len = ctx + bs
     nb = max_seqs * (-(-max_len // bs)) + 8
-    return BoundaryRunner(model=model, mode=mode, num_blocks=nb, max_num_seqs=max_seqs,
-                          max_num_tokens=max_seqs * 128, max_model_len=max_len,
-                          token_buckets=(16, 64, 128, max_seqs * 128),
-                          key_block_buckets=tuple(sorted({-(-128 // bs), -(-ctx // bs), -(-max_len // bs)})),
-                          **runner_kw)
+    config = RunnerConfig(mode=mode, num_blocks=nb, max_num_seqs=max_seqs, max_num_tokens=max_seqs * 128,
+                          max_model_len=max_len, token_buckets=(16, 64, 128, max_seqs * 128),
+                          key_block_buckets=tuple(sorted({-(-128 // bs), -(-ctx // bs), -(-max_len // bs)})))
+    return BoundaryRunner(model, replace(config, **settings))
 
 
 def block_table(runner: Any, rows: int) -> np.ndarray:

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if a.graph_update_mode:  # before JAX creates its GPU client: XLA picks its allocator from it then
-        from jds.runner import use_graph_update_mode
+        from jds.bench.cli import use_graph_update_mode
 
         use_graph_update_mode(a.graph_update_mode)
     import jax
