@@ -191,8 +191,7 @@ class V4Attention(StagedAttention):
         # query: q_norm -> wq_b -> weightless per-head RMSNorm -> RoPE (last dims, interleaved)
         qr = self.q_norm(inp.q_lat, dt)
         q = self.wq_b(qr).reshape(-1, cfg.n_heads, cfg.head_dim)
-        # weightless per-head RMSNorm + RoPE on q; window K = V inserted before attention reads it (a query
-        # sees itself): one op (pallas_kernels/fused_insert_v4.py)
+        # ... and the window K = V, inserted before attention reads it (a query sees itself): one op
         q, window = fused_qnorm_rope_kv_insert_v4(q, inp.kv, cos, sin, batch.slot_mapping, cache.window,
                                                   self.kv_norm.weight[...], window_format=self.window_format,
                                                   eps=cfg.rms_norm_eps, dtype=dt, implementation=self.op_implementation)

@@ -80,7 +80,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jds.ops.dispatch import Implementation, Unsupported, resolve_interpret, run_op
-from jds.ops.indexer import indexer_topk_xla, map_token_chunks, masked_index_logits
+from jds.ops.indexer import indexer_topk_xla, map_token_chunks, masked_index_logits, visible_topk_indices
 from jds.ops.select import radix_topk
 from jds.ops.quant import FP8, act_quant
 from jds.ops.records import IndexerRecord132
@@ -512,10 +512,7 @@ def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
         i1 = (i1 + segment * jnp.arange(ns, dtype=jnp.int32)[:, None]).reshape(t, ns * kk)
         vals, j = lax.top_k(v1.reshape(t, ns * kk), kk)
         idx = jnp.take_along_axis(i1, j, axis=1)
-    idx = jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
-    if kk < k:
-        idx = jnp.pad(idx, ((0, 0), (0, k - kk)), constant_values=-1)
-    return idx
+    return visible_topk_indices(vals, idx, k)
 
 
 def indexer_topk(index_q: jax.Array, index_w: jax.Array, cache: jax.Array, fmt, block_tables: jax.Array,

@@ -82,7 +82,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import Literal, Sequence
 
 import jax
 import jax.experimental.pallas as pl

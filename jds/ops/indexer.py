@@ -58,10 +58,15 @@ def topk_visible(scores: jax.Array, n_visible: jax.Array, k: int) -> jax.Array:
     kk = min(k, n)
     col = jnp.arange(n, dtype=jnp.int32)
     masked = jnp.where(col[None, :] < n_visible[:, None], scores, -jnp.inf)
-    vals, idx = jax.lax.top_k(masked, kk)
+    return visible_topk_indices(*jax.lax.top_k(masked, kk), k)
+
+
+def visible_topk_indices(vals: jax.Array, idx: jax.Array, k: int) -> jax.Array:
+    """A top-k selection's (values, indices) [T, kk] -> int32 [T, k]: -1 where the value is -inf (an
+    invisible key) and in the columns beyond kk (rows shorter than k)."""
     idx = jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
-    if kk < k:
-        idx = jnp.pad(idx, ((0, 0), (0, k - kk)), constant_values=-1)
+    if idx.shape[1] < k:
+        idx = jnp.pad(idx, ((0, 0), (0, k - idx.shape[1])), constant_values=-1)
     return idx
 
 
