@@ -26,7 +26,7 @@ from jds.ops.paging import RecordFormat, empty_cache
 from jds.ops.records import FloatRows, IndexerRecord132
 from pallas_kernels.sparse_indexer import indexer_topk
 
-__all__ = ["AttentionResult", "Implementation", "Indexer", "StagedAttention", "resolve_implementation"]
+__all__ = ["AttentionResult", "Implementation", "Indexer", "Query", "StagedAttention", "resolve_implementation"]
 
 resolve_implementation = resolve_layer_implementation  # the layers' "auto" / "pallas" / "xla" (jds.ops.dispatch)
 
@@ -37,6 +37,16 @@ class AttentionResult:
     y: jax.Array  # [T, hidden]
     cache: Any  # the layer's cache pytree after this step's inserts
     topk: jax.Array  # [T, index_topk] request-local indices (-1 padded); [T, 0] for layers without an indexer
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Query:
+    """What ``prepare`` hands the consumers, alike in both models: ``attend`` reads ``q``, ``select`` the rest."""
+
+    q: jax.Array  # V3.2: absorbed [T, H, kv_lora + rope] or MHA [T, H, nope + rope]; V4: [T, H, head_dim]
+    index_q: jax.Array  # [T, Hi, Di] float32 (FP8-dequantised when indexer_fp8); [T, 0, 0] without an indexer
+    index_w: jax.Array  # [T, Hi] float32, constant scales folded in; [T, 0] without an indexer
 
 
 class Indexer(nnx.Module):

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jds.attention import Implementation, Indexer, StagedAttention, resolve_implementation
+from jds.attention import Implementation, Indexer, Query, StagedAttention, resolve_implementation
 from jds.batch import PagedBatch
 from jds.config import Numerics, V32Config
 from jds.nn import Linear, LayerNorm, RMSNorm, jdtype
@@ -49,14 +49,7 @@ class V32Inputs:
     index_w: jax.Array  # [T, Hi] float32 head weights
 
 
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class V32Query:
-    """Query-side producer outputs handed to the consumers."""
-
-    q: jax.Array  # absorbed [T, H, kv_lora + rope] or MHA [T, H, nope + rope]
-    index_q: jax.Array  # [T, Hi, Di] float32 (FP8-dequantised when indexer_fp8)
-    index_w: jax.Array  # [T, Hi] float32, constant scales folded in
+V32Query = Query  # q, index_q, index_w: see jds.attention.Query
 
 
 class V32Indexer(Indexer):

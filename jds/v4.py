@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jds.attention import AttentionResult, Implementation, Indexer, StagedAttention, resolve_implementation
+from jds.attention import AttentionResult, Implementation, Indexer, Query, StagedAttention, resolve_implementation
 from jds.batch import PagedBatch
 from jds.config import Numerics, V4Config
 from jds.nn import FusedLinear, Linear, RMSNorm, jdtype
@@ -64,14 +64,7 @@ class V4Inputs:
     index_w: jax.Array  # [T, Hi] fp32 indexer head weights
 
 
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class V4Query:
-    """Query-side producer outputs handed to the consumers."""
-
-    q: jax.Array  # [T, H, head_dim] normed + roped
-    index_q: jax.Array  # [T, Hi, Di] fp32 (FP8-dequantised when indexer_fp8); [T, 0, 0] without indexer
-    index_w: jax.Array  # [T, Hi] fp32 with constant scales folded in; [T, 0] without indexer
+V4Query = Query  # q, index_q, index_w: see jds.attention.Query
 
 
 class V4Compressor(nnx.Module):
