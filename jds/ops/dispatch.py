@@ -3,7 +3,8 @@
 Each op has one public entry point (in pallas_kernels/, next to its kernels) that takes
 ``implementation=``: ``"xla"`` runs the pure-JAX implementation (in jds/ops), ``"pallas"`` the kernel,
 ``"auto"`` the kernel where it takes the call's config and XLA elsewhere. A kernel that cannot take a
-config raises ``Unsupported``; ``"auto"`` then moves on, an explicit ``"pallas"`` lets it surface.
+config raises ``Unsupported`` (a NotImplementedError); ``"auto"`` then moves on, an explicit ``"pallas"``
+lets it surface. Only ``Unsupported`` moves "auto" on: any other error (a lowering bug, say) surfaces.
 
 Why here (the lowest layer): the kernels and the layers both import it, and nothing it needs sits above.
 """
@@ -57,13 +58,14 @@ def op_implementation(layer_implementation: str) -> Implementation:
 
 
 def run_op(name: str, implementation: str, impls: Mapping[str, Callable[[], T]]) -> T:
-    """Run the ``implementation`` of op ``name`` from ``impls`` (``"pallas"`` then ``"xla"`` for ``"auto"``)."""
+    """Run the ``implementation`` of op ``name`` from ``impls`` (``"pallas"`` then ``"xla"`` for ``"auto"``,
+    moving on when one raises ``Unsupported``)."""
     check_implementation(implementation)
     order = ("pallas", "xla") if implementation == "auto" else (implementation,)
     for i, impl in enumerate(order):
         try:
             return impls[impl]()
-        except NotImplementedError:
+        except Unsupported:
             if i + 1 == len(order):
                 raise
     raise AssertionError(f"{name}: no implementation ran")  # unreachable: the loop returns or raises
