@@ -220,10 +220,10 @@ CASES = [
            lambda a, k: fi.qnorm_rope_kv_insert_v4_xla(*a, **k), _check_v4,
            unsupported=lambda: _v4(384, FloatRows(384, 16, BF16))),
     OpCase("indexer_topk", _indexer_op, lambda: _indexer(IndexerRecord132(32)), _indexer_reference,
-           _check_indexer, unsupported=lambda: _indexer(FloatRows(128, 32, F32)), slow_interpret=True),
+           _check_indexer, unsupported=lambda: _indexer(FloatRows(128, 32, F32))),
     OpCase("topk_select", _topk_op, _topk, _topk_reference, _check_topk),
     OpCase("sparse_mqa", _mqa_op, lambda: _mqa(MlaRecord656(16), 576, 512), _mqa_reference, _check_mqa,
-           unsupported=lambda: _mqa(MlaRecord584(1), 512, 512), slow_interpret=True),
+           unsupported=lambda: _mqa(MlaRecord584(1), 512, 512)),
 ]
 _ids = [c.name for c in CASES]
 
