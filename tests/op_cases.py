@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
@@ -39,8 +39,7 @@ class OpCase:
     reference: Callable[[tuple, dict], Any]
     check: Callable[[Any, Any, tuple, dict, str], None]
     unsupported: Callable[[], tuple[tuple, dict]] | None = None
-    slow_interpret: bool = False  # the interpret-mode kernel takes long on the CPU
-    marks: tuple = field(default_factory=tuple)
+    slow_interpret: bool = False  # the interpret-mode kernel takes long on the CPU: mark its cases slow
 
 
 def call(case: OpCase, impl: str, mode: str, args: tuple, kw: dict) -> Any:
