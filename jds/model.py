@@ -93,8 +93,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, h: jax.Array, batch: PagedBatch, cache: Any) -> tuple[jax.Array, Any]:
         inp = self.pre_attention(h)
         query, cache = self.attn.prepare(inp, batch, cache)
-        topk = self.attn.select(query, batch, cache)
-        o = self.attn.attend(query, topk, batch, cache)
+        o, _ = self.attn.consume(query, batch, cache)
         return self.post_attention(h, o), cache
 
 

@@ -244,16 +244,13 @@ class BoundaryRunner:
             def consume(st, query, batch, cache):
                 """Reads the caches only: returns the attention output alone (handing the cache back
                 from a call that does not donate it would make XLA copy every page)."""
-                attn = _merge(gd, st).attn
-                topk = attn.select(query, batch, cache)
-                return attn.attend(query, topk, batch, cache)
+                return _merge(gd, st).attn.consume(query, batch, cache)[0]
             return self._jit(("eager", kind), consume, eager=True)
 
         def prepare_and_consume(st, inp, batch, cache):
             attn = _merge(gd, st).attn
             query, cache = attn.prepare(inp, batch, cache)
-            topk = attn.select(query, batch, cache)
-            return attn.attend(query, topk, batch, cache), cache
+            return attn.consume(query, batch, cache)[0], cache
 
         return self._jit(("eager", kind), prepare_and_consume, eager=True, donate=(3,))
 

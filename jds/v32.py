@@ -17,16 +17,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jds.attention import Implementation, StagedAttention, resolve_implementation
-from jds.batch import PagedBatch, validate_batch
+from jds.attention import Implementation, Indexer, Query, StagedAttention, resolve_implementation
+from jds.batch import PagedBatch
 from jds.config import Numerics, V32Config
 from jds.nn import Linear, LayerNorm, RMSNorm, jdtype
-from jds.ops.indexer import index_scores, prepare_indexer_k, prepare_indexer_q, topk_visible
-from jds.ops.paging import RecordFormat, empty_cache, gather_request_rows, global_slots, read_records, write_records
-from jds.ops.records import FloatRows, IndexerRecord132, MlaRecord656
+from jds.ops.paging import RecordFormat, global_slots, read_records
+from jds.ops.records import FloatRows, MlaRecord656
 from jds.ops.rope import cached_inv_freqs as _inv_freqs
-from jds.ops.rope import rope_cos_sin, rope_part
-from jds.ops.sparse_mqa import sparse_mqa
+from jds.ops.rope import rope_cos_sin
+from pallas_kernels.fused_insert_v32 import fused_kv_insert_v32, fused_q_v32
+from pallas_kernels.sparse_mqa import sparse_mqa
 
 AttnForm = Literal["absorbed", "mha"]
 
@@ -49,26 +49,25 @@ class V32Inputs:
     index_w: jax.Array  # [T, Hi] float32 head weights
 
 
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class V32Query:
-    """Query-side producer outputs handed to the consumers."""
-
-    q: jax.Array  # absorbed [T, H, kv_lora + rope] or MHA [T, H, nope + rope]
-    index_q: jax.Array  # [T, Hi, Di] float32 (FP8-dequantised when indexer_fp8)
-    index_w: jax.Array  # [T, Hi] float32, constant scales folded in
+V32Query = Query  # q, index_q, index_w: see jds.attention.Query
 
 
-class V32Indexer(nnx.Module):
+class V32Indexer(Indexer):
+    """Key side: one key per token, ``wk`` then LayerNorm."""
+
     def __init__(self, cfg: V32Config, numerics: Numerics, rngs: nnx.Rngs):
-        dt, fp8 = jdtype(numerics.dtype), numerics.fp8_linear
-        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, dtype=dt, fp8=fp8, rngs=rngs)
-        self.wk = Linear(cfg.hidden_size, cfg.index_head_dim, dtype=dt, fp8=fp8, rngs=rngs)
+        self.wq_b = self._wq_b(cfg, numerics, rngs)
+        self.wk = Linear(cfg.hidden_size, cfg.index_head_dim, dtype=jdtype(numerics.dtype), fp8=numerics.fp8_linear,
+                         rngs=rngs)
         self.k_norm = LayerNorm(cfg.index_head_dim, eps=cfg.rms_norm_eps, rngs=rngs)
-        self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, dtype=jnp.float32, fp8=False, rngs=rngs)
+        self.weights_proj = self._weights_proj(cfg, rngs)
 
 
 class V32Attention(StagedAttention):
+    """The V3.2 hooks are the base's defaults: an indexer key per token, keys 0..p visible."""
+
+    cache_type = V32Cache
+
     def __init__(self, cfg: V32Config, numerics: Numerics, *, rngs: nnx.Rngs, form: AttnForm = "absorbed",
                  implementation: Implementation = "auto", indexer_config: Any = None):
         if form not in ("absorbed", "mha"):
@@ -96,88 +95,39 @@ class V32Attention(StagedAttention):
             return MlaRecord656(self.cfg.block_size, n.latent_scale_fmt, self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim)
         return FloatRows(self.cfg.kv_record_dim, self.cfg.block_size, jdtype(n.kv_cache_dtype))
 
-    @property
-    def index_format(self) -> RecordFormat:
-        if self.numerics.indexer_fp8:
-            return IndexerRecord132(self.cfg.block_size, self.cfg.index_head_dim)
-        return FloatRows(self.cfg.index_head_dim, self.cfg.block_size, self.dtype)
-
-    def init_cache(self, num_blocks: int) -> V32Cache:
-        return V32Cache(kv=empty_cache(self.kv_format, num_blocks), index_k=empty_cache(self.index_format, num_blocks))
+    def cache_formats(self) -> dict[str, RecordFormat]:
+        return dict(kv=self.kv_format, index_k=self.index_format)
 
     # ----- forward ----------------------------------------------------------------------------------
     def project_in(self, x: jax.Array) -> V32Inputs:
         x = x.astype(self.dtype)
         return V32Inputs(q_lat=self.wq_a(x), kv=self.wkv_a(x), index_k=self.indexer.wk(x),
-                         index_w=self.indexer.weights_proj(x.astype(jnp.float32), jnp.float32))
+                         index_w=self.indexer.head_weights(x))
 
     def prepare(self, inp: V32Inputs, batch: PagedBatch, cache: V32Cache) -> tuple[V32Query, V32Cache]:
-        if self.implementation == "pallas":
-            from pallas_kernels.fused_insert_v32 import supports
-
-            if supports(self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim, self.cfg.index_head_dim):
-                return self._prepare_pallas(inp, batch, cache)
-        cfg, dt = self.cfg, self.dtype
-        cos, sin = rope_cos_sin(_inv_freqs(cfg.rope, cfg.qk_rope_head_dim), batch.positions)
-        # MLA query
-        q_c = self.q_norm(inp.q_lat, dt)
-        q = self.wq_b(q_c).reshape(-1, cfg.n_heads, cfg.qk_head_dim)
-        q = rope_part(q, cos, sin, rope_dim=cfg.qk_rope_head_dim, first=False, interleaved=True)
-        q = self._absorb_uk(q) if self.form == "absorbed" else q
-        # MLA key: normalised latent + roped shared key, inserted before attention reads it
-        c = self.kv_norm(inp.kv[:, : cfg.kv_lora_rank], dt)
-        k_pe = rope_part(inp.kv[:, cfg.kv_lora_rank:], cos, sin, rope_dim=cfg.qk_rope_head_dim, first=False,
-                         interleaved=True)
-        kv_cache = write_records(cache.kv, self.kv_format, batch.slot_mapping, jnp.concatenate([c, k_pe], -1))
-        # indexer key and query (RoPE on the first rope dims; NeoX unless GLM-style interleave)
-        ilv = cfg.indexer_rope_interleave
-        ki = self.indexer.k_norm(inp.index_k, dt)
-        ki = rope_part(ki, cos, sin, rope_dim=cfg.qk_rope_head_dim, first=True, interleaved=ilv)
-        ki = prepare_indexer_k(ki, hadamard=self.numerics.indexer_hadamard, dtype=dt)
-        index_cache = write_records(cache.index_k, self.index_format, batch.slot_mapping, ki)
-        qi = self.indexer.wq_b(q_c).reshape(-1, cfg.index_n_heads, cfg.index_head_dim)
-        qi = rope_part(qi, cos, sin, rope_dim=cfg.qk_rope_head_dim, first=True, interleaved=ilv)
-        qi, wi = prepare_indexer_q(qi, inp.index_w, head_dim=cfg.index_head_dim, n_heads=cfg.index_n_heads,
-                                   fp8=self.numerics.indexer_fp8, hadamard=self.numerics.indexer_hadamard, dtype=dt)
-        return V32Query(q=q, index_q=qi, index_w=wi), V32Cache(kv=kv_cache, index_k=index_cache)
-
-    def _prepare_pallas(self, inp: V32Inputs, batch: PagedBatch, cache: V32Cache) -> tuple[V32Query, V32Cache]:
-        """``prepare`` through the fused kernels of pallas_kernels/fused_insert_v32.py (same outputs)."""
-        from pallas_kernels.fused_insert_v32 import fused_kv_insert_v32, fused_q_v32
-
+        """Norms, RoPE, W_UK absorption and the indexer q prep; the MLA and indexer keys are inserted before
+        attention reads them. Two ops (pallas_kernels/fused_insert_v32.py): the cache inserts and the q side."""
         cfg, dt, n = self.cfg, self.dtype, self.numerics
+        impl = self.op_implementation
         cos, sin = rope_cos_sin(_inv_freqs(cfg.rope, cfg.qk_rope_head_dim), batch.positions)
         kv_cache, index_cache = fused_kv_insert_v32(
             inp.kv, inp.index_k, cos, sin, batch.slot_mapping, cache.kv, cache.index_k, self.kv_norm.weight[...],
             self.indexer.k_norm.weight[...], self.indexer.k_norm.bias[...], kv_format=self.kv_format,
             index_format=self.index_format, eps=cfg.rms_norm_eps, dtype=dt,
-            indexer_interleave=cfg.indexer_rope_interleave, hadamard=n.indexer_hadamard)
+            indexer_interleave=cfg.indexer_rope_interleave, hadamard=n.indexer_hadamard, implementation=impl)
         q_c = self.q_norm(inp.q_lat, dt)
         q = self.wq_b(q_c).reshape(-1, cfg.n_heads, cfg.qk_head_dim)
-        qi = self.indexer.wq_b(q_c).reshape(-1, cfg.index_n_heads, cfg.index_head_dim)
-        q_pe, qi, qs, _ = fused_q_v32(q, qi, inp.index_w, cos, sin, nope_dim=cfg.qk_nope_head_dim, dtype=dt,
-                                      indexer_interleave=cfg.indexer_rope_interleave,
-                                      hadamard=n.indexer_hadamard, fp8=n.indexer_fp8)
+        q_pe, qi, qs, _ = fused_q_v32(q, self.indexer.project_q(q_c, cfg), inp.index_w, cos, sin,
+                                      nope_dim=cfg.qk_nope_head_dim, dtype=dt,
+                                      indexer_interleave=cfg.indexer_rope_interleave, hadamard=n.indexer_hadamard,
+                                      fp8=n.indexer_fp8, implementation=impl)
         q = jnp.concatenate([q[..., : cfg.qk_nope_head_dim], q_pe], axis=-1)
         q = self._absorb_uk(q) if self.form == "absorbed" else q
-        # V32Query keeps the dequantised q and the constant-scaled weights (as the xla path); the kernel's
-        # q-scale-folded weights (its 4th output) are score-equivalent for a select that reads e4m3 q
+        # V32Query keeps the dequantised q and the constant-scaled weights; the op's q-scale-folded weights
+        # (its 4th output) are score-equivalent for a select that reads e4m3 q
         index_q = qi.astype(jnp.float32) * qs[..., None]
         index_w = inp.index_w.astype(jnp.float32) * (cfg.index_head_dim ** -0.5) * (cfg.index_n_heads ** -0.5)
         return V32Query(q=q, index_q=index_q, index_w=index_w), V32Cache(kv=kv_cache, index_k=index_cache)
-
-    def select(self, query: V32Query, batch: PagedBatch, cache: V32Cache) -> jax.Array:
-        """Top-k request-local key positions among 0..p for every token."""
-        if self.implementation == "pallas":
-            from pallas_kernels import sparse_indexer  # FP8 paged logits kernel + top-k, chunked over tokens
-            if sparse_indexer.supports(self.index_format, self.cfg.index_head_dim):
-                return sparse_indexer.indexer_topk(query.index_q, query.index_w, cache.index_k, self.index_format,
-                                                   batch.block_tables, batch.req_idx, batch.positions + 1,
-                                                   self.cfg.index_topk, config=self.indexer_config)
-        max_keys = batch.block_tables.shape[1] * self.cfg.block_size
-        keys = gather_request_rows(cache.index_k, self.index_format, batch.block_tables, max_keys)
-        scores = index_scores(query.index_q, query.index_w, keys[batch.req_idx])
-        return topk_visible(scores, batch.positions + 1, self.cfg.index_topk)
 
     def attend(self, query: V32Query, topk: jax.Array, batch: PagedBatch, cache: V32Cache) -> jax.Array:
         """Sparse attention over the selected keys; returns [T, H * v_head_dim] in the activation dtype."""
@@ -186,20 +136,12 @@ class V32Attention(StagedAttention):
         # beyond that is static and would only be gathered and masked
         topk = topk[:, : min(topk.shape[1], batch.block_tables.shape[1] * cfg.block_size)]
         slots = global_slots(batch.block_tables, batch.req_idx, topk, cfg.block_size)
-        if self.form == "absorbed" and self.implementation == "pallas":
-            from pallas_kernels import sparse_mqa as mqa  # gathers + dequantises the records inside the kernel
-            if mqa.supports((self.kv_format,), cfg.kv_lora_rank):
-                o_lat = mqa.sparse_mqa(query.q, (cache.kv,), (self.kv_format,), (slots,), scale=cfg.softmax_scale,
-                                       v_dim=cfg.kv_lora_rank, out_dtype=self.dtype)
-                o = self._apply_uv(o_lat.astype(self.dtype))
-                return o.reshape(o.shape[0], -1).astype(self.dtype)
-        rows = read_records(cache.kv, self.kv_format, slots)  # [T, K, kv_lora + rope] float32
-        valid = topk >= 0
         if self.form == "absorbed":
-            o_lat = sparse_mqa(query.q, rows, valid, scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank)
+            o_lat = sparse_mqa(query.q, (cache.kv,), (self.kv_format,), (slots,), scale=cfg.softmax_scale,
+                               v_dim=cfg.kv_lora_rank, out_dtype=self.dtype, implementation=self.op_implementation)
             o = self._apply_uv(o_lat.astype(self.dtype))
         else:
-            o = self._mha(query.q, rows, valid)
+            o = self._mha(query.q, read_records(cache.kv, self.kv_format, slots), topk >= 0)
         return o.reshape(o.shape[0], -1).astype(self.dtype)
 
     def project_out(self, o: jax.Array) -> jax.Array:
@@ -239,15 +181,3 @@ class V32Attention(StagedAttention):
         p = jax.nn.softmax(s, axis=-1)
         p = jnp.where(valid.any(-1)[:, None, None], p, 0.0)
         return jnp.einsum("thk,tkhd->thd", p, v.astype(jnp.float32), precision=hp)
-
-    def check_inputs(self, x: jax.Array, batch: PagedBatch, cache: V32Cache) -> None:
-        """Eager validation (skipped under jit, where values are abstract): see validate_batch."""
-        if isinstance(x, jax.core.Tracer) or isinstance(batch.positions, jax.core.Tracer):
-            return
-        if x.ndim != 2 or x.shape[1] != self.cfg.hidden_size:
-            raise ValueError(f"x must be [T, hidden_size={self.cfg.hidden_size}], got shape {x.shape}")
-        nb = cache.kv.shape[0]
-        if cache.kv.shape != (nb, self.kv_format.page_elems) or cache.index_k.shape != (nb, self.index_format.page_elems):
-            raise ValueError(f"cache shapes {cache.kv.shape}/{cache.index_k.shape} do not match this layer's formats")
-        validate_batch(batch, num_blocks=nb, block_size=self.cfg.block_size, max_seq_len=self.cfg.max_seq_len,
-                       num_tokens=x.shape[0])

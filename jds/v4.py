@@ -16,7 +16,6 @@ Stages (the same cut as jds.v32; the boundary runner jits them separately):
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,17 +24,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jds.batch import PagedBatch, validate_batch
+from jds.attention import AttentionResult, Implementation, Indexer, Query, StagedAttention, resolve_implementation
+from jds.batch import PagedBatch
 from jds.config import Numerics, V4Config
 from jds.nn import FusedLinear, Linear, RMSNorm, jdtype
 from jds.ops import compressor as comp
-from jds.ops.indexer import index_scores, prepare_indexer_k, prepare_indexer_q, topk_visible
-from jds.ops.norms import rms_norm
-from jds.ops.paging import RecordFormat, empty_cache, gather_request_rows, global_slots, read_records, write_records
-from jds.ops.records import FloatRows, IndexerRecord132, MlaRecord584
+from jds.ops.indexer import prepare_indexer_k, prepare_indexer_q
+from jds.ops.paging import RecordFormat, global_slots, write_records
+from jds.ops.records import FloatRows, MlaRecord584
 from jds.ops.rope import cached_inv_freqs, rope_cos_sin, rope_part
-from jds.ops.sparse_mqa import sparse_mqa
-from jds.attention import AttentionResult, Implementation, StagedAttention, resolve_implementation
+from pallas_kernels.fused_insert_v4 import fused_qnorm_rope_kv_insert_v4
+from pallas_kernels.sparse_mqa import sparse_mqa
 
 __all__ = ["V4Attention", "V4Cache", "V4Inputs", "V4Query", "V4Compressor", "AttentionResult"]
 
@@ -65,14 +64,7 @@ class V4Inputs:
     index_w: jax.Array  # [T, Hi] fp32 indexer head weights
 
 
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class V4Query:
-    """Query-side producer outputs handed to the consumers."""
-
-    q: jax.Array  # [T, H, head_dim] normed + roped
-    index_q: jax.Array  # [T, Hi, Di] fp32 (FP8-dequantised when indexer_fp8); [T, 0, 0] without indexer
-    index_w: jax.Array  # [T, Hi] fp32 with constant scales folded in; [T, 0] without indexer
+V4Query = Query  # q, index_q, index_w: see jds.attention.Query
 
 
 class V4Compressor(nnx.Module):
@@ -92,21 +84,21 @@ class V4Compressor(nnx.Module):
         return jnp.einsum("ti,oi->to", x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
 
 
-class V4Indexer(nnx.Module):
+class V4Indexer(Indexer):
+    """Key side: one key per 4 tokens, from its own 4:1 compressor."""
+
     def __init__(self, cfg: V4Config, numerics: Numerics, rngs: nnx.Rngs):
-        dt, fp8 = jdtype(numerics.dtype), numerics.fp8_linear
-        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, dtype=dt, fp8=fp8, rngs=rngs)
-        self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, dtype=jnp.float32, fp8=False, rngs=rngs)
+        self.wq_b = self._wq_b(cfg, numerics, rngs)
+        self.weights_proj = self._weights_proj(cfg, rngs)
         self.compressor = V4Compressor(cfg.hidden_size, cfg.index_head_dim, 4, cfg.rms_norm_eps, rngs)
 
 
-def _fused_v4_supports(head_dim: int, rope_dim: int) -> bool:
-    from pallas_kernels.fused_insert_v4 import supports
-
-    return supports(head_dim, rope_dim)
-
-
 class V4Attention(StagedAttention):
+    """Hooks: the caches of this layer kind (``cache_formats``); the indexer (C4 layers only) keys one
+    compressed entry per 4 tokens, so a token sees (p + 1) // 4 of them."""
+
+    cache_type = V4Cache
+
     def __init__(self, cfg: V4Config, numerics: Numerics, layer_id: int, *, rngs: nnx.Rngs,
                  implementation: Implementation = "auto", indexer_config: Any = None):
         implementation = resolve_implementation(implementation)
@@ -137,6 +129,13 @@ class V4Attention(StagedAttention):
     def has_indexer(self) -> bool:
         return self.ratio == 4
 
+    @property
+    def index_entries_per_page(self) -> int:
+        return self.cfg.block_size // 4
+
+    def visible_keys(self, positions: jax.Array) -> jax.Array:
+        return (positions + 1) // 4
+
     # ----- cache formats -------------------------------------------------------------------------
     def _kv_format(self, entries_per_page: int) -> RecordFormat:
         cfg, n = self.cfg, self.numerics
@@ -153,13 +152,6 @@ class V4Attention(StagedAttention):
     def compressed_format(self) -> RecordFormat:
         return self._kv_format(self.cfg.block_size // self.ratio)
 
-    @property
-    def index_format(self) -> RecordFormat:
-        epp = self.cfg.block_size // 4
-        if self.numerics.indexer_fp8:
-            return IndexerRecord132(epp, self.cfg.index_head_dim)
-        return FloatRows(self.cfg.index_head_dim, epp, self.dtype)
-
     def cache_formats(self) -> dict[str, RecordFormat]:
         """Record format of each V4Cache field this layer kind has (the others are [num_blocks, 0])."""
         cfg = self.cfg
@@ -171,11 +163,6 @@ class V4Attention(StagedAttention):
             fmts.update(index_k=self.index_format, index_state=comp.state_format(4, cfg.index_head_dim, cfg.block_size))
         return fmts
 
-    def init_cache(self, num_blocks: int) -> V4Cache:
-        fmts = self.cache_formats()
-        return V4Cache(**{f.name: empty_cache(fmts[f.name], num_blocks) if f.name in fmts
-                          else jnp.zeros((num_blocks, 0), jnp.float32) for f in dataclasses.fields(V4Cache)})
-
     # ----- forward ----------------------------------------------------------------------------------
     def project_in(self, x: jax.Array) -> V4Inputs:
         x = x.astype(self.dtype)
@@ -185,7 +172,7 @@ class V4Attention(StagedAttention):
         c = self.compressor.project(x) if self.ratio else none
         if self.has_indexer:
             ic = self.indexer.compressor.project(x)
-            iw = self.indexer.weights_proj(x.astype(jnp.float32), jnp.float32)
+            iw = self.indexer.head_weights(x)
         else:
             ic, iw = none, none
         return V4Inputs(q_lat=q_lat, kv=kv, comp=c, index_comp=ic, index_w=iw)
@@ -197,19 +184,10 @@ class V4Attention(StagedAttention):
         # query: q_norm -> wq_b -> weightless per-head RMSNorm -> RoPE (last dims, interleaved)
         qr = self.q_norm(inp.q_lat, dt)
         q = self.wq_b(qr).reshape(-1, cfg.n_heads, cfg.head_dim)
-        if self.implementation == "pallas" and _fused_v4_supports(cfg.head_dim, rd):
-            # the same two steps, fused (pallas_kernels/fused_insert_v4.py)
-            from pallas_kernels.fused_insert_v4 import fused_qnorm_rope_kv_insert_v4
-
-            q, window = fused_qnorm_rope_kv_insert_v4(q, inp.kv, cos, sin, batch.slot_mapping, cache.window,
-                                                      self.kv_norm.weight[...], window_format=self.window_format,
-                                                      eps=cfg.rms_norm_eps, dtype=dt)
-        else:
-            q = rms_norm(q, None, cfg.rms_norm_eps, dt)
-            q = rope_part(q, cos, sin, rope_dim=rd, first=False, interleaved=True)
-            # window K = V, written before attention reads it (a query sees itself)
-            k = rope_part(self.kv_norm(inp.kv, dt), cos, sin, rope_dim=rd, first=False, interleaved=True)
-            window = write_records(cache.window, self.window_format, batch.slot_mapping, k)
+        # ... and the window K = V, inserted before attention reads it (a query sees itself): one op
+        q, window = fused_qnorm_rope_kv_insert_v4(q, inp.kv, cos, sin, batch.slot_mapping, cache.window,
+                                                  self.kv_norm.weight[...], window_format=self.window_format,
+                                                  eps=cfg.rms_norm_eps, dtype=dt, implementation=self.op_implementation)
         t = q.shape[0]
         compressed, state, index_k, index_state = cache.compressed, cache.state, cache.index_k, cache.index_state
         index_q, index_w = jnp.zeros((t, 0, 0), jnp.float32), jnp.zeros((t, 0), jnp.float32)
@@ -220,27 +198,12 @@ class V4Attention(StagedAttention):
             index_state, e, slots = self._compress(self.indexer.compressor, index_state, inp.index_comp, batch)
             e = prepare_indexer_k(e, hadamard=self.numerics.indexer_hadamard, dtype=dt)
             index_k = write_records(index_k, self.index_format, slots, e)
-            qi = self.indexer.wq_b(qr).reshape(-1, cfg.index_n_heads, cfg.index_head_dim)
-            qi = rope_part(qi, cos, sin, rope_dim=rd, first=False, interleaved=True)
+            qi = rope_part(self.indexer.project_q(qr, cfg), cos, sin, rope_dim=rd, first=False, interleaved=True)
             index_q, index_w = prepare_indexer_q(qi, inp.index_w, head_dim=cfg.index_head_dim,
                                                  n_heads=cfg.index_n_heads, fp8=self.numerics.indexer_fp8,
                                                  hadamard=self.numerics.indexer_hadamard, dtype=dt)
         new = V4Cache(window=window, compressed=compressed, state=state, index_k=index_k, index_state=index_state)
         return V4Query(q=q, index_q=index_q, index_w=index_w), new
-
-    def select(self, query: V4Query, batch: PagedBatch, cache: V4Cache) -> jax.Array:
-        """C4: top-k request-local compressed entries among 0..(p+1)//4 - 1; other kinds: int32 [T, 0]."""
-        if not self.has_indexer:
-            return jnp.zeros((batch.positions.shape[0], 0), jnp.int32)
-        if self.implementation == "pallas":
-            from pallas_kernels import sparse_indexer  # FP8 paged logits kernel + top-k, chunked over tokens
-            if sparse_indexer.supports(self.index_format, self.cfg.index_head_dim):
-                return sparse_indexer.indexer_topk(query.index_q, query.index_w, cache.index_k, self.index_format,
-                                                   batch.block_tables, batch.req_idx, (batch.positions + 1) // 4,
-                                                   self.cfg.index_topk, config=self.indexer_config)
-        keys = gather_request_rows(cache.index_k, self.index_format, batch.block_tables, self._max_entries(batch))
-        scores = index_scores(query.index_q, query.index_w, keys[batch.req_idx])
-        return topk_visible(scores, (batch.positions + 1) // 4, self.cfg.index_topk)
 
     def attend(self, query: V4Query, topk: jax.Array, batch: PagedBatch, cache: V4Cache) -> jax.Array:
         """One sparse MQA over [window | compressed] candidates with the sink, then inverse RoPE at p:
@@ -249,7 +212,7 @@ class V4Attention(StagedAttention):
         w_local = p[:, None] - cfg.window_size + 1 + jnp.arange(cfg.window_size, dtype=jnp.int32)
         w_local = jnp.where(w_local >= 0, w_local, -1)
         w_slots = global_slots(batch.block_tables, batch.req_idx, w_local, cfg.block_size)
-        lists = [(cache.window, self.window_format, w_slots, w_local >= 0)]  # (cache, format, slots, valid)
+        lists = [(cache.window, self.window_format, w_slots)]  # (cache, format, slots); slot -1 = masked
         if self.ratio:
             if self.ratio == 4:
                 c_local = topk[:, : min(topk.shape[1], self._max_entries(batch))]  # static -1 tail cut
@@ -258,18 +221,11 @@ class V4Attention(StagedAttention):
                 c_local = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (p.shape[0], n))
                 c_local = jnp.where(c_local < ((p + 1) // self.ratio)[:, None], c_local, -1)
             c_slots = global_slots(batch.block_tables, batch.req_idx, c_local, cfg.block_size // self.ratio)
-            lists.append((cache.compressed, self.compressed_format, c_slots, c_local >= 0))
-        caches, fmts, slots, valid = (list(x) for x in zip(*lists))
-        mqa = None
-        if self.implementation == "pallas":
-            from pallas_kernels import sparse_mqa as mqa  # window + compressed in one kernel softmax, with the sink
-        if mqa is not None and mqa.supports(fmts, cfg.head_dim):
-            o = mqa.sparse_mqa(query.q, caches, fmts, slots, scale=cfg.softmax_scale, v_dim=cfg.head_dim,
-                               sink=self.attn_sink[...], out_dtype=self.dtype)
-        else:
-            rows = [read_records(c, f, s) for c, f, s in zip(caches, fmts, slots)]
-            o = sparse_mqa(query.q, jnp.concatenate(rows, axis=1), jnp.concatenate(valid, axis=1),
-                           scale=cfg.softmax_scale, v_dim=cfg.head_dim, sink=self.attn_sink[...]).astype(self.dtype)
+            lists.append((cache.compressed, self.compressed_format, c_slots))
+        caches, fmts, slots = (list(x) for x in zip(*lists))
+        # window + compressed in one softmax, with the sink
+        o = sparse_mqa(query.q, caches, fmts, slots, scale=cfg.softmax_scale, v_dim=cfg.head_dim,
+                       sink=self.attn_sink[...], out_dtype=self.dtype, implementation=self.op_implementation)
         # epilogue: inverse RoPE at p on the last dims (kept here, where positions are at hand, so that
         # project_out(o) has the same signature as V3.2's and the model/runner treat both alike)
         cos, sin = rope_cos_sin(self._freqs(), p)
@@ -302,22 +258,9 @@ class V4Attention(StagedAttention):
             rope_dim=cfg.rope_head_dim, dtype=self.dtype,
             max_out=comp.max_closing(batch.positions.shape[0], batch.block_tables.shape[0], mod.ratio))
 
-    def check_inputs(self, x: jax.Array, batch: PagedBatch, cache: V4Cache) -> None:
-        """Eager validation (skipped under jit, where values are abstract): see validate_batch, plus the
-        compressor's static bound on block-closing tokens (each request's tokens at consecutive positions)."""
-        if isinstance(x, jax.core.Tracer) or isinstance(batch.positions, jax.core.Tracer):
-            return
-        if x.ndim != 2 or x.shape[1] != self.cfg.hidden_size:
-            raise ValueError(f"x must be [T, hidden_size={self.cfg.hidden_size}], got shape {x.shape}")
-        nb = cache.window.shape[0]
-        fmts = self.cache_formats()
-        for f in dataclasses.fields(V4Cache):
-            want = (nb, fmts[f.name].page_elems if f.name in fmts else 0)
-            got = getattr(cache, f.name).shape
-            if got != want:
-                raise ValueError(f"cache.{f.name} has shape {got}, expected {want} for this layer's formats")
-        validate_batch(batch, num_blocks=nb, block_size=self.cfg.block_size, max_seq_len=self.cfg.max_seq_len,
-                       num_tokens=x.shape[0])
+    def check_extra(self, batch: PagedBatch) -> None:
+        """The compressor's static bound on block-closing tokens (each request's tokens at consecutive
+        positions)."""
         if self.ratio:
             pos, slot = np.asarray(batch.positions), np.asarray(batch.slot_mapping)
             n = int((((pos + 1) % self.ratio == 0) & (slot >= 0)).sum())

@@ -33,14 +33,12 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from jds.ops.dispatch import resolve_interpret  # re-exported: the Triton kernels call C.resolve_interpret
 from jds.ops.quant import FLT_MIN, FP8, FP8_MAX, true_divide
 
 F32 = jnp.float32
 
 
-def resolve_interpret(interpret: bool | None) -> bool:
-    """None -> interpret unless the default backend is a GPU."""
-    return jax.default_backend() != "gpu" if interpret is None else bool(interpret)
 
 
 def is_pow2(n: int) -> bool:

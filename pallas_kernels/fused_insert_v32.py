@@ -5,57 +5,39 @@
   indexer key LayerNorm -> RoPE on the first rope dims (NeoX, or interleaved for GLM) -> Hadamard ->
   FP8 quantisation -> the 132-byte indexer record (or float rows). Slot -1 writes nothing. Both caches
   are updated in place (``input_output_aliases``: donate them to keep XLA from copying).
-  Pure-JAX reference: ``fused_kv_insert_v32_reference`` (the jds.ops code of ``V32Attention.prepare``).
+  XLA implementation: ``jds.ops.fused_insert.kv_insert_v32_xla``.
 * ``fused_q_v32`` — MLA q_pe interleaved RoPE; indexer q RoPE -> Hadamard -> per-(token, head) FP8
   quantisation with the q scale folded into the head weights (w * q_scale * Di^-1/2 * Hi^-1/2).
-  Pure-JAX reference: ``fused_q_v32_reference``.
+  XLA implementation: ``jds.ops.fused_insert.q_v32_xla``.
 
 Backend and layout rules: see pallas_kernels/fused_insert_common.py (Triton lowering; why not Mosaic GPU).
-``implementation="xla"`` runs the reference, ``"pallas"`` the kernel (GPU interpret mode off-GPU).
+``implementation``: see jds.ops.dispatch (``"xla"``, ``"pallas"`` — GPU interpret mode off-GPU — or ``"auto"``).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Literal
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from jds.ops.hadamard import hadamard_matrix, hadamard_rotate
-from jds.ops.indexer import prepare_indexer_k
-from jds.ops.norms import layer_norm, rms_norm
-from jds.ops.paging import RecordFormat, write_records
-from jds.ops.quant import FLT_MIN, FP8, FP8_MAX, act_quant
+from jds.ops.hadamard import hadamard_matrix
+from jds.ops.dispatch import Implementation, Unsupported, run_op
+from jds.ops.fused_insert import kv_insert_v32_xla, q_v32_xla
+from jds.ops.paging import RecordFormat
+from jds.ops.quant import FLT_MIN, FP8, FP8_MAX
 from jds.ops.records import IndexerRecord132, MlaRecord656
-from jds.ops.rope import rope_part
 from pallas_kernels import fused_insert_common as C
 
-Implementation = Literal["xla", "pallas"]
 F32 = jnp.float32
 
 
 # =====================================================================================================
 # kv latent + rope key -> MLA cache; indexer key -> indexer cache
 # =====================================================================================================
-def fused_kv_insert_v32_reference(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache, kv_norm_w,
-                                  k_norm_w, k_norm_b, *, kv_format: RecordFormat, index_format: RecordFormat,
-                                  eps: float, dtype, indexer_interleave: bool, hadamard: bool):
-    """kv [T, kv_lora + rope] and index_k [T, Di] (activation dtype, before norms) -> updated caches.
-
-    Exactly the cache half of ``V32Attention.prepare`` (jds.ops primitives)."""
-    rd = 2 * cos.shape[-1]
-    lat = kv.shape[-1] - rd
-    c = rms_norm(kv[:, :lat], kv_norm_w, eps, dtype)
-    k_pe = rope_part(kv[:, lat:], cos, sin, rope_dim=rd, first=False, interleaved=True)
-    kv_cache = write_records(kv_cache, kv_format, slot_mapping, jnp.concatenate([c, k_pe], -1))
-    ki = layer_norm(index_k, k_norm_w, k_norm_b, eps, dtype)
-    ki = rope_part(ki, cos, sin, rope_dim=rd, first=True, interleaved=indexer_interleave)
-    ki = prepare_indexer_k(ki, hadamard=hadamard, dtype=dtype)
-    index_cache = write_records(index_cache, index_format, slot_mapping, ki)
-    return kv_cache, index_cache
+# the XLA implementation: jds.ops.fused_insert.kv_insert_v32_xla (the name below is kept for the tests)
+fused_kv_insert_v32_reference = kv_insert_v32_xla
 
 
 def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_ref, knb_ref, *rest,
@@ -150,8 +132,8 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
 
 
 def supports(latent_dim: int, rope_dim: int, index_head_dim: int) -> bool:
-    """Whether both V3.2 kernels take these dims (Triton blocks are powers of two). The layers fall back to
-    the pure-JAX ``prepare`` otherwise, so ``implementation="auto"`` never fails on a config."""
+    """Whether both V3.2 kernels take these dims (Triton blocks are powers of two). Otherwise the kernels
+    raise ``Unsupported`` and ``implementation="auto"`` runs the XLA implementation."""
     return all(C.is_pow2(n) for n in (latent_dim, rope_dim, index_head_dim))
 
 
@@ -164,13 +146,18 @@ def fused_kv_insert_v32(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cac
     kv [T, lat + rd], index_k [T, Di] in ``dtype``; cos/sin [T, rd/2] float32 (jds.ops.rope.rope_cos_sin);
     slot_mapping [T] int32 (-1 = padding); caches [num_blocks, page_elems] of their formats.
     """
-    if implementation == "xla":
-        return fused_kv_insert_v32_reference(
-            kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache, kv_norm_w, k_norm_w, k_norm_b,
-            kv_format=kv_format, index_format=index_format, eps=eps, dtype=dtype,
-            indexer_interleave=indexer_interleave, hadamard=hadamard)
-    if implementation != "pallas":
-        raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}")
+    args = (kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache, kv_norm_w, k_norm_w, k_norm_b)
+    kw = dict(kv_format=kv_format, index_format=index_format, eps=eps, dtype=dtype,
+              indexer_interleave=indexer_interleave, hadamard=hadamard)
+    return run_op("fused_kv_insert_v32", implementation, {
+        "xla": lambda: kv_insert_v32_xla(*args, **kw),
+        "pallas": lambda: _kv_insert_pallas(*args, **kw, interpret=interpret, block_tokens=block_tokens,
+                                            num_warps=num_warps)})
+
+
+def _kv_insert_pallas(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache, kv_norm_w, k_norm_w, k_norm_b,
+                      *, kv_format, index_format, eps, dtype, indexer_interleave, hadamard, interpret, block_tokens,
+                      num_warps):
     interpret = C.resolve_interpret(interpret)
     t, width = kv.shape
     rd = 2 * cos.shape[-1]
@@ -178,7 +165,7 @@ def fused_kv_insert_v32(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cac
     di = index_k.shape[-1]
     for name, n in (("latent dim", lat), ("rope dim", rd), ("indexer head dim", di), ("block_tokens", block_tokens)):
         if not C.is_pow2(n):
-            raise NotImplementedError(f"fused_kv_insert_v32: {name} {n} is not a power of 2")
+            raise Unsupported(f"fused_kv_insert_v32: {name} {n} is not a power of 2")
     if isinstance(kv_format, MlaRecord656) and (kv_format.latent_dim != lat or kv_format.rope_dim != rd):
         raise ValueError(f"kv_format {kv_format} does not match kv width {width}")
     dt = jnp.dtype(dtype)
@@ -202,25 +189,8 @@ def fused_kv_insert_v32(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cac
 # =====================================================================================================
 # MLA q_pe RoPE + indexer q prep
 # =====================================================================================================
-def fused_q_v32_reference(q, index_q, index_w, cos, sin, *, nope_dim: int, dtype, indexer_interleave: bool,
-                          hadamard: bool, fp8: bool):
-    """q [T, H, nope + rd] and index_q [T, Hi, Di] (``dtype``, after wq_b), index_w [T, Hi] float32 ->
-
-    (q_pe [T, H, rd] roped, index_q [T, Hi, Di] e4m3 (``fp8``) or ``dtype``, index_scale [T, Hi] float32
-    (1 without ``fp8``), index_w [T, Hi] float32 = w * Di^-1/2 * Hi^-1/2 * index_scale).
-    Dequantised q = index_q * index_scale is what jds.ops.indexer.prepare_indexer_q returns."""
-    rd = 2 * cos.shape[-1]
-    hi, di = index_q.shape[1:]
-    q_pe = rope_part(q[..., nope_dim:], cos, sin, rope_dim=rd, first=False, interleaved=True)
-    qi = rope_part(index_q, cos, sin, rope_dim=rd, first=True, interleaved=indexer_interleave).astype(dtype)
-    if hadamard:
-        qi = hadamard_rotate(qi)
-    wf = index_w.astype(F32) * (di ** -0.5) * (hi ** -0.5)
-    if fp8:
-        qi, s = act_quant(qi, di, "ue8m0", 1e-4)
-        s = s[..., 0]
-        return q_pe, qi, s, wf * s
-    return q_pe, qi, jnp.ones(wf.shape, F32), wf
+# the XLA implementation: jds.ops.fused_insert.q_v32_xla (the name below is kept for the tests)
+fused_q_v32_reference = q_v32_xla
 
 
 def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, HiP, nope, rd, di, dtype,
@@ -286,11 +256,16 @@ def fused_q_v32(q, index_q, index_w, cos, sin, *, nope_dim: int, dtype, indexer_
     indexer rows for the Hadamard dot). One token per program and 4 warps each beat two tokens with 8 warps
     (the previous default) at T = 8192 with bit-identical outputs (``benchmarks/results/kernels_fused_insert_*.json``,
     rows with ``tiles``; ``archive/fused_insert_defaults_h200_2026-11-29.json``: new against old default)."""
-    if implementation == "xla":
-        return fused_q_v32_reference(q, index_q, index_w, cos, sin, nope_dim=nope_dim, dtype=dtype,
-                                     indexer_interleave=indexer_interleave, hadamard=hadamard, fp8=fp8)
-    if implementation != "pallas":
-        raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}")
+    args = (q, index_q, index_w, cos, sin)
+    kw = dict(nope_dim=nope_dim, dtype=dtype, indexer_interleave=indexer_interleave, hadamard=hadamard, fp8=fp8)
+    return run_op("fused_q_v32", implementation, {
+        "xla": lambda: q_v32_xla(*args, **kw),
+        "pallas": lambda: _q_pallas(*args, **kw, interpret=interpret, rows_per_program=rows_per_program,
+                                    num_warps=num_warps)})
+
+
+def _q_pallas(q, index_q, index_w, cos, sin, *, nope_dim, dtype, indexer_interleave, hadamard, fp8, interpret,
+              rows_per_program, num_warps):
     interpret = C.resolve_interpret(interpret)
     t, h, qk = q.shape
     _, hi, di = index_q.shape
@@ -299,7 +274,7 @@ def fused_q_v32(q, index_q, index_w, cos, sin, *, nope_dim: int, dtype, indexer_
         raise ValueError(f"q head dim {qk} != nope {nope_dim} + rope {rd}")
     for name, n in (("rope dim", rd), ("indexer head dim", di)):
         if not C.is_pow2(n):
-            raise NotImplementedError(f"fused_q_v32: {name} {n} is not a power of 2")
+            raise Unsupported(f"fused_q_v32: {name} {n} is not a power of 2")
     hp, hip = C.next_pow2(h), C.next_pow2(hi)
     # tokens per program: >= 16 indexer rows (tl.dot's minimum M), at most ``rows_per_program`` rows
     bt = max(1, C.next_pow2(max(16, rows_per_program) // max(hp, hip)))

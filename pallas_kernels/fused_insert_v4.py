@@ -7,38 +7,28 @@
   bytes + 1 zero pad, data and scales segregated per page) or bf16/f32 rows, written in place at
   ``slot_mapping`` (slot -1 writes nothing).
 Grid: (token blocks, head blocks + 1); the last program column does the kv insert.
-Pure-JAX reference: ``fused_qnorm_rope_kv_insert_v4_reference`` (the jds.ops code of ``V4Attention.prepare``).
+XLA implementation: ``jds.ops.fused_insert.qnorm_rope_kv_insert_v4_xla``; ``implementation``: jds.ops.dispatch.
 Backend and layout rules: pallas_kernels/fused_insert_common.py (Triton lowering; why not Mosaic GPU).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Literal
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jds.ops.norms import rms_norm
-from jds.ops.paging import RecordFormat, write_records
+from jds.ops.dispatch import Implementation, Unsupported, run_op
+from jds.ops.fused_insert import qnorm_rope_kv_insert_v4_xla
+from jds.ops.paging import RecordFormat
 from jds.ops.records import MlaRecord584
-from jds.ops.rope import rope_part
 from pallas_kernels import fused_insert_common as C
 
-Implementation = Literal["xla", "pallas"]
 F32 = jnp.float32
 
 
-def fused_qnorm_rope_kv_insert_v4_reference(q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w, *,
-                                            window_format: RecordFormat, eps: float, dtype):
-    """(q normed + roped [T, H, D] in ``dtype``, updated window cache): the q / window half of
-    ``V4Attention.prepare``."""
-    rd = 2 * cos.shape[-1]
-    q = rms_norm(q, None, eps, dtype)
-    q = rope_part(q, cos, sin, rope_dim=rd, first=False, interleaved=True)
-    k = rope_part(rms_norm(kv, kv_norm_w, eps, dtype), cos, sin, rope_dim=rd, first=False, interleaved=True)
-    return q, write_records(window_cache, window_format, slot_mapping, k)
+# the XLA implementation: jds.ops.fused_insert.qnorm_rope_kv_insert_v4_xla (this name is kept for the tests)
+fused_qnorm_rope_kv_insert_v4_reference = qnorm_rope_kv_insert_v4_xla
 
 
 def _v4_kernel(q_ref, kv_ref, cos_ref, sin_ref, slot_ref, w_ref, _cache_in, q_out, c_out, *, T, BT, H, HB, nhb,
@@ -104,8 +94,8 @@ def _v4_kernel(q_ref, kv_ref, cos_ref, sin_ref, slot_ref, w_ref, _cache_in, q_ou
 
 
 def supports(head_dim: int, rope_dim: int) -> bool:
-    """Whether the kernel takes these dims (Triton blocks are powers of two); the layer falls back to the
-    pure-JAX steps otherwise."""
+    """Whether the kernel takes these dims (Triton blocks are powers of two); otherwise it raises
+    ``Unsupported`` and ``implementation="auto"`` runs the XLA implementation."""
     return C.is_pow2(head_dim) and C.is_pow2(rope_dim)
 
 
@@ -126,11 +116,16 @@ def fused_qnorm_rope_kv_insert_v4(q, kv, cos, sin, slot_mapping, window_cache, k
     tokens, the fastest tiling of the T = 8192 sweep, bit-identical to 8 tokens x 1 head
     (``benchmarks/results/kernels_fused_insert_*.json``, rows with ``tiles``: ``bandwidth_frac``,
     ``bytes_differing``; issue 6)."""
-    if implementation == "xla":
-        return fused_qnorm_rope_kv_insert_v4_reference(q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w,
-                                                       window_format=window_format, eps=eps, dtype=dtype)
-    if implementation != "pallas":
-        raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}")
+    args = (q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w)
+    kw = dict(window_format=window_format, eps=eps, dtype=dtype)
+    return run_op("fused_qnorm_rope_kv_insert_v4", implementation, {
+        "xla": lambda: qnorm_rope_kv_insert_v4_xla(*args, **kw),
+        "pallas": lambda: _pallas(*args, **kw, interpret=interpret, rows_per_program=rows_per_program,
+                                  num_warps=num_warps, heads_per_program=heads_per_program)})
+
+
+def _pallas(q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w, *, window_format, eps, dtype, interpret,
+            rows_per_program, num_warps, heads_per_program):
     interpret = C.resolve_interpret(interpret)
     t, h, d = q.shape
     rd = 2 * cos.shape[-1]
@@ -142,7 +137,7 @@ def fused_qnorm_rope_kv_insert_v4(q, kv, cos, sin, slot_mapping, window_cache, k
     for name, n in (("head dim", d), ("rope dim", rd), ("rows_per_program", rows_per_program),
                     ("heads_per_program", heads_per_program or 1)):
         if not C.is_pow2(n):
-            raise NotImplementedError(f"fused_qnorm_rope_kv_insert_v4: {name} {n} is not a power of 2")
+            raise Unsupported(f"fused_qnorm_rope_kv_insert_v4: {name} {n} is not a power of 2")
     if isinstance(window_format, MlaRecord584):
         f = window_format
         if f.nope_dim + f.rope_dim != d or f.rope_dim != rd or d % f.block or d // f.block < f.scale_bytes:

@@ -79,9 +79,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jds.ops.indexer import index_scores, topk_visible
+from jds.ops.dispatch import Implementation, Unsupported, resolve_interpret, run_op
+from jds.ops.indexer import indexer_topk_xla, map_token_chunks, masked_index_logits, visible_topk_indices
 from jds.ops.select import radix_topk
-from jds.ops.paging import gather_request_rows
 from jds.ops.quant import FP8, act_quant
 from jds.ops.records import IndexerRecord132
 from pallas_kernels.topk_select import topk_select
@@ -141,10 +141,6 @@ def supports(fmt: object, head_dim: int = HEAD_DIM) -> bool:
         return False
     e = fmt.entries_per_page
     return e % 32 == 0 and (TILE % e == 0 or e % TILE == 0)
-
-
-def _default_interpret() -> bool:
-    return jax.default_backend() != "gpu"
 
 
 def _num_sms() -> int:
@@ -388,8 +384,7 @@ def paged_logits(q8: jax.Array, w: jax.Array, cache: jax.Array, block_tables: ja
     The tokens of one request row must be contiguous (as ``jds.batch.PagedBatch`` lays them out, padding
     last): the grid holds ceil(T / G) + R + 1 groups, and rows of groups beyond that would stay unwritten.
     """
-    if interpret is None:
-        interpret = _default_interpret()
+    interpret = resolve_interpret(interpret)
     config = config or default_config()
     epp = entries_per_page
     t, hi, d = q8.shape
@@ -459,16 +454,8 @@ def gather_keys(cache: jax.Array, block_tables: jax.Array, epp: int, n_tiles: in
     return kv, ks
 
 
-# ----- XLA implementation (reference path of the layers, with the same chunking) ---------------------
-def xla_logits(index_q: jax.Array, index_w: jax.Array, cache: jax.Array, fmt, block_tables: jax.Array,
-               req_idx: jax.Array, n_visible: jax.Array) -> jax.Array:
-    """The layers' XLA path: gather every request's keys, score each token against its own request's keys
-    (``index_scores``), -inf past n_visible. fp32 [T, nblk * epp]."""
-    max_keys = block_tables.shape[1] * fmt.entries_per_page
-    keys = gather_request_rows(cache, fmt, block_tables, max_keys)
-    scores = index_scores(index_q, index_w, keys[req_idx])
-    col = jnp.arange(max_keys, dtype=jnp.int32)
-    return jnp.where(col[None, :] < n_visible[:, None], scores, -jnp.inf)
+# the XLA logits (reference of the kernel): jds.ops.indexer.masked_index_logits (this name is kept for the tests)
+xla_logits = masked_index_logits
 
 
 def resolve_topk_algorithm(rows: int, cols: int, backend: str | None = None) -> str:
@@ -525,63 +512,42 @@ def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
         i1 = (i1 + segment * jnp.arange(ns, dtype=jnp.int32)[:, None]).reshape(t, ns * kk)
         vals, j = lax.top_k(v1.reshape(t, ns * kk), kk)
         idx = jnp.take_along_axis(i1, j, axis=1)
-    idx = jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
-    if kk < k:
-        idx = jnp.pad(idx, ((0, 0), (0, k - kk)), constant_values=-1)
-    return idx
-
-
-def _chunked(fn, t: int, chunk: int, arrays: tuple[jax.Array, ...], pad_values: tuple) -> jax.Array:
-    """Apply fn to token chunks of ``chunk`` rows (lax.map, so one chunk's workspace lives at a time)."""
-    if t <= chunk:
-        return fn(*arrays)
-    n = -(-t // chunk)
-    padded = [jnp.pad(a, [(0, n * chunk - t)] + [(0, 0)] * (a.ndim - 1), constant_values=v)
-              for a, v in zip(arrays, pad_values)]
-    stacked = [a.reshape((n, chunk) + a.shape[1:]) for a in padded]
-    out = lax.map(lambda xs: fn(*xs), stacked)
-    return out.reshape((n * chunk,) + out.shape[2:])[:t]
+    return visible_topk_indices(vals, idx, k)
 
 
 def indexer_topk(index_q: jax.Array, index_w: jax.Array, cache: jax.Array, fmt, block_tables: jax.Array,
-                 req_idx: jax.Array, n_visible: jax.Array, k: int, *, implementation: str = "pallas",
+                 req_idx: jax.Array, n_visible: jax.Array, k: int, *, implementation: Implementation = "pallas",
                  config: IndexerKernelConfig | None = None, interpret: bool | None = None) -> jax.Array:
     """Top-k request-local key indices [T, k] int32 (-1 padded) among each token's first n_visible keys.
 
     index_q [T, Hi, 128] fp32 and index_w [T, Hi] as the layers prepare them (``prepare_indexer_q``).
     Tokens are processed in chunks whose fp32 logits fit ``config.max_logits_bytes``.
-    ``implementation="pallas"`` needs an FP8 ``IndexerRecord132`` cache (see ``supports``).
+    ``implementation="pallas"`` needs an FP8 ``IndexerRecord132`` cache (see ``supports``); ``"auto"`` runs
+    the XLA implementation (``jds.ops.indexer.indexer_topk_xla``) for other caches.
     """
-    t = index_q.shape[0]
     config = config or default_config()
+    args = (index_q, index_w, cache, fmt, block_tables, req_idx, n_visible, k)
+    return run_op("indexer_topk", implementation, {
+        # the XLA workspace: each chunk's gathered fp32 keys plus its logits
+        "xla": lambda: indexer_topk_xla(*args, max_workspace_bytes=config.max_logits_bytes),
+        "pallas": lambda: _indexer_topk_pallas(*args, config=config, interpret=interpret)})
+
+
+def _indexer_topk_pallas(index_q, index_w, cache, fmt, block_tables, req_idx, n_visible, k, *, config, interpret):
+    if not supports(fmt, index_q.shape[-1]):
+        raise Unsupported(f"the Pallas indexer kernel does not support {fmt} (see supports)")
+    t = index_q.shape[0]
     n_cols = block_tables.shape[1] * fmt.entries_per_page
-    if implementation == "pallas":
-        if not supports(fmt, index_q.shape[-1]):
-            raise ValueError(f"the Pallas indexer kernel does not support {fmt}")
-        q8, w8 = quantize_q(index_q, index_w)
-        width = -(-n_cols // TILE) * TILE
-        chunk = max(1, config.max_logits_bytes // (4 * width))
+    q8, w8 = quantize_q(index_q, index_w)
+    width = -(-n_cols // TILE) * TILE
+    chunk = max(1, config.max_logits_bytes // (4 * width))
 
-        def fn(q, w, r, nv):
-            lg = paged_logits(q, w, cache, block_tables, r, nv, entries_per_page=fmt.entries_per_page,
-                              config=config, interpret=interpret)
-            return topk_from_logits(lg, k, config.topk_segment, config.topk_algorithm)
+    def fn(q, w, r, nv):
+        lg = paged_logits(q, w, cache, block_tables, r, nv, entries_per_page=fmt.entries_per_page,
+                          config=config, interpret=interpret)
+        return topk_from_logits(lg, k, config.topk_segment, config.topk_algorithm)
 
-        return _chunked(fn, t, chunk, (q8, w8, req_idx, n_visible), (0, 0, 0, 0))
-    if implementation == "xla":
-        # workspace of the XLA path: the gathered fp32 keys of each token plus its logits
-        chunk = max(1, config.max_logits_bytes // (4 * n_cols * (index_q.shape[-1] + 1)))
-
-        def fn(q, w, r, nv):
-            return topk_from_logits(xla_logits(q, w, cache, fmt, block_tables, r, nv), k)
-
-        if t <= chunk:  # exactly the layers' unchunked XLA path
-            max_keys = n_cols
-            keys = gather_request_rows(cache, fmt, block_tables, max_keys)
-            scores = index_scores(index_q, index_w, keys[req_idx])
-            return topk_visible(scores, n_visible, k)
-        return _chunked(fn, t, chunk, (index_q, index_w, req_idx, n_visible), (0, 0, 0, 0))
-    raise ValueError(f"implementation must be 'pallas' or 'xla', got {implementation!r}")
+    return map_token_chunks(fn, t, chunk, (q8, w8, req_idx, n_visible), (0, 0, 0, 0))
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "k", "implementation", "config", "interpret"))

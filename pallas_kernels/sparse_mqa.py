@@ -1,5 +1,5 @@
 """Token-level sparse MQA over the paged caches on Hopper (Pallas Mosaic GPU), with the pure-JAX path
-(``implementation="xla"``: ``jds.ops.paging.read_records`` + ``jds.ops.sparse_mqa.sparse_mqa``) as reference.
+(``implementation="xla"``: ``jds.ops.sparse_mqa.paged_sparse_mqa_xla``) as reference.
 
 For every query token t, one float32 softmax over the candidates of all its lists (global cache slots,
 -1 = masked), all heads at once (the KV row is shared by every head):
@@ -90,11 +90,11 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from jds.ops.paging import RecordFormat, read_records
+from jds.ops.dispatch import Implementation, Unsupported, resolve_interpret, run_op
+from jds.ops.paging import RecordFormat
 from jds.ops.records import FloatRows, MlaRecord584, MlaRecord656
-from jds.ops.sparse_mqa import sparse_mqa as sparse_mqa_reference
+from jds.ops.sparse_mqa import paged_sparse_mqa_xla
 
-Implementation = Literal["pallas", "xla"]
 
 HEAD_TILE = 64  # wgmma M
 BLOCK_K = 64  # candidates per block (the dequantised [64, 64] chunks use the WGMMA register layout)
@@ -163,7 +163,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype).
 
-    ``implementation="xla"``: gather + dequantise with ``read_records`` and the pure-JAX softmax.
+    ``implementation="xla"``: gather + dequantise with ``read_records`` and the pure-JAX softmax
+    (``jds.ops.sparse_mqa.paged_sparse_mqa_xla``); ``"auto"``: the kernel where ``supports``, else XLA.
     ``num_splits``: candidate splits per (token, head tile); None picks enough CTAs for the GPU.
     ``p_in_registers`` (compiled kernel only, an experiment for the H200): each warpgroup feeds its own P
     to PV from registers (wgmma A operand) instead of warpgroup 0's SMEM copy: no P store, no "P" barrier.
@@ -173,13 +174,18 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     caches, formats, slots = tuple(caches), tuple(formats), tuple(slots)
     if not (len(caches) == len(formats) == len(slots) >= 1):
         raise ValueError("caches, formats and slots must be sequences of the same non-zero length")
-    if implementation == "xla":
-        return _sparse_mqa_xla(q, caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink).astype(out_dtype)
-    if implementation != "pallas":
-        raise ValueError(f"implementation must be 'pallas' or 'xla', got {implementation!r}")
+    return run_op("sparse_mqa", implementation, {
+        "xla": lambda: paged_sparse_mqa_xla(q, caches, formats, slots, scale=scale, v_dim=v_dim,
+                                            sink=sink).astype(out_dtype),
+        "pallas": lambda: _pallas(q, caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink,
+                                  num_splits=num_splits, out_dtype=out_dtype, p_in_registers=p_in_registers,
+                                  interpret=interpret)})
+
+
+def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, p_in_registers, interpret):
     if not supports(formats, v_dim):
-        raise NotImplementedError(f"sparse_mqa kernel: unsupported formats {formats} / v_dim {v_dim} "
-                                  "(see pallas_kernels.sparse_mqa.supports)")
+        raise Unsupported(f"sparse_mqa kernel: unsupported formats {formats} / v_dim {v_dim} "
+                          "(see pallas_kernels.sparse_mqa.supports)")
     specs = tuple(cache_spec(f) for f in formats)
     t, h, dk = q.shape
     if dk != specs[0].dim:
@@ -190,7 +196,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     if t == 0:
         return jnp.zeros((0, h, v_dim), out_dtype)
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = resolve_interpret(None)
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     hp = -(-h // HEAD_TILE) * HEAD_TILE
@@ -225,14 +231,6 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     o, m, l = outs
     return _combine(o[:, :, :h], m[:, :, :h], l[:, :, :h],
                     sink.astype(jnp.float32) if has_sink else None).astype(out_dtype)
-
-
-def _sparse_mqa_xla(q, caches, formats, slots, *, scale, v_dim, sink):
-    rows = [read_records(c, f, s) for c, f, s in zip(caches, formats, slots)]
-    valid = [s >= 0 for s in slots]
-    rows = jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0]
-    valid = jnp.concatenate(valid, axis=1) if len(valid) > 1 else valid[0]
-    return sparse_mqa_reference(q, rows, valid, scale=scale, v_dim=v_dim, sink=sink)
 
 
 def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -> jax.Array:

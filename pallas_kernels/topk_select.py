@@ -47,7 +47,7 @@ import dataclasses
 import functools
 import math
 import operator
-from typing import Callable, Literal
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -55,10 +55,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from jds.ops.dispatch import Implementation, run_op
 from jds.ops.select import ordered_key, radix_topk
 from pallas_kernels import fused_insert_common as C
 
-Implementation = Literal["xla", "pallas"]
 I32 = jnp.int32
 _SIGN = -(1 << 31)  # 0x80000000 as int32: s <-> u
 _FLOAT_DTYPES = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16))  # exact in float32
@@ -250,10 +250,13 @@ def topk_select(x: jax.Array, k: int, *, implementation: Implementation = "palla
     """(values [T, k] in x's dtype, int32 indices [T, k]) of the k largest entries of each row of ``x``
     [T, N] (float32 / bfloat16 / float16, no NaN): identical to ``lax.top_k(x, k)``."""
     k = _check(x, k)
-    if implementation == "xla":
-        return radix_topk(x, k, (config or TopkSelectConfig()).bits)
-    if implementation != "pallas":
-        raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}")
+    return run_op("topk_select", implementation, {
+        "xla": lambda: radix_topk(x, k, (config or TopkSelectConfig()).bits),
+        "pallas": lambda: _pallas(x, k, config, interpret)})
+
+
+def _pallas(x: jax.Array, k: int, config: TopkSelectConfig | None, interpret: bool | None
+            ) -> tuple[jax.Array, jax.Array]:
     idx, _, _ = select_unsorted(x, k, config=config, interpret=interpret)
     sel = jnp.take_along_axis(x, idx, axis=1)
     _, idx, vals = lax.sort((~ordered_key(sel), idx, sel), dimension=1, num_keys=2)  # value desc, index asc

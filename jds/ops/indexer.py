@@ -10,10 +10,13 @@ Tie rule (all implementations): among equal scores the lower key index wins (jax
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
 from jds.ops.hadamard import hadamard_rotate
+from jds.ops.paging import RecordFormat, gather_request_rows
 from jds.ops.quant import act_quant, dequant
 
 
@@ -55,8 +58,56 @@ def topk_visible(scores: jax.Array, n_visible: jax.Array, k: int) -> jax.Array:
     kk = min(k, n)
     col = jnp.arange(n, dtype=jnp.int32)
     masked = jnp.where(col[None, :] < n_visible[:, None], scores, -jnp.inf)
-    vals, idx = jax.lax.top_k(masked, kk)
+    return visible_topk_indices(*jax.lax.top_k(masked, kk), k)
+
+
+def visible_topk_indices(vals: jax.Array, idx: jax.Array, k: int) -> jax.Array:
+    """A top-k selection's (values, indices) [T, kk] -> int32 [T, k]: -1 where the value is -inf (an
+    invisible key) and in the columns beyond kk (rows shorter than k)."""
     idx = jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
-    if kk < k:
-        idx = jnp.pad(idx, ((0, 0), (0, k - kk)), constant_values=-1)
+    if idx.shape[1] < k:
+        idx = jnp.pad(idx, ((0, 0), (0, k - idx.shape[1])), constant_values=-1)
     return idx
+
+
+def masked_index_logits(index_q: jax.Array, index_w: jax.Array, cache: jax.Array, fmt: RecordFormat,
+                        block_tables: jax.Array, req_idx: jax.Array, n_visible: jax.Array) -> jax.Array:
+    """Every token's scores against its own request's paged keys, -inf past ``n_visible``:
+    fp32 [T, block_tables.shape[1] * entries_per_page] (the reference of the logits kernel)."""
+    max_keys = block_tables.shape[1] * fmt.entries_per_page
+    keys = gather_request_rows(cache, fmt, block_tables, max_keys)
+    scores = index_scores(index_q, index_w, keys[req_idx])
+    col = jnp.arange(max_keys, dtype=jnp.int32)
+    return jnp.where(col[None, :] < n_visible[:, None], scores, -jnp.inf)
+
+
+def map_token_chunks(fn: Callable[..., jax.Array], t: int, chunk: int, arrays: tuple[jax.Array, ...],
+                     pad_values: tuple) -> jax.Array:
+    """``fn`` over token chunks of ``chunk`` rows (lax.map, so one chunk's workspace lives at a time)."""
+    if t <= chunk:
+        return fn(*arrays)
+    n = -(-t // chunk)
+    padded = [jnp.pad(a, [(0, n * chunk - t)] + [(0, 0)] * (a.ndim - 1), constant_values=v)
+              for a, v in zip(arrays, pad_values)]
+    stacked = [a.reshape((n, chunk) + a.shape[1:]) for a in padded]
+    out = jax.lax.map(lambda xs: fn(*xs), stacked)
+    return out.reshape((n * chunk,) + out.shape[2:])[:t]
+
+
+def indexer_topk_xla(index_q: jax.Array, index_w: jax.Array, cache: jax.Array, fmt: RecordFormat,
+                     block_tables: jax.Array, req_idx: jax.Array, n_visible: jax.Array, k: int, *,
+                     max_workspace_bytes: int | None = None) -> jax.Array:
+    """Top-k request-local key indices [T, k] int32 (-1 padded) among each token's first ``n_visible`` paged
+    keys: the XLA implementation of pallas_kernels.sparse_indexer.indexer_topk.
+
+    ``max_workspace_bytes``: tokens go in chunks whose gathered fp32 keys plus logits fit it (None: one chunk).
+    """
+    t = index_q.shape[0]
+    n_cols = block_tables.shape[1] * fmt.entries_per_page
+    chunk = t if max_workspace_bytes is None else max(1, max_workspace_bytes // (4 * n_cols * (index_q.shape[-1] + 1)))
+
+    def fn(q: jax.Array, w: jax.Array, r: jax.Array, nv: jax.Array) -> jax.Array:
+        keys = gather_request_rows(cache, fmt, block_tables, n_cols)
+        return topk_visible(index_scores(q, w, keys[r]), nv, k)
+
+    return map_token_chunks(fn, t, chunk, (index_q, index_w, req_idx, n_visible), (0, 0, 0, 0))

@@ -5,8 +5,12 @@ Pure-JAX reference of pallas_kernels/sparse_mqa.py.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import jax
 import jax.numpy as jnp
+
+from jds.ops.paging import RecordFormat, read_records
 
 
 def sparse_mqa(q: jax.Array, rows: jax.Array, valid: jax.Array, *, scale: float, v_dim: int,
@@ -30,3 +34,16 @@ def sparse_mqa(q: jax.Array, rows: jax.Array, valid: jax.Array, *, scale: float,
         denom = denom + jnp.exp(sink.astype(jnp.float32)[None, :] - m_safe)
     out = jnp.einsum("thk,tkd->thd", p, rows[..., :v_dim].astype(jnp.float32), precision=hp)
     return jnp.where(denom[..., None] > 0, out / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
+
+
+def paged_sparse_mqa_xla(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[RecordFormat],
+                         slots: Sequence[jax.Array], *, scale: float, v_dim: int,
+                         sink: jax.Array | None = None) -> jax.Array:
+    """``sparse_mqa`` over candidate lists ``slots[i]`` [T, K_i] (global slots of ``caches[i]`` in
+    ``formats[i]``, -1 = masked), gathered and dequantised with ``read_records``, one softmax over all
+    lists: the XLA implementation of pallas_kernels.sparse_mqa.sparse_mqa. float32 [T, H, v_dim]."""
+    rows = [read_records(c, f, s) for c, f, s in zip(caches, formats, slots)]
+    valid = [s >= 0 for s in slots]
+    rows = jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0]
+    valid = jnp.concatenate(valid, axis=1) if len(valid) > 1 else valid[0]
+    return sparse_mqa(q, rows, valid, scale=scale, v_dim=v_dim, sink=sink)
