@@ -69,21 +69,11 @@ if __name__ == "__main__":  # before the heavy imports, so a signal during them 
 
 from jds.engine.core import Engine  # noqa: E402
 from jds.engine.loop import EngineLoop  # noqa: E402
-from jds.bench.cli import GRAPH_UPDATE_MODES, add_moe_flags, moe_overrides, use_graph_update_mode  # noqa: E402
+from jds.bench.cli import (GRAPH_UPDATE_MODES, add_moe_flags, moe_overrides, positive_int,  # noqa: E402
+                           use_graph_update_mode)
 from jds.config import RunnerConfig  # noqa: E402
 from jds.server.app import ServerConfig, build_app, serve, shutdown_reserve  # noqa: E402
 from jds.server.tokenizer import load_tokenizer  # noqa: E402
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (a zero or negative pool/batch/length is refused at start-up)."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -45,8 +45,8 @@ def use_graph_update_mode(mode: str) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_command_buffer_update_mode={mode}".strip()
 
 
-def _count(text: str) -> int:
-    """argparse type: an integer >= 1."""
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a zero or negative pool/batch/length is refused at start-up)."""
     try:
         v = int(text)
     except ValueError:
@@ -60,11 +60,11 @@ def add_moe_flags(p: argparse.ArgumentParser) -> None:
     """``--moe-experts N --moe-topk K --moe-shared S`` (a DeepSeek-style MoE FFN instead of the dense MLP),
     and ``--moe``, the alias of the 8 / 2 / 1 MoE. Read them back with :func:`moe_overrides`."""
     g = p.add_argument_group("MoE FFN (default: the dense MLP)")
-    g.add_argument("--moe-experts", type=_count, default=None, metavar="N",
+    g.add_argument("--moe-experts", type=positive_int, default=None, metavar="N",
                    help="routed experts per layer (ModelConfig.n_routed_experts)")
-    g.add_argument("--moe-topk", type=_count, default=None, metavar="K",
+    g.add_argument("--moe-topk", type=positive_int, default=None, metavar="K",
                    help="experts routed per token (ModelConfig.moe_topk; default 2)")
-    g.add_argument("--moe-shared", type=_count, default=None, metavar="S",
+    g.add_argument("--moe-shared", type=positive_int, default=None, metavar="S",
                    help="always-on shared experts (ModelConfig.n_shared_experts; default 1)")
     g.add_argument("--moe", action="store_true",
                    help="alias for --moe-experts 8 --moe-topk 2 --moe-shared 1 (an explicit --moe-* flag "
