@@ -106,16 +106,21 @@ def test_head_and_embedding_vs_float64() -> None:
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
 
 
-def _runner(mode: str, **kw) -> BoundaryRunner:
-    model = Decoder(_cfg("float32"), seed=0)
-    return BoundaryRunner(model=model, mode=mode, num_blocks=24, max_num_seqs=4, max_num_tokens=256,
-                          max_model_len=640, **kw)
+def _runner(mode: str, n_layers: int = 3, **kw) -> BoundaryRunner:
+    model = Decoder(replace(_cfg("float32"), n_layers=n_layers), seed=0)
+    kw = {"max_num_tokens": 256, "max_model_len": 640, **kw}
+    if "token_buckets" in kw:
+        kw["max_num_tokens"] = max(kw["token_buckets"])
+        kw["max_model_len"] = 128
+    return BoundaryRunner(model=model, mode=mode, num_blocks=24, max_num_seqs=4, **kw)
 
 
-def _rollout(runner: BoundaryRunner) -> tuple[list[np.ndarray], list[list[int]]]:
+def _rollout(runner: BoundaryRunner, lens: tuple[int, ...] = (150, 20)) -> tuple[list[np.ndarray], list[list[int]]]:
+    """150 tokens: past the C128 layer's first compression."""
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 256, n) for n in (150, 20)]  # 150: past the C128 layer's first compression
-    bt = rng.permutation(24)[:10].reshape(2, 5).astype(np.int32)
+    prompts = [rng.integers(0, 256, n) for n in lens]
+    mb = runner.max_blocks
+    bt = rng.permutation(24)[:2 * mb].reshape(2, mb).astype(np.int32)
     return greedy_rollout(runner, prompts, steps=2, block_tables=bt)
 
 
@@ -135,10 +140,13 @@ def test_runner_modes_agree_on_streams() -> None:
 
 def test_fused_segments_carry_streams() -> None:
     """The fused step in 2 segments passes the V4Hidden carry between its executables unchanged."""
-    runner = _runner("fused", segments=2, input_prep="device")
+    # two layers (window-only + hash routing, C4), one compiled shape: a test of seconds
+    one = {"n_layers": 2, "token_buckets": (96,), "key_block_buckets": (1,)}
+    runner = _runner("fused", segments=2, input_prep="device", **one)
     carry = runner.model.zero_hidden(16)
     assert isinstance(carry, V4Hidden) and carry.streams.shape == (16, 4, 256) and carry.tokens.dtype == jnp.int32
-    _agree(_rollout(runner), _rollout(_runner("fused")), "segments=2")
+    lens = (60, 9)  # C4 compresses, with a chunked prefill and decodes mixed in
+    _agree(_rollout(runner, lens), _rollout(_runner("fused", **one), lens), "segments=2")
 
 
 @pytest.mark.parametrize("kw,field", [
