@@ -42,17 +42,27 @@ Name mapping (jds name, DESIGN.md "Weight dictionaries" <- HF tensor), ``i`` = l
                 (V4: ffn.shared_experts.w1/w3/w2); ffn.w1[j] <- mlp.experts.j.gate_proj.weight TRANSPOSED,
                 ffn.w3[j] <- up_proj^T, ffn.w2[j] <- down_proj^T (V4: ffn.experts.j.w1/w3/w2): jds stacks the
                 experts as [E, in, out] for ragged_dot, HF stores one [out, in] matrix per expert.
+  V4 block (ModelConfig.block == "v4", DeepSeek-V4's own decoder block; names as the release's inference/model.py):
+                layers.i.hc_{attn,ffn}.{fn,base,scale} <- layers.i.hc_{attn,ffn}_{fn,base,scale};
+                head.hc.{fn,base,scale} <- hc_head_{fn,base,scale}; ffn.gate.weight <- ffn.gate.weight;
+                ffn.gate.bias <- ffn.gate.bias (or HF-transformers' ffn.gate.e_score_correction_bias) on score-routed
+                layers, ffn.gate.tid2eid <- ffn.gate.tid2eid (integer, ids checked) on the first n_hash_layers;
+                ffn.w1/w3/w2[j] <- ffn.experts.j.w1/w3/w2 NOT transposed (the V4 block stacks [E, out, in]), bf16
+                or FP8 (dequantised); packed FP4 experts are rejected (not implemented yet);
+                ffn.shared.w1/w3/w2 <- ffn.shared_experts.w1/w3/w2. ``mtp.*`` is rejected with its reason (MTP
+                speculative decoding is not implemented yet). A V4 config.json with ``hc_mult`` selects this block.
   Linear tensors are ``<name>.weight`` (+ scale); jds ``W`` / ``W.scale``. V4's fused ``wq_a_wkv`` module
   exports/loads as the separate ``wq_a`` and ``wkv`` tensors already (jds.nn.FusedLinear), so no split here.
   MLA/indexer RoPE layouts need no permutation: HF stores DeepSeek's own layout (DeepSeek's convert.py
   only renames), which is what jds.v32 reads (interleaved MLA rope, NeoX indexer rope).
 
 Skipped HF tensors (reported, never silently): layers >= the converted layer count (``--layers N``) and
-V3.2's MTP layer (model.layers.{num_hidden_layers}); V3.2 ``mlp.gate.e_score_correction_bias`` and V4
-``ffn.gate.bias`` / ``ffn.gate.tid2eid`` (jds's MoE routes by plain sigmoid top-k: no selection bias, no hash
-routing); V4 ``hc_*`` hyper-connection tensors and ``mtp.*`` (jds's V4 decoder has no mHC / MTP);
-``rotary_emb.inv_freq``. Anything else not mapped is an error (``allow_unexpected`` downgrades it).
-So imported real weights run through jds's structural decoder, not a bit-faithful DeepSeek forward.
+V3.2's MTP layer (model.layers.{num_hidden_layers}); V3.2 ``mlp.gate.e_score_correction_bias``;
+``rotary_emb.inv_freq``; ``mtp.*``. With V4 attention in jds's V3-style block (``block="v3"``) also
+``ffn.gate.bias`` / ``ffn.gate.tid2eid`` and the ``hc_*`` tensors (that block has no selection bias, hash
+routing or hyper-connections: imported real weights then run a structural decoder, not DeepSeek-V4's forward);
+with ``block="v4"`` those are used, and only the MTP module is rejected. Anything else not mapped is an error
+(``allow_unexpected`` downgrades it). The report lists every HF tensor as used or skipped with its reason.
 
 Config mapping: attention fields via ``V32Config/V4Config.from_hf_config``; ``num_hidden_layers`` -> n_layers
 (or ``layers``), ``vocab_size``, ``intermediate_size``, ``n_routed_experts``, ``num_experts_per_tok`` ->
