@@ -351,6 +351,9 @@ def replace(cfg: Any, **kw: Any) -> Any:
 
 # ----- the decoder model ------------------------------------------------------------------------------
 Arch = Literal["v32", "v4"]
+BLOCKS: tuple[str, ...] = ("v3", "v4")
+SCORINGS: tuple[str, ...] = ("sqrtsoftplus", "sigmoid", "softmax")  # jds.v4_block.SCORINGS
+MOE_IMPLS: tuple[str, ...] = ("ragged", "gather")  # jds.v4_block.MOE_IMPLS
 
 
 @dataclass(frozen=True)
@@ -374,6 +377,19 @@ class ModelConfig:
     numerics: Numerics = field(default_factory=Numerics.bf16)
     bos_token_id: int = 256
     eos_token_id: int = 257
+    # The decoder block. "v3": one residual stream, RMSNorm -> attention / FFN (the MoE above). "v4": DeepSeek-V4's
+    # block (jds.v4_block): hc_mult residual streams mixed by hyper-connections around attention and FFN, the V4
+    # MoE (sqrtsoftplus scores, selection bias, route_scale, hash-routed first layers, clamped SwiGLU); arch v4 only.
+    block: str = "v3"
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    route_scale: float = 1.5
+    scoring: str = "sqrtsoftplus"
+    n_hash_layers: int = 3
+    swiglu_limit: float = 10.0  # 0: no clamp
+    shared_swiglu_limit: bool = True  # the shared expert clamped too (the release's later revision)
+    moe_impl: str = "ragged"  # V4 MoE: "ragged" grouped GEMMs or "gather" per-token expert weights
 
     def __post_init__(self) -> None:
         _require(self.arch in ("v32", "v4"), "arch", f"must be 'v32' or 'v4', got {self.arch!r}")
@@ -393,6 +409,30 @@ class ModelConfig:
             _positive(self, "moe_topk", "n_shared_experts", "moe_intermediate_size")
             _require(self.moe_topk <= self.n_routed_experts, "moe_topk",
                      f"must be in [1, n_routed_experts={self.n_routed_experts}], got {self.moe_topk}")
+        self._check_block()
+
+    def _check_block(self) -> None:
+        """The V4 block's fields (checked whatever ``block`` is, so a stored config never carries junk)."""
+        _require(self.block in BLOCKS, "block", f"must be one of {BLOCKS}, got {self.block!r}")
+        for n in ("hc_mult", "hc_sinkhorn_iters"):
+            _positive(self, n)
+        v = self.n_hash_layers
+        _require(isinstance(v, int) and not isinstance(v, bool) and v >= 0, "n_hash_layers",
+                 f"must be an int >= 0, got {v!r}")
+        for n, zero_ok in (("hc_eps", True), ("route_scale", False), ("swiglu_limit", True)):
+            v = getattr(self, n)
+            _require(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                     and (v > 0 or (zero_ok and v == 0)), n, f"must be a finite number {'>= 0' if zero_ok else '> 0'}, "
+                     f"got {v!r}")
+        _require(self.scoring in SCORINGS, "scoring", f"must be one of {SCORINGS}, got {self.scoring!r}")
+        _require(self.moe_impl in MOE_IMPLS, "moe_impl", f"must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+        _require(isinstance(self.shared_swiglu_limit, bool), "shared_swiglu_limit",
+                 f"must be a bool, got {self.shared_swiglu_limit!r}")
+        if self.block == "v4":
+            _require(self.arch == "v4", "block", f"'v4' needs arch 'v4', got arch {self.arch!r}")
+            _require(self.n_routed_experts > 0, "n_routed_experts", "must be > 0 with block 'v4' (every V4 layer is MoE)")
+            _require(self.n_shared_experts == 1, "n_shared_experts",
+                     f"must be 1 with block 'v4' (one shared expert), got {self.n_shared_experts}")
 
     @property
     def hidden_size(self) -> int:
@@ -469,7 +509,7 @@ def config_diff(a: Any, b: Any, prefix: str = "") -> tuple[str, Any, Any] | None
     return None if a == b else (prefix.rstrip(".") or "<config>", a, b)
 
 
-PRESETS: tuple[str, ...] = ("v32-tiny", "v4-tiny", "v32-bench", "v4-bench")
+PRESETS: tuple[str, ...] = ("v32-tiny", "v4-tiny", "v4-tiny-block", "v32-bench", "v4-bench")
 
 
 def preset(name: str, **overrides: Any) -> ModelConfig:
@@ -479,6 +519,10 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
         cfg = ModelConfig("v32", V32Config.tiny(), n_layers=2)
     elif name == "v4-tiny":
         cfg = ModelConfig("v4", V4Config.tiny(), n_layers=3)
+    elif name == "v4-tiny-block":
+        # v4-tiny's attention inside DeepSeek-V4's block: 3 layers (window-only, C4, C128), the first hash-routed.
+        cfg = ModelConfig("v4", V4Config.tiny(), n_layers=3, block="v4", n_routed_experts=8, moe_topk=2,
+                          moe_intermediate_size=64, n_hash_layers=1)
     elif name == "v32-bench":
         # Real V3.2 attention at full hidden size; 8 layers; dense MLP with the MoE expert width.
         cfg = ModelConfig("v32", dataclasses.replace(V32Config(), max_seq_len=16384), n_layers=8, vocab_size=32768,

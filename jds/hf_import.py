@@ -42,17 +42,27 @@ Name mapping (jds name, DESIGN.md "Weight dictionaries" <- HF tensor), ``i`` = l
                 (V4: ffn.shared_experts.w1/w3/w2); ffn.w1[j] <- mlp.experts.j.gate_proj.weight TRANSPOSED,
                 ffn.w3[j] <- up_proj^T, ffn.w2[j] <- down_proj^T (V4: ffn.experts.j.w1/w3/w2): jds stacks the
                 experts as [E, in, out] for ragged_dot, HF stores one [out, in] matrix per expert.
+  V4 block (ModelConfig.block == "v4", DeepSeek-V4's own decoder block; names as the release's inference/model.py):
+                layers.i.hc_{attn,ffn}.{fn,base,scale} <- layers.i.hc_{attn,ffn}_{fn,base,scale};
+                head.hc.{fn,base,scale} <- hc_head_{fn,base,scale}; ffn.gate.weight <- ffn.gate.weight;
+                ffn.gate.bias <- ffn.gate.bias (or HF-transformers' ffn.gate.e_score_correction_bias) on score-routed
+                layers, ffn.gate.tid2eid <- ffn.gate.tid2eid (integer, ids checked) on the first n_hash_layers;
+                ffn.w1/w3/w2[j] <- ffn.experts.j.w1/w3/w2 NOT transposed (the V4 block stacks [E, out, in]), bf16
+                or FP8 (dequantised); packed FP4 experts are rejected (not implemented yet);
+                ffn.shared.w1/w3/w2 <- ffn.shared_experts.w1/w3/w2. ``mtp.*`` is rejected with its reason (MTP
+                speculative decoding is not implemented yet). A V4 config.json with ``hc_mult`` selects this block.
   Linear tensors are ``<name>.weight`` (+ scale); jds ``W`` / ``W.scale``. V4's fused ``wq_a_wkv`` module
   exports/loads as the separate ``wq_a`` and ``wkv`` tensors already (jds.nn.FusedLinear), so no split here.
   MLA/indexer RoPE layouts need no permutation: HF stores DeepSeek's own layout (DeepSeek's convert.py
   only renames), which is what jds.v32 reads (interleaved MLA rope, NeoX indexer rope).
 
 Skipped HF tensors (reported, never silently): layers >= the converted layer count (``--layers N``) and
-V3.2's MTP layer (model.layers.{num_hidden_layers}); V3.2 ``mlp.gate.e_score_correction_bias`` and V4
-``ffn.gate.bias`` / ``ffn.gate.tid2eid`` (jds's MoE routes by plain sigmoid top-k: no selection bias, no hash
-routing); V4 ``hc_*`` hyper-connection tensors and ``mtp.*`` (jds's V4 decoder has no mHC / MTP);
-``rotary_emb.inv_freq``. Anything else not mapped is an error (``allow_unexpected`` downgrades it).
-So imported real weights run through jds's structural decoder, not a bit-faithful DeepSeek forward.
+V3.2's MTP layer (model.layers.{num_hidden_layers}); V3.2 ``mlp.gate.e_score_correction_bias``;
+``rotary_emb.inv_freq``; ``mtp.*``. With V4 attention in jds's V3-style block (``block="v3"``) also
+``ffn.gate.bias`` / ``ffn.gate.tid2eid`` and the ``hc_*`` tensors (that block has no selection bias, hash
+routing or hyper-connections: imported real weights then run a structural decoder, not DeepSeek-V4's forward);
+with ``block="v4"`` those are used, and only the MTP module is rejected. Anything else not mapped is an error
+(``allow_unexpected`` downgrades it). The report lists every HF tensor as used or skipped with its reason.
 
 Config mapping: attention fields via ``V32Config/V4Config.from_hf_config``; ``num_hidden_layers`` -> n_layers
 (or ``layers``), ``vocab_size``, ``intermediate_size``, ``n_routed_experts``, ``num_experts_per_tok`` ->
@@ -131,11 +141,14 @@ class Entry:
     kind ``linear``: HF ``{hf}.weight`` [out, in] (+ the block scale ``{hf}{suffix}``) -> jds ``jds`` (+ ``.scale``)
     kind ``param``:  HF ``{hf}`` as is -> jds ``jds``
     kind ``experts``: HF ``{hf[j]}.weight`` [out, in] for each expert j -> jds ``jds`` [E, in, out] (transposed)
+    kind ``experts_oi``: the same stacked as [E, out, in] (the V4 block's experts; no transpose)
+    kind ``index``: an integer HF tensor (V4's hash-routing table ``tid2eid``) -> jds int32
+    A ``param`` with several ``hf`` names takes the first one the checkpoint has (spellings of one tensor).
     """
 
     jds: str
     hf: tuple[str, ...]
-    kind: Literal["linear", "param", "experts"]
+    kind: Literal["linear", "param", "experts", "experts_oi", "index"]
 
 
 def _lin(j: str, h: str) -> Entry:
@@ -186,6 +199,9 @@ def plan(cfg: Any) -> list[Entry]:
                     _lin(J + "attn.indexer.weights_proj", A + "indexer.weights_proj")]
             F = P + "mlp."
             names = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+        if v4 and cfg.block == "v4":
+            out += _v4_block_layer(cfg, i, J, P)
+            continue
         dense = {k: F + v for k, v in names.items()}
         expert = lambda j, k: f"{F}experts.{j}.{names[k]}"  # noqa: E731
         shared = {k: F + "shared_experts." + v for k, v in names.items()}
@@ -199,8 +215,28 @@ def plan(cfg: Any) -> list[Entry]:
             out += [_lin(J + "ffn." + k, dense[k]) for k in ("w1", "w3", "w2")]
     if v4:
         out += [_par("head.norm", "norm.weight"), _lin("head.lm_head", "head")]
+        if cfg.block == "v4":
+            out += [_par("head.hc." + k, "hc_head_" + k) for k in ("fn", "base", "scale")]
     else:
         out += [_par("head.norm", "model.norm.weight"), _lin("head.lm_head", "lm_head")]
+    return out
+
+
+def _v4_block_layer(cfg: Any, i: int, J: str, P: str) -> list[Entry]:
+    """The V4 block's tensors of layer ``i`` besides attention and norms (names as in DeepSeek's V4 release,
+    ``inference/model.py``: ``Block.hc_{attn,ffn}_{fn,base,scale}``, ``Gate.{weight,bias,tid2eid}``,
+    ``MoE.experts.j.w{1,2,3}``, ``MoE.shared_experts``)."""
+    F = P + "ffn."
+    out = [_par(f"{J}hc_{sub}.{k}", f"{P}hc_{sub}_{k}") for sub in ("attn", "ffn") for k in ("fn", "base", "scale")]
+    out.append(_par(J + "ffn.gate.weight", F + "gate.weight"))
+    if i < cfg.n_hash_layers:
+        out.append(Entry(J + "ffn.gate.tid2eid", (F + "gate.tid2eid",), "index"))
+    else:  # HF-transformers exports spell the selection bias e_score_correction_bias
+        out.append(Entry(J + "ffn.gate.bias", (F + "gate.bias", F + "gate.e_score_correction_bias"), "param"))
+    for k in ("w1", "w3", "w2"):
+        out.append(Entry(J + "ffn." + k, tuple(f"{F}experts.{j}.{k}" for j in range(cfg.n_routed_experts)),
+                         "experts_oi"))
+    out += [_lin(J + "ffn.shared." + k, F + "shared_experts." + k) for k in ("w1", "w3", "w2")]
     return out
 
 
@@ -209,8 +245,14 @@ def _compressor(j: str, h: str) -> list[Entry]:
             _par(j + "norm", h + "norm.weight")]
 
 
-def skip_reason(name: str, arch: str, n_layers: int) -> str | None:
-    """Why an HF tensor without a jds counterpart may be skipped (None: it may not)."""
+MTP_REJECTED = "MTP module: rejected (speculative decoding with the MTP block is not implemented yet)"
+
+
+def skip_reason(name: str, arch: str, n_layers: int, block: str = "v3") -> str | None:
+    """Why an HF tensor without a jds counterpart may be skipped (None: it may not).
+
+    With the V4 block the hyper-connection, router-bias and hash-table tensors are used, so they are never
+    skipped (an unused one is an error); the MTP module is rejected with its reason."""
     m = re.match(r"(?:model\.)?layers\.(\d+)\.", name)
     if m and int(m.group(1)) >= n_layers:
         return "layer beyond the converted stack (--layers) or an MTP layer"
@@ -221,7 +263,9 @@ def skip_reason(name: str, arch: str, n_layers: int) -> str | None:
             return "MoE routing bias (jds's router has none)"
         return None
     if name.startswith("mtp."):
-        return "MTP module"
+        return MTP_REJECTED if block == "v4" else "MTP module"
+    if block == "v4":
+        return None
     if re.search(r"(^|\.)hc_", name):
         return "hyper-connection (jds's V4 decoder has none)"
     if re.search(r"\.ffn\.gate\.(bias|tid2eid)$", name):
@@ -500,12 +544,39 @@ def hf_model_config(hf: Any, *, layers: int | None = None, dequantize: bool = Fa
         raise ValueError("invalid config field 'n_shared_experts': jds's MoE always has a shared expert (>= 1)")
     for field_, key, default in (("bos_token_id", "bos_token_id", 0), ("eos_token_id", "eos_token_id", 1)):
         kw[field_] = _int_field(d, key) if d.get(key) is not None else default
+    if arch == "v4" and moe:
+        kw.update(_v4_block_fields(d))
     check_rope_mscale(d)
     quant = quantization_config(d)
     kw["numerics"] = make_numerics(numerics, quant is not None and not dequantize)
     check_scale_fmt(quant, kw["numerics"])
     kw.update(model_ovr)
     return ModelConfig(**kw)
+
+
+# ModelConfig field <- config.json keys (HF-transformers spelling first, then the release's inference/config.json)
+_V4_BLOCK_KEYS: dict[str, tuple[str, ...]] = {
+    "hc_mult": ("hc_mult",), "hc_sinkhorn_iters": ("hc_sinkhorn_iters",), "hc_eps": ("hc_eps",),
+    "route_scale": ("routed_scaling_factor", "route_scale"), "scoring": ("scoring_func", "score_func"),
+    "n_hash_layers": ("num_hash_layers", "n_hash_layers"), "swiglu_limit": ("swiglu_limit",),
+}
+
+
+def _v4_block_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """The V4-block ModelConfig fields of a V4 MoE config.json. A config with ``hc_mult`` describes DeepSeek-V4's
+    block (``block="v4"``); one without it (jds's V3-style decoder around V4 attention) keeps ``block="v3"``.
+    Two spellings of one field that disagree are a ValueError naming both."""
+    if d.get("hc_mult") is None:
+        return {}
+    out: dict[str, Any] = {"block": "v4"}
+    for field_, keys in _V4_BLOCK_KEYS.items():
+        given = [(k, d[k]) for k in keys if d.get(k) is not None]
+        if len({json.dumps(v) for _, v in given}) > 1:
+            raise ValueError(f"invalid config field {given[0][0]!r}: {given[0][1]!r} disagrees with "
+                             f"{given[1][0]!r}={given[1][1]!r}")
+        if given:
+            out[field_] = float(given[0][1]) if field_ in ("hc_eps", "route_scale", "swiglu_limit") else given[0][1]
+    return out
 
 
 def hf_config_dict(cfg: Any, *, fp8: bool | None = None) -> dict[str, Any]:
@@ -538,6 +609,10 @@ def hf_config_dict(cfg: Any, *, fp8: bool | None = None) -> dict[str, Any]:
                  compress_rope_theta=a.compress_rope_theta,
                  rope_scaling={"type": "yarn", "factor": a.rope_factor, "original_max_position_embeddings":
                                a.original_seq_len, "beta_fast": a.beta_fast, "beta_slow": a.beta_slow})
+        if cfg.block == "v4":
+            d.update(hc_mult=cfg.hc_mult, hc_sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
+                     routed_scaling_factor=cfg.route_scale, scoring_func=cfg.scoring,
+                     num_hash_layers=cfg.n_hash_layers, swiglu_limit=cfg.swiglu_limit)
     if fp8:
         d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                     "weight_block_size": [BLOCK, BLOCK], "scale_fmt": "ue8m0"}
@@ -574,6 +649,7 @@ class _Job:
     modes: list[str]  # per HF source: fp8 | float | dequant | fp4
     out: list[tuple[str, tuple[int, ...], np.dtype]]  # jds tensors produced
     nbytes: int
+    n_experts: int = 0  # an index job's range of expert ids
 
 
 def _block_shape(shape: tuple[int, ...], block: int = BLOCK) -> tuple[int, int]:
@@ -645,21 +721,48 @@ def _check_param(src: SafetensorsDir, hf: str, shape: tuple[int, ...], jds: str,
     return "float"
 
 
-def _validate(src: SafetensorsDir, e: Entry, spec: dict[str, Any], suffix: str, consumed: set[str]) -> _Job:
+INT_DTYPES = ("I32", "I64", "I16", "U8", "I8")
+
+
+def _check_index(src: SafetensorsDir, hf: str, shape: tuple[int, ...], jds: str, consumed: set[str]) -> str:
+    if hf not in src:
+        raise ValueError(f"HF checkpoint {src.path!r}: missing tensor {hf!r} (for jds {jds!r})")
+    dt, shp = src.info(hf)
+    consumed.add(hf)
+    if dt not in INT_DTYPES:
+        raise ValueError(f"HF tensor {hf!r} has dtype {dt}, expected an integer tensor ({', '.join(INT_DTYPES)}) "
+                         f"for jds {jds!r}")
+    if tuple(shp) != tuple(shape):
+        raise ValueError(f"HF tensor {hf!r} has shape {tuple(shp)}, expected {tuple(shape)} (for jds {jds!r})")
+    return "index"
+
+
+def _validate(src: SafetensorsDir, e: Entry, spec: dict[str, Any], suffix: str, consumed: set[str],
+              n_experts: int = 0) -> _Job:
     shape, dt = spec[e.jds]
     if e.kind == "param":
+        if len(e.hf) > 1:  # alternative spellings: the first the checkpoint has
+            e = dataclasses.replace(e, hf=(next((h for h in e.hf if h in src), e.hf[0]),))
         modes = [_check_param(src, e.hf[0], shape, e.jds, consumed)]
+    elif e.kind == "index":
+        modes = [_check_index(src, e.hf[0], shape, e.jds, consumed)]
     elif e.kind == "linear":
         modes = [_check_linear(src, e.hf[0], shape, dt == E4M3, suffix, e.jds, consumed)]
     else:
-        n_exp, d_in, d_out = shape
+        n_exp = shape[0]
+        d_out, d_in = (shape[1], shape[2]) if e.kind == "experts_oi" else (shape[2], shape[1])
         if len(e.hf) != n_exp:
             raise ValueError(f"internal: {e.jds} expects {n_exp} experts, mapping has {len(e.hf)}")
         modes = [_check_linear(src, h, (d_out, d_in), False, suffix, e.jds, consumed) for h in e.hf]
+        if e.kind == "experts_oi" and "fp4" in modes:
+            h = e.hf[modes.index("fp4")]
+            raise ValueError(f"HF tensor {h + '.weight'!r} is a packed FP4 (e2m1) expert weight: FP4 experts are not "
+                             f"implemented yet in jds's V4 block (for jds {e.jds!r}); convert them to bf16 or FP8 "
+                             "first")
     out = [(e.jds, shape, dt)]
     if e.jds + ".scale" in spec and e.kind == "linear":
         out.append((e.jds + ".scale",) + spec[e.jds + ".scale"])
-    return _Job(e, modes, out, sum(math.prod(s) * d.itemsize for _, s, d in out))
+    return _Job(e, modes, out, sum(math.prod(s) * d.itemsize for _, s, d in out), n_experts)
 
 
 def _read_linear(src: SafetensorsDir, hf: str, mode: str, dtype: np.dtype, suffix: str) -> np.ndarray:
@@ -676,6 +779,12 @@ def _convert(src: SafetensorsDir, job: _Job, suffix: str) -> list[tuple[str, np.
     name, shape, dt = job.out[0]
     if e.kind == "param":
         return [(name, src.get(e.hf[0]).astype(dt, copy=False))]
+    if e.kind == "index":
+        table = np.asarray(src.get(e.hf[0]))
+        if table.size and (table.min() < 0 or table.max() >= _n_experts_of(job)):
+            raise ValueError(f"HF tensor {e.hf[0]!r}: expert ids must lie in [0, {_n_experts_of(job)}), got "
+                             f"[{table.min()}, {table.max()}]")
+        return [(name, table.astype(dt))]
     if e.kind == "linear":
         if job.modes[0] == "fp8":
             return [(name, src.get(e.hf[0] + ".weight")),
@@ -683,8 +792,15 @@ def _convert(src: SafetensorsDir, job: _Job, suffix: str) -> list[tuple[str, np.
         return [(name, _read_linear(src, e.hf[0], job.modes[0], dt, suffix))]
     stack = np.empty(shape, dt)
     for j, (h, mode) in enumerate(zip(e.hf, job.modes)):
-        stack[j] = _read_linear(src, h, mode, dt, suffix).T
+        w = _read_linear(src, h, mode, dt, suffix)
+        stack[j] = w if e.kind == "experts_oi" else w.T
     return [(name, stack)]
+
+
+def _n_experts_of(job: _Job) -> int:
+    return job.n_experts
+
+
 
 
 class _Progress:
@@ -743,13 +859,13 @@ def convert_hf_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, lay
     reader = SafetensorsDir(src)
     suffix = SCALE_SUFFIX[cfg.arch]
     consumed: set[str] = set()
-    jobs = [_validate(reader, e, spec, suffix, consumed) for e in entries]
+    jobs = [_validate(reader, e, spec, suffix, consumed, cfg.n_routed_experts) for e in entries]
     skipped: dict[str, list[str]] = {}
     unexpected = []
     for name in reader.names():
         if name in consumed:
             continue
-        why = skip_reason(name, cfg.arch, cfg.n_layers)
+        why = skip_reason(name, cfg.arch, cfg.n_layers, cfg.block)
         if why is None:
             unexpected.append(name)
         else:
@@ -778,7 +894,7 @@ def convert_hf_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, lay
     finally:
         bar.close()
     return {"out": os.path.abspath(out), "config": cfg, "quantization": quant,
-            "tensors": sum(len(j.out) for j in jobs),
+            "tensors": sum(len(j.out) for j in jobs), "used": sorted(consumed),
             "bytes": sum(j.nbytes for j in jobs), "skipped": skipped, "seconds": time.perf_counter() - t0}
 
 
@@ -882,15 +998,16 @@ def export_hf(model: Any, out_dir: str | os.PathLike, *, n_shards: int = 2, rout
     suffix = SCALE_SUFFIX[cfg.arch]
     tensors: list[tuple[str, np.ndarray]] = []
     for e in plan(cfg):
-        if e.kind == "param":
+        if e.kind in ("param", "index"):
             tensors.append((e.hf[0], weights[e.jds]))
         elif e.kind == "linear":
             tensors.append((e.hf[0] + ".weight", weights[e.jds]))
             if e.jds + ".scale" in weights:
                 tensors.append((e.hf[0] + suffix, weights[e.jds + ".scale"]))
         else:
-            tensors += [(h + ".weight", np.ascontiguousarray(weights[e.jds][j].T)) for j, h in enumerate(e.hf)]
-    if routing_bias and cfg.n_routed_experts:
+            tensors += [(h + ".weight", np.ascontiguousarray(weights[e.jds][j] if e.kind == "experts_oi"
+                                                             else weights[e.jds][j].T)) for j, h in enumerate(e.hf)]
+    if routing_bias and cfg.n_routed_experts and cfg.block == "v3":
         for i in range(cfg.n_layers):
             name = (f"model.layers.{i}.mlp.gate.e_score_correction_bias" if cfg.arch == "v32"
                     else f"layers.{i}.ffn.gate.bias")

@@ -1,5 +1,10 @@
 """The decoder the server runs: embedding -> L x [RMSNorm -> attention -> RMSNorm -> FFN] -> RMSNorm -> head.
 
+With ``ModelConfig.block == "v4"`` the layers are DeepSeek-V4's block instead (``jds.v4_block``): the embedding
+is repeated into ``hc_mult`` residual streams, every layer mixes them with hyper-connections around the V4
+attention and the V4 MoE, and the head reduces the streams before its norm. The hidden state is then a
+``V4Hidden`` (streams + token ids) wherever the V3-style decoder passes a [T, D] array.
+
 Attention is V3.2 (every layer alike) or V4 (per-layer window-only / C4 / C128 from compress_ratios).
 The FFN is a SwiGLU MLP or a DeepSeek-style MoE (sigmoid-scored routed top-k experts + a shared expert)
 so step times carry the real structure. Weights are random from a seed unless loaded.
@@ -7,7 +12,7 @@ so step times carry the real structure. Weights are random from a seed unless lo
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +21,7 @@ from flax import nnx
 from jds.batch import PagedBatch
 from jds.config import ModelConfig, preset  # noqa: F401  (defined in jds.config; re-exported here)
 from jds.nn import Linear, RMSNorm, jdtype
+from jds.v4_block import HCHead, HyperConnection, V4Block, V4BlockConfig, expand_streams
 
 
 class MLP(nnx.Module):
@@ -97,6 +103,80 @@ class DecoderLayer(nnx.Module):
         return self.post_attention(h, o), cache
 
 
+class V4Hidden(NamedTuple):
+    """The hidden state between the layers of a ``block="v4"`` decoder (and across the runner's segments).
+
+    ``streams`` [T, hc_mult, D] are V4's residual streams. ``tokens`` [T] int32 ride along because the
+    hash-routed layers pick their experts from the token ids in the FFN half (``post_attention``), which the
+    boundary runner calls with the hidden state and the attention output only."""
+
+    streams: jax.Array
+    tokens: jax.Array
+
+
+def v4_block_config(cfg: ModelConfig) -> V4BlockConfig:
+    """The ``jds.v4_block`` config of a ``block="v4"`` model."""
+    return V4BlockConfig(
+        hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, norm_eps=cfg.attn.rms_norm_eps, hc_mult=cfg.hc_mult,
+        hc_sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, n_routed_experts=cfg.n_routed_experts,
+        n_shared_experts=cfg.n_shared_experts, moe_topk=cfg.moe_topk, moe_intermediate_size=cfg.moe_intermediate_size,
+        route_scale=cfg.route_scale, scoring=cfg.scoring, n_hash_layers=cfg.n_hash_layers,
+        swiglu_limit=cfg.swiglu_limit, shared_swiglu_limit=cfg.shared_swiglu_limit, dtype=cfg.numerics.dtype,
+        moe_impl=cfg.moe_impl)
+
+
+class V4DecoderLayer(DecoderLayer, V4Block):
+    """A ``block="v4"`` layer: V4's hyper-connections and MoE (``V4Block``) around jds's V4 attention stages.
+
+    Same interface as ``DecoderLayer`` (its ``__call__`` is inherited), with the hidden state a ``V4Hidden``.
+    Parameter names: ``attn.*`` as in the V3-style layer, ``attn_norm`` / ``ffn_norm``, ``hc_attn.{fn,base,scale}``,
+    ``hc_ffn.*``, ``ffn.gate.{weight,bias|tid2eid}``, ``ffn.w1/w3/w2`` [E, out, in], ``ffn.shared.w1/w3/w2``."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, implementation: str, rngs: nnx.Rngs,
+                 indexer_config: Any = None):
+        V4Block.__init__(self, v4_block_config(cfg), layer_id, rngs)
+        self.attn = make_attention(cfg, layer_id, implementation, rngs, indexer_config)
+
+    def pre_attention(self, h: V4Hidden) -> Any:
+        x, _ = V4Block.pre_attention(self, h.streams)
+        return self.attn.project_in(x)
+
+    def post_attention(self, h: V4Hidden, o: jax.Array) -> V4Hidden:
+        # The attention half's (post, comb) mixing weights are recomputed from the same streams (same ops, so
+        # the same values) rather than carried: the runner hands post_attention only (h, o), and the mix is a
+        # [T, hc*D] x [hc*D, (2+hc)*hc] product, small next to the layer.
+        _, mix = V4Block.pre_attention(self, h.streams)
+        attn_out = self.attn.project_out(o).astype(h.streams.dtype)
+        return V4Hidden(V4Block.post_attention(self, h.streams, attn_out, mix, h.tokens), h.tokens)
+
+
+class V4Embedding(nnx.Module):
+    """The embedding of a ``block="v4"`` decoder: token rows repeated into ``hc_mult`` streams, with the ids."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt = jdtype(cfg.numerics.dtype)
+        self.hc_mult = cfg.hc_mult
+        self.weight = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32).astype(dt))
+
+    def __call__(self, tokens: jax.Array) -> V4Hidden:
+        tokens = tokens.astype(jnp.int32)
+        return V4Hidden(expand_streams(self.weight[...][tokens], self.hc_mult), tokens)
+
+
+class V4Head(nnx.Module):
+    """V4's head: the HC reduction of the streams (``hc``), then RMSNorm and the LM head."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt = jdtype(cfg.numerics.dtype)
+        self.hc = HCHead(v4_block_config(cfg), rngs)
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.attn.rms_norm_eps, rngs=rngs)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dt, fp8=False, rngs=rngs)
+
+    def __call__(self, h: V4Hidden, logits_indices: jax.Array) -> jax.Array:
+        # The reduction is per token, so only the rows whose logits are wanted are reduced.
+        return self.lm_head(self.norm(self.hc(h.streams[logits_indices])), jnp.float32)
+
+
 class Head(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dt = jdtype(cfg.numerics.dtype)
@@ -122,10 +202,21 @@ class Decoder(nnx.Module):
         indexer kernel (key source, top-k algorithm); None takes the kernel's defaults."""
         rngs = nnx.Rngs(seed)
         self.cfg = cfg
-        self.embed = Embedding(cfg, rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, i, implementation, rngs, indexer_config)
+        v4 = cfg.block == "v4"
+        self.embed = V4Embedding(cfg, rngs) if v4 else Embedding(cfg, rngs)
+        layer_cls = V4DecoderLayer if v4 else DecoderLayer
+        self.layers = nnx.List([layer_cls(cfg, i, implementation, rngs, indexer_config)
                                 for i in range(cfg.n_layers)])
-        self.head = Head(cfg, rngs)
+        self.head = V4Head(cfg, rngs) if v4 else Head(cfg, rngs)
+
+    def zero_hidden(self, num_tokens: int) -> Any:
+        """A zero hidden state of ``num_tokens`` tokens, shaped as the layers pass it (the runner's segment
+        carry): [T, D], or a ``V4Hidden`` for the V4 block."""
+        dt = self.embed.weight[...].dtype
+        if self.cfg.block == "v4":
+            return V4Hidden(jnp.zeros((num_tokens, self.cfg.hc_mult, self.cfg.hidden_size), dt),
+                            jnp.zeros((num_tokens,), jnp.int32))
+        return jnp.zeros((num_tokens, self.cfg.hidden_size), dt)
 
     def init_caches(self, num_blocks: int) -> list[Any]:
         return [layer.attn.init_cache(num_blocks) for layer in self.layers]

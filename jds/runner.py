@@ -343,7 +343,7 @@ class BoundaryRunner:
         carry = self._carry.pop((tb, kb), None)
         if carry is None:
             r, i32 = self.max_num_seqs, jnp.int32
-            h = jnp.zeros((tb, self.model.cfg.hidden_size), self.model.embed.weight[...].dtype)
+            h = self.model.zero_hidden(tb)
             small = PagedBatch(positions=jnp.zeros(tb, i32), req_idx=jnp.zeros(tb, i32),
                                slot_mapping=jnp.zeros(tb, i32), block_tables=jnp.zeros((r, kb), i32),
                                seq_lens=jnp.zeros(r, i32), query_start_loc=jnp.zeros(r + 1, i32))

@@ -32,13 +32,16 @@ real-file commit and the V4-Pro copy ``Nicooo-Wang/DeepSeek-V4-Pro-code``):
 * ``V4Block``         -> model.py ``Block.forward``: hc_pre -> attn_norm -> attention -> hc_post, then the
   same around ffn_norm -> MoE.
 
+Wired into ``jds.model.Decoder`` by ``ModelConfig.block = "v4"`` (``V4DecoderLayer``, ``V4Embedding``,
+``V4Head``), and the importer maps the release's ``hc_*``, ``gate.bias``, ``gate.tid2eid`` and per-expert
+tensors onto these parameters (``jds.hf_import``).
+
 Not done yet (later steps of issue 22):
 * FP4 routed experts (packed e2m1 with 1x32 E8M0 scales; the reference also quantises the experts'
   activations to FP8 per 128): experts here are plain ``dtype`` (bf16) weights, and the shared expert is not
-  FP8 either.
-* The MTP module; wiring ``V4Block`` / ``HCHead`` into ``jds.model.Decoder``; the importer's mapping of the
-  ``hc_*``, ``gate.bias``, ``gate.tid2eid`` and per-expert tensors onto these parameters; a GPU grouped-GEMM
-  kernel (the XLA ``ragged`` path is the only grouped path).
+  FP8 either; the importer rejects FP4 expert tensors.
+* The MTP module (rejected by the importer); a GPU grouped-GEMM kernel (the XLA ``ragged`` path is the only
+  grouped path).
 """
 
 from __future__ import annotations

@@ -277,7 +277,7 @@ def test_moe_fields_checked_when_moe(field: str, value) -> None:
 
 
 def test_presets_and_overrides() -> None:
-    assert [preset(n).arch for n in PRESETS] == ["v32", "v4", "v32", "v4"]
+    assert [preset(n).arch for n in PRESETS] == ["v32", "v4", "v4", "v32", "v4"]
     with pytest.raises(ValueError, match="unknown preset 'v33-tiny'"):
         preset("v33-tiny")
     with pytest.raises(ValueError, match="invalid config field 'moe'"):  # no shortcut flags in the library

@@ -473,3 +473,129 @@ def test_converted_checkpoint_records_quantization(tmp_path, sources, caplog, ca
     with pytest.raises(ValueError, match=NOT_IMPLEMENTED):
         convert(hf, tmp_path / "out2", s.cfg.block_size, "--dequantize")
     assert not (tmp_path / "out2").exists()
+
+
+# ----- DeepSeek-V4's block (ModelConfig.block == "v4") --------------------------------------------------
+# The MTP module of the release (inference/model.py MTPBlock: e_proj, h_proj, enorm, hnorm, norm, its own HC
+# head, and a whole Block), a sample of its tensors in the release's names.
+MTP_TENSORS = ("mtp.0.e_proj.weight", "mtp.0.h_proj.weight", "mtp.0.enorm.weight", "mtp.0.hnorm.weight",
+               "mtp.0.norm.weight", "mtp.0.hc_head_fn", "mtp.0.hc_head_base", "mtp.0.hc_head_scale",
+               "mtp.0.hc_attn_fn", "mtp.0.attn.wq_a.weight", "mtp.0.ffn.gate.bias", "mtp.0.ffn.experts.0.w1.weight")
+
+
+def v4_block_source(root: Path, seed: int = 7) -> tuple[Any, Decoder, Path]:
+    """A V4-block tiny model (FP8 attention linears, bf16 experts) as a synthetic V4-Flash HF directory: the
+    hyper-connections, HC head, router bias, hash table, per-expert tensors, plus MTP tensors."""
+    cfg = dataclasses.replace(preset("v4-tiny-block"), numerics=Numerics.reference())
+    model = Decoder(cfg, seed=seed)
+    hf = root / "hf_v4_block"
+    hf_import.export_hf(model, hf)
+    rng = np.random.default_rng(seed)
+    mtp = {n: rng.normal(size=(8, 8)).astype(np.float32) for n in MTP_TENSORS}
+    _rewrite_shard(hf, "embed.weight", lambda t: t.update(mtp), index=True)
+    return cfg, model, hf
+
+
+def test_v4_block_synthetic_checkpoint_has_the_release_names(tmp_path) -> None:
+    cfg, _, hf = v4_block_source(tmp_path)
+    names = set(json.loads((hf / INDEX_NAME).read_text())["weight_map"])
+    for n in ("hc_head_fn", "hc_head_base", "hc_head_scale", "layers.0.hc_attn_fn", "layers.0.hc_attn_base",
+              "layers.0.hc_attn_scale", "layers.2.hc_ffn_fn", "layers.0.ffn.gate.tid2eid", "layers.1.ffn.gate.bias",
+              "layers.2.ffn.gate.weight", "layers.1.ffn.experts.7.w2.weight", "layers.1.ffn.shared_experts.w3.weight",
+              "layers.1.attn.wo_a.scale"):
+        assert n in names, n
+    assert "layers.0.ffn.gate.bias" not in names and "layers.1.ffn.gate.tid2eid" not in names
+    d = json.loads((hf / "config.json").read_text())
+    assert (d["hc_mult"], d["num_hash_layers"], d["scoring_func"]) == (4, 1, "sqrtsoftplus")
+    f = SafetensorsDir(hf)
+    assert f.info("layers.0.ffn.gate.tid2eid") == ("I32", (cfg.vocab_size, cfg.moe_topk))
+    assert f.info("layers.1.ffn.experts.0.w1.weight")[1] == (cfg.moe_intermediate_size, cfg.hidden_size)
+
+
+@pytest.mark.slow  # two fused compiles of the 3-layer V4-block model
+def test_v4_block_import_end_to_end(tmp_path) -> None:
+    """Convert, restore, same weights and the same logits through the whole V4 block; every HF tensor is used
+    except the MTP module's, which are rejected with their reason."""
+    cfg, model, hf = v4_block_source(tmp_path)
+    out = tmp_path / "out"
+    rep = convert(hf, out, cfg.block_size)
+    assert rep["config"] == cfg
+    assert {k: sorted(v) for k, v in rep["skipped"].items()} == {hf_import.MTP_REJECTED: sorted(MTP_TENSORS)}
+    all_names = set(SafetensorsDir(hf).names())
+    assert set(rep["used"]) == all_names - set(MTP_TENSORS)
+    restored = restore_model(out)
+    assert restored.cfg == cfg
+    assert_same_weights(export_weights(model), export_weights(restored))
+    np.testing.assert_array_equal(step_logits(model, N_TOKENS["v4"]), step_logits(restored, N_TOKENS["v4"]))
+
+
+def test_v4_block_import_weights_and_spellings(tmp_path) -> None:
+    """The importer's mapping for the V4 block is bit-exact (weights compared, no forward), and accepts the
+    HF-transformers spelling of the router bias (``e_score_correction_bias``)."""
+    cfg, model, hf = v4_block_source(tmp_path, seed=3)
+    assert hf_import.target_spec(cfg) == {k: (v.shape, v.dtype) for k, v in export_weights(model).items()}
+    b = "layers.2.ffn.gate."
+    _rewrite_shard(hf, b + "bias", lambda t: t.__setitem__(b + "e_score_correction_bias", t.pop(b + "bias")),
+                   index=True)
+    rep = hf_import.convert_hf_checkpoint(hf, tmp_path / "out", overrides={"block_size": cfg.block_size},
+                                          progress=False)
+    assert rep["config"] == cfg and list(rep["skipped"]) == [hf_import.MTP_REJECTED]
+    assert b + "e_score_correction_bias" in rep["used"]
+    assert_same_weights(export_weights(model), read_checkpoint(tmp_path / "out"))
+
+
+def _fp4_expert(a: np.ndarray) -> dict[str, np.ndarray]:
+    return {"weight": np.zeros((a.shape[0], a.shape[1] // 2), np.int8),
+            "scale": np.ones((a.shape[0], a.shape[1] // 32), ml_dtypes.float8_e8m0fnu)}
+
+
+E = "layers.1.ffn.experts.2.w3"
+V4_BLOCK_BAD: dict[str, tuple[Mutation, str]] = {
+    "fp4_expert": (lambda hf: _rewrite_shard(hf, E + ".weight", lambda t: t.update(
+        {E + "." + k: v for k, v in _fp4_expert(t[E + ".weight"]).items()}), index=True),
+        re.escape(f"HF tensor '{E}.weight' is a packed FP4 (e2m1) expert weight: FP4 experts are not implemented")),
+    "missing_hc": (_remove("layers.2.hc_ffn_scale"), re.escape("missing tensor 'layers.2.hc_ffn_scale'")),
+    "missing_hc_head": (_remove("hc_head_base"), re.escape("missing tensor 'hc_head_base'")),
+    "missing_bias": (_remove("layers.1.ffn.gate.bias"), re.escape("missing tensor 'layers.1.ffn.gate.bias'")),
+    "tid2eid_range": (_replace("layers.0.ffn.gate.tid2eid", lambda a: a + 8),
+                      re.escape("'layers.0.ffn.gate.tid2eid': expert ids must lie in [0, 8)")),
+    "tid2eid_float": (_replace("layers.0.ffn.gate.tid2eid", lambda a: a.astype(np.float32)),
+                      re.escape("'layers.0.ffn.gate.tid2eid' has dtype F32, expected an integer tensor")),
+    "tid2eid_shape": (_replace("layers.0.ffn.gate.tid2eid", lambda a: a[:, :1]),
+                      re.escape("'layers.0.ffn.gate.tid2eid' has shape (512, 1), expected (512, 2)")),
+    # a hash table on a layer the config says is score-routed has no place
+    "hash_table_on_score_layer": (_add("layers.1.ffn.gate.bias", "layers.1.ffn.gate.tid2eid",
+                                       np.zeros((512, 2), np.int32)),
+                                  re.escape("tensor 'layers.1.ffn.gate.tid2eid' has no place")),
+    "spellings_disagree": (_config(lambda d: d.update(route_scale=2.0)), "'routed_scaling_factor'"),
+}
+
+
+@pytest.fixture(scope="module")
+def v4_block_hf(tmp_path_factory) -> Path:
+    return v4_block_source(tmp_path_factory.mktemp("v4b"))[2]
+
+
+@pytest.mark.parametrize("case", list(V4_BLOCK_BAD))
+def test_v4_block_bad_input_names_the_tensor(tmp_path, v4_block_hf, case: str) -> None:
+    hf = tmp_path / "hf"
+    shutil.copytree(v4_block_hf, hf)
+    mutate, pattern = V4_BLOCK_BAD[case]
+    mutate(hf)
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=pattern):
+        convert(hf, out, 128)
+    assert not out.exists() and no_temp_dirs(tmp_path)
+
+
+def test_v4_without_hc_mult_keeps_the_v3_block_and_skips_with_reasons(tmp_path, v4_block_hf) -> None:
+    """A V4 config.json without ``hc_mult`` describes jds's V3-style decoder around V4 attention; an explicit
+    override picks either block."""
+    d = json.loads((v4_block_hf / "config.json").read_text())
+    assert hf_import.hf_model_config(d).block == "v4"
+    d.pop("hc_mult")
+    assert hf_import.hf_model_config(d).block == "v3"
+    assert hf_import.hf_model_config(d, overrides={"block": "v4"}).block == "v4"
+    assert hf_import.skip_reason("layers.0.hc_attn_fn", "v4", 3, "v3") is not None
+    assert hf_import.skip_reason("layers.0.hc_attn_fn", "v4", 3, "v4") is None
+    assert hf_import.skip_reason("mtp.0.e_proj.weight", "v4", 3, "v4") == hf_import.MTP_REJECTED
