@@ -322,14 +322,17 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, req_idx
 def topk_visible(scores: torch.Tensor, n_visible: torch.Tensor, k: int) -> torch.Tensor:
     """Top-k over the first ``n_visible[t]`` entries; int32 [T, k] request-local indices, -1 where fewer.
 
-    Stands in for vLLM's ``top_k_per_row`` CUDA kernels (radix select); torch.topk sorts. Ties may
-    resolve to a different index than jds's lower-index rule (sets agree except at ties).
+    Ties go to the lower index (jds's rule, e.g. rows of exact zeros after the relu) through a stable
+    descending sort of the whole row, where torch.topk leaves the tie order unspecified. Stands in for
+    vLLM's ``top_k_per_row`` CUDA kernels (radix select, one pass per digit): a full sort of 4K-64K
+    entries per row, expect a few times their time at long contexts.
     """
     n = scores.shape[-1]
     kk = min(k, n)
     col = torch.arange(n, device=scores.device)
     masked = torch.where(col[None, :] < n_visible[:, None], scores, torch.full_like(scores, -torch.inf))
-    vals, idx = torch.topk(masked, kk, dim=-1)
+    vals, idx = torch.sort(masked, dim=-1, descending=True, stable=True)
+    vals, idx = vals[:, :kk], idx[:, :kk]
     idx = torch.where(vals > -torch.inf, idx, torch.full_like(idx, -1)).to(torch.int32)
     if kk < k:
         idx = torch.nn.functional.pad(idx, (0, k - kk), value=-1)

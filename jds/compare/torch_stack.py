@@ -145,10 +145,12 @@ class _Layer:
         # Every expert on every token (static shapes, graph-safe), weighted by its routing weight.
         # Stands in for vLLM's fused_moe Triton kernel (grouped GEMM over routed tokens only): expect about
         # n_routed_experts / moe_topk times the routed FLOPs.
-        g = torch.einsum("th,ehf->etf", x, w["ffn.w1"]).to(K.F32)
-        u = torch.einsum("th,ehf->etf", x, w["ffn.w3"]).to(K.F32)
+        # fp32 math on the bf16 values: the fp32 accumulators of jds's ragged_dot, unrounded
+        xf = x.to(K.F32)
+        g = torch.einsum("th,ehf->etf", xf, w["ffn.w1"].to(K.F32))
+        u = torch.einsum("th,ehf->etf", xf, w["ffn.w3"].to(K.F32))
         a = (torch.nn.functional.silu(g) * u).to(x.dtype)
-        y = torch.einsum("etf,efh->eth", a, w["ffn.w2"]).to(K.F32)
+        y = torch.einsum("etf,efh->eth", a.to(K.F32), w["ffn.w2"].to(K.F32))
         routed = torch.einsum("te,eth->th", dense, y)
         return (routed + self._mlp(x, "ffn.shared.").to(K.F32)).to(x.dtype)
 
@@ -562,6 +564,7 @@ class TorchStepRunner:
         self._shapes: dict[tuple[int, int, int], tuple[StepInputs, list[_Segment], Any]] = {}
         self.counter: OpCounter | None = None
         self.last_counts: dict[str, int] = {}
+        self.last_env: Env = {}
 
     def segments(self) -> list[_Segment]:
         """The pieces grouped by the mode's boundary."""
@@ -593,6 +596,7 @@ class TorchStepRunner:
         env: Env = {"in.tokens": inp.tokens, "in.positions": inp.positions, "in.req_idx": inp.req_idx,
                     "in.slot_mapping": inp.slot_mapping, "in.logits_indices": inp.logits_indices,
                     "in.block_tables": inp.block_tables}
+        self.last_env = env  # the step's named intermediates (e.g. ``L0.topk``), for tests
         if self.use_graphs and any(s.graphed and s.graph is None for s in segs):
             self._capture(key, env)
             return env["logits"]
