@@ -201,3 +201,30 @@ def test_gpu_graph_modes_match_eager(arch: str) -> None:
         for a, b in zip(logits[m], logits["eager"]):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-3 * np.abs(b).max(), err_msg=m)
     assert counts["eager"] > counts["wide"] > counts["narrow"] > counts["full"] == 0, counts
+
+
+def test_comparison_table_pairs_modes_and_best() -> None:
+    from jds.compare.torch_bench import comparison_table
+
+    def m(ms: float) -> dict:
+        return {k: {"mean_ms": ms} for k in ("ttft_128", "prefill_64x128_step", "decode_b1_ctx64",
+                                              "decode_b64_ctx64")}
+
+    jax_res = {"modes": {"wide": {**m(8.0), "dispatches_per_step": {"captured": 9, "eager": 8}},
+                         "fused": m(4.0)}}
+    torch_res = {"modes": {"eager": m(20.0), "wide": {**m(16.0), "launches_per_step": {"ttft_128": {"launches": 5}}},
+                           "full": m(5.0)}}
+    text, ratios = comparison_table(jax_res, torch_res, 64)
+    assert ratios["ttft_128:wide/wide"] == 0.5 and ratios["ttft_128:fused/full"] == 0.8
+    assert ratios["decode_b64_ctx64:best/best"] == 0.8
+    assert "torch:eager" in text and "best/best" in text and "launches/step" in text
+
+
+def test_step_rejects_mismatched_inputs() -> None:
+    model = Decoder(preset("v32-tiny", n_layers=1), implementation="xla")
+    r = TorchStepRunner(TorchDecoder.from_jds(model, 4), "narrow")
+    bt = np.arange(4, dtype=np.int32).reshape(2, 2)
+    with pytest.raises(ValueError, match="ids"):
+        r.prepare_inputs(np.zeros(3, np.int32), [Chunk(0, 0, 4)], bt)
+    with pytest.raises(ValueError, match="request rows"):
+        r.prepare_inputs(np.zeros(4, np.int32), [Chunk(1, 0, 4)], bt)

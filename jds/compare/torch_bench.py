@@ -66,14 +66,14 @@ def bench_torch_arch(arch: str, layers: int, inter: int | None, ctx: int, quick:
         t0 = time.perf_counter()
         r = TorchStepRunner(TorchDecoder(cfg, params, nb, dev), mode)
         res: dict = {}
-        res["ttft_128"] = time_torch_steps(r, shapes["ttft_128"], 20, n_ttft)
+        res["ttft_128"] = time_torch_steps(r, shapes["ttft_128"], bt, 20, n_ttft)
         res["launches_per_step"] = {"ttft_128": r.count_step(r.prepare_inputs(
             np.zeros(128, np.int32), shapes["ttft_128"], bt))}
-        res["prefill_64x128_step"] = time_torch_steps(r, shapes["prefill_64x128_step"], 3, n_tp)
+        res["prefill_64x128_step"] = time_torch_steps(r, shapes["prefill_64x128_step"], bt, 3, n_tp)
         res["throughput_req_per_s"] = 64e3 / res["prefill_64x128_step"]["mean_ms"]
         for b in (1, 64):
             name = f"decode_b{b}_ctx{ctx}"
-            res[name] = time_torch_steps(r, shapes[name], 10, n_dec)
+            res[name] = time_torch_steps(r, shapes[name], bt, 10, n_dec)
         res["launches_per_step"][f"decode_b64_ctx{ctx}"] = r.count_step(r.prepare_inputs(
             np.zeros(64, np.int32), shapes[f"decode_b64_ctx{ctx}"], bt))
         res["bench_seconds"] = time.perf_counter() - t0

@@ -27,6 +27,9 @@ BF16 = torch.bfloat16
 E4M3 = torch.float8_e4m3fn
 
 
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=) (CUDA, recent torch)
+
+
 def torch_dtype(name: str) -> torch.dtype:
     return {"float32": F32, "bfloat16": BF16}[name]
 
@@ -43,7 +46,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     xs = x.to(w.dtype)
     if out_dtype == w.dtype:
         return torch.nn.functional.linear(xs, w)
-    if w.dtype == BF16 and out_dtype == F32 and x.is_cuda:
+    if w.dtype == BF16 and out_dtype == F32 and x.is_cuda and _MM_OUT_DTYPE:
         y = torch.mm(xs.reshape(-1, xs.shape[-1]), w.t(), out_dtype=F32)
         return y.reshape(xs.shape[:-1] + (w.shape[0],))
     return torch.nn.functional.linear(xs.to(F32), w.to(F32)).to(out_dtype)
@@ -199,7 +202,10 @@ def pack(fmt: Any, rows: torch.Tensor) -> torch.Tensor:
             q, s = act_quant(lat, 128, "ue8m0", 1e-4)
         else:  # vLLM's writer: scale = max(amax / 448, FLT_MIN) by true division, then x / scale
             lb = lat.to(F32).reshape(lat.shape[:-1] + (fmt.latent_dim // 128, 128))
-            s = torch.clamp(lb.abs().amax(-1) / torch.tensor(FP8_MAX, dtype=F32, device=lb.device), min=FLT_MIN)
+            amax = lb.abs().amax(-1)
+            # a tensor divisor: CUDA turns division by a Python scalar into a multiplication by its
+            # reciprocal, an ulp off (the e4m3 rounding ties jds's true_divide guards against)
+            s = torch.clamp(amax / torch.full_like(amax, FP8_MAX), min=FLT_MIN)
             q = quantize_e4m3(lb / s[..., None]).reshape(lat.shape)
         return torch.cat([_u8(q), _u8(s), _u8(pe.to(BF16))], dim=-1)
     if k == "IndexerRecord132":

@@ -634,7 +634,11 @@ class TorchStepRunner:
                 s.run(env)
                 continue
             tracker = _ReadTracker(env)
-            s.run(tracker)  # warm-up (also fills the caches as the replay will, with the same bytes)
+            side = torch.cuda.Stream(self.device)  # warm-up on a side stream, as torch.cuda.graph's recipe
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                s.run(tracker)  # also fills the caches as the replay will, with the same bytes
+            torch.cuda.current_stream(self.device).wait_stream(side)
             reads = {k for k in tracker.reads if k in env}
             s.static_in = {k: env[k] if id(env[k]) in persistent else env[k].clone() for k in reads}
             torch.cuda.synchronize(self.device)
@@ -644,7 +648,8 @@ class TorchStepRunner:
                 for f in s.fns:
                     cap.update(f(cap))
             s.graph = g
-            s.static_out = {k: v for k, v in cap.items() if k not in s.static_in}
+            # what the segment produced, including keys it read and then replaced (the residual ``h``)
+            s.static_out = {k: v for k, v in cap.items() if s.static_in.get(k) is not v}
             persistent |= {id(t) for t in s.static_out.values()}
             g.replay()
             env.update(s.static_out)
