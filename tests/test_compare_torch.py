@@ -90,7 +90,7 @@ def _check_topk(tj: list[np.ndarray], tt: list[np.ndarray], max_frac: float) -> 
         assert differ <= max_frac * a.shape[0], f"layer {i}: top-k sets differ for {differ}/{a.shape[0]} tokens"
 
 
-@pytest.mark.parametrize("arch,moe", [("v32", True), ("v4", True)])
+@pytest.mark.parametrize("arch,moe", [pytest.param("v32", True, marks=pytest.mark.slow), ("v4", True)])
 def test_exact_numerics_match_jds(arch: str, moe: bool) -> None:
     """fp32, no quantisation: the two sides agree to fp32 rounding, with identical top-k sets and caches."""
     res = _compare(arch, Numerics.exact(), ("eager",), moe=moe)

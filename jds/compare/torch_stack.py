@@ -643,7 +643,8 @@ class TorchStepRunner:
             s.static_in = {k: env[k] if id(env[k]) in persistent else env[k].clone() for k in reads}
             torch.cuda.synchronize(self.device)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            # thread_local: jax's runtime threads in the same process may touch CUDA during the capture
+            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
                 cap: Env = dict(s.static_in)
                 for f in s.fns:
                     cap.update(f(cap))
