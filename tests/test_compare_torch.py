@@ -228,3 +228,49 @@ def test_step_rejects_mismatched_inputs() -> None:
         r.prepare_inputs(np.zeros(3, np.int32), [Chunk(0, 0, 4)], bt)
     with pytest.raises(ValueError, match="request rows"):
         r.prepare_inputs(np.zeros(4, np.int32), [Chunk(1, 0, 4)], bt)
+
+
+_TRITON_CHECK = r"""
+import torch
+from jds.ops.records import IndexerRecord132
+from jds.compare import torch_kernels as K
+from jds.compare.triton_kernels import paged_indexer_logits
+fmt = IndexerRecord132(16, 128)
+st = K.new_storage(fmt, 6, torch.device("cpu"))
+g = torch.Generator().manual_seed(0)
+K.write_records(st, fmt, torch.arange(96), torch.randn(96, 128, generator=g))
+bt, req = torch.tensor([[4, 1, 3], [0, 5, 2]]), torch.tensor([0, 1, 1, 0, 1])
+q, w = torch.randn(5, 4, 128, generator=g), torch.randn(5, 4, generator=g)
+got = paged_indexer_logits(q, w, st, fmt, bt, req, block_n=16)
+ref = K.indexer_logits(q, w, K.gather_request_rows(st, fmt, bt, 48), req)
+assert torch.allclose(got, ref, rtol=1e-5, atol=1e-4 * float(ref.abs().max())), (got - ref).abs().max()
+"""
+
+
+def test_triton_paged_indexer_logits_interpreted() -> None:
+    """The Triton kernel under Triton's CPU interpreter (its switch is an environment variable Triton
+    reads at import, hence the subprocess) equals the torch-op path on random FP8 pages."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
+    subprocess.run([sys.executable, "-c", _TRITON_CHECK], check=True, env=env, cwd=root, timeout=300)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_triton_indexer_matches_torch_ops() -> None:
+    """Compiled for the GPU, the Triton indexer gives the torch-op path's logits in a V3.2 stack."""
+    cfg = preset("v32-tiny", numerics=Numerics.serving())
+    model = Decoder(cfg, seed=0, implementation="xla")
+    bt = np.arange(NB, dtype=np.int32).reshape(2, -1)
+    out = {}
+    for kern in ("torch", "triton"):
+        r = TorchStepRunner(TorchDecoder.from_jds(model, NB, "cuda", indexer_kernel=kern), "eager")
+        for chunks in _steps("v32"):
+            ids = np.arange(sum(c.num_tokens for c in chunks), dtype=np.int32)
+            out[kern] = r.execute(ids, chunks, bt).cpu().numpy()
+    np.testing.assert_allclose(out["triton"], out["torch"], rtol=0, atol=1e-2 * np.abs(out["torch"]).max())

@@ -198,7 +198,8 @@ def _bench_torch(arch: str, a: argparse.Namespace, inter: int, results: dict, sa
         save()
 
     results.setdefault("torch", {})[arch] = bench_torch_arch(arch, a.layers, inter, a.ctx, a.quick,
-                                                             tuple(a.torch_modes), a.size, on_mode=save_torch)
+                                                             tuple(a.torch_modes), a.size, on_mode=save_torch,
+                                                             indexer_kernel=a.torch_indexer)
     save()
 
 
@@ -230,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="jax = jds (default); torch = the PyTorch comparator (jds/compare) in the same run")
     ap.add_argument("--torch-modes", nargs="+", default=["eager", "wide", "narrow", "full"],
                     choices=("eager", "wide", "narrow", "full"))
+    ap.add_argument("--torch-indexer", default="torch", choices=("torch", "triton"),
+                    help="the comparator's indexer logits: torch ops, or the Triton paged FP8 kernel")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if "torch" in a.backend:  # torch shares the GPU: jax must not preallocate most of its memory

@@ -41,7 +41,7 @@ def time_torch_steps(runner: Any, chunks: list, bt: np.ndarray, n_warm: int, n: 
 
 def bench_torch_arch(arch: str, layers: int, inter: int | None, ctx: int, quick: bool,
                      modes: tuple[str, ...] = TORCH_MODES, size: str = "bench", device: str | None = None,
-                     on_mode: Callable[[dict], None] | None = None) -> dict:
+                     on_mode: Callable[[dict], None] | None = None, indexer_kernel: str = "torch") -> dict:
     """Every step shape of jds.bench.boundary in each torch mode; ``launches_per_step``: aten ops run
     outside graphs in one step (kernel-launching ops; view/metadata ops separately)."""
     import torch
@@ -59,12 +59,13 @@ def bench_torch_arch(arch: str, layers: int, inter: int | None, ctx: int, quick:
     nb = 64 * max_blocks + 8
     bt = (np.arange(64 * max_blocks, dtype=np.int32).reshape(64, -1) % nb)
     out: dict = {"arch": arch, "layers": layers, "device": str(dev), "torch": torch.__version__,
+                 "indexer_kernel": indexer_kernel,
                  "config": str(cfg), "modes": {}}
     n_ttft, n_dec, n_tp = (30, 30, 5) if quick else (300, 100, 20)
     shapes = step_shapes(ctx)
     for mode in modes:
         t0 = time.perf_counter()
-        r = TorchStepRunner(TorchDecoder(cfg, params, nb, dev), mode)
+        r = TorchStepRunner(TorchDecoder(cfg, params, nb, dev, indexer_kernel), mode)
         res: dict = {}
         res["ttft_128"] = time_torch_steps(r, shapes["ttft_128"], bt, 20, n_ttft)
         res["launches_per_step"] = {"ttft_128": r.count_step(r.prepare_inputs(

@@ -118,7 +118,11 @@ def host_step(ids: np.ndarray, chunks: Sequence[Any], block_tables: np.ndarray, 
 class _Layer:
     """Shared FFN and residual halves; subclasses add the attention stages."""
 
-    def __init__(self, cfg: Any, p: dict[str, torch.Tensor], prefix: str, device: torch.device):
+    def __init__(self, cfg: Any, p: dict[str, torch.Tensor], prefix: str, device: torch.device,
+                 indexer_kernel: str = "torch"):
+        if indexer_kernel not in ("torch", "triton"):
+            raise ValueError(f"indexer_kernel must be 'torch' or 'triton', got {indexer_kernel!r}")
+        self.indexer_kernel = indexer_kernel
         if cfg.numerics.fp8_linear:
             raise ValueError("numerics.fp8_linear=True is not supported by the torch comparator "
                              "(use Numerics.serving() or bf16())")
@@ -132,6 +136,16 @@ class _Layer:
             from jds.ops.hadamard import hadamard_matrix  # the constant matrix (numpy), not jds's op
 
             self.h_mat = torch.from_numpy(hadamard_matrix(cfg.attn.index_head_dim).copy()).to(device)
+
+    def indexer_logits(self, e: Env, b: Env, storage: torch.Tensor, fmt: Any, max_entries: int) -> torch.Tensor:
+        """[T, max_entries] indexer logits: the Triton paged kernel (reads the FP8 pages in place) or the
+        torch-op gather + GEMMs."""
+        if self.indexer_kernel == "triton" and type(fmt).__name__ == "IndexerRecord132":
+            from jds.compare.triton_kernels import paged_indexer_logits
+
+            return paged_indexer_logits(e["index_q"], e["index_w"], storage, fmt, b["block_tables"], b["req_idx"])
+        keys = K.gather_request_rows(storage, fmt, b["block_tables"], max_entries)
+        return K.indexer_logits(e["index_q"], e["index_w"], keys, b["req_idx"])
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         w = self.w
@@ -177,8 +191,9 @@ class _Layer:
 class V32Layer(_Layer):
     """V3.2: MLA (absorbed) + lightning indexer over 656 / 132-byte (or float) caches."""
 
-    def __init__(self, cfg: Any, p: dict[str, torch.Tensor], i: int, num_blocks: int, device: torch.device):
-        super().__init__(cfg, p, f"layers.{i}.", device)
+    def __init__(self, cfg: Any, p: dict[str, torch.Tensor], i: int, num_blocks: int, device: torch.device,
+                 indexer_kernel: str = "torch"):
+        super().__init__(cfg, p, f"layers.{i}.", device, indexer_kernel)
         from jds.ops.rope import cached_inv_freqs  # host-side constant table (numpy)
 
         a = cfg.attn
@@ -229,9 +244,8 @@ class V32Layer(_Layer):
 
     def select(self, e: Env, b: Env) -> torch.Tensor:
         a = self.cfg.attn
-        bt = b["block_tables"]
-        keys = K.gather_request_rows(self.index_cache, self.index_fmt, bt, bt.shape[1] * a.block_size)
-        scores = K.indexer_logits(e["index_q"], e["index_w"], keys, b["req_idx"])
+        n = b["block_tables"].shape[1] * a.block_size
+        scores = self.indexer_logits(e, b, self.index_cache, self.index_fmt, n)
         return K.topk_visible(scores, b["positions"] + 1, a.index_topk)
 
     def attend(self, e: Env, topk: torch.Tensor, b: Env) -> torch.Tensor:
@@ -251,8 +265,9 @@ class V32Layer(_Layer):
 class V4Layer(_Layer):
     """V4: window + compressed KV (C4 with indexer, C128), attention sink, grouped output projection."""
 
-    def __init__(self, cfg: Any, p: dict[str, torch.Tensor], i: int, num_blocks: int, device: torch.device):
-        super().__init__(cfg, p, f"layers.{i}.", device)
+    def __init__(self, cfg: Any, p: dict[str, torch.Tensor], i: int, num_blocks: int, device: torch.device,
+                 indexer_kernel: str = "torch"):
+        super().__init__(cfg, p, f"layers.{i}.", device, indexer_kernel)
         from jds.ops import compressor as comp
         from jds.ops.rope import cached_inv_freqs
 
@@ -329,9 +344,7 @@ class V4Layer(_Layer):
         t = b["positions"].shape[0]
         if self.ratio != 4:
             return torch.zeros((t, 0), dtype=torch.int32, device=b["positions"].device)
-        keys = K.gather_request_rows(self.store["index_k"], self.fmts["index_k"], b["block_tables"],
-                                     self._max_entries(b))
-        scores = K.indexer_logits(e["index_q"], e["index_w"], keys, b["req_idx"])
+        scores = self.indexer_logits(e, b, self.store["index_k"], self.fmts["index_k"], self._max_entries(b))
         return K.topk_visible(scores, torch.div(b["positions"] + 1, 4, rounding_mode="floor"), self.cfg.attn.index_topk)
 
     def attend(self, e: Env, topk: torch.Tensor, b: Env) -> torch.Tensor:
@@ -418,17 +431,20 @@ class TorchDecoder:
     paged caches of ``num_blocks`` pages per cache."""
 
     def __init__(self, cfg: Any, params: dict[str, torch.Tensor], num_blocks: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", indexer_kernel: str = "torch"):
+        """``indexer_kernel``: "torch" (torch ops) or "triton" (jds.compare.triton_kernels, FP8 caches)."""
         self.cfg, self.device, self.num_blocks = cfg, torch.device(device), num_blocks
         self.params = {k: v.to(self.device) for k, v in params.items()}
         layer = V32Layer if cfg.arch == "v32" else V4Layer
-        self.layers = [layer(cfg, self.params, i, num_blocks, self.device) for i in range(cfg.n_layers)]
+        self.layers = [layer(cfg, self.params, i, num_blocks, self.device, indexer_kernel)
+                       for i in range(cfg.n_layers)]
         self.eps = cfg.attn.rms_norm_eps
         self.dt = K.torch_dtype(cfg.numerics.dtype)
 
     @classmethod
-    def from_jds(cls, model: Any, num_blocks: int, device: torch.device | str = "cpu") -> "TorchDecoder":
-        return cls(model.cfg, params_to_torch(model, device), num_blocks, device)
+    def from_jds(cls, model: Any, num_blocks: int, device: torch.device | str = "cpu",
+                 indexer_kernel: str = "torch") -> "TorchDecoder":
+        return cls(model.cfg, params_to_torch(model, device), num_blocks, device, indexer_kernel)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.params["embed.weight"][tokens]
