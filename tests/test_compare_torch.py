@@ -274,3 +274,24 @@ def test_gpu_triton_indexer_matches_torch_ops() -> None:
             ids = np.arange(sum(c.num_tokens for c in chunks), dtype=np.int32)
             out[kern] = r.execute(ids, chunks, bt).cpu().numpy()
     np.testing.assert_allclose(out["triton"], out["torch"], rtol=0, atol=1e-2 * np.abs(out["torch"]).max())
+
+
+@pytest.mark.slow  # a whole (tiny) bench run of both sides: minutes on the CPU
+def test_bench_boundary_both_backends_one_table(tmp_path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "both.json"
+    p = subprocess.run([sys.executable, "-m", "jds.bench.boundary", "--backend", "jax", "torch", "--arch", "v32",
+                        "--size", "tiny", "--layers", "1", "--intermediate", "64", "--ctx", "128", "--quick",
+                        "--modes", "fused", "--torch-modes", "narrow", "full", "--out", str(out)],
+                       check=True, cwd=root, env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True,
+                       timeout=1200)
+    assert "fused/full" in p.stdout and "best/best" in p.stdout
+    res = json.loads(out.read_text())
+    assert res["meta"]["complete"] and set(res["torch"]["v32"]["modes"]) == {"narrow", "full"}
+    assert res["torch"]["v32"]["modes"]["full"]["launches_per_step"]["ttft_128"]["launches"] == 0
+    assert res["comparison"]["v32"]["ttft_128:fused/full"] > 0
