@@ -315,7 +315,8 @@ class _FakeGraph:
             v.copy_(cap[k])
 
 
-@pytest.mark.parametrize("arch,mode", [("v32", "wide"), ("v32", "narrow"), ("v4", "narrow"), ("v32", "full")])
+@pytest.mark.parametrize("arch,mode", [("v32", "wide"), ("v4", "narrow"), pytest.param("v32", "narrow", marks=pytest.mark.slow),
+                                       pytest.param("v32", "full", marks=pytest.mark.slow)])
 def test_capture_bookkeeping_with_fake_graphs(arch: str, mode: str, monkeypatch) -> None:
     """The capture/replay path (static inputs copied in, re-produced keys such as the residual taken from
     the static outputs, eager regions in between), run on the CPU with fake graphs: equal to eager."""
