@@ -353,3 +353,11 @@ def test_capture_bookkeeping_with_fake_graphs(arch: str, mode: str, monkeypatch)
             fake.prepare_inputs(ids, chunks, bt)
             got = fake.step(key).clone()
         np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+def test_comparison_table_torch_only_reports_narrow_over_wide() -> None:
+    from jds.compare.torch_bench import comparison_table
+
+    tm = {"modes": {"wide": {"ttft_128": {"mean_ms": 10.0}}, "narrow": {"ttft_128": {"mean_ms": 4.6}}}}
+    text, ratios = comparison_table(None, tm, 64)
+    assert abs(ratios["ttft_128:torch_narrow/torch_wide"] - 0.46) < 1e-12 and "torch_narrow/torch_wide" in text

@@ -122,10 +122,14 @@ def comparison_table(jax_res: dict | None, torch_res: dict | None, ctx: int) -> 
     for m in tm:
         row.append(str(tm[m].get("launches_per_step", {}).get("ttft_128", {}).get("launches", "")))
     rows.append(row + [""] * len(ratio_cols))
+    for a, b in (("narrow", "wide"), ("full", "wide")):  # the upstream check: torch narrow/wide TTFT 0.40-0.60
+        if a in tm and b in tm and tm[a].get("ttft_128") and tm[b].get("ttft_128"):
+            ratios[f"ttft_128:torch_{a}/torch_{b}"] = tm[a]["ttft_128"]["mean_ms"] / tm[b]["ttft_128"]["mean_ms"]
     widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
     text = "\n".join("  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
                      for r in [head] + rows)
-    return text, ratios
+    extra = [f"{k}: {v:.3f}" for k, v in ratios.items() if ":torch_" in k]
+    return text + ("\n" + "  ".join(extra) if extra else ""), ratios
 
 
 def _f(v: float | None, digits: int = 2) -> str:
