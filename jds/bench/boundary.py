@@ -3,6 +3,7 @@ a V3.2 and a V4-Flash-pattern stack at real head dims, in the wide / narrow / fu
 
     python -m jds.bench.boundary --arch v32 v4 --layers 8 --out benchmarks/results/boundary_<arch>_<device>_<date>.json
     python -m jds.bench.boundary --dump /tmp/xla_dump --out dump.json   # thunk/launch counts only
+    python -m jds.bench.boundary --backend jax torch --arch v32 --out both.json   # jds beside PyTorch, one table
 
 TTFT here is the model-step part of TTFT: host input preparation + dispatch + device time + logits
 back to the host, for one 128-token prompt at concurrency 1 (no HTTP, no tokenizer).
@@ -189,6 +190,20 @@ def dump_counts(dump_dir: str, arch: str, layers: int, implementation: str = "au
     return result
 
 
+def _bench_torch(arch: str, a: argparse.Namespace, inter: int, results: dict, save: Callable) -> None:
+    """The PyTorch comparator on the same stack and step shapes (``--backend ... torch``)."""
+    from jds.compare.torch_bench import bench_torch_arch
+
+    def save_torch(partial: dict) -> None:
+        results.setdefault("torch", {})[arch] = partial
+        save()
+
+    results.setdefault("torch", {})[arch] = bench_torch_arch(arch, a.layers, inter, a.ctx, a.quick,
+                                                             tuple(a.torch_modes), a.size, on_mode=save_torch,
+                                                             indexer_kernel=a.torch_indexer)
+    save()
+
+
 def main(argv: list[str] | None = None) -> None:
     from jds.bench.cli import GRAPH_UPDATE_MODES, use_graph_update_mode  # no backend touched yet
 
@@ -213,8 +228,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile-cache", default=None,
                     help="persistent compilation cache directory (default with --precompile: a new temp dir)")
     ap.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--backend", nargs="+", default=["jax"], choices=("jax", "torch"),
+                    help="jax = jds (default); torch = the PyTorch comparator (jds/compare) in the same run")
+    ap.add_argument("--torch-modes", nargs="+", default=["eager", "wide", "narrow", "full"],
+                    choices=("eager", "wide", "narrow", "full"))
+    ap.add_argument("--torch-indexer", default="torch", choices=("torch", "triton"),
+                    help="the comparator's indexer logits: torch ops, or the Triton paged FP8 kernel")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
+    if "torch" in a.backend:  # torch shares the GPU: jax must not preallocate most of its memory
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     if a.graph_update_mode:  # into XLA_FLAGS, which the precompile processes inherit
         use_graph_update_mode(a.graph_update_mode)
     cache_dir = a.compile_cache
@@ -252,15 +275,28 @@ def main(argv: list[str] | None = None) -> None:
                 results["archs"][arch] = partial
             write_json(a.out, results)
 
-        if a.dump:
+        if "jax" not in a.backend:
+            pass
+        elif a.dump:
             results["archs"][arch] = dump_counts(a.dump, arch, min(a.layers, 4), a.implementation, a.stable_inputs)
         else:
             results["archs"][arch] = bench_arch(arch, a.layers, inter, a.ctx, a.quick, tuple(a.modes), a.warm_only,
                                                  a.size, on_mode=save, implementation=a.implementation,
                                                  stable_inputs=a.stable_inputs)
         save()
+        if "torch" in a.backend and not a.dump and not a.warm_only:
+            _bench_torch(arch, a, inter, results, save)
     meta["complete"] = True
     write_json(a.out, results)
+    if "torch" in a.backend and not a.dump and not a.warm_only:
+        from jds.compare.torch_bench import comparison_table
+
+        for arch in a.arch:
+            text, ratios = comparison_table(results["archs"].get(arch), results["torch"].get(arch), a.ctx)
+            results.setdefault("comparison", {})[arch] = ratios
+            print(f"\n== {arch}: jds (jax) vs PyTorch, {a.layers} layers, ctx {a.ctx} ==\n{text}", flush=True)
+        write_json(a.out, results)
+        return
     print(json.dumps(results if a.dump else {k: v.get("ratios") for k, v in results["archs"].items()}, indent=1))
 
 

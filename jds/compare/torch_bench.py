@@ -1,0 +1,136 @@
+"""The torch side of ``python -m jds.bench.boundary --backend jax torch``: the same stacks (same preset, seed
+and weights as jds's ``build_stack``), the same step shapes, timed the same way (host inputs -> logits on
+the host), in the four torch boundary modes; and the one comparison table of both sides."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from jds.compare import TORCH_MODES
+
+# jds mode -> the torch mode it is compared with
+PAIRS = {"wide": "wide", "narrow": "narrow", "fused": "full"}
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    from jds.bench.stats import summarize
+
+    s = summarize(xs)
+    return {"n": s.pop("n"), **{f"{k}_ms": v for k, v in s.items()}}
+
+
+def time_torch_steps(runner: Any, chunks: list, bt: np.ndarray, n_warm: int, n: int) -> dict:
+    """Wall time per step: host inputs -> logits on the host (the first warm step captures the graphs)."""
+    import torch
+
+    ids = np.random.default_rng(0).integers(0, 256, sum(c.num_tokens for c in chunks)).astype(np.int32)
+    walls = []
+    for i in range(n_warm + n):
+        t0 = time.perf_counter()
+        logits = runner.step(runner.prepare_inputs(ids, chunks, bt))
+        logits.cpu()
+        if i >= n_warm:
+            walls.append(time.perf_counter() - t0)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    return _stats(walls) if walls else {}
+
+
+def bench_torch_arch(arch: str, layers: int, inter: int | None, ctx: int, quick: bool,
+                     modes: tuple[str, ...] = TORCH_MODES, size: str = "bench", device: str | None = None,
+                     on_mode: Callable[[dict], None] | None = None, indexer_kernel: str = "torch") -> dict:
+    """Every step shape of jds.bench.boundary in each torch mode; ``launches_per_step``: aten ops run
+    outside graphs in one step (kernel-launching ops; view/metadata ops separately)."""
+    import torch
+
+    from jds.bench.stack import build_stack, step_shapes
+    from jds.compare.torch_stack import TorchDecoder, TorchStepRunner, params_to_torch
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = build_stack(arch, layers, intermediate=inter, size=size, implementation="xla")
+    cfg = model.cfg
+    params = params_to_torch(model, dev)
+    del model
+    bs = cfg.block_size
+    max_blocks = -(-(ctx + bs) // bs)
+    nb = 64 * max_blocks + 8
+    bt = (np.arange(64 * max_blocks, dtype=np.int32).reshape(64, -1) % nb)
+    out: dict = {"arch": arch, "layers": layers, "device": str(dev), "torch": torch.__version__,
+                 "indexer_kernel": indexer_kernel,
+                 "config": str(cfg), "modes": {}}
+    n_ttft, n_dec, n_tp = (30, 30, 5) if quick else (300, 100, 20)
+    shapes = step_shapes(ctx)
+    for mode in modes:
+        t0 = time.perf_counter()
+        r = TorchStepRunner(TorchDecoder(cfg, params, nb, dev, indexer_kernel), mode)
+        res: dict = {}
+        res["ttft_128"] = time_torch_steps(r, shapes["ttft_128"], bt, 20, n_ttft)
+        res["launches_per_step"] = {"ttft_128": r.count_step(r.prepare_inputs(
+            np.zeros(128, np.int32), shapes["ttft_128"], bt))}
+        res["prefill_64x128_step"] = time_torch_steps(r, shapes["prefill_64x128_step"], bt, 3, n_tp)
+        res["throughput_req_per_s"] = 64e3 / res["prefill_64x128_step"]["mean_ms"]
+        for b in (1, 64):
+            name = f"decode_b{b}_ctx{ctx}"
+            res[name] = time_torch_steps(r, shapes[name], bt, 10, n_dec)
+        res["launches_per_step"][f"decode_b64_ctx{ctx}"] = r.count_step(r.prepare_inputs(
+            np.zeros(64, np.int32), shapes[f"decode_b64_ctx{ctx}"], bt))
+        res["bench_seconds"] = time.perf_counter() - t0
+        out["modes"][mode] = res
+        if on_mode:
+            on_mode(out)
+        del r
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def comparison_table(jax_res: dict | None, torch_res: dict | None, ctx: int) -> tuple[str, dict]:
+    """One text table per arch (metric rows; jax modes, torch modes, jds/torch per paired mode and best vs
+    best) and the ratios as a dict. ``launches`` rows: jds's out-of-executable dispatches per step (eager
+    executables; the kernel launches inside them are in the --dump counts) and torch's aten ops outside
+    graphs."""
+    metrics = ["ttft_128", "prefill_64x128_step", f"decode_b1_ctx{ctx}", f"decode_b64_ctx{ctx}"]
+    jm = (jax_res or {}).get("modes", {})
+    tm = (torch_res or {}).get("modes", {})
+    cols = [f"jax:{m}" for m in jm] + [f"torch:{m}" for m in tm]
+    ratio_cols = [f"{j}/{t}" for j, t in PAIRS.items() if j in jm and t in tm] + (["best/best"] if jm and tm else [])
+    head = ["metric (ms)"] + cols + ratio_cols
+    rows, ratios = [], {}
+    for k in metrics:
+        jv = {m: jm[m].get(k, {}).get("mean_ms") for m in jm}
+        tv = {m: tm[m].get(k, {}).get("mean_ms") for m in tm}
+        row = [k] + [_f(jv[m]) for m in jm] + [_f(tv[m]) for m in tm]
+        for j, t in PAIRS.items():
+            if j in jm and t in tm:
+                q = jv[j] / tv[t] if jv[j] and tv[t] else None
+                ratios[f"{k}:{j}/{t}"] = q
+                row.append(_f(q, 3))
+        if jm and tm:
+            jb = min((v for v in jv.values() if v), default=None)
+            tb = min((v for v in tv.values() if v), default=None)
+            q = jb / tb if jb and tb else None
+            ratios[f"{k}:best/best"] = q
+            row.append(_f(q, 3))
+        rows.append(row)
+    row = ["launches/step (ttft)"]
+    for m in jm:
+        d = jm[m].get("dispatches_per_step", {})
+        row.append(str(d.get("eager", "")))
+    for m in tm:
+        row.append(str(tm[m].get("launches_per_step", {}).get("ttft_128", {}).get("launches", "")))
+    rows.append(row + [""] * len(ratio_cols))
+    for a, b in (("narrow", "wide"), ("full", "wide")):  # the upstream check: torch narrow/wide TTFT 0.40-0.60
+        if a in tm and b in tm and tm[a].get("ttft_128") and tm[b].get("ttft_128"):
+            ratios[f"ttft_128:torch_{a}/torch_{b}"] = tm[a]["ttft_128"]["mean_ms"] / tm[b]["ttft_128"]["mean_ms"]
+    widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
+    text = "\n".join("  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in [head] + rows)
+    extra = [f"{k}: {v:.3f}" for k, v in ratios.items() if ":torch_" in k]
+    return text + ("\n" + "  ".join(extra) if extra else ""), ratios
+
+
+def _f(v: float | None, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
