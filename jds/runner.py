@@ -28,6 +28,7 @@ from flax import nnx
 from jds.batch import Chunk, PagedBatch, make_batch, pack_step, replace as replace_batch, step_buffer_len, unpack_step
 from jds.config import INPUT_PREPS, RUNNER_MODES, ModelConfig, RunnerConfig, load_model_config, replace  # noqa: F401
 from jds.model import Decoder
+from jds import sharding
 from jds.sampling import greedy_tokens, sample_tokens, split_seeds
 
 if TYPE_CHECKING:
@@ -163,7 +164,7 @@ class BoundaryRunner:
                                          _buckets(min(16, self.max_num_tokens), self.max_num_tokens))
         self.key_block_buckets = _bucket_set("key_block_buckets", self.key_block_buckets, self.max_blocks,
                                              _buckets(min(4, self.max_blocks), self.max_blocks))
-        self.caches = self.model.init_caches(self.num_blocks)
+        self._place_on_mesh()
         # Parameters are flattened to plain leaf lists once: jit's C++ path flattens a list of arrays in
         # microseconds, while an nnx.State pytree costs milliseconds of Python per call.
         self._embed = _split_flat(self.model.embed)
@@ -187,6 +188,35 @@ class BoundaryRunner:
         self._bt_state = jnp.zeros((self.max_num_seqs, self.max_blocks), jnp.int32)
         self._no_prev: jax.Array | None = None
         self._carry: dict[tuple[int, int], tuple] = {}  # segment-boundary buffers per (tokens, key blocks)
+
+    # ----- placement on the device mesh -----------------------------------------------------------
+    def _place_on_mesh(self) -> None:
+        """Build the caches, and with a parallel config (jds.sharding) the mesh, then move the model's
+        parameters onto it in place (one copy of the weights, split by the partition rules) and create the
+        page pools directly in their sharded layout (no whole-pool copy on one device)."""
+        self.mesh = None
+        self._cache_sh = self._rows_sh = None
+        if not sharding.uses_mesh(self.config):
+            self.caches = self.model.init_caches(self.num_blocks)
+            return
+        sharding.check_divisible(self.model.cfg, self.config, self.token_buckets)
+        self.mesh = sharding.make_mesh(self.config)
+        self._cache_sh, self._rows_sh = sharding.cache_sharding(self.mesh), sharding.rows_sharding(self.mesh)
+        state = nnx.state(self.model)
+        nnx.update(self.model, jax.device_put(state, sharding.param_shardings(state, self.model.cfg, self.mesh)))
+        model, n = self.model, self.num_blocks
+        self.caches = jax.jit(lambda: model.init_caches(n), out_shardings=self._cache_sh)()
+
+    def _pin_caches(self, caches: Any) -> Any:
+        """Inside an executable: keep the returned caches in their placed layout, so a donated pool is
+        written in place and the next call sees the shardings it was compiled for."""
+        if self._cache_sh is None:
+            return caches
+        return jax.tree.map(lambda c: lax.with_sharding_constraint(c, self._cache_sh), caches)
+
+    def _pin_rows(self, x: jax.Array) -> jax.Array:
+        """Inside an executable: token rows split over the mesh's ``data`` axis (dense compute data parallel)."""
+        return x if self._rows_sh is None else lax.with_sharding_constraint(x, self._rows_sh)
 
     # ----- executables ------------------------------------------------------------------------------
     def _jit(self, key: Any, fn: Callable, *, eager: bool, donate: tuple[int, ...] = (),
@@ -214,8 +244,9 @@ class BoundaryRunner:
         narrow = self.mode == "narrow"
 
         def first(est, lst, tokens, batch, cache):
-            h = _merge(egd, est)(tokens)
-            return (h,) + _producers(_merge(lgd, lst), h, batch, cache, narrow)
+            h = _merge(egd, est)(self._pin_rows(tokens))
+            x, cache = _producers(_merge(lgd, lst), h, batch, cache, narrow)
+            return h, x, self._pin_caches(cache)
 
         return self._jit(("first", kind), first, eager=False, donate=(4,))
 
@@ -224,8 +255,9 @@ class BoundaryRunner:
         narrow = self.mode == "narrow"
 
         def mid(pst, nst, h, o, batch, cache):
-            h = _merge(pgd, pst).post_attention(h, o)
-            return (h,) + _producers(_merge(ngd, nst), h, batch, cache, narrow)
+            h = self._pin_rows(_merge(pgd, pst).post_attention(h, o))
+            x, cache = _producers(_merge(ngd, nst), h, batch, cache, narrow)
+            return h, x, self._pin_caches(cache)
 
         return self._jit(("mid", prev, nxt), mid, eager=False, donate=(5,))
 
@@ -253,7 +285,7 @@ class BoundaryRunner:
             attn = _merge(gd, st).attn
             query, cache = attn.prepare(inp, batch, cache)
             topk = attn.select(query, batch, cache)
-            return attn.attend(query, topk, batch, cache), cache
+            return attn.attend(query, topk, batch, cache), self._pin_caches(cache)
 
         return self._jit(("eager", kind), prepare_and_consume, eager=True, donate=(3,))
 
@@ -261,7 +293,8 @@ class BoundaryRunner:
         gd = self._whole[0]
 
         def full(st, tokens, batch, caches, logits_indices):
-            return _merge(gd, st)(tokens, batch, caches, logits_indices)
+            logits, caches = _merge(gd, st)(self._pin_rows(tokens), batch, caches, logits_indices)
+            return logits, self._pin_caches(caches)
 
         return self._jit(("fused",), full, eager=False, donate=(3,))
 
@@ -277,8 +310,9 @@ class BoundaryRunner:
 
         def first(est, lst, packed, prev, bt_state, cache):
             tokens, batch, li, small, bt = self._unpack(packed, bt_state, kb, prev)
-            h = _merge(egd, est)(tokens)
-            return (h,) + _producers(_merge(lgd, lst), h, batch, cache, narrow) + (bt, batch, small, li)
+            h = _merge(egd, est)(self._pin_rows(tokens))
+            x, cache = _producers(_merge(lgd, lst), h, batch, cache, narrow)
+            return (h, x, self._pin_caches(cache), bt, batch, small, li)
 
         return self._jit(("first_dev", kind, kb), first, eager=False, donate=(4, 5))
 
@@ -287,8 +321,8 @@ class BoundaryRunner:
 
         def full(st, packed, prev, bt_state, caches):
             tokens, _, li, small, bt = self._unpack(packed, bt_state, kb, prev)
-            logits, caches = _merge(gd, st)(tokens, small, caches, li)
-            return logits, caches, bt
+            logits, caches = _merge(gd, st)(self._pin_rows(tokens), small, caches, li)
+            return logits, self._pin_caches(caches), bt
 
         return self._jit(("fused_dev", kb), full, eager=False, donate=(3, 4))
 
@@ -318,15 +352,15 @@ class BoundaryRunner:
             out = []
             for gd, st, cache in zip(gds, sts, caches):
                 h, cache = _merge(gd, st)(h, small, cache)
-                out.append(cache)
-            return h, out
+                out.append(self._pin_caches(cache))
+            return self._pin_rows(h), out
 
         key = ("segment", k, kb, self.segments)
         if first:
             def seg(est, sts, packed, prev, state):
                 _, bt_state, caches = state  # the carry's old values are overwritten
                 tokens, _, li, small, bt = self._unpack(packed, bt_state, kb, prev)
-                h, caches = layers(sts, _merge(egd, est)(tokens), small, caches)
+                h, caches = layers(sts, _merge(egd, est)(self._pin_rows(tokens)), small, caches)
                 return (h, small, li), bt, caches
             # keep_unused: the carry's old values are not read, but its buffers must stay arguments so that
             # XLA aliases the outputs to them
