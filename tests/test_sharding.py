@@ -16,9 +16,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 from jds import sharding
 from jds.config import Numerics, RunnerConfig, preset, replace
@@ -52,6 +53,11 @@ def _rollout(arch: str, moe: bool, mode: str, settings: dict) -> tuple[list, lis
         shardings = {str(leaf.sharding.spec) for leaf in runner._whole[1]}
         assert len(shardings) > 1 or settings.get("data_parallel", 1) > 1, shardings
     logits, toks = greedy_rollout(runner, prompts, steps=2, block_tables=bt)
+    if runner.mesh is not None:  # the pools stay in their layout step after step (pinned in the executables)
+        want = P("data") if settings.get("data_parallel", 1) > 1 else P()
+        for leaf in jax.tree.leaves(runner.caches):
+            assert leaf.sharding.mesh.shape == runner.mesh.shape and leaf.sharding.is_equivalent_to(
+                NamedSharding(runner.mesh, want), leaf.ndim), (leaf.sharding, want)
     return logits, toks
 
 
@@ -185,3 +191,24 @@ def test_one_device_config_builds_no_mesh() -> None:
                        max_num_seqs=2, max_num_tokens=16, max_model_len=64))
     assert r.mesh is None
     assert replace(r.config, tensor_parallel=1).tensor_parallel == 1
+
+
+@pytest.mark.slow
+def test_sharded_server_answers(tmp_path, monkeypatch) -> None:
+    """``serve.py --tensor-parallel-size 2 --data-parallel-size 2`` on 4 virtual CPU devices serves a request."""
+    import httpx
+
+    from tests.test_serve_model_dir import _start, _stop
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    argv = ["--preset", "v32-tiny", "--mode", "fused", "--tensor-parallel-size", "2", "--data-parallel-size", "2",
+            "--num-blocks", "16", "--max-num-seqs", "2", "--max-num-tokens", "64", "--max-model-len", "128"]
+    proc, base = _start(argv, tmp_path / "serve.log")
+    try:
+        body = {"model": "jds-v32-tiny", "prompt": "hello there", "max_tokens": 4, "temperature": 0,
+                "ignore_eos": True}
+        r = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        _stop(proc)
