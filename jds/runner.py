@@ -186,6 +186,8 @@ class BoundaryRunner:
         self.update_capacity = self.update_capacity or 4 * self.max_num_seqs + 64
         self._bt_host = np.zeros((self.max_num_seqs, self.max_blocks), np.int32)
         self._bt_state = jnp.zeros((self.max_num_seqs, self.max_blocks), jnp.int32)
+        if self.mesh is not None:
+            self._bt_state = jax.device_put(self._bt_state, sharding.replicated(self.mesh))
         self._no_prev: jax.Array | None = None
         self._carry: dict[tuple[int, int], tuple] = {}  # segment-boundary buffers per (tokens, key blocks)
 
@@ -205,7 +207,9 @@ class BoundaryRunner:
         state = nnx.state(self.model)
         nnx.update(self.model, jax.device_put(state, sharding.param_shardings(state, self.model.cfg, self.mesh)))
         model, n = self.model, self.num_blocks
-        self.caches = jax.jit(lambda: model.init_caches(n), out_shardings=self._cache_sh)()
+        # made by an executable that pins its outputs as the steps do, so the first step sees the layout of
+        # the later ones (XLA picks its own for the empty pools of V4 layer kinds whatever the constraint)
+        self.caches = jax.jit(lambda: self._pin_caches(model.init_caches(n)))()
 
     def _pin_caches(self, caches: Any) -> Any:
         """Inside an executable: keep the returned caches in their placed layout, so a donated pool is
@@ -302,6 +306,8 @@ class BoundaryRunner:
         tokens, batch, li, bt = unpack_step(packed, bt_state, num_rows=self.max_num_seqs,
                                             update_capacity=self.update_capacity, block_size=self.block_size,
                                             prev_tokens=prev)
+        if self.mesh is not None:  # the device's block tables stay whole on every device, step after step
+            bt = lax.with_sharding_constraint(bt, sharding.replicated(self.mesh))
         return tokens, batch, li, replace_batch(batch, block_tables=bt[:, :kb]), bt
 
     def _first_dev(self, kind: str, kb: int) -> Callable:

@@ -43,14 +43,23 @@ def uses_mesh(config: RunnerConfig) -> bool:
 
 
 def make_mesh(config: RunnerConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The first ``data x tensor x expert`` local devices as a mesh (``devices`` default: this process's)."""
+    """The first ``data x tensor x expert`` local devices as a mesh (``devices`` default: this process's).
+
+    Only the axes of size > 1 are in the mesh (the rules drop the others): XLA may otherwise name a size-1
+    axis in the sharding it reports for a replicated output (``P('tensor', None)``), which differs from the
+    input's ``P()`` in jit's cache key and compiles the step a second time."""
     devices = list(jax.local_devices() if devices is None else devices)
     shape = mesh_shape(config)
     n = int(np.prod(shape))
     if n > len(devices):
         raise ValueError(f"data_parallel x tensor_parallel x expert_parallel = {' x '.join(map(str, shape))} = {n} "
                          f"devices, but only {len(devices)} are available")
-    return Mesh(np.array(devices[:n], dtype=object).reshape(shape), AXES)
+    axes = tuple(a for a, k in zip(AXES, shape) if k > 1)
+    return Mesh(np.array(devices[:n], dtype=object).reshape([k for k in shape if k > 1]), axes)
+
+
+def _size(mesh: Any, axis: str) -> int:
+    return dict(mesh.shape).get(axis, 1)
 
 
 def check_divisible(model: ModelConfig, config: RunnerConfig, token_buckets: Sequence[int] = ()) -> None:
@@ -112,7 +121,7 @@ def param_spec(path: str, shape: tuple[int, ...], model: ModelConfig, mesh: Mesh
         if re.search(pattern, key):
             spec = s
             break
-    tp = mesh.shape["tensor"]
+    tp = _size(mesh, "tensor")
     if spec == "groups_rows" or spec == "groups_cols":
         groups = getattr(model.attn, "o_groups", 1)
         spec = P() if groups % tp else (_TENSOR_ROWS if spec == "groups_rows" else _TENSOR_COLS)
@@ -122,11 +131,12 @@ def param_spec(path: str, shape: tuple[int, ...], model: ModelConfig, mesh: Mesh
 
 
 def _fit(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
-    """``spec`` trimmed to the leaf's rank, with each split that does not divide its dimension dropped."""
+    """``spec`` trimmed to the leaf's rank, with each split over an axis of size 1 (absent from the mesh) or
+    that does not divide its dimension dropped."""
     parts = list(spec)[: len(shape)]
     parts += [None] * (len(shape) - len(parts))
     for i, ax in enumerate(parts):
-        if ax is not None and shape[i] % mesh.shape[ax]:
+        if ax is not None and (_size(mesh, ax) == 1 or shape[i] % _size(mesh, ax)):
             parts[i] = None
     return P(*parts)
 
@@ -142,12 +152,12 @@ def param_shardings(state: Any, model: ModelConfig, mesh: Mesh) -> Any:
 def cache_sharding(mesh: Mesh) -> NamedSharding:
     """Every cache leaf is a page pool [num_blocks, page_elems]: pages split over ``data``, whole on each
     tensor / expert rank."""
-    return NamedSharding(mesh, P("data", None))
+    return NamedSharding(mesh, P("data" if _size(mesh, "data") > 1 else None, None))
 
 
 def rows_sharding(mesh: Mesh) -> NamedSharding:
     """Token rows [T, ...] split over ``data``; the trailing dimensions whole."""
-    return NamedSharding(mesh, P("data"))
+    return NamedSharding(mesh, P("data" if _size(mesh, "data") > 1 else None))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
