@@ -218,6 +218,13 @@ class BoundaryRunner:
             return caches
         return jax.tree.map(lambda c: lax.with_sharding_constraint(c, self._cache_sh), caches)
 
+    def _pin_whole(self, tree: Any) -> Any:
+        """Inside an executable: replicated (step metadata that every device reads whole)."""
+        if self.mesh is None:
+            return tree
+        rep = sharding.replicated(self.mesh)
+        return jax.tree.map(lambda x: lax.with_sharding_constraint(x, rep), tree)
+
     def _pin_rows(self, x: jax.Array) -> jax.Array:
         """Inside an executable: token rows split over the mesh's ``data`` axis (dense compute data parallel)."""
         return x if self._rows_sh is None else lax.with_sharding_constraint(x, self._rows_sh)
@@ -306,8 +313,7 @@ class BoundaryRunner:
         tokens, batch, li, bt = unpack_step(packed, bt_state, num_rows=self.max_num_seqs,
                                             update_capacity=self.update_capacity, block_size=self.block_size,
                                             prev_tokens=prev)
-        if self.mesh is not None:  # the device's block tables stay whole on every device, step after step
-            bt = lax.with_sharding_constraint(bt, sharding.replicated(self.mesh))
+        bt = self._pin_whole(bt)  # the device's block tables stay whole on every device, step after step
         return tokens, batch, li, replace_batch(batch, block_tables=bt[:, :kb]), bt
 
     def _first_dev(self, kind: str, kb: int) -> Callable:
@@ -367,7 +373,7 @@ class BoundaryRunner:
                 _, bt_state, caches = state  # the carry's old values are overwritten
                 tokens, _, li, small, bt = self._unpack(packed, bt_state, kb, prev)
                 h, caches = layers(sts, _merge(egd, est)(self._pin_rows(tokens)), small, caches)
-                return (h, small, li), bt, caches
+                return (h, self._pin_whole(small), self._pin_whole(li)), bt, caches
             # keep_unused: the carry's old values are not read, but its buffers must stay arguments so that
             # XLA aliases the outputs to them
             return self._jit(key, seg, eager=False, donate=(4,), keep_unused=True)
@@ -391,6 +397,9 @@ class BoundaryRunner:
                                slot_mapping=jnp.zeros(tb, i32), block_tables=jnp.zeros((r, kb), i32),
                                seq_lens=jnp.zeros(r, i32), query_start_loc=jnp.zeros(r + 1, i32))
             carry = (h, small, jnp.zeros(r, i32))
+            if self.mesh is not None:  # in the layout the first segment returns them in
+                rep = sharding.replicated(self.mesh)
+                carry = (jax.device_put(h, self._rows_sh), jax.device_put(small, rep), jax.device_put(carry[2], rep))
         return carry
 
     def _step_segments(self, inp: StepInputs) -> jax.Array:
@@ -483,7 +492,7 @@ class BoundaryRunner:
                 raise ValueError("block_tables references a page outside the pool")
         rows, cols = np.nonzero(bt != self._bt_host)
         if len(rows) > self.update_capacity:  # more changed than one step carries: replace the whole table
-            self._bt_state = jax.device_put(bt)
+            self._bt_state = jax.device_put(bt, None if self.mesh is None else sharding.replicated(self.mesh))
             self._bt_host = bt
             rows = cols = np.zeros(0, np.int64)
         packed = pack_step(token_ids, chunks, (rows, cols, bt[rows, cols]), num_tokens=tb,
