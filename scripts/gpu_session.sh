@@ -123,13 +123,13 @@ case "$stage" in
     ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
     [ "$ngpu" -ge 2 ] || { echo "multigpu: needs 2 GPUs, found $ngpu"; continue; }
     for tp in 1 2; do
-      timeout ${MULTIGPU_TTFT_TIMEOUT:-150} python3 -m jds.bench.ttft --arch v32 --layers 8 --intermediate 18432 \
+      timeout ${MULTIGPU_TTFT_TIMEOUT:-130} python3 -m jds.bench.ttft --arch v32 --layers 8 --intermediate 18432 \
         --tensor-parallel $tp --n 30 --variants fused:host fused:device ${MULTIGPU_ARGS:-} \
         --out "$OUT/ttft_v32_tp$tp.json" > "$OUT/ttft_v32_tp$tp.log" 2>&1
       echo "ttft tp=$tp rc=$?"; grep '^{' "$OUT/ttft_v32_tp$tp.log" | cut -c1-250; tail -3 "$OUT/ttft_v32_tp$tp.log"
     done
     for tp in 1 2; do
-      timeout ${MULTIGPU_DECODE_TIMEOUT:-120} python3 -m jds.bench.boundary --arch v32 --layers 8 --quick \
+      timeout ${MULTIGPU_DECODE_TIMEOUT:-150} python3 -m jds.bench.boundary --arch v32 --layers 8 --quick \
         --modes fused --tensor-parallel $tp ${MULTIGPU_ARGS:-} --out "$OUT/decode_v32_tp$tp.json" \
         > "$OUT/decode_v32_tp$tp.log" 2>&1
       echo "decode tp=$tp rc=$?"; grep '^{' "$OUT/decode_v32_tp$tp.log" | cut -c1-400; tail -3 "$OUT/decode_v32_tp$tp.log"
