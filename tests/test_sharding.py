@@ -225,3 +225,30 @@ def test_sharded_server_answers(tmp_path, monkeypatch) -> None:
         assert r.json()["usage"]["completion_tokens"] == 4
     finally:
         _stop(proc)
+
+
+def test_serve_flags_reach_the_runner_config() -> None:
+    from tests.test_serve_model_dir import SERVE
+
+    a = SERVE.parse_args(["--tensor-parallel-size", "2", "--data-parallel-size", "4", "--expert-parallel-size", "8"])
+    cfg = SERVE.runner_config(a)
+    assert (cfg.tensor_parallel, cfg.data_parallel, cfg.expert_parallel) == (2, 4, 8)
+    assert SERVE.runner_config(SERVE.parse_args([])).tensor_parallel == 1
+
+
+def test_bench_flags_reach_the_runner_config(monkeypatch) -> None:
+    """The benches hand --tensor-parallel / --data-parallel / --expert-parallel to make_runner."""
+    import jds.bench.stack as stack
+    from jds.bench import ttft
+
+    seen: dict = {}
+
+    def fake_time_variant(model, mode, prep, segments, n, moe=False, parallel=None):
+        seen.update(parallel)
+        return {}
+
+    monkeypatch.setattr(stack, "build_stack", lambda *a, **k: None)
+    monkeypatch.setattr(ttft, "time_variant", fake_time_variant)
+    ttft.main(["--size", "tiny", "--tensor-parallel", "2", "--expert-parallel", "4", "--variants", "fused:host",
+               "--out", os.devnull])
+    assert seen == {"tensor_parallel": 2, "data_parallel": 1, "expert_parallel": 4}
