@@ -68,6 +68,8 @@ def _rollout(arch: str, moe: bool, mode: str, settings: dict, warm: bool = False
     if runner.mesh is not None:  # the pools stay in their layout step after step (pinned in the executables)
         want = P("data") if settings.get("data_parallel", 1) > 1 else P()
         for leaf in jax.tree.leaves(runner.caches):
+            if leaf.size == 0:  # a V4 layer kind's absent cache: no pages, XLA lays it out as it likes
+                continue
             assert leaf.sharding.mesh.shape == runner.mesh.shape and leaf.sharding.is_equivalent_to(
                 NamedSharding(runner.mesh, want), leaf.ndim), (leaf.sharding, want)
     return logits, toks
@@ -91,7 +93,7 @@ def _worker(cases: list[dict]) -> None:
 
 
 def _run(cases: list[dict]) -> list[dict]:
-    code = f"import json, sys; from tests.test_sharding import _worker; _worker(json.loads({json.dumps(json.dumps(cases))}))"
+    code = f"import json; from tests.test_sharding import _worker; _worker(json.loads({json.dumps(json.dumps(cases))}))"
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=1200)
