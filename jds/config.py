@@ -584,11 +584,18 @@ class RunnerConfig:
     captured_compiler_options: CompilerOptions | None = None  # XLA options of the captured executables
     eager_compiler_options: CompilerOptions | None = None  # XLA options of the eager executables
     dump_dir: str | None = None  # XLA dump directory for every executable of the runner (xla_dump_to)
+    # device mesh (jds.sharding): data x tensor x expert local devices; all 1 = one device, no mesh
+    tensor_parallel: int = 1  # attention heads, MLP columns/rows, vocab split over this many devices
+    data_parallel: int = 1  # token rows of the dense compute and the KV page pool split this many ways
+    expert_parallel: int = 1  # MoE routed experts split over this many devices
 
     def __post_init__(self) -> None:
         _require(self.mode in RUNNER_MODES, "mode", f"must be one of {RUNNER_MODES}, got {self.mode!r}")
         _require(self.input_prep in INPUT_PREPS, "input_prep", f"must be one of {INPUT_PREPS}, got {self.input_prep!r}")
         _positive(self, "num_blocks", "max_num_seqs", "max_num_tokens", "max_model_len", "segments")
+        for n in ("tensor_parallel", "data_parallel", "expert_parallel"):
+            v = getattr(self, n)
+            _require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, n, f"must be an int >= 1, got {v!r}")
         v = self.update_capacity
         _require(isinstance(v, int) and not isinstance(v, bool) and v >= 0, "update_capacity",
                  f"must be an int >= 0, got {v!r}")

@@ -28,6 +28,7 @@ from flax import nnx
 from jds.batch import Chunk, PagedBatch, make_batch, pack_step, replace as replace_batch, step_buffer_len, unpack_step
 from jds.config import INPUT_PREPS, RUNNER_MODES, ModelConfig, RunnerConfig, load_model_config, replace  # noqa: F401
 from jds.model import Decoder
+from jds import sharding
 from jds.sampling import greedy_tokens, sample_tokens, split_seeds
 
 if TYPE_CHECKING:
@@ -163,7 +164,7 @@ class BoundaryRunner:
                                          _buckets(min(16, self.max_num_tokens), self.max_num_tokens))
         self.key_block_buckets = _bucket_set("key_block_buckets", self.key_block_buckets, self.max_blocks,
                                              _buckets(min(4, self.max_blocks), self.max_blocks))
-        self.caches = self.model.init_caches(self.num_blocks)
+        self._place_on_mesh()
         # Parameters are flattened to plain leaf lists once: jit's C++ path flattens a list of arrays in
         # microseconds, while an nnx.State pytree costs milliseconds of Python per call.
         self._embed = _split_flat(self.model.embed)
@@ -185,8 +186,48 @@ class BoundaryRunner:
         self.update_capacity = self.update_capacity or 4 * self.max_num_seqs + 64
         self._bt_host = np.zeros((self.max_num_seqs, self.max_blocks), np.int32)
         self._bt_state = jnp.zeros((self.max_num_seqs, self.max_blocks), jnp.int32)
+        if self.mesh is not None:
+            self._bt_state = jax.device_put(self._bt_state, sharding.replicated(self.mesh))
         self._no_prev: jax.Array | None = None
         self._carry: dict[tuple[int, int], tuple] = {}  # segment-boundary buffers per (tokens, key blocks)
+
+    # ----- placement on the device mesh -----------------------------------------------------------
+    def _place_on_mesh(self) -> None:
+        """Build the caches, and with a parallel config (jds.sharding) the mesh, then move the model's
+        parameters onto it in place (one copy of the weights, split by the partition rules) and create the
+        page pools directly in their sharded layout (no whole-pool copy on one device)."""
+        self.mesh = None
+        self._cache_sh = self._rows_sh = None
+        if not sharding.uses_mesh(self.config):
+            self.caches = self.model.init_caches(self.num_blocks)
+            return
+        sharding.check_divisible(self.model.cfg, self.config, self.token_buckets)
+        self.mesh = sharding.make_mesh(self.config)
+        self._cache_sh, self._rows_sh = sharding.cache_sharding(self.mesh), sharding.rows_sharding(self.mesh)
+        state = nnx.state(self.model)
+        nnx.update(self.model, jax.device_put(state, sharding.param_shardings(state, self.model.cfg, self.mesh)))
+        model, n = self.model, self.num_blocks
+        # made by an executable that pins its outputs as the steps do, so the first step sees the layout of
+        # the later ones (XLA picks its own for the empty pools of V4 layer kinds whatever the constraint)
+        self.caches = jax.jit(lambda: self._pin_caches(model.init_caches(n)))()
+
+    def _pin_caches(self, caches: Any) -> Any:
+        """Inside an executable: keep the returned caches in their placed layout, so a donated pool is
+        written in place and the next call sees the shardings it was compiled for."""
+        if self._cache_sh is None:
+            return caches
+        return jax.tree.map(lambda c: lax.with_sharding_constraint(c, self._cache_sh), caches)
+
+    def _pin_whole(self, tree: Any) -> Any:
+        """Inside an executable: replicated (step metadata that every device reads whole)."""
+        if self.mesh is None:
+            return tree
+        rep = sharding.replicated(self.mesh)
+        return jax.tree.map(lambda x: lax.with_sharding_constraint(x, rep), tree)
+
+    def _pin_rows(self, x: jax.Array) -> jax.Array:
+        """Inside an executable: token rows split over the mesh's ``data`` axis (dense compute data parallel)."""
+        return x if self._rows_sh is None else lax.with_sharding_constraint(x, self._rows_sh)
 
     # ----- executables ------------------------------------------------------------------------------
     def _jit(self, key: Any, fn: Callable, *, eager: bool, donate: tuple[int, ...] = (),
@@ -214,8 +255,9 @@ class BoundaryRunner:
         narrow = self.mode == "narrow"
 
         def first(est, lst, tokens, batch, cache):
-            h = _merge(egd, est)(tokens)
-            return (h,) + _producers(_merge(lgd, lst), h, batch, cache, narrow)
+            h = _merge(egd, est)(self._pin_rows(tokens))
+            x, cache = _producers(_merge(lgd, lst), h, batch, cache, narrow)
+            return h, x, self._pin_caches(cache)
 
         return self._jit(("first", kind), first, eager=False, donate=(4,))
 
@@ -224,8 +266,9 @@ class BoundaryRunner:
         narrow = self.mode == "narrow"
 
         def mid(pst, nst, h, o, batch, cache):
-            h = _merge(pgd, pst).post_attention(h, o)
-            return (h,) + _producers(_merge(ngd, nst), h, batch, cache, narrow)
+            h = self._pin_rows(_merge(pgd, pst).post_attention(h, o))
+            x, cache = _producers(_merge(ngd, nst), h, batch, cache, narrow)
+            return h, x, self._pin_caches(cache)
 
         return self._jit(("mid", prev, nxt), mid, eager=False, donate=(5,))
 
@@ -250,7 +293,7 @@ class BoundaryRunner:
         def prepare_and_consume(st, inp, batch, cache):
             attn = _merge(gd, st).attn
             query, cache = attn.prepare(inp, batch, cache)
-            return attn.consume(query, batch, cache)[0], cache
+            return attn.consume(query, batch, cache)[0], self._pin_caches(cache)
 
         return self._jit(("eager", kind), prepare_and_consume, eager=True, donate=(3,))
 
@@ -258,7 +301,8 @@ class BoundaryRunner:
         gd = self._whole[0]
 
         def full(st, tokens, batch, caches, logits_indices):
-            return _merge(gd, st)(tokens, batch, caches, logits_indices)
+            logits, caches = _merge(gd, st)(self._pin_rows(tokens), batch, caches, logits_indices)
+            return logits, self._pin_caches(caches)
 
         return self._jit(("fused",), full, eager=False, donate=(3,))
 
@@ -266,6 +310,7 @@ class BoundaryRunner:
         tokens, batch, li, bt = unpack_step(packed, bt_state, num_rows=self.max_num_seqs,
                                             update_capacity=self.update_capacity, block_size=self.block_size,
                                             prev_tokens=prev)
+        bt = self._pin_whole(bt)  # the device's block tables stay whole on every device, step after step
         return tokens, batch, li, replace_batch(batch, block_tables=bt[:, :kb]), bt
 
     def _first_dev(self, kind: str, kb: int) -> Callable:
@@ -274,8 +319,9 @@ class BoundaryRunner:
 
         def first(est, lst, packed, prev, bt_state, cache):
             tokens, batch, li, small, bt = self._unpack(packed, bt_state, kb, prev)
-            h = _merge(egd, est)(tokens)
-            return (h,) + _producers(_merge(lgd, lst), h, batch, cache, narrow) + (bt, batch, small, li)
+            h = _merge(egd, est)(self._pin_rows(tokens))
+            x, cache = _producers(_merge(lgd, lst), h, batch, cache, narrow)
+            return (h, x, self._pin_caches(cache), bt, batch, small, li)
 
         return self._jit(("first_dev", kind, kb), first, eager=False, donate=(4, 5))
 
@@ -284,8 +330,8 @@ class BoundaryRunner:
 
         def full(st, packed, prev, bt_state, caches):
             tokens, _, li, small, bt = self._unpack(packed, bt_state, kb, prev)
-            logits, caches = _merge(gd, st)(tokens, small, caches, li)
-            return logits, caches, bt
+            logits, caches = _merge(gd, st)(self._pin_rows(tokens), small, caches, li)
+            return logits, self._pin_caches(caches), bt
 
         return self._jit(("fused_dev", kb), full, eager=False, donate=(3, 4))
 
@@ -315,16 +361,16 @@ class BoundaryRunner:
             out = []
             for gd, st, cache in zip(gds, sts, caches):
                 h, cache = _merge(gd, st)(h, small, cache)
-                out.append(cache)
-            return h, out
+                out.append(self._pin_caches(cache))
+            return self._pin_rows(h), out
 
         key = ("segment", k, kb, self.segments)
         if first:
             def seg(est, sts, packed, prev, state):
                 _, bt_state, caches = state  # the carry's old values are overwritten
                 tokens, _, li, small, bt = self._unpack(packed, bt_state, kb, prev)
-                h, caches = layers(sts, _merge(egd, est)(tokens), small, caches)
-                return (h, small, li), bt, caches
+                h, caches = layers(sts, _merge(egd, est)(self._pin_rows(tokens)), small, caches)
+                return (h, self._pin_whole(small), self._pin_whole(li)), bt, caches
             # keep_unused: the carry's old values are not read, but its buffers must stay arguments so that
             # XLA aliases the outputs to them
             return self._jit(key, seg, eager=False, donate=(4,), keep_unused=True)
@@ -348,6 +394,9 @@ class BoundaryRunner:
                                slot_mapping=jnp.zeros(tb, i32), block_tables=jnp.zeros((r, kb), i32),
                                seq_lens=jnp.zeros(r, i32), query_start_loc=jnp.zeros(r + 1, i32))
             carry = (h, small, jnp.zeros(r, i32))
+            if self.mesh is not None:  # in the layout the first segment returns them in
+                rep = sharding.replicated(self.mesh)
+                carry = (jax.device_put(h, self._rows_sh), jax.device_put(small, rep), jax.device_put(carry[2], rep))
         return carry
 
     def _step_segments(self, inp: StepInputs) -> jax.Array:
@@ -440,7 +489,7 @@ class BoundaryRunner:
                 raise ValueError("block_tables references a page outside the pool")
         rows, cols = np.nonzero(bt != self._bt_host)
         if len(rows) > self.update_capacity:  # more changed than one step carries: replace the whole table
-            self._bt_state = jax.device_put(bt)
+            self._bt_state = jax.device_put(bt, None if self.mesh is None else sharding.replicated(self.mesh))
             self._bt_host = bt
             rows = cols = np.zeros(0, np.int64)
         packed = pack_step(token_ids, chunks, (rows, cols, bt[rows, cols]), num_tokens=tb,

@@ -16,6 +16,7 @@
 #   scripts/gpu_session.sh topk          # Pallas radix-select top-k: native tests, then the top-k rows
 #   scripts/gpu_session.sh select      # indexer decode select: top-k "auto" against the default lax, and XLA
 #   scripts/gpu_session.sh mqa           # MQA decode rows again, now with device_us (b1/b8 sit at the dispatch floor)
+#   scripts/gpu_session.sh multigpu      # issue 21, kind nvidia-h200-x2: 8-layer V3.2 TTFT + decode, tp=1 vs tp=2
 #
 # Every timed process runs alone; every process sets XLA_PYTHON_CLIENT_PREALLOCATE=false so a compile
 # helper beside it cannot run the GPU out of memory. Timeouts use SIGINT so pytest prints its summary.
@@ -114,8 +115,28 @@ case "$stage" in
       --cases v32_decode_1 v4_decode_1 v32_decode_8 v4_decode_8 v32_decode_64 v4_decode_64 \
       --out "$OUT/kernels_mqa.json" > "$OUT/bench_mqa.log" 2>&1; echo "mqa rc=$?"; tail -6 "$OUT/bench_mqa.log"
     ;;
+  multigpu)
+    # issue 21 on the nvidia-h200-x2 kind: the same 8-layer V3.2 stack on one GPU and tensor-parallel over two
+    # (jds/sharding.py). TTFT of a 128-token prompt (fused, host and device prep), then decode at b1 / b64
+    # (bench_boundary --quick, fused). MULTIGPU_ARGS adds flags to every run (e.g. --implementation xla if the
+    # Pallas kernels do not partition).
+    ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+    [ "$ngpu" -ge 2 ] || { echo "multigpu: needs 2 GPUs, found $ngpu"; continue; }
+    for tp in 1 2; do
+      timeout ${MULTIGPU_TTFT_TIMEOUT:-130} python3 -m jds.bench.ttft --arch v32 --layers 8 --intermediate 18432 \
+        --tensor-parallel $tp --n 30 --variants fused:host fused:device ${MULTIGPU_ARGS:-} \
+        --out "$OUT/ttft_v32_tp$tp.json" > "$OUT/ttft_v32_tp$tp.log" 2>&1
+      echo "ttft tp=$tp rc=$?"; grep '^{' "$OUT/ttft_v32_tp$tp.log" | cut -c1-250; tail -3 "$OUT/ttft_v32_tp$tp.log"
+    done
+    for tp in 1 2; do
+      timeout ${MULTIGPU_DECODE_TIMEOUT:-150} python3 -m jds.bench.boundary --arch v32 --layers 8 --quick \
+        --modes fused --tensor-parallel $tp ${MULTIGPU_ARGS:-} --out "$OUT/decode_v32_tp$tp.json" \
+        > "$OUT/decode_v32_tp$tp.log" 2>&1
+      echo "decode tp=$tp rc=$?"; grep '^{' "$OUT/decode_v32_tp$tp.log" | cut -c1-400; tail -3 "$OUT/decode_v32_tp$tp.log"
+    done
+    ;;
   *)
-    echo "usage: $0 STAGE... (probe|boundary|boundary-v4|boundary-xla|serve|thunks|tests-all|kernels|topk|select|mqa)" >&2
+    echo "usage: $0 STAGE... (probe|boundary|boundary-v4|boundary-xla|serve|thunks|tests-all|kernels|topk|select|mqa|multigpu)" >&2
     exit 2 ;;
 esac
 done

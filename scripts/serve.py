@@ -105,6 +105,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "host (auto: device for fused, host for wide / narrow)")
     p.add_argument("--segments", type=positive_int, default=1,
                    help="fused + device prep: launch each step as this many captured executables")
+    p.add_argument("--tensor-parallel-size", "--tensor-parallel", "-tp", dest="tensor_parallel",
+                   type=positive_int, default=1,
+                   help="devices the attention heads, MLP and vocabulary are split over (jds.sharding)")
+    p.add_argument("--data-parallel-size", "--data-parallel", "-dp", dest="data_parallel", type=positive_int,
+                   default=1, help="devices the token rows and the KV page pool are split over")
+    p.add_argument("--expert-parallel-size", "--expert-parallel", dest="expert_parallel", type=positive_int,
+                   default=1, help="devices the MoE routed experts are split over")
     p.add_argument("--graph-update-mode", default=None, choices=GRAPH_UPDATE_MODES,
                    help="XLA command-buffer update mode (process-wide XLA flag; default: XLA's ALWAYS_UPDATE)")
     p.add_argument("--compile-cache", default=None,
@@ -199,7 +206,8 @@ def runner_config(a: argparse.Namespace) -> RunnerConfig:
                         max_num_tokens=a.max_num_tokens, max_model_len=a.max_model_len,
                         token_buckets=tuple(a.token_buckets), key_block_buckets=tuple(a.key_block_buckets),
                         stable_inputs=a.stable_inputs, batch_invariant=a.batch_invariant,
-                        input_prep=a.input_prep, segments=a.segments)
+                        input_prep=a.input_prep, segments=a.segments, tensor_parallel=a.tensor_parallel,
+                        data_parallel=a.data_parallel, expert_parallel=a.expert_parallel)
 
 
 def build_runner(a: argparse.Namespace):

@@ -57,7 +57,7 @@ def time_steps(runner, chunks, n_warm: int, n: int) -> tuple[dict, dict]:
 def bench_arch(arch: str, layers: int, inter: int | None, ctx: int, quick: bool,
                modes: tuple[str, ...] = MODES, warm_only: bool = False, size: str = "bench",
                on_mode: Callable[[dict], None] | None = None, implementation: str = "auto",
-               stable_inputs: bool = False) -> dict:
+               stable_inputs: bool = False, parallel: dict[str, int] | None = None) -> dict:
     """Time every step shape in each mode. ``warm_only``: run each shape once (compiles, fills the
     persistent compilation cache for a later timed run) and time nothing. ``on_mode`` gets the partial
     result after each mode (the caller saves it, so a run cut short by a time limit keeps full stats)."""
@@ -69,7 +69,7 @@ def bench_arch(arch: str, layers: int, inter: int | None, ctx: int, quick: bool,
     shapes = step_shapes(ctx)
     for mode in modes:
         t0 = time.perf_counter()
-        r = make_runner(model, mode, 64, ctx, stable_inputs=stable_inputs)
+        r = make_runner(model, mode, 64, ctx, stable_inputs=stable_inputs, **(parallel or {}))
         if warm_only:
             for chunks in shapes.values():
                 time_steps(r, chunks, 1, 0)
@@ -126,6 +126,8 @@ def precompile(archs: list[str], modes: tuple[str, ...], a: argparse.Namespace, 
                 cmd += ["--intermediate", str(a.intermediate)]
             if a.stable_inputs:
                 cmd += ["--stable-inputs"]
+            cmd += ["--tensor-parallel", str(a.tensor_parallel), "--data-parallel", str(a.data_parallel),
+                    "--expert-parallel", str(a.expert_parallel)]
             procs[mode] = (subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                             text=True), time.perf_counter())
         for mode, (p, t0) in procs.items():
@@ -204,6 +206,12 @@ def _bench_torch(arch: str, a: argparse.Namespace, inter: int, results: dict, sa
     save()
 
 
+def _parallel(a: argparse.Namespace) -> dict[str, int]:
+    """The mesh flags as RunnerConfig fields."""
+    return {"tensor_parallel": a.tensor_parallel, "data_parallel": a.data_parallel,
+            "expert_parallel": a.expert_parallel}
+
+
 def main(argv: list[str] | None = None) -> None:
     from jds.bench.cli import GRAPH_UPDATE_MODES, use_graph_update_mode  # no backend touched yet
 
@@ -234,6 +242,9 @@ def main(argv: list[str] | None = None) -> None:
                     choices=("eager", "wide", "narrow", "full"))
     ap.add_argument("--torch-indexer", default="torch", choices=("torch", "triton"),
                     help="the comparator's indexer logits: torch ops, or the Triton paged FP8 kernel")
+    ap.add_argument("--tensor-parallel", type=int, default=1, help="RunnerConfig.tensor_parallel (devices)")
+    ap.add_argument("--data-parallel", type=int, default=1, help="RunnerConfig.data_parallel (devices)")
+    ap.add_argument("--expert-parallel", type=int, default=1, help="RunnerConfig.expert_parallel (devices)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if "torch" in a.backend:  # torch shares the GPU: jax must not preallocate most of its memory
@@ -260,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "jax": jax.__version__,
             "command": cmd, "precompile": {},
             "implementation": a.implementation, "stable_inputs": a.stable_inputs,
-            "graph_update_mode": a.graph_update_mode, "complete": False}
+            "graph_update_mode": a.graph_update_mode, "parallel": _parallel(a), "complete": False}
     results = {"meta": meta, "archs": {}}
     for arch in a.arch:
         if a.precompile and not a.dump:
@@ -282,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             results["archs"][arch] = bench_arch(arch, a.layers, inter, a.ctx, a.quick, tuple(a.modes), a.warm_only,
                                                  a.size, on_mode=save, implementation=a.implementation,
-                                                 stable_inputs=a.stable_inputs)
+                                                 stable_inputs=a.stable_inputs, parallel=_parallel(a))
         save()
         if "torch" in a.backend and not a.dump and not a.warm_only:
             _bench_torch(arch, a, inter, results, save)

@@ -24,14 +24,15 @@ def _median_ms(xs: list[float]) -> float:
     return 1e3 * sorted(xs)[len(xs) // 2]
 
 
-def time_variant(model: Any, mode: str, prep: str, segments: int, n: int, moe: bool = False) -> dict[str, Any]:
+def time_variant(model: Any, mode: str, prep: str, segments: int, n: int, moe: bool = False,
+                 parallel: dict[str, int] | None = None) -> dict[str, Any]:
     import jax
     import numpy as np
 
     from jds.bench.stack import block_table, make_runner, step_shapes, time_steps
 
     t0 = time.perf_counter()
-    runner = make_runner(model, mode, 64, 512, input_prep=prep, segments=segments)
+    runner = make_runner(model, mode, 64, 512, input_prep=prep, segments=segments, **(parallel or {}))
     chunks = step_shapes(512)["ttft_128"]
     bt = block_table(runner, 1)
     ids = np.random.default_rng(0).integers(0, 256, 128).astype(np.int32)
@@ -67,6 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n", type=int, default=50)
     ap.add_argument("--graph-update-mode", default=None,
                     help="XLA command-buffer update mode for the whole process (ALWAYS_UPDATE, SKIP_TEMP, SKIP_PROFILED)")
+    ap.add_argument("--tensor-parallel", type=int, default=1, help="RunnerConfig.tensor_parallel (devices)")
+    ap.add_argument("--data-parallel", type=int, default=1, help="RunnerConfig.data_parallel (devices)")
+    ap.add_argument("--expert-parallel", type=int, default=1, help="RunnerConfig.expert_parallel (devices)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if a.graph_update_mode:  # before JAX creates its GPU client: XLA picks its allocator from it then
@@ -78,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     from jds.bench.stack import build_stack
     from jds.bench.results import write_json
 
+    parallel = {"tensor_parallel": a.tensor_parallel, "data_parallel": a.data_parallel,
+                "expert_parallel": a.expert_parallel}
     t0 = time.perf_counter()
     model = build_stack(a.arch, a.layers, intermediate=a.intermediate, size=a.size, implementation=a.implementation,
                         moe_experts=a.moe_experts, moe_topk=a.moe_topk)
@@ -87,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
                                     "backend": jax.default_backend(), "arch": a.arch, "layers": a.layers,
                                     "intermediate": a.intermediate, "moe_experts": a.moe_experts,
                                     "moe_topk": a.moe_topk, "build_s": time.perf_counter() - t0,
-                                    "graph_update_mode": a.graph_update_mode,
+                                    "graph_update_mode": a.graph_update_mode, "parallel": parallel,
                                     "complete": False},
                            "variants": {}}
     for v in a.variants:
@@ -95,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         mode, prep = parts[0], parts[1]
         segments = int(parts[2]) if len(parts) > 2 else 1
         try:
-            res["variants"][v] = time_variant(model, mode, prep, segments, a.n)
+            res["variants"][v] = time_variant(model, mode, prep, segments, a.n, parallel=parallel)
         except Exception as e:  # noqa: BLE001 - a variant that fails records why; the others still run
             res["variants"][v] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         print(json.dumps({v: res["variants"][v]}), flush=True)
