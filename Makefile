@@ -27,8 +27,10 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest $(PYTEST_FLAGS) tests
 
+# the gpu-marked tests are compile-bound: 6 pytest workers share the one GPU (no preallocation), so the
+# suite fits one 10-minute call
 test-gpu: $(STAMP)
-	$(PY) -m pytest $(PYTEST_FLAGS) -m gpu tests
+	XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest $(PYTEST_FLAGS) -n $(or $(GPU_WORKERS),6) -m gpu tests
 
 clean:
 	rm -rf $(VENV)

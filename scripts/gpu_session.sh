@@ -11,7 +11,7 @@
 #   scripts/gpu_session.sh boundary-xla  # as boundary, with the pure-JAX attention stages
 #   scripts/gpu_session.sh serve         # bench_serve_modes: the server in each mode, c=1 and c=64
 #   scripts/gpu_session.sh thunks        # thunk-dump check: graphs, direct launches per step per mode
-#   scripts/gpu_session.sh tests-all     # every gpu-marked kernel test (about 10 minutes of compiles)
+#   scripts/gpu_session.sh tests-all     # every gpu-marked test, 6 pytest-xdist workers on the one GPU
 #   scripts/gpu_session.sh kernels       # fused insert (+ tile sweep) + indexer rows with device_us, top-k variants
 #   scripts/gpu_session.sh topk          # Pallas radix-select top-k: native tests, then the top-k rows
 #   scripts/gpu_session.sh select      # indexer decode select: top-k "auto" against the default lax, and XLA
@@ -84,10 +84,12 @@ case "$stage" in
     echo "thunks rc=$?"; tail -3 "$OUT/gpu_boundary_test.log"
     ;;
   tests-all)
-    timeout -s INT ${TESTS_TIMEOUT:-570} python3 -m pytest -m gpu -v --tb=short -rfE -p no:cacheprovider \
-      tests/test_kernel_sparse_mqa.py tests/test_kernel_sparse_indexer.py tests/test_kernel_fused_insert.py tests/test_kernel_topk_select.py \
-      > "$OUT/gpu_kernel_tests.log" 2>&1
-    echo "kernel tests rc=$?"; tail -3 "$OUT/gpu_kernel_tests.log"
+    # every gpu-marked test in one run: pytest-xdist workers share the GPU (the suite is compile-bound;
+    # no preallocation). The device image has no xdist: carry .whl/ (pip download pytest-xdist execnet).
+    python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
+    JDS_GPU_OUT="$OUT" timeout -s INT ${TESTS_TIMEOUT:-570} python3 -m pytest -m gpu -n ${GPU_WORKERS:-6} -v --tb=short -rfE \
+      -p no:cacheprovider --durations=15 tests > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests rc=$?"; grep -E "FAILED|ERROR" "$OUT/gpu_tests.log" | head -20; tail -20 "$OUT/gpu_tests.log"
     ;;
   kernels)
     # 2026-11-29 these took about 250 s together; device_us (one more compile per row) and the fused-insert

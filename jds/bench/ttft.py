@@ -5,7 +5,8 @@
         --out benchmarks/results/ttft_<device>_<date>.json
 
 A variant is ``mode:input_prep[:segments]``. Per variant, after warm-up: the median wall time of a step
-(inputs -> logits on the host), its host input preparation and its launch (host time of ``runner.step``),
+(inputs -> the greedy first token on the host; ``jds.bench.stack.time_steps``), its host input preparation
+and its launch (host time of ``runner.step``),
 and the device-bound time per step (``n`` steps enqueued back to back, one wait). Every variant shares
 the same model and weights, so the rows are comparable within the run.
 """
