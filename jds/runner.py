@@ -190,6 +190,7 @@ class BoundaryRunner:
             self._bt_state = jax.device_put(self._bt_state, sharding.replicated(self.mesh))
         self._no_prev: jax.Array | None = None
         self._carry: dict[tuple[int, int], tuple] = {}  # segment-boundary buffers per (tokens, key blocks)
+        self._logits_out: jax.Array | None = None  # the fused device-prep step's persistent logits buffer
 
     # ----- placement on the device mesh -----------------------------------------------------------
     def _place_on_mesh(self) -> None:
@@ -328,12 +329,31 @@ class BoundaryRunner:
     def _fused_dev(self, kb: int) -> Callable:
         gd = self._whole[0]
 
-        def full(st, packed, prev, bt_state, caches):
+        def full(st, packed, prev, bt_state, caches, out):
             tokens, _, li, small, bt = self._unpack(packed, bt_state, kb, prev)
             logits, caches = _merge(gd, st)(self._pin_rows(tokens), small, caches, li)
             return logits, self._pin_caches(caches), bt
 
-        return self._jit(("fused_dev", kb), full, eager=False, donate=(3, 4))
+        # keep_unused: ``out`` (the last step's logits) is not read, but it must stay an argument so that XLA
+        # writes the new logits into its buffer (``_out_buffer``)
+        return self._jit(("fused_dev", kb), full, eager=False, donate=(3, 4, 5), keep_unused=True)
+
+    def _out_buffer(self) -> jax.Array | None:
+        """The logits buffer a captured step writes in place (donated, so its output aliases it).
+
+        Why: XLA re-records a command buffer when any allocation it uses moved since its last execution, and
+        any update makes the launch re-upload the graph. A fresh output allocation lands at a new address
+        whenever the previous step's logits are still alive (a caller holding them, or the async engine's
+        step in flight), which re-recorded every step (benchmarks/results/graph_updates_h200_2026-12-01.json,
+        phases serial_keep / in_flight_2 against serial_drop). With the output in one persistent buffer, every
+        argument and result of the step keeps its address. The price: the logits a step returns are valid
+        until the next step (``step``'s contract). Without a mesh only: a sharded output's layout is XLA's.
+        """
+        if self.mesh is not None:
+            return None
+        if self._logits_out is None or self._logits_out.is_deleted():
+            self._logits_out = jnp.zeros((self.max_num_seqs, self.model.cfg.vocab_size), jnp.float32)
+        return self._logits_out
 
     def _segment_bounds(self) -> list[tuple[int, int]]:
         n, k = self.model.cfg.n_layers, self.segments
@@ -375,10 +395,10 @@ class BoundaryRunner:
             # XLA aliases the outputs to them
             return self._jit(key, seg, eager=False, donate=(4,), keep_unused=True)
         if last:
-            def seg(sts, hst, small, li, h, caches):
+            def seg(sts, hst, small, li, h, caches, out):  # out: the persistent logits buffer (_out_buffer)
                 h, caches = layers(sts, h, small, caches)
                 return _merge(hgd, hst)(h, li), caches
-            return self._jit(key, seg, eager=False, donate=(5,))
+            return self._jit(key, seg, eager=False, donate=(5, 6), keep_unused=True)
 
         def seg(sts, small, state):
             return layers(sts, state[0], small, state[1])
@@ -412,7 +432,8 @@ class BoundaryRunner:
             h, self.caches[lo:hi] = self._segment(k, kb)(sts(lo, hi), small, (h, self.caches[lo:hi]))
         lo, hi = bounds[-1]
         logits, self.caches[lo:hi] = self._segment(self.segments - 1, kb)(
-            sts(lo, hi), self._head[1], small, li, h, self.caches[lo:hi])
+            sts(lo, hi), self._head[1], small, li, h, self.caches[lo:hi], self._out_buffer())
+        self._logits_out = logits if self.mesh is None else None
         self._carry[(inp.token_bucket, kb)] = (h, small, li)
         self.last_dispatch = DispatchStats(captured=self.segments)
         return logits
@@ -518,7 +539,9 @@ class BoundaryRunner:
     def step(self, *inputs: Any) -> jax.Array:
         """Dispatch one step in this runner's mode from ``prepare_inputs``'s tuple; the caches advance in
         place of ``self.caches``. Returns the device logits [max_num_seqs, vocab] (rows past the step's
-        chunks are padding)."""
+        chunks are padding). A fused step with device input preparation writes them into the runner's
+        persistent output buffer (``_out_buffer``): they are valid until the next step, which takes that
+        buffer back (reading them later raises JAX's deleted-array error); copy or sample them first."""
         if len(inputs) == 1 and isinstance(inputs[0], StepInputs):
             return self._step_device(inputs[0])
         return self._step_host(*inputs)
@@ -539,8 +562,9 @@ class BoundaryRunner:
             return self._step_segments(inp)
         if self.mode == "fused":
             logits, self.caches, self._bt_state = self._fused_dev(kb)(
-                self._whole[1], inp.packed, self._prev_of(inp), self._bt_state, self.caches)
+                self._whole[1], inp.packed, self._prev_of(inp), self._bt_state, self.caches, self._out_buffer())
             self._bt_host = inp.block_tables
+            self._logits_out = logits if self.mesh is None else None
             self.last_dispatch = stats
             return logits
         kinds, layers = self._kinds, self._layers

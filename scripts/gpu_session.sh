@@ -2,7 +2,8 @@
 # The H200 runbook. Stages run in the order given; each fits the 10-minute call limit on its own, and
 # its outputs land in $OUT as they are produced, so a stage that is cut short keeps what it measured:
 #
-#   scripts/gpu_session.sh hostpath      # issue 16: TTFT variants (host vs device prep, segments), update modes
+#   scripts/gpu_session.sh hostpath      # issue 16: graph updates per step (VLOG counts), TTFT variants
+#   scripts/gpu_session.sh invariance    # issue 23: --batch-invariant under preemption (20 pages)
 #   scripts/gpu_session.sh deep          # issue 16: 61 layers, MoE (8 routed experts, top-8)
 #   scripts/gpu_session.sh async         # issue 16: the server, async stepping on vs --no-async
 #   scripts/gpu_session.sh probe         # host cost of a captured step: preparation vs dispatch, graphs vs none
@@ -31,16 +32,21 @@ nvidia-smi -L > "$OUT/device.txt" 2>&1 || true
 for stage in "$@"; do
 case "$stage" in
   hostpath)
-    # issue 16. 2026-11-30: device prep + segments took the fused 8-layer TTFT from 10.26 to 8.55 ms, but the
-    # one-executable launch did not shrink (docs/perf-log.md): next, device prep under SKIP_TEMP / SKIP_PROFILED
+    # issue 16. 2026-12-01: graph updates counted from XLA's VLOG: a fresh logits allocation re-recorded the
+    # command buffers whenever the previous step's result was alive; the fused device-prep step now writes
+    # its logits into a persistent buffer. Counts first (expect 0 updates per step), then TTFT variants.
+    timeout ${GU_TIMEOUT:-130} python3 -m jds.bench.graph_updates --arch v32 --layers 8 --intermediate 18432 \
+      --variants fused:device fused:device:4 --n 20 --timeout 120 --out "$OUT/graph_updates_h200.json" \
+      > "$OUT/graph_updates.log" 2>&1; echo "graph_updates rc=$?"; cut -c1-900 "$OUT/graph_updates.log"
     V="fused:host fused:device fused:device:2 fused:device:4 fused:device:8 narrow:host wide:host wide:device"
-    timeout ${TTFT_TIMEOUT:-200} python3 -m jds.bench.ttft --arch v32 --layers 8 --intermediate 18432 --variants $V \
+    timeout ${TTFT_TIMEOUT:-230} python3 -m jds.bench.ttft --arch v32 --layers 8 --intermediate 18432 --variants $V \
       --out "$OUT/ttft_v32_h200.json" > "$OUT/ttft_v32.log" 2>&1; echo "ttft8 rc=$?"; grep '^{' "$OUT/ttft_v32.log" | cut -c1-250
-    for m in SKIP_TEMP SKIP_PROFILED; do
-      timeout ${TTFT_MODE_TIMEOUT:-90} python3 -m jds.bench.ttft --arch v32 --layers 8 --intermediate 18432 \
-        --graph-update-mode $m --variants fused:host fused:device fused:device:4 --out "$OUT/ttft_v32_$m.json" \
-        > "$OUT/ttft_v32_$m.log" 2>&1; echo "ttft $m rc=$?"; grep '^{' "$OUT/ttft_v32_$m.log" | cut -c1-200
-    done
+    ;;
+  invariance)
+    # issue 23: --batch-invariant under preemption on the GPU (2026-11-30: 64 pages preempted nothing)
+    timeout ${INV_TIMEOUT:-240} python3 scripts/bench_batch_invariant.py --preset v32-bench --configs invariant \
+      --num-blocks 20 --out "$OUT/batch_invariant_preempt_h200.json" > "$OUT/batch_invariant.log" 2>&1
+    echo "invariance rc=$?"; tail -5 "$OUT/batch_invariant.log"
     ;;
   deep)
     # issue 16 item 5: 61 layers, MoE with 8 routed experts (1.2 GB per layer; 16 did not fit the 0.75 default fraction)

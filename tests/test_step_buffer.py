@@ -131,5 +131,30 @@ def test_fused_segments_equal_one_executable(segments: int) -> None:
     np.testing.assert_array_equal(split.execute(ids, [Chunk(0, 151, 1), Chunk(1, 31, 1)], bt),
                                   one.execute(ids, [Chunk(0, 151, 1), Chunk(1, 31, 1)], bt))
     assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(state())] == before
+    # the logits too: the last segment writes them into the runner's persistent output buffer
+    a = split.step(*split.prepare_inputs(ids, [Chunk(0, 152, 1), Chunk(1, 32, 1)], bt))
+    pa = a.unsafe_buffer_pointer()
+    b = split.step(*split.prepare_inputs(ids, [Chunk(0, 153, 1), Chunk(1, 33, 1)], bt))
+    assert b.unsafe_buffer_pointer() == pa and a.is_deleted()
     with pytest.raises(ValueError, match="segments"):
         BoundaryRunner(**{**kw, "mode": "narrow"}, segments=2)
+
+
+def test_fused_logits_stay_in_one_buffer() -> None:
+    """The one-executable fused step (device prep) returns its logits in the same device buffer every step,
+    also while the caller holds the previous step's array (which that step then gives back: deleted), and the
+    values equal host preparation's."""
+    dev, host = _runner("device"), _runner("host")
+    bt = np.arange(8, dtype=np.int32).reshape(2, 4)
+    rng = np.random.default_rng(3)
+    ptrs, prev = set(), None
+    for i in range(4):
+        chunks = [Chunk(0, 0, 5)] if i == 0 else [Chunk(0, 4 + i, 1)]
+        ids = rng.integers(0, 256, sum(c.num_tokens for c in chunks)).astype(np.int32)
+        logits = dev.step(*dev.prepare_inputs(ids, chunks, bt))
+        ptrs.add(logits.unsafe_buffer_pointer())
+        if prev is not None:
+            assert prev.is_deleted()
+        np.testing.assert_array_equal(np.asarray(logits[:1]), host.execute(ids, chunks, bt))
+        prev = logits
+    assert len(ptrs) == 1

@@ -14,10 +14,10 @@ how many allocations move, and how long the re-recording takes (``Updated comman
 Each update mode runs in its own child process (the mode picks XLA's allocator at client creation, and
 the VLOG setting must be in the environment before XLA loads). Per runner variant, three phases of ``n``
 steps after warm-up:
-  serial_drop   each step waits for its logits, and they are dropped before the next step
-  serial_keep   each step waits, and the previous step's logits stay alive during the next (what a caller
+  serial_drop   each step (launch + greedy sample on the device) waits for its tokens, dropped before the next
+  serial_keep   each step waits, and the previous step's tokens stay alive during the next (what a caller
                 holding its result does)
-  in_flight_2   step i+1 is launched before step i's logits are read (the async engine's pattern)
+  in_flight_2   step i+1 is launched before step i's tokens are read (the async engine's pattern)
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 MARK = "JDS_GRAPH_PHASE"
 _UPDATE = re.compile(r"Update command buffer .*updated_allocs=(\d+)")
 _UPDATED = re.compile(r"Updated command buffer in (\d+)")
-_EXEC = re.compile(r"Execute command buffer on device")
+_EXEC = re.compile(r"Execute command buffer")
 
 
 def parse_log(text: str) -> dict[str, dict[str, Any]]:
@@ -46,10 +46,12 @@ def parse_log(text: str) -> dict[str, dict[str, Any]]:
         if MARK in line:
             name = line.split(MARK, 1)[1].strip()
             cur = None if name == "end" else phases.setdefault(
-                name, {"executions": 0, "updates": 0, "updated_allocs": [], "update_us": 0})
+                name, {"executions": 0, "updates": 0, "updated_allocs": [], "update_us": 0, "lines": []})
             continue
         if cur is None:
             continue
+        if "command buffer" in line.lower() and len(cur["lines"]) < 6:
+            cur["lines"].append(line[-300:])  # a sample, to check what XLA logged
         if m := _UPDATE.search(line):
             cur["updates"] += 1
             cur["updated_allocs"].append(int(m.group(1)))
@@ -69,6 +71,7 @@ def child(a: argparse.Namespace) -> None:
     import numpy as np
 
     from jds.bench.stack import block_table, build_stack, make_runner, step_shapes
+    from jds.sampling import greedy_tokens
 
     model = build_stack(a.arch, a.layers, intermediate=a.intermediate, size=a.size, implementation=a.implementation)
     chunks = step_shapes(512)["ttft_128"]
@@ -79,38 +82,40 @@ def child(a: argparse.Namespace) -> None:
         runner = make_runner(model, parts[0], 64, 512, input_prep=parts[1],
                              segments=int(parts[2]) if len(parts) > 2 else 1)
         bt = block_table(runner, 1)
-        step = lambda: runner.step(*runner.prepare_inputs(ids, chunks, bt))  # noqa: E731
+        # a step as the engine runs it: launch, then the greedy sample on the device (its tokens are what a
+        # caller keeps; the logits are valid until the next step); launch time = the runner's step call
+        launch: dict[str, list[float]] = {"serial_drop": [], "serial_keep": [], "in_flight_2": []}
+
+        def step(phase: str | None = None) -> jax.Array:
+            inputs = runner.prepare_inputs(ids, chunks, bt)
+            t = time.perf_counter()
+            logits = runner.step(*inputs)
+            if phase:
+                launch[phase].append(time.perf_counter() - t)
+            return greedy_tokens(logits)
+
         for _ in range(5):
             np.asarray(step())
-        launch: dict[str, list[float]] = {"serial_drop": [], "serial_keep": [], "in_flight_2": []}
         _phase(f"{v}|serial_drop")
         for _ in range(a.n):
-            t = time.perf_counter()
-            logits = step()
-            launch["serial_drop"].append(time.perf_counter() - t)
-            np.asarray(logits)
-            del logits
+            np.asarray(step("serial_drop"))
         _phase(f"{v}|serial_keep")
-        logits = step()
-        np.asarray(logits)
+        tok = step()
+        np.asarray(tok)
         for _ in range(a.n):
-            t = time.perf_counter()
-            nxt = step()
-            launch["serial_keep"].append(time.perf_counter() - t)
+            nxt = step("serial_keep")
             np.asarray(nxt)
-            logits = nxt
+            tok = nxt
         _phase(f"{v}|in_flight_2")
         prev = step()
         for _ in range(a.n):
-            t = time.perf_counter()
-            nxt = step()
-            launch["in_flight_2"].append(time.perf_counter() - t)
+            nxt = step("in_flight_2")
             np.asarray(prev)
             prev = nxt
         np.asarray(prev)
         _phase("end")
         out[v] = {k: 1e3 * sorted(x)[len(x) // 2] for k, x in launch.items()}
-        del runner, logits, nxt, prev
+        del runner, tok, nxt, prev
         jax.clear_caches()
     print("JDS_RESULT " + json.dumps(out), flush=True)
 
@@ -162,16 +167,16 @@ def main(argv: list[str] | None = None) -> None:
         rows: dict[str, Any] = {}
         for key, ph in phases.items():
             v, phase = key.split("|")
-            n_exec = max(ph["executions"], 1)
+            steps = a.n if phase == "serial_drop" else a.n + 1  # the later phases start one step early
             rows.setdefault(v, {})[phase] = {
-                "executions": ph["executions"], "updates": ph["updates"],
-                "updates_per_execution": ph["updates"] / n_exec,
+                "steps": steps, "executions_logged": ph["executions"], "updates": ph["updates"],
+                "updates_per_step": ph["updates"] / steps,
                 "updated_allocs_mean": (sum(ph["updated_allocs"]) / len(ph["updated_allocs"])
                                         if ph["updated_allocs"] else 0.0),
-                "update_us_per_execution": ph["update_us"] / n_exec,
-                "launch_ms_median": launch.get(v, {}).get(phase)}
+                "update_us_per_step": ph["update_us"] / steps,
+                "launch_ms_median": launch.get(v, {}).get(phase), "log_sample": ph["lines"]}
         res["update_modes"][mode] = {"rc": rc, "variants": rows,
-                                     "vlog_seen": any(p["executions"] for p in phases.values()),
+                                     "vlog_seen": any(p["lines"] for p in phases.values()),
                                      "stderr_tail": stderr[-1500:] if rc != 0 else ""}
         print(json.dumps({mode: rows}), flush=True)
         if a.out:
