@@ -56,13 +56,17 @@ case "$stage" in
     echo "deep rc=$?"; grep '^{' "$OUT/ttft_v32_61l.log" | cut -c1-250
     ;;
   async)
-    # issue 16 item 4: the server with async stepping on and off, fused mode, c=1 and c=64
-    timeout ${ASYNC_TIMEOUT:-570} python3 scripts/bench_serve_modes.py --preset v32-bench --modes fused --num-prompts 200 --output-len 64 \
-      --num-warmups 10 --out "$OUT/serve_async_h200.json" -- --num-blocks 600 --token-buckets 128 2048 \
-      --key-block-buckets 4 > "$OUT/serve_async.log" 2>&1; echo "async rc=$?"; tail -6 "$OUT/serve_async.log"
-    timeout ${ASYNC_TIMEOUT:-570} python3 scripts/bench_serve_modes.py --preset v32-bench --modes fused --num-prompts 200 --output-len 64 \
-      --num-warmups 10 --out "$OUT/serve_sync_h200.json" -- --num-blocks 600 --token-buckets 128 2048 \
-      --key-block-buckets 4 --no-async > "$OUT/serve_sync.log" 2>&1; echo "sync rc=$?"; tail -6 "$OUT/serve_sync.log"
+    # issue 16 item 4: the server with async stepping on and off, fused mode, c=1 and c=64; then the device-bound
+    # decode step of the same stack (10 steps in flight) that c=1's time per output token is compared with
+    for flag in "" "--no-async"; do
+      name=async; [ -n "$flag" ] && name=sync
+      timeout ${ASYNC_TIMEOUT:-250} python3 scripts/bench_serve_modes.py --preset v32-bench --modes fused --num-prompts 96 \
+        --output-len 64 --num-warmups 8 --out "$OUT/serve_${name}_h200.json" -- --num-blocks 600 --token-buckets 128 2048 \
+        --key-block-buckets 4 $flag > "$OUT/serve_$name.log" 2>&1; echo "$name rc=$?"; tail -4 "$OUT/serve_$name.log"
+    done
+    timeout ${DECODE_TIMEOUT:-80} python3 -m jds.bench.ttft --arch v32 --layers 8 --shape decode_b1_ctx512 \
+      --variants fused:device --out "$OUT/decode_b1_v32_h200.json" > "$OUT/decode_b1.log" 2>&1
+    echo "decode_b1 rc=$?"; grep '^{' "$OUT/decode_b1.log" | cut -c1-300
     ;;
   probe)
     # one process per variant (update modes pick XLA's allocator at start-up); fused first: one executable

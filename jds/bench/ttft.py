@@ -26,7 +26,7 @@ def _median_ms(xs: list[float]) -> float:
 
 
 def time_variant(model: Any, mode: str, prep: str, segments: int, n: int, moe: bool = False,
-                 parallel: dict[str, int] | None = None) -> dict[str, Any]:
+                 parallel: dict[str, int] | None = None, shape: str = "ttft_128") -> dict[str, Any]:
     import jax
     import numpy as np
 
@@ -34,9 +34,9 @@ def time_variant(model: Any, mode: str, prep: str, segments: int, n: int, moe: b
 
     t0 = time.perf_counter()
     runner = make_runner(model, mode, 64, 512, input_prep=prep, segments=segments, **(parallel or {}))
-    chunks = step_shapes(512)["ttft_128"]
-    bt = block_table(runner, 1)
-    ids = np.random.default_rng(0).integers(0, 256, 128).astype(np.int32)
+    chunks = step_shapes(512)[shape]
+    bt = block_table(runner, len(chunks))
+    ids = np.random.default_rng(0).integers(0, 256, sum(c.num_tokens for c in chunks)).astype(np.int32)
     np.asarray(runner.step(*runner.prepare_inputs(ids, chunks, bt)))
     compile_s = time.perf_counter() - t0
     walls, preps, launches = time_steps(runner, ids, chunks, bt, n)
@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--implementation", default="auto", choices=("auto", "xla", "pallas"))
     ap.add_argument("--variants", nargs="+", default=["fused:host", "fused:device"])
     ap.add_argument("--n", type=int, default=50)
+    ap.add_argument("--shape", default="ttft_128", help="the step timed (jds.bench.stack.step_shapes(512)): "
+                    "ttft_128, decode_b1_ctx512, decode_b64_ctx512, prefill_64x128_step")
     ap.add_argument("--graph-update-mode", default=None,
                     help="XLA command-buffer update mode for the whole process (ALWAYS_UPDATE, SKIP_TEMP, SKIP_PROFILED)")
     ap.add_argument("--tensor-parallel", type=int, default=1, help="RunnerConfig.tensor_parallel (devices)")
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
                                     "jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
                                     "backend": jax.default_backend(), "arch": a.arch, "layers": a.layers,
                                     "intermediate": a.intermediate, "moe_experts": a.moe_experts,
-                                    "moe_topk": a.moe_topk, "build_s": time.perf_counter() - t0,
+                                    "moe_topk": a.moe_topk, "build_s": time.perf_counter() - t0, "shape": a.shape,
                                     "graph_update_mode": a.graph_update_mode, "parallel": parallel,
                                     "complete": False},
                            "variants": {}}
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         mode, prep = parts[0], parts[1]
         segments = int(parts[2]) if len(parts) > 2 else 1
         try:
-            res["variants"][v] = time_variant(model, mode, prep, segments, a.n, parallel=parallel)
+            res["variants"][v] = time_variant(model, mode, prep, segments, a.n, parallel=parallel, shape=a.shape)
         except Exception as e:  # noqa: BLE001 - a variant that fails records why; the others still run
             res["variants"][v] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         print(json.dumps({v: res["variants"][v]}), flush=True)
