@@ -245,7 +245,7 @@ def test_bench_flags_reach_the_runner_config(monkeypatch) -> None:
 
     seen: dict = {}
 
-    def fake_time_variant(model, mode, prep, segments, n, moe=False, parallel=None):
+    def fake_time_variant(model, mode, prep, segments, n, moe=False, parallel=None, shape="ttft_128"):
         seen.update(parallel)
         return {}
 
