@@ -73,7 +73,8 @@ def child(a: argparse.Namespace) -> None:
     from jds.bench.stack import block_table, build_stack, make_runner, step_shapes
     from jds.sampling import greedy_tokens
 
-    model = build_stack(a.arch, a.layers, intermediate=a.intermediate, size=a.size, implementation=a.implementation)
+    model = build_stack(a.arch, a.layers, intermediate=a.intermediate, size=a.size, implementation=a.implementation,
+                        moe_experts=a.moe_experts, moe_topk=a.moe_topk)
     chunks = step_shapes(512)["ttft_128"]
     ids = np.random.default_rng(0).integers(0, 256, 128).astype(np.int32)
     out: dict[str, Any] = {}
@@ -126,6 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--intermediate", type=int, default=None)
     ap.add_argument("--size", default="bench", choices=("bench", "tiny"))
+    ap.add_argument("--moe-experts", type=int, default=0, help="routed experts per layer (0: dense MLP)")
+    ap.add_argument("--moe-topk", type=int, default=8)
     ap.add_argument("--implementation", default="auto", choices=("auto", "xla", "pallas"))
     ap.add_argument("--variants", nargs="+", default=["fused:device", "fused:host"])
     ap.add_argument("--update-modes", nargs="+", default=["ALWAYS_UPDATE"])
@@ -146,11 +149,13 @@ def main(argv: list[str] | None = None) -> None:
     res: dict[str, Any] = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                                     "command": " ".join(["python -m jds.bench.graph_updates"] + sys.argv[1:]),
                                     "arch": a.arch, "layers": a.layers, "intermediate": a.intermediate,
+                                    "moe_experts": a.moe_experts, "moe_topk": a.moe_topk,
                                     "n": a.n, "complete": False}, "update_modes": {}}
     env = {**os.environ, "TF_CPP_VMODULE": "command_buffer_thunk=3", "TF_CPP_MIN_LOG_LEVEL": "0"}
     for mode in a.update_modes:
         cmd = [sys.executable, "-m", "jds.bench.graph_updates", "--child", mode, "--arch", a.arch,
-               "--layers", str(a.layers), "--size", a.size, "--implementation", a.implementation, "--n", str(a.n),
+               "--layers", str(a.layers), "--size", a.size, "--moe-experts", str(a.moe_experts),
+               "--moe-topk", str(a.moe_topk), "--implementation", a.implementation, "--n", str(a.n),
                "--variants", *a.variants] + (["--intermediate", str(a.intermediate)] if a.intermediate else [])
         try:
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
