@@ -148,7 +148,7 @@ class BoundaryRunner:
         if self.input_prep == "auto":
             # fused builds the batch inside its one executable; in wide / narrow the batch would leave the
             # first segment as outputs that every later dispatch waits on (measured slower for narrow:
-            # benchmarks/results/ttft_h200_2026-11-30.json, narrow:host vs narrow:device)
+            # benchmarks/results/archive/ttft_v32_h200_2026-11-30.json, narrow:host vs narrow:device)
             self.input_prep = "device" if self.mode == "fused" else "host"
         if not 1 <= self.segments <= self.model.cfg.n_layers:
             raise ValueError(f"segments must be in [1, n_layers={self.model.cfg.n_layers}], got {self.segments}")
@@ -344,10 +344,12 @@ class BoundaryRunner:
         Why: XLA re-records a command buffer when any allocation it uses moved since its last execution, and
         any update makes the launch re-upload the graph. A fresh output allocation lands at a new address
         whenever the previous step's logits are still alive (a caller holding them, or the async engine's
-        step in flight), which re-recorded every step (benchmarks/results/graph_updates_h200_2026-12-01.json,
-        phases serial_keep / in_flight_2 against serial_drop). With the output in one persistent buffer, every
-        argument and result of the step keeps its address. The price: the logits a step returns are valid
-        until the next step (``step``'s contract). Without a mesh only: a sharded output's layout is XLA's.
+        step in flight): it re-recorded every step (benchmarks/results/archive/
+        graph_updates_fresh_logits_h200_2026-12-01.json, phases serial_keep / in_flight_2 against
+        serial_drop). With the output in one persistent buffer, every argument and result of the step keeps
+        its address (benchmarks/results/graph_updates_h200_2026-12-01.json: no re-recording in any phase).
+        The price: the logits a step returns are valid until the next step (``step``'s contract). Without a
+        mesh only: a sharded output's layout is XLA's.
         """
         if self.mesh is not None:
             return None

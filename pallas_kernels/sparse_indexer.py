@@ -472,7 +472,7 @@ def resolve_topk_algorithm(rows: int, cols: int, backend: str | None = None) -> 
     k keys above the sampled pivot, or more than the buffer holds) reads the whole row again, so the
     slowest row sets the time (no prefilter: rows ``..._pallas_radix_direct``, several times slower). A
     decode batch with one request shorter than the row width (its invisible keys are -inf), or a NaN row,
-    is such a row. The select run with "auto" (``benchmarks/results/kernels_select_h200_2026-11-29.json``,
+    is such a row. The select run with "auto" (``benchmarks/results/archive/kernels_select_h200_2026-11-29_partial.json``,
     incomplete; rows ``decode_select_*``, key ``topk``) won at 16 x 128K and lost at 64 x 32K to lax in an
     earlier call; the benchmark's queries then held rows of NaN logits (fixed since). A per-row cheap path
     for short rows, measured on mixed-length batches, comes before a default change.

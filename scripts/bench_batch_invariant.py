@@ -206,7 +206,9 @@ def main(argv: list[str] | None = None) -> dict:
     date = datetime.datetime.now(datetime.timezone.utc)
     out = a.out or os.path.join(ROOT, "benchmarks", "results", f"batch_invariant_{device_tag()}_{date:%Y-%m-%d}.json")
     res: dict[str, Any] = {"meta": {"date": date.isoformat(), "device": str(jax.devices()[0].device_kind),
-                                    "backend": jax.default_backend(), "jax": jax.__version__, "args": vars(a)},
+                                    "backend": jax.default_backend(), "jax": jax.__version__, "args": vars(a),
+                                    "command": " ".join(["python scripts/bench_batch_invariant.py"] + sys.argv[1:]),
+                                    "complete": False},
                            "configs": []}
     reqs = make_requests(a)
     for config in a.configs:
@@ -225,6 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
                 if c["throughput"]["decode_tok_s"]:
                     c["throughput"]["vs_default"] = c["throughput"]["decode_tok_s"] / base["throughput"]["decode_tok_s"]
         write_json(out, res)
+    res["meta"]["complete"] = True
+    write_json(out, res)
     print(f"wrote {out}")
     return res
 

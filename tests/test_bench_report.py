@@ -27,7 +27,7 @@ def test_every_table_names_an_existing_complete_file() -> None:
     assert len(tabulated) >= 8
     for s in tabulated:
         title = s.splitlines()[0]
-        (src,) = re.findall(r"^Source: `benchmarks/results/([^`]+)`$", s, re.M)
+        (src,) = re.findall(r"\(source: `benchmarks/results/([^`]+)`\)$", s, re.M)
         path = os.path.join(RESULTS, src)
         assert os.path.isfile(path), (title, src)
         assert src.startswith(title + "_") and re.fullmatch(r".+_[a-z0-9]+_\d{4}-\d{2}-\d{2}\.json", src), src

@@ -139,9 +139,52 @@ def _ttft(d: dict) -> list[str]:
         rows.append([name, _fmt(r["ttft_ms"]), _fmt(r["prepare_ms"]), _fmt(r["launch_ms"]),
                      _fmt(r["back_to_back_step_ms"]), _fmt(r["first_step_s"], 1),
                      f"{disp.get('captured', '?')} + {disp.get('eager', '?')}", _ratio(r["ttft_ms"], first)])
-    return ["TTFT of one 128-token prompt per runner variant (`mode:input_prep[:segments]`), medians in ms:", ""] + \
+    shape = d.get("meta", {}).get("shape", "ttft_128")
+    what = ("TTFT of one 128-token prompt (to the first token on the host)" if shape == "ttft_128"
+            else f"Step `{shape}` (to the greedy tokens on the host)")
+    return [f"{what} per runner variant (`mode:input_prep[:segments]`), medians in ms:", ""] + \
         _table(["variant", "ttft", "prepare", "launch", "back-to-back step", "first step s",
                 "dispatches (captured + eager)", "ttft / first variant"], rows)
+
+
+def _graph_updates(d: dict) -> list[str]:
+    """Command-buffer updates per step, counted from XLA's VLOG (``jds.bench.graph_updates``), one row per
+    variant with the phases as columns."""
+    per_depth = d.get("depths") or {str(d.get("meta", {}).get("layers", "?")): d.get("update_modes", {})}
+    phases = ("serial_drop", "serial_keep", "in_flight_2")
+    rows = []
+    for depth, modes in per_depth.items():
+        for mode, r in modes.items():
+            for v, ph in r.get("variants", {}).items():
+                first = next(iter(ph.values()))
+                rows.append([depth, mode, v, _fmt(first["executions_logged"] / max(first["steps"], 1), 1)]
+                            + [f"{_fmt(ph[p]['updates_per_step'])} / {_fmt(ph[p]['update_us_per_step'], 0)} / "
+                               f"{_fmt(ph[p].get('launch_ms_median'))}" if p in ph else "—" for p in phases])
+    return ["Command buffers per step, and per phase: re-recordings per step / µs re-recording per step / launch ms "
+            "(host time of `runner.step`, VLOG on). Phases: serial (result dropped / kept alive) and two steps in "
+            "flight:", ""] + \
+        _table(["layers", "update mode", "variant", "command buffers"] + list(phases), rows)
+
+
+def _serve_async(d: dict) -> list[str]:
+    """The server with async stepping on and off: TTFT, time per output token and throughput per concurrency."""
+    runs = [r for r in d.get("runs", []) if "error" not in r]
+    sync = next((r for r in runs if "no-async" in r.get("mode", "")), None)
+    rows = []
+    for r in runs:
+        for c in sorted((k for k in r if re.fullmatch(r"c\d+", k)), key=lambda k: int(k[1:])):
+            s = r[c]
+            base = sync[c]["output_throughput"] if sync and c in sync else None
+            rows.append([r["mode"], c[1:], _fmt(s["median_ttft_ms"]), _fmt(s["median_tpot_ms"]), _fmt(s["p99_tpot_ms"]),
+                         _fmt(s["output_throughput"], 0), _ratio(s["output_throughput"], base)])
+    args = d.get("runs", [{}])[0].get("c1", {})
+    meta = d.get("meta", {})
+    step = (f" Device-bound decode step of the same stack: {_fmt(meta['device_step_ms'])} ms "
+            f"(`{meta.get('device_step_source')}`)." if "device_step_ms" in meta else "")
+    return [f"`scripts/serve.py` in fused mode, {args.get('input_len')}-token prompts, {args.get('output_len')} output "
+            f"tokens, async stepping on and off.{step}", ""] + \
+        _table(["server", "concurrency", "TTFT median ms", "TPOT median ms", "TPOT P99 ms", "output tok/s",
+                "tok/s / --no-async"], rows)
 
 
 def _host_profile(d: dict, top: int = 8) -> list[str]:
@@ -254,7 +297,9 @@ def _kernels(d: dict) -> list[str]:
 RENDERERS: list[tuple[Callable[[str, dict], bool], Callable[[dict], list[str]]]] = [
     (lambda b, d: b.startswith("thunk_counts"), _thunks),
     (lambda b, d: b.startswith("boundary"), _boundary),
+    (lambda b, d: b.startswith("serve_async"), _serve_async),
     (lambda b, d: b.startswith("serve"), _serve),
+    (lambda b, d: b.startswith("graph_updates"), _graph_updates),
     (lambda b, d: b.startswith("probe_graph_updates"), _probe),
     (lambda b, d: b.startswith("host_profile"), _host_profile),
     (lambda b, d: b.startswith("ttft"), _ttft),
@@ -320,8 +365,9 @@ def render(results_dir: str, rel_dir: str = "benchmarks/results") -> str:
         body = fn(d) if fn else []
         lines += [f"## {bench}", ""]
         lines += [f"{str(meta.get('date', '?'))[:16]}, {_device(d, NAME.match(name).group('device'))}, "
-                  f"jax {meta.get('jax', 'not recorded')}: `{meta.get('command', 'command not recorded')}`", ""]
-        lines += (body or ["(no table format for this benchmark yet)"]) + ["", f"Source: `{rel_dir}/{name}`", ""]
+                  f"jax {meta.get('jax', 'not recorded')}: `{meta.get('command', 'command not recorded')}` "
+                  f"(source: `{rel_dir}/{name}`)", ""]
+        lines += (body or ["(no table format for this benchmark yet)"]) + [""]
     if rest or other:
         lines += ["## Not tabulated", ""]
         lines += [f"- `{rel_dir}/{n}`: {why}" for n, why in sorted(rest.items())]
