@@ -179,8 +179,13 @@ def _serve_async(d: dict) -> list[str]:
                          _fmt(s["output_throughput"], 0), _ratio(s["output_throughput"], base)])
     args = d.get("runs", [{}])[0].get("c1", {})
     meta = d.get("meta", {})
-    step = (f" Device-bound decode step of the same stack: {_fmt(meta['device_step_ms'])} ms "
-            f"(`{meta.get('device_step_source')}`)." if "device_step_ms" in meta else "")
+    step = (f" Device-bound time of the server's decode step (its token bucket, same stack): "
+            f"{_fmt(meta['device_step_ms'])} ms (`{meta.get('device_step_source')}`)." if "device_step_ms" in meta else "")
+    eng = meta.get("engine_only")
+    if eng:
+        step += (f" The engine alone (no HTTP, `{eng['source']}`): {_fmt(eng['async_ms_per_step'])} ms per decode step "
+                 f"async ({_fmt(eng['async_submit_ms'])} submitting, {_fmt(eng['async_wait_and_apply_ms'])} waiting + "
+                 f"applying), {_fmt(eng['sync_ms_per_step'])} ms sync.")
     return [f"`scripts/serve.py` in fused mode, {args.get('input_len')}-token prompts, {args.get('output_len')} output "
             f"tokens, async stepping on and off.{step}", ""] + \
         _table(["server", "concurrency", "TTFT median ms", "TPOT median ms", "TPOT P99 ms", "output tok/s",
