@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
 import errno
 import logging
 import os
@@ -367,5 +366,5 @@ async def _shut_down(srv, loop: EngineLoop, site, code: int, timeout: float, say
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     exit_code = asyncio.run(main(parse_args()))
-    atexit._run_exitfuncs()  # the engine thread has ended (main leaves by itself otherwise): logging, JAX
+    logging.shutdown()  # the engine thread has ended: flush the log handlers before leaving without finalizing
     _leave(exit_code)
