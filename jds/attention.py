@@ -56,7 +56,8 @@ class Indexer(nnx.Module):
 
     def _wq_b(self, cfg: Any, numerics: Numerics, rngs: nnx.Rngs) -> Linear:
         dt, fp8 = jdtype(numerics.dtype), numerics.fp8_linear
-        return Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, dtype=dt, fp8=fp8, rngs=rngs)
+        return Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, dtype=dt, fp8=fp8, rngs=rngs,
+                      scale_fmt=numerics.act_scale_fmt)
 
     def _weights_proj(self, cfg: Any, rngs: nnx.Rngs) -> Linear:
         return Linear(cfg.hidden_size, cfg.index_n_heads, dtype=jnp.float32, fp8=False, rngs=rngs)
@@ -117,7 +118,7 @@ class StagedAttention(nnx.Module):
     def index_format(self) -> RecordFormat:
         epp, dim = self.index_entries_per_page, self.cfg.index_head_dim
         if self.numerics.indexer_fp8:
-            return IndexerRecord132(epp, dim)
+            return IndexerRecord132(epp, dim, scale_fmt=self.numerics.act_scale_fmt)
         return FloatRows(dim, epp, self.dtype)
 
     def init_cache(self, num_blocks: int) -> Any:

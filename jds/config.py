@@ -73,6 +73,9 @@ class Numerics:
     indexer_fp8: bool = True  # indexer q/k quantised to e4m3 with ue8m0 scales per 128
     indexer_hadamard: bool = True  # DeepSeek reference rotates indexer q/k; vLLM does not
     latent_scale_fmt: Literal["ue8m0", "amax"] = "ue8m0"  # V3.2 656-B record scales: [R-fix] vs vLLM
+    # Activation scales of the FP8 linears and of the indexer's q / k quantisation: a checkpoint's
+    # ``quantization_config.scale_fmt`` ("ue8m0": power-of-two scales; absent: DeepSeek's plain amax/448)
+    act_scale_fmt: Literal["ue8m0", "amax"] = "ue8m0"
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("float32", "bfloat16"), "dtype", f"must be float32 or bfloat16, got {self.dtype!r}")
@@ -82,6 +85,7 @@ class Numerics:
             f"must be fp8, bfloat16 or float32, got {self.kv_cache_dtype!r}",
         )
         _require(self.latent_scale_fmt in ("ue8m0", "amax"), "latent_scale_fmt", "must be ue8m0 or amax")
+        _require(self.act_scale_fmt in ("ue8m0", "amax"), "act_scale_fmt", "must be ue8m0 or amax")
 
     @classmethod
     def exact(cls) -> "Numerics":

@@ -17,9 +17,9 @@ are always dequantised. V4 FP4 experts (int8-packed e2m1 + ue8m0 scales per 1x32
 ``quantization_config`` is read for both V3.2 and V4 (:func:`quantization_config`): ``quant_method`` (block
 fp8), ``fmt`` (e4m3), ``weight_block_size`` ([128, 128]), ``activation_scheme`` (dynamic) and ``scale_fmt``;
 any other value is a ValueError naming the field. ``scale_fmt`` says how activations are quantised at run time:
-"ue8m0" (power-of-two scales, what jds implements in every activation quantiser) or absent (DeepSeek's
-reference then uses plain amax/448 scales, not implemented in jds yet: such a checkpoint is refused, never
-converted to a different quantisation). The validated values are stored in the converted checkpoint's
+"ue8m0" (power-of-two scales) or absent (DeepSeek's reference then uses plain amax/448 scales); the model's
+numerics take it (``Numerics.act_scale_fmt``, and for V3.2 ``latent_scale_fmt``: :func:`apply_scale_fmt`), so
+every activation quantiser runs the checkpoint's format. V4 runs "ue8m0" only. The validated values are stored in the converted checkpoint's
 ``extra["quantization"]`` and logged. ``rope_scaling.mscale_all_dim`` must equal ``mscale`` (jds applies
 ``mscale`` only, as DeepSeek's reference does), else a ValueError names it.
 
@@ -373,7 +373,6 @@ ACTIVATION_SCHEMES = ("dynamic",)
 # scale_fmt spellings: "ue8m0" (power-of-two activation scales, what jds implements) and the plain amax/448
 # scales DeepSeek's reference uses when the field is absent or null (``act_quant(..., scale_fmt=None)``).
 SCALE_FMTS = ("ue8m0", "amax")
-IMPLEMENTED_SCALE_FMT = "ue8m0"
 QUANT_KEYS = ("quant_method", "fmt", "scale_fmt", "weight_block_size", "activation_scheme")
 
 
@@ -444,17 +443,28 @@ def quantises_activations(numerics: Any) -> bool:
     return bool(numerics.fp8_linear or numerics.indexer_fp8 or numerics.kv_cache_dtype == "fp8")
 
 
-def check_scale_fmt(quant: dict[str, Any] | None, numerics: Any) -> None:
-    """Refuse a checkpoint whose activation scales differ from the ones jds implements, unless the chosen
-    numerics quantise no activation at all (an explicit ``--dequantize --numerics bf16`` departure)."""
-    if quant is None or quant["scale_fmt"] == IMPLEMENTED_SCALE_FMT or not quantises_activations(numerics):
-        return
-    raise ValueError(
-        f"invalid config field 'quantization_config.scale_fmt': the checkpoint quantises activations with "
-        f"{quant['scale_fmt']!r} scales (plain amax/448), but jds implements only {IMPLEMENTED_SCALE_FMT!r} "
-        "(power-of-two) activation scales; the amax/448 path is not implemented yet. Refusing to convert to a "
-        "different quantisation (dequantising with numerics 'bf16' or 'exact', which quantise no activation, "
-        "is the only explicit way around it)")
+def apply_scale_fmt(quant: dict[str, Any] | None, numerics: Any, arch: str, explicit: bool) -> Any:
+    """The numerics with the checkpoint's activation scale format: its FP8 linears, indexer q / k and (V3.2)
+    latent records quantise with ``quantization_config.scale_fmt`` ("ue8m0", or absent: DeepSeek's plain
+    amax/448), as the model's own ``act_quant(..., scale_fmt)`` does. A preset name takes it over; an explicit
+    Numerics that disagrees is a ValueError (a departure must be spelled out, not converted silently).
+    """
+    if quant is None:
+        return numerics
+    fmt = quant["scale_fmt"]
+    if arch == "v4" and fmt != "ue8m0":
+        raise ValueError(f"invalid config field 'quantization_config.scale_fmt': {fmt!r} (plain amax/448) for a "
+                         "DeepSeek-V4 checkpoint; V4's caches store e8m0 scale exponents, so jds's V4 runs "
+                         "'ue8m0' scales only")
+    if explicit:
+        bad = [f for f in ("act_scale_fmt",) + (("latent_scale_fmt",) if arch == "v32" else ())
+               if getattr(numerics, f) != fmt and quantises_activations(numerics)]
+        if bad:
+            raise ValueError(f"numerics.{bad[0]}={getattr(numerics, bad[0])!r} differs from the checkpoint's "
+                             f"'quantization_config.scale_fmt' ({fmt!r})")
+        return numerics
+    over = {"act_scale_fmt": fmt} | ({"latent_scale_fmt": fmt} if arch == "v32" else {})
+    return dataclasses.replace(numerics, **over)
 
 
 def check_rope_mscale(d: dict[str, Any]) -> None:
@@ -548,8 +558,8 @@ def hf_model_config(hf: Any, *, layers: int | None = None, dequantize: bool = Fa
         kw.update(_v4_block_fields(d))
     check_rope_mscale(d)
     quant = quantization_config(d)
-    kw["numerics"] = make_numerics(numerics, quant is not None and not dequantize)
-    check_scale_fmt(quant, kw["numerics"])
+    kw["numerics"] = apply_scale_fmt(quant, make_numerics(numerics, quant is not None and not dequantize), arch,
+                                     explicit=not isinstance(numerics, str))
     kw.update(model_ovr)
     return ModelConfig(**kw)
 

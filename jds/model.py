@@ -25,10 +25,11 @@ from jds.v4_block import HCHead, HyperConnection, V4Block, V4BlockConfig, expand
 
 
 class MLP(nnx.Module):
-    def __init__(self, hidden: int, inter: int, dtype: jnp.dtype, fp8: bool, rngs: nnx.Rngs):
-        self.w1 = Linear(hidden, inter, dtype=dtype, fp8=fp8, rngs=rngs)
-        self.w3 = Linear(hidden, inter, dtype=dtype, fp8=fp8, rngs=rngs)
-        self.w2 = Linear(inter, hidden, dtype=dtype, fp8=fp8, rngs=rngs)
+    def __init__(self, hidden: int, inter: int, dtype: jnp.dtype, fp8: bool, rngs: nnx.Rngs,
+                 scale_fmt: str = "ue8m0"):
+        self.w1 = Linear(hidden, inter, dtype=dtype, fp8=fp8, rngs=rngs, scale_fmt=scale_fmt)
+        self.w3 = Linear(hidden, inter, dtype=dtype, fp8=fp8, rngs=rngs, scale_fmt=scale_fmt)
+        self.w2 = Linear(inter, hidden, dtype=dtype, fp8=fp8, rngs=rngs, scale_fmt=scale_fmt)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.w2(jax.nn.silu(self.w1(x).astype(jnp.float32)).astype(x.dtype) * self.w3(x))
@@ -86,7 +87,8 @@ class DecoderLayer(nnx.Module):
         self.attn = make_attention(cfg, layer_id, implementation, rngs, indexer_config)
         self.ffn_norm = RMSNorm(cfg.hidden_size, eps=eps, rngs=rngs)
         self.ffn = (MoE(cfg, dt, rngs) if cfg.n_routed_experts
-                    else MLP(cfg.hidden_size, cfg.intermediate_size, dt, cfg.numerics.fp8_linear, rngs))
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, dt, cfg.numerics.fp8_linear, rngs,
+                             cfg.numerics.act_scale_fmt))
 
     # The two halves the boundary runner places around the attention consumers.
     def pre_attention(self, h: jax.Array) -> Any:

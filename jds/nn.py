@@ -32,12 +32,16 @@ def matmul(x: jax.Array, w: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
 
 
 class Linear(nnx.Module):
-    """y = x W^T. With ``fp8=True`` W is e4m3 + 128x128 block scales and x is re-quantised per 128."""
+    """y = x W^T. With ``fp8=True`` W is e4m3 + 128x128 block scales and x is re-quantised per 128 with
+    ``scale_fmt`` scales (``Numerics.act_scale_fmt``: the checkpoint's ``quantization_config.scale_fmt``)."""
 
     _flat_export = True
 
     def __init__(self, in_features: int, out_features: int, *, dtype: jnp.dtype, fp8: bool, rngs: nnx.Rngs,
-                 std: float | None = None):
+                 std: float | None = None, scale_fmt: str = "ue8m0"):
+        if scale_fmt not in ("ue8m0", "amax"):
+            raise ValueError(f"scale_fmt must be 'ue8m0' or 'amax', got {scale_fmt!r}")
+        self.scale_fmt = scale_fmt
         std = in_features ** -0.5 if std is None else std
         w = jax.random.normal(rngs.params(), (out_features, in_features), jnp.float32) * std
         self.fp8 = fp8
@@ -52,7 +56,7 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
         out_dtype = out_dtype or self.dtype
         if self.fp8:
-            return fp8_linear(x, self.weight[...], self.scale[...], out_dtype)
+            return fp8_linear(x, self.weight[...], self.scale[...], out_dtype, self.scale_fmt)
         return matmul(x.astype(self.dtype), self.weight[...], out_dtype)
 
     def grouped(self, x: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
@@ -64,7 +68,7 @@ class Linear(nnx.Module):
         out_dtype = out_dtype or self.dtype
         g = x.shape[-2]
         if self.fp8:
-            xq, sx = act_quant(x, 128, "ue8m0")
+            xq, sx = act_quant(x, 128, self.scale_fmt)
             xd, w, prec = dequant(xq, sx, 128), self.dense_weight(), HIGHEST
         else:
             xd, w = x.astype(self.dtype), self.weight[...]
@@ -91,12 +95,12 @@ class FusedLinear(Linear):
     """
 
     def __init__(self, in_features: int, parts: Sequence[tuple[str, int]], *, dtype: jnp.dtype, fp8: bool,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, scale_fmt: str = "ue8m0"):
         parts = tuple((str(n), int(o)) for n, o in parts)
         if fp8 and any(o % 128 for _, o in parts[:-1]):
             raise ValueError(f"FusedLinear parts {parts}: with fp8 weights every part but the last needs a "
                              "multiple of 128 rows (one scale block must not straddle two parts)")
-        super().__init__(in_features, sum(o for _, o in parts), dtype=dtype, fp8=fp8, rngs=rngs)
+        super().__init__(in_features, sum(o for _, o in parts), dtype=dtype, fp8=fp8, rngs=rngs, scale_fmt=scale_fmt)
         self.parts = parts
 
     def row_ranges(self, scale: bool = False) -> list[tuple[str, int, int]]:

@@ -58,7 +58,7 @@ class V32Indexer(Indexer):
     def __init__(self, cfg: V32Config, numerics: Numerics, rngs: nnx.Rngs):
         self.wq_b = self._wq_b(cfg, numerics, rngs)
         self.wk = Linear(cfg.hidden_size, cfg.index_head_dim, dtype=jdtype(numerics.dtype), fp8=numerics.fp8_linear,
-                         rngs=rngs)
+                         rngs=rngs, scale_fmt=numerics.act_scale_fmt)
         self.k_norm = LayerNorm(cfg.index_head_dim, eps=cfg.rms_norm_eps, rngs=rngs)
         self.weights_proj = self._weights_proj(cfg, rngs)
 
@@ -75,16 +75,16 @@ class V32Attention(StagedAttention):
         implementation = resolve_implementation(implementation)
         self.cfg, self.numerics, self.form, self.implementation = cfg, numerics, form, implementation
         self.indexer_config = indexer_config  # pallas_kernels.sparse_indexer.IndexerKernelConfig; None: default
-        dt, fp8 = jdtype(numerics.dtype), numerics.fp8_linear
+        dt, fp8, sf = jdtype(numerics.dtype), numerics.fp8_linear, numerics.act_scale_fmt
         self.dtype = dt
-        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype=dt, fp8=fp8, rngs=rngs)
+        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype=dt, fp8=fp8, rngs=rngs, scale_fmt=sf)
         self.q_norm = RMSNorm(cfg.q_lora_rank, eps=cfg.rms_norm_eps, rngs=rngs)
-        self.wq_b = Linear(cfg.q_lora_rank, cfg.n_heads * cfg.qk_head_dim, dtype=dt, fp8=fp8, rngs=rngs)
-        self.wkv_a = Linear(cfg.hidden_size, cfg.kv_record_dim, dtype=dt, fp8=fp8, rngs=rngs)
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.n_heads * cfg.qk_head_dim, dtype=dt, fp8=fp8, rngs=rngs, scale_fmt=sf)
+        self.wkv_a = Linear(cfg.hidden_size, cfg.kv_record_dim, dtype=dt, fp8=fp8, rngs=rngs, scale_fmt=sf)
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, eps=cfg.rms_norm_eps, rngs=rngs)
         self.wkv_b = Linear(cfg.kv_lora_rank, cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype=dt,
-                            fp8=fp8, rngs=rngs)
-        self.wo = Linear(cfg.n_heads * cfg.v_head_dim, cfg.hidden_size, dtype=dt, fp8=fp8, rngs=rngs)
+                            fp8=fp8, rngs=rngs, scale_fmt=sf)
+        self.wo = Linear(cfg.n_heads * cfg.v_head_dim, cfg.hidden_size, dtype=dt, fp8=fp8, rngs=rngs, scale_fmt=sf)
         self.indexer = V32Indexer(cfg, numerics, rngs)
 
     # ----- cache formats -------------------------------------------------------------------------
@@ -120,7 +120,7 @@ class V32Attention(StagedAttention):
         q_pe, qi, qs, _ = fused_q_v32(q, self.indexer.project_q(q_c, cfg), inp.index_w, cos, sin,
                                       nope_dim=cfg.qk_nope_head_dim, dtype=dt,
                                       indexer_interleave=cfg.indexer_rope_interleave, hadamard=n.indexer_hadamard,
-                                      fp8=n.indexer_fp8, implementation=impl)
+                                      fp8=n.indexer_fp8, scale_fmt=n.act_scale_fmt, implementation=impl)
         q = jnp.concatenate([q[..., : cfg.qk_nope_head_dim], q_pe], axis=-1)
         q = self._absorb_uk(q) if self.form == "absorbed" else q
         # V32Query keeps the dequantised q and the constant-scaled weights; the op's q-scale-folded weights

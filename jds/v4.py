@@ -105,6 +105,9 @@ class V4Attention(StagedAttention):
         self.indexer_config = indexer_config  # pallas_kernels.sparse_indexer.IndexerKernelConfig; None: default
         if not 0 <= layer_id < cfg.n_layers:
             raise ValueError(f"layer_id {layer_id} outside [0, {cfg.n_layers})")
+        if numerics.act_scale_fmt != "ue8m0":  # V4's records store e8m0 scale exponents; its checkpoints are ue8m0
+            raise ValueError(f"numerics.act_scale_fmt={numerics.act_scale_fmt!r}: DeepSeek-V4 quantises activations "
+                             "with 'ue8m0' scales only")
         self.cfg, self.numerics, self.layer_id, self.implementation = cfg, numerics, layer_id, implementation
         self.ratio = int(cfg.compress_ratios[layer_id])
         dt, fp8 = jdtype(numerics.dtype), numerics.fp8_linear

@@ -158,6 +158,9 @@ def fused_kv_insert_v32(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cac
 def _kv_insert_pallas(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache, kv_norm_w, k_norm_w, k_norm_b,
                       *, kv_format, index_format, eps, dtype, indexer_interleave, hadamard, interpret, block_tokens,
                       num_warps):
+    if isinstance(index_format, IndexerRecord132) and index_format.scale_fmt != "ue8m0":
+        raise Unsupported(f"fused_kv_insert_v32: indexer key scale_fmt {index_format.scale_fmt!r} "
+                          "(the kernel implements 'ue8m0')")
     interpret = C.resolve_interpret(interpret)
     t, width = kv.shape
     rd = 2 * cos.shape[-1]
@@ -248,7 +251,7 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
 
 
 def fused_q_v32(q, index_q, index_w, cos, sin, *, nope_dim: int, dtype, indexer_interleave: bool,
-                hadamard: bool, fp8: bool, implementation: Implementation = "pallas",
+                hadamard: bool, fp8: bool, scale_fmt: str = "ue8m0", implementation: Implementation = "pallas",
                 interpret: bool | None = None, rows_per_program: int = 64, num_warps: int = 4):
     """Same inputs/outputs as ``fused_q_v32_reference``.
 
@@ -259,13 +262,15 @@ def fused_q_v32(q, index_q, index_w, cos, sin, *, nope_dim: int, dtype, indexer_
     args = (q, index_q, index_w, cos, sin)
     kw = dict(nope_dim=nope_dim, dtype=dtype, indexer_interleave=indexer_interleave, hadamard=hadamard, fp8=fp8)
     return run_op("fused_q_v32", implementation, {
-        "xla": lambda: q_v32_xla(*args, **kw),
-        "pallas": lambda: _q_pallas(*args, **kw, interpret=interpret, rows_per_program=rows_per_program,
-                                    num_warps=num_warps)})
+        "xla": lambda: q_v32_xla(*args, **kw, scale_fmt=scale_fmt),
+        "pallas": lambda: _q_pallas(*args, **kw, scale_fmt=scale_fmt, interpret=interpret,
+                                    rows_per_program=rows_per_program, num_warps=num_warps)})
 
 
-def _q_pallas(q, index_q, index_w, cos, sin, *, nope_dim, dtype, indexer_interleave, hadamard, fp8, interpret,
-              rows_per_program, num_warps):
+def _q_pallas(q, index_q, index_w, cos, sin, *, nope_dim, dtype, indexer_interleave, hadamard, fp8, scale_fmt,
+              interpret, rows_per_program, num_warps):
+    if fp8 and scale_fmt != "ue8m0":  # the kernel quantises with power-of-two scales (an exact multiply)
+        raise Unsupported(f"fused_q_v32: indexer q scale_fmt {scale_fmt!r} (the kernel implements 'ue8m0')")
     interpret = C.resolve_interpret(interpret)
     t, h, qk = q.shape
     _, hi, di = index_q.shape

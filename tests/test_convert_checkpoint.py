@@ -397,10 +397,9 @@ def _rope(**kw: Any) -> Callable[[dict], None]:
     return lambda d: d["rope_scaling"].update(kw)
 
 
-NOT_IMPLEMENTED = r"'quantization_config\.scale_fmt'.*amax/448 path is not implemented yet"
+V4_AMAX = r"'quantization_config\.scale_fmt': 'amax'.*DeepSeek-V4"
 # case -> (config.json edit, the pattern of the ValueError)
 BAD_QUANT: dict[str, tuple[Callable[[dict], None], str]] = {
-    "scale_fmt_absent": (_qc(scale_fmt=None), NOT_IMPLEMENTED),  # DeepSeek's reference: plain amax/448
     "scale_fmt_unknown": (_qc(scale_fmt="e5m2"), r"'quantization_config\.scale_fmt': 'e5m2'"),
     "fmt_unknown": (_qc(fmt="e5m2"), r"'quantization_config\.fmt': 'e5m2'"),
     "block_size": (_qc(weight_block_size=[64, 64]), r"'quantization_config\.weight_block_size': \[64, 64\]"),
@@ -414,8 +413,8 @@ BAD_QUANT: dict[str, tuple[Callable[[dict], None], str]] = {
 @pytest.mark.parametrize("arch", ["v32", "v4"])
 @pytest.mark.parametrize("case", list(BAD_QUANT))
 def test_quantization_config_fields_are_validated(case: str, arch: str) -> None:
-    """Every quantization_config field is read for V3.2 and V4; an unknown value or the unimplemented
-    amax/448 activation scales are a ValueError naming the field, never a silent conversion."""
+    """Every quantization_config field is read for V3.2 and V4; an unknown value is a ValueError naming the
+    field, never a silent conversion."""
     cfg = tiny_cfg(arch, moe=False)
     d = hf_import.hf_config_dict(cfg)
     edit, pattern = BAD_QUANT[case]
@@ -442,15 +441,21 @@ def test_quantization_config_is_read_and_stored(arch: str) -> None:
     assert q["defaulted"] == ["fmt", "weight_block_size", "activation_scheme"]
     assert "absent, taken as default" in hf_import.describe_quantization(q)
     kw = dict(overrides={"block_size": cfg.block_size})
-    # amax/448 scales: refused for every numerics that quantises activations, with or without --dequantize ...
+    assert hf_import.hf_model_config(d, **kw).numerics.act_scale_fmt == "ue8m0"
+    # absent scale_fmt = DeepSeek's plain amax/448 scales: V3.2 runs them in every activation quantiser
+    # (linears, indexer q / k, latent records); V4, whose records store e8m0 exponents, refuses them
     d["quantization_config"].pop("scale_fmt")
     assert hf_import.quantization_config(d)["scale_fmt"] == "amax"
     for numerics in ("reference", "serving"):
-        with pytest.raises(ValueError, match=NOT_IMPLEMENTED):
-            hf_import.hf_model_config(d, numerics=numerics, dequantize=True, **kw)
-    # ... and only an explicit dequantisation to numerics that quantise nothing gets through
-    got = hf_import.hf_model_config(d, numerics="bf16", dequantize=True, **kw)
-    assert not hf_import.quantises_activations(got.numerics)
+        if arch == "v4":
+            with pytest.raises(ValueError, match=V4_AMAX):
+                hf_import.hf_model_config(d, numerics=numerics, **kw)
+            continue
+        n = hf_import.hf_model_config(d, numerics=numerics, **kw).numerics
+        assert (n.act_scale_fmt, n.latent_scale_fmt) == ("amax", "amax")
+    if arch == "v32":  # an explicit Numerics that disagrees with the checkpoint is refused, naming the field
+        with pytest.raises(ValueError, match=r"numerics\.act_scale_fmt='ue8m0' differs.*scale_fmt"):
+            hf_import.hf_model_config(d, numerics=Numerics.reference(), **kw)
     # equal mscale / mscale_all_dim (the released configs) is accepted; an unquantised checkpoint has none
     d = hf_import.hf_config_dict(cfg)
     d.setdefault("rope_scaling", {}).update(mscale=0.707, mscale_all_dim=0.707)
@@ -469,10 +474,11 @@ def test_converted_checkpoint_records_quantization(tmp_path, sources, caplog, ca
     assert "scale_fmt=ue8m0" in caplog.text and "scale_fmt=ue8m0" in capsys.readouterr().out
     hf = tmp_path / "hf"
     shutil.copytree(s.hf, hf)
-    _edit_config(hf, _qc(scale_fmt=None))
-    with pytest.raises(ValueError, match=NOT_IMPLEMENTED):
-        convert(hf, tmp_path / "out2", s.cfg.block_size, "--dequantize")
-    assert not (tmp_path / "out2").exists()
+    _edit_config(hf, _qc(scale_fmt=None))  # plain amax/448: converted, and the model runs that format
+    rep = convert(hf, tmp_path / "out2", s.cfg.block_size, "--layers", "1")
+    assert rep["quantization"]["scale_fmt"] == "amax"
+    n = read_meta(tmp_path / "out2")["config"]["numerics"]
+    assert (n["act_scale_fmt"], n["latent_scale_fmt"]) == ("amax", "amax")
 
 
 # ----- DeepSeek-V4's block (ModelConfig.block == "v4") --------------------------------------------------

@@ -209,7 +209,7 @@ def pack(fmt: Any, rows: torch.Tensor) -> torch.Tensor:
             q = quantize_e4m3(lb / s[..., None]).reshape(lat.shape)
         return torch.cat([_u8(q), _u8(s), _u8(pe.to(BF16))], dim=-1)
     if k == "IndexerRecord132":
-        q, s = act_quant(rows, fmt.dim, "ue8m0", 1e-4)
+        q, s = act_quant(rows, fmt.dim, fmt.scale_fmt, 1e-4)
         return torch.cat([_u8(q), _u8(s)], dim=-1)
     if k == "MlaRecord584":
         nope = rows[..., : fmt.nope_dim].to(BF16).to(F32)
@@ -298,14 +298,15 @@ def gather_request_rows(storage: torch.Tensor, fmt: Any, block_tables: torch.Ten
 
 # ----- indexer --------------------------------------------------------------------------------------
 def prepare_indexer_q(q: torch.Tensor, w: torch.Tensor, *, head_dim: int, n_heads: int, fp8: bool,
-                      hadamard: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                      hadamard: torch.Tensor | None, dtype: torch.dtype, scale_fmt: str = "ue8m0"
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Roped indexer q -> (fp32 q for scoring, FP8-dequantised when ``fp8``; head weights with the
     constant scales folded in). Stands in for vLLM's ``_fused_indexer_q_rope_quant_kernel`` (Triton)."""
     q = q.to(dtype)
     if hadamard is not None:
         q = hadamard_rotate(q, hadamard)
     if fp8:
-        q8, s = act_quant(q, head_dim, "ue8m0", 1e-4)
+        q8, s = act_quant(q, head_dim, scale_fmt, 1e-4)
         q = dequant(q8, s, head_dim)
     return q.to(F32), w.to(F32) * (head_dim ** -0.5) * (n_heads ** -0.5)
 

@@ -239,7 +239,8 @@ class V32Layer(_Layer):
         qi = K.linear(q_c, w["attn.indexer.wq_b.weight"], dt).reshape(-1, a.index_n_heads, a.index_head_dim)
         qi = K.rope_part(qi, cos, sin, rope_dim=a.qk_rope_head_dim, first=True, interleaved=ilv)
         qi, wi = K.prepare_indexer_q(qi, e["index_w"], head_dim=a.index_head_dim, n_heads=a.index_n_heads,
-                                     fp8=self.num.indexer_fp8, hadamard=self.h_mat, dtype=dt)
+                                     fp8=self.num.indexer_fp8, hadamard=self.h_mat, dtype=dt,
+                                     scale_fmt=self.num.act_scale_fmt)
         return {"q": q, "index_q": qi, "index_w": wi}
 
     def select(self, e: Env, b: Env) -> torch.Tensor:
@@ -398,7 +399,7 @@ def v32_formats(cfg: Any) -> tuple[Any, Any]:
     a, n = cfg.attn, cfg.numerics
     kv = (MlaRecord656(a.block_size, n.latent_scale_fmt, a.kv_lora_rank, a.qk_rope_head_dim)
           if n.kv_cache_dtype == "fp8" else FloatRows(a.kv_record_dim, a.block_size, _jdt(n.kv_cache_dtype)))
-    idx = (IndexerRecord132(a.block_size, a.index_head_dim) if n.indexer_fp8
+    idx = (IndexerRecord132(a.block_size, a.index_head_dim, scale_fmt=n.act_scale_fmt) if n.indexer_fp8
            else FloatRows(a.index_head_dim, a.block_size, _jdt(n.dtype)))
     return kv, idx
 

@@ -39,7 +39,7 @@ def kv_insert_v32_xla(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache
 
 
 def q_v32_xla(q, index_q, index_w, cos, sin, *, nope_dim: int, dtype, indexer_interleave: bool, hadamard: bool,
-              fp8: bool):
+              fp8: bool, scale_fmt: str = "ue8m0"):
     """q [T, H, nope + rd] and index_q [T, Hi, Di] (``dtype``, after wq_b), index_w [T, Hi] float32 ->
 
     (q_pe [T, H, rd] roped, index_q [T, Hi, Di] e4m3 (``fp8``) or ``dtype``, index_scale [T, Hi] float32
@@ -53,7 +53,7 @@ def q_v32_xla(q, index_q, index_w, cos, sin, *, nope_dim: int, dtype, indexer_in
         qi = hadamard_rotate(qi)
     wf = index_w.astype(F32) * (di ** -0.5) * (hi ** -0.5)
     if fp8:
-        qi, s = act_quant(qi, di, "ue8m0", 1e-4)
+        qi, s = act_quant(qi, di, scale_fmt, 1e-4)
         s = s[..., 0]
         return q_pe, qi, s, wf * s
     return q_pe, qi, jnp.ones(wf.shape, F32), wf

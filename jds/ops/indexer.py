@@ -21,7 +21,7 @@ from jds.ops.quant import act_quant, dequant
 
 
 def prepare_indexer_q(q: jax.Array, w: jax.Array, *, head_dim: int, n_heads: int, fp8: bool,
-                      hadamard: bool, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+                      hadamard: bool, dtype: jnp.dtype, scale_fmt: str = "ue8m0") -> tuple[jax.Array, jax.Array]:
     """Roped indexer q [T, Hi, Di] and raw head weights [T, Hi] -> (q for scoring, folded weights).
 
     Weights fold the constant scales Di^-1/2 * Hi^-1/2 (the FP8 q scale stays in the dequantised q).
@@ -30,7 +30,7 @@ def prepare_indexer_q(q: jax.Array, w: jax.Array, *, head_dim: int, n_heads: int
     if hadamard:
         q = hadamard_rotate(q)
     if fp8:
-        q8, s = act_quant(q, head_dim, "ue8m0", 1e-4)
+        q8, s = act_quant(q, head_dim, scale_fmt, 1e-4)
         q = dequant(q8, s, head_dim)
     wf = w.astype(jnp.float32) * (head_dim ** -0.5) * (n_heads ** -0.5)
     return q.astype(jnp.float32), wf

@@ -109,13 +109,14 @@ def dequant_weight_blocks(wq: jax.Array, scale: jax.Array, block: int = 128) -> 
     return wq.astype(jnp.float32) * s
 
 
-def fp8_linear(x: jax.Array, wq: jax.Array, scale: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
-    """DeepSeek's ``linear()`` with an FP8 weight: re-quantise x per 128 (UE8M0), fp32 accumulation.
+def fp8_linear(x: jax.Array, wq: jax.Array, scale: jax.Array, out_dtype: jnp.dtype,
+               scale_fmt: ScaleFmt = "ue8m0") -> jax.Array:
+    """DeepSeek's ``linear()`` with an FP8 weight: re-quantise x per 128 (``scale_fmt`` scales), fp32 accumulation.
 
-    x_deq = q*s is exact in float32 (s is a power of two), so one float32 matmul of the
-    dequantised operands equals the block-sum of fp8 MMAs up to float32 summation order.
+    x_deq = q*s: one float32 matmul of the dequantised operands equals the block-sum of fp8 MMAs up to
+    float32 summation order (exactly so for power-of-two scales; amax/448 scales round q*s once).
     """
-    xq, sx = act_quant(x, 128, "ue8m0")
+    xq, sx = act_quant(x, 128, scale_fmt)
     xd = dequant(xq, sx, 128)
     w = dequant_weight_blocks(wq, scale)
     y = jnp.einsum("...i,oi->...o", xd, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)

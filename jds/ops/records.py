@@ -106,11 +106,16 @@ class MlaRecord656:
 
 @dataclass(frozen=True)
 class IndexerRecord132:
-    """Indexer key: 128 e4m3 values + 1 fp32 UE8M0 scale; page = [bs x 128 values][bs x 4-byte scales]."""
+    """Indexer key: 128 e4m3 values + 1 fp32 scale; page = [bs x 128 values][bs x 4-byte scales].
+
+    ``scale_fmt``: "ue8m0" (power-of-two scale) or "amax" (amax/448), both with DeepSeek's 1e-4 amax floor;
+    the checkpoint's activation scale format (``Numerics.act_scale_fmt``). The fp32 scale field stores either.
+    """
 
     entries_per_page: int
     dim: int = 128
     dtype: jnp.dtype = jnp.uint8
+    scale_fmt: str = "ue8m0"
 
     @property
     def page_elems(self) -> int:
@@ -125,7 +130,7 @@ class IndexerRecord132:
         return offsets_from_segments(self.segments(slots))
 
     def pack(self, rows: jax.Array) -> jax.Array:
-        q, s = act_quant(rows, self.dim, "ue8m0", 1e-4)
+        q, s = act_quant(rows, self.dim, self.scale_fmt, 1e-4)
         return jnp.concatenate([_bytes(q), _bytes(s)], axis=-1)
 
     def unpack(self, recs: jax.Array) -> jax.Array:

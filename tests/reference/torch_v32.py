@@ -116,15 +116,16 @@ def block_dequant_weight(w8: torch.Tensor, scale: torch.Tensor, block: int = 128
     return w8.float() * s
 
 
-def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: int = 128,
+               fmt: str = "ue8m0") -> torch.Tensor:
     """[R] ``linear`` with an fp8 weight, unrounded float32 result.
 
-    (xq, sx) = act_quant(x, 128, "ue8m0"); y[m, n] = sum_kb sx[m, kb] * S_W[n // 128, kb] *
+    (xq, sx) = act_quant(x, 128, fmt) (the checkpoint's scale_fmt; [R]'s V3.2 config: "ue8m0"); y[m, n] = sum_kb sx[m, kb] * S_W[n // 128, kb] *
     (xq[m, kb-block] . Wq[n, kb-block]), each block dot in fp32, the outer sum in fp32.
     ``w8`` holds the e4m3 values (any float dtype), ``w_scale`` is [ceil(out/128), ceil(in/128)].
     """
     n_out, n_in = w8.shape
-    xq, sx = act_quant(x, block, "ue8m0")
+    xq, sx = act_quant(x, block, fmt)
     nb = n_in // block
     xq = xq.float().reshape(*x.shape[:-1], nb, block)
     wq = w8.float().reshape(n_out, nb, block)
@@ -266,7 +267,7 @@ class TorchMLA:
         """y = x W^T: fp8 block-scaled GEMM ([R] linear) or fp32 matmul; rounded to dtype."""
         kind, w, sc = self.lin[name]
         if kind == "fp8":
-            return self._r(fp8_linear(x, w, sc))
+            return self._r(fp8_linear(x, w, sc, fmt=getattr(self.num, "act_scale_fmt", "ue8m0")))
         return self._r(_dot("...i,oi->...o", x, w))
 
     def _rmsnorm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -318,8 +319,9 @@ class TorchMLA:
             qi = hadamard(qi.to(self.dt)).float()
             ki = hadamard(ki.to(self.dt)).float()
         if num.indexer_fp8:
-            q8, sq = act_quant(qi, Di, "ue8m0")  # sq [B, S, Hi, 1]
-            k8, sk = act_quant(ki, Di, "ue8m0")  # sk [B, S, 1]
+            fmt = getattr(num, "act_scale_fmt", "ue8m0")  # [R]: act_quant(..., scale_fmt)
+            q8, sq = act_quant(qi, Di, fmt)  # sq [B, S, Hi, 1]
+            k8, sk = act_quant(ki, Di, fmt)  # sk [B, S, 1]
             q8, k8, sq, sk = q8.float(), k8.float(), sq[..., 0], sk[..., 0]
         else:
             q8, k8 = qi, ki
