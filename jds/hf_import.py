@@ -443,6 +443,17 @@ def quantises_activations(numerics: Any) -> bool:
     return bool(numerics.fp8_linear or numerics.indexer_fp8 or numerics.kv_cache_dtype == "fp8")
 
 
+def override_numerics(numerics: Any, over: dict[str, Any]) -> Any:
+    """``numerics`` with fields replaced; an unknown field or a bad value is a ValueError naming it.
+    ``fp8_linear`` is not among them: it follows the stored weights (``dequantize``)."""
+    names = {f.name for f in dataclasses.fields(numerics)} - {"fp8_linear"}
+    for k in over:
+        if k not in names:
+            raise ValueError(f"invalid numerics field {k!r}: choose from {sorted(names)} (fp8_linear follows the "
+                             "stored weights: --dequantize)")
+    return dataclasses.replace(numerics, **over)
+
+
 def apply_scale_fmt(quant: dict[str, Any] | None, numerics: Any, arch: str, explicit: bool) -> Any:
     """The numerics with the checkpoint's activation scale format: its FP8 linears, indexer q / k and (V3.2)
     latent records quantise with ``quantization_config.scale_fmt`` ("ue8m0", or absent: DeepSeek's plain
@@ -503,12 +514,14 @@ def make_numerics(numerics: Any, fp8: bool) -> Any:
 
 
 def hf_model_config(hf: Any, *, layers: int | None = None, dequantize: bool = False, numerics: Any = "reference",
-                    overrides: dict[str, Any] | None = None) -> Any:
+                    overrides: dict[str, Any] | None = None, numerics_overrides: dict[str, Any] | None = None) -> Any:
     """The jds ModelConfig of a HF config.json (path, directory or dict).
 
     ``layers`` keeps the first N layers; ``numerics`` is a Numerics or a preset name whose ``fp8_linear`` is
-    set to (checkpoint is FP8 and not ``dequantize``); ``overrides`` sets ModelConfig or attention-config
-    fields that config.json lacks (e.g. ``{"block_size": 16}``).
+    set to (checkpoint is FP8 and not ``dequantize``) and whose scale formats follow the checkpoint
+    (:func:`apply_scale_fmt`); ``numerics_overrides`` then replaces Numerics fields (explicit departures, e.g.
+    ``{"indexer_hadamard": False}``; an unknown field is a ValueError); ``overrides`` sets ModelConfig or
+    attention-config fields that config.json lacks (e.g. ``{"block_size": 16}``).
     """
     from jds.config import V32Config, V4Config, _load_json
     from jds.model import ModelConfig
@@ -560,6 +573,8 @@ def hf_model_config(hf: Any, *, layers: int | None = None, dequantize: bool = Fa
     quant = quantization_config(d)
     kw["numerics"] = apply_scale_fmt(quant, make_numerics(numerics, quant is not None and not dequantize), arch,
                                      explicit=not isinstance(numerics, str))
+    if numerics_overrides:
+        kw["numerics"] = override_numerics(kw["numerics"], numerics_overrides)
     kw.update(model_ovr)
     return ModelConfig(**kw)
 
@@ -840,7 +855,8 @@ class _Progress:
 
 def convert_hf_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, layers: int | None = None,
                           dequantize: bool = False, numerics: Any = "reference",
-                          overrides: dict[str, Any] | None = None, overwrite: bool = False,
+                          overrides: dict[str, Any] | None = None,
+                          numerics_overrides: dict[str, Any] | None = None, overwrite: bool = False,
                           shard_bytes: int = DEFAULT_SHARD_BYTES, allow_unexpected: bool = False,
                           progress: bool = True, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Convert a HF DeepSeek-V3.2/V4 directory into a jds orbax checkpoint at ``out``; returns a report.
@@ -862,7 +878,8 @@ def convert_hf_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, lay
         raise ValueError(f"HF checkpoint {src!r}: no config.json")
     hf_cfg = read_json(cfg_path, f"HF checkpoint {src!r}")
     quant = quantization_config(hf_cfg)
-    cfg = hf_model_config(hf_cfg, layers=layers, dequantize=dequantize, numerics=numerics, overrides=overrides)
+    cfg = hf_model_config(hf_cfg, layers=layers, dequantize=dequantize, numerics=numerics, overrides=overrides,
+                          numerics_overrides=numerics_overrides)
     spec = target_spec(cfg)
     entries = plan(cfg)
     _check_plan(entries, spec)
@@ -939,8 +956,8 @@ def default_cache_root(src: str | os.PathLike) -> str:
 
 def cached_conversion(src: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None,
                       layers: int | None = None, dequantize: bool = False, numerics: str = "reference",
-                      overrides: dict[str, Any] | None = None, progress: bool = True,
-                      say: Any = None) -> tuple[str, bool]:
+                      overrides: dict[str, Any] | None = None, numerics_overrides: dict[str, Any] | None = None,
+                      progress: bool = True, say: Any = None) -> tuple[str, bool]:
     """The jds checkpoint of HF directory ``src``: converted on first use, then reused; returns (path, hit).
 
     The converted checkpoint is ``<cache_dir or src.jds>/<name>-<layers>L-<fingerprint[:16]>``; a changed
@@ -953,6 +970,8 @@ def cached_conversion(src: str | os.PathLike, *, cache_dir: str | os.PathLike | 
         raise ValueError(f"--model {src!r}: not a HF checkpoint directory (no config.json)")
     options = {"layers": layers, "dequantize": bool(dequantize), "numerics": numerics,
                "overrides": dict(sorted((overrides or {}).items()))}
+    if numerics_overrides:  # only when given, so the fingerprints of earlier cache entries stay valid
+        options["numerics_overrides"] = dict(sorted(numerics_overrides.items()))
     fp = source_fingerprint(src, **options)
     root = os.fspath(cache_dir) if cache_dir is not None else default_cache_root(src)
     base = os.path.basename(os.path.abspath(src).rstrip(os.sep)) or "model"
@@ -979,7 +998,7 @@ def cached_conversion(src: str | os.PathLike, *, cache_dir: str | os.PathLike | 
     say(f"converting {src} to a jds checkpoint at {path} (first use; layers={layers or 'all'})")
     try:
         rep = convert_hf_checkpoint(src, path, layers=layers, dequantize=dequantize, numerics=numerics,
-                                    overrides=overrides, progress=progress,
+                                    overrides=overrides, numerics_overrides=numerics_overrides, progress=progress,
                                     extra={"cache_fingerprint": fp, "cache_options": options})
     except ValueError:
         if os.path.exists(path) and hit():  # another process converted it meanwhile

@@ -68,8 +68,8 @@ if __name__ == "__main__":  # before the heavy imports, so a signal during them 
 
 from jds.engine.core import Engine  # noqa: E402
 from jds.engine.loop import EngineLoop  # noqa: E402
-from jds.bench.cli import (GRAPH_UPDATE_MODES, add_moe_flags, moe_overrides, positive_int,  # noqa: E402
-                           use_graph_update_mode)
+from jds.bench.cli import (GRAPH_UPDATE_MODES, add_moe_flags, moe_overrides, numerics_fields,  # noqa: E402
+                           positive_int, use_graph_update_mode)
 from jds.config import RunnerConfig  # noqa: E402
 from jds.server.app import ServerConfig, build_app, serve, shutdown_reserve  # noqa: E402
 from jds.server.tokenizer import load_tokenizer  # noqa: E402
@@ -156,14 +156,33 @@ def add_model_dir_args(p: argparse.ArgumentParser) -> None:
                    help="where converted checkpoints are cached (default: beside the model, HF_DIR.jds/)")
     g.add_argument("--num-layers", type=positive_int, default=None,
                    help="load only the first N layers of --model (converted and cached per N)")
+    g.add_argument("--numerics", choices=("reference", "serving", "bf16", "exact"), default=None,
+                   help="numerics preset for --model (default reference: the checkpoint's own quantisation, "
+                        "FP8 weights as stored, the indexer's Hadamard rotation, its activation scale format)")
+    g.add_argument("--dequantize", action="store_true",
+                   help="departure: dequantise the stored FP8 weights to bf16 (bf16 GEMMs)")
+    g.add_argument("--no-indexer-hadamard", action="store_true",
+                   help="departure: skip the indexer's Hadamard rotation of q / k (what vLLM does)")
+    g.add_argument("--numerics-field", action="append", default=[], metavar="FIELD=VALUE",
+                   help="set one Numerics field (e.g. kv_cache_dtype=bfloat16, indexer_fp8=false); repeatable")
 
 
 def check_model_dir_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.model is None:
-        for flag, v in (("--cache-dir", a.cache_dir), ("--num-layers", a.num_layers)):
+        for flag, v in (("--cache-dir", a.cache_dir), ("--num-layers", a.num_layers), ("--numerics", a.numerics),
+                        ("--dequantize", a.dequantize or None), ("--no-indexer-hadamard", a.no_indexer_hadamard or None),
+                        ("--numerics-field", a.numerics_field or None)):
             if v is not None:
                 p.error(f"{flag} needs --model")
         return
+    try:
+        a.numerics_overrides = numerics_fields(a.numerics_field)
+    except ValueError as e:
+        p.error(str(e))
+    if "fp8_linear" in a.numerics_overrides:
+        p.error("--numerics-field fp8_linear: it follows the stored weights (FP8 unless --dequantize)")
+    if a.no_indexer_hadamard:
+        a.numerics_overrides["indexer_hadamard"] = False
     for flag, v in (("--checkpoint", a.checkpoint), ("--preset", a.preset), ("--config", a.config),
                     ("--moe", a.moe or None), ("--moe-experts", a.moe_experts)):
         if v is not None:
@@ -182,7 +201,9 @@ def prepare_model_dir(a: argparse.Namespace, say) -> None:
     if a.tokenizer is None:
         a.tokenizer = a.model
     load_tokenizer(a.tokenizer, bos_token_id=0, eos_token_id=0)  # a bad tokenizer_config fails before converting
-    a.checkpoint, _ = cached_conversion(a.model, cache_dir=a.cache_dir, layers=a.num_layers, say=say)
+    a.checkpoint, _ = cached_conversion(a.model, cache_dir=a.cache_dir, layers=a.num_layers, say=say,
+                                        numerics=a.numerics or "reference", dequantize=a.dequantize,
+                                        numerics_overrides=a.numerics_overrides or None)
     if a.served_model_name is None:
         a.served_model_name = os.path.basename(os.path.abspath(a.model).rstrip(os.sep))
 
@@ -278,6 +299,8 @@ async def main(a: argparse.Namespace) -> int:
         enable_compile_cache(a.compile_cache)
     runner = build_runner(a)
     say(f"built in {time.perf_counter() - t0:.1f}s; block_size={runner.block_size}, vocab={runner.vocab_size}")
+    if getattr(runner, "model", None) is not None:  # which numerics run (departures from a checkpoint show here)
+        say(f"numerics: {runner.model.cfg.numerics}")
     engine = Engine(runner, async_steps=a.async_steps)
     loop = EngineLoop(engine)
     tok = load_tokenizer(a.tokenizer or a.checkpoint, bos_token_id=getattr(runner, "bos_token_id", 256),

@@ -97,11 +97,34 @@ def test_default_cache_is_beside_the_model_and_follows_the_source(tmp_path, hf_d
     (["--model", "x", "--preset", "v32-tiny"], "--preset cannot be combined"),
     (["--model", "x", "--checkpoint", "y"], "--checkpoint cannot be combined"),
     (["--model", "x", "--runner", "fake"], "needs --runner model"),
+    (["--dequantize"], "--dequantize needs --model"),
+    (["--numerics", "bf16"], "--numerics needs --model"),
+    (["--no-indexer-hadamard"], "--no-indexer-hadamard needs --model"),
+    (["--model", "x", "--numerics-field", "hadamard=false"], "FIELD=VALUE with FIELD one of"),
+    (["--model", "x", "--numerics-field", "indexer_fp8=maybe"], "indexer_fp8: expected true or false"),
+    (["--model", "x", "--numerics-field", "kv_cache_dtype=fp4"], "kv_cache_dtype"),
+    (["--model", "x", "--numerics-field", "fp8_linear=false"], "fp8_linear"),
 ])
 def test_flag_errors(argv, pattern, capsys) -> None:
     with pytest.raises(SystemExit):
         SERVE.parse_args(argv)
     assert pattern in capsys.readouterr().err
+
+
+def test_numerics_departures_are_explicit(tmp_path, hf_dir) -> None:
+    """By default the checkpoint's numerics: FP8 weights as stored, the indexer's Hadamard, its scale format.
+    Each departure is a named flag, and a departed conversion is its own cache entry."""
+    cache = tmp_path / "cache"
+    base, _ = prepare("--model", str(hf_dir), "--cache-dir", str(cache), "--num-layers", "1")
+    n = read_meta(base.checkpoint)["config"]["numerics"]
+    assert n["fp8_linear"] and n["indexer_hadamard"] and n["act_scale_fmt"] == "ue8m0"
+    dep, _ = prepare("--model", str(hf_dir), "--cache-dir", str(cache), "--num-layers", "1", "--dequantize",
+                     "--no-indexer-hadamard", "--numerics-field", "kv_cache_dtype=bfloat16",
+                     "--numerics-field", "indexer_fp8=false")
+    assert dep.checkpoint != base.checkpoint
+    n = read_meta(dep.checkpoint)["config"]["numerics"]
+    assert (n["fp8_linear"], n["indexer_hadamard"], n["kv_cache_dtype"], n["indexer_fp8"]) == (
+        False, False, "bfloat16", False)
 
 
 def test_bad_model_dir_names_the_problem(tmp_path, hf_dir) -> None:

@@ -45,6 +45,29 @@ def use_graph_update_mode(mode: str) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_command_buffer_update_mode={mode}".strip()
 
 
+def numerics_fields(items: list[str]) -> dict[str, object]:
+    """``FIELD=VALUE`` strings -> Numerics field overrides, typed by the field (booleans: true/false); an
+    unknown field or a bad value is a ValueError naming it (Numerics validates the values themselves)."""
+    import dataclasses
+
+    from jds.config import Numerics
+
+    defaults = {f.name: f.default for f in dataclasses.fields(Numerics)}
+    out: dict[str, object] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or name not in defaults:
+            raise ValueError(f"--numerics-field {item!r}: expected FIELD=VALUE with FIELD one of {sorted(defaults)}")
+        if isinstance(defaults[name], bool):
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"--numerics-field {name}: expected true or false, got {text!r}")
+            out[name] = text.lower() in ("true", "1")
+        else:
+            out[name] = text
+    Numerics(**{**defaults, **out})  # the values' own checks, naming the field
+    return out
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (a zero or negative pool/batch/length is refused at start-up)."""
     try:
