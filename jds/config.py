@@ -76,6 +76,9 @@ class Numerics:
     # Activation scales of the FP8 linears and of the indexer's q / k quantisation: a checkpoint's
     # ``quantization_config.scale_fmt`` ("ue8m0": power-of-two scales; absent: DeepSeek's plain amax/448)
     act_scale_fmt: Literal["ue8m0", "amax"] = "ue8m0"
+    # DeepSeek-V4's grouped ``wo_a``: the release dequantises its FP8 weight at conversion and runs a plain bf16
+    # einsum (no activation quantisation); True keeps it an FP8 linear like the others (a departure)
+    wo_a_fp8: bool = False
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("float32", "bfloat16"), "dtype", f"must be float32 or bfloat16, got {self.dtype!r}")

@@ -12,7 +12,9 @@ Both are the multiplier (W_real = W_fp8 * s[i//128, j//128]), i.e. exactly jds's
 e4m3 bits and scales are kept (the model gets ``Numerics.fp8_linear = True``); ``dequantize=True`` multiplies
 them out in float32 and rounds once to the activation dtype (bf16), giving ``fp8_linear = False``. Tensors jds
 keeps in bf16/fp32 (MoE experts, shared experts, router, head, norms, indexer weights_proj, V4 compressors)
-are always dequantised. V4 FP4 experts (int8-packed e2m1 + ue8m0 scales per 1x32) are dequantised too.
+are always dequantised. V4 FP4 experts (int8-packed e2m1 + ue8m0 scales per 1x32) are dequantised too, and so is
+V4's ``wo_a``: the release's conversion dequantises it and its layer runs a plain bf16 einsum
+(``Numerics.wo_a_fp8`` keeps it FP8 instead, a named departure).
 
 ``quantization_config`` is read for both V3.2 and V4 (:func:`quantization_config`): ``quant_method`` (block
 fp8), ``fmt`` (e4m3), ``weight_block_size`` ([128, 128]), ``activation_scheme`` (dynamic) and ``scale_fmt``;
@@ -273,10 +275,17 @@ def skip_reason(name: str, arch: str, n_layers: int, block: str = "v3") -> str |
     return None
 
 
+def released_fp8(cfg: Any, name: str) -> bool:
+    """Linears an FP8 release stores as e4m3 + scale although the model runs them in bf16 (V4's ``wo_a``:
+    dequantised at conversion); the importer dequantises them (``_fp8_able`` is False for them)."""
+    return (cfg.arch == "v4" and cfg.numerics.fp8_linear and not cfg.numerics.wo_a_fp8
+            and re.fullmatch(r"layers\.\d+\.attn\.wo_a", name) is not None)
+
+
 def _fp8_able(cfg: Any, name: str) -> bool:
     """The linears a jds Decoder stores as e4m3 + scale when ``numerics.fp8_linear`` (see DESIGN.md)."""
     attn = ("wq_a|wq_b|wkv_a|wkv_b|wo|indexer\\.wq_b|indexer\\.wk" if cfg.arch == "v32"
-            else "wq_a|wkv|wq_b|wo_a|wo_b|indexer\\.wq_b")
+            else "wq_a|wkv|wq_b|wo_b|indexer\\.wq_b" + ("|wo_a" if cfg.numerics.wo_a_fp8 else ""))
     if re.fullmatch(rf"layers\.\d+\.attn\.({attn})", name):
         return True
     return not cfg.n_routed_experts and re.fullmatch(r"layers\.\d+\.ffn\.w[123]", name) is not None
@@ -1030,9 +1039,14 @@ def export_hf(model: Any, out_dir: str | os.PathLike, *, n_shards: int = 2, rout
         if e.kind in ("param", "index"):
             tensors.append((e.hf[0], weights[e.jds]))
         elif e.kind == "linear":
-            tensors.append((e.hf[0] + ".weight", weights[e.jds]))
-            if e.jds + ".scale" in weights:
-                tensors.append((e.hf[0] + suffix, weights[e.jds + ".scale"]))
+            w, s = weights[e.jds], weights.get(e.jds + ".scale")
+            if s is None and released_fp8(cfg, e.jds):  # stored FP8 as released, run in bf16 by the model
+                from jds.ops.quant import quantize_weight_blocks
+
+                w, s = quantize_weight_blocks(np.asarray(w, np.float32), fmt="ue8m0")
+            tensors.append((e.hf[0] + ".weight", w))
+            if s is not None:
+                tensors.append((e.hf[0] + suffix, s))
         else:
             tensors += [(h + ".weight", np.ascontiguousarray(weights[e.jds][j] if e.kind == "experts_oi"
                                                              else weights[e.jds][j].T)) for j, h in enumerate(e.hf)]

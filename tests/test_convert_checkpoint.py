@@ -504,6 +504,9 @@ def v4_block_source(root: Path, seed: int = 7) -> tuple[Any, Decoder, Path]:
 
 def test_v4_block_synthetic_checkpoint_has_the_release_names(tmp_path) -> None:
     cfg, _, hf = v4_block_source(tmp_path)
+    # wo_a is stored FP8 as released (the model runs it dequantised, in bf16)
+    src = SafetensorsDir(hf)
+    assert src.info("layers.1.attn.wo_a.weight")[0] == "F8_E4M3" and "layers.1.attn.wo_a.scale" in src
     names = set(json.loads((hf / INDEX_NAME).read_text())["weight_map"])
     for n in ("hc_head_fn", "hc_head_base", "hc_head_scale", "layers.0.hc_attn_fn", "layers.0.hc_attn_base",
               "layers.0.hc_attn_scale", "layers.2.hc_ffn_fn", "layers.0.ffn.gate.tid2eid", "layers.1.ffn.gate.bias",

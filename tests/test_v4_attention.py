@@ -23,7 +23,8 @@ from jds.ops.paging import read_records, write_records
 from jds.ops.records import MlaRecord584
 from jds.ops.sparse_mqa import sparse_mqa
 from jds.v4 import V4Attention, V4Cache
-from tests.reference.torch_v4 import TorchV4Attention, make_random_v4_weights, quantize_weights_fp8
+from tests.reference.torch_v4 import (TorchV4Attention, dequantize_wo_a, make_random_v4_weights,
+                                      quantize_weights_fp8)
 
 CFG = V4Config.tiny()
 KINDS = [0, 1, 2]  # layer ids of tiny(): ratio 0 (window only), 4 (C4 + indexer), 128 (C128)
@@ -36,7 +37,10 @@ EXACT_RTOL = 1e-5
 
 def _weights(layer_id: int, seed: int, numerics: Numerics, sink_scale: float = 1.0) -> dict[str, np.ndarray]:
     w = make_random_v4_weights(CFG, layer_id, seed=seed, sink_scale=sink_scale)
-    return quantize_weights_fp8(w) if numerics.fp8_linear else w
+    if not numerics.fp8_linear:
+        return w
+    # the checkpoint's FP8 linears; wo_a as the release converts it (bf16), unless the numerics keep it FP8
+    return quantize_weights_fp8(w) if numerics.wo_a_fp8 else dequantize_wo_a(quantize_weights_fp8(w))
 
 
 class Runner:
@@ -389,3 +393,28 @@ def test_check_inputs_rejects_bad_shapes() -> None:
         layer.check_inputs(x, batch, swa)
     with pytest.raises(ValueError, match="tokens"):
         layer.check_inputs(jnp.zeros((6, CFG.hidden_size)), batch, cache)
+
+
+def test_wo_a_runs_in_bf16_as_released() -> None:
+    """The release dequantises wo_a at conversion and runs a plain bf16 einsum: with FP8 linears on, jds's
+    wo_a holds bf16 weights and does not quantise its input; ``Numerics.wo_a_fp8`` is the named departure."""
+    import dataclasses
+
+    rel = Numerics.reference()
+    dep = dataclasses.replace(rel, wo_a_fp8=True)
+    lid = KINDS[0]
+    a = V4Attention(CFG, rel, lid, rngs=nnx.Rngs(3))
+    b = V4Attention(CFG, dep, lid, rngs=nnx.Rngs(3))
+    assert not a.wo_a.fp8 and a.wq_b.fp8 and b.wo_a.fp8 and "wo_a.scale" not in export_weights(a)
+    # the model's wo_a lies on the release's FP8 grid (e4m3 x power-of-two block scales), exactly in bf16
+    w = np.asarray(a.wo_a.weight[...], np.float32)
+    from jds.ops.quant import quantize_weight_blocks
+
+    q, s = quantize_weight_blocks(w, fmt="ue8m0")
+    back = q.astype(np.float32) * np.repeat(np.repeat(s, 128, 0)[: w.shape[0]], 128, 1)[:, : w.shape[1]]
+    np.testing.assert_array_equal(back, w)
+    rng = np.random.default_rng(0)
+    og = jnp.asarray(rng.normal(size=(5, CFG.o_groups, w.shape[1])), jnp.bfloat16)  # [T, groups, in]
+    y_rel = np.asarray(a.wo_a.grouped(og).astype(jnp.float32))
+    want = np.einsum("tgi,goi->tgo", np.asarray(og, np.float32), w.reshape(CFG.o_groups, -1, w.shape[1]))
+    np.testing.assert_allclose(y_rel, want, rtol=2 ** -7, atol=2 ** -7 * np.abs(want).max())

@@ -21,6 +21,7 @@ to ``dtype`` at these stage ends):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Mapping
 
@@ -33,6 +34,7 @@ __all__ = [
     "TorchV4Attention",
     "make_random_v4_weights",
     "quantize_weights_fp8",
+    "dequantize_wo_a",
     "FP8_LINEAR_NAMES",
 ]
 
@@ -284,6 +286,18 @@ def quantize_weights_fp8(weights: Mapping[str, np.ndarray], fmt: str = "ue8m0", 
     return out
 
 
+def dequantize_wo_a(weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The release's conversion of ``wo_a``: the stored e4m3 weight times its block scales, rounded once to
+    bf16, scale dropped. The layer then runs it as a plain bf16 einsum."""
+    import ml_dtypes
+
+    out = dict(weights)
+    if "wo_a.scale" in out:
+        w = _block_dequant_weight(_to_f32_tensor(out.pop("wo_a")), _to_f32_tensor(out.pop("wo_a.scale")))
+        out["wo_a"] = w.numpy().astype(ml_dtypes.bfloat16)
+    return out
+
+
 # --------------------------------------------------------------------------------------------------
 # the layer
 # --------------------------------------------------------------------------------------------------
@@ -394,7 +408,9 @@ class TorchV4Attention:
 
         lin = lambda n: _Linear(n, weights, numerics, self.dtype)  # noqa: E731
         self.wq_a, self.wkv, self.wq_b = lin("wq_a"), lin("wkv"), lin("wq_b")
-        self.wo_a, self.wo_b = lin("wo_a"), lin("wo_b")
+        # the release dequantises wo_a to bf16 and runs it without activation quantisation (unless wo_a_fp8)
+        wo_a_num = numerics if getattr(numerics, "wo_a_fp8", False) else dataclasses.replace(numerics, fp8_linear=False)
+        self.wo_a, self.wo_b = _Linear("wo_a", weights, wo_a_num, self.dtype), lin("wo_b")
         self.q_norm = _to_f32_tensor(_get(weights, "q_norm"))
         self.kv_norm = _to_f32_tensor(_get(weights, "kv_norm"))
         self.attn_sink = _to_f32_tensor(weights["attn_sink"])
