@@ -23,7 +23,7 @@ from jds.config import Numerics
 from jds.nn import Linear, jdtype
 from jds.ops.dispatch import Implementation, op_implementation, resolve_layer_implementation
 from jds.ops.paging import RecordFormat, empty_cache
-from jds.ops.records import FloatRows, IndexerRecord132
+from jds.ops.records import FloatRows, IndexerRecord132, IndexerRecordFP4
 from pallas_kernels.sparse_indexer import indexer_topk
 
 __all__ = ["AttentionResult", "Implementation", "Indexer", "Query", "StagedAttention", "resolve_implementation"]
@@ -117,6 +117,8 @@ class StagedAttention(nnx.Module):
     @property
     def index_format(self) -> RecordFormat:
         epp, dim = self.index_entries_per_page, self.cfg.index_head_dim
+        if self.numerics.indexer_fp4:
+            return IndexerRecordFP4(epp, dim)
         if self.numerics.indexer_fp8:
             return IndexerRecord132(epp, dim, scale_fmt=self.numerics.act_scale_fmt)
         return FloatRows(dim, epp, self.dtype)

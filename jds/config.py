@@ -79,6 +79,10 @@ class Numerics:
     # DeepSeek-V4's grouped ``wo_a``: the release dequantises its FP8 weight at conversion and runs a plain bf16
     # einsum (no activation quantisation); True keeps it an FP8 linear like the others (a departure)
     wo_a_fp8: bool = False
+    # DeepSeek-V4's C4 indexer as released: q and compressed keys through MXFP4 (e2m1, 32-element blocks,
+    # power-of-two scales; 68-byte key records) instead of e4m3 per 128. Off by default until the Pallas
+    # indexer kernel reads FP4 records (with it on, ``implementation="auto"`` scores in XLA). V4 only.
+    indexer_fp4: bool = False
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("float32", "bfloat16"), "dtype", f"must be float32 or bfloat16, got {self.dtype!r}")

@@ -582,6 +582,9 @@ def hf_model_config(hf: Any, *, layers: int | None = None, dequantize: bool = Fa
     quant = quantization_config(d)
     kw["numerics"] = apply_scale_fmt(quant, make_numerics(numerics, quant is not None and not dequantize), arch,
                                      explicit=not isinstance(numerics, str))
+    if arch == "v4" and isinstance(numerics, str) and kw["numerics"].indexer_fp8:
+        # the released V4 indexer quantises q and keys to MXFP4 (a preset that quantises the indexer does so)
+        kw["numerics"] = dataclasses.replace(kw["numerics"], indexer_fp4=True)
     if numerics_overrides:
         kw["numerics"] = override_numerics(kw["numerics"], numerics_overrides)
     kw.update(model_ovr)

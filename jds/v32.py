@@ -72,6 +72,9 @@ class V32Attention(StagedAttention):
                  implementation: Implementation = "auto", indexer_config: Any = None):
         if form not in ("absorbed", "mha"):
             raise ValueError(f"form must be 'absorbed' or 'mha', got {form!r}")
+        if numerics.indexer_fp4:
+            raise ValueError("numerics.indexer_fp4: DeepSeek-V3.2's indexer quantises to e4m3 (indexer_fp8); "
+                             "the MXFP4 indexer is V4's")
         implementation = resolve_implementation(implementation)
         self.cfg, self.numerics, self.form, self.implementation = cfg, numerics, form, implementation
         self.indexer_config = indexer_config  # pallas_kernels.sparse_indexer.IndexerKernelConfig; None: default

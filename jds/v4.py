@@ -211,7 +211,8 @@ class V4Attention(StagedAttention):
             qi = rope_part(self.indexer.project_q(qr, cfg), cos, sin, rope_dim=rd, first=False, interleaved=True)
             index_q, index_w = prepare_indexer_q(qi, inp.index_w, head_dim=cfg.index_head_dim,
                                                  n_heads=cfg.index_n_heads, fp8=self.numerics.indexer_fp8,
-                                                 hadamard=self.numerics.indexer_hadamard, dtype=dt)
+                                                 hadamard=self.numerics.indexer_hadamard, dtype=dt,
+                                                 fp4=self.numerics.indexer_fp4)
         new = V4Cache(window=window, compressed=compressed, state=state, index_k=index_k, index_state=index_state)
         return V4Query(q=q, index_q=index_q, index_w=index_w), new
 

@@ -42,7 +42,9 @@ CONVERT = _script()
 
 
 def tiny_cfg(arch: str, moe: bool, numerics: Numerics | None = None):
-    cfg = dataclasses.replace(preset(f"{arch}-tiny"), numerics=numerics or Numerics.reference())
+    """The tiny preset in the numerics a checkpoint imports with by default (V4: its released MXFP4 indexer)."""
+    released = dataclasses.replace(Numerics.reference(), indexer_fp4=arch == "v4")
+    cfg = dataclasses.replace(preset(f"{arch}-tiny"), numerics=numerics or released)
     return dataclasses.replace(cfg, n_routed_experts=4, moe_topk=2) if moe else cfg
 
 
@@ -492,7 +494,7 @@ MTP_TENSORS = ("mtp.0.e_proj.weight", "mtp.0.h_proj.weight", "mtp.0.enorm.weight
 def v4_block_source(root: Path, seed: int = 7) -> tuple[Any, Decoder, Path]:
     """A V4-block tiny model (FP8 attention linears, bf16 experts) as a synthetic V4-Flash HF directory: the
     hyper-connections, HC head, router bias, hash table, per-expert tensors, plus MTP tensors."""
-    cfg = dataclasses.replace(preset("v4-tiny-block"), numerics=Numerics.reference())
+    cfg = dataclasses.replace(preset("v4-tiny-block"), numerics=tiny_cfg("v4", moe=False).numerics)
     model = Decoder(cfg, seed=seed)
     hf = root / "hf_v4_block"
     hf_import.export_hf(model, hf)

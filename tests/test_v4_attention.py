@@ -17,7 +17,7 @@ import torch
 from flax import nnx
 
 from jds.batch import Chunk, make_batch, replace
-from jds.config import Numerics, V4Config
+from jds.config import Numerics, V32Config, V4Config
 from jds.nn import export_weights, load_weights
 from jds.ops.paging import read_records, write_records
 from jds.ops.records import MlaRecord584
@@ -418,3 +418,57 @@ def test_wo_a_runs_in_bf16_as_released() -> None:
     y_rel = np.asarray(a.wo_a.grouped(og).astype(jnp.float32))
     want = np.einsum("tgi,goi->tgo", np.asarray(og, np.float32), w.reshape(CFG.o_groups, -1, w.shape[1]))
     np.testing.assert_allclose(y_rel, want, rtol=2 ** -7, atol=2 ** -7 * np.abs(want).max())
+
+
+# ------------------------------------------------------------------------------------------ MXFP4 indexer
+
+
+def test_fp4_index_record_bytes() -> None:
+    """The 68-byte MXFP4 key record: element 2i in the low nibble, one e8m0 byte per 32 values, values equal
+    to the oracle's float64 nearest-even search on the e2m1 grid."""
+    from jds.ops.records import IndexerRecordFP4
+    from tests.reference.torch_v4 import _fp4_roundtrip
+
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((9, 128)) * np.exp(rng.uniform(-7, 5, (9, 1)))).astype(np.float32)
+    x[0] = 0.0
+    x[1, :8] = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25]  # e2m1 midpoints at scale 1 (block amax 5)
+    x[1, 8:32] = 0.0
+    fmt = IndexerRecordFP4(16)
+    rec = np.asarray(fmt.pack(jnp.asarray(x)))
+    assert rec.shape == (9, 68) and fmt.page_elems == 16 * 68
+    want = _fp4_roundtrip(torch.from_numpy(x)).numpy()
+    np.testing.assert_array_equal(np.asarray(fmt.unpack(jnp.asarray(rec))), want)
+    np.testing.assert_array_equal(want[1, :8], [0, 1, 1, 2, 2, 4, 4, 0])  # ties to the even code
+    assert rec[1, 64] == 127 and rec[1, 0] == (0b0010 << 4) | 0b0000  # 0.75 -> code 2 (1.0) high, 0.25 -> 0 low
+    grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    lo, hi = rec[2, :64] & 15, rec[2, :64] >> 4
+    vals = np.stack([grid[lo & 7] * np.where(lo & 8, -1, 1), grid[hi & 7] * np.where(hi & 8, -1, 1)], -1).reshape(-1)
+    np.testing.assert_array_equal(vals * np.repeat(2.0 ** (rec[2, 64:].astype(int) - 127), 32), want[2])
+
+
+def test_fp4_indexer_layer_against_the_oracle() -> None:
+    """A C4 layer with the released MXFP4 indexer (Numerics.indexer_fp4) against the oracle in the same
+    numerics: the 68-byte key cache, outputs within the fp8 reference's bounds, top-k sets equal except at
+    ties of the oracle's scores. ``implementation="auto"`` scores in XLA (the Pallas kernel reads FP8 only)."""
+    import dataclasses
+
+    num = dataclasses.replace(Numerics.reference(), indexer_fp4=True)
+    layer_id = 1
+    rng = np.random.default_rng(41)
+    s = SEQ[layer_id]
+    w = _weights(layer_id, seed=int(rng.integers(1 << 30)), numerics=num, sink_scale=2.0)
+    x = rng.standard_normal((2, s, CFG.hidden_size)).astype(np.float32)
+    orc = _oracle(layer_id, w, num, 2)
+    ref = orc.forward(torch.from_numpy(x), 0)
+    run = Runner(layer_id, num, w, num_blocks=8)
+    assert run.cache.index_k.shape == (8, (CFG.block_size // 4) * 68)
+    y, topk = run.step([x[0], x[1]], [Chunk(0, 0, s), Chunk(1, 0, s)], _pages(rng, 2, 4, 8))
+    r = ref["out"].numpy()
+    err = np.abs(y.reshape(2, s, -1) - r)
+    assert err.max() <= 2.0 ** -6 * float(np.abs(r).max())
+    _assert_topk(topk.reshape(2, s, -1), ref["topk"].numpy(), ref["index_scores"].numpy())
+    with pytest.raises(ValueError, match="indexer_fp4"):
+        from jds.v32 import V32Attention
+
+        V32Attention(V32Config.tiny(), num, rngs=nnx.Rngs(0))

@@ -126,6 +126,9 @@ class _Layer:
         if cfg.numerics.fp8_linear:
             raise ValueError("numerics.fp8_linear=True is not supported by the torch comparator "
                              "(use Numerics.serving() or bf16())")
+        if cfg.numerics.indexer_fp4:
+            raise ValueError("numerics.indexer_fp4=True (V4's MXFP4 indexer) is not implemented by the torch "
+                             "comparator (its indexer records are the FP8 132-byte ones)")
         self.cfg, self.num, self.device = cfg, cfg.numerics, device
         self.dt = K.torch_dtype(cfg.numerics.dtype)
         self.eps = cfg.attn.rms_norm_eps

@@ -17,11 +17,12 @@ import jax.numpy as jnp
 
 from jds.ops.hadamard import hadamard_rotate
 from jds.ops.paging import RecordFormat, gather_request_rows
-from jds.ops.quant import act_quant, dequant
+from jds.ops.quant import act_quant, dequant, fp4_roundtrip
 
 
 def prepare_indexer_q(q: jax.Array, w: jax.Array, *, head_dim: int, n_heads: int, fp8: bool,
-                      hadamard: bool, dtype: jnp.dtype, scale_fmt: str = "ue8m0") -> tuple[jax.Array, jax.Array]:
+                      hadamard: bool, dtype: jnp.dtype, scale_fmt: str = "ue8m0", fp4: bool = False
+                      ) -> tuple[jax.Array, jax.Array]:
     """Roped indexer q [T, Hi, Di] and raw head weights [T, Hi] -> (q for scoring, folded weights).
 
     Weights fold the constant scales Di^-1/2 * Hi^-1/2 (the FP8 q scale stays in the dequantised q).
@@ -29,7 +30,9 @@ def prepare_indexer_q(q: jax.Array, w: jax.Array, *, head_dim: int, n_heads: int
     q = q.astype(dtype)
     if hadamard:
         q = hadamard_rotate(q)
-    if fp8:
+    if fp4:  # MXFP4 (V4 as released): the q values carry their own scales; the weights are not q-scaled
+        q = fp4_roundtrip(q)
+    elif fp8:
         q8, s = act_quant(q, head_dim, scale_fmt, 1e-4)
         q = dequant(q8, s, head_dim)
     wf = w.astype(jnp.float32) * (head_dim ** -0.5) * (n_heads ** -0.5)

@@ -69,6 +69,32 @@ def act_quant(x: jax.Array, block: int = 128, fmt: ScaleFmt = "ue8m0",
     return q, s
 
 
+FP4_MAX = 6.0
+
+
+def fp4_quant(x: jax.Array, block: int = 32, amax_floor: float = 1e-4) -> tuple[jax.Array, jax.Array]:
+    """MXFP4 along the last axis: (e2m1 values as float32 [..., n], power-of-two scales [..., n/block]).
+
+    Per block: s = 2^ceil(log2(max(amax, floor) / 6)); q = e2m1_RNE(clip(x / s, +-6)) (x / s is exact: s is a
+    power of two). DeepSeek-V4's indexer q / compressed-key quantisation (spec section 3.5; the amax floor is
+    taken from its FP8 quantiser, UNVERIFIED for FP4).
+    """
+    n = x.shape[-1]
+    if n % block:
+        raise ValueError(f"fp4_quant: last dim {n} is not a multiple of block {block}")
+    xb = x.astype(jnp.float32).reshape(x.shape[:-1] + (n // block, block))
+    a = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1), np.float32(amax_floor))
+    s = ue8m0_ceil(a * np.float32(1.0 / FP4_MAX))
+    q = jnp.clip(xb / s[..., None], -FP4_MAX, FP4_MAX).astype(jnp.float4_e2m1fn).astype(jnp.float32)
+    return q.reshape(x.shape), s
+
+
+def fp4_roundtrip(x: jax.Array, block: int = 32) -> jax.Array:
+    """Quantise-dequantise through MXFP4 (float32): what a reader of the FP4 indexer values sees."""
+    q, s = fp4_quant(x, block)
+    return dequant(q, s, block)
+
+
 def dequant(q: jax.Array, s: jax.Array, block: int = 128) -> jax.Array:
     """float32 q * s, with one scale per ``block`` of the last axis."""
     n = q.shape[-1]

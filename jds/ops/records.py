@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jds.ops.quant import FLT_MIN, FP8, FP8_MAX, act_quant, block_scale, quantize_e4m3, true_divide
+from jds.ops.quant import FLT_MIN, FP8, FP8_MAX, act_quant, block_scale, dequant, fp4_quant, quantize_e4m3, true_divide
 
 
 def _bytes(x: jax.Array) -> jax.Array:
@@ -137,6 +137,51 @@ class IndexerRecord132:
         q = _from_bytes(recs[..., : self.dim], FP8).astype(jnp.float32)
         s = _from_bytes(recs[..., self.dim:], jnp.float32)
         return q * s
+
+
+@dataclass(frozen=True)
+class IndexerRecordFP4:
+    """Indexer key as MXFP4 (V4's released indexer): ``dim`` e2m1 values packed two per byte (element 2i in the
+    low nibble) + one e8m0 scale byte (exponent + 127) per 32 values; 64 + 4 = 68 bytes per 128-d key. Page =
+    [epp x dim/2 value bytes][epp x dim/32 scale bytes], split like ``IndexerRecord132``'s."""
+
+    entries_per_page: int
+    dim: int = 128
+    block: int = 32
+    dtype: jnp.dtype = jnp.uint8
+
+    @property
+    def record_bytes(self) -> int:
+        return self.dim // 2 + self.dim // self.block
+
+    @property
+    def page_elems(self) -> int:
+        return self.entries_per_page * self.record_bytes
+
+    def segments(self, slots: jax.Array) -> tuple[tuple[jax.Array, int], ...]:
+        page, j = slots // self.entries_per_page, slots % self.entries_per_page
+        base, vb, sb = page * self.page_elems, self.dim // 2, self.dim // self.block
+        return ((base + j * vb, vb), (base + self.entries_per_page * vb + j * sb, sb))
+
+    def offsets(self, slots: jax.Array) -> jax.Array:
+        return offsets_from_segments(self.segments(slots))
+
+    def pack(self, rows: jax.Array) -> jax.Array:
+        q, s = fp4_quant(rows, self.block)
+        codes = jax.lax.bitcast_convert_type(q.astype(jnp.float4_e2m1fn), jnp.uint4).astype(jnp.uint8)
+        codes = codes.reshape(codes.shape[:-1] + (self.dim // 2, 2))
+        packed = codes[..., 0] | (codes[..., 1] << 4)
+        exps = (jnp.frexp(s)[1] - 1 + 127).astype(jnp.uint8)  # s = 2^(e - 1) exactly
+        return jnp.concatenate([packed, exps], axis=-1)
+
+    def unpack(self, recs: jax.Array) -> jax.Array:
+        vb = self.dim // 2
+        b = recs[..., :vb].astype(jnp.uint8)
+        codes = jnp.stack([b & 15, b >> 4], axis=-1).reshape(b.shape[:-1] + (self.dim,))
+        q = jax.lax.bitcast_convert_type(codes.astype(jnp.uint4), jnp.float4_e2m1fn).astype(jnp.float32)
+        s = jnp.ldexp(jnp.ones(recs.shape[:-1] + (self.dim // self.block,), jnp.float32),
+                      recs[..., vb:].astype(jnp.int32) - 127)
+        return dequant(q, s, self.block)
 
 
 @dataclass(frozen=True)

@@ -180,6 +180,27 @@ def _fp8_roundtrip(x: torch.Tensor, block: int, fmt: str = "ue8m0", amax_floor: 
     return _act_dequant(q, s)
 
 
+_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # index parity = mantissa bit: even index = even
+
+
+def _fp4_roundtrip(x: torch.Tensor, block: int = 32, amax_floor: float = 1e-4) -> torch.Tensor:
+    """MXFP4 quantise-dequantise along the last dim: s = 2^ceil(log2(max(amax, floor) / 6)) per ``block``,
+    x / s clamped to +-6 and rounded to the nearest e2m1 value, ties to the even code (float64 search)."""
+    n = x.shape[-1]
+    xb = x.to(torch.float64).reshape(*x.shape[:-1], n // block, block)
+    amax = xb.abs().amax(-1).clamp_min(amax_floor)
+    s = 2.0 ** torch.ceil(torch.log2(amax.to(torch.float32).to(torch.float64) / 6.0))
+    v = (xb / s[..., None]).clamp(-6.0, 6.0)
+    grid = torch.tensor(_E2M1_GRID, dtype=torch.float64)
+    d = (v.abs()[..., None] - grid).abs()
+    best = d.min(-1, keepdim=True).values
+    # among the nearest grid points (one, or two at a tie) take the even index
+    cand = torch.where(d == best, torch.arange(8) % 2, torch.full_like(d, 9, dtype=torch.long))
+    idx = (cand * 8 + torch.arange(8)).argmin(-1)
+    q = grid[idx] * torch.sign(v)
+    return (q * s[..., None]).reshape(x.shape).to(_F32)
+
+
 def _v4_kv_cache_format(v: torch.Tensor, cfg: V4Config, kv_cache_dtype: str) -> torch.Tensor:
     """What a V4 window/compressed record reads back as (the 584-byte fp8_ds_mla layout for "fp8").
 
@@ -451,7 +472,10 @@ class TorchV4Attention:
         return _apply_rope(x, cos, sin, inverse)
 
     def _index_quant(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Indexer q/k as the scorer sees them: (values, scale per 128-vector)."""
+        """Indexer q/k as the scorer sees them: (values, scale per 128-vector). MXFP4 (``indexer_fp4``): the
+        dequantised values, which carry their own per-32 scales, and 1."""
+        if getattr(self.numerics, "indexer_fp4", False):
+            return _fp4_roundtrip(v), torch.ones(v.shape[:-1], dtype=_F32)
         if self.numerics.indexer_fp8:
             q, s = _act_quant(v, v.shape[-1], "ue8m0", 1e-4, bf16_round=True)
             return q, s[..., 0]
