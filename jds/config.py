@@ -81,7 +81,8 @@ class Numerics:
     wo_a_fp8: bool = False
     # DeepSeek-V4's C4 indexer as released: q and compressed keys through MXFP4 (e2m1, 32-element blocks,
     # power-of-two scales; 68-byte key records) instead of e4m3 per 128. Off by default until the Pallas
-    # indexer kernel reads FP4 records (with it on, ``implementation="auto"`` scores in XLA). V4 only.
+    # indexer kernel reads FP4 records (with it on, ``implementation="auto"`` scores in XLA). V4 only. The
+    # scores stay fp32; the release's bf16 score einsum and bf16 weights_proj are not modelled (issue 22).
     indexer_fp4: bool = False
 
     def __post_init__(self) -> None:
