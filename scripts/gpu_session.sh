@@ -34,9 +34,10 @@ case "$stage" in
   hostpath)
     # issue 16. 2026-12-01: graph updates counted from XLA's VLOG: a fresh logits allocation re-recorded the
     # command buffers whenever the previous step's result was alive; the fused device-prep step now writes
-    # its logits into a persistent buffer. Counts first (expect 0 updates per step), then TTFT variants.
+    # its logits into a persistent buffer (0 updates since). Next: the top-level thunks of the device-prep
+    # executable (--dump: which thunk splits it into 2 command buffers), then TTFT variants.
     timeout ${GU_TIMEOUT:-130} python3 -m jds.bench.graph_updates --arch v32 --layers 8 --intermediate 18432 \
-      --variants fused:device fused:device:4 --n 20 --timeout 120 --out "$OUT/graph_updates_h200.json" \
+      --variants fused:device fused:device:4 --n 20 --timeout 120 --dump /tmp/gu_dump --out "$OUT/graph_updates_h200.json" \
       > "$OUT/graph_updates.log" 2>&1; echo "graph_updates rc=$?"; cut -c1-900 "$OUT/graph_updates.log"
     V="fused:host fused:device fused:device:2 fused:device:4 fused:device:8 narrow:host wide:host wide:device"
     timeout ${TTFT_TIMEOUT:-230} python3 -m jds.bench.ttft --arch v32 --layers 8 --intermediate 18432 --variants $V \

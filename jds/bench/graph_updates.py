@@ -62,6 +62,21 @@ def parse_log(text: str) -> dict[str, dict[str, Any]]:
     return phases
 
 
+def top_level_lines(dump_dir: str, limit: int = 40) -> dict[str, list[str]]:
+    """Per dumped captured module: its top-level thunk lines (what is not inside a command buffer, and where
+    the command buffers split), from XLA's ``*thunk_sequence_after_thunk_passes.txt``."""
+    import glob
+
+    out = {}
+    for path in sorted(glob.glob(os.path.join(dump_dir, "*thunk_sequence_after_thunk_passes.txt"))):
+        with open(path) as f:
+            lines = [ln.rstrip() for ln in f if ln.strip()]
+        base = min((len(ln) - len(ln.lstrip()) for ln in lines), default=0)
+        out[os.path.basename(path).split(".thunk_sequence")[0]] = [
+            ln.strip()[:200] for ln in lines if len(ln) - len(ln.lstrip()) == base][:limit]
+    return out
+
+
 def _phase(name: str) -> None:
     print(f"{MARK} {name}", file=sys.stderr, flush=True)
 
@@ -80,8 +95,9 @@ def child(a: argparse.Namespace) -> None:
     out: dict[str, Any] = {}
     for v in a.variants:
         parts = v.split(":")
+        dump = os.path.join(a.dump, v.replace(":", "_")) if a.dump else None
         runner = make_runner(model, parts[0], 64, 512, input_prep=parts[1],
-                             segments=int(parts[2]) if len(parts) > 2 else 1)
+                             segments=int(parts[2]) if len(parts) > 2 else 1, dump_dir=dump)
         bt = block_table(runner, 1)
         # a step as the engine runs it: launch, then the greedy sample on the device (its tokens are what a
         # caller keeps; the logits are valid until the next step); launch time = the runner's step call
@@ -116,6 +132,8 @@ def child(a: argparse.Namespace) -> None:
         np.asarray(prev)
         _phase("end")
         out[v] = {k: 1e3 * sorted(x)[len(x) // 2] for k, x in launch.items()}
+        if dump:
+            out[v]["top_level_thunks"] = top_level_lines(dump)
         del runner, tok, nxt, prev
         jax.clear_caches()
     print("JDS_RESULT " + json.dumps(out), flush=True)
@@ -134,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--update-modes", nargs="+", default=["ALWAYS_UPDATE"])
     ap.add_argument("--n", type=int, default=20)
     ap.add_argument("--timeout", type=float, default=240, help="seconds per child process")
+    ap.add_argument("--dump", default=None, help="XLA dump directory: record each captured module's top-level thunks")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # the update mode of this child
     a = ap.parse_args(argv)
@@ -155,7 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     for mode in a.update_modes:
         cmd = [sys.executable, "-m", "jds.bench.graph_updates", "--child", mode, "--arch", a.arch,
                "--layers", str(a.layers), "--size", a.size, "--moe-experts", str(a.moe_experts),
-               "--moe-topk", str(a.moe_topk), "--implementation", a.implementation, "--n", str(a.n),
+               "--moe-topk", str(a.moe_topk)] + (["--dump", os.path.join(a.dump, mode)] if a.dump else []) + [
+               "--implementation", a.implementation, "--n", str(a.n),
                "--variants", *a.variants] + (["--intermediate", str(a.intermediate)] if a.intermediate else [])
         try:
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
@@ -169,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
         for line in stdout.splitlines():
             if line.startswith("JDS_RESULT "):
                 launch = json.loads(line[len("JDS_RESULT "):])
-        rows: dict[str, Any] = {}
+        rows: dict[str, Any] = {v: {"top_level_thunks": r["top_level_thunks"]}
+                                for v, r in launch.items() if "top_level_thunks" in r}
         for key, ph in phases.items():
             v, phase = key.split("|")
             steps = a.n if phase == "serial_drop" else a.n + 1  # the later phases start one step early

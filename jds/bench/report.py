@@ -156,6 +156,9 @@ def _graph_updates(d: dict) -> list[str]:
     for depth, modes in per_depth.items():
         for mode, r in modes.items():
             for v, ph in r.get("variants", {}).items():
+                ph = {k: x for k, x in ph.items() if k in phases}
+                if not ph:
+                    continue
                 first = next(iter(ph.values()))
                 rows.append([depth, mode, v, _fmt(first["executions_logged"] / max(first["steps"], 1), 1)]
                             + [f"{_fmt(ph[p]['updates_per_step'])} / {_fmt(ph[p]['update_us_per_step'], 0)} / "
