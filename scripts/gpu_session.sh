@@ -5,6 +5,7 @@
 #   scripts/gpu_session.sh hostpath      # issue 16: graph updates per step (VLOG counts), TTFT variants
 #   scripts/gpu_session.sh invariance    # issue 23: --batch-invariant under preemption (20 pages)
 #   scripts/gpu_session.sh deep          # issue 16: 61 layers, MoE (8 routed experts, top-8)
+#   scripts/gpu_session.sh deep-v4       # issue 16: the 43-layer V4-Flash pattern
 #   scripts/gpu_session.sh async         # issue 16: the server, async stepping on vs --no-async
 #   scripts/gpu_session.sh probe         # host cost of a captured step: preparation vs dispatch, graphs vs none
 #   scripts/gpu_session.sh boundary      # bench_boundary, V3.2 + V4, compiled in parallel processes first
@@ -55,6 +56,12 @@ case "$stage" in
       --moe-experts 8 --moe-topk 8 --n 20 --variants fused:device fused:device:8 \
       --out "$OUT/ttft_v32_61l_h200.json" > "$OUT/ttft_v32_61l.log" 2>&1
     echo "deep rc=$?"; grep '^{' "$OUT/ttft_v32_61l.log" | cut -c1-250
+    ;;
+  deep-v4)
+    # issue 16 item 5: the 43-layer V4-Flash pattern (dense MLP 2048), one executable and 8 segments
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout ${DEEP_V4_TIMEOUT:-420} python3 -m jds.bench.ttft --arch v4 --layers 43 \
+      --n 20 --variants fused:device fused:device:8 --out "$OUT/ttft_v4_43l_h200.json" > "$OUT/ttft_v4_43l.log" 2>&1
+    echo "deep-v4 rc=$?"; grep '^{' "$OUT/ttft_v4_43l.log" | cut -c1-250
     ;;
   async)
     # issue 16 item 4: the server with async stepping on and off, fused mode, c=1 and c=64; then the device-bound
