@@ -1,0 +1,185 @@
+"""Per-device memory of a model on a (data, tensor, expert) mesh, from abstract shapes only (no weights).
+
+    python scripts/plan_memory.py --tp 8 --ep 1 --batch 64 --context 8192    # DeepSeek-V3.2 on 8 devices
+    python scripts/plan_memory.py --config HF_DIR/config.json --tp 2 --ep 4 --dp 1 --batch 64 --context 8192
+
+The mesh has dp x tp x ep devices (jds's axes multiply; vLLM's expert parallelism reuses the tensor ranks).
+
+Weights: every parameter of ``Decoder(cfg)`` as jds holds it (``jds.hf_import.target_spec``: FP8 linears as
+e4m3 + block scales, the MoE experts in bf16, norms in float32), split by the partition rules of
+``jds.sharding`` (the same ``param_spec`` the runner places them with; a split that does not divide is
+dropped, as there). KV pages: ``batch`` requests of ``context`` tokens in each layer's page formats, pages
+split over ``data`` and whole on every tensor / expert rank (the layout of ``jds.sharding``: MLA latent and
+indexer caches are replicated over ``tensor``). Activations: an estimate of the largest step's live buffers
+(named terms, not a measurement). The built-in model is DeepSeek-V3.2 at its released dims with every layer
+MoE (the release's first 3 layers are dense, so the expert bytes are an overestimate of 3/61).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from typing import Any
+
+GIB = 2**30
+
+
+class _MeshShape:
+    """The axis sizes ``jds.sharding.param_spec`` reads (``mesh.shape``), without devices."""
+
+    def __init__(self, dp: int, tp: int, ep: int) -> None:
+        self.shape = {"data": dp, "tensor": tp, "expert": ep}
+
+
+def deepseek_v32() -> Any:
+    """DeepSeek-V3.2 at the released dims (config.json of deepseek-ai/DeepSeek-V3.2-Exp): 61 layers, 256
+    routed experts of width 2048 (top 8) + 1 shared, vocabulary 129280, FP8 linears."""
+    from jds.config import ModelConfig, Numerics, V32Config
+
+    return ModelConfig("v32", V32Config(), n_layers=61, vocab_size=129280, intermediate_size=18432,
+                       n_routed_experts=256, n_shared_experts=1, moe_topk=8, moe_intermediate_size=2048,
+                       numerics=Numerics.reference())
+
+
+def _rule_path(name: str, ndim: int) -> str:
+    """jds export name -> the nnx path shape the partition rules match (``layers/3/attn/wq_b/weight``)."""
+    if name.endswith(".scale"):
+        return name[: -len(".scale")].replace(".", "/") + "/scale"
+    path = name.replace(".", "/")
+    if name.endswith(".weight"):
+        return path
+    return path + ("/value" if ndim == 3 else "/weight")
+
+
+def weight_bytes(cfg: Any, dp: int, tp: int, ep: int) -> dict[str, float]:
+    """Per-device bytes of the parameters, by family, and the total (one device of the mesh)."""
+    import numpy as np
+
+    from jds.hf_import import target_spec
+    from jds.sharding import param_spec
+
+    mesh = _MeshShape(dp, tp, ep)
+    sizes = {"data": dp, "tensor": tp, "expert": ep}
+    out: dict[str, float] = {}
+    for name, (shape, dtype) in target_spec(cfg).items():
+        spec = param_spec(_rule_path(name, len(shape)), tuple(shape), cfg, mesh)
+        div = math.prod(sizes[a] for a in spec if a is not None)
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize / div
+        fam = ("routed experts" if len(shape) == 3 else "embedding + head" if name.startswith(("embed", "head"))
+               else "attention" if ".attn." in name else "ffn (dense / shared)" if ".ffn." in name else "norms")
+        out[fam] = out.get(fam, 0.0) + nbytes
+    out["total"] = sum(out.values())
+    return out
+
+
+def kv_bytes(cfg: Any, dp: int, batch: int, context: int) -> dict[str, float]:
+    """Per-device bytes of the page pools for ``batch`` x ``context`` tokens (pages split over ``data``)."""
+    import jax
+    from flax import nnx
+
+    from jds.model import Decoder
+
+    base = dataclasses.replace(cfg, numerics=dataclasses.replace(cfg.numerics, fp8_linear=False))
+    model = nnx.eval_shape(lambda: Decoder(base))
+    bs = cfg.block_size
+    pages = batch * math.ceil(context / bs)
+    caches = jax.eval_shape(lambda: model.init_caches(1))
+    per_page = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(caches))
+    return {"pages": pages, "bytes_per_page_all_layers": per_page, "total": pages * per_page / dp}
+
+
+def activation_bytes(cfg: Any, tokens: int, context: int, dp: int, tp: int) -> dict[str, float]:
+    """An estimate of the live buffers of the largest step (``tokens`` rows, keys up to ``context``): terms are
+    named so the assumption is visible. bf16 activations, float32 scores."""
+    a = cfg.attn
+    t = tokens / dp
+    heads = a.n_heads / tp
+    width = max(cfg.intermediate_size, cfg.moe_intermediate_size * max(cfg.moe_topk, 1)) / tp
+    terms = {
+        "hidden state (residual + normed, bf16)": 2 * t * a.hidden_size * 2,
+        "q / absorbed q (bf16)": t * heads * (a.kv_lora_rank + a.qk_rope_head_dim) * 2,
+        "indexer scores (fp32, one chunk of all keys)": t * context * 4,
+        "top-k indices (int32)": t * a.index_topk * 4,
+        "ffn intermediate (bf16, w1 and w3 outputs)": 2 * t * width * 2,
+        "logits (fp32, one row per request)": 0.0,
+    }
+    terms["total"] = sum(terms.values())
+    return terms
+
+
+def plan(cfg: Any, dp: int, tp: int, ep: int, batch: int, context: int, tokens: int,
+         hbm_gib: float) -> dict[str, Any]:
+    from jds.config import RunnerConfig
+    from jds.sharding import check_divisible
+
+    check_divisible(cfg, RunnerConfig(tensor_parallel=tp, data_parallel=dp, expert_parallel=ep,
+                                      num_blocks=dp * max(1, batch)))
+    w = weight_bytes(cfg, dp, tp, ep)
+    kv = kv_bytes(cfg, dp, batch, context)
+    act = activation_bytes(cfg, tokens, context, dp, tp)
+    act["logits (fp32, one row per request)"] = batch / dp * cfg.vocab_size * 4
+    act["total"] = sum(v for k, v in act.items() if k != "total")
+    total = w["total"] + kv["total"] + act["total"]
+    return {"weights": w, "kv": kv, "activations": act, "per_device_total": total, "hbm_bytes": hbm_gib * GIB,
+            "fits": total <= hbm_gib * GIB}
+
+
+def render(res: dict[str, Any], head: str) -> str:
+    g = lambda b: f"{b / GIB:8.2f} GiB"  # noqa: E731
+    lines = [head, "", "per device:"]
+    for fam, b in res["weights"].items():
+        if fam != "total":
+            lines.append(f"  weights  {fam:<44} {g(b)}")
+    lines.append(f"  weights  {'total':<44} {g(res['weights']['total'])}")
+    kv = res["kv"]
+    lines.append(f"  KV pages {kv['pages']} pages x {kv['bytes_per_page_all_layers'] / 2**20:.2f} MiB (all layers)"
+                 f"{'':<6} {g(kv['total'])}")
+    for k, b in res["activations"].items():
+        if k != "total":
+            lines.append(f"  act      {k:<44} {g(b)}")
+    lines.append(f"  act      {'total (estimate)':<44} {g(res['activations']['total'])}")
+    lines.append(f"  {'TOTAL':<53} {g(res['per_device_total'])}  of {res['hbm_bytes'] / GIB:.0f} GiB: "
+                 f"{'fits' if res['fits'] else 'DOES NOT FIT'}")
+    ex = res["weights"].get("routed experts", 0.0)
+    if ex:  # the checkpoint stores the experts in FP8 (V3.2) / FP4 (V4); jds holds them in bf16 today
+        alt = res["per_device_total"] - ex / 2
+        lines.append(f"  {'(with the routed experts in FP8 as stored: not implemented)':<53} {g(alt)}: "
+                     f"{'fits' if alt <= res['hbm_bytes'] else 'does not fit'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=None, help="a HF config.json (or its directory); default: DeepSeek-V3.2")
+    ap.add_argument("--dequantize", action="store_true", help="the FP8 linears held in bf16 (--dequantize import)")
+    ap.add_argument("--tp", type=int, default=8)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=64, help="requests resident at once")
+    ap.add_argument("--context", type=int, default=8192, help="tokens per request")
+    ap.add_argument("--max-num-tokens", type=int, default=8192, help="rows of the largest step")
+    ap.add_argument("--hbm-gib", type=float, default=141.0, help="memory per device (H200: 141 GB)")
+    a = ap.parse_args(argv)
+    if a.config:
+        from jds.hf_import import hf_model_config
+
+        cfg = hf_model_config(a.config, dequantize=a.dequantize)
+        label = a.config
+    else:
+        cfg = deepseek_v32()
+        if a.dequantize:
+            cfg = dataclasses.replace(cfg, numerics=dataclasses.replace(cfg.numerics, fp8_linear=False))
+        label = "DeepSeek-V3.2 (built-in dims)"
+    res = plan(cfg, a.dp, a.tp, a.ep, a.batch, a.context, a.max_num_tokens, a.hbm_gib)
+    head = (f"{label}: {cfg.n_layers} layers, {cfg.n_routed_experts} routed experts; mesh data={a.dp} "
+            f"tensor={a.tp} expert={a.ep} ({a.dp * a.tp * a.ep} devices: the axes multiply); {a.batch} requests x "
+            f"{a.context} tokens; fp8_linear="
+            f"{cfg.numerics.fp8_linear}, experts bf16")
+    print(render(res, head))
+    return res
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

@@ -1,0 +1,66 @@
+"""``scripts/plan_memory.py``: the per-device weight bytes it derives from abstract shapes equal what the runner
+really places on one device of a mesh (4 virtual CPU devices, a tiny MoE model, FP8 linears), and its page
+bytes equal the runner's page pools; the DeepSeek-V3.2 plan runs from abstract shapes alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from jds.bench.plan_memory import deepseek_v32, kv_bytes, main, weight_bytes
+from jds.config import Numerics, preset
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PLACED = """
+import dataclasses, json, sys
+import jax
+from flax import nnx
+from jds.config import Numerics, RunnerConfig, preset
+from jds.model import Decoder
+from jds.runner import BoundaryRunner
+dp, tp, ep = (int(v) for v in sys.argv[1:4])
+cfg = dataclasses.replace(preset("v32-tiny"), numerics=Numerics.reference(), n_routed_experts=4, moe_topk=2,
+                          moe_intermediate_size=256)
+r = BoundaryRunner(Decoder(cfg, seed=0), RunnerConfig(mode="fused", num_blocks=8, max_num_seqs=2, max_num_tokens=32,
+                   max_model_len=64, tensor_parallel=tp, data_parallel=dp, expert_parallel=ep))
+dev = jax.devices()[0]
+def on_dev(tree):
+    return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == dev)
+print(json.dumps({"weights": on_dev(nnx.state(r.model)), "caches": on_dev(r.caches)}))
+"""
+
+
+def _cfg():
+    return dataclasses.replace(preset("v32-tiny"), numerics=Numerics.reference(), n_routed_experts=4, moe_topk=2,
+                               moe_intermediate_size=256)
+
+
+def test_plan_equals_the_runner_placement() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    for dp, tp, ep in ((1, 2, 2), (2, 2, 1)):
+        p = subprocess.run([sys.executable, "-c", PLACED, str(dp), str(tp), str(ep)], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        placed = json.loads(p.stdout.strip().splitlines()[-1])
+        assert weight_bytes(_cfg(), dp, tp, ep)["total"] == placed["weights"], (dp, tp, ep)
+        # 8 pages in all, split over data: the plan's per-page bytes times the device's share
+        per_page = kv_bytes(_cfg(), 1, 1, _cfg().block_size)["bytes_per_page_all_layers"]
+        assert per_page * 8 / dp == placed["caches"]
+
+
+def test_deepseek_v32_plan_from_abstract_shapes(capsys) -> None:
+    res = main(["--tp", "8", "--ep", "1", "--batch", "64", "--context", "8192"])
+    out = capsys.readouterr().out
+    assert "8 devices" in out and ("fits" in out)
+    cfg = deepseek_v32()
+    a = cfg.attn
+    # the page pools: 64 x 8192 tokens x 61 layers x (656-byte MLA + 132-byte indexer record), whole per device
+    assert res["kv"]["total"] == 64 * 8192 * cfg.n_layers * (656 + 132)
+    experts = cfg.n_layers * cfg.n_routed_experts * 3 * a.hidden_size * cfg.moe_intermediate_size * 2 / 8
+    assert res["weights"]["routed experts"] == experts  # bf16, split 8-way over tensor (their width)
