@@ -126,14 +126,16 @@ def test_v32_layer_amax_against_the_oracle() -> None:
     """A V3.2 layer whose every quantiser runs amax/448 (FP8 linears, indexer q / k, latent records) against
     the float64 oracle under the same numerics: outputs within the bf16 / e4m3 rounding of the amax latent
     (the ue8m0 reference case's bound, tests/test_v32_parity.py), top-k sets equal up to near-ties."""
-    from tests.test_v32_parity import CFG, LENGTHS, mixed_schedule
+    from jds.batch import Chunk
+    from tests.test_v32_parity import CFG
 
     numerics = dataclasses.replace(Numerics.reference(), latent_scale_fmt="amax", act_scale_fmt="amax")
     layer, w = make_layer(CFG, numerics, seed=5)
     assert layer.index_format.scale_fmt == "amax" and layer.wq_a.scale_fmt == "amax"
-    xs = random_inputs(LENGTHS, CFG.hidden_size, seed=15)
-    j = run_jax(layer, xs, mixed_schedule(), seed=6)
-    t = run_torch(CFG, w, numerics, xs, mixed_schedule())
+    xs = random_inputs([20, 11], CFG.hidden_size, seed=15)  # longer than index_topk = 8: sparse selection
+    schedule = [[Chunk(0, 0, 13), Chunk(1, 0, 11)], [Chunk(0, 13, 7)]]  # a prefill chunk, then the rest
+    j = run_jax(layer, xs, schedule, seed=6)
+    t = run_torch(CFG, w, numerics, xs, schedule)
     for i in range(len(xs)):
         assert max_rel_err(j.out[i], t.out[i]) < 8e-2
         assert_sets_match(j.topk[i], t.topk[i], t.scores[i], rtol=1e-2)
