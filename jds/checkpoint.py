@@ -320,3 +320,62 @@ def restore_model(path: str | os.PathLike, *, implementation: str = "auto", seed
     model = Decoder(cfg, seed=seed, implementation=implementation)
     load_checkpoint(model, path)
     return model
+
+
+def restore_sharded(path: str | os.PathLike, mesh: Any, *, implementation: str = "auto", seed: int = 0,
+                    config: Any = None, progress: Any = None) -> Any:
+    """A ``Decoder`` whose parameters go from the checkpoint straight into their shards on ``mesh``.
+
+    Why: a full DeepSeek model does not fit one device, nor one host as a random-initialised copy. The model is
+    built abstractly (``nnx.eval_shape``: shapes only, no random init), then the checkpoint is read one orbax
+    shard at a time and every tensor is placed with the partition rules of ``jds.sharding``
+    (``jax.make_array_from_callback``: each device receives only its slice). The host holds one checkpoint
+    shard at a time (a fused parameter's parts until its last part arrives). ``progress(done, total)`` is
+    called after each tensor. The result equals ``restore_model`` followed by the runner's placement.
+    """
+    import jax
+    from jax.sharding import NamedSharding
+
+    from jds import sharding
+    from jds.model import Decoder
+    from jds.nn import _param_paths
+
+    path = os.fspath(path)
+    meta = read_meta(path)
+    cfg = config if config is not None else checkpoint_config(path)
+    model = nnx.eval_shape(lambda: Decoder(cfg, seed=seed, implementation=implementation))
+    check_compatible(model, path, meta)
+    var_path = {id(v): "/".join(str(k) for k in p) + "/value"
+                for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
+    names = _param_paths(model)
+    parts: dict[int, int] = {}
+    for owner, attr, rows in names.values():
+        if rows is not None:
+            parts[id(getattr(owner, attr))] = parts.get(id(getattr(owner, attr)), 0) + 1
+    fused: dict[int, list[Any]] = {}  # variable id -> [host buffer, parts still missing]
+    done, total = 0, len(names)
+
+    def place(var: Any, host: np.ndarray) -> None:
+        spec = sharding.param_spec(var_path[id(var)], tuple(host.shape), cfg, mesh)
+        var.set_value(jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda idx: host[idx]))
+
+    for shard in iter_shards(path, meta):
+        for name, arr in shard.items():
+            owner, attr, rows = names[name]
+            var = getattr(owner, attr)
+            if rows is None:
+                place(var, arr)
+            else:
+                buf = fused.setdefault(id(var), [np.zeros(var.shape, var.dtype), parts[id(var)]])
+                buf[0][rows[0]:rows[1]] = arr
+                buf[1] -= 1
+                if buf[1] == 0:
+                    place(var, fused.pop(id(var))[0])
+            done += 1
+            if progress:
+                progress(done, total)
+    left = [p for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)
+            and isinstance(v.get_value(), jax.ShapeDtypeStruct)]
+    if left:
+        raise ValueError(f"checkpoint {path!r}: no values for {['/'.join(map(str, p)) for p in left[:3]]}")
+    return model

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jds.ops.norms import layer_norm, rms_norm
-from jds.ops.quant import act_quant, dequant, fp8_linear, quantize_weight_blocks
+from jds.ops.quant import act_quant, dequant, fp8_linear, quantize_weight_blocks_jax
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -47,7 +47,7 @@ class Linear(nnx.Module):
         self.fp8 = fp8
         self.dtype = dtype
         if fp8:
-            wq, s = quantize_weight_blocks(np.asarray(w))
+            wq, s = quantize_weight_blocks_jax(w)  # traceable: an FP8 model builds under nnx.eval_shape
             self.weight = nnx.Param(jnp.asarray(wq))
             self.scale = nnx.Param(jnp.asarray(s))
         else:

@@ -751,16 +751,24 @@ class ModelRunner(BoundaryRunner):
         """
         if model_config is not None and (preset is not None or config_path or model_overrides):
             raise ValueError("model_config: give it alone, or preset / config_path / model_overrides")
+        config = runner if runner is not None else RunnerConfig()
+        if settings:
+            config = replace(config, **settings)
         if checkpoint and model_config is None and preset is None and not config_path and not model_overrides:
-            from jds.checkpoint import restore_model
-            model = restore_model(checkpoint, implementation=implementation, seed=seed)
+            from jds.checkpoint import checkpoint_config, restore_model, restore_sharded
+            if sharding.uses_mesh(config):  # straight into the shards: no whole-model copy on one device
+                sharding.check_divisible(checkpoint_config(checkpoint), config)  # before reading any tensor
+                model = restore_sharded(checkpoint, sharding.make_mesh(config), implementation=implementation,
+                                        seed=seed)
+            else:
+                model = restore_model(checkpoint, implementation=implementation, seed=seed)
         else:
             cfg = model_config or load_model_config(preset or "v32-tiny", config_path, **(model_overrides or {}))
             model = Decoder(cfg, seed=seed, implementation=implementation)
             if checkpoint:
                 from jds.checkpoint import load_checkpoint
                 load_checkpoint(model, checkpoint)
-        return cls(model, runner, **settings)
+        return cls(model, config)
 
 
 def enable_compile_cache(cache_dir: str) -> None:

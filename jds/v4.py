@@ -28,7 +28,7 @@ from jds.attention import AttentionResult, Implementation, Indexer, Query, Stage
 from jds.batch import PagedBatch
 from jds.config import Numerics, V4Config
 from jds.nn import FusedLinear, Linear, RMSNorm, jdtype
-from jds.ops.quant import dequant_weight_blocks, quantize_weight_blocks
+from jds.ops.quant import dequant_weight_blocks, quantize_weight_blocks_jax
 from jds.ops import compressor as comp
 from jds.ops.indexer import prepare_indexer_k, prepare_indexer_q
 from jds.ops.paging import RecordFormat, global_slots, write_records
@@ -126,8 +126,8 @@ class V4Attention(StagedAttention):
         if fp8 and not numerics.wo_a_fp8:
             # random weights as a released checkpoint's: e4m3 with power-of-two block scales, dequantised to bf16
             # (exactly: q * 2^k fits bf16), so a synthetic FP8 export of this model converts back bit for bit
-            wq, ws = quantize_weight_blocks(np.asarray(self.wo_a.weight[...], np.float32), fmt="ue8m0")
-            self.wo_a.weight = nnx.Param(dequant_weight_blocks(jnp.asarray(wq), jnp.asarray(ws)).astype(dt))
+            wq, ws = quantize_weight_blocks_jax(self.wo_a.weight[...], fmt="ue8m0")
+            self.wo_a.weight = nnx.Param(dequant_weight_blocks(wq, ws).astype(dt))
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, dtype=dt, fp8=fp8, rngs=rngs)
         self.attn_sink = nnx.Param(jax.random.normal(rngs.params(), (cfg.n_heads,), jnp.float32))
         if self.ratio:

@@ -132,6 +132,21 @@ def quantize_weight_blocks(w: np.ndarray, block: int = 128, fmt: ScaleFmt = "ama
     return q.astype(ml_dtypes.float8_e4m3fn), s
 
 
+def quantize_weight_blocks_jax(w: jax.Array, block: int = 128, fmt: ScaleFmt = "amax") -> tuple[jax.Array, jax.Array]:
+    """``quantize_weight_blocks`` in jnp, bit for bit (IEEE divisions, RNE into e4m3), so that a model with FP8
+    linears can be built under ``jax.eval_shape`` / ``nnx.eval_shape`` (abstract shapes, no host round trip)."""
+    w = jnp.asarray(w, jnp.float32)
+    o, i = w.shape
+    ob, ib = -(-o // block), -(-i // block)
+    blocks = jnp.pad(w, ((0, ob * block - o), (0, ib * block - i))).reshape(ob, block, ib, block)
+    amax = jnp.max(jnp.abs(blocks), axis=(1, 3))
+    s = true_divide(jnp.maximum(amax, np.float32(1e-4)), FP8_MAX)
+    if fmt == "ue8m0":
+        s = ue8m0_ceil(s)
+    q = jnp.clip(true_divide(blocks, s[:, None, :, None]), -FP8_MAX, FP8_MAX)
+    return q.reshape(ob * block, ib * block)[:o, :i].astype(FP8), s
+
+
 def dequant_weight_blocks(wq: jax.Array, scale: jax.Array, block: int = 128) -> jax.Array:
     """float32 W = Wq * S[i//b, j//b]."""
     o, i = wq.shape

@@ -1,0 +1,73 @@
+"""Checkpoint loading straight into shards (``jds.checkpoint.restore_sharded``, used by ``ModelRunner.build``
+with a parallel RunnerConfig): on 4 virtual CPU devices, every parameter equals the unsharded restore bit for
+bit, carries the runner's partition spec, each device holds the bytes ``plan_memory`` predicts, and a sharded
+runner built from the checkpoint gives the unsharded runner's logits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+WORKER = """
+import dataclasses, json, sys, tempfile
+import jax, numpy as np
+from flax import nnx
+from jds import sharding
+from jds.bench.plan_memory import weight_bytes
+from jds.batch import Chunk
+from jds.checkpoint import restore_model, restore_sharded, save_checkpoint
+from jds.config import Numerics, RunnerConfig, preset
+from jds.model import Decoder
+from jds.runner import ModelRunner
+out = {}
+for name in ("v32-tiny", "v4-tiny"):
+    cfg = dataclasses.replace(preset(name), numerics=Numerics.reference(), n_routed_experts=4, moe_topk=2,
+                              moe_intermediate_size=256)
+    d = tempfile.mkdtemp() + "/ck"
+    save_checkpoint(Decoder(cfg, seed=3), d)
+    rc = RunnerConfig(mode="fused", num_blocks=8, max_num_seqs=2, max_num_tokens=32, max_model_len=64,
+                      tensor_parallel=2, expert_parallel=2)
+    mesh = sharding.make_mesh(rc)
+    ticks = []
+    got = restore_sharded(d, mesh, progress=lambda i, n: ticks.append((i, n)))
+    ref = restore_model(d)
+    fa = jax.tree_util.tree_flatten_with_path(nnx.state(ref))[0]
+    fb = jax.tree_util.tree_flatten_with_path(nnx.state(got))[0]
+    same = all(np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8)) for (_, x), (_, y) in zip(fa, fb))
+    specs = all(y.sharding.spec == sharding.param_spec(jax.tree_util.keystr(k, simple=True, separator="/"),
+                tuple(y.shape), cfg, mesh) for k, y in fb)
+    dev = jax.devices()[0]
+    on_dev = sum(s.data.nbytes for _, y in fb for s in y.addressable_shards if s.device == dev)
+    a = ModelRunner.build(checkpoint=d, runner=dataclasses.replace(rc, tensor_parallel=1, expert_parallel=1))
+    b = ModelRunner.build(checkpoint=d, runner=rc)
+    bt = (np.arange(2 * a.max_blocks, dtype=np.int32) % 8).reshape(2, -1)
+    ids = np.arange(1, 11, dtype=np.int32)
+    la = a.execute(ids, [Chunk(0, 0, 6), Chunk(1, 0, 4)], bt)
+    lb = b.execute(ids, [Chunk(0, 0, 6), Chunk(1, 0, 4)], bt)
+    out[name] = {"same": same, "specs": specs, "on_dev": on_dev, "plan": weight_bytes(cfg, 1, 2, 2)["total"],
+                 "ticks": ticks[-1], "n_ticks": len(ticks), "logit_err": float(np.abs(la - lb).max()),
+                 "logit_scale": float(np.abs(la).max()), "sharded": len(b.model.embed.weight[...].sharding.device_set)}
+print(json.dumps(out))
+"""
+
+
+def test_restore_into_shards() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    p = subprocess.run([sys.executable, "-c", WORKER], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    for name, r in res.items():
+        assert r["same"] and r["specs"], name
+        assert r["on_dev"] == r["plan"], (name, r["on_dev"], r["plan"])
+        assert r["ticks"][0] == r["ticks"][1] == r["n_ticks"]  # one progress call per tensor
+        assert r["sharded"] == 4  # the runner's parameters span the mesh
+        # one device vs an SPMD-partitioned step in FP8 numerics: another summation order can move a value
+        # across an e4m3 step (2^-3 of it) where activations are re-quantised, and that propagates (V4 measured
+        # 2.2% of max|logit| here); exact equality of sharded and one-device steps is tests/test_sharding.py's
+        assert r["logit_err"] <= 5e-2 * r["logit_scale"], (name, r["logit_err"], r["logit_scale"])
