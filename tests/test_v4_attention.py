@@ -103,6 +103,21 @@ def _assert_topk(ours: np.ndarray, ref: np.ndarray, scores: np.ndarray) -> None:
     assert n_sel > 0
 
 
+def _both_prefill(layer_id: int, num: Numerics, seed: int) -> tuple:
+    """One two-request prefill of ``SEQ[layer_id]`` tokens through jds (shuffled pages) and the oracle, in
+    ``num``: (runner, oracle, oracle result, jds output [2*S, hidden], jds top-k, block table)."""
+    rng = np.random.default_rng(seed)
+    s = SEQ[layer_id]
+    w = _weights(layer_id, seed=int(rng.integers(1 << 30)), numerics=num, sink_scale=2.0)
+    x = rng.standard_normal((2, s, CFG.hidden_size)).astype(np.float32)
+    orc = _oracle(layer_id, w, num, 2)
+    ref = orc.forward(torch.from_numpy(x), 0)
+    run = Runner(layer_id, num, w, num_blocks=8)
+    bt = _pages(rng, 2, 4, 8)
+    y, topk = run.step([x[0], x[1]], [Chunk(0, 0, s), Chunk(1, 0, s)], bt)
+    return run, orc, ref, y, topk, bt
+
+
 def _seq_chunks(x: np.ndarray, sizes: list[int]) -> list[tuple[int, np.ndarray]]:
     out, p = [], 0
     for n in sizes:
@@ -304,16 +319,9 @@ def test_fp8_reference_numerics(layer_id: int) -> None:
     block or candidate) moves most elements by O(max|y|).
     """
     num = Numerics.reference()
-    rng = np.random.default_rng(40 + layer_id)
     s = SEQ[layer_id]
-    w = _weights(layer_id, seed=int(rng.integers(1 << 30)), numerics=num, sink_scale=2.0)
-    x = rng.standard_normal((2, s, CFG.hidden_size)).astype(np.float32)
-    orc = _oracle(layer_id, w, num, 2)
-    ref = orc.forward(torch.from_numpy(x), 0)
-    run = Runner(layer_id, num, w, num_blocks=8)
+    run, orc, ref, y, topk, bt = _both_prefill(layer_id, num, 40 + layer_id)
     assert run.cache.window.dtype == jnp.uint8 and run.cache.window.shape == (8, CFG.block_size * 584)
-    bt = _pages(rng, 2, 4, 8)
-    y, topk = run.step([x[0], x[1]], [Chunk(0, 0, s), Chunk(1, 0, s)], bt)
     r = ref["out"].numpy()
     err = np.abs(y.reshape(2, s, -1) - r)
     scale = float(np.abs(r).max())
@@ -455,15 +463,9 @@ def test_fp4_indexer_layer_against_the_oracle() -> None:
 
     num = dataclasses.replace(Numerics.reference(), indexer_fp4=True)
     layer_id = 1
-    rng = np.random.default_rng(41)
     s = SEQ[layer_id]
-    w = _weights(layer_id, seed=int(rng.integers(1 << 30)), numerics=num, sink_scale=2.0)
-    x = rng.standard_normal((2, s, CFG.hidden_size)).astype(np.float32)
-    orc = _oracle(layer_id, w, num, 2)
-    ref = orc.forward(torch.from_numpy(x), 0)
-    run = Runner(layer_id, num, w, num_blocks=8)
+    run, orc, ref, y, topk, _ = _both_prefill(layer_id, num, 41)
     assert run.cache.index_k.shape == (8, (CFG.block_size // 4) * 68)
-    y, topk = run.step([x[0], x[1]], [Chunk(0, 0, s), Chunk(1, 0, s)], _pages(rng, 2, 4, 8))
     r = ref["out"].numpy()
     err = np.abs(y.reshape(2, s, -1) - r)
     assert err.max() <= 2.0 ** -6 * float(np.abs(r).max())
