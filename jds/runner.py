@@ -740,14 +740,15 @@ class ModelRunner(BoundaryRunner):
     def build(cls, *, preset: str | None = None, config_path: str | None = None, checkpoint: str | None = None,
               model_config: ModelConfig | None = None, model_overrides: dict[str, Any] | None = None,
               implementation: str = "auto", seed: int = 0, runner: RunnerConfig | None = None,
-              **settings: Any) -> "ModelRunner":
+              progress: Callable[[int, int], None] | None = None, **settings: Any) -> "ModelRunner":
         """A runner over a model from one source, with ``runner``'s settings (default ``RunnerConfig()``).
 
         The model: ``model_config``; or the preset (default v32-tiny) with its attention replaced from the HF
         ``config_path`` and ``model_overrides`` (ModelConfig fields, e.g. the MoE ones) applied; or, with
         ``checkpoint`` alone, the checkpoint's stored config. Given another source too, the checkpoint must
         match it (a mismatch is a ValueError naming the first differing parameter). ``settings``: RunnerConfig
-        fields replacing ``runner``'s, as ``BoundaryRunner`` takes them.
+        fields replacing ``runner``'s, as ``BoundaryRunner`` takes them. ``progress(done, total)``: called per
+        tensor placed when a checkpoint loads straight into shards (a parallel config).
         """
         if model_config is not None and (preset is not None or config_path or model_overrides):
             raise ValueError("model_config: give it alone, or preset / config_path / model_overrides")
@@ -759,7 +760,7 @@ class ModelRunner(BoundaryRunner):
             if sharding.uses_mesh(config):  # straight into the shards: no whole-model copy on one device
                 sharding.check_divisible(checkpoint_config(checkpoint), config)  # before reading any tensor
                 model = restore_sharded(checkpoint, sharding.make_mesh(config), implementation=implementation,
-                                        seed=seed)
+                                        seed=seed, progress=progress)
             else:
                 model = restore_model(checkpoint, implementation=implementation, seed=seed)
         else:

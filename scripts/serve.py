@@ -243,7 +243,20 @@ def build_runner(a: argparse.Namespace):
 
     return ModelRunner.build(preset=a.preset, config_path=a.config, checkpoint=a.checkpoint,
                              model_overrides=a.model_overrides, implementation=a.implementation, seed=a.seed,
-                             runner=a.runner_config)
+                             runner=a.runner_config, progress=load_progress())
+
+
+def load_progress():
+    """A one-line progress bar for a checkpoint loaded straight into shards (printed every 10%)."""
+    last = [-1]
+
+    def show(done: int, total: int) -> None:
+        tenth = 10 * done // max(total, 1)
+        if tenth != last[0]:
+            last[0] = tenth
+            bar = "#" * tenth + "." * (10 - tenth)
+            print(f"[serve] loading into shards [{bar}] {done}/{total} tensors", flush=True)
+    return show
 
 
 def check_port(host: str, port: int) -> str | None:
