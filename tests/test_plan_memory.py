@@ -43,7 +43,7 @@ def _cfg():
 def test_plan_equals_the_runner_placement() -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    for dp, tp, ep in ((1, 2, 2), (2, 2, 1)):
+    for dp, tp, ep in ((2, 2, 1),):  # (1, 2, 2): tests/test_restore_sharded.py checks the plan there too
         p = subprocess.run([sys.executable, "-c", PLACED, str(dp), str(tp), str(ep)], env=env, cwd=ROOT,
                            capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, p.stderr[-3000:]
