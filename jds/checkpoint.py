@@ -348,10 +348,11 @@ def restore_sharded(path: str | os.PathLike, mesh: Any, *, implementation: str =
     var_path = {id(v): "/".join(str(k) for k in p) + "/value"
                 for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
     names = _param_paths(model)
-    parts: dict[int, int] = {}
+    parts: dict[int, int] = {}  # fused parameter -> how many checkpoint tensors fill it
     for owner, attr, rows in names.values():
         if rows is not None:
-            parts[id(getattr(owner, attr))] = parts.get(id(getattr(owner, attr)), 0) + 1
+            key = id(getattr(owner, attr))
+            parts[key] = parts.get(key, 0) + 1
     fused: dict[int, list[Any]] = {}  # variable id -> [host buffer, parts still missing]
     done, total = 0, len(names)
 

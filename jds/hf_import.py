@@ -124,7 +124,6 @@ from jds.safetensors_io import INDEX_NAME, SafetensorsDir, read_json, write_safe
 
 log = logging.getLogger(__name__)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
-F32 = np.dtype(np.float32)
 BLOCK = 128
 SCALE_SUFFIX = {"v32": ".weight_scale_inv", "v4": ".scale"}
 FLOAT_DTYPES = ("F32", "BF16", "F16")
@@ -277,43 +276,25 @@ def skip_reason(name: str, arch: str, n_layers: int, block: str = "v3") -> str |
 
 def released_fp8(cfg: Any, name: str) -> bool:
     """Linears an FP8 release stores as e4m3 + scale although the model runs them in bf16 (V4's ``wo_a``:
-    dequantised at conversion); the importer dequantises them (``_fp8_able`` is False for them)."""
+    dequantised at conversion); the importer dequantises them (the model holds them in bf16)."""
     return (cfg.arch == "v4" and cfg.numerics.fp8_linear and not cfg.numerics.wo_a_fp8
             and re.fullmatch(r"layers\.\d+\.attn\.wo_a", name) is not None)
 
 
-def _fp8_able(cfg: Any, name: str) -> bool:
-    """The linears a jds Decoder stores as e4m3 + scale when ``numerics.fp8_linear`` (see DESIGN.md)."""
-    attn = ("wq_a|wq_b|wkv_a|wkv_b|wo|indexer\\.wq_b|indexer\\.wk" if cfg.arch == "v32"
-            else "wq_a|wkv|wq_b|wo_b|indexer\\.wq_b" + ("|wo_a" if cfg.numerics.wo_a_fp8 else ""))
-    if re.fullmatch(rf"layers\.\d+\.attn\.({attn})", name):
-        return True
-    return not cfg.n_routed_experts and re.fullmatch(r"layers\.\d+\.ffn\.w[123]", name) is not None
-
-
 def target_spec(cfg: Any) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """jds name -> (shape, dtype) of every parameter of ``Decoder(cfg)``, without allocating it.
-
-    Shapes/dtypes come from ``nnx.eval_shape`` of the model with fp8 off (the fp8 init quantises on the
-    host, which eval_shape cannot trace); the fp8 linears are then swapped to e4m3 + float32 block scales by
-    the DESIGN.md rule (tests check this equals a real fp8 model's export_weights).
-    """
+    """jds name -> (shape, dtype) of every parameter of ``Decoder(cfg)``, without allocating it
+    (``nnx.eval_shape`` of the model itself: its FP8 linears quantise in jnp at init, so they trace)."""
     from flax import nnx
 
     from jds.model import Decoder
     from jds.nn import _param_paths
 
-    base = dataclasses.replace(cfg, numerics=dataclasses.replace(cfg.numerics, fp8_linear=False))
-    abstract = nnx.eval_shape(lambda: Decoder(base))
+    abstract = nnx.eval_shape(lambda: Decoder(cfg))
     spec: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
     for name, (owner, attr, rows) in _param_paths(abstract).items():
         v = getattr(owner, attr).get_value()
         shape = tuple(v.shape) if rows is None else (rows[1] - rows[0],) + tuple(v.shape[1:])
-        if cfg.numerics.fp8_linear and _fp8_able(cfg, name):
-            spec[name] = (shape, E4M3)
-            spec[name + ".scale"] = ((-(-shape[0] // BLOCK), -(-shape[1] // BLOCK)), F32)
-        else:
-            spec[name] = (shape, np.dtype(v.dtype))
+        spec[name] = (shape, np.dtype(v.dtype))
     return spec
 
 

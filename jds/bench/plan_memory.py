@@ -5,7 +5,7 @@
 
 The mesh has dp x tp x ep devices (jds's axes multiply; vLLM's expert parallelism reuses the tensor ranks).
 
-Weights: every parameter of ``Decoder(cfg)`` as jds holds it (``jds.hf_import.target_spec``: FP8 linears as
+Weights: every parameter of ``Decoder(cfg)`` as jds holds it (the model under ``nnx.eval_shape``: FP8 linears as
 e4m3 + block scales, the MoE experts in bf16, norms in float32), split by the partition rules of
 ``jds.sharding`` (the same ``param_spec`` the runner places them with; a split that does not divide is
 dropped, as there). KV pages: ``batch`` requests of ``context`` tokens in each layer's page formats, pages
@@ -43,32 +43,32 @@ def deepseek_v32() -> Any:
                        numerics=Numerics.reference())
 
 
-def _rule_path(name: str, ndim: int) -> str:
-    """jds export name -> the nnx path shape the partition rules match (``layers/3/attn/wq_b/weight``)."""
-    if name.endswith(".scale"):
-        return name[: -len(".scale")].replace(".", "/") + "/scale"
-    path = name.replace(".", "/")
-    if name.endswith(".weight"):
-        return path
-    return path + ("/value" if ndim == 3 else "/weight")
+def _abstract(cfg: Any) -> Any:
+    """``Decoder(cfg)`` as shapes only (``nnx.eval_shape``): parameters in the dtypes jds holds them."""
+    from flax import nnx
+
+    from jds.model import Decoder
+
+    return nnx.eval_shape(lambda: Decoder(cfg))
 
 
 def weight_bytes(cfg: Any, dp: int, tp: int, ep: int) -> dict[str, float]:
-    """Per-device bytes of the parameters, by family, and the total (one device of the mesh)."""
-    import numpy as np
+    """Per-device bytes of the parameters, by family, and the total (one device of the mesh): each leaf of the
+    abstract model's state split by ``jds.sharding.param_spec`` at its own path, as the runner places it."""
+    import jax
+    from flax import nnx
 
-    from jds.hf_import import target_spec
     from jds.sharding import param_spec
 
     mesh = _MeshShape(dp, tp, ep)
     sizes = {"data": dp, "tensor": tp, "expert": ep}
     out: dict[str, float] = {}
-    for name, (shape, dtype) in target_spec(cfg).items():
-        spec = param_spec(_rule_path(name, len(shape)), tuple(shape), cfg, mesh)
-        div = math.prod(sizes[a] for a in spec if a is not None)
-        nbytes = math.prod(shape) * np.dtype(dtype).itemsize / div
-        fam = ("routed experts" if len(shape) == 3 else "embedding + head" if name.startswith(("embed", "head"))
-               else "attention" if ".attn." in name else "ffn (dense / shared)" if ".ffn." in name else "norms")
+    for key, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(_abstract(cfg)))[0]:
+        path = jax.tree_util.keystr(key, simple=True, separator="/")
+        spec = param_spec(path, tuple(leaf.shape), cfg, mesh)
+        nbytes = leaf.size * leaf.dtype.itemsize / math.prod(sizes[a] for a in spec if a is not None)
+        fam = ("routed experts" if leaf.ndim == 3 else "embedding + head" if path.startswith(("embed", "head"))
+               else "attention" if "/attn/" in path else "ffn (dense / shared)" if "/ffn/" in path else "norms")
         out[fam] = out.get(fam, 0.0) + nbytes
     out["total"] = sum(out.values())
     return out
@@ -77,14 +77,9 @@ def weight_bytes(cfg: Any, dp: int, tp: int, ep: int) -> dict[str, float]:
 def kv_bytes(cfg: Any, dp: int, batch: int, context: int) -> dict[str, float]:
     """Per-device bytes of the page pools for ``batch`` x ``context`` tokens (pages split over ``data``)."""
     import jax
-    from flax import nnx
 
-    from jds.model import Decoder
-
-    base = dataclasses.replace(cfg, numerics=dataclasses.replace(cfg.numerics, fp8_linear=False))
-    model = nnx.eval_shape(lambda: Decoder(base))
-    bs = cfg.block_size
-    pages = batch * math.ceil(context / bs)
+    model = _abstract(cfg)
+    pages = batch * math.ceil(context / cfg.block_size)
     caches = jax.eval_shape(lambda: model.init_caches(1))
     per_page = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(caches))
     return {"pages": pages, "bytes_per_page_all_layers": per_page, "total": pages * per_page / dp}

@@ -109,27 +109,11 @@ def fake_quant(x: jax.Array, block: int, fmt: ScaleFmt = "ue8m0", amax_floor: fl
 
 
 def quantize_weight_blocks(w: np.ndarray, block: int = 128, fmt: ScaleFmt = "amax") -> tuple[np.ndarray, np.ndarray]:
-    """[out, in] float weight -> (e4m3 weight, float32 scale [ceil(out/b), ceil(in/b)]), amax/448 per block
-    (``fmt="ue8m0"``: the next power of two, as V4's checkpoints store them).
-
-    Host-side (numpy) because it runs once at init/checkpoint conversion, never per step.
-    """
-    import ml_dtypes
-
-    w = np.asarray(w, np.float32)
-    o, i = w.shape
-    ob, ib = -(-o // block), -(-i // block)
-    pad = np.zeros((ob * block, ib * block), np.float32)
-    pad[:o, :i] = w
-    blocks = pad.reshape(ob, block, ib, block)
-    amax = np.abs(blocks).max(axis=(1, 3))
-    s = np.maximum(amax, np.float32(1e-4)) / np.float32(FP8_MAX)
-    s = s.astype(np.float32)
-    if fmt == "ue8m0":
-        m, e = np.frexp(s)
-        s = np.ldexp(np.float32(1), np.where(m == 0.5, e - 1, e)).astype(np.float32)
-    q = np.clip(blocks / s[:, None, :, None], -FP8_MAX, FP8_MAX).reshape(ob * block, ib * block)[:o, :i]
-    return q.astype(ml_dtypes.float8_e4m3fn), s
+    """[out, in] float weight -> (e4m3 weight, float32 scale [ceil(out/b), ceil(in/b)]) as numpy arrays, amax/448
+    per block (``fmt="ue8m0"``: the next power of two, as V4's checkpoints store them): ``quantize_weight_blocks_jax``
+    on the host's arrays."""
+    q, s = quantize_weight_blocks_jax(jnp.asarray(w, jnp.float32), block, fmt)
+    return np.asarray(q), np.asarray(s)
 
 
 def quantize_weight_blocks_jax(w: jax.Array, block: int = 128, fmt: ScaleFmt = "amax") -> tuple[jax.Array, jax.Array]:
