@@ -6,8 +6,8 @@ engine thread spends it, with async stepping on and off, on one runner.
 Why: the server's time per output token at concurrency 1 (``jds.bench.serve_modes``) is above the device
 step. This splits the difference: if the engine loop alone decodes at the device step, the rest is the
 server's (event loop, GIL hand-offs); if not, the split says which engine phase holds the host. Per step:
-``submit`` (scheduling, input packing, launch, sampling dispatch), ``wait`` (blocking on the previous step's
-tokens) and ``other`` (applying tokens, stop checks). The runner settings are the server's defaults for the
+the runner's ``submit`` (input packing, launch, sampling dispatch; ``execute`` when synchronous) and the rest
+(scheduling, waiting for the previous step's tokens, applying them). The runner settings are the server's defaults for the
 ``--num-blocks`` / bucket flags given.
 """
 
@@ -24,6 +24,7 @@ import numpy as np
 
 def decode_requests(engine: Any, n: int, prompt_len: int, out_len: int, seed: int = 0) -> dict[str, Any]:
     """``n`` requests one after another; per-step wall time and its phases over the decode steps."""
+    from jds.bench.stats import median
     from jds.engine.request import SamplingParams
 
     rng = np.random.default_rng(seed)
@@ -60,7 +61,7 @@ def decode_requests(engine: Any, n: int, prompt_len: int, out_len: int, seed: in
                 first = False
     finally:
         del runner.submit, runner.execute
-    med = lambda xs: 1e3 * float(np.median(xs)) if xs else None  # noqa: E731
+    med = lambda xs: median(xs, 1e3) if xs else None  # noqa: E731
     return {"decode_steps": len(steps), "ms_per_step_median": med(steps), "ms_per_step_mean": 1e3 * float(np.mean(steps)),
             "submit_or_execute_ms_median": med(subs),
             "rest_ms_median": med([s - u for s, u in zip(steps, subs)])}

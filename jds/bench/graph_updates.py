@@ -86,6 +86,7 @@ def child(a: argparse.Namespace) -> None:
     import numpy as np
 
     from jds.bench.stack import block_table, build_stack, make_runner, step_shapes
+    from jds.bench.stats import median
     from jds.sampling import greedy_tokens
 
     model = build_stack(a.arch, a.layers, intermediate=a.intermediate, size=a.size, implementation=a.implementation,
@@ -131,7 +132,7 @@ def child(a: argparse.Namespace) -> None:
             prev = nxt
         np.asarray(prev)
         _phase("end")
-        out[v] = {k: 1e3 * sorted(x)[len(x) // 2] for k, x in launch.items()}
+        out[v] = {k: median(x, 1e3) for k, x in launch.items()}
         if dump:
             out[v]["top_level_thunks"] = top_level_lines(dump)
         del runner, tok, nxt, prev
