@@ -7,6 +7,7 @@
 #   scripts/gpu_session.sh deep          # issue 16: 61 layers, MoE (8 routed experts, top-8)
 #   scripts/gpu_session.sh deep-v4       # issue 16: the 43-layer V4-Flash pattern
 #   scripts/gpu_session.sh async         # issue 16: the server, async stepping on vs --no-async
+#   scripts/gpu_session.sh compare       # issue 18: jds beside the PyTorch comparator, one run, one table (V3.2, 8 layers)
 #   scripts/gpu_session.sh probe         # host cost of a captured step: preparation vs dispatch, graphs vs none
 #   scripts/gpu_session.sh boundary      # bench_boundary, V3.2 + V4, compiled in parallel processes first
 #   scripts/gpu_session.sh boundary-v4   # the V4 stack alone (all three modes)
@@ -75,6 +76,12 @@ case "$stage" in
     timeout ${DECODE_TIMEOUT:-80} python3 -m jds.bench.ttft --arch v32 --layers 8 --shape decode_b1_ctx512 \
       --variants fused:device --out "$OUT/decode_b1_v32_h200.json" > "$OUT/decode_b1.log" 2>&1
     echo "decode_b1 rc=$?"; grep '^{' "$OUT/decode_b1.log" | cut -c1-300
+    ;;
+  compare)
+    # issue 18: both backends in one process (torch's graphs + the Triton paged indexer-logits kernel), V3.2 8 layers
+    timeout -s INT ${COMPARE_TIMEOUT:-540} python3 -m jds.bench.boundary --backend jax torch --arch ${COMPARE_ARCH:-v32} \
+      --layers 8 --precompile --torch-indexer ${COMPARE_INDEXER:-triton} --out "$OUT/compare_${COMPARE_ARCH:-v32}_h200.json" \
+      > "$OUT/compare.log" 2>&1; echo "compare rc=$?"; tail -14 "$OUT/compare.log"
     ;;
   probe)
     # one process per variant (update modes pick XLA's allocator at start-up); fused first: one executable
