@@ -8,6 +8,7 @@
 #   scripts/gpu_session.sh deep-v4       # issue 16: the 43-layer V4-Flash pattern
 #   scripts/gpu_session.sh async         # issue 16: the server, async stepping on vs --no-async
 #   scripts/gpu_session.sh compare       # issue 18: jds beside the PyTorch comparator, one run, one table (V3.2, 8 layers)
+#   scripts/gpu_session.sh torch-profile # issue 18: the comparator's eager step, device time per stage (torch.profiler)
 #   scripts/gpu_session.sh probe         # host cost of a captured step: preparation vs dispatch, graphs vs none
 #   scripts/gpu_session.sh boundary      # bench_boundary, V3.2 + V4, compiled in parallel processes first
 #   scripts/gpu_session.sh boundary-v4   # the V4 stack alone (all three modes)
@@ -82,6 +83,12 @@ case "$stage" in
     timeout -s INT ${COMPARE_TIMEOUT:-540} python3 -m jds.bench.boundary --backend jax torch --arch ${COMPARE_ARCH:-v32} \
       --layers 8 --precompile --torch-indexer ${COMPARE_INDEXER:-triton} --out "$OUT/compare_${COMPARE_ARCH:-v32}_h200.json" \
       > "$OUT/compare.log" 2>&1; echo "compare rc=$?"; tail -14 "$OUT/compare.log"
+    ;;
+  torch-profile)
+    # issue 18: what each torch stand-in costs on the GPU (the measured side of its docstring's expected gap)
+    timeout -s INT ${TPROF_TIMEOUT:-240} python3 -m jds.compare.torch_profile --arch v32 --layers 8 \
+      --out "$OUT/torch_stages_v32_h200.json" > "$OUT/torch_profile.log" 2>&1; echo "torch-profile rc=$?"
+    grep -v "^USDT\|^STAGE:" "$OUT/torch_profile.log" | tail -26
     ;;
   probe)
     # one process per variant (update modes pick XLA's allocator at start-up); fused first: one executable

@@ -361,3 +361,21 @@ def test_comparison_table_torch_only_reports_narrow_over_wide() -> None:
     tm = {"modes": {"wide": {"ttft_128": {"mean_ms": 10.0}}, "narrow": {"ttft_128": {"mean_ms": 4.6}}}}
     text, ratios = comparison_table(None, tm, 64)
     assert abs(ratios["ttft_128:torch_narrow/torch_wide"] - 0.46) < 1e-12 and "torch_narrow/torch_wide" in text
+
+
+def test_torch_stage_profile_names_every_stage() -> None:
+    """The per-stage profile of the comparator's eager step: every stage of the step is named once per layer
+    and the totals add up (host time here; device time on a GPU)."""
+    from jds.compare.torch_profile import STAGES, instrument, stage_times, table
+
+    model = Decoder(preset("v32-tiny", n_layers=1, numerics=Numerics.serving()), seed=0, implementation="xla")
+    tm = TorchDecoder.from_jds(model, NB)
+    instrument(tm)
+    r = TorchStepRunner(tm, "eager")
+    bt = np.arange(NB, dtype=np.int32).reshape(2, -1)
+    chunks = [Chunk(0, 0, 5), Chunk(1, 0, 3)]
+    res = stage_times(r, np.arange(8, dtype=np.int32), chunks, bt, n=1, warm=1)
+    assert set(res) == set(STAGES) | {"total"}
+    assert all(v["host_us"] > 0 for v in res.values())
+    assert res["total"]["host_us"] == pytest.approx(sum(res[s]["host_us"] for s in STAGES))
+    assert "indexer logits + top-k" in table({"shapes": {"x": res}})
