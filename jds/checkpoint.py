@@ -219,9 +219,13 @@ def checkpoint_config(path: str | os.PathLike) -> ModelConfig:
         raise ValueError(f"checkpoint {os.fspath(path)!r}: {e}") from e
 
 
-def iter_shards(path: str | os.PathLike, meta: dict[str, Any] | None = None
-                ) -> Iterator[dict[str, np.ndarray]]:
-    """Yield each shard's tensors (numpy, true dtypes) in turn, checked against the JSON."""
+def iter_shards(path: str | os.PathLike, meta: dict[str, Any] | None = None,
+                shardings: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+    """Yield each shard's tensors (numpy, true dtypes) in turn, checked against the JSON.
+
+    ``shardings`` (tensor name -> ``jax.sharding.Sharding``): those tensors come back as ``jax.Array``s laid
+    out that way, each device's slice read by tensorstore from the stored chunks that hold it (orbax's
+    sharded restore), never the whole tensor through the host."""
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(os.fspath(path))
@@ -236,7 +240,7 @@ def iter_shards(path: str | os.PathLike, meta: dict[str, Any] | None = None
         if not os.path.isdir(sdir):
             raise ValueError(f"{where}: directory missing")
         try:
-            args = {n: ocp.RestoreArgs(restore_type=np.ndarray) for n in names}
+            args = {n: _restore_args(ocp, meta["tensors"][n], (shardings or {}).get(n)) for n in names}
             got = _checkpointer().restore(sdir, restore_args=args)
         except Exception as e:  # orbax / tensorstore raise many types for damaged files
             raise ValueError(f"{where}: cannot be read (damaged or truncated?): {type(e).__name__}: {e}") from e
@@ -247,12 +251,23 @@ def iter_shards(path: str | os.PathLike, meta: dict[str, Any] | None = None
             t = meta["tensors"][n]
             if n not in got:
                 raise ValueError(f"checkpoint {path!r}: tensor {n!r} missing from shard {rel!r}")
-            a = np.asarray(got[n])
+            a = got[n] if n in (shardings or {}) else np.asarray(got[n])
             if a.dtype.name != t["dtype"] or list(a.shape) != list(t["shape"]):
                 raise ValueError(f"checkpoint {path!r}: tensor {n!r} restored as {a.dtype}{list(a.shape)}, "
                                  f"{META} says {t['dtype']}{t['shape']}")
             out[n] = a
         yield out
+
+
+def _restore_args(ocp: Any, t: dict[str, Any], sharding: Any) -> Any:
+    """How orbax restores one tensor: to host numpy, or straight into ``sharding``."""
+    if sharding is None:
+        return ocp.RestoreArgs(restore_type=np.ndarray)
+    import jax
+    import jax.numpy as jnp
+
+    return ocp.ArrayRestoreArgs(restore_type=jax.Array, sharding=sharding, global_shape=tuple(t["shape"]),
+                                dtype=jnp.dtype(t["dtype"]))
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -328,9 +343,10 @@ def restore_sharded(path: str | os.PathLike, mesh: Any, *, implementation: str =
 
     Why: a full DeepSeek model does not fit one device, nor one host as a random-initialised copy. The model is
     built abstractly (``nnx.eval_shape``: shapes only, no random init), then the checkpoint is read one orbax
-    shard at a time and every tensor is placed with the partition rules of ``jds.sharding``
-    (``jax.make_array_from_callback``: each device receives only its slice). The host holds one checkpoint
-    shard at a time (a fused parameter's parts until its last part arrives). ``progress(done, total)`` is
+    shard at a time and every tensor is placed with the partition rules of ``jds.sharding``: a parameter
+    stored whole is restored by orbax straight into that sharding (each device's slice read from the stored
+    chunks that hold it: ``iter_shards(shardings=)``); the parts of a fused parameter (several checkpoint
+    tensors, one GEMM) are assembled in one host buffer and then placed (``jax.make_array_from_callback``). ``progress(done, total)`` is
     called after each tensor. The result equals ``restore_model`` followed by the runner's placement.
     """
     import jax
@@ -356,16 +372,20 @@ def restore_sharded(path: str | os.PathLike, mesh: Any, *, implementation: str =
     fused: dict[int, list[Any]] = {}  # variable id -> [host buffer, parts still missing]
     done, total = 0, len(names)
 
-    def place(var: Any, host: np.ndarray) -> None:
-        spec = sharding.param_spec(var_path[id(var)], tuple(host.shape), cfg, mesh)
-        var.set_value(jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda idx: host[idx]))
+    def target(var: Any) -> NamedSharding:
+        return NamedSharding(mesh, sharding.param_spec(var_path[id(var)], tuple(var.shape), cfg, mesh))
 
-    for shard in iter_shards(path, meta):
+    def place(var: Any, host: np.ndarray) -> None:
+        var.set_value(jax.make_array_from_callback(host.shape, target(var), lambda idx: host[idx]))
+
+    # a whole parameter is restored straight into its shards; a fused one's parts go through one host buffer
+    direct = {name: target(getattr(owner, attr)) for name, (owner, attr, rows) in names.items() if rows is None}
+    for shard in iter_shards(path, meta, shardings=direct):
         for name, arr in shard.items():
             owner, attr, rows = names[name]
             var = getattr(owner, attr)
             if rows is None:
-                place(var, arr)
+                var.set_value(arr)
             else:
                 buf = fused.setdefault(id(var), [np.zeros(var.shape, var.dtype), parts[id(var)]])
                 buf[0][rows[0]:rows[1]] = arr
