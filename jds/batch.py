@@ -240,7 +240,9 @@ def unpack_step(buf: jax.Array, block_tables: jax.Array, *, num_rows: int, updat
     qsl = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
     i = jnp.arange(tb, dtype=jnp.int32)
     real = i < t
-    req = jnp.where(real, jnp.searchsorted(qsl[1:], i, side="right").astype(jnp.int32), 0)
+    # compare_all, not the default scan: the scan is an XLA while loop, which a command buffer cannot hold, so
+    # the host would run it (one device->host read of the predicate per iteration) before launching the rest
+    req = jnp.where(real, jnp.searchsorted(qsl[1:], i, side="right", method="compare_all").astype(jnp.int32), 0)
     pos = jnp.where(real, starts[req] + i - qsl[req], 0)
     slot = jnp.where(real, bt[req, pos // block_size] * block_size + pos % block_size, -1)
     li = jnp.where(is_chunk, qsl[jnp.minimum(row_of_chunk, r - 1)] + ch_len - 1, 0)

@@ -58,6 +58,19 @@ def test_unpack_equals_make_batch(seed: int) -> None:
     np.testing.assert_array_equal(np.asarray(li), exp_li)
 
 
+def test_unpack_has_no_loop() -> None:
+    """The device-side preparation is straight-line code: an XLA while loop (jnp.searchsorted's default scan
+    was one) cannot live in a command buffer, so the host would run it, reading its predicate back from the
+    device each iteration, before it could launch the rest of the step (H200 thunk dump, 2026-12-01)."""
+    rows, cap, bs, tb = 4, 8, 4, 32
+    buf = pack_step(np.arange(5, dtype=np.int32), [Chunk(0, 0, 5)], (np.zeros(0, int),) * 3, num_tokens=tb,
+                    num_rows=rows, update_capacity=cap)
+    hlo = jax.jit(unpack_step, static_argnames=("num_rows", "update_capacity", "block_size")).lower(
+        jnp.asarray(buf), jnp.zeros((rows, 3), jnp.int32), num_rows=rows, update_capacity=cap,
+        block_size=bs).as_text()
+    assert "while" not in hlo
+
+
 def test_pack_step_rejects_overflow() -> None:
     with pytest.raises(ValueError, match="exceeds the buffer"):
         pack_step(np.zeros(5, np.int32), [Chunk(0, 0, 5)], (np.zeros(0), np.zeros(0), np.zeros(0)),
