@@ -84,6 +84,13 @@ class Numerics:
     # indexer kernel reads FP4 records (with it on, ``implementation="auto"`` scores in XLA). V4 only. The
     # scores stay fp32; the release's bf16 score einsum and bf16 weights_proj are not modelled (issue 22).
     indexer_fp4: bool = False
+    # DeepSeek-V4's routed experts as released: w1/w2/w3 held as packed e2m1 (two codes a byte, uint8
+    # [E, out, in/2]) with one e8m0 exponent byte per 1x32 block (uint8 [E, out, in/32]), dequantised inside the
+    # step (XLA), the experts' inputs re-quantised to e4m3 per 128 with ue8m0 scales as the release's
+    # ``linear()`` does before its FP4 GEMM. V4 block only; hidden_size and moe_intermediate_size multiples of
+    # 128. Off: bf16 experts without activation quantisation (the random presets; an FP4 release imports with
+    # it on). The shared expert is not affected.
+    experts_fp4: bool = False
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("float32", "bfloat16"), "dtype", f"must be float32 or bfloat16, got {self.dtype!r}")
@@ -94,6 +101,7 @@ class Numerics:
         )
         _require(self.latent_scale_fmt in ("ue8m0", "amax"), "latent_scale_fmt", "must be ue8m0 or amax")
         _require(self.act_scale_fmt in ("ue8m0", "amax"), "act_scale_fmt", "must be ue8m0 or amax")
+        _require(isinstance(self.experts_fp4, bool), "experts_fp4", f"must be a bool, got {self.experts_fp4!r}")
 
     @classmethod
     def exact(cls) -> "Numerics":
@@ -440,6 +448,12 @@ class ModelConfig:
         _require(self.moe_impl in MOE_IMPLS, "moe_impl", f"must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
         _require(isinstance(self.shared_swiglu_limit, bool), "shared_swiglu_limit",
                  f"must be a bool, got {self.shared_swiglu_limit!r}")
+        if self.numerics.experts_fp4:
+            _require(self.block == "v4", "numerics.experts_fp4",
+                     f"FP4 routed experts exist in DeepSeek-V4's block only (block 'v4'), got block {self.block!r}")
+            for n, v in (("hidden_size", self.hidden_size), ("moe_intermediate_size", self.moe_intermediate_size)):
+                _require(v % 128 == 0, n, f"must be a multiple of 128 with numerics.experts_fp4 (the experts' inputs "
+                         f"are quantised per 128, the weights per 32), got {v}")
         if self.block == "v4":
             _require(self.arch == "v4", "block", f"'v4' needs arch 'v4', got arch {self.arch!r}")
             _require(self.n_routed_experts > 0, "n_routed_experts", "must be > 0 with block 'v4' (every V4 layer is MoE)")

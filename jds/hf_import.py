@@ -11,10 +11,20 @@ as an e4m3 ``weight`` plus a float32 block scale; HF V3.2 calls it ``weight_scal
 Both are the multiplier (W_real = W_fp8 * s[i//128, j//128]), i.e. exactly jds's ``W.scale``. By default the
 e4m3 bits and scales are kept (the model gets ``Numerics.fp8_linear = True``); ``dequantize=True`` multiplies
 them out in float32 and rounds once to the activation dtype (bf16), giving ``fp8_linear = False``. Tensors jds
-keeps in bf16/fp32 (MoE experts, shared experts, router, head, norms, indexer weights_proj, V4 compressors)
-are always dequantised. V4 FP4 experts (int8-packed e2m1 + ue8m0 scales per 1x32) are dequantised too, and so is
-V4's ``wo_a``: the release's conversion dequantises it and its layer runs a plain bf16 einsum
-(``Numerics.wo_a_fp8`` keeps it FP8 instead, a named departure).
+keeps in bf16/fp32 (MoE experts other than V4's FP4 ones, shared experts, router, head, norms, indexer
+weights_proj, V4 compressors) are always dequantised, and so is V4's ``wo_a``: the release's conversion
+dequantises it and its layer runs a plain bf16 einsum (``Numerics.wo_a_fp8`` keeps it FP8 instead, a named
+departure).
+
+V4 FP4 routed experts (config.json ``expert_dtype: "fp4"``; each ``ffn.experts.j.w{1,2,3}.weight`` I8 [out, in/2],
+two e2m1 codes a byte, low nibble first, and ``.scale`` F8_E8M0 [out, in/32], one per 1x32 block along the input
+dim): into DeepSeek-V4's block (``block="v4"``) they import AS STORED by default (a preset-named ``numerics`` gets
+``Numerics.experts_fp4 = True``; the bytes are stacked into uint8 ``ffn.w1`` [E, out, in/2] and ``ffn.w1.scale``
+[E, out, in/32], bit for bit), and ``export_hf`` writes them back the same way. With ``experts_fp4`` off
+(``dequantize=True``, ``numerics_overrides={"experts_fp4": False}`` or an explicit Numerics) and in jds's V3-style
+block they are dequantised to bf16 (exact: 2 significant bits times a power of two); that model then skips the
+release's e4m3 quantisation of the experts' inputs. With it on, every routed expert must be stored FP4 (else a
+ValueError names the tensor), and an e8m0 NaN scale byte (0xFF) is refused.
 
 ``quantization_config`` is read for both V3.2 and V4 (:func:`quantization_config`): ``quant_method`` (block
 fp8), ``fmt`` (e4m3), ``weight_block_size`` ([128, 128]), ``activation_scheme`` (dynamic) and ``scale_fmt``;
@@ -50,7 +60,7 @@ Name mapping (jds name, DESIGN.md "Weight dictionaries" <- HF tensor), ``i`` = l
                 ffn.gate.bias <- ffn.gate.bias (or HF-transformers' ffn.gate.e_score_correction_bias) on score-routed
                 layers, ffn.gate.tid2eid <- ffn.gate.tid2eid (integer, ids checked) on the first n_hash_layers;
                 ffn.w1/w3/w2[j] <- ffn.experts.j.w1/w3/w2 NOT transposed (the V4 block stacks [E, out, in]), bf16
-                or FP8 (dequantised); packed FP4 experts are rejected (not implemented yet);
+                or FP8 (dequantised), or packed FP4 (as stored: ffn.w1 + ffn.w1.scale, or dequantised, see above);
                 ffn.shared.w1/w3/w2 <- ffn.shared_experts.w1/w3/w2. ``mtp.*`` is rejected with its reason (MTP
                 speculative decoding is not implemented yet). A V4 config.json with ``hc_mult`` selects this block.
   Linear tensors are ``<name>.weight`` (+ scale); jds ``W`` / ``W.scale``. V4's fused ``wq_a_wkv`` module
@@ -91,14 +101,22 @@ Sources the names were checked against (no code copied):
     suffix of V4 block scales (float8_e8m0fnu when the experts are FP4, float32 otherwise), ``mtp.*``.
   * DeepSeek-V3/V3.2 ``inference/convert.py`` HF->DeepSeek name table (public copies): gate_proj->w1,
     down_proj->w2, up_proj->w3, weight_scale_inv->scale; MTP layer = ``model.layers.{num_hidden_layers}``.
-  * A public copy of DeepSeek-V4 ``convert.py``'s FP4 cast: int8 holding two e2m1 values, low nibble first,
-    ue8m0 scales per 1x32 block.
+  * DeepSeek-V4-Flash's release code, read in the public mirror ``Mockingjay1316/deepseek-v4-flash-spark``
+    (commit 0825add, the first with real files; ``Nicooo-Wang/DeepSeek-V4-Pro-code`` has the same convert.py):
+    ``inference/convert.py`` (``FP4_TABLE`` = e2m1 values by code; ``cast_e2m1fn_to_e4m3fn``: asserts int8
+    [out, in/2], unpacks ``low = x & 0x0F`` before ``high = x >> 4`` along the input dim, scale [out, in/32]; the
+    scale tensor is the weight's name with ``weight`` -> ``scale``; experts stay FP4 unless ``--expert-dtype
+    fp8``), ``inference/model.py`` (``Linear`` for ``float4_e2m1fn_x2``: weight [out, in/2], ``scale`` [out, in/32]
+    float8_e8m0fnu; ``linear()`` calls ``act_quant(x, 128, scale_fmt)`` then ``fp4_gemm``; ``MoE`` builds the
+    routed experts FP4 when ``expert_dtype == "fp4"``, the shared expert in the default FP8),
+    ``inference/kernel.py`` (``fp4_gemm``), ``inference/config.json`` (``"expert_dtype": "fp4"``); the V4-Pro
+    copy's top-level HF ``config.json`` carries ``"expert_dtype": "fp4"`` beside the FP8 ``quantization_config``.
   * The safetensors writer/reader was cross-checked against the ``safetensors`` package (0.8.0, GPU image):
     each reads the other's files bit-exactly (F32, BF16, F8_E4M3, F8_E8M0, I8).
 UNVERIFIED:
   * V4 dense-FFN names ``layers.N.ffn.w{1,2,3}`` (the released V4 has a MoE in every layer; DeepSeek naming).
-  * The FP4 nibble order / value table (third-party copy of DeepSeek's function, not the original file);
-    no real FP4 or real V4 / V3.2 safetensors file was read.
+  * No real FP4 or real V4 / V3.2 safetensors file was read (the I8 / F8_E8M0 header dtypes of the FP4
+    experts come from the reference's asserts and dtypes and from third-party notes, not from a file).
   * V4's ``.scale`` suffix and its dtypes come from vLLM only.
 """
 
@@ -129,6 +147,8 @@ SCALE_SUFFIX = {"v32": ".weight_scale_inv", "v4": ".scale"}
 FLOAT_DTYPES = ("F32", "BF16", "F16")
 SCALE_DTYPES = ("F32", "BF16", "F8_E8M0")
 FP4_BLOCK = 32
+FP4_WEIGHT_DTYPES = ("I8", "U8")  # the release stores int8 (convert.py asserts it); the bytes are what count
+EXPERT_DTYPES = (None, "fp4")  # config.json ``expert_dtype`` (the release's ModelArgs: Literal[None, "fp4"])
 _FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                         -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 NUMERICS = ("reference", "bf16", "serving", "exact")
@@ -142,7 +162,8 @@ class Entry:
     kind ``linear``: HF ``{hf}.weight`` [out, in] (+ the block scale ``{hf}{suffix}``) -> jds ``jds`` (+ ``.scale``)
     kind ``param``:  HF ``{hf}`` as is -> jds ``jds``
     kind ``experts``: HF ``{hf[j]}.weight`` [out, in] for each expert j -> jds ``jds`` [E, in, out] (transposed)
-    kind ``experts_oi``: the same stacked as [E, out, in] (the V4 block's experts; no transpose)
+    kind ``experts_oi``: the same stacked as [E, out, in] (the V4 block's experts; no transpose); with FP4 experts
+      (``Numerics.experts_fp4``) the packed bytes [E, out, in/2] and ``.scale`` bytes [E, out, in/32] as stored
     kind ``index``: an integer HF tensor (V4's hash-routing table ``tid2eid``) -> jds int32
     A ``param`` with several ``hf`` names takes the first one the checkpoint has (spellings of one tensor).
     """
@@ -302,7 +323,7 @@ def _check_plan(entries: list[Entry], spec: dict[str, Any]) -> None:
     covered = []
     for e in entries:
         covered.append(e.jds)
-        if e.kind == "linear" and e.jds + ".scale" in spec:
+        if e.kind in ("linear", "experts_oi") and e.jds + ".scale" in spec:
             covered.append(e.jds + ".scale")
     missing = [n for n in spec if n not in set(covered)]
     unknown = [n for n in covered if n not in spec]
@@ -566,10 +587,23 @@ def hf_model_config(hf: Any, *, layers: int | None = None, dequantize: bool = Fa
     if arch == "v4" and isinstance(numerics, str) and kw["numerics"].indexer_fp8:
         # the released V4 indexer quantises q and keys to MXFP4 (a preset that quantises the indexer does so)
         kw["numerics"] = dataclasses.replace(kw["numerics"], indexer_fp4=True)
+    block = model_ovr.get("block", kw.get("block", "v3"))
+    if expert_dtype(d) == "fp4" and block == "v4" and isinstance(numerics, str) and not dequantize:
+        # the release's routed experts are packed FP4: held as stored (the V3-style block dequantises them)
+        kw["numerics"] = dataclasses.replace(kw["numerics"], experts_fp4=True)
     if numerics_overrides:
         kw["numerics"] = override_numerics(kw["numerics"], numerics_overrides)
     kw.update(model_ovr)
     return ModelConfig(**kw)
+
+
+def expert_dtype(d: dict[str, Any]) -> str | None:
+    """config.json's ``expert_dtype``: "fp4" (V4 releases: routed experts stored as packed e2m1 + e8m0 scales)
+    or absent / null (experts stored like the other weights); anything else is a ValueError naming the field."""
+    v = d.get("expert_dtype")
+    if v not in EXPERT_DTYPES:
+        raise ValueError(f"invalid config field 'expert_dtype': {v!r}, expected 'fp4' or absent/null")
+    return v
 
 
 # ModelConfig field <- config.json keys (HF-transformers spelling first, then the release's inference/config.json)
@@ -631,6 +665,8 @@ def hf_config_dict(cfg: Any, *, fp8: bool | None = None) -> dict[str, Any]:
             d.update(hc_mult=cfg.hc_mult, hc_sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
                      routed_scaling_factor=cfg.route_scale, scoring_func=cfg.scoring,
                      num_hash_layers=cfg.n_hash_layers, swiglu_limit=cfg.swiglu_limit)
+    if cfg.numerics.experts_fp4:
+        d["expert_dtype"] = "fp4"
     if fp8:
         d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                     "weight_block_size": [BLOCK, BLOCK], "scale_fmt": "ue8m0"}
@@ -664,7 +700,7 @@ def dequant_fp4_e2m1(packed: np.ndarray, scale: np.ndarray, block: int = FP4_BLO
 @dataclass
 class _Job:
     entry: Entry
-    modes: list[str]  # per HF source: fp8 | float | dequant | fp4
+    modes: list[str]  # per HF source: fp8 | float | dequant | fp4 (dequantised) | fp4_stored (kept)
     out: list[tuple[str, tuple[int, ...], np.dtype]]  # jds tensors produced
     nbytes: int
     n_experts: int = 0  # an index job's range of expert ids
@@ -726,6 +762,32 @@ def _check_linear(src: SafetensorsDir, hf: str, shape: tuple[int, ...], fp8: boo
                      f"{FLOAT_DTYPES} or F8_E4M3 with a block scale (for jds {jds!r})")
 
 
+def _check_fp4_expert(src: SafetensorsDir, hf: str, shape: tuple[int, int], suffix: str, jds: str,
+                      consumed: set[str]) -> str:
+    """Check one routed expert matrix that the model holds as stored FP4 (logical [out, in] = ``shape``):
+    ``{hf}.weight`` I8/U8 [out, in/2] and ``{hf}{suffix}`` F8_E8M0 [out, in/32], from the headers."""
+    wname, sname = hf + ".weight", hf + suffix
+    o, i = shape
+    if wname not in src:
+        raise ValueError(f"HF checkpoint {src.path!r}: missing tensor {wname!r} (for jds {jds!r})")
+    dt, shp = src.info(wname)
+    consumed.add(wname)
+    off = "import with experts_fp4 off (dequantize, or numerics_overrides experts_fp4=False) for bf16 experts"
+    if dt not in FP4_WEIGHT_DTYPES or tuple(shp) != (o, i // 2):
+        raise ValueError(f"HF tensor {wname!r} is {dt}{list(shp)}, expected packed FP4 "
+                         f"({' or '.join(FP4_WEIGHT_DTYPES)} {[o, i // 2]}: two e2m1 codes a byte) for jds {jds!r} "
+                         f"with numerics.experts_fp4; {off}")
+    if sname not in src:
+        raise ValueError(f"HF checkpoint {src.path!r}: missing tensor {sname!r}, the 1x{FP4_BLOCK} e8m0 scales of the "
+                         f"packed FP4 weight {wname!r}")
+    consumed.add(sname)
+    sdt, sshp = src.info(sname)
+    if sdt != "F8_E8M0" or tuple(sshp) != (o, i // FP4_BLOCK):
+        raise ValueError(f"HF tensor {sname!r} is {sdt}{list(sshp)}, expected F8_E8M0 {[o, i // FP4_BLOCK]} (one "
+                         f"power-of-two scale per 1x{FP4_BLOCK} block of {wname!r}, held as stored for jds {jds!r})")
+    return "fp4_stored"
+
+
 def _check_param(src: SafetensorsDir, hf: str, shape: tuple[int, ...], jds: str, consumed: set[str]) -> str:
     if hf not in src:
         raise ValueError(f"HF checkpoint {src.path!r}: missing tensor {hf!r} (for jds {jds!r})")
@@ -768,17 +830,15 @@ def _validate(src: SafetensorsDir, e: Entry, spec: dict[str, Any], suffix: str, 
         modes = [_check_linear(src, e.hf[0], shape, dt == E4M3, suffix, e.jds, consumed)]
     else:
         n_exp = shape[0]
-        d_out, d_in = (shape[1], shape[2]) if e.kind == "experts_oi" else (shape[2], shape[1])
         if len(e.hf) != n_exp:
             raise ValueError(f"internal: {e.jds} expects {n_exp} experts, mapping has {len(e.hf)}")
-        modes = [_check_linear(src, h, (d_out, d_in), False, suffix, e.jds, consumed) for h in e.hf]
-        if e.kind == "experts_oi" and "fp4" in modes:
-            h = e.hf[modes.index("fp4")]
-            raise ValueError(f"HF tensor {h + '.weight'!r} is a packed FP4 (e2m1) expert weight: FP4 experts are not "
-                             f"implemented yet in jds's V4 block (for jds {e.jds!r}); convert them to bf16 or FP8 "
-                             "first")
+        if e.kind == "experts_oi" and e.jds + ".scale" in spec:  # FP4 experts held as stored (experts_fp4)
+            modes = [_check_fp4_expert(src, h, (shape[1], 2 * shape[2]), suffix, e.jds, consumed) for h in e.hf]
+        else:  # float experts: bf16 / FP8 / FP4 sources all dequantised
+            d_out, d_in = (shape[1], shape[2]) if e.kind == "experts_oi" else (shape[2], shape[1])
+            modes = [_check_linear(src, h, (d_out, d_in), False, suffix, e.jds, consumed) for h in e.hf]
     out = [(e.jds, shape, dt)]
-    if e.jds + ".scale" in spec and e.kind == "linear":
+    if e.jds + ".scale" in spec and e.kind in ("linear", "experts_oi"):
         out.append((e.jds + ".scale",) + spec[e.jds + ".scale"])
     return _Job(e, modes, out, sum(math.prod(s) * d.itemsize for _, s, d in out), n_experts)
 
@@ -808,6 +868,16 @@ def _convert(src: SafetensorsDir, job: _Job, suffix: str) -> list[tuple[str, np.
             return [(name, src.get(e.hf[0] + ".weight")),
                     (name + ".scale", scale_to_f32(src.get(e.hf[0] + suffix)))]
         return [(name, _read_linear(src, e.hf[0], job.modes[0], dt, suffix))]
+    if job.modes[0] == "fp4_stored":  # the packed codes and e8m0 bytes, stacked as they are
+        sname, sshape, _ = job.out[1]
+        codes, scales = np.empty(shape, np.uint8), np.empty(sshape, np.uint8)
+        for j, h in enumerate(e.hf):
+            codes[j] = np.asarray(src.get(h + ".weight")).view(np.uint8)
+            scales[j] = np.asarray(src.get(h + suffix)).view(np.uint8)
+            if np.any(scales[j] == 0xFF):
+                raise ValueError(f"HF tensor {h + suffix!r}: e8m0 scale byte 0xFF (NaN) at block "
+                                 f"{np.argwhere(scales[j] == 0xFF)[0].tolist()}")
+        return [(name, codes), (sname, scales)]
     stack = np.empty(shape, dt)
     for j, (h, mode) in enumerate(zip(e.hf, job.modes)):
         w = _read_linear(src, h, mode, dt, suffix)
@@ -1006,7 +1076,8 @@ def cached_conversion(src: str | os.PathLike, *, cache_dir: str | os.PathLike | 
 def export_hf(model: Any, out_dir: str | os.PathLike, *, n_shards: int = 2, routing_bias: bool = True) -> None:
     """Write ``model`` (a jds Decoder) as a HF-layout directory: config.json, ``n_shards`` safetensors files
     and ``model.safetensors.index.json``. fp8 linears are written as F8_E4M3 + float32 scales under the HF
-    scale name; experts are written one [out, in] matrix each. With ``routing_bias`` the MoE routing-bias
+    scale name; experts are written one [out, in] matrix each (FP4 experts: I8 [out, in/2] + F8_E8M0 scales, as
+    the V4 release stores them). With ``routing_bias`` the MoE routing-bias
     tensors real checkpoints carry (zeros here) are added, so the importer's skip path is exercised.
     """
     from jds.nn import export_weights
@@ -1031,6 +1102,11 @@ def export_hf(model: Any, out_dir: str | os.PathLike, *, n_shards: int = 2, rout
             tensors.append((e.hf[0] + ".weight", w))
             if s is not None:
                 tensors.append((e.hf[0] + suffix, s))
+        elif e.jds + ".scale" in weights:  # FP4 experts as stored: int8 codes + F8_E8M0 scales, as released
+            codes, scales = weights[e.jds], weights[e.jds + ".scale"]
+            for j, h in enumerate(e.hf):
+                tensors += [(h + ".weight", np.ascontiguousarray(codes[j]).view(np.int8)),
+                            (h + suffix, np.ascontiguousarray(scales[j]).view(ml_dtypes.float8_e8m0fnu))]
         else:
             tensors += [(h + ".weight", np.ascontiguousarray(weights[e.jds][j] if e.kind == "experts_oi"
                                                              else weights[e.jds][j].T)) for j, h in enumerate(e.hf)]

@@ -36,12 +36,20 @@ Wired into ``jds.model.Decoder`` by ``ModelConfig.block = "v4"`` (``V4DecoderLay
 ``V4Head``), and the importer maps the release's ``hc_*``, ``gate.bias``, ``gate.tid2eid`` and per-expert
 tensors onto these parameters (``jds.hf_import``).
 
+FP4 routed experts (``V4BlockConfig.experts_fp4`` <- ``Numerics.experts_fp4``): the release stores w1/w2/w3 as
+packed e2m1 (int8 [out, in/2], low nibble first) with a float8_e8m0fnu scale per 1x32 block along the input dim
+(``<name>.scale`` [out, in/32]); convert.py keeps them (or casts them losslessly to e4m3 with 128x128 scales,
+``--expert-dtype fp8``), and model.py's ``linear()`` quantises the expert's input to e4m3 per 128 (ue8m0 scales)
+then runs ``fp4_gemm`` (kernel.py: the FP4 values cast to FP8, FP8 x FP8 MMAs per 32-wide K step, both scales
+applied to each step's float32 partial sum, output in the default dtype, bf16). ``FP4Experts`` holds the packed
+bytes and e8m0 exponent bytes; the step dequantises them (exactly, to the activation dtype) and multiplies the
+dequantised e4m3 input with float32 accumulation: the same products, float32 summation order aside.
+
 Not done yet (later steps of issue 22):
-* FP4 routed experts (packed e2m1 with 1x32 E8M0 scales; the reference also quantises the experts'
-  activations to FP8 per 128): experts here are plain ``dtype`` (bf16) weights, and the shared expert is not
-  FP8 either; the importer rejects FP4 expert tensors.
-* The MTP module (rejected by the importer); a GPU grouped-GEMM kernel (the XLA ``ragged`` path is the only
-  grouped path).
+* The shared expert runs bf16 (the release's is an FP8 linear).
+* A GPU grouped (FP4) GEMM kernel: the XLA ``ragged`` path is the only grouped path, and with FP4 experts it
+  dequantises every expert's weights each step (transient [E, out, in] activation-dtype copies).
+* The MTP module (rejected by the importer).
 """
 
 from __future__ import annotations
@@ -56,8 +64,10 @@ import numpy as np
 from flax import nnx
 
 from jds.ops.norms import rms_norm
+from jds.ops.quant import FP4_WEIGHT_BLOCK, fake_quant, fp4_dequant, random_fp4_weight
 
 HIGHEST = jax.lax.Precision.HIGHEST
+ACT_BLOCK = 128  # the release's act_quant block of an FP8 / FP4 linear's input
 SCORINGS = ("sqrtsoftplus", "sigmoid", "softmax")
 MOE_IMPLS = ("ragged", "gather")
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -88,6 +98,7 @@ class V4BlockConfig:
     shared_swiglu_limit: bool = True
     dtype: str = "bfloat16"
     moe_impl: str = "ragged"
+    experts_fp4: bool = False  # routed experts as released: packed e2m1 + e8m0 scales (Numerics.experts_fp4)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "vocab_size", "hc_mult", "hc_sinkhorn_iters", "n_routed_experts",
@@ -117,6 +128,14 @@ class V4BlockConfig:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
         if not isinstance(self.shared_swiglu_limit, bool):
             raise ValueError(f"shared_swiglu_limit must be a bool, got {self.shared_swiglu_limit!r}")
+        if not isinstance(self.experts_fp4, bool):
+            raise ValueError(f"experts_fp4 must be a bool, got {self.experts_fp4!r}")
+        if self.experts_fp4:
+            for name in ("hidden_size", "moe_intermediate_size"):
+                if getattr(self, name) % ACT_BLOCK:
+                    raise ValueError(f"{name} must be a multiple of {ACT_BLOCK} with experts_fp4 (the experts' inputs "
+                                     f"are quantised per {ACT_BLOCK}, their weights per {FP4_WEIGHT_BLOCK}), got "
+                                     f"{getattr(self, name)}")
 
     @property
     def jdtype(self) -> jnp.dtype:
@@ -368,21 +387,70 @@ def _ragged_linear(x: jax.Array, w: jax.Array, sizes: jax.Array, out_dtype: jnp.
     return y.astype(out_dtype)
 
 
+class FP4Experts(nnx.Module):
+    """A stack of FP4 expert matrices as the release stores them: ``weight`` uint8 [E, out, in/2] (two e2m1
+    codes a byte, low nibble = even input column) and ``scale`` uint8 [E, out, in/32] (the e8m0 exponent byte
+    of each 1x32 block along the input dim, value 2^(byte - 127)).
+
+    The scales are kept as their e8m0 bytes, not as float32 powers of two: that is the checkpoint's own bytes
+    (import / export round-trip bit for bit), a quarter of float32's memory (0.25 instead of 1 bit per weight
+    on top of the 4) and what a GPU FP4 kernel reads; turning a byte into its float32 is one shift and bitcast
+    (``jds.ops.quant.e8m0_to_f32``). Exported as ``<name>`` / ``<name>.scale`` (jds's ``W`` / ``W.scale``)."""
+
+    _flat_export = True  # names: ffn.w1 (the packed codes) and ffn.w1.scale, not ffn.w1.weight
+
+    def __init__(self, shape: tuple[int, int, int], fan_in: int, rngs: nnx.Rngs):
+        packed, scale = random_fp4_weight(rngs.params(), shape, fan_in ** -0.5)
+        self.weight = nnx.Param(packed)
+        self.scale = nnx.Param(scale)
+
+    def dequant(self, dtype: jnp.dtype, index: jax.Array | None = None) -> jax.Array:
+        """The float weights [E, out, in] (or those of experts ``index`` [..., out, in]) in ``dtype``: exact,
+        since an e2m1 value times a power of two has 2 significant bits."""
+        w, s = self.weight[...], self.scale[...]
+        if index is not None:
+            w, s = w[index], s[index]
+        return fp4_dequant(w, s, dtype)
+
+
+def _expert_input(x: jax.Array, fp4: bool) -> jax.Array:
+    """What an expert GEMM multiplies: with FP4 experts the release's ``linear()`` first quantises its input to
+    e4m3 per 128 with power-of-two (ue8m0) scales (``act_quant``, amax floor 1e-4); q * s is exact in bf16, so the
+    dequantised input times the dequantised weight, accumulated in float32, is the FP8 x FP4 GEMM up to the
+    float32 summation order."""
+    return fake_quant(x, ACT_BLOCK, "ue8m0").astype(x.dtype) if fp4 else x
+
+
 class V4MoE(nnx.Module):
-    """Routed experts ``w1``/``w3`` [E, f, d], ``w2`` [E, d, f] (activation dtype, not yet FP4) + shared
-    expert, with the V4 gate. Input: ffn-normed activations [T, d] and their token ids [T]."""
+    """Routed experts ``w1``/``w3`` [E, f, d], ``w2`` [E, d, f] + shared expert, with the V4 gate. Input:
+    ffn-normed activations [T, d] and their token ids [T].
+
+    Routed experts are activation-dtype weights (``nnx.Param``), or with ``cfg.experts_fp4`` ``FP4Experts`` as
+    the release stores them, dequantised inside the step (the XLA path; no FP4 kernel yet) with each expert
+    GEMM's input re-quantised to e4m3 per 128 as the release does (``_expert_input``)."""
 
     def __init__(self, cfg: V4BlockConfig, layer_id: int, rngs: nnx.Rngs):
         e, d, f, dt = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.jdtype
         self.cfg = cfg
         self.gate = V4Gate(cfg, layer_id, rngs)
-        init = lambda shape, fan_in: nnx.Param(  # noqa: E731
-            (jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in ** -0.5).astype(dt))
+        if cfg.experts_fp4:
+            init = lambda shape, fan_in: FP4Experts(shape, fan_in, rngs)  # noqa: E731
+        else:
+            init = lambda shape, fan_in: nnx.Param(  # noqa: E731
+                (jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in ** -0.5).astype(dt))
         self.w1 = init((e, f, d), d)
         self.w3 = init((e, f, d), d)
         self.w2 = init((e, d, f), f)
         if cfg.n_shared_experts:
             self.shared = V4Expert(d, f, dt, cfg.swiglu_limit if cfg.shared_swiglu_limit else 0.0, rngs)
+
+    def expert_weights(self, name: str, dtype: jnp.dtype, index: jax.Array | None = None) -> jax.Array:
+        """Routed expert matrix ``name`` (w1 / w3 / w2) as [E, out, in] (or at ``index``) in ``dtype``."""
+        w = getattr(self, name)
+        if isinstance(w, FP4Experts):
+            return w.dequant(dtype, index)
+        w = w[...] if index is None else w[...][index]
+        return w.astype(dtype)
 
     def routed(self, x: jax.Array, weights: jax.Array, indices: jax.Array) -> jax.Array:
         """sum_k (expert_{idx_k} with weight_k) (x), float32 [T, d]; each expert's output rounded to x.dtype."""
@@ -391,28 +459,29 @@ class V4MoE(nnx.Module):
         return self._routed_ragged(x, weights, indices)
 
     def _routed_gather(self, x: jax.Array, weights: jax.Array, indices: jax.Array) -> jax.Array:
-        dt = x.dtype
+        dt, fp4 = x.dtype, self.cfg.experts_fp4
         prec = HIGHEST if dt == jnp.float32 else None
-        mm = lambda a, w, eq: jnp.einsum(eq, a, w.astype(dt), precision=prec,  # noqa: E731
+        mm = lambda a, w, eq: jnp.einsum(eq, a, w, precision=prec,  # noqa: E731
                                          preferred_element_type=jnp.float32).astype(dt)
-        w1, w3, w2 = self.w1[...][indices], self.w3[...][indices], self.w2[...][indices]  # [T, k, ., .]
-        h = swiglu(mm(x, w1, "ti,tkoi->tko"), mm(x, w3, "ti,tkoi->tko"), self.cfg.swiglu_limit)
-        h = (h * weights[..., None]).astype(dt)
+        w1, w3, w2 = (self.expert_weights(n, dt, indices) for n in ("w1", "w3", "w2"))  # [T, k, ., .]
+        xq = _expert_input(x, fp4)
+        h = swiglu(mm(xq, w1, "ti,tkoi->tko"), mm(xq, w3, "ti,tkoi->tko"), self.cfg.swiglu_limit)
+        h = _expert_input((h * weights[..., None]).astype(dt), fp4)
         y = mm(h, w2, "tki,tkoi->tko")
         return jnp.sum(y.astype(jnp.float32), axis=1)
 
     def _routed_ragged(self, x: jax.Array, weights: jax.Array, indices: jax.Array) -> jax.Array:
-        dt = x.dtype
+        dt, fp4 = x.dtype, self.cfg.experts_fp4
         t, k = indices.shape
         flat = indices.reshape(-1)
         order = jnp.argsort(flat, stable=True)
         rows = order // k  # token of each sorted (token, slot) pair
         sizes = jnp.bincount(flat, length=self.cfg.n_routed_experts).astype(jnp.int32)
-        xs = x[rows]
-        h = swiglu(_ragged_linear(xs, self.w1[...], sizes, dt), _ragged_linear(xs, self.w3[...], sizes, dt),
-                   self.cfg.swiglu_limit)
-        h = (h * weights.reshape(-1)[order][:, None]).astype(dt)
-        y = _ragged_linear(h, self.w2[...], sizes, dt)
+        xs = _expert_input(x, fp4)[rows]  # the quantisation is per token row: done once, before the gather
+        h = swiglu(_ragged_linear(xs, self.expert_weights("w1", dt), sizes, dt),
+                   _ragged_linear(xs, self.expert_weights("w3", dt), sizes, dt), self.cfg.swiglu_limit)
+        h = _expert_input((h * weights.reshape(-1)[order][:, None]).astype(dt), fp4)
+        y = _ragged_linear(h, self.expert_weights("w2", dt), sizes, dt)
         # Un-sort with a permutation (no scatter-add), then sum the k slots in slot order: deterministic, and
         # the same summation as the gather path.
         y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)

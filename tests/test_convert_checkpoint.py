@@ -555,16 +555,12 @@ def test_v4_block_import_weights_and_spellings(tmp_path) -> None:
     assert_same_weights(export_weights(model), read_checkpoint(tmp_path / "out"))
 
 
-def _fp4_expert(a: np.ndarray) -> dict[str, np.ndarray]:
-    return {"weight": np.zeros((a.shape[0], a.shape[1] // 2), np.int8),
-            "scale": np.ones((a.shape[0], a.shape[1] // 32), ml_dtypes.float8_e8m0fnu)}
-
-
-E = "layers.1.ffn.experts.2.w3"
 V4_BLOCK_BAD: dict[str, tuple[Mutation, str]] = {
-    "fp4_expert": (lambda hf: _rewrite_shard(hf, E + ".weight", lambda t: t.update(
-        {E + "." + k: v for k, v in _fp4_expert(t[E + ".weight"]).items()}), index=True),
-        re.escape(f"HF tensor '{E}.weight' is a packed FP4 (e2m1) expert weight: FP4 experts are not implemented")),
+    # an FP4 release's experts import as stored (Numerics.experts_fp4), which needs 128-multiple widths; the FP4
+    # import itself is tested in tests/test_v4_fp4_experts.py
+    "fp4_experts_declared": (_config(lambda d: d.update(expert_dtype="fp4")),
+                             re.escape("invalid config field 'moe_intermediate_size': must be a multiple of 128 "
+                                       "with numerics.experts_fp4")),
     "missing_hc": (_remove("layers.2.hc_ffn_scale"), re.escape("missing tensor 'layers.2.hc_ffn_scale'")),
     "missing_hc_head": (_remove("hc_head_base"), re.escape("missing tensor 'hc_head_base'")),
     "missing_bias": (_remove("layers.1.ffn.gate.bias"), re.escape("missing tensor 'layers.1.ffn.gate.bias'")),

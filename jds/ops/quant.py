@@ -1,5 +1,6 @@
 """FP8 e4m3 emulation: block activation quantisation (UE8M0 / amax scales), dequantisation,
-weight block quantisation and the block-scaled FP8 linear of DeepSeek's reference.
+weight block quantisation and the block-scaled FP8 linear of DeepSeek's reference; MXFP4 (the V4 indexer's
+activations) and packed FP4 weights with e8m0 scales (V4's routed experts).
 
 All math is float32; e4m3 rounding is round-to-nearest-even on a value already clamped to
 [-448, 448], so the cast can never produce NaN.
@@ -7,6 +8,7 @@ All math is float32; e4m3 rounding is round-to-nearest-even on a value already c
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import jax
@@ -150,3 +152,62 @@ def fp8_linear(x: jax.Array, wq: jax.Array, scale: jax.Array, out_dtype: jnp.dty
     w = dequant_weight_blocks(wq, scale)
     y = jnp.einsum("...i,oi->...o", xd, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     return y.astype(out_dtype)
+
+
+# ----- packed FP4 (e2m1) weights with e8m0 block scales: DeepSeek-V4's routed experts -------------------------
+FP4_WEIGHT_BLOCK = 32  # one e8m0 scale per 1x32 block along the input dim
+
+
+def e8m0_to_f32(e: jax.Array) -> jax.Array:
+    """float8_e8m0fnu bytes (held as uint8 exponents) -> float32 2^(e - 127), exact for e in [1, 254].
+
+    The byte becomes the float32 exponent field (mantissa 0). e = 0 (2^-127, a float32 subnormal) gives 0, as
+    XLA's flush-to-zero would anyway; e = 255 (e8m0 NaN) gives +inf: the importer refuses such bytes."""
+    return jax.lax.bitcast_convert_type(e.astype(jnp.uint32) << 23, jnp.float32)
+
+
+def fp4_unpack(packed: jax.Array) -> jax.Array:
+    """uint8 [..., n/2] holding two e2m1 codes per byte, LOW nibble first (DeepSeek-V4 ``convert.py``; torch's
+    ``float4_e2m1fn_x2``) -> float32 e2m1 values [..., n] in {0, +-0.5, 1, 1.5, 2, 3, 4, 6}.
+
+    Decoded arithmetically (elementwise, so XLA fuses it into the consumer): code = s e1 e0 m; magnitude m/2 for
+    e = 0, else (2 + m) 2^(e - 2)."""
+    p = packed.astype(jnp.int32)
+    codes = jnp.stack([p & 0xF, p >> 4], axis=-1).reshape(packed.shape[:-1] + (2 * packed.shape[-1],))
+    e, m = (codes >> 1) & 3, codes & 1
+    mag = jnp.where(e == 0, 0.5 * m.astype(jnp.float32), ((2 + m) << e).astype(jnp.float32) * 0.25)
+    return jnp.where((codes & 8) != 0, -mag, mag)
+
+
+def fp4_dequant(packed: jax.Array, scale: jax.Array, dtype: jnp.dtype = jnp.float32,
+                block: int = FP4_WEIGHT_BLOCK) -> jax.Array:
+    """Packed e2m1 [..., n/2] (uint8) with e8m0 exponents [..., n/block] (uint8) -> W [..., n] in ``dtype``.
+
+    Exact in bfloat16 as well as float32: an e2m1 value has 2 significant bits and the scale is a power of two."""
+    vals = fp4_unpack(packed)
+    n = vals.shape[-1]
+    if scale.shape[-1] * block != n or scale.shape[:-1] != vals.shape[:-1]:
+        raise ValueError(f"fp4_dequant: scale shape {scale.shape} does not match {n} values per row in blocks of "
+                         f"{block} (packed shape {packed.shape})")
+    w = vals.reshape(vals.shape[:-1] + (n // block, block)) * e8m0_to_f32(scale)[..., None]
+    return w.reshape(vals.shape).astype(dtype)
+
+
+def random_fp4_weight(key: jax.Array, shape: tuple[int, ...], std: float,
+                      block: int = FP4_WEIGHT_BLOCK) -> tuple[jax.Array, jax.Array]:
+    """A random weight on the FP4 grid: (packed uint8 [..., n/2], e8m0 exponents uint8 [..., n/block]).
+
+    Codes are uniform over the 16 e2m1 codes (RMS value sqrt(68.5 / 8) ~ 2.93); each block's scale is a random
+    factor 2^{-1, 0, 1} (mean square 1.75, so blocks differ and the scale indexing matters) times the power of two
+    nearest std / (2.93 sqrt(1.75)): an RMS within a factor sqrt(2) of ``std``."""
+    *lead, n = shape
+    if n % block:
+        raise ValueError(f"random_fp4_weight: last dim {n} is not a multiple of the FP4 block {block}")
+    base = int(round(math.log2(std / math.sqrt(68.5 / 8 * 1.75))))
+    if not 2 <= base + 127 <= 253:
+        raise ValueError(f"random_fp4_weight: std {std} is outside the e8m0 scale range")
+    # one draw (one compiled threefry per shape): two uniform codes a byte, then one byte per block whose
+    # value mod 3 (0, 1, 2 in the ratio 86 : 85 : 85) is the scale's jitter
+    bits = jax.random.bits(key, (*lead, n // 2 + n // block), jnp.uint8)
+    packed, jitter = bits[..., : n // 2], bits[..., n // 2:] % 3
+    return packed, (base + 126 + jitter).astype(jnp.uint8)
