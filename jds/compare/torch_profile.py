@@ -5,8 +5,8 @@ expected gap (the docstrings of ``torch_kernels`` / ``triton_kernels`` say what 
 
 Each step runs in ``eager`` mode (every op launched by the host, so the profiler attributes each kernel to
 the stage that launched it) under ``torch.profiler`` with one ``record_function`` range per stage; a
-stage's device time is the sum of the kernels launched inside its range (overlap-free on one stream), per
-step, summed over the layers. The graph modes run the same kernels; only their launch cost differs.
+stage's device time is the sum of the durations of the kernels launched inside its range (one stream, so
+they do not overlap), per step, summed over the layers. The graph modes run the same kernels; only their launch cost differs.
 """
 
 from __future__ import annotations
@@ -73,7 +73,9 @@ def stage_times(runner: Any, ids: np.ndarray, chunks: list, bt: np.ndarray, n: i
     dev: dict[str, float] = defaultdict(float)
     host: dict[str, float] = defaultdict(float)
     for e in prof.events():
-        if e.name.startswith(PREFIX):
+        # the CPU-side range only: the profiler also puts a same-named annotation on the GPU timeline, which
+        # spans the idle gaps between the range's kernels (an eager step is host-bound)
+        if e.name.startswith(PREFIX) and e.device_type == torch.autograd.DeviceType.CPU:
             s = e.name[len(PREFIX):]
             dev[s] += e.device_time_total if cuda else 0.0
             host[s] += e.cpu_time_total
