@@ -21,6 +21,7 @@ from flax import nnx
 from jds.batch import PagedBatch
 from jds.config import ModelConfig, preset  # noqa: F401  (defined in jds.config; re-exported here)
 from jds.nn import Linear, RMSNorm, jdtype
+from jds.ops.dispatch import op_implementation
 from jds.v4_block import HCHead, HyperConnection, V4Block, V4BlockConfig, expand_streams
 
 
@@ -210,6 +211,13 @@ class Decoder(nnx.Module):
         self.layers = nnx.List([layer_cls(cfg, i, implementation, rngs, indexer_config)
                                 for i in range(cfg.n_layers)])
         self.head = V4Head(cfg, rngs) if v4 else Head(cfg, rngs)
+        # every FP8 linear runs the GEMM the layers' ops run: the kernel where it applies on a GPU, else XLA.
+        # Off a GPU the linears stay on XLA even for "pallas" layers: interpret mode (the attention kernels'
+        # CPU stand-in) would run every GEMM in Python; tests/test_kernel_fp8_gemm.py covers the kernel there.
+        gemm = op_implementation(implementation) if jax.default_backend() == "gpu" else "xla"
+        for _, m in nnx.iter_modules(self):
+            if isinstance(m, Linear):
+                m.implementation = gemm
 
     def zero_hidden(self, num_tokens: int) -> Any:
         """A zero hidden state of ``num_tokens`` tokens, shaped as the layers pass it (the runner's segment

@@ -15,7 +15,8 @@ import numpy as np
 from flax import nnx
 
 from jds.ops.norms import layer_norm, rms_norm
-from jds.ops.quant import act_quant, dequant, fp8_linear, quantize_weight_blocks_jax
+from jds.ops.quant import act_quant, dequant, quantize_weight_blocks_jax
+from pallas_kernels.fp8_gemm import fp8_linear
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -33,15 +34,19 @@ def matmul(x: jax.Array, w: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
 
 class Linear(nnx.Module):
     """y = x W^T. With ``fp8=True`` W is e4m3 + 128x128 block scales and x is re-quantised per 128 with
-    ``scale_fmt`` scales (``Numerics.act_scale_fmt``: the checkpoint's ``quantization_config.scale_fmt``)."""
+    ``scale_fmt`` scales (``Numerics.act_scale_fmt``: the checkpoint's ``quantization_config.scale_fmt``).
+
+    ``implementation`` picks the FP8 GEMM (``pallas_kernels.fp8_gemm.fp8_linear``: "xla", "pallas" or
+    "auto"); a ``Decoder`` sets it on every linear from its own ``implementation``."""
 
     _flat_export = True
 
     def __init__(self, in_features: int, out_features: int, *, dtype: jnp.dtype, fp8: bool, rngs: nnx.Rngs,
-                 std: float | None = None, scale_fmt: str = "ue8m0"):
+                 std: float | None = None, scale_fmt: str = "ue8m0", implementation: str = "xla"):
         if scale_fmt not in ("ue8m0", "amax"):
             raise ValueError(f"scale_fmt must be 'ue8m0' or 'amax', got {scale_fmt!r}")
         self.scale_fmt = scale_fmt
+        self.implementation = implementation
         std = in_features ** -0.5 if std is None else std
         w = jax.random.normal(rngs.params(), (out_features, in_features), jnp.float32) * std
         self.fp8 = fp8
@@ -56,7 +61,8 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
         out_dtype = out_dtype or self.dtype
         if self.fp8:
-            return fp8_linear(x, self.weight[...], self.scale[...], out_dtype, self.scale_fmt)
+            return fp8_linear(x, self.weight[...], self.scale[...], out_dtype=out_dtype, scale_fmt=self.scale_fmt,
+                              implementation=self.implementation)
         return matmul(x.astype(self.dtype), self.weight[...], out_dtype)
 
     def grouped(self, x: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:

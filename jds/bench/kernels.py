@@ -17,7 +17,7 @@ import sys
 
 from jds.bench.results import write_json
 
-KERNELS = ("fused_insert", "sparse_indexer", "sparse_mqa")
+KERNELS = ("fused_insert", "sparse_indexer", "sparse_mqa", "fp8_gemm")
 
 
 def _fractions(r: dict, time_key: str, prefix: str, ceil: dict) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -12,8 +13,9 @@ from jds.batch import Chunk
 
 def build_stack(arch: str, layers: int, *, intermediate: int | None = None, size: str = "bench",
                 implementation: str = "auto", moe_experts: int = 0, moe_topk: int = 8,
-                moe_intermediate: int = 2048, seed: int = 0) -> Any:
-    """A ``Decoder`` from the ``{arch}-{size}`` preset with serving numerics.
+                moe_intermediate: int = 2048, seed: int = 0, fp8_weights: bool = False) -> Any:
+    """A ``Decoder`` from the ``{arch}-{size}`` preset with serving numerics (``fp8_weights``: with the
+    checkpoints' FP8 block-scaled linears, run by the FP8 GEMM, instead of bf16 weights).
 
     ``moe_experts > 0`` swaps the dense MLP for a DeepSeek-style MoE FFN (routed experts of width
     ``moe_intermediate``, top-``moe_topk`` routing, one shared expert).
@@ -21,7 +23,10 @@ def build_stack(arch: str, layers: int, *, intermediate: int | None = None, size
     from jds.config import Numerics
     from jds.model import Decoder, preset
 
-    over: dict[str, Any] = {"n_layers": layers, "numerics": Numerics.serving()}
+    numerics = Numerics.serving()
+    if fp8_weights:
+        numerics = dataclasses.replace(numerics, fp8_linear=True)
+    over: dict[str, Any] = {"n_layers": layers, "numerics": numerics}
     if intermediate:
         over["intermediate_size"] = intermediate
     if moe_experts:

@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--moe-topk", type=int, default=8)
     ap.add_argument("--size", default="bench", choices=("bench", "tiny"))
     ap.add_argument("--implementation", default="auto", choices=("auto", "xla", "pallas"))
+    ap.add_argument("--fp8-weights", action="store_true",
+                    help="FP8 block-scaled linears (the checkpoints' storage; the FP8 GEMM kernel on a GPU)")
     ap.add_argument("--variants", nargs="+", default=["fused:host", "fused:device"])
     ap.add_argument("--n", type=int, default=50)
     ap.add_argument("--shape", default="ttft_128", help="the step timed (jds.bench.stack.step_shapes(512)): "
@@ -89,13 +91,13 @@ def main(argv: list[str] | None = None) -> None:
                 "expert_parallel": a.expert_parallel}
     t0 = time.perf_counter()
     model = build_stack(a.arch, a.layers, intermediate=a.intermediate, size=a.size, implementation=a.implementation,
-                        moe_experts=a.moe_experts, moe_topk=a.moe_topk)
+                        moe_experts=a.moe_experts, moe_topk=a.moe_topk, fp8_weights=a.fp8_weights)
     res: dict[str, Any] = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                                     "command": " ".join(["python -m jds.bench.ttft"] + sys.argv[1:]),
                                     "jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
                                     "backend": jax.default_backend(), "arch": a.arch, "layers": a.layers,
                                     "intermediate": a.intermediate, "moe_experts": a.moe_experts,
-                                    "moe_topk": a.moe_topk, "build_s": time.perf_counter() - t0, "shape": a.shape,
+                                    "moe_topk": a.moe_topk, "fp8_weights": a.fp8_weights, "build_s": time.perf_counter() - t0, "shape": a.shape,
                                     "graph_update_mode": a.graph_update_mode, "parallel": parallel,
                                     "complete": False},
                            "variants": {}}

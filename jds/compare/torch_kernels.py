@@ -3,8 +3,9 @@ jds/v4.py) and the byte layouts of jds/ops/records.py.
 
 Why torch ops and not vLLM's kernels: vLLM cannot be installed on the GPU machine, and FlashMLA / DeepGEMM
 are not pip-installable there either. Each stage below names the vLLM kernel it stands in for and the
-performance gap expected from the substitution (an estimate from the work each does; nothing here is
-measured yet). Every function is CUDA-graph safe: static shapes, no host synchronisation, no boolean-mask
+performance gap expected from the substitution (an estimate from the work each does); what each stage
+costs on the GPU is measured per stage by ``python -m jds.compare.torch_profile`` (benchmarks/results/
+torch_stages_*; docs/perf-log.md sets it beside the expectations). Every function is CUDA-graph safe: static shapes, no host synchronisation, no boolean-mask
 indexing, cache writes in place.
 
 Caches: a layer's paged cache is one flat 1-D tensor ``storage`` of ``num_blocks * page_elems`` elements

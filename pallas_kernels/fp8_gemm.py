@@ -1,0 +1,296 @@
+"""DeepSeek's FP8 block-scaled linear y = x W^T on Hopper (Pallas Mosaic GPU), with the pure-JAX path
+(``implementation="xla"``: ``jds.ops.quant.fp8_linear``) as reference (issue 19 item 3).
+
+    W  = Wq * sw[n // 128, k // 128]      Wq float8_e4m3fn [N, K], sw float32 [ceil(N/128), ceil(K/128)]
+    x ~= xq * sx[m, k // 128]             xq, sx = act_quant(x, 128, scale_fmt) (XLA, before the kernel)
+    y[m, n] = sum_kb sx[m, kb] sw[n // 128, kb] * (sum_{k in kb} xq[m, k] Wq[n, k])    -> out_dtype
+
+Scales: ``scale_fmt`` is the activation scale format ("ue8m0": powers of two; "amax": amax / 448), as in
+``act_quant``; the weight scales are whatever the checkpoint holds (powers of two or amax / 448 floats).
+The activation quantisation stays in XLA (one fused elementwise pass over x, tiny next to the weights in
+decode and next to the MMAs in prefill); the kernel takes xq e4m3 [M, K] and sx^T float32 [K/128, M].
+
+Kernel (``plgpu.kernel``, Lane lowering semantics, 3 warpgroups per CTA: 2 compute + 1 TMA producer):
+- CTA = (K split s, M tile, N tile): a [block_m, block_n] output tile over the K blocks [s*kps, (s+1)*kps) of
+  128. Output tiles are rasterised in groups of ``group_m`` M tiles (M fastest inside a group), so the CTAs
+  resident at once share a few x row tiles and a band of weight tiles in L2 (large M).
+  ``plgpu.emit_pipeline_warp_specialized`` runs a ``stages``-deep TMA ring: the producer warpgroup copies
+  the xq tile [block_m, 128] and the Wq tile [block_n, 128] of each K block into 128-byte-swizzled SMEM
+  (tiling (8, 128): one swizzle atom row is one K block of e4m3), the compute warpgroups consume them.
+- Per K block, each compute warpgroup issues e4m3 x e4m3 -> fp32 wgmma into a fresh [64, <=128]
+  accumulator (A = its 64 rows of the xq tile, B = a Wq tile slice^T: both operands K-major in SMEM, which is
+  what 8-bit wgmma needs; Hopper has no transpose bit for 8-bit types), loads the block's scales while the
+  MMA runs (sx^T[kb, rows] as a [64] vector in the accumulator's row layout straight from GMEM, sw[nb, kb]
+  as one scalar; both L2 hits), waits, and promotes: acc += blk * (sx[m, kb] * sw[nb, kb]). That is
+  DeepGEMM's scheme: an fp8 MMA chain never spans more than one 128-wide K block, the running sum is fp32
+  on the CUDA cores. The two compute warpgroups interleave (one promotes while the other's MMA runs).
+- Warpgroup split: block_m = 128 -> each warpgroup owns 64 rows x block_n columns; block_m = 64 (small M,
+  wgmma's minimum M) -> the 64 rows x block_n / 2 columns. A warpgroup's columns are processed in chunks of
+  <= 128 (one MMA accumulator + the running sums: block_n = 256 with 128-row tiles keeps 2 x 64 fp32 running
+  registers + one 64-register MMA tile per thread); a chunk lies in one weight-scale block (one sw scalar).
+- Output: ``split_k`` == 1 stores acc as out_dtype straight from registers to GMEM ([Mp, N], padded rows
+  sliced away). ``split_k`` > 1 stores fp32 partials [split_k, rows, N] that XLA sums and casts; with a single
+  64-row tile (decode) only the first round_up(M, 8) rows go out, through SMEM and a TMA store (fp32 partials
+  of 64 rows per split would be as many bytes as the weights). Split-K is the decode path: with M <= 64 there
+  are only N / block_n output tiles (12 for the 7168->1536 q_a projection) and the call is weight-read
+  bound, so the K range is cut until about 2 CTAs per SM stream weights (``_auto_split_k``).
+- Padding: M is padded to block_m (zero xq rows and scales). N and K must be multiples of 128
+  (``Unsupported`` otherwise: "auto" then runs XLA, which takes any N).
+
+Numerics. Interpret mode multiplies the e4m3 tiles exactly in fp32 (numpy), so the only difference to the
+XLA path (dequantise both operands to fp32, one HIGHEST matmul) is fp32 summation order and the rounding
+of the per-block scale products (none at all for power-of-two scales on both sides). On the H200 the e4m3
+wgmma accumulates inside its K = 128 chain with reduced precision (about 2^-14 relative to the block's
+partial sums, the reason DeepGEMM and this kernel promote every 128), so native results differ from the
+fp32 reference by more than fp32 round-off: the native tests (K <= 512) allow 2^-9 of sum_k |x_k W_k| per
+element, and data whose every partial sum is exact at that precision must come out bit-equal. At the model's
+K (7168-16384) the benchmark's err_abssum_max is larger than that bound and equal, shape for shape, to
+cuBLAS's blockwise FP8 GEMM (torch ``_scaled_mm``) on the same operands in the same run: the hardware's
+accumulation, not this kernel's order (benchmarks/results/kernels_fp8_gemm_*).
+
+Why Mosaic GPU: fp8 wgmma with K-major operands, TMA and warp specialisation are all expressible (the Triton
+backend is deprecated since jax 0.11). Limits: Mosaic GPU's Hopper wgmma takes at most N = 256 per
+instruction and needs M = 64 k; block_m 64 wastes the padded rows' MMA work in decode, which is weight
+bound anyway.
+``interpret=None`` runs GPU interpret mode off-GPU (the same kernel on the CPU, slow: tests only).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from jds.ops import quant
+from jds.ops.dispatch import Implementation, Unsupported, resolve_interpret, run_op
+
+BLOCK = 128  # quantisation block (both operands) = kernel K step
+NUM_SMS = 132  # H100 / H200; only steers the automatic split_k
+_X_DTYPES = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16))
+_SCALE_FMTS = ("ue8m0", "amax")
+
+
+# ----------------------------------------------------------------------------------------------------
+# public entry points
+def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jnp.dtype = jnp.bfloat16,
+               scale_fmt: quant.ScaleFmt = "ue8m0", implementation: Implementation = "auto",
+               interpret: bool | plgpu.InterpretGPUParams | None = None, block_m: int | None = None,
+               block_n: int | None = None, split_k: int | None = None, stages: int = 4,
+               group_m: int = 8) -> jax.Array:
+    """y = x W^T with W = ``wq`` (float8_e4m3fn [out, in]) * ``w_scale`` (float32 [ceil(out/128),
+    ceil(in/128)] per 128 x 128 block), x [..., in] re-quantised per 1 x 128 group (``scale_fmt``);
+    [..., out] in ``out_dtype``.
+
+    ``implementation``: "xla" = ``jds.ops.quant.fp8_linear``; "pallas" = the kernel (in and out multiples
+    of 128, else ``Unsupported``); "auto" = the kernel where it applies, else XLA.
+    Tiles (kernel only, see ``_pick_tiles`` for the defaults): ``block_m`` 64 or 128, ``block_n`` 64, 128 or
+    256 (dividing out), ``split_k`` K splits (a divisor of in/128), ``stages`` TMA ring depth, ``group_m`` M
+    tiles per rasterisation group (L2 reuse at large M).
+    ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``); None = whenever the default
+    backend is not a GPU.
+    """
+    _check_common(x, wq, w_scale, scale_fmt)
+    return run_op("fp8_linear", implementation, {
+        "xla": lambda: quant.fp8_linear(x, wq, w_scale, out_dtype, scale_fmt),
+        "pallas": lambda: _pallas(x, wq, w_scale, out_dtype=out_dtype, scale_fmt=scale_fmt, interpret=interpret,
+                                  block_m=block_m, block_n=block_n, split_k=split_k, stages=stages,
+                                  group_m=group_m)})
+
+
+def _check_common(x, wq, w_scale, scale_fmt) -> None:
+    """Input errors of both implementations (ValueError naming the argument)."""
+    if scale_fmt not in _SCALE_FMTS:
+        raise ValueError(f"scale_fmt must be one of {_SCALE_FMTS}, got {scale_fmt!r}")
+    if wq.ndim != 2:
+        raise ValueError(f"wq must be [out, in], got shape {wq.shape}")
+    if jnp.dtype(wq.dtype) != jnp.dtype(quant.FP8):
+        raise ValueError(f"wq must be float8_e4m3fn, got {wq.dtype}")
+    n, k = wq.shape
+    want = (-(-n // BLOCK), -(-k // BLOCK))
+    if w_scale.shape != want:
+        raise ValueError(f"w_scale must have shape {want} for wq {wq.shape}, got {w_scale.shape}")
+    if x.ndim < 1 or x.shape[-1] != k:
+        raise ValueError(f"x must be [..., {k}] for wq {wq.shape}, got shape {x.shape}")
+    if jnp.dtype(x.dtype) not in _X_DTYPES:
+        raise ValueError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+
+
+def _check_tiles(block_m: int | None, block_n: int | None, split_k: int | None, stages: int, group_m: int) -> None:
+    if block_m not in (None, 64, 128):
+        raise ValueError(f"block_m must be 64 or 128 (or None), got {block_m}")
+    if block_n not in (None, 64, 128, 256):
+        raise ValueError(f"block_n must be 64, 128 or 256 (or None), got {block_n}")
+    for name, v in (("split_k", 1 if split_k is None else split_k), ("stages", stages), ("group_m", group_m)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v}")
+
+
+def _pick_tiles(m: int, n: int, nk: int, block_m: int | None, block_n: int | None,
+                split_k: int | None) -> tuple[int, int, int]:
+    """(block_m, block_n, split_k): the given ones, defaults for the rest.
+
+    Defaults: M <= 64 (decode, weight-read bound): 64 x 128 tiles (wgmma's minimum M) and split-K until ~2 CTAs
+    per SM stream weights. Larger M: 128-row tiles, 256 columns where out divides by 256 and the tiles alone
+    fill the GPU (half the SMEM / L2 traffic per FLOP of 128 x 128), else 128 (+ split-K if still too few)."""
+    bm = block_m or (64 if m <= 64 else 128)
+    mt = -(-m // bm)
+    if block_n is None:
+        block_n = 256 if bm == 128 and n % 256 == 0 and mt * (n // 256) >= NUM_SMS else 128
+    if n % block_n:
+        raise ValueError(f"block_n {block_n} must divide out = {n}")
+    if split_k is not None and nk % split_k:
+        raise ValueError(f"split_k must divide in / {BLOCK} = {nk}, got {split_k}")
+    return bm, block_n, split_k or _auto_split_k(mt * (n // block_n), nk)
+
+
+def supports(n: int, k: int) -> bool:
+    """Whether the kernel takes a weight of [n, k] (out, in)."""
+    return n % BLOCK == 0 and k % BLOCK == 0 and n > 0 and k > 0
+
+
+def _auto_split_k(tiles: int, nk: int) -> int:
+    """Smallest divisor s of nk with tiles * s >= 2 * NUM_SMS (about 2 CTAs per SM stream weights), keeping
+    >= 2 K blocks per CTA; 1 when the output tiles alone fill the GPU."""
+    if tiles >= NUM_SMS:
+        return 1
+    want = -(-2 * NUM_SMS // tiles)
+    divs = [d for d in range(1, nk + 1) if nk % d == 0 and nk // d >= 2] or [1]
+    bigger = [d for d in divs if d >= want]
+    return bigger[0] if bigger else divs[-1]
+
+
+def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages, group_m):
+    _check_tiles(block_m, block_n, split_k, stages, group_m)
+    n, k = wq.shape
+    if not supports(n, k):
+        raise Unsupported(f"fp8_linear kernel: out = {n} and in = {k} (wq shape) must be multiples of {BLOCK}")
+    lead = x.shape[:-1]
+    m = math.prod(lead)
+    out_dtype = jnp.dtype(out_dtype)
+    if m == 0:
+        return jnp.zeros((*lead, n), out_dtype)
+    nk = k // BLOCK
+    bm, bn, s = _pick_tiles(m, n, nk, block_m, block_n, split_k)
+    if interpret is None:
+        interpret = resolve_interpret(None)
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
+    mp = -(-m // bm) * bm
+    xq, sx = quant.act_quant(x.reshape(m, k), BLOCK, scale_fmt)
+    xq = jnp.pad(xq, ((0, mp - m), (0, 0)))
+    sxt = jnp.pad(sx.T, ((0, 0), (0, mp - m)))  # [nk, Mp]: a CTA's 64 row scales of one K block are contiguous
+    call = _build_call(mr=min(mp, -(-m // 8) * 8), mp=mp, n=n, k=k, bm=bm, bn=bn, splits=s, stages=stages, group_m=group_m,
+                       out_dtype=out_dtype if s == 1 else jnp.dtype(jnp.float32), interpret=interpret or None)
+    y = call(xq, sxt, wq, w_scale.astype(jnp.float32))
+    if s > 1:
+        y = jnp.sum(y, axis=0)
+    return y[:m].astype(out_dtype).reshape(*lead, n)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the kernel
+@functools.lru_cache(maxsize=None)
+def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: int, stages: int, group_m: int,
+                out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None):
+    nk = k // BLOCK
+    kps = nk // splits  # K blocks per CTA
+    m_tiles, n_tiles = mp // bm, n // bn
+    tiles = m_tiles * n_tiles
+    split_m = bm == 128  # warpgroups split the tile's rows (128) or its columns (64-row tiles)
+    wn = bn if split_m else bn // 2  # output columns per warpgroup
+    cw = min(wn, BLOCK)  # accumulator chunk: <= 128 columns, inside one weight-scale block
+    nch = wn // cw
+    L = plgpu.Layout.WGMMA
+    ROW = L.reduce(1)
+    # split-K partials of a single 64-row tile (decode) keep only the first mr = round_up(M, 8) rows: fp32
+    # partials of all 64 rows would be written and read back once per split (as many bytes as the weights)
+    trim = splits > 1 and bm == 64 and m_tiles == 1
+    swz = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))  # 128 e4m3 = one 128-byte row
+
+    def tile_of(t):
+        """Output tile t (of one split) -> (mi, ni): groups of ``group_m`` M tiles, M fastest inside a group,
+        so that the CTAs resident at once share a few x row tiles and a band of weight tiles in L2."""
+        per_group = group_m * n_tiles
+        first = (t // per_group) * group_m
+        size = jnp.minimum(m_tiles - first, group_m)
+        r = t % per_group
+        return first + r % size, r // size
+
+    def kernel(x_ref, sxt_ref, w_ref, sw_ref, o_ref, *scratch):
+        ep_s = scratch[0] if trim else None
+        pid = lax.axis_index("cta")
+        si = pid // tiles
+        mi, ni = tile_of(pid % tiles)
+        m0, n0, kb0 = mi * bm, ni * bn, si * kps
+
+        def wg_cols(wg):  # first output column of this warpgroup's accumulator
+            return n0 if split_m else n0 + wg * wn
+
+        def body(idx, x_s, w_s, acc):
+            (step,) = idx
+            kb = kb0 + step
+            wg = lax.axis_index("wg")
+            a = x_s.at[pl.ds(wg * 64, 64)] if split_m else x_s
+            r0 = m0 + wg * 64 if split_m else m0
+            c0 = 0 if split_m else wg * wn  # first column of this warpgroup inside the W tile
+            out, sxv = [], None
+            for c in range(nch):  # chunks run one after the other: one [64, cw] MMA accumulator at a time
+                def mma(blk_ref, c=c):
+                    plgpu.wgmma(blk_ref, a, w_s.at[pl.ds(c0 + c * cw, cw)].T)
+                    # the block's scales load while the MMA runs
+                    sx_c = plgpu.load(sxt_ref.at[kb, pl.ds(r0, 64)], layout=ROW, optimized=False) if c == 0 else None
+                    sw_c = sw_ref[(wg_cols(wg) + c * cw) // BLOCK, kb]
+                    plgpu.wgmma_wait(0)
+                    return blk_ref[...], sx_c, sw_c
+
+                blk, sx_c, sw_c = pl.run_scoped(mma, plgpu.ACC((64, cw), jnp.float32))
+                sxv = sx_c if c == 0 else sxv
+                out.append(acc[c] + blk * lax.broadcast_in_dim(sxv * sw_c, blk.shape, [0]))
+            return tuple(out)
+
+        def compute(run_pipeline):
+            zero = plgpu.layout_cast(jnp.full((64, cw), 0.0, jnp.float32), L)
+            acc = run_pipeline(tuple(zero for _ in range(nch)))
+            wg = lax.axis_index("wg")
+            if trim:  # decode partials: only the first mr rows, through SMEM and a TMA store
+                for w in range(2):
+                    @pl.when(wg == w)
+                    def _(w=w):
+                        for c in range(nch):
+                            if c:
+                                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                            ep_s.at[w][...] = acc[c]
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(ep_s.at[w, pl.ds(0, mr)],
+                                                    o_ref.at[si, :, pl.ds(wg_cols(w) + c * cw, cw)])
+                        plgpu.wait_smem_to_gmem(0)
+                return
+            rows = pl.ds(m0 + wg * 64, 64) if split_m else pl.ds(m0, 64)
+            for c in range(nch):
+                cols = pl.ds(wg_cols(wg) + c * cw, cw)
+                if splits == 1:
+                    o_ref.at[rows, cols][...] = acc[c].astype(out_dtype)
+                else:
+                    o_ref.at[si, rows, cols][...] = acc[c]
+
+        pipeline = plgpu.emit_pipeline_warp_specialized(
+            body, grid=(kps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+            max_concurrent_steps=min(stages, kps), compute_context=compute,
+            in_specs=[plgpu.BlockSpec((bm, BLOCK), lambda s: (0, s), transforms=swz),
+                      plgpu.BlockSpec((bn, BLOCK), lambda s: (0, s), transforms=swz)])
+        pipeline(x_ref.at[pl.ds(m0, bm), pl.ds(kb0 * BLOCK, kps * BLOCK)],
+                 w_ref.at[pl.ds(n0, bn), pl.ds(kb0 * BLOCK, kps * BLOCK)])
+
+    out_shape = (mp, n) if splits == 1 else (splits, mr if trim else mp, n)
+    # the [64, cw] fp32 staging tile of each compute warpgroup's partial (128-byte rows: (8, 32) tiles)
+    scratch = [plgpu.SMEM((2, 64, cw), jnp.float32,
+                          transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))] if trim else []
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(splits * tiles,),
+                        scratch_types=scratch, grid_names=("cta",), num_threads=3, thread_name="wg", compiler_params=params,
+                        interpret=interpret if interpret is not None else False)

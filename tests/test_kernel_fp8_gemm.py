@@ -1,0 +1,239 @@
+"""The FP8 block-scaled linear kernel (pallas_kernels/fp8_gemm.py) against the pure-JAX path
+(jds.ops.quant.fp8_linear: dequantise both operands to fp32, one HIGHEST matmul).
+
+Every kernel test runs twice: ``interpret`` (Mosaic GPU interpret mode on the CPU) and ``native`` (marked
+``gpu``, skipped unless jax.default_backend() == "gpu"). Both paths quantise x with the same ``act_quant``,
+so they multiply identical operands and differ only in summation order (and, natively, in the FP8 MMA's
+accumulator precision). Checks, on every element of fresh random inputs (rows and weight rows of spread
+magnitudes), both activation scale formats, weight scales of both kinds, fp32 and bf16 outputs, every tile
+path (64/128-row tiles, 64/128/256 columns, split-K with full and trimmed partials):
+
+* fp32 out: |y - ref| <= rtol * sum_k |x_k W_k| (dequantised operands). rtol, interpret: fp32 summation
+  round-off, (2 sqrt(K) + 8) 2^-24 (both sides sum K products of magnitude <= the abs-sum; random-walk
+  growth, plus the per-block scale products). Native: 2^-9, the Hopper e4m3 wgmma's accumulator keeps about
+  14 bits inside each 128-long chain (DeepGEMM; the kernel promotes to fp32 every 128).
+* bf16 out: both sides round their fp32 result once, so they may differ by the fp32 bound plus one bf16 ulp.
+* exact data (small integers, power-of-two scales: every product and partial sum exact even at the FP8
+  MMA's accumulator precision): bit-equal, natively too: this pins addressing and scale placement.
+
+A CPU-only test lowers the compiled kernel for CUDA (Mosaic GPU's layout, TMA and wgmma rules) without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jds.ops import quant
+from jds.ops.dispatch import Unsupported
+from pallas_kernels import fp8_gemm as G
+
+from tests.kernel_modes import KERNEL_PRIMITIVES, MODES, ON_GPU, interpret_for
+from tests.tolerances import ulp
+
+FP8 = jnp.float8_e4m3fn
+
+
+def _rtol(mode: str, k: int) -> float:
+    return (2 * np.sqrt(k) + 8) * 2.0 ** -24 if mode == "interpret" else 2.0 ** -9
+
+
+def make_case(m: int, k: int, n: int, seed: int, w_fmt: str = "amax", x_dtype=jnp.bfloat16, lead=()):
+    """(x [*lead, m, k], wq [n, k], w_scale): weight rows and x rows with magnitudes spread over ~2 decades
+    (so blocks get different scales), weight blocks quantised with ``w_fmt`` scales."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)) * rng.uniform(0.05, 5.0, (n, 1)) * rng.uniform(0.2, 2.0, (1, k))
+    wq, ws = quant.quantize_weight_blocks_jax(jnp.asarray(w, jnp.float32), 128, w_fmt)
+    x = rng.standard_normal((*lead, m, k)) * rng.uniform(0.05, 5.0, (*lead, m, 1))
+    return jnp.asarray(x, x_dtype), wq, ws
+
+
+def reference(x, wq, ws, scale_fmt):
+    """(fp32 reference y, sum_k |x_k W_k| of the dequantised operands)."""
+    y = G.fp8_linear(x, wq, ws, out_dtype=jnp.float32, scale_fmt=scale_fmt, implementation="xla")
+    xd = quant.fake_quant(x, 128, scale_fmt)
+    wd = quant.dequant_weight_blocks(wq, ws)
+    abssum = jnp.einsum("...i,oi->...o", jnp.abs(xd), jnp.abs(wd), precision=jax.lax.Precision.HIGHEST)
+    return np.asarray(y, np.float64), np.asarray(abssum, np.float64)
+
+
+def check(got, ref, abssum, rtol: float, out_dtype) -> float:
+    """Every element within the bound; returns the worst err / bound."""
+    g = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
+    assert g.shape == ref.shape and np.isfinite(g).all()
+    bound = rtol * abssum + 1e-30
+    want = ref
+    if jnp.dtype(out_dtype) == jnp.bfloat16:
+        want = np.asarray(jnp.asarray(ref, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+        bound = bound + ulp(np.maximum(np.abs(g), np.abs(want)), "bfloat16")
+    err = np.abs(g - want)
+    worst = float((err / bound).max())
+    assert (err <= bound).all(), f"{int((err > bound).sum())} of {err.size} elements out of bound, worst ratio {worst:.2f}"
+    return worst
+
+
+# (m, k, n, out_dtype, tile kwargs): every tile path of the kernel
+CASES = [
+    (1, 512, 384, jnp.bfloat16, {}),  # decode: 64 x 128 tiles, split-K with trimmed partials
+    (7, 512, 384, jnp.float32, dict(block_n=64, split_k=2)),  # 32-column warpgroup halves, trimmed partials
+    (128, 256, 512, jnp.float32, dict(block_n=256, split_k=1)),  # 2 column chunks per warpgroup
+    (300, 512, 128, jnp.bfloat16, dict(split_k=1)),  # 128-row tiles (warpgroups over rows), padded last one
+    # (2 K blocks, no split, 64-row tile: test_leading_dims_and_auto)
+    (200, 512, 256, jnp.float32, {}),  # auto: split-K with full-row partials (2 M tiles)
+    (70, 256, 512, jnp.bfloat16, dict(block_m=64, block_n=256, split_k=1, stages=2)),  # 2 M tiles of 64, ring 2 < 4
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", "amax"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_matches_xla(mode: str, scale_fmt: str, case: int) -> None:
+    interpret = interpret_for(mode)
+    m, k, n, out_dtype, tiles = CASES[case]
+    # weight scales: amax floats with ue8m0 activations and powers of two with amax activations (both kinds
+    # of each side are covered; ue8m0 x ue8m0 is the exact test below)
+    x, wq, ws = make_case(m, k, n, seed=case, w_fmt="amax" if scale_fmt == "ue8m0" else "ue8m0")
+    got = G.fp8_linear(x, wq, ws, out_dtype=out_dtype, scale_fmt=scale_fmt, implementation="pallas",
+                       interpret=interpret, **tiles)
+    assert got.dtype == jnp.dtype(out_dtype) and got.shape == (m, n)
+    ref, abssum = reference(x, wq, ws, scale_fmt)
+    check(got, ref, abssum, _rtol(mode, k), out_dtype)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("tiles", [{}, dict(block_m=128, block_n=256, split_k=2)])
+def test_exact_data_bit_equal(mode: str, tiles: dict) -> None:
+    """x, W in {-2, -1, 0, 1, 2} with a +-2 in every block and UE8M0 scales on both sides: xq, Wq in
+    {0, +-128, +-256}, every product a multiple of 2^14 below 2^17 and every partial sum below 2^24, so any
+    summation order at >= 11 bits of accumulator precision is exact: the kernel must equal the reference."""
+    interpret = interpret_for(mode)
+    m, k, n = 130, 512, 256
+    rng = np.random.default_rng(11)
+    x = rng.integers(-2, 3, (m, k)).astype(np.float32)
+    w = rng.integers(-2, 3, (n, k)).astype(np.float32)
+    x[:, ::128] = 2.0
+    w[:, ::128] = -2.0
+    w[::128, :] = 2.0
+    wq, ws = quant.quantize_weight_blocks_jax(jnp.asarray(w), 128, "ue8m0")
+    got = G.fp8_linear(jnp.asarray(x, jnp.bfloat16), wq, ws, out_dtype=jnp.float32, implementation="pallas",
+                       interpret=interpret, **tiles)
+    want = x @ w.T
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_leading_dims_and_auto(mode: str) -> None:
+    """x [2, 3, k] (leading dims flatten to M = 6, f32 input); "auto" runs the kernel for supported shapes."""
+    interpret = interpret_for(mode)
+    x, wq, ws = make_case(3, 256, 128, seed=5, x_dtype=jnp.float32, lead=(2,))
+    got = G.fp8_linear(x, wq, ws, out_dtype=jnp.float32, implementation="auto", interpret=interpret)
+    ref, abssum = reference(x, wq, ws, "ue8m0")
+    check(got, ref, abssum, _rtol(mode, 256), jnp.float32)
+    f = functools.partial(G.fp8_linear, out_dtype=jnp.float32, implementation="auto", interpret=interpret)
+    text = str(jax.make_jaxpr(f)(x, wq, ws))
+    assert any(p + "[" in text for p in KERNEL_PRIMITIVES), "auto did not run the kernel"
+
+
+@pytest.mark.skipif(ON_GPU, reason="GPU interpret mode's race detector runs on the CPU")
+@pytest.mark.parametrize("tiles", [dict(block_n=128, split_k=2), dict(block_m=128, block_n=256, split_k=1, stages=2)])
+def test_no_races(tiles: dict) -> None:
+    """Interpret mode's race detector over the warp-specialised TMA ring (producer vs 2 consumers, slot
+    reuse) and the trimmed-partial SMEM epilogue."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    x, wq, ws = make_case(7 if tiles.get("block_m") is None else 130, 512, 256, seed=9)
+    y = G.fp8_linear(x, wq, ws, out_dtype=jnp.float32, implementation="pallas",
+                     interpret=plgpu.InterpretGPUParams(detect_races=True), **tiles)
+    jax.block_until_ready(y)
+    assert not gpu_callbacks.get_races().races_found
+
+
+def test_empty_m() -> None:
+    _, wq, ws = make_case(1, 256, 128, seed=0)
+    y = G.fp8_linear(jnp.zeros((0, 256), jnp.bfloat16), wq, ws, out_dtype=jnp.bfloat16, implementation="pallas")
+    assert y.shape == (0, 128) and y.dtype == jnp.bfloat16
+
+
+# ----- errors -------------------------------------------------------------------------------------
+def _weights(n: int, k: int):
+    return jnp.zeros((n, k), FP8), jnp.ones((-(-n // 128), -(-k // 128)), jnp.float32)
+
+
+def test_unsupported_out_falls_back() -> None:
+    """out = 200: explicit "pallas" raises Unsupported (a ValueError) naming out; "auto" runs XLA."""
+    x, wq, ws = make_case(4, 256, 200, seed=3)
+    with pytest.raises(Unsupported, match="out = 200"):
+        G.fp8_linear(x, wq, ws, implementation="pallas")
+    with pytest.raises(ValueError, match="out = 200"):
+        G.fp8_linear(x, wq, ws, implementation="pallas")
+    got = G.fp8_linear(x, wq, ws, out_dtype=jnp.float32, implementation="auto")
+    want = G.fp8_linear(x, wq, ws, out_dtype=jnp.float32, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    f = functools.partial(G.fp8_linear, out_dtype=jnp.float32, implementation="auto")
+    text = str(jax.make_jaxpr(f)(x, wq, ws))
+    assert not any(p + "[" in text for p in KERNEL_PRIMITIVES)
+
+
+def test_unsupported_in() -> None:
+    """in = 200 (not a multiple of the 128 quantisation group): the kernel names it; XLA's act_quant rejects it too."""
+    wq, ws = _weights(128, 200)
+    x = jnp.ones((2, 200), jnp.bfloat16)
+    with pytest.raises(ValueError, match="in = 200"):
+        G.fp8_linear(x, wq, ws, implementation="pallas")
+    with pytest.raises(ValueError):
+        G.fp8_linear(x, wq, ws, implementation="auto")
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(block_m=32), "block_m"), (dict(block_n=96), "block_n"), (dict(block_n=256), "block_n"),
+    (dict(split_k=3), "split_k"), (dict(split_k=0), "split_k"), (dict(stages=0), "stages"),
+    (dict(group_m=0), "group_m"), (dict(scale_fmt="e5m2"), "scale_fmt"), (dict(implementation="cuda"), "implementation"),
+])
+def test_bad_params(kwargs: dict, field: str) -> None:
+    wq, ws = _weights(384, 512)  # out = 384: block_n 256 does not divide it; in / 128 = 4: split_k 3 does not
+    with pytest.raises(ValueError, match=field):
+        G.fp8_linear(jnp.ones((2, 512), jnp.bfloat16), wq, ws, **{"implementation": "pallas", **kwargs})
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas", "auto"])
+@pytest.mark.parametrize("args,field", [
+    (lambda: (jnp.ones((2, 256)), jnp.zeros((128, 256), jnp.bfloat16), jnp.ones((1, 2))), "wq"),
+    (lambda: (jnp.ones((2, 256)), jnp.zeros((128, 256), FP8), jnp.ones((2, 2))), "w_scale"),
+    (lambda: (jnp.ones((2, 384)), jnp.zeros((128, 256), FP8), jnp.ones((1, 2))), "x"),
+    (lambda: (jnp.ones((2, 256), jnp.int32), jnp.zeros((128, 256), FP8), jnp.ones((1, 2))), "x"),
+])
+def test_bad_inputs(implementation: str, args, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        G.fp8_linear(*args(), implementation=implementation)
+
+
+def test_auto_split_k() -> None:
+    assert G._auto_split_k(tiles=12, nk=56) == 28  # 7168 -> 1536 decode: 336 CTAs of 2 K blocks
+    assert G._auto_split_k(tiles=200, nk=56) == 1
+    assert G._auto_split_k(tiles=1, nk=2) == 1  # never below 2 K blocks per CTA
+    assert G._pick_tiles(8192, 18432, 56, None, None, None) == (128, 256, 1)
+    assert G._pick_tiles(1, 1536, 56, None, None, None) == (64, 128, 28)
+
+
+# ----- lowering for CUDA on the CPU ---------------------------------------------------------------
+@pytest.mark.skipif(ON_GPU, reason="CPU-only cross-lowering smoke test (the gpu tests compile for real)")
+@pytest.mark.parametrize("m,k,n,tiles", [(1, 7168, 1536, {}), (300, 512, 384, {}),
+                                         (256, 1024, 512, dict(block_n=256, split_k=1)),
+                                         (16, 512, 256, dict(block_n=64, split_k=2))])
+def test_lowers_for_cuda(m: int, k: int, n: int, tiles: dict) -> None:
+    """The compiled kernel passes Mosaic GPU's lowering (e4m3 wgmma with K-major operands, TMA, layouts)."""
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    f = jax.jit(functools.partial(G.fp8_linear, out_dtype=jnp.bfloat16, implementation="pallas", interpret=False,
+                                  **tiles))
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), FP8),
+            jax.ShapeDtypeStruct((n // 128, k // 128), jnp.float32))
+    dev = AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=dev)):
+        text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and ".f32.e4m3.e4m3" in text
