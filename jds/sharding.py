@@ -102,8 +102,6 @@ _RULES: tuple[tuple[str, Any], ...] = (
     (r"ffn/shared/w2/(weight|scale)", _TENSOR_COLS),
     (r"ffn/(w1|w3)/(weight|scale)", _TENSOR_ROWS),  # dense MLP (a Linear)
     (r"ffn/w2/(weight|scale)", _TENSOR_COLS),
-    (r"ffn/(w1|w3)/value", P("expert", None, "tensor")),  # routed experts [E, hidden, width]
-    (r"ffn/w2/value", P("expert", "tensor", None)),  # [E, width, hidden]
     (r"^(embed/weight|head/lm_head/weight)", "vocab_rows"),
 )
 
@@ -117,6 +115,8 @@ def param_spec(path: str, shape: tuple[int, ...], model: ModelConfig, mesh: Mesh
     """
     key = re.sub(r"^layers/\d+/", "", path)
     spec: Any = P()
+    if len(shape) == 3 and re.match(r"ffn/(w1|w2|w3)/", key):
+        return _fit(_routed_expert_spec(key, model), shape, mesh)
     for pattern, s in _RULES:
         if re.search(pattern, key):
             spec = s
@@ -128,6 +128,14 @@ def param_spec(path: str, shape: tuple[int, ...], model: ModelConfig, mesh: Mesh
     elif spec == "vocab_rows":
         spec = _TENSOR_ROWS
     return _fit(spec, shape, mesh)
+
+
+def _routed_expert_spec(key: str, model: ModelConfig) -> P:
+    """A routed-expert stack: experts over ``expert``, each expert's width over ``tensor`` (column-parallel
+    w1 / w3, row-parallel w2, as the dense MLP). The V3 block stacks them [E, in, out] (for ragged_dot); the V4
+    block [E, out, in] as the release stores them, FP4 ones as [E, out, in/2] codes + [E, out, in/32] scales."""
+    width_in_dim1 = (model.block == "v4") != key.startswith("ffn/w2/")  # V4 w1/w3, or V3 w2: [E, width, ...]
+    return P("expert", "tensor", None) if width_in_dim1 else P("expert", None, "tensor")
 
 
 def _fit(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:

@@ -191,6 +191,12 @@ def test_partition_rules() -> None:
     assert spec("layers/0/ffn/w1/value", (4, 256, 256)) == P("expert", None, "tensor")
     assert spec("layers/0/ffn/w2/value", (4, 256, 256)) == P("expert", "tensor", None)
     assert spec("layers/0/ffn/shared/w2/weight/value", (256, 256)) == P(None, "tensor")
+    # the V4 block stores routed experts [E, out, in]: the width is dim 1 of w1 / w3 and dim 2 of w2, also for the
+    # FP4 codes [E, out, in/2] and their e8m0 scales [E, out, in/32]
+    v4m = dataclasses.replace(_config("v4", moe=True), block="v4")
+    for name in ("w1/value", "w3/weight/value", "w1/scale/value"):
+        assert sharding.param_spec(f"layers/0/ffn/{name}", (4, 256, 64), v4m, mesh) == P("expert", "tensor", None)
+    assert sharding.param_spec("layers/0/ffn/w2/weight/value", (4, 256, 128), v4m, mesh) == P("expert", None, "tensor")
     assert spec("layers/0/ffn/gate/weight/value", (4, 256)) == P(None, None)
     assert spec("embed/weight/value", (512, 256)) == P("tensor", None)
     assert spec("layers/0/attn_norm/weight/value", (256,)) == P(None)
