@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 WORKER = """
@@ -25,7 +27,7 @@ from jds.config import Numerics, RunnerConfig, preset
 from jds.model import Decoder
 from jds.runner import ModelRunner
 out = {}
-for name in ("v32-tiny", "v4-tiny"):
+for name in sys.argv[1:]:
     cfg = dataclasses.replace(preset(name), numerics=Numerics.reference(), n_routed_experts=4, moe_topk=2,
                               moe_intermediate_size=256)
     d = tempfile.mkdtemp() + "/ck"
@@ -61,10 +63,11 @@ print(json.dumps(out))
 """
 
 
-def test_restore_into_shards() -> None:
+@pytest.mark.parametrize("name", ["v32-tiny", pytest.param("v4-tiny", marks=pytest.mark.slow)])
+def test_restore_into_shards(name: str) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    p = subprocess.run([sys.executable, "-c", WORKER], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    p = subprocess.run([sys.executable, "-c", WORKER, name], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     for name, r in res.items():

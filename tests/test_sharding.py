@@ -115,10 +115,10 @@ def _case(arch: str, mode: str, moe: bool = False, warm: bool = False, **setting
 
 
 def test_sharded_equals_one_device() -> None:
-    """The quick set: tp=2 narrow (eager regions), dp x tp fused in two segments, MoE over ep x tp."""
+    """The quick set: tp=2 narrow (eager regions), dp x tp fused in two segments (the MoE layouts: the slow
+    test_moe_expert_parallel_equals_one_device and test_v4_sharded_equals_one_device)."""
     _check(_run([_case("v32", "narrow", tensor_parallel=2, warm=True),
-                 _case("v32", "fused", tensor_parallel=2, data_parallel=2, segments=2, warm=True),
-                 _case("v32", "fused", moe=True, expert_parallel=2, tensor_parallel=2)]))
+                 _case("v32", "fused", tensor_parallel=2, data_parallel=2, segments=2, warm=True)]))
 
 
 @pytest.mark.slow
@@ -134,7 +134,8 @@ def test_v32_every_mode_and_layout_equals_one_device() -> None:
 @pytest.mark.slow
 def test_moe_expert_parallel_equals_one_device() -> None:
     """Routed experts over the expert axis (with and without tensor-split expert widths), every mode."""
-    cases = [_case("v32", "fused", moe=True, expert_parallel=2),
+    cases = [_case("v32", "fused", moe=True, expert_parallel=2, tensor_parallel=2),
+             _case("v32", "fused", moe=True, expert_parallel=2),
              _case("v32", "narrow", moe=True, expert_parallel=2, tensor_parallel=2),
              _case("v32", "wide", moe=True, expert_parallel=4)]
     _check(_run(cases))
