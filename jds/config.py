@@ -410,6 +410,10 @@ class ModelConfig:
     swiglu_limit: float = 10.0  # 0: no clamp
     shared_swiglu_limit: bool = True  # the shared expert clamped too (the release's later revision)
     moe_impl: str = "ragged"  # V4 MoE: "ragged" grouped GEMMs or "gather" per-token expert weights
+    # DeepSeek-V4's multi-token-prediction modules (jds.mtp; HF config.json ``num_nextn_predict_layers``, the release's
+    # ModelArgs.n_mtp_layers): 0 = none. MTP module k is a V4 block whose attention kind is
+    # compress_ratios[mtp_layer_id(k)] (the release lists the MTP layers' ratios after the main layers'); block v4 only.
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         _require(self.arch in ("v32", "v4"), "arch", f"must be 'v32' or 'v4', got {self.arch!r}")
@@ -459,6 +463,25 @@ class ModelConfig:
             _require(self.n_routed_experts > 0, "n_routed_experts", "must be > 0 with block 'v4' (every V4 layer is MoE)")
             _require(self.n_shared_experts == 1, "n_shared_experts",
                      f"must be 1 with block 'v4' (one shared expert), got {self.n_shared_experts}")
+        m = self.mtp_layers
+        _require(isinstance(m, int) and not isinstance(m, bool) and m >= 0, "mtp_layers",
+                 f"must be an int >= 0, got {m!r}")
+        if m:
+            _require(self.block == "v4", "mtp_layers",
+                     f"MTP modules exist in DeepSeek-V4's block only (block 'v4'), got block {self.block!r}")
+            n_ratios = len(self.attn.compress_ratios)
+            _require(n_ratios >= self.n_layers + m, "mtp_layers",
+                     f"{m} MTP layers need len(compress_ratios) >= n_layers + mtp_layers = {self.n_layers + m}, got "
+                     f"{n_ratios} (the release lists the MTP layers' attention kinds after the main layers')")
+
+    def mtp_layer_id(self, k: int) -> int:
+        """The layer id of MTP module ``k`` (its attention kind ``compress_ratios[id]``, its router kind): the release
+        builds ``MTPBlock(n_layers + k)`` with ``compress_ratios`` listing n_layers + n_mtp_layers kinds, so the MTP
+        kinds are the LAST ``mtp_layers`` entries; counting from the end keeps them right when ``--layers``
+        truncates the main stack (the ratios are kept whole)."""
+        if not 0 <= k < self.mtp_layers:
+            raise ValueError(f"MTP module {k} outside [0, mtp_layers={self.mtp_layers})")
+        return len(self.attn.compress_ratios) - self.mtp_layers + k
 
     @property
     def hidden_size(self) -> int:
@@ -558,6 +581,14 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
                           intermediate_size=2048)
     else:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    mtp = overrides.get("mtp_layers", 0)
+    if isinstance(mtp, int) and mtp > 0 and cfg.arch == "v4" and "attn" not in overrides:
+        # the presets list one attention kind per main layer; MTP layers get window-only attention appended, as
+        # the released V4 configs' last compress_ratios entry is 0 (the MTP layer's kind)
+        need = overrides.get("n_layers", cfg.n_layers) + mtp
+        ratios = cfg.attn.compress_ratios
+        if isinstance(need, int) and len(ratios) < need:
+            overrides = {**overrides, "attn": replace(cfg.attn, compress_ratios=ratios + (0,) * (need - len(ratios)))}
     return replace(cfg, **overrides) if overrides else cfg
 
 

@@ -61,8 +61,18 @@ Name mapping (jds name, DESIGN.md "Weight dictionaries" <- HF tensor), ``i`` = l
                 layers, ffn.gate.tid2eid <- ffn.gate.tid2eid (integer, ids checked) on the first n_hash_layers;
                 ffn.w1/w3/w2[j] <- ffn.experts.j.w1/w3/w2 NOT transposed (the V4 block stacks [E, out, in]), bf16
                 or FP8 (dequantised), or packed FP4 (as stored: ffn.w1 + ffn.w1.scale, or dequantised, see above);
-                ffn.shared.w1/w3/w2 <- ffn.shared_experts.w1/w3/w2. ``mtp.*`` is rejected with its reason (MTP
-                speculative decoding is not implemented yet). A V4 config.json with ``hc_mult`` selects this block.
+                ffn.shared.w1/w3/w2 <- ffn.shared_experts.w1/w3/w2. A V4 config.json with ``hc_mult`` selects
+                this block.
+  V4 MTP modules (jds.mtp; ModelConfig.mtp_layers <- config.json ``num_nextn_predict_layers`` or the release's
+                ``n_mtp_layers``, block v4 only), k < mtp_layers: mtp.k.e_proj / h_proj <- mtp.k.e_proj / h_proj
+                (+ .scale, FP8 like the attention's linears); mtp.k.enorm / hnorm / norm <- mtp.k.{enorm,hnorm,
+                norm}.weight; mtp.k.hc_head.{fn,base,scale} <- mtp.k.hc_head_{fn,base,scale}; and a whole V4 layer
+                of layer id ``mtp_layer_id(k)`` under the main layers' names with the prefix mtp.k. (attn.*, norms,
+                hc_attn_* / hc_ffn_*, ffn.gate.*, ffn.experts.j.*, ffn.shared_experts.*; its wo_a dequantised as
+                the main layers'). The embedding and the LM head are shared: an ``mtp.k.`` name containing
+                ``emb`` or ending in ``head.weight`` is skipped (the release's convert.py drops them); without MTP
+                modules (mtp_layers 0, e.g. ``--override mtp_layers=0``) every ``mtp.*`` tensor is skipped with
+                ``MTP_REJECTED``.
   Linear tensors are ``<name>.weight`` (+ scale); jds ``W`` / ``W.scale``. V4's fused ``wq_a_wkv`` module
   exports/loads as the separate ``wq_a`` and ``wkv`` tensors already (jds.nn.FusedLinear), so no split here.
   MLA/indexer RoPE layouts need no permutation: HF stores DeepSeek's own layout (DeepSeek's convert.py
@@ -70,10 +80,10 @@ Name mapping (jds name, DESIGN.md "Weight dictionaries" <- HF tensor), ``i`` = l
 
 Skipped HF tensors (reported, never silently): layers >= the converted layer count (``--layers N``) and
 V3.2's MTP layer (model.layers.{num_hidden_layers}); V3.2 ``mlp.gate.e_score_correction_bias``;
-``rotary_emb.inv_freq``; ``mtp.*``. With V4 attention in jds's V3-style block (``block="v3"``) also
+``rotary_emb.inv_freq``; ``mtp.*`` unless the model has MTP modules (see above). With V4 attention in jds's V3-style block (``block="v3"``) also
 ``ffn.gate.bias`` / ``ffn.gate.tid2eid`` and the ``hc_*`` tensors (that block has no selection bias, hash
 routing or hyper-connections: imported real weights then run a structural decoder, not DeepSeek-V4's forward);
-with ``block="v4"`` those are used, and only the MTP module is rejected. Anything else not mapped is an error
+with ``block="v4"`` those are used. Anything else not mapped is an error
 (``allow_unexpected`` downgrades it). The report lists every HF tensor as used or skipped with its reason.
 
 Config mapping: attention fields via ``V32Config/V4Config.from_hf_config``; ``num_hidden_layers`` -> n_layers
@@ -192,18 +202,7 @@ def plan(cfg: Any) -> list[Entry]:
         J = f"layers.{i}."
         if v4:
             P = f"layers.{i}."
-            A = P + "attn."
-            out += [_par(J + "attn_norm", P + "attn_norm.weight"), _par(J + "ffn_norm", P + "ffn_norm.weight")]
-            out += [_lin(J + "attn." + n, A + n) for n in ("wq_a", "wkv", "wq_b", "wo_a", "wo_b")]
-            out += [_par(J + "attn.q_norm", A + "q_norm.weight"), _par(J + "attn.kv_norm", A + "kv_norm.weight"),
-                    _par(J + "attn.attn_sink", A + "attn_sink")]
-            ratio = cfg.attn.compress_ratios[i]
-            if ratio:
-                out += _compressor(J + "attn.compressor.", A + "compressor.")
-            if ratio == 4:
-                out += [_lin(J + "attn.indexer.wq_b", A + "indexer.wq_b"),
-                        _lin(J + "attn.indexer.weights_proj", A + "indexer.weights_proj")]
-                out += _compressor(J + "attn.indexer.compressor.", A + "indexer.compressor.")
+            out += _v4_attention_layer(cfg, i, J, P)
             F = P + "ffn."
             names = {"w1": "w1", "w3": "w3", "w2": "w2"}
         else:
@@ -239,9 +238,40 @@ def plan(cfg: Any) -> list[Entry]:
         out += [_par("head.norm", "norm.weight"), _lin("head.lm_head", "head")]
         if cfg.block == "v4":
             out += [_par("head.hc." + k, "hc_head_" + k) for k in ("fn", "base", "scale")]
+        for k in range(cfg.mtp_layers):
+            out += _mtp_module(cfg, k)
     else:
         out += [_par("head.norm", "model.norm.weight"), _lin("head.lm_head", "lm_head")]
     return out
+
+
+def _v4_attention_layer(cfg: Any, layer_id: int, J: str, P: str) -> list[Entry]:
+    """A V4 layer's attention tensors and its two norms (kind ``compress_ratios[layer_id]``)."""
+    A = P + "attn."
+    out = [_par(J + "attn_norm", P + "attn_norm.weight"), _par(J + "ffn_norm", P + "ffn_norm.weight")]
+    out += [_lin(J + "attn." + n, A + n) for n in ("wq_a", "wkv", "wq_b", "wo_a", "wo_b")]
+    out += [_par(J + "attn.q_norm", A + "q_norm.weight"), _par(J + "attn.kv_norm", A + "kv_norm.weight"),
+            _par(J + "attn.attn_sink", A + "attn_sink")]
+    ratio = cfg.attn.compress_ratios[layer_id]
+    if ratio:
+        out += _compressor(J + "attn.compressor.", A + "compressor.")
+    if ratio == 4:
+        out += [_lin(J + "attn.indexer.wq_b", A + "indexer.wq_b"),
+                _lin(J + "attn.indexer.weights_proj", A + "indexer.weights_proj")]
+        out += _compressor(J + "attn.indexer.compressor.", A + "indexer.compressor.")
+    return out
+
+
+def _mtp_module(cfg: Any, k: int) -> list[Entry]:
+    """MTP module ``k`` (jds.mtp; the release's ``mtp.{k}.``): its input mixer, a whole V4 layer of layer id
+    ``cfg.mtp_layer_id(k)`` under the same names as a main layer, and its own HC head and final norm. The
+    embedding and the LM head are the main model's (not stored under ``mtp.``)."""
+    J = P = f"mtp.{k}."
+    out = [_lin(J + "e_proj", P + "e_proj"), _lin(J + "h_proj", P + "h_proj")]
+    out += [_par(J + n, P + n + ".weight") for n in ("enorm", "hnorm", "norm")]
+    out += [_par(J + "hc_head." + x, P + "hc_head_" + x) for x in ("fn", "base", "scale")]
+    layer_id = cfg.mtp_layer_id(k)
+    return out + _v4_attention_layer(cfg, layer_id, J, P) + _v4_block_layer(cfg, layer_id, J, P)
 
 
 def _v4_block_layer(cfg: Any, i: int, J: str, P: str) -> list[Entry]:
@@ -267,14 +297,19 @@ def _compressor(j: str, h: str) -> list[Entry]:
             _par(j + "norm", h + "norm.weight")]
 
 
-MTP_REJECTED = "MTP module: rejected (speculative decoding with the MTP block is not implemented yet)"
+MTP_REJECTED = ("MTP module: not imported (the model has mtp_layers=0: config.json has no "
+                "num_nextn_predict_layers, or an override set mtp_layers=0)")
+MTP_SHARED = ("MTP copy of the shared embedding / LM head (the release's convert.py drops it; jds.mtp uses the "
+              "main ones)")
 
 
-def skip_reason(name: str, arch: str, n_layers: int, block: str = "v3") -> str | None:
+def skip_reason(name: str, arch: str, n_layers: int, block: str = "v3", mtp_layers: int = 0) -> str | None:
     """Why an HF tensor without a jds counterpart may be skipped (None: it may not).
 
     With the V4 block the hyper-connection, router-bias and hash-table tensors are used, so they are never
-    skipped (an unused one is an error); the MTP module is rejected with its reason."""
+    skipped (an unused one is an error). ``mtp.*`` tensors are used when the model has MTP modules
+    (``mtp_layers``), except copies of the shared embedding / head; without MTP modules they are skipped with
+    ``MTP_REJECTED``."""
     m = re.match(r"(?:model\.)?layers\.(\d+)\.", name)
     if m and int(m.group(1)) >= n_layers:
         return "layer beyond the converted stack (--layers) or an MTP layer"
@@ -285,7 +320,13 @@ def skip_reason(name: str, arch: str, n_layers: int, block: str = "v3") -> str |
             return "MoE routing bias (jds's router has none)"
         return None
     if name.startswith("mtp."):
-        return MTP_REJECTED if block == "v4" else "MTP module"
+        if block != "v4":
+            return "MTP module"
+        m = re.match(r"mtp\.(\d+)\.", name)
+        if mtp_layers and m and int(m.group(1)) < mtp_layers:
+            # convert.py:105 of the release: mtp names containing "emb" or ending in "head.weight" are not loaded
+            return MTP_SHARED if ("emb" in name or name.endswith("head.weight")) else None
+        return MTP_REJECTED if not mtp_layers else "MTP module beyond the model's mtp_layers"
     if block == "v4":
         return None
     if re.search(r"(^|\.)hc_", name):
@@ -299,7 +340,7 @@ def released_fp8(cfg: Any, name: str) -> bool:
     """Linears an FP8 release stores as e4m3 + scale although the model runs them in bf16 (V4's ``wo_a``:
     dequantised at conversion); the importer dequantises them (the model holds them in bf16)."""
     return (cfg.arch == "v4" and cfg.numerics.fp8_linear and not cfg.numerics.wo_a_fp8
-            and re.fullmatch(r"layers\.\d+\.attn\.wo_a", name) is not None)
+            and re.fullmatch(r"(layers|mtp)\.\d+\.attn\.wo_a", name) is not None)
 
 
 def target_spec(cfg: Any) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -593,8 +634,26 @@ def hf_model_config(hf: Any, *, layers: int | None = None, dequantize: bool = Fa
         kw["numerics"] = dataclasses.replace(kw["numerics"], experts_fp4=True)
     if numerics_overrides:
         kw["numerics"] = override_numerics(kw["numerics"], numerics_overrides)
+    if arch == "v4" and block == "v4" and mtp_layers(d):
+        kw["mtp_layers"] = mtp_layers(d)  # the MTP modules ride with DeepSeek-V4's block only (jds.mtp)
     kw.update(model_ovr)
     return ModelConfig(**kw)
+
+
+_MTP_KEYS = ("num_nextn_predict_layers", "n_mtp_layers")  # HF config.json, then the release's ModelArgs name
+
+
+def mtp_layers(d: dict[str, Any]) -> int:
+    """The number of MTP modules a config.json declares (0 if absent); a non-integer or negative value, or two
+    spellings that disagree, is a ValueError naming the field."""
+    given = [(k, d[k]) for k in _MTP_KEYS if d.get(k) is not None]
+    for k, v in given:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"invalid config field {k!r}: {v!r} must be an integer >= 0")
+    if len({v for _, v in given}) > 1:
+        raise ValueError(f"invalid config field {given[0][0]!r}: {given[0][1]!r} disagrees with "
+                         f"{given[1][0]!r}={given[1][1]!r}")
+    return given[0][1] if given else 0
 
 
 def expert_dtype(d: dict[str, Any]) -> str | None:
@@ -664,7 +723,8 @@ def hf_config_dict(cfg: Any, *, fp8: bool | None = None) -> dict[str, Any]:
         if cfg.block == "v4":
             d.update(hc_mult=cfg.hc_mult, hc_sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
                      routed_scaling_factor=cfg.route_scale, scoring_func=cfg.scoring,
-                     num_hash_layers=cfg.n_hash_layers, swiglu_limit=cfg.swiglu_limit)
+                     num_hash_layers=cfg.n_hash_layers, swiglu_limit=cfg.swiglu_limit,
+                     num_nextn_predict_layers=cfg.mtp_layers)
     if cfg.numerics.experts_fp4:
         d["expert_dtype"] = "fp4"
     if fp8:
@@ -955,7 +1015,7 @@ def convert_hf_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, lay
     for name in reader.names():
         if name in consumed:
             continue
-        why = skip_reason(name, cfg.arch, cfg.n_layers, cfg.block)
+        why = skip_reason(name, cfg.arch, cfg.n_layers, cfg.block, cfg.mtp_layers)
         if why is None:
             unexpected.append(name)
         else:
@@ -989,7 +1049,7 @@ def convert_hf_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, lay
 
 
 # ----- convert on first use (scripts/serve.py --model) ---------------------------------------------------
-CACHE_VERSION = 1  # bump when the conversion's output changes for the same input
+CACHE_VERSION = 2  # bump when the conversion's output changes for the same input (2: V4 mtp.* imported)
 
 
 def source_fingerprint(src: str | os.PathLike, **options: Any) -> str:

@@ -211,6 +211,10 @@ class Decoder(nnx.Module):
         self.layers = nnx.List([layer_cls(cfg, i, implementation, rngs, indexer_config)
                                 for i in range(cfg.n_layers)])
         self.head = V4Head(cfg, rngs) if v4 else Head(cfg, rngs)
+        if cfg.mtp_layers:  # built last, so a model's main weights do not depend on whether it has MTP modules
+            from jds.mtp import MTPModule
+            self.mtp = nnx.List([MTPModule(cfg, k, implementation, rngs, indexer_config)
+                                 for k in range(cfg.mtp_layers)])
         # every FP8 linear runs the GEMM the layers' ops run: the kernel where it applies on a GPU, else XLA.
         # Off a GPU the linears stay on XLA even for "pallas" layers: interpret mode (the attention kernels'
         # CPU stand-in) would run every GEMM in Python; tests/test_kernel_fp8_gemm.py covers the kernel there.
@@ -231,12 +235,22 @@ class Decoder(nnx.Module):
     def init_caches(self, num_blocks: int) -> list[Any]:
         return [layer.attn.init_cache(num_blocks) for layer in self.layers]
 
-    def __call__(self, tokens: jax.Array, batch: PagedBatch, caches: list[Any],
-                 logits_indices: jax.Array) -> tuple[jax.Array, list[Any]]:
-        """The whole step (the ``fused`` executable): logits [S, vocab] float32 and the new caches."""
+    def init_mtp_caches(self, num_blocks: int) -> list[Any]:
+        """The MTP modules' own caches (``jds.mtp``), one per module; [] without MTP modules."""
+        return [m.init_cache(num_blocks) for m in getattr(self, "mtp", [])]
+
+    def forward_hidden(self, tokens: jax.Array, batch: PagedBatch, caches: list[Any]) -> tuple[Any, list[Any]]:
+        """The layers without the head: the final hidden state ([T, D], or a ``V4Hidden`` whose streams the MTP
+        module takes) and the new caches."""
         h = self.embed(tokens)
         new_caches = []
         for layer, cache in zip(self.layers, caches):
             h, cache = layer(h, batch, cache)
             new_caches.append(cache)
+        return h, new_caches
+
+    def __call__(self, tokens: jax.Array, batch: PagedBatch, caches: list[Any],
+                 logits_indices: jax.Array) -> tuple[jax.Array, list[Any]]:
+        """The whole step (the ``fused`` executable): logits [S, vocab] float32 and the new caches."""
+        h, new_caches = self.forward_hidden(tokens, batch, caches)
         return self.head(h, logits_indices), new_caches

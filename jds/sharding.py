@@ -113,7 +113,7 @@ def param_spec(path: str, shape: tuple[int, ...], model: ModelConfig, mesh: Mesh
     and V4 output groups may not); the splits the layout depends on are checked by ``check_divisible``.
     Unmatched leaves (norms, ``wq_a``, ``wkv_a``, the MoE gate) are replicated.
     """
-    key = re.sub(r"^layers/\d+/", "", path)
+    key = re.sub(r"^(layers|mtp)/\d+/", "", path)  # an MTP module (jds.mtp) is laid out like a layer
     spec: Any = P()
     if len(shape) == 3 and re.match(r"ffn/(w1|w2|w3)/", key):
         return _fit(_routed_expert_spec(key, model), shape, mesh)

@@ -49,7 +49,7 @@ Not done yet (later steps of issue 22):
 * The shared expert runs bf16 (the release's is an FP8 linear).
 * A GPU grouped (FP4) GEMM kernel: the XLA ``ragged`` path is the only grouped path, and with FP4 experts it
   dequantises every expert's weights each step (transient [E, out, in] activation-dtype copies).
-* The MTP module (rejected by the importer).
+* (The MTP module is ``jds.mtp``: a ``V4DecoderLayer`` with its input mixer and own HC head.)
 """
 
 from __future__ import annotations

@@ -187,7 +187,8 @@ MTP_BAD = {
     "count_negative": (_config(lambda c: c.update(num_nextn_predict_layers=-1)),
                        re.escape("invalid config field 'num_nextn_predict_layers'")),
     "spellings_disagree": (_config(lambda c: c.update(n_mtp_layers=2)),
-                           re.escape("invalid config field 'num_nextn_predict_layers': 1 disagrees with 'n_mtp_layers'")),
+                           re.escape("invalid config field 'num_nextn_predict_layers': 1 disagrees with "
+                                     "'n_mtp_layers'")),
     # two MTP modules need two MTP entries at the end of compress_ratios
     "ratios_too_short": (_config(lambda c: c.update(num_nextn_predict_layers=2, n_mtp_layers=2)),
                          re.escape("invalid config field 'mtp_layers'")),
