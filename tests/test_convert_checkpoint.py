@@ -48,6 +48,20 @@ def tiny_cfg(arch: str, moe: bool, numerics: Numerics | None = None):
     return dataclasses.replace(cfg, n_routed_experts=4, moe_topk=2) if moe else cfg
 
 
+def assert_refused(tmp_path: Path, source: Path, mutate: Any, pattern: str,
+                   run: Any = None) -> None:
+    """A copy of ``source`` spoiled by ``mutate`` is refused with a ValueError matching ``pattern`` (by ``run(hf,
+    out)``, default the converter's API), and no output or temporary directory is left behind."""
+    hf = tmp_path / "hf"
+    shutil.copytree(source, hf)
+    mutate(hf)
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=pattern):
+        (run or (lambda h, o: hf_import.convert_hf_checkpoint(h, o, overrides={"block_size": 128}, progress=False)))(
+            hf, out)
+    assert not out.exists() and no_temp_dirs(tmp_path)
+
+
 def convert(src: Path, out: Path, block_size: int, *args: str) -> dict[str, Any]:
     return CONVERT.main([str(src), str(out), "--no-progress", "--override", f"block_size={block_size}", *args])
 
@@ -585,14 +599,7 @@ def v4_block_hf(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("case", list(V4_BLOCK_BAD))
 def test_v4_block_bad_input_names_the_tensor(tmp_path, v4_block_hf, case: str) -> None:
-    hf = tmp_path / "hf"
-    shutil.copytree(v4_block_hf, hf)
-    mutate, pattern = V4_BLOCK_BAD[case]
-    mutate(hf)
-    out = tmp_path / "out"
-    with pytest.raises(ValueError, match=pattern):
-        convert(hf, out, 128)
-    assert not out.exists() and no_temp_dirs(tmp_path)
+    assert_refused(tmp_path, v4_block_hf, *V4_BLOCK_BAD[case], run=lambda h, o: convert(h, o, 128))
 
 
 def test_v4_without_hc_mult_keeps_the_v3_block_and_skips_with_reasons(tmp_path, v4_block_hf) -> None:

@@ -47,8 +47,8 @@ from jds.nn import export_weights
 from jds.ops.quant import e8m0_to_f32, fp4_dequant, fp4_unpack, random_fp4_weight
 from jds.safetensors_io import SafetensorsDir
 from jds.v4_block import FP4Experts, V4BlockConfig, V4MoE
-from tests.test_checkpoint import assert_same_weights, no_temp_dirs
-from tests.test_convert_checkpoint import _rewrite_shard
+from tests.test_checkpoint import assert_same_weights
+from tests.test_convert_checkpoint import _rewrite_shard, assert_refused
 
 U32 = 2.0 ** -24
 BF16 = ml_dtypes.bfloat16
@@ -395,14 +395,7 @@ FP4_BAD: dict[str, tuple[Callable[[Path], None], str]] = {
 
 @pytest.mark.parametrize("case", list(FP4_BAD))
 def test_fp4_bad_input_names_the_tensor(tmp_path, fp4_source, case: str):
-    hf = tmp_path / "hf"
-    shutil.copytree(fp4_source[2], hf)
-    mutate, pattern = FP4_BAD[case]
-    mutate(hf)
-    out = tmp_path / "out"
-    with pytest.raises(ValueError, match=pattern):
-        hf_import.convert_hf_checkpoint(hf, out, overrides={"block_size": 128}, progress=False)
-    assert not out.exists() and no_temp_dirs(tmp_path)
+    assert_refused(tmp_path, fp4_source[2], *FP4_BAD[case])
 
 
 def test_lone_fp4_expert_without_expert_dtype_dequantises(tmp_path, fp4_source):

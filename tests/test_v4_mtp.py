@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -28,8 +27,8 @@ from jds.mtp import MTPModule
 from jds.nn import export_weights
 from jds.safetensors_io import SafetensorsDir
 from tests.reference import np_v4_mtp as ref
-from tests.test_checkpoint import assert_same_weights, no_temp_dirs
-from tests.test_convert_checkpoint import _add, _config, _remove, _replace, tiny_cfg
+from tests.test_checkpoint import assert_same_weights
+from tests.test_convert_checkpoint import _add, _config, _remove, _replace, assert_refused, tiny_cfg
 from tests.test_v4_block import BF16, U32, _np, _params, _r, np_block
 from tests.tolerances import ulp
 
@@ -197,14 +196,7 @@ MTP_BAD = {
 
 @pytest.mark.parametrize("case", list(MTP_BAD))
 def test_mtp_bad_input_names_the_tensor(tmp_path, mtp_hf: Path, case: str) -> None:
-    hf = tmp_path / "hf"
-    shutil.copytree(mtp_hf, hf)
-    mutate, pattern = MTP_BAD[case]
-    mutate(hf)
-    out = tmp_path / "out"
-    with pytest.raises(ValueError, match=pattern):
-        hf_import.convert_hf_checkpoint(hf, out, overrides={"block_size": 128}, progress=False)
-    assert not out.exists() and no_temp_dirs(tmp_path)
+    assert_refused(tmp_path, mtp_hf, *MTP_BAD[case])
 
 
 def test_mtp_config_fields() -> None:

@@ -39,6 +39,26 @@ def time_torch_steps(runner: Any, chunks: list, bt: np.ndarray, n_warm: int, n: 
     return _stats(walls) if walls else {}
 
 
+def torch_stack(arch: str, layers: int, inter: int | None, ctx: int, size: str = "bench",
+                device: str | None = None) -> tuple[Any, Any, dict, int, np.ndarray]:
+    """jds's benchmark stack (``jds.bench.stack.build_stack``) as torch parameters on ``device`` (default: CUDA
+    if there is one), with the page count and the [64, pages] block table of 64 rows of ``ctx`` tokens:
+    (device, config, params, num_blocks, block_tables)."""
+    import torch
+
+    from jds.bench.stack import build_stack
+    from jds.compare.torch_stack import params_to_torch
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = build_stack(arch, layers, intermediate=inter, size=size, implementation="xla")
+    cfg = model.cfg
+    params = params_to_torch(model, dev)
+    del model
+    max_blocks = -(-(ctx + cfg.block_size) // cfg.block_size)
+    nb = 64 * max_blocks + 8
+    return dev, cfg, params, nb, np.arange(64 * max_blocks, dtype=np.int32).reshape(64, -1) % nb
+
+
 def bench_torch_arch(arch: str, layers: int, inter: int | None, ctx: int, quick: bool,
                      modes: tuple[str, ...] = TORCH_MODES, size: str = "bench", device: str | None = None,
                      on_mode: Callable[[dict], None] | None = None, indexer_kernel: str = "torch") -> dict:
@@ -46,18 +66,10 @@ def bench_torch_arch(arch: str, layers: int, inter: int | None, ctx: int, quick:
     outside graphs in one step (kernel-launching ops; view/metadata ops separately)."""
     import torch
 
-    from jds.bench.stack import build_stack, step_shapes
-    from jds.compare.torch_stack import TorchDecoder, TorchStepRunner, params_to_torch
+    from jds.bench.stack import step_shapes
+    from jds.compare.torch_stack import TorchDecoder, TorchStepRunner
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = build_stack(arch, layers, intermediate=inter, size=size, implementation="xla")
-    cfg = model.cfg
-    params = params_to_torch(model, dev)
-    del model
-    bs = cfg.block_size
-    max_blocks = -(-(ctx + bs) // bs)
-    nb = 64 * max_blocks + 8
-    bt = (np.arange(64 * max_blocks, dtype=np.int32).reshape(64, -1) % nb)
+    dev, cfg, params, nb, bt = torch_stack(arch, layers, inter, ctx, size, device)
     out: dict = {"arch": arch, "layers": layers, "device": str(dev), "torch": torch.__version__,
                  "indexer_kernel": indexer_kernel,
                  "config": str(cfg), "modes": {}}

@@ -90,18 +90,11 @@ def profile_arch(arch: str, layers: int, inter: int | None, ctx: int, shapes: li
     """``stage_times`` of the comparator's eager step for each named step shape of ``jds.bench.stack``."""
     import torch
 
-    from jds.bench.stack import build_stack, step_shapes
-    from jds.compare.torch_stack import TorchDecoder, TorchStepRunner, params_to_torch
+    from jds.bench.stack import step_shapes
+    from jds.compare.torch_bench import torch_stack
+    from jds.compare.torch_stack import TorchDecoder, TorchStepRunner
 
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = build_stack(arch, layers, intermediate=inter, size=size, implementation="xla")
-    cfg = model.cfg
-    params = params_to_torch(model, dev)
-    del model
-    bs = cfg.block_size
-    max_blocks = -(-(ctx + bs) // bs)
-    nb = 64 * max_blocks + 8
-    bt = np.arange(64 * max_blocks, dtype=np.int32).reshape(64, -1) % nb
+    dev, cfg, params, nb, bt = torch_stack(arch, layers, inter, ctx, size)
     tm = TorchDecoder(cfg, params, nb, dev, indexer_kernel)
     instrument(tm)
     runner = TorchStepRunner(tm, "eager")
