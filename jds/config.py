@@ -597,7 +597,10 @@ def load_model_config(name: str = "v32-tiny", config_path: str | os.PathLike | N
     """A preset, optionally with its attention config replaced from a HF ``config.json``, then
     ``overrides`` of ModelConfig fields (e.g. the MoE ones: ``n_routed_experts``, ``moe_topk``,
     ``n_shared_experts``, ``moe_intermediate_size``)."""
-    cfg = preset(name)
+    overrides = dict(overrides)
+    # the preset appends the MTP layers' attention kinds itself (a later replace() would lack them)
+    cfg = preset(name, mtp_layers=overrides.pop("mtp_layers")) if "mtp_layers" in overrides and not config_path \
+        else preset(name)
     if config_path:
         attn = (V32Config if cfg.arch == "v32" else V4Config).from_hf_config(config_path)
         cfg = replace(cfg, attn=attn)

@@ -667,6 +667,127 @@ class BoundaryRunner:
         self._prev_sampled, self._prev_rows = sampled, r
         return DevicePending(sampled, r)
 
+    # ----- MTP speculative decoding (jds.engine.core, speculative="mtp") -----------------------------
+    def enable_mtp(self) -> None:
+        """Allocate the MTP module's own paged caches (they share the main model's page ids and block tables).
+
+        Why a separate switch: a model without speculation must not pay for the MTP cache. Only what the
+        speculative steps below make exact is accepted: a block-v4 model with an MTP module, the ``fused`` mode in
+        one segment, no device mesh. The speculative steps are their own executables (host input preparation, the
+        whole model in one call), so ``input_prep`` does not apply to them; ``stable_inputs`` is refused."""
+        cfg = self.model.cfg
+        if cfg.block != "v4" or not cfg.mtp_layers:
+            raise ValueError(f"speculative: 'mtp' needs a block-v4 model with mtp_layers > 0, got block={cfg.block!r}, "
+                             f"mtp_layers={cfg.mtp_layers}")
+        if self.mode != "fused":
+            raise ValueError(f"mode: speculative 'mtp' runs only in mode 'fused', got {self.mode!r}")
+        if self.segments != 1:
+            raise ValueError(f"segments: speculative 'mtp' needs segments=1, got {self.segments}")
+        if self.mesh is not None:
+            raise ValueError("tensor_parallel / data_parallel / expert_parallel: speculative 'mtp' runs on one "
+                             "device only (no mesh)")
+        if self.stable_inputs:
+            raise ValueError("stable_inputs: not supported with speculative 'mtp' (its steps prepare inputs on the host)")
+        if getattr(self, "mtp_caches", None) is None:
+            self.mtp_caches = self.model.init_mtp_caches(self.num_blocks)
+            self._mtp = _split_flat(self.model.mtp[0])
+        self._spec_last: tuple[jax.Array, PagedBatch] | None = None
+
+    def _spec_main(self) -> Callable:
+        gd = self._whole[0]
+
+        def main(st, tokens, batch, caches, rows):
+            model = _merge(gd, st)
+            h, caches = model.forward_hidden(tokens, batch, caches)
+            greedy = jnp.argmax(model.head(h, rows), axis=-1).astype(jnp.int32)
+            return greedy, h.streams, caches
+
+        return self._jit(("spec_main",), main, eager=False, donate=(3,))
+
+    def _spec_draft(self) -> Callable:
+        mgd, egd, hgd = self._mtp[0], self._embed[0], self._head[0]
+
+        def draft(mst, est, hst, streams, next_tokens, batch, cache, rows):
+            out = _merge(mgd, mst)(streams, next_tokens, batch, cache, _merge(egd, est), _merge(hgd, hst), rows)
+            return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out.cache
+
+        return self._jit(("spec_draft",), draft, eager=False, donate=(6,))
+
+    def _spec_inputs(self, token_ids: np.ndarray, chunks: list[Chunk], block_tables: np.ndarray) -> tuple:
+        """Host-built (tokens, batch with block tables cut to the key-block bucket), as the host path makes them."""
+        if getattr(self, "mtp_caches", None) is None:
+            raise ValueError("speculative steps need enable_mtp() first")
+        t = int(sum(c.num_tokens for c in chunks))
+        if len(token_ids) != t or not chunks:
+            raise ValueError(f"token_ids has {len(token_ids)} tokens but the chunks hold {t} (chunks must not be empty)")
+        src = np.asarray(block_tables, np.int32)
+        bt = np.zeros((self.max_num_seqs, self.max_blocks), np.int32)
+        bt[: src.shape[0], : src.shape[1]] = np.maximum(src, 0)
+        end = max(c.start + c.num_tokens for c in chunks)
+        if end > self.max_model_len:
+            raise ValueError(f"a chunk reaches position {end}, beyond max_model_len={self.max_model_len}")
+        tb = _pick(self.token_buckets, t)
+        kb = _pick(self.key_block_buckets, -(-end // self.block_size))
+        batch = make_batch(chunks, bt[:, :kb], self.block_size, pad_to=tb, host=True)
+        if (batch.slot_mapping[:t] >= self.num_blocks * self.block_size).any():
+            raise ValueError("block_tables references a page outside the pool")
+        tokens = np.zeros(tb, np.int32)
+        tokens[:t] = token_ids
+        return tokens, batch
+
+    def verify(self, token_ids: np.ndarray, chunks: list[Chunk], block_tables: np.ndarray) -> np.ndarray:
+        """The main model's step for speculative decoding: greedy tokens [len(chunks), 2] at each chunk's last two
+        rows (a 1-token chunk repeats its row), so a chunk [last token, draft] is verified in one step. Keeps the
+        final hidden streams and the batch on the runner for the ``draft`` call that follows."""
+        tokens, batch = self._spec_inputs(np.asarray(token_ids), chunks, block_tables)
+        ends = np.cumsum([c.num_tokens for c in chunks]) - 1
+        starts = ends - np.asarray([c.num_tokens for c in chunks]) + 1
+        rows = np.zeros(2 * self.max_num_seqs, np.int32)
+        rows[: 2 * len(chunks)] = np.stack([np.maximum(ends - 1, starts), ends], axis=1).reshape(-1)
+        greedy, streams, self.caches = self._spec_main()(self._whole[1], *jax.device_put((tokens, batch)),
+                                                         self.caches, jax.device_put(rows))
+        self._spec_last = (streams, batch)
+        self.last_dispatch = DispatchStats(captured=1)
+        return np.asarray(greedy)[: 2 * len(chunks)].reshape(len(chunks), 2)
+
+    def draft(self, next_tokens: np.ndarray, keep: np.ndarray, draft_rows: np.ndarray) -> np.ndarray:
+        """The MTP step over the last ``verify``'s rows: row t pairs its final streams (position p_t) with
+        ``next_tokens[t]`` (the token at p_t + 1); rows with ``keep`` False (a rejected draft's position) write
+        no MTP cache entry (slot -1), so the MTP cache never holds a rejected token. Returns the greedy draft
+        [len(draft_rows)] for position p + 2 of each row in ``draft_rows``."""
+        if getattr(self, "_spec_last", None) is None:
+            raise ValueError("draft() needs a verify() step before it")
+        streams, batch = self._spec_last
+        self._spec_last = None
+        t = len(next_tokens)
+        nxt = np.zeros(streams.shape[0], np.int32)
+        nxt[:t] = next_tokens
+        slots = np.array(batch.slot_mapping, np.int32)
+        slots[:t] = np.where(np.asarray(keep, bool), slots[:t], -1)
+        rows = np.zeros(self.max_num_seqs, np.int32)
+        rows[: len(draft_rows)] = draft_rows
+        mbatch = replace_batch(batch, slot_mapping=slots)
+        est, hst = self._embed[1], self._head[1]
+        drafts, self.mtp_caches[0] = self._spec_draft()(self._mtp[1], est, hst, streams,
+                                                        *jax.device_put((nxt, mbatch)), self.mtp_caches[0],
+                                                        jax.device_put(rows))
+        return np.asarray(drafts)[: len(draft_rows)]
+
+    def warmup_speculative(self, progress: Callable[[str], None] | None = None) -> None:
+        """Compile the speculative executables for every (token bucket x key-block bucket) with all-padding steps."""
+        t0 = time.perf_counter()
+        for tb in self.token_buckets:
+            for kb in self.key_block_buckets:
+                batch = make_batch([], np.zeros((self.max_num_seqs, kb), np.int32), self.block_size, pad_to=tb,
+                                   host=True)
+                rows = np.zeros(2 * self.max_num_seqs, np.int32)
+                _, streams, self.caches = self._spec_main()(self._whole[1], *jax.device_put(
+                    (np.zeros(tb, np.int32), batch)), self.caches, jax.device_put(rows))
+                self._spec_last = (streams, batch)
+                self.draft(np.zeros(0, np.int32), np.zeros(0, bool), np.zeros(0, np.int32))
+        if progress:
+            progress(f"compiled the speculative (mtp) steps [{time.perf_counter() - t0:.1f}s]")
+
     def warmup_submit(self, progress: Callable[[str], None] | None = None) -> None:
         """Compile what ``submit`` adds to ``warmup``: the token feed per token bucket and both samplers."""
         m, v = self.max_num_seqs, self.model.cfg.vocab_size

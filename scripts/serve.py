@@ -123,6 +123,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--no-async", dest="async_steps", action="store_false",
                    help="synchronous stepping (host sampling, no overlap of host and device work) for comparison")
+    p.add_argument("--speculative", choices=("mtp",), default=None,
+                   help="speculative decoding with the model's MTP module (one draft token per step). First version, "
+                        "exact but restricted: greedy requests only (others get a 400), --no-async, --mode fused "
+                        "with --segments 1, one device, a block-v4 model with MTP layers (a checkpoint's, or "
+                        "--mtp-layers on a v4 preset); anything else is refused at startup")
+    p.add_argument("--mtp-layers", type=positive_int, default=None,
+                   help="give a random-weight v4 preset this many MTP modules (ModelConfig.mtp_layers)")
     p.add_argument("--runner", choices=("model", "fake"), default="model",
                    help="'fake': deterministic numpy stand-in (front-end testing without JAX)")
     p.add_argument("--fake-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -136,6 +143,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_model_dir_args(p, a)
     try:  # the model and runner settings are checked here, before minutes of model building
         a.model_overrides = moe_overrides(a)
+        if a.mtp_layers is not None:
+            a.model_overrides = {**a.model_overrides, "mtp_layers": a.mtp_layers}
+        if a.speculative and a.async_steps:
+            raise ValueError("--speculative mtp runs only in the synchronous loop: add --no-async")
         a.runner_config = runner_config(a)
     except ValueError as e:
         p.error(str(e))
@@ -314,7 +325,10 @@ async def main(a: argparse.Namespace) -> int:
     say(f"built in {time.perf_counter() - t0:.1f}s; block_size={runner.block_size}, vocab={runner.vocab_size}")
     if getattr(runner, "model", None) is not None:  # which numerics run (departures from a checkpoint show here)
         say(f"numerics: {runner.model.cfg.numerics}")
-    engine = Engine(runner, async_steps=a.async_steps)
+    try:
+        engine = Engine(runner, async_steps=a.async_steps, speculative=a.speculative)
+    except ValueError as e:  # an unsupported model / runner for --speculative, named by its field
+        fail(str(e))
     loop = EngineLoop(engine)
     tok = load_tokenizer(a.tokenizer or a.checkpoint, bos_token_id=getattr(runner, "bos_token_id", 256),
                          eos_token_id=runner.eos_token_id)
@@ -336,7 +350,10 @@ async def main(a: argparse.Namespace) -> int:
             say(f"warmup: {m}")
             loop.checkpoint()  # a shutdown request ends the warm-up here, between two compiles
 
-        runner.warmup(progress)
+        if a.speculative:  # the speculative engine runs only its own executables (verify, draft)
+            runner.warmup_speculative(progress)
+        else:
+            runner.warmup(progress)
         if a.async_steps and hasattr(runner, "warmup_submit"):
             runner.warmup_submit(progress)
         say(f"ready after {time.perf_counter() - t:.1f}s of warmup; /health is 200")

@@ -31,6 +31,19 @@ Exactness of async stepping:
     rescheduled before that token is read.
   * Failure: an exception from ``submit`` fails that step's requests after the previous step's tokens
     are applied; an exception from ``result()`` fails the requests of the step it belongs to.
+
+Speculative decoding (``speculative="mtp"``, DeepSeek-V4's MTP module, ``jds.mtp``), one draft token per request
+per step. A decode with a draft d feeds [last token, d]; the main model's greedy tokens (a0, a1) at both positions
+verify it: a0 == d accepts d and emits (a0, a1), else only the corrected a0 is emitted and the draft position's
+cache entries are rewritten when that position is processed again (they are keyed by position; nothing reads them
+before). Then the MTP runs over the accepted positions only (``runner.draft``: a rejected row writes no MTP cache
+entry) and drafts the next token; a prefill's last chunk drafts too. A draft is only made when both tokens may be
+emitted (max_tokens, the sequence limit), and emission stops at the first stop token, so the token stream is the
+non-speculative greedy stream. Bitwise so when the runner is batch-invariant (``--batch-invariant``): otherwise the
+2-token verify steps run other shapes than 1-token decodes, with the co-batching caveat of ``jds.engine.sampling``.
+First version, restricted to what is exact: greedy requests only (others are refused at ``add_request``), the
+synchronous loop (``async_steps`` False), and the runner's own restrictions (``ModelRunner.enable_mtp``: block-v4
+with an MTP module, mode fused, one segment, no mesh).
 """
 
 from __future__ import annotations
@@ -97,6 +110,8 @@ class EngineStats:
     num_preemptions: int
     num_steps: int
     num_step_failures: int
+    num_draft_tokens: int = 0  # speculative: drafts verified by the main model
+    num_accepted_tokens: int = 0  # speculative: of those, accepted
 
 
 @dataclass
@@ -111,11 +126,26 @@ class _InFlight:
 
 class Engine:
     def __init__(self, runner: Runner, *, metrics: MetricsSink | None = None,
-                 async_steps: bool | None = None) -> None:
-        """``async_steps``: None = on when the runner has ``submit``; True requires it; False = sync."""
+                 async_steps: bool | None = None, speculative: str | None = None) -> None:
+        """``async_steps``: None = on when the runner has ``submit`` (off with ``speculative``); True requires
+        it; False = sync. ``speculative``: None or "mtp" (see the module docstring for its restrictions)."""
+        if speculative not in (None, "mtp"):
+            raise ValueError(f"speculative: expected None or 'mtp', got {speculative!r}")
         has_submit = callable(getattr(runner, "submit", None))
+        if speculative:
+            if async_steps:
+                raise ValueError("async_steps: speculative 'mtp' runs only in the synchronous loop "
+                                 "(async_steps=False, serve.py --no-async)")
+            if not all(callable(getattr(runner, f, None)) for f in ("enable_mtp", "verify", "draft")):
+                raise ValueError(f"speculative: 'mtp' needs a runner with enable_mtp / verify / draft "
+                                 f"(jds.runner.ModelRunner); {type(runner).__name__} has not")
+            runner.enable_mtp()  # raises a ValueError naming the field for an unsupported model or runner config
+            async_steps = False
         if async_steps and not has_submit:
             raise ValueError(f"async_steps=True needs a runner with submit(); {type(runner).__name__} has none")
+        self.speculative = speculative
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.async_steps = has_submit if async_steps is None else bool(async_steps)
         self._inflight: _InFlight | None = None
         self.runner = runner
@@ -148,6 +178,9 @@ class Engine:
         if len(prompt_ids) + params.max_tokens > self.max_seq_len:
             raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds "
                              f"{self.max_seq_len} tokens")
+        if self.speculative and not params.greedy:
+            raise ValueError(f"temperature: speculative '{self.speculative}' supports greedy sampling only "
+                             f"(temperature 0 or top_k 1), got temperature={params.temperature}, top_k={params.top_k}")
         v = self.runner.vocab_size
         if any(not 0 <= t < v for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {v})")
@@ -172,11 +205,13 @@ class Engine:
         b = self.blocks
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), b.num_used, b.num_free,
                            b.num_blocks, b.usage(), self.scheduler.num_preemptions, self.num_steps,
-                           self.num_step_failures)
+                           self.num_step_failures, self.num_draft_tokens, self.num_accepted_tokens)
 
     # -- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One step (sync) or: plan and submit the next step, then apply the previous one (async)."""
+        if self.speculative:
+            return self._step_speculative()
         return self._step_async() if self.async_steps else self._step_sync()
 
     def _inputs(self, sched) -> tuple[list[Chunk], list[int], np.ndarray]:
@@ -238,6 +273,92 @@ class Engine:
             return self._advance(sched.reqs, sched.num_tokens, logits)
         except Exception as e:  # noqa: BLE001 - a failed step must not take the engine down
             return self._fail(sched.reqs, e)
+
+    def _step_speculative(self) -> list[RequestOutput]:
+        """One synchronous step with MTP drafts: verify (main model), draft (MTP), then emit (module docstring)."""
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        chunks, toks, table = self._inputs(sched)
+        verified = []  # per row: the draft this step verifies, or -1
+        off = 0
+        for req, n in zip(sched.reqs, sched.num_tokens):
+            d = req.draft if (n == 2 and req.num_remaining == 1 and req.draft >= 0) else -1
+            if d >= 0:
+                toks[off + 1] = d  # token_slice gave the placeholder -1 for the position past the known tokens
+            req.draft = -1  # used now, or dropped (the scheduler shrank the decode to 1 token)
+            verified.append(d)
+            off += n
+        try:
+            greedy = np.asarray(self.runner.verify(np.asarray(toks, np.int32), chunks, table))
+            if greedy.shape != (len(chunks), 2):
+                raise RuntimeError(f"runner.verify returned shape {greedy.shape} for {len(chunks)} chunks")
+            nxt, keep, draft_rows, draft_reqs, emitted = [], [], [], [], []
+            off = 0
+            for row, (req, n, d) in enumerate(zip(sched.reqs, sched.num_tokens, verified)):
+                a0, a1 = int(greedy[row, 0]), int(greedy[row, 1])
+                if d >= 0:
+                    self.num_draft_tokens += 1
+                    if a0 == d:  # accepted: the bonus token a1 comes from the draft's position
+                        self.num_accepted_tokens += 1
+                        req.num_computed += 2
+                        nxt += [a0, a1]
+                        keep += [True, True]
+                        out = [a0, a1]
+                    else:  # rejected: the draft position's KV is recomputed with a0 next step
+                        req.num_computed += 1
+                        nxt += [a0, 0]
+                        keep += [True, False]
+                        out = [a0]
+                    draft_rows.append(off + len(out) - 1)
+                    draft_reqs.append(req)
+                else:
+                    start = req.num_computed
+                    req.num_computed += n
+                    if req.num_remaining > 0:  # a prefill chunk short of the end: its last row pairs the next token
+                        nxt += toks[off + 1: off + n] + req.token_slice(start + n, 1)
+                        out = []
+                    else:
+                        a = a1  # the chunk's last row (a 1-token chunk repeats it)
+                        nxt += toks[off + 1: off + n] + [a]
+                        out = [a]
+                        draft_rows.append(off + n - 1)
+                        draft_reqs.append(req)
+                    keep += [True] * n
+                emitted.append(out)
+                off += n
+            drafts = np.asarray(self.runner.draft(np.asarray(nxt, np.int32), np.asarray(keep, bool),
+                                                  np.asarray(draft_rows, np.int32)))
+            if drafts.shape != (len(draft_rows),):
+                raise RuntimeError(f"runner.draft returned shape {drafts.shape} for {len(draft_rows)} rows")
+            outs = []
+            now = time.monotonic()
+            for req, out in zip(sched.reqs, emitted):
+                merged = None
+                for tok in out:
+                    req.output_ids.append(tok)
+                    o = self._check_stop(req, tok, now)
+                    if merged is not None:
+                        o.new_token_ids = merged.new_token_ids + o.new_token_ids
+                    merged = o
+                    if o.finished:
+                        break  # a token after a stop (or past a limit) is never emitted
+                if merged is not None:
+                    outs.append(merged)
+            for req, d in zip(draft_reqs, drafts.tolist()):
+                p = req.params
+                if (req.status is RequestStatus.RUNNING and len(req.output_ids) + 2 <= p.max_tokens
+                        and req.num_tokens + 1 <= self.max_seq_len):  # both tokens of the next step may be emitted
+                    d = self.propose(req, int(d))
+                    req.draft = d if 0 <= d < self.runner.vocab_size else -1
+            return outs
+        except Exception as e:  # noqa: BLE001 - a failed step must not take the engine down
+            return self._fail(sched.reqs, e)
+
+    def propose(self, req: Request, mtp_draft: int) -> int:
+        """The draft for ``req``'s next output token (the MTP's greedy token). A hook: tests replace it with an
+        oracle to exercise acceptance; any value in [0, vocab) keeps the output exact, only the speed changes."""
+        return mtp_draft
 
     def _step_async(self) -> list[RequestOutput]:
         prev, new = self._inflight, None  # prev stays recorded until the new step replaces it

@@ -39,6 +39,9 @@ class Request:
     num_pending: int = 0
     pending_row: int = -1
     finishing: bool = False
+    # Speculative decoding (Engine(speculative="mtp")): the drafted next output token, -1 = none. It is not a
+    # token of the request (``num_tokens`` leaves it out); the scheduler gives a decode with a draft 2 tokens.
+    draft: int = -1
 
     @property
     def num_tokens(self) -> int:

@@ -71,6 +71,7 @@ class Scheduler:
         self.running.remove(req)
         self.blocks.free(req.request_id)
         req.num_computed = 0
+        req.draft = -1  # the recompute's prefill drafts afresh
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
@@ -88,7 +89,8 @@ class Scheduler:
         for req in decodes + prefills:
             if req.status is not RequestStatus.RUNNING or budget == 0:
                 continue
-            n = min(req.num_remaining, budget)
+            # a decode with a speculative draft asks for 2 tokens (last token + draft); a shrink to 1 drops the draft
+            n = min(req.num_remaining + (req.draft >= 0 and req.num_remaining == 1), budget)
             while not self.blocks.can_allocate(req.request_id, req.num_computed + n):
                 if n > 1:  # a prefill chunk shrinks to the pages it can get before anyone is preempted
                     fit = self.blocks.max_tokens_fit(req.request_id) - req.num_computed

@@ -60,7 +60,8 @@ class OpenAIServer:
         self.engine = loop.engine
         self.tokenizer = tokenizer
         self.cfg = cfg
-        self.metrics = metrics or ServerMetrics(cfg.model_name, loop.stats)
+        self.metrics = metrics or ServerMetrics(cfg.model_name, loop.stats,
+                                                speculative=bool(getattr(self.engine, "speculative", None)))
         if self.engine.metrics is None:
             self.engine.metrics = self.metrics
         self.in_flight = 0
@@ -166,6 +167,10 @@ class OpenAIServer:
             ids = self.tokenizer.encode(gen.prompt_text)
         params = check_length(gen, len(ids), max_seq_len=self.engine.max_seq_len,
                               vocab_size=self.engine.runner.vocab_size)
+        spec = getattr(self.engine, "speculative", None)
+        if spec and not params.greedy:  # the engine would refuse it too; a 400 names the field
+            raise ApiError(400, f"temperature: this server runs speculative decoding ({spec}), which supports greedy "
+                                f"sampling only (temperature 0 or top_k 1)", param="temperature")
         gen.params = params
         return gen, ids, body
 

@@ -32,10 +32,28 @@ class _Preemptions(Collector):
         yield c
 
 
+class _SpecDecode(Collector):
+    """Speculative decoding's draft counters (vLLM's names), read from the engine's stats snapshot: acceptance
+    rate = accepted / draft tokens. Exported only when the engine runs with ``speculative``."""
+
+    def __init__(self, stats: Callable[[], EngineStats], model: str) -> None:
+        self._stats, self._model = stats, model
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        s = self._stats()
+        for name, doc, value in (("vllm:spec_decode_num_draft_tokens", "Draft tokens verified by the main model",
+                                  s.num_draft_tokens),
+                                 ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                  s.num_accepted_tokens)):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self._model], value)
+            yield c
+
+
 class ServerMetrics:
     """Implements ``jds.engine.core.MetricsSink`` and renders ``/metrics``."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], *, speculative: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r, lab, m = self.registry, ["model_name"], model_name
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token (arrival to first token)",
@@ -58,6 +76,8 @@ class ServerMetrics:
         Gauge("vllm:kv_cache_usage_perc", "KV-cache page usage (fraction 0..1, as vLLM)", lab, registry=r) \
             .labels(m).set_function(lambda: stats().kv_cache_usage)
         r.register(_Preemptions(stats, m))
+        if speculative:
+            r.register(_SpecDecode(stats, m))
 
     # -- MetricsSink (called from the engine thread) ------------------------------------------
     def on_scheduled(self, queue_time: float) -> None:
