@@ -441,20 +441,10 @@ class BoundaryRunner:
         return logits
 
     # ----- one step ---------------------------------------------------------------------------------
-    def prepare_inputs(self, token_ids: np.ndarray, chunks: list[Chunk], block_tables: np.ndarray, *,
-                       feed: np.ndarray | None = None, prev_tokens: jax.Array | None = None) -> tuple:
-        """The arguments of ``step`` for one step: ``step(*runner.prepare_inputs(...))``.
-
-        ``input_prep="device"``: a 1-tuple ``(StepInputs,)``: token ids, chunks and the changed
-        block-table entries packed into one int32 array and sent in one transfer; the batch is built
-        inside the captured executable. ``"host"``: (tokens, batch, logits_indices, the batch with block
-        tables cut to this step's key-block bucket), built by ``make_batch`` and transferred field by field
-        (with ``stable_inputs`` the arrays are valid until the next call of the same buckets).
-        ``feed`` / ``prev_tokens`` (device prep only): token i is ``prev_tokens[feed[i]]`` where feed >= 0.
-        """
-        if feed is not None and self.input_prep != "device":
-            raise ValueError("feed needs input_prep='device' (the host path feeds tokens in submit)")
-        token_ids = np.asarray(token_ids)
+    def _step_shape(self, token_ids: np.ndarray, chunks: list[Chunk], block_tables: np.ndarray
+                    ) -> tuple[int, np.ndarray, np.ndarray, int, int]:
+        """A step's inputs checked against the runner's limits: (tokens, the caller's block tables, them padded to
+        [max_num_seqs, max_blocks] with -1 as page 0, the token bucket, the key-block bucket)."""
         t = int(sum(c.num_tokens for c in chunks))
         if len(token_ids) != t:
             raise ValueError(f"token_ids has {len(token_ids)} tokens but the chunks hold {t}")
@@ -472,8 +462,23 @@ class BoundaryRunner:
         end = max(c.start + c.num_tokens for c in chunks)
         if end > self.max_model_len:
             raise ValueError(f"a chunk reaches position {end}, beyond max_model_len={self.max_model_len}")
-        tb = _pick(self.token_buckets, t)
-        kb = _pick(self.key_block_buckets, -(-end // self.block_size))
+        return t, src, bt, _pick(self.token_buckets, t), _pick(self.key_block_buckets, -(-end // self.block_size))
+
+    def prepare_inputs(self, token_ids: np.ndarray, chunks: list[Chunk], block_tables: np.ndarray, *,
+                       feed: np.ndarray | None = None, prev_tokens: jax.Array | None = None) -> tuple:
+        """The arguments of ``step`` for one step: ``step(*runner.prepare_inputs(...))``.
+
+        ``input_prep="device"``: a 1-tuple ``(StepInputs,)``: token ids, chunks and the changed
+        block-table entries packed into one int32 array and sent in one transfer; the batch is built
+        inside the captured executable. ``"host"``: (tokens, batch, logits_indices, the batch with block
+        tables cut to this step's key-block bucket), built by ``make_batch`` and transferred field by field
+        (with ``stable_inputs`` the arrays are valid until the next call of the same buckets).
+        ``feed`` / ``prev_tokens`` (device prep only): token i is ``prev_tokens[feed[i]]`` where feed >= 0.
+        """
+        if feed is not None and self.input_prep != "device":
+            raise ValueError("feed needs input_prep='device' (the host path feeds tokens in submit)")
+        token_ids = np.asarray(token_ids)
+        t, src, bt, tb, kb = self._step_shape(token_ids, chunks, block_tables)
         if self.input_prep == "device":
             inp = self._pack(token_ids, chunks, src.shape[0], bt, tb, kb, feed)
             return (dataclasses.replace(inp, prev_tokens=prev_tokens),)
@@ -717,17 +722,7 @@ class BoundaryRunner:
         """Host-built (tokens, batch with block tables cut to the key-block bucket), as the host path makes them."""
         if getattr(self, "mtp_caches", None) is None:
             raise ValueError("speculative steps need enable_mtp() first")
-        t = int(sum(c.num_tokens for c in chunks))
-        if len(token_ids) != t or not chunks:
-            raise ValueError(f"token_ids has {len(token_ids)} tokens but the chunks hold {t} (chunks must not be empty)")
-        src = np.asarray(block_tables, np.int32)
-        bt = np.zeros((self.max_num_seqs, self.max_blocks), np.int32)
-        bt[: src.shape[0], : src.shape[1]] = np.maximum(src, 0)
-        end = max(c.start + c.num_tokens for c in chunks)
-        if end > self.max_model_len:
-            raise ValueError(f"a chunk reaches position {end}, beyond max_model_len={self.max_model_len}")
-        tb = _pick(self.token_buckets, t)
-        kb = _pick(self.key_block_buckets, -(-end // self.block_size))
+        t, _, bt, tb, kb = self._step_shape(token_ids, chunks, block_tables)
         batch = make_batch(chunks, bt[:, :kb], self.block_size, pad_to=tb, host=True)
         if (batch.slot_mapping[:t] >= self.num_blocks * self.block_size).any():
             raise ValueError("block_tables references a page outside the pool")
