@@ -11,8 +11,8 @@ as an e4m3 ``weight`` plus a float32 block scale; HF V3.2 calls it ``weight_scal
 Both are the multiplier (W_real = W_fp8 * s[i//128, j//128]), i.e. exactly jds's ``W.scale``. By default the
 e4m3 bits and scales are kept (the model gets ``Numerics.fp8_linear = True``); ``dequantize=True`` multiplies
 them out in float32 and rounds once to the activation dtype (bf16), giving ``fp8_linear = False``. Tensors jds
-keeps in bf16/fp32 (MoE experts other than V4's FP4 ones, shared experts, router, head, norms, indexer
-weights_proj, V4 compressors) are always dequantised, and so is V4's ``wo_a``: the release's conversion
+keeps in bf16/fp32 (MoE experts other than V4's FP4 ones, the V3-style block's shared experts, router, head,
+norms, indexer weights_proj, V4 compressors) are always dequantised (the V4 block's shared expert stays FP8), and so is V4's ``wo_a``: the release's conversion
 dequantises it and its layer runs a plain bf16 einsum (``Numerics.wo_a_fp8`` keeps it FP8 instead, a named
 departure).
 
@@ -1049,7 +1049,8 @@ def convert_hf_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, lay
 
 
 # ----- convert on first use (scripts/serve.py --model) ---------------------------------------------------
-CACHE_VERSION = 2  # bump when the conversion's output changes for the same input (2: V4 mtp.* imported)
+CACHE_VERSION = 3  # bump when the conversion's output changes for the same input (2: V4 mtp.* imported;
+# 3: the V4 block's shared expert kept FP8 as stored)
 
 
 def source_fingerprint(src: str | os.PathLike, **options: Any) -> str:

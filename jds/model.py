@@ -125,7 +125,7 @@ def v4_block_config(cfg: ModelConfig) -> V4BlockConfig:
         n_shared_experts=cfg.n_shared_experts, moe_topk=cfg.moe_topk, moe_intermediate_size=cfg.moe_intermediate_size,
         route_scale=cfg.route_scale, scoring=cfg.scoring, n_hash_layers=cfg.n_hash_layers,
         swiglu_limit=cfg.swiglu_limit, shared_swiglu_limit=cfg.shared_swiglu_limit, dtype=cfg.numerics.dtype,
-        moe_impl=cfg.moe_impl, experts_fp4=cfg.numerics.experts_fp4)
+        moe_impl=cfg.moe_impl, experts_fp4=cfg.numerics.experts_fp4, shared_fp8=cfg.numerics.fp8_linear)
 
 
 class V4DecoderLayer(DecoderLayer, V4Block):

@@ -63,6 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jds.nn import Linear
 from jds.ops.norms import rms_norm
 from jds.ops.quant import FP4_WEIGHT_BLOCK, fake_quant, fp4_dequant, random_fp4_weight
 
@@ -99,6 +100,7 @@ class V4BlockConfig:
     dtype: str = "bfloat16"
     moe_impl: str = "ragged"
     experts_fp4: bool = False  # routed experts as released: packed e2m1 + e8m0 scales (Numerics.experts_fp4)
+    shared_fp8: bool = False  # the shared expert's linears FP8 block-scaled, as released (Numerics.fp8_linear)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "vocab_size", "hc_mult", "hc_sinkhorn_iters", "n_routed_experts",
@@ -353,26 +355,20 @@ class V4Gate(nnx.Module):
         return routing_weights(scores, indices, self.scoring, self.route_scale), indices
 
 
-def _linear(x: jax.Array, w: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
-    """x [..., in] @ w[out, in]^T, float32 accumulation, rounded to ``out_dtype``."""
-    prec = HIGHEST if x.dtype == jnp.float32 else None
-    return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), precision=prec,
-                      preferred_element_type=jnp.float32).astype(out_dtype)
-
-
 class V4Expert(nnx.Module):
-    """One SwiGLU FFN with [out, in] weights (the shared expert)."""
+    """One SwiGLU FFN with [out, in] weights (the shared expert). ``fp8``: its three linears are FP8 block-scaled
+    as released (the release builds the shared expert with the default FP8 dtype, model.py ``MoE``; its inputs are
+    re-quantised to e4m3 per 128 with ue8m0 scales, as every FP8 ``linear()``)."""
 
-    def __init__(self, d: int, f: int, dtype: jnp.dtype, limit: float, rngs: nnx.Rngs):
-        def init(o: int, i: int) -> nnx.Param:
-            return nnx.Param((jax.random.normal(rngs.params(), (o, i), jnp.float32) * i ** -0.5).astype(dtype))
-
-        self.w1, self.w3, self.w2 = init(f, d), init(f, d), init(d, f)
+    def __init__(self, d: int, f: int, dtype: jnp.dtype, limit: float, rngs: nnx.Rngs, fp8: bool = False):
+        self.w1 = Linear(d, f, dtype=dtype, fp8=fp8, rngs=rngs)
+        self.w3 = Linear(d, f, dtype=dtype, fp8=fp8, rngs=rngs)
+        self.w2 = Linear(f, d, dtype=dtype, fp8=fp8, rngs=rngs)
         self.limit = limit
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = swiglu(_linear(x, self.w1[...], x.dtype), _linear(x, self.w3[...], x.dtype), self.limit)
-        return _linear(h.astype(x.dtype), self.w2[...], x.dtype)
+        h = swiglu(self.w1(x, x.dtype), self.w3(x, x.dtype), self.limit)
+        return self.w2(h.astype(x.dtype), x.dtype)
 
 
 _RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
@@ -442,7 +438,8 @@ class V4MoE(nnx.Module):
         self.w3 = init((e, f, d), d)
         self.w2 = init((e, d, f), f)
         if cfg.n_shared_experts:
-            self.shared = V4Expert(d, f, dt, cfg.swiglu_limit if cfg.shared_swiglu_limit else 0.0, rngs)
+            self.shared = V4Expert(d, f, dt, cfg.swiglu_limit if cfg.shared_swiglu_limit else 0.0, rngs,
+                                   fp8=cfg.shared_fp8)
 
     def expert_weights(self, name: str, dtype: jnp.dtype, index: jax.Array | None = None) -> jax.Array:
         """Routed expert matrix ``name`` (w1 / w3 / w2) as [E, out, in] (or at ``index``) in ``dtype``."""

@@ -407,9 +407,8 @@ def test_swiglu_limit_elementwise():
 def _moe_case(cfg: V4BlockConfig, layer_id: int, seed: int, t: int = 12, amp: float = 1.0):
     moe = V4MoE(cfg, layer_id, nnx.Rngs(seed))
     if amp != 1.0:  # larger expert weights so the swiglu clamps bite
-        for mod in (moe, moe.shared):
-            for name in ("w1", "w3"):
-                var = getattr(mod, name)
+        for name in ("w1", "w3"):  # routed stacks hold Params, the shared expert Linears
+            for var in (getattr(moe, name), getattr(moe.shared, name).weight):
                 var.set_value((var.get_value().astype(jnp.float32) * amp).astype(cfg.jdtype))
     rng = np.random.default_rng(seed + 100)
     x = jnp.asarray(rng.normal(size=(t, cfg.hidden_size)), jnp.float32).astype(cfg.jdtype)
@@ -599,3 +598,30 @@ def test_block_rejects_bad_streams():
         layer(jnp.zeros((3, cfg.hidden_size), cfg.jdtype), lambda v: v)
     with pytest.raises(ValueError, match="streams"):
         layer(jnp.zeros((3, cfg.hc_mult + 1, cfg.hidden_size), cfg.jdtype), lambda v: v)
+
+
+def test_shared_expert_fp8_as_released():
+    """With FP8 linears the shared expert is the release's: three FP8 ``linear()``s (e4m3 weights with 128x128
+    scales, inputs re-quantised to e4m3 per 128 with ue8m0 scales), bf16 between them; against the independent
+    torch re-derivation of ``linear()`` (tests/reference/torch_v32.fp8_linear) and the float64 SwiGLU."""
+    import torch
+
+    from tests.reference.torch_v32 import fp8_linear as ref_fp8_linear
+
+    cfg = V4BlockConfig.tiny(hidden_size=256, moe_intermediate_size=256, shared_fp8=True)
+    moe = V4MoE(cfg, 1, nnx.Rngs(5))
+    sh = moe.shared
+    assert sh.w1.fp8 and sh.w2.weight[...].dtype == jnp.float8_e4m3fn
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(9, 256)) * 3, jnp.bfloat16)
+
+    def lin(v: np.ndarray, m) -> np.ndarray:  # float32 result of linear(), rounded to bf16 as the release does
+        w = torch.from_numpy(np.array(m.weight[...].astype(jnp.float32)))
+        s = torch.from_numpy(np.array(m.scale[...]))
+        y = ref_fp8_linear(torch.from_numpy(np.array(v, np.float32)), w, s).numpy()
+        return y.astype(ml_dtypes.bfloat16).astype(np.float64)
+
+    x32 = np.asarray(x.astype(jnp.float32))
+    h = np_swiglu(lin(x32, sh.w1), lin(x32, sh.w3), cfg.swiglu_limit).astype(ml_dtypes.bfloat16)
+    want = lin(h.astype(np.float32), sh.w2)
+    # one rounding apart where a float32 summation order moves a value across a bf16 or e4m3 step
+    assert_within_ulps(sh(x), want, "bfloat16", n=2, max_frac=0.05, what="shared expert fp8")
