@@ -137,6 +137,7 @@ def test_refusals(model: Decoder) -> None:
     eng.add_request("y", [1, 2], SamplingParams(max_tokens=4, temperature=0.7, top_k=1))  # greedy by top_k
 
 
+@pytest.mark.slow  # CI budget: the token streams (the requirement) are checked by the quick tests above
 def test_mtp_drafts_match_a_from_scratch_mtp() -> None:
     """The MTP cache bookkeeping: every draft the engine's MTP proposes (after prefill chunks, accepted pairs and
     rejected drafts) equals the MTP's token computed in one pass over the request's accepted tokens, i.e. the MTP

@@ -122,7 +122,7 @@ def test_device_prep_checks_like_the_host() -> None:
                        max_model_len=64, input_prep="gpu")
 
 
-@pytest.mark.parametrize("segments", [3])
+@pytest.mark.parametrize("segments", [pytest.param(3, marks=pytest.mark.slow)])  # CI budget; V4: test_v4_decoder
 def test_fused_segments_equal_one_executable(segments: int) -> None:
     """A fused step launched as several captured executables gives the one-executable step's logits."""
     cfg = dataclasses.replace(preset("v4-tiny"), numerics=Numerics.exact())

@@ -44,7 +44,7 @@ def _inputs(cfg, t: int, seed: int):
     return streams, jnp.asarray(rng.integers(0, cfg.vocab_size, t), jnp.int32)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])  # CI budget
 def test_mtp_forward_vs_float64(dtype: str) -> None:
     cfg = _cfg(dtype)
     model = Decoder(cfg, seed=11)
