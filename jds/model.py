@@ -125,7 +125,14 @@ def v4_block_config(cfg: ModelConfig) -> V4BlockConfig:
         n_shared_experts=cfg.n_shared_experts, moe_topk=cfg.moe_topk, moe_intermediate_size=cfg.moe_intermediate_size,
         route_scale=cfg.route_scale, scoring=cfg.scoring, n_hash_layers=cfg.n_hash_layers,
         swiglu_limit=cfg.swiglu_limit, shared_swiglu_limit=cfg.shared_swiglu_limit, dtype=cfg.numerics.dtype,
-        moe_impl=cfg.moe_impl, experts_fp4=cfg.numerics.experts_fp4, shared_fp8=cfg.numerics.fp8_linear)
+        moe_impl=cfg.moe_impl, experts_fp4=cfg.numerics.experts_fp4, shared_fp8=_shared_fp8(cfg))
+
+
+def _shared_fp8(cfg: ModelConfig) -> bool:
+    """The V4 shared expert is FP8 with the model's other linears, where its 128-wide scale blocks fit (every
+    released width does); a test-size expert narrower than a block stays in ``dtype`` (docs/DESIGN.md)."""
+    widths = (cfg.hidden_size, cfg.moe_intermediate_size * max(cfg.n_shared_experts, 1))
+    return cfg.numerics.fp8_linear and all(w % 128 == 0 for w in widths)
 
 
 class V4DecoderLayer(DecoderLayer, V4Block):
