@@ -93,32 +93,25 @@ def _boundary(d: dict) -> list[str]:
 
 def _boundary_vs_torch(d: dict) -> list[str]:
     """jds's modes beside the torch comparator's (``--backend jax torch``): medians per step, jds/torch per
-    paired mode (wide/wide, narrow/narrow, fused/full) and best vs best, then torch's own narrow/wide check."""
-    from jds.compare.torch_bench import PAIRS
+    paired mode (wide/wide, narrow/narrow, fused/full) and best vs best, then torch's own narrow/wide check
+    (``jds.compare.torch_bench.comparison``, the run's own table, on medians)."""
+    from jds.compare.torch_bench import comparison
 
     out = []
     for arch, t in d.get("torch", {}).items():
-        jm, tm = d.get("archs", {}).get(arch, {}).get("modes", {}), t.get("modes", {})
-        steps = [k for k in ("ttft_128", "prefill_64x128_step") if k in jm.get("fused", {})]
-        steps += [k for k in jm.get("fused", {}) if k.startswith("decode_b") and not k.endswith("enqueue")]
-        rows = []
-        for k in steps:
-            jv = {m: _median(jm[m].get(k)) for m in jm}
-            tv = {m: _median(tm[m].get(k)) for m in tm}
-            best = (min(v for v in jv.values() if v), min(v for v in tv.values() if v))
-            rows.append([k] + [_fmt(jv[m]) for m in jm] + [_fmt(tv[m]) for m in tm]
-                        + [_ratio(jv.get(j), tv.get(tt)) for j, tt in PAIRS.items()] + [_ratio(*best)])
-        rows.append(["launches outside graphs (ttft)"] + [str(jm[m].get("dispatches_per_step", {}).get("eager", "—"))
-                                                         for m in jm]
-                    + [str(tm[m].get("launches_per_step", {}).get("ttft_128", {}).get("launches", "—")) for m in tm]
-                    + [""] * (len(PAIRS) + 1))
-        tt = {m: _median(tm[m].get("ttft_128")) for m in tm}
+        jax_res = d.get("archs", {}).get(arch)
+        first = next(iter(t["modes"].values()))
+        ctx = next(int(k.rsplit("ctx", 1)[1]) for k in first if k.startswith("decode_b1_ctx"))
+        c = comparison(jax_res, t, ctx, stat="median_ms")
+        q = lambda v: "—" if v is None else f"{v:.2f}"  # noqa: E731
+        rows = [[k] + [_fmt(v) for v in vals] + [q(r) for r in qs] for k, vals, qs in c["rows"]]
+        rows.append(["launches outside graphs (ttft)"] + [str(x) if x != "" else "—" for x in c["launches"]]
+                    + [""] * len(c["pairs"]))
+        nw, fw = (q(c["ratios"].get(f"ttft_128:torch_{m}/torch_wide")) for m in ("narrow", "full"))
         out += [f"{arch}, {t.get('layers', '?')} layers: jds (`jax:`) beside the PyTorch comparator (`torch:`, "
                 f"indexer `{t.get('indexer_kernel', 'torch')}`), same weights, same step, one process; median ms. "
-                f"Torch's own check (upstream 0.46-0.50): narrow/wide TTFT {_ratio(tt.get('narrow'), tt.get('wide'))}, "
-                f"full/wide {_ratio(tt.get('full'), tt.get('wide'))}.", ""]
-        out += _table(["step"] + [f"jax:{m}" for m in jm] + [f"torch:{m}" for m in tm]
-                      + [f"{j}/{tt_}" for j, tt_ in PAIRS.items()] + ["best/best"], rows)
+                f"Torch's own check (upstream 0.46-0.50): narrow/wide TTFT {nw}, full/wide {fw}.", ""]
+        out += _table(["step"] + c["cols"] + c["pairs"], rows)
     return out
 
 

@@ -99,49 +99,52 @@ def bench_torch_arch(arch: str, layers: int, inter: int | None, ctx: int, quick:
     return out
 
 
-def comparison_table(jax_res: dict | None, torch_res: dict | None, ctx: int) -> tuple[str, dict]:
-    """One text table per arch (metric rows; jax modes, torch modes, jds/torch per paired mode and best vs
-    best) and the ratios as a dict. ``launches`` rows: jds's out-of-executable dispatches per step (eager
-    executables; the kernel launches inside them are in the --dump counts) and torch's aten ops outside
-    graphs."""
+def comparison(jax_res: dict | None, torch_res: dict | None, ctx: int, stat: str = "mean_ms") -> dict:
+    """jds beside torch per step, ``stat`` of each timing record: ``cols`` (``jax:<mode>`` then ``torch:<mode>``),
+    ``pairs`` (the jds/torch ratio columns: paired modes, then ``best/best`` when both sides ran), ``rows``
+    (metric, values per col, ratios per pair), ``launches`` (jds's out-of-executable dispatches and torch's
+    out-of-graph aten ops per TTFT step, per col) and ``ratios`` (by name, plus torch's narrow/wide and full/wide
+    TTFT: the upstream check)."""
     metrics = ["ttft_128", "prefill_64x128_step", f"decode_b1_ctx{ctx}", f"decode_b64_ctx{ctx}"]
     jm = (jax_res or {}).get("modes", {})
     tm = (torch_res or {}).get("modes", {})
-    cols = [f"jax:{m}" for m in jm] + [f"torch:{m}" for m in tm]
-    ratio_cols = [f"{j}/{t}" for j, t in PAIRS.items() if j in jm and t in tm] + (["best/best"] if jm and tm else [])
-    head = ["metric (ms)"] + cols + ratio_cols
-    rows, ratios = [], {}
+    pairs = [(j, t) for j, t in PAIRS.items() if j in jm and t in tm]
+    out: dict = {"cols": [f"jax:{m}" for m in jm] + [f"torch:{m}" for m in tm],
+                 "pairs": [f"{j}/{t}" for j, t in pairs] + (["best/best"] if jm and tm else []),
+                 "rows": [], "ratios": {}}
     for k in metrics:
-        jv = {m: jm[m].get(k, {}).get("mean_ms") for m in jm}
-        tv = {m: tm[m].get(k, {}).get("mean_ms") for m in tm}
-        row = [k] + [_f(jv[m]) for m in jm] + [_f(tv[m]) for m in tm]
-        for j, t in PAIRS.items():
-            if j in jm and t in tm:
-                q = jv[j] / tv[t] if jv[j] and tv[t] else None
-                ratios[f"{k}:{j}/{t}"] = q
-                row.append(_f(q, 3))
+        jv = {m: jm[m].get(k, {}).get(stat) for m in jm}
+        tv = {m: tm[m].get(k, {}).get(stat) for m in tm}
+        qs = []
+        for j, t in pairs:
+            qs.append(jv[j] / tv[t] if jv[j] and tv[t] else None)
+            out["ratios"][f"{k}:{j}/{t}"] = qs[-1]
         if jm and tm:
             jb = min((v for v in jv.values() if v), default=None)
             tb = min((v for v in tv.values() if v), default=None)
-            q = jb / tb if jb and tb else None
-            ratios[f"{k}:best/best"] = q
-            row.append(_f(q, 3))
-        rows.append(row)
-    row = ["launches/step (ttft)"]
-    for m in jm:
-        d = jm[m].get("dispatches_per_step", {})
-        row.append(str(d.get("eager", "")))
-    for m in tm:
-        row.append(str(tm[m].get("launches_per_step", {}).get("ttft_128", {}).get("launches", "")))
-    rows.append(row + [""] * len(ratio_cols))
+            qs.append(jb / tb if jb and tb else None)
+            out["ratios"][f"{k}:best/best"] = qs[-1]
+        out["rows"].append((k, list(jv.values()) + list(tv.values()), qs))
+    out["launches"] = ([jm[m].get("dispatches_per_step", {}).get("eager", "") for m in jm]
+                       + [tm[m].get("launches_per_step", {}).get("ttft_128", {}).get("launches", "") for m in tm])
     for a, b in (("narrow", "wide"), ("full", "wide")):  # the upstream check: torch narrow/wide TTFT 0.40-0.60
         if a in tm and b in tm and tm[a].get("ttft_128") and tm[b].get("ttft_128"):
-            ratios[f"ttft_128:torch_{a}/torch_{b}"] = tm[a]["ttft_128"]["mean_ms"] / tm[b]["ttft_128"]["mean_ms"]
+            out["ratios"][f"ttft_128:torch_{a}/torch_{b}"] = tm[a]["ttft_128"][stat] / tm[b]["ttft_128"][stat]
+    return out
+
+
+def comparison_table(jax_res: dict | None, torch_res: dict | None, ctx: int) -> tuple[str, dict]:
+    """One text table per arch (metric rows; jax modes, torch modes, jds/torch per paired mode and best vs
+    best; means) and the ratios as a dict (``comparison``)."""
+    c = comparison(jax_res, torch_res, ctx)
+    head = ["metric (ms)"] + c["cols"] + c["pairs"]
+    rows = [[k] + [_f(v) for v in vals] + [_f(q, 3) for q in qs] for k, vals, qs in c["rows"]]
+    rows.append(["launches/step (ttft)"] + [str(x) for x in c["launches"]] + [""] * len(c["pairs"]))
     widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
-    text = "\n".join("  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    text = "\n".join("  ".join(str(x).rjust(w) if i else str(x).ljust(w) for i, (x, w) in enumerate(zip(r, widths)))
                      for r in [head] + rows)
-    extra = [f"{k}: {v:.3f}" for k, v in ratios.items() if ":torch_" in k]
-    return text + ("\n" + "  ".join(extra) if extra else ""), ratios
+    extra = [f"{k}: {v:.3f}" for k, v in c["ratios"].items() if ":torch_" in k]
+    return text + ("\n" + "  ".join(extra) if extra else ""), c["ratios"]
 
 
 def _f(v: float | None, digits: int = 2) -> str:
