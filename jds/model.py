@@ -59,12 +59,15 @@ class MoE(nnx.Module):
         order = jnp.argsort(flat)
         xs = jnp.repeat(x, self.topk, axis=0)[order]
         sizes = jnp.bincount(flat, length=self.w1.shape[0]).astype(jnp.int32)
-        g = jax.lax.ragged_dot(xs, self.w1[...], sizes, preferred_element_type=jnp.float32)
-        u = jax.lax.ragged_dot(xs, self.w3[...], sizes, preferred_element_type=jnp.float32)
+        # float32 weights: full-precision products (a GPU's DEFAULT precision would be TF32)
+        prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+        mm = lambda a, w: jax.lax.ragged_dot(a, w, sizes, precision=prec,  # noqa: E731
+                                             preferred_element_type=jnp.float32)
+        g, u = mm(xs, self.w1[...]), mm(xs, self.w3[...])
         a = (jax.nn.silu(g) * u).astype(x.dtype)
-        y = jax.lax.ragged_dot(a, self.w2[...], sizes, preferred_element_type=jnp.float32)
+        y = mm(a, self.w2[...])
         y = jnp.zeros_like(y).at[order].set(y).reshape(t, self.topk, -1)
-        routed = jnp.einsum("tk,tkh->th", w, y)
+        routed = jnp.einsum("tk,tkh->th", w, y, precision=jax.lax.Precision.HIGHEST)
         return (routed + self.shared(x).astype(jnp.float32)).astype(x.dtype)
 
 

@@ -6,6 +6,8 @@ tests/reference/ stays the float64 oracle of jds; here the two implementations a
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -52,24 +54,41 @@ def _steps(arch: str) -> list[list[Chunk]]:
     return [[Chunk(0, 0, n), Chunk(1, 0, 20)], [Chunk(0, n, 1), Chunk(1, 20, 1)]]
 
 
-def _compare(arch: str, numerics: Numerics, modes: tuple[str, ...], moe: bool = False, device: str = "cpu") -> dict:
-    over = {"numerics": numerics}
-    if moe:
-        over.update(n_routed_experts=4, moe_topk=2, moe_intermediate_size=128)
-    cfg = preset(f"{arch}-tiny", **over)
-    model = Decoder(cfg, seed=0, implementation="xla")
-    fwd = _jds_forward(model)
-    caches = model.init_caches(NB)
-    tm = {m: TorchDecoder.from_jds(model, NB, device) for m in modes}
-    runners = {m: TorchStepRunner(tm[m], m) for m in modes}
+def _inputs(arch: str, cfg):
+    """Per step: (token ids, chunks, the jds PagedBatch, logits indices); the same for every run."""
     bt = np.arange(NB, dtype=np.int32).reshape(2, -1)
     rng = np.random.default_rng(1)
-    out = {"logits": [], "topk": [], "counts": []}
     for chunks in _steps(arch):
         ids = rng.integers(0, 256, sum(c.num_tokens for c in chunks)).astype(np.int32)
         w = -(-max(c.start + c.num_tokens for c in chunks) // cfg.block_size)
         b = make_batch(chunks, bt[:, :w], cfg.block_size)
-        lj, caches, tj = fwd(jnp.asarray(ids), b, caches, jnp.asarray(np.asarray(b.query_start_loc[1:]) - 1))
+        yield ids, chunks, bt, b, jnp.asarray(np.asarray(b.query_start_loc[1:]) - 1)
+
+
+def _jds_run(model: Decoder, arch: str) -> tuple[list[np.ndarray], list[list[np.ndarray]], list[Any]]:
+    """jds's steps: per step the logits and every layer's top-k; the final caches."""
+    fwd, caches, logits, topks = _jds_forward(model), model.init_caches(NB), [], []
+    for ids, _, _, b, li in _inputs(arch, model.cfg):
+        lj, caches, tj = fwd(jnp.asarray(ids), b, caches, li)
+        logits.append(np.asarray(lj))
+        topks.append([np.asarray(t) for t in tj])
+    return logits, topks, caches
+
+
+def _model(arch: str, numerics: Numerics, moe: bool) -> Decoder:
+    over = {"numerics": numerics}
+    if moe:
+        over.update(n_routed_experts=4, moe_topk=2, moe_intermediate_size=128)
+    return Decoder(preset(f"{arch}-tiny", **over), seed=0, implementation="xla")
+
+
+def _compare(arch: str, numerics: Numerics, modes: tuple[str, ...], moe: bool = False, device: str = "cpu") -> dict:
+    model = _model(arch, numerics, moe)
+    lj, tj, caches = _jds_run(model, arch)
+    tm = {m: TorchDecoder.from_jds(model, NB, device) for m in modes}
+    runners = {m: TorchStepRunner(tm[m], m) for m in modes}
+    out = {"logits": [], "topk": [], "counts": []}
+    for step, (ids, chunks, bt, _, _) in enumerate(_inputs(arch, model.cfg)):
         lt, tt, counts = {}, {}, {}
         for m, r in runners.items():
             key = r.prepare_inputs(ids, chunks, bt)
@@ -78,18 +97,37 @@ def _compare(arch: str, numerics: Numerics, modes: tuple[str, ...], moe: bool = 
                 key = r.prepare_inputs(ids, chunks, bt)
             counts[m] = r.count_step(key)["launches"]
             lt[m] = r.last_env["logits"].cpu().numpy()
-            tt[m] = [r.last_env[f"L{i}.topk"].cpu().numpy() for i in range(cfg.n_layers)]
-        out["logits"].append((np.asarray(lj), lt))
-        out["topk"].append(([np.asarray(t) for t in tj], tt))
+            tt[m] = [r.last_env[f"L{i}.topk"].cpu().numpy() for i in range(model.cfg.n_layers)]
+        out["logits"].append((lj[step], lt))
+        out["topk"].append((tj[step], tt))
         out["counts"].append(counts)
     out["model"], out["caches"], out["torch"] = model, caches, tm
     return out
 
 
+def _ulp_nudged(model: Decoder, seed: int) -> Decoder:
+    """``model`` with every nonzero embedding entry moved one bf16 ulp up or down at random: an input change of
+    the size of one rounding, i.e. of what any change of summation order (another GEMM, another device) can do."""
+    w = np.asarray(model.embed.weight[...])
+    bits = w.view(np.uint16).astype(np.int32)
+    step = np.random.default_rng(seed).choice(np.array([-1, 1], np.int32), size=bits.shape)
+    bits = np.where((bits & 0x7FFF) != 0, bits + step, bits).astype(np.uint16)
+    model.embed.weight.set_value(jnp.asarray(bits.view(w.dtype)))
+    return model
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max() / np.abs(b.astype(np.float64)).max())
+
+
+def _differ(a: list[np.ndarray], b: list[np.ndarray]) -> list[int]:
+    """Per layer: the number of tokens whose top-k sets differ."""
+    return [int(sum(set(x[x >= 0].tolist()) != set(y[y >= 0].tolist()) for x, y in zip(p, q))) for p, q in zip(a, b)]
+
+
 def _check_topk(tj: list[np.ndarray], tt: list[np.ndarray], max_frac: float) -> None:
-    for i, (a, b) in enumerate(zip(tj, tt)):
+    for i, (a, b, differ) in enumerate(zip(tj, tt, _differ(tj, tt))):
         assert a.shape == b.shape, (i, a.shape, b.shape)
-        differ = sum(set(x[x >= 0].tolist()) != set(y[y >= 0].tolist()) for x, y in zip(a, b))
         assert differ <= max_frac * a.shape[0], f"layer {i}: top-k sets differ for {differ}/{a.shape[0]} tokens"
 
 
@@ -131,20 +169,51 @@ def test_serving_numerics_every_mode(arch: str, moe: bool) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.xfail(strict=False, reason="H200, 2026-12-01: v32 logits 3-4% of max apart against the CPU test's 3% "
-                   "(FP8 flips on another GEMM order, or a real difference: not yet known; issue 18)")
 @pytest.mark.parametrize("arch", ["v32", "v4"])
-def test_gpu_every_mode_matches_jds(arch: str) -> None:
-    """On the GPU, each torch mode (graphs captured, then replayed) against jds's step on the same GPU: logits
-    within the bf16 / FP8 tolerance of the CPU test, the same greedy tokens, top-k sets equal but for near-ties."""
-    res = _compare(arch, Numerics.serving(), TORCH_MODES, device="cuda")
+def test_gpu_exact_every_mode_matches_jds(arch: str) -> None:
+    """On the GPU, fp32 without quantisation (MoE FFN): each torch mode (graphs captured, then replayed) computes
+    jds's function: logits to fp32 rounding, identical top-k sets in every layer."""
+    res = _compare(arch, Numerics.exact(), TORCH_MODES, moe=True, device="cuda")
     for lj, lt in res["logits"]:
         for m in TORCH_MODES:
-            np.testing.assert_allclose(lt[m], lj, rtol=0, atol=3e-2 * np.abs(lj).max(), err_msg=m)
-            assert (lt[m].argmax(-1) == lj.argmax(-1)).all(), m
+            np.testing.assert_allclose(lt[m], lj, rtol=0, atol=2e-4 * np.abs(lj).max(), err_msg=m)
     for tj, tt in res["topk"]:
         for m in TORCH_MODES:
-            _check_topk(tj, tt[m], 0.1)
+            _check_topk(tj, tt[m], 0.0)
+    for c in res["counts"]:
+        assert c["eager"] > c["wide"] > c["narrow"] > c["full"] == 0, c
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ["v32", "v4"])
+def test_gpu_serving_every_mode_within_rounding_sensitivity(arch: str) -> None:
+    """On the GPU, bf16 + FP8 (656/584/132-byte caches): every torch mode equals torch eager, and jds and torch
+    differ by no more than jds differs from itself under a one-ulp change of its input.
+
+    A fixed tolerance does not fit here: with FP8 caches and a top-k indexer, one rounding difference (XLA's and
+    cuBLAS's GEMMs sum in different orders) flips a quantised value or a near-tie pick, and the random tiny
+    model amplifies that through the layers by an amount that depends on the device's arithmetic (the same
+    comparison differs by 1% on the CPU and 4-7% on the H200; an ulp nudge of the embeddings moves jds's own
+    logits by 3-37%). So the bound is measured: twice the largest distance between jds and three ulp-nudged
+    copies of itself, for the logits and for the number of tokens whose top-k sets differ; the greedy tokens
+    must match. That the two sides compute the same function is test_gpu_exact_every_mode_matches_jds."""
+    res = _compare(arch, Numerics.serving(), TORCH_MODES, device="cuda")
+    base_l = [lj for lj, _ in res["logits"]]
+    base_t = [tj for tj, _ in res["topk"]]
+    noise_l, noise_t = [0.0] * len(base_l), [[0] * len(t) for t in base_t]
+    for seed in range(3):
+        ln, tn, _ = _jds_run(_ulp_nudged(_model(arch, Numerics.serving(), False), seed), arch)
+        for s in range(len(base_l)):
+            noise_l[s] = max(noise_l[s], _rel(ln[s], base_l[s]))
+            noise_t[s] = [max(a, b) for a, b in zip(noise_t[s], _differ(tn[s], base_t[s]))]
+    for s, ((lj, lt), (tj, tt)) in enumerate(zip(res["logits"], res["topk"])):
+        for m in TORCH_MODES:
+            np.testing.assert_array_equal(lt[m], lt["eager"], err_msg=m)
+        assert _rel(lt["eager"], lj) <= 2 * noise_l[s], (s, _rel(lt["eager"], lj), noise_l[s])
+        assert (lt["eager"].argmax(-1) == lj.argmax(-1)).all(), s
+        for i, (d, n) in enumerate(zip(_differ(tj, tt["eager"]), noise_t[s])):
+            assert d <= max(2 * n, 0.1 * tj[i].shape[0]), (s, i, d, n)
     for c in res["counts"]:
         assert c["eager"] > c["wide"] > c["narrow"] > c["full"] == 0, c
 

@@ -12,7 +12,8 @@ Per (shape, M), one row per impl (each in its own try/except: a failing variant 
 others still run):
 - ``pallas``: ``fp8_gemm.fp8_linear(implementation="pallas")`` (default tiles; the act_quant of x included,
   ``act_quant_us`` times it alone);
-  ``--sweep`` adds ``pallas[block_n=..,split_k=..]`` rows for M <= 128 (tile tuning data).
+  ``--sweep`` adds ``pallas[block_n=..,split_k=..]`` rows for M <= 128 and ``pallas[block_n=..,stages=..,
+  group_m=..]`` rows for M >= 2048 (tile tuning data).
 - ``xla``: ``jds.ops.quant.fp8_linear`` (dequantise both to fp32, one HIGHEST matmul: the current path).
 - ``torch``: ``torch._scaled_mm`` on the same e4m3 operands: blockwise scales (1x128 x, 128x128 W, as the
   kernel) where this torch/cuBLAS takes them, else rowwise (x per row, W per column), else per-tensor
@@ -57,6 +58,10 @@ MS = (1, 16, 64, 128, 2048, 4096, 8192)
 QUICK_SHAPES = {"tiny": (512, 384)}
 QUICK_MS = (1, 130)
 SWEEP = [dict(block_n=bn, split_k=s) for bn in (64, 128) for s in (1, 4, 8, 14, 28)]
+# M >= 2048 (compute bound): column tile x TMA ring depth x rasterisation group; SMEM per stage is
+# (128 + block_n) x 128 bytes, so 256-wide tiles take at most 4 stages
+SWEEP_LARGE = [dict(block_n=bn, stages=st, group_m=g) for bn, sts in ((128, (4, 6)), (256, (3, 4)))
+               for st in sts for g in (8, 16)]
 
 
 def _err(e: BaseException) -> str:
@@ -212,6 +217,9 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch) -> Iterator[d
         nk = k // 128
         variants += [(f"pallas[block_n={v['block_n']},split_k={v['split_k']}]", v) for v in SWEEP
                      if nk % v["split_k"] == 0 and n % v["block_n"] == 0]
+    elif sweep and m >= 2048:
+        variants += [("pallas[" + ",".join(f"{a}={b}" for a, b in v.items()) + "]", v) for v in SWEEP_LARGE
+                     if n % v["block_n"] == 0]
     for name, tiles in variants:
         r = {**base, "impl": name}
         try:
@@ -220,7 +228,8 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch) -> Iterator[d
             jax.block_until_ready(f(x, wq, ws))
             bm, bn, sk = fp8_gemm._pick_tiles(m, n, k // 128, tiles.get("block_m"), tiles.get("block_n"),
                                               tiles.get("split_k"))
-            r.update(block_m=bm, block_n=bn, split_k=sk)
+            r.update(block_m=bm, block_n=bn, split_k=sk, stages=tiles.get("stages", 4),
+                     group_m=tiles.get("group_m", 8))
             if ref is not None:  # fp32 out (same tiles), so that bf16 output rounding does not hide the sums
                 f32 = jax.jit(functools.partial(fp8_gemm.fp8_linear, out_dtype=jnp.float32, implementation="pallas",
                                                 interpret=True if quick else None, **tiles))
@@ -319,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", nargs="+", default=None, choices=sorted(SHAPES) + sorted(QUICK_SHAPES))
     ap.add_argument("--ms", nargs="+", type=int, default=None)
-    ap.add_argument("--sweep", action="store_true", help="also time tile variants for M <= 128")
+    ap.add_argument("--sweep", action="store_true", help="also time tile variants for M <= 128 and M >= 2048")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, CPU smoke run (interpret mode)")
     a = ap.parse_args(argv)
     t0 = time.time()
