@@ -135,12 +135,13 @@ def _pick_tiles(m: int, n: int, nk: int, block_m: int | None, block_n: int | Non
     """(block_m, block_n, split_k): the given ones, defaults for the rest.
 
     Defaults: M <= 64 (decode, weight-read bound): 64 x 128 tiles (wgmma's minimum M) and split-K until ~2 CTAs
-    per SM stream weights. Larger M: 128-row tiles, 256 columns where out divides by 256 and the tiles alone
-    fill the GPU (half the SMEM / L2 traffic per FLOP of 128 x 128), else 128 (+ split-K if still too few)."""
+    per SM stream weights. Larger M: 128 x 128 tiles (+ split-K if too few). 256-wide tiles halve the SMEM / L2
+    traffic per FLOP but were slower at M = 2048 in the tile sweep (``jds.bench.kernels_fp8_gemm --sweep``): a
+    256-wide warpgroup chunk doubles the promotion registers and leaves room for fewer TMA stages."""
     bm = block_m or (64 if m <= 64 else 128)
     mt = -(-m // bm)
     if block_n is None:
-        block_n = 256 if bm == 128 and n % 256 == 0 and mt * (n // 256) >= NUM_SMS else 128
+        block_n = 128
     if n % block_n:
         raise ValueError(f"block_n {block_n} must divide out = {n}")
     if split_k is not None and nk % split_k:
