@@ -150,9 +150,11 @@ def _fp8_gemm(d: dict) -> list[str]:
                     + [t.get("variant", "—"), _fmt(p.get("tflops"), 0), _pct(p.get("fp8_peak_frac")),
                        _pct(p.get("hbm_frac")), _ratio(t.get("median_us"), p.get("median_us"))])
     m = d.get("meta", {})
+    runs = (f" Rows from {len(m['runs'])} runs (`meta.runs`; each row's fractions are of its own run's peak and "
+            f"bandwidth): {m.get('note', '')}") if m.get("runs") else ""
     return [f"Median µs per call (x's quantisation included for pallas / xla); FP8 peak "
             f"{_fmt(m.get('fp8_flops_per_s', 0) / 1e12, 0)} TFLOP/s ({m.get('fp8_peak_how', '?')}), copy "
-            f"{_fmt(m.get('copy_bytes_per_s', 0) / 1e12)} TB/s, both measured in the same run:", ""] + \
+            f"{_fmt(m.get('copy_bytes_per_s', 0) / 1e12)} TB/s, both measured in the same run.{runs}", ""] + \
         _table(["case", "pallas", "xla", "torch", "bf16", "torch scales", "pallas TFLOP/s", "of FP8 peak",
                 "of copy bw", "torch / pallas"], rows)
 
