@@ -1,0 +1,409 @@
+"""Grouped (MoE) GEMM with FP4 expert weights as DeepSeek-V4-Flash stores them, on Hopper (Pallas Mosaic GPU),
+with the pure-JAX path (``implementation="xla"``: dequantise the stack, ``lax.ragged_dot_general``) as reference.
+
+    y[r, :] = x[r, :] @ W[e(r)]^T        rows r of x [M, K] grouped by expert in order, ``sizes`` [E]
+    W[e] = e2m1(w_packed[e]) * 2^(w_scale[e] - 127)   packed uint8 [E, N, K/2] (low nibble = even column),
+                                                     e8m0 bytes uint8 [E, N, K/32] (one per 1 x 32 block)
+
+Rows past sum(sizes) come out as 0.
+
+Hopper has no FP4 tensor cores, so the kernel dequantises in registers and multiplies with bf16 wgmma (fp32
+accumulation). Dequantisation is exact: an e2m1 value times a power of two has 2 significant bits. Decode is
+weight-read bound (1-4 rows per expert), so the design moves the weights once through HBM -> SMEM -> registers:
+
+- Roles are swapped (y^T = W x^T): the weights are wgmma's A operand, *in registers* (64 weight rows per
+  compute warpgroup), the token rows are B (from SMEM, N = ``block_t`` >= 8 tokens). Dequantised weights
+  never touch SMEM (a bf16 SMEM copy would cost 4x the packed bytes of SMEM bandwidth), and the MMA's N is the
+  few tokens an expert has, not a 64-row tile padded with zeros.
+- Work items: (expert, token tile of ``block_t`` rows) pairs of the experts that have rows, listed in XLA
+  (at most min(E, M) + M // block_t of them, a static bound). Grid = (K split, N tile, work item), work item
+  fastest, so the token tiles of one expert run next to each other and share its weight tile in L2. Items past
+  the list exit at once: an expert without rows never reads its weights, and the grid does not scale with E.
+- Per CTA: ``plgpu.emit_pipeline_warp_specialized`` streams the packed weight tile [block_n, block_k / 2]
+  (uint8, swizzled so that the 8 rows a warp reads hit different banks) and the token tile [block_t, block_k]
+  (bf16, 32-byte swizzle) through a ``stages``-deep ring filled by a producer warpgroup; the CTA's e8m0 scales
+  [block_n, K_split / 32] arrive once, by TMA, at the start, as [64, 16]-byte tiles (16 bytes between the rows
+  a warp reads: no bank conflicts).
+- Token rows: the wrapper copies x (one XLA gather, fused with the column permutation below) into a padded x
+  where every group starts on an 8-row boundary. The token tile's TMA start is data dependent, and Mosaic
+  splits a start on the tile's 8-row SMEM tiling into (row // 8, row % 8): only a multiple of 8 addresses the
+  intended rows (a misaligned start fetches the wrong rows natively, which interpret mode, working on logical
+  arrays, would not show). One token tile of slack at the end keeps the last tile in bounds; rows of the next
+  group inside a tile only produce output columns nobody reads.
+- Dequantisation per 32-column scale block and warpgroup: the packed bytes load in the WGMMA register layout
+  ([64, block_k / 2], sliced per block); the low and the high nibbles become two [64, 16] bf16 A operands.
+  Column order: the wrapper permutes x's columns inside each 32-column block to (even columns, odd columns), so
+  the low-nibble operand meets x's even columns and the high-nibble operand its odd ones (a dot product does
+  not care about K order). The scale is applied to A (a bf16 multiply by the block's power of two, exact), so
+  the MMA chain runs over the whole K range with no fp32 promotion. A nibble s e1 e0 m becomes a 16-bit
+  pattern with s at bit 15 (``dequant_bits``); e = 0 codes (0, 0.5) land on subnormals, which is what makes
+  the placement linear. Two routes (``dequant``):
+  "f16" (default): e1 e0 m at bits 11..9, a float16 equal to e2m1 * 2^-14, converted float16 -> float32 ->
+  bf16 (conversions keep float16 subnormals: they are normal in float32) and times 2^(byte - 113). Runs in
+  interpret mode too (XLA on the CPU flushes float32 / bf16 subnormals in arithmetic, not in conversions).
+  "bf16": e1 e0 m at bits 8..6, a bf16 equal to e2m1 * 2^-126, times 2^126 then 2^(byte - 127): no conversion
+  instructions (which issue at a fraction of the FMA rate), but it needs bf16 subnormal inputs, which the GPU's
+  bf16 multiply keeps and XLA on the CPU does not: native only.
+  Both are exact for scale bytes 2..240 (|W| < 2^114; a checkpoint's scales sit near 127).
+- Output: each work item owns ``block_t`` columns of y^T [N, items * block_t] (bf16, or fp32 partials per K
+  split that XLA sums); the wrapper gathers each row's column and transposes. A neighbouring expert's rows are
+  never written: every item writes only its own columns.
+- Decode split-K: with few experts active there are few (item, N tile) pairs, so the K range is cut until
+  about 2 CTAs per SM stream weights (``_pick_tiles``); a split holds whole 512-column chunks (the scale
+  slab's TMA rows are 16 bytes).
+Cost model: per weight the kernel moves half a byte from HBM and spends several CUDA-core operations on
+dequantisation (mask, shift, or on 2-element register vectors, then conversions or multiplies), so at decode
+that ALU work, not HBM, may bound the kernel: hence the "bf16" route. A faster unpack still (PTX lop3 / prmt on
+32-bit words, 8 nibbles at a time, via ``plgpu.inline_mgpu``) would leave interpret mode unable to run the
+kernel, so it is not used here.
+Limits: N multiple of 64, K multiple of 512 (else ``Unsupported``; "auto" runs XLA); ``block_t`` <= 128.
+``interpret=None`` runs GPU interpret mode off-GPU (the same kernel on the CPU, slow: tests only). The
+interpreter's wgmma takes SMEM operands only, so there the register-A MMA is a ``jnp.dot`` of the same bf16
+operands with fp32 accumulation; everything else (TMA, ring, loads, dequantisation, stores) is the kernel's.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from jds.ops import quant
+from jds.ops.dispatch import Implementation, Unsupported, resolve_interpret, run_op
+
+Dequant = Literal["f16", "bf16"]
+DEQUANTS = ("f16", "bf16")
+SCALE_BLOCK = quant.FP4_WEIGHT_BLOCK  # 32 input columns per e8m0 scale
+K_ALIGN = 512  # K per split: whole 16-byte rows of scale bytes for the TMA
+NUM_SMS = 132  # H100 / H200; only steers the automatic split_k
+BLOCK_TS = (8, 16, 32, 64, 128)  # wgmma N; 128 fp32 accumulators per thread at most
+SMEM_BUDGET = 220 * 1024  # of the H100/H200's 227 KiB per CTA (the rest: barriers, alignment)
+_RAGGED_DN = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
+                                           lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+
+# ----------------------------------------------------------------------------------------------------
+# public entry point
+def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: jax.Array, w_scale: jax.Array, *,
+                       out_dtype: jnp.dtype = jnp.bfloat16, implementation: Implementation = "auto",
+                       interpret: bool | plgpu.InterpretGPUParams | None = None, block_t: int | None = None,
+                       block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
+                       stages: int = 4, dequant: Dequant = "f16") -> jax.Array:
+    """y [M, N] (``out_dtype``): row r of x [M, K] (bfloat16) times W[e(r)]^T, rows grouped by expert in order
+    (``sizes`` int32 [E], sum <= M; rows past the sum give 0), W = ``w_packed`` (uint8 [E, N, K/2], two e2m1
+    codes a byte, low nibble first) with ``w_scale`` (uint8 [E, N, K/32] e8m0 exponents).
+
+    ``implementation``: "xla" = dequantise + ``ragged_dot_general`` (fp32 accumulation); "pallas" = the
+    kernel (``Unsupported`` for N not a multiple of 64 or K not a multiple of 512); "auto" = the kernel
+    where it applies, else XLA.
+    Tiles (kernel only; ``_pick_tiles`` has the defaults): ``block_t`` token rows per work item (8..128, a
+    power of two), ``block_n`` weight rows per CTA (64 or 128: one or two compute warpgroups), ``block_k``
+    input columns per pipeline step (128, 256 or 512), ``split_k`` K splits, ``stages`` TMA ring depth,
+    ``dequant`` the nibble -> bf16 route ("f16": through float16 subnormals and two conversions, runs anywhere;
+    "bf16": bf16 subnormals times 2^126, no conversions, native only: XLA on the CPU flushes them).
+    ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``); None = whenever the default
+    backend is not a GPU.
+    """
+    _check_inputs(x, sizes, w_packed, w_scale)
+    return run_op("fp4_grouped_linear", implementation, {
+        "xla": lambda: _xla(x, sizes, w_packed, w_scale, out_dtype),
+        "pallas": lambda: _pallas(x, sizes, w_packed, w_scale, out_dtype=out_dtype, interpret=interpret,
+                                  block_t=block_t, block_n=block_n, block_k=block_k, split_k=split_k,
+                                  stages=stages, dequant=dequant)})
+
+
+def _check_inputs(x, sizes, w_packed, w_scale) -> None:
+    """Input errors of both implementations (ValueError naming the argument)."""
+    if w_packed.ndim != 3 or jnp.dtype(w_packed.dtype) != jnp.uint8:
+        raise ValueError(f"w_packed must be uint8 [E, N, K/2], got {w_packed.dtype} {w_packed.shape}")
+    e, n, kh = w_packed.shape
+    k = 2 * kh
+    if k % SCALE_BLOCK:
+        raise ValueError(f"w_packed: K = {k} must be a multiple of {SCALE_BLOCK} (the scale block)")
+    if jnp.dtype(w_scale.dtype) != jnp.uint8 or w_scale.shape != (e, n, k // SCALE_BLOCK):
+        raise ValueError(f"w_scale must be uint8 {(e, n, k // SCALE_BLOCK)} for w_packed {w_packed.shape}, "
+                         f"got {w_scale.dtype} {w_scale.shape}")
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}] (K = 2 * w_packed.shape[-1]), got shape {x.shape}")
+    if jnp.dtype(x.dtype) != jnp.bfloat16:
+        raise ValueError(f"x must be bfloat16, got {x.dtype}")
+    if sizes.shape != (e,) or not jnp.issubdtype(sizes.dtype, jnp.integer):
+        raise ValueError(f"sizes must be an int32 [{e}] (one group size per expert), got {sizes.dtype} {sizes.shape}")
+
+
+def _xla(x, sizes, w_packed, w_scale, out_dtype) -> jax.Array:
+    """The reference: dequantise the whole stack (exact in bf16) and one ragged dot with fp32 accumulation."""
+    w = quant.fp4_dequant(w_packed, w_scale, jnp.bfloat16)
+    y = lax.ragged_dot_general(x, w, sizes.astype(jnp.int32), _RAGGED_DN, preferred_element_type=jnp.float32)
+    return y.astype(out_dtype)
+
+
+def supports(n: int, k: int) -> bool:
+    """Whether the kernel takes expert weights of [n, k] (out, in)."""
+    return n > 0 and k > 0 and n % 64 == 0 and k % K_ALIGN == 0
+
+
+def _check_tiles(block_t, block_n, block_k, split_k, stages) -> None:
+    if block_t not in (None, *BLOCK_TS):
+        raise ValueError(f"block_t must be one of {BLOCK_TS} (or None), got {block_t}")
+    if block_n not in (None, 64, 128):
+        raise ValueError(f"block_n must be 64 or 128 (or None), got {block_n}")
+    if block_k not in (None, 128, 256, 512):
+        raise ValueError(f"block_k must be 128, 256 or 512 (or None), got {block_k}")
+    for name, v in (("split_k", 1 if split_k is None else split_k), ("stages", stages)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v}")
+
+
+def _n_items(m: int, e: int, bt: int) -> int:
+    """Static bound on the work items: sum_e ceil(s_e / bt) <= #(s_e > 0) + sum_e floor(s_e / bt)."""
+    return min(e, m) + m // bt
+
+
+def _pick_tiles(m: int, e: int, n: int, k: int, block_t: int | None, block_n: int | None,
+                block_k: int | None, split_k: int | None) -> tuple[int, int, int, int]:
+    """(block_t, block_n, block_k, split_k): the given ones, defaults for the rest.
+
+    block_t: the smallest tile holding the mean rows per active expert (M / min(E, M)): 8 at decode.
+    block_n: 128 (two compute warpgroups share the producer) where N allows, else 64.
+    split_k: smallest split (whole 512-column chunks) with >= 2 CTAs per SM, estimating the active work items
+    as min(E, M) (each row may be a different expert)."""
+    mean = -(-m // max(1, min(e, m)))
+    bt = block_t or next((t for t in BLOCK_TS if t >= mean), BLOCK_TS[-1])
+    bn = block_n or (128 if n % 128 == 0 else 64)
+    if n % bn:
+        raise ValueError(f"block_n {bn} must divide N = {n}")
+    chunks = k // K_ALIGN
+    if split_k is not None:
+        if chunks % split_k:
+            raise ValueError(f"split_k must divide K / {K_ALIGN} = {chunks}, got {split_k}")
+        s = split_k
+    else:
+        ctas = min(e, m) * (n // bn)
+        divs = [d for d in range(1, chunks + 1) if chunks % d == 0]
+        s = next((d for d in divs if ctas * d >= 2 * NUM_SMS), divs[-1]) if ctas < 2 * NUM_SMS else 1
+    bk = block_k or (256 if bt <= 32 else 128)  # divides K / s: a multiple of 512
+    return bt, bn, bk, s
+
+
+def _fit_stages(stages: int, bt: int, bn: int, bk: int, kc: int) -> int:
+    """The ring depth that fits SMEM: ``stages`` (at most the number of steps), fewer where the token tile is
+    large; ValueError when not even one stage fits."""
+    per_stage = bt * bk * 2 + bn * bk // 2  # bf16 token tile + packed weight tile
+    fit = (SMEM_BUDGET - bn * kc // SCALE_BLOCK) // per_stage
+    if fit < 1:
+        raise ValueError(f"block_t {bt} x block_k {bk} (block_n {bn}) does not fit shared memory")
+    return max(1, min(stages, kc // bk, fit))
+
+
+def _permute_k(x: jax.Array) -> jax.Array:
+    """x's columns reordered inside each 32-column scale block to (16 even, 16 odd): the kernel's low-nibble
+    operand holds the even columns of a block, its high-nibble operand the odd ones."""
+    m, k = x.shape
+    return x.reshape(m, k // 32, 16, 2).swapaxes(-1, -2).reshape(m, k)
+
+
+def _padded_rows(m: int, e: int, bt: int) -> int:
+    """Rows of the padded x: every group rounded up to 8 rows (at most 7 extra per expert with rows), plus one
+    token tile of slack for the last tile, rounded to 8."""
+    return -(-(m + 7 * min(e, m) + bt) // 8) * 8
+
+
+def _layout(sizes: jax.Array, m: int, n_items: int, n_padded: int, bt: int):
+    """Where everything goes (int32 index arrays, computed in XLA from ``sizes``):
+
+    * items [2, n_items]: (expert, first row in the padded x) of each (expert, token tile) pair of the experts
+      with rows, in expert order; expert -1 past the last pair. First rows are multiples of 8: a dynamic TMA
+      start on x's 8-row tiling must be tile-aligned (Mosaic splits it into (row // 8, row % 8) and the box
+      would run out of its 8-row tile).
+    * src [n_padded]: the row of x each padded row copies (m: a zero row).
+    * col [m]: the column of y^T holding row r (item * bt + row in tile); valid [m]: r < sum(sizes).
+    """
+    sizes = sizes.astype(jnp.int32)
+    ne = sizes.shape[0]
+    tiles = -(-sizes // bt)
+    tile_end = jnp.cumsum(tiles)
+    row_end = jnp.cumsum(sizes)
+    row_off = row_end - sizes
+    psize = -(-sizes // 8) * 8
+    pend = jnp.cumsum(psize)
+    poff = pend - psize
+    # work items. searchsorted by comparing against every boundary (an [n, E] compare + sum): the default
+    # binary-search "scan" is an XLA while loop, whose iterations a GPU runs one host round trip each
+    ss = functools.partial(jnp.searchsorted, side="right", method="compare_all")
+    i = jnp.arange(n_items, dtype=jnp.int32)
+    ex = jnp.minimum(ss(tile_end, i), ne - 1)
+    ok = i < tile_end[-1]
+    row0 = poff[ex] + (i - (tile_end[ex] - tiles[ex])) * bt
+    items = jnp.stack([jnp.where(ok, ex, -1), jnp.where(ok, row0, 0)]).astype(jnp.int32)
+    # padded rows of x
+    p = jnp.arange(n_padded, dtype=jnp.int32)
+    pe = jnp.minimum(ss(pend, p), ne - 1)
+    local = p - poff[pe]
+    src = jnp.where((p < pend[-1]) & (local < sizes[pe]), row_off[pe] + local, m)
+    # output rows
+    r = jnp.arange(m, dtype=jnp.int32)
+    re = jnp.minimum(ss(row_end, r), ne - 1)
+    local = r - row_off[re]
+    valid = r < row_end[-1]
+    col = jnp.where(valid, (tile_end[re] - tiles[re] + local // bt) * bt + local % bt, 0)
+    return items, src.astype(jnp.int32), col.astype(jnp.int32), valid
+
+
+def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block_n, block_k, split_k, stages,
+            dequant):
+    _check_tiles(block_t, block_n, block_k, split_k, stages)
+    if dequant not in DEQUANTS:
+        raise ValueError(f"dequant must be one of {DEQUANTS}, got {dequant!r}")
+    e, n, kh = w_packed.shape
+    k = 2 * kh
+    m = x.shape[0]
+    if not supports(n, k):
+        raise Unsupported(f"fp4_grouped_linear kernel: N = {n} must be a multiple of 64 and K = {k} a multiple "
+                          f"of {K_ALIGN} (w_packed shape {w_packed.shape})")
+    out_dtype = jnp.dtype(out_dtype)
+    if m == 0:
+        return jnp.zeros((0, n), out_dtype)
+    bt, bn, bk, s = _pick_tiles(m, e, n, k, block_t, block_n, block_k, split_k)
+    if interpret is None:
+        interpret = resolve_interpret(None)
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
+    if interpret and dequant == "bf16":
+        raise ValueError('dequant="bf16" needs bf16 subnormal arithmetic, which XLA on the CPU (interpret mode) '
+                         'flushes to zero; use dequant="f16" there')
+    items = _n_items(m, e, bt)
+    mx = _padded_rows(m, e, bt)
+    info, src, col, valid = _layout(sizes, m, items, mx, bt)
+    xp = jnp.take(jnp.pad(_permute_k(x), ((0, 1), (0, 0))), src, axis=0)  # groups padded to 8 rows
+    st = _fit_stages(stages, bt, bn, bk, k // s)
+    call = _build_call(e=e, n=n, k=k, mx=mx, items=items, bt=bt, bn=bn, bk=bk, splits=s, stages=st,
+                       dequant=dequant, out_dtype=out_dtype if s == 1 else jnp.dtype(jnp.float32),
+                       interpret=interpret or None)
+    yt = call(info, xp, w_packed, w_scale)
+    if s > 1:
+        yt = jnp.sum(yt, axis=0)
+    y = jnp.take(yt, col, axis=1).T
+    return jnp.where(valid[:, None], y, 0).astype(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the kernel
+def dequant_bits(packed, nibble: int, dequant: Dequant):
+    """The 16-bit pattern of the low (``nibble`` 0) or high (1) e2m1 code of each byte of ``packed`` (uint16
+    holding one byte each; numpy or jax): the code's sign to bit 15, its e1 e0 m bits to bits 11..9 (``"f16"``:
+    the float16 e2m1 * 2^-14) or 8..6 (``"bf16"``: the bf16 e2m1 * 2^-126). e = 0 lands on a subnormal in both."""
+    sign, mag = (8, 7) if nibble == 0 else (0x80, 0x70)
+    low = 9 if dequant == "f16" else 6
+    return ((packed & sign) << (12 - 4 * nibble)) | ((packed & mag) << (low - 4 * nibble))
+
+
+def _dequant(packed: jax.Array, nibble: int, scale: jax.Array, dequant: Dequant) -> jax.Array:
+    """bf16 weights from the packed bytes (uint16, one byte each) and their bf16 ``scale``, 2^(byte - 113) for
+    ``"f16"`` and 2^(byte - 127) for ``"bf16"``; exact either way (see the module docstring)."""
+    bits = dequant_bits(packed, nibble, dequant)
+    if dequant == "f16":
+        h = lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32).astype(jnp.bfloat16)
+    else:
+        h = lax.bitcast_convert_type(bits, jnp.bfloat16) * jnp.bfloat16(2.0 ** 126)
+    return h * scale
+
+
+@functools.lru_cache(maxsize=None)
+def _build_call(*, e: int, n: int, k: int, mx: int, items: int, bt: int, bn: int, bk: int, splits: int,
+                stages: int, dequant: Dequant, out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None):
+    del e, mx
+    emulate_mma = interpret is not None
+    exp_bias = 14 if dequant == "f16" else 0  # the scale: 2^(byte - 113) or 2^(byte - 127)
+    kc = k // splits  # input columns per CTA
+    steps = kc // bk
+    nsc = kc // SCALE_BLOCK  # scale bytes per weight row per CTA
+    blocks = bk // SCALE_BLOCK  # scale blocks per pipeline step
+    n_tiles = n // bn
+    nwg = bn // 64
+    L = plgpu.Layout.WGMMA
+    ROW = L.reduce(1)
+    x_tf = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # 16 bf16 = one 32-byte swizzle row
+    wsw = min(128, bk // 2)  # packed bytes: swizzled, so the 8 rows a warp loads hit different banks
+    w_tf = (plgpu.TilingTransform((8, wsw)), plgpu.SwizzleTransform(wsw))
+
+    def kernel(info_ref, x_ref, w_ref, s_ref, o_ref, sc_s, bar):
+        pid = lax.axis_index("cta")
+        item = pid % items
+        ni = (pid // items) % n_tiles
+        si = pid // (items * n_tiles)
+        ex = info_ref[0, item]
+        row0 = info_ref[1, item]
+        n0 = ni * bn
+
+        def body(idx, x_s, w_s, acc):
+            (step,) = idx
+            wg = lax.axis_index("wg")
+
+            def operands():
+                """(A, B) pairs of this step: dequantised [64, 16] weights (registers), [16, bt] token slices."""
+                packed = plgpu.load(w_s.at[pl.ds(wg * 64, 64)], layout=L)  # uint8 [64, bk / 2]
+                for c in range(blocks):
+                    p = packed[:, 16 * c:16 * c + 16]
+                    kb = step * blocks + c
+                    sb = plgpu.load(sc_s.at[wg, kb // 16, :, kb % 16], layout=ROW, optimized=False)
+                    sf = lax.bitcast_convert_type((sb.astype(jnp.uint32) + exp_bias) << 23, jnp.float32)
+                    sv = lax.broadcast_in_dim(sf.astype(jnp.bfloat16), (64, 16), [0])
+                    p16 = p.astype(jnp.uint16)
+                    yield _dequant(p16, 0, sv, dequant), x_s.at[:, pl.ds(32 * c, 16)].T
+                    yield _dequant(p16, 1, sv, dequant), x_s.at[:, pl.ds(32 * c + 16, 16)].T
+
+            if emulate_mma:  # the interpreter's wgmma takes SMEM operands only: same products, one dot each
+                for a, b in operands():
+                    acc = acc + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
+                return acc
+            for a, b in operands():  # natively the accumulator lives in registers for the whole K range
+                plgpu.wgmma(acc_ref[0], a, b)
+            plgpu.wgmma_wait(0)  # this step's SMEM slots are released when the body returns
+            return acc
+
+        acc_ref = []  # the native accumulator, allocated by ``compute`` around the pipeline
+
+        def compute(run_pipeline):
+            wg = lax.axis_index("wg")
+            for g in range(nsc // 16):  # [64, 16]-byte tiles: the 8 rows a warp reads are 16 bytes apart
+                plgpu.copy_gmem_to_smem(s_ref.at[ex, pl.ds(n0 + wg * 64, 64), pl.ds(si * nsc + 16 * g, 16)],
+                                        sc_s.at[wg, g], bar.at[wg])
+            plgpu.barrier_wait(bar.at[wg])
+            if emulate_mma:
+                acc = run_pipeline(plgpu.layout_cast(jnp.full((64, bt), 0.0, jnp.float32), L))
+            else:
+                def run(ref):
+                    acc_ref.append(ref)
+                    run_pipeline(())
+                    return ref[...]
+
+                acc = pl.run_scoped(run, plgpu.ACC((64, bt), jnp.float32))
+            dst = o_ref.at[pl.ds(n0 + wg * 64, 64), pl.ds(item * bt, bt)] if splits == 1 else \
+                o_ref.at[si, pl.ds(n0 + wg * 64, 64), pl.ds(item * bt, bt)]
+            dst[...] = acc.astype(dst.dtype)
+
+        pipeline = plgpu.emit_pipeline_warp_specialized(
+            body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=nwg,
+            max_concurrent_steps=stages, compute_context=compute,
+            in_specs=[plgpu.BlockSpec((bt, bk), lambda s: (0, s), transforms=x_tf),
+                      plgpu.BlockSpec((bn, bk // 2), lambda s: (0, s), transforms=w_tf)])
+
+        @pl.when(ex >= 0)
+        def _():
+            pipeline(x_ref.at[pl.ds(row0, bt), pl.ds(si * kc, kc)],
+                     w_ref.at[ex, pl.ds(n0, bn), pl.ds(si * kc // 2, kc // 2)])
+
+    out_shape = (n, items * bt) if splits == 1 else (splits, n, items * bt)
+    scratch = [plgpu.SMEM((nwg, nsc // 16, 64, 16), jnp.uint8),
+               plgpu.Barrier(num_arrivals=nsc // 16, num_barriers=nwg)]
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+                        grid=(splits * n_tiles * items,), grid_names=("cta",), num_threads=nwg + 1,
+                        thread_name="wg", scratch_types=scratch, compiler_params=params,
+                        interpret=interpret if interpret is not None else False)

@@ -1,0 +1,395 @@
+"""The FP4 grouped (MoE) GEMM kernel (pallas_kernels/fp4_grouped_gemm.py) against an independent float64 numpy
+reference (nibbles unpacked with a lookup table here, not with ``jds.ops.quant.fp4_dequant``) and the XLA path.
+
+Kernel tests run as ``interpret`` (Mosaic GPU interpret mode on the CPU) and ``native`` (marked ``gpu``,
+skipped unless jax.default_backend() == "gpu"). Every element of fresh random inputs is checked:
+
+* Both paths multiply exact products (bf16 x times a dequantised FP4 weight: 8 x 2 significant bits, exact in
+  fp32) and sum K of them in fp32, so |y_fp32 - ref| <= rtol * sum_k |x_k W_k| with rtol = (2 sqrt(K) + 8) 2^-24
+  in interpret mode (fp32 round-off, random-walk growth) and K 2^-23 natively (the worst case of K fp32 adds
+  that may truncate: wgmma's internal accumulation order and rounding are not documented).
+* bf16 out: plus half a bf16 ulp of the result (one rounding of the fp32 sum); fp32 out: half an fp32 ulp.
+* Rows past sum(sizes) must be exactly 0.
+* Exact data (integer x, weights on a 1/4 grid: every partial sum exact in fp32): bit-equal to the reference
+  and to the XLA path, natively too. This pins addressing: which expert, which rows, which columns, which
+  scale block. The impulse test (x = identity) names the weight column a wrong output row read instead.
+* Native tests also run the "bf16" dequantisation route (bf16 subnormals: GPU only) and the model's shapes.
+
+A CPU-only test lowers the kernel for CUDA (Mosaic GPU's layout, TMA and wgmma rules) without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jds.ops.dispatch import Unsupported
+from pallas_kernels import fp4_grouped_gemm as G
+
+from tests.kernel_modes import KERNEL_PRIMITIVES, MODES, ON_GPU, interpret_for
+from tests.tolerances import ulp
+
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
+
+
+# ----- reference -----------------------------------------------------------------------------------------
+def ref_weights(wp, ws) -> np.ndarray:
+    """float64 W [E, N, K]: low nibble = even column, e8m0 byte b = 2^(b - 127) per 32 columns."""
+    wp, ws = np.asarray(wp), np.asarray(ws)
+    e, n, kh = wp.shape
+    w = np.empty((e, n, 2 * kh), np.float64)
+    w[..., 0::2] = E2M1[wp & 0xF]
+    w[..., 1::2] = E2M1[wp >> 4]
+    return w * np.repeat(np.exp2(ws.astype(np.float64) - 127), 32, axis=-1)
+
+
+def reference(x, sizes, wp, ws) -> tuple[np.ndarray, np.ndarray]:
+    """(y [M, N], sum_k |x_k W_k| [M, N]) in float64; rows past sum(sizes) 0. Dequantises one expert with rows
+    at a time (the model-shape stacks would be gigabytes in float64)."""
+    xf = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    wp, ws = np.asarray(wp), np.asarray(ws)
+    m, n = xf.shape[0], wp.shape[1]
+    y, ab = np.zeros((m, n)), np.zeros((m, n))
+    r = 0
+    for e, s in enumerate(np.asarray(sizes)):
+        if s:
+            w = ref_weights(wp[e:e + 1], ws[e:e + 1])[0]
+            y[r:r + s] = xf[r:r + s] @ w.T
+            ab[r:r + s] = np.abs(xf[r:r + s]) @ np.abs(w).T
+        r += s
+    return y, ab
+
+
+def rtol(mode: str, k: int) -> float:
+    return (2 * np.sqrt(k) + 8) * 2.0 ** -24 if mode == "interpret" else k * 2.0 ** -23
+
+
+def check(got, ref, abssum, rt: float, sizes, bn: int = 64) -> float:
+    """Every element within rt * abssum + half an ulp of the output dtype; rows past sum(sizes) exactly 0.
+    On failure, names the (expert, 64-column tile) blocks that are off, to locate a wrong tile."""
+    dt = jnp.asarray(got).dtype
+    g = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    assert g.shape == ref.shape and np.isfinite(g).all()
+    total = int(np.sum(sizes))
+    assert (g[total:] == 0).all(), "rows past sum(sizes) are not 0"
+    bound = rt * abssum + 0.5 * ulp(np.maximum(np.abs(g), np.abs(ref)), dt.name) + 1e-300
+    err = np.abs(g - ref)
+    bad = err > bound
+    if bad.any():
+        ex = np.repeat(np.arange(len(sizes)), np.asarray(sizes))
+        rows, cols = np.nonzero(bad[:total])
+        blocks = sorted({(int(ex[r]), int(c) // bn) for r, c in zip(rows, cols)})
+        pytest.fail(f"{int(bad.sum())} of {bad.size} elements out of bound (worst ratio "
+                    f"{float((err / bound).max()):.2f}); (expert, {bn}-column tile) blocks off: {blocks[:20]}")
+    return float((err / bound).max())
+
+
+def make_case(sizes, n: int, k: int, extra_rows: int = 0, seed: int = 0):
+    """x [sum(sizes) + extra_rows, k] bf16 with row magnitudes spread over ~2 decades; random FP4 experts
+    (``quant.random_fp4_weight``: uniform codes, scales jittered per block)."""
+    from jds.ops import quant
+
+    rng = np.random.default_rng(seed)
+    m = int(np.sum(sizes)) + extra_rows
+    x = rng.standard_normal((m, k)) * rng.uniform(0.05, 5.0, (m, 1))
+    wp, ws = quant.random_fp4_weight(jax.random.key(seed), (len(sizes), n, k), k ** -0.5)
+    return jnp.asarray(x, jnp.bfloat16), jnp.asarray(sizes, jnp.int32), wp, ws
+
+
+def exact_case(sizes, n: int, k: int, seed: int = 0):
+    """Integer x in [-3, 3] and scale bytes 126..128 (weights multiples of 1/4, |W| <= 12): every partial sum
+    is a multiple of 1/4 below 2^18 (K <= 4096), exact in fp32 in any order."""
+    rng = np.random.default_rng(seed)
+    e, m = len(sizes), int(np.sum(sizes))
+    x = rng.integers(-3, 4, (m, k)).astype(np.float32)
+    wp = rng.integers(0, 256, (e, n, k // 2), dtype=np.uint8)
+    ws = rng.integers(126, 129, (e, n, k // 32), dtype=np.uint8)
+    return jnp.asarray(x, jnp.bfloat16), jnp.asarray(sizes, jnp.int32), jnp.asarray(wp), jnp.asarray(ws)
+
+
+# ----- kernel vs reference (interpret mode on the CPU, native on a GPU) -----------------------------------
+# (sizes, n, k, extra rows past sum(sizes), out_dtype, tiles)
+CASES = [
+    # uneven groups with 0-row experts, 2 rows past the sum; default tiles (block_t 8, one 128-row N tile)
+    ([3, 0, 5, 1, 0, 2], 128, 512, 2, jnp.bfloat16, {}),
+    # one expert holds all rows, 13 > block_t 8: two token tiles of one expert; fp32 out
+    ([0, 13, 0], 128, 512, 0, jnp.float32, dict(block_t=8)),
+    # split-K (fp32 partials summed by XLA), one compute warpgroup (block_n 64), 4 steps of 128 per split;
+    # a group of 20 rows in token tiles of 16 (its second tile starts at padded row 16)
+    ([20, 0, 7], 128, 1024, 1, jnp.bfloat16, dict(block_t=16, block_n=64, block_k=128, split_k=2)),
+    # a 128-row token tile (prefill tile), 2 N tiles, block_k 512 (two 128-byte swizzle tiles per packed row)
+    ([130, 5], 256, 1024, 3, jnp.float32, dict(block_t=128, block_k=512)),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", [0, 2] + [pytest.param(c, marks=pytest.mark.slow) for c in (1, 3)])
+def test_matches_reference(mode: str, case: int) -> None:
+    interpret = interpret_for(mode)
+    sizes, n, k, extra, out_dtype, tiles = CASES[case]
+    x, sz, wp, ws = make_case(sizes, n, k, extra, seed=case)
+    got = G.fp4_grouped_linear(x, sz, wp, ws, out_dtype=out_dtype, implementation="pallas", interpret=interpret,
+                               **tiles)
+    assert got.dtype == jnp.dtype(out_dtype) and got.shape == (x.shape[0], n)
+    ref, ab = reference(x, sizes, wp, ws)
+    check(got, ref, ab, rtol(mode, k), sizes, bn=tiles.get("block_n", 64))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_exact_data_bit_equal(mode: str) -> None:
+    """Exact data: kernel == float64 reference == XLA path, bit for bit."""
+    interpret = interpret_for(mode)
+    sizes = [2, 0, 9, 1]
+    x, sz, wp, ws = exact_case(sizes, 128, 512, seed=3)
+    got = G.fp4_grouped_linear(x, sz, wp, ws, out_dtype=jnp.float32, implementation="pallas", interpret=interpret)
+    want = G.fp4_grouped_linear(x, sz, wp, ws, out_dtype=jnp.float32, implementation="xla")
+    ref, _ = reference(x, sizes, wp, ws)
+    np.testing.assert_array_equal(np.asarray(got, np.float64), ref)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_xla_matches_reference() -> None:
+    """The XLA path (the "auto" fallback and the benchmark's baseline) against the float64 reference."""
+    sizes = [4, 0, 3, 6]
+    x, sz, wp, ws = make_case(sizes, 96, 256, extra_rows=2, seed=7)
+    got = G.fp4_grouped_linear(x, sz, wp, ws, out_dtype=jnp.float32, implementation="xla")
+    ref, ab = reference(x, sizes, wp, ws)
+    check(got, ref, ab, rtol("native" if ON_GPU else "interpret", 256), sizes)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_auto_runs_kernel(mode: str) -> None:
+    interpret = interpret_for(mode)
+    x, sz, wp, ws = make_case([1, 2], 64, 512, seed=5)
+    f = functools.partial(G.fp4_grouped_linear, implementation="auto", interpret=interpret)
+    text = str(jax.make_jaxpr(f)(x, sz, wp, ws))
+    assert any(p + "[" in text for p in KERNEL_PRIMITIVES), "auto did not run the kernel"
+
+
+@pytest.mark.skipif(ON_GPU, reason="GPU interpret mode's race detector runs on the CPU")
+@pytest.mark.slow
+def test_no_races() -> None:
+    """Interpret mode's race detector over the warp-specialised ring (producer vs 2 consumers) and the scale
+    slab's TMA. Without slot reuse (4 steps, 4 stages): this jax's detector reports reuse of a warp-specialised
+    pipeline's slot as a race even for a minimal pipeline that only reads its tiles (the fp8 kernel's reuse case
+    passes because wgmma's operand reads are not checked), so reuse is left to the native tests."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    x, sz, wp, ws = make_case([3, 9], 128, 1024, seed=9)
+    y = G.fp4_grouped_linear(x, sz, wp, ws, implementation="pallas", block_k=128, split_k=2, stages=4,
+                             interpret=plgpu.InterpretGPUParams(detect_races=True))
+    jax.block_until_ready(y)
+    assert not gpu_callbacks.get_races().races_found
+
+
+def test_empty() -> None:
+    _, sz, wp, ws = make_case([0, 0], 64, 512)
+    y = G.fp4_grouped_linear(jnp.zeros((0, 512), jnp.bfloat16), sz, wp, ws, implementation="pallas")
+    assert y.shape == (0, 64) and y.dtype == jnp.bfloat16
+
+
+# ----- work-item bookkeeping (pure XLA) -------------------------------------------------------------------
+def test_layout() -> None:
+    """Work items start on 8-row boundaries of the padded x (a TMA start on its 8-row tiling must be
+    tile-aligned: interpret mode would not notice a misaligned one), padded rows copy the right rows of x,
+    and every row of y reads its own column of y^T."""
+    sizes = jnp.asarray([3, 0, 17, 8, 0], jnp.int32)
+    bt, m = 8, 30
+    items, n_pad = G._n_items(m, 5, bt), G._padded_rows(m, 5, bt)
+    info, src, col, valid = map(np.asarray, G._layout(sizes, m, items, n_pad, bt))
+    # expert 0: 1 tile, expert 2: 3 tiles, expert 3: 1 tile; groups padded to 8, 24 and 8 rows
+    np.testing.assert_array_equal(info[0, :5], [0, 2, 2, 2, 3])
+    np.testing.assert_array_equal(info[1, :5], [0, 8, 16, 24, 32])
+    assert (info[0, 5:] == -1).all() and (info[1] % 8 == 0).all()
+    want_src = np.full(n_pad, m)
+    want_src[0:3], want_src[8:25], want_src[32:40] = range(0, 3), range(3, 20), range(20, 28)
+    np.testing.assert_array_equal(src, want_src)
+    want = [0, 1, 2] + [8 + i for i in range(17)] + [32 + i for i in range(8)]
+    np.testing.assert_array_equal(col[:28], want)
+    assert valid[:28].all() and not valid[28:].any()
+
+
+@pytest.mark.parametrize("dequant,view,bias", [("f16", np.float16, 14), ("bf16", "bfloat16", 126)])
+def test_dequant_bits(dequant: str, view, bias: int) -> None:
+    """Every byte's low and high nibble placed by ``dequant_bits`` reads (as float16 / bf16, subnormals kept:
+    numpy, not XLA) as the e2m1 value times 2^-bias: the placement both kernel routes rely on."""
+    import ml_dtypes
+
+    dt = np.dtype(ml_dtypes.bfloat16) if view == "bfloat16" else np.dtype(view)
+    b = np.arange(256, dtype=np.uint16)
+    for nibble, code in ((0, b & 0xF), (1, b >> 4)):
+        bits = G.dequant_bits(b, nibble, dequant).astype(np.uint16)
+        got = bits.view(dt).astype(np.float64) * 2.0 ** bias
+        np.testing.assert_array_equal(got, E2M1[code])
+        np.testing.assert_array_equal(np.signbit(got), code >= 8)
+
+
+def test_pick_tiles() -> None:
+    assert G._pick_tiles(6, 256, 2048, 4096, None, None, None, None) == (8, 128, 256, 4)  # decode: split-K
+    assert G._pick_tiles(384, 256, 2048, 4096, None, None, None, None) == (8, 128, 256, 1)
+    assert G._pick_tiles(24576, 256, 4096, 2048, None, None, None, None) == (128, 128, 128, 1)  # prefill
+    assert G._fit_stages(4, 128, 128, 256, 2048) < 4  # a 128-row token tile: fewer stages fit SMEM
+
+
+# ----- errors ---------------------------------------------------------------------------------------------
+def _inputs(e=2, n=128, k=512, m=4):
+    return (jnp.ones((m, k), jnp.bfloat16), jnp.asarray([m] + [0] * (e - 1), jnp.int32),
+            jnp.zeros((e, n, k // 2), jnp.uint8), jnp.full((e, n, k // 32), 127, jnp.uint8))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas", "auto"])
+@pytest.mark.parametrize("change,field", [
+    (lambda a: (a[0].astype(jnp.float32), *a[1:]), "x"),
+    (lambda a: (a[0][None], *a[1:]), "x"),
+    (lambda a: (jnp.ones((4, 256), jnp.bfloat16), *a[1:]), "x"),
+    (lambda a: (a[0], a[1][:1], a[2], a[3]), "sizes"),
+    (lambda a: (a[0], a[1].astype(jnp.float32), a[2], a[3]), "sizes"),
+    (lambda a: (a[0], a[1], a[2].astype(jnp.int8), a[3]), "w_packed"),
+    (lambda a: (a[0], a[1], a[2][0], a[3]), "w_packed"),
+    (lambda a: (a[0], a[1], a[2], a[3][:, :, :8]), "w_scale"),
+    (lambda a: (a[0], a[1], a[2], a[3].astype(jnp.float32)), "w_scale"),
+])
+def test_bad_inputs(implementation: str, change, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        G.fp4_grouped_linear(*change(_inputs()), implementation=implementation)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(block_t=12), "block_t"), (dict(block_t=256), "block_t"), (dict(block_n=96), "block_n"),
+    (dict(block_k=64), "block_k"), (dict(split_k=3), "split_k"), (dict(split_k=0), "split_k"),
+    (dict(stages=0), "stages"), (dict(implementation="cuda"), "implementation"), (dict(dequant="fp8"), "dequant"),
+    (dict(dequant="bf16", interpret=True), "dequant"),
+])
+def test_bad_params(kwargs: dict, field: str) -> None:
+    a = _inputs(k=1024)  # K / 512 = 2 chunks: split_k 3 does not divide them
+    with pytest.raises(ValueError, match=field):
+        G.fp4_grouped_linear(*a, **{"implementation": "pallas", **kwargs})
+
+
+@pytest.mark.parametrize("n,k,what", [(96, 512, "N = 96"), (128, 256, "K = 256")])
+def test_unsupported_falls_back(n: int, k: int, what: str) -> None:
+    """N not a multiple of 64 / K not of 512: "pallas" raises Unsupported naming it, "auto" runs XLA."""
+    sizes = [3, 2]
+    x, sz, wp, ws = make_case(sizes, n, k, seed=4)
+    with pytest.raises(Unsupported, match=what):
+        G.fp4_grouped_linear(x, sz, wp, ws, implementation="pallas")
+    got = G.fp4_grouped_linear(x, sz, wp, ws, out_dtype=jnp.float32, implementation="auto")
+    want = G.fp4_grouped_linear(x, sz, wp, ws, out_dtype=jnp.float32, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    f = functools.partial(G.fp4_grouped_linear, implementation="auto")
+    text = str(jax.make_jaxpr(f)(x, sz, wp, ws))
+    assert not any(p + "[" in text for p in KERNEL_PRIMITIVES)
+
+
+# ----- lowering for CUDA on the CPU -----------------------------------------------------------------------
+def _lower_for_cuda(m: int, e: int, n: int, k: int, **tiles) -> str:
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    f = jax.jit(functools.partial(G.fp4_grouped_linear, implementation="pallas", interpret=False, **tiles))
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((e,), jnp.int32),
+            jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((e, n, k // 32), jnp.uint8))
+    dev = AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=dev)):
+        return f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU-only cross-lowering smoke test (the gpu tests compile for real)")
+@pytest.mark.parametrize("m,e,n,k,tiles", [
+    (6, 256, 2048, 4096, {}),  # V4-Flash w1 decode, batch 1 x top-6: split-K
+    (24576, 256, 4096, 2048, {}),  # w2 prefill, 4096 tokens x top-6: 128-row token tiles
+    pytest.param(384, 256, 4096, 2048, {}, marks=pytest.mark.slow),  # w2 decode, batch 64
+    pytest.param(40, 8, 512, 1024, dict(block_t=16, block_n=64, block_k=128, split_k=2), marks=pytest.mark.slow),
+    pytest.param(300, 4, 256, 1024, dict(block_t=128, block_k=512), marks=pytest.mark.slow),
+    (64, 256, 2048, 4096, dict(dequant="bf16")),  # the conversion-free dequantisation route
+])
+def test_lowers_for_cuda(m: int, e: int, n: int, k: int, tiles: dict) -> None:
+    """The kernel passes Mosaic GPU's lowering (register-A bf16 wgmma, swizzled TMA, layouts) for CUDA."""
+    text = _lower_for_cuda(m, e, n, k, **tiles)
+    assert "mosaic_gpu" in text and ".f32.bf16.bf16" in text
+
+
+# ----- native only: the model's shapes --------------------------------------------------------------------
+def _routed_sizes(rng, e: int, rows_per_expert: tuple[int, int], active: int) -> list[int]:
+    sizes = [0] * e
+    for i in rng.choice(e, active, replace=False):
+        sizes[i] = int(rng.integers(rows_per_expert[0], rows_per_expert[1] + 1))
+    return sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="native kernel needs a CUDA GPU")
+@pytest.mark.parametrize("dequant", G.DEQUANTS)
+@pytest.mark.parametrize("k,n", [(4096, 2048), (2048, 4096)])  # V4-Flash w1 / w3 and w2
+@pytest.mark.parametrize("e,regime", [(8, "decode"), (32, "decode"), (16, "prefill")])
+def test_native_model_shapes(k: int, n: int, e: int, regime: str, dequant: str) -> None:
+    """Decode: 1-4 rows on most experts, some with none; prefill: one group of 300 rows among small ones."""
+    rng = np.random.default_rng(k + e)
+    if regime == "decode":
+        sizes = _routed_sizes(rng, e, (1, 4), active=max(1, 3 * e // 4))
+    else:
+        sizes = _routed_sizes(rng, e, (1, 40), active=e // 2)
+        sizes[int(np.flatnonzero(sizes)[0])] = 300
+    x, sz, wp, ws = make_case(sizes, n, k, extra_rows=3, seed=e)
+    got = G.fp4_grouped_linear(x, sz, wp, ws, out_dtype=jnp.float32, implementation="pallas", dequant=dequant)
+    ref, ab = reference(x, sizes, wp, ws)
+    check(got, ref, ab, rtol("native", k), sizes)
+    got16 = G.fp4_grouped_linear(x, sz, wp, ws, out_dtype=jnp.bfloat16, implementation="pallas", dequant=dequant)
+    check(got16, ref, ab, rtol("native", k), sizes)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="native kernel needs a CUDA GPU")
+@pytest.mark.parametrize("tiles", [{}, dict(block_n=64), dict(block_k=128), dict(block_k=512), dict(split_k=2),
+                                   dict(block_t=16), dict(block_t=128), dict(dequant="bf16"),
+                                   dict(dequant="bf16", block_n=64, block_k=512)])
+def test_native_one_tile(tiles: dict) -> None:
+    """One expert, one row, one N tile (64 or 128 rows of W), K = 1024: a wrong tile, column order, scale
+    block or nibble shows up alone; exact data, so bit-equal to the reference."""
+    sizes = [0, 1]
+    x, sz, wp, ws = exact_case(sizes, tiles.get("block_n", 128), 1024, seed=1)
+    got = G.fp4_grouped_linear(x, sz, wp, ws, out_dtype=jnp.float32, implementation="pallas", **tiles)
+    ref, _ = reference(x, sizes, wp, ws)
+    bad = np.nonzero(np.asarray(got, np.float64) != ref)
+    assert bad[0].size == 0, f"{bad[0].size} wrong elements; first (row, col): {list(zip(*bad))[:10]}"
+
+
+@pytest.mark.parametrize("mode,dequant", [("interpret", "f16"),
+                                          pytest.param("native", "f16", marks=pytest.mark.gpu),
+                                          pytest.param("native", "bf16", marks=pytest.mark.gpu)])
+def test_impulse_columns(mode: str, dequant: str) -> None:
+    """x = identity (one expert, K rows): row j of y is column j of W, so a wrong column order, nibble, scale
+    block or token row shows up as "row j reads W's column j'" (the message names them)."""
+    interpret = interpret_for(mode)
+    k, n = 512, 128
+    _, _, wp, ws = make_case([1, 1], n, k, seed=2)
+    x, sizes = jnp.eye(k, dtype=jnp.bfloat16), [0, k]
+    got = np.asarray(G.fp4_grouped_linear(x, jnp.asarray(sizes, jnp.int32), wp, ws, out_dtype=jnp.float32,
+                                          implementation="pallas", interpret=interpret, dequant=dequant), np.float64)
+    w = ref_weights(wp, ws)[1]  # [n, k]
+    bad = [j for j in range(k) if not np.array_equal(got[j], w[:, j])]
+    if bad:
+        reads = {j: [int(i) for i in np.flatnonzero((w.T == got[j]).all(axis=1))][:3] for j in bad[:8]}
+        pytest.fail(f"{len(bad)} of {k} rows wrong; row j -> columns of W it equals: {reads}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="native kernel needs a CUDA GPU")
+@pytest.mark.parametrize("dequant", G.DEQUANTS)
+@pytest.mark.parametrize("k,n", [(4096, 2048), (2048, 4096)])
+def test_native_exact_bit_equal_xla(k: int, n: int, dequant: str) -> None:
+    """Exact data at the model's K and N with decode and prefill groups: kernel == XLA path == reference."""
+    rng = np.random.default_rng(k)
+    sizes = _routed_sizes(rng, 16, (1, 4), active=10)
+    sizes[int(np.flatnonzero(sizes)[-1])] = 300
+    x, sz, wp, ws = exact_case(sizes, n, k, seed=2)
+    got = np.asarray(G.fp4_grouped_linear(x, sz, wp, ws, out_dtype=jnp.float32, implementation="pallas",
+                                          dequant=dequant))
+    want = np.asarray(G.fp4_grouped_linear(x, sz, wp, ws, out_dtype=jnp.float32, implementation="xla"))
+    ref, _ = reference(x, sizes, wp, ws)
+    np.testing.assert_array_equal(got.astype(np.float64), ref)
+    np.testing.assert_array_equal(got, want)
