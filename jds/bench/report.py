@@ -159,6 +159,29 @@ def _fp8_gemm(d: dict) -> list[str]:
                 "of copy bw", "torch / pallas"], rows)
 
 
+def _fp4_grouped(d: dict) -> list[str]:
+    """FP4 grouped expert GEMM: per token count, the kernel's time and fraction of the copy bandwidth for the
+    two V4-Flash expert shapes, and the XLA path it replaces."""
+    by: dict[int, dict[tuple[str, str], dict]] = {}
+    for r in d.get("rows", []):
+        if "error" not in r and r.get("impl") in ("pallas", "pallas[dequant=bf16]", "xla"):
+            by.setdefault(r["tokens"], {})[(r["shape"], r["impl"])] = r
+    rows = []
+    for t, per in sorted(by.items()):
+        row = [str(t), _fmt(per.get(("w1", "pallas"), {}).get("active_experts"), 1)]
+        for sh in ("w1", "w2"):
+            p, b, x = (per.get((sh, i), {}) for i in ("pallas", "pallas[dequant=bf16]", "xla"))
+            row += [_fmt(p.get("median_us"), 1), _pct(p.get("hbm_frac")), _fmt(b.get("median_us"), 1),
+                    _pct(b.get("hbm_frac")), _ratio(x.get("median_us"), p.get("median_us"))]
+        rows.append(row)
+    m = d.get("meta", {})
+    cols = [f"{sh} {c}" for sh in ("w1 4096->2048", "w2 2048->4096")
+            for c in ("µs", "of copy bw", "bf16-dequant µs", "of copy bw", "xla / pallas")]
+    return [f"256 experts, top-6 routing of `tokens` tokens (bytes: the active experts' packed weights and scales, x, "
+            f"y); median µs per call, copy {_fmt(m.get('copy_bytes_per_s', 0) / 1e12)} TB/s in the same run:", ""] + \
+        _table(["tokens", "active experts"] + cols, rows)
+
+
 def _thunks(d: dict) -> list[str]:
     rows = [[arch] + [_fmt(per.get(m, {}).get("direct_launches_per_step")) for m in MODES]
             for arch, per in d.get("archs", {}).items()]
@@ -384,6 +407,7 @@ RENDERERS: list[tuple[Callable[[str, dict], bool], Callable[[dict], list[str]]]]
     (lambda b, d: b.startswith("ttft"), _ttft),
     (lambda b, d: b.startswith("batch_invariant"), _batch_invariant),
     (lambda b, d: b.startswith("kernels_fp8_gemm"), _fp8_gemm),
+    (lambda b, d: b.startswith("kernels_fp4_grouped"), _fp4_grouped),
     (lambda b, d: b.startswith("kernels"), _kernels),
 ]
 
