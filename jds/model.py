@@ -22,7 +22,7 @@ from jds.batch import PagedBatch
 from jds.config import ModelConfig, preset  # noqa: F401  (defined in jds.config; re-exported here)
 from jds.nn import Linear, RMSNorm, jdtype
 from jds.ops.dispatch import op_implementation
-from jds.v4_block import HCHead, HyperConnection, V4Block, V4BlockConfig, expand_streams
+from jds.v4_block import FP4Experts, HCHead, HyperConnection, V4Block, V4BlockConfig, expand_streams
 
 
 class MLP(nnx.Module):
@@ -224,12 +224,13 @@ class Decoder(nnx.Module):
             from jds.mtp import MTPModule
             self.mtp = nnx.List([MTPModule(cfg, k, implementation, rngs, indexer_config)
                                  for k in range(cfg.mtp_layers)])
-        # every FP8 linear runs the GEMM the layers' ops run: the kernel where it applies on a GPU, else XLA.
+        # every FP8 linear and FP4 expert stack runs the GEMM the layers' ops run: the kernel where it applies on
+        # a GPU, else XLA.
         # Off a GPU the linears stay on XLA even for "pallas" layers: interpret mode (the attention kernels'
         # CPU stand-in) would run every GEMM in Python; tests/test_kernel_fp8_gemm.py covers the kernel there.
         gemm = op_implementation(implementation) if jax.default_backend() == "gpu" else "xla"
         for _, m in nnx.iter_modules(self):
-            if isinstance(m, Linear):
+            if isinstance(m, (Linear, FP4Experts)):
                 m.implementation = gemm
 
     def zero_hidden(self, num_tokens: int) -> Any:

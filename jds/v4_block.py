@@ -66,6 +66,7 @@ from flax import nnx
 from jds.nn import Linear
 from jds.ops.norms import rms_norm
 from jds.ops.quant import FP4_WEIGHT_BLOCK, fake_quant, fp4_dequant, random_fp4_weight
+from pallas_kernels.fp4_grouped_gemm import fp4_grouped_linear
 
 HIGHEST = jax.lax.Precision.HIGHEST
 ACT_BLOCK = 128  # the release's act_quant block of an FP8 / FP4 linear's input
@@ -395,10 +396,22 @@ class FP4Experts(nnx.Module):
 
     _flat_export = True  # names: ffn.w1 (the packed codes) and ffn.w1.scale, not ffn.w1.weight
 
-    def __init__(self, shape: tuple[int, int, int], fan_in: int, rngs: nnx.Rngs):
+    def __init__(self, shape: tuple[int, int, int], fan_in: int, rngs: nnx.Rngs, implementation: str = "xla"):
+        """``implementation`` picks the grouped GEMM (``pallas_kernels.fp4_grouped_gemm``: "xla", "pallas" or
+        "auto"); a ``Decoder`` sets it from its own, as for its FP8 linears."""
         packed, scale = random_fp4_weight(rngs.params(), shape, fan_in ** -0.5)
         self.weight = nnx.Param(packed)
         self.scale = nnx.Param(scale)
+        self.implementation = implementation
+
+    def ragged(self, x: jax.Array, sizes: jax.Array) -> jax.Array:
+        """Rows of x [M, in] grouped by expert (``sizes`` [E]) times their expert's W^T, in x.dtype. bf16 rows
+        run the grouped FP4 GEMM (the kernel dequantises in registers, reading only the experts that have
+        rows); float32 rows (exact numerics) multiply the dequantised stack in float32."""
+        if x.dtype != jnp.bfloat16:
+            return _ragged_linear(x, self.dequant(x.dtype), sizes, x.dtype)
+        return fp4_grouped_linear(x, sizes, self.weight[...], self.scale[...], out_dtype=x.dtype,
+                                  implementation=self.implementation)
 
     def dequant(self, dtype: jnp.dtype, index: jax.Array | None = None) -> jax.Array:
         """The float weights [E, out, in] (or those of experts ``index`` [..., out, in]) in ``dtype``: exact,
@@ -422,8 +435,9 @@ class V4MoE(nnx.Module):
     ffn-normed activations [T, d] and their token ids [T].
 
     Routed experts are activation-dtype weights (``nnx.Param``), or with ``cfg.experts_fp4`` ``FP4Experts`` as
-    the release stores them, dequantised inside the step (the XLA path; no FP4 kernel yet) with each expert
-    GEMM's input re-quantised to e4m3 per 128 as the release does (``_expert_input``)."""
+    the release stores them, multiplied by the grouped FP4 GEMM (``FP4Experts.ragged``: the kernel on a GPU,
+    dequantise + ragged dot in XLA elsewhere; the gather path dequantises the picked experts) with each
+    expert GEMM's input re-quantised to e4m3 per 128 as the release does (``_expert_input``)."""
 
     def __init__(self, cfg: V4BlockConfig, layer_id: int, rngs: nnx.Rngs):
         e, d, f, dt = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.jdtype
@@ -455,6 +469,13 @@ class V4MoE(nnx.Module):
             return self._routed_gather(x, weights, indices)
         return self._routed_ragged(x, weights, indices)
 
+    def _grouped(self, name: str, x: jax.Array, sizes: jax.Array) -> jax.Array:
+        """Expert matrix ``name`` applied to rows grouped by expert, in x.dtype."""
+        w = getattr(self, name)
+        if isinstance(w, FP4Experts):
+            return w.ragged(x, sizes)
+        return _ragged_linear(x, self.expert_weights(name, x.dtype), sizes, x.dtype)
+
     def _routed_gather(self, x: jax.Array, weights: jax.Array, indices: jax.Array) -> jax.Array:
         dt, fp4 = x.dtype, self.cfg.experts_fp4
         prec = HIGHEST if dt == jnp.float32 else None
@@ -475,10 +496,9 @@ class V4MoE(nnx.Module):
         rows = order // k  # token of each sorted (token, slot) pair
         sizes = jnp.bincount(flat, length=self.cfg.n_routed_experts).astype(jnp.int32)
         xs = _expert_input(x, fp4)[rows]  # the quantisation is per token row: done once, before the gather
-        h = swiglu(_ragged_linear(xs, self.expert_weights("w1", dt), sizes, dt),
-                   _ragged_linear(xs, self.expert_weights("w3", dt), sizes, dt), self.cfg.swiglu_limit)
+        h = swiglu(self._grouped("w1", xs, sizes), self._grouped("w3", xs, sizes), self.cfg.swiglu_limit)
         h = _expert_input((h * weights.reshape(-1)[order][:, None]).astype(dt), fp4)
-        y = _ragged_linear(h, self.expert_weights("w2", dt), sizes, dt)
+        y = self._grouped("w2", h, sizes)
         # Un-sort with a permutation (no scatter-add), then sum the k slots in slot order: deterministic, and
         # the same summation as the gather path.
         y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)

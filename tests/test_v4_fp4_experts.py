@@ -410,3 +410,27 @@ def test_lone_fp4_expert_without_expert_dtype_dequantises(tmp_path, fp4_source):
     got = read_checkpoint(tmp_path / "out")["layers.0.ffn.w3"][2].astype(np.float64)
     want = np_fp4_weight(weights["layers.0.ffn.w3"][2], weights["layers.0.ffn.w3.scale"][2])
     np.testing.assert_array_equal(got, want)
+
+
+def test_fp4_experts_run_the_grouped_kernel_where_set():
+    """``FP4Experts.ragged`` dispatches on its ``implementation`` (which a ``Decoder`` sets from its own, "xla"
+    off a GPU): the kernel (GPU interpret mode here) and the XLA path give the same grouped product, to fp32
+    summation order then one bf16 rounding; float32 rows stay on the dequantised float32 product."""
+    e, n, k = 3, 64, 512  # the kernel's smallest shapes: N a multiple of 64, K of 512
+    experts = FP4Experts((e, n, k), k, nnx.Rngs(5))
+    assert experts.implementation == "xla"
+    x = jax.random.normal(jax.random.key(6), (9, k), jnp.float32).astype(jnp.bfloat16)
+    sizes = jnp.array([4, 0, 5], jnp.int32)
+    want = np.asarray(experts.ragged(x, sizes), np.float32)
+    experts.implementation = "pallas"
+    got = np.asarray(experts.ragged(x, sizes), np.float32)
+    np.testing.assert_allclose(got, want, rtol=2.0 ** -7, atol=1e-6)
+    f32 = experts.ragged(x.astype(jnp.float32), sizes)  # exact numerics: not the bf16 kernel
+    assert f32.dtype == jnp.float32
+    ref = np.concatenate([np.asarray(x[:4], np.float32) @ np.asarray(experts.dequant(jnp.float32)[0]).T,
+                          np.asarray(x[4:], np.float32) @ np.asarray(experts.dequant(jnp.float32)[2]).T])
+    np.testing.assert_allclose(np.asarray(f32), ref, rtol=1e-5, atol=1e-5)
+    model = Decoder(fp4_cfg(), seed=4, implementation="pallas")  # off a GPU every GEMM stays on XLA
+    stacks = [m for _, m in nnx.iter_modules(model) if isinstance(m, FP4Experts)]
+    assert stacks and all(m.implementation == ("auto" if jax.default_backend() == "gpu" else "xla")
+                          for m in stacks)
