@@ -10,6 +10,7 @@
 #   scripts/gpu_session.sh compare       # issue 18: jds beside the PyTorch comparator, one run, one table (V3.2, 8 layers)
 #   scripts/gpu_session.sh torch-profile # issue 18: the comparator's eager step, device time per stage (torch.profiler)
 #   scripts/gpu_session.sh fp8gemm       # issue 19: the FP8 block-scaled GEMM kernel: native tests, then the bench
+#   scripts/gpu_session.sh fp4gemm       # issue 22: the FP4 grouped expert GEMM: native tests, then the bench
 #   scripts/gpu_session.sh probe         # host cost of a captured step: preparation vs dispatch, graphs vs none
 #   scripts/gpu_session.sh boundary      # bench_boundary, V3.2 + V4, compiled in parallel processes first
 #   scripts/gpu_session.sh boundary-v4   # the V4 stack alone (all three modes)
@@ -97,6 +98,13 @@ case "$stage" in
     timeout -s INT ${FP8B_TIMEOUT:-200} python3 -m jds.bench.kernels_fp8_gemm --shapes ${FP8_SHAPES:-wo mlp} \
       --ms ${FP8_MS:-1 64 128 2048 8192} --out "$OUT/kernels_fp8_gemm_h200.json" > "$OUT/fp8_gemm_bench.log" 2>&1
     echo "fp8 bench rc=$?"; tail -30 "$OUT/fp8_gemm_bench.log" | cut -c1-220
+    ;;
+  fp4gemm)
+    timeout -s INT ${FP4T_TIMEOUT:-150} python3 -m pytest -m gpu -q -n 6 --tb=short -p no:cacheprovider \
+      tests/test_kernel_fp4_grouped_gemm.py > "$OUT/fp4_grouped_tests.log" 2>&1; echo "fp4 tests rc=$?"; tail -5 "$OUT/fp4_grouped_tests.log"
+    timeout -s INT ${FP4B_TIMEOUT:-250} python3 -m jds.bench.kernels_fp4_grouped ${FP4_ARGS:-} \
+      --out "$OUT/kernels_fp4_grouped_h200.json" > "$OUT/fp4_grouped_bench.log" 2>&1
+    echo "fp4 bench rc=$?"; tail -12 "$OUT/fp4_grouped_bench.log" | cut -c1-220
     ;;
   probe)
     # one process per variant (update modes pick XLA's allocator at start-up); fused first: one executable
