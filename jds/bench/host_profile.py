@@ -48,6 +48,18 @@ def _self_times(events: list[tuple[str, int, int]]) -> list[tuple[str, int, int]
     return [(n, s, max(0, slf)) for n, s, slf, _ in out]
 
 
+def _event_name(e: Any) -> str:
+    """An event's name; an annotation whose name came back unresolved ("<UNKNOWN>", seen in an H200 trace of
+    2026-12-01) is named by a string stat equal to one of ours, if it carries one."""
+    name = str(e.name)
+    if name in WINDOWS or name == "jds_step" or not name.startswith("<"):
+        return name
+    for _, v in e.stats:
+        if isinstance(v, str) and (v in WINDOWS or v == "jds_step"):
+            return v
+    return name
+
+
 def read_trace(trace_dir: str) -> dict[str, Any]:
     """Reduce the xplane under ``trace_dir`` to per-step window times, host self times and GPU timing."""
     from jax.profiler import ProfileData
@@ -63,7 +75,7 @@ def read_trace(trace_dir: str) -> dict[str, Any]:
     for plane in pd.planes:
         if plane.name == "/host:CPU":
             for line in plane.lines:
-                host_lines[line.name] = [(e.name, int(e.start_ns), int(e.duration_ns)) for e in line.events]
+                host_lines[line.name] = [(_event_name(e), int(e.start_ns), int(e.duration_ns)) for e in line.events]
         elif plane.name.startswith("/device:GPU"):
             for line in plane.lines:
                 device_lines.append(f"{plane.name}|{line.name}")
@@ -87,7 +99,11 @@ def read_trace(trace_dir: str) -> dict[str, Any]:
     if not n:
         seen = {f"{ln}": len(evs) for ln, evs in host_lines.items()}
         names = sorted({e[0] for evs in host_lines.values() for e in evs})[:60]
-        raise ValueError(f"the trace holds no jds_step annotation; planes {[p.name for p in pd.planes]}, "
+        unknown = [(ln, [(str(e.name), list(e.stats)[:4]) for e in pl.events][:3])
+                   for p in pd.planes if p.name == "/host:CPU" for pl in p.lines for ln in [pl.name]
+                   if any(str(e.name).startswith("<") for e in pl.events)][:3]
+        raise ValueError(f"the trace holds no jds_step annotation (unresolved names, first events and stats: "
+                         f"{unknown}); planes {[p.name for p in pd.planes]}, "
                          f"host lines {seen}, files {files}, names {names}")
     for w in windows.values():
         w.sort()
