@@ -55,7 +55,7 @@ def _steps(arch: str) -> list[list[Chunk]]:
 
 
 def _inputs(arch: str, cfg):
-    """Per step: (token ids, chunks, the jds PagedBatch, logits indices); the same for every run."""
+    """Per step: (token ids, chunks, block table, the jds PagedBatch, logits indices); the same for every run."""
     bt = np.arange(NB, dtype=np.int32).reshape(2, -1)
     rng = np.random.default_rng(1)
     for chunks in _steps(arch):

@@ -99,9 +99,9 @@ def read_trace(trace_dir: str) -> dict[str, Any]:
     if not n:
         seen = {f"{ln}": len(evs) for ln, evs in host_lines.items()}
         names = sorted({e[0] for evs in host_lines.values() for e in evs})[:60]
-        unknown = [(ln, [(str(e.name), list(e.stats)[:4]) for e in pl.events][:3])
-                   for p in pd.planes if p.name == "/host:CPU" for pl in p.lines for ln in [pl.name]
-                   if any(str(e.name).startswith("<") for e in pl.events)][:3]
+        unknown = [(line.name, [(str(e.name), list(e.stats)[:4]) for e in list(line.events)[:3]])
+                   for plane in pd.planes if plane.name == "/host:CPU" for line in plane.lines
+                   if any(str(e.name).startswith("<") for e in line.events)][:3]
         raise ValueError(f"the trace holds no jds_step annotation (unresolved names, first events and stats: "
                          f"{unknown}); planes {[p.name for p in pd.planes]}, "
                          f"host lines {seen}, files {files}, names {names}")

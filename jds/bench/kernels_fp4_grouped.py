@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jds.bench.results import write_json
+from jds.bench.results import error_text, write_json
 from jds.bench.timing import device_row, measure_ceilings, time_fn
 from jds.ops import quant
 from pallas_kernels import fp4_grouped_gemm as fp4g
@@ -58,10 +58,6 @@ REF_ROWS = 32
 L2_BYTES = 50 * 2 ** 20
 SWEEP = [dict(block_k=bk, split_k=s, block_n=bn) for bk in (128, 256, 512) for s in (1, 2, 4, 8) for bn in (64, 128)]
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
-
-
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e)[:800]}"
 
 
 def default_out() -> str:
@@ -153,7 +149,7 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool) -> Iterator[dict]:
         ref, ab = _reference_rows(c, rows)
     except Exception as ex:  # noqa: BLE001
         ref = ab = None
-        yield {**base, "impl": "reference", "error": _err(ex)}
+        yield {**base, "impl": "reference", "error": error_text(ex)}
     args = (c["x"], c["sizes"], c["wp"], c["ws"])
     iters = 3 if quick else (50 if m <= 512 else 10)
     variants = [("pallas", {})] + ([] if quick else [("pallas[dequant=bf16]", dict(dequant="bf16"))])
@@ -186,7 +182,7 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool) -> Iterator[dict]:
                 r.update({key: v / rot for key, v in d.items()})
             _rates(r, nbytes, ceil)
         except Exception as ex:  # noqa: BLE001
-            r["error"] = _err(ex)
+            r["error"] = error_text(ex)
             r["traceback"] = traceback.format_exc()[-2000:]
         yield r
 
@@ -204,14 +200,14 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None, tokens: Sequence[
         try:
             wp, ws = _experts(k, n, e, sub)  # one stack per shape (1 GiB packed for V4-Flash's w1)
         except Exception as ex:  # noqa: BLE001
-            yield {"kernel": "fp4_grouped", "case": name, "impl": "setup", "error": _err(ex)}
+            yield {"kernel": "fp4_grouped", "case": name, "impl": "setup", "error": error_text(ex)}
             continue
         for t in (tokens or (QUICK_TOKENS if quick else TOKENS)):
             key, sub = jax.random.split(key)
             try:
                 c = _case(name, k, n, t, top_k, wp, ws, sub, quick)
             except Exception as ex:  # noqa: BLE001
-                yield {"kernel": "fp4_grouped", "case": f"{name}_t{t}", "impl": "setup", "error": _err(ex)}
+                yield {"kernel": "fp4_grouped", "case": f"{name}_t{t}", "impl": "setup", "error": error_text(ex)}
                 continue
             yield from run_case(c, ceil, quick, sweep)
             del c

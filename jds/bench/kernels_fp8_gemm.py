@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jds.bench.results import write_json
+from jds.bench.results import error_text, write_json
 from jds.bench.timing import device_row, measure_ceilings, time_fn
 from jds.ops import quant
 from pallas_kernels import fp8_gemm
@@ -62,10 +62,6 @@ SWEEP = [dict(block_n=bn, split_k=s) for bn in (64, 128) for s in (1, 4, 8, 14, 
 # (128 + block_n) x 128 bytes, so 256-wide tiles take at most 4 stages
 SWEEP_LARGE = [dict(block_n=bn, stages=st, group_m=g) for bn, sts in ((128, (4, 6)), (256, (3, 4)))
                for st in sts for g in (8, 16)]
-
-
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e)[:800]}"
 
 
 def _torch():
@@ -146,7 +142,7 @@ def _torch_scaled_mm(torch, xq, sx, wq, ws, out_dtype):
             torch.cuda.synchronize()
             return fn, name, errors
         except Exception as e:  # noqa: BLE001 - try the next scaling mode
-            errors[name] = _err(e)
+            errors[name] = error_text(e)
     return None, None, errors
 
 
@@ -208,18 +204,14 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch) -> Iterator[d
         ref, ab = _reference(x, wq, ws)
     except Exception as e:  # noqa: BLE001
         ref = ab = None
-        yield {**base, "impl": "reference", "error": _err(e)}
+        yield {**base, "impl": "reference", "error": error_text(e)}
     iters = _iters(flops)
 
     # (a) the kernel (default tiles, plus the sweep)
     variants = [("pallas", {})]
-    if sweep and m <= 128:
-        nk = k // 128
-        variants += [(f"pallas[block_n={v['block_n']},split_k={v['split_k']}]", v) for v in SWEEP
-                     if nk % v["split_k"] == 0 and n % v["block_n"] == 0]
-    elif sweep and m >= 2048:
-        variants += [("pallas[" + ",".join(f"{a}={b}" for a, b in v.items()) + "]", v) for v in SWEEP_LARGE
-                     if n % v["block_n"] == 0]
+    table = (SWEEP if m <= 128 else SWEEP_LARGE if m >= 2048 else []) if sweep else []
+    variants += [("pallas[" + ",".join(f"{a}={b}" for a, b in v.items()) + "]", v) for v in table
+                 if (k // 128) % v.get("split_k", 1) == 0 and n % v["block_n"] == 0]
     for name, tiles in variants:
         r = {**base, "impl": name}
         try:
@@ -242,7 +234,7 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch) -> Iterator[d
                 r["act_quant_us"] = time_fn(aq, x, iters=3 if quick else 20)["median_us"]
             _rates(r, flops, fp8_bytes, ceil)
         except Exception as e:  # noqa: BLE001
-            r["error"] = _err(e)
+            r["error"] = error_text(e)
             r["traceback"] = traceback.format_exc()[-2000:]
         yield r
 
@@ -254,7 +246,7 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch) -> Iterator[d
         r.update(time_fn(f, x, wq, ws, iters=3 if quick else iters))
         _rates(r, flops, fp8_bytes, ceil)
     except Exception as e:  # noqa: BLE001
-        r["error"] = _err(e)
+        r["error"] = error_text(e)
     yield r
 
     # (c) torch._scaled_mm on the same e4m3 operands
@@ -272,7 +264,7 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch) -> Iterator[d
                 r["median_us"] = _torch_time_us(torch, fn, iters=iters)
                 _rates(r, flops, fp8_bytes, ceil)
         except Exception as e:  # noqa: BLE001
-            r["error"] = _err(e)
+            r["error"] = error_text(e)
         yield r
 
     # (d) bf16 matmul
@@ -287,7 +279,7 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch) -> Iterator[d
         _rates(r, flops, 2.0 * n * k + 2.0 * m * k + 2.0 * m * n, ceil)
         del wb
     except Exception as e:  # noqa: BLE001
-        r["error"] = _err(e)
+        r["error"] = error_text(e)
     yield r
 
 
@@ -306,7 +298,7 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None, ms: Sequence[int]
             try:
                 c = _case(name, k, n, m, quick, sub)
             except Exception as e:  # noqa: BLE001
-                yield {"kernel": "fp8_gemm", "case": f"{name}_m{m}", "impl": "setup", "error": _err(e)}
+                yield {"kernel": "fp8_gemm", "case": f"{name}_m{m}", "impl": "setup", "error": error_text(e)}
                 continue
             yield from run_case(c, ceil, quick, sweep, torch)
             del c
@@ -320,7 +312,7 @@ def _peak(quick: bool) -> dict:
     try:
         return fp8_peak(torch)
     except Exception as e:  # noqa: BLE001
-        return {"fp8_flops_per_s": None, "fp8_peak_how": _err(e)}
+        return {"fp8_flops_per_s": None, "fp8_peak_how": error_text(e)}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -37,6 +37,7 @@ from jds.ops.quant import FP8
 from jds.ops.records import IndexerRecord132
 from jds.ops.select import radix_topk
 from pallas_kernels import sparse_indexer as si
+from jds.bench.results import error_text
 from jds.bench.timing import device_row, time_fn
 from pallas_kernels.topk_select import TopkSelectConfig, topk_select
 
@@ -197,7 +198,7 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
                 yield (_row(case, "pallas", f, (lg, min(K, c)), 4 * b * c, 0, quick))
             except Exception as e:  # a lowering failure is a result too; the other rows still get measured
                 yield {"kernel": "sparse_indexer", "case": case, "impl": "pallas", "bytes": 4 * b * c, "flops": 0,
-                       "error": f"{type(e).__name__}: {str(e)[:2000]}"}
+                       "error": error_text(e, 2000)}
         for seg in ((1024,) if quick else (8192, 16384)):  # two-stage (exact) variant
             yield (_row(f"topk_k{K}_b{b}_c{c}_seg{seg}", "xla", topk, (lg, K, seg, "lax"), 4 * b * c, 0, quick))
         del lg

@@ -7,6 +7,11 @@ import os
 from typing import Any
 
 
+def error_text(e: BaseException, limit: int = 800) -> str:
+    """A failed row's ``error`` field: the exception's type and the start of its message."""
+    return f"{type(e).__name__}: {str(e)[:limit]}"
+
+
 def write_json(path: str, obj: Any) -> None:
     """Write ``obj`` to ``path`` atomically (temp file + rename), creating the folder.
 

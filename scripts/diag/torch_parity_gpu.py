@@ -13,19 +13,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.getcwd())
-from tests.test_compare_torch import _compare  # noqa: E402
+from tests.test_compare_torch import _compare, _differ as topk_diff, _rel as rel  # noqa: E402
 from jds.config import Numerics  # noqa: E402
-
-
-def rel(a, b):
-    return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max() / np.abs(np.asarray(b)).max())
-
-
-def topk_diff(ta, tb):
-    out = []
-    for a, b in zip(ta, tb):
-        out.append(int(sum(set(x[x >= 0].tolist()) != set(y[y >= 0].tolist()) for x, y in zip(a, b))))
-    return out
 
 
 def cache_bytes(res):
