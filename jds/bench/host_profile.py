@@ -60,8 +60,12 @@ def _event_name(e: Any) -> str:
     return name
 
 
-def read_trace(trace_dir: str) -> dict[str, Any]:
-    """Reduce the xplane under ``trace_dir`` to per-step window times, host self times and GPU timing."""
+def read_trace(trace_dir: str, marks: list[tuple[str, int, int]] | None = None) -> dict[str, Any]:
+    """Reduce the xplane under ``trace_dir`` to per-step window times, host self times and GPU timing.
+
+    ``marks``: the same windows as (name, start, end) read from ``time.time_ns()`` around them, used when the
+    trace holds no named step annotation (H200 traces of 2026-11-30 and 12-01 came back with the
+    annotations' names unresolved); the trace's timestamps are the same wall clock."""
     from jax.profiler import ProfileData
 
     files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
@@ -94,6 +98,13 @@ def read_trace(trace_dir: str) -> dict[str, Any]:
                 windows[name].append((s, s + d))
             elif name == "jds_step":
                 steps.append((s, s + d))
+    source = "annotations"
+    if not steps and marks:
+        offset = _mark_offset(marks, [ev for evs in host_lines.values() for ev in evs])
+        if offset is not None:
+            source = "host_clock"
+            for name, s0, s1 in marks:
+                (steps if name == "jds_step" else windows[name]).append((s0 + offset, s1 + offset))
     steps.sort()
     n = len(steps)
     if not n:
@@ -115,11 +126,13 @@ def read_trace(trace_dir: str) -> dict[str, Any]:
                     return w
         return None
 
+    step_starts = {s for s, _ in steps}  # the unnamed step annotations themselves (host_clock windows)
     self_ns: dict[tuple[str, str], int] = defaultdict(int)
     count: dict[tuple[str, str], int] = defaultdict(int)
     for evs in host_lines.values():
         for name, s, slf in _self_times(evs):
-            if name in windows or name == "jds_step":
+            if name in windows or name == "jds_step" or (
+                    name.startswith("<") and any(abs(s - t) <= 20_000 for t in step_starts)):
                 continue
             w = window_of(s)
             if w is None:
@@ -131,26 +144,62 @@ def read_trace(trace_dir: str) -> dict[str, Any]:
              "count_per_step": count[(w, name)] / n} for w, name in top[:40]]
     res: dict[str, Any] = {
         "steps": n,
+        "windows_from": source,
         "window_ms": {w: sum(e - s for s, e in spans) / n / 1e6 for w, spans in windows.items()},
         "host_self_top": rows,
         "device_lines": device_lines,
     }
     if compute_events:
         compute_events.sort()
-        first_after, span, busy = [], [], []
-        for i, (s0, _) in enumerate(steps):
+        first_after, span, busy, tail, gaps = [], [], [], [], []
+        for i, (s0, s1) in enumerate(steps):
             nxt = steps[i + 1][0] if i + 1 < n else float("inf")
             mine = [(s, d) for s, d in compute_events if s0 <= s < nxt]
             if not mine:
                 continue
+            end = max(s + d for s, d in mine)
             first_after.append((mine[0][0] - s0) / 1e6)
-            span.append((max(s + d for s, d in mine) - mine[0][0]) / 1e6)
+            span.append((end - mine[0][0]) / 1e6)
             busy.append(sum(d for _, d in mine) / 1e6)
+            tail.append((s1 - end) / 1e6)
+            gaps.append(_largest_gaps(mine))
         med = lambda xs: sorted(xs)[len(xs) // 2] if xs else None  # noqa: E731
         res["gpu"] = {"first_kernel_after_step_start_ms": med(first_after), "device_span_ms": med(span),
-                      "kernel_busy_ms": med(busy), "kernels_per_step": len(compute_events) / n,
-                      "device_events_per_step": len(device_events) / n}
+                      "kernel_busy_ms": med(busy), "step_end_after_last_kernel_ms": med(tail),
+                      "kernels_per_step": len(compute_events) / n,
+                      "device_events_per_step": len(device_events) / n,
+                      "largest_idle_gaps_us_median_step": gaps[len(gaps) // 2] if gaps else None}
     return res
+
+
+def _mark_offset(marks: list[tuple[str, int, int]], events: list[tuple[str, int, int]],
+                 tol_ns: int = 20_000) -> int | None:
+    """trace time - wall clock, from the trace's events that match the step marks (the step annotations with
+    their names lost: each step's outermost event lasts as long as its mark); None if they do not line up.
+
+    ProfileData's timestamps count from the trace's start, so the marks need this offset."""
+    steps = sorted((s0, s1 - s0) for name, s0, s1 in marks if name == "jds_step")
+    if not steps:
+        return None
+    for cand_start, cand_dur in sorted((s, d) for _, s, d in events):
+        if abs(cand_dur - steps[0][1]) > tol_ns:
+            continue
+        off = cand_start - steps[0][0]
+        starts = {s for _, s, _ in events}
+        ok = all(any(abs(t - (s0 + off)) <= tol_ns for t in starts) for s0, _ in steps[1:])
+        if ok:
+            return off
+    return None
+
+
+def _largest_gaps(kernels: list[tuple[int, int]], top: int = 8) -> list[dict[str, float]]:
+    """The ``top`` longest idle stretches between consecutive kernels of one step: (after kernel #, µs)."""
+    out, end = [], None
+    for i, (s, d) in enumerate(sorted(kernels)):
+        if end is not None and s > end:
+            out.append({"after_kernel": i - 1, "idle_us": (s - end) / 1e3})
+        end = s + d if end is None else max(end, s + d)
+    return sorted(out, key=lambda g: -g["idle_us"])[:top]
 
 
 def profile_depth(arch: str, layers: int, mode: str, steps: int, implementation: str,
@@ -180,18 +229,25 @@ def profile_depth(arch: str, layers: int, mode: str, steps: int, implementation:
     opts = profiler.ProfileOptions()
     opts.host_tracer_level = 2
     opts.python_tracer_level = 0
+    marks: list[tuple[str, int, int]] = []
+    now = time.time_ns
     profiler.start_trace(trace_dir, profiler_options=opts)
     for _ in range(steps):
         with profiler.TraceAnnotation("jds_step"):
+            t0 = now()
             with profiler.TraceAnnotation("jds_prepare"):
                 inputs = runner.prepare_inputs(ids, chunks, bt)
+            t1 = now()
             with profiler.TraceAnnotation("jds_launch"):
                 logits = runner.step(*inputs)
+            t2 = now()
             with profiler.TraceAnnotation("jds_sync"):
                 np.asarray(logits)
+            t3 = now()
+        marks += [("jds_step", t0, t3), ("jds_prepare", t0, t1), ("jds_launch", t1, t2), ("jds_sync", t2, t3)]
     profiler.stop_trace()
     try:
-        res = read_trace(trace_dir)
+        res = read_trace(trace_dir, marks)
     except ValueError as e:  # a trace without the step annotations: keep the untraced timings
         res = {"trace_error": str(e)[:2000], "window_ms": {}}
     res.update(layers=layers, mode=mode, arch=arch, build_s=t1 - t0, first_step_s=compile_s,

@@ -1,0 +1,67 @@
+"""One profiled call of a jds GEMM kernel, for Nsight Compute (`ncu --profile-from-start off`).
+
+    ncu --clock-control none --profile-from-start off --set full -o OUT/fp4_t8 \
+        python3 scripts/diag/ncu_kernels.py fp4 --shape w1 --tokens 8 [--tiles '{"dequant": "bf16"}']
+    ncu --clock-control none --profile-from-start off --set full -o OUT/fp8_m64 \
+        python3 scripts/diag/ncu_kernels.py fp8 --shape q_b --m 64
+
+The call is compiled and run a few times first; only the last call runs between cuProfilerStart and
+cuProfilerStop, so the report holds that call's kernels (the Pallas kernel and the wrapper's XLA ops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _fp4(shape: str, tokens: int, tiles: dict):
+    from jds.bench import kernels_fp4_grouped as b
+    from pallas_kernels import fp4_grouped_gemm as fp4g
+    k, n = b.SHAPES[shape]
+    wp, ws = b._experts(k, n, 256, jax.random.key(0))
+    x, sizes = b._routing(256, k, tokens, 6, jax.random.key(1))
+    f = jax.jit(functools.partial(fp4g.fp4_grouped_linear, implementation="pallas", **tiles))
+    return f, (x, jnp.asarray(sizes), wp, ws)
+
+
+def _fp8(shape: str, m: int, tiles: dict):
+    from jds.bench import kernels_fp8_gemm as b
+    from pallas_kernels import fp8_gemm
+    k, n = b.SHAPES[shape]
+    kw, kx = jax.random.split(jax.random.key(0))
+    wq = (jax.random.normal(kw, (n, k), jnp.float32) * 0.5).astype(jnp.float8_e4m3fn)
+    ws = jnp.full((n // 128, k // 128), 2.0 ** -7, jnp.float32)
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+    f = jax.jit(functools.partial(fp8_gemm.fp8_linear, implementation="pallas", **tiles))
+    return f, (x, wq, ws)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kernel", choices=("fp4", "fp8"))
+    ap.add_argument("--shape", required=True)
+    ap.add_argument("--tokens", type=int, default=8, help="fp4: tokens (x 6 routed rows each)")
+    ap.add_argument("--m", type=int, default=64, help="fp8: rows")
+    ap.add_argument("--tiles", default="{}", help="JSON dict of keyword arguments for the kernel")
+    a = ap.parse_args()
+    tiles = json.loads(a.tiles)
+    f, args = _fp4(a.shape, a.tokens, tiles) if a.kernel == "fp4" else _fp8(a.shape, a.m, tiles)
+    for _ in range(3):
+        jax.block_until_ready(f(*args))
+    cuda = ctypes.CDLL("libcuda.so.1")
+    cuda.cuProfilerStart()
+    y = jax.block_until_ready(f(*args))
+    cuda.cuProfilerStop()
+    print(json.dumps({"kernel": a.kernel, "shape": a.shape, "out": list(y.shape),
+                      "finite": bool(np.isfinite(np.asarray(y, np.float32)).all())}))
+
+
+if __name__ == "__main__":
+    main()

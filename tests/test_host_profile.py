@@ -1,0 +1,25 @@
+"""The host-profile trace reduction's clock alignment and idle-gap listing (synthetic events)."""
+
+from jds.bench.host_profile import _largest_gaps, _mark_offset
+
+
+def test_mark_offset_finds_the_unnamed_step_events():
+    off = 123_456_789
+    marks = [("jds_step", 1_000_000, 3_000_000), ("jds_launch", 1_100_000, 1_500_000),
+             ("jds_step", 5_000_000, 6_500_000)]
+    events = [("x", 10, 50), ("<UNKNOWN>", 1_000_000 - off - 3_000, 2_000_000 + 4_000),
+              ("y", 1_100_000 - off, 1_000), ("<UNKNOWN>", 5_000_000 - off - 2_000, 1_500_000 + 3_000)]
+    got = _mark_offset(marks, events)
+    assert got is not None and abs(got - (-off)) <= 5_000
+
+
+def test_mark_offset_none_when_nothing_lines_up():
+    marks = [("jds_step", 0, 2_000_000), ("jds_step", 5_000_000, 7_000_000)]
+    assert _mark_offset(marks, [("a", 0, 10_000), ("b", 100, 2_000_000)]) is None
+
+
+def test_largest_gaps_orders_idle_stretches():
+    kernels = [(0, 100), (50, 100), (400, 10), (1000, 5), (1010, 5)]  # ns; overlap, 250 idle, 590, 5
+    gaps = _largest_gaps(kernels)
+    assert [g["idle_us"] for g in gaps] == [0.59, 0.25, 0.005]
+    assert gaps[0]["after_kernel"] == 2
