@@ -71,13 +71,16 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jds.ops import quant
 from jds.ops.dispatch import Implementation, Unsupported, resolve_interpret, run_op
 
-Dequant = Literal["f16", "bf16"]
-DEQUANTS = ("f16", "bf16")
+Dequant = Literal["auto", "lop3", "f16", "bf16"]
+DEQUANTS = ("lop3", "f16", "bf16")  # "auto": "lop3" natively, "f16" in interpret mode
+NATIVE_ONLY = ("lop3", "bf16")
+X_SCALE_LOG2 = 32  # the "lop3" route: x * 2^32 and the weights' scale / 2^32 (see ``_scale_exp_bias``)
 SCALE_BLOCK = quant.FP4_WEIGHT_BLOCK  # 32 input columns per e8m0 scale
 K_ALIGN = 512  # K per split: whole 16-byte rows of scale bytes for the TMA
 NUM_SMS = 132  # H100 / H200; only steers the automatic split_k
@@ -93,7 +96,7 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: jax.Array, w_sc
                        out_dtype: jnp.dtype = jnp.bfloat16, implementation: Implementation = "auto",
                        interpret: bool | plgpu.InterpretGPUParams | None = None, block_t: int | None = None,
                        block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-                       stages: int = 4, dequant: Dequant = "f16") -> jax.Array:
+                       stages: int = 4, dequant: Dequant = "auto") -> jax.Array:
     """y [M, N] (``out_dtype``): row r of x [M, K] (bfloat16) times W[e(r)]^T, rows grouped by expert in order
     (``sizes`` int32 [E], sum <= M; rows past the sum give 0), W = ``w_packed`` (uint8 [E, N, K/2], two e2m1
     codes a byte, low nibble first) with ``w_scale`` (uint8 [E, N, K/32] e8m0 exponents).
@@ -104,8 +107,9 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: jax.Array, w_sc
     Tiles (kernel only; ``_pick_tiles`` has the defaults): ``block_t`` token rows per work item (8..128, a
     power of two), ``block_n`` weight rows per CTA (64 or 128: one or two compute warpgroups), ``block_k``
     input columns per pipeline step (128, 256 or 512), ``split_k`` K splits, ``stages`` TMA ring depth,
-    ``dequant`` the nibble -> bf16 route ("f16": through float16 subnormals and two conversions, runs anywhere;
-    "bf16": bf16 subnormals times 2^126, no conversions, native only: XLA on the CPU flushes them).
+    ``dequant`` the nibble -> bf16 route ("lop3": 8 nibbles of a 32-bit word at a time in PTX, native only;
+    "f16": through float16 subnormals and two conversions, runs anywhere; "bf16": bf16 subnormals times
+    2^126, no conversions, native only: XLA on the CPU flushes them; "auto": "lop3" natively, else "f16").
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``); None = whenever the default
     backend is not a GPU.
     """
@@ -201,10 +205,16 @@ def _fit_stages(stages: int, bt: int, bn: int, bk: int, kc: int) -> int:
     return max(1, min(stages, kc // bk, fit))
 
 
-def _permute_k(x: jax.Array) -> jax.Array:
-    """x's columns reordered inside each 32-column scale block to (16 even, 16 odd): the kernel's low-nibble
-    operand holds the even columns of a block, its high-nibble operand the odd ones."""
+def _permute_k(x: jax.Array, dequant: Dequant) -> jax.Array:
+    """x's columns reordered inside each 32-column scale block to the order the kernel's dequantised A
+    operands hold the weights (a dot product does not care about K order).
+
+    "f16" / "bf16": (16 even, 16 odd): the low-nibble operand holds a block's even columns, the high-nibble one
+    its odd columns. "lop3": ``LOP3_PERM`` (``_dequant_lop3``), and x times 2^32 (exact for |x| < 2^96) to
+    balance the weights' scale / 2^32 that keeps the scale a normal bf16 (``_scale_exp_bias``)."""
     m, k = x.shape
+    if dequant == "lop3":
+        return (x.reshape(m, k // 32, 32)[:, :, LOP3_PERM] * jnp.asarray(2.0 ** X_SCALE_LOG2, x.dtype)).reshape(m, k)
     return x.reshape(m, k // 32, 16, 2).swapaxes(-1, -2).reshape(m, k)
 
 
@@ -241,16 +251,13 @@ def _layout(sizes: jax.Array, m: int, n_items: int, n_padded: int, bt: int):
     ok = i < tile_end[-1]
     row0 = poff[ex] + (i - (tile_end[ex] - tiles[ex])) * bt
     items = jnp.stack([jnp.where(ok, ex, -1), jnp.where(ok, row0, 0)]).astype(jnp.int32)
-    # padded rows of x
-    p = jnp.arange(n_padded, dtype=jnp.int32)
-    pe = jnp.minimum(ss(pend, p), ne - 1)
-    local = p - poff[pe]
-    src = jnp.where((p < pend[-1]) & (local < sizes[pe]), row_off[pe] + local, m)
-    # output rows
+    # output rows, and the padded rows of x: each row of x scattered to its place (a gather that searched
+    # per padded row fused the [n_padded, E] search into the copy of x, recomputing it per element)
     r = jnp.arange(m, dtype=jnp.int32)
     re = jnp.minimum(ss(row_end, r), ne - 1)
     local = r - row_off[re]
     valid = r < row_end[-1]
+    src = jnp.full((n_padded,), m, jnp.int32).at[jnp.where(valid, poff[re] + local, n_padded)].set(r, mode="drop")
     col = jnp.where(valid, (tile_end[re] - tiles[re] + local // bt) * bt + local % bt, 0)
     return items, src.astype(jnp.int32), col.astype(jnp.int32), valid
 
@@ -258,8 +265,8 @@ def _layout(sizes: jax.Array, m: int, n_items: int, n_padded: int, bt: int):
 def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block_n, block_k, split_k, stages,
             dequant):
     _check_tiles(block_t, block_n, block_k, split_k, stages)
-    if dequant not in DEQUANTS:
-        raise ValueError(f"dequant must be one of {DEQUANTS}, got {dequant!r}")
+    if dequant not in ("auto", *DEQUANTS):
+        raise ValueError(f"dequant must be one of {('auto', *DEQUANTS)}, got {dequant!r}")
     e, n, kh = w_packed.shape
     k = 2 * kh
     m = x.shape[0]
@@ -274,13 +281,16 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
         interpret = resolve_interpret(None)
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
-    if interpret and dequant == "bf16":
-        raise ValueError('dequant="bf16" needs bf16 subnormal arithmetic, which XLA on the CPU (interpret mode) '
-                         'flushes to zero; use dequant="f16" there')
+    if dequant == "auto":
+        dequant = "f16" if interpret else "lop3"
+    if interpret and dequant in NATIVE_ONLY:
+        raise ValueError(f'dequant="{dequant}" runs natively only (interpret mode: "bf16" needs bf16 subnormal '
+                         'arithmetic, which XLA on the CPU flushes; "lop3" is PTX); use dequant="f16" there')
     items = _n_items(m, e, bt)
     mx = _padded_rows(m, e, bt)
     info, src, col, valid = _layout(sizes, m, items, mx, bt)
-    xp = jnp.take(jnp.pad(_permute_k(x), ((0, 1), (0, 0))), src, axis=0)  # groups padded to 8 rows
+    xk = _permute_k(x, dequant)
+    xp = jnp.take(jnp.pad(xk, ((0, 1), (0, 0))), src, axis=0)  # groups padded to 8 rows
     st = _fit_stages(stages, bt, bn, bk, k // s)
     call = _build_call(e=e, n=n, k=k, mx=mx, items=items, bt=bt, bn=bn, bk=bk, splits=s, stages=st,
                        dequant=dequant, out_dtype=out_dtype if s == 1 else jnp.dtype(jnp.float32),
@@ -314,12 +324,72 @@ def _dequant(packed: jax.Array, nibble: int, scale: jax.Array, dequant: Dequant)
     return h * scale
 
 
+# "lop3": which column of a 32-column block each position of the dequantised A operands holds. Thread q of a
+# row quad loads word q (nibbles n0..n7 = block columns 8q..8q+7) and makes four bf16 pairs of it, pair s =
+# (n[3 - s], n[7 - s]); WGMMA-layout register (row, 8-column group s) of that thread holds columns 8s + 2q, +1.
+LOP3_PERM = np.array([8 * q + 3 - s + 4 * t for s in range(4) for q in range(4) for t in range(2)], np.int32)
+_LOP3_ASM = """{{
+.reg .b32 q, m, t;
+{shift}
+and.b32 m, q, 0x70007000;
+shr.b32 t, m, 6;
+lop3.b32 $0, q, t, 0x80008000, 0xEC;
+}}"""
+
+
+def _dequant_lop3(packed: jax.Array) -> jax.Array:
+    """bf16 [64, 2C] = e2m1 * 2^-126 from packed uint8 [64, C] loaded in the ``WGMMA_8BIT`` layout (a thread
+    holds 4 bytes of a row per 16-byte block: one 32-bit word, 8 nibbles), in the WGMMA layout with columns in
+    ``LOP3_PERM`` order per 32-column block. Per pair of nibbles at the top of the word's two 16-bit halves
+    (the word shifted left by 4 s): and, shift, lop3: sign stays at bit 15, e1 e0 m moves to bits 8..6, so the
+    bf16 is a subnormal for e = 0 and e2m1 * 2^-126 throughout (the "bf16" route's placement, 2 instructions
+    per weight instead of about 8 on 16-bit vectors). Native only (inline PTX)."""
+    import jax.experimental.mosaic.gpu as mgpu  # noqa: PLC0415 - lowering-time imports
+    from jax._src.lib.mlir import ir  # noqa: PLC0415
+    from jax._src.lib.mlir.dialects import llvm  # noqa: PLC0415
+    from jax.experimental.mosaic.gpu import fragmented_array as fa  # noqa: PLC0415
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: PLC0415
+
+    rows, c = packed.shape
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_8BIT,),
+                       return_type=plgpu.ShapeDtypeStruct((rows, 2 * c), jnp.bfloat16, layout=plgpu.Layout.WGMMA))
+    def f(_, p):
+        i32 = ir.IntegerType.get_signless(32)
+        pair = ir.VectorType.get((2,), ir.BF16Type.get())
+        in_shape = fa.WGMMA_LAYOUT_8BIT.registers_shape((rows, c))
+        out_shape = fa.WGMMA_LAYOUT.registers_shape((rows, 2 * c))
+        # registers: [.., 16-byte block (dim 1), .., row half (dim 4), ..] in and [.., 8-column group, ..] out
+        assert p.registers.shape == in_shape and in_shape[1] * 4 == out_shape[1], (in_shape, out_shape)
+        out = np.empty(out_shape, dtype=object)
+        for idx, reg in np.ndenumerate(p.registers):
+            word = mgpu_utils.bitcast(reg, i32)
+            for sh in range(4):
+                shift = "mov.b32 q, $1;" if sh == 0 else f"shl.b32 q, $1, {4 * sh};"
+                bits = llvm.inline_asm(i32, [word], _LOP3_ASM.format(shift=shift), "=r,r")
+                o = list(idx)
+                o[1] = 4 * idx[1] + sh
+                out[tuple(o)] = mgpu_utils.bitcast(bits, pair)
+        return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+    return f(packed)
+
+
+def _scale_exp_bias(dequant: Dequant) -> int:
+    """The scale byte's offset: the scale multiplied into a dequantised weight is 2^(byte + bias - 127), as a
+    bf16 (a normal one: bytes 27..160 for "lop3", whose x is scaled by 2^32; 1..240 for the others), and
+    undoes the route's placement: float16 e2m1 * 2^-14 ("f16": 2^(byte - 113)), bf16 e2m1 * 2^-126 times
+    2^126 ("bf16": 2^(byte - 127)), bf16 e2m1 * 2^-126 with x * 2^32 ("lop3": 2^(byte + 126 - 127 - 32))."""
+    return {"f16": 14, "bf16": 0, "lop3": 126 - X_SCALE_LOG2}[dequant]
+
+
 @functools.lru_cache(maxsize=None)
 def _build_call(*, e: int, n: int, k: int, mx: int, items: int, bt: int, bn: int, bk: int, splits: int,
                 stages: int, dequant: Dequant, out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None):
     del e, mx
     emulate_mma = interpret is not None
-    exp_bias = 14 if dequant == "f16" else 0  # the scale: 2^(byte - 113) or 2^(byte - 127)
+    exp_bias = _scale_exp_bias(dequant)
+    lop3 = dequant == "lop3"
     kc = k // splits  # input columns per CTA
     steps = kc // bk
     nsc = kc // SCALE_BLOCK  # scale bytes per weight row per CTA
@@ -347,16 +417,23 @@ def _build_call(*, e: int, n: int, k: int, mx: int, items: int, bt: int, bn: int
 
             def operands():
                 """(A, B) pairs of this step: dequantised [64, 16] weights (registers), [16, bt] token slices."""
-                packed = plgpu.load(w_s.at[pl.ds(wg * 64, 64)], layout=L)  # uint8 [64, bk / 2]
+                # uint8 [64, bk / 2]; "lop3": a 32-bit word of a row per thread and block
+                packed = plgpu.load(w_s.at[pl.ds(wg * 64, 64)], layout=plgpu.Layout.WGMMA_8BIT if lop3 else L)
+                wide = _dequant_lop3(packed) if lop3 else None  # bf16 [64, bk], unscaled
                 for c in range(blocks):
-                    p = packed[:, 16 * c:16 * c + 16]
                     kb = step * blocks + c
                     sb = plgpu.load(sc_s.at[wg, kb // 16, :, kb % 16], layout=ROW, optimized=False)
                     sf = lax.bitcast_convert_type((sb.astype(jnp.uint32) + exp_bias) << 23, jnp.float32)
+                    xa, xb = x_s.at[:, pl.ds(32 * c, 16)].T, x_s.at[:, pl.ds(32 * c + 16, 16)].T
+                    if lop3:
+                        a = wide[:, 32 * c:32 * c + 32] * lax.broadcast_in_dim(sf.astype(jnp.bfloat16), (64, 32), [0])
+                        yield a[:, :16], xa
+                        yield a[:, 16:], xb
+                        continue
                     sv = lax.broadcast_in_dim(sf.astype(jnp.bfloat16), (64, 16), [0])
-                    p16 = p.astype(jnp.uint16)
-                    yield _dequant(p16, 0, sv, dequant), x_s.at[:, pl.ds(32 * c, 16)].T
-                    yield _dequant(p16, 1, sv, dequant), x_s.at[:, pl.ds(32 * c + 16, 16)].T
+                    p16 = packed[:, 16 * c:16 * c + 16].astype(jnp.uint16)
+                    yield _dequant(p16, 0, sv, dequant), xa
+                    yield _dequant(p16, 1, sv, dequant), xb
 
             if emulate_mma:  # the interpreter's wgmma takes SMEM operands only: same products, one dot each
                 for a, b in operands():

@@ -229,6 +229,47 @@ def test_dequant_bits(dequant: str, view, bias: int) -> None:
         np.testing.assert_array_equal(np.signbit(got), code >= 8)
 
 
+def _ptx_lop3(a: np.ndarray, b: np.ndarray, c: int, lut: int) -> np.ndarray:
+    """PTX ``lop3.b32``: bit i of the result is bit (4 a_i + 2 b_i + c_i) of ``lut`` (0xF0 / 0xCC / 0xAA)."""
+    out = np.zeros_like(a)
+    for i in range(8):
+        if (lut >> i) & 1:
+            out |= ((a if (0xF0 >> i) & 1 else ~a) & (b if (0xCC >> i) & 1 else ~b)
+                    & (np.uint32(c) if (0xAA >> i) & 1 else ~np.uint32(c)))
+    return out
+
+
+def test_lop3_route_placement_and_column_order() -> None:
+    """The "lop3" route emulated word by word from its PTX text (masks, shifts, LUT parsed from
+    ``_LOP3_ASM``) over every byte value: the bf16 at operand column f of a 32-column block is the e2m1 weight
+    of block column ``LOP3_PERM[f]`` times 2^-126, with the WGMMA-layout placement the kernel assigns (thread q
+    of a row quad: word q, pair s -> columns 8 s + 2 q, +1); and ``_permute_k`` gives x the same order."""
+    import re
+
+    import ml_dtypes
+
+    asm = G._LOP3_ASM
+    and_mask = int(re.search(r"and.b32 m, q, (0x[0-9a-fA-F]+)", asm)[1], 16)
+    shr = int(re.search(r"shr.b32 t, m, (\d+)", asm)[1])
+    lut_c, lut = (int(v, 16) for v in re.search(r"lop3.b32 \$0, q, t, (0x[0-9a-fA-F]+), (0x[0-9a-fA-F]+)", asm).groups())
+    packed = np.arange(256, dtype=np.uint8).reshape(16, 16)  # 16 rows x one 16-byte block: every byte value
+    got = np.zeros((16, 32))
+    for q in range(4):
+        word = packed[:, 4 * q:4 * q + 4].copy().view("<u4")[:, 0]
+        for s in range(4):
+            qq = (word << np.uint32(4 * s)).astype(np.uint32)
+            bits = _ptx_lop3(qq, (qq & np.uint32(and_mask)) >> np.uint32(shr), lut_c, lut)
+            for t, half in enumerate((bits & 0xFFFF, bits >> 16)):
+                got[:, 8 * s + 2 * q + t] = half.astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+    codes = np.empty((16, 32), np.int64)
+    codes[:, 0::2], codes[:, 1::2] = packed & 0xF, packed >> 4
+    np.testing.assert_array_equal(got * 2.0 ** 126, E2M1[codes[:, G.LOP3_PERM]])
+    np.testing.assert_array_equal(np.sort(G.LOP3_PERM), np.arange(32))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 64)), jnp.bfloat16)
+    want = np.asarray(x, np.float64).reshape(3, 2, 32)[:, :, G.LOP3_PERM].reshape(3, 64) * 2.0 ** G.X_SCALE_LOG2
+    np.testing.assert_array_equal(np.asarray(G._permute_k(x, "lop3"), np.float64), want)
+
+
 def test_pick_tiles() -> None:
     assert G._pick_tiles(6, 256, 2048, 4096, None, None, None, None) == (8, 128, 256, 4)  # decode: split-K
     assert G._pick_tiles(384, 256, 2048, 4096, None, None, None, None) == (8, 128, 256, 1)
@@ -263,7 +304,7 @@ def test_bad_inputs(implementation: str, change, field: str) -> None:
     (dict(block_t=12), "block_t"), (dict(block_t=256), "block_t"), (dict(block_n=96), "block_n"),
     (dict(block_k=64), "block_k"), (dict(split_k=3), "split_k"), (dict(split_k=0), "split_k"),
     (dict(stages=0), "stages"), (dict(implementation="cuda"), "implementation"), (dict(dequant="fp8"), "dequant"),
-    (dict(dequant="bf16", interpret=True), "dequant"),
+    (dict(dequant="bf16", interpret=True), "dequant"), (dict(dequant="lop3", interpret=True), "dequant"),
 ])
 def test_bad_params(kwargs: dict, field: str) -> None:
     a = _inputs(k=1024)  # K / 512 = 2 chunks: split_k 3 does not divide them
@@ -360,7 +401,8 @@ def test_native_one_tile(tiles: dict) -> None:
 
 @pytest.mark.parametrize("mode,dequant", [("interpret", "f16"),
                                           pytest.param("native", "f16", marks=pytest.mark.gpu),
-                                          pytest.param("native", "bf16", marks=pytest.mark.gpu)])
+                                          pytest.param("native", "bf16", marks=pytest.mark.gpu),
+                                          pytest.param("native", "lop3", marks=pytest.mark.gpu)])
 def test_impulse_columns(mode: str, dequant: str) -> None:
     """x = identity (one expert, K rows): row j of y is column j of W, so a wrong column order, nibble, scale
     block or token row shows up as "row j reads W's column j'" (the message names them)."""

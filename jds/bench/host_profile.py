@@ -23,6 +23,7 @@ import datetime
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -204,7 +205,7 @@ def _largest_gaps(kernels: list[tuple[int, int]], top: int = 8) -> list[dict[str
 
 def profile_depth(arch: str, layers: int, mode: str, steps: int, implementation: str,
                   runner_kw: dict[str, Any], size: str = "bench", intermediate: int | None = None,
-                  moe_experts: int = 0) -> dict[str, Any]:
+                  moe_experts: int = 0, keep_trace: str | None = None) -> dict[str, Any]:
     """Build, warm up and trace ``steps`` TTFT steps (one 128-token prompt) of an ``layers``-deep stack."""
     import jax
     import numpy as np
@@ -234,18 +235,22 @@ def profile_depth(arch: str, layers: int, mode: str, steps: int, implementation:
     profiler.start_trace(trace_dir, profiler_options=opts)
     for _ in range(steps):
         with profiler.TraceAnnotation("jds_step"):
-            t0 = now()
+            m0 = now()
             with profiler.TraceAnnotation("jds_prepare"):
                 inputs = runner.prepare_inputs(ids, chunks, bt)
-            t1 = now()
+            m1 = now()
             with profiler.TraceAnnotation("jds_launch"):
                 logits = runner.step(*inputs)
-            t2 = now()
+            m2 = now()
             with profiler.TraceAnnotation("jds_sync"):
                 np.asarray(logits)
-            t3 = now()
-        marks += [("jds_step", t0, t3), ("jds_prepare", t0, t1), ("jds_launch", t1, t2), ("jds_sync", t2, t3)]
+            m3 = now()
+        marks += [("jds_step", m0, m3), ("jds_prepare", m0, m1), ("jds_launch", m1, m2), ("jds_sync", m2, m3)]
     profiler.stop_trace()
+    with open(os.path.join(trace_dir, "jds_marks.json"), "w") as f:
+        json.dump(marks, f)
+    if keep_trace:  # the raw trace and the marks, to re-read elsewhere (``read_trace(dir, marks)``)
+        shutil.copytree(trace_dir, os.path.join(keep_trace, f"{arch}_{mode}_{layers}l"), dirs_exist_ok=True)
     try:
         res = read_trace(trace_dir, marks)
     except ValueError as e:  # a trace without the step annotations: keep the untraced timings
@@ -269,7 +274,7 @@ def _child(a: argparse.Namespace) -> None:
     kw = json.loads(a.runner_kw)
     for layers in a.layers:
         out["depths"][str(layers)] = profile_depth(a.arch, layers, a.mode, a.steps, a.implementation, kw, a.size,
-                                                   a.intermediate, a.moe_experts)
+                                                   a.intermediate, a.moe_experts, a.keep_trace)
         d = out["depths"][str(layers)]
         print(json.dumps({"layers": layers, "window_ms": d["window_ms"], "gpu": d.get("gpu"),
                           "wall_ms": d["untraced_wall_ms_median"]}), flush=True)
@@ -291,6 +296,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="also profile under these command-buffer update modes (one process each)")
     ap.add_argument("--update-mode-layers", type=int, default=8)
     ap.add_argument("--no-graph", action="store_true", help="also profile with command buffers off")
+    ap.add_argument("--keep-trace", default=None, help="copy each depth's raw trace (+ step marks) under this dir")
     ap.add_argument("--out", required=True)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -312,6 +318,8 @@ def main(argv: list[str] | None = None) -> None:
             a.implementation, "--runner-kw", a.runner_kw, "--out", a.out]
     if a.intermediate:
         base += ["--intermediate", str(a.intermediate)]
+    if a.keep_trace:
+        base += ["--keep-trace", a.keep_trace]
     for name, flags, layers in variants:
         part = os.path.abspath(f"{a.out}.{name}.part.json")
         env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}

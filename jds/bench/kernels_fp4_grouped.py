@@ -10,8 +10,8 @@ e8m0 bytes [E, N, K/32], as the checkpoint): w1 (= w3) K 4096 -> N 2048, w2 K 20
 
 Per (shape, tokens), one row per impl (each in its own try/except: a failing variant records ``error``):
 - ``pallas``: ``fp4_grouped_linear(implementation="pallas")`` with the default tiles (``block_t`` ...
-  ``split_k`` recorded) and the default ``dequant="f16"``; ``pallas[dequant=bf16]`` the conversion-free
-  dequantisation route (GPU only); ``--sweep`` adds ``pallas[...]`` rows for other tiles (tuning data).
+  ``split_k`` recorded) and the default dequantisation (natively "lop3", PTX on 32-bit words);
+  ``pallas[dequant=f16]`` the portable route (the default before 2026-12-01, later); ``--sweep`` adds ``pallas[...]`` rows for other tiles (tuning data).
 - ``xla``: ``implementation="xla"`` (the current model path: the whole stack dequantised every call).
 Fields: median_us (jds.bench.timing.time_fn), device_unrolled_us (calls under 200 us: timing.device_row),
 bytes (packed weights + scales of the experts that have rows, + x and y in bf16: the unavoidable traffic),
@@ -152,7 +152,7 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool) -> Iterator[dict]:
         yield {**base, "impl": "reference", "error": error_text(ex)}
     args = (c["x"], c["sizes"], c["wp"], c["ws"])
     iters = 3 if quick else (50 if m <= 512 else 10)
-    variants = [("pallas", {})] + ([] if quick else [("pallas[dequant=bf16]", dict(dequant="bf16"))])
+    variants = [("pallas", {})] + ([] if quick else [("pallas[dequant=f16]", dict(dequant="f16"))])
     if sweep and m <= 512:
         variants += [(f"pallas[{','.join(f'{a}={b}' for a, b in v.items())}]", v) for v in SWEEP
                      if (k // 512) % v["split_k"] == 0 and n % v["block_n"] == 0]
