@@ -419,14 +419,14 @@ def _build_call(*, e: int, n: int, k: int, mx: int, items: int, bt: int, bn: int
                 """(A, B) pairs of this step: dequantised [64, 16] weights (registers), [16, bt] token slices."""
                 # uint8 [64, bk / 2]; "lop3": a 32-bit word of a row per thread and block
                 packed = plgpu.load(w_s.at[pl.ds(wg * 64, 64)], layout=plgpu.Layout.WGMMA_8BIT if lop3 else L)
-                wide = _dequant_lop3(packed) if lop3 else None  # bf16 [64, bk], unscaled
                 for c in range(blocks):
                     kb = step * blocks + c
                     sb = plgpu.load(sc_s.at[wg, kb // 16, :, kb % 16], layout=ROW, optimized=False)
                     sf = lax.bitcast_convert_type((sb.astype(jnp.uint32) + exp_bias) << 23, jnp.float32)
                     xa, xb = x_s.at[:, pl.ds(32 * c, 16)].T, x_s.at[:, pl.ds(32 * c + 16, 16)].T
-                    if lop3:
-                        a = wide[:, 32 * c:32 * c + 32] * lax.broadcast_in_dim(sf.astype(jnp.bfloat16), (64, 32), [0])
+                    if lop3:  # one block at a time: a whole step's bf16 weights would hold bk / 2 registers
+                        a = _dequant_lop3(packed[:, 16 * c:16 * c + 16])
+                        a = a * lax.broadcast_in_dim(sf.astype(jnp.bfloat16), (64, 32), [0])
                         yield a[:, :16], xa
                         yield a[:, 16:], xb
                         continue

@@ -249,8 +249,12 @@ def profile_depth(arch: str, layers: int, mode: str, steps: int, implementation:
     profiler.stop_trace()
     with open(os.path.join(trace_dir, "jds_marks.json"), "w") as f:
         json.dump(marks, f)
-    if keep_trace:  # the raw trace and the marks, to re-read elsewhere (``read_trace(dir, marks)``)
-        shutil.copytree(trace_dir, os.path.join(keep_trace, f"{arch}_{mode}_{layers}l"), dirs_exist_ok=True)
+    if keep_trace:  # the raw trace and the marks, flat, to re-read elsewhere (``read_trace(dir, marks)``)
+        os.makedirs(keep_trace, exist_ok=True)
+        name = f"{arch}_{mode}_{layers}l"
+        for src in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
+            shutil.copy(src, os.path.join(keep_trace, f"{name}.xplane.pb"))
+        shutil.copy(os.path.join(trace_dir, "jds_marks.json"), os.path.join(keep_trace, f"{name}_marks.json"))
     try:
         res = read_trace(trace_dir, marks)
     except ValueError as e:  # a trace without the step annotations: keep the untraced timings
