@@ -19,11 +19,9 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, 3 warpgroups per CTA: 2 compu
   (tiling (8, 128): one swizzle atom row is one K block of e4m3), the compute warpgroups consume them.
 - Per K block, each compute warpgroup issues e4m3 x e4m3 -> fp32 wgmma into a fresh [64, <=128]
   accumulator (A = its 64 rows of the xq tile, B = a Wq tile slice^T: both operands K-major in SMEM, which is
-  what 8-bit wgmma needs; Hopper has no transpose bit for 8-bit types), waits, and promotes: acc += blk *
-  (sx[m, kb] * sw[nb, kb]). The scales (sx^T[kb, rows] as a [64] vector in the accumulator's row layout
-  straight from GMEM, sw[nb, kb] as one scalar; L2 hits) are loaded one K block ahead and carried through
-  the pipeline: loaded in the step that uses them, their L2 latency stalled every promotion (an Nsight
-  Compute profile of the decode call, 2026-12-01, put a fifth of the warps' stalls on that one wait). That is
+  what 8-bit wgmma needs; Hopper has no transpose bit for 8-bit types), loads the block's scales while the
+  MMA runs (sx^T[kb, rows] as a [64] vector in the accumulator's row layout straight from GMEM, sw[nb, kb]
+  as one scalar; both L2 hits), waits, and promotes: acc += blk * (sx[m, kb] * sw[nb, kb]). That is
   DeepGEMM's scheme: an fp8 MMA chain never spans more than one 128-wide K block, the running sum is fp32
   on the CUDA cores. The two compute warpgroups interleave (one promotes while the other's MMA runs).
 - Warpgroup split: block_m = 128 -> each warpgroup owns 64 rows x block_n columns; block_m = 64 (small M,
@@ -234,34 +232,32 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
         def wg_cols(wg):  # first output column of this warpgroup's accumulator
             return n0 if split_m else n0 + wg * wn
 
-        def scales(kb, wg):
-            """This warpgroup's scales of K block kb: sx^T[kb, its 64 rows] (row layout) and sw per chunk."""
-            r0 = m0 + wg * 64 if split_m else m0
-            sx = plgpu.load(sxt_ref.at[kb, pl.ds(r0, 64)], layout=ROW, optimized=False)
-            return sx, tuple(sw_ref[(wg_cols(wg) + c * cw) // BLOCK, kb] for c in range(nch))
-
-        def body(idx, x_s, w_s, carry):
+        def body(idx, x_s, w_s, acc):
             (step,) = idx
-            acc, sx, sw = carry  # this step's scales, loaded one step ahead (global loads: L2 latency)
+            kb = kb0 + step
             wg = lax.axis_index("wg")
-            nxt = scales(kb0 + jnp.minimum(step + 1, kps - 1), wg)
             a = x_s.at[pl.ds(wg * 64, 64)] if split_m else x_s
+            r0 = m0 + wg * 64 if split_m else m0
             c0 = 0 if split_m else wg * wn  # first column of this warpgroup inside the W tile
-            out = []
+            out, sxv = [], None
             for c in range(nch):  # chunks run one after the other: one [64, cw] MMA accumulator at a time
                 def mma(blk_ref, c=c):
                     plgpu.wgmma(blk_ref, a, w_s.at[pl.ds(c0 + c * cw, cw)].T)
+                    # the block's scales load while the MMA runs
+                    sx_c = plgpu.load(sxt_ref.at[kb, pl.ds(r0, 64)], layout=ROW, optimized=False) if c == 0 else None
+                    sw_c = sw_ref[(wg_cols(wg) + c * cw) // BLOCK, kb]
                     plgpu.wgmma_wait(0)
-                    return blk_ref[...]
+                    return blk_ref[...], sx_c, sw_c
 
-                blk = pl.run_scoped(mma, plgpu.ACC((64, cw), jnp.float32))
-                out.append(acc[c] + blk * lax.broadcast_in_dim(sx * sw[c], blk.shape, [0]))
-            return tuple(out), *nxt
+                blk, sx_c, sw_c = pl.run_scoped(mma, plgpu.ACC((64, cw), jnp.float32))
+                sxv = sx_c if c == 0 else sxv
+                out.append(acc[c] + blk * lax.broadcast_in_dim(sxv * sw_c, blk.shape, [0]))
+            return tuple(out)
 
         def compute(run_pipeline):
             zero = plgpu.layout_cast(jnp.full((64, cw), 0.0, jnp.float32), L)
+            acc = run_pipeline(tuple(zero for _ in range(nch)))
             wg = lax.axis_index("wg")
-            acc, _, _ = run_pipeline((tuple(zero for _ in range(nch)), *scales(kb0, wg)))
             if trim:  # decode partials: only the first mr rows, through SMEM and a TMA store
                 for w in range(2):
                     @pl.when(wg == w)
