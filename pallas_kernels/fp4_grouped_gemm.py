@@ -37,25 +37,33 @@ weight-read bound (1-4 rows per expert), so the design moves the weights once th
   not care about K order). The scale is applied to A (a bf16 multiply by the block's power of two, exact), so
   the MMA chain runs over the whole K range with no fp32 promotion. A nibble s e1 e0 m becomes a 16-bit
   pattern with s at bit 15 (``dequant_bits``); e = 0 codes (0, 0.5) land on subnormals, which is what makes
-  the placement linear. Two routes (``dequant``):
-  "f16" (default): e1 e0 m at bits 11..9, a float16 equal to e2m1 * 2^-14, converted float16 -> float32 ->
-  bf16 (conversions keep float16 subnormals: they are normal in float32) and times 2^(byte - 113). Runs in
-  interpret mode too (XLA on the CPU flushes float32 / bf16 subnormals in arithmetic, not in conversions).
+  the placement linear. Three routes (``dequant``):
+  "lop3" (natively, decode tiles): the packed tile loads in the 8-bit WGMMA layout, so a thread holds one
+  32-bit word (8 nibbles) of a row per block; four pairs of PTX and / shift / lop3 per word put each nibble's
+  sign at bit 15 and e1 e0 m at bits 8..6 of a bf16 half (``_dequant_lop3``): bf16 e2m1 * 2^-126, which are
+  written straight into the A operands' registers in the order ``LOP3_PERM`` (x is permuted to match, and
+  scaled by 2^32 so that one bf16 multiply by 2^(byte - 33) per pair of weights is exact). About 2.5
+  instructions per weight against about 8 for the routes below (Nsight Compute, 2026-12-01). Exact for
+  scale bytes 27..160 (|scale| in [2^-100, 2^33]) and |x| < 2^96. Native only (inline PTX).
+  "f16" (interpret mode; natively for prefill tiles, where it measured faster): e1 e0 m at bits 11..9, a
+  float16 equal to e2m1 * 2^-14, converted float16 -> float32 -> bf16 (conversions keep float16 subnormals:
+  they are normal in float32) and times 2^(byte - 113). Runs in interpret mode too (XLA on the CPU flushes
+  float32 / bf16 subnormals in arithmetic, not in conversions).
   "bf16": e1 e0 m at bits 8..6, a bf16 equal to e2m1 * 2^-126, times 2^126 then 2^(byte - 127): no conversion
-  instructions (which issue at a fraction of the FMA rate), but it needs bf16 subnormal inputs, which the GPU's
-  bf16 multiply keeps and XLA on the CPU does not: native only.
-  Both are exact for scale bytes 2..240 (|W| < 2^114; a checkpoint's scales sit near 127).
+  instructions, but it needs bf16 subnormal inputs, which the GPU's bf16 multiply keeps and XLA on the CPU
+  does not: native only. "f16" and "bf16" work on 16-bit vectors of the 16-bit WGMMA layout and are exact
+  for scale bytes 2..240 (|W| < 2^114; a checkpoint's scales sit near 127).
 - Output: each work item owns ``block_t`` columns of y^T [N, items * block_t] (bf16, or fp32 partials per K
   split that XLA sums); the wrapper gathers each row's column and transposes. A neighbouring expert's rows are
   never written: every item writes only its own columns.
 - Decode split-K: with few experts active there are few (item, N tile) pairs, so the K range is cut until
   about 2 CTAs per SM stream weights (``_pick_tiles``); a split holds whole 512-column chunks (the scale
   slab's TMA rows are 16 bytes).
-Cost model: per weight the kernel moves half a byte from HBM and spends several CUDA-core operations on
-dequantisation (mask, shift, or on 2-element register vectors, then conversions or multiplies), so at decode
-that ALU work, not HBM, may bound the kernel: hence the "bf16" route. A faster unpack still (PTX lop3 / prmt on
-32-bit words, 8 nibbles at a time, via ``plgpu.inline_mgpu``) would leave interpret mode unable to run the
-kernel, so it is not used here.
+Cost model: per weight the kernel moves half a byte from HBM and spends CUDA-core operations on
+dequantisation, so at decode that ALU work, not HBM, bounds it (an Nsight Compute profile of 8 tokens,
+2026-12-01: issue slots 65% busy with "f16"/"bf16"; "lop3" cut the instructions by 40%, and what remains is
+spread over the dequantisation, the scale multiplies and the wgmma descriptors' uniform-datapath arithmetic
+of one m64n8k16 MMA per 16 columns).
 Limits: N multiple of 64, K multiple of 512 (else ``Unsupported``; "auto" runs XLA); ``block_t`` <= 128.
 ``interpret=None`` runs GPU interpret mode off-GPU (the same kernel on the CPU, slow: tests only). The
 interpreter's wgmma takes SMEM operands only, so there the register-A MMA is a ``jnp.dot`` of the same bf16
@@ -78,7 +86,7 @@ from jds.ops import quant
 from jds.ops.dispatch import Implementation, Unsupported, resolve_interpret, run_op
 
 Dequant = Literal["auto", "lop3", "f16", "bf16"]
-DEQUANTS = ("lop3", "f16", "bf16")  # "auto": "lop3" natively, "f16" in interpret mode
+DEQUANTS = ("lop3", "f16", "bf16")  # "auto": "lop3" natively at decode tiles, else "f16"
 NATIVE_ONLY = ("lop3", "bf16")
 X_SCALE_LOG2 = 32  # the "lop3" route: x * 2^32 and the weights' scale / 2^32 (see ``_scale_exp_bias``)
 SCALE_BLOCK = quant.FP4_WEIGHT_BLOCK  # 32 input columns per e8m0 scale
@@ -109,7 +117,8 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: jax.Array, w_sc
     input columns per pipeline step (128, 256 or 512), ``split_k`` K splits, ``stages`` TMA ring depth,
     ``dequant`` the nibble -> bf16 route ("lop3": 8 nibbles of a 32-bit word at a time in PTX, native only;
     "f16": through float16 subnormals and two conversions, runs anywhere; "bf16": bf16 subnormals times
-    2^126, no conversions, native only: XLA on the CPU flushes them; "auto": "lop3" natively, else "f16").
+    2^126, no conversions, native only: XLA on the CPU flushes them; "auto": "lop3" natively for token tiles
+    up to 32 rows (decode), else "f16", which measured faster with 128-row prefill tiles).
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``); None = whenever the default
     backend is not a GPU.
     """
@@ -281,8 +290,8 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
         interpret = resolve_interpret(None)
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
-    if dequant == "auto":
-        dequant = "f16" if interpret else "lop3"
+    if dequant == "auto":  # "lop3" where dequantisation bounds the kernel (decode tiles); see the docstring
+        dequant = "f16" if interpret or bt > 32 else "lop3"
     if interpret and dequant in NATIVE_ONLY:
         raise ValueError(f'dequant="{dequant}" runs natively only (interpret mode: "bf16" needs bf16 subnormal '
                          'arithmetic, which XLA on the CPU flushes; "lop3" is PTX); use dequant="f16" there')

@@ -23,3 +23,19 @@ def test_largest_gaps_orders_idle_stretches():
     gaps = _largest_gaps(kernels)
     assert [g["idle_us"] for g in gaps] == [0.59, 0.25, 0.005]
     assert gaps[0]["after_kernel"] == 2
+
+
+def test_device_steps_from_copies():
+    from jds.bench.host_profile import device_steps
+
+    us = 1000
+    kernels, copies = [], []
+    for t0 in (0, 1000 * us, 2000 * us):  # three equal steps: copy in, 3 kernels (one idle gap), copy out
+        copies += [("H2D", t0 + 5 * us, 1 * us), ("D2H", t0 + 420 * us, 5 * us)]
+        kernels += [(t0 + 10 * us, 100 * us), (t0 + 120 * us, 50 * us), (t0 + 400 * us, 10 * us)]
+    got = device_steps(kernels, copies)
+    assert got["steps"] == 3 and got["kernels_per_step"] == 3
+    assert abs(got["copy_in_to_first_kernel_ms"] - 0.005) < 1e-12
+    assert abs(got["kernel_span_ms"] - 0.4) < 1e-12 and abs(got["kernel_busy_ms"] - 0.16) < 1e-12
+    assert abs(got["last_kernel_to_copy_out_end_ms"] - 0.015) < 1e-12 and abs(got["step_span_ms"] - 0.42) < 1e-12
+    assert [g["idle_us"] for g in got["largest_idle_gaps_us_median_step"]] == [230.0, 10.0]

@@ -76,6 +76,7 @@ def read_trace(trace_dir: str, marks: list[tuple[str, int, int]] | None = None) 
     host_lines: dict[str, list[tuple[str, int, int]]] = {}
     device_events: list[tuple[int, int]] = []
     compute_events: list[tuple[int, int]] = []
+    copies: list[tuple[str, int, int]] = []  # (H2D / D2H, start, duration) on the GPU's memcpy lines
     device_lines: list[str] = []
     for plane in pd.planes:
         if plane.name == "/host:CPU":
@@ -91,6 +92,9 @@ def read_trace(trace_dir: str, marks: list[tuple[str, int, int]] | None = None) 
                 device_events += evs
                 if "compute" in line.name.lower():
                     compute_events += evs
+                for kind in ("H2D", "D2H"):
+                    if kind in line.name:
+                        copies += [(kind, s, d) for s, d in evs]
     windows: dict[str, list[tuple[int, int]]] = {w: [] for w in WINDOWS}
     steps: list[tuple[int, int]] = []
     for evs in host_lines.values():
@@ -108,6 +112,9 @@ def read_trace(trace_dir: str, marks: list[tuple[str, int, int]] | None = None) 
                 (steps if name == "jds_step" else windows[name]).append((s0 + offset, s1 + offset))
     steps.sort()
     n = len(steps)
+    if not n and compute_events and any(k == "D2H" for k, _, _ in copies):
+        return {"windows_from": "device_only", "window_ms": {}, "device_lines": device_lines,
+                "gpu": device_steps(sorted(compute_events), sorted(copies))}
     if not n:
         seen = {f"{ln}": len(evs) for ln, evs in host_lines.items()}
         names = sorted({e[0] for evs in host_lines.values() for e in evs})[:60]
@@ -171,6 +178,40 @@ def read_trace(trace_dir: str, marks: list[tuple[str, int, int]] | None = None) 
                       "device_events_per_step": len(device_events) / n,
                       "largest_idle_gaps_us_median_step": gaps[len(gaps) // 2] if gaps else None}
     return res
+
+
+def device_steps(kernels: list[tuple[int, int]], copies: list[tuple[str, int, int]]) -> dict[str, Any]:
+    """Steps read off the GPU's own timeline when the host side of a trace is unusable: a step ends with its
+    device-to-host copy (the sampled ids) and starts with its first host-to-device copy after the previous
+    one (the packed step buffer). Per step (medians): copy in -> first kernel, kernel span, kernel busy time,
+    last kernel -> copy out done, and the step's longest idle stretches between kernels."""
+    ends = [s + d for k, s, d in copies if k == "D2H"]
+    rows: list[dict[str, Any]] = []
+    prev = -1
+    for end in ends:
+        mine = [(s, d) for s, d in kernels if prev < s < end]
+        h2d = [s for k, s, _ in copies if k == "H2D" and prev < s < end]
+        prev = end
+        if not mine:
+            continue
+        first, last = mine[0][0], max(s + d for s, d in mine)
+        rows.append({"copy_in_to_first_kernel_ms": (first - h2d[0]) / 1e6 if h2d else None,
+                     "kernel_span_ms": (last - first) / 1e6, "kernel_busy_ms": sum(d for _, d in mine) / 1e6,
+                     "last_kernel_to_copy_out_end_ms": (end - last) / 1e6,
+                     "step_span_ms": (end - (h2d[0] if h2d else first)) / 1e6,
+                     "kernels": len(mine), "gaps": _largest_gaps(mine)})
+
+    def med(key: str) -> float | None:
+        xs = sorted(r[key] for r in rows if r[key] is not None)
+        return xs[len(xs) // 2] if xs else None
+
+    keys = ("copy_in_to_first_kernel_ms", "kernel_span_ms", "kernel_busy_ms", "last_kernel_to_copy_out_end_ms",
+            "step_span_ms")
+    out: dict[str, Any] = {k: med(k) for k in keys}
+    out.update(steps=len(rows), kernels_per_step=med("kernels"),
+               largest_idle_gaps_us_median_step=sorted(rows, key=lambda r: r["kernel_span_ms"])[len(rows) // 2]["gaps"]
+               if rows else None)
+    return out
 
 
 def _mark_offset(marks: list[tuple[str, int, int]], events: list[tuple[str, int, int]],
