@@ -161,24 +161,27 @@ def _fp8_gemm(d: dict) -> list[str]:
 
 def _fp4_grouped(d: dict) -> list[str]:
     """FP4 grouped expert GEMM: per token count, the kernel's time and fraction of the copy bandwidth for the
-    two V4-Flash expert shapes, and the XLA path it replaces."""
+    two V4-Flash expert shapes, the second dequantisation route measured in the run, and the XLA path."""
     by: dict[int, dict[tuple[str, str], dict]] = {}
+    alt = next((r["impl"] for r in d.get("rows", []) if r.get("impl", "").startswith("pallas[dequant=")), None)
     for r in d.get("rows", []):
-        if "error" not in r and r.get("impl") in ("pallas", "pallas[dequant=bf16]", "xla"):
+        if "error" not in r and r.get("impl") in ("pallas", alt, "xla"):
             by.setdefault(r["tokens"], {})[(r["shape"], r["impl"])] = r
     rows = []
     for t, per in sorted(by.items()):
         row = [str(t), _fmt(per.get(("w1", "pallas"), {}).get("active_experts"), 1)]
         for sh in ("w1", "w2"):
-            p, b, x = (per.get((sh, i), {}) for i in ("pallas", "pallas[dequant=bf16]", "xla"))
+            p, b, x = (per.get((sh, i), {}) for i in ("pallas", alt, "xla"))
             row += [_fmt(p.get("median_us"), 1), _pct(p.get("hbm_frac")), _fmt(b.get("median_us"), 1),
                     _pct(b.get("hbm_frac")), _ratio(x.get("median_us"), p.get("median_us"))]
         rows.append(row)
     m = d.get("meta", {})
+    route = (alt or "pallas[dequant=?]")[len("pallas["):-1]
     cols = [f"{sh} {c}" for sh in ("w1 4096->2048", "w2 2048->4096")
-            for c in ("µs", "of copy bw", "bf16-dequant µs", "of copy bw", "xla / pallas")]
+            for c in ("µs", "of copy bw", f"{route} µs", "of copy bw", "xla / pallas")]
     return [f"256 experts, top-6 routing of `tokens` tokens (bytes: the active experts' packed weights and scales, x, "
-            f"y); median µs per call, copy {_fmt(m.get('copy_bytes_per_s', 0) / 1e12)} TB/s in the same run:", ""] + \
+            f"y); median µs per call, copy {_fmt(m.get('copy_bytes_per_s', 0) / 1e12)} TB/s in the same run; "
+            f"`pallas` is the default, `{route}` the other dequantisation route:", ""] + \
         _table(["tokens", "active experts"] + cols, rows)
 
 
@@ -302,6 +305,19 @@ def _host_profile(d: dict, top: int = 4) -> list[str]:
                          _fmt(g.get("kernel_busy_ms")), "trace failed" if r.get("trace_error") else ""])
     out += _table(["variant", "layers", "prepare", "launch", "sync", "untraced prepare", "untraced launch",
                    "untraced wall", "first kernel after step start", "device span", "kernel busy", "note"], rows)
+    dev = [(v, depth, r["gpu"]) for v, vr in d.get("variants", {}).items() for depth, r in vr.get("depths", {}).items()
+           if r.get("windows_from") == "device_only" and r.get("gpu")]
+    if dev:
+        out += ["", "Read off the GPU's timeline (the host side of these traces came back without event names): per "
+                "step, from the copy of the step's inputs to the device to the end of the copy of its output ids "
+                "(ms, medians):", ""]
+        out += _table(["variant", "layers", "copy in -> first kernel", "kernel span", "kernel busy",
+                       "last kernel -> copy out done", "step span", "kernels", "largest idle gap (µs)"],
+                      [[v, str(dep), _fmt(g.get("copy_in_to_first_kernel_ms")), _fmt(g.get("kernel_span_ms")),
+                        _fmt(g.get("kernel_busy_ms")), _fmt(g.get("last_kernel_to_copy_out_end_ms")),
+                        _fmt(g.get("step_span_ms")), _fmt(g.get("kernels_per_step"), 0),
+                        _fmt(max((x["idle_us"] for x in g.get("largest_idle_gaps_us_median_step") or []), default=None), 1)]
+                       for v, dep, g in dev])
     first = next(iter(d.get("variants", {}).items()), None)
     depths = first[1].get("depths", {}) if first else {}
     if depths and any(r.get("host_self_top") for r in depths.values()):
