@@ -5,7 +5,7 @@
         --out benchmarks/results/host_profile_<device>_<date>.json
 
 Each step runs inside ``TraceAnnotation`` windows (``jds_prepare``: input preparation, ``jds_launch``: the
-runner's dispatch, ``jds_sync``: waiting for the logits). ``jax.profiler`` records XLA's and PjRt's own
+runner's dispatch, ``jds_sync``: the greedy ids of the step back on the host, as TTFT ends). ``jax.profiler`` records XLA's and PjRt's own
 TraceMe events on every host thread and, on a GPU, CUPTI's kernel records. The trace is read back with
 ``jax.profiler.ProfileData`` and reduced to, per step: the self time of every host event name inside each
 window (self = its duration minus the events nested in it on the same thread), when the first GPU kernel of
@@ -253,6 +253,7 @@ def profile_depth(arch: str, layers: int, mode: str, steps: int, implementation:
     from jax import profiler
 
     from jds.bench.stack import block_table, build_stack, make_runner, step_shapes, time_steps
+    from jds.sampling import greedy_tokens
 
     t0 = time.perf_counter()
     model = build_stack(arch, layers, implementation=implementation, size=size, intermediate=intermediate,
@@ -283,8 +284,8 @@ def profile_depth(arch: str, layers: int, mode: str, steps: int, implementation:
             with profiler.TraceAnnotation("jds_launch"):
                 logits = runner.step(*inputs)
             m2 = now()
-            with profiler.TraceAnnotation("jds_sync"):
-                np.asarray(logits)
+            with profiler.TraceAnnotation("jds_sync"):  # the greedy ids back, as TTFT (``time_steps``) ends
+                np.asarray(greedy_tokens(logits))
             m3 = now()
         marks += [("jds_step", m0, m3), ("jds_prepare", m0, m1), ("jds_launch", m1, m2), ("jds_sync", m2, m3)]
     profiler.stop_trace()
