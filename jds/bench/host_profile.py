@@ -7,8 +7,8 @@
 Each step runs inside ``TraceAnnotation`` windows (``jds_prepare``: input preparation, ``jds_launch``: the
 runner's dispatch, ``jds_sync``: the greedy ids of the step back on the host, as TTFT ends).
 ``jax.profiler`` records XLA's and PjRt's own TraceMe events on every host thread and, on a GPU, CUPTI's
-kernel records. The trace is read back with ``jax.profiler.ProfileData`` and reduced to, per step: the self time of every host event name inside each
-window (self = its duration minus the events nested in it on the same thread), when the first GPU kernel of
+kernel records. The trace is read back with ``jax.profiler.ProfileData`` and reduced to, per step: the self
+time of every host event name inside each window (self = its duration minus the events nested in it on the same thread), when the first GPU kernel of
 the step started relative to the step's start (the host critical path), and the device span and busy time.
 Names whose time grows with depth are what launch cost scales with.
 
