@@ -8,8 +8,10 @@ Each step runs inside ``TraceAnnotation`` windows (``jds_prepare``: input prepar
 runner's dispatch, ``jds_sync``: the greedy ids of the step back on the host, as TTFT ends).
 ``jax.profiler`` records XLA's and PjRt's own TraceMe events on every host thread and, on a GPU, CUPTI's
 kernel records. The trace is read back with ``jax.profiler.ProfileData`` and reduced to, per step: the self
-time of every host event name inside each window (self = its duration minus the events nested in it on the same thread), when the first GPU kernel of
-the step started relative to the step's start (the host critical path), and the device span and busy time.
+time of every host event name inside each window (self = its duration minus the events nested in it on the
+same thread), when the first GPU kernel of the step started relative to the step's start (the host critical
+path), and the device span and busy time. When the host side of the trace is unusable (event names lost, as
+on the H200 since 2026-11-30), the steps are read off the GPU's own timeline instead (``device_steps``).
 Names whose time grows with depth are what launch cost scales with.
 
 Each command-buffer update mode runs in its own process: XLA picks its allocator from ``XLA_FLAGS`` at
