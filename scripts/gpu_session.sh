@@ -11,6 +11,8 @@
 #   scripts/gpu_session.sh torch-profile # issue 18: the comparator's eager step, device time per stage (torch.profiler)
 #   scripts/gpu_session.sh fp8gemm       # issue 19: the FP8 block-scaled GEMM kernel: native tests, then the bench
 #   scripts/gpu_session.sh fp4gemm       # issue 22: the FP4 grouped expert GEMM: native tests, then the bench
+#   scripts/gpu_session.sh ncu           # Nsight Compute on one FP4 (8 tokens) and one FP8 (M = 64) GEMM call: text pages
+#   scripts/gpu_session.sh hostprofile   # issue 16: one step's GPU timeline (8 layers, 8 segments), TTFT's readback
 #   scripts/gpu_session.sh probe         # host cost of a captured step: preparation vs dispatch, graphs vs none
 #   scripts/gpu_session.sh boundary      # bench_boundary, V3.2 + V4, compiled in parallel processes first
 #   scripts/gpu_session.sh boundary-v4   # the V4 stack alone (all three modes)
@@ -27,6 +29,7 @@
 # Every timed process runs alone; every process sets XLA_PYTHON_CLIENT_PREALLOCATE=false so a compile
 # helper beside it cannot run the GPU out of memory. Timeouts use SIGINT so pytest prints its summary.
 # Stage limits can be shortened with <STAGE>_TIMEOUT (e.g. BOUNDARY_TIMEOUT=370) to share a call.
+# The run tool brings back at most 8 files from $OUT per call: keep what matters in few files.
 set -u
 OUT=${OUT:-/tmp/jds_out}
 mkdir -p "$OUT"
@@ -98,6 +101,22 @@ case "$stage" in
     timeout -s INT ${FP8B_TIMEOUT:-200} python3 -m jds.bench.kernels_fp8_gemm --shapes ${FP8_SHAPES:-wo mlp} \
       --ms ${FP8_MS:-1 64 128 2048 8192} --out "$OUT/kernels_fp8_gemm_h200.json" > "$OUT/fp8_gemm_bench.log" 2>&1
     echo "fp8 bench rc=$?"; tail -30 "$OUT/fp8_gemm_bench.log" | cut -c1-220
+    ;;
+  ncu)
+    # 2026-12-01: the FP4 kernel was issue-bound (dequantisation, wgmma descriptors), the FP8 decode kernel
+    # waited on its scale loads. Reports stay on the machine; their details and SASS pages come back as text.
+    for spec in "fp4 --shape w1 --tokens 8" "fp8 --shape wo --m 64"; do
+      name=$(echo "$spec" | tr -d ' -' | cut -c1-12)
+      timeout ${NCU_TIMEOUT:-150} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
+        -o "/tmp/$name" python3 scripts/diag/ncu_kernels.py $spec > /dev/null 2>&1; echo "ncu $name rc=$?"
+      ncu -i "/tmp/$name.ncu-rep" --page details > "$OUT/${name}_details.txt" 2>&1
+      ncu -i "/tmp/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/${name}_sass.csv" 2>&1
+    done
+    ;;
+  hostprofile)
+    timeout ${HP_TIMEOUT:-170} python3 -m jds.bench.host_profile --arch v32 --layers 8 --intermediate 18432 \
+      --mode fused --runner-kw '{"segments": 8}' --steps 10 --out "$OUT/host_profile_h200.json" > "$OUT/hp.log" 2>&1
+    echo "hostprofile rc=$?"; grep '^{' "$OUT/hp.log" | cut -c1-1200
     ;;
   fp4gemm)
     timeout -s INT ${FP4T_TIMEOUT:-150} python3 -m pytest -m gpu -q -n 6 --tb=short -p no:cacheprovider \
