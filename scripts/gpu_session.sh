@@ -205,7 +205,7 @@ case "$stage" in
     done
     ;;
   *)
-    echo "usage: $0 STAGE... (probe|boundary|boundary-v4|boundary-xla|serve|thunks|tests-all|kernels|topk|select|mqa|multigpu)" >&2
+    echo "usage: $0 STAGE... (ncu|hostprofile|fp4gemm|fp8gemm|probe|boundary|boundary-v4|boundary-xla|serve|thunks|tests-all|kernels|topk|select|mqa|multigpu)" >&2
     exit 2 ;;
 esac
 done
