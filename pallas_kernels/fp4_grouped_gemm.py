@@ -84,6 +84,10 @@ from jax import lax
 
 from jds.ops import quant
 from jds.ops.dispatch import Implementation, Unsupported, resolve_interpret, run_op
+from pallas_kernels.grouped_rows import gather_rows as _gather_rows
+from pallas_kernels.grouped_rows import n_items as _n_items
+from pallas_kernels.grouped_rows import padded_rows as _padded_rows
+from pallas_kernels.grouped_rows import row_layout as _layout
 
 Dequant = Literal["auto", "lop3", "f16", "bf16"]
 DEQUANTS = ("lop3", "f16", "bf16")  # "auto": "lop3" natively at decode tiles, else "f16"
@@ -173,11 +177,6 @@ def _check_tiles(block_t, block_n, block_k, split_k, stages) -> None:
             raise ValueError(f"{name} must be a positive int, got {v}")
 
 
-def _n_items(m: int, e: int, bt: int) -> int:
-    """Static bound on the work items: sum_e ceil(s_e / bt) <= #(s_e > 0) + sum_e floor(s_e / bt)."""
-    return min(e, m) + m // bt
-
-
 def _pick_tiles(m: int, e: int, n: int, k: int, block_t: int | None, block_n: int | None,
                 block_k: int | None, split_k: int | None) -> tuple[int, int, int, int]:
     """(block_t, block_n, block_k, split_k): the given ones, defaults for the rest.
@@ -227,50 +226,6 @@ def _permute_k(x: jax.Array, dequant: Dequant) -> jax.Array:
     return x.reshape(m, k // 32, 16, 2).swapaxes(-1, -2).reshape(m, k)
 
 
-def _padded_rows(m: int, e: int, bt: int) -> int:
-    """Rows of the padded x: every group rounded up to 8 rows (at most 7 extra per expert with rows), plus one
-    token tile of slack for the last tile, rounded to 8."""
-    return -(-(m + 7 * min(e, m) + bt) // 8) * 8
-
-
-def _layout(sizes: jax.Array, m: int, n_items: int, n_padded: int, bt: int):
-    """Where everything goes (int32 index arrays, computed in XLA from ``sizes``):
-
-    * items [2, n_items]: (expert, first row in the padded x) of each (expert, token tile) pair of the experts
-      with rows, in expert order; expert -1 past the last pair. First rows are multiples of 8: a dynamic TMA
-      start on x's 8-row tiling must be tile-aligned (Mosaic splits it into (row // 8, row % 8) and the box
-      would run out of its 8-row tile).
-    * src [n_padded]: the row of x each padded row copies (m: a zero row).
-    * col [m]: the column of y^T holding row r (item * bt + row in tile); valid [m]: r < sum(sizes).
-    """
-    sizes = sizes.astype(jnp.int32)
-    ne = sizes.shape[0]
-    tiles = -(-sizes // bt)
-    tile_end = jnp.cumsum(tiles)
-    row_end = jnp.cumsum(sizes)
-    row_off = row_end - sizes
-    psize = -(-sizes // 8) * 8
-    pend = jnp.cumsum(psize)
-    poff = pend - psize
-    # work items. searchsorted by comparing against every boundary (an [n, E] compare + sum): the default
-    # binary-search "scan" is an XLA while loop, whose iterations a GPU runs one host round trip each
-    ss = functools.partial(jnp.searchsorted, side="right", method="compare_all")
-    i = jnp.arange(n_items, dtype=jnp.int32)
-    ex = jnp.minimum(ss(tile_end, i), ne - 1)
-    ok = i < tile_end[-1]
-    row0 = poff[ex] + (i - (tile_end[ex] - tiles[ex])) * bt
-    items = jnp.stack([jnp.where(ok, ex, -1), jnp.where(ok, row0, 0)]).astype(jnp.int32)
-    # output rows, and the padded rows of x: each row of x scattered to its place (a gather that searched
-    # per padded row fused the [n_padded, E] search into the copy of x, recomputing it per element)
-    r = jnp.arange(m, dtype=jnp.int32)
-    re = jnp.minimum(ss(row_end, r), ne - 1)
-    local = r - row_off[re]
-    valid = r < row_end[-1]
-    src = jnp.full((n_padded,), m, jnp.int32).at[jnp.where(valid, poff[re] + local, n_padded)].set(r, mode="drop")
-    col = jnp.where(valid, (tile_end[re] - tiles[re] + local // bt) * bt + local % bt, 0)
-    return items, src.astype(jnp.int32), col.astype(jnp.int32), valid
-
-
 def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block_n, block_k, split_k, stages,
             dequant):
     _check_tiles(block_t, block_n, block_k, split_k, stages)
@@ -307,8 +262,7 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
     yt = call(info, xp, w_packed, w_scale)
     if s > 1:
         yt = jnp.sum(yt, axis=0)
-    y = jnp.take(yt, col, axis=1).T
-    return jnp.where(valid[:, None], y, 0).astype(out_dtype)
+    return _gather_rows(yt, col, valid, out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------------

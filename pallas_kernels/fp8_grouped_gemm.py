@@ -1,0 +1,267 @@
+"""Grouped (MoE) GEMM with FP8 expert weights as DeepSeek-V3 / V3.2 store them, on Hopper (Pallas Mosaic GPU),
+with the pure-JAX path (``implementation="xla"``: dequantise, one float32 ``lax.ragged_dot_general``) as reference.
+
+    y[r, :] = sum_kb sx[r, kb] sw[e(r), n // 128, kb] * (sum_{k in kb} xq[r, k] Wq[e(r), n, k])
+    xq, sx = act_quant(x, 128, scale_fmt)          rows r of x [M, K] grouped by expert in order, ``sizes`` [E]
+    Wq float8_e4m3fn [E, N, K], sw float32 [E, N/128, K/128]   (128 x 128 weight blocks, as the checkpoint)
+
+DeepSeek's ``linear()`` for every routed expert: the input re-quantised per 1 x 128 group, the FP8 products
+summed per 128-column block in float32 and promoted with both scales. Rows past sum(sizes) come out as 0.
+
+The kernel is the FP4 grouped GEMM's design (``fp4_grouped_gemm``) with e4m3 weights; what differs:
+- Roles swapped (y^T = W x^T) as there: the weights are wgmma's A operand from registers, 64 rows per compute
+  warpgroup, the token rows B from SMEM. e4m3 -> float16 is one ``cvt`` per two weights and exact, and the
+  quantised x (e4m3 values) is exact in float16 too, so the float16 MMA multiplies the FP8 values exactly
+  (Hopper's FP8 wgmma would need both operands K-major in SMEM, i.e. the weights through SMEM, and its
+  accumulation is reduced precision: DeepGEMM promotes every 128 for that reason).
+- Scales: per 128-column block, a fresh MMA accumulator [64, block_t], then acc += blk * sx[token] * sw: the
+  weight scale is one scalar per warpgroup (64 rows lie in one 128-row scale block), the activation scales a
+  vector over the accumulator's columns (tokens). A CTA's scales (its weight-scale row over its K range, and
+  sx^T for its token tile) arrive once, by TMA, before the pipeline (the weight scales as 8 rows, of which the
+  first is the CTA's: a TMA copy from a warpgroup moves a multiple of 128 bytes; the wrapper pads 7 rows): the FP8 GEMM's profile (2026-12-01) put
+  a fifth of its stalls on a scale loaded from global memory inside the K loop.
+- Work items (expert, token tile), the 8-row-aligned padded copy of x, the output gather, split-K: as the FP4
+  kernel (``grouped_rows``). A split holds whole 512-column chunks (the TMA rows of the scales: 4 floats).
+Limits: N a multiple of 128, K of 512 (else ``Unsupported``; "auto" runs XLA); ``block_t`` <= 128.
+``interpret=None`` runs GPU interpret mode off-GPU (tests only); there the register-A MMA is a ``jnp.dot`` of
+the same float16 operands with float32 accumulation, everything else is the kernel's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from jds.ops import quant
+from jds.ops.dispatch import Implementation, Unsupported, resolve_interpret, run_op
+from pallas_kernels.grouped_rows import gather_rows, n_items, padded_rows, row_layout
+
+BLOCK = 128  # weight-scale block (both dims) and activation-scale group
+K_ALIGN = 512  # K per split: whole 16-byte TMA rows of float32 scales
+NUM_SMS = 132  # H100 / H200; only steers the automatic split_k
+BLOCK_TS = (8, 16, 32, 64, 128)  # wgmma N
+SMEM_BUDGET = 220 * 1024
+SCALE_FMTS = ("ue8m0", "amax")
+SW_ROWS = 8  # weight-scale rows per CTA copy: 8 x (a multiple of 4 floats) is a multiple of 128 bytes
+_RAGGED_DN = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
+                                           lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+
+def fp8_grouped_linear(x: jax.Array, sizes: jax.Array, wq: jax.Array, w_scale: jax.Array, *,
+                       out_dtype: jnp.dtype = jnp.bfloat16, scale_fmt: quant.ScaleFmt = "ue8m0",
+                       implementation: Implementation = "auto",
+                       interpret: bool | plgpu.InterpretGPUParams | None = None, block_t: int | None = None,
+                       block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
+                       stages: int = 4) -> jax.Array:
+    """y [M, N] (``out_dtype``): row r of x [M, K] times expert e(r)'s FP8 weight, rows grouped by expert in order
+    (``sizes`` int [E], sum <= M; rows past the sum give 0), W = ``wq`` (float8_e4m3fn [E, N, K]) with
+    ``w_scale`` (float32 [E, N/128, K/128]); x re-quantised per 1 x 128 with ``scale_fmt`` scales.
+
+    ``implementation``: "xla" = dequantise + float32 ``ragged_dot_general``; "pallas" = the kernel
+    (``Unsupported`` for N not a multiple of 128 or K not a multiple of 512); "auto" = the kernel where it
+    applies, else XLA. Tiles (kernel only; ``_pick_tiles`` has the defaults): ``block_t`` token rows per work
+    item (8..128, a power of two), ``block_n`` weight rows per CTA (64 or 128), ``block_k`` input columns per
+    pipeline step (128 or 256), ``split_k`` K splits, ``stages`` TMA ring depth.
+    ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``); None = whenever the default backend
+    is not a GPU.
+    """
+    _check_inputs(x, sizes, wq, w_scale, scale_fmt)
+    return run_op("fp8_grouped_linear", implementation, {
+        "xla": lambda: _xla(x, sizes, wq, w_scale, out_dtype, scale_fmt),
+        "pallas": lambda: _pallas(x, sizes, wq, w_scale, out_dtype=out_dtype, scale_fmt=scale_fmt,
+                                  interpret=interpret, block_t=block_t, block_n=block_n, block_k=block_k,
+                                  split_k=split_k, stages=stages)})
+
+
+def _check_inputs(x, sizes, wq, w_scale, scale_fmt) -> None:
+    """Input errors of both implementations (ValueError naming the argument)."""
+    if wq.ndim != 3 or jnp.dtype(wq.dtype) != jnp.float8_e4m3fn:
+        raise ValueError(f"wq must be float8_e4m3fn [E, N, K], got {wq.dtype} {wq.shape}")
+    e, n, k = wq.shape
+    want = (e, -(-n // BLOCK), -(-k // BLOCK))
+    if w_scale.shape != want or not jnp.issubdtype(w_scale.dtype, jnp.floating):
+        raise ValueError(f"w_scale must be float {want} for wq {wq.shape}, got {w_scale.dtype} {w_scale.shape}")
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}] (K = wq.shape[-1]), got shape {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"x must be a float array, got {x.dtype}")
+    if k % BLOCK:
+        raise ValueError(f"wq: K = {k} must be a multiple of {BLOCK} (the activation-scale group)")
+    if sizes.shape != (e,) or not jnp.issubdtype(sizes.dtype, jnp.integer):
+        raise ValueError(f"sizes must be an int32 [{e}] (one group size per expert), got {sizes.dtype} {sizes.shape}")
+    if scale_fmt not in SCALE_FMTS:
+        raise ValueError(f"scale_fmt must be one of {SCALE_FMTS}, got {scale_fmt!r}")
+
+
+def _xla(x, sizes, wq, w_scale, out_dtype, scale_fmt) -> jax.Array:
+    """The reference: both operands dequantised to float32, one ragged dot at float32 precision (the block
+    sums of FP8 products up to float32 summation order; exactly so for power-of-two scales)."""
+    xq, sx = quant.act_quant(x, BLOCK, scale_fmt)
+    w = jax.vmap(quant.dequant_weight_blocks)(wq, w_scale)
+    y = lax.ragged_dot_general(quant.dequant(xq, sx, BLOCK), w, sizes.astype(jnp.int32), _RAGGED_DN,
+                               precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return y.astype(out_dtype)
+
+
+def supports(n: int, k: int) -> bool:
+    """Whether the kernel takes expert weights of [n, k] (out, in)."""
+    return n > 0 and k > 0 and n % BLOCK == 0 and k % K_ALIGN == 0
+
+
+def _check_tiles(block_t, block_n, block_k, split_k, stages) -> None:
+    if block_t not in (None, *BLOCK_TS):
+        raise ValueError(f"block_t must be one of {BLOCK_TS} (or None), got {block_t}")
+    if block_n not in (None, 64, 128):
+        raise ValueError(f"block_n must be 64 or 128 (or None), got {block_n}")
+    if block_k not in (None, 128, 256):
+        raise ValueError(f"block_k must be 128 or 256 (or None), got {block_k}")
+    for name, v in (("split_k", 1 if split_k is None else split_k), ("stages", stages)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v}")
+
+
+def _pick_tiles(m: int, e: int, n: int, k: int, block_t: int | None, block_n: int | None,
+                block_k: int | None, split_k: int | None) -> tuple[int, int, int, int]:
+    """(block_t, block_n, block_k, split_k): the given ones, defaults for the rest (as the FP4 kernel: the
+    smallest token tile holding the mean rows per active expert, 128 weight rows, and split-K until about
+    2 CTAs per SM stream weights, counting min(E, M) active experts)."""
+    mean = -(-m // max(1, min(e, m)))
+    bt = block_t or next((t for t in BLOCK_TS if t >= mean), BLOCK_TS[-1])
+    bn = block_n or 128
+    chunks = k // K_ALIGN
+    if split_k is not None:
+        if chunks % split_k:
+            raise ValueError(f"split_k must divide K / {K_ALIGN} = {chunks}, got {split_k}")
+        s = split_k
+    else:
+        ctas = min(e, m) * (n // bn)
+        divs = [d for d in range(1, chunks + 1) if chunks % d == 0]
+        s = next((d for d in divs if ctas * d >= 2 * NUM_SMS), divs[-1]) if ctas < 2 * NUM_SMS else 1
+    bk = block_k or (256 if bt <= 32 else 128)  # divides K / s: a multiple of 512
+    return bt, bn, bk, s
+
+
+def _fit_stages(stages: int, bt: int, bn: int, bk: int, kps: int) -> int:
+    """The ring depth that fits SMEM next to the scales (ValueError when not even one stage fits)."""
+    per_stage = bt * bk * 2 + bn * bk  # float16 token tile + e4m3 weight tile
+    fit = (SMEM_BUDGET - (bn // 64) * 4 * kps * (bt + SW_ROWS)) // per_stage
+    if fit < 1:
+        raise ValueError(f"block_t {bt} x block_k {bk} (block_n {bn}) does not fit shared memory")
+    return max(1, min(stages, kps * BLOCK // bk, fit))
+
+
+def _pallas(x, sizes, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_t, block_n, block_k, split_k, stages):
+    _check_tiles(block_t, block_n, block_k, split_k, stages)
+    e, n, k = wq.shape
+    m = x.shape[0]
+    if not supports(n, k):
+        raise Unsupported(f"fp8_grouped_linear kernel: N = {n} must be a multiple of {BLOCK} and K = {k} a "
+                          f"multiple of {K_ALIGN} (wq shape {wq.shape})")
+    out_dtype = jnp.dtype(out_dtype)
+    if m == 0:
+        return jnp.zeros((0, n), out_dtype)
+    bt, bn, bk, s = _pick_tiles(m, e, n, k, block_t, block_n, block_k, split_k)
+    if interpret is None:
+        interpret = resolve_interpret(None)
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
+    items = n_items(m, e, bt)
+    mx = padded_rows(m, e, bt)
+    info, src, col, valid = row_layout(sizes, m, items, mx, bt)
+    xq, sx = quant.act_quant(x, BLOCK, scale_fmt)
+    # e4m3 values are exact in float16; padded rows copy row m: zeros with scale 0
+    xp = jnp.take(jnp.pad(xq.astype(jnp.float16), ((0, 1), (0, 0))), src, axis=0)
+    sxt = jnp.take(jnp.pad(sx, ((0, 1), (0, 0))), src, axis=0).T  # [K/128, mx]: a tile's scales per block
+    kps = k // BLOCK // s
+    call = _build_call(n=n, k=k, items=items, bt=bt, bn=bn, bk=bk, splits=s,
+                       stages=_fit_stages(stages, bt, bn, bk, kps),
+                       out_dtype=out_dtype if s == 1 else jnp.dtype(jnp.float32), interpret=interpret or None)
+    # a CTA copies 8 weight-scale rows from its own (a TMA copy moves a multiple of 128 bytes): 7 rows of slack
+    ws = jnp.pad(w_scale.astype(jnp.float32), ((0, 0), (0, SW_ROWS - 1), (0, 0)))
+    yt = call(info, xp, sxt, wq, ws)
+    if s > 1:
+        yt = jnp.sum(yt, axis=0)
+    return gather_rows(yt, col, valid, out_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits: int, stages: int,
+                out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None):
+    emulate_mma = interpret is not None
+    kps = k // BLOCK // splits  # K blocks per CTA
+    kc = kps * BLOCK
+    steps = kc // bk
+    bps = bk // BLOCK  # K blocks per pipeline step
+    n_tiles = n // bn
+    nwg = bn // 64
+    L = plgpu.Layout.WGMMA
+    COL = L.reduce(0)  # a [bt] vector along the accumulator's columns (tokens)
+    x_tf = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # 16 float16 = one 32-byte swizzle row
+    w_tf = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))  # 128 e4m3 = one 128-byte row
+
+    def kernel(info_ref, x_ref, sxt_ref, w_ref, sw_ref, o_ref, sw_s, sx_s, bar):
+        pid = lax.axis_index("cta")
+        item = pid % items
+        ni = (pid // items) % n_tiles
+        si = pid // (items * n_tiles)
+        ex = info_ref[0, item]
+        row0 = info_ref[1, item]
+        n0 = ni * bn
+
+        def body(idx, x_s, w_s, acc):
+            (step,) = idx
+            wg = lax.axis_index("wg")
+            tile = plgpu.load(w_s.at[pl.ds(wg * 64, 64)], layout=L)  # e4m3 [64, bk]
+            for j in range(bps):
+                kb = step * bps + j  # K block inside this CTA's range
+                a = [tile[:, BLOCK * j + 16 * c:BLOCK * j + 16 * c + 16].astype(jnp.float16) for c in range(8)]
+                b = [x_s.at[:, pl.ds(BLOCK * j + 16 * c, 16)].T for c in range(8)]
+                if emulate_mma:  # the interpreter's wgmma takes SMEM operands only
+                    blk = sum(jnp.dot(ai, bi[...], preferred_element_type=jnp.float32) for ai, bi in zip(a, b))
+                else:
+                    def mma(blk_ref, a=a, b=b):
+                        for ai, bi in zip(a, b):
+                            plgpu.wgmma(blk_ref, ai, bi)
+                        plgpu.wgmma_wait(0)
+                        return blk_ref[...]
+
+                    blk = pl.run_scoped(mma, plgpu.ACC((64, bt), jnp.float32))
+                sxv = plgpu.load(sx_s.at[wg, kb], layout=COL, optimized=False)  # [bt]
+                acc = acc + blk * lax.broadcast_in_dim(sxv * sw_s[wg, 0, kb], (64, bt), [1])
+            return acc
+
+        def compute(run_pipeline):
+            wg = lax.axis_index("wg")
+            plgpu.copy_gmem_to_smem(sw_ref.at[ex, pl.ds(n0 // BLOCK, SW_ROWS), pl.ds(si * kps, kps)], sw_s.at[wg],
+                                    bar.at[wg])
+            plgpu.copy_gmem_to_smem(sxt_ref.at[pl.ds(si * kps, kps), pl.ds(row0, bt)], sx_s.at[wg], bar.at[wg])
+            plgpu.barrier_wait(bar.at[wg])
+            acc = run_pipeline(plgpu.layout_cast(jnp.full((64, bt), 0.0, jnp.float32), L))
+            dst = o_ref.at[pl.ds(n0 + wg * 64, 64), pl.ds(item * bt, bt)] if splits == 1 else \
+                o_ref.at[si, pl.ds(n0 + wg * 64, 64), pl.ds(item * bt, bt)]
+            dst[...] = acc.astype(dst.dtype)
+
+        pipeline = plgpu.emit_pipeline_warp_specialized(
+            body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=nwg,
+            max_concurrent_steps=stages, compute_context=compute,
+            in_specs=[plgpu.BlockSpec((bt, bk), lambda s: (0, s), transforms=x_tf),
+                      plgpu.BlockSpec((bn, bk), lambda s: (0, s), transforms=w_tf)])
+
+        @pl.when(ex >= 0)
+        def _():
+            pipeline(x_ref.at[pl.ds(row0, bt), pl.ds(si * kc, kc)],
+                     w_ref.at[ex, pl.ds(n0, bn), pl.ds(si * kc, kc)])
+
+    out_shape = (n, items * bt) if splits == 1 else (splits, n, items * bt)
+    scratch = [plgpu.SMEM((nwg, SW_ROWS, kps), jnp.float32), plgpu.SMEM((nwg, kps, bt), jnp.float32),
+               plgpu.Barrier(num_arrivals=2, num_barriers=nwg)]
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+                        grid=(splits * n_tiles * items,), grid_names=("cta",), num_threads=nwg + 1,
+                        thread_name="wg", scratch_types=scratch, compiler_params=params,
+                        interpret=interpret if interpret is not None else False)
