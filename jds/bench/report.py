@@ -159,29 +159,34 @@ def _fp8_gemm(d: dict) -> list[str]:
                 "of copy bw", "torch / pallas"], rows)
 
 
-def _fp4_grouped(d: dict) -> list[str]:
-    """FP4 grouped expert GEMM: per token count, the kernel's time and fraction of the copy bandwidth for the
-    two V4-Flash expert shapes, the second dequantisation route measured in the run, and the XLA path."""
+def _grouped(d: dict) -> list[str]:
+    """FP4 / FP8 grouped expert GEMM: per token count, the kernel's time and fraction of the copy bandwidth for
+    the two expert shapes, a second kernel variant measured in the run (if any), and the XLA path."""
+    rows_in = d.get("rows", [])
     by: dict[int, dict[tuple[str, str], dict]] = {}
-    alt = next((r["impl"] for r in d.get("rows", []) if r.get("impl", "").startswith("pallas[dequant=")), None)
-    for r in d.get("rows", []):
+    alt = next((r["impl"] for r in rows_in if r.get("impl", "").startswith("pallas[dequant=")), None)
+    for r in rows_in:
         if "error" not in r and r.get("impl") in ("pallas", alt, "xla"):
             by.setdefault(r["tokens"], {})[(r["shape"], r["impl"])] = r
+    shapes = {r["shape"]: f"{r['shape']} {r['k']}->{r['n']}" for r in rows_in if "k" in r and "n" in r}
+    first = next((r for r in rows_in if "experts" in r), {})
+    route = alt[len("pallas["):-1] if alt else None
+    per_shape = ["µs", "of copy bw"] + ([f"{route} µs", "of copy bw"] if route else []) + ["xla / pallas"]
     rows = []
     for t, per in sorted(by.items()):
-        row = [str(t), _fmt(per.get(("w1", "pallas"), {}).get("active_experts"), 1)]
-        for sh in ("w1", "w2"):
+        row = [str(t), _fmt(next(iter(per.values())).get("active_experts"), 1)]
+        for sh in shapes:
             p, b, x = (per.get((sh, i), {}) for i in ("pallas", alt, "xla"))
-            row += [_fmt(p.get("median_us"), 1), _pct(p.get("hbm_frac")), _fmt(b.get("median_us"), 1),
-                    _pct(b.get("hbm_frac")), _ratio(x.get("median_us"), p.get("median_us"))]
+            row += [_fmt(p.get("median_us"), 1), _pct(p.get("hbm_frac"))]
+            row += [_fmt(b.get("median_us"), 1), _pct(b.get("hbm_frac"))] if route else []
+            row += [_ratio(x.get("median_us"), p.get("median_us"))]
         rows.append(row)
     m = d.get("meta", {})
-    route = (alt or "pallas[dequant=?]")[len("pallas["):-1]
-    cols = [f"{sh} {c}" for sh in ("w1 4096->2048", "w2 2048->4096")
-            for c in ("µs", "of copy bw", f"{route} µs", "of copy bw", "xla / pallas")]
-    return [f"256 experts, top-6 routing of `tokens` tokens (bytes: the active experts' packed weights and scales, x, "
-            f"y); median µs per call, copy {_fmt(m.get('copy_bytes_per_s', 0) / 1e12)} TB/s in the same run; "
-            f"`pallas` is the default, `{route}` the other dequantisation route:", ""] + \
+    cols = [f"{label} {c}" for label in shapes.values() for c in per_shape]
+    note = f"; `pallas` is the default, `{route}` the other dequantisation route" if route else ""
+    return [f"{first.get('experts', '?')} experts, top-{first.get('top_k', '?')} routing of `tokens` tokens (bytes: the "
+            f"active experts' weights and scales, x, y); median µs per call, copy "
+            f"{_fmt(m.get('copy_bytes_per_s', 0) / 1e12)} TB/s in the same run{note}:", ""] + \
         _table(["tokens", "active experts"] + cols, rows)
 
 
@@ -423,7 +428,7 @@ RENDERERS: list[tuple[Callable[[str, dict], bool], Callable[[dict], list[str]]]]
     (lambda b, d: b.startswith("ttft"), _ttft),
     (lambda b, d: b.startswith("batch_invariant"), _batch_invariant),
     (lambda b, d: b.startswith("kernels_fp8_gemm"), _fp8_gemm),
-    (lambda b, d: b.startswith("kernels_fp4_grouped"), _fp4_grouped),
+    (lambda b, d: b.startswith(("kernels_fp4_grouped", "kernels_fp8_grouped")), _grouped),
     (lambda b, d: b.startswith("kernels"), _kernels),
 ]
 

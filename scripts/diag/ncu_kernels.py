@@ -22,10 +22,10 @@ import numpy as np
 
 
 def _fp4(shape: str, tokens: int, tiles: dict):
-    from jds.bench import kernels_fp4_grouped as b
+    from jds.bench import kernels_grouped as b
     from pallas_kernels import fp4_grouped_gemm as fp4g
-    k, n = b.SHAPES[shape]
-    wp, ws = b._experts(k, n, 256, jax.random.key(0))
+    k, n = b.FORMATS["fp4"].shapes[shape]
+    wp, ws = b._fp4_experts(k, n, 256, jax.random.key(0))
     x, sizes = b._routing(256, k, tokens, 6, jax.random.key(1))
     f = jax.jit(functools.partial(fp4g.fp4_grouped_linear, implementation="pallas", **tiles))
     return f, (x, jnp.asarray(sizes), wp, ws)
