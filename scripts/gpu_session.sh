@@ -10,6 +10,7 @@
 #   scripts/gpu_session.sh compare       # issue 18: jds beside the PyTorch comparator, one run, one table (V3.2, 8 layers)
 #   scripts/gpu_session.sh torch-profile # issue 18: the comparator's eager step, device time per stage (torch.profiler)
 #   scripts/gpu_session.sh fp8gemm       # issue 19: the FP8 block-scaled GEMM kernel: native tests, then the bench
+#   scripts/gpu_session.sh fp8grouped    # issue 19: the grouped FP8 expert GEMM (V3.2 MoE): native tests, then the bench
 #   scripts/gpu_session.sh fp4gemm       # issue 22: the FP4 grouped expert GEMM: native tests, then the bench
 #   scripts/gpu_session.sh ncu           # Nsight Compute on one FP4 (8 tokens) and one FP8 (M = 64) GEMM call: text pages
 #   scripts/gpu_session.sh hostprofile   # issue 16: one step's GPU timeline (8 layers, 8 segments), TTFT's readback
@@ -118,6 +119,14 @@ case "$stage" in
       --mode fused --runner-kw '{"segments": 8}' --steps 10 --out "$OUT/host_profile_h200.json" > "$OUT/hp.log" 2>&1
     echo "hostprofile rc=$?"; grep '^{' "$OUT/hp.log" | cut -c1-1200
     ;;
+  fp8grouped)
+    timeout -s INT ${FP8GT_TIMEOUT:-150} python3 -m pytest -m gpu -q -n 6 --tb=short -p no:cacheprovider \
+      tests/test_kernel_fp8_grouped_gemm.py > "$OUT/fp8_grouped_tests.log" 2>&1; echo "fp8 grouped tests rc=$?"
+    tail -5 "$OUT/fp8_grouped_tests.log"
+    timeout -s INT ${FP8GB_TIMEOUT:-300} python3 -m jds.bench.kernels_fp8_grouped ${FP8G_ARGS:-} \
+      --out "$OUT/kernels_fp8_grouped_h200.json" > "$OUT/fp8_grouped_bench.log" 2>&1
+    echo "fp8 grouped bench rc=$?"; tail -8 "$OUT/fp8_grouped_bench.log" | cut -c1-220
+    ;;
   fp4gemm)
     timeout -s INT ${FP4T_TIMEOUT:-150} python3 -m pytest -m gpu -q -n 6 --tb=short -p no:cacheprovider \
       tests/test_kernel_fp4_grouped_gemm.py > "$OUT/fp4_grouped_tests.log" 2>&1; echo "fp4 tests rc=$?"; tail -5 "$OUT/fp4_grouped_tests.log"
@@ -205,7 +214,7 @@ case "$stage" in
     done
     ;;
   *)
-    echo "usage: $0 STAGE... (ncu|hostprofile|fp4gemm|fp8gemm|probe|boundary|boundary-v4|boundary-xla|serve|thunks|tests-all|kernels|topk|select|mqa|multigpu)" >&2
+    echo "usage: $0 STAGE... (ncu|hostprofile|fp4gemm|fp8gemm|fp8grouped|probe|boundary|boundary-v4|boundary-xla|serve|thunks|tests-all|kernels|topk|select|mqa|multigpu)" >&2
     exit 2 ;;
 esac
 done
