@@ -4,6 +4,7 @@
         python3 scripts/diag/ncu_kernels.py fp4 --shape w1 --tokens 8 [--tiles '{"dequant": "bf16"}']
     ncu --clock-control none --profile-from-start off --set full -o OUT/fp8_m64 \
         python3 scripts/diag/ncu_kernels.py fp8 --shape q_b --m 64
+    ncu ... python3 scripts/diag/ncu_kernels.py fp8g --shape w1 --tokens 8      # the grouped FP8 expert GEMM
 
 The call is compiled and run a few times first; only the last call runs between cuProfilerStart and
 cuProfilerStop, so the report holds that call's kernels (the Pallas kernel and the wrapper's XLA ops).
@@ -31,6 +32,16 @@ def _fp4(shape: str, tokens: int, tiles: dict):
     return f, (x, jnp.asarray(sizes), wp, ws)
 
 
+def _fp8g(shape: str, tokens: int, tiles: dict):
+    from jds.bench import kernels_grouped as b
+    from pallas_kernels import fp8_grouped_gemm as fp8g
+    k, n = b.FORMATS["fp8"].shapes[shape]
+    wq, ws = b._fp8_experts(k, n, 256, jax.random.key(0))
+    x, sizes = b._routing(256, k, tokens, 8, jax.random.key(1))
+    f = jax.jit(functools.partial(fp8g.fp8_grouped_linear, implementation="pallas", **tiles))
+    return f, (x, jnp.asarray(sizes), wq, ws)
+
+
 def _fp8(shape: str, m: int, tiles: dict):
     from jds.bench import kernels_fp8_gemm as b
     from pallas_kernels import fp8_gemm
@@ -45,14 +56,16 @@ def _fp8(shape: str, m: int, tiles: dict):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kernel", choices=("fp4", "fp8"))
+    ap.add_argument("kernel", choices=("fp4", "fp8", "fp8g"))
     ap.add_argument("--shape", required=True)
-    ap.add_argument("--tokens", type=int, default=8, help="fp4: tokens (x 6 routed rows each)")
+    ap.add_argument("--tokens", type=int, default=8, help="fp4 / fp8g: tokens (x 6 / 8 routed rows each)")
     ap.add_argument("--m", type=int, default=64, help="fp8: rows")
     ap.add_argument("--tiles", default="{}", help="JSON dict of keyword arguments for the kernel")
     a = ap.parse_args()
     tiles = json.loads(a.tiles)
-    f, args = _fp4(a.shape, a.tokens, tiles) if a.kernel == "fp4" else _fp8(a.shape, a.m, tiles)
+    make = {"fp4": lambda: _fp4(a.shape, a.tokens, tiles), "fp8g": lambda: _fp8g(a.shape, a.tokens, tiles),
+            "fp8": lambda: _fp8(a.shape, a.m, tiles)}
+    f, args = make[a.kernel]()
     for _ in range(3):
         jax.block_until_ready(f(*args))
     cuda = ctypes.CDLL("libcuda.so.1")
