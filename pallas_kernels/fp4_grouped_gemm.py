@@ -84,6 +84,7 @@ from jax import lax
 
 from jds.ops import quant
 from jds.ops.dispatch import Implementation, Unsupported, resolve_interpret, run_op
+from pallas_kernels import grouped_rows
 from pallas_kernels.grouped_rows import gather_rows as _gather_rows
 from pallas_kernels.grouped_rows import n_items as _n_items
 from pallas_kernels.grouped_rows import padded_rows as _padded_rows
@@ -95,8 +96,6 @@ NATIVE_ONLY = ("lop3", "bf16")
 X_SCALE_LOG2 = 32  # the "lop3" route: x * 2^32 and the weights' scale / 2^32 (see ``_scale_exp_bias``)
 SCALE_BLOCK = quant.FP4_WEIGHT_BLOCK  # 32 input columns per e8m0 scale
 K_ALIGN = 512  # K per split: whole 16-byte rows of scale bytes for the TMA
-NUM_SMS = 132  # H100 / H200; only steers the automatic split_k
-BLOCK_TS = (8, 16, 32, 64, 128)  # wgmma N; 128 fp32 accumulators per thread at most
 SMEM_BUDGET = 220 * 1024  # of the H100/H200's 227 KiB per CTA (the rest: barriers, alignment)
 _RAGGED_DN = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
                                            lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
@@ -166,41 +165,14 @@ def supports(n: int, k: int) -> bool:
 
 
 def _check_tiles(block_t, block_n, block_k, split_k, stages) -> None:
-    if block_t not in (None, *BLOCK_TS):
-        raise ValueError(f"block_t must be one of {BLOCK_TS} (or None), got {block_t}")
-    if block_n not in (None, 64, 128):
-        raise ValueError(f"block_n must be 64 or 128 (or None), got {block_n}")
-    if block_k not in (None, 128, 256, 512):
-        raise ValueError(f"block_k must be 128, 256 or 512 (or None), got {block_k}")
-    for name, v in (("split_k", 1 if split_k is None else split_k), ("stages", stages)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v}")
+    grouped_rows.check_tiles(block_t, block_n, block_k, split_k, stages, (128, 256, 512))
 
 
 def _pick_tiles(m: int, e: int, n: int, k: int, block_t: int | None, block_n: int | None,
                 block_k: int | None, split_k: int | None) -> tuple[int, int, int, int]:
-    """(block_t, block_n, block_k, split_k): the given ones, defaults for the rest.
-
-    block_t: the smallest tile holding the mean rows per active expert (M / min(E, M)): 8 at decode.
-    block_n: 128 (two compute warpgroups share the producer) where N allows, else 64.
-    split_k: smallest split (whole 512-column chunks) with >= 2 CTAs per SM, estimating the active work items
-    as min(E, M) (each row may be a different expert)."""
-    mean = -(-m // max(1, min(e, m)))
-    bt = block_t or next((t for t in BLOCK_TS if t >= mean), BLOCK_TS[-1])
-    bn = block_n or (128 if n % 128 == 0 else 64)
-    if n % bn:
-        raise ValueError(f"block_n {bn} must divide N = {n}")
-    chunks = k // K_ALIGN
-    if split_k is not None:
-        if chunks % split_k:
-            raise ValueError(f"split_k must divide K / {K_ALIGN} = {chunks}, got {split_k}")
-        s = split_k
-    else:
-        ctas = min(e, m) * (n // bn)
-        divs = [d for d in range(1, chunks + 1) if chunks % d == 0]
-        s = next((d for d in divs if ctas * d >= 2 * NUM_SMS), divs[-1]) if ctas < 2 * NUM_SMS else 1
-    bk = block_k or (256 if bt <= 32 else 128)  # divides K / s: a multiple of 512
-    return bt, bn, bk, s
+    """(block_t, block_n, block_k, split_k): the given ones, defaults for the rest (``grouped_rows.pick_tiles``;
+    a split holds whole ``K_ALIGN``-column chunks)."""
+    return grouped_rows.pick_tiles(m, e, n, k, block_t, block_n, block_k, split_k, K_ALIGN)
 
 
 def _fit_stages(stages: int, bt: int, bn: int, bk: int, kc: int) -> int:

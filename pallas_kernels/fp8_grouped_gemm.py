@@ -39,12 +39,11 @@ from jax import lax
 
 from jds.ops import quant
 from jds.ops.dispatch import Implementation, Unsupported, resolve_interpret, run_op
+from pallas_kernels import grouped_rows
 from pallas_kernels.grouped_rows import gather_rows, n_items, padded_rows, row_layout
 
 BLOCK = 128  # weight-scale block (both dims) and activation-scale group
 K_ALIGN = 512  # K per split: whole 16-byte TMA rows of float32 scales
-NUM_SMS = 132  # H100 / H200; only steers the automatic split_k
-BLOCK_TS = (8, 16, 32, 64, 128)  # wgmma N
 SMEM_BUDGET = 220 * 1024
 SCALE_FMTS = ("ue8m0", "amax")
 SW_ROWS = 8  # weight-scale rows per CTA copy: 8 x (a multiple of 4 floats) is a multiple of 128 bytes
@@ -114,36 +113,14 @@ def supports(n: int, k: int) -> bool:
 
 
 def _check_tiles(block_t, block_n, block_k, split_k, stages) -> None:
-    if block_t not in (None, *BLOCK_TS):
-        raise ValueError(f"block_t must be one of {BLOCK_TS} (or None), got {block_t}")
-    if block_n not in (None, 64, 128):
-        raise ValueError(f"block_n must be 64 or 128 (or None), got {block_n}")
-    if block_k not in (None, 128, 256):
-        raise ValueError(f"block_k must be 128 or 256 (or None), got {block_k}")
-    for name, v in (("split_k", 1 if split_k is None else split_k), ("stages", stages)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v}")
+    grouped_rows.check_tiles(block_t, block_n, block_k, split_k, stages, (128, 256))
 
 
 def _pick_tiles(m: int, e: int, n: int, k: int, block_t: int | None, block_n: int | None,
                 block_k: int | None, split_k: int | None) -> tuple[int, int, int, int]:
-    """(block_t, block_n, block_k, split_k): the given ones, defaults for the rest (as the FP4 kernel: the
-    smallest token tile holding the mean rows per active expert, 128 weight rows, and split-K until about
-    2 CTAs per SM stream weights, counting min(E, M) active experts)."""
-    mean = -(-m // max(1, min(e, m)))
-    bt = block_t or next((t for t in BLOCK_TS if t >= mean), BLOCK_TS[-1])
-    bn = block_n or 128
-    chunks = k // K_ALIGN
-    if split_k is not None:
-        if chunks % split_k:
-            raise ValueError(f"split_k must divide K / {K_ALIGN} = {chunks}, got {split_k}")
-        s = split_k
-    else:
-        ctas = min(e, m) * (n // bn)
-        divs = [d for d in range(1, chunks + 1) if chunks % d == 0]
-        s = next((d for d in divs if ctas * d >= 2 * NUM_SMS), divs[-1]) if ctas < 2 * NUM_SMS else 1
-    bk = block_k or (256 if bt <= 32 else 128)  # divides K / s: a multiple of 512
-    return bt, bn, bk, s
+    """(block_t, block_n, block_k, split_k): the given ones, defaults for the rest (``grouped_rows.pick_tiles``;
+    a split holds whole ``K_ALIGN``-column chunks)."""
+    return grouped_rows.pick_tiles(m, e, n, k, block_t, block_n, block_k, split_k, K_ALIGN)
 
 
 def _fit_stages(stages: int, bt: int, bn: int, bk: int, kps: int) -> int:

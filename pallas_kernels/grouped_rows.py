@@ -1,5 +1,5 @@
-"""Rows of a grouped (MoE) GEMM laid out for a kernel that works on (expert, token tile) items: shared by the
-FP4 and FP8 grouped expert GEMMs (``fp4_grouped_gemm``, ``fp8_grouped_gemm``).
+"""Rows and tiles of a grouped (MoE) GEMM kernel that works on (expert, token tile) items: shared by the FP4
+and FP8 grouped expert GEMMs (``fp4_grouped_gemm``, ``fp8_grouped_gemm``).
 
 x's rows come grouped by expert (``sizes``); the kernels read token tiles by TMA from a copy of x in which
 every group starts on an 8-row boundary (a data-dependent TMA start on an 8-row SMEM tiling must be
@@ -12,6 +12,48 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+NUM_SMS = 132  # H100 / H200; only steers the automatic split_k
+BLOCK_TS = (8, 16, 32, 64, 128)  # token tile = wgmma N; 128 fp32 accumulators per thread at most
+
+
+def check_tiles(block_t, block_n, block_k, split_k, stages, block_ks: tuple[int, ...]) -> None:
+    """ValueError naming the tile argument that is not one the kernels take (``block_ks``: its block_k values)."""
+    if block_t not in (None, *BLOCK_TS):
+        raise ValueError(f"block_t must be one of {BLOCK_TS} (or None), got {block_t}")
+    if block_n not in (None, 64, 128):
+        raise ValueError(f"block_n must be 64 or 128 (or None), got {block_n}")
+    if block_k not in (None, *block_ks):
+        raise ValueError(f"block_k must be one of {block_ks} (or None), got {block_k}")
+    for name, v in (("split_k", 1 if split_k is None else split_k), ("stages", stages)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v}")
+
+
+def pick_tiles(m: int, e: int, n: int, k: int, block_t: int | None, block_n: int | None, block_k: int | None,
+               split_k: int | None, k_align: int) -> tuple[int, int, int, int]:
+    """(block_t, block_n, block_k, split_k): the given ones, defaults for the rest.
+
+    block_t: the smallest tile holding the mean rows per active expert (M / min(E, M)): 8 at decode.
+    block_n: 128 (two compute warpgroups share the producer) where N allows, else 64.
+    split_k: the smallest split into whole ``k_align``-column chunks with >= 2 CTAs per SM, estimating the
+    active work items as min(E, M) (each row may be a different expert).
+    block_k: 256 for token tiles up to 32 rows, else 128 (both divide a chunk)."""
+    mean = -(-m // max(1, min(e, m)))
+    bt = block_t or next((t for t in BLOCK_TS if t >= mean), BLOCK_TS[-1])
+    bn = block_n or (128 if n % 128 == 0 else 64)
+    if n % bn:
+        raise ValueError(f"block_n {bn} must divide N = {n}")
+    chunks = k // k_align
+    if split_k is not None:
+        if chunks % split_k:
+            raise ValueError(f"split_k must divide K / {k_align} = {chunks}, got {split_k}")
+        s = split_k
+    else:
+        ctas = min(e, m) * (n // bn)
+        divs = [d for d in range(1, chunks + 1) if chunks % d == 0]
+        s = next((d for d in divs if ctas * d >= 2 * NUM_SMS), divs[-1]) if ctas < 2 * NUM_SMS else 1
+    return bt, bn, block_k or (256 if bt <= 32 else 128), s
 
 
 def n_items(m: int, e: int, bt: int) -> int:
