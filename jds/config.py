@@ -91,6 +91,11 @@ class Numerics:
     # 128. Off: bf16 experts without activation quantisation (the random presets; an FP4 release imports with
     # it on). The shared expert is not affected.
     experts_fp4: bool = False
+    # DeepSeek-V3 / V3.2 routed experts as an FP8 checkpoint stores them: e4m3 [E, out, in] with float32 128 x 128
+    # block scales, multiplied by the grouped FP8 GEMM with the experts' inputs re-quantised per 128
+    # (``act_scale_fmt``), as DeepSeek's ``linear()`` does. V3-style block only; hidden_size and
+    # moe_intermediate_size multiples of 128. Off: the experts dequantised to the activation dtype at import.
+    experts_fp8: bool = False
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("float32", "bfloat16"), "dtype", f"must be float32 or bfloat16, got {self.dtype!r}")
@@ -102,6 +107,7 @@ class Numerics:
         _require(self.latent_scale_fmt in ("ue8m0", "amax"), "latent_scale_fmt", "must be ue8m0 or amax")
         _require(self.act_scale_fmt in ("ue8m0", "amax"), "act_scale_fmt", "must be ue8m0 or amax")
         _require(isinstance(self.experts_fp4, bool), "experts_fp4", f"must be a bool, got {self.experts_fp4!r}")
+        _require(isinstance(self.experts_fp8, bool), "experts_fp8", f"must be a bool, got {self.experts_fp8!r}")
 
     @classmethod
     def exact(cls) -> "Numerics":
@@ -458,6 +464,13 @@ class ModelConfig:
             for n, v in (("hidden_size", self.hidden_size), ("moe_intermediate_size", self.moe_intermediate_size)):
                 _require(v % 128 == 0, n, f"must be a multiple of 128 with numerics.experts_fp4 (the experts' inputs "
                          f"are quantised per 128, the weights per 32), got {v}")
+        if self.numerics.experts_fp8:
+            _require(self.block == "v3", "numerics.experts_fp8",
+                     f"FP8 routed experts are the V3-style block's (block 'v3'), got block {self.block!r}")
+            _require(self.n_routed_experts > 0, "numerics.experts_fp8", "needs routed experts (n_routed_experts > 0)")
+            for n, v in (("hidden_size", self.hidden_size), ("moe_intermediate_size", self.moe_intermediate_size)):
+                _require(v % 128 == 0, n, f"must be a multiple of 128 with numerics.experts_fp8 (128 x 128 weight "
+                         f"blocks), got {v}")
         if self.block == "v4":
             _require(self.arch == "v4", "block", f"'v4' needs arch 'v4', got arch {self.arch!r}")
             _require(self.n_routed_experts > 0, "n_routed_experts", "must be > 0 with block 'v4' (every V4 layer is MoE)")

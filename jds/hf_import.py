@@ -11,7 +11,9 @@ as an e4m3 ``weight`` plus a float32 block scale; HF V3.2 calls it ``weight_scal
 Both are the multiplier (W_real = W_fp8 * s[i//128, j//128]), i.e. exactly jds's ``W.scale``. By default the
 e4m3 bits and scales are kept (the model gets ``Numerics.fp8_linear = True``); ``dequantize=True`` multiplies
 them out in float32 and rounds once to the activation dtype (bf16), giving ``fp8_linear = False``. Tensors jds
-keeps in bf16/fp32 (MoE experts other than V4's FP4 ones, the V3-style block's shared experts, router, head,
+keeps in bf16/fp32 (MoE experts other than V4's FP4 ones and, with ``Numerics.experts_fp8`` (an explicit
+override for now), the V3-style block's FP8 ones, which are then stacked as stored into e4m3 [E, out, in] +
+float32 scales [E, out/128, in/128]; the V3-style block's shared experts, router, head,
 norms, indexer weights_proj, V4 compressors) are always dequantised (the V4 block's shared expert stays FP8), and so is V4's ``wo_a``: the release's conversion
 dequantises it and its layer runs a plain bf16 einsum (``Numerics.wo_a_fp8`` keeps it FP8 instead, a named
 departure).
@@ -229,8 +231,9 @@ def plan(cfg: Any) -> list[Entry]:
         gate = F + "gate"
         if cfg.n_routed_experts:
             out.append(_lin(J + "ffn.gate", gate))
+            kind = "experts_oi" if cfg.numerics.experts_fp8 else "experts"  # FP8 experts stack [E, out, in]
             for k in ("w1", "w3", "w2"):
-                out.append(Entry(J + "ffn." + k, tuple(expert(j, k) for j in range(cfg.n_routed_experts)), "experts"))
+                out.append(Entry(J + "ffn." + k, tuple(expert(j, k) for j in range(cfg.n_routed_experts)), kind))
             out += [_lin(J + "ffn.shared." + k, shared[k]) for k in ("w1", "w3", "w2")]
         else:
             out += [_lin(J + "ffn." + k, dense[k]) for k in ("w1", "w3", "w2")]
@@ -892,7 +895,9 @@ def _validate(src: SafetensorsDir, e: Entry, spec: dict[str, Any], suffix: str, 
         n_exp = shape[0]
         if len(e.hf) != n_exp:
             raise ValueError(f"internal: {e.jds} expects {n_exp} experts, mapping has {len(e.hf)}")
-        if e.kind == "experts_oi" and e.jds + ".scale" in spec:  # FP4 experts held as stored (experts_fp4)
+        if e.kind == "experts_oi" and e.jds + ".scale" in spec and dt == E4M3:  # FP8 experts held as stored
+            modes = [_check_linear(src, h, (shape[1], shape[2]), True, suffix, e.jds, consumed) for h in e.hf]
+        elif e.kind == "experts_oi" and e.jds + ".scale" in spec:  # FP4 experts held as stored (experts_fp4)
             modes = [_check_fp4_expert(src, h, (shape[1], 2 * shape[2]), suffix, e.jds, consumed) for h in e.hf]
         else:  # float experts: bf16 / FP8 / FP4 sources all dequantised
             d_out, d_in = (shape[1], shape[2]) if e.kind == "experts_oi" else (shape[2], shape[1])
@@ -928,6 +933,13 @@ def _convert(src: SafetensorsDir, job: _Job, suffix: str) -> list[tuple[str, np.
             return [(name, src.get(e.hf[0] + ".weight")),
                     (name + ".scale", scale_to_f32(src.get(e.hf[0] + suffix)))]
         return [(name, _read_linear(src, e.hf[0], job.modes[0], dt, suffix))]
+    if job.modes[0] == "fp8":  # FP8 experts as stored: the e4m3 matrices and their block scales, stacked
+        sname, sshape, sdt = job.out[1]
+        stack, scales = np.empty(shape, dt), np.empty(sshape, sdt)
+        for j, h in enumerate(e.hf):
+            stack[j] = src.get(h + ".weight")
+            scales[j] = scale_to_f32(src.get(h + suffix))
+        return [(name, stack), (sname, scales)]
     if job.modes[0] == "fp4_stored":  # the packed codes and e8m0 bytes, stacked as they are
         sname, sshape, _ = job.out[1]
         codes, scales = np.empty(shape, np.uint8), np.empty(sshape, np.uint8)
@@ -1163,6 +1175,10 @@ def export_hf(model: Any, out_dir: str | os.PathLike, *, n_shards: int = 2, rout
             tensors.append((e.hf[0] + ".weight", w))
             if s is not None:
                 tensors.append((e.hf[0] + suffix, s))
+        elif e.jds + ".scale" in weights and weights[e.jds].dtype == ml_dtypes.float8_e4m3fn:  # FP8 experts
+            for j, h in enumerate(e.hf):
+                tensors += [(h + ".weight", np.ascontiguousarray(weights[e.jds][j])),
+                            (h + suffix, np.ascontiguousarray(weights[e.jds + ".scale"][j]))]
         elif e.jds + ".scale" in weights:  # FP4 experts as stored: int8 codes + F8_E8M0 scales, as released
             codes, scales = weights[e.jds], weights[e.jds + ".scale"]
             for j, h in enumerate(e.hf):

@@ -21,7 +21,9 @@ from flax import nnx
 from jds.batch import PagedBatch
 from jds.config import ModelConfig, preset  # noqa: F401  (defined in jds.config; re-exported here)
 from jds.nn import Linear, RMSNorm, jdtype
+from pallas_kernels.fp8_grouped_gemm import fp8_grouped_linear
 from jds.ops.dispatch import op_implementation
+from jds.ops.quant import random_fp8_weight
 from jds.v4_block import FP4Experts, HCHead, HyperConnection, V4Block, V4BlockConfig, expand_streams
 
 
@@ -36,18 +38,51 @@ class MLP(nnx.Module):
         return self.w2(jax.nn.silu(self.w1(x).astype(jnp.float32)).astype(x.dtype) * self.w3(x))
 
 
+class FP8Experts(nnx.Module):
+    """A stack of FP8 expert matrices as a DeepSeek-V3 / V3.2 checkpoint stores them: ``weight``
+    float8_e4m3fn [E, out, in] and ``scale`` float32 [E, out/128, in/128] (one per 128 x 128 block; the
+    checkpoint's ``weight_scale_inv``). ``ragged`` multiplies them with the grouped FP8 GEMM
+    (``pallas_kernels.fp8_grouped_gemm``), the inputs re-quantised per 1 x 128 with ``scale_fmt`` scales as
+    DeepSeek's ``linear()`` does. Exported as ``<name>`` / ``<name>.scale``."""
+
+    _flat_export = True  # names: ffn.w1 and ffn.w1.scale, not ffn.w1.weight
+
+    def __init__(self, shape: tuple[int, int, int], fan_in: int, rngs: nnx.Rngs, scale_fmt: str = "ue8m0",
+                 implementation: str = "xla"):
+        """``implementation`` ("xla", "pallas" or "auto") is set by a ``Decoder`` as for its FP8 linears."""
+        wq, scale = random_fp8_weight(rngs.params(), shape, fan_in ** -0.5)
+        self.weight = nnx.Param(wq)
+        self.scale = nnx.Param(scale)
+        self.scale_fmt = scale_fmt
+        self.implementation = implementation
+
+    def ragged(self, x: jax.Array, sizes: jax.Array) -> jax.Array:
+        """Rows of x [M, in] grouped by expert (``sizes`` [E]) times their expert's W^T: float32 [M, out]."""
+        return fp8_grouped_linear(x, sizes, self.weight[...], self.scale[...], out_dtype=jnp.float32,
+                                  scale_fmt=self.scale_fmt, implementation=self.implementation)
+
+
 class MoE(nnx.Module):
-    """Routed experts (sigmoid scores, normalised top-k weights) + shared expert, via ragged_dot."""
+    """Routed experts (sigmoid scores, normalised top-k weights) + shared expert, via ragged_dot.
+
+    Routed experts are activation-dtype ``[E, in, out]`` stacks, or with ``numerics.experts_fp8``
+    ``FP8Experts`` as an FP8 checkpoint stores them ([E, out, in] e4m3 + block scales, the grouped FP8 GEMM)."""
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         h, e, f = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
-        self.topk = cfg.moe_topk
+        self.topk, self.n_experts = cfg.moe_topk, e
         self.gate = Linear(h, e, dtype=jnp.float32, fp8=False, rngs=rngs)
-        init = lambda shape, fan_in: nnx.Param(  # noqa: E731
-            (jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in ** -0.5).astype(dtype))
-        self.w1 = init((e, h, f), h)
-        self.w3 = init((e, h, f), h)
-        self.w2 = init((e, f, h), f)
+        if cfg.numerics.experts_fp8:
+            fmt = cfg.numerics.act_scale_fmt
+            self.w1 = FP8Experts((e, f, h), h, rngs, fmt)
+            self.w3 = FP8Experts((e, f, h), h, rngs, fmt)
+            self.w2 = FP8Experts((e, h, f), f, rngs, fmt)
+        else:
+            init = lambda shape, fan_in: nnx.Param(  # noqa: E731
+                (jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in ** -0.5).astype(dtype))
+            self.w1 = init((e, h, f), h)
+            self.w3 = init((e, h, f), h)
+            self.w2 = init((e, f, h), f)
         self.shared = MLP(h, f * cfg.n_shared_experts, dtype, False, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -58,14 +93,17 @@ class MoE(nnx.Module):
         flat = idx.reshape(-1)
         order = jnp.argsort(flat)
         xs = jnp.repeat(x, self.topk, axis=0)[order]
-        sizes = jnp.bincount(flat, length=self.w1.shape[0]).astype(jnp.int32)
-        # float32 weights: full-precision products (a GPU's DEFAULT precision would be TF32)
-        prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-        mm = lambda a, w: jax.lax.ragged_dot(a, w, sizes, precision=prec,  # noqa: E731
-                                             preferred_element_type=jnp.float32)
-        g, u = mm(xs, self.w1[...]), mm(xs, self.w3[...])
+        sizes = jnp.bincount(flat, length=self.n_experts).astype(jnp.int32)
+        if isinstance(self.w1, FP8Experts):
+            mm = lambda a, w: w.ragged(a, sizes)  # noqa: E731
+        else:
+            # float32 weights: full-precision products (a GPU's DEFAULT precision would be TF32)
+            prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+            mm = lambda a, w: jax.lax.ragged_dot(a, w[...], sizes, precision=prec,  # noqa: E731
+                                                 preferred_element_type=jnp.float32)
+        g, u = mm(xs, self.w1), mm(xs, self.w3)
         a = (jax.nn.silu(g) * u).astype(x.dtype)
-        y = mm(a, self.w2[...])
+        y = mm(a, self.w2)
         y = jnp.zeros_like(y).at[order].set(y).reshape(t, self.topk, -1)
         routed = jnp.einsum("tk,tkh->th", w, y, precision=jax.lax.Precision.HIGHEST)
         return (routed + self.shared(x).astype(jnp.float32)).astype(x.dtype)
@@ -224,13 +262,13 @@ class Decoder(nnx.Module):
             from jds.mtp import MTPModule
             self.mtp = nnx.List([MTPModule(cfg, k, implementation, rngs, indexer_config)
                                  for k in range(cfg.mtp_layers)])
-        # every FP8 linear and FP4 expert stack runs the GEMM the layers' ops run: the kernel where it applies on
+        # every FP8 linear and FP4 / FP8 expert stack runs the GEMM the layers' ops run: the kernel where it applies on
         # a GPU, else XLA.
         # Off a GPU the linears stay on XLA even for "pallas" layers: interpret mode (the attention kernels'
         # CPU stand-in) would run every GEMM in Python; tests/test_kernel_fp8_gemm.py covers the kernel there.
         gemm = op_implementation(implementation) if jax.default_backend() == "gpu" else "xla"
         for _, m in nnx.iter_modules(self):
-            if isinstance(m, (Linear, FP4Experts)):
+            if isinstance(m, (Linear, FP4Experts, FP8Experts)):
                 m.implementation = gemm
 
     def zero_hidden(self, num_tokens: int) -> Any:

@@ -133,8 +133,10 @@ def param_spec(path: str, shape: tuple[int, ...], model: ModelConfig, mesh: Mesh
 def _routed_expert_spec(key: str, model: ModelConfig) -> P:
     """A routed-expert stack: experts over ``expert``, each expert's width over ``tensor`` (column-parallel
     w1 / w3, row-parallel w2, as the dense MLP). The V3 block stacks them [E, in, out] (for ragged_dot); the V4
-    block [E, out, in] as the release stores them, FP4 ones as [E, out, in/2] codes + [E, out, in/32] scales."""
-    width_in_dim1 = (model.block == "v4") != key.startswith("ffn/w2/")  # V4 w1/w3, or V3 w2: [E, width, ...]
+    block [E, out, in] as the release stores them, FP4 ones as [E, out, in/2] codes + [E, out, in/32] scales;
+    V3 FP8 ones (``numerics.experts_fp8``) [E, out, in] e4m3 + [E, out/128, in/128] scales, as stored."""
+    out_in = model.block == "v4" or model.numerics.experts_fp8  # stacks [E, out, in]
+    width_in_dim1 = out_in != key.startswith("ffn/w2/")  # [E, out, in] w1 / w3, or [E, in, out] w2: [E, width, ...]
     return P("expert", "tensor", None) if width_in_dim1 else P("expert", None, "tensor")
 
 

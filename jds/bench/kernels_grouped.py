@@ -77,12 +77,9 @@ def _fp4_dense(wp: np.ndarray, ws: np.ndarray) -> np.ndarray:
     return w * np.repeat(np.exp2(ws.astype(np.float64) - 127), 32, axis=-1)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _fp8_experts(k: int, n: int, e: int, key) -> tuple[jax.Array, jax.Array]:
-    """Random FP8 experts: normal weights quantised per 128 x 128 block with amax / 448 float32 scales."""
-    w = jax.random.normal(key, (e, n // 128, 128, k // 128, 128), jnp.float32) * k ** -0.5
-    s = jnp.maximum(jnp.max(jnp.abs(w), axis=(2, 4), keepdims=True), 1e-12) / 448.0
-    return (w / s).astype(jnp.float8_e4m3fn).reshape(e, n, k), s[:, :, 0, :, 0]
+    """Random FP8 experts as a checkpoint stores them (``quant.random_fp8_weight``), drawn on the device."""
+    return jax.jit(functools.partial(quant.random_fp8_weight, shape=(e, n, k), std=k ** -0.5))(key)
 
 
 def _fp8_dense(wq: np.ndarray, ws: np.ndarray) -> np.ndarray:

@@ -140,6 +140,18 @@ def dequant_weight_blocks(wq: jax.Array, scale: jax.Array, block: int = 128) -> 
     return wq.astype(jnp.float32) * s
 
 
+def random_fp8_weight(key: jax.Array, shape: tuple[int, ...], std: float, block: int = 128
+                      ) -> tuple[jax.Array, jax.Array]:
+    """A random weight as an FP8 checkpoint stores it: normal(0, std) values quantised per ``block`` x ``block``
+    block of the last two axes with amax / 448 scales: (e4m3 [..., out, in], float32 [..., out/block, in/block])."""
+    *lead, o, i = shape
+    if o % block or i % block:
+        raise ValueError(f"random_fp8_weight: the last two dims {(o, i)} must be multiples of the block {block}")
+    w = jax.random.normal(key, (*lead, o // block, block, i // block, block), jnp.float32) * std
+    s = jnp.maximum(jnp.max(jnp.abs(w), axis=(-3, -1), keepdims=True), 1e-12) / FP8_MAX
+    return quantize_e4m3(w / s).reshape(*lead, o, i), s[..., :, 0, :, 0]
+
+
 def fp8_linear(x: jax.Array, wq: jax.Array, scale: jax.Array, out_dtype: jnp.dtype,
                scale_fmt: ScaleFmt = "ue8m0") -> jax.Array:
     """DeepSeek's ``linear()`` with an FP8 weight: re-quantise x per 128 (``scale_fmt`` scales), fp32 accumulation.
