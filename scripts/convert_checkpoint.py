@@ -1,7 +1,8 @@
 """Convert a HuggingFace DeepSeek-V3.2 / V4 checkpoint directory into a jds orbax checkpoint.
 
     python scripts/convert_checkpoint.py HF_DIR OUT_DIR [--layers N] [--dequantize] [--numerics reference]
-                                         [--override block_size=64] [--overwrite] [--shard-mb 1024]
+                                         [--override block_size=64] [--numerics-field experts_fp8=true]
+                                         [--overwrite] [--shard-mb 1024]
 
 HF_DIR holds config.json and *.safetensors (with or without model.safetensors.index.json). FP8 weights keep
 their e4m3 bits and 128x128 scales (a model with fp8_linear on) unless --dequantize, which writes bf16 weights
@@ -41,6 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="jds Numerics preset of the written config (fp8_linear follows the weights)")
     ap.add_argument("--override", type=_override, action="append", default=[], metavar="KEY=VALUE",
                     help="set a ModelConfig / attention-config field config.json lacks, e.g. block_size=64")
+    ap.add_argument("--numerics-field", action="append", default=[], metavar="FIELD=VALUE",
+                    help="set a Numerics field (an explicit departure or opt-in), e.g. experts_fp8=true")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing jds checkpoint at OUT")
     ap.add_argument("--shard-mb", type=float, default=1024.0, help="orbax shard size (memory bound), MiB")
     ap.add_argument("--allow-unexpected", action="store_true",
@@ -52,10 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the conversion; raises ValueError (naming the tensor or field) on bad input."""
     a = parse_args(argv)
+    from jds.bench.cli import numerics_fields
     from jds.hf_import import convert_hf_checkpoint, describe_quantization
 
     rep = convert_hf_checkpoint(a.hf_dir, a.out, layers=a.layers, dequantize=a.dequantize, numerics=a.numerics,
-                                overrides=dict(a.override), overwrite=a.overwrite,
+                                overrides=dict(a.override), numerics_overrides=numerics_fields(a.numerics_field) or None,
+                                overwrite=a.overwrite,
                                 shard_bytes=max(1, int(a.shard_mb * 2**20)), allow_unexpected=a.allow_unexpected,
                                 progress=not a.no_progress)
     cfg = rep["config"]

@@ -125,8 +125,11 @@ def test_export_import_as_stored(tmp_path):
     assert src.get(name + ".weight").tobytes() == weights["layers.0.ffn.w3"][2].tobytes()
     np.testing.assert_array_equal(src.get(name + ".weight_scale_inv"), weights["layers.0.ffn.w3.scale"][2])
     over = {"block_size": cfg.block_size}
-    rep = hf_import.convert_hf_checkpoint(hf, tmp_path / "fp8", overrides=over, numerics_overrides={
-        "experts_fp8": True}, progress=False)
+    # the convert script's --numerics-field opts in (scripts/serve.py --model takes the same flag)
+    from tests.test_convert_checkpoint import CONVERT
+
+    rep = CONVERT.main([str(hf), str(tmp_path / "fp8"), "--override", f"block_size={cfg.block_size}",
+                        "--numerics-field", "experts_fp8=true", "--no-progress"])
     assert rep["config"].numerics.experts_fp8
     got = read_checkpoint(tmp_path / "fp8")
     assert_same_weights({k: v for k, v in weights.items() if "ffn" in k},

@@ -15,7 +15,7 @@ def build_stack(arch: str, layers: int, *, intermediate: int | None = None, size
                 implementation: str = "auto", moe_experts: int = 0, moe_topk: int = 8,
                 moe_intermediate: int = 2048, seed: int = 0, fp8_weights: bool = False) -> Any:
     """A ``Decoder`` from the ``{arch}-{size}`` preset with serving numerics (``fp8_weights``: with the
-    checkpoints' FP8 block-scaled linears, run by the FP8 GEMM, instead of bf16 weights).
+    checkpoints' FP8 block-scaled linears and routed experts, run by the FP8 GEMMs, instead of bf16 weights).
 
     ``moe_experts > 0`` swaps the dense MLP for a DeepSeek-style MoE FFN (routed experts of width
     ``moe_intermediate``, top-``moe_topk`` routing, one shared expert).
@@ -24,8 +24,8 @@ def build_stack(arch: str, layers: int, *, intermediate: int | None = None, size
     from jds.model import Decoder, preset
 
     numerics = Numerics.serving()
-    if fp8_weights:
-        numerics = dataclasses.replace(numerics, fp8_linear=True)
+    if fp8_weights:  # as an FP8 checkpoint stores them: the linears and, in a MoE FFN, the routed experts
+        numerics = dataclasses.replace(numerics, fp8_linear=True, experts_fp8=moe_experts > 0)
     over: dict[str, Any] = {"n_layers": layers, "numerics": numerics}
     if intermediate:
         over["intermediate_size"] = intermediate
