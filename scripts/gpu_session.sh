@@ -5,6 +5,7 @@
 #   scripts/gpu_session.sh hostpath      # issue 16: graph updates per step (VLOG counts), TTFT variants
 #   scripts/gpu_session.sh invariance    # issue 23: --batch-invariant under preemption (20 pages)
 #   scripts/gpu_session.sh deep          # issue 16: 61 layers, MoE (8 routed experts, top-8)
+#   scripts/gpu_session.sh deep-seg      # issue 16: 61 layers, FP8 weights + experts, 8 / 16 / 32 segments
 #   scripts/gpu_session.sh deep-v4       # issue 16: the 43-layer V4-Flash pattern
 #   scripts/gpu_session.sh async         # issue 16: the server, async stepping on vs --no-async
 #   scripts/gpu_session.sh compare       # issue 18: jds beside the PyTorch comparator, one run, one table (V3.2, 8 layers)
@@ -64,6 +65,14 @@ case "$stage" in
       --moe-experts 8 --moe-topk 8 --n 20 --variants fused:device fused:device:8 \
       --out "$OUT/ttft_v32_61l_h200.json" > "$OUT/ttft_v32_61l.log" 2>&1
     echo "deep rc=$?"; grep '^{' "$OUT/ttft_v32_61l.log" | cut -c1-250
+    ;;
+  deep-seg)
+    # issue 16, 61-layer host path (target <= 1 ms): more, shorter segments, so the first launch is short;
+    # FP8 linears and experts (as stored: half the expert bytes of bf16, so 16 routed experts fit)
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout ${DEEPSEG_TIMEOUT:-560} python3 -m jds.bench.ttft --arch v32 --layers 61 \
+      --moe-experts 16 --moe-topk 8 --fp8-weights --n 20 --variants fused:device:8 fused:device:16 fused:device:32 \
+      --out "$OUT/ttft_v32_61l_seg_h200.json" > "$OUT/ttft_v32_61l_seg.log" 2>&1
+    echo "deep-seg rc=$?"; grep '^{' "$OUT/ttft_v32_61l_seg.log" | cut -c1-250
     ;;
   deep-v4)
     # issue 16 item 5: the 43-layer V4-Flash pattern (dense MLP 2048), one executable and 8 segments
@@ -214,7 +223,7 @@ case "$stage" in
     done
     ;;
   *)
-    echo "usage: $0 STAGE... (ncu|hostprofile|fp4gemm|fp8gemm|fp8grouped|probe|boundary|boundary-v4|boundary-xla|serve|thunks|tests-all|kernels|topk|select|mqa|multigpu)" >&2
+    echo "usage: $0 STAGE... (ncu|hostprofile|deep-seg|fp4gemm|fp8gemm|fp8grouped|probe|boundary|boundary-v4|boundary-xla|serve|thunks|tests-all|kernels|topk|select|mqa|multigpu)" >&2
     exit 2 ;;
 esac
 done
