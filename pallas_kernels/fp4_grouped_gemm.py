@@ -83,12 +83,8 @@ import numpy as np
 from jax import lax
 
 from jds.ops import quant
-from jds.ops.dispatch import Implementation, Unsupported, resolve_interpret, run_op
+from jds.ops.dispatch import Implementation, Unsupported, run_op
 from pallas_kernels import grouped_rows
-from pallas_kernels.grouped_rows import gather_rows as _gather_rows
-from pallas_kernels.grouped_rows import n_items as _n_items
-from pallas_kernels.grouped_rows import padded_rows as _padded_rows
-from pallas_kernels.grouped_rows import row_layout as _layout
 
 Dequant = Literal["auto", "lop3", "f16", "bf16"]
 DEQUANTS = ("lop3", "f16", "bf16")  # "auto": "lop3" natively at decode tiles, else "f16"
@@ -212,29 +208,18 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
     out_dtype = jnp.dtype(out_dtype)
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
-    bt, bn, bk, s = _pick_tiles(m, e, n, k, block_t, block_n, block_k, split_k)
-    if interpret is None:
-        interpret = resolve_interpret(None)
-    if interpret is True:
-        interpret = plgpu.InterpretGPUParams()
+    p = grouped_rows.plan(sizes, m, e, n, k, block_t, block_n, block_k, split_k, K_ALIGN, interpret)
     if dequant == "auto":  # "lop3" where dequantisation bounds the kernel (decode tiles); see the docstring
-        dequant = "f16" if interpret or bt > 32 else "lop3"
-    if interpret and dequant in NATIVE_ONLY:
+        dequant = "f16" if p.interpret or p.block_t > 32 else "lop3"
+    if p.interpret and dequant in NATIVE_ONLY:
         raise ValueError(f'dequant="{dequant}" runs natively only (interpret mode: "bf16" needs bf16 subnormal '
                          'arithmetic, which XLA on the CPU flushes; "lop3" is PTX); use dequant="f16" there')
-    items = _n_items(m, e, bt)
-    mx = _padded_rows(m, e, bt)
-    info, src, col, valid = _layout(sizes, m, items, mx, bt)
-    xk = _permute_k(x, dequant)
-    xp = jnp.take(jnp.pad(xk, ((0, 1), (0, 0))), src, axis=0)  # groups padded to 8 rows
-    st = _fit_stages(stages, bt, bn, bk, k // s)
-    call = _build_call(e=e, n=n, k=k, mx=mx, items=items, bt=bt, bn=bn, bk=bk, splits=s, stages=st,
-                       dequant=dequant, out_dtype=out_dtype if s == 1 else jnp.dtype(jnp.float32),
-                       interpret=interpret or None)
-    yt = call(info, xp, w_packed, w_scale)
-    if s > 1:
-        yt = jnp.sum(yt, axis=0)
-    return _gather_rows(yt, col, valid, out_dtype)
+    xp = jnp.take(jnp.pad(_permute_k(x, dequant), ((0, 1), (0, 0))), p.src, axis=0)  # groups padded to 8 rows
+    st = _fit_stages(stages, p.block_t, p.block_n, p.block_k, k // p.splits)
+    call = _build_call(e=e, n=n, k=k, mx=p.rows, items=p.items, bt=p.block_t, bn=p.block_n, bk=p.block_k,
+                       splits=p.splits, stages=st, dequant=dequant,
+                       out_dtype=out_dtype if p.splits == 1 else jnp.dtype(jnp.float32), interpret=p.interpret)
+    return grouped_rows.finish(call(p.info, xp, w_packed, w_scale), p, out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -338,13 +323,7 @@ def _build_call(*, e: int, n: int, k: int, mx: int, items: int, bt: int, bn: int
     w_tf = (plgpu.TilingTransform((8, wsw)), plgpu.SwizzleTransform(wsw))
 
     def kernel(info_ref, x_ref, w_ref, s_ref, o_ref, sc_s, bar):
-        pid = lax.axis_index("cta")
-        item = pid % items
-        ni = (pid // items) % n_tiles
-        si = pid // (items * n_tiles)
-        ex = info_ref[0, item]
-        row0 = info_ref[1, item]
-        n0 = ni * bn
+        item, si, ex, row0, n0 = grouped_rows.cta_work(info_ref, items, n_tiles, bn)
 
         def body(idx, x_s, w_s, acc):
             (step,) = idx

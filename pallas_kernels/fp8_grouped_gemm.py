@@ -38,9 +38,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jds.ops import quant
-from jds.ops.dispatch import Implementation, Unsupported, resolve_interpret, run_op
+from jds.ops.dispatch import Implementation, Unsupported, run_op
 from pallas_kernels import grouped_rows
-from pallas_kernels.grouped_rows import gather_rows, n_items, padded_rows, row_layout
 
 BLOCK = 128  # weight-scale block (both dims) and activation-scale group
 K_ALIGN = 512  # K per split: whole 16-byte TMA rows of float32 scales
@@ -142,28 +141,18 @@ def _pallas(x, sizes, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_t, 
     out_dtype = jnp.dtype(out_dtype)
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
-    bt, bn, bk, s = _pick_tiles(m, e, n, k, block_t, block_n, block_k, split_k)
-    if interpret is None:
-        interpret = resolve_interpret(None)
-    if interpret is True:
-        interpret = plgpu.InterpretGPUParams()
-    items = n_items(m, e, bt)
-    mx = padded_rows(m, e, bt)
-    info, src, col, valid = row_layout(sizes, m, items, mx, bt)
+    p = grouped_rows.plan(sizes, m, e, n, k, block_t, block_n, block_k, split_k, K_ALIGN, interpret)
     xq, sx = quant.act_quant(x, BLOCK, scale_fmt)
     # e4m3 values are exact in float16; padded rows copy row m: zeros with scale 0
-    xp = jnp.take(jnp.pad(xq.astype(jnp.float16), ((0, 1), (0, 0))), src, axis=0)
-    sxt = jnp.take(jnp.pad(sx, ((0, 1), (0, 0))), src, axis=0).T  # [K/128, mx]: a tile's scales per block
-    kps = k // BLOCK // s
-    call = _build_call(n=n, k=k, items=items, bt=bt, bn=bn, bk=bk, splits=s,
-                       stages=_fit_stages(stages, bt, bn, bk, kps),
-                       out_dtype=out_dtype if s == 1 else jnp.dtype(jnp.float32), interpret=interpret or None)
+    xp = jnp.take(jnp.pad(xq.astype(jnp.float16), ((0, 1), (0, 0))), p.src, axis=0)
+    sxt = jnp.take(jnp.pad(sx, ((0, 1), (0, 0))), p.src, axis=0).T  # [K/128, mx]: a tile's scales per block
+    kps = k // BLOCK // p.splits
+    call = _build_call(n=n, k=k, items=p.items, bt=p.block_t, bn=p.block_n, bk=p.block_k, splits=p.splits,
+                       stages=_fit_stages(stages, p.block_t, p.block_n, p.block_k, kps),
+                       out_dtype=out_dtype if p.splits == 1 else jnp.dtype(jnp.float32), interpret=p.interpret)
     # a CTA copies 8 weight-scale rows from its own (a TMA copy moves a multiple of 128 bytes): 7 rows of slack
     ws = jnp.pad(w_scale.astype(jnp.float32), ((0, 0), (0, SW_ROWS - 1), (0, 0)))
-    yt = call(info, xp, sxt, wq, ws)
-    if s > 1:
-        yt = jnp.sum(yt, axis=0)
-    return gather_rows(yt, col, valid, out_dtype)
+    return grouped_rows.finish(call(p.info, xp, sxt, wq, ws), p, out_dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -182,13 +171,7 @@ def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits
     w_tf = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))  # 128 e4m3 = one 128-byte row
 
     def kernel(info_ref, x_ref, sxt_ref, w_ref, sw_ref, o_ref, sw_s, sx_s, bar):
-        pid = lax.axis_index("cta")
-        item = pid % items
-        ni = (pid // items) % n_tiles
-        si = pid // (items * n_tiles)
-        ex = info_ref[0, item]
-        row0 = info_ref[1, item]
-        n0 = ni * bn
+        item, si, ex, row0, n0 = grouped_rows.cta_work(info_ref, items, n_tiles, bn)
 
         def body(idx, x_s, w_s, acc):
             (step,) = idx

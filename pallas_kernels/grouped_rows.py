@@ -9,9 +9,13 @@ tile-aligned), write y^T [N, items * block_t] per item, and the wrapper gathers 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+
+from jds.ops.dispatch import resolve_interpret
 
 NUM_SMS = 132  # H100 / H200; only steers the automatic split_k
 BLOCK_TS = (8, 16, 32, 64, 128)  # token tile = wgmma N; 128 fp32 accumulators per thread at most
@@ -109,3 +113,57 @@ def gather_rows(yt: jax.Array, col: jax.Array, valid: jax.Array, out_dtype: jnp.
     """y [M, N] from the kernel's y^T [N, items * block_t]: row r is column ``col[r]``; rows past the groups
     (``valid`` false) are 0."""
     return jnp.where(valid[:, None], jnp.take(yt, col, axis=1).T, 0).astype(out_dtype)
+
+
+class Plan(NamedTuple):
+    """A grouped GEMM call's tiles, interpret mode and row layout (``plan``)."""
+    block_t: int
+    block_n: int
+    block_k: int
+    splits: int
+    interpret: plgpu.InterpretGPUParams | None  # None: native
+    items: int  # static bound on the (expert, token tile) work items
+    rows: int  # rows of the padded copy of x
+    info: jax.Array  # [2, items]: (expert, first padded row) per item
+    src: jax.Array  # [rows]: the row of x each padded row copies (m: a zero row)
+    col: jax.Array  # [m]: the column of y^T holding row r
+    valid: jax.Array  # [m]: r < sum(sizes)
+
+
+def plan(sizes: jax.Array, m: int, e: int, n: int, k: int, block_t: int | None, block_n: int | None,
+         block_k: int | None, split_k: int | None, k_align: int,
+         interpret: bool | plgpu.InterpretGPUParams | None) -> Plan:
+    """Tiles (``pick_tiles``), interpret mode (None: whenever the default backend is not a GPU) and the row
+    layout of a call with M = ``m`` rows over E = ``e`` experts of [n, k] weights."""
+    bt, bn, bk, s = pick_tiles(m, e, n, k, block_t, block_n, block_k, split_k, k_align)
+    if interpret is None:
+        interpret = resolve_interpret(None)
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
+    items, rows = n_items(m, e, bt), padded_rows(m, e, bt)
+    return Plan(bt, bn, bk, s, interpret or None, items, rows, *row_layout(sizes, m, items, rows, bt))
+
+
+def finish(yt: jax.Array, p: Plan, out_dtype: jnp.dtype) -> jax.Array:
+    """y [M, N] from the kernel's output: split-K partials summed, then each row's column gathered."""
+    return gather_rows(jnp.sum(yt, axis=0) if p.splits > 1 else yt, p.col, p.valid, out_dtype)
+
+
+class CtaWork(NamedTuple):
+    """What a kernel CTA works on (``cta_work``)."""
+    item: int | jax.Array  # work item: (expert, token tile)
+    split: jax.Array  # K split
+    expert: jax.Array  # -1: past the last item (the CTA exits)
+    row0: jax.Array  # first row of the token tile in the padded x
+    n0: jax.Array  # first weight row (output column of y^T) of the CTA's N tile
+
+
+def cta_work(info_ref, items: int, n_tiles: int, block_n: int) -> CtaWork:
+    """Inside a kernel with grid ("cta",) = (split, N tile, item), work item fastest (the token tiles of one
+    expert run next to each other and share its weight tile in L2): this CTA's item, split and tile."""
+    from jax import lax  # noqa: PLC0415 - kernel-side helper
+
+    pid = lax.axis_index("cta")
+    item = pid % items
+    return CtaWork(item, pid // (items * n_tiles), info_ref[0, item], info_ref[1, item],
+                   ((pid // items) % n_tiles) * block_n)

@@ -29,6 +29,7 @@ import pytest
 
 from jds.ops.dispatch import Unsupported
 from pallas_kernels import fp4_grouped_gemm as G
+from pallas_kernels import grouped_rows
 
 from tests.kernel_modes import KERNEL_PRIMITIVES, MODES, ON_GPU, interpret_for
 from tests.tolerances import ulp
@@ -200,8 +201,8 @@ def test_layout() -> None:
     and every row of y reads its own column of y^T."""
     sizes = jnp.asarray([3, 0, 17, 8, 0], jnp.int32)
     bt, m = 8, 30
-    items, n_pad = G._n_items(m, 5, bt), G._padded_rows(m, 5, bt)
-    info, src, col, valid = map(np.asarray, G._layout(sizes, m, items, n_pad, bt))
+    items, n_pad = grouped_rows.n_items(m, 5, bt), grouped_rows.padded_rows(m, 5, bt)
+    info, src, col, valid = map(np.asarray, grouped_rows.row_layout(sizes, m, items, n_pad, bt))
     # expert 0: 1 tile, expert 2: 3 tiles, expert 3: 1 tile; groups padded to 8, 24 and 8 rows
     np.testing.assert_array_equal(info[0, :5], [0, 2, 2, 2, 3])
     np.testing.assert_array_equal(info[1, :5], [0, 8, 16, 24, 32])
