@@ -112,7 +112,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", [0, 1] + [pytest.param(c, marks=pytest.mark.slow) for c in (2, 3)])
+@pytest.mark.parametrize("case", [0] + [pytest.param(c, marks=pytest.mark.slow) for c in (1, 2, 3)])
 def test_matches_reference(mode: str, case: int) -> None:
     interpret = interpret_for(mode)
     sizes, n, k, extra, out_dtype, fmt, tiles = CASES[case]
