@@ -22,9 +22,11 @@ serve: $(STAMP)
 PYTEST_FLAGS := -o console_output_style=count --durations=15
 
 # two pytest-xdist workers (the suite is mostly single-threaded Python and XLA compiles): 509 s instead of 750 s
-# serially on a 2-core machine (2026-12-01); TEST_WORKERS=0 runs it in one process
+# serially on a 2-core machine (2026-12-01); work stealing, so that a long test near the end does not leave a
+# worker idle (551 s against 527-601 s of plain load scheduling on this machine, later that day, noisy);
+# TEST_WORKERS=0 runs it in one process
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_FLAGS) -n $(or $(TEST_WORKERS),2) -m "not slow" tests
+	$(PY) -m pytest $(PYTEST_FLAGS) -n $(or $(TEST_WORKERS),2) --dist worksteal -m "not slow" tests
 
 test-all: $(STAMP)
 	$(PY) -m pytest $(PYTEST_FLAGS) tests
