@@ -24,6 +24,10 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, 3 warpgroups per CTA: 2 compu
   as one scalar; both L2 hits), waits, and promotes: acc += blk * (sx[m, kb] * sw[nb, kb]). That is
   DeepGEMM's scheme: an fp8 MMA chain never spans more than one 128-wide K block, the running sum is fp32
   on the CUDA cores. The two compute warpgroups interleave (one promotes while the other's MMA runs).
+  ``stage_scales=True`` (an experiment, off by default until measured) copies a warpgroup's sx^T rows for the
+  CTA's K range and 8 weight-scale rows by TMA into SMEM before the pipeline, so that the promotion reads SMEM:
+  an Nsight Compute profile of the decode call (2026-12-01) put a fifth of the warps' stall samples on the
+  promotion waiting for the weight scale loaded from global memory.
 - Warpgroup split: block_m = 128 -> each warpgroup owns 64 rows x block_n columns; block_m = 64 (small M,
   wgmma's minimum M) -> the 64 rows x block_n / 2 columns. A warpgroup's columns are processed in chunks of
   <= 128 (one MMA accumulator + the running sums: block_n = 256 with 128-row tiles keeps 2 x 64 fp32 running
@@ -70,6 +74,7 @@ from jds.ops import quant
 from jds.ops.dispatch import Implementation, Unsupported, resolve_interpret, run_op
 
 BLOCK = 128  # quantisation block (both operands) = kernel K step
+SW_ROWS = 8  # stage_scales: weight-scale rows a CTA copies (8 x a multiple of 4 floats = 128-byte multiples)
 NUM_SMS = 132  # H100 / H200; only steers the automatic split_k
 _X_DTYPES = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16))
 _SCALE_FMTS = ("ue8m0", "amax")
@@ -81,7 +86,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                scale_fmt: quant.ScaleFmt = "ue8m0", implementation: Implementation = "auto",
                interpret: bool | plgpu.InterpretGPUParams | None = None, block_m: int | None = None,
                block_n: int | None = None, split_k: int | None = None, stages: int = 4,
-               group_m: int = 8) -> jax.Array:
+               group_m: int = 8, stage_scales: bool = False) -> jax.Array:
     """y = x W^T with W = ``wq`` (float8_e4m3fn [out, in]) * ``w_scale`` (float32 [ceil(out/128),
     ceil(in/128)] per 128 x 128 block), x [..., in] re-quantised per 1 x 128 group (``scale_fmt``);
     [..., out] in ``out_dtype``.
@@ -90,7 +95,9 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     of 128, else ``Unsupported``); "auto" = the kernel where it applies, else XLA.
     Tiles (kernel only, see ``_pick_tiles`` for the defaults): ``block_m`` 64 or 128, ``block_n`` 64, 128 or
     256 (dividing out), ``split_k`` K splits (a divisor of in/128), ``stages`` TMA ring depth, ``group_m`` M
-    tiles per rasterisation group (L2 reuse at large M).
+    tiles per rasterisation group (L2 reuse at large M). ``stage_scales``: copy a CTA's scales into SMEM by
+    TMA before the pipeline instead of loading each K block's from GMEM inside the loop (an experiment for
+    decode, where those loads' latency stalls the promotion; not measured yet, so off by default).
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``); None = whenever the default
     backend is not a GPU.
     """
@@ -99,7 +106,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
         "xla": lambda: quant.fp8_linear(x, wq, w_scale, out_dtype, scale_fmt),
         "pallas": lambda: _pallas(x, wq, w_scale, out_dtype=out_dtype, scale_fmt=scale_fmt, interpret=interpret,
                                   block_m=block_m, block_n=block_n, split_k=split_k, stages=stages,
-                                  group_m=group_m)})
+                                  group_m=group_m, stage_scales=stage_scales)})
 
 
 def _check_common(x, wq, w_scale, scale_fmt) -> None:
@@ -165,8 +172,11 @@ def _auto_split_k(tiles: int, nk: int) -> int:
     return bigger[0] if bigger else divs[-1]
 
 
-def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages, group_m):
+def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages, group_m,
+            stage_scales):
     _check_tiles(block_m, block_n, split_k, stages, group_m)
+    if not isinstance(stage_scales, bool):
+        raise ValueError(f"stage_scales must be a bool, got {stage_scales!r}")
     n, k = wq.shape
     if not supports(n, k):
         raise Unsupported(f"fp8_linear kernel: out = {n} and in = {k} (wq shape) must be multiples of {BLOCK}")
@@ -186,8 +196,12 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     xq = jnp.pad(xq, ((0, mp - m), (0, 0)))
     sxt = jnp.pad(sx.T, ((0, 0), (0, mp - m)))  # [nk, Mp]: a CTA's 64 row scales of one K block are contiguous
     call = _build_call(mr=min(mp, -(-m // 8) * 8), mp=mp, n=n, k=k, bm=bm, bn=bn, splits=s, stages=stages, group_m=group_m,
-                       out_dtype=out_dtype if s == 1 else jnp.dtype(jnp.float32), interpret=interpret or None)
-    y = call(xq, sxt, wq, w_scale.astype(jnp.float32))
+                       out_dtype=out_dtype if s == 1 else jnp.dtype(jnp.float32), interpret=interpret or None,
+                       stage_scales=stage_scales)
+    sw = w_scale.astype(jnp.float32)
+    if stage_scales:  # a CTA copies SW_ROWS x nk scales (TMA: whole 16-byte rows, 128-byte multiples)
+        sw = jnp.pad(sw, ((0, SW_ROWS - 1), (0, -nk % 4)))
+    y = call(xq, sxt, wq, sw)
     if s > 1:
         y = jnp.sum(y, axis=0)
     return y[:m].astype(out_dtype).reshape(*lead, n)
@@ -197,7 +211,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
 # the kernel
 @functools.lru_cache(maxsize=None)
 def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: int, stages: int, group_m: int,
-                out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None):
+                out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, stage_scales: bool = False):
     nk = k // BLOCK
     kps = nk // splits  # K blocks per CTA
     m_tiles, n_tiles = mp // bm, n // bn
@@ -224,6 +238,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
 
     def kernel(x_ref, sxt_ref, w_ref, sw_ref, o_ref, *scratch):
         ep_s = scratch[0] if trim else None
+        sx_s, sw_s, bar = scratch[-3:] if stage_scales else (None, None, None)
         pid = lax.axis_index("cta")
         si = pid // tiles
         mi, ni = tile_of(pid % tiles)
@@ -243,9 +258,13 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             for c in range(nch):  # chunks run one after the other: one [64, cw] MMA accumulator at a time
                 def mma(blk_ref, c=c):
                     plgpu.wgmma(blk_ref, a, w_s.at[pl.ds(c0 + c * cw, cw)].T)
-                    # the block's scales load while the MMA runs
-                    sx_c = plgpu.load(sxt_ref.at[kb, pl.ds(r0, 64)], layout=ROW, optimized=False) if c == 0 else None
-                    sw_c = sw_ref[(wg_cols(wg) + c * cw) // BLOCK, kb]
+                    # the block's scales load while the MMA runs (from SMEM when staged)
+                    if stage_scales:
+                        sx_c = plgpu.load(sx_s.at[wg, step], layout=ROW, optimized=False) if c == 0 else None
+                        sw_c = sw_s[wg, (wg_cols(wg) + c * cw) // BLOCK - n0 // BLOCK, kb]
+                    else:
+                        sx_c = plgpu.load(sxt_ref.at[kb, pl.ds(r0, 64)], layout=ROW, optimized=False) if c == 0 else None
+                        sw_c = sw_ref[(wg_cols(wg) + c * cw) // BLOCK, kb]
                     plgpu.wgmma_wait(0)
                     return blk_ref[...], sx_c, sw_c
 
@@ -255,6 +274,12 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             return tuple(out)
 
         def compute(run_pipeline):
+            if stage_scales:  # this warpgroup's row scales over the CTA's K range, and SW_ROWS weight-scale rows
+                w = lax.axis_index("wg")
+                rows = pl.ds(m0 + w * 64, 64) if split_m else pl.ds(m0, 64)
+                plgpu.copy_gmem_to_smem(sxt_ref.at[pl.ds(kb0, kps), rows], sx_s.at[w], bar.at[w])
+                plgpu.copy_gmem_to_smem(sw_ref.at[pl.ds(n0 // BLOCK, SW_ROWS)], sw_s.at[w], bar.at[w])
+                plgpu.barrier_wait(bar.at[w])
             zero = plgpu.layout_cast(jnp.full((64, cw), 0.0, jnp.float32), L)
             acc = run_pipeline(tuple(zero for _ in range(nch)))
             wg = lax.axis_index("wg")
@@ -291,6 +316,9 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     # the [64, cw] fp32 staging tile of each compute warpgroup's partial (128-byte rows: (8, 32) tiles)
     scratch = [plgpu.SMEM((2, 64, cw), jnp.float32,
                           transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))] if trim else []
+    if stage_scales:
+        scratch += [plgpu.SMEM((2, kps, 64), jnp.float32), plgpu.SMEM((2, SW_ROWS, nk + -nk % 4), jnp.float32),
+                    plgpu.Barrier(num_arrivals=2, num_barriers=2)]
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
     return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(splits * tiles,),
                         scratch_types=scratch, grid_names=("cta",), num_threads=3, thread_name="wg", compiler_params=params,

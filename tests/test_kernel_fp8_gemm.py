@@ -108,7 +108,10 @@ def test_matches_xla(mode: str, scale_fmt: str, case: int) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("tiles", [{}, dict(block_m=128, block_n=256, split_k=2)])
+@pytest.mark.parametrize("tiles", [{}, dict(block_m=128, block_n=256, split_k=2),
+                                   dict(stage_scales=True),  # the scales through SMEM (decode, split-K)
+                                   pytest.param(dict(block_m=128, block_n=256, split_k=2, stage_scales=True),
+                                                marks=pytest.mark.slow)])
 def test_exact_data_bit_equal(mode: str, tiles: dict) -> None:
     """x, W in {-2, -1, 0, 1, 2} with a +-2 in every block and UE8M0 scales on both sides: xq, Wq in
     {0, +-128, +-256}, every product a multiple of 2^14 below 2^17 and every partial sum below 2^24, so any
@@ -197,7 +200,8 @@ def test_unsupported_in() -> None:
 @pytest.mark.parametrize("kwargs,field", [
     (dict(block_m=32), "block_m"), (dict(block_n=96), "block_n"), (dict(block_n=256), "block_n"),
     (dict(split_k=3), "split_k"), (dict(split_k=0), "split_k"), (dict(stages=0), "stages"),
-    (dict(group_m=0), "group_m"), (dict(scale_fmt="e5m2"), "scale_fmt"), (dict(implementation="cuda"), "implementation"),
+    (dict(group_m=0), "group_m"), (dict(stage_scales=1), "stage_scales"), (dict(scale_fmt="e5m2"), "scale_fmt"),
+    (dict(implementation="cuda"), "implementation"),
 ])
 def test_bad_params(kwargs: dict, field: str) -> None:
     wq, ws = _weights(384, 512)  # out = 384: block_n 256 does not divide it; in / 128 = 4: split_k 3 does not
@@ -230,7 +234,9 @@ def test_auto_split_k() -> None:
 @pytest.mark.parametrize("m,k,n,tiles", [(1, 7168, 1536, {}),
                                          pytest.param(300, 512, 384, {}, marks=pytest.mark.slow),
                                          (256, 1024, 512, dict(block_n=256, split_k=1)),
-                                         pytest.param(16, 512, 256, dict(block_n=64, split_k=2), marks=pytest.mark.slow)])
+                                         pytest.param(16, 512, 256, dict(block_n=64, split_k=2), marks=pytest.mark.slow),
+                                         (64, 16384, 7168, dict(stage_scales=True)),  # wo decode, scales in SMEM
+                                         (256, 640, 512, dict(block_n=256, split_k=1, stage_scales=True))])
 def test_lowers_for_cuda(m: int, k: int, n: int, tiles: dict) -> None:
     """The compiled kernel passes Mosaic GPU's lowering (e4m3 wgmma with K-major operands, TMA, layouts)."""
     from jax.sharding import AbstractDevice, AbstractMesh
