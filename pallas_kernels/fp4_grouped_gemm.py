@@ -216,8 +216,8 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
                          'arithmetic, which XLA on the CPU flushes; "lop3" is PTX); use dequant="f16" there')
     xp = jnp.take(jnp.pad(_permute_k(x, dequant), ((0, 1), (0, 0))), p.src, axis=0)  # groups padded to 8 rows
     st = _fit_stages(stages, p.block_t, p.block_n, p.block_k, k // p.splits)
-    call = _build_call(e=e, n=n, k=k, mx=p.rows, items=p.items, bt=p.block_t, bn=p.block_n, bk=p.block_k,
-                       splits=p.splits, stages=st, dequant=dequant,
+    call = _build_call(n=n, k=k, items=p.items, bt=p.block_t, bn=p.block_n, bk=p.block_k, splits=p.splits,
+                       stages=st, dequant=dequant,
                        out_dtype=out_dtype if p.splits == 1 else jnp.dtype(jnp.float32), interpret=p.interpret)
     return grouped_rows.finish(call(p.info, xp, w_packed, w_scale), p, out_dtype)
 
@@ -304,9 +304,8 @@ def _scale_exp_bias(dequant: Dequant) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _build_call(*, e: int, n: int, k: int, mx: int, items: int, bt: int, bn: int, bk: int, splits: int,
-                stages: int, dequant: Dequant, out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None):
-    del e, mx
+def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits: int, stages: int,
+                dequant: Dequant, out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None):
     emulate_mma = interpret is not None
     exp_bias = _scale_exp_bias(dequant)
     lop3 = dequant == "lop3"

@@ -74,7 +74,7 @@ from jds.ops import quant
 from jds.ops.dispatch import Implementation, Unsupported, resolve_interpret, run_op
 
 BLOCK = 128  # quantisation block (both operands) = kernel K step
-SW_ROWS = 8  # stage_scales: weight-scale rows a CTA copies (8 x a multiple of 4 floats = 128-byte multiples)
+SW_ROWS = 8  # staged scales: weight-scale rows a CTA copies (8 x a multiple of 4 floats = 128-byte multiples)
 NUM_SMS = 132  # H100 / H200; only steers the automatic split_k
 _X_DTYPES = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16))
 _SCALE_FMTS = ("ue8m0", "amax")
@@ -172,6 +172,21 @@ def _auto_split_k(tiles: int, nk: int) -> int:
     return bigger[0] if bigger else divs[-1]
 
 
+def pad_weight_scales(sw: jax.Array) -> jax.Array:
+    """Weight scales [..., rows, cols] (float32) as a kernel that copies ``SW_ROWS`` whole rows by TMA needs
+    them: at least ``SW_ROWS`` rows and a multiple of 4 columns (16-byte rows). A no-op for the model's
+    shapes (N >= 1024, K a multiple of 512), so it costs nothing per call there."""
+    rows, cols = sw.shape[-2:]
+    pad = ((0, max(0, SW_ROWS - rows)), (0, -cols % 4))
+    return sw if pad == ((0, 0), (0, 0)) else jnp.pad(sw, ((0, 0),) * (sw.ndim - 2) + pad)
+
+
+def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
+    """The first of the ``SW_ROWS`` weight-scale rows a CTA copies to hold ``first_row`` (and the next ones
+    its tile needs): ``first_row`` itself, moved back so the window ends inside the ``rows`` rows."""
+    return jnp.minimum(first_row, rows - SW_ROWS)
+
+
 def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages, group_m,
             stage_scales):
     _check_tiles(block_m, block_n, split_k, stages, group_m)
@@ -199,9 +214,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
                        out_dtype=out_dtype if s == 1 else jnp.dtype(jnp.float32), interpret=interpret or None,
                        stage_scales=stage_scales)
     sw = w_scale.astype(jnp.float32)
-    if stage_scales:  # a CTA copies SW_ROWS x nk scales (TMA: whole 16-byte rows, 128-byte multiples)
-        sw = jnp.pad(sw, ((0, SW_ROWS - 1), (0, -nk % 4)))
-    y = call(xq, sxt, wq, sw)
+    y = call(xq, sxt, wq, pad_weight_scales(sw) if stage_scales else sw)
     if s > 1:
         y = jnp.sum(y, axis=0)
     return y[:m].astype(out_dtype).reshape(*lead, n)
@@ -213,6 +226,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
 def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: int, stages: int, group_m: int,
                 out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, stage_scales: bool = False):
     nk = k // BLOCK
+    sw_rows = max(-(-n // BLOCK), SW_ROWS)  # rows of the (padded) weight scales, when staged
     kps = nk // splits  # K blocks per CTA
     m_tiles, n_tiles = mp // bm, n // bn
     tiles = m_tiles * n_tiles
@@ -261,7 +275,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                     # the block's scales load while the MMA runs (from SMEM when staged)
                     if stage_scales:
                         sx_c = plgpu.load(sx_s.at[wg, step], layout=ROW, optimized=False) if c == 0 else None
-                        sw_c = sw_s[wg, (wg_cols(wg) + c * cw) // BLOCK - n0 // BLOCK, kb]
+                        sw_c = sw_s[wg, (wg_cols(wg) + c * cw) // BLOCK - scale_window(n0 // BLOCK, sw_rows), kb]
                     else:
                         sx_c = plgpu.load(sxt_ref.at[kb, pl.ds(r0, 64)], layout=ROW, optimized=False) if c == 0 else None
                         sw_c = sw_ref[(wg_cols(wg) + c * cw) // BLOCK, kb]
@@ -278,7 +292,8 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 w = lax.axis_index("wg")
                 rows = pl.ds(m0 + w * 64, 64) if split_m else pl.ds(m0, 64)
                 plgpu.copy_gmem_to_smem(sxt_ref.at[pl.ds(kb0, kps), rows], sx_s.at[w], bar.at[w])
-                plgpu.copy_gmem_to_smem(sw_ref.at[pl.ds(n0 // BLOCK, SW_ROWS)], sw_s.at[w], bar.at[w])
+                plgpu.copy_gmem_to_smem(sw_ref.at[pl.ds(scale_window(n0 // BLOCK, sw_rows), SW_ROWS)], sw_s.at[w],
+                                        bar.at[w])
                 plgpu.barrier_wait(bar.at[w])
             zero = plgpu.layout_cast(jnp.full((64, cw), 0.0, jnp.float32), L)
             acc = run_pipeline(tuple(zero for _ in range(nch)))

@@ -17,8 +17,9 @@ The kernel is the FP4 grouped GEMM's design (``fp4_grouped_gemm``) with e4m3 wei
 - Scales: per 128-column block, a fresh MMA accumulator [64, block_t], then acc += blk * sx[token] * sw: the
   weight scale is one scalar per warpgroup (64 rows lie in one 128-row scale block), the activation scales a
   vector over the accumulator's columns (tokens). A CTA's scales (its weight-scale row over its K range, and
-  sx^T for its token tile) arrive once, by TMA, before the pipeline (the weight scales as 8 rows, of which the
-  first is the CTA's: a TMA copy from a warpgroup moves a multiple of 128 bytes; the wrapper pads 7 rows): the FP8 GEMM's profile (2026-12-01) put
+  sx^T for its token tile) arrive once, by TMA, before the pipeline (the weight scales as 8 rows that hold the
+  CTA's: a TMA copy from a warpgroup moves a multiple of 128 bytes; ``fp8_gemm.pad_weight_scales`` pads only
+  stacks of fewer than 8 rows, never the model's): the FP8 GEMM's profile (2026-12-01) put
   a fifth of its stalls on a scale loaded from global memory inside the K loop.
 - Work items (expert, token tile), the 8-row-aligned padded copy of x, the output gather, split-K: as the FP4
   kernel (``grouped_rows``). A split holds whole 512-column chunks (the TMA rows of the scales: 4 floats).
@@ -40,12 +41,12 @@ from jax import lax
 from jds.ops import quant
 from jds.ops.dispatch import Implementation, Unsupported, run_op
 from pallas_kernels import grouped_rows
+from pallas_kernels.fp8_gemm import SW_ROWS, pad_weight_scales, scale_window
 
 BLOCK = 128  # weight-scale block (both dims) and activation-scale group
 K_ALIGN = 512  # K per split: whole 16-byte TMA rows of float32 scales
 SMEM_BUDGET = 220 * 1024
 SCALE_FMTS = ("ue8m0", "amax")
-SW_ROWS = 8  # weight-scale rows per CTA copy: 8 x (a multiple of 4 floats) is a multiple of 128 bytes
 _RAGGED_DN = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
                                            lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
@@ -150,8 +151,8 @@ def _pallas(x, sizes, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_t, 
     call = _build_call(n=n, k=k, items=p.items, bt=p.block_t, bn=p.block_n, bk=p.block_k, splits=p.splits,
                        stages=_fit_stages(stages, p.block_t, p.block_n, p.block_k, kps),
                        out_dtype=out_dtype if p.splits == 1 else jnp.dtype(jnp.float32), interpret=p.interpret)
-    # a CTA copies 8 weight-scale rows from its own (a TMA copy moves a multiple of 128 bytes): 7 rows of slack
-    ws = jnp.pad(w_scale.astype(jnp.float32), ((0, 0), (0, SW_ROWS - 1), (0, 0)))
+    # a CTA copies SW_ROWS weight-scale rows holding its own (a TMA copy moves a multiple of 128 bytes)
+    ws = pad_weight_scales(w_scale.astype(jnp.float32))
     return grouped_rows.finish(call(p.info, xp, sxt, wq, ws), p, out_dtype)
 
 
@@ -159,6 +160,7 @@ def _pallas(x, sizes, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_t, 
 def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits: int, stages: int,
                 out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None):
     emulate_mma = interpret is not None
+    sw_rows = max(n // BLOCK, SW_ROWS)  # rows of the (padded) weight scales
     kps = k // BLOCK // splits  # K blocks per CTA
     kc = kps * BLOCK
     steps = kc // bk
@@ -172,6 +174,8 @@ def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits
 
     def kernel(info_ref, x_ref, sxt_ref, w_ref, sw_ref, o_ref, sw_s, sx_s, bar):
         item, si, ex, row0, n0 = grouped_rows.cta_work(info_ref, items, n_tiles, bn)
+        sw0 = scale_window(n0 // BLOCK, sw_rows)  # the copied weight-scale rows; this CTA's is row sw_row
+        sw_row = n0 // BLOCK - sw0
 
         def body(idx, x_s, w_s, acc):
             (step,) = idx
@@ -192,12 +196,12 @@ def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits
 
                     blk = pl.run_scoped(mma, plgpu.ACC((64, bt), jnp.float32))
                 sxv = plgpu.load(sx_s.at[wg, kb], layout=COL, optimized=False)  # [bt]
-                acc = acc + blk * lax.broadcast_in_dim(sxv * sw_s[wg, 0, kb], (64, bt), [1])
+                acc = acc + blk * lax.broadcast_in_dim(sxv * sw_s[wg, sw_row, kb], (64, bt), [1])
             return acc
 
         def compute(run_pipeline):
             wg = lax.axis_index("wg")
-            plgpu.copy_gmem_to_smem(sw_ref.at[ex, pl.ds(n0 // BLOCK, SW_ROWS), pl.ds(si * kps, kps)], sw_s.at[wg],
+            plgpu.copy_gmem_to_smem(sw_ref.at[ex, pl.ds(sw0, SW_ROWS), pl.ds(si * kps, kps)], sw_s.at[wg],
                                     bar.at[wg])
             plgpu.copy_gmem_to_smem(sxt_ref.at[pl.ds(si * kps, kps), pl.ds(row0, bt)], sx_s.at[wg], bar.at[wg])
             plgpu.barrier_wait(bar.at[wg])

@@ -21,6 +21,7 @@ client creation (``jds.bench.cli.use_graph_update_mode``).
 from __future__ import annotations
 
 import argparse
+import bisect
 import datetime
 import glob
 import json
@@ -225,13 +226,17 @@ def _mark_offset(marks: list[tuple[str, int, int]], events: list[tuple[str, int,
     steps = sorted((s0, s1 - s0) for name, s0, s1 in marks if name == "jds_step")
     if not steps:
         return None
+    starts = sorted(s for _, s, _ in events)
+
+    def near(t: int) -> bool:  # an event starts within tol_ns of t
+        i = bisect.bisect_left(starts, t - tol_ns)
+        return i < len(starts) and starts[i] <= t + tol_ns
+
     for cand_start, cand_dur in sorted((s, d) for _, s, d in events):
         if abs(cand_dur - steps[0][1]) > tol_ns:
             continue
         off = cand_start - steps[0][0]
-        starts = {s for _, s, _ in events}
-        ok = all(any(abs(t - (s0 + off)) <= tol_ns for t in starts) for s0, _ in steps[1:])
-        if ok:
+        if all(near(s0 + off) for s0, _ in steps[1:]):
             return off
     return None
 
