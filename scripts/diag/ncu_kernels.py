@@ -22,24 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _fp4(shape: str, tokens: int, tiles: dict):
+def _grouped(fmt: str, shape: str, tokens: int, tiles: dict):
+    """A grouped expert GEMM call ("fp4" / "fp8"), 256 experts, the benchmark's format (top-k routing)."""
     from jds.bench import kernels_grouped as b
-    from pallas_kernels import fp4_grouped_gemm as fp4g
-    k, n = b.FORMATS["fp4"].shapes[shape]
-    wp, ws = b._fp4_experts(k, n, 256, jax.random.key(0))
-    x, sizes = b._routing(256, k, tokens, 6, jax.random.key(1))
-    f = jax.jit(functools.partial(fp4g.fp4_grouped_linear, implementation="pallas", **tiles))
-    return f, (x, jnp.asarray(sizes), wp, ws)
-
-
-def _fp8g(shape: str, tokens: int, tiles: dict):
-    from jds.bench import kernels_grouped as b
-    from pallas_kernels import fp8_grouped_gemm as fp8g
-    k, n = b.FORMATS["fp8"].shapes[shape]
-    wq, ws = b._fp8_experts(k, n, 256, jax.random.key(0))
-    x, sizes = b._routing(256, k, tokens, 8, jax.random.key(1))
-    f = jax.jit(functools.partial(fp8g.fp8_grouped_linear, implementation="pallas", **tiles))
-    return f, (x, jnp.asarray(sizes), wq, ws)
+    f = b.FORMATS[fmt]
+    k, n = f.shapes[shape]
+    w, ws = f.experts(k, n, 256, jax.random.key(0))
+    x, sizes = b._routing(256, k, tokens, f.top_k, jax.random.key(1))
+    return jax.jit(functools.partial(f.op, implementation="pallas", **tiles)), (x, jnp.asarray(sizes), w, ws)
 
 
 def _fp8(shape: str, m: int, tiles: dict):
@@ -63,7 +53,8 @@ def main() -> None:
     ap.add_argument("--tiles", default="{}", help="JSON dict of keyword arguments for the kernel")
     a = ap.parse_args()
     tiles = json.loads(a.tiles)
-    make = {"fp4": lambda: _fp4(a.shape, a.tokens, tiles), "fp8g": lambda: _fp8g(a.shape, a.tokens, tiles),
+    make = {"fp4": lambda: _grouped("fp4", a.shape, a.tokens, tiles),
+            "fp8g": lambda: _grouped("fp8", a.shape, a.tokens, tiles),
             "fp8": lambda: _fp8(a.shape, a.m, tiles)}
     f, args = make[a.kernel]()
     for _ in range(3):
