@@ -165,7 +165,8 @@ def step_buffer_len(num_tokens: int, num_rows: int, update_capacity: int) -> int
 
 
 def pack_step(token_ids: np.ndarray, chunks: Sequence[Chunk], updates: tuple[np.ndarray, np.ndarray, np.ndarray],
-              *, num_tokens: int, num_rows: int, update_capacity: int, feed: np.ndarray | None = None) -> np.ndarray:
+              *, num_tokens: int, num_rows: int, update_capacity: int, feed: np.ndarray | None = None,
+              out: np.ndarray | None = None) -> np.ndarray:
     """The host's whole per-step input as one int32 array: what ``unpack_step`` expands on the device.
 
     Layout: [num_tokens, num_chunks, num_updates | token ids (padded to the bucket) | feed (padded with -1) | chunk
@@ -183,7 +184,14 @@ def pack_step(token_ids: np.ndarray, chunks: Sequence[Chunk], updates: tuple[np.
     if t > num_tokens or c > num_rows or u > update_capacity:
         raise ValueError(f"step of {t} tokens / {c} chunks / {u} block-table updates exceeds the buffer's "
                          f"{num_tokens} / {num_rows} / {update_capacity}")
-    buf = np.zeros(step_buffer_len(num_tokens, num_rows, update_capacity), np.int32)
+    n = step_buffer_len(num_tokens, num_rows, update_capacity)
+    if out is None:
+        buf = np.zeros(n, np.int32)
+    elif out.shape != (n,) or out.dtype != np.int32:
+        raise ValueError(f"out must be int32 of shape ({n},), got {out.dtype} {out.shape}")
+    else:
+        buf = out
+        buf.fill(0)
     buf[:_HEADER] = (t, c, u)
     o = _HEADER
     buf[o:o + t] = token_ids

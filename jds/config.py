@@ -623,6 +623,7 @@ def load_model_config(name: str = "v32-tiny", config_path: str | os.PathLike | N
 # ----- the step runner --------------------------------------------------------------------------------
 RUNNER_MODES: tuple[str, ...] = ("wide", "narrow", "fused")
 INPUT_PREPS: tuple[str, ...] = ("auto", "device", "host")
+STEP_BUFFERS: tuple[str, ...] = ("auto", "pinned", "transfer")
 CompilerOptions = Mapping[str, "str | bool | int | float"]
 
 
@@ -651,6 +652,10 @@ class RunnerConfig:
     input_prep: str = "auto"  # "device": one packed buffer, batch built in the graph; "host": make_batch
     stable_inputs: bool = False  # host prep: write each step's inputs into persistent device buffers
     update_capacity: int = 0  # block-table entries one packed step may change (0: 4 per row + 64)
+    # device prep: how the packed step reaches the executable. "pinned": written in place into a persistent
+    # pinned-host buffer that the executable copies itself (no transfer call on the host's critical path);
+    # "transfer": a host-to-device transfer per step; "auto": pinned without a device mesh, else transfer
+    step_buffer: str = "auto"
     segments: int = 1  # fused + device prep: the step as this many captured executables, launched in order
     batch_invariant: bool = False  # one token bucket and one key-block bucket (jds.runner.invariant_buckets)
     all_eager: bool = False  # compile every executable as the eager ones are (command buffers off)
@@ -665,6 +670,8 @@ class RunnerConfig:
     def __post_init__(self) -> None:
         _require(self.mode in RUNNER_MODES, "mode", f"must be one of {RUNNER_MODES}, got {self.mode!r}")
         _require(self.input_prep in INPUT_PREPS, "input_prep", f"must be one of {INPUT_PREPS}, got {self.input_prep!r}")
+        _require(self.step_buffer in STEP_BUFFERS, "step_buffer",
+                 f"must be one of {STEP_BUFFERS}, got {self.step_buffer!r}")
         _positive(self, "num_blocks", "max_num_seqs", "max_num_tokens", "max_model_len", "segments")
         for n in ("tensor_parallel", "data_parallel", "expert_parallel"):
             v = getattr(self, n)

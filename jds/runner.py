@@ -14,6 +14,7 @@ step's actual sequence lengths. narrow/wide issue L eager + L+1 captured dispatc
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -43,11 +44,12 @@ class StepInputs:
     """A step's inputs under ``input_prep="device"``: one packed int32 buffer (``jds.batch.pack_step``) on
     the device, and the step's static shape buckets (tokens, key blocks)."""
 
-    packed: np.ndarray | jax.Array  # numpy without a mesh (passed to the executable as is)
+    packed: np.ndarray | jax.Array  # the persistent pinned-host buffer, or numpy / a device array (transfer)
     token_bucket: int
     key_blocks: int
     block_tables: np.ndarray  # the host's tables after this step (the device's copy once it ran)
     prev_tokens: jax.Array | None = None  # the previous step's sampled tokens, for the packed feed
+    serial: int = 0  # step_buffer="pinned": which write of the bucket's persistent buffer these inputs are
 
 
 def _buckets(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:
@@ -165,6 +167,17 @@ class BoundaryRunner:
         self.key_block_buckets = _bucket_set("key_block_buckets", self.key_block_buckets, self.max_blocks,
                                              _buckets(min(4, self.max_blocks), self.max_blocks))
         self._place_on_mesh()
+        pinned_ok = self.mesh is None and any(m.kind == "pinned_host" for m in jax.devices()[0].addressable_memories())
+        if self.step_buffer == "auto":
+            self.step_buffer = "pinned" if pinned_ok else "transfer"
+        elif self.step_buffer == "pinned" and not pinned_ok:
+            raise ValueError("step_buffer='pinned' needs one device with pinned host memory (no device mesh); "
+                             "use 'transfer' or 'auto'")
+        # step_buffer="pinned": per token bucket, a persistent pinned-host step buffer and a numpy view of its
+        # memory that _pack writes in place; _pinned_serial counts the writes (stale StepInputs are refused)
+        self._pinned: dict[int, list[list[Any]]] = {}
+        self._pinned_serial: dict[int, int] = {}
+        self._marker = jax.jit(lambda x: x[:1, 0])  # a tiny array made after a step (``_witness``)
         # Parameters are flattened to plain leaf lists once: jit's C++ path flattens a list of arrays in
         # microseconds, while an nnx.State pytree costs milliseconds of Python per call.
         self._embed = _split_flat(self.model.embed)
@@ -308,6 +321,8 @@ class BoundaryRunner:
         return self._jit(("fused",), full, eager=False, donate=(3,))
 
     def _unpack(self, packed: jax.Array, bt_state: jax.Array, kb: int, prev: jax.Array) -> tuple:
+        if self.step_buffer == "pinned":  # the copy is a command of the executable, not a host transfer call
+            packed = jax.device_put(packed, jax.memory.Space.Device)
         tokens, batch, li, bt = unpack_step(packed, bt_state, num_rows=self.max_num_seqs,
                                             update_capacity=self.update_capacity, block_size=self.block_size,
                                             prev_tokens=prev)
@@ -480,8 +495,7 @@ class BoundaryRunner:
         token_ids = np.asarray(token_ids)
         t, src, bt, tb, kb = self._step_shape(token_ids, chunks, block_tables)
         if self.input_prep == "device":
-            inp = self._pack(token_ids, chunks, src.shape[0], bt, tb, kb, feed)
-            return (dataclasses.replace(inp, prev_tokens=prev_tokens),)
+            return (self._pack(token_ids, chunks, src.shape[0], bt, tb, kb, feed, prev_tokens),)
         batch = make_batch(chunks, bt, self.block_size, pad_to=tb, host=True)
         # Checked on the host: reading a device copy back here would wait for the previous step.
         if (batch.slot_mapping[:t] >= self.num_blocks * self.block_size).any():
@@ -497,34 +511,78 @@ class BoundaryRunner:
         return self._stage((tb, kb), inputs) if self.stable_inputs else inputs
 
     def _pack(self, token_ids: np.ndarray, chunks: list[Chunk], src_rows: int, bt: np.ndarray, tb: int,
-              kb: int, feed: np.ndarray | None = None) -> StepInputs:
+              kb: int, feed: np.ndarray | None = None, prev_tokens: jax.Array | None = None) -> StepInputs:
         """Check the chunks as ``make_batch`` does, diff the block tables against the device's copy and
         pack the step (``jds.batch.pack_step``)."""
-        req = np.fromiter((c.req for c in chunks), np.int64, len(chunks))
-        start = np.fromiter((c.start for c in chunks), np.int64, len(chunks))
-        n_tok = np.fromiter((c.num_tokens for c in chunks), np.int64, len(chunks))
-        if ((req < 0) | (req >= src_rows)).any():
-            raise ValueError(f"chunk.req outside block_tables rows [0, {src_rows})")
-        if (np.diff(req) <= 0).any():
-            raise ValueError("chunks must be given in increasing request-row order, one per row")
-        if ((start < 0) | (n_tok < 1)).any():
-            raise ValueError("every chunk needs start >= 0 and num_tokens >= 1")
-        first_page, last_page = start // self.block_size, (start + n_tok - 1) // self.block_size
-        if (last_page >= self.max_blocks).any():
-            raise ValueError("block_tables row is too short for a chunk's last position")
-        for r, a, b in zip(req, first_page, last_page):  # the pages this step writes
-            if (bt[r, a:b + 1] >= self.num_blocks).any():
-                raise ValueError("block_tables references a page outside the pool")
+        # Plain Python over the chunks: a step has few, and numpy's per-call cost on small arrays is what this
+        # path (on the host's critical path before the first launch) spent its time in.
+        prev = -1
+        for c in chunks:
+            if not 0 <= c.req < src_rows:
+                raise ValueError(f"chunk.req outside block_tables rows [0, {src_rows})")
+            if c.req <= prev:
+                raise ValueError("chunks must be given in increasing request-row order, one per row")
+            prev = c.req
+            if c.start < 0 or c.num_tokens < 1:
+                raise ValueError("every chunk needs start >= 0 and num_tokens >= 1")
+            if (c.start + c.num_tokens - 1) // self.block_size >= self.max_blocks:
+                raise ValueError("block_tables row is too short for a chunk's last position")
+        if int(bt.max()) >= self.num_blocks:  # some entry is outside the pool: is it one this step writes?
+            for c in chunks:
+                a, b = c.start // self.block_size, (c.start + c.num_tokens - 1) // self.block_size
+                if (bt[c.req, a:b + 1] >= self.num_blocks).any():
+                    raise ValueError("block_tables references a page outside the pool")
+        if self.step_buffer == "pinned":  # before _bt_state can be replaced below: it is the guard
+            arr, view = self._pinned_buffer(tb)
         rows, cols = np.nonzero(bt != self._bt_host)
         if len(rows) > self.update_capacity:  # more changed than one step carries: replace the whole table
             self._bt_state = jax.device_put(bt, None if self.mesh is None else sharding.replicated(self.mesh))
             self._bt_host = bt
             rows = cols = np.zeros(0, np.int64)
-        packed = pack_step(token_ids, chunks, (rows, cols, bt[rows, cols]), num_tokens=tb,
-                           num_rows=self.max_num_seqs, update_capacity=self.update_capacity, feed=feed)
+        updates = (rows, cols, bt[rows, cols])
+        if self.step_buffer == "pinned":
+            pack_step(token_ids, chunks, updates, num_tokens=tb, num_rows=self.max_num_seqs,
+                      update_capacity=self.update_capacity, feed=feed, out=view)
+            self._pinned_serial[tb] = serial = self._pinned_serial.get(tb, 0) + 1  # picks the other slot next
+            return StepInputs(arr, tb, kb, bt, prev_tokens, serial)
+        packed = pack_step(token_ids, chunks, updates, num_tokens=tb, num_rows=self.max_num_seqs,
+                           update_capacity=self.update_capacity, feed=feed)
         # Without a mesh the numpy buffer goes straight into the executable's call: jit's C++ path copies it
         # to the device as part of the dispatch, cheaper on the host than a separate ``jax.device_put``.
-        return StepInputs(packed if self.mesh is None else jax.device_put(packed), tb, kb, bt)
+        return StepInputs(packed if self.mesh is None else jax.device_put(packed), tb, kb, bt, prev_tokens)
+
+    def _pinned_buffer(self, tb: int) -> tuple[jax.Array, np.ndarray]:
+        """A persistent pinned-host step buffer of token bucket ``tb`` that no step can still be reading, and a
+        numpy view of its memory.
+
+        Why: a host-to-device transfer call per step cost host time on the critical path before the first
+        kernel on the H200's host (docs/perf-log.md, 2026-12-01); the executable's own copy of a buffer written
+        in place costs none, and the buffer keeps its address, so the graph's copy command never needs an
+        update. Two buffers per bucket take turns, so the host can write step N+1's while step N runs; each
+        remembers a small array made after the step that read it (``_witness``): once that is ready, the
+        step's copy has happened and the memory may be rewritten.
+        """
+        ring = self._pinned.get(tb)
+        if ring is None:
+            dev = jax.devices()[0]
+            n = step_buffer_len(tb, self.max_num_seqs, self.update_capacity)
+            ring = self._pinned[tb] = []
+            for _ in range(2):
+                arr = jax.device_put(np.zeros(n, np.int32),
+                                     jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"))
+                arr.block_until_ready()
+                view = np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(arr.unsafe_buffer_pointer()))
+                ring.append([arr, view, None])
+        slot = ring[self._pinned_serial.get(tb, 0) % 2]
+        if slot[2] is not None and not slot[2].is_deleted():
+            slot[2].block_until_ready()
+        slot[2] = None
+        return slot[0], slot[1]
+
+    def _witness(self, tb: int, serial: int, marker: jax.Array) -> None:
+        """Record ``marker`` (made on the device after the step of write ``serial`` of bucket ``tb``) as
+        the sign that the step's pinned step buffer has been read."""
+        self._pinned[tb][(serial - 1) % 2][2] = marker
 
     def _stage(self, key: Any, fresh: Any) -> Any:
         """Copy this step's inputs into the same device buffers as the last step of this shape.
@@ -562,7 +620,18 @@ class BoundaryRunner:
             self._no_prev = jnp.zeros(self.max_num_seqs, jnp.int32)
         return self._no_prev
 
-    def _step_device(self, inp: StepInputs) -> jax.Array:
+    def _step_device(self, inp: StepInputs, witness: bool = True) -> jax.Array:
+        """``witness=False``: the caller records the step's witness itself (``submit``: its sampled tokens)."""
+        pinned = self.step_buffer == "pinned"
+        if pinned and inp.serial != self._pinned_serial.get(inp.token_bucket):
+            raise ValueError("these StepInputs are stale: prepare_inputs wrote the same token bucket's step buffer "
+                             "again since (with step_buffer='pinned', step the inputs of the last prepare_inputs)")
+        logits = self._dispatch_device(inp)
+        if pinned and witness:  # after the launch, off the critical path
+            self._witness(inp.token_bucket, inp.serial, self._marker(self._bt_state))
+        return logits
+
+    def _dispatch_device(self, inp: StepInputs) -> jax.Array:
         stats = DispatchStats(captured=1)
         kb = inp.key_blocks
         if self.mode == "fused" and self.segments > 1:
@@ -666,9 +735,12 @@ class BoundaryRunner:
         fpad, rows = jax.device_put((fpad, rows))  # one transfer call (None stays None)
         if fpad is not None:
             inputs = (_feed_tokens(inputs[0], self._prev_sampled, fpad),) + tuple(inputs[1:])
-        logits = self.step(*inputs)
+        device_prep = isinstance(inputs[0], StepInputs)
+        logits = self._step_device(inputs[0], witness=False) if device_prep else self.step(*inputs)
         sampled = greedy_tokens(logits) if rows is None else sample_tokens(logits, *rows)
         sampled.copy_to_host_async()  # start the read-back now; result() then rarely waits for the copy
+        if device_prep and self.step_buffer == "pinned":
+            self._witness(inputs[0].token_bucket, inputs[0].serial, sampled)
         self._prev_sampled, self._prev_rows = sampled, r
         return DevicePending(sampled, r)
 

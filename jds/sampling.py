@@ -64,3 +64,11 @@ def sample_tokens(logits: jax.Array, greedy: jax.Array, temperature: jax.Array, 
 def greedy_tokens(logits: jax.Array) -> jax.Array:
     """Argmax ids [R] int32 of logits [R, V] (the all-greedy step: no per-row parameters to transfer)."""
     return jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+
+
+@jax.jit
+def greedy_tokens_host(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``greedy_tokens``, plus the ids copied into pinned host memory by the same executable: reading those
+    back needs no device-to-host transfer call after the step (the copy is the executable's last command)."""
+    ids = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+    return ids, jax.device_put(ids, jax.memory.Space.Host)

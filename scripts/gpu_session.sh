@@ -3,6 +3,7 @@
 # its outputs land in $OUT as they are produced, so a stage that is cut short keeps what it measured:
 #
 #   scripts/gpu_session.sh hostpath      # issue 16: graph updates per step (VLOG counts), TTFT variants
+#   scripts/gpu_session.sh ttft-parts    # issue 16: TTFT's host time per dispatch, preparation in the loop vs alone, put / spin
 #   scripts/gpu_session.sh invariance    # issue 23: --batch-invariant under preemption (20 pages)
 #   scripts/gpu_session.sh deep          # issue 16: 61 layers, MoE (8 routed experts, top-8)
 #   scripts/gpu_session.sh deep-seg      # issue 16: 61 layers, FP8 weights + experts, 8 / 16 / 32 segments
@@ -52,6 +53,13 @@ case "$stage" in
     V="fused:host fused:device fused:device:2 fused:device:4 fused:device:8 narrow:host wide:host wide:device"
     timeout ${TTFT_TIMEOUT:-230} python3 -m jds.bench.ttft --arch v32 --layers 8 --intermediate 18432 --variants $V \
       --out "$OUT/ttft_v32_h200.json" > "$OUT/ttft_v32.log" 2>&1; echo "ttft8 rc=$?"; grep '^{' "$OUT/ttft_v32.log" | cut -c1-250
+    ;;
+  ttft-parts)
+    # issue 16: where TTFT's host time goes, per dispatch (seg0..), input preparation in the step loop vs alone,
+    # the step buffer by device_put vs as a numpy argument, and a polling wait (the host's core kept awake)
+    V=${TTFT_VARIANTS:-"fused:device:8 fused:device:8:spin fused:device:8:put fused:device:8:put:spin fused:device fused:device:spin"}
+    timeout ${TTFT_TIMEOUT:-230} python3 -m jds.bench.ttft --arch v32 --layers 8 --intermediate 18432 --variants $V \
+      --out "$OUT/ttft_parts_v32_h200.json" > "$OUT/ttft_parts.log" 2>&1; echo "ttft-parts rc=$?"; grep '^{' "$OUT/ttft_parts.log" | cut -c1-700
     ;;
   invariance)
     # issue 23: --batch-invariant under preemption on the GPU (2026-11-30: 64 pages preempted nothing)

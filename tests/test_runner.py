@@ -162,7 +162,7 @@ def test_runner_takes_one_runner_config() -> None:
     b = BoundaryRunner(model=model, mode="fused", num_blocks=8, max_num_seqs=2, max_num_tokens=32, max_model_len=64)
     assert a.config == b.config == BoundaryRunner.from_config(model, rc).config
     assert a.config == dataclasses.replace(rc, input_prep="device", token_buckets=(16, 32), key_block_buckets=(4,),
-                                           update_capacity=4 * 2 + 64)
+                                           update_capacity=4 * 2 + 64, step_buffer="pinned")
     assert BoundaryRunner(model, a.config).config == a.config
     c = BoundaryRunner(model, rc, mode="narrow", max_num_tokens=16)
     assert (c.mode, c.input_prep, c.max_num_tokens, c.num_blocks) == ("narrow", "host", 16, 8)
@@ -181,7 +181,7 @@ def test_model_runner_build_takes_a_runner_config() -> None:
     r = ModelRunner.build(preset="v4-tiny", model_overrides={"n_layers": 2, "n_routed_experts": 4}, runner=rc)
     assert (r.model.cfg.arch, r.model.cfg.n_layers, r.model.cfg.n_routed_experts) == ("v4", 2, 4)
     assert r.config == dataclasses.replace(rc, input_prep="host", token_buckets=(16,), key_block_buckets=(1,),
-                                           update_capacity=72)
+                                           update_capacity=72, step_buffer="pinned")
     cfg = preset("v32-tiny", n_layers=1)
     assert ModelRunner.build(model_config=cfg, runner=rc).model.cfg == cfg
     with pytest.raises(ValueError, match="model_config"):

@@ -64,28 +64,78 @@ def step_shapes(ctx: int) -> dict[str, list[Chunk]]:
             f"decode_b64_ctx{ctx}": [Chunk(i, ctx - 1, 1) for i in range(64)]}
 
 
-def time_steps(runner: Any, ids: np.ndarray, chunks: list[Chunk], bt: np.ndarray, n: int, warm: int = 10
-               ) -> tuple[list[float], list[float], list[float]]:
+def time_steps(runner: Any, ids: np.ndarray, chunks: list[Chunk], bt: np.ndarray, n: int, warm: int = 10,
+               parts: dict[str, list[float]] | None = None, put: bool = False, spin: bool = False,
+               host_ids: bool = False) -> tuple[list[float], list[float], list[float]]:
     """Seconds per step, over ``n`` steps after ``warm``: (wall: inputs -> the greedy next token of every
     chunk on the host, host input preparation, host launch of ``runner.step``).
 
     The wall time ends at the first token on the host, as a server's TTFT does: the argmax runs on the device
     and only the chunks' ids come back, not the [max_num_seqs, vocab] float32 logits (8 MiB at 64 rows x 32K,
     whose copy would be timed as part of the step otherwise).
+
+    ``parts``: also filled with the host seconds of the greedy dispatch (``sample``) and of the wait for its ids
+    (``wait``), and, for a segmented fused step, of each segment's dispatch (``seg0``, ``seg1``, ...).
+    ``put``: the packed step buffer goes to the device by ``jax.device_put`` inside the timed preparation,
+    instead of as a numpy argument of the first dispatch (device input preparation only). ``spin``: the host
+    polls the ids' readiness instead of sleeping in the blocking wait, so its core stays awake for the next
+    step's preparation. ``host_ids``: the ids come back through the sampler's pinned-host copy
+    (``jds.sampling.greedy_tokens_host``) instead of a transfer of the device array.
     """
-    from jds.sampling import greedy_tokens
+    import jax
+
+    from jds.sampling import greedy_tokens, greedy_tokens_host
 
     walls, preps, launches = [], [], []
     r = len(chunks)
-    for i in range(warm + n):
-        a = time.perf_counter()
-        inputs = runner.prepare_inputs(ids, chunks, bt)
-        b = time.perf_counter()
-        logits = runner.step(*inputs)
-        c = time.perf_counter()
-        np.asarray(greedy_tokens(logits))[:r]
-        if i >= warm:
-            walls.append(time.perf_counter() - a)
-            preps.append(b - a)
-            launches.append(c - b)
+    restore = _time_segments(runner, parts) if parts is not None else None
+    try:
+        for i in range(warm + n):
+            a = time.perf_counter()
+            inputs = runner.prepare_inputs(ids, chunks, bt)
+            if put:
+                inputs = (dataclasses.replace(inputs[0], packed=jax.device_put(inputs[0].packed)),)
+            b = time.perf_counter()
+            logits = runner.step(*inputs)
+            c = time.perf_counter()
+            tok = greedy_tokens_host(logits)[1] if host_ids else greedy_tokens(logits)
+            d = time.perf_counter()
+            if spin:
+                while not tok.is_ready():
+                    pass
+            np.asarray(tok)[:r]
+            e = time.perf_counter()
+            if i >= warm:
+                walls.append(e - a)
+                preps.append(b - a)
+                launches.append(c - b)
+                if parts is not None:
+                    parts.setdefault("sample", []).append(d - c)
+                    parts.setdefault("wait", []).append(e - d)
+            elif parts is not None:
+                for k in [k for k in parts if k.startswith("seg")]:
+                    parts[k].clear()
+    finally:
+        if restore is not None:
+            restore()
     return walls, preps, launches
+
+
+def _time_segments(runner: Any, parts: dict[str, list[float]]) -> Any:
+    """Wrap a segmented runner's segment executables so that each dispatch's host time lands in
+    ``parts[f"seg{k}"]``; returns the function that undoes it."""
+    if getattr(runner, "segments", 1) <= 1:
+        return None
+    orig = runner._segment
+
+    def timed(k: int, kb: int) -> Any:
+        f = orig(k, kb)
+
+        def call(*args: Any) -> Any:
+            t = time.perf_counter()
+            out = f(*args)
+            parts.setdefault(f"seg{k}", []).append(time.perf_counter() - t)
+            return out
+        return call
+    runner._segment = timed
+    return lambda: delattr(runner, "_segment")

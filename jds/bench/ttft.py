@@ -4,9 +4,15 @@
         --variants fused:host fused:device fused:device:2 fused:device:4 fused:device:8 narrow:host narrow:device \
         --out benchmarks/results/ttft_<device>_<date>.json
 
-A variant is ``mode:input_prep[:segments]``. Per variant, after warm-up: the median wall time of a step
+A variant is ``mode:input_prep[:segments[:put][:spin]]`` (``put``: the packed step buffer sent by
+``jax.device_put`` as part of the timed preparation, not as a numpy argument of the first dispatch; ``spin``:
+the host polls for the step's ids instead of sleeping in the wait: ``jds.bench.stack.time_steps``; ``freeze``:
+``gc.freeze()`` before the timed steps; ``hostids``: the ids read from the sampler's pinned-host copy;
+``transfer`` / ``pinned``: the runner's ``step_buffer``, else its default). Per variant, after warm-up: the median wall time of a step
 (inputs -> the greedy first token on the host; ``jds.bench.stack.time_steps``), its host input preparation
 and its launch (host time of ``runner.step``),
+the host time of each segment's dispatch, of the greedy sample's dispatch and of the wait for its ids
+(``parts_ms``), input preparation alone in a loop (``prepare_alone_ms``),
 and the device-bound time per step (``n`` steps enqueued back to back, one wait). Every variant shares
 the same model and weights, so the rows are comparable within the run.
 """
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import sys
 import time
@@ -26,20 +33,41 @@ def _median_ms(xs: list[float]) -> float:
 
 
 def time_variant(model: Any, mode: str, prep: str, segments: int, n: int, moe: bool = False,
-                 parallel: dict[str, int] | None = None, shape: str = "ttft_128") -> dict[str, Any]:
+                 parallel: dict[str, int] | None = None, shape: str = "ttft_128", put: bool = False,
+                 spin: bool = False, runner: Any = None, freeze: bool = False, host_ids: bool = False,
+                 step_buffer: str = "auto") -> dict[str, Any]:
+    """One variant's row; ``runner``: one built earlier for the same mode, preparation and segments (reused,
+    its executables already compiled), else a new one, dropped with JAX's caches afterwards."""
     import jax
     import numpy as np
 
     from jds.bench.stack import block_table, make_runner, step_shapes, time_steps
 
     t0 = time.perf_counter()
-    runner = make_runner(model, mode, 64, 512, input_prep=prep, segments=segments, **(parallel or {}))
+    keep = runner is not None
+    if runner is None:
+        runner = make_runner(model, mode, 64, 512, input_prep=prep, segments=segments, step_buffer=step_buffer,
+                             **(parallel or {}))
     chunks = step_shapes(512)[shape]
     bt = block_table(runner, len(chunks))
     ids = np.random.default_rng(0).integers(0, 256, sum(c.num_tokens for c in chunks)).astype(np.int32)
     np.asarray(runner.step(*runner.prepare_inputs(ids, chunks, bt)))
     compile_s = time.perf_counter() - t0
-    walls, preps, launches = time_steps(runner, ids, chunks, bt, n)
+    parts: dict[str, list[float]] = {}
+    if freeze:  # the objects alive now leave the collector's generations (as a server after warm-up could)
+        gc.collect()
+        gc.freeze()
+    try:
+        walls, preps, launches = time_steps(runner, ids, chunks, bt, n, parts=parts, put=put, spin=spin,
+                                              host_ids=host_ids)
+    finally:
+        if freeze:
+            gc.unfreeze()
+    alone = []  # input preparation with no step in between (the host's own speed, no device work around it)
+    for _ in range(200):
+        a = time.perf_counter()
+        runner.prepare_inputs(ids, chunks, bt)
+        alone.append(time.perf_counter() - a)
     reps = []
     for _ in range(5):  # device-bound: ten steps in flight, one wait
         a = time.perf_counter()
@@ -47,12 +75,15 @@ def time_variant(model: Any, mode: str, prep: str, segments: int, n: int, moe: b
             out = runner.step(*runner.prepare_inputs(ids, chunks, bt))
         jax.block_until_ready(out)
         reps.append((time.perf_counter() - a) / 10)
-    res = {"mode": mode, "input_prep": prep, "segments": segments, "first_step_s": compile_s,
+    res = {"mode": mode, "input_prep": prep, "segments": segments, "put": put, "spin": spin, "gc_freeze": freeze, "host_ids": host_ids,
+           "step_buffer": runner.step_buffer, "first_step_s": compile_s,
            "ttft_ms": _median_ms(walls), "prepare_ms": _median_ms(preps), "launch_ms": _median_ms(launches),
+           "prepare_alone_ms": _median_ms(alone), "parts_ms": {k: _median_ms(v) for k, v in parts.items()},
            "back_to_back_step_ms": _median_ms(reps), "n": n,
            "dispatches": {"captured": runner.last_dispatch.captured, "eager": runner.last_dispatch.eager}}
-    del runner
-    jax.clear_caches()
+    if not keep:
+        del runner
+        jax.clear_caches()
     return res
 
 
@@ -101,12 +132,31 @@ def main(argv: list[str] | None = None) -> None:
                                     "graph_update_mode": a.graph_update_mode, "parallel": parallel,
                                     "complete": False},
                            "variants": {}}
+    from jds.bench.stack import make_runner
+
+    runners: dict[tuple, Any] = {}  # variants that differ only in put / spin share one runner
     for v in a.variants:
         parts = v.split(":")
         mode, prep = parts[0], parts[1]
         segments = int(parts[2]) if len(parts) > 2 else 1
+        flags = set(parts[3:])
+        unknown = flags - {"put", "spin", "freeze", "hostids", "transfer", "pinned"}
+        if unknown:
+            raise ValueError(f"variant {v!r}: unknown flags {sorted(unknown)}")
+        put, spin, freeze, host_ids = "put" in flags, "spin" in flags, "freeze" in flags, "hostids" in flags
+        step_buffer = "transfer" if "transfer" in flags else "pinned" if "pinned" in flags else "auto"
+        if put and step_buffer != "transfer":
+            raise ValueError(f"variant {v!r}: put needs the transfer step buffer (add :transfer)")
+        key = (mode, prep, segments, step_buffer)
+        if key not in runners:
+            runners.clear()
+            jax.clear_caches()
+            runners[key] = make_runner(model, mode, 64, 512, input_prep=prep, segments=segments,
+                                       step_buffer=step_buffer, **parallel)
         try:
-            res["variants"][v] = time_variant(model, mode, prep, segments, a.n, parallel=parallel, shape=a.shape)
+            res["variants"][v] = time_variant(model, mode, prep, segments, a.n, parallel=parallel, shape=a.shape,
+                                              put=put, spin=spin, runner=runners[key], freeze=freeze,
+                                              host_ids=host_ids, step_buffer=step_buffer)
         except Exception as e:  # noqa: BLE001 - a variant that fails records why; the others still run
             res["variants"][v] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         print(json.dumps({v: res["variants"][v]}), flush=True)
