@@ -30,7 +30,7 @@ from jds.batch import Chunk, PagedBatch, make_batch, pack_step, replace as repla
 from jds.config import INPUT_PREPS, RUNNER_MODES, ModelConfig, RunnerConfig, load_model_config, replace  # noqa: F401
 from jds.model import Decoder
 from jds import sharding
-from jds.sampling import greedy_tokens, sample_tokens, split_seeds
+from jds.sampling import greedy_tokens_host, sample_tokens_host, split_seeds
 
 if TYPE_CHECKING:
     from jds.engine.sampling import SamplingRows
@@ -737,12 +737,13 @@ class BoundaryRunner:
             inputs = (_feed_tokens(inputs[0], self._prev_sampled, fpad),) + tuple(inputs[1:])
         device_prep = isinstance(inputs[0], StepInputs)
         logits = self._step_device(inputs[0], witness=False) if device_prep else self.step(*inputs)
-        sampled = greedy_tokens(logits) if rows is None else sample_tokens(logits, *rows)
-        sampled.copy_to_host_async()  # start the read-back now; result() then rarely waits for the copy
+        # the ids stay on the device for the next step's feed, and the same executable copies them into pinned
+        # host memory, so result() reads them without a transfer call after the step (docs/perf-log.md)
+        sampled, on_host = greedy_tokens_host(logits) if rows is None else sample_tokens_host(logits, *rows)
         if device_prep and self.step_buffer == "pinned":
             self._witness(inputs[0].token_bucket, inputs[0].serial, sampled)
         self._prev_sampled, self._prev_rows = sampled, r
-        return DevicePending(sampled, r)
+        return DevicePending(on_host, r)
 
     # ----- MTP speculative decoding (jds.engine.core, speculative="mtp") -----------------------------
     def enable_mtp(self) -> None:
@@ -861,8 +862,8 @@ class BoundaryRunner:
         logits = jnp.zeros((m, v), jnp.float32)
         rows = (np.ones(m, bool), np.ones(m, np.float32), np.zeros(m, np.int32), np.ones(m, np.float32),
                 np.zeros((m, 2), np.uint32), np.zeros(m, np.int32))
-        prev = greedy_tokens(logits)
-        jax.block_until_ready(sample_tokens(logits, *rows))
+        prev = greedy_tokens_host(logits)[0]
+        jax.block_until_ready(sample_tokens_host(logits, *rows))
         for tb in self.token_buckets:
             jax.block_until_ready(_feed_tokens(jnp.zeros(tb, jnp.int32), prev, np.full(tb, -1, np.int32)))
         if progress:
@@ -899,7 +900,7 @@ def _feed_tokens(tokens: jax.Array, prev: jax.Array, feed: jax.Array) -> jax.Arr
 
 
 class DevicePending:
-    """A submitted step's sampled tokens, still on the device until ``result()``."""
+    """A submitted step's sampled tokens (their pinned-host copy), in flight until ``result()``."""
 
     def __init__(self, sampled: jax.Array, rows: int) -> None:
         self._sampled = sampled

@@ -70,5 +70,13 @@ def greedy_tokens(logits: jax.Array) -> jax.Array:
 def greedy_tokens_host(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``greedy_tokens``, plus the ids copied into pinned host memory by the same executable: reading those
     back needs no device-to-host transfer call after the step (the copy is the executable's last command)."""
-    ids = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+    ids = greedy_tokens(logits)
+    return ids, jax.device_put(ids, jax.memory.Space.Host)
+
+
+@jax.jit
+def sample_tokens_host(logits: jax.Array, greedy: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                       top_p: jax.Array, key_words: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``sample_tokens``, plus the ids in pinned host memory (as ``greedy_tokens_host``)."""
+    ids = sample_tokens(logits, greedy, temperature, top_k, top_p, key_words, index)
     return ids, jax.device_put(ids, jax.memory.Space.Host)

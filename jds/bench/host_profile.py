@@ -260,7 +260,7 @@ def profile_depth(arch: str, layers: int, mode: str, steps: int, implementation:
     from jax import profiler
 
     from jds.bench.stack import block_table, build_stack, make_runner, step_shapes, time_steps
-    from jds.sampling import greedy_tokens
+    from jds.sampling import greedy_tokens_host
 
     t0 = time.perf_counter()
     model = build_stack(arch, layers, implementation=implementation, size=size, intermediate=intermediate,
@@ -292,7 +292,7 @@ def profile_depth(arch: str, layers: int, mode: str, steps: int, implementation:
                 logits = runner.step(*inputs)
             m2 = now()
             with profiler.TraceAnnotation("jds_sync"):  # the greedy ids back, as TTFT (``time_steps``) ends
-                np.asarray(greedy_tokens(logits))
+                np.asarray(greedy_tokens_host(logits)[1])
             m3 = now()
         marks += [("jds_step", m0, m3), ("jds_prepare", m0, m1), ("jds_launch", m1, m2), ("jds_sync", m2, m3)]
     profiler.stop_trace()

@@ -66,7 +66,7 @@ def step_shapes(ctx: int) -> dict[str, list[Chunk]]:
 
 def time_steps(runner: Any, ids: np.ndarray, chunks: list[Chunk], bt: np.ndarray, n: int, warm: int = 10,
                parts: dict[str, list[float]] | None = None, put: bool = False, spin: bool = False,
-               host_ids: bool = False) -> tuple[list[float], list[float], list[float]]:
+               host_ids: bool = True) -> tuple[list[float], list[float], list[float]]:
     """Seconds per step, over ``n`` steps after ``warm``: (wall: inputs -> the greedy next token of every
     chunk on the host, host input preparation, host launch of ``runner.step``).
 
@@ -80,7 +80,7 @@ def time_steps(runner: Any, ids: np.ndarray, chunks: list[Chunk], bt: np.ndarray
     instead of as a numpy argument of the first dispatch (device input preparation only). ``spin``: the host
     polls the ids' readiness instead of sleeping in the blocking wait, so its core stays awake for the next
     step's preparation. ``host_ids``: the ids come back through the sampler's pinned-host copy
-    (``jds.sampling.greedy_tokens_host``) instead of a transfer of the device array.
+    (``jds.sampling.greedy_tokens_host``), as the engine reads them; False: a transfer of the device array.
     """
     import jax
 

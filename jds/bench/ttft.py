@@ -7,7 +7,8 @@
 A variant is ``mode:input_prep[:segments[:put][:spin]]`` (``put``: the packed step buffer sent by
 ``jax.device_put`` as part of the timed preparation, not as a numpy argument of the first dispatch; ``spin``:
 the host polls for the step's ids instead of sleeping in the wait: ``jds.bench.stack.time_steps``; ``freeze``:
-``gc.freeze()`` before the timed steps; ``hostids``: the ids read from the sampler's pinned-host copy;
+``gc.freeze()`` before the timed steps; ``devids``: the ids read by a transfer of the device array, not from the sampler's pinned-host copy as the
+engine reads them;
 ``transfer`` / ``pinned``: the runner's ``step_buffer``, else its default). Per variant, after warm-up: the median wall time of a step
 (inputs -> the greedy first token on the host; ``jds.bench.stack.time_steps``), its host input preparation
 and its launch (host time of ``runner.step``),
@@ -34,7 +35,7 @@ def _median_ms(xs: list[float]) -> float:
 
 def time_variant(model: Any, mode: str, prep: str, segments: int, n: int, moe: bool = False,
                  parallel: dict[str, int] | None = None, shape: str = "ttft_128", put: bool = False,
-                 spin: bool = False, runner: Any = None, freeze: bool = False, host_ids: bool = False,
+                 spin: bool = False, runner: Any = None, freeze: bool = False, host_ids: bool = True,
                  step_buffer: str = "auto") -> dict[str, Any]:
     """One variant's row; ``runner``: one built earlier for the same mode, preparation and segments (reused,
     its executables already compiled), else a new one, dropped with JAX's caches afterwards."""
@@ -138,12 +139,13 @@ def main(argv: list[str] | None = None) -> None:
     for v in a.variants:
         parts = v.split(":")
         mode, prep = parts[0], parts[1]
-        segments = int(parts[2]) if len(parts) > 2 else 1
-        flags = set(parts[3:])
-        unknown = flags - {"put", "spin", "freeze", "hostids", "transfer", "pinned"}
+        numeric = len(parts) > 2 and parts[2].isdigit()
+        segments = int(parts[2]) if numeric else 1
+        flags = set(parts[3:] if numeric else parts[2:])
+        unknown = flags - {"put", "spin", "freeze", "devids", "transfer", "pinned"}
         if unknown:
             raise ValueError(f"variant {v!r}: unknown flags {sorted(unknown)}")
-        put, spin, freeze, host_ids = "put" in flags, "spin" in flags, "freeze" in flags, "hostids" in flags
+        put, spin, freeze, host_ids = "put" in flags, "spin" in flags, "freeze" in flags, "devids" not in flags
         step_buffer = "transfer" if "transfer" in flags else "pinned" if "pinned" in flags else "auto"
         if put and step_buffer != "transfer":
             raise ValueError(f"variant {v!r}: put needs the transfer step buffer (add :transfer)")
