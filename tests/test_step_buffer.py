@@ -15,6 +15,7 @@ from jds.batch import Chunk, make_batch, pack_step, unpack_step
 from jds.config import Numerics
 from jds.model import Decoder, preset
 from jds.runner import BoundaryRunner
+from jds.sampling import greedy_tokens
 
 
 def _random_step(rng: np.random.Generator, rows: int, max_blocks: int, bs: int, pool: int):
@@ -77,11 +78,11 @@ def test_pack_step_rejects_overflow() -> None:
                   num_tokens=4, num_rows=2, update_capacity=4)
 
 
-def _runner(input_prep: str, update_capacity: int = 0) -> BoundaryRunner:
+def _runner(input_prep: str, update_capacity: int = 0, step_buffer: str = "auto") -> BoundaryRunner:
     cfg = dataclasses.replace(preset("v32-tiny"), numerics=Numerics.exact())
     return BoundaryRunner(model=Decoder(cfg, seed=0), mode="fused", num_blocks=24, max_num_seqs=4,
                           max_num_tokens=64, max_model_len=96, input_prep=input_prep,
-                          update_capacity=update_capacity)
+                          update_capacity=update_capacity, step_buffer=step_buffer)
 
 
 @pytest.mark.parametrize("capacity", [0, 2])
@@ -171,3 +172,43 @@ def test_fused_logits_stay_in_one_buffer() -> None:
         np.testing.assert_array_equal(np.asarray(logits[:1]), host.execute(ids, chunks, bt))
         prev = logits
     assert len(ptrs) == 1
+
+
+def test_pinned_step_buffer_equals_transfer_in_flight() -> None:
+    """step_buffer="pinned" (the packed step written in place into persistent pinned-host buffers that the
+    executable copies) gives the transfer path's tokens bit for bit over a mixed run of prefills, decodes and
+    changing block tables, with every step enqueued before any result is read (the buffers take turns, each
+    rewritten only once the step that read it is done), and keeps one address per buffer."""
+    pinned, xfer = _runner("device", step_buffer="pinned"), _runner("device", step_buffer="transfer")
+    assert (pinned.step_buffer, xfer.step_buffer) == ("pinned", "transfer")
+    rng = np.random.default_rng(5)
+    pages = rng.permutation(24).astype(np.int32)
+    steps = [([Chunk(0, 0, 9), Chunk(1, 0, 5)], pages[:6].reshape(2, 3))]
+    steps += [([Chunk(0, 9 + i, 1), Chunk(1, 5 + i, 1)], pages[[0, 1, 2, 9, 10, 11]].reshape(2, 3)) for i in range(5)]
+    steps += [([Chunk(0, 14, 3), Chunk(1, 10, 1)], pages[[0, 1, 2, 12, 13, 14]].reshape(2, 3))]
+    feeds = [rng.integers(0, 256, sum(c.num_tokens for c in ch)).astype(np.int32) for ch, _ in steps]
+    got = {}
+    for name, r in (("pinned", pinned), ("transfer", xfer)):
+        toks = [greedy_tokens(r.step(*r.prepare_inputs(ids, ch, bt))) for (ch, bt), ids in zip(steps, feeds)]
+        got[name] = np.stack([np.asarray(t) for t in toks])
+    np.testing.assert_array_equal(got["pinned"], got["transfer"])
+    ptrs = {slot[0].unsafe_buffer_pointer() for ring in pinned._pinned.values() for slot in ring}
+    assert len(ptrs) == 2 * len(pinned._pinned)
+    ids = feeds[-1][:2]
+    later = [pinned.prepare_inputs(ids, [Chunk(0, 17 + i, 1), Chunk(1, 11 + i, 1)], steps[-1][1]) for i in range(2)]
+    assert {inp[0].packed.unsafe_buffer_pointer() for inp in later} <= ptrs
+
+
+def test_pinned_step_buffer_refuses_stale_inputs() -> None:
+    """Inputs prepared before another prepare_inputs of the same bucket name a buffer that may hold the newer
+    step: stepping them is a ValueError, not a silent run of the wrong step; the setting is validated."""
+    r = _runner("device", step_buffer="pinned")
+    bt = np.arange(8, dtype=np.int32).reshape(2, 4)
+    old = r.prepare_inputs(np.zeros(2, np.int32), [Chunk(0, 0, 2)], bt)
+    new = r.prepare_inputs(np.ones(2, np.int32), [Chunk(0, 0, 2)], bt)
+    with pytest.raises(ValueError, match="stale"):
+        r.step(*old)
+    r.step(*new)
+    with pytest.raises(ValueError, match="step_buffer"):
+        BoundaryRunner(model=r.model, mode="fused", num_blocks=4, max_num_seqs=2, max_num_tokens=16,
+                       max_model_len=64, step_buffer="mapped")

@@ -232,19 +232,34 @@ def _ttft(d: dict) -> list[str]:
     rows = []
     for name, r in vs.items():
         if "error" in r:
-            rows.append([name, f"error: {r['error'][:80]}", "", "", "", "", "", ""])
+            rows.append([name, f"error: {r['error'][:80]}", "", "", "", "", "", "", "", ""])
             continue
         disp = r.get("dispatches", {})
-        rows.append([name, _fmt(r["ttft_ms"]), _fmt(r["prepare_ms"]), _fmt(r["launch_ms"]),
-                     _fmt(r["back_to_back_step_ms"]), _fmt(r["first_step_s"], 1),
+        # the first dispatch: the launch the device waits for (a segmented step's first segment)
+        parts = r.get("parts_ms", {})
+        first_dispatch = parts.get("seg0", r["launch_ms"] if parts else None)
+        crit = r["prepare_ms"] + first_dispatch if first_dispatch is not None else None
+        rows.append([name, _fmt(r["ttft_ms"]), _fmt(r["prepare_ms"]), _fmt(r["launch_ms"]), _fmt(first_dispatch),
+                     _fmt(crit), _fmt(r["back_to_back_step_ms"]), _fmt(r["first_step_s"], 1),
                      f"{disp.get('captured', '?')} + {disp.get('eager', '?')}", _ratio(r["ttft_ms"], first)])
     shape = d.get("meta", {}).get("shape", "ttft_128")
     # the usual shape's caption lives in the header (the page's line budget); another shape says what it times
     what = [] if shape == "ttft_128" else [f"Step `{shape}` (to the greedy tokens on the host), medians in ms:", ""]
-    first_col = ("variant (`mode:prep[:segments]`)", "ttft ms (128-token prompt, first token on host)")
+    first_col = ("variant (`mode:prep[:segments][:flags]`)", "ttft ms (128-token prompt, first token on host)")
     return what + _table([first_col[0], first_col[1] if not what else "step ms", "prepare", "launch",
-                          "back-to-back step", "first step s", "dispatches (captured + eager)", "ttft / first variant"],
+                          "first dispatch", "prepare + first dispatch", "back-to-back step", "first step s", "dispatches (captured + eager)", "ttft / first variant"],
                          rows)
+
+
+def _host_transfer(d: dict) -> list[str]:
+    """``scripts/diag/host_transfer.py``: a small step buffer in and greedy ids out, per transfer path."""
+    rows = [[name, "error: " + c["error"][:80], "", "", "", ""] if "error" in c else
+            [name, _fmt(c["prep_ms"], 3), _fmt(c["call_ms"], 3), _fmt(c["wait_ms"], 3), _fmt(c["round_trip_ms"], 3),
+             "yes" if c["correct"] else "NO"] for name, c in d.get("cases", {}).items()]
+    b2b = d.get("back_to_back_ms")
+    head = [f"A [{d.get('size', '?')}] int32 step buffer in, 64 greedy ids out, behind {_fmt(b2b, 3)} ms of device work "
+            "(back to back); medians in ms:", ""]
+    return head + _table(["input / output path", "prepare", "call", "wait", "round trip", "in-place writes seen"], rows)
 
 
 def _graph_updates(d: dict) -> list[str]:
@@ -426,6 +441,7 @@ RENDERERS: list[tuple[Callable[[str, dict], bool], Callable[[dict], list[str]]]]
     (lambda b, d: b.startswith("probe_graph_updates"), _probe),
     (lambda b, d: b.startswith("host_profile"), _host_profile),
     (lambda b, d: b.startswith("ttft"), _ttft),
+    (lambda b, d: b.startswith("host_transfer"), _host_transfer),
     (lambda b, d: b.startswith("batch_invariant"), _batch_invariant),
     (lambda b, d: b.startswith("kernels_fp8_gemm"), _fp8_gemm),
     (lambda b, d: b.startswith(("kernels_fp4_grouped", "kernels_fp8_grouped")), _grouped),
@@ -492,6 +508,8 @@ def render(results_dir: str, rel_dir: str = "benchmarks/results") -> str:
         lines += [f"{str(meta.get('date', '?'))[:16]}, {_device(d, NAME.match(name).group('device'))}, "
                   f"jax {meta.get('jax', 'not recorded')}: `{meta.get('command', 'command not recorded')}` "
                   f"(source: `{rel_dir}/{name}`)", ""]
+        if meta.get("note") and not any(meta["note"] in line for line in body):
+            lines += [f"Note: {meta['note']}", ""]
         lines += (body or ["(no table format for this benchmark yet)"]) + [""]
     if rest or other:
         lines += ["## Not tabulated", ""]

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import datetime
 import gc
 import json
+import sys
 import time
 
 
@@ -58,7 +60,10 @@ def main() -> None:
     view = np.ctypeslib.as_array((ctypes.c_int32 * a.size).from_address(pinned.unsafe_buffer_pointer()))
 
     rng = np.random.default_rng(0)
-    res: dict = {"device": str(dev.device_kind), "jax": jax.__version__, "size": a.size, "n": a.n, "cases": {}}
+    res: dict = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                          "command": " ".join(["python3 scripts/diag/host_transfer.py"] + sys.argv[1:]),
+                          "device": str(dev.device_kind), "jax": jax.__version__, "complete": True},
+                 "size": a.size, "n": a.n, "cases": {}}
 
     def run(name, call, prep, freeze=False):
         times, rts, ok = [], [], True
