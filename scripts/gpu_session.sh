@@ -6,6 +6,7 @@
 #   scripts/gpu_session.sh ttft-parts    # issue 16: TTFT's host time per dispatch, preparation in the loop vs alone, put / spin
 #   scripts/gpu_session.sh invariance    # issue 23: --batch-invariant under preemption (20 pages)
 #   scripts/gpu_session.sh deep          # issue 16: 61 layers, MoE (8 routed experts, top-8)
+#   scripts/gpu_session.sh deep61        # issue 16: 61 layers (dense MLP 2048), 16 and 61 segments: the host critical path at depth
 #   scripts/gpu_session.sh deep-seg      # issue 16: 61 layers, FP8 weights + experts, 8 / 16 / 32 segments
 #   scripts/gpu_session.sh deep-v4       # issue 16: the 43-layer V4-Flash pattern
 #   scripts/gpu_session.sh async         # issue 16: the server, async stepping on vs --no-async
@@ -55,9 +56,9 @@ case "$stage" in
       --out "$OUT/ttft_v32_h200.json" > "$OUT/ttft_v32.log" 2>&1; echo "ttft8 rc=$?"; grep '^{' "$OUT/ttft_v32.log" | cut -c1-250
     ;;
   ttft-parts)
-    # issue 16: where TTFT's host time goes, per dispatch (seg0..), input preparation in the step loop vs alone,
-    # the step buffer by device_put vs as a numpy argument, and a polling wait (the host's core kept awake)
-    V=${TTFT_VARIANTS:-"fused:device:8 fused:device:8:spin fused:device:8:put fused:device:8:put:spin fused:device fused:device:spin"}
+    # issue 16: where TTFT's host time goes, per dispatch (seg0..), input preparation in the step loop vs alone;
+    # the pinned step buffer + host ids (defaults) against the transfer paths (2026-12-01: spin and freeze lost)
+    V=${TTFT_VARIANTS:-"fused:device:8 fused:device:8:transfer:devids fused:device:8:transfer:put:devids fused:device"}
     timeout ${TTFT_TIMEOUT:-230} python3 -m jds.bench.ttft --arch v32 --layers 8 --intermediate 18432 --variants $V \
       --out "$OUT/ttft_parts_v32_h200.json" > "$OUT/ttft_parts.log" 2>&1; echo "ttft-parts rc=$?"; grep '^{' "$OUT/ttft_parts.log" | cut -c1-700
     ;;
@@ -73,6 +74,13 @@ case "$stage" in
       --moe-experts 8 --moe-topk 8 --n 20 --variants fused:device fused:device:8 \
       --out "$OUT/ttft_v32_61l_h200.json" > "$OUT/ttft_v32_61l.log" 2>&1
     echo "deep rc=$?"; grep '^{' "$OUT/ttft_v32_61l.log" | cut -c1-250
+    ;;
+  deep61)
+    # issue 16: the host critical path at DeepSeek's depth (target <= 1 ms): 61 layers, 16 segments (4 layers in
+    # the first), pinned step buffer + host ids (the defaults); dense MLP 2048 keeps memory and compile small
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${DEEP61_TIMEOUT:-560} python3 -m jds.bench.ttft --arch v32 --layers 61 \
+      --intermediate 2048 --n 20 --variants fused:device:16 fused:device:61 --out "$OUT/ttft_v32_61l_seg_h200.json" \
+      > "$OUT/ttft_v32_61l_seg.log" 2>&1; echo "deep61 rc=$?"; grep '^{' "$OUT/ttft_v32_61l_seg.log" | cut -c1-700
     ;;
   deep-seg)
     # issue 16, 61-layer host path (target <= 1 ms): more, shorter segments, so the first launch is short;
