@@ -11,9 +11,11 @@ as an e4m3 ``weight`` plus a float32 block scale; HF V3.2 calls it ``weight_scal
 Both are the multiplier (W_real = W_fp8 * s[i//128, j//128]), i.e. exactly jds's ``W.scale``. By default the
 e4m3 bits and scales are kept (the model gets ``Numerics.fp8_linear = True``); ``dequantize=True`` multiplies
 them out in float32 and rounds once to the activation dtype (bf16), giving ``fp8_linear = False``. Tensors jds
-keeps in bf16/fp32 (MoE experts other than V4's FP4 ones and, with ``Numerics.experts_fp8`` (an explicit
-override for now), the V3-style block's FP8 ones, which are then stacked as stored into e4m3 [E, out, in] +
-float32 scales [E, out/128, in/128]; the V3-style block's shared experts, router, head,
+keeps in bf16/fp32 (MoE experts other than V4's FP4 ones and the V3-style block's FP8 ones; a V3.2 checkpoint
+whose routed experts are stored e4m3 imports them as stored by default (``Numerics.experts_fp8``, with a
+preset-named ``numerics``, hidden and expert widths multiples of 128), stacked into e4m3 [E, out, in] +
+float32 scales [E, out/128, in/128], and ``numerics_overrides={"experts_fp8": False}`` dequantises them; the
+V3-style block's shared experts, router, head,
 norms, indexer weights_proj, V4 compressors) are always dequantised (the V4 block's shared expert stays FP8), and so is V4's ``wo_a``: the release's conversion
 dequantises it and its layer runs a plain bf16 einsum (``Numerics.wo_a_fp8`` keeps it FP8 instead, a named
 departure).
@@ -569,14 +571,18 @@ def make_numerics(numerics: Any, fp8: bool) -> Any:
 
 
 def hf_model_config(hf: Any, *, layers: int | None = None, dequantize: bool = False, numerics: Any = "reference",
-                    overrides: dict[str, Any] | None = None, numerics_overrides: dict[str, Any] | None = None) -> Any:
+                    overrides: dict[str, Any] | None = None, numerics_overrides: dict[str, Any] | None = None,
+                    stored_experts: str | None = None) -> Any:
     """The jds ModelConfig of a HF config.json (path, directory or dict).
 
     ``layers`` keeps the first N layers; ``numerics`` is a Numerics or a preset name whose ``fp8_linear`` is
     set to (checkpoint is FP8 and not ``dequantize``) and whose scale formats follow the checkpoint
     (:func:`apply_scale_fmt`); ``numerics_overrides`` then replaces Numerics fields (explicit departures, e.g.
     ``{"indexer_hadamard": False}``; an unknown field is a ValueError); ``overrides`` sets ModelConfig or
-    attention-config fields that config.json lacks (e.g. ``{"block_size": 16}``).
+    attention-config fields that config.json lacks (e.g. ``{"block_size": 16}``). ``stored_experts``: the
+    safetensors dtype of the first routed expert's weight (``convert_hf_checkpoint`` reads it from the headers):
+    "F8_E4M3" with a preset-named ``numerics`` keeps the V3-style block's routed experts FP8 as stored
+    (``Numerics.experts_fp8``); None or another dtype dequantises them.
     """
     from jds.config import V32Config, V4Config, _load_json
     from jds.model import ModelConfig
@@ -635,6 +641,11 @@ def hf_model_config(hf: Any, *, layers: int | None = None, dequantize: bool = Fa
     if expert_dtype(d) == "fp4" and block == "v4" and isinstance(numerics, str) and not dequantize:
         # the release's routed experts are packed FP4: held as stored (the V3-style block dequantises them)
         kw["numerics"] = dataclasses.replace(kw["numerics"], experts_fp4=True)
+    if (stored_experts == "F8_E4M3" and block == "v3" and moe and quant is not None and not dequantize
+            and isinstance(numerics, str) and _int_field(d, "hidden_size") % 128 == 0
+            and kw["moe_intermediate_size"] % 128 == 0):
+        # the routed experts as the checkpoint stores them, run by the grouped FP8 GEMM
+        kw["numerics"] = dataclasses.replace(kw["numerics"], experts_fp8=True)
     if numerics_overrides:
         kw["numerics"] = override_numerics(kw["numerics"], numerics_overrides)
     if arch == "v4" and block == "v4" and mtp_layers(d):
@@ -988,6 +999,14 @@ class _Progress:
             self.stream.flush()
 
 
+def _stored_expert_dtype(reader: SafetensorsDir, hf_cfg: dict[str, Any]) -> str | None:
+    """The header dtype of layer 0's first routed expert (HF V3.2 naming), or None where there is none."""
+    name = "model.layers.0.mlp.experts.0.gate_proj.weight"
+    if hf_arch(hf_cfg) != "v32" or not hf_cfg.get("n_routed_experts") or name not in reader:
+        return None
+    return reader.info(name)[0]
+
+
 def convert_hf_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, layers: int | None = None,
                           dequantize: bool = False, numerics: Any = "reference",
                           overrides: dict[str, Any] | None = None,
@@ -1013,12 +1032,12 @@ def convert_hf_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, lay
         raise ValueError(f"HF checkpoint {src!r}: no config.json")
     hf_cfg = read_json(cfg_path, f"HF checkpoint {src!r}")
     quant = quantization_config(hf_cfg)
+    reader = SafetensorsDir(src)
     cfg = hf_model_config(hf_cfg, layers=layers, dequantize=dequantize, numerics=numerics, overrides=overrides,
-                          numerics_overrides=numerics_overrides)
+                          numerics_overrides=numerics_overrides, stored_experts=_stored_expert_dtype(reader, hf_cfg))
     spec = target_spec(cfg)
     entries = plan(cfg)
     _check_plan(entries, spec)
-    reader = SafetensorsDir(src)
     suffix = SCALE_SUFFIX[cfg.arch]
     consumed: set[str] = set()
     jobs = [_validate(reader, e, spec, suffix, consumed, cfg.n_routed_experts) for e in entries]

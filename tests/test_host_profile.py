@@ -39,3 +39,17 @@ def test_device_steps_from_copies():
     assert abs(got["kernel_span_ms"] - 0.4) < 1e-12 and abs(got["kernel_busy_ms"] - 0.16) < 1e-12
     assert abs(got["last_kernel_to_copy_out_end_ms"] - 0.015) < 1e-12 and abs(got["step_span_ms"] - 0.42) < 1e-12
     assert [g["idle_us"] for g in got["largest_idle_gaps_us_median_step"]] == [230.0, 10.0]
+
+
+def test_device_steps_from_idle_gaps():
+    """Without copies on the memcpy streams (pinned step buffer, host ids) steps split at long idle stretches."""
+    from jds.bench.host_profile import device_steps
+
+    us = 1000
+    kernels = []
+    for t0 in (0, 1000 * us, 2000 * us):
+        kernels += [(t0 + 10 * us, 100 * us), (t0 + 120 * us, 50 * us), (t0 + 220 * us, 10 * us)]
+    got = device_steps(kernels, [])
+    assert got["steps"] == 3 and got["kernels_per_step"] == 3
+    assert abs(got["kernel_span_ms"] - 0.22) < 1e-12 and abs(got["kernel_busy_ms"] - 0.16) < 1e-12
+    assert got["copy_in_to_first_kernel_ms"] is None and got["last_kernel_to_copy_out_end_ms"] is None

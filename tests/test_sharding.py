@@ -252,7 +252,7 @@ def test_bench_flags_reach_the_runner_config(monkeypatch) -> None:
 
     seen: dict = {}
 
-    def fake_time_variant(model, mode, prep, segments, n, moe=False, parallel=None, shape="ttft_128"):
+    def fake_time_variant(model, mode, prep, segments, n, moe=False, parallel=None, shape="ttft_128", **flags):
         seen.update(parallel)
         return {}
 

@@ -125,22 +125,36 @@ def test_export_import_as_stored(tmp_path):
     assert src.get(name + ".weight").tobytes() == weights["layers.0.ffn.w3"][2].tobytes()
     np.testing.assert_array_equal(src.get(name + ".weight_scale_inv"), weights["layers.0.ffn.w3.scale"][2])
     over = {"block_size": cfg.block_size}
-    # the convert script's --numerics-field opts in (scripts/serve.py --model takes the same flag)
+    # stored e4m3, the experts import as stored by default (the convert script, as scripts/serve.py --model)
     from tests.test_convert_checkpoint import CONVERT
 
-    rep = CONVERT.main([str(hf), str(tmp_path / "fp8"), "--override", f"block_size={cfg.block_size}",
-                        "--numerics-field", "experts_fp8=true", "--no-progress"])
+    rep = CONVERT.main([str(hf), str(tmp_path / "fp8"), "--override", f"block_size={cfg.block_size}", "--no-progress"])
     assert rep["config"].numerics.experts_fp8
     got = read_checkpoint(tmp_path / "fp8")
     assert_same_weights({k: v for k, v in weights.items() if "ffn" in k},
                         {k: v for k, v in got.items() if "ffn" in k})
-    # experts_fp8 off (the default): the experts dequantised into the V3 layout [E, in, out], as before
-    rep = hf_import.convert_hf_checkpoint(hf, tmp_path / "deq", overrides=over, progress=False)
+    # experts_fp8 off (a named departure): the experts dequantised into the V3 layout [E, in, out]
+    rep = hf_import.convert_hf_checkpoint(hf, tmp_path / "deq", overrides=over, progress=False,
+                                          numerics_overrides={"experts_fp8": False})
     assert not rep["config"].numerics.experts_fp8
     deq = read_checkpoint(tmp_path / "deq")
     assert "layers.0.ffn.w3.scale" not in deq
     want = np.swapaxes(dense(model.layers[0].ffn.w3), 1, 2).astype(deq["layers.0.ffn.w3"].dtype)
     np.testing.assert_array_equal(deq["layers.0.ffn.w3"], want)
+
+
+def test_bf16_stored_experts_import_dequantised(tmp_path):
+    """An FP8 checkpoint whose routed experts are stored bf16 (linears FP8) imports them as bf16: the default
+    follows what the experts' headers say, not only config.json's quantization_config."""
+    cfg = fp8_cfg(fp8_linear=True)
+    cfg = dataclasses.replace(cfg, numerics=dataclasses.replace(cfg.numerics, experts_fp8=False))
+    model = Decoder(cfg, seed=5)
+    hf = tmp_path / "hf"
+    hf_import.export_hf(model, hf)
+    assert SafetensorsDir(hf).info("model.layers.0.mlp.experts.0.gate_proj.weight")[0] == "BF16"
+    rep = hf_import.convert_hf_checkpoint(hf, tmp_path / "out", overrides={"block_size": cfg.block_size},
+                                          progress=False)
+    assert rep["config"].numerics.fp8_linear and not rep["config"].numerics.experts_fp8
 
 
 def test_config_errors_name_the_field():

@@ -115,7 +115,7 @@ def read_trace(trace_dir: str, marks: list[tuple[str, int, int]] | None = None) 
                 (steps if name == "jds_step" else windows[name]).append((s0 + offset, s1 + offset))
     steps.sort()
     n = len(steps)
-    if not n and compute_events and any(k == "D2H" for k, _, _ in copies):
+    if not n and compute_events:
         return {"windows_from": "device_only", "window_ms": {}, "device_lines": device_lines,
                 "gpu": device_steps(sorted(compute_events), sorted(copies))}
     if not n:
@@ -183,16 +183,32 @@ def read_trace(trace_dir: str, marks: list[tuple[str, int, int]] | None = None) 
     return res
 
 
-def device_steps(kernels: list[tuple[int, int]], copies: list[tuple[str, int, int]]) -> dict[str, Any]:
+def device_steps(kernels: list[tuple[int, int]], copies: list[tuple[str, int, int]],
+                 split_gap_ns: int = 100_000) -> dict[str, Any]:
     """Steps read off the GPU's own timeline when the host side of a trace is unusable: a step ends with its
     device-to-host copy (the sampled ids) and starts with its first host-to-device copy after the previous
     one (the packed step buffer). Per step (medians): copy in -> first kernel, kernel span, kernel busy time,
-    last kernel -> copy out done, and the step's longest idle stretches between kernels."""
+    last kernel -> copy out done, and the step's longest idle stretches between kernels.
+
+    Without device-to-host copies on the memcpy streams (the copies are commands of the step's own executables:
+    the pinned step buffer and the sampler's host ids) a step is a run of kernels with no idle stretch longer
+    than ``split_gap_ns`` (the host's wait and preparation separate TTFT steps), and the copy columns are None.
+    """
     ends = [s + d for k, s, d in copies if k == "D2H"]
+    if not ends and kernels:
+        runs, cur = [], [kernels[0]]
+        for k in kernels[1:]:
+            if k[0] - max(s + d for s, d in cur) > split_gap_ns:
+                runs.append(cur)
+                cur = []
+            cur.append(k)
+        runs.append(cur)
+        ends = [max(s + d for s, d in run) for run in runs]
+        copies = []
     rows: list[dict[str, Any]] = []
     prev = -1
     for end in ends:
-        mine = [(s, d) for s, d in kernels if prev < s < end]
+        mine = [(s, d) for s, d in kernels if prev < s <= end]
         h2d = [s for k, s, _ in copies if k == "H2D" and prev < s < end]
         prev = end
         if not mine:
@@ -200,7 +216,7 @@ def device_steps(kernels: list[tuple[int, int]], copies: list[tuple[str, int, in
         first, last = mine[0][0], max(s + d for s, d in mine)
         rows.append({"copy_in_to_first_kernel_ms": (first - h2d[0]) / 1e6 if h2d else None,
                      "kernel_span_ms": (last - first) / 1e6, "kernel_busy_ms": sum(d for _, d in mine) / 1e6,
-                     "last_kernel_to_copy_out_end_ms": (end - last) / 1e6,
+                     "last_kernel_to_copy_out_end_ms": (end - last) / 1e6 if copies else None,
                      "step_span_ms": (end - (h2d[0] if h2d else first)) / 1e6,
                      "kernels": len(mine), "gaps": _largest_gaps(mine)})
 

@@ -251,17 +251,6 @@ def _ttft(d: dict) -> list[str]:
                          rows)
 
 
-def _host_transfer(d: dict) -> list[str]:
-    """``scripts/diag/host_transfer.py``: a small step buffer in and greedy ids out, per transfer path."""
-    rows = [[name, "error: " + c["error"][:80], "", "", "", ""] if "error" in c else
-            [name, _fmt(c["prep_ms"], 3), _fmt(c["call_ms"], 3), _fmt(c["wait_ms"], 3), _fmt(c["round_trip_ms"], 3),
-             "yes" if c["correct"] else "NO"] for name, c in d.get("cases", {}).items()]
-    b2b = d.get("back_to_back_ms")
-    head = [f"A [{d.get('size', '?')}] int32 step buffer in, 64 greedy ids out, behind {_fmt(b2b, 3)} ms of device work "
-            "(back to back); medians in ms:", ""]
-    return head + _table(["input / output path", "prepare", "call", "wait", "round trip", "in-place writes seen"], rows)
-
-
 def _graph_updates(d: dict) -> list[str]:
     """Command-buffer updates per step, counted from XLA's VLOG (``jds.bench.graph_updates``), one row per
     variant with the phases as columns."""
@@ -441,7 +430,6 @@ RENDERERS: list[tuple[Callable[[str, dict], bool], Callable[[dict], list[str]]]]
     (lambda b, d: b.startswith("probe_graph_updates"), _probe),
     (lambda b, d: b.startswith("host_profile"), _host_profile),
     (lambda b, d: b.startswith("ttft"), _ttft),
-    (lambda b, d: b.startswith("host_transfer"), _host_transfer),
     (lambda b, d: b.startswith("batch_invariant"), _batch_invariant),
     (lambda b, d: b.startswith("kernels_fp8_gemm"), _fp8_gemm),
     (lambda b, d: b.startswith(("kernels_fp4_grouped", "kernels_fp8_grouped")), _grouped),

@@ -35,20 +35,27 @@ def _median_ms(xs: list[float]) -> float:
 
 def time_variant(model: Any, mode: str, prep: str, segments: int, n: int, moe: bool = False,
                  parallel: dict[str, int] | None = None, shape: str = "ttft_128", put: bool = False,
-                 spin: bool = False, runner: Any = None, freeze: bool = False, host_ids: bool = True,
-                 step_buffer: str = "auto") -> dict[str, Any]:
-    """One variant's row; ``runner``: one built earlier for the same mode, preparation and segments (reused,
-    its executables already compiled), else a new one, dropped with JAX's caches afterwards."""
+                 spin: bool = False, freeze: bool = False, host_ids: bool = True, step_buffer: str = "auto",
+                 runners: dict[tuple, Any] | None = None) -> dict[str, Any]:
+    """One variant's row. ``runners``: the runner of the previous variant, by (mode, preparation, segments,
+    step buffer): reused when this variant shares them (its executables already compiled); otherwise dropped
+    with JAX's caches and this variant's runner left there. Without it the runner is dropped afterwards."""
     import jax
     import numpy as np
 
     from jds.bench.stack import block_table, make_runner, step_shapes, time_steps
 
     t0 = time.perf_counter()
-    keep = runner is not None
+    key = (mode, prep, segments, step_buffer)
+    runner = (runners or {}).get(key)
     if runner is None:
+        if runners:
+            runners.clear()
+            jax.clear_caches()
         runner = make_runner(model, mode, 64, 512, input_prep=prep, segments=segments, step_buffer=step_buffer,
                              **(parallel or {}))
+        if runners is not None:
+            runners[key] = runner
     chunks = step_shapes(512)[shape]
     bt = block_table(runner, len(chunks))
     ids = np.random.default_rng(0).integers(0, 256, sum(c.num_tokens for c in chunks)).astype(np.int32)
@@ -82,7 +89,7 @@ def time_variant(model: Any, mode: str, prep: str, segments: int, n: int, moe: b
            "prepare_alone_ms": _median_ms(alone), "parts_ms": {k: _median_ms(v) for k, v in parts.items()},
            "back_to_back_step_ms": _median_ms(reps), "n": n,
            "dispatches": {"captured": runner.last_dispatch.captured, "eager": runner.last_dispatch.eager}}
-    if not keep:
+    if runners is None:
         del runner
         jax.clear_caches()
     return res
@@ -133,9 +140,7 @@ def main(argv: list[str] | None = None) -> None:
                                     "graph_update_mode": a.graph_update_mode, "parallel": parallel,
                                     "complete": False},
                            "variants": {}}
-    from jds.bench.stack import make_runner
-
-    runners: dict[tuple, Any] = {}  # variants that differ only in put / spin share one runner
+    runners: dict[tuple, Any] = {}  # variants that differ only in put / spin / freeze / ids share one runner
     for v in a.variants:
         parts = v.split(":")
         mode, prep = parts[0], parts[1]
@@ -149,16 +154,10 @@ def main(argv: list[str] | None = None) -> None:
         step_buffer = "transfer" if "transfer" in flags else "pinned" if "pinned" in flags else "auto"
         if put and step_buffer != "transfer":
             raise ValueError(f"variant {v!r}: put needs the transfer step buffer (add :transfer)")
-        key = (mode, prep, segments, step_buffer)
-        if key not in runners:
-            runners.clear()
-            jax.clear_caches()
-            runners[key] = make_runner(model, mode, 64, 512, input_prep=prep, segments=segments,
-                                       step_buffer=step_buffer, **parallel)
         try:
             res["variants"][v] = time_variant(model, mode, prep, segments, a.n, parallel=parallel, shape=a.shape,
-                                              put=put, spin=spin, runner=runners[key], freeze=freeze,
-                                              host_ids=host_ids, step_buffer=step_buffer)
+                                              put=put, spin=spin, freeze=freeze, host_ids=host_ids,
+                                              step_buffer=step_buffer, runners=runners)
         except Exception as e:  # noqa: BLE001 - a variant that fails records why; the others still run
             res["variants"][v] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         print(json.dumps({v: res["variants"][v]}), flush=True)
