@@ -94,7 +94,8 @@ class Numerics:
     # DeepSeek-V3 / V3.2 routed experts as an FP8 checkpoint stores them: e4m3 [E, out, in] with float32 128 x 128
     # block scales, multiplied by the grouped FP8 GEMM with the experts' inputs re-quantised per 128
     # (``act_scale_fmt``), as DeepSeek's ``linear()`` does. V3-style block only; hidden_size and
-    # moe_intermediate_size multiples of 128. Off: the experts dequantised to the activation dtype at import.
+    # moe_intermediate_size multiples of 128. An FP8 V3.2 checkpoint whose experts are stored e4m3 imports with it
+    # on (jds.hf_import); off: the experts dequantised to the activation dtype at import.
     experts_fp8: bool = False
 
     def __post_init__(self) -> None:
