@@ -110,9 +110,10 @@ case "$stage" in
     echo "decode_b1 rc=$?"; grep '^{' "$OUT/decode_b1.log" | cut -c1-300
     ;;
   compare)
-    # issue 18: both backends in one process (torch's graphs + the Triton paged indexer-logits kernel), V3.2 8 layers
+    # issue 18: both backends in one process (torch's graphs + the Triton paged indexer-logits kernel), V3.2 8 layers;
+    # each step ends at the greedy ids on the host (issue 16's TTFT as the engine reads a token; COMPARE_END=logits: the old end)
     timeout -s INT ${COMPARE_TIMEOUT:-540} python3 -m jds.bench.boundary --backend jax torch --arch ${COMPARE_ARCH:-v32} \
-      --layers 8 --precompile --torch-indexer ${COMPARE_INDEXER:-triton} --out "$OUT/compare_${COMPARE_ARCH:-v32}_h200.json" \
+      --layers 8 --precompile --torch-indexer ${COMPARE_INDEXER:-triton} --step-end ${COMPARE_END:-ids} --out "$OUT/compare_${COMPARE_ARCH:-v32}_h200.json" \
       > "$OUT/compare.log" 2>&1; echo "compare rc=$?"; tail -14 "$OUT/compare.log"
     ;;
   torch-profile)

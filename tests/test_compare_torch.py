@@ -471,3 +471,26 @@ def test_torch_stage_profile_names_every_stage() -> None:
     assert all(v["host_us"] > 0 for v in res.values())
     assert res["total"]["host_us"] == pytest.approx(sum(res[s]["host_us"] for s in STAGES))
     assert "indexer logits + top-k" in table({"shapes": {"x": res}})
+
+
+def test_step_end_ids_on_both_backends(monkeypatch) -> None:
+    """--step-end ids: each backend's timed step ends at the chunks' greedy ids on the host (jds through the
+    sampler's pinned-host copy, torch through argmax + .cpu()); "logits" reads the logits rows."""
+    import jds.bench.boundary as boundary
+    import jds.sampling
+    from jds.bench.stack import block_table, make_runner, step_shapes
+    from jds.compare import torch_bench
+
+    model = Decoder(preset("v32-tiny", n_layers=1), implementation="xla")
+    chunks = step_shapes(128)["ttft_128"]
+    calls = []
+    real = jds.sampling.greedy_tokens_host
+    monkeypatch.setattr(jds.sampling, "greedy_tokens_host", lambda x: calls.append(1) or real(x))
+    r = make_runner(model, "fused", 4, 128)
+    for end, n_calls in (("ids", 3), ("logits", 3)):
+        stats, _ = boundary.time_steps(r, chunks, 1, 2, end=end)
+        assert stats["n"] == 2 and stats["mean_ms"] > 0 and len(calls) == n_calls
+    tr = TorchStepRunner(TorchDecoder.from_jds(model, r.num_blocks), "eager")
+    bt = block_table(r, 1)
+    for end in ("ids", "logits"):
+        assert torch_bench.time_torch_steps(tr, chunks, bt, 1, 2, end)["n"] == 2

@@ -32,10 +32,17 @@ def _stats(xs: list[float]) -> dict[str, float]:
     return {"n": s.pop("n"), **{f"{k}_ms": v for k, v in s.items()}}
 
 
-def time_steps(runner, chunks, n_warm: int, n: int) -> tuple[dict, dict]:
-    """Wall time per step (inputs -> logits on host) and host-side enqueue time of the step call."""
+STEP_ENDS = ("logits", "ids")
+
+
+def time_steps(runner, chunks, n_warm: int, n: int, end: str = "logits") -> tuple[dict, dict]:
+    """Wall time per step and host-side enqueue time of the step call. ``end``: "logits" (inputs -> the
+    chunks' logits rows on the host) or "ids" (inputs -> their greedy ids on the host, read as the engine
+    reads them: the sampler's pinned-host copy)."""
     import jax
     import numpy as np
+
+    from jds.sampling import greedy_tokens_host
 
     bt = block_table(runner, runner.max_num_seqs)
     t_tok = sum(c.num_tokens for c in chunks)
@@ -45,7 +52,10 @@ def time_steps(runner, chunks, n_warm: int, n: int) -> tuple[dict, dict]:
         t0 = time.perf_counter()
         logits = runner.step(*runner.prepare_inputs(ids, chunks, bt[: len(chunks)]))
         t1 = time.perf_counter()
-        np.asarray(logits[: len(chunks)])
+        if end == "ids":
+            np.asarray(greedy_tokens_host(logits)[1])[: len(chunks)]
+        else:
+            np.asarray(logits[: len(chunks)])
         t2 = time.perf_counter()
         if i >= n_warm:
             walls.append(t2 - t0)
@@ -57,10 +67,11 @@ def time_steps(runner, chunks, n_warm: int, n: int) -> tuple[dict, dict]:
 def bench_arch(arch: str, layers: int, inter: int | None, ctx: int, quick: bool,
                modes: tuple[str, ...] = MODES, warm_only: bool = False, size: str = "bench",
                on_mode: Callable[[dict], None] | None = None, implementation: str = "auto",
-               stable_inputs: bool = False, parallel: dict[str, int] | None = None) -> dict:
-    """Time every step shape in each mode. ``warm_only``: run each shape once (compiles, fills the
-    persistent compilation cache for a later timed run) and time nothing. ``on_mode`` gets the partial
-    result after each mode (the caller saves it, so a run cut short by a time limit keeps full stats)."""
+               stable_inputs: bool = False, parallel: dict[str, int] | None = None,
+               step_end: str = "logits") -> dict:
+    """Time every step shape in each mode, each step ending as ``step_end`` says (``time_steps``).
+    ``warm_only``: run each shape once (compiles, fills the persistent compilation cache for a later timed run)
+    and time nothing. ``on_mode`` gets the partial result after each mode (the caller saves it, so a run cut short by a time limit keeps full stats)."""
     import jax
 
     model = build_stack(arch, layers, intermediate=inter, size=size, implementation=implementation)
@@ -77,16 +88,16 @@ def bench_arch(arch: str, layers: int, inter: int | None, ctx: int, quick: bool,
             del r
             continue
         res = {}
-        ttft, enq = time_steps(r, shapes["ttft_128"], 20, n_ttft)
+        ttft, enq = time_steps(r, shapes["ttft_128"], 20, n_ttft, step_end)
         res["ttft_128"] = ttft
         res["ttft_128_host_enqueue"] = enq
         res["dispatches_per_step"] = {"captured": r.last_dispatch.captured, "eager": r.last_dispatch.eager}
         # saturated: 64 concurrent 128-token prompts prefilled in one 8192-token step
-        tp, _ = time_steps(r, shapes["prefill_64x128_step"], 3, n_tp)
+        tp, _ = time_steps(r, shapes["prefill_64x128_step"], 3, n_tp, step_end)
         res["prefill_64x128_step"] = tp
         res["throughput_req_per_s"] = 64e3 / tp["mean_ms"]
         for b in (1, 64):
-            d, e = time_steps(r, shapes[f"decode_b{b}_ctx{ctx}"], 10, n_dec)
+            d, e = time_steps(r, shapes[f"decode_b{b}_ctx{ctx}"], 10, n_dec, step_end)
             res[f"decode_b{b}_ctx{ctx}"] = d
             res[f"decode_b{b}_ctx{ctx}_host_enqueue"] = e
         res["bench_seconds"] = time.perf_counter() - t0
@@ -202,7 +213,7 @@ def _bench_torch(arch: str, a: argparse.Namespace, inter: int, results: dict, sa
 
     results.setdefault("torch", {})[arch] = bench_torch_arch(arch, a.layers, inter, a.ctx, a.quick,
                                                              tuple(a.torch_modes), a.size, on_mode=save_torch,
-                                                             indexer_kernel=a.torch_indexer)
+                                                             indexer_kernel=a.torch_indexer, step_end=a.step_end)
     save()
 
 
@@ -245,6 +256,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tensor-parallel", type=int, default=1, help="RunnerConfig.tensor_parallel (devices)")
     ap.add_argument("--data-parallel", type=int, default=1, help="RunnerConfig.data_parallel (devices)")
     ap.add_argument("--expert-parallel", type=int, default=1, help="RunnerConfig.expert_parallel (devices)")
+    ap.add_argument("--step-end", default="logits", choices=STEP_ENDS,
+                    help="where a timed step ends, for both backends: the chunks' logits rows on the host, or their "
+                         "greedy ids on the host (as the engine reads a token)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if "torch" in a.backend:  # torch shares the GPU: jax must not preallocate most of its memory
@@ -271,7 +285,8 @@ def main(argv: list[str] | None = None) -> None:
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "jax": jax.__version__,
             "command": cmd, "precompile": {},
             "implementation": a.implementation, "stable_inputs": a.stable_inputs,
-            "graph_update_mode": a.graph_update_mode, "parallel": _parallel(a), "complete": False}
+            "graph_update_mode": a.graph_update_mode, "parallel": _parallel(a), "step_end": a.step_end,
+            "complete": False}
     results = {"meta": meta, "archs": {}}
     for arch in a.arch:
         if a.precompile and not a.dump:
@@ -293,7 +308,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             results["archs"][arch] = bench_arch(arch, a.layers, inter, a.ctx, a.quick, tuple(a.modes), a.warm_only,
                                                  a.size, on_mode=save, implementation=a.implementation,
-                                                 stable_inputs=a.stable_inputs, parallel=_parallel(a))
+                                                 stable_inputs=a.stable_inputs, parallel=_parallel(a),
+                                                 step_end=a.step_end)
         save()
         if "torch" in a.backend and not a.dump and not a.warm_only:
             _bench_torch(arch, a, inter, results, save)

@@ -22,8 +22,9 @@ def _stats(xs: list[float]) -> dict[str, float]:
     return {"n": s.pop("n"), **{f"{k}_ms": v for k, v in s.items()}}
 
 
-def time_torch_steps(runner: Any, chunks: list, bt: np.ndarray, n_warm: int, n: int) -> dict:
-    """Wall time per step: host inputs -> logits on the host (the first warm step captures the graphs)."""
+def time_torch_steps(runner: Any, chunks: list, bt: np.ndarray, n_warm: int, n: int, end: str = "logits") -> dict:
+    """Wall time per step: host inputs -> the logits on the host, or (``end="ids"``) their greedy ids, argmax on
+    the device (the first warm step captures the graphs)."""
     import torch
 
     ids = np.random.default_rng(0).integers(0, 256, sum(c.num_tokens for c in chunks)).astype(np.int32)
@@ -31,7 +32,7 @@ def time_torch_steps(runner: Any, chunks: list, bt: np.ndarray, n_warm: int, n: 
     for i in range(n_warm + n):
         t0 = time.perf_counter()
         logits = runner.step(runner.prepare_inputs(ids, chunks, bt))
-        logits.cpu()
+        (logits.argmax(-1).to(torch.int32) if end == "ids" else logits).cpu()
         if i >= n_warm:
             walls.append(time.perf_counter() - t0)
     if runner.device.type == "cuda":
@@ -61,7 +62,8 @@ def torch_stack(arch: str, layers: int, inter: int | None, ctx: int, size: str =
 
 def bench_torch_arch(arch: str, layers: int, inter: int | None, ctx: int, quick: bool,
                      modes: tuple[str, ...] = TORCH_MODES, size: str = "bench", device: str | None = None,
-                     on_mode: Callable[[dict], None] | None = None, indexer_kernel: str = "torch") -> dict:
+                     on_mode: Callable[[dict], None] | None = None, indexer_kernel: str = "torch",
+                     step_end: str = "logits") -> dict:
     """Every step shape of jds.bench.boundary in each torch mode; ``launches_per_step``: aten ops run
     outside graphs in one step (kernel-launching ops; view/metadata ops separately)."""
     import torch
@@ -71,7 +73,7 @@ def bench_torch_arch(arch: str, layers: int, inter: int | None, ctx: int, quick:
 
     dev, cfg, params, nb, bt = torch_stack(arch, layers, inter, ctx, size, device)
     out: dict = {"arch": arch, "layers": layers, "device": str(dev), "torch": torch.__version__,
-                 "indexer_kernel": indexer_kernel,
+                 "indexer_kernel": indexer_kernel, "step_end": step_end,
                  "config": str(cfg), "modes": {}}
     n_ttft, n_dec, n_tp = (30, 30, 5) if quick else (300, 100, 20)
     shapes = step_shapes(ctx)
@@ -79,14 +81,14 @@ def bench_torch_arch(arch: str, layers: int, inter: int | None, ctx: int, quick:
         t0 = time.perf_counter()
         r = TorchStepRunner(TorchDecoder(cfg, params, nb, dev, indexer_kernel), mode)
         res: dict = {}
-        res["ttft_128"] = time_torch_steps(r, shapes["ttft_128"], bt, 20, n_ttft)
+        res["ttft_128"] = time_torch_steps(r, shapes["ttft_128"], bt, 20, n_ttft, step_end)
         res["launches_per_step"] = {"ttft_128": r.count_step(r.prepare_inputs(
             np.zeros(128, np.int32), shapes["ttft_128"], bt))}
-        res["prefill_64x128_step"] = time_torch_steps(r, shapes["prefill_64x128_step"], bt, 3, n_tp)
+        res["prefill_64x128_step"] = time_torch_steps(r, shapes["prefill_64x128_step"], bt, 3, n_tp, step_end)
         res["throughput_req_per_s"] = 64e3 / res["prefill_64x128_step"]["mean_ms"]
         for b in (1, 64):
             name = f"decode_b{b}_ctx{ctx}"
-            res[name] = time_torch_steps(r, shapes[name], bt, 10, n_dec)
+            res[name] = time_torch_steps(r, shapes[name], bt, 10, n_dec, step_end)
         res["launches_per_step"][f"decode_b64_ctx{ctx}"] = r.count_step(r.prepare_inputs(
             np.zeros(64, np.int32), shapes[f"decode_b64_ctx{ctx}"], bt))
         res["bench_seconds"] = time.perf_counter() - t0
