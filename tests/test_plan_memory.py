@@ -62,5 +62,10 @@ def test_deepseek_v32_plan_from_abstract_shapes(capsys) -> None:
     a = cfg.attn
     # the page pools: 64 x 8192 tokens x 61 layers x (656-byte MLA + 132-byte indexer record), whole per device
     assert res["kv"]["total"] == 64 * 8192 * cfg.n_layers * (656 + 132)
-    experts = cfg.n_layers * cfg.n_routed_experts * 3 * a.hidden_size * cfg.moe_intermediate_size * 2 / 8
-    assert res["weights"]["routed experts"] == experts  # bf16, split 8-way over tensor (their width)
+    # the routed experts as the checkpoint stores them: e4m3 plus a float32 scale per 128 x 128 block, split 8-way
+    # over tensor (their width)
+    h, f = a.hidden_size, cfg.moe_intermediate_size
+    experts = cfg.n_layers * cfg.n_routed_experts * 3 * (h * f + (h // 128) * (f // 128) * 4) / 8
+    assert res["weights"]["routed experts"] == experts and "routed experts fp8" in out
+    deq = main(["--tp", "8", "--ep", "1", "--batch", "64", "--context", "8192", "--dequantize"])
+    assert deq["weights"]["routed experts"] == cfg.n_layers * cfg.n_routed_experts * 3 * h * f * 2 / 8

@@ -5,8 +5,9 @@
 
 The mesh has dp x tp x ep devices (jds's axes multiply; vLLM's expert parallelism reuses the tensor ranks).
 
-Weights: every parameter of ``Decoder(cfg)`` as jds holds it (the model under ``nnx.eval_shape``: FP8 linears as
-e4m3 + block scales, the MoE experts in bf16, norms in float32), split by the partition rules of
+Weights: every parameter of ``Decoder(cfg)`` as jds holds it (the model under ``nnx.eval_shape``: FP8 linears and
+routed experts as e4m3 + block scales, as an FP8 V3.2 checkpoint imports; bf16 with ``--dequantize``; norms in
+float32), split by the partition rules of
 ``jds.sharding`` (the same ``param_spec`` the runner places them with; a split that does not divide is
 dropped, as there). KV pages: ``batch`` requests of ``context`` tokens in each layer's page formats, pages
 split over ``data`` and whole on every tensor / expert rank (the layout of ``jds.sharding``: MLA latent and
@@ -35,12 +36,13 @@ class _MeshShape:
 
 def deepseek_v32() -> Any:
     """DeepSeek-V3.2 at the released dims (config.json of deepseek-ai/DeepSeek-V3.2-Exp): 61 layers, 256
-    routed experts of width 2048 (top 8) + 1 shared, vocabulary 129280, FP8 linears."""
+    routed experts of width 2048 (top 8) + 1 shared, vocabulary 129280, FP8 linears and routed experts (as its
+    checkpoint imports: ``jds.hf_import``)."""
     from jds.config import ModelConfig, Numerics, V32Config
 
     return ModelConfig("v32", V32Config(), n_layers=61, vocab_size=129280, intermediate_size=18432,
                        n_routed_experts=256, n_shared_experts=1, moe_topk=8, moe_intermediate_size=2048,
-                       numerics=Numerics.reference())
+                       numerics=dataclasses.replace(Numerics.reference(), experts_fp8=True))
 
 
 def _abstract(cfg: Any) -> Any:
@@ -137,18 +139,13 @@ def render(res: dict[str, Any], head: str) -> str:
     lines.append(f"  act      {'total (estimate)':<44} {g(res['activations']['total'])}")
     lines.append(f"  {'TOTAL':<53} {g(res['per_device_total'])}  of {res['hbm_bytes'] / GIB:.0f} GiB: "
                  f"{'fits' if res['fits'] else 'DOES NOT FIT'}")
-    ex = res["weights"].get("routed experts", 0.0)
-    if ex:  # the checkpoint stores the experts in FP8 (V3.2) / FP4 (V4); jds holds them in bf16 today
-        alt = res["per_device_total"] - ex / 2
-        lines.append(f"  {'(with the routed experts in FP8 as stored: not implemented)':<53} {g(alt)}: "
-                     f"{'fits' if alt <= res['hbm_bytes'] else 'does not fit'}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=None, help="a HF config.json (or its directory); default: DeepSeek-V3.2")
-    ap.add_argument("--dequantize", action="store_true", help="the FP8 linears held in bf16 (--dequantize import)")
+    ap.add_argument("--dequantize", action="store_true", help="the FP8 linears and routed experts held in bf16 (--dequantize import)")
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--dp", type=int, default=1)
@@ -160,18 +157,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if a.config:
         from jds.hf_import import hf_model_config
 
-        cfg = hf_model_config(a.config, dequantize=a.dequantize)
+        # the headers are not read here: the routed experts are taken as stored like the linears (FP8 V3.2)
+        cfg = hf_model_config(a.config, dequantize=a.dequantize, stored_experts="F8_E4M3")
         label = a.config
     else:
         cfg = deepseek_v32()
         if a.dequantize:
-            cfg = dataclasses.replace(cfg, numerics=dataclasses.replace(cfg.numerics, fp8_linear=False))
+            cfg = dataclasses.replace(cfg, numerics=dataclasses.replace(cfg.numerics, fp8_linear=False,
+                                                                        experts_fp8=False))
         label = "DeepSeek-V3.2 (built-in dims)"
     res = plan(cfg, a.dp, a.tp, a.ep, a.batch, a.context, a.max_num_tokens, a.hbm_gib)
     head = (f"{label}: {cfg.n_layers} layers, {cfg.n_routed_experts} routed experts; mesh data={a.dp} "
             f"tensor={a.tp} expert={a.ep} ({a.dp * a.tp * a.ep} devices: the axes multiply); {a.batch} requests x "
             f"{a.context} tokens; fp8_linear="
-            f"{cfg.numerics.fp8_linear}, experts bf16")
+            f"{cfg.numerics.fp8_linear}, routed experts "
+            f"{'fp8' if cfg.numerics.experts_fp8 else 'fp4' if cfg.numerics.experts_fp4 else 'bf16'}")
     print(render(res, head))
     return res
 
