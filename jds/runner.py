@@ -551,16 +551,6 @@ class BoundaryRunner:
         # to the device as part of the dispatch, cheaper on the host than a separate ``jax.device_put``.
         return StepInputs(packed if self.mesh is None else jax.device_put(packed), tb, kb, bt, prev_tokens)
 
-    def _padding_inputs(self, tb: int, kb: int) -> StepInputs:
-        """An all-padding step (no chunks, no block-table updates) passed as ``_pack`` passes a real one."""
-        if self.step_buffer == "pinned":
-            arr, view = self._pinned_buffer(tb)
-            view.fill(0)
-            self._pinned_serial[tb] = serial = self._pinned_serial.get(tb, 0) + 1
-            return StepInputs(arr, tb, kb, self._bt_host, None, serial)
-        packed = np.zeros(step_buffer_len(tb, self.max_num_seqs, self.update_capacity), np.int32)
-        return StepInputs(packed if self.mesh is None else jax.device_put(packed), tb, kb, self._bt_host)
-
     def _pinned_buffer(self, tb: int) -> tuple[jax.Array, np.ndarray]:
         """A persistent pinned-host step buffer of token bucket ``tb`` that no step can still be reading, and a
         numpy view of its memory.
@@ -885,7 +875,8 @@ class BoundaryRunner:
         t0 = time.perf_counter()
         for n, (tb, kb) in enumerate(combos, 1):
             if self.input_prep == "device":  # an all-padding step: no chunks, no block-table updates
-                jax.block_until_ready(self.step(self._padding_inputs(tb, kb)))
+                empty = self._pack(np.zeros(0, np.int32), [], self.max_num_seqs, self._bt_host, tb, kb)
+                jax.block_until_ready(self.step(empty))
                 if progress:
                     progress(f"compiled bucket {n}/{len(combos)} (tokens={tb}, key_blocks={kb}) "
                              f"[{time.perf_counter() - t0:.1f}s]")

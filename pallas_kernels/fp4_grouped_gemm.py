@@ -214,7 +214,7 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
     if p.interpret and dequant in NATIVE_ONLY:
         raise ValueError(f'dequant="{dequant}" runs natively only (interpret mode: "bf16" needs bf16 subnormal '
                          'arithmetic, which XLA on the CPU flushes; "lop3" is PTX); use dequant="f16" there')
-    xp = jnp.take(jnp.pad(_permute_k(x, dequant), ((0, 1), (0, 0))), p.src, axis=0)  # groups padded to 8 rows
+    xp = grouped_rows.tile_rows(_permute_k(x, dequant), p)  # groups padded to 8 rows
     st = _fit_stages(stages, p.block_t, p.block_n, p.block_k, k // p.splits)
     call = _build_call(n=n, k=k, items=p.items, bt=p.block_t, bn=p.block_n, bk=p.block_k, splits=p.splits,
                        stages=st, dequant=dequant,

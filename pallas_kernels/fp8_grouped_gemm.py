@@ -145,8 +145,8 @@ def _pallas(x, sizes, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_t, 
     p = grouped_rows.plan(sizes, m, e, n, k, block_t, block_n, block_k, split_k, K_ALIGN, interpret)
     xq, sx = quant.act_quant(x, BLOCK, scale_fmt)
     # e4m3 values are exact in float16; padded rows copy row m: zeros with scale 0
-    xp = jnp.take(jnp.pad(xq.astype(jnp.float16), ((0, 1), (0, 0))), p.src, axis=0)
-    sxt = jnp.take(jnp.pad(sx, ((0, 1), (0, 0))), p.src, axis=0).T  # [K/128, mx]: a tile's scales per block
+    xp = grouped_rows.tile_rows(xq.astype(jnp.float16), p)
+    sxt = grouped_rows.tile_rows(sx, p).T  # [K/128, mx]: a tile's scales per block
     kps = k // BLOCK // p.splits
     call = _build_call(n=n, k=k, items=p.items, bt=p.block_t, bn=p.block_n, bk=p.block_k, splits=p.splits,
                        stages=_fit_stages(stages, p.block_t, p.block_n, p.block_k, kps),

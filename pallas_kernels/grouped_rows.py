@@ -144,6 +144,12 @@ def plan(sizes: jax.Array, m: int, e: int, n: int, k: int, block_t: int | None, 
     return Plan(bt, bn, bk, s, interpret or None, items, rows, *row_layout(sizes, m, items, rows, bt))
 
 
+def tile_rows(a: jax.Array, p: Plan) -> jax.Array:
+    """``a`` [m, ...] (x, or its per-row scales) in the padded row layout the kernel reads: padded row i copies
+    row ``p.src[i]``, and the rows between groups are zeros."""
+    return jnp.take(jnp.pad(a, ((0, 1),) + ((0, 0),) * (a.ndim - 1)), p.src, axis=0)
+
+
 def finish(yt: jax.Array, p: Plan, out_dtype: jnp.dtype) -> jax.Array:
     """y [M, N] from the kernel's output: split-K partials summed, then each row's column gathered."""
     return gather_rows(jnp.sum(yt, axis=0) if p.splits > 1 else yt, p.col, p.valid, out_dtype)
