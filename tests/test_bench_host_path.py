@@ -34,7 +34,7 @@ def test_engine_steps_runs_both_loops(tmp_path) -> None:
 
     out = tmp_path / "es.json"
     main(["--preset", "v32-tiny", "--requests", "1", "--output-len", "4", "--key-block-buckets", "16",
-          "--out", str(out)])
+          "--max-num-tokens", "128", "--token-buckets", "128", "--out", str(out)])  # one bucket: CI budget
     res = json.loads(out.read_text())
     assert res["meta"]["complete"]
     for name in ("async", "sync"):

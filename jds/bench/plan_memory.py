@@ -142,6 +142,21 @@ def render(res: dict[str, Any], head: str) -> str:
     return "\n".join(lines)
 
 
+def model_config(config: str | None, dequantize: bool) -> Any:
+    """The planned model: a HF config.json (or its directory), else ``deepseek_v32()``; ``dequantize``: the FP8
+    linears and routed experts held in bf16 (as a ``--dequantize`` import holds them)."""
+    if config:
+        from jds.hf_import import hf_model_config
+
+        # the headers are not read here: the routed experts are taken as stored like the linears (FP8 V3.2)
+        return hf_model_config(config, dequantize=dequantize, stored_experts="F8_E4M3")
+    cfg = deepseek_v32()
+    if dequantize:
+        cfg = dataclasses.replace(cfg, numerics=dataclasses.replace(cfg.numerics, fp8_linear=False,
+                                                                    experts_fp8=False))
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=None, help="a HF config.json (or its directory); default: DeepSeek-V3.2")
@@ -154,18 +169,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-num-tokens", type=int, default=8192, help="rows of the largest step")
     ap.add_argument("--hbm-gib", type=float, default=141.0, help="memory per device (H200: 141 GB)")
     a = ap.parse_args(argv)
-    if a.config:
-        from jds.hf_import import hf_model_config
-
-        # the headers are not read here: the routed experts are taken as stored like the linears (FP8 V3.2)
-        cfg = hf_model_config(a.config, dequantize=a.dequantize, stored_experts="F8_E4M3")
-        label = a.config
-    else:
-        cfg = deepseek_v32()
-        if a.dequantize:
-            cfg = dataclasses.replace(cfg, numerics=dataclasses.replace(cfg.numerics, fp8_linear=False,
-                                                                        experts_fp8=False))
-        label = "DeepSeek-V3.2 (built-in dims)"
+    cfg = model_config(a.config, a.dequantize)
+    label = a.config or "DeepSeek-V3.2 (built-in dims)"
     res = plan(cfg, a.dp, a.tp, a.ep, a.batch, a.context, a.max_num_tokens, a.hbm_gib)
     head = (f"{label}: {cfg.n_layers} layers, {cfg.n_routed_experts} routed experts; mesh data={a.dp} "
             f"tensor={a.tp} expert={a.ep} ({a.dp * a.tp * a.ep} devices: the axes multiply); {a.batch} requests x "
