@@ -198,12 +198,11 @@ class BoundaryRunner:
         # the entries that changed; ``_bt_host`` mirrors what the device holds.
         self.update_capacity = self.update_capacity or 4 * self.max_num_seqs + 64
         self._bt_host = np.zeros((self.max_num_seqs, self.max_blocks), np.int32)
-        self._bt_state = jnp.zeros((self.max_num_seqs, self.max_blocks), jnp.int32)
-        if self.mesh is not None:
-            self._bt_state = jax.device_put(self._bt_state, sharding.replicated(self.mesh))
+        self._bt_state = self._commit(np.zeros((self.max_num_seqs, self.max_blocks), np.int32), replicated=True)
         self._no_prev: jax.Array | None = None
         self._carry: dict[tuple[int, int], tuple] = {}  # segment-boundary buffers per (tokens, key blocks)
         self._logits_out: jax.Array | None = None  # the fused device-prep step's persistent logits buffer
+        self._logits_sharding: Any = None  # where a step returns its logits (warmup notes it for warmup_submit)
 
     # ----- placement on the device mesh -----------------------------------------------------------
     def _place_on_mesh(self) -> None:
@@ -212,8 +211,9 @@ class BoundaryRunner:
         page pools directly in their sharded layout (no whole-pool copy on one device)."""
         self.mesh = None
         self._cache_sh = self._rows_sh = None
+        self._device = jax.devices()[0]
         if not sharding.uses_mesh(self.config):
-            self.caches = self.model.init_caches(self.num_blocks)
+            self.caches = self._commit(self.model.init_caches(self.num_blocks))
             return
         sharding.check_divisible(self.model.cfg, self.config, self.token_buckets)
         self.mesh = sharding.make_mesh(self.config)
@@ -224,6 +224,18 @@ class BoundaryRunner:
         # made by an executable that pins its outputs as the steps do, so the first step sees the layout of
         # the later ones (XLA picks its own for the empty pools of V4 layer kinds whatever the constraint)
         self.caches = jax.jit(lambda: self._pin_caches(model.init_caches(n)))()
+
+    def _commit(self, tree: Any, replicated: bool = False) -> Any:
+        """``tree`` placed where the steps keep it: committed to the runner's device, or on a mesh replicated
+        (``replicated``) or as it is (the caller placed it).
+
+        Why: jit keys its executables on whether each argument is committed to a device. A buffer made by
+        ``jnp.zeros`` is not, while a step's outputs are, so a persistent buffer made uncommitted made the
+        first real step after ``warmup`` compile every executable again.
+        """
+        if self.mesh is None:
+            return jax.device_put(tree, self._device)
+        return jax.device_put(tree, sharding.replicated(self.mesh)) if replicated else tree
 
     def _pin_caches(self, caches: Any) -> Any:
         """Inside an executable: keep the returned caches in their placed layout, so a donated pool is
@@ -369,7 +381,7 @@ class BoundaryRunner:
         if self.mesh is not None:
             return None
         if self._logits_out is None or self._logits_out.is_deleted():
-            self._logits_out = jnp.zeros((self.max_num_seqs, self.model.cfg.vocab_size), jnp.float32)
+            self._logits_out = self._commit(jnp.zeros((self.max_num_seqs, self.model.cfg.vocab_size), jnp.float32))
         return self._logits_out
 
     def _segment_bounds(self) -> list[tuple[int, int]]:
@@ -430,10 +442,11 @@ class BoundaryRunner:
             small = PagedBatch(positions=jnp.zeros(tb, i32), req_idx=jnp.zeros(tb, i32),
                                slot_mapping=jnp.zeros(tb, i32), block_tables=jnp.zeros((r, kb), i32),
                                seq_lens=jnp.zeros(r, i32), query_start_loc=jnp.zeros(r + 1, i32))
-            carry = (h, small, jnp.zeros(r, i32))
-            if self.mesh is not None:  # in the layout the first segment returns them in
+            if self.mesh is None:
+                carry = self._commit((h, small, jnp.zeros(r, i32)))
+            else:  # in the layout the first segment returns them in
                 rep = sharding.replicated(self.mesh)
-                carry = (jax.device_put(h, self._rows_sh), jax.device_put(small, rep), jax.device_put(carry[2], rep))
+                carry = (jax.device_put(h, self._rows_sh), jax.device_put(small, rep), jax.device_put(jnp.zeros(r, i32), rep))
         return carry
 
     def _step_segments(self, inp: StepInputs) -> jax.Array:
@@ -505,7 +518,7 @@ class BoundaryRunner:
         ends = np.cumsum([c.num_tokens for c in chunks]) - 1
         li = np.zeros(self.max_num_seqs, np.int32)
         li[: len(chunks)] = ends
-        tokens, batch, li, small_bt = jax.device_put((tokens, batch, li, bt[:, :kb]))  # one transfer call
+        tokens, batch, li, small_bt = self._commit((tokens, batch, li, bt[:, :kb]), replicated=True)  # one transfer
         small = replace_batch(batch, block_tables=small_bt)
         inputs = (tokens, batch, li, small)
         return self._stage((tb, kb), inputs) if self.stable_inputs else inputs
@@ -536,7 +549,7 @@ class BoundaryRunner:
             arr, view = self._pinned_buffer(tb)
         rows, cols = np.nonzero(bt != self._bt_host)
         if len(rows) > self.update_capacity:  # more changed than one step carries: replace the whole table
-            self._bt_state = jax.device_put(bt, None if self.mesh is None else sharding.replicated(self.mesh))
+            self._bt_state = self._commit(bt, replicated=True)
             self._bt_host = bt
             rows = cols = np.zeros(0, np.int64)
         updates = (rows, cols, bt[rows, cols])
@@ -617,7 +630,8 @@ class BoundaryRunner:
         if inp.prev_tokens is not None:
             return inp.prev_tokens
         if self._no_prev is None:
-            self._no_prev = jnp.zeros(self.max_num_seqs, jnp.int32)
+            zero = np.zeros(self.max_num_seqs, np.int32)
+            self._no_prev = self._commit(zero) if self.mesh is None else jnp.asarray(zero)
         return self._no_prev
 
     def _step_device(self, inp: StepInputs, witness: bool = True) -> jax.Array:
@@ -732,7 +746,7 @@ class BoundaryRunner:
             seeds = np.zeros(m, np.uint64)
             seeds[:r] = sampling.seed
             rows = (greedy, temp, top_k, top_p, split_seeds(seeds), index)
-        fpad, rows = jax.device_put((fpad, rows))  # one transfer call (None stays None)
+        fpad, rows = self._commit((fpad, rows), replicated=True)  # one transfer call (None stays None)
         if fpad is not None:
             inputs = (_feed_tokens(inputs[0], self._prev_sampled, fpad),) + tuple(inputs[1:])
         device_prep = isinstance(inputs[0], StepInputs)
@@ -859,13 +873,15 @@ class BoundaryRunner:
     def warmup_submit(self, progress: Callable[[str], None] | None = None) -> None:
         """Compile what ``submit`` adds to ``warmup``: the token feed per token bucket and both samplers."""
         m, v = self.max_num_seqs, self.model.cfg.vocab_size
-        logits = jnp.zeros((m, v), jnp.float32)
+        logits = np.zeros((m, v), np.float32)  # placed as the steps return theirs (committed: one compile)
+        logits = jax.device_put(logits, self._logits_sharding) if self._logits_sharding else self._commit(logits)
         rows = (np.ones(m, bool), np.ones(m, np.float32), np.zeros(m, np.int32), np.ones(m, np.float32),
                 np.zeros((m, 2), np.uint32), np.zeros(m, np.int32))
         prev = greedy_tokens_host(logits)[0]
-        jax.block_until_ready(sample_tokens_host(logits, *rows))
-        for tb in self.token_buckets:
-            jax.block_until_ready(_feed_tokens(jnp.zeros(tb, jnp.int32), prev, np.full(tb, -1, np.int32)))
+        jax.block_until_ready(sample_tokens_host(logits, *self._commit(rows, replicated=True)))
+        for tb in self.token_buckets:  # placed as submit's host inputs are
+            tokens, feed = self._commit((np.zeros(tb, np.int32), np.full(tb, -1, np.int32)), replicated=True)
+            jax.block_until_ready(_feed_tokens(tokens, prev, feed))
         if progress:
             progress(f"compiled the device sampler and {len(self.token_buckets)} token feeds")
 
@@ -876,17 +892,17 @@ class BoundaryRunner:
         for n, (tb, kb) in enumerate(combos, 1):
             if self.input_prep == "device":  # an all-padding step: no chunks, no block-table updates
                 empty = self._pack(np.zeros(0, np.int32), [], self.max_num_seqs, self._bt_host, tb, kb)
-                jax.block_until_ready(self.step(empty))
+                self._logits_sharding = jax.block_until_ready(self.step(empty)).sharding
                 if progress:
                     progress(f"compiled bucket {n}/{len(combos)} (tokens={tb}, key_blocks={kb}) "
                              f"[{time.perf_counter() - t0:.1f}s]")
                 continue
-            tokens = jnp.zeros(tb, jnp.int32)
             bt = np.zeros((self.max_num_seqs, self.max_blocks), np.int32)
-            batch = make_batch([], bt, self.block_size, pad_to=tb)
-            small = make_batch([], bt[:, :kb], self.block_size, pad_to=tb)
-            li = jnp.zeros(self.max_num_seqs, jnp.int32)
-            jax.block_until_ready(self.step(tokens, batch, li, small))
+            batch = make_batch([], bt, self.block_size, pad_to=tb, host=True)
+            tokens, batch, li, small_bt = self._commit(  # placed as prepare_inputs places a step's
+                (np.zeros(tb, np.int32), batch, np.zeros(self.max_num_seqs, np.int32), bt[:, :kb]), replicated=True)
+            small = replace_batch(batch, block_tables=small_bt)
+            self._logits_sharding = jax.block_until_ready(self.step(tokens, batch, li, small)).sharding
             if progress:
                 progress(f"compiled bucket {n}/{len(combos)} (tokens={tb}, key_blocks={kb}) "
                          f"[{time.perf_counter() - t0:.1f}s]")

@@ -208,3 +208,37 @@ def test_compiler_options_and_dump_dir_reach_their_executables(tmp_path) -> None
     r = BoundaryRunner(model, RunnerConfig(**kw, dump_dir=str(tmp_path / "all")))
     r.execute(ids, chunks, bt)
     assert modules(tmp_path / "all") == {"jit_first", "jit_mid", "jit_last", "jit_consume"}
+
+
+@pytest.mark.parametrize("mode, settings", [("fused", {"segments": 2}), ("narrow", {})])
+def test_warmup_leaves_nothing_to_compile(mode: str, settings: dict) -> None:
+    """After ``warmup`` + ``warmup_submit``, real steps (execute, submit with and without the device token
+    feed, a whole block-table replacement) compile nothing: every persistent buffer is made committed to
+    the device as the steps' outputs are, and jit keys its executables on that (a server's first request
+    after start-up compiled the whole step again)."""
+    from jds.engine.sampling import SamplingParams, SamplingRows
+
+    cfg = dataclasses.replace(preset("v32-tiny", n_layers=2), numerics=Numerics.exact())
+    r = ModelRunner(Decoder(cfg, seed=0), mode=mode, num_blocks=8, max_num_seqs=2, max_num_tokens=16,
+                    max_model_len=32, token_buckets=(16,), key_block_buckets=(2,), update_capacity=2, **settings)
+    r.warmup()
+    r.warmup_submit()
+    compiles: list[str] = []
+
+    def count(event: str, secs: float, **kw: object) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        table = np.array([[0, 1], [2, 3]], np.int32)
+        greedy = SamplingRows.build([SamplingParams(temperature=0)] * 2, [0, 0], [0, 0])
+        r.execute(np.array([5, 6, 7]), [Chunk(0, 0, 2), Chunk(1, 0, 1)], table)
+        r.submit(np.array([5, 6, 7]), [Chunk(0, 0, 2), Chunk(1, 0, 1)], table, greedy, np.full(3, -1))
+        r.submit(np.array([-1, -1]), [Chunk(0, 2, 1), Chunk(1, 1, 1)], table, greedy, np.array([0, 1]))
+        sampled = SamplingRows.build([SamplingParams(temperature=0.8)] * 2, [1, 2], [1, 1])
+        r.submit(np.array([-1, -1]), [Chunk(0, 3, 1), Chunk(1, 2, 1)], table, sampled, np.array([0, 1])).result()
+        r.execute(np.array([1, 2]), [Chunk(0, 0, 1), Chunk(1, 0, 1)], np.array([[7, 6], [5, 4]], np.int32))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert compiles == []
