@@ -658,6 +658,7 @@ class RunnerConfig:
     # "transfer": a host-to-device transfer per step; "auto": pinned without a device mesh, else transfer
     step_buffer: str = "auto"
     segments: int = 1  # fused + device prep: the step as this many captured executables, launched in order
+    compile_workers: int = 4  # fused + device prep: threads compiling the step's executables in warmup
     batch_invariant: bool = False  # one token bucket and one key-block bucket (jds.runner.invariant_buckets)
     all_eager: bool = False  # compile every executable as the eager ones are (command buffers off)
     captured_compiler_options: CompilerOptions | None = None  # XLA options of the captured executables
@@ -673,7 +674,7 @@ class RunnerConfig:
         _require(self.input_prep in INPUT_PREPS, "input_prep", f"must be one of {INPUT_PREPS}, got {self.input_prep!r}")
         _require(self.step_buffer in STEP_BUFFERS, "step_buffer",
                  f"must be one of {STEP_BUFFERS}, got {self.step_buffer!r}")
-        _positive(self, "num_blocks", "max_num_seqs", "max_num_tokens", "max_model_len", "segments")
+        _positive(self, "num_blocks", "max_num_seqs", "max_num_tokens", "max_model_len", "segments", "compile_workers")
         for n in ("tensor_parallel", "data_parallel", "expert_parallel"):
             v = getattr(self, n)
             _require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, n, f"must be an int >= 1, got {v!r}")

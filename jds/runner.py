@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
@@ -449,24 +450,66 @@ class BoundaryRunner:
                 carry = (jax.device_put(h, self._rows_sh), jax.device_put(small, rep), jax.device_put(jnp.zeros(r, i32), rep))
         return carry
 
+    def _segment_args(self, k: int, inp: StepInputs, carry: tuple, boundary: tuple) -> tuple:
+        """Segment ``k``'s arguments: ``carry`` the persistent boundary buffers (the first segment's
+        donated state), ``boundary`` (hidden state, batch, logits indices) what the first returned."""
+        lo, hi = self._segment_bounds()[k]
+        sts, caches = [self._layers[i][1] for i in range(lo, hi)], self.caches[lo:hi]
+        h, small, li = boundary
+        if k == 0:
+            return self._embed[1], sts, inp.packed, self._prev_of(inp), (carry, self._bt_state, caches)
+        if k == self.segments - 1:
+            return sts, self._head[1], small, li, h, caches, self._out_buffer()
+        return sts, small, (h, caches)
+
     def _step_segments(self, inp: StepInputs) -> jax.Array:
-        kb, bounds, L = inp.key_blocks, self._segment_bounds(), self._layers
-        sts = lambda lo, hi: [L[i][1] for i in range(lo, hi)]  # noqa: E731
+        kb, bounds = inp.key_blocks, self._segment_bounds()
+        carry = self._segment_carry(inp.token_bucket, kb)
         lo, hi = bounds[0]
-        state = (self._segment_carry(inp.token_bucket, kb), self._bt_state, self.caches[lo:hi])
-        (h, small, li), self._bt_state, self.caches[lo:hi] = self._segment(0, kb)(
-            self._embed[1], sts(lo, hi), inp.packed, self._prev_of(inp), state)
+        boundary, self._bt_state, self.caches[lo:hi] = self._segment(0, kb)(*self._segment_args(0, inp, carry, carry))
         self._bt_host = inp.block_tables
+        h, small, li = boundary
         for k in range(1, self.segments - 1):
             lo, hi = bounds[k]
-            h, self.caches[lo:hi] = self._segment(k, kb)(sts(lo, hi), small, (h, self.caches[lo:hi]))
+            h, self.caches[lo:hi] = self._segment(k, kb)(*self._segment_args(k, inp, carry, (h, small, li)))
         lo, hi = bounds[-1]
         logits, self.caches[lo:hi] = self._segment(self.segments - 1, kb)(
-            sts(lo, hi), self._head[1], small, li, h, self.caches[lo:hi], self._out_buffer())
+            *self._segment_args(self.segments - 1, inp, carry, (h, small, li)))
         self._logits_out = logits if self.mesh is None else None
         self._carry[(inp.token_bucket, kb)] = (h, small, li)
         self.last_dispatch = DispatchStats(captured=self.segments)
         return logits
+
+    def _fused_dev_args(self, inp: StepInputs) -> tuple:
+        return self._whole[1], inp.packed, self._prev_of(inp), self._bt_state, self.caches, self._out_buffer()
+
+    def _compile_fused(self, steps: list[StepInputs], progress: Callable[[str], None] | None) -> None:
+        """Compile the executables of fused device-prep ``steps`` (one per bucket) on ``compile_workers``
+        threads, without running them: each is traced and lowered here, in order, and compiled on a worker.
+
+        Why: XLA compiles one executable at a time per call, and a segmented step has one per segment and
+        bucket; a deep model's warm-up spent most of its time compiling them one after another. XLA's compile
+        releases the GIL, so the workers overlap each other and the tracing. ``jit`` keeps each compiled
+        executable for the later calls with arguments placed as these are (the segments' boundary buffers
+        stand in for the first segment's outputs: they are the same buffers).
+        """
+        calls = []
+        for inp in steps:
+            if self.segments == 1:
+                calls.append((self._fused_dev(inp.key_blocks), self._fused_dev_args(inp)))
+                continue
+            carry = self._segment_carry(inp.token_bucket, inp.key_blocks)
+            calls += [(self._segment(k, inp.key_blocks), self._segment_args(k, inp, carry, carry))
+                      for k in range(self.segments)]
+            self._carry[(inp.token_bucket, inp.key_blocks)] = carry
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(self.compile_workers) as pool:
+            done = [pool.submit(fn.lower(*args).compile) for fn, args in calls]
+            for n, f in enumerate(done, 1):
+                f.result()
+                if progress and (n == len(done) or n % max(1, len(done) // 8) == 0):
+                    progress(f"compiled {n}/{len(done)} executables on {self.compile_workers} threads "
+                             f"[{time.perf_counter() - t0:.1f}s]")
 
     # ----- one step ---------------------------------------------------------------------------------
     def _step_shape(self, token_ids: np.ndarray, chunks: list[Chunk], block_tables: np.ndarray
@@ -651,8 +694,7 @@ class BoundaryRunner:
         if self.mode == "fused" and self.segments > 1:
             return self._step_segments(inp)
         if self.mode == "fused":
-            logits, self.caches, self._bt_state = self._fused_dev(kb)(
-                self._whole[1], inp.packed, self._prev_of(inp), self._bt_state, self.caches, self._out_buffer())
+            logits, self.caches, self._bt_state = self._fused_dev(kb)(*self._fused_dev_args(inp))
             self._bt_host = inp.block_tables
             self._logits_out = logits if self.mesh is None else None
             self.last_dispatch = stats
@@ -885,9 +927,22 @@ class BoundaryRunner:
         if progress:
             progress(f"compiled the device sampler and {len(self.token_buckets)} token feeds")
 
-    def warmup(self, progress: Callable[[str], None] | None = None) -> None:
-        """Compile every (token bucket x key-block bucket) executable with all-padding steps."""
+    def warmup(self, progress: Callable[[str], None] | None = None,
+               buckets: list[tuple[int, int]] | None = None) -> None:
+        """Compile every (token bucket x key-block bucket) executable, or those of ``buckets``, with
+        all-padding steps."""
         combos = [(tb, kb) for tb in self.token_buckets for kb in self.key_block_buckets]
+        if buckets is not None:
+            bad = [b for b in buckets if tuple(b) not in combos]
+            if bad:
+                raise ValueError(f"buckets: {bad} are not (token bucket, key-block bucket) pairs of this runner "
+                                 f"(token_buckets={self.token_buckets}, key_block_buckets={self.key_block_buckets})")
+            combos = [tuple(b) for b in buckets]
+        if self.mode == "fused" and self.input_prep == "device" and self.compile_workers > 1:
+            # with pinned step buffers each _pack takes the next buffer of the bucket's pair: no step runs
+            # between these, so none is in use
+            self._compile_fused([self._pack(np.zeros(0, np.int32), [], self.max_num_seqs, self._bt_host, tb, kb)
+                                 for tb, kb in combos], progress)
         t0 = time.perf_counter()
         for n, (tb, kb) in enumerate(combos, 1):
             if self.input_prep == "device":  # an all-padding step: no chunks, no block-table updates

@@ -79,7 +79,8 @@ case "$stage" in
     # issue 16: the host critical path at DeepSeek's depth (target <= 1 ms): 61 layers, 16 segments (4 layers in
     # the first), pinned step buffer + host ids (the defaults); dense MLP 2048 keeps memory and compile small
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${DEEP61_TIMEOUT:-560} python3 -m jds.bench.ttft --arch v32 --layers 61 \
-      --intermediate 2048 --n 20 --variants fused:device:16 fused:device:61 --out "$OUT/ttft_v32_61l_seg_h200.json" \
+      --intermediate 2048 --n 20 --compile-workers ${DEEP61_WORKERS:-8} --variants ${DEEP61_VARIANTS:-fused:device:16 fused:device:61 fused:device:8} \
+      --out "$OUT/ttft_v32_61l_seg_h200.json" \
       > "$OUT/ttft_v32_61l_seg.log" 2>&1; echo "deep61 rc=$?"; grep '^{' "$OUT/ttft_v32_61l_seg.log" | cut -c1-700
     ;;
   deep-seg)

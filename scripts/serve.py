@@ -104,6 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "host (auto: device for fused, host for wide / narrow)")
     p.add_argument("--segments", type=positive_int, default=1,
                    help="fused + device prep: launch each step as this many captured executables")
+    p.add_argument("--compile-workers", type=positive_int, default=RunnerConfig.compile_workers,
+                   help="fused + device prep: threads compiling the step's executables at start-up")
     p.add_argument("--tensor-parallel-size", "--tensor-parallel", "-tp", dest="tensor_parallel",
                    type=positive_int, default=1,
                    help="devices the attention heads, MLP and vocabulary are split over (jds.sharding)")
@@ -237,7 +239,8 @@ def runner_config(a: argparse.Namespace) -> RunnerConfig:
                         max_num_tokens=a.max_num_tokens, max_model_len=a.max_model_len,
                         token_buckets=tuple(a.token_buckets), key_block_buckets=tuple(a.key_block_buckets),
                         stable_inputs=a.stable_inputs, batch_invariant=a.batch_invariant,
-                        input_prep=a.input_prep, segments=a.segments, tensor_parallel=a.tensor_parallel,
+                        input_prep=a.input_prep, segments=a.segments, compile_workers=a.compile_workers,
+                        tensor_parallel=a.tensor_parallel,
                         data_parallel=a.data_parallel, expert_parallel=a.expert_parallel)
 
 

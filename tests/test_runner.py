@@ -221,6 +221,8 @@ def test_warmup_leaves_nothing_to_compile(mode: str, settings: dict) -> None:
     cfg = dataclasses.replace(preset("v32-tiny", n_layers=2), numerics=Numerics.exact())
     r = ModelRunner(Decoder(cfg, seed=0), mode=mode, num_blocks=8, max_num_seqs=2, max_num_tokens=16,
                     max_model_len=32, token_buckets=(16,), key_block_buckets=(2,), update_capacity=2, **settings)
+    with pytest.raises(ValueError, match="buckets"):
+        r.warmup(buckets=[(999, 2)])
     r.warmup()
     r.warmup_submit()
     compiles: list[str] = []
