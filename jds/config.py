@@ -658,6 +658,9 @@ class RunnerConfig:
     # "transfer": a host-to-device transfer per step; "auto": pinned without a device mesh, else transfer
     step_buffer: str = "auto"
     segments: int = 1  # fused + device prep: the step as this many captured executables, launched in order
+    # fused segments: layers in the first (0: an even split); the rest split evenly over the others. Only the
+    # first segment's launch is on the host's critical path, so a short one lets the device start sooner
+    first_segment_layers: int = 0
     compile_workers: int = 4  # fused + device prep: threads compiling the step's executables in warmup
     batch_invariant: bool = False  # one token bucket and one key-block bucket (jds.runner.invariant_buckets)
     all_eager: bool = False  # compile every executable as the eager ones are (command buffers off)
@@ -690,6 +693,10 @@ class RunnerConfig:
                    or (top is not None and b > top)]
             _require(not bad, n, f"{bad} outside [1, {top if top is not None else 'the block table width'}]")
             object.__setattr__(self, n, tuple(given))
+        v = self.first_segment_layers
+        _require(isinstance(v, int) and not isinstance(v, bool) and v >= 0, "first_segment_layers",
+                 f"must be an int >= 0, got {v!r}")
+        _require(v == 0 or self.segments > 1, "first_segment_layers", "needs segments > 1")
         if self.segments > 1:
             _require(self.mode == "fused" and self.input_prep in ("auto", "device"), "segments",
                      "segments > 1 needs mode='fused' and input_prep='device'")

@@ -155,6 +155,9 @@ class BoundaryRunner:
             self.input_prep = "device" if self.mode == "fused" else "host"
         if not 1 <= self.segments <= self.model.cfg.n_layers:
             raise ValueError(f"segments must be in [1, n_layers={self.model.cfg.n_layers}], got {self.segments}")
+        if self.first_segment_layers > self.model.cfg.n_layers - (self.segments - 1):
+            raise ValueError(f"first_segment_layers={self.first_segment_layers} leaves fewer than one layer to each of "
+                             f"the other {self.segments - 1} segments (n_layers={self.model.cfg.n_layers})")
         cfg = self.model.cfg
         if self.max_model_len > cfg.max_seq_len:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
@@ -386,8 +389,11 @@ class BoundaryRunner:
         return self._logits_out
 
     def _segment_bounds(self) -> list[tuple[int, int]]:
-        n, k = self.model.cfg.n_layers, self.segments
-        cuts = [round(i * n / k) for i in range(k + 1)]
+        n, k, f = self.model.cfg.n_layers, self.segments, self.first_segment_layers
+        if f:
+            cuts = [0] + [f + round(i * (n - f) / (k - 1)) for i in range(k)]
+        else:
+            cuts = [round(i * n / k) for i in range(k + 1)]
         return list(zip(cuts[:-1], cuts[1:]))
 
     def _segment(self, k: int, kb: int) -> Callable:

@@ -104,6 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "host (auto: device for fused, host for wide / narrow)")
     p.add_argument("--segments", type=positive_int, default=1,
                    help="fused + device prep: launch each step as this many captured executables")
+    p.add_argument("--first-segment-layers", type=int, default=0,
+                   help="with --segments: layers in the first segment (0: an even split); the rest split evenly")
     p.add_argument("--compile-workers", type=positive_int, default=RunnerConfig.compile_workers,
                    help="fused + device prep: threads compiling the step's executables at start-up")
     p.add_argument("--tensor-parallel-size", "--tensor-parallel", "-tp", dest="tensor_parallel",
@@ -240,6 +242,7 @@ def runner_config(a: argparse.Namespace) -> RunnerConfig:
                         token_buckets=tuple(a.token_buckets), key_block_buckets=tuple(a.key_block_buckets),
                         stable_inputs=a.stable_inputs, batch_invariant=a.batch_invariant,
                         input_prep=a.input_prep, segments=a.segments, compile_workers=a.compile_workers,
+                        first_segment_layers=a.first_segment_layers,
                         tensor_parallel=a.tensor_parallel,
                         data_parallel=a.data_parallel, expert_parallel=a.expert_parallel)
 

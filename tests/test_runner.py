@@ -210,7 +210,7 @@ def test_compiler_options_and_dump_dir_reach_their_executables(tmp_path) -> None
     assert modules(tmp_path / "all") == {"jit_first", "jit_mid", "jit_last", "jit_consume"}
 
 
-@pytest.mark.parametrize("mode, settings", [("fused", {"segments": 2}), ("narrow", {})])
+@pytest.mark.parametrize("mode, settings", [("fused", {"segments": 2, "first_segment_layers": 1}), ("narrow", {})])
 def test_warmup_leaves_nothing_to_compile(mode: str, settings: dict) -> None:
     """After ``warmup`` + ``warmup_submit``, real steps (execute, submit with and without the device token
     feed, a whole block-table replacement) compile nothing: every persistent buffer is made committed to
@@ -218,7 +218,7 @@ def test_warmup_leaves_nothing_to_compile(mode: str, settings: dict) -> None:
     after start-up compiled the whole step again)."""
     from jds.engine.sampling import SamplingParams, SamplingRows
 
-    cfg = dataclasses.replace(preset("v32-tiny", n_layers=2), numerics=Numerics.exact())
+    cfg = dataclasses.replace(preset("v32-tiny", n_layers=3), numerics=Numerics.exact())
     r = ModelRunner(Decoder(cfg, seed=0), mode=mode, num_blocks=8, max_num_seqs=2, max_num_tokens=16,
                     max_model_len=32, token_buckets=(16,), key_block_buckets=(2,), update_capacity=2, **settings)
     with pytest.raises(ValueError, match="buckets"):
@@ -244,3 +244,16 @@ def test_warmup_leaves_nothing_to_compile(mode: str, settings: dict) -> None:
     finally:
         jax.monitoring.unregister_event_duration_listener(count)
     assert compiles == []
+
+
+def test_segment_bounds() -> None:
+    """An even split, or ``first_segment_layers`` first and the rest split evenly; every segment non-empty."""
+    model = Decoder(dataclasses.replace(preset("v32-tiny", n_layers=7), numerics=Numerics.exact()), seed=0)
+    kw = dict(mode="fused", num_blocks=4, max_num_seqs=2, max_num_tokens=16, max_model_len=32)
+    assert BoundaryRunner(model, segments=3, **kw)._segment_bounds() == [(0, 2), (2, 5), (5, 7)]
+    assert BoundaryRunner(model, segments=3, first_segment_layers=1, **kw)._segment_bounds() == [(0, 1), (1, 4), (4, 7)]
+    assert BoundaryRunner(model, segments=7, first_segment_layers=1, **kw)._segment_bounds() == [(i, i + 1) for i in range(7)]
+    with pytest.raises(ValueError, match="first_segment_layers"):
+        BoundaryRunner(model, segments=3, first_segment_layers=6, **kw)
+    with pytest.raises(ValueError, match="first_segment_layers"):
+        RunnerConfig(mode="fused", first_segment_layers=1)

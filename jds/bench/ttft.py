@@ -9,7 +9,7 @@ A variant is ``mode:input_prep[:segments[:put][:spin]]`` (``put``: the packed st
 the host polls for the step's ids instead of sleeping in the wait: ``jds.bench.stack.time_steps``; ``freeze``:
 ``gc.freeze()`` before the timed steps; ``devids``: the ids read by a transfer of the device array, not from the sampler's pinned-host copy as the
 engine reads them;
-``transfer`` / ``pinned``: the runner's ``step_buffer``, else its default). Per variant, after warm-up: the median wall time of a step
+``transfer`` / ``pinned``: the runner's ``step_buffer``, else its default; ``firstN``: ``first_segment_layers=N``). Per variant, after warm-up: the median wall time of a step
 (inputs -> the greedy first token on the host; ``jds.bench.stack.time_steps``), its host input preparation
 and its launch (host time of ``runner.step``),
 the host time of each segment's dispatch, of the greedy sample's dispatch and of the wait for its ids
@@ -47,7 +47,7 @@ def time_variant(model: Any, mode: str, prep: str, segments: int, n: int, moe: b
     from jds.runner import StepInputs
 
     t0 = time.perf_counter()
-    key = (mode, prep, segments, step_buffer)
+    key = (mode, prep, segments, step_buffer, tuple(sorted((parallel or {}).items())))
     runner = (runners or {}).get(key)
     if runner is None:
         if runners:
@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> None:
         numeric = len(parts) > 2 and parts[2].isdigit()
         segments = int(parts[2]) if numeric else 1
         flags = set(parts[3:] if numeric else parts[2:])
+        first = [f for f in flags if f.startswith("first") and f[5:].isdigit()]
+        flags -= set(first)
         unknown = flags - {"put", "spin", "freeze", "devids", "transfer", "pinned"}
         if unknown:
             raise ValueError(f"variant {v!r}: unknown flags {sorted(unknown)}")
@@ -163,7 +165,8 @@ def main(argv: list[str] | None = None) -> None:
         if put and step_buffer != "transfer":
             raise ValueError(f"variant {v!r}: put needs the transfer step buffer (add :transfer)")
         try:
-            res["variants"][v] = time_variant(model, mode, prep, segments, a.n, parallel=parallel, shape=a.shape,
+            settings = {**parallel, "first_segment_layers": int(first[0][5:])} if first else parallel
+            res["variants"][v] = time_variant(model, mode, prep, segments, a.n, parallel=settings, shape=a.shape,
                                               put=put, spin=spin, freeze=freeze, host_ids=host_ids,
                                               step_buffer=step_buffer, runners=runners)
         except Exception as e:  # noqa: BLE001 - a variant that fails records why; the others still run
