@@ -68,8 +68,9 @@ def bench_arch(arch: str, layers: int, inter: int | None, ctx: int, quick: bool,
                modes: tuple[str, ...] = MODES, warm_only: bool = False, size: str = "bench",
                on_mode: Callable[[dict], None] | None = None, implementation: str = "auto",
                stable_inputs: bool = False, parallel: dict[str, int] | None = None,
-               step_end: str = "logits") -> dict:
-    """Time every step shape in each mode, each step ending as ``step_end`` says (``time_steps``).
+               step_end: str = "logits", fused_segments: int = 1) -> dict:
+    """Time every step shape in each mode, each step ending as ``step_end`` says (``time_steps``);
+    ``fused_segments``: the fused mode's step as that many captured executables (RunnerConfig.segments).
     ``warm_only``: run each shape once (compiles, fills the persistent compilation cache for a later timed run)
     and time nothing. ``on_mode`` gets the partial result after each mode (the caller saves it, so a run cut short by a time limit keeps full stats)."""
     import jax
@@ -80,7 +81,8 @@ def bench_arch(arch: str, layers: int, inter: int | None, ctx: int, quick: bool,
     shapes = step_shapes(ctx)
     for mode in modes:
         t0 = time.perf_counter()
-        r = make_runner(model, mode, 64, ctx, stable_inputs=stable_inputs, **(parallel or {}))
+        seg = {"segments": fused_segments} if mode == "fused" and fused_segments > 1 else {}
+        r = make_runner(model, mode, 64, ctx, stable_inputs=stable_inputs, **(parallel or {}), **seg)
         if warm_only:
             for chunks in shapes.values():
                 time_steps(r, chunks, 1, 0)
@@ -137,7 +139,8 @@ def precompile(archs: list[str], modes: tuple[str, ...], a: argparse.Namespace, 
                 cmd += ["--intermediate", str(a.intermediate)]
             if a.stable_inputs:
                 cmd += ["--stable-inputs"]
-            cmd += ["--tensor-parallel", str(a.tensor_parallel), "--data-parallel", str(a.data_parallel),
+            cmd += ["--segments", str(a.segments), "--tensor-parallel", str(a.tensor_parallel),
+                    "--data-parallel", str(a.data_parallel),
                     "--expert-parallel", str(a.expert_parallel)]
             procs[mode] = (subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                             text=True), time.perf_counter())
@@ -259,6 +262,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--step-end", default="logits", choices=STEP_ENDS,
                     help="where a timed step ends, for both backends: the chunks' logits rows on the host, or their "
                          "greedy ids on the host (as the engine reads a token)")
+    ap.add_argument("--segments", type=int, default=1,
+                    help="the fused mode's step as this many captured executables (RunnerConfig.segments)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if "torch" in a.backend:  # torch shares the GPU: jax must not preallocate most of its memory
@@ -286,6 +291,7 @@ def main(argv: list[str] | None = None) -> None:
             "command": cmd, "precompile": {},
             "implementation": a.implementation, "stable_inputs": a.stable_inputs,
             "graph_update_mode": a.graph_update_mode, "parallel": _parallel(a), "step_end": a.step_end,
+            "fused_segments": a.segments,
             "complete": False}
     results = {"meta": meta, "archs": {}}
     for arch in a.arch:
@@ -309,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
             results["archs"][arch] = bench_arch(arch, a.layers, inter, a.ctx, a.quick, tuple(a.modes), a.warm_only,
                                                  a.size, on_mode=save, implementation=a.implementation,
                                                  stable_inputs=a.stable_inputs, parallel=_parallel(a),
-                                                 step_end=a.step_end)
+                                                 step_end=a.step_end, fused_segments=a.segments)
         save()
         if "torch" in a.backend and not a.dump and not a.warm_only:
             _bench_torch(arch, a, inter, results, save)
