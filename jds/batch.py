@@ -202,13 +202,12 @@ def pack_step(token_ids: np.ndarray, chunks: Sequence[Chunk], updates: tuple[np.
             raise ValueError(f"feed has {len(feed)} entries for {t} tokens")
         buf[o:o + t] = feed
     o += num_tokens
-    buf[o:o + c] = [ch.req for ch in chunks]
-    buf[o + num_rows:o + num_rows + c] = [ch.start for ch in chunks]
-    buf[o + 2 * num_rows:o + 2 * num_rows + c] = [ch.num_tokens for ch in chunks]
+    # one write per section (each numpy call costs host time on the step's critical path)
+    buf[o:o + 3 * num_rows].reshape(3, num_rows)[:, :c] = [[ch.req for ch in chunks], [ch.start for ch in chunks],
+                                                          [ch.num_tokens for ch in chunks]]
     o += 3 * num_rows
-    buf[o:o + u] = rows
-    buf[o + update_capacity:o + update_capacity + u] = cols
-    buf[o + 2 * update_capacity:o + 2 * update_capacity + u] = pages
+    if u:
+        buf[o:o + 3 * update_capacity].reshape(3, update_capacity)[:, :u] = (rows, cols, pages)
     return buf
 
 

@@ -535,7 +535,7 @@ class BoundaryRunner:
             raise ValueError(f"block_tables has {src.shape[1]} columns, more than max_blocks={self.max_blocks}")
         if src.shape[0] > self.max_num_seqs:
             raise ValueError(f"block_tables has {src.shape[0]} rows, more than max_num_seqs={self.max_num_seqs}")
-        bt[: src.shape[0], : src.shape[1]] = np.maximum(src, 0)
+        np.maximum(src, 0, out=bt[: src.shape[0], : src.shape[1]])
         end = max(c.start + c.num_tokens for c in chunks)
         if end > self.max_model_len:
             raise ValueError(f"a chunk reaches position {end}, beyond max_model_len={self.max_model_len}")
@@ -601,7 +601,7 @@ class BoundaryRunner:
             self._bt_state = self._commit(bt, replicated=True)
             self._bt_host = bt
             rows = cols = np.zeros(0, np.int64)
-        updates = (rows, cols, bt[rows, cols])
+        updates = (rows, cols, bt[rows, cols] if len(rows) else rows)
         if self.step_buffer == "pinned":
             pack_step(token_ids, chunks, updates, num_tokens=tb, num_rows=self.max_num_seqs,
                       update_capacity=self.update_capacity, feed=feed, out=view)

@@ -12,7 +12,7 @@ Per (shape, M), one row per impl (each in its own try/except: a failing variant 
 others still run):
 - ``pallas``: ``fp8_gemm.fp8_linear(implementation="pallas")`` (default tiles; the act_quant of x included,
   ``act_quant_us`` times it alone);
-  at M <= 128 also ``pallas[stage_scales=True]`` (the scales staged in SMEM by TMA: the decode experiment);
+  at M <= 128 also the other ``stage_scales`` choice than the default's (the scales staged in SMEM by TMA);
   ``--sweep`` adds ``pallas[block_n=..,split_k=..]`` rows for M <= 128 and ``pallas[block_n=..,stages=..,
   group_m=..]`` rows for M >= 2048 (tile tuning data).
 - ``xla``: ``jds.ops.quant.fp8_linear`` (dequantise both to fp32, one HIGHEST matmul: the current path).
@@ -209,7 +209,10 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch) -> Iterator[d
     iters = _iters(flops)
 
     # (a) the kernel (default tiles, plus the sweep)
-    variants = [("pallas", {})] + ([("pallas[stage_scales=True]", dict(stage_scales=True))] if m <= 128 else [])
+    # the default stages the scales below STAGE_SCALES_BELOW rows: time the other choice beside it at decode sizes
+    other = ([("pallas[stage_scales=False]", dict(stage_scales=False))] if m < fp8_gemm.STAGE_SCALES_BELOW else
+             [("pallas[stage_scales=True]", dict(stage_scales=True))] if m <= 128 else [])
+    variants = [("pallas", {})] + other
     table = (SWEEP if m <= 128 else SWEEP_LARGE if m >= 2048 else []) if sweep else []
     variants += [("pallas[" + ",".join(f"{a}={b}" for a, b in v.items()) + "]", v) for v in table
                  if (k // 128) % v.get("split_k", 1) == 0 and n % v["block_n"] == 0]
