@@ -330,11 +330,9 @@ def _host_profile(d: dict, top: int = 4) -> list[str]:
     first = next(iter(d.get("variants", {}).items()), None)
     depths = first[1].get("depths", {}) if first else {}
     if depths and any(r.get("host_self_top") for r in depths.values()):
-        deepest = list(depths.values())[-1]
-        keys = [(e["window"], _event(e["name"])) for e in
-                sorted(deepest.get("host_self_top", []), key=lambda e: -e["self_us_per_step"])[:top]]
-        per = {dep: {(e["window"], _event(e["name"])): e for e in r.get("host_self_top", [])}
-               for dep, r in depths.items()}
+        per = {dep: _merge_events(r.get("host_self_top", [])) for dep, r in depths.items()}
+        deepest = list(per.values())[-1]
+        keys = sorted(deepest, key=lambda k: -deepest[k]["self_us_per_step"])[:top]
         out += ["", f"Host self time of the top events at the deepest stack, variant {first[0]} "
                 "(µs per step, count per step in brackets), by depth:", ""]
         out += _table(["window", "event"] + [f"{dep} layers" for dep in depths],
@@ -342,6 +340,18 @@ def _host_profile(d: dict, top: int = 4) -> list[str]:
                           (f"{_fmt(per[dep][(w, n)]['self_us_per_step'], 1)} "
                            f"({_fmt(per[dep][(w, n)]['count_per_step'], 1)})") if (w, n) in per[dep] else "—"
                           for dep in depths] for w, n in keys])
+    return out
+
+
+def _merge_events(events: list[dict]) -> dict[tuple[str, str], dict]:
+    """(window, event) -> the summed self time and count of the events that differ only in their graph id (one
+    ``cuGraphLaunch`` row per step for all of a segmented step's graphs)."""
+    out: dict[tuple[str, str], dict] = {}
+    for e in events:
+        k = (e["window"], _event(e["name"]))
+        o = out.setdefault(k, {"self_us_per_step": 0.0, "count_per_step": 0.0})
+        o["self_us_per_step"] += e["self_us_per_step"]
+        o["count_per_step"] += e["count_per_step"]
     return out
 
 
