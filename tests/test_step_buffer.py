@@ -123,13 +123,15 @@ def test_device_prep_checks_like_the_host() -> None:
                        max_model_len=64, input_prep="gpu")
 
 
-@pytest.mark.parametrize("segments", [pytest.param(3, marks=pytest.mark.slow)])  # CI budget; V4: test_v4_decoder
-def test_fused_segments_equal_one_executable(segments: int) -> None:
-    """A fused step launched as several captured executables gives the one-executable step's logits."""
+@pytest.mark.parametrize("segments, first", [pytest.param(3, 0, marks=pytest.mark.slow),  # CI budget; V4:
+                                             pytest.param(2, 1, marks=pytest.mark.slow)])  # test_v4_decoder
+def test_fused_segments_equal_one_executable(segments: int, first: int) -> None:
+    """A fused step launched as several captured executables (an even split, or a short first segment) gives
+    the one-executable step's logits."""
     cfg = dataclasses.replace(preset("v4-tiny"), numerics=Numerics.exact())
     model = Decoder(cfg, seed=0)
     kw = dict(model=model, mode="fused", num_blocks=8, max_num_seqs=2, max_num_tokens=256, max_model_len=320)
-    one, split = BoundaryRunner(**kw), BoundaryRunner(**kw, segments=segments)
+    one, split = BoundaryRunner(**kw), BoundaryRunner(**kw, segments=segments, first_segment_layers=first)
     bt = np.arange(2 * one.max_blocks, dtype=np.int32).reshape(2, -1)
     rng = np.random.default_rng(0)
     for chunks in ([Chunk(0, 0, 150), Chunk(1, 0, 30)], [Chunk(0, 150, 1), Chunk(1, 30, 1)]):
