@@ -171,7 +171,7 @@ class BoundaryRunner:
         self.key_block_buckets = _bucket_set("key_block_buckets", self.key_block_buckets, self.max_blocks,
                                              _buckets(min(4, self.max_blocks), self.max_blocks))
         self._place_on_mesh()
-        pinned_ok = self.mesh is None and any(m.kind == "pinned_host" for m in jax.devices()[0].addressable_memories())
+        pinned_ok = self.mesh is None and any(m.kind == "pinned_host" for m in self._device.addressable_memories())
         if self.step_buffer == "auto":
             self.step_buffer = "pinned" if pinned_ok else "transfer"
         elif self.step_buffer == "pinned" and not pinned_ok:
@@ -453,7 +453,8 @@ class BoundaryRunner:
                 carry = self._commit((h, small, jnp.zeros(r, i32)))
             else:  # in the layout the first segment returns them in
                 rep = sharding.replicated(self.mesh)
-                carry = (jax.device_put(h, self._rows_sh), jax.device_put(small, rep), jax.device_put(jnp.zeros(r, i32), rep))
+                carry = (jax.device_put(h, self._rows_sh), jax.device_put(small, rep),
+                         jax.device_put(jnp.zeros(r, i32), rep))
         return carry
 
     def _segment_args(self, k: int, inp: StepInputs, carry: tuple, boundary: tuple) -> tuple:
@@ -626,12 +627,11 @@ class BoundaryRunner:
         """
         ring = self._pinned.get(tb)
         if ring is None:
-            dev = jax.devices()[0]
             n = step_buffer_len(tb, self.max_num_seqs, self.update_capacity)
             ring = self._pinned[tb] = []
             for _ in range(2):
                 arr = jax.device_put(np.zeros(n, np.int32),
-                                     jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"))
+                                     jax.sharding.SingleDeviceSharding(self._device, memory_kind="pinned_host"))
                 arr.block_until_ready()
                 view = np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(arr.unsafe_buffer_pointer()))
                 ring.append([arr, view, None])

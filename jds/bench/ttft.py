@@ -87,7 +87,8 @@ def time_variant(model: Any, mode: str, prep: str, segments: int, n: int, moe: b
             out = runner.step(*runner.prepare_inputs(ids, chunks, bt))
         jax.block_until_ready(out)
         reps.append((time.perf_counter() - a) / 10)
-    res = {"mode": mode, "input_prep": prep, "segments": segments, "put": put, "spin": spin, "gc_freeze": freeze, "host_ids": host_ids,
+    res = {"mode": mode, "input_prep": prep, "segments": segments, "put": put, "spin": spin, "gc_freeze": freeze,
+           "host_ids": host_ids,
            "step_buffer": runner.step_buffer, "first_step_s": compile_s, "compile_workers": runner.compile_workers,
            "ttft_ms": _median_ms(walls), "prepare_ms": _median_ms(preps), "launch_ms": _median_ms(launches),
            "prepare_alone_ms": _median_ms(alone), "parts_ms": {k: _median_ms(v) for k, v in parts.items()},
