@@ -24,8 +24,9 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, 3 warpgroups per CTA: 2 compu
   as one scalar; both L2 hits), waits, and promotes: acc += blk * (sx[m, kb] * sw[nb, kb]). That is
   DeepGEMM's scheme: an fp8 MMA chain never spans more than one 128-wide K block, the running sum is fp32
   on the CUDA cores. The two compute warpgroups interleave (one promotes while the other's MMA runs).
-  ``stage_scales=True`` (the default below 64 rows, where it measured faster: BENCHMARKS.md) copies a warpgroup's sx^T rows for the
-  CTA's K range and 8 weight-scale rows by TMA into SMEM before the pipeline, so that the promotion reads SMEM:
+  ``stage_scales=True`` (the default below 64 rows, where it measured faster: BENCHMARKS.md) copies a
+  warpgroup's sx^T rows for the CTA's K range and 8 weight-scale rows by TMA into SMEM before the pipeline, so
+  that the promotion reads SMEM:
   an Nsight Compute profile of the decode call (2026-12-01) put a fifth of the warps' stall samples on the
   promotion waiting for the weight scale loaded from global memory.
 - Warpgroup split: block_m = 128 -> each warpgroup owns 64 rows x block_n columns; block_m = 64 (small M,
@@ -80,10 +81,11 @@ _X_DTYPES = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16)
 _SCALE_FMTS = ("ue8m0", "amax")
 
 
-# ----------------------------------------------------------------------------------------------------
-# public entry points
 STAGE_SCALES_BELOW = 64  # rows (M) below which stage_scales=None stages the scales in SMEM
 
+
+# ----------------------------------------------------------------------------------------------------
+# public entry points
 def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jnp.dtype = jnp.bfloat16,
                scale_fmt: quant.ScaleFmt = "ue8m0", implementation: Implementation = "auto",
                interpret: bool | plgpu.InterpretGPUParams | None = None, block_m: int | None = None,
@@ -210,9 +212,10 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     mp = -(-m // bm) * bm
-    trim = s > 1 and bm == 64 and mp == bm  # split-K partials of one 64-row tile: the trimmed epilogue
-    if stage_scales is None:  # interpret mode hangs on staged scales + the trimmed epilogue (undiagnosed, 2026-12-01;
-        # the GPU runs it: native tests and the benchmark), so it keeps the unstaged kernel there
+    trim = _trimmed(s, bm, mp // bm)
+    # interpret mode hangs on staged scales + the trimmed epilogue (undiagnosed, 2026-12-01; the GPU runs it: native
+    # tests and the benchmark), so there the default keeps the unstaged kernel
+    if stage_scales is None:
         stage_scales = m < STAGE_SCALES_BELOW and not (interpret and trim)
     elif stage_scales and interpret and trim:
         raise Unsupported("fp8_linear kernel: stage_scales=True with split-K partials of one 64-row tile hangs in "
@@ -228,6 +231,11 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     if s > 1:
         y = jnp.sum(y, axis=0)
     return y[:m].astype(out_dtype).reshape(*lead, n)
+
+
+def _trimmed(splits: int, bm: int, m_tiles: int) -> bool:
+    """Split-K partials of a single 64-row tile (decode) go through the trimmed SMEM epilogue."""
+    return splits > 1 and bm == 64 and m_tiles == 1
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -248,7 +256,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     ROW = L.reduce(1)
     # split-K partials of a single 64-row tile (decode) keep only the first mr = round_up(M, 8) rows: fp32
     # partials of all 64 rows would be written and read back once per split (as many bytes as the weights)
-    trim = splits > 1 and bm == 64 and m_tiles == 1
+    trim = _trimmed(splits, bm, m_tiles)
     swz = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))  # 128 e4m3 = one 128-byte row
 
     def tile_of(t):
