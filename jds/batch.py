@@ -169,9 +169,10 @@ def pack_step(token_ids: np.ndarray, chunks: Sequence[Chunk], updates: tuple[np.
               out: np.ndarray | None = None) -> np.ndarray:
     """The host's whole per-step input as one int32 array: what ``unpack_step`` expands on the device.
 
-    Layout: [num_tokens, num_chunks, num_updates | token ids (padded to the bucket) | feed (padded with -1) | chunk
+    Layout: [num_tokens, num_chunks, num_updates | token ids (padded to the bucket) | feed (-1: none; padded) | chunk
     rows | chunk starts | chunk lengths (each padded to ``num_rows``) | update rows | update columns | update pages
-    (each padded to ``update_capacity``)]. ``updates`` are the block-table entries that changed since the last step
+    (each padded to ``update_capacity``)]. The padding is zeros in a new buffer; written into ``out``, it keeps
+    what was there (``unpack_step`` reads nothing past the counts). ``updates`` are the block-table entries that changed since the last step
     (rows, columns, page ids). ``feed[i] >= 0`` makes token i the one the previous step sampled for its row
     ``feed[i]`` (asynchronous stepping: the host never waits for it). Why one array: each host-to-device transfer
     costs tens of microseconds of host time whatever its size, and an argument whose address changes makes XLA
@@ -189,20 +190,17 @@ def pack_step(token_ids: np.ndarray, chunks: Sequence[Chunk], updates: tuple[np.
         buf = np.zeros(n, np.int32)
     elif out.shape != (n,) or out.dtype != np.int32:
         raise ValueError(f"out must be int32 of shape ({n},), got {out.dtype} {out.shape}")
-    else:
+    else:  # not cleared: what lies past the counts is masked by unpack_step (one numpy call fewer per step)
         buf = out
-        buf.fill(0)
+    if feed is not None and len(feed) != t:
+        raise ValueError(f"feed has {len(feed)} entries for {t} tokens")
+    # one write per section: each numpy call costs host time on the step's critical path
     buf[:_HEADER] = (t, c, u)
     o = _HEADER
     buf[o:o + t] = token_ids
     o += num_tokens
-    buf[o:o + num_tokens] = -1
-    if feed is not None:
-        if len(feed) != t:
-            raise ValueError(f"feed has {len(feed)} entries for {t} tokens")
-        buf[o:o + t] = feed
+    buf[o:o + t] = -1 if feed is None else feed
     o += num_tokens
-    # one write per section (each numpy call costs host time on the step's critical path)
     buf[o:o + 3 * num_rows].reshape(3, num_rows)[:, :c] = [[ch.req for ch in chunks], [ch.start for ch in chunks],
                                                           [ch.num_tokens for ch in chunks]]
     o += 3 * num_rows
@@ -226,12 +224,15 @@ def unpack_step(buf: jax.Array, block_tables: jax.Array, *, num_rows: int, updat
     tb = (buf.shape[0] - step_buffer_len(0, r, update_capacity)) // 2
     t, c, nu = buf[0], buf[1], buf[2]
     o = _HEADER
+    i = jnp.arange(tb, dtype=jnp.int32)
+    real = i < t
     tokens = buf[o:o + tb]
     o += tb
     if prev_tokens is not None:
         feed = buf[o:o + tb]
         fed = prev_tokens[jnp.clip(feed, 0, prev_tokens.shape[0] - 1)].astype(tokens.dtype)
         tokens = jnp.where(feed >= 0, fed, tokens)
+    tokens = jnp.where(real, tokens, 0)  # the padding is whatever an earlier step left in a reused buffer
     o += tb
     ch_row, ch_start, ch_len = buf[o:o + r], buf[o + r:o + 2 * r], buf[o + 2 * r:o + 3 * r]
     o += 3 * r
@@ -245,8 +246,6 @@ def unpack_step(buf: jax.Array, block_tables: jax.Array, *, num_rows: int, updat
     starts = jnp.zeros(r, jnp.int32).at[row_of_chunk].set(ch_start, mode="drop")
     seq_lens = jnp.where(counts > 0, starts + counts, 0)
     qsl = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
-    i = jnp.arange(tb, dtype=jnp.int32)
-    real = i < t
     # compare_all, not the default scan: the scan is an XLA while loop, which a command buffer cannot hold, so
     # the host would run it (one device->host read of the predicate per iteration) before launching the rest
     req = jnp.where(real, jnp.searchsorted(qsl[1:], i, side="right", method="compare_all").astype(jnp.int32), 0)

@@ -51,6 +51,10 @@ class StepInputs:
     block_tables: np.ndarray  # the host's tables after this step (the device's copy once it ran)
     prev_tokens: jax.Array | None = None  # the previous step's sampled tokens, for the packed feed
     serial: int = 0  # step_buffer="pinned": which write of the bucket's persistent buffer these inputs are
+    source: tuple | None = None  # the caller's block tables as (shape, bytes, any page outside the pool)
+
+
+_NO_UPDATES = np.zeros(0, np.int64)
 
 
 def _buckets(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:
@@ -202,6 +206,7 @@ class BoundaryRunner:
         # the entries that changed; ``_bt_host`` mirrors what the device holds.
         self.update_capacity = self.update_capacity or 4 * self.max_num_seqs + 64
         self._bt_host = np.zeros((self.max_num_seqs, self.max_blocks), np.int32)
+        self._bt_source: tuple | None = None  # the caller's tables behind _bt_host (StepInputs.source)
         self._bt_state = self._commit(np.zeros((self.max_num_seqs, self.max_blocks), np.int32), replicated=True)
         self._no_prev: jax.Array | None = None
         self._carry: dict[tuple[int, int], tuple] = {}  # segment-boundary buffers per (tokens, key blocks)
@@ -474,7 +479,7 @@ class BoundaryRunner:
         carry = self._segment_carry(inp.token_bucket, kb)
         lo, hi = bounds[0]
         boundary, self._bt_state, self.caches[lo:hi] = self._segment(0, kb)(*self._segment_args(0, inp, carry, carry))
-        self._bt_host = inp.block_tables
+        self._tables_sent(inp)
         h, small, li = boundary
         for k in range(1, self.segments - 1):
             lo, hi = bounds[k]
@@ -555,10 +560,10 @@ class BoundaryRunner:
         """
         if feed is not None and self.input_prep != "device":
             raise ValueError("feed needs input_prep='device' (the host path feeds tokens in submit)")
+        if self.input_prep == "device":
+            return (self._prepare_device(token_ids, chunks, block_tables, feed, prev_tokens),)
         token_ids = np.asarray(token_ids)
         t, src, bt, tb, kb = self._step_shape(token_ids, chunks, block_tables)
-        if self.input_prep == "device":
-            return (self._pack(token_ids, chunks, src.shape[0], bt, tb, kb, feed, prev_tokens),)
         batch = make_batch(chunks, bt, self.block_size, pad_to=tb, host=True)
         # Checked on the host: reading a device copy back here would wait for the previous step.
         if (batch.slot_mapping[:t] >= self.num_blocks * self.block_size).any():
@@ -573,12 +578,54 @@ class BoundaryRunner:
         inputs = (tokens, batch, li, small)
         return self._stage((tb, kb), inputs) if self.stable_inputs else inputs
 
-    def _pack(self, token_ids: np.ndarray, chunks: list[Chunk], src_rows: int, bt: np.ndarray, tb: int,
-              kb: int, feed: np.ndarray | None = None, prev_tokens: jax.Array | None = None) -> StepInputs:
-        """Check the chunks as ``make_batch`` does, diff the block tables against the device's copy and
-        pack the step (``jds.batch.pack_step``)."""
-        # Plain Python over the chunks: a step has few, and numpy's per-call cost on small arrays is what this
-        # path (on the host's critical path before the first launch) spent its time in.
+    def _prepare_device(self, token_ids: np.ndarray, chunks: list[Chunk], block_tables: np.ndarray,
+                        feed: np.ndarray | None, prev_tokens: jax.Array | None) -> StepInputs:
+        """``prepare_inputs`` under ``input_prep="device"``: the checks of ``make_batch``, then ``_pack``.
+
+        Why so little numpy: this runs on the critical path right after the host waited for the previous
+        step, when each distinct numpy call costs ten times or more its back-to-back cost (its code and data
+        have left the core's caches; docs/perf-log.md, 2026-12-01, sixth session). So the chunks are checked in
+        plain Python, and block tables equal to the ones the device holds (most steps) are recognised by one
+        bytes comparison instead of being padded, range-checked and diffed.
+        """
+        if not isinstance(token_ids, np.ndarray):
+            token_ids = np.asarray(token_ids)
+        src = block_tables
+        if not isinstance(src, np.ndarray) or src.dtype != np.int32:
+            src = np.asarray(src, np.int32)
+        if src.ndim != 2:
+            raise ValueError(f"block_tables must be 2-D [rows, blocks], got shape {src.shape}")
+        if src.shape[1] > self.max_blocks:
+            raise ValueError(f"block_tables has {src.shape[1]} columns, more than max_blocks={self.max_blocks}")
+        if src.shape[0] > self.max_num_seqs:
+            raise ValueError(f"block_tables has {src.shape[0]} rows, more than max_num_seqs={self.max_num_seqs}")
+        t, end = self._check_chunks(chunks, src.shape[0])
+        if len(token_ids) != t:
+            raise ValueError(f"token_ids has {len(token_ids)} tokens but the chunks hold {t}")
+        key = src.tobytes()
+        held = self._bt_source
+        if held is not None and held[0] == src.shape and held[1] == key:  # the device holds these tables
+            bt, outside = self._bt_host, held[2]
+        else:
+            bt = np.zeros((self.max_num_seqs, self.max_blocks), np.int32)
+            np.maximum(src, 0, out=bt[: src.shape[0], : src.shape[1]])
+            outside = int(bt.max()) >= self.num_blocks
+        if outside:  # some entry is outside the pool: is it one this step writes?
+            for c in chunks:
+                a, b = c.start // self.block_size, (c.start + c.num_tokens - 1) // self.block_size
+                if (bt[c.req, a:b + 1] >= self.num_blocks).any():
+                    raise ValueError("block_tables references a page outside the pool")
+        return self._pack(token_ids, chunks, bt, _pick(self.token_buckets, t),
+                          _pick(self.key_block_buckets, -(-end // self.block_size)), feed, prev_tokens,
+                          source=(src.shape, key, outside))
+
+    def _check_chunks(self, chunks: list[Chunk], src_rows: int) -> tuple[int, int]:
+        """The step's chunks checked as ``make_batch`` checks them: (their tokens, the last position + 1)."""
+        if not chunks:
+            raise ValueError("chunks must not be empty")
+        if len(chunks) > self.max_num_seqs:
+            raise ValueError(f"{len(chunks)} request rows exceed max_num_seqs={self.max_num_seqs}")
+        t = end = 0
         prev = -1
         for c in chunks:
             if not 0 <= c.req < src_rows:
@@ -588,31 +635,47 @@ class BoundaryRunner:
             prev = c.req
             if c.start < 0 or c.num_tokens < 1:
                 raise ValueError("every chunk needs start >= 0 and num_tokens >= 1")
-            if (c.start + c.num_tokens - 1) // self.block_size >= self.max_blocks:
+            e = c.start + c.num_tokens
+            if e > self.max_model_len:
+                raise ValueError(f"a chunk reaches position {e}, beyond max_model_len={self.max_model_len}")
+            if (e - 1) // self.block_size >= self.max_blocks:
                 raise ValueError("block_tables row is too short for a chunk's last position")
-        if int(bt.max()) >= self.num_blocks:  # some entry is outside the pool: is it one this step writes?
-            for c in chunks:
-                a, b = c.start // self.block_size, (c.start + c.num_tokens - 1) // self.block_size
-                if (bt[c.req, a:b + 1] >= self.num_blocks).any():
-                    raise ValueError("block_tables references a page outside the pool")
+            t += c.num_tokens
+            end = max(end, e)
+        return t, end
+
+    def _pack(self, token_ids: np.ndarray, chunks: list[Chunk], bt: np.ndarray, tb: int, kb: int,
+              feed: np.ndarray | None = None, prev_tokens: jax.Array | None = None,
+              source: tuple | None = None) -> StepInputs:
+        """Diff the block tables ``bt`` (padded, checked) against the device's copy and pack the step
+        (``jds.batch.pack_step``). ``source``: (shape, bytes, any page outside the pool) of the caller's
+        tables, remembered once the step runs (``_prepare_device``'s fast path)."""
         if self.step_buffer == "pinned":  # before _bt_state can be replaced below: it is the guard
             arr, view = self._pinned_buffer(tb)
-        rows, cols = np.nonzero(bt != self._bt_host)
+        if bt is self._bt_host:
+            rows = cols = _NO_UPDATES
+        else:
+            rows, cols = np.nonzero(bt != self._bt_host)
         if len(rows) > self.update_capacity:  # more changed than one step carries: replace the whole table
             self._bt_state = self._commit(bt, replicated=True)
-            self._bt_host = bt
-            rows = cols = np.zeros(0, np.int64)
+            self._bt_host, self._bt_source = bt, None  # the source is recorded when the step runs
+            rows = cols = _NO_UPDATES
         updates = (rows, cols, bt[rows, cols] if len(rows) else rows)
         if self.step_buffer == "pinned":
             pack_step(token_ids, chunks, updates, num_tokens=tb, num_rows=self.max_num_seqs,
                       update_capacity=self.update_capacity, feed=feed, out=view)
             self._pinned_serial[tb] = serial = self._pinned_serial.get(tb, 0) + 1  # picks the other slot next
-            return StepInputs(arr, tb, kb, bt, prev_tokens, serial)
+            return StepInputs(arr, tb, kb, bt, prev_tokens, serial, source)
         packed = pack_step(token_ids, chunks, updates, num_tokens=tb, num_rows=self.max_num_seqs,
                            update_capacity=self.update_capacity, feed=feed)
         # Without a mesh the numpy buffer goes straight into the executable's call: jit's C++ path copies it
         # to the device as part of the dispatch, cheaper on the host than a separate ``jax.device_put``.
-        return StepInputs(packed if self.mesh is None else jax.device_put(packed), tb, kb, bt, prev_tokens)
+        return StepInputs(packed if self.mesh is None else jax.device_put(packed), tb, kb, bt, prev_tokens,
+                          source=source)
+
+    def _tables_sent(self, inp: StepInputs) -> None:
+        """A dispatched step's block tables are now the device's."""
+        self._bt_host, self._bt_source = inp.block_tables, inp.source
 
     def _pinned_buffer(self, tb: int) -> tuple[jax.Array, np.ndarray]:
         """A persistent pinned-host step buffer of token bucket ``tb`` that no step can still be reading, and a
@@ -636,8 +699,12 @@ class BoundaryRunner:
                 view = np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(arr.unsafe_buffer_pointer()))
                 ring.append([arr, view, None])
         slot = ring[self._pinned_serial.get(tb, 0) % 2]
-        if slot[2] is not None and not slot[2].is_deleted():
-            slot[2].block_until_ready()
+        if slot[2] is not None:
+            try:  # one call on the critical path; a deleted witness (given back by its owner) guards nothing
+                slot[2].block_until_ready()
+            except jax.errors.JaxRuntimeError:
+                if not slot[2].is_deleted():
+                    raise
         slot[2] = None
         return slot[0], slot[1]
 
@@ -701,14 +768,14 @@ class BoundaryRunner:
             return self._step_segments(inp)
         if self.mode == "fused":
             logits, self.caches, self._bt_state = self._fused_dev(kb)(*self._fused_dev_args(inp))
-            self._bt_host = inp.block_tables
+            self._tables_sent(inp)
             self._logits_out = logits if self.mesh is None else None
             self.last_dispatch = stats
             return logits
         kinds, layers = self._kinds, self._layers
         h, x, self.caches[0], self._bt_state, batch, small, li = self._first_dev(kinds[0], kb)(
             self._embed[1], layers[0][1], inp.packed, self._prev_of(inp), self._bt_state, self.caches[0])
-        self._bt_host = inp.block_tables
+        self._tables_sent(inp)
         logits = self._layer_loop(h, x, batch, small, li, stats)
         self.last_dispatch = stats
         return logits
@@ -947,12 +1014,12 @@ class BoundaryRunner:
         if self.mode == "fused" and self.input_prep == "device" and self.compile_workers > 1:
             # with pinned step buffers each _pack takes the next buffer of the bucket's pair: no step runs
             # between these, so none is in use
-            self._compile_fused([self._pack(np.zeros(0, np.int32), [], self.max_num_seqs, self._bt_host, tb, kb)
+            self._compile_fused([self._pack(np.zeros(0, np.int32), [], self._bt_host, tb, kb)
                                  for tb, kb in combos], progress)
         t0 = time.perf_counter()
         for n, (tb, kb) in enumerate(combos, 1):
             if self.input_prep == "device":  # an all-padding step: no chunks, no block-table updates
-                empty = self._pack(np.zeros(0, np.int32), [], self.max_num_seqs, self._bt_host, tb, kb)
+                empty = self._pack(np.zeros(0, np.int32), [], self._bt_host, tb, kb)
                 self._logits_sharding = jax.block_until_ready(self.step(empty)).sharding
                 if progress:
                     progress(f"compiled bucket {n}/{len(combos)} (tokens={tb}, key_blocks={kb}) "

@@ -109,6 +109,41 @@ def test_device_tables_follow_the_host(capacity: int) -> None:
         np.testing.assert_array_equal(dev._bt_host, want)
 
 
+def test_unchanged_tables_are_not_diffed_and_changes_are_seen() -> None:
+    """Block tables equal to the ones the device holds skip the pad / range check / diff (the same padded
+    table object is reused); a table changed in place, a discarded preparation that replaced the device's whole
+    table, and a page outside the pool that only a later step writes are all still seen."""
+    dev, host = _runner("device", update_capacity=2), _runner("host")
+    bs = dev.block_size
+    bt = np.arange(6, dtype=np.int32).reshape(2, 3)
+    rng = np.random.default_rng(7)
+
+    def run(chunks: list[Chunk], table: np.ndarray) -> None:
+        ids = rng.integers(0, 256, sum(c.num_tokens for c in chunks)).astype(np.int32)
+        np.testing.assert_array_equal(dev.execute(ids, chunks, table), host.execute(ids, chunks, table))
+        want = np.zeros_like(dev._bt_host)
+        want[: table.shape[0], : table.shape[1]] = np.maximum(table, 0)
+        np.testing.assert_array_equal(np.asarray(dev._bt_state), want)
+
+    run([Chunk(0, 0, 5), Chunk(1, 0, 3)], bt)
+    inp = dev.prepare_inputs(np.zeros(2, np.int32), [Chunk(0, 5, 1), Chunk(1, 3, 1)], bt)[0]
+    assert inp.block_tables is dev._bt_host  # the fast path
+    dev.step(inp)
+    host.execute(np.zeros(2, np.int32), [Chunk(0, 5, 1), Chunk(1, 3, 1)], bt)
+    bt[0, 1] = 11  # changed in place: same object, new contents
+    run([Chunk(0, bs, 2), Chunk(1, 4, 1)], bt)
+    # a preparation that replaced the whole table on the device (more changes than update_capacity), discarded
+    other = np.arange(12, 18, dtype=np.int32).reshape(2, 3)
+    dev.prepare_inputs(np.zeros(1, np.int32), [Chunk(0, 0, 1)], other)
+    run([Chunk(0, bs + 2, 1), Chunk(1, 5, 1)], bt)
+    # a page outside the pool in a block the first step does not write, the second does
+    far = bt.copy()
+    far[1, 2] = 99
+    run([Chunk(0, bs + 3, 1)], far)
+    with pytest.raises(ValueError, match="outside the pool"):
+        dev.execute(np.zeros(1, np.int32), [Chunk(1, 2 * bs, 1)], far)
+
+
 def test_device_prep_checks_like_the_host() -> None:
     r = _runner("device")
     bt = np.arange(8, dtype=np.int32).reshape(2, 4)
