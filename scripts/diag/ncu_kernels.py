@@ -8,6 +8,15 @@
 
 The call is compiled and run a few times first; only the last call runs between cuProfilerStart and
 cuProfilerStop, so the report holds that call's kernels (the Pallas kernel and the wrapper's XLA ops).
+
+    ncu --clock-control none --profile-from-start off --csv --page raw \
+        --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+        python3 scripts/diag/ncu_kernels.py fp8sweep --cases wo:1 mlp:64 --variants '[{}, {"split_k": 2}]' \
+        --order OUT/order.json > OUT/sweep.csv
+
+``fp8sweep``: every (case, variant) call of the FP8 GEMM profiled once in one process, each preceded by a
+marker kernel (a ``sin`` fusion), so the report's kernels split into calls; ``--order`` names them in order.
+Kernel durations from the profiler are exact where the pipelined timings of these ~50 us calls are not.
 """
 
 from __future__ import annotations
@@ -44,14 +53,46 @@ def _fp8(shape: str, m: int, tiles: dict):
     return f, (x, wq, ws)
 
 
+def _sweep(a: argparse.Namespace) -> None:
+    cases = [(c.split(":")[0], int(c.split(":")[1])) for c in a.cases]
+    variants = json.loads(a.variants)
+    marker = jax.jit(lambda v: jnp.sin(v) * 3.0)
+    mv = jnp.ones((1000,), jnp.float32)
+    calls = []
+    for shape, m in cases:
+        for v in variants:
+            try:
+                f, args = _fp8(shape, m, v)
+                for _ in range(3):
+                    jax.block_until_ready(f(*args))
+                calls.append(({"case": f"{shape}_m{m}", **v}, f, args))
+            except Exception as e:  # noqa: BLE001 - a diag: record and go on
+                print(json.dumps({"case": f"{shape}_m{m}", **v, "error": f"{type(e).__name__}: {str(e)[:200]}"}))
+    jax.block_until_ready(marker(mv))
+    cuda = ctypes.CDLL("libcuda.so.1")
+    cuda.cuProfilerStart()
+    for _, f, args in calls:
+        jax.block_until_ready(marker(mv))
+        jax.block_until_ready(f(*args))
+    cuda.cuProfilerStop()
+    with open(a.order, "w") as fh:
+        json.dump([c for c, _, _ in calls], fh)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kernel", choices=("fp4", "fp8", "fp8g"))
-    ap.add_argument("--shape", required=True)
+    ap.add_argument("kernel", choices=("fp4", "fp8", "fp8g", "fp8sweep"))
+    ap.add_argument("--shape", default="wo")
+    ap.add_argument("--cases", nargs="+", default=["wo:1", "wo:64", "wo:128", "mlp:1", "mlp:64", "mlp:128"],
+                    help="fp8sweep: shape:rows")
+    ap.add_argument("--variants", default="[{}]", help="fp8sweep: JSON list of tile dicts")
+    ap.add_argument("--order", default="/tmp/fp8sweep_order.json", help="fp8sweep: where the call order goes")
     ap.add_argument("--tokens", type=int, default=8, help="fp4 / fp8g: tokens (x 6 / 8 routed rows each)")
     ap.add_argument("--m", type=int, default=64, help="fp8: rows")
     ap.add_argument("--tiles", default="{}", help="JSON dict of keyword arguments for the kernel")
     a = ap.parse_args()
+    if a.kernel == "fp8sweep":
+        return _sweep(a)
     tiles = json.loads(a.tiles)
     make = {"fp4": lambda: _grouped("fp4", a.shape, a.tokens, tiles),
             "fp8g": lambda: _grouped("fp8", a.shape, a.tokens, tiles),

@@ -1,0 +1,45 @@
+"""Per-call kernel durations from an ``ncu --csv --page raw`` report of ``ncu_kernels.py fp8sweep``.
+
+    python3 scripts/diag/ncu_sweep_table.py OUT/sweep.csv OUT/order.json > OUT/sweep.json
+
+Splits the report's kernels at the marker fusions (``sin``) into the calls named by the order file, and gives
+per call: the GEMM kernel's duration and DRAM throughput, the wrapper's XLA kernels' durations, and their sum.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+
+
+def main() -> None:
+    rows = list(csv.DictReader(line for line in open(sys.argv[1]) if line.startswith('"')))
+    order = json.load(open(sys.argv[2]))
+    rows = [r for r in rows if r.get("Kernel Name") and r.get("gpu__time_duration.sum", "").replace(",", "").replace(".", "").isdigit()]
+    calls, cur = [], None
+    for r in rows:
+        if "sin" in r["Kernel Name"]:
+            cur = []
+            calls.append(cur)
+        elif cur is not None:
+            cur.append(r)
+    out = []
+    for meta, ks in zip(order, calls):
+        dur = [(k["Kernel Name"][:40], float(k["gpu__time_duration.sum"].replace(",", ""))) for k in ks]
+        main_k = [k for k in ks if "mosaic" in k["Kernel Name"]]
+        unit = 1e-3  # ncu reports ns by default
+        gemm = float(main_k[0]["gpu__time_duration.sum"].replace(",", "")) * unit if main_k else None
+        out.append({**meta, "kernel_us": gemm,
+                    "kernel_dram_pct": float(main_k[0]["dram__throughput.avg.pct_of_peak_sustained_elapsed"]) if main_k else None,
+                    "call_kernels_us": sum(d for _, d in dur) * unit, "kernels": [(n, d * unit) for n, d in dur]})
+    json.dump(out, sys.stdout, indent=1)
+    print(file=sys.stderr)
+    for o in out:
+        print(o["case"], {k: v for k, v in o.items() if k not in ("case", "kernels", "call_kernels_us", "kernel_us", "kernel_dram_pct")},
+              "kernel %.1f us (%.0f%% DRAM), call kernels %.1f us, %d kernels" % (o["kernel_us"] or -1, o["kernel_dram_pct"] or -1,
+                                                                            o["call_kernels_us"], len(o["kernels"])), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
