@@ -38,7 +38,7 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, 3 warpgroups per CTA: 2 compu
   64-row tile (decode) only the first round_up(M, 8) rows go out, through SMEM and a TMA store (fp32 partials
   of 64 rows per split would be as many bytes as the weights). Split-K is the decode path: with M <= 64 there
   are only N / block_n output tiles (12 for the 7168->1536 q_a projection) and the call is weight-read
-  bound, so the K range is cut until about 2 CTAs per SM stream weights (``_auto_split_k``).
+  bound, so the K range is cut until one wave of CTAs (one per SM) fills most SMs (``_auto_split_k``).
 - Padding: M is padded to block_m (zero xq rows and scales). N and K must be multiples of 128
   (``Unsupported`` otherwise: "auto" then runs XLA, which takes any N).
 
@@ -77,6 +77,7 @@ from jds.ops.dispatch import Implementation, Unsupported, resolve_interpret, run
 BLOCK = 128  # quantisation block (both operands) = kernel K step
 SW_ROWS = 8  # staged scales: weight-scale rows a CTA copies (8 x a multiple of 4 floats = 128-byte multiples)
 NUM_SMS = 132  # H100 / H200; only steers the automatic split_k
+WAVE_FILL = 0.72  # the automatic split_k's target: CTAs >= this share of NUM_SMS (95 CTAs)
 _X_DTYPES = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16))
 _SCALE_FMTS = ("ue8m0", "amax")
 
@@ -146,8 +147,8 @@ def _pick_tiles(m: int, n: int, nk: int, block_m: int | None, block_n: int | Non
                 split_k: int | None) -> tuple[int, int, int]:
     """(block_m, block_n, split_k): the given ones, defaults for the rest.
 
-    Defaults: M <= 64 (decode, weight-read bound): 64 x 128 tiles (wgmma's minimum M) and split-K until ~2 CTAs
-    per SM stream weights. Larger M: 128 x 128 tiles (+ split-K if too few). 256-wide tiles halve the SMEM / L2
+    Defaults: M <= 64 (decode, weight-read bound): 64 x 128 tiles (wgmma's minimum M) and split-K until one
+    wave of CTAs fills most SMs (``_auto_split_k``). Larger M: 128 x 128 tiles (+ split-K if too few). 256-wide tiles halve the SMEM / L2
     traffic per FLOP but were slower at M = 2048 in the tile sweep (``jds.bench.kernels_fp8_gemm --sweep``): a
     256-wide warpgroup chunk doubles the promotion registers and leaves room for fewer TMA stages."""
     bm = block_m or (64 if m <= 64 else 128)
@@ -167,13 +168,17 @@ def supports(n: int, k: int) -> bool:
 
 
 def _auto_split_k(tiles: int, nk: int) -> int:
-    """Smallest divisor s of nk with tiles * s >= 2 * NUM_SMS (about 2 CTAs per SM stream weights), keeping
-    >= 2 K blocks per CTA; 1 when the output tiles alone fill the GPU."""
-    if tiles >= NUM_SMS:
+    """Smallest divisor s of nk with tiles * s >= ``WAVE_FILL`` * NUM_SMS (one wave that fills most SMs),
+    keeping >= 2 K blocks per CTA; 1 when the output tiles alone reach it.
+
+    Why one wave: the kernel holds one CTA per SM (its registers and SMEM), so each further wave repeats a
+    CTA's prologue (scales, pipeline fill) with the SM's memory stream idle, and more splits also add fp32
+    partials to write and sum. The earlier rule (about 2 CTAs per SM, 448 CTAs for wo) was slower at every
+    measured decode shape (benchmarks/results/archive/fp8_decode_ncu_sweep_h200_2026-12-01.json)."""
+    if tiles >= WAVE_FILL * NUM_SMS:
         return 1
-    want = -(-2 * NUM_SMS // tiles)
     divs = [d for d in range(1, nk + 1) if nk % d == 0 and nk // d >= 2] or [1]
-    bigger = [d for d in divs if d >= want]
+    bigger = [d for d in divs if tiles * d >= WAVE_FILL * NUM_SMS]
     return bigger[0] if bigger else divs[-1]
 
 

@@ -222,11 +222,13 @@ def test_bad_inputs(implementation: str, args, field: str) -> None:
 
 
 def test_auto_split_k() -> None:
-    assert G._auto_split_k(tiles=12, nk=56) == 28  # 7168 -> 1536 decode: 336 CTAs of 2 K blocks
+    assert G._auto_split_k(tiles=12, nk=56) == 8  # 7168 -> 1536 decode: 96 CTAs of 7 K blocks
+    assert G._auto_split_k(tiles=56, nk=128) == 2  # 16384 -> 7168 (wo): 112 CTAs, one wave
+    assert G._auto_split_k(tiles=144, nk=56) == 1  # 7168 -> 18432 (mlp): the tiles alone fill the SMs
     assert G._auto_split_k(tiles=200, nk=56) == 1
     assert G._auto_split_k(tiles=1, nk=2) == 1  # never below 2 K blocks per CTA
     assert G._pick_tiles(8192, 18432, 56, None, None, None) == (128, 128, 1)
-    assert G._pick_tiles(1, 1536, 56, None, None, None) == (64, 128, 28)
+    assert G._pick_tiles(1, 1536, 56, None, None, None) == (64, 128, 8)
 
 
 # ----- lowering for CUDA on the CPU ---------------------------------------------------------------

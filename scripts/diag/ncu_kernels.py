@@ -15,7 +15,7 @@ cuProfilerStop, so the report holds that call's kernels (the Pallas kernel and t
         --order OUT/order.json > OUT/sweep.csv
 
 ``fp8sweep``: every (case, variant) call of the FP8 GEMM profiled once in one process, each preceded by a
-marker kernel (a ``sin`` fusion), so the report's kernels split into calls; ``--order`` names them in order.
+marker kernel (``sin(v) * 3``: XLA's ``loop_multiply_fusion``), so the report's kernels split into calls; ``--order`` names them in order.
 Kernel durations from the profiler are exact where the pipelined timings of these ~50 us calls are not.
 """
 

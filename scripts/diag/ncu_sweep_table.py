@@ -2,7 +2,9 @@
 
     python3 scripts/diag/ncu_sweep_table.py OUT/sweep.csv OUT/order.json > OUT/sweep.json
 
-Splits the report's kernels at the marker fusions (``sin``) into the calls named by the order file, and gives
+Splits the report's kernels at the marker kernels (``sin(v) * 3``, the report's first kernel: the same name,
+grid and block each time; the GEMM's own fusions may share its name, not its launch shape) into the calls
+named by the order file, and gives
 per call: the GEMM kernel's duration and DRAM throughput, the wrapper's XLA kernels' durations, and their sum.
 """
 
@@ -18,8 +20,10 @@ def main() -> None:
     order = json.load(open(sys.argv[2]))
     rows = [r for r in rows if r.get("Kernel Name") and r.get("gpu__time_duration.sum", "").replace(",", "").replace(".", "").isdigit()]
     calls, cur = [], None
+    sig = lambda r: (r["Kernel Name"], r["Grid Size"], r["Block Size"])  # noqa: E731
+    marker = sig(rows[0])
     for r in rows:
-        if "sin" in r["Kernel Name"]:
+        if sig(r) == marker:
             cur = []
             calls.append(cur)
         elif cur is not None:
