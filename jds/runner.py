@@ -528,24 +528,26 @@ class BoundaryRunner:
                     ) -> tuple[int, np.ndarray, np.ndarray, int, int]:
         """A step's inputs checked against the runner's limits: (tokens, the caller's block tables, them padded to
         [max_num_seqs, max_blocks] with -1 as page 0, the token bucket, the key-block bucket)."""
-        t = int(sum(c.num_tokens for c in chunks))
+        src = self._tables(block_tables)
+        t, end = self._check_chunks(chunks, src.shape[0])
         if len(token_ids) != t:
             raise ValueError(f"token_ids has {len(token_ids)} tokens but the chunks hold {t}")
-        if not chunks:
-            raise ValueError("chunks must not be empty")
-        if len(chunks) > self.max_num_seqs:
-            raise ValueError(f"{len(chunks)} request rows exceed max_num_seqs={self.max_num_seqs}")
         bt = np.zeros((self.max_num_seqs, self.max_blocks), np.int32)
-        src = np.asarray(block_tables, np.int32)
+        np.maximum(src, 0, out=bt[: src.shape[0], : src.shape[1]])
+        return t, src, bt, _pick(self.token_buckets, t), _pick(self.key_block_buckets, -(-end // self.block_size))
+
+    def _tables(self, block_tables: np.ndarray) -> np.ndarray:
+        """The caller's block tables as int32 [rows, blocks], checked against the runner's limits."""
+        src = block_tables
+        if not isinstance(src, np.ndarray) or src.dtype != np.int32:
+            src = np.asarray(src, np.int32)
+        if src.ndim != 2:
+            raise ValueError(f"block_tables must be 2-D [rows, blocks], got shape {src.shape}")
         if src.shape[1] > self.max_blocks:
             raise ValueError(f"block_tables has {src.shape[1]} columns, more than max_blocks={self.max_blocks}")
         if src.shape[0] > self.max_num_seqs:
             raise ValueError(f"block_tables has {src.shape[0]} rows, more than max_num_seqs={self.max_num_seqs}")
-        np.maximum(src, 0, out=bt[: src.shape[0], : src.shape[1]])
-        end = max(c.start + c.num_tokens for c in chunks)
-        if end > self.max_model_len:
-            raise ValueError(f"a chunk reaches position {end}, beyond max_model_len={self.max_model_len}")
-        return t, src, bt, _pick(self.token_buckets, t), _pick(self.key_block_buckets, -(-end // self.block_size))
+        return src
 
     def prepare_inputs(self, token_ids: np.ndarray, chunks: list[Chunk], block_tables: np.ndarray, *,
                        feed: np.ndarray | None = None, prev_tokens: jax.Array | None = None) -> tuple:
@@ -590,15 +592,7 @@ class BoundaryRunner:
         """
         if not isinstance(token_ids, np.ndarray):
             token_ids = np.asarray(token_ids)
-        src = block_tables
-        if not isinstance(src, np.ndarray) or src.dtype != np.int32:
-            src = np.asarray(src, np.int32)
-        if src.ndim != 2:
-            raise ValueError(f"block_tables must be 2-D [rows, blocks], got shape {src.shape}")
-        if src.shape[1] > self.max_blocks:
-            raise ValueError(f"block_tables has {src.shape[1]} columns, more than max_blocks={self.max_blocks}")
-        if src.shape[0] > self.max_num_seqs:
-            raise ValueError(f"block_tables has {src.shape[0]} rows, more than max_num_seqs={self.max_num_seqs}")
+        src = self._tables(block_tables)
         t, end = self._check_chunks(chunks, src.shape[0])
         if len(token_ids) != t:
             raise ValueError(f"token_ids has {len(token_ids)} tokens but the chunks hold {t}")
