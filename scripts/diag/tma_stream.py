@@ -94,6 +94,7 @@ GEMM_VARIANTS = [dict(), dict(block_n=64, split_k=1, stages=8), dict(block_n=128
 def gemm_rows(a: argparse.Namespace, ceil: dict, time_fn) -> None:
     import numpy as np
 
+    from jds.bench.timing import device_time_us
     from jds.ops import quant
     from pallas_kernels import fp8_gemm
 
