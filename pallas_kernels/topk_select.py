@@ -16,7 +16,11 @@ each survivor is stored straight to its output slot. Per row:
    expected 1.8 x k keys reach it for k = 2048 of 64K random values). One streaming pass copies the keys
    >= pivot with their columns, in column order, into a per-row candidate buffer. When it holds between k
    and ``capacity`` keys it contains every key >= tau (tau >= pivot), so steps 2-3 read the buffer instead
-   of the row. Otherwise (a skewed sample, or ties at the pivot) they read the row: slower, same result.
+   of the row. When more than ``capacity`` keys reach the pivot, its value is shared by many keys (the -inf
+   tail of a short row: few finite logits; or a heavy tie). With k to ``capacity`` keys strictly above it, a
+   second pass fills the buffer with those alone, and steps 2-3 read it; with fewer than k above it, the
+   pivot is tau itself, and the row goes straight to step 3 (one pass instead of the counting passes).
+   Otherwise (a skewed sample: fewer than k keys reach the pivot) steps 2-3 read the row: slower, same result.
 2. Counting: 32 / bits digit passes, most significant first. ``ge[d]`` = candidates (decided high bits ==
    prefix) whose current digit is >= d: compare-and-sum over the 2^bits digit values into per-lane
    counters, one cross-lane reduction per pass (no atomics). The largest d with ``ge[d] >= k'`` extends the
@@ -132,8 +136,11 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int) -
     return lax.fori_loop(0, 32 // bits, digit_pass, (jnp.zeros((), I32), jnp.asarray(k, I32)))
 
 
-def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, *bufs, n: int, k: int, cfg: TopkSelectConfig, cap: int,
-                   interpret: bool) -> None:
+PATHS = ("row", "buffer", "refilled buffer", "pivot is tau")  # select_unsorted's path codes
+
+
+def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k: int, cfg: TopkSelectConfig,
+                   cap: int, interpret: bool) -> None:
     row = pl.program_id(0)
     t = idx_ref.shape[0]
     hb = cfg.hist_block
@@ -160,36 +167,58 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, *bufs, n: int, k: int, cfg
         piv_u, _ = _kth_key([(1, lambda b: (xs, scol))], _sample_rank(n, k, s_n), cfg.bits, s_n)
         piv = piv_u ^ _SIGN
 
-        def prefilter(b, filled):
-            s, col = x_keys(b, cfg.block)
-            ki = (s >= piv).astype(I32)
-            slot = filled + jnp.cumsum(ki, axis=1) - ki
-            ok = (ki == 1) & (slot < cap)
-            scatter(bkey_ref, slot, s, ok)
-            scatter(bcol_ref, slot, col, ok)
-            return filled + jnp.sum(ki)
+        def fill(strict):
+            def body(b, carry):
+                filled, above = carry
+                s, col = x_keys(b, cfg.block)
+                ki = ((s > piv) if strict else (s >= piv)).astype(I32)
+                slot = filled + jnp.cumsum(ki, axis=1) - ki
+                ok = (ki == 1) & (slot < cap)
+                scatter(bkey_ref, slot, s, ok)
+                scatter(bcol_ref, slot, col, ok)
+                return filled + jnp.sum(ki), above + jnp.sum((s > piv).astype(I32))
+            return body
 
-        filled = lax.fori_loop(0, pl.cdiv(n, cfg.block), prefilter, jnp.zeros((), I32))
+        zero = jnp.zeros((), I32)
+        blocks = pl.cdiv(n, cfg.block)
+        filled, above = lax.fori_loop(0, blocks, fill(False), (zero, zero))
         if not interpret:
             plt.debug_barrier()  # the buffer's stores -> its loads by other threads of the CTA
-        use_buf = (filled >= k) & (filled <= cap)
+        # More than cap keys at or above the pivot: its value is shared by many keys (the -inf tail of a short
+        # row, or a heavy tie). With k to cap keys above it, a second pass fills the buffer with those alone;
+        # with fewer than k above it, the pivot is tau, and the row goes straight to the compaction.
+        refill = (filled > cap) & (above >= k) & (above <= cap)
+        at_pivot = (filled > cap) & (above < k)
+        lax.fori_loop(0, refill.astype(I32) * blocks, fill(True), (zero, zero))
+        if not interpret:
+            plt.debug_barrier()
+        count = jnp.where(refill, above, filled)  # keys in the buffer
+        use_buf = (count >= k) & (count <= cap)
         C.store(cand_ref, (row11,), jnp.full((1, 1), filled, I32), one11)
+        code = jnp.where(at_pivot, 3, jnp.where(refill, 2, use_buf.astype(I32)))
+        C.store(path_ref, (row11,), jnp.full((1, 1), code, I32), one11)
 
         def buf_keys(b):
             j = b * hb + C.iota((1, hb), 1)
-            inside = j < filled
+            inside = j < count
             s = C.load(bkey_ref, (row, j), (1, hb), mask=inside)
             return jnp.where(inside, s, _SIGN), C.load(bcol_ref, (row, j), (1, hb), mask=inside)
 
         on = use_buf.astype(I32)  # not jnp.where(use_buf, 0, m): Triton lowered those literals as i1
-        sources = [(on * lax.shift_right_logical(filled + hb - 1, C.log2(hb)), buf_keys),
+        piv_on = at_pivot.astype(I32)
+        sources = [(on * lax.shift_right_logical(count + hb - 1, C.log2(hb)), buf_keys),
                    ((1 - on) * from_row[0], from_row[1])]
-
-    tau_u, need = _kth_key(sources, k, cfg.bits, hb)
+        counted = [sources[0], ((1 - on) * (1 - piv_on) * from_row[0], from_row[1])]
+        tau_u, need = _kth_key(counted, k, cfg.bits, hb)
+        tau_u = jnp.where(at_pivot, piv_u, tau_u)
+        need = jnp.where(at_pivot, k - above, need)
+    else:
+        tau_u, need = _kth_key(sources, k, cfg.bits, hb)
     tau = tau_u ^ _SIGN
     C.store(tau_ref, (row11,), jnp.full((1, 1), tau_u, I32), one11)
     if not cap:
         C.store(cand_ref, (row11,), jnp.full((1, 1), n, I32), one11)
+        C.store(path_ref, (row11,), jnp.zeros((1, 1), I32), one11)
 
     def compact(load):
         def body(b, carry):
@@ -224,25 +253,27 @@ def _check(x: jax.Array, k: int) -> int:
 
 
 def select_unsorted(x: jax.Array, k: int, *, config: TopkSelectConfig | None = None,
-                    interpret: bool | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    interpret: bool | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The kernel alone: (kept columns int32 [T, k] in ascending order; tau uint32 [T] = the k-th largest
     ``ordered_key`` of each row, i.e. ``jds.ops.select.kth_largest_key``; candidates int32 [T] = keys the
-    prefilter kept (steps 2-3 read the buffer iff k <= candidates <= capacity), N without a prefilter)."""
+    prefilter's first pass kept, N without a prefilter; path int32 [T]: how steps 2-3 ran, an index into
+    ``PATHS``)."""
     k = _check(x, k)
     cfg = config or TopkSelectConfig()
     interpret = C.resolve_interpret(interpret)
     t, n = x.shape
     if t == 0:
-        return jnp.zeros((0, k), I32), jnp.zeros((0,), jnp.uint32), jnp.zeros((0,), I32)
+        return jnp.zeros((0, k), I32), jnp.zeros((0,), jnp.uint32), jnp.zeros((0,), I32), jnp.zeros((0,), I32)
     cap = cfg.buffer_capacity(n, k)
     if cap and n * cfg.sample >= 1 << 31:
         raise ValueError(f"rows of {n} with sample {cfg.sample}: column * n overflows int32")
-    out_shape = [jax.ShapeDtypeStruct((t, k), I32), jax.ShapeDtypeStruct((t,), I32), jax.ShapeDtypeStruct((t,), I32)]
+    out_shape = [jax.ShapeDtypeStruct((t, k), I32)] + [jax.ShapeDtypeStruct((t,), I32)] * 3
     out_shape += [jax.ShapeDtypeStruct((t, cap), I32)] * 2 if cap else []  # candidate keys, columns
     kernel = functools.partial(_select_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret)
-    idx, tau, cand, *_ = C.pallas_call(kernel, out_shape=tuple(out_shape), grid=(t,), aliases={}, interpret=interpret,
-                                 name="topk_radix_select", num_warps=cfg.num_warps)(x.astype(jnp.float32))
-    return idx, lax.bitcast_convert_type(tau, jnp.uint32), cand
+    idx, tau, cand, path, *_ = C.pallas_call(kernel, out_shape=tuple(out_shape), grid=(t,), aliases={},
+                                             interpret=interpret, name="topk_radix_select",
+                                             num_warps=cfg.num_warps)(x.astype(jnp.float32))
+    return idx, lax.bitcast_convert_type(tau, jnp.uint32), cand, path
 
 
 def topk_select(x: jax.Array, k: int, *, implementation: Implementation = "pallas", interpret: bool | None = None,
@@ -257,7 +288,7 @@ def topk_select(x: jax.Array, k: int, *, implementation: Implementation = "palla
 
 def _pallas(x: jax.Array, k: int, config: TopkSelectConfig | None, interpret: bool | None
             ) -> tuple[jax.Array, jax.Array]:
-    idx, _, _ = select_unsorted(x, k, config=config, interpret=interpret)
+    idx, *_ = select_unsorted(x, k, config=config, interpret=interpret)
     sel = jnp.take_along_axis(x, idx, axis=1)
     _, idx, vals = lax.sort((~ordered_key(sel), idx, sel), dimension=1, num_keys=2)  # value desc, index asc
     return vals, idx

@@ -20,7 +20,7 @@ import pytest
 from jds.ops.select import kth_largest_key, ordered_key
 from pallas_kernels import fused_insert_common as C
 from pallas_kernels.sparse_indexer import IndexerKernelConfig, topk_from_logits
-from pallas_kernels.topk_select import TopkSelectConfig, select_unsorted, topk_select
+from pallas_kernels.topk_select import PATHS, TopkSelectConfig, select_unsorted, topk_select
 from tests.kernel_modes import MODES, interpret_for
 from tests.test_radix_select import _rows
 
@@ -33,19 +33,20 @@ def _mixed(n: int, rng: np.random.Generator, per_kind: int = 2) -> np.ndarray:
     return np.concatenate([_rows(kind, per_kind, n, rng) for kind in KINDS])
 
 
-def _check(x: np.ndarray, k: int, interpret: bool, config: TopkSelectConfig | None = None) -> np.ndarray:
+def _check(x: np.ndarray, k: int, interpret: bool, config: TopkSelectConfig | None = None,
+           paths: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """topk_select == lax.top_k (indices and values, in order) and tau == kth_largest_key; returns the
-    kernel's per-row candidate counts."""
+    kernel's per-row candidate counts (and, with ``paths``, its per-row path codes)."""
     xj = jnp.asarray(x)
     want_v, want_i = jax.lax.top_k(xj, k)
     got_v, got_i = topk_select(xj, k, interpret=interpret, config=config)
     np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i), err_msg=f"n={x.shape[1]} k={k}")
     np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
     assert got_v.dtype == xj.dtype and got_i.dtype == jnp.int32
-    idx, tau, cand = select_unsorted(xj, k, interpret=interpret, config=config)
+    idx, tau, cand, path = select_unsorted(xj, k, interpret=interpret, config=config)
     np.testing.assert_array_equal(np.asarray(tau), np.asarray(kth_largest_key(ordered_key(xj), k)))
     np.testing.assert_array_equal(np.sort(np.asarray(idx), axis=1), np.asarray(idx))  # column order
-    return np.asarray(cand)
+    return (np.asarray(cand), np.asarray(path)) if paths else np.asarray(cand)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -73,6 +74,27 @@ def test_prefilter_buffer_and_fallback(mode: str) -> None:
     assert buffered[[0, 1, 8, 9, 10, 11]].tolist() == [True, True, False, False, True, True], cand  # normal + random
     assert (cand[2:4] > 400).all(), cand  # ties: the pivot's value is shared by ~1/6 of the row
     assert (cand[8:10] < k).all(), cand  # skewed sample
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_short_rows_skip_the_row_passes(mode: str) -> None:
+    """Rows with few finite logits and -inf after them (a short request in a decode batch), and an all -inf
+    row: the sampled pivot is -inf, shared by more keys than the buffer holds. With fewer than k keys above
+    it, the pivot is tau and the row goes straight to the compaction; with k to capacity keys above it, a
+    second pass refills the buffer with those. Same result as lax.top_k either way; rows with a finite pivot
+    keep the buffer."""
+    n, k, cap = 3000, 50, 400
+    cfg = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=cap)
+    rng = np.random.default_rng(13)
+    finite = [0, 1, 10, 49, 50, 60, 120, 3000]
+    x = rng.standard_normal((len(finite), n)).astype(np.float32)
+    x[np.arange(n)[None, :] >= np.array(finite)[:, None]] = -np.inf
+    x[2, 3] = x[2, 4] = np.float32(0.5)  # a tie among the finite keys
+    cand, path = _check(x, k, interpret_for(mode), cfg, paths=True)
+    names = [PATHS[p] for p in path]
+    assert names[:4] == ["pivot is tau"] * 4, (names, cand)
+    assert names[4:7] == ["refilled buffer"] * 3, (names, cand)
+    assert names[7] == "buffer", (names, cand)
 
 
 @pytest.mark.parametrize("mode", MODES)
