@@ -112,3 +112,27 @@ def test_summarize_is_the_one_stats_helper() -> None:
     assert median([3.0, 1.0, 2.0], 1e3) == 2000.0
     with pytest.raises(ValueError, match="empty"):
         median([])
+
+
+def test_split_calls_cuts_at_the_longest_gaps() -> None:
+    """Serial calls on the GPU timeline: cut at the calls - 1 longest idle gaps; per call the span (gaps inside
+    the call included), the busy time (overlapping kernels counted once) and the kernel count, as medians."""
+    from jds.bench.timing import split_calls
+
+    us = 1000
+    kernels = [(0, 10 * us), (11 * us, 5 * us),  # call 1: span 16, busy 15
+               (100 * us, 10 * us), (104 * us, 2 * us), (112 * us, 3 * us),  # call 2: overlap; span 15, busy 13
+               (300 * us, 9 * us)]  # call 3: span 9, busy 9
+    got = split_calls(list(reversed(kernels)), 3)
+    assert got == {"profile_span_us": 15.0, "profile_busy_us": 13.0, "profile_kernels": 2, "profile_calls": 3}
+    assert split_calls([], 3) == {}
+    assert split_calls(kernels, 1)["profile_span_us"] == 309.0  # one call: everything
+
+
+def test_profiled_device_us_without_a_gpu_is_empty() -> None:
+    """A CPU trace holds no GPU kernel records: no numbers rather than made-up ones."""
+    from jds.bench.timing import profiled_device_us
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("on a GPU the trace has kernel records")
+    assert profiled_device_us(lambda a: a * 2.0 + 1.0, jnp.ones((64,)), calls=2, warmup=1) == {}

@@ -22,7 +22,9 @@ others still run):
   FP8 speed reference). x is quantised outside the timed call.
 - ``bf16``: ``x @ W_bf16^T`` in jnp (W dequantised to bf16 once, outside the timing).
 Fields: median_us (jds.bench.timing.time_fn; torch: CUDA events over back-to-back calls), device_unrolled_us
-(calls under 200 us, jds.bench.timing.device_row), tflops (2 M in out / time), fp8_peak_frac (of the FP8
+(calls under 200 us, jds.bench.timing.device_row), profile_span_us / profile_busy_us / profile_kernels and
+hbm_frac_profile (kernel rows at M <= 128: the call's device time from the GPU's timeline,
+jds.bench.timing.profiled_device_us), tflops (2 M in out / time), fp8_peak_frac (of the FP8
 peak measured in this run: torch._scaled_mm per-tensor at 8192^3, bf16 out), bytes (weights + scales + x +
 y in their stored dtypes: the unavoidable traffic), hbm_frac (of the copy bandwidth measured in this run:
 a 1 GiB jnp add), and, vs the XLA output of the same inputs: max_abs_err, ref_max_abs and err_abssum_max
@@ -50,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jds.bench.results import error_text, write_json
-from jds.bench.timing import device_row, measure_ceilings, time_fn
+from jds.bench.timing import device_row, measure_ceilings, profiled_device_us, time_fn
 from jds.ops import quant
 from pallas_kernels import fp8_gemm
 
@@ -187,6 +189,8 @@ def _rates(r: dict, flops: float, nbytes: float, ceil: dict) -> None:
         r["fp8_peak_frac"] = flops / (t * 1e-6) / ceil["fp8_flops_per_s"]
     r["bytes"] = nbytes
     r["hbm_frac"] = nbytes / (t * 1e-6) / ceil["copy_bytes_per_s"]
+    if r.get("profile_span_us"):  # the call's device time from the GPU timeline (profiled_device_us)
+        r["hbm_frac_profile"] = nbytes / (r["profile_span_us"] * 1e-6) / ceil["copy_bytes_per_s"]
 
 
 def _iters(flops: float) -> int:
@@ -233,6 +237,8 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch) -> Iterator[d
             r.update(time_fn(f, x, wq, ws, iters=3 if quick else iters))
             if not quick:
                 r.update(device_row(f, x, wq, ws, median_us=r["median_us"]))
+                if m <= 128:  # decode calls of tens of µs: their device time from the GPU's timeline too
+                    r.update(profiled_device_us(f, x, wq, ws))
             if name == "pallas":  # the XLA act_quant of x inside the timed call (torch's row excludes it)
                 aq = jax.jit(functools.partial(quant.act_quant, block=128, fmt="ue8m0"))
                 r["act_quant_us"] = time_fn(aq, x, iters=3 if quick else 20)["median_us"]

@@ -18,6 +18,8 @@ Per (shape, tokens), one row per impl (each in its own try/except: a failing var
   ``--sweep`` adds ``pallas[...]`` rows for other tiles (tuning data).
 - ``xla``: ``implementation="xla"``.
 Fields: median_us (jds.bench.timing.time_fn), device_unrolled_us (calls under 200 us: timing.device_row),
+profile_span_us / profile_busy_us / profile_kernels and hbm_frac_profile (per call, from the GPU's timeline:
+timing.profiled_device_us),
 bytes (weights + scales of the experts that have rows, + x and y in bf16: the unavoidable traffic),
 l2_rotations (each timed call cycles this many routings of the same batch, so that the weights stream from
 HBM and not the 50 MB L2; times and bytes are per routing, active_experts their mean),
@@ -48,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jds.bench.results import error_text, write_json
-from jds.bench.timing import device_row, measure_ceilings, time_fn
+from jds.bench.timing import device_row, measure_ceilings, profiled_device_us, time_fn
 from jds.ops import quant
 from pallas_kernels import fp4_grouped_gemm as fp4g
 from pallas_kernels import fp8_grouped_gemm as fp8g
@@ -182,6 +184,8 @@ def _rates(r: dict, nbytes: float, ceil: dict) -> None:
     r["hbm_frac_nominal"] = nbytes / (t * 1e-6) / NOMINAL_HBM
     if r.get("device_unrolled_us"):
         r["device_unrolled_hbm_frac"] = nbytes / (r["device_unrolled_us"] * 1e-6) / ceil["copy_bytes_per_s"]
+    if r.get("profile_span_us"):  # the call's device time from the GPU's timeline (profiled_device_us)
+        r["hbm_frac_profile"] = nbytes / (r["profile_span_us"] * 1e-6) / ceil["copy_bytes_per_s"]
 
 
 def run_case(c: dict, ceil: dict, quick: bool, sweep: bool) -> Iterator[dict]:
@@ -231,6 +235,8 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool) -> Iterator[dict]:
             if not quick:
                 d = device_row(g, *targs, median_us=t["median_us"])
                 r.update({key: v / rot for key, v in d.items()})
+                d = profiled_device_us(g, *targs)  # per timed call of ``rot`` calls, from the GPU's timeline
+                r.update({key: v if key == "profile_calls" else v / rot for key, v in d.items()})
             _rates(r, nbytes, ceil)
         except Exception as ex:  # noqa: BLE001
             r["error"] = error_text(ex)

@@ -144,11 +144,14 @@ def _fp8_gemm(d: dict) -> list[str]:
         if "error" not in r and "tiles" not in r:
             by.setdefault(r["case"], {})[r["impl"]] = r
     rows = []
+    # the kernel's device time from the GPU's timeline, where the file has it (runs from 2026-12-01, sixth session)
+    prof = any(r.get("profile_span_us") for per in by.values() for r in per.values())
     for case, per in by.items():
         p, t = per.get("pallas", {}), per.get("torch", {})
         rows.append([case] + [_fmt(per.get(i, {}).get("median_us"), 1) for i in ("pallas", "xla", "torch", "bf16")]
                     + [t.get("variant", "—"), _fmt(p.get("tflops"), 0), _pct(p.get("fp8_peak_frac")),
-                       _pct(p.get("hbm_frac")), _ratio(t.get("median_us"), p.get("median_us"))])
+                       _pct(p.get("hbm_frac")), _ratio(t.get("median_us"), p.get("median_us"))]
+                    + ([_fmt(p.get("profile_span_us"), 1), _pct(p.get("hbm_frac_profile"))] if prof else []))
     m = d.get("meta", {})
     runs = (f" Rows from {len(m['runs'])} runs (`meta.runs`; each row's fractions are of its own run's peak and "
             f"bandwidth): {m.get('note', '')}") if m.get("runs") else ""
@@ -156,7 +159,8 @@ def _fp8_gemm(d: dict) -> list[str]:
             f"{_fmt(m.get('fp8_flops_per_s', 0) / 1e12, 0)} TFLOP/s ({m.get('fp8_peak_how', '?')}), copy "
             f"{_fmt(m.get('copy_bytes_per_s', 0) / 1e12)} TB/s, both measured in the same run.{runs}", ""] + \
         _table(["case", "pallas", "xla", "torch", "bf16", "torch scales", "pallas TFLOP/s", "of FP8 peak",
-                "of copy bw", "torch / pallas"], rows)
+                "of copy bw", "torch / pallas"] + (["pallas device µs (GPU timeline)", "of copy bw"] if prof else []),
+               rows)
 
 
 def _grouped(d: dict) -> list[str]:

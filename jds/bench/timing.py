@@ -1,5 +1,6 @@
 """Timing helpers shared by the kernel benchmarks (``python -m jds.bench.kernels``): median of many runs after
-warm-up, and the device ceilings (copy bandwidth, bf16 matmul FLOP/s) measured in the same run."""
+warm-up, device time from the GPU's own timeline (``profiled_device_us``), and the device ceilings (copy
+bandwidth, bf16 matmul FLOP/s) measured in the same run."""
 
 from __future__ import annotations
 
@@ -150,6 +151,79 @@ def device_row(fn: Callable[..., Any], *args: Any, median_us: float, thread: Seq
         return {}
     reps, iters = ((1, 2), 1) if quick else ((8, 48), 7)
     return {"device_unrolled_us": device_time_us(fn, *args, thread=thread, reps=reps, iters=iters, unrolled=True)}
+
+
+def profiled_device_us(fn: Callable[..., Any], *args: Any, calls: int = 20, warmup: int = 3) -> dict[str, float]:
+    """Device time per call of ``fn(*args)`` read off the GPU's timeline: ``calls`` calls, each waited for,
+    under ``jax.profiler`` (CUPTI's kernel records), split into calls at the ``calls - 1`` longest idle gaps
+    (the host's wait and dispatch between two calls; a call's own kernels follow each other closely).
+
+    Returns the medians over calls of ``profile_span_us`` (first kernel start -> last kernel end: the call's
+    device time, gaps between its kernels included), ``profile_busy_us`` (kernel time alone) and
+    ``profile_kernels`` (kernels per call); ``{}`` when the trace holds no GPU kernels (a CPU run).
+
+    Why: a ~40-µs call's pipelined median moved by 30% between identical runs on the H200, and the unrolled
+    difference of two long executables read some rows above the HBM peak (docs/perf-log.md, 2026-12-01, sixth
+    session); the kernels' own records do not depend on the host's timing."""
+    import glob
+    import os
+    import tempfile
+
+    from jax.profiler import ProfileData
+
+    jf = fn if hasattr(fn, "lower") else jax.jit(fn)
+    for _ in range(warmup):
+        jax.block_until_ready(jf(*args))
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        try:
+            for _ in range(calls):
+                jax.block_until_ready(jf(*args))
+        finally:
+            jax.profiler.stop_trace()
+        files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            return {}
+        pd = ProfileData.from_file(max(files, key=os.path.getmtime))
+        kernels = [(int(e.start_ns), int(e.duration_ns)) for plane in pd.planes
+                   if plane.name.startswith("/device:GPU") for line in plane.lines
+                   if "stream" in line.name.lower() and "memcpy" not in line.name.lower() for e in line.events]
+    return split_calls(kernels, calls)
+
+
+def split_calls(kernels: list[tuple[int, int]], calls: int) -> dict[str, float]:
+    """``profiled_device_us``'s reduction: (start_ns, duration_ns) kernel records of ``calls`` serial calls ->
+    the medians of each call's span, busy time and kernel count (``{}`` without records)."""
+    if not kernels:
+        return {}
+    kernels = sorted(kernels)
+    ends, end = [], 0
+    for s, d in kernels:  # running end: a kernel may finish after a later-starting one on another stream
+        end = max(end, s + d)
+        ends.append(end)
+    gaps = sorted(range(1, len(kernels)), key=lambda i: kernels[i][0] - ends[i - 1], reverse=True)
+    cuts = sorted(gaps[: max(0, calls - 1)])
+    spans, busy, counts = [], [], []
+    for lo, hi in zip([0] + cuts, cuts + [len(kernels)]):
+        run = kernels[lo:hi]
+        spans.append((max(s + d for s, d in run) - run[0][0]) / 1e3)
+        busy.append(_union_ns(run) / 1e3)
+        counts.append(len(run))
+    return {"profile_span_us": statistics.median(spans), "profile_busy_us": statistics.median(busy),
+            "profile_kernels": statistics.median(counts), "profile_calls": len(spans)}
+
+
+def _union_ns(run: list[tuple[int, int]]) -> int:
+    """Nanoseconds covered by at least one of the (start, duration) intervals (sorted by start)."""
+    total, cur_s, cur_e = 0, None, None
+    for s, d in run:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, s + d
+        else:
+            cur_e = max(cur_e, s + d)
+    return total + (cur_e - cur_s if cur_e is not None else 0)
 
 
 def measure_floors(quick: bool = False) -> dict[str, float]:
