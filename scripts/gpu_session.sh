@@ -16,6 +16,7 @@
 #   scripts/gpu_session.sh fp8grouped    # issue 19: the grouped FP8 expert GEMM (V3.2 MoE): native tests, then the bench
 #   scripts/gpu_session.sh fp4gemm       # issue 22: the FP4 grouped expert GEMM: native tests, then the bench
 #   scripts/gpu_session.sh ncu           # Nsight Compute on one FP4 (8 tokens) and one FP8 (M = 64) GEMM call: text pages
+#   scripts/gpu_session.sh ncu-fp8sweep  # issue 19: FP8 decode calls x tile variants, exact kernel durations (ncu)
 #   scripts/gpu_session.sh hostprofile   # issue 16: one step's GPU timeline (8 layers, 8 segments), TTFT's readback
 #   scripts/gpu_session.sh probe         # host cost of a captured step: preparation vs dispatch, graphs vs none
 #   scripts/gpu_session.sh boundary      # bench_boundary, V3.2 + V4, compiled in parallel processes first
@@ -140,6 +141,15 @@ case "$stage" in
       ncu -i "/tmp/$name.ncu-rep" --page details > "$OUT/${name}_details.txt" 2>&1
       ncu -i "/tmp/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/${name}_sass.csv" 2>&1
     done
+    ;;
+  ncu-fp8sweep)
+    # 2026-12-01 (sixth session): split-K for one wave came from this sweep; FP8SWEEP_VARIANTS narrows it
+    V=${FP8SWEEP_VARIANTS:-'[{}, {"split_k": 2}, {"split_k": 4}, {"stages": 6}]'}
+    timeout ${NCUS_TIMEOUT:-300} ncu --clock-control none --profile-from-start off --csv --page raw --print-units base \
+      --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+      python3 scripts/diag/ncu_kernels.py fp8sweep --variants "$V" --order "$OUT/fp8sweep_order.json" \
+      > "$OUT/fp8sweep.csv" 2> "$OUT/fp8sweep.err"; echo "ncu fp8sweep rc=$?"
+    python3 scripts/diag/ncu_sweep_table.py "$OUT/fp8sweep.csv" "$OUT/fp8sweep_order.json" > "$OUT/fp8_decode_ncu_sweep_h200.json"
     ;;
   hostprofile)
     timeout ${HP_TIMEOUT:-170} python3 -m jds.bench.host_profile --arch v32 --layers 8 --intermediate 18432 \
