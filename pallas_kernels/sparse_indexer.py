@@ -94,6 +94,8 @@ _H200_SMS = 132
 KeySource = Literal["auto", "paged", "views", "gathered"]
 TopkAlgorithm = Literal["auto", "lax", "radix", "pallas_radix"]
 TOPK_ALGORITHMS = ("auto", "lax", "radix", "pallas_radix")
+TopkOrder = Literal["sorted", "set"]
+TOPK_ORDERS = ("sorted", "set")
 AUTO_PALLAS_TOPK_ELEMS = 1 << 20  # rows x candidates from which "auto" selects with the Pallas kernel
 
 
@@ -111,6 +113,8 @@ class IndexerKernelConfig:
     topk_algorithm: TopkAlgorithm = "lax"  # "radix": jds.ops.select, "pallas_radix": pallas_kernels.topk_select
     #                                  (all exact, same order); "auto": resolve_topk_algorithm. Why not "auto"
     #                                  by default: see resolve_topk_algorithm
+    topk_order: TopkOrder = "sorted"  # "set": the same keys in any order (pallas_radix then skips its sort of the
+    #                                  k winners; the sparse MQA takes a set); "sorted": lax.top_k's order
 
     def __post_init__(self) -> None:
         if self.queries_per_cta is not None and not 1 <= self.queries_per_cta <= 4:
@@ -125,6 +129,8 @@ class IndexerKernelConfig:
             raise ValueError(f"topk_segment must be >= 1, got {self.topk_segment}")
         if self.topk_algorithm not in TOPK_ALGORITHMS:
             raise ValueError(f"topk_algorithm must be one of {TOPK_ALGORITHMS}, got {self.topk_algorithm!r}")
+        if self.topk_order not in TOPK_ORDERS:
+            raise ValueError(f"topk_order must be one of {TOPK_ORDERS}, got {self.topk_order!r}")
         if self.key_source not in ("auto", "paged", "views", "gathered"):
             raise ValueError(f"key_source must be auto, paged, views or gathered, got {self.key_source!r}")
 
@@ -482,8 +488,12 @@ def resolve_topk_algorithm(rows: int, cols: int, backend: str | None = None) -> 
 
 
 def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
-                     algorithm: TopkAlgorithm = "lax") -> jax.Array:
+                     algorithm: TopkAlgorithm = "lax", order: TopkOrder = "sorted") -> jax.Array:
     """lax.top_k of rows already -inf at invisible keys: int32 [T, k], -1 where fewer are visible.
+
+    ``order="set"``: the same keys, in any order (``"pallas_radix"`` then returns them in ascending key order,
+    without its sort of the k winners; the other algorithms sort anyway). The -1 entries are wherever the
+    invisible keys fall, not necessarily at the end (the sparse MQA masks each entry).
 
     ``algorithm="radix"``: ``jds.ops.select.radix_topk`` (counting passes instead of a sort), identical
     output; ``"pallas_radix"``: the same selection as a Pallas kernel (``pallas_kernels.topk_select``,
@@ -502,7 +512,7 @@ def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
     if algorithm == "radix":
         vals, idx = radix_topk(logits, kk)
     elif algorithm == "pallas_radix":
-        vals, idx = topk_select(logits, kk)
+        vals, idx = topk_select(logits, kk, sort=order == "sorted")
     elif segment is None or n <= segment or segment < kk:
         vals, idx = lax.top_k(logits, kk)
     else:
@@ -545,7 +555,7 @@ def _indexer_topk_pallas(index_q, index_w, cache, fmt, block_tables, req_idx, n_
     def fn(q, w, r, nv):
         lg = paged_logits(q, w, cache, block_tables, r, nv, entries_per_page=fmt.entries_per_page,
                           config=config, interpret=interpret)
-        return topk_from_logits(lg, k, config.topk_segment, config.topk_algorithm)
+        return topk_from_logits(lg, k, config.topk_segment, config.topk_algorithm, config.topk_order)
 
     return map_token_chunks(fn, t, chunk, (q8, w8, req_idx, n_visible), (0, 0, 0, 0))
 

@@ -277,18 +277,23 @@ def select_unsorted(x: jax.Array, k: int, *, config: TopkSelectConfig | None = N
 
 
 def topk_select(x: jax.Array, k: int, *, implementation: Implementation = "pallas", interpret: bool | None = None,
-                config: TopkSelectConfig | None = None) -> tuple[jax.Array, jax.Array]:
+                config: TopkSelectConfig | None = None, sort: bool = True) -> tuple[jax.Array, jax.Array]:
     """(values [T, k] in x's dtype, int32 indices [T, k]) of the k largest entries of each row of ``x``
-    [T, N] (float32 / bfloat16 / float16, no NaN): identical to ``lax.top_k(x, k)``."""
+    [T, N] (float32 / bfloat16 / float16, no NaN): identical to ``lax.top_k(x, k)``.
+
+    ``sort=False``: the same entries in ascending index order instead (no sort of the k winners: a consumer that
+    takes the set, as the sparse MQA does, skips it). The "xla" implementation always sorts."""
     k = _check(x, k)
     return run_op("topk_select", implementation, {
         "xla": lambda: radix_topk(x, k, (config or TopkSelectConfig()).bits),
-        "pallas": lambda: _pallas(x, k, config, interpret)})
+        "pallas": lambda: _pallas(x, k, config, interpret, sort)})
 
 
-def _pallas(x: jax.Array, k: int, config: TopkSelectConfig | None, interpret: bool | None
+def _pallas(x: jax.Array, k: int, config: TopkSelectConfig | None, interpret: bool | None, sort: bool = True
             ) -> tuple[jax.Array, jax.Array]:
     idx, *_ = select_unsorted(x, k, config=config, interpret=interpret)
     sel = jnp.take_along_axis(x, idx, axis=1)
+    if not sort:
+        return sel, idx
     _, idx, vals = lax.sort((~ordered_key(sel), idx, sel), dimension=1, num_keys=2)  # value desc, index asc
     return vals, idx

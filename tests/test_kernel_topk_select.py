@@ -120,6 +120,24 @@ def test_indexer_topk_from_logits_pallas_radix(mode: str, k: int) -> None:
     assert IndexerKernelConfig(topk_algorithm="pallas_radix").topk_algorithm == "pallas_radix"
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_set_order_skips_the_sort(mode: str) -> None:
+    """order="set" (no sort of the k winners): per row the same keys as lax.top_k, in ascending key order,
+    -1 where lax has -1 (invisible keys), counted per row; the sorted order stays the default."""
+    interpret_for(mode)
+    rng = np.random.default_rng(17)
+    x = jnp.asarray(np.concatenate([_rows("neginf", 4, 600, rng), _rows("ties", 2, 600, rng)]))
+    k = 64
+    want = np.asarray(topk_from_logits(x, k))
+    got = np.asarray(topk_from_logits(x, k, algorithm="pallas_radix", order="set"))
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(np.sort(w[w >= 0]), g[g >= 0])  # same keys, ascending
+        assert (w < 0).sum() == (g < 0).sum()
+    assert IndexerKernelConfig().topk_order == "sorted"
+    with pytest.raises(ValueError, match="topk_order"):
+        IndexerKernelConfig(topk_order="any")
+
+
 def test_auto_resolution() -> None:
     """"auto" uses the Pallas kernel on the GPU from AUTO_PALLAS_TOPK_ELEMS elements, lax below it, off the
     GPU and when a two-stage segment is asked for. The default stays lax (resolve_topk_algorithm says why)."""

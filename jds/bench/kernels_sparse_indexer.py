@@ -7,7 +7,8 @@ Cases (full run; ``quick`` uses tiny shapes and few iterations, e.g. to smoke-te
   *_logits = the logits alone; *_select = logits + top-2048 (``indexer_topk``, what ``select`` runs).
 - select (only when asked for): decode_select at B in {16, 64} x C in {32K, 128K} with
   ``topk_algorithm="auto"`` (``_auto``; field ``topk``: what it resolved to), with the default
-  ``lax.top_k``, and XLA; ``_mixed``: the same batch with one request of 1000 tokens.
+  ``lax.top_k``, and XLA; ``_set``: ``topk_algorithm="pallas_radix"`` with ``topk_order="set"`` (no sort of
+  the k winners); ``_mixed``: the same batch with one request of 1000 tokens.
 - prefill_select: one request, a chunk of Q in {1K, 4K, 8K} queries at positions C-Q..C-1 over
   C in {8K, 32K, 64K} (Q <= C), causal; logits bounded by the 512 MiB default workspace (pallas) and an
   8 GiB workspace for the XLA path (its gathered fp32 keys are 129x the logits).
@@ -16,8 +17,8 @@ Cases (full run; ``quick`` uses tiny shapes and few iterations, e.g. to smoke-te
   so ``bandwidth_frac`` says how close top-k gets to reading its input once (issue target: >= 0.5 at
   B = 64, C = 64K); ``_seg*`` rows: the exact two-stage variant (``IndexerKernelConfig.topk_segment``);
   ``_radix*``: jds.ops.select in XLA; ``_pallas_radix``: the same selection as a Pallas kernel
-  (pallas_kernels/topk_select.py, default config: sampled-pivot prefilter), ``_pallas_radix_direct``:
-  that kernel without the prefilter.
+  (pallas_kernels/topk_select.py, default config: sampled-pivot prefilter), ``_pallas_radix_set``: the same
+  without the sort of the k winners, ``_pallas_radix_direct``: that kernel without the prefilter.
 
 ``bytes`` / ``flops`` are the kernel's own model for both implementations (so the fractions compare):
 FP8 key bytes read once per query group (132 B per key and group, groups of G tokens), the fp32 logits
@@ -123,8 +124,10 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
     select_p, select_x = selector("pallas", cfg), selector("xla", xla_cfg)
     topk = jax.jit(si.topk_from_logits, static_argnums=(1, 2, 3))
     radix = jax.jit(radix_topk, static_argnums=(1, 2))
-    pallas_radix = {name: jax.jit(functools.partial(topk_select, interpret=interpret, config=c2), static_argnums=1)
-                    for name, c2 in (("pallas_radix", None), ("pallas_radix_direct", TopkSelectConfig(capacity=0)))}
+    pallas_radix = {name: jax.jit(functools.partial(topk_select, interpret=interpret, config=c2, sort=srt),
+                                  static_argnums=1)
+                    for name, c2, srt in (("pallas_radix", None, True), ("pallas_radix_set", None, False),
+                                          ("pallas_radix_direct", TopkSelectConfig(capacity=0), True))}
 
     # ----- decode -----
     decode = [(1, 1024), (4, 1024)] if quick else [(b, c) for b in (1, 16, 64) for c in (4096, 32768, 131072)]
@@ -165,6 +168,7 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
     # ----- decode logits + top-k with each selection, one run ("auto" against the default lax) -----
     sel = [(b, c) for b in (16, 64) for c in (32768, 131072)] if "select" in want and not quick else []
     sel_auto = selector("pallas", si.IndexerKernelConfig(topk_algorithm="auto"))
+    sel_set = selector("pallas", si.IndexerKernelConfig(topk_algorithm="pallas_radix", topk_order="set"))
     for b, c in sel:
         k, key = jax.random.split(key)
         bt, cache, iq, iw, req = _decode_inputs(k, b, c)
@@ -178,6 +182,7 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
             yield _row(case + "_auto", "pallas", sel_auto, args, nbytes, flops, quick,
                        topk=si.resolve_topk_algorithm(b, c))
             yield _row(case, "pallas", select_p, args, nbytes, flops, quick, topk="lax")
+            yield _row(case + "_set", "pallas", sel_set, args, nbytes, flops, quick, topk="pallas_radix, unsorted")
             if not tag:
                 yield _row(case, "xla", select_x, args, nbytes, flops, quick, big=True, topk="lax")
         del cache
