@@ -39,6 +39,12 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, 3 warpgroups per CTA: 2 compu
   of 64 rows per split would be as many bytes as the weights). Split-K is the decode path: with M <= 64 there
   are only N / block_n output tiles (12 for the 7168->1536 q_a projection) and the call is weight-read
   bound, so the K range is cut until one wave of CTAs (one per SM) fills most SMs (``_auto_split_k``).
+- ``quantize_x=True`` (decode tiles: bfloat16 x, M <= 64): the pipeline streams bfloat16 x tiles instead of
+  e4m3 ones, and each compute warpgroup quantises the K block's tile in registers (row amax, ``row_scales``,
+  clamp, RNE cast) into its own e4m3 SMEM tile right before its MMA; the row scales stay in registers for the
+  promotion. The call then has no XLA kernels for act_quant, its padding and the transposed scales (three of
+  the decode call's kernels, about 8 µs on the H200: docs/perf-log.md). Same operands as act_quant's, bit for
+  bit (tests). Off by default until measured on the GPU.
 - Padding: M is padded to block_m (zero xq rows and scales). N and K must be multiples of 128
   (``Unsupported`` otherwise: "auto" then runs XLA, which takes any N).
 
@@ -83,6 +89,7 @@ _SCALE_FMTS = ("ue8m0", "amax")
 
 
 STAGE_SCALES_BELOW = 64  # rows (M) below which stage_scales=None stages the scales in SMEM
+ACT_AMAX_FLOOR = 1e-4  # quant.act_quant's default amax floor (the quantize_x kernel applies the same)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -91,7 +98,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                scale_fmt: quant.ScaleFmt = "ue8m0", implementation: Implementation = "auto",
                interpret: bool | plgpu.InterpretGPUParams | None = None, block_m: int | None = None,
                block_n: int | None = None, split_k: int | None = None, stages: int = 4,
-               group_m: int = 8, stage_scales: bool | None = None) -> jax.Array:
+               group_m: int = 8, stage_scales: bool | None = None, quantize_x: bool = False) -> jax.Array:
     """y = x W^T with W = ``wq`` (float8_e4m3fn [out, in]) * ``w_scale`` (float32 [ceil(out/128),
     ceil(in/128)] per 128 x 128 block), x [..., in] re-quantised per 1 x 128 group (``scale_fmt``);
     [..., out] in ``out_dtype``.
@@ -103,7 +110,9 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     tiles per rasterisation group (L2 reuse at large M). ``stage_scales``: copy a CTA's scales into SMEM by
     TMA before the pipeline instead of loading each K block's from GMEM inside the loop (at decode those loads'
     latency stalls the promotion); None: on below 64 rows (M), where it measured faster, off from 64 (a tie
-    or a loss there).
+    or a loss there). ``quantize_x``: the kernel quantises x itself, per K block as it streams (decode
+    tiles: bfloat16 x, 64-row tiles, M <= 64), so the call has no XLA kernels for the activation quantisation
+    and its scales; off by default until measured on the GPU.
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``); None = whenever the default
     backend is not a GPU.
     """
@@ -112,7 +121,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
         "xla": lambda: quant.fp8_linear(x, wq, w_scale, out_dtype, scale_fmt),
         "pallas": lambda: _pallas(x, wq, w_scale, out_dtype=out_dtype, scale_fmt=scale_fmt, interpret=interpret,
                                   block_m=block_m, block_n=block_n, split_k=split_k, stages=stages,
-                                  group_m=group_m, stage_scales=stage_scales)})
+                                  group_m=group_m, stage_scales=stage_scales, quantize_x=quantize_x)})
 
 
 def _check_common(x, wq, w_scale, scale_fmt) -> None:
@@ -198,10 +207,12 @@ def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
 
 
 def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages, group_m,
-            stage_scales):
+            stage_scales, quantize_x=False):
     _check_tiles(block_m, block_n, split_k, stages, group_m)
     if stage_scales is not None and not isinstance(stage_scales, bool):
         raise ValueError(f"stage_scales must be a bool or None, got {stage_scales!r}")
+    if not isinstance(quantize_x, bool):
+        raise ValueError(f"quantize_x must be a bool, got {quantize_x!r}")
     n, k = wq.shape
     if not supports(n, k):
         raise Unsupported(f"fp8_linear kernel: out = {n} and in = {k} (wq shape) must be multiples of {BLOCK}")
@@ -212,6 +223,9 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         return jnp.zeros((*lead, n), out_dtype)
     nk = k // BLOCK
     bm, bn, s = _pick_tiles(m, n, nk, block_m, block_n, split_k)
+    if quantize_x and (bm != 64 or m > 64 or jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16)):
+        raise Unsupported(f"fp8_linear kernel: quantize_x takes bfloat16 x of at most 64 rows in 64-row tiles "
+                          f"(got {x.dtype}, {m} rows, block_m {bm})")
     if interpret is None:
         interpret = resolve_interpret(None)
     if interpret is True:
@@ -225,17 +239,34 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     elif stage_scales and interpret and trim:
         raise Unsupported("fp8_linear kernel: stage_scales=True with split-K partials of one 64-row tile hangs in "
                           "interpret mode; pass stage_scales=False (or None) there, or run on the GPU")
-    xq, sx = quant.act_quant(x.reshape(m, k), BLOCK, scale_fmt)
-    xq = jnp.pad(xq, ((0, mp - m), (0, 0)))
-    sxt = jnp.pad(sx.T, ((0, 0), (0, mp - m)))  # [nk, Mp]: a CTA's 64 row scales of one K block are contiguous
     call = _build_call(mr=min(mp, -(-m // 8) * 8), mp=mp, n=n, k=k, bm=bm, bn=bn, splits=s, stages=stages, group_m=group_m,
                        out_dtype=out_dtype if s == 1 else jnp.dtype(jnp.float32), interpret=interpret or None,
-                       stage_scales=stage_scales)
+                       stage_scales=stage_scales, quantize_x=scale_fmt if quantize_x else None)
     sw = w_scale.astype(jnp.float32)
-    y = call(xq, sxt, wq, pad_weight_scales(sw) if stage_scales else sw)
+    sw = pad_weight_scales(sw) if stage_scales else sw
+    if quantize_x:
+        y = call(jnp.pad(x.reshape(m, k), ((0, mp - m), (0, 0))), wq, sw)
+    else:
+        xq, sx = quant.act_quant(x.reshape(m, k), BLOCK, scale_fmt)
+        xq = jnp.pad(xq, ((0, mp - m), (0, 0)))
+        sxt = jnp.pad(sx.T, ((0, 0), (0, mp - m)))  # [nk, Mp]: a CTA's 64 row scales of one K block are contiguous
+        y = call(xq, sxt, wq, sw)
     if s > 1:
         y = jnp.sum(y, axis=0)
     return y[:m].astype(out_dtype).reshape(*lead, n)
+
+
+def row_scales(amax: jax.Array, scale_fmt: quant.ScaleFmt) -> jax.Array:
+    """``quant.block_scale`` (default floor) in operations a Mosaic GPU kernel has: 2^ceil(log2 v) from the
+    float32 bits (exponent + 1 unless the mantissa is 0) instead of frexp / ldexp. Equal to it bit for bit
+    (tests/test_kernel_fp8_gemm.py)."""
+    a = jnp.maximum(amax, jnp.float32(ACT_AMAX_FLOOR))
+    v = jnp.maximum(a * jnp.float32(1.0 / quant.FP8_MAX), jnp.float32(quant.FLT_MIN))
+    if scale_fmt == "amax":
+        return v
+    bits = lax.bitcast_convert_type(v, jnp.int32)
+    up = (lax.shift_right_logical(bits, 23) + 1) << 23  # the next power of two (v is normal and positive)
+    return lax.bitcast_convert_type(jnp.where((bits & 0x7FFFFF) == 0, bits, up), jnp.float32)
 
 
 def _trimmed(splits: int, bm: int, m_tiles: int) -> bool:
@@ -247,7 +278,11 @@ def _trimmed(splits: int, bm: int, m_tiles: int) -> bool:
 # the kernel
 @functools.lru_cache(maxsize=None)
 def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: int, stages: int, group_m: int,
-                out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, stage_scales: bool = False):
+                out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, stage_scales: bool = False,
+                quantize_x: quant.ScaleFmt | None = None):
+    """``quantize_x`` (a scale format; 64-row tiles only): the kernel takes bfloat16 x [Mp, K] and no scales of
+    it, and each compute warpgroup quantises the K block's x tile into its own e4m3 SMEM tile before its MMA
+    (the row scales stay in registers for the promotion): x (arguments x, w, sw), else (xq, sx^T, w, sw)."""
     nk = k // BLOCK
     sw_rows = max(-(-n // BLOCK), SW_ROWS)  # rows of the (padded) weight scales, when staged
     kps = nk // splits  # K blocks per CTA
@@ -263,6 +298,9 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     # partials of all 64 rows would be written and read back once per split (as many bytes as the weights)
     trim = _trimmed(splits, bm, m_tiles)
     swz = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))  # 128 e4m3 = one 128-byte row
+    swz16 = (plgpu.TilingTransform((8, BLOCK // 2)), plgpu.SwizzleTransform(128))  # 64 bf16 = one 128-byte row
+    if quantize_x and bm != 64:
+        raise ValueError("quantize_x needs 64-row tiles")
 
     def tile_of(t):
         """Output tile t (of one split) -> (mi, ni): groups of ``group_m`` M tiles, M fastest inside a group,
@@ -273,9 +311,15 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
         r = t % per_group
         return first + r % size, r // size
 
-    def kernel(x_ref, sxt_ref, w_ref, sw_ref, o_ref, *scratch):
-        ep_s = scratch[0] if trim else None
-        sx_s, sw_s, bar = scratch[-3:] if stage_scales else (None, None, None)
+    def kernel(*refs):
+        if quantize_x:
+            (x_ref, w_ref, sw_ref, o_ref), sxt_ref, rest = refs[:4], None, list(refs[4:])
+        else:
+            (x_ref, sxt_ref, w_ref, sw_ref, o_ref), rest = refs[:5], list(refs[5:])
+        ep_s = rest.pop(0) if trim else None
+        xq_s = rest.pop(0) if quantize_x else None  # [2, 64, 128] e4m3: each compute warpgroup's quantised x
+        sx_s = rest.pop(0) if stage_scales and not quantize_x else None
+        sw_s, bar = (rest.pop(0), rest.pop(0)) if stage_scales else (None, None)
         pid = lax.axis_index("cta")
         si = pid // tiles
         mi, ni = tile_of(pid % tiles)
@@ -292,11 +336,22 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             r0 = m0 + wg * 64 if split_m else m0
             c0 = 0 if split_m else wg * wn  # first column of this warpgroup inside the W tile
             out, sxv = [], None
+            if quantize_x:  # act_quant of this K block's 64 rows, in registers, into the warpgroup's e4m3 tile
+                xv = plgpu.load(a, layout=L).astype(jnp.float32)
+                sxq = row_scales(jnp.max(jnp.abs(xv), axis=1), quantize_x)
+                xq = jnp.clip(xv / lax.broadcast_in_dim(sxq, xv.shape, [0]), -quant.FP8_MAX, quant.FP8_MAX)
+                xq_s.at[wg][...] = xq.astype(quant.FP8)
+                plgpu.commit_smem()
+                a = xq_s.at[wg]
             for c in range(nch):  # chunks run one after the other: one [64, cw] MMA accumulator at a time
                 def mma(blk_ref, c=c):
                     plgpu.wgmma(blk_ref, a, w_s.at[pl.ds(c0 + c * cw, cw)].T)
                     # the block's scales load while the MMA runs (from SMEM when staged)
-                    if stage_scales:
+                    if quantize_x:  # the row scales are already in registers
+                        sx_c = None
+                        sw_c = (sw_s[wg, (wg_cols(wg) + c * cw) // BLOCK - scale_window(n0 // BLOCK, sw_rows), kb]
+                                if stage_scales else sw_ref[(wg_cols(wg) + c * cw) // BLOCK, kb])
+                    elif stage_scales:
                         sx_c = plgpu.load(sx_s.at[wg, step], layout=ROW, optimized=False) if c == 0 else None
                         sw_c = sw_s[wg, (wg_cols(wg) + c * cw) // BLOCK - scale_window(n0 // BLOCK, sw_rows), kb]
                     else:
@@ -306,7 +361,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                     return blk_ref[...], sx_c, sw_c
 
                 blk, sx_c, sw_c = pl.run_scoped(mma, plgpu.ACC((64, cw), jnp.float32))
-                sxv = sx_c if c == 0 else sxv
+                sxv = (sxq if quantize_x else sx_c) if c == 0 else sxv
                 out.append(acc[c] + blk * lax.broadcast_in_dim(sxv * sw_c, blk.shape, [0]))
             return tuple(out)
 
@@ -314,7 +369,8 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             if stage_scales:  # this warpgroup's row scales over the CTA's K range, and SW_ROWS weight-scale rows
                 w = lax.axis_index("wg")
                 rows = pl.ds(m0 + w * 64, 64) if split_m else pl.ds(m0, 64)
-                plgpu.copy_gmem_to_smem(sxt_ref.at[pl.ds(kb0, kps), rows], sx_s.at[w], bar.at[w])
+                if not quantize_x:
+                    plgpu.copy_gmem_to_smem(sxt_ref.at[pl.ds(kb0, kps), rows], sx_s.at[w], bar.at[w])
                 plgpu.copy_gmem_to_smem(sw_ref.at[pl.ds(scale_window(n0 // BLOCK, sw_rows), SW_ROWS)], sw_s.at[w],
                                         bar.at[w])
                 plgpu.barrier_wait(bar.at[w])
@@ -345,7 +401,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
         pipeline = plgpu.emit_pipeline_warp_specialized(
             body, grid=(kps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
             max_concurrent_steps=min(stages, kps), compute_context=compute,
-            in_specs=[plgpu.BlockSpec((bm, BLOCK), lambda s: (0, s), transforms=swz),
+            in_specs=[plgpu.BlockSpec((bm, BLOCK), lambda s: (0, s), transforms=swz16 if quantize_x else swz),
                       plgpu.BlockSpec((bn, BLOCK), lambda s: (0, s), transforms=swz)])
         pipeline(x_ref.at[pl.ds(m0, bm), pl.ds(kb0 * BLOCK, kps * BLOCK)],
                  w_ref.at[pl.ds(n0, bn), pl.ds(kb0 * BLOCK, kps * BLOCK)])
@@ -354,9 +410,12 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     # the [64, cw] fp32 staging tile of each compute warpgroup's partial (128-byte rows: (8, 32) tiles)
     scratch = [plgpu.SMEM((2, 64, cw), jnp.float32,
                           transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))] if trim else []
+    if quantize_x:
+        scratch += [plgpu.SMEM((2, 64, BLOCK), quant.FP8, transforms=swz)]
     if stage_scales:
-        scratch += [plgpu.SMEM((2, kps, 64), jnp.float32), plgpu.SMEM((2, SW_ROWS, nk + -nk % 4), jnp.float32),
-                    plgpu.Barrier(num_arrivals=2, num_barriers=2)]
+        scratch += [plgpu.SMEM((2, kps, 64), jnp.float32)] if not quantize_x else []
+        scratch += [plgpu.SMEM((2, SW_ROWS, nk + -nk % 4), jnp.float32),
+                    plgpu.Barrier(num_arrivals=1 if quantize_x else 2, num_barriers=2)]
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
     return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(splits * tiles,),
                         scratch_types=scratch, grid_names=("cta",), num_threads=3, thread_name="wg", compiler_params=params,

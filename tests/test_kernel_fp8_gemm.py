@@ -221,6 +221,50 @@ def test_bad_inputs(implementation: str, args, field: str) -> None:
         G.fp8_linear(*args(), implementation=implementation)
 
 
+def test_row_scales_equal_block_scale() -> None:
+    """The kernel-side scale (float32 bit arithmetic) equals quant.block_scale (frexp / ldexp), bit for bit, for
+    both formats: below and at the floor, powers of two and their neighbours, random magnitudes, the e4m3 max."""
+    rng = np.random.default_rng(3)
+    special = [0.0, 1e-30, 1e-5, 1e-4, np.nextafter(np.float32(1e-4), np.float32(1)), 448.0, 896.0, 447.99997,
+               2.0 ** -20, 2.0 ** 20, 3.0 * 2 ** 7]
+    a = np.concatenate([np.asarray(special, np.float32), np.float32(2.0) ** rng.uniform(-30, 30, 20000).astype(np.float32),
+                        np.ldexp(np.float32(1), np.arange(-14, 40)).astype(np.float32) * np.float32(448)])
+    a = jnp.asarray(a, jnp.float32)
+    for fmt in ("ue8m0", "amax"):
+        want = quant.block_scale(a, fmt, G.ACT_AMAX_FLOOR)
+        np.testing.assert_array_equal(np.asarray(G.row_scales(a, fmt)).view(np.int32), np.asarray(want).view(np.int32))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("m,tiles,scale_fmt", [(1, dict(block_n=128, split_k=1), "ue8m0"),  # staged sw, bf16 out
+                                               (5, dict(block_n=128, split_k=2, stage_scales=False), "amax"),
+                                               pytest.param(64, dict(block_n=64, split_k=1, stage_scales=True), "ue8m0",
+                                                            marks=pytest.mark.slow)])
+def test_quantize_x_in_the_kernel_equals_act_quant(mode: str, m: int, tiles: dict, scale_fmt: str) -> None:
+    """quantize_x=True (x quantised per K block inside the kernel) gives the kernel's result on act_quant's
+    operands bit for bit: the same e4m3 values and scales, the same MMAs and promotions."""
+    interpret = interpret_for(mode)
+    x, wq, ws = make_case(m, 512, 256, seed=m)
+    kw = dict(out_dtype=jnp.float32, scale_fmt=scale_fmt, implementation="pallas", interpret=interpret, **tiles)
+    got = G.fp8_linear(x, wq, ws, quantize_x=True, **kw)
+    want = G.fp8_linear(x, wq, ws, **kw)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_quantize_x_limits() -> None:
+    x, wq, ws = make_case(65, 256, 128, seed=0)
+    with pytest.raises(Unsupported, match="quantize_x"):
+        G.fp8_linear(x, wq, ws, implementation="pallas", quantize_x=True)  # 65 rows
+    with pytest.raises(Unsupported, match="quantize_x"):
+        G.fp8_linear(x[:4].astype(jnp.float32), wq, ws, implementation="pallas", quantize_x=True)  # fp32 x
+    with pytest.raises(ValueError, match="quantize_x"):
+        G.fp8_linear(x[:4], wq, ws, implementation="pallas", quantize_x=1)
+    # "auto" runs XLA where the kernel does not apply
+    y = G.fp8_linear(x, wq, ws, out_dtype=jnp.float32, implementation="auto", quantize_x=True)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(G.fp8_linear(x, wq, ws, out_dtype=jnp.float32,
+                                                                          implementation="xla")))
+
+
 def test_auto_split_k() -> None:
     assert G._auto_split_k(tiles=12, nk=56) == 8  # 7168 -> 1536 decode: 96 CTAs of 7 K blocks
     assert G._auto_split_k(tiles=56, nk=128) == 2  # 16384 -> 7168 (wo): 112 CTAs, one wave
@@ -238,6 +282,8 @@ def test_auto_split_k() -> None:
                                          (256, 1024, 512, dict(block_n=256, split_k=1)),
                                          pytest.param(16, 512, 256, dict(block_n=64, split_k=2), marks=pytest.mark.slow),
                                          (64, 16384, 7168, dict(stage_scales=True)),  # wo decode, scales in SMEM
+                                         (1, 16384, 7168, dict(quantize_x=True)),  # wo decode, x quantised inside
+                                         (64, 7168, 18432, dict(quantize_x=True, stage_scales=False)),
                                          (256, 640, 512, dict(block_n=256, split_k=1, stage_scales=True))])
 def test_lowers_for_cuda(m: int, k: int, n: int, tiles: dict) -> None:
     """The compiled kernel passes Mosaic GPU's lowering (e4m3 wgmma with K-major operands, TMA, layouts)."""

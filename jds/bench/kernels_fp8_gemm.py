@@ -12,7 +12,8 @@ Per (shape, M), one row per impl (each in its own try/except: a failing variant 
 others still run):
 - ``pallas``: ``fp8_gemm.fp8_linear(implementation="pallas")`` (default tiles; the act_quant of x included,
   ``act_quant_us`` times it alone);
-  at M <= 128 also the other ``stage_scales`` choice than the default's (the scales staged in SMEM by TMA);
+  at M <= 128 also the other ``stage_scales`` choice than the default's (the scales staged in SMEM by TMA), and at
+  M <= 64 ``quantize_x=True`` (x quantised inside the kernel);
   ``--sweep`` adds ``pallas[block_n=..,split_k=..]`` rows for M <= 128 and ``pallas[block_n=..,stages=..,
   group_m=..]`` rows for M >= 2048 (tile tuning data).
 - ``xla``: ``jds.ops.quant.fp8_linear`` (dequantise both to fp32, one HIGHEST matmul: the current path).
@@ -216,6 +217,8 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch) -> Iterator[d
     # the default stages the scales below STAGE_SCALES_BELOW rows: time the other choice beside it at decode sizes
     other = ([("pallas[stage_scales=False]", dict(stage_scales=False))] if m < fp8_gemm.STAGE_SCALES_BELOW else
              [("pallas[stage_scales=True]", dict(stage_scales=True))] if m <= 128 else [])
+    if m <= 64:  # x quantised inside the kernel: no XLA kernels for act_quant around it
+        other.append(("pallas[quantize_x=True]", dict(quantize_x=True)))
     variants = [("pallas", {})] + other
     table = (SWEEP if m <= 128 else SWEEP_LARGE if m >= 2048 else []) if sweep else []
     variants += [("pallas[" + ",".join(f"{a}={b}" for a, b in v.items()) + "]", v) for v in table
