@@ -43,9 +43,12 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, 3 warpgroups per CTA: 2 compu
   e4m3 ones, and each compute warpgroup quantises the K block's tile in registers (row amax, ``row_scales``,
   clamp, RNE cast) into its own e4m3 SMEM tile right before its MMA; the row scales stay in registers for the
   promotion. The call then has no XLA kernels for act_quant, its padding and the transposed scales (three of
-  the decode call's kernels, about 8 µs on the H200: docs/perf-log.md). Same operands as act_quant's, bit for
+  the decode call's kernels, about 8 µs on the H200: docs/perf-log.md; what remains around the kernel is the
+  split-K sum, where there is one). Same operands as act_quant's, bit for
   bit (tests). Off by default until measured on the GPU.
-- Padding: M is padded to block_m (zero xq rows and scales). N and K must be multiples of 128
+- Padding: M is padded to block_m (zero xq rows and scales). With ``quantize_x`` x is not padded (no XLA kernel
+  at all before the call): the x tile's TMA box runs past its M rows, which TMA fills with zeros, and rows past
+  M only feed output rows that are dropped (an MMA row depends on its own row of x alone). N and K must be multiples of 128
   (``Unsupported`` otherwise: "auto" then runs XLA, which takes any N).
 
 Numerics. Interpret mode multiplies the e4m3 tiles exactly in fp32 (numpy), so the only difference to the
@@ -245,7 +248,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     sw = w_scale.astype(jnp.float32)
     sw = pad_weight_scales(sw) if stage_scales else sw
     if quantize_x:
-        y = call(jnp.pad(x.reshape(m, k), ((0, mp - m), (0, 0))), wq, sw)
+        y = call(x.reshape(m, k), wq, sw)
     else:
         xq, sx = quant.act_quant(x.reshape(m, k), BLOCK, scale_fmt)
         xq = jnp.pad(xq, ((0, mp - m), (0, 0)))
@@ -403,7 +406,8 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             max_concurrent_steps=min(stages, kps), compute_context=compute,
             in_specs=[plgpu.BlockSpec((bm, BLOCK), lambda s: (0, s), transforms=swz16 if quantize_x else swz),
                       plgpu.BlockSpec((bn, BLOCK), lambda s: (0, s), transforms=swz)])
-        pipeline(x_ref.at[pl.ds(m0, bm), pl.ds(kb0 * BLOCK, kps * BLOCK)],
+        pipeline((x_ref.at[:, pl.ds(kb0 * BLOCK, kps * BLOCK)] if quantize_x and x_ref.shape[0] < bm else
+                  x_ref.at[pl.ds(m0, bm), pl.ds(kb0 * BLOCK, kps * BLOCK)]),
                  w_ref.at[pl.ds(n0, bn), pl.ds(kb0 * BLOCK, kps * BLOCK)])
 
     out_shape = (mp, n) if splits == 1 else (splits, mr if trim else mp, n)
