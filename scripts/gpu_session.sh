@@ -17,6 +17,7 @@
 #   scripts/gpu_session.sh fp4gemm       # issue 22: the FP4 grouped expert GEMM: native tests, then the bench
 #   scripts/gpu_session.sh ncu           # Nsight Compute on one FP4 (8 tokens) and one FP8 (M = 64) GEMM call: text pages
 #   scripts/gpu_session.sh ncu-fp8sweep  # issue 19: FP8 decode calls x tile variants, exact kernel durations (ncu)
+#   scripts/gpu_session.sh ncu-fp4sweep  # issue 22: FP4 grouped decode calls x split_k, exact kernel durations (ncu)
 #   scripts/gpu_session.sh hostprofile   # issue 16: one step's GPU timeline (8 layers, 8 segments), TTFT's readback
 #   scripts/gpu_session.sh probe         # host cost of a captured step: preparation vs dispatch, graphs vs none
 #   scripts/gpu_session.sh boundary      # bench_boundary, V3.2 + V4, compiled in parallel processes first
@@ -151,6 +152,15 @@ case "$stage" in
       python3 scripts/diag/ncu_kernels.py fp8sweep --variants "$V" --order "$OUT/fp8sweep_order.json" \
       > "$OUT/fp8sweep.csv" 2> "$OUT/fp8sweep.err"; echo "ncu fp8sweep rc=$?"
     python3 scripts/diag/ncu_sweep_table.py "$OUT/fp8sweep.csv" "$OUT/fp8sweep_order.json" > "$OUT/fp8_decode_ncu_sweep_h200.json"
+    ;;
+  ncu-fp4sweep)
+    # the FP4 kernel holds one CTA per SM too (168 registers): is its split-K rule (2 CTAs per SM) a wave problem?
+    V=${FP4SWEEP_VARIANTS:-'[{}, {"split_k": 1}, {"split_k": 2}, {"split_k": 4}]'}
+    timeout ${NCUS_TIMEOUT:-300} ncu --clock-control none --profile-from-start off --csv --page raw --print-units base \
+      --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+      python3 scripts/diag/ncu_kernels.py fp4sweep --variants "$V" --order "$OUT/fp4sweep_order.json" \
+      > "$OUT/fp4sweep.csv" 2> "$OUT/fp4sweep.err"; echo "ncu fp4sweep rc=$?"
+    python3 scripts/diag/ncu_sweep_table.py "$OUT/fp4sweep.csv" "$OUT/fp4sweep_order.json" > "$OUT/fp4_decode_ncu_sweep_h200.json"
     ;;
   hostprofile)
     timeout ${HP_TIMEOUT:-170} python3 -m jds.bench.host_profile --arch v32 --layers 8 --intermediate 18432 \

@@ -14,7 +14,8 @@ cuProfilerStop, so the report holds that call's kernels (the Pallas kernel and t
         python3 scripts/diag/ncu_kernels.py fp8sweep --cases wo:1 mlp:64 --variants '[{}, {"split_k": 2}]' \
         --order OUT/order.json > OUT/sweep.csv
 
-``fp8sweep``: every (case, variant) call of the FP8 GEMM profiled once in one process, each preceded by a
+``fp8sweep`` (``fp4sweep`` / ``fp8gsweep``: the grouped expert GEMMs, cases shape:tokens): every (case,
+variant) call of the GEMM profiled once in one process, each preceded by a
 marker kernel (``sin(v) * 3``: XLA's ``loop_multiply_fusion``), so the report's kernels split into calls; ``--order`` names them in order.
 Kernel durations from the profiler are exact where the pipelined timings of these ~50 us calls are not.
 """
@@ -54,6 +55,7 @@ def _fp8(shape: str, m: int, tiles: dict):
 
 
 def _sweep(a: argparse.Namespace) -> None:
+    """fp8sweep: cases shape:rows of the FP8 GEMM; fp4sweep / fp8gsweep: shape:tokens of the grouped GEMMs."""
     cases = [(c.split(":")[0], int(c.split(":")[1])) for c in a.cases]
     variants = json.loads(a.variants)
     marker = jax.jit(lambda v: jnp.sin(v) * 3.0)
@@ -61,13 +63,17 @@ def _sweep(a: argparse.Namespace) -> None:
     calls = []
     for shape, m in cases:
         for v in variants:
+            name = f"{shape}_m{m}" if a.kernel == "fp8sweep" else f"{shape}_t{m}"
             try:
-                f, args = _fp8(shape, m, v)
+                if a.kernel == "fp8sweep":
+                    f, args = _fp8(shape, m, v)
+                else:
+                    f, args = _grouped("fp4" if a.kernel == "fp4sweep" else "fp8", shape, m, v)
                 for _ in range(3):
                     jax.block_until_ready(f(*args))
-                calls.append(({"case": f"{shape}_m{m}", **v}, f, args))
+                calls.append(({"case": name, **v}, f, args))
             except Exception as e:  # noqa: BLE001 - a diag: record and go on
-                print(json.dumps({"case": f"{shape}_m{m}", **v, "error": f"{type(e).__name__}: {str(e)[:200]}"}))
+                print(json.dumps({"case": name, **v, "error": f"{type(e).__name__}: {str(e)[:200]}"}))
     jax.block_until_ready(marker(mv))
     cuda = ctypes.CDLL("libcuda.so.1")
     cuda.cuProfilerStart()
@@ -81,17 +87,21 @@ def _sweep(a: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kernel", choices=("fp4", "fp8", "fp8g", "fp8sweep"))
+    ap.add_argument("kernel", choices=("fp4", "fp8", "fp8g", "fp8sweep", "fp4sweep", "fp8gsweep"))
     ap.add_argument("--shape", default="wo")
-    ap.add_argument("--cases", nargs="+", default=["wo:1", "wo:64", "wo:128", "mlp:1", "mlp:64", "mlp:128"],
-                    help="fp8sweep: shape:rows")
+    ap.add_argument("--cases", nargs="+", default=None,
+                    help="fp8sweep: shape:rows (default wo and mlp at 1, 64, 128); fp4sweep / fp8gsweep: "
+                         "shape:tokens (default w1 and w2 at 1, 8, 64)")
     ap.add_argument("--variants", default="[{}]", help="fp8sweep: JSON list of tile dicts")
     ap.add_argument("--order", default="/tmp/fp8sweep_order.json", help="fp8sweep: where the call order goes")
     ap.add_argument("--tokens", type=int, default=8, help="fp4 / fp8g: tokens (x 6 / 8 routed rows each)")
     ap.add_argument("--m", type=int, default=64, help="fp8: rows")
     ap.add_argument("--tiles", default="{}", help="JSON dict of keyword arguments for the kernel")
     a = ap.parse_args()
-    if a.kernel == "fp8sweep":
+    if a.kernel.endswith("sweep"):
+        if a.cases is None:
+            a.cases = ([f"{s}:{m}" for s in ("wo", "mlp") for m in (1, 64, 128)] if a.kernel == "fp8sweep"
+                       else [f"{s}:{t}" for s in ("w1", "w2") for t in (1, 8, 64)])
         return _sweep(a)
     tiles = json.loads(a.tiles)
     make = {"fp4": lambda: _grouped("fp4", a.shape, a.tokens, tiles),
