@@ -101,7 +101,8 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                scale_fmt: quant.ScaleFmt = "ue8m0", implementation: Implementation = "auto",
                interpret: bool | plgpu.InterpretGPUParams | None = None, block_m: int | None = None,
                block_n: int | None = None, split_k: int | None = None, stages: int = 4,
-               group_m: int = 8, stage_scales: bool | None = None, quantize_x: bool = False) -> jax.Array:
+               group_m: int = 8, stage_scales: bool | None = None, quantize_x: bool = False,
+               stream_k: bool = False) -> jax.Array:
     """y = x W^T with W = ``wq`` (float8_e4m3fn [out, in]) * ``w_scale`` (float32 [ceil(out/128),
     ceil(in/128)] per 128 x 128 block), x [..., in] re-quantised per 1 x 128 group (``scale_fmt``);
     [..., out] in ``out_dtype``.
@@ -115,7 +116,10 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     latency stalls the promotion); None: on below 64 rows (M), where it measured faster, off from 64 (a tie
     or a loss there). ``quantize_x``: the kernel quantises x itself, per K block as it streams (decode
     tiles: bfloat16 x, 64-row tiles, M <= 64), so the call has no XLA kernels for the activation quantisation
-    and its scales; off by default until measured on the GPU.
+    and its scales; off by default until measured on the GPU. ``stream_k`` (M <= 64, unstaged scales, no
+    ``split_k``): one wave of CTAs shares the (column tile, K block) units evenly instead of whole tiles or K
+    splits, so no tail wave idles SMs whatever the shape; one XLA scatter-add sums the partials; off by default
+    until measured on the GPU.
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``); None = whenever the default
     backend is not a GPU.
     """
@@ -124,7 +128,8 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
         "xla": lambda: quant.fp8_linear(x, wq, w_scale, out_dtype, scale_fmt),
         "pallas": lambda: _pallas(x, wq, w_scale, out_dtype=out_dtype, scale_fmt=scale_fmt, interpret=interpret,
                                   block_m=block_m, block_n=block_n, split_k=split_k, stages=stages,
-                                  group_m=group_m, stage_scales=stage_scales, quantize_x=quantize_x)})
+                                  group_m=group_m, stage_scales=stage_scales, quantize_x=quantize_x,
+                                  stream_k=stream_k)})
 
 
 def _check_common(x, wq, w_scale, scale_fmt) -> None:
@@ -210,12 +215,14 @@ def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
 
 
 def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages, group_m,
-            stage_scales, quantize_x=False):
+            stage_scales, quantize_x=False, stream_k=False):
     _check_tiles(block_m, block_n, split_k, stages, group_m)
     if stage_scales is not None and not isinstance(stage_scales, bool):
         raise ValueError(f"stage_scales must be a bool or None, got {stage_scales!r}")
     if not isinstance(quantize_x, bool):
         raise ValueError(f"quantize_x must be a bool, got {quantize_x!r}")
+    if not isinstance(stream_k, bool):
+        raise ValueError(f"stream_k must be a bool, got {stream_k!r}")
     n, k = wq.shape
     if not supports(n, k):
         raise Unsupported(f"fp8_linear kernel: out = {n} and in = {k} (wq shape) must be multiples of {BLOCK}")
@@ -225,7 +232,10 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     if m == 0:
         return jnp.zeros((*lead, n), out_dtype)
     nk = k // BLOCK
-    bm, bn, s = _pick_tiles(m, n, nk, block_m, block_n, split_k)
+    if stream_k and (m > 64 or split_k is not None or stage_scales or (block_m or 64) != 64):
+        raise Unsupported(f"fp8_linear kernel: stream_k takes at most 64 rows in one 64-row tile, with unstaged "
+                          f"scales and no split_k (got {m} rows, split_k {split_k}, stage_scales {stage_scales})")
+    bm, bn, s = _pick_tiles(m, n, nk, block_m, block_n, 1 if stream_k else split_k)
     if quantize_x and (bm != 64 or m > 64 or jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16)):
         raise Unsupported(f"fp8_linear kernel: quantize_x takes bfloat16 x of at most 64 rows in 64-row tiles "
                           f"(got {x.dtype}, {m} rows, block_m {bm})")
@@ -242,9 +252,14 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     elif stage_scales and interpret and trim:
         raise Unsupported("fp8_linear kernel: stage_scales=True with split-K partials of one 64-row tile hangs in "
                           "interpret mode; pass stage_scales=False (or None) there, or run on the GPU")
-    call = _build_call(mr=min(mp, -(-m // 8) * 8), mp=mp, n=n, k=k, bm=bm, bn=bn, splits=s, stages=stages, group_m=group_m,
-                       out_dtype=out_dtype if s == 1 else jnp.dtype(jnp.float32), interpret=interpret or None,
-                       stage_scales=stage_scales, quantize_x=scale_fmt if quantize_x else None)
+    if stream_k:
+        stage_scales = False
+    ctas = min(NUM_SMS, (n // bn) * nk) if stream_k else 0
+    mr = min(mp, -(-m // 8) * 8)
+    call = _build_call(mr=mr, mp=mp, n=n, k=k, bm=bm, bn=bn, splits=s, stages=stages, group_m=group_m,
+                       out_dtype=out_dtype if s == 1 and not stream_k else jnp.dtype(jnp.float32),
+                       interpret=interpret or None, stage_scales=stage_scales,
+                       quantize_x=scale_fmt if quantize_x else None, stream_k=ctas)
     sw = w_scale.astype(jnp.float32)
     sw = pad_weight_scales(sw) if stage_scales else sw
     if quantize_x:
@@ -254,7 +269,13 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         xq = jnp.pad(xq, ((0, mp - m), (0, 0)))
         sxt = jnp.pad(sx.T, ((0, 0), (0, mp - m)))  # [nk, Mp]: a CTA's 64 row scales of one K block are contiguous
         y = call(xq, sxt, wq, sw)
-    if s > 1:
+    if stream_k:  # each CTA's segments added into their column tiles (a CTA without one adds into a dropped row)
+        nt = n // bn
+        _, segs, tile = stream_k_layout(nt, nk, ctas)
+        y = jnp.zeros((nt + 1, mr, bn), jnp.float32).at[jnp.asarray(tile.reshape(-1))].add(
+            y.reshape(ctas * segs, mr, bn))
+        y = y[:nt].transpose(1, 0, 2).reshape(mr, n)
+    elif s > 1:
         y = jnp.sum(y, axis=0)
     return y[:m].astype(out_dtype).reshape(*lead, n)
 
@@ -272,6 +293,24 @@ def row_scales(amax: jax.Array, scale_fmt: quant.ScaleFmt) -> jax.Array:
     return lax.bitcast_convert_type(jnp.where((bits & 0x7FFFFF) == 0, bits, up), jnp.float32)
 
 
+def stream_k_layout(n_tiles: int, nk: int, ctas: int) -> tuple[int, int, "np.ndarray"]:
+    """Stream-K over ``n_tiles`` column tiles x ``nk`` K blocks on ``ctas`` CTAs (CTA c takes the units
+    [c U / P, (c + 1) U / P), K fastest): (steps per CTA, segments per CTA, the column tile of each CTA's
+    segment [P, S], ``n_tiles`` where a CTA has no such segment)."""
+    import numpy as np
+
+    units = n_tiles * nk
+    spc = -(-units // ctas)
+    segs = -(-spc // nk) + 1
+    tile = np.full((ctas, segs), n_tiles, np.int32)
+    for c in range(ctas):
+        u0, u1 = c * units // ctas, (c + 1) * units // ctas
+        if u1 > u0:
+            first, last = u0 // nk, (u1 - 1) // nk
+            tile[c, : last - first + 1] = np.arange(first, last + 1)
+    return spc, segs, tile
+
+
 def _trimmed(splits: int, bm: int, m_tiles: int) -> bool:
     """Split-K partials of a single 64-row tile (decode) go through the trimmed SMEM epilogue."""
     return splits > 1 and bm == 64 and m_tiles == 1
@@ -282,10 +321,13 @@ def _trimmed(splits: int, bm: int, m_tiles: int) -> bool:
 @functools.lru_cache(maxsize=None)
 def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: int, stages: int, group_m: int,
                 out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, stage_scales: bool = False,
-                quantize_x: quant.ScaleFmt | None = None):
+                quantize_x: quant.ScaleFmt | None = None, stream_k: int = 0):
     """``quantize_x`` (a scale format; 64-row tiles only): the kernel takes bfloat16 x [Mp, K] and no scales of
     it, and each compute warpgroup quantises the K block's x tile into its own e4m3 SMEM tile before its MMA
-    (the row scales stay in registers for the promotion): x (arguments x, w, sw), else (xq, sx^T, w, sw)."""
+    (the row scales stay in registers for the promotion): x (arguments x, w, sw), else (xq, sx^T, w, sw).
+    ``stream_k`` = P > 0 (64-row tiles, one M tile, unstaged scales): P CTAs split the (column tile, K block)
+    units evenly, each a contiguous run that may span tiles; at each tile's end in its run a CTA stores its fp32
+    partial [mr, bn] as segment seg of [P, S, mr, bn] (``stream_k_layout`` says which tile each is)."""
     nk = k // BLOCK
     sw_rows = max(-(-n // BLOCK), SW_ROWS)  # rows of the (padded) weight scales, when staged
     kps = nk // splits  # K blocks per CTA
@@ -299,7 +341,11 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     ROW = L.reduce(1)
     # split-K partials of a single 64-row tile (decode) keep only the first mr = round_up(M, 8) rows: fp32
     # partials of all 64 rows would be written and read back once per split (as many bytes as the weights)
-    trim = _trimmed(splits, bm, m_tiles)
+    trim = _trimmed(splits, bm, m_tiles) or stream_k > 0
+    if stream_k and (bm != 64 or m_tiles != 1 or stage_scales or splits != 1):
+        raise ValueError("stream_k needs one 64-row tile, unstaged scales and no split_k")
+    units = n_tiles * nk
+    spc, segs = stream_k_layout(n_tiles, nk, stream_k)[:2] if stream_k else (kps, 1)
     swz = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))  # 128 e4m3 = one 128-byte row
     swz16 = (plgpu.TilingTransform((8, BLOCK // 2)), plgpu.SwizzleTransform(128))  # 64 bf16 = one 128-byte row
     if quantize_x and bm != 64:
@@ -327,13 +373,25 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
         si = pid // tiles
         mi, ni = tile_of(pid % tiles)
         m0, n0, kb0 = mi * bm, ni * bn, si * kps
+        if stream_k:  # this CTA's units [u0, u0 + n_units): (column tile, K block) pairs, K fastest
+            u0 = pid * units // stream_k
+            n_units = (pid + 1) * units // stream_k - u0
+            t0 = u0 // nk
 
-        def wg_cols(wg):  # first output column of this warpgroup's accumulator
-            return n0 if split_m else n0 + wg * wn
+            def unit(step):  # steps past the CTA's units repeat its last one (and add nothing)
+                u = u0 + jnp.minimum(step, n_units - 1)
+                return u // nk, u % nk
+        else:
+            def unit(step):
+                return ni, kb0 + step
+
+        def wg_cols(wg, tile=None):  # first output column of this warpgroup's accumulator
+            base = (ni if tile is None else tile) * bn
+            return base if split_m else base + wg * wn
 
         def body(idx, x_s, w_s, acc):
             (step,) = idx
-            kb = kb0 + step
+            tile, kb = unit(step)
             wg = lax.axis_index("wg")
             a = x_s.at[pl.ds(wg * 64, 64)] if split_m else x_s
             r0 = m0 + wg * 64 if split_m else m0
@@ -353,19 +411,34 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                     if quantize_x:  # the row scales are already in registers
                         sx_c = None
                         sw_c = (sw_s[wg, (wg_cols(wg) + c * cw) // BLOCK - scale_window(n0 // BLOCK, sw_rows), kb]
-                                if stage_scales else sw_ref[(wg_cols(wg) + c * cw) // BLOCK, kb])
+                                if stage_scales else sw_ref[(wg_cols(wg, tile) + c * cw) // BLOCK, kb])
                     elif stage_scales:
                         sx_c = plgpu.load(sx_s.at[wg, step], layout=ROW, optimized=False) if c == 0 else None
                         sw_c = sw_s[wg, (wg_cols(wg) + c * cw) // BLOCK - scale_window(n0 // BLOCK, sw_rows), kb]
                     else:
                         sx_c = plgpu.load(sxt_ref.at[kb, pl.ds(r0, 64)], layout=ROW, optimized=False) if c == 0 else None
-                        sw_c = sw_ref[(wg_cols(wg) + c * cw) // BLOCK, kb]
+                        sw_c = sw_ref[(wg_cols(wg, tile) + c * cw) // BLOCK, kb]
                     plgpu.wgmma_wait(0)
                     return blk_ref[...], sx_c, sw_c
 
                 blk, sx_c, sw_c = pl.run_scoped(mma, plgpu.ACC((64, cw), jnp.float32))
                 sxv = (sxq if quantize_x else sx_c) if c == 0 else sxv
+                if stream_k:  # a repeated last unit adds nothing
+                    sw_c = sw_c * (step < n_units).astype(jnp.float32)
                 out.append(acc[c] + blk * lax.broadcast_in_dim(sxv * sw_c, blk.shape, [0]))
+            if stream_k:  # the run leaves this tile: store the partial (segment tile - t0), start the next at 0
+                done = (step < n_units) & ((kb == nk - 1) | (step == n_units - 1))
+                for w in range(2):
+                    @pl.when(done & (wg == w))
+                    def _(w=w):
+                        for c in range(nch):
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                            ep_s.at[w][...] = out[c]
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(ep_s.at[w, pl.ds(0, mr)],
+                                                    o_ref.at[pid, tile - t0, :, pl.ds(wg_cols(w, 0) + c * cw, cw)])
+                keep = 1.0 - done.astype(jnp.float32)
+                out = [o * keep for o in out]
             return tuple(out)
 
         def compute(run_pipeline):
@@ -380,6 +453,9 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             zero = plgpu.layout_cast(jnp.full((64, cw), 0.0, jnp.float32), L)
             acc = run_pipeline(tuple(zero for _ in range(nch)))
             wg = lax.axis_index("wg")
+            if stream_k:  # the partials went out in the body
+                plgpu.wait_smem_to_gmem(0)
+                return
             if trim:  # decode partials: only the first mr rows, through SMEM and a TMA store
                 for w in range(2):
                     @pl.when(wg == w)
@@ -401,16 +477,27 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 else:
                     o_ref.at[si, rows, cols][...] = acc[c]
 
+        x_tf = swz16 if quantize_x else swz
+        if stream_k:  # whole arrays: the blocks follow the CTA's units
+            pipeline = plgpu.emit_pipeline_warp_specialized(
+                body, grid=(spc,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+                max_concurrent_steps=min(stages, spc), compute_context=compute,
+                in_specs=[plgpu.BlockSpec((bm, BLOCK), lambda s: (0, unit(s)[1]), transforms=x_tf),
+                          plgpu.BlockSpec((bn, BLOCK), lambda s: unit(s), transforms=swz)])
+            pipeline(x_ref, w_ref)
+            return
         pipeline = plgpu.emit_pipeline_warp_specialized(
             body, grid=(kps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
             max_concurrent_steps=min(stages, kps), compute_context=compute,
-            in_specs=[plgpu.BlockSpec((bm, BLOCK), lambda s: (0, s), transforms=swz16 if quantize_x else swz),
+            in_specs=[plgpu.BlockSpec((bm, BLOCK), lambda s: (0, s), transforms=x_tf),
                       plgpu.BlockSpec((bn, BLOCK), lambda s: (0, s), transforms=swz)])
         pipeline((x_ref.at[:, pl.ds(kb0 * BLOCK, kps * BLOCK)] if quantize_x and x_ref.shape[0] < bm else
                   x_ref.at[pl.ds(m0, bm), pl.ds(kb0 * BLOCK, kps * BLOCK)]),
                  w_ref.at[pl.ds(n0, bn), pl.ds(kb0 * BLOCK, kps * BLOCK)])
 
     out_shape = (mp, n) if splits == 1 else (splits, mr if trim else mp, n)
+    if stream_k:
+        out_shape = (stream_k, segs, mr, bn)
     # the [64, cw] fp32 staging tile of each compute warpgroup's partial (128-byte rows: (8, 32) tiles)
     scratch = [plgpu.SMEM((2, 64, cw), jnp.float32,
                           transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))] if trim else []
@@ -421,6 +508,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
         scratch += [plgpu.SMEM((2, SW_ROWS, nk + -nk % 4), jnp.float32),
                     plgpu.Barrier(num_arrivals=1 if quantize_x else 2, num_barriers=2)]
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
-    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(splits * tiles,),
+    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+                        grid=(stream_k or splits * tiles,),
                         scratch_types=scratch, grid_names=("cta",), num_threads=3, thread_name="wg", compiler_params=params,
                         interpret=interpret if interpret is not None else False)

@@ -145,8 +145,9 @@ case "$stage" in
     ;;
   ncu-fp8sweep)
     # 2026-12-01 (sixth session): split-K for one wave came from this sweep; quantize_x (x quantised in the
-    # kernel: one XLA kernel fewer per call, three at split 1) is new and unmeasured; FP8SWEEP_VARIANTS narrows it
-    V=${FP8SWEEP_VARIANTS:-'[{}, {"quantize_x": true}, {"split_k": 4}, {"quantize_x": true, "split_k": 4}]'}
+    # kernel: three XLA kernels fewer per call) and stream_k (one even wave) are new and unmeasured;
+    # FP8SWEEP_VARIANTS narrows it (M = 128 rows: both are Unsupported there, recorded as errors)
+    V=${FP8SWEEP_VARIANTS:-'[{}, {"quantize_x": true}, {"stream_k": true}, {"quantize_x": true, "stream_k": true}]'}
     timeout ${NCUS_TIMEOUT:-300} ncu --clock-control none --profile-from-start off --csv --page raw --print-units base \
       --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
       python3 scripts/diag/ncu_kernels.py fp8sweep --variants "$V" --order "$OUT/fp8sweep_order.json" \

@@ -251,6 +251,24 @@ def test_quantize_x_in_the_kernel_equals_act_quant(mode: str, m: int, tiles: dic
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("m,k,n,ctas,quantize_x", [(1, 512, 384, 5, False),  # runs span tiles, uneven
+                                                   (7, 640, 256, 4, True)])
+def test_stream_k_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, quantize_x: bool, monkeypatch) -> None:
+    """stream_k=True: a few CTAs (NUM_SMS patched) share the (column tile, K block) units, so runs start and end
+    inside tiles; every element within the fp32 bound of the reference (the partials' sum order differs)."""
+    interpret = interpret_for(mode)
+    if interpret:
+        monkeypatch.setattr(G, "NUM_SMS", ctas)
+    x, wq, ws = make_case(m, k, n, seed=k)
+    ref, ab = reference(x, wq, ws, "ue8m0")
+    got = G.fp8_linear(x, wq, ws, out_dtype=jnp.float32, implementation="pallas", interpret=interpret,
+                       stream_k=True, quantize_x=quantize_x)
+    check(got, ref, ab, _rtol(mode, k), jnp.float32)
+    spc, segs, tile = G.stream_k_layout(n // 128, k // 128, ctas)
+    assert ((tile < n // 128).sum(axis=1) >= 1).all() and (tile < n // 128).sum() > n // 128  # shared tiles
+
+
 def test_quantize_x_limits() -> None:
     x, wq, ws = make_case(65, 256, 128, seed=0)
     with pytest.raises(Unsupported, match="quantize_x"):
@@ -259,6 +277,10 @@ def test_quantize_x_limits() -> None:
         G.fp8_linear(x[:4].astype(jnp.float32), wq, ws, implementation="pallas", quantize_x=True)  # fp32 x
     with pytest.raises(ValueError, match="quantize_x"):
         G.fp8_linear(x[:4], wq, ws, implementation="pallas", quantize_x=1)
+    with pytest.raises(Unsupported, match="stream_k"):
+        G.fp8_linear(x, wq, ws, implementation="pallas", stream_k=True)  # 65 rows
+    with pytest.raises(Unsupported, match="stream_k"):
+        G.fp8_linear(x[:4], wq, ws, implementation="pallas", stream_k=True, split_k=2)
     # "auto" runs XLA where the kernel does not apply
     y = G.fp8_linear(x, wq, ws, out_dtype=jnp.float32, implementation="auto", quantize_x=True)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(G.fp8_linear(x, wq, ws, out_dtype=jnp.float32,
@@ -284,6 +306,8 @@ def test_auto_split_k() -> None:
                                          (64, 16384, 7168, dict(stage_scales=True)),  # wo decode, scales in SMEM
                                          (1, 16384, 7168, dict(quantize_x=True)),  # wo decode, x quantised inside
                                          (64, 7168, 18432, dict(quantize_x=True, stage_scales=False)),
+                                         (1, 7168, 18432, dict(stream_k=True, quantize_x=True)),  # mlp decode
+                                         (64, 16384, 7168, dict(stream_k=True)),
                                          (256, 640, 512, dict(block_n=256, split_k=1, stage_scales=True))])
 def test_lowers_for_cuda(m: int, k: int, n: int, tiles: dict) -> None:
     """The compiled kernel passes Mosaic GPU's lowering (e4m3 wgmma with K-major operands, TMA, layouts)."""

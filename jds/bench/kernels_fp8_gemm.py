@@ -13,7 +13,7 @@ others still run):
 - ``pallas``: ``fp8_gemm.fp8_linear(implementation="pallas")`` (default tiles; the act_quant of x included,
   ``act_quant_us`` times it alone);
   at M <= 128 also the other ``stage_scales`` choice than the default's (the scales staged in SMEM by TMA), and at
-  M <= 64 ``quantize_x=True`` (x quantised inside the kernel);
+  M <= 64 ``quantize_x=True`` (x quantised inside the kernel), ``stream_k=True`` and both;
   ``--sweep`` adds ``pallas[block_n=..,split_k=..]`` rows for M <= 128 and ``pallas[block_n=..,stages=..,
   group_m=..]`` rows for M >= 2048 (tile tuning data).
 - ``xla``: ``jds.ops.quant.fp8_linear`` (dequantise both to fp32, one HIGHEST matmul: the current path).
@@ -217,8 +217,9 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch) -> Iterator[d
     # the default stages the scales below STAGE_SCALES_BELOW rows: time the other choice beside it at decode sizes
     other = ([("pallas[stage_scales=False]", dict(stage_scales=False))] if m < fp8_gemm.STAGE_SCALES_BELOW else
              [("pallas[stage_scales=True]", dict(stage_scales=True))] if m <= 128 else [])
-    if m <= 64:  # x quantised inside the kernel: no XLA kernels for act_quant around it
-        other.append(("pallas[quantize_x=True]", dict(quantize_x=True)))
+    if m <= 64:  # x quantised inside the kernel (no XLA kernels for act_quant around it); stream-K (one even wave)
+        other += [("pallas[quantize_x=True]", dict(quantize_x=True)), ("pallas[stream_k=True]", dict(stream_k=True)),
+                  ("pallas[quantize_x=True,stream_k=True]", dict(quantize_x=True, stream_k=True))]
     variants = [("pallas", {})] + other
     table = (SWEEP if m <= 128 else SWEEP_LARGE if m >= 2048 else []) if sweep else []
     variants += [("pallas[" + ",".join(f"{a}={b}" for a, b in v.items()) + "]", v) for v in table
@@ -233,6 +234,8 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch) -> Iterator[d
                                               tiles.get("split_k"))
             r.update(block_m=bm, block_n=bn, split_k=sk, stages=tiles.get("stages", 4),
                      group_m=tiles.get("group_m", 8))
+            if tiles.get("stream_k"):  # no K split: a wave of CTAs shares the units
+                r.update(split_k=None, stream_k_ctas=min(fp8_gemm.NUM_SMS, (n // bn) * (k // 128)))
             if ref is not None:  # fp32 out (same tiles), so that bf16 output rounding does not hide the sums
                 f32 = jax.jit(functools.partial(fp8_gemm.fp8_linear, out_dtype=jnp.float32, implementation="pallas",
                                                 interpret=True if quick else None, **tiles))
