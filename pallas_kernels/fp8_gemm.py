@@ -46,6 +46,12 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, 3 warpgroups per CTA: 2 compu
   the decode call's kernels, about 8 µs on the H200: docs/perf-log.md; what remains around the kernel is the
   split-K sum, where there is one). Same operands as act_quant's, bit for
   bit (tests). Off by default until measured on the GPU.
+- ``stream_k=True`` (decode, one 64-row tile): the kernel holds one CTA per SM (its registers and SMEM), so a
+  grid of whole tiles or K splits that is not a multiple of the SMs leaves a tail wave (mlp's 144 tiles on 132
+  SMs: 1.09 waves). Instead min(132, units) CTAs take the (column tile, K block) units in equal contiguous runs
+  (K fastest): one pipeline per CTA whose blocks follow its run; where the run leaves a tile the CTA stores its
+  [mr, block_n] fp32 partial for that tile (``stream_k_layout``) and restarts at 0; one XLA scatter-add sums
+  each tile's partials. Off by default until measured on the GPU.
 - Padding: M is padded to block_m (zero xq rows and scales). With ``quantize_x`` x is not padded (no XLA kernel
   at all before the call): the x tile's TMA box runs past its M rows, which TMA fills with zeros, and rows past
   M only feed output rows that are dropped (an MMA row depends on its own row of x alone). N and K must be multiples of 128
