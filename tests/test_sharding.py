@@ -115,16 +115,16 @@ def _case(arch: str, mode: str, moe: bool = False, warm: bool = False, **setting
 
 
 def test_sharded_equals_one_device() -> None:
-    """The quick set: tp=2 narrow (eager regions), dp x tp fused in two segments (the MoE layouts: the slow
-    test_moe_expert_parallel_equals_one_device and test_v4_sharded_equals_one_device)."""
-    _check(_run([_case("v32", "narrow", tensor_parallel=2, warm=True),
-                 _case("v32", "fused", tensor_parallel=2, data_parallel=2, segments=2, warm=True)]))
+    """The quick set: dp x tp fused in two segments, after warm-up (the eager regions of narrow / wide: the slow
+    test_v32_every_mode_and_layout_equals_one_device; the MoE layouts: test_moe_expert_parallel_equals_one_device
+    and test_v4_sharded_equals_one_device)."""
+    _check(_run([_case("v32", "fused", tensor_parallel=2, data_parallel=2, segments=2, warm=True)]))
 
 
 @pytest.mark.slow
 def test_v32_every_mode_and_layout_equals_one_device() -> None:
-    """Every boundary mode at tp=2, and tp=4, dp=2 in both kinds of input prep."""
-    cases = [_case("v32", m, tensor_parallel=2) for m in ("wide", "narrow", "fused")]
+    """Every boundary mode at tp=2 (narrow after warm-up), and tp=4, dp=2 in both kinds of input prep."""
+    cases = [_case("v32", m, tensor_parallel=2, warm=m == "narrow") for m in ("wide", "narrow", "fused")]
     cases += [_case("v32", m, tensor_parallel=4) for m in ("wide", "narrow", "fused")]
     cases += [_case("v32", m, data_parallel=2) for m in ("wide", "narrow", "fused")]
     cases += [_case("v32", "wide", input_prep="device", tensor_parallel=2, data_parallel=2)]
