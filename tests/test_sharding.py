@@ -118,7 +118,9 @@ def test_sharded_equals_one_device() -> None:
     """The quick set: dp x tp fused in two segments, after warm-up (the eager regions of narrow / wide: the slow
     test_v32_every_mode_and_layout_equals_one_device; the MoE layouts: test_moe_expert_parallel_equals_one_device
     and test_v4_sharded_equals_one_device)."""
-    _check(_run([_case("v32", "fused", tensor_parallel=2, data_parallel=2, segments=2, warm=True)]))
+    # two buckets: warm-up compiles every bucket's segments, and the rollout uses one prefill and one decode bucket
+    _check(_run([_case("v32", "fused", tensor_parallel=2, data_parallel=2, segments=2, warm=True,
+                       token_buckets=(16, 512), key_block_buckets=(16,))]))
 
 
 @pytest.mark.slow
