@@ -42,6 +42,16 @@ mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi -L > "$OUT/device.txt" 2>&1 || true
 
+# ncu_sweep KIND VARIANTS: every (case, tile variant) call of ncu_kernels.py's KINDsweep profiled once (exact kernel
+# durations), reduced to $OUT/KIND_decode_ncu_sweep_h200.json by ncu_sweep_table.py
+ncu_sweep() {
+  timeout ${NCUS_TIMEOUT:-300} ncu --clock-control none --profile-from-start off --csv --page raw --print-units base \
+    --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+    python3 scripts/diag/ncu_kernels.py "$1sweep" --variants "$2" --order "$OUT/$1sweep_order.json" \
+    > "$OUT/$1sweep.csv" 2> "$OUT/$1sweep.err"; echo "ncu $1sweep rc=$?"
+  python3 scripts/diag/ncu_sweep_table.py "$OUT/$1sweep.csv" "$OUT/$1sweep_order.json" > "$OUT/$1_decode_ncu_sweep_h200.json"
+}
+
 [ $# -ge 1 ] || set -- usage
 for stage in "$@"; do
 case "$stage" in
@@ -148,20 +158,12 @@ case "$stage" in
     # kernel: three XLA kernels fewer per call) and stream_k (one even wave) are new and unmeasured;
     # FP8SWEEP_VARIANTS narrows it (M = 128 rows: both are Unsupported there, recorded as errors)
     V=${FP8SWEEP_VARIANTS:-'[{}, {"quantize_x": true}, {"stream_k": true}, {"quantize_x": true, "stream_k": true}]'}
-    timeout ${NCUS_TIMEOUT:-300} ncu --clock-control none --profile-from-start off --csv --page raw --print-units base \
-      --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
-      python3 scripts/diag/ncu_kernels.py fp8sweep --variants "$V" --order "$OUT/fp8sweep_order.json" \
-      > "$OUT/fp8sweep.csv" 2> "$OUT/fp8sweep.err"; echo "ncu fp8sweep rc=$?"
-    python3 scripts/diag/ncu_sweep_table.py "$OUT/fp8sweep.csv" "$OUT/fp8sweep_order.json" > "$OUT/fp8_decode_ncu_sweep_h200.json"
+    ncu_sweep fp8 "$V"
     ;;
   ncu-fp4sweep)
     # the FP4 kernel holds one CTA per SM too (168 registers): is its split-K rule (2 CTAs per SM) a wave problem?
     V=${FP4SWEEP_VARIANTS:-'[{}, {"split_k": 1}, {"split_k": 2}, {"split_k": 4}]'}
-    timeout ${NCUS_TIMEOUT:-300} ncu --clock-control none --profile-from-start off --csv --page raw --print-units base \
-      --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
-      python3 scripts/diag/ncu_kernels.py fp4sweep --variants "$V" --order "$OUT/fp4sweep_order.json" \
-      > "$OUT/fp4sweep.csv" 2> "$OUT/fp4sweep.err"; echo "ncu fp4sweep rc=$?"
-    python3 scripts/diag/ncu_sweep_table.py "$OUT/fp4sweep.csv" "$OUT/fp4sweep_order.json" > "$OUT/fp4_decode_ncu_sweep_h200.json"
+    ncu_sweep fp4 "$V"
     ;;
   hostprofile)
     timeout ${HP_TIMEOUT:-170} python3 -m jds.bench.host_profile --arch v32 --layers 8 --intermediate 18432 \
