@@ -532,9 +532,17 @@ class BoundaryRunner:
         t, end = self._check_chunks(chunks, src.shape[0])
         if len(token_ids) != t:
             raise ValueError(f"token_ids has {len(token_ids)} tokens but the chunks hold {t}")
+        return (t, src, self._padded(src)) + self._step_buckets(t, end)
+
+    def _padded(self, src: np.ndarray) -> np.ndarray:
+        """The caller's tables padded to [max_num_seqs, max_blocks], -1 (and any negative entry) as page 0."""
         bt = np.zeros((self.max_num_seqs, self.max_blocks), np.int32)
         np.maximum(src, 0, out=bt[: src.shape[0], : src.shape[1]])
-        return t, src, bt, _pick(self.token_buckets, t), _pick(self.key_block_buckets, -(-end // self.block_size))
+        return bt
+
+    def _step_buckets(self, tokens: int, end: int) -> tuple[int, int]:
+        """(token bucket, key-block bucket) of a step of ``tokens`` tokens reaching position ``end``."""
+        return _pick(self.token_buckets, tokens), _pick(self.key_block_buckets, -(-end // self.block_size))
 
     def _tables(self, block_tables: np.ndarray) -> np.ndarray:
         """The caller's block tables as int32 [rows, blocks], checked against the runner's limits."""
@@ -601,16 +609,14 @@ class BoundaryRunner:
         if held is not None and held[0] == src.shape and held[1] == key:  # the device holds these tables
             bt, outside = self._bt_host, held[2]
         else:
-            bt = np.zeros((self.max_num_seqs, self.max_blocks), np.int32)
-            np.maximum(src, 0, out=bt[: src.shape[0], : src.shape[1]])
+            bt = self._padded(src)
             outside = int(bt.max()) >= self.num_blocks
         if outside:  # some entry is outside the pool: is it one this step writes?
             for c in chunks:
                 a, b = c.start // self.block_size, (c.start + c.num_tokens - 1) // self.block_size
                 if (bt[c.req, a:b + 1] >= self.num_blocks).any():
                     raise ValueError("block_tables references a page outside the pool")
-        return self._pack(token_ids, chunks, bt, _pick(self.token_buckets, t),
-                          _pick(self.key_block_buckets, -(-end // self.block_size)), feed, prev_tokens,
+        return self._pack(token_ids, chunks, bt, *self._step_buckets(t, end), feed, prev_tokens,
                           source=(src.shape, key, outside))
 
     def _check_chunks(self, chunks: list[Chunk], src_rows: int) -> tuple[int, int]:

@@ -84,6 +84,7 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jds.ops import quant
@@ -98,7 +99,6 @@ _SCALE_FMTS = ("ue8m0", "amax")
 
 
 STAGE_SCALES_BELOW = 64  # rows (M) below which stage_scales=None stages the scales in SMEM
-ACT_AMAX_FLOOR = 1e-4  # quant.act_quant's default amax floor (the quantize_x kernel applies the same)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -260,7 +260,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
                           "interpret mode; pass stage_scales=False (or None) there, or run on the GPU")
     if stream_k:
         stage_scales = False
-    ctas = min(NUM_SMS, (n // bn) * nk) if stream_k else 0
+    ctas = stream_k_ctas(n // bn, nk) if stream_k else 0
     mr = min(mp, -(-m // 8) * 8)
     call = _build_call(mr=mr, mp=mp, n=n, k=k, bm=bm, bn=bn, splits=s, stages=stages, group_m=group_m,
                        out_dtype=out_dtype if s == 1 and not stream_k else jnp.dtype(jnp.float32),
@@ -287,24 +287,23 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
 
 
 def row_scales(amax: jax.Array, scale_fmt: quant.ScaleFmt) -> jax.Array:
-    """``quant.block_scale`` (default floor) in operations a Mosaic GPU kernel has: 2^ceil(log2 v) from the
-    float32 bits (exponent + 1 unless the mantissa is 0) instead of frexp / ldexp. Equal to it bit for bit
-    (tests/test_kernel_fp8_gemm.py)."""
-    a = jnp.maximum(amax, jnp.float32(ACT_AMAX_FLOOR))
-    v = jnp.maximum(a * jnp.float32(1.0 / quant.FP8_MAX), jnp.float32(quant.FLT_MIN))
+    """``quant.block_scale`` (act_quant's floor) in operations a Mosaic GPU kernel has: the "ue8m0" power of two
+    from the float32 exponent bits (``quant.ue8m0_scale_bits``) instead of frexp / ldexp. Equal to it bit for
+    bit (tests/test_kernel_fp8_gemm.py)."""
     if scale_fmt == "amax":
-        return v
-    bits = lax.bitcast_convert_type(v, jnp.int32)
-    up = (lax.shift_right_logical(bits, 23) + 1) << 23  # the next power of two (v is normal and positive)
-    return lax.bitcast_convert_type(jnp.where((bits & 0x7FFFFF) == 0, bits, up), jnp.float32)
+        return quant.block_scale(amax, "amax", quant.ACT_AMAX_FLOOR)
+    return quant.ue8m0_scale_bits(amax, quant.ACT_AMAX_FLOOR)[0]
 
 
-def stream_k_layout(n_tiles: int, nk: int, ctas: int) -> tuple[int, int, "np.ndarray"]:
+def stream_k_ctas(n_tiles: int, nk: int) -> int:
+    """CTAs of a stream-K call: one wave (one per SM), fewer only when there are fewer units."""
+    return min(NUM_SMS, n_tiles * nk)
+
+
+def stream_k_layout(n_tiles: int, nk: int, ctas: int) -> tuple[int, int, np.ndarray]:
     """Stream-K over ``n_tiles`` column tiles x ``nk`` K blocks on ``ctas`` CTAs (CTA c takes the units
     [c U / P, (c + 1) U / P), K fastest): (steps per CTA, segments per CTA, the column tile of each CTA's
     segment [P, S], ``n_tiles`` where a CTA has no such segment)."""
-    import numpy as np
-
     units = n_tiles * nk
     spc = -(-units // ctas)
     segs = -(-spc // nk) + 1

@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jds.ops.dispatch import resolve_interpret  # re-exported: the Triton kernels call C.resolve_interpret
-from jds.ops.quant import FLT_MIN, FP8, FP8_MAX, true_divide
+from jds.ops.quant import FP8, FP8_MAX, true_divide
 
 F32 = jnp.float32
 
@@ -85,22 +85,6 @@ def load(ref: Any, idx: tuple[jax.Array, ...], shape: tuple[int, ...], mask: jax
     if mask is None:
         return ref[idx]
     return plt.load(ref.at[idx], mask=jnp.broadcast_to(mask, shape), other=other)
-
-
-def ue8m0_scale(amax: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """jds.ops.quant.block_scale(amax, "ue8m0", 1e-4) by exponent bits.
-
-    Returns (s, 1/s, biased exponent of s as int32). s = 2^ceil(log2 v) with v = max(max(amax, 1e-4)/448,
-    FLT_MIN) normal, so s has biased exponent E + (mantissa(v) != 0); 1/s is exact, hence x * (1/s) ==
-    x / s bit for bit.
-    """
-    a = jnp.maximum(amax.astype(F32), np.float32(1e-4))
-    v = jnp.maximum(a * np.float32(1.0 / FP8_MAX), FLT_MIN)
-    bits = jax.lax.bitcast_convert_type(v, jnp.int32)
-    e = jax.lax.shift_right_logical(bits, 23) + jnp.where((bits & 0x7FFFFF) != 0, 1, 0)
-    s = jax.lax.bitcast_convert_type(jax.lax.shift_left(e, 23), F32)
-    inv = jax.lax.bitcast_convert_type(jax.lax.shift_left(254 - e, 23), F32)
-    return s, inv, e
 
 
 def div_rn(x: jax.Array, y: jax.Array, interpret: bool) -> jax.Array:

@@ -26,7 +26,7 @@ from jds.ops.hadamard import hadamard_matrix
 from jds.ops.dispatch import Implementation, Unsupported, run_op
 from jds.ops.fused_insert import kv_insert_v32_xla, q_v32_xla
 from jds.ops.paging import RecordFormat
-from jds.ops.quant import FLT_MIN, FP8, FP8_MAX
+from jds.ops.quant import FLT_MIN, FP8, FP8_MAX, ue8m0_scale_bits
 from jds.ops.records import IndexerRecord132, MlaRecord656
 from pallas_kernels import fused_insert_common as C
 
@@ -76,7 +76,7 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
         cf = c.astype(F32).reshape(BT, nblk, 128)
         amax = jnp.max(jnp.abs(cf), axis=-1)  # [BT, nblk]
         if kv_fmt.scale_fmt == "ue8m0":
-            s, inv, _ = C.ue8m0_scale(amax)
+            s, inv, _ = ue8m0_scale_bits(amax)
             q = C.e4m3_bytes(cf * inv[..., None])
         else:  # vLLM: max(amax / 448, FLT_MIN), then a true division
             s = jnp.maximum(C.div_rn(amax, jnp.full(amax.shape, FP8_MAX, F32), interpret), FLT_MIN)
@@ -119,7 +119,7 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
     ji = jax.lax.rem(safe, iepp)
     if isinstance(idx_fmt, IndexerRecord132):
         kf = k.astype(F32)
-        s, inv, _ = C.ue8m0_scale(jnp.max(jnp.abs(kf), axis=-1, keepdims=True))  # [BT, 1]
+        s, inv, _ = ue8m0_scale_bits(jnp.max(jnp.abs(kf), axis=-1, keepdims=True))  # [BT, 1]
         C.store(ix_out, (pagei, ji * di + ci), C.e4m3_bytes(kf * inv), ok)
         b = C.iota((1, 4), 1)
         sb = jnp.broadcast_to(s, (BT, 4))
@@ -240,7 +240,7 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
     tok_s = jnp.where(ok, tok, T)
     if fp8:
         kf = k.astype(F32)
-        s, inv, _ = C.ue8m0_scale(jnp.max(jnp.abs(kf), axis=-1, keepdims=True))
+        s, inv, _ = ue8m0_scale_bits(jnp.max(jnp.abs(kf), axis=-1, keepdims=True))
         qv = jnp.clip(kf * inv, -FP8_MAX, FP8_MAX).astype(FP8)
         wf = wf * s
     else:

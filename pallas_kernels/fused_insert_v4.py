@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 from jds.ops.dispatch import Implementation, Unsupported, run_op
 from jds.ops.fused_insert import qnorm_rope_kv_insert_v4_xla
 from jds.ops.paging import RecordFormat
+from jds.ops.quant import ue8m0_scale_bits
 from jds.ops.records import MlaRecord584
 from pallas_kernels import fused_insert_common as C
 
@@ -77,7 +78,7 @@ def _v4_kernel(q_ref, kv_ref, cos_ref, sin_ref, slot_ref, w_ref, _cache_in, q_ou
             nblk = D // blk  # NoPE blocks plus the rope block(s), whose scales are not stored
             kb = k.astype(jnp.bfloat16)
             nf = kb.astype(F32).reshape(BT, nblk, blk)
-            s, inv, e = C.ue8m0_scale(jnp.max(jnp.abs(nf), axis=-1))  # [BT, nblk]
+            s, inv, e = ue8m0_scale_bits(jnp.max(jnp.abs(nf), axis=-1))  # [BT, nblk]
             q8 = C.e4m3_bytes(nf * inv[..., None]).reshape(shape)
             lo, hi = C.u16_bytes(kb)
             is_nope = col < nope

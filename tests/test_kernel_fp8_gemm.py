@@ -231,7 +231,7 @@ def test_row_scales_equal_block_scale() -> None:
                         np.ldexp(np.float32(1), np.arange(-14, 40)).astype(np.float32) * np.float32(448)])
     a = jnp.asarray(a, jnp.float32)
     for fmt in ("ue8m0", "amax"):
-        want = quant.block_scale(a, fmt, G.ACT_AMAX_FLOOR)
+        want = quant.block_scale(a, fmt, quant.ACT_AMAX_FLOOR)
         np.testing.assert_array_equal(np.asarray(G.row_scales(a, fmt)).view(np.int32), np.asarray(want).view(np.int32))
 
 

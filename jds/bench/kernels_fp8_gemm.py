@@ -235,7 +235,7 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch) -> Iterator[d
             r.update(block_m=bm, block_n=bn, split_k=sk, stages=tiles.get("stages", 4),
                      group_m=tiles.get("group_m", 8))
             if tiles.get("stream_k"):  # no K split: a wave of CTAs shares the units
-                r.update(split_k=None, stream_k_ctas=min(fp8_gemm.NUM_SMS, (n // bn) * (k // 128)))
+                r.update(split_k=None, stream_k_ctas=fp8_gemm.stream_k_ctas(n // bn, k // 128))
             if ref is not None:  # fp32 out (same tiles), so that bf16 output rounding does not hide the sums
                 f32 = jax.jit(functools.partial(fp8_gemm.fp8_linear, out_dtype=jnp.float32, implementation="pallas",
                                                 interpret=True if quick else None, **tiles))

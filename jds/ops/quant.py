@@ -28,6 +28,7 @@ def ue8m0_ceil(v: jax.Array) -> jax.Array:
 
 
 FLT_MIN = np.float32(np.finfo(np.float32).tiny)
+ACT_AMAX_FLOOR = 1e-4  # activation blocks' amax floor (act_quant's default; the kernels that quantise apply it too)
 
 
 def block_scale(amax: jax.Array, fmt: ScaleFmt, amax_floor: float) -> jax.Array:
@@ -39,6 +40,21 @@ def block_scale(amax: jax.Array, fmt: ScaleFmt, amax_floor: float) -> jax.Array:
     a = jnp.maximum(amax.astype(jnp.float32), np.float32(amax_floor))
     v = jnp.maximum(a * np.float32(1.0 / FP8_MAX), FLT_MIN)
     return ue8m0_ceil(v) if fmt == "ue8m0" else v
+
+
+def ue8m0_scale_bits(amax: jax.Array, amax_floor: float = ACT_AMAX_FLOOR) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``block_scale(amax, "ue8m0", amax_floor)`` by exponent bits, for kernels (no frexp / ldexp there).
+
+    Returns (s, 1/s, biased exponent of s as int32). s = 2^ceil(log2 v) with v = ``block_scale``'s amax-format
+    value (normal: >= FLT_MIN), so s has biased exponent E + (mantissa(v) != 0); 1/s is exact, hence
+    x * (1/s) == x / s bit for bit.
+    """
+    v = block_scale(amax, "amax", amax_floor)
+    bits = jax.lax.bitcast_convert_type(v, jnp.int32)
+    e = jax.lax.shift_right_logical(bits, 23) + jnp.where((bits & 0x7FFFFF) != 0, 1, 0)
+    s = jax.lax.bitcast_convert_type(jax.lax.shift_left(e, 23), jnp.float32)
+    inv = jax.lax.bitcast_convert_type(jax.lax.shift_left(254 - e, 23), jnp.float32)
+    return s, inv, e
 
 
 def quantize_e4m3(x_over_s: jax.Array) -> jax.Array:
@@ -58,7 +74,7 @@ def true_divide(x: jax.Array, d: jax.Array | float) -> jax.Array:
 
 
 def act_quant(x: jax.Array, block: int = 128, fmt: ScaleFmt = "ue8m0",
-              amax_floor: float = 1e-4) -> tuple[jax.Array, jax.Array]:
+              amax_floor: float = ACT_AMAX_FLOOR) -> tuple[jax.Array, jax.Array]:
     """Quantise along the last axis in blocks: returns (q e4m3 [..., n], s float32 [..., n/block])."""
     n = x.shape[-1]
     if n % block:

@@ -11,9 +11,7 @@ flight per CTA, CTA = (K split, column tile) as the GEMM's), so its time is the 
 column tile x split-K x stages, each with its device time (``device_time_us``, unrolled: the pipelined
 ``median_us`` of a call this short can be the host's dispatch), GB/s and the fraction of the copy bandwidth
 measured in the run.
-``--gemm``: instead, the FP8 GEMM itself at decode (wo and mlp; M = 1, 64, 128): the whole ``fp8_linear`` call
-and its kernel alone (inputs quantised and padded beforehand), for tile variants, so that the wrapper's XLA
-kernels (activation quantisation, padding, the split-K sum) and the kernel's own time separate.
+The GEMM's own decode calls are compared by exact kernel durations instead: ``ncu_kernels.py fp8sweep``.
 ``--interpret``: a small shape in GPU interpret mode (CPU smoke run).
 """
 
@@ -87,59 +85,6 @@ def stream_call(layout: str, n: int, k: int, bn: int, splits: int, stages: int, 
                         interpret=plgpu.InterpretGPUParams() if interpret else False)
 
 
-GEMM_VARIANTS = [dict(), dict(block_n=64, split_k=1, stages=8), dict(block_n=128, split_k=4),
-                 dict(block_n=64, split_k=2, stages=8), dict(block_n=128, split_k=16)]
-
-
-def gemm_rows(a: argparse.Namespace, ceil: dict, time_fn) -> None:
-    import numpy as np
-
-    from jds.bench.timing import device_time_us
-    from jds.ops import quant
-    from pallas_kernels import fp8_gemm
-
-    shapes = {"tiny": (512, 256)} if a.interpret else {"wo": (16384, 7168), "mlp": (7168, 18432)}
-    rows = []
-    rng = np.random.default_rng(0)
-    for name, (k, n) in shapes.items():
-        w = jnp.asarray(rng.standard_normal((n, k), np.float32) * 0.05).astype(jnp.float8_e4m3fn)
-        sw = jnp.asarray(rng.uniform(0.5, 2.0, (n // BLOCK, k // BLOCK)).astype(np.float32))
-        for m in ((1, 64) if a.interpret else (1, 64, 128)):
-            x = jnp.asarray(rng.standard_normal((m, k), np.float32)).astype(jnp.bfloat16)
-            wbytes = n * k + sw.size * 4 + m * k * 2 + m * n * 2
-            for v in GEMM_VARIANTS:
-                row = {"case": f"{name}_m{m}", **v}
-                try:
-                    full = jax.jit(functools.partial(fp8_gemm.fp8_linear, implementation="pallas", interpret=a.interpret or None, **v))
-                    t = device_time_us(full, x, w, sw, unrolled=True, reps=(1, 2) if a.interpret else (8, 48))
-                    row.update(call_us=t, call_of_copy=wbytes / (t * 1e-6) / ceil["copy_bytes_per_s"])
-                    bm, bn, s = fp8_gemm._pick_tiles(m, n, k // BLOCK, None, v.get("block_n"), v.get("split_k"))
-                    mp = -(-m // bm) * bm
-                    st = m < fp8_gemm.STAGE_SCALES_BELOW and not (a.interpret and fp8_gemm._trimmed(s, bm, mp // bm))
-                    xq, sx = quant.act_quant(x, BLOCK, "ue8m0")
-                    xq = jnp.pad(xq, ((0, mp - m), (0, 0)))
-                    sxt = jnp.pad(sx.T, ((0, 0), (0, mp - m)))
-                    call = fp8_gemm._build_call(mr=min(mp, -(-m // 8) * 8), mp=mp, n=n, k=k, bm=bm, bn=bn, splits=s,
-                                                stages=v.get("stages", 4), group_m=8,
-                                                out_dtype=jnp.dtype(jnp.bfloat16 if s == 1 else jnp.float32),
-                                                interpret=plgpu.InterpretGPUParams() if a.interpret else None,
-                                                stage_scales=st)
-                    swk = fp8_gemm.pad_weight_scales(sw) if st else sw
-                    tk = device_time_us(call, xq, sxt, w, swk, unrolled=True, reps=(1, 2) if a.interpret else (8, 48))
-                    row.update(kernel_us=tk, kernel_of_copy=(n * k + sw.size * 4) / (tk * 1e-6) / ceil["copy_bytes_per_s"],
-                               split_k=s, block_n=bn, block_m=bm, stage_scales=st, ctas=s * (mp // bm) * (n // bn))
-                except Exception as e:  # noqa: BLE001 - a diag: record and go on
-                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-    res = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "jax": jax.__version__,
-                    "device": str(jax.devices()[0].device_kind), **ceil,
-                    "command": "python3 scripts/diag/tma_stream.py " + " ".join(sys.argv[1:]),
-                    "timing": "device_time_us, unrolled 8 vs 48 calls"}, "rows": rows}
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=7168)
@@ -148,7 +93,6 @@ def main() -> None:
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--stages", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--interpret", action="store_true")
-    ap.add_argument("--gemm", action="store_true")
     ap.add_argument("--layouts", nargs="+", default=["rows", "tiles", "rows+x", "rows_ws", "rows_ws+x"])
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -156,8 +100,6 @@ def main() -> None:
     from jds.bench.timing import device_time_us, measure_ceilings, time_fn
 
     ceil = measure_ceilings(quick=a.interpret)
-    if a.gemm:
-        return gemm_rows(a, ceil, time_fn)
     n, k = (256, 512) if a.interpret else (a.n, a.k)
     w = jax.random.randint(jax.random.key(0), (n, k), -100, 100, jnp.int32).astype(jnp.float8_e4m3fn)
     rows = []
