@@ -50,8 +50,9 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, 3 warpgroups per CTA: 2 compu
   grid of whole tiles or K splits that is not a multiple of the SMs leaves a tail wave (mlp's 144 tiles on 132
   SMs: 1.09 waves). Instead min(132, units) CTAs take the (column tile, K block) units in equal contiguous runs
   (K fastest): one pipeline per CTA whose blocks follow its run; where the run leaves a tile the CTA stores its
-  [mr, block_n] fp32 partial for that tile (``stream_k_layout``) and restarts at 0; one XLA scatter-add sums
-  each tile's partials. Off by default until measured on the GPU.
+  [mr, block_n] fp32 partial for that tile into slot j (its rank among the tile's CTAs, ``stream_k_layout``)
+  of a [J, mr, N] output and restarts at 0; one XLA reduction (masking the slots no CTA wrote) sums them, as
+  split-K's does. Off by default until measured on the GPU.
 - Padding: M is padded to block_m (zero xq rows and scales). With ``quantize_x`` x is not padded (no XLA kernel
   at all before the call): the x tile's TMA box runs past its M rows, which TMA fills with zeros, and rows past
   M only feed output rows that are dropped (an MMA row depends on its own row of x alone). N and K must be multiples of 128
@@ -108,7 +109,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                interpret: bool | plgpu.InterpretGPUParams | None = None, block_m: int | None = None,
                block_n: int | None = None, split_k: int | None = None, stages: int = 4,
                group_m: int = 8, stage_scales: bool | None = None, quantize_x: bool = False,
-               stream_k: bool = False) -> jax.Array:
+               stream_k: bool = False, act_quant: str = "xla") -> jax.Array:
     """y = x W^T with W = ``wq`` (float8_e4m3fn [out, in]) * ``w_scale`` (float32 [ceil(out/128),
     ceil(in/128)] per 128 x 128 block), x [..., in] re-quantised per 1 x 128 group (``scale_fmt``);
     [..., out] in ``out_dtype``.
@@ -125,7 +126,9 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     and its scales; off by default until measured on the GPU. ``stream_k`` (M <= 64, unstaged scales, no
     ``split_k``): one wave of CTAs shares the (column tile, K block) units evenly instead of whole tiles or K
     splits, so no tail wave idles SMs whatever the shape; one XLA scatter-add sums the partials; off by default
-    until measured on the GPU.
+    until measured on the GPU. ``act_quant``: where x is quantised when the kernel does not do it itself:
+    "xla" (``quant.act_quant`` plus the padding and transposed scales: three XLA kernels) or "kernel"
+    (``quantize_rows``: one kernel; bfloat16 x, M < 8 or a multiple of 8, else XLA).
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``); None = whenever the default
     backend is not a GPU.
     """
@@ -135,7 +138,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
         "pallas": lambda: _pallas(x, wq, w_scale, out_dtype=out_dtype, scale_fmt=scale_fmt, interpret=interpret,
                                   block_m=block_m, block_n=block_n, split_k=split_k, stages=stages,
                                   group_m=group_m, stage_scales=stage_scales, quantize_x=quantize_x,
-                                  stream_k=stream_k)})
+                                  stream_k=stream_k, act_quant=act_quant)})
 
 
 def _check_common(x, wq, w_scale, scale_fmt) -> None:
@@ -221,7 +224,7 @@ def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
 
 
 def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages, group_m,
-            stage_scales, quantize_x=False, stream_k=False):
+            stage_scales, quantize_x=False, stream_k=False, act_quant="xla"):
     _check_tiles(block_m, block_n, split_k, stages, group_m)
     if stage_scales is not None and not isinstance(stage_scales, bool):
         raise ValueError(f"stage_scales must be a bool or None, got {stage_scales!r}")
@@ -229,6 +232,8 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         raise ValueError(f"quantize_x must be a bool, got {quantize_x!r}")
     if not isinstance(stream_k, bool):
         raise ValueError(f"stream_k must be a bool, got {stream_k!r}")
+    if act_quant not in ("xla", "kernel"):
+        raise ValueError(f"act_quant must be 'xla' or 'kernel', got {act_quant!r}")
     n, k = wq.shape
     if not supports(n, k):
         raise Unsupported(f"fp8_linear kernel: out = {n} and in = {k} (wq shape) must be multiples of {BLOCK}")
@@ -270,17 +275,16 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     sw = pad_weight_scales(sw) if stage_scales else sw
     if quantize_x:
         y = call(x.reshape(m, k), wq, sw)
+    elif act_quant == "kernel" and jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16) and (m <= 8 or m % 8 == 0):
+        y = call(*quantize_rows(x.reshape(m, k), mp, scale_fmt, interpret=interpret or False), wq, sw)
     else:
         xq, sx = quant.act_quant(x.reshape(m, k), BLOCK, scale_fmt)
         xq = jnp.pad(xq, ((0, mp - m), (0, 0)))
         sxt = jnp.pad(sx.T, ((0, 0), (0, mp - m)))  # [nk, Mp]: a CTA's 64 row scales of one K block are contiguous
         y = call(xq, sxt, wq, sw)
-    if stream_k:  # each CTA's segments added into their column tiles (a CTA without one adds into a dropped row)
-        nt = n // bn
-        _, segs, tile = stream_k_layout(nt, nk, ctas)
-        y = jnp.zeros((nt + 1, mr, bn), jnp.float32).at[jnp.asarray(tile.reshape(-1))].add(
-            y.reshape(ctas * segs, mr, bn))
-        y = y[:nt].transpose(1, 0, 2).reshape(mr, n)
+    if stream_k:  # a tile's j-th CTA wrote slot j; slots no CTA wrote hold whatever was there: masked
+        _, _, written = stream_k_layout(n // bn, nk, ctas)
+        y = jnp.where(jnp.asarray(np.repeat(written, bn, axis=1))[:, None, :], y, 0.0).sum(axis=0)
     elif s > 1:
         y = jnp.sum(y, axis=0)
     return y[:m].astype(out_dtype).reshape(*lead, n)
@@ -295,25 +299,78 @@ def row_scales(amax: jax.Array, scale_fmt: quant.ScaleFmt) -> jax.Array:
     return quant.ue8m0_scale_bits(amax, quant.ACT_AMAX_FLOOR)[0]
 
 
+def quantize_rows(x: jax.Array, mp: int, scale_fmt: quant.ScaleFmt, *,
+                  interpret: bool | plgpu.InterpretGPUParams | None = None) -> tuple[jax.Array, jax.Array]:
+    """act_quant of x [M, K] (bfloat16) in the layout the GEMM kernel reads, in one kernel: (xq e4m3 [mp, K]
+    with zero rows past M, sx^T float32 [K / 128, mp]). XLA spends three kernels on it (the amax reduction,
+    the padded e4m3 x, the padded transposed scales), each near the launch floor at decode sizes.
+
+    One CTA (one warpgroup) per (64-row tile, K block): the x tile arrives by TMA (rows past M zero-filled by
+    TMA's bounds: x is not padded), is quantised in registers as in the GEMM's ``quantize_x`` (``row_scales``)
+    and leaves by TMA as e4m3 plus its 64 row scales. Same values as ``quant.act_quant``, bit for bit (tests)."""
+    m, k = x.shape
+    if (jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16) or k % BLOCK or mp % 64 or mp < m
+            or (m > 8 and m % 8)):
+        # TMA boxes past the rows need the row count below or a multiple of the 8-row tiling
+        raise Unsupported(f"quantize_rows: bfloat16 x with in a multiple of {BLOCK}, M < 8 or a multiple of 8, "
+                          f"and mp a multiple of 64 >= M (got {x.dtype}, {x.shape}, mp {mp})")
+    interpret = resolve_interpret(None) if interpret is None else interpret
+    interpret = plgpu.InterpretGPUParams() if interpret is True else interpret or None
+    return _build_quantize_rows(m=m, mp=mp, k=k, scale_fmt=scale_fmt, interpret=interpret)(x)
+
+
+@functools.lru_cache(maxsize=None)
+def _build_quantize_rows(*, m: int, mp: int, k: int, scale_fmt: quant.ScaleFmt,
+                         interpret: plgpu.InterpretGPUParams | None):
+    nk = k // BLOCK
+    L = plgpu.Layout.WGMMA
+    swz = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))  # 128 e4m3 = one 128-byte row
+    swz16 = (plgpu.TilingTransform((8, BLOCK // 2)), plgpu.SwizzleTransform(128))  # 64 bf16 = one 128-byte row
+
+    def kernel(x_ref, xq_ref, sxt_ref, x_s, xq_s, sx_s, bar):
+        pid = lax.axis_index("cta")
+        rows, cols = pl.ds((pid // nk) * 64, 64), pl.ds((pid % nk) * BLOCK, BLOCK)
+        plgpu.copy_gmem_to_smem(x_ref.at[rows, cols], x_s, bar.at[0])
+        plgpu.barrier_wait(bar.at[0])
+        xv = plgpu.load(x_s, (), layout=L).astype(jnp.float32)
+        sx = row_scales(jnp.max(jnp.abs(xv), axis=1), scale_fmt)
+        xq = jnp.clip(xv / lax.broadcast_in_dim(sx, xv.shape, [0]), -quant.FP8_MAX, quant.FP8_MAX)
+        xq_s[...] = xq.astype(quant.FP8)
+        sx_s[...] = sx
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(xq_s, xq_ref.at[rows, cols])
+        plgpu.copy_smem_to_gmem(sx_s, sxt_ref.at[pid % nk, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    return plgpu.kernel(kernel, out_type=(jax.ShapeDtypeStruct((mp, k), quant.FP8),
+                                          jax.ShapeDtypeStruct((nk, mp), jnp.float32)),
+                        grid=(mp // 64 * nk,), grid_names=("cta",), compiler_params=params,
+                        scratch_types=[plgpu.SMEM((64, BLOCK), jnp.bfloat16, transforms=swz16),
+                                       plgpu.SMEM((64, BLOCK), quant.FP8, transforms=swz),
+                                       plgpu.SMEM((64,), jnp.float32), plgpu.Barrier(num_barriers=1)],
+                        interpret=interpret if interpret is not None else False)
+
+
 def stream_k_ctas(n_tiles: int, nk: int) -> int:
     """CTAs of a stream-K call: one wave (one per SM), fewer only when there are fewer units."""
     return min(NUM_SMS, n_tiles * nk)
 
 
+def stream_k_owner(u, units: int, ctas: int):
+    """The CTA whose run holds unit u: the largest c with c U // P <= u (numpy or traced integers)."""
+    return ((u + 1) * ctas - 1) // units
+
+
 def stream_k_layout(n_tiles: int, nk: int, ctas: int) -> tuple[int, int, np.ndarray]:
     """Stream-K over ``n_tiles`` column tiles x ``nk`` K blocks on ``ctas`` CTAs (CTA c takes the units
-    [c U / P, (c + 1) U / P), K fastest): (steps per CTA, segments per CTA, the column tile of each CTA's
-    segment [P, S], ``n_tiles`` where a CTA has no such segment)."""
+    [c U / P, (c + 1) U / P), K fastest): (steps per CTA, J = the most CTAs sharing one tile, ``written``
+    bool [J, n_tiles]: whether a tile has a j-th CTA). The j-th CTA of tile t (counted from the owner of its
+    first unit) writes its partial to slot j of the [J, rows, N] output."""
     units = n_tiles * nk
-    spc = -(-units // ctas)
-    segs = -(-spc // nk) + 1
-    tile = np.full((ctas, segs), n_tiles, np.int32)
-    for c in range(ctas):
-        u0, u1 = c * units // ctas, (c + 1) * units // ctas
-        if u1 > u0:
-            first, last = u0 // nk, (u1 - 1) // nk
-            tile[c, : last - first + 1] = np.arange(first, last + 1)
-    return spc, segs, tile
+    t = np.arange(n_tiles)
+    count = stream_k_owner((t + 1) * nk - 1, units, ctas) - stream_k_owner(t * nk, units, ctas) + 1
+    return -(-units // ctas), int(count.max()), np.arange(count.max())[:, None] < count[None, :]
 
 
 def _trimmed(splits: int, bm: int, m_tiles: int) -> bool:
@@ -332,7 +389,8 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     (the row scales stay in registers for the promotion): x (arguments x, w, sw), else (xq, sx^T, w, sw).
     ``stream_k`` = P > 0 (64-row tiles, one M tile, unstaged scales): P CTAs split the (column tile, K block)
     units evenly, each a contiguous run that may span tiles; at each tile's end in its run a CTA stores its fp32
-    partial [mr, bn] as segment seg of [P, S, mr, bn] (``stream_k_layout`` says which tile each is)."""
+    partial [mr, bn] into slot j of [J, mr, N] at the tile's columns, j = its rank among the tile's CTAs
+    (``stream_k_layout``)."""
     nk = k // BLOCK
     sw_rows = max(-(-n // BLOCK), SW_ROWS)  # rows of the (padded) weight scales, when staged
     kps = nk // splits  # K blocks per CTA
@@ -350,7 +408,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     if stream_k and (bm != 64 or m_tiles != 1 or stage_scales or splits != 1):
         raise ValueError("stream_k needs one 64-row tile, unstaged scales and no split_k")
     units = n_tiles * nk
-    spc, segs = stream_k_layout(n_tiles, nk, stream_k)[:2] if stream_k else (kps, 1)
+    spc, slots = stream_k_layout(n_tiles, nk, stream_k)[:2] if stream_k else (kps, 1)
     swz = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))  # 128 e4m3 = one 128-byte row
     swz16 = (plgpu.TilingTransform((8, BLOCK // 2)), plgpu.SwizzleTransform(128))  # 64 bf16 = one 128-byte row
     if quantize_x and bm != 64:
@@ -381,7 +439,6 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
         if stream_k:  # this CTA's units [u0, u0 + n_units): (column tile, K block) pairs, K fastest
             u0 = pid * units // stream_k
             n_units = (pid + 1) * units // stream_k - u0
-            t0 = u0 // nk
 
             def unit(step):  # steps past the CTA's units repeat its last one (and add nothing)
                 u = u0 + jnp.minimum(step, n_units - 1)
@@ -431,7 +488,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 if stream_k:  # a repeated last unit adds nothing
                     sw_c = sw_c * (step < n_units).astype(jnp.float32)
                 out.append(acc[c] + blk * lax.broadcast_in_dim(sxv * sw_c, blk.shape, [0]))
-            if stream_k:  # the run leaves this tile: store the partial (segment tile - t0), start the next at 0
+            if stream_k:  # the run leaves this tile: store the partial (slot = its rank in the tile), start the next at 0
                 done = (step < n_units) & ((kb == nk - 1) | (step == n_units - 1))
                 for w in range(2):
                     @pl.when(done & (wg == w))
@@ -441,7 +498,8 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                             ep_s.at[w][...] = out[c]
                             plgpu.commit_smem()
                             plgpu.copy_smem_to_gmem(ep_s.at[w, pl.ds(0, mr)],
-                                                    o_ref.at[pid, tile - t0, :, pl.ds(wg_cols(w, 0) + c * cw, cw)])
+                                                    o_ref.at[pid - stream_k_owner(tile * nk, units, stream_k), :,
+                                                             pl.ds(wg_cols(w, tile) + c * cw, cw)])
                 keep = 1.0 - done.astype(jnp.float32)
                 out = [o * keep for o in out]
             return tuple(out)
@@ -502,7 +560,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
 
     out_shape = (mp, n) if splits == 1 else (splits, mr if trim else mp, n)
     if stream_k:
-        out_shape = (stream_k, segs, mr, bn)
+        out_shape = (slots, mr, n)
     # the [64, cw] fp32 staging tile of each compute warpgroup's partial (128-byte rows: (8, 32) tiles)
     scratch = [plgpu.SMEM((2, 64, cw), jnp.float32,
                           transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))] if trim else []

@@ -43,13 +43,20 @@ export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOC
 nvidia-smi -L > "$OUT/device.txt" 2>&1 || true
 
 # ncu_sweep KIND VARIANTS: every (case, tile variant) call of ncu_kernels.py's KINDsweep profiled once (exact kernel
-# durations), reduced to $OUT/KIND_decode_ncu_sweep_h200.json by ncu_sweep_table.py
+# durations), one profiled process per variant (a process that crashes under ncu loses only its variant: the
+# fp8 sweep's process died with SIGSEGV once, 2026-12-01, seventh session), reduced to
+# $OUT/KIND_decode_ncu_sweep_h200.json by ncu_sweep_table.py
 ncu_sweep() {
-  timeout ${NCUS_TIMEOUT:-300} ncu --clock-control none --profile-from-start off --csv --page raw --print-units base \
-    --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
-    python3 scripts/diag/ncu_kernels.py "$1sweep" --variants "$2" --order "$OUT/$1sweep_order.json" \
-    > "$OUT/$1sweep.csv" 2> "$OUT/$1sweep.err"; echo "ncu $1sweep rc=$?"
-  python3 scripts/diag/ncu_sweep_table.py "$OUT/$1sweep.csv" "$OUT/$1sweep_order.json" > "$OUT/$1_decode_ncu_sweep_h200.json"
+  local pairs=() i=0 v
+  while read -r v; do
+    timeout ${NCUS_TIMEOUT:-150} ncu --clock-control none --profile-from-start off --csv --page raw --print-units base \
+      --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+      python3 scripts/diag/ncu_kernels.py "$1sweep" --variants "[$v]" --order "/tmp/$1sweep_order$i.json" \
+      > "/tmp/$1sweep$i.csv" 2>> "$OUT/$1sweep.err"; echo "ncu $1sweep $v rc=$?"
+    pairs+=("/tmp/$1sweep$i.csv" "/tmp/$1sweep_order$i.json"); i=$((i + 1))
+  done < <(python3 -c 'import json, sys; [print(json.dumps(v)) for v in json.loads(sys.argv[1])]' "$2")
+  python3 scripts/diag/ncu_sweep_table.py "${pairs[@]}" > "$OUT/$1_decode_ncu_sweep_h200.json" 2>> "$OUT/$1sweep.err"
+  tail -n 30 "$OUT/$1sweep.err" | grep -v "^==" | cut -c1-200
 }
 
 [ $# -ge 1 ] || set -- usage

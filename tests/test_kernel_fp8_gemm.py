@@ -252,6 +252,47 @@ def test_quantize_x_in_the_kernel_equals_act_quant(mode: str, m: int, tiles: dic
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("m,k,mp,scale_fmt", [(1, 256, 64, "ue8m0"), (7, 384, 64, "amax"), (64, 256, 64, "amax"),
+                                              (72, 256, 128, "ue8m0")])
+def test_quantize_rows_equals_act_quant(mode: str, m: int, k: int, mp: int, scale_fmt: str) -> None:
+    """The one-kernel act_quant (``quantize_rows``): act_quant's e4m3 values and scales bit for bit, in the
+    GEMM's layout (scales transposed), zero rows past M; rows with a zero block take the amax floor's scale."""
+    x, _, _ = make_case(m, k, 128, seed=k + m)
+    x = x.at[0, :128].set(0)
+    xq, sxt = G.quantize_rows(x, mp, scale_fmt, interpret=interpret_for(mode))
+    rq, rs = quant.act_quant(x, 128, scale_fmt)
+    assert xq.shape == (mp, k) and xq.dtype == FP8 and sxt.shape == (k // 128, mp)
+    np.testing.assert_array_equal(np.asarray(xq[:m]).view(np.uint8), np.asarray(rq).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(sxt[:, :m]), np.asarray(rs.T))
+    assert not np.asarray(xq[m:]).view(np.uint8).any()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("m,tiles", [(1, {}), (16, dict(split_k=2)), pytest.param(128, {}, marks=pytest.mark.slow)])
+def test_act_quant_kernel_gives_the_same_result(mode: str, m: int, tiles: dict) -> None:
+    """act_quant="kernel": the GEMM on ``quantize_rows``' operands equals the GEMM on XLA's, bit for bit."""
+    interpret = interpret_for(mode)
+    x, wq, ws = make_case(m, 512, 256, seed=m + 1)
+    kw = dict(out_dtype=jnp.float32, implementation="pallas", interpret=interpret, **tiles)
+    np.testing.assert_array_equal(np.asarray(G.fp8_linear(x, wq, ws, act_quant="kernel", **kw)),
+                                  np.asarray(G.fp8_linear(x, wq, ws, **kw)))
+
+
+def test_quantize_rows_limits() -> None:
+    x = jnp.ones((12, 256), jnp.bfloat16)
+    with pytest.raises(Unsupported, match="multiple of 8"):
+        G.quantize_rows(x, 64, "ue8m0")  # 12 rows: TMA's 8-row tiling
+    with pytest.raises(Unsupported, match="bfloat16"):
+        G.quantize_rows(x[:8].astype(jnp.float32), 64, "ue8m0")
+    with pytest.raises(ValueError, match="act_quant"):
+        G.fp8_linear(x, *_weights(128, 256), implementation="pallas", act_quant="triton")
+    wq, ws = _weights(128, 256)  # 12 rows: act_quant="kernel" falls back to XLA's, same result
+    kw = dict(out_dtype=jnp.float32, implementation="pallas", interpret=True)
+    np.testing.assert_array_equal(np.asarray(G.fp8_linear(x, wq, ws, act_quant="kernel", **kw)),
+                                  np.asarray(G.fp8_linear(x, wq, ws, **kw)))
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("m,k,n,ctas,quantize_x", [(1, 512, 384, 5, False),  # runs span tiles, uneven
                                                    (7, 640, 256, 4, True)])
 def test_stream_k_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, quantize_x: bool, monkeypatch) -> None:
@@ -265,8 +306,24 @@ def test_stream_k_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, quan
     got = G.fp8_linear(x, wq, ws, out_dtype=jnp.float32, implementation="pallas", interpret=interpret,
                        stream_k=True, quantize_x=quantize_x)
     check(got, ref, ab, _rtol(mode, k), jnp.float32)
-    spc, segs, tile = G.stream_k_layout(n // 128, k // 128, ctas)
-    assert ((tile < n // 128).sum(axis=1) >= 1).all() and (tile < n // 128).sum() > n // 128  # shared tiles
+    spc, slots, written = G.stream_k_layout(n // 128, k // 128, ctas)
+    assert slots > 1 and written[0].all()  # tiles shared by several CTAs; every tile has a first one
+
+
+@pytest.mark.parametrize("n_tiles,nk,ctas", [(3, 4, 5), (56, 128, 132), (144, 56, 132), (2, 3, 6), (7, 2, 3)])
+def test_stream_k_layout_counts_each_tiles_ctas(n_tiles: int, nk: int, ctas: int) -> None:
+    """stream_k_owner / stream_k_layout against a direct enumeration of the CTAs' runs [c U / P, (c + 1) U / P)."""
+    units = n_tiles * nk
+    sharing = [set() for _ in range(n_tiles)]
+    for c in range(ctas):
+        for u in range(c * units // ctas, (c + 1) * units // ctas):
+            assert G.stream_k_owner(u, units, ctas) == c
+            sharing[u // nk].add(c)
+    spc, slots, written = G.stream_k_layout(n_tiles, nk, ctas)
+    assert spc == -(-units // ctas) and slots == max(len(s) for s in sharing)
+    np.testing.assert_array_equal(written, np.arange(slots)[:, None] < np.array([len(s) for s in sharing]))
+    assert all(min(s) == G.stream_k_owner(t * nk, units, ctas) and max(s) - min(s) + 1 == len(s)
+               for t, s in enumerate(sharing))
 
 
 def test_quantize_x_limits() -> None:
@@ -308,6 +365,8 @@ def test_auto_split_k() -> None:
                                          (64, 7168, 18432, dict(quantize_x=True, stage_scales=False)),
                                          (1, 7168, 18432, dict(stream_k=True, quantize_x=True)),  # mlp decode
                                          (64, 16384, 7168, dict(stream_k=True)),
+                                         (1, 16384, 7168, dict(act_quant="kernel")),
+                                         (128, 7168, 18432, dict(act_quant="kernel")),
                                          (256, 640, 512, dict(block_n=256, split_k=1, stage_scales=True))])
 def test_lowers_for_cuda(m: int, k: int, n: int, tiles: dict) -> None:
     """The compiled kernel passes Mosaic GPU's lowering (e4m3 wgmma with K-major operands, TMA, layouts)."""

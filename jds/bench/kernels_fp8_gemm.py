@@ -198,7 +198,7 @@ def _iters(flops: float) -> int:
     return 50 if flops < 2e11 else 10
 
 
-def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch) -> Iterator[dict]:
+def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch, rows: Sequence[str] | None = None) -> Iterator[dict]:
     m, k, n = c["m"], c["in"], c["out"]
     x, wq, ws = c["x"], c["wq"], c["ws"]
     flops = 2.0 * m * n * k
@@ -217,14 +217,22 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch) -> Iterator[d
     # the default stages the scales below STAGE_SCALES_BELOW rows: time the other choice beside it at decode sizes
     other = ([("pallas[stage_scales=False]", dict(stage_scales=False))] if m < fp8_gemm.STAGE_SCALES_BELOW else
              [("pallas[stage_scales=True]", dict(stage_scales=True))] if m <= 128 else [])
+    if m <= 128:  # act_quant in one kernel instead of XLA's three, with either scale placement
+        other += [("pallas[act_quant=kernel]", dict(act_quant="kernel"))]
+        other += [("pallas[act_quant=kernel,stage_scales=%s]" % (not d), dict(act_quant="kernel", stage_scales=not d))
+                  for d in [m < fp8_gemm.STAGE_SCALES_BELOW]]
     if m <= 64:  # x quantised inside the kernel (no XLA kernels for act_quant around it); stream-K (one even wave)
         other += [("pallas[quantize_x=True]", dict(quantize_x=True)), ("pallas[stream_k=True]", dict(stream_k=True)),
-                  ("pallas[quantize_x=True,stream_k=True]", dict(quantize_x=True, stream_k=True))]
+                  ("pallas[quantize_x=True,stream_k=True]", dict(quantize_x=True, stream_k=True)),
+                  ("pallas[act_quant=kernel,stream_k=True]", dict(act_quant="kernel", stream_k=True))]
     variants = [("pallas", {})] + other
     table = (SWEEP if m <= 128 else SWEEP_LARGE if m >= 2048 else []) if sweep else []
     variants += [("pallas[" + ",".join(f"{a}={b}" for a, b in v.items()) + "]", v) for v in table
                  if (k // 128) % v.get("split_k", 1) == 0 and n % v["block_n"] == 0]
+    wanted = (lambda name: rows is None or name in rows)  # noqa: E731
     for name, tiles in variants:
+        if not wanted(name):
+            continue
         r = {**base, "impl": name}
         try:
             f = jax.jit(functools.partial(fp8_gemm.fp8_linear, out_dtype=jnp.bfloat16, implementation="pallas",
@@ -255,6 +263,8 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch) -> Iterator[d
         yield r
 
     # (b) the XLA path
+    if not wanted("xla"):
+        return
     r = {**base, "impl": "xla"}
     try:
         f = jax.jit(functools.partial(fp8_gemm.fp8_linear, out_dtype=jnp.bfloat16, implementation="xla"))
@@ -266,7 +276,7 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch) -> Iterator[d
     yield r
 
     # (c) torch._scaled_mm on the same e4m3 operands
-    if torch is not None:
+    if torch is not None and wanted("torch"):
         r = {**base, "impl": "torch"}
         try:
             xq, sx = jax.jit(functools.partial(quant.act_quant, block=128, fmt="ue8m0"))(x)
@@ -284,6 +294,8 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch) -> Iterator[d
         yield r
 
     # (d) bf16 matmul
+    if not wanted("bf16"):
+        return
     r = {**base, "impl": "bf16"}
     try:
         wb = jax.jit(lambda a, s: quant.dequant_weight_blocks(a, s).astype(jnp.bfloat16))(wq, ws)
@@ -300,7 +312,7 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch) -> Iterator[d
 
 
 def benchmark(quick: bool, cases: Sequence[str] | None = None, ms: Sequence[int] | None = None,
-              sweep: bool = False, ceil: dict | None = None) -> Iterator[dict]:
+              sweep: bool = False, ceil: dict | None = None, rows: Sequence[str] | None = None) -> Iterator[dict]:
     """Rows for ``jds.bench.kernels`` (``cases``: shape names) or this module's ``main``."""
     shapes = QUICK_SHAPES if quick else SHAPES
     names = [s for s in shapes if cases is None or s in cases]
@@ -316,7 +328,7 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None, ms: Sequence[int]
             except Exception as e:  # noqa: BLE001
                 yield {"kernel": "fp8_gemm", "case": f"{name}_m{m}", "impl": "setup", "error": error_text(e)}
                 continue
-            yield from run_case(c, ceil, quick, sweep, torch)
+            yield from run_case(c, ceil, quick, sweep, torch, rows)
             del c
             gc.collect()
 
@@ -338,6 +350,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ms", nargs="+", type=int, default=None)
     ap.add_argument("--sweep", action="store_true", help="also time tile variants for M <= 128 and M >= 2048")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, CPU smoke run (interpret mode)")
+    ap.add_argument("--rows", nargs="+", default=None, help="only these rows (impl names: pallas, "
+                    "'pallas[act_quant=kernel]', ..., xla, torch, bf16); default all")
     a = ap.parse_args(argv)
     t0 = time.time()
     ceil = {**measure_ceilings(a.quick), **_peak(a.quick)}
@@ -351,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
             "torch": torch_version, "torch_cuda": _torch() is not None, "device": jax.devices()[0].device_kind, "command": cmd,
             **ceil, "complete": False}
     rows = []
-    for r in benchmark(a.quick, a.shapes, a.ms, a.sweep, ceil):
+    for r in benchmark(a.quick, a.shapes, a.ms, a.sweep, ceil, a.rows):
         rows.append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "traceback"}), flush=True)
         write_json(a.out, {"meta": meta, "rows": rows})  # after every row: a cut-short run keeps them

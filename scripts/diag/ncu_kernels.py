@@ -75,14 +75,15 @@ def _sweep(a: argparse.Namespace) -> None:
             except Exception as e:  # noqa: BLE001 - a diag: record and go on
                 print(json.dumps({"case": name, **v, "error": f"{type(e).__name__}: {str(e)[:200]}"}))
     jax.block_until_ready(marker(mv))
+    # the order goes out first: a process that dies under the profiler keeps the calls it profiled
+    with open(a.order, "w") as fh:
+        json.dump([c for c, _, _ in calls], fh)
     cuda = ctypes.CDLL("libcuda.so.1")
     cuda.cuProfilerStart()
     for _, f, args in calls:
         jax.block_until_ready(marker(mv))
         jax.block_until_ready(f(*args))
     cuda.cuProfilerStop()
-    with open(a.order, "w") as fh:
-        json.dump([c for c, _, _ in calls], fh)
 
 
 def main() -> None:

@@ -1,6 +1,9 @@
 """Per-call kernel durations from an ``ncu --csv --page raw`` report of ``ncu_kernels.py fp8sweep``.
 
-    python3 scripts/diag/ncu_sweep_table.py OUT/sweep.csv OUT/order.json > OUT/sweep.json
+    python3 scripts/diag/ncu_sweep_table.py OUT/sweep.csv OUT/order.json [OUT/sweep2.csv OUT/order2.json ...] > OUT/sweep.json
+
+Several (report, order) pairs (one profiled process per tile variant) give one table; a report cut short by a
+crashed process gives the calls it holds.
 
 Splits the report's kernels at the marker kernels (``sin(v) * 3``, the report's first kernel: the same name,
 grid and block each time; the GEMM's own fusions may share its name, not its launch shape) into the calls
@@ -15,10 +18,15 @@ import json
 import sys
 
 
-def main() -> None:
-    rows = list(csv.DictReader(line for line in open(sys.argv[1]) if line.startswith('"')))
-    order = json.load(open(sys.argv[2]))
+def _calls(report: str, order_file: str) -> list[dict]:
+    try:
+        order = json.load(open(order_file))
+    except (OSError, ValueError):
+        return []
+    rows = list(csv.DictReader(line for line in open(report) if line.startswith('"')))
     rows = [r for r in rows if r.get("Kernel Name") and r.get("gpu__time_duration.sum", "").replace(",", "").replace(".", "").isdigit()]
+    if not rows:
+        return []
     calls, cur = [], None
     sig = lambda r: (r["Kernel Name"], r["Grid Size"], r["Block Size"])  # noqa: E731
     marker = sig(rows[0])
@@ -37,6 +45,14 @@ def main() -> None:
         out.append({**meta, "kernel_us": gemm,
                     "kernel_dram_pct": float(main_k[0]["dram__throughput.avg.pct_of_peak_sustained_elapsed"]) if main_k else None,
                     "call_kernels_us": sum(d for _, d in dur) * unit, "kernels": [(n, d * unit) for n, d in dur]})
+    return out
+
+
+def main() -> None:
+    pairs = sys.argv[1:]
+    if not pairs or len(pairs) % 2:
+        raise SystemExit("usage: ncu_sweep_table.py REPORT.csv ORDER.json [REPORT.csv ORDER.json ...]")
+    out = [c for i in range(0, len(pairs), 2) for c in _calls(pairs[i], pairs[i + 1])]
     json.dump(out, sys.stdout, indent=1)
     print(file=sys.stderr)
     for o in out:
