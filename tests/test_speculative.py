@@ -192,9 +192,9 @@ def test_mtp_drafts_match_a_from_scratch_mtp() -> None:
     assert checked >= 20
 
 
-def test_server_refuses_sampling_and_exports_draft_counters(model: Decoder) -> None:
+def test_server_refuses_sampling_and_exports_draft_counters(runners) -> None:
     """Over HTTP: a non-greedy request is a 400 naming ``temperature``; greedy ones run, and /metrics carries the
-    draft counters."""
+    draft counters. (On the module's speculative runner: a fresh one would only compile the same steps again.)"""
     import asyncio
     import threading
 
@@ -205,7 +205,9 @@ def test_server_refuses_sampling_and_exports_draft_counters(model: Decoder) -> N
     from jds.server.tokenizer import ByteTokenizer
     from tests.test_server import free_port, metric
 
-    engine = Engine(_EosRunner(model, CFG), async_steps=False, speculative="mtp")
+    spec = runners[1]
+    spec.eos = 257
+    engine = Engine(spec, async_steps=False, speculative="mtp")
     loop = EngineLoop(engine)
     app, _ = build_app(loop, ByteTokenizer(), ServerConfig("m"))
     port, aio, started = free_port(), asyncio.new_event_loop(), threading.Event()
@@ -253,16 +255,19 @@ def test_cli_flags() -> None:
     assert a.speculative == "mtp" and a.model_overrides["mtp_layers"] == 1 and not a.async_steps
 
 
-def test_preemption_with_drafts(model: Decoder) -> None:
+def test_preemption_with_drafts(model: Decoder, runners) -> None:
     """A pool too small for both requests: drafts that cross a page, preemption (the victim's draft dropped, its
-    recompute drafting afresh) and the shrink of a drafted decode to 1 token keep the greedy streams."""
+    recompute drafting afresh) and the shrink of a drafted decode to 1 token keep the greedy streams.
+
+    The reference is the module's plain runner (8 pages: no preemption; batch-invariant, so the streams do not
+    depend on the pool or the page placement); only the speculative runner gets the small pool."""
     from jds.config import replace
 
     cfg = replace(CFG, num_blocks=3)  # 3 pages of 128: two requests that each grow past 128 tokens need 4
     rng = np.random.default_rng(1)
     reqs = {f"r{i}": (rng.integers(0, 256, size=n).tolist(), _greedy(30, ignore_eos=True))
             for i, n in enumerate((100, 110))}
-    ref, plain_eng = _run(_EosRunner(model, cfg), reqs, speculative=None)
+    ref, _ = _run(runners[0], reqs, speculative=None)
     oracle = {r: v["tokens"] for r, v in ref.items()}
     spec = _EosRunner(model, cfg)
     for o in (None, oracle):
