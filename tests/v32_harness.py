@@ -33,6 +33,8 @@ def shuffled_tables(n_req: int, blocks_per_req: int, seed: int) -> tuple[np.ndar
 
 def run_jax(layer: V32Attention, xs: list[np.ndarray], schedule: list[list[Chunk]], seed: int = 0,
             jit: bool = False) -> Run:
+    """``jit``: one compiled layer per step shape (on CPU several times faster than eager, which compiles
+    every primitive of every step shape on its own); eager runs the same code op by op."""
     cfg = layer.cfg
     max_len = max(len(x) for x in xs)
     bt, nb = shuffled_tables(len(xs), -(-max_len // cfg.block_size) + 1, seed)
@@ -42,8 +44,10 @@ def run_jax(layer: V32Attention, xs: list[np.ndarray], schedule: list[list[Chunk
     fn = nnx.jit(lambda m, x, b, c: m(x, b, c)) if jit else (lambda m, x, b, c: m(x, b, c))
     for step in schedule:
         batch = make_batch(step, bt, cfg.block_size)
-        x = np.concatenate([xs[c.req][c.start: c.start + c.num_tokens] for c in step])
-        res = fn(layer, jnp.asarray(x, layer.dtype), batch, cache)
+        x = jnp.asarray(np.concatenate([xs[c.req][c.start: c.start + c.num_tokens] for c in step]), layer.dtype)
+        if jit:  # the layer's eager input checks (skipped under jit) still see every step
+            layer.check_inputs(x, batch, cache)
+        res = fn(layer, x, batch, cache)
         cache = res.cache
         y, tk = np.asarray(res.y.astype(jnp.float32)), np.asarray(res.topk)
         o = 0
