@@ -99,7 +99,8 @@ _X_DTYPES = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16)
 _SCALE_FMTS = ("ue8m0", "amax")
 
 
-STAGE_SCALES_BELOW = 64  # rows (M) below which stage_scales=None stages the scales in SMEM
+STAGE_SCALES_BELOW = 129  # rows (M) below which stage_scales=None stages the scales in SMEM (if they fit)
+SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -109,7 +110,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                interpret: bool | plgpu.InterpretGPUParams | None = None, block_m: int | None = None,
                block_n: int | None = None, split_k: int | None = None, stages: int = 4,
                group_m: int = 8, stage_scales: bool | None = None, quantize_x: bool = False,
-               stream_k: bool = False, act_quant: str = "xla") -> jax.Array:
+               stream_k: bool | None = None, act_quant: str = "xla") -> jax.Array:
     """y = x W^T with W = ``wq`` (float8_e4m3fn [out, in]) * ``w_scale`` (float32 [ceil(out/128),
     ceil(in/128)] per 128 x 128 block), x [..., in] re-quantised per 1 x 128 group (``scale_fmt``);
     [..., out] in ``out_dtype``.
@@ -120,13 +121,13 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     256 (dividing out), ``split_k`` K splits (a divisor of in/128), ``stages`` TMA ring depth, ``group_m`` M
     tiles per rasterisation group (L2 reuse at large M). ``stage_scales``: copy a CTA's scales into SMEM by
     TMA before the pipeline instead of loading each K block's from GMEM inside the loop (at decode those loads'
-    latency stalls the promotion); None: on below 64 rows (M), where it measured faster, off from 64 (a tie
-    or a loss there). ``quantize_x``: the kernel quantises x itself, per K block as it streams (decode
+    latency stalls the promotion); None: on up to 128 rows (M), where it measured faster, if it fits SMEM.
+    ``quantize_x``: the kernel quantises x itself, per K block as it streams (decode
     tiles: bfloat16 x, 64-row tiles, M <= 64), so the call has no XLA kernels for the activation quantisation
-    and its scales; off by default until measured on the GPU. ``stream_k`` (M <= 64, unstaged scales, no
+    and its scales; off by default (slower: BENCHMARKS.md). ``stream_k`` (M <= 64, unstaged scales, no
     ``split_k``): one wave of CTAs shares the (column tile, K block) units evenly instead of whole tiles or K
-    splits, so no tail wave idles SMs whatever the shape; one XLA scatter-add sums the partials; off by default
-    until measured on the GPU. ``act_quant``: where x is quantised when the kernel does not do it itself:
+    splits, so no tail wave idles SMs whatever the shape; one XLA reduction sums the partials; None
+    (``_auto_stream_k``): on where the column tiles alone exceed one wave. ``act_quant``: where x is quantised when the kernel does not do it itself:
     "xla" (``quant.act_quant`` plus the padding and transposed scales: three XLA kernels) or "kernel"
     (``quantize_rows``: one kernel; bfloat16 x, M < 8 or a multiple of 8, else XLA).
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``); None = whenever the default
@@ -208,6 +209,24 @@ def _auto_split_k(tiles: int, nk: int) -> int:
     return bigger[0] if bigger else divs[-1]
 
 
+def _auto_stream_k(m: int, n: int, nk: int, block_m: int | None, block_n: int | None, split_k: int | None,
+                   stage_scales: bool | None) -> bool:
+    """stream_k=None: on for decode rows (M <= 64, 64-row tiles, no tile choices that exclude it) whose column
+    tiles alone exceed one wave (mlp's 144 on 132 SMs), where whole tiles leave a tail wave; the one-wave K split
+    covers the shapes with fewer tiles (wo, q_a), and there stream-K measured slower (BENCHMARKS.md)."""
+    if m > 64 or block_m not in (None, 64) or split_k is not None or stage_scales:
+        return False
+    bn = block_n or 128
+    return n % bn == 0 and n // bn > NUM_SMS and nk >= 2
+
+
+def _staged_smem(bm: int, bn: int, nk: int, kps: int, stages: int, trim: bool) -> int:
+    """SMEM bytes of the staged-scales kernel: the TMA ring, per compute warpgroup the row scales of the CTA's K
+    range and the weight-scale rows, and the trimmed epilogue's fp32 staging tiles."""
+    ring = stages * (bm + bn) * BLOCK
+    return ring + 2 * kps * 64 * 4 + 2 * SW_ROWS * (nk + -nk % 4) * 4 + (2 * 64 * 128 * 4 if trim else 0)
+
+
 def pad_weight_scales(sw: jax.Array) -> jax.Array:
     """Weight scales [..., rows, cols] (float32) as a kernel that copies ``SW_ROWS`` whole rows by TMA needs
     them: at least ``SW_ROWS`` rows and a multiple of 4 columns (16-byte rows). A no-op for the model's
@@ -224,14 +243,14 @@ def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
 
 
 def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages, group_m,
-            stage_scales, quantize_x=False, stream_k=False, act_quant="xla"):
+            stage_scales, quantize_x=False, stream_k=None, act_quant="xla"):
     _check_tiles(block_m, block_n, split_k, stages, group_m)
     if stage_scales is not None and not isinstance(stage_scales, bool):
         raise ValueError(f"stage_scales must be a bool or None, got {stage_scales!r}")
     if not isinstance(quantize_x, bool):
         raise ValueError(f"quantize_x must be a bool, got {quantize_x!r}")
-    if not isinstance(stream_k, bool):
-        raise ValueError(f"stream_k must be a bool, got {stream_k!r}")
+    if stream_k is not None and not isinstance(stream_k, bool):
+        raise ValueError(f"stream_k must be a bool or None, got {stream_k!r}")
     if act_quant not in ("xla", "kernel"):
         raise ValueError(f"act_quant must be 'xla' or 'kernel', got {act_quant!r}")
     n, k = wq.shape
@@ -243,6 +262,8 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     if m == 0:
         return jnp.zeros((*lead, n), out_dtype)
     nk = k // BLOCK
+    if stream_k is None:
+        stream_k = _auto_stream_k(m, n, nk, block_m, block_n, split_k, stage_scales)
     if stream_k and (m > 64 or split_k is not None or stage_scales or (block_m or 64) != 64):
         raise Unsupported(f"fp8_linear kernel: stream_k takes at most 64 rows in one 64-row tile, with unstaged "
                           f"scales and no split_k (got {m} rows, split_k {split_k}, stage_scales {stage_scales})")
@@ -259,7 +280,8 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     # interpret mode hangs on staged scales + the trimmed epilogue (undiagnosed, 2026-12-01; the GPU runs it: native
     # tests and the benchmark), so there the default keeps the unstaged kernel
     if stage_scales is None:
-        stage_scales = m < STAGE_SCALES_BELOW and not (interpret and trim)
+        stage_scales = (m < STAGE_SCALES_BELOW and not (interpret and trim)
+                        and _staged_smem(bm, bn, nk, nk // s, stages, trim) <= SMEM_BYTES)
     elif stage_scales and interpret and trim:
         raise Unsupported("fp8_linear kernel: stage_scales=True with split-K partials of one 64-row tile hangs in "
                           "interpret mode; pass stage_scales=False (or None) there, or run on the GPU")

@@ -354,6 +354,22 @@ def test_auto_split_k() -> None:
     assert G._pick_tiles(1, 1536, 56, None, None, None) == (64, 128, 8)
 
 
+def test_auto_stream_k_and_staged_scales() -> None:
+    """stream_k=None: on for decode rows whose column tiles alone exceed one wave (mlp, q_b), off where the K
+    split makes one wave (wo, q_a), above 64 rows and wherever a tile choice excludes it. Staged scales by default
+    up to 128 rows where they fit SMEM."""
+    assert G._auto_stream_k(1, 18432, 56, None, None, None, None)  # mlp: 144 tiles
+    assert G._auto_stream_k(64, 24576, 12, None, None, None, None)  # q_b: 192 tiles
+    assert not G._auto_stream_k(1, 7168, 128, None, None, None, None)  # wo: 56 tiles, split 2
+    assert not G._auto_stream_k(65, 18432, 56, None, None, None, None)
+    assert not G._auto_stream_k(1, 18432, 56, None, None, 2, None)
+    assert not G._auto_stream_k(1, 18432, 56, None, None, None, True)
+    assert not G._auto_stream_k(1, 18432, 56, 128, None, None, None)
+    assert G._staged_smem(64, 128, 128, 64, 4, True) <= G.SMEM_BYTES  # wo decode
+    assert G._staged_smem(128, 256, 512, 512, 4, False) > G.SMEM_BYTES  # in = 65536 unsplit: not staged
+    assert G.STAGE_SCALES_BELOW > 128
+
+
 # ----- lowering for CUDA on the CPU ---------------------------------------------------------------
 @pytest.mark.skipif(ON_GPU, reason="CPU-only cross-lowering smoke test (the gpu tests compile for real)")
 @pytest.mark.parametrize("m,k,n,tiles", [(1, 7168, 1536, {}),

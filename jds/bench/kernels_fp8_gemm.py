@@ -12,8 +12,10 @@ Per (shape, M), one row per impl (each in its own try/except: a failing variant 
 others still run):
 - ``pallas``: ``fp8_gemm.fp8_linear(implementation="pallas")`` (default tiles; the act_quant of x included,
   ``act_quant_us`` times it alone);
-  at M <= 128 also the other ``stage_scales`` choice than the default's (the scales staged in SMEM by TMA), and at
-  M <= 64 ``quantize_x=True`` (x quantised inside the kernel), ``stream_k=True`` and both;
+  at M <= 128 also the other ``stage_scales`` choice than the default's (the scales staged in SMEM by TMA) and
+  ``act_quant=kernel`` (x quantised by one kernel, ``fp8_gemm.quantize_rows``), at M <= 64 the other ``stream_k``
+  choice (``quantize_x=True``, x quantised inside the GEMM kernel, measured slower on 2026-12-01: ``--rows``
+  still runs it);
   ``--sweep`` adds ``pallas[block_n=..,split_k=..]`` rows for M <= 128 and ``pallas[block_n=..,stages=..,
   group_m=..]`` rows for M >= 2048 (tile tuning data).
 - ``xla``: ``jds.ops.quant.fp8_linear`` (dequantise both to fp32, one HIGHEST matmul: the current path).
@@ -198,6 +200,15 @@ def _iters(flops: float) -> int:
     return 50 if flops < 2e11 else 10
 
 
+def _tiles_of(name: str) -> dict:
+    """'pallas[a=1,b=True,c=kernel]' -> {'a': 1, 'b': True, 'c': 'kernel'}."""
+    out = {}
+    for kv in name[len("pallas["):-1].split(","):
+        key, v = kv.split("=")
+        out[key] = {"True": True, "False": False}.get(v, int(v) if v.isdigit() else v)
+    return out
+
+
 def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch, rows: Sequence[str] | None = None) -> Iterator[dict]:
     m, k, n = c["m"], c["in"], c["out"]
     x, wq, ws = c["x"], c["wq"], c["ws"]
@@ -217,15 +228,14 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch, rows: Sequenc
     # the default stages the scales below STAGE_SCALES_BELOW rows: time the other choice beside it at decode sizes
     other = ([("pallas[stage_scales=False]", dict(stage_scales=False))] if m < fp8_gemm.STAGE_SCALES_BELOW else
              [("pallas[stage_scales=True]", dict(stage_scales=True))] if m <= 128 else [])
-    if m <= 128:  # act_quant in one kernel instead of XLA's three, with either scale placement
+    if m <= 64:  # stream-K (one even wave) is automatic where the column tiles exceed a wave: the other choice
+        sk = fp8_gemm._auto_stream_k(m, n, k // 128, None, None, None, None)
+        other += [(f"pallas[stream_k={not sk}]", dict(stream_k=not sk))]
+    if m <= 128:  # act_quant in one kernel instead of XLA's three
         other += [("pallas[act_quant=kernel]", dict(act_quant="kernel"))]
-        other += [("pallas[act_quant=kernel,stage_scales=%s]" % (not d), dict(act_quant="kernel", stage_scales=not d))
-                  for d in [m < fp8_gemm.STAGE_SCALES_BELOW]]
-    if m <= 64:  # x quantised inside the kernel (no XLA kernels for act_quant around it); stream-K (one even wave)
-        other += [("pallas[quantize_x=True]", dict(quantize_x=True)), ("pallas[stream_k=True]", dict(stream_k=True)),
-                  ("pallas[quantize_x=True,stream_k=True]", dict(quantize_x=True, stream_k=True)),
-                  ("pallas[act_quant=kernel,stream_k=True]", dict(act_quant="kernel", stream_k=True))]
     variants = [("pallas", {})] + other
+    if rows is not None:  # named rows outside the default list (e.g. 'pallas[quantize_x=True]')
+        variants += [(r, _tiles_of(r)) for r in rows if r.startswith("pallas[") and r not in dict(variants)]
     table = (SWEEP if m <= 128 else SWEEP_LARGE if m >= 2048 else []) if sweep else []
     variants += [("pallas[" + ",".join(f"{a}={b}" for a, b in v.items()) + "]", v) for v in table
                  if (k // 128) % v.get("split_k", 1) == 0 and n % v["block_n"] == 0]
@@ -242,7 +252,8 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch, rows: Sequenc
                                               tiles.get("split_k"))
             r.update(block_m=bm, block_n=bn, split_k=sk, stages=tiles.get("stages", 4),
                      group_m=tiles.get("group_m", 8))
-            if tiles.get("stream_k"):  # no K split: a wave of CTAs shares the units
+            if tiles.get("stream_k", fp8_gemm._auto_stream_k(m, n, k // 128, tiles.get("block_m"), tiles.get(
+                    "block_n"), tiles.get("split_k"), tiles.get("stage_scales"))):  # no K split: a wave shares the units
                 r.update(split_k=None, stream_k_ctas=fp8_gemm.stream_k_ctas(n // bn, k // 128))
             if ref is not None:  # fp32 out (same tiles), so that bf16 output rounding does not hide the sums
                 f32 = jax.jit(functools.partial(fp8_gemm.fp8_linear, out_dtype=jnp.float32, implementation="pallas",
