@@ -274,17 +274,16 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch, rows: Sequenc
         yield r
 
     # (b) the XLA path
-    if not wanted("xla"):
-        return
-    r = {**base, "impl": "xla"}
-    try:
-        f = jax.jit(functools.partial(fp8_gemm.fp8_linear, out_dtype=jnp.bfloat16, implementation="xla"))
-        jax.block_until_ready(f(x, wq, ws))
-        r.update(time_fn(f, x, wq, ws, iters=3 if quick else iters))
-        _rates(r, flops, fp8_bytes, ceil)
-    except Exception as e:  # noqa: BLE001
-        r["error"] = error_text(e)
-    yield r
+    if wanted("xla"):
+        r = {**base, "impl": "xla"}
+        try:
+            f = jax.jit(functools.partial(fp8_gemm.fp8_linear, out_dtype=jnp.bfloat16, implementation="xla"))
+            jax.block_until_ready(f(x, wq, ws))
+            r.update(time_fn(f, x, wq, ws, iters=3 if quick else iters))
+            _rates(r, flops, fp8_bytes, ceil)
+        except Exception as e:  # noqa: BLE001
+            r["error"] = error_text(e)
+        yield r
 
     # (c) torch._scaled_mm on the same e4m3 operands
     if torch is not None and wanted("torch"):
