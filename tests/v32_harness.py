@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -31,6 +32,14 @@ def shuffled_tables(n_req: int, blocks_per_req: int, seed: int) -> tuple[np.ndar
     return perm.reshape(n_req, blocks_per_req).astype(np.int32), num_blocks
 
 
+def _call(m: V32Attention, x: jax.Array, b, c):
+    return m(x, b, c)
+
+
+# one jit for every layer: layers of one config (graphdef) share the compiled steps of a shape
+_jitted_call = nnx.jit(_call)
+
+
 def run_jax(layer: V32Attention, xs: list[np.ndarray], schedule: list[list[Chunk]], seed: int = 0,
             jit: bool = False) -> Run:
     """``jit``: one compiled layer per step shape (on CPU several times faster than eager, which compiles
@@ -41,7 +50,7 @@ def run_jax(layer: V32Attention, xs: list[np.ndarray], schedule: list[list[Chunk
     cache = layer.init_cache(nb)
     out = {i: np.zeros((len(x), cfg.hidden_size), np.float32) for i, x in enumerate(xs)}
     topk = {i: np.zeros((len(x), cfg.index_topk), np.int32) for i, x in enumerate(xs)}
-    fn = nnx.jit(lambda m, x, b, c: m(x, b, c)) if jit else (lambda m, x, b, c: m(x, b, c))
+    fn = _jitted_call if jit else _call
     for step in schedule:
         batch = make_batch(step, bt, cfg.block_size)
         x = jnp.asarray(np.concatenate([xs[c.req][c.start: c.start + c.num_tokens] for c in step]), layer.dtype)
