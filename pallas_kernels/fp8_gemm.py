@@ -24,7 +24,7 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, 3 warpgroups per CTA: 2 compu
   as one scalar; both L2 hits), waits, and promotes: acc += blk * (sx[m, kb] * sw[nb, kb]). That is
   DeepGEMM's scheme: an fp8 MMA chain never spans more than one 128-wide K block, the running sum is fp32
   on the CUDA cores. The two compute warpgroups interleave (one promotes while the other's MMA runs).
-  ``stage_scales=True`` (the default below 64 rows, where it measured faster: BENCHMARKS.md) copies a
+  ``stage_scales=True`` (the default up to 128 rows where it fits SMEM, measured faster there: docs/perf-log.md) copies a
   warpgroup's sx^T rows for the CTA's K range and 8 weight-scale rows by TMA into SMEM before the pipeline, so
   that the promotion reads SMEM:
   an Nsight Compute profile of the decode call (2026-12-01) put a fifth of the warps' stall samples on the
@@ -44,15 +44,16 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, 3 warpgroups per CTA: 2 compu
   clamp, RNE cast) into its own e4m3 SMEM tile right before its MMA; the row scales stay in registers for the
   promotion. The call then has no XLA kernels for act_quant, its padding and the transposed scales (three of
   the decode call's kernels, about 8 µs on the H200: docs/perf-log.md; what remains around the kernel is the
-  split-K sum, where there is one). Same operands as act_quant's, bit for
-  bit (tests). Off by default until measured on the GPU.
+  split-K sum, where there is one). Same operands as act_quant's, bit for bit (tests). Off: the quantisation
+  between each K block's TMA wait and its MMA made the kernel 2-3x slower (Nsight Compute, 2026-12-01).
+  ``act_quant="kernel"`` (``quantize_rows``) does the same quantisation in one kernel before the GEMM instead.
 - ``stream_k=True`` (decode, one 64-row tile): the kernel holds one CTA per SM (its registers and SMEM), so a
   grid of whole tiles or K splits that is not a multiple of the SMs leaves a tail wave (mlp's 144 tiles on 132
   SMs: 1.09 waves). Instead min(132, units) CTAs take the (column tile, K block) units in equal contiguous runs
   (K fastest): one pipeline per CTA whose blocks follow its run; where the run leaves a tile the CTA stores its
   [mr, block_n] fp32 partial for that tile into slot j (its rank among the tile's CTAs, ``stream_k_layout``)
   of a [J, mr, N] output and restarts at 0; one XLA reduction (masking the slots no CTA wrote) sums them, as
-  split-K's does. Off by default until measured on the GPU.
+  split-K's does. On by default where the column tiles alone exceed one wave (``_auto_stream_k``).
 - Padding: M is padded to block_m (zero xq rows and scales). With ``quantize_x`` x is not padded (no XLA kernel
   at all before the call): the x tile's TMA box runs past its M rows, which TMA fills with zeros, and rows past
   M only feed output rows that are dropped (an MMA row depends on its own row of x alone). N and K must be multiples of 128

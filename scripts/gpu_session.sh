@@ -161,10 +161,10 @@ case "$stage" in
     done
     ;;
   ncu-fp8sweep)
-    # 2026-12-01 (sixth session): split-K for one wave came from this sweep; quantize_x (x quantised in the
-    # kernel: three XLA kernels fewer per call) and stream_k (one even wave) are new and unmeasured;
-    # FP8SWEEP_VARIANTS narrows it (M = 128 rows: both are Unsupported there, recorded as errors)
-    V=${FP8SWEEP_VARIANTS:-'[{}, {"quantize_x": true}, {"stream_k": true}, {"quantize_x": true, "stream_k": true}]'}
+    # 2026-12-01: split-K for one wave came from this sweep (sixth session), quantize_x's 2-3x slower kernel
+    # (seventh); now the defaults against the other stream_k choice and the one-kernel act_quant;
+    # FP8SWEEP_VARIANTS narrows it (M = 128 rows: stream_k is Unsupported there, recorded as an error)
+    V=${FP8SWEEP_VARIANTS:-'[{}, {"stream_k": true}, {"stream_k": false}, {"act_quant": "kernel"}]'}
     ncu_sweep fp8 "$V"
     ;;
   ncu-fp4sweep)
