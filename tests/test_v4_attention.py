@@ -43,6 +43,10 @@ def _weights(layer_id: int, seed: int, numerics: Numerics, sink_scale: float = 1
     return quantize_weights_fp8(w) if numerics.wo_a_fp8 else dequantize_wo_a(quantize_weights_fp8(w))
 
 
+# one jit for every Runner (the graphdef static): layers of one config share the compiled step of a shape
+_step = jax.jit(lambda gd, st, x, b, c: nnx.merge(gd, st)(x, b, c), static_argnums=0)
+
+
 class Runner:
     """A V4 layer with its cache and one jitted forward; steps are host-built paged batches."""
 
@@ -50,7 +54,7 @@ class Runner:
         self.layer = V4Attention(CFG, numerics, layer_id, rngs=nnx.Rngs(0))
         load_weights(self.layer, weights)
         gd, self.params = nnx.split(self.layer)
-        self.fn = jax.jit(lambda st, x, b, c: nnx.merge(gd, st)(x, b, c))
+        self.fn = lambda st, x, b, c: _step(gd, st, x, b, c)
         self.cache = self.layer.init_cache(num_blocks)
 
     def step(self, xs: list[np.ndarray], chunks: list[Chunk], bt: np.ndarray, pad_to: int | None = None,
