@@ -28,7 +28,9 @@ each survivor is stored straight to its output slot. Per row:
    number of keys == tau to keep (>= 1). The prefilter's pivot is the same computation on the sample.
 3. Compaction: one more loop keeps key > tau, and key == tau while fewer than ``need`` equal keys came
    before; an exclusive prefix sum of the kept mask within the block plus the count so far is each
-   survivor's slot in the [T, k] output (a masked scatter store).
+   survivor's slot in the [T, k] output (a masked scatter store). It stops when k keys are kept, so a short
+   row (pivot = tau = -inf) reads its head, not its whole -inf tail: that row had read itself twice and
+   set a mixed batch's time (BENCHMARKS.md, kernels_select).
 
 Backend: the Triton lowering (conventions of ``pallas_kernels/fused_insert_common.py``), not Mosaic GPU.
 The prefilter and the compaction store each kept key at a data-dependent position, a vector scatter, and
@@ -220,20 +222,22 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
         C.store(cand_ref, (row11,), jnp.full((1, 1), n, I32), one11)
         C.store(path_ref, (row11,), jnp.zeros((1, 1), I32), one11)
 
-    def compact(load):
-        def body(b, carry):
-            eq_seen, kept = carry
+    def compact(n_blocks, load, carry):
+        """Stops once k keys are kept (none can follow): a row whose pivot is tau (a short row's -inf tail)
+        then reads its finite keys and the first -inf ones, not the whole row again."""
+        def body(c):
+            b, eq_seen, kept = c
             s, col = load(b)
             eq = (s == tau).astype(I32)
             keep = (s > tau) | ((eq == 1) & (eq_seen + jnp.cumsum(eq, axis=1) - eq < need))
             ki = keep.astype(I32)
             scatter(idx_ref, kept + jnp.cumsum(ki, axis=1) - ki, col, keep)
-            return eq_seen + jnp.sum(eq), kept + jnp.sum(ki)
-        return body
+            return b + 1, eq_seen + jnp.sum(eq), kept + jnp.sum(ki)
+        return lax.while_loop(lambda c: (c[0] < n_blocks) & (c[2] < k), body, (jnp.zeros((), I32), *carry))[1:]
 
     carry = (jnp.zeros((), I32), jnp.zeros((), I32))
     for n_blocks, load in sources:  # in column order (the buffer is); one of them has blocks
-        carry = lax.fori_loop(0, n_blocks, compact(load), carry)
+        carry = compact(n_blocks, load, carry)
 
 
 # ----- wrappers --------------------------------------------------------------------------------------
