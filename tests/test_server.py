@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -25,14 +24,9 @@ from jds.engine.fake import FakeRunner  # noqa: E402
 from jds.engine.loop import EngineLoop  # noqa: E402
 from jds.server.app import ServerConfig, build_app, serve  # noqa: E402
 from jds.server.tokenizer import ByteTokenizer  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 
 MODEL = "jds-v32-tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sse_events(lines) -> list:

@@ -14,7 +14,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,17 +31,12 @@ from jds.engine.core import Engine  # noqa: E402
 from jds.engine.fake import FakeRunner  # noqa: E402
 from jds.engine.loop import SHUTDOWN, EngineLoop  # noqa: E402
 from jds.engine.sampling import SamplingParams  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 
 SERVE = os.path.join(ROOT, "scripts", "serve.py")
 CRASH_MARKERS = ("Traceback", "Fatal Python error", "terminate called", "Segmentation fault", "core dumped",
                  "Aborted", "Exception ignored")
 EXPECTED_RC = {signal.SIGINT: 130, signal.SIGTERM: 0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- a serve.py subprocess with its output captured line by line -------------------------------------
