@@ -47,7 +47,7 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, 3 warpgroups per CTA: 2 compu
   split-K sum, where there is one). Same operands as act_quant's, bit for bit (tests). Off: the quantisation
   between each K block's TMA wait and its MMA made the kernel 2-3x slower (Nsight Compute, 2026-12-01).
   ``act_quant="kernel"`` (``quantize_rows``) does the same quantisation in one kernel before the GEMM instead.
-- ``stream_k=True`` (decode, one 64-row tile): the kernel holds one CTA per SM (its registers and SMEM), so a
+- ``stream_k=True`` (decode, one 64- or 128-row tile): the kernel holds one CTA per SM (its registers and SMEM), so a
   grid of whole tiles or K splits that is not a multiple of the SMs leaves a tail wave (mlp's 144 tiles on 132
   SMs: 1.09 waves). Instead min(132, units) CTAs take the (column tile, K block) units in equal contiguous runs
   (K fastest): one pipeline per CTA whose blocks follow its run; where the run leaves a tile the CTA stores its
@@ -125,10 +125,11 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     latency stalls the promotion); None: on up to 128 rows (M), where it measured faster, if it fits SMEM.
     ``quantize_x``: the kernel quantises x itself, per K block as it streams (decode
     tiles: bfloat16 x, 64-row tiles, M <= 64), so the call has no XLA kernels for the activation quantisation
-    and its scales; off by default (slower: BENCHMARKS.md). ``stream_k`` (M <= 64, unstaged scales, no
-    ``split_k``): one wave of CTAs shares the (column tile, K block) units evenly instead of whole tiles or K
-    splits, so no tail wave idles SMs whatever the shape; one XLA reduction sums the partials; None
-    (``_auto_stream_k``): on where the column tiles alone exceed one wave. ``act_quant``: where x is quantised when the kernel does not do it itself:
+    and its scales; off by default (slower: BENCHMARKS.md). ``stream_k`` (M <= 128 in one row tile, unstaged
+    scales, no ``split_k``): one wave of CTAs shares the (column tile, K block) units evenly instead of whole
+    tiles or K splits, so no tail wave idles SMs whatever the shape; one XLA reduction sums the partials; None
+    (``_auto_stream_k``): on where the column tiles alone exceed one wave, up to 64 rows (measured there; the
+    128-row tile's stream-K is not measured yet). ``act_quant``: where x is quantised when the kernel does not do it itself:
     "xla" (``quant.act_quant`` plus the padding and transposed scales: three XLA kernels) or "kernel"
     (``quantize_rows``: one kernel; bfloat16 x, M < 8 or a multiple of 8, else XLA).
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``); None = whenever the default
@@ -265,9 +266,10 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     nk = k // BLOCK
     if stream_k is None:
         stream_k = _auto_stream_k(m, n, nk, block_m, block_n, split_k, stage_scales)
-    if stream_k and (m > 64 or split_k is not None or stage_scales or (block_m or 64) != 64):
-        raise Unsupported(f"fp8_linear kernel: stream_k takes at most 64 rows in one 64-row tile, with unstaged "
-                          f"scales and no split_k (got {m} rows, split_k {split_k}, stage_scales {stage_scales})")
+    if stream_k and (m > 128 or split_k is not None or stage_scales or (block_m or (64 if m <= 64 else 128)) < m):
+        raise Unsupported(f"fp8_linear kernel: stream_k takes at most 128 rows in one row tile, with unstaged "
+                          f"scales and no split_k (got {m} rows, block_m {block_m}, split_k {split_k}, "
+                          f"stage_scales {stage_scales})")
     bm, bn, s = _pick_tiles(m, n, nk, block_m, block_n, 1 if stream_k else split_k)
     if quantize_x and (bm != 64 or m > 64 or jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16)):
         raise Unsupported(f"fp8_linear kernel: quantize_x takes bfloat16 x of at most 64 rows in 64-row tiles "
@@ -428,8 +430,8 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     # split-K partials of a single 64-row tile (decode) keep only the first mr = round_up(M, 8) rows: fp32
     # partials of all 64 rows would be written and read back once per split (as many bytes as the weights)
     trim = _trimmed(splits, bm, m_tiles) or stream_k > 0
-    if stream_k and (bm != 64 or m_tiles != 1 or stage_scales or splits != 1):
-        raise ValueError("stream_k needs one 64-row tile, unstaged scales and no split_k")
+    if stream_k and (m_tiles != 1 or stage_scales or splits != 1):
+        raise ValueError("stream_k needs one row tile, unstaged scales and no split_k")
     units = n_tiles * nk
     spc, slots = stream_k_layout(n_tiles, nk, stream_k)[:2] if stream_k else (kps, 1)
     swz = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))  # 128 e4m3 = one 128-byte row
@@ -514,15 +516,19 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             if stream_k:  # the run leaves this tile: store the partial (slot = its rank in the tile), start the next at 0
                 done = (step < n_units) & ((kb == nk - 1) | (step == n_units - 1))
                 for w in range(2):
+                    r0w, rows_w = (w * 64, min(64, mr - w * 64)) if split_m else (0, mr)  # its output rows
+                    if rows_w <= 0:  # 128-row tile, at most 64 real rows: the second warpgroup's are padding
+                        continue
+
                     @pl.when(done & (wg == w))
-                    def _(w=w):
+                    def _(w=w, r0w=r0w, rows_w=rows_w):
                         for c in range(nch):
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                             ep_s.at[w][...] = out[c]
                             plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(ep_s.at[w, pl.ds(0, mr)],
-                                                    o_ref.at[pid - stream_k_owner(tile * nk, units, stream_k), :,
-                                                             pl.ds(wg_cols(w, tile) + c * cw, cw)])
+                            plgpu.copy_smem_to_gmem(ep_s.at[w, pl.ds(0, rows_w)],
+                                                    o_ref.at[pid - stream_k_owner(tile * nk, units, stream_k),
+                                                             pl.ds(r0w, rows_w), pl.ds(wg_cols(w, tile) + c * cw, cw)])
                 keep = 1.0 - done.astype(jnp.float32)
                 out = [o * keep for o in out]
             return tuple(out)

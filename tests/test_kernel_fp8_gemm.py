@@ -294,7 +294,8 @@ def test_quantize_rows_limits() -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("m,k,n,ctas,quantize_x", [(1, 512, 384, 5, False),  # runs span tiles, uneven
-                                                   (7, 640, 256, 4, True)])
+                                                   (7, 640, 256, 4, True),
+                                                   (100, 512, 256, 3, False)])  # one 128-row tile
 def test_stream_k_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, quantize_x: bool, monkeypatch) -> None:
     """stream_k=True: a few CTAs (NUM_SMS patched) share the (column tile, K block) units, so runs start and end
     inside tiles; every element within the fp32 bound of the reference (the partials' sum order differs)."""
@@ -335,7 +336,9 @@ def test_quantize_x_limits() -> None:
     with pytest.raises(ValueError, match="quantize_x"):
         G.fp8_linear(x[:4], wq, ws, implementation="pallas", quantize_x=1)
     with pytest.raises(Unsupported, match="stream_k"):
-        G.fp8_linear(x, wq, ws, implementation="pallas", stream_k=True)  # 65 rows
+        G.fp8_linear(jnp.ones((129, 256), jnp.bfloat16), wq, ws, implementation="pallas", stream_k=True)
+    with pytest.raises(Unsupported, match="stream_k"):
+        G.fp8_linear(x, wq, ws, implementation="pallas", stream_k=True, block_m=64)  # 65 rows in 64-row tiles
     with pytest.raises(Unsupported, match="stream_k"):
         G.fp8_linear(x[:4], wq, ws, implementation="pallas", stream_k=True, split_k=2)
     # "auto" runs XLA where the kernel does not apply
@@ -381,6 +384,7 @@ def test_auto_stream_k_and_staged_scales() -> None:
                                          (64, 7168, 18432, dict(quantize_x=True, stage_scales=False)),
                                          (1, 7168, 18432, dict(stream_k=True, quantize_x=True)),  # mlp decode
                                          (64, 16384, 7168, dict(stream_k=True)),
+                                         (128, 7168, 18432, dict(stream_k=True)),  # mlp, one 128-row tile
                                          (1, 16384, 7168, dict(act_quant="kernel")),
                                          (128, 7168, 18432, dict(act_quant="kernel")),
                                          (256, 640, 512, dict(block_n=256, split_k=1, stage_scales=True))])

@@ -13,9 +13,9 @@ others still run):
 - ``pallas``: ``fp8_gemm.fp8_linear(implementation="pallas")`` (default tiles; the act_quant of x included,
   ``act_quant_us`` times it alone);
   at M <= 128 also the other ``stage_scales`` choice than the default's (the scales staged in SMEM by TMA) and
-  ``act_quant=kernel`` (x quantised by one kernel, ``fp8_gemm.quantize_rows``), at M <= 64 the other ``stream_k``
-  choice (``quantize_x=True``, x quantised inside the GEMM kernel, measured slower on 2026-12-01: ``--rows``
-  still runs it);
+  ``act_quant=kernel`` (x quantised by one kernel, ``fp8_gemm.quantize_rows``), the other ``stream_k``
+  choice up to 128 rows (``quantize_x=True``, x quantised inside the GEMM kernel, measured slower on 2026-12-01:
+  ``--rows`` still runs it);
   ``--sweep`` adds ``pallas[block_n=..,split_k=..]`` rows for M <= 128 and ``pallas[block_n=..,stages=..,
   group_m=..]`` rows for M >= 2048 (tile tuning data).
 - ``xla``: ``jds.ops.quant.fp8_linear`` (dequantise both to fp32, one HIGHEST matmul: the current path).
@@ -228,7 +228,7 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch, rows: Sequenc
     # the default stages the scales below STAGE_SCALES_BELOW rows: time the other choice beside it at decode sizes
     other = ([("pallas[stage_scales=False]", dict(stage_scales=False))] if m < fp8_gemm.STAGE_SCALES_BELOW else
              [("pallas[stage_scales=True]", dict(stage_scales=True))] if m <= 128 else [])
-    if m <= 64:  # stream-K (one even wave) is automatic where the column tiles exceed a wave: the other choice
+    if m <= 128:  # stream-K (one even wave) is automatic where the column tiles exceed a wave: the other choice
         sk = fp8_gemm._auto_stream_k(m, n, k // 128, None, None, None, None)
         other += [(f"pallas[stream_k={not sk}]", dict(stream_k=not sk))]
     if m <= 128:  # act_quant in one kernel instead of XLA's three
