@@ -234,7 +234,8 @@ case "$stage" in
       > "$OUT/bench_fused_insert.log" 2>&1; echo "fused_insert rc=$?"
     ;;
   topk)
-    # the Pallas radix-select kernel: its native tests first, then the top-k rows (lax / XLA radix / Pallas)
+    # the Pallas radix-select kernel: its native tests first, then the top-k rows (lax / XLA radix / Pallas),
+    # full and with one short row (_mixed: the compaction's early exit, 2026-12-01 seventh session, unmeasured)
     timeout -s INT ${TOPK_TESTS_TIMEOUT:-240} python3 -m pytest -m gpu -v --tb=short -rfE -p no:cacheprovider \
       tests/test_kernel_topk_select.py > "$OUT/gpu_topk_tests.log" 2>&1
     echo "topk tests rc=$?"; tail -3 "$OUT/gpu_topk_tests.log"

@@ -18,7 +18,8 @@ Cases (full run; ``quick`` uses tiny shapes and few iterations, e.g. to smoke-te
   B = 64, C = 64K); ``_seg*`` rows: the exact two-stage variant (``IndexerKernelConfig.topk_segment``);
   ``_radix*``: jds.ops.select in XLA; ``_pallas_radix``: the same selection as a Pallas kernel
   (pallas_kernels/topk_select.py, default config: sampled-pivot prefilter), ``_pallas_radix_set``: the same
-  without the sort of the k winners, ``_pallas_radix_direct``: that kernel without the prefilter.
+  without the sort of the k winners, ``_pallas_radix_direct``: that kernel without the prefilter; ``_mixed``:
+  row 0 holds 1000 finite logits and -inf after them (lax and the two radix rows), against the full batch.
 
 ``bytes`` / ``flops`` are the kernel's own model for both implementations (so the fractions compare):
 FP8 key bytes read once per query group (132 B per key and group, groups of G tokens), the fp32 logits
@@ -204,6 +205,18 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
             except Exception as e:  # a lowering failure is a result too; the other rows still get measured
                 yield {"kernel": "sparse_indexer", "case": case, "impl": "pallas", "bytes": 4 * b * c, "flops": 0,
                        "error": error_text(e, 2000)}
+        # one short row (1000 finite logits, -inf after: a short request) among full ones: lax against the
+        # radix select, whose short-row path must not set the batch's time
+        lgm = lg.at[0, 1000:].set(-jnp.inf) if c > 1000 else lg
+        yield (_row(f"topk_k{K}_b{b}_c{c}_mixed", "xla", topk, (lgm, K, None, "lax"), 4 * b * c, 0, quick))
+        for name in ("pallas_radix", "pallas_radix_set"):
+            case = f"topk_k{K}_b{b}_c{c}_mixed_{name}"
+            try:
+                yield (_row(case, "pallas", pallas_radix[name], (lgm, min(K, c)), 4 * b * c, 0, quick))
+            except Exception as e:  # noqa: BLE001 - a failure is a result too
+                yield {"kernel": "sparse_indexer", "case": case, "impl": "pallas", "bytes": 4 * b * c, "flops": 0,
+                       "error": error_text(e, 2000)}
+        del lgm
         for seg in ((1024,) if quick else (8192, 16384)):  # two-stage (exact) variant
             yield (_row(f"topk_k{K}_b{b}_c{c}_seg{seg}", "xla", topk, (lg, K, seg, "lax"), 4 * b * c, 0, quick))
         del lg
