@@ -641,6 +641,10 @@ class RunnerConfig:
     Captured executables get ``captured_compiler_options`` alone (None: XLA's defaults, CUDA graphs on).
     Eager ones get command buffers off on a GPU, then ``eager_compiler_options`` over that. ``dump_dir`` adds
     ``xla_dump_to`` to both, so a dump covers exactly this runner's executables without editing ``XLA_FLAGS``.
+    Under both lies ``xla_allow_excess_precision`` = ``excess_precision``: XLA's default (True) lets a fusion
+    keep bf16 intermediates in float32, so the jitted bf16 forward skips rounding points that the eager forward
+    and DeepSeek's reference make (78% of a V4 layer's outputs differed from eager, up to 1% of its scale; 0.8%
+    and one bf16 ulp with it off: tests/test_runner.py). False, the default here, rounds where the program casts.
     """
 
     mode: str = "narrow"  # execution boundary: wide / narrow / fused (see jds.runner)
@@ -664,6 +668,7 @@ class RunnerConfig:
     compile_workers: int = 4  # fused + device prep: threads compiling the step's executables in warmup
     batch_invariant: bool = False  # one token bucket and one key-block bucket (jds.runner.invariant_buckets)
     all_eager: bool = False  # compile every executable as the eager ones are (command buffers off)
+    excess_precision: bool = False  # XLA may keep bf16 intermediates in float32 (its default); False: round as cast
     captured_compiler_options: CompilerOptions | None = None  # XLA options of the captured executables
     eager_compiler_options: CompilerOptions | None = None  # XLA options of the eager executables
     dump_dir: str | None = None  # XLA dump directory for every executable of the runner (xla_dump_to)
@@ -684,7 +689,7 @@ class RunnerConfig:
         v = self.update_capacity
         _require(isinstance(v, int) and not isinstance(v, bool) and v >= 0, "update_capacity",
                  f"must be an int >= 0, got {v!r}")
-        for n in ("stable_inputs", "batch_invariant", "all_eager"):
+        for n in ("stable_inputs", "batch_invariant", "all_eager", "excess_precision"):
             _require(isinstance(getattr(self, n), bool), n, f"must be a bool, got {getattr(self, n)!r}")
         for n, top in (("token_buckets", self.max_num_tokens), ("key_block_buckets", None)):
             given = getattr(self, n)

@@ -273,17 +273,18 @@ class BoundaryRunner:
         return self._jits[key]
 
     def _compiler_options(self, eager: bool) -> dict[str, Any] | None:
-        """Per-executable XLA options (RunnerConfig): eager ones run with command buffers off on a GPU
-        (direct launches), then ``eager_compiler_options``; captured ones take ``captured_compiler_options``
-        (None: XLA's defaults); ``dump_dir`` dumps both kinds."""
+        """Per-executable XLA options (RunnerConfig): ``excess_precision`` for all; eager ones run with command
+        buffers off on a GPU (direct launches), then ``eager_compiler_options``; captured ones take
+        ``captured_compiler_options`` (over XLA's defaults); ``dump_dir`` dumps both kinds."""
+        opts: dict[str, Any] = {"xla_allow_excess_precision": self.excess_precision}
         if eager:
-            opts = {"xla_gpu_enable_command_buffer": ""} if self._on_gpu else {}
+            opts.update({"xla_gpu_enable_command_buffer": ""} if self._on_gpu else {})
             opts.update(self.eager_compiler_options or {})
         else:
-            opts = dict(self.captured_compiler_options or {})
+            opts.update(self.captured_compiler_options or {})
         if self.dump_dir:
             opts["xla_dump_to"] = self.dump_dir
-        return opts or None
+        return opts
 
     def _first(self, kind: str) -> Callable:
         egd, lgd = self._embed[0], self._gd_of_kind[kind]
