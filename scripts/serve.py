@@ -99,6 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-invariant", action="store_true",
                    help="one token bucket and one key-block bucket, so a request's tokens do not depend on "
                         "its batch, chunking or preemption (costs throughput; see jds.runner.invariant_buckets)")
+    p.add_argument("--excess-precision", action="store_true",
+                   help="let XLA keep bf16 intermediates in float32 inside fusions (its own default); without it "
+                        "the step rounds to bf16 where the model casts, as the eager forward and DeepSeek's "
+                        "reference do")
     p.add_argument("--input-prep", choices=("auto", "device", "host"), default="auto",
                    help="step inputs: one packed buffer with the batch built on the device, or make_batch on the "
                         "host (auto: device for fused, host for wide / narrow)")
@@ -241,7 +245,7 @@ def runner_config(a: argparse.Namespace) -> RunnerConfig:
                         max_num_tokens=a.max_num_tokens, max_model_len=a.max_model_len,
                         token_buckets=tuple(a.token_buckets), key_block_buckets=tuple(a.key_block_buckets),
                         stable_inputs=a.stable_inputs, batch_invariant=a.batch_invariant,
-                        input_prep=a.input_prep, segments=a.segments, compile_workers=a.compile_workers,
+                        excess_precision=a.excess_precision, input_prep=a.input_prep, segments=a.segments, compile_workers=a.compile_workers,
                         first_segment_layers=a.first_segment_layers,
                         tensor_parallel=a.tensor_parallel,
                         data_parallel=a.data_parallel, expert_parallel=a.expert_parallel)
@@ -330,7 +334,8 @@ async def main(a: argparse.Namespace) -> int:
     runner = build_runner(a)
     say(f"built in {time.perf_counter() - t0:.1f}s; block_size={runner.block_size}, vocab={runner.vocab_size}")
     if getattr(runner, "model", None) is not None:  # which numerics run (departures from a checkpoint show here)
-        say(f"numerics: {runner.model.cfg.numerics}")
+        say(f"numerics: {runner.model.cfg.numerics}; XLA excess precision "
+            f"{'on (bf16 intermediates may stay float32)' if runner.excess_precision else 'off'}")
     try:
         engine = Engine(runner, async_steps=a.async_steps, speculative=a.speculative)
     except ValueError as e:  # an unsupported model / runner for --speculative, named by its field
