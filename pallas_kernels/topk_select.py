@@ -17,9 +17,11 @@ each survivor is stored straight to its output slot. Per row:
    >= pivot with their columns, in column order, into a per-row candidate buffer. When it holds between k
    and ``capacity`` keys it contains every key >= tau (tau >= pivot), so steps 2-3 read the buffer instead
    of the row. When more than ``capacity`` keys reach the pivot, its value is shared by many keys (the -inf
-   tail of a short row: few finite logits; or a heavy tie). With k to ``capacity`` keys strictly above it, a
-   second pass fills the buffer with those alone, and steps 2-3 read it; with fewer than k above it, the
-   pivot is tau itself, and the row goes straight to step 3 (one pass instead of the counting passes).
+   tail of a short row: few finite logits; or a heavy tie). With at least k keys strictly above it, tau is
+   above the pivot: if every such key landed in the buffer (a short row's finite head comes before its -inf
+   tail) the buffer serves as it is ("overflowed buffer"), else with at most ``capacity`` of them a second pass
+   fills the buffer with those alone; with fewer than k above it, the pivot is tau itself, and the row goes
+   straight to step 3 (one pass instead of the counting passes).
    Otherwise (a skewed sample: fewer than k keys reach the pivot) steps 2-3 read the row: slower, same result.
 2. Counting: 32 / bits digit passes, most significant first. ``ge[d]`` = candidates (decided high bits ==
    prefix) whose current digit is >= d: compare-and-sum over the 2^bits digit values into per-lane
@@ -138,7 +140,7 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int) -
     return lax.fori_loop(0, 32 // bits, digit_pass, (jnp.zeros((), I32), jnp.asarray(k, I32)))
 
 
-PATHS = ("row", "buffer", "refilled buffer", "pivot is tau")  # select_unsorted's path codes
+PATHS = ("row", "buffer", "refilled buffer", "pivot is tau", "overflowed buffer")  # select_unsorted's path codes
 
 
 def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k: int, cfg: TopkSelectConfig,
@@ -171,33 +173,39 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
 
         def fill(strict):
             def body(b, carry):
-                filled, above = carry
+                filled, above, above_in = carry
                 s, col = x_keys(b, cfg.block)
                 ki = ((s > piv) if strict else (s >= piv)).astype(I32)
                 slot = filled + jnp.cumsum(ki, axis=1) - ki
                 ok = (ki == 1) & (slot < cap)
                 scatter(bkey_ref, slot, s, ok)
                 scatter(bcol_ref, slot, col, ok)
-                return filled + jnp.sum(ki), above + jnp.sum((s > piv).astype(I32))
+                gt = s > piv
+                return (filled + jnp.sum(ki), above + jnp.sum(gt.astype(I32)),
+                        above_in + jnp.sum((gt & ok).astype(I32)))
             return body
 
         zero = jnp.zeros((), I32)
         blocks = pl.cdiv(n, cfg.block)
-        filled, above = lax.fori_loop(0, blocks, fill(False), (zero, zero))
+        filled, above, above_in = lax.fori_loop(0, blocks, fill(False), (zero, zero, zero))
         if not interpret:
             plt.debug_barrier()  # the buffer's stores -> its loads by other threads of the CTA
         # More than cap keys at or above the pivot: its value is shared by many keys (the -inf tail of a short
-        # row, or a heavy tie). With k to cap keys above it, a second pass fills the buffer with those alone;
-        # with fewer than k above it, the pivot is tau, and the row goes straight to the compaction.
-        refill = (filled > cap) & (above >= k) & (above <= cap)
-        at_pivot = (filled > cap) & (above < k)
-        lax.fori_loop(0, refill.astype(I32) * blocks, fill(True), (zero, zero))
+        # row, or a heavy tie). With k to cap keys above it, tau is above the pivot: if every one of them landed
+        # in the buffer (a short row's finite head before its -inf tail) the buffer's cap keys hold every key
+        # >= tau in column order and serve as they are; else a second pass fills the buffer with those alone.
+        # With fewer than k above it, the pivot is tau, and the row goes straight to the compaction.
+        over = filled > cap
+        kept_all = over & (above >= k) & (above_in == above)
+        refill = over & (above >= k) & (above <= cap) & (above_in < above)
+        at_pivot = over & (above < k)
+        lax.fori_loop(0, refill.astype(I32) * blocks, fill(True), (zero, zero, zero))
         if not interpret:
             plt.debug_barrier()
-        count = jnp.where(refill, above, filled)  # keys in the buffer
-        use_buf = (count >= k) & (count <= cap)
+        count = jnp.where(refill, above, jnp.minimum(filled, cap))  # keys in the buffer
+        use_buf = (count >= k) & ((filled <= cap) | refill | kept_all)
         C.store(cand_ref, (row11,), jnp.full((1, 1), filled, I32), one11)
-        code = jnp.where(at_pivot, 3, jnp.where(refill, 2, use_buf.astype(I32)))
+        code = jnp.where(at_pivot, 3, jnp.where(refill, 2, jnp.where(kept_all, 4, use_buf.astype(I32))))
         C.store(path_ref, (row11,), jnp.full((1, 1), code, I32), one11)
 
         def buf_keys(b):

@@ -80,21 +80,25 @@ def test_prefilter_buffer_and_fallback(mode: str) -> None:
 def test_short_rows_skip_the_row_passes(mode: str) -> None:
     """Rows with few finite logits and -inf after them (a short request in a decode batch), and an all -inf
     row: the sampled pivot is -inf, shared by more keys than the buffer holds. With fewer than k keys above
-    it, the pivot is tau and the row goes straight to the compaction; with k to capacity keys above it, a
-    second pass refills the buffer with those. Same result as lax.top_k either way; rows with a finite pivot
-    keep the buffer."""
+    it, the pivot is tau and the row goes straight to the compaction (which stops at k kept keys); with k to
+    capacity keys above it, all in the buffer (the finite head comes first), the buffer serves as it is; with
+    the finite keys after the -inf ones (the buffer filled before them), a second pass refills it. Same result
+    as lax.top_k every time; rows with a finite pivot keep the buffer."""
     n, k, cap = 3000, 50, 400
     cfg = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=cap)
     rng = np.random.default_rng(13)
-    finite = [0, 1, 10, 49, 50, 60, 120, 3000]
+    finite = [0, 1, 10, 49, 50, 60, 120, 3000, 60, 120]
     x = rng.standard_normal((len(finite), n)).astype(np.float32)
     x[np.arange(n)[None, :] >= np.array(finite)[:, None]] = -np.inf
+    x[8:] = x[8:, ::-1]  # the finite keys last: the buffer holds -inf keys when they come
     x[2, 3] = x[2, 4] = np.float32(0.5)  # a tie among the finite keys
+    x[5, 3] = x[5, 40] = np.float32(9.0)  # a tie at the top, in the overflowed buffer
     cand, path = _check(x, k, interpret_for(mode), cfg, paths=True)
     names = [PATHS[p] for p in path]
     assert names[:4] == ["pivot is tau"] * 4, (names, cand)
-    assert names[4:7] == ["refilled buffer"] * 3, (names, cand)
+    assert names[4:7] == ["overflowed buffer"] * 3, (names, cand)
     assert names[7] == "buffer", (names, cand)
+    assert names[8:] == ["refilled buffer"] * 2, (names, cand)
 
 
 @pytest.mark.parametrize("mode", MODES)
