@@ -143,6 +143,45 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int) -
 PATHS = ("row", "buffer", "refilled buffer", "pivot is tau", "overflowed buffer")  # select_unsorted's path codes
 
 
+def _row_keys(x_ref, row, n: int) -> Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]:
+    """(block b, width) -> (s, column) [1, width] of the row's keys; padding lanes past n get s = _SIGN."""
+    def x_keys(b, width):
+        col = b * width + C.iota((1, width), 1)
+        inside = col < n
+        xb = lax.bitcast_convert_type(C.load(x_ref, (row, col), (1, width), mask=inside), I32)
+        return jnp.where(inside, jnp.where(xb < 0, xb ^ 0x7FFFFFFF, xb), _SIGN), col
+    return x_keys
+
+
+def _sample_pivot(x_ref, row, n: int, k: int, cfg: TopkSelectConfig) -> jax.Array:
+    """u of the prefilter's pivot: the ``_sample_rank``-th largest key of ``cfg.sample`` evenly spaced keys."""
+    s_n = cfg.sample
+    scol = lax.div(C.iota((1, s_n), 1) * n, s_n)  # evenly spaced, distinct (s_n <= n)
+    xs = lax.bitcast_convert_type(C.load(x_ref, (row, scol), (1, s_n)), I32)
+    xs = jnp.where(xs < 0, xs ^ 0x7FFFFFFF, xs)
+    return _kth_key([(1, lambda b: (xs, scol))], _sample_rank(n, k, s_n), cfg.bits, s_n)[0]
+
+
+def _compact(sources: list[Source], tau: jax.Array, need: jax.Array, k: int, out: Callable) -> None:
+    """Step 3 over the sources in column order: keys > tau, and == tau while fewer than ``need`` came before,
+    each stored by ``out(slot, col, keep)``. Stops once k keys are kept (none can follow): a row whose pivot is
+    tau (a short row's -inf tail) then reads its finite keys and the first -inf ones, not the whole row again."""
+    def run(n_blocks, load, carry):
+        def body(c):
+            b, eq_seen, kept = c
+            s, col = load(b)
+            eq = (s == tau).astype(I32)
+            keep = (s > tau) | ((eq == 1) & (eq_seen + jnp.cumsum(eq, axis=1) - eq < need))
+            ki = keep.astype(I32)
+            out(kept + jnp.cumsum(ki, axis=1) - ki, col, keep)
+            return b + 1, eq_seen + jnp.sum(eq), kept + jnp.sum(ki)
+        return lax.while_loop(lambda c: (c[0] < n_blocks) & (c[2] < k), body, (jnp.zeros((), I32), *carry))[1:]
+
+    carry = (jnp.zeros((), I32), jnp.zeros((), I32))
+    for n_blocks, load in sources:  # in column order; sources without blocks pass
+        carry = run(n_blocks, load, carry)
+
+
 def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k: int, cfg: TopkSelectConfig,
                    cap: int, interpret: bool) -> None:
     row = pl.program_id(0)
@@ -151,11 +190,7 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
     row11 = row + jnp.zeros((1, 1), I32)  # [1, 1] index of this row's scalar outputs
     one11 = jnp.ones((1, 1), bool)
 
-    def x_keys(b, width):  # (s, column) of the row's block b: [1, width]
-        col = b * width + C.iota((1, width), 1)
-        inside = col < n
-        xb = lax.bitcast_convert_type(C.load(x_ref, (row, col), (1, width), mask=inside), I32)
-        return jnp.where(inside, jnp.where(xb < 0, xb ^ 0x7FFFFFFF, xb), _SIGN), col
+    x_keys = _row_keys(x_ref, row, n)
 
     def scatter(ref, slot, val, ok):  # masked-out lanes point one past the first axis (interpret drops them)
         C.store(ref, (jnp.where(ok, row, t), jnp.where(ok, slot, 0)), val, ok)
@@ -164,11 +199,7 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
     sources = [from_row]
     if cap:
         bkey_ref, bcol_ref = bufs
-        s_n = cfg.sample
-        scol = lax.div(C.iota((1, s_n), 1) * n, s_n)  # evenly spaced, distinct (s_n <= n)
-        xs = lax.bitcast_convert_type(C.load(x_ref, (row, scol), (1, s_n)), I32)
-        xs = jnp.where(xs < 0, xs ^ 0x7FFFFFFF, xs)
-        piv_u, _ = _kth_key([(1, lambda b: (xs, scol))], _sample_rank(n, k, s_n), cfg.bits, s_n)
+        piv_u = _sample_pivot(x_ref, row, n, k, cfg)
         piv = piv_u ^ _SIGN
 
         def fill(strict):
@@ -230,22 +261,7 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
         C.store(cand_ref, (row11,), jnp.full((1, 1), n, I32), one11)
         C.store(path_ref, (row11,), jnp.zeros((1, 1), I32), one11)
 
-    def compact(n_blocks, load, carry):
-        """Stops once k keys are kept (none can follow): a row whose pivot is tau (a short row's -inf tail)
-        then reads its finite keys and the first -inf ones, not the whole row again."""
-        def body(c):
-            b, eq_seen, kept = c
-            s, col = load(b)
-            eq = (s == tau).astype(I32)
-            keep = (s > tau) | ((eq == 1) & (eq_seen + jnp.cumsum(eq, axis=1) - eq < need))
-            ki = keep.astype(I32)
-            scatter(idx_ref, kept + jnp.cumsum(ki, axis=1) - ki, col, keep)
-            return b + 1, eq_seen + jnp.sum(eq), kept + jnp.sum(ki)
-        return lax.while_loop(lambda c: (c[0] < n_blocks) & (c[2] < k), body, (jnp.zeros((), I32), *carry))[1:]
-
-    carry = (jnp.zeros((), I32), jnp.zeros((), I32))
-    for n_blocks, load in sources:  # in column order (the buffer is); one of them has blocks
-        carry = compact(n_blocks, load, carry)
+    _compact(sources, tau, need, k, lambda slot, col, keep: scatter(idx_ref, slot, col, keep))
 
 
 # ----- wrappers --------------------------------------------------------------------------------------
