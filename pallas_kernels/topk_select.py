@@ -34,6 +34,14 @@ each survivor is stored straight to its output slot. Per row:
    row (pivot = tau = -inf) reads its head, not its whole -inf tail: that row had read itself twice and
    set a mixed batch's time (BENCHMARKS.md, kernels_select).
 
+Split prefilter (``TopkSelectConfig.splits`` > 1; ``split_for`` picks one per batch): one program per row
+streams the row on one SM, so a batch of 16 rows reads its logits on 16 of 132 SMs. With splits, a first
+kernel runs ``splits`` programs per row, each over a contiguous range of whole blocks, filling its own buffer
+of ``capacity`` keys (all of them compute the row's sample pivot); a second kernel, one program per row,
+copies the buffers' union into one contiguous buffer in column order and runs steps 2-3 on it (or on the row,
+under the same conditions as above; a heavy tie past a full buffer reads the row instead of refilling).
+Off by default until measured on the GPU.
+
 Backend: the Triton lowering (conventions of ``pallas_kernels/fused_insert_common.py``), not Mosaic GPU.
 The prefilter and the compaction store each kept key at a data-dependent position, a vector scatter, and
 Mosaic GPU rejects vector indices on Hopper (TMA scatter is sm100 only). Triton expresses it as a masked
@@ -83,11 +91,15 @@ class TopkSelectConfig:
     sample: int = 1024  # evenly spaced row keys that pick the prefilter pivot
     capacity: int | None = None  # candidate buffer per row; None: 4 k when N >= 8 k, else no prefilter; 0: none
     num_warps: int = 8
+    # programs per row for the prefilter's streaming pass (a power of 2; 1: one kernel, one program per row). A
+    # batch of few rows otherwise streams on as many SMs as it has rows; each split fills its own buffer of
+    # ``capacity`` keys, and a second kernel (one program per row) counts and compacts their union
+    splits: int = 1
 
     def __post_init__(self) -> None:
         if self.bits not in (1, 2, 4):  # 8 would need [256, hist_block] counters: spills
             raise ValueError(f"bits must be 1, 2 or 4, got {self.bits}")
-        for name in ("block", "hist_block", "sample", "num_warps"):
+        for name in ("block", "hist_block", "sample", "num_warps", "splits"):
             if not C.is_pow2(getattr(self, name)):
                 raise ValueError(f"{name} must be a power of 2, got {getattr(self, name)}")
         if self.capacity is not None and self.capacity < 0:
@@ -97,6 +109,16 @@ class TopkSelectConfig:
         """Candidate buffer length per row for rows of n and this k (0: no prefilter)."""
         cap = (4 * k if n >= 8 * k else 0) if self.capacity is None else self.capacity
         return cap if k <= cap < n and self.sample <= n else 0
+
+
+def split_for(t: int, n: int, cfg: TopkSelectConfig | None = None, sms: int = 132) -> int:
+    """A ``splits`` for [t, n] rows: the largest power of 2 (at most 16) that keeps t x splits programs within
+    one wave of ``sms`` and each split at least 4 streaming blocks. 1 for 64 rows and more (no split)."""
+    cfg = cfg or TopkSelectConfig()
+    s = 1
+    while s < 16 and t * s * 2 <= sms and n >= s * 2 * 4 * cfg.block:
+        s *= 2
+    return s
 
 
 def _sample_rank(n: int, k: int, sample: int) -> int:
@@ -264,6 +286,118 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
     _compact(sources, tau, need, k, lambda slot, col, keep: scatter(idx_ref, slot, col, keep))
 
 
+def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, *, n: int, k: int,
+                       cfg: TopkSelectConfig, cap: int) -> None:
+    """Program (row, j): the prefilter's pass over the j-th of ``cfg.splits`` column ranges of the row (whole
+    blocks), keys >= the row's sample pivot into buffer j ([row, j cap : (j + 1) cap], column order), and its
+    counts: keys >= pivot, keys > pivot, keys > pivot that fit the buffer."""
+    row, j = pl.program_id(0), pl.program_id(1)
+    t = key_ref.shape[0]
+    x_keys = _row_keys(x_ref, row, n)
+    piv = _sample_pivot(x_ref, row, n, k, cfg) ^ _SIGN
+    per = pl.cdiv(pl.cdiv(n, cfg.block), cfg.splits)
+    b0 = j * per
+    nb = jnp.clip(pl.cdiv(n, cfg.block) - b0, 0, per)
+
+    def body(b, carry):
+        filled, above, above_in = carry
+        s, col = x_keys(b0 + b, cfg.block)
+        ki = (s >= piv).astype(I32)
+        slot = filled + jnp.cumsum(ki, axis=1) - ki
+        ok = (ki == 1) & (slot < cap)
+        for ref, val in ((key_ref, s), (col_ref, col)):
+            C.store(ref, (jnp.where(ok, row, t), jnp.where(ok, j * cap + slot, 0)), val, ok)
+        gt = s > piv
+        return filled + jnp.sum(ki), above + jnp.sum(gt.astype(I32)), above_in + jnp.sum((gt & ok).astype(I32))
+
+    zero = jnp.zeros((), I32)
+    counts = lax.fori_loop(0, nb, body, (zero, zero, zero))
+    at = (row + jnp.zeros((1, 1), I32), j + jnp.zeros((1, 1), I32))
+    for ref, v in zip((filled_ref, above_ref, in_ref), counts):
+        C.store(ref, at, jnp.full((1, 1), v, I32), jnp.ones((1, 1), bool))
+
+
+def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, idx_ref, tau_ref, path_ref,
+                         mkey_ref, mcol_ref, *, n: int, k: int, cfg: TopkSelectConfig, cap: int,
+                         interpret: bool) -> None:
+    """Program row: steps 2-3 over the union of the row's split buffers, or over the row.
+
+    The union holds every key >= tau when no split overflowed and at least k keys reached the pivot, or when
+    splits overflowed but every key above the pivot fits its buffer and at least k lie above it (tau is then
+    above the pivot). It is first copied, in column order, into one contiguous buffer (``mkey_ref`` /
+    ``mcol_ref``), so that steps 2-3 read one source as the one-kernel path does. Fewer than k above an
+    overflowed pivot: the pivot is tau (the compaction reads the row, stopping at k). Otherwise (a skewed
+    sample, or keys above the pivot past a full buffer) the row is read."""
+    row = pl.program_id(0)
+    t = idx_ref.shape[0]
+    hb, sp = cfg.hist_block, cfg.splits
+    js = C.iota((1, sp), 1)
+    filled, above, above_in = (C.load(r, (row, js), (1, sp)) for r in (filled_ref, above_ref, in_ref))
+    total, total_above = jnp.sum(filled), jnp.sum(above)
+    over = jnp.sum((filled > cap).astype(I32)) > 0
+    kept_all = over & (total_above >= k) & (jnp.sum((above_in < above).astype(I32)) == 0)
+    at_pivot = over & (total_above < k)
+    use_buf = ((~over) & (total >= k)) | kept_all
+    on, piv_on = use_buf.astype(I32), at_pivot.astype(I32)
+
+    fill = jnp.minimum(filled, cap)
+    start = jnp.cumsum(fill, axis=1) - fill  # each split's first slot in the merged buffer
+    for jj in range(sp):
+        fj = jnp.sum(jnp.where(js == jj, fill, 0))
+        oj = jnp.sum(jnp.where(js == jj, start, 0))
+
+        def copy(b, carry, jj=jj, fj=fj, oj=oj):
+            i = b * hb + C.iota((1, hb), 1)
+            inside = i < fj
+            for src, dst in ((key_ref, mkey_ref), (col_ref, mcol_ref)):
+                v = C.load(src, (row, jj * cap + i), (1, hb), mask=inside)
+                C.store(dst, (jnp.where(inside, row, t), jnp.where(inside, oj + i, 0)), v, inside)
+            return carry
+        lax.fori_loop(0, on * lax.shift_right_logical(fj + hb - 1, C.log2(hb)), copy, 0)
+    if not interpret:
+        plt.debug_barrier()  # the merged buffer's stores -> its loads by other threads of the CTA
+    count = jnp.sum(fill)
+
+    def merged(b):
+        j = b * hb + C.iota((1, hb), 1)
+        inside = j < count
+        return (jnp.where(inside, C.load(mkey_ref, (row, j), (1, hb), mask=inside), _SIGN),
+                C.load(mcol_ref, (row, j), (1, hb), mask=inside))
+
+    x_keys = _row_keys(x_ref, row, n)
+    from_row = (pl.cdiv(n, hb), lambda b: x_keys(b, hb))
+    buf = (on * lax.shift_right_logical(count + hb - 1, C.log2(hb)), merged)
+    tau_u, need = _kth_key([buf, ((1 - on) * (1 - piv_on) * from_row[0], from_row[1])], k, cfg.bits, hb)
+    piv_u = _sample_pivot(x_ref, row, n, k, cfg)
+    tau_u = jnp.where(at_pivot, piv_u, tau_u)
+    need = jnp.where(at_pivot, k - total_above, need)
+    row11, one11 = row + jnp.zeros((1, 1), I32), jnp.ones((1, 1), bool)
+    C.store(tau_ref, (row11,), jnp.full((1, 1), tau_u, I32), one11)
+    C.store(path_ref, (row11,), jnp.full((1, 1), jnp.where(at_pivot, 3, jnp.where(kept_all, 4, on)), I32), one11)
+
+    def out(slot, col, keep):
+        C.store(idx_ref, (jnp.where(keep, row, t), jnp.where(keep, slot, 0)), col, keep)
+    _compact([buf, ((1 - on) * from_row[0], from_row[1])], tau_u ^ _SIGN, need, k, out)
+
+
+def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpret: bool):
+    """select_unsorted with the prefilter's pass split over ``cfg.splits`` programs per row (two kernels)."""
+    t, n = x.shape
+    sp = cfg.splits
+    fill = functools.partial(_split_fill_kernel, n=n, k=k, cfg=cfg, cap=cap)
+    bufs = [jax.ShapeDtypeStruct((t, sp * cap), I32)] * 2 + [jax.ShapeDtypeStruct((t, sp), I32)] * 3
+    keys, cols, filled, above, above_in = C.pallas_call(
+        fill, out_shape=tuple(bufs), grid=(t, sp), aliases={}, interpret=interpret, name="topk_radix_prefilter",
+        num_warps=cfg.num_warps)(x)
+    finish = functools.partial(_split_finish_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret)
+    out = [jax.ShapeDtypeStruct((t, k), I32)] + [jax.ShapeDtypeStruct((t,), I32)] * 2
+    out += [jax.ShapeDtypeStruct((t, sp * cap), I32)] * 2  # the merged buffer (keys, columns)
+    idx, tau, path, *_ = C.pallas_call(finish, out_shape=tuple(out), grid=(t,), aliases={}, interpret=interpret,
+                                   name="topk_radix_finish", num_warps=cfg.num_warps)(x, keys, cols, filled, above,
+                                                                                     above_in)
+    return idx, tau, jnp.sum(filled, axis=1), path
+
+
 # ----- wrappers --------------------------------------------------------------------------------------
 def _check(x: jax.Array, k: int) -> int:
     if x.ndim != 2:
@@ -295,6 +429,9 @@ def select_unsorted(x: jax.Array, k: int, *, config: TopkSelectConfig | None = N
     cap = cfg.buffer_capacity(n, k)
     if cap and n * cfg.sample >= 1 << 31:
         raise ValueError(f"rows of {n} with sample {cfg.sample}: column * n overflows int32")
+    if cap and cfg.splits > 1:
+        idx, tau, cand, path = _select_split(x.astype(jnp.float32), k, cfg, cap, interpret)
+        return idx, lax.bitcast_convert_type(tau, jnp.uint32), cand, path
     out_shape = [jax.ShapeDtypeStruct((t, k), I32)] + [jax.ShapeDtypeStruct((t,), I32)] * 3
     out_shape += [jax.ShapeDtypeStruct((t, cap), I32)] * 2 if cap else []  # candidate keys, columns
     kernel = functools.partial(_select_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret)

@@ -10,6 +10,7 @@ one call holds rows of every kind, so each case compiles once.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -99,6 +100,36 @@ def test_short_rows_skip_the_row_passes(mode: str) -> None:
     assert names[4:7] == ["overflowed buffer"] * 3, (names, cand)
     assert names[7] == "buffer", (names, cand)
     assert names[8:] == ["refilled buffer"] * 2, (names, cand)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_split_prefilter_matches_lax_top_k(mode: str) -> None:
+    """``splits`` programs per row stream the prefilter (each into its own buffer), a second kernel counts and
+    compacts the buffers' union: lax.top_k's result on every row kind, and each path: buffers (random rows),
+    the row (a skewed sample; a heavy tie past a full buffer), pivot is tau and the overflowed buffers (short
+    rows: a finite head, -inf after)."""
+    n, k, cap = 3000, 50, 400
+    cfg = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=cap, splits=4)
+    rng = np.random.default_rng(17)
+    skewed = rng.standard_normal((1, n)).astype(np.float32)
+    skewed[:, (np.arange(256) * n) // 256] += 100.0
+    short = rng.standard_normal((3, n)).astype(np.float32)
+    short[np.arange(n)[None, :] >= np.array([10, 60, 828])[:, None]] = -np.inf
+    short[2, 60:768] = -np.inf  # 60 finite keys at the heads of the first two splits (768 columns each)
+    x = np.concatenate([_mixed(n, rng, 1), skewed, short, rng.standard_normal((1, n)).astype(np.float32)])
+    cand, path = _check(x, k, interpret_for(mode), cfg, paths=True)
+    names = [PATHS[p] for p in path]
+    assert names[0] == "buffer" and names[-1] == "buffer", (names, cand)  # normal, random
+    assert names[4] == "row", (names, cand)  # skewed sample: fewer than k reach the pivot
+    assert names[5:8] == ["pivot is tau", "overflowed buffer", "overflowed buffer"], (names, cand)
+    np.testing.assert_array_equal(cand, np.asarray(select_unsorted(jnp.asarray(x), k, interpret=interpret_for(mode),
+                                                                   config=dataclasses.replace(cfg, splits=1))[2]))
+
+
+def test_split_for() -> None:
+    from pallas_kernels.topk_select import split_for
+    assert [split_for(t, 131072) for t in (1, 4, 16, 64, 128)] == [16, 16, 8, 2, 1]
+    assert split_for(16, 8192) == 1  # too short to split (4 blocks of 2048 per split)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -201,7 +232,8 @@ def test_bad_arguments() -> None:
 
 
 REAL = [pytest.param(64, 65536, None, id="64x64K"), pytest.param(64, 100000, None, id="64x100000"),
-        pytest.param(64, 65536, TopkSelectConfig(capacity=0), id="64x64K_direct")]
+        pytest.param(64, 65536, TopkSelectConfig(capacity=0), id="64x64K_direct"),
+        pytest.param(16, 131072, TopkSelectConfig(splits=8), id="16x128K_split8")]
 
 
 @pytest.mark.parametrize("t,n,config", REAL)

@@ -41,7 +41,7 @@ from jds.ops.select import radix_topk
 from pallas_kernels import sparse_indexer as si
 from jds.bench.results import error_text
 from jds.bench.timing import device_row, time_fn
-from pallas_kernels.topk_select import TopkSelectConfig, topk_select
+from pallas_kernels.topk_select import TopkSelectConfig, split_for, topk_select
 
 HI = 64
 EPP = 64
@@ -198,7 +198,12 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
         for bits in (1, 2, 4):  # counting passes of radix select: 32 / bits, each 2^bits compares per key
             yield (_row(f"topk_k{K}_b{b}_c{c}_radix{bits}", "xla", radix, (lg, min(K, c), bits), 4 * b * c, 0,
                         quick))
-        for name, f in pallas_radix.items():  # radix select as one Pallas kernel (+ a sort of the k winners)
+        sp = split_for(b, c)
+        radix_rows = dict(pallas_radix)
+        if sp > 1:  # the prefilter's pass over sp programs per row (two kernels), unsorted
+            radix_rows[f"pallas_radix_split{sp}_set"] = jax.jit(functools.partial(
+                topk_select, interpret=interpret, config=TopkSelectConfig(splits=sp), sort=False), static_argnums=1)
+        for name, f in radix_rows.items():  # radix select as one Pallas kernel (+ a sort of the k winners)
             case = f"topk_k{K}_b{b}_c{c}_{name}"
             try:
                 yield (_row(case, "pallas", f, (lg, min(K, c)), 4 * b * c, 0, quick))
@@ -209,10 +214,10 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
         # radix select, whose short-row path must not set the batch's time
         lgm = lg.at[0, 1000:].set(-jnp.inf) if c > 1000 else lg
         yield (_row(f"topk_k{K}_b{b}_c{c}_mixed", "xla", topk, (lgm, K, None, "lax"), 4 * b * c, 0, quick))
-        for name in ("pallas_radix", "pallas_radix_set"):
+        for name in [r for r in radix_rows if r != "pallas_radix_direct"]:
             case = f"topk_k{K}_b{b}_c{c}_mixed_{name}"
             try:
-                yield (_row(case, "pallas", pallas_radix[name], (lgm, min(K, c)), 4 * b * c, 0, quick))
+                yield (_row(case, "pallas", radix_rows[name], (lgm, min(K, c)), 4 * b * c, 0, quick))
             except Exception as e:  # noqa: BLE001 - a failure is a result too
                 yield {"kernel": "sparse_indexer", "case": case, "impl": "pallas", "bytes": 4 * b * c, "flops": 0,
                        "error": error_text(e, 2000)}
