@@ -84,7 +84,7 @@ from jds.ops.indexer import indexer_topk_xla, map_token_chunks, masked_index_log
 from jds.ops.select import radix_topk
 from jds.ops.quant import FP8, act_quant
 from jds.ops.records import IndexerRecord132
-from pallas_kernels.topk_select import topk_select
+from pallas_kernels.topk_select import TopkSelectConfig, split_for, topk_select
 
 TILE = 64  # keys per MMA tile (wgmma M)
 HEAD_DIM = 128
@@ -115,6 +115,8 @@ class IndexerKernelConfig:
     #                                  by default: see resolve_topk_algorithm
     topk_order: TopkOrder = "sorted"  # "set": the same keys in any order (pallas_radix then skips its sort of the
     #                                  k winners; the sparse MQA takes a set); "sorted": lax.top_k's order
+    topk_splits: int | None = 1  # pallas_radix: programs per row for its prefilter pass (TopkSelectConfig.splits;
+    #                              a power of 2); None: topk_select.split_for(rows, cols), by the batch
 
     def __post_init__(self) -> None:
         if self.queries_per_cta is not None and not 1 <= self.queries_per_cta <= 4:
@@ -131,6 +133,9 @@ class IndexerKernelConfig:
             raise ValueError(f"topk_algorithm must be one of {TOPK_ALGORITHMS}, got {self.topk_algorithm!r}")
         if self.topk_order not in TOPK_ORDERS:
             raise ValueError(f"topk_order must be one of {TOPK_ORDERS}, got {self.topk_order!r}")
+        sp = self.topk_splits
+        if sp is not None and (isinstance(sp, bool) or not isinstance(sp, int) or sp < 1 or sp & (sp - 1)):
+            raise ValueError(f"topk_splits must be a power of 2 or None, got {sp!r}")
         if self.key_source not in ("auto", "paged", "views", "gathered"):
             raise ValueError(f"key_source must be auto, paged, views or gathered, got {self.key_source!r}")
 
@@ -488,7 +493,8 @@ def resolve_topk_algorithm(rows: int, cols: int, backend: str | None = None) -> 
 
 
 def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
-                     algorithm: TopkAlgorithm = "lax", order: TopkOrder = "sorted") -> jax.Array:
+                     algorithm: TopkAlgorithm = "lax", order: TopkOrder = "sorted",
+                     splits: int | None = 1) -> jax.Array:
     """lax.top_k of rows already -inf at invisible keys: int32 [T, k], -1 where fewer are visible.
 
     ``order="set"``: the same keys, in any order (``"pallas_radix"`` then returns them in ascending key order,
@@ -498,7 +504,7 @@ def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
     ``algorithm="radix"``: ``jds.ops.select.radix_topk`` (counting passes instead of a sort), identical
     output; ``"pallas_radix"``: the same selection as a Pallas kernel (``pallas_kernels.topk_select``,
     GPU interpret mode off-GPU), identical output; ``"auto"``: ``resolve_topk_algorithm``. ``segment``
-    applies to ``"lax"`` only.
+    applies to ``"lax"`` only, ``splits`` (``IndexerKernelConfig.topk_splits``) to ``"pallas_radix"`` only.
 
     Tie rule: among equal scores the lower key index wins (lax.top_k's order). With ``segment``, a
     two-stage selection: top-k of each segment of ``segment`` keys, then top-k of the concatenated winners
@@ -512,7 +518,8 @@ def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
     if algorithm == "radix":
         vals, idx = radix_topk(logits, kk)
     elif algorithm == "pallas_radix":
-        vals, idx = topk_select(logits, kk, sort=order == "sorted")
+        sp = split_for(t, n) if splits is None else splits
+        vals, idx = topk_select(logits, kk, sort=order == "sorted", config=TopkSelectConfig(splits=sp))
     elif segment is None or n <= segment or segment < kk:
         vals, idx = lax.top_k(logits, kk)
     else:
@@ -555,7 +562,8 @@ def _indexer_topk_pallas(index_q, index_w, cache, fmt, block_tables, req_idx, n_
     def fn(q, w, r, nv):
         lg = paged_logits(q, w, cache, block_tables, r, nv, entries_per_page=fmt.entries_per_page,
                           config=config, interpret=interpret)
-        return topk_from_logits(lg, k, config.topk_segment, config.topk_algorithm, config.topk_order)
+        return topk_from_logits(lg, k, config.topk_segment, config.topk_algorithm, config.topk_order,
+                                config.topk_splits)
 
     return map_token_chunks(fn, t, chunk, (q8, w8, req_idx, n_visible), (0, 0, 0, 0))
 

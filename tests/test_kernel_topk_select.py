@@ -156,6 +156,23 @@ def test_indexer_topk_from_logits_pallas_radix(mode: str, k: int) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_indexer_topk_splits(mode: str) -> None:
+    """IndexerKernelConfig.topk_splits reaches the kernel: None picks split_for (2 programs per row for 2 rows of
+    16K with the default blocks), and the selection equals lax's; a bad value names the field."""
+    from pallas_kernels.topk_select import split_for
+    interpret_for(mode)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 16384)).astype(np.float32)
+    x[1, 3000:] = -np.inf  # a short row among them
+    assert split_for(2, 16384) == 2
+    np.testing.assert_array_equal(np.asarray(topk_from_logits(jnp.asarray(x), 64, algorithm="pallas_radix",
+                                                              order="set", splits=None)),
+                                  np.sort(np.asarray(topk_from_logits(jnp.asarray(x), 64)), axis=1))
+    with pytest.raises(ValueError, match="topk_splits"):
+        IndexerKernelConfig(topk_splits=3)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_set_order_skips_the_sort(mode: str) -> None:
     """order="set" (no sort of the k winners): per row the same keys as lax.top_k, in ascending key order,
     -1 where lax has -1 (invisible keys), counted per row; the sorted order stays the default."""

@@ -8,7 +8,8 @@ Cases (full run; ``quick`` uses tiny shapes and few iterations, e.g. to smoke-te
 - select (only when asked for): decode_select at B in {16, 64} x C in {32K, 128K} with
   ``topk_algorithm="auto"`` (``_auto``; field ``topk``: what it resolved to), with the default
   ``lax.top_k``, and XLA; ``_set``: ``topk_algorithm="pallas_radix"`` with ``topk_order="set"`` (no sort of
-  the k winners); ``_mixed``: the same batch with one request of 1000 tokens.
+  the k winners); ``_set_split``: that with the prefilter split over ``split_for(B, C)`` programs per row;
+  ``_mixed``: the same batch with one request of 1000 tokens.
 - prefill_select: one request, a chunk of Q in {1K, 4K, 8K} queries at positions C-Q..C-1 over
   C in {8K, 32K, 64K} (Q <= C), causal; logits bounded by the 512 MiB default workspace (pallas) and an
   8 GiB workspace for the XLA path (its gathered fp32 keys are 129x the logits).
@@ -170,6 +171,8 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
     sel = [(b, c) for b in (16, 64) for c in (32768, 131072)] if "select" in want and not quick else []
     sel_auto = selector("pallas", si.IndexerKernelConfig(topk_algorithm="auto"))
     sel_set = selector("pallas", si.IndexerKernelConfig(topk_algorithm="pallas_radix", topk_order="set"))
+    sel_split = selector("pallas", si.IndexerKernelConfig(topk_algorithm="pallas_radix", topk_order="set",
+                                                          topk_splits=None))
     for b, c in sel:
         k, key = jax.random.split(key)
         bt, cache, iq, iw, req = _decode_inputs(k, b, c)
@@ -184,6 +187,9 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
                        topk=si.resolve_topk_algorithm(b, c))
             yield _row(case, "pallas", select_p, args, nbytes, flops, quick, topk="lax")
             yield _row(case + "_set", "pallas", sel_set, args, nbytes, flops, quick, topk="pallas_radix, unsorted")
+            if split_for(b, c) > 1:
+                yield _row(case + "_set_split", "pallas", sel_split, args, nbytes, flops, quick,
+                           topk=f"pallas_radix, unsorted, {split_for(b, c)} splits")
             if not tag:
                 yield _row(case, "xla", select_x, args, nbytes, flops, quick, big=True, topk="lax")
         del cache
