@@ -7,8 +7,9 @@
 
 Scales: ``scale_fmt`` is the activation scale format ("ue8m0": powers of two; "amax": amax / 448), as in
 ``act_quant``; the weight scales are whatever the checkpoint holds (powers of two or amax / 448 floats).
-The activation quantisation stays in XLA (one fused elementwise pass over x, tiny next to the weights in
-decode and next to the MMAs in prefill); the kernel takes xq e4m3 [M, K] and sx^T float32 [K/128, M].
+The activation quantisation stays outside the kernel (by default in XLA: three small kernels with the padding
+and the transposed scales; ``act_quant="kernel"``: one, ``quantize_rows``); the kernel takes xq e4m3 [M, K] and
+sx^T float32 [K/128, M].
 
 Kernel (``plgpu.kernel``, Lane lowering semantics, 3 warpgroups per CTA: 2 compute + 1 TMA producer):
 - CTA = (K split s, M tile, N tile): a [block_m, block_n] output tile over the K blocks [s*kps, (s+1)*kps) of
@@ -24,8 +25,8 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, 3 warpgroups per CTA: 2 compu
   as one scalar; both L2 hits), waits, and promotes: acc += blk * (sx[m, kb] * sw[nb, kb]). That is
   DeepGEMM's scheme: an fp8 MMA chain never spans more than one 128-wide K block, the running sum is fp32
   on the CUDA cores. The two compute warpgroups interleave (one promotes while the other's MMA runs).
-  ``stage_scales=True`` (the default up to 128 rows where it fits SMEM, measured faster there: docs/perf-log.md) copies a
-  warpgroup's sx^T rows for the CTA's K range and 8 weight-scale rows by TMA into SMEM before the pipeline, so
+  ``stage_scales=True`` (the default up to 128 rows where it fits SMEM, measured faster there: docs/perf-log.md)
+  copies a warpgroup's sx^T rows for the CTA's K range and 8 weight-scale rows by TMA into SMEM before the pipeline, so
   that the promotion reads SMEM:
   an Nsight Compute profile of the decode call (2026-12-01) put a fifth of the warps' stall samples on the
   promotion waiting for the weight scale loaded from global memory.
@@ -53,7 +54,7 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, 3 warpgroups per CTA: 2 compu
   (K fastest): one pipeline per CTA whose blocks follow its run; where the run leaves a tile the CTA stores its
   [mr, block_n] fp32 partial for that tile into slot j (its rank among the tile's CTAs, ``stream_k_layout``)
   of a [J, mr, N] output and restarts at 0; one XLA reduction (masking the slots no CTA wrote) sums them, as
-  split-K's does. On by default where the column tiles alone exceed one wave (``_auto_stream_k``).
+  split-K's does. On by default up to 64 rows where the column tiles alone exceed one wave (``_auto_stream_k``).
 - Padding: M is padded to block_m (zero xq rows and scales). With ``quantize_x`` x is not padded (no XLA kernel
   at all before the call): the x tile's TMA box runs past its M rows, which TMA fills with zeros, and rows past
   M only feed output rows that are dropped (an MMA row depends on its own row of x alone). N and K must be multiples of 128
