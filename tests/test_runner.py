@@ -190,9 +190,10 @@ def test_model_runner_build_takes_a_runner_config() -> None:
         ModelRunner.build(preset="v32-tiny", model_overrides={"moe": True}, runner=rc)
 
 
-def test_compiler_options_and_dump_dir_reach_their_executables(tmp_path) -> None:
+def test_compiler_options_and_dump_dir_reach_their_executables(tmp_path, no_compile_cache) -> None:
     """Captured and eager executables take their own XLA options from the RunnerConfig, and ``dump_dir``
-    dumps every executable of the runner (no XLA_FLAGS involved)."""
+    dumps every executable of the runner (no XLA_FLAGS involved). (XLA dumps while compiling: no
+    persistent-cache hits here, tests/conftest.py.)"""
     model = Decoder(preset("v32-tiny"), seed=0)
     ids, chunks, bt = np.arange(5, dtype=np.int32), [Chunk(0, 0, 5)], np.arange(8, dtype=np.int32).reshape(2, 4)
     kw = dict(mode="narrow", num_blocks=8, max_num_seqs=2, max_num_tokens=16, max_model_len=64)
@@ -211,11 +212,12 @@ def test_compiler_options_and_dump_dir_reach_their_executables(tmp_path) -> None
 
 
 @pytest.mark.parametrize("mode, settings", [("fused", {"segments": 2, "first_segment_layers": 1}), ("narrow", {})])
-def test_warmup_leaves_nothing_to_compile(mode: str, settings: dict) -> None:
+def test_warmup_leaves_nothing_to_compile(mode: str, settings: dict, no_compile_cache) -> None:
     """After ``warmup`` + ``warmup_submit``, real steps (execute, submit with and without the device token
     feed, a whole block-table replacement) compile nothing: every persistent buffer is made committed to
     the device as the steps' outputs are, and jit keys its executables on that (a server's first request
-    after start-up compiled the whole step again)."""
+    after start-up compiled the whole step again). Without persistent-cache hits (tests/conftest.py): a
+    recompile of an identical module would load from the cache and not be counted."""
     from jds.engine.sampling import SamplingParams, SamplingRows
 
     cfg = dataclasses.replace(preset("v32-tiny", n_layers=3), numerics=Numerics.exact())
