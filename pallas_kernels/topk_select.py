@@ -184,6 +184,28 @@ def _sample_pivot(x_ref, row, n: int, k: int, cfg: TopkSelectConfig) -> jax.Arra
     return _kth_key([(1, lambda b: (xs, scol))], _sample_rank(n, k, s_n), cfg.bits, s_n)[0]
 
 
+def _scatter(ref, row, t: int, slot: jax.Array, val: jax.Array, ok: jax.Array) -> None:
+    """Masked store of ``val`` at [row, slot] where ``ok``; masked-out lanes point one past the first axis (t rows:
+    interpret mode drops them)."""
+    C.store(ref, (jnp.where(ok, row, t), jnp.where(ok, slot, 0)), val, ok)
+
+
+def _fill(x_keys, first_block, piv, cap: int, width: int, strict: bool, put: Callable) -> Callable:
+    """The prefilter's streaming pass as a fori_loop body over blocks ``first_block + b``: keys >= ``piv`` (> with
+    ``strict``) go in column order to buffer slots < ``cap`` (``put(slot, s, col, ok)``). Carry: (keys kept or
+    counted, keys > piv, keys > piv that landed in the buffer)."""
+    def body(b, carry):
+        filled, above, above_in = carry
+        s, col = x_keys(first_block + b, width)
+        ki = ((s > piv) if strict else (s >= piv)).astype(I32)
+        slot = filled + jnp.cumsum(ki, axis=1) - ki
+        ok = (ki == 1) & (slot < cap)
+        put(slot, s, col, ok)
+        gt = s > piv
+        return filled + jnp.sum(ki), above + jnp.sum(gt.astype(I32)), above_in + jnp.sum((gt & ok).astype(I32))
+    return body
+
+
 def _compact(sources: list[Source], tau: jax.Array, need: jax.Array, k: int, out: Callable) -> None:
     """Step 3 over the sources in column order: keys > tau, and == tau while fewer than ``need`` came before,
     each stored by ``out(slot, col, keep)``. Stops once k keys are kept (none can follow): a row whose pivot is
@@ -214,9 +236,6 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
 
     x_keys = _row_keys(x_ref, row, n)
 
-    def scatter(ref, slot, val, ok):  # masked-out lanes point one past the first axis (interpret drops them)
-        C.store(ref, (jnp.where(ok, row, t), jnp.where(ok, slot, 0)), val, ok)
-
     from_row: Source = (pl.cdiv(n, hb), lambda b: x_keys(b, hb))
     sources = [from_row]
     if cap:
@@ -224,19 +243,12 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
         piv_u = _sample_pivot(x_ref, row, n, k, cfg)
         piv = piv_u ^ _SIGN
 
+        def put(slot, s, col, ok):
+            _scatter(bkey_ref, row, t, slot, s, ok)
+            _scatter(bcol_ref, row, t, slot, col, ok)
+
         def fill(strict):
-            def body(b, carry):
-                filled, above, above_in = carry
-                s, col = x_keys(b, cfg.block)
-                ki = ((s > piv) if strict else (s >= piv)).astype(I32)
-                slot = filled + jnp.cumsum(ki, axis=1) - ki
-                ok = (ki == 1) & (slot < cap)
-                scatter(bkey_ref, slot, s, ok)
-                scatter(bcol_ref, slot, col, ok)
-                gt = s > piv
-                return (filled + jnp.sum(ki), above + jnp.sum(gt.astype(I32)),
-                        above_in + jnp.sum((gt & ok).astype(I32)))
-            return body
+            return _fill(x_keys, 0, piv, cap, cfg.block, strict, put)
 
         zero = jnp.zeros((), I32)
         blocks = pl.cdiv(n, cfg.block)
@@ -283,42 +295,36 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
         C.store(cand_ref, (row11,), jnp.full((1, 1), n, I32), one11)
         C.store(path_ref, (row11,), jnp.zeros((1, 1), I32), one11)
 
-    _compact(sources, tau, need, k, lambda slot, col, keep: scatter(idx_ref, slot, col, keep))
+    _compact(sources, tau, need, k, lambda slot, col, keep: _scatter(idx_ref, row, t, slot, col, keep))
 
 
-def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, *, n: int, k: int,
+def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, *, n: int, k: int,
                        cfg: TopkSelectConfig, cap: int) -> None:
     """Program (row, j): the prefilter's pass over the j-th of ``cfg.splits`` column ranges of the row (whole
     blocks), keys >= the row's sample pivot into buffer j ([row, j cap : (j + 1) cap], column order), and its
-    counts: keys >= pivot, keys > pivot, keys > pivot that fit the buffer."""
+    counts: keys >= pivot, keys > pivot, keys > pivot that fit the buffer; the pivot's u for the finish kernel
+    (every program of the row writes the same value)."""
     row, j = pl.program_id(0), pl.program_id(1)
     t = key_ref.shape[0]
-    x_keys = _row_keys(x_ref, row, n)
-    piv = _sample_pivot(x_ref, row, n, k, cfg) ^ _SIGN
+    piv_u = _sample_pivot(x_ref, row, n, k, cfg)
     per = pl.cdiv(pl.cdiv(n, cfg.block), cfg.splits)
-    b0 = j * per
-    nb = jnp.clip(pl.cdiv(n, cfg.block) - b0, 0, per)
+    nb = jnp.clip(pl.cdiv(n, cfg.block) - j * per, 0, per)
 
-    def body(b, carry):
-        filled, above, above_in = carry
-        s, col = x_keys(b0 + b, cfg.block)
-        ki = (s >= piv).astype(I32)
-        slot = filled + jnp.cumsum(ki, axis=1) - ki
-        ok = (ki == 1) & (slot < cap)
-        for ref, val in ((key_ref, s), (col_ref, col)):
-            C.store(ref, (jnp.where(ok, row, t), jnp.where(ok, j * cap + slot, 0)), val, ok)
-        gt = s > piv
-        return filled + jnp.sum(ki), above + jnp.sum(gt.astype(I32)), above_in + jnp.sum((gt & ok).astype(I32))
+    def put(slot, s, col, ok):
+        _scatter(key_ref, row, t, j * cap + slot, s, ok)
+        _scatter(col_ref, row, t, j * cap + slot, col, ok)
 
     zero = jnp.zeros((), I32)
-    counts = lax.fori_loop(0, nb, body, (zero, zero, zero))
+    counts = lax.fori_loop(0, nb, _fill(_row_keys(x_ref, row, n), j * per, piv_u ^ _SIGN, cap, cfg.block, False, put),
+                           (zero, zero, zero))
     at = (row + jnp.zeros((1, 1), I32), j + jnp.zeros((1, 1), I32))
     for ref, v in zip((filled_ref, above_ref, in_ref), counts):
         C.store(ref, at, jnp.full((1, 1), v, I32), jnp.ones((1, 1), bool))
+    C.store(piv_ref, (at[0],), jnp.full((1, 1), piv_u, I32), jnp.ones((1, 1), bool))
 
 
-def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, idx_ref, tau_ref, path_ref,
-                         mkey_ref, mcol_ref, *, n: int, k: int, cfg: TopkSelectConfig, cap: int,
+def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, idx_ref, tau_ref,
+                         path_ref, mkey_ref, mcol_ref, *, n: int, k: int, cfg: TopkSelectConfig, cap: int,
                          interpret: bool) -> None:
     """Program row: steps 2-3 over the union of the row's split buffers, or over the row.
 
@@ -350,8 +356,7 @@ def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref,
             i = b * hb + C.iota((1, hb), 1)
             inside = i < fj
             for src, dst in ((key_ref, mkey_ref), (col_ref, mcol_ref)):
-                v = C.load(src, (row, jj * cap + i), (1, hb), mask=inside)
-                C.store(dst, (jnp.where(inside, row, t), jnp.where(inside, oj + i, 0)), v, inside)
+                _scatter(dst, row, t, oj + i, C.load(src, (row, jj * cap + i), (1, hb), mask=inside), inside)
             return carry
         lax.fori_loop(0, on * lax.shift_right_logical(fj + hb - 1, C.log2(hb)), copy, 0)
     if not interpret:
@@ -368,16 +373,15 @@ def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref,
     from_row = (pl.cdiv(n, hb), lambda b: x_keys(b, hb))
     buf = (on * lax.shift_right_logical(count + hb - 1, C.log2(hb)), merged)
     tau_u, need = _kth_key([buf, ((1 - on) * (1 - piv_on) * from_row[0], from_row[1])], k, cfg.bits, hb)
-    piv_u = _sample_pivot(x_ref, row, n, k, cfg)
+    piv_u = jnp.sum(C.load(piv_ref, (row + jnp.zeros((1, 1), I32),), (1, 1)))
     tau_u = jnp.where(at_pivot, piv_u, tau_u)
     need = jnp.where(at_pivot, k - total_above, need)
     row11, one11 = row + jnp.zeros((1, 1), I32), jnp.ones((1, 1), bool)
     C.store(tau_ref, (row11,), jnp.full((1, 1), tau_u, I32), one11)
     C.store(path_ref, (row11,), jnp.full((1, 1), jnp.where(at_pivot, 3, jnp.where(kept_all, 4, on)), I32), one11)
 
-    def out(slot, col, keep):
-        C.store(idx_ref, (jnp.where(keep, row, t), jnp.where(keep, slot, 0)), col, keep)
-    _compact([buf, ((1 - on) * from_row[0], from_row[1])], tau_u ^ _SIGN, need, k, out)
+    _compact([buf, ((1 - on) * from_row[0], from_row[1])], tau_u ^ _SIGN, need, k,
+             lambda slot, col, keep: _scatter(idx_ref, row, t, slot, col, keep))
 
 
 def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpret: bool):
@@ -386,7 +390,8 @@ def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpr
     sp = cfg.splits
     fill = functools.partial(_split_fill_kernel, n=n, k=k, cfg=cfg, cap=cap)
     bufs = [jax.ShapeDtypeStruct((t, sp * cap), I32)] * 2 + [jax.ShapeDtypeStruct((t, sp), I32)] * 3
-    keys, cols, filled, above, above_in = C.pallas_call(
+    bufs += [jax.ShapeDtypeStruct((t,), I32)]  # the row's pivot (u)
+    keys, cols, filled, above, above_in, piv = C.pallas_call(
         fill, out_shape=tuple(bufs), grid=(t, sp), aliases={}, interpret=interpret, name="topk_radix_prefilter",
         num_warps=cfg.num_warps)(x)
     finish = functools.partial(_split_finish_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret)
@@ -394,7 +399,7 @@ def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpr
     out += [jax.ShapeDtypeStruct((t, sp * cap), I32)] * 2  # the merged buffer (keys, columns)
     idx, tau, path, *_ = C.pallas_call(finish, out_shape=tuple(out), grid=(t,), aliases={}, interpret=interpret,
                                    name="topk_radix_finish", num_warps=cfg.num_warps)(x, keys, cols, filled, above,
-                                                                                     above_in)
+                                                                                     above_in, piv)
     return idx, tau, jnp.sum(filled, axis=1), path
 
 
