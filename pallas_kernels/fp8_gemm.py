@@ -101,6 +101,10 @@ _X_DTYPES = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16)
 _SCALE_FMTS = ("ue8m0", "amax")
 
 
+# 128-byte-swizzled SMEM tiles of one K block: 128 e4m3 or 64 bf16 per 128-byte row
+_SWZ8 = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))
+_SWZ16 = (plgpu.TilingTransform((8, BLOCK // 2)), plgpu.SwizzleTransform(128))
+
 STAGE_SCALES_BELOW = 129  # rows (M) below which stage_scales=None stages the scales in SMEM (if they fit)
 SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 
@@ -325,6 +329,13 @@ def row_scales(amax: jax.Array, scale_fmt: quant.ScaleFmt) -> jax.Array:
     return quant.ue8m0_scale_bits(amax, quant.ACT_AMAX_FLOOR)[0]
 
 
+def _quantize_tile(xv: jax.Array, scale_fmt: quant.ScaleFmt) -> tuple[jax.Array, jax.Array]:
+    """act_quant of a float32 [64, 128] register tile (one K block of 64 rows): (e4m3 tile, row scales)."""
+    sx = row_scales(jnp.max(jnp.abs(xv), axis=1), scale_fmt)
+    xq = jnp.clip(xv / lax.broadcast_in_dim(sx, xv.shape, [0]), -quant.FP8_MAX, quant.FP8_MAX)
+    return xq.astype(quant.FP8), sx
+
+
 def quantize_rows(x: jax.Array, mp: int, scale_fmt: quant.ScaleFmt, *,
                   interpret: bool | plgpu.InterpretGPUParams | None = None) -> tuple[jax.Array, jax.Array]:
     """act_quant of x [M, K] (bfloat16) in the layout the GEMM kernel reads, in one kernel: (xq e4m3 [mp, K]
@@ -350,19 +361,13 @@ def _build_quantize_rows(*, m: int, mp: int, k: int, scale_fmt: quant.ScaleFmt,
                          interpret: plgpu.InterpretGPUParams | None):
     nk = k // BLOCK
     L = plgpu.Layout.WGMMA
-    swz = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))  # 128 e4m3 = one 128-byte row
-    swz16 = (plgpu.TilingTransform((8, BLOCK // 2)), plgpu.SwizzleTransform(128))  # 64 bf16 = one 128-byte row
 
     def kernel(x_ref, xq_ref, sxt_ref, x_s, xq_s, sx_s, bar):
         pid = lax.axis_index("cta")
         rows, cols = pl.ds((pid // nk) * 64, 64), pl.ds((pid % nk) * BLOCK, BLOCK)
         plgpu.copy_gmem_to_smem(x_ref.at[rows, cols], x_s, bar.at[0])
         plgpu.barrier_wait(bar.at[0])
-        xv = plgpu.load(x_s, (), layout=L).astype(jnp.float32)
-        sx = row_scales(jnp.max(jnp.abs(xv), axis=1), scale_fmt)
-        xq = jnp.clip(xv / lax.broadcast_in_dim(sx, xv.shape, [0]), -quant.FP8_MAX, quant.FP8_MAX)
-        xq_s[...] = xq.astype(quant.FP8)
-        sx_s[...] = sx
+        xq_s[...], sx_s[...] = _quantize_tile(plgpu.load(x_s, (), layout=L).astype(jnp.float32), scale_fmt)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(xq_s, xq_ref.at[rows, cols])
         plgpu.copy_smem_to_gmem(sx_s, sxt_ref.at[pid % nk, rows])
@@ -372,8 +377,8 @@ def _build_quantize_rows(*, m: int, mp: int, k: int, scale_fmt: quant.ScaleFmt,
     return plgpu.kernel(kernel, out_type=(jax.ShapeDtypeStruct((mp, k), quant.FP8),
                                           jax.ShapeDtypeStruct((nk, mp), jnp.float32)),
                         grid=(mp // 64 * nk,), grid_names=("cta",), compiler_params=params,
-                        scratch_types=[plgpu.SMEM((64, BLOCK), jnp.bfloat16, transforms=swz16),
-                                       plgpu.SMEM((64, BLOCK), quant.FP8, transforms=swz),
+                        scratch_types=[plgpu.SMEM((64, BLOCK), jnp.bfloat16, transforms=_SWZ16),
+                                       plgpu.SMEM((64, BLOCK), quant.FP8, transforms=_SWZ8),
                                        plgpu.SMEM((64,), jnp.float32), plgpu.Barrier(num_barriers=1)],
                         interpret=interpret if interpret is not None else False)
 
@@ -413,7 +418,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     """``quantize_x`` (a scale format; 64-row tiles only): the kernel takes bfloat16 x [Mp, K] and no scales of
     it, and each compute warpgroup quantises the K block's x tile into its own e4m3 SMEM tile before its MMA
     (the row scales stay in registers for the promotion): x (arguments x, w, sw), else (xq, sx^T, w, sw).
-    ``stream_k`` = P > 0 (64-row tiles, one M tile, unstaged scales): P CTAs split the (column tile, K block)
+    ``stream_k`` = P > 0 (one 64- or 128-row tile, unstaged scales): P CTAs split the (column tile, K block)
     units evenly, each a contiguous run that may span tiles; at each tile's end in its run a CTA stores its fp32
     partial [mr, bn] into slot j of [J, mr, N] at the tile's columns, j = its rank among the tile's CTAs
     (``stream_k_layout``)."""
@@ -435,8 +440,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
         raise ValueError("stream_k needs one row tile, unstaged scales and no split_k")
     units = n_tiles * nk
     spc, slots = stream_k_layout(n_tiles, nk, stream_k)[:2] if stream_k else (kps, 1)
-    swz = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))  # 128 e4m3 = one 128-byte row
-    swz16 = (plgpu.TilingTransform((8, BLOCK // 2)), plgpu.SwizzleTransform(128))  # 64 bf16 = one 128-byte row
+    swz, swz16 = _SWZ8, _SWZ16
     if quantize_x and bm != 64:
         raise ValueError("quantize_x needs 64-row tiles")
 
@@ -486,10 +490,8 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             c0 = 0 if split_m else wg * wn  # first column of this warpgroup inside the W tile
             out, sxv = [], None
             if quantize_x:  # act_quant of this K block's 64 rows, in registers, into the warpgroup's e4m3 tile
-                xv = plgpu.load(a, layout=L).astype(jnp.float32)
-                sxq = row_scales(jnp.max(jnp.abs(xv), axis=1), quantize_x)
-                xq = jnp.clip(xv / lax.broadcast_in_dim(sxq, xv.shape, [0]), -quant.FP8_MAX, quant.FP8_MAX)
-                xq_s.at[wg][...] = xq.astype(quant.FP8)
+                xq, sxq = _quantize_tile(plgpu.load(a, layout=L).astype(jnp.float32), quantize_x)
+                xq_s.at[wg][...] = xq
                 plgpu.commit_smem()
                 a = xq_s.at[wg]
             for c in range(nch):  # chunks run one after the other: one [64, cw] MMA accumulator at a time
