@@ -200,6 +200,11 @@ def _iters(flops: float) -> int:
     return 50 if flops < 2e11 else 10
 
 
+def _name(tiles: dict) -> str:
+    """A kernel row's impl: 'pallas' for the defaults, else 'pallas[a=1,b=True,c=kernel]' (``_tiles_of`` inverts)."""
+    return "pallas[" + ",".join(f"{a}={b}" for a, b in tiles.items()) + "]" if tiles else "pallas"
+
+
 def _tiles_of(name: str) -> dict:
     """'pallas[a=1,b=True,c=kernel]' -> {'a': 1, 'b': True, 'c': 'kernel'}."""
     out = {}
@@ -226,19 +231,17 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch, rows: Sequenc
 
     # (a) the kernel (default tiles, plus the sweep)
     # the default stages the scales below STAGE_SCALES_BELOW rows: time the other choice beside it at decode sizes
-    other = ([("pallas[stage_scales=False]", dict(stage_scales=False))] if m < fp8_gemm.STAGE_SCALES_BELOW else
-             [("pallas[stage_scales=True]", dict(stage_scales=True))] if m <= 128 else [])
-    if m <= 128:  # stream-K (one even wave) is automatic where the column tiles exceed a wave: the other choice
-        sk = fp8_gemm._auto_stream_k(m, n, k // 128, None, None, None, None)
-        other += [(f"pallas[stream_k={not sk}]", dict(stream_k=not sk))]
-    if m <= 128:  # act_quant in one kernel instead of XLA's three
-        other += [("pallas[act_quant=kernel]", dict(act_quant="kernel"))]
-    variants = [("pallas", {})] + other
+    tile_sets = [{}]
+    if m <= 128:  # beside the defaults, the other choice of staged scales and of stream-K (one even wave), and
+        #           act_quant in one kernel instead of XLA's three
+        tile_sets += [dict(stage_scales=m >= fp8_gemm.STAGE_SCALES_BELOW),
+                      dict(stream_k=not fp8_gemm._auto_stream_k(m, n, k // 128, None, None, None, None)),
+                      dict(act_quant="kernel")]
+    table = (SWEEP if m <= 128 else SWEEP_LARGE if m >= 2048 else []) if sweep else []
+    tile_sets += [v for v in table if (k // 128) % v.get("split_k", 1) == 0 and n % v["block_n"] == 0]
+    variants = [(_name(v), v) for v in tile_sets]
     if rows is not None:  # named rows outside the default list (e.g. 'pallas[quantize_x=True]')
         variants += [(r, _tiles_of(r)) for r in rows if r.startswith("pallas[") and r not in dict(variants)]
-    table = (SWEEP if m <= 128 else SWEEP_LARGE if m >= 2048 else []) if sweep else []
-    variants += [("pallas[" + ",".join(f"{a}={b}" for a, b in v.items()) + "]", v) for v in table
-                 if (k // 128) % v.get("split_k", 1) == 0 and n % v["block_n"] == 0]
     wanted = (lambda name: rows is None or name in rows)  # noqa: E731
     for name, tiles in variants:
         if not wanted(name):

@@ -209,24 +209,21 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
         if sp > 1:  # the prefilter's pass over sp programs per row (two kernels), unsorted
             radix_rows[f"pallas_radix_split{sp}_set"] = jax.jit(functools.partial(
                 topk_select, interpret=interpret, config=TopkSelectConfig(splits=sp), sort=False), static_argnums=1)
-        for name, f in radix_rows.items():  # radix select as one Pallas kernel (+ a sort of the k winners)
-            case = f"topk_k{K}_b{b}_c{c}_{name}"
+        def radix_row(case, f, x):  # a lowering failure is a result too; the other rows still get measured
             try:
-                yield (_row(case, "pallas", f, (lg, min(K, c)), 4 * b * c, 0, quick))
-            except Exception as e:  # a lowering failure is a result too; the other rows still get measured
-                yield {"kernel": "sparse_indexer", "case": case, "impl": "pallas", "bytes": 4 * b * c, "flops": 0,
-                       "error": error_text(e, 2000)}
+                return _row(case, "pallas", f, (x, min(K, c)), 4 * b * c, 0, quick)
+            except Exception as e:  # noqa: BLE001
+                return {"kernel": "sparse_indexer", "case": case, "impl": "pallas", "bytes": 4 * b * c, "flops": 0,
+                        "error": error_text(e, 2000)}
+
+        for name, f in radix_rows.items():  # radix select as one Pallas kernel (+ a sort of the k winners)
+            yield radix_row(f"topk_k{K}_b{b}_c{c}_{name}", f, lg)
         # one short row (1000 finite logits, -inf after: a short request) among full ones: lax against the
         # radix select, whose short-row path must not set the batch's time
         lgm = lg.at[0, 1000:].set(-jnp.inf) if c > 1000 else lg
         yield (_row(f"topk_k{K}_b{b}_c{c}_mixed", "xla", topk, (lgm, K, None, "lax"), 4 * b * c, 0, quick))
         for name in [r for r in radix_rows if r != "pallas_radix_direct"]:
-            case = f"topk_k{K}_b{b}_c{c}_mixed_{name}"
-            try:
-                yield (_row(case, "pallas", radix_rows[name], (lgm, min(K, c)), 4 * b * c, 0, quick))
-            except Exception as e:  # noqa: BLE001 - a failure is a result too
-                yield {"kernel": "sparse_indexer", "case": case, "impl": "pallas", "bytes": 4 * b * c, "flops": 0,
-                       "error": error_text(e, 2000)}
+            yield radix_row(f"topk_k{K}_b{b}_c{c}_mixed_{name}", radix_rows[name], lgm)
         del lgm
         for seg in ((1024,) if quick else (8192, 16384)):  # two-stage (exact) variant
             yield (_row(f"topk_k{K}_b{b}_c{c}_seg{seg}", "xla", topk, (lg, K, seg, "lax"), 4 * b * c, 0, quick))
