@@ -644,7 +644,8 @@ class RunnerConfig:
     Under both lies ``xla_allow_excess_precision`` = ``excess_precision``: XLA's default (True) lets a fusion
     keep bf16 intermediates in float32, so the jitted bf16 forward skips rounding points that the eager forward
     and DeepSeek's reference make (78% of a V4 layer's outputs differed from eager, up to 1% of its scale; 0.8%
-    and one bf16 ulp with it off: tests/test_runner.py). False, the default here, rounds where the program casts.
+    and one bf16 ulp with it off: tests/test_excess_precision.py). False, the default here, rounds where the
+    program casts.
     """
 
     mode: str = "narrow"  # execution boundary: wide / narrow / fused (see jds.runner)

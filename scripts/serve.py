@@ -245,7 +245,8 @@ def runner_config(a: argparse.Namespace) -> RunnerConfig:
                         max_num_tokens=a.max_num_tokens, max_model_len=a.max_model_len,
                         token_buckets=tuple(a.token_buckets), key_block_buckets=tuple(a.key_block_buckets),
                         stable_inputs=a.stable_inputs, batch_invariant=a.batch_invariant,
-                        excess_precision=a.excess_precision, input_prep=a.input_prep, segments=a.segments, compile_workers=a.compile_workers,
+                        excess_precision=a.excess_precision, input_prep=a.input_prep, segments=a.segments,
+                        compile_workers=a.compile_workers,
                         first_segment_layers=a.first_segment_layers,
                         tensor_parallel=a.tensor_parallel,
                         data_parallel=a.data_parallel, expert_parallel=a.expert_parallel)
