@@ -36,11 +36,9 @@ def main() -> None:
     rows = []
     for shape in a.shape:
         k, n = b.SHAPES[shape]
-        kw, kx = jax.random.split(jax.random.key(0))
-        wq = (jax.random.normal(kw, (n, k), jnp.float32) * 0.5).astype(jnp.float8_e4m3fn)
-        ws = jnp.full((n // 128, k // 128), 2.0 ** -7, jnp.float32)
         for m in a.m:
-            x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+            c = b._case(shape, k, n, m, False, jax.random.key(0))  # the benchmark's operands
+            x, wq, ws = c["x"], c["wq"], c["ws"]
             for name, tiles in VARIANTS.items():
                 f = functools.partial(fp8_gemm.fp8_linear, implementation="pallas", **tiles)
 
