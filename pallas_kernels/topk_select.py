@@ -328,11 +328,13 @@ def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref,
                          interpret: bool) -> None:
     """Program row: steps 2-3 over the union of the row's split buffers, or over the row.
 
-    The union holds every key >= tau when no split overflowed and at least k keys reached the pivot, or when
-    splits overflowed but every key above the pivot fits its buffer and at least k lie above it (tau is then
-    above the pivot). It is first copied, in column order, into one contiguous buffer (``mkey_ref`` /
-    ``mcol_ref``), so that steps 2-3 read one source as the one-kernel path does. Fewer than k above an
-    overflowed pivot: the pivot is tau (the compaction reads the row, stopping at k). Otherwise (a skewed
+    The union holds every key >= tau when at least k keys reached the pivot and at most ``cap`` did (one
+    buffer's worth, as in the one-kernel path); it is first copied, in column order, into one contiguous buffer
+    (``mkey_ref`` / ``mcol_ref``), so that steps 2-3 read one source as the one-kernel path does. More than ``cap``
+    keys at the pivot (in one split, or in all together: a short row's -inf tail, where each split can still fit
+    its own buffer) mean its value is shared by many keys: with k or more above it, all in their buffers, only
+    those are copied (tau is above the pivot); with fewer than k above it, the pivot is tau (the compaction reads
+    the row, stopping at k). Otherwise (a skewed
     sample, or keys above the pivot past a full buffer) the row is read."""
     row = pl.program_id(0)
     t = idx_ref.shape[0]
@@ -340,28 +342,37 @@ def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref,
     js = C.iota((1, sp), 1)
     filled, above, above_in = (C.load(r, (row, js), (1, sp)) for r in (filled_ref, above_ref, in_ref))
     total, total_above = jnp.sum(filled), jnp.sum(above)
-    over = jnp.sum((filled > cap).astype(I32)) > 0
+    piv_u = jnp.sum(C.load(piv_ref, (row + jnp.zeros((1, 1), I32),), (1, 1)))
+    # more keys at or above the pivot than one buffer holds, in one split or in all of them together (a short row's
+    # -inf tail whose splits each fit their buffer): the pivot's value is shared by many keys, as in the one-kernel
+    # path; the union then serves only with the keys strictly above the pivot (kept_all), copied alone
+    over = (jnp.sum((filled > cap).astype(I32)) > 0) | (total > cap)
     kept_all = over & (total_above >= k) & (jnp.sum((above_in < above).astype(I32)) == 0)
     at_pivot = over & (total_above < k)
     use_buf = ((~over) & (total >= k)) | kept_all
-    on, piv_on = use_buf.astype(I32), at_pivot.astype(I32)
+    on, piv_on, strict = use_buf.astype(I32), at_pivot.astype(I32), kept_all.astype(I32)
+    piv = piv_u ^ _SIGN
 
     fill = jnp.minimum(filled, cap)
-    start = jnp.cumsum(fill, axis=1) - fill  # each split's first slot in the merged buffer
+    moved = jnp.where(strict == 1, above, fill)  # keys each split adds to the merged buffer
+    start = jnp.cumsum(moved, axis=1) - moved  # each split's first slot in the merged buffer
     for jj in range(sp):
         fj = jnp.sum(jnp.where(js == jj, fill, 0))
         oj = jnp.sum(jnp.where(js == jj, start, 0))
 
-        def copy(b, carry, jj=jj, fj=fj, oj=oj):
+        def copy(b, put, jj=jj, fj=fj, oj=oj):
             i = b * hb + C.iota((1, hb), 1)
             inside = i < fj
-            for src, dst in ((key_ref, mkey_ref), (col_ref, mcol_ref)):
-                _scatter(dst, row, t, oj + i, C.load(src, (row, jj * cap + i), (1, hb), mask=inside), inside)
-            return carry
-        lax.fori_loop(0, on * lax.shift_right_logical(fj + hb - 1, C.log2(hb)), copy, 0)
+            s = C.load(key_ref, (row, jj * cap + i), (1, hb), mask=inside)
+            ki = (inside & ((s > piv) | (strict == 0))).astype(I32)
+            slot = oj + put + jnp.cumsum(ki, axis=1) - ki
+            _scatter(mkey_ref, row, t, slot, s, ki == 1)
+            _scatter(mcol_ref, row, t, slot, C.load(col_ref, (row, jj * cap + i), (1, hb), mask=inside), ki == 1)
+            return put + jnp.sum(ki)
+        lax.fori_loop(0, on * lax.shift_right_logical(fj + hb - 1, C.log2(hb)), copy, jnp.zeros((), I32))
     if not interpret:
         plt.debug_barrier()  # the merged buffer's stores -> its loads by other threads of the CTA
-    count = jnp.sum(fill)
+    count = jnp.sum(moved)
 
     def merged(b):
         j = b * hb + C.iota((1, hb), 1)
@@ -373,7 +384,6 @@ def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref,
     from_row = (pl.cdiv(n, hb), lambda b: x_keys(b, hb))
     buf = (on * lax.shift_right_logical(count + hb - 1, C.log2(hb)), merged)
     tau_u, need = _kth_key([buf, ((1 - on) * (1 - piv_on) * from_row[0], from_row[1])], k, cfg.bits, hb)
-    piv_u = jnp.sum(C.load(piv_ref, (row + jnp.zeros((1, 1), I32),), (1, 1)))
     tau_u = jnp.where(at_pivot, piv_u, tau_u)
     need = jnp.where(at_pivot, k - total_above, need)
     row11, one11 = row + jnp.zeros((1, 1), I32), jnp.ones((1, 1), bool)

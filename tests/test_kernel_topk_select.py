@@ -126,6 +126,23 @@ def test_split_prefilter_matches_lax_top_k(mode: str) -> None:
                                                                    config=dataclasses.replace(cfg, splits=1))[2]))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_split_short_rows_whose_splits_each_fit(mode: str) -> None:
+    """Splits that each fit their buffer (768 columns, capacity 800) while the row's keys at the pivot do not fit
+    one (the H200's 16 x 32K mixed batch: 4 splits of 8K keys, capacity 8K): a short row's -inf pivot is tau (fewer
+    than k finite keys) or its finite keys alone form the merged buffer, never the whole row."""
+    n, k, cap = 3000, 50, 800
+    cfg = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=cap, splits=4)
+    rng = np.random.default_rng(19)
+    x = rng.standard_normal((5, n)).astype(np.float32)
+    x[np.arange(n)[None, :] >= np.array([10, 60, 828, 0, n])[:, None]] = -np.inf
+    x[2, 60:768] = -np.inf  # 60 finite keys at the heads of the first two splits
+    x[1, 7] = x[1, 30] = np.float32(9.0)  # a tie among the kept keys
+    cand, path = _check(x, k, interpret_for(mode), cfg, paths=True)
+    names = [PATHS[p] for p in path]
+    assert names == ["pivot is tau", "overflowed buffer", "overflowed buffer", "pivot is tau", "buffer"], (names, cand)
+
+
 def test_split_for() -> None:
     from pallas_kernels.topk_select import split_for
     assert [split_for(t, 131072) for t in (1, 4, 16, 64, 128)] == [16, 16, 8, 2, 1]

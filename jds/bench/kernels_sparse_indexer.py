@@ -20,7 +20,9 @@ Cases (full run; ``quick`` uses tiny shapes and few iterations, e.g. to smoke-te
   ``_radix*``: jds.ops.select in XLA; ``_pallas_radix``: the same selection as a Pallas kernel
   (pallas_kernels/topk_select.py, default config: sampled-pivot prefilter), ``_pallas_radix_set``: the same
   without the sort of the k winners, ``_pallas_radix_direct``: that kernel without the prefilter; ``_mixed``:
-  row 0 holds 1000 finite logits and -inf after them (lax and the two radix rows), against the full batch.
+  row 0 holds 1000 finite logits and -inf after them (lax and the two radix rows), against the full batch;
+  ``_pallas_radix_split*_set``: the unsorted select with its prefilter split over ``split_for(B, C)`` programs.
+- topk_pallas: the topk rows without the XLA radix and ``_seg*`` rows (all six shapes fit one 10-minute call).
 
 ``bytes`` / ``flops`` are the kernel's own model for both implementations (so the fractions compare):
 FP8 key bytes read once per query group (132 B per key and group, groups of G tokens), the fp32 logits
@@ -107,8 +109,10 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
     """Rows as they are measured. ``cases``: only these sections ("decode", "select", "topk", "prefill";
     "select" runs only when asked for)."""
     want = set(cases or ("decode", "topk", "prefill"))
-    if not want <= {"decode", "select", "topk", "prefill"}:
-        raise ValueError(f"cases for sparse_indexer are decode / select / topk / prefill, got {sorted(want)}")
+    if not want <= {"decode", "select", "topk", "topk_pallas", "prefill"}:
+        raise ValueError(f"cases for sparse_indexer are decode / select / topk / topk_pallas / prefill, "
+                         f"got {sorted(want)}")
+    lean_topk = "topk_pallas" in want and "topk" not in want  # the top-k rows without the XLA radix / segment rows
     interpret = jax.default_backend() != "gpu"
     fmt = IndexerRecord132(EPP)
     cfg = si.IndexerKernelConfig()
@@ -196,12 +200,12 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
 
     # ----- top-k alone over logits rows -----
     tk = [(4, 1024)] if quick else [(b, c) for b in (16, 64) for c in (32768, 65536, 131072)]
-    tk = tk if "topk" in want else []
+    tk = tk if want & {"topk", "topk_pallas"} else []
     for b, c in tk:
         k1, key = jax.random.split(key)
         lg = jax.random.normal(k1, (b, c), jnp.float32)
         yield (_row(f"topk_k{K}_b{b}_c{c}", "xla", topk, (lg, K, None, "lax"), 4 * b * c, 0, quick))
-        for bits in (1, 2, 4):  # counting passes of radix select: 32 / bits, each 2^bits compares per key
+        for bits in () if lean_topk else (1, 2, 4):  # counting passes of radix select: 32 / bits, each 2^bits compares per key
             yield (_row(f"topk_k{K}_b{b}_c{c}_radix{bits}", "xla", radix, (lg, min(K, c), bits), 4 * b * c, 0,
                         quick))
         sp = split_for(b, c)
@@ -225,7 +229,7 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
         for name in [r for r in radix_rows if r != "pallas_radix_direct"]:
             yield radix_row(f"topk_k{K}_b{b}_c{c}_mixed_{name}", radix_rows[name], lgm)
         del lgm
-        for seg in ((1024,) if quick else (8192, 16384)):  # two-stage (exact) variant
+        for seg in () if lean_topk else ((1024,) if quick else (8192, 16384)):  # two-stage (exact) variant
             yield (_row(f"topk_k{K}_b{b}_c{c}_seg{seg}", "xla", topk, (lg, K, seg, "lax"), 4 * b * c, 0, quick))
         del lg
 
