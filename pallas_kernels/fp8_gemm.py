@@ -47,14 +47,15 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, 3 warpgroups per CTA: 2 compu
   the decode call's kernels, about 8 µs on the H200: docs/perf-log.md; what remains around the kernel is the
   split-K sum, where there is one). Same operands as act_quant's, bit for bit (tests). Off: the quantisation
   between each K block's TMA wait and its MMA made the kernel 2-3x slower (Nsight Compute, 2026-12-01).
-  ``act_quant="kernel"`` (``quantize_rows``) does the same quantisation in one kernel before the GEMM instead.
+  ``act_quant="kernel"`` (``quantize_rows``, the default up to 128 rows) does the same quantisation in one kernel
+  before the GEMM instead.
 - ``stream_k=True`` (decode, one 64- or 128-row tile): the kernel holds one CTA per SM (its registers and SMEM), so a
   grid of whole tiles or K splits that is not a multiple of the SMs leaves a tail wave (mlp's 144 tiles on 132
   SMs: 1.09 waves). Instead min(132, units) CTAs take the (column tile, K block) units in equal contiguous runs
   (K fastest): one pipeline per CTA whose blocks follow its run; where the run leaves a tile the CTA stores its
   [mr, block_n] fp32 partial for that tile into slot j (its rank among the tile's CTAs, ``stream_k_layout``)
   of a [J, mr, N] output and restarts at 0; one XLA reduction (masking the slots no CTA wrote) sums them, as
-  split-K's does. On by default up to 64 rows where the column tiles alone exceed one wave (``_auto_stream_k``).
+  split-K's does. On by default up to 128 rows where the column tiles alone exceed one wave (``_auto_stream_k``).
 - Padding: M is padded to block_m (zero xq rows and scales). With ``quantize_x`` x is not padded (no XLA kernel
   at all before the call): the x tile's TMA box runs past its M rows, which TMA fills with zeros, and rows past
   M only feed output rows that are dropped (an MMA row depends on its own row of x alone). N and K must be multiples of 128
@@ -106,6 +107,7 @@ _SWZ8 = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))
 _SWZ16 = (plgpu.TilingTransform((8, BLOCK // 2)), plgpu.SwizzleTransform(128))
 
 STAGE_SCALES_BELOW = 129  # rows (M) below which stage_scales=None stages the scales in SMEM (if they fit)
+ACT_QUANT_KERNEL_UP_TO = 128  # rows (M) up to which act_quant=None quantises x in one kernel (quantize_rows)
 SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 
 
@@ -116,7 +118,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                interpret: bool | plgpu.InterpretGPUParams | None = None, block_m: int | None = None,
                block_n: int | None = None, split_k: int | None = None, stages: int = 4,
                group_m: int = 8, stage_scales: bool | None = None, quantize_x: bool = False,
-               stream_k: bool | None = None, act_quant: str = "xla") -> jax.Array:
+               stream_k: bool | None = None, act_quant: str | None = None) -> jax.Array:
     """y = x W^T with W = ``wq`` (float8_e4m3fn [out, in]) * ``w_scale`` (float32 [ceil(out/128),
     ceil(in/128)] per 128 x 128 block), x [..., in] re-quantised per 1 x 128 group (``scale_fmt``);
     [..., out] in ``out_dtype``.
@@ -133,10 +135,10 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     and its scales; off by default (slower: BENCHMARKS.md). ``stream_k`` (M <= 128 in one row tile, unstaged
     scales, no ``split_k``): one wave of CTAs shares the (column tile, K block) units evenly instead of whole
     tiles or K splits, so no tail wave idles SMs whatever the shape; one XLA reduction sums the partials; None
-    (``_auto_stream_k``): on where the column tiles alone exceed one wave, up to 64 rows (measured there; the
-    128-row tile's stream-K is not measured yet). ``act_quant``: where x is quantised when the kernel does not do it itself:
-    "xla" (``quant.act_quant`` plus the padding and transposed scales: three XLA kernels) or "kernel"
-    (``quantize_rows``: one kernel; bfloat16 x, M < 8 or a multiple of 8, else XLA).
+    (``_auto_stream_k``): on where the column tiles alone exceed one wave, up to 128 rows. ``act_quant``: where x
+    is quantised when the kernel does not do it itself: "xla" (``quant.act_quant`` plus the padding and transposed
+    scales: three XLA kernels) or "kernel" (``quantize_rows``: one kernel; bfloat16 x, M < 8 or a multiple of 8,
+    else XLA); None: "kernel" up to ``ACT_QUANT_KERNEL_UP_TO`` rows (``_auto_act_quant``).
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``); None = whenever the default
     backend is not a GPU.
     """
@@ -218,13 +220,22 @@ def _auto_split_k(tiles: int, nk: int) -> int:
 
 def _auto_stream_k(m: int, n: int, nk: int, block_m: int | None, block_n: int | None, split_k: int | None,
                    stage_scales: bool | None) -> bool:
-    """stream_k=None: on for decode rows (M <= 64, 64-row tiles, no tile choices that exclude it) whose column
-    tiles alone exceed one wave (mlp's 144 on 132 SMs), where whole tiles leave a tail wave; the one-wave K split
-    covers the shapes with fewer tiles (wo, q_a), and there stream-K measured slower (BENCHMARKS.md)."""
-    if m > 64 or block_m not in (None, 64) or split_k is not None or stage_scales:
+    """stream_k=None: on for decode rows (M <= 128 in one 64- or 128-row tile, no tile choices that exclude it)
+    whose column tiles alone exceed one wave (mlp's 144 on 132 SMs, q_b's 192), where whole tiles leave a tail
+    wave; the one-wave K split covers the shapes with fewer tiles (wo, q_a), and there stream-K measured slower
+    (BENCHMARKS.md, kernels_fp8_gemm: 1, 64 and 128 rows)."""
+    if m > 128 or block_m not in (None, 64 if m <= 64 else 128) or split_k is not None or stage_scales:
         return False
     bn = block_n or 128
     return n % bn == 0 and n // bn > NUM_SMS and nk >= 2
+
+
+def _auto_act_quant(m: int) -> str:
+    """act_quant=None: "kernel" (``quantize_rows``) up to ``ACT_QUANT_KERNEL_UP_TO`` rows, else "xla". In one
+    executable (the model's step, one command buffer) the one kernel's call was as fast or faster at 1 and 64 rows
+    (wo, mlp: scripts/diag/fp8_call_gap.py), and its kernels were busy for less time at 128 (q_b, wo, mlp); a single
+    waited call shows an idle gap between the two Mosaic kernels that chained calls do not. Unmeasured above."""
+    return "kernel" if m <= ACT_QUANT_KERNEL_UP_TO else "xla"
 
 
 def _staged_smem(bm: int, bn: int, nk: int, kps: int, stages: int, trim: bool) -> int:
@@ -250,7 +261,7 @@ def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
 
 
 def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages, group_m,
-            stage_scales, quantize_x=False, stream_k=None, act_quant="xla"):
+            stage_scales, quantize_x=False, stream_k=None, act_quant=None):
     _check_tiles(block_m, block_n, split_k, stages, group_m)
     if stage_scales is not None and not isinstance(stage_scales, bool):
         raise ValueError(f"stage_scales must be a bool or None, got {stage_scales!r}")
@@ -258,8 +269,8 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         raise ValueError(f"quantize_x must be a bool, got {quantize_x!r}")
     if stream_k is not None and not isinstance(stream_k, bool):
         raise ValueError(f"stream_k must be a bool or None, got {stream_k!r}")
-    if act_quant not in ("xla", "kernel"):
-        raise ValueError(f"act_quant must be 'xla' or 'kernel', got {act_quant!r}")
+    if act_quant not in (None, "xla", "kernel"):
+        raise ValueError(f"act_quant must be 'xla', 'kernel' or None, got {act_quant!r}")
     n, k = wq.shape
     if not supports(n, k):
         raise Unsupported(f"fp8_linear kernel: out = {n} and in = {k} (wq shape) must be multiples of {BLOCK}")
@@ -269,6 +280,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     if m == 0:
         return jnp.zeros((*lead, n), out_dtype)
     nk = k // BLOCK
+    act_quant = act_quant or _auto_act_quant(m)
     if stream_k is None:
         stream_k = _auto_stream_k(m, n, nk, block_m, block_n, split_k, stage_scales)
     if stream_k and (m > 128 or split_k is not None or stage_scales or (block_m or (64 if m <= 64 else 128)) < m):

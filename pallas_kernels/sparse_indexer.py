@@ -21,7 +21,7 @@ index wins; invisible keys are -inf and come back as -1 (also when fewer than k 
 of the winners in segment order), ``topk_algorithm="radix"`` to radix selection (``jds.ops.select``:
 counting passes, then a sort of the k winners only), ``"pallas_radix"`` to the same selection as a Pallas
 kernel (``pallas_kernels.topk_select``): same indices, same order, same tie rule. ``"auto"`` picks
-between ``lax`` and ``pallas_radix`` by size (``resolve_topk_algorithm``); the default stays ``lax``.
+between ``lax`` and ``pallas_radix`` by size (``resolve_topk_algorithm``), and is the default.
 
 Kernel layout (Mosaic GPU, one warpgroup per CTA):
 - grid = (query groups, key splits). A *group* is up to G consecutive tokens of one request (G = 1 for
@@ -110,9 +110,9 @@ class IndexerKernelConfig:
     key_source: KeySource = "auto"  # "paged" on the GPU, "views" when interpreting (see module doc)
     topk_segment: int | None = None  # two-stage top-k: lax.top_k per segment of this many keys, then
     #                                  over the segments' winners (exact, same tie rule); None = one stage
-    topk_algorithm: TopkAlgorithm = "lax"  # "radix": jds.ops.select, "pallas_radix": pallas_kernels.topk_select
-    #                                  (all exact, same order); "auto": resolve_topk_algorithm. Why not "auto"
-    #                                  by default: see resolve_topk_algorithm
+    topk_algorithm: TopkAlgorithm = "auto"  # "auto": resolve_topk_algorithm (the Pallas radix select on the GPU
+    #                                  from 1M logits, else lax.top_k); "lax"; "radix": jds.ops.select;
+    #                                  "pallas_radix": pallas_kernels.topk_select (all exact, same order)
     topk_order: TopkOrder = "sorted"  # "set": the same keys in any order (pallas_radix then skips its sort of the
     #                                  k winners; the sparse MQA takes a set); "sorted": lax.top_k's order
     topk_splits: int | None = 1  # pallas_radix: programs per row for its prefilter pass (TopkSelectConfig.splits;
@@ -475,18 +475,13 @@ def resolve_topk_algorithm(rows: int, cols: int, backend: str | None = None) -> 
     kernel would only run interpreted).
 
     Why the threshold: on the H200 at k = 2048 the Pallas radix select beats ``lax.top_k`` at every shape
-    measured except the smallest, 16 x 32K (``benchmarks/results/kernels_sparse_indexer_*.json``, rows
-    ``topk_k2048_b*_c*`` against ``..._pallas_radix``, key ``median_us``). Both give the same indices in
-    the same order.
+    measured except the smallest, 16 x 32K (``benchmarks/results/kernels_topk_h200_*.json``, rows
+    ``topk_k2048_b*_c*`` against ``..._pallas_radix``). Both give the same indices in the same order.
 
-    Why it is not the default: the kernel is one CTA per row, and a row whose prefilter fails (fewer than
-    k keys above the sampled pivot, or more than the buffer holds) reads the whole row again, so the
-    slowest row sets the time (no prefilter: rows ``..._pallas_radix_direct``, several times slower). A
-    decode batch with one request shorter than the row width (its invisible keys are -inf), or a NaN row,
-    is such a row. The select run with "auto" (``benchmarks/results/archive/kernels_select_h200_2026-11-29_partial.json``,
-    incomplete; rows ``decode_select_*``, key ``topk``) won at 16 x 128K and lost at 64 x 32K to lax in an
-    earlier call; the benchmark's queries then held rows of NaN logits (fixed since). A per-row cheap path
-    for short rows, measured on mixed-length batches, comes before a default change.
+    Why it is the default (since 2026-12-01): the decode select (logits + top-k, ``kernels_select_h200_*.json``,
+    rows ``decode_select_*_auto`` against the lax rows) was faster with "auto" at every point from 1M logits,
+    1.5-2.4x, and a mixed batch (one request of 1000 tokens among full rows: its row is mostly -inf) was no
+    slower than the full one, because the kernel's short-row paths no longer read such a row twice.
     """
     backend = backend or jax.default_backend()
     return "pallas_radix" if backend == "gpu" and rows * cols >= AUTO_PALLAS_TOPK_ELEMS else "lax"

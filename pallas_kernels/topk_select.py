@@ -40,7 +40,8 @@ kernel runs ``splits`` programs per row, each over a contiguous range of whole b
 of ``capacity`` keys (all of them compute the row's sample pivot); a second kernel, one program per row,
 copies the buffers' union into one contiguous buffer in column order and runs steps 2-3 on it (or on the row,
 under the same conditions as above; a heavy tie past a full buffer reads the row instead of refilling).
-Off by default until measured on the GPU.
+Opt-in (``IndexerKernelConfig.topk_splits``): faster than one program per row on full batches of 16 rows
+(BENCHMARKS.md), its mixed-batch fix not yet measured on the GPU.
 
 Backend: the Triton lowering (conventions of ``pallas_kernels/fused_insert_common.py``), not Mosaic GPU.
 The prefilter and the compaction store each kept key at a data-dependent position, a vector scatter, and

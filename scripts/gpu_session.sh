@@ -165,7 +165,7 @@ case "$stage" in
     # 2026-12-01: split-K for one wave came from this sweep (sixth session), quantize_x's 2-3x slower kernel
     # (seventh); now the defaults against the other stream_k choice and the one-kernel act_quant;
     # FP8SWEEP_VARIANTS narrows it (M = 128 rows: stream_k is Unsupported there, recorded as an error)
-    V=${FP8SWEEP_VARIANTS:-'[{}, {"stream_k": true}, {"stream_k": false}, {"act_quant": "kernel"}]'}
+    V=${FP8SWEEP_VARIANTS:-'[{}, {"stream_k": true}, {"stream_k": false}, {"act_quant": "xla"}]'}
     ncu_sweep fp8 "$V"
     ;;
   fp8gap)

@@ -275,7 +275,7 @@ def test_act_quant_kernel_gives_the_same_result(mode: str, m: int, tiles: dict) 
     x, wq, ws = make_case(m, 512, 256, seed=m + 1)
     kw = dict(out_dtype=jnp.float32, implementation="pallas", interpret=interpret, **tiles)
     np.testing.assert_array_equal(np.asarray(G.fp8_linear(x, wq, ws, act_quant="kernel", **kw)),
-                                  np.asarray(G.fp8_linear(x, wq, ws, **kw)))
+                                  np.asarray(G.fp8_linear(x, wq, ws, act_quant="xla", **kw)))
 
 
 def test_quantize_rows_limits() -> None:
@@ -289,7 +289,7 @@ def test_quantize_rows_limits() -> None:
     wq, ws = _weights(128, 256)  # 12 rows: act_quant="kernel" falls back to XLA's, same result
     kw = dict(out_dtype=jnp.float32, implementation="pallas", interpret=True)
     np.testing.assert_array_equal(np.asarray(G.fp8_linear(x, wq, ws, act_quant="kernel", **kw)),
-                                  np.asarray(G.fp8_linear(x, wq, ws, **kw)))
+                                  np.asarray(G.fp8_linear(x, wq, ws, act_quant="xla", **kw)))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -359,18 +359,21 @@ def test_auto_split_k() -> None:
 
 def test_auto_stream_k_and_staged_scales() -> None:
     """stream_k=None: on for decode rows whose column tiles alone exceed one wave (mlp, q_b), off where the K
-    split makes one wave (wo, q_a), above 64 rows and wherever a tile choice excludes it. Staged scales by default
-    up to 128 rows where they fit SMEM."""
+    split makes one wave (wo, q_a), above 128 rows and wherever a tile choice excludes it. Staged scales by default
+    up to 128 rows where they fit SMEM; act_quant in one kernel up to 128 rows."""
     assert G._auto_stream_k(1, 18432, 56, None, None, None, None)  # mlp: 144 tiles
     assert G._auto_stream_k(64, 24576, 12, None, None, None, None)  # q_b: 192 tiles
     assert not G._auto_stream_k(1, 7168, 128, None, None, None, None)  # wo: 56 tiles, split 2
-    assert not G._auto_stream_k(65, 18432, 56, None, None, None, None)
+    assert G._auto_stream_k(128, 18432, 56, None, None, None, None)  # one 128-row tile
+    assert not G._auto_stream_k(129, 18432, 56, None, None, None, None)
+    assert not G._auto_stream_k(100, 18432, 56, 64, None, None, None)  # two 64-row tiles
     assert not G._auto_stream_k(1, 18432, 56, None, None, 2, None)
     assert not G._auto_stream_k(1, 18432, 56, None, None, None, True)
     assert not G._auto_stream_k(1, 18432, 56, 128, None, None, None)
     assert G._staged_smem(64, 128, 128, 64, 4, True) <= G.SMEM_BYTES  # wo decode
     assert G._staged_smem(128, 256, 512, 512, 4, False) > G.SMEM_BYTES  # in = 65536 unsplit: not staged
     assert G.STAGE_SCALES_BELOW > 128
+    assert [G._auto_act_quant(m) for m in (1, 64, 128, 129, 2048)] == ["kernel"] * 3 + ["xla"] * 2
 
 
 # ----- lowering for CUDA on the CPU ---------------------------------------------------------------

@@ -209,10 +209,10 @@ def test_set_order_skips_the_sort(mode: str) -> None:
 
 def test_auto_resolution() -> None:
     """"auto" uses the Pallas kernel on the GPU from AUTO_PALLAS_TOPK_ELEMS elements, lax below it, off the
-    GPU and when a two-stage segment is asked for. The default stays lax (resolve_topk_algorithm says why)."""
+    GPU and when a two-stage segment is asked for. It is the default (resolve_topk_algorithm says why)."""
     from pallas_kernels.sparse_indexer import AUTO_PALLAS_TOPK_ELEMS, resolve_topk_algorithm
 
-    assert IndexerKernelConfig().topk_algorithm == "lax"
+    assert IndexerKernelConfig().topk_algorithm == "auto"
     assert IndexerKernelConfig(topk_algorithm="auto").topk_algorithm == "auto"
     assert resolve_topk_algorithm(16, 65536, "gpu") == "pallas_radix" == resolve_topk_algorithm(64, 32768, "gpu")
     assert resolve_topk_algorithm(16, 32768, "gpu") == "lax"

@@ -13,7 +13,7 @@ others still run):
 - ``pallas``: ``fp8_gemm.fp8_linear(implementation="pallas")`` (default tiles; the act_quant of x included,
   ``act_quant_us`` times it alone);
   at M <= 128 also the other ``stage_scales`` choice than the default's (the scales staged in SMEM by TMA) and
-  ``act_quant=kernel`` (x quantised by one kernel, ``fp8_gemm.quantize_rows``), the other ``stream_k``
+  the other ``act_quant`` (x quantised by one kernel, ``fp8_gemm.quantize_rows``, or XLA's three), the other ``stream_k``
   choice up to 128 rows (``quantize_x=True``, x quantised inside the GEMM kernel, measured slower on 2026-12-01:
   ``--rows`` still runs it);
   ``--sweep`` adds ``pallas[block_n=..,split_k=..]`` rows for M <= 128 and ``pallas[block_n=..,stages=..,
@@ -232,11 +232,11 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch, rows: Sequenc
     # (a) the kernel (default tiles, plus the sweep)
     # the default stages the scales below STAGE_SCALES_BELOW rows: time the other choice beside it at decode sizes
     tile_sets = [{}]
-    if m <= 128:  # beside the defaults, the other choice of staged scales and of stream-K (one even wave), and
-        #           act_quant in one kernel instead of XLA's three
+    if m <= 128:  # beside the defaults, the other choice of staged scales, of stream-K (one even wave) and of
+        #           act_quant (one kernel or XLA's three)
         tile_sets += [dict(stage_scales=m >= fp8_gemm.STAGE_SCALES_BELOW),
                       dict(stream_k=not fp8_gemm._auto_stream_k(m, n, k // 128, None, None, None, None)),
-                      dict(act_quant="kernel")]
+                      dict(act_quant="xla" if fp8_gemm._auto_act_quant(m) == "kernel" else "kernel")]
     table = (SWEEP if m <= 128 else SWEEP_LARGE if m >= 2048 else []) if sweep else []
     tile_sets += [v for v in table if (k // 128) % v.get("split_k", 1) == 0 and n % v["block_n"] == 0]
     variants = [(_name(v), v) for v in tile_sets]
@@ -267,7 +267,7 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch, rows: Sequenc
                 r.update(device_row(f, x, wq, ws, median_us=r["median_us"]))
                 if m <= 128:  # decode calls of tens of µs: their device time from the GPU's timeline too
                     r.update(profiled_device_us(f, x, wq, ws))
-            if name == "pallas":  # the XLA act_quant of x inside the timed call (torch's row excludes it)
+            if name == "pallas":  # act_quant of x alone in XLA (the call quantises x; torch's row excludes it)
                 aq = jax.jit(functools.partial(quant.act_quant, block=128, fmt="ue8m0"))
                 r["act_quant_us"] = time_fn(aq, x, iters=3 if quick else 20)["median_us"]
             _rates(r, flops, fp8_bytes, ceil)

@@ -6,8 +6,8 @@ Cases (full run; ``quick`` uses tiny shapes and few iterations, e.g. to smoke-te
   request at position C - 1 (all C keys visible), 64 heads, 64-entry pages shuffled in the pool.
   *_logits = the logits alone; *_select = logits + top-2048 (``indexer_topk``, what ``select`` runs).
 - select (only when asked for): decode_select at B in {16, 64} x C in {32K, 128K} with
-  ``topk_algorithm="auto"`` (``_auto``; field ``topk``: what it resolved to), with the default
-  ``lax.top_k``, and XLA; ``_set``: ``topk_algorithm="pallas_radix"`` with ``topk_order="set"`` (no sort of
+  ``topk_algorithm="auto"`` (``_auto``, the default; field ``topk``: what it resolved to), with
+  ``lax.top_k`` (no suffix), and XLA; ``_set``: ``topk_algorithm="pallas_radix"`` with ``topk_order="set"`` (no sort of
   the k winners); ``_set_split``: that with the prefilter split over ``split_for(B, C)`` programs per row;
   ``_mixed``: the same batch with one request of 1000 tokens.
 - prefill_select: one request, a chunk of Q in {1K, 4K, 8K} queries at positions C-Q..C-1 over
@@ -174,6 +174,7 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
     # ----- decode logits + top-k with each selection, one run ("auto" against the default lax) -----
     sel = [(b, c) for b in (16, 64) for c in (32768, 131072)] if "select" in want and not quick else []
     sel_auto = selector("pallas", si.IndexerKernelConfig(topk_algorithm="auto"))
+    sel_lax = selector("pallas", si.IndexerKernelConfig(topk_algorithm="lax"))
     sel_set = selector("pallas", si.IndexerKernelConfig(topk_algorithm="pallas_radix", topk_order="set"))
     sel_split = selector("pallas", si.IndexerKernelConfig(topk_algorithm="pallas_radix", topk_order="set",
                                                           topk_splits=None))
@@ -189,7 +190,7 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
             case = f"decode_select_b{b}_c{c}{tag}"
             yield _row(case + "_auto", "pallas", sel_auto, args, nbytes, flops, quick,
                        topk=si.resolve_topk_algorithm(b, c))
-            yield _row(case, "pallas", select_p, args, nbytes, flops, quick, topk="lax")
+            yield _row(case, "pallas", sel_lax, args, nbytes, flops, quick, topk="lax")
             yield _row(case + "_set", "pallas", sel_set, args, nbytes, flops, quick, topk="pallas_radix, unsorted")
             if split_for(b, c) > 1:
                 yield _row(case + "_set_split", "pallas", sel_split, args, nbytes, flops, quick,

@@ -8,6 +8,9 @@ span and busy time per call (a) of one waited call and (b) of ``--chain`` calls 
 kernels: the chain's span / chain), from ``jds.bench.timing.profiled_device_us``:
 
     python3 scripts/diag/fp8_call_gap.py --shape wo --m 1 --out OUT/fp8_call_gap.json
+
+Measured 2026-12-01 (eighth session, benchmarks/results/fp8_call_gap_h200_2026-12-01.json): the gap is gone in
+the chain, where the one-kernel act_quant is as fast or faster; it is the decode default since.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from jds.bench import kernels_fp8_gemm as b
 from jds.bench.timing import profiled_device_us
 from pallas_kernels import fp8_gemm
 
-VARIANTS = {"default": {}, "act_quant=kernel": {"act_quant": "kernel"}}
+VARIANTS = {"act_quant=xla": {"act_quant": "xla"}, "act_quant=kernel": {"act_quant": "kernel"}}
 
 
 def main() -> None:
