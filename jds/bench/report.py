@@ -429,6 +429,42 @@ def _topk_rows(d: dict) -> list[str]:
         _table(["shape"] + variants + ["lax / pallas_radix", "best bandwidth_frac"], body)
 
 
+def _select_variants(d: dict) -> list[str]:
+    """The decode select (logits + top-k) per top-k choice, full batches and mixed ones (one short request):
+    the rows that decide the default ``topk_algorithm``."""
+    by: dict[str, dict[str, dict]] = {}
+    for r in d.get("rows", []):
+        m = re.match(r"(decode_select_b\d+_c\d+)(_mixed)?(?:_(auto|set_split|set))?$", r.get("case", ""))
+        if m and "error" not in r:
+            col = ("xla" if r["impl"] == "xla" else (m.group(3) or "lax")) + (" mixed" if m.group(2) else "")
+            by.setdefault(m.group(1), {})[col] = r
+    if not by:
+        return []
+    cols = [c for c in ("lax", "auto", "set", "set_split", "lax mixed", "auto mixed", "set mixed",
+                        "set_split mixed", "xla") if any(c in per for per in by.values())]
+    body = [[shape] + [_fmt(per.get(c, {}).get("median_us"), 1) for c in cols]
+            + [_ratio(per.get("lax", {}).get("median_us"), per.get("auto", {}).get("median_us")),
+               _ratio(per.get("auto mixed", {}).get("median_us"), per.get("auto", {}).get("median_us")),
+               str(per.get("auto", {}).get("topk", "—"))]
+            for shape, per in by.items()]
+    return ["Decode select (paged logits + top-2048), pipelined median µs per top-k choice: `lax` = lax.top_k, "
+            "`auto` = the default (`resolve_topk_algorithm`), `set` = the Pallas radix select without its sort, "
+            "`set_split` = that with `split_for`'s programs per row; `mixed`: one request of 1000 tokens among "
+            "full ones:", ""] + _table(["shape"] + [f"{c} µs" for c in cols]
+                                       + ["lax / auto", "auto mixed / full", "auto runs"], body)
+
+
+def _call_gap(d: dict) -> list[str]:
+    rows = d.get("rows", [])
+    body = [[r["shape"], str(r["m"]), r["variant"], _fmt(r["single"].get("profile_span_us"), 1),
+             _fmt(r["single"].get("profile_busy_us"), 1), _fmt(r.get("chained_per_call_span_us"), 1),
+             _fmt(r.get("chained_per_call_busy_us"), 1)] for r in rows]
+    return ["FP8 GEMM calls on the GPU timeline, µs: one waited call, and per call of "
+            f"{rows[0].get('chain', '?') if rows else '?'} chained calls in one jit (one executable):", ""] + \
+        _table(["shape", "M", "variant", "single span", "single busy", "chained span / call", "chained busy / call"],
+               body)
+
+
 def _kernels(d: dict) -> list[str]:
     return _kernel_rows(d) + _topk_rows(d)
 
@@ -447,6 +483,8 @@ RENDERERS: list[tuple[Callable[[str, dict], bool], Callable[[dict], list[str]]]]
     (lambda b, d: b.startswith("batch_invariant"), _batch_invariant),
     (lambda b, d: b.startswith("kernels_fp8_gemm"), _fp8_gemm),
     (lambda b, d: b.startswith(("kernels_fp4_grouped", "kernels_fp8_grouped")), _grouped),
+    (lambda b, d: b.startswith("kernels_select"), _select_variants),
+    (lambda b, d: b.startswith("fp8_call_gap"), _call_gap),
     (lambda b, d: b.startswith("kernels"), _kernels),
 ]
 

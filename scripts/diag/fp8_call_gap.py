@@ -16,8 +16,10 @@ the chain, where the one-kernel act_quant is as fast or faster; it is the decode
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -61,8 +63,9 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     with open(a.out, "w") as fh:
-        json.dump({"meta": {"device": jax.devices()[0].device_kind, "jax": jax.__version__}, "rows": rows}, fh,
-                  indent=1)
+        meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": jax.devices()[0].device_kind,
+                "jax": jax.__version__, "command": "python3 " + " ".join(sys.argv)}
+        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
 
 
 if __name__ == "__main__":
