@@ -481,7 +481,7 @@ def resolve_topk_algorithm(rows: int, cols: int, backend: str | None = None) -> 
 
     Why it is the default (since 2026-12-01): the decode select (logits + top-k, ``kernels_select_h200_*.json``,
     rows ``decode_select_*_auto`` against the lax rows) was faster with "auto" at every point from 1M logits,
-    1.5-2.4x, and a mixed batch (one request of 1000 tokens among full rows: its row is mostly -inf) was no
+    and a mixed batch (one request of 1000 tokens among full rows: its row is mostly -inf) was no
     slower than the full one, because the kernel's short-row paths no longer read such a row twice.
     """
     backend = backend or jax.default_backend()

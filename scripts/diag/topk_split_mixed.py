@@ -3,7 +3,7 @@
     python scripts/diag/topk_split_mixed.py [--shapes 16x32768 16x65536 64x65536] [--out F]
 
 Why: the split prefilter's finish kernel took a short row's whole -inf tail as its merged buffer when each
-split fit its own buffer (16 x 32K and 16 x 64K mixed: 4-8x the full batch's time, 2026-12-01 eighth session);
+split fit its own buffer (16 x 32K and 16 x 64K mixed, 2026-12-01 eighth session: docs/perf-log.md);
 this checks the fix on the GPU (pipelined medians, jds.bench.timing.time_fn) and that the sets equal lax's.
 """
 
