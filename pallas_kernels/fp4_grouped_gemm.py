@@ -103,7 +103,7 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: jax.Array, w_sc
                        out_dtype: jnp.dtype = jnp.bfloat16, implementation: Implementation = "auto",
                        interpret: bool | plgpu.InterpretGPUParams | None = None, block_t: int | None = None,
                        block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-                       stages: int = 4, dequant: Dequant = "auto") -> jax.Array:
+                       stages: int = 4, dequant: Dequant = "auto", layout: Implementation = "xla") -> jax.Array:
     """y [M, N] (``out_dtype``): row r of x [M, K] (bfloat16) times W[e(r)]^T, rows grouped by expert in order
     (``sizes`` int32 [E], sum <= M; rows past the sum give 0), W = ``w_packed`` (uint8 [E, N, K/2], two e2m1
     codes a byte, low nibble first) with ``w_scale`` (uint8 [E, N, K/32] e8m0 exponents).
@@ -117,7 +117,9 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: jax.Array, w_sc
     ``dequant`` the nibble -> bf16 route ("lop3": 8 nibbles of a 32-bit word at a time in PTX, native only;
     "f16": through float16 subnormals and two conversions, runs anywhere; "bf16": bf16 subnormals times
     2^126, no conversions, native only: XLA on the CPU flushes them; "auto": "lop3" natively for token tiles
-    up to 32 rows (decode), else "f16", which measured faster with 128-row prefill tiles).
+    up to 32 rows (decode), else "f16", which measured faster with 128-row prefill tiles). ``layout``: where the
+    rows' bookkeeping is computed (``grouped_rows.row_layout``: "xla", about eight small kernels, or "pallas",
+    one; opt-in until measured on the GPU).
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``); None = whenever the default
     backend is not a GPU.
     """
@@ -126,7 +128,7 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: jax.Array, w_sc
         "xla": lambda: _xla(x, sizes, w_packed, w_scale, out_dtype),
         "pallas": lambda: _pallas(x, sizes, w_packed, w_scale, out_dtype=out_dtype, interpret=interpret,
                                   block_t=block_t, block_n=block_n, block_k=block_k, split_k=split_k,
-                                  stages=stages, dequant=dequant)})
+                                  stages=stages, dequant=dequant, layout=layout)})
 
 
 def _check_inputs(x, sizes, w_packed, w_scale) -> None:
@@ -195,7 +197,7 @@ def _permute_k(x: jax.Array, dequant: Dequant) -> jax.Array:
 
 
 def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block_n, block_k, split_k, stages,
-            dequant):
+            dequant, layout="xla"):
     _check_tiles(block_t, block_n, block_k, split_k, stages)
     if dequant not in ("auto", *DEQUANTS):
         raise ValueError(f"dequant must be one of {('auto', *DEQUANTS)}, got {dequant!r}")
@@ -208,7 +210,7 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
     out_dtype = jnp.dtype(out_dtype)
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
-    p = grouped_rows.plan(sizes, m, e, n, k, block_t, block_n, block_k, split_k, K_ALIGN, interpret)
+    p = grouped_rows.plan(sizes, m, e, n, k, block_t, block_n, block_k, split_k, K_ALIGN, interpret, layout)
     if dequant == "auto":  # "lop3" where dequantisation bounds the kernel (decode tiles); see the docstring
         dequant = "f16" if p.interpret or p.block_t > 32 else "lop3"
     if p.interpret and dequant in NATIVE_ONLY:

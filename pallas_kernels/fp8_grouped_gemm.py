@@ -56,7 +56,7 @@ def fp8_grouped_linear(x: jax.Array, sizes: jax.Array, wq: jax.Array, w_scale: j
                        implementation: Implementation = "auto",
                        interpret: bool | plgpu.InterpretGPUParams | None = None, block_t: int | None = None,
                        block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-                       stages: int = 4) -> jax.Array:
+                       stages: int = 4, layout: Implementation = "xla") -> jax.Array:
     """y [M, N] (``out_dtype``): row r of x [M, K] times expert e(r)'s FP8 weight, rows grouped by expert in order
     (``sizes`` int [E], sum <= M; rows past the sum give 0), W = ``wq`` (float8_e4m3fn [E, N, K]) with
     ``w_scale`` (float32 [E, N/128, K/128]); x re-quantised per 1 x 128 with ``scale_fmt`` scales.
@@ -65,7 +65,9 @@ def fp8_grouped_linear(x: jax.Array, sizes: jax.Array, wq: jax.Array, w_scale: j
     (``Unsupported`` for N not a multiple of 128 or K not a multiple of 512); "auto" = the kernel where it
     applies, else XLA. Tiles (kernel only; ``_pick_tiles`` has the defaults): ``block_t`` token rows per work
     item (8..128, a power of two), ``block_n`` weight rows per CTA (64 or 128), ``block_k`` input columns per
-    pipeline step (128 or 256), ``split_k`` K splits, ``stages`` TMA ring depth.
+    pipeline step (128 or 256), ``split_k`` K splits, ``stages`` TMA ring depth. ``layout``: the rows'
+    bookkeeping in XLA (about eight small kernels) or in one kernel, "pallas" (``grouped_rows.row_layout``;
+    opt-in until measured on the GPU).
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``); None = whenever the default backend
     is not a GPU.
     """
@@ -74,7 +76,7 @@ def fp8_grouped_linear(x: jax.Array, sizes: jax.Array, wq: jax.Array, w_scale: j
         "xla": lambda: _xla(x, sizes, wq, w_scale, out_dtype, scale_fmt),
         "pallas": lambda: _pallas(x, sizes, wq, w_scale, out_dtype=out_dtype, scale_fmt=scale_fmt,
                                   interpret=interpret, block_t=block_t, block_n=block_n, block_k=block_k,
-                                  split_k=split_k, stages=stages)})
+                                  split_k=split_k, stages=stages, layout=layout)})
 
 
 def _check_inputs(x, sizes, wq, w_scale, scale_fmt) -> None:
@@ -132,7 +134,8 @@ def _fit_stages(stages: int, bt: int, bn: int, bk: int, kps: int) -> int:
     return max(1, min(stages, kps * BLOCK // bk, fit))
 
 
-def _pallas(x, sizes, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_t, block_n, block_k, split_k, stages):
+def _pallas(x, sizes, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_t, block_n, block_k, split_k, stages,
+            layout="xla"):
     _check_tiles(block_t, block_n, block_k, split_k, stages)
     e, n, k = wq.shape
     m = x.shape[0]
@@ -142,7 +145,7 @@ def _pallas(x, sizes, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_t, 
     out_dtype = jnp.dtype(out_dtype)
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
-    p = grouped_rows.plan(sizes, m, e, n, k, block_t, block_n, block_k, split_k, K_ALIGN, interpret)
+    p = grouped_rows.plan(sizes, m, e, n, k, block_t, block_n, block_k, split_k, K_ALIGN, interpret, layout)
     xq, sx = quant.act_quant(x, BLOCK, scale_fmt)
     # e4m3 values are exact in float16; padded rows copy row m: zeros with scale 0
     xp = grouped_rows.tile_rows(xq.astype(jnp.float16), p)

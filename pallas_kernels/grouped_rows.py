@@ -12,10 +12,12 @@ import functools
 from typing import NamedTuple
 
 import jax
+import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from jds.ops.dispatch import resolve_interpret
+from jds.ops.dispatch import Implementation, resolve_interpret, run_op
+from pallas_kernels import fused_insert_common as C
 
 NUM_SMS = 132  # H100 / H200; only steers the automatic split_k
 BLOCK_TS = (8, 16, 32, 64, 128)  # token tile = wgmma N; 128 fp32 accumulators per thread at most
@@ -71,8 +73,10 @@ def padded_rows(m: int, e: int, bt: int) -> int:
     return -(-(m + 7 * min(e, m) + bt) // 8) * 8
 
 
-def row_layout(sizes: jax.Array, m: int, n_items: int, n_padded: int, bt: int):
-    """Where everything goes (int32 index arrays, computed in XLA from ``sizes``):
+def row_layout(sizes: jax.Array, m: int, n_items: int, n_padded: int, bt: int, *,
+               implementation: Implementation = "xla", interpret: bool | None = None):
+    """Where everything goes (int32 index arrays computed from ``sizes``; ``implementation``: "xla" or "pallas",
+    the same integers from one kernel, ``_layout_kernel``):
 
     * items [2, n_items]: (expert, first row in the padded x) of each (expert, token tile) pair of the experts
       with rows, in expert order; expert -1 past the last pair. First rows are multiples of 8: a dynamic TMA
@@ -82,6 +86,12 @@ def row_layout(sizes: jax.Array, m: int, n_items: int, n_padded: int, bt: int):
     * col [m]: the column of y^T holding row r (item * bt + row in tile); valid [m]: r < sum(sizes).
     """
     sizes = sizes.astype(jnp.int32)
+    return run_op("row_layout", implementation, {
+        "xla": lambda: _row_layout_xla(sizes, m, n_items, n_padded, bt),
+        "pallas": lambda: _row_layout_pallas(sizes, m, n_items, n_padded, bt, resolve_interpret(interpret))})
+
+
+def _row_layout_xla(sizes: jax.Array, m: int, n_items: int, n_padded: int, bt: int):
     ne = sizes.shape[0]
     tiles = -(-sizes // bt)
     tile_end = jnp.cumsum(tiles)
@@ -109,6 +119,72 @@ def row_layout(sizes: jax.Array, m: int, n_items: int, n_padded: int, bt: int):
     return items, src.astype(jnp.int32), col.astype(jnp.int32), valid
 
 
+LAYOUT_BLOCK = 32  # items / rows / padded rows per program of the layout kernel (x every expert: [32, E] compares)
+
+
+def _layout_kernel(sizes_ref, items_ref, src_ref, col_ref, valid_ref, *, ne: int, ep: int, m: int, n_items: int,
+                   n_padded: int, bt: int) -> None:
+    """Program b: items, output rows and padded rows ``b * LAYOUT_BLOCK + [0, LAYOUT_BLOCK)``. Every program
+    computes the experts' prefix sums itself (E values); "the expert holding index i" is the count of experts
+    ending at or before i, and a value of that expert is read by a one-hot sum over the experts (no gather from
+    registers). The padded rows are gathered (each finds its row of x), not scattered, so no store depends on
+    another program's."""
+    e = C.iota((1, ep), 1)
+    s = C.load(sizes_ref, (jnp.minimum(e, ne - 1),), (1, ep), mask=e < ne)
+    tiles = (s + (bt - 1)) // bt
+    psize = (s + 7) // 8 * 8
+    tile_end, row_end, pend = (jnp.cumsum(v, axis=1) for v in (tiles, s, psize))
+    tile_start, row_off, poff = tile_end - tiles, row_end - s, pend - psize
+    total_tiles, total_rows = jnp.sum(tiles), jnp.sum(s)
+
+    i = pl.program_id(0) * LAYOUT_BLOCK + C.iota((LAYOUT_BLOCK, 1), 0)
+
+    def owner(ends):  # [B, 1]: the expert whose range holds i (clamped to the last)
+        return jnp.minimum(jnp.sum((ends <= i).astype(jnp.int32), axis=1, keepdims=True), ne - 1)
+
+    def at(v, idx):  # v [1, ep] at idx [B, 1] -> [B, 1]
+        return jnp.sum(jnp.where(e == idx, v, 0), axis=1, keepdims=True)
+
+    ex = owner(tile_end)
+    ok = i < total_tiles
+    row0 = at(poff, ex) + (i - at(tile_start, ex)) * bt
+    # masked-out lanes point one past the first axis (interpret mode's scatter drops them; natively they store nothing)
+    inside = i < n_items
+    C.store(items_ref, (jnp.where(inside, 0, 2), jnp.where(inside, i, 0)), jnp.where(ok, ex, -1), inside)
+    C.store(items_ref, (jnp.where(inside, 1, 2), jnp.where(inside, i, 0)), jnp.where(ok, row0, 0), inside)
+
+    re = owner(row_end)
+    local = i - at(row_off, re)
+    valid = i < total_rows
+    col = jnp.where(valid, (at(tile_start, re) + local // bt) * bt + local % bt, 0)
+    C.store(col_ref, (jnp.where(i < m, i, m),), col, i < m)
+    C.store(valid_ref, (jnp.where(i < m, i, m),), valid.astype(jnp.int32), i < m)
+
+    pe = owner(pend)
+    plocal = i - at(poff, pe)
+    src = jnp.where(plocal < at(s, pe), at(row_off, pe) + plocal, m)
+    C.store(src_ref, (jnp.where(i < n_padded, i, n_padded),), src, i < n_padded)
+
+
+def _row_layout_pallas(sizes: jax.Array, m: int, n_items: int, n_padded: int, bt: int, interpret: bool):
+    """row_layout as one Pallas kernel: the XLA form is about eight small kernels (prefix sums, searches, a
+    scatter, the stacking), each near the launch floor at decode sizes, around every grouped GEMM call.
+
+    Backend: the Triton lowering (as ``topk_select``): the prefix sums over the experts are ``cumsum``
+    (Triton's scan); Mosaic GPU has no lowering for a scan, and its vector layouts do not take 1-D index
+    vectors of arbitrary length."""
+    ne = sizes.shape[0]
+    ep = C.next_pow2(max(ne, 2))
+    kernel = functools.partial(_layout_kernel, ne=ne, ep=ep, m=m, n_items=n_items, n_padded=n_padded, bt=bt)
+    i32 = jnp.int32
+    items, src, col, valid = C.pallas_call(
+        kernel, out_shape=(jax.ShapeDtypeStruct((2, n_items), i32), jax.ShapeDtypeStruct((n_padded,), i32),
+                           jax.ShapeDtypeStruct((m,), i32), jax.ShapeDtypeStruct((m,), i32)),
+        grid=(pl.cdiv(max(n_items, m, n_padded), LAYOUT_BLOCK),), aliases={}, interpret=interpret,
+        name="grouped_row_layout", num_warps=4)(sizes)
+    return items, src, col, valid != 0
+
+
 def gather_rows(yt: jax.Array, col: jax.Array, valid: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
     """y [M, N] from the kernel's y^T [N, items * block_t]: row r is column ``col[r]``; rows past the groups
     (``valid`` false) are 0."""
@@ -132,16 +208,18 @@ class Plan(NamedTuple):
 
 def plan(sizes: jax.Array, m: int, e: int, n: int, k: int, block_t: int | None, block_n: int | None,
          block_k: int | None, split_k: int | None, k_align: int,
-         interpret: bool | plgpu.InterpretGPUParams | None) -> Plan:
+         interpret: bool | plgpu.InterpretGPUParams | None, layout: Implementation = "xla") -> Plan:
     """Tiles (``pick_tiles``), interpret mode (None: whenever the default backend is not a GPU) and the row
-    layout of a call with M = ``m`` rows over E = ``e`` experts of [n, k] weights."""
+    layout of a call with M = ``m`` rows over E = ``e`` experts of [n, k] weights (``layout``: ``row_layout``'s
+    implementation; its kernel runs in interpret mode where the GEMM does)."""
     bt, bn, bk, s = pick_tiles(m, e, n, k, block_t, block_n, block_k, split_k, k_align)
     if interpret is None:
         interpret = resolve_interpret(None)
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     items, rows = n_items(m, e, bt), padded_rows(m, e, bt)
-    return Plan(bt, bn, bk, s, interpret or None, items, rows, *row_layout(sizes, m, items, rows, bt))
+    return Plan(bt, bn, bk, s, interpret or None, items, rows,
+                *row_layout(sizes, m, items, rows, bt, implementation=layout, interpret=bool(interpret)))
 
 
 def tile_rows(a: jax.Array, p: Plan) -> jax.Array:

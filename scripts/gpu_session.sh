@@ -18,7 +18,7 @@
 #   scripts/gpu_session.sh ncu           # Nsight Compute on one FP4 (8 tokens) and one FP8 (M = 64) GEMM call: text pages
 #   scripts/gpu_session.sh ncu-fp8sweep  # issue 19: FP8 decode calls x tile variants, exact kernel durations (ncu)
 #   scripts/gpu_session.sh fp8gap        # issue 19: the gap between two Mosaic kernels, waited call vs 8 calls in one jit
-#   scripts/gpu_session.sh ncu-fp4sweep  # issue 22: FP4 grouped decode calls x split_k, exact kernel durations (ncu)
+#   scripts/gpu_session.sh ncu-fp4sweep  # issue 22: FP4 grouped decode calls x variants (row layout), exact kernel durations (ncu)
 #   scripts/gpu_session.sh hostprofile   # issue 16: one step's GPU timeline (8 layers, 8 segments), TTFT's readback
 #   scripts/gpu_session.sh probe         # host cost of a captured step: preparation vs dispatch, graphs vs none
 #   scripts/gpu_session.sh boundary      # bench_boundary, V3.2 + V4, compiled in parallel processes first
@@ -175,8 +175,9 @@ case "$stage" in
       > "$OUT/fp8_call_gap.log" 2>&1; echo "fp8gap rc=$?"; tail -8 "$OUT/fp8_call_gap.log" | cut -c1-300
     ;;
   ncu-fp4sweep)
-    # the FP4 kernel holds one CTA per SM too (168 registers): is its split-K rule (2 CTAs per SM) a wave problem?
-    V=${FP4SWEEP_VARIANTS:-'[{}, {"split_k": 1}, {"split_k": 2}, {"split_k": 4}]'}
+    # split_k made no difference (eighth session, archive/fp4_decode_ncu_sweep_h200_2026-12-01.json); now the rows'
+    # bookkeeping in one kernel (layout="pallas": ~8 XLA kernels -> 1 around each call) against XLA's
+    V=${FP4SWEEP_VARIANTS:-'[{}, {"layout": "pallas"}]'}
     ncu_sweep fp4 "$V"
     ;;
   hostprofile)

@@ -141,12 +141,15 @@ def test_matches_reference(mode: str, case: int) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_exact_data_bit_equal(mode: str) -> None:
-    """Exact data: kernel == float64 reference == XLA path, bit for bit."""
+@pytest.mark.parametrize("layout", ["xla", "pallas"])
+def test_exact_data_bit_equal(mode: str, layout: str) -> None:
+    """Exact data: kernel == float64 reference == XLA path, bit for bit. The rows' bookkeeping
+    in XLA or in its kernel (``layout``)."""
     interpret = interpret_for(mode)
     sizes = [2, 0, 9, 1]
     x, sz, wp, ws = exact_case(sizes, 128, 512, seed=3)
-    got = G.fp4_grouped_linear(x, sz, wp, ws, out_dtype=jnp.float32, implementation="pallas", interpret=interpret)
+    got = G.fp4_grouped_linear(x, sz, wp, ws, out_dtype=jnp.float32, implementation="pallas", interpret=interpret,
+                               layout=layout)
     want = G.fp4_grouped_linear(x, sz, wp, ws, out_dtype=jnp.float32, implementation="xla")
     ref, _ = reference(x, sizes, wp, ws)
     np.testing.assert_array_equal(np.asarray(got, np.float64), ref)

@@ -124,12 +124,15 @@ def test_matches_reference(mode: str, case: int) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_exact_data_bit_equal(mode: str) -> None:
-    """Exact data: kernel == XLA == reference bit for bit (addressing: expert, rows, columns, scale blocks)."""
+@pytest.mark.parametrize("layout", ["xla", "pallas"])
+def test_exact_data_bit_equal(mode: str, layout: str) -> None:
+    """Exact data: kernel == XLA == reference bit for bit (addressing: expert, rows, columns, scale blocks). The
+    rows' bookkeeping in XLA or in its kernel (``layout``)."""
     interpret = interpret_for(mode)
     sizes = [4, 0, 9, 1]
     x, sz, wq, ws = exact_case(sizes, 256, 1024, seed=3)
-    got = G.fp8_grouped_linear(x, sz, wq, ws, out_dtype=jnp.float32, implementation="pallas", interpret=interpret)
+    got = G.fp8_grouped_linear(x, sz, wq, ws, out_dtype=jnp.float32, implementation="pallas", interpret=interpret,
+                               layout=layout)
     want = G.fp8_grouped_linear(x, sz, wq, ws, out_dtype=jnp.float32, implementation="xla")
     ref, _ = reference(x, sizes, wq, ws)
     np.testing.assert_array_equal(np.asarray(got, np.float64), ref)
