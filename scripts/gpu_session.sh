@@ -26,6 +26,7 @@
 #   scripts/gpu_session.sh boundary-xla  # as boundary, with the pure-JAX attention stages
 #   scripts/gpu_session.sh serve         # bench_serve_modes: the server in each mode, c=1 and c=64
 #   scripts/gpu_session.sh thunks        # thunk-dump check: graphs, direct launches per step per mode
+#   scripts/gpu_session.sh pending       # the eighth session's CPU-only work: native tests, split-prefilter mixed rows, FP4 layout, FP8 128-row defaults
 #   scripts/gpu_session.sh tests-all     # every gpu-marked test, 6 pytest-xdist workers on the one GPU
 #   scripts/gpu_session.sh kernels       # fused insert (+ tile sweep) + indexer rows with device_us, top-k variants
 #   scripts/gpu_session.sh topk          # Pallas radix-select top-k: native tests, then the top-k rows
@@ -224,6 +225,22 @@ case "$stage" in
     JDS_GPU_OUT="$OUT" timeout -s INT ${THUNKS_TIMEOUT:-290} python3 -m pytest -m gpu -v --tb=short \
       -p no:cacheprovider tests/test_gpu_boundary.py > "$OUT/gpu_boundary_test.log" 2>&1
     echo "thunks rc=$?"; tail -3 "$OUT/gpu_boundary_test.log"
+    ;;
+  pending)
+    # what the eighth session built or changed without a GPU to measure it, in one call (about 6 minutes): the
+    # native tests of the row-layout kernel, the split prefilter's mixed-row fix and the grouped GEMMs' layout
+    # option; the split on mixed batches (diag); the FP4 call with its layout in one kernel (ncu); the FP8 decode
+    # defaults together at 128 rows (stream-K + act_quant in one kernel)
+    timeout -s INT ${PENDING_TESTS_TIMEOUT:-200} python3 -m pytest -m gpu -q --tb=short -rfE -p no:cacheprovider \
+      tests/test_kernel_grouped_rows.py tests/test_kernel_topk_select.py tests/test_kernel_fp4_grouped_gemm.py \
+      tests/test_kernel_fp8_grouped_gemm.py tests/test_kernel_fp8_gemm.py -k "layout or split or exact_data or act_quant or stream_k" \
+      > "$OUT/gpu_pending_tests.log" 2>&1; echo "pending tests rc=$?"; tail -3 "$OUT/gpu_pending_tests.log"
+    timeout ${SPLITMIX_TIMEOUT:-90} python3 scripts/diag/topk_split_mixed.py --out "$OUT/topk_split_mixed_h200.json" \
+      > "$OUT/topk_split_mixed.log" 2>&1; echo "split mixed rc=$?"; grep '^{' "$OUT/topk_split_mixed.log" | cut -c1-160
+    NCUS_TIMEOUT=${NCUS_TIMEOUT:-75} FP4SWEEP_VARIANTS='[{}, {"layout": "pallas"}]' bash "$0" ncu-fp4sweep
+    timeout -s INT ${FP8B_TIMEOUT:-100} python3 -m jds.bench.kernels_fp8_gemm --shapes mlp q_b wo --ms 128 --rows pallas \
+      --out "$OUT/kernels_fp8_gemm_m128_h200.json" > "$OUT/fp8_gemm_bench.log" 2>&1
+    echo "fp8 bench rc=$?"; tail -5 "$OUT/fp8_gemm_bench.log" | cut -c1-220
     ;;
   tests-all)
     # every gpu-marked test in one run: pytest-xdist workers share the GPU (the suite is compile-bound;
