@@ -33,8 +33,10 @@ def test_engine_steps_runs_both_loops(tmp_path) -> None:
     from jds.bench.engine_steps import main
 
     out = tmp_path / "es.json"
-    main(["--preset", "v32-tiny", "--requests", "1", "--output-len", "4", "--key-block-buckets", "16",
-          "--max-num-tokens", "128", "--token-buckets", "128", "--out", str(out)])  # one bucket: CI budget
+    # one bucket and a small pool (the bench's defaults size an H200's: 600 pages, 64 rows): CI budget
+    main(["--preset", "v32-tiny", "--requests", "1", "--output-len", "4", "--num-blocks", "16", "--max-num-seqs",
+          "4", "--max-model-len", "256", "--key-block-buckets", "16", "--max-num-tokens", "128", "--token-buckets",
+          "128", "--out", str(out)])
     res = json.loads(out.read_text())
     assert res["meta"]["complete"]
     for name in ("async", "sync"):

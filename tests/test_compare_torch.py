@@ -55,23 +55,28 @@ def _steps(arch: str) -> list[list[Chunk]]:
 
 
 def _inputs(arch: str, cfg):
-    """Per step: (token ids, chunks, block table, the jds PagedBatch, logits indices); the same for every run."""
+    """Per step: (token ids, chunks, block table, the jds PagedBatch, logits indices); the same for every run.
+
+    The jds batch of every step is padded to the prefill's token count (padding tokens: slot -1, as the runner
+    buckets its steps), so jds's forward compiles one shape for both steps."""
     bt = np.arange(NB, dtype=np.int32).reshape(2, -1)
     rng = np.random.default_rng(1)
+    pad_to = max(sum(c.num_tokens for c in chunks) for chunks in _steps(arch))
     for chunks in _steps(arch):
         ids = rng.integers(0, 256, sum(c.num_tokens for c in chunks)).astype(np.int32)
         w = -(-max(c.start + c.num_tokens for c in chunks) // cfg.block_size)
-        b = make_batch(chunks, bt[:, :w], cfg.block_size)
+        b = make_batch(chunks, bt[:, :w], cfg.block_size, pad_to)
         yield ids, chunks, bt, b, jnp.asarray(np.asarray(b.query_start_loc[1:]) - 1)
 
 
 def _jds_run(model: Decoder, arch: str) -> tuple[list[np.ndarray], list[list[np.ndarray]], list[Any]]:
-    """jds's steps: per step the logits and every layer's top-k; the final caches."""
+    """jds's steps: per step the logits and every layer's top-k (of the real tokens); the final caches."""
     fwd, caches, logits, topks = _jds_forward(model), model.init_caches(NB), [], []
     for ids, _, _, b, li in _inputs(arch, model.cfg):
-        lj, caches, tj = fwd(jnp.asarray(ids), b, caches, li)
+        n = len(ids)
+        lj, caches, tj = fwd(jnp.asarray(np.pad(ids, (0, b.num_tokens - n))), b, caches, li)
         logits.append(np.asarray(lj))
-        topks.append([np.asarray(t) for t in tj])
+        topks.append([np.asarray(t)[:n] for t in tj])
     return logits, topks, caches
 
 
@@ -238,14 +243,15 @@ def test_record_bytes_match_jds(fmt) -> None:
         rows = np.array(jnp.asarray(rows, jnp.bfloat16).astype(jnp.float32))
     slots = np.array([5, 0, -1, 11, 2, 7], np.int32)
     nb = 3
-    jc = write_records(empty_cache(fmt, nb), fmt, jnp.asarray(slots), jnp.asarray(rows))
+    # jds's side compiled, as its layers run it (eagerly every primitive would compile on its own)
+    jc = jax.jit(write_records, static_argnums=1)(empty_cache(fmt, nb), fmt, jnp.asarray(slots), jnp.asarray(rows))
     st = K.new_storage(fmt, nb, torch.device("cpu"))
     K.write_records(st, fmt, torch.from_numpy(slots).long(), torch.from_numpy(rows))
     got = torch_to_numpy(st[: nb * fmt.page_elems].view(nb, -1))
     np.testing.assert_array_equal(got.view(np.uint8), np.asarray(jc).view(np.uint8))
     q = np.array([[5, 11], [0, 7]], np.int32)
     back = K.read_records(st, fmt, torch.from_numpy(q).long()).numpy()
-    np.testing.assert_array_equal(back, np.asarray(read_records(jc, fmt, jnp.asarray(q))))
+    np.testing.assert_array_equal(back, np.asarray(jax.jit(read_records, static_argnums=1)(jc, fmt, jnp.asarray(q))))
 
 
 def test_weights_bit_identical() -> None:

@@ -263,8 +263,9 @@ def test_step_exception_fails_only_that_steps_requests(async_steps):
 def model_runner():
     from jds.runner import ModelRunner
 
+    # one token bucket: prefill chunks and decodes run the same compiled steps (compiles: CI budget)
     return ModelRunner.build(preset="v32-tiny", num_blocks=12, max_num_seqs=8, max_num_tokens=32,
-                             max_model_len=128)
+                             max_model_len=128, token_buckets=(32,))
 
 
 def test_real_model_decode_consistency(model_runner):

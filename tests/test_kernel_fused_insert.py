@@ -66,9 +66,14 @@ def _noise_cache(rng: np.random.Generator, fmt, num_blocks: int) -> jax.Array:
 
 def _written_mask(fmt, cache_shape, slots: np.ndarray) -> np.ndarray:
     m = np.zeros(int(np.prod(cache_shape)), bool)
-    off = np.asarray(fmt.offsets(jnp.asarray(slots[slots >= 0])))
+    off = np.asarray(_offsets(fmt, jnp.asarray(slots[slots >= 0])))
     m[off.reshape(-1)] = True
     return m.reshape(cache_shape)
+
+
+# the checks' decoding in one compiled program per format and shape (eagerly, every op would compile on its own)
+_offsets = jax.jit(lambda fmt, slots: fmt.offsets(slots), static_argnums=0)
+_read = jax.jit(read_records, static_argnums=1)
 
 
 # tight mode: rounding flips of one storage step are rare (a few per 10^4 in practice); 2% caps a systematic bias
@@ -84,8 +89,8 @@ def assert_cache_match(fmt, got, want, slots: np.ndarray, tight: bool, what: str
     np.testing.assert_array_equal(got[~written].view(np.uint8), want[~written].view(np.uint8),
                                   err_msg=f"{what}: bytes outside this step's records changed")
     valid = jnp.asarray(slots[slots >= 0])
-    g = np.asarray(read_records(jnp.asarray(got), fmt, valid))
-    w = np.asarray(read_records(jnp.asarray(want), fmt, valid))
+    g = np.asarray(_read(jnp.asarray(got), fmt, valid))
+    w = np.asarray(_read(jnp.asarray(want), fmt, valid))
     if tight:
         assert_decoded_within_step(fmt, g, w, what, max_frac=FLIP_FRAC)
         return

@@ -211,7 +211,8 @@ def test_cache_builder_matches_write_records() -> None:
 
     fmt, cache, bt, rows = paged_keys(32, [40, 7], 3, 2, return_rows=True)
     slots = jnp.arange(cache.shape[0] * 32, dtype=jnp.int32)
-    again = write_records(empty_cache(fmt, cache.shape[0]), fmt, slots, jnp.asarray(rows, jnp.float32))
+    again = jax.jit(write_records, static_argnums=1)(empty_cache(fmt, cache.shape[0]), fmt, slots,
+                                                      jnp.asarray(rows, jnp.float32))  # compiled, as the layers run it
     np.testing.assert_array_equal(np.asarray(again), np.asarray(cache))
 
 

@@ -21,6 +21,8 @@ adding at most 2^-9 max|V| to the values and a logit error that is a sum of inde
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,7 +56,13 @@ def _cache(fmt, num_blocks: int, dim: int, rng: np.random.Generator, spread: flo
     """A full cache of random rows (per-row magnitudes vary so the FP8 scales differ)."""
     n = num_blocks * fmt.entries_per_page
     rows = rng.standard_normal((n, dim)).astype(np.float32) * np.exp(spread * rng.standard_normal((n, 1)))
-    return write_records(empty_cache(fmt, num_blocks), fmt, jnp.arange(n, dtype=jnp.int32), jnp.asarray(rows))
+    return _write_all(fmt, num_blocks, jnp.asarray(rows))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _write_all(fmt, num_blocks: int, rows: jax.Array) -> jax.Array:
+    """Every slot of an empty cache written (one compiled program, not an eager op per step of write_records)."""
+    return write_records(empty_cache(fmt, num_blocks), fmt, jnp.arange(rows.shape[0], dtype=jnp.int32), rows)
 
 
 def _slots(rng, t: int, k: int, n: int, p_masked: float, empty_rows=()) -> jax.Array:
@@ -73,18 +81,29 @@ def _bf16_k_reference(q, caches, fmts, slots, *, scale, v_dim, sink):
     return sparse_mqa_reference(q, rows, valid, scale=scale, v_dim=v_dim, sink=sink)
 
 
-def _check(q, caches, fmts, slots, *, scale, v_dim, sink, tol, interpret, num_splits=None, bf16_k=False, **kw):
-    got = mqa.sparse_mqa(q, caches, fmts, slots, scale=scale, v_dim=v_dim, sink=sink, num_splits=num_splits,
-                         interpret=interpret, **kw)
+# without excess precision (as the runner compiles): the bf16 rounding of K in _bf16_k_reference stays
+@functools.partial(jax.jit, static_argnames=("fmts", "scale", "v_dim", "bf16_k"),
+                   compiler_options={"xla_allow_excess_precision": False})
+def _reference(q, caches, fmts, slots, sink, *, scale, v_dim, bf16_k):
+    """(the pure-JAX attention, max|V| over the candidate rows) in one compiled program (eagerly, every op of
+    read_records and the softmax would compile on its own, per shape)."""
     if bf16_k:
         want = _bf16_k_reference(q, caches, fmts, slots, scale=scale, v_dim=v_dim, sink=sink)
     else:
         want = mqa.sparse_mqa(q, caches, fmts, slots, scale=scale, v_dim=v_dim, sink=sink, implementation="xla")
-    got, want = np.asarray(got), np.asarray(want)
+    vmax = jnp.max(jnp.stack([jnp.abs(read_records(c, f, jnp.maximum(s, 0))[..., :v_dim]).max()
+                              for c, f, s in zip(caches, fmts, slots)]))
+    return want, vmax
+
+
+def _check(q, caches, fmts, slots, *, scale, v_dim, sink, tol, interpret, num_splits=None, bf16_k=False, **kw):
+    got = mqa.sparse_mqa(q, caches, fmts, slots, scale=scale, v_dim=v_dim, sink=sink, num_splits=num_splits,
+                         interpret=interpret, **kw)
+    want, vmax = _reference(q, tuple(caches), tuple(fmts), tuple(slots), sink, scale=scale, v_dim=v_dim,
+                            bf16_k=bf16_k)
+    got, want, vmax = np.asarray(got), np.asarray(want), float(vmax)
     assert got.shape == want.shape == (q.shape[0], q.shape[1], v_dim)
     assert np.isfinite(got).all()
-    vmax = max(float(jnp.abs(read_records(c, f, jnp.maximum(s, 0))[..., :v_dim]).max())
-               for c, f, s in zip(caches, fmts, slots))
     err = np.abs(got - want)
     assert err.max() <= tol * vmax, f"max err {err.max():.3g} > {tol:.3g} * max|V| {vmax:.3g}"
     return got

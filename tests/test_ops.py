@@ -29,6 +29,10 @@ from tests.test_kernel_fused_insert import assert_cache_match, assert_q_match
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 T = 7
+# the cases' cache building and decoding compiled, not an eager op per primitive (inputs and references only)
+_write = jax.jit(write_records, static_argnums=1)
+_read = jax.jit(read_records, static_argnums=1)
+_gather = jax.jit(gather_request_rows, static_argnums=(1, 3))
 
 
 def _rope(t: int, rd: int, seed: int) -> tuple[jax.Array, jax.Array]:
@@ -108,8 +112,8 @@ def _indexer(fmt) -> tuple[tuple, dict]:
     epp, nblk = fmt.entries_per_page, 3
     bt = rng.permutation(2 * nblk + 1)[: 2 * nblk].reshape(2, nblk).astype(np.int32)
     n = (2 * nblk + 1) * epp
-    cache = write_records(empty_cache(fmt, 2 * nblk + 1), fmt, jnp.arange(n, dtype=jnp.int32),
-                          jnp.asarray(rng.normal(size=(n, 128)) * rng.uniform(0.1, 3, (n, 1)), F32))
+    cache = _write(empty_cache(fmt, 2 * nblk + 1), fmt, jnp.arange(n, dtype=jnp.int32),
+                   jnp.asarray(rng.normal(size=(n, 128)) * rng.uniform(0.1, 3, (n, 1)), F32))
     q = jnp.asarray(rng.normal(size=(10, 8, 128)), F32)
     qd, wf = prepare_indexer_q(q, jnp.asarray(rng.normal(size=(10, 8)), F32), head_dim=128, n_heads=8, fp8=True,
                                hadamard=False, dtype=F32)
@@ -127,7 +131,7 @@ def _indexer_reference(args, kw):
     """float64 scores of every visible key (numpy over the decoded keys)."""
     qd, wf, cache, bt, req, nvis = args
     fmt = kw["fmt"]
-    keys = np.asarray(gather_request_rows(cache, fmt, bt, bt.shape[1] * fmt.entries_per_page), np.float64)
+    keys = np.asarray(_gather(cache, fmt, bt, bt.shape[1] * fmt.entries_per_page), np.float64)
     dots = np.einsum("thd,tnd->thn", np.asarray(qd, np.float64), keys[np.asarray(req)])
     scores = np.einsum("th,thn->tn", np.asarray(wf, np.float64), np.maximum(dots, 0))
     return np.where(np.arange(scores.shape[1])[None] < np.asarray(nvis)[:, None], scores, -np.inf)
@@ -172,8 +176,8 @@ def _topk_op(x, *, k, **kw):
 def _mqa(fmt, dim: int, v_dim: int) -> tuple[tuple, dict]:
     rng = np.random.default_rng(10)
     n = 8 * fmt.entries_per_page
-    cache = write_records(empty_cache(fmt, 8), fmt, jnp.arange(n, dtype=jnp.int32),
-                          jnp.asarray(rng.normal(size=(n, dim)), F32))
+    cache = _write(empty_cache(fmt, 8), fmt, jnp.arange(n, dtype=jnp.int32),
+                   jnp.asarray(rng.normal(size=(n, dim)), F32))
     slots = np.where(rng.random((3, 100)) < 0.2, -1, rng.integers(0, n, (3, 100))).astype(np.int32)
     slots[1] = -1  # no valid candidate: zeros
     q = jnp.asarray(rng.normal(size=(3, 4, dim)), F32).astype(BF16).astype(F32)
@@ -189,7 +193,7 @@ def _mqa_reference(args, kw):
     """float64 softmax over each token's valid decoded rows (numpy)."""
     q, (cache,), (slots,) = args
     (fmt,) = kw["formats"]
-    rows = np.asarray(read_records(cache, fmt, slots), np.float64)
+    rows = np.asarray(_read(cache, fmt, slots), np.float64)
     valid = np.asarray(slots) >= 0
     logits = np.einsum("thd,tkd->thk", np.asarray(q, np.float64), rows) * kw["scale"]
     logits = np.where(valid[:, None], logits, -np.inf)

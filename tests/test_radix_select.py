@@ -27,6 +27,11 @@ def _rows(kind: str, t: int, n: int, rng: np.random.Generator) -> np.ndarray:
     raise AssertionError(kind)
 
 
+# under jit, as the indexer runs it: one compile per shape (eagerly, every primitive of every pass compiles on
+# its own, ~240 compiles); the four kinds share the six shapes' executables
+_radix_topk = jax.jit(radix_topk, static_argnums=(1, 2))
+
+
 @pytest.mark.parametrize("bits", [pytest.param(4, marks=pytest.mark.slow), 8])  # 4-bit digits: twice the passes
 @pytest.mark.parametrize("kind", ["normal", "ties", "neginf", "zeros"])
 def test_matches_lax_top_k(kind: str, bits: int) -> None:
@@ -34,7 +39,7 @@ def test_matches_lax_top_k(kind: str, bits: int) -> None:
     for n, k in [(1, 1), (7, 7), (100, 1), (333, 64), (1000, 999), (4096, 256)]:
         x = jnp.asarray(_rows(kind, 3, n, rng))
         want_v, want_i = jax.lax.top_k(x, k)
-        got_v, got_i = radix_topk(x, k, bits)
+        got_v, got_i = _radix_topk(x, k, bits)
         np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i), err_msg=f"{kind} n={n} k={k}")
         np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
 

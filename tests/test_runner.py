@@ -21,8 +21,11 @@ def make_runner(arch: str, mode: str, moe: bool = False, input_prep: str = "devi
     if moe:
         cfg = dataclasses.replace(cfg, n_routed_experts=4, moe_topk=2)
     model = Decoder(cfg, seed=0)
-    return BoundaryRunner(model=model, mode=mode, num_blocks=24, max_num_seqs=4, max_num_tokens=512,
-                          max_model_len=640 if arch == "v4" else 256, input_prep=input_prep)
+    # V3.2: the rollouts' steps (<= 52 tokens) in one token bucket, so each mode compiles one shape per region;
+    # V4 (300-token prompts) in the default buckets up to 512
+    tokens = dict(max_num_tokens=512) if arch == "v4" else dict(max_num_tokens=64, token_buckets=(64,))
+    return BoundaryRunner(model=model, mode=mode, num_blocks=24, max_num_seqs=4,
+                          max_model_len=640 if arch == "v4" else 256, input_prep=input_prep, **tokens)
 
 
 def greedy_rollout(runner: BoundaryRunner, prompts: list[np.ndarray], steps: int,

@@ -256,12 +256,13 @@ def _trial(i: int, phase: str, sig: int, delay: float) -> tuple[str, str]:
         srv.kill()
 
 
-def test_signal_at_random_moments_never_crashes():
-    """20 trials, 3 phases x SIGINT/SIGTERM, a random delay inside each phase; 6 servers at a time."""
+@pytest.mark.parametrize("n_trials", [12, pytest.param(20, marks=pytest.mark.slow)])  # 12: each phase x signal twice
+def test_signal_at_random_moments_never_crashes(n_trials: int):
+    """``n_trials`` trials, 3 phases x SIGINT/SIGTERM, a random delay inside each phase; 6 servers at a time."""
     rng = random.Random(23)
     phases = ("start-up", "warm-up", "serving")
     trials = []
-    for i in range(20):
+    for i in range(n_trials):
         phase = phases[i % 3]
         sig = (signal.SIGINT, signal.SIGTERM)[(i // 3) % 2]
         delay = rng.uniform(0.0, {"start-up": 1.2, "warm-up": 0.8, "serving": 0.6}[phase])

@@ -34,6 +34,20 @@ class _EosRunner(ModelRunner):
         return self.eos
 
 
+class _SmallPool:
+    """``runner`` as an engine sees it with a pool of ``num_blocks`` pages (everything else is the runner's)."""
+
+    def __init__(self, runner: _EosRunner, num_blocks: int) -> None:
+        object.__setattr__(self, "_runner", runner)
+        object.__setattr__(self, "num_blocks", num_blocks)
+
+    def __getattr__(self, name: str):
+        return getattr(self._runner, name)
+
+    def __setattr__(self, name: str, value) -> None:  # _run sets the eos id on the runner itself
+        setattr(self._runner, name, value)
+
+
 @pytest.fixture(scope="module")
 def model() -> Decoder:
     return Decoder(preset("v4-tiny-block", mtp_layers=1), seed=3)
@@ -255,21 +269,21 @@ def test_cli_flags() -> None:
     assert a.speculative == "mtp" and a.model_overrides["mtp_layers"] == 1 and not a.async_steps
 
 
-def test_preemption_with_drafts(model: Decoder, runners) -> None:
+def test_preemption_with_drafts(runners) -> None:
     """A pool too small for both requests: drafts that cross a page, preemption (the victim's draft dropped, its
     recompute drafting afresh) and the shrink of a drafted decode to 1 token keep the greedy streams.
 
     The reference is the module's plain runner (8 pages: no preemption; batch-invariant, so the streams do not
-    depend on the pool or the page placement); only the speculative runner gets the small pool."""
-    from jds.config import replace
-
-    cfg = replace(CFG, num_blocks=3)  # 3 pages of 128: two requests that each grow past 128 tokens need 4
+    depend on the pool or the page placement); only the speculative engine gets the small pool: the module's
+    speculative runner seen through a 3-page pool (the engine allocates, preempts and places pages by the
+    runner's ``num_blocks``; the runner's own cache simply has pages the engine never hands out), so its
+    compiled steps serve here too instead of a 3-page runner compiling the same model again."""
     rng = np.random.default_rng(1)
     reqs = {f"r{i}": (rng.integers(0, 256, size=n).tolist(), _greedy(30, ignore_eos=True))
             for i, n in enumerate((100, 110))}
     ref, _ = _run(runners[0], reqs, speculative=None)
     oracle = {r: v["tokens"] for r, v in ref.items()}
-    spec = _EosRunner(model, cfg)
+    spec = _SmallPool(runners[1], 3)  # 3 pages of 128: two requests that each grow past 128 tokens need 4
     for o in (None, oracle):
         got, eng = _run(spec, reqs, oracle=o)
         assert {r: v["tokens"] for r, v in got.items()} == oracle

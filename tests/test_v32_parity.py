@@ -42,7 +42,7 @@ def test_dense_regime_equals_dense_causal_mla() -> None:
     layer, w = make_layer(CFG, Numerics.exact(), seed=1)
     xs = random_inputs([8, 5, 7], CFG.hidden_size, seed=11)
     sched = [[Chunk(0, 0, 6), Chunk(1, 0, 5), Chunk(2, 0, 3)], [Chunk(0, 6, 2), Chunk(2, 3, 4)]]
-    j = run_jax(layer, xs, sched, jit=True)
+    j = run_jax(layer, xs, sched, jit=True, pad=True)
     # The oracle with a huge top-k is plain dense causal attention.
     dense_cfg = dataclasses.replace(CFG, index_topk=64)
     t = run_torch(dense_cfg, w, Numerics.exact(), xs, sched)
@@ -58,7 +58,7 @@ def test_sparse_mixed_batch_float32(form: str) -> None:
     """(b)+(c)+(d): sparse regime, >= 3 requests, prefill -> decodes -> further chunk, shuffled pages."""
     layer, w = make_layer(CFG, Numerics.exact(), seed=2, form=form)
     xs = random_inputs(LENGTHS, CFG.hidden_size, seed=12)
-    j = run_jax(layer, xs, mixed_schedule(), seed=3, jit=True)
+    j = run_jax(layer, xs, mixed_schedule(), seed=3, jit=True, pad=True)
     t = run_torch(CFG, w, Numerics.exact(), xs, mixed_schedule(), form=form)
     for i in range(len(xs)):
         np.testing.assert_allclose(j.out[i], t.out[i], rtol=1e-5, atol=1e-5 * np.abs(t.out[i]).max())
@@ -72,7 +72,7 @@ def test_absorbed_equals_mha_form() -> None:
     a, _ = make_layer(CFG, Numerics.exact(), seed=4, form="absorbed")
     m, _ = make_layer(CFG, Numerics.exact(), seed=4, form="mha")
     xs = random_inputs(LENGTHS, CFG.hidden_size, seed=14)
-    ra, rm = run_jax(a, xs, mixed_schedule(), jit=True), run_jax(m, xs, mixed_schedule(), jit=True)
+    ra, rm = (run_jax(f, xs, mixed_schedule(), jit=True, pad=True) for f in (a, m))
     for i in range(len(xs)):  # the indexer is the same eager code in both forms (same ops, same order): exact
         np.testing.assert_array_equal(ra.topk[i], rm.topk[i])
         np.testing.assert_allclose(ra.out[i], rm.out[i], rtol=1e-5, atol=1e-5 * np.abs(rm.out[i]).max())
@@ -90,7 +90,7 @@ def test_low_precision_paths(numerics: Numerics, tol: float) -> None:
     """(d): bf16 / FP8 cache / FP8 linears against the oracle under the same numerics (see module doc)."""
     layer, w = make_layer(CFG, numerics, seed=5)
     xs = random_inputs(LENGTHS, CFG.hidden_size, seed=15)
-    j = run_jax(layer, xs, mixed_schedule(), seed=6, jit=True)
+    j = run_jax(layer, xs, mixed_schedule(), seed=6, jit=True, pad=True)
     t = run_torch(CFG, w, numerics, xs, mixed_schedule())
     for i in range(len(xs)):
         assert max_rel_err(j.out[i], t.out[i]) < tol

@@ -45,6 +45,9 @@ def _weights(layer_id: int, seed: int, numerics: Numerics, sink_scale: float = 1
 
 # one jit for every Runner (the graphdef static): layers of one config share the compiled step of a shape
 _step = jax.jit(lambda gd, st, x, b, c: nnx.merge(gd, st)(x, b, c), static_argnums=0)
+# the record reads / writes of the checks, compiled (as the layers run them) instead of an eager op per primitive
+_read = jax.jit(read_records, static_argnums=1)
+_write = jax.jit(write_records, static_argnums=1)
 
 
 class Runner:
@@ -204,7 +207,8 @@ def test_decode_and_chunked_prefill_equal_prefill(layer_id: int) -> None:
             tks.append(tk.reshape(2, n, -1))
         return np.concatenate(ys, 1), np.concatenate(tks, 1), run.cache
 
-    for name, sizes, pad in (("decode", [1] * s, None), ("chunked", CHUNKS[layer_id], 2 * max(CHUNKS[layer_id]))):
+    # the chunked steps padded to the one-shot prefill's 2 * s tokens: they run its compiled step (one shape less)
+    for name, sizes, pad in (("decode", [1] * s, None), ("chunked", CHUNKS[layer_id], 2 * s)):
         y, tk, cache = replay(sizes, pad)
         _assert_exact(y, y_full, f"{name} output")
         if layer_id == 1:
@@ -264,7 +268,7 @@ def test_mixed_batch_shuffled_pages(layer_id: int) -> None:
         for r, n in enumerate(totals):
             local = np.arange(n // ratio, -(-n // CFG.block_size) * fmt.entries_per_page)
             slots = bt[r, local // fmt.entries_per_page] * fmt.entries_per_page + local % fmt.entries_per_page
-            assert not np.asarray(read_records(getattr(run.cache, field), fmt, jnp.asarray(slots))).any(), (field, r)
+            assert not np.asarray(_read(getattr(run.cache, field), fmt, jnp.asarray(slots))).any(), (field, r)
 
 
 # ------------------------------------------------------------------------------------------ sink
@@ -337,7 +341,7 @@ def test_fp8_reference_numerics(layer_id: int) -> None:
     fmt = run.layer.window_format
     pos = np.arange(s)
     slots = jnp.asarray(bt[0, pos // CFG.block_size] * CFG.block_size + pos % CFG.block_size)
-    kv, okv = np.asarray(read_records(run.cache.window, fmt, slots)), orc.kv_window[0, :s].numpy()
+    kv, okv = np.asarray(_read(run.cache.window, fmt, slots)), orc.kv_window[0, :s].numpy()
     assert (kv == okv).mean() > 0.99 and np.abs(kv - okv).max() <= 2.0 ** -3 * np.abs(okv).max()
     if layer_id == 1:
         same = np.mean([set(a) == set(b) for a, b in zip(topk.reshape(2 * s, -1), ref["topk"].numpy().reshape(
@@ -358,7 +362,7 @@ def test_mla_record584_layout_roundtrip() -> None:
     rows[0, 64:128] = 0.0  # an all-zero block: amax floor 1e-4
     rows[1, 128:192] *= 1e-3
     slots = np.array([2, 9])  # page 0 entry 2, page 2 entry 1
-    cache = write_records(jnp.zeros((nb, fmt.page_elems), jnp.uint8), fmt, jnp.asarray(slots), jnp.asarray(rows))
+    cache = _write(jnp.zeros((nb, fmt.page_elems), jnp.uint8), fmt, jnp.asarray(slots), jnp.asarray(rows))
     flat = np.asarray(cache).reshape(-1)
     written = np.zeros(flat.shape, bool)
     for r, slot in enumerate(slots):
@@ -377,12 +381,12 @@ def test_mla_record584_layout_roundtrip() -> None:
         assert np.array_equal(data[:448], q.view(np.uint8))
         assert np.array_equal(data[448:], rows[r, 448:].astype(ml_dtypes.bfloat16).view(np.uint8))  # LE bf16
     assert not flat[~written].any()  # nothing else touched
-    back = np.asarray(read_records(cache, fmt, jnp.asarray(slots)))
+    back = np.asarray(_read(cache, fmt, jnp.asarray(slots)))
     np.testing.assert_array_equal(back[:, 448:], rows[:, 448:].astype(ml_dtypes.bfloat16).astype(np.float32))
     nope = rows[:, :448].reshape(2, 7, 64)
     tol = np.abs(nope).max(-1, keepdims=True) * 2.0 ** -3  # e4m3: 3 mantissa bits, scale <= 2x amax/448
     assert (np.abs(back[:, :448].reshape(2, 7, 64) - nope) <= tol + 1e-6).all()
-    padded = np.asarray(write_records(cache, fmt, jnp.asarray([-1]), jnp.ones((1, 512))))
+    padded = np.asarray(_write(cache, fmt, jnp.asarray([-1]), jnp.ones((1, 512))))
     assert np.array_equal(padded, np.asarray(cache))  # slot -1 writes nothing
 
 

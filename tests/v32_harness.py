@@ -41,9 +41,11 @@ _jitted_call = nnx.jit(_call)
 
 
 def run_jax(layer: V32Attention, xs: list[np.ndarray], schedule: list[list[Chunk]], seed: int = 0,
-            jit: bool = False) -> Run:
+            jit: bool = False, pad: bool = False) -> Run:
     """``jit``: one compiled layer per step shape (on CPU several times faster than eager, which compiles
-    every primitive of every step shape on its own); eager runs the same code op by op."""
+    every primitive of every step shape on its own); eager runs the same code op by op. ``pad``: every step
+    padded to the schedule's largest with padding tokens (slot -1, as the runner's token buckets pad), so a
+    jitted schedule compiles one shape; only the real tokens' outputs are read."""
     cfg = layer.cfg
     max_len = max(len(x) for x in xs)
     bt, nb = shuffled_tables(len(xs), -(-max_len // cfg.block_size) + 1, seed)
@@ -51,9 +53,11 @@ def run_jax(layer: V32Attention, xs: list[np.ndarray], schedule: list[list[Chunk
     out = {i: np.zeros((len(x), cfg.hidden_size), np.float32) for i, x in enumerate(xs)}
     topk = {i: np.zeros((len(x), cfg.index_topk), np.int32) for i, x in enumerate(xs)}
     fn = _jitted_call if jit else _call
+    pad_to = max(sum(c.num_tokens for c in step) for step in schedule) if pad else None
     for step in schedule:
-        batch = make_batch(step, bt, cfg.block_size)
-        x = jnp.asarray(np.concatenate([xs[c.req][c.start: c.start + c.num_tokens] for c in step]), layer.dtype)
+        batch = make_batch(step, bt, cfg.block_size, pad_to)
+        x = np.concatenate([xs[c.req][c.start: c.start + c.num_tokens] for c in step])
+        x = jnp.asarray(np.pad(x, ((0, batch.num_tokens - len(x)), (0, 0))), layer.dtype)
         if jit:  # the layer's eager input checks (skipped under jit) still see every step
             layer.check_inputs(x, batch, cache)
         res = fn(layer, x, batch, cache)
