@@ -103,7 +103,7 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: jax.Array, w_sc
                        out_dtype: jnp.dtype = jnp.bfloat16, implementation: Implementation = "auto",
                        interpret: bool | plgpu.InterpretGPUParams | None = None, block_t: int | None = None,
                        block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-                       stages: int = 4, dequant: Dequant = "auto", layout: Implementation = "xla") -> jax.Array:
+                       stages: int = 4, dequant: Dequant = "auto", layout: Implementation = "auto") -> jax.Array:
     """y [M, N] (``out_dtype``): row r of x [M, K] (bfloat16) times W[e(r)]^T, rows grouped by expert in order
     (``sizes`` int32 [E], sum <= M; rows past the sum give 0), W = ``w_packed`` (uint8 [E, N, K/2], two e2m1
     codes a byte, low nibble first) with ``w_scale`` (uint8 [E, N, K/32] e8m0 exponents).
@@ -119,7 +119,8 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: jax.Array, w_sc
     2^126, no conversions, native only: XLA on the CPU flushes them; "auto": "lop3" natively for token tiles
     up to 32 rows (decode), else "f16", which measured faster with 128-row prefill tiles). ``layout``: where the
     rows' bookkeeping is computed (``grouped_rows.row_layout``: "xla", about eight small kernels, or "pallas",
-    one; opt-in until measured on the GPU).
+    one, which shortened the decode call on the H200 (benchmarks/results/fp4_decode_ncu_sweep_h200_2026-12-02.json);
+    "auto": "pallas" natively, "xla" in interpret mode).
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``); None = whenever the default
     backend is not a GPU.
     """
@@ -197,7 +198,7 @@ def _permute_k(x: jax.Array, dequant: Dequant) -> jax.Array:
 
 
 def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block_n, block_k, split_k, stages,
-            dequant, layout="xla"):
+            dequant, layout="auto"):
     _check_tiles(block_t, block_n, block_k, split_k, stages)
     if dequant not in ("auto", *DEQUANTS):
         raise ValueError(f"dequant must be one of {('auto', *DEQUANTS)}, got {dequant!r}")

@@ -211,13 +211,16 @@ def plan(sizes: jax.Array, m: int, e: int, n: int, k: int, block_t: int | None, 
          interpret: bool | plgpu.InterpretGPUParams | None, layout: Implementation = "xla") -> Plan:
     """Tiles (``pick_tiles``), interpret mode (None: whenever the default backend is not a GPU) and the row
     layout of a call with M = ``m`` rows over E = ``e`` experts of [n, k] weights (``layout``: ``row_layout``'s
-    implementation; its kernel runs in interpret mode where the GEMM does)."""
+    implementation; its kernel runs in interpret mode where the GEMM does; "auto": the kernel where the GEMM
+    runs natively, XLA's ops in interpret mode, where the kernel would only be slower to emulate)."""
     bt, bn, bk, s = pick_tiles(m, e, n, k, block_t, block_n, block_k, split_k, k_align)
     if interpret is None:
         interpret = resolve_interpret(None)
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     items, rows = n_items(m, e, bt), padded_rows(m, e, bt)
+    if layout == "auto":
+        layout = "xla" if interpret else "pallas"
     return Plan(bt, bn, bk, s, interpret or None, items, rows,
                 *row_layout(sizes, m, items, rows, bt, implementation=layout, interpret=bool(interpret)))
 

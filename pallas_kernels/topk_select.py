@@ -40,8 +40,8 @@ kernel runs ``splits`` programs per row, each over a contiguous range of whole b
 of ``capacity`` keys (all of them compute the row's sample pivot); a second kernel, one program per row,
 copies the buffers' union into one contiguous buffer in column order and runs steps 2-3 on it (or on the row,
 under the same conditions as above; a heavy tie past a full buffer reads the row instead of refilling).
-Opt-in (``IndexerKernelConfig.topk_splits``): faster than one program per row on full batches of 16 rows
-(BENCHMARKS.md), its mixed-batch fix not yet measured on the GPU.
+The indexer's default (``IndexerKernelConfig.topk_splits=None``: ``split_for``): on the H200 it was faster than
+one program per row on batches of 16 rows, full or mixed, and level with it at 64 rows (BENCHMARKS.md).
 
 Backend: the Triton lowering (conventions of ``pallas_kernels/fused_insert_common.py``), not Mosaic GPU.
 The prefilter and the compaction store each kept key at a data-dependent position, a vector scatter, and
@@ -114,7 +114,7 @@ class TopkSelectConfig:
 
 def split_for(t: int, n: int, cfg: TopkSelectConfig | None = None, sms: int = 132) -> int:
     """A ``splits`` for [t, n] rows: the largest power of 2 (at most 16) that keeps t x splits programs within
-    one wave of ``sms`` and each split at least 4 streaming blocks. 1 for 64 rows and more (no split)."""
+    one wave of ``sms`` and each split at least 4 streaming blocks: 2 for 64 rows, 1 (no split) from 67 rows."""
     cfg = cfg or TopkSelectConfig()
     s = 1
     while s < 16 and t * s * 2 <= sms and n >= s * 2 * 4 * cfg.block:

@@ -192,7 +192,7 @@ def test_indexer_topk_splits(mode: str) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_set_order_skips_the_sort(mode: str) -> None:
     """order="set" (no sort of the k winners): per row the same keys as lax.top_k, in ascending key order,
-    -1 where lax has -1 (invisible keys), counted per row; the sorted order stays the default."""
+    -1 where lax has -1 (invisible keys), counted per row; the indexer's default is the set (with split_for's splits)."""
     interpret_for(mode)
     rng = np.random.default_rng(17)
     x = jnp.asarray(np.concatenate([_rows("neginf", 4, 600, rng), _rows("ties", 2, 600, rng)]))
@@ -202,7 +202,7 @@ def test_set_order_skips_the_sort(mode: str) -> None:
     for w, g in zip(want, got):
         np.testing.assert_array_equal(np.sort(w[w >= 0]), g[g >= 0])  # same keys, ascending
         assert (w < 0).sum() == (g < 0).sum()
-    assert IndexerKernelConfig().topk_order == "sorted"
+    assert IndexerKernelConfig().topk_order == "set" and IndexerKernelConfig().topk_splits is None
     with pytest.raises(ValueError, match="topk_order"):
         IndexerKernelConfig(topk_order="any")
 
