@@ -478,9 +478,9 @@ def resolve_topk_algorithm(rows: int, cols: int, backend: str | None = None) -> 
     kernel would only run interpreted).
 
     Why the threshold: on the H200 at k = 2048 the Pallas radix select beats ``lax.top_k`` at every shape
-    measured except the smallest, 16 x 32K (``benchmarks/results/kernels_sparse_indexer_*.json`` and
-    ``archive/kernels_topk_h200_2026-12-01_partial.json``, rows ``topk_k2048_b*_c*`` against ``..._pallas_radix``).
-    Both give the same indices in the same order.
+    measured from 1M logits (``benchmarks/results/kernels_sparse_indexer_*.json``, rows ``topk_k2048_b*_c*``
+    against ``..._pallas_radix*``); at 16 x 32K only without its sort (``_set``, the indexer's default order),
+    and below that it is unmeasured. Both give the same indices (in the same order when sorted).
 
     Why it is the default (since 2026-12-01): the decode select (logits + top-k, ``kernels_select_h200_*.json``,
     rows ``decode_select_*_auto`` against the lax rows) was faster with "auto" at every point from 1M logits,

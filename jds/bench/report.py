@@ -412,21 +412,33 @@ def _kernel_rows(d: dict) -> list[str]:
 
 
 def _topk_rows(d: dict) -> list[str]:
-    rows = [r for r in d.get("rows", []) if r.get("case", "").startswith("topk_") and "error" not in r]
+    """Top-k alone per shape: lax.top_k and the Pallas radix select's variants (sorted, set, set with the split
+    prefilter, direct), full batches and mixed ones (one short row); the fastest Pallas variant as a multiple of
+    one read of the logits at the run's copy bandwidth (issue 20's target: <= 10x at 64 x 64K)."""
     by: dict[str, dict[str, dict]] = {}
-    for r in rows:
-        m = re.match(r"(topk_k\d+_b\d+_c\d+)(?:_(.+))?$", r["case"])
-        if m:
-            by.setdefault(m.group(1), {})[m.group(2) or "lax"] = r
+    for r in d.get("rows", []):
+        m = re.match(r"(topk_k\d+_b\d+_c\d+)(_mixed)?(?:_pallas_radix(_direct|_split\d+_set|_set)?)?$", r.get("case", ""))
+        if m and "error" not in r:
+            v = "lax" if r["case"] == m.group(1) + (m.group(2) or "") else \
+                {None: "sorted", "_set": "set", "_direct": "direct"}.get(m.group(3), "split")
+            by.setdefault(m.group(1), {})[v + (" mixed" if m.group(2) else "")] = r
     if not by:
         return []
-    variants = list(dict.fromkeys(v for per in by.values() for v in per))
-    body = [[shape] + [_fmt(per.get(v, {}).get("median_us"), 1) for v in variants]
-            + [_ratio(per.get("lax", {}).get("median_us"), per.get("pallas_radix", {}).get("median_us")),
-               _pct(max((r["bandwidth_frac"] for r in per.values() if r.get("bandwidth_frac")), default=None))]
-            for shape, per in by.items()]
-    return ["", "Top-k alone, pipelined median µs per variant (`lax` = `lax.top_k`):", ""] + \
-        _table(["shape"] + variants + ["lax / pallas_radix", "best bandwidth_frac"], body)
+    cols = [c for c in ("lax", "sorted", "set", "split", "direct", "lax mixed", "sorted mixed", "set mixed",
+                        "split mixed") if any(c in per for per in by.values())]
+    copy = d.get("meta", {}).get("copy_bytes_per_s")
+    body = []
+    for shape, per in by.items():
+        best = min((r for c, r in per.items() if c != "lax" and "mixed" not in c and r.get("median_us")),
+                   key=lambda r: r["median_us"], default={})
+        read_us = best.get("bytes", 0) / copy * 1e6 if copy and best.get("bytes") else None
+        body.append([shape] + [_fmt(per.get(c, {}).get("median_us"), 1) for c in cols]
+                    + [_fmt(best["median_us"] / read_us, 0) if read_us else "—",
+                       _ratio(per.get("lax", {}).get("median_us"), best.get("median_us"))])
+    return ["", "Top-k alone (k = 2048), pipelined median µs: `lax` = lax.top_k; the Pallas radix select `sorted`, "
+            "`set` (no sort of the winners), `split` (set, `split_for`'s programs per row), `direct` (no "
+            "prefilter); `mixed`: one short row in the batch:", ""] + \
+        _table(["shape"] + cols + ["fastest Pallas / one read of the logits", "lax / fastest"], body)
 
 
 def _select_variants(d: dict) -> list[str]:
@@ -465,6 +477,15 @@ def _call_gap(d: dict) -> list[str]:
                body)
 
 
+def _ncu_sweep(d: dict) -> list[str]:
+    """Nsight Compute sweeps (scripts/diag/ncu_sweep_table.py): per case and variant, the GEMM kernel's exact
+    duration and DRAM throughput, and every kernel of the call summed (the wrapper's XLA kernels included)."""
+    body = [[r["case"], json.dumps(r.get("variant", {})), _fmt(r.get("kernel_us"), 1), _fmt(r.get("kernel_dram_pct"), 0),
+             _fmt(r.get("call_kernels_us"), 1), str(len(r.get("kernels", [])))] for r in d.get("rows", [])]
+    return ["Exact kernel durations (Nsight Compute), µs of one call:", ""] + \
+        _table(["case", "variant", "GEMM kernel µs", "its DRAM % of peak", "all the call's kernels µs", "kernels"], body)
+
+
 def _kernels(d: dict) -> list[str]:
     return _kernel_rows(d) + _topk_rows(d)
 
@@ -485,6 +506,7 @@ RENDERERS: list[tuple[Callable[[str, dict], bool], Callable[[dict], list[str]]]]
     (lambda b, d: b.startswith(("kernels_fp4_grouped", "kernels_fp8_grouped")), _grouped),
     (lambda b, d: b.startswith("kernels_select"), _select_variants),
     (lambda b, d: b.startswith("fp8_call_gap"), _call_gap),
+    (lambda b, d: b.endswith("_ncu_sweep"), _ncu_sweep),
     (lambda b, d: b.startswith("kernels"), _kernels),
 ]
 

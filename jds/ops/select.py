@@ -2,7 +2,8 @@
 
 Why: XLA's GPU TopK sorts for large k, so at k = 2048 it takes many times one read of the logits
 (``benchmarks/results/kernels_sparse_indexer_*.json``, rows ``topk_k2048_b*_c*``: ``median_us`` against
-``bytes`` / ``bandwidth_frac``). Radix selection finds each
+``bytes`` / ``bandwidth_frac``; this module's own rows, ``..._radix``, in
+``archive/kernels_sparse_indexer_h200_2026-11-29.json``). Radix selection finds each
 row's k-th largest value in ``32 / bits`` counting passes over the row. Each pass is one fused
 compare-and-reduce that reads the row once. It then keeps the elements above that value, plus the
 lowest-index elements equal to it, compacts them with a prefix sum and sorts only those k.
