@@ -18,6 +18,7 @@
 #   scripts/gpu_session.sh ncu           # Nsight Compute on one FP4 (8 tokens) and one FP8 (M = 64) GEMM call: text pages
 #   scripts/gpu_session.sh ncu-fp8sweep  # issue 19: FP8 decode calls x tile variants, exact kernel durations (ncu)
 #   scripts/gpu_session.sh fp8gap        # issue 19: the gap between two Mosaic kernels, waited call vs 8 calls in one jit
+#   scripts/gpu_session.sh ncu-topk      # issue 20: Nsight Compute (full set) on the radix select at 64 x 64K, one and two programs per row
 #   scripts/gpu_session.sh ncu-fp4sweep  # issue 22: FP4 grouped decode calls x variants (row layout), exact kernel durations (ncu)
 #   scripts/gpu_session.sh hostprofile   # issue 16: one step's GPU timeline (8 layers, 8 segments), TTFT's readback
 #   scripts/gpu_session.sh probe         # host cost of a captured step: preparation vs dispatch, graphs vs none
@@ -174,6 +175,17 @@ case "$stage" in
     # session): there too when 8 calls run from one executable (one command buffer)?
     timeout ${FP8GAP_TIMEOUT:-200} python3 scripts/diag/fp8_call_gap.py --out "$OUT/fp8_call_gap_h200.json" \
       > "$OUT/fp8_call_gap.log" 2>&1; echo "fp8gap rc=$?"; tail -8 "$OUT/fp8_call_gap.log" | cut -c1-300
+    ;;
+  ncu-topk)
+    # the radix select sits at ~29x one read of its logits at 64 x 64K (BENCHMARKS.md): where its time goes
+    for spec in '{"splits": 1}' '{"splits": 2}'; do
+      name=topk64x64k_s$(echo "$spec" | tr -dc '0-9')
+      timeout ${NCUT_TIMEOUT:-100} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
+        -o "/tmp/$name" python3 scripts/diag/ncu_kernels.py topk --m 64 --cols 65536 --tiles "$spec" > /dev/null 2>&1
+      echo "ncu $name rc=$?"
+      ncu -i "/tmp/$name.ncu-rep" --page details > "$OUT/${name}_details.txt" 2>&1
+      ncu -i "/tmp/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/${name}_sass.csv" 2>&1
+    done
     ;;
   ncu-fp4sweep)
     # split_k made no difference (eighth session, archive/fp4_decode_ncu_sweep_h200_2026-12-01.json); now the rows'

@@ -5,6 +5,7 @@
     ncu --clock-control none --profile-from-start off --set full -o OUT/fp8_m64 \
         python3 scripts/diag/ncu_kernels.py fp8 --shape q_b --m 64
     ncu ... python3 scripts/diag/ncu_kernels.py fp8g --shape w1 --tokens 8      # the grouped FP8 expert GEMM
+    ncu ... python3 scripts/diag/ncu_kernels.py topk --m 64 --cols 65536 --tiles '{"splits": 2}'  # the radix select
 
 The call is compiled and run a few times first; only the last call runs between cuProfilerStart and
 cuProfilerStop, so the report holds that call's kernels (the Pallas kernel and the wrapper's XLA ops).
@@ -54,6 +55,15 @@ def _fp8(shape: str, m: int, tiles: dict):
     return f, (x, wq, ws)
 
 
+def _topk(rows: int, cols: int, tiles: dict):
+    """The indexer's Pallas radix select over [rows, cols] random normal fp32 logits (the benchmark's), k = 2048,
+    without its sort of the winners (the indexer's default order); ``tiles``: TopkSelectConfig fields."""
+    from pallas_kernels.topk_select import TopkSelectConfig, topk_select
+    x = jax.random.normal(jax.random.key(0), (rows, cols), jnp.float32)
+    f = jax.jit(lambda v: topk_select(v, 2048, sort=False, config=TopkSelectConfig(**tiles))[1])
+    return f, (x,)
+
+
 def _sweep(a: argparse.Namespace) -> None:
     """fp8sweep: cases shape:rows of the FP8 GEMM; fp4sweep / fp8gsweep: shape:tokens of the grouped GEMMs."""
     cases = [(c.split(":")[0], int(c.split(":")[1])) for c in a.cases]
@@ -88,7 +98,7 @@ def _sweep(a: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kernel", choices=("fp4", "fp8", "fp8g", "fp8sweep", "fp4sweep", "fp8gsweep"))
+    ap.add_argument("kernel", choices=("fp4", "fp8", "fp8g", "topk", "fp8sweep", "fp4sweep", "fp8gsweep"))
     ap.add_argument("--shape", default="wo")
     ap.add_argument("--cases", nargs="+", default=None,
                     help="fp8sweep: shape:rows (default wo and mlp at 1, 64, 128); fp4sweep / fp8gsweep: "
@@ -96,7 +106,8 @@ def main() -> None:
     ap.add_argument("--variants", default="[{}]", help="fp8sweep: JSON list of tile dicts")
     ap.add_argument("--order", default="/tmp/fp8sweep_order.json", help="fp8sweep: where the call order goes")
     ap.add_argument("--tokens", type=int, default=8, help="fp4 / fp8g: tokens (x 6 / 8 routed rows each)")
-    ap.add_argument("--m", type=int, default=64, help="fp8: rows")
+    ap.add_argument("--m", type=int, default=64, help="fp8, topk: rows")
+    ap.add_argument("--cols", type=int, default=65536, help="topk: logits per row")
     ap.add_argument("--tiles", default="{}", help="JSON dict of keyword arguments for the kernel")
     a = ap.parse_args()
     if a.kernel.endswith("sweep"):
@@ -107,7 +118,8 @@ def main() -> None:
     tiles = json.loads(a.tiles)
     make = {"fp4": lambda: _grouped("fp4", a.shape, a.tokens, tiles),
             "fp8g": lambda: _grouped("fp8", a.shape, a.tokens, tiles),
-            "fp8": lambda: _fp8(a.shape, a.m, tiles)}
+            "fp8": lambda: _fp8(a.shape, a.m, tiles),
+            "topk": lambda: _topk(a.m, a.cols, tiles)}
     f, args = make[a.kernel]()
     for _ in range(3):
         jax.block_until_ready(f(*args))
