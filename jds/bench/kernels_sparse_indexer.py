@@ -21,7 +21,8 @@ Cases (full run; ``quick`` uses tiny shapes and few iterations, e.g. to smoke-te
   (pallas_kernels/topk_select.py, default config: sampled-pivot prefilter), ``_pallas_radix_set``: the same
   without the sort of the k winners, ``_pallas_radix_direct``: that kernel without the prefilter; ``_mixed``:
   row 0 holds 1000 finite logits and -inf after them (lax and the two radix rows), against the full batch;
-  ``_pallas_radix_split*_set``: the unsorted select with its prefilter split over ``split_for(B, C)`` programs.
+  ``_pallas_radix_split*_set``: the unsorted select with its prefilter split over ``split_for(B, C)`` programs
+  (the indexer's default); ``..._w16`` / ``..._b2``: that with 16 warps a program / 2-bit digits.
 - topk_pallas: the topk rows without the XLA radix and ``_seg*`` rows (all six shapes fit one 10-minute call).
 
 ``bytes`` / ``flops`` are the kernel's own model for both implementations (so the fractions compare):
@@ -214,6 +215,13 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
         if sp > 1:  # the prefilter's pass over sp programs per row (two kernels), unsorted
             radix_rows[f"pallas_radix_split{sp}_set"] = jax.jit(functools.partial(
                 topk_select, interpret=interpret, config=TopkSelectConfig(splits=sp), sort=False), static_argnums=1)
+        # the indexer's default (set, split_for's splits) with one knob changed, full batches only: under ncu the
+        # kernel was integer-ALU and latency bound with 2 warps per scheduler (perf-log, 2026-12-02): twice the
+        # warps, or 2-bit digits (16 passes of 4 compares per key instead of 8 of 16)
+        knobs = {f"pallas_radix_split{sp}_set_w16": dict(num_warps=16), f"pallas_radix_split{sp}_set_b2": dict(bits=2)}
+        knob_rows = {name: jax.jit(functools.partial(topk_select, interpret=interpret, sort=False,
+                                                     config=TopkSelectConfig(splits=sp, **kw)), static_argnums=1)
+                     for name, kw in knobs.items()}
         def radix_row(case, f, x):  # a lowering failure is a result too; the other rows still get measured
             try:
                 return _row(case, "pallas", f, (x, min(K, c)), 4 * b * c, 0, quick)
@@ -221,7 +229,7 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
                 return {"kernel": "sparse_indexer", "case": case, "impl": "pallas", "bytes": 4 * b * c, "flops": 0,
                         "error": error_text(e, 2000)}
 
-        for name, f in radix_rows.items():  # radix select as one Pallas kernel (+ a sort of the k winners)
+        for name, f in {**radix_rows, **knob_rows}.items():  # radix select as one Pallas kernel (+ a sort of the k winners)
             yield radix_row(f"topk_k{K}_b{b}_c{c}_{name}", f, lg)
         # one short row (1000 finite logits, -inf after: a short request) among full ones: lax against the
         # radix select, whose short-row path must not set the batch's time
