@@ -27,7 +27,8 @@
 #   scripts/gpu_session.sh boundary-xla  # as boundary, with the pure-JAX attention stages
 #   scripts/gpu_session.sh serve         # bench_serve_modes: the server in each mode, c=1 and c=64
 #   scripts/gpu_session.sh thunks        # thunk-dump check: graphs, direct launches per step per mode
-#   scripts/gpu_session.sh pending       # the eighth session's CPU-only work: native tests, split-prefilter mixed rows, FP4 layout, FP8 128-row defaults
+#   scripts/gpu_session.sh pending       # the ninth session's open points: FP8 q_b stream-K and act_quant (ncu), the FP8 grouped call's layout (ncu)
+#   scripts/gpu_session.sh ncu-fp8gsweep # issue 19: FP8 grouped decode calls x variants (row layout), exact kernel durations (ncu)
 #   scripts/gpu_session.sh tests-all     # every gpu-marked test, 6 pytest-xdist workers on the one GPU
 #   scripts/gpu_session.sh kernels       # fused insert (+ tile sweep) + indexer rows with device_us, top-k variants
 #   scripts/gpu_session.sh topk          # Pallas radix-select top-k: native tests, then the top-k rows
@@ -54,7 +55,7 @@ ncu_sweep() {
   while read -r v; do
     timeout ${NCUS_TIMEOUT:-150} ncu --clock-control none --profile-from-start off --csv --page raw --print-units base \
       --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
-      python3 scripts/diag/ncu_kernels.py "$1sweep" --variants "[$v]" --order "/tmp/$1sweep_order$i.json" \
+      python3 scripts/diag/ncu_kernels.py "$1sweep" ${SWEEP_CASES:+--cases $SWEEP_CASES} --variants "[$v]" --order "/tmp/$1sweep_order$i.json" \
       > "/tmp/$1sweep$i.csv" 2>> "$OUT/$1sweep.err"; echo "ncu $1sweep $v rc=$?"
     pairs+=("/tmp/$1sweep$i.csv" "/tmp/$1sweep_order$i.json"); i=$((i + 1))
   done < <(python3 -c 'import json, sys; [print(json.dumps(v)) for v in json.loads(sys.argv[1])]' "$2")
@@ -239,20 +240,18 @@ case "$stage" in
     echo "thunks rc=$?"; tail -3 "$OUT/gpu_boundary_test.log"
     ;;
   pending)
-    # what the eighth session built or changed without a GPU to measure it, in one call (about 6 minutes): the
-    # native tests of the row-layout kernel, the split prefilter's mixed-row fix and the grouped GEMMs' layout
-    # option; the split on mixed batches (diag); the FP4 call with its layout in one kernel (ncu); the FP8 decode
-    # defaults together at 128 rows (stream-K + act_quant in one kernel)
-    timeout -s INT ${PENDING_TESTS_TIMEOUT:-200} python3 -m pytest -m gpu -q --tb=short -rfE -p no:cacheprovider \
-      tests/test_kernel_grouped_rows.py tests/test_kernel_topk_select.py tests/test_kernel_fp4_grouped_gemm.py \
-      tests/test_kernel_fp8_grouped_gemm.py tests/test_kernel_fp8_gemm.py -k "layout or split or exact_data or act_quant or stream_k" \
-      > "$OUT/gpu_pending_tests.log" 2>&1; echo "pending tests rc=$?"; tail -3 "$OUT/gpu_pending_tests.log"
-    timeout ${SPLITMIX_TIMEOUT:-90} python3 scripts/diag/topk_split_mixed.py --out "$OUT/topk_split_mixed_h200.json" \
-      > "$OUT/topk_split_mixed.log" 2>&1; echo "split mixed rc=$?"; grep '^{' "$OUT/topk_split_mixed.log" | cut -c1-160
-    NCUS_TIMEOUT=${NCUS_TIMEOUT:-75} FP4SWEEP_VARIANTS='[{}, {"layout": "pallas"}]' bash "$0" ncu-fp4sweep
-    timeout -s INT ${FP8B_TIMEOUT:-100} python3 -m jds.bench.kernels_fp8_gemm --shapes mlp q_b wo --ms 128 --rows pallas \
-      --out "$OUT/kernels_fp8_gemm_m128_h200.json" > "$OUT/fp8_gemm_bench.log" 2>&1
-    echo "fp8 bench rc=$?"; tail -5 "$OUT/fp8_gemm_bench.log" | cut -c1-220
+    # what the ninth session changed or left unmeasured, in one call (about 6 minutes), exact kernel durations (ncu):
+    # q_b's stream-K rule (spans said stream-K was slower at 64 and 128 rows, against the eighth session's 128-row
+    # row) and the one-kernel act_quant at the decode shapes; the FP8 grouped call with its rows' layout in one
+    # kernel (the FP4 call's default since this session)
+    NCUS_TIMEOUT=${NCUS_TIMEOUT:-90} SWEEP_CASES="q_b:1 q_b:64 q_b:128 mlp:64 mlp:128 wo:64" \
+      FP8SWEEP_VARIANTS='[{}, {"stream_k": false}, {"act_quant": "xla"}]' bash "$0" ncu-fp8sweep
+    NCUS_TIMEOUT=${NCUS_TIMEOUT:-90} bash "$0" ncu-fp8gsweep
+    ;;
+  ncu-fp8gsweep)
+    # the FP8 grouped expert GEMM's call: the rows' bookkeeping in XLA against one kernel (layout="pallas")
+    V=${FP8GSWEEP_VARIANTS:-'[{}, {"layout": "pallas"}]'}
+    ncu_sweep fp8g "$V"
     ;;
   tests-all)
     # every gpu-marked test in one run: pytest-xdist workers share the GPU (the suite is compile-bound;
@@ -272,13 +271,13 @@ case "$stage" in
     ;;
   topk)
     # the Pallas radix-select kernel: its native tests first, then the top-k rows (lax / Pallas), full and with one
-    # short row (_mixed); the split prefilter's mixed-row fix (eighth session) is unmeasured
+    # short row (_mixed), and the knob rows beside the default (16 warps, 2-bit digits; ninth session's ncu profile)
     timeout -s INT ${TOPK_TESTS_TIMEOUT:-240} python3 -m pytest -m gpu -v --tb=short -rfE -p no:cacheprovider \
       tests/test_kernel_topk_select.py > "$OUT/gpu_topk_tests.log" 2>&1
     echo "topk tests rc=$?"; tail -3 "$OUT/gpu_topk_tests.log"
     # topk_pallas: without the XLA radix / segment rows, so that all six shapes (64 x 64K: the target) fit (the full
     # topk case was cut at 64 x 32K in 220 s, eighth session); TOPK_CASES=topk for those rows
-    timeout ${TOPK_TIMEOUT:-300} python3 scripts/bench_kernels.py --only sparse_indexer --cases ${TOPK_CASES:-topk_pallas} \
+    timeout ${TOPK_TIMEOUT:-420} python3 scripts/bench_kernels.py --only sparse_indexer --cases ${TOPK_CASES:-topk_pallas} \
       --out "$OUT/kernels_topk.json" > "$OUT/bench_topk.log" 2>&1; echo "topk bench rc=$?"
     ;;
   select)
