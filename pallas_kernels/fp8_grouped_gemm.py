@@ -67,7 +67,7 @@ def fp8_grouped_linear(x: jax.Array, sizes: jax.Array, wq: jax.Array, w_scale: j
     item (8..128, a power of two), ``block_n`` weight rows per CTA (64 or 128), ``block_k`` input columns per
     pipeline step (128 or 256), ``split_k`` K splits, ``stages`` TMA ring depth. ``layout``: the rows'
     bookkeeping in XLA (about eight small kernels) or in one kernel, "pallas" (``grouped_rows.row_layout``;
-    opt-in until measured on the GPU).
+    opt-in until this call is measured on the GPU: the FP4 call's default since it shortened that call).
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``); None = whenever the default backend
     is not a GPU.
     """

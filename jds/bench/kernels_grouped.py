@@ -15,7 +15,8 @@ tokens rows sorted by expert.
 Per (shape, tokens), one row per impl (each in its own try/except: a failing variant records ``error``):
 - ``pallas``: the kernel with the default tiles (``block_t`` ... ``split_k`` recorded); fp4 also
   ``pallas[dequant=f16]``, the portable dequantisation route (the default is "lop3" at decode tiles);
-  ``pallas[layout=pallas]`` (both formats): the rows' bookkeeping in one kernel (``grouped_rows.row_layout``);
+  the rows' bookkeeping (``grouped_rows.row_layout``) in the other form than the default: fp4
+  ``pallas[layout=xla]`` (XLA's ops; the default natively is one kernel), fp8 ``pallas[layout=pallas]`` (one kernel);
   ``--sweep`` adds ``pallas[...]`` rows for other tiles (tuning data).
 - ``xla``: ``implementation="xla"``.
 Fields: median_us (jds.bench.timing.time_fn), device_unrolled_us (calls under 200 us: timing.device_row),
@@ -114,7 +115,7 @@ FORMATS = {
     "fp4": Format("fp4", {"w1": (4096, 2048), "w2": (2048, 4096)}, 6, fp4g.fp4_grouped_linear, fp4g._pick_tiles,
                   _fp4_experts, _fp4_dense, lambda k, n: n * (k // 2 + k // 32),
                   lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64),
-                  (("pallas[dequant=f16]", dict(dequant="f16")), ("pallas[layout=pallas]", dict(layout="pallas")))),
+                  (("pallas[dequant=f16]", dict(dequant="f16")), ("pallas[layout=xla]", dict(layout="xla")))),
     "fp8": Format("fp8", {"w1": (7168, 2048), "w2": (2048, 7168)}, 8, fp8g.fp8_grouped_linear, fp8g._pick_tiles,
                   _fp8_experts, _fp8_dense, lambda k, n: n * k + 4 * (n // 128) * (k // 128), _fp8_x,
                   (("pallas[layout=pallas]", dict(layout="pallas")),)),
