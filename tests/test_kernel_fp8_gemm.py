@@ -88,12 +88,24 @@ CASES = [
 ]
 
 
-# two tile paths (decode split-K, 128-row tiles) with ue8m0 and one with amax scales by default, the rest slow
-# (CI's 10-minute budget: interpret mode runs the whole kernel in Python)
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("scale_fmt,case", [("ue8m0", 0), ("ue8m0", 3), ("amax", 0)]
-                         + [pytest.param("ue8m0", c, marks=pytest.mark.slow) for c in (1, 2, 4, 5)]
-                         + [pytest.param("amax", c, marks=pytest.mark.slow) for c in range(1, len(CASES))])
+def _both_modes(scale_fmt: str, case: int, slow: bool = False, slow_interpret: bool = False) -> list:
+    """(scale_fmt, case, mode) for interpret mode and natively (marked gpu); ``slow``: both slow;
+    ``slow_interpret``: only the interpret-mode run slow (the native run stays in the GPU default run)."""
+    return [pytest.param(scale_fmt, case, "interpret", id=f"{scale_fmt}-{case}-interpret",
+                         marks=[pytest.mark.slow] if slow or slow_interpret else []),
+            pytest.param(scale_fmt, case, "native", id=f"{scale_fmt}-{case}-native",
+                         marks=[pytest.mark.gpu] + ([pytest.mark.slow] if slow else []))]
+
+
+# two tile paths (decode split-K, 128-row tiles) with ue8m0 scales by default, the rest slow (CI's 10-minute
+# budget: interpret mode runs the whole kernel in Python). ("amax", 0) runs natively by default, in interpret mode
+# only in the slow set: its tile path is ("ue8m0", 0)'s, amax activation scales through the kernel's act_quant are
+# test_quantize_rows_equals_act_quant[7-384-64-amax] and test_quantize_x_in_the_kernel_equals_act_quant[5-...-amax],
+# and UE8M0 weight scales test_exact_data_bit_equal's.
+@pytest.mark.parametrize("scale_fmt,case,mode", _both_modes("ue8m0", 0) + _both_modes("ue8m0", 3)
+                         + _both_modes("amax", 0, slow_interpret=True)
+                         + [p for c in (1, 2, 4, 5) for p in _both_modes("ue8m0", c, slow=True)]
+                         + [p for c in range(1, len(CASES)) for p in _both_modes("amax", c, slow=True)])
 def test_matches_xla(mode: str, scale_fmt: str, case: int) -> None:
     interpret = interpret_for(mode)
     m, k, n, out_dtype, tiles = CASES[case]
