@@ -37,9 +37,9 @@ each survivor is stored straight to its output slot. Per row:
 Split prefilter (``TopkSelectConfig.splits`` > 1; ``split_for`` picks one per batch): one program per row
 streams the row on one SM, so a batch of 16 rows reads its logits on 16 of 132 SMs. With splits, a first
 kernel runs ``splits`` programs per row, each over a contiguous range of whole blocks, filling its own buffer
-of ``capacity`` keys (all of them compute the row's sample pivot); a second kernel, one program per row,
-copies the buffers' union into one contiguous buffer in column order and runs steps 2-3 on it (or on the row,
-under the same conditions as above; a heavy tie past a full buffer reads the row instead of refilling).
+of ``capacity`` keys (all of them compute the row's sample pivot); a second kernel, one program per row, runs
+steps 2-3 on the buffers' union where it lies, one source per split in column order (or on the row, under the
+same conditions as above; a heavy tie past a full buffer reads the row instead of refilling).
 The indexer's default (``IndexerKernelConfig.topk_splits=None``: ``split_for``): on the H200 it was faster than
 one program per row on batches of 16 rows, full or mixed, and level with it at 64 rows (BENCHMARKS.md).
 
@@ -191,10 +191,13 @@ def _scatter(ref, row, t: int, slot: jax.Array, val: jax.Array, ok: jax.Array) -
     C.store(ref, (jnp.where(ok, row, t), jnp.where(ok, slot, 0)), val, ok)
 
 
-def _fill(x_keys, first_block, piv, cap: int, width: int, strict: bool, put: Callable) -> Callable:
-    """The prefilter's streaming pass as a fori_loop body over blocks ``first_block + b``: keys >= ``piv`` (> with
-    ``strict``) go in column order to buffer slots < ``cap`` (``put(slot, s, col, ok)``). Carry: (keys kept or
-    counted, keys > piv, keys > piv that landed in the buffer)."""
+def _fill(x_keys, first_block, n_blocks, piv, cap: int, width: int, strict: bool, put: Callable
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The prefilter's streaming pass over blocks ``first_block .. first_block + n_blocks - 1``: keys >= ``piv``
+    (> with ``strict``) go in column order to buffer slots < ``cap`` (``put(slot, s, col, ok)``). Returns (keys
+    kept or counted, keys > piv, keys > piv that landed in the buffer). Only the first count sets the next block's
+    slots, so it is the one reduced across the CTA per block; the other two (read once, after the pass) are
+    per-lane counters reduced at the end: two cross-warp reductions and their barriers fewer per block."""
     def body(b, carry):
         filled, above, above_in = carry
         s, col = x_keys(first_block + b, width)
@@ -202,9 +205,12 @@ def _fill(x_keys, first_block, piv, cap: int, width: int, strict: bool, put: Cal
         slot = filled + jnp.cumsum(ki, axis=1) - ki
         ok = (ki == 1) & (slot < cap)
         put(slot, s, col, ok)
-        gt = s > piv
-        return filled + jnp.sum(ki), above + jnp.sum(gt.astype(I32)), above_in + jnp.sum((gt & ok).astype(I32))
-    return body
+        gt = (s > piv).astype(I32)
+        return filled + jnp.sum(ki), above + gt, above_in + gt * ok.astype(I32)
+
+    lanes = jnp.zeros((1, width), I32)
+    filled, above, above_in = lax.fori_loop(0, n_blocks, body, (jnp.zeros((), I32), lanes, lanes))
+    return filled, jnp.sum(above), jnp.sum(above_in)
 
 
 def _compact(sources: list[Source], tau: jax.Array, need: jax.Array, k: int, out: Callable) -> None:
@@ -248,12 +254,8 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
             _scatter(bkey_ref, row, t, slot, s, ok)
             _scatter(bcol_ref, row, t, slot, col, ok)
 
-        def fill(strict):
-            return _fill(x_keys, 0, piv, cap, cfg.block, strict, put)
-
-        zero = jnp.zeros((), I32)
         blocks = pl.cdiv(n, cfg.block)
-        filled, above, above_in = lax.fori_loop(0, blocks, fill(False), (zero, zero, zero))
+        filled, above, above_in = _fill(x_keys, 0, blocks, piv, cap, cfg.block, False, put)
         if not interpret:
             plt.debug_barrier()  # the buffer's stores -> its loads by other threads of the CTA
         # More than cap keys at or above the pivot: its value is shared by many keys (the -inf tail of a short
@@ -265,7 +267,7 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
         kept_all = over & (above >= k) & (above_in == above)
         refill = over & (above >= k) & (above <= cap) & (above_in < above)
         at_pivot = over & (above < k)
-        lax.fori_loop(0, refill.astype(I32) * blocks, fill(True), (zero, zero, zero))
+        _fill(x_keys, 0, refill.astype(I32) * blocks, piv, cap, cfg.block, True, put)
         if not interpret:
             plt.debug_barrier()
         count = jnp.where(refill, above, jnp.minimum(filled, cap))  # keys in the buffer
@@ -315,9 +317,7 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
         _scatter(key_ref, row, t, j * cap + slot, s, ok)
         _scatter(col_ref, row, t, j * cap + slot, col, ok)
 
-    zero = jnp.zeros((), I32)
-    counts = lax.fori_loop(0, nb, _fill(_row_keys(x_ref, row, n), j * per, piv_u ^ _SIGN, cap, cfg.block, False, put),
-                           (zero, zero, zero))
+    counts = _fill(_row_keys(x_ref, row, n), j * per, nb, piv_u ^ _SIGN, cap, cfg.block, False, put)
     at = (row + jnp.zeros((1, 1), I32), j + jnp.zeros((1, 1), I32))
     for ref, v in zip((filled_ref, above_ref, in_ref), counts):
         C.store(ref, at, jnp.full((1, 1), v, I32), jnp.ones((1, 1), bool))
@@ -325,18 +325,17 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
 
 
 def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, idx_ref, tau_ref,
-                         path_ref, mkey_ref, mcol_ref, *, n: int, k: int, cfg: TopkSelectConfig, cap: int,
-                         interpret: bool) -> None:
+                         path_ref, *, n: int, k: int, cfg: TopkSelectConfig, cap: int) -> None:
     """Program row: steps 2-3 over the union of the row's split buffers, or over the row.
 
     The union holds every key >= tau when at least k keys reached the pivot and at most ``cap`` did (one
-    buffer's worth, as in the one-kernel path); it is first copied, in column order, into one contiguous buffer
-    (``mkey_ref`` / ``mcol_ref``), so that steps 2-3 read one source as the one-kernel path does. More than ``cap``
-    keys at the pivot (in one split, or in all together: a short row's -inf tail, where each split can still fit
-    its own buffer) mean its value is shared by many keys: with k or more above it, all in their buffers, only
-    those are copied (tau is above the pivot); with fewer than k above it, the pivot is tau (the compaction reads
-    the row, stopping at k). Otherwise (a skewed
-    sample, or keys above the pivot past a full buffer) the row is read."""
+    buffer's worth, as in the one-kernel path). Steps 2-3 read the buffers where they are, one source per split in
+    split order: the splits are consecutive column ranges and each buffer is in column order, so the sources are
+    too (no copy into one buffer first). More than ``cap`` keys at the pivot (in one split, or in all together: a
+    short row's -inf tail, where each split can still fit its own buffer) mean its value is shared by many keys:
+    with k or more above it, all in their buffers, the buffers serve with the keys at the pivot masked out (tau is
+    above the pivot); with fewer than k above it, the pivot is tau (the compaction reads the row, stopping at k).
+    Otherwise (a skewed sample, or keys above the pivot past a full buffer) the row is read."""
     row = pl.program_id(0)
     t = idx_ref.shape[0]
     hb, sp = cfg.hist_block, cfg.splits
@@ -346,52 +345,37 @@ def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref,
     piv_u = jnp.sum(C.load(piv_ref, (row + jnp.zeros((1, 1), I32),), (1, 1)))
     # more keys at or above the pivot than one buffer holds, in one split or in all of them together (a short row's
     # -inf tail whose splits each fit their buffer): the pivot's value is shared by many keys, as in the one-kernel
-    # path; the union then serves only with the keys strictly above the pivot (kept_all), copied alone
+    # path; the union then serves only with the keys strictly above the pivot (kept_all)
     over = (jnp.sum((filled > cap).astype(I32)) > 0) | (total > cap)
     kept_all = over & (total_above >= k) & (jnp.sum((above_in < above).astype(I32)) == 0)
     at_pivot = over & (total_above < k)
     use_buf = ((~over) & (total >= k)) | kept_all
     on, piv_on, strict = use_buf.astype(I32), at_pivot.astype(I32), kept_all.astype(I32)
     piv = piv_u ^ _SIGN
-
     fill = jnp.minimum(filled, cap)
-    moved = jnp.where(strict == 1, above, fill)  # keys each split adds to the merged buffer
-    start = jnp.cumsum(moved, axis=1) - moved  # each split's first slot in the merged buffer
-    for jj in range(sp):
-        fj = jnp.sum(jnp.where(js == jj, fill, 0))
-        oj = jnp.sum(jnp.where(js == jj, start, 0))
 
-        def copy(b, put, jj=jj, fj=fj, oj=oj):
+    def split_source(jj: int) -> Source:
+        fj = jnp.sum(jnp.where(js == jj, fill, 0))
+
+        def keys(b):
             i = b * hb + C.iota((1, hb), 1)
             inside = i < fj
             s = C.load(key_ref, (row, jj * cap + i), (1, hb), mask=inside)
-            ki = (inside & ((s > piv) | (strict == 0))).astype(I32)
-            slot = oj + put + jnp.cumsum(ki, axis=1) - ki
-            _scatter(mkey_ref, row, t, slot, s, ki == 1)
-            _scatter(mcol_ref, row, t, slot, C.load(col_ref, (row, jj * cap + i), (1, hb), mask=inside), ki == 1)
-            return put + jnp.sum(ki)
-        lax.fori_loop(0, on * lax.shift_right_logical(fj + hb - 1, C.log2(hb)), copy, jnp.zeros((), I32))
-    if not interpret:
-        plt.debug_barrier()  # the merged buffer's stores -> its loads by other threads of the CTA
-    count = jnp.sum(moved)
+            keep = inside & ((s > piv) | (strict == 0))  # kept_all: the keys at the pivot are not candidates
+            return jnp.where(keep, s, _SIGN), C.load(col_ref, (row, jj * cap + i), (1, hb), mask=inside)
+        return on * lax.shift_right_logical(fj + hb - 1, C.log2(hb)), keys
 
-    def merged(b):
-        j = b * hb + C.iota((1, hb), 1)
-        inside = j < count
-        return (jnp.where(inside, C.load(mkey_ref, (row, j), (1, hb), mask=inside), _SIGN),
-                C.load(mcol_ref, (row, j), (1, hb), mask=inside))
-
+    bufs = [split_source(jj) for jj in range(sp)]
     x_keys = _row_keys(x_ref, row, n)
     from_row = (pl.cdiv(n, hb), lambda b: x_keys(b, hb))
-    buf = (on * lax.shift_right_logical(count + hb - 1, C.log2(hb)), merged)
-    tau_u, need = _kth_key([buf, ((1 - on) * (1 - piv_on) * from_row[0], from_row[1])], k, cfg.bits, hb)
+    tau_u, need = _kth_key(bufs + [((1 - on) * (1 - piv_on) * from_row[0], from_row[1])], k, cfg.bits, hb)
     tau_u = jnp.where(at_pivot, piv_u, tau_u)
     need = jnp.where(at_pivot, k - total_above, need)
     row11, one11 = row + jnp.zeros((1, 1), I32), jnp.ones((1, 1), bool)
     C.store(tau_ref, (row11,), jnp.full((1, 1), tau_u, I32), one11)
     C.store(path_ref, (row11,), jnp.full((1, 1), jnp.where(at_pivot, 3, jnp.where(kept_all, 4, on)), I32), one11)
 
-    _compact([buf, ((1 - on) * from_row[0], from_row[1])], tau_u ^ _SIGN, need, k,
+    _compact(bufs + [((1 - on) * from_row[0], from_row[1])], tau_u ^ _SIGN, need, k,
              lambda slot, col, keep: _scatter(idx_ref, row, t, slot, col, keep))
 
 
@@ -405,10 +389,9 @@ def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpr
     keys, cols, filled, above, above_in, piv = C.pallas_call(
         fill, out_shape=tuple(bufs), grid=(t, sp), aliases={}, interpret=interpret, name="topk_radix_prefilter",
         num_warps=cfg.num_warps)(x)
-    finish = functools.partial(_split_finish_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret)
+    finish = functools.partial(_split_finish_kernel, n=n, k=k, cfg=cfg, cap=cap)
     out = [jax.ShapeDtypeStruct((t, k), I32)] + [jax.ShapeDtypeStruct((t,), I32)] * 2
-    out += [jax.ShapeDtypeStruct((t, sp * cap), I32)] * 2  # the merged buffer (keys, columns)
-    idx, tau, path, *_ = C.pallas_call(finish, out_shape=tuple(out), grid=(t,), aliases={}, interpret=interpret,
+    idx, tau, path = C.pallas_call(finish, out_shape=tuple(out), grid=(t,), aliases={}, interpret=interpret,
                                    name="topk_radix_finish", num_warps=cfg.num_warps)(x, keys, cols, filled, above,
                                                                                      above_in, piv)
     return idx, tau, jnp.sum(filled, axis=1), path
