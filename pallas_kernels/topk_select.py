@@ -103,6 +103,8 @@ class TopkSelectConfig:
         for name in ("block", "hist_block", "sample", "num_warps", "splits"):
             if not C.is_pow2(getattr(self, name)):
                 raise ValueError(f"{name} must be a power of 2, got {getattr(self, name)}")
+        if self.hist_block >= 1 << 15:  # the compaction packs two per-block counts <= hist_block into one int32
+            raise ValueError(f"hist_block must be < 32768, got {self.hist_block}")
         if self.capacity is not None and self.capacity < 0:
             raise ValueError(f"capacity must be >= 0 or None, got {self.capacity}")
 
@@ -225,7 +227,8 @@ def _compact(sources: list[Source], tau: jax.Array, need: jax.Array, k: int, out
             keep = (s > tau) | ((eq == 1) & (eq_seen + jnp.cumsum(eq, axis=1) - eq < need))
             ki = keep.astype(I32)
             out(kept + jnp.cumsum(ki, axis=1) - ki, col, keep)
-            return b + 1, eq_seen + jnp.sum(eq), kept + jnp.sum(ki)
+            both = jnp.sum(ki + lax.shift_left(eq, 16))  # one cross-warp reduction for both counts (each <= width)
+            return b + 1, eq_seen + lax.shift_right_logical(both, 16), kept + (both & 0xFFFF)
         return lax.while_loop(lambda c: (c[0] < n_blocks) & (c[2] < k), body, (jnp.zeros((), I32), *carry))[1:]
 
     carry = (jnp.zeros((), I32), jnp.zeros((), I32))
