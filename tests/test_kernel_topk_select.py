@@ -135,7 +135,7 @@ def test_split_prefilter_matches_lax_top_k(mode: str) -> None:
 def test_split_short_rows_whose_splits_each_fit(mode: str) -> None:
     """Splits that each fit their buffer (768 columns, capacity 800) while the row's keys at the pivot do not fit
     one (the H200's 16 x 32K mixed batch: 4 splits of 8K keys, capacity 8K): a short row's -inf pivot is tau (fewer
-    than k finite keys) or its finite keys alone form the merged buffer, never the whole row."""
+    than k finite keys) or its finite keys alone serve from the split buffers, never the whole row."""
     n, k, cap = 3000, 50, 800
     cfg = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=cap, splits=4)
     rng = np.random.default_rng(19)
