@@ -90,6 +90,9 @@ class TopkSelectConfig:
     hist_block: int = 256  # keys per step of the counting / compaction loops ([2^bits, hist_block] counters;
     #                        512 spilled in ptxas for sm_90a without the prefilter)
     sample: int = 1024  # evenly spaced row keys that pick the prefilter pivot
+    # leading key bits the pivot resolves (a multiple of bits): fewer, fewer counting passes over the sample, and a
+    # pivot rounded down to its bucket's floor (more candidates, never a different result: any pivot is exact)
+    pivot_bits: int = 32
     capacity: int | None = None  # candidate buffer per row; None: 4 k when N >= 8 k, else no prefilter; 0: none
     num_warps: int = 8
     # programs per row for the prefilter's streaming pass (a power of 2; 1: one kernel, one program per row). A
@@ -103,6 +106,8 @@ class TopkSelectConfig:
         for name in ("block", "hist_block", "sample", "num_warps", "splits"):
             if not C.is_pow2(getattr(self, name)):
                 raise ValueError(f"{name} must be a power of 2, got {getattr(self, name)}")
+        if not (0 < self.pivot_bits <= 32 and self.pivot_bits % self.bits == 0):
+            raise ValueError(f"pivot_bits must be a multiple of bits={self.bits} in 1..32, got {self.pivot_bits}")
         if self.hist_block >= 1 << 15:  # the compaction packs two per-block counts <= hist_block into one int32
             raise ValueError(f"hist_block must be < 32768, got {self.hist_block}")
         if self.capacity is not None and self.capacity < 0:
@@ -136,8 +141,11 @@ def _sample_rank(n: int, k: int, sample: int) -> int:
 Source = tuple[jax.Array | int, Callable[[jax.Array], tuple[jax.Array, jax.Array]]]  # (blocks, block -> (s, col))
 
 
-def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int) -> tuple[jax.Array, jax.Array]:
-    """(u of the k-th largest key over all sources' blocks [1, width], need = k - #keys above it)."""
+def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, key_bits: int = 32
+             ) -> tuple[jax.Array, jax.Array]:
+    """(u of the k-th largest key over all sources' blocks [1, width], need = k - #keys above it). With
+    ``key_bits`` < 32, only that many leading bits are resolved: u is then the floor of the k-th largest key's
+    bucket (its low bits zero), need is relative to that bucket."""
     nd = 1 << bits
     d = C.iota((nd, 1), 0)
     d1 = C.iota((nd,), 0)
@@ -162,7 +170,8 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int) -
         above = jnp.sum(jnp.where(d1 == sel + 1, ge, 0))  # candidates with a larger digit
         return (prefix << bits) | sel, k_rem - above
 
-    return lax.fori_loop(0, 32 // bits, digit_pass, (jnp.zeros((), I32), jnp.asarray(k, I32)))
+    prefix, need = lax.fori_loop(0, key_bits // bits, digit_pass, (jnp.zeros((), I32), jnp.asarray(k, I32)))
+    return (prefix if key_bits == 32 else lax.shift_left(prefix, 32 - key_bits)), need
 
 
 PATHS = ("row", "buffer", "refilled buffer", "pivot is tau", "overflowed buffer")  # select_unsorted's path codes
@@ -184,7 +193,7 @@ def _sample_pivot(x_ref, row, n: int, k: int, cfg: TopkSelectConfig) -> jax.Arra
     scol = lax.div(C.iota((1, s_n), 1) * n, s_n)  # evenly spaced, distinct (s_n <= n)
     xs = lax.bitcast_convert_type(C.load(x_ref, (row, scol), (1, s_n)), I32)
     xs = jnp.where(xs < 0, xs ^ 0x7FFFFFFF, xs)
-    return _kth_key([(1, lambda b: (xs, scol))], _sample_rank(n, k, s_n), cfg.bits, s_n)[0]
+    return _kth_key([(1, lambda b: (xs, scol))], _sample_rank(n, k, s_n), cfg.bits, s_n, cfg.pivot_bits)[0]
 
 
 def _scatter(ref, row, t: int, slot: jax.Array, val: jax.Array, ok: jax.Array) -> None:

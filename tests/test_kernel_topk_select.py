@@ -108,6 +108,24 @@ def test_short_rows_skip_the_row_passes(mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("splits", [1, 4])
+def test_coarse_pivot_same_result(mode: str, splits: int) -> None:
+    """``pivot_bits=12``: the sample's pivot resolved to its 12 leading bits (3 of the 8 counting passes), rounded
+    down to its bucket's floor: the same result as lax.top_k on every row kind (short rows included), from at
+    least as many candidates per row as the exact pivot keeps."""
+    n, k, cap = 3000, 50, 400
+    exact = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=cap, splits=splits)
+    rng = np.random.default_rng(29)
+    short = rng.standard_normal((2, n)).astype(np.float32)
+    short[np.arange(n)[None, :] >= np.array([10, 60])[:, None]] = -np.inf
+    x = np.concatenate([_mixed(n, rng, 1), short, rng.standard_normal((2, n)).astype(np.float32) * 1e-3 + 1.0])
+    coarse = _check(x, k, interpret_for(mode), dataclasses.replace(exact, pivot_bits=12))
+    assert (coarse >= _check(x, k, interpret_for(mode), exact)).all()
+    with pytest.raises(ValueError, match="pivot_bits"):
+        TopkSelectConfig(pivot_bits=6)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_split_prefilter_matches_lax_top_k(mode: str) -> None:
     """``splits`` programs per row stream the prefilter (each into its own buffer), a second kernel counts and
     compacts the buffers' union: lax.top_k's result on every row kind, and each path: buffers (random rows),
