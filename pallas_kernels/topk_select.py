@@ -99,6 +99,9 @@ class TopkSelectConfig:
     # batch of few rows otherwise streams on as many SMs as it has rows; each split fills its own buffer of
     # ``capacity`` keys, and a second kernel (one program per row) counts and compacts their union
     splits: int = 1
+    # copy the counting passes' candidates to a one-block scratch row once at most hist_block remain, and count that
+    # block in the passes after (same counts); off until measured on the GPU
+    shrink: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (1, 2, 4):  # 8 would need [256, hist_block] counters: spills
@@ -141,17 +144,31 @@ def _sample_rank(n: int, k: int, sample: int) -> int:
 Source = tuple[jax.Array | int, Callable[[jax.Array], tuple[jax.Array, jax.Array]]]  # (blocks, block -> (s, col))
 
 
-def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, key_bits: int = 32
-             ) -> tuple[jax.Array, jax.Array]:
+def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, key_bits: int = 32,
+             shrink: tuple | None = None) -> tuple[jax.Array, jax.Array]:
     """(u of the k-th largest key over all sources' blocks [1, width], need = k - #keys above it). With
     ``key_bits`` < 32, only that many leading bits are resolved: u is then the floor of the k-th largest key's
-    bucket (its low bits zero), need is relative to that bucket."""
+    bucket (its low bits zero), need is relative to that bucket.
+
+    ``shrink`` = (scratch ref [T, >= width], row, T, interpret): after the first pass that leaves at most ``width``
+    candidates (keys whose decided bits equal the prefix), they are copied to the scratch row, and the remaining
+    passes count that one block instead of every source's blocks. The counts are the same (the later passes count
+    only those keys anyway), so u and need are too."""
     nd = 1 << bits
     d = C.iota((nd, 1), 0)
     d1 = C.iota((nd,), 0)
+    passes = key_bits // bits
+    lane = C.iota((1, width), 1)
+
+    def scratch_keys(count):
+        def load(b):
+            inside = lane < count
+            s = C.load(shrink[0], (shrink[1], lane), (1, width), mask=inside)
+            return jnp.where(inside, s, _SIGN), lane
+        return load
 
     def digit_pass(p, carry):
-        prefix, k_rem = carry
+        prefix, k_rem, shrunk, kept = carry
         shift = 32 - bits - bits * p
 
         def count(load):
@@ -164,13 +181,35 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
 
         acc = jnp.zeros((nd, width), I32)  # per-lane counters, reduced once per pass
         for n_blocks, load in sources:
-            acc = lax.fori_loop(0, n_blocks, count(load), acc)
+            acc = lax.fori_loop(0, (1 - shrunk) * n_blocks, count(load), acc)
+        if shrink is not None:
+            acc = lax.fori_loop(0, shrunk, count(scratch_keys(kept)), acc)
         ge = jnp.sum(acc, axis=1)
         sel = jnp.sum((ge >= k_rem).astype(I32)) - 1  # ge[0] = all candidates >= k_rem
         above = jnp.sum(jnp.where(d1 == sel + 1, ge, 0))  # candidates with a larger digit
-        return (prefix << bits) | sel, k_rem - above
+        prefix = (prefix << bits) | sel
+        if shrink is not None:  # the next pass's candidates: this digit == sel
+            nxt = jnp.sum(jnp.where(d1 == sel, ge, 0)) - above
+            go = (1 - shrunk) * (nxt <= width).astype(I32) * (p + 1 < passes).astype(I32)
 
-    prefix, need = lax.fori_loop(0, key_bits // bits, digit_pass, (jnp.zeros((), I32), jnp.asarray(k, I32)))
+            def copy(load):
+                def body(b, put):
+                    s = load(b)[0]
+                    ki = (lax.shift_right_logical(s ^ _SIGN, shift) == prefix).astype(I32)
+                    _scatter(shrink[0], shrink[1], shrink[2], put + jnp.cumsum(ki, axis=1) - ki, s, ki == 1)
+                    return put + jnp.sum(ki)
+                return body
+
+            put = jnp.zeros((), I32)
+            for n_blocks, load in sources:
+                put = lax.fori_loop(0, go * n_blocks, copy(load), put)
+            if not shrink[3]:
+                plt.debug_barrier()  # the scratch's stores -> its loads by other threads of the CTA
+            shrunk, kept = shrunk + go, jnp.where(go == 1, nxt, kept)
+        return prefix, k_rem - above, shrunk, kept
+
+    zero = jnp.zeros((), I32)
+    prefix, need, _, _ = lax.fori_loop(0, passes, digit_pass, (zero, jnp.asarray(k, I32), zero, zero))
     return (prefix if key_bits == 32 else lax.shift_left(prefix, 32 - key_bits)), need
 
 
@@ -250,6 +289,7 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
     row = pl.program_id(0)
     t = idx_ref.shape[0]
     hb = cfg.hist_block
+    shrink = (bufs[-1], row, t, interpret) if cfg.shrink else None  # the scratch row comes last
     row11 = row + jnp.zeros((1, 1), I32)  # [1, 1] index of this row's scalar outputs
     one11 = jnp.ones((1, 1), bool)
 
@@ -258,7 +298,7 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
     from_row: Source = (pl.cdiv(n, hb), lambda b: x_keys(b, hb))
     sources = [from_row]
     if cap:
-        bkey_ref, bcol_ref = bufs
+        bkey_ref, bcol_ref = bufs[:2]
         piv_u = _sample_pivot(x_ref, row, n, k, cfg)
         piv = piv_u ^ _SIGN
 
@@ -299,11 +339,11 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
         sources = [(on * lax.shift_right_logical(count + hb - 1, C.log2(hb)), buf_keys),
                    ((1 - on) * from_row[0], from_row[1])]
         counted = [sources[0], ((1 - on) * (1 - piv_on) * from_row[0], from_row[1])]
-        tau_u, need = _kth_key(counted, k, cfg.bits, hb)
+        tau_u, need = _kth_key(counted, k, cfg.bits, hb, shrink=shrink)
         tau_u = jnp.where(at_pivot, piv_u, tau_u)
         need = jnp.where(at_pivot, k - above, need)
     else:
-        tau_u, need = _kth_key(sources, k, cfg.bits, hb)
+        tau_u, need = _kth_key(sources, k, cfg.bits, hb, shrink=shrink)
     tau = tau_u ^ _SIGN
     C.store(tau_ref, (row11,), jnp.full((1, 1), tau_u, I32), one11)
     if not cap:
@@ -337,7 +377,8 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
 
 
 def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, idx_ref, tau_ref,
-                         path_ref, *, n: int, k: int, cfg: TopkSelectConfig, cap: int) -> None:
+                         path_ref, *scratch, n: int, k: int, cfg: TopkSelectConfig, cap: int,
+                         interpret: bool) -> None:
     """Program row: steps 2-3 over the union of the row's split buffers, or over the row.
 
     The union holds every key >= tau when at least k keys reached the pivot and at most ``cap`` did (one
@@ -380,7 +421,9 @@ def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref,
     bufs = [split_source(jj) for jj in range(sp)]
     x_keys = _row_keys(x_ref, row, n)
     from_row = (pl.cdiv(n, hb), lambda b: x_keys(b, hb))
-    tau_u, need = _kth_key(bufs + [((1 - on) * (1 - piv_on) * from_row[0], from_row[1])], k, cfg.bits, hb)
+    shrink = (scratch[0], row, t, interpret) if cfg.shrink else None
+    tau_u, need = _kth_key(bufs + [((1 - on) * (1 - piv_on) * from_row[0], from_row[1])], k, cfg.bits, hb,
+                           shrink=shrink)
     tau_u = jnp.where(at_pivot, piv_u, tau_u)
     need = jnp.where(at_pivot, k - total_above, need)
     row11, one11 = row + jnp.zeros((1, 1), I32), jnp.ones((1, 1), bool)
@@ -401,9 +444,10 @@ def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpr
     keys, cols, filled, above, above_in, piv = C.pallas_call(
         fill, out_shape=tuple(bufs), grid=(t, sp), aliases={}, interpret=interpret, name="topk_radix_prefilter",
         num_warps=cfg.num_warps)(x)
-    finish = functools.partial(_split_finish_kernel, n=n, k=k, cfg=cfg, cap=cap)
+    finish = functools.partial(_split_finish_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret)
     out = [jax.ShapeDtypeStruct((t, k), I32)] + [jax.ShapeDtypeStruct((t,), I32)] * 2
-    idx, tau, path = C.pallas_call(finish, out_shape=tuple(out), grid=(t,), aliases={}, interpret=interpret,
+    out += [jax.ShapeDtypeStruct((t, cfg.hist_block), I32)] if cfg.shrink else []  # the counting's scratch row
+    idx, tau, path, *_ = C.pallas_call(finish, out_shape=tuple(out), grid=(t,), aliases={}, interpret=interpret,
                                    name="topk_radix_finish", num_warps=cfg.num_warps)(x, keys, cols, filled, above,
                                                                                      above_in, piv)
     return idx, tau, jnp.sum(filled, axis=1), path
@@ -445,6 +489,7 @@ def select_unsorted(x: jax.Array, k: int, *, config: TopkSelectConfig | None = N
         return idx, lax.bitcast_convert_type(tau, jnp.uint32), cand, path
     out_shape = [jax.ShapeDtypeStruct((t, k), I32)] + [jax.ShapeDtypeStruct((t,), I32)] * 3
     out_shape += [jax.ShapeDtypeStruct((t, cap), I32)] * 2 if cap else []  # candidate keys, columns
+    out_shape += [jax.ShapeDtypeStruct((t, cfg.hist_block), I32)] if cfg.shrink else []  # the counting's scratch
     kernel = functools.partial(_select_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret)
     idx, tau, cand, path, *_ = C.pallas_call(kernel, out_shape=tuple(out_shape), grid=(t,), aliases={},
                                              interpret=interpret, name="topk_radix_select",

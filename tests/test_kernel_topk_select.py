@@ -108,6 +108,22 @@ def test_short_rows_skip_the_row_passes(mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("splits,capacity", [(1, 400), (4, 400), (1, 0)])
+def test_shrink_same_result(mode: str, splits: int, capacity: int) -> None:
+    """``shrink=True`` (the counting passes move to a one-block scratch row once at most hist_block candidates
+    remain): the same result as lax.top_k on every row kind and path (buffer, split buffers, the row, short rows,
+    the pivot as tau), k below and above hist_block."""
+    n = 3000
+    cfg = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=capacity, splits=splits, shrink=True)
+    rng = np.random.default_rng(31)
+    short = rng.standard_normal((2, n)).astype(np.float32)
+    short[np.arange(n)[None, :] >= np.array([10, 60])[:, None]] = -np.inf
+    x = np.concatenate([_mixed(n, rng, 1), short, rng.standard_normal((2, n)).astype(np.float32)])
+    for k in (50, 300):
+        _check(x, k, interpret_for(mode), cfg)
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("splits", [1, 4])
 def test_coarse_pivot_same_result(mode: str, splits: int) -> None:
     """``pivot_bits=12``: the sample's pivot resolved to its 12 leading bits (3 of the 8 counting passes), rounded

@@ -22,8 +22,9 @@ Cases (full run; ``quick`` uses tiny shapes and few iterations, e.g. to smoke-te
   without the sort of the k winners, ``_pallas_radix_direct``: that kernel without the prefilter; ``_mixed``:
   row 0 holds 1000 finite logits and -inf after them (lax and the two radix rows), against the full batch;
   ``_pallas_radix_split*_set``: the unsorted select with its prefilter split over ``split_for(B, C)`` programs
-  (the indexer's default); ``..._w16`` / ``..._b2`` / ``..._blk4096`` / ``..._s512`` / ``..._p16``: that with 16
-  warps a program / 2-bit digits / prefilter blocks of 4096 keys / a 512-key sample / a 16-bit pivot.
+  (the indexer's default); ``..._w16`` / ``..._b2`` / ``..._blk4096`` / ``..._s512`` / ``..._p16`` / ``..._shrink``:
+  that with 16 warps a program / 2-bit digits / prefilter blocks of 4096 keys / a 512-key sample / a 16-bit pivot /
+  the counting passes shrunk to one block once few candidates remain.
 - topk_pallas: the topk rows without the XLA radix and ``_seg*`` rows (all six shapes fit one 10-minute call).
 
 ``bytes`` / ``flops`` are the kernel's own model for both implementations (so the fractions compare):
@@ -220,11 +221,14 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
         # kernel was integer-ALU and latency bound with 2 warps per scheduler (perf-log, 2026-12-02): twice the
         # warps; 2-bit digits (16 passes of 4 compares per key instead of 8 of 16); prefilter blocks of 4096 keys
         # (half the block-wide scans and barriers); a 512-key sample (half the pivot's counting, ~20% more
-        # candidates); a pivot of 16 leading bits (half its counting passes). All compile for sm_90a without spills.
+        # candidates); a pivot of 16 leading bits (half its counting passes); the counting passes on a one-block scratch
+        # once few candidates remain (shrink). All compile for sm_90a, without spills but for 32 bytes in the
+        # 8-split finish with shrink.
         knobs = {f"pallas_radix_split{sp}_set_w16": dict(num_warps=16), f"pallas_radix_split{sp}_set_b2": dict(bits=2),
                  f"pallas_radix_split{sp}_set_blk4096": dict(block=4096),
                  f"pallas_radix_split{sp}_set_s512": dict(sample=512),
-                 f"pallas_radix_split{sp}_set_p16": dict(pivot_bits=16)}
+                 f"pallas_radix_split{sp}_set_p16": dict(pivot_bits=16),
+                 f"pallas_radix_split{sp}_set_shrink": dict(shrink=True)}
         knob_rows = {name: jax.jit(functools.partial(topk_select, interpret=interpret, sort=False,
                                                      config=TopkSelectConfig(splits=sp, **kw)), static_argnums=1)
                      for name, kw in knobs.items()}
