@@ -25,7 +25,8 @@ Cases (full run; ``quick`` uses tiny shapes and few iterations, e.g. to smoke-te
   (the indexer's default); ``..._w16`` / ``..._b2`` / ``..._blk4096`` / ``..._s512`` / ``..._p16`` / ``..._shrink``:
   that with 16 warps a program / 2-bit digits / prefilter blocks of 4096 keys / a 512-key sample / a 16-bit pivot /
   the counting passes shrunk to one block once few candidates remain.
-- topk_pallas: the topk rows without the XLA radix and ``_seg*`` rows (all six shapes fit one 10-minute call).
+- topk_pallas: the topk rows without the XLA radix, ``_seg*`` and ``_pallas_radix_direct`` rows, with the knob rows
+  at 64 x 64K and 16 x 128K (all six shapes fit one 10-minute call).
 
 ``bytes`` / ``flops`` are the kernel's own model for both implementations (so the fractions compare):
 FP8 key bytes read once per query group (132 B per key and group, groups of G tokens), the fp32 logits
@@ -213,11 +214,13 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
             yield (_row(f"topk_k{K}_b{b}_c{c}_radix{bits}", "xla", radix, (lg, min(K, c), bits), 4 * b * c, 0,
                         quick))
         sp = split_for(b, c)
-        radix_rows = dict(pallas_radix)
+        # topk_pallas leaves out the direct kernel (no prefilter: 4-7x the prefiltered one at every shape, 2026-12-02)
+        radix_rows = {n: f for n, f in pallas_radix.items() if not (lean_topk and n == "pallas_radix_direct")}
         if sp > 1:  # the prefilter's pass over sp programs per row (two kernels), unsorted
             radix_rows[f"pallas_radix_split{sp}_set"] = jax.jit(functools.partial(
                 topk_select, interpret=interpret, config=TopkSelectConfig(splits=sp), sort=False), static_argnums=1)
-        # the indexer's default (set, split_for's splits) with one knob changed, full batches only: under ncu the
+        # the indexer's default (set, split_for's splits) with one knob changed, full batches at 64 x 64K and
+        # 16 x 128K only (the call's time limit): under ncu the
         # kernel was integer-ALU and latency bound with 2 warps per scheduler (perf-log, 2026-12-02): twice the
         # warps; 2-bit digits (16 passes of 4 compares per key instead of 8 of 16); prefilter blocks of 4096 keys
         # (half the block-wide scans and barriers); a 512-key sample (half the pivot's counting, ~20% more
@@ -232,6 +235,8 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
         knob_rows = {name: jax.jit(functools.partial(topk_select, interpret=interpret, sort=False,
                                                      config=TopkSelectConfig(splits=sp, **kw)), static_argnums=1)
                      for name, kw in knobs.items()}
+        if not quick and (b, c) not in ((64, 65536), (16, 131072)):  # the target and a many-split point only
+            knob_rows = {}
         def radix_row(case, f, x):  # a lowering failure is a result too; the other rows still get measured
             try:
                 return _row(case, "pallas", f, (x, min(K, c)), 4 * b * c, 0, quick)
