@@ -180,8 +180,8 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
             return body
 
         acc = jnp.zeros((nd, width), I32)  # per-lane counters, reduced once per pass
-        for n_blocks, load in sources:
-            acc = lax.fori_loop(0, (1 - shrunk) * n_blocks, count(load), acc)
+        for n_blocks, load in sources:  # without shrink, the trip counts stay as given (static where they are)
+            acc = lax.fori_loop(0, n_blocks if shrink is None else (1 - shrunk) * n_blocks, count(load), acc)
         if shrink is not None:
             acc = lax.fori_loop(0, shrunk, count(scratch_keys(kept)), acc)
         ge = jnp.sum(acc, axis=1)
