@@ -90,7 +90,7 @@ class TopkSelectConfig:
     hist_block: int = 256  # keys per step of the counting / compaction loops ([2^bits, hist_block] counters;
     #                        512 spilled in ptxas for sm_90a without the prefilter)
     sample: int = 1024  # evenly spaced row keys that pick the prefilter pivot
-    # leading key bits the pivot resolves (a multiple of bits): fewer, fewer counting passes over the sample, and a
+    # leading key bits the pivot resolves (a multiple of bits): fewer bits, fewer counting passes over the sample, and a
     # pivot rounded down to its bucket's floor (more candidates, never a different result: any pivot is exact)
     pivot_bits: int = 32
     capacity: int | None = None  # candidate buffer per row; None: 4 k when N >= 8 k, else no prefilter; 0: none
