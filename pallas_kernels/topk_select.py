@@ -158,10 +158,10 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
     d = C.iota((nd, 1), 0)
     d1 = C.iota((nd,), 0)
     passes = key_bits // bits
-    lane = C.iota((1, width), 1)
 
     def scratch_keys(count):
         def load(b):
+            lane = C.iota((1, width), 1)
             inside = lane < count
             s = C.load(shrink[0], (shrink[1], lane), (1, width), mask=inside)
             return jnp.where(inside, s, _SIGN), lane

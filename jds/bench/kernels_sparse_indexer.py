@@ -219,24 +219,18 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
         if sp > 1:  # the prefilter's pass over sp programs per row (two kernels), unsorted
             radix_rows[f"pallas_radix_split{sp}_set"] = jax.jit(functools.partial(
                 topk_select, interpret=interpret, config=TopkSelectConfig(splits=sp), sort=False), static_argnums=1)
-        # the indexer's default (set, split_for's splits) with one knob changed, full batches at 64 x 64K and
-        # 16 x 128K only (the call's time limit): under ncu the
-        # kernel was integer-ALU and latency bound with 2 warps per scheduler (perf-log, 2026-12-02): twice the
-        # warps; 2-bit digits (16 passes of 4 compares per key instead of 8 of 16); prefilter blocks of 4096 keys
-        # (half the block-wide scans and barriers); a 512-key sample (half the pivot's counting, ~20% more
-        # candidates); a pivot of 16 leading bits (half its counting passes); the counting passes on a one-block scratch
-        # once few candidates remain (shrink). All compile for sm_90a, without spills but for 32 bytes in the
-        # 8-split finish with shrink.
-        knobs = {f"pallas_radix_split{sp}_set_w16": dict(num_warps=16), f"pallas_radix_split{sp}_set_b2": dict(bits=2),
-                 f"pallas_radix_split{sp}_set_blk4096": dict(block=4096),
-                 f"pallas_radix_split{sp}_set_s512": dict(sample=512),
-                 f"pallas_radix_split{sp}_set_p16": dict(pivot_bits=16),
-                 f"pallas_radix_split{sp}_set_shrink": dict(shrink=True)}
-        knob_rows = {name: jax.jit(functools.partial(topk_select, interpret=interpret, sort=False,
-                                                     config=TopkSelectConfig(splits=sp, **kw)), static_argnums=1)
-                     for name, kw in knobs.items()}
-        if not quick and (b, c) not in ((64, 65536), (16, 131072)):  # the target and a many-split point only
-            knob_rows = {}
+        # the indexer's default (set, split_for's splits) with one knob changed, full batches, at 64 x 64K and 16 x 128K
+        # only (the call's time limit). Under ncu the kernel was integer-ALU and latency bound with 2 warps per
+        # scheduler (perf-log, 2026-12-02): twice the warps; 2-bit digits (16 passes of 4 compares per key instead of
+        # 8 of 16); prefilter blocks of 4096 keys (half the block-wide scans and barriers); a 512-key sample (half the
+        # pivot's counting, ~20% more candidates); a pivot of 16 leading bits (half its counting passes); the counting
+        # passes on a one-block scratch once few candidates remain (shrink). All compile for sm_90a, without spills
+        # but for 32 bytes in the 8-split finish with shrink.
+        knobs = {"w16": dict(num_warps=16), "b2": dict(bits=2), "blk4096": dict(block=4096), "s512": dict(sample=512),
+                 "p16": dict(pivot_bits=16), "shrink": dict(shrink=True)}
+        knob_rows = {f"pallas_radix_split{sp}_set_{name}": jax.jit(functools.partial(
+            topk_select, interpret=interpret, sort=False, config=TopkSelectConfig(splits=sp, **kw)), static_argnums=1)
+            for name, kw in knobs.items()} if quick or (b, c) in ((64, 65536), (16, 131072)) else {}
         def radix_row(case, f, x):  # a lowering failure is a result too; the other rows still get measured
             try:
                 return _row(case, "pallas", f, (x, min(K, c)), 4 * b * c, 0, quick)
