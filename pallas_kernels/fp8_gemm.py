@@ -107,6 +107,7 @@ _SWZ8 = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))
 _SWZ16 = (plgpu.TilingTransform((8, BLOCK // 2)), plgpu.SwizzleTransform(128))
 
 STAGE_SCALES_BELOW = 129  # rows (M) below which stage_scales=None stages the scales in SMEM (if they fit)
+STREAM_K_ROWS_PER_K = 32  # stream_k=None needs M <= K / this (_auto_stream_k: q_b's 1536 -> 48 rows, mlp's 7168 -> 224)
 ACT_QUANT_KERNEL_UP_TO = 128  # rows (M) up to which act_quant=None quantises x in one kernel (quantize_rows)
 SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 
@@ -223,11 +224,17 @@ def _auto_stream_k(m: int, n: int, nk: int, block_m: int | None, block_n: int | 
     """stream_k=None: on for decode rows (M <= 128 in one 64- or 128-row tile, no tile choices that exclude it)
     whose column tiles alone exceed one wave (mlp's 144 on 132 SMs, q_b's 192), where whole tiles leave a tail
     wave; the one-wave K split covers the shapes with fewer tiles (wo, q_a), and there stream-K measured slower
-    (BENCHMARKS.md, kernels_fp8_gemm: 1, 64 and 128 rows)."""
+    (BENCHMARKS.md, kernels_fp8_gemm: 1, 64 and 128 rows).
+
+    Off where the fp32 partials cost too much beside the weight read: a shared tile's partial is written and
+    summed (8 M bytes per column, in two kernels) against its K weight bytes per column, so stream-K needs
+    M <= K / ``STREAM_K_ROWS_PER_K``. Exact kernel times (ncu, fp8_decode_ncu_sweep_h200_2026-12-02.json):
+    q_b (K = 1536) was faster without stream-K at 64 and 128 rows and level at 1; mlp (K = 7168) faster with
+    it at 64 and 128."""
     if m > 128 or block_m not in (None, 64 if m <= 64 else 128) or split_k is not None or stage_scales:
         return False
     bn = block_n or 128
-    return n % bn == 0 and n // bn > NUM_SMS and nk >= 2
+    return n % bn == 0 and n // bn > NUM_SMS and nk >= 2 and m * STREAM_K_ROWS_PER_K <= nk * BLOCK
 
 
 def _auto_act_quant(m: int) -> str:

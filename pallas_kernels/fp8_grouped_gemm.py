@@ -56,7 +56,7 @@ def fp8_grouped_linear(x: jax.Array, sizes: jax.Array, wq: jax.Array, w_scale: j
                        implementation: Implementation = "auto",
                        interpret: bool | plgpu.InterpretGPUParams | None = None, block_t: int | None = None,
                        block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-                       stages: int = 4, layout: Implementation = "xla") -> jax.Array:
+                       stages: int = 4, layout: Implementation = "auto") -> jax.Array:
     """y [M, N] (``out_dtype``): row r of x [M, K] times expert e(r)'s FP8 weight, rows grouped by expert in order
     (``sizes`` int [E], sum <= M; rows past the sum give 0), W = ``wq`` (float8_e4m3fn [E, N, K]) with
     ``w_scale`` (float32 [E, N/128, K/128]); x re-quantised per 1 x 128 with ``scale_fmt`` scales.
@@ -66,8 +66,10 @@ def fp8_grouped_linear(x: jax.Array, sizes: jax.Array, wq: jax.Array, w_scale: j
     applies, else XLA. Tiles (kernel only; ``_pick_tiles`` has the defaults): ``block_t`` token rows per work
     item (8..128, a power of two), ``block_n`` weight rows per CTA (64 or 128), ``block_k`` input columns per
     pipeline step (128 or 256), ``split_k`` K splits, ``stages`` TMA ring depth. ``layout``: the rows'
-    bookkeeping in XLA (about eight small kernels) or in one kernel, "pallas" (``grouped_rows.row_layout``;
-    opt-in until this call is measured on the GPU: the FP4 call's default since it shortened that call).
+    bookkeeping in XLA (about eight small kernels) or in one kernel, "pallas" (``grouped_rows.row_layout``), which
+    shortened the decode call at every measured shape on the H200
+    (benchmarks/results/fp8g_decode_ncu_sweep_h200_2026-12-02.json); "auto": "pallas" natively, "xla" in
+    interpret mode.
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``); None = whenever the default backend
     is not a GPU.
     """
@@ -135,7 +137,7 @@ def _fit_stages(stages: int, bt: int, bn: int, bk: int, kps: int) -> int:
 
 
 def _pallas(x, sizes, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_t, block_n, block_k, split_k, stages,
-            layout="xla"):
+            layout="auto"):
     _check_tiles(block_t, block_n, block_k, split_k, stages)
     e, n, k = wq.shape
     m = x.shape[0]

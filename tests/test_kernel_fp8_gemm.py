@@ -371,10 +371,14 @@ def test_auto_split_k() -> None:
 
 def test_auto_stream_k_and_staged_scales() -> None:
     """stream_k=None: on for decode rows whose column tiles alone exceed one wave (mlp, q_b), off where the K
-    split makes one wave (wo, q_a), above 128 rows and wherever a tile choice excludes it. Staged scales by default
-    up to 128 rows where they fit SMEM; act_quant in one kernel up to 128 rows."""
+    split makes one wave (wo, q_a), above 128 rows, where the fp32 partials outweigh the short K (q_b from 49 rows)
+    and wherever a tile choice excludes it. Staged scales by default up to 128 rows where they fit SMEM; act_quant
+    in one kernel up to 128 rows."""
     assert G._auto_stream_k(1, 18432, 56, None, None, None, None)  # mlp: 144 tiles
-    assert G._auto_stream_k(64, 24576, 12, None, None, None, None)  # q_b: 192 tiles
+    assert G._auto_stream_k(1, 24576, 12, None, None, None, None)  # q_b: 192 tiles
+    assert G._auto_stream_k(48, 24576, 12, None, None, None, None)
+    assert not G._auto_stream_k(49, 24576, 12, None, None, None, None)  # K = 1536: partials beside the weights
+    assert not G._auto_stream_k(128, 24576, 12, None, None, None, None)
     assert not G._auto_stream_k(1, 7168, 128, None, None, None, None)  # wo: 56 tiles, split 2
     assert G._auto_stream_k(128, 18432, 56, None, None, None, None)  # one 128-row tile
     assert not G._auto_stream_k(129, 18432, 56, None, None, None, None)

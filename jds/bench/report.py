@@ -435,9 +435,10 @@ def _topk_rows(d: dict) -> list[str]:
         body.append([shape] + [_fmt(per.get(c, {}).get("median_us"), 1) for c in cols]
                     + [_fmt(best["median_us"] / read_us, 0) if read_us else "—",
                        _ratio(per.get("lax", {}).get("median_us"), best.get("median_us"))])
+    direct = ", `direct` (no prefilter)" if "direct" in cols else ""
     return ["", "Top-k alone (k = 2048), pipelined median µs: `lax` = lax.top_k; the Pallas radix select `sorted`, "
-            "`set` (no sort of the winners), `split` (set, `split_for`'s programs per row), `direct` (no "
-            "prefilter); `mixed`: one short row in the batch:", ""] + \
+            f"`set` (no sort of the winners), `split` (set, `split_for`'s programs per row){direct}; `mixed`: one "
+            "short row in the batch:", ""] + \
         _table(["shape"] + cols + ["fastest Pallas / one read of the logits", "lax / fastest"], body)
 
 
