@@ -3,6 +3,7 @@
 # its outputs land in $OUT as they are produced, so a stage that is cut short keeps what it measured:
 #
 #   scripts/gpu_session.sh hostpath      # issue 16: graph updates per step (VLOG counts), TTFT variants
+#   scripts/gpu_session.sh ttft-fp8      # issue 19: 8-layer V3.2 TTFT, FP8 weights then bf16 weights (fused:device:8)
 #   scripts/gpu_session.sh ttft-parts    # issue 16: TTFT's host time per dispatch, preparation in the loop vs alone, put / spin
 #   scripts/gpu_session.sh invariance    # issue 23: --batch-invariant under preemption (20 pages)
 #   scripts/gpu_session.sh deep          # issue 16: 61 layers, MoE (8 routed experts, top-8)
@@ -77,6 +78,15 @@ case "$stage" in
     V="fused:host fused:device fused:device:2 fused:device:4 fused:device:8 narrow:host wide:host wide:device"
     timeout ${TTFT_TIMEOUT:-230} python3 -m jds.bench.ttft --arch v32 --layers 8 --intermediate 18432 --variants $V \
       --out "$OUT/ttft_v32_h200.json" > "$OUT/ttft_v32.log" 2>&1; echo "ttft8 rc=$?"; grep '^{' "$OUT/ttft_v32.log" | cut -c1-250
+    ;;
+  ttft-fp8)
+    # issue 19: the 8-layer V3.2 TTFT with FP8 weights (the FP8 GEMM's defaults as they are now), and with bf16
+    # weights in the same call for the ratio
+    for w in fp8 bf16; do
+      timeout ${TTFT8_TIMEOUT:-200} python3 -m jds.bench.ttft --arch v32 --layers 8 --intermediate 18432 \
+        $([ $w = fp8 ] && echo --fp8-weights) --variants fused:device:8 --n 50 --out "$OUT/ttft_v32_${w}_h200.json" \
+        > "$OUT/ttft_v32_$w.log" 2>&1; echo "ttft $w rc=$?"; grep '^{' "$OUT/ttft_v32_$w.log" | cut -c1-300
+    done
     ;;
   ttft-parts)
     # issue 16: where TTFT's host time goes, per dispatch (seg0..), input preparation in the step loop vs alone;
