@@ -102,13 +102,19 @@ class TopkSelectConfig:
     # copy the counting passes' candidates to a one-block scratch row once at most hist_block remain, and count that
     # block in the passes after (same counts); off until measured on the GPU
     shrink: bool = False
+    # blocks whose loads a streaming loop (prefilter, counting, compaction) issues together before using any: one
+    # wait on memory per ``unroll`` blocks instead of one per block (the profile showed 2 warps per scheduler with
+    # no eligible warp most cycles); blocks past a source's end are masked out, so every count is unchanged
+    unroll: int = 1
 
     def __post_init__(self) -> None:
         if self.bits not in (1, 2, 4):  # 8 would need [256, hist_block] counters: spills
             raise ValueError(f"bits must be 1, 2 or 4, got {self.bits}")
-        for name in ("block", "hist_block", "sample", "num_warps", "splits"):
+        for name in ("block", "hist_block", "sample", "num_warps", "splits", "unroll"):
             if not C.is_pow2(getattr(self, name)):
                 raise ValueError(f"{name} must be a power of 2, got {getattr(self, name)}")
+        if self.unroll > 8:
+            raise ValueError(f"unroll must be at most 8, got {self.unroll}")
         if not (0 < self.pivot_bits <= 32 and self.pivot_bits % self.bits == 0):
             raise ValueError(f"pivot_bits must be a multiple of bits={self.bits} in 1..32, got {self.pivot_bits}")
         if self.hist_block >= 1 << 15:  # the compaction packs two per-block counts <= hist_block into one int32
@@ -141,11 +147,18 @@ def _sample_rank(n: int, k: int, sample: int) -> int:
 
 
 # ----- kernel-side pieces ----------------------------------------------------------------------------
+def _ceil_div(a: jax.Array | int, u: int) -> jax.Array | int:
+    """ceil(a / u) for a power-of-2 u: a Python int stays one (a static trip count)."""
+    if u == 1 or isinstance(a, int):
+        return -(-a // u)
+    return lax.shift_right_logical(a + (u - 1), C.log2(u))
+
+
 Source = tuple[jax.Array | int, Callable[[jax.Array], tuple[jax.Array, jax.Array]]]  # (blocks, block -> (s, col))
 
 
 def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, key_bits: int = 32,
-             shrink: tuple | None = None) -> tuple[jax.Array, jax.Array]:
+             shrink: tuple | None = None, unroll: int = 1) -> tuple[jax.Array, jax.Array]:
     """(u of the k-th largest key over all sources' blocks [1, width], need = k - #keys above it). With
     ``key_bits`` < 32, only that many leading bits are resolved: u is then the floor of the k-th largest key's
     bucket (its low bits zero), need is relative to that bucket.
@@ -153,7 +166,11 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
     ``shrink`` = (scratch ref [T, >= width], row, T, interpret): after the first pass that leaves at most ``width``
     candidates (keys whose decided bits equal the prefix), they are copied to the scratch row, and the remaining
     passes count that one block instead of every source's blocks. The counts are the same (the later passes count
-    only those keys anyway), so u and need are too."""
+    only those keys anyway), so u and need are too.
+
+    ``unroll``: each loop step loads that many of a source's blocks before counting any (``TopkSelectConfig.unroll``);
+    blocks past the source's count are no candidates, so the counts are unchanged. Sources must load by block index
+    (the sample's one block does not: unroll 1 there)."""
     nd = 1 << bits
     d = C.iota((nd, 1), 0)
     d1 = C.iota((nd,), 0)
@@ -171,19 +188,25 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
         prefix, k_rem, shrunk, kept = carry
         shift = 32 - bits - bits * p
 
-        def count(load):
-            def body(b, acc):
-                top = lax.shift_right_logical(load(b)[0] ^ _SIGN, shift)
-                # digit of a candidate (high bits == prefix); -1 (below every d) for the rest
-                dig = jnp.where(lax.shift_right_logical(top, bits) == prefix, top & (nd - 1), -1)
-                return acc + (dig >= d).astype(I32)
+        def count(load, n_blocks, u):
+            def body(i, acc):
+                keys = [load(i * u + j)[0] for j in range(u)]  # every load issued before the first use
+                for j, s in enumerate(keys):
+                    top = lax.shift_right_logical(s ^ _SIGN, shift)
+                    # digit of a candidate (high bits == prefix); -1 (below every d) for the rest
+                    cand = lax.shift_right_logical(top, bits) == prefix
+                    if u > 1:  # a block past the source's count (its masked lanes would read as u = 0 keys)
+                        cand = cand & (i * u + j < n_blocks)
+                    acc = acc + (jnp.where(cand, top & (nd - 1), -1) >= d).astype(I32)
+                return acc
             return body
 
         acc = jnp.zeros((nd, width), I32)  # per-lane counters, reduced once per pass
         for n_blocks, load in sources:  # without shrink, the trip counts stay as given (static where they are)
-            acc = lax.fori_loop(0, n_blocks if shrink is None else (1 - shrunk) * n_blocks, count(load), acc)
+            nb = n_blocks if shrink is None else (1 - shrunk) * n_blocks
+            acc = lax.fori_loop(0, _ceil_div(nb, unroll), count(load, nb, unroll), acc)
         if shrink is not None:
-            acc = lax.fori_loop(0, shrunk, count(scratch_keys(kept)), acc)
+            acc = lax.fori_loop(0, shrunk, count(scratch_keys(kept), 1, 1), acc)
         ge = jnp.sum(acc, axis=1)
         sel = jnp.sum((ge >= k_rem).astype(I32)) - 1  # ge[0] = all candidates >= k_rem
         above = jnp.sum(jnp.where(d1 == sel + 1, ge, 0))  # candidates with a larger digit
@@ -241,42 +264,53 @@ def _scatter(ref, row, t: int, slot: jax.Array, val: jax.Array, ok: jax.Array) -
     C.store(ref, (jnp.where(ok, row, t), jnp.where(ok, slot, 0)), val, ok)
 
 
-def _fill(x_keys, first_block, n_blocks, piv, cap: int, width: int, strict: bool, put: Callable
+def _fill(x_keys, first_block, n_blocks, piv, cap: int, width: int, strict: bool, put: Callable, unroll: int = 1
           ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The prefilter's streaming pass over blocks ``first_block .. first_block + n_blocks - 1``: keys >= ``piv``
     (> with ``strict``) go in column order to buffer slots < ``cap`` (``put(slot, s, col, ok)``). Returns (keys
     kept or counted, keys > piv, keys > piv that landed in the buffer). Only the first count sets the next block's
     slots, so it is the one reduced across the CTA per block; the other two (read once, after the pass) are
-    per-lane counters reduced at the end: two cross-warp reductions and their barriers fewer per block."""
-    def body(b, carry):
+    per-lane counters reduced at the end: two cross-warp reductions and their barriers fewer per block.
+    ``unroll`` blocks are loaded per step before any is used; one past ``n_blocks`` (another split's, or past the
+    row) reads as keys below every pivot."""
+    def body(i, carry):
         filled, above, above_in = carry
-        s, col = x_keys(first_block + b, width)
-        ki = ((s > piv) if strict else (s >= piv)).astype(I32)
-        slot = filled + jnp.cumsum(ki, axis=1) - ki
-        ok = (ki == 1) & (slot < cap)
-        put(slot, s, col, ok)
-        gt = (s > piv).astype(I32)
-        return filled + jnp.sum(ki), above + gt, above_in + gt * ok.astype(I32)
+        blocks = [x_keys(first_block + i * unroll + j, width) for j in range(unroll)]  # the loads first
+        for j, (s, col) in enumerate(blocks):
+            if unroll > 1:
+                s = jnp.where(i * unroll + j < n_blocks, s, _SIGN)
+            ki = ((s > piv) if strict else (s >= piv)).astype(I32)
+            slot = filled + jnp.cumsum(ki, axis=1) - ki
+            ok = (ki == 1) & (slot < cap)
+            put(slot, s, col, ok)
+            gt = (s > piv).astype(I32)
+            filled, above, above_in = filled + jnp.sum(ki), above + gt, above_in + gt * ok.astype(I32)
+        return filled, above, above_in
 
     lanes = jnp.zeros((1, width), I32)
-    filled, above, above_in = lax.fori_loop(0, n_blocks, body, (jnp.zeros((), I32), lanes, lanes))
+    filled, above, above_in = lax.fori_loop(0, _ceil_div(n_blocks, unroll), body, (jnp.zeros((), I32), lanes, lanes))
     return filled, jnp.sum(above), jnp.sum(above_in)
 
 
-def _compact(sources: list[Source], tau: jax.Array, need: jax.Array, k: int, out: Callable) -> None:
+def _compact(sources: list[Source], tau: jax.Array, need: jax.Array, k: int, out: Callable, unroll: int = 1) -> None:
     """Step 3 over the sources in column order: keys > tau, and == tau while fewer than ``need`` came before,
     each stored by ``out(slot, col, keep)``. Stops once k keys are kept (none can follow): a row whose pivot is
-    tau (a short row's -inf tail) then reads its finite keys and the first -inf ones, not the whole row again."""
+    tau (a short row's -inf tail) then reads its finite keys and the first -inf ones, not the whole row again.
+    ``unroll`` blocks are loaded per step before any is used; one past a source's count keeps nothing."""
     def run(n_blocks, load, carry):
         def body(c):
             b, eq_seen, kept = c
-            s, col = load(b)
-            eq = (s == tau).astype(I32)
-            keep = (s > tau) | ((eq == 1) & (eq_seen + jnp.cumsum(eq, axis=1) - eq < need))
-            ki = keep.astype(I32)
-            out(kept + jnp.cumsum(ki, axis=1) - ki, col, keep)
-            both = jnp.sum(ki + lax.shift_left(eq, 16))  # one cross-warp reduction for both counts (each <= width)
-            return b + 1, eq_seen + lax.shift_right_logical(both, 16), kept + (both & 0xFFFF)
+            blocks = [load(b + j) for j in range(unroll)]  # the loads first
+            for j, (s, col) in enumerate(blocks):
+                if unroll > 1:
+                    s = jnp.where(b + j < n_blocks, s, _SIGN)  # below every tau: neither kept nor equal
+                eq = (s == tau).astype(I32)
+                keep = (s > tau) | ((eq == 1) & (eq_seen + jnp.cumsum(eq, axis=1) - eq < need))
+                ki = keep.astype(I32)
+                out(kept + jnp.cumsum(ki, axis=1) - ki, col, keep)
+                both = jnp.sum(ki + lax.shift_left(eq, 16))  # one cross-warp reduction for both counts (each <= width)
+                eq_seen, kept = eq_seen + lax.shift_right_logical(both, 16), kept + (both & 0xFFFF)
+            return b + unroll, eq_seen, kept
         return lax.while_loop(lambda c: (c[0] < n_blocks) & (c[2] < k), body, (jnp.zeros((), I32), *carry))[1:]
 
     carry = (jnp.zeros((), I32), jnp.zeros((), I32))
@@ -307,7 +341,7 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
             _scatter(bcol_ref, row, t, slot, col, ok)
 
         blocks = pl.cdiv(n, cfg.block)
-        filled, above, above_in = _fill(x_keys, 0, blocks, piv, cap, cfg.block, False, put)
+        filled, above, above_in = _fill(x_keys, 0, blocks, piv, cap, cfg.block, False, put, cfg.unroll)
         if not interpret:
             plt.debug_barrier()  # the buffer's stores -> its loads by other threads of the CTA
         # More than cap keys at or above the pivot: its value is shared by many keys (the -inf tail of a short
@@ -319,7 +353,7 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
         kept_all = over & (above >= k) & (above_in == above)
         refill = over & (above >= k) & (above <= cap) & (above_in < above)
         at_pivot = over & (above < k)
-        _fill(x_keys, 0, refill.astype(I32) * blocks, piv, cap, cfg.block, True, put)
+        _fill(x_keys, 0, refill.astype(I32) * blocks, piv, cap, cfg.block, True, put, cfg.unroll)
         if not interpret:
             plt.debug_barrier()
         count = jnp.where(refill, above, jnp.minimum(filled, cap))  # keys in the buffer
@@ -339,18 +373,18 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
         sources = [(on * lax.shift_right_logical(count + hb - 1, C.log2(hb)), buf_keys),
                    ((1 - on) * from_row[0], from_row[1])]
         counted = [sources[0], ((1 - on) * (1 - piv_on) * from_row[0], from_row[1])]
-        tau_u, need = _kth_key(counted, k, cfg.bits, hb, shrink=shrink)
+        tau_u, need = _kth_key(counted, k, cfg.bits, hb, shrink=shrink, unroll=cfg.unroll)
         tau_u = jnp.where(at_pivot, piv_u, tau_u)
         need = jnp.where(at_pivot, k - above, need)
     else:
-        tau_u, need = _kth_key(sources, k, cfg.bits, hb, shrink=shrink)
+        tau_u, need = _kth_key(sources, k, cfg.bits, hb, shrink=shrink, unroll=cfg.unroll)
     tau = tau_u ^ _SIGN
     C.store(tau_ref, (row11,), jnp.full((1, 1), tau_u, I32), one11)
     if not cap:
         C.store(cand_ref, (row11,), jnp.full((1, 1), n, I32), one11)
         C.store(path_ref, (row11,), jnp.zeros((1, 1), I32), one11)
 
-    _compact(sources, tau, need, k, lambda slot, col, keep: _scatter(idx_ref, row, t, slot, col, keep))
+    _compact(sources, tau, need, k, lambda slot, col, keep: _scatter(idx_ref, row, t, slot, col, keep), cfg.unroll)
 
 
 def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, *, n: int, k: int,
@@ -369,7 +403,7 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
         _scatter(key_ref, row, t, j * cap + slot, s, ok)
         _scatter(col_ref, row, t, j * cap + slot, col, ok)
 
-    counts = _fill(_row_keys(x_ref, row, n), j * per, nb, piv_u ^ _SIGN, cap, cfg.block, False, put)
+    counts = _fill(_row_keys(x_ref, row, n), j * per, nb, piv_u ^ _SIGN, cap, cfg.block, False, put, cfg.unroll)
     at = (row + jnp.zeros((1, 1), I32), j + jnp.zeros((1, 1), I32))
     for ref, v in zip((filled_ref, above_ref, in_ref), counts):
         C.store(ref, at, jnp.full((1, 1), v, I32), jnp.ones((1, 1), bool))
@@ -423,7 +457,7 @@ def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref,
     from_row = (pl.cdiv(n, hb), lambda b: x_keys(b, hb))
     shrink = (scratch[0], row, t, interpret) if cfg.shrink else None
     tau_u, need = _kth_key(bufs + [((1 - on) * (1 - piv_on) * from_row[0], from_row[1])], k, cfg.bits, hb,
-                           shrink=shrink)
+                           shrink=shrink, unroll=cfg.unroll)
     tau_u = jnp.where(at_pivot, piv_u, tau_u)
     need = jnp.where(at_pivot, k - total_above, need)
     row11, one11 = row + jnp.zeros((1, 1), I32), jnp.ones((1, 1), bool)
@@ -431,7 +465,7 @@ def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref,
     C.store(path_ref, (row11,), jnp.full((1, 1), jnp.where(at_pivot, 3, jnp.where(kept_all, 4, on)), I32), one11)
 
     _compact(bufs + [((1 - on) * from_row[0], from_row[1])], tau_u ^ _SIGN, need, k,
-             lambda slot, col, keep: _scatter(idx_ref, row, t, slot, col, keep))
+             lambda slot, col, keep: _scatter(idx_ref, row, t, slot, col, keep), cfg.unroll)
 
 
 def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpret: bool):

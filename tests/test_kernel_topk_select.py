@@ -124,6 +124,31 @@ def test_shrink_same_result(mode: str, splits: int, capacity: int) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("splits,capacity,unroll,shrink", [
+    (4, 400, 2, False),  # 3 prefilter blocks per split: the second step's last block is the next split's
+    (1, 400, 4, True),
+    (1, 0, 8, False)])  # the row path
+def test_unroll_same_result(mode: str, splits: int, capacity: int, unroll: int, shrink: bool) -> None:
+    """``unroll`` (each loop step loads that many blocks before using any; blocks past a source's end masked out):
+    the same result, candidates and paths as ``unroll=1`` and as lax.top_k, on every row kind and path, with block
+    counts that are no multiple of the unroll."""
+    n, k = 3000, 50
+    base = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=capacity, splits=splits, shrink=shrink)
+    rng = np.random.default_rng(37)
+    finite = [10, 60, 120, 120]
+    short = rng.standard_normal((len(finite), n)).astype(np.float32)
+    short[np.arange(n)[None, :] >= np.array(finite)[:, None]] = -np.inf
+    short[3] = short[3, ::-1]  # the finite keys last: the refilled buffer
+    x = np.concatenate([_mixed(n, rng, 1), short])
+    want = _check(x, k, interpret_for(mode), base, paths=True)
+    got = _check(x, k, interpret_for(mode), dataclasses.replace(base, unroll=unroll), paths=True)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    with pytest.raises(ValueError, match="unroll"):
+        TopkSelectConfig(unroll=3)
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("splits", [1, 4])
 def test_coarse_pivot_same_result(mode: str, splits: int) -> None:
     """``pivot_bits=12``: the sample's pivot resolved to its 12 leading bits (3 of the 8 counting passes), rounded

@@ -22,9 +22,10 @@ Cases (full run; ``quick`` uses tiny shapes and few iterations, e.g. to smoke-te
   without the sort of the k winners, ``_pallas_radix_direct``: that kernel without the prefilter; ``_mixed``:
   row 0 holds 1000 finite logits and -inf after them (lax and the two radix rows), against the full batch;
   ``_pallas_radix_split*_set``: the unsorted select with its prefilter split over ``split_for(B, C)`` programs
-  (the indexer's default); ``..._w16`` / ``..._b2`` / ``..._blk4096`` / ``..._s512`` / ``..._p16`` / ``..._shrink``:
-  that with 16 warps a program / 2-bit digits / prefilter blocks of 4096 keys / a 512-key sample / a 16-bit pivot /
-  the counting passes shrunk to one block once few candidates remain.
+  (the indexer's default); ``..._w16`` / ``..._b2`` / ``..._blk4096`` / ``..._s512`` / ``..._p16`` / ``..._shrink``
+  / ``..._u2`` / ``..._u4``: that with 16 warps a program / 2-bit digits / prefilter blocks of 4096 keys / a 512-key
+  sample / a 16-bit pivot / the counting passes shrunk to one block once few candidates remain / the loads of 2 or 4
+  blocks issued together per loop step.
 - topk_pallas: the topk rows without the XLA radix, ``_seg*`` and ``_pallas_radix_direct`` rows, with the knob rows
   at 64 x 64K and 16 x 128K (all six shapes fit one 10-minute call).
 
@@ -227,7 +228,7 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
         # passes on a one-block scratch once few candidates remain (shrink). All compile for sm_90a, without spills
         # but for 32 bytes in the 8-split finish with shrink.
         knobs = {"w16": dict(num_warps=16), "b2": dict(bits=2), "blk4096": dict(block=4096), "s512": dict(sample=512),
-                 "p16": dict(pivot_bits=16), "shrink": dict(shrink=True)}
+                 "p16": dict(pivot_bits=16), "shrink": dict(shrink=True), "u2": dict(unroll=2), "u4": dict(unroll=4)}
         knob_rows = {f"pallas_radix_split{sp}_set_{name}": jax.jit(functools.partial(
             topk_select, interpret=interpret, sort=False, config=TopkSelectConfig(splits=sp, **kw)), static_argnums=1)
             for name, kw in knobs.items()} if quick or (b, c) in ((64, 65536), (16, 131072)) else {}

@@ -1,0 +1,64 @@
+"""The radix select's knobs at the indexer's shapes: the default against single and combined knobs, one call.
+
+    python scripts/diag/topk_knobs.py [--shapes 64x65536 16x131072 ...] [--knobs default u2 u4 ...] [--out F]
+
+Why: the bench's knob rows (jds.bench.kernels_sparse_indexer, ``topk_pallas``) time one knob at a time at two
+shapes, in a call that also times every other top-k row. This times only the set-order split select
+(``split_for``'s splits, as the indexer runs it) with each knob set named below, at any shapes, full batches and
+one short row, checking each set against ``lax.top_k``'s, so a knob can become the default from one short call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jds.bench.timing import time_fn
+from pallas_kernels.topk_select import TopkSelectConfig, split_for, topk_select
+
+K = 2048
+KNOBS = {"default": {}, "u2": dict(unroll=2), "u4": dict(unroll=4), "b2": dict(bits=2),
+         "u2_b2": dict(unroll=2, bits=2), "u2_blk4096": dict(unroll=2, block=4096),
+         "u2_shrink": dict(unroll=2, shrink=True), "blk4096": dict(block=4096), "shrink": dict(shrink=True)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["64x65536", "16x131072", "16x32768", "64x131072"])
+    ap.add_argument("--knobs", nargs="+", default=list(KNOBS), choices=list(KNOBS))
+    ap.add_argument("--mixed", action="store_true", help="also a batch with one short row (1000 finite logits)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    lax_topk = jax.jit(jax.lax.top_k, static_argnums=1)
+    rows = []
+    for shape in a.shapes:
+        b, c = (int(v) for v in shape.split("x"))
+        sp = split_for(b, c)
+        lg = jax.random.normal(jax.random.key(b * c), (b, c), jnp.float32)
+        batches = [("", lg)] + ([("_mixed", lg.at[0, 1000:].set(-jnp.inf))] if a.mixed else [])
+        for tag, x in batches:
+            want = np.sort(np.asarray(lax_topk(x, K)[1]), axis=1)
+            for name in a.knobs:
+                cfg = TopkSelectConfig(splits=sp, **KNOBS[name])
+                f = jax.jit(functools.partial(topk_select, sort=False, config=cfg), static_argnums=1)
+                try:
+                    got = np.sort(np.asarray(f(x, K)[1]), axis=1)
+                    r = {"case": f"topk_b{b}_c{c}{tag}_split{sp}_set_{name}", "same_set_as_lax": bool((got == want).all()),
+                         **time_fn(f, x, K, warmup=5, iters=30)}
+                except Exception as e:  # noqa: BLE001 - a diag: report and go on
+                    r = {"case": f"topk_b{b}_c{c}{tag}_split{sp}_set_{name}", "error": f"{type(e).__name__}: {e}"[:400]}
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+    if a.out:
+        with open(a.out, "w") as fh:
+            json.dump({"meta": {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                                "knobs": {n: KNOBS[n] for n in a.knobs}}, "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
