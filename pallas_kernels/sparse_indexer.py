@@ -84,7 +84,7 @@ from jds.ops.indexer import indexer_topk_xla, map_token_chunks, masked_index_log
 from jds.ops.select import radix_topk
 from jds.ops.quant import FP8, act_quant
 from jds.ops.records import IndexerRecord132
-from pallas_kernels.topk_select import TopkSelectConfig, split_for, topk_select
+from pallas_kernels.topk_select import TopkSelectConfig, select_config_for, topk_select
 
 TILE = 64  # keys per MMA tile (wgmma M)
 HEAD_DIM = 128
@@ -116,7 +116,8 @@ class IndexerKernelConfig:
     topk_order: TopkOrder = "set"  # "set": the same keys in any order (pallas_radix then skips its sort of the
     #                                k winners; the sparse MQA takes a set); "sorted": lax.top_k's order
     topk_splits: int | None = None  # pallas_radix: programs per row for its prefilter pass (TopkSelectConfig.splits;
-    #                                 a power of 2); None: topk_select.split_for(rows, cols), by the batch
+    #                                 a power of 2); None: topk_select.select_config_for(rows, cols), by the
+    #                                 batch (split_for's splits, with its measured unroll and shrink where it splits)
     # Why "set" and None by default: on the H200 both were at least as fast as "sorted" / 1 at every measured
     # k = 2048 shape, full and mixed batches (kernels_sparse_indexer_h200_2026-12-02.json, rows ..._pallas_radix_set
     # and ..._split*_set; kernels_select_h200_2026-12-02.json), within a few percent at 64 x 32K
@@ -517,8 +518,8 @@ def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
     if algorithm == "radix":
         vals, idx = radix_topk(logits, kk)
     elif algorithm == "pallas_radix":
-        sp = split_for(t, n) if splits is None else splits
-        vals, idx = topk_select(logits, kk, sort=order == "sorted", config=TopkSelectConfig(splits=sp))
+        cfg = select_config_for(t, n) if splits is None else TopkSelectConfig(splits=splits)
+        vals, idx = topk_select(logits, kk, sort=order == "sorted", config=cfg)
     elif segment is None or n <= segment or segment < kk:
         vals, idx = lax.top_k(logits, kk)
     else:

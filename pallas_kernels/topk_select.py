@@ -138,6 +138,15 @@ def split_for(t: int, n: int, cfg: TopkSelectConfig | None = None, sms: int = 13
     return s
 
 
+def select_config_for(t: int, n: int, sms: int = 132) -> TopkSelectConfig:
+    """The indexer's config for [t, n] rows (``IndexerKernelConfig.topk_splits=None``): ``split_for``'s splits, and
+    where it splits, the loads of 2 blocks issued together with the counting shrunk to one block once few candidates
+    remain. On the H200 (benchmarks/results/topk_knobs_h200_2026-12-02.json) that pair was faster than the split
+    alone at 64 x 64K, 16 x 128K and 64 x 128K and slower at 16 x 32K, where ``"auto"`` runs ``lax.top_k``."""
+    sp = split_for(t, n, sms=sms)
+    return TopkSelectConfig(splits=sp, unroll=2, shrink=True) if sp > 1 else TopkSelectConfig()
+
+
 def _sample_rank(n: int, k: int, sample: int) -> int:
     """Rank r of the pivot in the sample. About m = sample * k / n sampled keys reach tau; r = m + 4 sqrt(m) + 4
     puts the pivot below tau unless the sample holds >= r of the row's top k, a ~4-sigma event for a sample

@@ -1,5 +1,5 @@
 """BENCHMARKS.md is generated from the result files (``python -m jds.bench.report``): the committed page is what
-the generator writes from the repository's results, it stays under 460 lines (25 benchmarks, one table each; a new benchmark earns its lines), and every table names the one
+the generator writes from the repository's results, it stays under 480 lines (26 benchmarks, one table each; a new benchmark earns its lines), and every table names the one
 complete JSON file its numbers come from."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def test_page_is_generated_from_the_results() -> None:
     text = render(RESULTS)
     with open(os.path.join(ROOT, "BENCHMARKS.md")) as f:
         assert f.read() == text, "BENCHMARKS.md is stale: run python -m jds.bench.report"
-    assert text.count("\n") < 460
+    assert text.count("\n") < 480
 
 
 def test_every_table_names_an_existing_complete_file() -> None:

@@ -208,9 +208,12 @@ def test_split_short_rows_whose_splits_each_fit(mode: str) -> None:
 
 
 def test_split_for() -> None:
-    from pallas_kernels.topk_select import split_for
+    from pallas_kernels.topk_select import select_config_for, split_for
     assert [split_for(t, 131072) for t in (1, 4, 16, 64, 128)] == [16, 16, 8, 2, 1]
     assert split_for(16, 8192) == 1  # too short to split (4 blocks of 2048 per split)
+    # the indexer's config: the measured unroll and shrink where it splits, the defaults where it does not
+    assert select_config_for(64, 65536) == TopkSelectConfig(splits=2, unroll=2, shrink=True)
+    assert select_config_for(128, 65536) == TopkSelectConfig()
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -238,14 +241,15 @@ def test_indexer_topk_from_logits_pallas_radix(mode: str, k: int) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_indexer_topk_splits(mode: str) -> None:
-    """IndexerKernelConfig.topk_splits reaches the kernel: None picks split_for (2 programs per row for 2 rows of
-    16K with the default blocks), and the selection equals lax's; a bad value names the field."""
-    from pallas_kernels.topk_select import split_for
+    """IndexerKernelConfig.topk_splits reaches the kernel: None picks select_config_for (2 programs per row for 2
+    rows of 16K with the default blocks, with unroll and shrink), and the selection equals lax's; a bad value names
+    the field."""
+    from pallas_kernels.topk_select import select_config_for
     interpret_for(mode)
     rng = np.random.default_rng(5)
     x = rng.standard_normal((2, 16384)).astype(np.float32)
     x[1, 3000:] = -np.inf  # a short row among them
-    assert split_for(2, 16384) == 2
+    assert select_config_for(2, 16384).splits == 2
     np.testing.assert_array_equal(np.asarray(topk_from_logits(jnp.asarray(x), 64, algorithm="pallas_radix",
                                                               order="set", splits=None)),
                                   np.sort(np.asarray(topk_from_logits(jnp.asarray(x), 64)), axis=1))
@@ -339,6 +343,18 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
     """Pallas -> Triton IR for an (abstract) H200 at the indexer's shapes, k = 2048."""
     fn = functools.partial(topk_select, k=2048, interpret=False, config=config)
     assert "__gpu$xla.gpu.triton" in C.check_triton_lowering(fn, jax.ShapeDtypeStruct((t, n), jnp.float32))
+
+
+@pytest.mark.parametrize("t,n", [(64, 65536), (16, 131072)])
+def test_sm90_compile_indexer_config(t: int, n: int) -> None:
+    """The indexer's config at its shapes (``select_config_for``: split, unroll 2, shrink) compiles for sm_90a with at
+    most 32 bytes of spills in its finish kernel (ptxas: 28 and 32 in 2026-12-02's build), the variant measured
+    faster on the H200 than the split alone, spills included (benchmarks/results/topk_knobs_h200_2026-12-02.json)."""
+    pytest.importorskip("triton")
+    from pallas_kernels.topk_select import select_config_for
+    fn = functools.partial(topk_select, k=2048, interpret=False, config=select_config_for(t, n), sort=False)
+    for k in C.compile_sm90_report(fn, jax.ShapeDtypeStruct((t, n), jnp.float32)):
+        assert k["spill_bytes"] <= 32, k
 
 
 @pytest.mark.parametrize("t,n,config", REAL)

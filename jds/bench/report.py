@@ -487,6 +487,25 @@ def _ncu_sweep(d: dict) -> list[str]:
         _table(["case", "variant", "GEMM kernel µs", "its DRAM % of peak", "all the call's kernels µs", "kernels"], body)
 
 
+def _topk_knobs(d: dict) -> list[str]:
+    """scripts/diag/topk_knobs.py: per shape, the split set select's median µs with each knob set, and the best
+    set against the default (split alone); a set whose result differed from lax.top_k's is marked."""
+    by: dict[str, dict[str, dict]] = {}
+    for r in d.get("rows", []):
+        m = re.match(r"topk_b(\d+)_c(\d+)(_mixed)?_split\d+_set_(\w+)$", r.get("case", ""))
+        if m and "error" not in r:
+            by.setdefault(f"{m.group(1)} x {m.group(2)}{m.group(3) or ''}", {})[m.group(4)] = r
+    knobs = list(d.get("meta", {}).get("knobs", {})) or sorted({k for per in by.values() for k in per})
+    body = []
+    for shape, per in by.items():
+        best = min(per, key=lambda k: per[k]["median_us"])
+        body.append([shape] + [_fmt(per[k]["median_us"], 1) + ("" if per[k].get("same_set_as_lax", True) else " ≠lax")
+                               if k in per else "—" for k in knobs]
+                    + [best, _ratio(per.get("default", {}).get("median_us"), per[best]["median_us"])])
+    return ["Top-k knob sets (k = 2048, set order, `split_for`'s splits), pipelined median µs:", ""] + \
+        _table(["shape"] + knobs + ["fastest", "default / fastest"], body)
+
+
 def _kernels(d: dict) -> list[str]:
     return _kernel_rows(d) + _topk_rows(d)
 
@@ -508,6 +527,7 @@ RENDERERS: list[tuple[Callable[[str, dict], bool], Callable[[dict], list[str]]]]
     (lambda b, d: b.startswith("kernels_select"), _select_variants),
     (lambda b, d: b.startswith("fp8_call_gap"), _call_gap),
     (lambda b, d: b.endswith("_ncu_sweep"), _ncu_sweep),
+    (lambda b, d: b.startswith("topk_knobs"), _topk_knobs),
     (lambda b, d: b.startswith("kernels"), _kernels),
 ]
 
