@@ -28,7 +28,7 @@
 #   scripts/gpu_session.sh boundary-xla  # as boundary, with the pure-JAX attention stages
 #   scripts/gpu_session.sh serve         # bench_serve_modes: the server in each mode, c=1 and c=64
 #   scripts/gpu_session.sh thunks        # thunk-dump check: graphs, direct launches per step per mode
-#   scripts/gpu_session.sh pending       # the ninth session's open points: FP8 q_b stream-K and act_quant (ncu), the FP8 grouped call's layout (ncu)
+#   scripts/gpu_session.sh pending       # the tenth session's open points: the indexer select with the new top-k config, then ncu-topk
 #   scripts/gpu_session.sh ncu-fp8gsweep # issue 19: FP8 grouped decode calls x variants (row layout), exact kernel durations (ncu)
 #   scripts/gpu_session.sh tests-all     # every gpu-marked test, 6 pytest-xdist workers on the one GPU
 #   scripts/gpu_session.sh kernels       # fused insert (+ tile sweep) + indexer rows with device_us, top-k variants
@@ -190,8 +190,9 @@ case "$stage" in
     ;;
   ncu-topk)
     # the radix select sits at ~29x one read of its logits at 64 x 64K (BENCHMARKS.md): where its time goes
-    for spec in '{"splits": 1}' '{"splits": 2}'; do
-      name=topk64x64k_s$(echo "$spec" | tr -dc '0-9')
+    # the indexer's config (select_config_for: 2 splits, unroll 2, shrink) and the split alone
+    for spec in '{"splits": 2, "unroll": 2, "shrink": true}' '{"splits": 2}'; do
+      name=topk64x64k_$(echo "$spec" | tr -dc 'a-z0-9' | sed 's/splits/s/; s/unroll/u/; s/shrinktrue/_shrink/')
       timeout ${NCUT_TIMEOUT:-100} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
         -o "/tmp/$name" python3 scripts/diag/ncu_kernels.py topk --m 64 --cols 65536 --tiles "$spec" > /dev/null 2>&1
       echo "ncu $name rc=$?"
@@ -251,13 +252,11 @@ case "$stage" in
     echo "thunks rc=$?"; tail -3 "$OUT/gpu_boundary_test.log"
     ;;
   pending)
-    # what the ninth session changed or left unmeasured, in one call (about 6 minutes), exact kernel durations (ncu):
-    # q_b's stream-K rule (spans said stream-K was slower at 64 and 128 rows, against the eighth session's 128-row
-    # row) and the one-kernel act_quant at the decode shapes; the FP8 grouped call with its rows' layout in one
-    # kernel (the FP4 call's default since this session)
-    NCUS_TIMEOUT=${NCUS_TIMEOUT:-90} SWEEP_CASES="q_b:1 q_b:64 q_b:128 mlp:64 mlp:128 wo:64" \
-      FP8SWEEP_VARIANTS='[{}, {"stream_k": false}, {"act_quant": "xla"}]' bash "$0" ncu-fp8sweep
-    NCUS_TIMEOUT=${NCUS_TIMEOUT:-90} bash "$0" ncu-fp8gsweep
+    # what the tenth session changed or left unmeasured, in one call (about 7 minutes): the indexer's decode select
+    # with its new top-k config (select_config_for: unroll 2 + shrink where it splits), then where that top-k's
+    # time now goes (ncu, the new config and the split alone at 64 x 64K)
+    bash "$0" select
+    NCUT_TIMEOUT=${NCUT_TIMEOUT:-100} bash "$0" ncu-topk
     ;;
   ncu-fp8gsweep)
     # the FP8 grouped expert GEMM's call: the rows' bookkeeping in XLA against one kernel (layout="pallas")
