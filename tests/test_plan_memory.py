@@ -50,7 +50,7 @@ def _cfg():
 
 def test_plan_equals_the_runner_placement() -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip())
     for dp, tp, ep in ((2, 2, 1),):  # (1, 2, 2): tests/test_restore_sharded.py checks the plan there too
         p = subprocess.run([sys.executable, "-c", PLACED, str(dp), str(tp), str(ep)], env=env, cwd=ROOT,
                            capture_output=True, text=True, timeout=600)

@@ -66,7 +66,7 @@ print(json.dumps(out))
 @pytest.mark.parametrize("name", ["v32-tiny", pytest.param("v4-tiny", marks=pytest.mark.slow)])
 def test_restore_into_shards(name: str) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip())
     p = subprocess.run([sys.executable, "-c", WORKER, name], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
