@@ -5,7 +5,9 @@
 Why: the bench's knob rows (jds.bench.kernels_sparse_indexer, ``topk_pallas``) time one knob at a time at two
 shapes, in a call that also times every other top-k row. This times only the set-order split select
 (``split_for``'s splits, as the indexer runs it) with each knob set named below, at any shapes, full batches and
-one short row, checking each set against ``lax.top_k``'s, so a knob can become the default from one short call.
+(``--mixed``) one short row, checking each set against ``lax.top_k``'s, so a knob can become the default from one
+short call. ``--lax`` also times ``lax.top_k``; the knob set ``single`` is one program per row (no split).
+(``--mixed --lax --knobs single default`` is the former scripts/diag/topk_split_mixed.py.)
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from jds.bench.timing import time_fn
 from pallas_kernels.topk_select import TopkSelectConfig, split_for, topk_select
 
 K = 2048
-KNOBS = {"default": {}, "u2": dict(unroll=2), "u4": dict(unroll=4), "b2": dict(bits=2),
+KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": dict(unroll=4), "b2": dict(bits=2),
          "u2_b2": dict(unroll=2, bits=2), "u2_blk4096": dict(unroll=2, block=4096),
          "u2_shrink": dict(unroll=2, shrink=True), "blk4096": dict(block=4096), "shrink": dict(shrink=True)}
 
@@ -32,6 +34,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["64x65536", "16x131072", "16x32768", "64x131072"])
     ap.add_argument("--knobs", nargs="+", default=list(KNOBS), choices=list(KNOBS))
     ap.add_argument("--mixed", action="store_true", help="also a batch with one short row (1000 finite logits)")
+    ap.add_argument("--lax", action="store_true", help="also time lax.top_k")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     lax_topk = jax.jit(jax.lax.top_k, static_argnums=1)
@@ -43,15 +46,19 @@ def main() -> None:
         batches = [("", lg)] + ([("_mixed", lg.at[0, 1000:].set(-jnp.inf))] if a.mixed else [])
         for tag, x in batches:
             want = np.sort(np.asarray(lax_topk(x, K)[1]), axis=1)
+            if a.lax:
+                rows.append({"case": f"topk_b{b}_c{c}{tag}_lax", **time_fn(lax_topk, x, K, warmup=5, iters=30)})
+                print(json.dumps(rows[-1]), flush=True)
             for name in a.knobs:
-                cfg = TopkSelectConfig(splits=sp, **KNOBS[name])
+                cfg = TopkSelectConfig(**{"splits": sp, **KNOBS[name]})
                 f = jax.jit(functools.partial(topk_select, sort=False, config=cfg), static_argnums=1)
+                case = f"topk_b{b}_c{c}{tag}_split{cfg.splits}_set_{name}"
                 try:
                     got = np.sort(np.asarray(f(x, K)[1]), axis=1)
-                    r = {"case": f"topk_b{b}_c{c}{tag}_split{sp}_set_{name}", "same_set_as_lax": bool((got == want).all()),
+                    r = {"case": case, "same_set_as_lax": bool((got == want).all()),
                          **time_fn(f, x, K, warmup=5, iters=30)}
                 except Exception as e:  # noqa: BLE001 - a diag: report and go on
-                    r = {"case": f"topk_b{b}_c{c}{tag}_split{sp}_set_{name}", "error": f"{type(e).__name__}: {e}"[:400]}
+                    r = {"case": case, "error": f"{type(e).__name__}: {e}"[:400]}
                 rows.append(r)
                 print(json.dumps(r), flush=True)
     if a.out:
