@@ -100,11 +100,12 @@ class TopkSelectConfig:
     # ``capacity`` keys, and a second kernel (one program per row) counts and compacts their union
     splits: int = 1
     # copy the counting passes' candidates to a one-block scratch row once at most hist_block remain, and count that
-    # block in the passes after (same counts); off until measured on the GPU
+    # block in the passes after (same counts); off here, on in the indexer's split config (select_config_for)
     shrink: bool = False
     # blocks whose loads a streaming loop (prefilter, counting, compaction) issues together before using any: one
     # wait on memory per ``unroll`` blocks instead of one per block (the profile showed 2 warps per scheduler with
-    # no eligible warp most cycles); blocks past a source's end are masked out, so every count is unchanged
+    # no eligible warp most cycles); blocks past a source's end are masked out, so every count is unchanged; 1 here,
+    # 2 in the indexer's split config (select_config_for)
     unroll: int = 1
 
     def __post_init__(self) -> None:
