@@ -157,13 +157,6 @@ def _sample_rank(n: int, k: int, sample: int) -> int:
 
 
 # ----- kernel-side pieces ----------------------------------------------------------------------------
-def _ceil_div(a: jax.Array | int, u: int) -> jax.Array | int:
-    """ceil(a / u) for a power-of-2 u: a Python int stays one (a static trip count)."""
-    if u == 1 or isinstance(a, int):
-        return -(-a // u)
-    return lax.shift_right_logical(a + (u - 1), C.log2(u))
-
-
 Source = tuple[jax.Array | int, Callable[[jax.Array], tuple[jax.Array, jax.Array]]]  # (blocks, block -> (s, col))
 
 
@@ -214,7 +207,7 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
         acc = jnp.zeros((nd, width), I32)  # per-lane counters, reduced once per pass
         for n_blocks, load in sources:  # without shrink, the trip counts stay as given (static where they are)
             nb = n_blocks if shrink is None else (1 - shrunk) * n_blocks
-            acc = lax.fori_loop(0, _ceil_div(nb, unroll), count(load, nb, unroll), acc)
+            acc = lax.fori_loop(0, pl.cdiv(nb, unroll), count(load, nb, unroll), acc)
         if shrink is not None:
             acc = lax.fori_loop(0, shrunk, count(scratch_keys(kept), 1, 1), acc)
         ge = jnp.sum(acc, axis=1)
@@ -298,7 +291,7 @@ def _fill(x_keys, first_block, n_blocks, piv, cap: int, width: int, strict: bool
         return filled, above, above_in
 
     lanes = jnp.zeros((1, width), I32)
-    filled, above, above_in = lax.fori_loop(0, _ceil_div(n_blocks, unroll), body, (jnp.zeros((), I32), lanes, lanes))
+    filled, above, above_in = lax.fori_loop(0, pl.cdiv(n_blocks, unroll), body, (jnp.zeros((), I32), lanes, lanes))
     return filled, jnp.sum(above), jnp.sum(above_in)
 
 

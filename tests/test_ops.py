@@ -122,10 +122,12 @@ def _check_v4(got, want, args, kw, impl) -> None:
 
 
 # ----- indexer top-k --------------------------------------------------------------------------------------
-def _indexer(fmt) -> tuple[tuple, dict]:
-    """Two requests of 40 and 70 keys on shuffled pages; 5 tokens of each (some see fewer keys than k)."""
-    rng = np.random.default_rng(8)
-    epp, nblk = fmt.entries_per_page, 3
+def _indexer(fmt, nblk: int = 3, seed: int = 8, nvis: tuple = (3, 10, 20, 39, 40, 5, 30, 50, 69, 70)
+             ) -> tuple[tuple, dict]:
+    """Two requests of 40 and 70 keys on shuffled pages; 5 tokens of each (some see fewer keys than k).
+    (``nblk`` pages a request, ``seed`` and ``nvis``: scripts/diag/indexer_logits_check.py's variants.)"""
+    rng = np.random.default_rng(seed)
+    epp = fmt.entries_per_page
     bt = rng.permutation(2 * nblk + 1)[: 2 * nblk].reshape(2, nblk).astype(np.int32)
     n = (2 * nblk + 1) * epp
     cache = _write(empty_cache(fmt, 2 * nblk + 1), fmt, jnp.arange(n, dtype=jnp.int32),
@@ -134,8 +136,7 @@ def _indexer(fmt) -> tuple[tuple, dict]:
     qd, wf = _prep_q(q, jnp.asarray(rng.normal(size=(10, 8)), F32), head_dim=128, n_heads=8, fp8=True,
                      hadamard=False, dtype=F32)
     req = jnp.asarray([0] * 5 + [1] * 5, jnp.int32)
-    nvis = jnp.asarray([3, 10, 20, 39, 40, 5, 30, 50, 69, 70], jnp.int32)
-    return (qd, wf, cache, jnp.asarray(bt), req, nvis), dict(fmt=fmt, k=16)
+    return (qd, wf, cache, jnp.asarray(bt), req, jnp.asarray(nvis, jnp.int32)), dict(fmt=fmt, k=16)
 
 
 def _indexer_op(q, w, cache, bt, req, nvis, *, fmt, k, **kw):

@@ -14,47 +14,32 @@ import argparse
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jds.ops.paging import empty_cache
-from jds.ops.indexer import prepare_indexer_q
 from jds.ops.records import IndexerRecord132
 from pallas_kernels.sparse_indexer import IndexerKernelConfig, paged_logits, quantize_q, xla_logits
-from tests.test_ops import _gather, _write
+from tests.test_ops import _indexer, _indexer_reference
 
 
-def case(epp: int, nblk: int, seed: int, nvis: list[int]):
-    fmt = IndexerRecord132(epp)
-    rng = np.random.default_rng(seed)
-    bt = rng.permutation(2 * nblk + 1)[: 2 * nblk].reshape(2, nblk).astype(np.int32)
-    n = (2 * nblk + 1) * epp
-    cache = _write(empty_cache(fmt, 2 * nblk + 1), fmt, jnp.arange(n, dtype=jnp.int32),
-                   jnp.asarray(rng.normal(size=(n, 128)) * rng.uniform(0.1, 3, (n, 1)), jnp.float32))
-    q = jnp.asarray(rng.normal(size=(10, 8, 128)), jnp.float32)
-    qd, wf = prepare_indexer_q(q, jnp.asarray(rng.normal(size=(10, 8)), jnp.float32), head_dim=128, n_heads=8,
-                               fp8=True, hadamard=False, dtype=jnp.float32)
-    req = jnp.asarray([0] * 5 + [1] * 5, jnp.int32)
-    return fmt, qd, wf, cache, jnp.asarray(bt), req, jnp.asarray(nvis, jnp.int32)
-
-
-def check(fmt, qd, wf, cache, bt, req, nvis, cfg: IndexerKernelConfig | None) -> dict:
-    keys = np.asarray(_gather(cache, fmt, bt, bt.shape[1] * fmt.entries_per_page), np.float64)
-    dots = np.einsum("thd,tnd->thn", np.asarray(qd, np.float64), keys[np.asarray(req)])
-    ref = np.einsum("th,thn->tn", np.asarray(wf, np.float64), np.maximum(dots, 0))
+def check(epp: int, nblk: int, seed: int, nvis: list[int], cfg: IndexerKernelConfig | None) -> dict:
+    """test_ops' indexer case with these pages, seed and visible counts: each row's kernel and XLA logits against
+    the float64 scores."""
+    args, kw = _indexer(IndexerRecord132(epp), nblk, seed, tuple(nvis))
+    qd, wf, cache, bt, req, nv = args
+    ref = _indexer_reference(args, kw)[0]
     q8, w8 = quantize_q(qd, wf)
-    got = np.asarray(jax.jit(lambda *a: paged_logits(*a, entries_per_page=fmt.entries_per_page, config=cfg))(
-        q8, w8, cache, bt, req, nvis), np.float64)
-    xla = np.asarray(jax.jit(xla_logits, static_argnums=3)(qd, wf, cache, fmt, bt, req, nvis), np.float64)
+    got = np.asarray(jax.jit(lambda *a: paged_logits(*a, entries_per_page=epp, config=cfg))(
+        q8, w8, cache, bt, req, nv), np.float64)
+    xla = np.asarray(jax.jit(xla_logits, static_argnums=3)(qd, wf, cache, kw["fmt"], bt, req, nv), np.float64)
     rows = []
     for t in range(got.shape[0]):
-        nv = int(nvis[t])
-        d = np.abs(got[t, :nv] - ref[t, :nv])
-        dx = np.abs(xla[t, :nv] - ref[t, :nv])
-        bad = np.nonzero(d > 1e-5 * max(1e-30, np.abs(ref[t, :nv]).max()))[0]
-        rows.append(dict(t=t, nvis=nv, max_err=float(d.max()) if nv else 0.0,
-                         xla_max_err=float(dx.max()) if nv else 0.0, bad_cols=bad[:40].tolist(),
-                         tail_finite=int(np.isfinite(got[t, nv:]).sum())))
+        n = int(nv[t])
+        d = np.abs(got[t, :n] - ref[t, :n])
+        dx = np.abs(xla[t, :n] - ref[t, :n])
+        bad = np.nonzero(d > 1e-5 * max(1e-30, np.abs(ref[t, :n]).max()))[0]
+        rows.append(dict(t=t, nvis=n, max_err=float(d.max()) if n else 0.0,
+                         xla_max_err=float(dx.max()) if n else 0.0, bad_cols=bad[:40].tolist(),
+                         tail_finite=int(np.isfinite(got[t, n:]).sum())))
     return dict(rows=rows, n_bad_rows=sum(1 for r in rows if r["bad_cols"] or r["tail_finite"]))
 
 
@@ -75,7 +60,7 @@ def main() -> None:
     out = {}
     for name, epp, nblk, seed, nvis, cfg in variants:
         try:
-            r = check(*case(epp, nblk, seed, nvis), cfg)
+            r = check(epp, nblk, seed, nvis, cfg)
         except Exception as e:  # noqa: BLE001 - a diag: report and go on
             r = dict(error=f"{type(e).__name__}: {e}"[:500])
         out[name] = r
