@@ -96,7 +96,7 @@ TopkAlgorithm = Literal["auto", "lax", "radix", "pallas_radix"]
 TOPK_ALGORITHMS = ("auto", "lax", "radix", "pallas_radix")
 TopkOrder = Literal["sorted", "set"]
 TOPK_ORDERS = ("sorted", "set")
-AUTO_PALLAS_TOPK_ELEMS = 1 << 20  # rows x candidates from which "auto" selects with the Pallas kernel
+AUTO_PALLAS_TOPK_ELEMS = 1 << 19  # rows x candidates from which "auto" selects with the Pallas kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -480,8 +480,9 @@ def resolve_topk_algorithm(rows: int, cols: int, backend: str | None = None) -> 
 
     Why the threshold: on the H200 at k = 2048 the Pallas radix select beats ``lax.top_k`` at every shape
     measured from 1M logits (``benchmarks/results/kernels_sparse_indexer_*.json``, rows ``topk_k2048_b*_c*``
-    against ``..._pallas_radix*``); at 16 x 32K only without its sort (``_set``, the indexer's default order),
-    and below that it is unmeasured. Both give the same indices (in the same order when sorted).
+    against ``..._pallas_radix*``), and at 16 x 32K (512K logits) in the indexer's unsorted order with
+    ``select_config_for``'s split config (``topk_knobs_h200_*.json``, GPU timeline); below that it is unmeasured.
+    Both give the same indices (in the same order when sorted).
 
     Why it is the default (since 2026-12-01): the decode select (logits + top-k, ``kernels_select_h200_*.json``,
     rows ``decode_select_*_auto`` against the lax rows) was faster with "auto" at every point from 1M logits,

@@ -95,7 +95,7 @@ def test_v32_alone_cobatched_chunked_preempted_identical(v32_runner):
     _check_all_conditions(v32_runner, _requests(8, lo=5, hi=60, max_tokens=16, seed=2), chunk=5)
 
 
-@pytest.mark.parametrize("mode", ["wide", "fused"])
+@pytest.mark.parametrize("mode", [pytest.param("wide", marks=pytest.mark.slow), "fused"])  # CI time: wide is slow
 def test_v32_other_modes_identical(mode):
     r = ModelRunner.build(preset="v32-tiny", mode=mode, num_blocks=12, max_num_seqs=8, max_num_tokens=32,
                           max_model_len=128, batch_invariant=True)

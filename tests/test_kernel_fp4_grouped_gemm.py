@@ -140,8 +140,10 @@ def test_matches_reference(mode: str, case: int) -> None:
     check(got, ref, ab, rtol(mode, k), sizes, bn=tiles.get("block_n", 64))
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("layout", ["xla", "pallas"])
+@pytest.mark.parametrize("mode,layout", [
+    pytest.param("interpret", "xla", marks=pytest.mark.slow),  # CI time: the non-default layout, natively below
+    ("interpret", "pallas"),
+    pytest.param("native", "xla", marks=pytest.mark.gpu), pytest.param("native", "pallas", marks=pytest.mark.gpu)])
 def test_exact_data_bit_equal(mode: str, layout: str) -> None:
     """Exact data: kernel == float64 reference == XLA path, bit for bit. The rows' bookkeeping
     in XLA or in its kernel (``layout``)."""

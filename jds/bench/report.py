@@ -488,22 +488,43 @@ def _ncu_sweep(d: dict) -> list[str]:
 
 
 def _topk_knobs(d: dict) -> list[str]:
-    """scripts/diag/topk_knobs.py: per shape, the split set select's median µs with each knob set, and the best
-    set against the default (split alone); a set whose result differed from lax.top_k's is marked."""
+    """scripts/diag/topk_knobs.py: per shape, the split set select's µs with each knob set (the GPU timeline's span
+    per call where the run measured it, else the pipelined median), lax.top_k's where timed, and the fastest set
+    against the default (split alone) or lax; a set whose result differed from lax.top_k's is marked."""
     by: dict[str, dict[str, dict]] = {}
+    lax_rows: dict[str, dict] = {}
     for r in d.get("rows", []):
-        m = re.match(r"topk_b(\d+)_c(\d+)(_mixed)?_split\d+_set_(\w+)$", r.get("case", ""))
+        m = re.match(r"topk_b(\d+)_c(\d+)(_mixed)?_(?:split\d+_set_(\w+)|lax)$", r.get("case", ""))
         if m and "error" not in r:
-            by.setdefault(f"{m.group(1)} x {m.group(2)}{m.group(3) or ''}", {})[m.group(4)] = r
+            shape = f"{m.group(1)} x {m.group(2)}{m.group(3) or ''}"
+            if m.group(4):
+                by.setdefault(shape, {})[m.group(4)] = r
+            else:
+                lax_rows[shape] = r
     knobs = list(d.get("meta", {}).get("knobs", {})) or sorted({k for per in by.values() for k in per})
+    timeline = any("profile_span_us" in r for per in by.values() for r in per.values())
+
+    def us(r: dict | None) -> float | None:
+        return None if r is None else r.get("profile_span_us", None if timeline else r.get("median_us"))
+
+    def cell(r: dict | None) -> str:
+        if r is None:
+            return "—"
+        if us(r) is None:  # a row the timeline did not split into calls: its pipelined median, marked
+            return _fmt(r.get("median_us"), 1) + " (pipelined)"
+        return _fmt(us(r), 1) + ("" if r.get("same_set_as_lax", True) else " ≠lax")
+
+    base = "default" if "default" in knobs else "lax"
     body = []
     for shape, per in by.items():
-        best = min(per, key=lambda k: per[k]["median_us"])
-        body.append([shape] + [_fmt(per[k]["median_us"], 1) + ("" if per[k].get("same_set_as_lax", True) else " ≠lax")
-                               if k in per else "—" for k in knobs]
-                    + [best, _ratio(per.get("default", {}).get("median_us"), per[best]["median_us"])])
-    return ["Top-k knob sets (k = 2048, set order, `split_for`'s splits), pipelined median µs:", ""] + \
-        _table(["shape"] + knobs + ["fastest", "default / fastest"], body)
+        best = min((k for k in per if us(per[k]) is not None), key=lambda k: us(per[k]), default=None)
+        ref = per.get("default") if base == "default" else lax_rows.get(shape)
+        body.append([shape] + [cell(per.get(k)) for k in knobs] + ([cell(lax_rows.get(shape))] if lax_rows else [])
+                    + [best or "—", _ratio(us(ref) or (ref or {}).get("median_us"), us(per[best]) if best else None)])
+    what = "device µs per call (GPU timeline)" if timeline else "pipelined median µs"
+    return [f"Top-k knob sets (k = 2048, set order, `split_for`'s splits times `splits_x` where a set has it), {what}:",
+            ""] + _table(["shape"] + knobs + (["lax.top_k"] if lax_rows else []) + ["fastest", f"{base} / fastest"],
+                         body)
 
 
 def _kernels(d: dict) -> list[str]:

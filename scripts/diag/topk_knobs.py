@@ -6,27 +6,37 @@ Why: the bench's knob rows (jds.bench.kernels_sparse_indexer, ``topk_pallas``) t
 shapes, in a call that also times every other top-k row. This times only the set-order split select
 (``split_for``'s splits, as the indexer runs it) with each knob set named below, at any shapes, full batches and
 (``--mixed``) one short row, checking each set against ``lax.top_k``'s, so a knob can become the default from one
-short call. ``--lax`` also times ``lax.top_k``; the knob set ``single`` is one program per row (no split).
+short call. ``--lax`` also times ``lax.top_k``; the knob set ``single`` is one program per row (no split). Each row
+carries the GPU timeline's device time per call (``profile_span_us``) beside the pipelined median.
 (``--mixed --lax --knobs single default`` is the former scripts/diag/topk_split_mixed.py.)
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jds.bench.timing import time_fn
+from jds.bench.timing import profiled_device_us, time_fn
 from pallas_kernels.topk_select import TopkSelectConfig, split_for, topk_select
 
 K = 2048
 KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": dict(unroll=4), "b2": dict(bits=2),
          "u2_b2": dict(unroll=2, bits=2), "u2_blk4096": dict(unroll=2, block=4096),
-         "u2_shrink": dict(unroll=2, shrink=True), "blk4096": dict(block=4096), "shrink": dict(shrink=True)}
+         "u2_shrink": dict(unroll=2, shrink=True), "blk4096": dict(block=4096), "shrink": dict(shrink=True),
+         # splits_x: that many times split_for's programs per row (more CTAs per SM to hide the streaming loads' latency)
+         "x2_u2_shrink": dict(splits_x=2, unroll=2, shrink=True), "x4_u2_shrink": dict(splits_x=4, unroll=2, shrink=True),
+         "x2_shrink": dict(splits_x=2, shrink=True), "u4_shrink": dict(unroll=4, shrink=True),
+         # wider counting / compaction steps: fewer latency-bound loop steps over the candidate buffers
+         "u2_shrink_h512": dict(unroll=2, shrink=True, hist_block=512),
+         "u2_shrink_h1024_w16": dict(unroll=2, shrink=True, hist_block=1024, num_warps=16),
+         "x2_u2_shrink_h512": dict(splits_x=2, unroll=2, shrink=True, hist_block=512)}
 
 
 def main() -> None:
@@ -47,16 +57,18 @@ def main() -> None:
         for tag, x in batches:
             want = np.sort(np.asarray(lax_topk(x, K)[1]), axis=1)
             if a.lax:
-                rows.append({"case": f"topk_b{b}_c{c}{tag}_lax", **time_fn(lax_topk, x, K, warmup=5, iters=30)})
+                rows.append({"case": f"topk_b{b}_c{c}{tag}_lax", **time_fn(lax_topk, x, K, warmup=5, iters=30),
+                             **profiled_device_us(lax_topk, x, K)})
                 print(json.dumps(rows[-1]), flush=True)
             for name in a.knobs:
-                cfg = TopkSelectConfig(**{"splits": sp, **KNOBS[name]})
+                kn = dict(KNOBS[name])
+                cfg = TopkSelectConfig(**{"splits": sp * kn.pop("splits_x", 1), **kn})
                 f = jax.jit(functools.partial(topk_select, sort=False, config=cfg), static_argnums=1)
                 case = f"topk_b{b}_c{c}{tag}_split{cfg.splits}_set_{name}"
                 try:
                     got = np.sort(np.asarray(f(x, K)[1]), axis=1)
                     r = {"case": case, "same_set_as_lax": bool((got == want).all()),
-                         **time_fn(f, x, K, warmup=5, iters=30)}
+                         **time_fn(f, x, K, warmup=5, iters=30), **profiled_device_us(f, x, K)}
                 except Exception as e:  # noqa: BLE001 - a diag: report and go on
                     r = {"case": case, "error": f"{type(e).__name__}: {e}"[:400]}
                 rows.append(r)
@@ -64,6 +76,8 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as fh:
             json.dump({"meta": {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                                "command": "python " + " ".join(sys.argv), "complete": True,
                                 "knobs": {n: KNOBS[n] for n in a.knobs}}, "rows": rows}, fh, indent=1)
 
 
