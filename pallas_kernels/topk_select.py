@@ -142,11 +142,14 @@ def split_for(t: int, n: int, cfg: TopkSelectConfig | None = None, sms: int = 13
 def select_config_for(t: int, n: int, sms: int = 132) -> TopkSelectConfig:
     """The indexer's config for [t, n] rows (``IndexerKernelConfig.topk_splits=None``): ``split_for``'s splits, and
     where it splits, the loads of 2 blocks issued together, the counting shrunk to one block once few candidates
-    remain, and 512-key counting / compaction steps (half the steps over the candidate buffers). On the H200's
-    timeline (benchmarks/results/topk_knobs_h200_*.json) that set was the fastest of those tried at 64 x 64K,
-    16 x 128K and 16 x 32K, and second at 64 x 128K; more programs per row than ``split_for``'s were slower."""
+    remain, 512-key counting / compaction steps (half the steps over the candidate buffers), and a pivot resolved
+    to its 16 leading bits (half the sample's counting passes, a third of the prefilter's instructions; its bucket's
+    floor keeps a few more candidates). On the H200's timeline (benchmarks/results/topk_knobs_h200_*.json) the
+    512-key steps were the fastest of the sets tried at 64 x 64K, 16 x 128K and 16 x 32K, and second at 64 x 128K;
+    the 16-bit pivot was faster again at 64 x 64K and 16 x 128K; more programs per row were slower."""
     sp = split_for(t, n, sms=sms)
-    return TopkSelectConfig(splits=sp, unroll=2, shrink=True, hist_block=512) if sp > 1 else TopkSelectConfig()
+    return (TopkSelectConfig(splits=sp, unroll=2, shrink=True, hist_block=512, pivot_bits=16) if sp > 1
+            else TopkSelectConfig())
 
 
 def _sample_rank(n: int, k: int, sample: int) -> int:

@@ -211,9 +211,10 @@ def test_split_for() -> None:
     from pallas_kernels.topk_select import select_config_for, split_for
     assert [split_for(t, 131072) for t in (1, 4, 16, 64, 128)] == [16, 16, 8, 2, 1]
     assert split_for(16, 8192) == 1  # too short to split (4 blocks of 2048 per split)
-    # the indexer's config: the measured unroll, shrink and 512-key counting steps where it splits, the defaults
-    # where it does not
-    assert select_config_for(64, 65536) == TopkSelectConfig(splits=2, unroll=2, shrink=True, hist_block=512)
+    # the indexer's config: the measured unroll, shrink, 512-key counting steps and 16-bit pivot where it splits, the
+    # defaults where it does not
+    assert select_config_for(64, 65536) == TopkSelectConfig(splits=2, unroll=2, shrink=True, hist_block=512,
+                                                            pivot_bits=16)
     assert select_config_for(128, 65536) == TopkSelectConfig()
 
 
@@ -349,14 +350,15 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
 @pytest.mark.parametrize("t,n", [(64, 65536),  # the 8-split finish takes ptxas about 40 s on 2 cores: slow
                                  pytest.param(16, 131072, marks=pytest.mark.slow)])
 def test_sm90_compile_indexer_config(t: int, n: int) -> None:
-    """The indexer's config at its shapes (``select_config_for``: split, unroll 2, shrink, 512-key steps) compiles for
-    sm_90a with at most 32 bytes of spills (a bound, not zero: pip triton 3.6's ptxas spilled the finish kernel of
-    the 256-key form, 3.8's did not; the form measured on the H200 is the plugin's own Triton, spills included)."""
+    """The indexer's config at its shapes (``select_config_for``: split, unroll 2, shrink, 512-key steps, 16-bit
+    pivot) compiles for sm_90a with at most 64 bytes of spills (a bound, not zero: with pip triton 3.6 the 512-key
+    finish kernel spills 40 bytes at 128 registers, with 3.8 none; the H200's timeline, with the plugin's own Triton,
+    measured that form faster than the 256-key one, whatever it spills there)."""
     pytest.importorskip("triton")
     from pallas_kernels.topk_select import select_config_for
     fn = functools.partial(topk_select, k=2048, interpret=False, config=select_config_for(t, n), sort=False)
     for k in C.compile_sm90_report(fn, jax.ShapeDtypeStruct((t, n), jnp.float32)):
-        assert k["spill_bytes"] <= 32, k
+        assert k["spill_bytes"] <= 64, k
 
 
 @pytest.mark.parametrize("t,n,config", REAL)

@@ -514,17 +514,18 @@ def _topk_knobs(d: dict) -> list[str]:
             return _fmt(r.get("median_us"), 1) + " (pipelined)"
         return _fmt(us(r), 1) + ("" if r.get("same_set_as_lax", True) else " ≠lax")
 
-    base = "default" if "default" in knobs else "lax"
+    base = "default" if "default" in knobs else "lax" if lax_rows else None
     body = []
     for shape, per in by.items():
         best = min((k for k in per if us(per[k]) is not None), key=lambda k: us(per[k]), default=None)
         ref = per.get("default") if base == "default" else lax_rows.get(shape)
+        ratio = [_ratio(us(ref) or (ref or {}).get("median_us"), us(per[best]) if best else None)] if base else []
         body.append([shape] + [cell(per.get(k)) for k in knobs] + ([cell(lax_rows.get(shape))] if lax_rows else [])
-                    + [best or "—", _ratio(us(ref) or (ref or {}).get("median_us"), us(per[best]) if best else None)])
+                    + [best or "—"] + ratio)
     what = "device µs per call (GPU timeline)" if timeline else "pipelined median µs"
     return [f"Top-k knob sets (k = 2048, set order, `split_for`'s splits times `splits_x` where a set has it), {what}:",
-            ""] + _table(["shape"] + knobs + (["lax.top_k"] if lax_rows else []) + ["fastest", f"{base} / fastest"],
-                         body)
+            ""] + _table(["shape"] + knobs + (["lax.top_k"] if lax_rows else []) + ["fastest"]
+                         + ([f"{base} / fastest"] if base else []), body)
 
 
 def _kernels(d: dict) -> list[str]:

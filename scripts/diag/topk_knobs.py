@@ -36,7 +36,14 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          # wider counting / compaction steps: fewer latency-bound loop steps over the candidate buffers
          "u2_shrink_h512": dict(unroll=2, shrink=True, hist_block=512),
          "u2_shrink_h1024_w16": dict(unroll=2, shrink=True, hist_block=1024, num_warps=16),
-         "x2_u2_shrink_h512": dict(splits_x=2, unroll=2, shrink=True, hist_block=512)}
+         "x2_u2_shrink_h512": dict(splits_x=2, unroll=2, shrink=True, hist_block=512),
+         # the 512-key form with less pivot work per program: a 16- or 8-bit pivot (half / a quarter of the sample's
+         # counting passes; more candidates), a 512-key sample, 4 warps (h512_p16 is the indexer's config now)
+         "h512_p16": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16),
+         "h512_p8": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=8),
+         "h512_s512": dict(unroll=2, shrink=True, hist_block=512, sample=512),
+         "h512_p16_s512": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, sample=512),
+         "h512_w4": dict(unroll=2, shrink=True, hist_block=512, num_warps=4)}
 
 
 def main() -> None:
