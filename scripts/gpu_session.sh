@@ -28,7 +28,7 @@
 #   scripts/gpu_session.sh boundary-xla  # as boundary, with the pure-JAX attention stages
 #   scripts/gpu_session.sh serve         # bench_serve_modes: the server in each mode, c=1 and c=64
 #   scripts/gpu_session.sh thunks        # thunk-dump check: graphs, direct launches per step per mode
-#   scripts/gpu_session.sh pending       # the tenth session's open points: the indexer select with the new top-k config, then ncu-topk
+#   scripts/gpu_session.sh pending       # the eleventh session's open points: native top-k + indexer tests, then ttft-fp8
 #   scripts/gpu_session.sh ncu-fp8gsweep # issue 19: FP8 grouped decode calls x variants (row layout), exact kernel durations (ncu)
 #   scripts/gpu_session.sh tests-all     # every gpu-marked test, 6 pytest-xdist workers on the one GPU
 #   scripts/gpu_session.sh kernels       # fused insert (+ tile sweep) + indexer rows with device_us, top-k variants
@@ -189,10 +189,12 @@ case "$stage" in
       > "$OUT/fp8_call_gap.log" 2>&1; echo "fp8gap rc=$?"; tail -8 "$OUT/fp8_call_gap.log" | cut -c1-300
     ;;
   ncu-topk)
-    # the radix select sits at ~29x one read of its logits at 64 x 64K (BENCHMARKS.md): where its time goes
-    # the indexer's config (select_config_for: 2 splits, unroll 2, shrink) and the split alone
-    for spec in '{"splits": 2, "unroll": 2, "shrink": true}' '{"splits": 2}'; do
-      name=topk64x64k_$(echo "$spec" | tr -dc 'a-z0-9' | sed 's/splits/s/; s/unroll/u/; s/shrinktrue/_shrink/')
+    # the radix select sits at ~15x one read of its logits at 64 x 64K (BENCHMARKS.md): where its time goes
+    # the indexer's config (select_config_for: 2 splits, unroll 2, shrink, 512-key steps, 16-bit pivot) and the
+    # split alone
+    for spec in '{"splits": 2, "unroll": 2, "shrink": true, "hist_block": 512, "pivot_bits": 16}' '{"splits": 2}'; do
+      name=topk64x64k_$(echo "$spec" | tr -dc 'a-z0-9' | sed 's/splits/s/; s/unroll/u/; s/shrinktrue/_shrink/;
+        s/histblock/_h/; s/pivotbits/_p/')
       timeout ${NCUT_TIMEOUT:-100} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
         -o "/tmp/$name" python3 scripts/diag/ncu_kernels.py topk --m 64 --cols 65536 --tiles "$spec" > /dev/null 2>&1
       echo "ncu $name rc=$?"
@@ -252,11 +254,14 @@ case "$stage" in
     echo "thunks rc=$?"; tail -3 "$OUT/gpu_boundary_test.log"
     ;;
   pending)
-    # what the tenth session changed or left unmeasured, in one call (about 7 minutes): the indexer's decode select
-    # with its new top-k config (select_config_for: unroll 2 + shrink where it splits), then where that top-k's
-    # time now goes (ncu, the new config and the split alone at 64 x 64K)
-    bash "$0" select
-    NCUT_TIMEOUT=${NCUT_TIMEOUT:-100} bash "$0" ncu-topk
+    # what the eleventh session changed or left unmeasured, in one call (about 9 minutes): the native top-k and
+    # indexer tests with the indexer's last top-k config (select_config_for: 512-key steps, 16-bit pivot), then the
+    # 8-layer V3.2 TTFT with FP8 weights (never run under the current FP8 defaults)
+    python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
+    timeout -s INT ${TOPK_TESTS_TIMEOUT:-150} python3 -m pytest -m gpu -n 4 -q --tb=short -rfE -p no:cacheprovider \
+      tests/test_kernel_topk_select.py tests/test_kernel_sparse_indexer.py > "$OUT/gpu_topk_tests.log" 2>&1
+    echo "topk tests rc=$?"; tail -3 "$OUT/gpu_topk_tests.log"
+    bash "$0" ttft-fp8
     ;;
   ncu-fp8gsweep)
     # the FP8 grouped expert GEMM's call: the rows' bookkeeping in XLA against one kernel (layout="pallas")
@@ -302,7 +307,7 @@ case "$stage" in
     ;;
   select)
     # the indexer decode select: top-k "auto" (the default since the eighth session) against lax, full and mixed-length batches
-    timeout ${SELECT_TIMEOUT:-200} python3 scripts/bench_kernels.py --only sparse_indexer --cases select \
+    timeout ${SELECT_TIMEOUT:-330} python3 scripts/bench_kernels.py --only sparse_indexer --cases select \
       --out "$OUT/kernels_select.json" > "$OUT/bench_select.log" 2>&1; echo "select rc=$?"
     ;;
   mqa)
