@@ -48,7 +48,7 @@ from jds.ops.records import IndexerRecord132
 from jds.ops.select import radix_topk
 from pallas_kernels import sparse_indexer as si
 from jds.bench.results import error_text
-from jds.bench.timing import device_row, time_fn
+from jds.bench.timing import device_row, profiled_device_us, time_fn
 from pallas_kernels.topk_select import TopkSelectConfig, split_for, topk_select
 
 HI = 64
@@ -103,10 +103,16 @@ def _model(t: int, n_cols: int, vis: np.ndarray, g: int, req: np.ndarray, select
     return nbytes, 2 * HI * 128 * int(vis.sum())
 
 
-def _row(case: str, impl: str, fn, args, nbytes: int, flops: int, quick: bool, big: bool = False, **extra) -> dict:
+def _row(case: str, impl: str, fn, args, nbytes: int, flops: int, quick: bool, big: bool = False,
+         profile: bool = False, **extra) -> dict:
+    """One row: the pipelined median, the unrolled device time of short calls, and with ``profile`` the GPU
+    timeline's device time per call (``profiled_device_us``: no extra compile; the select rows, whose pipelined
+    medians moved by up to 20% between identical configs in one run, docs/perf-log.md)."""
     warm, iters = (1, 3) if quick else ((2, 5) if big else (5, 30))
     r = time_fn(fn, *args, warmup=warm, iters=iters)
     r.update(device_row(fn, *args, median_us=r["median_us"], quick=quick))
+    if profile and not quick:
+        r.update(profiled_device_us(fn, *args, calls=10 if big else 20))
     return {"kernel": "sparse_indexer", "case": case, "impl": impl, **r, "bytes": nbytes, "flops": flops, **extra}
 
 
@@ -193,15 +199,16 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
             nbytes, flops = _model(b, c, vis, 1, np.arange(b), True)
             args = (iq, iw, cache, bt, req, nvis)
             case = f"decode_select_b{b}_c{c}{tag}"
-            yield _row(case + "_auto", "pallas", sel_auto, args, nbytes, flops, quick,
+            yield _row(case + "_auto", "pallas", sel_auto, args, nbytes, flops, quick, profile=True,
                        topk=si.resolve_topk_algorithm(b, c))
-            yield _row(case, "pallas", sel_lax, args, nbytes, flops, quick, topk="lax")
-            yield _row(case + "_set", "pallas", sel_set, args, nbytes, flops, quick, topk="pallas_radix, unsorted")
+            yield _row(case, "pallas", sel_lax, args, nbytes, flops, quick, profile=True, topk="lax")
+            yield _row(case + "_set", "pallas", sel_set, args, nbytes, flops, quick, profile=True,
+                       topk="pallas_radix, unsorted")
             if split_for(b, c) > 1:
-                yield _row(case + "_set_split", "pallas", sel_split, args, nbytes, flops, quick,
+                yield _row(case + "_set_split", "pallas", sel_split, args, nbytes, flops, quick, profile=True,
                            topk=f"pallas_radix, unsorted, {split_for(b, c)} splits")
             if not tag:
-                yield _row(case, "xla", select_x, args, nbytes, flops, quick, big=True, topk="lax")
+                yield _row(case, "xla", select_x, args, nbytes, flops, quick, big=True, profile=True, topk="lax")
         del cache
 
     # ----- top-k alone over logits rows -----

@@ -455,12 +455,17 @@ def _select_variants(d: dict) -> list[str]:
         return []
     cols = [c for c in ("lax", "auto", "set", "set_split", "lax mixed", "auto mixed", "set mixed",
                         "set_split mixed", "xla") if any(c in per for per in by.values())]
-    body = [[shape] + [_fmt(per.get(c, {}).get("median_us"), 1) for c in cols]
-            + [_ratio(per.get("lax", {}).get("median_us"), per.get("auto", {}).get("median_us")),
-               _ratio(per.get("auto mixed", {}).get("median_us"), per.get("auto", {}).get("median_us")),
+    # the GPU timeline's device time per call where the run measured it (eleventh session on), else the pipelined
+    # median
+    timeline = any("profile_span_us" in r for per in by.values() for r in per.values())
+    key = "profile_span_us" if timeline else "median_us"
+    body = [[shape] + [_fmt(per.get(c, {}).get(key), 1) for c in cols]
+            + [_ratio(per.get("lax", {}).get(key), per.get("auto", {}).get(key)),
+               _ratio(per.get("auto mixed", {}).get(key), per.get("auto", {}).get(key)),
                str(per.get("auto", {}).get("topk", "—"))]
             for shape, per in by.items()]
-    return ["Decode select (paged logits + top-2048), pipelined median µs per top-k choice: `lax` = lax.top_k, "
+    what = "device µs per call (GPU timeline)" if timeline else "pipelined median µs"
+    return [f"Decode select (paged logits + top-2048), {what} per top-k choice: `lax` = lax.top_k, "
             "`auto` = the default (`resolve_topk_algorithm`), `set` = the Pallas radix select without its sort, "
             "`set_split` = that with `split_for`'s programs per row; `mixed`: one request of 1000 tokens among "
             "full ones:", ""] + _table(["shape"] + [f"{c} µs" for c in cols]
