@@ -111,13 +111,13 @@ class IndexerKernelConfig:
     topk_segment: int | None = None  # two-stage top-k: lax.top_k per segment of this many keys, then
     #                                  over the segments' winners (exact, same tie rule); None = one stage
     topk_algorithm: TopkAlgorithm = "auto"  # "auto": resolve_topk_algorithm (the Pallas radix select on the GPU
-    #                                  from 1M logits, else lax.top_k); "lax"; "radix": jds.ops.select;
+    #                                  from 512K logits, else lax.top_k); "lax"; "radix": jds.ops.select;
     #                                  "pallas_radix": pallas_kernels.topk_select (all exact, same order)
     topk_order: TopkOrder = "set"  # "set": the same keys in any order (pallas_radix then skips its sort of the
     #                                k winners; the sparse MQA takes a set); "sorted": lax.top_k's order
     topk_splits: int | None = None  # pallas_radix: programs per row for its prefilter pass (TopkSelectConfig.splits;
     #                                 a power of 2); None: topk_select.select_config_for(rows, cols), by the
-    #                                 batch (split_for's splits, with its measured unroll and shrink where it splits)
+    #                                 batch (split_for's splits, with its measured loop knobs where it splits)
     # Why "set" and None by default: on the H200 both were at least as fast as "sorted" / 1 at every measured
     # k = 2048 shape, full and mixed batches (kernels_sparse_indexer_h200_2026-12-02.json, rows ..._pallas_radix_set
     # and ..._split*_set; kernels_select_h200_2026-12-02.json), within a few percent at 64 x 32K
@@ -485,9 +485,10 @@ def resolve_topk_algorithm(rows: int, cols: int, backend: str | None = None) -> 
     Both give the same indices (in the same order when sorted).
 
     Why it is the default (since 2026-12-01): the decode select (logits + top-k, ``kernels_select_h200_*.json``,
-    rows ``decode_select_*_auto`` against the lax rows) was faster with "auto" at every point from 1M logits,
-    and a mixed batch (one request of 1000 tokens among full rows: its row is mostly -inf) was no
-    slower than the full one, because the kernel's short-row paths no longer read such a row twice.
+    rows ``decode_select_*_auto`` against the lax rows) was faster with "auto" at every point from 512K logits
+    (16 x 32K since the eleventh session's run), and from 1M logits a mixed batch (one request of 1000 tokens
+    among full rows: its row is mostly -inf) was no slower than the full one, because the kernel's short-row paths
+    no longer read such a row twice (at 16 x 32K the pipelined medians were too noisy to tell: docs/perf-log.md).
     """
     backend = backend or jax.default_backend()
     return "pallas_radix" if backend == "gpu" and rows * cols >= AUTO_PALLAS_TOPK_ELEMS else "lax"
