@@ -107,6 +107,10 @@ class TopkSelectConfig:
     # no eligible warp most cycles); blocks past a source's end are masked out, so every count is unchanged; 1 here,
     # 2 in the indexer's split config (select_config_for)
     unroll: int = 1
+    # the split prefilter stores each candidate's key beside its column (False: the column alone, and the finish
+    # kernel reads the key back from the logits, in L2 by then: half the prefilter's scatter stores and their
+    # register-layout conversions, a second dependent load per candidate block in the finish)
+    buffer_keys: bool = True
 
     def __post_init__(self) -> None:
         if self.bits not in (1, 2, 4):  # 8 would need [256, hist_block] counters: spills
@@ -246,13 +250,17 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
 PATHS = ("row", "buffer", "refilled buffer", "pivot is tau", "overflowed buffer")  # select_unsorted's path codes
 
 
+def _keys_at(x_ref, row, col: jax.Array, inside: jax.Array) -> jax.Array:
+    """s of the row's keys at ``col`` (any shape); lanes not ``inside`` get s = _SIGN."""
+    xb = lax.bitcast_convert_type(C.load(x_ref, (row, col), col.shape, mask=inside), I32)
+    return jnp.where(inside, jnp.where(xb < 0, xb ^ 0x7FFFFFFF, xb), _SIGN)
+
+
 def _row_keys(x_ref, row, n: int) -> Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]:
     """(block b, width) -> (s, column) [1, width] of the row's keys; padding lanes past n get s = _SIGN."""
     def x_keys(b, width):
         col = b * width + C.iota((1, width), 1)
-        inside = col < n
-        xb = lax.bitcast_convert_type(C.load(x_ref, (row, col), (1, width), mask=inside), I32)
-        return jnp.where(inside, jnp.where(xb < 0, xb ^ 0x7FFFFFFF, xb), _SIGN), col
+        return _keys_at(x_ref, row, col, col < n), col
     return x_keys
 
 
@@ -401,13 +409,14 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
     counts: keys >= pivot, keys > pivot, keys > pivot that fit the buffer; the pivot's u for the finish kernel
     (every program of the row writes the same value)."""
     row, j = pl.program_id(0), pl.program_id(1)
-    t = key_ref.shape[0]
+    t = col_ref.shape[0]
     piv_u = _sample_pivot(x_ref, row, n, k, cfg)
     per = pl.cdiv(pl.cdiv(n, cfg.block), cfg.splits)
     nb = jnp.clip(pl.cdiv(n, cfg.block) - j * per, 0, per)
 
     def put(slot, s, col, ok):
-        _scatter(key_ref, row, t, j * cap + slot, s, ok)
+        if cfg.buffer_keys:
+            _scatter(key_ref, row, t, j * cap + slot, s, ok)
         _scatter(col_ref, row, t, j * cap + slot, col, ok)
 
     counts = _fill(_row_keys(x_ref, row, n), j * per, nb, piv_u ^ _SIGN, cap, cfg.block, False, put, cfg.unroll)
@@ -454,9 +463,13 @@ def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref,
         def keys(b):
             i = b * hb + C.iota((1, hb), 1)
             inside = i < fj
-            s = C.load(key_ref, (row, jj * cap + i), (1, hb), mask=inside)
+            col = C.load(col_ref, (row, jj * cap + i), (1, hb), mask=inside)
+            if cfg.buffer_keys:
+                s = C.load(key_ref, (row, jj * cap + i), (1, hb), mask=inside)
+            else:  # the key read back from the row at its column
+                s = _keys_at(x_ref, row, col, inside)
             keep = inside & ((s > piv) | (strict == 0))  # kept_all: the keys at the pivot are not candidates
-            return jnp.where(keep, s, _SIGN), C.load(col_ref, (row, jj * cap + i), (1, hb), mask=inside)
+            return jnp.where(keep, s, _SIGN), col
         return on * lax.shift_right_logical(fj + hb - 1, C.log2(hb)), keys
 
     bufs = [split_source(jj) for jj in range(sp)]
@@ -480,7 +493,10 @@ def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpr
     t, n = x.shape
     sp = cfg.splits
     fill = functools.partial(_split_fill_kernel, n=n, k=k, cfg=cfg, cap=cap)
-    bufs = [jax.ShapeDtypeStruct((t, sp * cap), I32)] * 2 + [jax.ShapeDtypeStruct((t, sp), I32)] * 3
+    # the key buffer (one unread column without buffer_keys), the column buffer, the three counts per split
+    bufs = [jax.ShapeDtypeStruct((t, sp * cap if cfg.buffer_keys else 1), I32),
+            jax.ShapeDtypeStruct((t, sp * cap), I32)]
+    bufs += [jax.ShapeDtypeStruct((t, sp), I32)] * 3
     bufs += [jax.ShapeDtypeStruct((t,), I32)]  # the row's pivot (u)
     keys, cols, filled, above, above_in, piv = C.pallas_call(
         fill, out_shape=tuple(bufs), grid=(t, sp), aliases={}, interpret=interpret, name="topk_radix_prefilter",

@@ -43,7 +43,9 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          "h512_p8": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=8),
          "h512_s512": dict(unroll=2, shrink=True, hist_block=512, sample=512),
          "h512_p16_s512": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, sample=512),
-         "h512_w4": dict(unroll=2, shrink=True, hist_block=512, num_warps=4)}
+         "h512_w4": dict(unroll=2, shrink=True, hist_block=512, num_warps=4),
+         # the indexer's config with column-only split buffers (the finish reads each key back from the row)
+         "h512_p16_cols": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, buffer_keys=False)}
 
 
 def main() -> None:
