@@ -111,6 +111,9 @@ class TopkSelectConfig:
     # kernel reads the key back from the logits, in L2 by then: half the prefilter's scatter stores and their
     # register-layout conversions, a second dependent load per candidate block in the finish)
     buffer_keys: bool = True
+    # with shrink: the shrunk block stays in registers across the remaining counting passes (loaded once after the
+    # copy) instead of each pass reloading the scratch row: one dependent load fewer per pass
+    hold_shrunk: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (1, 2, 4):  # 8 would need [256, hist_block] counters: spills
@@ -169,7 +172,7 @@ Source = tuple[jax.Array | int, Callable[[jax.Array], tuple[jax.Array, jax.Array
 
 
 def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, key_bits: int = 32,
-             shrink: tuple | None = None, unroll: int = 1) -> tuple[jax.Array, jax.Array]:
+             shrink: tuple | None = None, unroll: int = 1, hold: bool = False) -> tuple[jax.Array, jax.Array]:
     """(u of the k-th largest key over all sources' blocks [1, width], need = k - #keys above it). With
     ``key_bits`` < 32, only that many leading bits are resolved: u is then the floor of the k-th largest key's
     bucket (its low bits zero), need is relative to that bucket.
@@ -181,7 +184,11 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
 
     ``unroll``: each loop step loads that many of a source's blocks before counting any (``TopkSelectConfig.unroll``);
     blocks past the source's count are no candidates, so the counts are unchanged. Sources must load by block index
-    (the sample's one block does not: unroll 1 there)."""
+    (the sample's one block does not: unroll 1 there).
+
+    ``hold`` (with ``shrink``): the shrunk block is loaded once after its copy and carried in registers through the
+    remaining passes (``TopkSelectConfig.hold_shrunk``); its counts are added only once it exists, as the scratch
+    row's loop runs only then."""
     nd = 1 << bits
     d = C.iota((nd, 1), 0)
     d1 = C.iota((nd,), 0)
@@ -196,7 +203,7 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
         return load
 
     def digit_pass(p, carry):
-        prefix, k_rem, shrunk, kept = carry
+        prefix, k_rem, shrunk, kept, held = carry
         shift = 32 - bits - bits * p
 
         def count(load, n_blocks, u):
@@ -216,7 +223,9 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
         for n_blocks, load in sources:  # without shrink, the trip counts stay as given (static where they are)
             nb = n_blocks if shrink is None else (1 - shrunk) * n_blocks
             acc = lax.fori_loop(0, pl.cdiv(nb, unroll), count(load, nb, unroll), acc)
-        if shrink is not None:
+        if shrink is not None and hold:
+            acc = acc + shrunk * count(lambda b: (held, None), 1, 1)(0, jnp.zeros_like(acc))
+        elif shrink is not None:
             acc = lax.fori_loop(0, shrunk, count(scratch_keys(kept), 1, 1), acc)
         ge = jnp.sum(acc, axis=1)
         sel = jnp.sum((ge >= k_rem).astype(I32)) - 1  # ge[0] = all candidates >= k_rem
@@ -239,11 +248,17 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
                 put = lax.fori_loop(0, go * n_blocks, copy(load), put)
             if not shrink[3]:
                 plt.debug_barrier()  # the scratch's stores -> its loads by other threads of the CTA
+            if hold:  # the copied block, loaded once (a masked load issues nothing on the passes without a copy)
+                lane = C.iota((1, width), 1)
+                inside = (lane < nxt) & (go == 1)
+                got = C.load(shrink[0], (shrink[1], lane), (1, width), mask=inside)
+                held = jnp.where(go == 1, jnp.where(inside, got, _SIGN), held)
             shrunk, kept = shrunk + go, jnp.where(go == 1, nxt, kept)
-        return prefix, k_rem - above, shrunk, kept
+        return prefix, k_rem - above, shrunk, kept, held
 
     zero = jnp.zeros((), I32)
-    prefix, need, _, _ = lax.fori_loop(0, passes, digit_pass, (zero, jnp.asarray(k, I32), zero, zero))
+    held0 = jnp.full((1, width), _SIGN, I32)
+    prefix, need, _, _, _ = lax.fori_loop(0, passes, digit_pass, (zero, jnp.asarray(k, I32), zero, zero, held0))
     return (prefix if key_bits == 32 else lax.shift_left(prefix, 32 - key_bits)), need
 
 
@@ -388,11 +403,13 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
         sources = [(on * lax.shift_right_logical(count + hb - 1, C.log2(hb)), buf_keys),
                    ((1 - on) * from_row[0], from_row[1])]
         counted = [sources[0], ((1 - on) * (1 - piv_on) * from_row[0], from_row[1])]
-        tau_u, need = _kth_key(counted, k, cfg.bits, hb, shrink=shrink, unroll=cfg.unroll)
+        tau_u, need = _kth_key(counted, k, cfg.bits, hb, shrink=shrink, unroll=cfg.unroll,
+                           hold=cfg.hold_shrunk)
         tau_u = jnp.where(at_pivot, piv_u, tau_u)
         need = jnp.where(at_pivot, k - above, need)
     else:
-        tau_u, need = _kth_key(sources, k, cfg.bits, hb, shrink=shrink, unroll=cfg.unroll)
+        tau_u, need = _kth_key(sources, k, cfg.bits, hb, shrink=shrink, unroll=cfg.unroll,
+                           hold=cfg.hold_shrunk)
     tau = tau_u ^ _SIGN
     C.store(tau_ref, (row11,), jnp.full((1, 1), tau_u, I32), one11)
     if not cap:
@@ -477,7 +494,7 @@ def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref,
     from_row = (pl.cdiv(n, hb), lambda b: x_keys(b, hb))
     shrink = (scratch[0], row, t, interpret) if cfg.shrink else None
     tau_u, need = _kth_key(bufs + [((1 - on) * (1 - piv_on) * from_row[0], from_row[1])], k, cfg.bits, hb,
-                           shrink=shrink, unroll=cfg.unroll)
+                           shrink=shrink, unroll=cfg.unroll, hold=cfg.hold_shrunk)
     tau_u = jnp.where(at_pivot, piv_u, tau_u)
     need = jnp.where(at_pivot, k - total_above, need)
     row11, one11 = row + jnp.zeros((1, 1), I32), jnp.ones((1, 1), bool)

@@ -114,7 +114,8 @@ def test_short_rows_skip_the_row_passes(mode: str) -> None:
 def test_shrink_same_result(mode: str, splits: int, capacity: int) -> None:
     """``shrink=True`` (the counting passes move to a one-block scratch row once at most hist_block candidates
     remain): the same result as lax.top_k on every row kind and path (buffer, split buffers, the row, short rows,
-    the pivot as tau), k below and above hist_block."""
+    the pivot as tau), k below and above hist_block; and below it with the shrunk block held in registers
+    (hold_shrunk)."""
     n = 3000
     cfg = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=capacity, splits=splits, shrink=True)
     rng = np.random.default_rng(31)
@@ -123,6 +124,7 @@ def test_shrink_same_result(mode: str, splits: int, capacity: int) -> None:
     x = np.concatenate([_mixed(n, rng, 1), short, rng.standard_normal((2, n)).astype(np.float32)])
     for k in (50, 300):
         _check(x, k, interpret_for(mode), cfg)
+    _check(x, 50, interpret_for(mode), dataclasses.replace(cfg, hold_shrunk=True))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -135,7 +137,8 @@ def test_unroll_same_result(mode: str, splits: int, capacity: int, unroll: int, 
     """``unroll`` (each loop step loads that many blocks before using any; blocks past a source's end masked out):
     the same result, candidates and paths as ``unroll=1`` and as lax.top_k, on every row kind and path, with block
     counts that are no multiple of the unroll. The split form also drops the keys from its buffers
-    (``buffer_keys=False``: the finish reads them back from the row)."""
+    (``buffer_keys=False``: the finish reads them back from the row), and with shrink the shrunk block is held in
+    registers (``hold_shrunk``)."""
     n, k = 3000, 50
     base = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=capacity, splits=splits, shrink=shrink)
     rng = np.random.default_rng(37)
@@ -145,8 +148,8 @@ def test_unroll_same_result(mode: str, splits: int, capacity: int, unroll: int, 
     short[3] = short[3, ::-1]  # the finite keys last: the refilled buffer
     x = np.concatenate([_mixed(n, rng, 1), short])
     want = _check(x, k, interpret_for(mode), base, paths=True)
-    got = _check(x, k, interpret_for(mode), dataclasses.replace(base, unroll=unroll, buffer_keys=splits == 1),
-                 paths=True)
+    got = _check(x, k, interpret_for(mode), dataclasses.replace(base, unroll=unroll, buffer_keys=splits == 1,
+                                                               hold_shrunk=shrink), paths=True)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
     with pytest.raises(ValueError, match="unroll"):
