@@ -48,13 +48,21 @@ def pytest_configure(config: pytest.Config) -> None:
             and (os.environ.get("JAX_PLATFORMS") == "cpu" or not _gpu_plugin_installed())):
         # before any backend starts (jax reads XLA_FLAGS once, when it creates the first client)
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
+    import jax
+
+    # CPU computations run inline on the calling thread instead of on the CPU client's pool (as many threads as
+    # cores). GPU interpret mode runs each simulated thread of a kernel as its own computation, from a Python thread,
+    # while the kernel's computation waits in a callback. With a pool of 2 (a 2-core machine), a simulated thread
+    # waited at a barrier for a thread whose computation found no free pool thread: a worker hung in
+    # test_v32_padded_heads_and_splits (2026-12-02; py-spy: two pool threads in callbacks, one computation queued).
+    # XLA runs a computation inline when the client is synchronous and nothing is queued before it. Suite time was
+    # the same either way (three files, and three of the slowest tests, each run both ways on a 2-core machine).
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
     if os.environ.get("JDS_TEST_XLA_CACHE") == "0":  # off: every test compiles its own executables
         return
     if not os.environ.get(_DIR_VAR):  # the controller (or a run without xdist): make the session's directory
         os.environ[_DIR_VAR] = tempfile.mkdtemp(prefix="jds_test_xla_cache_")
         config._jds_xla_cache_owned = os.environ[_DIR_VAR]  # type: ignore[attr-defined]
-    import jax
-
     jax.config.update("jax_compilation_cache_dir", os.environ[_DIR_VAR])
     # compiles under 0.2 s (eager primitives, mostly) are not worth a cache entry: measured the same CPU time as no
     # threshold on the runner tests, and no overhead on the eager-heavy ones (test_v4_decoder, test_compare_torch)
