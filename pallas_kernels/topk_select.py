@@ -248,11 +248,8 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
                 put = lax.fori_loop(0, go * n_blocks, copy(load), put)
             if not shrink[3]:
                 plt.debug_barrier()  # the scratch's stores -> its loads by other threads of the CTA
-            if hold:  # the copied block, loaded once (a masked load issues nothing on the passes without a copy)
-                lane = C.iota((1, width), 1)
-                inside = (lane < nxt) & (go == 1)
-                got = C.load(shrink[0], (shrink[1], lane), (1, width), mask=inside)
-                held = jnp.where(go == 1, jnp.where(inside, got, _SIGN), held)
+            if hold:  # the copied block, loaded once (no lane is loaded on the passes without a copy)
+                held = jnp.where(go == 1, scratch_keys(go * nxt)(0)[0], held)
             shrunk, kept = shrunk + go, jnp.where(go == 1, nxt, kept)
         return prefix, k_rem - above, shrunk, kept, held
 
