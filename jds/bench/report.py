@@ -442,6 +442,13 @@ def _topk_rows(d: dict) -> list[str]:
         _table(["shape"] + cols + ["fastest Pallas / one read of the logits", "lax / fastest"], body)
 
 
+def _timeline(rows) -> tuple[bool, str]:
+    """(whether any row holds the GPU timeline's device time per call, the unit text of a table of such rows): the
+    timeline's time where the run measured it (eleventh session on), else the pipelined median."""
+    timeline = any("profile_span_us" in r for r in rows)
+    return timeline, "device µs per call (GPU timeline)" if timeline else "pipelined median µs"
+
+
 def _select_variants(d: dict) -> list[str]:
     """The decode select (logits + top-k) per top-k choice, full batches and mixed ones (one short request):
     the rows that decide the default ``topk_algorithm``."""
@@ -455,16 +462,13 @@ def _select_variants(d: dict) -> list[str]:
         return []
     cols = [c for c in ("lax", "auto", "set", "set_split", "lax mixed", "auto mixed", "set mixed",
                         "set_split mixed", "xla") if any(c in per for per in by.values())]
-    # the GPU timeline's device time per call where the run measured it (eleventh session on), else the pipelined
-    # median
-    timeline = any("profile_span_us" in r for per in by.values() for r in per.values())
+    timeline, what = _timeline(r for per in by.values() for r in per.values())
     key = "profile_span_us" if timeline else "median_us"
     body = [[shape] + [_fmt(per.get(c, {}).get(key), 1) for c in cols]
             + [_ratio(per.get("lax", {}).get(key), per.get("auto", {}).get(key)),
                _ratio(per.get("auto mixed", {}).get(key), per.get("auto", {}).get(key)),
                str(per.get("auto", {}).get("topk", "—"))]
             for shape, per in by.items()]
-    what = "device µs per call (GPU timeline)" if timeline else "pipelined median µs"
     return [f"Decode select (paged logits + top-2048), {what} per top-k choice: `lax` = lax.top_k, "
             "`auto` = the default (`resolve_topk_algorithm`), `set` = the Pallas radix select without its sort, "
             "`set_split` = that with `split_for`'s programs per row; `mixed`: one request of 1000 tokens among "
@@ -507,7 +511,7 @@ def _topk_knobs(d: dict) -> list[str]:
             else:
                 lax_rows[shape] = r
     knobs = list(d.get("meta", {}).get("knobs", {})) or sorted({k for per in by.values() for k in per})
-    timeline = any("profile_span_us" in r for per in by.values() for r in per.values())
+    timeline, what = _timeline(r for per in by.values() for r in per.values())
 
     def us(r: dict | None) -> float | None:
         return None if r is None else r.get("profile_span_us", None if timeline else r.get("median_us"))
@@ -527,7 +531,6 @@ def _topk_knobs(d: dict) -> list[str]:
         ratio = [_ratio(us(ref) or (ref or {}).get("median_us"), us(per[best]) if best else None)] if base else []
         body.append([shape] + [cell(per.get(k)) for k in knobs] + ([cell(lax_rows.get(shape))] if lax_rows else [])
                     + [best or "—"] + ratio)
-    what = "device µs per call (GPU timeline)" if timeline else "pipelined median µs"
     return [f"Top-k knob sets (k = 2048, set order, `split_for`'s splits times `splits_x` where a set has it), {what}:",
             ""] + _table(["shape"] + knobs + (["lax.top_k"] if lax_rows else []) + ["fastest"]
                          + ([f"{base} / fastest"] if base else []), body)

@@ -38,12 +38,13 @@ def _calls(report: str, order_file: str) -> list[dict]:
             cur.append(r)
     out = []
     for meta, ks in zip(order, calls):
-        dur = [(k["Kernel Name"][:40], float(k["gpu__time_duration.sum"].replace(",", ""))) for k in ks]
+        ns = [float(k["gpu__time_duration.sum"].replace(",", "")) for k in ks]
+        dur = [(k["Kernel Name"][:40], t) for k, t in zip(ks, ns)]
         # the GEMM: the longest Mosaic kernel (an FP8 call may quantise its activations in a Mosaic kernel first)
-        main_k = sorted((k for k in ks if "mosaic" in k["Kernel Name"]),
-                        key=lambda k: -float(k["gpu__time_duration.sum"].replace(",", "")))
+        main_k = sorted(((t, k) for k, t in zip(ks, ns) if "mosaic" in k["Kernel Name"]), key=lambda tk: -tk[0])
         unit = 1e-3  # ncu reports ns by default
-        gemm = float(main_k[0]["gpu__time_duration.sum"].replace(",", "")) * unit if main_k else None
+        gemm = main_k[0][0] * unit if main_k else None
+        main_k = [k for _, k in main_k]
         variant = {k: v for k, v in meta.items() if k != "case"}
         out.append({"case": meta.get("case"), "variant": variant, "kernel_us": gemm,
                     "kernel_dram_pct": float(main_k[0]["dram__throughput.avg.pct_of_peak_sustained_elapsed"]) if main_k else None,
