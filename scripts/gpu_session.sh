@@ -33,6 +33,7 @@
 #   scripts/gpu_session.sh tests-all     # every gpu-marked test, 6 pytest-xdist workers on the one GPU
 #   scripts/gpu_session.sh kernels       # fused insert (+ tile sweep) + indexer rows with device_us, top-k variants
 #   scripts/gpu_session.sh topk          # Pallas radix-select top-k: native tests, then the top-k rows
+#   scripts/gpu_session.sh topk-tests    # the native top-k + sparse-indexer tests (4 workers)
 #   scripts/gpu_session.sh topk-knobs    # top-k native tests + knob sets (unroll, bits, shrink, block) at four shapes
 #   scripts/gpu_session.sh topk-next     # issue 20: the indexer's top-k config vs column-only buffers / held shrunk block
 #   scripts/gpu_session.sh select      # indexer decode select: top-k "auto" against the default lax, and XLA
@@ -258,10 +259,7 @@ case "$stage" in
     # what the eleventh session changed or left unmeasured, in one call (about 9 minutes): the native top-k and
     # indexer tests with the indexer's last top-k config (select_config_for: 512-key steps, 16-bit pivot), then the
     # 8-layer V3.2 TTFT with FP8 weights (never run under the current FP8 defaults)
-    python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
-    timeout -s INT ${TOPK_TESTS_TIMEOUT:-150} python3 -m pytest -m gpu -n 4 -q --tb=short -rfE -p no:cacheprovider \
-      tests/test_kernel_topk_select.py tests/test_kernel_sparse_indexer.py > "$OUT/gpu_topk_tests.log" 2>&1
-    echo "topk tests rc=$?"; tail -3 "$OUT/gpu_topk_tests.log"
+    bash "$0" topk-tests
     bash "$0" ttft-fp8
     ;;
   ncu-fp8gsweep)
@@ -296,13 +294,17 @@ case "$stage" in
     timeout ${TOPK_TIMEOUT:-420} python3 scripts/bench_kernels.py --only sparse_indexer --cases ${TOPK_CASES:-topk_pallas} \
       --out "$OUT/kernels_topk.json" > "$OUT/bench_topk.log" 2>&1; echo "topk bench rc=$?"
     ;;
-  topk-knobs)
-    # the top-k's native tests, then the default split set select against knob sets (unroll, 2-bit digits, shrink,
-    # 4096-key blocks, and combinations) at four shapes (scripts/diag/topk_knobs.py): which knob becomes the default
+  topk-tests)
+    # the native top-k and sparse-indexer tests, 4 pytest-xdist workers (carry .whl/ for xdist)
     python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
     timeout -s INT ${TOPK_TESTS_TIMEOUT:-150} python3 -m pytest -m gpu -n 4 -q --tb=short -rfE -p no:cacheprovider \
       tests/test_kernel_topk_select.py tests/test_kernel_sparse_indexer.py > "$OUT/gpu_topk_tests.log" 2>&1
     echo "topk tests rc=$?"; tail -3 "$OUT/gpu_topk_tests.log"
+    ;;
+  topk-knobs)
+    # the top-k's native tests, then the default split set select against knob sets (unroll, 2-bit digits, shrink,
+    # 4096-key blocks, and combinations) at four shapes (scripts/diag/topk_knobs.py): which knob becomes the default
+    bash "$0" topk-tests
     timeout ${KNOBS_TIMEOUT:-240} python3 scripts/diag/topk_knobs.py ${KNOBS_ARGS:-} --out "$OUT/topk_knobs_h200.json" \
       > "$OUT/topk_knobs.log" 2>&1; echo "topk knobs rc=$?"; cut -c1-160 "$OUT/topk_knobs.log" | grep -v Warn
     ;;
