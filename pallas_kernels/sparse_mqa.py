@@ -99,6 +99,7 @@ from jds.ops.sparse_mqa import paged_sparse_mqa_xla
 HEAD_TILE = 64  # wgmma M
 BLOCK_K = 64  # candidates per block (the dequantised [64, 64] chunks use the WGMMA register layout)
 NUM_WG = 2  # compute warpgroups per CTA, each owns v_dim / 2 output columns
+ROWS_PER_WARP = BLOCK_K // NUM_WG // 4  # row copies each warp issues per block
 NUM_SMS = 132  # H100/H200; only steers the automatic num_splits
 MIN_BLOCKS_PER_SPLIT = 2
 LOG2E = 1.4426950408889634
@@ -148,6 +149,13 @@ _M584_W, _M584_REC, _M584_COPY, _M584_BACK = 880, 64, 640, 64  # data at column 
 _M584_SC, _M584_SC_COPY = 704, 128
 
 
+def _aligned(x: jax.Array, n: int) -> jax.Array:
+    """A byte / element offset the caller knows to be a multiple of ``n`` (16-byte copy alignment). Mosaic GPU has
+    no ``pl.multiple_of`` under warp-level semantics (the row copies), so the fact stays in the name."""
+    del n
+    return x
+
+
 def _copies_per_row(kind: str) -> int:
     return 2 if kind == "mla584" else 1
 
@@ -157,7 +165,7 @@ def _copies_per_row(kind: str) -> int:
 def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[RecordFormat],
                slots: Sequence[jax.Array], *, scale: float, v_dim: int, sink: jax.Array | None = None,
                implementation: Implementation = "pallas", num_splits: int | None = None,
-               out_dtype: jnp.dtype = jnp.float32, p_in_registers: bool = False,
+               out_dtype: jnp.dtype = jnp.float32, p_in_registers: bool = False, per_block_descriptors: bool = True,
                interpret: bool | plgpu.InterpretGPUParams | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
@@ -168,6 +176,9 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     ``num_splits``: candidate splits per (token, head tile); None picks enough CTAs for the GPU.
     ``p_in_registers`` (compiled kernel only, an experiment for the H200): each warpgroup feeds its own P
     to PV from registers (wgmma A operand) instead of warpgroup 0's SMEM copy: no P store, no "P" barrier.
+    ``per_block_descriptors``: the wgmma operands address the q and K tiles through an index the compiler cannot
+    fold (zero, derived from the block's id), so their shared-memory descriptors are rebuilt in each block instead
+    of being computed once, held across the loop and spilled (an experiment for the H200; the same arithmetic).
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``, e.g. with ``detect_races``);
     None = whenever the default backend is not a GPU.
     """
@@ -179,10 +190,11 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                                             sink=sink).astype(out_dtype),
         "pallas": lambda: _pallas(q, caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink,
                                   num_splits=num_splits, out_dtype=out_dtype, p_in_registers=p_in_registers,
-                                  interpret=interpret)})
+                                  per_block_descriptors=per_block_descriptors, interpret=interpret)})
 
 
-def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, p_in_registers, interpret):
+def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, p_in_registers,
+            per_block_descriptors, interpret):
     if not supports(formats, v_dim):
         raise Unsupported(f"sparse_mqa kernel: unsupported formats {formats} / v_dim {v_dim} "
                           "(see pallas_kernels.sparse_mqa.supports)")
@@ -219,7 +231,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
               else jnp.zeros((hp,), jnp.float32))
     call = _build_call(specs=specs, list_blocks=tuple(list_blocks), t=t, hp=hp, dv=v_dim, scale=float(scale),
                        has_sink=has_sink, n_splits=n_splits, bps=bps, out_dtype=jnp.dtype(out_dtype),
-                       p_regs=bool(p_in_registers) and not interpret, interpret=interpret or None)
+                       p_regs=bool(p_in_registers) and not interpret, per_block_desc=bool(per_block_descriptors),
+                       interpret=interpret or None)
     # blocks of 64 candidates with at least one valid slot, per token, compacted to the front (the kernel
     # skips the rest: prefill tokens early in the sequence, short contexts, fully masked rows)
     live = jnp.any(slots_all.reshape(t, nb, BLOCK_K) >= 0, axis=-1)
@@ -251,9 +264,11 @@ def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -
 @functools.lru_cache(maxsize=None)
 def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t: int, hp: int, dv: int,
                 scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype, p_regs: bool,
-                interpret: plgpu.InterpretGPUParams | None):
+                per_block_desc: bool, interpret: plgpu.InterpretGPUParams | None):
     kind, dk = specs[0].kind, specs[0].dim
     nc = len(specs)
+    if sum(list_blocks) >= 1 << 20:  # per_block_desc's zero is block_id >> 20
+        raise ValueError(f"sparse_mqa kernel: {sum(list_blocks)} candidate blocks per token (at most 2^20 - 1)")
     list_start = [sum(list_blocks[:i]) for i in range(nc)]
     G = hp // HEAD_TILE
     BK = BLOCK_K
@@ -271,42 +286,47 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     s2 = scale * LOG2E
 
     def issue_row_copies(cache_refs, st, idx_s, islot, gb, w, bar_kv):
-        """Bulk-copy the records of rows [w*BK/2, (w+1)*BK/2) of global block gb into the staging rows."""
+        """Bulk-copy the records of rows [w*BK/2, (w+1)*BK/2) of global block gb into the staging rows. Each warp
+        of the warpgroup issues its own quarter of the rows (warp-level semantics: its 32 lanes arrive for the
+        whole warpgroup), so the scalar address code runs once per row, not once per row in every warp."""
 
-        def one_cache(ci):
+        def one_cache(ci, warp):
             spec, ref = specs[ci], cache_refs[ci]
             epp = spec.entries_per_page
+            first_row = w * (BK // NUM_WG) + warp * ROWS_PER_WARP
 
-            @pl.loop(w * (BK // NUM_WG), (w + 1) * (BK // NUM_WG))
+            @pl.loop(first_row, first_row + ROWS_PER_WARP)
             def _(i):
                 slot = jnp.maximum(idx_s[islot, i], 0)
                 page, j = slot // epp, slot % epp
                 first = j == 0
                 if kind == "mla656":
-                    src = pl.multiple_of(jnp.where(first, 0, j * 656 - _M656_BACK), 16)
-                    dst = pl.multiple_of(jnp.where(first, _M656_REC, 0), 16)
+                    src = _aligned(jnp.where(first, 0, j * 656 - _M656_BACK), 16)
+                    dst = _aligned(jnp.where(first, _M656_REC, 0), 16)
                     plgpu.copy_gmem_to_smem(ref.at[page, pl.ds(src, _M656_COPY)], st.at[i, pl.ds(dst, _M656_COPY)],
                                             bar_kv, oob_mode=PIB)
                 elif kind == "mla584":
-                    src = pl.multiple_of(jnp.where(first, 0, j * 576 - _M584_BACK), 16)
-                    dst = pl.multiple_of(jnp.where(first, _M584_REC, 0), 16)
+                    src = _aligned(jnp.where(first, 0, j * 576 - _M584_BACK), 16)
+                    dst = _aligned(jnp.where(first, _M584_REC, 0), 16)
                     plgpu.copy_gmem_to_smem(ref.at[page, pl.ds(src, _M584_COPY)], st.at[i, pl.ds(dst, _M584_COPY)],
                                             bar_kv, oob_mode=PIB)
                     sc = epp * 576 + 8 * j
-                    win = pl.multiple_of((sc // 16) * 16 - 112, 16)
+                    win = _aligned((sc // 16) * 16 - 112, 16)
                     plgpu.copy_gmem_to_smem(ref.at[page, pl.ds(win, _M584_SC_COPY)],
                                             st.at[i, pl.ds(_M584_SC, _M584_SC_COPY)], bar_kv, oob_mode=PIB)
                 else:
-                    src = pl.multiple_of(j * dk, 64)
+                    src = _aligned(j * dk, 64)
                     plgpu.copy_gmem_to_smem(ref.at[page, pl.ds(src, dk)], st.at[i, pl.ds(0, dk)], bar_kv,
                                             oob_mode=PIB)
 
-        if nc == 1:
-            one_cache(0)
-        else:
-            for ci in range(nc):
-                lo, hi = list_start[ci], list_start[ci] + list_blocks[ci]
-                pl.when((gb >= lo) & (gb < hi))(functools.partial(one_cache, ci))
+        @plgpu.warp_map
+        def _(warp):
+            if nc == 1:
+                one_cache(0, warp)
+            else:
+                for ci in range(nc):
+                    lo, hi = list_start[ci], list_start[ci] + list_blocks[ci]
+                    pl.when((gb >= lo) & (gb < hi))(functools.partial(one_cache, ci, warp))
 
     def dequant(w, st, k_s, pb_s, sel_s, slot_row):
         """Write this warpgroup's chunks of the bf16 K tile from the staged records."""
@@ -369,10 +389,11 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         else:
             (o_ref, m_ref, l_ref), scratch = rest[nc:nc + 3], rest[nc + 3:]
         if fp8:
-            q_s, k_s, st, (p_s, pb_s), sel_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_free, bar_p = scratch
+            q_s1, k_s1, st, (p_s, pb_s), sel_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_free, bar_p = scratch
         else:
-            q_s, k_s, st, p_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_free, bar_p = scratch
+            q_s1, k_s1, st, p_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_free, bar_p = scratch
             pb_s = sel_s = None
+        q_s, k_s = q_s1.at[0], k_s1.at[0]  # [1, rows, dk]: index 0 statically, or per block (per_block_desc)
         pid = lax.axis_index("cta")
         gi = pid % G
         ti = (pid // G) % t
@@ -423,6 +444,11 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             def body(k, carry):
                 acc, m, l = carry
                 islot = k % 2
+                if per_block_desc:  # zero (block ids < 2^20, checked when built), opaque to the compiler
+                    z = lax.shift_right_logical(block_id(k), 20)
+                    q_mm, k_mm = q_s1.at[z], k_s1.at[z]
+                else:
+                    q_mm, k_mm = q_s, k_s
                 plgpu.barrier_wait(bar_kv.at[0])
 
                 @pl.when(k > 0)
@@ -449,7 +475,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
 
                 # S = Q K^T, masked online softmax (base 2)
                 def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_s, k_s.T)
+                    plgpu.wgmma(acc_ref, q_mm, k_mm.T)
                     plgpu.wgmma_wait(0)
                     return acc_ref[...]
 
@@ -460,7 +486,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
                 l = l * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                v_ref = k_s.at[:, pl.ds(w * dvw, dvw)]
+                v_ref = k_mm.at[:, pl.ds(w * dvw, dvw)]
 
                 def pv_in_place(acc, p_operand):
                     """acc += P V, accumulating in place (a second [64, 256] fp32 accumulator would not fit
@@ -526,8 +552,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     else:
         mid = [p_t]
     scratch = [
-        plgpu.SMEM((HEAD_TILE, dk), jnp.bfloat16, transforms=SW),  # q tile
-        plgpu.SMEM((BK, dk), jnp.bfloat16, transforms=SW),  # dequantised K tile (V = its first dv columns)
+        plgpu.SMEM((1, HEAD_TILE, dk), jnp.bfloat16, transforms=SW),  # q tile
+        plgpu.SMEM((1, BK, dk), jnp.bfloat16, transforms=SW),  # dequantised K tile (V = its first dv columns)
         st_t, *mid,
         plgpu.SMEM((2, BK), jnp.int32),  # slots of the current and next block
         plgpu.Barrier(num_arrivals=1, num_barriers=1),  # q landed

@@ -153,9 +153,12 @@ def select_config_for(t: int, n: int, sms: int = 132) -> TopkSelectConfig:
     to its 16 leading bits (half the sample's counting passes, a third of the prefilter's instructions; its bucket's
     floor keeps a few more candidates). On the H200's timeline (benchmarks/results/topk_knobs_h200_*.json) the
     512-key steps were the fastest of the sets tried at 64 x 64K, 16 x 128K and 16 x 32K, and second at 64 x 128K;
-    the 16-bit pivot was faster again at 64 x 64K and 16 x 128K; more programs per row were slower."""
+    the 16-bit pivot was faster again at 64 x 64K and 16 x 128K; more programs per row were slower. Holding the
+    shrunk block in registers through the finish passes won at all four shapes (topk_knobs_cols_h200_*.json);
+    column-only split buffers lost at all four."""
     sp = split_for(t, n, sms=sms)
-    return (TopkSelectConfig(splits=sp, unroll=2, shrink=True, hist_block=512, pivot_bits=16) if sp > 1
+    return (TopkSelectConfig(splits=sp, unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True)
+            if sp > 1
             else TopkSelectConfig())
 
 

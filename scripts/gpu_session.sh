@@ -20,6 +20,8 @@
 #   scripts/gpu_session.sh ncu-fp8sweep  # issue 19: FP8 decode calls x tile variants, exact kernel durations (ncu)
 #   scripts/gpu_session.sh fp8gap        # issue 19: the gap between two Mosaic kernels, waited call vs 8 calls in one jit
 #   scripts/gpu_session.sh ncu-topk      # issue 20: Nsight Compute (full set) on the radix select at 64 x 64K, one and two programs per row
+#   scripts/gpu_session.sh ncu-mqa       # issue 20: Nsight Compute (full set) on the sparse MQA, V3.2 decode batch 64 (both P paths), V4 batch 64
+#   scripts/gpu_session.sh mqa-variants  # issue 20: sparse MQA native tests, its switches on the GPU timeline, ncu of the default
 #   scripts/gpu_session.sh ncu-fp4sweep  # issue 22: FP4 grouped decode calls x variants (row layout), exact kernel durations (ncu)
 #   scripts/gpu_session.sh hostprofile   # issue 16: one step's GPU timeline (8 layers, 8 segments), TTFT's readback
 #   scripts/gpu_session.sh probe         # host cost of a captured step: preparation vs dispatch, graphs vs none
@@ -203,6 +205,34 @@ case "$stage" in
       ncu -i "/tmp/$name.ncu-rep" --page details > "$OUT/${name}_details.txt" 2>&1
       ncu -i "/tmp/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/${name}_sass.csv" 2>&1
     done
+    ;;
+  ncu-mqa)
+    # the sparse MQA sits at 108-116 TFLOP/s at V3.2 decode batch 64 (target 300) with no profile yet: stall
+    # reasons, pipe and memory utilisation before the warp-specialised rebuild; V4 batch 64 for its roofline
+    for spec in "v32 {}" 'v32 {"p_in_registers": true}' "v4 {}"; do
+      arch=${spec%% *}; tiles=${spec#* }
+      name=mqa_${arch}_b64$(echo "$tiles" | tr -dc 'a-z' | sed 's/pinregisterstrue/_preg/')
+      timeout ${NCUM_TIMEOUT:-150} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
+        -o "/tmp/$name" python3 scripts/diag/ncu_kernels.py mqa --shape "$arch" --m 64 --tiles "$tiles" > /dev/null 2>&1
+      echo "ncu $name rc=$?"
+      ncu -i "/tmp/$name.ncu-rep" --page details > "$OUT/${name}_details.txt" 2>&1
+      [ "$arch" = v32 ] && ncu -i "/tmp/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/${name}_sass.csv" 2>&1
+    done
+    ;;
+  mqa-variants)
+    # twelfth session: the row copies issued per warp (a quarter of the rows each) and the wgmma descriptors rebuilt
+    # per block (the twelfth session's ncu: 41% of the instructions issued row copies, spilled descriptors 29% of
+    # the stall samples); native tests, then the switches on the GPU timeline, then ncu of the default at V3.2 b64
+    python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
+    timeout -s INT ${MQA_TESTS_TIMEOUT:-200} python3 -m pytest -m gpu -n 4 -q --tb=short -rfE -p no:cacheprovider \
+      tests/test_kernel_sparse_mqa.py > "$OUT/gpu_mqa_tests.log" 2>&1; echo "mqa tests rc=$?"; tail -3 "$OUT/gpu_mqa_tests.log"
+    timeout ${MQAV_TIMEOUT:-240} python3 scripts/diag/mqa_variants.py --cases ${MQAV_CASES:-v32_decode_64 v4_decode_64} \
+      --out "$OUT/mqa_variants_h200.json" > "$OUT/mqa_variants.log" 2>&1; echo "mqa variants rc=$?"
+    grep '^{' "$OUT/mqa_variants.log" | python3 -c 'import json, sys; [print(r["case"], r["variant"], r.get("profile_span_us"), r.get("tflops"), r.get("max_abs_err"), r.get("error", "")[:200]) for r in map(json.loads, sys.stdin)]'
+    timeout ${NCUM_TIMEOUT:-120} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
+      -o /tmp/mqa_v32_b64 python3 scripts/diag/ncu_kernels.py mqa --shape v32 --m 64 > /dev/null 2>&1; echo "ncu mqa rc=$?"
+    ncu -i /tmp/mqa_v32_b64.ncu-rep --page details > "$OUT/mqa_v32_b64_details.txt" 2>&1
+    ncu -i /tmp/mqa_v32_b64.ncu-rep --page source --csv --print-source sass > "$OUT/mqa_v32_b64_sass.csv" 2>&1
     ;;
   ncu-fp4sweep)
     # split_k made no difference (eighth session, archive/fp4_decode_ncu_sweep_h200_2026-12-01.json); now the rows'

@@ -200,19 +200,21 @@ def test_all_masked_rows_give_zeros(mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="p_in_registers is a compiled-kernel variant (interpret mode has no register A)")
+@pytest.mark.skipif(not ON_GPU, reason="compiled-kernel variants (interpret mode has no register A)")
+@pytest.mark.parametrize("variant", [{"p_in_registers": True}, {"per_block_descriptors": False}], ids=str)
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_p_in_registers_native(num_splits):
+def test_kernel_variants_native(num_splits, variant):
+    """The kernel's experiment switches (register P; descriptors held across the loop) give the same results."""
     rng = np.random.default_rng(8)
     f32, f4w, f4c = MlaRecord656(64, "ue8m0"), MlaRecord584(256), MlaRecord584(64)
     c32, cw, cc = _cache(f32, 64, 576, rng), _cache(f4w, 4, 512, rng), _cache(f4c, 16, 512, rng)
     q32 = _bf16_exact(rng.standard_normal((4, 128, 576)))
     _check(q32, [c32], [f32], [_slots(rng, 4, 2048, 64 * 64, 0.1, empty_rows=(3,))], scale=0.06, v_dim=512,
-           sink=None, tol=TOL_EXACT_KV, interpret=False, num_splits=num_splits, p_in_registers=True)
+           sink=None, tol=TOL_EXACT_KV, interpret=False, num_splits=num_splits, **variant)
     q4 = _bf16_exact(rng.standard_normal((4, 64, 512)))
     _check(q4, [cw, cc], [f4w, f4c], [_slots(rng, 4, 128, 1024, 0.1), _slots(rng, 4, 512, 1024, 0.2)],
            scale=512 ** -0.5, v_dim=512, sink=jnp.asarray(rng.standard_normal(64).astype(np.float32)),
-           tol=TOL_EXACT_KV, interpret=False, num_splits=num_splits, p_in_registers=True)
+           tol=TOL_EXACT_KV, interpret=False, num_splits=num_splits, **variant)
 
 
 def test_supports_and_fallback_formats():
@@ -286,7 +288,7 @@ def test_v4_layer_attend(mode):
 
 # ----- lowering for the H200 without a GPU --------------------------------------------------------------------
 @pytest.mark.skipif(ON_GPU, reason="the native tests compile the kernel")
-@pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16"])
+@pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16", "v32_fp8_held"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -305,7 +307,7 @@ def test_lowers_for_cuda(case):
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,
-                              interpret=False)
+                              per_block_descriptors="held" not in case, interpret=False)
 
     exp = jax.export.export(jax.jit(f), platforms=["cuda"])(
         jax.ShapeDtypeStruct((t, h, dim), jnp.bfloat16), caches, slots, sink)

@@ -222,7 +222,7 @@ def test_split_for() -> None:
     # the indexer's config: the measured unroll, shrink, 512-key counting steps and 16-bit pivot where it splits, the
     # defaults where it does not
     assert select_config_for(64, 65536) == TopkSelectConfig(splits=2, unroll=2, shrink=True, hist_block=512,
-                                                            pivot_bits=16)
+                                                            pivot_bits=16, hold_shrunk=True)
     assert select_config_for(128, 65536) == TopkSelectConfig()
 
 

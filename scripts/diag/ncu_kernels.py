@@ -6,6 +6,7 @@
         python3 scripts/diag/ncu_kernels.py fp8 --shape q_b --m 64
     ncu ... python3 scripts/diag/ncu_kernels.py fp8g --shape w1 --tokens 8      # the grouped FP8 expert GEMM
     ncu ... python3 scripts/diag/ncu_kernels.py topk --m 64 --cols 65536 --tiles '{"splits": 2}'  # the radix select
+    ncu ... python3 scripts/diag/ncu_kernels.py mqa --shape v32 --m 64 [--tiles '{"p_in_registers": true}']  # sparse MQA decode
 
 The call is compiled and run a few times first; only the last call runs between cuProfilerStart and
 cuProfilerStop, so the report holds that call's kernels (the Pallas kernel and the wrapper's XLA ops).
@@ -64,6 +65,18 @@ def _topk(rows: int, cols: int, tiles: dict):
     return f, (x,)
 
 
+def _mqa(arch: str, tokens: int, tiles: dict):
+    """The sparse MQA decode call of ``bench_kernels`` (``v32_decode_<tokens>`` / ``v4_decode_<tokens>``: 2048 /
+    128 + 512 candidates per token over a 4K context each); ``tiles``: keyword arguments of ``sparse_mqa``."""
+    from jds.bench import kernels_sparse_mqa as b
+    from pallas_kernels import sparse_mqa
+    make = {"v32": b._v32_case, "v4": b._v4_case}[arch]
+    c = make(tokens, False, False, jax.random.key(0))
+    f = jax.jit(lambda q, caches, slots, sink: sparse_mqa.sparse_mqa(
+        q, caches, c["fmts"], slots, scale=c["scale"], v_dim=c["v_dim"], sink=sink, implementation="pallas", **tiles))
+    return f, (c["q"], c["caches"], c["slots"], c["sink"])
+
+
 def _sweep(a: argparse.Namespace) -> None:
     """fp8sweep: cases shape:rows of the FP8 GEMM; fp4sweep / fp8gsweep: shape:tokens of the grouped GEMMs."""
     cases = [(c.split(":")[0], int(c.split(":")[1])) for c in a.cases]
@@ -98,15 +111,15 @@ def _sweep(a: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kernel", choices=("fp4", "fp8", "fp8g", "topk", "fp8sweep", "fp4sweep", "fp8gsweep"))
-    ap.add_argument("--shape", default="wo")
+    ap.add_argument("kernel", choices=("fp4", "fp8", "fp8g", "topk", "mqa", "fp8sweep", "fp4sweep", "fp8gsweep"))
+    ap.add_argument("--shape", default=None, help="GEMM shape (default wo / w1); mqa: v32 or v4 (default v32)")
     ap.add_argument("--cases", nargs="+", default=None,
                     help="fp8sweep: shape:rows (default wo and mlp at 1, 64, 128); fp4sweep / fp8gsweep: "
                          "shape:tokens (default w1 and w2 at 1, 8, 64)")
     ap.add_argument("--variants", default="[{}]", help="fp8sweep: JSON list of tile dicts")
     ap.add_argument("--order", default="/tmp/fp8sweep_order.json", help="fp8sweep: where the call order goes")
     ap.add_argument("--tokens", type=int, default=8, help="fp4 / fp8g: tokens (x 6 / 8 routed rows each)")
-    ap.add_argument("--m", type=int, default=64, help="fp8, topk: rows")
+    ap.add_argument("--m", type=int, default=64, help="fp8, topk: rows; mqa: decode tokens")
     ap.add_argument("--cols", type=int, default=65536, help="topk: logits per row")
     ap.add_argument("--tiles", default="{}", help="JSON dict of keyword arguments for the kernel")
     a = ap.parse_args()
@@ -116,10 +129,12 @@ def main() -> None:
                        else [f"{s}:{t}" for s in ("w1", "w2") for t in (1, 8, 64)])
         return _sweep(a)
     tiles = json.loads(a.tiles)
-    make = {"fp4": lambda: _grouped("fp4", a.shape, a.tokens, tiles),
-            "fp8g": lambda: _grouped("fp8", a.shape, a.tokens, tiles),
-            "fp8": lambda: _fp8(a.shape, a.m, tiles),
-            "topk": lambda: _topk(a.m, a.cols, tiles)}
+    gemm = a.shape or ("w1" if a.kernel in ("fp4", "fp8g") else "wo")
+    make = {"fp4": lambda: _grouped("fp4", gemm, a.tokens, tiles),
+            "fp8g": lambda: _grouped("fp8", gemm, a.tokens, tiles),
+            "fp8": lambda: _fp8(gemm, a.m, tiles),
+            "topk": lambda: _topk(a.m, a.cols, tiles),
+            "mqa": lambda: _mqa(a.shape or "v32", a.m, tiles)}
     f, args = make[a.kernel]()
     for _ in range(3):
         jax.block_until_ready(f(*args))

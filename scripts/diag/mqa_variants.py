@@ -1,0 +1,76 @@
+"""The sparse MQA kernel's variants at the benchmark's shapes, device time from the GPU timeline, one call.
+
+    python scripts/diag/mqa_variants.py [--cases v32_decode_64 v4_decode_64 ...] [--variants default held preg ...]
+        [--out F]
+
+Why: ``bench_kernels --only sparse_mqa`` times the default and the register-P kernel beside XLA with the pipelined
+method. This times any of the kernel's switches (``VARIANTS``) at the named cases with the GPU timeline
+(``profile_span_us``, as ``topk_knobs.py``), checks each against the XLA path (``max_abs_err`` relative to the
+output's largest value) and gives the effective TFLOP/s (2 * heads * valid candidates * (dk + v_dim) per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import sys
+
+import jax
+import numpy as np
+
+from jds.bench import kernels_sparse_mqa as b
+from jds.bench.timing import profiled_device_us
+from pallas_kernels import sparse_mqa
+
+VARIANTS = {"default": {}, "held": dict(per_block_descriptors=False), "preg": dict(p_in_registers=True),
+            "held_preg": dict(per_block_descriptors=False, p_in_registers=True)}
+
+
+def _case(name: str, quick: bool) -> dict:
+    arch, kind, t = name.split("_")
+    make = {"v32": b._v32_case, "v4": b._v4_case}[arch]
+    return make(int(t), kind == "prefill", quick, jax.random.key(0))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", nargs="+", default=["v32_decode_64", "v32_decode_128", "v4_decode_64"])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--quick", action="store_true", help="the benchmark's small shapes (a CPU check of the script)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    rows = []
+    for name in a.cases:
+        c = _case(name, a.quick)
+        q, caches, slots, sink = c["q"], c["caches"], c["slots"], c["sink"]
+        t, h, dk = q.shape
+        n_valid = sum(np.asarray((s >= 0).sum(axis=1)) for s in slots)
+        flops = float(np.sum(2.0 * h * n_valid * (dk + c["v_dim"])))
+        call = functools.partial(sparse_mqa.sparse_mqa, formats=c["fmts"], scale=c["scale"], v_dim=c["v_dim"])
+        ref = np.asarray(jax.jit(lambda q, cs, ss, sk: call(q, cs, slots=ss, sink=sk, implementation="xla"))(
+            q, caches, slots, sink))
+        for v in a.variants:
+            f = jax.jit(lambda q, cs, ss, sk, kw=VARIANTS[v]: call(q, cs, slots=ss, sink=sk, **kw))
+            r = {"case": name, "variant": v, **VARIANTS[v], "flops": flops}
+            try:
+                got = np.asarray(f(q, caches, slots, sink))
+                r.update(max_abs_err=float(np.abs(got - ref).max()), ref_max=float(np.abs(ref).max()),
+                         **profiled_device_us(f, q, caches, slots, sink))
+                if "profile_span_us" in r:
+                    r["tflops"] = flops / r["profile_span_us"] / 1e6
+            except Exception as e:  # noqa: BLE001 - a diag: report and go on
+                r["error"] = f"{type(e).__name__}: {e}"[:400]
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    if a.out:
+        with open(a.out, "w") as fh:
+            json.dump({"meta": {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                                "command": "python " + " ".join(sys.argv), "complete": True,
+                                "variants": {n: VARIANTS[n] for n in a.variants}}, "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
