@@ -166,7 +166,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                slots: Sequence[jax.Array], *, scale: float, v_dim: int, sink: jax.Array | None = None,
                implementation: Implementation = "pallas", num_splits: int | None = None,
                out_dtype: jnp.dtype = jnp.float32, p_in_registers: bool = False, per_block_descriptors: bool = True,
-               interpret: bool | plgpu.InterpretGPUParams | None = None) -> jax.Array:
+               split_qk: bool = True, interpret: bool | plgpu.InterpretGPUParams | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype).
@@ -179,6 +179,9 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     ``per_block_descriptors``: the wgmma operands address the q and K tiles through an index the compiler cannot
     fold (zero, derived from the block's id), so their shared-memory descriptors are rebuilt in each block instead
     of being computed once, held across the loop and spilled (an experiment for the H200; the same arithmetic).
+    ``split_qk``: each warpgroup computes the logits of half the block's candidates (not all of them twice); the two
+    exchange their row maxima through shared memory and each publishes its half of P. False: both compute the whole
+    S, warpgroup 0 publishes P (required by ``p_in_registers``).
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``, e.g. with ``detect_races``);
     None = whenever the default backend is not a GPU.
     """
@@ -190,14 +193,17 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                                             sink=sink).astype(out_dtype),
         "pallas": lambda: _pallas(q, caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink,
                                   num_splits=num_splits, out_dtype=out_dtype, p_in_registers=p_in_registers,
-                                  per_block_descriptors=per_block_descriptors, interpret=interpret)})
+                                  per_block_descriptors=per_block_descriptors, split_qk=split_qk,
+                                  interpret=interpret)})
 
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, p_in_registers,
-            per_block_descriptors, interpret):
+            per_block_descriptors, split_qk, interpret):
     if not supports(formats, v_dim):
         raise Unsupported(f"sparse_mqa kernel: unsupported formats {formats} / v_dim {v_dim} "
                           "(see pallas_kernels.sparse_mqa.supports)")
+    if p_in_registers and split_qk:
+        raise ValueError("p_in_registers needs split_qk=False (each warpgroup's PV takes the whole P)")
     specs = tuple(cache_spec(f) for f in formats)
     t, h, dk = q.shape
     if dk != specs[0].dim:
@@ -232,7 +238,7 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     call = _build_call(specs=specs, list_blocks=tuple(list_blocks), t=t, hp=hp, dv=v_dim, scale=float(scale),
                        has_sink=has_sink, n_splits=n_splits, bps=bps, out_dtype=jnp.dtype(out_dtype),
                        p_regs=bool(p_in_registers) and not interpret, per_block_desc=bool(per_block_descriptors),
-                       interpret=interpret or None)
+                       split_qk=bool(split_qk), interpret=interpret or None)
     # blocks of 64 candidates with at least one valid slot, per token, compacted to the front (the kernel
     # skips the rest: prefill tokens early in the sequence, short contexts, fully masked rows)
     live = jnp.any(slots_all.reshape(t, nb, BLOCK_K) >= 0, axis=-1)
@@ -264,7 +270,7 @@ def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -
 @functools.lru_cache(maxsize=None)
 def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t: int, hp: int, dv: int,
                 scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype, p_regs: bool,
-                per_block_desc: bool, interpret: plgpu.InterpretGPUParams | None):
+                per_block_desc: bool, split_qk: bool, interpret: plgpu.InterpretGPUParams | None):
     kind, dk = specs[0].kind, specs[0].dim
     nc = len(specs)
     if sum(list_blocks) >= 1 << 20:  # per_block_desc's zero is block_id >> 20
@@ -273,7 +279,11 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     G = hp // HEAD_TILE
     BK = BLOCK_K
     dvw = dv // NUM_WG
+    HALF = BK // NUM_WG  # split_qk: candidates per warpgroup
     fp8 = kind != "rows"
+    # rope values: compiled, read as bf16 through a second (aliased) view of the staging rows; GPU interpret mode
+    # does not alias RefUnion members, so there they are rebuilt from their bytes by the selection-matrix wgmma
+    rope_mm = fp8 and interpret is not None
     nch = dk // 64  # 64-column chunks of the K tile (the last one is the rope for fp8 records)
     wg_chunks = (list(range(0, nch // 2)), list(range(nch // 2, nch)))
     copies = _copies_per_row(kind)
@@ -281,7 +291,10 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     rows_w = dk + 8 if dk <= 512 else dk
     L = plgpu.Layout.WGMMA
     ROW, COL = L.reduce(1), L.reduce(0)
-    SW = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    # split_qk: 64-byte swizzled tiles of 32 columns, so that each warpgroup's half of P is whole tiles (a column
+    # slice must cover whole tiles, and wgmma takes both operands in one swizzle)
+    sw_cols = HALF if split_qk else 64
+    SW = (plgpu.TilingTransform((8, sw_cols)), plgpu.SwizzleTransform(2 * sw_cols))
     PIB = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
     s2 = scale * LOG2E
 
@@ -328,7 +341,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     lo, hi = list_start[ci], list_start[ci] + list_blocks[ci]
                     pl.when((gb >= lo) & (gb < hi))(functools.partial(one_cache, ci, warp))
 
-    def dequant(w, st, k_s, pb_s, sel_s, slot_row):
+    def dequant(w, st, st16, k_s, pb_s, sel_s, slot_row):
         """Write this warpgroup's chunks of the bf16 K tile from the staged records."""
         mine = wg_chunks[w]
         if kind == "rows":
@@ -365,7 +378,10 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             x = lax.bitcast_convert_type(x8, jnp.float8_e4m3fn).astype(jnp.float32)
             x = x * lax.broadcast_in_dim(scale_of(c), (BK, 64), [0])
             k_s[:, pl.ds(64 * c, 64)] = x.astype(jnp.bfloat16)
-        if rope_chunk in mine:
+        if rope_chunk in mine and not rope_mm:
+            k_s[:, pl.ds(64 * rope_chunk, 64)] = plgpu.load(st16.at[:, pl.ds(rope_col // 2, 64)], layout=L,
+                                                            optimized=True)
+        elif rope_chunk in mine:
             rb = plgpu.load(st.at[:, pl.ds(rope_col, 128)], layout=L, optimized=True)
             pb_s[...] = rb.astype(jnp.int32).astype(jnp.float32).astype(jnp.bfloat16)
             plgpu.commit_smem()
@@ -388,11 +404,14 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             (o_ref,), scratch = rest[nc:nc + 1], rest[nc + 1:]
         else:
             (o_ref, m_ref, l_ref), scratch = rest[nc:nc + 3], rest[nc + 3:]
-        if fp8:
+        st16 = pb_s = sel_s = None
+        *scratch, stat_s, bar_stat = scratch
+        if rope_mm:
             q_s1, k_s1, st, (p_s, pb_s), sel_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_free, bar_p = scratch
+        elif fp8:
+            q_s1, k_s1, (st, st16), p_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_free, bar_p = scratch
         else:
             q_s1, k_s1, st, p_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_free, bar_p = scratch
-            pb_s = sel_s = None
         q_s, k_s = q_s1.at[0], k_s1.at[0]  # [1, rows, dk]: index 0 statically, or per block (per_block_desc)
         pid = lax.axis_index("cta")
         gi = pid % G
@@ -421,7 +440,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 @pl.when(nblk > 1)
                 def _():
                     idx_copy(1, 1)
-            elif fp8:
+            elif rope_mm:
                 r = plgpu.broadcasted_iota(jnp.int32, (64, 64), 0, layout=L)
                 c = plgpu.broadcasted_iota(jnp.int32, (64, 64), 1, layout=L)
                 sel = jnp.where(lax.shift_right_logical(r, 1) == c, jnp.where((r & 1) == 0, 1.0, 256.0), 0.0)
@@ -434,7 +453,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             if has_sink and n_splits == 1:
                 sk = plgpu.load(sink_ref.at[pl.ds(gi * HEAD_TILE, HEAD_TILE)], layout=ROW, optimized=False) * LOG2E
                 m0 = jnp.maximum(sk, M_INIT)
-                l0 = jnp.exp2(sk - m0)
+                l0 = jnp.exp2(sk - m0) * (1.0 if w == 0 or not split_qk else 0.0)  # counted once (split_qk)
             else:
                 m0 = plgpu.layout_cast(jnp.full((HEAD_TILE,), M_INIT, jnp.float32), ROW)
                 l0 = plgpu.layout_cast(jnp.full((HEAD_TILE,), 0.0, jnp.float32), ROW)
@@ -455,9 +474,10 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 def _():
                     plgpu.barrier_wait(bar_free.at[0])
 
-                valid = plgpu.load(idx_s.at[islot], layout=COL, optimized=False) >= 0
+                own = pl.ds(w * HALF, HALF) if split_qk else pl.ds(0, BK)  # this warpgroup's candidates
+                valid = plgpu.load(idx_s.at[islot, own], layout=COL, optimized=False) >= 0
                 slot_row = plgpu.load(idx_s.at[islot], layout=ROW, optimized=False) if kind == "mla584" else None
-                dequant(w, st, k_s, pb_s, sel_s, slot_row)
+                dequant(w, st, st16, k_s, pb_s, sel_s, slot_row)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(bar_ready.at[0])
                 plgpu.barrier_wait(bar_ready.at[0])
@@ -475,13 +495,19 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
 
                 # S = Q K^T, masked online softmax (base 2)
                 def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_mm, k_mm.T)
+                    plgpu.wgmma(acc_ref, q_mm, k_mm.at[own].T)
                     plgpu.wgmma_wait(0)
                     return acc_ref[...]
 
-                sc = pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, BK), jnp.float32)) * s2
+                sc = pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, HALF if split_qk else BK), jnp.float32)) * s2
                 sc = jnp.where(lax.broadcast_in_dim(valid, sc.shape, [1]), sc, -jnp.inf)
-                m_new = jnp.maximum(m, sc.max(axis=1))
+                mx = sc.max(axis=1)
+                if split_qk:  # the row maximum over both halves: one exchange through shared memory
+                    stat_s.at[0, w][...] = mx
+                    plgpu.barrier_arrive(bar_stat.at[0])
+                    plgpu.barrier_wait(bar_stat.at[0])
+                    mx = jnp.maximum(mx, plgpu.load(stat_s.at[0, 1 - w], layout=ROW, optimized=False))
+                m_new = jnp.maximum(m, mx)
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
                 l = l * alpha + p.sum(axis=1)
@@ -501,7 +527,12 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     acc = pv_in_place(acc, p.astype(jnp.bfloat16))
                     plgpu.barrier_arrive(bar_free.at[0])
                     return acc, m_new, l
-                if w == 0:
+                if split_qk:  # each warpgroup publishes its half of P's columns
+                    p_s.at[:, own][...] = p.astype(jnp.bfloat16)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(bar_p.at[0])
+                    plgpu.barrier_wait(bar_p.at[0])
+                elif w == 0:
                     p_s[...] = p.astype(jnp.bfloat16)
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(bar_p.at[0])
@@ -521,6 +552,11 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 return acc, m_new, l
 
             acc, m, l = lax.fori_loop(0, nblk, body, (acc0, m0, l0))
+            if split_qk:  # each warpgroup summed its halves' weights (same m): the total is the sum of both
+                stat_s.at[1, w][...] = l
+                plgpu.barrier_arrive(bar_stat.at[0])
+                plgpu.barrier_wait(bar_stat.at[0])
+                l = l + plgpu.load(stat_s.at[1, 1 - w], layout=ROW, optimized=False)
 
             @pl.when(nblk > 0)
             def _():
@@ -546,7 +582,9 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     else:
         st_t = plgpu.SMEM((BK, rows_w), jnp.bfloat16)
     p_t = plgpu.SMEM((HEAD_TILE, BK), jnp.bfloat16, transforms=SW)
-    if fp8:  # P (softmax phase) and the rope byte tile (dequant phase) never live at the same time
+    if fp8 and not rope_mm:  # the staging rows as bytes (copies, latent, scales) and as bf16 (rope values)
+        st_t = plgpu.RefUnion(st_t, plgpu.SMEM((BK, st_t.shape[1] // 2), jnp.bfloat16))
+    if rope_mm:  # P (softmax phase) and the rope byte tile (dequant phase) never live at the same time
         mid = [plgpu.RefUnion(p_t, plgpu.SMEM((BK, 128), jnp.bfloat16, transforms=SW)),
                plgpu.SMEM((64, 64), jnp.bfloat16, transforms=SW)]  # byte-pair selection matrix
     else:
@@ -561,7 +599,11 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         plgpu.Barrier(num_arrivals=BK * copies, num_barriers=1),  # all row copies of a block landed
         plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1),  # K tile complete, staging/slots read
         plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1),  # K tile and P consumed
-        plgpu.Barrier(num_arrivals=1, num_barriers=1),  # P published by warpgroup 0
+        plgpu.Barrier(num_arrivals=NUM_WG if split_qk else 1, num_barriers=1),  # P published
+        # split_qk: row maxima, then the final sums (block k+1's maxima are written only after both warpgroups
+        # passed block k's "ready" barrier, by then both read block k's)
+        plgpu.SMEM((2, NUM_WG, HEAD_TILE), jnp.float32),
+        plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1),  # split_qk: both warpgroups' statistics written
     ]
     if n_splits == 1:
         out_type = jax.ShapeDtypeStruct((t, hp, dv), out_dtype)

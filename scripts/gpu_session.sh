@@ -20,7 +20,7 @@
 #   scripts/gpu_session.sh ncu-fp8sweep  # issue 19: FP8 decode calls x tile variants, exact kernel durations (ncu)
 #   scripts/gpu_session.sh fp8gap        # issue 19: the gap between two Mosaic kernels, waited call vs 8 calls in one jit
 #   scripts/gpu_session.sh ncu-topk      # issue 20: Nsight Compute (full set) on the radix select at 64 x 64K, one and two programs per row
-#   scripts/gpu_session.sh ncu-mqa       # issue 20: Nsight Compute (full set) on the sparse MQA, V3.2 decode batch 64 (both P paths), V4 batch 64
+#   scripts/gpu_session.sh ncu-mqa       # issue 20: Nsight Compute (full set) on the sparse MQA, V3.2 decode batch 64 (split / whole S), V4 batch 64
 #   scripts/gpu_session.sh mqa-variants  # issue 20: sparse MQA native tests, its switches on the GPU timeline, ncu of the default
 #   scripts/gpu_session.sh ncu-fp4sweep  # issue 22: FP4 grouped decode calls x variants (row layout), exact kernel durations (ncu)
 #   scripts/gpu_session.sh hostprofile   # issue 16: one step's GPU timeline (8 layers, 8 segments), TTFT's readback
@@ -209,9 +209,9 @@ case "$stage" in
   ncu-mqa)
     # the sparse MQA sits at 108-116 TFLOP/s at V3.2 decode batch 64 (target 300) with no profile yet: stall
     # reasons, pipe and memory utilisation before the warp-specialised rebuild; V4 batch 64 for its roofline
-    for spec in "v32 {}" 'v32 {"p_in_registers": true}' "v4 {}"; do
+    for spec in "v32 {}" 'v32 {"split_qk": false}' "v4 {}"; do
       arch=${spec%% *}; tiles=${spec#* }
-      name=mqa_${arch}_b64$(echo "$tiles" | tr -dc 'a-z' | sed 's/pinregisterstrue/_preg/')
+      name=mqa_${arch}_b64$(echo "$tiles" | tr -dc 'a-z' | sed 's/splitqkfalse/_whole_s/')
       timeout ${NCUM_TIMEOUT:-150} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
         -o "/tmp/$name" python3 scripts/diag/ncu_kernels.py mqa --shape "$arch" --m 64 --tiles "$tiles" > /dev/null 2>&1
       echo "ncu $name rc=$?"

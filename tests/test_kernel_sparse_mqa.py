@@ -146,6 +146,24 @@ def test_v32_padded_heads_and_splits(mode):
                interpret=interpret, num_splits=s)
 
 
+@pytest.mark.skipif(ON_GPU, reason="interpret mode's race detector")
+@pytest.mark.parametrize("split_qk", [True, False])
+def test_no_races(split_qk):
+    """Interpret mode's race detector over the warpgroups' exchanges: the row maxima and final sums (split_qk),
+    P's halves / warpgroup 0's P, the K tile's ready / free protocol; V4's two caches, sink and 2 splits."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    rng = np.random.default_rng(11)
+    fw, fc = MlaRecord584(16), MlaRecord584(8)
+    cw, cc = _cache(fw, 2, 512, rng), _cache(fc, 4, 512, rng)
+    q = _bf16_exact(rng.standard_normal((1, 4, 512)))
+    _check(q, [cw, cc], [fw, fc], [_slots(rng, 1, 64, 32, 0.2), _slots(rng, 1, 100, 32, 0.3)], scale=512 ** -0.5,
+           v_dim=512, sink=jnp.asarray(rng.standard_normal(4).astype(np.float32)), tol=TOL_EXACT_KV,
+           interpret=plgpu.InterpretGPUParams(detect_races=True), num_splits=2, split_qk=split_qk)
+    assert not gpu_callbacks.get_races().races_found
+
+
 # ----- V4: window + compressed, two caches, attention sink ----------------------------------------------
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("num_splits", [1, pytest.param(2, marks=pytest.mark.slow)])
@@ -201,10 +219,12 @@ def test_all_masked_rows_give_zeros(mode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="compiled-kernel variants (interpret mode has no register A)")
-@pytest.mark.parametrize("variant", [{"p_in_registers": True}, {"per_block_descriptors": False}], ids=str)
+@pytest.mark.parametrize("variant", [{"p_in_registers": True, "split_qk": False}, {"split_qk": False},
+                                     {"per_block_descriptors": False}], ids=str)
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_kernel_variants_native(num_splits, variant):
-    """The kernel's experiment switches (register P; descriptors held across the loop) give the same results."""
+    """The kernel's switches (register P; both warpgroups computing the whole S; descriptors held across the loop)
+    give the same results."""
     rng = np.random.default_rng(8)
     f32, f4w, f4c = MlaRecord656(64, "ue8m0"), MlaRecord584(256), MlaRecord584(64)
     c32, cw, cc = _cache(f32, 64, 576, rng), _cache(f4w, 4, 512, rng), _cache(f4c, 16, 512, rng)
