@@ -482,20 +482,22 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 plgpu.barrier_arrive(bar_ready.at[0])
                 plgpu.barrier_wait(bar_ready.at[0])
 
-                # prefetch: rows of block k+1 (their slots landed in the other idx slot), slots of block k+2
-                @pl.when(k + 1 < nblk)
-                def _():
-                    plgpu.barrier_wait(bar_i.at[1 - islot])
-                    issue_row_copies(cache_refs, st, idx_s, 1 - islot, block_id(k + 1), w, bar_kv.at[0])
-
-                if w == 0:
-                    @pl.when(k + 2 < nblk)
+                def prefetch():
+                    """Rows of block k+1 (their slots landed in the other idx slot), slots of block k+2."""
+                    @pl.when(k + 1 < nblk)
                     def _():
-                        idx_copy(k + 2, islot)
+                        plgpu.barrier_wait(bar_i.at[1 - islot])
+                        issue_row_copies(cache_refs, st, idx_s, 1 - islot, block_id(k + 1), w, bar_kv.at[0])
 
-                # S = Q K^T, masked online softmax (base 2)
+                    if w == 0:
+                        @pl.when(k + 2 < nblk)
+                        def _():
+                            idx_copy(k + 2, islot)
+
+                # S = Q K^T (the prefetch is issued while the tensor cores run it), masked online softmax (base 2)
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, q_mm, k_mm.at[own].T)
+                    prefetch()
                     plgpu.wgmma_wait(0)
                     return acc_ref[...]
 

@@ -227,8 +227,9 @@ case "$stage" in
     timeout -s INT ${MQA_TESTS_TIMEOUT:-200} python3 -m pytest -m gpu -n 4 -q --tb=short -rfE -p no:cacheprovider \
       tests/test_kernel_sparse_mqa.py > "$OUT/gpu_mqa_tests.log" 2>&1; echo "mqa tests rc=$?"; tail -3 "$OUT/gpu_mqa_tests.log"
     timeout ${MQAV_TIMEOUT:-240} python3 scripts/diag/mqa_variants.py --cases ${MQAV_CASES:-v32_decode_64 v4_decode_64} \
-      --out "$OUT/mqa_variants_h200.json" > "$OUT/mqa_variants.log" 2>&1; echo "mqa variants rc=$?"
+      ${MQAV_VARIANTS:+--variants $MQAV_VARIANTS} --out "$OUT/mqa_variants_h200.json" > "$OUT/mqa_variants.log" 2>&1; echo "mqa variants rc=$?"
     grep '^{' "$OUT/mqa_variants.log" | python3 -c 'import json, sys; [print(r["case"], r["variant"], r.get("profile_span_us"), r.get("tflops"), r.get("max_abs_err"), r.get("error", "")[:200]) for r in map(json.loads, sys.stdin)]'
+    [ "${MQA_NCU:-1}" = 1 ] || continue  # MQA_NCU=0: tests and variants only
     timeout ${NCUM_TIMEOUT:-120} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
       -o /tmp/mqa_v32_b64 python3 scripts/diag/ncu_kernels.py mqa --shape v32 --m 64 > /dev/null 2>&1; echo "ncu mqa rc=$?"
     ncu -i /tmp/mqa_v32_b64.ncu-rep --page details > "$OUT/mqa_v32_b64_details.txt" 2>&1
