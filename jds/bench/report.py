@@ -536,6 +536,23 @@ def _topk_knobs(d: dict) -> list[str]:
                          + ([f"{base} / fastest"] if base else []), body)
 
 
+def _mqa_variants(d: dict) -> list[str]:
+    """scripts/diag/mqa_variants.py: per case, each kernel switch set's device µs per call (GPU timeline), its
+    effective TFLOP/s, its error against the XLA path relative to the output's largest value, and the default's
+    speed-up over it (the same run)."""
+    rows = [r for r in d.get("rows", []) if "error" not in r]
+    base = {r["case"]: r.get("profile_span_us") for r in rows if r.get("variant") == "default"}
+    body = [[r["case"], r["variant"], _fmt(r.get("profile_span_us"), 1), _fmt(r.get("tflops"), 0),
+             _fmt(r["max_abs_err"] / r["ref_max"] if r.get("ref_max") else None, 5),
+             _ratio(r.get("profile_span_us"), base.get(r["case"]))] for r in rows]
+    errors = [f"- {r['case']} {r.get('variant')}: {r['error']}" for r in d.get("rows", []) if "error" in r]
+    return ["Sparse MQA kernel switch sets (`scripts/diag/mqa_variants.py`: "
+            + ", ".join(f"{k} = {json.dumps(v)}" for k, v in d.get("meta", {}).get("variants", {}).items())
+            + "), device µs per call (GPU timeline):", ""] + \
+        _table(["case", "variant", "device µs", "TFLOP/s", "max err / max out", "this / default"], body) + \
+        ([""] + errors if errors else [])
+
+
 def _kernels(d: dict) -> list[str]:
     return _kernel_rows(d) + _topk_rows(d)
 
@@ -558,6 +575,7 @@ RENDERERS: list[tuple[Callable[[str, dict], bool], Callable[[dict], list[str]]]]
     (lambda b, d: b.startswith("fp8_call_gap"), _call_gap),
     (lambda b, d: b.endswith("_ncu_sweep"), _ncu_sweep),
     (lambda b, d: b.startswith("topk_knobs"), _topk_knobs),
+    (lambda b, d: b.startswith("mqa_variants"), _mqa_variants),
     (lambda b, d: b.startswith("kernels"), _kernels),
 ]
 
