@@ -25,36 +25,48 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, two compute warpgroups per CT
   sink (with one split the CTA normalises and writes the final rows itself).
 - Row gather: Hopper has no gather TMA, so every candidate row is one (V3.2, bf16 rows) or two (V4: data,
   UE8M0 exponents) contiguous bulk TMA copies ``cache[page, start:start+n] -> staging[row]`` with the page
-  and byte offset computed from the slot by scalar code. Lane semantics makes every thread of the issuing
-  warpgroup arrive on the barrier with n/128 bytes, so n must divide by 128: the copies over-fetch
+  and byte offset computed from the slot by scalar code. Each warp issues 8 of the block's 64 rows under
+  warp-level semantics (``plgpu.warp_map``): the scalar code runs once per row, not in all four warps of a
+  warpgroup. Its 32 lanes arrive on the barrier for the warpgroup with n/128 bytes each, so n must divide
+  by 128: the copies over-fetch
   (V3.2: 768 bytes from 112 bytes before the record, or from the page start for the first entry; V4:
   640 bytes of token data, 128 bytes of the scale region ending at the entry's 16-byte group) and the
   destination offset inside the staging row is chosen so that the record always lands at the same column.
 - Dequantisation in registers: Mosaic GPU bitcasts only between equal widths and SMEM only through
-  ``RefUnion`` (which GPU interpret mode does not alias), and XLA materialises a different-width bitcast
-  of the whole cache, so the fp32 scales (V3.2) and the bf16 rope values are rebuilt from their bytes:
-  scale = bitcast(sum_j byte_j << 8j) via a masked row reduction; a UE8M0 exponent e gives bitcast(e << 23);
-  a bf16 rope value = bitcast(((hi << 8) | lo) << 16), where (lo + 256 hi) comes exactly out of a small
-  wgmma of the byte values (0..255, exact in bf16) against a 0/1/256 selection matrix (pairs of adjacent
-  bytes cannot be combined elementwise in the WGMMA register layout, and strided SMEM loads do not lower).
+  ``RefUnion``, and XLA materialises a different-width bitcast of the whole cache, so the fp32 scales (V3.2)
+  are rebuilt from their bytes: scale = bitcast(sum_j byte_j << 8j) via a masked row reduction; a UE8M0
+  exponent e gives bitcast(e << 23). The bf16 rope values are read through a bf16 view of the staging rows
+  (a ``RefUnion`` member aliasing the byte rows). GPU interpret mode does not alias ``RefUnion`` members, so
+  there they are rebuilt as bitcast(((hi << 8) | lo) << 16), where (lo + 256 hi) comes exactly out of a
+  small wgmma of the byte values (0..255, exact in bf16) against a 0/1/256 selection matrix (pairs of
+  adjacent bytes cannot be combined elementwise in the WGMMA register layout).
   The e4m3 latent/NoPE bytes are bitcast to float8_e4m3fn, converted, scaled per 128 (V3.2) / 64 (V4)
   columns and stored as bf16 into the swizzled K tile [64, 576|512].
-- Per block: QK = wgmma(Q [64, Dk] SMEM, K tile^T) in fp32; masked online softmax in base 2; P (bf16)
-  through SMEM; PV = wgmma(P, K tile[:, wg half]) into each warpgroup's [64, v_dim/2] fp32 accumulator
-  (a [64, 512] fp32 accumulator would need all 256 KB of registers; each warpgroup computes the same S
-  and owns half of the value columns, and the two warpgroups dequantise half of the K tile each).
-  The next block's rows are copied while the current block is multiplied.
+- Per block: warpgroup w computes S_w = wgmma(Q [64, Dk] SMEM, K tile[32w:32w+32]^T) in fp32 for its half
+  of the candidates (``split_qk``); the two exchange their row maxima through SMEM, run the masked online
+  softmax in base 2 with the common maximum, and each writes its half of P (bf16) into SMEM; then
+  PV = wgmma(P [64, 64], K tile[:, wg half]) into each warpgroup's [64, v_dim/2] fp32 accumulator (a
+  [64, 512] fp32 accumulator would need all 256 KB of registers, so each warpgroup owns half of the value
+  columns; the two also dequantise half of the K tile each). Each warpgroup's running sum covers its own
+  candidates; the two sums are added at the end (same maxima, so the same scale). The tiles are swizzled
+  over 64 bytes (32 columns), so that a half of P is whole tiles. ``split_qk=False``: both compute the
+  whole S, warpgroup 0 publishes P, 128-byte swizzle. The next block's rows are copied while the
+  current block is multiplied; their copies are issued while the tensor cores run QK.
+- wgmma descriptors: the q and K tiles are [1, rows, dk] buffers indexed by a zero the compiler cannot fold
+  (block id >> 20), so the operands' shared-memory descriptors are rebuilt in each block from uniform
+  registers. Computed once (``per_block_descriptors=False``), the compiler held all of them across the loop
+  and spilled them to local memory.
 - Numerics: q and K enter the tensor cores as bf16 (the pure-JAX path multiplies in fp32; K is
   bf16-exact for bf16 rows and power-of-two fp8 scales, rounded to bf16 with vLLM's amax scales), P is
   rounded to bf16 for PV, softmax statistics stay fp32 (exp2.approx). A masked candidate reads slot 0 (as
   the pure-JAX path does) and gets p = 0, so a non-finite value stored there would poison the row in both.
 - GPU interpret mode lacks ``run_state``: under interpret the PV product goes through a fresh accumulator
   and is added (same sum); compiled, it accumulates in place (a second [64, 256] fp32 accumulator would not
-  fit in the registers). Everything else is the same code in both modes.
+  fit in the registers). With the rope's byte path above, that is all that differs between the modes.
 
 Why Mosaic GPU and not Triton: the per-row bulk TMA expresses the gather on sm90; the Triton backend is
 deprecated since jax 0.11. GPU interpret mode cannot run wgmma with a register A operand, so P goes through
-SMEM (one [64, 64] bf16 tile per block, written once and shared by both warpgroups). Warpgroup lowering
+SMEM (one [64, 64] bf16 tile per block, shared by both warpgroups). Warpgroup lowering
 semantics was tried first: its layout inference assigns tiled/swizzled layouts to the staging buffers that
 the row copies must fill linearly (and crashes on the row subviews), so the kernel uses Lane semantics
 with explicit register layouts and no automatic barriers (``unsafe_no_auto_barriers``; the mbarrier
@@ -62,14 +74,16 @@ protocol below orders every SMEM reuse).
 
 Synchronisation per block k (both warpgroups; mbarriers): wait rows(k) landed; wait K tile free (PV(k-1)
 of both done); dequantise own half of the K tile; fence + arrive/wait "ready" (K complete, staging and
-slot buffer read); then warpgroup w issues the row copies of block k+1 for its 32 rows and warpgroup 0
-the slot copy of block k+2; QK; softmax; warpgroup 0 publishes P ("P" barrier), warpgroup 1 waits; PV;
-arrive "free". Every barrier phase is waited once per waiter (GPU interpret mode checks this and has
-race-detected these kernels clean at the test shapes).
+slot buffer read); issue QK; warpgroup w issues the row copies of block k+1 for its 32 rows and
+warpgroup 0 the slot copy of block k+2; wait QK; write the row maxima, arrive/wait "stats", read the other's;
+softmax; write P's half, fence, arrive/wait "P"; PV; arrive "free". After the loop, the running sums go
+through "stats" once more. Block k+1's maxima are written only after both warpgroups passed its "ready",
+so one buffer serves every block. Every barrier phase is waited once per waiter (GPU interpret mode checks
+this; its race detector passes at the test shapes, ``test_no_races``).
 
-Shared memory (of 227 KB): q 72 KB + K tile 72 KB + staging 55 KB + P / rope bytes 16 KB + selection
-matrix 8 KB (V3.2 fp8, 224 KB); bf16 rows with dim 576 leave under 2 KB, so they get no bank-skew padding.
-One CTA per SM.
+Shared memory (of 227 KB): q 72 KB + K tile 72 KB + staging 55 KB + P 8 KB + statistics 1 KB (V3.2 fp8,
+compiled, 208 KB; interpret mode adds the rope byte tile and the selection matrix); bf16 rows with dim 576
+leave under 2 KB, so they get no bank-skew padding. One CTA per SM.
 
 Requirements (``supports``): MlaRecord656 with the standard 512 + 64 dims and >= 2 entries per page;
 MlaRecord584 with 448 + 64 dims, 64-wide scale blocks and an even number of entries per page (16-byte
