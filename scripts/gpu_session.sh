@@ -30,7 +30,7 @@
 #   scripts/gpu_session.sh boundary-xla  # as boundary, with the pure-JAX attention stages
 #   scripts/gpu_session.sh serve         # bench_serve_modes: the server in each mode, c=1 and c=64
 #   scripts/gpu_session.sh thunks        # thunk-dump check: graphs, direct launches per step per mode
-#   scripts/gpu_session.sh pending       # the eleventh session's open points: native top-k + indexer tests, then ttft-fp8
+#   scripts/gpu_session.sh pending       # the twelfth session's open points: the MQA bench rows, then the decode select
 #   scripts/gpu_session.sh ncu-fp8gsweep # issue 19: FP8 grouped decode calls x variants (row layout), exact kernel durations (ncu)
 #   scripts/gpu_session.sh tests-all     # every gpu-marked test, 6 pytest-xdist workers on the one GPU
 #   scripts/gpu_session.sh kernels       # fused insert (+ tile sweep) + indexer rows with device_us, top-k variants
@@ -287,11 +287,10 @@ case "$stage" in
     echo "thunks rc=$?"; tail -3 "$OUT/gpu_boundary_test.log"
     ;;
   pending)
-    # what the eleventh session changed or left unmeasured, in one call (about 9 minutes): the native top-k and
-    # indexer tests with the indexer's last top-k config (select_config_for: 512-key steps, 16-bit pivot), then the
-    # 8-layer V3.2 TTFT with FP8 weights (never run under the current FP8 defaults)
-    bash "$0" topk-tests
-    bash "$0" ttft-fp8
+    # what the twelfth session left unmeasured, in one call (about 9 minutes): the MQA bench rows (pipelined, beside
+    # XLA) with the rebuilt kernel, then the decode select (its eleventh-session run was cut)
+    bash "$0" mqa
+    bash "$0" select
     ;;
   ncu-fp8gsweep)
     # the FP8 grouped expert GEMM's call: the rows' bookkeeping in XLA against one kernel (layout="pallas")
