@@ -43,19 +43,19 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, two compute warpgroups per CT
   The e4m3 latent/NoPE bytes are bitcast to float8_e4m3fn, converted, scaled per 128 (V3.2) / 64 (V4)
   columns and stored as bf16 into the swizzled K tile [64, 576|512].
 - Per block: warpgroup w computes S_w = wgmma(Q [64, Dk] SMEM, K tile[32w:32w+32]^T) in fp32 for its half
-  of the candidates (``split_qk``); the two exchange their row maxima through SMEM, run the masked online
+  of the candidates; the two exchange their row maxima through SMEM, run the masked online
   softmax in base 2 with the common maximum, and each writes its half of P (bf16) into SMEM; then
   PV = wgmma(P [64, 64], K tile[:, wg half]) into each warpgroup's [64, v_dim/2] fp32 accumulator (a
   [64, 512] fp32 accumulator would need all 256 KB of registers, so each warpgroup owns half of the value
   columns; the two also dequantise half of the K tile each). Each warpgroup's running sum covers its own
   candidates; the two sums are added at the end (same maxima, so the same scale). The tiles are swizzled
-  over 64 bytes (32 columns), so that a half of P is whole tiles. ``split_qk=False``: both compute the
-  whole S, warpgroup 0 publishes P, 128-byte swizzle. The next block's rows are copied while the
+  over 64 bytes (32 columns), so that a half of P is whole tiles. The next block's rows are copied while the
   current block is multiplied; their copies are issued while the tensor cores run QK.
 - wgmma descriptors: the q and K tiles are [1, rows, dk] buffers indexed by a zero the compiler cannot fold
   (block id >> 20), so the operands' shared-memory descriptors are rebuilt in each block from uniform
-  registers. Computed once (``per_block_descriptors=False``), the compiler held all of them across the loop
-  and spilled them to local memory.
+  registers. Computed once before the loop, the compiler held all of them across it and spilled them to
+  local memory (docs/perf-log.md, twelfth session: that variant, both warpgroups computing the whole S, and
+  each feeding its P from registers all lost at every measured shape, so they were removed).
 - Numerics: q and K enter the tensor cores as bf16 (the pure-JAX path multiplies in fp32; K is
   bf16-exact for bf16 rows and power-of-two fp8 scales, rounded to bf16 with vLLM's amax scales), P is
   rounded to bf16 for PV, softmax statistics stay fp32 (exp2.approx). A masked candidate reads slot 0 (as
@@ -65,8 +65,8 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, two compute warpgroups per CT
   fit in the registers). With the rope's byte path above, that is all that differs between the modes.
 
 Why Mosaic GPU and not Triton: the per-row bulk TMA expresses the gather on sm90; the Triton backend is
-deprecated since jax 0.11. GPU interpret mode cannot run wgmma with a register A operand, so P goes through
-SMEM (one [64, 64] bf16 tile per block, shared by both warpgroups). Warpgroup lowering
+deprecated since jax 0.11. P goes through SMEM (one [64, 64] bf16 tile per block, each warpgroup writing
+its half): PV needs both halves in each warpgroup. Warpgroup lowering
 semantics was tried first: its layout inference assigns tiled/swizzled layouts to the staging buffers that
 the row copies must fill linearly (and crashes on the row subviews), so the kernel uses Lane semantics
 with explicit register layouts and no automatic barriers (``unsafe_no_auto_barriers``; the mbarrier
@@ -179,8 +179,7 @@ def _copies_per_row(kind: str) -> int:
 def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[RecordFormat],
                slots: Sequence[jax.Array], *, scale: float, v_dim: int, sink: jax.Array | None = None,
                implementation: Implementation = "pallas", num_splits: int | None = None,
-               out_dtype: jnp.dtype = jnp.float32, p_in_registers: bool = False, per_block_descriptors: bool = True,
-               split_qk: bool = True, interpret: bool | plgpu.InterpretGPUParams | None = None) -> jax.Array:
+               out_dtype: jnp.dtype = jnp.float32, interpret: bool | plgpu.InterpretGPUParams | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype).
@@ -188,14 +187,6 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     ``implementation="xla"``: gather + dequantise with ``read_records`` and the pure-JAX softmax
     (``jds.ops.sparse_mqa.paged_sparse_mqa_xla``); ``"auto"``: the kernel where ``supports``, else XLA.
     ``num_splits``: candidate splits per (token, head tile); None picks enough CTAs for the GPU.
-    ``p_in_registers`` (compiled kernel only, an experiment for the H200): each warpgroup feeds its own P
-    to PV from registers (wgmma A operand) instead of warpgroup 0's SMEM copy: no P store, no "P" barrier.
-    ``per_block_descriptors``: the wgmma operands address the q and K tiles through an index the compiler cannot
-    fold (zero, derived from the block's id), so their shared-memory descriptors are rebuilt in each block instead
-    of being computed once, held across the loop and spilled (an experiment for the H200; the same arithmetic).
-    ``split_qk``: each warpgroup computes the logits of half the block's candidates (not all of them twice); the two
-    exchange their row maxima through shared memory and each publishes its half of P. False: both compute the whole
-    S, warpgroup 0 publishes P (required by ``p_in_registers``).
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``, e.g. with ``detect_races``);
     None = whenever the default backend is not a GPU.
     """
@@ -206,18 +197,13 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
         "xla": lambda: paged_sparse_mqa_xla(q, caches, formats, slots, scale=scale, v_dim=v_dim,
                                             sink=sink).astype(out_dtype),
         "pallas": lambda: _pallas(q, caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink,
-                                  num_splits=num_splits, out_dtype=out_dtype, p_in_registers=p_in_registers,
-                                  per_block_descriptors=per_block_descriptors, split_qk=split_qk,
-                                  interpret=interpret)})
+                                  num_splits=num_splits, out_dtype=out_dtype, interpret=interpret)})
 
 
-def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, p_in_registers,
-            per_block_descriptors, split_qk, interpret):
+def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret):
     if not supports(formats, v_dim):
         raise Unsupported(f"sparse_mqa kernel: unsupported formats {formats} / v_dim {v_dim} "
                           "(see pallas_kernels.sparse_mqa.supports)")
-    if p_in_registers and split_qk:
-        raise ValueError("p_in_registers needs split_qk=False (each warpgroup's PV takes the whole P)")
     specs = tuple(cache_spec(f) for f in formats)
     t, h, dk = q.shape
     if dk != specs[0].dim:
@@ -251,8 +237,7 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
               else jnp.zeros((hp,), jnp.float32))
     call = _build_call(specs=specs, list_blocks=tuple(list_blocks), t=t, hp=hp, dv=v_dim, scale=float(scale),
                        has_sink=has_sink, n_splits=n_splits, bps=bps, out_dtype=jnp.dtype(out_dtype),
-                       p_regs=bool(p_in_registers) and not interpret, per_block_desc=bool(per_block_descriptors),
-                       split_qk=bool(split_qk), interpret=interpret or None)
+                       interpret=interpret or None)
     # blocks of 64 candidates with at least one valid slot, per token, compacted to the front (the kernel
     # skips the rest: prefill tokens early in the sequence, short contexts, fully masked rows)
     live = jnp.any(slots_all.reshape(t, nb, BLOCK_K) >= 0, axis=-1)
@@ -283,17 +268,16 @@ def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -
 # the kernel
 @functools.lru_cache(maxsize=None)
 def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t: int, hp: int, dv: int,
-                scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype, p_regs: bool,
-                per_block_desc: bool, split_qk: bool, interpret: plgpu.InterpretGPUParams | None):
+                scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None):
     kind, dk = specs[0].kind, specs[0].dim
     nc = len(specs)
-    if sum(list_blocks) >= 1 << 20:  # per_block_desc's zero is block_id >> 20
+    if sum(list_blocks) >= 1 << 20:  # the descriptors' opaque zero is block_id >> 20
         raise ValueError(f"sparse_mqa kernel: {sum(list_blocks)} candidate blocks per token (at most 2^20 - 1)")
     list_start = [sum(list_blocks[:i]) for i in range(nc)]
     G = hp // HEAD_TILE
     BK = BLOCK_K
     dvw = dv // NUM_WG
-    HALF = BK // NUM_WG  # split_qk: candidates per warpgroup
+    HALF = BK // NUM_WG  # candidates per warpgroup in QK and the softmax
     fp8 = kind != "rows"
     # rope values: compiled, read as bf16 through a second (aliased) view of the staging rows; GPU interpret mode
     # does not alias RefUnion members, so there they are rebuilt from their bytes by the selection-matrix wgmma
@@ -305,10 +289,9 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     rows_w = dk + 8 if dk <= 512 else dk
     L = plgpu.Layout.WGMMA
     ROW, COL = L.reduce(1), L.reduce(0)
-    # split_qk: 64-byte swizzled tiles of 32 columns, so that each warpgroup's half of P is whole tiles (a column
-    # slice must cover whole tiles, and wgmma takes both operands in one swizzle)
-    sw_cols = HALF if split_qk else 64
-    SW = (plgpu.TilingTransform((8, sw_cols)), plgpu.SwizzleTransform(2 * sw_cols))
+    # 64-byte swizzled tiles of 32 columns, so that each warpgroup's half of P is whole tiles (a column slice must
+    # cover whole tiles, and wgmma takes both operands in one swizzle)
+    SW = (plgpu.TilingTransform((8, HALF)), plgpu.SwizzleTransform(2 * HALF))
     PIB = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
     s2 = scale * LOG2E
 
@@ -426,7 +409,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             q_s1, k_s1, (st, st16), p_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_free, bar_p = scratch
         else:
             q_s1, k_s1, st, p_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_free, bar_p = scratch
-        q_s, k_s = q_s1.at[0], k_s1.at[0]  # [1, rows, dk]: index 0 statically, or per block (per_block_desc)
+        q_s, k_s = q_s1.at[0], k_s1.at[0]  # [1, rows, dk]: index 0 statically (copies, dequantisation)
         pid = lax.axis_index("cta")
         gi = pid % G
         ti = (pid // G) % t
@@ -467,7 +450,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             if has_sink and n_splits == 1:
                 sk = plgpu.load(sink_ref.at[pl.ds(gi * HEAD_TILE, HEAD_TILE)], layout=ROW, optimized=False) * LOG2E
                 m0 = jnp.maximum(sk, M_INIT)
-                l0 = jnp.exp2(sk - m0) * (1.0 if w == 0 or not split_qk else 0.0)  # counted once (split_qk)
+                l0 = jnp.exp2(sk - m0) * (1.0 if w == 0 else 0.0)  # counted once, in warpgroup 0's sum
             else:
                 m0 = plgpu.layout_cast(jnp.full((HEAD_TILE,), M_INIT, jnp.float32), ROW)
                 l0 = plgpu.layout_cast(jnp.full((HEAD_TILE,), 0.0, jnp.float32), ROW)
@@ -477,18 +460,17 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             def body(k, carry):
                 acc, m, l = carry
                 islot = k % 2
-                if per_block_desc:  # zero (block ids < 2^20, checked when built), opaque to the compiler
-                    z = lax.shift_right_logical(block_id(k), 20)
-                    q_mm, k_mm = q_s1.at[z], k_s1.at[z]
-                else:
-                    q_mm, k_mm = q_s, k_s
+                # the wgmma operands through a zero the compiler cannot fold (block ids < 2^20, checked when
+                # built): their descriptors are rebuilt here, not held across the loop
+                z = lax.shift_right_logical(block_id(k), 20)
+                q_mm, k_mm = q_s1.at[z], k_s1.at[z]
                 plgpu.barrier_wait(bar_kv.at[0])
 
                 @pl.when(k > 0)
                 def _():
                     plgpu.barrier_wait(bar_free.at[0])
 
-                own = pl.ds(w * HALF, HALF) if split_qk else pl.ds(0, BK)  # this warpgroup's candidates
+                own = pl.ds(w * HALF, HALF)  # this warpgroup's candidates
                 valid = plgpu.load(idx_s.at[islot, own], layout=COL, optimized=False) >= 0
                 slot_row = plgpu.load(idx_s.at[islot], layout=ROW, optimized=False) if kind == "mla584" else None
                 dequant(w, st, st16, k_s, pb_s, sel_s, slot_row)
@@ -515,14 +497,14 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     plgpu.wgmma_wait(0)
                     return acc_ref[...]
 
-                sc = pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, HALF if split_qk else BK), jnp.float32)) * s2
+                sc = pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, HALF), jnp.float32)) * s2
                 sc = jnp.where(lax.broadcast_in_dim(valid, sc.shape, [1]), sc, -jnp.inf)
                 mx = sc.max(axis=1)
-                if split_qk:  # the row maximum over both halves: one exchange through shared memory
-                    stat_s.at[0, w][...] = mx
-                    plgpu.barrier_arrive(bar_stat.at[0])
-                    plgpu.barrier_wait(bar_stat.at[0])
-                    mx = jnp.maximum(mx, plgpu.load(stat_s.at[0, 1 - w], layout=ROW, optimized=False))
+                # the row maximum over both halves: one exchange through shared memory
+                stat_s.at[0, w][...] = mx
+                plgpu.barrier_arrive(bar_stat.at[0])
+                plgpu.barrier_wait(bar_stat.at[0])
+                mx = jnp.maximum(mx, plgpu.load(stat_s.at[0, 1 - w], layout=ROW, optimized=False))
                 m_new = jnp.maximum(m, mx)
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
@@ -530,49 +512,33 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 v_ref = k_mm.at[:, pl.ds(w * dvw, dvw)]
 
-                def pv_in_place(acc, p_operand):
-                    """acc += P V, accumulating in place (a second [64, 256] fp32 accumulator would not fit
-                    the registers)."""
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p_operand, v_ref)
-                        plgpu.wgmma_wait(0)
+                # each warpgroup publishes its half of P's columns; PV takes the whole P
+                p_s.at[:, own][...] = p.astype(jnp.bfloat16)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(bar_p.at[0])
+                plgpu.barrier_wait(bar_p.at[0])
 
-                    return pl.run_state(pv)(plgpu.ACC.init(acc))
-
-                if p_regs:  # P straight from registers: no SMEM round trip, no cross-warpgroup wait
-                    acc = pv_in_place(acc, p.astype(jnp.bfloat16))
-                    plgpu.barrier_arrive(bar_free.at[0])
-                    return acc, m_new, l
-                if split_qk:  # each warpgroup publishes its half of P's columns
-                    p_s.at[:, own][...] = p.astype(jnp.bfloat16)
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(bar_p.at[0])
-                    plgpu.barrier_wait(bar_p.at[0])
-                elif w == 0:
-                    p_s[...] = p.astype(jnp.bfloat16)
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(bar_p.at[0])
-                else:
-                    plgpu.barrier_wait(bar_p.at[0])
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p_s, v_ref)
+                    plgpu.wgmma_wait(0)
 
                 if interpret:  # interpret mode has no run_state: same sum, through a fresh accumulator
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p_s, v_ref)
-                        plgpu.wgmma_wait(0)
+                    def pv_fresh(acc_ref):
+                        pv(acc_ref)
                         return acc_ref[...]
 
-                    acc = acc + pl.run_scoped(pv, plgpu.ACC((HEAD_TILE, dvw), jnp.float32))
-                else:
-                    acc = pv_in_place(acc, p_s)
+                    acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((HEAD_TILE, dvw), jnp.float32))
+                else:  # in place: a second [64, 256] fp32 accumulator would not fit the registers
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(bar_free.at[0])
                 return acc, m_new, l
 
             acc, m, l = lax.fori_loop(0, nblk, body, (acc0, m0, l0))
-            if split_qk:  # each warpgroup summed its halves' weights (same m): the total is the sum of both
-                stat_s.at[1, w][...] = l
-                plgpu.barrier_arrive(bar_stat.at[0])
-                plgpu.barrier_wait(bar_stat.at[0])
-                l = l + plgpu.load(stat_s.at[1, 1 - w], layout=ROW, optimized=False)
+            # each warpgroup summed its halves' weights (same maxima): the total is the sum of both
+            stat_s.at[1, w][...] = l
+            plgpu.barrier_arrive(bar_stat.at[0])
+            plgpu.barrier_wait(bar_stat.at[0])
+            l = l + plgpu.load(stat_s.at[1, 1 - w], layout=ROW, optimized=False)
 
             @pl.when(nblk > 0)
             def _():
@@ -615,11 +581,11 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         plgpu.Barrier(num_arrivals=BK * copies, num_barriers=1),  # all row copies of a block landed
         plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1),  # K tile complete, staging/slots read
         plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1),  # K tile and P consumed
-        plgpu.Barrier(num_arrivals=NUM_WG if split_qk else 1, num_barriers=1),  # P published
-        # split_qk: row maxima, then the final sums (block k+1's maxima are written only after both warpgroups
+        plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1),  # both halves of P published
+        # row maxima, then the final sums (block k+1's maxima are written only after both warpgroups
         # passed block k's "ready" barrier, by then both read block k's)
         plgpu.SMEM((2, NUM_WG, HEAD_TILE), jnp.float32),
-        plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1),  # split_qk: both warpgroups' statistics written
+        plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1),  # both warpgroups' statistics written
     ]
     if n_splits == 1:
         out_type = jax.ShapeDtypeStruct((t, hp, dv), out_dtype)

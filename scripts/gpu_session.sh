@@ -20,7 +20,7 @@
 #   scripts/gpu_session.sh ncu-fp8sweep  # issue 19: FP8 decode calls x tile variants, exact kernel durations (ncu)
 #   scripts/gpu_session.sh fp8gap        # issue 19: the gap between two Mosaic kernels, waited call vs 8 calls in one jit
 #   scripts/gpu_session.sh ncu-topk      # issue 20: Nsight Compute (full set) on the radix select at 64 x 64K, one and two programs per row
-#   scripts/gpu_session.sh ncu-mqa       # issue 20: Nsight Compute (full set) on the sparse MQA, V3.2 decode batch 64 (split / whole S), V4 batch 64
+#   scripts/gpu_session.sh ncu-mqa       # issue 20: Nsight Compute (full set) on the sparse MQA, V3.2 and V4 decode at batch 64
 #   scripts/gpu_session.sh mqa-variants  # issue 20: sparse MQA native tests, its switches on the GPU timeline, ncu of the default
 #   scripts/gpu_session.sh ncu-fp4sweep  # issue 22: FP4 grouped decode calls x variants (row layout), exact kernel durations (ncu)
 #   scripts/gpu_session.sh hostprofile   # issue 16: one step's GPU timeline (8 layers, 8 segments), TTFT's readback
@@ -207,11 +207,11 @@ case "$stage" in
     done
     ;;
   ncu-mqa)
-    # the sparse MQA sits at 108-116 TFLOP/s at V3.2 decode batch 64 (target 300) with no profile yet: stall
-    # reasons, pipe and memory utilisation before the warp-specialised rebuild; V4 batch 64 for its roofline
-    for spec in "v32 {}" 'v32 {"split_qk": false}' "v4 {}"; do
+    # stall reasons, pipe and memory utilisation of the sparse MQA (twelfth session: 259 TFLOP/s at V3.2 decode
+    # batch 64, target 300; V4 batch 64 at 20% of its roofline, target 50%)
+    for spec in "v32 {}" "v4 {}"; do
       arch=${spec%% *}; tiles=${spec#* }
-      name=mqa_${arch}_b64$(echo "$tiles" | tr -dc 'a-z' | sed 's/splitqkfalse/_whole_s/')
+      name=mqa_${arch}_b64
       timeout ${NCUM_TIMEOUT:-150} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
         -o "/tmp/$name" python3 scripts/diag/ncu_kernels.py mqa --shape "$arch" --m 64 --tiles "$tiles" > /dev/null 2>&1
       echo "ncu $name rc=$?"
@@ -220,9 +220,8 @@ case "$stage" in
     done
     ;;
   mqa-variants)
-    # twelfth session: the row copies issued per warp (a quarter of the rows each) and the wgmma descriptors rebuilt
-    # per block (the twelfth session's ncu: 41% of the instructions issued row copies, spilled descriptors 29% of
-    # the stall samples); native tests, then the switches on the GPU timeline, then ncu of the default at V3.2 b64
+    # the sparse MQA's native tests, then its switch sets (scripts/diag/mqa_variants.py VARIANTS) on the GPU
+    # timeline, then ncu of the default at V3.2 b64 (MQA_NCU=0 skips it)
     python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
     timeout -s INT ${MQA_TESTS_TIMEOUT:-200} python3 -m pytest -m gpu -n 4 -q --tb=short -rfE -p no:cacheprovider \
       tests/test_kernel_sparse_mqa.py > "$OUT/gpu_mqa_tests.log" 2>&1; echo "mqa tests rc=$?"; tail -3 "$OUT/gpu_mqa_tests.log"

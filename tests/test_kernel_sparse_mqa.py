@@ -147,10 +147,9 @@ def test_v32_padded_heads_and_splits(mode):
 
 
 @pytest.mark.skipif(ON_GPU, reason="interpret mode's race detector")
-@pytest.mark.parametrize("split_qk", [True, False])
-def test_no_races(split_qk):
-    """Interpret mode's race detector over the warpgroups' exchanges: the row maxima and final sums (split_qk),
-    P's halves / warpgroup 0's P, the K tile's ready / free protocol; V4's two caches, sink and 2 splits."""
+def test_no_races():
+    """Interpret mode's race detector over the warpgroups' exchanges: the row maxima and final sums, P's halves,
+    the K tile's ready / free protocol; V4's two caches, sink and 2 splits."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -160,7 +159,7 @@ def test_no_races(split_qk):
     q = _bf16_exact(rng.standard_normal((1, 4, 512)))
     _check(q, [cw, cc], [fw, fc], [_slots(rng, 1, 64, 32, 0.2), _slots(rng, 1, 100, 32, 0.3)], scale=512 ** -0.5,
            v_dim=512, sink=jnp.asarray(rng.standard_normal(4).astype(np.float32)), tol=TOL_EXACT_KV,
-           interpret=plgpu.InterpretGPUParams(detect_races=True), num_splits=2, split_qk=split_qk)
+           interpret=plgpu.InterpretGPUParams(detect_races=True), num_splits=2)
     assert not gpu_callbacks.get_races().races_found
 
 
@@ -215,26 +214,6 @@ def test_all_masked_rows_give_zeros(mode):
         out = np.asarray(mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.05, v_dim=512, sink=sink,
                                         interpret=interpret, num_splits=1))
         assert np.all(out == 0.0)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="compiled-kernel variants (interpret mode has no register A)")
-@pytest.mark.parametrize("variant", [{"p_in_registers": True, "split_qk": False}, {"split_qk": False},
-                                     {"per_block_descriptors": False}], ids=str)
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_kernel_variants_native(num_splits, variant):
-    """The kernel's switches (register P; both warpgroups computing the whole S; descriptors held across the loop)
-    give the same results."""
-    rng = np.random.default_rng(8)
-    f32, f4w, f4c = MlaRecord656(64, "ue8m0"), MlaRecord584(256), MlaRecord584(64)
-    c32, cw, cc = _cache(f32, 64, 576, rng), _cache(f4w, 4, 512, rng), _cache(f4c, 16, 512, rng)
-    q32 = _bf16_exact(rng.standard_normal((4, 128, 576)))
-    _check(q32, [c32], [f32], [_slots(rng, 4, 2048, 64 * 64, 0.1, empty_rows=(3,))], scale=0.06, v_dim=512,
-           sink=None, tol=TOL_EXACT_KV, interpret=False, num_splits=num_splits, **variant)
-    q4 = _bf16_exact(rng.standard_normal((4, 64, 512)))
-    _check(q4, [cw, cc], [f4w, f4c], [_slots(rng, 4, 128, 1024, 0.1), _slots(rng, 4, 512, 1024, 0.2)],
-           scale=512 ** -0.5, v_dim=512, sink=jnp.asarray(rng.standard_normal(64).astype(np.float32)),
-           tol=TOL_EXACT_KV, interpret=False, num_splits=num_splits, **variant)
 
 
 def test_supports_and_fallback_formats():
@@ -308,7 +287,7 @@ def test_v4_layer_attend(mode):
 
 # ----- lowering for the H200 without a GPU --------------------------------------------------------------------
 @pytest.mark.skipif(ON_GPU, reason="the native tests compile the kernel")
-@pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16", "v32_fp8_held"])
+@pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -327,7 +306,7 @@ def test_lowers_for_cuda(case):
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,
-                              per_block_descriptors="held" not in case, interpret=False)
+                              interpret=False)
 
     exp = jax.export.export(jax.jit(f), platforms=["cuda"])(
         jax.ShapeDtypeStruct((t, h, dim), jnp.bfloat16), caches, slots, sink)

@@ -12,8 +12,7 @@ Cases (``quick``: tiny shapes, for a CPU smoke run in GPU interpret mode):
   + top-512 compressed entries (584-byte records, 64 per page), attention sink. Decode batches as above
   (8K contexts: 2048 compressed entries each) and a 4K-token prefill (window [i-127, i], top-min((i+1)//4, 512)).
 
-Per row: kernel, case, impl ("pallas" | "xla"; on a GPU also "pallas_p_regs", the kernel with P fed to the
-PV wgmma from registers), median_us (jds.bench.timing.time_fn), bytes (the
+Per row: kernel, case, impl ("pallas" | "xla"), median_us (jds.bench.timing.time_fn), bytes (the
 unavoidable traffic: valid records gathered once per token + bf16 q + fp32 output), flops
 (2 * heads * valid candidates * (d_qk + d_v), summed over tokens), tokens, heads, candidates (mean valid
 per token) and, on the pallas row, max_abs_err / ref_max against the XLA output of the same inputs.
@@ -135,8 +134,6 @@ def _run_case(kernel_case: str, name: str, c: dict, quick: bool) -> list[dict]:
 
     args = (q, caches, slots, sink)
     fns = {"pallas": jax.jit(lambda *a: call("pallas", *a)), "xla": jax.jit(lambda *a: call("xla", *a))}
-    if jax.default_backend() == "gpu":  # the register-P variant exists only compiled
-        fns["pallas_p_regs"] = jax.jit(lambda *a: call("pallas", *a, p_in_registers=True, split_qk=False))
     xla_note = {}
     try:
         ref = np.asarray(fns["xla"](*args))

@@ -6,7 +6,7 @@
         python3 scripts/diag/ncu_kernels.py fp8 --shape q_b --m 64
     ncu ... python3 scripts/diag/ncu_kernels.py fp8g --shape w1 --tokens 8      # the grouped FP8 expert GEMM
     ncu ... python3 scripts/diag/ncu_kernels.py topk --m 64 --cols 65536 --tiles '{"splits": 2}'  # the radix select
-    ncu ... python3 scripts/diag/ncu_kernels.py mqa --shape v32 --m 64 [--tiles '{"split_qk": false}']  # sparse MQA decode
+    ncu ... python3 scripts/diag/ncu_kernels.py mqa --shape v32 --m 64 [--tiles '{"num_splits": 2}']  # sparse MQA decode
 
 The call is compiled and run a few times first; only the last call runs between cuProfilerStart and
 cuProfilerStop, so the report holds that call's kernels (the Pallas kernel and the wrapper's XLA ops).
