@@ -49,7 +49,11 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          "h512_p16_cols": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, buffer_keys=False),
          "h512_p16_hold": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True),
          "h512_p16_cols_hold": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, buffer_keys=False,
-                                    hold_shrunk=True)}
+                                    hold_shrunk=True),
+         # the indexer's config (h512_p16_hold, twelfth session) with a coarser pivot: 3 or 2 of the sample's 4
+         # counting passes, more candidates for the finish
+         "h512_p12_hold": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=12, hold_shrunk=True),
+         "h512_p8_hold": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=8, hold_shrunk=True)}
 
 
 def main() -> None:
