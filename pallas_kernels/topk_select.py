@@ -107,10 +107,6 @@ class TopkSelectConfig:
     # no eligible warp most cycles); blocks past a source's end are masked out, so every count is unchanged; 1 here,
     # 2 in the indexer's split config (select_config_for)
     unroll: int = 1
-    # the split prefilter stores each candidate's key beside its column (False: the column alone, and the finish
-    # kernel reads the key back from the logits, in L2 by then: half the prefilter's scatter stores and their
-    # register-layout conversions, a second dependent load per candidate block in the finish)
-    buffer_keys: bool = True
     # with shrink: the shrunk block stays in registers across the remaining counting passes (loaded once after the
     # copy) instead of each pass reloading the scratch row: one dependent load fewer per pass
     hold_shrunk: bool = False
@@ -155,7 +151,7 @@ def select_config_for(t: int, n: int, sms: int = 132) -> TopkSelectConfig:
     512-key steps were the fastest of the sets tried at 64 x 64K, 16 x 128K and 16 x 32K, and second at 64 x 128K;
     the 16-bit pivot was faster again at 64 x 64K and 16 x 128K; more programs per row were slower. Holding the
     shrunk block in registers through the finish passes won at all four shapes (topk_knobs_cols_h200_*.json);
-    column-only split buffers lost at all four."""
+    column-only split buffers (the finish reading each key back from the row) lost at all four and were removed."""
     sp = split_for(t, n, sms=sms)
     return (TopkSelectConfig(splits=sp, unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True)
             if sp > 1
@@ -430,8 +426,7 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
     nb = jnp.clip(pl.cdiv(n, cfg.block) - j * per, 0, per)
 
     def put(slot, s, col, ok):
-        if cfg.buffer_keys:
-            _scatter(key_ref, row, t, j * cap + slot, s, ok)
+        _scatter(key_ref, row, t, j * cap + slot, s, ok)
         _scatter(col_ref, row, t, j * cap + slot, col, ok)
 
     counts = _fill(_row_keys(x_ref, row, n), j * per, nb, piv_u ^ _SIGN, cap, cfg.block, False, put, cfg.unroll)
@@ -479,10 +474,7 @@ def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref,
             i = b * hb + C.iota((1, hb), 1)
             inside = i < fj
             col = C.load(col_ref, (row, jj * cap + i), (1, hb), mask=inside)
-            if cfg.buffer_keys:
-                s = C.load(key_ref, (row, jj * cap + i), (1, hb), mask=inside)
-            else:  # the key read back from the row at its column
-                s = _keys_at(x_ref, row, col, inside)
+            s = C.load(key_ref, (row, jj * cap + i), (1, hb), mask=inside)
             keep = inside & ((s > piv) | (strict == 0))  # kept_all: the keys at the pivot are not candidates
             return jnp.where(keep, s, _SIGN), col
         return on * lax.shift_right_logical(fj + hb - 1, C.log2(hb)), keys
@@ -508,8 +500,8 @@ def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpr
     t, n = x.shape
     sp = cfg.splits
     fill = functools.partial(_split_fill_kernel, n=n, k=k, cfg=cfg, cap=cap)
-    # the key buffer (one unread column without buffer_keys), the column buffer, the three counts per split
-    bufs = [jax.ShapeDtypeStruct((t, sp * cap if cfg.buffer_keys else 1), I32),
+    # the key buffer, the column buffer, the three counts per split
+    bufs = [jax.ShapeDtypeStruct((t, sp * cap), I32),
             jax.ShapeDtypeStruct((t, sp * cap), I32)]
     bufs += [jax.ShapeDtypeStruct((t, sp), I32)] * 3
     bufs += [jax.ShapeDtypeStruct((t,), I32)]  # the row's pivot (u)

@@ -37,7 +37,6 @@
 #   scripts/gpu_session.sh topk          # Pallas radix-select top-k: native tests, then the top-k rows
 #   scripts/gpu_session.sh topk-tests    # the native top-k + sparse-indexer tests (4 workers)
 #   scripts/gpu_session.sh topk-knobs    # top-k native tests + knob sets (unroll, bits, shrink, block) at four shapes
-#   scripts/gpu_session.sh topk-next     # issue 20: the indexer's top-k config vs column-only buffers / held shrunk block
 #   scripts/gpu_session.sh topk-pivot    # issue 20: the indexer's top-k config against a 12- and an 8-bit pivot
 #   scripts/gpu_session.sh select      # indexer decode select: top-k "auto" against the default lax, and XLA
 #   scripts/gpu_session.sh mqa           # MQA decode rows again, now with device_us (b1/b8 sit at the dispatch floor)
@@ -337,15 +336,6 @@ case "$stage" in
     bash "$0" topk-tests
     timeout ${KNOBS_TIMEOUT:-240} python3 scripts/diag/topk_knobs.py ${KNOBS_ARGS:-} --out "$OUT/topk_knobs_h200.json" \
       > "$OUT/topk_knobs.log" 2>&1; echo "topk knobs rc=$?"; cut -c1-160 "$OUT/topk_knobs.log" | grep -v Warn
-    ;;
-  topk-next)
-    # the next top-k steps, prepared on the CPU (eleventh session): the indexer's config against the same with
-    # column-only split buffers (TopkSelectConfig.buffer_keys=False), with the shrunk block held in registers
-    # (hold_shrunk), and both; GPU timeline, four shapes (about 3 minutes)
-    timeout ${KNOBS_TIMEOUT:-300} python3 scripts/diag/topk_knobs.py \
-      --knobs h512_p16 h512_p16_cols h512_p16_hold h512_p16_cols_hold \
-      --out "$OUT/topk_knobs_cols_h200.json" > "$OUT/topk_knobs_cols.log" 2>&1; echo "topk next rc=$?"
-    grep '^{' "$OUT/topk_knobs_cols.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("same_set_as_lax"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
     ;;
   topk-pivot)
     # the indexer's config (16-bit pivot, held shrunk block) against a 12- and an 8-bit pivot, GPU timeline, four

@@ -130,15 +130,13 @@ def test_shrink_same_result(mode: str, splits: int, capacity: int) -> None:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("splits,capacity,unroll,shrink", [
     (4, 400, 2, True),  # the indexer's form; 3 prefilter blocks per split: the second step's last block is the next's
-    #                     (there also without the keys in the split buffers: buffer_keys=False)
     pytest.param(1, 400, 4, True, marks=pytest.mark.slow),  # CI time: the one-kernel path's loops are the same code
     (1, 0, 8, False)])  # the row path
 def test_unroll_same_result(mode: str, splits: int, capacity: int, unroll: int, shrink: bool) -> None:
     """``unroll`` (each loop step loads that many blocks before using any; blocks past a source's end masked out):
     the same result, candidates and paths as ``unroll=1`` and as lax.top_k, on every row kind and path, with block
-    counts that are no multiple of the unroll. The split form also drops the keys from its buffers
-    (``buffer_keys=False``: the finish reads them back from the row), and with shrink the shrunk block is held in
-    registers (``hold_shrunk``)."""
+    counts that are no multiple of the unroll. With shrink the shrunk block is held in registers
+    (``hold_shrunk``)."""
     n, k = 3000, 50
     base = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=capacity, splits=splits, shrink=shrink)
     rng = np.random.default_rng(37)
@@ -148,8 +146,7 @@ def test_unroll_same_result(mode: str, splits: int, capacity: int, unroll: int, 
     short[3] = short[3, ::-1]  # the finite keys last: the refilled buffer
     x = np.concatenate([_mixed(n, rng, 1), short])
     want = _check(x, k, interpret_for(mode), base, paths=True)
-    got = _check(x, k, interpret_for(mode), dataclasses.replace(base, unroll=unroll, buffer_keys=splits == 1,
-                                                               hold_shrunk=shrink), paths=True)
+    got = _check(x, k, interpret_for(mode), dataclasses.replace(base, unroll=unroll, hold_shrunk=shrink), paths=True)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
     with pytest.raises(ValueError, match="unroll"):

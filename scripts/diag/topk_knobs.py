@@ -44,12 +44,9 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          "h512_s512": dict(unroll=2, shrink=True, hist_block=512, sample=512),
          "h512_p16_s512": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, sample=512),
          "h512_w4": dict(unroll=2, shrink=True, hist_block=512, num_warps=4),
-         # the indexer's config with column-only split buffers (the finish reads each key back from the row), with the
-         # shrunk block held in registers, and both
-         "h512_p16_cols": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, buffer_keys=False),
+         # the indexer's config with the shrunk block held in registers (its config since the twelfth session; the
+         # column-only split buffers it was timed against lost and were removed)
          "h512_p16_hold": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True),
-         "h512_p16_cols_hold": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, buffer_keys=False,
-                                    hold_shrunk=True),
          # the indexer's config (h512_p16_hold, twelfth session) with a coarser pivot: 3 or 2 of the sample's 4
          # counting passes, more candidates for the finish
          "h512_p12_hold": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=12, hold_shrunk=True),
