@@ -220,8 +220,9 @@ case "$stage" in
     done
     ;;
   mqa-variants)
-    # the sparse MQA's native tests, then its switch sets (scripts/diag/mqa_variants.py VARIANTS) on the GPU
-    # timeline, then ncu of the default at V3.2 b64 (MQA_NCU=0 skips it)
+    # the sparse MQA's native tests, then its switch sets (scripts/diag/mqa_variants.py VARIANTS; MQAV_VARIANTS, e.g.
+    # "default splits1 splits4": V4 batch 64 runs 2 splits and merges them in XLA) on the GPU timeline, then ncu of
+    # the default at V3.2 b64 (MQA_NCU=0 skips it)
     python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
     timeout -s INT ${MQA_TESTS_TIMEOUT:-200} python3 -m pytest -m gpu -n 4 -q --tb=short -rfE -p no:cacheprovider \
       tests/test_kernel_sparse_mqa.py > "$OUT/gpu_mqa_tests.log" 2>&1; echo "mqa tests rc=$?"; tail -3 "$OUT/gpu_mqa_tests.log"
