@@ -1,5 +1,5 @@
 """BENCHMARKS.md is generated from the result files (``python -m jds.bench.report``): the committed page is what
-the generator writes from the repository's results, it stays under 480 lines (26 benchmarks, one table each; a new benchmark earns its lines), and every table names the one
+the generator writes from the repository's results, it stays under 480 lines (one table per benchmark; a new benchmark earns its lines), and every table names the one
 complete JSON file its numbers come from."""
 
 from __future__ import annotations
@@ -67,3 +67,22 @@ def test_completeness_and_current_file(tmp_path) -> None:
     text = render(str(tmp_path))
     # a file without per-dispatch parts has no first-dispatch columns
     assert "| fused:device | 1.00 | 0.10 | 0.50 | — | — | 1.40 | 3.0 | 1 + 0 | 0.50 |" in text
+
+
+def test_script_result_file_renders(tmp_path) -> None:
+    """A diag script's file (``run_meta`` + rows, as scripts/diag/mqa_variants.py writes it) is complete, named
+    with its command, and tabulated with the default as the same-run reference; a failed row is listed."""
+    from jds.bench.results import run_meta, write_json
+
+    rows = [{"case": "v32_decode_64", "variant": "default", "profile_span_us": 100.0, "tflops": 365.0,
+             "max_abs_err": 0.001, "ref_max": 1.0},
+            {"case": "v32_decode_64", "variant": "splits2", "profile_span_us": 150.0, "tflops": 243.3,
+             "max_abs_err": 0.002, "ref_max": 1.0},
+            {"case": "v4_decode_64", "variant": "default", "error": "ValueError: no"}]
+    write_json(str(tmp_path / "mqa_variants_h200_2026-12-02.json"),
+               {"meta": run_meta(variants={"default": {}, "splits2": {"num_splits": 2}}), "rows": rows})
+    current, rest, _ = collect(str(tmp_path))
+    assert list(current) == ["mqa_variants"] and not rest
+    text = render(str(tmp_path))
+    assert "| v32_decode_64 | splits2 | 150.0 | 243 | 0.00200 | 1.50 |" in text
+    assert "- v4_decode_64 default: ValueError: no" in text

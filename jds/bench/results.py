@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
-from typing import Any
+import sys
+from typing import Any, Callable
 
 
 def error_text(e: BaseException, limit: int = 800) -> str:
@@ -23,3 +25,24 @@ def write_json(path: str, obj: Any) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(obj, f, indent=1)
     os.replace(path + ".tmp", path)
+
+
+def run_meta(**extra: Any) -> dict[str, Any]:
+    """A result file's ``meta`` for a script run: device kind, jax version, UTC date, the command line as run and
+    ``complete`` (True: a script that is cut short writes nothing), plus ``extra`` (e.g. the variants timed)."""
+    import jax
+
+    return {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "python " + " ".join(sys.argv), "complete": True, **extra}
+
+
+def measured_row(row: dict[str, Any], measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``row`` with ``measure()``'s fields, or with ``error`` when it raises (a diag script goes on to its next row);
+    printed as one JSON line, so a run cut short still shows what it measured."""
+    try:
+        row = {**row, **measure()}
+    except Exception as e:  # noqa: BLE001 - recorded in the row
+        row = {**row, "error": error_text(e, 400)}
+    print(json.dumps(row), flush=True)
+    return row

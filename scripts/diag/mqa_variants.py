@@ -12,15 +12,13 @@ output's largest value) and gives the effective TFLOP/s (2 * heads * valid candi
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
-import sys
 
 import jax
 import numpy as np
 
 from jds.bench import kernels_sparse_mqa as b
+from jds.bench.results import measured_row, run_meta, write_json
 from jds.bench.timing import profiled_device_us
 from pallas_kernels import sparse_mqa
 
@@ -57,23 +55,16 @@ def main() -> None:
             q, caches, slots, sink))
         for v in a.variants:
             f = jax.jit(lambda q, cs, ss, sk, kw=VARIANTS[v]: call(q, cs, slots=ss, sink=sk, **kw))
-            r = {"case": name, "variant": v, **VARIANTS[v], "flops": flops}
-            try:
+
+            def measure(f=f) -> dict:
                 got = np.asarray(f(q, caches, slots, sink))
-                r.update(max_abs_err=float(np.abs(got - ref).max()), ref_max=float(np.abs(ref).max()),
+                m = dict(max_abs_err=float(np.abs(got - ref).max()), ref_max=float(np.abs(ref).max()),
                          **profiled_device_us(f, q, caches, slots, sink))
-                if "profile_span_us" in r:
-                    r["tflops"] = flops / r["profile_span_us"] / 1e6
-            except Exception as e:  # noqa: BLE001 - a diag: report and go on
-                r["error"] = f"{type(e).__name__}: {e}"[:400]
-            rows.append(r)
-            print(json.dumps(r), flush=True)
+                return dict(m, tflops=flops / m["profile_span_us"] / 1e6) if "profile_span_us" in m else m
+
+            rows.append(measured_row({"case": name, "variant": v, **VARIANTS[v], "flops": flops}, measure))
     if a.out:
-        with open(a.out, "w") as fh:
-            json.dump({"meta": {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                                "command": "python " + " ".join(sys.argv), "complete": True,
-                                "variants": {n: VARIANTS[n] for n in a.variants}}, "rows": rows}, fh, indent=1)
+        write_json(a.out, {"meta": run_meta(variants={n: VARIANTS[n] for n in a.variants}), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -14,15 +14,14 @@ carries the GPU timeline's device time per call (``profile_span_us``) beside the
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jds.bench.results import measured_row, run_meta, write_json
 from jds.bench.timing import profiled_device_us, time_fn
 from pallas_kernels.topk_select import TopkSelectConfig, split_for, topk_select
 
@@ -79,20 +78,15 @@ def main() -> None:
                 cfg = TopkSelectConfig(**{"splits": sp * kn.pop("splits_x", 1), **kn})
                 f = jax.jit(functools.partial(topk_select, sort=False, config=cfg), static_argnums=1)
                 case = f"topk_b{b}_c{c}{tag}_split{cfg.splits}_set_{name}"
-                try:
+
+                def measure(f=f, x=x, want=want) -> dict:
                     got = np.sort(np.asarray(f(x, K)[1]), axis=1)
-                    r = {"case": case, "same_set_as_lax": bool((got == want).all()),
-                         **time_fn(f, x, K, warmup=5, iters=30), **profiled_device_us(f, x, K)}
-                except Exception as e:  # noqa: BLE001 - a diag: report and go on
-                    r = {"case": case, "error": f"{type(e).__name__}: {e}"[:400]}
-                rows.append(r)
-                print(json.dumps(r), flush=True)
+                    return {"same_set_as_lax": bool((got == want).all()), **time_fn(f, x, K, warmup=5, iters=30),
+                            **profiled_device_us(f, x, K)}
+
+                rows.append(measured_row({"case": case}, measure))
     if a.out:
-        with open(a.out, "w") as fh:
-            json.dump({"meta": {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                                "command": "python " + " ".join(sys.argv), "complete": True,
-                                "knobs": {n: KNOBS[n] for n in a.knobs}}, "rows": rows}, fh, indent=1)
+        write_json(a.out, {"meta": run_meta(knobs={n: KNOBS[n] for n in a.knobs}), "rows": rows})
 
 
 if __name__ == "__main__":
