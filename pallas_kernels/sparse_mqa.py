@@ -163,13 +163,6 @@ _M584_W, _M584_REC, _M584_COPY, _M584_BACK = 880, 64, 640, 64  # data at column 
 _M584_SC, _M584_SC_COPY = 704, 128
 
 
-def _aligned(x: jax.Array, n: int) -> jax.Array:
-    """A byte / element offset the caller knows to be a multiple of ``n`` (16-byte copy alignment). Mosaic GPU has
-    no ``pl.multiple_of`` under warp-level semantics (the row copies), so the fact stays in the name."""
-    del n
-    return x
-
-
 def _copies_per_row(kind: str) -> int:
     return 2 if kind == "mla584" else 1
 
@@ -179,7 +172,8 @@ def _copies_per_row(kind: str) -> int:
 def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[RecordFormat],
                slots: Sequence[jax.Array], *, scale: float, v_dim: int, sink: jax.Array | None = None,
                implementation: Implementation = "pallas", num_splits: int | None = None,
-               out_dtype: jnp.dtype = jnp.float32, interpret: bool | plgpu.InterpretGPUParams | None = None) -> jax.Array:
+               out_dtype: jnp.dtype = jnp.float32,
+               interpret: bool | plgpu.InterpretGPUParams | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype).
@@ -268,7 +262,8 @@ def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -
 # the kernel
 @functools.lru_cache(maxsize=None)
 def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t: int, hp: int, dv: int,
-                scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None):
+                scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype,
+                interpret: plgpu.InterpretGPUParams | None):
     kind, dk = specs[0].kind, specs[0].dim
     nc = len(specs)
     if sum(list_blocks) >= 1 << 20:  # the descriptors' opaque zero is block_id >> 20
@@ -305,27 +300,29 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             epp = spec.entries_per_page
             first_row = w * (BK // NUM_WG) + warp * ROWS_PER_WARP
 
+            # every source / destination offset below is a multiple of 16 bytes (bulk-copy alignment); Mosaic GPU
+            # has no pl.multiple_of under warp-level semantics to say so
             @pl.loop(first_row, first_row + ROWS_PER_WARP)
             def _(i):
                 slot = jnp.maximum(idx_s[islot, i], 0)
                 page, j = slot // epp, slot % epp
                 first = j == 0
                 if kind == "mla656":
-                    src = _aligned(jnp.where(first, 0, j * 656 - _M656_BACK), 16)
-                    dst = _aligned(jnp.where(first, _M656_REC, 0), 16)
+                    src = jnp.where(first, 0, j * 656 - _M656_BACK)
+                    dst = jnp.where(first, _M656_REC, 0)
                     plgpu.copy_gmem_to_smem(ref.at[page, pl.ds(src, _M656_COPY)], st.at[i, pl.ds(dst, _M656_COPY)],
                                             bar_kv, oob_mode=PIB)
                 elif kind == "mla584":
-                    src = _aligned(jnp.where(first, 0, j * 576 - _M584_BACK), 16)
-                    dst = _aligned(jnp.where(first, _M584_REC, 0), 16)
+                    src = jnp.where(first, 0, j * 576 - _M584_BACK)
+                    dst = jnp.where(first, _M584_REC, 0)
                     plgpu.copy_gmem_to_smem(ref.at[page, pl.ds(src, _M584_COPY)], st.at[i, pl.ds(dst, _M584_COPY)],
                                             bar_kv, oob_mode=PIB)
                     sc = epp * 576 + 8 * j
-                    win = _aligned((sc // 16) * 16 - 112, 16)
+                    win = (sc // 16) * 16 - 112
                     plgpu.copy_gmem_to_smem(ref.at[page, pl.ds(win, _M584_SC_COPY)],
                                             st.at[i, pl.ds(_M584_SC, _M584_SC_COPY)], bar_kv, oob_mode=PIB)
                 else:
-                    src = _aligned(j * dk, 64)
+                    src = j * dk
                     plgpu.copy_gmem_to_smem(ref.at[page, pl.ds(src, dk)], st.at[i, pl.ds(0, dk)], bar_kv,
                                             oob_mode=PIB)
 

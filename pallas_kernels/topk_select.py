@@ -153,9 +153,9 @@ def select_config_for(t: int, n: int, sms: int = 132) -> TopkSelectConfig:
     shrunk block in registers through the finish passes won at all four shapes (topk_knobs_cols_h200_*.json);
     column-only split buffers (the finish reading each key back from the row) lost at all four and were removed."""
     sp = split_for(t, n, sms=sms)
-    return (TopkSelectConfig(splits=sp, unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True)
-            if sp > 1
-            else TopkSelectConfig())
+    if sp == 1:
+        return TopkSelectConfig()
+    return TopkSelectConfig(splits=sp, unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True)
 
 
 def _sample_rank(n: int, k: int, sample: int) -> int:
@@ -261,17 +261,13 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
 PATHS = ("row", "buffer", "refilled buffer", "pivot is tau", "overflowed buffer")  # select_unsorted's path codes
 
 
-def _keys_at(x_ref, row, col: jax.Array, inside: jax.Array) -> jax.Array:
-    """s of the row's keys at ``col`` (any shape); lanes not ``inside`` get s = _SIGN."""
-    xb = lax.bitcast_convert_type(C.load(x_ref, (row, col), col.shape, mask=inside), I32)
-    return jnp.where(inside, jnp.where(xb < 0, xb ^ 0x7FFFFFFF, xb), _SIGN)
-
-
 def _row_keys(x_ref, row, n: int) -> Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]:
     """(block b, width) -> (s, column) [1, width] of the row's keys; padding lanes past n get s = _SIGN."""
     def x_keys(b, width):
         col = b * width + C.iota((1, width), 1)
-        return _keys_at(x_ref, row, col, col < n), col
+        inside = col < n
+        xb = lax.bitcast_convert_type(C.load(x_ref, (row, col), (1, width), mask=inside), I32)
+        return jnp.where(inside, jnp.where(xb < 0, xb ^ 0x7FFFFFFF, xb), _SIGN), col
     return x_keys
 
 
@@ -420,7 +416,7 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
     counts: keys >= pivot, keys > pivot, keys > pivot that fit the buffer; the pivot's u for the finish kernel
     (every program of the row writes the same value)."""
     row, j = pl.program_id(0), pl.program_id(1)
-    t = col_ref.shape[0]
+    t = key_ref.shape[0]
     piv_u = _sample_pivot(x_ref, row, n, k, cfg)
     per = pl.cdiv(pl.cdiv(n, cfg.block), cfg.splits)
     nb = jnp.clip(pl.cdiv(n, cfg.block) - j * per, 0, per)
@@ -473,10 +469,9 @@ def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref,
         def keys(b):
             i = b * hb + C.iota((1, hb), 1)
             inside = i < fj
-            col = C.load(col_ref, (row, jj * cap + i), (1, hb), mask=inside)
             s = C.load(key_ref, (row, jj * cap + i), (1, hb), mask=inside)
             keep = inside & ((s > piv) | (strict == 0))  # kept_all: the keys at the pivot are not candidates
-            return jnp.where(keep, s, _SIGN), col
+            return jnp.where(keep, s, _SIGN), C.load(col_ref, (row, jj * cap + i), (1, hb), mask=inside)
         return on * lax.shift_right_logical(fj + hb - 1, C.log2(hb)), keys
 
     bufs = [split_source(jj) for jj in range(sp)]
@@ -500,10 +495,7 @@ def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpr
     t, n = x.shape
     sp = cfg.splits
     fill = functools.partial(_split_fill_kernel, n=n, k=k, cfg=cfg, cap=cap)
-    # the key buffer, the column buffer, the three counts per split
-    bufs = [jax.ShapeDtypeStruct((t, sp * cap), I32),
-            jax.ShapeDtypeStruct((t, sp * cap), I32)]
-    bufs += [jax.ShapeDtypeStruct((t, sp), I32)] * 3
+    bufs = [jax.ShapeDtypeStruct((t, sp * cap), I32)] * 2 + [jax.ShapeDtypeStruct((t, sp), I32)] * 3
     bufs += [jax.ShapeDtypeStruct((t,), I32)]  # the row's pivot (u)
     keys, cols, filled, above, above_in, piv = C.pallas_call(
         fill, out_shape=tuple(bufs), grid=(t, sp), aliases={}, interpret=interpret, name="topk_radix_prefilter",

@@ -41,13 +41,13 @@ def _calls(report: str, order_file: str) -> list[dict]:
         ns = [float(k["gpu__time_duration.sum"].replace(",", "")) for k in ks]
         dur = [(k["Kernel Name"][:40], t) for k, t in zip(ks, ns)]
         # the GEMM: the longest Mosaic kernel (an FP8 call may quantise its activations in a Mosaic kernel first)
-        main_k = sorted(((t, k) for k, t in zip(ks, ns) if "mosaic" in k["Kernel Name"]), key=lambda tk: -tk[0])
+        main_t, main_k = max(((t, k) for k, t in zip(ks, ns) if "mosaic" in k["Kernel Name"]),
+                             key=lambda tk: tk[0], default=(None, None))
         unit = 1e-3  # ncu reports ns by default
-        gemm = main_k[0][0] * unit if main_k else None
-        main_k = [k for _, k in main_k]
         variant = {k: v for k, v in meta.items() if k != "case"}
-        out.append({"case": meta.get("case"), "variant": variant, "kernel_us": gemm,
-                    "kernel_dram_pct": float(main_k[0]["dram__throughput.avg.pct_of_peak_sustained_elapsed"]) if main_k else None,
+        out.append({"case": meta.get("case"), "variant": variant,
+                    "kernel_us": main_t * unit if main_k else None,
+                    "kernel_dram_pct": float(main_k["dram__throughput.avg.pct_of_peak_sustained_elapsed"]) if main_k else None,
                     "call_kernels_us": sum(d for _, d in dur) * unit, "kernels": [(n, d * unit) for n, d in dur]})
     return out
 
