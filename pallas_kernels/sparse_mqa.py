@@ -172,7 +172,7 @@ def _copies_per_row(kind: str) -> int:
 def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[RecordFormat],
                slots: Sequence[jax.Array], *, scale: float, v_dim: int, sink: jax.Array | None = None,
                implementation: Implementation = "pallas", num_splits: int | None = None,
-               out_dtype: jnp.dtype = jnp.float32,
+               out_dtype: jnp.dtype = jnp.float32, shadow_chunks: int | None = None,
                interpret: bool | plgpu.InterpretGPUParams | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
@@ -181,6 +181,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     ``implementation="xla"``: gather + dequantise with ``read_records`` and the pure-JAX softmax
     (``jds.ops.sparse_mqa.paged_sparse_mqa_xla``); ``"auto"``: the kernel where ``supports``, else XLA.
     ``num_splits``: candidate splits per (token, head tile); None picks enough CTAs for the GPU.
+    ``shadow_chunks``: how many of each warpgroup's 64-column K chunks of the next block are converted while the
+    tensor cores run PV (the rest after it); None = all.
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``, e.g. with ``detect_races``);
     None = whenever the default backend is not a GPU.
     """
@@ -191,10 +193,11 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
         "xla": lambda: paged_sparse_mqa_xla(q, caches, formats, slots, scale=scale, v_dim=v_dim,
                                             sink=sink).astype(out_dtype),
         "pallas": lambda: _pallas(q, caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink,
-                                  num_splits=num_splits, out_dtype=out_dtype, interpret=interpret)})
+                                  num_splits=num_splits, out_dtype=out_dtype, shadow_chunks=shadow_chunks,
+                                  interpret=interpret)})
 
 
-def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret):
+def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, shadow_chunks, interpret):
     if not supports(formats, v_dim):
         raise Unsupported(f"sparse_mqa kernel: unsupported formats {formats} / v_dim {v_dim} "
                           "(see pallas_kernels.sparse_mqa.supports)")
@@ -202,6 +205,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     t, h, dk = q.shape
     if dk != specs[0].dim:
         raise ValueError(f"q head dim {dk} does not match the cache rows ({specs[0].dim})")
+    if shadow_chunks is not None and not 0 <= shadow_chunks <= 8:
+        raise ValueError(f"shadow_chunks must be None or 0..8, got {shadow_chunks}")
     for c, f in zip(caches, formats):
         if c.ndim != 2 or c.shape[1] != f.page_elems:
             raise ValueError(f"cache of shape {c.shape} is not [num_blocks, {f.page_elems}]")
@@ -231,6 +236,7 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
               else jnp.zeros((hp,), jnp.float32))
     call = _build_call(specs=specs, list_blocks=tuple(list_blocks), t=t, hp=hp, dv=v_dim, scale=float(scale),
                        has_sink=has_sink, n_splits=n_splits, bps=bps, out_dtype=jnp.dtype(out_dtype),
+                       shadow_chunks=shadow_chunks,
                        interpret=interpret or None)
     # blocks of 64 candidates with at least one valid slot, per token, compacted to the front (the kernel
     # skips the rest: prefill tokens early in the sequence, short contexts, fully masked rows)
@@ -263,7 +269,7 @@ def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -
 @functools.lru_cache(maxsize=None)
 def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t: int, hp: int, dv: int,
                 scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype,
-                interpret: plgpu.InterpretGPUParams | None):
+                shadow_chunks: int | None, interpret: plgpu.InterpretGPUParams | None):
     kind, dk = specs[0].kind, specs[0].dim
     nc = len(specs)
     if sum(list_blocks) >= 1 << 20:  # the descriptors' opaque zero is block_id >> 20
@@ -335,62 +341,63 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     lo, hi = list_start[ci], list_start[ci] + list_blocks[ci]
                     pl.when((gb >= lo) & (gb < hi))(functools.partial(one_cache, ci, warp))
 
-    def dequant(w, st, st16, k_s, pb_s, sel_s, slot_row):
-        """Write this warpgroup's chunks of the bf16 K tile from the staged records."""
-        mine = wg_chunks[w]
+    def convert(w, st, slot_row, chunks):
+        """The bf16 values of K tile chunks ``chunks`` (this warpgroup's, never the rope chunk) from the staged
+        records: [(chunk, [BK, 64] bf16)]. Registers only: the caller stores them."""
         if kind == "rows":
-            for c in mine:
-                k_s[:, pl.ds(64 * c, 64)] = plgpu.load(st.at[:, pl.ds(64 * c, 64)], layout=L,
-                                                       optimized=rows_w != dk)
-            return
+            return [(c, plgpu.load(st.at[:, pl.ds(64 * c, 64)], layout=L, optimized=rows_w != dk)) for c in chunks]
+        if not chunks:
+            return []
         col = plgpu.broadcasted_iota(jnp.int32, (BK, 16), 1, layout=L)
-        rope_chunk = nch - 1
         if kind == "mla656":
             b = plgpu.load(st.at[:, pl.ds(_M656_REC + 512, 16)], layout=L, optimized=True).astype(jnp.int32)
             wb = lax.shift_left(b, 8 * (col & 3))
             scales = {}
-            for c in mine:
-                if c != rope_chunk and c // 2 not in scales:
+            for c in chunks:
+                if c // 2 not in scales:
                     v = jnp.sum(jnp.where(lax.shift_right_logical(col, 2) == c // 2, wb, 0), axis=1)
                     scales[c // 2] = lax.bitcast_convert_type(v, jnp.float32)
-            data_col, rope_col = _M656_REC, _M656_REC + 512 + 16
+            data_col = _M656_REC
             scale_of = lambda c: scales[c // 2]
         else:
             b = plgpu.load(st.at[:, pl.ds(_M584_SC + 112, 16)], layout=L, optimized=True).astype(jnp.int32)
             h8 = lax.broadcast_in_dim(8 * (jnp.maximum(slot_row, 0) & 1), (BK, 16), [0])
             scales = {}
-            for c in mine:
-                if c != rope_chunk:
-                    e = jnp.sum(jnp.where(col == h8 + c, b, 0), axis=1)
-                    scales[c] = lax.bitcast_convert_type(lax.shift_left(e, 23), jnp.float32)
-            data_col, rope_col = _M584_REC, _M584_REC + 448
+            for c in chunks:
+                e = jnp.sum(jnp.where(col == h8 + c, b, 0), axis=1)
+                scales[c] = lax.bitcast_convert_type(lax.shift_left(e, 23), jnp.float32)
+            data_col = _M584_REC
             scale_of = lambda c: scales[c]
-        for c in mine:
-            if c == rope_chunk:
-                continue
+        out = []
+        for c in chunks:
             x8 = plgpu.load(st.at[:, pl.ds(data_col + 64 * c, 64)], layout=L, optimized=True)
             x = lax.bitcast_convert_type(x8, jnp.float8_e4m3fn).astype(jnp.float32)
             x = x * lax.broadcast_in_dim(scale_of(c), (BK, 64), [0])
-            k_s[:, pl.ds(64 * c, 64)] = x.astype(jnp.bfloat16)
-        if rope_chunk in mine and not rope_mm:
+            out.append((c, x.astype(jnp.bfloat16)))
+        return out
+
+    def store_rope(st, st16, k_s, pb_s, sel_s):
+        """The rope chunk of the K tile: the record's bf16 rope values (fp8 records; its warpgroup only)."""
+        rope_chunk, rope_col = nch - 1, (_M656_REC + 512 + 16 if kind == "mla656" else _M584_REC + 448)
+        if not rope_mm:
             k_s[:, pl.ds(64 * rope_chunk, 64)] = plgpu.load(st16.at[:, pl.ds(rope_col // 2, 64)], layout=L,
                                                             optimized=True)
-        elif rope_chunk in mine:
-            rb = plgpu.load(st.at[:, pl.ds(rope_col, 128)], layout=L, optimized=True)
-            pb_s[...] = rb.astype(jnp.int32).astype(jnp.float32).astype(jnp.bfloat16)
-            plgpu.commit_smem()
+            return
+        rb = plgpu.load(st.at[:, pl.ds(rope_col, 128)], layout=L, optimized=True)
+        pb_s[...] = rb.astype(jnp.int32).astype(jnp.float32).astype(jnp.bfloat16)
+        plgpu.commit_smem()
 
-            def pair(half):
-                def mm(acc):
-                    plgpu.wgmma(acc, pb_s.at[:, pl.ds(64 * half, 64)], sel_s)
-                    plgpu.wgmma_wait(0)
-                    return acc[...]
-                return pl.run_scoped(mm, plgpu.ACC((BK, 64), jnp.float32))
+        def pair(half):
+            def mm(acc):
+                plgpu.wgmma(acc, pb_s.at[:, pl.ds(64 * half, 64)], sel_s)
+                plgpu.wgmma_wait(0)
+                return acc[...]
+            return pl.run_scoped(mm, plgpu.ACC((BK, 64), jnp.float32))
 
-            lo, hi = pair(0), pair(1)
-            u16 = jnp.concatenate([lo[:, :32], hi[:, :32]], axis=1).astype(jnp.int32)
-            pe = lax.bitcast_convert_type(lax.shift_left(u16, 16), jnp.float32)
-            k_s[:, pl.ds(64 * rope_chunk, 64)] = pe.astype(jnp.bfloat16)
+        lo, hi = pair(0), pair(1)
+        u16 = jnp.concatenate([lo[:, :32], hi[:, :32]], axis=1).astype(jnp.int32)
+        pe = lax.bitcast_convert_type(lax.shift_left(u16, 16), jnp.float32)
+        k_s[:, pl.ds(64 * rope_chunk, 64)] = pe.astype(jnp.bfloat16)
 
     def kernel(q_ref, slots_ref, blocks_ref, nlive_ref, sink_ref, *rest):
         cache_refs = rest[:nc]
@@ -401,11 +408,11 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         st16 = pb_s = sel_s = None
         *scratch, stat_s, bar_stat = scratch
         if rope_mm:
-            q_s1, k_s1, st, (p_s, pb_s), sel_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_free, bar_p = scratch
+            q_s1, k_s1, st, p_s, pb_s, sel_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_p = scratch
         elif fp8:
-            q_s1, k_s1, (st, st16), p_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_free, bar_p = scratch
+            q_s1, k_s1, (st, st16), p_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_p = scratch
         else:
-            q_s1, k_s1, st, p_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_free, bar_p = scratch
+            q_s1, k_s1, st, p_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_p = scratch
         q_s, k_s = q_s1.at[0], k_s1.at[0]  # [1, rows, dk]: index 0 statically (copies, dequantisation)
         pid = lax.axis_index("cta")
         gi = pid % G
@@ -423,6 +430,26 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             plgpu.copy_gmem_to_smem(slots_ref.at[ti, pl.ds(start, BK)], idx_s.at[islot], bar_i.at[islot])
 
         def run(w):
+            latent = [c for c in wg_chunks[w] if not (fp8 and c == nch - 1)]  # chunks converted in registers
+            early = latent if shadow_chunks is None else latent[:shadow_chunks]  # ... of them in PV's shadow
+            has_rope = fp8 and nch - 1 in wg_chunks[w]
+
+            def slot_row(islot):  # V4's scale bytes sit in the record pair's 16-byte group: the slot's parity
+                return plgpu.load(idx_s.at[islot], layout=ROW, optimized=False) if kind == "mla584" else None
+
+            def store_k(vals):
+                for c, v in vals:
+                    k_s[:, pl.ds(64 * c, 64)] = v
+
+            def finish_k(vals, islot):
+                """Store this warpgroup's chunks of the block staged now: ``vals`` (converted earlier), the
+                rest of its chunks and the rope chunk; then make them visible to the tensor cores."""
+                store_k(vals)
+                store_k(convert(w, st, slot_row(islot), [c for c in latent if c not in dict(vals)]))
+                if has_rope:
+                    store_rope(st, st16, k_s, pb_s, sel_s)
+                plgpu.commit_smem()
+
             # ---- prologue
             if w == 0:
                 plgpu.copy_gmem_to_smem(q_ref.at[ti, pl.ds(gi * HEAD_TILE, HEAD_TILE)], q_s, bar_q.at[0])
@@ -440,10 +467,13 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 sel = jnp.where(lax.shift_right_logical(r, 1) == c, jnp.where((r & 1) == 0, 1.0, 256.0), 0.0)
                 sel_s[...] = sel.astype(jnp.bfloat16)
                 plgpu.commit_smem()
+
             @pl.when(nblk > 0)
             def _():
                 plgpu.barrier_wait(bar_i.at[0])
                 issue_row_copies(cache_refs, st, idx_s, 0, block_id(0), w, bar_kv.at[0])
+                plgpu.barrier_wait(bar_kv.at[0])
+                finish_k([], 0)  # block 0's K chunks; the loop converts block k+1's during PV(k)
             if has_sink and n_splits == 1:
                 sk = plgpu.load(sink_ref.at[pl.ds(gi * HEAD_TILE, HEAD_TILE)], layout=ROW, optimized=False) * LOG2E
                 m0 = jnp.maximum(sk, M_INIT)
@@ -457,27 +487,20 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             def body(k, carry):
                 acc, m, l = carry
                 islot = k % 2
+                nxt = k + 1 < nblk
                 # the wgmma operands through a zero the compiler cannot fold (block ids < 2^20, checked when
                 # built): their descriptors are rebuilt here, not held across the loop
                 z = lax.shift_right_logical(block_id(k), 20)
                 q_mm, k_mm = q_s1.at[z], k_s1.at[z]
-                plgpu.barrier_wait(bar_kv.at[0])
-
-                @pl.when(k > 0)
-                def _():
-                    plgpu.barrier_wait(bar_free.at[0])
-
                 own = pl.ds(w * HALF, HALF)  # this warpgroup's candidates
                 valid = plgpu.load(idx_s.at[islot, own], layout=COL, optimized=False) >= 0
-                slot_row = plgpu.load(idx_s.at[islot], layout=ROW, optimized=False) if kind == "mla584" else None
-                dequant(w, st, st16, k_s, pb_s, sel_s, slot_row)
-                plgpu.commit_smem()
+                # K tile of block k complete (both halves), its staging rows and slots read by both
                 plgpu.barrier_arrive(bar_ready.at[0])
                 plgpu.barrier_wait(bar_ready.at[0])
 
                 def prefetch():
                     """Rows of block k+1 (their slots landed in the other idx slot), slots of block k+2."""
-                    @pl.when(k + 1 < nblk)
+                    @pl.when(nxt)
                     def _():
                         plgpu.barrier_wait(bar_i.at[1 - islot])
                         issue_row_copies(cache_refs, st, idx_s, 1 - islot, block_id(k + 1), w, bar_kv.at[0])
@@ -516,8 +539,15 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 plgpu.barrier_wait(bar_p.at[0])
 
                 def pv(acc_ref):
+                    """PV(k), and block k+1's K chunks of this warpgroup: converted while the tensor cores run
+                    PV, stored once it is done (PV(k) reads this warpgroup's value columns, the very chunks it
+                    writes; the other warpgroup's QK(k) finished before the P exchange). At the last block the
+                    conversion reads stale rows and nothing is stored."""
                     plgpu.wgmma(acc_ref, p_s, v_ref)
+                    pl.when(nxt)(lambda: plgpu.barrier_wait(bar_kv.at[0]))
+                    vals = convert(w, st, slot_row(1 - islot), early)
                     plgpu.wgmma_wait(0)
+                    pl.when(nxt)(lambda: finish_k(vals, 1 - islot))
 
                 if interpret:  # interpret mode has no run_state: same sum, through a fresh accumulator
                     def pv_fresh(acc_ref):
@@ -527,7 +557,6 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((HEAD_TILE, dvw), jnp.float32))
                 else:  # in place: a second [64, 256] fp32 accumulator would not fit the registers
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                plgpu.barrier_arrive(bar_free.at[0])
                 return acc, m_new, l
 
             acc, m, l = lax.fori_loop(0, nblk, body, (acc0, m0, l0))
@@ -536,10 +565,6 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             plgpu.barrier_arrive(bar_stat.at[0])
             plgpu.barrier_wait(bar_stat.at[0])
             l = l + plgpu.load(stat_s.at[1, 1 - w], layout=ROW, optimized=False)
-
-            @pl.when(nblk > 0)
-            def _():
-                plgpu.barrier_wait(bar_free.at[0])  # observe the last block's phase (every phase is waited once)
             heads = pl.ds(gi * HEAD_TILE, HEAD_TILE)
             cols = pl.ds(w * dvw, dvw)
             if n_splits == 1:
@@ -563,9 +588,9 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     p_t = plgpu.SMEM((HEAD_TILE, BK), jnp.bfloat16, transforms=SW)
     if fp8 and not rope_mm:  # the staging rows as bytes (copies, latent, scales) and as bf16 (rope values)
         st_t = plgpu.RefUnion(st_t, plgpu.SMEM((BK, st_t.shape[1] // 2), jnp.bfloat16))
-    if rope_mm:  # P (softmax phase) and the rope byte tile (dequant phase) never live at the same time
-        mid = [plgpu.RefUnion(p_t, plgpu.SMEM((BK, 128), jnp.bfloat16, transforms=SW)),
-               plgpu.SMEM((64, 64), jnp.bfloat16, transforms=SW)]  # byte-pair selection matrix
+    if rope_mm:  # interpret mode only: the rope byte tile (its own: the other warpgroup's PV may still read P
+        # while the rope is converted) and the byte-pair selection matrix
+        mid = [p_t, plgpu.SMEM((BK, 128), jnp.bfloat16, transforms=SW), plgpu.SMEM((64, 64), jnp.bfloat16, transforms=SW)]
     else:
         mid = [p_t]
     scratch = [
@@ -577,7 +602,6 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         plgpu.Barrier(num_arrivals=1, num_barriers=2),  # slots landed (per idx slot)
         plgpu.Barrier(num_arrivals=BK * copies, num_barriers=1),  # all row copies of a block landed
         plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1),  # K tile complete, staging/slots read
-        plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1),  # K tile and P consumed
         plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1),  # both halves of P published
         # row maxima, then the final sums (block k+1's maxima are written only after both warpgroups
         # passed block k's "ready" barrier, by then both read block k's)
