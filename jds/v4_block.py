@@ -65,7 +65,7 @@ from flax import nnx
 
 from jds.nn import Linear
 from jds.ops.norms import rms_norm
-from jds.ops.quant import FP4_WEIGHT_BLOCK, fake_quant, fp4_dequant, random_fp4_weight
+from jds.ops.quant import FP4_WEIGHT_BLOCK, act_quant, fake_quant, fp4_dequant, random_fp4_weight
 from pallas_kernels.fp4_grouped_gemm import fp4_grouped_linear
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -404,13 +404,18 @@ class FP4Experts(nnx.Module):
         self.scale = nnx.Param(scale)
         self.implementation = implementation
 
-    def ragged(self, x: jax.Array, sizes: jax.Array) -> jax.Array:
-        """Rows of x [M, in] grouped by expert (``sizes`` [E]) times their expert's W^T, in x.dtype. bf16 rows
-        run the grouped FP4 GEMM (the kernel dequantises in registers, reading only the experts that have
-        rows); float32 rows (exact numerics) multiply the dequantised stack in float32."""
+    def ragged(self, x: jax.Array, sizes: jax.Array, x_scale: jax.Array | None = None,
+               out_dtype: jnp.dtype | None = None) -> jax.Array:
+        """Rows of x [M, in] grouped by expert (``sizes`` [E]) times their expert's W^T, in ``out_dtype`` (default
+        x.dtype). e4m3 rows with their per-128 ``x_scale`` (the release's FP8 x FP4 ``fp4_gemm``) and bf16 rows run
+        the grouped FP4 GEMM (the kernel dequantises in registers, reading only the experts that have rows);
+        float32 rows (exact numerics) multiply the dequantised stack in float32."""
+        if x_scale is not None:
+            return fp4_grouped_linear(x, sizes, self.weight[...], self.scale[...], x_scale=x_scale,
+                                      out_dtype=out_dtype or jnp.bfloat16, implementation=self.implementation)
         if x.dtype != jnp.bfloat16:
-            return _ragged_linear(x, self.dequant(x.dtype), sizes, x.dtype)
-        return fp4_grouped_linear(x, sizes, self.weight[...], self.scale[...], out_dtype=x.dtype,
+            return _ragged_linear(x, self.dequant(x.dtype), sizes, out_dtype or x.dtype)
+        return fp4_grouped_linear(x, sizes, self.weight[...], self.scale[...], out_dtype=out_dtype or x.dtype,
                                   implementation=self.implementation)
 
     def dequant(self, dtype: jnp.dtype, index: jax.Array | None = None) -> jax.Array:
@@ -469,12 +474,26 @@ class V4MoE(nnx.Module):
             return self._routed_gather(x, weights, indices)
         return self._routed_ragged(x, weights, indices)
 
-    def _grouped(self, name: str, x: jax.Array, sizes: jax.Array) -> jax.Array:
-        """Expert matrix ``name`` applied to rows grouped by expert, in x.dtype."""
+    def _grouped(self, name: str, x: jax.Array | tuple[jax.Array, jax.Array], sizes: jax.Array,
+                 dt: jnp.dtype) -> jax.Array:
+        """Expert matrix ``name`` applied to rows grouped by expert (``_expert_rows``: an array, or FP4 experts'
+        (e4m3 rows, scales) pair), in ``dt``."""
         w = getattr(self, name)
+        if isinstance(x, tuple):
+            return w.ragged(x[0], sizes, x_scale=x[1], out_dtype=dt)
         if isinstance(w, FP4Experts):
             return w.ragged(x, sizes)
         return _ragged_linear(x, self.expert_weights(name, x.dtype), sizes, x.dtype)
+
+    def _expert_rows(self, x: jax.Array, rows: jax.Array | None = None):
+        """The expert GEMMs' input (``_expert_input``) at ``rows``. bf16 into FP4 experts: the release's
+        ``linear()`` quantisation itself, (e4m3 rows, per-128 scales), which the FP4 kernel takes as they are
+        (the release's ``fp4_gemm``); quantised per token row before the gather."""
+        if self.cfg.experts_fp4 and x.dtype == jnp.bfloat16:
+            xq, sx = act_quant(x, ACT_BLOCK, "ue8m0")
+            return (xq, sx) if rows is None else (xq[rows], sx[rows])
+        xe = _expert_input(x, self.cfg.experts_fp4)
+        return xe if rows is None else xe[rows]
 
     def _routed_gather(self, x: jax.Array, weights: jax.Array, indices: jax.Array) -> jax.Array:
         dt, fp4 = x.dtype, self.cfg.experts_fp4
@@ -489,16 +508,16 @@ class V4MoE(nnx.Module):
         return jnp.sum(y.astype(jnp.float32), axis=1)
 
     def _routed_ragged(self, x: jax.Array, weights: jax.Array, indices: jax.Array) -> jax.Array:
-        dt, fp4 = x.dtype, self.cfg.experts_fp4
+        dt = x.dtype
         t, k = indices.shape
         flat = indices.reshape(-1)
         order = jnp.argsort(flat, stable=True)
         rows = order // k  # token of each sorted (token, slot) pair
         sizes = jnp.bincount(flat, length=self.cfg.n_routed_experts).astype(jnp.int32)
-        xs = _expert_input(x, fp4)[rows]  # the quantisation is per token row: done once, before the gather
-        h = swiglu(self._grouped("w1", xs, sizes), self._grouped("w3", xs, sizes), self.cfg.swiglu_limit)
-        h = _expert_input((h * weights.reshape(-1)[order][:, None]).astype(dt), fp4)
-        y = self._grouped("w2", h, sizes)
+        xs = self._expert_rows(x, rows)  # the quantisation is per token row: done once, before the gather
+        h = swiglu(self._grouped("w1", xs, sizes, dt), self._grouped("w3", xs, sizes, dt), self.cfg.swiglu_limit)
+        h = self._expert_rows((h * weights.reshape(-1)[order][:, None]).astype(dt))
+        y = self._grouped("w2", h, sizes, dt)
         # Un-sort with a permutation (no scatter-add), then sum the k slots in slot order: deterministic, and
         # the same summation as the gather path.
         y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)

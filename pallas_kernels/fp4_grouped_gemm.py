@@ -86,8 +86,10 @@ from jds.ops import quant
 from jds.ops.dispatch import Implementation, Unsupported, run_op
 from pallas_kernels import grouped_rows
 
-Dequant = Literal["auto", "lop3", "f16", "bf16"]
-DEQUANTS = ("lop3", "f16", "bf16")  # "auto": "lop3" natively at decode tiles, else "f16"
+Dequant = Literal["auto", "lop3", "f16", "bf16", "fp8"]
+DEQUANTS = ("lop3", "f16", "bf16")  # bf16 x; "auto": "lop3" natively at decode tiles, else "f16"
+X_BLOCK = 128  # e4m3 x (``x_scale`` given): one scale per row and 128 columns, as ``act_quant``
+FP8_EXP = 6  # the "fp8" route's e4m3 weight code is e2m1 * 2^-6 (see ``_to_e4m3``)
 NATIVE_ONLY = ("lop3", "bf16")
 X_SCALE_LOG2 = 32  # the "lop3" route: x * 2^32 and the weights' scale / 2^32 (see ``_scale_exp_bias``)
 SCALE_BLOCK = quant.FP4_WEIGHT_BLOCK  # 32 input columns per e8m0 scale
@@ -103,7 +105,8 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: jax.Array, w_sc
                        out_dtype: jnp.dtype = jnp.bfloat16, implementation: Implementation = "auto",
                        interpret: bool | plgpu.InterpretGPUParams | None = None, block_t: int | None = None,
                        block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-                       stages: int = 4, dequant: Dequant = "auto", layout: Implementation = "auto") -> jax.Array:
+                       stages: int = 4, dequant: Dequant = "auto", layout: Implementation = "auto",
+                       x_scale: jax.Array | None = None, mma_group: int | None = None) -> jax.Array:
     """y [M, N] (``out_dtype``): row r of x [M, K] (bfloat16) times W[e(r)]^T, rows grouped by expert in order
     (``sizes`` int32 [E], sum <= M; rows past the sum give 0), W = ``w_packed`` (uint8 [E, N, K/2], two e2m1
     codes a byte, low nibble first) with ``w_scale`` (uint8 [E, N, K/32] e8m0 exponents).
@@ -123,16 +126,21 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: jax.Array, w_sc
     "auto": "pallas" natively, "xla" in interpret mode).
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``); None = whenever the default
     backend is not a GPU.
+    ``x_scale``: x given quantised, as the release's ``fp4_gemm`` takes it: x float8_e4m3fn [M, K] and
+    ``x_scale`` float32 [M, K/128] (``act_quant``'s pair; x = x * x_scale per 128 columns). The kernel then runs
+    the "fp8" route (the only one for e4m3 x): weights to e4m3 in registers, fp8 wgmma per 32-column scale
+    block, promoted in fp32 with the weight and x scales, the release's kernel's summation.
     """
-    _check_inputs(x, sizes, w_packed, w_scale)
+    _check_inputs(x, sizes, w_packed, w_scale, x_scale)
     return run_op("fp4_grouped_linear", implementation, {
-        "xla": lambda: _xla(x, sizes, w_packed, w_scale, out_dtype),
+        "xla": lambda: _xla(x, sizes, w_packed, w_scale, out_dtype, x_scale),
         "pallas": lambda: _pallas(x, sizes, w_packed, w_scale, out_dtype=out_dtype, interpret=interpret,
                                   block_t=block_t, block_n=block_n, block_k=block_k, split_k=split_k,
-                                  stages=stages, dequant=dequant, layout=layout)})
+                                  stages=stages, dequant=dequant, layout=layout, x_scale=x_scale,
+                                  mma_group=mma_group)})
 
 
-def _check_inputs(x, sizes, w_packed, w_scale) -> None:
+def _check_inputs(x, sizes, w_packed, w_scale, x_scale=None) -> None:
     """Input errors of both implementations (ValueError naming the argument)."""
     if w_packed.ndim != 3 or jnp.dtype(w_packed.dtype) != jnp.uint8:
         raise ValueError(f"w_packed must be uint8 [E, N, K/2], got {w_packed.dtype} {w_packed.shape}")
@@ -145,14 +153,27 @@ def _check_inputs(x, sizes, w_packed, w_scale) -> None:
                          f"got {w_scale.dtype} {w_scale.shape}")
     if x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}] (K = 2 * w_packed.shape[-1]), got shape {x.shape}")
-    if jnp.dtype(x.dtype) != jnp.bfloat16:
-        raise ValueError(f"x must be bfloat16, got {x.dtype}")
+    if x_scale is None and jnp.dtype(x.dtype) != jnp.bfloat16:
+        raise ValueError(f"x must be bfloat16 (or float8_e4m3fn with x_scale), got {x.dtype}")
+    if x_scale is not None:
+        if jnp.dtype(x.dtype) != jnp.float8_e4m3fn:
+            raise ValueError(f"x must be float8_e4m3fn when x_scale is given, got {x.dtype}")
+        if k % X_BLOCK or jnp.dtype(x_scale.dtype) != jnp.float32 or x_scale.shape != (x.shape[0], k // X_BLOCK):
+            raise ValueError(f"x_scale must be float32 [{x.shape[0]}, {k // X_BLOCK}] (one scale per row and "
+                             f"{X_BLOCK} columns of x [{x.shape[0]}, {k}]), got {x_scale.dtype} {x_scale.shape}")
     if sizes.shape != (e,) or not jnp.issubdtype(sizes.dtype, jnp.integer):
         raise ValueError(f"sizes must be an int32 [{e}] (one group size per expert), got {sizes.dtype} {sizes.shape}")
 
 
-def _xla(x, sizes, w_packed, w_scale, out_dtype) -> jax.Array:
-    """The reference: dequantise the whole stack (exact in bf16) and one ragged dot with fp32 accumulation."""
+def _xla(x, sizes, w_packed, w_scale, out_dtype, x_scale=None) -> jax.Array:
+    """The reference: dequantise the whole stack (exact in bf16) and one ragged dot with fp32 accumulation; e4m3
+    x (``x_scale``) dequantised to float32 (any scale) and multiplied at float32 precision."""
+    if x_scale is not None:
+        xf = quant.dequant(x, x_scale, X_BLOCK)
+        w = quant.fp4_dequant(w_packed, w_scale, jnp.float32)
+        y = lax.ragged_dot_general(xf, w, sizes.astype(jnp.int32), _RAGGED_DN, precision=lax.Precision.HIGHEST,
+                                   preferred_element_type=jnp.float32)
+        return y.astype(out_dtype)
     w = quant.fp4_dequant(w_packed, w_scale, jnp.bfloat16)
     y = lax.ragged_dot_general(x, w, sizes.astype(jnp.int32), _RAGGED_DN, preferred_element_type=jnp.float32)
     return y.astype(out_dtype)
@@ -168,17 +189,24 @@ def _check_tiles(block_t, block_n, block_k, split_k, stages) -> None:
 
 
 def _pick_tiles(m: int, e: int, n: int, k: int, block_t: int | None, block_n: int | None,
-                block_k: int | None, split_k: int | None) -> tuple[int, int, int, int]:
+                block_k: int | None, split_k: int | None, fp8: bool = False) -> tuple[int, int, int, int]:
     """(block_t, block_n, block_k, split_k): the given ones, defaults for the rest (``grouped_rows.pick_tiles``;
-    a split holds whole ``K_ALIGN``-column chunks)."""
-    return grouped_rows.pick_tiles(m, e, n, k, block_t, block_n, block_k, split_k, K_ALIGN)
+    a split holds whole ``K_ALIGN``-column chunks). The "fp8" route (e4m3 x) steps 512 columns at token tiles
+    up to 32 rows: faster than 256 at 1, 8 and 64 tokens on the H200 (Nsight Compute,
+    benchmarks/results/fp4_decode_ncu_sweep_h200_2026-12-02.json)."""
+    bt, bn, bk, s = grouped_rows.pick_tiles(m, e, n, k, block_t, block_n, block_k, split_k, K_ALIGN)
+    if fp8 and block_k is None and bt <= 32:
+        bk = K_ALIGN
+    return bt, bn, bk, s
 
 
-def _fit_stages(stages: int, bt: int, bn: int, bk: int, kc: int) -> int:
+def _fit_stages(stages: int, bt: int, bn: int, bk: int, kc: int, x_bytes: int = 2) -> int:
     """The ring depth that fits SMEM: ``stages`` (at most the number of steps), fewer where the token tile is
-    large; ValueError when not even one stage fits."""
-    per_stage = bt * bk * 2 + bn * bk // 2  # bf16 token tile + packed weight tile
-    fit = (SMEM_BUDGET - bn * kc // SCALE_BLOCK) // per_stage
+    large; ValueError when not even one stage fits. ``x_bytes``: 2 for bf16 x, 1 for e4m3 x (whose row scales
+    take SMEM too)."""
+    per_stage = bt * bk * x_bytes + bn * bk // 2  # token tile + packed weight tile
+    fixed = bn * kc // SCALE_BLOCK + (0 if x_bytes == 2 else (bn // 64) * (kc // X_BLOCK) * bt * 4)
+    fit = (SMEM_BUDGET - fixed) // per_stage
     if fit < 1:
         raise ValueError(f"block_t {bt} x block_k {bk} (block_n {bn}) does not fit shared memory")
     return max(1, min(stages, kc // bk, fit))
@@ -188,9 +216,10 @@ def _permute_k(x: jax.Array, dequant: Dequant) -> jax.Array:
     """x's columns reordered inside each 32-column scale block to the order the kernel's dequantised A
     operands hold the weights (a dot product does not care about K order).
 
-    "f16" / "bf16": (16 even, 16 odd): the low-nibble operand holds a block's even columns, the high-nibble one
-    its odd columns. "lop3": ``LOP3_PERM`` (``_dequant_lop3``), and x times 2^32 (exact for |x| < 2^96) to
-    balance the weights' scale / 2^32 that keeps the scale a normal bf16 (``_scale_exp_bias``)."""
+    "f16" / "bf16" / "fp8": (16 even, 16 odd): the low-nibble operand (the first 16 columns of "fp8"'s e4m3
+    operand) holds a block's even columns, the high-nibble one its odd columns. "lop3": ``LOP3_PERM``
+    (``_dequant_lop3``), and x times 2^32 (exact for |x| < 2^96) to balance the weights' scale / 2^32 that keeps
+    the scale a normal bf16 (``_scale_exp_bias``)."""
     m, k = x.shape
     if dequant == "lop3":
         return (x.reshape(m, k // 32, 32)[:, :, LOP3_PERM] * jnp.asarray(2.0 ** X_SCALE_LOG2, x.dtype)).reshape(m, k)
@@ -198,10 +227,14 @@ def _permute_k(x: jax.Array, dequant: Dequant) -> jax.Array:
 
 
 def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block_n, block_k, split_k, stages,
-            dequant, layout="auto"):
+            dequant, layout="auto", x_scale=None, mma_group=None):
     _check_tiles(block_t, block_n, block_k, split_k, stages)
-    if dequant not in ("auto", *DEQUANTS):
-        raise ValueError(f"dequant must be one of {('auto', *DEQUANTS)}, got {dequant!r}")
+    if dequant not in ("auto", "fp8", *DEQUANTS):
+        raise ValueError(f"dequant must be one of {('auto', 'fp8', *DEQUANTS)}, got {dequant!r}")
+    if x_scale is not None and dequant not in ("auto", "fp8"):
+        raise ValueError(f'dequant="{dequant}" takes bf16 x; e4m3 x (x_scale given) runs dequant="fp8"')
+    if x_scale is None and dequant == "fp8":
+        raise ValueError('dequant="fp8" needs e4m3 x with its x_scale')
     e, n, kh = w_packed.shape
     k = 2 * kh
     m = x.shape[0]
@@ -211,17 +244,25 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
     out_dtype = jnp.dtype(out_dtype)
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
+    if x_scale is not None and block_k is None:  # "fp8" at decode tiles: 512-column steps (_pick_tiles)
+        block_k = _pick_tiles(m, e, n, k, block_t, block_n, None, split_k, fp8=True)[2]
     p = grouped_rows.plan(sizes, m, e, n, k, block_t, block_n, block_k, split_k, K_ALIGN, interpret, layout)
-    if dequant == "auto":  # "lop3" where dequantisation bounds the kernel (decode tiles); see the docstring
+    if x_scale is not None:
+        dequant = "fp8"
+    elif dequant == "auto":  # "lop3" where dequantisation bounds the kernel (decode tiles); see the docstring
         dequant = "f16" if p.interpret or p.block_t > 32 else "lop3"
     if p.interpret and dequant in NATIVE_ONLY:
         raise ValueError(f'dequant="{dequant}" runs natively only (interpret mode: "bf16" needs bf16 subnormal '
                          'arithmetic, which XLA on the CPU flushes; "lop3" is PTX); use dequant="f16" there')
     xp = grouped_rows.tile_rows(_permute_k(x, dequant), p)  # groups padded to 8 rows
-    st = _fit_stages(stages, p.block_t, p.block_n, p.block_k, k // p.splits)
+    st = _fit_stages(stages, p.block_t, p.block_n, p.block_k, k // p.splits, 1 if x_scale is not None else 2)
     call = _build_call(n=n, k=k, items=p.items, bt=p.block_t, bn=p.block_n, bk=p.block_k, splits=p.splits,
                        stages=st, dequant=dequant,
-                       out_dtype=out_dtype if p.splits == 1 else jnp.dtype(jnp.float32), interpret=p.interpret)
+                       out_dtype=out_dtype if p.splits == 1 else jnp.dtype(jnp.float32), interpret=p.interpret,
+                       mma_group=mma_group if x_scale is not None else None)
+    if x_scale is not None:  # the padded rows' scales [K/128, rows]: a token tile's per 128-column block
+        return grouped_rows.finish(call(p.info, xp, grouped_rows.tile_rows(x_scale, p).T, w_packed, w_scale), p,
+                                   out_dtype)
     return grouped_rows.finish(call(p.info, xp, w_packed, w_scale), p, out_dtype)
 
 
@@ -298,6 +339,75 @@ def _dequant_lop3(packed: jax.Array) -> jax.Array:
     return f(packed)
 
 
+# The "fp8" route's nibble -> e4m3 byte, on a 32-bit word of 4 packed bytes: the low nibbles (s e1 e0 m at
+# bits 3..0 of each byte) go to s at bit 7 and e1 e0 m at bits 4..2 (the exponent's low two bits and the
+# mantissa's top bit), the high nibbles likewise from bits 7..4. An e4m3 with exponent field e1 e0 and mantissa
+# m00 is e2m1 * 2^-6 for every code (e = 0 lands on the e4m3 subnormals), so the conversion is linear and exact.
+_E4M3_LO_ASM = """{{
+.reg .b32 a, b;
+shl.b32 a, $1, 2;
+and.b32 a, a, 0x1C1C1C1C;
+shl.b32 b, $1, 4;
+lop3.b32 $0, a, b, 0x80808080, 0xF8;
+}}"""
+_E4M3_HI_ASM = """{{
+.reg .b32 a;
+shr.b32 a, $1, 2;
+and.b32 a, a, 0x1C1C1C1C;
+lop3.b32 $0, a, $1, 0x80808080, 0xF8;
+}}"""
+
+
+def e4m3_codes(packed):
+    """The "fp8" route's e4m3 bytes (uint8 [.., 2C]; numpy or jax) of packed bytes [.., C]: the low nibbles'
+    codes, then the high nibbles' (columns (even, odd) of each 32-column block after ``_permute_k``); each is
+    e2m1 * 2^-6. What the PTX of ``_to_e4m3`` computes on 4 bytes at a time."""
+    lo = ((packed & 7) << 2) | ((packed & 8) << 4)
+    hi = ((packed >> 2) & 0x1C) | (packed & 0x80)
+    cat = np.concatenate if isinstance(packed, np.ndarray) else jnp.concatenate
+    return cat([lo, hi], axis=-1)
+
+
+def _to_e4m3(packed: jax.Array, native: bool) -> jax.Array:
+    """float8_e4m3fn [64, 32] A operand (``WGMMA_8BIT`` layout) = e2m1 * 2^-6 of the 16 packed bytes of a
+    32-column block per row (uint8 [64, 16], ``WGMMA_8BIT`` layout: a thread holds bytes 4q..4q+3 of rows g and
+    g + 8, one 32-bit word each). Natively (inline PTX) each word gives the thread's low-nibble word (columns
+    4q..4q+3 of the operand) and its high-nibble word (columns 16 + 4q..): 7 instructions per 8 weights, no data
+    exchange between threads. Interpret mode: the same bytes through ``e4m3_codes``."""
+    if not native:
+        return lax.bitcast_convert_type(e4m3_codes(packed), jnp.float8_e4m3fn)
+    import jax.experimental.mosaic.gpu as mgpu  # noqa: PLC0415 - lowering-time imports
+    from jax._src.lib.mlir import ir  # noqa: PLC0415
+    from jax._src.lib.mlir.dialects import llvm  # noqa: PLC0415
+    from jax.experimental.mosaic.gpu import fragmented_array as fa  # noqa: PLC0415
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: PLC0415
+
+    rows, c = packed.shape
+    assert c == 16, packed.shape  # one 32-column block: its low-nibble half, then its high-nibble half
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_8BIT,),
+                       return_type=plgpu.ShapeDtypeStruct((rows, 2 * c), jnp.float8_e4m3fn,
+                                                          layout=plgpu.Layout.WGMMA_8BIT))
+    def f(_, p):
+        i32 = ir.IntegerType.get_signless(32)
+        quad = ir.VectorType.get((4,), ir.Float8E4M3FNType.get())
+        in_shape = fa.WGMMA_LAYOUT_8BIT.registers_shape((rows, c))
+        out_shape = fa.WGMMA_LAYOUT_8BIT.registers_shape((rows, 2 * c))
+        # registers: [.., 16-column block (dim 1), .., row half (dim 4), ..]: the input's one block -> block 0
+        # (low nibbles) and block 1 (high nibbles) of the output
+        assert p.registers.shape == in_shape and out_shape[1] == 2 * in_shape[1] == 2, (in_shape, out_shape)
+        out = np.empty(out_shape, dtype=object)
+        for idx, reg in np.ndenumerate(p.registers):
+            word = mgpu_utils.bitcast(reg, i32)
+            for half, asm in ((0, _E4M3_LO_ASM), (1, _E4M3_HI_ASM)):
+                o = list(idx)
+                o[1] = idx[1] + half * in_shape[1]
+                out[tuple(o)] = mgpu_utils.bitcast(llvm.inline_asm(i32, [word], asm, "=r,r"), quad)
+        return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=None)
+
+    return f(packed)
+
+
 def _scale_exp_bias(dequant: Dequant) -> int:
     """The scale byte's offset: the scale multiplied into a dequantised weight is 2^(byte + bias - 127), as a
     bf16 (a normal one: bytes 27..160 for "lop3", whose x is scaled by 2^32; 1..240 for the others), and
@@ -308,9 +418,11 @@ def _scale_exp_bias(dequant: Dequant) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits: int, stages: int,
-                dequant: Dequant, out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None):
+                dequant: Dequant, out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None,
+                mma_group: int | None = None):
     emulate_mma = interpret is not None
-    exp_bias = _scale_exp_bias(dequant)
+    fp8 = dequant == "fp8"
+    exp_bias = FP8_EXP if fp8 else _scale_exp_bias(dequant)
     lop3 = dequant == "lop3"
     kc = k // splits  # input columns per CTA
     steps = kc // bk
@@ -320,12 +432,67 @@ def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits
     nwg = bn // 64
     L = plgpu.Layout.WGMMA
     ROW = L.reduce(1)
-    x_tf = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # 16 bf16 = one 32-byte swizzle row
+    COL = L.reduce(0)  # a [bt] vector along the accumulator's columns (tokens)
+    # one 32-byte swizzle row: 16 bf16, or 32 e4m3 (a scale block: the K of one fp8 wgmma)
+    x_tf = (plgpu.TilingTransform((8, 32 if fp8 else 16)), plgpu.SwizzleTransform(32))
+    kx = kc // X_BLOCK  # e4m3 x: row-scale blocks per CTA
+    # "fp8": MMAs in flight per wait (their accumulators: bt / 2 registers each)
+    group = min(blocks, mma_group or max(1, min(4, 128 // bt)))
+    if blocks % group:
+        raise ValueError(f"mma_group {group} must divide the {blocks} scale blocks of a step (block_k {bk})")
     wsw = min(128, bk // 2)  # packed bytes: swizzled, so the 8 rows a warp loads hit different banks
     w_tf = (plgpu.TilingTransform((8, wsw)), plgpu.SwizzleTransform(wsw))
 
-    def kernel(info_ref, x_ref, w_ref, s_ref, o_ref, sc_s, bar):
+    def kernel(info_ref, x_ref, *refs):
+        if fp8:
+            sxt_ref, w_ref, s_ref, o_ref, sc_s, sx_s, bar = refs
+        else:
+            (w_ref, s_ref, o_ref, sc_s, bar), sxt_ref, sx_s = refs, None, None
         item, si, ex, row0, n0 = grouped_rows.cta_work(info_ref, items, n_tiles, bn)
+
+        def body_fp8(idx, x_s, w_s, acc):
+            """One step of the "fp8" route: per 32-column block an e4m3 x e4m3 wgmma (K = 32) into a fresh
+            accumulator, promoted in fp32 with the block's weight scale (per row, times 2^6) and, per 128 columns,
+            the tokens' x scale: the release's per-block summation. ``group`` MMAs are in flight per wait."""
+            (step,) = idx
+            wg = lax.axis_index("wg")
+            packed = plgpu.load(w_s.at[pl.ds(wg * 64, 64)], layout=plgpu.Layout.WGMMA_8BIT)  # uint8 [64, bk / 2]
+            per_x = X_BLOCK // SCALE_BLOCK  # scale blocks per x-scale block
+            inner = {}
+            for c0 in range(0, blocks, group):
+                cs = list(range(c0, c0 + group))
+                a = [_to_e4m3(packed[:, 16 * c:16 * c + 16], native=not emulate_mma) for c in cs]
+                b = [x_s.at[:, pl.ds(32 * c, 32)].T for c in cs]
+
+                def scales(cs=cs):
+                    out = []
+                    for c in cs:
+                        kb = step * blocks + c
+                        sb = plgpu.load(sc_s.at[wg, kb // 16, :, kb % 16], layout=ROW, optimized=False)
+                        out.append(lax.bitcast_convert_type((sb.astype(jnp.uint32) + exp_bias) << 23, jnp.float32))
+                    return out
+
+                if emulate_mma:  # the interpreter's wgmma takes SMEM operands only
+                    blks = [jnp.dot(ai.astype(jnp.float32), bi[...].astype(jnp.float32),
+                                    preferred_element_type=jnp.float32) for ai, bi in zip(a, b)]
+                    sws = scales()
+                else:
+                    def mma(*refs, a=a, b=b, scales=scales):
+                        for r, ai, bi in zip(refs, a, b):
+                            plgpu.wgmma(r, ai, bi)
+                        sws = scales()  # loaded while the tensor cores run
+                        plgpu.wgmma_wait(0)
+                        return [r[...] for r in refs], sws
+
+                    blks, sws = pl.run_scoped(mma, *[plgpu.ACC((64, bt), jnp.float32) for _ in cs])
+                for c, blk, sw in zip(cs, blks, sws):
+                    t = blk * lax.broadcast_in_dim(sw, (64, bt), [0])
+                    g = c // per_x
+                    inner[g] = t if g not in inner else inner[g] + t
+                    if c % per_x == per_x - 1:  # the x-scale block is complete
+                        xs = plgpu.load(sx_s.at[wg, step * (bk // X_BLOCK) + g], layout=COL, optimized=False)
+                        acc = acc + inner.pop(g) * lax.broadcast_in_dim(xs, (64, bt), [1])
+            return acc
 
         def body(idx, x_s, w_s, acc):
             (step,) = idx
@@ -367,8 +534,10 @@ def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits
             for g in range(nsc // 16):  # [64, 16]-byte tiles: the 8 rows a warp reads are 16 bytes apart
                 plgpu.copy_gmem_to_smem(s_ref.at[ex, pl.ds(n0 + wg * 64, 64), pl.ds(si * nsc + 16 * g, 16)],
                                         sc_s.at[wg, g], bar.at[wg])
+            if fp8:  # the token tile's x scales of the CTA's K range
+                plgpu.copy_gmem_to_smem(sxt_ref.at[pl.ds(si * kx, kx), pl.ds(row0, bt)], sx_s.at[wg], bar.at[wg])
             plgpu.barrier_wait(bar.at[wg])
-            if emulate_mma:
+            if emulate_mma or fp8:  # "fp8" promotes into a register accumulator
                 acc = run_pipeline(plgpu.layout_cast(jnp.full((64, bt), 0.0, jnp.float32), L))
             else:
                 def run(ref):
@@ -382,7 +551,7 @@ def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits
             dst[...] = acc.astype(dst.dtype)
 
         pipeline = plgpu.emit_pipeline_warp_specialized(
-            body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=nwg,
+            body_fp8 if fp8 else body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=nwg,
             max_concurrent_steps=stages, compute_context=compute,
             in_specs=[plgpu.BlockSpec((bt, bk), lambda s: (0, s), transforms=x_tf),
                       plgpu.BlockSpec((bn, bk // 2), lambda s: (0, s), transforms=w_tf)])
@@ -394,7 +563,8 @@ def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits
 
     out_shape = (n, items * bt) if splits == 1 else (splits, n, items * bt)
     scratch = [plgpu.SMEM((nwg, nsc // 16, 64, 16), jnp.uint8),
-               plgpu.Barrier(num_arrivals=nsc // 16, num_barriers=nwg)]
+               *([plgpu.SMEM((nwg, kx, bt), jnp.float32)] if fp8 else []),
+               plgpu.Barrier(num_arrivals=nsc // 16 + fp8, num_barriers=nwg)]
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
     return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
                         grid=(splits * n_tiles * items,), grid_names=("cta",), num_threads=nwg + 1,

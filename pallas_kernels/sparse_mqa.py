@@ -72,17 +72,20 @@ the row copies must fill linearly (and crashes on the row subviews), so the kern
 with explicit register layouts and no automatic barriers (``unsafe_no_auto_barriers``; the mbarrier
 protocol below orders every SMEM reuse).
 
-Synchronisation per block k (both warpgroups; mbarriers): wait rows(k) landed; wait K tile free (PV(k-1)
-of both done); dequantise own half of the K tile; fence + arrive/wait "ready" (K complete, staging and
-slot buffer read); issue QK; warpgroup w issues the row copies of block k+1 for its 32 rows and
-warpgroup 0 the slot copy of block k+2; wait QK; write the row maxima, arrive/wait "stats", read the other's;
-softmax; write P's half, fence, arrive/wait "P"; PV; arrive "free". After the loop, the running sums go
-through "stats" once more. Block k+1's maxima are written only after both warpgroups passed its "ready",
-so one buffer serves every block. Every barrier phase is waited once per waiter (GPU interpret mode checks
-this; its race detector passes at the test shapes, ``test_no_races``).
+Synchronisation per block k (both warpgroups; mbarriers). Before the loop each warpgroup fills its half of
+the K tile with block 0. Then per block: arrive/wait "ready" (K complete, its staging rows and slots read by
+both); issue QK; warpgroup w issues the row copies of block k+1 for its 32 rows and warpgroup 0 the slot copy
+of block k+2; wait QK; write the row maxima, arrive/wait "stats", read the other's; softmax; write P's half,
+fence, arrive/wait "P"; PV; then wait rows(k+1) landed and fill its half of the K tile with block k+1 (fence).
+A warpgroup overwrites only the columns its own, finished PV(k) read; the other's QK(k) finished before "P"
+and the other's PV(k) reads only its own columns, so no "K free" barrier is needed (it measured the same as
+converting block k+1 while PV(k) runs, which was removed). After the loop, the running sums go through
+"stats" once more. Block k+1's maxima are written only after both warpgroups passed its "ready", so one buffer
+serves every block. Every barrier phase is waited once per waiter (GPU interpret mode checks this; its race
+detector passes at the test shapes, ``test_no_races``).
 
 Shared memory (of 227 KB): q 72 KB + K tile 72 KB + staging 55 KB + P 8 KB + statistics 1 KB (V3.2 fp8,
-compiled, 208 KB; interpret mode adds the rope byte tile and the selection matrix); bf16 rows with dim 576
+compiled, 208 KB; interpret mode adds the rope byte tile and the selection matrix, unaliased); bf16 rows with dim 576
 leave under 2 KB, so they get no bank-skew padding. One CTA per SM.
 
 Requirements (``supports``): MlaRecord656 with the standard 512 + 64 dims and >= 2 entries per page;
@@ -172,7 +175,7 @@ def _copies_per_row(kind: str) -> int:
 def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[RecordFormat],
                slots: Sequence[jax.Array], *, scale: float, v_dim: int, sink: jax.Array | None = None,
                implementation: Implementation = "pallas", num_splits: int | None = None,
-               out_dtype: jnp.dtype = jnp.float32, shadow_chunks: int | None = None,
+               out_dtype: jnp.dtype = jnp.float32,
                interpret: bool | plgpu.InterpretGPUParams | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
@@ -181,8 +184,6 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     ``implementation="xla"``: gather + dequantise with ``read_records`` and the pure-JAX softmax
     (``jds.ops.sparse_mqa.paged_sparse_mqa_xla``); ``"auto"``: the kernel where ``supports``, else XLA.
     ``num_splits``: candidate splits per (token, head tile); None picks enough CTAs for the GPU.
-    ``shadow_chunks``: how many of each warpgroup's 64-column K chunks of the next block are converted while the
-    tensor cores run PV (the rest after it); None = all.
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``, e.g. with ``detect_races``);
     None = whenever the default backend is not a GPU.
     """
@@ -193,11 +194,10 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
         "xla": lambda: paged_sparse_mqa_xla(q, caches, formats, slots, scale=scale, v_dim=v_dim,
                                             sink=sink).astype(out_dtype),
         "pallas": lambda: _pallas(q, caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink,
-                                  num_splits=num_splits, out_dtype=out_dtype, shadow_chunks=shadow_chunks,
-                                  interpret=interpret)})
+                                  num_splits=num_splits, out_dtype=out_dtype, interpret=interpret)})
 
 
-def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, shadow_chunks, interpret):
+def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret):
     if not supports(formats, v_dim):
         raise Unsupported(f"sparse_mqa kernel: unsupported formats {formats} / v_dim {v_dim} "
                           "(see pallas_kernels.sparse_mqa.supports)")
@@ -205,8 +205,6 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     t, h, dk = q.shape
     if dk != specs[0].dim:
         raise ValueError(f"q head dim {dk} does not match the cache rows ({specs[0].dim})")
-    if shadow_chunks is not None and not 0 <= shadow_chunks <= 8:
-        raise ValueError(f"shadow_chunks must be None or 0..8, got {shadow_chunks}")
     for c, f in zip(caches, formats):
         if c.ndim != 2 or c.shape[1] != f.page_elems:
             raise ValueError(f"cache of shape {c.shape} is not [num_blocks, {f.page_elems}]")
@@ -236,7 +234,6 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
               else jnp.zeros((hp,), jnp.float32))
     call = _build_call(specs=specs, list_blocks=tuple(list_blocks), t=t, hp=hp, dv=v_dim, scale=float(scale),
                        has_sink=has_sink, n_splits=n_splits, bps=bps, out_dtype=jnp.dtype(out_dtype),
-                       shadow_chunks=shadow_chunks,
                        interpret=interpret or None)
     # blocks of 64 candidates with at least one valid slot, per token, compacted to the front (the kernel
     # skips the rest: prefill tokens early in the sequence, short contexts, fully masked rows)
@@ -269,7 +266,7 @@ def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -
 @functools.lru_cache(maxsize=None)
 def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t: int, hp: int, dv: int,
                 scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype,
-                shadow_chunks: int | None, interpret: plgpu.InterpretGPUParams | None):
+                interpret: plgpu.InterpretGPUParams | None):
     kind, dk = specs[0].kind, specs[0].dim
     nc = len(specs)
     if sum(list_blocks) >= 1 << 20:  # the descriptors' opaque zero is block_id >> 20
@@ -431,21 +428,16 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
 
         def run(w):
             latent = [c for c in wg_chunks[w] if not (fp8 and c == nch - 1)]  # chunks converted in registers
-            early = latent if shadow_chunks is None else latent[:shadow_chunks]  # ... of them in PV's shadow
             has_rope = fp8 and nch - 1 in wg_chunks[w]
 
             def slot_row(islot):  # V4's scale bytes sit in the record pair's 16-byte group: the slot's parity
                 return plgpu.load(idx_s.at[islot], layout=ROW, optimized=False) if kind == "mla584" else None
 
-            def store_k(vals):
-                for c, v in vals:
+            def fill_k(islot):
+                """This warpgroup's chunks of the K tile from the rows staged now (their slots in ``islot``),
+                and the rope chunk; then make them visible to the tensor cores."""
+                for c, v in convert(w, st, slot_row(islot), latent):
                     k_s[:, pl.ds(64 * c, 64)] = v
-
-            def finish_k(vals, islot):
-                """Store this warpgroup's chunks of the block staged now: ``vals`` (converted earlier), the
-                rest of its chunks and the rope chunk; then make them visible to the tensor cores."""
-                store_k(vals)
-                store_k(convert(w, st, slot_row(islot), [c for c in latent if c not in dict(vals)]))
                 if has_rope:
                     store_rope(st, st16, k_s, pb_s, sel_s)
                 plgpu.commit_smem()
@@ -473,7 +465,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 plgpu.barrier_wait(bar_i.at[0])
                 issue_row_copies(cache_refs, st, idx_s, 0, block_id(0), w, bar_kv.at[0])
                 plgpu.barrier_wait(bar_kv.at[0])
-                finish_k([], 0)  # block 0's K chunks; the loop converts block k+1's during PV(k)
+                fill_k(0)  # block 0's K chunks; each iteration fills the next block's after its PV
             if has_sink and n_splits == 1:
                 sk = plgpu.load(sink_ref.at[pl.ds(gi * HEAD_TILE, HEAD_TILE)], layout=ROW, optimized=False) * LOG2E
                 m0 = jnp.maximum(sk, M_INIT)
@@ -539,15 +531,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 plgpu.barrier_wait(bar_p.at[0])
 
                 def pv(acc_ref):
-                    """PV(k), and block k+1's K chunks of this warpgroup: converted while the tensor cores run
-                    PV, stored once it is done (PV(k) reads this warpgroup's value columns, the very chunks it
-                    writes; the other warpgroup's QK(k) finished before the P exchange). At the last block the
-                    conversion reads stale rows and nothing is stored."""
                     plgpu.wgmma(acc_ref, p_s, v_ref)
-                    pl.when(nxt)(lambda: plgpu.barrier_wait(bar_kv.at[0]))
-                    vals = convert(w, st, slot_row(1 - islot), early)
                     plgpu.wgmma_wait(0)
-                    pl.when(nxt)(lambda: finish_k(vals, 1 - islot))
 
                 if interpret:  # interpret mode has no run_state: same sum, through a fresh accumulator
                     def pv_fresh(acc_ref):
@@ -557,6 +542,14 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((HEAD_TILE, dvw), jnp.float32))
                 else:  # in place: a second [64, 256] fp32 accumulator would not fit the registers
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+
+                # block k+1's K chunks of this warpgroup, once its PV(k) is done: PV(k) reads this warpgroup's
+                # value columns, the very chunks it writes; the other warpgroup's QK(k) finished before the P
+                # exchange and its PV(k) reads only its own columns (so no "K free" barrier)
+                @pl.when(nxt)
+                def _():
+                    plgpu.barrier_wait(bar_kv.at[0])
+                    fill_k(1 - islot)
                 return acc, m_new, l
 
             acc, m, l = lax.fori_loop(0, nblk, body, (acc0, m0, l0))

@@ -281,6 +281,8 @@ def test_pick_tiles() -> None:
     assert G._pick_tiles(384, 256, 2048, 4096, None, None, None, None) == (8, 128, 256, 1)
     assert G._pick_tiles(24576, 256, 4096, 2048, None, None, None, None) == (128, 128, 128, 1)  # prefill
     assert G._fit_stages(4, 128, 128, 256, 2048) < 4  # a 128-row token tile: fewer stages fit SMEM
+    assert G._pick_tiles(6, 256, 2048, 4096, None, None, None, None, fp8=True)[2] == 512  # "fp8" decode steps
+    assert G._pick_tiles(24576, 256, 4096, 2048, None, None, None, None, fp8=True)[2] == 128
 
 
 # ----- errors ---------------------------------------------------------------------------------------------
@@ -441,3 +443,125 @@ def test_native_exact_bit_equal_xla(k: int, n: int, dequant: str) -> None:
     ref, _ = reference(x, sizes, wp, ws)
     np.testing.assert_array_equal(got.astype(np.float64), ref)
     np.testing.assert_array_equal(got, want)
+
+
+# ----- e4m3 x (x_scale): the "fp8" route ------------------------------------------------------------------
+def quantized(x):
+    """act_quant's (e4m3 x, float32 scales per 128) of x, and the float32 x they stand for."""
+    from jds.ops import quant
+
+    xq, sx = quant.act_quant(x, G.X_BLOCK, "ue8m0")
+    return xq, sx, quant.dequant(xq, sx, G.X_BLOCK)
+
+
+def rtol_fp8(mode: str, k: int) -> float:
+    """Interpret: exact products, fp32 sums (as ``rtol``). Natively the fp8 wgmma's own accumulation inside a
+    32-column block is not fp32 (about 2^-14 relative per add, as the FP8 GEMM's tests found), promoted to fp32
+    per block: 32 adds of it bound the block's error."""
+    return rtol(mode, k) if mode == "interpret" else 32 * 2.0 ** -14 + rtol(mode, k)
+
+
+def test_e4m3_codes_and_ptx() -> None:
+    """Every byte's two nibbles: ``e4m3_codes`` reads (as e4m3) e2m1 * 2^-6; the PTX of ``_to_e4m3``, emulated
+    from its text (shifts, masks, LUT parsed from the asm), gives the same bytes word by word; ``_permute_k``
+    puts x's even columns of each 32-column block first, as the codes' order."""
+    import re
+
+    import ml_dtypes
+
+    b = np.arange(256, dtype=np.uint8)
+    codes = G.e4m3_codes(b[None, :])[0]
+    val = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64) * 2.0 ** G.FP8_EXP
+    np.testing.assert_array_equal(val, np.concatenate([E2M1[b & 0xF], E2M1[b >> 4]]))
+    np.testing.assert_array_equal(np.signbit(val), np.concatenate([(b & 0xF) >= 8, (b >> 4) >= 8]))
+
+    def emulate(asm: str, w: np.ndarray) -> np.ndarray:
+        ops = re.findall(r"(shl|shr)\.b32 (\w), \$1, (\d+);", asm)
+        regs = {r: (w << np.uint32(int(n)) if op == "shl" else w >> np.uint32(int(n))).astype(np.uint32)
+                for op, r, n in ops}
+        for r, mask in re.findall(r"and\.b32 (\w), \1, (0x[0-9A-Fa-f]+);", asm):
+            regs[r] &= np.uint32(int(mask, 16))
+        a, bb, c, lut = re.search(r"lop3\.b32 \$0, (\w), (\$1|\w), (0x[0-9A-Fa-f]+), (0x[0-9A-Fa-f]+);", asm).groups()
+        return _ptx_lop3(regs[a], w if bb == "$1" else regs[bb], int(c, 16), int(lut, 16))
+
+    words = b.reshape(64, 4).copy().view("<u4")[:, 0]
+    lo = emulate(G._E4M3_LO_ASM, words).view(np.uint8).reshape(64, 4)
+    hi = emulate(G._E4M3_HI_ASM, words).view(np.uint8).reshape(64, 4)
+    np.testing.assert_array_equal(lo.reshape(-1), G.e4m3_codes(b)[:256])
+    np.testing.assert_array_equal(hi.reshape(-1), G.e4m3_codes(b)[256:])
+    x = jnp.asarray(np.arange(64, dtype=np.float32)[None], jnp.bfloat16)
+    perm = np.asarray(G._permute_k(x, "fp8"), np.float64)[0]
+    np.testing.assert_array_equal(perm[:32], np.r_[np.arange(0, 32, 2), np.arange(1, 32, 2)])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", [0, 2] + [pytest.param(c, marks=pytest.mark.slow) for c in (1, 3)])
+def test_fp8_route_matches_reference(mode: str, case: int) -> None:
+    """e4m3 x with its scales (the release's FP8 x FP4 GEMM) against the float64 product of what they stand for."""
+    interpret = interpret_for(mode)
+    sizes, n, k, extra, out_dtype, tiles = CASES[case]
+    x, sz, wp, ws = make_case(sizes, n, k, extra, seed=case)
+    xq, sx, xf = quantized(x)
+    got = G.fp4_grouped_linear(xq, sz, wp, ws, out_dtype=out_dtype, implementation="pallas", interpret=interpret,
+                               x_scale=sx, **tiles)
+    assert got.dtype == jnp.dtype(out_dtype) and got.shape == (x.shape[0], n)
+    ref, ab = reference(xf, sizes, wp, ws)
+    check(got, ref, ab, rtol_fp8(mode, k), sizes, bn=tiles.get("block_n", 64))
+    want = G.fp4_grouped_linear(xq, sz, wp, ws, out_dtype=jnp.float32, implementation="xla", x_scale=sx)
+    check(want, ref, ab, rtol("interpret", k), sizes)
+
+
+@pytest.mark.parametrize("mode,group", [("interpret", None), ("interpret", 8), ("interpret", 1),
+                                        pytest.param("native", None, marks=pytest.mark.gpu),
+                                        pytest.param("native", 8, marks=pytest.mark.gpu)])
+def test_fp8_route_exact_bit_equal(mode: str, group: int | None) -> None:
+    """Exact data (integer x, scale 1; weights on a 1/4 grid): every block sum is exact even in the fp8 wgmma's
+    accumulator, so kernel == float64 reference == XLA path, bit for bit; plus an impulse of x per 128-block
+    scale (x = 2^j on block j) to pin which x scale multiplies which columns. ``group``: MMAs per wait (8: a
+    wait spans two x-scale blocks)."""
+    interpret = interpret_for(mode)
+    sizes = [2, 0, 9, 1]
+    x, sz, wp, ws = exact_case(sizes, 128, 1024, seed=3)
+    x = x * jnp.asarray(np.repeat(2.0 ** np.arange(8), 128), jnp.bfloat16)  # blocks' scales 2^j (ue8m0)
+    xq, sx, xf = quantized(x)
+    assert np.array_equal(np.asarray(xf), np.asarray(x, np.float32))
+    got = G.fp4_grouped_linear(xq, sz, wp, ws, out_dtype=jnp.float32, implementation="pallas", interpret=interpret,
+                               x_scale=sx, block_k=256, mma_group=group)
+    want = G.fp4_grouped_linear(xq, sz, wp, ws, out_dtype=jnp.float32, implementation="xla", x_scale=sx)
+    ref, _ = reference(xf, sizes, wp, ws)
+    np.testing.assert_array_equal(np.asarray(got, np.float64), ref)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(x_scale=jnp.ones((4, 4), jnp.float32)), "x must be float8_e4m3fn"),
+    (dict(dequant="fp8"), "needs e4m3 x"),
+])
+def test_fp8_route_bad_inputs(kwargs: dict, field: str) -> None:
+    x, sz, wp, ws = _inputs()
+    with pytest.raises(ValueError, match=field):
+        G.fp4_grouped_linear(x, sz, wp, ws, implementation="pallas", **kwargs)
+    xq = x.astype(jnp.float8_e4m3fn)
+    for bad in (jnp.ones((4, 3), jnp.float32), jnp.ones((4, 4), jnp.bfloat16)):
+        with pytest.raises(ValueError, match="x_scale must be float32"):
+            G.fp4_grouped_linear(xq, sz, wp, ws, x_scale=bad)
+    with pytest.raises(ValueError, match='takes bf16 x'):
+        G.fp4_grouped_linear(xq, sz, wp, ws, implementation="pallas", x_scale=jnp.ones((4, 4), jnp.float32),
+                             dequant="lop3")
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU-only cross-lowering smoke test (the gpu tests compile for real)")
+@pytest.mark.parametrize("m,e,n,k,tiles", [(6, 256, 2048, 4096, {}), (384, 256, 4096, 2048, {}),
+                                           pytest.param(24576, 256, 4096, 2048, {}, marks=pytest.mark.slow)])
+def test_fp8_route_lowers_for_cuda(m: int, e: int, n: int, k: int, tiles: dict) -> None:
+    """The "fp8" route passes Mosaic GPU's lowering (register-A e4m3 wgmma against the e4m3 token tile)."""
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    f = jax.jit(functools.partial(G.fp4_grouped_linear, implementation="pallas", interpret=False, **tiles))
+    args = (jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((e,), jnp.int32),
+            jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((e, n, k // 32), jnp.uint8))
+    dev = AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=dev)):
+        text = jax.jit(lambda x, s, wp, ws, sx: f(x, s, wp, ws, x_scale=sx)).trace(
+            *args, jax.ShapeDtypeStruct((m, k // 128), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

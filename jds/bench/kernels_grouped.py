@@ -14,7 +14,9 @@ tokens rows sorted by expert.
 
 Per (shape, tokens), one row per impl (each in its own try/except: a failing variant records ``error``):
 - ``pallas``: the kernel with the default tiles (``block_t`` ... ``split_k`` recorded); fp4 also
-  ``pallas[dequant=f16]``, the portable dequantisation route (the default is "lop3" at decode tiles);
+  ``pallas[dequant=f16]``, the portable dequantisation route (the default is "lop3" at decode tiles), and
+  ``pallas[x=e4m3]``, x given as act_quant's e4m3 + scales (the "fp8" route, as the V4 MoE calls it; the
+  quantisation outside the timed call, its reference the product of the quantised x);
   the rows' bookkeeping (``grouped_rows.row_layout``) in the other form than the default: fp4
   ``pallas[layout=xla]`` (XLA's ops; the default natively is one kernel), fp8 ``pallas[layout=pallas]`` (one kernel);
   ``--sweep`` adds ``pallas[...]`` rows for other tiles (tuning data).
@@ -44,7 +46,7 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
@@ -115,7 +117,8 @@ FORMATS = {
     "fp4": Format("fp4", {"w1": (4096, 2048), "w2": (2048, 4096)}, 6, fp4g.fp4_grouped_linear, fp4g._pick_tiles,
                   _fp4_experts, _fp4_dense, lambda k, n: n * (k // 2 + k // 32),
                   lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64),
-                  (("pallas[dequant=f16]", dict(dequant="f16")), ("pallas[layout=xla]", dict(layout="xla")))),
+                  (("pallas[x=e4m3]", dict(x_fp8=True)), ("pallas[dequant=f16]", dict(dequant="f16")),
+                   ("pallas[layout=xla]", dict(layout="xla")))),
     "fp8": Format("fp8", {"w1": (7168, 2048), "w2": (2048, 7168)}, 8, fp8g.fp8_grouped_linear, fp8g._pick_tiles,
                   _fp8_experts, _fp8_dense, lambda k, n: n * k + 4 * (n // 128) * (k // 128), _fp8_x,
                   (("pallas[layout=pallas]", dict(layout="pallas")),)),
@@ -209,7 +212,8 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool) -> Iterator[dict]:
         yield {**base, "impl": "reference", "error": error_text(ex)}
     args = (c["x"], c["sizes"], c["wp"], c["ws"])
     iters = 3 if quick else (50 if m <= 512 else 10)
-    variants = [("pallas", {})] + ([] if quick else list(fmt.variants))
+    # a quick run keeps the e4m3-x route (a different kernel path), not the tile / dequantisation variants
+    variants = [("pallas", {})] + [v for v in fmt.variants if not quick or v[1].get("x_fp8")]
     if sweep and m <= 512:
         variants += [(f"pallas[{','.join(f'{a}={b}' for a, b in v.items())}]", v) for v in SWEEP
                      if (k // 512) % v["split_k"] == 0 and n % v["block_n"] == 0
@@ -218,21 +222,36 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool) -> Iterator[dict]:
     for name, tiles in variants:
         r = {**base, "impl": name}
         try:
+            x_fp8 = bool(tiles and tiles.get("x_fp8"))
             if tiles is None:
                 f = jax.jit(functools.partial(fmt.op, implementation="xla"))
             else:
+                tiles = {a: b for a, b in tiles.items() if a != "x_fp8"}
                 f = jax.jit(functools.partial(fmt.op, implementation="pallas", interpret=True if quick else None,
                                               **tiles))
                 bt, bn, bk, s = fmt.pick_tiles(m, e, n, k, tiles.get("block_t"), tiles.get("block_n"),
-                                               tiles.get("block_k"), tiles.get("split_k"))
+                                               tiles.get("block_k"), tiles.get("split_k"), **({"fp8": True} if x_fp8 else {}))
                 r.update(block_t=bt, block_n=bn, block_k=bk, split_k=s)
-            y = jax.block_until_ready(f(*args))
-            if ref is not None:
-                r.update(_accuracy(y, rows, ref, ab))
+            if x_fp8:  # fp4 with e4m3 x: act_quant outside the timed call (the V4 MoE quantises its input anyway)
+                q8 = jax.jit(lambda x: quant.act_quant(x, 128, "ue8m0"))
+                fq = f
+                f = jax.jit(lambda xq, sz, wp, ws, sx: fq(xq, sz, wp, ws, x_scale=sx))
+                xs_q = [q8(x) for x in c["xs"]]
+                y = jax.block_until_ready(f(xs_q[0][0], c["sizes"], c["wp"], c["ws"], xs_q[0][1]))
+                if ref is not None:  # against the product of the quantised x
+                    r.update(_accuracy(y, rows, *_reference_rows({**c, "fmt": replace(fmt, x_ref=_fp8_x)}, rows)))
+                g = jax.jit(lambda xs, szs, wp, ws: [f(a[0], b, wp, ws, a[1]) for a, b in zip(xs, szs)])
+                targs = (xs_q, c["sizes_all"], c["wp"], c["ws"])
+                nb = nbytes - 1.0 * m * k + 4.0 * m * k / 128  # e4m3 x and its scales instead of bf16 x
+            else:
+                y = jax.block_until_ready(f(*args))
+                if ref is not None:
+                    r.update(_accuracy(y, rows, ref, ab))
+                # one timed call = ``rot`` calls on different routings (weights not L2-resident), time per call
+                g = jax.jit(lambda xs, szs, wp, ws: [f(a, b, wp, ws) for a, b in zip(xs, szs)])
+                targs = (c["xs"], c["sizes_all"], c["wp"], c["ws"])
+                nb = nbytes
             del y
-            # one timed call = ``rot`` calls on different routings (weights not L2-resident), time per call
-            g = jax.jit(lambda xs, szs, wp, ws: [f(a, b, wp, ws) for a, b in zip(xs, szs)])
-            targs = (c["xs"], c["sizes_all"], c["wp"], c["ws"])
             t = time_fn(g, *targs, iters=iters)
             r.update({key: v / rot if key.endswith("_us") else v for key, v in t.items()})
             if not quick:
@@ -240,7 +259,7 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool) -> Iterator[dict]:
                 r.update({key: v / rot for key, v in d.items()})
                 d = profiled_device_us(g, *targs)  # per timed call of ``rot`` calls, from the GPU's timeline
                 r.update({key: v if key == "profile_calls" else v / rot for key, v in d.items()})
-            _rates(r, nbytes, ceil)
+            _rates(r, nb, ceil)
         except Exception as ex:  # noqa: BLE001
             r["error"] = error_text(ex)
             r["traceback"] = traceback.format_exc()[-2000:]

@@ -27,7 +27,7 @@ from pallas_kernels import sparse_mqa
 # switches (descriptors held across the loop, both warpgroups computing the whole S, register P) all lost and were
 # removed (docs/perf-log.md).
 VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_splits=2),
-            "splits4": dict(num_splits=4), "shadow0": dict(shadow_chunks=0), "shadow2": dict(shadow_chunks=2)}
+            "splits4": dict(num_splits=4)}
 
 
 def _case(name: str, quick: bool) -> dict:
