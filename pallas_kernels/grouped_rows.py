@@ -119,7 +119,12 @@ def _row_layout_xla(sizes: jax.Array, m: int, n_items: int, n_padded: int, bt: i
     return items, src.astype(jnp.int32), col.astype(jnp.int32), valid
 
 
-LAYOUT_BLOCK = 32  # items / rows / padded rows per program of the layout kernel (x every expert: [32, E] compares)
+# items / rows / padded rows per program of the layout kernel (x every expert: [8, E] compares). The programs run
+# side by side, so a program's own instruction chain is the kernel's time: at 32 an Nsight Compute profile
+# (2026-12-02, FP4 call at 8 tokens) showed 12.4 us for 13 programs, each of ~4.8K instructions per warp issued
+# one per ~4 cycles, half the stalls on instruction fetch (the unrolled [32, 256] code). 8 cuts a program's
+# element work by 4; not yet timed on the GPU (docs/perf-log.md, "Next device session").
+LAYOUT_BLOCK = 8
 
 
 def _layout_kernel(sizes_ref, items_ref, src_ref, col_ref, valid_ref, *, ne: int, ep: int, m: int, n_items: int,
