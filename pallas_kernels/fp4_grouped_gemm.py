@@ -53,6 +53,17 @@ weight-read bound (1-4 rows per expert), so the design moves the weights once th
   instructions, but it needs bf16 subnormal inputs, which the GPU's bf16 multiply keeps and XLA on the CPU
   does not: native only. "f16" and "bf16" work on 16-bit vectors of the 16-bit WGMMA layout and are exact
   for scale bytes 2..240 (|W| < 2^114; a checkpoint's scales sit near 127).
+- e4m3 x (``x_scale`` given: act_quant's x and its float32 scale per row and 128 columns, what the release's
+  ``fp4_gemm`` multiplies): the "fp8" route. The token tile is e4m3 in SMEM (32-byte swizzle: one 32-column scale
+  block per swizzle row); each packed [64, 16]-byte block becomes an e4m3 [64, 32] A operand in registers by PTX
+  on the thread's two 32-bit words (``_to_e4m3``: 7 instructions per 8 weights, e2m1 * 2^-6 for every code), in
+  (low nibbles, high nibbles) order, x's columns (even, odd) per block as for "f16". One e4m3 wgmma (K = 32) per
+  scale block into a fresh accumulator, ``mma_group`` of them in flight per wait, each promoted in fp32 by its
+  weight scale (times 2^6) per row, and each 128 columns by the tokens' x scales: the release kernel's per-block
+  summation. Fewer instructions than any bf16 route (no scale multiply of the weights, half the MMAs); on the
+  H200 faster at 1-64 tokens (benchmarks/results/kernels_fp4_grouped_h200_2026-12-02.json). Exact for scale
+  bytes up to 248. The tensor cores' own accumulation inside a 32-column block is not fp32 (about 2^-14 of the
+  block's partial sums), which the release's kernel shares.
 - Output: each work item owns ``block_t`` columns of y^T [N, items * block_t] (bf16, or fp32 partials per K
   split that XLA sums); the wrapper gathers each row's column and transposes. A neighbouring expert's rows are
   never written: every item writes only its own columns.

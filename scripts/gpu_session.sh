@@ -22,7 +22,7 @@
 #   scripts/gpu_session.sh ncu-topk      # issue 20: Nsight Compute (full set) on the radix select at 64 x 64K, one and two programs per row
 #   scripts/gpu_session.sh ncu-mqa       # issue 20: Nsight Compute (full set) on the sparse MQA, V3.2 and V4 decode at batch 64
 #   scripts/gpu_session.sh mqa-variants  # issue 20: sparse MQA native tests, its switches on the GPU timeline, ncu of the default
-#   scripts/gpu_session.sh ncu-fp4sweep  # issue 22: FP4 grouped decode calls x variants (row layout), exact kernel durations (ncu)
+#   scripts/gpu_session.sh ncu-fp4sweep  # issue 22: FP4 grouped decode calls x variants (bf16 / e4m3 x), exact kernel durations (ncu)
 #   scripts/gpu_session.sh hostprofile   # issue 16: one step's GPU timeline (8 layers, 8 segments), TTFT's readback
 #   scripts/gpu_session.sh probe         # host cost of a captured step: preparation vs dispatch, graphs vs none
 #   scripts/gpu_session.sh boundary      # bench_boundary, V3.2 + V4, compiled in parallel processes first
@@ -236,9 +236,10 @@ case "$stage" in
     ncu -i /tmp/mqa_v32_b64.ncu-rep --page source --csv --print-source sass > "$OUT/mqa_v32_b64_sass.csv" 2>&1
     ;;
   ncu-fp4sweep)
-    # split_k made no difference (eighth session, archive/fp4_decode_ncu_sweep_h200_2026-12-01.json); now the rows'
-    # bookkeeping in one kernel (layout="pallas": ~8 XLA kernels -> 1 around each call) against XLA's
-    V=${FP4SWEEP_VARIANTS:-'[{}, {"layout": "pallas"}]'}
+    # split_k made no difference (eighth session); the e4m3-x route ({"x_fp8": true}: x quantised outside the
+    # profiled call, as the V4 MoE's) beat bf16 x at 1-64 tokens (thirteenth); now against bf16 x again, with the row
+    # layout kernel at 8 items per program (its time is in the call's kernel list)
+    V=${FP4SWEEP_VARIANTS:-'[{}, {"x_fp8": true}]'}
     ncu_sweep fp4 "$V"
     ;;
   hostprofile)
