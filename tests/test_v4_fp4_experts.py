@@ -44,9 +44,10 @@ from jds.checkpoint import read_checkpoint
 from jds.config import ModelConfig, Numerics, preset
 from jds.model import Decoder
 from jds.nn import export_weights
+from jds.ops import quant
 from jds.ops.quant import e8m0_to_f32, fp4_dequant, fp4_unpack, random_fp4_weight
 from jds.safetensors_io import SafetensorsDir
-from jds.v4_block import FP4Experts, V4BlockConfig, V4MoE
+from jds.v4_block import FP4Experts, V4BlockConfig, V4MoE, _expert_input
 from tests.test_checkpoint import assert_same_weights
 from tests.test_convert_checkpoint import _rewrite_shard, assert_refused
 
@@ -425,6 +426,13 @@ def test_fp4_experts_run_the_grouped_kernel_where_set():
     experts.implementation = "pallas"
     got = np.asarray(experts.ragged(x, sizes), np.float32)
     np.testing.assert_allclose(got, want, rtol=2.0 ** -7, atol=1e-6)
+    # e4m3 rows with their scales (the MoE's decode path): the kernel's e4m3 route against XLA's float32 product
+    xq, sx = quant.act_quant(x, 128, "ue8m0")
+    got8 = np.asarray(experts.ragged(xq, sizes, x_scale=sx, out_dtype=jnp.float32), np.float64)
+    experts.implementation = "xla"
+    want8 = np.asarray(experts.ragged(xq, sizes, x_scale=sx, out_dtype=jnp.float32), np.float64)
+    np.testing.assert_allclose(got8, want8, rtol=2.0 ** -18, atol=1e-6)
+    experts.implementation = "pallas"
     f32 = experts.ragged(x.astype(jnp.float32), sizes)  # exact numerics: not the bf16 kernel
     assert f32.dtype == jnp.float32
     ref = np.concatenate([np.asarray(x[:4], np.float32) @ np.asarray(experts.dequant(jnp.float32)[0]).T,
@@ -434,3 +442,16 @@ def test_fp4_experts_run_the_grouped_kernel_where_set():
     stacks = [m for _, m in nnx.iter_modules(model) if isinstance(m, FP4Experts)]
     assert stacks and all(m.implementation == ("auto" if jax.default_backend() == "gpu" else "xla")
                           for m in stacks)
+
+
+def test_expert_rows_e4m3_at_decode_sizes_only(fp4_moe):
+    """bf16 expert inputs go to the FP4 kernel as act_quant's (e4m3, scales) pair at decode sizes (token tiles up
+    to 32 rows, where that route was measured) and as bf16 rows of the same values above; both stand for the
+    values ``_expert_input`` gives."""
+    d = fp4_moe.cfg.hidden_size
+    for n_rows, pair in ((16, True), (64 * fp4_moe.cfg.n_routed_experts, False)):
+        x = jax.random.normal(jax.random.key(n_rows), (n_rows, d), jnp.float32).astype(jnp.bfloat16)
+        got = fp4_moe._expert_rows(x)
+        assert isinstance(got, tuple) == pair
+        vals = quant.dequant(*got, 128) if pair else got.astype(jnp.float32)
+        np.testing.assert_array_equal(np.asarray(vals), np.asarray(_expert_input(x, True).astype(jnp.float32)))
