@@ -85,8 +85,8 @@ serves every block. Every barrier phase is waited once per waiter (GPU interpret
 detector passes at the test shapes, ``test_no_races``).
 
 Shared memory (of 227 KB): q 72 KB + K tile 72 KB + staging 55 KB + P 8 KB + statistics 1 KB (V3.2 fp8,
-compiled, 208 KB; interpret mode adds the rope byte tile and the selection matrix, unaliased); bf16 rows with dim 576
-leave under 2 KB, so they get no bank-skew padding. One CTA per SM.
+compiled, 208 KB; interpret mode adds the rope byte tile and the selection matrix, unaliased); bf16 rows with
+dim 576 leave under 2 KB, so they get no bank-skew padding. One CTA per SM.
 
 Requirements (``supports``): MlaRecord656 with the standard 512 + 64 dims and >= 2 entries per page;
 MlaRecord584 with 448 + 64 dims, 64-wide scale blocks and an even number of entries per page (16-byte
@@ -343,8 +343,6 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         records: [(chunk, [BK, 64] bf16)]. Registers only: the caller stores them."""
         if kind == "rows":
             return [(c, plgpu.load(st.at[:, pl.ds(64 * c, 64)], layout=L, optimized=rows_w != dk)) for c in chunks]
-        if not chunks:
-            return []
         col = plgpu.broadcasted_iota(jnp.int32, (BK, 16), 1, layout=L)
         if kind == "mla656":
             b = plgpu.load(st.at[:, pl.ds(_M656_REC + 512, 16)], layout=L, optimized=True).astype(jnp.int32)
@@ -583,7 +581,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         st_t = plgpu.RefUnion(st_t, plgpu.SMEM((BK, st_t.shape[1] // 2), jnp.bfloat16))
     if rope_mm:  # interpret mode only: the rope byte tile (its own: the other warpgroup's PV may still read P
         # while the rope is converted) and the byte-pair selection matrix
-        mid = [p_t, plgpu.SMEM((BK, 128), jnp.bfloat16, transforms=SW), plgpu.SMEM((64, 64), jnp.bfloat16, transforms=SW)]
+        mid = [p_t, plgpu.SMEM((BK, 128), jnp.bfloat16, transforms=SW),
+               plgpu.SMEM((64, 64), jnp.bfloat16, transforms=SW)]
     else:
         mid = [p_t]
     scratch = [

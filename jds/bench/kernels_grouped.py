@@ -230,7 +230,8 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool) -> Iterator[dict]:
                 f = jax.jit(functools.partial(fmt.op, implementation="pallas", interpret=True if quick else None,
                                               **tiles))
                 bt, bn, bk, s = fmt.pick_tiles(m, e, n, k, tiles.get("block_t"), tiles.get("block_n"),
-                                               tiles.get("block_k"), tiles.get("split_k"), **({"fp8": True} if x_fp8 else {}))
+                                               tiles.get("block_k"), tiles.get("split_k"),
+                                               **({"fp8": True} if x_fp8 else {}))
                 r.update(block_t=bt, block_n=bn, block_k=bk, split_k=s)
             if x_fp8:  # fp4 with e4m3 x: act_quant outside the timed call (the V4 MoE quantises its input anyway)
                 q8 = jax.jit(lambda x: quant.act_quant(x, 128, "ue8m0"))
