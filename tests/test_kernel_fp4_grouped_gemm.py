@@ -69,6 +69,21 @@ def rtol(mode: str, k: int) -> float:
     return (2 * np.sqrt(k) + 8) * 2.0 ** -24 if mode == "interpret" else k * 2.0 ** -23
 
 
+def quantized(x):
+    """act_quant's (e4m3 x, float32 scales per 128) of x, and the float32 x they stand for."""
+    from jds.ops import quant
+
+    xq, sx = quant.act_quant(x, G.X_BLOCK, "ue8m0")
+    return xq, sx, quant.dequant(xq, sx, G.X_BLOCK)
+
+
+def rtol_fp8(mode: str, k: int) -> float:
+    """Interpret: exact products, fp32 sums (as ``rtol``). Natively the fp8 wgmma's own accumulation inside a
+    32-column block is not fp32 (about 2^-14 relative per add, as the FP8 GEMM's tests found), promoted to fp32
+    per block: 32 adds of it bound the block's error."""
+    return rtol(mode, k) if mode == "interpret" else 32 * 2.0 ** -14 + rtol(mode, k)
+
+
 def check(got, ref, abssum, rt: float, sizes, bn: int = 64) -> float:
     """Every element within rt * abssum + half an ulp of the output dtype; rows past sum(sizes) exactly 0.
     On failure, names the (expert, 64-column tile) blocks that are off, to locate a wrong tile."""
@@ -129,15 +144,25 @@ CASES = [
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", [0, 2] + [pytest.param(c, marks=pytest.mark.slow) for c in (1, 3)])
-def test_matches_reference(mode: str, case: int) -> None:
+@pytest.mark.parametrize("x_e4m3", [False, True])
+def test_matches_reference(mode: str, case: int, x_e4m3: bool) -> None:
+    """bf16 x, or e4m3 x with its scales (``x_e4m3``: the release's FP8 x FP4 GEMM, the "fp8" route; its XLA path
+    too) against the float64 product of what x stands for."""
     interpret = interpret_for(mode)
     sizes, n, k, extra, out_dtype, tiles = CASES[case]
     x, sz, wp, ws = make_case(sizes, n, k, extra, seed=case)
+    kw, rt = {}, rtol(mode, k)
+    if x_e4m3:
+        x, sx, xf = quantized(x)
+        kw, rt = dict(x_scale=sx), rtol_fp8(mode, k)
     got = G.fp4_grouped_linear(x, sz, wp, ws, out_dtype=out_dtype, implementation="pallas", interpret=interpret,
-                               **tiles)
+                               **tiles, **kw)
     assert got.dtype == jnp.dtype(out_dtype) and got.shape == (x.shape[0], n)
-    ref, ab = reference(x, sizes, wp, ws)
-    check(got, ref, ab, rtol(mode, k), sizes, bn=tiles.get("block_n", 64))
+    ref, ab = reference(xf if x_e4m3 else x, sizes, wp, ws)
+    check(got, ref, ab, rt, sizes, bn=tiles.get("block_n", 64))
+    if x_e4m3:
+        want = G.fp4_grouped_linear(x, sz, wp, ws, out_dtype=jnp.float32, implementation="xla", **kw)
+        check(want, ref, ab, rtol("interpret", k), sizes)
 
 
 @pytest.mark.parametrize("mode,layout", [
@@ -446,21 +471,6 @@ def test_native_exact_bit_equal_xla(k: int, n: int, dequant: str) -> None:
 
 
 # ----- e4m3 x (x_scale): the "fp8" route ------------------------------------------------------------------
-def quantized(x):
-    """act_quant's (e4m3 x, float32 scales per 128) of x, and the float32 x they stand for."""
-    from jds.ops import quant
-
-    xq, sx = quant.act_quant(x, G.X_BLOCK, "ue8m0")
-    return xq, sx, quant.dequant(xq, sx, G.X_BLOCK)
-
-
-def rtol_fp8(mode: str, k: int) -> float:
-    """Interpret: exact products, fp32 sums (as ``rtol``). Natively the fp8 wgmma's own accumulation inside a
-    32-column block is not fp32 (about 2^-14 relative per add, as the FP8 GEMM's tests found), promoted to fp32
-    per block: 32 adds of it bound the block's error."""
-    return rtol(mode, k) if mode == "interpret" else 32 * 2.0 ** -14 + rtol(mode, k)
-
-
 def test_e4m3_codes_and_ptx() -> None:
     """Every byte's two nibbles: ``e4m3_codes`` reads (as e4m3) e2m1 * 2^-6; the PTX of ``_to_e4m3``, emulated
     from its text (shifts, masks, LUT parsed from the asm), gives the same bytes word by word; ``_permute_k``
@@ -492,23 +502,6 @@ def test_e4m3_codes_and_ptx() -> None:
     x = jnp.asarray(np.arange(64, dtype=np.float32)[None], jnp.bfloat16)
     perm = np.asarray(G._permute_k(x, "fp8"), np.float64)[0]
     np.testing.assert_array_equal(perm[:32], np.r_[np.arange(0, 32, 2), np.arange(1, 32, 2)])
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", [0, 2] + [pytest.param(c, marks=pytest.mark.slow) for c in (1, 3)])
-def test_fp8_route_matches_reference(mode: str, case: int) -> None:
-    """e4m3 x with its scales (the release's FP8 x FP4 GEMM) against the float64 product of what they stand for."""
-    interpret = interpret_for(mode)
-    sizes, n, k, extra, out_dtype, tiles = CASES[case]
-    x, sz, wp, ws = make_case(sizes, n, k, extra, seed=case)
-    xq, sx, xf = quantized(x)
-    got = G.fp4_grouped_linear(xq, sz, wp, ws, out_dtype=out_dtype, implementation="pallas", interpret=interpret,
-                               x_scale=sx, **tiles)
-    assert got.dtype == jnp.dtype(out_dtype) and got.shape == (x.shape[0], n)
-    ref, ab = reference(xf, sizes, wp, ws)
-    check(got, ref, ab, rtol_fp8(mode, k), sizes, bn=tiles.get("block_n", 64))
-    want = G.fp4_grouped_linear(xq, sz, wp, ws, out_dtype=jnp.float32, implementation="xla", x_scale=sx)
-    check(want, ref, ab, rtol("interpret", k), sizes)
 
 
 @pytest.mark.parametrize("mode,group", [("interpret", None), ("interpret", 8), ("interpret", 1),
