@@ -504,14 +504,16 @@ def test_e4m3_codes_and_ptx() -> None:
     np.testing.assert_array_equal(perm[:32], np.r_[np.arange(0, 32, 2), np.arange(1, 32, 2)])
 
 
-@pytest.mark.parametrize("mode,group", [("interpret", None), ("interpret", 8), ("interpret", 1),
-                                        pytest.param("native", None, marks=pytest.mark.gpu),
-                                        pytest.param("native", 8, marks=pytest.mark.gpu)])
-def test_fp8_route_exact_bit_equal(mode: str, group: int | None) -> None:
+@pytest.mark.parametrize("mode,group,ahead", [("interpret", None, False), ("interpret", 8, False),
+                                              ("interpret", 1, True), ("interpret", 2, True),
+                                              pytest.param("native", None, False, marks=pytest.mark.gpu),
+                                              pytest.param("native", 8, False, marks=pytest.mark.gpu),
+                                              pytest.param("native", None, True, marks=pytest.mark.gpu)])
+def test_fp8_route_exact_bit_equal(mode: str, group: int | None, ahead: bool) -> None:
     """Exact data (integer x, scale 1; weights on a 1/4 grid): every block sum is exact even in the fp8 wgmma's
     accumulator, so kernel == float64 reference == XLA path, bit for bit; plus an impulse of x per 128-block
     scale (x = 2^j on block j) to pin which x scale multiplies which columns. ``group``: MMAs per wait (8: a
-    wait spans two x-scale blocks)."""
+    wait spans two x-scale blocks); ``ahead``: the next group converted during the MMAs."""
     interpret = interpret_for(mode)
     sizes = [2, 0, 9, 1]
     x, sz, wp, ws = exact_case(sizes, 128, 1024, seed=3)
@@ -519,7 +521,7 @@ def test_fp8_route_exact_bit_equal(mode: str, group: int | None) -> None:
     xq, sx, xf = quantized(x)
     assert np.array_equal(np.asarray(xf), np.asarray(x, np.float32))
     got = G.fp4_grouped_linear(xq, sz, wp, ws, out_dtype=jnp.float32, implementation="pallas", interpret=interpret,
-                               x_scale=sx, block_k=256, mma_group=group)
+                               x_scale=sx, block_k=256, mma_group=group, convert_ahead=ahead)
     want = G.fp4_grouped_linear(xq, sz, wp, ws, out_dtype=jnp.float32, implementation="xla", x_scale=sx)
     ref, _ = reference(xf, sizes, wp, ws)
     np.testing.assert_array_equal(np.asarray(got, np.float64), ref)
@@ -545,6 +547,7 @@ def test_fp8_route_bad_inputs(kwargs: dict, field: str) -> None:
 
 @pytest.mark.skipif(ON_GPU, reason="CPU-only cross-lowering smoke test (the gpu tests compile for real)")
 @pytest.mark.parametrize("m,e,n,k,tiles", [(6, 256, 2048, 4096, {}), (384, 256, 4096, 2048, {}),
+                                           (48, 256, 2048, 4096, dict(convert_ahead=True)),
                                            pytest.param(24576, 256, 4096, 2048, {}, marks=pytest.mark.slow)])
 def test_fp8_route_lowers_for_cuda(m: int, e: int, n: int, k: int, tiles: dict) -> None:
     """The "fp8" route passes Mosaic GPU's lowering (register-A e4m3 wgmma against the e4m3 token tile)."""
