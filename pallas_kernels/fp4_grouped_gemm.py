@@ -252,6 +252,10 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
         raise ValueError(f'dequant="{dequant}" takes bf16 x; e4m3 x (x_scale given) runs dequant="fp8"')
     if x_scale is None and dequant == "fp8":
         raise ValueError('dequant="fp8" needs e4m3 x with its x_scale')
+    if x_scale is None and (mma_group is not None or convert_ahead):
+        raise ValueError("mma_group and convert_ahead apply to e4m3 x (x_scale given) only")
+    if mma_group is not None and mma_group < 1:
+        raise ValueError(f"mma_group must be a positive divisor of block_k / 32, got {mma_group}")
     e, n, kh = w_packed.shape
     k = 2 * kh
     m = x.shape[0]
@@ -276,8 +280,7 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
     call = _build_call(n=n, k=k, items=p.items, bt=p.block_t, bn=p.block_n, bk=p.block_k, splits=p.splits,
                        stages=st, dequant=dequant,
                        out_dtype=out_dtype if p.splits == 1 else jnp.dtype(jnp.float32), interpret=p.interpret,
-                       mma_group=mma_group if x_scale is not None else None,
-                       convert_ahead=convert_ahead and x_scale is not None)
+                       mma_group=mma_group, convert_ahead=convert_ahead)
     if x_scale is not None:  # the padded rows' scales [K/128, rows]: a token tile's per 128-column block
         return grouped_rows.finish(call(p.info, xp, grouped_rows.tile_rows(x_scale, p).T, w_packed, w_scale), p,
                                    out_dtype)

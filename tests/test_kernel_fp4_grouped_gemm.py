@@ -531,6 +531,8 @@ def test_fp8_route_exact_bit_equal(mode: str, group: int | None, ahead: bool) ->
 @pytest.mark.parametrize("kwargs,field", [
     (dict(x_scale=jnp.ones((4, 4), jnp.float32)), "x must be float8_e4m3fn"),
     (dict(dequant="fp8"), "needs e4m3 x"),
+    (dict(mma_group=2), "apply to e4m3 x"),
+    (dict(convert_ahead=True), "apply to e4m3 x"),
 ])
 def test_fp8_route_bad_inputs(kwargs: dict, field: str) -> None:
     x, sz, wp, ws = _inputs()
@@ -543,6 +545,10 @@ def test_fp8_route_bad_inputs(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match='takes bf16 x'):
         G.fp4_grouped_linear(xq, sz, wp, ws, implementation="pallas", x_scale=jnp.ones((4, 4), jnp.float32),
                              dequant="lop3")
+    for group in (0, 3):  # not positive; not a divisor of block_k / 32 = 8
+        with pytest.raises(ValueError, match="mma_group"):
+            G.fp4_grouped_linear(xq, sz, wp, ws, implementation="pallas", x_scale=jnp.ones((4, 4), jnp.float32),
+                                 mma_group=group, block_k=256, interpret=True)
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU-only cross-lowering smoke test (the gpu tests compile for real)")
