@@ -66,7 +66,7 @@ from flax import nnx
 from jds.nn import Linear
 from jds.ops.norms import rms_norm
 from jds.ops.quant import FP4_WEIGHT_BLOCK, act_quant, fake_quant, fp4_dequant, random_fp4_weight
-from pallas_kernels import fp4_grouped_gemm
+from pallas_kernels import grouped_rows
 from pallas_kernels.fp4_grouped_gemm import fp4_grouped_linear
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -493,9 +493,8 @@ class V4MoE(nnx.Module):
         row before the gather. Larger batches (token tiles over 32 rows, where that route is unmeasured) get the
         same values as bf16 rows."""
         n_rows = x.shape[0] if rows is None else rows.shape[0]
-        decode = fp4_grouped_gemm._pick_tiles(n_rows, self.cfg.n_routed_experts, 64, 512, None, None, None,
-                                              None)[0] <= 32
-        if self.cfg.experts_fp4 and x.dtype == jnp.bfloat16 and decode:
+        if (self.cfg.experts_fp4 and x.dtype == jnp.bfloat16
+                and grouped_rows.token_tile(n_rows, self.cfg.n_routed_experts) <= 32):
             xq, sx = act_quant(x, ACT_BLOCK, "ue8m0")
             return (xq, sx) if rows is None else (xq[rows], sx[rows])
         xe = _expert_input(x, self.cfg.experts_fp4)

@@ -36,6 +36,13 @@ def check_tiles(block_t, block_n, block_k, split_k, stages, block_ks: tuple[int,
             raise ValueError(f"{name} must be a positive int, got {v}")
 
 
+def token_tile(m: int, e: int) -> int:
+    """The default token tile of M rows over E experts: the smallest tile holding the mean rows per active
+    expert (M / min(E, M)); 8 at decode."""
+    mean = -(-m // max(1, min(e, m)))
+    return next((t for t in BLOCK_TS if t >= mean), BLOCK_TS[-1])
+
+
 def pick_tiles(m: int, e: int, n: int, k: int, block_t: int | None, block_n: int | None, block_k: int | None,
                split_k: int | None, k_align: int) -> tuple[int, int, int, int]:
     """(block_t, block_n, block_k, split_k): the given ones, defaults for the rest.
@@ -45,8 +52,7 @@ def pick_tiles(m: int, e: int, n: int, k: int, block_t: int | None, block_n: int
     split_k: the smallest split into whole ``k_align``-column chunks with >= 2 CTAs per SM, estimating the
     active work items as min(E, M) (each row may be a different expert).
     block_k: 256 for token tiles up to 32 rows, else 128 (both divide a chunk)."""
-    mean = -(-m // max(1, min(e, m)))
-    bt = block_t or next((t for t in BLOCK_TS if t >= mean), BLOCK_TS[-1])
+    bt = block_t or token_tile(m, e)
     bn = block_n or (128 if n % 128 == 0 else 64)
     if n % bn:
         raise ValueError(f"block_n {bn} must divide N = {n}")
