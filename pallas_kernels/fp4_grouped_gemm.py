@@ -117,8 +117,7 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: jax.Array, w_sc
                        interpret: bool | plgpu.InterpretGPUParams | None = None, block_t: int | None = None,
                        block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                        stages: int = 4, dequant: Dequant = "auto", layout: Implementation = "auto",
-                       x_scale: jax.Array | None = None, mma_group: int | None = None,
-                       convert_ahead: bool = False) -> jax.Array:
+                       x_scale: jax.Array | None = None, mma_group: int | None = None) -> jax.Array:
     """y [M, N] (``out_dtype``): row r of x [M, K] (bfloat16) times W[e(r)]^T, rows grouped by expert in order
     (``sizes`` int32 [E], sum <= M; rows past the sum give 0), W = ``w_packed`` (uint8 [E, N, K/2], two e2m1
     codes a byte, low nibble first) with ``w_scale`` (uint8 [E, N, K/32] e8m0 exponents).
@@ -144,9 +143,6 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: jax.Array, w_sc
     block, promoted in fp32 with the weight and x scales, the release's kernel's summation.
     ``mma_group``: the "fp8" route's wgmmas in flight per wait (a divisor of block_k / 32; default 4 up to 32-row
     token tiles, fewer for larger ones: their accumulators take block_t / 2 registers each).
-    ``convert_ahead``: the "fp8" route converts the next MMA group's weights while the current group's MMAs run
-    (an Nsight Compute profile at 8 tokens had the warps waiting on shared-memory loads before their use; not yet
-    timed, so off by default).
     """
     _check_inputs(x, sizes, w_packed, w_scale, x_scale)
     return run_op("fp4_grouped_linear", implementation, {
@@ -154,7 +150,7 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: jax.Array, w_sc
         "pallas": lambda: _pallas(x, sizes, w_packed, w_scale, out_dtype=out_dtype, interpret=interpret,
                                   block_t=block_t, block_n=block_n, block_k=block_k, split_k=split_k,
                                   stages=stages, dequant=dequant, layout=layout, x_scale=x_scale,
-                                  mma_group=mma_group, convert_ahead=convert_ahead)})
+                                  mma_group=mma_group)})
 
 
 def _check_inputs(x, sizes, w_packed, w_scale, x_scale=None) -> None:
@@ -244,7 +240,7 @@ def _permute_k(x: jax.Array, dequant: Dequant) -> jax.Array:
 
 
 def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block_n, block_k, split_k, stages,
-            dequant, layout="auto", x_scale=None, mma_group=None, convert_ahead=False):
+            dequant, layout="auto", x_scale=None, mma_group=None):
     _check_tiles(block_t, block_n, block_k, split_k, stages)
     if dequant not in ("auto", "fp8", *DEQUANTS):
         raise ValueError(f"dequant must be one of {('auto', 'fp8', *DEQUANTS)}, got {dequant!r}")
@@ -252,8 +248,8 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
         raise ValueError(f'dequant="{dequant}" takes bf16 x; e4m3 x (x_scale given) runs dequant="fp8"')
     if x_scale is None and dequant == "fp8":
         raise ValueError('dequant="fp8" needs e4m3 x with its x_scale')
-    if x_scale is None and (mma_group is not None or convert_ahead):
-        raise ValueError("mma_group and convert_ahead apply to e4m3 x (x_scale given) only")
+    if x_scale is None and mma_group is not None:
+        raise ValueError("mma_group applies to e4m3 x (x_scale given) only")
     if mma_group is not None and mma_group < 1:
         raise ValueError(f"mma_group must be a positive divisor of block_k / 32, got {mma_group}")
     e, n, kh = w_packed.shape
@@ -280,7 +276,7 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
     call = _build_call(n=n, k=k, items=p.items, bt=p.block_t, bn=p.block_n, bk=p.block_k, splits=p.splits,
                        stages=st, dequant=dequant,
                        out_dtype=out_dtype if p.splits == 1 else jnp.dtype(jnp.float32), interpret=p.interpret,
-                       mma_group=mma_group, convert_ahead=convert_ahead)
+                       mma_group=mma_group)
     if x_scale is not None:  # the padded rows' scales [K/128, rows]: a token tile's per 128-column block
         return grouped_rows.finish(call(p.info, xp, grouped_rows.tile_rows(x_scale, p).T, w_packed, w_scale), p,
                                    out_dtype)
@@ -440,7 +436,7 @@ def _scale_exp_bias(dequant: Dequant) -> int:
 @functools.lru_cache(maxsize=None)
 def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits: int, stages: int,
                 dequant: Dequant, out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None,
-                mma_group: int | None = None, convert_ahead: bool = False):
+                mma_group: int | None = None):
     emulate_mma = interpret is not None
     fp8 = dequant == "fp8"
     exp_bias = FP8_EXP if fp8 else _scale_exp_bias(dequant)
@@ -474,9 +470,10 @@ def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits
         def body_fp8(idx, x_s, w_s, acc):
             """One step of the "fp8" route: per 32-column block an e4m3 x e4m3 wgmma (K = 32) into a fresh
             accumulator, promoted in fp32 with the block's weight scale (per row, times 2^6) and, per 128 columns,
-            the tokens' x scale: the release's per-block summation. ``group`` MMAs are in flight per wait; with
-            ``convert_ahead`` the next group's weights are converted (and this group's x scales loaded) while
-            they run, not before the next group's issue."""
+            the tokens' x scale: the release's per-block summation. ``group`` MMAs are in flight per wait, and the
+            next group's weights are converted (this group's scales loaded) while they run: the warps waited on
+            shared-memory loads for most of their stalls when conversion came after the wait, and the overlap
+            was no slower anywhere (benchmarks/results/fp4_decode_ncu_sweep_h200_2026-12-02.json)."""
             (step,) = idx
             wg = lax.axis_index("wg")
             packed = plgpu.load(w_s.at[pl.ds(wg * 64, 64)], layout=plgpu.Layout.WGMMA_8BIT)  # uint8 [64, bk / 2]
@@ -486,49 +483,44 @@ def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits
             def convert(cs):
                 return [_to_e4m3(packed[:, 16 * c:16 * c + 16], native=not emulate_mma) for c in cs]
 
-            def x_scales(g):
-                return plgpu.load(sx_s.at[wg, step * (bk // X_BLOCK) + g], layout=COL, optimized=False)
-
             def scales(cs):
-                """Per block of ``cs`` its weight scales (times 2^6) per row; with ``convert_ahead``, per x-scale
-                block it ends, the tokens' x scales."""
+                """Per block of ``cs`` its weight scales (times 2^6) per row; per x-scale block it ends, the
+                tokens' x scales."""
                 sws, xss = [], {}
                 for c in cs:
                     kb = step * blocks + c
                     sb = plgpu.load(sc_s.at[wg, kb // 16, :, kb % 16], layout=ROW, optimized=False)
                     sws.append(lax.bitcast_convert_type((sb.astype(jnp.uint32) + exp_bias) << 23, jnp.float32))
-                    if convert_ahead and c % per_x == per_x - 1:
-                        xss[c] = x_scales(c // per_x)
+                    if c % per_x == per_x - 1:
+                        xss[c] = plgpu.load(sx_s.at[wg, step * (bk // X_BLOCK) + c // per_x], layout=COL,
+                                            optimized=False)
                 return sws, xss
 
             inner = {}
             a_next = convert(groups[0])
             for i, cs in enumerate(groups):
                 a, b = a_next, [x_s.at[:, pl.ds(32 * c, 32)].T for c in cs]
-                ahead = convert_ahead and i + 1 < len(groups)
+                last = i + 1 == len(groups)
                 if emulate_mma:  # the interpreter's wgmma takes SMEM operands only
                     blks = [jnp.dot(ai.astype(jnp.float32), bi[...].astype(jnp.float32),
                                     preferred_element_type=jnp.float32) for ai, bi in zip(a, b)]
-                    (sws, xss), nxt = scales(cs), (convert(groups[i + 1]) if ahead else None)
+                    (sws, xss), a_next = scales(cs), (None if last else convert(groups[i + 1]))
                 else:
-                    def mma(*refs, a=a, b=b, cs=cs, i=i, ahead=ahead):
+                    def mma(*refs, a=a, b=b, cs=cs, i=i, last=last):
                         for r, ai, bi in zip(refs, a, b):
                             plgpu.wgmma(r, ai, bi)
-                        sc = scales(cs)  # loaded while the tensor cores run
-                        nxt = convert(groups[i + 1]) if ahead else None
+                        sc = scales(cs)  # loaded, and the next group converted, while the tensor cores run
+                        nxt = None if last else convert(groups[i + 1])
                         plgpu.wgmma_wait(0)
                         return [r[...] for r in refs], sc, nxt
 
-                    blks, (sws, xss), nxt = pl.run_scoped(mma, *[plgpu.ACC((64, bt), jnp.float32) for _ in cs])
+                    blks, (sws, xss), a_next = pl.run_scoped(mma, *[plgpu.ACC((64, bt), jnp.float32) for _ in cs])
                 for c, blk, sw in zip(cs, blks, sws):
                     t = blk * lax.broadcast_in_dim(sw, (64, bt), [0])
                     g = c // per_x
                     inner[g] = t if g not in inner else inner[g] + t
                     if c % per_x == per_x - 1:  # the x-scale block is complete
-                        xs = xss[c] if c in xss else x_scales(g)
-                        acc = acc + inner.pop(g) * lax.broadcast_in_dim(xs, (64, bt), [1])
-                if i + 1 < len(groups):
-                    a_next = nxt if ahead else convert(groups[i + 1])
+                        acc = acc + inner.pop(g) * lax.broadcast_in_dim(xss[c], (64, bt), [1])
             return acc
 
         def body(idx, x_s, w_s, acc):

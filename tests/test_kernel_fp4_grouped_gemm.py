@@ -504,17 +504,17 @@ def test_e4m3_codes_and_ptx() -> None:
     np.testing.assert_array_equal(perm[:32], np.r_[np.arange(0, 32, 2), np.arange(1, 32, 2)])
 
 
-@pytest.mark.parametrize("mode,group,ahead", [("interpret", None, False), ("interpret", 2, True),
-                                              pytest.param("interpret", 8, False, marks=pytest.mark.slow),
-                                              pytest.param("interpret", 1, True, marks=pytest.mark.slow),
-                                              pytest.param("native", None, False, marks=pytest.mark.gpu),
-                                              pytest.param("native", 8, False, marks=pytest.mark.gpu),
-                                              pytest.param("native", None, True, marks=pytest.mark.gpu)])
-def test_fp8_route_exact_bit_equal(mode: str, group: int | None, ahead: bool) -> None:
+@pytest.mark.parametrize("mode,group", [("interpret", None), ("interpret", 2),
+                                        pytest.param("interpret", 8, marks=pytest.mark.slow),
+                                        pytest.param("interpret", 1, marks=pytest.mark.slow),
+                                        pytest.param("native", None, marks=pytest.mark.gpu),
+                                        pytest.param("native", 8, marks=pytest.mark.gpu),
+                                        pytest.param("native", 2, marks=pytest.mark.gpu)])
+def test_fp8_route_exact_bit_equal(mode: str, group: int | None) -> None:
     """Exact data (integer x, scale 1; weights on a 1/4 grid): every block sum is exact even in the fp8 wgmma's
     accumulator, so kernel == float64 reference == XLA path, bit for bit; plus an impulse of x per 128-block
     scale (x = 2^j on block j) to pin which x scale multiplies which columns. ``group``: MMAs per wait (8: a
-    wait spans two x-scale blocks); ``ahead``: the next group converted during the MMAs."""
+    wait spans two x-scale blocks; 2: four groups, each converted during the previous one's MMAs)."""
     interpret = interpret_for(mode)
     sizes = [2, 0, 9, 1]
     x, sz, wp, ws = exact_case(sizes, 128, 1024, seed=3)
@@ -522,7 +522,7 @@ def test_fp8_route_exact_bit_equal(mode: str, group: int | None, ahead: bool) ->
     xq, sx, xf = quantized(x)
     assert np.array_equal(np.asarray(xf), np.asarray(x, np.float32))
     got = G.fp4_grouped_linear(xq, sz, wp, ws, out_dtype=jnp.float32, implementation="pallas", interpret=interpret,
-                               x_scale=sx, block_k=256, mma_group=group, convert_ahead=ahead)
+                               x_scale=sx, block_k=256, mma_group=group)
     want = G.fp4_grouped_linear(xq, sz, wp, ws, out_dtype=jnp.float32, implementation="xla", x_scale=sx)
     ref, _ = reference(xf, sizes, wp, ws)
     np.testing.assert_array_equal(np.asarray(got, np.float64), ref)
@@ -532,8 +532,7 @@ def test_fp8_route_exact_bit_equal(mode: str, group: int | None, ahead: bool) ->
 @pytest.mark.parametrize("kwargs,field", [
     (dict(x_scale=jnp.ones((4, 4), jnp.float32)), "x must be float8_e4m3fn"),
     (dict(dequant="fp8"), "needs e4m3 x"),
-    (dict(mma_group=2), "apply to e4m3 x"),
-    (dict(convert_ahead=True), "apply to e4m3 x"),
+    (dict(mma_group=2), "applies to e4m3 x"),
 ])
 def test_fp8_route_bad_inputs(kwargs: dict, field: str) -> None:
     x, sz, wp, ws = _inputs()
@@ -554,7 +553,7 @@ def test_fp8_route_bad_inputs(kwargs: dict, field: str) -> None:
 
 @pytest.mark.skipif(ON_GPU, reason="CPU-only cross-lowering smoke test (the gpu tests compile for real)")
 @pytest.mark.parametrize("m,e,n,k,tiles", [(6, 256, 2048, 4096, {}), (384, 256, 4096, 2048, {}),
-                                           (48, 256, 2048, 4096, dict(convert_ahead=True)),
+                                           (48, 256, 2048, 4096, dict(mma_group=2)),
                                            pytest.param(24576, 256, 4096, 2048, {}, marks=pytest.mark.slow)])
 def test_fp8_route_lowers_for_cuda(m: int, e: int, n: int, k: int, tiles: dict) -> None:
     """The "fp8" route passes Mosaic GPU's lowering (register-A e4m3 wgmma against the e4m3 token tile)."""
