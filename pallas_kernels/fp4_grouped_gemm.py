@@ -62,7 +62,9 @@ weight-read bound (1-4 rows per expert), so the design moves the weights once th
   weight scale (times 2^6) per row, and each 128 columns by the tokens' x scales: the release kernel's per-block
   summation. Fewer instructions than any bf16 route (no scale multiply of the weights, half the MMAs); on the
   H200 faster at 1-64 tokens (benchmarks/results/kernels_fp4_grouped_h200_2026-12-02.json). Exact for scale
-  bytes up to 248. The tensor cores' own accumulation inside a 32-column block is not fp32 (about 2^-14 of the
+  bytes up to 248. The route's kernel is persistent (``_build_fp8_call``): one CTA per SM loops over the work
+  units, and consecutive units continue one TMA ring, so no unit waits for its first loads; its scales (weight
+  e8m0 and x) travel in the ring too. The tensor cores' own accumulation inside a 32-column block is not fp32 (about 2^-14 of the
   block's partial sums), which the release's kernel shares.
 - Output: each work item owns ``block_t`` columns of y^T [N, items * block_t] (bf16, or fp32 partials per K
   split that XLA sums); the wrapper gathers each row's column and transposes. A neighbouring expert's rows are
@@ -213,12 +215,11 @@ def _pick_tiles(m: int, e: int, n: int, k: int, block_t: int | None, block_n: in
     return bt, bn, bk, s
 
 
-def _fit_stages(stages: int, bt: int, bn: int, bk: int, kc: int, x_bytes: int = 2) -> int:
-    """The ring depth that fits SMEM: ``stages`` (at most the number of steps), fewer where the token tile is
-    large; ValueError when not even one stage fits. ``x_bytes``: 2 for bf16 x, 1 for e4m3 x (whose row scales
-    take SMEM too)."""
-    per_stage = bt * bk * x_bytes + bn * bk // 2  # token tile + packed weight tile
-    fixed = bn * kc // SCALE_BLOCK + (0 if x_bytes == 2 else (bn // 64) * (kc // X_BLOCK) * bt * 4)
+def _fit_stages(stages: int, bt: int, bn: int, bk: int, kc: int) -> int:
+    """The bf16-x routes' ring depth that fits SMEM: ``stages`` (at most the number of steps), fewer where the
+    token tile is large; ValueError when not even one stage fits (the "fp8" route: ``fp8_stages``)."""
+    per_stage = bt * bk * 2 + bn * bk // 2  # token tile + packed weight tile
+    fixed = bn * kc // SCALE_BLOCK
     fit = (SMEM_BUDGET - fixed) // per_stage
     if fit < 1:
         raise ValueError(f"block_t {bt} x block_k {bk} (block_n {bn}) does not fit shared memory")
@@ -272,14 +273,14 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
         raise ValueError(f'dequant="{dequant}" runs natively only (interpret mode: "bf16" needs bf16 subnormal '
                          'arithmetic, which XLA on the CPU flushes; "lop3" is PTX); use dequant="f16" there')
     xp = grouped_rows.tile_rows(_permute_k(x, dequant), p)  # groups padded to 8 rows
-    st = _fit_stages(stages, p.block_t, p.block_n, p.block_k, k // p.splits, 1 if x_scale is not None else 2)
+    st = stages if x_scale is not None else _fit_stages(stages, p.block_t, p.block_n, p.block_k, k // p.splits)
     call = _build_call(n=n, k=k, items=p.items, bt=p.block_t, bn=p.block_n, bk=p.block_k, splits=p.splits,
                        stages=st, dequant=dequant,
                        out_dtype=out_dtype if p.splits == 1 else jnp.dtype(jnp.float32), interpret=p.interpret,
                        mma_group=mma_group)
     if x_scale is not None:  # the padded rows' scales [K/128, rows]: a token tile's per 128-column block
-        return grouped_rows.finish(call(p.info, xp, grouped_rows.tile_rows(x_scale, p).T, w_packed, w_scale), p,
-                                   out_dtype)
+        return grouped_rows.finish(call(p.count, p.info, xp, grouped_rows.tile_rows(x_scale, p).T, w_packed,
+                                        w_scale), p, out_dtype)
     return grouped_rows.finish(call(p.info, xp, w_packed, w_scale), p, out_dtype)
 
 
@@ -438,8 +439,10 @@ def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits
                 dequant: Dequant, out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None,
                 mma_group: int | None = None):
     emulate_mma = interpret is not None
-    fp8 = dequant == "fp8"
-    exp_bias = FP8_EXP if fp8 else _scale_exp_bias(dequant)
+    if dequant == "fp8":
+        return _build_fp8_call(n=n, k=k, items=items, bt=bt, bn=bn, bk=bk, splits=splits, stages=stages,
+                               out_dtype=out_dtype, interpret=interpret, mma_group=mma_group)
+    exp_bias = _scale_exp_bias(dequant)
     lop3 = dequant == "lop3"
     kc = k // splits  # input columns per CTA
     steps = kc // bk
@@ -450,78 +453,12 @@ def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits
     L = plgpu.Layout.WGMMA
     ROW = L.reduce(1)
     COL = L.reduce(0)  # a [bt] vector along the accumulator's columns (tokens)
-    # one 32-byte swizzle row: 16 bf16, or 32 e4m3 (a scale block: the K of one fp8 wgmma)
-    x_tf = (plgpu.TilingTransform((8, 32 if fp8 else 16)), plgpu.SwizzleTransform(32))
-    kx = kc // X_BLOCK  # e4m3 x: row-scale blocks per CTA
-    # "fp8": MMAs in flight per wait (their accumulators: bt / 2 registers each)
-    group = min(blocks, mma_group or max(1, min(4, 128 // bt)))
-    if blocks % group:
-        raise ValueError(f"mma_group {group} must divide the {blocks} scale blocks of a step (block_k {bk})")
+    x_tf = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # one 32-byte swizzle row: 16 bf16
     wsw = min(128, bk // 2)  # packed bytes: swizzled, so the 8 rows a warp loads hit different banks
     w_tf = (plgpu.TilingTransform((8, wsw)), plgpu.SwizzleTransform(wsw))
 
-    def kernel(info_ref, x_ref, *refs):
-        if fp8:
-            sxt_ref, w_ref, s_ref, o_ref, sc_s, sx_s, bar = refs
-        else:
-            (w_ref, s_ref, o_ref, sc_s, bar), sxt_ref, sx_s = refs, None, None
+    def kernel(info_ref, x_ref, w_ref, s_ref, o_ref, sc_s, bar):
         item, si, ex, row0, n0 = grouped_rows.cta_work(info_ref, items, n_tiles, bn)
-
-        def body_fp8(idx, x_s, w_s, acc):
-            """One step of the "fp8" route: per 32-column block an e4m3 x e4m3 wgmma (K = 32) into a fresh
-            accumulator, promoted in fp32 with the block's weight scale (per row, times 2^6) and, per 128 columns,
-            the tokens' x scale: the release's per-block summation. ``group`` MMAs are in flight per wait, and the
-            next group's weights are converted (this group's scales loaded) while they run: the warps waited on
-            shared-memory loads for most of their stalls when conversion came after the wait, and the overlap
-            was no slower anywhere (benchmarks/results/fp4_decode_ncu_sweep_h200_2026-12-02.json)."""
-            (step,) = idx
-            wg = lax.axis_index("wg")
-            packed = plgpu.load(w_s.at[pl.ds(wg * 64, 64)], layout=plgpu.Layout.WGMMA_8BIT)  # uint8 [64, bk / 2]
-            per_x = X_BLOCK // SCALE_BLOCK  # scale blocks per x-scale block
-            groups = [list(range(c0, c0 + group)) for c0 in range(0, blocks, group)]
-
-            def convert(cs):
-                return [_to_e4m3(packed[:, 16 * c:16 * c + 16], native=not emulate_mma) for c in cs]
-
-            def scales(cs):
-                """Per block of ``cs`` its weight scales (times 2^6) per row; per x-scale block it ends, the
-                tokens' x scales."""
-                sws, xss = [], {}
-                for c in cs:
-                    kb = step * blocks + c
-                    sb = plgpu.load(sc_s.at[wg, kb // 16, :, kb % 16], layout=ROW, optimized=False)
-                    sws.append(lax.bitcast_convert_type((sb.astype(jnp.uint32) + exp_bias) << 23, jnp.float32))
-                    if c % per_x == per_x - 1:
-                        xss[c] = plgpu.load(sx_s.at[wg, step * (bk // X_BLOCK) + c // per_x], layout=COL,
-                                            optimized=False)
-                return sws, xss
-
-            inner = {}
-            a_next = convert(groups[0])
-            for i, cs in enumerate(groups):
-                a, b = a_next, [x_s.at[:, pl.ds(32 * c, 32)].T for c in cs]
-                last = i + 1 == len(groups)
-                if emulate_mma:  # the interpreter's wgmma takes SMEM operands only
-                    blks = [jnp.dot(ai.astype(jnp.float32), bi[...].astype(jnp.float32),
-                                    preferred_element_type=jnp.float32) for ai, bi in zip(a, b)]
-                    (sws, xss), a_next = scales(cs), (None if last else convert(groups[i + 1]))
-                else:
-                    def mma(*refs, a=a, b=b, cs=cs, i=i, last=last):
-                        for r, ai, bi in zip(refs, a, b):
-                            plgpu.wgmma(r, ai, bi)
-                        sc = scales(cs)  # loaded, and the next group converted, while the tensor cores run
-                        nxt = None if last else convert(groups[i + 1])
-                        plgpu.wgmma_wait(0)
-                        return [r[...] for r in refs], sc, nxt
-
-                    blks, (sws, xss), a_next = pl.run_scoped(mma, *[plgpu.ACC((64, bt), jnp.float32) for _ in cs])
-                for c, blk, sw in zip(cs, blks, sws):
-                    t = blk * lax.broadcast_in_dim(sw, (64, bt), [0])
-                    g = c // per_x
-                    inner[g] = t if g not in inner else inner[g] + t
-                    if c % per_x == per_x - 1:  # the x-scale block is complete
-                        acc = acc + inner.pop(g) * lax.broadcast_in_dim(xss[c], (64, bt), [1])
-            return acc
 
         def body(idx, x_s, w_s, acc):
             (step,) = idx
@@ -563,10 +500,8 @@ def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits
             for g in range(nsc // 16):  # [64, 16]-byte tiles: the 8 rows a warp reads are 16 bytes apart
                 plgpu.copy_gmem_to_smem(s_ref.at[ex, pl.ds(n0 + wg * 64, 64), pl.ds(si * nsc + 16 * g, 16)],
                                         sc_s.at[wg, g], bar.at[wg])
-            if fp8:  # the token tile's x scales of the CTA's K range
-                plgpu.copy_gmem_to_smem(sxt_ref.at[pl.ds(si * kx, kx), pl.ds(row0, bt)], sx_s.at[wg], bar.at[wg])
             plgpu.barrier_wait(bar.at[wg])
-            if emulate_mma or fp8:  # "fp8" promotes into a register accumulator
+            if emulate_mma:
                 acc = run_pipeline(plgpu.layout_cast(jnp.full((64, bt), 0.0, jnp.float32), L))
             else:
                 def run(ref):
@@ -580,7 +515,7 @@ def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits
             dst[...] = acc.astype(dst.dtype)
 
         pipeline = plgpu.emit_pipeline_warp_specialized(
-            body_fp8 if fp8 else body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=nwg,
+            body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=nwg,
             max_concurrent_steps=stages, compute_context=compute,
             in_specs=[plgpu.BlockSpec((bt, bk), lambda s: (0, s), transforms=x_tf),
                       plgpu.BlockSpec((bn, bk // 2), lambda s: (0, s), transforms=w_tf)])
@@ -592,10 +527,166 @@ def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits
 
     out_shape = (n, items * bt) if splits == 1 else (splits, n, items * bt)
     scratch = [plgpu.SMEM((nwg, nsc // 16, 64, 16), jnp.uint8),
-               *([plgpu.SMEM((nwg, kx, bt), jnp.float32)] if fp8 else []),
-               plgpu.Barrier(num_arrivals=nsc // 16 + fp8, num_barriers=nwg)]
+               plgpu.Barrier(num_arrivals=nsc // 16, num_barriers=nwg)]
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
     return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
                         grid=(splits * n_tiles * items,), grid_names=("cta",), num_threads=nwg + 1,
                         thread_name="wg", scratch_types=scratch, compiler_params=params,
+                        interpret=interpret if interpret is not None else False)
+
+
+FP8_SCALE_COLS = 16  # the "fp8" route's weight-scale block per pipeline step: [block_n, 16] bytes (TMA rows >= 16 B)
+
+
+def fp8_stages(stages: int, steps: int, bt: int, bn: int, bk: int) -> int:
+    """The "fp8" route's ring depth: at most ``stages``, what fits SMEM, and a divisor of the steps per work
+    unit (consecutive units' pipelines continue one ring, whose slots must line up at unit boundaries)."""
+    per_stage = bt * bk + bn * bk // 2 + bn * FP8_SCALE_COLS + max(1, bk // X_BLOCK) * bt * 4
+    fit = min(stages, steps, SMEM_BUDGET // per_stage)
+    if fit < 1:
+        raise ValueError(f"block_t {bt} x block_k {bk} (block_n {bn}) does not fit shared memory")
+    return max(d for d in range(1, fit + 1) if steps % d == 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits: int, stages: int,
+                    out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, mma_group: int | None):
+    """The "fp8" route (e4m3 x) as a persistent kernel: one CTA per SM loops over the work units (K split, N
+    tile, item), and consecutive units continue one TMA ring (``pipeline_state``), so a unit's first loads are
+    in flight while the previous unit's last steps compute: at decode a unit is 2-8 steps, and a ring refilled
+    per CTA left the tensor and CUDA cores idle for a DRAM round trip per unit. Everything a step reads is in
+    the ring: the token tile, the packed weights, their e8m0 scales ([block_n, 16] bytes, the 512 columns
+    holding the step's, re-read from L2 by the steps of one 512-column chunk) and the tokens' x scales."""
+    emulate_mma = interpret is not None
+    kc = k // splits  # input columns per unit
+    steps = kc // bk
+    blocks = bk // SCALE_BLOCK  # scale blocks per pipeline step
+    per_x = X_BLOCK // SCALE_BLOCK  # scale blocks per x-scale block
+    xb = max(1, bk // X_BLOCK)  # x-scale blocks per step
+    n_tiles = n // bn
+    nwg = bn // 64
+    # at most one CTA per SM (and per unit); interpret mode: 3, so that a CTA runs several units
+    ctas = min(splits * n_tiles * items, grouped_rows.NUM_SMS if interpret is None else 3)
+    st = fp8_stages(stages, steps, bt, bn, bk)
+    L = plgpu.Layout.WGMMA
+    ROW, COL = L.reduce(1), L.reduce(0)  # [64] along the accumulator's rows (weights), [bt] along its columns
+    group = min(blocks, mma_group or max(1, min(4, 128 // bt)))  # MMAs in flight per wait: bt / 2 registers each
+    if blocks % group:
+        raise ValueError(f"mma_group {group} must divide the {blocks} scale blocks of a step (block_k {bk})")
+    wsw = min(128, bk // 2)  # packed bytes: swizzled, so the 8 rows a warp loads hit different banks
+    specs = [plgpu.BlockSpec((bt, bk), lambda s: (0, s),  # e4m3 tokens: a 32-byte swizzle row = one scale block
+                             transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(32))),
+             plgpu.BlockSpec((xb, bt), lambda s: (s * bk // (xb * X_BLOCK), 0)),
+             plgpu.BlockSpec((bn, bk // 2), lambda s: (0, s),
+                             transforms=(plgpu.TilingTransform((8, wsw)), plgpu.SwizzleTransform(wsw))),
+             plgpu.BlockSpec((bn, FP8_SCALE_COLS), lambda s: (0, s * blocks // FP8_SCALE_COLS))]
+
+    def body(idx, x_s, sx_s, w_s, s_s, acc):
+        """One step: per 32-column block an e4m3 x e4m3 wgmma (K = 32) into a fresh accumulator, promoted in
+        fp32 with the block's weight scale (per row, times 2^6) and, per 128 columns, the tokens' x scale: the
+        release's per-block summation. ``group`` MMAs are in flight per wait, and the next group's weights are
+        converted (this group's scales loaded) while they run: the warps waited on shared-memory loads for most
+        of their stalls when conversion came after the wait, and the overlap was no slower anywhere
+        (benchmarks/results/fp4_decode_ncu_sweep_h200_2026-12-02.json)."""
+        (step,) = idx
+        wg = lax.axis_index("wg")
+        packed = plgpu.load(w_s.at[pl.ds(wg * 64, 64)], layout=plgpu.Layout.WGMMA_8BIT)  # uint8 [64, bk / 2]
+        groups = [list(range(c0, c0 + group)) for c0 in range(0, blocks, group)]
+        col0 = step * blocks % FP8_SCALE_COLS  # the step's first scale column in the ring's 16
+
+        def convert(cs):
+            return [_to_e4m3(packed[:, 16 * c:16 * c + 16], native=not emulate_mma) for c in cs]
+
+        def scales(cs):
+            """Per block of ``cs`` its weight scales (times 2^6) per row; per x-scale block it ends, the
+            tokens' x scales."""
+            sws, xss = [], {}
+            for c in cs:
+                sb = plgpu.load(s_s.at[pl.ds(wg * 64, 64), col0 + c], layout=ROW, optimized=False)
+                sws.append(lax.bitcast_convert_type((sb.astype(jnp.uint32) + FP8_EXP) << 23, jnp.float32))
+                if c % per_x == per_x - 1:
+                    xss[c] = plgpu.load(sx_s.at[(step * bk // X_BLOCK) % xb + c // per_x], layout=COL,
+                                        optimized=False)
+            return sws, xss
+
+        inner = {}
+        a_next = convert(groups[0])
+        for i, cs in enumerate(groups):
+            a, b = a_next, [x_s.at[:, pl.ds(32 * c, 32)].T for c in cs]
+            last = i + 1 == len(groups)
+            if emulate_mma:  # the interpreter's wgmma takes SMEM operands only
+                blks = [jnp.dot(ai.astype(jnp.float32), bi[...].astype(jnp.float32),
+                                preferred_element_type=jnp.float32) for ai, bi in zip(a, b)]
+                (sws, xss), a_next = scales(cs), (None if last else convert(groups[i + 1]))
+            else:
+                def mma(*refs, a=a, b=b, cs=cs, i=i, last=last):
+                    for r, ai, bi in zip(refs, a, b):
+                        plgpu.wgmma(r, ai, bi)
+                    sc = scales(cs)  # loaded, and the next group converted, while the tensor cores run
+                    nxt = None if last else convert(groups[i + 1])
+                    plgpu.wgmma_wait(0)
+                    return [r[...] for r in refs], sc, nxt
+
+                blks, (sws, xss), a_next = pl.run_scoped(mma, *[plgpu.ACC((64, bt), jnp.float32) for _ in cs])
+            for c, blk, sw in zip(cs, blks, sws):
+                t = blk * lax.broadcast_in_dim(sw, (64, bt), [0])
+                g = c // per_x
+                inner[g] = t if g not in inner else inner[g] + t
+                if c % per_x == per_x - 1:  # the x-scale block is complete
+                    acc = acc + inner.pop(g) * lax.broadcast_in_dim(xss[c], (64, bt), [1])
+        return acc
+
+    def unit_refs(x_ref, sxt_ref, w_ref, s_ref, ex, row0, n0, si):
+        return (x_ref.at[pl.ds(row0, bt), pl.ds(si * kc, kc)],
+                sxt_ref.at[pl.ds(si * (kc // X_BLOCK), kc // X_BLOCK), pl.ds(row0, bt)],
+                w_ref.at[ex, pl.ds(n0, bn), pl.ds(si * kc // 2, kc // 2)],
+                s_ref.at[ex, pl.ds(n0, bn), pl.ds(si * kc // SCALE_BLOCK, kc // SCALE_BLOCK)])
+
+    def make_pipeline(body_fn, context, state):
+        return plgpu.emit_pipeline_warp_specialized(
+            body_fn, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=nwg,
+            max_concurrent_steps=st, compute_context=context, in_specs=specs, pipeline_state=state)
+
+    def kernel(count_ref, info_ref, x_ref, sxt_ref, w_ref, s_ref, o_ref):
+        ignore = lambda *_, **__: None  # noqa: E731 - the allocations depend on the specs and shapes only
+        allocs = make_pipeline(ignore, ignore, None).get_allocations(
+            *unit_refs(x_ref, sxt_ref, w_ref, s_ref, 0, 0, 0, 0))
+        n_items = count_ref[0]
+
+        @functools.partial(pl.run_scoped, allocs=allocs, collective_axes="wg")
+        def _(allocs):
+            @plgpu.nd_loop((splits * n_tiles * n_items,), collective_axes="cta")
+            def _(loop):
+                """Unit (split, N tile, item), item fastest. The CTA's first unit starts the ring, its last
+                drains it, the ones between continue it; a CTA with one unit runs a whole pipeline."""
+                (u,) = loop.index
+                item = u % n_items
+                ex, row0 = info_ref[0, item], info_ref[1, item]
+                n0 = (u // n_items) % n_tiles * bn
+                si = u // (n_items * n_tiles)
+                refs = unit_refs(x_ref, sxt_ref, w_ref, s_ref, ex, row0, n0, si)
+
+                def context(run_pipeline):
+                    acc = run_pipeline(plgpu.layout_cast(jnp.full((64, bt), 0.0, jnp.float32), L))
+                    wg = lax.axis_index("wg")
+                    dst = o_ref.at[pl.ds(n0 + wg * 64, 64), pl.ds(item * bt, bt)] if splits == 1 else \
+                        o_ref.at[si, pl.ds(n0 + wg * 64, 64), pl.ds(item * bt, bt)]
+                    dst[...] = acc.astype(dst.dtype)
+
+                j, last = loop.local_index, loop.num_local_steps - 1
+                P = plgpu.PipelinePipeline
+
+                @pl.when(last == 0)
+                def _():
+                    make_pipeline(body, context, None)(*refs, allocations=allocs)
+
+                @pl.when(last > 0)
+                def _():
+                    state = jnp.where(j == 0, P.START, jnp.where(j == last, P.STOP, P.STEADY))
+                    make_pipeline(body, context, state)(*refs, allocations=allocs)
+
+    out_shape = (n, items * bt) if splits == 1 else (splits, n, items * bt)
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(ctas,),
+                        grid_names=("cta",), num_threads=nwg + 1, thread_name="wg", compiler_params=params,
                         interpret=interpret if interpret is not None else False)

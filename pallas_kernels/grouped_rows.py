@@ -90,6 +90,7 @@ def row_layout(sizes: jax.Array, m: int, n_items: int, n_padded: int, bt: int, *
       would run out of its 8-row tile).
     * src [n_padded]: the row of x each padded row copies (m: a zero row).
     * col [m]: the column of y^T holding row r (item * bt + row in tile); valid [m]: r < sum(sizes).
+    * count [1]: the number of work items (a persistent kernel's loop bound).
     """
     sizes = sizes.astype(jnp.int32)
     return run_op("row_layout", implementation, {
@@ -122,7 +123,7 @@ def _row_layout_xla(sizes: jax.Array, m: int, n_items: int, n_padded: int, bt: i
     valid = r < row_end[-1]
     src = jnp.full((n_padded,), m, jnp.int32).at[jnp.where(valid, poff[re] + local, n_padded)].set(r, mode="drop")
     col = jnp.where(valid, (tile_end[re] - tiles[re] + local // bt) * bt + local % bt, 0)
-    return items, src.astype(jnp.int32), col.astype(jnp.int32), valid
+    return items, src.astype(jnp.int32), col.astype(jnp.int32), valid, tile_end[-1:].astype(jnp.int32)
 
 
 # items / rows / padded rows per program of the layout kernel (x every expert: [8, E] compares). The programs run
@@ -133,7 +134,7 @@ def _row_layout_xla(sizes: jax.Array, m: int, n_items: int, n_padded: int, bt: i
 LAYOUT_BLOCK = 8
 
 
-def _layout_kernel(sizes_ref, items_ref, src_ref, col_ref, valid_ref, *, ne: int, ep: int, m: int, n_items: int,
+def _layout_kernel(sizes_ref, items_ref, src_ref, col_ref, valid_ref, count_ref, *, ne: int, ep: int, m: int, n_items: int,
                    n_padded: int, bt: int) -> None:
     """Program b: items, output rows and padded rows ``b * LAYOUT_BLOCK + [0, LAYOUT_BLOCK)``. Every program
     computes the experts' prefix sums itself (E values); "the expert holding index i" is the count of experts
@@ -175,6 +176,8 @@ def _layout_kernel(sizes_ref, items_ref, src_ref, col_ref, valid_ref, *, ne: int
     plocal = i - at(poff, pe)
     src = jnp.where(plocal < at(s, pe), at(row_off, pe) + plocal, m)
     C.store(src_ref, (jnp.where(i < n_padded, i, n_padded),), src, i < n_padded)
+    first = i == 0  # program 0's first lane
+    C.store(count_ref, (jnp.where(first, 0, 1),), jnp.broadcast_to(total_tiles, i.shape), first)
 
 
 def _row_layout_pallas(sizes: jax.Array, m: int, n_items: int, n_padded: int, bt: int, interpret: bool):
@@ -188,12 +191,13 @@ def _row_layout_pallas(sizes: jax.Array, m: int, n_items: int, n_padded: int, bt
     ep = C.next_pow2(max(ne, 2))
     kernel = functools.partial(_layout_kernel, ne=ne, ep=ep, m=m, n_items=n_items, n_padded=n_padded, bt=bt)
     i32 = jnp.int32
-    items, src, col, valid = C.pallas_call(
+    items, src, col, valid, count = C.pallas_call(
         kernel, out_shape=(jax.ShapeDtypeStruct((2, n_items), i32), jax.ShapeDtypeStruct((n_padded,), i32),
-                           jax.ShapeDtypeStruct((m,), i32), jax.ShapeDtypeStruct((m,), i32)),
+                           jax.ShapeDtypeStruct((m,), i32), jax.ShapeDtypeStruct((m,), i32),
+                           jax.ShapeDtypeStruct((1,), i32)),
         grid=(pl.cdiv(max(n_items, m, n_padded), LAYOUT_BLOCK),), aliases={}, interpret=interpret,
         name="grouped_row_layout", num_warps=4)(sizes)
-    return items, src, col, valid != 0
+    return items, src, col, valid != 0, count
 
 
 def gather_rows(yt: jax.Array, col: jax.Array, valid: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
@@ -215,6 +219,7 @@ class Plan(NamedTuple):
     src: jax.Array  # [rows]: the row of x each padded row copies (m: a zero row)
     col: jax.Array  # [m]: the column of y^T holding row r
     valid: jax.Array  # [m]: r < sum(sizes)
+    count: jax.Array  # [1]: the number of work items
 
 
 def plan(sizes: jax.Array, m: int, e: int, n: int, k: int, block_t: int | None, block_n: int | None,

@@ -239,8 +239,9 @@ case "$stage" in
     # split_k made no difference (eighth session); the e4m3-x route ({"x_fp8": true}: x quantised outside the
     # profiled call, as the V4 MoE's) beat bf16 x at 1-64 tokens (thirteenth); now against bf16 x again, with the row
     # layout kernel at 8 items per program (its time is in the call's kernel list); the next MMA group converted
-    # during the current one's MMAs became the route's only order (fourteenth); now its tile and depth choices
-    V=${FP4SWEEP_VARIANTS:-'[{"x_fp8": true}, {"x_fp8": true, "split_k": 2}, {"x_fp8": true, "mma_group": 2}, {"x_fp8": true, "mma_group": 8}, {"x_fp8": true, "block_k": 256}]'}
+    # during the current one's MMAs became the only order, and the route's kernel persistent (fourteenth): its
+    # split and step under persistence
+    V=${FP4SWEEP_VARIANTS:-'[{"x_fp8": true}, {"x_fp8": true, "split_k": 2}, {"x_fp8": true, "block_k": 256}]'}
     ncu_sweep fp4 "$V"
     ;;
   hostprofile)

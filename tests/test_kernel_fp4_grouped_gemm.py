@@ -232,7 +232,8 @@ def test_layout() -> None:
     sizes = jnp.asarray([3, 0, 17, 8, 0], jnp.int32)
     bt, m = 8, 30
     items, n_pad = grouped_rows.n_items(m, 5, bt), grouped_rows.padded_rows(m, 5, bt)
-    info, src, col, valid = map(np.asarray, grouped_rows.row_layout(sizes, m, items, n_pad, bt))
+    info, src, col, valid, count = map(np.asarray, grouped_rows.row_layout(sizes, m, items, n_pad, bt))
+    assert count.tolist() == [5]
     # expert 0: 1 tile, expert 2: 3 tiles, expert 3: 1 tile; groups padded to 8, 24 and 8 rows
     np.testing.assert_array_equal(info[0, :5], [0, 2, 2, 2, 3])
     np.testing.assert_array_equal(info[1, :5], [0, 8, 16, 24, 32])
@@ -527,6 +528,24 @@ def test_fp8_route_exact_bit_equal(mode: str, group: int | None) -> None:
     ref, _ = reference(xf, sizes, wp, ws)
     np.testing.assert_array_equal(np.asarray(got, np.float64), ref)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("mode", ["interpret", pytest.param("native", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("sizes,tiles", [
+    ([0, 5, 0], dict(block_n=64, split_k=1)),  # one work unit: its CTA runs a whole pipeline
+    ([0, 0, 0], {}),  # no rows in the groups: no units, zero output
+    ([4, 0, 3], dict(block_n=64, split_k=1)),  # two units on two CTAs
+    ([9, 1, 17], dict(block_n=64, block_k=128))])  # 16 units, a 4-step ring over 3 CTAs (interpret mode)
+def test_fp8_route_units_per_cta(mode: str, sizes: list[int], tiles: dict) -> None:
+    """The persistent "fp8" route: a CTA with one, several or no work units (the ring started, continued and
+    drained across units) gives the float64 reference bit for bit on exact data; 3 rows past the groups give 0."""
+    x, sz, wp, ws = exact_case(sizes, 64, 1024, seed=len(sizes) + sum(sizes))
+    x = jnp.concatenate([x, jnp.ones((3, 1024), x.dtype)])
+    xq, sx, xf = quantized(x)
+    got = G.fp4_grouped_linear(xq, sz, wp, ws, out_dtype=jnp.float32, implementation="pallas",
+                               interpret=interpret_for(mode), x_scale=sx, **tiles)
+    ref, _ = reference(xf, sizes, wp, ws)
+    np.testing.assert_array_equal(np.asarray(got, np.float64), ref)
 
 
 @pytest.mark.parametrize("kwargs,field", [

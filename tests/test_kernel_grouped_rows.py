@@ -34,7 +34,7 @@ def test_layout_kernel_equals_xla(mode: str, ne: int, m: int, bt: int, routed: i
     items, n_pad = G.n_items(m, ne, bt), G.padded_rows(m, ne, bt)
     want = G.row_layout(sizes, m, items, n_pad, bt, implementation="xla")
     got = G.row_layout(sizes, m, items, n_pad, bt, implementation="pallas", interpret=interpret_for(mode))
-    for name, w, g in zip(("items", "src", "col", "valid"), want, got):
+    for name, w, g in zip(("items", "src", "col", "valid", "count"), want, got, strict=True):
         assert g.shape == w.shape and g.dtype == w.dtype, name
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
 
