@@ -62,10 +62,11 @@ weight-read bound (1-4 rows per expert), so the design moves the weights once th
   weight scale (times 2^6) per row, and each 128 columns by the tokens' x scales: the release kernel's per-block
   summation. Fewer instructions than any bf16 route (no scale multiply of the weights, half the MMAs); on the
   H200 faster at 1-64 tokens (benchmarks/results/kernels_fp4_grouped_h200_2026-12-02.json). Exact for scale
-  bytes up to 248. The route's kernel is persistent (``_build_fp8_call``): one CTA per SM loops over the work
-  units, and consecutive units continue one TMA ring, so no unit waits for its first loads; its scales (weight
-  e8m0 and x) travel in the ring too. The tensor cores' own accumulation inside a 32-column block is not fp32 (about 2^-14 of the
-  block's partial sums), which the release's kernel shares.
+  bytes up to 248. The tensor cores' own accumulation inside a 32-column block is not fp32 (about 2^-14 of the
+  block's partial sums), which the release's kernel shares. The route's kernel is persistent
+  (``_build_fp8_call``): one CTA per SM loops over the work units, and consecutive units continue one TMA
+  ring, so no unit waits for its first loads (the per-CTA ring lost a DRAM round trip per unit and left the last
+  wave part-empty); the scales travel in the ring too.
 - Output: each work item owns ``block_t`` columns of y^T [N, items * block_t] (bf16, or fp32 partials per K
   split that XLA sums); the wrapper gathers each row's column and transposes. A neighbouring expert's rows are
   never written: every item writes only its own columns.
@@ -541,7 +542,7 @@ FP8_SCALE_COLS = 16  # the "fp8" route's weight-scale block per pipeline step: [
 def fp8_stages(stages: int, steps: int, bt: int, bn: int, bk: int) -> int:
     """The "fp8" route's ring depth: at most ``stages``, what fits SMEM, and a divisor of the steps per work
     unit (consecutive units' pipelines continue one ring, whose slots must line up at unit boundaries)."""
-    per_stage = bt * bk + bn * bk // 2 + bn * FP8_SCALE_COLS + max(1, bk // X_BLOCK) * bt * 4
+    per_stage = bt * bk + bn * bk // 2 + bn * FP8_SCALE_COLS + K_ALIGN // X_BLOCK * bt * 4
     fit = min(stages, steps, SMEM_BUDGET // per_stage)
     if fit < 1:
         raise ValueError(f"block_t {bt} x block_k {bk} (block_n {bn}) does not fit shared memory")
@@ -555,14 +556,15 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
     tile, item), and consecutive units continue one TMA ring (``pipeline_state``), so a unit's first loads are
     in flight while the previous unit's last steps compute: at decode a unit is 2-8 steps, and a ring refilled
     per CTA left the tensor and CUDA cores idle for a DRAM round trip per unit. Everything a step reads is in
-    the ring: the token tile, the packed weights, their e8m0 scales ([block_n, 16] bytes, the 512 columns
-    holding the step's, re-read from L2 by the steps of one 512-column chunk) and the tokens' x scales."""
+    the ring: the token tile, the packed weights, their e8m0 scales ([block_n, 16] bytes) and the tokens' x
+    scales ([4, block_t] float32), both those of the 512-column chunk holding the step (re-read from L2 by the
+    steps of one chunk): a TMA row is at least 16 bytes, and Mosaic's native copies at least 128 bytes."""
     emulate_mma = interpret is not None
     kc = k // splits  # input columns per unit
     steps = kc // bk
     blocks = bk // SCALE_BLOCK  # scale blocks per pipeline step
     per_x = X_BLOCK // SCALE_BLOCK  # scale blocks per x-scale block
-    xb = max(1, bk // X_BLOCK)  # x-scale blocks per step
+    xb = K_ALIGN // X_BLOCK  # x-scale rows in the ring: a 512-column chunk's (a TMA copy of >= 128 bytes)
     n_tiles = n // bn
     nwg = bn // 64
     # at most one CTA per SM (and per unit); interpret mode: 3, so that a CTA runs several units
@@ -576,7 +578,7 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
     wsw = min(128, bk // 2)  # packed bytes: swizzled, so the 8 rows a warp loads hit different banks
     specs = [plgpu.BlockSpec((bt, bk), lambda s: (0, s),  # e4m3 tokens: a 32-byte swizzle row = one scale block
                              transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(32))),
-             plgpu.BlockSpec((xb, bt), lambda s: (s * bk // (xb * X_BLOCK), 0)),
+             plgpu.BlockSpec((xb, bt), lambda s: (s * bk // K_ALIGN, 0)),
              plgpu.BlockSpec((bn, bk // 2), lambda s: (0, s),
                              transforms=(plgpu.TilingTransform((8, wsw)), plgpu.SwizzleTransform(wsw))),
              plgpu.BlockSpec((bn, FP8_SCALE_COLS), lambda s: (0, s * blocks // FP8_SCALE_COLS))]
@@ -605,7 +607,7 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
                 sb = plgpu.load(s_s.at[pl.ds(wg * 64, 64), col0 + c], layout=ROW, optimized=False)
                 sws.append(lax.bitcast_convert_type((sb.astype(jnp.uint32) + FP8_EXP) << 23, jnp.float32))
                 if c % per_x == per_x - 1:
-                    xss[c] = plgpu.load(sx_s.at[(step * bk // X_BLOCK) % xb + c // per_x], layout=COL,
+                    xss[c] = plgpu.load(sx_s.at[step * bk // X_BLOCK % xb + c // per_x], layout=COL,
                                         optimized=False)
             return sws, xss
 
