@@ -236,12 +236,10 @@ case "$stage" in
     ncu -i /tmp/mqa_v32_b64.ncu-rep --page source --csv --print-source sass > "$OUT/mqa_v32_b64_sass.csv" 2>&1
     ;;
   ncu-fp4sweep)
-    # split_k made no difference (eighth session); the e4m3-x route ({"x_fp8": true}: x quantised outside the
-    # profiled call, as the V4 MoE's) beat bf16 x at 1-64 tokens (thirteenth); now against bf16 x again, with the row
-    # layout kernel at 8 items per program (its time is in the call's kernel list); the next MMA group converted
-    # during the current one's MMAs became the only order, and the route's kernel persistent (fourteenth): its
-    # split and step under persistence
-    V=${FP4SWEEP_VARIANTS:-'[{"x_fp8": true}, {"x_fp8": true, "split_k": 2}, {"x_fp8": true, "block_k": 256}]'}
+    # the e4m3-x route ({"x_fp8": true}: x quantised outside the profiled call, as the V4 MoE's); its kernel is
+    # persistent (fourteenth session): the "chained" ring (one pipeline per unit, depth dividing a unit's steps)
+    # against the "flat" one (one pipeline per CTA, any depth; built, untimed), and split_k 2
+    V=${FP4SWEEP_VARIANTS:-'[{"x_fp8": true}, {"x_fp8": true, "ring": "flat"}, {"x_fp8": true, "ring": "flat", "split_k": 2}]'}
     ncu_sweep fp4 "$V"
     ;;
   hostprofile)
