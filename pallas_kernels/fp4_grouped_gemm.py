@@ -97,7 +97,7 @@ import numpy as np
 from jax import lax
 
 from jds.ops import quant
-from jds.ops.dispatch import Implementation, Unsupported, run_op
+from jds.ops.dispatch import Implementation, Unsupported, num_sms, run_op
 from pallas_kernels import grouped_rows
 
 Dequant = Literal["auto", "lop3", "f16", "bf16", "fp8"]
@@ -579,7 +579,7 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
     n_tiles = n // bn
     nwg = bn // 64
     # at most one CTA per SM (and per unit); interpret mode: 3, so that a CTA runs several units
-    ctas = min(splits * n_tiles * items, grouped_rows.NUM_SMS if interpret is None else 3)
+    ctas = min(splits * n_tiles * items, num_sms() if interpret is None else 3)
     st = fp8_stages(stages, steps, bt, bn, bk)
     flat_st = fp8_stages(stages, None, bt, bn, bk)  # "flat": any depth that fits
     L = plgpu.Layout.WGMMA

@@ -79,7 +79,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jds.ops.dispatch import Implementation, Unsupported, resolve_interpret, run_op
+from jds.ops.dispatch import Implementation, Unsupported, num_sms, resolve_interpret, run_op
 from jds.ops.indexer import indexer_topk_xla, map_token_chunks, masked_index_logits, visible_topk_indices
 from jds.ops.select import radix_topk
 from jds.ops.quant import FP8, act_quant
@@ -89,7 +89,6 @@ from pallas_kernels.topk_select import TopkSelectConfig, select_config_for, topk
 TILE = 64  # keys per MMA tile (wgmma M)
 HEAD_DIM = 128
 DEFAULT_MAX_LOGITS_BYTES = 512 << 20
-_H200_SMS = 132
 
 KeySource = Literal["auto", "paged", "views", "gathered"]
 TopkAlgorithm = Literal["auto", "lax", "radix", "pallas_radix"]
@@ -156,13 +155,6 @@ def supports(fmt: object, head_dim: int = HEAD_DIM) -> bool:
         return False
     e = fmt.entries_per_page
     return e % 32 == 0 and (TILE % e == 0 or e % TILE == 0)
-
-
-def _num_sms() -> int:
-    d = jax.devices()[0]
-    if d.platform != "gpu":
-        return _H200_SMS
-    return int(getattr(d, "core_count", 0) or _H200_SMS)
 
 
 # ----- query side ---------------------------------------------------------------------------------
@@ -426,7 +418,7 @@ def paged_logits(q8: jax.Array, w: jax.Array, cache: jax.Array, block_tables: ja
     tpc = config.tiles_per_cta
     if tpc is None:
         # about two CTAs' worth of work per SM and wave, at most 32 tiles (256 KiB of keys) per CTA
-        tpc = int(np.clip((n_groups * n_tiles) // (2 * _num_sms()), 1, 32))
+        tpc = int(np.clip((n_groups * n_tiles) // (2 * num_sms()), 1, 32))
     tpc = min(tpc, n_tiles)
     n_splits = -(-n_tiles // tpc)
     mode = config.key_source

@@ -309,6 +309,11 @@ def test_pick_tiles() -> None:
     assert G._fit_stages(4, 128, 128, 256, 2048) < 4  # a 128-row token tile: fewer stages fit SMEM
     assert G._pick_tiles(6, 256, 2048, 4096, None, None, None, None, fp8=True)[2] == 512  # "fp8" decode steps
     assert G._pick_tiles(24576, 256, 4096, 2048, None, None, None, None, fp8=True)[2] == 128
+    # the "fp8" ring: the "chained" depth divides a unit's steps, the "flat" one only fits SMEM
+    assert G.fp8_stages(4, 2, 8, 128, 512) == 2 and G.fp8_stages(4, 6, 8, 128, 512) == 3
+    assert G.fp8_stages(4, None, 8, 128, 512) == 4 and G.fp8_stages(8, None, 8, 128, 512) == 5
+    with pytest.raises(ValueError, match="does not fit"):
+        G.fp8_stages(4, None, 128, 128, 4096)
 
 
 # ----- errors ---------------------------------------------------------------------------------------------

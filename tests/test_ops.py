@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jds.ops import fused_insert as fi
-from jds.ops.dispatch import Unsupported, check_implementation, op_implementation
+from jds.ops.dispatch import H200_SMS, Unsupported, check_implementation, num_sms, op_implementation
 from jds.ops.indexer import prepare_indexer_q
 from jds.ops.paging import empty_cache, gather_request_rows, read_records, write_records
 from jds.ops.records import FloatRows, IndexerRecord132, MlaRecord584, MlaRecord656
@@ -300,3 +300,9 @@ def test_validation_and_layer_mapping() -> None:
         check_implementation("gpu", "kind")
     assert op_implementation("xla") == "xla" and op_implementation("pallas") == "auto"
     assert op_implementation("auto") == ("auto" if jax.default_backend() == "gpu" else "xla")
+
+
+def test_num_sms() -> None:
+    """The default GPU's SM count (a persistent kernel's grid); off-GPU the H200's."""
+    d = jax.devices()[0]
+    assert num_sms() == (d.core_count if d.platform == "gpu" else H200_SMS) > 0

@@ -37,6 +37,18 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+H200_SMS = 132
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the default GPU (a persistent kernel's grid, a split's target); off-GPU
+    (interpret mode, lowering for an H200 on a CPU host) the H200's 132."""
+    d = jax.devices()[0]
+    if d.platform != "gpu":
+        return H200_SMS
+    return int(getattr(d, "core_count", 0) or H200_SMS)
+
+
 def resolve_interpret(interpret: bool | None) -> bool:
     """None -> GPU interpret mode unless the default backend is a GPU (kernels off-GPU: tests only)."""
     return not on_gpu() if interpret is None else bool(interpret)
