@@ -40,6 +40,7 @@
 #   scripts/gpu_session.sh topk-pivot    # issue 20: the indexer's top-k config against a 12- and an 8-bit pivot
 #   scripts/gpu_session.sh select      # indexer decode select: top-k "auto" against the default lax, and XLA
 #   scripts/gpu_session.sh mqa           # MQA decode rows again, now with device_us (b1/b8 sit at the dispatch floor)
+#   scripts/gpu_session.sh gather-probe  # issue 20: per-thread register gather of cache rows (the MQA producer's plan)
 #   scripts/gpu_session.sh multigpu      # issue 21, kind nvidia-h200-x2: 8-layer V3.2 TTFT + decode, tp=1 vs tp=2
 #
 # Every timed process runs alone; every process sets XLA_PYTHON_CLIENT_PREALLOCATE=false so a compile
@@ -297,6 +298,13 @@ case "$stage" in
     # the FP8 grouped expert GEMM's call: the rows' bookkeeping in XLA against one kernel (layout="pallas")
     V=${FP8GSWEEP_VARIANTS:-'[{}, {"layout": "pallas"}]'}
     ncu_sweep fp8g "$V"
+    ;;
+  gather-probe)
+    # the MQA plan's register gather (scripts/diag/gather_probe.py): rows equal cache[slots], device µs against
+    # XLA's take and the copy bandwidth, loads of a block before its stores or in load-store pairs (about 1 minute)
+    timeout ${GATHER_TIMEOUT:-200} python3 scripts/diag/gather_probe.py --out "$OUT/gather_probe_h200.json" \
+      > "$OUT/gather_probe.log" 2>&1; echo "gather probe rc=$?"; grep '^{' "$OUT/gather_probe.log" | cut -c1-400
+    tail -3 "$OUT/gather_probe.log" | cut -c1-300
     ;;
   tests-all)
     # every gpu-marked test in one run: pytest-xdist workers share the GPU (the suite is compile-bound;
