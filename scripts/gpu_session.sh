@@ -40,7 +40,7 @@
 #   scripts/gpu_session.sh topk-pivot    # issue 20: the indexer's top-k config against a 12- and an 8-bit pivot
 #   scripts/gpu_session.sh select      # indexer decode select: top-k "auto" against the default lax, and XLA
 #   scripts/gpu_session.sh mqa           # MQA decode rows again, now with device_us (b1/b8 sit at the dispatch floor)
-#   scripts/gpu_session.sh gather-probe  # issue 20: per-thread register gather of cache rows (the MQA producer's plan)
+#   scripts/gpu_session.sh gather-probe  # issue 20: register gather + dequant into the swizzled K tile (the MQA producer's plan)
 #   scripts/gpu_session.sh multigpu      # issue 21, kind nvidia-h200-x2: 8-layer V3.2 TTFT + decode, tp=1 vs tp=2
 #
 # Every timed process runs alone; every process sets XLA_PYTHON_CLIENT_PREALLOCATE=false so a compile
@@ -301,10 +301,14 @@ case "$stage" in
     ;;
   gather-probe)
     # the MQA plan's register gather (scripts/diag/gather_probe.py): rows equal cache[slots], device µs against
-    # XLA's take and the copy bandwidth, loads of a block before its stores or in load-store pairs (about 1 minute)
-    timeout ${GATHER_TIMEOUT:-200} python3 scripts/diag/gather_probe.py --out "$OUT/gather_probe_h200.json" \
-      > "$OUT/gather_probe.log" 2>&1; echo "gather probe rc=$?"; grep '^{' "$OUT/gather_probe.log" | cut -c1-400
-    tail -3 "$OUT/gather_probe.log" | cut -c1-300
+    # XLA's take and the copy bandwidth; then --dequant, V3.2 records into the MQA's swizzled bf16 K tile
+    # against XLA's dequantisation, bit for bit (about 2 minutes)
+    for mode in gather dequant; do
+      flag=; [ $mode = dequant ] && flag=--dequant
+      timeout ${GATHER_TIMEOUT:-200} python3 scripts/diag/gather_probe.py $flag --out "$OUT/${mode}_probe_h200.json" \
+        > "$OUT/${mode}_probe.log" 2>&1; echo "$mode probe rc=$?"; grep '^{' "$OUT/${mode}_probe.log" | cut -c1-400
+      tail -3 "$OUT/${mode}_probe.log" | cut -c1-300
+    done
     ;;
   tests-all)
     # every gpu-marked test in one run: pytest-xdist workers share the GPU (the suite is compile-bound;

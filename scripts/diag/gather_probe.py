@@ -15,7 +15,14 @@ in PTX) and checks two things on the GPU before the MQA is built on it:
 
     python3 scripts/diag/gather_probe.py [--rows 262144] [--row-bytes 656] [--blocks 4096] [--out F.json]
 
-Native only (inline PTX); ``--lower-only`` lowers the kernel for an H200 on any machine.
+``--dequant``: the MQA producer's whole job for V3.2 records (``MlaRecord656``): gather a block's 64 records,
+dequantise the 512 e4m3 latent values with their fp32 scale per 128 in registers (``cvt.rn.f16x2.e4m3x2``, a
+float32 multiply, ``cvt.rn.bf16x2.f32``), copy the 64 bf16 rope values, and store the bf16 rows with
+``st.shared.v4`` at the addresses of the MQA's K tile ([64, 576] bf16, (8, 32) tiles, 64-byte swizzle: the
+16-byte unit u of row r of a tile sits at unit u ^ ((r >> 1) & 3), the TMA's 64-byte pattern), then TMA the
+tile out: equal to XLA's dequantisation of the gathered records bit for bit only if the swizzle is right.
+
+Native only (inline PTX); ``--lower-only`` lowers the kernels for an H200 on any machine.
 """
 
 from __future__ import annotations
@@ -24,10 +31,11 @@ import argparse
 import functools
 
 import jax
-import jax.experimental.pallas as pl  # noqa: F401 - Pallas registers the Mosaic GPU lowering
+import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jds.ops.dispatch import num_sms
 
@@ -116,6 +124,129 @@ def _store(item, llvm, i32, void) -> None:
                     "l,r,r,r,r,r", has_side_effects=True)
 
 
+REC = 656  # MlaRecord656: 512 e4m3 | 4 fp32 scales | 64 bf16 rope
+KT_COLS = 576  # the K tile's columns (bf16)
+KT_TF = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))  # the MQA's K tile transforms
+
+# one 16-byte chunk of e4m3 (4 words) times an fp32 scale -> 16 bf16 (8 words); element order kept (the low
+# byte / half of a word first)
+_DQ_ASM = (
+    "{ .reg .b16 h<8>; .reg .b32 f<8>; .reg .f16 x<16>; .reg .f32 y<16>;\n"
+    + "".join(f"mov.b32 {{h{2 * i}, h{2 * i + 1}}}, ${8 + i};\n" for i in range(4))
+    + "".join(f"cvt.rn.f16x2.e4m3x2 f{i}, h{i};\n" for i in range(8))
+    + "".join(f"mov.b32 {{x{2 * i}, x{2 * i + 1}}}, f{i};\n" for i in range(8))
+    + "".join(f"cvt.f32.f16 y{i}, x{i};\nmul.f32 y{i}, y{i}, $12;\n" for i in range(16))
+    + "".join(f"cvt.rn.bf16x2.f32 ${i}, y{2 * i + 1}, y{2 * i};\n" for i in range(8))
+    + "}")
+
+
+def _dequant_call(n_blocks: int, ctas: int):
+    """CTA c fills its SMEM K tile with blocks c, c + ctas, ... and TMAs each to the output; in a block, thread t
+    serves row t // 2, latent columns 256 (t % 2) .. + 255 and rope values 32 (t % 2) .. + 31."""
+
+    def fill(slots_ref, cache_ref, k_ref):
+        @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(KT_TF)))
+        def f(_, slots, cache, k):
+            from jax._src.lib.mlir import ir  # noqa: PLC0415 - lowering-time imports
+            from jax._src.lib.mlir.dialects import arith, llvm  # noqa: PLC0415
+            from jax.experimental.mosaic.gpu import utils as mu  # noqa: PLC0415
+
+            i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+            void = ir.Type.parse("!llvm.void")
+            c32 = lambda v: arith.constant(i32, v)  # noqa: E731
+            c64 = lambda v: arith.constant(i64, v)  # noqa: E731
+            tid = mu.thread_idx()
+            row, half = arith.divui(tid, c32(2)), arith.remui(tid, c32(2))
+            slot_ptr = arith.addi(llvm.ptrtoint(i64, mu.memref_ptr(slots)), arith.extui(i64, arith.muli(row, c32(4))))
+            slot = llvm.inline_asm(i32, [slot_ptr], "ld.global.nc.u32 $0, [$1];", "=r,l")
+            rec = arith.addi(llvm.ptrtoint(i64, mu.memref_ptr(cache)), arith.muli(arith.extui(i64, slot), c64(REC)))
+            k_base = llvm.ptrtoint(i32, mu.memref_ptr(k))
+            # the row's part of the K tile's physical address: (8, 32) tiles [row tile, column tile], 512 bytes
+            # each; inside a tile, row r is 64 bytes; 16-byte unit u lands at u ^ ((r >> 1) & 3)
+            r8 = arith.remui(row, c32(8))
+            row_off = arith.addi(arith.muli(arith.divui(row, c32(8)), c32((KT_COLS // 32) * 512)),
+                                 arith.muli(r8, c32(64)))
+            sw = arith.andi(arith.shrui(r8, c32(1)), c32(3))
+
+            def k_addr(col0: ir.Value, col: int) -> ir.Value:
+                """Shared address of the 8 bf16 at columns col0 + col .. + 7 (col0 dynamic, a multiple of 32)."""
+                c = arith.addi(col0, c32(col))
+                unit = arith.xori(arith.andi(arith.shrui(c, c32(3)), c32(3)), sw)
+                return arith.addi(k_base, arith.addi(row_off, arith.addi(
+                    arith.muli(arith.shrui(c, c32(5)), c32(512)), arith.muli(unit, c32(16)))))
+
+            def load16(off: ir.Value) -> list[ir.Value]:
+                v = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [arith.addi(rec, off)],
+                                    "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
+                return [llvm.extractvalue(i32, v, [j]) for j in range(4)]
+
+            def store16(addr: ir.Value, words: list[ir.Value]) -> None:
+                llvm.inline_asm(void, [addr, *words], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r",
+                                has_side_effects=True)
+
+            half64 = arith.extui(i64, half)
+            lat0 = arith.muli(half64, c64(256))  # this thread's first latent byte
+            # every load first (16 latent chunks, the scales, 4 rope chunks), then convert and store
+            lat = [load16(arith.addi(lat0, c64(16 * i))) for i in range(16)]
+            scales = load16(c64(512))
+            rope = [load16(arith.addi(arith.muli(half64, c64(64)), c64(528 + 16 * q))) for q in range(4)]
+            col_lat = arith.muli(half, c32(256))
+            for i in range(16):
+                # the chunk's scale: word 2 * half + i // 8 of the four
+                sc = arith.select(arith.cmpi(arith.CmpIPredicate.eq, half, c32(0)), scales[i // 8],
+                                  scales[2 + i // 8])
+                out = llvm.inline_asm(llvm.StructType.get_literal([i32] * 8), [*lat[i], sc], _DQ_ASM,
+                                      "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r")
+                words = [llvm.extractvalue(i32, out, [j]) for j in range(8)]
+                store16(k_addr(col_lat, 16 * i), words[:4])
+                store16(k_addr(col_lat, 16 * i + 8), words[4:])
+            col_rope = arith.addi(c32(512), arith.muli(half, c32(32)))
+            for q in range(4):
+                store16(k_addr(col_rope, 8 * q), rope[q])
+
+        f(slots_ref, cache_ref, k_ref)
+
+    def kernel(slots_ref, cache_ref, out_ref, k_s):
+        cta = lax.axis_index("cta")
+
+        @pl.loop(0, (n_blocks - 1) // ctas + 1)
+        def _(j):
+            blk = cta + j * ctas
+
+            @pl.when(blk < n_blocks)
+            def _():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's TMA read the tile
+                fill(slots_ref.at[blk], cache_ref, k_s)
+                plgpu.commit_smem()  # the threads' st.shared visible to the TMA
+                plgpu.copy_smem_to_gmem(k_s, out_ref.at[pl.ds(blk * BLOCK, BLOCK)])
+
+        plgpu.wait_smem_to_gmem(0)
+
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((n_blocks * BLOCK, KT_COLS), jnp.bfloat16),
+                        grid=(ctas,), grid_names=("cta",), compiler_params=params,
+                        scratch_types=[plgpu.SMEM((BLOCK, KT_COLS), jnp.bfloat16, transforms=KT_TF)])
+
+
+def dequant_rows(cache: jax.Array, slots: jax.Array, *, ctas: int | None = None) -> jax.Array:
+    """The bf16 K rows [n_blocks * 64, 576] of records ``slots`` [n_blocks, 64] of ``cache`` [rows, 656] (uint8
+    ``MlaRecord656``), through the MQA producer's register path and its swizzled K tile."""
+    n_blocks, rows = slots.shape
+    if rows != BLOCK or cache.dtype != jnp.uint8 or cache.ndim != 2 or cache.shape[1] != REC:
+        raise ValueError(f"slots must be [n, {BLOCK}] and cache uint8 [rows, {REC}], got {slots.shape} "
+                         f"{cache.dtype} {cache.shape}")
+    return _dequant_call(n_blocks, ctas or min(num_sms(), n_blocks))(slots.astype(jnp.int32), cache)
+
+
+def dequant_reference(cache: jax.Array, slots: jax.Array) -> jax.Array:
+    """XLA: the records' latent e4m3 times its scale, rounded to bf16, then the bf16 rope values."""
+    from jds.ops.records import MlaRecord656  # noqa: PLC0415
+
+    fmt = MlaRecord656(entries_per_page=1)
+    recs = jnp.take(cache, slots.reshape(-1), axis=0)
+    return fmt.unpack(recs).astype(jnp.bfloat16)
+
+
 def gather_rows(cache: jax.Array, slots: jax.Array, *, ilp: bool = True, ctas: int | None = None) -> jax.Array:
     """Rows ``slots`` [n_blocks, 64] (int32, in range) of ``cache`` [rows, row_bytes] (uint8): [n_blocks * 64,
     row_bytes], by the register-gather kernel."""
@@ -132,6 +263,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=262144, help="cache rows (262144 x 656 B = 172 MB, past L2)")
     ap.add_argument("--row-bytes", type=int, default=656)
     ap.add_argument("--blocks", type=int, default=4096, help="blocks of 64 gathered rows per call")
+    ap.add_argument("--dequant", action="store_true", help="the V3.2 record -> swizzled bf16 K tile probe")
     ap.add_argument("--lower-only", action="store_true", help="lower for an H200 (any machine) and stop")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -146,31 +278,45 @@ def main() -> None:
                 text = jax.jit(functools.partial(gather_rows, ilp=ilp, ctas=132)).trace(*args).lower(
                     lowering_platforms=("cuda",)).as_text()
                 print("lowered", "ilp" if ilp else "no-ilp", "mosaic_gpu" in text)
+            args = (jax.ShapeDtypeStruct((a.rows, REC), jnp.uint8), args[1])
+            text = jax.jit(functools.partial(dequant_rows, ctas=132)).trace(*args).lower(
+                lowering_platforms=("cuda",)).as_text()
+            print("lowered dequant", "mosaic_gpu" in text)
         return
 
     from jds.bench.results import measured_row, run_meta, write_json  # noqa: PLC0415
     from jds.bench.timing import measure_ceilings, profiled_device_us  # noqa: PLC0415
 
     rng = np.random.default_rng(0)
-    cache = jnp.asarray(rng.integers(0, 256, (a.rows, a.row_bytes), dtype=np.uint8))
-    slots = jnp.asarray(rng.integers(0, a.rows, (a.blocks, BLOCK), dtype=np.int32))
-    want = np.asarray(cache)[np.asarray(slots).reshape(-1)]
-    moved = 2 * a.blocks * BLOCK * a.row_bytes  # read + write
     ceil = measure_ceilings()
+    slots = jnp.asarray(rng.integers(0, a.rows, (a.blocks, BLOCK), dtype=np.int32))
+    if a.dequant:  # real records: random rows packed as the cache writer packs them
+        from jds.ops.records import MlaRecord656  # noqa: PLC0415
+
+        rows_f = jax.random.normal(jax.random.key(0), (a.rows, KT_COLS), jnp.float32)
+        cache = jax.jit(MlaRecord656(entries_per_page=1).pack)(rows_f)
+        want = np.asarray(dequant_reference(cache, slots))
+        moved = a.blocks * BLOCK * (REC + 2 * KT_COLS)  # records read, bf16 rows written
+        impls = {"register_dequant": jax.jit(dequant_rows), "xla_dequant": jax.jit(dequant_reference)}
+    else:
+        cache = jnp.asarray(rng.integers(0, 256, (a.rows, a.row_bytes), dtype=np.uint8))
+        want = np.asarray(cache)[np.asarray(slots).reshape(-1)]
+        moved = 2 * a.blocks * BLOCK * a.row_bytes  # read + write
+        impls = {"register_gather_ilp": jax.jit(functools.partial(gather_rows, ilp=True)),
+                 "register_gather_pairs": jax.jit(functools.partial(gather_rows, ilp=False)),
+                 "xla_take": jax.jit(lambda c, s: jnp.take(c, s.reshape(-1), axis=0))}
     rows = []
-    impls = {"register_gather_ilp": jax.jit(functools.partial(gather_rows, ilp=True)),
-             "register_gather_pairs": jax.jit(functools.partial(gather_rows, ilp=False)),
-             "xla_take": jax.jit(lambda c, s: jnp.take(c, s.reshape(-1), axis=0))}
     for name, f in impls.items():
         def measure(f=f) -> dict:
             got = np.asarray(f(cache, slots))
             m = profiled_device_us(f, cache, slots)
             if "profile_span_us" in m:
                 m["copy_frac"] = moved / (m["profile_span_us"] * 1e-6) / ceil["copy_bytes_per_s"]
-            return dict(equal=bool(np.array_equal(got, want)), **m)
+            bad = got.view(np.uint16) != want.view(np.uint16) if got.dtype == jnp.bfloat16 else got != want
+            return dict(equal=not bool(bad.any()), mismatches=int(bad.sum()), **m)
 
-        rows.append(measured_row(dict(impl=name, rows=a.rows, row_bytes=a.row_bytes, blocks=a.blocks,
-                                      bytes=moved), measure))
+        rows.append(measured_row(dict(impl=name, rows=a.rows, row_bytes=REC if a.dequant else a.row_bytes,
+                                      blocks=a.blocks, bytes=moved), measure))
     if a.out:
         write_json(a.out, {"meta": run_meta(**ceil), "rows": rows})
 
