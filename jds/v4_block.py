@@ -66,7 +66,6 @@ from flax import nnx
 from jds.nn import Linear
 from jds.ops.norms import rms_norm
 from jds.ops.quant import FP4_WEIGHT_BLOCK, act_quant, fake_quant, fp4_dequant, random_fp4_weight
-from pallas_kernels import grouped_rows
 from pallas_kernels.fp4_grouped_gemm import fp4_grouped_linear
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -487,14 +486,12 @@ class V4MoE(nnx.Module):
         return _ragged_linear(x, self.expert_weights(name, x.dtype), sizes, x.dtype)
 
     def _expert_rows(self, x: jax.Array, rows: jax.Array | None = None):
-        """The expert GEMMs' input (``_expert_input``) at ``rows``. bf16 into FP4 experts at decode sizes: the
-        release's ``linear()`` quantisation itself, (e4m3 rows, per-128 scales), which the FP4 kernel takes as
-        they are (the release's ``fp4_gemm``; its "fp8" route, measured faster at 1-64 tokens); quantised per token
-        row before the gather. Larger batches (token tiles over 32 rows, where that route is unmeasured) get the
-        same values as bf16 rows."""
-        n_rows = x.shape[0] if rows is None else rows.shape[0]
-        if (self.cfg.experts_fp4 and x.dtype == jnp.bfloat16
-                and grouped_rows.token_tile(n_rows, self.cfg.n_routed_experts) <= 32):
+        """The expert GEMMs' input (``_expert_input``) at ``rows``. bf16 into FP4 experts: the release's
+        ``linear()`` quantisation itself, (e4m3 rows, per-128 scales), which the FP4 kernel takes as they are (the
+        release's ``fp4_gemm``; its "fp8" route, faster than bf16 rows of the same values at every measured size,
+        1 to 4096 tokens: benchmarks/results/archive/kernels_fp4_grouped_h200_2026-12-02_fourteenth.json);
+        quantised per token row before the gather."""
+        if self.cfg.experts_fp4 and x.dtype == jnp.bfloat16:
             xq, sx = act_quant(x, ACT_BLOCK, "ue8m0")
             return (xq, sx) if rows is None else (xq[rows], sx[rows])
         xe = _expert_input(x, self.cfg.experts_fp4)

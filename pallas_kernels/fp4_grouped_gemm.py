@@ -61,8 +61,8 @@ weight-read bound (1-4 rows per expert), so the design moves the weights once th
   scale block into a fresh accumulator, ``mma_group`` of them in flight per wait, each promoted in fp32 by its
   weight scale (times 2^6) per row, and each 128 columns by the tokens' x scales: the release kernel's per-block
   summation. Fewer instructions than any bf16 route (no scale multiply of the weights, half the MMAs); on the
-  H200 faster at 1-64 tokens (benchmarks/results/kernels_fp4_grouped_h200_2026-12-02.json). Exact for scale
-  bytes up to 248. The tensor cores' own accumulation inside a 32-column block is not fp32 (about 2^-14 of the
+  H200 faster at 1 to 4096 tokens (benchmarks/results/archive/kernels_fp4_grouped_h200_2026-12-02_fourteenth.json),
+  so the V4 MoE uses it at every size. Exact for scale bytes up to 248. The tensor cores' own accumulation inside a 32-column block is not fp32 (about 2^-14 of the
   block's partial sums), which the release's kernel shares. The route's kernel is persistent
   (``_build_fp8_call``): one CTA per SM loops over the work units, and consecutive units continue one TMA
   ring, so no unit waits for its first loads (the per-CTA ring lost a DRAM round trip per unit and left the last

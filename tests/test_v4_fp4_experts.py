@@ -444,14 +444,16 @@ def test_fp4_experts_run_the_grouped_kernel_where_set():
                           for m in stacks)
 
 
-def test_expert_rows_e4m3_at_decode_sizes_only(fp4_moe):
-    """bf16 expert inputs go to the FP4 kernel as act_quant's (e4m3, scales) pair at decode sizes (token tiles up
-    to 32 rows, where that route was measured) and as bf16 rows of the same values above; both stand for the
-    values ``_expert_input`` gives."""
+def test_expert_rows_e4m3_at_every_size(fp4_moe):
+    """bf16 expert inputs go to the FP4 kernel as act_quant's (e4m3, scales) pair at decode and prefill sizes
+    (the route measured faster at both), standing for the values ``_expert_input`` gives; float32 inputs (exact
+    numerics) stay float32 rows."""
     d = fp4_moe.cfg.hidden_size
-    for n_rows, pair in ((16, True), (64 * fp4_moe.cfg.n_routed_experts, False)):
+    for n_rows in (16, 64 * fp4_moe.cfg.n_routed_experts):
         x = jax.random.normal(jax.random.key(n_rows), (n_rows, d), jnp.float32).astype(jnp.bfloat16)
         got = fp4_moe._expert_rows(x)
-        assert isinstance(got, tuple) == pair
-        vals = quant.dequant(*got, 128) if pair else got.astype(jnp.float32)
+        assert isinstance(got, tuple)
+        vals = quant.dequant(*got, 128)
         np.testing.assert_array_equal(np.asarray(vals), np.asarray(_expert_input(x, True).astype(jnp.float32)))
+    x32 = jax.random.normal(jax.random.key(1), (16, d), jnp.float32)
+    assert not isinstance(fp4_moe._expert_rows(x32), tuple)
