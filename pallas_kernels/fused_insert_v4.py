@@ -40,19 +40,27 @@ def _v4_kernel(q_ref, kv_ref, cos_ref, sin_ref, slot_ref, w_ref, _cache_in, q_ou
 
     @pl.when(jh < nhb)
     def _q():
+        """The rows' norm over the whole row, stored outside the rope slice; the rope slice as its (even, odd)
+        pairs [rows, rd / 2], rotated and stored apart: full-width partner / cos / sin rows held about three
+        times the registers (fewer programs per SM) for the 1/8 of the row that rotates."""
         r = C.iota((BT * HB, 1), 0)
         tok = pid * BT + jax.lax.shift_right_logical(r, C.log2(HB))
         head = jh * HB + (r & (HB - 1))
         ok = (tok < T) & (head < H)
         tc, hc = jnp.minimum(tok, T - 1), jnp.minimum(head, H - 1)
-        shape = (BT * HB, D)
-        x = C.load(q_ref, (tc, hc, col), shape).astype(F32)
-        xp = C.load(q_ref, (tc, hc, pcol), shape, mask=in_rope).astype(F32)
+        tok_out = jnp.where(ok, tok, T)
+        x = C.load(q_ref, (tc, hc, col), (BT * HB, D)).astype(F32)
         r_ = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-        y, yp = (x * r_).astype(dtype).astype(F32), (xp * r_).astype(dtype).astype(F32)
-        cs, sn = C.load(cos_ref, (tc, fcol), shape), C.load(sin_ref, (tc, fcol), shape)
-        out = C.rope_rows(y, yp, cs, sn, first, in_rope).astype(dtype)
-        C.store(q_out, (jnp.where(ok, tok, T), hc, col), out, ok)
+        C.store(q_out, (tok_out, hc, col), (x * r_).astype(dtype), ok & ~in_rope)
+        j = C.iota((1, rd // 2), 1)  # pair j: columns (D - rd + 2j, D - rd + 2j + 1), frequency j
+        ce, co = D - rd + 2 * j, D - rd + 2 * j + 1
+        pairs = (BT * HB, rd // 2)
+        u = (C.load(q_ref, (tc, hc, ce), pairs).astype(F32) * r_).astype(dtype).astype(F32)
+        v = (C.load(q_ref, (tc, hc, co), pairs).astype(F32) * r_).astype(dtype).astype(F32)
+        cs, sn = C.load(cos_ref, (tc, j), pairs), C.load(sin_ref, (tc, j), pairs)
+        # jds.ops.rope.apply_rope's products and sums for (u, v): (u c - v s, u s + v c)
+        C.store(q_out, (tok_out, hc, ce), (u * cs - v * sn).astype(dtype), ok)
+        C.store(q_out, (tok_out, hc, co), (v * cs + u * sn).astype(dtype), ok)
 
     @pl.when(jh == nhb)
     def _kv():

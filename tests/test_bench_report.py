@@ -86,3 +86,30 @@ def test_script_result_file_renders(tmp_path) -> None:
     text = render(str(tmp_path))
     assert "| v32_decode_64 | splits2 | 150.0 | 243 | 0.00200 | 1.50 |" in text
     assert "- v4_decode_64 default: ValueError: no" in text
+
+
+def test_kernel_rows_show_the_timeline_where_measured() -> None:
+    """Kernel rows with ``profile_span_us`` (the GPU timeline) get its columns and its fraction of the copy
+    bandwidth; older files without it keep their columns."""
+    from jds.bench.report import _kernel_rows
+
+    meta = {"copy_bytes_per_s": 4e12, "bf16_flops_per_s": 8e14}
+    row = {"kernel": "v4_qnorm_rope_kv_insert", "case": "T=8192", "median_us": 300.0, "device_unrolled_us": 290.0,
+           "bandwidth_frac": 0.5, "flops_frac": None}
+    old = _kernel_rows({"meta": meta, "rows": [{**row, "impl": "pallas"}, {**row, "impl": "xla"}]})
+    assert "timeline" not in "\n".join(old)
+    timed = {"profile_span_us": 250.0, "profile_bandwidth_frac": 0.7}
+    new = _kernel_rows({"meta": meta, "rows": [{**row, **timed, "impl": "pallas"}, {**row, **timed, "impl": "xla"}]})
+    header = next(line for line in new if line.startswith("| kernel"))
+    assert "pallas timeline µs" in header and "pallas timeline of copy bw" in header
+    assert "| 250.0 | 250.0 | 70.0% |" in "\n".join(new)
+
+
+def test_profiled_device_us_threads_donated_buffers() -> None:
+    """``thread``: the donated argument is replaced by the call's output, so calls after the first still run."""
+    import jax.numpy as jnp
+
+    from jds.bench.timing import profiled_device_us
+
+    step = lambda cache, x: (cache.at[0].add(x), x + 1.0)  # noqa: E731
+    assert profiled_device_us(step, jnp.zeros((8,)), jnp.ones(()), calls=3, warmup=2, thread=((0, 0),)) == {}

@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> None:
             _fractions(r, "median_us", "", ceil)  # absent on a row that records an error
             if r.get("device_unrolled_us"):  # device time alone (timing.device_row)
                 _fractions(r, "device_unrolled_us", "device_unrolled_", ceil)
+            if r.get("profile_span_us"):  # device time per call from the GPU's timeline (timing.profiled_device_us)
+                _fractions(r, "profile_span_us", "profile_", ceil)
             rows.append(r)
             print(json.dumps(r), flush=True)
             write_json(a.out, {"meta": meta, "rows": rows})  # after every row: a cut-short run keeps them

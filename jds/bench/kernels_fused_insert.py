@@ -3,7 +3,9 @@ DeepSeek-V3.2 / V4 dims (bf16 activations, FP8 caches, DeepSeek reference numeri
 
 Driven by ``python -m jds.bench.kernels`` (``--only fused_insert``). Rows: kernel, case, impl ("pallas" | "xla"),
 median_us / p10_us / p90_us (jds.bench.timing.time_fn), device_unrolled_us (device_time_us: the
-call repeated inside one executable, dispatch excluded; rows under ``device_row``'s ``below_us``), bytes
+call repeated inside one executable, dispatch excluded; rows under ``device_row``'s ``below_us``),
+profile_span_us / profile_busy_us (on a GPU: the call's device time from the GPU's timeline,
+``timing.profiled_device_us``, the caches threaded as in the timed calls), bytes
 (compulsory HBM traffic: every input read once, every output written once; caches count only the records
 written), flops 0.
 
@@ -34,7 +36,7 @@ from jds.ops.records import IndexerRecord132, MlaRecord584, MlaRecord656
 from jds.ops.rope import cached_inv_freqs, rope_cos_sin
 from pallas_kernels.fused_insert_v32 import fused_kv_insert_v32, fused_q_v32
 from pallas_kernels.fused_insert_v4 import fused_qnorm_rope_kv_insert_v4
-from jds.bench.timing import device_row, time_fn
+from jds.bench.timing import device_row, profiled_device_us, time_fn
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -114,6 +116,8 @@ def benchmark(quick: bool) -> Iterator[dict]:
             t = time_fn(run, warmup=1 if interpret else 5, iters=3 if interpret else 50)
             t.update(device_row(call, *[jnp.array(a, copy=True) for a in args],
                                 median_us=t["median_us"], thread=tuple(zip(cache_pos, out_pos)), quick=quick))
+            if on_gpu:  # the GPU timeline's device time per call (the issue's method; the others are host-timed)
+                t.update(profiled_device_us(call, *args, thread=tuple(zip(cache_pos, out_pos))))
             yield {"kernel": kernel, "case": case, "impl": impl, **t, "bytes": nbytes, "flops": 0,
                    "interpret": interpret}
         if on_gpu and not quick and case.startswith("T=8192"):
@@ -160,6 +164,7 @@ def _sweep(kernel: str, case: str, fn, static: dict, args: list, cache_pos: tupl
             row["out_bytes"] = sum(int(a.nbytes) for a, _ in pairs)
             t = time_fn(jf, *args, warmup=3, iters=20)
             t.update(device_row(f, *args, median_us=t["median_us"], thread=tuple(zip(cache_pos, out_pos))))
+            t.update(profiled_device_us(f, *args, thread=tuple(zip(cache_pos, out_pos))))
             row.update(t)
         except Exception as e:  # noqa: BLE001 - a tile that does not compile is a result, not a crash
             row["error"] = str(e).splitlines()[0][:300]

@@ -405,18 +405,25 @@ def _kernel_rows(d: dict) -> list[str]:
           if len(v) > 1 or not any(k[1].startswith(c + "_") for kk, c in by if kk == k[0] and c != k[1])}
     if not by:
         return []
+    timeline = any(r.get("profile_span_us") for r in rows)  # runs since 2026-12-02 time the GPU's timeline too
     body = []
     for (kernel, case), per in by.items():
         p, x = per.get("pallas", {}), per.get("xla", {})
         body.append([kernel, case] + [_fmt(per.get(i, {}).get("median_us"), 1) for i in impls]
                     + [_fmt(per.get(i, {}).get("device_unrolled_us"), 1) for i in impls if i in ("pallas", "xla")]
+                    + ([_fmt(per.get(i, {}).get("profile_span_us"), 1) for i in impls if i in ("pallas", "xla")]
+                       + [_pct(p.get("profile_bandwidth_frac"))] if timeline else [])
                     + [_ratio(x.get("median_us"), p.get("median_us")), _pct(p.get("bandwidth_frac")),
                        _pct(p.get("flops_frac"))])
     hdr = (["kernel", "case"] + [f"{i} µs" for i in impls]
            + [f"{i} unrolled µs" for i in impls if i in ("pallas", "xla")]
+           + ([f"{i} timeline µs" for i in impls if i in ("pallas", "xla")] + ["pallas timeline of copy bw"]
+              if timeline else [])
            + ["xla / pallas", "pallas bandwidth_frac", "pallas flops_frac"])
     return (["Pipelined median per call (µs; `median_us`), device time without dispatch where measured "
-             "(`device_unrolled_us`), roofline fractions of the copy bandwidth / bf16 FLOP/s measured in the same run "
+             "(`device_unrolled_us`)" + (", device time per call from the GPU's timeline (`profile_span_us`)"
+                                         if timeline else "")
+             + ", roofline fractions of the copy bandwidth / bf16 FLOP/s measured in the same run "
              f"(copy {_fmt(d['meta'].get('copy_bytes_per_s', 0) / 1e12)} TB/s, "
              f"bf16 {_fmt(d['meta'].get('bf16_flops_per_s', 0) / 1e12, 0)} TFLOP/s):", ""] + _table(hdr, body))
 

@@ -153,7 +153,8 @@ def device_row(fn: Callable[..., Any], *args: Any, median_us: float, thread: Seq
     return {"device_unrolled_us": device_time_us(fn, *args, thread=thread, reps=reps, iters=iters, unrolled=True)}
 
 
-def profiled_device_us(fn: Callable[..., Any], *args: Any, calls: int = 20, warmup: int = 3) -> dict[str, float]:
+def profiled_device_us(fn: Callable[..., Any], *args: Any, calls: int = 20, warmup: int = 3,
+                       thread: Sequence[tuple[int, int]] = ()) -> dict[str, float]:
     """Device time per call of ``fn(*args)`` read off the GPU's timeline: ``calls`` calls, each waited for,
     under ``jax.profiler`` (CUPTI's kernel records), split into calls at the ``calls - 1`` longest idle gaps
     (the host's wait and dispatch between two calls; a call's own kernels follow each other closely).
@@ -164,21 +165,35 @@ def profiled_device_us(fn: Callable[..., Any], *args: Any, calls: int = 20, warm
 
     Why: a ~40-µs call's pipelined median moved by 30% between identical runs on the H200, and the unrolled
     difference of two long executables read some rows above the HBM peak (docs/perf-log.md, 2026-12-01, sixth
-    session); the kernels' own records do not depend on the host's timing."""
+    session); the kernels' own records do not depend on the host's timing.
+
+    ``thread``: (argument, output) index pairs of buffers updated in place (a cache the call's kernel aliases):
+    the argument is donated and replaced by that output after each call, so that no call copies it."""
     import glob
     import os
     import tempfile
 
     from jax.profiler import ProfileData
 
-    jf = fn if hasattr(fn, "lower") else jax.jit(fn)
+    if thread:
+        jf = jax.jit(fn, donate_argnums=tuple(i for i, _ in thread))
+        state = [jnp.array(a, copy=True) if i in dict(thread) else a for i, a in enumerate(args)]
+    else:
+        jf, state = (fn if hasattr(fn, "lower") else jax.jit(fn)), list(args)
+
+    def call() -> None:
+        outs = jf(*state)
+        for i, o in thread:
+            state[i] = outs[o]
+        jax.block_until_ready(outs)
+
     for _ in range(warmup):
-        jax.block_until_ready(jf(*args))
+        call()
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
         try:
             for _ in range(calls):
-                jax.block_until_ready(jf(*args))
+                call()
         finally:
             jax.profiler.stop_trace()
         files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
