@@ -215,7 +215,9 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
     _, pcol, fcol, first = C.rope_partner(p, 0, rd, True)
     u = C.load(q_ref, (tc, hc, nope + p), (BT * HP, rd)).astype(F32)
     v = C.load(q_ref, (tc, hc, nope + pcol), (BT * HP, rd)).astype(F32)
-    cs, sn = C.load(cos_ref, (tc, fcol), (BT * HP, rd)), C.load(sin_ref, (tc, fcol), (BT * HP, rd))
+    # one token per program (the default tiling): its cos / sin as one row, broadcast over the heads
+    tshape, trow = ((1, rd), jnp.minimum(pid, T - 1)) if BT == 1 else ((BT * HP, rd), tc)
+    cs, sn = C.load(cos_ref, (trow, fcol), tshape), C.load(sin_ref, (trow, fcol), tshape)
     pe = C.rope_rows(u, v, cs, sn, first, True).astype(dtype)
     C.store(qpe_out, (jnp.where(ok, tok, T), hc, p), pe, ok)
 
@@ -229,7 +231,8 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
     in_rope, pci, fci, firsti = C.rope_partner(ci, 0, rd, ilv)
     x = C.load(iq_ref, (tc, hc, ci), (BT * HiP, di)).astype(F32)
     xp = C.load(iq_ref, (tc, hc, pci), (BT * HiP, di), mask=in_rope).astype(F32)
-    csi, sni = C.load(cos_ref, (tc, fci), (BT * HiP, di)), C.load(sin_ref, (tc, fci), (BT * HiP, di))
+    tshape, trow = ((1, di), jnp.minimum(pid, T - 1)) if BT == 1 else ((BT * HiP, di), tc)
+    csi, sni = C.load(cos_ref, (trow, fci), tshape), C.load(sin_ref, (trow, fci), tshape)
     k = C.rope_rows(x, xp, csi, sni, firsti, in_rope).astype(dtype)
     if hadamard:
         kk = jax.lax.dot(k.astype(dot_dtype), h_ref[...], precision=jax.lax.Precision.HIGHEST,
