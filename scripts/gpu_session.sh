@@ -34,6 +34,7 @@
 #   scripts/gpu_session.sh ncu-fp8gsweep # issue 19: FP8 grouped decode calls x variants (row layout), exact kernel durations (ncu)
 #   scripts/gpu_session.sh tests-all     # every gpu-marked test, 6 pytest-xdist workers on the one GPU
 #   scripts/gpu_session.sh kernels       # fused insert (+ tile sweep) + indexer rows with device_us, top-k variants
+#   scripts/gpu_session.sh inserts       # issue 20: the fused inserts alone, GPU timeline + T = 8192 tile sweep
 #   scripts/gpu_session.sh topk          # Pallas radix-select top-k: native tests, then the top-k rows
 #   scripts/gpu_session.sh topk-tests    # the native top-k + sparse-indexer tests (4 workers)
 #   scripts/gpu_session.sh topk-knobs    # top-k native tests + knob sets (unroll, bits, shrink, block) at four shapes
@@ -325,6 +326,12 @@ case "$stage" in
       --out "$OUT/kernels_indexer.json" > "$OUT/bench_indexer.log" 2>&1; echo "indexer rc=$?"
     timeout ${FUSED_TIMEOUT:-230} python3 scripts/bench_kernels.py --only fused_insert --out "$OUT/kernels_fused_insert.json" \
       > "$OUT/bench_fused_insert.log" 2>&1; echo "fused_insert rc=$?"
+    ;;
+  inserts)
+    # issue 20: the fused inserts alone (each row also on the GPU timeline, caches threaded) + the T = 8192 tile sweep
+    timeout ${FUSED_TIMEOUT:-400} python3 -m jds.bench.kernels --only fused_insert --out "$OUT/kernels_fused_insert.json" \
+      > "$OUT/bench_fused_insert.log" 2>&1; echo "fused_insert rc=$?"
+    grep '^{' "$OUT/bench_fused_insert.log" | python3 -c 'import json, sys; [print(r["kernel"], r["case"], r["impl"], r.get("profile_span_us"), r.get("profile_bandwidth_frac"), r.get("error", "")[:100]) for r in map(json.loads, sys.stdin)]'
     ;;
   topk)
     # the Pallas radix-select kernel: its native tests first, then the top-k rows (lax / Pallas), full and with one
