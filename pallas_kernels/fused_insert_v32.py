@@ -211,15 +211,17 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
     head = r & (HP - 1)
     ok = (tok < T) & (head < H)
     tc, hc = jnp.minimum(tok, T - 1), jnp.minimum(head, H - 1)
-    p = C.iota((1, rd), 1)
-    _, pcol, fcol, first = C.rope_partner(p, 0, rd, True)
-    u = C.load(q_ref, (tc, hc, nope + p), (BT * HP, rd)).astype(F32)
-    v = C.load(q_ref, (tc, hc, nope + pcol), (BT * HP, rd)).astype(F32)
+    # as (even, odd) pairs [rows, rd / 2]: each element loaded once, not once more as its partner
+    j = C.iota((1, rd // 2), 1)
+    u = C.load(q_ref, (tc, hc, nope + 2 * j), (BT * HP, rd // 2)).astype(F32)
+    v = C.load(q_ref, (tc, hc, nope + 2 * j + 1), (BT * HP, rd // 2)).astype(F32)
     # one token per program (the default tiling): its cos / sin as one row, broadcast over the heads
-    tshape, trow = ((1, rd), jnp.minimum(pid, T - 1)) if BT == 1 else ((BT * HP, rd), tc)
-    cs, sn = C.load(cos_ref, (trow, fcol), tshape), C.load(sin_ref, (trow, fcol), tshape)
-    pe = C.rope_rows(u, v, cs, sn, first, True).astype(dtype)
-    C.store(qpe_out, (jnp.where(ok, tok, T), hc, p), pe, ok)
+    tshape, trow = ((1, rd // 2), jnp.minimum(pid, T - 1)) if BT == 1 else ((BT * HP, rd // 2), tc)
+    cs, sn = C.load(cos_ref, (trow, j), tshape), C.load(sin_ref, (trow, j), tshape)
+    tok_out = jnp.where(ok, tok, T)
+    # jds.ops.rope.apply_rope's products and sums for (u, v): (u c - v s, u s + v c)
+    C.store(qpe_out, (tok_out, hc, 2 * j), (u * cs - v * sn).astype(dtype), ok)
+    C.store(qpe_out, (tok_out, hc, 2 * j + 1), (v * cs + u * sn).astype(dtype), ok)
 
     # ---- indexer q: RoPE (first rd dims) -> Hadamard -> per-head FP8 with the scale folded into w ----
     ri = C.iota((BT * HiP, 1), 0)
