@@ -59,18 +59,17 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
     x = C.load(kv_ref, (tc, col), (BT, lat)).astype(F32)
     r = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
     c = (x * r * C.load(kvw_ref, (col,), (1, lat)).astype(F32)).astype(dtype)
-    # k_pe as (even, odd) pairs [BT, rd / 2] (column 2j + e of the rope slice is pes[e][:, j])
-    j = C.iota((1, rd // 2), 1)
-    u = C.load(kv_ref, (tc, lat + 2 * j), (BT, rd // 2)).astype(F32)
-    v = C.load(kv_ref, (tc, lat + 2 * j + 1), (BT, rd // 2)).astype(F32)
-    cs, sn = C.load(cos_ref, (tc, j), (BT, rd // 2)), C.load(sin_ref, (tc, j), (BT, rd // 2))
-    # jds.ops.rope.apply_rope's products and sums for (u, v): (u c - v s, u s + v c)
-    pes = ((u * cs - v * sn).astype(dtype), (v * cs + u * sn).astype(dtype))
+    p = C.iota((1, rd), 1)
+    _, pcol, fcol, first = C.rope_partner(p, 0, rd, True)
+    u = C.load(kv_ref, (tc, lat + p), (BT, rd)).astype(F32)
+    v = C.load(kv_ref, (tc, lat + pcol), (BT, rd)).astype(F32)
+    cs, sn = C.load(cos_ref, (tc, fcol), (BT, rd)), C.load(sin_ref, (tc, fcol), (BT, rd))
+    pe = C.rope_rows(u, v, cs, sn, first, True).astype(dtype)
 
     epp = kv_fmt.entries_per_page
     nb = kv_out.shape[0]
     page = jnp.where(ok, jax.lax.div(safe, epp), nb)  # masked lanes: one past the last page
-    slot_in_page = jax.lax.rem(safe, epp)
+    j = jax.lax.rem(safe, epp)
     if isinstance(kv_fmt, MlaRecord656):
         rec = kv_fmt.record_bytes
         nblk = lat // 128
@@ -82,21 +81,19 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
         else:  # vLLM: max(amax / 448, FLT_MIN), then a true division
             s = jnp.maximum(C.div_rn(amax, jnp.full(amax.shape, FP8_MAX, F32), interpret), FLT_MIN)
             q = C.e4m3_bytes(C.div_rn(cf, jnp.broadcast_to(s[..., None], cf.shape), interpret))
-        base = slot_in_page * rec
+        base = j * rec
         C.store(kv_out, (page, base + col), q.reshape(BT, lat), ok)
         sc = C.iota((1, nblk), 1)
         for k in range(4):
             C.store(kv_out, (page, base + lat + 4 * sc + k), C.u32_byte(s, k), ok)
-        for e, pe in enumerate(pes):
-            lo, hi = C.u16_bytes(pe.astype(jnp.bfloat16))
-            off = base + lat + 4 * nblk + 2 * (2 * j + e)
-            C.store(kv_out, (page, off), lo, ok)
-            C.store(kv_out, (page, off + 1), hi, ok)
+        lo, hi = C.u16_bytes(pe.astype(jnp.bfloat16))
+        off = base + lat + 4 * nblk + 2 * p
+        C.store(kv_out, (page, off), lo, ok)
+        C.store(kv_out, (page, off + 1), hi, ok)
     else:  # FloatRows(lat + rd)
-        base = slot_in_page * kv_fmt.dim
+        base = j * kv_fmt.dim
         C.store(kv_out, (page, base + col), c.astype(kv_out.dtype), ok)
-        for e, pe in enumerate(pes):
-            C.store(kv_out, (page, base + lat + 2 * j + e), pe.astype(kv_out.dtype), ok)
+        C.store(kv_out, (page, base + lat + p), pe.astype(kv_out.dtype), ok)
 
     # ---- indexer key: LayerNorm -> RoPE (first rd dims) -> Hadamard -> quantise ----
     ci = C.iota((1, di), 1)
