@@ -297,8 +297,8 @@ def test_v4_layer_prepare(mode, layer_id, monkeypatch):
 
 
 # ----- lowering checks (any machine) ----------------------------------------------------------------------------
-def _lowering_cases():
-    t, dt = 33, BF16
+def _lowering_cases(t: int = 33):
+    dt = BF16
     cos = jnp.zeros((t, 32), F32)
     slots = jnp.zeros((t,), jnp.int32)
     kv32 = functools.partial(fused_kv_insert_v32, kv_format=MlaRecord656(64), index_format=IndexerRecord132(64),
@@ -313,9 +313,9 @@ def _lowering_cases():
                            interpret=False)
     v4_args = (jnp.zeros((t, 64, 512), dt), jnp.zeros((t, 512), dt), cos, cos, slots,
                jnp.zeros((2, 256 * 584), jnp.uint8), jnp.ones(512))
-    return [pytest.param(kv32, kv32_args, True, id="v32_kv_insert"),
-            pytest.param(q32, q32_args, False, id="v32_fused_q"),
-            pytest.param(v4, v4_args, True, id="v4_qnorm_rope_kv_insert")]
+    return [pytest.param(kv32, kv32_args, True, id=f"v32_kv_insert-t{t}"),
+            pytest.param(q32, q32_args, False, id=f"v32_fused_q-t{t}"),
+            pytest.param(v4, v4_args, True, id=f"v4_qnorm_rope_kv_insert-t{t}")]
 
 
 @pytest.mark.parametrize("fn,args,inserts", _lowering_cases())
@@ -326,9 +326,10 @@ def test_triton_lowering_real_dims(fn, args, inserts):
     assert ("output_operand_aliases" in hlo) == inserts  # the cache operands are updated in place
 
 
-@pytest.mark.parametrize("fn,args,inserts", _lowering_cases())
+@pytest.mark.parametrize("fn,args,inserts", _lowering_cases(1) + _lowering_cases(33))
 def test_sm90_compile_no_spills(fn, args, inserts):
-    """Triton IR -> PTX -> ptxas (sm_90a) with pip triton: no register spills (skipped without triton)."""
+    """Triton IR -> PTX -> ptxas (sm_90a) with pip triton, at the decode (1 token) and prefill tilings: no register
+    spills (skipped without triton)."""
     pytest.importorskip("triton")
     for k in C.compile_sm90_report(fn, *args):
         assert k["spill_bytes"] == 0, k
