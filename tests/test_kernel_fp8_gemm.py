@@ -307,34 +307,49 @@ def test_quantize_rows_limits() -> None:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("m,k,n,ctas,quantize_x", [(1, 512, 384, 5, False),  # runs span tiles, uneven
                                                    (7, 640, 256, 4, True),
-                                                   (100, 512, 256, 3, False)])  # one 128-row tile
+                                                   (100, 512, 256, 3, False),  # one 128-row tile
+                                                   (5, 512, 640, 3, False),  # 3 whole tiles, 2 shared
+                                                   (100, 384, 896, 3, False)])  # 2 rounds of whole tiles, 1 shared
 def test_stream_k_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, quantize_x: bool, monkeypatch) -> None:
-    """stream_k=True: a few CTAs (NUM_SMS patched) share the (column tile, K block) units, so runs start and end
-    inside tiles; every element within the fp32 bound of the reference (the partials' sum order differs)."""
+    """stream_k=True: a few CTAs (NUM_SMS patched) compute whole tiles first, then share the remaining (column
+    tile, K block) units, so runs start and end inside tiles; every element within the fp32 bound of the reference
+    (the partials' sum order differs)."""
     interpret = interpret_for(mode)
     if interpret:
         monkeypatch.setattr(G, "NUM_SMS", ctas)
-    x, wq, ws = make_case(m, k, n, seed=k)
+    x, wq, ws = make_case(m, k, n, seed=k + n)
     ref, ab = reference(x, wq, ws, "ue8m0")
     got = G.fp8_linear(x, wq, ws, out_dtype=jnp.float32, implementation="pallas", interpret=interpret,
                        stream_k=True, quantize_x=quantize_x)
     check(got, ref, ab, _rtol(mode, k), jnp.float32)
-    spc, slots, written = G.stream_k_layout(n // 128, k // 128, ctas)
-    assert slots > 1 and written[0].all()  # tiles shared by several CTAs; every tile has a first one
+    plan = G.stream_k_layout(n // 128, k // 128, ctas)
+    if plan.sk_units:
+        assert plan.slots > 1 and plan.written[0].all()  # shared tiles, every one with a first CTA
 
 
-@pytest.mark.parametrize("n_tiles,nk,ctas", [(3, 4, 5), (56, 128, 132), (144, 56, 132), (2, 3, 6), (7, 2, 3)])
+@pytest.mark.parametrize("n_tiles,nk,ctas", [(3, 4, 5), (56, 128, 132), (144, 56, 132), (192, 12, 132), (2, 3, 6),
+                                             (7, 2, 3), (6, 5, 3)])
 def test_stream_k_layout_counts_each_tiles_ctas(n_tiles: int, nk: int, ctas: int) -> None:
-    """stream_k_owner / stream_k_layout against a direct enumeration of the CTAs' runs [c U / P, (c + 1) U / P)."""
-    units = n_tiles * nk
-    sharing = [set() for _ in range(n_tiles)]
+    """stream_k_layout against a direct enumeration: floor(n_tiles / P) rounds of whole tiles, then the CTAs' runs
+    [c U / P, (c + 1) U / P) over the remaining tiles' units (stream_k_owner)."""
+    plan = G.stream_k_layout(n_tiles, nk, ctas)
+    assert plan.rounds == n_tiles // ctas and plan.dp_tiles == plan.rounds * ctas
+    units = (n_tiles - plan.dp_tiles) * nk
+    assert plan.sk_units == units
+    sharing = [set() for _ in range(n_tiles - plan.dp_tiles)]
+    runs = []
     for c in range(ctas):
-        for u in range(c * units // ctas, (c + 1) * units // ctas):
+        run = range(c * units // ctas, (c + 1) * units // ctas)
+        runs.append(plan.rounds * nk + len(run))
+        for u in run:
             assert G.stream_k_owner(u, units, ctas) == c
             sharing[u // nk].add(c)
-    spc, slots, written = G.stream_k_layout(n_tiles, nk, ctas)
-    assert spc == -(-units // ctas) and slots == max(len(s) for s in sharing)
-    np.testing.assert_array_equal(written, np.arange(slots)[:, None] < np.array([len(s) for s in sharing]))
+    assert plan.steps == max(runs)
+    if not units:
+        assert plan.slots == 0 and plan.written.size == 0
+        return
+    assert plan.slots == max(len(s) for s in sharing)
+    np.testing.assert_array_equal(plan.written, np.arange(plan.slots)[:, None] < np.array([len(s) for s in sharing]))
     assert all(min(s) == G.stream_k_owner(t * nk, units, ctas) and max(s) - min(s) + 1 == len(s)
                for t, s in enumerate(sharing))
 
