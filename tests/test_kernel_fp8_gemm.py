@@ -308,7 +308,7 @@ def test_quantize_rows_limits() -> None:
 @pytest.mark.parametrize("m,k,n,ctas,quantize_x", [(1, 512, 384, 5, False),  # runs span tiles, uneven
                                                    (7, 640, 256, 4, True),
                                                    (100, 512, 256, 3, False),  # one 128-row tile
-                                                   (5, 512, 640, 3, False),  # 3 whole tiles, 2 shared
+                                                   (5, 512, 640, 3, True),  # 3 whole tiles, 2 shared
                                                    (100, 384, 896, 3, False)])  # 2 rounds of whole tiles, 1 shared
 def test_stream_k_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, quantize_x: bool, monkeypatch) -> None:
     """stream_k=True: a few CTAs (NUM_SMS patched) compute whole tiles first, then share the remaining (column
