@@ -19,7 +19,8 @@ in PTX) and checks two things on the GPU before the MQA is built on it:
 dequantise the 512 e4m3 latent values with their fp32 scale per 128 in registers (``cvt.rn.f16x2.e4m3x2``, a
 float32 multiply, ``cvt.rn.bf16x2.f32``), copy the 64 bf16 rope values, and store the bf16 rows with
 ``st.shared.v4`` at the addresses of the MQA's K tile ([64, 576] bf16, (8, 32) tiles, 64-byte swizzle: the
-16-byte unit u of row r of a tile sits at unit u ^ ((r >> 1) & 3), the TMA's 64-byte pattern), then TMA the
+16-byte unit u of row r of a tile sits at unit u ^ ((r >> 1) & 3), the TMA's 64-byte pattern, as Mosaic's swizzled
+stores compute it: fragmented_array's (offset // 128) % 4 XORed into the unit), then TMA the
 tile out: equal to XLA's dequantisation of the gathered records bit for bit only if the swizzle is right.
 
 Native only (inline PTX); ``--lower-only`` lowers the kernels for an H200 on any machine.
