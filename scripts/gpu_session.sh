@@ -241,7 +241,7 @@ case "$stage" in
     # the e4m3-x route ({"x_fp8": true}: x quantised outside the profiled call, as the V4 MoE's); its kernel is
     # persistent (fourteenth session): the "chained" ring (one pipeline per unit, depth dividing a unit's steps)
     # against the "flat" one (one pipeline per CTA, any depth; built, untimed), flat 5 deep (what fits), split_k 2
-    V=${FP4SWEEP_VARIANTS:-'[{"x_fp8": true}, {"x_fp8": true, "ring": "flat"}, {"x_fp8": true, "ring": "flat", "stages": 6}, {"x_fp8": true, "ring": "flat", "split_k": 2}]'}
+    V=${FP4SWEEP_VARIANTS:-'[{"x_fp8": true}, {"x_fp8": true, "ring": "flat"}, {"x_fp8": true, "ring": "flat", "stages": 6}, {"x_fp8": true, "ring": "flat", "split_k": 2}, {"x_fp8": true, "ring": "flat", "split_k": 8}]'}
     ncu_sweep fp4 "$V"
     ;;
   hostprofile)
