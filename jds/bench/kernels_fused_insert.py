@@ -135,7 +135,11 @@ SWEEP = {"v32_kv_insert": [dict(block_tokens=16, num_warps=4), dict(block_tokens
                                      dict(rows_per_program=8, heads_per_program=8, num_warps=8),
                                      dict(rows_per_program=32, heads_per_program=16, num_warps=4),
                                      dict(rows_per_program=16, heads_per_program=16, num_warps=2),
-                                     dict(rows_per_program=32, heads_per_program=32, num_warps=4)]}
+                                     dict(rows_per_program=32, heads_per_program=32, num_warps=4),
+                                     # the q rows' rope as pairs (fourteenth session) cut the registers 164 -> 96:
+                                     # more warps or rows per program may now pay
+                                     dict(rows_per_program=16, heads_per_program=16, num_warps=8),
+                                     dict(rows_per_program=32, heads_per_program=32, num_warps=8)]}
 
 
 def _bytes(x: jax.Array) -> jax.Array:
