@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jds.ops import quant
-from jds.ops.dispatch import Implementation, Unsupported, run_op
+from jds.ops.dispatch import Implementation, Unsupported, num_sms, run_op
 from pallas_kernels import grouped_rows
 from pallas_kernels.fp8_gemm import SW_ROWS, pad_weight_scales, scale_window
 
@@ -56,7 +56,7 @@ def fp8_grouped_linear(x: jax.Array, sizes: jax.Array, wq: jax.Array, w_scale: j
                        implementation: Implementation = "auto",
                        interpret: bool | plgpu.InterpretGPUParams | None = None, block_t: int | None = None,
                        block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-                       stages: int = 4, layout: Implementation = "auto") -> jax.Array:
+                       stages: int = 4, layout: Implementation = "auto", persistent: bool = False) -> jax.Array:
     """y [M, N] (``out_dtype``): row r of x [M, K] times expert e(r)'s FP8 weight, rows grouped by expert in order
     (``sizes`` int [E], sum <= M; rows past the sum give 0), W = ``wq`` (float8_e4m3fn [E, N, K]) with
     ``w_scale`` (float32 [E, N/128, K/128]); x re-quantised per 1 x 128 with ``scale_fmt`` scales.
@@ -69,7 +69,9 @@ def fp8_grouped_linear(x: jax.Array, sizes: jax.Array, wq: jax.Array, w_scale: j
     bookkeeping in XLA (about eight small kernels) or in one kernel, "pallas" (``grouped_rows.row_layout``), which
     shortened the decode call at every measured shape on the H200
     (benchmarks/results/fp8g_decode_ncu_sweep_h200_2026-12-02.json); "auto": "pallas" natively, "xla" in
-    interpret mode.
+    interpret mode. ``persistent``: the kernel as one CTA per SM looping over the work units with one TMA ring
+    for all of them, scales included (``_build_persistent_call``; the FP4 kernel's persistent form, which took
+    its decode calls from 58 to 70% of DRAM peak at 8 tokens); off until timed on the GPU.
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``); None = whenever the default backend
     is not a GPU.
     """
@@ -78,7 +80,7 @@ def fp8_grouped_linear(x: jax.Array, sizes: jax.Array, wq: jax.Array, w_scale: j
         "xla": lambda: _xla(x, sizes, wq, w_scale, out_dtype, scale_fmt),
         "pallas": lambda: _pallas(x, sizes, wq, w_scale, out_dtype=out_dtype, scale_fmt=scale_fmt,
                                   interpret=interpret, block_t=block_t, block_n=block_n, block_k=block_k,
-                                  split_k=split_k, stages=stages, layout=layout)})
+                                  split_k=split_k, stages=stages, layout=layout, persistent=persistent)})
 
 
 def _check_inputs(x, sizes, wq, w_scale, scale_fmt) -> None:
@@ -137,8 +139,10 @@ def _fit_stages(stages: int, bt: int, bn: int, bk: int, kps: int) -> int:
 
 
 def _pallas(x, sizes, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_t, block_n, block_k, split_k, stages,
-            layout="auto"):
+            layout="auto", persistent=False):
     _check_tiles(block_t, block_n, block_k, split_k, stages)
+    if not isinstance(persistent, bool):
+        raise ValueError(f"persistent must be a bool, got {persistent!r}")
     e, n, k = wq.shape
     m = x.shape[0]
     if not supports(n, k):
@@ -153,11 +157,16 @@ def _pallas(x, sizes, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_t, 
     xp = grouped_rows.tile_rows(xq.astype(jnp.float16), p)
     sxt = grouped_rows.tile_rows(sx, p).T  # [K/128, mx]: a tile's scales per block
     kps = k // BLOCK // p.splits
-    call = _build_call(n=n, k=k, items=p.items, bt=p.block_t, bn=p.block_n, bk=p.block_k, splits=p.splits,
-                       stages=_fit_stages(stages, p.block_t, p.block_n, p.block_k, kps),
-                       out_dtype=out_dtype if p.splits == 1 else jnp.dtype(jnp.float32), interpret=p.interpret)
     # a CTA copies SW_ROWS weight-scale rows holding its own (a TMA copy moves a multiple of 128 bytes)
     ws = pad_weight_scales(w_scale.astype(jnp.float32))
+    odt = out_dtype if p.splits == 1 else jnp.dtype(jnp.float32)
+    if persistent:
+        call = _build_persistent_call(n=n, k=k, items=p.items, bt=p.block_t, bn=p.block_n, bk=p.block_k,
+                                      splits=p.splits, stages=stages, out_dtype=odt, interpret=p.interpret)
+        return grouped_rows.finish(call(p.count, p.info, xp, sxt, wq, ws), p, out_dtype)
+    call = _build_call(n=n, k=k, items=p.items, bt=p.block_t, bn=p.block_n, bk=p.block_k, splits=p.splits,
+                       stages=_fit_stages(stages, p.block_t, p.block_n, p.block_k, kps), out_dtype=odt,
+                       interpret=p.interpret)
     return grouped_rows.finish(call(p.info, xp, sxt, wq, ws), p, out_dtype)
 
 
@@ -233,4 +242,109 @@ def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits
     return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
                         grid=(splits * n_tiles * items,), grid_names=("cta",), num_threads=nwg + 1,
                         thread_name="wg", scratch_types=scratch, compiler_params=params,
+                        interpret=interpret if interpret is not None else False)
+
+
+@functools.lru_cache(maxsize=None)
+def _build_persistent_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits: int, stages: int,
+                           out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None):
+    """``persistent=True``: one CTA per SM (3 in interpret mode, so that a CTA runs several units) and one pipeline
+    per CTA over the (unit, step) pairs of its units (split, N tile, item; item fastest), a dynamic grid whose
+    index maps find each step's unit, as the FP4 kernel's "flat" ring. Everything a step reads is in the ring: the
+    token tile, the weight tile, the weight-scale rows (the ``SW_ROWS`` rows holding the tile's, 4 K blocks: a
+    128-byte copy) and the tokens' x scales of the 512-column chunk holding the step. A unit's last step stores its
+    columns and restarts the accumulator."""
+    emulate_mma = interpret is not None
+    sw_rows = max(n // BLOCK, SW_ROWS)  # rows of the (padded) weight scales
+    kc = k // splits  # input columns per unit
+    steps = kc // bk
+    bps = bk // BLOCK  # K blocks per pipeline step
+    ch = K_ALIGN // BLOCK  # K blocks per scale chunk
+    n_tiles = n // bn
+    nwg = bn // 64
+    ctas = min(splits * n_tiles * items, num_sms() if interpret is None else 3)
+    per_stage = bt * bk * 2 + bn * bk + SW_ROWS * ch * 4 + ch * bt * 4
+    st = min(stages, SMEM_BUDGET // per_stage)
+    if st < 1:
+        raise ValueError(f"block_t {bt} x block_k {bk} (block_n {bn}) does not fit shared memory")
+    L = plgpu.Layout.WGMMA
+    COL = L.reduce(0)  # a [bt] vector along the accumulator's columns (tokens)
+    x_tf = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # 16 float16 = one 32-byte swizzle row
+    w_tf = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))  # 128 e4m3 = one 128-byte row
+
+    def kernel(count_ref, info_ref, x_ref, sxt_ref, w_ref, sw_ref, o_ref):
+        n_items = jnp.maximum(count_ref[0], 1)  # no items: no units (below), the divisions stay defined
+        units = splits * n_tiles * count_ref[0]
+        cta = lax.axis_index("cta")
+        n_local = jnp.maximum(units - cta + ctas - 1, 0) // ctas  # this CTA's units: cta, cta + ctas, ...
+
+        def unit(s):
+            """(item, N tile, split, step in the unit, the step's first input column) of flat step ``s``."""
+            u = cta + s // steps * ctas
+            si = u // (n_items * n_tiles)
+            ks = s % steps
+            return u % n_items, u // n_items % n_tiles, si, ks, si * kc + ks * bk
+
+        def x_map(s):
+            item, _, _, _, col = unit(s)
+            return info_ref[1, item], col // bk
+
+        def sx_map(s):
+            item, _, _, _, col = unit(s)
+            return col // K_ALIGN, info_ref[1, item]
+
+        def w_map(s):
+            item, t, _, _, col = unit(s)
+            return info_ref[0, item], t, col // bk
+
+        def sw_map(s):
+            item, t, _, _, col = unit(s)
+            return info_ref[0, item], scale_window(t * bn // BLOCK, sw_rows), col // K_ALIGN
+
+        specs = [plgpu.BlockSpec((pl.Element(bt), bk), x_map, transforms=x_tf),
+                 plgpu.BlockSpec((ch, pl.Element(bt)), sx_map),
+                 plgpu.BlockSpec((None, bn, bk), w_map, transforms=w_tf),
+                 plgpu.BlockSpec((None, pl.Element(SW_ROWS), ch), sw_map)]
+
+        def body(idx, x_s, sx_s, w_s, sw_s, acc):
+            item, t, si, ks, _ = unit(idx[0])
+            wg = lax.axis_index("wg")
+            sw_row = t * bn // BLOCK - scale_window(t * bn // BLOCK, sw_rows)
+            tile = plgpu.load(w_s.at[pl.ds(wg * 64, 64)], layout=L)  # e4m3 [64, bk]
+            for j in range(bps):
+                kb = (ks * bps + j) % ch  # the K block inside the step's 512-column chunk
+                a = [tile[:, BLOCK * j + 16 * c:BLOCK * j + 16 * c + 16].astype(jnp.float16) for c in range(8)]
+                b = [x_s.at[:, pl.ds(BLOCK * j + 16 * c, 16)].T for c in range(8)]
+                if emulate_mma:  # the interpreter's wgmma takes SMEM operands only
+                    blk = sum(jnp.dot(ai, bi[...], preferred_element_type=jnp.float32) for ai, bi in zip(a, b))
+                else:
+                    def mma(blk_ref, a=a, b=b):
+                        for ai, bi in zip(a, b):
+                            plgpu.wgmma(blk_ref, ai, bi)
+                        plgpu.wgmma_wait(0)
+                        return blk_ref[...]
+
+                    blk = pl.run_scoped(mma, plgpu.ACC((64, bt), jnp.float32))
+                sxv = plgpu.load(sx_s.at[kb], layout=COL, optimized=False)  # [bt]
+                acc = acc + blk * lax.broadcast_in_dim(sxv * sw_s[sw_row, kb], (64, bt), [1])
+            done = ks == steps - 1
+
+            @pl.when(done)
+            def _():
+                rows, cols = pl.ds(t * bn + wg * 64, 64), pl.ds(item * bt, bt)
+                dst = o_ref.at[rows, cols] if splits == 1 else o_ref.at[si, rows, cols]
+                dst[...] = acc.astype(dst.dtype)
+
+            return jnp.where(jnp.full((64, bt), done), jnp.zeros((64, bt), jnp.float32), acc)
+
+        plgpu.emit_pipeline_warp_specialized(
+            body, grid=(n_local * steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=nwg,
+            max_concurrent_steps=st, in_specs=specs,
+            compute_context=lambda run: run(plgpu.layout_cast(jnp.full((64, bt), 0.0, jnp.float32), L)))(
+            x_ref, sxt_ref, w_ref, sw_ref)
+
+    out_shape = (n, items * bt) if splits == 1 else (splits, n, items * bt)
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(ctas,),
+                        grid_names=("cta",), num_threads=nwg + 1, thread_name="wg", compiler_params=params,
                         interpret=interpret if interpret is not None else False)

@@ -296,8 +296,9 @@ case "$stage" in
     bash "$0" select
     ;;
   ncu-fp8gsweep)
-    # the FP8 grouped expert GEMM's call: the rows' bookkeeping in XLA against one kernel (layout="pallas")
-    V=${FP8GSWEEP_VARIANTS:-'[{}, {"layout": "pallas"}]'}
+    # the FP8 grouped expert GEMM's call (its layout kernel is the default natively since the seventh session): the
+    # per-CTA kernel against the persistent one (fourteenth session: built, tested in interpret mode only)
+    V=${FP8GSWEEP_VARIANTS:-'[{}, {"persistent": true}]'}
     ncu_sweep fp8g "$V"
     ;;
   gather-probe)

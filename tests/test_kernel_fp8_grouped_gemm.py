@@ -174,10 +174,30 @@ def test_bad_inputs(implementation: str, change, field: str) -> None:
         G.fp8_grouped_linear(*change(_args()), implementation=implementation, interpret=True)
 
 
+@pytest.mark.parametrize("mode", ["interpret", pytest.param("native", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("sizes,tiles", [
+    ([4, 0, 9, 1], {}),  # split-K units over 3 CTAs (interpret mode)
+    ([0, 5, 0, 0], dict(block_n=64, split_k=1)),  # two units (N tiles)
+    ([0, 0, 0, 0], {}),  # no rows in the groups: no units
+    ([9, 1, 17, 0], dict(block_t=16, block_k=256)),  # items at 8-row offsets of x, two K blocks per step
+    ([130, 5, 0, 0], dict(block_t=128)),  # a prefill token tile
+])
+def test_persistent_exact_bit_equal(mode: str, sizes: list[int], tiles: dict) -> None:
+    """``persistent=True``: CTAs with several units, one or none, exact data: kernel == reference bit for bit
+    (the ring's scale chunks and the units' stores), and 3 rows past the groups give 0."""
+    x, sz, wq, ws = exact_case(sizes, 256, 1024, seed=len(sizes) + sum(sizes))
+    x = jnp.concatenate([x, jnp.ones((3, 1024), x.dtype)])
+    got = G.fp8_grouped_linear(x, sz, wq, ws, out_dtype=jnp.float32, implementation="pallas",
+                               interpret=interpret_for(mode), persistent=True, **tiles)
+    ref, _ = reference(x[:sum(sizes)], sizes, wq, ws)
+    np.testing.assert_array_equal(np.asarray(got, np.float64)[:sum(sizes)], ref)
+    assert (np.asarray(got)[sum(sizes):] == 0).all()
+
+
 @pytest.mark.parametrize("kwargs,field", [
     (dict(block_t=12), "block_t"), (dict(block_n=256), "block_n"), (dict(block_k=512), "block_k"),
     (dict(split_k=3), "split_k"), (dict(stages=0), "stages"), (dict(scale_fmt="e8m0"), "scale_fmt"),
-    (dict(implementation="cuda"), "implementation"),
+    (dict(implementation="cuda"), "implementation"), (dict(persistent=1), "persistent"),
 ])
 def test_bad_params(kwargs: dict, field: str) -> None:
     kw = dict(implementation="pallas", interpret=True) | kwargs
@@ -213,6 +233,8 @@ def _lower_for_cuda(m: int, e: int, n: int, k: int, **tiles) -> str:
     (64, 256, 7168, 2048, {}),  # w2 decode, 8 tokens
     pytest.param(32768, 256, 2048, 7168, {}, marks=pytest.mark.slow),  # prefill: 128-row token tiles
     (40, 8, 256, 1024, dict(block_t=16, block_n=64, block_k=128, split_k=2)),
+    (8, 256, 2048, 7168, dict(persistent=True)),
+    (64, 256, 7168, 2048, dict(persistent=True, block_k=256)),
 ])
 def test_lowers_for_cuda(m: int, e: int, n: int, k: int, tiles: dict) -> None:
     """The kernel passes Mosaic GPU's lowering (register-A float16 wgmma, TMA of the scales, layouts) for CUDA."""
