@@ -62,11 +62,11 @@ weight-read bound (1-4 rows per expert), so the design moves the weights once th
   weight scale (times 2^6) per row, and each 128 columns by the tokens' x scales: the release kernel's per-block
   summation. Fewer instructions than any bf16 route (no scale multiply of the weights, half the MMAs); on the
   H200 faster at 1 to 4096 tokens (benchmarks/results/archive/kernels_fp4_grouped_h200_2026-12-02_fourteenth.json),
-  so the V4 MoE uses it at every size. Exact for scale bytes up to 248. The tensor cores' own accumulation inside a 32-column block is not fp32 (about 2^-14 of the
-  block's partial sums), which the release's kernel shares. The route's kernel is persistent
-  (``_build_fp8_call``): one CTA per SM loops over the work units, and consecutive units continue one TMA
-  ring, so no unit waits for its first loads (the per-CTA ring lost a DRAM round trip per unit and left the last
-  wave part-empty); the scales travel in the ring too.
+  so the V4 MoE uses it at every size. Exact for scale bytes up to 248. The tensor cores' own accumulation
+  inside a 32-column block is not fp32 (about 2^-14 of the block's partial sums), which the release's kernel
+  shares. The route's kernel is persistent (``_build_fp8_call``): one CTA per SM loops over the work units,
+  and consecutive units continue one TMA ring, so no unit waits for its first loads (the per-CTA ring lost a
+  DRAM round trip per unit and left the last wave part-empty); the scales travel in the ring too.
 - Output: each work item owns ``block_t`` columns of y^T [N, items * block_t] (bf16, or fp32 partials per K
   split that XLA sums); the wrapper gathers each row's column and transposes. A neighbouring expert's rows are
   never written: every item writes only its own columns.
@@ -596,11 +596,12 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
              plgpu.BlockSpec((bn, FP8_SCALE_COLS), lambda s: (0, s * blocks // FP8_SCALE_COLS))]
 
     def step_acc(step, x_s, sx_s, w_s, s_s, acc):
-        """Step ``step`` of a work unit: per 32-column block an e4m3 x e4m3 wgmma (K = 32) into a fresh accumulator, promoted in
-        fp32 with the block's weight scale (per row, times 2^6) and, per 128 columns, the tokens' x scale: the
-        release's per-block summation. ``group`` MMAs are in flight per wait, and the next group's weights are
-        converted (this group's scales loaded) while they run: the warps waited on shared-memory loads for most
-        of their stalls when conversion came after the wait, and the overlap was no slower anywhere
+        """Step ``step`` of a work unit: per 32-column block an e4m3 x e4m3 wgmma (K = 32) into a fresh
+        accumulator, promoted in fp32 with the block's weight scale (per row, times 2^6) and, per 128 columns, the
+        tokens' x scale: the release's per-block summation. ``group`` MMAs are in flight per wait, and the next
+        group's weights are converted (this group's scales loaded) while they run: the warps waited on
+        shared-memory loads for most of their stalls when conversion came after the wait, and the overlap was no
+        slower anywhere
         (benchmarks/results/fp4_decode_ncu_sweep_h200_2026-12-02.json)."""
         wg = lax.axis_index("wg")
         packed = plgpu.load(w_s.at[pl.ds(wg * 64, 64)], layout=plgpu.Layout.WGMMA_8BIT)  # uint8 [64, bk / 2]
