@@ -123,7 +123,8 @@ def _row_layout_xla(sizes: jax.Array, m: int, n_items: int, n_padded: int, bt: i
     valid = r < row_end[-1]
     src = jnp.full((n_padded,), m, jnp.int32).at[jnp.where(valid, poff[re] + local, n_padded)].set(r, mode="drop")
     col = jnp.where(valid, (tile_end[re] - tiles[re] + local // bt) * bt + local % bt, 0)
-    return items, src.astype(jnp.int32), col.astype(jnp.int32), valid, tile_end[-1:].astype(jnp.int32)
+    count = tile_end[-1:].astype(jnp.int32)
+    return items, src.astype(jnp.int32), col.astype(jnp.int32), valid, count
 
 
 # items / rows / padded rows per program of the layout kernel (x every expert: [8, E] compares). The programs run
