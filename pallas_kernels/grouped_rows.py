@@ -135,8 +135,8 @@ def _row_layout_xla(sizes: jax.Array, m: int, n_items: int, n_padded: int, bt: i
 LAYOUT_BLOCK = 8
 
 
-def _layout_kernel(sizes_ref, items_ref, src_ref, col_ref, valid_ref, count_ref, *, ne: int, ep: int, m: int, n_items: int,
-                   n_padded: int, bt: int) -> None:
+def _layout_kernel(sizes_ref, items_ref, src_ref, col_ref, valid_ref, count_ref, *, ne: int, ep: int, m: int,
+                   n_items: int, n_padded: int, bt: int) -> None:
     """Program b: items, output rows and padded rows ``b * LAYOUT_BLOCK + [0, LAYOUT_BLOCK)``. Every program
     computes the experts' prefix sums itself (E values); "the expert holding index i" is the count of experts
     ending at or before i, and a value of that expert is read by a one-hot sum over the experts (no gather from
