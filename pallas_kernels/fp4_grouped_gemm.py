@@ -462,7 +462,6 @@ def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits
     nwg = bn // 64
     L = plgpu.Layout.WGMMA
     ROW = L.reduce(1)
-    COL = L.reduce(0)  # a [bt] vector along the accumulator's columns (tokens)
     x_tf = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # one 32-byte swizzle row: 16 bf16
     wsw = min(128, bk // 2)  # packed bytes: swizzled, so the 8 rows a warp loads hit different banks
     w_tf = (plgpu.TilingTransform((8, wsw)), plgpu.SwizzleTransform(wsw))
@@ -706,65 +705,26 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
         """``ring="flat"``: one pipeline per CTA over all its (unit, step) pairs (a dynamic grid); the index
         maps find each step's unit, so the ring's depth is not bound by the steps of one unit (1 token: 2
         steps per unit), and a unit's last step stores its columns and restarts the accumulator."""
-        n_items = jnp.maximum(count_ref[0], 1)  # no items: no units (below), the divisions stay defined
-        units = splits * n_tiles * count_ref[0]
-        cta = lax.axis_index("cta")
-        n_local = jnp.maximum(units - cta + ctas - 1, 0) // ctas  # this CTA's units: cta, cta + ctas, ...
-
-        def unit(s):
-            """(item, N tile, split, step in the unit, the step's first input column) of flat step ``s``."""
-            u = cta + s // steps * ctas
-            si = u // (n_items * n_tiles)
-            ks = s % steps
-            return u % n_items, u // n_items % n_tiles, si, ks, si * kc + ks * bk
-
-        def x_map(s):
-            item, _, _, _, col = unit(s)
-            return info_ref[1, item], col // bk
-
-        def sx_map(s):
-            item, _, _, _, col = unit(s)
-            return col // K_ALIGN, info_ref[1, item]
-
-        def w_map(s):
-            item, t, _, _, col = unit(s)
-            return info_ref[0, item], t, col // bk
-
-        def sw_map(s):
-            item, t, _, _, col = unit(s)
-            return info_ref[0, item], t, col // K_ALIGN
-
+        sc = grouped_rows.flat_schedule(count_ref, info_ref, ctas=ctas, splits=splits, n_tiles=n_tiles,
+                                        steps=steps, kc=kc, bk=bk)
+        col = lambda s: sc.unit(s)[4]  # noqa: E731 - the step's first input column
         flat_specs = [
-            plgpu.BlockSpec((pl.Element(bt), bk), x_map, transforms=specs[0].transforms),
-            plgpu.BlockSpec((xb, pl.Element(bt)), sx_map),
-            plgpu.BlockSpec((None, bn, bk // 2), w_map, transforms=specs[2].transforms),
-            plgpu.BlockSpec((None, bn, FP8_SCALE_COLS), sw_map)]
+            plgpu.BlockSpec((pl.Element(bt), bk), lambda s: (sc.row0(s), col(s) // bk), transforms=specs[0].transforms),
+            plgpu.BlockSpec((xb, pl.Element(bt)), lambda s: (col(s) // K_ALIGN, sc.row0(s))),
+            plgpu.BlockSpec((None, bn, bk // 2), lambda s: (sc.expert(s), sc.unit(s)[1], col(s) // bk),
+                            transforms=specs[2].transforms),
+            plgpu.BlockSpec((None, bn, FP8_SCALE_COLS), lambda s: (sc.expert(s), sc.unit(s)[1], col(s) // K_ALIGN))]
 
         def flat_body(idx, x_s, sx_s, w_s, s_s, acc):
-            item, t, si, ks, _ = unit(idx[0])
-            acc = step_acc(ks, x_s, sx_s, w_s, s_s, acc)
-            done = ks == steps - 1
+            acc = step_acc(sc.unit(idx[0])[3], x_s, sx_s, w_s, s_s, acc)
+            return grouped_rows.store_unit(o_ref, acc, sc, idx[0], steps=steps, block_n=bn, block_t=bt, splits=splits)
 
-            @pl.when(done)
-            def _():
-                wg = lax.axis_index("wg")
-                cols = pl.ds(item * bt, bt)
-                rows = pl.ds(t * bn + wg * 64, 64)
-                dst = o_ref.at[rows, cols] if splits == 1 else o_ref.at[si, rows, cols]
-                dst[...] = acc.astype(dst.dtype)
-
-            return jnp.where(jnp.full((64, bt), done), jnp.zeros((64, bt), jnp.float32), acc)
-
-        plgpu.emit_pipeline_warp_specialized(
-            flat_body, grid=(n_local * steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=nwg,
-            max_concurrent_steps=flat_st, in_specs=flat_specs,
-            compute_context=lambda run: run(plgpu.layout_cast(jnp.full((64, bt), 0.0, jnp.float32), L)))(
-            x_ref, sxt_ref, w_ref, s_ref)
+        grouped_rows.flat_pipeline(flat_body, sc, stages=flat_st, in_specs=flat_specs, num_compute_wgs=nwg,
+                                   block_t=bt)(x_ref, sxt_ref, w_ref, s_ref)
 
     out_shape = (n, items * bt) if splits == 1 else (splits, n, items * bt)
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
-    if ring == "flat":
-        kernel = kernel_flat
-    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(ctas,),
-                        grid_names=("cta",), num_threads=nwg + 1, thread_name="wg", compiler_params=params,
+    return plgpu.kernel(kernel_flat if ring == "flat" else kernel,
+                        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(ctas,), grid_names=("cta",),
+                        num_threads=nwg + 1, thread_name="wg", compiler_params=params,
                         interpret=interpret if interpret is not None else False)

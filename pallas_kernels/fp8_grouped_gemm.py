@@ -197,18 +197,7 @@ def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits
             tile = plgpu.load(w_s.at[pl.ds(wg * 64, 64)], layout=L)  # e4m3 [64, bk]
             for j in range(bps):
                 kb = step * bps + j  # K block inside this CTA's range
-                a = [tile[:, BLOCK * j + 16 * c:BLOCK * j + 16 * c + 16].astype(jnp.float16) for c in range(8)]
-                b = [x_s.at[:, pl.ds(BLOCK * j + 16 * c, 16)].T for c in range(8)]
-                if emulate_mma:  # the interpreter's wgmma takes SMEM operands only
-                    blk = sum(jnp.dot(ai, bi[...], preferred_element_type=jnp.float32) for ai, bi in zip(a, b))
-                else:
-                    def mma(blk_ref, a=a, b=b):
-                        for ai, bi in zip(a, b):
-                            plgpu.wgmma(blk_ref, ai, bi)
-                        plgpu.wgmma_wait(0)
-                        return blk_ref[...]
-
-                    blk = pl.run_scoped(mma, plgpu.ACC((64, bt), jnp.float32))
+                blk = _block_product(tile, x_s, j, bt, emulate_mma)
                 sxv = plgpu.load(sx_s.at[wg, kb], layout=COL, optimized=False)  # [bt]
                 acc = acc + blk * lax.broadcast_in_dim(sxv * sw_s[wg, sw_row, kb], (64, bt), [1])
             return acc
@@ -273,74 +262,29 @@ def _build_persistent_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: 
     w_tf = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))  # 128 e4m3 = one 128-byte row
 
     def kernel(count_ref, info_ref, x_ref, sxt_ref, w_ref, sw_ref, o_ref):
-        n_items = jnp.maximum(count_ref[0], 1)  # no items: no units (below), the divisions stay defined
-        units = splits * n_tiles * count_ref[0]
-        cta = lax.axis_index("cta")
-        n_local = jnp.maximum(units - cta + ctas - 1, 0) // ctas  # this CTA's units: cta, cta + ctas, ...
-
-        def unit(s):
-            """(item, N tile, split, step in the unit, the step's first input column) of flat step ``s``."""
-            u = cta + s // steps * ctas
-            si = u // (n_items * n_tiles)
-            ks = s % steps
-            return u % n_items, u // n_items % n_tiles, si, ks, si * kc + ks * bk
-
-        def x_map(s):
-            item, _, _, _, col = unit(s)
-            return info_ref[1, item], col // bk
-
-        def sx_map(s):
-            item, _, _, _, col = unit(s)
-            return col // K_ALIGN, info_ref[1, item]
-
-        def w_map(s):
-            item, t, _, _, col = unit(s)
-            return info_ref[0, item], t, col // bk
-
-        def sw_map(s):
-            item, t, _, _, col = unit(s)
-            return info_ref[0, item], scale_window(t * bn // BLOCK, sw_rows), col // K_ALIGN
-
-        specs = [plgpu.BlockSpec((pl.Element(bt), bk), x_map, transforms=x_tf),
-                 plgpu.BlockSpec((ch, pl.Element(bt)), sx_map),
-                 plgpu.BlockSpec((None, bn, bk), w_map, transforms=w_tf),
-                 plgpu.BlockSpec((None, pl.Element(SW_ROWS), ch), sw_map)]
+        sc = grouped_rows.flat_schedule(count_ref, info_ref, ctas=ctas, splits=splits, n_tiles=n_tiles,
+                                        steps=steps, kc=kc, bk=bk)
+        col = lambda s: sc.unit(s)[4]  # noqa: E731 - the step's first input column
+        sw0 = lambda s: scale_window(sc.unit(s)[1] * bn // BLOCK, sw_rows)  # noqa: E731 - its scale rows' first
+        specs = [plgpu.BlockSpec((pl.Element(bt), bk), lambda s: (sc.row0(s), col(s) // bk), transforms=x_tf),
+                 plgpu.BlockSpec((ch, pl.Element(bt)), lambda s: (col(s) // K_ALIGN, sc.row0(s))),
+                 plgpu.BlockSpec((None, bn, bk), lambda s: (sc.expert(s), sc.unit(s)[1], col(s) // bk),
+                                 transforms=w_tf),
+                 plgpu.BlockSpec((None, pl.Element(SW_ROWS), ch), lambda s: (sc.expert(s), sw0(s), col(s) // K_ALIGN))]
 
         def body(idx, x_s, sx_s, w_s, sw_s, acc):
-            item, t, si, ks, _ = unit(idx[0])
+            t, ks = sc.unit(idx[0])[1], sc.unit(idx[0])[3]
             wg = lax.axis_index("wg")
-            sw_row = t * bn // BLOCK - scale_window(t * bn // BLOCK, sw_rows)
+            sw_row = t * bn // BLOCK - sw0(idx[0])
             tile = plgpu.load(w_s.at[pl.ds(wg * 64, 64)], layout=L)  # e4m3 [64, bk]
             for j in range(bps):
                 kb = (ks * bps + j) % ch  # the K block inside the step's 512-column chunk
-                a = [tile[:, BLOCK * j + 16 * c:BLOCK * j + 16 * c + 16].astype(jnp.float16) for c in range(8)]
-                b = [x_s.at[:, pl.ds(BLOCK * j + 16 * c, 16)].T for c in range(8)]
-                if emulate_mma:  # the interpreter's wgmma takes SMEM operands only
-                    blk = sum(jnp.dot(ai, bi[...], preferred_element_type=jnp.float32) for ai, bi in zip(a, b))
-                else:
-                    def mma(blk_ref, a=a, b=b):
-                        for ai, bi in zip(a, b):
-                            plgpu.wgmma(blk_ref, ai, bi)
-                        plgpu.wgmma_wait(0)
-                        return blk_ref[...]
-
-                    blk = pl.run_scoped(mma, plgpu.ACC((64, bt), jnp.float32))
+                blk = _block_product(tile, x_s, j, bt, emulate_mma)
                 sxv = plgpu.load(sx_s.at[kb], layout=COL, optimized=False)  # [bt]
                 acc = acc + blk * lax.broadcast_in_dim(sxv * sw_s[sw_row, kb], (64, bt), [1])
-            done = ks == steps - 1
+            return grouped_rows.store_unit(o_ref, acc, sc, idx[0], steps=steps, block_n=bn, block_t=bt, splits=splits)
 
-            @pl.when(done)
-            def _():
-                rows, cols = pl.ds(t * bn + wg * 64, 64), pl.ds(item * bt, bt)
-                dst = o_ref.at[rows, cols] if splits == 1 else o_ref.at[si, rows, cols]
-                dst[...] = acc.astype(dst.dtype)
-
-            return jnp.where(jnp.full((64, bt), done), jnp.zeros((64, bt), jnp.float32), acc)
-
-        plgpu.emit_pipeline_warp_specialized(
-            body, grid=(n_local * steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=nwg,
-            max_concurrent_steps=st, in_specs=specs,
-            compute_context=lambda run: run(plgpu.layout_cast(jnp.full((64, bt), 0.0, jnp.float32), L)))(
+        grouped_rows.flat_pipeline(body, sc, stages=st, in_specs=specs, num_compute_wgs=nwg, block_t=bt)(
             x_ref, sxt_ref, w_ref, sw_ref)
 
     out_shape = (n, items * bt) if splits == 1 else (splits, n, items * bt)
@@ -348,3 +292,20 @@ def _build_persistent_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: 
     return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(ctas,),
                         grid_names=("cta",), num_threads=nwg + 1, thread_name="wg", compiler_params=params,
                         interpret=interpret if interpret is not None else False)
+
+
+def _block_product(tile: jax.Array, x_s, j: int, bt: int, emulate_mma: bool) -> jax.Array:
+    """The [64, bt] float32 product of K block ``j`` of a step: the warpgroup's e4m3 weight rows (registers,
+    widened to float16 16 columns at a time: the MMA's A operand) times the token tile's float16 columns (SMEM)."""
+    a = [tile[:, BLOCK * j + 16 * c:BLOCK * j + 16 * c + 16].astype(jnp.float16) for c in range(8)]
+    b = [x_s.at[:, pl.ds(BLOCK * j + 16 * c, 16)].T for c in range(8)]
+    if emulate_mma:  # the interpreter's wgmma takes SMEM operands only
+        return sum(jnp.dot(ai, bi[...], preferred_element_type=jnp.float32) for ai, bi in zip(a, b))
+
+    def mma(blk_ref):
+        for ai, bi in zip(a, b):
+            plgpu.wgmma(blk_ref, ai, bi)
+        plgpu.wgmma_wait(0)
+        return blk_ref[...]
+
+    return pl.run_scoped(mma, plgpu.ACC((64, bt), jnp.float32))

@@ -9,7 +9,7 @@ tile-aligned), write y^T [N, items * block_t] per item, and the wrapper gathers 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -271,3 +271,64 @@ def cta_work(info_ref, items: int, n_tiles: int, block_n: int) -> CtaWork:
     item = pid % items
     return CtaWork(item, pid // (items * n_tiles), info_ref[0, item], info_ref[1, item],
                    ((pid // items) % n_tiles) * block_n)
+
+
+class FlatSchedule(NamedTuple):
+    """A persistent kernel's steps (``flat_schedule``): CTA c runs units c, c + P, ... (unit = (split, N tile,
+    item), item fastest), all their K steps in one pipeline."""
+    steps: jax.Array  # this CTA's pipeline steps (a dynamic grid)
+    unit: Callable  # flat step s -> (item, N tile, split, step in the unit, the step's first input column)
+    expert: Callable  # flat step s -> its unit's expert
+    row0: Callable  # flat step s -> its unit's first row in the padded x
+
+
+def flat_schedule(count_ref, info_ref, *, ctas: int, splits: int, n_tiles: int, steps: int, kc: int,
+                  bk: int) -> FlatSchedule:
+    """Inside a kernel with grid ("cta",) of ``ctas`` CTAs: this CTA's units over the row layout's ``count``
+    work items (no placeholder items), ``steps`` steps of ``bk`` input columns per unit of ``kc``."""
+    from jax import lax  # noqa: PLC0415 - kernel-side helper
+
+    n_items = jnp.maximum(count_ref[0], 1)  # no items: no units (below), the divisions stay defined
+    units = splits * n_tiles * count_ref[0]
+    cta = lax.axis_index("cta")
+    n_local = jnp.maximum(units - cta + ctas - 1, 0) // ctas
+
+    def unit(s):
+        u = cta + s // steps * ctas
+        si = u // (n_items * n_tiles)
+        ks = s % steps
+        return u % n_items, u // n_items % n_tiles, si, ks, si * kc + ks * bk
+
+    return FlatSchedule(n_local * steps, unit, lambda s: info_ref[0, unit(s)[0]], lambda s: info_ref[1, unit(s)[0]])
+
+
+def store_unit(o_ref, acc: jax.Array, sched: FlatSchedule, s, *, steps: int, block_n: int, block_t: int,
+               splits: int) -> jax.Array:
+    """A flat pipeline body's end of step ``s``: at its unit's last step, the compute warpgroup's [64, block_t]
+    accumulator goes to its columns of y^T (fp32 split partials: the split's slab); returns the accumulator the
+    next step starts from (zeros after a unit's last step)."""
+    import jax.experimental.pallas as pl  # noqa: PLC0415
+    from jax import lax  # noqa: PLC0415
+
+    item, t, si, ks, _ = sched.unit(s)
+    done = ks == steps - 1
+
+    @pl.when(done)
+    def _():
+        rows, cols = pl.ds(t * block_n + lax.axis_index("wg") * 64, 64), pl.ds(item * block_t, block_t)
+        dst = o_ref.at[rows, cols] if splits == 1 else o_ref.at[si, rows, cols]
+        dst[...] = acc.astype(dst.dtype)
+
+    return jnp.where(jnp.full(acc.shape, done), jnp.zeros(acc.shape, jnp.float32), acc)
+
+
+def flat_pipeline(body: Callable, sched: FlatSchedule, *, stages: int, in_specs: list, num_compute_wgs: int,
+                  block_t: int) -> Callable:
+    """The warp-specialised pipeline of a ``flat_schedule`` (its steps as a dynamic grid), its compute
+    warpgroups' [64, block_t] float32 accumulators starting at zero; call it with the GMEM refs of ``in_specs``."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu  # noqa: PLC0415
+
+    zero = lambda: plgpu.layout_cast(jnp.full((64, block_t), 0.0, jnp.float32), plgpu.Layout.WGMMA)  # noqa: E731
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(sched.steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=num_compute_wgs,
+        max_concurrent_steps=stages, in_specs=in_specs, compute_context=lambda run: run(zero()))
