@@ -125,6 +125,22 @@ def rope_rows(y: jax.Array, yp: jax.Array, cs: jax.Array, sn: jax.Array, first_o
     return jnp.where(in_rope, rot, y)
 
 
+def rope_pair(u: jax.Array, v: jax.Array, cs: jax.Array, sn: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Interleaved RoPE of pairs (u, v) = (x[2j], x[2j + 1]) with frequency j's cos / sin (float32): the rotated
+    (even, odd) elements, jds.ops.rope.apply_rope's products and sums, (u c - v s, u s + v c); ``rope_rows``
+    without the partner loads, for a rope slice read as its pairs."""
+    return u * cs - v * sn, v * cs + u * sn
+
+
+def cos_sin(cos_ref: Any, sin_ref: Any, tc: jax.Array, cols: jax.Array, shape: tuple[int, int], pid: jax.Array,
+            T: int, BT: int) -> tuple[jax.Array, jax.Array]:
+    """cos / sin at columns ``cols`` for rows of tokens ``tc`` ([rows, 1]), ``shape`` = (rows, columns); with one
+    token per program (``BT`` 1: the default tilings) loaded once as a row that broadcasts over its heads."""
+    if BT == 1:
+        shape, tc = (1, shape[1]), jnp.minimum(pid, T - 1)
+    return load(cos_ref, (tc, cols), shape), load(sin_ref, (tc, cols), shape)
+
+
 def rope_partner(col: jax.Array, start: int, rope_dim: int, interleaved: bool) -> tuple[
         jax.Array, jax.Array, jax.Array, jax.Array]:
     """For columns ``col`` of a row whose rope slice is [start, start + rope_dim):

@@ -215,13 +215,10 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
     j = C.iota((1, rd // 2), 1)
     u = C.load(q_ref, (tc, hc, nope + 2 * j), (BT * HP, rd // 2)).astype(F32)
     v = C.load(q_ref, (tc, hc, nope + 2 * j + 1), (BT * HP, rd // 2)).astype(F32)
-    # one token per program (the default tiling): its cos / sin as one row, broadcast over the heads
-    tshape, trow = ((1, rd // 2), jnp.minimum(pid, T - 1)) if BT == 1 else ((BT * HP, rd // 2), tc)
-    cs, sn = C.load(cos_ref, (trow, j), tshape), C.load(sin_ref, (trow, j), tshape)
+    even, odd = C.rope_pair(u, v, *C.cos_sin(cos_ref, sin_ref, tc, j, (BT * HP, rd // 2), pid, T, BT))
     tok_out = jnp.where(ok, tok, T)
-    # jds.ops.rope.apply_rope's products and sums for (u, v): (u c - v s, u s + v c)
-    C.store(qpe_out, (tok_out, hc, 2 * j), (u * cs - v * sn).astype(dtype), ok)
-    C.store(qpe_out, (tok_out, hc, 2 * j + 1), (v * cs + u * sn).astype(dtype), ok)
+    C.store(qpe_out, (tok_out, hc, 2 * j), even.astype(dtype), ok)
+    C.store(qpe_out, (tok_out, hc, 2 * j + 1), odd.astype(dtype), ok)
 
     # ---- indexer q: RoPE (first rd dims) -> Hadamard -> per-head FP8 with the scale folded into w ----
     ri = C.iota((BT * HiP, 1), 0)
@@ -233,8 +230,7 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
     in_rope, pci, fci, firsti = C.rope_partner(ci, 0, rd, ilv)
     x = C.load(iq_ref, (tc, hc, ci), (BT * HiP, di)).astype(F32)
     xp = C.load(iq_ref, (tc, hc, pci), (BT * HiP, di), mask=in_rope).astype(F32)
-    tshape, trow = ((1, di), jnp.minimum(pid, T - 1)) if BT == 1 else ((BT * HiP, di), tc)
-    csi, sni = C.load(cos_ref, (trow, fci), tshape), C.load(sin_ref, (trow, fci), tshape)
+    csi, sni = C.cos_sin(cos_ref, sin_ref, tc, fci, (BT * HiP, di), pid, T, BT)
     k = C.rope_rows(x, xp, csi, sni, firsti, in_rope).astype(dtype)
     if hadamard:
         kk = jax.lax.dot(k.astype(dot_dtype), h_ref[...], precision=jax.lax.Precision.HIGHEST,

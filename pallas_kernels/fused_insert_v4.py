@@ -57,12 +57,9 @@ def _v4_kernel(q_ref, kv_ref, cos_ref, sin_ref, slot_ref, w_ref, _cache_in, q_ou
         pairs = (BT * HB, rd // 2)
         u = (C.load(q_ref, (tc, hc, ce), pairs).astype(F32) * r_).astype(dtype).astype(F32)
         v = (C.load(q_ref, (tc, hc, co), pairs).astype(F32) * r_).astype(dtype).astype(F32)
-        # one token per program (the default tilings): its cos / sin as one row, broadcast over the heads
-        tshape, trow = ((1, rd // 2), jnp.minimum(pid, T - 1)) if BT == 1 else (pairs, tc)
-        cs, sn = C.load(cos_ref, (trow, j), tshape), C.load(sin_ref, (trow, j), tshape)
-        # jds.ops.rope.apply_rope's products and sums for (u, v): (u c - v s, u s + v c)
-        C.store(q_out, (tok_out, hc, ce), (u * cs - v * sn).astype(dtype), ok)
-        C.store(q_out, (tok_out, hc, co), (v * cs + u * sn).astype(dtype), ok)
+        even, odd = C.rope_pair(u, v, *C.cos_sin(cos_ref, sin_ref, tc, j, pairs, pid, T, BT))
+        C.store(q_out, (tok_out, hc, ce), even.astype(dtype), ok)
+        C.store(q_out, (tok_out, hc, co), odd.astype(dtype), ok)
 
     @pl.when(jh == nhb)
     def _kv():

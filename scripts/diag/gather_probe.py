@@ -62,7 +62,6 @@ def _gather_call(n_blocks: int, row_bytes: int, ilp: bool, ctas: int):
             from jax.experimental.mosaic.gpu import utils as mu  # noqa: PLC0415
 
             i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-            i1 = ir.IntegerType.get_signless(1)
             v4 = llvm.StructType.get_literal([i32] * 4)
             void = ir.Type.parse("!llvm.void")
 
@@ -95,7 +94,7 @@ def _gather_call(n_blocks: int, row_bytes: int, ilp: bool, ctas: int):
                         v = arith.addi(part, c64(tpr * j))  # this thread's j-th vector of the row
                         off = arith.muli(v, c64(VEC))
                         ok = arith.cmpi(arith.CmpIPredicate.ult, v, c64(nvec))
-                        okw = arith.extui(i32, ok) if ok.type == i1 else ok
+                        okw = arith.extui(i32, ok)  # the PTX predicate's source: a 32-bit 0 / 1
                         # predicated load (a thread past the row's end loads nothing and gets zeros)
                         regs = llvm.inline_asm(
                             v4, [arith.addi(src, off), okw],
