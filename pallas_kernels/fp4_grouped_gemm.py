@@ -101,7 +101,6 @@ from jds.ops.dispatch import Implementation, Unsupported, num_sms, run_op
 from pallas_kernels import grouped_rows
 
 Dequant = Literal["auto", "lop3", "f16", "bf16", "fp8"]
-Ring = Literal["chained", "flat"]  # the "fp8" route's persistent ring (``_build_fp8_call``)
 DEQUANTS = ("lop3", "f16", "bf16")  # bf16 x; "auto": "lop3" natively at decode tiles, else "f16"
 X_BLOCK = 128  # e4m3 x (``x_scale`` given): one scale per row and 128 columns, as ``act_quant``
 FP8_EXP = 6  # the "fp8" route's e4m3 weight code is e2m1 * 2^-6 (see ``_to_e4m3``)
@@ -121,8 +120,7 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: jax.Array, w_sc
                        interpret: bool | plgpu.InterpretGPUParams | None = None, block_t: int | None = None,
                        block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                        stages: int = 4, dequant: Dequant = "auto", layout: Implementation = "auto",
-                       x_scale: jax.Array | None = None, mma_group: int | None = None,
-                       ring: Ring = "chained") -> jax.Array:
+                       x_scale: jax.Array | None = None, mma_group: int | None = None) -> jax.Array:
     """y [M, N] (``out_dtype``): row r of x [M, K] (bfloat16) times W[e(r)]^T, rows grouped by expert in order
     (``sizes`` int32 [E], sum <= M; rows past the sum give 0), W = ``w_packed`` (uint8 [E, N, K/2], two e2m1
     codes a byte, low nibble first) with ``w_scale`` (uint8 [E, N, K/32] e8m0 exponents).
@@ -146,9 +144,6 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: jax.Array, w_sc
     ``x_scale`` float32 [M, K/128] (``act_quant``'s pair; x = x * x_scale per 128 columns). The kernel then runs
     the "fp8" route (the only one for e4m3 x): weights to e4m3 in registers, fp8 wgmma per 32-column scale
     block, promoted in fp32 with the weight and x scales, the release's kernel's summation.
-    ``ring``: the "fp8" route's persistent TMA ring: "chained" (one pipeline per work unit, continuing the ring
-    across units; its depth divides a unit's steps) or "flat" (one pipeline per CTA over all its units' steps,
-    any depth; not yet timed on the GPU).
     ``mma_group``: the "fp8" route's wgmmas in flight per wait (a divisor of block_k / 32; default 4 up to 32-row
     token tiles, fewer for larger ones: their accumulators take block_t / 2 registers each).
     """
@@ -158,7 +153,7 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: jax.Array, w_sc
         "pallas": lambda: _pallas(x, sizes, w_packed, w_scale, out_dtype=out_dtype, interpret=interpret,
                                   block_t=block_t, block_n=block_n, block_k=block_k, split_k=split_k,
                                   stages=stages, dequant=dequant, layout=layout, x_scale=x_scale,
-                                  mma_group=mma_group, ring=ring)})
+                                  mma_group=mma_group)})
 
 
 def _check_inputs(x, sizes, w_packed, w_scale, x_scale=None) -> None:
@@ -247,7 +242,7 @@ def _permute_k(x: jax.Array, dequant: Dequant) -> jax.Array:
 
 
 def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block_n, block_k, split_k, stages,
-            dequant, layout="auto", x_scale=None, mma_group=None, ring="chained"):
+            dequant, layout="auto", x_scale=None, mma_group=None):
     _check_tiles(block_t, block_n, block_k, split_k, stages)
     if dequant not in ("auto", "fp8", *DEQUANTS):
         raise ValueError(f"dequant must be one of {('auto', 'fp8', *DEQUANTS)}, got {dequant!r}")
@@ -257,10 +252,6 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
         raise ValueError('dequant="fp8" needs e4m3 x with its x_scale')
     if x_scale is None and mma_group is not None:
         raise ValueError("mma_group applies to e4m3 x (x_scale given) only")
-    if ring not in ("chained", "flat"):
-        raise ValueError(f'ring must be "chained" or "flat", got {ring!r}')
-    if x_scale is None and ring != "chained":
-        raise ValueError("ring applies to e4m3 x (x_scale given) only")
     if mma_group is not None and mma_group < 1:
         raise ValueError(f"mma_group must be a positive divisor of block_k / 32, got {mma_group}")
     e, n, kh = w_packed.shape
@@ -287,7 +278,7 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
     call = _build_call(n=n, k=k, items=p.items, bt=p.block_t, bn=p.block_n, bk=p.block_k, splits=p.splits,
                        stages=st, dequant=dequant,
                        out_dtype=out_dtype if p.splits == 1 else jnp.dtype(jnp.float32), interpret=p.interpret,
-                       mma_group=mma_group, ring=ring)
+                       mma_group=mma_group)
     if x_scale is not None:  # the padded rows' scales [K/128, rows]: a token tile's per 128-column block
         return grouped_rows.finish(call(p.count, p.info, xp, grouped_rows.tile_rows(x_scale, p).T, w_packed,
                                         w_scale), p, out_dtype)
@@ -447,11 +438,11 @@ def _scale_exp_bias(dequant: Dequant) -> int:
 @functools.lru_cache(maxsize=None)
 def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits: int, stages: int,
                 dequant: Dequant, out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None,
-                mma_group: int | None = None, ring: Ring = "chained"):
+                mma_group: int | None = None):
     emulate_mma = interpret is not None
     if dequant == "fp8":
         return _build_fp8_call(n=n, k=k, items=items, bt=bt, bn=bn, bk=bk, splits=splits, stages=stages,
-                               out_dtype=out_dtype, interpret=interpret, mma_group=mma_group, ring=ring)
+                               out_dtype=out_dtype, interpret=interpret, mma_group=mma_group)
     exp_bias = _scale_exp_bias(dequant)
     lop3 = dequant == "lop3"
     kc = k // splits  # input columns per CTA
@@ -547,21 +538,22 @@ def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits
 FP8_SCALE_COLS = 16  # the "fp8" route's weight-scale block per pipeline step: [block_n, 16] bytes (TMA rows >= 16 B)
 
 
-def fp8_stages(stages: int, steps: int | None, bt: int, bn: int, bk: int) -> int:
-    """The "fp8" route's ring depth: at most ``stages``, what fits SMEM, and (``steps`` given: the "chained"
-    ring) a divisor of the steps per work unit (consecutive units' pipelines continue one ring, whose slots must
-    line up at unit boundaries)."""
+def fp8_stages(stages: int, steps: int, bt: int, bn: int, bk: int) -> int:
+    """The "fp8" route's ring depth: at most ``stages``, what fits SMEM, and a divisor of the steps per work
+    unit (consecutive units' pipelines continue one ring, whose slots must line up at unit boundaries). One
+    pipeline per CTA over all its units' steps, of any depth (the "flat" ring, which the FP8 grouped kernel's
+    persistent form uses), measured no faster at 1 to 64 tokens
+    (benchmarks/results/fp4_decode_ncu_sweep_h200_2026-12-02.json, run 3)."""
     per_stage = bt * bk + bn * bk // 2 + bn * FP8_SCALE_COLS + K_ALIGN // X_BLOCK * bt * 4
-    fit = min(stages, steps or stages, SMEM_BUDGET // per_stage)
+    fit = min(stages, steps, SMEM_BUDGET // per_stage)
     if fit < 1:
         raise ValueError(f"block_t {bt} x block_k {bk} (block_n {bn}) does not fit shared memory")
-    return max(d for d in range(1, fit + 1) if steps is None or steps % d == 0)
+    return max(d for d in range(1, fit + 1) if steps % d == 0)
 
 
 @functools.lru_cache(maxsize=None)
 def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits: int, stages: int,
-                    out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, mma_group: int | None,
-                    ring: Ring = "chained"):
+                    out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, mma_group: int | None):
     """The "fp8" route (e4m3 x) as a persistent kernel: one CTA per SM loops over the work units (K split, N
     tile, item), and consecutive units continue one TMA ring (``pipeline_state``), so a unit's first loads are
     in flight while the previous unit's last steps compute: at decode a unit is 2-8 steps, and a ring refilled
@@ -580,7 +572,6 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
     # at most one CTA per SM (and per unit); interpret mode: 3, so that a CTA runs several units
     ctas = min(splits * n_tiles * items, num_sms() if interpret is None else 3)
     st = fp8_stages(stages, steps, bt, bn, bk)
-    flat_st = fp8_stages(stages, None, bt, bn, bk)  # "flat": any depth that fits
     L = plgpu.Layout.WGMMA
     ROW, COL = L.reduce(1), L.reduce(0)  # [64] along the accumulator's rows (weights), [bt] along its columns
     group = min(blocks, mma_group or max(1, min(4, 128 // bt)))  # MMAs in flight per wait: bt / 2 registers each
@@ -701,30 +692,9 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
                     state = jnp.where(j == 0, P.START, jnp.where(j == last, P.STOP, P.STEADY))
                     make_pipeline(body, context, state)(*refs, allocations=allocs)
 
-    def kernel_flat(count_ref, info_ref, x_ref, sxt_ref, w_ref, s_ref, o_ref):
-        """``ring="flat"``: one pipeline per CTA over all its (unit, step) pairs (a dynamic grid); the index
-        maps find each step's unit, so the ring's depth is not bound by the steps of one unit (1 token: 2
-        steps per unit), and a unit's last step stores its columns and restarts the accumulator."""
-        sc = grouped_rows.flat_schedule(count_ref, info_ref, ctas=ctas, splits=splits, n_tiles=n_tiles,
-                                        steps=steps, kc=kc, bk=bk)
-        col = lambda s: sc.unit(s)[4]  # noqa: E731 - the step's first input column
-        flat_specs = [
-            plgpu.BlockSpec((pl.Element(bt), bk), lambda s: (sc.row0(s), col(s) // bk), transforms=specs[0].transforms),
-            plgpu.BlockSpec((xb, pl.Element(bt)), lambda s: (col(s) // K_ALIGN, sc.row0(s))),
-            plgpu.BlockSpec((None, bn, bk // 2), lambda s: (sc.expert(s), sc.unit(s)[1], col(s) // bk),
-                            transforms=specs[2].transforms),
-            plgpu.BlockSpec((None, bn, FP8_SCALE_COLS), lambda s: (sc.expert(s), sc.unit(s)[1], col(s) // K_ALIGN))]
-
-        def flat_body(idx, x_s, sx_s, w_s, s_s, acc):
-            acc = step_acc(sc.unit(idx[0])[3], x_s, sx_s, w_s, s_s, acc)
-            return grouped_rows.store_unit(o_ref, acc, sc, idx[0], steps=steps, block_n=bn, block_t=bt, splits=splits)
-
-        grouped_rows.flat_pipeline(flat_body, sc, stages=flat_st, in_specs=flat_specs, num_compute_wgs=nwg,
-                                   block_t=bt)(x_ref, sxt_ref, w_ref, s_ref)
-
     out_shape = (n, items * bt) if splits == 1 else (splits, n, items * bt)
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
-    return plgpu.kernel(kernel_flat if ring == "flat" else kernel,
+    return plgpu.kernel(kernel,
                         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(ctas,), grid_names=("cta",),
                         num_threads=nwg + 1, thread_name="wg", compiler_params=params,
                         interpret=interpret if interpret is not None else False)

@@ -51,14 +51,11 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, 3 warpgroups per CTA: 2 compu
   before the GEMM instead.
 - ``stream_k=True`` (decode, one 64- or 128-row tile): the kernel holds one CTA per SM (its registers and SMEM), so a
   grid of whole tiles or K splits that is not a multiple of the SMs leaves a tail wave (mlp's 144 tiles on 132
-  SMs: 1.09 waves). Instead P = min(132, units) CTAs run one pipeline each whose blocks follow a schedule
-  (``stream_k_layout``): first floor(tiles / P) rounds of whole tiles, one CTA each, stored in the output dtype;
-  then the remaining tiles' (column tile, K block) units in equal contiguous runs (K fastest). Where a run leaves
-  a remaining tile the CTA stores its [mr, block_n] fp32 partial into slot j (its rank among the tile's CTAs) of a
-  [J, mr, remaining columns] output and restarts at 0; one XLA reduction (masking the slots no CTA wrote) sums
-  them into those columns. (Sharing every tile's units made the fixup read J partials of the whole output: up to
-  a fifth of a decode call.) On by default up to 128 rows where the column tiles alone exceed one wave
-  (``_auto_stream_k``).
+  SMs: 1.09 waves). Instead min(132, units) CTAs take the (column tile, K block) units in equal contiguous runs
+  (K fastest): one pipeline per CTA whose blocks follow its run; where the run leaves a tile the CTA stores its
+  [mr, block_n] fp32 partial for that tile into slot j (its rank among the tile's CTAs, ``stream_k_layout``)
+  of a [J, mr, N] output and restarts at 0; one XLA reduction (masking the slots no CTA wrote) sums them, as
+  split-K's does. On by default up to 128 rows where the column tiles alone exceed one wave (``_auto_stream_k``).
 - Padding: M is padded to block_m (zero xq rows and scales). With ``quantize_x`` x is not padded (no XLA kernel
   at all before the call): the x tile's TMA box runs past its M rows, which TMA fills with zeros, and rows past
   M only feed output rows that are dropped (an MMA row depends on its own row of x alone). N and K must be multiples of 128
@@ -86,7 +83,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -112,6 +108,7 @@ _SWZ16 = (plgpu.TilingTransform((8, BLOCK // 2)), plgpu.SwizzleTransform(128))
 
 STAGE_SCALES_BELOW = 129  # rows (M) below which stage_scales=None stages the scales in SMEM (if they fit)
 STREAM_K_ROWS_PER_K = 32  # stream_k=None needs M <= K / this (_auto_stream_k: q_b's 1536 -> 48 rows, mlp's 7168 -> 224)
+WIDE_TILE_MAX_K = 2048  # in-features up to which decode rows default to 256-wide tiles (_default_block_n)
 ACT_QUANT_KERNEL_UP_TO = 128  # rows (M) up to which act_quant=None quantises x in one kernel (quantize_rows)
 SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 
@@ -138,9 +135,8 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     ``quantize_x``: the kernel quantises x itself, per K block as it streams (decode
     tiles: bfloat16 x, 64-row tiles, M <= 64), so the call has no XLA kernels for the activation quantisation
     and its scales; off by default (slower: BENCHMARKS.md). ``stream_k`` (M <= 128 in one row tile, unstaged
-    scales, no ``split_k``): one wave of CTAs computes whole tiles round by round and shares the remaining tiles'
-    (column tile, K block) units evenly, so no tail wave idles SMs whatever the shape; one XLA reduction sums the
-    shared tiles' partials; None
+    scales, no ``split_k``): one wave of CTAs shares the (column tile, K block) units evenly instead of whole
+    tiles or K splits, so no tail wave idles SMs whatever the shape; one XLA reduction sums the partials; None
     (``_auto_stream_k``): on where the column tiles alone exceed one wave, up to 128 rows. ``act_quant``: where x
     is quantised when the kernel does not do it itself: "xla" (``quant.act_quant`` plus the padding and transposed
     scales: three XLA kernels) or "kernel" (``quantize_rows``: one kernel; bfloat16 x, M < 8 or a multiple of 8,
@@ -189,14 +185,15 @@ def _pick_tiles(m: int, n: int, nk: int, block_m: int | None, block_n: int | Non
                 split_k: int | None) -> tuple[int, int, int]:
     """(block_m, block_n, split_k): the given ones, defaults for the rest.
 
-    Defaults: M <= 64 (decode, weight-read bound): 64 x 128 tiles (wgmma's minimum M) and split-K until one
-    wave of CTAs fills most SMs (``_auto_split_k``). Larger M: 128 x 128 tiles (+ split-K if too few). 256-wide tiles halve the SMEM / L2
+    Defaults: M <= 64 (decode, weight-read bound): 64 x 128 tiles (wgmma's minimum M; 64 x 256 for a short K
+    with many columns, ``_default_block_n``) and split-K until one wave of CTAs fills most SMs
+    (``_auto_split_k``). Larger M: 128 x 128 tiles (+ split-K if too few). 256-wide tiles halve the SMEM / L2
     traffic per FLOP but were slower at M = 2048 in the tile sweep (``jds.bench.kernels_fp8_gemm --sweep``): a
     256-wide warpgroup chunk doubles the promotion registers and leaves room for fewer TMA stages."""
     bm = block_m or (64 if m <= 64 else 128)
     mt = -(-m // bm)
     if block_n is None:
-        block_n = 128
+        block_n = _default_block_n(m, n, nk, bm)
     if n % block_n:
         raise ValueError(f"block_n {block_n} must divide out = {n}")
     if split_k is not None and nk % split_k:
@@ -224,6 +221,17 @@ def _auto_split_k(tiles: int, nk: int) -> int:
     return bigger[0] if bigger else divs[-1]
 
 
+def _default_block_n(m: int, n: int, nk: int, bm: int) -> int:
+    """256-wide tiles for decode rows (one 64-row tile) of a short K (<= ``WIDE_TILE_MAX_K``) whose 128-wide
+    column tiles exceed one wave (q_b: 24576 x 1536), else 128. There stream-K's fp32 partials cost too much
+    beside a short K's weight read, and whole 128-wide tiles leave a tail wave; 256-wide tiles (96 for q_b, with
+    the one-wave K split) were faster at 1 and 64 rows, slower at 128 (exact kernel times,
+    fp8_decode_ncu_sweep_h200_2026-12-02.json)."""
+    if bm == 64 and m <= 64 and n % 256 == 0 and n // 128 > NUM_SMS and nk * BLOCK <= WIDE_TILE_MAX_K:
+        return 256
+    return 128
+
+
 def _auto_stream_k(m: int, n: int, nk: int, block_m: int | None, block_n: int | None, split_k: int | None,
                    stage_scales: bool | None) -> bool:
     """stream_k=None: on for decode rows (M <= 128 in one 64- or 128-row tile, no tile choices that exclude it)
@@ -238,7 +246,7 @@ def _auto_stream_k(m: int, n: int, nk: int, block_m: int | None, block_n: int | 
     it at 64 and 128."""
     if m > 128 or block_m not in (None, 64 if m <= 64 else 128) or split_k is not None or stage_scales:
         return False
-    bn = block_n or 128
+    bn = block_n or _default_block_n(m, n, nk, block_m or (64 if m <= 64 else 128))
     return n % bn == 0 and n // bn > NUM_SMS and nk >= 2 and m * STREAM_K_ROWS_PER_K <= nk * BLOCK
 
 
@@ -322,7 +330,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     ctas = stream_k_ctas(n // bn, nk) if stream_k else 0
     mr = min(mp, -(-m // 8) * 8)
     call = _build_call(mr=mr, mp=mp, n=n, k=k, bm=bm, bn=bn, splits=s, stages=stages, group_m=group_m,
-                       out_dtype=out_dtype if s == 1 else jnp.dtype(jnp.float32),
+                       out_dtype=out_dtype if s == 1 and not stream_k else jnp.dtype(jnp.float32),
                        interpret=interpret or None, stage_scales=stage_scales,
                        quantize_x=scale_fmt if quantize_x else None, stream_k=ctas)
     sw = w_scale.astype(jnp.float32)
@@ -336,11 +344,9 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         xq = jnp.pad(xq, ((0, mp - m), (0, 0)))
         sxt = jnp.pad(sx.T, ((0, 0), (0, mp - m)))  # [nk, Mp]: a CTA's 64 row scales of one K block are contiguous
         y = call(xq, sxt, wq, sw)
-    if stream_k and isinstance(y, tuple):  # shared tiles: their j-th CTA wrote slot j (unwritten slots masked)
-        plan = stream_k_layout(n // bn, nk, ctas)
-        y, parts = y
-        shared = jnp.where(jnp.asarray(np.repeat(plan.written, bn, axis=1))[:, None, :], parts, 0.0).sum(axis=0)
-        y = y.at[:mr, plan.dp_tiles * bn:].set(shared.astype(y.dtype))
+    if stream_k:  # a tile's j-th CTA wrote slot j; slots no CTA wrote hold whatever was there: masked
+        _, _, written = stream_k_layout(n // bn, nk, ctas)
+        y = jnp.where(jnp.asarray(np.repeat(written, bn, axis=1))[:, None, :], y, 0.0).sum(axis=0)
     elif s > 1:
         y = jnp.sum(y, axis=0)
     return y[:m].astype(out_dtype).reshape(*lead, n)
@@ -419,32 +425,18 @@ def stream_k_owner(u, units: int, ctas: int):
     return ((u + 1) * ctas - 1) // units
 
 
-class StreamK(NamedTuple):
-    """A stream-K call's schedule (``stream_k_layout``)."""
-    rounds: int  # whole-tile rounds: CTA c computes tiles c, c + P, ... alone and writes them in out_dtype
-    dp_tiles: int  # rounds * P: the tiles computed whole
-    sk_units: int  # (tile, K block) units of the remaining tiles, shared out evenly
-    steps: int  # pipeline steps per CTA (its rounds' units, then at most ceil(sk_units / P) shared ones)
-    slots: int  # J: the most CTAs sharing one remaining tile (fp32 partial slots)
-    written: np.ndarray  # bool [J, remaining tiles]: whether a remaining tile has a j-th CTA
-
-
-def stream_k_layout(n_tiles: int, nk: int, ctas: int) -> StreamK:
-    """Stream-K over ``n_tiles`` column tiles x ``nk`` K blocks on P = ``ctas`` CTAs, data-parallel first: the
-    first floor(n_tiles / P) * P tiles go whole to one CTA each (no partials to write and sum: the fixup that
-    summed every tile's partials took up to a fifth of a decode call, fp8_decode_ncu_sweep_h200_2026-12-02.json),
-    and only the remaining tiles' units are split: CTA c takes the shared units [c U / P, (c + 1) U / P), K
-    fastest; the j-th CTA of a shared tile (counted from the owner of its first unit) writes its fp32 partial
-    to slot j of the [J, rows, remaining columns] partials."""
-    rounds = n_tiles // ctas
-    dp_tiles = rounds * ctas
-    units = (n_tiles - dp_tiles) * nk
-    if not units:
-        return StreamK(rounds, dp_tiles, 0, rounds * nk, 0, np.zeros((0, 0), bool))
-    t = np.arange(n_tiles - dp_tiles)
+def stream_k_layout(n_tiles: int, nk: int, ctas: int) -> tuple[int, int, np.ndarray]:
+    """Stream-K over ``n_tiles`` column tiles x ``nk`` K blocks on ``ctas`` CTAs (CTA c takes the units
+    [c U / P, (c + 1) U / P), K fastest): (steps per CTA, J = the most CTAs sharing one tile, ``written``
+    bool [J, n_tiles]: whether a tile has a j-th CTA). The j-th CTA of tile t (counted from the owner of its
+    first unit) writes its partial to slot j of the [J, rows, N] output. Every tile's units are shared: whole
+    tiles first and only the remainder shared (so that the fixup reads fewer partials) made mlp's kernel as slow
+    as no stream-K at 64 and 128 rows (fp8_decode_ncu_sweep_h200_2026-12-02.json, runs 0 and 1), and was
+    reverted; why is not measured (one guess: every CTA then starts its tile at K block 0 at once)."""
+    units = n_tiles * nk
+    t = np.arange(n_tiles)
     count = stream_k_owner((t + 1) * nk - 1, units, ctas) - stream_k_owner(t * nk, units, ctas) + 1
-    return StreamK(rounds, dp_tiles, units, rounds * nk + -(-units // ctas), int(count.max()),
-                   np.arange(count.max())[:, None] < count[None, :])
+    return -(-units // ctas), int(count.max()), np.arange(count.max())[:, None] < count[None, :]
 
 
 def _trimmed(splits: int, bm: int, m_tiles: int) -> bool:
@@ -461,10 +453,10 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     """``quantize_x`` (a scale format; 64-row tiles only): the kernel takes bfloat16 x [Mp, K] and no scales of
     it, and each compute warpgroup quantises the K block's x tile into its own e4m3 SMEM tile before its MMA
     (the row scales stay in registers for the promotion): x (arguments x, w, sw), else (xq, sx^T, w, sw).
-    ``stream_k`` = P > 0 (one 64- or 128-row tile, unstaged scales): ``stream_k_layout``'s schedule. CTA c computes
-    tiles c, c + P, ... whole (``rounds`` of them) into the [Mp, N] output in ``out_dtype``, then its contiguous
-    run of the remaining tiles' units; at each shared tile's end in its run it stores its fp32 partial [mr, bn]
-    into slot j of a second output [J, mr, remaining columns], j = its rank among the tile's CTAs."""
+    ``stream_k`` = P > 0 (one 64- or 128-row tile, unstaged scales): P CTAs split the (column tile, K block)
+    units evenly, each a contiguous run that may span tiles; at each tile's end in its run a CTA stores its fp32
+    partial [mr, bn] into slot j of [J, mr, N] at the tile's columns, j = its rank among the tile's CTAs
+    (``stream_k_layout``)."""
     nk = k // BLOCK
     sw_rows = max(-(-n // BLOCK), SW_ROWS)  # rows of the (padded) weight scales, when staged
     kps = nk // splits  # K blocks per CTA
@@ -481,8 +473,8 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     trim = _trimmed(splits, bm, m_tiles) or stream_k > 0
     if stream_k and (m_tiles != 1 or stage_scales or splits != 1):
         raise ValueError("stream_k needs one row tile, unstaged scales and no split_k")
-    sk = stream_k_layout(n_tiles, nk, stream_k) if stream_k else None
-    spc = sk.steps if sk else kps
+    units = n_tiles * nk
+    spc, slots = stream_k_layout(n_tiles, nk, stream_k)[:2] if stream_k else (kps, 1)
     swz, swz16 = _SWZ8, _SWZ16
     if quantize_x and bm != 64:
         raise ValueError("quantize_x needs 64-row tiles")
@@ -496,13 +488,11 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
         r = t % per_group
         return first + r % size, r // size
 
-    n_out = 2 if sk and sk.sk_units else 1  # stream-K with shared tiles: out_dtype rows + fp32 partials
-
     def kernel(*refs):
-        n_in = 3 if quantize_x else 4
-        ins, outs, rest = refs[:n_in], refs[n_in:n_in + n_out], list(refs[n_in + n_out:])
-        (x_ref, w_ref, sw_ref), sxt_ref = (ins, None) if quantize_x else ((ins[0], *ins[2:]), ins[1])
-        o_ref, p_ref = (outs[0], outs[1] if n_out == 2 else None)
+        if quantize_x:
+            (x_ref, w_ref, sw_ref, o_ref), sxt_ref, rest = refs[:4], None, list(refs[4:])
+        else:
+            (x_ref, sxt_ref, w_ref, sw_ref, o_ref), rest = refs[:5], list(refs[5:])
         ep_s = rest.pop(0) if trim else None
         xq_s = rest.pop(0) if quantize_x else None  # [2, 64, 128] e4m3: each compute warpgroup's quantised x
         sx_s = rest.pop(0) if stage_scales and not quantize_x else None
@@ -511,17 +501,13 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
         si = pid // tiles
         mi, ni = tile_of(pid % tiles)
         m0, n0, kb0 = mi * bm, ni * bn, si * kps
-        if stream_k:  # this CTA's units, K fastest: its whole tiles pid, pid + P, ..., then its shared ones
-            dp_steps = sk.rounds * nk
-            sk0 = pid * sk.sk_units // stream_k
-            n_units = dp_steps + (pid + 1) * sk.sk_units // stream_k - sk0
+        if stream_k:  # this CTA's units [u0, u0 + n_units): (column tile, K block) pairs, K fastest
+            u0 = pid * units // stream_k
+            n_units = (pid + 1) * units // stream_k - u0
 
             def unit(step):  # steps past the CTA's units repeat its last one (and add nothing)
-                st = jnp.minimum(step, n_units - 1)
-                v = sk0 + st - dp_steps  # a shared unit's index (negative on whole tiles)
-                whole = st < dp_steps
-                return (jnp.where(whole, st // nk * stream_k + pid, sk.dp_tiles + v // nk),
-                        jnp.where(whole, st % nk, v % nk))
+                u = u0 + jnp.minimum(step, n_units - 1)
+                return u // nk, u % nk
         else:
             def unit(step):
                 return ni, kb0 + step
@@ -565,33 +551,22 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 if stream_k:  # a repeated last unit adds nothing
                     sw_c = sw_c * (step < n_units).astype(jnp.float32)
                 out.append(acc[c] + blk * lax.broadcast_in_dim(sxv * sw_c, blk.shape, [0]))
-            if stream_k:  # the run leaves this tile: a whole tile in out_dtype, a shared one's partial in slot j
+            if stream_k:  # the run leaves this tile: store the partial (slot = its rank in the tile), start the next at 0
                 done = (step < n_units) & ((kb == nk - 1) | (step == n_units - 1))
-                whole = tile < sk.dp_tiles
                 for w in range(2):
                     r0w, rows_w = (w * 64, min(64, mr - w * 64)) if split_m else (0, mr)  # its output rows
                     if rows_w <= 0:  # 128-row tile, at most 64 real rows: the second warpgroup's are padding
                         continue
 
-                    @pl.when(done & whole & (wg == w))
-                    def _(w=w, r0w=r0w):
-                        for c in range(nch):
-                            o_ref.at[pl.ds(r0w, 64), pl.ds(wg_cols(w, tile) + c * cw, cw)][...] = \
-                                out[c].astype(o_ref.dtype)
-
-                    if not sk.sk_units:
-                        continue
-
-                    @pl.when(done & ~whole & (wg == w))
+                    @pl.when(done & (wg == w))
                     def _(w=w, r0w=r0w, rows_w=rows_w):
-                        slot = pid - stream_k_owner((tile - sk.dp_tiles) * nk, sk.sk_units, stream_k)
                         for c in range(nch):
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                             ep_s.at[w][...] = out[c]
                             plgpu.commit_smem()
                             plgpu.copy_smem_to_gmem(ep_s.at[w, pl.ds(0, rows_w)],
-                                                    p_ref.at[slot, pl.ds(r0w, rows_w),
-                                                             pl.ds(wg_cols(w, tile) - sk.dp_tiles * bn + c * cw, cw)])
+                                                    o_ref.at[pid - stream_k_owner(tile * nk, units, stream_k),
+                                                             pl.ds(r0w, rows_w), pl.ds(wg_cols(w, tile) + c * cw, cw)])
                 keep = 1.0 - done.astype(jnp.float32)
                 out = [o * keep for o in out]
             return tuple(out)
@@ -650,9 +625,9 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                   x_ref.at[pl.ds(m0, bm), pl.ds(kb0 * BLOCK, kps * BLOCK)]),
                  w_ref.at[pl.ds(n0, bn), pl.ds(kb0 * BLOCK, kps * BLOCK)])
 
-    out_type = jax.ShapeDtypeStruct((mp, n) if splits == 1 else (splits, mr if trim else mp, n), out_dtype)
-    if n_out == 2:  # stream-K's shared tiles: fp32 partials of their columns
-        out_type = (out_type, jax.ShapeDtypeStruct((sk.slots, mr, (n_tiles - sk.dp_tiles) * bn), jnp.float32))
+    out_shape = (mp, n) if splits == 1 else (splits, mr if trim else mp, n)
+    if stream_k:
+        out_shape = (slots, mr, n)
     # the [64, cw] fp32 staging tile of each compute warpgroup's partial (128-byte rows: (8, 32) tiles)
     scratch = [plgpu.SMEM((2, 64, cw), jnp.float32,
                           transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))] if trim else []
@@ -663,7 +638,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
         scratch += [plgpu.SMEM((2, SW_ROWS, nk + -nk % 4), jnp.float32),
                     plgpu.Barrier(num_arrivals=1 if quantize_x else 2, num_barriers=2)]
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
-    return plgpu.kernel(kernel, out_type=out_type,
+    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
                         grid=(stream_k or splits * tiles,),
                         scratch_types=scratch, grid_names=("cta",), num_threads=3, thread_name="wg", compiler_params=params,
                         interpret=interpret if interpret is not None else False)

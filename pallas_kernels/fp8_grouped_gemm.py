@@ -47,6 +47,7 @@ BLOCK = 128  # weight-scale block (both dims) and activation-scale group
 K_ALIGN = 512  # K per split: whole 16-byte TMA rows of float32 scales
 SMEM_BUDGET = 220 * 1024
 SCALE_FMTS = ("ue8m0", "amax")
+PERSISTENT_MAX_WAVES = 4  # persistent=None: the persistent kernel up to this many waves of work units
 _RAGGED_DN = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
                                            lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
@@ -56,7 +57,7 @@ def fp8_grouped_linear(x: jax.Array, sizes: jax.Array, wq: jax.Array, w_scale: j
                        implementation: Implementation = "auto",
                        interpret: bool | plgpu.InterpretGPUParams | None = None, block_t: int | None = None,
                        block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-                       stages: int = 4, layout: Implementation = "auto", persistent: bool = False) -> jax.Array:
+                       stages: int = 4, layout: Implementation = "auto", persistent: bool | None = None) -> jax.Array:
     """y [M, N] (``out_dtype``): row r of x [M, K] times expert e(r)'s FP8 weight, rows grouped by expert in order
     (``sizes`` int [E], sum <= M; rows past the sum give 0), W = ``wq`` (float8_e4m3fn [E, N, K]) with
     ``w_scale`` (float32 [E, N/128, K/128]); x re-quantised per 1 x 128 with ``scale_fmt`` scales.
@@ -70,8 +71,10 @@ def fp8_grouped_linear(x: jax.Array, sizes: jax.Array, wq: jax.Array, w_scale: j
     shortened the decode call at every measured shape on the H200
     (benchmarks/results/fp8g_decode_ncu_sweep_h200_2026-12-02.json); "auto": "pallas" natively, "xla" in
     interpret mode. ``persistent``: the kernel as one CTA per SM looping over the work units with one TMA ring
-    for all of them, scales included (``_build_persistent_call``; the FP4 kernel's persistent form, which took
-    its decode calls from 58 to 70% of DRAM peak at 8 tokens); off until timed on the GPU.
+    for all of them, scales included (``_build_persistent_call``), or one CTA per unit (False); None = persistent
+    natively where the static unit bound is at most ``PERSISTENT_MAX_WAVES`` waves of CTAs: exact kernel times
+    (fp8g_decode_ncu_sweep_h200_2026-12-02.json) had it faster at 1 token (3.8 waves at most), slower at 8 and
+    64 tokens of w1 (17 and 141 waves), where the per-CTA grid's waves are full anyway.
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``); None = whenever the default backend
     is not a GPU.
     """
@@ -139,10 +142,10 @@ def _fit_stages(stages: int, bt: int, bn: int, bk: int, kps: int) -> int:
 
 
 def _pallas(x, sizes, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_t, block_n, block_k, split_k, stages,
-            layout="auto", persistent=False):
+            layout="auto", persistent=None):
     _check_tiles(block_t, block_n, block_k, split_k, stages)
-    if not isinstance(persistent, bool):
-        raise ValueError(f"persistent must be a bool, got {persistent!r}")
+    if persistent is not None and not isinstance(persistent, bool):
+        raise ValueError(f"persistent must be a bool or None, got {persistent!r}")
     e, n, k = wq.shape
     m = x.shape[0]
     if not supports(n, k):
@@ -160,6 +163,9 @@ def _pallas(x, sizes, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_t, 
     # a CTA copies SW_ROWS weight-scale rows holding its own (a TMA copy moves a multiple of 128 bytes)
     ws = pad_weight_scales(w_scale.astype(jnp.float32))
     odt = out_dtype if p.splits == 1 else jnp.dtype(jnp.float32)
+    if persistent is None:
+        units = p.items * p.splits * (n // p.block_n)
+        persistent = p.interpret is None and units <= PERSISTENT_MAX_WAVES * num_sms()
     if persistent:
         call = _build_persistent_call(n=n, k=k, items=p.items, bt=p.block_t, bn=p.block_n, bk=p.block_k,
                                       splits=p.splits, stages=stages, out_dtype=odt, interpret=p.interpret)

@@ -309,11 +309,11 @@ def test_pick_tiles() -> None:
     assert G._fit_stages(4, 128, 128, 256, 2048) < 4  # a 128-row token tile: fewer stages fit SMEM
     assert G._pick_tiles(6, 256, 2048, 4096, None, None, None, None, fp8=True)[2] == 512  # "fp8" decode steps
     assert G._pick_tiles(24576, 256, 4096, 2048, None, None, None, None, fp8=True)[2] == 128
-    # the "fp8" ring: the "chained" depth divides a unit's steps, the "flat" one only fits SMEM
+    # the "fp8" ring: its depth divides a unit's steps and fits SMEM
     assert G.fp8_stages(4, 2, 8, 128, 512) == 2 and G.fp8_stages(4, 6, 8, 128, 512) == 3
-    assert G.fp8_stages(4, None, 8, 128, 512) == 4 and G.fp8_stages(8, None, 8, 128, 512) == 5
+    assert G.fp8_stages(4, 8, 8, 128, 512) == 4 and G.fp8_stages(8, 10, 8, 128, 512) == 5
     with pytest.raises(ValueError, match="does not fit"):
-        G.fp8_stages(4, None, 128, 128, 4096)
+        G.fp8_stages(4, 4, 128, 128, 4096)
 
 
 # ----- errors ---------------------------------------------------------------------------------------------
@@ -536,21 +536,20 @@ def test_fp8_route_exact_bit_equal(mode: str, group: int | None) -> None:
 
 
 @pytest.mark.parametrize("mode", ["interpret", pytest.param("native", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("ring", ["chained", "flat"])
 @pytest.mark.parametrize("sizes,tiles", [
     ([0, 5, 0], dict(block_n=64, split_k=1)),  # one work unit: its CTA runs a whole pipeline
     ([0, 0, 0], {}),  # no rows in the groups: no units, zero output
     ([4, 0, 3], dict(block_n=64, split_k=1)),  # two units on two CTAs
     ([9, 1, 17], dict(block_n=64, block_k=128, block_t=16))])  # 8 units of 4 steps over 3 CTAs (interpret)
-def test_fp8_route_units_per_cta(mode: str, ring: str, sizes: list[int], tiles: dict) -> None:
+def test_fp8_route_units_per_cta(mode: str, sizes: list[int], tiles: dict) -> None:
     """The persistent "fp8" route: a CTA with one, several or no work units (the ring started, continued and
-    drained across units; "flat": one pipeline over them all) gives the float64 reference bit for bit on exact
+    drained across units) gives the float64 reference bit for bit on exact
     data; 3 rows past the groups give 0. block_t 16: items start at 8-row (not 16-row) offsets of x."""
     x, sz, wp, ws = exact_case(sizes, 64, 1024, seed=len(sizes) + sum(sizes))
     x = jnp.concatenate([x, jnp.ones((3, 1024), x.dtype)])
     xq, sx, xf = quantized(x)
     got = G.fp4_grouped_linear(xq, sz, wp, ws, out_dtype=jnp.float32, implementation="pallas",
-                               interpret=interpret_for(mode), x_scale=sx, ring=ring, **tiles)
+                               interpret=interpret_for(mode), x_scale=sx, **tiles)
     ref, _ = reference(xf, sizes, wp, ws)
     np.testing.assert_array_equal(np.asarray(got, np.float64), ref)
 
@@ -559,8 +558,6 @@ def test_fp8_route_units_per_cta(mode: str, ring: str, sizes: list[int], tiles: 
     (dict(x_scale=jnp.ones((4, 4), jnp.float32)), "x must be float8_e4m3fn"),
     (dict(dequant="fp8"), "needs e4m3 x"),
     (dict(mma_group=2), "applies to e4m3 x"),
-    (dict(ring="flat"), "ring applies to e4m3 x"),
-    (dict(ring="linear"), "ring must be"),
 ])
 def test_fp8_route_bad_inputs(kwargs: dict, field: str) -> None:
     x, sz, wp, ws = _inputs()
@@ -582,7 +579,6 @@ def test_fp8_route_bad_inputs(kwargs: dict, field: str) -> None:
 @pytest.mark.skipif(ON_GPU, reason="CPU-only cross-lowering smoke test (the gpu tests compile for real)")
 @pytest.mark.parametrize("m,e,n,k,tiles", [(6, 256, 2048, 4096, {}), (384, 256, 4096, 2048, {}),
                                            (48, 256, 2048, 4096, dict(mma_group=2)),
-                                           (6, 256, 2048, 4096, dict(ring="flat")),
                                            pytest.param(24576, 256, 4096, 2048, {}, marks=pytest.mark.slow)])
 def test_fp8_route_lowers_for_cuda(m: int, e: int, n: int, k: int, tiles: dict) -> None:
     """The "fp8" route passes Mosaic GPU's lowering (register-A e4m3 wgmma against the e4m3 token tile)."""

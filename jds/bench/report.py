@@ -506,11 +506,26 @@ def _call_gap(d: dict) -> list[str]:
 
 def _ncu_sweep(d: dict) -> list[str]:
     """Nsight Compute sweeps (scripts/diag/ncu_sweep_table.py): per case and variant, the GEMM kernel's exact
-    duration and DRAM throughput, and every kernel of the call summed (the wrapper's XLA kernels included)."""
-    body = [[r["case"], json.dumps(r.get("variant", {})), _fmt(r.get("kernel_us"), 1), _fmt(r.get("kernel_dram_pct"), 0),
-             _fmt(r.get("call_kernels_us"), 1), str(len(r.get("kernels", [])))] for r in d.get("rows", [])]
+    duration and DRAM throughput, and every kernel of the call summed (the wrapper's XLA kernels included); a
+    file holding rows of several runs (rows with ``run``) gets a run column (the meta note says what each ran)."""
+    rows = d.get("rows", [])
+    runs = any("run" in r for r in rows)
+    body = [[r["case"]] + ([str(r.get("run", "—"))] if runs else []) +
+            [json.dumps(r.get("variant", {})), _fmt(r.get("kernel_us"), 1), _fmt(r.get("kernel_dram_pct"), 0),
+             _fmt(r.get("call_kernels_us"), 1), str(len(r.get("kernels", [])))] for r in rows]
     return ["Exact kernel durations (Nsight Compute), µs of one call:", ""] + \
-        _table(["case", "variant", "GEMM kernel µs", "its DRAM % of peak", "all the call's kernels µs", "kernels"], body)
+        _table(["case"] + (["run"] if runs else []) +
+               ["variant", "GEMM kernel µs", "its DRAM % of peak", "all the call's kernels µs", "kernels"], body)
+
+
+def _gather_probe(d: dict) -> list[str]:
+    """scripts/diag/gather_probe.py: per implementation, whether its output equals the reference bit for bit, its
+    device µs per call (GPU timeline) and bytes moved per µs as a fraction of the run's copy bandwidth."""
+    body = [[r["impl"], "yes" if r.get("equal") else f"no ({r.get('mismatches')} mismatches)",
+             _fmt(r.get("bytes", 0) / 1e6, 1), _fmt(r.get("profile_span_us"), 1), _fmt(r.get("copy_frac"), 2)]
+            for r in d.get("rows", [])]
+    return ["Gather / dequantisation probes on the GPU timeline:", ""] + \
+        _table(["implementation", "bit-exact", "MB moved", "µs per call", "of copy bandwidth"], body)
 
 
 def _topk_knobs(d: dict) -> list[str]:
@@ -592,6 +607,7 @@ RENDERERS: list[tuple[Callable[[str, dict], bool], Callable[[dict], list[str]]]]
     (lambda b, d: b.startswith("fp8_call_gap"), _call_gap),
     (lambda b, d: b.endswith("_ncu_sweep"), _ncu_sweep),
     (lambda b, d: b.startswith("topk_knobs"), _topk_knobs),
+    (lambda b, d: b.startswith("gather_probe"), _gather_probe),
     (lambda b, d: b.startswith("mqa_variants"), _mqa_variants),
     (lambda b, d: b.startswith("kernels"), _kernels),
 ]
