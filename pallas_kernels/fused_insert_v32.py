@@ -140,8 +140,11 @@ def supports(latent_dim: int, rope_dim: int, index_head_dim: int) -> bool:
 def fused_kv_insert_v32(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache, kv_norm_w, k_norm_w,
                         k_norm_b, *, kv_format: RecordFormat, index_format: RecordFormat, eps: float, dtype,
                         indexer_interleave: bool, hadamard: bool, implementation: Implementation = "pallas",
-                        interpret: bool | None = None, block_tokens: int = 16, num_warps: int = 8):
+                        interpret: bool | None = None, block_tokens: int = 16, num_warps: int = 4):
     """Same inputs/outputs as ``fused_kv_insert_v32_reference``; returns (kv_cache, index_cache).
+
+    Tiles: ``block_tokens`` tokens per program, ``num_warps``; 4 warps were faster than 8 at T = 8192 on the
+    GPU timeline (``benchmarks/results/kernels_fused_insert_*.json``, rows with ``tiles``).
 
     kv [T, lat + rd], index_k [T, Di] in ``dtype``; cos/sin [T, rd/2] float32 (jds.ops.rope.rope_cos_sin);
     slot_mapping [T] int32 (-1 = padding); caches [num_blocks, page_elems] of their formats.

@@ -120,10 +120,10 @@ def fused_qnorm_rope_kv_insert_v4(q, kv, cos, sin, slot_mapping, window_cache, k
     heads of ``rows_per_program // h`` tokens (a token's heads are contiguous in memory, so h > 1 reads
     longer runs); ``heads_per_program=None`` with ``rows_per_program`` given: one token's heads when
     T < ``rows_per_program``, else that many tokens of one head (the tiling before 2026-11-29).
-    All None: 8 heads x 1 token, 8 warps for T < 16 (decode); 16 heads x 1 token, 4 warps from 16
-    tokens, the fastest tiling of the T = 8192 sweep, bit-identical to 8 tokens x 1 head
-    (``benchmarks/results/kernels_fused_insert_*.json``, rows with ``tiles``: ``bandwidth_frac``,
-    ``bytes_differing``; issue 6)."""
+    All None: 8 heads x 1 token, 8 warps at every T: the fastest tiling of the T = 8192 sweep on the GPU
+    timeline once the q rows' rope went to (even, odd) pairs (fewer registers; 16 heads and 4 warps were
+    fastest before), bit-identical to the other tilings
+    (``benchmarks/results/kernels_fused_insert_*.json``, rows with ``tiles``; issue 6)."""
     args = (q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w)
     kw = dict(window_format=window_format, eps=eps, dtype=dtype)
     return run_op("fused_qnorm_rope_kv_insert_v4", implementation, {
@@ -138,8 +138,7 @@ def _pallas(q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w, *, window_fo
     t, h, d = q.shape
     rd = 2 * cos.shape[-1]
     if rows_per_program is None and heads_per_program is None:
-        rows_per_program = heads_per_program = 8 if t < 16 else 16
-        num_warps = num_warps or (8 if t < 16 else 4)
+        rows_per_program = heads_per_program = 8
     rows_per_program = rows_per_program or 8
     num_warps = num_warps or 8
     for name, n in (("head dim", d), ("rope dim", rd), ("rows_per_program", rows_per_program),

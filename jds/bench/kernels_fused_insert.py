@@ -124,20 +124,18 @@ def benchmark(quick: bool) -> Iterator[dict]:
             yield from _sweep(kernel, case, fn, static, args, cache_pos, out_pos, nbytes)
 
 
-# Tile parameters of each kernel tried at T = 8192 beside its default. The defaults of v32_fused_q (1 token,
-# 4 warps) and of the V4 kernel's prefill (16 heads x 1 token, 4 warps) were the fastest variants at T = 8192
+# Tile parameters of each kernel tried at T = 8192 beside its default. The defaults (v32_kv_insert: 16 tokens,
+# 4 warps; v32_fused_q: 1 token, 4 warps; V4: 8 heads x 1 token, 8 warps) were the fastest variants at T = 8192
 # (benchmarks/results/kernels_fused_insert_*.json, rows with ``tiles``); the first variant of each is the
 # previous default.
-SWEEP = {"v32_kv_insert": [dict(block_tokens=16, num_warps=4), dict(block_tokens=32), dict(block_tokens=64)],
+SWEEP = {"v32_kv_insert": [dict(block_tokens=16, num_warps=8), dict(block_tokens=32), dict(block_tokens=64)],
          "v32_fused_q": [dict(rows_per_program=256, num_warps=8), dict(rows_per_program=64, num_warps=8),
                          dict(rows_per_program=256, num_warps=4), dict(rows_per_program=512, num_warps=4)],
-         "v4_qnorm_rope_kv_insert": [dict(rows_per_program=8, num_warps=8),
-                                     dict(rows_per_program=8, heads_per_program=8, num_warps=8),
+         "v4_qnorm_rope_kv_insert": [dict(rows_per_program=16, heads_per_program=16, num_warps=4),
+                                     dict(rows_per_program=8, num_warps=8),
                                      dict(rows_per_program=32, heads_per_program=16, num_warps=4),
                                      dict(rows_per_program=16, heads_per_program=16, num_warps=2),
                                      dict(rows_per_program=32, heads_per_program=32, num_warps=4),
-                                     # the q rows' rope as pairs (fourteenth session) cut the registers 164 -> 96:
-                                     # more warps or rows per program may now pay
                                      dict(rows_per_program=16, heads_per_program=16, num_warps=8),
                                      dict(rows_per_program=32, heads_per_program=32, num_warps=8)]}
 
