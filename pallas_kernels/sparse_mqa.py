@@ -111,6 +111,9 @@ from jds.ops.dispatch import Implementation, Unsupported, resolve_interpret, run
 from jds.ops.paging import RecordFormat
 from jds.ops.records import FloatRows, MlaRecord584, MlaRecord656
 from jds.ops.sparse_mqa import paged_sparse_mqa_xla
+from pallas_kernels import record_gather
+
+Producer = Literal["tma", "registers"]
 
 
 HEAD_TILE = 64  # wgmma M
@@ -120,6 +123,7 @@ ROWS_PER_WARP = BLOCK_K // NUM_WG // 4  # row copies each warp issues per block
 NUM_SMS = 132  # H100/H200; only steers the automatic num_splits
 MIN_BLOCKS_PER_SPLIT = 2
 LOG2E = 1.4426950408889634
+PRODUCER_REGS = 112  # producer="registers": the producer warpgroup's registers per thread (the rest: compute)
 M_INIT = -1e30  # finite running-max start: exp2(m_old - m_new) never sees -inf - -inf
 
 
@@ -176,7 +180,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                slots: Sequence[jax.Array], *, scale: float, v_dim: int, sink: jax.Array | None = None,
                implementation: Implementation = "pallas", num_splits: int | None = None,
                out_dtype: jnp.dtype = jnp.float32,
-               interpret: bool | plgpu.InterpretGPUParams | None = None) -> jax.Array:
+               interpret: bool | plgpu.InterpretGPUParams | None = None, producer: Producer = "tma",
+               producer_regs: int = PRODUCER_REGS, producer_phases: int = 2) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype).
@@ -186,6 +191,13 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     ``num_splits``: candidate splits per (token, head tile); None picks enough CTAs for the GPU.
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``, e.g. with ``detect_races``);
     None = whenever the default backend is not a GPU.
+    ``producer``: who fills the K tile. "tma": the two compute warpgroups, from rows staged by per-row bulk
+    copies (the module docstring). "registers" (``MlaRecord656``, one list): a third warpgroup gathers and
+    dequantises each block into one of two K tiles with per-thread global loads
+    (``pallas_kernels.record_gather``; GPU interpret mode emulates it with the staged copies), so the next
+    block is filled while the compute warpgroups multiply the current one; it keeps ``producer_regs``
+    registers per thread and gives the rest to the compute warpgroups, and loads the latent in
+    ``producer_phases`` rounds (1 or 2). Not yet timed on the GPU.
     """
     caches, formats, slots = tuple(caches), tuple(formats), tuple(slots)
     if not (len(caches) == len(formats) == len(slots) >= 1):
@@ -194,14 +206,26 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
         "xla": lambda: paged_sparse_mqa_xla(q, caches, formats, slots, scale=scale, v_dim=v_dim,
                                             sink=sink).astype(out_dtype),
         "pallas": lambda: _pallas(q, caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink,
-                                  num_splits=num_splits, out_dtype=out_dtype, interpret=interpret)})
+                                  num_splits=num_splits, out_dtype=out_dtype, interpret=interpret,
+                                  producer=producer, producer_regs=producer_regs,
+                                  producer_phases=producer_phases)})
 
 
-def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret):
+def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer="tma",
+            producer_regs=PRODUCER_REGS, producer_phases=2):
+    if producer not in ("tma", "registers"):
+        raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
+    if producer_phases not in (1, 2):
+        raise ValueError(f"producer_phases must be 1 or 2, got {producer_phases}")
+    if not (isinstance(producer_regs, int) and 24 <= producer_regs <= 256 and producer_regs % 8 == 0
+            and (512 - producer_regs) // NUM_WG >= 24):
+        raise ValueError(f"producer_regs must be a multiple of 8 in [24, 256] (got {producer_regs!r})")
     if not supports(formats, v_dim):
         raise Unsupported(f"sparse_mqa kernel: unsupported formats {formats} / v_dim {v_dim} "
                           "(see pallas_kernels.sparse_mqa.supports)")
     specs = tuple(cache_spec(f) for f in formats)
+    if producer == "registers" and (len(specs) != 1 or specs[0].kind != "mla656"):
+        raise ValueError(f'producer="registers" reads one MlaRecord656 cache (got {formats})')
     t, h, dk = q.shape
     if dk != specs[0].dim:
         raise ValueError(f"q head dim {dk} does not match the cache rows ({specs[0].dim})")
@@ -234,7 +258,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
               else jnp.zeros((hp,), jnp.float32))
     call = _build_call(specs=specs, list_blocks=tuple(list_blocks), t=t, hp=hp, dv=v_dim, scale=float(scale),
                        has_sink=has_sink, n_splits=n_splits, bps=bps, out_dtype=jnp.dtype(out_dtype),
-                       interpret=interpret or None)
+                       interpret=interpret or None, producer=producer, producer_regs=producer_regs,
+                       producer_phases=producer_phases)
     # blocks of 64 candidates with at least one valid slot, per token, compacted to the front (the kernel
     # skips the rest: prefill tokens early in the sequence, short contexts, fully masked rows)
     live = jnp.any(slots_all.reshape(t, nb, BLOCK_K) >= 0, axis=-1)
@@ -266,8 +291,16 @@ def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -
 @functools.lru_cache(maxsize=None)
 def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t: int, hp: int, dv: int,
                 scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype,
-                interpret: plgpu.InterpretGPUParams | None):
+                interpret: plgpu.InterpretGPUParams | None, producer: Producer = "tma",
+                producer_regs: int = PRODUCER_REGS, producer_phases: int = 2):
+    """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k (native: ``record_gather``;
+    interpret mode: the staged copies and the compute warpgroups' conversion, all chunks) and arrives on
+    "full"[k % 2]; the compute warpgroups wait on it, read the block's slots from its idx slot (written by the
+    producer), compute as below and arrive on "free"[k % 2] after their PV, which the producer waits for before
+    it refills that tile with block k + 2. No "ready" barrier and no staging rows natively."""
     kind, dk = specs[0].kind, specs[0].dim
+    reg = producer == "registers"
+    emulate = reg and interpret is not None  # the producer's register gather is PTX: interpret mode stages rows
     nc = len(specs)
     if sum(list_blocks) >= 1 << 20:  # the descriptors' opaque zero is block_id >> 20
         raise ValueError(f"sparse_mqa kernel: {sum(list_blocks)} candidate blocks per token (at most 2^20 - 1)")
@@ -400,9 +433,13 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             (o_ref,), scratch = rest[nc:nc + 1], rest[nc + 1:]
         else:
             (o_ref, m_ref, l_ref), scratch = rest[nc:nc + 3], rest[nc + 3:]
-        st16 = pb_s = sel_s = None
+        st16 = pb_s = sel_s = st = bar_i = bar_kv = bar_ready = None
         *scratch, stat_s, bar_stat = scratch
-        if rope_mm:
+        if reg:
+            q_s1, k_s1, p_s, idx_s, bar_q, bar_full, bar_free, bar_p, *staged = scratch
+            if emulate:
+                st, pb_s, sel_s, bar_i, bar_kv = staged
+        elif rope_mm:
             q_s1, k_s1, st, p_s, pb_s, sel_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_p = scratch
         elif fp8:
             q_s1, k_s1, (st, st16), p_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_p = scratch
@@ -416,6 +453,14 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         b0 = si * bps  # this split's first position in the token's list of live blocks
         nblk = jnp.clip(nlive_ref[ti] - b0, 0, bps)
         wg = lax.axis_index("wg")
+
+        def init_selection():
+            """Interpret mode's byte-pair selection matrix for the rope values (``store_rope``)."""
+            r = plgpu.broadcasted_iota(jnp.int32, (64, 64), 0, layout=L)
+            c = plgpu.broadcasted_iota(jnp.int32, (64, 64), 1, layout=L)
+            sel = jnp.where(lax.shift_right_logical(r, 1) == c, jnp.where((r & 1) == 0, 1.0, 256.0), 0.0)
+            sel_s[...] = sel.astype(jnp.bfloat16)
+            plgpu.commit_smem()
 
         def block_id(k):  # k-th block of this split -> block index in the concatenated candidate lists
             return blocks_ref[ti, b0 + k]
@@ -441,29 +486,28 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 plgpu.commit_smem()
 
             # ---- prologue
+            if reg and not emulate:
+                plgpu.set_max_registers((512 - producer_regs) // NUM_WG // 8 * 8, action="increase")
             if w == 0:
                 plgpu.copy_gmem_to_smem(q_ref.at[ti, pl.ds(gi * HEAD_TILE, HEAD_TILE)], q_s, bar_q.at[0])
+                if not reg:
+                    @pl.when(nblk > 0)
+                    def _():
+                        idx_copy(0, 0)
 
+                    @pl.when(nblk > 1)
+                    def _():
+                        idx_copy(1, 1)
+            elif rope_mm and not reg:
+                init_selection()
+
+            if not reg:
                 @pl.when(nblk > 0)
                 def _():
-                    idx_copy(0, 0)
-
-                @pl.when(nblk > 1)
-                def _():
-                    idx_copy(1, 1)
-            elif rope_mm:
-                r = plgpu.broadcasted_iota(jnp.int32, (64, 64), 0, layout=L)
-                c = plgpu.broadcasted_iota(jnp.int32, (64, 64), 1, layout=L)
-                sel = jnp.where(lax.shift_right_logical(r, 1) == c, jnp.where((r & 1) == 0, 1.0, 256.0), 0.0)
-                sel_s[...] = sel.astype(jnp.bfloat16)
-                plgpu.commit_smem()
-
-            @pl.when(nblk > 0)
-            def _():
-                plgpu.barrier_wait(bar_i.at[0])
-                issue_row_copies(cache_refs, st, idx_s, 0, block_id(0), w, bar_kv.at[0])
-                plgpu.barrier_wait(bar_kv.at[0])
-                fill_k(0)  # block 0's K chunks; each iteration fills the next block's after its PV
+                    plgpu.barrier_wait(bar_i.at[0])
+                    issue_row_copies(cache_refs, st, idx_s, 0, block_id(0), w, bar_kv.at[0])
+                    plgpu.barrier_wait(bar_kv.at[0])
+                    fill_k(0)  # block 0's K chunks; each iteration fills the next block's after its PV
             if has_sink and n_splits == 1:
                 sk = plgpu.load(sink_ref.at[pl.ds(gi * HEAD_TILE, HEAD_TILE)], layout=ROW, optimized=False) * LOG2E
                 m0 = jnp.maximum(sk, M_INIT)
@@ -481,12 +525,16 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 # the wgmma operands through a zero the compiler cannot fold (block ids < 2^20, checked when
                 # built): their descriptors are rebuilt here, not held across the loop
                 z = lax.shift_right_logical(block_id(k), 20)
-                q_mm, k_mm = q_s1.at[z], k_s1.at[z]
+                if reg:  # block k in K tile k % 2, its slots in idx slot k % 2 (both from the producer)
+                    plgpu.barrier_wait(bar_full.at[islot])
+                    q_mm, k_mm = q_s1.at[z], k_s1.at[islot + z]
+                else:
+                    q_mm, k_mm = q_s1.at[z], k_s1.at[z]
                 own = pl.ds(w * HALF, HALF)  # this warpgroup's candidates
                 valid = plgpu.load(idx_s.at[islot, own], layout=COL, optimized=False) >= 0
-                # K tile of block k complete (both halves), its staging rows and slots read by both
-                plgpu.barrier_arrive(bar_ready.at[0])
-                plgpu.barrier_wait(bar_ready.at[0])
+                if not reg:  # K tile of block k complete (both halves), its staging rows and slots read by both
+                    plgpu.barrier_arrive(bar_ready.at[0])
+                    plgpu.barrier_wait(bar_ready.at[0])
 
                 def prefetch():
                     """Rows of block k+1 (their slots landed in the other idx slot), slots of block k+2."""
@@ -503,7 +551,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 # S = Q K^T (the prefetch is issued while the tensor cores run it), masked online softmax (base 2)
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, q_mm, k_mm.at[own].T)
-                    prefetch()
+                    if not reg:
+                        prefetch()
                     plgpu.wgmma_wait(0)
                     return acc_ref[...]
 
@@ -541,13 +590,16 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 else:  # in place: a second [64, 256] fp32 accumulator would not fit the registers
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
 
-                # block k+1's K chunks of this warpgroup, once its PV(k) is done: PV(k) reads this warpgroup's
-                # value columns, the very chunks it writes; the other warpgroup's QK(k) finished before the P
-                # exchange and its PV(k) reads only its own columns (so no "K free" barrier)
-                @pl.when(nxt)
-                def _():
-                    plgpu.barrier_wait(bar_kv.at[0])
-                    fill_k(1 - islot)
+                if reg:  # this warpgroup is done with K tile k % 2 (and its slots): the producer may refill it
+                    plgpu.barrier_arrive(bar_free.at[islot])
+                else:
+                    # block k+1's K chunks of this warpgroup, once its PV(k) is done: PV(k) reads this
+                    # warpgroup's value columns, the very chunks it writes; the other warpgroup's QK(k) finished
+                    # before the P exchange and its PV(k) reads only its own columns (so no "K free" barrier)
+                    @pl.when(nxt)
+                    def _():
+                        plgpu.barrier_wait(bar_kv.at[0])
+                        fill_k(1 - islot)
                 return acc, m_new, l
 
             acc, m, l = lax.fori_loop(0, nblk, body, (acc0, m0, l0))
@@ -567,8 +619,43 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     m_ref.at[si, ti, heads][...] = m
                     l_ref.at[si, ti, heads][...] = l
 
+        def produce():
+            """producer="registers": block k into K tile k % 2 (and its slots into idx slot k % 2), once the
+            compute warpgroups freed that tile of block k - 2."""
+            if emulate:
+                init_selection()
+            else:
+                plgpu.set_max_registers(producer_regs, action="decrease")
+
+            @pl.loop(0, nblk)
+            def _(k):
+                b = k % 2
+
+                @pl.when(k >= 2)
+                def _():
+                    plgpu.barrier_wait(bar_free.at[b])
+
+                start = pl.multiple_of(block_id(k) * BK, BK)
+                if emulate:  # the same values through the staged rows (interpret mode cannot run the PTX)
+                    plgpu.copy_gmem_to_smem(slots_ref.at[ti, pl.ds(start, BK)], idx_s.at[b], bar_i.at[b])
+                    plgpu.barrier_wait(bar_i.at[b])
+                    for half in range(NUM_WG):
+                        issue_row_copies(cache_refs, st, idx_s, b, block_id(k), half, bar_kv.at[0])
+                    plgpu.barrier_wait(bar_kv.at[0])
+                    kb = k_s1.at[b]
+                    for c, v in convert(0, st, None, list(range(nch - 1))):
+                        kb[:, pl.ds(64 * c, 64)] = v
+                    store_rope(st, st16, kb, pb_s, sel_s)
+                else:
+                    record_gather.fill_k_tile_656(slots_ref.at[ti, pl.ds(start, BK)], cache_refs[0], k_s1.at[b],
+                                                  idx_s.at[b], phases=producer_phases)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(bar_full.at[b])
+
         for w in range(NUM_WG):
             pl.when(wg == w)(functools.partial(run, w))
+        if reg:
+            pl.when(wg == NUM_WG)(produce)
 
     if kind == "mla656":
         st_t = plgpu.SMEM((BK, _M656_W), jnp.uint8)
@@ -600,6 +687,21 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         plgpu.SMEM((2, NUM_WG, HEAD_TILE), jnp.float32),
         plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1),  # both warpgroups' statistics written
     ]
+    if reg:  # two K tiles and no staging rows (natively: SMEM 226 KB of 227 at V3.2's 576 columns)
+        scratch = [
+            plgpu.SMEM((1, HEAD_TILE, dk), jnp.bfloat16, transforms=SW),  # q tile
+            plgpu.SMEM((2, BK, dk), jnp.bfloat16, transforms=SW),  # K tiles of blocks k and k + 1
+            p_t,
+            plgpu.SMEM((2, BK), jnp.int32),  # the two blocks' slots (-1 = masked), written by the producer
+            plgpu.Barrier(num_arrivals=1, num_barriers=1),  # q landed
+            plgpu.Barrier(num_arrivals=1, num_barriers=2),  # "full": the producer filled K tile / idx slot b
+            plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=2),  # "free": both compute warpgroups done with b
+            plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1),  # both halves of P published
+        ]
+        if emulate:  # the producer's staged rows, interpret mode's rope selection, slots and rows landed
+            scratch += [st_t, *mid[1:], plgpu.Barrier(num_arrivals=1, num_barriers=2),
+                        plgpu.Barrier(num_arrivals=BK * copies, num_barriers=1)]
+        scratch += [plgpu.SMEM((2, NUM_WG, HEAD_TILE), jnp.float32), plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1)]
     if n_splits == 1:
         out_type = jax.ShapeDtypeStruct((t, hp, dv), out_dtype)
     else:
@@ -609,5 +711,5 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, unsafe_no_auto_barriers=True,
                                   approx_math=True, reduction_scratch_bytes=0)  # row reductions stay in-warp
     return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=(n_splits * t * G,),
-                        grid_names=("cta",), num_threads=NUM_WG, thread_name="wg", compiler_params=params,
+                        grid_names=("cta",), num_threads=NUM_WG + reg, thread_name="wg", compiler_params=params,
                         interpret=interpret if interpret is not None else False)

@@ -146,6 +146,46 @@ def test_v32_padded_heads_and_splits(mode):
                interpret=interpret, num_splits=s)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_v32_register_producer(mode):
+    """producer="registers": a third warpgroup fills two K tiles in turn (natively by per-thread loads and
+    dequantisation in registers, ``record_gather``; interpret mode emulates it with the staged rows), so blocks
+    0..4 cycle through both tiles; a fully masked row gives zeros; 2 splits (one with 2 blocks, one with 3);
+    interpret mode also runs the race detector over the full / free protocol."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    interpret = plgpu.InterpretGPUParams(detect_races=True) if _interpret(mode) else False
+    rng = np.random.default_rng(5)
+    t, h, k, nblk, epp = (2, 4, 300, 8, 16) if interpret else (4, 128, 2048, 96, 64)
+    fmt = MlaRecord656(epp, "ue8m0")
+    cache = _cache(fmt, nblk, 576, rng)
+    slots = _slots(rng, t, k, nblk * epp, 0.2, empty_rows=(1,))
+    q = _bf16_exact(rng.standard_normal((t, h, 576)))
+    for splits in (1, 2):
+        out = _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_EXACT_KV,
+                     interpret=interpret, num_splits=splits, producer="registers")
+        assert np.all(out[1] == 0.0)
+    if interpret:
+        assert not gpu_callbacks.get_races().races_found
+
+
+def test_register_producer_bad_inputs():
+    """producer / producer_regs / producer_phases errors name the argument; V4's records are not its format."""
+    rng = np.random.default_rng(0)
+    fmt = MlaRecord656(16)
+    cache = _cache(fmt, 2, 576, rng)
+    q, slots = jnp.zeros((1, 4, 576), jnp.bfloat16), jnp.zeros((1, 64), jnp.int32)
+    for kw, msg in [(dict(producer="warp"), "producer must be"), (dict(producer_phases=3), "producer_phases"),
+                    (dict(producer_regs=100), "producer_regs"), (dict(producer_regs=8), "producer_regs")]:
+        with pytest.raises(ValueError, match=msg):
+            mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.1, v_dim=512, interpret=True, **kw)
+    f4 = MlaRecord584(16)
+    with pytest.raises(ValueError, match="MlaRecord656"):
+        mqa.sparse_mqa(jnp.zeros((1, 4, 512), jnp.bfloat16), [_cache(f4, 2, 512, rng)], [f4], [slots],
+                       scale=0.1, v_dim=512, interpret=True, producer="registers")
+
+
 @pytest.mark.skipif(ON_GPU, reason="interpret mode's race detector")
 def test_no_races():
     """Interpret mode's race detector over the warpgroups' exchanges: the row maxima and final sums, P's halves,
@@ -287,7 +327,8 @@ def test_v4_layer_attend(mode):
 
 # ----- lowering for the H200 without a GPU --------------------------------------------------------------------
 @pytest.mark.skipif(ON_GPU, reason="the native tests compile the kernel")
-@pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16"])
+@pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16", "v32_fp8_registers",
+                                  "v32_fp8_registers_p1"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -303,10 +344,11 @@ def test_lowers_for_cuda(case):
     slots = [jax.ShapeDtypeStruct((t, k), jnp.int32) for k in lists]
     sink = jax.ShapeDtypeStruct((h,), jnp.float32) if case.startswith("v4") else None
     splits = 4 if "splits" in case else 1
+    kw = dict(producer="registers", producer_phases=1 if case.endswith("p1") else 2) if "registers" in case else {}
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,
-                              interpret=False)
+                              interpret=False, **kw)
 
     exp = jax.export.export(jax.jit(f), platforms=["cuda"])(
         jax.ShapeDtypeStruct((t, h, dim), jnp.bfloat16), caches, slots, sink)

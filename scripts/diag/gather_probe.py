@@ -15,13 +15,10 @@ in PTX) and checks two things on the GPU before the MQA is built on it:
 
     python3 scripts/diag/gather_probe.py [--rows 262144] [--row-bytes 656] [--blocks 4096] [--out F.json]
 
-``--dequant``: the MQA producer's whole job for V3.2 records (``MlaRecord656``): gather a block's 64 records,
-dequantise the 512 e4m3 latent values with their fp32 scale per 128 in registers (``cvt.rn.f16x2.e4m3x2``, a
-float32 multiply, ``cvt.rn.bf16x2.f32``), copy the 64 bf16 rope values, and store the bf16 rows with
-``st.shared.v4`` at the addresses of the MQA's K tile ([64, 576] bf16, (8, 32) tiles, 64-byte swizzle: the
-16-byte unit u of row r of a tile sits at unit u ^ ((r >> 1) & 3), the TMA's 64-byte pattern, as Mosaic's swizzled
-stores compute it: fragmented_array's (offset // 128) % 4 XORed into the unit), then TMA the
-tile out: equal to XLA's dequantisation of the gathered records bit for bit only if the swizzle is right.
+``--dequant``: the MQA producer's whole job for V3.2 records (``pallas_kernels.record_gather``, which the
+sparse MQA's ``producer="registers"`` runs): gather a block's 64 records, dequantise them in registers and store
+the bf16 rows at the addresses of the MQA's swizzled K tile, then TMA the tile out: equal to XLA's
+dequantisation of the gathered records bit for bit only if the swizzle is right.
 
 Native only (inline PTX); ``--lower-only`` lowers the kernels for an H200 on any machine.
 """
@@ -39,6 +36,7 @@ import numpy as np
 from jax import lax
 
 from jds.ops.dispatch import num_sms
+from pallas_kernels import record_gather
 
 BLOCK = 64  # rows per block (the MQA's candidates per block)
 THREADS = 128  # one warpgroup
@@ -124,87 +122,12 @@ def _store(item, llvm, i32, void) -> None:
                     "l,r,r,r,r,r", has_side_effects=True)
 
 
-REC = 656  # MlaRecord656: 512 e4m3 | 4 fp32 scales | 64 bf16 rope
-KT_COLS = 576  # the K tile's columns (bf16)
-KT_TF = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))  # the MQA's K tile transforms
-
-# one 16-byte chunk of e4m3 (4 words) times an fp32 scale -> 16 bf16 (8 words); element order kept (the low
-# byte / half of a word first)
-_DQ_ASM = (
-    "{ .reg .b16 h<8>; .reg .b32 f<8>; .reg .f16 x<16>; .reg .f32 y<16>;\n"
-    + "".join(f"mov.b32 {{h{2 * i}, h{2 * i + 1}}}, ${8 + i};\n" for i in range(4))
-    + "".join(f"cvt.rn.f16x2.e4m3x2 f{i}, h{i};\n" for i in range(8))
-    + "".join(f"mov.b32 {{x{2 * i}, x{2 * i + 1}}}, f{i};\n" for i in range(8))
-    + "".join(f"cvt.f32.f16 y{i}, x{i};\nmul.f32 y{i}, y{i}, $12;\n" for i in range(16))
-    + "".join(f"cvt.rn.bf16x2.f32 ${i}, y{2 * i + 1}, y{2 * i};\n" for i in range(8))
-    + "}")
+REC, KT_COLS, KT_TF = record_gather.REC656, record_gather.K_COLS, record_gather.K_TILE_TRANSFORMS
 
 
 def _dequant_call(n_blocks: int, ctas: int):
-    """CTA c fills its SMEM K tile with blocks c, c + ctas, ... and TMAs each to the output; in a block, thread t
-    serves row t // 2, latent columns 256 (t % 2) .. + 255 and rope values 32 (t % 2) .. + 31."""
-
-    def fill(slots_ref, cache_ref, k_ref):
-        @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(KT_TF)))
-        def f(_, slots, cache, k):
-            from jax._src.lib.mlir import ir  # noqa: PLC0415 - lowering-time imports
-            from jax._src.lib.mlir.dialects import arith, llvm  # noqa: PLC0415
-            from jax.experimental.mosaic.gpu import utils as mu  # noqa: PLC0415
-
-            i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-            void = ir.Type.parse("!llvm.void")
-            c32 = lambda v: arith.constant(i32, v)  # noqa: E731
-            c64 = lambda v: arith.constant(i64, v)  # noqa: E731
-            tid = mu.thread_idx()
-            row, half = arith.divui(tid, c32(2)), arith.remui(tid, c32(2))
-            slot_ptr = arith.addi(llvm.ptrtoint(i64, mu.memref_ptr(slots)), arith.extui(i64, arith.muli(row, c32(4))))
-            slot = llvm.inline_asm(i32, [slot_ptr], "ld.global.nc.u32 $0, [$1];", "=r,l")
-            rec = arith.addi(llvm.ptrtoint(i64, mu.memref_ptr(cache)), arith.muli(arith.extui(i64, slot), c64(REC)))
-            k_base = llvm.ptrtoint(i32, mu.memref_ptr(k))
-            # the row's part of the K tile's physical address: (8, 32) tiles [row tile, column tile], 512 bytes
-            # each; inside a tile, row r is 64 bytes; 16-byte unit u lands at u ^ ((r >> 1) & 3)
-            r8 = arith.remui(row, c32(8))
-            row_off = arith.addi(arith.muli(arith.divui(row, c32(8)), c32((KT_COLS // 32) * 512)),
-                                 arith.muli(r8, c32(64)))
-            sw = arith.andi(arith.shrui(r8, c32(1)), c32(3))
-
-            def k_addr(col0: ir.Value, col: int) -> ir.Value:
-                """Shared address of the 8 bf16 at columns col0 + col .. + 7 (col0 dynamic, a multiple of 32)."""
-                c = arith.addi(col0, c32(col))
-                unit = arith.xori(arith.andi(arith.shrui(c, c32(3)), c32(3)), sw)
-                return arith.addi(k_base, arith.addi(row_off, arith.addi(
-                    arith.muli(arith.shrui(c, c32(5)), c32(512)), arith.muli(unit, c32(16)))))
-
-            def load16(off: ir.Value) -> list[ir.Value]:
-                v = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [arith.addi(rec, off)],
-                                    "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
-                return [llvm.extractvalue(i32, v, [j]) for j in range(4)]
-
-            def store16(addr: ir.Value, words: list[ir.Value]) -> None:
-                llvm.inline_asm(void, [addr, *words], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r",
-                                has_side_effects=True)
-
-            half64 = arith.extui(i64, half)
-            lat0 = arith.muli(half64, c64(256))  # this thread's first latent byte
-            # every load first (16 latent chunks, the scales, 4 rope chunks), then convert and store
-            lat = [load16(arith.addi(lat0, c64(16 * i))) for i in range(16)]
-            scales = load16(c64(512))
-            rope = [load16(arith.addi(arith.muli(half64, c64(64)), c64(528 + 16 * q))) for q in range(4)]
-            col_lat = arith.muli(half, c32(256))
-            for i in range(16):
-                # the chunk's scale: word 2 * half + i // 8 of the four
-                sc = arith.select(arith.cmpi(arith.CmpIPredicate.eq, half, c32(0)), scales[i // 8],
-                                  scales[2 + i // 8])
-                out = llvm.inline_asm(llvm.StructType.get_literal([i32] * 8), [*lat[i], sc], _DQ_ASM,
-                                      "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r")
-                words = [llvm.extractvalue(i32, out, [j]) for j in range(8)]
-                store16(k_addr(col_lat, 16 * i), words[:4])
-                store16(k_addr(col_lat, 16 * i + 8), words[4:])
-            col_rope = arith.addi(c32(512), arith.muli(half, c32(32)))
-            for q in range(4):
-                store16(k_addr(col_rope, 8 * q), rope[q])
-
-        f(slots_ref, cache_ref, k_ref)
+    """CTA c fills its SMEM K tile with blocks c, c + ctas, ... (``record_gather.fill_k_tile_656``, the MQA
+    producer's register path) and TMAs each to the output."""
 
     def kernel(slots_ref, cache_ref, out_ref, k_s):
         cta = lax.axis_index("cta")
@@ -216,7 +139,7 @@ def _dequant_call(n_blocks: int, ctas: int):
             @pl.when(blk < n_blocks)
             def _():
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's TMA read the tile
-                fill(slots_ref.at[blk], cache_ref, k_s)
+                record_gather.fill_k_tile_656(slots_ref.at[blk], cache_ref, k_s)
                 plgpu.commit_smem()  # the threads' st.shared visible to the TMA
                 plgpu.copy_smem_to_gmem(k_s, out_ref.at[pl.ds(blk * BLOCK, BLOCK)])
 

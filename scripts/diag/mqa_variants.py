@@ -27,7 +27,12 @@ from pallas_kernels import sparse_mqa
 # switches (descriptors held across the loop, both warpgroups computing the whole S, register P) all lost and were
 # removed (docs/perf-log.md).
 VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_splits=2),
-            "splits4": dict(num_splits=4)}
+            "splits4": dict(num_splits=4),
+            # a third warpgroup gathers and dequantises each block into one of two K tiles (V3.2 only)
+            "registers": dict(producer="registers"), "registers_s2": dict(producer="registers", num_splits=2),
+            "registers_p1": dict(producer="registers", producer_phases=1),
+            "registers_r152": dict(producer="registers", producer_regs=152),
+            "registers_r80": dict(producer="registers", producer_regs=80)}
 
 
 def _case(name: str, quick: bool) -> dict:
