@@ -123,7 +123,16 @@ ROWS_PER_WARP = BLOCK_K // NUM_WG // 4  # row copies each warp issues per block
 NUM_SMS = 132  # H100/H200; only steers the automatic num_splits
 MIN_BLOCKS_PER_SPLIT = 2
 LOG2E = 1.4426950408889634
-PRODUCER_REGS = 112  # producer="registers": the producer warpgroup's registers per thread (the rest: compute)
+PRODUCER_REGS = 80  # producer="registers": the producer warpgroup's registers per thread (the rest: compute)
+# registers per thread summed over the three warpgroups of producer="registers": a 384-thread CTA is launched
+# with 168 per thread, and setmaxnreg only moves registers inside that pool (an "increase" past it never
+# returns), so producer + 2 * compute <= 3 * 168
+REG_POOL_3WG = 504
+
+
+def compute_regs(producer_regs: int) -> int:
+    """The compute warpgroups' registers per thread beside a producer keeping ``producer_regs``."""
+    return (REG_POOL_3WG - producer_regs) // NUM_WG // 8 * 8
 M_INIT = -1e30  # finite running-max start: exp2(m_old - m_new) never sees -inf - -inf
 
 
@@ -218,7 +227,7 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     if producer_phases not in (1, 2):
         raise ValueError(f"producer_phases must be 1 or 2, got {producer_phases}")
     if not (isinstance(producer_regs, int) and 24 <= producer_regs <= 256 and producer_regs % 8 == 0
-            and (512 - producer_regs) // NUM_WG >= 24):
+            and compute_regs(producer_regs) >= 24):
         raise ValueError(f"producer_regs must be a multiple of 8 in [24, 256] (got {producer_regs!r})")
     if not supports(formats, v_dim):
         raise Unsupported(f"sparse_mqa kernel: unsupported formats {formats} / v_dim {v_dim} "
@@ -487,7 +496,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
 
             # ---- prologue
             if reg and not emulate:
-                plgpu.set_max_registers((512 - producer_regs) // NUM_WG // 8 * 8, action="increase")
+                plgpu.set_max_registers(compute_regs(producer_regs), action="increase")
             if w == 0:
                 plgpu.copy_gmem_to_smem(q_ref.at[ti, pl.ds(gi * HEAD_TILE, HEAD_TILE)], q_s, bar_q.at[0])
                 if not reg:
@@ -651,6 +660,11 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                                                   idx_s.at[b], phases=producer_phases)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(bar_full.at[b])
+
+            # the last two blocks' "free" phases: a thread waiting on a barrier observes every phase of it
+            @pl.loop(jnp.maximum(nblk - 2, 0), nblk)
+            def _(k):
+                plgpu.barrier_wait(bar_free.at[k % 2])
 
         for w in range(NUM_WG):
             pl.when(wg == w)(functools.partial(run, w))

@@ -30,9 +30,9 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             "splits4": dict(num_splits=4),
             # a third warpgroup gathers and dequantises each block into one of two K tiles (V3.2 only)
             "registers": dict(producer="registers"), "registers_s2": dict(producer="registers", num_splits=2),
-            "registers_p1": dict(producer="registers", producer_phases=1),
-            "registers_r152": dict(producer="registers", producer_regs=152),
-            "registers_r80": dict(producer="registers", producer_regs=80)}
+            "registers_r56": dict(producer="registers", producer_regs=56),
+            "registers_r104": dict(producer="registers", producer_regs=104),
+            "registers_p1r112": dict(producer="registers", producer_phases=1, producer_regs=112)}
 
 
 def _case(name: str, quick: bool) -> dict:
