@@ -42,21 +42,24 @@ _DQ_ASM = (
     + "}")
 
 
-def fill_k_tile_656(slots_ref, cache_ref, k_ref, idx_ref=None, *, phases: int = 1) -> None:
+def fill_k_tile_656(slots_ref, cache_ref, k_ref, idx_ref=None, *, phases: int = 1, next_slots_ref=None) -> None:
     """From one warpgroup (all 128 threads): the bf16 K rows of the 64 records ``slots_ref`` (GMEM int32 [64])
     of ``cache_ref`` (GMEM uint8, records at slot * 656) into ``k_ref`` (SMEM [64, 576] bf16 with
     ``K_TILE_TRANSFORMS``); with ``idx_ref`` (SMEM int32 [64]) also the raw slots, for the consumers' mask.
     ``phases``: the latent's loads in that many rounds (1: every load of a thread in flight at once, 84
-    registers of data; 2: half of them per round, for a warpgroup with a smaller register budget). The caller
-    makes the stores visible (``plgpu.commit_smem``) and synchronises."""
+    registers of data; 2: half of them per round, for a warpgroup with a smaller register budget).
+    ``next_slots_ref`` (GMEM int32 [64]): the next block's slots, whose records are first prefetched into L2
+    (no registers held), so the next call's loads wait on L2, not DRAM. The caller makes the stores visible
+    (``plgpu.commit_smem``) and synchronises."""
     if phases not in (1, 2):
         raise ValueError(f"phases must be 1 or 2, got {phases}")
-    refs = (slots_ref, cache_ref, k_ref) + (() if idx_ref is None else (idx_ref,))
+    has_idx, has_next = idx_ref is not None, next_slots_ref is not None
+    refs = (slots_ref, cache_ref, k_ref) + ((idx_ref,) if has_idx else ()) + ((next_slots_ref,) if has_next else ())
     types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(K_TILE_TRANSFORMS)) + \
-        (() if idx_ref is None else (plgpu.RefType(),))
+        (plgpu.RefType(),) * (has_idx + has_next)
 
     @plgpu.inline_mgpu(arg_types=types)
-    def fill(_, slots, cache, k, *idx):
+    def fill(_, slots, cache, k, *extra):
         from jax._src.lib.mlir import ir  # noqa: PLC0415 - lowering-time imports
         from jax._src.lib.mlir.dialects import arith, llvm  # noqa: PLC0415
         from jax.experimental.mosaic.gpu import utils as mu  # noqa: PLC0415
@@ -93,6 +96,16 @@ def fill_k_tile_656(slots_ref, cache_ref, k_ref, idx_ref=None, *, phases: int = 
             llvm.inline_asm(void, [addr, *words], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r",
                             has_side_effects=True)
 
+        idx = extra[:1] if has_idx else ()
+        if has_next:  # the next block's record (this thread's half of it, 7 lines in all) into L2
+            nptr = arith.addi(llvm.ptrtoint(i64, mu.memref_ptr(extra[-1])), arith.extui(i64, arith.muli(row, c32(4))))
+            nraw = llvm.inline_asm(i32, [nptr], "ld.global.nc.u32 $0, [$1];", "=r,l")
+            nrec = arith.addi(llvm.ptrtoint(i64, mu.memref_ptr(cache)),
+                              arith.muli(arith.extui(i64, arith.maxsi(nraw, c32(0))), c64(REC656)))
+            first = arith.addi(nrec, arith.muli(arith.extui(i64, half), c64(384)))
+            for off in (0, 128, 256, 271):  # samples <= 128 bytes apart: every line; half 1's +271 is byte 655
+                llvm.inline_asm(void, [arith.addi(first, c64(off))], "prefetch.global.L2 [$0];", "l",
+                                has_side_effects=True)
         if idx:  # the raw slot (-1 kept) for the consumers' validity mask: one thread per row
             is_first = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.eq, half, c32(0)))
             addr = arith.addi(llvm.ptrtoint(i32, mu.memref_ptr(idx[0])), arith.muli(row, c32(4)))

@@ -190,7 +190,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                implementation: Implementation = "pallas", num_splits: int | None = None,
                out_dtype: jnp.dtype = jnp.float32,
                interpret: bool | plgpu.InterpretGPUParams | None = None, producer: Producer = "tma",
-               producer_regs: int = PRODUCER_REGS, producer_phases: int = 2) -> jax.Array:
+               producer_regs: int = PRODUCER_REGS, producer_phases: int = 2,
+               producer_prefetch: bool = False) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype).
@@ -206,7 +207,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     (``pallas_kernels.record_gather``; GPU interpret mode emulates it with the staged copies), so the next
     block is filled while the compute warpgroups multiply the current one; it keeps ``producer_regs``
     registers per thread and gives the rest to the compute warpgroups, and loads the latent in
-    ``producer_phases`` rounds (1 or 2). Not yet timed on the GPU.
+    ``producer_phases`` rounds (1 or 2); ``producer_prefetch`` also prefetches the next block's records into
+    L2 before it gathers the current one. Timings: docs/perf-log.md.
     """
     caches, formats, slots = tuple(caches), tuple(formats), tuple(slots)
     if not (len(caches) == len(formats) == len(slots) >= 1):
@@ -217,15 +219,17 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
         "pallas": lambda: _pallas(q, caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink,
                                   num_splits=num_splits, out_dtype=out_dtype, interpret=interpret,
                                   producer=producer, producer_regs=producer_regs,
-                                  producer_phases=producer_phases)})
+                                  producer_phases=producer_phases, producer_prefetch=producer_prefetch)})
 
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer="tma",
-            producer_regs=PRODUCER_REGS, producer_phases=2):
+            producer_regs=PRODUCER_REGS, producer_phases=2, producer_prefetch=False):
     if producer not in ("tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
     if producer_phases not in (1, 2):
         raise ValueError(f"producer_phases must be 1 or 2, got {producer_phases}")
+    if not isinstance(producer_prefetch, bool):
+        raise ValueError(f"producer_prefetch must be a bool, got {producer_prefetch!r}")
     if not (isinstance(producer_regs, int) and 24 <= producer_regs <= 256 and producer_regs % 8 == 0
             and compute_regs(producer_regs) >= 24):
         raise ValueError(f"producer_regs must be a multiple of 8 in [24, 256] (got {producer_regs!r})")
@@ -268,7 +272,7 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     call = _build_call(specs=specs, list_blocks=tuple(list_blocks), t=t, hp=hp, dv=v_dim, scale=float(scale),
                        has_sink=has_sink, n_splits=n_splits, bps=bps, out_dtype=jnp.dtype(out_dtype),
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
-                       producer_phases=producer_phases)
+                       producer_phases=producer_phases, producer_prefetch=producer_prefetch)
     # blocks of 64 candidates with at least one valid slot, per token, compacted to the front (the kernel
     # skips the rest: prefill tokens early in the sequence, short contexts, fully masked rows)
     live = jnp.any(slots_all.reshape(t, nb, BLOCK_K) >= 0, axis=-1)
@@ -301,7 +305,7 @@ def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -
 def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t: int, hp: int, dv: int,
                 scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype,
                 interpret: plgpu.InterpretGPUParams | None, producer: Producer = "tma",
-                producer_regs: int = PRODUCER_REGS, producer_phases: int = 2):
+                producer_regs: int = PRODUCER_REGS, producer_phases: int = 2, producer_prefetch: bool = False):
     """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k (native: ``record_gather``;
     interpret mode: the staged copies and the compute warpgroups' conversion, all chunks) and arrives on
     "full"[k % 2]; the compute warpgroups wait on it, read the block's slots from its idx slot (written by the
@@ -656,8 +660,11 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                         kb[:, pl.ds(64 * c, 64)] = v
                     store_rope(st, st16, kb, pb_s, sel_s)
                 else:
-                    record_gather.fill_k_tile_656(slots_ref.at[ti, pl.ds(start, BK)], cache_refs[0], k_s1.at[b],
-                                                  idx_s.at[b], phases=producer_phases)
+                    nxt_start = pl.multiple_of(block_id(jnp.minimum(k + 1, nblk - 1)) * BK, BK)
+                    record_gather.fill_k_tile_656(
+                        slots_ref.at[ti, pl.ds(start, BK)], cache_refs[0], k_s1.at[b], idx_s.at[b],
+                        phases=producer_phases,
+                        next_slots_ref=slots_ref.at[ti, pl.ds(nxt_start, BK)] if producer_prefetch else None)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(bar_full.at[b])
 

@@ -334,7 +334,7 @@ def test_v4_layer_attend(mode):
 # ----- lowering for the H200 without a GPU --------------------------------------------------------------------
 @pytest.mark.skipif(ON_GPU, reason="the native tests compile the kernel")
 @pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16", "v32_fp8_registers",
-                                  "v32_fp8_registers_p1"])
+                                  "v32_fp8_registers_p1", "v32_fp8_registers_pf"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -350,7 +350,8 @@ def test_lowers_for_cuda(case):
     slots = [jax.ShapeDtypeStruct((t, k), jnp.int32) for k in lists]
     sink = jax.ShapeDtypeStruct((h,), jnp.float32) if case.startswith("v4") else None
     splits = 4 if "splits" in case else 1
-    kw = dict(producer="registers", producer_phases=1 if case.endswith("p1") else 2) if "registers" in case else {}
+    kw = (dict(producer="registers", producer_phases=1 if case.endswith("p1") else 2,
+               producer_prefetch=case.endswith("pf")) if "registers" in case else {})
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,

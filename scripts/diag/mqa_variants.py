@@ -32,7 +32,10 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             "registers": dict(producer="registers"), "registers_s2": dict(producer="registers", num_splits=2),
             "registers_r56": dict(producer="registers", producer_regs=56),
             "registers_r104": dict(producer="registers", producer_regs=104),
-            "registers_p1r112": dict(producer="registers", producer_phases=1, producer_regs=112)}
+            "registers_p1r112": dict(producer="registers", producer_phases=1, producer_regs=112),
+            "registers_pf": dict(producer="registers", producer_prefetch=True),
+            "registers_p1r112pf": dict(producer="registers", producer_phases=1, producer_regs=112,
+                                       producer_prefetch=True)}
 
 
 def _case(name: str, quick: bool) -> dict:
