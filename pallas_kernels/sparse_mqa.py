@@ -189,9 +189,9 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                slots: Sequence[jax.Array], *, scale: float, v_dim: int, sink: jax.Array | None = None,
                implementation: Implementation = "pallas", num_splits: int | None = None,
                out_dtype: jnp.dtype = jnp.float32,
-               interpret: bool | plgpu.InterpretGPUParams | None = None, producer: Producer = "tma",
+               interpret: bool | plgpu.InterpretGPUParams | None = None, producer: Producer | None = None,
                producer_regs: int = PRODUCER_REGS, producer_phases: int = 2,
-               producer_prefetch: bool = False) -> jax.Array:
+               producer_prefetch: bool = True) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype).
@@ -208,7 +208,10 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     block is filled while the compute warpgroups multiply the current one; it keeps ``producer_regs``
     registers per thread and gives the rest to the compute warpgroups, and loads the latent in
     ``producer_phases`` rounds (1 or 2); ``producer_prefetch`` also prefetches the next block's records into
-    L2 before it gathers the current one. Timings: docs/perf-log.md.
+    L2 before it gathers the current one (a gain where the records come from DRAM, decode; a small loss where
+    they already sit in L2, a short prefill). None: "registers" natively where it applies, else "tma"
+    (interpret mode: "tma", whose emulation blocks no third thread; the register producer's needs one CPU per
+    warpgroup). Timings: docs/perf-log.md.
     """
     caches, formats, slots = tuple(caches), tuple(formats), tuple(slots)
     if not (len(caches) == len(formats) == len(slots) >= 1):
@@ -222,9 +225,9 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                                   producer_phases=producer_phases, producer_prefetch=producer_prefetch)})
 
 
-def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer="tma",
-            producer_regs=PRODUCER_REGS, producer_phases=2, producer_prefetch=False):
-    if producer not in ("tma", "registers"):
+def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
+            producer_regs=PRODUCER_REGS, producer_phases=2, producer_prefetch=True):
+    if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
     if producer_phases not in (1, 2):
         raise ValueError(f"producer_phases must be 1 or 2, got {producer_phases}")
@@ -237,7 +240,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
         raise Unsupported(f"sparse_mqa kernel: unsupported formats {formats} / v_dim {v_dim} "
                           "(see pallas_kernels.sparse_mqa.supports)")
     specs = tuple(cache_spec(f) for f in formats)
-    if producer == "registers" and (len(specs) != 1 or specs[0].kind != "mla656"):
+    one_656 = len(specs) == 1 and specs[0].kind == "mla656"
+    if producer == "registers" and not one_656:
         raise ValueError(f'producer="registers" reads one MlaRecord656 cache (got {formats})')
     t, h, dk = q.shape
     if dk != specs[0].dim:
@@ -251,6 +255,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
         interpret = resolve_interpret(None)
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
+    if producer is None:
+        producer = "registers" if one_656 and not interpret else "tma"
     hp = -(-h // HEAD_TILE) * HEAD_TILE
     qp = jnp.pad(q.astype(jnp.bfloat16), ((0, 0), (0, hp - h), (0, 0)))
     padded, list_blocks = [], []

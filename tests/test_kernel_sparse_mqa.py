@@ -124,8 +124,9 @@ def test_v32_fp8(mode, scale_fmt):
     cache = _cache(fmt, nblk, 576, rng)
     slots = _slots(rng, t, k, nblk * epp, 0.2, empty_rows=(1,))
     q = _bf16_exact(rng.standard_normal((t, h, 576)))
-    out = _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_EXACT_KV,
-                 interpret=interpret, bf16_k=scale_fmt == "amax")
+    for producer in (None,) if interpret else (None, "tma"):  # natively None is the register producer
+        out = _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_EXACT_KV,
+                     interpret=interpret, bf16_k=scale_fmt == "amax", producer=producer)
     if scale_fmt == "amax":  # against the fp32-K attention: the bf16 rounding of K is all that differs
         _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_AMAX_VS_F32, interpret=interpret)
     assert np.all(out[1] == 0.0)  # no valid candidate -> zeros

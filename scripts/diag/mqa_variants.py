@@ -28,14 +28,10 @@ from pallas_kernels import sparse_mqa
 # removed (docs/perf-log.md).
 VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_splits=2),
             "splits4": dict(num_splits=4),
-            # a third warpgroup gathers and dequantises each block into one of two K tiles (V3.2 only)
-            "registers": dict(producer="registers"), "registers_s2": dict(producer="registers", num_splits=2),
-            "registers_r56": dict(producer="registers", producer_regs=56),
-            "registers_r104": dict(producer="registers", producer_regs=104),
-            "registers_p1r112": dict(producer="registers", producer_phases=1, producer_regs=112),
-            "registers_pf": dict(producer="registers", producer_prefetch=True),
-            "registers_p1r112pf": dict(producer="registers", producer_phases=1, producer_regs=112,
-                                       producer_prefetch=True)}
+            # who fills the K tile: "tma" (the compute warpgroups, from bulk-copied rows) or "registers" (the
+            # default for V3.2 natively: a third warpgroup, per-thread loads, the next block prefetched into L2)
+            "tma": dict(producer="tma"), "registers_nopf": dict(producer="registers", producer_prefetch=False),
+            "registers_p1r112": dict(producer="registers", producer_phases=1, producer_regs=112)}
 
 
 def _case(name: str, quick: bool) -> dict:
