@@ -11,7 +11,7 @@ from its thread index and the block's slots.
   2 (t % 2) and 2 (t % 2) + 1, and rope values 32 (t % 2) .. + 31.
 - e4m3 -> bf16: ``cvt.rn.f16x2.e4m3x2`` (exact), float32 multiply by the scale, ``cvt.rn.bf16x2.f32``: the
   same values as ``MlaRecord656.unpack`` (checked bit for bit on the H200 by ``scripts/diag/gather_probe.py
-  --dequant``, benchmarks/results/gather_probe_h200_2026-12-02.json).
+  --dequant``, benchmarks/results/archive/gather_probe_h200_2026-12-02.json).
 - K tile layout ([64, 576] bf16, ``K_TILE_TRANSFORMS``): (8, 32) tiles of 512 bytes, row-tile major; inside a
   tile row r is 64 bytes and its 16-byte unit u sits at u ^ ((r >> 1) & 3) (the 64-byte swizzle).
 - Record address: slot * 656 from the cache's base (a page holds ``entries_per_page`` records back to back,

@@ -84,6 +84,15 @@ converting block k+1 while PV(k) runs, which was removed). After the loop, the r
 serves every block. Every barrier phase is waited once per waiter (GPU interpret mode checks this; its race
 detector passes at the test shapes, ``test_no_races``).
 
+The register producer (``producer="registers"``, natively the default for one ``MlaRecord656`` list): a third
+warpgroup gathers and dequantises each block with per-thread loads into one of two K tiles
+(``pallas_kernels.record_gather``, after FlashMLA's sm90 sparse decode design), so no staging rows and no
+conversion in the compute warpgroups; they wait "full"[k % 2], compute, and arrive "free"[k % 2] after PV.
+Before gathering block k it prefetches block k+1's records into L2: decode reads its records from DRAM, and
+the per-thread loads alone keep too few bytes in flight to hide that latency. Registers: setmaxnreg moves
+them only inside the 384-thread CTA's launch pool (3 x 168 per thread), so producer + 2 x compute <= 504; an
+"increase" past it never returns (the first native run hung on it). SMEM: q 72 KB + two K tiles 144 KB.
+
 Shared memory (of 227 KB): q 72 KB + K tile 72 KB + staging 55 KB + P 8 KB + statistics 1 KB (V3.2 fp8,
 compiled, 208 KB; interpret mode adds the rope byte tile and the selection matrix, unaliased); bf16 rows with
 dim 576 leave under 2 KB, so they get no bank-skew padding. One CTA per SM.
