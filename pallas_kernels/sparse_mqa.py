@@ -200,7 +200,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                out_dtype: jnp.dtype = jnp.float32,
                interpret: bool | plgpu.InterpretGPUParams | None = None, producer: Producer | None = None,
                producer_regs: int = PRODUCER_REGS, producer_phases: int = 2,
-               producer_prefetch: bool = True) -> jax.Array:
+               producer_prefetch: int = 1) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype).
@@ -216,11 +216,11 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     (``pallas_kernels.record_gather``; GPU interpret mode emulates it with the staged copies), so the next
     block is filled while the compute warpgroups multiply the current one; it keeps ``producer_regs``
     registers per thread and gives the rest to the compute warpgroups, and loads the latent in
-    ``producer_phases`` rounds (1 or 2); ``producer_prefetch`` also prefetches the next block's records into
-    L2 before it gathers the current one (a gain where the records come from DRAM, decode; a small loss where
-    they already sit in L2, a short prefill). None: "registers" natively where it applies, else "tma"
-    (interpret mode: "tma", whose emulation blocks no third thread; the register producer's needs one CPU per
-    warpgroup). Timings: docs/perf-log.md.
+    ``producer_phases`` rounds (1 or 2); with ``producer_prefetch`` = d > 0 it also prefetches the records of
+    the block d ahead into L2 before it gathers the current one (a gain where the records come from DRAM,
+    decode; a small loss where they already sit in L2, a short prefill). None: "registers" natively where it
+    applies, else "tma" (interpret mode: "tma", whose emulation blocks no third thread; the register
+    producer's needs one CPU per warpgroup). Timings: docs/perf-log.md.
     """
     caches, formats, slots = tuple(caches), tuple(formats), tuple(slots)
     if not (len(caches) == len(formats) == len(slots) >= 1):
@@ -235,13 +235,13 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
 
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
-            producer_regs=PRODUCER_REGS, producer_phases=2, producer_prefetch=True):
+            producer_regs=PRODUCER_REGS, producer_phases=2, producer_prefetch=1):
     if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
     if producer_phases not in (1, 2):
         raise ValueError(f"producer_phases must be 1 or 2, got {producer_phases}")
-    if not isinstance(producer_prefetch, bool):
-        raise ValueError(f"producer_prefetch must be a bool, got {producer_prefetch!r}")
+    if not (isinstance(producer_prefetch, int) and 0 <= producer_prefetch <= 4):
+        raise ValueError(f"producer_prefetch (blocks ahead) must be an int in [0, 4], got {producer_prefetch!r}")
     if not (isinstance(producer_regs, int) and 24 <= producer_regs <= 256 and producer_regs % 8 == 0
             and compute_regs(producer_regs) >= 24):
         raise ValueError(f"producer_regs must be a multiple of 8 in [24, 256] (got {producer_regs!r})")
@@ -320,7 +320,7 @@ def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -
 def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t: int, hp: int, dv: int,
                 scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype,
                 interpret: plgpu.InterpretGPUParams | None, producer: Producer = "tma",
-                producer_regs: int = PRODUCER_REGS, producer_phases: int = 2, producer_prefetch: bool = False):
+                producer_regs: int = PRODUCER_REGS, producer_phases: int = 2, producer_prefetch: int = 0):
     """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k (native: ``record_gather``;
     interpret mode: the staged copies and the compute warpgroups' conversion, all chunks) and arrives on
     "full"[k % 2]; the compute warpgroups wait on it, read the block's slots from its idx slot (written by the
@@ -675,7 +675,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                         kb[:, pl.ds(64 * c, 64)] = v
                     store_rope(st, st16, kb, pb_s, sel_s)
                 else:
-                    nxt_start = pl.multiple_of(block_id(jnp.minimum(k + 1, nblk - 1)) * BK, BK)
+                    # block k + d's records into L2 (the last block again near the end: harmless)
+                    nxt_start = pl.multiple_of(block_id(jnp.minimum(k + producer_prefetch, nblk - 1)) * BK, BK)
                     record_gather.fill_k_tile_656(
                         slots_ref.at[ti, pl.ds(start, BK)], cache_refs[0], k_s1.at[b], idx_s.at[b],
                         phases=producer_phases,

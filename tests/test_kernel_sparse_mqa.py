@@ -184,7 +184,9 @@ def test_register_producer_bad_inputs():
     cache = _cache(fmt, 2, 576, rng)
     q, slots = jnp.zeros((1, 4, 576), jnp.bfloat16), jnp.zeros((1, 64), jnp.int32)
     for kw, msg in [(dict(producer="warp"), "producer must be"), (dict(producer_phases=3), "producer_phases"),
-                    (dict(producer_regs=100), "producer_regs"), (dict(producer_regs=8), "producer_regs")]:
+                    (dict(producer_regs=100), "producer_regs"), (dict(producer_regs=8), "producer_regs"),
+                    (dict(producer_prefetch=-1), "producer_prefetch"),
+                    (dict(producer_prefetch=1.5), "producer_prefetch")]:
         with pytest.raises(ValueError, match=msg):
             mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.1, v_dim=512, interpret=True, **kw)
     f4 = MlaRecord584(16)
@@ -335,7 +337,7 @@ def test_v4_layer_attend(mode):
 # ----- lowering for the H200 without a GPU --------------------------------------------------------------------
 @pytest.mark.skipif(ON_GPU, reason="the native tests compile the kernel")
 @pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16", "v32_fp8_registers",
-                                  "v32_fp8_registers_p1", "v32_fp8_registers_pf"])
+                                  "v32_fp8_registers_p1", "v32_fp8_registers_pf", "v32_fp8_registers_pf2"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -351,8 +353,9 @@ def test_lowers_for_cuda(case):
     slots = [jax.ShapeDtypeStruct((t, k), jnp.int32) for k in lists]
     sink = jax.ShapeDtypeStruct((h,), jnp.float32) if case.startswith("v4") else None
     splits = 4 if "splits" in case else 1
-    kw = (dict(producer="registers", producer_phases=1 if case.endswith("p1") else 2,
-               producer_prefetch=case.endswith("pf")) if "registers" in case else {})
+    prefetch = 2 if case.endswith("pf2") else int(case.endswith("pf"))
+    kw = (dict(producer="registers", producer_phases=1 if case.endswith("p1") else 2, producer_prefetch=prefetch)
+          if "registers" in case else {})
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,

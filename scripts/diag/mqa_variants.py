@@ -30,7 +30,8 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             "splits4": dict(num_splits=4),
             # who fills the K tile: "tma" (the compute warpgroups, from bulk-copied rows) or "registers" (the
             # default for V3.2 natively: a third warpgroup, per-thread loads, the next block prefetched into L2)
-            "tma": dict(producer="tma"), "registers_nopf": dict(producer="registers", producer_prefetch=False),
+            "tma": dict(producer="tma"), "registers_nopf": dict(producer="registers", producer_prefetch=0),
+            "registers_pf2": dict(producer="registers", producer_prefetch=2),
             "registers_p1r112": dict(producer="registers", producer_phases=1, producer_regs=112)}
 
 
