@@ -47,12 +47,12 @@ def fill_k_tile_656(slots_ref, cache_ref, k_ref, idx_ref=None, *, phases: int = 
     of ``cache_ref`` (GMEM uint8, records at slot * 656) into ``k_ref`` (SMEM [64, 576] bf16 with
     ``K_TILE_TRANSFORMS``); with ``idx_ref`` (SMEM int32 [64]) also the raw slots, for the consumers' mask.
     ``phases``: the latent's loads in that many rounds (1: every load of a thread in flight at once, 84
-    registers of data; 2: half of them per round, for a warpgroup with a smaller register budget).
+    registers of data; 2 or 4: a half or a quarter of them per round, for a smaller register budget).
     ``next_slots_ref`` (GMEM int32 [64]): the next block's slots, whose records are first prefetched into L2
     (no registers held), so the next call's loads wait on L2, not DRAM. The caller makes the stores visible
     (``plgpu.commit_smem``) and synchronises."""
-    if phases not in (1, 2):
-        raise ValueError(f"phases must be 1 or 2, got {phases}")
+    if phases not in (1, 2, 4):
+        raise ValueError(f"phases must be 1, 2 or 4, got {phases}")
     has_idx, has_next = idx_ref is not None, next_slots_ref is not None
     refs = (slots_ref, cache_ref, k_ref) + ((idx_ref,) if has_idx else ()) + ((next_slots_ref,) if has_next else ())
     types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(K_TILE_TRANSFORMS)) + \

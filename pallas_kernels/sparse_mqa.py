@@ -92,6 +92,8 @@ Before gathering block k it prefetches block k+1's records into L2: decode reads
 the per-thread loads alone keep too few bytes in flight to hide that latency. Registers: setmaxnreg moves
 them only inside the 384-thread CTA's launch pool (3 x 168 per thread), so producer + 2 x compute <= 504; an
 "increase" past it never returns (the first native run hung on it). SMEM: q 72 KB + two K tiles 144 KB.
+``producer_warpgroups=2`` splits the producer's work over two warpgroups, each owning one K tile (even and odd
+blocks), for the case where converting a block, not loading it, is what the compute warpgroups wait for.
 
 Shared memory (of 227 KB): q 72 KB + K tile 72 KB + staging 55 KB + P 8 KB + statistics 1 KB (V3.2 fp8,
 compiled, 208 KB; interpret mode adds the rope byte tile and the selection matrix, unaliased); bf16 rows with
@@ -133,15 +135,16 @@ NUM_SMS = 132  # H100/H200; only steers the automatic num_splits
 MIN_BLOCKS_PER_SPLIT = 2
 LOG2E = 1.4426950408889634
 PRODUCER_REGS = 80  # producer="registers": the producer warpgroup's registers per thread (the rest: compute)
-# registers per thread summed over the three warpgroups of producer="registers": a 384-thread CTA is launched
-# with 168 per thread, and setmaxnreg only moves registers inside that pool (an "increase" past it never
-# returns), so producer + 2 * compute <= 3 * 168
-REG_POOL_3WG = 504
 
 
-def compute_regs(producer_regs: int) -> int:
-    """The compute warpgroups' registers per thread beside a producer keeping ``producer_regs``."""
-    return (REG_POOL_3WG - producer_regs) // NUM_WG // 8 * 8
+def compute_regs(producer_regs: int, producers: int = 1) -> int:
+    """The compute warpgroups' registers per thread beside ``producers`` warpgroups keeping ``producer_regs``.
+    A CTA of n warpgroups is launched with 65536 / (128 n) registers per thread (rounded down to 8), and
+    setmaxnreg only moves registers inside that pool (an "increase" past it never returns): 3 warpgroups
+    share 3 x 168 = 504 per thread, 4 share 4 x 128 = 512."""
+    nwg = NUM_WG + producers
+    pool = 65536 // (128 * nwg) // 8 * 8 * nwg
+    return (pool - producers * producer_regs) // NUM_WG // 8 * 8
 M_INIT = -1e30  # finite running-max start: exp2(m_old - m_new) never sees -inf - -inf
 
 
@@ -200,7 +203,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                out_dtype: jnp.dtype = jnp.float32,
                interpret: bool | plgpu.InterpretGPUParams | None = None, producer: Producer | None = None,
                producer_regs: int = PRODUCER_REGS, producer_phases: int = 2,
-               producer_prefetch: int = 1) -> jax.Array:
+               producer_prefetch: int = 1, producer_warpgroups: int = 1) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype).
@@ -218,9 +221,11 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     registers per thread and gives the rest to the compute warpgroups, and loads the latent in
     ``producer_phases`` rounds (1 or 2); with ``producer_prefetch`` = d > 0 it also prefetches the records of
     the block d ahead into L2 before it gathers the current one (a gain where the records come from DRAM,
-    decode; a small loss where they already sit in L2, a short prefill). None: "registers" natively where it
-    applies, else "tma" (interpret mode: "tma", whose emulation blocks no third thread; the register
-    producer's needs one CPU per warpgroup). Timings: docs/perf-log.md.
+    decode; a small loss where they already sit in L2, a short prefill). ``producer_warpgroups`` = 2: two
+    producer warpgroups, each owning one K tile (the even and the odd blocks), so two blocks are gathered and
+    converted at once (4 warpgroups: 512 registers per thread in all, see ``compute_regs``). None:
+    "registers" natively where it applies, else "tma" (interpret mode: "tma", whose emulation blocks no third
+    thread; the register producer's needs one CPU per warpgroup). Timings: docs/perf-log.md.
     """
     caches, formats, slots = tuple(caches), tuple(formats), tuple(slots)
     if not (len(caches) == len(formats) == len(slots) >= 1):
@@ -231,19 +236,22 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
         "pallas": lambda: _pallas(q, caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink,
                                   num_splits=num_splits, out_dtype=out_dtype, interpret=interpret,
                                   producer=producer, producer_regs=producer_regs,
-                                  producer_phases=producer_phases, producer_prefetch=producer_prefetch)})
+                                  producer_phases=producer_phases, producer_prefetch=producer_prefetch,
+                                  producer_warpgroups=producer_warpgroups)})
 
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
-            producer_regs=PRODUCER_REGS, producer_phases=2, producer_prefetch=1):
+            producer_regs=PRODUCER_REGS, producer_phases=2, producer_prefetch=1, producer_warpgroups=1):
     if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
-    if producer_phases not in (1, 2):
-        raise ValueError(f"producer_phases must be 1 or 2, got {producer_phases}")
+    if producer_phases not in (1, 2, 4):
+        raise ValueError(f"producer_phases must be 1, 2 or 4, got {producer_phases}")
+    if producer_warpgroups not in (1, 2):
+        raise ValueError(f"producer_warpgroups must be 1 or 2, got {producer_warpgroups!r}")
     if not (isinstance(producer_prefetch, int) and 0 <= producer_prefetch <= 4):
         raise ValueError(f"producer_prefetch (blocks ahead) must be an int in [0, 4], got {producer_prefetch!r}")
     if not (isinstance(producer_regs, int) and 24 <= producer_regs <= 256 and producer_regs % 8 == 0
-            and compute_regs(producer_regs) >= 24):
+            and compute_regs(producer_regs, producer_warpgroups) >= 24):
         raise ValueError(f"producer_regs must be a multiple of 8 in [24, 256] (got {producer_regs!r})")
     if not supports(formats, v_dim):
         raise Unsupported(f"sparse_mqa kernel: unsupported formats {formats} / v_dim {v_dim} "
@@ -287,7 +295,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     call = _build_call(specs=specs, list_blocks=tuple(list_blocks), t=t, hp=hp, dv=v_dim, scale=float(scale),
                        has_sink=has_sink, n_splits=n_splits, bps=bps, out_dtype=jnp.dtype(out_dtype),
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
-                       producer_phases=producer_phases, producer_prefetch=producer_prefetch)
+                       producer_phases=producer_phases, producer_prefetch=producer_prefetch,
+                       producer_warpgroups=producer_warpgroups)
     # blocks of 64 candidates with at least one valid slot, per token, compacted to the front (the kernel
     # skips the rest: prefill tokens early in the sequence, short contexts, fully masked rows)
     live = jnp.any(slots_all.reshape(t, nb, BLOCK_K) >= 0, axis=-1)
@@ -320,12 +329,15 @@ def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -
 def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t: int, hp: int, dv: int,
                 scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype,
                 interpret: plgpu.InterpretGPUParams | None, producer: Producer = "tma",
-                producer_regs: int = PRODUCER_REGS, producer_phases: int = 2, producer_prefetch: int = 0):
-    """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k (native: ``record_gather``;
+                producer_regs: int = PRODUCER_REGS, producer_phases: int = 2, producer_prefetch: int = 0,
+                producer_warpgroups: int = 1):
+    """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k (with two producers, warpgroup
+    NUM_WG + p fills tile p with the blocks k = p mod 2) (native: ``record_gather``;
     interpret mode: the staged copies and the compute warpgroups' conversion, all chunks) and arrives on
     "full"[k % 2]; the compute warpgroups wait on it, read the block's slots from its idx slot (written by the
     producer), compute as below and arrive on "free"[k % 2] after their PV, which the producer waits for before
     it refills that tile with block k + 2. No "ready" barrier and no staging rows natively."""
+    n_prod = producer_warpgroups if producer == "registers" else 0
     kind, dk = specs[0].kind, specs[0].dim
     reg = producer == "registers"
     emulate = reg and interpret is not None  # the producer's register gather is PTX: interpret mode stages rows
@@ -465,8 +477,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         *scratch, stat_s, bar_stat = scratch
         if reg:
             q_s1, k_s1, p_s, idx_s, bar_q, bar_full, bar_free, bar_p, *staged = scratch
-            if emulate:
-                st, pb_s, sel_s, bar_i, bar_kv = staged
+            if emulate:  # per producer: staging rows, rope byte tile, selection matrix; then the barriers
+                *per_prod, bar_i, bar_kv = staged
         elif rope_mm:
             q_s1, k_s1, st, p_s, pb_s, sel_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_p = scratch
         elif fp8:
@@ -482,7 +494,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         nblk = jnp.clip(nlive_ref[ti] - b0, 0, bps)
         wg = lax.axis_index("wg")
 
-        def init_selection():
+        def init_selection(sel_s=sel_s):
             """Interpret mode's byte-pair selection matrix for the rope values (``store_rope``)."""
             r = plgpu.broadcasted_iota(jnp.int32, (64, 64), 0, layout=L)
             c = plgpu.broadcasted_iota(jnp.int32, (64, 64), 1, layout=L)
@@ -515,7 +527,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
 
             # ---- prologue
             if reg and not emulate:
-                plgpu.set_max_registers(compute_regs(producer_regs), action="increase")
+                plgpu.set_max_registers(compute_regs(producer_regs, n_prod), action="increase")
             if w == 0:
                 plgpu.copy_gmem_to_smem(q_ref.at[ti, pl.ds(gi * HEAD_TILE, HEAD_TILE)], q_s, bar_q.at[0])
                 if not reg:
@@ -647,17 +659,19 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     m_ref.at[si, ti, heads][...] = m
                     l_ref.at[si, ti, heads][...] = l
 
-        def produce():
-            """producer="registers": block k into K tile k % 2 (and its slots into idx slot k % 2), once the
-            compute warpgroups freed that tile of block k - 2."""
+        def produce(p: int):
+            """producer="registers", producer warpgroup p of n_prod: block k into K tile k % 2 (and its slots into
+            idx slot k % 2) for the blocks k = p mod n_prod, once the compute warpgroups freed that tile of block
+            k - 2. With two producers, producer p owns tile p."""
             if emulate:
-                init_selection()
+                st, pb_s, sel_s = per_prod[3 * p:3 * p + 3]
+                init_selection(sel_s)
             else:
                 plgpu.set_max_registers(producer_regs, action="decrease")
 
-            @pl.loop(0, nblk)
+            @pl.loop(p, nblk, step=n_prod)
             def _(k):
-                b = k % 2
+                b = p if n_prod == 2 else k % 2
 
                 @pl.when(k >= 2)
                 def _():
@@ -668,8 +682,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     plgpu.copy_gmem_to_smem(slots_ref.at[ti, pl.ds(start, BK)], idx_s.at[b], bar_i.at[b])
                     plgpu.barrier_wait(bar_i.at[b])
                     for half in range(NUM_WG):
-                        issue_row_copies(cache_refs, st, idx_s, b, block_id(k), half, bar_kv.at[0])
-                    plgpu.barrier_wait(bar_kv.at[0])
+                        issue_row_copies(cache_refs, st, idx_s, b, block_id(k), half, bar_kv.at[p])
+                    plgpu.barrier_wait(bar_kv.at[p])
                     kb = k_s1.at[b]
                     for c, v in convert(0, st, None, list(range(nch - 1))):
                         kb[:, pl.ds(64 * c, 64)] = v
@@ -684,15 +698,18 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(bar_full.at[b])
 
-            # the last two blocks' "free" phases: a thread waiting on a barrier observes every phase of it
+            # the "free" phases of its last fills (of the last two blocks): a thread waiting on a barrier
+            # observes every phase of it
             @pl.loop(jnp.maximum(nblk - 2, 0), nblk)
             def _(k):
-                plgpu.barrier_wait(bar_free.at[k % 2])
+                @pl.when(k % n_prod == p)
+                def _():
+                    plgpu.barrier_wait(bar_free.at[k % 2])
 
         for w in range(NUM_WG):
             pl.when(wg == w)(functools.partial(run, w))
-        if reg:
-            pl.when(wg == NUM_WG)(produce)
+        for p in range(n_prod):
+            pl.when(wg == NUM_WG + p)(functools.partial(produce, p))
 
     if kind == "mla656":
         st_t = plgpu.SMEM((BK, _M656_W), jnp.uint8)
@@ -735,9 +752,9 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=2),  # "free": both compute warpgroups done with b
             plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1),  # both halves of P published
         ]
-        if emulate:  # the producer's staged rows, interpret mode's rope selection, slots and rows landed
-            scratch += [st_t, *mid[1:], plgpu.Barrier(num_arrivals=1, num_barriers=2),
-                        plgpu.Barrier(num_arrivals=BK * copies, num_barriers=1)]
+        if emulate:  # per producer its staged rows and interpret mode's rope tiles; slots and rows landed
+            scratch += [st_t, *mid[1:]] * n_prod + [plgpu.Barrier(num_arrivals=1, num_barriers=2),
+                                                    plgpu.Barrier(num_arrivals=BK * copies, num_barriers=n_prod)]
         scratch += [plgpu.SMEM((2, NUM_WG, HEAD_TILE), jnp.float32), plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1)]
     if n_splits == 1:
         out_type = jax.ShapeDtypeStruct((t, hp, dv), out_dtype)
@@ -748,5 +765,5 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, unsafe_no_auto_barriers=True,
                                   approx_math=True, reduction_scratch_bytes=0)  # row reductions stay in-warp
     return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=(n_splits * t * G,),
-                        grid_names=("cta",), num_threads=NUM_WG + reg, thread_name="wg", compiler_params=params,
+                        grid_names=("cta",), num_threads=NUM_WG + n_prod, thread_name="wg", compiler_params=params,
                         interpret=interpret if interpret is not None else False)

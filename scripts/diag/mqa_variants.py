@@ -32,7 +32,10 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             # default for V3.2 natively: a third warpgroup, per-thread loads, the next block prefetched into L2)
             "tma": dict(producer="tma"), "registers_nopf": dict(producer="registers", producer_prefetch=0),
             "registers_pf2": dict(producer="registers", producer_prefetch=2),
-            "registers_p1r112": dict(producer="registers", producer_phases=1, producer_regs=112)}
+            "registers_p1r112": dict(producer="registers", producer_phases=1, producer_regs=112),
+            # two producer warpgroups, one per K tile (4 warpgroups: 512 registers per thread in all)
+            "registers_2wg": dict(producer="registers", producer_warpgroups=2, producer_regs=56, producer_phases=4),
+            "registers_2wg_r72": dict(producer="registers", producer_warpgroups=2, producer_regs=72)}
 
 
 def _case(name: str, quick: bool) -> dict:
