@@ -70,10 +70,16 @@ def fill_k_tile_656(slots_ref, cache_ref, k_ref, idx_ref=None, *, phases: int = 
         c64 = lambda v: arith.constant(i64, v)  # noqa: E731
         tid = arith.remui(mu.thread_idx(), c32(128))  # the thread in its warpgroup
         row, half = arith.divui(tid, c32(2)), arith.remui(tid, c32(2))
-        slot_ptr = arith.addi(llvm.ptrtoint(i64, mu.memref_ptr(slots)), arith.extui(i64, arith.muli(row, c32(4))))
-        raw = llvm.inline_asm(i32, [slot_ptr], "ld.global.nc.u32 $0, [$1];", "=r,l")
-        slot = arith.maxsi(raw, c32(0))
-        rec = arith.addi(llvm.ptrtoint(i64, mu.memref_ptr(cache)), arith.muli(arith.extui(i64, slot), c64(REC656)))
+
+        def record_of(slots_ref):
+            """This thread's row's raw slot (-1 kept) and the global address of its record (slot 0's if masked)."""
+            ptr = arith.addi(llvm.ptrtoint(i64, mu.memref_ptr(slots_ref)), arith.extui(i64, arith.muli(row, c32(4))))
+            raw_slot = llvm.inline_asm(i32, [ptr], "ld.global.nc.u32 $0, [$1];", "=r,l")
+            slot = arith.maxsi(raw_slot, c32(0))
+            base = llvm.ptrtoint(i64, mu.memref_ptr(cache))
+            return raw_slot, arith.addi(base, arith.muli(arith.extui(i64, slot), c64(REC656)))
+
+        raw, rec = record_of(slots)
         k_base = llvm.ptrtoint(i32, mu.memref_ptr(k))
         r8 = arith.remui(row, c32(8))
         row_off = arith.addi(arith.muli(arith.divui(row, c32(8)), c32((K_COLS // 32) * 512)),
@@ -98,10 +104,7 @@ def fill_k_tile_656(slots_ref, cache_ref, k_ref, idx_ref=None, *, phases: int = 
 
         idx = extra[:1] if has_idx else ()
         if has_next:  # the next block's record (this thread's half of it, 7 lines in all) into L2
-            nptr = arith.addi(llvm.ptrtoint(i64, mu.memref_ptr(extra[-1])), arith.extui(i64, arith.muli(row, c32(4))))
-            nraw = llvm.inline_asm(i32, [nptr], "ld.global.nc.u32 $0, [$1];", "=r,l")
-            nrec = arith.addi(llvm.ptrtoint(i64, mu.memref_ptr(cache)),
-                              arith.muli(arith.extui(i64, arith.maxsi(nraw, c32(0))), c64(REC656)))
+            _, nrec = record_of(extra[-1])
             first = arith.addi(nrec, arith.muli(arith.extui(i64, half), c64(384)))
             for off in (0, 128, 256, 271):  # samples <= 128 bytes apart: every line; half 1's +271 is byte 655
                 llvm.inline_asm(void, [arith.addi(first, c64(off))], "prefetch.global.L2 [$0];", "l",

@@ -339,7 +339,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     it refills that tile with block k + 2. No "ready" barrier and no staging rows natively."""
     n_prod = producer_warpgroups if producer == "registers" else 0
     kind, dk = specs[0].kind, specs[0].dim
-    reg = producer == "registers"
+    reg = n_prod > 0
     emulate = reg and interpret is not None  # the producer's register gather is PTX: interpret mode stages rows
     nc = len(specs)
     if sum(list_blocks) >= 1 << 20:  # the descriptors' opaque zero is block_id >> 20
@@ -679,7 +679,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
 
                 start = pl.multiple_of(block_id(k) * BK, BK)
                 if emulate:  # the same values through the staged rows (interpret mode cannot run the PTX)
-                    plgpu.copy_gmem_to_smem(slots_ref.at[ti, pl.ds(start, BK)], idx_s.at[b], bar_i.at[b])
+                    idx_copy(k, b)
                     plgpu.barrier_wait(bar_i.at[b])
                     for half in range(NUM_WG):
                         issue_row_copies(cache_refs, st, idx_s, b, block_id(k), half, bar_kv.at[p])
