@@ -17,6 +17,14 @@ from its thread index and the block's slots.
 - Record address: slot * 656 from the cache's base (a page holds ``entries_per_page`` records back to back,
   so the page offset need not be computed). A masked slot (< 0) reads record 0, as the pure-JAX path does.
 
+- Cluster form (``fill_k_half_656``, after FlashMLA's 128-head decode): the two CTAs of a 2-CTA cluster serve the
+  two 64-head tiles of one token, so they need the same K tile. Each gathers half of the block's rows (4 threads
+  per row, a thread one 128-column scale group) and stores them both into its own tile and, with ``st.async``,
+  into the peer's, which counts the bytes on the peer's "full" mbarrier (``mbarrier::complete_tx``). A record
+  is then read and dequantised once per token, not once per head tile. Those mbarriers are raw PTX ones in a
+  shared int32 row (``init_full_barriers``, ``wait_full``): a Pallas barrier has no expect-tx arrival and no
+  address to hand to ``st.async``.
+
 Native only (inline PTX); GPU interpret mode cannot run it.
 """
 
@@ -42,6 +50,100 @@ _DQ_ASM = (
     + "}")
 
 
+class _Emit:
+    """Lowering-time PTX helpers (inside an ``inline_mgpu`` body): constants, loads, stores, dequantisation and
+    the K tile's swizzled addresses."""
+
+    def __init__(self):
+        from jax._src.lib.mlir import ir  # noqa: PLC0415 - lowering-time imports
+        from jax._src.lib.mlir.dialects import arith, llvm  # noqa: PLC0415
+        from jax.experimental.mosaic.gpu import utils as mu  # noqa: PLC0415
+
+        self.arith, self.llvm, self.mu = arith, llvm, mu
+        self.i32, self.i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+        self.void = ir.Type.parse("!llvm.void")
+
+    def c32(self, v: int):
+        return self.arith.constant(self.i32, v)
+
+    def c64(self, v: int):
+        return self.arith.constant(self.i64, v)
+
+    def asm(self, text: str, args, constraints: str, outs: int = 0):
+        """One inline PTX statement: ``outs`` 32-bit results (a list), or none (a side effect)."""
+        llvm = self.llvm
+        if not outs:
+            llvm.inline_asm(self.void, list(args), text, constraints, has_side_effects=True)
+            return []
+        ty = self.i32 if outs == 1 else llvm.StructType.get_literal([self.i32] * outs)
+        v = llvm.inline_asm(ty, list(args), text, constraints)
+        return [v] if outs == 1 else [llvm.extractvalue(self.i32, v, [j]) for j in range(outs)]
+
+    def smem_addr(self, ref):
+        return self.llvm.ptrtoint(self.i32, self.mu.memref_ptr(ref))
+
+    def gmem_addr(self, ref):
+        return self.llvm.ptrtoint(self.i64, self.mu.memref_ptr(ref))
+
+    def loads(self, addr, offsets: list[int]) -> list[list]:
+        """16-byte loads at ``addr`` + each offset, all in one asm statement: they are issued back to back (as
+        separate statements the compiler interleaved them with the conversions, each load's latency exposed)."""
+        n = len(offsets)
+        text = "".join(f"ld.global.nc.v4.u32 {{${4 * j}, ${4 * j + 1}, ${4 * j + 2}, ${4 * j + 3}}}, [${4 * n}+{o}];\n"
+                       for j, o in enumerate(offsets))
+        words = self.asm(text, [addr], ",".join(["=r"] * (4 * n) + ["l"]), 4 * n)
+        return [words[4 * j:4 * j + 4] for j in range(n)]
+
+    def slot_record(self, slots_ref, cache_ref, row):
+        """Row ``row``'s raw slot (-1 kept) from GMEM ``slots_ref`` and its record's address (slot 0's if masked)."""
+        arith = self.arith
+        ptr = arith.addi(self.gmem_addr(slots_ref), arith.extui(self.i64, arith.muli(row, self.c32(4))))
+        raw = self.asm("ld.global.nc.u32 $0, [$1];", [ptr], "=r,l", 1)[0]
+        slot = arith.maxsi(raw, self.c32(0))
+        return raw, arith.addi(self.gmem_addr(cache_ref), arith.muli(arith.extui(self.i64, slot), self.c64(REC656)))
+
+    def dequant(self, words, scale):
+        """16 e4m3 (4 words) times an fp32 scale -> 16 bf16 (8 words)."""
+        return self.asm(_DQ_ASM, [*words, scale], "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r", 8)
+
+    def store16(self, addr, words) -> None:
+        self.asm("st.shared.v4.b32 [$0], {$1, $2, $3, $4};", [addr, *words], "r,r,r,r,r")
+
+    def store16_peer(self, addr, words, bar) -> None:
+        """16 bytes to the peer CTA's shared memory (cluster addresses), counted on its mbarrier ``bar``."""
+        self.asm("st.async.weak.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [$0], {$1, $2, $3, $4}, [$5];",
+                 [addr, *words, bar], "r,r,r,r,r,r")
+
+    def peer(self, addr):
+        """The address ``addr`` of this CTA's shared memory mapped to the other CTA of the 2-CTA cluster."""
+        return self.asm("{ .reg .u32 r; mov.u32 r, %cluster_ctarank; xor.b32 r, r, 1;\n"
+                        "mapa.shared::cluster.u32 $0, $1, r; }", [addr], "=r,r", 1)[0]
+
+    def k_row(self, k_base, row):
+        """(row's byte offset in the K tile, its swizzle) for ``K_TILE_TRANSFORMS``."""
+        arith, c32 = self.arith, self.c32
+        r8 = arith.remui(row, c32(8))
+        row_off = arith.addi(arith.muli(arith.divui(row, c32(8)), c32((K_COLS // 32) * 512)), arith.muli(r8, c32(64)))
+        return arith.addi(k_base, row_off), arith.andi(arith.shrui(r8, c32(1)), c32(3))
+
+    def k_addr(self, row_base, sw, col0, col: int):
+        """Shared address of the 8 bf16 at columns col0 + col .. + 7 of the row at ``row_base`` (col0 dynamic, a
+        multiple of 32)."""
+        arith, c32 = self.arith, self.c32
+        c = arith.addi(col0, c32(col))
+        unit = arith.xori(arith.andi(arith.shrui(c, c32(3)), c32(3)), sw)
+        return arith.addi(row_base, arith.addi(arith.muli(arith.shrui(c, c32(5)), c32(512)), arith.muli(unit, c32(16))))
+
+    def prefetch(self, addr, offsets) -> None:
+        for off in offsets:
+            self.asm("prefetch.global.L2 [$0];", [self.arith.addi(addr, self.c64(off))], "l")
+
+    def store_slot(self, idx_ref, row, raw, pred) -> None:
+        """The raw slot into ``idx_ref[row]`` where ``pred`` (i32, nonzero) holds."""
+        addr = self.arith.addi(self.smem_addr(idx_ref), self.arith.muli(row, self.c32(4)))
+        self.asm("{ .reg .pred p; setp.ne.u32 p, $2, 0; @p st.shared.u32 [$0], $1; }", [addr, raw, pred], "r,r,r")
+
+
 def fill_k_tile_656(slots_ref, cache_ref, k_ref, idx_ref=None, *, phases: int = 1, next_slots_ref=None) -> None:
     """From one warpgroup (all 128 threads): the bf16 K rows of the 64 records ``slots_ref`` (GMEM int32 [64])
     of ``cache_ref`` (GMEM uint8, records at slot * 656) into ``k_ref`` (SMEM [64, 576] bf16 with
@@ -60,79 +162,132 @@ def fill_k_tile_656(slots_ref, cache_ref, k_ref, idx_ref=None, *, phases: int = 
 
     @plgpu.inline_mgpu(arg_types=types)
     def fill(_, slots, cache, k, *extra):
-        from jax._src.lib.mlir import ir  # noqa: PLC0415 - lowering-time imports
-        from jax._src.lib.mlir.dialects import arith, llvm  # noqa: PLC0415
-        from jax.experimental.mosaic.gpu import utils as mu  # noqa: PLC0415
-
-        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-        void = ir.Type.parse("!llvm.void")
-        c32 = lambda v: arith.constant(i32, v)  # noqa: E731
-        c64 = lambda v: arith.constant(i64, v)  # noqa: E731
-        tid = arith.remui(mu.thread_idx(), c32(128))  # the thread in its warpgroup
+        e = _Emit()
+        arith, c32, c64 = e.arith, e.c32, e.c64
+        tid = arith.remui(e.mu.thread_idx(), c32(128))  # the thread in its warpgroup
         row, half = arith.divui(tid, c32(2)), arith.remui(tid, c32(2))
-
-        def record_of(slots_ref):
-            """This thread's row's raw slot (-1 kept) and the global address of its record (slot 0's if masked)."""
-            ptr = arith.addi(llvm.ptrtoint(i64, mu.memref_ptr(slots_ref)), arith.extui(i64, arith.muli(row, c32(4))))
-            raw_slot = llvm.inline_asm(i32, [ptr], "ld.global.nc.u32 $0, [$1];", "=r,l")
-            slot = arith.maxsi(raw_slot, c32(0))
-            base = llvm.ptrtoint(i64, mu.memref_ptr(cache))
-            return raw_slot, arith.addi(base, arith.muli(arith.extui(i64, slot), c64(REC656)))
-
-        raw, rec = record_of(slots)
-        k_base = llvm.ptrtoint(i32, mu.memref_ptr(k))
-        r8 = arith.remui(row, c32(8))
-        row_off = arith.addi(arith.muli(arith.divui(row, c32(8)), c32((K_COLS // 32) * 512)),
-                             arith.muli(r8, c32(64)))
-        sw = arith.andi(arith.shrui(r8, c32(1)), c32(3))
-
-        def k_addr(col0, col: int):
-            """Shared address of the 8 bf16 at columns col0 + col .. + 7 (col0 dynamic, a multiple of 32)."""
-            c = arith.addi(col0, c32(col))
-            unit = arith.xori(arith.andi(arith.shrui(c, c32(3)), c32(3)), sw)
-            return arith.addi(k_base, arith.addi(row_off, arith.addi(
-                arith.muli(arith.shrui(c, c32(5)), c32(512)), arith.muli(unit, c32(16)))))
-
-        def load16(off):
-            v = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [arith.addi(rec, off)],
-                                "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
-            return [llvm.extractvalue(i32, v, [j]) for j in range(4)]
-
-        def store16(addr, words) -> None:
-            llvm.inline_asm(void, [addr, *words], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r",
-                            has_side_effects=True)
-
-        idx = extra[:1] if has_idx else ()
+        raw, rec = e.slot_record(slots, cache, row)
+        row_base, sw = e.k_row(e.smem_addr(k), row)
         if has_next:  # the next block's record (this thread's half of it, 7 lines in all) into L2
-            _, nrec = record_of(extra[-1])
-            first = arith.addi(nrec, arith.muli(arith.extui(i64, half), c64(384)))
-            for off in (0, 128, 256, 271):  # samples <= 128 bytes apart: every line; half 1's +271 is byte 655
-                llvm.inline_asm(void, [arith.addi(first, c64(off))], "prefetch.global.L2 [$0];", "l",
-                                has_side_effects=True)
-        if idx:  # the raw slot (-1 kept) for the consumers' validity mask: one thread per row
-            is_first = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.eq, half, c32(0)))
-            addr = arith.addi(llvm.ptrtoint(i32, mu.memref_ptr(idx[0])), arith.muli(row, c32(4)))
-            llvm.inline_asm(void, [addr, raw, is_first],
-                            "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p st.shared.u32 [$0], $1; }", "r,r,r",
-                            has_side_effects=True)
-        half64 = arith.extui(i64, half)
-        lat0 = arith.muli(half64, c64(256))  # this thread's first latent byte
-        scales = load16(c64(LATENT))
-        rope = [load16(arith.addi(arith.muli(half64, c64(64)), c64(LATENT + 16 + 16 * q))) for q in range(4)]
+            _, nrec = e.slot_record(extra[-1], cache, row)
+            # samples <= 128 bytes apart: every line; half 1's +271 is byte 655
+            e.prefetch(arith.addi(nrec, arith.muli(arith.extui(e.i64, half), c64(384))), (0, 128, 256, 271))
+        if has_idx:  # the raw slot (-1 kept) for the consumers' validity mask: one thread per row
+            e.store_slot(extra[0], row, raw, arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.eq, half, c32(0))))
+        half64 = arith.extui(e.i64, half)
+        scales = e.loads(arith.addi(rec, c64(LATENT)), [0])[0]
+        rope = e.loads(arith.addi(rec, arith.addi(arith.muli(half64, c64(64)), c64(LATENT + 16))), [0, 16, 32, 48])
+        lat0 = arith.addi(rec, arith.muli(half64, c64(256)))  # this thread's first latent byte
         col_lat = arith.muli(half, c32(256))
+        first_half = arith.cmpi(arith.CmpIPredicate.eq, half, c32(0))
         per = 16 // phases
-        for p in range(phases):  # every load of the round first, then convert and store
-            lat = [load16(arith.addi(lat0, c64(16 * i))) for i in range(p * per, (p + 1) * per)]
+        for p in range(phases):  # every load of the round first (one asm statement), then convert and store
+            lat = e.loads(lat0, [16 * i for i in range(p * per, (p + 1) * per)])
             for n, i in enumerate(range(p * per, (p + 1) * per)):
-                sc = arith.select(arith.cmpi(arith.CmpIPredicate.eq, half, c32(0)), scales[i // 8],
-                                  scales[2 + i // 8])
-                out = llvm.inline_asm(llvm.StructType.get_literal([i32] * 8), [*lat[n], sc], _DQ_ASM,
-                                      "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r")
-                words = [llvm.extractvalue(i32, out, [j]) for j in range(8)]
-                store16(k_addr(col_lat, 16 * i), words[:4])
-                store16(k_addr(col_lat, 16 * i + 8), words[4:])
+                words = e.dequant(lat[n], arith.select(first_half, scales[i // 8], scales[2 + i // 8]))
+                e.store16(e.k_addr(row_base, sw, col_lat, 16 * i), words[:4])
+                e.store16(e.k_addr(row_base, sw, col_lat, 16 * i + 8), words[4:])
         col_rope = arith.addi(c32(LATENT), arith.muli(half, c32(32)))
         for q in range(4):
-            store16(k_addr(col_rope, 8 * q), rope[q])
+            e.store16(e.k_addr(row_base, sw, col_rope, 8 * q), rope[q])
+
+    fill(*refs)
+
+
+# ---- the 2-CTA cluster form ------------------------------------------------------------------------------
+HALF_ROWS = BLOCK // 2  # rows each CTA of the pair gathers
+PEER_BYTES = HALF_ROWS * K_COLS * 2  # bf16 bytes a CTA receives from its peer per block
+FULL_ARRIVALS = 128  # every thread of the local producer warpgroup arrives on "full"
+
+
+def init_full_barriers(bars_ref, count: int = 2) -> None:
+    """From every thread of the CTA, before any warpgroup specialises: thread 0 initialises ``count`` mbarriers
+    at ``bars_ref`` (SMEM int32, 2 words each) for ``FULL_ARRIVALS`` arrivals, then the whole cluster syncs,
+    so that no peer ``st.async`` reaches an uninitialised barrier."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def init(_, bars):
+        e = _Emit()
+        base = e.smem_addr(bars)
+        is0 = e.arith.extui(e.i32, e.arith.cmpi(e.arith.CmpIPredicate.eq, e.mu.thread_idx(), e.c32(0)))
+        text = "{ .reg .pred p; setp.ne.u32 p, $1, 0;\n" + "".join(
+            f"@p mbarrier.init.shared::cta.b64 [$0+{8 * b}], {FULL_ARRIVALS};\n" for b in range(count)) + \
+            "@p fence.mbarrier_init.release.cluster; }"
+        e.asm(text, [base, is0], "r,r")
+        e.asm("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;", [], "")
+
+    init(bars_ref)
+
+
+def wait_full(bar_ref, parity) -> None:
+    """Every thread of a warpgroup: wait until the mbarrier at ``bar_ref`` (SMEM int32 [2]) completes the phase
+    of ``parity`` (int32 scalar, 0 or 1)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=())))
+    def wait(_, bar, par):
+        e = _Emit()
+        e.asm("{ .reg .pred p;\nWAIT_FULL:\nmbarrier.try_wait.parity.shared::cta.b64 p, [$0], $1;\n"
+              "@!p bra WAIT_FULL; }", [e.smem_addr(bar), par.registers.item()], "r,r")
+
+    wait(bar_ref, parity)
+
+
+def fill_k_half_656(slots_ref, cache_ref, k_ref, idx_ref, bar_ref, *, next_slots_ref=None) -> None:
+    """From one warpgroup (all 128 threads) of each CTA of a 2-CTA cluster: rows [32 r, 32 r + 32) of the block
+    (r = the CTA's rank) into ``k_ref`` of both CTAs (the peer's at the same shared offset, by ``st.async``), all
+    64 raw slots into ``idx_ref``, then each thread arrives on the local "full" mbarrier ``bar_ref`` (SMEM int32
+    [2], ``init_full_barriers``); thread 0's arrival also expects the peer's ``PEER_BYTES``. The phase completes
+    once both halves have landed. Thread t serves row 32 r + t // 4 and its 128-column scale group t % 4: 8
+    latent loads, its fp32 scale and 16 rope values, all in flight at once. ``next_slots_ref``: as in
+    ``fill_k_tile_656`` (this thread's quarter of its row's next record into L2)."""
+    has_next = next_slots_ref is not None
+    refs = (slots_ref, cache_ref, k_ref, idx_ref, bar_ref) + ((next_slots_ref,) if has_next else ())
+    types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(K_TILE_TRANSFORMS), plgpu.RefType(),
+             plgpu.RefType()) + (plgpu.RefType(),) * has_next
+
+    @plgpu.inline_mgpu(arg_types=types)
+    def fill(_, slots, cache, k, idx, bar, *nxt):
+        e = _Emit()
+        arith, c32, c64 = e.arith, e.c32, e.c64
+        tid = arith.remui(e.mu.thread_idx(), c32(128))
+        rank = e.asm("mov.u32 $0, %cluster_ctarank;", [], "=r", 1)[0]
+        row = arith.addi(arith.muli(rank, c32(HALF_ROWS)), arith.divui(tid, c32(4)))
+        quarter = arith.remui(tid, c32(4))
+        q64 = arith.extui(e.i64, quarter)
+        _, rec = e.slot_record(slots, cache, row)
+        if has_next:  # 164-byte quarters of the next record, samples <= 128 bytes apart (the last is byte 655)
+            _, nrec = e.slot_record(nxt[0], cache, row)
+            e.prefetch(arith.addi(nrec, arith.muli(q64, c64(164))), (0, 128, 163))
+        # all 64 raw slots (-1 kept) for the consumers' mask: threads 0..63, one row each
+        raw_t, _ = e.slot_record(slots, cache, arith.remui(tid, c32(BLOCK)))  # (threads 64.. re-read, in bounds)
+        e.store_slot(idx, tid, raw_t, arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.ult, tid, c32(BLOCK))))
+        # this thread's 128 latent bytes, its scale and its 16 rope values: one asm statement, all in flight
+        lat = e.loads(arith.addi(rec, arith.muli(q64, c64(128))), [16 * i for i in range(8)])
+        scale = e.asm("ld.global.nc.u32 $0, [$1];", [arith.addi(rec, arith.addi(c64(LATENT), arith.muli(q64, c64(4))))],
+                      "=r,l", 1)[0]
+        rope = e.loads(arith.addi(rec, arith.addi(c64(LATENT + 16), arith.muli(q64, c64(32)))), [0, 16])
+        k_base = e.smem_addr(k)
+        row_base, sw = e.k_row(k_base, row)
+        delta = arith.subi(e.peer(k_base), k_base)  # local K tile address -> the peer's same byte
+        bar_local = e.smem_addr(bar)
+        bar_peer = e.peer(bar_local)
+
+        def put(addr, words) -> None:
+            e.store16(addr, words)
+            e.store16_peer(arith.addi(addr, delta), words, bar_peer)
+
+        col_lat = arith.muli(quarter, c32(128))
+        for i in range(8):
+            words = e.dequant(lat[i], scale)
+            put(e.k_addr(row_base, sw, col_lat, 16 * i), words[:4])
+            put(e.k_addr(row_base, sw, col_lat, 16 * i + 8), words[4:])
+        col_rope = arith.addi(c32(LATENT), arith.muli(quarter, c32(16)))
+        for q in range(2):
+            put(e.k_addr(row_base, sw, col_rope, 8 * q), rope[q])
+        # the local stores visible to the tensor cores, then arrive (thread 0 also expects the peer's bytes)
+        is0 = arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.eq, tid, c32(0)))
+        e.asm("{ .reg .pred p; setp.ne.u32 p, $1, 0; fence.proxy.async.shared::cta;\n"
+              f"@p mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [$0], {PEER_BYTES};\n"
+              "@!p mbarrier.arrive.release.cta.shared::cta.b64 _, [$0]; }", [bar_local, is0], "r,r")
 
     fill(*refs)

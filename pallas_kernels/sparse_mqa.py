@@ -92,8 +92,11 @@ Before gathering block k it prefetches block k+1's records into L2: decode reads
 the per-thread loads alone keep too few bytes in flight to hide that latency. Registers: setmaxnreg moves
 them only inside the 384-thread CTA's launch pool (3 x 168 per thread), so producer + 2 x compute <= 504; an
 "increase" past it never returns (the first native run hung on it). SMEM: q 72 KB + two K tiles 144 KB.
-``producer_warpgroups=2`` splits the producer's work over two warpgroups, each owning one K tile (even and odd
-blocks), for the case where converting a block, not loading it, is what the compute warpgroups wait for.
+The cluster producer (``producer="cluster"``, V3.2's 128 heads): the two head tiles of a token run as a 2-CTA
+cluster and each CTA's producer gathers half of every block into both CTAs' K tiles (``st.async`` to the peer,
+counted on its raw "full" mbarrier, ``record_gather.fill_k_half_656``), so each record is read and dequantised
+once per token instead of once per head tile; "free" is a cluster barrier that all four compute warpgroups
+arrive on. A thread then holds 8 latent loads, not 16, all in flight at once. Native only.
 
 Shared memory (of 227 KB): q 72 KB + K tile 72 KB + staging 55 KB + P 8 KB + statistics 1 KB (V3.2 fp8,
 compiled, 208 KB; interpret mode adds the rope byte tile and the selection matrix, unaliased); bf16 rows with
@@ -124,7 +127,7 @@ from jds.ops.records import FloatRows, MlaRecord584, MlaRecord656
 from jds.ops.sparse_mqa import paged_sparse_mqa_xla
 from pallas_kernels import record_gather
 
-Producer = Literal["tma", "registers"]
+Producer = Literal["tma", "registers", "cluster"]
 
 
 HEAD_TILE = 64  # wgmma M
@@ -137,14 +140,15 @@ LOG2E = 1.4426950408889634
 PRODUCER_REGS = 80  # producer="registers": the producer warpgroup's registers per thread (the rest: compute)
 
 
-def compute_regs(producer_regs: int, producers: int = 1) -> int:
-    """The compute warpgroups' registers per thread beside ``producers`` warpgroups keeping ``producer_regs``.
+def compute_regs(producer_regs: int) -> int:
+    """The compute warpgroups' registers per thread beside one producer warpgroup keeping ``producer_regs``.
     A CTA of n warpgroups is launched with 65536 / (128 n) registers per thread (rounded down to 8), and
     setmaxnreg only moves registers inside that pool (an "increase" past it never returns): 3 warpgroups
-    share 3 x 168 = 504 per thread, 4 share 4 x 128 = 512."""
-    nwg = NUM_WG + producers
+    share 3 x 168 = 504 per thread. (Two producer warpgroups, 4 in all, were tried: the launch limit of 128
+    registers per thread is below what ptxas needs for the [64, 256] wgmma, so that kernel does not build.)"""
+    nwg = NUM_WG + 1
     pool = 65536 // (128 * nwg) // 8 * 8 * nwg
-    return (pool - producers * producer_regs) // NUM_WG // 8 * 8
+    return (pool - producer_regs) // NUM_WG // 8 * 8
 M_INIT = -1e30  # finite running-max start: exp2(m_old - m_new) never sees -inf - -inf
 
 
@@ -203,7 +207,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                out_dtype: jnp.dtype = jnp.float32,
                interpret: bool | plgpu.InterpretGPUParams | None = None, producer: Producer | None = None,
                producer_regs: int = PRODUCER_REGS, producer_phases: int = 2,
-               producer_prefetch: int = 1, producer_warpgroups: int = 1) -> jax.Array:
+               producer_prefetch: int = 1) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype).
@@ -221,9 +225,9 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     registers per thread and gives the rest to the compute warpgroups, and loads the latent in
     ``producer_phases`` rounds (1 or 2); with ``producer_prefetch`` = d > 0 it also prefetches the records of
     the block d ahead into L2 before it gathers the current one (a gain where the records come from DRAM,
-    decode; a small loss where they already sit in L2, a short prefill). ``producer_warpgroups`` = 2: two
-    producer warpgroups, each owning one K tile (the even and the odd blocks), so two blocks are gathered and
-    converted at once (4 warpgroups: 512 registers per thread in all, see ``compute_regs``). None:
+    decode; a small loss where they already sit in L2, a short prefill). "cluster" (one ``MlaRecord656`` list,
+    65 to 128 heads, native only): the register producer with the token's two head tiles in a 2-CTA cluster,
+    each CTA gathering half of every block for both (``producer_phases`` does not apply). None:
     "registers" natively where it applies, else "tma" (interpret mode: "tma", whose emulation blocks no third
     thread; the register producer's needs one CPU per warpgroup). Timings: docs/perf-log.md.
     """
@@ -236,31 +240,30 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
         "pallas": lambda: _pallas(q, caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink,
                                   num_splits=num_splits, out_dtype=out_dtype, interpret=interpret,
                                   producer=producer, producer_regs=producer_regs,
-                                  producer_phases=producer_phases, producer_prefetch=producer_prefetch,
-                                  producer_warpgroups=producer_warpgroups)})
+                                  producer_phases=producer_phases, producer_prefetch=producer_prefetch)})
 
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
-            producer_regs=PRODUCER_REGS, producer_phases=2, producer_prefetch=1, producer_warpgroups=1):
-    if producer not in (None, "tma", "registers"):
-        raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
+            producer_regs=PRODUCER_REGS, producer_phases=2, producer_prefetch=1):
+    if producer not in (None, "tma", "registers", "cluster"):
+        raise ValueError(f'producer must be "tma", "registers" or "cluster", got {producer!r}')
     if producer_phases not in (1, 2, 4):
         raise ValueError(f"producer_phases must be 1, 2 or 4, got {producer_phases}")
-    if producer_warpgroups not in (1, 2):
-        raise ValueError(f"producer_warpgroups must be 1 or 2, got {producer_warpgroups!r}")
     if not (isinstance(producer_prefetch, int) and 0 <= producer_prefetch <= 4):
         raise ValueError(f"producer_prefetch (blocks ahead) must be an int in [0, 4], got {producer_prefetch!r}")
     if not (isinstance(producer_regs, int) and 24 <= producer_regs <= 256 and producer_regs % 8 == 0
-            and compute_regs(producer_regs, producer_warpgroups) >= 24):
+            and compute_regs(producer_regs) >= 24):
         raise ValueError(f"producer_regs must be a multiple of 8 in [24, 256] (got {producer_regs!r})")
     if not supports(formats, v_dim):
         raise Unsupported(f"sparse_mqa kernel: unsupported formats {formats} / v_dim {v_dim} "
                           "(see pallas_kernels.sparse_mqa.supports)")
     specs = tuple(cache_spec(f) for f in formats)
     one_656 = len(specs) == 1 and specs[0].kind == "mla656"
-    if producer == "registers" and not one_656:
-        raise ValueError(f'producer="registers" reads one MlaRecord656 cache (got {formats})')
+    if producer in ("registers", "cluster") and not one_656:
+        raise ValueError(f'producer="{producer}" reads one MlaRecord656 cache (got {formats})')
     t, h, dk = q.shape
+    if producer == "cluster" and not HEAD_TILE < h <= 2 * HEAD_TILE:
+        raise ValueError(f'producer="cluster" pairs two head tiles: it needs 65 to 128 heads, got {h}')
     if dk != specs[0].dim:
         raise ValueError(f"q head dim {dk} does not match the cache rows ({specs[0].dim})")
     for c, f in zip(caches, formats):
@@ -272,6 +275,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
         interpret = resolve_interpret(None)
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
+    if producer == "cluster" and interpret:
+        raise ValueError('producer="cluster" is native only (GPU interpret mode has no st.async to a peer CTA)')
     if producer is None:
         producer = "registers" if one_656 and not interpret else "tma"
     hp = -(-h // HEAD_TILE) * HEAD_TILE
@@ -295,8 +300,7 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     call = _build_call(specs=specs, list_blocks=tuple(list_blocks), t=t, hp=hp, dv=v_dim, scale=float(scale),
                        has_sink=has_sink, n_splits=n_splits, bps=bps, out_dtype=jnp.dtype(out_dtype),
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
-                       producer_phases=producer_phases, producer_prefetch=producer_prefetch,
-                       producer_warpgroups=producer_warpgroups)
+                       producer_phases=producer_phases, producer_prefetch=producer_prefetch)
     # blocks of 64 candidates with at least one valid slot, per token, compacted to the front (the kernel
     # skips the rest: prefill tokens early in the sequence, short contexts, fully masked rows)
     live = jnp.any(slots_all.reshape(t, nb, BLOCK_K) >= 0, axis=-1)
@@ -329,15 +333,17 @@ def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -
 def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t: int, hp: int, dv: int,
                 scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype,
                 interpret: plgpu.InterpretGPUParams | None, producer: Producer = "tma",
-                producer_regs: int = PRODUCER_REGS, producer_phases: int = 2, producer_prefetch: int = 0,
-                producer_warpgroups: int = 1):
-    """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k (with two producers, warpgroup
-    NUM_WG + p fills tile p with the blocks k = p mod 2) (native: ``record_gather``;
+                producer_regs: int = PRODUCER_REGS, producer_phases: int = 2, producer_prefetch: int = 0):
+    """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k (native: ``record_gather``;
     interpret mode: the staged copies and the compute warpgroups' conversion, all chunks) and arrives on
     "full"[k % 2]; the compute warpgroups wait on it, read the block's slots from its idx slot (written by the
     producer), compute as below and arrive on "free"[k % 2] after their PV, which the producer waits for before
-    it refills that tile with block k + 2. No "ready" barrier and no staging rows natively."""
-    n_prod = producer_warpgroups if producer == "registers" else 0
+    it refills that tile with block k + 2. No "ready" barrier and no staging rows natively.
+    ``producer="cluster"``: the same with the grid in clusters of the two head tiles; "full" is a pair of raw
+    mbarriers in the idx buffer's third row (each completes on its own producer's 128 arrivals and the peer's
+    bytes) and "free" a cluster barrier (both CTAs' compute warpgroups free the tile in both)."""
+    cl = producer == "cluster"
+    n_prod = 1 if producer in ("registers", "cluster") else 0
     kind, dk = specs[0].kind, specs[0].dim
     reg = n_prod > 0
     emulate = reg and interpret is not None  # the producer's register gather is PTX: interpret mode stages rows
@@ -478,7 +484,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         if reg:
             q_s1, k_s1, p_s, idx_s, bar_q, bar_full, bar_free, bar_p, *staged = scratch
             if emulate:  # per producer: staging rows, rope byte tile, selection matrix; then the barriers
-                *per_prod, bar_i, bar_kv = staged
+                *per_prod, bar_i, bar_kv = staged  # per_prod: staging rows, rope byte tile, selection
         elif rope_mm:
             q_s1, k_s1, st, p_s, pb_s, sel_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_p = scratch
         elif fp8:
@@ -487,12 +493,15 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             q_s1, k_s1, st, p_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_p = scratch
         q_s, k_s = q_s1.at[0], k_s1.at[0]  # [1, rows, dk]: index 0 statically (copies, dequantisation)
         pid = lax.axis_index("cta")
-        gi = pid % G
-        ti = (pid // G) % t
-        si = pid // (G * t)
+        if cl:  # the grid counts clusters: (token, split); the head tile is the CTA's rank in the pair
+            gi, ti, si = lax.axis_index("cl"), pid % t, pid // t
+        else:
+            gi, ti, si = pid % G, (pid // G) % t, pid // (G * t)
         b0 = si * bps  # this split's first position in the token's list of live blocks
         nblk = jnp.clip(nlive_ref[ti] - b0, 0, bps)
         wg = lax.axis_index("wg")
+        if cl:  # every thread: the raw "full" mbarriers initialised, then the cluster in step
+            record_gather.init_full_barriers(idx_s.at[2])
 
         def init_selection(sel_s=sel_s):
             """Interpret mode's byte-pair selection matrix for the rope values (``store_rope``)."""
@@ -527,7 +536,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
 
             # ---- prologue
             if reg and not emulate:
-                plgpu.set_max_registers(compute_regs(producer_regs, n_prod), action="increase")
+                plgpu.set_max_registers(compute_regs(producer_regs), action="increase")
             if w == 0:
                 plgpu.copy_gmem_to_smem(q_ref.at[ti, pl.ds(gi * HEAD_TILE, HEAD_TILE)], q_s, bar_q.at[0])
                 if not reg:
@@ -566,7 +575,10 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 # built): their descriptors are rebuilt here, not held across the loop
                 z = lax.shift_right_logical(block_id(k), 20)
                 if reg:  # block k in K tile k % 2, its slots in idx slot k % 2 (both from the producer)
-                    plgpu.barrier_wait(bar_full.at[islot])
+                    if cl:
+                        record_gather.wait_full(idx_s.at[2, pl.ds(2 * islot, 2)], (k // 2) % 2)
+                    else:
+                        plgpu.barrier_wait(bar_full.at[islot])
                     q_mm, k_mm = q_s1.at[z], k_s1.at[islot + z]
                 else:
                     q_mm, k_mm = q_s1.at[z], k_s1.at[z]
@@ -659,57 +671,57 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     m_ref.at[si, ti, heads][...] = m
                     l_ref.at[si, ti, heads][...] = l
 
-        def produce(p: int):
-            """producer="registers", producer warpgroup p of n_prod: block k into K tile k % 2 (and its slots into
-            idx slot k % 2) for the blocks k = p mod n_prod, once the compute warpgroups freed that tile of block
-            k - 2. With two producers, producer p owns tile p."""
+        def produce():
+            """producer="registers" / "cluster": block k into K tile k % 2 (and its slots into idx slot k % 2),
+            once the compute warpgroups freed that tile of block k - 2."""
             if emulate:
-                st, pb_s, sel_s = per_prod[3 * p:3 * p + 3]
+                st, pb_s, sel_s = per_prod
                 init_selection(sel_s)
             else:
                 plgpu.set_max_registers(producer_regs, action="decrease")
 
-            @pl.loop(p, nblk, step=n_prod)
+            @pl.loop(0, nblk)
             def _(k):
-                b = p if n_prod == 2 else k % 2
+                b = k % 2
 
                 @pl.when(k >= 2)
                 def _():
                     plgpu.barrier_wait(bar_free.at[b])
 
                 start = pl.multiple_of(block_id(k) * BK, BK)
+                # block k + d's records into L2 (the last block again near the end: harmless)
+                nxt_start = pl.multiple_of(block_id(jnp.minimum(k + producer_prefetch, nblk - 1)) * BK, BK)
+                nxt = slots_ref.at[ti, pl.ds(nxt_start, BK)] if producer_prefetch else None
                 if emulate:  # the same values through the staged rows (interpret mode cannot run the PTX)
                     idx_copy(k, b)
                     plgpu.barrier_wait(bar_i.at[b])
                     for half in range(NUM_WG):
-                        issue_row_copies(cache_refs, st, idx_s, b, block_id(k), half, bar_kv.at[p])
-                    plgpu.barrier_wait(bar_kv.at[p])
+                        issue_row_copies(cache_refs, st, idx_s, b, block_id(k), half, bar_kv.at[0])
+                    plgpu.barrier_wait(bar_kv.at[0])
                     kb = k_s1.at[b]
                     for c, v in convert(0, st, None, list(range(nch - 1))):
                         kb[:, pl.ds(64 * c, 64)] = v
                     store_rope(st, st16, kb, pb_s, sel_s)
+                elif cl:  # half the rows into both CTAs' tiles; it fences and arrives on "full" itself
+                    record_gather.fill_k_half_656(slots_ref.at[ti, pl.ds(start, BK)], cache_refs[0], k_s1.at[b],
+                                                  idx_s.at[b], idx_s.at[2, pl.ds(2 * b, 2)], next_slots_ref=nxt)
                 else:
-                    # block k + d's records into L2 (the last block again near the end: harmless)
-                    nxt_start = pl.multiple_of(block_id(jnp.minimum(k + producer_prefetch, nblk - 1)) * BK, BK)
-                    record_gather.fill_k_tile_656(
-                        slots_ref.at[ti, pl.ds(start, BK)], cache_refs[0], k_s1.at[b], idx_s.at[b],
-                        phases=producer_phases,
-                        next_slots_ref=slots_ref.at[ti, pl.ds(nxt_start, BK)] if producer_prefetch else None)
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(bar_full.at[b])
+                    record_gather.fill_k_tile_656(slots_ref.at[ti, pl.ds(start, BK)], cache_refs[0], k_s1.at[b],
+                                                  idx_s.at[b], phases=producer_phases, next_slots_ref=nxt)
+                if not cl:
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(bar_full.at[b])
 
             # the "free" phases of its last fills (of the last two blocks): a thread waiting on a barrier
             # observes every phase of it
             @pl.loop(jnp.maximum(nblk - 2, 0), nblk)
             def _(k):
-                @pl.when(k % n_prod == p)
-                def _():
-                    plgpu.barrier_wait(bar_free.at[k % 2])
+                plgpu.barrier_wait(bar_free.at[k % 2])
 
         for w in range(NUM_WG):
             pl.when(wg == w)(functools.partial(run, w))
-        for p in range(n_prod):
-            pl.when(wg == NUM_WG + p)(functools.partial(produce, p))
+        if reg:
+            pl.when(wg == NUM_WG)(produce)
 
     if kind == "mla656":
         st_t = plgpu.SMEM((BK, _M656_W), jnp.uint8)
@@ -746,15 +758,19 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             plgpu.SMEM((1, HEAD_TILE, dk), jnp.bfloat16, transforms=SW),  # q tile
             plgpu.SMEM((2, BK, dk), jnp.bfloat16, transforms=SW),  # K tiles of blocks k and k + 1
             p_t,
-            plgpu.SMEM((2, BK), jnp.int32),  # the two blocks' slots (-1 = masked), written by the producer
+            # the two blocks' slots (-1 = masked), written by the producer; "cluster": a third row holds the raw
+            # "full" mbarriers (the buffer's 1 KB of shared memory has room)
+            plgpu.SMEM((3 if cl else 2, BK), jnp.int32),
             plgpu.Barrier(num_arrivals=1, num_barriers=1),  # q landed
             plgpu.Barrier(num_arrivals=1, num_barriers=2),  # "full": the producer filled K tile / idx slot b
-            plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=2),  # "free": both compute warpgroups done with b
+            # "free": the compute warpgroups are done with tile b (with "cluster", those of both CTAs)
+            (plgpu.ClusterBarrier(collective_axes=("cl",), num_arrivals=NUM_WG, num_barriers=2) if cl
+             else plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=2)),
             plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1),  # both halves of P published
         ]
-        if emulate:  # per producer its staged rows and interpret mode's rope tiles; slots and rows landed
-            scratch += [st_t, *mid[1:]] * n_prod + [plgpu.Barrier(num_arrivals=1, num_barriers=2),
-                                                    plgpu.Barrier(num_arrivals=BK * copies, num_barriers=n_prod)]
+        if emulate:  # the producer's staged rows and interpret mode's rope tiles; slots and rows landed
+            scratch += [st_t, *mid[1:], plgpu.Barrier(num_arrivals=1, num_barriers=2),
+                        plgpu.Barrier(num_arrivals=BK * copies, num_barriers=1)]
         scratch += [plgpu.SMEM((2, NUM_WG, HEAD_TILE), jnp.float32), plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1)]
     if n_splits == 1:
         out_type = jax.ShapeDtypeStruct((t, hp, dv), out_dtype)
@@ -764,6 +780,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     jax.ShapeDtypeStruct((n_splits, t, hp), jnp.float32))
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, unsafe_no_auto_barriers=True,
                                   approx_math=True, reduction_scratch_bytes=0)  # row reductions stay in-warp
-    return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=(n_splits * t * G,),
-                        grid_names=("cta",), num_threads=NUM_WG + n_prod, thread_name="wg", compiler_params=params,
+    grid = dict(grid=(n_splits * t,), grid_names=("cta",), cluster=(G,), cluster_names=("cl",)) if cl else \
+        dict(grid=(n_splits * t * G,), grid_names=("cta",))
+    return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, **grid, num_threads=NUM_WG + n_prod,
+                        thread_name="wg", compiler_params=params,
                         interpret=interpret if interpret is not None else False)

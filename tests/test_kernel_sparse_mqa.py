@@ -148,21 +148,22 @@ def test_v32_padded_heads_and_splits(mode):
                interpret=interpret, num_splits=s)
 
 
-@pytest.mark.parametrize("producers", [1, 2])
+@pytest.mark.parametrize("producer", ["registers", pytest.param("cluster", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("mode", MODES)
-def test_v32_register_producer(mode, producers):
+def test_v32_register_producer(mode, producer):
     """producer="registers": a third warpgroup fills two K tiles in turn (natively by per-thread loads and
     dequantisation in registers, ``record_gather``; interpret mode emulates it with the staged rows), so blocks
-    0..4 cycle through both tiles; or two producer warpgroups, one per tile. A fully masked row gives zeros;
-    2 splits (one with 2 blocks, one with 3); interpret mode also runs the race detector over the full / free
-    protocol.
+    0..4 cycle through both tiles. "cluster" (native only): the two head tiles' CTAs each gather half of every
+    block for both. A fully masked row gives zeros; 2 splits (one with 2 blocks, one with 3); interpret mode
+    also runs the race detector over the full / free protocol.
 
     Interpret mode runs each warpgroup as an XLA CPU computation whose barrier waits block a thread of XLA's
     intra-op pool (one per CPU): with fewer CPUs than warpgroups a producer never runs."""
-    if _interpret(mode) and len(os.sched_getaffinity(0)) < mqa.NUM_WG + producers:
-        pytest.skip(f"interpret mode needs a CPU per warpgroup ({mqa.NUM_WG + producers}) for the register "
+    if _interpret(mode) and producer == "cluster":
+        pytest.skip("native only")
+    if _interpret(mode) and len(os.sched_getaffinity(0)) < mqa.NUM_WG + 1:
+        pytest.skip(f"interpret mode needs a CPU per warpgroup ({mqa.NUM_WG + 1}) for the register "
                     "producer's blocking waits")
-    kw = dict(producer_warpgroups=2, producer_regs=56, producer_phases=4) if producers == 2 else {}
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -175,7 +176,7 @@ def test_v32_register_producer(mode, producers):
     q = _bf16_exact(rng.standard_normal((t, h, 576)))
     for splits in (1, 2):
         out = _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_EXACT_KV,
-                     interpret=interpret, num_splits=splits, producer="registers", **kw)
+                     interpret=interpret, num_splits=splits, producer=producer)
         assert np.all(out[1] == 0.0)
     if interpret:
         assert not gpu_callbacks.get_races().races_found
@@ -191,9 +192,12 @@ def test_register_producer_bad_inputs():
                     (dict(producer_regs=100), "producer_regs"), (dict(producer_regs=8), "producer_regs"),
                     (dict(producer_prefetch=-1), "producer_prefetch"),
                     (dict(producer_prefetch=1.5), "producer_prefetch"), (dict(producer_phases=3), "producer_phases"),
-                    (dict(producer_warpgroups=3), "producer_warpgroups")]:
+                    (dict(producer="cluster"), "65 to 128 heads")]:
         with pytest.raises(ValueError, match=msg):
             mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.1, v_dim=512, interpret=True, **kw)
+    with pytest.raises(ValueError, match="native only"):
+        mqa.sparse_mqa(jnp.zeros((1, 128, 576), jnp.bfloat16), [cache], [fmt], [slots], scale=0.1, v_dim=512,
+                       interpret=True, producer="cluster")
     f4 = MlaRecord584(16)
     with pytest.raises(ValueError, match="MlaRecord656"):
         mqa.sparse_mqa(jnp.zeros((1, 4, 512), jnp.bfloat16), [_cache(f4, 2, 512, rng)], [f4], [slots],
@@ -343,7 +347,7 @@ def test_v4_layer_attend(mode):
 @pytest.mark.skipif(ON_GPU, reason="the native tests compile the kernel")
 @pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16", "v32_fp8_registers",
                                   "v32_fp8_registers_p1", "v32_fp8_registers_pf", "v32_fp8_registers_pf2",
-                                  "v32_fp8_registers_2wg"])
+                                  "v32_fp8_cluster"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -362,8 +366,8 @@ def test_lowers_for_cuda(case):
     prefetch = 2 if case.endswith("pf2") else int(case.endswith("pf"))
     kw = (dict(producer="registers", producer_phases=1 if case.endswith("p1") else 2, producer_prefetch=prefetch)
           if "registers" in case else {})
-    if case.endswith("2wg"):  # two producer warpgroups of 56 registers, a quarter of the latent per round
-        kw.update(producer_warpgroups=2, producer_regs=56, producer_phases=4)
+    if case.endswith("cluster"):  # the two head tiles as a 2-CTA cluster
+        kw = dict(producer="cluster")
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,
