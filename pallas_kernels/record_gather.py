@@ -138,61 +138,31 @@ class _Emit:
         for off in offsets:
             self.asm("prefetch.global.L2 [$0];", [self.arith.addi(addr, self.c64(off))], "l")
 
-    def wait_parity(self, bar, parity, pred=None, cluster: bool = False) -> None:
-        """Spin until the mbarrier at shared address ``bar`` completes the phase of ``parity`` (where ``pred``,
-        i32, is nonzero); acquire at cluster scope where peers arrive."""
-        sem = ".acquire.cluster" if cluster else ""
-        skip = "setp.eq.u32 q, $2, 0;\n@q bra DONE;\n" if pred is not None else ""
-        self.asm("{ .reg .pred p, q;\n" + skip + f"WAIT:\nmbarrier.try_wait.parity{sem}.shared::cta.b64 p, [$0], $1;\n"
-                 "@!p bra WAIT;\nDONE:\n}", [bar, parity] + ([pred] if pred is not None else []),
-                 "r,r,r" if pred is not None else "r,r")
-
-    def wait_free(self, free) -> None:
-        """``free`` = (shared mbarrier ref, parity, wait flag) as passed to the fill functions."""
-        if free:
-            ref, parity, pred = free
-            self.wait_parity(self.smem_addr(ref), parity.registers.item(), pred.registers.item(), cluster=True)
-
     def store_slot(self, idx_ref, row, raw, pred) -> None:
         """The raw slot into ``idx_ref[row]`` where ``pred`` (i32, nonzero) holds."""
         addr = self.arith.addi(self.smem_addr(idx_ref), self.arith.muli(row, self.c32(4)))
         self.asm("{ .reg .pred p; setp.ne.u32 p, $2, 0; @p st.shared.u32 [$0], $1; }", [addr, raw, pred], "r,r,r")
 
 
-def _free_args(free) -> tuple[tuple, tuple]:
-    """(refs, arg types) of the optional "free" wait: (mbarrier ref, parity, flag), the two scalars int32."""
-    if free is None:
-        return (), ()
-    ref, parity, pred = free
-    return (ref, parity, pred), (plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=()), plgpu.Layout.WG_SPLAT(shape=()))
-
-
-def fill_k_tile_656(slots_ref, cache_ref, k_ref, idx_ref=None, *, phases: int = 1, next_slots_ref=None,
-                    free=None) -> None:
+def fill_k_tile_656(slots_ref, cache_ref, k_ref, idx_ref=None, *, phases: int = 1, next_slots_ref=None) -> None:
     """From one warpgroup (all 128 threads): the bf16 K rows of the 64 records ``slots_ref`` (GMEM int32 [64])
     of ``cache_ref`` (GMEM uint8, records at slot * 656) into ``k_ref`` (SMEM [64, 576] bf16 with
     ``K_TILE_TRANSFORMS``); with ``idx_ref`` (SMEM int32 [64]) also the raw slots, for the consumers' mask.
     ``phases``: the latent's loads in that many rounds (1: every load of a thread in flight at once, 84
     registers of data; 2 or 4: a half or a quarter of them per round, for a smaller register budget).
     ``next_slots_ref`` (GMEM int32 [64]): the next block's slots, whose records are first prefetched into L2
-    (no registers held), so the next call's loads wait on L2, not DRAM. ``free`` = (mbarrier ref, parity, flag):
-    where the flag is nonzero, wait for that phase of the "free" mbarrier after the first round's loads are
-    issued and before anything is stored (their latency then overlaps the wait). The caller makes the stores
-    visible (``plgpu.commit_smem``) and synchronises."""
+    (no registers held), so the next call's loads wait on L2, not DRAM. The caller makes the stores visible
+    (``plgpu.commit_smem``) and synchronises."""
     if phases not in (1, 2, 4):
         raise ValueError(f"phases must be 1, 2 or 4, got {phases}")
     has_idx, has_next = idx_ref is not None, next_slots_ref is not None
-    free_refs, free_types = _free_args(free)
-    refs = (slots_ref, cache_ref, k_ref) + ((idx_ref,) if has_idx else ()) + \
-        ((next_slots_ref,) if has_next else ()) + free_refs
+    refs = (slots_ref, cache_ref, k_ref) + ((idx_ref,) if has_idx else ()) + ((next_slots_ref,) if has_next else ())
     types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(K_TILE_TRANSFORMS)) + \
-        (plgpu.RefType(),) * (has_idx + has_next) + free_types
+        (plgpu.RefType(),) * (has_idx + has_next)
 
     @plgpu.inline_mgpu(arg_types=types)
     def fill(_, slots, cache, k, *extra):
         e = _Emit()
-        free_in = extra[len(extra) - len(free_refs):] if free_refs else ()
-        extra = extra[:len(extra) - len(free_refs)]
         arith, c32, c64 = e.arith, e.c32, e.c64
         tid = arith.remui(e.mu.thread_idx(), c32(128))  # the thread in its warpgroup
         row, half = arith.divui(tid, c32(2)), arith.remui(tid, c32(2))
@@ -202,6 +172,8 @@ def fill_k_tile_656(slots_ref, cache_ref, k_ref, idx_ref=None, *, phases: int = 
             _, nrec = e.slot_record(extra[-1], cache, row)
             # samples <= 128 bytes apart: every line; half 1's +271 is byte 655
             e.prefetch(arith.addi(nrec, arith.muli(arith.extui(e.i64, half), c64(384))), (0, 128, 256, 271))
+        if has_idx:  # the raw slot (-1 kept) for the consumers' validity mask: one thread per row
+            e.store_slot(extra[0], row, raw, arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.eq, half, c32(0))))
         half64 = arith.extui(e.i64, half)
         scales = e.loads(arith.addi(rec, c64(LATENT)), [0])[0]
         rope = e.loads(arith.addi(rec, arith.addi(arith.muli(half64, c64(64)), c64(LATENT + 16))), [0, 16, 32, 48])
@@ -211,11 +183,6 @@ def fill_k_tile_656(slots_ref, cache_ref, k_ref, idx_ref=None, *, phases: int = 
         per = 16 // phases
         for p in range(phases):  # every load of the round first (one asm statement), then convert and store
             lat = e.loads(lat0, [16 * i for i in range(p * per, (p + 1) * per)])
-            if p == 0:  # the tile (and idx slot) may be overwritten only now
-                e.wait_free(free_in)
-                if has_idx:  # the raw slot (-1 kept) for the consumers' validity mask: one thread per row
-                    e.store_slot(extra[0], row, raw,
-                                 arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.eq, half, c32(0))))
             for n, i in enumerate(range(p * per, (p + 1) * per)):
                 words = e.dequant(lat[n], arith.select(first_half, scales[i // 8], scales[2 + i // 8]))
                 e.store16(e.k_addr(row_base, sw, col_lat, 16 * i), words[:4])
@@ -233,10 +200,10 @@ PEER_BYTES = HALF_ROWS * K_COLS * 2  # bf16 bytes a CTA receives from its peer p
 FULL_ARRIVALS = 128  # every thread of the local producer warpgroup arrives on "full"
 
 
-def init_barriers(bars_ref, counts: tuple[int, ...]) -> None:
-    """From every thread of the CTA, before any warpgroup specialises: thread 0 initialises mbarrier i at
-    ``bars_ref`` + 8 i (SMEM int32, 2 words each) for ``counts[i]`` arrivals, then the cluster (or the lone
-    CTA, a cluster of one) syncs, so that no thread, here or in a peer, reaches an uninitialised barrier."""
+def init_full_barriers(bars_ref, count: int = 2) -> None:
+    """From every thread of the CTA, before any warpgroup specialises: thread 0 initialises ``count`` mbarriers
+    at ``bars_ref`` (SMEM int32, 2 words each) for ``FULL_ARRIVALS`` arrivals, then the whole cluster syncs,
+    so that no peer ``st.async`` reaches an uninitialised barrier."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
     def init(_, bars):
@@ -244,7 +211,7 @@ def init_barriers(bars_ref, counts: tuple[int, ...]) -> None:
         base = e.smem_addr(bars)
         is0 = e.arith.extui(e.i32, e.arith.cmpi(e.arith.CmpIPredicate.eq, e.mu.thread_idx(), e.c32(0)))
         text = "{ .reg .pred p; setp.ne.u32 p, $1, 0;\n" + "".join(
-            f"@p mbarrier.init.shared::cta.b64 [$0+{8 * b}], {n};\n" for b, n in enumerate(counts)) + \
+            f"@p mbarrier.init.shared::cta.b64 [$0+{8 * b}], {FULL_ARRIVALS};\n" for b in range(count)) + \
             "@p fence.mbarrier_init.release.cluster; }"
         e.asm(text, [base, is0], "r,r")
         e.asm("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;", [], "")
@@ -259,51 +226,28 @@ def wait_full(bar_ref, parity) -> None:
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=())))
     def wait(_, bar, par):
         e = _Emit()
-        e.wait_parity(e.smem_addr(bar), par.registers.item())
+        e.asm("{ .reg .pred p;\nWAIT_FULL:\nmbarrier.try_wait.parity.shared::cta.b64 p, [$0], $1;\n"
+              "@!p bra WAIT_FULL; }", [e.smem_addr(bar), par.registers.item()], "r,r")
 
     wait(bar_ref, parity)
 
 
-def arrive_free(bar_ref, *, peer: bool) -> None:
-    """Every thread of a compute warpgroup, after its last read of a K tile: lane 0 of each warp arrives on the
-    "free" mbarrier at ``bar_ref`` (8 arrivals per warpgroup), with ``peer`` also on the peer CTA's."""
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def arrive(_, bar):
-        e = _Emit()
-        addr = e.smem_addr(bar)
-        lane0 = e.arith.extui(e.i32, e.arith.cmpi(e.arith.CmpIPredicate.eq,
-                                                  e.arith.remui(e.mu.thread_idx(), e.c32(32)), e.c32(0)))
-        text = "{ .reg .pred p; bar.warp.sync -1; setp.ne.u32 p, $1, 0;\n"
-        if peer:
-            text += ("@p mbarrier.arrive.release.cluster.shared::cta.b64 _, [$0];\n"
-                     "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$2]; }")
-            e.asm(text, [addr, lane0, e.peer(addr)], "r,r,r")
-        else:
-            e.asm(text + "@p mbarrier.arrive.release.cta.shared::cta.b64 _, [$0]; }", [addr, lane0], "r,r")
-
-    arrive(bar_ref)
-
-
-def fill_k_half_656(slots_ref, cache_ref, k_ref, idx_ref, bar_ref, *, next_slots_ref=None, free=None) -> None:
+def fill_k_half_656(slots_ref, cache_ref, k_ref, idx_ref, bar_ref, *, next_slots_ref=None) -> None:
     """From one warpgroup (all 128 threads) of each CTA of a 2-CTA cluster: rows [32 r, 32 r + 32) of the block
     (r = the CTA's rank) into ``k_ref`` of both CTAs (the peer's at the same shared offset, by ``st.async``), all
     64 raw slots into ``idx_ref``, then each thread arrives on the local "full" mbarrier ``bar_ref`` (SMEM int32
     [2], ``init_full_barriers``); thread 0's arrival also expects the peer's ``PEER_BYTES``. The phase completes
     once both halves have landed. Thread t serves row 32 r + t // 4 and its 128-column scale group t % 4: 8
     latent loads, its fp32 scale and 16 rope values, all in flight at once. ``next_slots_ref``: as in
-    ``fill_k_tile_656`` (this thread's quarter of its row's next record into L2); ``free``: as there, waited for
-    once every load is issued (the peer's tile is freed by the same barrier: its consumers arrive on both)."""
+    ``fill_k_tile_656`` (this thread's quarter of its row's next record into L2)."""
     has_next = next_slots_ref is not None
-    free_refs, free_types = _free_args(free)
-    refs = (slots_ref, cache_ref, k_ref, idx_ref, bar_ref) + ((next_slots_ref,) if has_next else ()) + free_refs
+    refs = (slots_ref, cache_ref, k_ref, idx_ref, bar_ref) + ((next_slots_ref,) if has_next else ())
     types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(K_TILE_TRANSFORMS), plgpu.RefType(),
-             plgpu.RefType()) + (plgpu.RefType(),) * has_next + free_types
+             plgpu.RefType()) + (plgpu.RefType(),) * has_next
 
     @plgpu.inline_mgpu(arg_types=types)
-    def fill(_, slots, cache, k, idx, bar, *rest):
+    def fill(_, slots, cache, k, idx, bar, *nxt):
         e = _Emit()
-        nxt, free_in = rest[:has_next], rest[has_next:]
         arith, c32, c64 = e.arith, e.c32, e.c64
         tid = arith.remui(e.mu.thread_idx(), c32(128))
         rank = e.asm("mov.u32 $0, %cluster_ctarank;", [], "=r", 1)[0]
@@ -314,15 +258,14 @@ def fill_k_half_656(slots_ref, cache_ref, k_ref, idx_ref, bar_ref, *, next_slots
         if has_next:  # 164-byte quarters of the next record, samples <= 128 bytes apart (the last is byte 655)
             _, nrec = e.slot_record(nxt[0], cache, row)
             e.prefetch(arith.addi(nrec, arith.muli(q64, c64(164))), (0, 128, 163))
+        # all 64 raw slots (-1 kept) for the consumers' mask: threads 0..63, one row each
         raw_t, _ = e.slot_record(slots, cache, arith.remui(tid, c32(BLOCK)))  # (threads 64.. re-read, in bounds)
+        e.store_slot(idx, tid, raw_t, arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.ult, tid, c32(BLOCK))))
         # this thread's 128 latent bytes, its scale and its 16 rope values: one asm statement, all in flight
         lat = e.loads(arith.addi(rec, arith.muli(q64, c64(128))), [16 * i for i in range(8)])
         scale = e.asm("ld.global.nc.u32 $0, [$1];", [arith.addi(rec, arith.addi(c64(LATENT), arith.muli(q64, c64(4))))],
                       "=r,l", 1)[0]
         rope = e.loads(arith.addi(rec, arith.addi(c64(LATENT + 16), arith.muli(q64, c64(32)))), [0, 16])
-        e.wait_free(free_in)  # both tiles and the idx slot may be overwritten only now
-        # all 64 raw slots (-1 kept) for the consumers' mask: threads 0..63, one row each
-        e.store_slot(idx, tid, raw_t, arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.ult, tid, c32(BLOCK))))
         k_base = e.smem_addr(k)
         row_base, sw = e.k_row(k_base, row)
         delta = arith.subi(e.peer(k_base), k_base)  # local K tile address -> the peer's same byte

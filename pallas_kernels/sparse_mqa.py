@@ -347,8 +347,6 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     kind, dk = specs[0].kind, specs[0].dim
     reg = n_prod > 0
     emulate = reg and interpret is not None  # the producer's register gather is PTX: interpret mode stages rows
-    raw_bars = reg and not emulate  # "free" (and with "cluster", "full") as raw mbarriers in idx row 2
-    free_arrivals = 4 * NUM_WG * (2 if cl else 1)  # lane 0 of every compute warp (of both CTAs)
     nc = len(specs)
     if sum(list_blocks) >= 1 << 20:  # the descriptors' opaque zero is block_id >> 20
         raise ValueError(f"sparse_mqa kernel: {sum(list_blocks)} candidate blocks per token (at most 2^20 - 1)")
@@ -502,8 +500,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         b0 = si * bps  # this split's first position in the token's list of live blocks
         nblk = jnp.clip(nlive_ref[ti] - b0, 0, bps)
         wg = lax.axis_index("wg")
-        if raw_bars:  # every thread: the raw mbarriers "full" x 2 (cluster) and "free" x 2, then the cluster in step
-            record_gather.init_barriers(idx_s.at[2], (record_gather.FULL_ARRIVALS,) * 2 + (free_arrivals,) * 2)
+        if cl:  # every thread: the raw "full" mbarriers initialised, then the cluster in step
+            record_gather.init_full_barriers(idx_s.at[2])
 
         def init_selection(sel_s=sel_s):
             """Interpret mode's byte-pair selection matrix for the rope values (``store_rope``)."""
@@ -644,9 +642,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 else:  # in place: a second [64, 256] fp32 accumulator would not fit the registers
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
 
-                if raw_bars:  # this warpgroup is done with K tile k % 2 (and its slots): the producer may refill it
-                    record_gather.arrive_free(idx_s.at[2, pl.ds(4 + 2 * islot, 2)], peer=cl)
-                elif reg:
+                if reg:  # this warpgroup is done with K tile k % 2 (and its slots): the producer may refill it
                     plgpu.barrier_arrive(bar_free.at[islot])
                 else:
                     # block k+1's K chunks of this warpgroup, once its PV(k) is done: PV(k) reads this
@@ -687,13 +683,10 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             @pl.loop(0, nblk)
             def _(k):
                 b = k % 2
-                # natively the fill waits for "free" (phase k // 2 - 1) itself, once its loads are issued
-                free = (idx_s.at[2, pl.ds(4 + 2 * b, 2)], (k // 2 + 1) % 2, (k >= 2).astype(jnp.int32))
 
-                if emulate:
-                    @pl.when(k >= 2)
-                    def _():
-                        plgpu.barrier_wait(bar_free.at[b])
+                @pl.when(k >= 2)
+                def _():
+                    plgpu.barrier_wait(bar_free.at[b])
 
                 start = pl.multiple_of(block_id(k) * BK, BK)
                 # block k + d's records into L2 (the last block again near the end: harmless)
@@ -711,24 +704,19 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     store_rope(st, st16, kb, pb_s, sel_s)
                 elif cl:  # half the rows into both CTAs' tiles; it fences and arrives on "full" itself
                     record_gather.fill_k_half_656(slots_ref.at[ti, pl.ds(start, BK)], cache_refs[0], k_s1.at[b],
-                                                  idx_s.at[b], idx_s.at[2, pl.ds(2 * b, 2)], next_slots_ref=nxt,
-                                                  free=free)
+                                                  idx_s.at[b], idx_s.at[2, pl.ds(2 * b, 2)], next_slots_ref=nxt)
                 else:
                     record_gather.fill_k_tile_656(slots_ref.at[ti, pl.ds(start, BK)], cache_refs[0], k_s1.at[b],
-                                                  idx_s.at[b], phases=producer_phases, next_slots_ref=nxt, free=free)
+                                                  idx_s.at[b], phases=producer_phases, next_slots_ref=nxt)
                 if not cl:
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(bar_full.at[b])
 
-            # the "free" phases of its last fills (of the last two blocks): interpret mode checks that a waiter
-            # observes every phase; with "cluster" the peer's consumers arrive on this CTA's barriers, which must
-            # outlive them
+            # the "free" phases of its last fills (of the last two blocks): a thread waiting on a barrier
+            # observes every phase of it
             @pl.loop(jnp.maximum(nblk - 2, 0), nblk)
             def _(k):
-                if emulate:
-                    plgpu.barrier_wait(bar_free.at[k % 2])
-                elif cl:
-                    record_gather.wait_full(idx_s.at[2, pl.ds(4 + 2 * (k % 2), 2)], (k // 2) % 2)
+                plgpu.barrier_wait(bar_free.at[k % 2])
 
         for w in range(NUM_WG):
             pl.when(wg == w)(functools.partial(run, w))
@@ -770,12 +758,14 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             plgpu.SMEM((1, HEAD_TILE, dk), jnp.bfloat16, transforms=SW),  # q tile
             plgpu.SMEM((2, BK, dk), jnp.bfloat16, transforms=SW),  # K tiles of blocks k and k + 1
             p_t,
-            # the two blocks' slots (-1 = masked), written by the producer; natively a third row holds the raw
-            # mbarriers (the buffer's 1 KB of shared memory has room)
-            plgpu.SMEM((3 if raw_bars else 2, BK), jnp.int32),
+            # the two blocks' slots (-1 = masked), written by the producer; "cluster": a third row holds the raw
+            # "full" mbarriers (the buffer's 1 KB of shared memory has room)
+            plgpu.SMEM((3 if cl else 2, BK), jnp.int32),
             plgpu.Barrier(num_arrivals=1, num_barriers=1),  # q landed
             plgpu.Barrier(num_arrivals=1, num_barriers=2),  # "full": the producer filled K tile / idx slot b
-            plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=2),  # "free" (interpret mode): both done with b
+            # "free": the compute warpgroups are done with tile b (with "cluster", those of both CTAs)
+            (plgpu.ClusterBarrier(collective_axes=("cl",), num_arrivals=NUM_WG, num_barriers=2) if cl
+             else plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=2)),
             plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1),  # both halves of P published
         ]
         if emulate:  # the producer's staged rows and interpret mode's rope tiles; slots and rows landed

@@ -33,7 +33,6 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             "tma": dict(producer="tma"), "registers_nopf": dict(producer="registers", producer_prefetch=0),
             "registers_pf2": dict(producer="registers", producer_prefetch=2),
             "registers_p1r112": dict(producer="registers", producer_phases=1, producer_regs=112),
-            "registers_p1r104": dict(producer="registers", producer_phases=1, producer_regs=104),
             # the two head tiles of a token as a 2-CTA cluster, each CTA gathering half of every block for both
             "cluster": dict(producer="cluster"), "cluster_nopf": dict(producer="cluster", producer_prefetch=0),
             "cluster_r64": dict(producer="cluster", producer_regs=64)}
