@@ -30,7 +30,13 @@ Native only (inline PTX); GPU interpret mode cannot run it.
 
 from __future__ import annotations
 
+import functools
+
+import jax
+import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
 
 REC656 = 656  # MlaRecord656: 512 e4m3 | 4 fp32 scales | 64 bf16 rope
 LATENT, ROPE = 512, 64
@@ -48,6 +54,20 @@ _DQ_ASM = (
     + "".join(f"cvt.f32.f16 y{i}, x{i};\nmul.f32 y{i}, y{i}, $12;\n" for i in range(16))
     + "".join(f"cvt.rn.bf16x2.f32 ${i}, y{2 * i + 1}, y{2 * i};\n" for i in range(8))
     + "}")
+
+# the same for power-of-two scales without a conversion instruction (the conversion pipe is a quarter of the
+# integer one's rate, and F2FP was where the producer stalled): each e4m3 byte b becomes the bf16 bit pattern
+# (b & 0x80) << 8 | (b & 0x7F) << 4, whose value is exactly b's times 2^-120 for normal and subnormal b alike
+# (the exponent biases differ by 120, and the mantissa bits line up). Then two exact bf16 products: by
+# scale * 2^60 ($12, both halves) and by 2^60 (split so that no intermediate leaves bf16's range).
+_BF16X2_2P60 = 0x5D805D80
+_DQ_POW2_ASM = (
+    f"{{ .reg .b32 t, a, s2; mov.b32 s2, {_BF16X2_2P60:#x};\n"
+    + "".join(f"prmt.b32 t, ${8 + j}, 0, {sel:#x};\nand.b32 a, t, 0x7F007F00;\nshr.b32 a, a, 4;\n"
+              f"and.b32 t, t, 0x80008000;\nor.b32 t, t, a;\nmul.rn.bf16x2 t, t, $12;\nmul.rn.bf16x2 ${o}, t, s2;\n"
+              for j in range(4) for o, sel in ((2 * j, 0x1404), (2 * j + 1, 0x3424)))
+    + "}")
+_SCALE_2P60 = 60 << 23  # added to a normal fp32's bits: times 2^60
 
 
 class _Emit:
@@ -102,9 +122,16 @@ class _Emit:
         slot = arith.maxsi(raw, self.c32(0))
         return raw, arith.addi(self.gmem_addr(cache_ref), arith.muli(arith.extui(self.i64, slot), self.c64(REC656)))
 
-    def dequant(self, words, scale):
-        """16 e4m3 (4 words) times an fp32 scale -> 16 bf16 (8 words)."""
-        return self.asm(_DQ_ASM, [*words, scale], "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r", 8)
+    def dequant(self, words, scale, pow2: bool = False):
+        """16 e4m3 (4 words) times an fp32 scale -> 16 bf16 (8 words); ``pow2``: ``scale`` is
+        ``pow2_scale(fp32 scale)`` of a power-of-two scale (``_DQ_POW2_ASM``)."""
+        return self.asm(_DQ_POW2_ASM if pow2 else _DQ_ASM, [*words, scale], "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r", 8)
+
+    def pow2_scale(self, bits):
+        """A power-of-two fp32 scale (its bits) -> bf16x2 of scale * 2^60 in both halves (exact)."""
+        arith = self.arith
+        h = arith.shrui(arith.addi(bits, self.c32(_SCALE_2P60)), self.c32(16))
+        return arith.ori(h, arith.shli(h, self.c32(16)))
 
     def store16(self, addr, words) -> None:
         self.asm("st.shared.v4.b32 [$0], {$1, $2, $3, $4};", [addr, *words], "r,r,r,r,r")
@@ -144,15 +171,18 @@ class _Emit:
         self.asm("{ .reg .pred p; setp.ne.u32 p, $2, 0; @p st.shared.u32 [$0], $1; }", [addr, raw, pred], "r,r,r")
 
 
-def fill_k_tile_656(slots_ref, cache_ref, k_ref, idx_ref=None, *, phases: int = 1, next_slots_ref=None) -> None:
+def fill_k_tile_656(slots_ref, cache_ref, k_ref, idx_ref=None, *, phases: int = 1, next_slots_ref=None,
+                    pow2_scales: bool = False) -> None:
     """From one warpgroup (all 128 threads): the bf16 K rows of the 64 records ``slots_ref`` (GMEM int32 [64])
     of ``cache_ref`` (GMEM uint8, records at slot * 656) into ``k_ref`` (SMEM [64, 576] bf16 with
     ``K_TILE_TRANSFORMS``); with ``idx_ref`` (SMEM int32 [64]) also the raw slots, for the consumers' mask.
     ``phases``: the latent's loads in that many rounds (1: every load of a thread in flight at once, 84
     registers of data; 2 or 4: a half or a quarter of them per round, for a smaller register budget).
     ``next_slots_ref`` (GMEM int32 [64]): the next block's slots, whose records are first prefetched into L2
-    (no registers held), so the next call's loads wait on L2, not DRAM. The caller makes the stores visible
-    (``plgpu.commit_smem``) and synchronises."""
+    (no registers held), so the next call's loads wait on L2, not DRAM. ``pow2_scales``: the records' scales
+    are powers of two (``MlaRecord656(scale_fmt="ue8m0")``), dequantised without conversion instructions
+    (``_DQ_POW2_ASM``; the same bits). The caller makes the stores visible (``plgpu.commit_smem``) and
+    synchronises."""
     if phases not in (1, 2, 4):
         raise ValueError(f"phases must be 1, 2 or 4, got {phases}")
     has_idx, has_next = idx_ref is not None, next_slots_ref is not None
@@ -180,11 +210,13 @@ def fill_k_tile_656(slots_ref, cache_ref, k_ref, idx_ref=None, *, phases: int = 
         lat0 = arith.addi(rec, arith.muli(half64, c64(256)))  # this thread's first latent byte
         col_lat = arith.muli(half, c32(256))
         first_half = arith.cmpi(arith.CmpIPredicate.eq, half, c32(0))
+        if pow2_scales:
+            scales = [e.pow2_scale(w) for w in scales]
         per = 16 // phases
         for p in range(phases):  # every load of the round first (one asm statement), then convert and store
             lat = e.loads(lat0, [16 * i for i in range(p * per, (p + 1) * per)])
             for n, i in enumerate(range(p * per, (p + 1) * per)):
-                words = e.dequant(lat[n], arith.select(first_half, scales[i // 8], scales[2 + i // 8]))
+                words = e.dequant(lat[n], arith.select(first_half, scales[i // 8], scales[2 + i // 8]), pow2_scales)
                 e.store16(e.k_addr(row_base, sw, col_lat, 16 * i), words[:4])
                 e.store16(e.k_addr(row_base, sw, col_lat, 16 * i + 8), words[4:])
         col_rope = arith.addi(c32(LATENT), arith.muli(half, c32(32)))
@@ -192,6 +224,44 @@ def fill_k_tile_656(slots_ref, cache_ref, k_ref, idx_ref=None, *, phases: int = 
             e.store16(e.k_addr(row_base, sw, col_rope, 8 * q), rope[q])
 
     fill(*refs)
+
+
+@functools.lru_cache(maxsize=None)
+def _dequant_call(n_blocks: int, ctas: int, pow2_scales: bool):
+    """CTA c fills its K tile with blocks c, c + ctas, ... (``fill_k_tile_656``) and TMAs each one out."""
+
+    def kernel(slots_ref, cache_ref, out_ref, k_s):
+        cta = lax.axis_index("cta")
+
+        @pl.loop(0, (n_blocks - 1) // ctas + 1)
+        def _(j):
+            blk = cta + j * ctas
+
+            @pl.when(blk < n_blocks)
+            def _():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's TMA read the tile
+                fill_k_tile_656(slots_ref.at[blk], cache_ref, k_s, pow2_scales=pow2_scales)
+                plgpu.commit_smem()  # the threads' st.shared visible to the TMA
+                plgpu.copy_smem_to_gmem(k_s, out_ref.at[pl.ds(blk * BLOCK, BLOCK)])
+
+        plgpu.wait_smem_to_gmem(0)
+
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((n_blocks * BLOCK, K_COLS), jnp.bfloat16),
+                        grid=(ctas,), grid_names=("cta",), compiler_params=params,
+                        scratch_types=[plgpu.SMEM((BLOCK, K_COLS), jnp.bfloat16, transforms=K_TILE_TRANSFORMS)])
+
+
+def dequant_blocks(cache: jax.Array, slots: jax.Array, *, pow2_scales: bool = False, ctas: int = 132) -> jax.Array:
+    """The bf16 K rows [n * 64, 576] of the records ``slots`` [n, 64] (in range) of ``cache`` [rows, 656] (uint8
+    ``MlaRecord656`` records), through the MQA producer's register path and its swizzled K tile: the whole
+    producer job on its own, so that it can be checked bit for bit against ``MlaRecord656.unpack`` and timed.
+    Native only."""
+    n_blocks, rows = slots.shape
+    if rows != BLOCK or cache.dtype != jnp.uint8 or cache.ndim != 2 or cache.shape[1] != REC656:
+        raise ValueError(f"slots must be [n, {BLOCK}] and cache uint8 [rows, {REC656}], got slots {slots.shape}, "
+                         f"cache {cache.dtype} {cache.shape}")
+    return _dequant_call(n_blocks, min(ctas, n_blocks), pow2_scales)(slots.astype(jnp.int32), cache)
 
 
 # ---- the 2-CTA cluster form ------------------------------------------------------------------------------
@@ -232,14 +302,15 @@ def wait_full(bar_ref, parity) -> None:
     wait(bar_ref, parity)
 
 
-def fill_k_half_656(slots_ref, cache_ref, k_ref, idx_ref, bar_ref, *, next_slots_ref=None) -> None:
+def fill_k_half_656(slots_ref, cache_ref, k_ref, idx_ref, bar_ref, *, next_slots_ref=None,
+                    pow2_scales: bool = False) -> None:
     """From one warpgroup (all 128 threads) of each CTA of a 2-CTA cluster: rows [32 r, 32 r + 32) of the block
     (r = the CTA's rank) into ``k_ref`` of both CTAs (the peer's at the same shared offset, by ``st.async``), all
     64 raw slots into ``idx_ref``, then each thread arrives on the local "full" mbarrier ``bar_ref`` (SMEM int32
     [2], ``init_full_barriers``); thread 0's arrival also expects the peer's ``PEER_BYTES``. The phase completes
     once both halves have landed. Thread t serves row 32 r + t // 4 and its 128-column scale group t % 4: 8
     latent loads, its fp32 scale and 16 rope values, all in flight at once. ``next_slots_ref``: as in
-    ``fill_k_tile_656`` (this thread's quarter of its row's next record into L2)."""
+    ``fill_k_tile_656`` (this thread's quarter of its row's next record into L2); ``pow2_scales`` as there."""
     has_next = next_slots_ref is not None
     refs = (slots_ref, cache_ref, k_ref, idx_ref, bar_ref) + ((next_slots_ref,) if has_next else ())
     types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(K_TILE_TRANSFORMS), plgpu.RefType(),
@@ -277,8 +348,10 @@ def fill_k_half_656(slots_ref, cache_ref, k_ref, idx_ref, bar_ref, *, next_slots
             e.store16_peer(arith.addi(addr, delta), words, bar_peer)
 
         col_lat = arith.muli(quarter, c32(128))
+        if pow2_scales:
+            scale = e.pow2_scale(scale)
         for i in range(8):
-            words = e.dequant(lat[i], scale)
+            words = e.dequant(lat[i], scale, pow2_scales)
             put(e.k_addr(row_base, sw, col_lat, 16 * i), words[:4])
             put(e.k_addr(row_base, sw, col_lat, 16 * i + 8), words[4:])
         col_rope = arith.addi(c32(LATENT), arith.muli(quarter, c32(16)))

@@ -162,13 +162,14 @@ class CacheSpec:
     entries_per_page: int
     dim: int
     page_elems: int
+    pow2_scales: bool = False  # the records' fp32 scales are powers of two (MlaRecord656 "ue8m0")
 
 
 def cache_spec(fmt: RecordFormat) -> CacheSpec | None:
     """The kernel's view of ``fmt``; None when the kernel cannot read it."""
     if isinstance(fmt, MlaRecord656):
         if fmt.latent_dim == 512 and fmt.rope_dim == 64 and fmt.entries_per_page >= 2:
-            return CacheSpec("mla656", fmt.entries_per_page, 576, fmt.page_elems)
+            return CacheSpec("mla656", fmt.entries_per_page, 576, fmt.page_elems, fmt.scale_fmt == "ue8m0")
     elif isinstance(fmt, MlaRecord584):
         if (fmt.nope_dim == 448 and fmt.rope_dim == 64 and fmt.block == 64 and fmt.entries_per_page >= 2
                 and fmt.entries_per_page % 2 == 0):
@@ -207,7 +208,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                out_dtype: jnp.dtype = jnp.float32,
                interpret: bool | plgpu.InterpretGPUParams | None = None, producer: Producer | None = None,
                producer_regs: int = PRODUCER_REGS, producer_phases: int = 2,
-               producer_prefetch: int = 1) -> jax.Array:
+               producer_prefetch: int = 1, producer_pow2: bool | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype).
@@ -227,7 +228,9 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     the block d ahead into L2 before it gathers the current one (a gain where the records come from DRAM,
     decode; a small loss where they already sit in L2, a short prefill). "cluster" (one ``MlaRecord656`` list,
     65 to 128 heads, native only): the register producer with the token's two head tiles in a 2-CTA cluster,
-    each CTA gathering half of every block for both (``producer_phases`` does not apply). None:
+    each CTA gathering half of every block for both (``producer_phases`` does not apply). ``producer_pow2``:
+    the register producers' dequantisation without conversion instructions, exact only for power-of-two
+    scales (``record_gather._DQ_POW2_ASM``); None = where the records' scales are ("ue8m0"). None:
     "registers" natively where it applies, else "tma" (interpret mode: "tma", whose emulation blocks no third
     thread; the register producer's needs one CPU per warpgroup). Timings: docs/perf-log.md.
     """
@@ -240,11 +243,12 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
         "pallas": lambda: _pallas(q, caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink,
                                   num_splits=num_splits, out_dtype=out_dtype, interpret=interpret,
                                   producer=producer, producer_regs=producer_regs,
-                                  producer_phases=producer_phases, producer_prefetch=producer_prefetch)})
+                                  producer_phases=producer_phases, producer_prefetch=producer_prefetch,
+                                  producer_pow2=producer_pow2)})
 
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
-            producer_regs=PRODUCER_REGS, producer_phases=2, producer_prefetch=1):
+            producer_regs=PRODUCER_REGS, producer_phases=2, producer_prefetch=1, producer_pow2=None):
     if producer not in (None, "tma", "registers", "cluster"):
         raise ValueError(f'producer must be "tma", "registers" or "cluster", got {producer!r}')
     if producer_phases not in (1, 2, 4):
@@ -261,6 +265,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     one_656 = len(specs) == 1 and specs[0].kind == "mla656"
     if producer in ("registers", "cluster") and not one_656:
         raise ValueError(f'producer="{producer}" reads one MlaRecord656 cache (got {formats})')
+    if producer_pow2 and not (one_656 and specs[0].pow2_scales):
+        raise ValueError(f"producer_pow2=True needs MlaRecord656 records with power-of-two (ue8m0) scales, got {formats}")
     t, h, dk = q.shape
     if producer == "cluster" and not HEAD_TILE < h <= 2 * HEAD_TILE:
         raise ValueError(f'producer="cluster" pairs two head tiles: it needs 65 to 128 heads, got {h}')
@@ -300,7 +306,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     call = _build_call(specs=specs, list_blocks=tuple(list_blocks), t=t, hp=hp, dv=v_dim, scale=float(scale),
                        has_sink=has_sink, n_splits=n_splits, bps=bps, out_dtype=jnp.dtype(out_dtype),
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
-                       producer_phases=producer_phases, producer_prefetch=producer_prefetch)
+                       producer_phases=producer_phases, producer_prefetch=producer_prefetch,
+                       pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2)
     # blocks of 64 candidates with at least one valid slot, per token, compacted to the front (the kernel
     # skips the rest: prefill tokens early in the sequence, short contexts, fully masked rows)
     live = jnp.any(slots_all.reshape(t, nb, BLOCK_K) >= 0, axis=-1)
@@ -333,7 +340,8 @@ def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -
 def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t: int, hp: int, dv: int,
                 scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype,
                 interpret: plgpu.InterpretGPUParams | None, producer: Producer = "tma",
-                producer_regs: int = PRODUCER_REGS, producer_phases: int = 2, producer_prefetch: int = 0):
+                producer_regs: int = PRODUCER_REGS, producer_phases: int = 2, producer_prefetch: int = 0,
+                pow2: bool = False):
     """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k (native: ``record_gather``;
     interpret mode: the staged copies and the compute warpgroups' conversion, all chunks) and arrives on
     "full"[k % 2]; the compute warpgroups wait on it, read the block's slots from its idx slot (written by the
@@ -704,10 +712,12 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     store_rope(st, st16, kb, pb_s, sel_s)
                 elif cl:  # half the rows into both CTAs' tiles; it fences and arrives on "full" itself
                     record_gather.fill_k_half_656(slots_ref.at[ti, pl.ds(start, BK)], cache_refs[0], k_s1.at[b],
-                                                  idx_s.at[b], idx_s.at[2, pl.ds(2 * b, 2)], next_slots_ref=nxt)
+                                                  idx_s.at[b], idx_s.at[2, pl.ds(2 * b, 2)], next_slots_ref=nxt,
+                                                  pow2_scales=pow2)
                 else:
                     record_gather.fill_k_tile_656(slots_ref.at[ti, pl.ds(start, BK)], cache_refs[0], k_s1.at[b],
-                                                  idx_s.at[b], phases=producer_phases, next_slots_ref=nxt)
+                                                  idx_s.at[b], phases=producer_phases, next_slots_ref=nxt,
+                                                  pow2_scales=pow2)
                 if not cl:
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(bar_full.at[b])

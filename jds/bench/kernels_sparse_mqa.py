@@ -69,9 +69,9 @@ def _random_subset(key, t: int, pool: int, k: int, limit: jax.Array | None = Non
     return idx
 
 
-def _v32_case(t: int, prefill: bool, quick: bool, key):
+def _v32_case(t: int, prefill: bool, quick: bool, key, scale_fmt: str = "amax"):
     h, topk, epp = (64, 128, 64) if quick else (128, 2048, 64)
-    fmt = MlaRecord656(epp, "amax")  # vLLM's writer
+    fmt = MlaRecord656(epp, scale_fmt)  # "amax": vLLM's writer; "ue8m0": DeepSeek's power-of-two scales
     k1, k2, k3 = jax.random.split(key, 3)
     if prefill:
         n = t

@@ -15,8 +15,8 @@ in PTX) and checks two things on the GPU before the MQA is built on it:
 
     python3 scripts/diag/gather_probe.py [--rows 262144] [--row-bytes 656] [--blocks 4096] [--out F.json]
 
-``--dequant``: the MQA producer's whole job for V3.2 records (``pallas_kernels.record_gather``, which the
-sparse MQA's ``producer="registers"`` runs): gather a block's 64 records, dequantise them in registers and store
+``--dequant``: the MQA producer's whole job for V3.2 records (``record_gather.dequant_blocks``: what the
+sparse MQA's ``producer="registers"`` runs, with the fp32 or the power-of-two dequantisation): gather a block's 64 records, dequantise them in registers and store
 the bf16 rows at the addresses of the MQA's swizzled K tile, then TMA the tile out: equal to XLA's
 dequantisation of the gathered records bit for bit only if the swizzle is right.
 
@@ -29,11 +29,9 @@ import argparse
 import functools
 
 import jax
-import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jds.ops.dispatch import num_sms
 from pallas_kernels import record_gather
@@ -122,43 +120,14 @@ def _store(item, llvm, i32, void) -> None:
                     "l,r,r,r,r,r", has_side_effects=True)
 
 
-REC, KT_COLS, KT_TF = record_gather.REC656, record_gather.K_COLS, record_gather.K_TILE_TRANSFORMS
+REC, KT_COLS = record_gather.REC656, record_gather.K_COLS
 
 
-def _dequant_call(n_blocks: int, ctas: int):
-    """CTA c fills its SMEM K tile with blocks c, c + ctas, ... (``record_gather.fill_k_tile_656``, the MQA
-    producer's register path) and TMAs each to the output."""
-
-    def kernel(slots_ref, cache_ref, out_ref, k_s):
-        cta = lax.axis_index("cta")
-
-        @pl.loop(0, (n_blocks - 1) // ctas + 1)
-        def _(j):
-            blk = cta + j * ctas
-
-            @pl.when(blk < n_blocks)
-            def _():
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's TMA read the tile
-                record_gather.fill_k_tile_656(slots_ref.at[blk], cache_ref, k_s)
-                plgpu.commit_smem()  # the threads' st.shared visible to the TMA
-                plgpu.copy_smem_to_gmem(k_s, out_ref.at[pl.ds(blk * BLOCK, BLOCK)])
-
-        plgpu.wait_smem_to_gmem(0)
-
-    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
-    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((n_blocks * BLOCK, KT_COLS), jnp.bfloat16),
-                        grid=(ctas,), grid_names=("cta",), compiler_params=params,
-                        scratch_types=[plgpu.SMEM((BLOCK, KT_COLS), jnp.bfloat16, transforms=KT_TF)])
-
-
-def dequant_rows(cache: jax.Array, slots: jax.Array, *, ctas: int | None = None) -> jax.Array:
-    """The bf16 K rows [n_blocks * 64, 576] of records ``slots`` [n_blocks, 64] of ``cache`` [rows, 656] (uint8
-    ``MlaRecord656``), through the MQA producer's register path and its swizzled K tile."""
-    n_blocks, rows = slots.shape
-    if rows != BLOCK or cache.dtype != jnp.uint8 or cache.ndim != 2 or cache.shape[1] != REC:
-        raise ValueError(f"slots must be [n, {BLOCK}] and cache uint8 [rows, {REC}], got {slots.shape} "
-                         f"{cache.dtype} {cache.shape}")
-    return _dequant_call(n_blocks, ctas or min(num_sms(), n_blocks))(slots.astype(jnp.int32), cache)
+def dequant_rows(cache: jax.Array, slots: jax.Array, *, pow2_scales: bool = False,
+                 ctas: int | None = None) -> jax.Array:
+    """``record_gather.dequant_blocks`` with one CTA per SM."""
+    return record_gather.dequant_blocks(cache, slots, pow2_scales=pow2_scales,
+                                        ctas=ctas or min(num_sms(), slots.shape[0]))
 
 
 def dequant_reference(cache: jax.Array, slots: jax.Array) -> jax.Array:
@@ -202,9 +171,10 @@ def main() -> None:
                     lowering_platforms=("cuda",)).as_text()
                 print("lowered", "ilp" if ilp else "no-ilp", "mosaic_gpu" in text)
             args = (jax.ShapeDtypeStruct((a.rows, REC), jnp.uint8), args[1])
-            text = jax.jit(functools.partial(dequant_rows, ctas=132)).trace(*args).lower(
-                lowering_platforms=("cuda",)).as_text()
-            print("lowered dequant", "mosaic_gpu" in text)
+            for pow2 in (False, True):
+                text = jax.jit(functools.partial(dequant_rows, ctas=132, pow2_scales=pow2)).trace(*args).lower(
+                    lowering_platforms=("cuda",)).as_text()
+                print("lowered dequant", "pow2" if pow2 else "f32", "mosaic_gpu" in text)
         return
 
     from jds.bench.results import measured_row, run_meta, write_json  # noqa: PLC0415
@@ -220,7 +190,9 @@ def main() -> None:
         cache = jax.jit(MlaRecord656(entries_per_page=1).pack)(rows_f)
         want = np.asarray(dequant_reference(cache, slots))
         moved = a.blocks * BLOCK * (REC + 2 * KT_COLS)  # records read, bf16 rows written
-        impls = {"register_dequant": jax.jit(dequant_rows), "xla_dequant": jax.jit(dequant_reference)}
+        impls = {"register_dequant": jax.jit(dequant_rows),
+                 "register_dequant_pow2": jax.jit(functools.partial(dequant_rows, pow2_scales=True)),
+                 "xla_dequant": jax.jit(dequant_reference)}
     else:
         cache = jnp.asarray(rng.integers(0, 256, (a.rows, a.row_bytes), dtype=np.uint8))
         want = np.asarray(cache)[np.asarray(slots).reshape(-1)]

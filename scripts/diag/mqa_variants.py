@@ -33,14 +33,18 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             "tma": dict(producer="tma"), "registers_nopf": dict(producer="registers", producer_prefetch=0),
             "registers_pf2": dict(producer="registers", producer_prefetch=2),
             "registers_p1r112": dict(producer="registers", producer_phases=1, producer_regs=112),
+            # the fp32 dequantisation (conversion instructions) where the default takes the power-of-two one
+            "registers_f32": dict(producer="registers", producer_pow2=False),
+            "cluster_f32": dict(producer="cluster", producer_pow2=False),
             # the two head tiles of a token as a 2-CTA cluster, each CTA gathering half of every block for both
             "cluster": dict(producer="cluster"), "cluster_nopf": dict(producer="cluster", producer_prefetch=0),
             "cluster_r64": dict(producer="cluster", producer_regs=64)}
 
 
 def _case(name: str, quick: bool) -> dict:
+    """"v32_decode_64", "v4_prefill_4096", ...; "v32u_...": V3.2 records with power-of-two (ue8m0) scales."""
     arch, kind, t = name.split("_")
-    make = {"v32": b._v32_case, "v4": b._v4_case}[arch]
+    make = {"v32": b._v32_case, "v32u": functools.partial(b._v32_case, scale_fmt="ue8m0"), "v4": b._v4_case}[arch]
     return make(int(t), kind == "prefill", quick, jax.random.key(0))
 
 

@@ -1,0 +1,87 @@
+"""The sparse MQA producer's register dequantisation (pallas_kernels/record_gather.py) against
+``MlaRecord656.unpack``, bit for bit.
+
+- CPU: the power-of-two path's arithmetic (``_DQ_POW2_ASM``: bit placement, two bf16 products), modelled in
+  numpy, over every e4m3 byte and the whole range of UE8M0 scales the cache writer produces; the kernels lower
+  for CUDA; bad shapes are refused.
+- ``gpu``: ``dequant_blocks`` on real records, the fp32 path for both scale formats and the power-of-two path
+  for UE8M0 records (its subnormal inputs included), every element equal to XLA's dequantisation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jds.ops.records import MlaRecord656
+from pallas_kernels import record_gather
+
+from tests.kernel_modes import ON_GPU
+
+
+def _bf16_round(x: np.ndarray) -> np.ndarray:
+    """float32 -> nearest bfloat16 (ties to even), as float32."""
+    return x.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _bits_to_f32(bits16: np.ndarray) -> np.ndarray:
+    return (bits16.astype(np.uint32) << 16).view(np.float32)
+
+
+def test_pow2_arithmetic_model():
+    """Every e4m3 byte (NaN aside) times every power-of-two scale of the cache writer's range: the placed bit
+    pattern is the byte's value times 2^-120 (subnormals included), and both bf16 products are exact, so the
+    result equals round_bf16(value * scale) as the fp32 path computes it."""
+    b = np.arange(256, dtype=np.uint32)
+    b = b[(b & 0x7F) != 0x7F]  # e4m3fn NaN
+    value = b.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    placed = ((b & 0x80) << 8) | ((b & 0x7F) << 4)  # the PTX's prmt / and / shr / or, per 16-bit half
+    x = _bits_to_f32(placed)
+    assert np.array_equal(x, value * np.float32(2.0 ** -120))  # exact (numpy keeps float32 subnormals)
+    for k in range(-24, 40):  # UE8M0 scales: >= 1e-4 / 448 > 2^-22
+        scale = np.float32(2.0 ** k)
+        sbits = np.array([scale]).view(np.uint32)[0]
+        s1 = _bits_to_f32(np.uint32((sbits + record_gather._SCALE_2P60) >> 16))
+        assert s1 == np.float32(2.0 ** (k + 60))
+        got = _bf16_round(_bf16_round(x * s1) * np.float32(2.0 ** 60))
+        want = _bf16_round(value * scale)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), k
+    assert _bits_to_f32(np.uint32(record_gather._BF16X2_2P60 & 0xFFFF)) == np.float32(2.0 ** 60)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the native test compiles the kernel")
+@pytest.mark.parametrize("pow2", [False, True])
+def test_lowers_for_cuda(pow2):
+    f = jax.jit(lambda c, s: record_gather.dequant_blocks(c, s, pow2_scales=pow2))
+    exp = jax.export.export(f, platforms=["cuda"])(jax.ShapeDtypeStruct((4096, 656), jnp.uint8),
+                                                  jax.ShapeDtypeStruct((8, 64), jnp.int32))
+    assert "mosaic_gpu" in exp.mlir_module()
+
+
+def test_bad_shapes():
+    with pytest.raises(ValueError, match="slots must be"):
+        record_gather.dequant_blocks(jnp.zeros((16, 656), jnp.uint8), jnp.zeros((2, 32), jnp.int32))
+    with pytest.raises(ValueError, match="cache uint8"):
+        record_gather.dequant_blocks(jnp.zeros((16, 576), jnp.uint8), jnp.zeros((2, 64), jnp.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale_fmt,pow2", [("ue8m0", False), ("ue8m0", True), ("amax", False)])
+def test_dequant_bit_exact(scale_fmt, pow2):
+    """Rows of widely spread magnitudes (so blocks hold e4m3 subnormals and zeros), 64 blocks of random slots."""
+    if not ON_GPU:
+        pytest.skip("native only")
+    rng = np.random.default_rng(3)
+    n = 8192
+    rows = rng.standard_normal((n, 576)).astype(np.float32) * np.exp(3.0 * rng.standard_normal((n, 1)))
+    rows *= np.exp(2.0 * rng.standard_normal((1, 576))).astype(np.float32)  # columns far below their block's max
+    fmt = MlaRecord656(entries_per_page=1, scale_fmt=scale_fmt)
+    cache = jax.jit(fmt.pack)(jnp.asarray(rows))
+    slots = jnp.asarray(rng.integers(0, n, (64, 64), dtype=np.int32))
+    got = np.asarray(record_gather.dequant_blocks(cache, slots, pow2_scales=pow2))
+    want = np.asarray(fmt.unpack(jnp.take(cache, slots.reshape(-1), axis=0)).astype(jnp.bfloat16))
+    bad = got.view(np.uint16) != want.view(np.uint16)
+    assert not bad.any(), f"{int(bad.sum())} of {bad.size} elements differ"
