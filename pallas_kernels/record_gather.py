@@ -165,9 +165,24 @@ class _Emit:
         for off in offsets:
             self.asm("prefetch.global.L2 [$0];", [self.arith.addi(addr, self.c64(off))], "l")
 
+    def wait_parity(self, bar, parity, pred=None, cluster: bool = False) -> None:
+        """Spin until the mbarrier at shared address ``bar`` completes the phase of ``parity`` (where ``pred``,
+        i32, is nonzero); acquire at cluster scope where peers arrive."""
+        sem = ".acquire.cluster" if cluster else ""
+        skip = "setp.eq.u32 q, $2, 0;\n@q bra DONE;\n" if pred is not None else ""
+        self.asm("{ .reg .pred p, q;\n" + skip + f"WAIT:\nmbarrier.try_wait.parity{sem}.shared::cta.b64 p, [$0], $1;\n"
+                 "@!p bra WAIT;\nDONE:\n}", [bar, parity] + ([pred] if pred is not None else []),
+                 "r,r,r" if pred is not None else "r,r")
+
+    def ld32(self, addr):
+        return self.asm("ld.global.nc.u32 $0, [$1];", [addr], "=r,l", 1)[0]
+
     def store_slot(self, idx_ref, row, raw, pred) -> None:
         """The raw slot into ``idx_ref[row]`` where ``pred`` (i32, nonzero) holds."""
-        addr = self.arith.addi(self.smem_addr(idx_ref), self.arith.muli(row, self.c32(4)))
+        self.store_slot_at(self.smem_addr(idx_ref), row, raw, pred)
+
+    def store_slot_at(self, base, row, raw, pred) -> None:
+        addr = self.arith.addi(base, self.arith.muli(row, self.c32(4)))
         self.asm("{ .reg .pred p; setp.ne.u32 p, $2, 0; @p st.shared.u32 [$0], $1; }", [addr, raw, pred], "r,r,r")
 
 
@@ -270,23 +285,45 @@ PEER_BYTES = HALF_ROWS * K_COLS * 2  # bf16 bytes a CTA receives from its peer p
 FULL_ARRIVALS = 128  # every thread of the local producer warpgroup arrives on "full"
 
 
-def init_full_barriers(bars_ref, count: int = 2) -> None:
-    """From every thread of the CTA, before any warpgroup specialises: thread 0 initialises ``count`` mbarriers
-    at ``bars_ref`` (SMEM int32, 2 words each) for ``FULL_ARRIVALS`` arrivals, then the whole cluster syncs,
-    so that no peer ``st.async`` reaches an uninitialised barrier."""
+FREE_ARRIVALS = 16  # lane 0 of each of the 2 x 4 compute warps, of both CTAs
+
+
+def init_barriers(bars_ref) -> None:
+    """From every thread of the CTA, before any warpgroup specialises: thread 0 initialises the raw mbarriers
+    at ``bars_ref`` (SMEM int32, 2 words each): "full" 0 / 1 (``FULL_ARRIVALS``) and "free" 0 / 1
+    (``FREE_ARRIVALS``), then the whole cluster syncs, so that no peer reaches an uninitialised barrier."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
     def init(_, bars):
         e = _Emit()
         base = e.smem_addr(bars)
         is0 = e.arith.extui(e.i32, e.arith.cmpi(e.arith.CmpIPredicate.eq, e.mu.thread_idx(), e.c32(0)))
+        counts = (FULL_ARRIVALS,) * 2 + (FREE_ARRIVALS,) * 2
         text = "{ .reg .pred p; setp.ne.u32 p, $1, 0;\n" + "".join(
-            f"@p mbarrier.init.shared::cta.b64 [$0+{8 * b}], {FULL_ARRIVALS};\n" for b in range(count)) + \
+            f"@p mbarrier.init.shared::cta.b64 [$0+{8 * b}], {n};\n" for b, n in enumerate(counts)) + \
             "@p fence.mbarrier_init.release.cluster; }"
         e.asm(text, [base, is0], "r,r")
         e.asm("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;", [], "")
 
     init(bars_ref)
+
+
+def arrive_free(bar_ref) -> None:
+    """Every thread of a compute warpgroup, after its last read of a K tile: lane 0 of each warp arrives on the
+    "free" mbarrier at ``bar_ref`` of both CTAs of the pair (the producers of both write this tile)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def arrive(_, bar):
+        e = _Emit()
+        addr = e.smem_addr(bar)
+        lane0 = e.arith.extui(e.i32, e.arith.cmpi(e.arith.CmpIPredicate.eq,
+                                                  e.arith.remui(e.mu.thread_idx(), e.c32(32)), e.c32(0)))
+        e.asm("{ .reg .pred p; bar.warp.sync -1; setp.ne.u32 p, $1, 0;\n"
+              "@p mbarrier.arrive.release.cluster.shared::cta.b64 _, [$0];\n"
+              "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$2]; }", [addr, lane0, e.peer(addr)],
+              "r,r,r")
+
+    arrive(bar_ref)
 
 
 def wait_full(bar_ref, parity) -> None:
@@ -296,71 +333,123 @@ def wait_full(bar_ref, parity) -> None:
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=())))
     def wait(_, bar, par):
         e = _Emit()
-        e.asm("{ .reg .pred p;\nWAIT_FULL:\nmbarrier.try_wait.parity.shared::cta.b64 p, [$0], $1;\n"
-              "@!p bra WAIT_FULL; }", [e.smem_addr(bar), par.registers.item()], "r,r")
+        e.wait_parity(e.smem_addr(bar), par.registers.item(), cluster=True)
 
     wait(bar_ref, parity)
 
 
-def fill_k_half_656(slots_ref, cache_ref, k_ref, idx_ref, bar_ref, *, next_slots_ref=None,
-                    pow2_scales: bool = False) -> None:
-    """From one warpgroup (all 128 threads) of each CTA of a 2-CTA cluster: rows [32 r, 32 r + 32) of the block
-    (r = the CTA's rank) into ``k_ref`` of both CTAs (the peer's at the same shared offset, by ``st.async``), all
-    64 raw slots into ``idx_ref``, then each thread arrives on the local "full" mbarrier ``bar_ref`` (SMEM int32
-    [2], ``init_full_barriers``); thread 0's arrival also expects the peer's ``PEER_BYTES``. The phase completes
-    once both halves have landed. Thread t serves row 32 r + t // 4 and its 128-column scale group t % 4: 8
-    latent loads, its fp32 scale and 16 rope values, all in flight at once. ``next_slots_ref``: as in
-    ``fill_k_tile_656`` (this thread's quarter of its row's next record into L2); ``pow2_scales`` as there."""
-    has_next = next_slots_ref is not None
-    refs = (slots_ref, cache_ref, k_ref, idx_ref, bar_ref) + ((next_slots_ref,) if has_next else ())
-    types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(K_TILE_TRANSFORMS), plgpu.RefType(),
-             plgpu.RefType()) + (plgpu.RefType(),) * has_next
+def produce_cluster_656(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk, *,
+                        pow2_scales: bool = False) -> None:
+    """The whole producer loop of one CTA of a 2-CTA cluster (one warpgroup, all 128 threads): for k < ``nblk``,
+    block ``blocks_ref[b0 + k]`` (GMEM int32, this token's live blocks) of ``slots_ref`` (GMEM int32, this token's
+    slots, 64 per block) into K tile k % 2 of ``k_ref`` (SMEM [2, 64, 576] bf16, ``K_TILE_TRANSFORMS``) of both
+    CTAs: rows [32 r, 32 r + 32) for the CTA of rank r, its own tile by ``st.shared`` and the peer's by
+    ``st.async`` (counted on the peer's "full"); all 64 raw slots into ``idx_ref`` row k % 2 (SMEM int32 [3, 64],
+    whose row 2 holds the raw mbarriers of ``init_barriers``). Thread t serves row 32 r + t // 4 and its
+    128-column scale group t % 4 (41 words: 8 latent loads, its scale, 16 rope values).
+
+    One loop, software-pipelined so that no load's latency sits between two blocks: while block k is
+    converted, block k + 1's words are in flight (loaded from its slots, read one iteration earlier), block
+    k + 2's slots and block k + 3's id too, and block k + 2's records are prefetched into L2. "free"[k % 2] is
+    waited for only after those loads are issued. Needs about 110 registers per thread (two blocks' words)."""
+    types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(K_TILE_TRANSFORMS), plgpu.RefType(),
+             plgpu.Layout.WG_SPLAT(shape=()), plgpu.Layout.WG_SPLAT(shape=()))
 
     @plgpu.inline_mgpu(arg_types=types)
-    def fill(_, slots, cache, k, idx, bar, *nxt):
+    def produce(_, blocks, slots, cache, k, idx, b0_fa, n_fa):
+        from jax._src.lib.mlir import ir  # noqa: PLC0415 - lowering-time imports
+        from jax._src.lib.mlir.dialects import scf  # noqa: PLC0415
+
         e = _Emit()
-        arith, c32, c64 = e.arith, e.c32, e.c64
+        arith, c32, c64, i32, i64 = e.arith, e.c32, e.c64, e.i32, e.i64
+        first, n = b0_fa.registers.item(), n_fa.registers.item()
         tid = arith.remui(e.mu.thread_idx(), c32(128))
         rank = e.asm("mov.u32 $0, %cluster_ctarank;", [], "=r", 1)[0]
         row = arith.addi(arith.muli(rank, c32(HALF_ROWS)), arith.divui(tid, c32(4)))
         quarter = arith.remui(tid, c32(4))
-        q64 = arith.extui(e.i64, quarter)
-        _, rec = e.slot_record(slots, cache, row)
-        if has_next:  # 164-byte quarters of the next record, samples <= 128 bytes apart (the last is byte 655)
-            _, nrec = e.slot_record(nxt[0], cache, row)
-            e.prefetch(arith.addi(nrec, arith.muli(q64, c64(164))), (0, 128, 163))
-        # all 64 raw slots (-1 kept) for the consumers' mask: threads 0..63, one row each
-        raw_t, _ = e.slot_record(slots, cache, arith.remui(tid, c32(BLOCK)))  # (threads 64.. re-read, in bounds)
-        e.store_slot(idx, tid, raw_t, arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.ult, tid, c32(BLOCK))))
-        # this thread's 128 latent bytes, its scale and its 16 rope values: one asm statement, all in flight
-        lat = e.loads(arith.addi(rec, arith.muli(q64, c64(128))), [16 * i for i in range(8)])
-        scale = e.asm("ld.global.nc.u32 $0, [$1];", [arith.addi(rec, arith.addi(c64(LATENT), arith.muli(q64, c64(4))))],
-                      "=r,l", 1)[0]
-        rope = e.loads(arith.addi(rec, arith.addi(c64(LATENT + 16), arith.muli(q64, c64(32)))), [0, 16])
-        k_base = e.smem_addr(k)
-        row_base, sw = e.k_row(k_base, row)
-        delta = arith.subi(e.peer(k_base), k_base)  # local K tile address -> the peer's same byte
-        bar_local = e.smem_addr(bar)
-        bar_peer = e.peer(bar_local)
+        q64 = arith.extui(i64, quarter)
+        slot_row = arith.remui(tid, c32(BLOCK))  # threads 0..63 publish the raw slots (64.. re-read, unused)
+        publisher = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ult, tid, c32(BLOCK)))
+        is0 = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.eq, tid, c32(0)))
+        blocks_base, slots_base, cache_base = e.gmem_addr(blocks), e.gmem_addr(slots), e.gmem_addr(cache)
+        last = arith.maxsi(arith.subi(n, c32(1)), c32(0))
 
-        def put(addr, words) -> None:
-            e.store16(addr, words)
-            e.store16_peer(arith.addi(addr, delta), words, bar_peer)
+        def ld_at(base, i):  # int32 element i of a GMEM row
+            return e.ld32(arith.addi(base, arith.extui(i64, arith.muli(i, c32(4)))))
 
-        col_lat = arith.muli(quarter, c32(128))
-        if pow2_scales:
-            scale = e.pow2_scale(scale)
-        for i in range(8):
-            words = e.dequant(lat[i], scale, pow2_scales)
-            put(e.k_addr(row_base, sw, col_lat, 16 * i), words[:4])
-            put(e.k_addr(row_base, sw, col_lat, 16 * i + 8), words[4:])
-        col_rope = arith.addi(c32(LATENT), arith.muli(quarter, c32(16)))
-        for q in range(2):
-            put(e.k_addr(row_base, sw, col_rope, 8 * q), rope[q])
-        # the local stores visible to the tensor cores, then arrive (thread 0 also expects the peer's bytes)
-        is0 = arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.eq, tid, c32(0)))
-        e.asm("{ .reg .pred p; setp.ne.u32 p, $1, 0; fence.proxy.async.shared::cta;\n"
-              f"@p mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [$0], {PEER_BYTES};\n"
-              "@!p mbarrier.arrive.release.cta.shared::cta.b64 _, [$0]; }", [bar_local, is0], "r,r")
+        def block_of(kk):  # the block id of the k-th live block (past the end: the last one again, harmless)
+            return ld_at(blocks_base, arith.addi(first, arith.minsi(kk, last)))
 
-    fill(*refs)
+        def slot_of(blk, r):
+            return ld_at(slots_base, arith.addi(arith.muli(blk, c32(BLOCK)), r))
+
+        def record(raw):  # a masked slot (< 0) reads record 0, as the pure-JAX path does
+            return arith.addi(cache_base, arith.muli(arith.extui(i64, arith.maxsi(raw, c32(0))), c64(REC656)))
+
+        def load_words(raw) -> list:
+            rec = record(raw)
+            lat = e.loads(arith.addi(rec, arith.muli(q64, c64(128))), [16 * i for i in range(8)])
+            scale = e.ld32(arith.addi(rec, arith.addi(c64(LATENT), arith.muli(q64, c64(4)))))
+            rope = e.loads(arith.addi(rec, arith.addi(c64(LATENT + 16), arith.muli(q64, c64(32)))), [0, 16])
+            return [w for g in lat for w in g] + [scale] + [w for g in rope for w in g]
+
+        k_base, idx_base = e.smem_addr(k), e.smem_addr(idx)
+        delta = arith.subi(e.peer(k_base), k_base)  # this CTA's shared address -> the peer's same byte
+        full0 = arith.addi(idx_base, c32(2 * BLOCK * 4))
+        free0 = arith.addi(full0, c32(16))
+        full0_peer = e.peer(full0)
+
+        # prologue: blocks 0..2's ids, blocks 0 and 1's slots, block 0's words
+        blk0, blk1, blk2 = block_of(c32(0)), block_of(c32(1)), block_of(c32(2))
+        s1 = slot_of(blk1, row)
+        init = load_words(slot_of(blk0, row)) + [s1, slot_of(blk0, slot_row), slot_of(blk1, slot_row), blk2]
+        index = ir.IndexType.get()
+        loop = scf.ForOp(arith.constant(index, 0), arith.index_cast(index, n), arith.constant(index, 1), init)
+        with ir.InsertionPoint(loop.body):
+            kk = arith.index_cast(i32, loop.induction_variable)
+            carried = list(loop.inner_iter_args)
+            words, s_next, raw_cur, raw_next, blk_nn = carried[:41], *carried[41:]
+            # loads first: block k + 1's words, block k + 2's slots, block k + 3's id
+            words_next = load_words(s_next)
+            s_nn, raw_nn = slot_of(blk_nn, row), slot_of(blk_nn, slot_row)
+            blk_nnn = block_of(arith.addi(kk, c32(3)))
+            # tile b = k % 2 (and idx row b) is free once both CTAs' consumers are done with block k - 2
+            b = arith.remui(kk, c32(2))
+            b8 = arith.muli(b, c32(8))
+            parity = arith.remui(arith.addi(arith.divui(kk, c32(2)), c32(1)), c32(2))
+            e.wait_parity(arith.addi(free0, b8), parity,
+                          arith.extui(i32, arith.cmpi(arith.CmpIPredicate.sge, kk, c32(2))), cluster=True)
+            e.store_slot_at(arith.addi(idx_base, arith.muli(b, c32(BLOCK * 4))), slot_row, raw_cur, publisher)
+            tile = arith.addi(k_base, arith.muli(b, c32(BLOCK * K_COLS * 2)))
+            row_base, sw = e.k_row(tile, row)
+            bar_peer = arith.addi(full0_peer, b8)
+            scale = e.pow2_scale(words[32]) if pow2_scales else words[32]
+
+            def put(addr, w) -> None:
+                e.store16(addr, w)
+                e.store16_peer(arith.addi(addr, delta), w, bar_peer)
+
+            col_lat = arith.muli(quarter, c32(128))
+            for i in range(8):
+                out = e.dequant(words[4 * i:4 * i + 4], scale, pow2_scales)
+                put(e.k_addr(row_base, sw, col_lat, 16 * i), out[:4])
+                put(e.k_addr(row_base, sw, col_lat, 16 * i + 8), out[4:])
+            col_rope = arith.addi(c32(LATENT), arith.muli(quarter, c32(16)))
+            for q in range(2):
+                put(e.k_addr(row_base, sw, col_rope, 8 * q), words[33 + 4 * q:37 + 4 * q])
+            # the local stores visible to the tensor cores, then arrive (thread 0 also expects the peer's bytes)
+            e.asm("{ .reg .pred p; setp.ne.u32 p, $1, 0; fence.proxy.async.shared::cta;\n"
+                  f"@p mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [$0], {PEER_BYTES};\n"
+                  "@!p mbarrier.arrive.release.cta.shared::cta.b64 _, [$0]; }", [arith.addi(full0, b8), is0], "r,r")
+            # block k + 2's record (this thread's quarter of it) into L2, its slot loaded by now
+            e.prefetch(arith.addi(record(s_nn), arith.muli(q64, c64(164))), (0, 128, 163))
+            scf.yield_(words_next + [s_nn, raw_next, raw_nn, blk_nnn])
+        # the "free" phases of the last two blocks: the peer's consumers arrive here, so this CTA outlives them
+        for back in (2, 1):
+            j = arith.subi(n, c32(back))
+            jc = arith.maxsi(j, c32(0))
+            e.wait_parity(arith.addi(free0, arith.muli(arith.remui(jc, c32(2)), c32(8))),
+                          arith.remui(arith.divui(jc, c32(2)), c32(2)),
+                          arith.extui(i32, arith.cmpi(arith.CmpIPredicate.sge, j, c32(0))), cluster=True)
+
+    produce(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk)

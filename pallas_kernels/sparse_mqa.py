@@ -138,6 +138,7 @@ NUM_SMS = 132  # H100/H200; only steers the automatic num_splits
 MIN_BLOCKS_PER_SPLIT = 2
 LOG2E = 1.4426950408889634
 PRODUCER_REGS = 80  # producer="registers": the producer warpgroup's registers per thread (the rest: compute)
+PRODUCER_REGS_CLUSTER = 112  # producer="cluster": two blocks' words in flight per thread
 
 
 def compute_regs(producer_regs: int) -> int:
@@ -207,7 +208,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                implementation: Implementation = "pallas", num_splits: int | None = None,
                out_dtype: jnp.dtype = jnp.float32,
                interpret: bool | plgpu.InterpretGPUParams | None = None, producer: Producer | None = None,
-               producer_regs: int = PRODUCER_REGS, producer_phases: int = 2,
+               producer_regs: int | None = None, producer_phases: int = 2,
                producer_prefetch: int = 1, producer_pow2: bool | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
@@ -248,7 +249,9 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
 
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
-            producer_regs=PRODUCER_REGS, producer_phases=2, producer_prefetch=1, producer_pow2=None):
+            producer_regs=None, producer_phases=2, producer_prefetch=1, producer_pow2=None):
+    if producer_regs is None:
+        producer_regs = PRODUCER_REGS_CLUSTER if producer == "cluster" else PRODUCER_REGS
     if producer not in (None, "tma", "registers", "cluster"):
         raise ValueError(f'producer must be "tma", "registers" or "cluster", got {producer!r}')
     if producer_phases not in (1, 2, 4):
@@ -508,8 +511,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         b0 = si * bps  # this split's first position in the token's list of live blocks
         nblk = jnp.clip(nlive_ref[ti] - b0, 0, bps)
         wg = lax.axis_index("wg")
-        if cl:  # every thread: the raw "full" mbarriers initialised, then the cluster in step
-            record_gather.init_full_barriers(idx_s.at[2])
+        if cl:  # every thread: the raw "full" / "free" mbarriers initialised, then the cluster in step
+            record_gather.init_barriers(idx_s.at[2])
 
         def init_selection(sel_s=sel_s):
             """Interpret mode's byte-pair selection matrix for the rope values (``store_rope``)."""
@@ -650,7 +653,9 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 else:  # in place: a second [64, 256] fp32 accumulator would not fit the registers
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
 
-                if reg:  # this warpgroup is done with K tile k % 2 (and its slots): the producer may refill it
+                if cl:  # done with K tile k % 2 (and its slots): both CTAs' producers may refill it
+                    record_gather.arrive_free(idx_s.at[2, pl.ds(4 + 2 * islot, 2)])
+                elif reg:  # this warpgroup is done with K tile k % 2 (and its slots): the producer may refill it
                     plgpu.barrier_arrive(bar_free.at[islot])
                 else:
                     # block k+1's K chunks of this warpgroup, once its PV(k) is done: PV(k) reads this
@@ -687,6 +692,10 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 init_selection(sel_s)
             else:
                 plgpu.set_max_registers(producer_regs, action="decrease")
+            if cl:  # one software-pipelined loop, its own waits and arrivals (raw mbarriers)
+                record_gather.produce_cluster_656(blocks_ref.at[ti], slots_ref.at[ti], cache_refs[0], k_s1, idx_s,
+                                                  b0, nblk, pow2_scales=pow2)
+                return
 
             @pl.loop(0, nblk)
             def _(k):
@@ -710,17 +719,12 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     for c, v in convert(0, st, None, list(range(nch - 1))):
                         kb[:, pl.ds(64 * c, 64)] = v
                     store_rope(st, st16, kb, pb_s, sel_s)
-                elif cl:  # half the rows into both CTAs' tiles; it fences and arrives on "full" itself
-                    record_gather.fill_k_half_656(slots_ref.at[ti, pl.ds(start, BK)], cache_refs[0], k_s1.at[b],
-                                                  idx_s.at[b], idx_s.at[2, pl.ds(2 * b, 2)], next_slots_ref=nxt,
-                                                  pow2_scales=pow2)
                 else:
                     record_gather.fill_k_tile_656(slots_ref.at[ti, pl.ds(start, BK)], cache_refs[0], k_s1.at[b],
                                                   idx_s.at[b], phases=producer_phases, next_slots_ref=nxt,
                                                   pow2_scales=pow2)
-                if not cl:
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(bar_full.at[b])
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(bar_full.at[b])
 
             # the "free" phases of its last fills (of the last two blocks): a thread waiting on a barrier
             # observes every phase of it
@@ -773,9 +777,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             plgpu.SMEM((3 if cl else 2, BK), jnp.int32),
             plgpu.Barrier(num_arrivals=1, num_barriers=1),  # q landed
             plgpu.Barrier(num_arrivals=1, num_barriers=2),  # "full": the producer filled K tile / idx slot b
-            # "free": the compute warpgroups are done with tile b (with "cluster", those of both CTAs)
-            (plgpu.ClusterBarrier(collective_axes=("cl",), num_arrivals=NUM_WG, num_barriers=2) if cl
-             else plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=2)),
+            plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=2),  # "free": the compute warpgroups are done with b
             plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1),  # both halves of P published
         ]
         if emulate:  # the producer's staged rows and interpret mode's rope tiles; slots and rows landed

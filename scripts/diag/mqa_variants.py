@@ -37,8 +37,9 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             "registers_f32": dict(producer="registers", producer_pow2=False),
             "cluster_f32": dict(producer="cluster", producer_pow2=False),
             # the two head tiles of a token as a 2-CTA cluster, each CTA gathering half of every block for both
-            "cluster": dict(producer="cluster"), "cluster_nopf": dict(producer="cluster", producer_prefetch=0),
-            "cluster_r64": dict(producer="cluster", producer_regs=64)}
+            "cluster": dict(producer="cluster"),
+            "cluster_r96": dict(producer="cluster", producer_regs=96),
+            "cluster_r120": dict(producer="cluster", producer_regs=120)}
 
 
 def _case(name: str, quick: bool) -> dict:
