@@ -17,13 +17,15 @@ from its thread index and the block's slots.
 - Record address: slot * 656 from the cache's base (a page holds ``entries_per_page`` records back to back,
   so the page offset need not be computed). A masked slot (< 0) reads record 0, as the pure-JAX path does.
 
-- Cluster form (``fill_k_half_656``, after FlashMLA's 128-head decode): the two CTAs of a 2-CTA cluster serve the
-  two 64-head tiles of one token, so they need the same K tile. Each gathers half of the block's rows (4 threads
-  per row, a thread one 128-column scale group) and stores them both into its own tile and, with ``st.async``,
-  into the peer's, which counts the bytes on the peer's "full" mbarrier (``mbarrier::complete_tx``). A record
-  is then read and dequantised once per token, not once per head tile. Those mbarriers are raw PTX ones in a
-  shared int32 row (``init_full_barriers``, ``wait_full``): a Pallas barrier has no expect-tx arrival and no
-  address to hand to ``st.async``.
+- Cluster form (``produce_cluster_656``, after FlashMLA's 128-head decode): the two CTAs of a 2-CTA cluster serve
+  the two 64-head tiles of one token, so they need the same K tile. Each gathers half of every block's rows (4
+  threads per row, a thread one 128-column scale group) and stores them both into its own tile and, with
+  ``st.async``, into the peer's, which counts the bytes on the peer's "full" mbarrier
+  (``mbarrier::complete_tx``). A record is then read and dequantised once per token, not once per head tile,
+  and a thread's words for a block (41) are few enough to hold the next block's in flight while it converts
+  this one: the whole producer loop is one software-pipelined ``scf.for``. Its barriers are raw PTX mbarriers
+  in a shared int32 row (``init_barriers``, ``wait_full``, ``arrive_free``): a Pallas barrier has no expect-tx
+  arrival and no address to hand to ``st.async``.
 
 Native only (inline PTX); GPU interpret mode cannot run it.
 """

@@ -94,9 +94,11 @@ them only inside the 384-thread CTA's launch pool (3 x 168 per thread), so produ
 "increase" past it never returns (the first native run hung on it). SMEM: q 72 KB + two K tiles 144 KB.
 The cluster producer (``producer="cluster"``, V3.2's 128 heads): the two head tiles of a token run as a 2-CTA
 cluster and each CTA's producer gathers half of every block into both CTAs' K tiles (``st.async`` to the peer,
-counted on its raw "full" mbarrier, ``record_gather.fill_k_half_656``), so each record is read and dequantised
-once per token instead of once per head tile; "free" is a cluster barrier that all four compute warpgroups
-arrive on. A thread then holds 8 latent loads, not 16, all in flight at once. Native only.
+counted on its raw "full" mbarrier), so each record is read and dequantised once per token instead of once per
+head tile; "free" is a raw mbarrier that the compute warps of both CTAs arrive on. The producer is one
+software-pipelined loop (``record_gather.produce_cluster_656``): while block k converts, block k + 1's words,
+block k + 2's slots and block k + 3's id are in flight, so no load's latency sits between two blocks; it keeps
+``PRODUCER_REGS_CLUSTER`` registers. Native only.
 
 Shared memory (of 227 KB): q 72 KB + K tile 72 KB + staging 55 KB + P 8 KB + statistics 1 KB (V3.2 fp8,
 compiled, 208 KB; interpret mode adds the rope byte tile and the selection matrix, unaliased); bf16 rows with
@@ -223,17 +225,19 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     copies (the module docstring). "registers" (``MlaRecord656``, one list): a third warpgroup gathers and
     dequantises each block into one of two K tiles with per-thread global loads
     (``pallas_kernels.record_gather``; GPU interpret mode emulates it with the staged copies), so the next
-    block is filled while the compute warpgroups multiply the current one; it keeps ``producer_regs``
-    registers per thread and gives the rest to the compute warpgroups, and loads the latent in
+    block is filled while the compute warpgroups multiply the current one; it keeps ``producer_regs`` (None:
+    ``PRODUCER_REGS``) registers per thread and gives the rest to the compute warpgroups, and loads the latent in
     ``producer_phases`` rounds (1 or 2); with ``producer_prefetch`` = d > 0 it also prefetches the records of
     the block d ahead into L2 before it gathers the current one (a gain where the records come from DRAM,
     decode; a small loss where they already sit in L2, a short prefill). "cluster" (one ``MlaRecord656`` list,
     65 to 128 heads, native only): the register producer with the token's two head tiles in a 2-CTA cluster,
-    each CTA gathering half of every block for both (``producer_phases`` does not apply). ``producer_pow2``:
-    the register producers' dequantisation without conversion instructions, exact only for power-of-two
-    scales (``record_gather._DQ_POW2_ASM``); None = where the records' scales are ("ue8m0"). None:
+    each CTA gathering half of every block for both, in one software-pipelined loop (``producer_phases`` and
+    ``producer_prefetch`` do not apply; ``producer_regs`` defaults to ``PRODUCER_REGS_CLUSTER``). None:
     "registers" natively where it applies, else "tma" (interpret mode: "tma", whose emulation blocks no third
-    thread; the register producer's needs one CPU per warpgroup). Timings: docs/perf-log.md.
+    thread; the register producer's needs one CPU per warpgroup).
+    ``producer_pow2``: the register producers' dequantisation without conversion instructions, exact only for
+    power-of-two scales (``record_gather._DQ_POW2_ASM``); None = where the records' scales are ("ue8m0").
+    Timings: docs/perf-log.md.
     """
     caches, formats, slots = tuple(caches), tuple(formats), tuple(slots)
     if not (len(caches) == len(formats) == len(slots) >= 1):
