@@ -281,26 +281,29 @@ def dequant_blocks(cache: jax.Array, slots: jax.Array, *, pow2_scales: bool = Fa
     return _dequant_call(n_blocks, min(ctas, n_blocks), pow2_scales)(slots.astype(jnp.int32), cache)
 
 
-# ---- the 2-CTA cluster form ------------------------------------------------------------------------------
-HALF_ROWS = BLOCK // 2  # rows each CTA of the pair gathers
-PEER_BYTES = HALF_ROWS * K_COLS * 2  # bf16 bytes a CTA receives from its peer per block
+# ---- the producer as one software-pipelined loop (raw mbarriers) ------------------------------------------
+HALF_ROWS = BLOCK // 2  # rows each CTA of a cluster pair gathers
+PEER_BYTES = HALF_ROWS * K_COLS * 2  # bf16 bytes a CTA of a pair receives from its peer per block
 FULL_ARRIVALS = 128  # every thread of the local producer warpgroup arrives on "full"
 
 
-FREE_ARRIVALS = 16  # lane 0 of each of the 2 x 4 compute warps, of both CTAs
+def free_arrivals(cluster: bool) -> int:
+    """Arrivals on a "free" mbarrier: lane 0 of each of the 2 x 4 compute warps, of both CTAs of a pair."""
+    return 8 * (2 if cluster else 1)
 
 
-def init_barriers(bars_ref) -> None:
+def init_barriers(bars_ref, *, cluster: bool) -> None:
     """From every thread of the CTA, before any warpgroup specialises: thread 0 initialises the raw mbarriers
     at ``bars_ref`` (SMEM int32, 2 words each): "full" 0 / 1 (``FULL_ARRIVALS``) and "free" 0 / 1
-    (``FREE_ARRIVALS``), then the whole cluster syncs, so that no peer reaches an uninitialised barrier."""
+    (``free_arrivals``), then the cluster (or the lone CTA, a cluster of one) syncs, so that no thread, here
+    or in a peer, reaches an uninitialised barrier."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
     def init(_, bars):
         e = _Emit()
         base = e.smem_addr(bars)
         is0 = e.arith.extui(e.i32, e.arith.cmpi(e.arith.CmpIPredicate.eq, e.mu.thread_idx(), e.c32(0)))
-        counts = (FULL_ARRIVALS,) * 2 + (FREE_ARRIVALS,) * 2
+        counts = (FULL_ARRIVALS,) * 2 + (free_arrivals(cluster),) * 2
         text = "{ .reg .pred p; setp.ne.u32 p, $1, 0;\n" + "".join(
             f"@p mbarrier.init.shared::cta.b64 [$0+{8 * b}], {n};\n" for b, n in enumerate(counts)) + \
             "@p fence.mbarrier_init.release.cluster; }"
@@ -310,9 +313,9 @@ def init_barriers(bars_ref) -> None:
     init(bars_ref)
 
 
-def arrive_free(bar_ref) -> None:
+def arrive_free(bar_ref, *, cluster: bool) -> None:
     """Every thread of a compute warpgroup, after its last read of a K tile: lane 0 of each warp arrives on the
-    "free" mbarrier at ``bar_ref`` of both CTAs of the pair (the producers of both write this tile)."""
+    "free" mbarrier at ``bar_ref``, with ``cluster`` on both CTAs' (the producers of both write this tile)."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
     def arrive(_, bar):
@@ -320,10 +323,14 @@ def arrive_free(bar_ref) -> None:
         addr = e.smem_addr(bar)
         lane0 = e.arith.extui(e.i32, e.arith.cmpi(e.arith.CmpIPredicate.eq,
                                                   e.arith.remui(e.mu.thread_idx(), e.c32(32)), e.c32(0)))
-        e.asm("{ .reg .pred p; bar.warp.sync -1; setp.ne.u32 p, $1, 0;\n"
-              "@p mbarrier.arrive.release.cluster.shared::cta.b64 _, [$0];\n"
-              "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$2]; }", [addr, lane0, e.peer(addr)],
-              "r,r,r")
+        if cluster:
+            e.asm("{ .reg .pred p; bar.warp.sync -1; setp.ne.u32 p, $1, 0;\n"
+                  "@p mbarrier.arrive.release.cluster.shared::cta.b64 _, [$0];\n"
+                  "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$2]; }", [addr, lane0, e.peer(addr)],
+                  "r,r,r")
+        else:
+            e.asm("{ .reg .pred p; bar.warp.sync -1; setp.ne.u32 p, $1, 0;\n"
+                  "@p mbarrier.arrive.release.cta.shared::cta.b64 _, [$0]; }", [addr, lane0], "r,r")
 
     arrive(bar_ref)
 
@@ -340,90 +347,187 @@ def wait_full(bar_ref, parity) -> None:
     wait(bar_ref, parity)
 
 
-def produce_cluster_656(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk, *,
-                        pow2_scales: bool = False) -> None:
-    """The whole producer loop of one CTA of a 2-CTA cluster (one warpgroup, all 128 threads): for k < ``nblk``,
-    block ``blocks_ref[b0 + k]`` (GMEM int32, this token's live blocks) of ``slots_ref`` (GMEM int32, this token's
-    slots, 64 per block) into K tile k % 2 of ``k_ref`` (SMEM [2, 64, 576] bf16, ``K_TILE_TRANSFORMS``) of both
-    CTAs: rows [32 r, 32 r + 32) for the CTA of rank r, its own tile by ``st.shared`` and the peer's by
-    ``st.async`` (counted on the peer's "full"); all 64 raw slots into ``idx_ref`` row k % 2 (SMEM int32 [3, 64],
-    whose row 2 holds the raw mbarriers of ``init_barriers``). Thread t serves row 32 r + t // 4 and its
-    128-column scale group t % 4 (41 words: 8 latent loads, its scale, 16 rope values).
+class _Loop:
+    """What both software-pipelined producer loops share (inside their ``inline_mgpu`` body): this token's live
+    block ids and slots (GMEM int32 rows), the cache, the K tiles and the idx buffer (slot rows 0 / 1, raw
+    mbarriers in row 2: "full" at +0 / +8, "free" at +16 / +24), and the loop itself."""
 
-    One loop, software-pipelined so that no load's latency sits between two blocks: while block k is
-    converted, block k + 1's words are in flight (loaded from its slots, read one iteration earlier), block
-    k + 2's slots and block k + 3's id too, and block k + 2's records are prefetched into L2. "free"[k % 2] is
-    waited for only after those loads are issued. Needs about 110 registers per thread (two blocks' words)."""
-    types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(K_TILE_TRANSFORMS), plgpu.RefType(),
-             plgpu.Layout.WG_SPLAT(shape=()), plgpu.Layout.WG_SPLAT(shape=()))
+    def __init__(self, e: _Emit, blocks, slots, cache, k, idx, first, n):
+        arith, c32 = e.arith, e.c32
+        self.e, self.first, self.n = e, first, n
+        self.tid = arith.remui(e.mu.thread_idx(), c32(128))
+        self.is0 = arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.eq, self.tid, c32(0)))
+        self.blocks, self.slots, self.cache = e.gmem_addr(blocks), e.gmem_addr(slots), e.gmem_addr(cache)
+        self.last = arith.maxsi(arith.subi(n, c32(1)), c32(0))
+        self.k_base, self.idx_base = e.smem_addr(k), e.smem_addr(idx)
+        self.full0 = arith.addi(self.idx_base, c32(2 * BLOCK * 4))
+        self.free0 = arith.addi(self.full0, c32(16))
 
-    @plgpu.inline_mgpu(arg_types=types)
-    def produce(_, blocks, slots, cache, k, idx, b0_fa, n_fa):
+    def ld_at(self, base, i):  # int32 element i of a GMEM row
+        e = self.e
+        return e.ld32(e.arith.addi(base, e.arith.extui(e.i64, e.arith.muli(i, e.c32(4)))))
+
+    def block_of(self, kk):  # the k-th live block's id (past the end: the last one again, a harmless re-read)
+        return self.ld_at(self.blocks, self.e.arith.addi(self.first, self.e.arith.minsi(kk, self.last)))
+
+    def slot_of(self, blk, r):
+        return self.ld_at(self.slots, self.e.arith.addi(self.e.arith.muli(blk, self.e.c32(BLOCK)), r))
+
+    def record(self, raw):  # a masked slot (< 0) reads record 0, as the pure-JAX path does
+        e = self.e
+        slot = e.arith.extui(e.i64, e.arith.maxsi(raw, e.c32(0)))
+        return e.arith.addi(self.cache, e.arith.muli(slot, e.c64(REC656)))
+
+    def tile(self, b):
+        return self.e.arith.addi(self.k_base, self.e.arith.muli(b, self.e.c32(BLOCK * K_COLS * 2)))
+
+    def wait_free(self, kk, b8) -> None:
+        """Tile k % 2 (and idx row k % 2) is free once the consumers are done with block k - 2."""
+        e, arith, c32 = self.e, self.e.arith, self.e.c32
+        parity = arith.remui(arith.addi(arith.divui(kk, c32(2)), c32(1)), c32(2))
+        e.wait_parity(arith.addi(self.free0, b8), parity,
+                      arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.sge, kk, c32(2))), cluster=True)
+
+    def arrive_full(self, b8, expect_bytes: int = 0) -> None:
+        """Every thread: its stores visible to the tensor cores, then arrive (thread 0 also expecting the peer's
+        ``expect_bytes``)."""
+        full = self.e.arith.addi(self.full0, b8)
+        if expect_bytes:
+            self.e.asm("{ .reg .pred p; setp.ne.u32 p, $1, 0; fence.proxy.async.shared::cta;\n"
+                       f"@p mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [$0], {expect_bytes};\n"
+                       "@!p mbarrier.arrive.release.cta.shared::cta.b64 _, [$0]; }", [full, self.is0], "r,r")
+        else:
+            self.e.asm("{ fence.proxy.async.shared::cta;\nmbarrier.arrive.release.cta.shared::cta.b64 _, [$0]; }",
+                       [full], "r")
+
+    def run(self, init: list, body) -> None:
+        """``body(k, carried) -> carried`` for k in [0, n) as one ``scf.for``, then the "free" phases of the
+        last two blocks (with a pair, the peer's consumers arrive here: this CTA must outlive them)."""
         from jax._src.lib.mlir import ir  # noqa: PLC0415 - lowering-time imports
         from jax._src.lib.mlir.dialects import scf  # noqa: PLC0415
 
+        e, arith, c32 = self.e, self.e.arith, self.e.c32
+        index = ir.IndexType.get()
+        loop = scf.ForOp(arith.constant(index, 0), arith.index_cast(index, self.n), arith.constant(index, 1), init)
+        with ir.InsertionPoint(loop.body):
+            scf.yield_(body(arith.index_cast(e.i32, loop.induction_variable), list(loop.inner_iter_args)))
+        for back in (2, 1):
+            j = arith.subi(self.n, c32(back))
+            jc = arith.maxsi(j, c32(0))
+            e.wait_parity(arith.addi(self.free0, arith.muli(arith.remui(jc, c32(2)), c32(8))),
+                          arith.remui(arith.divui(jc, c32(2)), c32(2)),
+                          arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.sge, j, c32(0))), cluster=True)
+
+
+_LOOP_TYPES = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(K_TILE_TRANSFORMS), plgpu.RefType(),
+               plgpu.Layout.WG_SPLAT(shape=()), plgpu.Layout.WG_SPLAT(shape=()))
+
+
+def produce_tile_656(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk, *, phases: int = 2,
+                     pow2_scales: bool = False) -> None:
+    """The whole producer loop of a single CTA (one warpgroup, all 128 threads): for k < ``nblk``, block
+    ``blocks_ref[b0 + k]`` (GMEM int32, this token's live blocks) of ``slots_ref`` (GMEM int32, this token's slots,
+    64 per block) into K tile k % 2 of ``k_ref`` (SMEM [2, 64, 576] bf16, ``K_TILE_TRANSFORMS``), its raw slots
+    into ``idx_ref`` row k % 2 (SMEM int32 [3, 64]; row 2: the raw mbarriers of ``init_barriers``). The thread
+    mapping and the conversion are ``fill_k_tile_656``'s (84 words per block: too many to hold the next block's
+    too), but the loop carries the next block's slot and the block after's id, so neither load's latency sits
+    in the chain of a block, and it prefetches the next block's records into L2 from the carried slot."""
+
+    @plgpu.inline_mgpu(arg_types=_LOOP_TYPES)
+    def produce(_, blocks, slots, cache, k, idx, b0_fa, n_fa):
         e = _Emit()
-        arith, c32, c64, i32, i64 = e.arith, e.c32, e.c64, e.i32, e.i64
-        first, n = b0_fa.registers.item(), n_fa.registers.item()
-        tid = arith.remui(e.mu.thread_idx(), c32(128))
+        arith, c32, c64 = e.arith, e.c32, e.c64
+        lp = _Loop(e, blocks, slots, cache, k, idx, b0_fa.registers.item(), n_fa.registers.item())
+        row, half = arith.divui(lp.tid, c32(2)), arith.remui(lp.tid, c32(2))
+        half64 = arith.extui(e.i64, half)
+        first_half = arith.cmpi(arith.CmpIPredicate.eq, half, c32(0))
+        publisher = arith.extui(e.i32, first_half)
+        col_lat = arith.muli(half, c32(256))
+        col_rope = arith.addi(c32(LATENT), arith.muli(half, c32(32)))
+        per = 16 // phases
+
+        def body(kk, carried):
+            s_cur, s_next, blk_nn = carried
+            rec = lp.record(s_cur)
+            lat0 = arith.addi(rec, arith.muli(half64, c64(256)))
+            # loads first: round 0 of block k, block k + 2's slot, block k + 3's id; block k + 1's records to L2
+            scales = e.loads(arith.addi(rec, c64(LATENT)), [0])[0]
+            rope = e.loads(arith.addi(rec, arith.addi(arith.muli(half64, c64(64)), c64(LATENT + 16))), [0, 16, 32, 48])
+            lat = e.loads(lat0, [16 * i for i in range(per)])
+            s_nn = lp.slot_of(blk_nn, row)
+            blk_nnn = lp.block_of(arith.addi(kk, c32(3)))
+            e.prefetch(arith.addi(lp.record(s_next), arith.muli(half64, c64(384))), (0, 128, 256, 271))
+            b = arith.remui(kk, c32(2))
+            b8 = arith.muli(b, c32(8))
+            lp.wait_free(kk, b8)
+            e.store_slot_at(arith.addi(lp.idx_base, arith.muli(b, c32(BLOCK * 4))), row, s_cur, publisher)
+            row_base, sw = e.k_row(lp.tile(b), row)
+            sc = [e.pow2_scale(w) for w in scales] if pow2_scales else scales
+            for p in range(phases):
+                if p:
+                    lat = e.loads(lat0, [16 * i for i in range(p * per, (p + 1) * per)])
+                for n, i in enumerate(range(p * per, (p + 1) * per)):
+                    words = e.dequant(lat[n], arith.select(first_half, sc[i // 8], sc[2 + i // 8]), pow2_scales)
+                    e.store16(e.k_addr(row_base, sw, col_lat, 16 * i), words[:4])
+                    e.store16(e.k_addr(row_base, sw, col_lat, 16 * i + 8), words[4:])
+            for q in range(4):
+                e.store16(e.k_addr(row_base, sw, col_rope, 8 * q), rope[q])
+            lp.arrive_full(b8)
+            return [s_next, s_nn, blk_nnn]
+
+        blk0, blk1 = lp.block_of(c32(0)), lp.block_of(c32(1))
+        lp.run([lp.slot_of(blk0, row), lp.slot_of(blk1, row), lp.block_of(c32(2))], body)
+
+    produce(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk)
+
+
+def produce_cluster_656(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk, *,
+                        pow2_scales: bool = False) -> None:
+    """The whole producer loop of one CTA of a 2-CTA cluster (one warpgroup, all 128 threads), over the same
+    operands as ``produce_tile_656``: rows [32 r, 32 r + 32) of every block for the CTA of rank r, into its own
+    K tile by ``st.shared`` and into the peer's by ``st.async`` (counted on the peer's "full"); all 64 raw slots
+    into ``idx_ref``. Thread t serves row 32 r + t // 4 and its 128-column scale group t % 4 (41 words: 8 latent
+    loads, its scale, 16 rope values).
+
+    Software-pipelined so that no load's latency sits between two blocks: while block k is converted, block
+    k + 1's words are in flight (loaded from its slots, read one iteration earlier), block k + 2's slots and
+    block k + 3's id too, and block k + 2's records are prefetched into L2. "free"[k % 2] is waited for only
+    after those loads are issued. Needs about 110 registers per thread (two blocks' words)."""
+
+    @plgpu.inline_mgpu(arg_types=_LOOP_TYPES)
+    def produce(_, blocks, slots, cache, k, idx, b0_fa, n_fa):
+        e = _Emit()
+        arith, c32, c64 = e.arith, e.c32, e.c64
+        lp = _Loop(e, blocks, slots, cache, k, idx, b0_fa.registers.item(), n_fa.registers.item())
         rank = e.asm("mov.u32 $0, %cluster_ctarank;", [], "=r", 1)[0]
-        row = arith.addi(arith.muli(rank, c32(HALF_ROWS)), arith.divui(tid, c32(4)))
-        quarter = arith.remui(tid, c32(4))
-        q64 = arith.extui(i64, quarter)
-        slot_row = arith.remui(tid, c32(BLOCK))  # threads 0..63 publish the raw slots (64.. re-read, unused)
-        publisher = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ult, tid, c32(BLOCK)))
-        is0 = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.eq, tid, c32(0)))
-        blocks_base, slots_base, cache_base = e.gmem_addr(blocks), e.gmem_addr(slots), e.gmem_addr(cache)
-        last = arith.maxsi(arith.subi(n, c32(1)), c32(0))
-
-        def ld_at(base, i):  # int32 element i of a GMEM row
-            return e.ld32(arith.addi(base, arith.extui(i64, arith.muli(i, c32(4)))))
-
-        def block_of(kk):  # the block id of the k-th live block (past the end: the last one again, harmless)
-            return ld_at(blocks_base, arith.addi(first, arith.minsi(kk, last)))
-
-        def slot_of(blk, r):
-            return ld_at(slots_base, arith.addi(arith.muli(blk, c32(BLOCK)), r))
-
-        def record(raw):  # a masked slot (< 0) reads record 0, as the pure-JAX path does
-            return arith.addi(cache_base, arith.muli(arith.extui(i64, arith.maxsi(raw, c32(0))), c64(REC656)))
+        row = arith.addi(arith.muli(rank, c32(HALF_ROWS)), arith.divui(lp.tid, c32(4)))
+        quarter = arith.remui(lp.tid, c32(4))
+        q64 = arith.extui(e.i64, quarter)
+        slot_row = arith.remui(lp.tid, c32(BLOCK))  # threads 0..63 publish the raw slots (64.. re-read, unused)
+        publisher = arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.ult, lp.tid, c32(BLOCK)))
+        delta = arith.subi(e.peer(lp.k_base), lp.k_base)  # this CTA's shared address -> the peer's same byte
+        full0_peer = e.peer(lp.full0)
+        col_lat = arith.muli(quarter, c32(128))
+        col_rope = arith.addi(c32(LATENT), arith.muli(quarter, c32(16)))
 
         def load_words(raw) -> list:
-            rec = record(raw)
+            rec = lp.record(raw)
             lat = e.loads(arith.addi(rec, arith.muli(q64, c64(128))), [16 * i for i in range(8)])
             scale = e.ld32(arith.addi(rec, arith.addi(c64(LATENT), arith.muli(q64, c64(4)))))
             rope = e.loads(arith.addi(rec, arith.addi(c64(LATENT + 16), arith.muli(q64, c64(32)))), [0, 16])
             return [w for g in lat for w in g] + [scale] + [w for g in rope for w in g]
 
-        k_base, idx_base = e.smem_addr(k), e.smem_addr(idx)
-        delta = arith.subi(e.peer(k_base), k_base)  # this CTA's shared address -> the peer's same byte
-        full0 = arith.addi(idx_base, c32(2 * BLOCK * 4))
-        free0 = arith.addi(full0, c32(16))
-        full0_peer = e.peer(full0)
-
-        # prologue: blocks 0..2's ids, blocks 0 and 1's slots, block 0's words
-        blk0, blk1, blk2 = block_of(c32(0)), block_of(c32(1)), block_of(c32(2))
-        s1 = slot_of(blk1, row)
-        init = load_words(slot_of(blk0, row)) + [s1, slot_of(blk0, slot_row), slot_of(blk1, slot_row), blk2]
-        index = ir.IndexType.get()
-        loop = scf.ForOp(arith.constant(index, 0), arith.index_cast(index, n), arith.constant(index, 1), init)
-        with ir.InsertionPoint(loop.body):
-            kk = arith.index_cast(i32, loop.induction_variable)
-            carried = list(loop.inner_iter_args)
+        def body(kk, carried):
             words, s_next, raw_cur, raw_next, blk_nn = carried[:41], *carried[41:]
             # loads first: block k + 1's words, block k + 2's slots, block k + 3's id
             words_next = load_words(s_next)
-            s_nn, raw_nn = slot_of(blk_nn, row), slot_of(blk_nn, slot_row)
-            blk_nnn = block_of(arith.addi(kk, c32(3)))
-            # tile b = k % 2 (and idx row b) is free once both CTAs' consumers are done with block k - 2
+            s_nn, raw_nn = lp.slot_of(blk_nn, row), lp.slot_of(blk_nn, slot_row)
+            blk_nnn = lp.block_of(arith.addi(kk, c32(3)))
             b = arith.remui(kk, c32(2))
             b8 = arith.muli(b, c32(8))
-            parity = arith.remui(arith.addi(arith.divui(kk, c32(2)), c32(1)), c32(2))
-            e.wait_parity(arith.addi(free0, b8), parity,
-                          arith.extui(i32, arith.cmpi(arith.CmpIPredicate.sge, kk, c32(2))), cluster=True)
-            e.store_slot_at(arith.addi(idx_base, arith.muli(b, c32(BLOCK * 4))), slot_row, raw_cur, publisher)
-            tile = arith.addi(k_base, arith.muli(b, c32(BLOCK * K_COLS * 2)))
-            row_base, sw = e.k_row(tile, row)
+            lp.wait_free(kk, b8)
+            e.store_slot_at(arith.addi(lp.idx_base, arith.muli(b, c32(BLOCK * 4))), slot_row, raw_cur, publisher)
+            row_base, sw = e.k_row(lp.tile(b), row)
             bar_peer = arith.addi(full0_peer, b8)
             scale = e.pow2_scale(words[32]) if pow2_scales else words[32]
 
@@ -431,27 +535,20 @@ def produce_cluster_656(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nb
                 e.store16(addr, w)
                 e.store16_peer(arith.addi(addr, delta), w, bar_peer)
 
-            col_lat = arith.muli(quarter, c32(128))
             for i in range(8):
                 out = e.dequant(words[4 * i:4 * i + 4], scale, pow2_scales)
                 put(e.k_addr(row_base, sw, col_lat, 16 * i), out[:4])
                 put(e.k_addr(row_base, sw, col_lat, 16 * i + 8), out[4:])
-            col_rope = arith.addi(c32(LATENT), arith.muli(quarter, c32(16)))
             for q in range(2):
                 put(e.k_addr(row_base, sw, col_rope, 8 * q), words[33 + 4 * q:37 + 4 * q])
-            # the local stores visible to the tensor cores, then arrive (thread 0 also expects the peer's bytes)
-            e.asm("{ .reg .pred p; setp.ne.u32 p, $1, 0; fence.proxy.async.shared::cta;\n"
-                  f"@p mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [$0], {PEER_BYTES};\n"
-                  "@!p mbarrier.arrive.release.cta.shared::cta.b64 _, [$0]; }", [arith.addi(full0, b8), is0], "r,r")
+            lp.arrive_full(b8, PEER_BYTES)
             # block k + 2's record (this thread's quarter of it) into L2, its slot loaded by now
-            e.prefetch(arith.addi(record(s_nn), arith.muli(q64, c64(164))), (0, 128, 163))
-            scf.yield_(words_next + [s_nn, raw_next, raw_nn, blk_nnn])
-        # the "free" phases of the last two blocks: the peer's consumers arrive here, so this CTA outlives them
-        for back in (2, 1):
-            j = arith.subi(n, c32(back))
-            jc = arith.maxsi(j, c32(0))
-            e.wait_parity(arith.addi(free0, arith.muli(arith.remui(jc, c32(2)), c32(8))),
-                          arith.remui(arith.divui(jc, c32(2)), c32(2)),
-                          arith.extui(i32, arith.cmpi(arith.CmpIPredicate.sge, j, c32(0))), cluster=True)
+            e.prefetch(arith.addi(lp.record(s_nn), arith.muli(q64, c64(164))), (0, 128, 163))
+            return words_next + [s_nn, raw_next, raw_nn, blk_nnn]
+
+        blk0, blk1 = lp.block_of(c32(0)), lp.block_of(c32(1))
+        init = load_words(lp.slot_of(blk0, row)) + [lp.slot_of(blk1, row), lp.slot_of(blk0, slot_row),
+                                                    lp.slot_of(blk1, slot_row), lp.block_of(c32(2))]
+        lp.run(init, body)
 
     produce(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk)

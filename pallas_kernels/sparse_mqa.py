@@ -211,7 +211,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                out_dtype: jnp.dtype = jnp.float32,
                interpret: bool | plgpu.InterpretGPUParams | None = None, producer: Producer | None = None,
                producer_regs: int | None = None, producer_phases: int = 2,
-               producer_prefetch: int = 1, producer_pow2: bool | None = None) -> jax.Array:
+               producer_prefetch: int = 1, producer_pow2: bool | None = None,
+               producer_loop: bool = False) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype).
@@ -234,7 +235,9 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     each CTA gathering half of every block for both, in one software-pipelined loop (``producer_phases`` and
     ``producer_prefetch`` do not apply; ``producer_regs`` defaults to ``PRODUCER_REGS_CLUSTER``). None:
     "registers" natively where it applies, else "tma" (interpret mode: "tma", whose emulation blocks no third
-    thread; the register producer's needs one CPU per warpgroup).
+    thread; the register producer's needs one CPU per warpgroup). ``producer_loop`` (native "registers"): the
+    producer as one software-pipelined loop over raw mbarriers (``record_gather.produce_tile_656``), the next
+    block's slot and the one after's id carried so that neither load's latency is in a block's chain.
     ``producer_pow2``: the register producers' dequantisation without conversion instructions, exact only for
     power-of-two scales (``record_gather._DQ_POW2_ASM``); None = where the records' scales are ("ue8m0").
     Timings: docs/perf-log.md.
@@ -249,11 +252,11 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                                   num_splits=num_splits, out_dtype=out_dtype, interpret=interpret,
                                   producer=producer, producer_regs=producer_regs,
                                   producer_phases=producer_phases, producer_prefetch=producer_prefetch,
-                                  producer_pow2=producer_pow2)})
+                                  producer_pow2=producer_pow2, producer_loop=producer_loop)})
 
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
-            producer_regs=None, producer_phases=2, producer_prefetch=1, producer_pow2=None):
+            producer_regs=None, producer_phases=2, producer_prefetch=1, producer_pow2=None, producer_loop=False):
     if producer_regs is None:
         producer_regs = PRODUCER_REGS_CLUSTER if producer == "cluster" else PRODUCER_REGS
     if producer not in (None, "tma", "registers", "cluster"):
@@ -273,7 +276,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     if producer in ("registers", "cluster") and not one_656:
         raise ValueError(f'producer="{producer}" reads one MlaRecord656 cache (got {formats})')
     if producer_pow2 and not (one_656 and specs[0].pow2_scales):
-        raise ValueError(f"producer_pow2=True needs MlaRecord656 records with power-of-two (ue8m0) scales, got {formats}")
+        raise ValueError("producer_pow2=True needs MlaRecord656 records with power-of-two (ue8m0) scales, "
+                         f"got {formats}")
     t, h, dk = q.shape
     if producer == "cluster" and not HEAD_TILE < h <= 2 * HEAD_TILE:
         raise ValueError(f'producer="cluster" pairs two head tiles: it needs 65 to 128 heads, got {h}')
@@ -292,6 +296,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
         raise ValueError('producer="cluster" is native only (GPU interpret mode has no st.async to a peer CTA)')
     if producer is None:
         producer = "registers" if one_656 and not interpret else "tma"
+    if producer_loop and (interpret or producer != "registers"):
+        raise ValueError('producer_loop=True is the native producer="registers" (inline PTX loop)')
     hp = -(-h // HEAD_TILE) * HEAD_TILE
     qp = jnp.pad(q.astype(jnp.bfloat16), ((0, 0), (0, hp - h), (0, 0)))
     padded, list_blocks = [], []
@@ -314,7 +320,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                        has_sink=has_sink, n_splits=n_splits, bps=bps, out_dtype=jnp.dtype(out_dtype),
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
                        producer_phases=producer_phases, producer_prefetch=producer_prefetch,
-                       pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2)
+                       pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2,
+                       producer_loop=producer_loop)
     # blocks of 64 candidates with at least one valid slot, per token, compacted to the front (the kernel
     # skips the rest: prefill tokens early in the sequence, short contexts, fully masked rows)
     live = jnp.any(slots_all.reshape(t, nb, BLOCK_K) >= 0, axis=-1)
@@ -348,7 +355,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype,
                 interpret: plgpu.InterpretGPUParams | None, producer: Producer = "tma",
                 producer_regs: int = PRODUCER_REGS, producer_phases: int = 2, producer_prefetch: int = 0,
-                pow2: bool = False):
+                pow2: bool = False, producer_loop: bool = False):
     """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k (native: ``record_gather``;
     interpret mode: the staged copies and the compute warpgroups' conversion, all chunks) and arrives on
     "full"[k % 2]; the compute warpgroups wait on it, read the block's slots from its idx slot (written by the
@@ -358,6 +365,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     mbarriers in the idx buffer's third row (each completes on its own producer's 128 arrivals and the peer's
     bytes) and "free" a cluster barrier (both CTAs' compute warpgroups free the tile in both)."""
     cl = producer == "cluster"
+    # the producer as one software-pipelined loop over raw mbarriers ("cluster" always; "registers" on request)
+    raw = cl or (producer == "registers" and producer_loop and interpret is None)
     n_prod = 1 if producer in ("registers", "cluster") else 0
     kind, dk = specs[0].kind, specs[0].dim
     reg = n_prod > 0
@@ -515,8 +524,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         b0 = si * bps  # this split's first position in the token's list of live blocks
         nblk = jnp.clip(nlive_ref[ti] - b0, 0, bps)
         wg = lax.axis_index("wg")
-        if cl:  # every thread: the raw "full" / "free" mbarriers initialised, then the cluster in step
-            record_gather.init_barriers(idx_s.at[2])
+        if raw:  # every thread: the raw "full" / "free" mbarriers initialised, then the cluster in step
+            record_gather.init_barriers(idx_s.at[2], cluster=cl)
 
         def init_selection(sel_s=sel_s):
             """Interpret mode's byte-pair selection matrix for the rope values (``store_rope``)."""
@@ -590,7 +599,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 # built): their descriptors are rebuilt here, not held across the loop
                 z = lax.shift_right_logical(block_id(k), 20)
                 if reg:  # block k in K tile k % 2, its slots in idx slot k % 2 (both from the producer)
-                    if cl:
+                    if raw:
                         record_gather.wait_full(idx_s.at[2, pl.ds(2 * islot, 2)], (k // 2) % 2)
                     else:
                         plgpu.barrier_wait(bar_full.at[islot])
@@ -657,8 +666,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 else:  # in place: a second [64, 256] fp32 accumulator would not fit the registers
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
 
-                if cl:  # done with K tile k % 2 (and its slots): both CTAs' producers may refill it
-                    record_gather.arrive_free(idx_s.at[2, pl.ds(4 + 2 * islot, 2)])
+                if raw:  # done with K tile k % 2 (and its slots): the producer(s) may refill it
+                    record_gather.arrive_free(idx_s.at[2, pl.ds(4 + 2 * islot, 2)], cluster=cl)
                 elif reg:  # this warpgroup is done with K tile k % 2 (and its slots): the producer may refill it
                     plgpu.barrier_arrive(bar_free.at[islot])
                 else:
@@ -699,6 +708,10 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             if cl:  # one software-pipelined loop, its own waits and arrivals (raw mbarriers)
                 record_gather.produce_cluster_656(blocks_ref.at[ti], slots_ref.at[ti], cache_refs[0], k_s1, idx_s,
                                                   b0, nblk, pow2_scales=pow2)
+                return
+            if raw:
+                record_gather.produce_tile_656(blocks_ref.at[ti], slots_ref.at[ti], cache_refs[0], k_s1, idx_s, b0,
+                                               nblk, phases=producer_phases, pow2_scales=pow2)
                 return
 
             @pl.loop(0, nblk)
@@ -778,7 +791,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             p_t,
             # the two blocks' slots (-1 = masked), written by the producer; "cluster": a third row holds the raw
             # "full" mbarriers (the buffer's 1 KB of shared memory has room)
-            plgpu.SMEM((3 if cl else 2, BK), jnp.int32),
+            plgpu.SMEM((3 if raw else 2, BK), jnp.int32),
             plgpu.Barrier(num_arrivals=1, num_barriers=1),  # q landed
             plgpu.Barrier(num_arrivals=1, num_barriers=2),  # "full": the producer filled K tile / idx slot b
             plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=2),  # "free": the compute warpgroups are done with b

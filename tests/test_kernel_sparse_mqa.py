@@ -148,19 +148,21 @@ def test_v32_padded_heads_and_splits(mode):
                interpret=interpret, num_splits=s)
 
 
-@pytest.mark.parametrize("producer", ["registers", pytest.param("cluster", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("producer", ["registers", pytest.param("cluster", marks=pytest.mark.gpu),
+                                      pytest.param("registers_loop", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("mode", MODES)
 def test_v32_register_producer(mode, producer):
     """producer="registers": a third warpgroup fills two K tiles in turn (natively by per-thread loads and
     dequantisation in registers, ``record_gather``; interpret mode emulates it with the staged rows), so blocks
     0..4 cycle through both tiles. "cluster" (native only): the two head tiles' CTAs each gather half of every
-    block for both. A fully masked row gives zeros; 2 splits (one with 2 blocks, one with 3); interpret mode
+    block for both; "registers_loop" (native only): the register producer as one software-pipelined loop. A fully masked row gives zeros; 2 splits (one with 2 blocks, one with 3); interpret mode
     also runs the race detector over the full / free protocol.
 
     Interpret mode runs each warpgroup as an XLA CPU computation whose barrier waits block a thread of XLA's
     intra-op pool (one per CPU): with fewer CPUs than warpgroups a producer never runs."""
-    if _interpret(mode) and producer == "cluster":
+    if _interpret(mode) and producer != "registers":
         pytest.skip("native only")
+    kw = dict(producer="registers", producer_loop=True) if producer == "registers_loop" else dict(producer=producer)
     if _interpret(mode) and len(os.sched_getaffinity(0)) < mqa.NUM_WG + 1:
         pytest.skip(f"interpret mode needs a CPU per warpgroup ({mqa.NUM_WG + 1}) for the register "
                     "producer's blocking waits")
@@ -176,7 +178,7 @@ def test_v32_register_producer(mode, producer):
     q = _bf16_exact(rng.standard_normal((t, h, 576)))
     for splits in (1, 2):
         out = _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_EXACT_KV,
-                     interpret=interpret, num_splits=splits, producer=producer)
+                     interpret=interpret, num_splits=splits, **kw)
         assert np.all(out[1] == 0.0)
     if interpret:
         assert not gpu_callbacks.get_races().races_found
@@ -192,7 +194,7 @@ def test_register_producer_bad_inputs():
                     (dict(producer_regs=100), "producer_regs"), (dict(producer_regs=8), "producer_regs"),
                     (dict(producer_prefetch=-1), "producer_prefetch"),
                     (dict(producer_prefetch=1.5), "producer_prefetch"), (dict(producer_phases=3), "producer_phases"),
-                    (dict(producer="cluster"), "65 to 128 heads")]:
+                    (dict(producer="cluster"), "65 to 128 heads"), (dict(producer_loop=True), "producer_loop")]:
         with pytest.raises(ValueError, match=msg):
             mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.1, v_dim=512, interpret=True, **kw)
     with pytest.raises(ValueError, match="native only"):
@@ -347,7 +349,7 @@ def test_v4_layer_attend(mode):
 @pytest.mark.skipif(ON_GPU, reason="the native tests compile the kernel")
 @pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16", "v32_fp8_registers",
                                   "v32_fp8_registers_p1", "v32_fp8_registers_pf", "v32_fp8_registers_pf2",
-                                  "v32_fp8_cluster"])
+                                  "v32_fp8_cluster", "v32_fp8_registers_loop"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -368,6 +370,8 @@ def test_lowers_for_cuda(case):
           if "registers" in case else {})
     if case.endswith("cluster"):  # the two head tiles as a 2-CTA cluster
         kw = dict(producer="cluster")
+    if case.endswith("loop"):  # the register producer as one software-pipelined loop
+        kw = dict(producer="registers", producer_loop=True)
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,

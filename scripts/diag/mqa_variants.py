@@ -38,6 +38,10 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             "cluster_f32": dict(producer="cluster", producer_pow2=False),
             # the two head tiles of a token as a 2-CTA cluster, each CTA gathering half of every block for both
             "cluster": dict(producer="cluster"),
+            # the register producer as one software-pipelined loop (raw mbarriers, next slot and block id carried)
+            "registers_loop": dict(producer="registers", producer_loop=True),
+            "registers_loop_p1r112": dict(producer="registers", producer_loop=True, producer_phases=1,
+                                          producer_regs=112),
             "cluster_r96": dict(producer="cluster", producer_regs=96),
             "cluster_r120": dict(producer="cluster", producer_regs=120)}
 
