@@ -295,8 +295,8 @@ def free_arrivals(cluster: bool) -> int:
 def init_barriers(bars_ref, *, cluster: bool) -> None:
     """From every thread of the CTA, before any warpgroup specialises: thread 0 initialises the raw mbarriers
     at ``bars_ref`` (SMEM int32, 2 words each): "full" 0 / 1 (``FULL_ARRIVALS``) and "free" 0 / 1
-    (``free_arrivals``), then the cluster (or the lone CTA, a cluster of one) syncs, so that no thread, here
-    or in a peer, reaches an uninitialised barrier."""
+    (``free_arrivals``), then the cluster (or the CTA) syncs, so that no thread, here or in a peer, reaches an
+    uninitialised barrier."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
     def init(_, bars):
@@ -308,7 +308,10 @@ def init_barriers(bars_ref, *, cluster: bool) -> None:
             f"@p mbarrier.init.shared::cta.b64 [$0+{8 * b}], {n};\n" for b, n in enumerate(counts)) + \
             "@p fence.mbarrier_init.release.cluster; }"
         e.asm(text, [base, is0], "r,r")
-        e.asm("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;", [], "")
+        if cluster:
+            e.asm("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;", [], "")
+        else:  # every thread of the CTA is here (the kernel body before it specialises): a CTA barrier
+            e.asm("bar.sync 0;", [], "")
 
     init(bars_ref)
 
