@@ -22,6 +22,7 @@
 #   scripts/gpu_session.sh ncu-topk      # issue 20: Nsight Compute (full set) on the radix select at 64 x 64K, one and two programs per row
 #   scripts/gpu_session.sh ncu-mqa       # issue 20: Nsight Compute (full set) on the sparse MQA, V3.2 and V4 decode at batch 64
 #   scripts/gpu_session.sh mqa-variants  # issue 20: sparse MQA native tests, its switches on the GPU timeline, ncu of the default
+#   scripts/gpu_session.sh mqa-loops     # issue 20: the software-pipelined producers (registers_loop, cluster): native tests, then timed
 #   scripts/gpu_session.sh ncu-fp4sweep  # issue 22: FP4 grouped decode calls x variants (bf16 / e4m3 x), exact kernel durations (ncu)
 #   scripts/gpu_session.sh hostprofile   # issue 16: one step's GPU timeline (8 layers, 8 segments), TTFT's readback
 #   scripts/gpu_session.sh probe         # host cost of a captured step: preparation vs dispatch, graphs vs none
@@ -236,6 +237,24 @@ case "$stage" in
       -o /tmp/mqa_v32_b64 python3 scripts/diag/ncu_kernels.py mqa --shape v32 --m 64 > /dev/null 2>&1; echo "ncu mqa rc=$?"
     ncu -i /tmp/mqa_v32_b64.ncu-rep --page details > "$OUT/mqa_v32_b64_details.txt" 2>&1
     ncu -i /tmp/mqa_v32_b64.ncu-rep --page source --csv --print-source sass > "$OUT/mqa_v32_b64_sass.csv" 2>&1
+    ;;
+  mqa-loops)
+    # the producers as one software-pipelined loop (eighteenth session, never run natively: each process is killed
+    # if it hangs): their native tests, then the switch sets beside the default, then ncu of the loop producer
+    timeout -s KILL ${MQAL_TESTS_TIMEOUT:-150} python3 -m pytest -m gpu -q --tb=short -rfE -p no:cacheprovider \
+      tests/test_kernel_sparse_mqa.py tests/test_kernel_record_gather.py -k "register_producer or bit_exact" \
+      > "$OUT/gpu_mqa_loop_tests.log" 2>&1; echo "mqa loop tests rc=$?"; tail -4 "$OUT/gpu_mqa_loop_tests.log"
+    timeout -s KILL ${MQAL_TIMEOUT:-300} python3 scripts/diag/mqa_variants.py \
+      --cases ${MQAL_CASES:-v32_decode_64 v32_decode_128 v32_prefill_4096} \
+      --variants ${MQAL_VARIANTS:-default registers_loop registers_loop_p1r112 cluster cluster_r96 cluster_r120} \
+      --out "$OUT/mqa_variants_loops_h200.json" > "$OUT/mqa_variants_loops.log" 2>&1; echo "mqa loop variants rc=$?"
+    grep '^{' "$OUT/mqa_variants_loops.log" | python3 -c 'import json, sys; [print(r["case"], r["variant"], r.get("profile_span_us"), r.get("tflops"), r.get("max_abs_err"), r.get("error", "")[:200]) for r in map(json.loads, sys.stdin)]'
+    [ "${MQA_NCU:-1}" = 1 ] || continue
+    timeout -s KILL ${NCUM_TIMEOUT:-150} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
+      -o /tmp/mqa_loop python3 scripts/diag/ncu_kernels.py mqa --shape v32 --m 64 \
+      --tiles "${MQAL_NCU_TILES:-{\"producer_loop\": true\}}" > /dev/null 2>&1; echo "ncu mqa loop rc=$?"
+    ncu -i /tmp/mqa_loop.ncu-rep --page details > "$OUT/mqa_v32_b64_loop_details.txt" 2>&1
+    ncu -i /tmp/mqa_loop.ncu-rep --page source --csv --print-source sass > "$OUT/mqa_v32_b64_loop_sass.csv" 2>&1
     ;;
   ncu-fp4sweep)
     # the e4m3-x route ({"x_fp8": true}: x quantised outside the profiled call, as the V4 MoE's); its kernel is
