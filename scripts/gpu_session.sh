@@ -246,7 +246,7 @@ case "$stage" in
       > "$OUT/gpu_mqa_loop_tests.log" 2>&1; echo "mqa loop tests rc=$?"; tail -4 "$OUT/gpu_mqa_loop_tests.log"
     timeout -s KILL ${MQAL_TIMEOUT:-300} python3 scripts/diag/mqa_variants.py \
       --cases ${MQAL_CASES:-v32_decode_64 v32_decode_128 v32_prefill_4096} \
-      --variants ${MQAL_VARIANTS:-default registers_loop registers_loop_p1r112 cluster cluster_r96 cluster_r120} \
+      --variants ${MQAL_VARIANTS:-default registers_loop registers_loop_p1r120 cluster cluster_r96 cluster_r128} \
       --out "$OUT/mqa_variants_loops_h200.json" > "$OUT/mqa_variants_loops.log" 2>&1; echo "mqa loop variants rc=$?"
     grep '^{' "$OUT/mqa_variants_loops.log" | python3 -c 'import json, sys; [print(r["case"], r["variant"], r.get("profile_span_us"), r.get("tflops"), r.get("max_abs_err"), r.get("error", "")[:200]) for r in map(json.loads, sys.stdin)]'
     [ "${MQA_NCU:-1}" = 1 ] || continue

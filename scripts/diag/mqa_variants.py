@@ -40,10 +40,10 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             "cluster": dict(producer="cluster"),
             # the register producer as one software-pipelined loop (raw mbarriers, next slot and block id carried)
             "registers_loop": dict(producer="registers", producer_loop=True),
-            "registers_loop_p1r112": dict(producer="registers", producer_loop=True, producer_phases=1,
-                                          producer_regs=112),
+            "registers_loop_p1r120": dict(producer="registers", producer_loop=True, producer_phases=1,
+                                          producer_regs=120),
             "cluster_r96": dict(producer="cluster", producer_regs=96),
-            "cluster_r120": dict(producer="cluster", producer_regs=120)}
+            "cluster_r128": dict(producer="cluster", producer_regs=128)}
 
 
 def _case(name: str, quick: bool) -> dict:
