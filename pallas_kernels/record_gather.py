@@ -148,11 +148,12 @@ class _Emit:
         return self.asm("{ .reg .u32 r; mov.u32 r, %cluster_ctarank; xor.b32 r, r, 1;\n"
                         "mapa.shared::cluster.u32 $0, $1, r; }", [addr], "=r,r", 1)[0]
 
-    def k_row(self, k_base, row):
-        """(row's byte offset in the K tile, its swizzle) for ``K_TILE_TRANSFORMS``."""
+    def k_row(self, k_base, row, cols: int = K_COLS):
+        """(row's address in a K tile of ``cols`` bf16 columns at ``k_base``, its swizzle) for
+        ``K_TILE_TRANSFORMS``."""
         arith, c32 = self.arith, self.c32
         r8 = arith.remui(row, c32(8))
-        row_off = arith.addi(arith.muli(arith.divui(row, c32(8)), c32((K_COLS // 32) * 512)), arith.muli(r8, c32(64)))
+        row_off = arith.addi(arith.muli(arith.divui(row, c32(8)), c32((cols // 32) * 512)), arith.muli(r8, c32(64)))
         return arith.addi(k_base, row_off), arith.andi(arith.shrui(r8, c32(1)), c32(3))
 
     def k_addr(self, row_base, sw, col0, col: int):
@@ -381,8 +382,8 @@ class _Loop:
         slot = e.arith.extui(e.i64, e.arith.maxsi(raw, e.c32(0)))
         return e.arith.addi(self.cache, e.arith.muli(slot, e.c64(REC656)))
 
-    def tile(self, b):
-        return self.e.arith.addi(self.k_base, self.e.arith.muli(b, self.e.c32(BLOCK * K_COLS * 2)))
+    def tile(self, b, cols: int = K_COLS):
+        return self.e.arith.addi(self.k_base, self.e.arith.muli(b, self.e.c32(BLOCK * cols * 2)))
 
     def wait_free(self, kk, b8) -> None:
         """Tile k % 2 (and idx row k % 2) is free once the consumers are done with block k - 2."""
@@ -555,3 +556,105 @@ def produce_cluster_656(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nb
         lp.run(init, body)
 
     produce(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk)
+
+
+# ---- V4's MlaRecord584 --------------------------------------------------------------------------------------
+REC584_DATA, NOPE584, SCALES584 = 576, 448, 8  # per entry: 448 e4m3 + 64 bf16 rope | 7 UE8M0 exponents + pad
+K_COLS_584 = 512  # the K tile: 448 NoPE + 64 rope
+
+
+def produce_tile_584(blocks_ref, slots_ref, cache_refs, k_ref, idx_ref, b0, nblk, *,
+                     lists: tuple[tuple[int, int, int], ...], phases: int = 2) -> None:
+    """``produce_tile_656`` for V4's ``MlaRecord584`` caches: one or two candidate lists (window, compressed),
+    each over its own cache ``cache_refs[i]`` (GMEM uint8 pages [epp x 576 B data][epp x 8 B exponents]);
+    ``lists[i]`` = (its first block in the concatenated lists, entries per page, page bytes). K tiles of 512
+    columns (448 NoPE + 64 rope). Thread t serves row t // 2: NoPE chunks 14 (t % 2) .. + 13 of 16 columns,
+    rope columns 448 + 32 (t % 2) .. + 31, and its row's 8 exponent bytes. The UE8M0 scales make the
+    conversion-free dequantisation exact (``_DQ_POW2_ASM``; exponents >= 70, the writer's floor gives >= 105)."""
+    if len(cache_refs) != len(lists) or not 1 <= len(lists) <= 2:
+        raise ValueError(f"one or two lists, each with its cache: got {len(cache_refs)} caches, {len(lists)} lists")
+    if phases not in (1, 2):
+        raise ValueError(f"phases must be 1 or 2, got {phases}")
+    nc = len(lists)
+    types = (plgpu.RefType(), plgpu.RefType()) + (plgpu.RefType(),) * nc + _LOOP_TYPES[3:]
+
+    @plgpu.inline_mgpu(arg_types=types)
+    def produce(_, blocks, slots, *rest):
+        caches, (k, idx, b0_fa, n_fa) = rest[:nc], rest[nc:]
+        e = _Emit()
+        arith, c32, c64, i64 = e.arith, e.c32, e.c64, e.i64
+        lp = _Loop(e, blocks, slots, caches[0], k, idx, b0_fa.registers.item(), n_fa.registers.item())
+        bases = [e.gmem_addr(c) for c in caches]
+        row, half = arith.divui(lp.tid, c32(2)), arith.remui(lp.tid, c32(2))
+        half64 = arith.extui(i64, half)
+        publisher = arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.eq, half, c32(0)))
+        n_chunks = NOPE584 // 16 // 2  # 14 chunks of 16 NoPE values per thread
+        col_nope = arith.muli(half, c32(16 * n_chunks))
+        col_rope = arith.addi(c32(NOPE584), arith.muli(half, c32(32)))
+        per = -(-n_chunks // phases)
+
+        def record(raw, blk):
+            """(data address, exponent address) of slot ``raw`` (masked: slot 0) of block ``blk``'s list."""
+            slot = arith.maxsi(raw, c32(0))
+            out = []
+            for base, (_, epp, page_bytes) in zip(bases, lists):
+                page = arith.extui(i64, arith.divui(slot, c32(epp)))
+                j = arith.extui(i64, arith.remui(slot, c32(epp)))
+                page_base = arith.addi(base, arith.muli(page, c64(page_bytes)))
+                out.append((arith.addi(page_base, arith.muli(j, c64(REC584_DATA))),
+                            arith.addi(page_base, arith.addi(c64(epp * REC584_DATA), arith.muli(j, c64(SCALES584))))))
+            if nc == 1:
+                return out[0]
+            second = arith.cmpi(arith.CmpIPredicate.sge, blk, c32(lists[1][0]))
+            return tuple(arith.select(second, b, a) for a, b in zip(*out))
+
+        def body(kk, carried):
+            s_cur, blk_cur, s_next, blk_next, blk_nn = carried
+            data, sc_addr = record(s_cur, blk_cur)
+            nope0 = arith.addi(data, arith.muli(half64, c64(16 * n_chunks * 1)))
+            # loads first: round 0 of block k, its exponents and rope; block k + 2's slot, block k + 3's id;
+            # block k + 1's record into L2
+            ex = e.asm("ld.global.nc.v2.u32 {$0, $1}, [$2];", [sc_addr], "=r,=r,l", 2)
+            rope = e.loads(arith.addi(data, arith.addi(c64(NOPE584), arith.muli(half64, c64(64)))), [0, 16, 32, 48])
+            lat = e.loads(nope0, [16 * i for i in range(min(per, n_chunks))])
+            s_nn = lp.slot_of(blk_nn, row)
+            blk_nnn = lp.block_of(arith.addi(kk, c32(3)))
+            ndata, nsc = record(s_next, blk_next)
+            e.prefetch(arith.addi(ndata, arith.muli(half64, c64(288))), (0, 128, 256, 287))
+            e.prefetch(nsc, (0,))
+            b = arith.remui(kk, c32(2))
+            b8 = arith.muli(b, c32(8))
+            lp.wait_free(kk, b8)
+            e.store_slot_at(arith.addi(lp.idx_base, arith.muli(b, c32(BLOCK * 4))), row, s_cur, publisher)
+            row_base, sw = e.k_row(lp.tile(b, K_COLS_584), row, K_COLS_584)
+            scale_cache = {}
+
+            def scale(g: int, first_half: bool):
+                # chunk c of this thread is global chunk 14 h + c: its group (64 columns) is (14 h + c) // 4
+                key = (g, first_half)
+                if key not in scale_cache:
+                    byte = arith.andi(arith.shrui(ex[g // 4], c32(8 * (g % 4))), c32(0xFF))
+                    h = arith.shli(arith.addi(byte, c32(60)), c32(7))  # bf16 of 2^(e - 127) * 2^60
+                    scale_cache[key] = arith.ori(h, arith.shli(h, c32(16)))
+                return scale_cache[key]
+
+            for p in range(phases):
+                idxs = list(range(p * per, min((p + 1) * per, n_chunks)))
+                if p:
+                    lat = e.loads(nope0, [16 * i for i in idxs])
+                for n, i in enumerate(idxs):
+                    # the group differs between the halves: select between them
+                    s0, s1 = scale(i // 4, True), scale((n_chunks + i) // 4, False)
+                    sc = arith.select(arith.cmpi(arith.CmpIPredicate.eq, half, c32(0)), s0, s1)
+                    words = e.dequant(lat[n], sc, True)
+                    e.store16(e.k_addr(row_base, sw, col_nope, 16 * i), words[:4])
+                    e.store16(e.k_addr(row_base, sw, col_nope, 16 * i + 8), words[4:])
+            for q in range(4):
+                e.store16(e.k_addr(row_base, sw, col_rope, 8 * q), rope[q])
+            lp.arrive_full(b8)
+            return [s_next, blk_next, s_nn, blk_nn, blk_nnn]
+
+        blk0, blk1, blk2 = lp.block_of(c32(0)), lp.block_of(c32(1)), lp.block_of(c32(2))
+        lp.run([lp.slot_of(blk0, row), blk0, lp.slot_of(blk1, row), blk1, blk2], body)
+
+    produce(blocks_ref, slots_ref, *cache_refs, k_ref, idx_ref, b0, nblk)

@@ -274,8 +274,11 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                           "(see pallas_kernels.sparse_mqa.supports)")
     specs = tuple(cache_spec(f) for f in formats)
     one_656 = len(specs) == 1 and specs[0].kind == "mla656"
-    if producer in ("registers", "cluster") and not one_656:
-        raise ValueError(f'producer="{producer}" reads one MlaRecord656 cache (got {formats})')
+    v4_loop = producer == "registers" and producer_loop and len(specs) <= 2 and all(
+        sp.kind == "mla584" for sp in specs)
+    if producer in ("registers", "cluster") and not (one_656 or v4_loop):
+        raise ValueError(f'producer="{producer}" reads one MlaRecord656 cache, or with producer_loop one or two '
+                         f'MlaRecord584 caches (got {formats})')
     if producer_pow2 and not (one_656 and specs[0].pow2_scales):
         raise ValueError("producer_pow2=True needs MlaRecord656 records with power-of-two (ue8m0) scales, "
                          f"got {formats}")
@@ -709,6 +712,11 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             if cl:  # one software-pipelined loop, its own waits and arrivals (raw mbarriers)
                 record_gather.produce_cluster_656(blocks_ref.at[ti], slots_ref.at[ti], cache_refs[0], k_s1, idx_s,
                                                   b0, nblk, pow2_scales=pow2)
+                return
+            if raw and kind == "mla584":
+                record_gather.produce_tile_584(
+                    blocks_ref.at[ti], slots_ref.at[ti], cache_refs, k_s1, idx_s, b0, nblk, phases=producer_phases,
+                    lists=tuple((list_start[i], specs[i].entries_per_page, specs[i].page_elems) for i in range(nc)))
                 return
             if raw:
                 record_gather.produce_tile_656(blocks_ref.at[ti], slots_ref.at[ti], cache_refs[0], k_s1, idx_s, b0,

@@ -242,7 +242,7 @@ case "$stage" in
     # the producers as one software-pipelined loop (eighteenth session, never run natively: each process is killed
     # if it hangs): their native tests, then the switch sets beside the default, then ncu of the loop producer
     timeout -s KILL ${MQAL_TESTS_TIMEOUT:-150} python3 -m pytest -m gpu -q --tb=short -rfE -p no:cacheprovider \
-      tests/test_kernel_sparse_mqa.py tests/test_kernel_record_gather.py -k "register_producer or bit_exact" \
+      tests/test_kernel_sparse_mqa.py tests/test_kernel_record_gather.py -k "register_producer or bit_exact or v4_register" \
       > "$OUT/gpu_mqa_loop_tests.log" 2>&1; echo "mqa loop tests rc=$?"; tail -4 "$OUT/gpu_mqa_loop_tests.log"
     timeout -s KILL ${MQAL_TIMEOUT:-300} python3 scripts/diag/mqa_variants.py \
       --cases ${MQAL_CASES:-v32_decode_64 v32_decode_128 v32_prefill_4096} \

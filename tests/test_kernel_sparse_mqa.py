@@ -201,7 +201,7 @@ def test_register_producer_bad_inputs():
         mqa.sparse_mqa(jnp.zeros((1, 128, 576), jnp.bfloat16), [cache], [fmt], [slots], scale=0.1, v_dim=512,
                        interpret=True, producer="cluster")
     f4 = MlaRecord584(16)
-    with pytest.raises(ValueError, match="MlaRecord656"):
+    with pytest.raises(ValueError, match="MlaRecord656"):  # the per-block register producer reads V3.2 records
         mqa.sparse_mqa(jnp.zeros((1, 4, 512), jnp.bfloat16), [_cache(f4, 2, 512, rng)], [f4], [slots],
                        scale=0.1, v_dim=512, interpret=True, producer="registers")
 
@@ -242,6 +242,26 @@ def test_v4_window_compressed_sink(mode, num_splits):
     out = _check(q, [cw, cc], [fw, fc], [sw, sc], scale=512 ** -0.5, v_dim=512, sink=sink, tol=TOL_EXACT_KV,
                  interpret=interpret, num_splits=num_splits)
     assert np.all(out[2] == 0.0)  # only the sink's mass: zero output
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_v4_register_loop_producer(num_splits):
+    """V4's register producer loop (``producer="registers", producer_loop=True``, native only): the two
+    MlaRecord584 lists of different pages per block, every block of the loop, the sink, a fully masked row."""
+    if not ON_GPU:
+        pytest.skip("native only")
+    rng = np.random.default_rng(13)
+    t, h, kw, kc, ew, ec = 4, 64, 128, 512, 256, 64
+    fw, fc = MlaRecord584(ew), MlaRecord584(ec)
+    cw, cc = _cache(fw, 4, 512, rng), _cache(fc, 16, 512, rng)
+    sw = _slots(rng, t, kw, 4 * ew, 0.2, empty_rows=(2,))
+    sc = _slots(rng, t, kc, 16 * ec, 0.4, empty_rows=(2,))
+    q = _bf16_exact(rng.standard_normal((t, h, 512)))
+    sink = jnp.asarray(rng.standard_normal(h).astype(np.float32))
+    out = _check(q, [cw, cc], [fw, fc], [sw, sc], scale=512 ** -0.5, v_dim=512, sink=sink, tol=TOL_EXACT_KV,
+                 interpret=False, num_splits=num_splits, producer="registers", producer_loop=True)
+    assert np.all(out[2] == 0.0)
 
 
 # ----- bf16 FloatRows caches -----------------------------------------------------------------------------
@@ -349,7 +369,7 @@ def test_v4_layer_attend(mode):
 @pytest.mark.skipif(ON_GPU, reason="the native tests compile the kernel")
 @pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16", "v32_fp8_registers",
                                   "v32_fp8_registers_p1", "v32_fp8_registers_pf", "v32_fp8_registers_pf2",
-                                  "v32_fp8_cluster", "v32_fp8_registers_loop"])
+                                  "v32_fp8_cluster", "v32_fp8_registers_loop", "v4_fp8_registers_loop"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""

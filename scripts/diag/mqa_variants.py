@@ -42,6 +42,7 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             "registers_loop": dict(producer="registers", producer_loop=True),
             "registers_loop_p1r120": dict(producer="registers", producer_loop=True, producer_phases=1,
                                           producer_regs=120),
+            "registers_loop_splits1": dict(producer="registers", producer_loop=True, num_splits=1),  # V4 b64
             "cluster_r96": dict(producer="cluster", producer_regs=96),
             "cluster_r128": dict(producer="cluster", producer_regs=128)}
 
