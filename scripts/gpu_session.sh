@@ -239,17 +239,20 @@ case "$stage" in
     ncu -i /tmp/mqa_v32_b64.ncu-rep --page source --csv --print-source sass > "$OUT/mqa_v32_b64_sass.csv" 2>&1
     ;;
   mqa-loops)
-    # the producers as one software-pipelined loop (eighteenth session, never run natively: each process is killed
-    # if it hangs): their native tests, then the switch sets beside the default, then ncu of the loop producer
-    timeout -s KILL ${MQAL_TESTS_TIMEOUT:-150} python3 -m pytest -m gpu -q --tb=short -rfE -p no:cacheprovider \
-      tests/test_kernel_sparse_mqa.py tests/test_kernel_record_gather.py -k "register_producer or bit_exact or v4_register" \
-      > "$OUT/gpu_mqa_loop_tests.log" 2>&1; echo "mqa loop tests rc=$?"; tail -4 "$OUT/gpu_mqa_loop_tests.log"
-    timeout -s KILL ${MQAL_TIMEOUT:-300} python3 scripts/diag/mqa_variants.py \
-      --cases ${MQAL_CASES:-v32_decode_64 v32_decode_128 v32_prefill_4096} \
-      --variants ${MQAL_VARIANTS:-default registers_loop registers_loop_p1r120 cluster cluster_r96 cluster_r128} \
-      --out "$OUT/mqa_variants_loops_h200.json" > "$OUT/mqa_variants_loops.log" 2>&1; echo "mqa loop variants rc=$?"
+    # the producers as one software-pipelined loop (eighteenth session, never run natively): each test group and
+    # each variant runs in its own process, killed if it hangs, so that one hang hides nothing else
+    [ "${MQAL_TESTS:-1}" = 1 ] && for k in "bit_exact" "register_producer and registers_loop" "register_producer and cluster" "v4_register"; do
+      timeout -s KILL ${MQAL_TEST_TIMEOUT:-90} python3 -m pytest -m gpu -q --tb=short -rfE -p no:cacheprovider \
+        tests/test_kernel_sparse_mqa.py tests/test_kernel_record_gather.py -k "$k" >> "$OUT/gpu_mqa_loop_tests.log" 2>&1
+      echo "mqa loop tests [$k] rc=$?"; tail -1 "$OUT/gpu_mqa_loop_tests.log"
+    done
+    for v in ${MQAL_VARIANTS:-default registers_loop registers_loop_p1r120 cluster cluster_r96 cluster_r128}; do
+      timeout -s KILL ${MQAL_TIMEOUT:-100} python3 scripts/diag/mqa_variants.py \
+        --cases ${MQAL_CASES:-v32_decode_64 v32_decode_128 v32_prefill_4096} --variants $v \
+        --out "$OUT/mqa_variants_loops_${v}_h200.json" >> "$OUT/mqa_variants_loops.log" 2>&1; echo "mqa variant $v rc=$?"
+    done
     grep '^{' "$OUT/mqa_variants_loops.log" | python3 -c 'import json, sys; [print(r["case"], r["variant"], r.get("profile_span_us"), r.get("tflops"), r.get("max_abs_err"), r.get("error", "")[:200]) for r in map(json.loads, sys.stdin)]'
-    [ "${MQA_NCU:-1}" = 1 ] || continue
+    [ "${MQAL_NCU:-0}" = 1 ] || continue  # MQAL_NCU=1: ncu of the loop producer too (about 2.5 more minutes)
     timeout -s KILL ${NCUM_TIMEOUT:-150} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
       -o /tmp/mqa_loop python3 scripts/diag/ncu_kernels.py mqa --shape v32 --m 64 \
       --tiles "${MQAL_NCU_TILES:-{\"producer_loop\": true\}}" > /dev/null 2>&1; echo "ncu mqa loop rc=$?"
