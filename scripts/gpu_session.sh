@@ -219,7 +219,8 @@ case "$stage" in
         -o "/tmp/$name" python3 scripts/diag/ncu_kernels.py mqa --shape "$arch" --m 64 --tiles "$tiles" > /dev/null 2>&1
       echo "ncu $name rc=$?"
       ncu -i "/tmp/$name.ncu-rep" --page details > "$OUT/${name}_details.txt" 2>&1
-      [ "$arch" = v32 ] && ncu -i "/tmp/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/${name}_sass.csv" 2>&1
+      [ "$arch" = v32 ] && ncu -i "/tmp/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/${name}_sass.csv" 2>&1 \
+        && python3 scripts/diag/ncu_sass_regions.py "$OUT/${name}_sass.csv" --top 15 > "$OUT/${name}_regions.txt" 2>&1
     done
     ;;
   mqa-variants)
@@ -258,6 +259,7 @@ case "$stage" in
       --tiles "${MQAL_NCU_TILES:-{\"producer_loop\": true\}}" > /dev/null 2>&1; echo "ncu mqa loop rc=$?"
     ncu -i /tmp/mqa_loop.ncu-rep --page details > "$OUT/mqa_v32_b64_loop_details.txt" 2>&1
     ncu -i /tmp/mqa_loop.ncu-rep --page source --csv --print-source sass > "$OUT/mqa_v32_b64_loop_sass.csv" 2>&1
+    python3 scripts/diag/ncu_sass_regions.py "$OUT/mqa_v32_b64_loop_sass.csv" --top 15 | tee "$OUT/mqa_v32_b64_loop_regions.txt" | head -60
     ;;
   ncu-fp4sweep)
     # the e4m3-x route ({"x_fp8": true}: x quantised outside the profiled call, as the V4 MoE's); its kernel is

@@ -1,0 +1,51 @@
+"""scripts/diag/ncu_sass_regions.py on a synthetic Nsight Compute source page (no GPU, no ncu)."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("ncu_sass_regions", ROOT / "scripts/diag/ncu_sass_regions.py")
+regions_mod = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(regions_mod)
+
+HEADER = ["Address", "Source", regions_mod.SAMPLES, regions_mod.NOT_ISSUED, regions_mod.EXECUTED]
+
+
+def _write(path: pathlib.Path) -> None:
+    rows = [["Kernel Name", "loop_fusion"], HEADER, ["0x0", "NOP", "5", "5", "1"],
+            ["Kernel Name", "kernel_mosaic_gpu_kernel"], HEADER,
+            ["0x10", "LDC R1, c[0x0][0x28]", "2", "2", "4"],
+            ["0x20", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xd0", "0", "0", "8"],
+            ["0x30", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR22], R12", "1", "1", "16"],
+            ["0x40", "@!P0  BRA 0x30", "30", "25", "16"],
+            ["0x50", "@P0   EXIT", "0", "0", "8"],
+            ["0x60", "USETMAXREG.DEALLOC.CTAPOOL 0x50", "0", "0", "4"],
+            ["0x70", "F2FP.F16.E4M3.UNPACK_B R32, R28", "12", "10", "64"],
+            ["0x80", "EXIT", "0", "0", "4"]]
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows(rows)
+
+
+def test_regions_and_opcodes(tmp_path):
+    p = tmp_path / "k_sass.csv"
+    _write(p)
+    col, data = regions_mod.kernel_rows(str(p), "mosaic")
+    assert len(data) == 8  # the first kernel's rows are not mixed in
+    assert regions_mod.opcode("@!P0  BRA 0x30") == "BRA"
+    assert regions_mod.opcode("F2FP.F16.E4M3.UNPACK_B R32, R28") == "F2FP"
+    spans = regions_mod.regions(col, data)
+    assert [(a, b) for a, b, _ in spans] == [(0, 1), (1, 4), (4, 5), (5, 7), (7, 8)]
+    samples = [sum(int(r[col[regions_mod.SAMPLES]]) for r in data[a:b]) for a, b, _ in spans]
+    assert samples == [2, 31, 0, 12, 0]
+
+
+def test_missing_kernel(tmp_path):
+    p = tmp_path / "k_sass.csv"
+    _write(p)
+    with pytest.raises(ValueError, match="no kernel"):
+        regions_mod.kernel_rows(str(p), "triton")
