@@ -227,21 +227,7 @@ def test_no_races():
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("num_splits", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_v4_window_compressed_sink(mode, num_splits):
-    interpret = _interpret(mode)
-    rng = np.random.default_rng(3)
-    if interpret:  # window list (16 wide) and compressed list (70 wide) -> 1 + 2 blocks
-        t, h, kw, kc, ew, ec = 3, 4, 16, 70, 16, 8
-    else:  # V4-Flash decode shape: 64 heads, window 128 + top-512 (C4 page: 64 entries)
-        t, h, kw, kc, ew, ec = 4, 64, 128, 512, 256, 64
-    fw, fc = MlaRecord584(ew), MlaRecord584(ec)
-    cw, cc = _cache(fw, 4, 512, rng), _cache(fc, 16, 512, rng)
-    sw = _slots(rng, t, kw, 4 * ew, 0.2, empty_rows=(2,))
-    sc = _slots(rng, t, kc, 16 * ec, 0.4, empty_rows=(2,))
-    q = _bf16_exact(rng.standard_normal((t, h, 512)))
-    sink = jnp.asarray(rng.standard_normal(h).astype(np.float32))
-    out = _check(q, [cw, cc], [fw, fc], [sw, sc], scale=512 ** -0.5, v_dim=512, sink=sink, tol=TOL_EXACT_KV,
-                 interpret=interpret, num_splits=num_splits)
-    assert np.all(out[2] == 0.0)  # only the sink's mass: zero output
+    _v4_window_compressed(_interpret(mode), num_splits)
 
 
 @pytest.mark.gpu
@@ -251,17 +237,24 @@ def test_v4_register_loop_producer(num_splits):
     MlaRecord584 lists of different pages per block, every block of the loop, the sink, a fully masked row."""
     if not ON_GPU:
         pytest.skip("native only")
-    rng = np.random.default_rng(13)
-    t, h, kw, kc, ew, ec = 4, 64, 128, 512, 256, 64
+    _v4_window_compressed(False, num_splits, producer="registers", producer_loop=True)
+
+
+def _v4_window_compressed(interpret, num_splits, **kw) -> None:
+    rng = np.random.default_rng(3)
+    if interpret:  # window list (16 wide) and compressed list (70 wide) -> 1 + 2 blocks
+        t, h, kw_, kc, ew, ec = 3, 4, 16, 70, 16, 8
+    else:  # V4-Flash decode shape: 64 heads, window 128 + top-512 (C4 page: 64 entries)
+        t, h, kw_, kc, ew, ec = 4, 64, 128, 512, 256, 64
     fw, fc = MlaRecord584(ew), MlaRecord584(ec)
     cw, cc = _cache(fw, 4, 512, rng), _cache(fc, 16, 512, rng)
-    sw = _slots(rng, t, kw, 4 * ew, 0.2, empty_rows=(2,))
+    sw = _slots(rng, t, kw_, 4 * ew, 0.2, empty_rows=(2,))
     sc = _slots(rng, t, kc, 16 * ec, 0.4, empty_rows=(2,))
     q = _bf16_exact(rng.standard_normal((t, h, 512)))
     sink = jnp.asarray(rng.standard_normal(h).astype(np.float32))
     out = _check(q, [cw, cc], [fw, fc], [sw, sc], scale=512 ** -0.5, v_dim=512, sink=sink, tol=TOL_EXACT_KV,
-                 interpret=False, num_splits=num_splits, producer="registers", producer_loop=True)
-    assert np.all(out[2] == 0.0)
+                 interpret=interpret, num_splits=num_splits, **kw)
+    assert np.all(out[2] == 0.0)  # only the sink's mass: zero output
 
 
 # ----- bf16 FloatRows caches -----------------------------------------------------------------------------
