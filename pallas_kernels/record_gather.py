@@ -57,8 +57,8 @@ _DQ_ASM = (
     + "".join(f"cvt.rn.bf16x2.f32 ${i}, y{2 * i + 1}, y{2 * i};\n" for i in range(8))
     + "}")
 
-# the same for power-of-two scales without a conversion instruction (the conversion pipe is a quarter of the
-# integer one's rate, and F2FP was where the producer stalled): each e4m3 byte b becomes the bf16 bit pattern
+# the same for power-of-two scales without a conversion instruction (exact; on the H200 no faster than _DQ_ASM,
+# the producer being bound by its loads' latency: docs/perf-log.md): each e4m3 byte b becomes the bf16 bit pattern
 # (b & 0x80) << 8 | (b & 0x7F) << 4, whose value is exactly b's times 2^-120 for normal and subnormal b alike
 # (the exponent biases differ by 120, and the mantissa bits line up). Then two exact bf16 products: by
 # scale * 2^60 ($12, both halves) and by 2^60 (split so that no intermediate leaves bf16's range).
@@ -120,7 +120,7 @@ class _Emit:
         """Row ``row``'s raw slot (-1 kept) from GMEM ``slots_ref`` and its record's address (slot 0's if masked)."""
         arith = self.arith
         ptr = arith.addi(self.gmem_addr(slots_ref), arith.extui(self.i64, arith.muli(row, self.c32(4))))
-        raw = self.asm("ld.global.nc.u32 $0, [$1];", [ptr], "=r,l", 1)[0]
+        raw = self.ld32(ptr)
         slot = arith.maxsi(raw, self.c32(0))
         return raw, arith.addi(self.gmem_addr(cache_ref), arith.muli(arith.extui(self.i64, slot), self.c64(REC656)))
 
@@ -157,8 +157,8 @@ class _Emit:
         return arith.addi(k_base, row_off), arith.andi(arith.shrui(r8, c32(1)), c32(3))
 
     def k_addr(self, row_base, sw, col0, col: int):
-        """Shared address of the 8 bf16 at columns col0 + col .. + 7 of the row at ``row_base`` (col0 dynamic, a
-        multiple of 32)."""
+        """Shared address of the 8 bf16 at columns col0 + col .. + 7 of the row at ``row_base`` (col0 dynamic;
+        col0 + col a multiple of 8)."""
         arith, c32 = self.arith, self.c32
         c = arith.addi(col0, c32(col))
         unit = arith.xori(arith.andi(arith.shrui(c, c32(3)), c32(3)), sw)
@@ -168,12 +168,12 @@ class _Emit:
         for off in offsets:
             self.asm("prefetch.global.L2 [$0];", [self.arith.addi(addr, self.c64(off))], "l")
 
-    def wait_parity(self, bar, parity, pred=None, cluster: bool = False) -> None:
+    def wait_parity(self, bar, parity, pred=None) -> None:
         """Spin until the mbarrier at shared address ``bar`` completes the phase of ``parity`` (where ``pred``,
-        i32, is nonzero); acquire at cluster scope where peers arrive."""
-        sem = ".acquire.cluster" if cluster else ""
+        i32, is nonzero); acquire at cluster scope, which covers a peer CTA's arrivals and bytes."""
         skip = "setp.eq.u32 q, $2, 0;\n@q bra DONE;\n" if pred is not None else ""
-        self.asm("{ .reg .pred p, q;\n" + skip + f"WAIT:\nmbarrier.try_wait.parity{sem}.shared::cta.b64 p, [$0], $1;\n"
+        self.asm("{ .reg .pred p, q;\n" + skip
+                 + "WAIT:\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$0], $1;\n"
                  "@!p bra WAIT;\nDONE:\n}", [bar, parity] + ([pred] if pred is not None else []),
                  "r,r,r" if pred is not None else "r,r")
 
@@ -187,6 +187,35 @@ class _Emit:
     def store_slot_at(self, base, row, raw, pred) -> None:
         addr = self.arith.addi(base, self.arith.muli(row, self.c32(4)))
         self.asm("{ .reg .pred p; setp.ne.u32 p, $2, 0; @p st.shared.u32 [$0], $1; }", [addr, raw, pred], "r,r,r")
+
+
+def _half_row_656(e: _Emit, rec, half, *, phases: int, pow2: bool, after_first_loads) -> None:
+    """Half ``half`` (0 / 1) of the record at ``rec`` into its K tile row (two threads per row): the scales, the
+    rope values and the first round of latent loads (one asm statement each), then ``after_first_loads()`` ->
+    (row address, swizzle), whatever must sit between those loads and the first store, then each round
+    converted and stored."""
+    arith, c32, c64 = e.arith, e.c32, e.c64
+    half64 = arith.extui(e.i64, half)
+    first_half = arith.cmpi(arith.CmpIPredicate.eq, half, c32(0))
+    per = 16 // phases
+    scales = e.loads(arith.addi(rec, c64(LATENT)), [0])[0]
+    rope = e.loads(arith.addi(rec, arith.addi(arith.muli(half64, c64(64)), c64(LATENT + 16))), [0, 16, 32, 48])
+    lat0 = arith.addi(rec, arith.muli(half64, c64(256)))  # this thread's first latent byte
+    lat = e.loads(lat0, [16 * i for i in range(per)])
+    row_base, sw = after_first_loads()
+    if pow2:
+        scales = [e.pow2_scale(w) for w in scales]
+    col_lat = arith.muli(half, c32(256))
+    for p in range(phases):  # every load of a round first (one asm statement), then convert and store
+        if p:
+            lat = e.loads(lat0, [16 * i for i in range(p * per, (p + 1) * per)])
+        for n, i in enumerate(range(p * per, (p + 1) * per)):
+            words = e.dequant(lat[n], arith.select(first_half, scales[i // 8], scales[2 + i // 8]), pow2)
+            e.store16(e.k_addr(row_base, sw, col_lat, 16 * i), words[:4])
+            e.store16(e.k_addr(row_base, sw, col_lat, 16 * i + 8), words[4:])
+    col_rope = arith.addi(c32(LATENT), arith.muli(half, c32(32)))
+    for q in range(4):
+        e.store16(e.k_addr(row_base, sw, col_rope, 8 * q), rope[q])
 
 
 def fill_k_tile_656(slots_ref, cache_ref, k_ref, idx_ref=None, *, phases: int = 1, next_slots_ref=None,
@@ -222,24 +251,7 @@ def fill_k_tile_656(slots_ref, cache_ref, k_ref, idx_ref=None, *, phases: int = 
             e.prefetch(arith.addi(nrec, arith.muli(arith.extui(e.i64, half), c64(384))), (0, 128, 256, 271))
         if has_idx:  # the raw slot (-1 kept) for the consumers' validity mask: one thread per row
             e.store_slot(extra[0], row, raw, arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.eq, half, c32(0))))
-        half64 = arith.extui(e.i64, half)
-        scales = e.loads(arith.addi(rec, c64(LATENT)), [0])[0]
-        rope = e.loads(arith.addi(rec, arith.addi(arith.muli(half64, c64(64)), c64(LATENT + 16))), [0, 16, 32, 48])
-        lat0 = arith.addi(rec, arith.muli(half64, c64(256)))  # this thread's first latent byte
-        col_lat = arith.muli(half, c32(256))
-        first_half = arith.cmpi(arith.CmpIPredicate.eq, half, c32(0))
-        if pow2_scales:
-            scales = [e.pow2_scale(w) for w in scales]
-        per = 16 // phases
-        for p in range(phases):  # every load of the round first (one asm statement), then convert and store
-            lat = e.loads(lat0, [16 * i for i in range(p * per, (p + 1) * per)])
-            for n, i in enumerate(range(p * per, (p + 1) * per)):
-                words = e.dequant(lat[n], arith.select(first_half, scales[i // 8], scales[2 + i // 8]), pow2_scales)
-                e.store16(e.k_addr(row_base, sw, col_lat, 16 * i), words[:4])
-                e.store16(e.k_addr(row_base, sw, col_lat, 16 * i + 8), words[4:])
-        col_rope = arith.addi(c32(LATENT), arith.muli(half, c32(32)))
-        for q in range(4):
-            e.store16(e.k_addr(row_base, sw, col_rope, 8 * q), rope[q])
+        _half_row_656(e, rec, half, phases=phases, pow2=pow2_scales, after_first_loads=lambda: (row_base, sw))
 
     fill(*refs)
 
@@ -346,7 +358,7 @@ def wait_full(bar_ref, parity) -> None:
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=())))
     def wait(_, bar, par):
         e = _Emit()
-        e.wait_parity(e.smem_addr(bar), par.registers.item(), cluster=True)
+        e.wait_parity(e.smem_addr(bar), par.registers.item())
 
     wait(bar_ref, parity)
 
@@ -390,7 +402,7 @@ class _Loop:
         e, arith, c32 = self.e, self.e.arith, self.e.c32
         parity = arith.remui(arith.addi(arith.divui(kk, c32(2)), c32(1)), c32(2))
         e.wait_parity(arith.addi(self.free0, b8), parity,
-                      arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.sge, kk, c32(2))), cluster=True)
+                      arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.sge, kk, c32(2))))
 
     def arrive_full(self, b8, expect_bytes: int = 0) -> None:
         """Every thread: its stores visible to the tensor cores, then arrive (thread 0 also expecting the peer's
@@ -420,7 +432,7 @@ class _Loop:
             jc = arith.maxsi(j, c32(0))
             e.wait_parity(arith.addi(self.free0, arith.muli(arith.remui(jc, c32(2)), c32(8))),
                           arith.remui(arith.divui(jc, c32(2)), c32(2)),
-                          arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.sge, j, c32(0))), cluster=True)
+                          arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.sge, j, c32(0))))
 
 
 _LOOP_TYPES = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(K_TILE_TRANSFORMS), plgpu.RefType(),
@@ -444,40 +456,27 @@ def produce_tile_656(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk,
         lp = _Loop(e, blocks, slots, cache, k, idx, b0_fa.registers.item(), n_fa.registers.item())
         row, half = arith.divui(lp.tid, c32(2)), arith.remui(lp.tid, c32(2))
         half64 = arith.extui(e.i64, half)
-        first_half = arith.cmpi(arith.CmpIPredicate.eq, half, c32(0))
-        publisher = arith.extui(e.i32, first_half)
-        col_lat = arith.muli(half, c32(256))
-        col_rope = arith.addi(c32(LATENT), arith.muli(half, c32(32)))
-        per = 16 // phases
+        publisher = arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.eq, half, c32(0)))
 
         def body(kk, carried):
             s_cur, s_next, blk_nn = carried
-            rec = lp.record(s_cur)
-            lat0 = arith.addi(rec, arith.muli(half64, c64(256)))
-            # loads first: round 0 of block k, block k + 2's slot, block k + 3's id; block k + 1's records to L2
-            scales = e.loads(arith.addi(rec, c64(LATENT)), [0])[0]
-            rope = e.loads(arith.addi(rec, arith.addi(arith.muli(half64, c64(64)), c64(LATENT + 16))), [0, 16, 32, 48])
-            lat = e.loads(lat0, [16 * i for i in range(per)])
-            s_nn = lp.slot_of(blk_nn, row)
-            blk_nnn = lp.block_of(arith.addi(kk, c32(3)))
-            e.prefetch(arith.addi(lp.record(s_next), arith.muli(half64, c64(384))), (0, 128, 256, 271))
             b = arith.remui(kk, c32(2))
             b8 = arith.muli(b, c32(8))
-            lp.wait_free(kk, b8)
-            e.store_slot_at(arith.addi(lp.idx_base, arith.muli(b, c32(BLOCK * 4))), row, s_cur, publisher)
-            row_base, sw = e.k_row(lp.tile(b), row)
-            sc = [e.pow2_scale(w) for w in scales] if pow2_scales else scales
-            for p in range(phases):
-                if p:
-                    lat = e.loads(lat0, [16 * i for i in range(p * per, (p + 1) * per)])
-                for n, i in enumerate(range(p * per, (p + 1) * per)):
-                    words = e.dequant(lat[n], arith.select(first_half, sc[i // 8], sc[2 + i // 8]), pow2_scales)
-                    e.store16(e.k_addr(row_base, sw, col_lat, 16 * i), words[:4])
-                    e.store16(e.k_addr(row_base, sw, col_lat, 16 * i + 8), words[4:])
-            for q in range(4):
-                e.store16(e.k_addr(row_base, sw, col_rope, 8 * q), rope[q])
+            out = {}
+
+            def between():
+                """After round 0's loads of block k: block k + 2's slot, block k + 3's id, block k + 1's records
+                into L2, then the wait for tile b and the block's raw slots."""
+                out["s_nn"] = lp.slot_of(blk_nn, row)
+                out["blk_nnn"] = lp.block_of(arith.addi(kk, c32(3)))
+                e.prefetch(arith.addi(lp.record(s_next), arith.muli(half64, c64(384))), (0, 128, 256, 271))
+                lp.wait_free(kk, b8)
+                e.store_slot_at(arith.addi(lp.idx_base, arith.muli(b, c32(BLOCK * 4))), row, s_cur, publisher)
+                return e.k_row(lp.tile(b), row)
+
+            _half_row_656(e, lp.record(s_cur), half, phases=phases, pow2=pow2_scales, after_first_loads=between)
             lp.arrive_full(b8)
-            return [s_next, s_nn, blk_nnn]
+            return [s_next, out["s_nn"], out["blk_nnn"]]
 
         blk0, blk1 = lp.block_of(c32(0)), lp.block_of(c32(1))
         lp.run([lp.slot_of(blk0, row), lp.slot_of(blk1, row), lp.block_of(c32(2))], body)

@@ -365,9 +365,10 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     "full"[k % 2]; the compute warpgroups wait on it, read the block's slots from its idx slot (written by the
     producer), compute as below and arrive on "free"[k % 2] after their PV, which the producer waits for before
     it refills that tile with block k + 2. No "ready" barrier and no staging rows natively.
-    ``producer="cluster"``: the same with the grid in clusters of the two head tiles; "full" is a pair of raw
-    mbarriers in the idx buffer's third row (each completes on its own producer's 128 arrivals and the peer's
-    bytes) and "free" a cluster barrier (both CTAs' compute warpgroups free the tile in both)."""
+    With ``producer_loop`` (and always for "cluster") the producer is one software-pipelined loop, and "full"
+    and "free" are raw mbarriers in the idx buffer's third row (``record_gather.init_barriers``).
+    ``producer="cluster"``: the grid in clusters of the two head tiles; each "full" completes on its own
+    producer's 128 arrivals and the peer's bytes, and both CTAs' compute warps arrive on each "free"."""
     cl = producer == "cluster"
     # the producer as one software-pipelined loop over raw mbarriers ("cluster" always; "registers" on request)
     raw = cl or (producer == "registers" and producer_loop and interpret is None)
@@ -511,8 +512,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         *scratch, stat_s, bar_stat = scratch
         if reg:
             q_s1, k_s1, p_s, idx_s, bar_q, bar_full, bar_free, bar_p, *staged = scratch
-            if emulate:  # per producer: staging rows, rope byte tile, selection matrix; then the barriers
-                *per_prod, bar_i, bar_kv = staged  # per_prod: staging rows, rope byte tile, selection
+            if emulate:  # the producer's staging rows, rope byte tile and selection matrix; then the barriers
+                *per_prod, bar_i, bar_kv = staged
         elif rope_mm:
             q_s1, k_s1, st, p_s, pb_s, sel_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_p = scratch
         elif fp8:
@@ -798,8 +799,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             plgpu.SMEM((1, HEAD_TILE, dk), jnp.bfloat16, transforms=SW),  # q tile
             plgpu.SMEM((2, BK, dk), jnp.bfloat16, transforms=SW),  # K tiles of blocks k and k + 1
             p_t,
-            # the two blocks' slots (-1 = masked), written by the producer; "cluster": a third row holds the raw
-            # "full" mbarriers (the buffer's 1 KB of shared memory has room)
+            # the two blocks' slots (-1 = masked), written by the producer; with raw barriers a third row holds
+            # "full" and "free" (the buffer's 1 KB of shared memory has room)
             plgpu.SMEM((3 if raw else 2, BK), jnp.int32),
             plgpu.Barrier(num_arrivals=1, num_barriers=1),  # q landed
             plgpu.Barrier(num_arrivals=1, num_barriers=2),  # "full": the producer filled K tile / idx slot b
