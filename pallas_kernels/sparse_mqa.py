@@ -140,6 +140,8 @@ NUM_SMS = 132  # H100/H200; only steers the automatic num_splits
 MIN_BLOCKS_PER_SPLIT = 2
 LOG2E = 1.4426950408889634
 PRODUCER_REGS = 80  # producer="registers": the producer warpgroup's registers per thread (the rest: compute)
+# the V3.2 producer loop loads a block's 84 words per thread in one round: 120 leaves the compute warpgroups 192
+PRODUCER_REGS_LOOP = 120
 # producer="cluster": two blocks' words in flight per thread; 120 leaves the compute warpgroups 192, as 112 does
 PRODUCER_REGS_CLUSTER = 120
 
@@ -211,9 +213,9 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                implementation: Implementation = "pallas", num_splits: int | None = None,
                out_dtype: jnp.dtype = jnp.float32,
                interpret: bool | plgpu.InterpretGPUParams | None = None, producer: Producer | None = None,
-               producer_regs: int | None = None, producer_phases: int = 2,
+               producer_regs: int | None = None, producer_phases: int | None = None,
                producer_prefetch: int = 1, producer_pow2: bool | None = None,
-               producer_loop: bool = False) -> jax.Array:
+               producer_loop: bool | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype).
@@ -229,16 +231,18 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     (``pallas_kernels.record_gather``; GPU interpret mode emulates it with the staged copies), so the next
     block is filled while the compute warpgroups multiply the current one; it keeps ``producer_regs`` (None:
     ``PRODUCER_REGS``) registers per thread and gives the rest to the compute warpgroups, and loads the latent in
-    ``producer_phases`` rounds (1 or 2); with ``producer_prefetch`` = d > 0 it also prefetches the records of
-    the block d ahead into L2 before it gathers the current one (a gain where the records come from DRAM,
-    decode; a small loss where they already sit in L2, a short prefill). "cluster" (one ``MlaRecord656`` list,
+    ``producer_phases`` rounds (1 or 2; None: 1 in V3.2's loop, else 2); with ``producer_prefetch`` = d > 0
+    it also prefetches the records of the block d ahead into L2 before it gathers the current one (a gain where
+    the records come from DRAM, decode; a small loss where they already sit in L2, a short prefill; the loop
+    and "cluster" always prefetch one block ahead). "cluster" (one ``MlaRecord656`` list,
     65 to 128 heads, native only): the register producer with the token's two head tiles in a 2-CTA cluster,
     each CTA gathering half of every block for both, in one software-pipelined loop (``producer_phases`` and
     ``producer_prefetch`` do not apply; ``producer_regs`` defaults to ``PRODUCER_REGS_CLUSTER``). None:
     "registers" natively where it applies, else "tma" (interpret mode: "tma", whose emulation blocks no third
     thread; the register producer's needs one CPU per warpgroup). ``producer_loop`` (native "registers"): the
     producer as one software-pipelined loop over raw mbarriers (``record_gather.produce_tile_656``), the next
-    block's slot and the one after's id carried so that neither load's latency is in a block's chain.
+    block's slot and the one after's id carried so that neither load's latency is in a block's chain; None: on
+    for V3.2's native register producer (with ``PRODUCER_REGS_LOOP`` registers), off elsewhere.
     ``producer_pow2``: the register producers' dequantisation without conversion instructions, exact only for
     power-of-two scales (``record_gather._DQ_POW2_ASM``); None = where the records' scales are ("ue8m0").
     Timings: docs/perf-log.md.
@@ -257,17 +261,15 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
 
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
-            producer_regs=None, producer_phases=2, producer_prefetch=1, producer_pow2=None, producer_loop=False):
-    if producer_regs is None:
-        producer_regs = PRODUCER_REGS_CLUSTER if producer == "cluster" else PRODUCER_REGS
+            producer_regs=None, producer_phases=None, producer_prefetch=1, producer_pow2=None, producer_loop=None):
     if producer not in (None, "tma", "registers", "cluster"):
         raise ValueError(f'producer must be "tma", "registers" or "cluster", got {producer!r}')
-    if producer_phases not in (1, 2, 4):
+    if producer_phases not in (None, 1, 2, 4):
         raise ValueError(f"producer_phases must be 1, 2 or 4, got {producer_phases}")
     if not (isinstance(producer_prefetch, int) and 0 <= producer_prefetch <= 4):
         raise ValueError(f"producer_prefetch (blocks ahead) must be an int in [0, 4], got {producer_prefetch!r}")
-    if not (isinstance(producer_regs, int) and 24 <= producer_regs <= 256 and producer_regs % 8 == 0
-            and compute_regs(producer_regs) >= 24):
+    if producer_regs is not None and not (isinstance(producer_regs, int) and 24 <= producer_regs <= 256
+                                          and producer_regs % 8 == 0 and compute_regs(producer_regs) >= 24):
         raise ValueError(f"producer_regs must be a multiple of 8 in [24, 256] (got {producer_regs!r})")
     if not supports(formats, v_dim):
         raise Unsupported(f"sparse_mqa kernel: unsupported formats {formats} / v_dim {v_dim} "
@@ -302,6 +304,17 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
         producer = "registers" if one_656 and not interpret else "tma"
     if producer_loop and (interpret or producer != "registers"):
         raise ValueError('producer_loop=True is the native producer="registers" (inline PTX loop)')
+    if producer_loop is None:
+        producer_loop = producer == "registers" and one_656 and not interpret
+    if (producer_loop or producer == "cluster") and producer_prefetch != 1:
+        raise ValueError("producer_prefetch: the producer loop and the cluster producer prefetch exactly one "
+                         f"block ahead, got {producer_prefetch} (producer_loop=False for the per-block producer)")
+    loop_656 = producer_loop and one_656
+    if producer_phases is None:
+        producer_phases = 1 if loop_656 else 2
+    if producer_regs is None:
+        producer_regs = (PRODUCER_REGS_CLUSTER if producer == "cluster" else PRODUCER_REGS_LOOP if loop_656
+                         else PRODUCER_REGS)
     hp = -(-h // HEAD_TILE) * HEAD_TILE
     qp = jnp.pad(q.astype(jnp.bfloat16), ((0, 0), (0, hp - h), (0, 0)))
     padded, list_blocks = [], []

@@ -149,20 +149,24 @@ def test_v32_padded_heads_and_splits(mode):
 
 
 @pytest.mark.parametrize("producer", ["registers", pytest.param("cluster", marks=pytest.mark.gpu),
-                                      pytest.param("registers_loop", marks=pytest.mark.gpu)])
+                                      pytest.param("registers_loop", marks=pytest.mark.gpu),
+                                      pytest.param("registers_block", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("mode", MODES)
 def test_v32_register_producer(mode, producer):
     """producer="registers": a third warpgroup fills two K tiles in turn (natively by per-thread loads and
     dequantisation in registers, ``record_gather``; interpret mode emulates it with the staged rows), so blocks
     0..4 cycle through both tiles. "cluster" (native only): the two head tiles' CTAs each gather half of every
-    block for both; "registers_loop" (native only): the register producer as one software-pipelined loop. A fully masked row gives zeros; 2 splits (one with 2 blocks, one with 3); interpret mode
-    also runs the race detector over the full / free protocol.
+    block for both; "registers_loop" (native only, the default there): the register producer as one
+    software-pipelined loop; "registers_block" (native only): the per-block register producer. A fully masked row
+    gives zeros; 2 splits (one with 2 blocks, one with 3); interpret mode also runs the race detector over the
+    full / free protocol.
 
     Interpret mode runs each warpgroup as an XLA CPU computation whose barrier waits block a thread of XLA's
     intra-op pool (one per CPU): with fewer CPUs than warpgroups a producer never runs."""
     if _interpret(mode) and producer != "registers":
         pytest.skip("native only")
-    kw = dict(producer="registers", producer_loop=True) if producer == "registers_loop" else dict(producer=producer)
+    kw = {"registers_loop": dict(producer="registers", producer_loop=True),
+          "registers_block": dict(producer="registers", producer_loop=False)}.get(producer, dict(producer=producer))
     if _interpret(mode) and len(os.sched_getaffinity(0)) < mqa.NUM_WG + 1:
         pytest.skip(f"interpret mode needs a CPU per warpgroup ({mqa.NUM_WG + 1}) for the register "
                     "producer's blocking waits")
@@ -200,6 +204,10 @@ def test_register_producer_bad_inputs():
     with pytest.raises(ValueError, match="native only"):
         mqa.sparse_mqa(jnp.zeros((1, 128, 576), jnp.bfloat16), [cache], [fmt], [slots], scale=0.1, v_dim=512,
                        interpret=True, producer="cluster")
+    for kw in (dict(producer="registers", producer_loop=True), dict(producer="cluster")):  # checked before lowering
+        with pytest.raises(ValueError, match="producer_prefetch"):
+            mqa.sparse_mqa(jnp.zeros((1, 128, 576), jnp.bfloat16), [cache], [fmt], [slots], scale=0.1, v_dim=512,
+                           interpret=False, producer_prefetch=2, **kw)
     f4 = MlaRecord584(16)
     with pytest.raises(ValueError, match="MlaRecord656"):  # the per-block register producer reads V3.2 records
         mqa.sparse_mqa(jnp.zeros((1, 4, 512), jnp.bfloat16), [_cache(f4, 2, 512, rng)], [f4], [slots],
@@ -379,8 +387,8 @@ def test_lowers_for_cuda(case):
     sink = jax.ShapeDtypeStruct((h,), jnp.float32) if case.startswith("v4") else None
     splits = 4 if "splits" in case else 1
     prefetch = 2 if case.endswith("pf2") else int(case.endswith("pf"))
-    kw = (dict(producer="registers", producer_phases=1 if case.endswith("p1") else 2, producer_prefetch=prefetch)
-          if "registers" in case else {})
+    kw = (dict(producer="registers", producer_loop=False, producer_phases=1 if case.endswith("p1") else 2,
+               producer_prefetch=prefetch) if "registers" in case else {})
     if case.endswith("cluster"):  # the two head tiles as a 2-CTA cluster
         kw = dict(producer="cluster")
     if case.endswith("loop"):  # the register producer as one software-pipelined loop
