@@ -168,12 +168,14 @@ class _Emit:
         for off in offsets:
             self.asm("prefetch.global.L2 [$0];", [self.arith.addi(addr, self.c64(off))], "l")
 
-    def wait_parity(self, bar, parity, pred=None) -> None:
+    def wait_parity(self, bar, parity, pred=None, cluster: bool = False) -> None:
         """Spin until the mbarrier at shared address ``bar`` completes the phase of ``parity`` (where ``pred``,
-        i32, is nonzero); acquire at cluster scope, which covers a peer CTA's arrivals and bytes."""
+        i32, is nonzero); acquire at CTA scope, or with ``cluster`` at cluster scope (a peer CTA's arrivals and
+        bytes), which the H200 pays with an L1 invalidation (CCTL.IVALL) after every wait."""
         skip = "setp.eq.u32 q, $2, 0;\n@q bra DONE;\n" if pred is not None else ""
         self.asm("{ .reg .pred p, q;\n" + skip
-                 + "WAIT:\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$0], $1;\n"
+                 + f"WAIT:\nmbarrier.try_wait.parity.acquire.{'cluster' if cluster else 'cta'}.shared::cta.b64 "
+                 "p, [$0], $1;\n"
                  "@!p bra WAIT;\nDONE:\n}", [bar, parity] + ([pred] if pred is not None else []),
                  "r,r,r" if pred is not None else "r,r")
 
@@ -351,14 +353,14 @@ def arrive_free(bar_ref, *, cluster: bool) -> None:
     arrive(bar_ref)
 
 
-def wait_full(bar_ref, parity) -> None:
+def wait_full(bar_ref, parity, *, cluster: bool = False) -> None:
     """Every thread of a warpgroup: wait until the mbarrier at ``bar_ref`` (SMEM int32 [2]) completes the phase
-    of ``parity`` (int32 scalar, 0 or 1)."""
+    of ``parity`` (int32 scalar, 0 or 1); ``cluster``: filled by both CTAs of a pair (cluster-scope acquire)."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=())))
     def wait(_, bar, par):
         e = _Emit()
-        e.wait_parity(e.smem_addr(bar), par.registers.item())
+        e.wait_parity(e.smem_addr(bar), par.registers.item(), cluster=cluster)
 
     wait(bar_ref, parity)
 
@@ -368,9 +370,9 @@ class _Loop:
     block ids and slots (GMEM int32 rows), the cache, the K tiles and the idx buffer (slot rows 0 / 1, raw
     mbarriers in row 2: "full" at +0 / +8, "free" at +16 / +24), and the loop itself."""
 
-    def __init__(self, e: _Emit, blocks, slots, cache, k, idx, first, n):
+    def __init__(self, e: _Emit, blocks, slots, cache, k, idx, first, n, cluster: bool = False):
         arith, c32 = e.arith, e.c32
-        self.e, self.first, self.n = e, first, n
+        self.e, self.first, self.n, self.cluster = e, first, n, cluster
         self.tid = arith.remui(e.mu.thread_idx(), c32(128))
         self.is0 = arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.eq, self.tid, c32(0)))
         self.blocks, self.slots, self.cache = e.gmem_addr(blocks), e.gmem_addr(slots), e.gmem_addr(cache)
@@ -402,7 +404,7 @@ class _Loop:
         e, arith, c32 = self.e, self.e.arith, self.e.c32
         parity = arith.remui(arith.addi(arith.divui(kk, c32(2)), c32(1)), c32(2))
         e.wait_parity(arith.addi(self.free0, b8), parity,
-                      arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.sge, kk, c32(2))))
+                      arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.sge, kk, c32(2))), cluster=self.cluster)
 
     def arrive_full(self, b8, expect_bytes: int = 0) -> None:
         """Every thread: its stores visible to the tensor cores, then arrive (thread 0 also expecting the peer's
@@ -432,7 +434,7 @@ class _Loop:
             jc = arith.maxsi(j, c32(0))
             e.wait_parity(arith.addi(self.free0, arith.muli(arith.remui(jc, c32(2)), c32(8))),
                           arith.remui(arith.divui(jc, c32(2)), c32(2)),
-                          arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.sge, j, c32(0))))
+                          arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.sge, j, c32(0))), cluster=self.cluster)
 
 
 _LOOP_TYPES = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(K_TILE_TRANSFORMS), plgpu.RefType(),
@@ -501,7 +503,7 @@ def produce_cluster_656(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nb
     def produce(_, blocks, slots, cache, k, idx, b0_fa, n_fa):
         e = _Emit()
         arith, c32, c64 = e.arith, e.c32, e.c64
-        lp = _Loop(e, blocks, slots, cache, k, idx, b0_fa.registers.item(), n_fa.registers.item())
+        lp = _Loop(e, blocks, slots, cache, k, idx, b0_fa.registers.item(), n_fa.registers.item(), cluster=True)
         rank = e.asm("mov.u32 $0, %cluster_ctarank;", [], "=r", 1)[0]
         row = arith.addi(arith.muli(rank, c32(HALF_ROWS)), arith.divui(lp.tid, c32(4)))
         quarter = arith.remui(lp.tid, c32(4))

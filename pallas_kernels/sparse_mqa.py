@@ -618,7 +618,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 z = lax.shift_right_logical(block_id(k), 20)
                 if reg:  # block k in K tile k % 2, its slots in idx slot k % 2 (both from the producer)
                     if raw:
-                        record_gather.wait_full(idx_s.at[2, pl.ds(2 * islot, 2)], (k // 2) % 2)
+                        record_gather.wait_full(idx_s.at[2, pl.ds(2 * islot, 2)], (k // 2) % 2, cluster=cl)
                     else:
                         plgpu.barrier_wait(bar_full.at[islot])
                     q_mm, k_mm = q_s1.at[z], k_s1.at[islot + z]
