@@ -17,15 +17,13 @@ from its thread index and the block's slots.
 - Record address: slot * 656 from the cache's base (a page holds ``entries_per_page`` records back to back,
   so the page offset need not be computed). A masked slot (< 0) reads record 0, as the pure-JAX path does.
 
-- Cluster form (``produce_cluster_656``, after FlashMLA's 128-head decode): the two CTAs of a 2-CTA cluster serve
-  the two 64-head tiles of one token, so they need the same K tile. Each gathers half of every block's rows (4
-  threads per row, a thread one 128-column scale group) and stores them both into its own tile and, with
-  ``st.async``, into the peer's, which counts the bytes on the peer's "full" mbarrier
-  (``mbarrier::complete_tx``). A record is then read and dequantised once per token, not once per head tile,
-  and a thread's words for a block (41) are few enough to hold the next block's in flight while it converts
-  this one: the whole producer loop is one software-pipelined ``scf.for``. Its barriers are raw PTX mbarriers
-  in a shared int32 row (``init_barriers``, ``wait_full``, ``arrive_free``): a Pallas barrier has no expect-tx
-  arrival and no address to hand to ``st.async``.
+- The MQA's producer (``produce_tile_656``, ``produce_tile_584`` for V4's records): the whole loop over a
+  token's blocks as one software-pipelined ``scf.for`` that carries the next block's slot and the block id
+  after it, so neither load sits in a block's chain. Its barriers are raw PTX mbarriers in a shared int32 row
+  (``init_barriers``, ``wait_full``, ``arrive_free``), waited with CTA-scope acquire (a cluster-scope acquire
+  costs an L1 invalidation after every wait). A 2-CTA cluster form that gathered each block once per token
+  for both head tiles (``st.async`` to the peer) was correct but slower and was removed (docs/perf-log.md,
+  nineteenth session).
 
 Native only (inline PTX); GPU interpret mode cannot run it.
 """
@@ -138,16 +136,6 @@ class _Emit:
     def store16(self, addr, words) -> None:
         self.asm("st.shared.v4.b32 [$0], {$1, $2, $3, $4};", [addr, *words], "r,r,r,r,r")
 
-    def store16_peer(self, addr, words, bar) -> None:
-        """16 bytes to the peer CTA's shared memory (cluster addresses), counted on its mbarrier ``bar``."""
-        self.asm("st.async.weak.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [$0], {$1, $2, $3, $4}, [$5];",
-                 [addr, *words, bar], "r,r,r,r,r,r")
-
-    def peer(self, addr):
-        """The address ``addr`` of this CTA's shared memory mapped to the other CTA of the 2-CTA cluster."""
-        return self.asm("{ .reg .u32 r; mov.u32 r, %cluster_ctarank; xor.b32 r, r, 1;\n"
-                        "mapa.shared::cluster.u32 $0, $1, r; }", [addr], "=r,r", 1)[0]
-
     def k_row(self, k_base, row, cols: int = K_COLS):
         """(row's address in a K tile of ``cols`` bf16 columns at ``k_base``, its swizzle) for
         ``K_TILE_TRANSFORMS``."""
@@ -168,14 +156,13 @@ class _Emit:
         for off in offsets:
             self.asm("prefetch.global.L2 [$0];", [self.arith.addi(addr, self.c64(off))], "l")
 
-    def wait_parity(self, bar, parity, pred=None, cluster: bool = False) -> None:
+    def wait_parity(self, bar, parity, pred=None) -> None:
         """Spin until the mbarrier at shared address ``bar`` completes the phase of ``parity`` (where ``pred``,
-        i32, is nonzero); acquire at CTA scope, or with ``cluster`` at cluster scope (a peer CTA's arrivals and
-        bytes), which the H200 pays with an L1 invalidation (CCTL.IVALL) after every wait."""
+        i32, is nonzero); acquire at CTA scope (at cluster scope the H200 adds an L1 invalidation, CCTL.IVALL,
+        after every wait)."""
         skip = "setp.eq.u32 q, $2, 0;\n@q bra DONE;\n" if pred is not None else ""
         self.asm("{ .reg .pred p, q;\n" + skip
-                 + f"WAIT:\nmbarrier.try_wait.parity.acquire.{'cluster' if cluster else 'cta'}.shared::cta.b64 "
-                 "p, [$0], $1;\n"
+                 + "WAIT:\nmbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [$0], $1;\n"
                  "@!p bra WAIT;\nDONE:\n}", [bar, parity] + ([pred] if pred is not None else []),
                  "r,r,r" if pred is not None else "r,r")
 
@@ -220,37 +207,31 @@ def _half_row_656(e: _Emit, rec, half, *, phases: int, pow2: bool, after_first_l
         e.store16(e.k_addr(row_base, sw, col_rope, 8 * q), rope[q])
 
 
-def fill_k_tile_656(slots_ref, cache_ref, k_ref, idx_ref=None, *, phases: int = 1, next_slots_ref=None,
+def fill_k_tile_656(slots_ref, cache_ref, k_ref, idx_ref=None, *, phases: int = 1,
                     pow2_scales: bool = False) -> None:
     """From one warpgroup (all 128 threads): the bf16 K rows of the 64 records ``slots_ref`` (GMEM int32 [64])
     of ``cache_ref`` (GMEM uint8, records at slot * 656) into ``k_ref`` (SMEM [64, 576] bf16 with
     ``K_TILE_TRANSFORMS``); with ``idx_ref`` (SMEM int32 [64]) also the raw slots, for the consumers' mask.
     ``phases``: the latent's loads in that many rounds (1: every load of a thread in flight at once, 84
     registers of data; 2 or 4: a half or a quarter of them per round, for a smaller register budget).
-    ``next_slots_ref`` (GMEM int32 [64]): the next block's slots, whose records are first prefetched into L2
-    (no registers held), so the next call's loads wait on L2, not DRAM. ``pow2_scales``: the records' scales
+    ``pow2_scales``: the records' scales
     are powers of two (``MlaRecord656(scale_fmt="ue8m0")``), dequantised without conversion instructions
     (``_DQ_POW2_ASM``; the same bits). The caller makes the stores visible (``plgpu.commit_smem``) and
     synchronises."""
     if phases not in (1, 2, 4):
         raise ValueError(f"phases must be 1, 2 or 4, got {phases}")
-    has_idx, has_next = idx_ref is not None, next_slots_ref is not None
-    refs = (slots_ref, cache_ref, k_ref) + ((idx_ref,) if has_idx else ()) + ((next_slots_ref,) if has_next else ())
-    types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(K_TILE_TRANSFORMS)) + \
-        (plgpu.RefType(),) * (has_idx + has_next)
+    has_idx = idx_ref is not None
+    refs = (slots_ref, cache_ref, k_ref) + ((idx_ref,) if has_idx else ())
+    types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(K_TILE_TRANSFORMS)) + (plgpu.RefType(),) * has_idx
 
     @plgpu.inline_mgpu(arg_types=types)
     def fill(_, slots, cache, k, *extra):
         e = _Emit()
-        arith, c32, c64 = e.arith, e.c32, e.c64
+        arith, c32 = e.arith, e.c32
         tid = arith.remui(e.mu.thread_idx(), c32(128))  # the thread in its warpgroup
         row, half = arith.divui(tid, c32(2)), arith.remui(tid, c32(2))
         raw, rec = e.slot_record(slots, cache, row)
         row_base, sw = e.k_row(e.smem_addr(k), row)
-        if has_next:  # the next block's record (this thread's half of it, 7 lines in all) into L2
-            _, nrec = e.slot_record(extra[-1], cache, row)
-            # samples <= 128 bytes apart: every line; half 1's +271 is byte 655
-            e.prefetch(arith.addi(nrec, arith.muli(arith.extui(e.i64, half), c64(384))), (0, 128, 256, 271))
         if has_idx:  # the raw slot (-1 kept) for the consumers' validity mask: one thread per row
             e.store_slot(extra[0], row, raw, arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.eq, half, c32(0))))
         _half_row_656(e, rec, half, phases=phases, pow2=pow2_scales, after_first_loads=lambda: (row_base, sw))
@@ -297,43 +278,33 @@ def dequant_blocks(cache: jax.Array, slots: jax.Array, *, pow2_scales: bool = Fa
 
 
 # ---- the producer as one software-pipelined loop (raw mbarriers) ------------------------------------------
-HALF_ROWS = BLOCK // 2  # rows each CTA of a cluster pair gathers
-PEER_BYTES = HALF_ROWS * K_COLS * 2  # bf16 bytes a CTA of a pair receives from its peer per block
-FULL_ARRIVALS = 128  # every thread of the local producer warpgroup arrives on "full"
+FULL_ARRIVALS = 128  # every thread of the producer warpgroup arrives on "full"
+FREE_ARRIVALS = 8  # lane 0 of each of the 2 x 4 compute warps arrives on "free"
 
 
-def free_arrivals(cluster: bool) -> int:
-    """Arrivals on a "free" mbarrier: lane 0 of each of the 2 x 4 compute warps, of both CTAs of a pair."""
-    return 8 * (2 if cluster else 1)
-
-
-def init_barriers(bars_ref, *, cluster: bool) -> None:
+def init_barriers(bars_ref) -> None:
     """From every thread of the CTA, before any warpgroup specialises: thread 0 initialises the raw mbarriers
     at ``bars_ref`` (SMEM int32, 2 words each): "full" 0 / 1 (``FULL_ARRIVALS``) and "free" 0 / 1
-    (``free_arrivals``), then the cluster (or the CTA) syncs, so that no thread, here or in a peer, reaches an
-    uninitialised barrier."""
+    (``FREE_ARRIVALS``), then the CTA syncs, so that no thread reaches an uninitialised barrier."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
     def init(_, bars):
         e = _Emit()
         base = e.smem_addr(bars)
         is0 = e.arith.extui(e.i32, e.arith.cmpi(e.arith.CmpIPredicate.eq, e.mu.thread_idx(), e.c32(0)))
-        counts = (FULL_ARRIVALS,) * 2 + (free_arrivals(cluster),) * 2
+        counts = (FULL_ARRIVALS,) * 2 + (FREE_ARRIVALS,) * 2
         text = "{ .reg .pred p; setp.ne.u32 p, $1, 0;\n" + "".join(
             f"@p mbarrier.init.shared::cta.b64 [$0+{8 * b}], {n};\n" for b, n in enumerate(counts)) + \
             "@p fence.mbarrier_init.release.cluster; }"
         e.asm(text, [base, is0], "r,r")
-        if cluster:
-            e.asm("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;", [], "")
-        else:  # every thread of the CTA is here (the kernel body before it specialises): a CTA barrier
-            e.asm("bar.sync 0;", [], "")
+        e.asm("bar.sync 0;", [], "")  # every thread of the CTA is here (the kernel body before it specialises)
 
     init(bars_ref)
 
 
-def arrive_free(bar_ref, *, cluster: bool) -> None:
+def arrive_free(bar_ref) -> None:
     """Every thread of a compute warpgroup, after its last read of a K tile: lane 0 of each warp arrives on the
-    "free" mbarrier at ``bar_ref``, with ``cluster`` on both CTAs' (the producers of both write this tile)."""
+    "free" mbarrier at ``bar_ref``."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
     def arrive(_, bar):
@@ -341,26 +312,20 @@ def arrive_free(bar_ref, *, cluster: bool) -> None:
         addr = e.smem_addr(bar)
         lane0 = e.arith.extui(e.i32, e.arith.cmpi(e.arith.CmpIPredicate.eq,
                                                   e.arith.remui(e.mu.thread_idx(), e.c32(32)), e.c32(0)))
-        if cluster:
-            e.asm("{ .reg .pred p; bar.warp.sync -1; setp.ne.u32 p, $1, 0;\n"
-                  "@p mbarrier.arrive.release.cluster.shared::cta.b64 _, [$0];\n"
-                  "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$2]; }", [addr, lane0, e.peer(addr)],
-                  "r,r,r")
-        else:
-            e.asm("{ .reg .pred p; bar.warp.sync -1; setp.ne.u32 p, $1, 0;\n"
-                  "@p mbarrier.arrive.release.cta.shared::cta.b64 _, [$0]; }", [addr, lane0], "r,r")
+        e.asm("{ .reg .pred p; bar.warp.sync -1; setp.ne.u32 p, $1, 0;\n"
+              "@p mbarrier.arrive.release.cta.shared::cta.b64 _, [$0]; }", [addr, lane0], "r,r")
 
     arrive(bar_ref)
 
 
-def wait_full(bar_ref, parity, *, cluster: bool = False) -> None:
+def wait_full(bar_ref, parity) -> None:
     """Every thread of a warpgroup: wait until the mbarrier at ``bar_ref`` (SMEM int32 [2]) completes the phase
-    of ``parity`` (int32 scalar, 0 or 1); ``cluster``: filled by both CTAs of a pair (cluster-scope acquire)."""
+    of ``parity`` (int32 scalar, 0 or 1)."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=())))
     def wait(_, bar, par):
         e = _Emit()
-        e.wait_parity(e.smem_addr(bar), par.registers.item(), cluster=cluster)
+        e.wait_parity(e.smem_addr(bar), par.registers.item())
 
     wait(bar_ref, parity)
 
@@ -370,11 +335,10 @@ class _Loop:
     block ids and slots (GMEM int32 rows), the cache, the K tiles and the idx buffer (slot rows 0 / 1, raw
     mbarriers in row 2: "full" at +0 / +8, "free" at +16 / +24), and the loop itself."""
 
-    def __init__(self, e: _Emit, blocks, slots, cache, k, idx, first, n, cluster: bool = False):
+    def __init__(self, e: _Emit, blocks, slots, cache, k, idx, first, n):
         arith, c32 = e.arith, e.c32
-        self.e, self.first, self.n, self.cluster = e, first, n, cluster
+        self.e, self.first, self.n = e, first, n
         self.tid = arith.remui(e.mu.thread_idx(), c32(128))
-        self.is0 = arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.eq, self.tid, c32(0)))
         self.blocks, self.slots, self.cache = e.gmem_addr(blocks), e.gmem_addr(slots), e.gmem_addr(cache)
         self.last = arith.maxsi(arith.subi(n, c32(1)), c32(0))
         self.k_base, self.idx_base = e.smem_addr(k), e.smem_addr(idx)
@@ -404,23 +368,17 @@ class _Loop:
         e, arith, c32 = self.e, self.e.arith, self.e.c32
         parity = arith.remui(arith.addi(arith.divui(kk, c32(2)), c32(1)), c32(2))
         e.wait_parity(arith.addi(self.free0, b8), parity,
-                      arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.sge, kk, c32(2))), cluster=self.cluster)
+                      arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.sge, kk, c32(2))))
 
-    def arrive_full(self, b8, expect_bytes: int = 0) -> None:
-        """Every thread: its stores visible to the tensor cores, then arrive (thread 0 also expecting the peer's
-        ``expect_bytes``)."""
+    def arrive_full(self, b8) -> None:
+        """Every thread: its stores visible to the tensor cores, then arrive."""
         full = self.e.arith.addi(self.full0, b8)
-        if expect_bytes:
-            self.e.asm("{ .reg .pred p; setp.ne.u32 p, $1, 0; fence.proxy.async.shared::cta;\n"
-                       f"@p mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [$0], {expect_bytes};\n"
-                       "@!p mbarrier.arrive.release.cta.shared::cta.b64 _, [$0]; }", [full, self.is0], "r,r")
-        else:
-            self.e.asm("{ fence.proxy.async.shared::cta;\nmbarrier.arrive.release.cta.shared::cta.b64 _, [$0]; }",
-                       [full], "r")
+        self.e.asm("{ fence.proxy.async.shared::cta;\nmbarrier.arrive.release.cta.shared::cta.b64 _, [$0]; }",
+                   [full], "r")
 
     def run(self, init: list, body) -> None:
         """``body(k, carried) -> carried`` for k in [0, n) as one ``scf.for``, then the "free" phases of the
-        last two blocks (with a pair, the peer's consumers arrive here: this CTA must outlive them)."""
+        last two blocks."""
         from jax._src.lib.mlir import ir  # noqa: PLC0415 - lowering-time imports
         from jax._src.lib.mlir.dialects import scf  # noqa: PLC0415
 
@@ -434,7 +392,7 @@ class _Loop:
             jc = arith.maxsi(j, c32(0))
             e.wait_parity(arith.addi(self.free0, arith.muli(arith.remui(jc, c32(2)), c32(8))),
                           arith.remui(arith.divui(jc, c32(2)), c32(2)),
-                          arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.sge, j, c32(0))), cluster=self.cluster)
+                          arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.sge, j, c32(0))))
 
 
 _LOOP_TYPES = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(K_TILE_TRANSFORMS), plgpu.RefType(),
@@ -482,79 +440,6 @@ def produce_tile_656(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk,
 
         blk0, blk1 = lp.block_of(c32(0)), lp.block_of(c32(1))
         lp.run([lp.slot_of(blk0, row), lp.slot_of(blk1, row), lp.block_of(c32(2))], body)
-
-    produce(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk)
-
-
-def produce_cluster_656(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk, *,
-                        pow2_scales: bool = False) -> None:
-    """The whole producer loop of one CTA of a 2-CTA cluster (one warpgroup, all 128 threads), over the same
-    operands as ``produce_tile_656``: rows [32 r, 32 r + 32) of every block for the CTA of rank r, into its own
-    K tile by ``st.shared`` and into the peer's by ``st.async`` (counted on the peer's "full"); all 64 raw slots
-    into ``idx_ref``. Thread t serves row 32 r + t // 4 and its 128-column scale group t % 4 (41 words: 8 latent
-    loads, its scale, 16 rope values).
-
-    Software-pipelined so that no load's latency sits between two blocks: while block k is converted, block
-    k + 1's words are in flight (loaded from its slots, read one iteration earlier), block k + 2's slots and
-    block k + 3's id too, and block k + 2's records are prefetched into L2. "free"[k % 2] is waited for only
-    after those loads are issued. Needs about 110 registers per thread (two blocks' words)."""
-
-    @plgpu.inline_mgpu(arg_types=_LOOP_TYPES)
-    def produce(_, blocks, slots, cache, k, idx, b0_fa, n_fa):
-        e = _Emit()
-        arith, c32, c64 = e.arith, e.c32, e.c64
-        lp = _Loop(e, blocks, slots, cache, k, idx, b0_fa.registers.item(), n_fa.registers.item(), cluster=True)
-        rank = e.asm("mov.u32 $0, %cluster_ctarank;", [], "=r", 1)[0]
-        row = arith.addi(arith.muli(rank, c32(HALF_ROWS)), arith.divui(lp.tid, c32(4)))
-        quarter = arith.remui(lp.tid, c32(4))
-        q64 = arith.extui(e.i64, quarter)
-        slot_row = arith.remui(lp.tid, c32(BLOCK))  # threads 0..63 publish the raw slots (64.. re-read, unused)
-        publisher = arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.ult, lp.tid, c32(BLOCK)))
-        delta = arith.subi(e.peer(lp.k_base), lp.k_base)  # this CTA's shared address -> the peer's same byte
-        full0_peer = e.peer(lp.full0)
-        col_lat = arith.muli(quarter, c32(128))
-        col_rope = arith.addi(c32(LATENT), arith.muli(quarter, c32(16)))
-
-        def load_words(raw) -> list:
-            rec = lp.record(raw)
-            lat = e.loads(arith.addi(rec, arith.muli(q64, c64(128))), [16 * i for i in range(8)])
-            scale = e.ld32(arith.addi(rec, arith.addi(c64(LATENT), arith.muli(q64, c64(4)))))
-            rope = e.loads(arith.addi(rec, arith.addi(c64(LATENT + 16), arith.muli(q64, c64(32)))), [0, 16])
-            return [w for g in lat for w in g] + [scale] + [w for g in rope for w in g]
-
-        def body(kk, carried):
-            words, s_next, raw_cur, raw_next, blk_nn = carried[:41], *carried[41:]
-            # loads first: block k + 1's words, block k + 2's slots, block k + 3's id
-            words_next = load_words(s_next)
-            s_nn, raw_nn = lp.slot_of(blk_nn, row), lp.slot_of(blk_nn, slot_row)
-            blk_nnn = lp.block_of(arith.addi(kk, c32(3)))
-            b = arith.remui(kk, c32(2))
-            b8 = arith.muli(b, c32(8))
-            lp.wait_free(kk, b8)
-            e.store_slot_at(arith.addi(lp.idx_base, arith.muli(b, c32(BLOCK * 4))), slot_row, raw_cur, publisher)
-            row_base, sw = e.k_row(lp.tile(b), row)
-            bar_peer = arith.addi(full0_peer, b8)
-            scale = e.pow2_scale(words[32]) if pow2_scales else words[32]
-
-            def put(addr, w) -> None:
-                e.store16(addr, w)
-                e.store16_peer(arith.addi(addr, delta), w, bar_peer)
-
-            for i in range(8):
-                out = e.dequant(words[4 * i:4 * i + 4], scale, pow2_scales)
-                put(e.k_addr(row_base, sw, col_lat, 16 * i), out[:4])
-                put(e.k_addr(row_base, sw, col_lat, 16 * i + 8), out[4:])
-            for q in range(2):
-                put(e.k_addr(row_base, sw, col_rope, 8 * q), words[33 + 4 * q:37 + 4 * q])
-            lp.arrive_full(b8, PEER_BYTES)
-            # block k + 2's record (this thread's quarter of it) into L2, its slot loaded by now
-            e.prefetch(arith.addi(lp.record(s_nn), arith.muli(q64, c64(164))), (0, 128, 163))
-            return words_next + [s_nn, raw_next, raw_nn, blk_nnn]
-
-        blk0, blk1 = lp.block_of(c32(0)), lp.block_of(c32(1))
-        init = load_words(lp.slot_of(blk0, row)) + [lp.slot_of(blk1, row), lp.slot_of(blk0, slot_row),
-                                                    lp.slot_of(blk1, slot_row), lp.block_of(c32(2))]
-        lp.run(init, body)
 
     produce(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk)
 

@@ -84,21 +84,18 @@ converting block k+1 while PV(k) runs, which was removed). After the loop, the r
 serves every block. Every barrier phase is waited once per waiter (GPU interpret mode checks this; its race
 detector passes at the test shapes, ``test_no_races``).
 
-The register producer (``producer="registers"``, natively the default for one ``MlaRecord656`` list): a third
-warpgroup gathers and dequantises each block with per-thread loads into one of two K tiles
-(``pallas_kernels.record_gather``, after FlashMLA's sm90 sparse decode design), so no staging rows and no
-conversion in the compute warpgroups; they wait "full"[k % 2], compute, and arrive "free"[k % 2] after PV.
-Before gathering block k it prefetches block k+1's records into L2: decode reads its records from DRAM, and
-the per-thread loads alone keep too few bytes in flight to hide that latency. Registers: setmaxnreg moves
-them only inside the 384-thread CTA's launch pool (3 x 168 per thread), so producer + 2 x compute <= 504; an
-"increase" past it never returns (the first native run hung on it). SMEM: q 72 KB + two K tiles 144 KB.
-The cluster producer (``producer="cluster"``, V3.2's 128 heads): the two head tiles of a token run as a 2-CTA
-cluster and each CTA's producer gathers half of every block into both CTAs' K tiles (``st.async`` to the peer,
-counted on its raw "full" mbarrier), so each record is read and dequantised once per token instead of once per
-head tile; "free" is a raw mbarrier that the compute warps of both CTAs arrive on. The producer is one
-software-pipelined loop (``record_gather.produce_cluster_656``): while block k converts, block k + 1's words,
-block k + 2's slots and block k + 3's id are in flight, so no load's latency sits between two blocks; it keeps
-``PRODUCER_REGS_CLUSTER`` registers. Native only.
+The register producer (``producer="registers"``, natively the default for one ``MlaRecord656`` list; also
+for V4's ``MlaRecord584`` lists on request): a third warpgroup gathers and dequantises each block with
+per-thread loads into one of two K tiles (``pallas_kernels.record_gather``, after FlashMLA's sm90 sparse decode
+design), so no staging rows and no conversion in the compute warpgroups; they wait "full"[k % 2], compute,
+and arrive "free"[k % 2] after PV. The producer is one software-pipelined loop over raw mbarriers: it carries
+the next block's slot and the block id after it (neither load sits in a block's chain) and prefetches the
+next block's records into L2 (decode reads its records from DRAM, and the per-thread loads alone keep too few
+bytes in flight to hide that latency). Registers: setmaxnreg moves them only inside the 384-thread CTA's
+launch pool (3 x 168 per thread), so producer + 2 x compute <= 504; an "increase" past it never returns (the
+first native run hung on it). SMEM: q 72 KB + two K tiles 144 KB. Removed after measuring slower
+(docs/perf-log.md): a per-block producer, and a 2-CTA cluster producer that gathered each block once for both
+head tiles of a token.
 
 Shared memory (of 227 KB): q 72 KB + K tile 72 KB + staging 55 KB + P 8 KB + statistics 1 KB (V3.2 fp8,
 compiled, 208 KB; interpret mode adds the rope byte tile and the selection matrix, unaliased); bf16 rows with
@@ -129,7 +126,7 @@ from jds.ops.records import FloatRows, MlaRecord584, MlaRecord656
 from jds.ops.sparse_mqa import paged_sparse_mqa_xla
 from pallas_kernels import record_gather
 
-Producer = Literal["tma", "registers", "cluster"]
+Producer = Literal["tma", "registers"]
 
 
 HEAD_TILE = 64  # wgmma M
@@ -139,11 +136,10 @@ ROWS_PER_WARP = BLOCK_K // NUM_WG // 4  # row copies each warp issues per block
 NUM_SMS = 132  # H100/H200; only steers the automatic num_splits
 MIN_BLOCKS_PER_SPLIT = 2
 LOG2E = 1.4426950408889634
-PRODUCER_REGS = 80  # producer="registers": the producer warpgroup's registers per thread (the rest: compute)
-# the V3.2 producer loop loads a block's 84 words per thread in one round: 120 leaves the compute warpgroups 192
-PRODUCER_REGS_LOOP = 120
-# producer="cluster": two blocks' words in flight per thread; 120 leaves the compute warpgroups 192, as 112 does
-PRODUCER_REGS_CLUSTER = 120
+# producer="registers": the producer warpgroup's registers per thread (the rest: compute). V3.2's loop loads a
+# block's 84 words per thread in one round (120 leaves the compute warpgroups 192); V4's takes two rounds.
+PRODUCER_REGS = {"mla656": 120, "mla584": 80}
+PRODUCER_PHASES = {"mla656": 1, "mla584": 2}
 
 
 def compute_regs(producer_regs: int) -> int:
@@ -214,8 +210,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                out_dtype: jnp.dtype = jnp.float32,
                interpret: bool | plgpu.InterpretGPUParams | None = None, producer: Producer | None = None,
                producer_regs: int | None = None, producer_phases: int | None = None,
-               producer_prefetch: int = 1, producer_pow2: bool | None = None,
-               producer_loop: bool | None = None) -> jax.Array:
+               producer_pow2: bool | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype).
@@ -226,23 +221,15 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``, e.g. with ``detect_races``);
     None = whenever the default backend is not a GPU.
     ``producer``: who fills the K tile. "tma": the two compute warpgroups, from rows staged by per-row bulk
-    copies (the module docstring). "registers" (``MlaRecord656``, one list): a third warpgroup gathers and
-    dequantises each block into one of two K tiles with per-thread global loads
-    (``pallas_kernels.record_gather``; GPU interpret mode emulates it with the staged copies), so the next
-    block is filled while the compute warpgroups multiply the current one; it keeps ``producer_regs`` (None:
-    ``PRODUCER_REGS``) registers per thread and gives the rest to the compute warpgroups, and loads the latent in
-    ``producer_phases`` rounds (1 or 2; None: 1 in V3.2's loop, else 2); with ``producer_prefetch`` = d > 0
-    it also prefetches the records of the block d ahead into L2 before it gathers the current one (a gain where
-    the records come from DRAM, decode; a small loss where they already sit in L2, a short prefill; the loop
-    and "cluster" always prefetch one block ahead). "cluster" (one ``MlaRecord656`` list,
-    65 to 128 heads, native only): the register producer with the token's two head tiles in a 2-CTA cluster,
-    each CTA gathering half of every block for both, in one software-pipelined loop (``producer_phases`` and
-    ``producer_prefetch`` do not apply; ``producer_regs`` defaults to ``PRODUCER_REGS_CLUSTER``). None:
-    "registers" natively where it applies, else "tma" (interpret mode: "tma", whose emulation blocks no third
-    thread; the register producer's needs one CPU per warpgroup). ``producer_loop`` (native "registers"): the
-    producer as one software-pipelined loop over raw mbarriers (``record_gather.produce_tile_656``), the next
-    block's slot and the one after's id carried so that neither load's latency is in a block's chain; None: on
-    for V3.2's native register producer (with ``PRODUCER_REGS_LOOP`` registers), off elsewhere.
+    copies (the module docstring). "registers" (one ``MlaRecord656`` list, or natively one or two
+    ``MlaRecord584`` lists): a third warpgroup gathers and dequantises each block into one of two K tiles with
+    per-thread global loads, one software-pipelined loop that also prefetches the next block's records into L2
+    (``pallas_kernels.record_gather``; GPU interpret mode emulates V3.2's with the staged copies), so the next
+    block is filled while the compute warpgroups multiply the current one. It keeps ``producer_regs`` (None:
+    ``PRODUCER_REGS`` of the format) registers per thread and gives the rest to the compute warpgroups, and
+    loads the latent in ``producer_phases`` rounds (1 or 2; None: ``PRODUCER_PHASES`` of the format). None:
+    "registers" natively for one ``MlaRecord656`` list, else "tma" (interpret mode: "tma", whose emulation
+    blocks no third thread; the register producer's needs one CPU per warpgroup).
     ``producer_pow2``: the register producers' dequantisation without conversion instructions, exact only for
     power-of-two scales (``record_gather._DQ_POW2_ASM``); None = where the records' scales are ("ue8m0").
     Timings: docs/perf-log.md.
@@ -256,18 +243,15 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
         "pallas": lambda: _pallas(q, caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink,
                                   num_splits=num_splits, out_dtype=out_dtype, interpret=interpret,
                                   producer=producer, producer_regs=producer_regs,
-                                  producer_phases=producer_phases, producer_prefetch=producer_prefetch,
-                                  producer_pow2=producer_pow2, producer_loop=producer_loop)})
+                                  producer_phases=producer_phases, producer_pow2=producer_pow2)})
 
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
-            producer_regs=None, producer_phases=None, producer_prefetch=1, producer_pow2=None, producer_loop=None):
-    if producer not in (None, "tma", "registers", "cluster"):
-        raise ValueError(f'producer must be "tma", "registers" or "cluster", got {producer!r}')
-    if producer_phases not in (None, 1, 2, 4):
-        raise ValueError(f"producer_phases must be 1, 2 or 4, got {producer_phases}")
-    if not (isinstance(producer_prefetch, int) and 0 <= producer_prefetch <= 4):
-        raise ValueError(f"producer_prefetch (blocks ahead) must be an int in [0, 4], got {producer_prefetch!r}")
+            producer_regs=None, producer_phases=None, producer_pow2=None):
+    if producer not in (None, "tma", "registers"):
+        raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
+    if producer_phases not in (None, 1, 2):
+        raise ValueError(f"producer_phases must be 1 or 2, got {producer_phases}")
     if producer_regs is not None and not (isinstance(producer_regs, int) and 24 <= producer_regs <= 256
                                           and producer_regs % 8 == 0 and compute_regs(producer_regs) >= 24):
         raise ValueError(f"producer_regs must be a multiple of 8 in [24, 256] (got {producer_regs!r})")
@@ -276,17 +260,14 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                           "(see pallas_kernels.sparse_mqa.supports)")
     specs = tuple(cache_spec(f) for f in formats)
     one_656 = len(specs) == 1 and specs[0].kind == "mla656"
-    v4_loop = producer == "registers" and producer_loop and len(specs) <= 2 and all(
-        sp.kind == "mla584" for sp in specs)
-    if producer in ("registers", "cluster") and not (one_656 or v4_loop):
-        raise ValueError(f'producer="{producer}" reads one MlaRecord656 cache, or with producer_loop one or two '
-                         f'MlaRecord584 caches (got {formats})')
+    v4_lists = len(specs) <= 2 and all(sp.kind == "mla584" for sp in specs)
+    if producer == "registers" and not (one_656 or v4_lists):
+        raise ValueError(f'producer="registers" reads one MlaRecord656 cache or one or two MlaRecord584 caches '
+                         f'(got {formats})')
     if producer_pow2 and not (one_656 and specs[0].pow2_scales):
         raise ValueError("producer_pow2=True needs MlaRecord656 records with power-of-two (ue8m0) scales, "
                          f"got {formats}")
     t, h, dk = q.shape
-    if producer == "cluster" and not HEAD_TILE < h <= 2 * HEAD_TILE:
-        raise ValueError(f'producer="cluster" pairs two head tiles: it needs 65 to 128 heads, got {h}')
     if dk != specs[0].dim:
         raise ValueError(f"q head dim {dk} does not match the cache rows ({specs[0].dim})")
     for c, f in zip(caches, formats):
@@ -298,23 +279,15 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
         interpret = resolve_interpret(None)
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
-    if producer == "cluster" and interpret:
-        raise ValueError('producer="cluster" is native only (GPU interpret mode has no st.async to a peer CTA)')
+    if producer == "registers" and interpret and not one_656:
+        raise ValueError('producer="registers" over MlaRecord584 caches is native only (GPU interpret mode '
+                         "emulates V3.2's register producer alone)")
     if producer is None:
         producer = "registers" if one_656 and not interpret else "tma"
-    if producer_loop and (interpret or producer != "registers"):
-        raise ValueError('producer_loop=True is the native producer="registers" (inline PTX loop)')
-    if producer_loop is None:
-        producer_loop = producer == "registers" and one_656 and not interpret
-    if (producer_loop or producer == "cluster") and producer_prefetch != 1:
-        raise ValueError("producer_prefetch: the producer loop and the cluster producer prefetch exactly one "
-                         f"block ahead, got {producer_prefetch} (producer_loop=False for the per-block producer)")
-    loop_656 = producer_loop and one_656
     if producer_phases is None:
-        producer_phases = 1 if loop_656 else 2
+        producer_phases = PRODUCER_PHASES[specs[0].kind] if producer == "registers" else 2
     if producer_regs is None:
-        producer_regs = (PRODUCER_REGS_CLUSTER if producer == "cluster" else PRODUCER_REGS_LOOP if loop_656
-                         else PRODUCER_REGS)
+        producer_regs = PRODUCER_REGS[specs[0].kind] if producer == "registers" else 80
     hp = -(-h // HEAD_TILE) * HEAD_TILE
     qp = jnp.pad(q.astype(jnp.bfloat16), ((0, 0), (0, hp - h), (0, 0)))
     padded, list_blocks = [], []
@@ -336,9 +309,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     call = _build_call(specs=specs, list_blocks=tuple(list_blocks), t=t, hp=hp, dv=v_dim, scale=float(scale),
                        has_sink=has_sink, n_splits=n_splits, bps=bps, out_dtype=jnp.dtype(out_dtype),
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
-                       producer_phases=producer_phases, producer_prefetch=producer_prefetch,
-                       pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2,
-                       producer_loop=producer_loop)
+                       producer_phases=producer_phases,
+                       pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2)
     # blocks of 64 candidates with at least one valid slot, per token, compacted to the front (the kernel
     # skips the rest: prefill tokens early in the sequence, short contexts, fully masked rows)
     live = jnp.any(slots_all.reshape(t, nb, BLOCK_K) >= 0, axis=-1)
@@ -371,21 +343,16 @@ def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -
 def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t: int, hp: int, dv: int,
                 scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype,
                 interpret: plgpu.InterpretGPUParams | None, producer: Producer = "tma",
-                producer_regs: int = PRODUCER_REGS, producer_phases: int = 2, producer_prefetch: int = 0,
-                pow2: bool = False, producer_loop: bool = False):
-    """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k (native: ``record_gather``;
-    interpret mode: the staged copies and the compute warpgroups' conversion, all chunks) and arrives on
-    "full"[k % 2]; the compute warpgroups wait on it, read the block's slots from its idx slot (written by the
-    producer), compute as below and arrive on "free"[k % 2] after their PV, which the producer waits for before
-    it refills that tile with block k + 2. No "ready" barrier and no staging rows natively.
-    With ``producer_loop`` (and always for "cluster") the producer is one software-pipelined loop, and "full"
-    and "free" are raw mbarriers in the idx buffer's third row (``record_gather.init_barriers``).
-    ``producer="cluster"``: the grid in clusters of the two head tiles; each "full" completes on its own
-    producer's 128 arrivals and the peer's bytes, and both CTAs' compute warps arrive on each "free"."""
-    cl = producer == "cluster"
-    # the producer as one software-pipelined loop over raw mbarriers ("cluster" always; "registers" on request)
-    raw = cl or (producer == "registers" and producer_loop and interpret is None)
-    n_prod = 1 if producer in ("registers", "cluster") else 0
+                producer_regs: int = 120, producer_phases: int = 1, pow2: bool = False):
+    """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k and arrives on "full"[k % 2];
+    the compute warpgroups wait on it, read the block's slots from its idx slot (written by the producer),
+    compute as below and arrive on "free"[k % 2] after their PV, which the producer waits for before it refills
+    that tile with block k + 2. No "ready" barrier and no staging rows natively. Natively the producer is one
+    software-pipelined loop (``record_gather.produce_tile_656`` / ``produce_tile_584``) and "full" and "free"
+    are raw mbarriers in the idx buffer's third row (``record_gather.init_barriers``); interpret mode emulates
+    it with the staged copies, the compute warpgroups' conversion and Pallas barriers."""
+    n_prod = 1 if producer == "registers" else 0
+    raw = n_prod > 0 and interpret is None  # the producer's inline PTX loop over raw mbarriers
     kind, dk = specs[0].kind, specs[0].dim
     reg = n_prod > 0
     emulate = reg and interpret is not None  # the producer's register gather is PTX: interpret mode stages rows
@@ -535,15 +502,12 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             q_s1, k_s1, st, p_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_p = scratch
         q_s, k_s = q_s1.at[0], k_s1.at[0]  # [1, rows, dk]: index 0 statically (copies, dequantisation)
         pid = lax.axis_index("cta")
-        if cl:  # the grid counts clusters: (token, split); the head tile is the CTA's rank in the pair
-            gi, ti, si = lax.axis_index("cl"), pid % t, pid // t
-        else:
-            gi, ti, si = pid % G, (pid // G) % t, pid // (G * t)
+        gi, ti, si = pid % G, (pid // G) % t, pid // (G * t)
         b0 = si * bps  # this split's first position in the token's list of live blocks
         nblk = jnp.clip(nlive_ref[ti] - b0, 0, bps)
         wg = lax.axis_index("wg")
-        if raw:  # every thread: the raw "full" / "free" mbarriers initialised, then the cluster in step
-            record_gather.init_barriers(idx_s.at[2], cluster=cl)
+        if raw:  # every thread: the raw "full" / "free" mbarriers initialised, then the CTA in step
+            record_gather.init_barriers(idx_s.at[2])
 
         def init_selection(sel_s=sel_s):
             """Interpret mode's byte-pair selection matrix for the rope values (``store_rope``)."""
@@ -618,7 +582,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 z = lax.shift_right_logical(block_id(k), 20)
                 if reg:  # block k in K tile k % 2, its slots in idx slot k % 2 (both from the producer)
                     if raw:
-                        record_gather.wait_full(idx_s.at[2, pl.ds(2 * islot, 2)], (k // 2) % 2, cluster=cl)
+                        record_gather.wait_full(idx_s.at[2, pl.ds(2 * islot, 2)], (k // 2) % 2)
                     else:
                         plgpu.barrier_wait(bar_full.at[islot])
                     q_mm, k_mm = q_s1.at[z], k_s1.at[islot + z]
@@ -684,8 +648,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 else:  # in place: a second [64, 256] fp32 accumulator would not fit the registers
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
 
-                if raw:  # done with K tile k % 2 (and its slots): the producer(s) may refill it
-                    record_gather.arrive_free(idx_s.at[2, pl.ds(4 + 2 * islot, 2)], cluster=cl)
+                if raw:  # done with K tile k % 2 (and its slots): the producer may refill it
+                    record_gather.arrive_free(idx_s.at[2, pl.ds(4 + 2 * islot, 2)])
                 elif reg:  # this warpgroup is done with K tile k % 2 (and its slots): the producer may refill it
                     plgpu.barrier_arrive(bar_free.at[islot])
                 else:
@@ -716,26 +680,22 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     l_ref.at[si, ti, heads][...] = l
 
         def produce():
-            """producer="registers" / "cluster": block k into K tile k % 2 (and its slots into idx slot k % 2),
-            once the compute warpgroups freed that tile of block k - 2."""
-            if emulate:
-                st, pb_s, sel_s = per_prod
-                init_selection(sel_s)
-            else:
+            """producer="registers": block k into K tile k % 2 (and its slots into idx slot k % 2), once the
+            compute warpgroups freed that tile of block k - 2."""
+            if raw:  # natively: one inline PTX loop, its own waits and arrivals
                 plgpu.set_max_registers(producer_regs, action="decrease")
-            if cl:  # one software-pipelined loop, its own waits and arrivals (raw mbarriers)
-                record_gather.produce_cluster_656(blocks_ref.at[ti], slots_ref.at[ti], cache_refs[0], k_s1, idx_s,
-                                                  b0, nblk, pow2_scales=pow2)
+                if kind == "mla584":
+                    record_gather.produce_tile_584(
+                        blocks_ref.at[ti], slots_ref.at[ti], cache_refs, k_s1, idx_s, b0, nblk,
+                        phases=producer_phases,
+                        lists=tuple((list_start[i], specs[i].entries_per_page, specs[i].page_elems)
+                                    for i in range(nc)))
+                else:
+                    record_gather.produce_tile_656(blocks_ref.at[ti], slots_ref.at[ti], cache_refs[0], k_s1, idx_s,
+                                                   b0, nblk, phases=producer_phases, pow2_scales=pow2)
                 return
-            if raw and kind == "mla584":
-                record_gather.produce_tile_584(
-                    blocks_ref.at[ti], slots_ref.at[ti], cache_refs, k_s1, idx_s, b0, nblk, phases=producer_phases,
-                    lists=tuple((list_start[i], specs[i].entries_per_page, specs[i].page_elems) for i in range(nc)))
-                return
-            if raw:
-                record_gather.produce_tile_656(blocks_ref.at[ti], slots_ref.at[ti], cache_refs[0], k_s1, idx_s, b0,
-                                               nblk, phases=producer_phases, pow2_scales=pow2)
-                return
+            st, pb_s, sel_s = per_prod
+            init_selection(sel_s)
 
             @pl.loop(0, nblk)
             def _(k):
@@ -745,24 +705,16 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 def _():
                     plgpu.barrier_wait(bar_free.at[b])
 
-                start = pl.multiple_of(block_id(k) * BK, BK)
-                # block k + d's records into L2 (the last block again near the end: harmless)
-                nxt_start = pl.multiple_of(block_id(jnp.minimum(k + producer_prefetch, nblk - 1)) * BK, BK)
-                nxt = slots_ref.at[ti, pl.ds(nxt_start, BK)] if producer_prefetch else None
-                if emulate:  # the same values through the staged rows (interpret mode cannot run the PTX)
-                    idx_copy(k, b)
-                    plgpu.barrier_wait(bar_i.at[b])
-                    for half in range(NUM_WG):
-                        issue_row_copies(cache_refs, st, idx_s, b, block_id(k), half, bar_kv.at[0])
-                    plgpu.barrier_wait(bar_kv.at[0])
-                    kb = k_s1.at[b]
-                    for c, v in convert(0, st, None, list(range(nch - 1))):
-                        kb[:, pl.ds(64 * c, 64)] = v
-                    store_rope(st, st16, kb, pb_s, sel_s)
-                else:
-                    record_gather.fill_k_tile_656(slots_ref.at[ti, pl.ds(start, BK)], cache_refs[0], k_s1.at[b],
-                                                  idx_s.at[b], phases=producer_phases, next_slots_ref=nxt,
-                                                  pow2_scales=pow2)
+                # interpret mode: the same values through the staged rows (it cannot run the producer's PTX)
+                idx_copy(k, b)
+                plgpu.barrier_wait(bar_i.at[b])
+                for half in range(NUM_WG):
+                    issue_row_copies(cache_refs, st, idx_s, b, block_id(k), half, bar_kv.at[0])
+                plgpu.barrier_wait(bar_kv.at[0])
+                kb = k_s1.at[b]
+                for c, v in convert(0, st, None, list(range(nch - 1))):
+                    kb[:, pl.ds(64 * c, 64)] = v
+                store_rope(st, st16, kb, pb_s, sel_s)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(bar_full.at[b])
 
@@ -832,8 +784,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     jax.ShapeDtypeStruct((n_splits, t, hp), jnp.float32))
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, unsafe_no_auto_barriers=True,
                                   approx_math=True, reduction_scratch_bytes=0)  # row reductions stay in-warp
-    grid = dict(grid=(n_splits * t,), grid_names=("cta",), cluster=(G,), cluster_names=("cl",)) if cl else \
-        dict(grid=(n_splits * t * G,), grid_names=("cta",))
-    return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, **grid, num_threads=NUM_WG + n_prod,
+    return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=(n_splits * t * G,),
+                        grid_names=("cta",), num_threads=NUM_WG + n_prod,
                         thread_name="wg", compiler_params=params,
                         interpret=interpret if interpret is not None else False)

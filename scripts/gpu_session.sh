@@ -22,7 +22,7 @@
 #   scripts/gpu_session.sh ncu-topk      # issue 20: Nsight Compute (full set) on the radix select at 64 x 64K, one and two programs per row
 #   scripts/gpu_session.sh ncu-mqa       # issue 20: Nsight Compute (full set) on the sparse MQA, V3.2 and V4 decode at batch 64
 #   scripts/gpu_session.sh mqa-variants  # issue 20: sparse MQA native tests, its switches on the GPU timeline, ncu of the default
-#   scripts/gpu_session.sh mqa-loops     # issue 20: the software-pipelined producers (registers_loop, cluster): native tests, then timed
+#   scripts/gpu_session.sh mqa-loops     # issue 20: the register producer's native tests, then its switch sets timed
 #   scripts/gpu_session.sh ncu-fp4sweep  # issue 22: FP4 grouped decode calls x variants (bf16 / e4m3 x), exact kernel durations (ncu)
 #   scripts/gpu_session.sh hostprofile   # issue 16: one step's GPU timeline (8 layers, 8 segments), TTFT's readback
 #   scripts/gpu_session.sh probe         # host cost of a captured step: preparation vs dispatch, graphs vs none
@@ -240,14 +240,14 @@ case "$stage" in
     ncu -i /tmp/mqa_v32_b64.ncu-rep --page source --csv --print-source sass > "$OUT/mqa_v32_b64_sass.csv" 2>&1
     ;;
   mqa-loops)
-    # the producers as one software-pipelined loop (eighteenth session, never run natively): each test group and
-    # each variant runs in its own process, killed if it hangs, so that one hang hides nothing else
-    [ "${MQAL_TESTS:-1}" = 1 ] && for k in "bit_exact" "register_producer and registers_loop" "register_producer and cluster" "v4_register"; do
+    # the register producer (one software-pipelined loop): each test group and each variant runs in its own
+    # process, killed if it hangs, so that one hang hides nothing else
+    [ "${MQAL_TESTS:-1}" = 1 ] && for k in "bit_exact" "v32_register_producer" "v4_register"; do
       timeout -s KILL ${MQAL_TEST_TIMEOUT:-90} python3 -m pytest -m gpu -q --tb=short -rfE -p no:cacheprovider \
         tests/test_kernel_sparse_mqa.py tests/test_kernel_record_gather.py -k "$k" >> "$OUT/gpu_mqa_loop_tests.log" 2>&1
       echo "mqa loop tests [$k] rc=$?"; tail -1 "$OUT/gpu_mqa_loop_tests.log"
     done
-    for v in ${MQAL_VARIANTS:-default registers_loop registers_loop_p1r120 cluster cluster_r96 cluster_r128}; do
+    for v in ${MQAL_VARIANTS:-default registers_p2r80 registers_p1r112 registers_p1r128 tma}; do
       timeout -s KILL ${MQAL_TIMEOUT:-100} python3 scripts/diag/mqa_variants.py \
         --cases ${MQAL_CASES:-v32_decode_64 v32_decode_128 v32_prefill_4096} --variants $v \
         --out "$OUT/mqa_variants_loops_${v}_h200.json" >> "$OUT/mqa_variants_loops.log" 2>&1; echo "mqa variant $v rc=$?"
@@ -256,7 +256,7 @@ case "$stage" in
     [ "${MQAL_NCU:-0}" = 1 ] || continue  # MQAL_NCU=1: ncu of the loop producer too (about 2.5 more minutes)
     timeout -s KILL ${NCUM_TIMEOUT:-150} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
       -o /tmp/mqa_loop python3 scripts/diag/ncu_kernels.py mqa --shape v32 --m 64 \
-      --tiles "${MQAL_NCU_TILES:-{\"producer_loop\": true\}}" > /dev/null 2>&1; echo "ncu mqa loop rc=$?"
+      --tiles "${MQAL_NCU_TILES:-{\}}" > /dev/null 2>&1; echo "ncu mqa loop rc=$?"
     ncu -i /tmp/mqa_loop.ncu-rep --page details > "$OUT/mqa_v32_b64_loop_details.txt" 2>&1
     ncu -i /tmp/mqa_loop.ncu-rep --page source --csv --print-source sass > "$OUT/mqa_v32_b64_loop_sass.csv" 2>&1
     python3 scripts/diag/ncu_sass_regions.py "$OUT/mqa_v32_b64_loop_sass.csv" --top 15 | tee "$OUT/mqa_v32_b64_loop_regions.txt" | head -60

@@ -148,25 +148,21 @@ def test_v32_padded_heads_and_splits(mode):
                interpret=interpret, num_splits=s)
 
 
-@pytest.mark.parametrize("producer", ["registers", pytest.param("cluster", marks=pytest.mark.gpu),
-                                      pytest.param("registers_loop", marks=pytest.mark.gpu),
-                                      pytest.param("registers_block", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("producer", ["registers", pytest.param("registers_p2r80", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("mode", MODES)
 def test_v32_register_producer(mode, producer):
     """producer="registers": a third warpgroup fills two K tiles in turn (natively by per-thread loads and
     dequantisation in registers, ``record_gather``; interpret mode emulates it with the staged rows), so blocks
-    0..4 cycle through both tiles. "cluster" (native only): the two head tiles' CTAs each gather half of every
-    block for both; "registers_loop" (native only, the default there): the register producer as one
-    software-pipelined loop; "registers_block" (native only): the per-block register producer. A fully masked row
-    gives zeros; 2 splits (one with 2 blocks, one with 3); interpret mode also runs the race detector over the
-    full / free protocol.
+    0..4 cycle through both tiles; "registers_p2r80" (native only): its loop with the latent loaded in two
+    rounds and 80 producer registers. A fully masked row gives zeros; 2 splits (one with 2 blocks, one with 3);
+    interpret mode also runs the race detector over the full / free protocol.
 
     Interpret mode runs each warpgroup as an XLA CPU computation whose barrier waits block a thread of XLA's
     intra-op pool (one per CPU): with fewer CPUs than warpgroups a producer never runs."""
     if _interpret(mode) and producer != "registers":
         pytest.skip("native only")
-    kw = {"registers_loop": dict(producer="registers", producer_loop=True),
-          "registers_block": dict(producer="registers", producer_loop=False)}.get(producer, dict(producer=producer))
+    kw = dict(producer="registers", producer_phases=2, producer_regs=80) if producer == "registers_p2r80" else \
+        dict(producer="registers")
     if _interpret(mode) and len(os.sched_getaffinity(0)) < mqa.NUM_WG + 1:
         pytest.skip(f"interpret mode needs a CPU per warpgroup ({mqa.NUM_WG + 1}) for the register "
                     "producer's blocking waits")
@@ -189,28 +185,24 @@ def test_v32_register_producer(mode, producer):
 
 
 def test_register_producer_bad_inputs():
-    """producer / producer_regs / producer_phases errors name the argument; V4's records are not its format."""
+    """producer / producer_regs / producer_phases errors name the argument; bf16 rows are not the register
+    producer's format, and V4's records take it natively only."""
     rng = np.random.default_rng(0)
     fmt = MlaRecord656(16)
     cache = _cache(fmt, 2, 576, rng)
     q, slots = jnp.zeros((1, 4, 576), jnp.bfloat16), jnp.zeros((1, 64), jnp.int32)
-    for kw, msg in [(dict(producer="warp"), "producer must be"), (dict(producer_phases=3), "producer_phases"),
-                    (dict(producer_regs=100), "producer_regs"), (dict(producer_regs=8), "producer_regs"),
-                    (dict(producer_prefetch=-1), "producer_prefetch"),
-                    (dict(producer_prefetch=1.5), "producer_prefetch"), (dict(producer_phases=3), "producer_phases"),
-                    (dict(producer="cluster"), "65 to 128 heads"), (dict(producer_loop=True), "producer_loop")]:
+    for kw, msg in [(dict(producer="warp"), "producer must be"), (dict(producer="cluster"), "producer must be"),
+                    (dict(producer_phases=3), "producer_phases"), (dict(producer_phases=4), "producer_phases"),
+                    (dict(producer_regs=100), "producer_regs"), (dict(producer_regs=8), "producer_regs")]:
         with pytest.raises(ValueError, match=msg):
             mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.1, v_dim=512, interpret=True, **kw)
-    with pytest.raises(ValueError, match="native only"):
-        mqa.sparse_mqa(jnp.zeros((1, 128, 576), jnp.bfloat16), [cache], [fmt], [slots], scale=0.1, v_dim=512,
-                       interpret=True, producer="cluster")
-    for kw in (dict(producer="registers", producer_loop=True), dict(producer="cluster")):  # checked before lowering
-        with pytest.raises(ValueError, match="producer_prefetch"):
-            mqa.sparse_mqa(jnp.zeros((1, 128, 576), jnp.bfloat16), [cache], [fmt], [slots], scale=0.1, v_dim=512,
-                           interpret=False, producer_prefetch=2, **kw)
     f4 = MlaRecord584(16)
-    with pytest.raises(ValueError, match="MlaRecord656"):  # the per-block register producer reads V3.2 records
+    with pytest.raises(ValueError, match="native only"):  # interpret mode emulates V3.2's producer alone
         mqa.sparse_mqa(jnp.zeros((1, 4, 512), jnp.bfloat16), [_cache(f4, 2, 512, rng)], [f4], [slots],
+                       scale=0.1, v_dim=512, interpret=True, producer="registers")
+    fr = FloatRows(512, 16, jnp.bfloat16)
+    with pytest.raises(ValueError, match="MlaRecord656"):
+        mqa.sparse_mqa(jnp.zeros((1, 4, 512), jnp.bfloat16), [_cache(fr, 2, 512, rng)], [fr], [slots],
                        scale=0.1, v_dim=512, interpret=True, producer="registers")
 
 
@@ -240,12 +232,12 @@ def test_v4_window_compressed_sink(mode, num_splits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [1, 2])
-def test_v4_register_loop_producer(num_splits):
-    """V4's register producer loop (``producer="registers", producer_loop=True``, native only): the two
-    MlaRecord584 lists of different pages per block, every block of the loop, the sink, a fully masked row."""
+def test_v4_register_producer(num_splits):
+    """V4's register producer (``producer="registers"``, native only): the two MlaRecord584 lists of different
+    pages per block, every block of the loop, the sink, a fully masked row."""
     if not ON_GPU:
         pytest.skip("native only")
-    _v4_window_compressed(False, num_splits, producer="registers", producer_loop=True)
+    _v4_window_compressed(False, num_splits, producer="registers")
 
 
 def _v4_window_compressed(interpret, num_splits, **kw) -> None:
@@ -368,9 +360,8 @@ def test_v4_layer_attend(mode):
 
 # ----- lowering for the H200 without a GPU --------------------------------------------------------------------
 @pytest.mark.skipif(ON_GPU, reason="the native tests compile the kernel")
-@pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16", "v32_fp8_registers",
-                                  "v32_fp8_registers_p1", "v32_fp8_registers_pf", "v32_fp8_registers_pf2",
-                                  "v32_fp8_cluster", "v32_fp8_registers_loop", "v4_fp8_registers_loop"])
+@pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16", "v32_fp8_tma",
+                                  "v32_fp8_registers_p2", "v4_fp8_registers"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -386,13 +377,9 @@ def test_lowers_for_cuda(case):
     slots = [jax.ShapeDtypeStruct((t, k), jnp.int32) for k in lists]
     sink = jax.ShapeDtypeStruct((h,), jnp.float32) if case.startswith("v4") else None
     splits = 4 if "splits" in case else 1
-    prefetch = 2 if case.endswith("pf2") else int(case.endswith("pf"))
-    kw = (dict(producer="registers", producer_loop=False, producer_phases=1 if case.endswith("p1") else 2,
-               producer_prefetch=prefetch) if "registers" in case else {})
-    if case.endswith("cluster"):  # the two head tiles as a 2-CTA cluster
-        kw = dict(producer="cluster")
-    if case.endswith("loop"):  # the register producer as one software-pipelined loop
-        kw = dict(producer="registers", producer_loop=True)
+    # v32_fp8: the register producer (V3.2's default natively); v4_fp8: the TMA producer (V4's default)
+    kw = {"v32_fp8_tma": dict(producer="tma"), "v4_fp8_registers": dict(producer="registers"),
+          "v32_fp8_registers_p2": dict(producer="registers", producer_phases=2, producer_regs=80)}.get(case, {})
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,

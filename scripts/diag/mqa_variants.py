@@ -29,31 +29,15 @@ from pallas_kernels import sparse_mqa
 VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_splits=2),
             "splits4": dict(num_splits=4),
             # who fills the K tile: "tma" (the compute warpgroups, from bulk-copied rows) or "registers" (the
-            # default for V3.2 natively: a third warpgroup, per-thread loads, the next block prefetched into L2)
-            "tma": dict(producer="tma"),
-            "registers_nopf": dict(producer="registers", producer_loop=False, producer_prefetch=0),
-            "registers_pf2": dict(producer="registers", producer_loop=False, producer_prefetch=2),
-            "registers_p1r112": dict(producer="registers", producer_loop=False, producer_phases=1,
-                                     producer_regs=112),
+            # default for V3.2 natively: a third warpgroup, one software-pipelined loop of per-thread loads)
+            "tma": dict(producer="tma"), "registers": dict(producer="registers"),
+            "registers_splits1": dict(producer="registers", num_splits=1),  # V4 b64
+            # the register producer's budget: latent loads in 1 or 2 rounds, producer registers
+            "registers_p2r80": dict(producer="registers", producer_phases=2, producer_regs=80),
+            "registers_p1r112": dict(producer="registers", producer_phases=1, producer_regs=112),
+            "registers_p1r128": dict(producer="registers", producer_phases=1, producer_regs=128),
             # the fp32 dequantisation (conversion instructions) where the default takes the power-of-two one
-            "registers_f32": dict(producer="registers", producer_pow2=False),
-            "cluster_f32": dict(producer="cluster", producer_pow2=False),
-            # the two head tiles of a token as a 2-CTA cluster, each CTA gathering half of every block for both
-            "cluster": dict(producer="cluster"),
-            # the register producer as one software-pipelined loop (raw mbarriers, next slot and block id carried)
-            # (the default for V3.2 natively: one round of loads, 120 producer registers)
-            "registers_loop": dict(producer="registers", producer_loop=True),
-            "registers_loop_p2r80": dict(producer="registers", producer_loop=True, producer_phases=2,
-                                         producer_regs=80),
-            "registers_loop_p1r112": dict(producer="registers", producer_loop=True, producer_phases=1,
-                                          producer_regs=112),
-            "registers_loop_p1r128": dict(producer="registers", producer_loop=True, producer_phases=1,
-                                          producer_regs=128),
-            # the per-block register producer (the default until the nineteenth session)
-            "registers_block": dict(producer="registers", producer_loop=False),
-            "registers_loop_splits1": dict(producer="registers", producer_loop=True, num_splits=1),  # V4 b64
-            "cluster_r96": dict(producer="cluster", producer_regs=96),
-            "cluster_r128": dict(producer="cluster", producer_regs=128)}
+            "registers_f32": dict(producer="registers", producer_pow2=False)}
 
 
 def _case(name: str, quick: bool) -> dict:
