@@ -166,6 +166,10 @@ class _Emit:
                  "@!p bra WAIT;\nDONE:\n}", [bar, parity] + ([pred] if pred is not None else []),
                  "r,r,r" if pred is not None else "r,r")
 
+    def shfl(self, v, src_lane):
+        """``v`` of lane ``src_lane`` (i32) of this warp."""
+        return self.asm("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;", [v, src_lane], "=r,r,r", 1)[0]
+
     def ld32(self, addr):
         return self.asm("ld.global.nc.u32 $0, [$1];", [addr], "=r,l", 1)[0]
 
@@ -440,6 +444,128 @@ def produce_tile_656(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk,
 
         blk0, blk1 = lp.block_of(c32(0)), lp.block_of(c32(1))
         lp.run([lp.slot_of(blk0, row), lp.slot_of(blk1, row), lp.block_of(c32(2))], body)
+
+    produce(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk)
+
+
+def coalesced_lane(lane: int) -> dict[str, int]:
+    """The coalesced producer's roles of ``lane`` (0..31) of a warp, which owns 16 rows of a block (the emitter
+    computes the same from the thread index; the CPU test checks coverage and bank spread from this). Latent
+    loads: rows 2 p + ``h`` of the warp for row pair p, 16-byte chunk 16 j + ``c`` (j = 0, 1), so each load
+    instruction reads 256 contiguous bytes of two rows; the chunk's bf16 halves are stored in the order
+    ``swap`` (quarter-warps then hit eight distinct 16-byte bank slots). Rope loads: row 4 q + ``rope_row``,
+    chunk ``rc`` of the 128 rope bytes, for q = 0..3."""
+    c = lane >> 1
+    return {"h": lane & 1, "c": c, "group_lo": c >> 3, "swap": (c >> 1) & 1,
+            "rope_row": (lane & 1) + 2 * (lane >> 4), "rc": (lane >> 1) & 7}
+
+
+def produce_tile_656_coalesced(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk, *, phases: int = 2,
+                               pow2_scales: bool = False) -> None:
+    """``produce_tile_656`` with coalesced loads (``coalesced_lane``): each load instruction of a warp reads
+    whole 128-byte lines of two (latent) or four (rope) rows instead of 16 bytes of 16 rows. Why: in ncu the
+    thread-per-half-row form saturates L1/TEX, using half of every sector it transfers, and the MQA's compute
+    warps wait on it (docs/perf-log.md, nineteenth session). A warp serves 16 rows; a lane holds its row's slot (lane % 16) and gets
+    the others' by ``shfl.sync``. 96 words per lane and block, loaded in ``phases`` rounds (1, 2 or 4) of row
+    pairs and rope rows."""
+    if phases not in (1, 2, 4):
+        raise ValueError(f"phases must be 1, 2 or 4, got {phases}")
+
+    @plgpu.inline_mgpu(arg_types=_LOOP_TYPES)
+    def produce(_, blocks, slots, cache, k, idx, b0_fa, n_fa):
+        e = _Emit()
+        arith, c32, c64 = e.arith, e.c32, e.c64
+        lp = _Loop(e, blocks, slots, cache, k, idx, b0_fa.registers.item(), n_fa.registers.item())
+        lane, warp = arith.remui(lp.tid, c32(32)), arith.divui(lp.tid, c32(32))
+        row0 = arith.muli(warp, c32(16))  # this warp's first row
+        h, c = arith.andi(lane, c32(1)), arith.shrui(lane, c32(1))  # the roles of ``coalesced_lane``
+        swap = arith.andi(arith.shrui(c, c32(1)), c32(1))
+        first_half = arith.cmpi(arith.CmpIPredicate.eq, swap, c32(0))
+        rope_row = arith.addi(h, arith.muli(arith.shrui(lane, c32(4)), c32(2)))
+        rc = arith.andi(c, c32(7))
+        my_row = arith.addi(row0, arith.andi(lane, c32(15)))  # the row whose slot this lane holds
+        hi16 = arith.extui(e.i64, arith.shrui(arith.andi(lane, c32(16)), c32(4)))
+        lat_off = arith.extui(e.i64, arith.muli(c, c32(16)))
+        sc_off = arith.extui(e.i64, arith.addi(c32(LATENT), arith.muli(arith.shrui(c, c32(3)), c32(4))))
+        rope_off = arith.extui(e.i64, arith.addi(c32(LATENT + 16), arith.muli(rc, c32(16))))
+        publisher = arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.ult, lane, c32(16)))
+        pairs, ropes = 8 // phases, 4 // phases
+
+        def round_loads(s_cur, p0: int, q0: int, nq: int):
+            """One asm statement: the latent chunks and scales of row pairs p0.. and the rope chunks of rope
+            rows q0..q0 + nq - 1; -> (per pair: 2 x 4 latent words and 2 scales, per rope row: 4 words)."""
+            addrs, text, n_out = [], "", 0
+            plan = []
+            for p in range(p0, p0 + pairs):
+                rec = lp.record(e.shfl(s_cur, arith.addi(c32(2 * p), h)))
+                addrs += [arith.addi(rec, lat_off), arith.addi(rec, sc_off)]
+                plan.append(("pair", len(addrs) - 2, len(addrs) - 1))
+            for q in range(q0, q0 + nq):
+                rec = lp.record(e.shfl(s_cur, arith.addi(c32(4 * q), rope_row)))
+                addrs.append(arith.addi(rec, rope_off))
+                plan.append(("rope", len(addrs) - 1))
+            n_in = len(addrs)
+            for item in plan:
+                if item[0] == "pair":
+                    for j in range(2):
+                        o = n_out
+                        text += (f"ld.global.nc.v4.u32 {{${o}, ${o + 1}, ${o + 2}, ${o + 3}}}, "
+                                 f"[${{A{item[1]}}}+{256 * j}];\n")
+                        n_out += 4
+                    for j in range(2):
+                        text += f"ld.global.nc.u32 ${n_out}, [${{A{item[2]}}}+{8 * j}];\n"
+                        n_out += 1
+                else:
+                    o = n_out
+                    text += f"ld.global.nc.v4.u32 {{${o}, ${o + 1}, ${o + 2}, ${o + 3}}}, [${{A{item[1]}}}];\n"
+                    n_out += 4
+            for a in range(n_in):
+                text = text.replace(f"${{A{a}}}", f"${n_out + a}")
+            words = e.asm(text, addrs, ",".join(["=r"] * n_out + ["l"] * n_in), n_out)
+            out, i = [], 0
+            for item in plan:
+                if item[0] == "pair":
+                    out.append((words[i:i + 4], words[i + 4:i + 8], words[i + 8], words[i + 9]))
+                    i += 10
+                else:
+                    out.append(words[i:i + 4])
+                    i += 4
+            return out
+
+        def body(kk, carried):
+            s_cur, s_next, blk_nn = carried
+            b = arith.remui(kk, c32(2))
+            b8 = arith.muli(b, c32(8))
+            tile = lp.tile(b)
+            out = {}
+            for r in range(phases):
+                got = round_loads(s_cur, r * pairs, r * ropes, ropes)
+                if r == 0:  # block k + 2's slot, block k + 3's id, block k + 1's records into L2, tile b free
+                    out["s_nn"] = lp.slot_of(blk_nn, my_row)
+                    out["blk_nnn"] = lp.block_of(arith.addi(kk, c32(3)))
+                    e.prefetch(arith.addi(lp.record(s_next), arith.muli(hi16, c64(384))), (0, 128, 256, 271))
+                    lp.wait_free(kk, b8)
+                    e.store_slot_at(arith.addi(lp.idx_base, arith.muli(b, c32(BLOCK * 4))), my_row, s_cur,
+                                    publisher)
+                for n, p in enumerate(range(r * pairs, (r + 1) * pairs)):
+                    lat = got[n]
+                    row_base, sw = e.k_row(tile, arith.addi(row0, arith.addi(c32(2 * p), h)))
+                    for j in range(2):
+                        scale = e.pow2_scale(lat[2 + j]) if pow2_scales else lat[2 + j]
+                        words = e.dequant(lat[j], scale, pow2_scales)
+                        lo = [arith.select(first_half, words[i], words[4 + i]) for i in range(4)]
+                        hi = [arith.select(first_half, words[4 + i], words[i]) for i in range(4)]
+                        col = arith.addi(arith.muli(c, c32(16)), arith.muli(swap, c32(8)))
+                        e.store16(e.k_addr(row_base, sw, col, 256 * j), lo)
+                        e.store16(e.k_addr(row_base, sw, arith.xori(col, c32(8)), 256 * j), hi)
+                for n, q in enumerate(range(r * ropes, (r + 1) * ropes)):
+                    row_base, sw = e.k_row(tile, arith.addi(row0, arith.addi(c32(4 * q), rope_row)))
+                    e.store16(e.k_addr(row_base, sw, arith.muli(rc, c32(8)), LATENT), got[pairs + n])
+            lp.arrive_full(b8)
+            return [s_next, out["s_nn"], out["blk_nnn"]]
+
+        blk0, blk1 = lp.block_of(c32(0)), lp.block_of(c32(1))
+        lp.run([lp.slot_of(blk0, my_row), lp.slot_of(blk1, my_row), lp.block_of(c32(2))], body)
 
     produce(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk)
 

@@ -210,7 +210,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                out_dtype: jnp.dtype = jnp.float32,
                interpret: bool | plgpu.InterpretGPUParams | None = None, producer: Producer | None = None,
                producer_regs: int | None = None, producer_phases: int | None = None,
-               producer_pow2: bool | None = None) -> jax.Array:
+               producer_pow2: bool | None = None, producer_coalesced: bool = False) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype).
@@ -230,6 +230,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     loads the latent in ``producer_phases`` rounds (1 or 2; None: ``PRODUCER_PHASES`` of the format). None:
     "registers" natively for one ``MlaRecord656`` list, else "tma" (interpret mode: "tma", whose emulation
     blocks no third thread; the register producer's needs one CPU per warpgroup).
+    ``producer_coalesced`` (native V3.2 register producer): each warp's loads read whole lines of two or four
+    records (``record_gather.produce_tile_656_coalesced``; latent in 2 rounds unless ``producer_phases``).
     ``producer_pow2``: the register producers' dequantisation without conversion instructions, exact only for
     power-of-two scales (``record_gather._DQ_POW2_ASM``); None = where the records' scales are ("ue8m0").
     Timings: docs/perf-log.md.
@@ -243,15 +245,16 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
         "pallas": lambda: _pallas(q, caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink,
                                   num_splits=num_splits, out_dtype=out_dtype, interpret=interpret,
                                   producer=producer, producer_regs=producer_regs,
-                                  producer_phases=producer_phases, producer_pow2=producer_pow2)})
+                                  producer_phases=producer_phases, producer_pow2=producer_pow2,
+                                  producer_coalesced=producer_coalesced)})
 
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
-            producer_regs=None, producer_phases=None, producer_pow2=None):
+            producer_regs=None, producer_phases=None, producer_pow2=None, producer_coalesced=False):
     if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
-    if producer_phases not in (None, 1, 2):
-        raise ValueError(f"producer_phases must be 1 or 2, got {producer_phases}")
+    if producer_phases not in (None, 1, 2) and not (producer_coalesced and producer_phases == 4):
+        raise ValueError(f"producer_phases must be 1 or 2 (or 4 with producer_coalesced), got {producer_phases}")
     if producer_regs is not None and not (isinstance(producer_regs, int) and 24 <= producer_regs <= 256
                                           and producer_regs % 8 == 0 and compute_regs(producer_regs) >= 24):
         raise ValueError(f"producer_regs must be a multiple of 8 in [24, 256] (got {producer_regs!r})")
@@ -284,8 +287,12 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                          "emulates V3.2's register producer alone)")
     if producer is None:
         producer = "registers" if one_656 and not interpret else "tma"
+    if producer_coalesced and not (producer == "registers" and one_656 and not interpret):
+        raise ValueError("producer_coalesced is the native V3.2 register producer (one MlaRecord656 cache, "
+                         f'producer="registers", not interpret mode); got producer={producer!r}, {formats}')
     if producer_phases is None:
-        producer_phases = PRODUCER_PHASES[specs[0].kind] if producer == "registers" else 2
+        producer_phases = 2 if producer_coalesced else (PRODUCER_PHASES[specs[0].kind] if producer == "registers"
+                                                        else 2)
     if producer_regs is None:
         producer_regs = PRODUCER_REGS[specs[0].kind] if producer == "registers" else 80
     hp = -(-h // HEAD_TILE) * HEAD_TILE
@@ -310,7 +317,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                        has_sink=has_sink, n_splits=n_splits, bps=bps, out_dtype=jnp.dtype(out_dtype),
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
                        producer_phases=producer_phases,
-                       pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2)
+                       pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2,
+                       coalesced=producer_coalesced)
     # blocks of 64 candidates with at least one valid slot, per token, compacted to the front (the kernel
     # skips the rest: prefill tokens early in the sequence, short contexts, fully masked rows)
     live = jnp.any(slots_all.reshape(t, nb, BLOCK_K) >= 0, axis=-1)
@@ -343,7 +351,7 @@ def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -
 def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t: int, hp: int, dv: int,
                 scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype,
                 interpret: plgpu.InterpretGPUParams | None, producer: Producer = "tma",
-                producer_regs: int = 120, producer_phases: int = 1, pow2: bool = False):
+                producer_regs: int = 120, producer_phases: int = 1, pow2: bool = False, coalesced: bool = False):
     """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k and arrives on "full"[k % 2];
     the compute warpgroups wait on it, read the block's slots from its idx slot (written by the producer),
     compute as below and arrive on "free"[k % 2] after their PV, which the producer waits for before it refills
@@ -691,8 +699,9 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                         lists=tuple((list_start[i], specs[i].entries_per_page, specs[i].page_elems)
                                     for i in range(nc)))
                 else:
-                    record_gather.produce_tile_656(blocks_ref.at[ti], slots_ref.at[ti], cache_refs[0], k_s1, idx_s,
-                                                   b0, nblk, phases=producer_phases, pow2_scales=pow2)
+                    fill = record_gather.produce_tile_656_coalesced if coalesced else record_gather.produce_tile_656
+                    fill(blocks_ref.at[ti], slots_ref.at[ti], cache_refs[0], k_s1, idx_s, b0, nblk,
+                         phases=producer_phases, pow2_scales=pow2)
                 return
             st, pb_s, sel_s = per_prod
             init_selection(sel_s)

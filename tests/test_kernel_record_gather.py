@@ -85,3 +85,47 @@ def test_dequant_bit_exact(scale_fmt, pow2):
     want = np.asarray(fmt.unpack(jnp.take(cache, slots.reshape(-1), axis=0)).astype(jnp.bfloat16))
     bad = got.view(np.uint16) != want.view(np.uint16)
     assert not bad.any(), f"{int(bad.sum())} of {bad.size} elements differ"
+
+
+def _k_tile_slot(row: int, col: int, cols: int = record_gather.K_COLS) -> tuple[int, int]:
+    """(byte address, 16-byte bank slot) of K-tile element (row, col) under ``K_TILE_TRANSFORMS``: (8, 32) tiles
+    of 512 bytes, row-tile major, 16-byte unit u of row r at u ^ ((r >> 1) & 3) (``_Emit.k_row`` / ``k_addr``)."""
+    r8 = row % 8
+    addr = (row // 8) * (cols // 32) * 512 + r8 * 64 + (col >> 5) * 512 + ((((col >> 3) & 3) ^ ((r8 >> 1) & 3)) * 16)
+    return addr, (addr % 128) // 16
+
+
+def test_coalesced_producer_lane_map():
+    """``produce_tile_656_coalesced``'s lane roles (``coalesced_lane``): the four warps write every 8-column
+    unit of the block's 64 rows exactly once (latent chunk c holds columns 16 c .. 16 c + 15 and takes the scale
+    of group c // 8); each load instruction of a warp reads 16 contiguous chunks of two rows (latent) or the 8
+    rope chunks of four rows; and every quarter-warp of every shared store hits eight distinct 16-byte bank
+    slots (no conflict)."""
+    written: set[tuple[int, int]] = set()
+    stores: dict[tuple, list[int]] = {}  # store instruction -> the bank slot of each lane
+    for warp in range(4):
+        for lane in range(32):
+            m = record_gather.coalesced_lane(lane)
+            for p in range(8):
+                row = 16 * warp + 2 * p + m["h"]
+                for j in range(2):
+                    chunk = 16 * j + m["c"]
+                    assert m["group_lo"] + 2 * j == chunk // 8  # the scale of the chunk's 128-column group
+                    first = 16 * chunk + 8 * m["swap"]
+                    for n, col in enumerate((first, first ^ 8)):  # the two stores, in the lane's order
+                        assert (row, col) not in written
+                        written.add((row, col))
+                        stores.setdefault((warp, "lat", p, j, n), []).append(_k_tile_slot(row, col)[1])
+            for q in range(4):
+                row = 16 * warp + 4 * q + m["rope_row"]
+                col = record_gather.LATENT + 8 * m["rc"]
+                assert (row, col) not in written
+                written.add((row, col))
+                stores.setdefault((warp, "rope", q), []).append(_k_tile_slot(row, col)[1])
+    assert sorted(written) == [(r, c) for r in range(64) for c in range(0, record_gather.K_COLS, 8)]
+    for key, slots in stores.items():
+        for qw in range(4):
+            assert len(set(slots[8 * qw:8 * qw + 8])) == 8, (key, qw, slots)
+    roles = [record_gather.coalesced_lane(x) for x in range(32)]
+    assert {(m["h"], m["c"]) for m in roles} == {(h, c) for h in range(2) for c in range(16)}
+    assert {(m["rope_row"], m["rc"]) for m in roles} == {(r, c) for r in range(4) for c in range(8)}

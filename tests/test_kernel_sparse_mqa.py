@@ -148,21 +148,23 @@ def test_v32_padded_heads_and_splits(mode):
                interpret=interpret, num_splits=s)
 
 
-@pytest.mark.parametrize("producer", ["registers", pytest.param("registers_p2r80", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("producer", ["registers", pytest.param("registers_p2r80", marks=pytest.mark.gpu),
+                                      pytest.param("coalesced", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("mode", MODES)
 def test_v32_register_producer(mode, producer):
     """producer="registers": a third warpgroup fills two K tiles in turn (natively by per-thread loads and
     dequantisation in registers, ``record_gather``; interpret mode emulates it with the staged rows), so blocks
     0..4 cycle through both tiles; "registers_p2r80" (native only): its loop with the latent loaded in two
-    rounds and 80 producer registers. A fully masked row gives zeros; 2 splits (one with 2 blocks, one with 3);
+    rounds and 80 producer registers; "coalesced" (native only): ``producer_coalesced``. A fully masked row gives
+    zeros; 2 splits (one with 2 blocks, one with 3);
     interpret mode also runs the race detector over the full / free protocol.
 
     Interpret mode runs each warpgroup as an XLA CPU computation whose barrier waits block a thread of XLA's
     intra-op pool (one per CPU): with fewer CPUs than warpgroups a producer never runs."""
     if _interpret(mode) and producer != "registers":
         pytest.skip("native only")
-    kw = dict(producer="registers", producer_phases=2, producer_regs=80) if producer == "registers_p2r80" else \
-        dict(producer="registers")
+    kw = {"registers_p2r80": dict(producer="registers", producer_phases=2, producer_regs=80),
+          "coalesced": dict(producer="registers", producer_coalesced=True)}.get(producer, dict(producer="registers"))
     if _interpret(mode) and len(os.sched_getaffinity(0)) < mqa.NUM_WG + 1:
         pytest.skip(f"interpret mode needs a CPU per warpgroup ({mqa.NUM_WG + 1}) for the register "
                     "producer's blocking waits")
@@ -193,7 +195,8 @@ def test_register_producer_bad_inputs():
     q, slots = jnp.zeros((1, 4, 576), jnp.bfloat16), jnp.zeros((1, 64), jnp.int32)
     for kw, msg in [(dict(producer="warp"), "producer must be"), (dict(producer="cluster"), "producer must be"),
                     (dict(producer_phases=3), "producer_phases"), (dict(producer_phases=4), "producer_phases"),
-                    (dict(producer_regs=100), "producer_regs"), (dict(producer_regs=8), "producer_regs")]:
+                    (dict(producer_regs=100), "producer_regs"), (dict(producer_regs=8), "producer_regs"),
+                    (dict(producer_coalesced=True), "producer_coalesced")]:  # interpret mode
         with pytest.raises(ValueError, match=msg):
             mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.1, v_dim=512, interpret=True, **kw)
     f4 = MlaRecord584(16)
@@ -361,7 +364,7 @@ def test_v4_layer_attend(mode):
 # ----- lowering for the H200 without a GPU --------------------------------------------------------------------
 @pytest.mark.skipif(ON_GPU, reason="the native tests compile the kernel")
 @pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16", "v32_fp8_tma",
-                                  "v32_fp8_registers_p2", "v4_fp8_registers"])
+                                  "v32_fp8_registers_p2", "v4_fp8_registers", "v32_fp8_coalesced"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -379,7 +382,8 @@ def test_lowers_for_cuda(case):
     splits = 4 if "splits" in case else 1
     # v32_fp8: the register producer (V3.2's default natively); v4_fp8: the TMA producer (V4's default)
     kw = {"v32_fp8_tma": dict(producer="tma"), "v4_fp8_registers": dict(producer="registers"),
-          "v32_fp8_registers_p2": dict(producer="registers", producer_phases=2, producer_regs=80)}.get(case, {})
+          "v32_fp8_registers_p2": dict(producer="registers", producer_phases=2, producer_regs=80),
+          "v32_fp8_coalesced": dict(producer_coalesced=True)}.get(case, {})
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,

@@ -37,7 +37,14 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             "registers_p1r112": dict(producer="registers", producer_phases=1, producer_regs=112),
             "registers_p1r128": dict(producer="registers", producer_phases=1, producer_regs=128),
             # the fp32 dequantisation (conversion instructions) where the default takes the power-of-two one
-            "registers_f32": dict(producer="registers", producer_pow2=False)}
+            "registers_f32": dict(producer="registers", producer_pow2=False),
+            # coalesced loads (each warp load reads whole lines of two or four records): 2 rounds of 48 words
+            # per lane by default, 1 round of 96 or 4 of 24
+            "registers_coalesced": dict(producer="registers", producer_coalesced=True),
+            "registers_coalesced_p1r136": dict(producer="registers", producer_coalesced=True, producer_phases=1,
+                                               producer_regs=136),
+            "registers_coalesced_p4r80": dict(producer="registers", producer_coalesced=True, producer_phases=4,
+                                              producer_regs=80)}
 
 
 def _case(name: str, quick: bool) -> dict:
