@@ -30,6 +30,7 @@ Native only (inline PTX); GPU interpret mode cannot run it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -133,8 +134,13 @@ class _Emit:
         h = arith.shrui(arith.addi(bits, self.c32(_SCALE_2P60)), self.c32(16))
         return arith.ori(h, arith.shli(h, self.c32(16)))
 
-    def store16(self, addr, words) -> None:
-        self.asm("st.shared.v4.b32 [$0], {$1, $2, $3, $4};", [addr, *words], "r,r,r,r,r")
+    def store16(self, addr, words, pred=None) -> None:
+        """16 bytes to shared address ``addr`` (where ``pred``, i32, is nonzero)."""
+        if pred is None:
+            self.asm("st.shared.v4.b32 [$0], {$1, $2, $3, $4};", [addr, *words], "r,r,r,r,r")
+        else:
+            self.asm("{ .reg .pred p; setp.ne.u32 p, $5, 0; @p st.shared.v4.b32 [$0], {$1, $2, $3, $4}; }",
+                     [addr, *words, pred], "r,r,r,r,r,r")
 
     def k_row(self, k_base, row, cols: int = K_COLS):
         """(row's address in a K tile of ``cols`` bf16 columns at ``k_base``, its swizzle) for
@@ -460,116 +466,6 @@ def coalesced_lane(lane: int) -> dict[str, int]:
             "rope_row": (lane & 1) + 2 * (lane >> 4), "rc": (lane >> 1) & 7}
 
 
-def produce_tile_656_coalesced(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk, *, phases: int = 2,
-                               pow2_scales: bool = False) -> None:
-    """``produce_tile_656`` with coalesced loads (``coalesced_lane``): each load instruction of a warp reads
-    whole 128-byte lines of two (latent) or four (rope) rows instead of 16 bytes of 16 rows. Why: in ncu the
-    thread-per-half-row form saturates L1/TEX, using half of every sector it transfers, and the MQA's compute
-    warps wait on it (docs/perf-log.md, nineteenth session). A warp serves 16 rows; a lane holds its row's slot (lane % 16) and gets
-    the others' by ``shfl.sync``. 96 words per lane and block, loaded in ``phases`` rounds (1, 2 or 4) of row
-    pairs and rope rows."""
-    if phases not in (1, 2, 4):
-        raise ValueError(f"phases must be 1, 2 or 4, got {phases}")
-
-    @plgpu.inline_mgpu(arg_types=_LOOP_TYPES)
-    def produce(_, blocks, slots, cache, k, idx, b0_fa, n_fa):
-        e = _Emit()
-        arith, c32, c64 = e.arith, e.c32, e.c64
-        lp = _Loop(e, blocks, slots, cache, k, idx, b0_fa.registers.item(), n_fa.registers.item())
-        lane, warp = arith.remui(lp.tid, c32(32)), arith.divui(lp.tid, c32(32))
-        row0 = arith.muli(warp, c32(16))  # this warp's first row
-        h, c = arith.andi(lane, c32(1)), arith.shrui(lane, c32(1))  # the roles of ``coalesced_lane``
-        swap = arith.andi(arith.shrui(c, c32(1)), c32(1))
-        first_half = arith.cmpi(arith.CmpIPredicate.eq, swap, c32(0))
-        rope_row = arith.addi(h, arith.muli(arith.shrui(lane, c32(4)), c32(2)))
-        rc = arith.andi(c, c32(7))
-        my_row = arith.addi(row0, arith.andi(lane, c32(15)))  # the row whose slot this lane holds
-        hi16 = arith.extui(e.i64, arith.shrui(arith.andi(lane, c32(16)), c32(4)))
-        lat_off = arith.extui(e.i64, arith.muli(c, c32(16)))
-        sc_off = arith.extui(e.i64, arith.addi(c32(LATENT), arith.muli(arith.shrui(c, c32(3)), c32(4))))
-        rope_off = arith.extui(e.i64, arith.addi(c32(LATENT + 16), arith.muli(rc, c32(16))))
-        publisher = arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.ult, lane, c32(16)))
-        pairs, ropes = 8 // phases, 4 // phases
-
-        def round_loads(s_cur, p0: int, q0: int, nq: int):
-            """One asm statement: the latent chunks and scales of row pairs p0.. and the rope chunks of rope
-            rows q0..q0 + nq - 1; -> (per pair: 2 x 4 latent words and 2 scales, per rope row: 4 words)."""
-            addrs, text, n_out = [], "", 0
-            plan = []
-            for p in range(p0, p0 + pairs):
-                rec = lp.record(e.shfl(s_cur, arith.addi(c32(2 * p), h)))
-                addrs += [arith.addi(rec, lat_off), arith.addi(rec, sc_off)]
-                plan.append(("pair", len(addrs) - 2, len(addrs) - 1))
-            for q in range(q0, q0 + nq):
-                rec = lp.record(e.shfl(s_cur, arith.addi(c32(4 * q), rope_row)))
-                addrs.append(arith.addi(rec, rope_off))
-                plan.append(("rope", len(addrs) - 1))
-            n_in = len(addrs)
-            for item in plan:
-                if item[0] == "pair":
-                    for j in range(2):
-                        o = n_out
-                        text += (f"ld.global.nc.v4.u32 {{${o}, ${o + 1}, ${o + 2}, ${o + 3}}}, "
-                                 f"[${{A{item[1]}}}+{256 * j}];\n")
-                        n_out += 4
-                    for j in range(2):
-                        text += f"ld.global.nc.u32 ${n_out}, [${{A{item[2]}}}+{8 * j}];\n"
-                        n_out += 1
-                else:
-                    o = n_out
-                    text += f"ld.global.nc.v4.u32 {{${o}, ${o + 1}, ${o + 2}, ${o + 3}}}, [${{A{item[1]}}}];\n"
-                    n_out += 4
-            for a in range(n_in):
-                text = text.replace(f"${{A{a}}}", f"${n_out + a}")
-            words = e.asm(text, addrs, ",".join(["=r"] * n_out + ["l"] * n_in), n_out)
-            out, i = [], 0
-            for item in plan:
-                if item[0] == "pair":
-                    out.append((words[i:i + 4], words[i + 4:i + 8], words[i + 8], words[i + 9]))
-                    i += 10
-                else:
-                    out.append(words[i:i + 4])
-                    i += 4
-            return out
-
-        def body(kk, carried):
-            s_cur, s_next, blk_nn = carried
-            b = arith.remui(kk, c32(2))
-            b8 = arith.muli(b, c32(8))
-            tile = lp.tile(b)
-            out = {}
-            for r in range(phases):
-                got = round_loads(s_cur, r * pairs, r * ropes, ropes)
-                if r == 0:  # block k + 2's slot, block k + 3's id, block k + 1's records into L2, tile b free
-                    out["s_nn"] = lp.slot_of(blk_nn, my_row)
-                    out["blk_nnn"] = lp.block_of(arith.addi(kk, c32(3)))
-                    e.prefetch(arith.addi(lp.record(s_next), arith.muli(hi16, c64(384))), (0, 128, 256, 271))
-                    lp.wait_free(kk, b8)
-                    e.store_slot_at(arith.addi(lp.idx_base, arith.muli(b, c32(BLOCK * 4))), my_row, s_cur,
-                                    publisher)
-                for n, p in enumerate(range(r * pairs, (r + 1) * pairs)):
-                    lat = got[n]
-                    row_base, sw = e.k_row(tile, arith.addi(row0, arith.addi(c32(2 * p), h)))
-                    for j in range(2):
-                        scale = e.pow2_scale(lat[2 + j]) if pow2_scales else lat[2 + j]
-                        words = e.dequant(lat[j], scale, pow2_scales)
-                        lo = [arith.select(first_half, words[i], words[4 + i]) for i in range(4)]
-                        hi = [arith.select(first_half, words[4 + i], words[i]) for i in range(4)]
-                        col = arith.addi(arith.muli(c, c32(16)), arith.muli(swap, c32(8)))
-                        e.store16(e.k_addr(row_base, sw, col, 256 * j), lo)
-                        e.store16(e.k_addr(row_base, sw, arith.xori(col, c32(8)), 256 * j), hi)
-                for n, q in enumerate(range(r * ropes, (r + 1) * ropes)):
-                    row_base, sw = e.k_row(tile, arith.addi(row0, arith.addi(c32(4 * q), rope_row)))
-                    e.store16(e.k_addr(row_base, sw, arith.muli(rc, c32(8)), LATENT), got[pairs + n])
-            lp.arrive_full(b8)
-            return [s_next, out["s_nn"], out["blk_nnn"]]
-
-        blk0, blk1 = lp.block_of(c32(0)), lp.block_of(c32(1))
-        lp.run([lp.slot_of(blk0, my_row), lp.slot_of(blk1, my_row), lp.block_of(c32(2))], body)
-
-    produce(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk)
-
-
 # ---- V4's MlaRecord584 --------------------------------------------------------------------------------------
 REC584_DATA, NOPE584, SCALES584 = 576, 448, 8  # per entry: 448 e4m3 + 64 bf16 rope | 7 UE8M0 exponents + pad
 K_COLS_584 = 512  # the K tile: 448 NoPE + 64 rope
@@ -668,5 +564,176 @@ def produce_tile_584(blocks_ref, slots_ref, cache_refs, k_ref, idx_ref, b0, nblk
 
         blk0, blk1, blk2 = lp.block_of(c32(0)), lp.block_of(c32(1)), lp.block_of(c32(2))
         lp.run([lp.slot_of(blk0, row), blk0, lp.slot_of(blk1, row), blk1, blk2], body)
+
+    produce(blocks_ref, slots_ref, *cache_refs, k_ref, idx_ref, b0, nblk)
+
+
+# ---- coalesced loads, both record formats ------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Coalesced:
+    """A record format as the coalesced producer reads it: K columns, 16-byte e4m3 NoPE chunks per record, the
+    rope's first byte in the record's data and its first K column, and the scale kind: "fp32" (V3.2: an fp32
+    scale per 8 chunks after the latent) or "ue8m0" (V4: an exponent byte per 4 chunks in the page's exponent
+    region)."""
+    cols: int
+    nope_chunks: int
+    rope_byte: int
+    rope_col: int
+    scales: str
+    prefetch_split: int  # lanes 16..31 prefetch the record's lines from this byte on
+    prefetch_offsets: tuple[int, ...]
+
+
+_C656 = _Coalesced(K_COLS, LATENT // 16, LATENT + 16, LATENT, "fp32", 384, (0, 128, 256, 271))
+_C584 = _Coalesced(K_COLS_584, NOPE584 // 16, NOPE584, NOPE584, "ue8m0", 288, (0, 128, 256, 287))
+
+
+def produce_tile_coalesced(blocks_ref, slots_ref, cache_refs, k_ref, idx_ref, b0, nblk, *, lists=None,
+                           phases: int = 2, pow2_scales: bool = False) -> None:
+    """``produce_tile_656`` (one ``MlaRecord656`` cache, ``lists=None``) or ``produce_tile_584`` (one or two
+    ``MlaRecord584`` caches, ``lists`` as there) with coalesced loads (``coalesced_lane``): each load
+    instruction of a warp reads whole 128-byte lines of two (NoPE) or four (rope) records instead of 16 bytes
+    of 16. Why: in ncu the thread-per-half-row form saturates L1/TEX, using half of every sector it transfers,
+    and the MQA's compute warps wait on it (docs/perf-log.md, nineteenth session). A warp serves 16 rows; a
+    lane holds its row's slot (lane % 16) and gets the others' by ``shfl.sync``. 96 words per lane and block,
+    loaded in ``phases`` rounds (1, 2 or 4) of row pairs and rope rows. V4's second NoPE load of a row pair
+    has 12 chunks for 16 lanes: the other 4 read rope bytes and store nothing."""
+    if phases not in (1, 2, 4):
+        raise ValueError(f"phases must be 1, 2 or 4, got {phases}")
+    nc = len(cache_refs)
+    if nc != 1 if lists is None else (len(lists) != nc or not 1 <= nc <= 2):
+        raise ValueError(f"MlaRecord656: one cache and lists=None; MlaRecord584: one or two caches and their lists "
+                         f"(got {nc} caches, lists {lists})")
+    fmt = _C656 if lists is None else _C584
+    types = (plgpu.RefType(), plgpu.RefType()) + (plgpu.RefType(),) * nc + _LOOP_TYPES[3:]
+
+    @plgpu.inline_mgpu(arg_types=types)
+    def produce(_, blocks, slots, *rest):
+        caches, (k, idx, b0_fa, n_fa) = rest[:nc], rest[nc:]
+        e = _Emit()
+        arith, c32, c64, i64 = e.arith, e.c32, e.c64, e.i64
+        lp = _Loop(e, blocks, slots, caches[0], k, idx, b0_fa.registers.item(), n_fa.registers.item())
+        bases = [e.gmem_addr(c) for c in caches]
+        lane, warp = arith.remui(lp.tid, c32(32)), arith.divui(lp.tid, c32(32))
+        row0 = arith.muli(warp, c32(16))  # this warp's first row
+        h, c = arith.andi(lane, c32(1)), arith.shrui(lane, c32(1))  # the roles of ``coalesced_lane``
+        swap = arith.andi(arith.shrui(c, c32(1)), c32(1))
+        first_half = arith.cmpi(arith.CmpIPredicate.eq, swap, c32(0))
+        rope_row = arith.addi(h, arith.muli(arith.shrui(lane, c32(4)), c32(2)))
+        rc = arith.andi(c, c32(7))
+        my_row = arith.addi(row0, arith.andi(lane, c32(15)))  # the row whose slot this lane holds
+        hi16 = arith.extui(i64, arith.shrui(arith.andi(lane, c32(16)), c32(4)))
+        nope_off = arith.extui(i64, arith.muli(c, c32(16)))
+        rope_off = arith.extui(i64, arith.addi(c32(fmt.rope_byte), arith.muli(rc, c32(16))))
+        if fmt.scales == "fp32":  # the fp32 scale of chunk 16 j + c: + 8 j from here
+            sc_off = arith.extui(i64, arith.addi(c32(LATENT), arith.muli(arith.shrui(c, c32(3)), c32(4))))
+        else:  # the exponent word of chunk 16 j + c: + 4 j from the entry's exponents; its byte c // 4
+            sc_off = c64(0)
+            sc_shift = arith.muli(arith.shrui(c, c32(2)), c32(8))
+        last_live = arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.ult, c, c32(fmt.nope_chunks - 16)))
+        publisher = arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.ult, lane, c32(16)))
+        pairs, ropes = 8 // phases, 4 // phases
+
+        def record(raw, blk):
+            """(data address, scale address) of slot ``raw`` (masked: slot 0) of block ``blk``'s list."""
+            slot = arith.maxsi(raw, c32(0))
+            if lists is None:
+                data = arith.addi(bases[0], arith.muli(arith.extui(i64, slot), c64(REC656)))
+                return data, data
+            out = []
+            for base, (_, epp, page_bytes) in zip(bases, lists):
+                page = arith.extui(i64, arith.divui(slot, c32(epp)))
+                j = arith.extui(i64, arith.remui(slot, c32(epp)))
+                page_base = arith.addi(base, arith.muli(page, c64(page_bytes)))
+                out.append((arith.addi(page_base, arith.muli(j, c64(REC584_DATA))),
+                            arith.addi(page_base, arith.addi(c64(epp * REC584_DATA), arith.muli(j, c64(SCALES584))))))
+            if nc == 1:
+                return out[0]
+            second = arith.cmpi(arith.CmpIPredicate.sge, blk, c32(lists[1][0]))
+            return tuple(arith.select(second, b, a) for a, b in zip(*out))
+
+        def scale_of(word):
+            if fmt.scales == "fp32":
+                return e.pow2_scale(word) if pow2_scales else word
+            hb = arith.shli(arith.addi(arith.andi(arith.shrui(word, sc_shift), c32(0xFF)), c32(60)), c32(7))
+            return arith.ori(hb, arith.shli(hb, c32(16)))  # bf16 of 2^(e - 127) * 2^60, both halves
+
+        def round_loads(s_cur, blk, p0: int, q0: int):
+            """One asm statement: the NoPE chunks and scale words of row pairs p0.. and the rope chunks of rope
+            rows q0..; -> per pair (2 x 4 NoPE words, 2 scale words), per rope row 4 words."""
+            addrs, text, n_out, plan = [], "", 0, []
+            for p in range(p0, p0 + pairs):
+                data, sbase = record(e.shfl(s_cur, arith.addi(c32(2 * p), h)), blk)
+                addrs += [arith.addi(data, nope_off), arith.addi(sbase, sc_off)]
+                plan.append((len(addrs) - 2, len(addrs) - 1))
+            for q in range(q0, q0 + ropes):
+                data, _ = record(e.shfl(s_cur, arith.addi(c32(4 * q), rope_row)), blk)
+                addrs.append(arith.addi(data, rope_off))
+                plan.append((len(addrs) - 1,))
+            n_in = len(addrs)
+            for item in plan:
+                if len(item) == 2:
+                    for j in range(2):
+                        text += (f"ld.global.nc.v4.u32 {{${n_out}, ${n_out + 1}, ${n_out + 2}, ${n_out + 3}}}, "
+                                 f"[${{A{item[0]}}}+{256 * j}];\n")
+                        n_out += 4
+                    for j in range(2):
+                        step = 8 if fmt.scales == "fp32" else 4
+                        text += f"ld.global.nc.u32 ${n_out}, [${{A{item[1]}}}+{step * j}];\n"
+                        n_out += 1
+                else:
+                    text += (f"ld.global.nc.v4.u32 {{${n_out}, ${n_out + 1}, ${n_out + 2}, ${n_out + 3}}}, "
+                             f"[${{A{item[0]}}}];\n")
+                    n_out += 4
+            for a in range(n_in):
+                text = text.replace(f"${{A{a}}}", f"${n_out + a}")
+            words = e.asm(text, addrs, ",".join(["=r"] * n_out + ["l"] * n_in), n_out)
+            out, i = [], 0
+            for item in plan:
+                if len(item) == 2:
+                    out.append((words[i:i + 4], words[i + 4:i + 8], words[i + 8], words[i + 9]))
+                    i += 10
+                else:
+                    out.append(words[i:i + 4])
+                    i += 4
+            return out
+
+        def body(kk, carried):
+            s_cur, blk_cur, s_next, blk_next, blk_nn = carried
+            b = arith.remui(kk, c32(2))
+            b8 = arith.muli(b, c32(8))
+            tile = lp.tile(b, fmt.cols)
+            out = {}
+            for r in range(phases):
+                got = round_loads(s_cur, blk_cur, r * pairs, r * ropes)
+                if r == 0:  # block k + 2's slot, block k + 3's id, block k + 1's records into L2, tile b free
+                    out["s_nn"] = lp.slot_of(blk_nn, my_row)
+                    out["blk_nnn"] = lp.block_of(arith.addi(kk, c32(3)))
+                    ndata, nsc = record(s_next, blk_next)
+                    e.prefetch(arith.addi(ndata, arith.muli(hi16, c64(fmt.prefetch_split))), fmt.prefetch_offsets)
+                    if fmt.scales == "ue8m0":
+                        e.prefetch(nsc, (0,))
+                    lp.wait_free(kk, b8)
+                    e.store_slot_at(arith.addi(lp.idx_base, arith.muli(b, c32(BLOCK * 4))), my_row, s_cur,
+                                    publisher)
+                for n, p in enumerate(range(r * pairs, (r + 1) * pairs)):
+                    nope = got[n]
+                    row_base, sw = e.k_row(tile, arith.addi(row0, arith.addi(c32(2 * p), h)), fmt.cols)
+                    col = arith.addi(arith.muli(c, c32(16)), arith.muli(swap, c32(8)))
+                    for j in range(2):
+                        words = e.dequant(nope[j], scale_of(nope[2 + j]), pow2_scales or fmt.scales == "ue8m0")
+                        lo = [arith.select(first_half, words[i], words[4 + i]) for i in range(4)]
+                        hi = [arith.select(first_half, words[4 + i], words[i]) for i in range(4)]
+                        live = last_live if 16 * (j + 1) > fmt.nope_chunks else None
+                        e.store16(e.k_addr(row_base, sw, col, 256 * j), lo, live)
+                        e.store16(e.k_addr(row_base, sw, arith.xori(col, c32(8)), 256 * j), hi, live)
+                for n, q in enumerate(range(r * ropes, (r + 1) * ropes)):
+                    row_base, sw = e.k_row(tile, arith.addi(row0, arith.addi(c32(4 * q), rope_row)), fmt.cols)
+                    e.store16(e.k_addr(row_base, sw, arith.muli(rc, c32(8)), fmt.rope_col), got[pairs + n])
+            lp.arrive_full(b8)
+            return [s_next, blk_next, out["s_nn"], blk_nn, out["blk_nnn"]]
+
+        blk0, blk1, blk2 = lp.block_of(c32(0)), lp.block_of(c32(1)), lp.block_of(c32(2))
+        lp.run([lp.slot_of(blk0, my_row), blk0, lp.slot_of(blk1, my_row), blk1, blk2], body)
 
     produce(blocks_ref, slots_ref, *cache_refs, k_ref, idx_ref, b0, nblk)

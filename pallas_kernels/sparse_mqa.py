@@ -230,8 +230,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     loads the latent in ``producer_phases`` rounds (1 or 2; None: ``PRODUCER_PHASES`` of the format). None:
     "registers" natively for one ``MlaRecord656`` list, else "tma" (interpret mode: "tma", whose emulation
     blocks no third thread; the register producer's needs one CPU per warpgroup).
-    ``producer_coalesced`` (native V3.2 register producer): each warp's loads read whole lines of two or four
-    records (``record_gather.produce_tile_656_coalesced``; latent in 2 rounds unless ``producer_phases``).
+    ``producer_coalesced`` (native register producer): each warp's loads read whole lines of two or four
+    records (``record_gather.produce_tile_coalesced``; in 2 rounds unless ``producer_phases``).
     ``producer_pow2``: the register producers' dequantisation without conversion instructions, exact only for
     power-of-two scales (``record_gather._DQ_POW2_ASM``); None = where the records' scales are ("ue8m0").
     Timings: docs/perf-log.md.
@@ -287,8 +287,9 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                          "emulates V3.2's register producer alone)")
     if producer is None:
         producer = "registers" if one_656 and not interpret else "tma"
-    if producer_coalesced and not (producer == "registers" and one_656 and not interpret):
-        raise ValueError("producer_coalesced is the native V3.2 register producer (one MlaRecord656 cache, "
+    if producer_coalesced and not (producer == "registers" and not interpret):
+        raise ValueError("producer_coalesced is the native register producer (one MlaRecord656 cache or one or two "
+                         "MlaRecord584 caches, "
                          f'producer="registers", not interpret mode); got producer={producer!r}, {formats}')
     if producer_phases is None:
         producer_phases = 2 if producer_coalesced else (PRODUCER_PHASES[specs[0].kind] if producer == "registers"
@@ -692,16 +693,18 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             compute warpgroups freed that tile of block k - 2."""
             if raw:  # natively: one inline PTX loop, its own waits and arrivals
                 plgpu.set_max_registers(producer_regs, action="decrease")
-                if kind == "mla584":
-                    record_gather.produce_tile_584(
-                        blocks_ref.at[ti], slots_ref.at[ti], cache_refs, k_s1, idx_s, b0, nblk,
-                        phases=producer_phases,
-                        lists=tuple((list_start[i], specs[i].entries_per_page, specs[i].page_elems)
-                                    for i in range(nc)))
+                lists = (tuple((list_start[i], specs[i].entries_per_page, specs[i].page_elems) for i in range(nc))
+                         if kind == "mla584" else None)
+                operands = (blocks_ref.at[ti], slots_ref.at[ti])
+                if coalesced:
+                    record_gather.produce_tile_coalesced(*operands, tuple(cache_refs), k_s1, idx_s, b0, nblk,
+                                                         lists=lists, phases=producer_phases, pow2_scales=pow2)
+                elif lists:
+                    record_gather.produce_tile_584(*operands, cache_refs, k_s1, idx_s, b0, nblk, lists=lists,
+                                                   phases=producer_phases)
                 else:
-                    fill = record_gather.produce_tile_656_coalesced if coalesced else record_gather.produce_tile_656
-                    fill(blocks_ref.at[ti], slots_ref.at[ti], cache_refs[0], k_s1, idx_s, b0, nblk,
-                         phases=producer_phases, pow2_scales=pow2)
+                    record_gather.produce_tile_656(*operands, cache_refs[0], k_s1, idx_s, b0, nblk,
+                                                   phases=producer_phases, pow2_scales=pow2)
                 return
             st, pb_s, sel_s = per_prod
             init_selection(sel_s)

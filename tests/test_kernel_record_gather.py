@@ -95,12 +95,14 @@ def _k_tile_slot(row: int, col: int, cols: int = record_gather.K_COLS) -> tuple[
     return addr, (addr % 128) // 16
 
 
-def test_coalesced_producer_lane_map():
-    """``produce_tile_656_coalesced``'s lane roles (``coalesced_lane``): the four warps write every 8-column
-    unit of the block's 64 rows exactly once (latent chunk c holds columns 16 c .. 16 c + 15 and takes the scale
-    of group c // 8); each load instruction of a warp reads 16 contiguous chunks of two rows (latent) or the 8
+@pytest.mark.parametrize("fmt", ["v32", "v4"])
+def test_coalesced_producer_lane_map(fmt):
+    """``produce_tile_coalesced``'s lane roles (``coalesced_lane``) for V3.2's and V4's records: the four warps
+    write every 8-column unit of the block's 64 rows exactly once (NoPE chunk c holds columns 16 c .. 16 c + 15
+    and takes the scale of group c // 8 (V3.2) or c // 4 (V4); V4's lanes past its 28 chunks store nothing); each load instruction of a warp reads 16 contiguous chunks of two rows (latent) or the 8
     rope chunks of four rows; and every quarter-warp of every shared store hits eight distinct 16-byte bank
     slots (no conflict)."""
+    f = record_gather._C656 if fmt == "v32" else record_gather._C584
     written: set[tuple[int, int]] = set()
     stores: dict[tuple, list[int]] = {}  # store instruction -> the bank slot of each lane
     for warp in range(4):
@@ -110,21 +112,26 @@ def test_coalesced_producer_lane_map():
                 row = 16 * warp + 2 * p + m["h"]
                 for j in range(2):
                     chunk = 16 * j + m["c"]
-                    assert m["group_lo"] + 2 * j == chunk // 8  # the scale of the chunk's 128-column group
+                    if chunk >= f.nope_chunks:  # predicated off
+                        continue
+                    if fmt == "v32":  # the scale word of the chunk's 128-column group: + 8 j from group_lo's
+                        assert m["group_lo"] + 2 * j == chunk // 8
+                    else:  # the exponent byte of its 64-column group: word j, byte c // 4
+                        assert 4 * j + m["c"] // 4 == chunk // 4
                     first = 16 * chunk + 8 * m["swap"]
                     for n, col in enumerate((first, first ^ 8)):  # the two stores, in the lane's order
                         assert (row, col) not in written
                         written.add((row, col))
-                        stores.setdefault((warp, "lat", p, j, n), []).append(_k_tile_slot(row, col)[1])
+                        stores.setdefault((warp, "lat", p, j, n), []).append(_k_tile_slot(row, col, f.cols)[1])
             for q in range(4):
                 row = 16 * warp + 4 * q + m["rope_row"]
-                col = record_gather.LATENT + 8 * m["rc"]
+                col = f.rope_col + 8 * m["rc"]
                 assert (row, col) not in written
                 written.add((row, col))
-                stores.setdefault((warp, "rope", q), []).append(_k_tile_slot(row, col)[1])
-    assert sorted(written) == [(r, c) for r in range(64) for c in range(0, record_gather.K_COLS, 8)]
-    for key, slots in stores.items():
-        for qw in range(4):
+                stores.setdefault((warp, "rope", q), []).append(_k_tile_slot(row, col, f.cols)[1])
+    assert sorted(written) == [(r, c) for r in range(64) for c in range(0, f.cols, 8)]
+    for key, slots in stores.items():  # V4's second NoPE stores: lanes 0..23 (quarter-warps 0..2)
+        for qw in range(len(slots) // 8):
             assert len(set(slots[8 * qw:8 * qw + 8])) == 8, (key, qw, slots)
     roles = [record_gather.coalesced_lane(x) for x in range(32)]
     assert {(m["h"], m["c"]) for m in roles} == {(h, c) for h in range(2) for c in range(16)}

@@ -234,13 +234,14 @@ def test_v4_window_compressed_sink(mode, num_splits):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("coalesced", [False, True])
 @pytest.mark.parametrize("num_splits", [1, 2])
-def test_v4_register_producer(num_splits):
-    """V4's register producer (``producer="registers"``, native only): the two MlaRecord584 lists of different
-    pages per block, every block of the loop, the sink, a fully masked row."""
+def test_v4_register_producer(num_splits, coalesced):
+    """V4's register producer (``producer="registers"``, native only; also with ``producer_coalesced``): the two
+    MlaRecord584 lists of different pages per block, every block of the loop, the sink, a fully masked row."""
     if not ON_GPU:
         pytest.skip("native only")
-    _v4_window_compressed(False, num_splits, producer="registers")
+    _v4_window_compressed(False, num_splits, producer="registers", producer_coalesced=coalesced)
 
 
 def _v4_window_compressed(interpret, num_splits, **kw) -> None:
@@ -364,7 +365,8 @@ def test_v4_layer_attend(mode):
 # ----- lowering for the H200 without a GPU --------------------------------------------------------------------
 @pytest.mark.skipif(ON_GPU, reason="the native tests compile the kernel")
 @pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16", "v32_fp8_tma",
-                                  "v32_fp8_registers_p2", "v4_fp8_registers", "v32_fp8_coalesced"])
+                                  "v32_fp8_registers_p2", "v4_fp8_registers", "v32_fp8_coalesced",
+                                  "v4_fp8_coalesced"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -383,7 +385,8 @@ def test_lowers_for_cuda(case):
     # v32_fp8: the register producer (V3.2's default natively); v4_fp8: the TMA producer (V4's default)
     kw = {"v32_fp8_tma": dict(producer="tma"), "v4_fp8_registers": dict(producer="registers"),
           "v32_fp8_registers_p2": dict(producer="registers", producer_phases=2, producer_regs=80),
-          "v32_fp8_coalesced": dict(producer_coalesced=True)}.get(case, {})
+          "v32_fp8_coalesced": dict(producer_coalesced=True),
+          "v4_fp8_coalesced": dict(producer="registers", producer_coalesced=True)}.get(case, {})
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,
