@@ -471,6 +471,39 @@ REC584_DATA, NOPE584, SCALES584 = 576, 448, 8  # per entry: 448 e4m3 + 64 bf16 r
 K_COLS_584 = 512  # the K tile: 448 NoPE + 64 rope
 
 
+def _lists_loop(nc: int, emit):
+    """The producer loop's ``inline_mgpu`` over (blocks, slots, ``nc`` caches, K tiles, idx, b0, n), its body
+    ``emit(e, lp, bases)`` with the caches' GMEM addresses (``_Loop`` reads the first as its cache)."""
+    types = (plgpu.RefType(), plgpu.RefType()) + (plgpu.RefType(),) * nc + _LOOP_TYPES[3:]
+
+    @plgpu.inline_mgpu(arg_types=types)
+    def produce(_, blocks, slots, *rest):
+        caches, (k, idx, b0_fa, n_fa) = rest[:nc], rest[nc:]
+        e = _Emit()
+        lp = _Loop(e, blocks, slots, caches[0], k, idx, b0_fa.registers.item(), n_fa.registers.item())
+        emit(e, lp, [e.gmem_addr(c) for c in caches])
+
+    return produce
+
+
+def _record_584(e: _Emit, bases, lists, raw, blk):
+    """(data address, exponent address) of slot ``raw`` (masked: slot 0) of block ``blk``'s list: ``bases`` the
+    lists' caches (GMEM addresses), ``lists`` as ``produce_tile_584``'s."""
+    arith, c32, c64, i64 = e.arith, e.c32, e.c64, e.i64
+    slot = arith.maxsi(raw, c32(0))
+    out = []
+    for base, (_, epp, page_bytes) in zip(bases, lists):
+        page = arith.extui(i64, arith.divui(slot, c32(epp)))
+        j = arith.extui(i64, arith.remui(slot, c32(epp)))
+        page_base = arith.addi(base, arith.muli(page, c64(page_bytes)))
+        out.append((arith.addi(page_base, arith.muli(j, c64(REC584_DATA))),
+                    arith.addi(page_base, arith.addi(c64(epp * REC584_DATA), arith.muli(j, c64(SCALES584))))))
+    if len(out) == 1:
+        return out[0]
+    second = arith.cmpi(arith.CmpIPredicate.sge, blk, c32(lists[1][0]))
+    return tuple(arith.select(second, b, a) for a, b in zip(*out))
+
+
 def produce_tile_584(blocks_ref, slots_ref, cache_refs, k_ref, idx_ref, b0, nblk, *,
                      lists: tuple[tuple[int, int, int], ...], phases: int = 2) -> None:
     """``produce_tile_656`` for V4's ``MlaRecord584`` caches: one or two candidate lists (window, compressed),
@@ -484,15 +517,8 @@ def produce_tile_584(blocks_ref, slots_ref, cache_refs, k_ref, idx_ref, b0, nblk
     if phases not in (1, 2):
         raise ValueError(f"phases must be 1 or 2, got {phases}")
     nc = len(lists)
-    types = (plgpu.RefType(), plgpu.RefType()) + (plgpu.RefType(),) * nc + _LOOP_TYPES[3:]
-
-    @plgpu.inline_mgpu(arg_types=types)
-    def produce(_, blocks, slots, *rest):
-        caches, (k, idx, b0_fa, n_fa) = rest[:nc], rest[nc:]
-        e = _Emit()
+    def emit(e: _Emit, lp: _Loop, bases: list) -> None:
         arith, c32, c64, i64 = e.arith, e.c32, e.c64, e.i64
-        lp = _Loop(e, blocks, slots, caches[0], k, idx, b0_fa.registers.item(), n_fa.registers.item())
-        bases = [e.gmem_addr(c) for c in caches]
         row, half = arith.divui(lp.tid, c32(2)), arith.remui(lp.tid, c32(2))
         half64 = arith.extui(i64, half)
         publisher = arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.eq, half, c32(0)))
@@ -502,19 +528,7 @@ def produce_tile_584(blocks_ref, slots_ref, cache_refs, k_ref, idx_ref, b0, nblk
         per = -(-n_chunks // phases)
 
         def record(raw, blk):
-            """(data address, exponent address) of slot ``raw`` (masked: slot 0) of block ``blk``'s list."""
-            slot = arith.maxsi(raw, c32(0))
-            out = []
-            for base, (_, epp, page_bytes) in zip(bases, lists):
-                page = arith.extui(i64, arith.divui(slot, c32(epp)))
-                j = arith.extui(i64, arith.remui(slot, c32(epp)))
-                page_base = arith.addi(base, arith.muli(page, c64(page_bytes)))
-                out.append((arith.addi(page_base, arith.muli(j, c64(REC584_DATA))),
-                            arith.addi(page_base, arith.addi(c64(epp * REC584_DATA), arith.muli(j, c64(SCALES584))))))
-            if nc == 1:
-                return out[0]
-            second = arith.cmpi(arith.CmpIPredicate.sge, blk, c32(lists[1][0]))
-            return tuple(arith.select(second, b, a) for a, b in zip(*out))
+            return _record_584(e, bases, lists, raw, blk)
 
         def body(kk, carried):
             s_cur, blk_cur, s_next, blk_next, blk_nn = carried
@@ -565,7 +579,7 @@ def produce_tile_584(blocks_ref, slots_ref, cache_refs, k_ref, idx_ref, b0, nblk
         blk0, blk1, blk2 = lp.block_of(c32(0)), lp.block_of(c32(1)), lp.block_of(c32(2))
         lp.run([lp.slot_of(blk0, row), blk0, lp.slot_of(blk1, row), blk1, blk2], body)
 
-    produce(blocks_ref, slots_ref, *cache_refs, k_ref, idx_ref, b0, nblk)
+    _lists_loop(nc, emit)(blocks_ref, slots_ref, *cache_refs, k_ref, idx_ref, b0, nblk)
 
 
 # ---- coalesced loads, both record formats ------------------------------------------------------------------
@@ -605,15 +619,8 @@ def produce_tile_coalesced(blocks_ref, slots_ref, cache_refs, k_ref, idx_ref, b0
         raise ValueError(f"MlaRecord656: one cache and lists=None; MlaRecord584: one or two caches and their lists "
                          f"(got {nc} caches, lists {lists})")
     fmt = _C656 if lists is None else _C584
-    types = (plgpu.RefType(), plgpu.RefType()) + (plgpu.RefType(),) * nc + _LOOP_TYPES[3:]
-
-    @plgpu.inline_mgpu(arg_types=types)
-    def produce(_, blocks, slots, *rest):
-        caches, (k, idx, b0_fa, n_fa) = rest[:nc], rest[nc:]
-        e = _Emit()
+    def emit(e: _Emit, lp: _Loop, bases: list) -> None:
         arith, c32, c64, i64 = e.arith, e.c32, e.c64, e.i64
-        lp = _Loop(e, blocks, slots, caches[0], k, idx, b0_fa.registers.item(), n_fa.registers.item())
-        bases = [e.gmem_addr(c) for c in caches]
         lane, warp = arith.remui(lp.tid, c32(32)), arith.divui(lp.tid, c32(32))
         row0 = arith.muli(warp, c32(16))  # this warp's first row
         h, c = arith.andi(lane, c32(1)), arith.shrui(lane, c32(1))  # the roles of ``coalesced_lane``
@@ -636,21 +643,10 @@ def produce_tile_coalesced(blocks_ref, slots_ref, cache_refs, k_ref, idx_ref, b0
 
         def record(raw, blk):
             """(data address, scale address) of slot ``raw`` (masked: slot 0) of block ``blk``'s list."""
-            slot = arith.maxsi(raw, c32(0))
-            if lists is None:
-                data = arith.addi(bases[0], arith.muli(arith.extui(i64, slot), c64(REC656)))
-                return data, data
-            out = []
-            for base, (_, epp, page_bytes) in zip(bases, lists):
-                page = arith.extui(i64, arith.divui(slot, c32(epp)))
-                j = arith.extui(i64, arith.remui(slot, c32(epp)))
-                page_base = arith.addi(base, arith.muli(page, c64(page_bytes)))
-                out.append((arith.addi(page_base, arith.muli(j, c64(REC584_DATA))),
-                            arith.addi(page_base, arith.addi(c64(epp * REC584_DATA), arith.muli(j, c64(SCALES584))))))
-            if nc == 1:
-                return out[0]
-            second = arith.cmpi(arith.CmpIPredicate.sge, blk, c32(lists[1][0]))
-            return tuple(arith.select(second, b, a) for a, b in zip(*out))
+            if lists is not None:
+                return _record_584(e, bases, lists, raw, blk)
+            data = arith.addi(bases[0], arith.muli(arith.extui(i64, arith.maxsi(raw, c32(0))), c64(REC656)))
+            return data, data
 
         def scale_of(word):
             if fmt.scales == "fp32":
@@ -736,4 +732,4 @@ def produce_tile_coalesced(blocks_ref, slots_ref, cache_refs, k_ref, idx_ref, b0
         blk0, blk1, blk2 = lp.block_of(c32(0)), lp.block_of(c32(1)), lp.block_of(c32(2))
         lp.run([lp.slot_of(blk0, my_row), blk0, lp.slot_of(blk1, my_row), blk1, blk2], body)
 
-    produce(blocks_ref, slots_ref, *cache_refs, k_ref, idx_ref, b0, nblk)
+    _lists_loop(nc, emit)(blocks_ref, slots_ref, *cache_refs, k_ref, idx_ref, b0, nblk)
