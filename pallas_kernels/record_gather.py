@@ -517,6 +517,7 @@ def produce_tile_584(blocks_ref, slots_ref, cache_refs, k_ref, idx_ref, b0, nblk
     if phases not in (1, 2):
         raise ValueError(f"phases must be 1 or 2, got {phases}")
     nc = len(lists)
+
     def emit(e: _Emit, lp: _Loop, bases: list) -> None:
         arith, c32, c64, i64 = e.arith, e.c32, e.c64, e.i64
         row, half = arith.divui(lp.tid, c32(2)), arith.remui(lp.tid, c32(2))
@@ -619,6 +620,7 @@ def produce_tile_coalesced(blocks_ref, slots_ref, cache_refs, k_ref, idx_ref, b0
         raise ValueError(f"MlaRecord656: one cache and lists=None; MlaRecord584: one or two caches and their lists "
                          f"(got {nc} caches, lists {lists})")
     fmt = _C656 if lists is None else _C584
+
     def emit(e: _Emit, lp: _Loop, bases: list) -> None:
         arith, c32, c64, i64 = e.arith, e.c32, e.c64, e.i64
         lane, warp = arith.remui(lp.tid, c32(32)), arith.divui(lp.tid, c32(32))
