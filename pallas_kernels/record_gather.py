@@ -24,6 +24,8 @@ from its thread index and the block's slots.
   costs an L1 invalidation after every wait). A 2-CTA cluster form that gathered each block once per token
   for both head tiles (``st.async`` to the peer) was correct but slower and was removed (docs/perf-log.md,
   nineteenth session).
+- Coalesced form (``produce_tile_coalesced``, both formats, opt-in): a warp serves 16 rows and each load
+  instruction reads whole lines of two or four records, since the half-row mapping above saturates L1/TEX.
 
 Native only (inline PTX); GPU interpret mode cannot run it.
 """
