@@ -407,8 +407,22 @@ class _Loop:
                           arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.sge, j, c32(0))))
 
 
-_LOOP_TYPES = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(K_TILE_TRANSFORMS), plgpu.RefType(),
-               plgpu.Layout.WG_SPLAT(shape=()), plgpu.Layout.WG_SPLAT(shape=()))
+
+def _lists_loop(nc: int, emit):
+    """A producer loop's ``inline_mgpu`` over (blocks, slots, ``nc`` caches, K tiles, idx, b0, n), its body
+    ``emit(e, lp, bases)`` with the caches' GMEM addresses (``_Loop`` reads the first as its cache)."""
+    types = ((plgpu.RefType(), plgpu.RefType()) + (plgpu.RefType(),) * nc
+             + (plgpu.RefType(K_TILE_TRANSFORMS), plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=()),
+                plgpu.Layout.WG_SPLAT(shape=())))
+
+    @plgpu.inline_mgpu(arg_types=types)
+    def produce(_, blocks, slots, *rest):
+        caches, (k, idx, b0_fa, n_fa) = rest[:nc], rest[nc:]
+        e = _Emit()
+        lp = _Loop(e, blocks, slots, caches[0], k, idx, b0_fa.registers.item(), n_fa.registers.item())
+        emit(e, lp, [e.gmem_addr(c) for c in caches])
+
+    return produce
 
 
 def produce_tile_656(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk, *, phases: int = 2,
@@ -421,11 +435,8 @@ def produce_tile_656(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk,
     too), but the loop carries the next block's slot and the block after's id, so neither load's latency sits
     in the chain of a block, and it prefetches the next block's records into L2 from the carried slot."""
 
-    @plgpu.inline_mgpu(arg_types=_LOOP_TYPES)
-    def produce(_, blocks, slots, cache, k, idx, b0_fa, n_fa):
-        e = _Emit()
+    def emit(e: _Emit, lp: _Loop, _bases: list) -> None:
         arith, c32, c64 = e.arith, e.c32, e.c64
-        lp = _Loop(e, blocks, slots, cache, k, idx, b0_fa.registers.item(), n_fa.registers.item())
         row, half = arith.divui(lp.tid, c32(2)), arith.remui(lp.tid, c32(2))
         half64 = arith.extui(e.i64, half)
         publisher = arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.eq, half, c32(0)))
@@ -453,39 +464,12 @@ def produce_tile_656(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk,
         blk0, blk1 = lp.block_of(c32(0)), lp.block_of(c32(1))
         lp.run([lp.slot_of(blk0, row), lp.slot_of(blk1, row), lp.block_of(c32(2))], body)
 
-    produce(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk)
-
-
-def coalesced_lane(lane: int) -> dict[str, int]:
-    """The coalesced producer's roles of ``lane`` (0..31) of a warp, which owns 16 rows of a block (the emitter
-    computes the same from the thread index; the CPU test checks coverage and bank spread from this). Latent
-    loads: rows 2 p + ``h`` of the warp for row pair p, 16-byte chunk 16 j + ``c`` (j = 0, 1), so each load
-    instruction reads 256 contiguous bytes of two rows; the chunk's bf16 halves are stored in the order
-    ``swap`` (quarter-warps then hit eight distinct 16-byte bank slots). Rope loads: row 4 q + ``rope_row``,
-    chunk ``rc`` of the 128 rope bytes, for q = 0..3."""
-    c = lane >> 1
-    return {"h": lane & 1, "c": c, "group_lo": c >> 3, "swap": (c >> 1) & 1,
-            "rope_row": (lane & 1) + 2 * (lane >> 4), "rc": (lane >> 1) & 7}
+    _lists_loop(1, emit)(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk)
 
 
 # ---- V4's MlaRecord584 --------------------------------------------------------------------------------------
 REC584_DATA, NOPE584, SCALES584 = 576, 448, 8  # per entry: 448 e4m3 + 64 bf16 rope | 7 UE8M0 exponents + pad
 K_COLS_584 = 512  # the K tile: 448 NoPE + 64 rope
-
-
-def _lists_loop(nc: int, emit):
-    """The producer loop's ``inline_mgpu`` over (blocks, slots, ``nc`` caches, K tiles, idx, b0, n), its body
-    ``emit(e, lp, bases)`` with the caches' GMEM addresses (``_Loop`` reads the first as its cache)."""
-    types = (plgpu.RefType(), plgpu.RefType()) + (plgpu.RefType(),) * nc + _LOOP_TYPES[3:]
-
-    @plgpu.inline_mgpu(arg_types=types)
-    def produce(_, blocks, slots, *rest):
-        caches, (k, idx, b0_fa, n_fa) = rest[:nc], rest[nc:]
-        e = _Emit()
-        lp = _Loop(e, blocks, slots, caches[0], k, idx, b0_fa.registers.item(), n_fa.registers.item())
-        emit(e, lp, [e.gmem_addr(c) for c in caches])
-
-    return produce
 
 
 def _record_584(e: _Emit, bases, lists, raw, blk):
@@ -605,6 +589,18 @@ _C656 = _Coalesced(K_COLS, LATENT // 16, LATENT + 16, LATENT, "fp32", 384, (0, 1
 _C584 = _Coalesced(K_COLS_584, NOPE584 // 16, NOPE584, NOPE584, "ue8m0", 288, (0, 128, 256, 287))
 
 
+def coalesced_lane(lane: int) -> dict[str, int]:
+    """The coalesced producer's roles of ``lane`` (0..31) of a warp, which owns 16 rows of a block (the emitter
+    computes the same from the thread index; the CPU test checks coverage and bank spread from this). Latent
+    loads: rows 2 p + ``h`` of the warp for row pair p, 16-byte chunk 16 j + ``c`` (j = 0, 1), so each load
+    instruction reads 256 contiguous bytes of two rows; the chunk's bf16 halves are stored in the order
+    ``swap`` (quarter-warps then hit eight distinct 16-byte bank slots). Rope loads: row 4 q + ``rope_row``,
+    chunk ``rc`` of the 128 rope bytes, for q = 0..3."""
+    c = lane >> 1
+    return {"h": lane & 1, "c": c, "group_lo": c >> 3, "swap": (c >> 1) & 1,
+            "rope_row": (lane & 1) + 2 * (lane >> 4), "rc": (lane >> 1) & 7}
+
+
 def produce_tile_coalesced(blocks_ref, slots_ref, cache_refs, k_ref, idx_ref, b0, nblk, *, lists=None,
                            phases: int = 2, pow2_scales: bool = False) -> None:
     """``produce_tile_656`` (one ``MlaRecord656`` cache, ``lists=None``) or ``produce_tile_584`` (one or two
@@ -649,7 +645,7 @@ def produce_tile_coalesced(blocks_ref, slots_ref, cache_refs, k_ref, idx_ref, b0
             """(data address, scale address) of slot ``raw`` (masked: slot 0) of block ``blk``'s list."""
             if lists is not None:
                 return _record_584(e, bases, lists, raw, blk)
-            data = arith.addi(bases[0], arith.muli(arith.extui(i64, arith.maxsi(raw, c32(0))), c64(REC656)))
+            data = lp.record(raw)
             return data, data
 
         def scale_of(word):

@@ -294,8 +294,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     if producer_phases is None:
         producer_phases = 2 if producer_coalesced else (PRODUCER_PHASES[specs[0].kind] if producer == "registers"
                                                         else 2)
-    if producer_regs is None:
-        producer_regs = PRODUCER_REGS[specs[0].kind] if producer == "registers" else 80
+    if producer_regs is None:  # (no producer warpgroup with "tma": 0, unused)
+        producer_regs = PRODUCER_REGS[specs[0].kind] if producer == "registers" else 0
     hp = -(-h // HEAD_TILE) * HEAD_TILE
     qp = jnp.pad(q.astype(jnp.bfloat16), ((0, 0), (0, hp - h), (0, 0)))
     padded, list_blocks = [], []
@@ -360,10 +360,9 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     software-pipelined loop (``record_gather.produce_tile_656`` / ``produce_tile_584``) and "full" and "free"
     are raw mbarriers in the idx buffer's third row (``record_gather.init_barriers``); interpret mode emulates
     it with the staged copies, the compute warpgroups' conversion and Pallas barriers."""
-    n_prod = 1 if producer == "registers" else 0
-    raw = n_prod > 0 and interpret is None  # the producer's inline PTX loop over raw mbarriers
+    reg = producer == "registers"
+    raw = reg and interpret is None  # the producer's inline PTX loop over raw mbarriers
     kind, dk = specs[0].kind, specs[0].dim
-    reg = n_prod > 0
     emulate = reg and interpret is not None  # the producer's register gather is PTX: interpret mode stages rows
     nc = len(specs)
     if sum(list_blocks) >= 1 << 20:  # the descriptors' opaque zero is block_id >> 20
@@ -797,6 +796,5 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, unsafe_no_auto_barriers=True,
                                   approx_math=True, reduction_scratch_bytes=0)  # row reductions stay in-warp
     return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=(n_splits * t * G,),
-                        grid_names=("cta",), num_threads=NUM_WG + n_prod,
-                        thread_name="wg", compiler_params=params,
+                        grid_names=("cta",), num_threads=NUM_WG + reg, thread_name="wg", compiler_params=params,
                         interpret=interpret if interpret is not None else False)

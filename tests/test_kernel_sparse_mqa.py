@@ -156,8 +156,8 @@ def test_v32_register_producer(mode, producer):
     dequantisation in registers, ``record_gather``; interpret mode emulates it with the staged rows), so blocks
     0..4 cycle through both tiles; "registers_p2r80" (native only): its loop with the latent loaded in two
     rounds and 80 producer registers; "coalesced" (native only): ``producer_coalesced``. A fully masked row gives
-    zeros; 2 splits (one with 2 blocks, one with 3);
-    interpret mode also runs the race detector over the full / free protocol.
+    zeros; 2 splits (one with 2 blocks, one with 3); interpret mode also runs the race detector over the full /
+    free protocol.
 
     Interpret mode runs each warpgroup as an XLA CPU computation whose barrier waits block a thread of XLA's
     intra-op pool (one per CPU): with fewer CPUs than warpgroups a producer never runs."""
