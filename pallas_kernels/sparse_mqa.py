@@ -136,10 +136,12 @@ ROWS_PER_WARP = BLOCK_K // NUM_WG // 4  # row copies each warp issues per block
 NUM_SMS = 132  # H100/H200; only steers the automatic num_splits
 MIN_BLOCKS_PER_SPLIT = 2
 LOG2E = 1.4426950408889634
-# producer="registers": the producer warpgroup's registers per thread (the rest: compute). V3.2's loop loads a
-# block's 84 words per thread in one round (120 leaves the compute warpgroups 192); V4's takes two rounds.
-PRODUCER_REGS = {"mla656": 120, "mla584": 80}
-PRODUCER_PHASES = {"mla656": 1, "mla584": 2}
+# producer="registers": the producer warpgroup's registers per thread (the rest: compute) and its rounds of
+# latent loads, per record kind and load form (coalesced or half-row). V3.2's default is the coalesced loop,
+# one round of 96 words per lane (136 registers leave the compute warpgroups 184); V4's half-row loop takes
+# two rounds.
+PRODUCER_REGS = {("mla656", True): 136, ("mla656", False): 120, ("mla584", True): 80, ("mla584", False): 80}
+PRODUCER_PHASES = {("mla656", True): 1, ("mla656", False): 1, ("mla584", True): 2, ("mla584", False): 2}
 
 
 def compute_regs(producer_regs: int) -> int:
@@ -210,7 +212,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                out_dtype: jnp.dtype = jnp.float32,
                interpret: bool | plgpu.InterpretGPUParams | None = None, producer: Producer | None = None,
                producer_regs: int | None = None, producer_phases: int | None = None,
-               producer_pow2: bool | None = None, producer_coalesced: bool = False) -> jax.Array:
+               producer_pow2: bool | None = None, producer_coalesced: bool | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype).
@@ -231,7 +233,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     "registers" natively for one ``MlaRecord656`` list, else "tma" (interpret mode: "tma", whose emulation
     blocks no third thread; the register producer's needs one CPU per warpgroup).
     ``producer_coalesced`` (native register producer): each warp's loads read whole lines of two or four
-    records (``record_gather.produce_tile_coalesced``; in 2 rounds unless ``producer_phases``).
+    records (``record_gather.produce_tile_coalesced``) instead of each thread reading half a record's row;
+    None = coalesced for one ``MlaRecord656`` list (V3.2's default), half-row for V4's lists.
     ``producer_pow2``: the register producers' dequantisation without conversion instructions, exact only for
     power-of-two scales (``record_gather._DQ_POW2_ASM``); None = where the records' scales are ("ue8m0").
     Timings: docs/perf-log.md.
@@ -250,7 +253,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
 
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
-            producer_regs=None, producer_phases=None, producer_pow2=None, producer_coalesced=False):
+            producer_regs=None, producer_phases=None, producer_pow2=None, producer_coalesced=None):
     if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
     if producer_phases not in (None, 1, 2) and not (producer_coalesced and producer_phases == 4):
@@ -287,15 +290,17 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                          "emulates V3.2's register producer alone)")
     if producer is None:
         producer = "registers" if one_656 and not interpret else "tma"
+    if producer_coalesced is None:
+        producer_coalesced = producer == "registers" and one_656 and not interpret
     if producer_coalesced and not (producer == "registers" and not interpret):
         raise ValueError("producer_coalesced is the native register producer (one MlaRecord656 cache or one or two "
                          "MlaRecord584 caches, "
                          f'producer="registers", not interpret mode); got producer={producer!r}, {formats}')
+    form = (specs[0].kind, producer_coalesced)
     if producer_phases is None:
-        producer_phases = 2 if producer_coalesced else (PRODUCER_PHASES[specs[0].kind] if producer == "registers"
-                                                        else 2)
+        producer_phases = PRODUCER_PHASES[form] if producer == "registers" else 2
     if producer_regs is None:  # (no producer warpgroup with "tma": 0, unused)
-        producer_regs = PRODUCER_REGS[specs[0].kind] if producer == "registers" else 0
+        producer_regs = PRODUCER_REGS[form] if producer == "registers" else 0
     hp = -(-h // HEAD_TILE) * HEAD_TILE
     qp = jnp.pad(q.astype(jnp.bfloat16), ((0, 0), (0, hp - h), (0, 0)))
     padded, list_blocks = [], []

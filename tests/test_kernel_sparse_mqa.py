@@ -148,14 +148,14 @@ def test_v32_padded_heads_and_splits(mode):
                interpret=interpret, num_splits=s)
 
 
-@pytest.mark.parametrize("producer", ["registers", pytest.param("registers_p2r80", marks=pytest.mark.gpu),
-                                      pytest.param("coalesced", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("producer", ["registers", pytest.param("registers_p2", marks=pytest.mark.gpu),
+                                      pytest.param("halfrow", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("mode", MODES)
 def test_v32_register_producer(mode, producer):
     """producer="registers": a third warpgroup fills two K tiles in turn (natively by per-thread loads and
     dequantisation in registers, ``record_gather``; interpret mode emulates it with the staged rows), so blocks
-    0..4 cycle through both tiles; "registers_p2r80" (native only): its loop with the latent loaded in two
-    rounds and 80 producer registers; "coalesced" (native only): ``producer_coalesced``. A fully masked row gives
+    0..4 cycle through both tiles (natively the coalesced loads); "registers_p2" (native only): the latent
+    loaded in two rounds; "halfrow" (native only): ``producer_coalesced=False``. A fully masked row gives
     zeros; 2 splits (one with 2 blocks, one with 3); interpret mode also runs the race detector over the full /
     free protocol.
 
@@ -163,8 +163,8 @@ def test_v32_register_producer(mode, producer):
     intra-op pool (one per CPU): with fewer CPUs than warpgroups a producer never runs."""
     if _interpret(mode) and producer != "registers":
         pytest.skip("native only")
-    kw = {"registers_p2r80": dict(producer="registers", producer_phases=2, producer_regs=80),
-          "coalesced": dict(producer="registers", producer_coalesced=True)}.get(producer, dict(producer="registers"))
+    kw = {"registers_p2": dict(producer="registers", producer_phases=2),
+          "halfrow": dict(producer="registers", producer_coalesced=False)}.get(producer, dict(producer="registers"))
     if _interpret(mode) and len(os.sched_getaffinity(0)) < mqa.NUM_WG + 1:
         pytest.skip(f"interpret mode needs a CPU per warpgroup ({mqa.NUM_WG + 1}) for the register "
                     "producer's blocking waits")
@@ -365,7 +365,7 @@ def test_v4_layer_attend(mode):
 # ----- lowering for the H200 without a GPU --------------------------------------------------------------------
 @pytest.mark.skipif(ON_GPU, reason="the native tests compile the kernel")
 @pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16", "v32_fp8_tma",
-                                  "v32_fp8_registers_p2", "v4_fp8_registers", "v32_fp8_coalesced",
+                                  "v32_fp8_registers_p2", "v4_fp8_registers", "v32_fp8_halfrow",
                                   "v4_fp8_coalesced"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
@@ -382,10 +382,10 @@ def test_lowers_for_cuda(case):
     slots = [jax.ShapeDtypeStruct((t, k), jnp.int32) for k in lists]
     sink = jax.ShapeDtypeStruct((h,), jnp.float32) if case.startswith("v4") else None
     splits = 4 if "splits" in case else 1
-    # v32_fp8: the register producer (V3.2's default natively); v4_fp8: the TMA producer (V4's default)
+    # v32_fp8: the coalesced register producer (V3.2's default natively); v4_fp8: the TMA producer (V4's default)
     kw = {"v32_fp8_tma": dict(producer="tma"), "v4_fp8_registers": dict(producer="registers"),
-          "v32_fp8_registers_p2": dict(producer="registers", producer_phases=2, producer_regs=80),
-          "v32_fp8_coalesced": dict(producer_coalesced=True),
+          "v32_fp8_registers_p2": dict(producer="registers", producer_phases=2),
+          "v32_fp8_halfrow": dict(producer_coalesced=False),
           "v4_fp8_coalesced": dict(producer="registers", producer_coalesced=True)}.get(case, {})
 
     def f(q, caches, slots, sink):

@@ -33,16 +33,25 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             "tma": dict(producer="tma"), "registers": dict(producer="registers"),
             "registers_splits1": dict(producer="registers", num_splits=1),  # V4 b64
             # the register producer's budget: latent loads in 1 or 2 rounds, producer registers
-            "registers_p2r80": dict(producer="registers", producer_phases=2, producer_regs=80),
-            "registers_p1r112": dict(producer="registers", producer_phases=1, producer_regs=112),
-            "registers_p1r128": dict(producer="registers", producer_phases=1, producer_regs=128),
+            "registers_p2r80": dict(producer="registers", producer_coalesced=False, producer_phases=2, producer_regs=80),
+            "registers_p1r112": dict(producer="registers", producer_coalesced=False, producer_phases=1,
+                                     producer_regs=112),
+            "registers_p1r128": dict(producer="registers", producer_coalesced=False, producer_phases=1,
+                                     producer_regs=128),
             # the fp32 dequantisation (conversion instructions) where the default takes the power-of-two one
             "registers_f32": dict(producer="registers", producer_pow2=False),
-            # coalesced loads (each warp load reads whole lines of two or four records): 2 rounds of 48 words
-            # per lane by default, 1 round of 96 or 4 of 24
+            # coalesced loads (each warp load reads whole lines of two or four records; V3.2's default, one
+            # round of 96 words per lane and 136 registers) against the half-row loads; rounds and registers
+            "registers_halfrow": dict(producer="registers", producer_coalesced=False),
             "registers_coalesced": dict(producer="registers", producer_coalesced=True),
+            "registers_coalesced_p2r136": dict(producer="registers", producer_coalesced=True, producer_phases=2,
+                                               producer_regs=136),
             "registers_coalesced_p1r136": dict(producer="registers", producer_coalesced=True, producer_phases=1,
                                                producer_regs=136),
+            "registers_coalesced_p1r144": dict(producer="registers", producer_coalesced=True, producer_phases=1,
+                                               producer_regs=144),
+            "registers_coalesced_p1r152": dict(producer="registers", producer_coalesced=True, producer_phases=1,
+                                               producer_regs=152),
             "registers_coalesced_p4r80": dict(producer="registers", producer_coalesced=True, producer_phases=4,
                                               producer_regs=80)}
 
