@@ -17,15 +17,17 @@ from its thread index and the block's slots.
 - Record address: slot * 656 from the cache's base (a page holds ``entries_per_page`` records back to back,
   so the page offset need not be computed). A masked slot (< 0) reads record 0, as the pure-JAX path does.
 
-- The MQA's producer (``produce_tile_656``, ``produce_tile_584`` for V4's records): the whole loop over a
-  token's blocks as one software-pipelined ``scf.for`` that carries the next block's slot and the block id
-  after it, so neither load sits in a block's chain. Its barriers are raw PTX mbarriers in a shared int32 row
-  (``init_barriers``, ``wait_full``, ``arrive_free``), waited with CTA-scope acquire (a cluster-scope acquire
-  costs an L1 invalidation after every wait). A 2-CTA cluster form that gathered each block once per token
-  for both head tiles (``st.async`` to the peer) was correct but slower and was removed (docs/perf-log.md,
-  nineteenth session).
-- Coalesced form (``produce_tile_coalesced``, both formats, opt-in): a warp serves 16 rows and each load
-  instruction reads whole lines of two or four records, since the half-row mapping above saturates L1/TEX.
+- The MQA's producer: the whole loop over a token's blocks as one software-pipelined ``scf.for`` that carries
+  the next block's slot and the block id after it, so neither load sits in a block's chain. Its barriers are
+  raw PTX mbarriers in a shared int32 row (``init_barriers``, ``wait_full``, ``arrive_free``), waited with
+  CTA-scope acquire (a cluster-scope acquire costs an L1 invalidation after every wait).
+  - ``produce_tile_coalesced`` (both formats; V3.2's default): a warp serves 16 rows and each load instruction
+    reads whole lines of two or four records. The half-row mapping above saturates L1/TEX inside a loop (sectors
+    half used, 14-way shared store conflicts), and its V3.2 loop was removed once the coalesced one beat it
+    (docs/perf-log.md, twentieth session); the mapping stays in ``dequant_blocks``, the bit-exact check.
+  - ``produce_tile_584``: V4's records with the half-row mapping (V4's option beside its TMA default).
+  - A 2-CTA cluster form that gathered each block once per token for both head tiles (``st.async`` to the
+    peer) was correct but slower and was removed (nineteenth session).
 
 Native only (inline PTX); GPU interpret mode cannot run it.
 """
@@ -425,48 +427,6 @@ def _lists_loop(nc: int, emit):
     return produce
 
 
-def produce_tile_656(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk, *, phases: int = 2,
-                     pow2_scales: bool = False) -> None:
-    """The whole producer loop of a single CTA (one warpgroup, all 128 threads): for k < ``nblk``, block
-    ``blocks_ref[b0 + k]`` (GMEM int32, this token's live blocks) of ``slots_ref`` (GMEM int32, this token's slots,
-    64 per block) into K tile k % 2 of ``k_ref`` (SMEM [2, 64, 576] bf16, ``K_TILE_TRANSFORMS``), its raw slots
-    into ``idx_ref`` row k % 2 (SMEM int32 [3, 64]; row 2: the raw mbarriers of ``init_barriers``). The thread
-    mapping and the conversion are ``fill_k_tile_656``'s (84 words per block: too many to hold the next block's
-    too), but the loop carries the next block's slot and the block after's id, so neither load's latency sits
-    in the chain of a block, and it prefetches the next block's records into L2 from the carried slot."""
-
-    def emit(e: _Emit, lp: _Loop, _bases: list) -> None:
-        arith, c32, c64 = e.arith, e.c32, e.c64
-        row, half = arith.divui(lp.tid, c32(2)), arith.remui(lp.tid, c32(2))
-        half64 = arith.extui(e.i64, half)
-        publisher = arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.eq, half, c32(0)))
-
-        def body(kk, carried):
-            s_cur, s_next, blk_nn = carried
-            b = arith.remui(kk, c32(2))
-            b8 = arith.muli(b, c32(8))
-            out = {}
-
-            def between():
-                """After round 0's loads of block k: block k + 2's slot, block k + 3's id, block k + 1's records
-                into L2, then the wait for tile b and the block's raw slots."""
-                out["s_nn"] = lp.slot_of(blk_nn, row)
-                out["blk_nnn"] = lp.block_of(arith.addi(kk, c32(3)))
-                e.prefetch(arith.addi(lp.record(s_next), arith.muli(half64, c64(384))), (0, 128, 256, 271))
-                lp.wait_free(kk, b8)
-                e.store_slot_at(arith.addi(lp.idx_base, arith.muli(b, c32(BLOCK * 4))), row, s_cur, publisher)
-                return e.k_row(lp.tile(b), row)
-
-            _half_row_656(e, lp.record(s_cur), half, phases=phases, pow2=pow2_scales, after_first_loads=between)
-            lp.arrive_full(b8)
-            return [s_next, out["s_nn"], out["blk_nnn"]]
-
-        blk0, blk1 = lp.block_of(c32(0)), lp.block_of(c32(1))
-        lp.run([lp.slot_of(blk0, row), lp.slot_of(blk1, row), lp.block_of(c32(2))], body)
-
-    _lists_loop(1, emit)(blocks_ref, slots_ref, cache_ref, k_ref, idx_ref, b0, nblk)
-
-
 # ---- V4's MlaRecord584 --------------------------------------------------------------------------------------
 REC584_DATA, NOPE584, SCALES584 = 576, 448, 8  # per entry: 448 e4m3 + 64 bf16 rope | 7 UE8M0 exponents + pad
 K_COLS_584 = 512  # the K tile: 448 NoPE + 64 rope
@@ -492,8 +452,8 @@ def _record_584(e: _Emit, bases, lists, raw, blk):
 
 def produce_tile_584(blocks_ref, slots_ref, cache_refs, k_ref, idx_ref, b0, nblk, *,
                      lists: tuple[tuple[int, int, int], ...], phases: int = 2) -> None:
-    """``produce_tile_656`` for V4's ``MlaRecord584`` caches: one or two candidate lists (window, compressed),
-    each over its own cache ``cache_refs[i]`` (GMEM uint8 pages [epp x 576 B data][epp x 8 B exponents]);
+    """The half-row producer loop for V4's ``MlaRecord584`` caches: one or two candidate lists (window,
+    compressed), each over its own cache ``cache_refs[i]`` (GMEM uint8 pages [epp x 576 B data][epp x 8 B exponents]);
     ``lists[i]`` = (its first block in the concatenated lists, entries per page, page bytes). K tiles of 512
     columns (448 NoPE + 64 rope). Thread t serves row t // 2: NoPE chunks 14 (t % 2) .. + 13 of 16 columns,
     rope columns 448 + 32 (t % 2) .. + 31, and its row's 8 exponent bytes. The UE8M0 scales make the
@@ -603,8 +563,8 @@ def coalesced_lane(lane: int) -> dict[str, int]:
 
 def produce_tile_coalesced(blocks_ref, slots_ref, cache_refs, k_ref, idx_ref, b0, nblk, *, lists=None,
                            phases: int = 2, pow2_scales: bool = False) -> None:
-    """``produce_tile_656`` (one ``MlaRecord656`` cache, ``lists=None``) or ``produce_tile_584`` (one or two
-    ``MlaRecord584`` caches, ``lists`` as there) with coalesced loads (``coalesced_lane``): each load
+    """The producer loop for one ``MlaRecord656`` cache (``lists=None``) or one or two ``MlaRecord584`` caches
+    (``lists`` as ``produce_tile_584``'s) with coalesced loads (``coalesced_lane``): each load
     instruction of a warp reads whole 128-byte lines of two (NoPE) or four (rope) records instead of 16 bytes
     of 16. Why: in ncu the thread-per-half-row form saturates L1/TEX, using half of every sector it transfers,
     and the MQA's compute warps wait on it (docs/perf-log.md, nineteenth session). A warp serves 16 rows; a

@@ -137,11 +137,11 @@ NUM_SMS = 132  # H100/H200; only steers the automatic num_splits
 MIN_BLOCKS_PER_SPLIT = 2
 LOG2E = 1.4426950408889634
 # producer="registers": the producer warpgroup's registers per thread (the rest: compute) and its rounds of
-# latent loads, per record kind and load form (coalesced or half-row). V3.2's default is the coalesced loop,
-# one round of 96 words per lane (136 registers leave the compute warpgroups 184); V4's half-row loop takes
-# two rounds.
-PRODUCER_REGS = {("mla656", True): 136, ("mla656", False): 120, ("mla584", True): 80, ("mla584", False): 80}
-PRODUCER_PHASES = {("mla656", True): 1, ("mla656", False): 1, ("mla584", True): 2, ("mla584", False): 2}
+# latent loads, per record kind and load form (coalesced or not). V3.2's register producer is the coalesced
+# loop, one round of 96 words per lane (136 registers leave the compute warpgroups 184); V4's half-row loop
+# takes two rounds.
+PRODUCER_REGS = {("mla656", True): 136, ("mla584", True): 80, ("mla584", False): 80}
+PRODUCER_PHASES = {("mla656", True): 1, ("mla584", True): 2, ("mla584", False): 2}
 
 
 def compute_regs(producer_regs: int) -> int:
@@ -234,7 +234,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     blocks no third thread; the register producer's needs one CPU per warpgroup).
     ``producer_coalesced`` (native register producer): each warp's loads read whole lines of two or four
     records (``record_gather.produce_tile_coalesced``) instead of each thread reading half a record's row;
-    None = coalesced for one ``MlaRecord656`` list (V3.2's default), half-row for V4's lists.
+    None = coalesced for one ``MlaRecord656`` list (V3.2's only form), half-row for V4's lists.
     ``producer_pow2``: the register producers' dequantisation without conversion instructions, exact only for
     power-of-two scales (``record_gather._DQ_POW2_ASM``); None = where the records' scales are ("ue8m0").
     Timings: docs/perf-log.md.
@@ -292,6 +292,9 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
         producer = "registers" if one_656 and not interpret else "tma"
     if producer_coalesced is None:
         producer_coalesced = producer == "registers" and one_656 and not interpret
+    if producer_coalesced is False and producer == "registers" and one_656 and not interpret:
+        raise ValueError("producer_coalesced=False: V3.2's register producer loads coalesced only (its half-row "
+                         "form was removed, docs/perf-log.md)")
     if producer_coalesced and not (producer == "registers" and not interpret):
         raise ValueError("producer_coalesced is the native register producer (one MlaRecord656 cache or one or two "
                          "MlaRecord584 caches, "
@@ -362,7 +365,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     the compute warpgroups wait on it, read the block's slots from its idx slot (written by the producer),
     compute as below and arrive on "free"[k % 2] after their PV, which the producer waits for before it refills
     that tile with block k + 2. No "ready" barrier and no staging rows natively. Natively the producer is one
-    software-pipelined loop (``record_gather.produce_tile_656`` / ``produce_tile_584``) and "full" and "free"
+    software-pipelined loop (``record_gather.produce_tile_coalesced`` / ``produce_tile_584``) and "full" and "free"
     are raw mbarriers in the idx buffer's third row (``record_gather.init_barriers``); interpret mode emulates
     it with the staged copies, the compute warpgroups' conversion and Pallas barriers."""
     reg = producer == "registers"
@@ -703,12 +706,9 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 if coalesced:
                     record_gather.produce_tile_coalesced(*operands, tuple(cache_refs), k_s1, idx_s, b0, nblk,
                                                          lists=lists, phases=producer_phases, pow2_scales=pow2)
-                elif lists:
+                else:
                     record_gather.produce_tile_584(*operands, cache_refs, k_s1, idx_s, b0, nblk, lists=lists,
                                                    phases=producer_phases)
-                else:
-                    record_gather.produce_tile_656(*operands, cache_refs[0], k_s1, idx_s, b0, nblk,
-                                                   phases=producer_phases, pow2_scales=pow2)
                 return
             st, pb_s, sel_s = per_prod
             init_selection(sel_s)

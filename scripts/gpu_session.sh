@@ -247,7 +247,7 @@ case "$stage" in
         tests/test_kernel_sparse_mqa.py tests/test_kernel_record_gather.py -k "$k" >> "$OUT/gpu_mqa_loop_tests.log" 2>&1
       echo "mqa loop tests [$k] rc=$?"; tail -1 "$OUT/gpu_mqa_loop_tests.log"
     done
-    for v in ${MQAL_VARIANTS:-default registers_coalesced registers_coalesced_p1r136 registers_coalesced_p4r80 registers_p1r128}; do
+    for v in ${MQAL_VARIANTS:-default registers_coalesced_p1r144 registers_coalesced_p1r152 registers_coalesced_p2r136}; do
       timeout -s KILL ${MQAL_TIMEOUT:-100} python3 scripts/diag/mqa_variants.py \
         --cases ${MQAL_CASES:-v32_decode_64 v32_decode_128 v32_prefill_4096} --variants $v \
         --out "$OUT/mqa_variants_loops_${v}_h200.json" >> "$OUT/mqa_variants_loops.log" 2>&1; echo "mqa variant $v rc=$?"

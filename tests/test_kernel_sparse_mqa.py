@@ -148,14 +148,13 @@ def test_v32_padded_heads_and_splits(mode):
                interpret=interpret, num_splits=s)
 
 
-@pytest.mark.parametrize("producer", ["registers", pytest.param("registers_p2", marks=pytest.mark.gpu),
-                                      pytest.param("halfrow", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("producer", ["registers", pytest.param("registers_p2", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("mode", MODES)
 def test_v32_register_producer(mode, producer):
     """producer="registers": a third warpgroup fills two K tiles in turn (natively by per-thread loads and
     dequantisation in registers, ``record_gather``; interpret mode emulates it with the staged rows), so blocks
     0..4 cycle through both tiles (natively the coalesced loads); "registers_p2" (native only): the latent
-    loaded in two rounds; "halfrow" (native only): ``producer_coalesced=False``. A fully masked row gives
+    loaded in two rounds. A fully masked row gives
     zeros; 2 splits (one with 2 blocks, one with 3); interpret mode also runs the race detector over the full /
     free protocol.
 
@@ -163,8 +162,7 @@ def test_v32_register_producer(mode, producer):
     intra-op pool (one per CPU): with fewer CPUs than warpgroups a producer never runs."""
     if _interpret(mode) and producer != "registers":
         pytest.skip("native only")
-    kw = {"registers_p2": dict(producer="registers", producer_phases=2),
-          "halfrow": dict(producer="registers", producer_coalesced=False)}.get(producer, dict(producer="registers"))
+    kw = {"registers_p2": dict(producer="registers", producer_phases=2)}.get(producer, dict(producer="registers"))
     if _interpret(mode) and len(os.sched_getaffinity(0)) < mqa.NUM_WG + 1:
         pytest.skip(f"interpret mode needs a CPU per warpgroup ({mqa.NUM_WG + 1}) for the register "
                     "producer's blocking waits")
@@ -199,6 +197,9 @@ def test_register_producer_bad_inputs():
                     (dict(producer_coalesced=True), "producer_coalesced")]:  # interpret mode
         with pytest.raises(ValueError, match=msg):
             mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.1, v_dim=512, interpret=True, **kw)
+    with pytest.raises(ValueError, match="producer_coalesced=False"):  # V3.2's register producer is coalesced
+        mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.1, v_dim=512, interpret=False, producer="registers",
+                       producer_coalesced=False)
     f4 = MlaRecord584(16)
     with pytest.raises(ValueError, match="native only"):  # interpret mode emulates V3.2's producer alone
         mqa.sparse_mqa(jnp.zeros((1, 4, 512), jnp.bfloat16), [_cache(f4, 2, 512, rng)], [f4], [slots],
@@ -365,7 +366,7 @@ def test_v4_layer_attend(mode):
 # ----- lowering for the H200 without a GPU --------------------------------------------------------------------
 @pytest.mark.skipif(ON_GPU, reason="the native tests compile the kernel")
 @pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16", "v32_fp8_tma",
-                                  "v32_fp8_registers_p2", "v4_fp8_registers", "v32_fp8_halfrow",
+                                  "v32_fp8_registers_p2", "v4_fp8_registers",
                                   "v4_fp8_coalesced"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
@@ -385,7 +386,6 @@ def test_lowers_for_cuda(case):
     # v32_fp8: the coalesced register producer (V3.2's default natively); v4_fp8: the TMA producer (V4's default)
     kw = {"v32_fp8_tma": dict(producer="tma"), "v4_fp8_registers": dict(producer="registers"),
           "v32_fp8_registers_p2": dict(producer="registers", producer_phases=2),
-          "v32_fp8_halfrow": dict(producer_coalesced=False),
           "v4_fp8_coalesced": dict(producer="registers", producer_coalesced=True)}.get(case, {})
 
     def f(q, caches, slots, sink):

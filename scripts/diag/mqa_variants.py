@@ -32,17 +32,11 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             # default for V3.2 natively: a third warpgroup, one software-pipelined loop of per-thread loads)
             "tma": dict(producer="tma"), "registers": dict(producer="registers"),
             "registers_splits1": dict(producer="registers", num_splits=1),  # V4 b64
-            # the register producer's budget: latent loads in 1 or 2 rounds, producer registers
-            "registers_p2r80": dict(producer="registers", producer_coalesced=False, producer_phases=2, producer_regs=80),
-            "registers_p1r112": dict(producer="registers", producer_coalesced=False, producer_phases=1,
-                                     producer_regs=112),
-            "registers_p1r128": dict(producer="registers", producer_coalesced=False, producer_phases=1,
-                                     producer_regs=128),
             # the fp32 dequantisation (conversion instructions) where the default takes the power-of-two one
             "registers_f32": dict(producer="registers", producer_pow2=False),
-            # coalesced loads (each warp load reads whole lines of two or four records; V3.2's default, one
-            # round of 96 words per lane and 136 registers) against the half-row loads; rounds and registers
-            "registers_halfrow": dict(producer="registers", producer_coalesced=False),
+            # coalesced loads (each warp load reads whole lines of two or four records; V3.2's only register
+            # producer, one round of 96 words per lane and 136 registers; V4's "registers" loads half rows): rounds
+            # and registers
             "registers_coalesced": dict(producer="registers", producer_coalesced=True),
             "registers_coalesced_p2r136": dict(producer="registers", producer_coalesced=True, producer_phases=2,
                                                producer_regs=136),
