@@ -1,12 +1,15 @@
-"""Register gather of V3.2 cache records into a swizzled bf16 K tile (Pallas Mosaic GPU, inline PTX).
+"""Register gather of DeepSeek cache records into a swizzled bf16 K tile (Pallas Mosaic GPU, inline PTX).
 
 The sparse MQA's producer job, done the way FlashMLA's sm90 sparse decode does it: no TMA per row and no
-staging rows in shared memory. One warpgroup gathers a block of 64 ``MlaRecord656`` records (512 e4m3 latent
-values, 4 fp32 scales per 128, 64 bf16 rope values) with per-thread 128-bit global loads, dequantises the
-latent in registers and stores the bf16 rows straight into the MQA's K tile layout. Lane semantics has no
-per-thread address, so the body is Mosaic GPU code inside ``plgpu.inline_mgpu``: each thread's addresses come
-from its thread index and the block's slots.
+staging rows in shared memory. One warpgroup gathers a block of 64 records (V3.2's ``MlaRecord656``: 512 e4m3
+latent values, 4 fp32 scales per 128, 64 bf16 rope values; V4's ``MlaRecord584``: 448 e4m3 NoPE values, 64
+bf16 rope values, 7 UE8M0 exponents in the page's exponent region) with per-thread 128-bit global loads,
+dequantises the values in registers and stores the bf16 rows straight into the MQA's K tile layout. Lane
+semantics has no per-thread address, so the body is Mosaic GPU code inside ``plgpu.inline_mgpu``: each
+thread's addresses come from its thread index and the block's slots.
 
+``dequant_blocks`` (the bit-exact check of the dequantisation, and ``scripts/diag/gather_probe.py``) maps
+threads to half rows of V3.2's records:
 - Thread t of the warpgroup serves row t // 2: latent columns 256 (t % 2) .. + 255 with its record's scales
   2 (t % 2) and 2 (t % 2) + 1, and rope values 32 (t % 2) .. + 31.
 - e4m3 -> bf16: ``cvt.rn.f16x2.e4m3x2`` (exact), float32 multiply by the scale, ``cvt.rn.bf16x2.f32``: the
@@ -17,17 +20,14 @@ from its thread index and the block's slots.
 - Record address: slot * 656 from the cache's base (a page holds ``entries_per_page`` records back to back,
   so the page offset need not be computed). A masked slot (< 0) reads record 0, as the pure-JAX path does.
 
-- The MQA's producer: the whole loop over a token's blocks as one software-pipelined ``scf.for`` that carries
-  the next block's slot and the block id after it, so neither load sits in a block's chain. Its barriers are
-  raw PTX mbarriers in a shared int32 row (``init_barriers``, ``wait_full``, ``arrive_free``), waited with
-  CTA-scope acquire (a cluster-scope acquire costs an L1 invalidation after every wait).
-  - ``produce_tile_coalesced`` (both formats; V3.2's default): a warp serves 16 rows and each load instruction
-    reads whole lines of two or four records. The half-row mapping above saturates L1/TEX inside a loop (sectors
-    half used, 14-way shared store conflicts), and its V3.2 loop was removed once the coalesced one beat it
-    (docs/perf-log.md, twentieth session); the mapping stays in ``dequant_blocks``, the bit-exact check.
-  - ``produce_tile_584``: V4's records with the half-row mapping (V4's option beside its TMA default).
-  - A 2-CTA cluster form that gathered each block once per token for both head tiles (``st.async`` to the
-    peer) was correct but slower and was removed (nineteenth session).
+- The MQA's producer (``produce_tile``): the whole loop over a token's blocks as one software-pipelined
+  ``scf.for`` that carries the next block's slot and the block id after it, so neither load sits in a block's
+  chain. Its barriers are raw PTX mbarriers in a shared int32 row (``init_barriers``, ``wait_full``,
+  ``arrive_free``), waited with CTA-scope acquire (a cluster-scope acquire costs an L1 invalidation after
+  every wait). Its loads are coalesced (``coalesced_lane``): a warp serves 16 rows and each load instruction
+  reads whole lines of two or four records. The half-row mapping above saturated L1/TEX inside the loop
+  (sectors half used, 14-way shared store conflicts); its loops for both formats lost to this one and were
+  removed, as was a 2-CTA cluster form (docs/perf-log.md, nineteenth and twentieth sessions).
 
 Native only (inline PTX); GPU interpret mode cannot run it.
 """
@@ -434,7 +434,7 @@ K_COLS_584 = 512  # the K tile: 448 NoPE + 64 rope
 
 def _record_584(e: _Emit, bases, lists, raw, blk):
     """(data address, exponent address) of slot ``raw`` (masked: slot 0) of block ``blk``'s list: ``bases`` the
-    lists' caches (GMEM addresses), ``lists`` as ``produce_tile_584``'s."""
+    lists' caches (GMEM addresses), ``lists`` as ``produce_tile``'s."""
     arith, c32, c64, i64 = e.arith, e.c32, e.c64, e.i64
     slot = arith.maxsi(raw, c32(0))
     out = []
@@ -450,86 +450,7 @@ def _record_584(e: _Emit, bases, lists, raw, blk):
     return tuple(arith.select(second, b, a) for a, b in zip(*out))
 
 
-def produce_tile_584(blocks_ref, slots_ref, cache_refs, k_ref, idx_ref, b0, nblk, *,
-                     lists: tuple[tuple[int, int, int], ...], phases: int = 2) -> None:
-    """The half-row producer loop for V4's ``MlaRecord584`` caches: one or two candidate lists (window,
-    compressed), each over its own cache ``cache_refs[i]`` (GMEM uint8 pages [epp x 576 B data][epp x 8 B exponents]);
-    ``lists[i]`` = (its first block in the concatenated lists, entries per page, page bytes). K tiles of 512
-    columns (448 NoPE + 64 rope). Thread t serves row t // 2: NoPE chunks 14 (t % 2) .. + 13 of 16 columns,
-    rope columns 448 + 32 (t % 2) .. + 31, and its row's 8 exponent bytes. The UE8M0 scales make the
-    conversion-free dequantisation exact (``_DQ_POW2_ASM``; exponents >= 70, the writer's floor gives >= 105)."""
-    if len(cache_refs) != len(lists) or not 1 <= len(lists) <= 2:
-        raise ValueError(f"one or two lists, each with its cache: got {len(cache_refs)} caches, {len(lists)} lists")
-    if phases not in (1, 2):
-        raise ValueError(f"phases must be 1 or 2, got {phases}")
-    nc = len(lists)
-
-    def emit(e: _Emit, lp: _Loop, bases: list) -> None:
-        arith, c32, c64, i64 = e.arith, e.c32, e.c64, e.i64
-        row, half = arith.divui(lp.tid, c32(2)), arith.remui(lp.tid, c32(2))
-        half64 = arith.extui(i64, half)
-        publisher = arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.eq, half, c32(0)))
-        n_chunks = NOPE584 // 16 // 2  # 14 chunks of 16 NoPE values per thread
-        col_nope = arith.muli(half, c32(16 * n_chunks))
-        col_rope = arith.addi(c32(NOPE584), arith.muli(half, c32(32)))
-        per = -(-n_chunks // phases)
-
-        def record(raw, blk):
-            return _record_584(e, bases, lists, raw, blk)
-
-        def body(kk, carried):
-            s_cur, blk_cur, s_next, blk_next, blk_nn = carried
-            data, sc_addr = record(s_cur, blk_cur)
-            nope0 = arith.addi(data, arith.muli(half64, c64(16 * n_chunks * 1)))
-            # loads first: round 0 of block k, its exponents and rope; block k + 2's slot, block k + 3's id;
-            # block k + 1's record into L2
-            ex = e.asm("ld.global.nc.v2.u32 {$0, $1}, [$2];", [sc_addr], "=r,=r,l", 2)
-            rope = e.loads(arith.addi(data, arith.addi(c64(NOPE584), arith.muli(half64, c64(64)))), [0, 16, 32, 48])
-            lat = e.loads(nope0, [16 * i for i in range(min(per, n_chunks))])
-            s_nn = lp.slot_of(blk_nn, row)
-            blk_nnn = lp.block_of(arith.addi(kk, c32(3)))
-            ndata, nsc = record(s_next, blk_next)
-            e.prefetch(arith.addi(ndata, arith.muli(half64, c64(288))), (0, 128, 256, 287))
-            e.prefetch(nsc, (0,))
-            b = arith.remui(kk, c32(2))
-            b8 = arith.muli(b, c32(8))
-            lp.wait_free(kk, b8)
-            e.store_slot_at(arith.addi(lp.idx_base, arith.muli(b, c32(BLOCK * 4))), row, s_cur, publisher)
-            row_base, sw = e.k_row(lp.tile(b, K_COLS_584), row, K_COLS_584)
-            scale_cache = {}
-
-            def scale(g: int, first_half: bool):
-                # chunk c of this thread is global chunk 14 h + c: its group (64 columns) is (14 h + c) // 4
-                key = (g, first_half)
-                if key not in scale_cache:
-                    byte = arith.andi(arith.shrui(ex[g // 4], c32(8 * (g % 4))), c32(0xFF))
-                    h = arith.shli(arith.addi(byte, c32(60)), c32(7))  # bf16 of 2^(e - 127) * 2^60
-                    scale_cache[key] = arith.ori(h, arith.shli(h, c32(16)))
-                return scale_cache[key]
-
-            for p in range(phases):
-                idxs = list(range(p * per, min((p + 1) * per, n_chunks)))
-                if p:
-                    lat = e.loads(nope0, [16 * i for i in idxs])
-                for n, i in enumerate(idxs):
-                    # the group differs between the halves: select between them
-                    s0, s1 = scale(i // 4, True), scale((n_chunks + i) // 4, False)
-                    sc = arith.select(arith.cmpi(arith.CmpIPredicate.eq, half, c32(0)), s0, s1)
-                    words = e.dequant(lat[n], sc, True)
-                    e.store16(e.k_addr(row_base, sw, col_nope, 16 * i), words[:4])
-                    e.store16(e.k_addr(row_base, sw, col_nope, 16 * i + 8), words[4:])
-            for q in range(4):
-                e.store16(e.k_addr(row_base, sw, col_rope, 8 * q), rope[q])
-            lp.arrive_full(b8)
-            return [s_next, blk_next, s_nn, blk_nn, blk_nnn]
-
-        blk0, blk1, blk2 = lp.block_of(c32(0)), lp.block_of(c32(1)), lp.block_of(c32(2))
-        lp.run([lp.slot_of(blk0, row), blk0, lp.slot_of(blk1, row), blk1, blk2], body)
-
-    _lists_loop(nc, emit)(blocks_ref, slots_ref, *cache_refs, k_ref, idx_ref, b0, nblk)
-
-
-# ---- coalesced loads, both record formats ------------------------------------------------------------------
+# ---- the producer's coalesced loads, both record formats ----------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class _Coalesced:
     """A record format as the coalesced producer reads it: K columns, 16-byte e4m3 NoPE chunks per record, the
@@ -561,16 +482,20 @@ def coalesced_lane(lane: int) -> dict[str, int]:
             "rope_row": (lane & 1) + 2 * (lane >> 4), "rc": (lane >> 1) & 7}
 
 
-def produce_tile_coalesced(blocks_ref, slots_ref, cache_refs, k_ref, idx_ref, b0, nblk, *, lists=None,
-                           phases: int = 2, pow2_scales: bool = False) -> None:
-    """The producer loop for one ``MlaRecord656`` cache (``lists=None``) or one or two ``MlaRecord584`` caches
-    (``lists`` as ``produce_tile_584``'s) with coalesced loads (``coalesced_lane``): each load
-    instruction of a warp reads whole 128-byte lines of two (NoPE) or four (rope) records instead of 16 bytes
-    of 16. Why: in ncu the thread-per-half-row form saturates L1/TEX, using half of every sector it transfers,
-    and the MQA's compute warps wait on it (docs/perf-log.md, nineteenth session). A warp serves 16 rows; a
-    lane holds its row's slot (lane % 16) and gets the others' by ``shfl.sync``. 96 words per lane and block,
-    loaded in ``phases`` rounds (1, 2 or 4) of row pairs and rope rows. V4's second NoPE load of a row pair
-    has 12 chunks for 16 lanes: the other 4 read rope bytes and store nothing."""
+def produce_tile(blocks_ref, slots_ref, cache_refs, k_ref, idx_ref, b0, nblk, *, lists=None, phases: int = 1,
+                 pow2_scales: bool = False) -> None:
+    """The producer loop of a single CTA (one warpgroup, all 128 threads) for one ``MlaRecord656`` cache
+    (``lists=None``) or one or two ``MlaRecord584`` caches (window, compressed; ``lists[i]`` = (the list's
+    first block in the concatenated lists, entries per page, page bytes)). For k < ``nblk``: block
+    ``blocks_ref[b0 + k]`` (GMEM int32, this token's live blocks) of ``slots_ref`` (GMEM int32, 64 slots per
+    block) into K tile k % 2 of ``k_ref`` (SMEM [2, 64, cols] bf16, ``K_TILE_TRANSFORMS``), its raw slots into
+    ``idx_ref`` row k % 2 (SMEM int32 [3, 64]; row 2: the raw mbarriers of ``init_barriers``).
+
+    Coalesced loads (``coalesced_lane``): each load instruction of a warp reads whole 128-byte lines of two
+    (NoPE) or four (rope) records. A warp serves 16 rows; a lane holds its row's slot (lane % 16) and gets the
+    others' by ``shfl.sync``. 96 words per lane and block, loaded in ``phases`` rounds (1, 2 or 4) of row pairs
+    and rope rows. V4's second NoPE load of a row pair has 12 chunks for 16 lanes: the other 4 read rope bytes
+    and store nothing. V4's UE8M0 scales make the conversion-free dequantisation exact (``_DQ_POW2_ASM``)."""
     if phases not in (1, 2, 4):
         raise ValueError(f"phases must be 1, 2 or 4, got {phases}")
     nc = len(cache_refs)

@@ -84,9 +84,10 @@ converting block k+1 while PV(k) runs, which was removed). After the loop, the r
 serves every block. Every barrier phase is waited once per waiter (GPU interpret mode checks this; its race
 detector passes at the test shapes, ``test_no_races``).
 
-The register producer (``producer="registers"``, natively the default for one ``MlaRecord656`` list; also
-for V4's ``MlaRecord584`` lists on request): a third warpgroup gathers and dequantises each block with
-per-thread loads into one of two K tiles (``pallas_kernels.record_gather``, after FlashMLA's sm90 sparse decode
+The register producer (``producer="registers"``, natively the default for the fp8 records, V3.2's one
+``MlaRecord656`` list and V4's one or two ``MlaRecord584`` lists): a third warpgroup gathers and dequantises
+each block with per-thread loads, coalesced so that a warp's load reads whole lines of two or four records,
+into one of two K tiles (``pallas_kernels.record_gather``, after FlashMLA's sm90 sparse decode
 design), so no staging rows and no conversion in the compute warpgroups; they wait "full"[k % 2], compute,
 and arrive "free"[k % 2] after PV. The producer is one software-pipelined loop over raw mbarriers: it carries
 the next block's slot and the block id after it (neither load sits in a block's chain) and prefetches the
@@ -94,8 +95,8 @@ next block's records into L2 (decode reads its records from DRAM, and the per-th
 bytes in flight to hide that latency). Registers: setmaxnreg moves them only inside the 384-thread CTA's
 launch pool (3 x 168 per thread), so producer + 2 x compute <= 504; an "increase" past it never returns (the
 first native run hung on it). SMEM: q 72 KB + two K tiles 144 KB. Removed after measuring slower
-(docs/perf-log.md): a per-block producer, and a 2-CTA cluster producer that gathered each block once for both
-head tiles of a token.
+(docs/perf-log.md): a per-block producer, loops that loaded half a record row per thread (both formats), and a
+2-CTA cluster producer that gathered each block once for both head tiles of a token.
 
 Shared memory (of 227 KB): q 72 KB + K tile 72 KB + staging 55 KB + P 8 KB + statistics 1 KB (V3.2 fp8,
 compiled, 208 KB; interpret mode adds the rope byte tile and the selection matrix, unaliased); bf16 rows with
@@ -137,11 +138,9 @@ NUM_SMS = 132  # H100/H200; only steers the automatic num_splits
 MIN_BLOCKS_PER_SPLIT = 2
 LOG2E = 1.4426950408889634
 # producer="registers": the producer warpgroup's registers per thread (the rest: compute) and its rounds of
-# latent loads, per record kind and load form (coalesced or not). V3.2's register producer is the coalesced
-# loop, one round of 96 words per lane (136 registers leave the compute warpgroups 184); V4's half-row loop
-# takes two rounds.
-PRODUCER_REGS = {("mla656", True): 136, ("mla584", True): 80, ("mla584", False): 80}
-PRODUCER_PHASES = {("mla656", True): 1, ("mla584", True): 2, ("mla584", False): 2}
+# loads (96 words per lane and block in all), per record kind: one round, which needs more than 128 registers.
+PRODUCER_REGS = {"mla656": 144, "mla584": 136}
+PRODUCER_PHASES = {"mla656": 1, "mla584": 1}
 
 
 def compute_regs(producer_regs: int) -> int:
@@ -212,7 +211,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                out_dtype: jnp.dtype = jnp.float32,
                interpret: bool | plgpu.InterpretGPUParams | None = None, producer: Producer | None = None,
                producer_regs: int | None = None, producer_phases: int | None = None,
-               producer_pow2: bool | None = None, producer_coalesced: bool | None = None) -> jax.Array:
+               producer_pow2: bool | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype).
@@ -225,16 +224,13 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     ``producer``: who fills the K tile. "tma": the two compute warpgroups, from rows staged by per-row bulk
     copies (the module docstring). "registers" (one ``MlaRecord656`` list, or natively one or two
     ``MlaRecord584`` lists): a third warpgroup gathers and dequantises each block into one of two K tiles with
-    per-thread global loads, one software-pipelined loop that also prefetches the next block's records into L2
-    (``pallas_kernels.record_gather``; GPU interpret mode emulates V3.2's with the staged copies), so the next
-    block is filled while the compute warpgroups multiply the current one. It keeps ``producer_regs`` (None:
-    ``PRODUCER_REGS`` of the format) registers per thread and gives the rest to the compute warpgroups, and
-    loads the latent in ``producer_phases`` rounds (1 or 2; None: ``PRODUCER_PHASES`` of the format). None:
-    "registers" natively for one ``MlaRecord656`` list, else "tma" (interpret mode: "tma", whose emulation
-    blocks no third thread; the register producer's needs one CPU per warpgroup).
-    ``producer_coalesced`` (native register producer): each warp's loads read whole lines of two or four
-    records (``record_gather.produce_tile_coalesced``) instead of each thread reading half a record's row;
-    None = coalesced for one ``MlaRecord656`` list (V3.2's only form), half-row for V4's lists.
+    coalesced per-thread global loads, one software-pipelined loop that also prefetches the next block's
+    records into L2 (``pallas_kernels.record_gather.produce_tile``; GPU interpret mode emulates V3.2's with the
+    staged copies), so the next block is filled while the compute warpgroups multiply the current one. It keeps
+    ``producer_regs`` (None: ``PRODUCER_REGS`` of the format) registers per thread and gives the rest to the
+    compute warpgroups, and loads a block in ``producer_phases`` rounds (1, 2 or 4; None: ``PRODUCER_PHASES``
+    of the format). None: "registers" natively for fp8 records, else "tma" (interpret mode: "tma", whose
+    emulation blocks no third thread; the register producer's needs one CPU per warpgroup).
     ``producer_pow2``: the register producers' dequantisation without conversion instructions, exact only for
     power-of-two scales (``record_gather._DQ_POW2_ASM``); None = where the records' scales are ("ue8m0").
     Timings: docs/perf-log.md.
@@ -248,16 +244,15 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
         "pallas": lambda: _pallas(q, caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink,
                                   num_splits=num_splits, out_dtype=out_dtype, interpret=interpret,
                                   producer=producer, producer_regs=producer_regs,
-                                  producer_phases=producer_phases, producer_pow2=producer_pow2,
-                                  producer_coalesced=producer_coalesced)})
+                                  producer_phases=producer_phases, producer_pow2=producer_pow2)})
 
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
-            producer_regs=None, producer_phases=None, producer_pow2=None, producer_coalesced=None):
+            producer_regs=None, producer_phases=None, producer_pow2=None):
     if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
-    if producer_phases not in (None, 1, 2) and not (producer_coalesced and producer_phases == 4):
-        raise ValueError(f"producer_phases must be 1 or 2 (or 4 with producer_coalesced), got {producer_phases}")
+    if producer_phases not in (None, 1, 2, 4):
+        raise ValueError(f"producer_phases must be 1, 2 or 4, got {producer_phases}")
     if producer_regs is not None and not (isinstance(producer_regs, int) and 24 <= producer_regs <= 256
                                           and producer_regs % 8 == 0 and compute_regs(producer_regs) >= 24):
         raise ValueError(f"producer_regs must be a multiple of 8 in [24, 256] (got {producer_regs!r})")
@@ -289,21 +284,11 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
         raise ValueError('producer="registers" over MlaRecord584 caches is native only (GPU interpret mode '
                          "emulates V3.2's register producer alone)")
     if producer is None:
-        producer = "registers" if one_656 and not interpret else "tma"
-    if producer_coalesced is None:
-        producer_coalesced = producer == "registers" and one_656 and not interpret
-    if producer_coalesced is False and producer == "registers" and one_656 and not interpret:
-        raise ValueError("producer_coalesced=False: V3.2's register producer loads coalesced only (its half-row "
-                         "form was removed, docs/perf-log.md)")
-    if producer_coalesced and not (producer == "registers" and not interpret):
-        raise ValueError("producer_coalesced is the native register producer (one MlaRecord656 cache or one or two "
-                         "MlaRecord584 caches, "
-                         f'producer="registers", not interpret mode); got producer={producer!r}, {formats}')
-    form = (specs[0].kind, producer_coalesced)
+        producer = "registers" if (one_656 or v4_lists) and not interpret else "tma"
     if producer_phases is None:
-        producer_phases = PRODUCER_PHASES[form] if producer == "registers" else 2
+        producer_phases = PRODUCER_PHASES[specs[0].kind] if producer == "registers" else 1
     if producer_regs is None:  # (no producer warpgroup with "tma": 0, unused)
-        producer_regs = PRODUCER_REGS[form] if producer == "registers" else 0
+        producer_regs = PRODUCER_REGS[specs[0].kind] if producer == "registers" else 0
     hp = -(-h // HEAD_TILE) * HEAD_TILE
     qp = jnp.pad(q.astype(jnp.bfloat16), ((0, 0), (0, hp - h), (0, 0)))
     padded, list_blocks = [], []
@@ -326,8 +311,7 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                        has_sink=has_sink, n_splits=n_splits, bps=bps, out_dtype=jnp.dtype(out_dtype),
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
                        producer_phases=producer_phases,
-                       pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2,
-                       coalesced=producer_coalesced)
+                       pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2)
     # blocks of 64 candidates with at least one valid slot, per token, compacted to the front (the kernel
     # skips the rest: prefill tokens early in the sequence, short contexts, fully masked rows)
     live = jnp.any(slots_all.reshape(t, nb, BLOCK_K) >= 0, axis=-1)
@@ -360,12 +344,12 @@ def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -
 def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t: int, hp: int, dv: int,
                 scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype,
                 interpret: plgpu.InterpretGPUParams | None, producer: Producer = "tma",
-                producer_regs: int = 120, producer_phases: int = 1, pow2: bool = False, coalesced: bool = False):
+                producer_regs: int = 144, producer_phases: int = 1, pow2: bool = False):
     """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k and arrives on "full"[k % 2];
     the compute warpgroups wait on it, read the block's slots from its idx slot (written by the producer),
     compute as below and arrive on "free"[k % 2] after their PV, which the producer waits for before it refills
     that tile with block k + 2. No "ready" barrier and no staging rows natively. Natively the producer is one
-    software-pipelined loop (``record_gather.produce_tile_coalesced`` / ``produce_tile_584``) and "full" and "free"
+    software-pipelined loop (``record_gather.produce_tile``) and "full" and "free"
     are raw mbarriers in the idx buffer's third row (``record_gather.init_barriers``); interpret mode emulates
     it with the staged copies, the compute warpgroups' conversion and Pallas barriers."""
     reg = producer == "registers"
@@ -703,12 +687,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 lists = (tuple((list_start[i], specs[i].entries_per_page, specs[i].page_elems) for i in range(nc))
                          if kind == "mla584" else None)
                 operands = (blocks_ref.at[ti], slots_ref.at[ti])
-                if coalesced:
-                    record_gather.produce_tile_coalesced(*operands, tuple(cache_refs), k_s1, idx_s, b0, nblk,
-                                                         lists=lists, phases=producer_phases, pow2_scales=pow2)
-                else:
-                    record_gather.produce_tile_584(*operands, cache_refs, k_s1, idx_s, b0, nblk, lists=lists,
-                                                   phases=producer_phases)
+                record_gather.produce_tile(*operands, tuple(cache_refs), k_s1, idx_s, b0, nblk, lists=lists,
+                                           phases=producer_phases, pow2_scales=pow2)
                 return
             st, pb_s, sel_s = per_prod
             init_selection(sel_s)

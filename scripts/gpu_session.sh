@@ -242,12 +242,12 @@ case "$stage" in
   mqa-loops)
     # the register producer (one software-pipelined loop): each test group and each variant runs in its own
     # process, killed if it hangs, so that one hang hides nothing else
-    [ "${MQAL_TESTS:-1}" = 1 ] && for k in "bit_exact" "v32_register_producer" "v4_register"; do
+    [ "${MQAL_TESTS:-1}" = 1 ] && for k in "bit_exact" "v32_register_producer or v32_fp8" "v4_register or v4_window"; do
       timeout -s KILL ${MQAL_TEST_TIMEOUT:-90} python3 -m pytest -m gpu -q --tb=short -rfE -p no:cacheprovider \
         tests/test_kernel_sparse_mqa.py tests/test_kernel_record_gather.py -k "$k" >> "$OUT/gpu_mqa_loop_tests.log" 2>&1
       echo "mqa loop tests [$k] rc=$?"; tail -1 "$OUT/gpu_mqa_loop_tests.log"
     done
-    for v in ${MQAL_VARIANTS:-default registers_coalesced_p1r144 registers_coalesced_p1r152 registers_coalesced_p2r136}; do
+    for v in ${MQAL_VARIANTS:-default tma registers_p1r136 registers_p1r152}; do
       timeout -s KILL ${MQAL_TIMEOUT:-100} python3 scripts/diag/mqa_variants.py \
         --cases ${MQAL_CASES:-v32_decode_64 v32_decode_128 v32_prefill_4096} --variants $v \
         --out "$OUT/mqa_variants_loops_${v}_h200.json" >> "$OUT/mqa_variants_loops.log" 2>&1; echo "mqa variant $v rc=$?"

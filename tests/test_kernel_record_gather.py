@@ -97,7 +97,7 @@ def _k_tile_slot(row: int, col: int, cols: int = record_gather.K_COLS) -> tuple[
 
 @pytest.mark.parametrize("fmt", ["v32", "v4"])
 def test_coalesced_producer_lane_map(fmt):
-    """``produce_tile_coalesced``'s lane roles (``coalesced_lane``) for V3.2's and V4's records: the four warps
+    """``produce_tile``'s lane roles (``coalesced_lane``) for V3.2's and V4's records: the four warps
     write every 8-column unit of the block's 64 rows exactly once (NoPE chunk c holds columns 16 c .. 16 c + 15
     and takes the scale of group c // 8 (V3.2) or c // 4 (V4); V4's lanes past its 28 chunks store nothing); each load instruction of a warp reads 16 contiguous chunks of two rows (latent) or the 8
     rope chunks of four rows; and every quarter-warp of every shared store hits eight distinct 16-byte bank

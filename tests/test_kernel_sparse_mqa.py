@@ -192,14 +192,10 @@ def test_register_producer_bad_inputs():
     cache = _cache(fmt, 2, 576, rng)
     q, slots = jnp.zeros((1, 4, 576), jnp.bfloat16), jnp.zeros((1, 64), jnp.int32)
     for kw, msg in [(dict(producer="warp"), "producer must be"), (dict(producer="cluster"), "producer must be"),
-                    (dict(producer_phases=3), "producer_phases"), (dict(producer_phases=4), "producer_phases"),
-                    (dict(producer_regs=100), "producer_regs"), (dict(producer_regs=8), "producer_regs"),
-                    (dict(producer_coalesced=True), "producer_coalesced")]:  # interpret mode
+                    (dict(producer_phases=3), "producer_phases"), (dict(producer_phases=0), "producer_phases"),
+                    (dict(producer_regs=100), "producer_regs"), (dict(producer_regs=8), "producer_regs")]:
         with pytest.raises(ValueError, match=msg):
             mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.1, v_dim=512, interpret=True, **kw)
-    with pytest.raises(ValueError, match="producer_coalesced=False"):  # V3.2's register producer is coalesced
-        mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.1, v_dim=512, interpret=False, producer="registers",
-                       producer_coalesced=False)
     f4 = MlaRecord584(16)
     with pytest.raises(ValueError, match="native only"):  # interpret mode emulates V3.2's producer alone
         mqa.sparse_mqa(jnp.zeros((1, 4, 512), jnp.bfloat16), [_cache(f4, 2, 512, rng)], [f4], [slots],
@@ -235,14 +231,16 @@ def test_v4_window_compressed_sink(mode, num_splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("coalesced", [False, True])
+@pytest.mark.parametrize("producer", ["tma", "registers_p2"])
 @pytest.mark.parametrize("num_splits", [1, 2])
-def test_v4_register_producer(num_splits, coalesced):
-    """V4's register producer (``producer="registers"``, native only; also with ``producer_coalesced``): the two
-    MlaRecord584 lists of different pages per block, every block of the loop, the sink, a fully masked row."""
+def test_v4_register_producer(num_splits, producer):
+    """V4's producers natively beside the default register producer (``test_v4_window_compressed_sink``): the
+    TMA producer, and the register producer's loads in two rounds; the two MlaRecord584 lists of different
+    pages per block, every block of the loop, the sink, a fully masked row."""
     if not ON_GPU:
         pytest.skip("native only")
-    _v4_window_compressed(False, num_splits, producer="registers", producer_coalesced=coalesced)
+    kw = dict(producer="tma") if producer == "tma" else dict(producer="registers", producer_phases=2)
+    _v4_window_compressed(False, num_splits, **kw)
 
 
 def _v4_window_compressed(interpret, num_splits, **kw) -> None:
@@ -366,8 +364,8 @@ def test_v4_layer_attend(mode):
 # ----- lowering for the H200 without a GPU --------------------------------------------------------------------
 @pytest.mark.skipif(ON_GPU, reason="the native tests compile the kernel")
 @pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16", "v32_fp8_tma",
-                                  "v32_fp8_registers_p2", "v4_fp8_registers",
-                                  "v4_fp8_coalesced"])
+                                  "v32_fp8_registers_p2", "v4_fp8_tma",
+                                  "v4_fp8_registers_p2"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -383,10 +381,10 @@ def test_lowers_for_cuda(case):
     slots = [jax.ShapeDtypeStruct((t, k), jnp.int32) for k in lists]
     sink = jax.ShapeDtypeStruct((h,), jnp.float32) if case.startswith("v4") else None
     splits = 4 if "splits" in case else 1
-    # v32_fp8: the coalesced register producer (V3.2's default natively); v4_fp8: the TMA producer (V4's default)
-    kw = {"v32_fp8_tma": dict(producer="tma"), "v4_fp8_registers": dict(producer="registers"),
+    # v32_fp8 / v4_fp8: the register producer (the default natively for fp8 records)
+    kw = {"v32_fp8_tma": dict(producer="tma"), "v4_fp8_tma": dict(producer="tma"),
           "v32_fp8_registers_p2": dict(producer="registers", producer_phases=2),
-          "v4_fp8_coalesced": dict(producer="registers", producer_coalesced=True)}.get(case, {})
+          "v4_fp8_registers_p2": dict(producer="registers", producer_phases=2)}.get(case, {})
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,

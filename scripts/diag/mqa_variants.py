@@ -29,25 +29,14 @@ from pallas_kernels import sparse_mqa
 VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_splits=2),
             "splits4": dict(num_splits=4),
             # who fills the K tile: "tma" (the compute warpgroups, from bulk-copied rows) or "registers" (the
-            # default for V3.2 natively: a third warpgroup, one software-pipelined loop of per-thread loads)
+            # default for fp8 records natively: a third warpgroup, one software-pipelined loop of coalesced loads)
             "tma": dict(producer="tma"), "registers": dict(producer="registers"),
             "registers_splits1": dict(producer="registers", num_splits=1),  # V4 b64
             # the fp32 dequantisation (conversion instructions) where the default takes the power-of-two one
             "registers_f32": dict(producer="registers", producer_pow2=False),
-            # coalesced loads (each warp load reads whole lines of two or four records; V3.2's only register
-            # producer, one round of 96 words per lane and 136 registers; V4's "registers" loads half rows): rounds
-            # and registers
-            "registers_coalesced": dict(producer="registers", producer_coalesced=True),
-            "registers_coalesced_p2r136": dict(producer="registers", producer_coalesced=True, producer_phases=2,
-                                               producer_regs=136),
-            "registers_coalesced_p1r136": dict(producer="registers", producer_coalesced=True, producer_phases=1,
-                                               producer_regs=136),
-            "registers_coalesced_p1r144": dict(producer="registers", producer_coalesced=True, producer_phases=1,
-                                               producer_regs=144),
-            "registers_coalesced_p1r152": dict(producer="registers", producer_coalesced=True, producer_phases=1,
-                                               producer_regs=152),
-            "registers_coalesced_p4r80": dict(producer="registers", producer_coalesced=True, producer_phases=4,
-                                              producer_regs=80)}
+            # the register producer's rounds of loads (96 words per lane and block) and registers
+            **{f"registers_p{p}r{r}": dict(producer="registers", producer_phases=p, producer_regs=r)
+               for p, r in ((1, 136), (1, 144), (1, 152), (2, 136), (4, 80))}}
 
 
 def _case(name: str, quick: bool) -> dict:
