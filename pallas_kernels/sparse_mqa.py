@@ -18,9 +18,9 @@ token its own lists) are the same call: the kernel never looks at requests, only
 Kernel (``plgpu.kernel``, Lane lowering semantics, two compute warpgroups per CTA):
 - CTA = (token, tile of 64 heads, candidate split). Heads are padded to a multiple of 64 (wgmma needs
   M >= 64; padded heads get q = 0 and sink -inf, and are sliced away). Blocks of 64 candidates stream
-  through SMEM. A block whose 64 slots are all -1 is skipped: the wrapper lists each token's live blocks
-  first (a tiny XLA argsort over [T, K/64]), so prefill tokens early in the sequence, short contexts and
-  masked rows cost only their live blocks. ``num_splits`` cuts each token's live-block list into CTAs
+  through SMEM. Each list's blocks past its last valid slot are skipped (``_live_blocks``: one XLA reduction
+  over [T, K/64]), so prefill tokens early in the sequence, short contexts and masked rows cost only their
+  live blocks. ``num_splits`` cuts each token's list of blocks into CTAs
   (small decode batches need them to fill the GPU); their partial (acc, m, l) are merged in JAX with the
   sink (with one split the CTA normalises and writes the final rows itself).
 - Row gather: Hopper has no gather TMA, so every candidate row is one (V3.2, bf16 rows) or two (V4: data,
@@ -312,17 +312,34 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
                        producer_phases=producer_phases,
                        pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2)
-    # blocks of 64 candidates with at least one valid slot, per token, compacted to the front (the kernel
-    # skips the rest: prefill tokens early in the sequence, short contexts, fully masked rows)
-    live = jnp.any(slots_all.reshape(t, nb, BLOCK_K) >= 0, axis=-1)
-    n_live = jnp.sum(live, axis=1).astype(jnp.int32)
-    order = jnp.argsort(jnp.where(live, 0, 1), axis=1, stable=True).astype(jnp.int32)
+    order, n_live = _live_blocks(padded, list_blocks)
     outs = call(qp, slots_all, order, n_live, sink_p, *caches)
     if n_splits == 1:
         return outs[:, :h]
     o, m, l = outs
     return _combine(o[:, :, :h], m[:, :, :h], l[:, :, :h],
                     sink.astype(jnp.float32) if has_sink else None).astype(out_dtype)
+
+
+def _live_blocks(padded: Sequence[jax.Array], list_blocks: Sequence[int]) -> tuple[jax.Array, jax.Array]:
+    """Each token's blocks to compute: of every list, its blocks up to the last one with a valid slot, the
+    lists one after another. ([T, sum(list_blocks)] int32 block ids in the concatenated lists, positions past
+    the count any valid id; [T] int32 count.) Top-k lists end in -1, so this skips what matters (prefill
+    tokens early in the sequence, short contexts, fully masked rows) without a sort: one list's ids are a
+    constant and its count one reduction. A dead block inside a list's extent is computed, its weights 0."""
+    t = padded[0].shape[0]
+    nb = sum(list_blocks)
+    k = lax.broadcasted_iota(jnp.int32, (t, nb), 1)
+    order = k  # list 0 starts at position 0
+    pos = jnp.zeros((t, 1), jnp.int32)  # where list i starts in the token's sequence of blocks
+    start = 0  # where list i starts in the concatenated lists
+    for s, n in zip(padded, list_blocks):
+        live = jnp.any(s.reshape(t, n, BLOCK_K) >= 0, axis=-1)
+        ext = jnp.max(jnp.where(live, jnp.arange(1, n + 1, dtype=jnp.int32), 0), axis=1, keepdims=True)
+        if start:
+            order = jnp.where((k >= pos) & (k < pos + ext), start + k - pos, order)
+        pos, start = pos + ext, start + n
+    return order, pos[:, 0]
 
 
 def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -> jax.Array:
@@ -503,7 +520,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         q_s, k_s = q_s1.at[0], k_s1.at[0]  # [1, rows, dk]: index 0 statically (copies, dequantisation)
         pid = lax.axis_index("cta")
         gi, ti, si = pid % G, (pid // G) % t, pid // (G * t)
-        b0 = si * bps  # this split's first position in the token's list of live blocks
+        b0 = si * bps  # this split's first position in the token's list of blocks (``_live_blocks``)
         nblk = jnp.clip(nlive_ref[ti] - b0, 0, bps)
         wg = lax.axis_index("wg")
         if raw:  # every thread: the raw "full" / "free" mbarriers initialised, then the CTA in step

@@ -292,6 +292,32 @@ def test_all_masked_rows_give_zeros(mode):
         assert np.all(out == 0.0)
 
 
+def test_live_blocks():
+    """The wrapper's list of blocks per token (``_live_blocks``): every block up to each list's last one with a
+    valid slot, each once, list by list; a list's dead tail (and a fully masked list) costs nothing. Random
+    lists with dead tails, dead blocks inside and fully masked rows, against a numpy walk."""
+    rng = np.random.default_rng(4)
+    t, nbs = 9, (3, 5, 2)
+    lists = []
+    for n in nbs:
+        s = rng.integers(0, 1000, (t, n * mqa.BLOCK_K)).astype(np.int32)
+        for r in range(t):  # a dead tail of random length, then random dead blocks before it
+            s[r, rng.integers(0, n + 1) * mqa.BLOCK_K:] = -1
+            s[r, rng.integers(0, n) * mqa.BLOCK_K:][:mqa.BLOCK_K] = -1
+        s[rng.random((t, n * mqa.BLOCK_K)) < 0.3] = -1
+        lists.append(s)
+    lists[1][4] = -1
+    order, count = map(np.asarray, mqa._live_blocks([jnp.asarray(s) for s in lists], nbs))
+    assert order.shape == (t, sum(nbs)) and order.dtype == np.int32 and 0 <= order.min() and order.max() < sum(nbs)
+    for r in range(t):
+        want, start = [], 0
+        for s, n in zip(lists, nbs):
+            live = [b for b in range(n) if (s[r, b * mqa.BLOCK_K:(b + 1) * mqa.BLOCK_K] >= 0).any()]
+            want += [start + b for b in range(max(live) + 1)] if live else []
+            start += n
+        assert count[r] == len(want) and order[r, :count[r]].tolist() == want
+
+
 def test_supports_and_fallback_formats():
     assert mqa.supports([MlaRecord656(64)], 512)
     assert mqa.supports([MlaRecord584(256), MlaRecord584(64)], 512)
