@@ -23,6 +23,8 @@
 #   scripts/gpu_session.sh ncu-mqa       # issue 20: Nsight Compute (full set) on the sparse MQA, V3.2 and V4 decode at batch 64
 #   scripts/gpu_session.sh mqa-variants  # issue 20: sparse MQA native tests, its switches on the GPU timeline, ncu of the default
 #   scripts/gpu_session.sh mqa-loops     # issue 20: the register producer's native tests, then its switch sets timed
+#   scripts/gpu_session.sh mqa-refresh   # issue 20: every native MQA test, the defaults (V3.2, V4) and V4's splits timed
+#   scripts/gpu_session.sh mqa-rows      # issue 20: the MQA's wall-clock rows beside XLA, the 8-layer V3.2 fused step
 #   scripts/gpu_session.sh ncu-fp4sweep  # issue 22: FP4 grouped decode calls x variants (bf16 / e4m3 x), exact kernel durations (ncu)
 #   scripts/gpu_session.sh hostprofile   # issue 16: one step's GPU timeline (8 layers, 8 segments), TTFT's readback
 #   scripts/gpu_session.sh probe         # host cost of a captured step: preparation vs dispatch, graphs vs none
@@ -260,6 +262,28 @@ case "$stage" in
     ncu -i /tmp/mqa_loop.ncu-rep --page details > "$OUT/mqa_v32_b64_loop_details.txt" 2>&1
     ncu -i /tmp/mqa_loop.ncu-rep --page source --csv --print-source sass > "$OUT/mqa_v32_b64_loop_sass.csv" 2>&1
     python3 scripts/diag/ncu_sass_regions.py "$OUT/mqa_v32_b64_loop_sass.csv" --top 15 | tee "$OUT/mqa_v32_b64_loop_regions.txt" | head -60
+    ;;
+  mqa-refresh)
+    # twentieth session's MQA (the coalesced register producer as V3.2's and V4's default, the sort-free block
+    # listing): every native MQA / record-gather test, then the defaults and V4's splits on the GPU timeline
+    timeout -s INT ${MQAR_TEST_TIMEOUT:-180} python3 -m pytest -m gpu -q --tb=short -rfE -p no:cacheprovider \
+      tests/test_kernel_sparse_mqa.py tests/test_kernel_record_gather.py > "$OUT/gpu_mqa_tests.log" 2>&1
+    echo "mqa tests rc=$?"; tail -1 "$OUT/gpu_mqa_tests.log"
+    timeout -s KILL ${MQAR_TIMEOUT:-180} python3 scripts/diag/mqa_variants.py --cases v32_decode_64 v32_decode_128 \
+      v32_prefill_4096 v32u_decode_64 v4_decode_64 v4_prefill_4096 --variants default \
+      --out "$OUT/mqa_variants_default_h200.json" > "$OUT/mqa_refresh.log" 2>&1; echo "mqa default rc=$?"
+    timeout -s KILL ${MQAR_TIMEOUT:-180} python3 scripts/diag/mqa_variants.py --cases v4_decode_64 \
+      --variants default splits1 splits4 tma --out "$OUT/mqa_variants_v4_splits_h200.json" >> "$OUT/mqa_refresh.log" 2>&1
+    echo "mqa v4 splits rc=$?"
+    grep '^{' "$OUT/mqa_refresh.log" | python3 -c 'import json, sys; [print(r["case"], r["variant"], r.get("profile_span_us"), r.get("profile_kernels"), r.get("tflops"), r.get("max_abs_err"), r.get("error", "")[:200]) for r in map(json.loads, sys.stdin)]'
+    ;;
+  mqa-rows)
+    # the MQA's wall-clock rows beside XLA (BENCHMARKS' kernels_sparse_mqa), then the 8-layer V3.2 step with them
+    timeout ${MQAR_KERNELS_TIMEOUT:-270} python3 -m jds.bench.kernels --only sparse_mqa --cases v32_decode_64 \
+      v32_decode_128 v32_prefill_4096 v4_decode_64 v4_prefill_4096 --out "$OUT/kernels_sparse_mqa_h200.json" \
+      > "$OUT/mqa_rows.log" 2>&1; echo "mqa rows rc=$?"; tail -8 "$OUT/mqa_rows.log"
+    timeout ${BOUNDARY_TIMEOUT:-270} python3 -m jds.bench.boundary --arch v32 --layers 8 --modes fused \
+      --out "$OUT/boundary_v32_fused_h200.json" >> "$OUT/mqa_rows.log" 2>&1; echo "boundary rc=$?"; tail -8 "$OUT/mqa_rows.log"
     ;;
   ncu-fp4sweep)
     # the e4m3-x route ({"x_fp8": true}: x quantised outside the profiled call, as the V4 MoE's); its kernel is
