@@ -32,6 +32,8 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             # default for fp8 records natively: a third warpgroup, one software-pipelined loop of coalesced loads)
             "tma": dict(producer="tma"), "registers": dict(producer="registers"),
             "registers_splits1": dict(producer="registers", num_splits=1),  # V4 b64
+            # the next block's QK issued behind the PV, one wgmma wait per block (native register producer)
+            "overlap": dict(consumer_overlap=True),
             # the fp32 dequantisation (conversion instructions) where the default takes the power-of-two one
             "registers_f32": dict(producer="registers", producer_pow2=False),
             # the register producer's rounds of loads (96 words per lane and block) and registers
