@@ -8,10 +8,9 @@ dequantises the values in registers and stores the bf16 rows straight into the M
 semantics has no per-thread address, so the body is Mosaic GPU code inside ``plgpu.inline_mgpu``: each
 thread's addresses come from its thread index and the block's slots.
 
-``dequant_blocks`` (the bit-exact check of the dequantisation, and ``scripts/diag/gather_probe.py``) maps
-threads to half rows of V3.2's records:
-- Thread t of the warpgroup serves row t // 2: latent columns 256 (t % 2) .. + 255 with its record's scales
-  2 (t % 2) and 2 (t % 2) + 1, and rope values 32 (t % 2) .. + 31.
+- ``dequant_blocks`` (the bit-exact check of the dequantisation, and ``scripts/diag/gather_probe.py``) maps
+  threads to half rows of V3.2's records: thread t of the warpgroup serves row t // 2, latent columns
+  256 (t % 2) .. + 255 with its record's scales 2 (t % 2) and 2 (t % 2) + 1, and rope values 32 (t % 2) .. + 31.
 - e4m3 -> bf16: ``cvt.rn.f16x2.e4m3x2`` (exact), float32 multiply by the scale, ``cvt.rn.bf16x2.f32``: the
   same values as ``MlaRecord656.unpack`` (checked bit for bit on the H200 by ``scripts/diag/gather_probe.py
   --dequant``, benchmarks/results/archive/gather_probe_h200_2026-12-02.json).
@@ -25,7 +24,7 @@ threads to half rows of V3.2's records:
   chain. Its barriers are raw PTX mbarriers in a shared int32 row (``init_barriers``, ``wait_full``,
   ``arrive_free``), waited with CTA-scope acquire (a cluster-scope acquire costs an L1 invalidation after
   every wait). Its loads are coalesced (``coalesced_lane``): a warp serves 16 rows and each load instruction
-  reads whole lines of two or four records. The half-row mapping above saturated L1/TEX inside the loop
+  reads whole lines of two or four records. The half-row mapping of ``dequant_blocks`` saturated L1/TEX inside the loop
   (sectors half used, 14-way shared store conflicts); its loops for both formats lost to this one and were
   removed, as was a 2-CTA cluster form (docs/perf-log.md, nineteenth and twentieth sessions).
 
