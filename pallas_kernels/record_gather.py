@@ -344,15 +344,17 @@ def wait_full(bar_ref, parity) -> None:
 
 
 class _Loop:
-    """What both software-pipelined producer loops share (inside their ``inline_mgpu`` body): this token's live
-    block ids and slots (GMEM int32 rows), the cache, the K tiles and the idx buffer (slot rows 0 / 1, raw
-    mbarriers in row 2: "full" at +0 / +8, "free" at +16 / +24), and the loop itself."""
+    """What the software-pipelined producer loop needs (inside its ``inline_mgpu`` body): this token's block ids
+    and each list's slots (GMEM int32 rows; list i's blocks start at ``starts[i]`` in the block ids), the first
+    cache, the K tiles and the idx buffer (slot rows 0 / 1, raw mbarriers in row 2: "full" at +0 / +8, "free"
+    at +16 / +24), and the loop itself."""
 
-    def __init__(self, e: _Emit, blocks, slots, cache, k, idx, first, n):
+    def __init__(self, e: _Emit, blocks, slots, starts, cache, k, idx, first, n):
         arith, c32 = e.arith, e.c32
-        self.e, self.first, self.n = e, first, n
+        self.e, self.first, self.n, self.starts = e, first, n, starts
         self.tid = arith.remui(e.mu.thread_idx(), c32(128))
-        self.blocks, self.slots, self.cache = e.gmem_addr(blocks), e.gmem_addr(slots), e.gmem_addr(cache)
+        self.blocks, self.cache = e.gmem_addr(blocks), e.gmem_addr(cache)
+        self.slots = [e.gmem_addr(x) for x in slots]
         self.last = arith.maxsi(arith.subi(n, c32(1)), c32(0))
         self.k_base, self.idx_base = e.smem_addr(k), e.smem_addr(idx)
         self.full0 = arith.addi(self.idx_base, c32(2 * BLOCK * 4))
@@ -365,8 +367,13 @@ class _Loop:
     def block_of(self, kk):  # the k-th live block's id (past the end: the last one again, a harmless re-read)
         return self.ld_at(self.blocks, self.e.arith.addi(self.first, self.e.arith.minsi(kk, self.last)))
 
-    def slot_of(self, blk, r):
-        return self.ld_at(self.slots, self.e.arith.addi(self.e.arith.muli(blk, self.e.c32(BLOCK)), r))
+    def slot_of(self, blk, r):  # slot r of block blk (in the concatenated lists): one of its list's slot rows
+        arith, c32 = self.e.arith, self.e.c32
+        base, local = self.slots[0], blk
+        for x, start in zip(self.slots[1:], self.starts[1:]):
+            there = arith.cmpi(arith.CmpIPredicate.sge, blk, c32(start))
+            base, local = arith.select(there, x, base), arith.select(there, arith.subi(blk, c32(start)), local)
+        return self.ld_at(base, arith.addi(arith.muli(local, c32(BLOCK)), r))
 
     def record(self, raw):  # a masked slot (< 0) reads record 0, as the pure-JAX path does
         e = self.e
@@ -409,18 +416,20 @@ class _Loop:
 
 
 
-def _lists_loop(nc: int, emit):
-    """A producer loop's ``inline_mgpu`` over (blocks, slots, ``nc`` caches, K tiles, idx, b0, n), its body
-    ``emit(e, lp, bases)`` with the caches' GMEM addresses (``_Loop`` reads the first as its cache)."""
-    types = ((plgpu.RefType(), plgpu.RefType()) + (plgpu.RefType(),) * nc
+def _lists_loop(starts: tuple[int, ...], emit):
+    """A producer loop's ``inline_mgpu`` over (blocks, a slot row per list, a cache per list, K tiles, idx, b0,
+    n), list i's blocks starting at ``starts[i]``; its body ``emit(e, lp, bases)`` with the caches' GMEM
+    addresses (``_Loop`` reads the first as its cache)."""
+    nc = len(starts)
+    types = ((plgpu.RefType(),) + (plgpu.RefType(),) * (2 * nc)
              + (plgpu.RefType(K_TILE_TRANSFORMS), plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=()),
                 plgpu.Layout.WG_SPLAT(shape=())))
 
     @plgpu.inline_mgpu(arg_types=types)
-    def produce(_, blocks, slots, *rest):
-        caches, (k, idx, b0_fa, n_fa) = rest[:nc], rest[nc:]
+    def produce(_, blocks, *rest):
+        slots, caches, (k, idx, b0_fa, n_fa) = rest[:nc], rest[nc:2 * nc], rest[2 * nc:]
         e = _Emit()
-        lp = _Loop(e, blocks, slots, caches[0], k, idx, b0_fa.registers.item(), n_fa.registers.item())
+        lp = _Loop(e, blocks, slots, starts, caches[0], k, idx, b0_fa.registers.item(), n_fa.registers.item())
         emit(e, lp, [e.gmem_addr(c) for c in caches])
 
     return produce
@@ -481,13 +490,13 @@ def coalesced_lane(lane: int) -> dict[str, int]:
             "rope_row": (lane & 1) + 2 * (lane >> 4), "rc": (lane >> 1) & 7}
 
 
-def produce_tile(blocks_ref, slots_ref, cache_refs, k_ref, idx_ref, b0, nblk, *, lists=None, phases: int = 1,
+def produce_tile(blocks_ref, slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *, lists=None, phases: int = 1,
                  pow2_scales: bool = False) -> None:
     """The producer loop of a single CTA (one warpgroup, all 128 threads) for one ``MlaRecord656`` cache
     (``lists=None``) or one or two ``MlaRecord584`` caches (window, compressed; ``lists[i]`` = (the list's
     first block in the concatenated lists, entries per page, page bytes)). For k < ``nblk``: block
-    ``blocks_ref[b0 + k]`` (GMEM int32, this token's live blocks) of ``slots_ref`` (GMEM int32, 64 slots per
-    block) into K tile k % 2 of ``k_ref`` (SMEM [2, 64, cols] bf16, ``K_TILE_TRANSFORMS``), its raw slots into
+    ``blocks_ref[b0 + k]`` (GMEM int32, this token's block ids in the concatenated lists) of ``slots_refs``
+    (GMEM int32, a row per list, 64 slots per block) into K tile k % 2 of ``k_ref`` (SMEM [2, 64, cols] bf16, ``K_TILE_TRANSFORMS``), its raw slots into
     ``idx_ref`` row k % 2 (SMEM int32 [3, 64]; row 2: the raw mbarriers of ``init_barriers``).
 
     Coalesced loads (``coalesced_lane``): each load instruction of a warp reads whole 128-byte lines of two
@@ -616,4 +625,7 @@ def produce_tile(blocks_ref, slots_ref, cache_refs, k_ref, idx_ref, b0, nblk, *,
         blk0, blk1, blk2 = lp.block_of(c32(0)), lp.block_of(c32(1)), lp.block_of(c32(2))
         lp.run([lp.slot_of(blk0, my_row), blk0, lp.slot_of(blk1, my_row), blk1, blk2], body)
 
-    _lists_loop(nc, emit)(blocks_ref, slots_ref, *cache_refs, k_ref, idx_ref, b0, nblk)
+    if len(slots_refs) != nc:
+        raise ValueError(f"a slot row per list: got {len(slots_refs)} slot rows for {nc} caches")
+    starts = (0,) if lists is None else tuple(x[0] for x in lists)
+    _lists_loop(starts, emit)(blocks_ref, *slots_refs, *cache_refs, k_ref, idx_ref, b0, nblk)

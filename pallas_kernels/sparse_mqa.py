@@ -304,7 +304,6 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
         kp = max(BLOCK_K, -(-k // BLOCK_K) * BLOCK_K)
         padded.append(jnp.pad(s.astype(jnp.int32), ((0, 0), (0, kp - k)), constant_values=-1))
         list_blocks.append(kp // BLOCK_K)
-    slots_all = jnp.concatenate(padded, axis=1) if len(padded) > 1 else padded[0]
     nb = sum(list_blocks)
     g = hp // HEAD_TILE
     if num_splits is None:
@@ -321,7 +320,7 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                        pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2,
                        overlap=bool(consumer_overlap))
     order, n_live = _live_blocks(padded, list_blocks)
-    outs = call(qp, slots_all, order, n_live, sink_p, *caches)
+    outs = call(qp, *padded, order, n_live, sink_p, *caches)  # the lists' slots apart: no concatenated copy
     if n_splits == 1:
         return outs[:, :h]
     o, m, l = outs
@@ -507,7 +506,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         pe = lax.bitcast_convert_type(lax.shift_left(u16, 16), jnp.float32)
         k_s[:, pl.ds(64 * rope_chunk, 64)] = pe.astype(jnp.bfloat16)
 
-    def kernel(q_ref, slots_ref, blocks_ref, nlive_ref, sink_ref, *rest):
+    def kernel(q_ref, *rest):
+        slots_refs, (blocks_ref, nlive_ref, sink_ref), rest = rest[:nc], rest[nc:nc + 3], rest[nc + 3:]
         cache_refs = rest[:nc]
         if n_splits == 1:
             (o_ref,), scratch = rest[nc:nc + 1], rest[nc + 1:]
@@ -546,8 +546,18 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             return blocks_ref[ti, b0 + k]
 
         def idx_copy(k, islot):
-            start = pl.multiple_of(block_id(k) * BK, BK)
-            plgpu.copy_gmem_to_smem(slots_ref.at[ti, pl.ds(start, BK)], idx_s.at[islot], bar_i.at[islot])
+            gb = block_id(k)
+
+            def one_list(ci):
+                start = pl.multiple_of((gb - list_start[ci]) * BK, BK)
+                plgpu.copy_gmem_to_smem(slots_refs[ci].at[ti, pl.ds(start, BK)], idx_s.at[islot], bar_i.at[islot])
+
+            if nc == 1:
+                one_list(0)
+            else:
+                for ci in range(nc):
+                    lo, hi = list_start[ci], list_start[ci] + list_blocks[ci]
+                    pl.when((gb >= lo) & (gb < hi))(functools.partial(one_list, ci))
 
         def run(w):
             latent = [c for c in wg_chunks[w] if not (fp8 and c == nch - 1)]  # chunks converted in registers
@@ -754,7 +764,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 plgpu.set_max_registers(producer_regs, action="decrease")
                 lists = (tuple((list_start[i], specs[i].entries_per_page, specs[i].page_elems) for i in range(nc))
                          if kind == "mla584" else None)
-                operands = (blocks_ref.at[ti], slots_ref.at[ti])
+                operands = (blocks_ref.at[ti], tuple(x.at[ti] for x in slots_refs))
                 record_gather.produce_tile(*operands, tuple(cache_refs), k_s1, idx_s, b0, nblk, lists=lists,
                                            phases=producer_phases, pow2_scales=pow2)
                 return
