@@ -182,74 +182,45 @@ class _Emit:
     def ld32(self, addr):
         return self.asm("ld.global.nc.u32 $0, [$1];", [addr], "=r,l", 1)[0]
 
-    def store_slot(self, idx_ref, row, raw, pred) -> None:
-        """The raw slot into ``idx_ref[row]`` where ``pred`` (i32, nonzero) holds."""
-        self.store_slot_at(self.smem_addr(idx_ref), row, raw, pred)
-
     def store_slot_at(self, base, row, raw, pred) -> None:
+        """The raw slot into int32 ``row`` of the shared buffer at ``base`` where ``pred`` (i32, nonzero) holds."""
         addr = self.arith.addi(base, self.arith.muli(row, self.c32(4)))
         self.asm("{ .reg .pred p; setp.ne.u32 p, $2, 0; @p st.shared.u32 [$0], $1; }", [addr, raw, pred], "r,r,r")
 
 
-def _half_row_656(e: _Emit, rec, half, *, phases: int, pow2: bool, after_first_loads) -> None:
-    """Half ``half`` (0 / 1) of the record at ``rec`` into its K tile row (two threads per row): the scales, the
-    rope values and the first round of latent loads (one asm statement each), then ``after_first_loads()`` ->
-    (row address, swizzle), whatever must sit between those loads and the first store, then each round
-    converted and stored."""
-    arith, c32, c64 = e.arith, e.c32, e.c64
-    half64 = arith.extui(e.i64, half)
-    first_half = arith.cmpi(arith.CmpIPredicate.eq, half, c32(0))
-    per = 16 // phases
-    scales = e.loads(arith.addi(rec, c64(LATENT)), [0])[0]
-    rope = e.loads(arith.addi(rec, arith.addi(arith.muli(half64, c64(64)), c64(LATENT + 16))), [0, 16, 32, 48])
-    lat0 = arith.addi(rec, arith.muli(half64, c64(256)))  # this thread's first latent byte
-    lat = e.loads(lat0, [16 * i for i in range(per)])
-    row_base, sw = after_first_loads()
-    if pow2:
-        scales = [e.pow2_scale(w) for w in scales]
-    col_lat = arith.muli(half, c32(256))
-    for p in range(phases):  # every load of a round first (one asm statement), then convert and store
-        if p:
-            lat = e.loads(lat0, [16 * i for i in range(p * per, (p + 1) * per)])
-        for n, i in enumerate(range(p * per, (p + 1) * per)):
-            words = e.dequant(lat[n], arith.select(first_half, scales[i // 8], scales[2 + i // 8]), pow2)
-            e.store16(e.k_addr(row_base, sw, col_lat, 16 * i), words[:4])
-            e.store16(e.k_addr(row_base, sw, col_lat, 16 * i + 8), words[4:])
-    col_rope = arith.addi(c32(LATENT), arith.muli(half, c32(32)))
-    for q in range(4):
-        e.store16(e.k_addr(row_base, sw, col_rope, 8 * q), rope[q])
-
-
-def fill_k_tile_656(slots_ref, cache_ref, k_ref, idx_ref=None, *, phases: int = 1,
-                    pow2_scales: bool = False) -> None:
+def fill_k_tile_656(slots_ref, cache_ref, k_ref, *, pow2_scales: bool = False) -> None:
     """From one warpgroup (all 128 threads): the bf16 K rows of the 64 records ``slots_ref`` (GMEM int32 [64])
     of ``cache_ref`` (GMEM uint8, records at slot * 656) into ``k_ref`` (SMEM [64, 576] bf16 with
-    ``K_TILE_TRANSFORMS``); with ``idx_ref`` (SMEM int32 [64]) also the raw slots, for the consumers' mask.
-    ``phases``: the latent's loads in that many rounds (1: every load of a thread in flight at once, 84
-    registers of data; 2 or 4: a half or a quarter of them per round, for a smaller register budget).
-    ``pow2_scales``: the records' scales
-    are powers of two (``MlaRecord656(scale_fmt="ue8m0")``), dequantised without conversion instructions
-    (``_DQ_POW2_ASM``; the same bits). The caller makes the stores visible (``plgpu.commit_smem``) and
-    synchronises."""
-    if phases not in (1, 2, 4):
-        raise ValueError(f"phases must be 1, 2 or 4, got {phases}")
-    has_idx = idx_ref is not None
-    refs = (slots_ref, cache_ref, k_ref) + ((idx_ref,) if has_idx else ())
-    types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(K_TILE_TRANSFORMS)) + (plgpu.RefType(),) * has_idx
+    ``K_TILE_TRANSFORMS``), two threads per row (the module docstring), every load of a thread in flight at
+    once. ``pow2_scales``: the records' scales are powers of two (``MlaRecord656(scale_fmt="ue8m0")``),
+    dequantised without conversion instructions (``_DQ_POW2_ASM``; the same bits). The caller makes the
+    stores visible (``plgpu.commit_smem``) and synchronises."""
 
-    @plgpu.inline_mgpu(arg_types=types)
-    def fill(_, slots, cache, k, *extra):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(K_TILE_TRANSFORMS)))
+    def fill(_, slots, cache, k):
         e = _Emit()
-        arith, c32 = e.arith, e.c32
+        arith, c32, c64 = e.arith, e.c32, e.c64
         tid = arith.remui(e.mu.thread_idx(), c32(128))  # the thread in its warpgroup
         row, half = arith.divui(tid, c32(2)), arith.remui(tid, c32(2))
-        raw, rec = e.slot_record(slots, cache, row)
+        _, rec = e.slot_record(slots, cache, row)
         row_base, sw = e.k_row(e.smem_addr(k), row)
-        if has_idx:  # the raw slot (-1 kept) for the consumers' validity mask: one thread per row
-            e.store_slot(extra[0], row, raw, arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.eq, half, c32(0))))
-        _half_row_656(e, rec, half, phases=phases, pow2=pow2_scales, after_first_loads=lambda: (row_base, sw))
+        half64 = arith.extui(e.i64, half)
+        first_half = arith.cmpi(arith.CmpIPredicate.eq, half, c32(0))
+        scales = e.loads(arith.addi(rec, c64(LATENT)), [0])[0]
+        rope = e.loads(arith.addi(rec, arith.addi(arith.muli(half64, c64(64)), c64(LATENT + 16))), [0, 16, 32, 48])
+        lat = e.loads(arith.addi(rec, arith.muli(half64, c64(256))), [16 * i for i in range(16)])
+        if pow2_scales:
+            scales = [e.pow2_scale(w) for w in scales]
+        col_lat = arith.muli(half, c32(256))
+        for i in range(16):
+            words = e.dequant(lat[i], arith.select(first_half, scales[i // 8], scales[2 + i // 8]), pow2_scales)
+            e.store16(e.k_addr(row_base, sw, col_lat, 16 * i), words[:4])
+            e.store16(e.k_addr(row_base, sw, col_lat, 16 * i + 8), words[4:])
+        col_rope = arith.addi(c32(LATENT), arith.muli(half, c32(32)))
+        for q in range(4):
+            e.store16(e.k_addr(row_base, sw, col_rope, 8 * q), rope[q])
 
-    fill(*refs)
+    fill(slots_ref, cache_ref, k_ref)
 
 
 @functools.lru_cache(maxsize=None)
@@ -496,8 +467,9 @@ def produce_tile(blocks_ref, slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *
     (``lists=None``) or one or two ``MlaRecord584`` caches (window, compressed; ``lists[i]`` = (the list's
     first block in the concatenated lists, entries per page, page bytes)). For k < ``nblk``: block
     ``blocks_ref[b0 + k]`` (GMEM int32, this token's block ids in the concatenated lists) of ``slots_refs``
-    (GMEM int32, a row per list, 64 slots per block) into K tile k % 2 of ``k_ref`` (SMEM [2, 64, cols] bf16, ``K_TILE_TRANSFORMS``), its raw slots into
-    ``idx_ref`` row k % 2 (SMEM int32 [3, 64]; row 2: the raw mbarriers of ``init_barriers``).
+    (GMEM int32, a row per list, 64 slots per block) into K tile k % 2 of ``k_ref`` (SMEM [2, 64, cols] bf16,
+    ``K_TILE_TRANSFORMS``), its raw slots into ``idx_ref`` row k % 2 (SMEM int32 [3, 64]; row 2: the raw
+    mbarriers of ``init_barriers``).
 
     Coalesced loads (``coalesced_lane``): each load instruction of a warp reads whole 128-byte lines of two
     (NoPE) or four (rope) records. A warp serves 16 rows; a lane holds its row's slot (lane % 16) and gets the

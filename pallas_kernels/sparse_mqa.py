@@ -138,9 +138,10 @@ NUM_SMS = 132  # H100/H200; only steers the automatic num_splits
 MIN_BLOCKS_PER_SPLIT = 2
 LOG2E = 1.4426950408889634
 # producer="registers": the producer warpgroup's registers per thread (the rest: compute) and its rounds of
-# loads (96 words per lane and block in all), per record kind: one round, which needs more than 128 registers.
+# loads (96 words per lane and block in all): one round for both record kinds, which needs more than 128
+# registers.
 PRODUCER_REGS = {"mla656": 144, "mla584": 136}
-PRODUCER_PHASES = {"mla656": 1, "mla584": 1}
+PRODUCER_PHASES = 1
 
 
 def compute_regs(producer_regs: int) -> int:
@@ -228,9 +229,9 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     records into L2 (``pallas_kernels.record_gather.produce_tile``; GPU interpret mode emulates V3.2's with the
     staged copies), so the next block is filled while the compute warpgroups multiply the current one. It keeps
     ``producer_regs`` (None: ``PRODUCER_REGS`` of the format) registers per thread and gives the rest to the
-    compute warpgroups, and loads a block in ``producer_phases`` rounds (1, 2 or 4; None: ``PRODUCER_PHASES``
-    of the format). None: "registers" natively for fp8 records, else "tma" (interpret mode: "tma", whose
-    emulation blocks no third thread; the register producer's needs one CPU per warpgroup).
+    compute warpgroups, and loads a block in ``producer_phases`` rounds (1, 2 or 4; None: ``PRODUCER_PHASES``).
+    None: "registers" natively for fp8 records, else "tma" (interpret mode: "tma", whose emulation blocks no
+    third thread; the register producer's needs one CPU per warpgroup).
     ``producer_pow2``: the register producers' dequantisation without conversion instructions, exact only for
     power-of-two scales (``record_gather._DQ_POW2_ASM``); None = where the records' scales are ("ue8m0").
     ``consumer_overlap`` (native register producer): the compute warpgroups issue block k + 1's QK right behind
@@ -293,7 +294,7 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
         raise ValueError("consumer_overlap needs the native register producer (fp8 records, not interpret mode); "
                          f"got producer={producer!r}, interpret={bool(interpret)}")
     if producer_phases is None:
-        producer_phases = PRODUCER_PHASES[specs[0].kind] if producer == "registers" else 1
+        producer_phases = PRODUCER_PHASES
     if producer_regs is None:  # (no producer warpgroup with "tma": 0, unused)
         producer_regs = PRODUCER_REGS[specs[0].kind] if producer == "registers" else 0
     hp = -(-h // HEAD_TILE) * HEAD_TILE
