@@ -212,7 +212,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                out_dtype: jnp.dtype = jnp.float32,
                interpret: bool | plgpu.InterpretGPUParams | None = None, producer: Producer | None = None,
                producer_regs: int | None = None, producer_phases: int | None = None,
-               producer_pow2: bool | None = None, consumer_overlap: bool = False) -> jax.Array:
+               producer_pow2: bool | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype).
@@ -234,9 +234,6 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     third thread; the register producer's needs one CPU per warpgroup).
     ``producer_pow2``: the register producers' dequantisation without conversion instructions, exact only for
     power-of-two scales (``record_gather._DQ_POW2_ASM``); None = where the records' scales are ("ue8m0").
-    ``consumer_overlap`` (native register producer): the compute warpgroups issue block k + 1's QK right behind
-    block k's PV and wait for both at once (one wgmma wait per block instead of two), holding the next block's
-    S ([64, 32] fp32 per warpgroup) across the softmax. Opt-in until measured.
     Timings: docs/perf-log.md.
     """
     caches, formats, slots = tuple(caches), tuple(formats), tuple(slots)
@@ -248,12 +245,11 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
         "pallas": lambda: _pallas(q, caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink,
                                   num_splits=num_splits, out_dtype=out_dtype, interpret=interpret,
                                   producer=producer, producer_regs=producer_regs,
-                                  producer_phases=producer_phases, producer_pow2=producer_pow2,
-                                  consumer_overlap=consumer_overlap)})
+                                  producer_phases=producer_phases, producer_pow2=producer_pow2)})
 
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
-            producer_regs=None, producer_phases=None, producer_pow2=None, consumer_overlap=False):
+            producer_regs=None, producer_phases=None, producer_pow2=None):
     if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
     if producer_phases not in (None, 1, 2, 4):
@@ -290,9 +286,6 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                          "emulates V3.2's register producer alone)")
     if producer is None:
         producer = "registers" if (one_656 or v4_lists) and not interpret else "tma"
-    if consumer_overlap and not (producer == "registers" and not interpret):
-        raise ValueError("consumer_overlap needs the native register producer (fp8 records, not interpret mode); "
-                         f"got producer={producer!r}, interpret={bool(interpret)}")
     if producer_phases is None:
         producer_phases = PRODUCER_PHASES
     if producer_regs is None:  # (no producer warpgroup with "tma": 0, unused)
@@ -318,8 +311,7 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                        has_sink=has_sink, n_splits=n_splits, bps=bps, out_dtype=jnp.dtype(out_dtype),
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
                        producer_phases=producer_phases,
-                       pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2,
-                       overlap=bool(consumer_overlap))
+                       pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2)
     order, n_live = _live_blocks(padded, list_blocks)
     outs = call(qp, *padded, order, n_live, sink_p, *caches)  # the lists' slots apart: no concatenated copy
     if n_splits == 1:
@@ -369,7 +361,7 @@ def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -
 def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t: int, hp: int, dv: int,
                 scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype,
                 interpret: plgpu.InterpretGPUParams | None, producer: Producer = "tma",
-                producer_regs: int = 144, producer_phases: int = 1, pow2: bool = False, overlap: bool = False):
+                producer_regs: int = 144, producer_phases: int = 1, pow2: bool = False):
     """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k and arrives on "full"[k % 2];
     the compute warpgroups wait on it, read the block's slots from its idx slot (written by the producer),
     compute as below and arrive on "free"[k % 2] after their PV, which the producer waits for before it refills
@@ -611,40 +603,17 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
 
             own = pl.ds(w * HALF, HALF)  # this warpgroup's candidates
 
-            def wait_full(k):  # the producer filled K tile k % 2 with block k (raw mbarriers)
-                record_gather.wait_full(idx_s.at[2, pl.ds(2 * (k % 2), 2)], (k // 2) % 2)
-
-            def zero_of(k):
-                """The wgmma operands go through a zero the compiler cannot fold (block ids < 2^20, checked when
-                built): their descriptors are rebuilt where used, not held across the loop."""
-                return lax.shift_right_logical(block_id(k), 20)
-
-            def s_init():
-                return plgpu.ACC.init(plgpu.layout_cast(jnp.full((HEAD_TILE, HALF), 0.0, jnp.float32), L))
-
-            s0 = None
-            if overlap:  # S of block 0 before the loop; each iteration issues the next block's QK with its PV
-                @pl.when(nblk > 0)
-                def _():
-                    wait_full(0)
-
-                z0 = zero_of(0)
-
-                def qk0(s_ref):
-                    plgpu.wgmma(s_ref, q_s1.at[z0], k_s1.at[z0].at[own].T)
-
-                s0 = pl.run_state(qk0)(s_init())
-
             def body(k, carry):
-                acc, m, l, s_k = carry
+                acc, m, l = carry
                 islot = k % 2
                 nxt = k + 1 < nblk
-                z = zero_of(k)
+                # the wgmma operands go through a zero the compiler cannot fold (block ids < 2^20, checked when
+                # built): their descriptors are rebuilt where used, not held across the loop
+                z = lax.shift_right_logical(block_id(k), 20)
                 if reg:  # block k in K tile k % 2, its slots in idx slot k % 2 (both from the producer)
-                    if overlap:
-                        pass  # waited before its QK (before the loop, or in the previous iteration)
-                    elif raw:
-                        wait_full(k)
+                    if raw:
+                        # the producer filled K tile k % 2 with block k (raw mbarriers)
+                        record_gather.wait_full(idx_s.at[2, pl.ds(2 * islot, 2)], (k // 2) % 2)
                     else:
                         plgpu.barrier_wait(bar_full.at[islot])
                     q_mm, k_mm = q_s1.at[z], k_s1.at[islot + z]
@@ -675,7 +644,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     plgpu.wgmma_wait(0)
                     return acc_ref[...]
 
-                sc = (s_k if overlap else pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, HALF), jnp.float32))) * s2
+                sc = pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, HALF), jnp.float32)) * s2
                 sc = jnp.where(lax.broadcast_in_dim(valid, sc.shape, [1]), sc, -jnp.inf)
                 mx = sc.max(axis=1)
                 # the row maximum over both halves: one exchange through shared memory
@@ -700,25 +669,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     plgpu.wgmma(acc_ref, p_s, v_ref)
                     plgpu.wgmma_wait(0)
 
-                s_next = None
-                if overlap:
-                    # PV(k), then block k + 1's QK behind it on the tensor cores (one wait for both); past the
-                    # last block the QK reads a tile nobody writes any more and its S is dropped
-                    kn = jnp.minimum(k + 1, nblk - 1)
-                    zn = zero_of(kn)
-
-                    def pv_qk(refs):
-                        acc_ref, s_ref = refs
-                        plgpu.wgmma(acc_ref, p_s, v_ref)
-
-                        @pl.when(nxt)
-                        def _():
-                            wait_full(k + 1)
-
-                        plgpu.wgmma(s_ref, q_s1.at[zn], k_s1.at[1 - islot + zn].at[own].T)
-
-                    acc, s_next = pl.run_state(pv_qk)((plgpu.ACC.init(acc), s_init()))
-                elif interpret:  # interpret mode has no run_state: same sum, through a fresh accumulator
+                if interpret:  # interpret mode has no run_state: same sum, through a fresh accumulator
                     def pv_fresh(acc_ref):
                         pv(acc_ref)
                         return acc_ref[...]
@@ -739,9 +690,9 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     def _():
                         plgpu.barrier_wait(bar_kv.at[0])
                         fill_k(1 - islot)
-                return acc, m_new, l, s_next
+                return acc, m_new, l
 
-            acc, m, l, _ = lax.fori_loop(0, nblk, body, (acc0, m0, l0, s0))
+            acc, m, l = lax.fori_loop(0, nblk, body, (acc0, m0, l0))
             # each warpgroup summed its halves' weights (same maxima): the total is the sum of both
             stat_s.at[1, w][...] = l
             plgpu.barrier_arrive(bar_stat.at[0])

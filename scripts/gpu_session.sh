@@ -23,7 +23,7 @@
 #   scripts/gpu_session.sh ncu-mqa       # issue 20: Nsight Compute (full set) on the sparse MQA, V3.2 and V4 decode at batch 64
 #   scripts/gpu_session.sh mqa-variants  # issue 20: sparse MQA native tests, its switches on the GPU timeline, ncu of the default
 #   scripts/gpu_session.sh mqa-loops     # issue 20: the register producer's native tests, then its switch sets timed
-#   scripts/gpu_session.sh mqa-refresh   # issue 20: every native MQA test; the defaults, overlap, V4's splits timed
+#   scripts/gpu_session.sh mqa-refresh   # issue 20: every native MQA test; the defaults and V4's splits timed
 #   scripts/gpu_session.sh mqa-rows      # issue 20: the MQA's wall-clock rows beside XLA, the 8-layer V3.2 fused step
 #   scripts/gpu_session.sh ncu-fp4sweep  # issue 22: FP4 grouped decode calls x variants (bf16 / e4m3 x), exact kernel durations (ncu)
 #   scripts/gpu_session.sh hostprofile   # issue 16: one step's GPU timeline (8 layers, 8 segments), TTFT's readback
@@ -264,22 +264,16 @@ case "$stage" in
     python3 scripts/diag/ncu_sass_regions.py "$OUT/mqa_v32_b64_loop_sass.csv" --top 15 | tee "$OUT/mqa_v32_b64_loop_regions.txt" | head -60
     ;;
   mqa-refresh)
-    # twentieth session's MQA (the coalesced register producer as V3.2's and V4's default, the sort-free block
-    # listing): every native MQA / record-gather test, then the defaults, consumer_overlap and V4's splits on the
-    # GPU timeline
-    timeout -s INT ${MQAR_TEST_TIMEOUT:-180} python3 -m pytest -m gpu -q --tb=short -rfE -p no:cacheprovider \
-      tests/test_kernel_sparse_mqa.py tests/test_kernel_record_gather.py -k "not overlap" > "$OUT/gpu_mqa_tests.log" 2>&1
-    echo "mqa tests rc=$?"; tail -1 "$OUT/gpu_mqa_tests.log"
+    # the MQA's defaults (the coalesced register producer for fp8 records): every native MQA / record-gather test
+    # (8 pytest-xdist workers: one process ran 15 of them in 180 s, 2026-12-03), then the defaults and V4's
+    # splits on the GPU timeline
+    python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
+    timeout -s INT ${MQAR_TEST_TIMEOUT:-240} python3 -m pytest -m gpu -n ${GPU_WORKERS:-8} -q --tb=short -rfE \
+      -p no:cacheprovider tests/test_kernel_sparse_mqa.py tests/test_kernel_record_gather.py > "$OUT/gpu_mqa_tests.log" 2>&1
+    echo "mqa tests rc=$?"; grep -E "FAILED|ERROR" "$OUT/gpu_mqa_tests.log" | head; tail -1 "$OUT/gpu_mqa_tests.log"
     timeout -s KILL ${MQAR_TIMEOUT:-180} python3 scripts/diag/mqa_variants.py --cases v32_decode_64 v32_decode_128 \
       v32_prefill_4096 v32u_decode_64 v4_decode_64 v4_prefill_4096 --variants default \
       --out "$OUT/mqa_variants_default_h200.json" > "$OUT/mqa_refresh.log" 2>&1; echo "mqa default rc=$?"
-    # consumer_overlap (never run natively): its tests in their own process (a hang costs only this), timed if they pass
-    timeout -s INT ${MQAR_OVL_TIMEOUT:-100} python3 -m pytest -m gpu -q --tb=short -rfE -p no:cacheprovider \
-      tests/test_kernel_sparse_mqa.py -k overlap >> "$OUT/gpu_mqa_tests.log" 2>&1
-    ovl=$?; echo "mqa overlap tests rc=$ovl"; tail -1 "$OUT/gpu_mqa_tests.log"
-    [ $ovl = 0 ] && { timeout -s KILL ${MQAR_TIMEOUT:-180} python3 scripts/diag/mqa_variants.py --cases v32_decode_64 \
-      v32_decode_128 v32_prefill_4096 v4_decode_64 v4_prefill_4096 --variants overlap \
-      --out "$OUT/mqa_variants_overlap_h200.json" >> "$OUT/mqa_refresh.log" 2>&1; echo "mqa overlap rc=$?"; }
     timeout -s KILL ${MQAR_TIMEOUT:-180} python3 scripts/diag/mqa_variants.py --cases v4_decode_64 \
       --variants default splits1 splits4 tma --out "$OUT/mqa_variants_v4_splits_h200.json" >> "$OUT/mqa_refresh.log" 2>&1
     echo "mqa v4 splits rc=$?"

@@ -148,23 +148,20 @@ def test_v32_padded_heads_and_splits(mode):
                interpret=interpret, num_splits=s)
 
 
-@pytest.mark.parametrize("producer", ["registers", pytest.param("registers_p2", marks=pytest.mark.gpu),
-                                      pytest.param("overlap", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("producer", ["registers", pytest.param("registers_p2", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("mode", MODES)
 def test_v32_register_producer(mode, producer):
     """producer="registers": a third warpgroup fills two K tiles in turn (natively by per-thread loads and
     dequantisation in registers, ``record_gather``; interpret mode emulates it with the staged rows), so blocks
     0..4 cycle through both tiles (natively the coalesced loads); "registers_p2" (native only): the latent
-    loaded in two rounds; "overlap" (native only): ``consumer_overlap``. A fully masked row gives
-    zeros; 2 splits (one with 2 blocks, one with 3); interpret mode also runs the race detector over the full /
+    loaded in two rounds. A fully masked row gives zeros; 2 splits (one with 2 blocks, one with 3); interpret mode also runs the race detector over the full /
     free protocol.
 
     Interpret mode runs each warpgroup as an XLA CPU computation whose barrier waits block a thread of XLA's
     intra-op pool (one per CPU): with fewer CPUs than warpgroups a producer never runs."""
     if _interpret(mode) and producer != "registers":
         pytest.skip("native only")
-    kw = {"registers_p2": dict(producer="registers", producer_phases=2),
-          "overlap": dict(producer="registers", consumer_overlap=True)}.get(producer, dict(producer="registers"))
+    kw = {"registers_p2": dict(producer="registers", producer_phases=2)}.get(producer, dict(producer="registers"))
     if _interpret(mode) and len(os.sched_getaffinity(0)) < mqa.NUM_WG + 1:
         pytest.skip(f"interpret mode needs a CPU per warpgroup ({mqa.NUM_WG + 1}) for the register "
                     "producer's blocking waits")
@@ -195,8 +192,7 @@ def test_register_producer_bad_inputs():
     q, slots = jnp.zeros((1, 4, 576), jnp.bfloat16), jnp.zeros((1, 64), jnp.int32)
     for kw, msg in [(dict(producer="warp"), "producer must be"), (dict(producer="cluster"), "producer must be"),
                     (dict(producer_phases=3), "producer_phases"), (dict(producer_phases=0), "producer_phases"),
-                    (dict(producer_regs=100), "producer_regs"), (dict(producer_regs=8), "producer_regs"),
-                    (dict(consumer_overlap=True), "consumer_overlap")]:  # interpret mode
+                    (dict(producer_regs=100), "producer_regs"), (dict(producer_regs=8), "producer_regs")]:
         with pytest.raises(ValueError, match=msg):
             mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.1, v_dim=512, interpret=True, **kw)
     f4 = MlaRecord584(16)
@@ -234,16 +230,15 @@ def test_v4_window_compressed_sink(mode, num_splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("producer", ["tma", "registers_p2", "overlap"])
+@pytest.mark.parametrize("producer", ["tma", "registers_p2"])
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_v4_register_producer(num_splits, producer):
     """V4's producers natively beside the default register producer (``test_v4_window_compressed_sink``): the
-    TMA producer, the register producer's loads in two rounds, and ``consumer_overlap``; the two MlaRecord584
+    TMA producer and the register producer's loads in two rounds; the two MlaRecord584
     lists of different pages per block, every block of the loop, the sink, a fully masked row."""
     if not ON_GPU:
         pytest.skip("native only")
-    kw = {"tma": dict(producer="tma"), "registers_p2": dict(producer="registers", producer_phases=2),
-          "overlap": dict(consumer_overlap=True)}[producer]
+    kw = {"tma": dict(producer="tma"), "registers_p2": dict(producer="registers", producer_phases=2)}[producer]
     _v4_window_compressed(False, num_splits, **kw)
 
 
@@ -395,7 +390,7 @@ def test_v4_layer_attend(mode):
 @pytest.mark.skipif(ON_GPU, reason="the native tests compile the kernel")
 @pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16", "v32_fp8_tma",
                                   "v32_fp8_registers_p2", "v4_fp8_tma",
-                                  "v4_fp8_registers_p2", "v32_fp8_overlap", "v4_fp8_overlap"])
+                                  "v4_fp8_registers_p2"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -414,8 +409,7 @@ def test_lowers_for_cuda(case):
     # v32_fp8 / v4_fp8: the register producer (the default natively for fp8 records)
     kw = {"v32_fp8_tma": dict(producer="tma"), "v4_fp8_tma": dict(producer="tma"),
           "v32_fp8_registers_p2": dict(producer="registers", producer_phases=2),
-          "v4_fp8_registers_p2": dict(producer="registers", producer_phases=2),
-          "v32_fp8_overlap": dict(consumer_overlap=True), "v4_fp8_overlap": dict(consumer_overlap=True)}.get(case, {})
+          "v4_fp8_registers_p2": dict(producer="registers", producer_phases=2)}.get(case, {})
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,

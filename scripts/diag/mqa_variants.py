@@ -25,15 +25,13 @@ from pallas_kernels import sparse_mqa
 # the kernel's switch sets by name (keyword arguments of sparse_mqa; "default" picks the candidate splits itself:
 # one at V3.2 batch 64, two at V4 batch 64, whose partial rows the wrapper merges in XLA). The twelfth session's
 # switches (descriptors held across the loop, both warpgroups computing the whole S, register P) all lost and were
-# removed (docs/perf-log.md).
+# removed, as was the twentieth's (the next block's QK issued behind the PV; docs/perf-log.md).
 VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_splits=2),
             "splits4": dict(num_splits=4),
             # who fills the K tile: "tma" (the compute warpgroups, from bulk-copied rows) or "registers" (the
             # default for fp8 records natively: a third warpgroup, one software-pipelined loop of coalesced loads)
             "tma": dict(producer="tma"), "registers": dict(producer="registers"),
             "registers_splits1": dict(producer="registers", num_splits=1),  # V4 b64
-            # the next block's QK issued behind the PV, one wgmma wait per block (native register producer)
-            "overlap": dict(consumer_overlap=True),
             # the fp32 dequantisation (conversion instructions) where the default takes the power-of-two one
             "registers_f32": dict(producer="registers", producer_pow2=False),
             # the register producer's rounds of loads (96 words per lane and block) and registers
