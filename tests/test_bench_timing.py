@@ -127,6 +127,11 @@ def test_split_calls_cuts_at_the_longest_gaps() -> None:
     assert got == {"profile_span_us": 15.0, "profile_busy_us": 13.0, "profile_kernels": 2, "profile_calls": 3}
     assert split_calls([], 3) == {}
     assert split_calls(kernels, 1)["profile_span_us"] == 309.0  # one call: everything
+    names = ["mqa", "combine", "mqa", "prep", "combine", "mqa"]  # per record; call 3 has no "combine"
+    by = split_calls(kernels, 3, names)["profile_kernel_us"]
+    assert by == {"combine": 3.0, "mqa": 10.0, "prep": 0.0}
+    with pytest.raises(ValueError, match="names"):
+        split_calls(kernels, 3, names[:2])
 
 
 def test_profiled_device_us_without_a_gpu_is_empty() -> None:

@@ -154,7 +154,7 @@ def device_row(fn: Callable[..., Any], *args: Any, median_us: float, thread: Seq
 
 
 def profiled_device_us(fn: Callable[..., Any], *args: Any, calls: int = 20, warmup: int = 3,
-                       thread: Sequence[tuple[int, int]] = ()) -> dict[str, float]:
+                       thread: Sequence[tuple[int, int]] = (), by_kernel: bool = False) -> dict[str, Any]:
     """Device time per call of ``fn(*args)`` read off the GPU's timeline: ``calls`` calls, each waited for,
     under ``jax.profiler`` (CUPTI's kernel records), split into calls at the ``calls - 1`` longest idle gaps
     (the host's wait and dispatch between two calls; a call's own kernels follow each other closely).
@@ -162,6 +162,8 @@ def profiled_device_us(fn: Callable[..., Any], *args: Any, calls: int = 20, warm
     Returns the medians over calls of ``profile_span_us`` (first kernel start -> last kernel end: the call's
     device time, gaps between its kernels included), ``profile_busy_us`` (kernel time alone) and
     ``profile_kernels`` (kernels per call); ``{}`` when the trace holds no GPU kernels (a CPU run).
+    ``by_kernel``: also ``profile_kernel_us``, each kernel name's median time per call (which of a call's
+    kernels costs what: the wrapper's XLA fusions beside a Pallas kernel).
 
     Why: a ~40-µs call's pipelined median moved by 30% between identical runs on the H200, and the unrolled
     difference of two long executables read some rows above the HBM peak (docs/perf-log.md, 2026-12-01, sixth
@@ -200,32 +202,46 @@ def profiled_device_us(fn: Callable[..., Any], *args: Any, calls: int = 20, warm
         if not files:
             return {}
         pd = ProfileData.from_file(max(files, key=os.path.getmtime))
-        kernels = [(int(e.start_ns), int(e.duration_ns)) for plane in pd.planes
-                   if plane.name.startswith("/device:GPU") for line in plane.lines
-                   if "stream" in line.name.lower() and "memcpy" not in line.name.lower() for e in line.events]
-    return split_calls(kernels, calls)
+        events = [e for plane in pd.planes if plane.name.startswith("/device:GPU") for line in plane.lines
+                  if "stream" in line.name.lower() and "memcpy" not in line.name.lower() for e in line.events]
+    kernels = [(int(e.start_ns), int(e.duration_ns)) for e in events]
+    return split_calls(kernels, calls, [e.name for e in events] if by_kernel else None)
 
 
-def split_calls(kernels: list[tuple[int, int]], calls: int) -> dict[str, float]:
+def split_calls(kernels: list[tuple[int, int]], calls: int, names: Sequence[str] | None = None) -> dict[str, Any]:
     """``profiled_device_us``'s reduction: (start_ns, duration_ns) kernel records of ``calls`` serial calls ->
-    the medians of each call's span, busy time and kernel count (``{}`` without records)."""
+    the medians of each call's span, busy time and kernel count (``{}`` without records); with ``names`` (one
+    per record) also ``profile_kernel_us``: per name, the median over calls of its summed µs in the call."""
     if not kernels:
         return {}
-    kernels = sorted(kernels)
+    if names is not None and len(names) != len(kernels):
+        raise ValueError(f"names: {len(names)} for {len(kernels)} kernel records")
+    order = sorted(range(len(kernels)), key=lambda i: kernels[i])
+    kernels = [kernels[i] for i in order]
+    names = None if names is None else [names[i] for i in order]
     ends, end = [], 0
     for s, d in kernels:  # running end: a kernel may finish after a later-starting one on another stream
         end = max(end, s + d)
         ends.append(end)
     gaps = sorted(range(1, len(kernels)), key=lambda i: kernels[i][0] - ends[i - 1], reverse=True)
     cuts = sorted(gaps[: max(0, calls - 1)])
-    spans, busy, counts = [], [], []
+    spans, busy, counts, per_name = [], [], [], []
     for lo, hi in zip([0] + cuts, cuts + [len(kernels)]):
         run = kernels[lo:hi]
         spans.append((max(s + d for s, d in run) - run[0][0]) / 1e3)
         busy.append(_union_ns(run) / 1e3)
         counts.append(len(run))
-    return {"profile_span_us": statistics.median(spans), "profile_busy_us": statistics.median(busy),
-            "profile_kernels": statistics.median(counts), "profile_calls": len(spans)}
+        if names is not None:
+            call: dict[str, float] = {}
+            for n, (_, d) in zip(names[lo:hi], run):
+                call[n] = call.get(n, 0.0) + d / 1e3
+            per_name.append(call)
+    out: dict[str, Any] = {"profile_span_us": statistics.median(spans), "profile_busy_us": statistics.median(busy),
+                           "profile_kernels": statistics.median(counts), "profile_calls": len(spans)}
+    if names is not None:  # a name missing from a call counts 0 there
+        out["profile_kernel_us"] = {n: statistics.median(c.get(n, 0.0) for c in per_name)
+                                    for n in sorted({n for c in per_name for n in c})}
+    return out
 
 
 def _union_ns(run: list[tuple[int, int]]) -> int:

@@ -69,7 +69,7 @@ def main() -> None:
             def measure(f=f) -> dict:
                 got = np.asarray(f(q, caches, slots, sink))
                 m = dict(max_abs_err=float(np.abs(got - ref).max()), ref_max=float(np.abs(ref).max()),
-                         **profiled_device_us(f, q, caches, slots, sink))
+                         **profiled_device_us(f, q, caches, slots, sink, by_kernel=True))
                 return dict(m, tflops=flops / m["profile_span_us"] / 1e6) if "profile_span_us" in m else m
 
             rows.append(measured_row({"case": name, "variant": v, **VARIANTS[v], "flops": flops}, measure))
