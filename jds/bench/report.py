@@ -571,17 +571,26 @@ def _topk_knobs(d: dict) -> list[str]:
 def _mqa_variants(d: dict) -> list[str]:
     """scripts/diag/mqa_variants.py: per case, each kernel switch set's device µs per call (GPU timeline), its
     effective TFLOP/s, its error against the XLA path relative to the output's largest value, and the default's
-    speed-up over it (the same run)."""
+    speed-up over it (the same run); where the row has per-kernel times, the Pallas kernel's own µs (the rest of
+    the call is the wrapper's XLA kernels and the split combine)."""
     rows = [r for r in d.get("rows", []) if "error" not in r]
     base = {r["case"]: r.get("profile_span_us") for r in rows if r.get("variant") == "default"}
-    body = [[r["case"], r["variant"], _fmt(r.get("profile_span_us"), 1), _fmt(r.get("tflops"), 0),
-             _fmt(r["max_abs_err"] / r["ref_max"] if r.get("ref_max") else None, 5),
-             _ratio(r.get("profile_span_us"), base.get(r["case"]))] for r in rows]
+
+    def pallas_us(r: dict) -> float | None:
+        by = r.get("profile_kernel_us")
+        return sum(v for k, v in by.items() if "mosaic" in k) if by else None
+
+    per_kernel = any(r.get("profile_kernel_us") for r in rows)
+    body = [[r["case"], r["variant"], _fmt(r.get("profile_span_us"), 1)]
+            + ([_fmt(pallas_us(r), 1)] if per_kernel else [])
+            + [_fmt(r.get("tflops"), 0), _fmt(r["max_abs_err"] / r["ref_max"] if r.get("ref_max") else None, 5),
+               _ratio(r.get("profile_span_us"), base.get(r["case"]))] for r in rows]
     errors = [f"- {r['case']} {r.get('variant')}: {r['error']}" for r in d.get("rows", []) if "error" in r]
     return ["Sparse MQA kernel switch sets (`scripts/diag/mqa_variants.py`: "
             + ", ".join(f"{k} = {json.dumps(v)}" for k, v in d.get("meta", {}).get("variants", {}).items())
             + "), device µs per call (GPU timeline):", ""] + \
-        _table(["case", "variant", "device µs", "TFLOP/s", "max err / max out", "this / default"], body) + \
+        _table(["case", "variant", "device µs"] + (["Pallas kernel µs"] if per_kernel else [])
+               + ["TFLOP/s", "max err / max out", "this / default"], body) + \
         ([""] + errors if errors else [])
 
 
