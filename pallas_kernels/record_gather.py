@@ -315,16 +315,17 @@ def wait_full(bar_ref, parity) -> None:
 
 
 class _Loop:
-    """What the software-pipelined producer loop needs (inside its ``inline_mgpu`` body): this token's block ids
-    and each list's slots (GMEM int32 rows; list i's blocks start at ``starts[i]`` in the block ids), the first
-    cache, the K tiles and the idx buffer (slot rows 0 / 1, raw mbarriers in row 2: "full" at +0 / +8, "free"
-    at +16 / +24), and the loop itself."""
+    """What the software-pipelined producer loop needs (inside its ``inline_mgpu`` body): each list's slots (GMEM
+    int32 rows; list i's blocks start at ``starts[i]`` in the concatenated lists) and the live blocks of all
+    lists but the last (``exts``, int32 scalars: ``sparse_mqa.block_of``'s walk, of ``nblocks`` blocks), the
+    first cache, the K tiles and the idx buffer (slot rows 0 / 1, raw mbarriers in row 2: "full" at +0 / +8,
+    "free" at +16 / +24), and the loop itself."""
 
-    def __init__(self, e: _Emit, blocks, slots, starts, cache, k, idx, first, n):
+    def __init__(self, e: _Emit, slots, starts, exts, nblocks, cache, k, idx, first, n):
         arith, c32 = e.arith, e.c32
-        self.e, self.first, self.n, self.starts = e, first, n, starts
+        self.e, self.first, self.n, self.starts, self.exts, self.nblocks = e, first, n, starts, exts, nblocks
         self.tid = arith.remui(e.mu.thread_idx(), c32(128))
-        self.blocks, self.cache = e.gmem_addr(blocks), e.gmem_addr(cache)
+        self.cache = e.gmem_addr(cache)
         self.slots = [e.gmem_addr(x) for x in slots]
         self.last = arith.maxsi(arith.subi(n, c32(1)), c32(0))
         self.k_base, self.idx_base = e.smem_addr(k), e.smem_addr(idx)
@@ -336,7 +337,14 @@ class _Loop:
         return e.ld32(e.arith.addi(base, e.arith.extui(e.i64, e.arith.muli(i, e.c32(4)))))
 
     def block_of(self, kk):  # the k-th live block's id (past the end: the last one again, a harmless re-read)
-        return self.ld_at(self.blocks, self.e.arith.addi(self.first, self.e.arith.minsi(kk, self.last)))
+        arith, c32 = self.e.arith, self.e.c32
+        pos = arith.addi(self.first, arith.minsi(kk, self.last))
+        blk, cum = pos, c32(0)
+        for ext, start in zip(self.exts, self.starts[1:]):  # list i from position exts[0] + .. + exts[i - 1] on
+            cum = arith.addi(cum, ext)
+            there = arith.cmpi(arith.CmpIPredicate.sge, pos, cum)
+            blk = arith.select(there, arith.addi(c32(start), arith.subi(pos, cum)), blk)
+        return arith.minsi(blk, c32(self.nblocks - 1))
 
     def slot_of(self, blk, r):  # slot r of block blk (in the concatenated lists): one of its list's slot rows
         arith, c32 = self.e.arith, self.e.c32
@@ -387,20 +395,22 @@ class _Loop:
 
 
 
-def _lists_loop(starts: tuple[int, ...], emit):
-    """A producer loop's ``inline_mgpu`` over (blocks, a slot row per list, a cache per list, K tiles, idx, b0,
-    n), list i's blocks starting at ``starts[i]``; its body ``emit(e, lp, bases)`` with the caches' GMEM
-    addresses (``_Loop`` reads the first as its cache)."""
+def _lists_loop(starts: tuple[int, ...], nblocks: int, emit):
+    """A producer loop's ``inline_mgpu`` over (a slot row per list, a cache per list, K tiles, idx, b0, n, the
+    live blocks of every list but the last), list i's blocks starting at ``starts[i]`` of ``nblocks``; its body
+    ``emit(e, lp, bases)`` with the caches' GMEM addresses (``_Loop`` reads the first as its cache)."""
     nc = len(starts)
-    types = ((plgpu.RefType(),) + (plgpu.RefType(),) * (2 * nc)
-             + (plgpu.RefType(K_TILE_TRANSFORMS), plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=()),
-                plgpu.Layout.WG_SPLAT(shape=())))
+    scalar = plgpu.Layout.WG_SPLAT(shape=())
+    types = ((plgpu.RefType(),) * (2 * nc) + (plgpu.RefType(K_TILE_TRANSFORMS), plgpu.RefType(), scalar, scalar)
+             + (scalar,) * (nc - 1))
 
     @plgpu.inline_mgpu(arg_types=types)
-    def produce(_, blocks, *rest):
-        slots, caches, (k, idx, b0_fa, n_fa) = rest[:nc], rest[nc:2 * nc], rest[2 * nc:]
+    def produce(_, *rest):
+        slots, caches, (k, idx, b0_fa, n_fa), ext_fa = (rest[:nc], rest[nc:2 * nc], rest[2 * nc:2 * nc + 4],
+                                                        rest[2 * nc + 4:])
         e = _Emit()
-        lp = _Loop(e, blocks, slots, starts, caches[0], k, idx, b0_fa.registers.item(), n_fa.registers.item())
+        lp = _Loop(e, slots, starts, [x.registers.item() for x in ext_fa], nblocks, caches[0], k, idx,
+                   b0_fa.registers.item(), n_fa.registers.item())
         emit(e, lp, [e.gmem_addr(c) for c in caches])
 
     return produce
@@ -461,12 +471,13 @@ def coalesced_lane(lane: int) -> dict[str, int]:
             "rope_row": (lane & 1) + 2 * (lane >> 4), "rc": (lane >> 1) & 7}
 
 
-def produce_tile(blocks_ref, slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *, lists=None, phases: int = 1,
-                 pow2_scales: bool = False) -> None:
+def produce_tile(slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *, exts=(), nblocks: int, lists=None,
+                 phases: int = 1, pow2_scales: bool = False) -> None:
     """The producer loop of a single CTA (one warpgroup, all 128 threads) for one ``MlaRecord656`` cache
     (``lists=None``) or one or two ``MlaRecord584`` caches (window, compressed; ``lists[i]`` = (the list's
-    first block in the concatenated lists, entries per page, page bytes)). For k < ``nblk``: block
-    ``blocks_ref[b0 + k]`` (GMEM int32, this token's block ids in the concatenated lists) of ``slots_refs``
+    first block in the concatenated lists, entries per page, page bytes)). For k < ``nblk``: the block at
+    position ``b0 + k`` of the token's live blocks (``sparse_mqa.block_of`` of ``exts``, the live blocks of all
+    lists but the last, of ``nblocks`` in the concatenated lists) of ``slots_refs``
     (GMEM int32, a row per list, 64 slots per block) into K tile k % 2 of ``k_ref`` (SMEM [2, 64, cols] bf16,
     ``K_TILE_TRANSFORMS``), its raw slots into ``idx_ref`` row k % 2 (SMEM int32 [3, 64]; row 2: the raw
     mbarriers of ``init_barriers``).
@@ -597,7 +608,8 @@ def produce_tile(blocks_ref, slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *
         blk0, blk1, blk2 = lp.block_of(c32(0)), lp.block_of(c32(1)), lp.block_of(c32(2))
         lp.run([lp.slot_of(blk0, my_row), blk0, lp.slot_of(blk1, my_row), blk1, blk2], body)
 
-    if len(slots_refs) != nc:
-        raise ValueError(f"a slot row per list: got {len(slots_refs)} slot rows for {nc} caches")
+    if len(slots_refs) != nc or len(exts) != nc - 1:
+        raise ValueError(f"a slot row per list and the live blocks of all but the last: got {len(slots_refs)} slot "
+                         f"rows and {len(exts)} extents for {nc} caches")
     starts = (0,) if lists is None else tuple(x[0] for x in lists)
-    _lists_loop(starts, emit)(blocks_ref, *slots_refs, *cache_refs, k_ref, idx_ref, b0, nblk)
+    _lists_loop(starts, nblocks, emit)(*slots_refs, *cache_refs, k_ref, idx_ref, b0, nblk, *exts)

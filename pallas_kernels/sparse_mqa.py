@@ -18,8 +18,8 @@ token its own lists) are the same call: the kernel never looks at requests, only
 Kernel (``plgpu.kernel``, Lane lowering semantics, two compute warpgroups per CTA):
 - CTA = (token, tile of 64 heads, candidate split). Heads are padded to a multiple of 64 (wgmma needs
   M >= 64; padded heads get q = 0 and sink -inf, and are sliced away). Blocks of 64 candidates stream
-  through SMEM. Each list's blocks past its last valid slot are skipped (``_live_blocks``: one XLA reduction
-  over [T, K/64]), so prefill tokens early in the sequence, short contexts and masked rows cost only their
+  through SMEM. Each list's blocks past its last valid slot are skipped (``_extents``: one XLA reduction
+  per list; the kernel maps its k-th block to a list's block by scalar arithmetic), so prefill tokens early in the sequence, short contexts and masked rows cost only their
   live blocks. ``num_splits`` cuts each token's list of blocks into CTAs
   (small decode batches need them to fill the GPU); their partial (acc, m, l) are merged in JAX with the
   sink (with one split the CTA normalises and writes the final rows itself).
@@ -312,8 +312,7 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
                        producer_phases=producer_phases,
                        pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2)
-    order, n_live = _live_blocks(padded, list_blocks)
-    outs = call(qp, *padded, order, n_live, sink_p, *caches)  # the lists' slots apart: no concatenated copy
+    outs = call(qp, *padded, *_extents(padded), sink_p, *caches)  # the lists' slots apart: no concatenated copy
     if n_splits == 1:
         return outs[:, :h]
     o, m, l = outs
@@ -321,37 +320,44 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                     sink.astype(jnp.float32) if has_sink else None).astype(out_dtype)
 
 
-def _live_blocks(padded: Sequence[jax.Array], list_blocks: Sequence[int]) -> tuple[jax.Array, jax.Array]:
-    """Each token's blocks to compute: of every list, its blocks up to the last one with a valid slot, the
-    lists one after another. ([T, sum(list_blocks)] int32 block ids in the concatenated lists, positions past
-    the count any valid id; [T] int32 count.) Top-k lists end in -1, so this skips what matters (prefill
-    tokens early in the sequence, short contexts, fully masked rows) without a sort: one list's ids are a
-    constant and its count one reduction. A dead block inside a list's extent is computed, its weights 0."""
-    t = padded[0].shape[0]
-    nb = sum(list_blocks)
-    k = lax.broadcasted_iota(jnp.int32, (t, nb), 1)
-    order = k  # list 0 starts at position 0
-    pos = jnp.zeros((t, 1), jnp.int32)  # where list i starts in the token's sequence of blocks
-    start = 0  # where list i starts in the concatenated lists
-    for s, n in zip(padded, list_blocks):
-        live = jnp.any(s.reshape(t, n, BLOCK_K) >= 0, axis=-1)
-        ext = jnp.max(jnp.where(live, jnp.arange(1, n + 1, dtype=jnp.int32), 0), axis=1, keepdims=True)
-        if start:
-            order = jnp.where((k >= pos) & (k < pos + ext), start + k - pos, order)
-        pos, start = pos + ext, start + n
-    return order, pos[:, 0]
+def _extents(padded: Sequence[jax.Array]) -> list[jax.Array]:
+    """Per list, each token's blocks to compute: up to its last block with a valid slot ([T] int32, one XLA
+    reduction each). Top-k lists end in -1, so this skips what matters (prefill tokens early in the sequence,
+    short contexts, fully masked rows) without a sort; the kernel walks list 0's first extent blocks, then list
+    1's, ... (``block_of``). A dead block inside a list's extent is computed, its weights 0."""
+    out = []
+    for s in padded:
+        j = lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        out.append(jnp.max(jnp.where(s >= 0, j // BLOCK_K + 1, 0), axis=1).astype(jnp.int32))
+    return out
+
+
+def block_of(pos, exts: Sequence, list_blocks: Sequence[int]):
+    """The block (in the concatenated lists) at position ``pos`` of a token's sequence of live blocks, whose
+    lists have ``exts`` live blocks: list 0's first ``exts[0]``, then list 1's, ...; positions past the last
+    live block give some block of the last list, so that reading its slots stays in bounds. Plain arithmetic
+    on scalars or arrays (the kernel's consumers; the producer emits the same)."""
+    blk, cum, start = pos, 0, 0
+    for i in range(1, len(list_blocks)):
+        cum, start = cum + exts[i - 1], start + list_blocks[i - 1]
+        blk = jnp.where(pos >= cum, start + pos - cum, blk)
+    return jnp.minimum(blk, sum(list_blocks) - 1)
 
 
 def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -> jax.Array:
-    """Merge per-split (acc [S,T,H,D], m, l [S,T,H]; base-2 logits) and the sink into the softmax output."""
-    mx = jnp.max(m, axis=0)
+    """Merge per-split (acc [S,T,H,D], m, l [S,T,H]; base-2 logits) and the sink into the softmax output.
+
+    The splits are few and static: unrolled, every step is elementwise, so XLA can emit one fusion where
+    reductions over the split axis were several kernels, each a launch in a call of a few tens of µs."""
+    n = o.shape[0]
+    mx = functools.reduce(jnp.maximum, [m[i] for i in range(n)])
     if sink is not None:
         mx = jnp.maximum(mx, sink[None, :] * LOG2E)
-    w = jnp.exp2(m - mx[None])
-    den = jnp.sum(w * l, axis=0)
+    w = [jnp.exp2(m[i] - mx) for i in range(n)]
+    den = functools.reduce(jnp.add, [w[i] * l[i] for i in range(n)])
     if sink is not None:
         den = den + jnp.exp2(sink[None, :] * LOG2E - mx)
-    num = jnp.sum(w[..., None] * o, axis=0)
+    num = functools.reduce(jnp.add, [w[i][..., None] * o[i] for i in range(n)])
     return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
 
 
@@ -500,7 +506,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         k_s[:, pl.ds(64 * rope_chunk, 64)] = pe.astype(jnp.bfloat16)
 
     def kernel(q_ref, *rest):
-        slots_refs, (blocks_ref, nlive_ref, sink_ref), rest = rest[:nc], rest[nc:nc + 3], rest[nc + 3:]
+        slots_refs, ext_refs, sink_ref, rest = rest[:nc], rest[nc:2 * nc], rest[2 * nc], rest[2 * nc + 1:]
         cache_refs = rest[:nc]
         if n_splits == 1:
             (o_ref,), scratch = rest[nc:nc + 1], rest[nc + 1:]
@@ -521,8 +527,9 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         q_s, k_s = q_s1.at[0], k_s1.at[0]  # [1, rows, dk]: index 0 statically (copies, dequantisation)
         pid = lax.axis_index("cta")
         gi, ti, si = pid % G, (pid // G) % t, pid // (G * t)
-        b0 = si * bps  # this split's first position in the token's list of blocks (``_live_blocks``)
-        nblk = jnp.clip(nlive_ref[ti] - b0, 0, bps)
+        exts = [r[ti] for r in ext_refs]  # this token's live blocks per list (``_extents``)
+        b0 = si * bps  # this split's first position in the token's sequence of live blocks
+        nblk = jnp.clip(functools.reduce(jnp.add, exts) - b0, 0, bps)
         wg = lax.axis_index("wg")
         if raw:  # every thread: the raw "full" / "free" mbarriers initialised, then the CTA in step
             record_gather.init_barriers(idx_s.at[2])
@@ -536,7 +543,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             plgpu.commit_smem()
 
         def block_id(k):  # k-th block of this split -> block index in the concatenated candidate lists
-            return blocks_ref[ti, b0 + k]
+            return block_of(b0 + k, exts, list_blocks)
 
         def idx_copy(k, islot):
             gb = block_id(k)
@@ -716,8 +723,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 plgpu.set_max_registers(producer_regs, action="decrease")
                 lists = (tuple((list_start[i], specs[i].entries_per_page, specs[i].page_elems) for i in range(nc))
                          if kind == "mla584" else None)
-                operands = (blocks_ref.at[ti], tuple(x.at[ti] for x in slots_refs))
-                record_gather.produce_tile(*operands, tuple(cache_refs), k_s1, idx_s, b0, nblk, lists=lists,
+                record_gather.produce_tile(tuple(x.at[ti] for x in slots_refs), tuple(cache_refs), k_s1, idx_s, b0,
+                                           nblk, exts=tuple(exts[:-1]), nblocks=sum(list_blocks), lists=lists,
                                            phases=producer_phases, pow2_scales=pow2)
                 return
             st, pb_s, sel_s = per_prod

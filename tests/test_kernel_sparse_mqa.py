@@ -291,10 +291,11 @@ def test_all_masked_rows_give_zeros(mode):
         assert np.all(out == 0.0)
 
 
-def test_live_blocks():
-    """The wrapper's list of blocks per token (``_live_blocks``): every block up to each list's last one with a
-    valid slot, each once, list by list; a list's dead tail (and a fully masked list) costs nothing. Random
-    lists with dead tails, dead blocks inside and fully masked rows, against a numpy walk."""
+def test_extents_and_block_walk():
+    """The wrapper's live blocks per list (``_extents``: up to each list's last block with a valid slot) and the
+    kernel's walk over them (``block_of``: list 0's live blocks, then list 1's, ...; past the end a block of the
+    last list, in bounds). Random lists with dead tails, dead blocks inside and fully masked rows, against a
+    numpy walk."""
     rng = np.random.default_rng(4)
     t, nbs = 9, (3, 5, 2)
     lists = []
@@ -306,15 +307,18 @@ def test_live_blocks():
         s[rng.random((t, n * mqa.BLOCK_K)) < 0.3] = -1
         lists.append(s)
     lists[1][4] = -1
-    order, count = map(np.asarray, mqa._live_blocks([jnp.asarray(s) for s in lists], nbs))
-    assert order.shape == (t, sum(nbs)) and order.dtype == np.int32 and 0 <= order.min() and order.max() < sum(nbs)
+    exts = [np.asarray(e) for e in mqa._extents([jnp.asarray(s) for s in lists])]
+    pos = np.arange(sum(nbs) + 3)  # 3 past the end
     for r in range(t):
         want, start = [], 0
-        for s, n in zip(lists, nbs):
+        for i, (s, n) in enumerate(zip(lists, nbs)):
             live = [b for b in range(n) if (s[r, b * mqa.BLOCK_K:(b + 1) * mqa.BLOCK_K] >= 0).any()]
-            want += [start + b for b in range(max(live) + 1)] if live else []
+            assert exts[i].dtype == np.int32 and exts[i][r] == (max(live) + 1 if live else 0)
+            want += [start + b for b in range(exts[i][r])]
             start += n
-        assert count[r] == len(want) and order[r, :count[r]].tolist() == want
+        got = np.asarray(mqa.block_of(jnp.asarray(pos), [e[r] for e in exts], nbs))
+        assert got[:len(want)].tolist() == want
+        assert np.all((got[len(want):] >= start - nbs[-1]) & (got[len(want):] < start))
 
 
 def test_supports_and_fallback_formats():
