@@ -14,6 +14,13 @@ import numpy as np
 from jax import lax
 
 
+# XLA captures an executable's thunks as one CUDA graph only from xla_gpu_graph_min_graph_size of them on (its
+# default: 5). A standalone op call of fewer kernels is then launched kernel by kernel and the GPU waits on the
+# host between them, which a timeline span counts. With this, any call is one graph, as the op is inside the
+# model's captured step (the eager executables' direct launches are the step benchmarks' to measure).
+CAPTURED_OPTIONS = {"xla_gpu_graph_min_graph_size": 1}
+
+
 def time_fn(fn: Callable[..., Any], *args: Any, warmup: int = 5, iters: int = 50) -> dict[str, float]:
     """Per-call time of ``fn(*args)`` in microseconds, two ways.
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from jds.bench import kernels_sparse_mqa as b
 from jds.bench.results import measured_row, run_meta, write_json
-from jds.bench.timing import profiled_device_us
+from jds.bench.timing import CAPTURED_OPTIONS, profiled_device_us
 from pallas_kernels import sparse_mqa
 
 # arch -> total blocks per token (one split); V4 keeps its 2-block window list and cuts the compressed one
@@ -50,7 +50,7 @@ def main() -> None:
             slots = _cut(c, arch, n)
             if any(s.shape[1] == 0 for s in slots) or sum(s.shape[1] for s in slots) != n * sparse_mqa.BLOCK_K:
                 continue  # (--quick: the small lists are shorter)
-            f = jax.jit(lambda q, cs, ss, sk: call(q, cs, slots=ss, sink=sk))
+            f = jax.jit(lambda q, cs, ss, sk: call(q, cs, slots=ss, sink=sk), compiler_options=CAPTURED_OPTIONS)
             ref = jax.jit(lambda q, cs, ss, sk: call(q, cs, slots=ss, sink=sk, implementation="xla"))
 
             def measure(f=f, ref=ref, slots=slots) -> dict:

@@ -19,7 +19,7 @@ import numpy as np
 
 from jds.bench import kernels_sparse_mqa as b
 from jds.bench.results import measured_row, run_meta, write_json
-from jds.bench.timing import profiled_device_us
+from jds.bench.timing import CAPTURED_OPTIONS, profiled_device_us
 from pallas_kernels import sparse_mqa
 
 # the kernel's switch sets by name (keyword arguments of sparse_mqa; "default" picks the candidate splits itself:
@@ -64,7 +64,8 @@ def main() -> None:
         ref = np.asarray(jax.jit(lambda q, cs, ss, sk: call(q, cs, slots=ss, sink=sk, implementation="xla"))(
             q, caches, slots, sink))
         for v in a.variants:
-            f = jax.jit(lambda q, cs, ss, sk, kw=VARIANTS[v]: call(q, cs, slots=ss, sink=sk, **kw))
+            f = jax.jit(lambda q, cs, ss, sk, kw=VARIANTS[v]: call(q, cs, slots=ss, sink=sk, **kw),
+                        compiler_options=CAPTURED_OPTIONS)  # one CUDA graph however few its kernels
 
             def measure(f=f) -> dict:
                 got = np.asarray(f(q, caches, slots, sink))
