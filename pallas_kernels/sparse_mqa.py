@@ -215,7 +215,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                producer_pow2: bool | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
-    ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype).
+    ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype; with candidate
+    splits, a 16-bit output is merged from each split's rows in that dtype).
 
     ``implementation="xla"``: gather + dequantise with ``read_records`` and the pure-JAX softmax
     (``jds.ops.sparse_mqa.paged_sparse_mqa_xla``); ``"auto"``: the kernel where ``supports``, else XLA.
@@ -344,8 +345,15 @@ def block_of(pos, exts: Sequence, list_blocks: Sequence[int]):
     return jnp.minimum(blk, sum(list_blocks) - 1)
 
 
+def _partial_dtype(out_dtype: jnp.dtype) -> jnp.dtype:
+    """The splits' rows: in a 16-bit output's dtype (normalised rows, so one more rounding of the same size;
+    half the bytes the kernel writes and the combine reads), else fp32."""
+    return jnp.dtype(out_dtype) if jnp.dtype(out_dtype).itemsize == 2 else jnp.dtype(jnp.float32)
+
+
 def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -> jax.Array:
-    """Merge per-split (acc [S,T,H,D], m, l [S,T,H]; base-2 logits) and the sink into the softmax output.
+    """Merge per-split (o [S,T,H,D] each split's normalised rows, m, l [S,T,H]; base-2 logits) and the sink into
+    the softmax output.
 
     The splits are few and static: unrolled, every step is elementwise, so XLA can emit one fusion where
     reductions over the split axis were several kernels, each a launch in a call of a few tens of µs."""
@@ -353,11 +361,11 @@ def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -
     mx = functools.reduce(jnp.maximum, [m[i] for i in range(n)])
     if sink is not None:
         mx = jnp.maximum(mx, sink[None, :] * LOG2E)
-    w = [jnp.exp2(m[i] - mx) for i in range(n)]
-    den = functools.reduce(jnp.add, [w[i] * l[i] for i in range(n)])
+    w = [jnp.exp2(m[i] - mx) * l[i] for i in range(n)]  # split i's share of the softmax weight
+    den = functools.reduce(jnp.add, w)
     if sink is not None:
         den = den + jnp.exp2(sink[None, :] * LOG2E - mx)
-    num = functools.reduce(jnp.add, [w[i][..., None] * o[i] for i in range(n)])
+    num = functools.reduce(jnp.add, [w[i][..., None] * o[i].astype(jnp.float32) for i in range(n)])
     return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
 
 
@@ -707,11 +715,12 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             l = l + plgpu.load(stat_s.at[1, 1 - w], layout=ROW, optimized=False)
             heads = pl.ds(gi * HEAD_TILE, HEAD_TILE)
             cols = pl.ds(w * dvw, dvw)
+            inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+            o = acc * lax.broadcast_in_dim(inv, acc.shape, [0])  # normalised, so a split's rows fit its dtype
             if n_splits == 1:
-                inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
-                o_ref.at[ti, heads, cols][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(out_dtype)
+                o_ref.at[ti, heads, cols][...] = o.astype(out_dtype)
             else:
-                o_ref.at[si, ti, heads, cols][...] = acc
+                o_ref.at[si, ti, heads, cols][...] = o.astype(_partial_dtype(out_dtype))
                 if w == 0:
                     m_ref.at[si, ti, heads][...] = m
                     l_ref.at[si, ti, heads][...] = l
@@ -812,7 +821,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     if n_splits == 1:
         out_type = jax.ShapeDtypeStruct((t, hp, dv), out_dtype)
     else:
-        out_type = (jax.ShapeDtypeStruct((n_splits, t, hp, dv), jnp.float32),
+        out_type = (jax.ShapeDtypeStruct((n_splits, t, hp, dv), _partial_dtype(out_dtype)),
                     jax.ShapeDtypeStruct((n_splits, t, hp), jnp.float32),
                     jax.ShapeDtypeStruct((n_splits, t, hp), jnp.float32))
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, unsafe_no_auto_barriers=True,

@@ -264,20 +264,23 @@ case "$stage" in
     python3 scripts/diag/ncu_sass_regions.py "$OUT/mqa_v32_b64_loop_sass.csv" --top 15 | tee "$OUT/mqa_v32_b64_loop_regions.txt" | head -60
     ;;
   mqa-refresh)
-    # the MQA's defaults (the coalesced register producer for fp8 records): every native MQA / record-gather test
-    # (8 pytest-xdist workers: one process ran 15 of them in 180 s, 2026-12-03), then the defaults and V4's
-    # splits on the GPU timeline
+    # the MQA's defaults (the coalesced register producer for fp8 records, per-list extents, bf16 split rows for
+    # bf16 outputs): every native MQA / record-gather test (8 pytest-xdist workers: about 75 s, 2026-12-03), then
+    # the defaults (each call one CUDA graph: timing.CAPTURED_OPTIONS), V4's splits and output dtypes, and the
+    # kernel's fixed / per-block cost fit
     python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
-    timeout -s INT ${MQAR_TEST_TIMEOUT:-240} python3 -m pytest -m gpu -n ${GPU_WORKERS:-8} -q --tb=short -rfE \
+    timeout -s INT ${MQAR_TEST_TIMEOUT:-150} python3 -m pytest -m gpu -n ${GPU_WORKERS:-8} -q --tb=short -rfE \
       -p no:cacheprovider tests/test_kernel_sparse_mqa.py tests/test_kernel_record_gather.py > "$OUT/gpu_mqa_tests.log" 2>&1
     echo "mqa tests rc=$?"; grep -E "FAILED|ERROR" "$OUT/gpu_mqa_tests.log" | head; tail -1 "$OUT/gpu_mqa_tests.log"
     timeout -s KILL ${MQAR_TIMEOUT:-180} python3 scripts/diag/mqa_variants.py --cases v32_decode_64 v32_decode_128 \
       v32_prefill_4096 v32u_decode_64 v4_decode_64 v4_prefill_4096 --variants default \
       --out "$OUT/mqa_variants_default_h200.json" > "$OUT/mqa_refresh.log" 2>&1; echo "mqa default rc=$?"
     timeout -s KILL ${MQAR_TIMEOUT:-180} python3 scripts/diag/mqa_variants.py --cases v4_decode_64 \
-      --variants default splits1 splits4 tma --out "$OUT/mqa_variants_v4_splits_h200.json" >> "$OUT/mqa_refresh.log" 2>&1
-    echo "mqa v4 splits rc=$?"
-    grep '^{' "$OUT/mqa_refresh.log" | python3 -c 'import json, sys; [print(r["case"], r["variant"], r.get("profile_span_us"), r.get("profile_kernels"), r.get("tflops"), r.get("max_abs_err"), r.get("error", "")[:200]) for r in map(json.loads, sys.stdin)]'
+      --variants splits1 bf16_out bf16_out_splits1 splits4 --out "$OUT/mqa_variants_v4_splits_h200.json" \
+      >> "$OUT/mqa_refresh.log" 2>&1; echo "mqa v4 splits rc=$?"
+    grep '^{' "$OUT/mqa_refresh.log" | python3 -c 'import json, sys; [print(r["case"], r["variant"], r.get("profile_span_us"), r.get("profile_busy_us"), r.get("profile_kernels"), r.get("tflops"), r.get("max_abs_err"), r.get("error", "")[:200]) for r in map(json.loads, sys.stdin)]'
+    timeout -s KILL ${MQAR_FIT_TIMEOUT:-150} python3 scripts/diag/mqa_fixed_cost.py --out "$OUT/mqa_fixed_cost_h200.json" \
+      > "$OUT/mqa_fixed_cost.log" 2>&1; echo "mqa fixed cost rc=$?"; grep -v '^{' "$OUT/mqa_fixed_cost.log" | tail -3
     ;;
   mqa-rows)
     # the MQA's wall-clock rows beside XLA (BENCHMARKS' kernels_sparse_mqa), then the 8-layer V3.2 step with them

@@ -44,6 +44,9 @@ TOL_EXACT_KV = 2.0 ** -8
 # Peaked softmaxes (logits of tens) turn K's bf16 rounding (2^-9 relative) into probability shifts of a few
 # percent; the H200 measured 2.3% of max|V| on test_v32_fp8[amax] (2026-11-29), hence 2^-4 vs fp32 K.
 TOL_AMAX_VS_F32 = 2.0 ** -4
+# a bf16 output: with candidate splits each split's normalised rows are rounded to bf16 too (2^-9 relative each
+# time, at most max|V|), then the merged row once more
+TOL_BF16_OUT = TOL_EXACT_KV + 2.0 ** -8
 
 
 _interpret = interpret_for
@@ -102,7 +105,7 @@ def _check(q, caches, fmts, slots, *, scale, v_dim, sink, tol, interpret, num_sp
                          interpret=interpret, **kw)
     want, vmax = _reference(q, tuple(caches), tuple(fmts), tuple(slots), sink, scale=scale, v_dim=v_dim,
                             bf16_k=bf16_k)
-    got, want, vmax = np.asarray(got), np.asarray(want), float(vmax)
+    got, want, vmax = np.asarray(got).astype(np.float32), np.asarray(want), float(vmax)
     assert got.shape == want.shape == (q.shape[0], q.shape[1], v_dim)
     assert np.isfinite(got).all()
     err = np.abs(got - want)
@@ -146,6 +149,9 @@ def test_v32_padded_heads_and_splits(mode):
     for s in (2, 3):
         _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_EXACT_KV,
                interpret=interpret, num_splits=s)
+    # a bf16 output merged from bf16 split rows (``_partial_dtype``)
+    _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_BF16_OUT, interpret=interpret,
+           num_splits=2, out_dtype=jnp.bfloat16)
 
 
 @pytest.mark.parametrize("producer", ["registers", pytest.param("registers_p2", marks=pytest.mark.gpu)])
@@ -257,6 +263,10 @@ def _v4_window_compressed(interpret, num_splits, **kw) -> None:
     out = _check(q, [cw, cc], [fw, fc], [sw, sc], scale=512 ** -0.5, v_dim=512, sink=sink, tol=TOL_EXACT_KV,
                  interpret=interpret, num_splits=num_splits, **kw)
     assert np.all(out[2] == 0.0)  # only the sink's mass: zero output
+    if num_splits > 1:  # as the V4 layer calls it: a bf16 output, merged from bf16 split rows
+        out = _check(q, [cw, cc], [fw, fc], [sw, sc], scale=512 ** -0.5, v_dim=512, sink=sink, tol=TOL_BF16_OUT,
+                     interpret=interpret, num_splits=num_splits, out_dtype=jnp.bfloat16, **kw)
+        assert np.all(out[2] == 0.0)
 
 
 # ----- bf16 FloatRows caches -----------------------------------------------------------------------------
@@ -394,7 +404,7 @@ def test_v4_layer_attend(mode):
 @pytest.mark.skipif(ON_GPU, reason="the native tests compile the kernel")
 @pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16", "v32_fp8_tma",
                                   "v32_fp8_registers_p2", "v4_fp8_tma",
-                                  "v4_fp8_registers_p2"])
+                                  "v4_fp8_registers_p2", "v4_fp8_splits_bf16"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -413,7 +423,8 @@ def test_lowers_for_cuda(case):
     # v32_fp8 / v4_fp8: the register producer (the default natively for fp8 records)
     kw = {"v32_fp8_tma": dict(producer="tma"), "v4_fp8_tma": dict(producer="tma"),
           "v32_fp8_registers_p2": dict(producer="registers", producer_phases=2),
-          "v4_fp8_registers_p2": dict(producer="registers", producer_phases=2)}.get(case, {})
+          "v4_fp8_registers_p2": dict(producer="registers", producer_phases=2),
+          "v4_fp8_splits_bf16": dict(out_dtype=jnp.bfloat16)}.get(case, {})  # bf16 split rows
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,

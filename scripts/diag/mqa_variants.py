@@ -28,6 +28,8 @@ from pallas_kernels import sparse_mqa
 # removed, as was the twentieth's (the next block's QK issued behind the PV; docs/perf-log.md).
 VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_splits=2),
             "splits4": dict(num_splits=4),
+            # the layers' output dtype: with splits, bf16 split rows (half the partial bytes; ``_partial_dtype``)
+            "bf16_out": dict(out_dtype="bfloat16"), "bf16_out_splits1": dict(out_dtype="bfloat16", num_splits=1),
             # who fills the K tile: "tma" (the compute warpgroups, from bulk-copied rows) or "registers" (the
             # default for fp8 records natively: a third warpgroup, one software-pipelined loop of coalesced loads)
             "tma": dict(producer="tma"), "registers": dict(producer="registers"),
@@ -68,7 +70,7 @@ def main() -> None:
                         compiler_options=CAPTURED_OPTIONS)  # one CUDA graph however few its kernels
 
             def measure(f=f) -> dict:
-                got = np.asarray(f(q, caches, slots, sink))
+                got = np.asarray(f(q, caches, slots, sink)).astype(np.float32)
                 m = dict(max_abs_err=float(np.abs(got - ref).max()), ref_max=float(np.abs(ref).max()),
                          **profiled_device_us(f, q, caches, slots, sink, by_kernel=True))
                 return dict(m, tflops=flops / m["profile_span_us"] / 1e6) if "profile_span_us" in m else m
