@@ -131,6 +131,7 @@ from pallas_kernels import record_gather
 Producer = Literal["tma", "registers"]
 
 
+PROFILE_RANGES = 64  # per warpgroup and call: ``profile_dir``'s regions (4 per block, 2 more per warpgroup)
 HEAD_TILE = 64  # wgmma M
 BLOCK_K = 64  # candidates per block (the dequantised [64, 64] chunks use the WGMMA register layout)
 NUM_WG = 2  # compute warpgroups per CTA, each owns v_dim / 2 output columns
@@ -213,7 +214,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                out_dtype: jnp.dtype = jnp.float32,
                interpret: bool | plgpu.InterpretGPUParams | None = None, producer: Producer | None = None,
                producer_regs: int | None = None, producer_phases: int | None = None,
-               producer_pow2: bool | None = None) -> jax.Array:
+               producer_pow2: bool | None = None, profile_dir: str | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype; with candidate
@@ -236,6 +237,10 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     third thread; the register producer's needs one CPU per warpgroup).
     ``producer_pow2``: the register producers' dequantisation without conversion instructions, exact only for
     power-of-two scales (``record_gather._DQ_POW2_ASM``); None = where the records' scales are ("ue8m0").
+    ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler records the kernel's named regions per
+    warpgroup (prologue, the block loop's wait_full / qk / softmax / pv, epilogue; produce) and writes a
+    Perfetto trace under this folder per call (``scripts/diag/mqa_regions.py``). Its buffer takes shared
+    memory, which V3.2's fp8 kernel has no room for.
     Timings: docs/perf-log.md.
     """
     caches, formats, slots = tuple(caches), tuple(formats), tuple(slots)
@@ -247,11 +252,12 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
         "pallas": lambda: _pallas(q, caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink,
                                   num_splits=num_splits, out_dtype=out_dtype, interpret=interpret,
                                   producer=producer, producer_regs=producer_regs,
-                                  producer_phases=producer_phases, producer_pow2=producer_pow2)})
+                                  producer_phases=producer_phases, producer_pow2=producer_pow2,
+                                  profile_dir=profile_dir)})
 
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
-            producer_regs=None, producer_phases=None, producer_pow2=None):
+            producer_regs=None, producer_phases=None, producer_pow2=None, profile_dir=None):
     if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
     if producer_phases not in (None, 1, 2, 4):
@@ -283,6 +289,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
         interpret = resolve_interpret(None)
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
+    if profile_dir is not None and interpret:
+        raise ValueError("profile_dir: Mosaic GPU's profiler runs natively only (interpret mode has no trace)")
     if producer == "registers" and interpret and not one_656:
         raise ValueError('producer="registers" over MlaRecord584 caches is native only (GPU interpret mode '
                          "emulates V3.2's register producer alone)")
@@ -313,7 +321,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                        has_sink=has_sink, n_splits=n_splits, bps=bps, out_dtype=jnp.dtype(out_dtype),
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
                        producer_phases=producer_phases,
-                       pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2)
+                       pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2,
+                       profile_dir=profile_dir)
     outs = call(qp, *padded, *_extents(padded), sink_p, *caches)  # the lists' slots apart: no concatenated copy
     if n_splits == 1:
         return outs[:, :h]
@@ -376,7 +385,8 @@ def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -
 def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t: int, hp: int, dv: int,
                 scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype,
                 interpret: plgpu.InterpretGPUParams | None, producer: Producer = "tma",
-                producer_regs: int = 144, producer_phases: int = 1, pow2: bool = False):
+                producer_regs: int = 144, producer_phases: int = 1, pow2: bool = False,
+                profile_dir: str | None = None):
     """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k and arrives on "full"[k % 2];
     the compute warpgroups wait on it, read the block's slots from its idx slot (written by the producer),
     compute as below and arrive on "free"[k % 2] after their PV, which the producer waits for before it refills
@@ -585,37 +595,38 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 plgpu.commit_smem()
 
             # ---- prologue
-            if reg and not emulate:
-                plgpu.set_max_registers(compute_regs(producer_regs), action="increase")
-            if w == 0:
-                plgpu.copy_gmem_to_smem(q_ref.at[ti, pl.ds(gi * HEAD_TILE, HEAD_TILE)], q_s, bar_q.at[0])
+            with jax.named_scope("prologue"):  # regions of the Mosaic GPU profiler (``profile_dir``)
+                if reg and not emulate:
+                    plgpu.set_max_registers(compute_regs(producer_regs), action="increase")
+                if w == 0:
+                    plgpu.copy_gmem_to_smem(q_ref.at[ti, pl.ds(gi * HEAD_TILE, HEAD_TILE)], q_s, bar_q.at[0])
+                    if not reg:
+                        @pl.when(nblk > 0)
+                        def _():
+                            idx_copy(0, 0)
+
+                        @pl.when(nblk > 1)
+                        def _():
+                            idx_copy(1, 1)
+                elif rope_mm and not reg:
+                    init_selection()
+
                 if not reg:
                     @pl.when(nblk > 0)
                     def _():
-                        idx_copy(0, 0)
-
-                    @pl.when(nblk > 1)
-                    def _():
-                        idx_copy(1, 1)
-            elif rope_mm and not reg:
-                init_selection()
-
-            if not reg:
-                @pl.when(nblk > 0)
-                def _():
-                    plgpu.barrier_wait(bar_i.at[0])
-                    issue_row_copies(cache_refs, st, idx_s, 0, block_id(0), w, bar_kv.at[0])
-                    plgpu.barrier_wait(bar_kv.at[0])
-                    fill_k(0)  # block 0's K chunks; each iteration fills the next block's after its PV
-            if has_sink and n_splits == 1:
-                sk = plgpu.load(sink_ref.at[pl.ds(gi * HEAD_TILE, HEAD_TILE)], layout=ROW, optimized=False) * LOG2E
-                m0 = jnp.maximum(sk, M_INIT)
-                l0 = jnp.exp2(sk - m0) * (1.0 if w == 0 else 0.0)  # counted once, in warpgroup 0's sum
-            else:
-                m0 = plgpu.layout_cast(jnp.full((HEAD_TILE,), M_INIT, jnp.float32), ROW)
-                l0 = plgpu.layout_cast(jnp.full((HEAD_TILE,), 0.0, jnp.float32), ROW)
-            acc0 = plgpu.layout_cast(jnp.full((HEAD_TILE, dvw), 0.0, jnp.float32), L)
-            plgpu.barrier_wait(bar_q.at[0])
+                        plgpu.barrier_wait(bar_i.at[0])
+                        issue_row_copies(cache_refs, st, idx_s, 0, block_id(0), w, bar_kv.at[0])
+                        plgpu.barrier_wait(bar_kv.at[0])
+                        fill_k(0)  # block 0's K chunks; each iteration fills the next block's after its PV
+                if has_sink and n_splits == 1:
+                    sk = plgpu.load(sink_ref.at[pl.ds(gi * HEAD_TILE, HEAD_TILE)], layout=ROW, optimized=False) * LOG2E
+                    m0 = jnp.maximum(sk, M_INIT)
+                    l0 = jnp.exp2(sk - m0) * (1.0 if w == 0 else 0.0)  # counted once, in warpgroup 0's sum
+                else:
+                    m0 = plgpu.layout_cast(jnp.full((HEAD_TILE,), M_INIT, jnp.float32), ROW)
+                    l0 = plgpu.layout_cast(jnp.full((HEAD_TILE,), 0.0, jnp.float32), ROW)
+                acc0 = plgpu.layout_cast(jnp.full((HEAD_TILE, dvw), 0.0, jnp.float32), L)
+                plgpu.barrier_wait(bar_q.at[0])
 
             own = pl.ds(w * HALF, HALF)  # this warpgroup's candidates
 
@@ -629,7 +640,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 if reg:  # block k in K tile k % 2, its slots in idx slot k % 2 (both from the producer)
                     if raw:
                         # the producer filled K tile k % 2 with block k (raw mbarriers)
-                        record_gather.wait_full(idx_s.at[2, pl.ds(2 * islot, 2)], (k // 2) % 2)
+                        with jax.named_scope("wait_full"):
+                            record_gather.wait_full(idx_s.at[2, pl.ds(2 * islot, 2)], (k // 2) % 2)
                     else:
                         plgpu.barrier_wait(bar_full.at[islot])
                     q_mm, k_mm = q_s1.at[z], k_s1.at[islot + z]
@@ -660,26 +672,28 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     plgpu.wgmma_wait(0)
                     return acc_ref[...]
 
-                sc = pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, HALF), jnp.float32)) * s2
-                sc = jnp.where(lax.broadcast_in_dim(valid, sc.shape, [1]), sc, -jnp.inf)
-                mx = sc.max(axis=1)
-                # the row maximum over both halves: one exchange through shared memory
-                stat_s.at[0, w][...] = mx
-                plgpu.barrier_arrive(bar_stat.at[0])
-                plgpu.barrier_wait(bar_stat.at[0])
-                mx = jnp.maximum(mx, plgpu.load(stat_s.at[0, 1 - w], layout=ROW, optimized=False))
-                m_new = jnp.maximum(m, mx)
-                alpha = jnp.exp2(m - m_new)
-                p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
-                l = l * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                v_ref = k_mm.at[:, pl.ds(w * dvw, dvw)]
+                with jax.named_scope("qk"):
+                    sc = pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, HALF), jnp.float32)) * s2
+                with jax.named_scope("softmax"):  # and the exchanges of the row maxima and of P
+                    sc = jnp.where(lax.broadcast_in_dim(valid, sc.shape, [1]), sc, -jnp.inf)
+                    mx = sc.max(axis=1)
+                    # the row maximum over both halves: one exchange through shared memory
+                    stat_s.at[0, w][...] = mx
+                    plgpu.barrier_arrive(bar_stat.at[0])
+                    plgpu.barrier_wait(bar_stat.at[0])
+                    mx = jnp.maximum(mx, plgpu.load(stat_s.at[0, 1 - w], layout=ROW, optimized=False))
+                    m_new = jnp.maximum(m, mx)
+                    alpha = jnp.exp2(m - m_new)
+                    p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
+                    l = l * alpha + p.sum(axis=1)
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    v_ref = k_mm.at[:, pl.ds(w * dvw, dvw)]
 
-                # each warpgroup publishes its half of P's columns; PV takes the whole P
-                p_s.at[:, own][...] = p.astype(jnp.bfloat16)
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(bar_p.at[0])
-                plgpu.barrier_wait(bar_p.at[0])
+                    # each warpgroup publishes its half of P's columns; PV takes the whole P
+                    p_s.at[:, own][...] = p.astype(jnp.bfloat16)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(bar_p.at[0])
+                    plgpu.barrier_wait(bar_p.at[0])
 
                 def pv(acc_ref):
                     plgpu.wgmma(acc_ref, p_s, v_ref)
@@ -692,7 +706,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
 
                     acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((HEAD_TILE, dvw), jnp.float32))
                 else:  # in place: a second [64, 256] fp32 accumulator would not fit the registers
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    with jax.named_scope("pv"):
+                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
 
                 if raw:  # done with K tile k % 2 (and its slots): the producer may refill it
                     record_gather.arrive_free(idx_s.at[2, pl.ds(4 + 2 * islot, 2)])
@@ -709,22 +724,23 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 return acc, m_new, l
 
             acc, m, l = lax.fori_loop(0, nblk, body, (acc0, m0, l0))
-            # each warpgroup summed its halves' weights (same maxima): the total is the sum of both
-            stat_s.at[1, w][...] = l
-            plgpu.barrier_arrive(bar_stat.at[0])
-            plgpu.barrier_wait(bar_stat.at[0])
-            l = l + plgpu.load(stat_s.at[1, 1 - w], layout=ROW, optimized=False)
-            heads = pl.ds(gi * HEAD_TILE, HEAD_TILE)
-            cols = pl.ds(w * dvw, dvw)
-            inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
-            o = acc * lax.broadcast_in_dim(inv, acc.shape, [0])  # normalised, so a split's rows fit its dtype
-            if n_splits == 1:
-                o_ref.at[ti, heads, cols][...] = o.astype(out_dtype)
-            else:
-                o_ref.at[si, ti, heads, cols][...] = o.astype(_partial_dtype(out_dtype))
-                if w == 0:
-                    m_ref.at[si, ti, heads][...] = m
-                    l_ref.at[si, ti, heads][...] = l
+            with jax.named_scope("epilogue"):
+                # each warpgroup summed its halves' weights (same maxima): the total is the sum of both
+                stat_s.at[1, w][...] = l
+                plgpu.barrier_arrive(bar_stat.at[0])
+                plgpu.barrier_wait(bar_stat.at[0])
+                l = l + plgpu.load(stat_s.at[1, 1 - w], layout=ROW, optimized=False)
+                heads = pl.ds(gi * HEAD_TILE, HEAD_TILE)
+                cols = pl.ds(w * dvw, dvw)
+                inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+                o = acc * lax.broadcast_in_dim(inv, acc.shape, [0])  # normalised, so a split's rows fit its dtype
+                if n_splits == 1:
+                    o_ref.at[ti, heads, cols][...] = o.astype(out_dtype)
+                else:
+                    o_ref.at[si, ti, heads, cols][...] = o.astype(_partial_dtype(out_dtype))
+                    if w == 0:
+                        m_ref.at[si, ti, heads][...] = m
+                        l_ref.at[si, ti, heads][...] = l
 
         def produce():
             """producer="registers": block k into K tile k % 2 (and its slots into idx slot k % 2), once the
@@ -733,9 +749,10 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 plgpu.set_max_registers(producer_regs, action="decrease")
                 lists = (tuple((list_start[i], specs[i].entries_per_page, specs[i].page_elems) for i in range(nc))
                          if kind == "mla584" else None)
-                record_gather.produce_tile(tuple(x.at[ti] for x in slots_refs), tuple(cache_refs), k_s1, idx_s, b0,
-                                           nblk, exts=tuple(exts[:-1]), nblocks=sum(list_blocks), lists=lists,
-                                           phases=producer_phases, pow2_scales=pow2)
+                with jax.named_scope("produce"):
+                    record_gather.produce_tile(tuple(x.at[ti] for x in slots_refs), tuple(cache_refs), k_s1, idx_s, b0,
+                                               nblk, exts=tuple(exts[:-1]), nblocks=sum(list_blocks), lists=lists,
+                                               phases=producer_phases, pow2_scales=pow2)
                 return
             st, pb_s, sel_s = per_prod
             init_selection(sel_s)
@@ -826,7 +843,9 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     jax.ShapeDtypeStruct((n_splits, t, hp), jnp.float32),
                     jax.ShapeDtypeStruct((n_splits, t, hp), jnp.float32))
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, unsafe_no_auto_barriers=True,
-                                  approx_math=True, reduction_scratch_bytes=0)  # row reductions stay in-warp
+                                  approx_math=True, reduction_scratch_bytes=0,  # row reductions stay in-warp
+                                  **(dict(profile_space=PROFILE_RANGES, profile_dir=profile_dir) if profile_dir
+                                     else {}))
     return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=(n_splits * t * G,),
                         grid_names=("cta",), num_threads=NUM_WG + reg, thread_name="wg", compiler_params=params,
                         interpret=interpret if interpret is not None else False)

@@ -281,6 +281,9 @@ case "$stage" in
     grep '^{' "$OUT/mqa_refresh.log" | python3 -c 'import json, sys; [print(r["case"], r["variant"], r.get("profile_span_us"), r.get("profile_busy_us"), r.get("profile_kernels"), r.get("tflops"), r.get("max_abs_err"), r.get("error", "")[:200]) for r in map(json.loads, sys.stdin)]'
     timeout -s KILL ${MQAR_FIT_TIMEOUT:-150} python3 scripts/diag/mqa_fixed_cost.py --out "$OUT/mqa_fixed_cost_h200.json" \
       > "$OUT/mqa_fixed_cost.log" 2>&1; echo "mqa fixed cost rc=$?"; grep -v '^{' "$OUT/mqa_fixed_cost.log" | tail -3
+    # where V4's per-CTA time goes: Mosaic GPU's in-kernel profiler over the kernel's named regions
+    timeout -s KILL ${MQAR_REGIONS_TIMEOUT:-120} python3 scripts/diag/mqa_regions.py --cases v4_decode_64 --splits 2 1 \
+      --out "$OUT/mqa_regions_h200.json" > "$OUT/mqa_regions.log" 2>&1; echo "mqa regions rc=$?"; tail -c 1500 "$OUT/mqa_regions.log"
     ;;
   mqa-rows)
     # the MQA's wall-clock rows beside XLA (BENCHMARKS' kernels_sparse_mqa), then the 8-layer V3.2 step with them

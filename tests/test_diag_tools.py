@@ -49,3 +49,27 @@ def test_missing_kernel(tmp_path):
     _write(p)
     with pytest.raises(ValueError, match="no kernel"):
         regions_mod.kernel_rows(str(p), "triton")
+
+
+def test_mqa_regions_summary():
+    """scripts/diag/mqa_regions.py's reduction of a Mosaic GPU profiler trace: two CTAs of three warpgroups
+    (traces 1-3, 4-6), nested regions, per-occurrence and per-CTA medians, CTA spans and spreads."""
+    spec = importlib.util.spec_from_file_location("mqa_regions", ROOT / "scripts/diag/mqa_regions.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def rng(name, tid, t0, t1):
+        return [dict(name=name, ph="B", ts=t0, tid=tid), dict(name=name, ph="E", ts=t1, tid=tid)]
+
+    ev = []
+    for cta, off in ((0, 0.0), (1, 2.0)):
+        wg0 = 1 + 3 * cta
+        ev += rng("prologue", wg0, off, off + 3) + rng("qk", wg0, off + 3, off + 4) + rng("qk", wg0, off + 5, off + 7)
+        ev += rng("epilogue", wg0, off + 7, off + 8) + rng("produce", wg0 + 2, off + 1, off + 6)
+    s = mod.summarize(list(reversed(ev)), traces_per_cta=3)
+    assert s["ctas"] == 2 and s["kernel_span_us"] == 10.0 and s["cta_span_median_us"] == 8.0
+    assert s["cta_start_spread_us"] == 2.0 and s["cta_end_spread_us"] == 2.0
+    assert s["regions"]["qk/wg0"] == {"median_us": 1.5, "per_cta_median_us": 3.0, "per_cta": 2.0}
+    assert s["regions"]["produce/wg2"]["median_us"] == 5.0
+    with pytest.raises(ValueError, match="unbalanced"):
+        mod.summarize([dict(name="qk", ph="E", ts=1.0, tid=1)], traces_per_cta=3)
