@@ -129,6 +129,7 @@ from jds.ops.sparse_mqa import paged_sparse_mqa_xla
 from pallas_kernels import record_gather
 
 Producer = Literal["tma", "registers"]
+SplitCombine = Literal["xla", "kernel"]
 
 
 PROFILE_RANGES = 64  # per warpgroup and call: ``profile_dir``'s regions (4 per block, 2 more per warpgroup)
@@ -214,7 +215,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                out_dtype: jnp.dtype = jnp.float32,
                interpret: bool | plgpu.InterpretGPUParams | None = None, producer: Producer | None = None,
                producer_regs: int | None = None, producer_phases: int | None = None,
-               producer_pow2: bool | None = None, profile_dir: str | None = None) -> jax.Array:
+               producer_pow2: bool | None = None, split_combine: SplitCombine = "xla",
+               profile_dir: str | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype; with candidate
@@ -237,6 +239,9 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     third thread; the register producer's needs one CPU per warpgroup).
     ``producer_pow2``: the register producers' dequantisation without conversion instructions, exact only for
     power-of-two scales (``record_gather._DQ_POW2_ASM``); None = where the records' scales are ("ue8m0").
+    ``split_combine`` (with candidate splits): "xla", the splits' rows merged by XLA after the kernel; "kernel"
+    (native), by the last split of each head tile to finish (``record_gather.count_split``: a GPU-scope counter
+    per token and head tile, reset by that split), so no kernel follows. Opt-in until measured.
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler records the kernel's named regions per
     warpgroup (prologue, the block loop's wait_full / qk / softmax / pv, epilogue; produce) and writes a
     Perfetto trace under this folder per call (``scripts/diag/mqa_regions.py``). Its buffer takes shared
@@ -253,11 +258,11 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                                   num_splits=num_splits, out_dtype=out_dtype, interpret=interpret,
                                   producer=producer, producer_regs=producer_regs,
                                   producer_phases=producer_phases, producer_pow2=producer_pow2,
-                                  profile_dir=profile_dir)})
+                                  split_combine=split_combine, profile_dir=profile_dir)})
 
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
-            producer_regs=None, producer_phases=None, producer_pow2=None, profile_dir=None):
+            producer_regs=None, producer_phases=None, producer_pow2=None, split_combine="xla", profile_dir=None):
     if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
     if producer_phases not in (None, 1, 2, 4):
@@ -289,6 +294,10 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
         interpret = resolve_interpret(None)
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
+    if split_combine not in ("xla", "kernel"):
+        raise ValueError(f'split_combine must be "xla" or "kernel", got {split_combine!r}')
+    if split_combine == "kernel" and interpret:
+        raise ValueError('split_combine="kernel" runs natively only (its counter is PTX; interpret mode: "xla")')
     if profile_dir is not None and interpret:
         raise ValueError("profile_dir: Mosaic GPU's profiler runs natively only (interpret mode has no trace)")
     if producer == "registers" and interpret and not one_656:
@@ -322,8 +331,11 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
                        producer_phases=producer_phases,
                        pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2,
-                       profile_dir=profile_dir)
-    outs = call(qp, *padded, *_extents(padded), sink_p, *caches)  # the lists' slots apart: no concatenated copy
+                       profile_dir=profile_dir, merge=n_splits > 1 and split_combine == "kernel")
+    args = (qp, *padded, *_extents(padded), sink_p, *caches)  # the lists' slots apart: no concatenated copy
+    if n_splits > 1 and split_combine == "kernel":  # zeroed counters; the kernel leaves them zero again
+        return call(*args, jnp.zeros((t * g,), jnp.int32))[0][:, :h]
+    outs = call(*args)
     if n_splits == 1:
         return outs[:, :h]
     o, m, l = outs
@@ -386,7 +398,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype,
                 interpret: plgpu.InterpretGPUParams | None, producer: Producer = "tma",
                 producer_regs: int = 144, producer_phases: int = 1, pow2: bool = False,
-                profile_dir: str | None = None):
+                profile_dir: str | None = None, merge: bool = False):
     """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k and arrives on "full"[k % 2];
     the compute warpgroups wait on it, read the block's slots from its idx slot (written by the producer),
     compute as below and arrive on "free"[k % 2] after their PV, which the producer waits for before it refills
@@ -526,11 +538,14 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
 
     def kernel(q_ref, *rest):
         slots_refs, ext_refs, sink_ref, rest = rest[:nc], rest[nc:2 * nc], rest[2 * nc], rest[2 * nc + 1:]
-        cache_refs = rest[:nc]
+        cache_refs, rest = rest[:nc], rest[nc:]
+        cnt_ref = out_ref = None
+        if merge:  # the splits' counters (zeros), the merged rows, then the splits' rows
+            cnt_ref, out_ref, rest = rest[0], rest[1], rest[2:]
         if n_splits == 1:
-            (o_ref,), scratch = rest[nc:nc + 1], rest[nc + 1:]
+            (o_ref,), scratch = rest[:1], rest[1:]
         else:
-            (o_ref, m_ref, l_ref), scratch = rest[nc:nc + 3], rest[nc + 3:]
+            (o_ref, m_ref, l_ref), scratch = rest[:3], rest[3:]
         st16 = pb_s = sel_s = st = bar_i = bar_kv = bar_ready = None
         *scratch, stat_s, bar_stat = scratch
         if reg:
@@ -741,6 +756,33 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     if w == 0:
                         m_ref.at[si, ti, heads][...] = m
                         l_ref.at[si, ti, heads][...] = l
+                if merge:  # the count read lands in the slots' first word (no block reads them any more)
+                    flag_s = idx_s.at[0, pl.ds(0, 1)]
+                    record_gather.count_split(cnt_ref.at[pl.ds(ti * G + gi, 1)], flag_s, n_splits)
+                    pl.when(flag_s[0] == n_splits - 1)(functools.partial(merge_splits, w, ti, heads))
+
+        def merge_splits(w, ti, heads):
+            """The token's last split to finish: its head tile's rows merged from every split's rows (as
+            ``_combine``), 64 columns at a time (a whole [64, 256] fp32 row block and a split's beside it would not
+            fit the registers)."""
+            ms = [plgpu.load(m_ref.at[s, ti, heads], layout=ROW, optimized=False) for s in range(n_splits)]
+            ls = [plgpu.load(l_ref.at[s, ti, heads], layout=ROW, optimized=False) for s in range(n_splits)]
+            mx = functools.reduce(jnp.maximum, ms)
+            if has_sink:
+                sk = plgpu.load(sink_ref.at[heads], layout=ROW, optimized=False) * LOG2E
+                mx = jnp.maximum(mx, sk)
+            ws = [jnp.exp2(ms[s] - mx) * ls[s] for s in range(n_splits)]
+            den = functools.reduce(jnp.add, ws)
+            if has_sink:
+                den = den + jnp.exp2(sk - mx)
+            inv = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
+            shares = [lax.broadcast_in_dim(wi * inv, (HEAD_TILE, 64), [0]) for wi in ws]
+            for c in range(dvw // 64):
+                cols = pl.ds(w * dvw + 64 * c, 64)
+                parts = [plgpu.load(o_ref.at[s, ti, heads, cols], layout=L, optimized=False).astype(jnp.float32)
+                         for s in range(n_splits)]
+                row = functools.reduce(jnp.add, [shares[s] * parts[s] for s in range(n_splits)])
+                out_ref.at[ti, heads, cols][...] = row.astype(out_dtype)
 
         def produce():
             """producer="registers": block k into K tile k % 2 (and its slots into idx slot k % 2), once the
@@ -842,6 +884,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         out_type = (jax.ShapeDtypeStruct((n_splits, t, hp, dv), _partial_dtype(out_dtype)),
                     jax.ShapeDtypeStruct((n_splits, t, hp), jnp.float32),
                     jax.ShapeDtypeStruct((n_splits, t, hp), jnp.float32))
+    if merge:  # the merged rows first (the splits' rows stay, read by the last split of each head tile)
+        out_type = (jax.ShapeDtypeStruct((t, hp, dv), out_dtype), *out_type)
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, unsafe_no_auto_barriers=True,
                                   approx_math=True, reduction_scratch_bytes=0,  # row reductions stay in-warp
                                   **(dict(profile_space=PROFILE_RANGES, profile_dir=profile_dir) if profile_dir

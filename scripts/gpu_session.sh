@@ -276,7 +276,7 @@ case "$stage" in
       v32_prefill_4096 v32u_decode_64 v4_decode_64 v4_prefill_4096 --variants default \
       --out "$OUT/mqa_variants_default_h200.json" > "$OUT/mqa_refresh.log" 2>&1; echo "mqa default rc=$?"
     timeout -s KILL ${MQAR_TIMEOUT:-180} python3 scripts/diag/mqa_variants.py --cases v4_decode_64 \
-      --variants splits1 bf16_out bf16_out_splits1 splits4 --out "$OUT/mqa_variants_v4_splits_h200.json" \
+      --variants splits1 bf16_out bf16_out_splits1 merge merge_bf16 splits4 --out "$OUT/mqa_variants_v4_splits_h200.json" \
       >> "$OUT/mqa_refresh.log" 2>&1; echo "mqa v4 splits rc=$?"
     grep '^{' "$OUT/mqa_refresh.log" | python3 -c 'import json, sys; [print(r["case"], r["variant"], r.get("profile_span_us"), r.get("profile_busy_us"), r.get("profile_kernels"), r.get("tflops"), r.get("max_abs_err"), r.get("error", "")[:200]) for r in map(json.loads, sys.stdin)]'
     timeout -s KILL ${MQAR_FIT_TIMEOUT:-150} python3 scripts/diag/mqa_fixed_cost.py --out "$OUT/mqa_fixed_cost_h200.json" \
