@@ -22,8 +22,9 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, two compute warpgroups per CT
   per list; the kernel maps its k-th block to a list's block by scalar arithmetic), so prefill tokens early
   in the sequence, short contexts and masked rows cost only their live blocks. ``num_splits`` cuts each
   token's sequence of live blocks into CTAs (small decode batches need them to fill the GPU); each split writes
-  its normalised rows (in a 16-bit output's dtype, else fp32) with their (m, l), merged in JAX with the sink
-  (with one split the CTA writes the final rows itself).
+  its normalised rows (in a 16-bit output's dtype, else fp32) with their (m, l), merged in JAX with the sink,
+  or by the head tile's last split to finish (``split_combine="kernel"``); with one split the CTA writes the
+  final rows itself.
 - Row gather: Hopper has no gather TMA, so every candidate row is one (V3.2, bf16 rows) or two (V4: data,
   UE8M0 exponents) contiguous bulk TMA copies ``cache[page, start:start+n] -> staging[row]`` with the page
   and byte offset computed from the slot by scalar code. Each warp issues 8 of the block's 64 rows under
