@@ -23,7 +23,8 @@
 #   scripts/gpu_session.sh ncu-mqa       # issue 20: Nsight Compute (full set) on the sparse MQA, V3.2 and V4 decode at batch 64
 #   scripts/gpu_session.sh mqa-variants  # issue 20: sparse MQA native tests, its switches on the GPU timeline, ncu of the default
 #   scripts/gpu_session.sh mqa-loops     # issue 20: the register producer's native tests, then its switch sets timed
-#   scripts/gpu_session.sh mqa-refresh   # issue 20: every native MQA test; the defaults and V4's splits timed
+#   scripts/gpu_session.sh mqa-refresh   # issue 20: every native MQA test; the defaults, V4's splits / merge timed
+#   scripts/gpu_session.sh mqa-probe     # issue 20: the MQA's fixed / per-block cost fit, V4's in-kernel regions
 #   scripts/gpu_session.sh mqa-rows      # issue 20: the MQA's wall-clock rows beside XLA, the 8-layer V3.2 fused step
 #   scripts/gpu_session.sh ncu-fp4sweep  # issue 22: FP4 grouped decode calls x variants (bf16 / e4m3 x), exact kernel durations (ncu)
 #   scripts/gpu_session.sh hostprofile   # issue 16: one step's GPU timeline (8 layers, 8 segments), TTFT's readback
@@ -266,8 +267,8 @@ case "$stage" in
   mqa-refresh)
     # the MQA's defaults (the coalesced register producer for fp8 records, per-list extents, bf16 split rows for
     # bf16 outputs): every native MQA / record-gather test (8 pytest-xdist workers: about 75 s, 2026-12-03), then
-    # the defaults (each call one CUDA graph: timing.CAPTURED_OPTIONS), V4's splits and output dtypes, and the
-    # kernel's fixed / per-block cost fit
+    # the defaults (each call one CUDA graph: timing.CAPTURED_OPTIONS), V4's splits, output dtypes and the
+    # in-kernel merge
     python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
     timeout -s INT ${MQAR_TEST_TIMEOUT:-150} python3 -m pytest -m gpu -n ${GPU_WORKERS:-8} -q --tb=short -rfE \
       -p no:cacheprovider tests/test_kernel_sparse_mqa.py tests/test_kernel_record_gather.py > "$OUT/gpu_mqa_tests.log" 2>&1
@@ -279,6 +280,9 @@ case "$stage" in
       --variants splits1 bf16_out bf16_out_splits1 merge merge_bf16 splits4 --out "$OUT/mqa_variants_v4_splits_h200.json" \
       >> "$OUT/mqa_refresh.log" 2>&1; echo "mqa v4 splits rc=$?"
     grep '^{' "$OUT/mqa_refresh.log" | python3 -c 'import json, sys; [print(r["case"], r["variant"], r.get("profile_span_us"), r.get("profile_busy_us"), r.get("profile_kernels"), r.get("tflops"), r.get("max_abs_err"), r.get("error", "")[:200]) for r in map(json.loads, sys.stdin)]'
+    ;;
+  mqa-probe)
+    # where the MQA's per-CTA time goes: the fixed / per-block fit (both archs), then the in-kernel regions of V4
     timeout -s KILL ${MQAR_FIT_TIMEOUT:-150} python3 scripts/diag/mqa_fixed_cost.py --out "$OUT/mqa_fixed_cost_h200.json" \
       > "$OUT/mqa_fixed_cost.log" 2>&1; echo "mqa fixed cost rc=$?"; grep -v '^{' "$OUT/mqa_fixed_cost.log" | tail -3
     # where V4's per-CTA time goes: Mosaic GPU's in-kernel profiler over the kernel's named regions
