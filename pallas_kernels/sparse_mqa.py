@@ -92,7 +92,7 @@ each block with per-thread loads, coalesced so that a warp's load reads whole li
 into one of two K tiles (``pallas_kernels.record_gather``, after FlashMLA's sm90 sparse decode
 design), so no staging rows and no conversion in the compute warpgroups; they wait "full"[k % 2], compute,
 and arrive "free"[k % 2] after PV. The producer is one software-pipelined loop over raw mbarriers: it carries
-the next block's slot and the block id after it (neither load sits in a block's chain) and prefetches the
+the next block's slot (its load sits in no block's chain; block ids are arithmetic) and prefetches the
 next block's records into L2 (decode reads its records from DRAM, and the per-thread loads alone keep too few
 bytes in flight to hide that latency). Registers: setmaxnreg moves them only inside the 384-thread CTA's
 launch pool (3 x 168 per thread), so producer + 2 x compute <= 504; an "increase" past it never returns (the
@@ -327,14 +327,15 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     has_sink = sink is not None
     sink_p = (jnp.pad(sink.astype(jnp.float32), (0, hp - h), constant_values=-jnp.inf) if has_sink
               else jnp.zeros((hp,), jnp.float32))
+    merge = n_splits > 1 and split_combine == "kernel"  # the splits' rows merged in the kernel
     call = _build_call(specs=specs, list_blocks=tuple(list_blocks), t=t, hp=hp, dv=v_dim, scale=float(scale),
                        has_sink=has_sink, n_splits=n_splits, bps=bps, out_dtype=jnp.dtype(out_dtype),
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
                        producer_phases=producer_phases,
                        pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2,
-                       profile_dir=profile_dir, merge=n_splits > 1 and split_combine == "kernel")
+                       profile_dir=profile_dir, merge=merge)
     args = (qp, *padded, *_extents(padded), sink_p, *caches)  # the lists' slots apart: no concatenated copy
-    if n_splits > 1 and split_combine == "kernel":  # zeroed counters; the kernel leaves them zero again
+    if merge:  # zeroed counters; the kernel leaves them zero again
         return call(*args, jnp.zeros((t * g,), jnp.int32))[0][:, :h]
     outs = call(*args)
     if n_splits == 1:
@@ -374,22 +375,28 @@ def _partial_dtype(out_dtype: jnp.dtype) -> jnp.dtype:
     return jnp.dtype(out_dtype) if jnp.dtype(out_dtype).itemsize == 2 else jnp.dtype(jnp.float32)
 
 
+def _split_shares(ms: Sequence, ls: Sequence, sink_log2=None) -> list:
+    """Each split's share of a row's softmax mass, from its (m, l) (base-2 logits) and the sink (base 2): the
+    weights of the splits' normalised rows; all 0 where a row has no mass. The splits are few and static, so
+    the steps are elementwise (XLA's ``_combine`` and the kernel's ``merge_splits`` alike)."""
+    mx = functools.reduce(jnp.maximum, ms)
+    if sink_log2 is not None:
+        mx = jnp.maximum(mx, sink_log2)
+    ws = [jnp.exp2(m - mx) * l for m, l in zip(ms, ls)]
+    den = functools.reduce(jnp.add, ws)
+    if sink_log2 is not None:
+        den = den + jnp.exp2(sink_log2 - mx)
+    inv = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
+    return [w * inv for w in ws]
+
+
 def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -> jax.Array:
     """Merge per-split (o [S,T,H,D] each split's normalised rows, m, l [S,T,H]; base-2 logits) and the sink into
-    the softmax output.
-
-    The splits are few and static: unrolled, every step is elementwise, so XLA can emit one fusion where
-    reductions over the split axis were several kernels, each a launch in a call of a few tens of µs."""
+    the softmax output."""
     n = o.shape[0]
-    mx = functools.reduce(jnp.maximum, [m[i] for i in range(n)])
-    if sink is not None:
-        mx = jnp.maximum(mx, sink[None, :] * LOG2E)
-    w = [jnp.exp2(m[i] - mx) * l[i] for i in range(n)]  # split i's share of the softmax weight
-    den = functools.reduce(jnp.add, w)
-    if sink is not None:
-        den = den + jnp.exp2(sink[None, :] * LOG2E - mx)
-    num = functools.reduce(jnp.add, [w[i][..., None] * o[i].astype(jnp.float32) for i in range(n)])
-    return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+    shares = _split_shares([m[i] for i in range(n)], [l[i] for i in range(n)],
+                           None if sink is None else sink[None, :] * LOG2E)
+    return functools.reduce(jnp.add, [shares[i][..., None] * o[i].astype(jnp.float32) for i in range(n)])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -768,16 +775,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             fit the registers)."""
             ms = [plgpu.load(m_ref.at[s, ti, heads], layout=ROW, optimized=False) for s in range(n_splits)]
             ls = [plgpu.load(l_ref.at[s, ti, heads], layout=ROW, optimized=False) for s in range(n_splits)]
-            mx = functools.reduce(jnp.maximum, ms)
-            if has_sink:
-                sk = plgpu.load(sink_ref.at[heads], layout=ROW, optimized=False) * LOG2E
-                mx = jnp.maximum(mx, sk)
-            ws = [jnp.exp2(ms[s] - mx) * ls[s] for s in range(n_splits)]
-            den = functools.reduce(jnp.add, ws)
-            if has_sink:
-                den = den + jnp.exp2(sk - mx)
-            inv = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
-            shares = [lax.broadcast_in_dim(wi * inv, (HEAD_TILE, 64), [0]) for wi in ws]
+            sk = plgpu.load(sink_ref.at[heads], layout=ROW, optimized=False) * LOG2E if has_sink else None
+            shares = [lax.broadcast_in_dim(x, (HEAD_TILE, 64), [0]) for x in _split_shares(ms, ls, sk)]
             for c in range(dvw // 64):
                 cols = pl.ds(w * dvw + 64 * c, 64)
                 parts = [plgpu.load(o_ref.at[s, ti, heads, cols], layout=L, optimized=False).astype(jnp.float32)

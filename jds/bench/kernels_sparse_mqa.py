@@ -20,6 +20,7 @@ per token) and, on the pallas row, max_abs_err / ref_max against the XLA output 
 
 from __future__ import annotations
 
+import functools
 import gc
 from typing import Iterator, Sequence
 
@@ -157,6 +158,17 @@ def _run_case(kernel_case: str, name: str, c: dict, quick: bool) -> list[dict]:
         r.update(errs.get(impl, xla_note))
         rows.append(r)
     return rows
+
+
+def case(name: str, quick: bool = False) -> dict:
+    """One of the benchmark's inputs by name, for the diagnostic scripts: "v32_decode_64", "v4_prefill_4096",
+    ...; "v32u_...": V3.2 records with power-of-two (ue8m0) scales. Key 0 (the benchmark folds in a case
+    index instead)."""
+    arch, kind, t = name.split("_")
+    make = {"v32": _v32_case, "v32u": functools.partial(_v32_case, scale_fmt="ue8m0"), "v4": _v4_case}.get(arch)
+    if make is None or kind not in ("decode", "prefill"):
+        raise ValueError(f"case: unknown arch or kind in {name!r} (v32 / v32u / v4, decode / prefill)")
+    return make(int(t), kind == "prefill", quick, jax.random.key(0))
 
 
 def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]:

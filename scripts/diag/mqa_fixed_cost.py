@@ -41,8 +41,7 @@ def main() -> None:
     a = ap.parse_args()
     rows, fits = [], {}
     for arch, ns in BLOCKS.items():
-        make = b._v32_case if arch == "v32" else b._v4_case
-        c = make(2 if a.quick else 64, False, a.quick, jax.random.key(0))
+        c = b.case(f"{arch}_decode_{2 if a.quick else 64}", a.quick)
         call = functools.partial(sparse_mqa.sparse_mqa, formats=c["fmts"], scale=c["scale"], v_dim=c["v_dim"],
                                  num_splits=1)
         pts = []

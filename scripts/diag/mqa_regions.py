@@ -78,9 +78,7 @@ def main() -> None:
     a = ap.parse_args()
     rows = []
     for name in a.cases:
-        arch, kind, t = name.split("_")
-        make = {"v32": b._v32_case, "v4": b._v4_case}[arch]
-        c = make(int(t), kind == "prefill", False, jax.random.key(0))
+        c = b.case(name)
         for splits in a.splits:
             def measure(splits=splits) -> dict:
                 with tempfile.TemporaryDirectory() as d:

@@ -43,13 +43,6 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
                for p, r in ((1, 136), (1, 144), (1, 152), (2, 136), (4, 80))}}
 
 
-def _case(name: str, quick: bool) -> dict:
-    """"v32_decode_64", "v4_prefill_4096", ...; "v32u_...": V3.2 records with power-of-two (ue8m0) scales."""
-    arch, kind, t = name.split("_")
-    make = {"v32": b._v32_case, "v32u": functools.partial(b._v32_case, scale_fmt="ue8m0"), "v4": b._v4_case}[arch]
-    return make(int(t), kind == "prefill", quick, jax.random.key(0))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", nargs="+", default=["v32_decode_64", "v32_decode_128", "v4_decode_64"])
@@ -59,7 +52,7 @@ def main() -> None:
     a = ap.parse_args()
     rows = []
     for name in a.cases:
-        c = _case(name, a.quick)
+        c = b.case(name, a.quick)
         q, caches, slots, sink = c["q"], c["caches"], c["slots"], c["sink"]
         t, h, dk = q.shape
         n_valid = sum(np.asarray((s >= 0).sum(axis=1)) for s in slots)

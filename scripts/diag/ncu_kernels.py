@@ -78,8 +78,7 @@ def _mqa(arch: str, tokens: int, tiles: dict):
     128 + 512 candidates per token over a 4K context each); ``tiles``: keyword arguments of ``sparse_mqa``."""
     from jds.bench import kernels_sparse_mqa as b
     from pallas_kernels import sparse_mqa
-    make = {"v32": b._v32_case, "v4": b._v4_case}[arch]
-    c = make(tokens, False, False, jax.random.key(0))
+    c = b.case(f"{arch}_decode_{tokens}")
     f = jax.jit(lambda q, caches, slots, sink: sparse_mqa.sparse_mqa(
         q, caches, c["fmts"], slots, scale=c["scale"], v_dim=c["v_dim"], sink=sink, implementation="pallas", **tiles))
     return f, (c["q"], c["caches"], c["slots"], c["sink"])
