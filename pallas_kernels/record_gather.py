@@ -302,30 +302,6 @@ def arrive_free(bar_ref) -> None:
     arrive(bar_ref)
 
 
-COMBINE_BARRIER = 8  # the named barrier of count_split (Mosaic GPU takes 0 for the CTA, 1.. for warpgroups)
-
-
-def count_split(counter_ref, flag_ref, n_splits: int) -> None:
-    """Every thread of the two compute warpgroups (the CTA's threads 0..255), after storing its split's rows:
-    make them visible at GPU scope; thread 0 adds 1 to the int32 ``counter_ref`` (GMEM, one per token and head
-    tile) and stores the value it read in ``flag_ref`` (SMEM int32 [1]); the CTA that reads ``n_splits - 1``
-    is the token's last split, resets the counter to 0 for the next call and (acquire at GPU scope) sees every
-    other split's rows. The last-block pattern of a grid-wide reduction, without a second kernel."""
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
-    def count(_, cnt, flag):
-        e = _Emit()
-        is0 = e.arith.extui(e.i32, e.arith.cmpi(e.arith.CmpIPredicate.eq, e.mu.thread_idx(), e.c32(0)))
-        e.asm("{ .reg .pred p, q; .reg .u32 r;\n"  # r: thread 0's count, never n - 1 elsewhere
-              f"fence.acq_rel.gpu;\nbar.sync {COMBINE_BARRIER}, 256;\nsetp.ne.u32 p, $2, 0;\nmov.u32 r, 0xFFFFFFFF;\n"
-              "@p atom.acq_rel.gpu.global.add.u32 r, [$0], 1;\n@p st.shared.u32 [$1], r;\n"
-              f"setp.eq.u32 q, r, {n_splits - 1};\n@q mov.u32 r, 0;\n@q st.relaxed.gpu.global.u32 [$0], r;\n"
-              f"bar.sync {COMBINE_BARRIER}, 256;\nfence.acq_rel.gpu; }}",
-              [e.gmem_addr(cnt), e.smem_addr(flag), is0], "l,r,r")
-
-    count(counter_ref, flag_ref)
-
-
 def wait_full(bar_ref, parity) -> None:
     """Every thread of a warpgroup: wait until the mbarrier at ``bar_ref`` (SMEM int32 [2]) completes the phase
     of ``parity`` (int32 scalar, 0 or 1)."""

@@ -22,9 +22,9 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, two compute warpgroups per CT
   per list; the kernel maps its k-th block to a list's block by scalar arithmetic), so prefill tokens early
   in the sequence, short contexts and masked rows cost only their live blocks. ``num_splits`` cuts each
   token's sequence of live blocks into CTAs (small decode batches need them to fill the GPU); each split writes
-  its normalised rows (in a 16-bit output's dtype, else fp32) with their (m, l), merged in JAX with the sink,
-  or by the head tile's last split to finish (``split_combine="kernel"``); with one split the CTA writes the
-  final rows itself.
+  its normalised rows (in a 16-bit output's dtype, else fp32) with their (m, l), merged in JAX with the sink
+  (with one split the CTA writes the final rows itself). Merging them in the kernel instead, by each head
+  tile's last split to finish, measured slower at V4 decode batch 64 and was removed (docs/perf-log.md).
 - Row gather: Hopper has no gather TMA, so every candidate row is one (V3.2, bf16 rows) or two (V4: data,
   UE8M0 exponents) contiguous bulk TMA copies ``cache[page, start:start+n] -> staging[row]`` with the page
   and byte offset computed from the slot by scalar code. Each warp issues 8 of the block's 64 rows under
@@ -130,7 +130,6 @@ from jds.ops.sparse_mqa import paged_sparse_mqa_xla
 from pallas_kernels import record_gather
 
 Producer = Literal["tma", "registers"]
-SplitCombine = Literal["xla", "kernel"]
 
 
 PROFILE_RANGES = 64  # per warpgroup and call: ``profile_dir``'s regions (4 per block, 2 more per warpgroup)
@@ -216,8 +215,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                out_dtype: jnp.dtype = jnp.float32,
                interpret: bool | plgpu.InterpretGPUParams | None = None, producer: Producer | None = None,
                producer_regs: int | None = None, producer_phases: int | None = None,
-               producer_pow2: bool | None = None, split_combine: SplitCombine = "xla",
-               profile_dir: str | None = None) -> jax.Array:
+               producer_pow2: bool | None = None, profile_dir: str | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype; with candidate
@@ -240,9 +238,6 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     third thread; the register producer's needs one CPU per warpgroup).
     ``producer_pow2``: the register producers' dequantisation without conversion instructions, exact only for
     power-of-two scales (``record_gather._DQ_POW2_ASM``); None = where the records' scales are ("ue8m0").
-    ``split_combine`` (with candidate splits): "xla", the splits' rows merged by XLA after the kernel; "kernel"
-    (native), by the last split of each head tile to finish (``record_gather.count_split``: a GPU-scope counter
-    per token and head tile, reset by that split), so no kernel follows. Opt-in until measured.
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler records the kernel's named regions per
     warpgroup (prologue, the block loop's wait_full / qk / softmax / pv, epilogue; produce) and writes a
     Perfetto trace under this folder per call (``scripts/diag/mqa_regions.py``). Its buffer takes shared
@@ -259,11 +254,11 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                                   num_splits=num_splits, out_dtype=out_dtype, interpret=interpret,
                                   producer=producer, producer_regs=producer_regs,
                                   producer_phases=producer_phases, producer_pow2=producer_pow2,
-                                  split_combine=split_combine, profile_dir=profile_dir)})
+                                  profile_dir=profile_dir)})
 
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
-            producer_regs=None, producer_phases=None, producer_pow2=None, split_combine="xla", profile_dir=None):
+            producer_regs=None, producer_phases=None, producer_pow2=None, profile_dir=None):
     if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
     if producer_phases not in (None, 1, 2, 4):
@@ -295,10 +290,6 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
         interpret = resolve_interpret(None)
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
-    if split_combine not in ("xla", "kernel"):
-        raise ValueError(f'split_combine must be "xla" or "kernel", got {split_combine!r}')
-    if split_combine == "kernel" and interpret:
-        raise ValueError('split_combine="kernel" runs natively only (its counter is PTX; interpret mode: "xla")')
     if profile_dir is not None and interpret:
         raise ValueError("profile_dir: Mosaic GPU's profiler runs natively only (interpret mode has no trace)")
     if producer == "registers" and interpret and not one_656:
@@ -327,17 +318,13 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     has_sink = sink is not None
     sink_p = (jnp.pad(sink.astype(jnp.float32), (0, hp - h), constant_values=-jnp.inf) if has_sink
               else jnp.zeros((hp,), jnp.float32))
-    merge = n_splits > 1 and split_combine == "kernel"  # the splits' rows merged in the kernel
     call = _build_call(specs=specs, list_blocks=tuple(list_blocks), t=t, hp=hp, dv=v_dim, scale=float(scale),
                        has_sink=has_sink, n_splits=n_splits, bps=bps, out_dtype=jnp.dtype(out_dtype),
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
                        producer_phases=producer_phases,
                        pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2,
-                       profile_dir=profile_dir, merge=merge)
-    args = (qp, *padded, *_extents(padded), sink_p, *caches)  # the lists' slots apart: no concatenated copy
-    if merge:  # zeroed counters; the kernel leaves them zero again
-        return call(*args, jnp.zeros((t * g,), jnp.int32))[0][:, :h]
-    outs = call(*args)
+                       profile_dir=profile_dir)
+    outs = call(qp, *padded, *_extents(padded), sink_p, *caches)  # the lists' slots apart: no concatenated copy
     if n_splits == 1:
         return outs[:, :h]
     o, m, l = outs
@@ -378,7 +365,7 @@ def _partial_dtype(out_dtype: jnp.dtype) -> jnp.dtype:
 def _split_shares(ms: Sequence, ls: Sequence, sink_log2=None) -> list:
     """Each split's share of a row's softmax mass, from its (m, l) (base-2 logits) and the sink (base 2): the
     weights of the splits' normalised rows; all 0 where a row has no mass. The splits are few and static, so
-    the steps are elementwise (XLA's ``_combine`` and the kernel's ``merge_splits`` alike)."""
+    the steps are unrolled and elementwise."""
     mx = functools.reduce(jnp.maximum, ms)
     if sink_log2 is not None:
         mx = jnp.maximum(mx, sink_log2)
@@ -406,7 +393,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype,
                 interpret: plgpu.InterpretGPUParams | None, producer: Producer = "tma",
                 producer_regs: int = 144, producer_phases: int = 1, pow2: bool = False,
-                profile_dir: str | None = None, merge: bool = False):
+                profile_dir: str | None = None):
     """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k and arrives on "full"[k % 2];
     the compute warpgroups wait on it, read the block's slots from its idx slot (written by the producer),
     compute as below and arrive on "free"[k % 2] after their PV, which the producer waits for before it refills
@@ -547,9 +534,6 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     def kernel(q_ref, *rest):
         slots_refs, ext_refs, sink_ref, rest = rest[:nc], rest[nc:2 * nc], rest[2 * nc], rest[2 * nc + 1:]
         cache_refs, rest = rest[:nc], rest[nc:]
-        cnt_ref = out_ref = None
-        if merge:  # the splits' counters (zeros), the merged rows, then the splits' rows
-            cnt_ref, out_ref, rest = rest[0], rest[1], rest[2:]
         if n_splits == 1:
             (o_ref,), scratch = rest[:1], rest[1:]
         else:
@@ -764,25 +748,6 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     if w == 0:
                         m_ref.at[si, ti, heads][...] = m
                         l_ref.at[si, ti, heads][...] = l
-                if merge:  # the count read lands in the slots' first word (no block reads them any more)
-                    flag_s = idx_s.at[0, pl.ds(0, 1)]
-                    record_gather.count_split(cnt_ref.at[pl.ds(ti * G + gi, 1)], flag_s, n_splits)
-                    pl.when(flag_s[0] == n_splits - 1)(functools.partial(merge_splits, w, ti, heads))
-
-        def merge_splits(w, ti, heads):
-            """The token's last split to finish: its head tile's rows merged from every split's rows (as
-            ``_combine``), 64 columns at a time (a whole [64, 256] fp32 row block and a split's beside it would not
-            fit the registers)."""
-            ms = [plgpu.load(m_ref.at[s, ti, heads], layout=ROW, optimized=False) for s in range(n_splits)]
-            ls = [plgpu.load(l_ref.at[s, ti, heads], layout=ROW, optimized=False) for s in range(n_splits)]
-            sk = plgpu.load(sink_ref.at[heads], layout=ROW, optimized=False) * LOG2E if has_sink else None
-            shares = [lax.broadcast_in_dim(x, (HEAD_TILE, 64), [0]) for x in _split_shares(ms, ls, sk)]
-            for c in range(dvw // 64):
-                cols = pl.ds(w * dvw + 64 * c, 64)
-                parts = [plgpu.load(o_ref.at[s, ti, heads, cols], layout=L, optimized=False).astype(jnp.float32)
-                         for s in range(n_splits)]
-                row = functools.reduce(jnp.add, [shares[s] * parts[s] for s in range(n_splits)])
-                out_ref.at[ti, heads, cols][...] = row.astype(out_dtype)
 
         def produce():
             """producer="registers": block k into K tile k % 2 (and its slots into idx slot k % 2), once the
@@ -884,8 +849,6 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         out_type = (jax.ShapeDtypeStruct((n_splits, t, hp, dv), _partial_dtype(out_dtype)),
                     jax.ShapeDtypeStruct((n_splits, t, hp), jnp.float32),
                     jax.ShapeDtypeStruct((n_splits, t, hp), jnp.float32))
-    if merge:  # the merged rows first (the splits' rows stay, read by the last split of each head tile)
-        out_type = (jax.ShapeDtypeStruct((t, hp, dv), out_dtype), *out_type)
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, unsafe_no_auto_barriers=True,
                                   approx_math=True, reduction_scratch_bytes=0,  # row reductions stay in-warp
                                   **(dict(profile_space=PROFILE_RANGES, profile_dir=profile_dir) if profile_dir

@@ -198,9 +198,7 @@ def test_register_producer_bad_inputs():
     q, slots = jnp.zeros((1, 4, 576), jnp.bfloat16), jnp.zeros((1, 64), jnp.int32)
     for kw, msg in [(dict(producer="warp"), "producer must be"), (dict(producer="cluster"), "producer must be"),
                     (dict(producer_phases=3), "producer_phases"), (dict(producer_phases=0), "producer_phases"),
-                    (dict(producer_regs=100), "producer_regs"), (dict(producer_regs=8), "producer_regs"),
-                    (dict(split_combine="cta"), "split_combine"),
-                    (dict(split_combine="kernel"), "natively only")]:  # interpret mode
+                    (dict(producer_regs=100), "producer_regs"), (dict(producer_regs=8), "producer_regs")]:
         with pytest.raises(ValueError, match=msg):
             mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.1, v_dim=512, interpret=True, **kw)
     f4 = MlaRecord584(16)
@@ -248,37 +246,6 @@ def test_v4_register_producer(num_splits, producer):
         pytest.skip("native only")
     kw = {"tma": dict(producer="tma"), "registers_p2": dict(producer="registers", producer_phases=2)}[producer]
     _v4_window_compressed(False, num_splits, **kw)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["v32", "v4"])
-def test_split_merge_in_kernel(arch):
-    """split_combine="kernel": the last split of each head tile to finish merges the splits' rows (a GPU-scope
-    counter per token and head tile, reset by that split). Against the reference at 2 and 3 splits (one split
-    of 3 with no block), fp32 and bf16 outputs; three calls in a row give the same bits (the counters are zero
-    again after each call, and whichever split merges computes the same sum)."""
-    if not ON_GPU:
-        pytest.skip("native only")
-    rng = np.random.default_rng(12)
-    if arch == "v32":
-        t, h, k, epp = 4, 128, 300, 16
-        fmts = [MlaRecord656(epp, "ue8m0")]
-        caches = [_cache(fmts[0], 40, 576, rng)]
-        slots = [_slots(rng, t, k, 40 * epp, 0.3, empty_rows=(1,))]
-        q, sink, scale = _bf16_exact(rng.standard_normal((t, h, 576))), None, 0.06
-    else:
-        t, h = 4, 64
-        fmts = [MlaRecord584(256), MlaRecord584(64)]
-        caches = [_cache(fmts[0], 4, 512, rng), _cache(fmts[1], 16, 512, rng)]
-        slots = [_slots(rng, t, 128, 4 * 256, 0.2, empty_rows=(2,)),
-                 _slots(rng, t, 256, 16 * 64, 0.4, empty_rows=(2,))]
-        q, scale = _bf16_exact(rng.standard_normal((t, h, 512))), 512 ** -0.5
-        sink = jnp.asarray(rng.standard_normal(h).astype(np.float32))
-    for splits, out_dtype, tol in ((2, jnp.float32, TOL_EXACT_KV), (3, jnp.float32, TOL_EXACT_KV),
-                                   (2, jnp.bfloat16, TOL_BF16_OUT)):
-        outs = [_check(q, caches, fmts, slots, scale=scale, v_dim=512, sink=sink, tol=tol, interpret=False,
-                       num_splits=splits, out_dtype=out_dtype, split_combine="kernel") for _ in range(3)]
-        assert all(np.array_equal(outs[0], o) for o in outs[1:])
 
 
 def _v4_window_compressed(interpret, num_splits, **kw) -> None:
@@ -437,8 +404,7 @@ def test_v4_layer_attend(mode):
 @pytest.mark.skipif(ON_GPU, reason="the native tests compile the kernel")
 @pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16", "v32_fp8_tma",
                                   "v32_fp8_registers_p2", "v4_fp8_tma",
-                                  "v4_fp8_registers_p2", "v4_fp8_splits_bf16", "v32_fp8_splits_merge",
-                                  "v4_fp8_splits_merge"])
+                                  "v4_fp8_registers_p2", "v4_fp8_splits_bf16"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -458,9 +424,7 @@ def test_lowers_for_cuda(case):
     kw = {"v32_fp8_tma": dict(producer="tma"), "v4_fp8_tma": dict(producer="tma"),
           "v32_fp8_registers_p2": dict(producer="registers", producer_phases=2),
           "v4_fp8_registers_p2": dict(producer="registers", producer_phases=2),
-          "v4_fp8_splits_bf16": dict(out_dtype=jnp.bfloat16),  # bf16 split rows
-          "v32_fp8_splits_merge": dict(split_combine="kernel"),  # the last split merges
-          "v4_fp8_splits_merge": dict(split_combine="kernel", out_dtype=jnp.bfloat16)}.get(case, {})
+          "v4_fp8_splits_bf16": dict(out_dtype=jnp.bfloat16)}.get(case, {})  # bf16 split rows
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,

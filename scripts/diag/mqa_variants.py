@@ -30,8 +30,6 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             "splits4": dict(num_splits=4),
             # the layers' output dtype: with splits, bf16 split rows (half the partial bytes; ``_partial_dtype``)
             "bf16_out": dict(out_dtype="bfloat16"), "bf16_out_splits1": dict(out_dtype="bfloat16", num_splits=1),
-            # the last split of each head tile merges the splits' rows in the kernel (no XLA combine after it)
-            "merge": dict(split_combine="kernel"), "merge_bf16": dict(split_combine="kernel", out_dtype="bfloat16"),
             # who fills the K tile: "tma" (the compute warpgroups, from bulk-copied rows) or "registers" (the
             # default for fp8 records natively: a third warpgroup, one software-pipelined loop of coalesced loads)
             "tma": dict(producer="tma"), "registers": dict(producer="registers"),
