@@ -131,6 +131,20 @@ def rope_pair(u: jax.Array, v: jax.Array, cs: jax.Array, sn: jax.Array) -> tuple
     return u * cs - v * sn, v * cs + u * sn
 
 
+def split_pairs(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Rows [r, 2n] as their (even, odd) columns [r, n] each: in registers (Triton's split), so that an interleaved
+    rope slice is read with one contiguous load, not two stride-2 loads that each use half of every sector."""
+    r, n2 = x.shape
+    return tuple(jnp.unstack(x.reshape(r, n2 // 2, 2), axis=-1))
+
+
+def join_pairs(even: jax.Array, odd: jax.Array) -> jax.Array:
+    """``split_pairs``' inverse: [r, n] + [r, n] -> [r, 2n] interleaved (Triton's join), for one contiguous store
+    where two stride-2 stores would send each sector to L2 twice, half-filled."""
+    r, n = even.shape
+    return jnp.stack([even, odd], axis=-1).reshape(r, 2 * n)
+
+
 def cos_sin(cos_ref: Any, sin_ref: Any, tc: jax.Array, cols: jax.Array, shape: tuple[int, int], pid: jax.Array,
             T: int, BT: int) -> tuple[jax.Array, jax.Array]:
     """cos / sin at columns ``cols`` for rows of tokens ``tc`` ([rows, 1]), ``shape`` = (rows, columns); with one

@@ -59,12 +59,10 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
     x = C.load(kv_ref, (tc, col), (BT, lat)).astype(F32)
     r = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
     c = (x * r * C.load(kvw_ref, (col,), (1, lat)).astype(F32)).astype(dtype)
-    p = C.iota((1, rd), 1)
-    _, pcol, fcol, first = C.rope_partner(p, 0, rd, True)
-    u = C.load(kv_ref, (tc, lat + p), (BT, rd)).astype(F32)
-    v = C.load(kv_ref, (tc, lat + pcol), (BT, rd)).astype(F32)
-    cs, sn = C.load(cos_ref, (tc, fcol), (BT, rd)), C.load(sin_ref, (tc, fcol), (BT, rd))
-    pe = C.rope_rows(u, v, cs, sn, first, True).astype(dtype)
+    p, j = C.iota((1, rd), 1), C.iota((1, rd // 2), 1)
+    u, v = C.split_pairs(C.load(kv_ref, (tc, lat + p), (BT, rd)).astype(F32))  # interleaved pairs
+    cs, sn = C.load(cos_ref, (tc, j), (BT, rd // 2)), C.load(sin_ref, (tc, j), (BT, rd // 2))
+    pe = C.join_pairs(*C.rope_pair(u, v, cs, sn)).astype(dtype)
 
     epp = kv_fmt.entries_per_page
     nb = kv_out.shape[0]
@@ -86,10 +84,8 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
         sc = C.iota((1, nblk), 1)
         for k in range(4):
             C.store(kv_out, (page, base + lat + 4 * sc + k), C.u32_byte(s, k), ok)
-        lo, hi = C.u16_bytes(pe.astype(jnp.bfloat16))
-        off = base + lat + 4 * nblk + 2 * p
-        C.store(kv_out, (page, off), lo, ok)
-        C.store(kv_out, (page, off + 1), hi, ok)
+        lo, hi = C.u16_bytes(pe.astype(jnp.bfloat16))  # the rope's bf16 bytes, little-endian: one store
+        C.store(kv_out, (page, base + lat + 4 * nblk + C.iota((1, 2 * rd), 1)), C.join_pairs(lo, hi), ok)
     else:  # FloatRows(lat + rd)
         base = j * kv_fmt.dim
         C.store(kv_out, (page, base + col), c.astype(kv_out.dtype), ok)
@@ -214,14 +210,13 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
     head = r & (HP - 1)
     ok = (tok < T) & (head < H)
     tc, hc = jnp.minimum(tok, T - 1), jnp.minimum(head, H - 1)
-    # as (even, odd) pairs [rows, rd / 2]: each element loaded once, not once more as its partner
-    j = C.iota((1, rd // 2), 1)
-    u = C.load(q_ref, (tc, hc, nope + 2 * j), (BT * HP, rd // 2)).astype(F32)
-    v = C.load(q_ref, (tc, hc, nope + 2 * j + 1), (BT * HP, rd // 2)).astype(F32)
+    # one contiguous load / store per row, split into (even, odd) pairs [rows, rd / 2] in registers: each
+    # element loaded once, not once more as its partner
+    j, c = C.iota((1, rd // 2), 1), C.iota((1, rd), 1)
+    u, v = C.split_pairs(C.load(q_ref, (tc, hc, nope + c), (BT * HP, rd)).astype(F32))
     even, odd = C.rope_pair(u, v, *C.cos_sin(cos_ref, sin_ref, tc, j, (BT * HP, rd // 2), pid, T, BT))
     tok_out = jnp.where(ok, tok, T)
-    C.store(qpe_out, (tok_out, hc, 2 * j), even.astype(dtype), ok)
-    C.store(qpe_out, (tok_out, hc, 2 * j + 1), odd.astype(dtype), ok)
+    C.store(qpe_out, (tok_out, hc, c), C.join_pairs(even.astype(dtype), odd.astype(dtype)), ok)
 
     # ---- indexer q: RoPE (first rd dims) -> Hadamard -> per-head FP8 with the scale folded into w ----
     ri = C.iota((BT * HiP, 1), 0)

@@ -53,13 +53,11 @@ def _v4_kernel(q_ref, kv_ref, cos_ref, sin_ref, slot_ref, w_ref, _cache_in, q_ou
         r_ = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
         C.store(q_out, (tok_out, hc, col), (x * r_).astype(dtype), ok & ~in_rope)
         j = C.iota((1, rd // 2), 1)  # pair j: columns (D - rd + 2j, D - rd + 2j + 1), frequency j
-        ce, co = D - rd + 2 * j, D - rd + 2 * j + 1
+        cr = D - rd + C.iota((1, rd), 1)  # the rope slice: one contiguous load and store, split in registers
         pairs = (BT * HB, rd // 2)
-        u = (C.load(q_ref, (tc, hc, ce), pairs).astype(F32) * r_).astype(dtype).astype(F32)
-        v = (C.load(q_ref, (tc, hc, co), pairs).astype(F32) * r_).astype(dtype).astype(F32)
+        u, v = C.split_pairs((C.load(q_ref, (tc, hc, cr), (BT * HB, rd)).astype(F32) * r_).astype(dtype).astype(F32))
         even, odd = C.rope_pair(u, v, *C.cos_sin(cos_ref, sin_ref, tc, j, pairs, pid, T, BT))
-        C.store(q_out, (tok_out, hc, ce), even.astype(dtype), ok)
-        C.store(q_out, (tok_out, hc, co), odd.astype(dtype), ok)
+        C.store(q_out, (tok_out, hc, cr), C.join_pairs(even.astype(dtype), odd.astype(dtype)), ok)
 
     @pl.when(jh == nhb)
     def _kv():

@@ -23,7 +23,7 @@
 #   scripts/gpu_session.sh ncu-mqa       # issue 20: Nsight Compute (full set) on the sparse MQA, V3.2 and V4 decode at batch 64
 #   scripts/gpu_session.sh mqa-variants  # issue 20: sparse MQA native tests, its switches on the GPU timeline, ncu of the default
 #   scripts/gpu_session.sh mqa-loops     # issue 20: the register producer's native tests, then its switch sets timed
-#   scripts/gpu_session.sh mqa-refresh   # issue 20: every native MQA test; the defaults, V4's splits / merge timed
+#   scripts/gpu_session.sh mqa-refresh   # issue 20: every native MQA test; the defaults, V4's splits and output dtypes timed
 #   scripts/gpu_session.sh mqa-probe     # issue 20: the MQA's fixed / per-block cost fit, V4's in-kernel regions
 #   scripts/gpu_session.sh mqa-rows      # issue 20: the MQA's wall-clock rows beside XLA, the 8-layer V3.2 fused step
 #   scripts/gpu_session.sh ncu-fp4sweep  # issue 22: FP4 grouped decode calls x variants (bf16 / e4m3 x), exact kernel durations (ncu)
@@ -38,6 +38,7 @@
 #   scripts/gpu_session.sh ncu-fp8gsweep # issue 19: FP8 grouped decode calls x variants (row layout), exact kernel durations (ncu)
 #   scripts/gpu_session.sh tests-all     # every gpu-marked test, 6 pytest-xdist workers on the one GPU
 #   scripts/gpu_session.sh kernels       # fused insert (+ tile sweep) + indexer rows with device_us, top-k variants
+#   scripts/gpu_session.sh insert-parts  # issue 20: V3.2's inserts without their Hadamard, a same-size copy, ncu at T = 8192
 #   scripts/gpu_session.sh inserts       # issue 20: the fused inserts alone, GPU timeline + T = 8192 tile sweep
 #   scripts/gpu_session.sh topk          # Pallas radix-select top-k: native tests, then the top-k rows
 #   scripts/gpu_session.sh topk-tests    # the native top-k + sparse-indexer tests (4 workers)
@@ -267,8 +268,7 @@ case "$stage" in
   mqa-refresh)
     # the MQA's defaults (the coalesced register producer for fp8 records, per-list extents, bf16 split rows for
     # bf16 outputs): every native MQA / record-gather test (8 pytest-xdist workers: about 75 s, 2026-12-03), then
-    # the defaults (each call one CUDA graph: timing.CAPTURED_OPTIONS), V4's splits, output dtypes and the
-    # in-kernel merge
+    # the defaults (each call one CUDA graph: timing.CAPTURED_OPTIONS), V4's splits and output dtypes
     python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
     timeout -s INT ${MQAR_TEST_TIMEOUT:-150} python3 -m pytest -m gpu -n ${GPU_WORKERS:-8} -q --tb=short -rfE \
       -p no:cacheprovider tests/test_kernel_sparse_mqa.py tests/test_kernel_record_gather.py > "$OUT/gpu_mqa_tests.log" 2>&1
@@ -277,7 +277,7 @@ case "$stage" in
       v32_prefill_4096 v32u_decode_64 v4_decode_64 v4_prefill_4096 --variants default \
       --out "$OUT/mqa_variants_default_h200.json" > "$OUT/mqa_refresh.log" 2>&1; echo "mqa default rc=$?"
     timeout -s KILL ${MQAR_TIMEOUT:-180} python3 scripts/diag/mqa_variants.py --cases v4_decode_64 \
-      --variants splits1 bf16_out bf16_out_splits1 merge merge_bf16 splits4 --out "$OUT/mqa_variants_v4_splits_h200.json" \
+      --variants splits1 bf16_out bf16_out_splits1 splits4 --out "$OUT/mqa_variants_v4_splits_h200.json" \
       >> "$OUT/mqa_refresh.log" 2>&1; echo "mqa v4 splits rc=$?"
     grep '^{' "$OUT/mqa_refresh.log" | python3 -c 'import json, sys; [print(r["case"], r["variant"], r.get("profile_span_us"), r.get("profile_busy_us"), r.get("profile_kernels"), r.get("tflops"), r.get("max_abs_err"), r.get("error", "")[:200]) for r in map(json.loads, sys.stdin)]'
     ;;
@@ -393,6 +393,18 @@ case "$stage" in
     timeout ${FUSED_TIMEOUT:-400} python3 -m jds.bench.kernels --only fused_insert --out "$OUT/kernels_fused_insert.json" \
       > "$OUT/bench_fused_insert.log" 2>&1; echo "fused_insert rc=$?"
     grep '^{' "$OUT/bench_fused_insert.log" | python3 -c 'import json, sys; [print(r["kernel"], r["case"], r["impl"], r.get("profile_span_us"), r.get("profile_bandwidth_frac"), r.get("error", "")[:100]) for r in map(json.loads, sys.stdin)]'
+    ;;
+  insert-parts)
+    # issue 20: V3.2's inserts with / without their Hadamard beside a same-size copy (GPU timeline), then Nsight
+    # Compute (full set) on both V3.2 kernels at T = 8192
+    timeout -s KILL ${INSP_TIMEOUT:-200} python3 scripts/diag/insert_parts.py --out "$OUT/insert_parts_h200.json" \
+      > "$OUT/insert_parts.log" 2>&1; echo "insert parts rc=$?"
+    grep '^{' "$OUT/insert_parts.log" | python3 -c 'import json, sys; [print(r["kernel"], r["case"][:8], r["variant"], r.get("profile_span_us"), round(r.get("bandwidth_frac") or 0, 3), r.get("error", "")[:200]) for r in map(json.loads, sys.stdin)]'
+    for kern in v32_kv_insert v32_fused_q; do
+      timeout ${NCUI_TIMEOUT:-120} ncu --clock-control none --profile-from-start off --set full -f -o "/tmp/$kern" \
+        python3 scripts/diag/ncu_kernels.py insert --shape $kern --m 8192 > /dev/null 2>&1; echo "ncu $kern rc=$?"
+      ncu -i "/tmp/$kern.ncu-rep" --page details > "$OUT/ncu_${kern}_t8192.txt" 2>&1
+    done
     ;;
   topk)
     # the Pallas radix-select kernel: its native tests first, then the top-k rows (lax / Pallas), full and with one

@@ -55,8 +55,10 @@ def _threaded(step: Callable[..., Any], cache_pos: tuple[int, ...], args: list[A
     return run
 
 
-def _cases(quick: bool):
-    ts = (1, 64) if quick else (1, 64, 1024, 8192)
+def _cases(quick: bool, ts: tuple[int, ...] | None = None):
+    """(kernel, case, fn, static kwargs, args, cache positions, output positions, bytes) per token count ``ts``
+    (default: the benchmark's)."""
+    ts = ts or ((1, 64) if quick else (1, 64, 1024, 8192))
     v32, v4 = V32Config.deepseek_v32(), V4Config.deepseek_v4_flash()
     for t in ts:
         rng = np.random.default_rng(t)

@@ -7,6 +7,7 @@
     ncu ... python3 scripts/diag/ncu_kernels.py fp8g --shape w1 --tokens 8      # the grouped FP8 expert GEMM
     ncu ... python3 scripts/diag/ncu_kernels.py topk --m 64 --cols 65536 --tiles '{"splits": 2}'  # the radix select
     ncu ... python3 scripts/diag/ncu_kernels.py mqa --shape v32 --m 64 [--tiles '{"num_splits": 2}']  # sparse MQA decode
+    ncu ... python3 scripts/diag/ncu_kernels.py insert --shape v32_fused_q --m 8192  # a fused insert
 
 The call is compiled and run a few times first; only the last call runs between cuProfilerStart and
 cuProfilerStop, so the report holds that call's kernels (the Pallas kernel and the wrapper's XLA ops).
@@ -84,6 +85,17 @@ def _mqa(arch: str, tokens: int, tiles: dict):
     return f, (c["q"], c["caches"], c["slots"], c["sink"])
 
 
+def _insert(kernel: str, tokens: int, tiles: dict):
+    """A fused insert call of ``bench_kernels`` (``v32_kv_insert`` / ``v32_fused_q`` / ``v4_qnorm_rope_kv_insert``
+    at ``tokens`` tokens); ``tiles``: keyword arguments of the kernel (e.g. ``{"hadamard": false}``)."""
+    from jds.bench.kernels_fused_insert import _cases
+    for name, _, fn, static, args, _, _, _ in _cases(False, (tokens,)):
+        if name == kernel:
+            f = jax.jit(functools.partial(fn, **{**static, **tiles}, implementation="pallas"))
+            return (lambda *a: f(*a)[0]), args
+    raise ValueError(f"unknown insert kernel {kernel!r}")
+
+
 def _sweep(a: argparse.Namespace) -> None:
     """fp8sweep: cases shape:rows of the FP8 GEMM; fp4sweep / fp8gsweep: shape:tokens of the grouped GEMMs."""
     cases = [(c.split(":")[0], int(c.split(":")[1])) for c in a.cases]
@@ -118,15 +130,17 @@ def _sweep(a: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kernel", choices=("fp4", "fp8", "fp8g", "topk", "mqa", "fp8sweep", "fp4sweep", "fp8gsweep"))
-    ap.add_argument("--shape", default=None, help="GEMM shape (default wo / w1); mqa: v32 or v4 (default v32)")
+    ap.add_argument("kernel", choices=("fp4", "fp8", "fp8g", "topk", "mqa", "insert", "fp8sweep", "fp4sweep",
+                                       "fp8gsweep"))
+    ap.add_argument("--shape", default=None, help="GEMM shape (default wo / w1); mqa: v32 or v4 (default v32); "
+                                                  "insert: the kernel (v32_kv_insert, v32_fused_q, ...)")
     ap.add_argument("--cases", nargs="+", default=None,
                     help="fp8sweep: shape:rows (default wo and mlp at 1, 64, 128); fp4sweep / fp8gsweep: "
                          "shape:tokens (default w1 and w2 at 1, 8, 64)")
     ap.add_argument("--variants", default="[{}]", help="fp8sweep: JSON list of tile dicts")
     ap.add_argument("--order", default="/tmp/fp8sweep_order.json", help="fp8sweep: where the call order goes")
     ap.add_argument("--tokens", type=int, default=8, help="fp4 / fp8g: tokens (x 6 / 8 routed rows each)")
-    ap.add_argument("--m", type=int, default=64, help="fp8, topk: rows; mqa: decode tokens")
+    ap.add_argument("--m", type=int, default=64, help="fp8, topk: rows; mqa: decode tokens; insert: tokens")
     ap.add_argument("--cols", type=int, default=65536, help="topk: logits per row")
     ap.add_argument("--tiles", default="{}", help="JSON dict of keyword arguments for the kernel")
     a = ap.parse_args()
@@ -141,7 +155,8 @@ def main() -> None:
             "fp8g": lambda: _grouped("fp8", gemm, a.tokens, tiles),
             "fp8": lambda: _fp8(gemm, a.m, tiles),
             "topk": lambda: _topk(a.m, a.cols, tiles),
-            "mqa": lambda: _mqa(a.shape or "v32", a.m, tiles)}
+            "mqa": lambda: _mqa(a.shape or "v32", a.m, tiles),
+            "insert": lambda: _insert(a.shape or "v32_kv_insert", a.m, tiles)}
     f, args = make[a.kernel]()
     for _ in range(3):
         jax.block_until_ready(f(*args))

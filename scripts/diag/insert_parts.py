@@ -1,0 +1,65 @@
+"""Where V3.2's fused inserts lose to V4's: each kernel with and without its Hadamard, beside a copy of the
+same bytes, on the GPU timeline.
+
+    python scripts/diag/insert_parts.py [--ts 1 1024 8192] [--out F]
+
+Why: at T = 1 the two V3.2 kernels (both apply the indexer's Hadamard as a tl.dot against a 128 x 128 matrix
+loaded by every program) take about 5 µs of device time where V4's insert, which has none, takes 1.5 µs
+(docs/perf-log.md, twenty-second session), and V3.2's stay below the 70% of copy bandwidth that V4's reaches at
+T >= 1024. ``hadamard=False`` is not the model's numerics: it only says what the Hadamard costs. The copy row
+(``a + 1`` on a float32 array of half the case's bytes: read + written = the case's bytes; a uint8 array
+copied at 1.7 TB/s, 2026-12-03) is the same-size
+ceiling: a small call sits at its launch and DRAM-latency floor, which the one large copy of
+``measure_ceilings`` does not show.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jds.bench.kernels_fused_insert import _cases
+from jds.bench.results import measured_row, run_meta, write_json
+from jds.bench.timing import CAPTURED_OPTIONS, measure_ceilings, profiled_device_us
+
+KERNELS = ("v32_kv_insert", "v32_fused_q", "v4_qnorm_rope_kv_insert")
+VARIANTS = {"default": {}, "no_hadamard": {"hadamard": False}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ts", nargs="+", type=int, default=[1, 1024, 8192])
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    ceil = measure_ceilings()
+    rows = []
+    for kernel, case, fn, static, args, cache_pos, out_pos, nbytes in _cases(False, tuple(a.ts)):
+        if kernel not in KERNELS:
+            continue
+        for name, kw in VARIANTS.items():
+            if kw and "hadamard" not in static:
+                continue
+            call = functools.partial(fn, **{**static, **kw}, implementation="pallas")
+
+            def measure(call=call, args=args, cache_pos=cache_pos, out_pos=out_pos, nbytes=nbytes) -> dict:
+                m = profiled_device_us(call, *[jnp.array(x, copy=True) for x in args],
+                                       thread=tuple(zip(cache_pos, out_pos)))
+                return dict(**m, bandwidth_frac=nbytes / (m["profile_span_us"] * 1e-6) / ceil["copy_bytes_per_s"])
+            rows.append(measured_row(dict(kernel=kernel, case=case, variant=name, bytes=nbytes), measure))
+
+        def copy(nbytes=nbytes) -> dict:
+            x = jnp.zeros((max(1, nbytes // 8),), jnp.float32)
+            m = profiled_device_us(jax.jit(lambda v: v + 1, compiler_options=CAPTURED_OPTIONS), x)
+            return dict(**m, bandwidth_frac=nbytes / (m["profile_span_us"] * 1e-6) / ceil["copy_bytes_per_s"])
+        rows.append(measured_row(dict(kernel=kernel, case=case, variant="same_size_copy", bytes=nbytes), copy))
+        if a.out:
+            write_json(a.out, {"meta": run_meta(**ceil, complete=False), "rows": rows})
+    if a.out:
+        write_json(a.out, {"meta": run_meta(**ceil), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
