@@ -594,6 +594,31 @@ def _mqa_variants(d: dict) -> list[str]:
         ([""] + errors if errors else [])
 
 
+def _insert_parts(d: dict) -> list[str]:
+    """scripts/diag/insert_parts.py: each insert's device µs per call (GPU timeline) with and without its Hadamard,
+    beside a copy of the same bytes (the same-size ceiling: a small call sits at its launch / DRAM latency floor)."""
+    by: dict[tuple[str, str], dict[str, dict]] = {}
+    for r in d.get("rows", []):
+        by.setdefault((r["kernel"], r["case"]), {})[r["variant"]] = r
+    us = lambda r: (r or {}).get("profile_span_us")  # noqa: E731
+    body = [[k, c, _fmt(us(v.get("default")), 1), _fmt(us(v.get("no_hadamard")), 1),
+             _fmt(us(v.get("same_size_copy")), 1), _pct((v.get("default") or {}).get("bandwidth_frac")),
+             _ratio(us(v.get("same_size_copy")), us(v.get("default")))] for (k, c), v in by.items()]
+    return ["Fused inserts, device µs per call (GPU timeline); `no_hadamard` is not the model's numerics (it says "
+            "what the Hadamard costs); the copy moves the case's bytes (`a + 1`, float32):", ""] + \
+        _table(["kernel", "case", "default µs", "no Hadamard µs", "same-size copy µs", "default of copy bw",
+                "copy / default"], body)
+
+
+def _mqa_fixed_cost(d: dict) -> list[str]:
+    """scripts/diag/mqa_fixed_cost.py: the Pallas kernel's µs at one split against blocks per CTA, fitted."""
+    fits = [f"{a} {_fmt(f['fixed_us'], 1)} µs fixed + {_fmt(f['per_block_us'], 2)} µs per block (largest "
+            f"residual {_fmt(f['max_residual_us'], 2)} µs)" for a, f in d.get("fits", {}).items()]
+    pts = ", ".join(f"{r['arch']} {r['blocks_per_cta']}: {_fmt(r.get('kernel_us'), 1)}" for r in d.get("rows", []))
+    return ["Sparse MQA kernel alone (one split, decode 64, GPU timeline), µs per call at blocks per CTA "
+            f"({pts}); least-squares fit: " + "; ".join(fits) + "."]
+
+
 def _kernels(d: dict) -> list[str]:
     return _kernel_rows(d) + _topk_rows(d)
 
@@ -618,6 +643,8 @@ RENDERERS: list[tuple[Callable[[str, dict], bool], Callable[[dict], list[str]]]]
     (lambda b, d: b.startswith("topk_knobs"), _topk_knobs),
     (lambda b, d: b.startswith("gather_probe"), _gather_probe),
     (lambda b, d: b.startswith("mqa_variants"), _mqa_variants),
+    (lambda b, d: b.startswith("insert_parts"), _insert_parts),
+    (lambda b, d: b.startswith("mqa_fixed_cost"), _mqa_fixed_cost),
     (lambda b, d: b.startswith("kernels"), _kernels),
 ]
 
