@@ -25,7 +25,7 @@ interpret mode's scatter drops); masked-out load lanes are clamped to valid rows
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +67,21 @@ def pallas_call(kernel: Any, *, out_shape: Any, grid: tuple[int, ...], aliases: 
 
 
 # ----- kernel-side helpers (traced inside kernel bodies) ----------------------------------------------
+def phases(split: bool, *parts: Callable[[], None]) -> None:
+    """A kernel's independent parts (their own loads, math and stores): one after the other in every program,
+    or, with ``split``, each in its own programs along grid axis 1 (the caller's grid has ``len(parts)`` there).
+    Why: a load after a store stays after it (the compiler cannot tell that the outputs and the inputs do not
+    alias), so in one program the parts' memory round trips add up; split, a program waits on one part's. That
+    is what sets the time of a call with few programs (decode)."""
+    if not split:
+        for f in parts:
+            f()
+        return
+    ph = pl.program_id(1)
+    for i, f in enumerate(parts):
+        pl.when(ph == i)(f)
+
+
 def iota(shape: tuple[int, ...], dim: int) -> jax.Array:
     return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
 

@@ -41,7 +41,7 @@ fused_kv_insert_v32_reference = kv_insert_v32_xla
 
 
 def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_ref, knb_ref, *rest,
-                      T, BT, lat, rd, di, eps, dtype, kv_fmt, idx_fmt, ilv, hadamard, dot_dtype, interpret):
+                      T, BT, lat, rd, di, eps, dtype, kv_fmt, idx_fmt, ilv, hadamard, dot_dtype, interpret, split):
     if hadamard:
         h_ref, _, _, kv_out, ix_out = rest
     else:
@@ -54,77 +54,81 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
     ok = (t < T) & (slot >= 0)
     safe = jnp.where(ok, slot, 0)
 
-    # ---- MLA: latent RMSNorm (weighted) and k_pe RoPE ----
-    col = C.iota((1, lat), 1)
-    x = C.load(kv_ref, (tc, col), (BT, lat)).astype(F32)
-    r = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    c = (x * r * C.load(kvw_ref, (col,), (1, lat)).astype(F32)).astype(dtype)
-    p, j = C.iota((1, rd), 1), C.iota((1, rd // 2), 1)
-    u, v = C.split_pairs(C.load(kv_ref, (tc, lat + p), (BT, rd)).astype(F32))  # interleaved pairs
-    cs, sn = C.load(cos_ref, (tc, j), (BT, rd // 2)), C.load(sin_ref, (tc, j), (BT, rd // 2))
-    pe = C.join_pairs(*C.rope_pair(u, v, cs, sn)).astype(dtype)
+    def mla():
+        # ---- MLA: latent RMSNorm (weighted) and k_pe RoPE ----
+        col = C.iota((1, lat), 1)
+        x = C.load(kv_ref, (tc, col), (BT, lat)).astype(F32)
+        r = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+        c = (x * r * C.load(kvw_ref, (col,), (1, lat)).astype(F32)).astype(dtype)
+        p, j = C.iota((1, rd), 1), C.iota((1, rd // 2), 1)
+        u, v = C.split_pairs(C.load(kv_ref, (tc, lat + p), (BT, rd)).astype(F32))  # interleaved pairs
+        cs, sn = C.load(cos_ref, (tc, j), (BT, rd // 2)), C.load(sin_ref, (tc, j), (BT, rd // 2))
+        pe = C.join_pairs(*C.rope_pair(u, v, cs, sn)).astype(dtype)
 
-    epp = kv_fmt.entries_per_page
-    nb = kv_out.shape[0]
-    page = jnp.where(ok, jax.lax.div(safe, epp), nb)  # masked lanes: one past the last page
-    j = jax.lax.rem(safe, epp)
-    if isinstance(kv_fmt, MlaRecord656):
-        rec = kv_fmt.record_bytes
-        nblk = lat // 128
-        cf = c.astype(F32).reshape(BT, nblk, 128)
-        amax = jnp.max(jnp.abs(cf), axis=-1)  # [BT, nblk]
-        if kv_fmt.scale_fmt == "ue8m0":
-            s, inv, _ = ue8m0_scale_bits(amax)
-            q = C.e4m3_bytes(cf * inv[..., None])
-        else:  # vLLM: max(amax / 448, FLT_MIN), then a true division
-            s = jnp.maximum(C.div_rn(amax, jnp.full(amax.shape, FP8_MAX, F32), interpret), FLT_MIN)
-            q = C.e4m3_bytes(C.div_rn(cf, jnp.broadcast_to(s[..., None], cf.shape), interpret))
-        base = j * rec
-        C.store(kv_out, (page, base + col), q.reshape(BT, lat), ok)
-        sc = C.iota((1, nblk), 1)
-        for k in range(4):
-            C.store(kv_out, (page, base + lat + 4 * sc + k), C.u32_byte(s, k), ok)
-        lo, hi = C.u16_bytes(pe.astype(jnp.bfloat16))  # the rope's bf16 bytes, little-endian: one store
-        C.store(kv_out, (page, base + lat + 4 * nblk + C.iota((1, 2 * rd), 1)), C.join_pairs(lo, hi), ok)
-    else:  # FloatRows(lat + rd)
-        base = j * kv_fmt.dim
-        C.store(kv_out, (page, base + col), c.astype(kv_out.dtype), ok)
-        C.store(kv_out, (page, base + lat + p), pe.astype(kv_out.dtype), ok)
+        epp = kv_fmt.entries_per_page
+        nb = kv_out.shape[0]
+        page = jnp.where(ok, jax.lax.div(safe, epp), nb)  # masked lanes: one past the last page
+        j = jax.lax.rem(safe, epp)
+        if isinstance(kv_fmt, MlaRecord656):
+            rec = kv_fmt.record_bytes
+            nblk = lat // 128
+            cf = c.astype(F32).reshape(BT, nblk, 128)
+            amax = jnp.max(jnp.abs(cf), axis=-1)  # [BT, nblk]
+            if kv_fmt.scale_fmt == "ue8m0":
+                s, inv, _ = ue8m0_scale_bits(amax)
+                q = C.e4m3_bytes(cf * inv[..., None])
+            else:  # vLLM: max(amax / 448, FLT_MIN), then a true division
+                s = jnp.maximum(C.div_rn(amax, jnp.full(amax.shape, FP8_MAX, F32), interpret), FLT_MIN)
+                q = C.e4m3_bytes(C.div_rn(cf, jnp.broadcast_to(s[..., None], cf.shape), interpret))
+            base = j * rec
+            C.store(kv_out, (page, base + col), q.reshape(BT, lat), ok)
+            sc = C.iota((1, nblk), 1)
+            for k in range(4):
+                C.store(kv_out, (page, base + lat + 4 * sc + k), C.u32_byte(s, k), ok)
+            lo, hi = C.u16_bytes(pe.astype(jnp.bfloat16))  # the rope's bf16 bytes, little-endian: one store
+            C.store(kv_out, (page, base + lat + 4 * nblk + C.iota((1, 2 * rd), 1)), C.join_pairs(lo, hi), ok)
+        else:  # FloatRows(lat + rd)
+            base = j * kv_fmt.dim
+            C.store(kv_out, (page, base + col), c.astype(kv_out.dtype), ok)
+            C.store(kv_out, (page, base + lat + p), pe.astype(kv_out.dtype), ok)
 
-    # ---- indexer key: LayerNorm -> RoPE (first rd dims) -> Hadamard -> quantise ----
-    ci = C.iota((1, di), 1)
-    in_rope, pci, fci, firsti = C.rope_partner(ci, 0, rd, ilv)
-    xk = C.load(ik_ref, (tc, ci), (BT, di)).astype(F32)
-    xp = C.load(ik_ref, (tc, pci), (BT, di), mask=in_rope).astype(F32)
-    mu = jnp.mean(xk, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(xk - mu), axis=-1, keepdims=True)
-    rs = jax.lax.rsqrt(var + eps)
-    y = ((xk - mu) * rs * C.load(knw_ref, (ci,), (1, di)) + C.load(knb_ref, (ci,), (1, di))).astype(dtype)
-    yp = ((xp - mu) * rs * C.load(knw_ref, (pci,), (1, di)) + C.load(knb_ref, (pci,), (1, di))).astype(dtype)
-    csi, sni = C.load(cos_ref, (tc, fci), (BT, di)), C.load(sin_ref, (tc, fci), (BT, di))
-    k = C.rope_rows(y.astype(F32), yp.astype(F32), csi, sni, firsti, in_rope).astype(dtype)
-    if hadamard:
-        hm = h_ref[...]
-        kk = jax.lax.dot(k.astype(dot_dtype), hm, precision=jax.lax.Precision.HIGHEST,
-                         preferred_element_type=F32)
-        k = (kk * np.float32(di ** -0.5)).astype(dtype)
+    def indexer():
+        # ---- indexer key: LayerNorm -> RoPE (first rd dims) -> Hadamard -> quantise ----
+        ci = C.iota((1, di), 1)
+        in_rope, pci, fci, firsti = C.rope_partner(ci, 0, rd, ilv)
+        xk = C.load(ik_ref, (tc, ci), (BT, di)).astype(F32)
+        xp = C.load(ik_ref, (tc, pci), (BT, di), mask=in_rope).astype(F32)
+        mu = jnp.mean(xk, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xk - mu), axis=-1, keepdims=True)
+        rs = jax.lax.rsqrt(var + eps)
+        y = ((xk - mu) * rs * C.load(knw_ref, (ci,), (1, di)) + C.load(knb_ref, (ci,), (1, di))).astype(dtype)
+        yp = ((xp - mu) * rs * C.load(knw_ref, (pci,), (1, di)) + C.load(knb_ref, (pci,), (1, di))).astype(dtype)
+        csi, sni = C.load(cos_ref, (tc, fci), (BT, di)), C.load(sin_ref, (tc, fci), (BT, di))
+        k = C.rope_rows(y.astype(F32), yp.astype(F32), csi, sni, firsti, in_rope).astype(dtype)
+        if hadamard:
+            hm = h_ref[...]
+            kk = jax.lax.dot(k.astype(dot_dtype), hm, precision=jax.lax.Precision.HIGHEST,
+                             preferred_element_type=F32)
+            k = (kk * np.float32(di ** -0.5)).astype(dtype)
 
-    iepp = idx_fmt.entries_per_page
-    nbi = ix_out.shape[0]
-    pagei = jnp.where(ok, jax.lax.div(safe, iepp), nbi)
-    ji = jax.lax.rem(safe, iepp)
-    if isinstance(idx_fmt, IndexerRecord132):
-        kf = k.astype(F32)
-        s, inv, _ = ue8m0_scale_bits(jnp.max(jnp.abs(kf), axis=-1, keepdims=True))  # [BT, 1]
-        C.store(ix_out, (pagei, ji * di + ci), C.e4m3_bytes(kf * inv), ok)
-        b = C.iota((1, 4), 1)
-        sb = jnp.broadcast_to(s, (BT, 4))
-        byte = jnp.zeros((BT, 4), jnp.uint8)
-        for kk_ in range(4):
-            byte = jnp.where(b == kk_, C.u32_byte(sb, kk_), byte)
-        C.store(ix_out, (pagei, iepp * di + ji * 4 + b), byte, ok)
-    else:  # FloatRows(di)
-        C.store(ix_out, (pagei, ji * idx_fmt.dim + ci), k.astype(ix_out.dtype), ok)
+        iepp = idx_fmt.entries_per_page
+        nbi = ix_out.shape[0]
+        pagei = jnp.where(ok, jax.lax.div(safe, iepp), nbi)
+        ji = jax.lax.rem(safe, iepp)
+        if isinstance(idx_fmt, IndexerRecord132):
+            kf = k.astype(F32)
+            s, inv, _ = ue8m0_scale_bits(jnp.max(jnp.abs(kf), axis=-1, keepdims=True))  # [BT, 1]
+            C.store(ix_out, (pagei, ji * di + ci), C.e4m3_bytes(kf * inv), ok)
+            b = C.iota((1, 4), 1)
+            sb = jnp.broadcast_to(s, (BT, 4))
+            byte = jnp.zeros((BT, 4), jnp.uint8)
+            for kk_ in range(4):
+                byte = jnp.where(b == kk_, C.u32_byte(sb, kk_), byte)
+            C.store(ix_out, (pagei, iepp * di + ji * 4 + b), byte, ok)
+        else:  # FloatRows(di)
+            C.store(ix_out, (pagei, ji * idx_fmt.dim + ci), k.astype(ix_out.dtype), ok)
+
+    C.phases(split, mla, indexer)
 
 
 def supports(latent_dim: int, rope_dim: int, index_head_dim: int) -> bool:
@@ -136,11 +140,13 @@ def supports(latent_dim: int, rope_dim: int, index_head_dim: int) -> bool:
 def fused_kv_insert_v32(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache, kv_norm_w, k_norm_w,
                         k_norm_b, *, kv_format: RecordFormat, index_format: RecordFormat, eps: float, dtype,
                         indexer_interleave: bool, hadamard: bool, implementation: Implementation = "pallas",
-                        interpret: bool | None = None, block_tokens: int = 16, num_warps: int = 4):
+                        interpret: bool | None = None, block_tokens: int = 16, num_warps: int = 4,
+                        split_phases: bool = False):
     """Same inputs/outputs as ``fused_kv_insert_v32_reference``; returns (kv_cache, index_cache).
 
     Tiles: ``block_tokens`` tokens per program, ``num_warps``; 4 warps were faster than 8 at T = 8192 on the
-    GPU timeline (``benchmarks/results/kernels_fused_insert_*.json``, rows with ``tiles``).
+    GPU timeline (``benchmarks/results/kernels_fused_insert_*.json``, rows with ``tiles``). ``split_phases``:
+    the MLA record and the indexer key in separate programs (``fused_insert_common.phases``).
 
     kv [T, lat + rd], index_k [T, Di] in ``dtype``; cos/sin [T, rd/2] float32 (jds.ops.rope.rope_cos_sin);
     slot_mapping [T] int32 (-1 = padding); caches [num_blocks, page_elems] of their formats.
@@ -151,12 +157,12 @@ def fused_kv_insert_v32(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cac
     return run_op("fused_kv_insert_v32", implementation, {
         "xla": lambda: kv_insert_v32_xla(*args, **kw),
         "pallas": lambda: _kv_insert_pallas(*args, **kw, interpret=interpret, block_tokens=block_tokens,
-                                            num_warps=num_warps)})
+                                            num_warps=num_warps, split=split_phases)})
 
 
 def _kv_insert_pallas(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache, kv_norm_w, k_norm_w, k_norm_b,
                       *, kv_format, index_format, eps, dtype, indexer_interleave, hadamard, interpret, block_tokens,
-                      num_warps):
+                      num_warps, split):
     if isinstance(index_format, IndexerRecord132) and index_format.scale_fmt != "ue8m0":
         raise Unsupported(f"fused_kv_insert_v32: indexer key scale_fmt {index_format.scale_fmt!r} "
                           "(the kernel implements 'ue8m0')")
@@ -181,10 +187,12 @@ def _kv_insert_pallas(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache
     args += [kv_cache, index_cache]
     kernel = functools.partial(
         _kv_insert_kernel, T=t, BT=bt, lat=lat, rd=rd, di=di, eps=eps, dtype=dt, kv_fmt=kv_format,
-        idx_fmt=index_format, ilv=indexer_interleave, hadamard=hadamard, dot_dtype=dot_dtype, interpret=interpret)
+        idx_fmt=index_format, ilv=indexer_interleave, hadamard=hadamard, dot_dtype=dot_dtype, interpret=interpret,
+        split=split)
     out_shape = (jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
                  jax.ShapeDtypeStruct(index_cache.shape, index_cache.dtype))
-    return C.pallas_call(kernel, out_shape=out_shape, grid=(pl.cdiv(t, bt),), aliases={n_in: 0, n_in + 1: 1},
+    grid = (pl.cdiv(t, bt), 2) if split else (pl.cdiv(t, bt),)
+    return C.pallas_call(kernel, out_shape=out_shape, grid=grid, aliases={n_in: 0, n_in + 1: 1},
                          interpret=interpret, name="v32_kv_insert", num_warps=num_warps)(*args)
 
 
@@ -196,7 +204,7 @@ fused_q_v32_reference = q_v32_xla
 
 
 def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, HiP, nope, rd, di, dtype,
-              ilv, hadamard, fp8, dot_dtype):
+              ilv, hadamard, fp8, dot_dtype, split):
     if hadamard:
         h_ref, qpe_out, iq_out, is_out, iw_out = rest
     else:
@@ -204,55 +212,61 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
         qpe_out, iq_out, is_out, iw_out = rest
     pid = pl.program_id(0)
 
-    # ---- MLA q_pe: interleaved RoPE on the last rd dims of every head ----
-    r = C.iota((BT * HP, 1), 0)
-    tok = pid * BT + jax.lax.shift_right_logical(r, C.log2(HP))
-    head = r & (HP - 1)
-    ok = (tok < T) & (head < H)
-    tc, hc = jnp.minimum(tok, T - 1), jnp.minimum(head, H - 1)
-    # one contiguous load / store per row, split into (even, odd) pairs [rows, rd / 2] in registers: each
-    # element loaded once, not once more as its partner
-    j, c = C.iota((1, rd // 2), 1), C.iota((1, rd), 1)
-    u, v = C.split_pairs(C.load(q_ref, (tc, hc, nope + c), (BT * HP, rd)).astype(F32))
-    even, odd = C.rope_pair(u, v, *C.cos_sin(cos_ref, sin_ref, tc, j, (BT * HP, rd // 2), pid, T, BT))
-    tok_out = jnp.where(ok, tok, T)
-    C.store(qpe_out, (tok_out, hc, c), C.join_pairs(even.astype(dtype), odd.astype(dtype)), ok)
+    def q_pe():
+        # ---- MLA q_pe: interleaved RoPE on the last rd dims of every head ----
+        r = C.iota((BT * HP, 1), 0)
+        tok = pid * BT + jax.lax.shift_right_logical(r, C.log2(HP))
+        head = r & (HP - 1)
+        ok = (tok < T) & (head < H)
+        tc, hc = jnp.minimum(tok, T - 1), jnp.minimum(head, H - 1)
+        # one contiguous load / store per row, split into (even, odd) pairs [rows, rd / 2] in registers: each
+        # element loaded once, not once more as its partner
+        j, c = C.iota((1, rd // 2), 1), C.iota((1, rd), 1)
+        u, v = C.split_pairs(C.load(q_ref, (tc, hc, nope + c), (BT * HP, rd)).astype(F32))
+        even, odd = C.rope_pair(u, v, *C.cos_sin(cos_ref, sin_ref, tc, j, (BT * HP, rd // 2), pid, T, BT))
+        tok_out = jnp.where(ok, tok, T)
+        C.store(qpe_out, (tok_out, hc, c), C.join_pairs(even.astype(dtype), odd.astype(dtype)), ok)
 
-    # ---- indexer q: RoPE (first rd dims) -> Hadamard -> per-head FP8 with the scale folded into w ----
-    ri = C.iota((BT * HiP, 1), 0)
-    tok = pid * BT + jax.lax.shift_right_logical(ri, C.log2(HiP))
-    head = ri & (HiP - 1)
-    ok = (tok < T) & (head < Hi)
-    tc, hc = jnp.minimum(tok, T - 1), jnp.minimum(head, Hi - 1)
-    ci = C.iota((1, di), 1)
-    in_rope, pci, fci, firsti = C.rope_partner(ci, 0, rd, ilv)
-    x = C.load(iq_ref, (tc, hc, ci), (BT * HiP, di)).astype(F32)
-    xp = C.load(iq_ref, (tc, hc, pci), (BT * HiP, di), mask=in_rope).astype(F32)
-    csi, sni = C.cos_sin(cos_ref, sin_ref, tc, fci, (BT * HiP, di), pid, T, BT)
-    k = C.rope_rows(x, xp, csi, sni, firsti, in_rope).astype(dtype)
-    if hadamard:
-        kk = jax.lax.dot(k.astype(dot_dtype), h_ref[...], precision=jax.lax.Precision.HIGHEST,
-                         preferred_element_type=F32)
-        k = (kk * np.float32(di ** -0.5)).astype(dtype)
-    w = C.load(iw_ref, (tc, hc), (BT * HiP, 1)).astype(F32)
-    wf = w * (di ** -0.5) * (Hi ** -0.5)
-    tok_s = jnp.where(ok, tok, T)
-    if fp8:
-        kf = k.astype(F32)
-        s, inv, _ = ue8m0_scale_bits(jnp.max(jnp.abs(kf), axis=-1, keepdims=True))
-        qv = jnp.clip(kf * inv, -FP8_MAX, FP8_MAX).astype(FP8)
-        wf = wf * s
-    else:
-        qv, s = k, jnp.ones((BT * HiP, 1), F32)
-    C.store(iq_out, (tok_s, hc, ci), qv, ok)
-    C.store(is_out, (tok_s, hc), s, ok)
-    C.store(iw_out, (tok_s, hc), wf, ok)
+    def indexer():
+        # ---- indexer q: RoPE (first rd dims) -> Hadamard -> per-head FP8 with the scale folded into w ----
+        ri = C.iota((BT * HiP, 1), 0)
+        tok = pid * BT + jax.lax.shift_right_logical(ri, C.log2(HiP))
+        head = ri & (HiP - 1)
+        ok = (tok < T) & (head < Hi)
+        tc, hc = jnp.minimum(tok, T - 1), jnp.minimum(head, Hi - 1)
+        ci = C.iota((1, di), 1)
+        in_rope, pci, fci, firsti = C.rope_partner(ci, 0, rd, ilv)
+        x = C.load(iq_ref, (tc, hc, ci), (BT * HiP, di)).astype(F32)
+        xp = C.load(iq_ref, (tc, hc, pci), (BT * HiP, di), mask=in_rope).astype(F32)
+        csi, sni = C.cos_sin(cos_ref, sin_ref, tc, fci, (BT * HiP, di), pid, T, BT)
+        k = C.rope_rows(x, xp, csi, sni, firsti, in_rope).astype(dtype)
+        if hadamard:
+            kk = jax.lax.dot(k.astype(dot_dtype), h_ref[...], precision=jax.lax.Precision.HIGHEST,
+                             preferred_element_type=F32)
+            k = (kk * np.float32(di ** -0.5)).astype(dtype)
+        w = C.load(iw_ref, (tc, hc), (BT * HiP, 1)).astype(F32)
+        wf = w * (di ** -0.5) * (Hi ** -0.5)
+        tok_s = jnp.where(ok, tok, T)
+        if fp8:
+            kf = k.astype(F32)
+            s, inv, _ = ue8m0_scale_bits(jnp.max(jnp.abs(kf), axis=-1, keepdims=True))
+            qv = jnp.clip(kf * inv, -FP8_MAX, FP8_MAX).astype(FP8)
+            wf = wf * s
+        else:
+            qv, s = k, jnp.ones((BT * HiP, 1), F32)
+        C.store(iq_out, (tok_s, hc, ci), qv, ok)
+        C.store(is_out, (tok_s, hc), s, ok)
+        C.store(iw_out, (tok_s, hc), wf, ok)
+
+    C.phases(split, q_pe, indexer)
 
 
 def fused_q_v32(q, index_q, index_w, cos, sin, *, nope_dim: int, dtype, indexer_interleave: bool,
                 hadamard: bool, fp8: bool, scale_fmt: str = "ue8m0", implementation: Implementation = "pallas",
-                interpret: bool | None = None, rows_per_program: int = 64, num_warps: int = 4):
-    """Same inputs/outputs as ``fused_q_v32_reference``.
+                interpret: bool | None = None, rows_per_program: int = 64, num_warps: int = 4,
+                split_phases: bool = False):
+    """Same inputs/outputs as ``fused_q_v32_reference``. ``split_phases``: q_pe and the indexer q in separate
+    programs (``fused_insert_common.phases``).
 
     Tiling: ``rows_per_program`` // max(H, Hi) tokens per program (at least one, and at least 16
     indexer rows for the Hadamard dot). One token per program and 4 warps each beat two tokens with 8 warps
@@ -263,11 +277,12 @@ def fused_q_v32(q, index_q, index_w, cos, sin, *, nope_dim: int, dtype, indexer_
     return run_op("fused_q_v32", implementation, {
         "xla": lambda: q_v32_xla(*args, **kw, scale_fmt=scale_fmt),
         "pallas": lambda: _q_pallas(*args, **kw, scale_fmt=scale_fmt, interpret=interpret,
-                                    rows_per_program=rows_per_program, num_warps=num_warps)})
+                                    rows_per_program=rows_per_program, num_warps=num_warps,
+                                    split=split_phases)})
 
 
 def _q_pallas(q, index_q, index_w, cos, sin, *, nope_dim, dtype, indexer_interleave, hadamard, fp8, scale_fmt,
-              interpret, rows_per_program, num_warps):
+              interpret, rows_per_program, num_warps, split):
     if fp8 and scale_fmt != "ue8m0":  # the kernel quantises with power-of-two scales (an exact multiply)
         raise Unsupported(f"fused_q_v32: indexer q scale_fmt {scale_fmt!r} (the kernel implements 'ue8m0')")
     interpret = C.resolve_interpret(interpret)
@@ -289,8 +304,10 @@ def _q_pallas(q, index_q, index_w, cos, sin, *, nope_dim, dtype, indexer_interle
     if hadamard:
         args.append(jnp.asarray(hadamard_matrix(di), dot_dtype))
     kernel = functools.partial(_q_kernel, T=t, BT=bt, H=h, HP=hp, Hi=hi, HiP=hip, nope=nope_dim, rd=rd, di=di,
-                               dtype=dt, ilv=indexer_interleave, hadamard=hadamard, fp8=fp8, dot_dtype=dot_dtype)
+                               dtype=dt, ilv=indexer_interleave, hadamard=hadamard, fp8=fp8, dot_dtype=dot_dtype,
+                               split=split)
     out_shape = (jax.ShapeDtypeStruct((t, h, rd), dt), jax.ShapeDtypeStruct((t, hi, di), FP8 if fp8 else dt),
                  jax.ShapeDtypeStruct((t, hi), F32), jax.ShapeDtypeStruct((t, hi), F32))
-    return C.pallas_call(kernel, out_shape=out_shape, grid=(pl.cdiv(t, bt),), aliases={}, interpret=interpret,
+    grid = (pl.cdiv(t, bt), 2) if split else (pl.cdiv(t, bt),)
+    return C.pallas_call(kernel, out_shape=out_shape, grid=grid, aliases={}, interpret=interpret,
                          name="v32_fused_q", num_warps=num_warps)(*args)

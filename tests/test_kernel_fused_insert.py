@@ -190,6 +190,35 @@ def test_v32_fused_q(mode, dt, had, ilv, fp8, t):
         np.testing.assert_allclose(np.asarray(wf) / np.asarray(s), np.asarray(rwf) / np.asarray(rs), rtol=1e-6)
 
 
+# ----- V3.2: the parts in separate programs (split_phases) --------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("t", [2, 20])
+def test_v32_split_phases(mode, t):
+    """Each part in its own programs computes what it computes in a shared program, op for op: every output
+    byte equal."""
+    cfg = V32Config.tiny()
+    rng = np.random.default_rng(30 + t)
+    cos, sin = rope_cos_sin(cached_inv_freqs(cfg.rope, 64), jnp.asarray(rng.integers(0, 2000, t), jnp.int32))
+    kv_fmt, idx_fmt = MlaRecord656(16, "ue8m0"), IndexerRecord132(16)
+    kv_args = (jnp.asarray(rng.normal(size=(t, 576)) * 2, BF16), jnp.asarray(rng.normal(size=(t, 128)), BF16),
+               cos, sin, jnp.asarray(_slots(rng, t, 64)), _noise_cache(rng, kv_fmt, 4), _noise_cache(rng, idx_fmt, 4),
+               jnp.asarray(1 + 0.1 * rng.normal(size=512), F32), jnp.asarray(1 + 0.1 * rng.normal(size=128), F32),
+               jnp.asarray(0.1 * rng.normal(size=128), F32))
+    q_args = (jnp.asarray(rng.normal(size=(t, cfg.n_heads, 192)), BF16),
+              jnp.asarray(rng.normal(size=(t, cfg.index_n_heads, 128)), BF16),
+              jnp.asarray(rng.normal(size=(t, cfg.index_n_heads)), F32), cos, sin)
+    for fn, static, args in (
+            (fused_kv_insert_v32, dict(kv_format=kv_fmt, index_format=idx_fmt, eps=1e-6, dtype=BF16,
+                                       indexer_interleave=False, hadamard=True), kv_args),
+            (fused_q_v32, dict(nope_dim=128, dtype=BF16, indexer_interleave=False, hadamard=True, fp8=True), q_args)):
+        outs = [jax.jit(functools.partial(fn, implementation="pallas", interpret=_interpret(mode), split_phases=sp,
+                                          **static))(*args) for sp in (False, True)]
+        for a, b in zip(*outs):
+            np.testing.assert_array_equal(np.asarray(a.view(jnp.uint8) if a.dtype.itemsize == 1 else a),
+                                          np.asarray(b.view(jnp.uint8) if b.dtype.itemsize == 1 else b),
+                                          err_msg=f"{fn.__name__} t={t}")
+
+
 # ----- V4: q head norm + RoPE, window kv RoPE + FP8 insert -------------------------------------------------
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fmt,dt,t", [
@@ -315,7 +344,9 @@ def _lowering_cases(t: int = 33):
                jnp.zeros((2, 256 * 584), jnp.uint8), jnp.ones(512))
     return [pytest.param(kv32, kv32_args, True, id=f"v32_kv_insert-t{t}"),
             pytest.param(q32, q32_args, False, id=f"v32_fused_q-t{t}"),
-            pytest.param(v4, v4_args, True, id=f"v4_qnorm_rope_kv_insert-t{t}")]
+            pytest.param(v4, v4_args, True, id=f"v4_qnorm_rope_kv_insert-t{t}"),
+            pytest.param(functools.partial(kv32, split_phases=True), kv32_args, True, id=f"v32_kv_insert-split-t{t}"),
+            pytest.param(functools.partial(q32, split_phases=True), q32_args, False, id=f"v32_fused_q-split-t{t}")]
 
 
 @pytest.mark.parametrize("fn,args,inserts", _lowering_cases())

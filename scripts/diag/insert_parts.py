@@ -1,22 +1,22 @@
-"""Where V3.2's fused inserts lose to V4's: each kernel with and without its Hadamard, beside a copy of the
-same bytes, on the GPU timeline.
+"""Where V3.2's fused inserts lose to V4's: each kernel's variants beside a copy of the same bytes, on the GPU
+timeline.
 
-    python scripts/diag/insert_parts.py [--ts 1 1024 8192] [--out F]
+    python scripts/diag/insert_parts.py [--ts 1 1024 8192] [--variants default split] [--out F]
 
-Why: at T = 1 the two V3.2 kernels (both apply the indexer's Hadamard as a tl.dot against a 128 x 128 matrix
-loaded by every program) take about 5 µs of device time where V4's insert, which has none, takes 1.5 µs
-(docs/perf-log.md, twenty-second session), and V3.2's stay below the 70% of copy bandwidth that V4's reaches at
-T >= 1024. ``hadamard=False`` is not the model's numerics: it only says what the Hadamard costs. The copy row
-(``a + 1`` on a float32 array of half the case's bytes: read + written = the case's bytes; a uint8 array
-copied at 1.7 TB/s, 2026-12-03) is the same-size
-ceiling: a small call sits at its launch and DRAM-latency floor, which the one large copy of
-``measure_ceilings`` does not show.
+Why: at T = 1 the two V3.2 kernels take about 5 µs of device time where V4's insert takes 1.5 µs, and they stay
+below the 70% of copy bandwidth that V4's reaches at T >= 1024 (docs/perf-log.md, twenty-second session).
+Variants: ``split``, each kernel's parts (MLA / indexer) in their own programs (``split_phases``);
+``no_hadamard``, not the model's numerics, says what the indexer's Hadamard (a tl.dot against a 128 x 128
+matrix every program loads) costs. The copy row (``a + 1`` on float32, half the case's bytes: read + written =
+the case's bytes; a uint8 array copied at 1.7 TB/s) is the same-size ceiling: a small call sits at its launch
+and latency floor, which the one large copy of ``measure_ceilings`` does not show.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -26,12 +26,13 @@ from jds.bench.results import measured_row, run_meta, write_json
 from jds.bench.timing import CAPTURED_OPTIONS, measure_ceilings, profiled_device_us
 
 KERNELS = ("v32_kv_insert", "v32_fused_q", "v4_qnorm_rope_kv_insert")
-VARIANTS = {"default": {}, "no_hadamard": {"hadamard": False}}
+VARIANTS = {"default": {}, "no_hadamard": {"hadamard": False}, "split": {"split_phases": True}}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ts", nargs="+", type=int, default=[1, 1024, 8192])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     ceil = measure_ceilings()
@@ -39,9 +40,10 @@ def main() -> None:
     for kernel, case, fn, static, args, cache_pos, out_pos, nbytes in _cases(False, tuple(a.ts)):
         if kernel not in KERNELS:
             continue
-        for name, kw in VARIANTS.items():
-            if kw and "hadamard" not in static:
-                continue
+        for name in a.variants:
+            kw = VARIANTS[name]
+            if any(k not in inspect.signature(fn).parameters for k in kw):
+                continue  # (V4's insert has no Hadamard and one part)
             call = functools.partial(fn, **{**static, **kw}, implementation="pallas")
 
             def measure(call=call, args=args, cache_pos=cache_pos, out_pos=out_pos, nbytes=nbytes) -> dict:
