@@ -54,6 +54,18 @@ def log2(n: int) -> int:
     return int(math.log2(n))
 
 
+# split_phases=None: the parts split (``phases``) when a call has at most this many programs unsplit. On the H200
+# (benchmarks/results/insert_parts_h200_2026-12-03.json, "split") the split won at 1 to 64 programs, tied at 1024
+# (the fused q at T = 1024) and lost at 512 (kv insert, T = 8192) and 8192 (fused q).
+SPLIT_MAX_PROGRAMS = 256
+
+
+def split_phases(split: bool | None, programs: int) -> bool:
+    """``split`` as given, or (None) whether a grid of ``programs`` is small enough that latency, not throughput,
+    sets the call's time."""
+    return programs <= SPLIT_MAX_PROGRAMS if split is None else bool(split)
+
+
 NUM_WARPS: dict[str, int] = {}  # kernel name -> num_warps of its last launch (for compile_sm90_report)
 
 

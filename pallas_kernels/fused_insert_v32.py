@@ -141,12 +141,13 @@ def fused_kv_insert_v32(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cac
                         k_norm_b, *, kv_format: RecordFormat, index_format: RecordFormat, eps: float, dtype,
                         indexer_interleave: bool, hadamard: bool, implementation: Implementation = "pallas",
                         interpret: bool | None = None, block_tokens: int = 16, num_warps: int = 4,
-                        split_phases: bool = False):
+                        split_phases: bool | None = None):
     """Same inputs/outputs as ``fused_kv_insert_v32_reference``; returns (kv_cache, index_cache).
 
     Tiles: ``block_tokens`` tokens per program, ``num_warps``; 4 warps were faster than 8 at T = 8192 on the
     GPU timeline (``benchmarks/results/kernels_fused_insert_*.json``, rows with ``tiles``). ``split_phases``:
-    the MLA record and the indexer key in separate programs (``fused_insert_common.phases``).
+    the MLA record and the indexer key in separate programs (``fused_insert_common.phases``); None: where the
+    grid is small (``fused_insert_common.split_phases``).
 
     kv [T, lat + rd], index_k [T, Di] in ``dtype``; cos/sin [T, rd/2] float32 (jds.ops.rope.rope_cos_sin);
     slot_mapping [T] int32 (-1 = padding); caches [num_blocks, page_elems] of their formats.
@@ -179,6 +180,7 @@ def _kv_insert_pallas(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache
     dt = jnp.dtype(dtype)
     bt = block_tokens
     dot_dtype = F32 if (interpret or dt == F32) else jnp.bfloat16
+    split = C.split_phases(split, pl.cdiv(t, bt))
     args = [kv, index_k, cos.astype(F32), sin.astype(F32), slot_mapping.astype(jnp.int32),
             kv_norm_w.astype(F32), k_norm_w.astype(F32), k_norm_b.astype(F32)]
     if hadamard:
@@ -264,9 +266,9 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
 def fused_q_v32(q, index_q, index_w, cos, sin, *, nope_dim: int, dtype, indexer_interleave: bool,
                 hadamard: bool, fp8: bool, scale_fmt: str = "ue8m0", implementation: Implementation = "pallas",
                 interpret: bool | None = None, rows_per_program: int = 64, num_warps: int = 4,
-                split_phases: bool = False):
+                split_phases: bool | None = None):
     """Same inputs/outputs as ``fused_q_v32_reference``. ``split_phases``: q_pe and the indexer q in separate
-    programs (``fused_insert_common.phases``).
+    programs (``fused_insert_common.phases``); None: where the grid is small (``fused_insert_common.split_phases``).
 
     Tiling: ``rows_per_program`` // max(H, Hi) tokens per program (at least one, and at least 16
     indexer rows for the Hadamard dot). One token per program and 4 warps each beat two tokens with 8 warps
@@ -300,6 +302,7 @@ def _q_pallas(q, index_q, index_w, cos, sin, *, nope_dim, dtype, indexer_interle
     bt = max(bt, C.next_pow2(-(-16 // hip)))
     dt = jnp.dtype(dtype)
     dot_dtype = F32 if (interpret or dt == F32) else jnp.bfloat16
+    split = C.split_phases(split, pl.cdiv(t, bt))
     args = [q, index_q, index_w.astype(F32), cos.astype(F32), sin.astype(F32)]
     if hadamard:
         args.append(jnp.asarray(hadamard_matrix(di), dot_dtype))

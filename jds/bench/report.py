@@ -595,19 +595,20 @@ def _mqa_variants(d: dict) -> list[str]:
 
 
 def _insert_parts(d: dict) -> list[str]:
-    """scripts/diag/insert_parts.py: each insert's device µs per call (GPU timeline) with and without its Hadamard,
-    beside a copy of the same bytes (the same-size ceiling: a small call sits at its launch / DRAM latency floor)."""
+    """scripts/diag/insert_parts.py: each insert's device µs per call (GPU timeline) per variant, beside a copy of
+    the same bytes (the same-size ceiling: a small call sits at its launch / latency floor)."""
     by: dict[tuple[str, str], dict[str, dict]] = {}
     for r in d.get("rows", []):
         by.setdefault((r["kernel"], r["case"]), {})[r["variant"]] = r
+    names = list(dict.fromkeys(r["variant"] for r in d.get("rows", []) if r["variant"] != "same_size_copy"))
     us = lambda r: (r or {}).get("profile_span_us")  # noqa: E731
-    body = [[k, c, _fmt(us(v.get("default")), 1), _fmt(us(v.get("no_hadamard")), 1),
-             _fmt(us(v.get("same_size_copy")), 1), _pct((v.get("default") or {}).get("bandwidth_frac")),
-             _ratio(us(v.get("same_size_copy")), us(v.get("default")))] for (k, c), v in by.items()]
-    return ["Fused inserts, device µs per call (GPU timeline); `no_hadamard` is not the model's numerics (it says "
-            "what the Hadamard costs); the copy moves the case's bytes (`a + 1`, float32):", ""] + \
-        _table(["kernel", "case", "default µs", "no Hadamard µs", "same-size copy µs", "default of copy bw",
-                "copy / default"], body)
+    body = [[k, c] + [_fmt(us(v.get(n)), 1) for n in names] + [_fmt(us(v.get("same_size_copy")), 1)]
+            + [_pct((v.get(n) or {}).get("bandwidth_frac")) for n in names] for (k, c), v in by.items()]
+    return ["Fused inserts, device µs per call (GPU timeline), per variant (`split`: the kernel's parts in separate "
+            "programs; `no_hadamard`: not the model's numerics, what the Hadamard costs), beside a copy of the case's "
+            "bytes (`a + 1`, float32):", ""] + \
+        _table(["kernel", "case"] + [f"{n} µs" for n in names] + ["same-size copy µs"]
+               + [f"{n} of copy bw" for n in names], body)
 
 
 def _mqa_fixed_cost(d: dict) -> list[str]:
