@@ -20,6 +20,7 @@
 #   scripts/gpu_session.sh ncu-fp8sweep  # issue 19: FP8 decode calls x tile variants, exact kernel durations (ncu)
 #   scripts/gpu_session.sh fp8gap        # issue 19: the gap between two Mosaic kernels, waited call vs 8 calls in one jit
 #   scripts/gpu_session.sh ncu-topk      # issue 20: Nsight Compute (full set) on the radix select at 64 x 64K, one and two programs per row
+#   scripts/gpu_session.sh ncu-fp4t1     # issue 22: Nsight Compute with SASS stall samples on the FP4 GEMM at 1 token
 #   scripts/gpu_session.sh ncu-mqa       # issue 20: Nsight Compute (full set) on the sparse MQA, V3.2 and V4 decode at batch 64
 #   scripts/gpu_session.sh mqa-variants  # issue 20: sparse MQA native tests, its switches on the GPU timeline, ncu of the default
 #   scripts/gpu_session.sh mqa-loops     # issue 20: the register producer's native tests, then its switch sets timed
@@ -212,6 +213,18 @@ case "$stage" in
       ncu -i "/tmp/$name.ncu-rep" --page details > "$OUT/${name}_details.txt" 2>&1
       ncu -i "/tmp/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/${name}_sass.csv" 2>&1
     done
+    ;;
+  ncu-fp4t1)
+    # issue 22: the FP4 grouped GEMM at 1 token (13.0 µs, 43% of DRAM peak; twenty-second session: 42% of stall
+    # cycles on the long scoreboard, global loads using 4 of 32 bytes per sector): which instructions of which
+    # warpgroup wait (SASS source page, per-region stall samples)
+    timeout ${NCUF_TIMEOUT:-150} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
+      -o /tmp/fp4_w1_t1 python3 scripts/diag/ncu_kernels.py fp4 --shape w1 --tokens 1 --tiles '{"x_fp8": true}' \
+      > /dev/null 2>&1; echo "ncu fp4 t1 rc=$?"
+    ncu -i /tmp/fp4_w1_t1.ncu-rep --page details > "$OUT/fp4_w1_t1_details.txt" 2>&1
+    ncu -i /tmp/fp4_w1_t1.ncu-rep --page source --csv --print-source sass > "$OUT/fp4_w1_t1_sass.csv" 2>&1 \
+      && python3 scripts/diag/ncu_sass_regions.py "$OUT/fp4_w1_t1_sass.csv" --top 25 > "$OUT/fp4_w1_t1_regions.txt" 2>&1
+    tail -40 "$OUT/fp4_w1_t1_regions.txt"
     ;;
   ncu-mqa)
     # stall reasons, pipe and memory utilisation of the sparse MQA (twelfth session: 259 TFLOP/s at V3.2 decode
