@@ -214,13 +214,17 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
         qpe_out, iq_out, is_out, iw_out = rest
     pid = pl.program_id(0)
 
+    def rows(hp: int, h: int):
+        """The program's rows, token-major with ``hp`` (padded) heads per token: (token, in range, clamped
+        token, clamped head), each [BT * hp, 1]."""
+        r = C.iota((BT * hp, 1), 0)
+        tok = pid * BT + jax.lax.shift_right_logical(r, C.log2(hp))
+        head = r & (hp - 1)
+        return tok, (tok < T) & (head < h), jnp.minimum(tok, T - 1), jnp.minimum(head, h - 1)
+
     def q_pe():
         # ---- MLA q_pe: interleaved RoPE on the last rd dims of every head ----
-        r = C.iota((BT * HP, 1), 0)
-        tok = pid * BT + jax.lax.shift_right_logical(r, C.log2(HP))
-        head = r & (HP - 1)
-        ok = (tok < T) & (head < H)
-        tc, hc = jnp.minimum(tok, T - 1), jnp.minimum(head, H - 1)
+        tok, ok, tc, hc = rows(HP, H)
         # one contiguous load / store per row, split into (even, odd) pairs [rows, rd / 2] in registers: each
         # element loaded once, not once more as its partner
         j, c = C.iota((1, rd // 2), 1), C.iota((1, rd), 1)
@@ -231,11 +235,7 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
 
     def indexer():
         # ---- indexer q: RoPE (first rd dims) -> Hadamard -> per-head FP8 with the scale folded into w ----
-        ri = C.iota((BT * HiP, 1), 0)
-        tok = pid * BT + jax.lax.shift_right_logical(ri, C.log2(HiP))
-        head = ri & (HiP - 1)
-        ok = (tok < T) & (head < Hi)
-        tc, hc = jnp.minimum(tok, T - 1), jnp.minimum(head, Hi - 1)
+        tok, ok, tc, hc = rows(HiP, Hi)
         ci = C.iota((1, di), 1)
         in_rope, pci, fci, firsti = C.rope_partner(ci, 0, rd, ilv)
         x = C.load(iq_ref, (tc, hc, ci), (BT * HiP, di)).astype(F32)
