@@ -9,7 +9,7 @@ kernels: the chain's span / chain), from ``jds.bench.timing.profiled_device_us``
 
     python3 scripts/diag/fp8_call_gap.py --shape wo --m 1 --out OUT/fp8_call_gap.json
 
-Measured 2026-12-01 (eighth session, benchmarks/results/fp8_call_gap_h200_2026-12-01.json): the gap is gone in
+Measured 2026-12-01 (eighth session, benchmarks/results/archive/fp8_call_gap_h200_2026-12-01.json): the gap is gone in
 the chain, where the one-kernel act_quant is as fast or faster; it is the decode default since.
 """
 
