@@ -3,12 +3,12 @@ timeline.
 
     python scripts/diag/insert_parts.py [--ts 1 1024 8192] [--variants default split] [--out F]
 
-Why: at T = 1 the two V3.2 kernels take about 5 µs of device time where V4's insert takes 1.5 µs, and they stay
-below the 70% of copy bandwidth that V4's reaches at T >= 1024 (docs/perf-log.md, twenty-second session).
+Why: at one token the two V3.2 kernels take several times V4's insert's device time, and at T >= 1024 they stay
+below the share of the copy bandwidth that V4's reaches (docs/perf-log.md, twenty-second session).
 Variants: ``split``, each kernel's parts (MLA / indexer) in their own programs (``split_phases``);
 ``no_hadamard``, not the model's numerics, says what the indexer's Hadamard (a tl.dot against a 128 x 128
 matrix every program loads) costs. The copy row (``a + 1`` on float32, half the case's bytes: read + written =
-the case's bytes; a uint8 array copied at 1.7 TB/s) is the same-size ceiling: a small call sits at its launch
+the case's bytes; a uint8 array copies far slower) is the same-size ceiling: a small call sits at its launch
 and latency floor, which the one large copy of ``measure_ceilings`` does not show.
 """
 
