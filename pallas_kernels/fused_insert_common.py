@@ -25,7 +25,7 @@ interpret mode's scatter drops); masked-out load lanes are clamped to valid rows
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import jax
 import jax.numpy as jnp
@@ -60,10 +60,15 @@ def log2(n: int) -> int:
 SPLIT_MAX_PROGRAMS = 256
 
 
-def split_phases(split: bool | None, programs: int) -> bool:
+SplitPhases = bool | Literal["kernels"] | None  # a kernel's parts: auto, one program, own programs, own kernels
+
+
+def split_phases(split: bool | None, programs: int, op: str) -> bool:
     """``split`` as given, or (None) whether a grid of ``programs`` is small enough that latency, not throughput,
     sets the call's time."""
-    return programs <= SPLIT_MAX_PROGRAMS if split is None else bool(split)
+    if split not in (None, False, True):
+        raise ValueError(f"{op}: split_phases must be None, False or True, got {split!r}")
+    return programs <= SPLIT_MAX_PROGRAMS if split is None else split
 
 
 NUM_WARPS: dict[str, int] = {}  # kernel name -> num_warps of its last launch (for compile_sm90_report)

@@ -194,8 +194,8 @@ def test_v32_fused_q(mode, dt, had, ilv, fp8, t):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("t", [2, 20])
 def test_v32_split_phases(mode, t):
-    """Each part in its own programs computes what it computes in a shared program, op for op: every output
-    byte equal."""
+    """Each part in its own programs (or kernels) computes what it computes in a shared program, op for op: every
+    output byte equal."""
     cfg = V32Config.tiny()
     rng = np.random.default_rng(30 + t)
     cos, sin = rope_cos_sin(cached_inv_freqs(cfg.rope, 64), jnp.asarray(rng.integers(0, 2000, t), jnp.int32))
@@ -207,16 +207,28 @@ def test_v32_split_phases(mode, t):
     q_args = (jnp.asarray(rng.normal(size=(t, cfg.n_heads, 192)), BF16),
               jnp.asarray(rng.normal(size=(t, cfg.index_n_heads, 128)), BF16),
               jnp.asarray(rng.normal(size=(t, cfg.index_n_heads)), F32), cos, sin)
-    for fn, static, args in (
+    for fn, static, args, forms in (
             (fused_kv_insert_v32, dict(kv_format=kv_fmt, index_format=idx_fmt, eps=1e-6, dtype=BF16,
-                                       indexer_interleave=False, hadamard=True), kv_args),
-            (fused_q_v32, dict(nope_dim=128, dtype=BF16, indexer_interleave=False, hadamard=True, fp8=True), q_args)):
+                                       indexer_interleave=False, hadamard=True), kv_args, (False, True)),
+            (fused_q_v32, dict(nope_dim=128, dtype=BF16, indexer_interleave=False, hadamard=True, fp8=True), q_args,
+             (False, True, "kernels"))):
         outs = [jax.jit(functools.partial(fn, implementation="pallas", interpret=_interpret(mode), split_phases=sp,
-                                          **static))(*args) for sp in (False, True)]
-        for a, b in zip(*outs):
-            np.testing.assert_array_equal(np.asarray(a.view(jnp.uint8) if a.dtype.itemsize == 1 else a),
-                                          np.asarray(b.view(jnp.uint8) if b.dtype.itemsize == 1 else b),
-                                          err_msg=f"{fn.__name__} t={t}")
+                                          **static))(*args) for sp in forms]
+        for form, got in zip(forms[1:], outs[1:]):
+            for a, b in zip(outs[0], got):
+                np.testing.assert_array_equal(np.asarray(a.view(jnp.uint8) if a.dtype.itemsize == 1 else a),
+                                              np.asarray(b.view(jnp.uint8) if b.dtype.itemsize == 1 else b),
+                                              err_msg=f"{fn.__name__} t={t} split_phases={form}")
+
+
+def test_v32_split_phases_rejects_unknown_forms() -> None:
+    """The kv insert has no two-kernel form, and neither op takes an unknown one: a ValueError naming the op."""
+    from jds.bench.kernels_fused_insert import _cases
+    (_, _, kv_fn, kv_static, kv_args, *_), (_, _, q_fn, q_static, q_args, *_), _ = _cases(False, (2,))
+    with pytest.raises(ValueError, match="fused_kv_insert_v32: split_phases"):
+        kv_fn(*kv_args, **kv_static, interpret=True, split_phases="kernels")
+    with pytest.raises(ValueError, match="fused_q_v32: split_phases"):
+        q_fn(*q_args, **q_static, interpret=True, split_phases="programs")
 
 
 # ----- V4: q head norm + RoPE, window kv RoPE + FP8 insert -------------------------------------------------
@@ -346,7 +358,9 @@ def _lowering_cases(t: int = 33):
             pytest.param(q32, q32_args, False, id=f"v32_fused_q-t{t}"),
             pytest.param(v4, v4_args, True, id=f"v4_qnorm_rope_kv_insert-t{t}"),
             pytest.param(functools.partial(kv32, split_phases=True), kv32_args, True, id=f"v32_kv_insert-split-t{t}"),
-            pytest.param(functools.partial(q32, split_phases=True), q32_args, False, id=f"v32_fused_q-split-t{t}")]
+            pytest.param(functools.partial(q32, split_phases=True), q32_args, False, id=f"v32_fused_q-split-t{t}"),
+            pytest.param(functools.partial(q32, split_phases="kernels"), q32_args, False,
+                         id=f"v32_fused_q-kernels-t{t}")]
 
 
 @pytest.mark.parametrize("fn,args,inserts", _lowering_cases())
