@@ -60,9 +60,9 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
         x = C.load(kv_ref, (tc, col), (BT, lat)).astype(F32)
         r = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
         c = (x * r * C.load(kvw_ref, (col,), (1, lat)).astype(F32)).astype(dtype)
-        p, j = C.iota((1, rd), 1), C.iota((1, rd // 2), 1)
+        p, jp = C.iota((1, rd), 1), C.iota((1, rd // 2), 1)  # rope columns, their pairs
         u, v = C.split_pairs(C.load(kv_ref, (tc, lat + p), (BT, rd)).astype(F32))  # interleaved pairs
-        cs, sn = C.load(cos_ref, (tc, j), (BT, rd // 2)), C.load(sin_ref, (tc, j), (BT, rd // 2))
+        cs, sn = C.load(cos_ref, (tc, jp), (BT, rd // 2)), C.load(sin_ref, (tc, jp), (BT, rd // 2))
         pe = C.join_pairs(*C.rope_pair(u, v, cs, sn)).astype(dtype)
 
         epp = kv_fmt.entries_per_page

@@ -21,12 +21,13 @@ thread's addresses come from its thread index and the block's slots.
 
 - The MQA's producer (``produce_tile``): the whole loop over a token's blocks as one software-pipelined
   ``scf.for`` that carries the next block's slot, so its load sits in no block's chain (block ids are
-  arithmetic on the lists' extents). Its barriers are raw PTX mbarriers in a shared int32 row (``init_barriers``, ``wait_full``,
-  ``arrive_free``), waited with CTA-scope acquire (a cluster-scope acquire costs an L1 invalidation after
-  every wait). Its loads are coalesced (``coalesced_lane``): a warp serves 16 rows and each load instruction
-  reads whole lines of two or four records. The half-row mapping of ``dequant_blocks`` saturated L1/TEX inside the loop
-  (sectors half used, 14-way shared store conflicts); its loops for both formats lost to this one and were
-  removed, as was a 2-CTA cluster form (docs/perf-log.md, nineteenth and twentieth sessions).
+  arithmetic on the lists' extents). Its barriers are raw PTX mbarriers in a shared int32 row
+  (``init_barriers``, ``wait_full``, ``arrive_free``), waited with CTA-scope acquire (a cluster-scope acquire
+  costs an L1 invalidation after every wait). Its loads are coalesced (``coalesced_lane``): a warp serves 16
+  rows and each load instruction reads whole lines of two or four records. The half-row mapping of
+  ``dequant_blocks`` saturated L1/TEX inside the loop (sectors half used, 14-way shared store conflicts);
+  its loops for both formats lost to this one and were removed, as was a 2-CTA cluster form
+  (docs/perf-log.md, nineteenth and twentieth sessions).
 
 Native only (inline PTX); GPU interpret mode cannot run it.
 """
