@@ -95,16 +95,17 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
     def indexer():
         # ---- indexer key: LayerNorm -> RoPE (first rd dims) -> Hadamard -> quantise ----
         ci = C.iota((1, di), 1)
-        in_rope, pci, fci, firsti = C.rope_partner(ci, 0, rd, ilv)
         xk = C.load(ik_ref, (tc, ci), (BT, di)).astype(F32)
-        xp = C.load(ik_ref, (tc, pci), (BT, di), mask=in_rope).astype(F32)
         mu = jnp.mean(xk, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(xk - mu), axis=-1, keepdims=True)
         rs = jax.lax.rsqrt(var + eps)
         y = ((xk - mu) * rs * C.load(knw_ref, (ci,), (1, di)) + C.load(knb_ref, (ci,), (1, di))).astype(dtype)
-        yp = ((xp - mu) * rs * C.load(knw_ref, (pci,), (1, di)) + C.load(knb_ref, (pci,), (1, di))).astype(dtype)
-        csi, sni = C.load(cos_ref, (tc, fci), (BT, di)), C.load(sin_ref, (tc, fci), (BT, di))
-        k = C.rope_rows(y.astype(F32), yp.astype(F32), csi, sni, firsti, in_rope).astype(dtype)
+
+        def cos_sin_cols(n: int) -> tuple[jax.Array, jax.Array]:
+            f = jnp.minimum(C.iota((1, n), 1), rd // 2 - 1)
+            return C.load(cos_ref, (tc, f), (BT, n)), C.load(sin_ref, (tc, f), (BT, n))
+
+        k = C.rope_row_block(y.astype(F32), cos_sin_cols, rd, ilv).astype(dtype)  # pairs found in registers
         if hadamard:
             hm = h_ref[...]
             kk = jax.lax.dot(k.astype(dot_dtype), hm, precision=jax.lax.Precision.HIGHEST,
@@ -237,17 +238,20 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
     def indexer():
         # ---- indexer q: RoPE (first rd dims) -> Hadamard -> per-head FP8 with the scale folded into w ----
         tok, ok, tc, hc = rows(HiP, Hi)
-        ci = C.iota((1, di), 1)
-        in_rope, pci, fci, firsti = C.rope_partner(ci, 0, rd, ilv)
-        x = C.load(iq_ref, (tc, hc, ci), (BT * HiP, di)).astype(F32)
-        xp = C.load(iq_ref, (tc, hc, pci), (BT * HiP, di), mask=in_rope).astype(F32)
-        csi, sni = C.cos_sin(cos_ref, sin_ref, tc, fci, (BT * HiP, di), pid, T, BT)
-        k = C.rope_rows(x, xp, csi, sni, firsti, in_rope).astype(dtype)
+        r = BT * HiP
+
+        # each element loaded once, the rope pairs found in registers (``rope_row_block``)
+        x = C.load(iq_ref, (tc, hc, C.iota((1, di), 1)), (r, di)).astype(F32)
+
+        def cos_sin_cols(n: int) -> tuple[jax.Array, jax.Array]:
+            return C.cos_sin(cos_ref, sin_ref, tc, jnp.minimum(C.iota((1, n), 1), rd // 2 - 1), (r, n), pid, T, BT)
+
+        k = C.rope_row_block(x, cos_sin_cols, rd, ilv).astype(dtype)
         if hadamard:
             kk = jax.lax.dot(k.astype(dot_dtype), h_ref[...], precision=jax.lax.Precision.HIGHEST,
                              preferred_element_type=F32)
             k = (kk * np.float32(di ** -0.5)).astype(dtype)
-        w = C.load(iw_ref, (tc, hc), (BT * HiP, 1)).astype(F32)
+        w = C.load(iw_ref, (tc, hc), (r, 1)).astype(F32)
         wf = w * (di ** -0.5) * (Hi ** -0.5)
         tok_s = jnp.where(ok, tok, T)
         if fp8:
@@ -256,8 +260,8 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
             qv = jnp.clip(kf * inv, -FP8_MAX, FP8_MAX).astype(FP8)
             wf = wf * s
         else:
-            qv, s = k, jnp.ones((BT * HiP, 1), F32)
-        C.store(iq_out, (tok_s, hc, ci), qv, ok)
+            qv, s = k, jnp.ones((r, 1), F32)
+        C.store(iq_out, (tok_s, hc, C.iota((1, di), 1)), qv, ok)
         C.store(is_out, (tok_s, hc), s, ok)
         C.store(iw_out, (tok_s, hc), wf, ok)
 
