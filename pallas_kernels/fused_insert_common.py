@@ -25,7 +25,7 @@ interpret mode's scatter drops); masked-out load lanes are clamped to valid rows
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -54,13 +54,10 @@ def log2(n: int) -> int:
     return int(math.log2(n))
 
 
-# split_phases=None: the parts split (``phases``) when a call has at most this many programs unsplit. On the H200
-# (benchmarks/results/insert_parts_h200_2026-12-03.json, "split") the split won at 1 to 64 programs, tied at 1024
-# (the fused q at T = 1024) and lost at 512 (kv insert, T = 8192) and 8192 (fused q).
+# split_phases=None: the parts split (``phases``) when a call has at most this many programs unsplit. On the
+# H200 (benchmarks/results/archive/insert_parts_split_h200_2026-12-03.json, "split") the split won at 1 to 64
+# programs, tied at 1024 (the fused q at T = 1024) and lost at 512 (kv insert, T = 8192) and 8192 (fused q).
 SPLIT_MAX_PROGRAMS = 256
-
-
-SplitPhases = bool | Literal["kernels"] | None  # a kernel's parts: auto, one program, own programs, own kernels
 
 
 def split_phases(split: bool | None, programs: int, op: str) -> bool:

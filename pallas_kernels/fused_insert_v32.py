@@ -207,13 +207,9 @@ fused_q_v32_reference = q_v32_xla
 
 
 def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, HiP, nope, rd, di, dtype,
-              ilv, hadamard, fp8, dot_dtype, split, parts=("q_pe", "indexer")):
-    """``parts``: which of the two parts this kernel computes; its outputs are those parts' (q_pe: qpe_out;
-    indexer: iq_out, is_out, iw_out), after the Hadamard matrix where the indexer part needs it."""
-    h_ref = rest[0] if hadamard and "indexer" in parts else None
-    outs = list(rest[1:] if h_ref is not None else rest)
-    qpe_out = outs.pop(0) if "q_pe" in parts else None
-    iq_out, is_out, iw_out = outs if "indexer" in parts else (None,) * 3
+              ilv, hadamard, fp8, dot_dtype, split):
+    h_ref = rest[0] if hadamard else None
+    qpe_out, iq_out, is_out, iw_out = rest[1:] if hadamard else rest
     pid = pl.program_id(0)
 
     def rows(hp: int, h: int):
@@ -265,17 +261,15 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
         C.store(is_out, (tok_s, hc), s, ok)
         C.store(iw_out, (tok_s, hc), wf, ok)
 
-    C.phases(split, *[f for name, f in (("q_pe", q_pe), ("indexer", indexer)) if name in parts])
+    C.phases(split, q_pe, indexer)
 
 
 def fused_q_v32(q, index_q, index_w, cos, sin, *, nope_dim: int, dtype, indexer_interleave: bool,
                 hadamard: bool, fp8: bool, scale_fmt: str = "ue8m0", implementation: Implementation = "pallas",
                 interpret: bool | None = None, rows_per_program: int = 64, num_warps: int = 4,
-                split_phases: C.SplitPhases = None):
+                split_phases: bool | None = None):
     """Same inputs/outputs as ``fused_q_v32_reference``. ``split_phases``: q_pe and the indexer q in separate
-    programs (``fused_insert_common.phases``); None: where the grid is small (``fused_insert_common.split_phases``);
-    "kernels": in two kernels, one after the other, so that q_pe's programs (no dot, no shared memory) are not
-    sized by the indexer's registers and shared memory.
+    programs (``fused_insert_common.phases``); None: where the grid is small (``fused_insert_common.split_phases``).
 
     Tiling: ``rows_per_program`` // max(H, Hi) tokens per program (at least one, and at least 16
     indexer rows for the Hadamard dot). One token per program and 4 warps each beat two tokens with 8 warps
@@ -310,20 +304,14 @@ def _q_pallas(q, index_q, index_w, cos, sin, *, nope_dim, dtype, indexer_interle
     dt = jnp.dtype(dtype)
     dot_dtype = F32 if (interpret or dt == F32) else jnp.bfloat16
     args = [q, index_q, index_w.astype(F32), cos.astype(F32), sin.astype(F32)]
-    h_arg = [jnp.asarray(hadamard_matrix(di), dot_dtype)] if hadamard else []
-    shapes = {"q_pe": [jax.ShapeDtypeStruct((t, h, rd), dt)],
-              "indexer": [jax.ShapeDtypeStruct((t, hi, di), FP8 if fp8 else dt), jax.ShapeDtypeStruct((t, hi), F32),
-                          jax.ShapeDtypeStruct((t, hi), F32)]}
-
-    def call(parts: tuple[str, ...], split: bool, name: str) -> tuple[jax.Array, ...]:
-        kernel = functools.partial(_q_kernel, T=t, BT=bt, H=h, HP=hp, Hi=hi, HiP=hip, nope=nope_dim, rd=rd, di=di,
-                                   dtype=dt, ilv=indexer_interleave, hadamard=hadamard, fp8=fp8, dot_dtype=dot_dtype,
-                                   split=split, parts=parts)
-        grid = (pl.cdiv(t, bt), 2) if split else (pl.cdiv(t, bt),)
-        return C.pallas_call(kernel, out_shape=tuple(x for p in parts for x in shapes[p]), grid=grid, aliases={},
-                             interpret=interpret, name=name, num_warps=num_warps)(
-            *args, *(h_arg if "indexer" in parts else []))
-
-    if split == "kernels":
-        return (*call(("q_pe",), False, "v32_fused_q_pe"), *call(("indexer",), False, "v32_fused_q_indexer"))
-    return call(("q_pe", "indexer"), C.split_phases(split, pl.cdiv(t, bt), "fused_q_v32"), "v32_fused_q")
+    if hadamard:
+        args.append(jnp.asarray(hadamard_matrix(di), dot_dtype))
+    split = C.split_phases(split, pl.cdiv(t, bt), "fused_q_v32")
+    kernel = functools.partial(_q_kernel, T=t, BT=bt, H=h, HP=hp, Hi=hi, HiP=hip, nope=nope_dim, rd=rd, di=di,
+                               dtype=dt, ilv=indexer_interleave, hadamard=hadamard, fp8=fp8, dot_dtype=dot_dtype,
+                               split=split)
+    out_shape = (jax.ShapeDtypeStruct((t, h, rd), dt), jax.ShapeDtypeStruct((t, hi, di), FP8 if fp8 else dt),
+                 jax.ShapeDtypeStruct((t, hi), F32), jax.ShapeDtypeStruct((t, hi), F32))
+    grid = (pl.cdiv(t, bt), 2) if split else (pl.cdiv(t, bt),)
+    return C.pallas_call(kernel, out_shape=out_shape, grid=grid, aliases={}, interpret=interpret, name="v32_fused_q",
+                         num_warps=num_warps)(*args)

@@ -194,7 +194,7 @@ def test_v32_fused_q(mode, dt, had, ilv, fp8, t):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("t", [2, 20])
 def test_v32_split_phases(mode, t):
-    """Each part in its own programs (or kernels) computes what it computes in a shared program, op for op: every
+    """Each part in its own programs computes what it computes in a shared program, op for op: every
     output byte equal."""
     cfg = V32Config.tiny()
     rng = np.random.default_rng(30 + t)
@@ -211,7 +211,7 @@ def test_v32_split_phases(mode, t):
             (fused_kv_insert_v32, dict(kv_format=kv_fmt, index_format=idx_fmt, eps=1e-6, dtype=BF16,
                                        indexer_interleave=False, hadamard=True), kv_args, (False, True)),
             (fused_q_v32, dict(nope_dim=128, dtype=BF16, indexer_interleave=False, hadamard=True, fp8=True), q_args,
-             (False, True, "kernels"))):
+             (False, True))):
         outs = [jax.jit(functools.partial(fn, implementation="pallas", interpret=_interpret(mode), split_phases=sp,
                                           **static))(*args) for sp in forms]
         for form, got in zip(forms[1:], outs[1:]):
@@ -222,7 +222,7 @@ def test_v32_split_phases(mode, t):
 
 
 def test_v32_split_phases_rejects_unknown_forms() -> None:
-    """The kv insert has no two-kernel form, and neither op takes an unknown one: a ValueError naming the op."""
+    """Neither op takes a split form other than None / False / True: a ValueError naming the op."""
     from jds.bench.kernels_fused_insert import _cases
     (_, _, kv_fn, kv_static, kv_args, *_), (_, _, q_fn, q_static, q_args, *_), _ = _cases(False, (2,))
     with pytest.raises(ValueError, match="fused_kv_insert_v32: split_phases"):
@@ -358,9 +358,7 @@ def _lowering_cases(t: int = 33):
             pytest.param(q32, q32_args, False, id=f"v32_fused_q-t{t}"),
             pytest.param(v4, v4_args, True, id=f"v4_qnorm_rope_kv_insert-t{t}"),
             pytest.param(functools.partial(kv32, split_phases=True), kv32_args, True, id=f"v32_kv_insert-split-t{t}"),
-            pytest.param(functools.partial(q32, split_phases=True), q32_args, False, id=f"v32_fused_q-split-t{t}"),
-            pytest.param(functools.partial(q32, split_phases="kernels"), q32_args, False,
-                         id=f"v32_fused_q-kernels-t{t}")]
+            pytest.param(functools.partial(q32, split_phases=True), q32_args, False, id=f"v32_fused_q-split-t{t}")]
 
 
 @pytest.mark.parametrize("fn,args,inserts", _lowering_cases())

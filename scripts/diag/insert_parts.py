@@ -5,8 +5,7 @@ timeline.
 
 Why: at one token the two V3.2 kernels take several times V4's insert's device time, and at T >= 1024 they stay
 below the share of the copy bandwidth that V4's reaches (docs/perf-log.md, twenty-second session).
-Variants: ``split`` / ``unsplit`` / ``kernels``, each kernel's parts (MLA / indexer) in their own programs, not, or
-(the fused q) in two kernels (``split_phases``);
+Variants: ``split`` / ``unsplit``, each kernel's parts (MLA / indexer) in their own programs or not (``split_phases``);
 ``no_hadamard``, not the model's numerics, says what the indexer's Hadamard (a tl.dot against a 128 x 128
 matrix every program loads) costs. The copy row (``a + 1`` on float32, half the case's bytes: read + written =
 the case's bytes; a uint8 array copies far slower) is the same-size ceiling: a small call sits at its launch
@@ -28,8 +27,7 @@ from jds.bench.timing import CAPTURED_OPTIONS, measure_ceilings, profiled_device
 
 KERNELS = ("v32_kv_insert", "v32_fused_q", "v4_qnorm_rope_kv_insert")
 VARIANTS = {"default": {}, "no_hadamard": {"hadamard": False}, "split": {"split_phases": True},
-            "unsplit": {"split_phases": False}, "kernels": {"split_phases": "kernels"}}
-ONLY = {"kernels": ("v32_fused_q",)}  # variants that only some kernels take
+            "unsplit": {"split_phases": False}}
 
 
 def main() -> None:
@@ -45,7 +43,7 @@ def main() -> None:
             continue
         for name in a.variants:
             kw = VARIANTS[name]
-            if any(k not in inspect.signature(fn).parameters for k in kw) or kernel not in ONLY.get(name, (kernel,)):
+            if any(k not in inspect.signature(fn).parameters for k in kw):
                 continue  # (V4's insert has no Hadamard and one part)
             call = functools.partial(fn, **{**static, **kw}, implementation="pallas")
 
