@@ -25,7 +25,7 @@ interpret mode's scatter drops); masked-out load lanes are clamped to valid rows
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +66,22 @@ def split_phases(split: bool | None, programs: int, op: str) -> bool:
     if split not in (None, False, True):
         raise ValueError(f"{op}: split_phases must be None, False or True, got {split!r}")
     return programs <= SPLIT_MAX_PROGRAMS if split is None else split
+
+
+# rope_pairs=None (the V3.2 kv insert): the indexer key's rope partners are found in registers when a call has at
+# most this many programs, else loaded again. Natively the register form took the kernel from 96 to 185 registers
+# per thread (Nsight Compute): faster where one program's latency sets the time, slower at 512 programs
+# (benchmarks/results/insert_parts_h200_2026-12-03.json against archive/insert_parts_variants_h200_2026-12-03.json).
+REGISTER_PAIRS_MAX_PROGRAMS = 256
+
+RopePairs = Literal["registers", "loads"] | None
+
+
+def rope_pairs_in_registers(choice: RopePairs, programs: int, op: str) -> bool:
+    """``choice`` as given, or (None) whether a grid of ``programs`` is small enough for the register form."""
+    if choice not in (None, "registers", "loads"):
+        raise ValueError(f"{op}: rope_pairs must be None, 'registers' or 'loads', got {choice!r}")
+    return programs <= REGISTER_PAIRS_MAX_PROGRAMS if choice is None else choice == "registers"
 
 
 NUM_WARPS: dict[str, int] = {}  # kernel name -> num_warps of its last launch (for compile_sm90_report)

@@ -41,7 +41,8 @@ fused_kv_insert_v32_reference = kv_insert_v32_xla
 
 
 def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_ref, knb_ref, *rest,
-                      T, BT, lat, rd, di, eps, dtype, kv_fmt, idx_fmt, ilv, hadamard, dot_dtype, interpret, split):
+                      T, BT, lat, rd, di, eps, dtype, kv_fmt, idx_fmt, ilv, hadamard, dot_dtype, interpret, split,
+                      pairs_in_registers):
     if hadamard:
         h_ref, _, _, kv_out, ix_out = rest
     else:
@@ -99,13 +100,22 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
         mu = jnp.mean(xk, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(xk - mu), axis=-1, keepdims=True)
         rs = jax.lax.rsqrt(var + eps)
-        y = ((xk - mu) * rs * C.load(knw_ref, (ci,), (1, di)) + C.load(knb_ref, (ci,), (1, di))).astype(dtype)
 
-        def cos_sin_cols(n: int) -> tuple[jax.Array, jax.Array]:
-            f = jnp.minimum(C.iota((1, n), 1), rd // 2 - 1)
-            return C.load(cos_ref, (tc, f), (BT, n)), C.load(sin_ref, (tc, f), (BT, n))
+        def norm(cols: jax.Array, x: jax.Array) -> jax.Array:
+            return ((x - mu) * rs * C.load(knw_ref, (cols,), (1, di)) + C.load(knb_ref, (cols,), (1, di))).astype(dtype)
 
-        k = C.rope_row_block(y.astype(F32), cos_sin_cols, rd, ilv).astype(dtype)  # pairs found in registers
+        y = norm(ci, xk)
+        if pairs_in_registers:  # the partners by reshaping in registers (``rope_row_block``)
+            def cos_sin_cols(n: int) -> tuple[jax.Array, jax.Array]:
+                f = jnp.minimum(C.iota((1, n), 1), rd // 2 - 1)
+                return C.load(cos_ref, (tc, f), (BT, n)), C.load(sin_ref, (tc, f), (BT, n))
+
+            k = C.rope_row_block(y.astype(F32), cos_sin_cols, rd, ilv).astype(dtype)
+        else:  # the partners loaded again, permuted (an L1 hit), and normalised alike
+            in_rope, pci, fci, firsti = C.rope_partner(ci, 0, rd, ilv)
+            yp = norm(pci, C.load(ik_ref, (tc, pci), (BT, di), mask=in_rope).astype(F32))
+            csi, sni = C.load(cos_ref, (tc, fci), (BT, di)), C.load(sin_ref, (tc, fci), (BT, di))
+            k = C.rope_rows(y.astype(F32), yp.astype(F32), csi, sni, firsti, in_rope).astype(dtype)
         if hadamard:
             hm = h_ref[...]
             kk = jax.lax.dot(k.astype(dot_dtype), hm, precision=jax.lax.Precision.HIGHEST,
@@ -142,13 +152,14 @@ def fused_kv_insert_v32(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cac
                         k_norm_b, *, kv_format: RecordFormat, index_format: RecordFormat, eps: float, dtype,
                         indexer_interleave: bool, hadamard: bool, implementation: Implementation = "pallas",
                         interpret: bool | None = None, block_tokens: int = 16, num_warps: int = 4,
-                        split_phases: bool | None = None):
+                        split_phases: bool | None = None, rope_pairs: C.RopePairs = None):
     """Same inputs/outputs as ``fused_kv_insert_v32_reference``; returns (kv_cache, index_cache).
 
     Tiles: ``block_tokens`` tokens per program, ``num_warps``; 4 warps were faster than 8 at T = 8192 on the
     GPU timeline (``benchmarks/results/kernels_fused_insert_*.json``, rows with ``tiles``). ``split_phases``:
     the MLA record and the indexer key in separate programs (``fused_insert_common.phases``); None: where the
-    grid is small (``fused_insert_common.split_phases``).
+    grid is small (``fused_insert_common.split_phases``). ``rope_pairs``: the indexer key's rope partners found in
+    registers ("registers") or loaded again ("loads"); None: by grid size (``rope_pairs_in_registers``).
 
     kv [T, lat + rd], index_k [T, Di] in ``dtype``; cos/sin [T, rd/2] float32 (jds.ops.rope.rope_cos_sin);
     slot_mapping [T] int32 (-1 = padding); caches [num_blocks, page_elems] of their formats.
@@ -159,12 +170,12 @@ def fused_kv_insert_v32(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cac
     return run_op("fused_kv_insert_v32", implementation, {
         "xla": lambda: kv_insert_v32_xla(*args, **kw),
         "pallas": lambda: _kv_insert_pallas(*args, **kw, interpret=interpret, block_tokens=block_tokens,
-                                            num_warps=num_warps, split=split_phases)})
+                                            num_warps=num_warps, split=split_phases, rope_pairs=rope_pairs)})
 
 
 def _kv_insert_pallas(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache, kv_norm_w, k_norm_w, k_norm_b,
                       *, kv_format, index_format, eps, dtype, indexer_interleave, hadamard, interpret, block_tokens,
-                      num_warps, split):
+                      num_warps, split, rope_pairs=None):
     if isinstance(index_format, IndexerRecord132) and index_format.scale_fmt != "ue8m0":
         raise Unsupported(f"fused_kv_insert_v32: indexer key scale_fmt {index_format.scale_fmt!r} "
                           "(the kernel implements 'ue8m0')")
@@ -182,6 +193,7 @@ def _kv_insert_pallas(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache
     bt = block_tokens
     dot_dtype = F32 if (interpret or dt == F32) else jnp.bfloat16
     split = C.split_phases(split, pl.cdiv(t, bt), "fused_kv_insert_v32")
+    in_registers = C.rope_pairs_in_registers(rope_pairs, pl.cdiv(t, bt), "fused_kv_insert_v32")
     args = [kv, index_k, cos.astype(F32), sin.astype(F32), slot_mapping.astype(jnp.int32),
             kv_norm_w.astype(F32), k_norm_w.astype(F32), k_norm_b.astype(F32)]
     if hadamard:
@@ -191,7 +203,7 @@ def _kv_insert_pallas(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache
     kernel = functools.partial(
         _kv_insert_kernel, T=t, BT=bt, lat=lat, rd=rd, di=di, eps=eps, dtype=dt, kv_fmt=kv_format,
         idx_fmt=index_format, ilv=indexer_interleave, hadamard=hadamard, dot_dtype=dot_dtype, interpret=interpret,
-        split=split)
+        split=split, pairs_in_registers=in_registers)
     out_shape = (jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
                  jax.ShapeDtypeStruct(index_cache.shape, index_cache.dtype))
     grid = (pl.cdiv(t, bt), 2) if split else (pl.cdiv(t, bt),)

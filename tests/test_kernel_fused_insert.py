@@ -194,8 +194,8 @@ def test_v32_fused_q(mode, dt, had, ilv, fp8, t):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("t", [2, 20])
 def test_v32_split_phases(mode, t):
-    """Each part in its own programs computes what it computes in a shared program, op for op: every
-    output byte equal."""
+    """Each part in its own programs computes what it computes in a shared program, op for op, and the kv insert's
+    indexer rope partners found in registers equal the ones loaded again: every output byte equal."""
     cfg = V32Config.tiny()
     rng = np.random.default_rng(30 + t)
     cos, sin = rope_cos_sin(cached_inv_freqs(cfg.rope, 64), jnp.asarray(rng.integers(0, 2000, t), jnp.int32))
@@ -207,18 +207,21 @@ def test_v32_split_phases(mode, t):
     q_args = (jnp.asarray(rng.normal(size=(t, cfg.n_heads, 192)), BF16),
               jnp.asarray(rng.normal(size=(t, cfg.index_n_heads, 128)), BF16),
               jnp.asarray(rng.normal(size=(t, cfg.index_n_heads)), F32), cos, sin)
+    kv_forms = [dict(split_phases=sp, rope_pairs=rp) for sp in (False, True) for rp in ("loads", "registers")]
     for fn, static, args, forms in (
             (fused_kv_insert_v32, dict(kv_format=kv_fmt, index_format=idx_fmt, eps=1e-6, dtype=BF16,
-                                       indexer_interleave=False, hadamard=True), kv_args, (False, True)),
+                                       indexer_interleave=False, hadamard=True), kv_args, kv_forms),
+            (fused_kv_insert_v32, dict(kv_format=kv_fmt, index_format=idx_fmt, eps=1e-6, dtype=BF16,
+                                       indexer_interleave=True, hadamard=False), kv_args, kv_forms[:2]),
             (fused_q_v32, dict(nope_dim=128, dtype=BF16, indexer_interleave=False, hadamard=True, fp8=True), q_args,
-             (False, True))):
-        outs = [jax.jit(functools.partial(fn, implementation="pallas", interpret=_interpret(mode), split_phases=sp,
-                                          **static))(*args) for sp in forms]
+             [dict(split_phases=False), dict(split_phases=True)])):
+        outs = [jax.jit(functools.partial(fn, implementation="pallas", interpret=_interpret(mode), **form,
+                                          **static))(*args) for form in forms]
         for form, got in zip(forms[1:], outs[1:]):
             for a, b in zip(outs[0], got):
                 np.testing.assert_array_equal(np.asarray(a.view(jnp.uint8) if a.dtype.itemsize == 1 else a),
                                               np.asarray(b.view(jnp.uint8) if b.dtype.itemsize == 1 else b),
-                                              err_msg=f"{fn.__name__} t={t} split_phases={form}")
+                                              err_msg=f"{fn.__name__} t={t} {form}")
 
 
 def test_v32_split_phases_rejects_unknown_forms() -> None:
@@ -358,6 +361,7 @@ def _lowering_cases(t: int = 33):
             pytest.param(q32, q32_args, False, id=f"v32_fused_q-t{t}"),
             pytest.param(v4, v4_args, True, id=f"v4_qnorm_rope_kv_insert-t{t}"),
             pytest.param(functools.partial(kv32, split_phases=True), kv32_args, True, id=f"v32_kv_insert-split-t{t}"),
+            pytest.param(functools.partial(kv32, rope_pairs="loads"), kv32_args, True, id=f"v32_kv_insert-loads-t{t}"),
             pytest.param(functools.partial(q32, split_phases=True), q32_args, False, id=f"v32_fused_q-split-t{t}")]
 
 
