@@ -7,7 +7,7 @@ Why: at one token the two V3.2 kernels take several times V4's insert's device t
 below the share of the copy bandwidth that V4's reaches (docs/perf-log.md, twenty-second session).
 Variants: ``split`` / ``unsplit``, each kernel's parts (MLA / indexer) in their own programs or not (``split_phases``);
 ``btN``: the kv insert at N tokens per program (``block_tokens``); ``pairs_loads`` / ``pairs_registers``: its
-indexer key's rope partners loaded again or found in registers (``rope_pairs``);
+indexer key's rope partners loaded again or found in registers (``rope_pairs``); ``w8``: 8 warps per program;
 ``no_hadamard``, not the model's numerics, says what the indexer's Hadamard (a tl.dot against a 128 x 128
 matrix every program loads) costs. The copy row (``a + 1`` on float32, half the case's bytes: read + written =
 the case's bytes; a uint8 array copies far slower) is the same-size ceiling: a small call sits at its launch
@@ -31,7 +31,8 @@ KERNELS = ("v32_kv_insert", "v32_fused_q", "v4_qnorm_rope_kv_insert")
 VARIANTS = {"default": {}, "no_hadamard": {"hadamard": False}, "split": {"split_phases": True},
             "unsplit": {"split_phases": False}, "bt4": {"block_tokens": 4}, "bt8": {"block_tokens": 8},
             "bt32": {"block_tokens": 32}, "pairs_loads": {"rope_pairs": "loads"},
-            "pairs_registers": {"rope_pairs": "registers"}}
+            "pairs_registers": {"rope_pairs": "registers"}, "bt32_loads": {"block_tokens": 32, "rope_pairs": "loads"},
+            "w8": {"num_warps": 8}}
 
 
 def main() -> None:
