@@ -70,8 +70,8 @@ def split_phases(split: bool | None, programs: int, op: str) -> bool:
 
 # rope_pairs=None (the V3.2 kv insert): the indexer key's rope partners are found in registers when a call has at
 # most this many programs, else loaded again. Natively the register form took the kernel from 96 to 185 registers
-# per thread (Nsight Compute): faster where one program's latency sets the time, slower at 512 programs
-# (benchmarks/results/insert_parts_h200_2026-12-03.json against archive/insert_parts_variants_h200_2026-12-03.json).
+# per thread (Nsight Compute): faster where one program's latency sets the time (T = 1 to 1024: 64 programs),
+# slower at 512 (T = 8192) (benchmarks/results/insert_parts_h200_2026-12-03.json, pairs_loads / pairs_registers).
 REGISTER_PAIRS_MAX_PROGRAMS = 256
 
 RopePairs = Literal["registers", "loads"] | None
