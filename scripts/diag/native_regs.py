@@ -35,18 +35,18 @@ from jds.bench.kernels_fused_insert import _cases  # noqa: E402
 
 
 def _ptxas() -> str:
-    found = shutil.which("ptxas")
-    if found:
-        return found
-    try:
-        from triton.backends.nvidia import compiler as nvc
-        return nvc.get_ptxas(90).path
-    except Exception:  # noqa: BLE001 - fall through to the pip CUDA packages
-        pass
-    hits = glob.glob(os.path.join(os.path.dirname(jax.__file__), "..", "nvidia", "*", "bin", "ptxas"))
-    if not hits:
-        raise SystemExit("no ptxas found (PATH, triton, nvidia pip packages)")
-    return hits[0]
+    """The CUDA plugin's own ptxas first (its PTX may carry an ISA version older ptxas builds reject), then PATH,
+    then pip triton's."""
+    import site
+    roots = [os.path.join(os.path.dirname(jax.__file__), "..")] + site.getsitepackages()
+    hits = sorted({os.path.realpath(h) for r in roots for h in glob.glob(os.path.join(r, "nvidia", "**", "bin", "ptxas"),
+                                                                      recursive=True)})
+    if hits:
+        return hits[-1]
+    if shutil.which("ptxas"):
+        return shutil.which("ptxas")
+    from triton.backends.nvidia import compiler as nvc
+    return nvc.get_ptxas(90).path
 
 
 def main() -> None:
@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["default"], choices=list(VARIANTS))
     a = ap.parse_args()
     ptxas = _ptxas()
+    print(f"ptxas: {ptxas}; dump: {DUMP}", flush=True)
     for kernel, case, fn, static, args, *_ in _cases(False, tuple(a.ts)):
         if kernel not in ("v32_kv_insert", "v32_fused_q"):
             continue
@@ -65,9 +66,16 @@ def main() -> None:
             before = set(glob.glob(f"{DUMP}/*.ptx"))
             call = functools.partial(fn, **{**static, **kw}, implementation="pallas")
             jax.jit(call).lower(*[jnp.asarray(x) for x in args]).compile()
-            for ptx in sorted(set(glob.glob(f"{DUMP}/*.ptx")) - before):
-                log = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", ptx, "-o", os.devnull],
-                                     capture_output=True, text=True).stderr
+            new = sorted(set(glob.glob(f"{DUMP}/*.ptx")) - before)
+            if not new:
+                print(f"{kernel} {case[:8]} {name}: no PTX dumped ({len(os.listdir(DUMP))} files in {DUMP})", flush=True)
+            for ptx in new:
+                res = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", ptx, "-o", os.devnull],
+                                     capture_output=True, text=True)
+                log = res.stderr
+                if res.returncode:
+                    print(f"{kernel} {case[:8]} {name}: ptxas ({ptxas}) failed on {os.path.basename(ptx)}: "
+                          f"{log.strip()[:300]}", flush=True)
                 for fn_name, body in re.findall(r"Compiling entry function '(\w+)'.*?\n(.*?)(?=ptxas info\s+: Compiling|\Z)",
                                                 log, re.S):
                     regs = re.search(r"Used (\d+) registers", body)
