@@ -40,6 +40,7 @@
 #   scripts/gpu_session.sh tests-all     # every gpu-marked test, 6 pytest-xdist workers on the one GPU
 #   scripts/gpu_session.sh kernels       # fused insert (+ tile sweep) + indexer rows with device_us, top-k variants
 #   scripts/gpu_session.sh insert-parts  # issue 20: V3.2's inserts without their Hadamard, a same-size copy, ncu at T = 8192
+#   scripts/gpu_session.sh insert-regs   # issue 20: the inserts' registers / shared memory as the GPU build compiles them
 #   scripts/gpu_session.sh inserts       # issue 20: the fused inserts alone, GPU timeline + T = 8192 tile sweep
 #   scripts/gpu_session.sh topk          # Pallas radix-select top-k: native tests, then the top-k rows
 #   scripts/gpu_session.sh topk-tests    # the native top-k + sparse-indexer tests (4 workers)
@@ -406,6 +407,16 @@ case "$stage" in
     timeout ${FUSED_TIMEOUT:-400} python3 -m jds.bench.kernels --only fused_insert --out "$OUT/kernels_fused_insert.json" \
       > "$OUT/bench_fused_insert.log" 2>&1; echo "fused_insert rc=$?"
     grep '^{' "$OUT/bench_fused_insert.log" | python3 -c 'import json, sys; [print(r["kernel"], r["case"], r["impl"], r.get("profile_span_us"), r.get("profile_bandwidth_frac"), r.get("error", "")[:100]) for r in map(json.loads, sys.stdin)]'
+    ;;
+  insert-regs)
+    # issue 20: registers per thread and shared memory per program as the CUDA plugin's Triton compiles them (pip's
+    # Triton on the CPU, compile_sm90_report, gave the kv insert's register rope pairs 96 registers; natively 185)
+    for v in 'v32_kv_insert {"rope_pairs":"registers"}' 'v32_kv_insert {"rope_pairs":"loads"}' 'v32_fused_q {}'; do
+      set -- $v
+      timeout 60 ncu --profile-from-start off --section LaunchStats --csv python3 scripts/diag/ncu_kernels.py insert \
+        --shape $1 --m ${INSERT_REGS_T:-8192} --tiles "$2" 2>/dev/null \
+        | grep -i "Registers Per Thread\|Dynamic Shared" | awk -F'","' -v v="$v" '{print v": "$(NF-2), $NF}'
+    done
     ;;
   insert-parts)
     # issue 20: V3.2's inserts with / without their Hadamard beside a same-size copy (GPU timeline), then Nsight
