@@ -129,7 +129,8 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: jax.Array, w_sc
     kernel (``Unsupported`` for N not a multiple of 64 or K not a multiple of 512); "auto" = the kernel
     where it applies, else XLA.
     Tiles (kernel only; ``_pick_tiles`` has the defaults): ``block_t`` token rows per work item (8..128, a
-    power of two), ``block_n`` weight rows per CTA (64 or 128: one or two compute warpgroups), ``block_k``
+    power of two), ``block_n`` weight rows per CTA (64 or 128: one or two compute warpgroups; e4m3 x also 256:
+    four, for more warps converting weights per SM where that work bounds the kernel), ``block_k``
     input columns per pipeline step (128, 256 or 512), ``split_k`` K splits, ``stages`` TMA ring depth,
     ``dequant`` the nibble -> bf16 route ("lop3": 8 nibbles of a 32-bit word at a time in PTX, native only;
     "f16": through float16 subnormals and two conversions, runs anywhere; "bf16": bf16 subnormals times
@@ -200,8 +201,10 @@ def supports(n: int, k: int) -> bool:
     return n > 0 and k > 0 and n % 64 == 0 and k % K_ALIGN == 0
 
 
-def _check_tiles(block_t, block_n, block_k, split_k, stages) -> None:
-    grouped_rows.check_tiles(block_t, block_n, block_k, split_k, stages, (128, 256, 512))
+def _check_tiles(block_t, block_n, block_k, split_k, stages, fp8: bool = False) -> None:
+    """The "fp8" route (e4m3 x) also takes block_n 256: four compute warpgroups (see ``_build_fp8_call``)."""
+    grouped_rows.check_tiles(block_t, block_n, block_k, split_k, stages, (128, 256, 512),
+                             (64, 128, 256) if fp8 else (64, 128))
 
 
 def _pick_tiles(m: int, e: int, n: int, k: int, block_t: int | None, block_n: int | None,
@@ -243,7 +246,7 @@ def _permute_k(x: jax.Array, dequant: Dequant) -> jax.Array:
 
 def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block_n, block_k, split_k, stages,
             dequant, layout="auto", x_scale=None, mma_group=None):
-    _check_tiles(block_t, block_n, block_k, split_k, stages)
+    _check_tiles(block_t, block_n, block_k, split_k, stages, fp8=x_scale is not None)
     if dequant not in ("auto", "fp8", *DEQUANTS):
         raise ValueError(f"dequant must be one of {('auto', 'fp8', *DEQUANTS)}, got {dequant!r}")
     if x_scale is not None and dequant not in ("auto", "fp8"):
@@ -560,7 +563,11 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
     per CTA left the tensor and CUDA cores idle for a DRAM round trip per unit. Everything a step reads is in
     the ring: the token tile, the packed weights, their e8m0 scales ([block_n, 16] bytes) and the tokens' x
     scales ([4, block_t] float32), both those of the 512-column chunk holding the step (re-read from L2 by the
-    steps of one chunk): a TMA row is at least 16 bytes, and Mosaic's native copies at least 128 bytes."""
+    steps of one chunk): a TMA row is at least 16 bytes, and Mosaic's native copies at least 128 bytes.
+    ``bn`` 256 runs four compute warpgroups (112 registers each beside the producer's 40, the pipeline helper's
+    split of the register file) instead of two: at 1 token the producer waits on the compute warpgroups, which
+    are busy converting and promoting at two warps per scheduler (Nsight Compute's SASS samples,
+    docs/perf-log.md, twenty-third session); natively untimed so far."""
     emulate_mma = interpret is not None
     kc = k // splits  # input columns per unit
     steps = kc // bk

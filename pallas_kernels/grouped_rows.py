@@ -23,12 +23,14 @@ NUM_SMS = 132  # H100 / H200; only steers the automatic split_k
 BLOCK_TS = (8, 16, 32, 64, 128)  # token tile = wgmma N; 128 fp32 accumulators per thread at most
 
 
-def check_tiles(block_t, block_n, block_k, split_k, stages, block_ks: tuple[int, ...]) -> None:
-    """ValueError naming the tile argument that is not one the kernels take (``block_ks``: its block_k values)."""
+def check_tiles(block_t, block_n, block_k, split_k, stages, block_ks: tuple[int, ...],
+                block_ns: tuple[int, ...] = (64, 128)) -> None:
+    """ValueError naming the tile argument that is not one the kernels take (``block_ks`` / ``block_ns``: its
+    block_k / block_n values)."""
     if block_t not in (None, *BLOCK_TS):
         raise ValueError(f"block_t must be one of {BLOCK_TS} (or None), got {block_t}")
-    if block_n not in (None, 64, 128):
-        raise ValueError(f"block_n must be 64 or 128 (or None), got {block_n}")
+    if block_n not in (None, *block_ns):
+        raise ValueError(f"block_n must be one of {block_ns} (or None), got {block_n}")
     if block_k not in (None, *block_ks):
         raise ValueError(f"block_k must be one of {block_ks} (or None), got {block_k}")
     for name, v in (("split_k", 1 if split_k is None else split_k), ("stages", stages)):

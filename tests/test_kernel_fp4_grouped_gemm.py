@@ -554,6 +554,21 @@ def test_fp8_route_units_per_cta(mode: str, sizes: list[int], tiles: dict) -> No
     np.testing.assert_array_equal(np.asarray(got, np.float64), ref)
 
 
+@pytest.mark.parametrize("mode", ["interpret", pytest.param("native", marks=pytest.mark.gpu)])
+def test_fp8_route_four_warpgroups(mode: str) -> None:
+    """block_n 256 (e4m3 x only): four compute warpgroups of 64 weight rows share the producer; float64 reference
+    bit for bit on exact data, the ring continued over several units per CTA (split_k 2: two 512-column units)."""
+    sizes = [3, 0, 6]
+    x, sz, wp, ws = exact_case(sizes, 256, 1024, seed=11)
+    xq, sx, xf = quantized(x)
+    got = G.fp4_grouped_linear(xq, sz, wp, ws, out_dtype=jnp.float32, implementation="pallas",
+                               interpret=interpret_for(mode), x_scale=sx, block_n=256, split_k=2, block_k=256)
+    ref, _ = reference(xf, sizes, wp, ws)
+    np.testing.assert_array_equal(np.asarray(got, np.float64), ref)
+    with pytest.raises(ValueError, match="block_n"):  # bf16 x: one or two compute warpgroups only
+        G.fp4_grouped_linear(x, sz, wp, ws, implementation="pallas", interpret=True, block_n=256)
+
+
 @pytest.mark.parametrize("kwargs,field", [
     (dict(x_scale=jnp.ones((4, 4), jnp.float32)), "x must be float8_e4m3fn"),
     (dict(dequant="fp8"), "needs e4m3 x"),
@@ -579,6 +594,7 @@ def test_fp8_route_bad_inputs(kwargs: dict, field: str) -> None:
 @pytest.mark.skipif(ON_GPU, reason="CPU-only cross-lowering smoke test (the gpu tests compile for real)")
 @pytest.mark.parametrize("m,e,n,k,tiles", [(6, 256, 2048, 4096, {}), (384, 256, 4096, 2048, {}),
                                            (48, 256, 2048, 4096, dict(mma_group=2)),
+                                           (6, 256, 2048, 4096, dict(block_n=256, split_k=4)),
                                            pytest.param(24576, 256, 4096, 2048, {}, marks=pytest.mark.slow)])
 def test_fp8_route_lowers_for_cuda(m: int, e: int, n: int, k: int, tiles: dict) -> None:
     """The "fp8" route passes Mosaic GPU's lowering (register-A e4m3 wgmma against the e4m3 token tile)."""
