@@ -585,6 +585,7 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
     if blocks % group:
         raise ValueError(f"mma_group {group} must divide the {blocks} scale blocks of a step (block_k {bk})")
     wsw = min(128, bk // 2)  # packed bytes: swizzled, so the 8 rows a warp loads hit different banks
+    cw = wsw if nwg == 4 else bk // 2  # packed columns loaded at once (``step_acc``)
     specs = [plgpu.BlockSpec((bt, bk), lambda s: (0, s),  # e4m3 tokens: a 32-byte swizzle row = one scale block
                              transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(32))),
              plgpu.BlockSpec((xb, bt), lambda s: (s * bk // K_ALIGN, 0)),
@@ -601,12 +602,25 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
         slower anywhere
         (benchmarks/results/fp4_decode_ncu_sweep_h200_2026-12-02.json)."""
         wg = lax.axis_index("wg")
-        packed = plgpu.load(w_s.at[pl.ds(wg * 64, 64)], layout=plgpu.Layout.WGMMA_8BIT)  # uint8 [64, bk / 2]
         groups = [list(range(c0, c0 + group)) for c0 in range(0, blocks, group)]
         col0 = step * blocks % FP8_SCALE_COLS  # the step's first scale column in the ring's 16
+        chunks = {}  # the packed weights, uint8 [64, cw]: the whole step's, or (four warpgroups) a swizzle tile's
+
+        def load_for(cs):
+            """Load the packed columns of this warpgroup's rows that blocks ``cs`` lie in (at the step's level, not
+            inside an MMA scope, whose values cannot be used by the next). Four warpgroups (112 registers each)
+            load one swizzle tile at a time (wsw / 4 registers per thread), not the whole step (bk / 8)."""
+            for j in sorted({16 * c // cw for c in cs}):
+                if j not in chunks:
+                    chunks[j] = plgpu.load(w_s.at[pl.ds(wg * 64, 64), pl.ds(j * cw, cw)],
+                                           layout=plgpu.Layout.WGMMA_8BIT)
+
+        def packed(c):
+            j = 16 * c // cw
+            return chunks[j][:, 16 * c - j * cw:16 * c - j * cw + 16]  # block c's bytes [64, 16]
 
         def convert(cs):
-            return [_to_e4m3(packed[:, 16 * c:16 * c + 16], native=not emulate_mma) for c in cs]
+            return [_to_e4m3(packed(c), native=not emulate_mma) for c in cs]
 
         def scales(cs):
             """Per block of ``cs`` its weight scales (times 2^6) per row; per x-scale block it ends, the
@@ -621,10 +635,13 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
             return sws, xss
 
         inner = {}
+        load_for(groups[0])
         a_next = convert(groups[0])
         for i, cs in enumerate(groups):
             a, b = a_next, [x_s.at[:, pl.ds(32 * c, 32)].T for c in cs]
             last = i + 1 == len(groups)
+            if not last:
+                load_for(groups[i + 1])
             if emulate_mma:  # the interpreter's wgmma takes SMEM operands only
                 blks = [jnp.dot(ai.astype(jnp.float32), bi[...].astype(jnp.float32),
                                 preferred_element_type=jnp.float32) for ai, bi in zip(a, b)]
