@@ -212,10 +212,17 @@ def _pick_tiles(m: int, e: int, n: int, k: int, block_t: int | None, block_n: in
     """(block_t, block_n, block_k, split_k): the given ones, defaults for the rest (``grouped_rows.pick_tiles``;
     a split holds whole ``K_ALIGN``-column chunks). The "fp8" route (e4m3 x) steps 512 columns at token tiles
     up to 32 rows: faster than 256 at 1, 8 and 64 tokens on the H200 (Nsight Compute,
-    benchmarks/results/fp4_decode_ncu_sweep_h200_2026-12-02.json)."""
+    benchmarks/results/fp4_decode_ncu_sweep_h200_2026-12-02.json). Its default split leaves at least two steps
+    per work unit where the K range allows: the ring's depth divides a unit's steps (``fp8_stages``), and a
+    one-step unit would leave a ring of one stage (the split rule, counting 128-row tiles, cuts 256-row tiles'
+    K range twice as often)."""
     bt, bn, bk, s = grouped_rows.pick_tiles(m, e, n, k, block_t, block_n, block_k, split_k, K_ALIGN)
     if fp8 and block_k is None and bt <= 32:
         bk = K_ALIGN
+    if fp8 and split_k is None:
+        chunks = k // K_ALIGN
+        while s > 1 and k // s // bk < 2:
+            s = max(d for d in range(1, s) if chunks % d == 0)
     return bt, bn, bk, s
 
 
@@ -266,8 +273,8 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
     out_dtype = jnp.dtype(out_dtype)
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
-    if x_scale is not None and block_k is None:  # "fp8" at decode tiles: 512-column steps (_pick_tiles)
-        block_k = _pick_tiles(m, e, n, k, block_t, block_n, None, split_k, fp8=True)[2]
+    if x_scale is not None:  # "fp8": 512-column steps at decode tiles, >= 2 steps per unit (_pick_tiles)
+        _, _, block_k, split_k = _pick_tiles(m, e, n, k, block_t, block_n, block_k, split_k, fp8=True)
     p = grouped_rows.plan(sizes, m, e, n, k, block_t, block_n, block_k, split_k, K_ALIGN, interpret, layout)
     if x_scale is not None:
         dequant = "fp8"

@@ -309,6 +309,11 @@ def test_pick_tiles() -> None:
     assert G._fit_stages(4, 128, 128, 256, 2048) < 4  # a 128-row token tile: fewer stages fit SMEM
     assert G._pick_tiles(6, 256, 2048, 4096, None, None, None, None, fp8=True)[2] == 512  # "fp8" decode steps
     assert G._pick_tiles(24576, 256, 4096, 2048, None, None, None, None, fp8=True)[2] == 128
+    # "fp8" splits leave >= 2 steps per unit: 1 token, 128-row tiles as before; 256-row tiles 4 (not 8) splits
+    assert G._pick_tiles(6, 256, 2048, 4096, None, None, None, None, fp8=True) == (8, 128, 512, 4)
+    assert G._pick_tiles(6, 256, 2048, 4096, None, 256, None, None, fp8=True) == (8, 256, 512, 4)
+    assert G._pick_tiles(6, 256, 2048, 4096, None, 256, None, 8, fp8=True)[3] == 8  # a given split stands
+    assert G._pick_tiles(6, 256, 4096, 2048, None, None, None, None, fp8=True) == (8, 128, 512, 2)
     # the "fp8" ring: its depth divides a unit's steps and fits SMEM
     assert G.fp8_stages(4, 2, 8, 128, 512) == 2 and G.fp8_stages(4, 6, 8, 128, 512) == 3
     assert G.fp8_stages(4, 8, 8, 128, 512) == 4 and G.fp8_stages(8, 10, 8, 128, 512) == 5
