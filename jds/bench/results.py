@@ -37,6 +37,13 @@ def run_meta(**extra: Any) -> dict[str, Any]:
             "command": "python " + " ".join(sys.argv), "complete": True, **extra}
 
 
+def save_rows(path: str | None, rows: list[dict[str, Any]], complete: bool, **meta: Any) -> None:
+    """A diag script's result file ``{"meta": run_meta(**meta), "rows": rows}`` at ``path`` (nothing when None):
+    written after every row with ``complete=False`` so that a run cut short keeps its rows, then once complete."""
+    if path:
+        write_json(path, {"meta": run_meta(**meta, complete=complete), "rows": rows})
+
+
 def measured_row(row: dict[str, Any], measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """``row`` with ``measure()``'s fields, or with ``error`` when it raises (a diag script goes on to its next row);
     printed as one JSON line, so a run cut short still shows what it measured."""

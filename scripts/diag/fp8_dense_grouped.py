@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jds.bench.kernels_fp8_gemm import SHAPES
-from jds.bench.results import measured_row, run_meta, write_json
+from jds.bench.results import measured_row, save_rows
 from jds.bench.timing import CAPTURED_OPTIONS, measure_ceilings, profiled_device_us
 from pallas_kernels import fp8_gemm, fp8_grouped_gemm
 
@@ -80,10 +80,8 @@ def main() -> None:
                             bandwidth_frac=nbytes / (t["profile_span_us"] * 1e-6) / ceil["copy_bytes_per_s"])
             row = measured_row(dict(case=c, shape=shape, m=m, variant=v, bytes=nbytes), measure)
             rows.append(row)
-            if a.out:
-                write_json(a.out, {"meta": run_meta(**ceil, complete=False), "rows": rows})
-    if a.out:
-        write_json(a.out, {"meta": run_meta(**ceil), "rows": rows})
+            save_rows(a.out, rows, False, **ceil)
+    save_rows(a.out, rows, True, **ceil)
 
 
 if __name__ == "__main__":

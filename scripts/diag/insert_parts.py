@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jds.bench.kernels_fused_insert import _cases
-from jds.bench.results import measured_row, run_meta, write_json
+from jds.bench.results import measured_row, save_rows
 from jds.bench.timing import CAPTURED_OPTIONS, measure_ceilings, profiled_device_us
 
 KERNELS = ("v32_kv_insert", "v32_fused_q", "v4_qnorm_rope_kv_insert")
@@ -63,10 +63,8 @@ def main() -> None:
             m = profiled_device_us(jax.jit(lambda v: v + 1, compiler_options=CAPTURED_OPTIONS), x)
             return dict(**m, bandwidth_frac=nbytes / (m["profile_span_us"] * 1e-6) / ceil["copy_bytes_per_s"])
         rows.append(measured_row(dict(kernel=kernel, case=case, variant="same_size_copy", bytes=nbytes), copy))
-        if a.out:
-            write_json(a.out, {"meta": run_meta(**ceil, complete=False), "rows": rows})
-    if a.out:
-        write_json(a.out, {"meta": run_meta(**ceil), "rows": rows})
+        save_rows(a.out, rows, False, **ceil)
+    save_rows(a.out, rows, True, **ceil)
 
 
 if __name__ == "__main__":
