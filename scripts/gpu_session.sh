@@ -41,6 +41,7 @@
 #   scripts/gpu_session.sh kernels       # fused insert (+ tile sweep) + indexer rows with device_us, top-k variants
 #   scripts/gpu_session.sh insert-parts  # issue 20: V3.2's inserts without their Hadamard, a same-size copy, ncu at T = 8192
 #   scripts/gpu_session.sh insert-regs   # issue 20: the inserts' registers / shared memory as the GPU build compiles them
+#   scripts/gpu_session.sh fp4-wg4       # issue 22: the FP4 GEMM's four-warpgroup e4m3-x form, native tests then ncu sweep
 #   scripts/gpu_session.sh inserts       # issue 20: the fused inserts alone, GPU timeline + T = 8192 tile sweep
 #   scripts/gpu_session.sh topk          # Pallas radix-select top-k: native tests, then the top-k rows
 #   scripts/gpu_session.sh topk-tests    # the native top-k + sparse-indexer tests (4 workers)
@@ -362,6 +363,18 @@ case "$stage" in
     JDS_GPU_OUT="$OUT" timeout -s INT ${THUNKS_TIMEOUT:-290} python3 -m pytest -m gpu -v --tb=short \
       -p no:cacheprovider tests/test_gpu_boundary.py > "$OUT/gpu_boundary_test.log" 2>&1
     echo "thunks rc=$?"; tail -3 "$OUT/gpu_boundary_test.log"
+    ;;
+  fp4-wg4)
+    # issue 22 (twenty-third session, built untested): block_n 256 = four compute warpgroups on the e4m3-x route,
+    # aimed at the 1-token kernel whose producer waits on two busy compute warpgroups
+    timeout ${WG4T_TIMEOUT:-150} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernel_fp4_grouped_gemm.py \
+      -k "four_warpgroups or fp8_route" > "$OUT/fp4_wg4_tests.log" 2>&1; echo "fp4 wg4 tests rc=$?"
+    tail -3 "$OUT/fp4_wg4_tests.log"
+    V=${FP4SWEEP_VARIANTS:-'[{"x_fp8": true}, {"x_fp8": true, "block_n": 256}, {"x_fp8": true, "block_n": 256, "split_k": 2}, {"x_fp8": true, "block_n": 256, "block_k": 256}]'}
+    SWEEP_CASES=${SWEEP_CASES:-'w1:1 w1:8 w2:8 w1:64'} ncu_sweep fp4 "$V"
+    timeout 60 ncu --profile-from-start off --section LaunchStats --csv python3 scripts/diag/ncu_kernels.py fp4 \
+      --shape w1 --tokens 1 --tiles '{"x_fp8": true, "block_n": 256}' 2>/dev/null \
+      | grep -i "Registers Per Thread\|Dynamic Shared\|Local" | awk -F'","' '{print $(NF-2), $NF}'
     ;;
   pending)
     # what the twelfth session left unmeasured, in one call (about 9 minutes): the MQA bench rows (pipelined, beside
