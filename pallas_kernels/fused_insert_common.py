@@ -190,25 +190,25 @@ def join_pairs(even: jax.Array, odd: jax.Array) -> jax.Array:
     return jnp.stack([even, odd], axis=-1).reshape(r, 2 * n)
 
 
-def rope_row_block(x: jax.Array, cos_sin_cols: Callable[[int], tuple[jax.Array, jax.Array]], rope_dim: int,
+def rope_row_block(x: jax.Array, cos_sin_at: Callable[[jax.Array], tuple[jax.Array, jax.Array]], rope_dim: int,
                    interleaved: bool) -> jax.Array:
     """RoPE on the first ``rope_dim`` columns of rows ``x`` [rows, width] (float32), the rest passed through, with
     every element loaded once: the pair partners are found by reshaping in registers (interleaved: columns
     (2j, 2j + 1); NeoX: j and j + rope_dim / 2), not by a second, permuted load of the slice.
-    ``cos_sin_cols(n)``: cos / sin [1 or rows, n] of frequencies min(j, rope_dim / 2 - 1), j < n. The products
-    and sums are ``rope_rows``'."""
+    ``cos_sin_at(freqs)``: cos / sin [1 or rows, n] of the rows' tokens at frequency columns ``freqs`` [1, n]
+    (all below rope_dim / 2). The products and sums are ``rope_rows``'."""
     r, width = x.shape
     half = rope_dim // 2
     if interleaved:  # pairs (2j, 2j + 1): pair index j along axis 1, rope where j < half
         u, v = split_pairs(x)
-        e, o = rope_pair(u, v, *cos_sin_cols(width // 2))
         j = iota((1, width // 2), 1)
+        e, o = rope_pair(u, v, *cos_sin_at(jnp.minimum(j, half - 1)))
         return join_pairs(jnp.where(j < half, e, u), jnp.where(j < half, o, v))
     # NeoX: [rows, width / rope_dim, 2, half] -> the pair's halves on the last axis, split in registers
     g = width // rope_dim
     y = jnp.swapaxes(x.reshape(r, g, 2, half), 2, 3)  # [rows, g, half, 2]
     u, v = jnp.unstack(y, axis=-1)  # [rows, g, half] each: first / second halves of each rope_dim group
-    c3, s3 = (c.reshape(c.shape[0], 1, half) for c in cos_sin_cols(half))
+    c3, s3 = (c.reshape(c.shape[0], 1, half) for c in cos_sin_at(iota((1, half), 1)))
     first, second = rope_pair(u, v, c3, s3)
     in_rope = iota((1, g, 1), 1) == 0
     out = jnp.stack([jnp.where(in_rope, first, u), jnp.where(in_rope, second, v)], axis=-1)  # [rows, g, half, 2]

@@ -106,11 +106,10 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
 
         y = norm(ci, xk)
         if pairs_in_registers:  # the partners by reshaping in registers (``rope_row_block``)
-            def cos_sin_cols(n: int) -> tuple[jax.Array, jax.Array]:
-                f = jnp.minimum(C.iota((1, n), 1), rd // 2 - 1)
-                return C.load(cos_ref, (tc, f), (BT, n)), C.load(sin_ref, (tc, f), (BT, n))
+            def cos_sin_at(f: jax.Array) -> tuple[jax.Array, jax.Array]:
+                return C.load(cos_ref, (tc, f), (BT, f.shape[1])), C.load(sin_ref, (tc, f), (BT, f.shape[1]))
 
-            k = C.rope_row_block(y.astype(F32), cos_sin_cols, rd, ilv).astype(dtype)
+            k = C.rope_row_block(y.astype(F32), cos_sin_at, rd, ilv).astype(dtype)
         else:  # the partners loaded again, permuted (an L1 hit), and normalised alike
             in_rope, pci, fci, firsti = C.rope_partner(ci, 0, rd, ilv)
             yp = norm(pci, C.load(ik_ref, (tc, pci), (BT, di), mask=in_rope).astype(F32))
@@ -249,12 +248,13 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
         r = BT * HiP
 
         # each element loaded once, the rope pairs found in registers (``rope_row_block``)
-        x = C.load(iq_ref, (tc, hc, C.iota((1, di), 1)), (r, di)).astype(F32)
+        ci = C.iota((1, di), 1)
+        x = C.load(iq_ref, (tc, hc, ci), (r, di)).astype(F32)
 
-        def cos_sin_cols(n: int) -> tuple[jax.Array, jax.Array]:
-            return C.cos_sin(cos_ref, sin_ref, tc, jnp.minimum(C.iota((1, n), 1), rd // 2 - 1), (r, n), pid, T, BT)
+        def cos_sin_at(f: jax.Array) -> tuple[jax.Array, jax.Array]:
+            return C.cos_sin(cos_ref, sin_ref, tc, f, (r, f.shape[1]), pid, T, BT)
 
-        k = C.rope_row_block(x, cos_sin_cols, rd, ilv).astype(dtype)
+        k = C.rope_row_block(x, cos_sin_at, rd, ilv).astype(dtype)
         if hadamard:
             kk = jax.lax.dot(k.astype(dot_dtype), h_ref[...], precision=jax.lax.Precision.HIGHEST,
                              preferred_element_type=F32)
@@ -269,7 +269,7 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
             wf = wf * s
         else:
             qv, s = k, jnp.ones((r, 1), F32)
-        C.store(iq_out, (tok_s, hc, C.iota((1, di), 1)), qv, ok)
+        C.store(iq_out, (tok_s, hc, ci), qv, ok)
         C.store(is_out, (tok_s, hc), s, ok)
         C.store(iw_out, (tok_s, hc), wf, ok)
 

@@ -23,6 +23,7 @@ import numpy as np
 from jds.bench.kernels_fp8_gemm import SHAPES
 from jds.bench.results import measured_row, save_rows
 from jds.bench.timing import CAPTURED_OPTIONS, measure_ceilings, profiled_device_us
+from jds.ops import quant
 from pallas_kernels import fp8_gemm, fp8_grouped_gemm
 
 VARIANTS = {"dense": {}, "grouped": {"persistent": None}, "grouped_per_cta": {"persistent": False},
@@ -64,10 +65,8 @@ def main() -> None:
         x, wq, ws = _operands(shape, m)
         nbytes = wq.size + ws.size * 4 + x.size * 2 + m * wq.shape[0] * 2
         ref = np.asarray(fp8_gemm.fp8_linear(x, wq, ws, implementation="xla", out_dtype=jnp.float32))
-        xq, sx = (np.asarray(v, np.float64) for v in fp8_gemm.quant.act_quant(x, 128, "ue8m0"))
-        xd = (xq.reshape(m, -1, 128) * sx[:, :, None]).reshape(m, -1)
-        wd = (np.asarray(wq, np.float64).reshape(wq.shape[0] // 128, 128, -1, 128)
-              * np.asarray(ws, np.float64)[:, None, :, None]).reshape(wq.shape)
+        xd = np.asarray(quant.dequant(*quant.act_quant(x, 128, "ue8m0"), 128), np.float64)
+        wd = np.asarray(quant.dequant_weight_blocks(wq, ws, 128), np.float64)
         abssum = np.abs(xd) @ np.abs(wd).T
         for v in a.variants:
             f = _call(v)
