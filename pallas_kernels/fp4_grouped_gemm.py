@@ -86,8 +86,9 @@ operands with fp32 accumulation; everything else (TMA, ring, loads, dequantisati
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Literal
+from typing import Iterator, Literal
 
 import jax
 import jax.experimental.pallas as pl
@@ -95,6 +96,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src.pallas.mosaic_gpu import pipeline as _mgpu_pipeline
 
 from jds.ops import quant
 from jds.ops.dispatch import Implementation, Unsupported, num_sms, run_op
@@ -112,6 +114,34 @@ SMEM_BUDGET = 220 * 1024  # of the H100/H200's 227 KiB per CTA (the rest: barrie
 _RAGGED_DN = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
                                            lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
+
+REGISTER_FILE = 64 * 1024  # 32-bit registers per SM (sm_90)
+MEMORY_REGISTERS = 40  # the producer warpgroup's setmaxnreg (CUTLASS's value for a TMA-only producer)
+
+
+def compute_registers(num_compute_wgs: int, memory_registers: int = MEMORY_REGISTERS) -> int:
+    """setmaxnreg for each compute warpgroup: what the CTA's launch allocation holds once the producer keeps
+    ``memory_registers``. A CTA of w warpgroups launches with floor8(64K / 128w) registers a thread, and
+    setmaxnreg only moves registers within that pool: asking for more blocks forever. Mosaic's own split
+    (``pipeline._compute_registers``) divides 512 a thread, which fits 3 warpgroups (168 x 3 = 504) but not 5
+    (96 x 5 = 480): four compute warpgroups hung natively at its 112 (twenty-fourth session)."""
+    wgs = num_compute_wgs + 1
+    pool = REGISTER_FILE // (128 * wgs) // 8 * 8 * wgs
+    return min(256, (pool - memory_registers) // num_compute_wgs // 8 * 8)
+
+
+@contextlib.contextmanager
+def _launch_pool_registers() -> Iterator[None]:
+    """Trace ``emit_pipeline_warp_specialized`` with ``compute_registers``' split (the function has no argument
+    for it). Checked by tests/test_kernel_fp4_grouped_gemm.py: the private name must exist, and for two compute
+    warpgroups both splits agree."""
+    saved = _mgpu_pipeline._compute_registers
+    _mgpu_pipeline._compute_registers = lambda memory_registers, num_compute_wgs: compute_registers(
+        num_compute_wgs, memory_registers)
+    try:
+        yield
+    finally:
+        _mgpu_pipeline._compute_registers = saved
 
 # ----------------------------------------------------------------------------------------------------
 # public entry point
@@ -682,10 +712,14 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
 
     def make_pipeline(body_fn, context, state):
         return plgpu.emit_pipeline_warp_specialized(
-            body_fn, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=nwg,
+            body_fn, grid=(steps,), memory_registers=MEMORY_REGISTERS, wg_axis="wg", num_compute_wgs=nwg,
             max_concurrent_steps=st, compute_context=context, in_specs=specs, pipeline_state=state)
 
-    def kernel(count_ref, info_ref, x_ref, sxt_ref, w_ref, s_ref, o_ref):
+    def kernel(*refs):
+        with _launch_pool_registers():
+            kernel_body(*refs)
+
+    def kernel_body(count_ref, info_ref, x_ref, sxt_ref, w_ref, s_ref, o_ref):
         ignore = lambda *_, **__: None  # noqa: E731 - the allocations depend on the specs and shapes only
         allocs = make_pipeline(ignore, ignore, None).get_allocations(
             *unit_refs(x_ref, sxt_ref, w_ref, s_ref, 0, 0, 0, 0))

@@ -574,6 +574,21 @@ def test_fp8_route_four_warpgroups(mode: str) -> None:
         G.fp4_grouped_linear(x, sz, wp, ws, implementation="pallas", interpret=True, block_n=256)
 
 
+def test_compute_registers_fit_the_launch_pool() -> None:
+    """setmaxnreg asks stay within the CTA's launch allocation (64K registers, floor8 a thread): Mosaic's own
+    split for two compute warpgroups (168 x 3 a thread at launch), ours for four (96 x 5), which Mosaic's
+    overshoots (it hung natively). The private function the kernel's trace replaces must still exist."""
+    from jax._src.pallas.mosaic_gpu import pipeline
+    assert G.compute_registers(2) == pipeline._compute_registers(G.MEMORY_REGISTERS, 2) == 232
+    for wgs in (1, 2, 3, 4):
+        launch = 65536 // (128 * (wgs + 1)) // 8 * 8
+        assert wgs * G.compute_registers(wgs) + G.MEMORY_REGISTERS <= launch * (wgs + 1)
+    assert G.compute_registers(4) == 104
+    with G._launch_pool_registers():
+        assert pipeline._compute_registers(G.MEMORY_REGISTERS, 4) == 104
+    assert pipeline._compute_registers(G.MEMORY_REGISTERS, 4) == 112
+
+
 @pytest.mark.parametrize("kwargs,field", [
     (dict(x_scale=jnp.ones((4, 4), jnp.float32)), "x must be float8_e4m3fn"),
     (dict(dequant="fp8"), "needs e4m3 x"),

@@ -128,7 +128,7 @@ def benchmark(quick: bool) -> Iterator[dict]:
 
 # Tile parameters of each kernel tried at T = 8192 beside its default. The defaults (v32_kv_insert: 16 tokens,
 # 4 warps; v32_fused_q: 1 token, 4 warps; V4: 8 heads x 1 token, 8 warps) were the fastest variants at T = 8192
-# (benchmarks/results/kernels_fused_insert_*.json, rows with ``tiles``); the first variant of each is the
+# (benchmarks/results/archive/kernels_fused_insert_*.json, rows with ``tiles``); the first variant of each is the
 # previous default.
 SWEEP = {"v32_kv_insert": [dict(block_tokens=16, num_warps=8), dict(block_tokens=32), dict(block_tokens=64)],
          "v32_fused_q": [dict(rows_per_program=256, num_warps=8), dict(rows_per_program=64, num_warps=8),

@@ -611,6 +611,22 @@ def _insert_parts(d: dict) -> list[str]:
                + [f"{n} of copy bw" for n in names], body)
 
 
+def _fp4_tiles_time(d: dict) -> list[str]:
+    """scripts/diag/fp4_tiles_time.py: the FP4 grouped GEMM's kernel µs per tile variant (GPU timeline), each
+    against the case's first variant. The same weights run back to back, so part of them can sit in the 50 MB L2:
+    a comparison of variants, not a bandwidth figure (ncu's sweep flushes the caches for that)."""
+    rows = d.get("rows", [])
+    first = {}
+    body = []
+    for r in rows:
+        k = (r.get("profile_kernel_us") or {}).get("kernel_mosaic_gpu_kernel")
+        base = first.setdefault(r["case"], k)
+        body.append([r["case"], json.dumps(r["tiles"]), _fmt(k, 2), _fmt(r.get("profile_span_us"), 1),
+                     _fmt(k / base if k and base else None, 3)])
+    return ["FP4 grouped GEMM tile variants (case shape:tokens), GPU timeline medians, µs:", ""] + \
+        _table(["case", "tiles", "kernel µs", "call µs", "kernel / first variant"], body)
+
+
 def _mqa_fixed_cost(d: dict) -> list[str]:
     """scripts/diag/mqa_fixed_cost.py: the Pallas kernel's µs at one split against blocks per CTA, fitted."""
     fits = [f"{a} {_fmt(f['fixed_us'], 1)} µs fixed + {_fmt(f['per_block_us'], 2)} µs per block (largest "
@@ -645,6 +661,7 @@ RENDERERS: list[tuple[Callable[[str, dict], bool], Callable[[dict], list[str]]]]
     (lambda b, d: b.startswith("gather_probe"), _gather_probe),
     (lambda b, d: b.startswith("mqa_variants"), _mqa_variants),
     (lambda b, d: b.startswith("insert_parts"), _insert_parts),
+    (lambda b, d: b.startswith("fp4_tiles_time"), _fp4_tiles_time),
     (lambda b, d: b.startswith("mqa_fixed_cost"), _mqa_fixed_cost),
     (lambda b, d: b.startswith("kernels"), _kernels),
 ]

@@ -149,7 +149,7 @@ def device_row(fn: Callable[..., Any], *args: Any, median_us: float, thread: Seq
 
     Why unrolled only: on the H200 the loop method's floor for a trivial call is of the order of the
     small kernels themselves, the unrolled one's near zero (``meta.device_time_floors_us`` of
-    ``benchmarks/results/kernels_fused_insert_*.json``), so small loop rows measured the loop. 40 extra
+    ``benchmarks/results/archive/kernels_fused_insert_*.json``), so small loop rows measured the loop. 40 extra
     calls keep the host's timing jitter below the kernels compared; 100 made the compiles too slow for one
     10-minute call. Above ``below_us`` the pipelined median already matched the unrolled time (rows with
     both ``median_us`` and ``device_unrolled_us`` in the same file), so those rows skip the two extra
