@@ -613,18 +613,18 @@ def _insert_parts(d: dict) -> list[str]:
 
 def _fp4_tiles_time(d: dict) -> list[str]:
     """scripts/diag/fp4_tiles_time.py: the FP4 grouped GEMM's kernel µs per tile variant (GPU timeline), each
-    against the case's first variant. The same weights run back to back, so part of them can sit in the 50 MB L2:
-    a comparison of variants, not a bandwidth figure (ncu's sweep flushes the caches for that)."""
-    rows = d.get("rows", [])
-    first = {}
+    against the case's first variant, per GEMM of ``rotations`` routings a call (1: the same weights back to back,
+    partly served from the 50 MB L2)."""
+    first: dict[str, float | None] = {}
     body = []
-    for r in rows:
-        k = (r.get("profile_kernel_us") or {}).get("kernel_mosaic_gpu_kernel")
+    for r in d.get("rows", []):
+        k = r.get("kernel_us", (r.get("profile_kernel_us") or {}).get("kernel_mosaic_gpu_kernel"))
         base = first.setdefault(r["case"], k)
-        body.append([r["case"], json.dumps(r["tiles"]), _fmt(k, 2), _fmt(r.get("profile_span_us"), 1),
+        body.append([r["case"], json.dumps(r["tiles"]), str(r.get("rotations", 1)), _fmt(k, 2),
+                     _fmt(r.get("call_span_us", r.get("profile_span_us")), 1),
                      _fmt(k / base if k and base else None, 3)])
-    return ["FP4 grouped GEMM tile variants (case shape:tokens), GPU timeline medians, µs:", ""] + \
-        _table(["case", "tiles", "kernel µs", "call µs", "kernel / first variant"], body)
+    return ["FP4 grouped GEMM tile variants (case shape:tokens, e4m3 x), GPU timeline medians, µs per GEMM:", ""] + \
+        _table(["case", "tiles", "rotations", "kernel µs", "call µs", "kernel / first variant"], body)
 
 
 def _mqa_fixed_cost(d: dict) -> list[str]:

@@ -1,30 +1,58 @@
-"""The FP4 grouped GEMM's tile variants on the GPU timeline: per (case, variant) the call's device span, its
-busy time and each kernel's median, one process, no profiler in the way (Nsight Compute's sweep serialises
-and can hang a call when a variant deadlocks; each row here is timed in the order given and printed as it ends).
+"""The FP4 grouped GEMM's tile variants on the GPU timeline: per (case, variant) the GEMM kernel's µs and the
+whole call's, one process, no profiler in the way (Nsight Compute's sweep serialises, and a variant that
+deadlocks hangs its whole call; here each row prints as it ends).
 
     python3 scripts/diag/fp4_tiles_time.py --cases w1:1 w1:8 w2:8 w1:64 \
-        --variants '[{"x_fp8": true}, {"x_fp8": true, "block_n": 256}]' --out OUT/fp4_tiles.json
+        --variants '[{}, {"block_n": 256}]' --rotations 4 --out OUT/fp4_tiles.json
+
+x is e4m3 with act_quant's scales (the kernel's "fp8" route, as the V4 MoE calls it), quantised outside the
+timed call. ``--rotations R``: one timed call runs R routings of the same tokens (different experts, so
+different weights), and each row reports per-GEMM µs (the call's / R): with R = 1 the same experts run back to
+back and part of their weights sit in the 50 MB L2 (the first run of this script, 2026-12-03, was so).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import jax
+import jax.numpy as jnp
 
-from jds.bench.results import measured_row, save_rows  # noqa: E402
-from jds.bench.timing import profiled_device_us  # noqa: E402
-from ncu_kernels import _grouped  # noqa: E402
+from jds.bench import kernels_grouped as kg
+from jds.bench.results import measured_row, save_rows
+from jds.bench.timing import profiled_device_us
+from jds.ops import quant
+
+KERNEL = "kernel_mosaic_gpu_kernel"  # the GEMM's name on the timeline (the wrapper's are XLA fusions)
+
+
+def _case(shape: str, tokens: int, rotations: int, tiles: dict):
+    f = kg.FORMATS["fp4"]
+    k, n = f.shapes[shape]
+    w, ws = f.experts(k, n, 256, jax.random.key(0))
+    routes = [kg._routing(256, k, tokens, f.top_k, kk) for kk in jax.random.split(jax.random.key(1), rotations)]
+    xs = [quant.act_quant(x, 128, "ue8m0") for x, _ in routes]
+    sizes = [jnp.asarray(s) for _, s in routes]
+    call = functools.partial(f.op, implementation="pallas", **tiles)
+    fn = jax.jit(lambda xs, sizes, w, ws: [call(xq, sz, w, ws, x_scale=sx) for (xq, sx), sz in zip(xs, sizes)])
+    return fn, (xs, sizes, w, ws)
+
+
+def _measure(shape: str, tokens: int, rotations: int, tiles: dict, calls: int) -> dict:
+    fn, args = _case(shape, tokens, rotations, tiles)
+    r = profiled_device_us(fn, *args, calls=calls, by_kernel=True)
+    per = lambda v: None if v is None else v / rotations  # noqa: E731
+    return {"kernel_us": per((r.get("profile_kernel_us") or {}).get(KERNEL)),
+            "call_span_us": per(r.get("profile_span_us")), "call_busy_us": per(r.get("profile_busy_us")), "raw": r}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="+", default=["w1:1", "w1:8", "w2:8", "w1:64"], help="shape:tokens")
-    ap.add_argument("--variants", default='[{"x_fp8": true}, {"x_fp8": true, "block_n": 256}]',
-                    help="JSON list of tile dicts (x_fp8: e4m3 x, the kernel's fp8 route)")
+    ap.add_argument("--variants", default='[{}, {"block_n": 256}]', help="JSON list of tile dicts")
+    ap.add_argument("--rotations", type=int, default=4, help="routings per timed call (cold weights)")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -32,10 +60,8 @@ def main() -> None:
     for case in a.cases:
         shape, tokens = case.split(":")
         for v in json.loads(a.variants):
-            def measure(shape=shape, tokens=int(tokens), v=v):
-                f, args = _grouped("fp4", shape, tokens, v)
-                return profiled_device_us(f, *args, calls=a.calls, by_kernel=True)
-            rows.append(measured_row({"case": case, "tiles": v}, measure))
+            rows.append(measured_row({"case": case, "tiles": v, "rotations": a.rotations},
+                                     lambda: _measure(shape, int(tokens), a.rotations, v, a.calls)))
             save_rows(a.out, rows, False, bench="fp4_tiles_time")
     save_rows(a.out, rows, True, bench="fp4_tiles_time")
 
