@@ -127,8 +127,8 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
 
     ``implementation``: "xla" = ``jds.ops.quant.fp8_linear``; "pallas" = the kernel (in and out multiples
     of 128, else ``Unsupported``); "auto" = the kernel where it applies, else XLA.
-    Tiles (kernel only, see ``_pick_tiles`` for the defaults): ``block_m`` 64 or 128, ``block_n`` 64, 128 or
-    256 (dividing out), ``split_k`` K splits (a divisor of in/128), ``stages`` TMA ring depth, ``group_m`` M
+    Tiles (kernel only, see ``_pick_tiles`` for the defaults): ``block_m`` 64 or 128, ``block_n`` 64, 128, 192
+    or 256 (dividing out; 192: one wave of 128-row tiles where 128-wide ones leave a tail, q_b's 24576 columns), ``split_k`` K splits (a divisor of in/128), ``stages`` TMA ring depth, ``group_m`` M
     tiles per rasterisation group (L2 reuse at large M). ``stage_scales``: copy a CTA's scales into SMEM by
     TMA before the pipeline instead of loading each K block's from GMEM inside the loop (at decode those loads'
     latency stalls the promotion); None: on up to 128 rows (M), where it measured faster, if it fits SMEM.
@@ -174,8 +174,8 @@ def _check_common(x, wq, w_scale, scale_fmt) -> None:
 def _check_tiles(block_m: int | None, block_n: int | None, split_k: int | None, stages: int, group_m: int) -> None:
     if block_m not in (None, 64, 128):
         raise ValueError(f"block_m must be 64 or 128 (or None), got {block_m}")
-    if block_n not in (None, 64, 128, 256):
-        raise ValueError(f"block_n must be 64, 128 or 256 (or None), got {block_n}")
+    if block_n not in (None, 64, 128, 192, 256):
+        raise ValueError(f"block_n must be 64, 128, 192 or 256 (or None), got {block_n}")
     for name, v in (("split_k", 1 if split_k is None else split_k), ("stages", stages), ("group_m", group_m)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v}")
@@ -464,7 +464,9 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     tiles = m_tiles * n_tiles
     split_m = bm == 128  # warpgroups split the tile's rows (128) or its columns (64-row tiles)
     wn = bn if split_m else bn // 2  # output columns per warpgroup
-    cw = min(wn, BLOCK)  # accumulator chunk: <= 128 columns, inside one weight-scale block
+    # accumulator chunk: <= 128 columns inside one weight-scale block wherever the tile starts (a 192-wide tile
+    # at column 192 spans blocks 1 and 2: 64-column chunks)
+    cw = math.gcd(wn, BLOCK) if split_m else math.gcd(wn, BLOCK, bn)
     nch = wn // cw
     L = plgpu.Layout.WGMMA
     ROW = L.reduce(1)

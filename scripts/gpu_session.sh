@@ -41,6 +41,7 @@
 #   scripts/gpu_session.sh kernels       # fused insert (+ tile sweep) + indexer rows with device_us, top-k variants
 #   scripts/gpu_session.sh insert-parts  # issue 20: V3.2's inserts without their Hadamard, a same-size copy, ncu at T = 8192
 #   scripts/gpu_session.sh insert-regs   # issue 20: the inserts' registers / shared memory as the GPU build compiles them
+#   scripts/gpu_session.sh fp8-192       # issue 19: the FP8 GEMM's 192-wide tiles (q_b at 128 rows in one wave), tests then ncu sweep
 #   scripts/gpu_session.sh fp4-wg4       # issue 22: the FP4 GEMM's four-warpgroup e4m3-x form, native tests then ncu sweep
 #   scripts/gpu_session.sh inserts       # issue 20: the fused inserts alone, GPU timeline + T = 8192 tile sweep
 #   scripts/gpu_session.sh topk          # Pallas radix-select top-k: native tests, then the top-k rows
@@ -195,6 +196,16 @@ case "$stage" in
     # FP8SWEEP_VARIANTS narrows it (M = 128 rows: stream_k is Unsupported there, recorded as an error)
     V=${FP8SWEEP_VARIANTS:-'[{}, {"stream_k": true}, {"stream_k": false}, {"act_quant": "xla"}]'}
     ncu_sweep fp8 "$V"
+    ;;
+  fp8-192)
+    # issue 19 (twenty-fourth session, built untested): 192-wide tiles, so q_b's 24576 columns at 128 rows run
+    # as 128 CTAs (one wave) instead of 192 128-wide tiles on 132 SMs (a tail wave); native tests, then exact
+    # kernel times against the default at 128 (and 64) rows
+    timeout -k 5 ${F192T_TIMEOUT:-150} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernel_fp8_gemm.py \
+      -k "192 or lowers or exact_data" > "$OUT/fp8_192_tests.log" 2>&1; echo "fp8 192 tests rc=$?"
+    tail -3 "$OUT/fp8_192_tests.log"
+    V=${FP8SWEEP_VARIANTS:-'[{}, {"block_n": 192}, {"block_n": 192, "stages": 5}]'}
+    SWEEP_CASES=${SWEEP_CASES:-'q_b:128 mlp:128 q_b:64'} ncu_sweep fp8 "$V"
     ;;
   fp8gap)
     # issue 19: the idle gap between act_quant="kernel"'s two Mosaic kernels in a waited call (5-8 µs, seventh

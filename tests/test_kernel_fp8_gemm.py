@@ -128,19 +128,35 @@ def test_exact_data_bit_equal(mode: str, tiles: dict) -> None:
     """x, W in {-2, -1, 0, 1, 2} with a +-2 in every block and UE8M0 scales on both sides: xq, Wq in
     {0, +-128, +-256}, every product a multiple of 2^14 below 2^17 and every partial sum below 2^24, so any
     summation order at >= 11 bits of accumulator precision is exact: the kernel must equal the reference."""
-    interpret = interpret_for(mode)
-    m, k, n = 130, 512, 256
-    rng = np.random.default_rng(11)
+    x, w, wq, ws = _exact_case(130, 512, 256, seed=11)
+    got = G.fp8_linear(jnp.asarray(x, jnp.bfloat16), wq, ws, out_dtype=jnp.float32, implementation="pallas",
+                       interpret=interpret_for(mode), **tiles)
+    np.testing.assert_array_equal(np.asarray(got), x @ w.T)
+
+
+def _exact_case(m: int, k: int, n: int, seed: int):
+    """(x, w float32, wq, ws): test_exact_data_bit_equal's data, any summation order exact."""
+    rng = np.random.default_rng(seed)
     x = rng.integers(-2, 3, (m, k)).astype(np.float32)
     w = rng.integers(-2, 3, (n, k)).astype(np.float32)
     x[:, ::128] = 2.0
     w[:, ::128] = -2.0
     w[::128, :] = 2.0
     wq, ws = quant.quantize_weight_blocks_jax(jnp.asarray(w), 128, "ue8m0")
+    return x, w, wq, ws
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("m,tiles", [(130, dict(block_m=128, split_k=1)),  # 64-column chunks, 2 row tiles
+                                     (100, dict(block_m=128, split_k=1, stage_scales=True)),  # scale window
+                                     (7, dict(block_m=64, split_k=2, stage_scales=False))])  # 32-column chunks
+def test_192_wide_tiles_bit_equal(mode: str, m: int, tiles: dict) -> None:
+    """block_n 192: tiles start at 0, 192, 384, 576 of 768 columns, so half of them straddle a weight-scale
+    block (each accumulator chunk stays inside one); exact data, the reference bit for bit."""
+    x, w, wq, ws = _exact_case(m, 256, 768, seed=m)
     got = G.fp8_linear(jnp.asarray(x, jnp.bfloat16), wq, ws, out_dtype=jnp.float32, implementation="pallas",
-                       interpret=interpret, **tiles)
-    want = x @ w.T
-    np.testing.assert_array_equal(np.asarray(got), want)
+                       interpret=interpret_for(mode), block_n=192, **tiles)
+    np.testing.assert_array_equal(np.asarray(got), x @ w.T)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -410,7 +426,9 @@ def test_auto_stream_k_and_staged_scales() -> None:
                                          (128, 7168, 18432, dict(stream_k=True)),  # mlp, one 128-row tile
                                          (1, 16384, 7168, dict(act_quant="kernel")),
                                          (128, 7168, 18432, dict(act_quant="kernel")),
-                                         (256, 640, 512, dict(block_n=256, split_k=1, stage_scales=True))])
+                                         (256, 640, 512, dict(block_n=256, split_k=1, stage_scales=True)),
+                                         (128, 1536, 24576, dict(block_n=192)),  # q_b prefill 128: one wave
+                                         (64, 1536, 24576, dict(block_n=192, split_k=2))])
 def test_lowers_for_cuda(m: int, k: int, n: int, tiles: dict) -> None:
     """The compiled kernel passes Mosaic GPU's lowering (e4m3 wgmma with K-major operands, TMA, layouts)."""
     from jax.sharding import AbstractDevice, AbstractMesh
