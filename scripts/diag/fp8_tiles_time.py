@@ -1,0 +1,70 @@
+"""The dense FP8 GEMM's tile variants on the GPU timeline: per (case, variant) the Pallas kernel's µs and the
+whole call's, per GEMM of ``--rotations`` weight copies a timed call (q_b's 37.7 MB fit the 50 MB L2; two copies
+or more stream from HBM), and the largest difference from the XLA form on the same inputs (a wrong tile path
+shows there before any time is read).
+
+    python3 scripts/diag/fp8_tiles_time.py --cases q_b:128 mlp:128 --variants '[{}, {"block_n": 192}]'
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jds.bench.kernels_fp8_gemm import SHAPES
+from jds.bench.results import measured_row, save_rows
+from jds.bench.timing import profiled_device_us
+from pallas_kernels import fp8_gemm
+
+KERNEL = "kernel_mosaic_gpu_kernel"
+
+
+def _case(shape: str, m: int, rotations: int):
+    k, n = SHAPES[shape]
+    kw, kx = jax.random.split(jax.random.key(0))
+    ws_ = []
+    for i in range(rotations):
+        wq = (jax.random.normal(jax.random.fold_in(kw, i), (n, k), jnp.float32) * 0.5).astype(jnp.float8_e4m3fn)
+        ws_.append((wq, jnp.full((n // 128, k // 128), 2.0 ** -7, jnp.float32)))
+    return jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16), ws_
+
+
+def _measure(shape: str, m: int, rotations: int, tiles: dict, calls: int) -> dict:
+    x, ws_ = _case(shape, m, rotations)
+    call = functools.partial(fp8_gemm.fp8_linear, implementation="pallas", **tiles)
+    fn = jax.jit(lambda x, ws_: [call(x, wq, sw) for wq, sw in ws_])
+    got = np.asarray(fn(x, ws_)[0], np.float32)
+    want = np.asarray(fp8_gemm.fp8_linear(x, *ws_[0], implementation="xla"), np.float32)
+    r = profiled_device_us(fn, x, ws_, calls=calls, by_kernel=True)
+    per = lambda v: None if v is None else v / rotations  # noqa: E731
+    return {"max_abs_diff_vs_xla": float(np.abs(got - want).max()), "max_abs_xla": float(np.abs(want).max()),
+            "kernel_us": per((r.get("profile_kernel_us") or {}).get(KERNEL)),
+            "call_span_us": per(r.get("profile_span_us")), "weight_bytes": SHAPES[shape][0] * SHAPES[shape][1],
+            "raw": r}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", nargs="+", default=["q_b:128", "mlp:128"], help="shape:rows")
+    ap.add_argument("--variants", default='[{}, {"block_n": 192}]', help="JSON list of tile dicts")
+    ap.add_argument("--rotations", type=int, default=2, help="weight copies per timed call (cold weights)")
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    rows = []
+    for case in a.cases:
+        shape, m = case.split(":")
+        for v in json.loads(a.variants):
+            rows.append(measured_row({"case": case, "tiles": v, "rotations": a.rotations},
+                                     lambda: _measure(shape, int(m), a.rotations, v, a.calls)))
+            save_rows(a.out, rows, False, bench="fp8_tiles_time")
+    save_rows(a.out, rows, True, bench="fp8_tiles_time")
+
+
+if __name__ == "__main__":
+    main()
