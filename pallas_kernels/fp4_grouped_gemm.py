@@ -168,7 +168,8 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: jax.Array, w_sc
     up to 32 rows (decode), else "f16", which measured faster with 128-row prefill tiles). ``layout``: where the
     rows' bookkeeping is computed (``grouped_rows.row_layout``: "xla", about eight small kernels, or "pallas",
     one, which shortened the decode call on the H200 (benchmarks/results/fp4_decode_ncu_sweep_h200_2026-12-02.json);
-    "auto": "pallas" natively, "xla" in interpret mode).
+    "auto": "pallas" natively, "xla" in interpret mode; "fused", e4m3 x only: that kernel also copies x's rows,
+    permuted, and their scales into the padded layout, two XLA kernels fewer per call).
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``); None = whenever the default
     backend is not a GPU.
     ``x_scale``: x given quantised, as the release's ``fp4_gemm`` takes it: x float8_e4m3fn [M, K] and
@@ -305,7 +306,10 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
         return jnp.zeros((0, n), out_dtype)
     if x_scale is not None:  # "fp8": 512-column steps at decode tiles, >= 2 steps per unit (_pick_tiles)
         _, _, block_k, split_k = _pick_tiles(m, e, n, k, block_t, block_n, block_k, split_k, fp8=True)
-    p = grouped_rows.plan(sizes, m, e, n, k, block_t, block_n, block_k, split_k, K_ALIGN, interpret, layout)
+    fused = layout == "fused" and x_scale is not None  # e4m3 bytes and scales copied by the layout kernel
+    p = grouped_rows.plan(sizes, m, e, n, k, block_t, block_n, block_k, split_k, K_ALIGN, interpret, layout,
+                          rows=(lax.bitcast_convert_type(x, jnp.uint8), x_scale) if fused else None,
+                          split_pairs=fused)
     if x_scale is not None:
         dequant = "fp8"
     elif dequant == "auto":  # "lop3" where dequantisation bounds the kernel (decode tiles); see the docstring
@@ -313,12 +317,15 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
     if p.interpret and dequant in NATIVE_ONLY:
         raise ValueError(f'dequant="{dequant}" runs natively only (interpret mode: "bf16" needs bf16 subnormal '
                          'arithmetic, which XLA on the CPU flushes; "lop3" is PTX); use dequant="f16" there')
-    xp = grouped_rows.tile_rows(_permute_k(x, dequant), p)  # groups padded to 8 rows
+    xp = None if fused else grouped_rows.tile_rows(_permute_k(x, dequant), p)  # groups padded to 8 rows
     st = stages if x_scale is not None else _fit_stages(stages, p.block_t, p.block_n, p.block_k, k // p.splits)
     call = _build_call(n=n, k=k, items=p.items, bt=p.block_t, bn=p.block_n, bk=p.block_k, splits=p.splits,
                        stages=st, dequant=dequant,
                        out_dtype=out_dtype if p.splits == 1 else jnp.dtype(jnp.float32), interpret=p.interpret,
                        mma_group=mma_group)
+    if fused:  # the layout kernel's copies: permuted e4m3 rows, scales [K/128, rows]
+        xp, sxt = lax.bitcast_convert_type(p.xp, jnp.float8_e4m3fn), p.sxt
+        return grouped_rows.finish(call(p.count, p.info, xp, sxt, w_packed, w_scale), p, out_dtype)
     if x_scale is not None:  # the padded rows' scales [K/128, rows]: a token tile's per 128-column block
         return grouped_rows.finish(call(p.count, p.info, xp, grouped_rows.tile_rows(x_scale, p).T, w_packed,
                                         w_scale), p, out_dtype)

@@ -70,7 +70,8 @@ def fp8_grouped_linear(x: jax.Array, sizes: jax.Array, wq: jax.Array, w_scale: j
     bookkeeping in XLA (about eight small kernels) or in one kernel, "pallas" (``grouped_rows.row_layout``), which
     shortened the decode call at every measured shape on the H200
     (benchmarks/results/fp8g_decode_ncu_sweep_h200_2026-12-02.json); "auto": "pallas" natively, "xla" in
-    interpret mode. ``persistent``: the kernel as one CTA per SM looping over the work units with one TMA ring
+    interpret mode; "fused": that kernel also copies the quantised rows and their scales into the padded layout
+    (two XLA gathers fewer). ``persistent``: the kernel as one CTA per SM looping over the work units with one TMA ring
     for all of them, scales included (``_build_persistent_call``), or one CTA per unit (False); None = persistent
     natively where the static unit bound is at most ``PERSISTENT_MAX_WAVES`` waves of CTAs: exact kernel times
     (fp8g_decode_ncu_sweep_h200_2026-12-02.json) had it faster at 1 token (3.8 waves at most), slower at 8 and
@@ -154,11 +155,11 @@ def _pallas(x, sizes, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_t, 
     out_dtype = jnp.dtype(out_dtype)
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
-    p = grouped_rows.plan(sizes, m, e, n, k, block_t, block_n, block_k, split_k, K_ALIGN, interpret, layout)
     xq, sx = quant.act_quant(x, BLOCK, scale_fmt)
-    # e4m3 values are exact in float16; padded rows copy row m: zeros with scale 0
-    xp = grouped_rows.tile_rows(xq.astype(jnp.float16), p)
-    sxt = grouped_rows.tile_rows(sx, p).T  # [K/128, mx]: a tile's scales per block
+    xh = xq.astype(jnp.float16)  # e4m3 values are exact in float16
+    p = grouped_rows.plan(sizes, m, e, n, k, block_t, block_n, block_k, split_k, K_ALIGN, interpret, layout,
+                          rows=(xh, sx) if layout == "fused" else None)
+    xp, sxt = grouped_rows.padded_x(xh, sx, p)  # rows between groups: zeros with scale 0; scales [K/128, rows]
     kps = k // BLOCK // p.splits
     # a CTA copies SW_ROWS weight-scale rows holding its own (a TMA copy moves a multiple of 128 bytes)
     ws = pad_weight_scales(w_scale.astype(jnp.float32))

@@ -129,6 +129,7 @@ def _row_layout_xla(sizes: jax.Array, m: int, n_items: int, n_padded: int, bt: i
     return items, src.astype(jnp.int32), col.astype(jnp.int32), valid, count
 
 
+ROW_CHUNK = 512  # columns of x a "fused" layout program copies at once ([8, 512]: 32 bytes a thread for e4m3)
 # items / rows / padded rows per program of the layout kernel (x every expert: [8, E] compares). The programs run
 # side by side, so a program's own instruction chain is the kernel's time: at 32 an Nsight Compute profile
 # (2026-12-02, FP4 call at 8 tokens) showed 12.4 us for 13 programs, each of ~4.8K instructions per warp issued
@@ -137,13 +138,20 @@ def _row_layout_xla(sizes: jax.Array, m: int, n_items: int, n_padded: int, bt: i
 LAYOUT_BLOCK = 8
 
 
-def _layout_kernel(sizes_ref, items_ref, src_ref, col_ref, valid_ref, count_ref, *, ne: int, ep: int, m: int,
-                   n_items: int, n_padded: int, bt: int) -> None:
+def _layout_kernel(sizes_ref, *refs, ne: int, ep: int, m: int, n_items: int, n_padded: int, bt: int,
+                   kx: int = 0, ns: int = 0, split_pairs: bool = False) -> None:
     """Program b: items, output rows and padded rows ``b * LAYOUT_BLOCK + [0, LAYOUT_BLOCK)``. Every program
     computes the experts' prefix sums itself (E values); "the expert holding index i" is the count of experts
     ending at or before i, and a value of that expert is read by a one-hot sum over the experts (no gather from
     registers). The padded rows are gathered (each finds its row of x), not scattered, so no store depends on
-    another program's."""
+    another program's. ``kx`` > 0 (layout "fused"): the program also copies its padded rows of x [m, kx] and of
+    the row scales [m, ns] (those transposed: [ns, n_padded]), zeros between groups, as ``tile_rows`` would in
+    two more XLA kernels; ``split_pairs``: x's columns in each 32-column block as (16 even, 16 odd), the FP4
+    GEMM's ``_permute_k`` order."""
+    if kx:
+        x_ref, s_ref, items_ref, src_ref, col_ref, valid_ref, count_ref, xp_ref, sxt_ref = refs
+    else:
+        items_ref, src_ref, col_ref, valid_ref, count_ref = refs
     e = C.iota((1, ep), 1)
     s = C.load(sizes_ref, (jnp.minimum(e, ne - 1),), (1, ep), mask=e < ne)
     tiles = (s + (bt - 1)) // bt
@@ -181,26 +189,52 @@ def _layout_kernel(sizes_ref, items_ref, src_ref, col_ref, valid_ref, count_ref,
     C.store(src_ref, (jnp.where(i < n_padded, i, n_padded),), src, i < n_padded)
     first = i == 0  # program 0's first lane
     C.store(count_ref, (jnp.where(first, 0, 1),), jnp.broadcast_to(total_tiles, i.shape), first)
+    if kx:
+        inside, live = i < n_padded, (i < n_padded) & (src < m)
+        r_in, r_out = jnp.where(live, src, 0), jnp.where(inside, i, n_padded)
+        for c0 in range(0, kx, ROW_CHUNK):
+            cols = c0 + C.iota((1, ROW_CHUNK), 1)
+            q = cols % 32
+            srcc = cols - q + (q % 16) * 2 + q // 16 if split_pairs else cols
+            v = C.load(x_ref, (r_in, jnp.minimum(srcc, kx - 1)), (LAYOUT_BLOCK, ROW_CHUNK), mask=live & (cols < kx))
+            C.store(xp_ref, (r_out, cols), v, inside & (cols < kx))
+        j = C.iota((1, C.next_pow2(ns)), 1)
+        sv = C.load(s_ref, (r_in, jnp.minimum(j, ns - 1)), (LAYOUT_BLOCK, j.shape[1]), mask=live & (j < ns))
+        C.store(sxt_ref, (jnp.where(j < ns, j, ns), r_out), sv, inside & (j < ns))
 
 
-def _row_layout_pallas(sizes: jax.Array, m: int, n_items: int, n_padded: int, bt: int, interpret: bool):
+def _row_layout_pallas(sizes: jax.Array, m: int, n_items: int, n_padded: int, bt: int, interpret: bool,
+                       rows: tuple[jax.Array, jax.Array] | None = None, split_pairs: bool = False):
     """row_layout as one Pallas kernel: the XLA form is about eight small kernels (prefix sums, searches, a
     scatter, the stacking), each near the launch floor at decode sizes, around every grouped GEMM call.
+    ``rows`` = (x [m, K], scales [m, S] float32): the kernel also returns x's padded rows and the scales'
+    padded rows transposed (``tile_rows(x)``, ``tile_rows(scales).T``), two XLA gathers fewer per call
+    (``split_pairs``: x's columns permuted as the FP4 GEMM reads them, see ``_layout_kernel``).
 
     Backend: the Triton lowering (as ``topk_select``): the prefix sums over the experts are ``cumsum``
     (Triton's scan); Mosaic GPU has no lowering for a scan, and its vector layouts do not take 1-D index
     vectors of arbitrary length."""
     ne = sizes.shape[0]
     ep = C.next_pow2(max(ne, 2))
-    kernel = functools.partial(_layout_kernel, ne=ne, ep=ep, m=m, n_items=n_items, n_padded=n_padded, bt=bt)
     i32 = jnp.int32
-    items, src, col, valid, count = C.pallas_call(
-        kernel, out_shape=(jax.ShapeDtypeStruct((2, n_items), i32), jax.ShapeDtypeStruct((n_padded,), i32),
-                           jax.ShapeDtypeStruct((m,), i32), jax.ShapeDtypeStruct((m,), i32),
-                           jax.ShapeDtypeStruct((1,), i32)),
-        grid=(pl.cdiv(max(n_items, m, n_padded), LAYOUT_BLOCK),), aliases={}, interpret=interpret,
-        name="grouped_row_layout", num_warps=4)(sizes)
-    return items, src, col, valid != 0, count
+    out_shape = [jax.ShapeDtypeStruct((2, n_items), i32), jax.ShapeDtypeStruct((n_padded,), i32),
+                 jax.ShapeDtypeStruct((m,), i32), jax.ShapeDtypeStruct((m,), i32), jax.ShapeDtypeStruct((1,), i32)]
+    args, kx, ns = [sizes], 0, 0
+    if rows is not None:
+        x, sc = rows
+        kx, ns = x.shape[1], sc.shape[1]
+        if x.shape[0] != m or sc.shape[0] != m or sc.dtype != jnp.float32:
+            raise ValueError(f"rows must be x [{m}, K] and float32 scales [{m}, S], got {x.shape} {x.dtype} and "
+                             f"{sc.shape} {sc.dtype}")
+        args += [x, sc]
+        out_shape += [jax.ShapeDtypeStruct((n_padded, kx), x.dtype), jax.ShapeDtypeStruct((ns, n_padded), sc.dtype)]
+    kernel = functools.partial(_layout_kernel, ne=ne, ep=ep, m=m, n_items=n_items, n_padded=n_padded, bt=bt,
+                               kx=kx, ns=ns, split_pairs=split_pairs)
+    outs = C.pallas_call(kernel, out_shape=tuple(out_shape),
+                         grid=(pl.cdiv(max(n_items, m, n_padded), LAYOUT_BLOCK),), aliases={}, interpret=interpret,
+                         name="grouped_row_layout", num_warps=4)(*args)
+    items, src, col, valid, count = outs[:5]
+    return (items, src, col, valid != 0, count, *outs[5:])
 
 
 def gather_rows(yt: jax.Array, col: jax.Array, valid: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
@@ -223,31 +257,55 @@ class Plan(NamedTuple):
     col: jax.Array  # [m]: the column of y^T holding row r
     valid: jax.Array  # [m]: r < sum(sizes)
     count: jax.Array  # [1]: the number of work items
+    xp: jax.Array | None = None  # layout "fused": x's padded rows (``tile_rows(x)``), from the layout kernel
+    sxt: jax.Array | None = None  # layout "fused": the row scales' padded rows, transposed [S, rows]
+
+
+LAYOUTS = ("auto", "xla", "pallas", "fused")
 
 
 def plan(sizes: jax.Array, m: int, e: int, n: int, k: int, block_t: int | None, block_n: int | None,
          block_k: int | None, split_k: int | None, k_align: int,
-         interpret: bool | plgpu.InterpretGPUParams | None, layout: Implementation = "xla") -> Plan:
+         interpret: bool | plgpu.InterpretGPUParams | None, layout: str = "xla",
+         rows: tuple[jax.Array, jax.Array] | None = None, split_pairs: bool = False) -> Plan:
     """Tiles (``pick_tiles``), interpret mode (None: whenever the default backend is not a GPU) and the row
     layout of a call with M = ``m`` rows over E = ``e`` experts of [n, k] weights (``layout``: ``row_layout``'s
     implementation; its kernel runs in interpret mode where the GEMM does; "auto": the kernel where the GEMM
-    runs natively, XLA's ops in interpret mode, where the kernel would only be slower to emulate)."""
+    runs natively, XLA's ops in interpret mode, where the kernel would only be slower to emulate; "fused": the
+    kernel, which also copies ``rows`` = (x, its float32 row scales) into the padded layout: ``padded_x``;
+    ``split_pairs``: x's columns as the FP4 GEMM reads them)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "fused" and rows is None:
+        raise ValueError('layout="fused" copies e4m3 x with its scales: it needs x_scale (bf16 x: "pallas")')
     bt, bn, bk, s = pick_tiles(m, e, n, k, block_t, block_n, block_k, split_k, k_align)
     if interpret is None:
         interpret = resolve_interpret(None)
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
-    items, rows = n_items(m, e, bt), padded_rows(m, e, bt)
+    items, n_rows = n_items(m, e, bt), padded_rows(m, e, bt)
     if layout == "auto":
         layout = "xla" if interpret else "pallas"
-    return Plan(bt, bn, bk, s, interpret or None, items, rows,
-                *row_layout(sizes, m, items, rows, bt, implementation=layout, interpret=bool(interpret)))
+    if layout == "fused":
+        return Plan(bt, bn, bk, s, interpret or None, items, n_rows,
+                    *_row_layout_pallas(sizes.astype(jnp.int32), m, items, n_rows, bt, bool(interpret), rows,
+                                        split_pairs))
+    return Plan(bt, bn, bk, s, interpret or None, items, n_rows,
+                *row_layout(sizes, m, items, n_rows, bt, implementation=layout, interpret=bool(interpret)))
 
 
 def tile_rows(a: jax.Array, p: Plan) -> jax.Array:
     """``a`` [m, ...] (x, or its per-row scales) in the padded row layout the kernel reads: padded row i copies
     row ``p.src[i]``, and the rows between groups are zeros."""
     return jnp.take(jnp.pad(a, ((0, 1),) + ((0, 0),) * (a.ndim - 1)), p.src, axis=0)
+
+
+def padded_x(x: jax.Array, scales: jax.Array, p: Plan) -> tuple[jax.Array, jax.Array]:
+    """(x's padded rows, the scales' padded rows transposed [S, rows]): the layout kernel's copies (layout
+    "fused") or two XLA gathers."""
+    if p.xp is not None:
+        return p.xp, p.sxt
+    return tile_rows(x, p), tile_rows(scales, p).T
 
 
 def finish(yt: jax.Array, p: Plan, out_dtype: jnp.dtype) -> jax.Array:

@@ -41,6 +41,7 @@
 #   scripts/gpu_session.sh kernels       # fused insert (+ tile sweep) + indexer rows with device_us, top-k variants
 #   scripts/gpu_session.sh insert-parts  # issue 20: V3.2's inserts without their Hadamard, a same-size copy, ncu at T = 8192
 #   scripts/gpu_session.sh insert-regs   # issue 20: the inserts' registers / shared memory as the GPU build compiles them
+#   scripts/gpu_session.sh fused-layout  # issues 22 / 19: the grouped GEMMs' layout kernel copying x's rows too (tests, timeline, ncu)
 #   scripts/gpu_session.sh fp8-192       # issue 19: the FP8 GEMM's 192-wide tiles (q_b at 128 rows in one wave), tests then ncu sweep
 #   scripts/gpu_session.sh fp4-wg4       # issue 22: the FP4 GEMM's four-warpgroup e4m3-x form, native tests then ncu sweep
 #   scripts/gpu_session.sh inserts       # issue 20: the fused inserts alone, GPU timeline + T = 8192 tile sweep
@@ -206,6 +207,18 @@ case "$stage" in
     tail -3 "$OUT/fp8_192_tests.log"
     V=${FP8SWEEP_VARIANTS:-'[{}, {"block_n": 192}, {"block_n": 192, "stages": 5}]'}
     SWEEP_CASES=${SWEEP_CASES:-'q_b:128 mlp:128 q_b:64'} ncu_sweep fp8 "$V"
+    ;;
+  fused-layout)
+    # issues 22 / 19 (twenty-fourth session, built untested): layout "fused", the grouped GEMMs' layout kernel
+    # also copying x's rows and scales into the padded layout (two XLA gathers fewer per call); native tests, then
+    # the FP4 call per GEMM on the timeline with cold weights, then the FP8 grouped call's kernels under ncu
+    timeout -k 5 ${FUSEDT_TIMEOUT:-150} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernel_grouped_rows.py \
+      tests/test_kernel_fp4_grouped_gemm.py tests/test_kernel_fp8_grouped_gemm.py -k "fused" > "$OUT/fused_tests.log" 2>&1
+    echo "fused layout tests rc=$?"; tail -3 "$OUT/fused_tests.log"
+    timeout -k 5 ${FUSEDTIME_TIMEOUT:-150} python3 scripts/diag/fp4_tiles_time.py --cases w1:1 w1:8 w2:8 w1:64 \
+      --variants '[{}, {"layout": "fused"}]' --rotations 4 --out "$OUT/fp4_tiles_time_fused_h200.json" > "$OUT/fused_time.log" 2>&1
+    echo "fp4 fused timing rc=$?"
+    FP8GSWEEP_VARIANTS='[{}, {"layout": "fused"}]' SWEEP_CASES=${SWEEP_CASES:-'w1:1 w1:8 w2:8'} bash "$0" ncu-fp8gsweep
     ;;
   fp8gap)
     # issue 19: the idle gap between act_quant="kernel"'s two Mosaic kernels in a waited call (5-8 µs, seventh

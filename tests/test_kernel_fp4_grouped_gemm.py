@@ -541,6 +541,23 @@ def test_fp8_route_exact_bit_equal(mode: str, group: int | None) -> None:
 
 
 @pytest.mark.parametrize("mode", ["interpret", pytest.param("native", marks=pytest.mark.gpu)])
+def test_fp8_route_fused_layout(mode: str) -> None:
+    """layout "fused" (the layout kernel copies the permuted e4m3 rows and their scales): the reference bit for
+    bit on exact data, with a scale impulse per 128 columns (which scale multiplies which columns), as the
+    default layout gives; bf16 x has no scales to copy (ValueError)."""
+    sizes = [2, 0, 9, 1]
+    x, sz, wp, ws = exact_case(sizes, 128, 1024, seed=5)
+    x = x * jnp.asarray(np.repeat(2.0 ** np.arange(8), 128), jnp.bfloat16)
+    xq, sx, xf = quantized(x)
+    got = G.fp4_grouped_linear(xq, sz, wp, ws, out_dtype=jnp.float32, implementation="pallas",
+                               interpret=interpret_for(mode), x_scale=sx, layout="fused")
+    ref, _ = reference(xf, sizes, wp, ws)
+    np.testing.assert_array_equal(np.asarray(got, np.float64), ref)
+    with pytest.raises(ValueError, match="x_scale"):
+        G.fp4_grouped_linear(x, sz, wp, ws, implementation="pallas", interpret=True, layout="fused")
+
+
+@pytest.mark.parametrize("mode", ["interpret", pytest.param("native", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("sizes,tiles", [
     ([0, 5, 0], dict(block_n=64, split_k=1)),  # one work unit: its CTA runs a whole pipeline
     ([0, 0, 0], {}),  # no rows in the groups: no units, zero output

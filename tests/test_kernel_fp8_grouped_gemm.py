@@ -125,8 +125,9 @@ def test_matches_reference(mode: str, case: int) -> None:
 
 @pytest.mark.parametrize("mode,layout", [
     pytest.param("interpret", "xla", marks=pytest.mark.slow),  # CI time: the non-default layout, natively below
-    ("interpret", "pallas"),
-    pytest.param("native", "xla", marks=pytest.mark.gpu), pytest.param("native", "pallas", marks=pytest.mark.gpu)])
+    ("interpret", "pallas"), ("interpret", "fused"),
+    pytest.param("native", "xla", marks=pytest.mark.gpu), pytest.param("native", "pallas", marks=pytest.mark.gpu),
+    pytest.param("native", "fused", marks=pytest.mark.gpu)])
 def test_exact_data_bit_equal(mode: str, layout: str) -> None:
     """Exact data: kernel == XLA == reference bit for bit (addressing: expert, rows, columns, scale blocks). The
     rows' bookkeeping in XLA or in its kernel (``layout``)."""

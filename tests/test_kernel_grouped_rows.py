@@ -39,6 +39,38 @@ def test_layout_kernel_equals_xla(mode: str, ne: int, m: int, bt: int, routed: i
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("ne,m,bt,routed,split_pairs", [(5, 30, 8, 28, True), (256, 6, 8, None, True),
+                                                        (7, 20, 16, None, False)])
+def test_fused_layout_copies_rows(mode: str, ne: int, m: int, bt: int, routed: int | None, split_pairs: bool) -> None:
+    """Layout "fused": the kernel's padded copies of x (uint8, and float16 as the FP8 GEMM passes it) and of its
+    scales equal ``tile_rows`` of them (x's columns permuted as the FP4 GEMM's ``_permute_k`` for ``split_pairs``),
+    byte for byte; its bookkeeping equals the XLA form's."""
+    from pallas_kernels.fp4_grouped_gemm import _permute_k
+    rng = np.random.default_rng(ne + m)
+    sizes = jnp.asarray(_sizes(ne, m, rng, routed))
+    k = 1024
+    x = jnp.asarray(rng.integers(0, 256, (m, k)), jnp.uint8) if split_pairs else \
+        jnp.asarray(rng.standard_normal((m, k)), jnp.float16)
+    sc = jnp.asarray(rng.standard_normal((m, k // 128)), jnp.float32)
+    p = G.plan(sizes, m, ne, 256, k, bt, None, None, 1, 512, interpret_for(mode), "fused", rows=(x, sc),
+               split_pairs=split_pairs)
+    q = G.plan(sizes, m, ne, 256, k, bt, None, None, 1, 512, True, "xla")
+    for name in ("info", "src", "col", "valid", "count"):
+        np.testing.assert_array_equal(np.asarray(getattr(p, name)), np.asarray(getattr(q, name)), err_msg=name)
+    xw = _permute_k(x, "fp8") if split_pairs else x
+    np.testing.assert_array_equal(np.asarray(p.xp), np.asarray(G.tile_rows(xw, q)))
+    np.testing.assert_array_equal(np.asarray(p.sxt), np.asarray(G.tile_rows(sc, q).T))
+    assert G.padded_x(x, sc, p)[0] is p.xp
+
+
+def test_fused_layout_errors() -> None:
+    with pytest.raises(ValueError, match="layout"):
+        G.plan(jnp.ones(4, jnp.int32), 4, 4, 256, 512, 8, None, None, 1, 512, True, "triton")
+    with pytest.raises(ValueError, match="x_scale"):
+        G.plan(jnp.ones(4, jnp.int32), 4, 4, 256, 512, 8, None, None, 1, 512, True, "fused")
+
+
 def test_layout_implementation_errors() -> None:
     with pytest.raises(ValueError, match="implementation"):
         G.row_layout(jnp.ones(4, jnp.int32), 4, 8, 64, 8, implementation="triton")
@@ -53,6 +85,20 @@ def test_layout_lowers_for_cuda(ne: int, m: int, bt: int) -> None:
     fn = functools.partial(G.row_layout, m=m, n_items=G.n_items(m, ne, bt), n_padded=G.padded_rows(m, ne, bt), bt=bt,
                            implementation="pallas", interpret=False)
     assert "__gpu$xla.gpu.triton" in C.check_triton_lowering(fn, jax.ShapeDtypeStruct((ne,), jnp.int32))
+
+
+@pytest.mark.parametrize("ne,m,bt,k", [(256, 6, 8, 4096), (256, 512, 8, 2048)])
+def test_fused_layout_lowers_and_compiles(ne: int, m: int, bt: int, k: int) -> None:
+    """Layout "fused" (V4-Flash's FP4 w1 input at 1 token, w2's at 64): lowers, and ptxas spills nothing."""
+    items, n_pad = G.n_items(m, ne, bt), G.padded_rows(m, ne, bt)
+    fn = functools.partial(G._row_layout_pallas, m=m, n_items=items, n_padded=n_pad, bt=bt, interpret=False,
+                           split_pairs=True)
+    args = (jax.ShapeDtypeStruct((ne,), jnp.int32),
+            (jax.ShapeDtypeStruct((m, k), jnp.uint8), jax.ShapeDtypeStruct((m, k // 128), jnp.float32)))
+    assert "__gpu$xla.gpu.triton" in C.check_triton_lowering(lambda s, r: fn(s, rows=r), *args)
+    pytest.importorskip("triton")
+    for rep in C.compile_sm90_report(lambda s, r: fn(s, rows=r), *args):
+        assert rep["spill_bytes"] == 0, rep
 
 
 @pytest.mark.parametrize("ne,m,bt", SHAPES)
