@@ -56,6 +56,8 @@
 #
 # Every timed process runs alone; every process sets XLA_PYTHON_CLIENT_PREALLOCATE=false so a compile
 # helper beside it cannot run the GPU out of memory. Timeouts use SIGINT so pytest prints its summary.
+# Every timeout also kills 10 s later (-k 10): a process waiting on a hung kernel ignores SIGTERM / SIGINT, and a
+# call whose stage pipes into tail then returns nothing (twenty-fourth session: two calls lost that way).
 # Stage limits can be shortened with <STAGE>_TIMEOUT (e.g. BOUNDARY_TIMEOUT=370) to share a call.
 # The run tool brings back at most 8 files from $OUT per call: keep what matters in few files.
 set -u
@@ -71,7 +73,7 @@ nvidia-smi -L > "$OUT/device.txt" 2>&1 || true
 ncu_sweep() {
   local pairs=() i=0 v
   while read -r v; do
-    timeout ${NCUS_TIMEOUT:-150} ncu --clock-control none --profile-from-start off --csv --page raw --print-units base \
+    timeout -k 10 ${NCUS_TIMEOUT:-150} ncu --clock-control none --profile-from-start off --csv --page raw --print-units base \
       --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
       python3 scripts/diag/ncu_kernels.py "$1sweep" ${SWEEP_CASES:+--cases $SWEEP_CASES} --variants "[$v]" --order "/tmp/$1sweep_order$i.json" \
       > "/tmp/$1sweep$i.csv" 2>> "$OUT/$1sweep.err"; echo "ncu $1sweep $v rc=$?"
@@ -89,18 +91,18 @@ case "$stage" in
     # command buffers whenever the previous step's result was alive; the fused device-prep step now writes
     # its logits into a persistent buffer (0 updates since). Next: the top-level thunks of the device-prep
     # executable (--dump: which thunk splits it into 2 command buffers), then TTFT variants.
-    timeout ${GU_TIMEOUT:-130} python3 -m jds.bench.graph_updates --arch v32 --layers 8 --intermediate 18432 \
+    timeout -k 10 ${GU_TIMEOUT:-130} python3 -m jds.bench.graph_updates --arch v32 --layers 8 --intermediate 18432 \
       --variants fused:device fused:device:4 --n 20 --timeout 120 --dump /tmp/gu_dump --out "$OUT/graph_updates_h200.json" \
       > "$OUT/graph_updates.log" 2>&1; echo "graph_updates rc=$?"; cut -c1-900 "$OUT/graph_updates.log"
     V="fused:host fused:device fused:device:2 fused:device:4 fused:device:8 narrow:host wide:host wide:device"
-    timeout ${TTFT_TIMEOUT:-230} python3 -m jds.bench.ttft --arch v32 --layers 8 --intermediate 18432 --variants $V \
+    timeout -k 10 ${TTFT_TIMEOUT:-230} python3 -m jds.bench.ttft --arch v32 --layers 8 --intermediate 18432 --variants $V \
       --out "$OUT/ttft_v32_h200.json" > "$OUT/ttft_v32.log" 2>&1; echo "ttft8 rc=$?"; grep '^{' "$OUT/ttft_v32.log" | cut -c1-250
     ;;
   ttft-fp8)
     # issue 19: the 8-layer V3.2 TTFT with FP8 weights (the FP8 GEMM's defaults as they are now), and with bf16
     # weights in the same call for the ratio
     for w in fp8 bf16; do
-      timeout ${TTFT8_TIMEOUT:-200} python3 -m jds.bench.ttft --arch v32 --layers 8 --intermediate 18432 \
+      timeout -k 10 ${TTFT8_TIMEOUT:-200} python3 -m jds.bench.ttft --arch v32 --layers 8 --intermediate 18432 \
         $([ $w = fp8 ] && echo --fp8-weights) --variants fused:device:8 --n 50 --out "$OUT/ttft_v32_${w}_h200.json" \
         > "$OUT/ttft_v32_$w.log" 2>&1; echo "ttft $w rc=$?"; grep '^{' "$OUT/ttft_v32_$w.log" | cut -c1-300
     done
@@ -109,18 +111,18 @@ case "$stage" in
     # issue 16: where TTFT's host time goes, per dispatch (seg0..), input preparation in the step loop vs alone;
     # the pinned step buffer + host ids (defaults) against the transfer paths (2026-12-01: spin and freeze lost)
     V=${TTFT_VARIANTS:-"fused:device:8 fused:device:8:transfer:devids fused:device:8:transfer:put:devids fused:device"}
-    timeout ${TTFT_TIMEOUT:-230} python3 -m jds.bench.ttft --arch v32 --layers 8 --intermediate 18432 --variants $V \
+    timeout -k 10 ${TTFT_TIMEOUT:-230} python3 -m jds.bench.ttft --arch v32 --layers 8 --intermediate 18432 --variants $V \
       --out "$OUT/ttft_parts_v32_h200.json" > "$OUT/ttft_parts.log" 2>&1; echo "ttft-parts rc=$?"; grep '^{' "$OUT/ttft_parts.log" | cut -c1-700
     ;;
   invariance)
     # issue 23: --batch-invariant under preemption on the GPU (2026-11-30: 64 pages preempted nothing)
-    timeout ${INV_TIMEOUT:-240} python3 scripts/bench_batch_invariant.py --preset v32-bench --configs invariant \
+    timeout -k 10 ${INV_TIMEOUT:-240} python3 scripts/bench_batch_invariant.py --preset v32-bench --configs invariant \
       --num-blocks 20 --out "$OUT/batch_invariant_preempt_h200.json" > "$OUT/batch_invariant.log" 2>&1
     echo "invariance rc=$?"; tail -5 "$OUT/batch_invariant.log"
     ;;
   deep)
     # issue 16 item 5: 61 layers, MoE with 8 routed experts (1.2 GB per layer; 16 did not fit the 0.75 default fraction)
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout ${DEEP_TIMEOUT:-420} python3 -m jds.bench.ttft --arch v32 --layers 61 \
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 10 ${DEEP_TIMEOUT:-420} python3 -m jds.bench.ttft --arch v32 --layers 61 \
       --moe-experts 8 --moe-topk 8 --n 20 --variants fused:device fused:device:8 \
       --out "$OUT/ttft_v32_61l_h200.json" > "$OUT/ttft_v32_61l.log" 2>&1
     echo "deep rc=$?"; grep '^{' "$OUT/ttft_v32_61l.log" | cut -c1-250
@@ -128,7 +130,7 @@ case "$stage" in
   deep61)
     # issue 16: the host critical path at DeepSeek's depth (target <= 1 ms): 61 layers, 16 segments (4 layers in
     # the first), pinned step buffer + host ids (the defaults); dense MLP 2048 keeps memory and compile small
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${DEEP61_TIMEOUT:-560} python3 -m jds.bench.ttft --arch v32 --layers 61 \
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 10 ${DEEP61_TIMEOUT:-560} python3 -m jds.bench.ttft --arch v32 --layers 61 \
       --intermediate 2048 --n 20 --compile-workers ${DEEP61_WORKERS:-8} --variants ${DEEP61_VARIANTS:-fused:device:16 fused:device:61 fused:device:8} \
       --out "$OUT/ttft_v32_61l_seg_h200.json" \
       > "$OUT/ttft_v32_61l_seg.log" 2>&1; echo "deep61 rc=$?"; grep '^{' "$OUT/ttft_v32_61l_seg.log" | cut -c1-700
@@ -136,14 +138,14 @@ case "$stage" in
   deep-seg)
     # issue 16, 61-layer host path (target <= 1 ms): more, shorter segments, so the first launch is short;
     # FP8 linears and experts (as stored: half the expert bytes of bf16, so 16 routed experts fit)
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout ${DEEPSEG_TIMEOUT:-560} python3 -m jds.bench.ttft --arch v32 --layers 61 \
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 10 ${DEEPSEG_TIMEOUT:-560} python3 -m jds.bench.ttft --arch v32 --layers 61 \
       --moe-experts 16 --moe-topk 8 --fp8-weights --n 20 --variants fused:device:8 fused:device:16 fused:device:32 \
       --out "$OUT/ttft_v32_61l_seg_h200.json" > "$OUT/ttft_v32_61l_seg.log" 2>&1
     echo "deep-seg rc=$?"; grep '^{' "$OUT/ttft_v32_61l_seg.log" | cut -c1-250
     ;;
   deep-v4)
     # issue 16 item 5: the 43-layer V4-Flash pattern (dense MLP 2048), one executable and 8 segments
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout ${DEEP_V4_TIMEOUT:-420} python3 -m jds.bench.ttft --arch v4 --layers 43 \
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 10 ${DEEP_V4_TIMEOUT:-420} python3 -m jds.bench.ttft --arch v4 --layers 43 \
       --n 20 --variants fused:device fused:device:8 --out "$OUT/ttft_v4_43l_h200.json" > "$OUT/ttft_v4_43l.log" 2>&1
     echo "deep-v4 rc=$?"; grep '^{' "$OUT/ttft_v4_43l.log" | cut -c1-250
     ;;
@@ -152,31 +154,31 @@ case "$stage" in
     # decode step of the same stack (10 steps in flight) that c=1's time per output token is compared with
     for flag in "" "--no-async"; do
       name=async; [ -n "$flag" ] && name=sync
-      timeout ${ASYNC_TIMEOUT:-250} python3 scripts/bench_serve_modes.py --preset v32-bench --modes fused --num-prompts 96 \
+      timeout -k 10 ${ASYNC_TIMEOUT:-250} python3 scripts/bench_serve_modes.py --preset v32-bench --modes fused --num-prompts 96 \
         --output-len 64 --num-warmups 8 --out "$OUT/serve_${name}_h200.json" -- --num-blocks 600 --token-buckets 128 2048 \
         --key-block-buckets 4 $flag > "$OUT/serve_$name.log" 2>&1; echo "$name rc=$?"; tail -4 "$OUT/serve_$name.log"
     done
-    timeout ${DECODE_TIMEOUT:-80} python3 -m jds.bench.ttft --arch v32 --layers 8 --shape decode_b1_ctx512 \
+    timeout -k 10 ${DECODE_TIMEOUT:-80} python3 -m jds.bench.ttft --arch v32 --layers 8 --shape decode_b1_ctx512 \
       --variants fused:device --out "$OUT/decode_b1_v32_h200.json" > "$OUT/decode_b1.log" 2>&1
     echo "decode_b1 rc=$?"; grep '^{' "$OUT/decode_b1.log" | cut -c1-300
     ;;
   compare)
     # issue 18: both backends in one process (torch's graphs + the Triton paged indexer-logits kernel), V3.2 8 layers;
     # each step ends at the greedy ids on the host (issue 16's TTFT as the engine reads a token; COMPARE_END=logits: the old end)
-    timeout -s INT ${COMPARE_TIMEOUT:-540} python3 -m jds.bench.boundary --backend jax torch --arch ${COMPARE_ARCH:-v32} \
+    timeout -k 10 -s INT ${COMPARE_TIMEOUT:-540} python3 -m jds.bench.boundary --backend jax torch --arch ${COMPARE_ARCH:-v32} \
       --layers 8 --precompile --torch-indexer ${COMPARE_INDEXER:-triton} --step-end ${COMPARE_END:-ids} --out "$OUT/compare_${COMPARE_ARCH:-v32}_h200.json" \
       > "$OUT/compare.log" 2>&1; echo "compare rc=$?"; tail -14 "$OUT/compare.log"
     ;;
   torch-profile)
     # issue 18: what each torch stand-in costs on the GPU (the measured side of its docstring's expected gap)
-    timeout -s INT ${TPROF_TIMEOUT:-240} python3 -m jds.compare.torch_profile --arch v32 --layers 8 \
+    timeout -k 10 -s INT ${TPROF_TIMEOUT:-240} python3 -m jds.compare.torch_profile --arch v32 --layers 8 \
       --out "$OUT/torch_stages_v32_h200.json" > "$OUT/torch_profile.log" 2>&1; echo "torch-profile rc=$?"
     grep -v "^USDT\|^STAGE:" "$OUT/torch_profile.log" | tail -26
     ;;
   fp8gemm)
-    timeout -s INT ${FP8T_TIMEOUT:-150} python3 -m pytest -m gpu -q -x --tb=short -p no:cacheprovider \
+    timeout -k 10 -s INT ${FP8T_TIMEOUT:-150} python3 -m pytest -m gpu -q -x --tb=short -p no:cacheprovider \
       tests/test_kernel_fp8_gemm.py > "$OUT/fp8_gemm_tests.log" 2>&1; echo "fp8 tests rc=$?"; tail -15 "$OUT/fp8_gemm_tests.log"
-    timeout -s INT ${FP8B_TIMEOUT:-200} python3 -m jds.bench.kernels_fp8_gemm --shapes ${FP8_SHAPES:-wo mlp} \
+    timeout -k 10 -s INT ${FP8B_TIMEOUT:-200} python3 -m jds.bench.kernels_fp8_gemm --shapes ${FP8_SHAPES:-wo mlp} \
       --ms ${FP8_MS:-1 64 128 2048 8192} --out "$OUT/kernels_fp8_gemm_h200.json" > "$OUT/fp8_gemm_bench.log" 2>&1
     echo "fp8 bench rc=$?"; tail -30 "$OUT/fp8_gemm_bench.log" | cut -c1-220
     ;;
@@ -185,7 +187,7 @@ case "$stage" in
     # waited on its scale loads. Reports stay on the machine; their details and SASS pages come back as text.
     for spec in "fp4 --shape w1 --tokens 8" "fp8 --shape wo --m 64"; do
       name=$(echo "$spec" | tr -d ' -' | cut -c1-12)
-      timeout ${NCU_TIMEOUT:-150} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
+      timeout -k 10 ${NCU_TIMEOUT:-150} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
         -o "/tmp/$name" python3 scripts/diag/ncu_kernels.py $spec > /dev/null 2>&1; echo "ncu $name rc=$?"
       ncu -i "/tmp/$name.ncu-rep" --page details > "$OUT/${name}_details.txt" 2>&1
       ncu -i "/tmp/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/${name}_sass.csv" 2>&1
@@ -223,7 +225,7 @@ case "$stage" in
   fp8gap)
     # issue 19: the idle gap between act_quant="kernel"'s two Mosaic kernels in a waited call (5-8 µs, seventh
     # session): there too when 8 calls run from one executable (one command buffer)?
-    timeout ${FP8GAP_TIMEOUT:-200} python3 scripts/diag/fp8_call_gap.py --out "$OUT/fp8_call_gap_h200.json" \
+    timeout -k 10 ${FP8GAP_TIMEOUT:-200} python3 scripts/diag/fp8_call_gap.py --out "$OUT/fp8_call_gap_h200.json" \
       > "$OUT/fp8_call_gap.log" 2>&1; echo "fp8gap rc=$?"; tail -8 "$OUT/fp8_call_gap.log" | cut -c1-300
     ;;
   ncu-topk)
@@ -233,7 +235,7 @@ case "$stage" in
     for spec in '{"splits": 2, "unroll": 2, "shrink": true, "hist_block": 512, "pivot_bits": 16}' '{"splits": 2}'; do
       name=topk64x64k_$(echo "$spec" | tr -dc 'a-z0-9' | sed 's/splits/s/; s/unroll/u/; s/shrinktrue/_shrink/;
         s/histblock/_h/; s/pivotbits/_p/')
-      timeout ${NCUT_TIMEOUT:-100} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
+      timeout -k 10 ${NCUT_TIMEOUT:-100} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
         -o "/tmp/$name" python3 scripts/diag/ncu_kernels.py topk --m 64 --cols 65536 --tiles "$spec" > /dev/null 2>&1
       echo "ncu $name rc=$?"
       ncu -i "/tmp/$name.ncu-rep" --page details > "$OUT/${name}_details.txt" 2>&1
@@ -244,7 +246,7 @@ case "$stage" in
     # issue 22: the FP4 grouped GEMM at 1 token (13.0 µs, 43% of DRAM peak; twenty-second session: 42% of stall
     # cycles on the long scoreboard, global loads using 4 of 32 bytes per sector): which instructions of which
     # warpgroup wait (SASS source page, per-region stall samples)
-    timeout ${NCUF_TIMEOUT:-150} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
+    timeout -k 10 ${NCUF_TIMEOUT:-150} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
       -o /tmp/fp4_w1_t1 python3 scripts/diag/ncu_kernels.py fp4 --shape w1 --tokens 1 --tiles '{"x_fp8": true}' \
       > /dev/null 2>&1; echo "ncu fp4 t1 rc=$?"
     ncu -i /tmp/fp4_w1_t1.ncu-rep --page details > "$OUT/fp4_w1_t1_details.txt" 2>&1
@@ -258,7 +260,7 @@ case "$stage" in
     for spec in "v32 {}" "v4 {}"; do
       arch=${spec%% *}; tiles=${spec#* }
       name=mqa_${arch}_b64
-      timeout ${NCUM_TIMEOUT:-150} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
+      timeout -k 10 ${NCUM_TIMEOUT:-150} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
         -o "/tmp/$name" python3 scripts/diag/ncu_kernels.py mqa --shape "$arch" --m 64 --tiles "$tiles" > /dev/null 2>&1
       echo "ncu $name rc=$?"
       ncu -i "/tmp/$name.ncu-rep" --page details > "$OUT/${name}_details.txt" 2>&1
@@ -271,13 +273,13 @@ case "$stage" in
     # "default splits1 splits4": V4 batch 64 runs 2 splits and merges them in XLA) on the GPU timeline, then ncu of
     # the default at V3.2 b64 (MQA_NCU=0 skips it)
     python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
-    timeout -s INT ${MQA_TESTS_TIMEOUT:-200} python3 -m pytest -m gpu -n 4 -q --tb=short -rfE -p no:cacheprovider \
+    timeout -k 10 -s INT ${MQA_TESTS_TIMEOUT:-200} python3 -m pytest -m gpu -n 4 -q --tb=short -rfE -p no:cacheprovider \
       tests/test_kernel_sparse_mqa.py > "$OUT/gpu_mqa_tests.log" 2>&1; echo "mqa tests rc=$?"; tail -3 "$OUT/gpu_mqa_tests.log"
-    timeout ${MQAV_TIMEOUT:-240} python3 scripts/diag/mqa_variants.py --cases ${MQAV_CASES:-v32_decode_64 v4_decode_64} \
+    timeout -k 10 ${MQAV_TIMEOUT:-240} python3 scripts/diag/mqa_variants.py --cases ${MQAV_CASES:-v32_decode_64 v4_decode_64} \
       ${MQAV_VARIANTS:+--variants $MQAV_VARIANTS} --out "$OUT/mqa_variants_h200.json" > "$OUT/mqa_variants.log" 2>&1; echo "mqa variants rc=$?"
     grep '^{' "$OUT/mqa_variants.log" | python3 -c 'import json, sys; [print(r["case"], r["variant"], r.get("profile_span_us"), r.get("tflops"), r.get("max_abs_err"), r.get("error", "")[:200]) for r in map(json.loads, sys.stdin)]'
     [ "${MQA_NCU:-1}" = 1 ] || continue  # MQA_NCU=0: tests and variants only
-    timeout ${NCUM_TIMEOUT:-120} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
+    timeout -k 10 ${NCUM_TIMEOUT:-120} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
       -o /tmp/mqa_v32_b64 python3 scripts/diag/ncu_kernels.py mqa --shape v32 --m 64 > /dev/null 2>&1; echo "ncu mqa rc=$?"
     ncu -i /tmp/mqa_v32_b64.ncu-rep --page details > "$OUT/mqa_v32_b64_details.txt" 2>&1
     ncu -i /tmp/mqa_v32_b64.ncu-rep --page source --csv --print-source sass > "$OUT/mqa_v32_b64_sass.csv" 2>&1
@@ -286,18 +288,18 @@ case "$stage" in
     # the register producer (one software-pipelined loop): each test group and each variant runs in its own
     # process, killed if it hangs, so that one hang hides nothing else
     [ "${MQAL_TESTS:-1}" = 1 ] && for k in "bit_exact" "v32_register_producer or v32_fp8" "v4_register or v4_window"; do
-      timeout -s KILL ${MQAL_TEST_TIMEOUT:-90} python3 -m pytest -m gpu -q --tb=short -rfE -p no:cacheprovider \
+      timeout -k 10 -s KILL ${MQAL_TEST_TIMEOUT:-90} python3 -m pytest -m gpu -q --tb=short -rfE -p no:cacheprovider \
         tests/test_kernel_sparse_mqa.py tests/test_kernel_record_gather.py -k "$k" >> "$OUT/gpu_mqa_loop_tests.log" 2>&1
       echo "mqa loop tests [$k] rc=$?"; tail -1 "$OUT/gpu_mqa_loop_tests.log"
     done
     for v in ${MQAL_VARIANTS:-default tma registers_p1r136 registers_p1r152}; do
-      timeout -s KILL ${MQAL_TIMEOUT:-100} python3 scripts/diag/mqa_variants.py \
+      timeout -k 10 -s KILL ${MQAL_TIMEOUT:-100} python3 scripts/diag/mqa_variants.py \
         --cases ${MQAL_CASES:-v32_decode_64 v32_decode_128 v32_prefill_4096} --variants $v \
         --out "$OUT/mqa_variants_loops_${v}_h200.json" >> "$OUT/mqa_variants_loops.log" 2>&1; echo "mqa variant $v rc=$?"
     done
     grep '^{' "$OUT/mqa_variants_loops.log" | python3 -c 'import json, sys; [print(r["case"], r["variant"], r.get("profile_span_us"), r.get("tflops"), r.get("max_abs_err"), r.get("error", "")[:200]) for r in map(json.loads, sys.stdin)]'
     [ "${MQAL_NCU:-0}" = 1 ] || continue  # MQAL_NCU=1: ncu of the loop producer too (about 2.5 more minutes)
-    timeout -s KILL ${NCUM_TIMEOUT:-150} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
+    timeout -k 10 -s KILL ${NCUM_TIMEOUT:-150} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
       -o /tmp/mqa_loop python3 scripts/diag/ncu_kernels.py mqa --shape v32 --m 64 \
       --tiles "${MQAL_NCU_TILES:-{\}}" > /dev/null 2>&1; echo "ncu mqa loop rc=$?"
     ncu -i /tmp/mqa_loop.ncu-rep --page details > "$OUT/mqa_v32_b64_loop_details.txt" 2>&1
@@ -309,31 +311,31 @@ case "$stage" in
     # bf16 outputs): every native MQA / record-gather test (8 pytest-xdist workers: about 75 s, 2026-12-03), then
     # the defaults (each call one CUDA graph: timing.CAPTURED_OPTIONS), V4's splits and output dtypes
     python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
-    timeout -s INT ${MQAR_TEST_TIMEOUT:-150} python3 -m pytest -m gpu -n ${GPU_WORKERS:-8} -q --tb=short -rfE \
+    timeout -k 10 -s INT ${MQAR_TEST_TIMEOUT:-150} python3 -m pytest -m gpu -n ${GPU_WORKERS:-8} -q --tb=short -rfE \
       -p no:cacheprovider tests/test_kernel_sparse_mqa.py tests/test_kernel_record_gather.py > "$OUT/gpu_mqa_tests.log" 2>&1
     echo "mqa tests rc=$?"; grep -E "FAILED|ERROR" "$OUT/gpu_mqa_tests.log" | head; tail -1 "$OUT/gpu_mqa_tests.log"
-    timeout -s KILL ${MQAR_TIMEOUT:-180} python3 scripts/diag/mqa_variants.py --cases v32_decode_64 v32_decode_128 \
+    timeout -k 10 -s KILL ${MQAR_TIMEOUT:-180} python3 scripts/diag/mqa_variants.py --cases v32_decode_64 v32_decode_128 \
       v32_prefill_4096 v32u_decode_64 v4_decode_64 v4_prefill_4096 --variants default \
       --out "$OUT/mqa_variants_default_h200.json" > "$OUT/mqa_refresh.log" 2>&1; echo "mqa default rc=$?"
-    timeout -s KILL ${MQAR_TIMEOUT:-180} python3 scripts/diag/mqa_variants.py --cases v4_decode_64 \
+    timeout -k 10 -s KILL ${MQAR_TIMEOUT:-180} python3 scripts/diag/mqa_variants.py --cases v4_decode_64 \
       --variants splits1 bf16_out bf16_out_splits1 splits4 --out "$OUT/mqa_variants_v4_splits_h200.json" \
       >> "$OUT/mqa_refresh.log" 2>&1; echo "mqa v4 splits rc=$?"
     grep '^{' "$OUT/mqa_refresh.log" | python3 -c 'import json, sys; [print(r["case"], r["variant"], r.get("profile_span_us"), r.get("profile_busy_us"), r.get("profile_kernels"), r.get("tflops"), r.get("max_abs_err"), r.get("error", "")[:200]) for r in map(json.loads, sys.stdin)]'
     ;;
   mqa-probe)
     # where the MQA's per-CTA time goes: the fixed / per-block fit (both archs), then the in-kernel regions of V4
-    timeout -s KILL ${MQAR_FIT_TIMEOUT:-150} python3 scripts/diag/mqa_fixed_cost.py --out "$OUT/mqa_fixed_cost_h200.json" \
+    timeout -k 10 -s KILL ${MQAR_FIT_TIMEOUT:-150} python3 scripts/diag/mqa_fixed_cost.py --out "$OUT/mqa_fixed_cost_h200.json" \
       > "$OUT/mqa_fixed_cost.log" 2>&1; echo "mqa fixed cost rc=$?"; grep -v '^{' "$OUT/mqa_fixed_cost.log" | tail -3
     # where V4's per-CTA time goes: Mosaic GPU's in-kernel profiler over the kernel's named regions
-    timeout -s KILL ${MQAR_REGIONS_TIMEOUT:-120} python3 scripts/diag/mqa_regions.py --cases v4_decode_64 --splits 2 1 \
+    timeout -k 10 -s KILL ${MQAR_REGIONS_TIMEOUT:-120} python3 scripts/diag/mqa_regions.py --cases v4_decode_64 --splits 2 1 \
       --out "$OUT/mqa_regions_h200.json" > "$OUT/mqa_regions.log" 2>&1; echo "mqa regions rc=$?"; tail -c 1500 "$OUT/mqa_regions.log"
     ;;
   mqa-rows)
     # the MQA's wall-clock rows beside XLA (BENCHMARKS' kernels_sparse_mqa), then the 8-layer V3.2 step with them
-    timeout ${MQAR_KERNELS_TIMEOUT:-270} python3 -m jds.bench.kernels --only sparse_mqa --cases v32_decode_64 \
+    timeout -k 10 ${MQAR_KERNELS_TIMEOUT:-270} python3 -m jds.bench.kernels --only sparse_mqa --cases v32_decode_64 \
       v32_decode_128 v32_prefill_4096 v4_decode_64 v4_prefill_4096 --out "$OUT/kernels_sparse_mqa_h200.json" \
       > "$OUT/mqa_rows.log" 2>&1; echo "mqa rows rc=$?"; tail -8 "$OUT/mqa_rows.log"
-    timeout ${BOUNDARY_TIMEOUT:-270} python3 -m jds.bench.boundary --arch v32 --layers 8 --modes fused \
+    timeout -k 10 ${BOUNDARY_TIMEOUT:-270} python3 -m jds.bench.boundary --arch v32 --layers 8 --modes fused \
       --out "$OUT/boundary_v32_fused_h200.json" >> "$OUT/mqa_rows.log" 2>&1; echo "boundary rc=$?"; tail -8 "$OUT/mqa_rows.log"
     ;;
   ncu-fp4sweep)
@@ -344,59 +346,59 @@ case "$stage" in
     ncu_sweep fp4 "$V"
     ;;
   hostprofile)
-    timeout ${HP_TIMEOUT:-170} python3 -m jds.bench.host_profile --arch v32 --layers 8 --intermediate 18432 \
+    timeout -k 10 ${HP_TIMEOUT:-170} python3 -m jds.bench.host_profile --arch v32 --layers 8 --intermediate 18432 \
       --mode fused --runner-kw '{"segments": 8}' --steps 10 --out "$OUT/host_profile_h200.json" > "$OUT/hp.log" 2>&1
     echo "hostprofile rc=$?"; grep '^{' "$OUT/hp.log" | cut -c1-1200
     ;;
   fp8grouped)
-    timeout -s INT ${FP8GT_TIMEOUT:-150} python3 -m pytest -m gpu -q -n 6 --tb=short -p no:cacheprovider \
+    timeout -k 10 -s INT ${FP8GT_TIMEOUT:-150} python3 -m pytest -m gpu -q -n 6 --tb=short -p no:cacheprovider \
       tests/test_kernel_fp8_grouped_gemm.py > "$OUT/fp8_grouped_tests.log" 2>&1; echo "fp8 grouped tests rc=$?"
     tail -5 "$OUT/fp8_grouped_tests.log"
-    timeout -s INT ${FP8GB_TIMEOUT:-300} python3 -m jds.bench.kernels_fp8_grouped ${FP8G_ARGS:-} \
+    timeout -k 10 -s INT ${FP8GB_TIMEOUT:-300} python3 -m jds.bench.kernels_fp8_grouped ${FP8G_ARGS:-} \
       --out "$OUT/kernels_fp8_grouped_h200.json" > "$OUT/fp8_grouped_bench.log" 2>&1
     echo "fp8 grouped bench rc=$?"; tail -8 "$OUT/fp8_grouped_bench.log" | cut -c1-220
     ;;
   fp4gemm)
-    timeout -s INT ${FP4T_TIMEOUT:-150} python3 -m pytest -m gpu -q -n 6 --tb=short -p no:cacheprovider \
+    timeout -k 10 -s INT ${FP4T_TIMEOUT:-150} python3 -m pytest -m gpu -q -n 6 --tb=short -p no:cacheprovider \
       tests/test_kernel_fp4_grouped_gemm.py > "$OUT/fp4_grouped_tests.log" 2>&1; echo "fp4 tests rc=$?"; tail -5 "$OUT/fp4_grouped_tests.log"
-    timeout -s INT ${FP4B_TIMEOUT:-250} python3 -m jds.bench.kernels_fp4_grouped ${FP4_ARGS:-} \
+    timeout -k 10 -s INT ${FP4B_TIMEOUT:-250} python3 -m jds.bench.kernels_fp4_grouped ${FP4_ARGS:-} \
       --out "$OUT/kernels_fp4_grouped_h200.json" > "$OUT/fp4_grouped_bench.log" 2>&1
     echo "fp4 bench rc=$?"; tail -12 "$OUT/fp4_grouped_bench.log" | cut -c1-220
     ;;
   probe)
     # one process per variant (update modes pick XLA's allocator at start-up); fused first: one executable
     # 2026-11-29 at 2 layers: graph updates refuted (docs/perf-log.md); next: 8 layers, preparation split out
-    timeout ${PROBE_TIMEOUT:-570} python3 scripts/probe_graph_updates.py ${PROBE_ARGS:---layers 8 --modes fused --variants base} \
+    timeout -k 10 ${PROBE_TIMEOUT:-570} python3 scripts/probe_graph_updates.py ${PROBE_ARGS:---layers 8 --modes fused --variants base} \
       --out "$OUT/probe_graph_updates.json" > "$OUT/probe_graph_updates.log" 2>&1
     echo "probe rc=$?"; grep '^{' "$OUT/probe_graph_updates.log" | cut -c1-160
     ;;
   boundary|boundary-xla|boundary-v4)
     impl=auto; [ "$stage" = boundary-xla ] && impl=xla   # auto = the Pallas kernels on the GPU
     archs="v32 v4"; [ "$stage" = boundary-v4 ] && archs=v4
-    timeout ${BOUNDARY_TIMEOUT:-570} python3 scripts/bench_boundary.py --arch $archs --layers 8 --precompile \
+    timeout -k 10 ${BOUNDARY_TIMEOUT:-570} python3 scripts/bench_boundary.py --arch $archs --layers 8 --precompile \
       --implementation $impl ${BOUNDARY_ARGS:-} --out "$OUT/${stage}_$impl.json" > "$OUT/${stage}_$impl.log" 2>&1
     echo "$stage rc=$?"; tail -30 "$OUT/${stage}_$impl.log"
     ;;
   serve)
-    timeout ${SERVE_TIMEOUT:-570} python3 scripts/bench_serve_modes.py --preset v32-bench --num-prompts 200 \
+    timeout -k 10 ${SERVE_TIMEOUT:-570} python3 scripts/bench_serve_modes.py --preset v32-bench --num-prompts 200 \
       --num-warmups 10 --parallel-startup --out "$OUT/serve_v32_h200.json" \
       -- --num-blocks 600 --token-buckets 128 2048 --key-block-buckets 4 ${SERVE_ARGS:-} > "$OUT/bench_serve_modes.log" 2>&1
     echo "serve rc=$?"; tail -12 "$OUT/bench_serve_modes.log"
     ;;
   thunks)
-    JDS_GPU_OUT="$OUT" timeout -s INT ${THUNKS_TIMEOUT:-290} python3 -m pytest -m gpu -v --tb=short \
+    JDS_GPU_OUT="$OUT" timeout -k 10 -s INT ${THUNKS_TIMEOUT:-290} python3 -m pytest -m gpu -v --tb=short \
       -p no:cacheprovider tests/test_gpu_boundary.py > "$OUT/gpu_boundary_test.log" 2>&1
     echo "thunks rc=$?"; tail -3 "$OUT/gpu_boundary_test.log"
     ;;
   fp4-wg4)
     # issue 22 (twenty-third session, built untested): block_n 256 = four compute warpgroups on the e4m3-x route,
     # aimed at the 1-token kernel whose producer waits on two busy compute warpgroups
-    timeout ${WG4T_TIMEOUT:-150} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernel_fp4_grouped_gemm.py \
+    timeout -k 10 ${WG4T_TIMEOUT:-150} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernel_fp4_grouped_gemm.py \
       -k "four_warpgroups or fp8_route" > "$OUT/fp4_wg4_tests.log" 2>&1; echo "fp4 wg4 tests rc=$?"
     tail -3 "$OUT/fp4_wg4_tests.log"
     V=${FP4SWEEP_VARIANTS:-'[{"x_fp8": true}, {"x_fp8": true, "block_n": 256}, {"x_fp8": true, "block_n": 256, "split_k": 2}, {"x_fp8": true, "block_n": 256, "block_k": 256}]'}
     SWEEP_CASES=${SWEEP_CASES:-'w1:1 w1:8 w2:8 w1:64'} ncu_sweep fp4 "$V"
-    timeout 60 ncu --profile-from-start off --section LaunchStats --csv python3 scripts/diag/ncu_kernels.py fp4 \
+    timeout -k 10 60 ncu --profile-from-start off --section LaunchStats --csv python3 scripts/diag/ncu_kernels.py fp4 \
       --shape w1 --tokens 1 --tiles '{"x_fp8": true, "block_n": 256}' 2>/dev/null \
       | grep -i "Registers Per Thread\|Dynamic Shared\|Local" | awk -F'","' '{print $(NF-2), $NF}'
     ;;
@@ -418,7 +420,7 @@ case "$stage" in
     # against XLA's dequantisation, bit for bit (about 2 minutes)
     for mode in gather dequant; do
       flag=; [ $mode = dequant ] && flag=--dequant
-      timeout ${GATHER_TIMEOUT:-200} python3 scripts/diag/gather_probe.py $flag --out "$OUT/${mode}_probe_h200.json" \
+      timeout -k 10 ${GATHER_TIMEOUT:-200} python3 scripts/diag/gather_probe.py $flag --out "$OUT/${mode}_probe_h200.json" \
         > "$OUT/${mode}_probe.log" 2>&1; echo "$mode probe rc=$?"; grep '^{' "$OUT/${mode}_probe.log" | cut -c1-400
       tail -3 "$OUT/${mode}_probe.log" | cut -c1-300
     done
@@ -427,21 +429,21 @@ case "$stage" in
     # every gpu-marked test in one run: pytest-xdist workers share the GPU (the suite is compile-bound;
     # no preallocation). The device image has no xdist: carry .whl/ (pip download pytest-xdist execnet).
     python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
-    JDS_GPU_OUT="$OUT" timeout -s INT ${TESTS_TIMEOUT:-570} python3 -m pytest -m gpu -n ${GPU_WORKERS:-6} -v --tb=short -rfE \
+    JDS_GPU_OUT="$OUT" timeout -k 10 -s INT ${TESTS_TIMEOUT:-570} python3 -m pytest -m gpu -n ${GPU_WORKERS:-6} -v --tb=short -rfE \
       -p no:cacheprovider --durations=15 tests > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests rc=$?"; grep -E "FAILED|ERROR" "$OUT/gpu_tests.log" | head -20; tail -20 "$OUT/gpu_tests.log"
     ;;
   kernels)
     # 2026-11-29 these took about 250 s together; device_us (one more compile per row) and the fused-insert
     # tile sweep add to that, so the stage needs a call of its own
-    timeout ${INDEXER_TIMEOUT:-330} python3 scripts/bench_kernels.py --only sparse_indexer --cases decode topk \
+    timeout -k 10 ${INDEXER_TIMEOUT:-330} python3 scripts/bench_kernels.py --only sparse_indexer --cases decode topk \
       --out "$OUT/kernels_indexer.json" > "$OUT/bench_indexer.log" 2>&1; echo "indexer rc=$?"
-    timeout ${FUSED_TIMEOUT:-230} python3 scripts/bench_kernels.py --only fused_insert --out "$OUT/kernels_fused_insert.json" \
+    timeout -k 10 ${FUSED_TIMEOUT:-230} python3 scripts/bench_kernels.py --only fused_insert --out "$OUT/kernels_fused_insert.json" \
       > "$OUT/bench_fused_insert.log" 2>&1; echo "fused_insert rc=$?"
     ;;
   inserts)
     # issue 20: the fused inserts alone (each row also on the GPU timeline, caches threaded) + the T = 8192 tile sweep
-    timeout ${FUSED_TIMEOUT:-400} python3 -m jds.bench.kernels --only fused_insert --out "$OUT/kernels_fused_insert.json" \
+    timeout -k 10 ${FUSED_TIMEOUT:-400} python3 -m jds.bench.kernels --only fused_insert --out "$OUT/kernels_fused_insert.json" \
       > "$OUT/bench_fused_insert.log" 2>&1; echo "fused_insert rc=$?"
     grep '^{' "$OUT/bench_fused_insert.log" | python3 -c 'import json, sys; [print(r["kernel"], r["case"], r["impl"], r.get("profile_span_us"), r.get("profile_bandwidth_frac"), r.get("error", "")[:100]) for r in map(json.loads, sys.stdin)]'
     ;;
@@ -450,7 +452,7 @@ case "$stage" in
     # Triton on the CPU, compile_sm90_report, gave the kv insert's register rope pairs 96 registers; natively 185)
     for v in 'v32_kv_insert {"rope_pairs":"registers"}' 'v32_kv_insert {"rope_pairs":"loads"}' 'v32_fused_q {}'; do
       set -- $v
-      timeout 60 ncu --profile-from-start off --section LaunchStats --csv python3 scripts/diag/ncu_kernels.py insert \
+      timeout -k 10 60 ncu --profile-from-start off --section LaunchStats --csv python3 scripts/diag/ncu_kernels.py insert \
         --shape $1 --m ${INSERT_REGS_T:-8192} --tiles "$2" 2>/dev/null \
         | grep -i "Registers Per Thread\|Dynamic Shared" | awk -F'","' -v v="$v" '{print v": "$(NF-2), $NF}'
     done
@@ -458,11 +460,11 @@ case "$stage" in
   insert-parts)
     # issue 20: V3.2's inserts with / without their Hadamard beside a same-size copy (GPU timeline), then Nsight
     # Compute (full set) on both V3.2 kernels at T = 8192
-    timeout -s KILL ${INSP_TIMEOUT:-200} python3 scripts/diag/insert_parts.py --out "$OUT/insert_parts_h200.json" \
+    timeout -k 10 -s KILL ${INSP_TIMEOUT:-200} python3 scripts/diag/insert_parts.py --out "$OUT/insert_parts_h200.json" \
       > "$OUT/insert_parts.log" 2>&1; echo "insert parts rc=$?"
     grep '^{' "$OUT/insert_parts.log" | python3 -c 'import json, sys; [print(r["kernel"], r["case"][:8], r["variant"], r.get("profile_span_us"), round(r.get("bandwidth_frac") or 0, 3), r.get("error", "")[:200]) for r in map(json.loads, sys.stdin)]'
     for kern in v32_kv_insert v32_fused_q; do
-      timeout ${NCUI_TIMEOUT:-120} ncu --clock-control none --profile-from-start off --set full -f -o "/tmp/$kern" \
+      timeout -k 10 ${NCUI_TIMEOUT:-120} ncu --clock-control none --profile-from-start off --set full -f -o "/tmp/$kern" \
         python3 scripts/diag/ncu_kernels.py insert --shape $kern --m 8192 > /dev/null 2>&1; echo "ncu $kern rc=$?"
       ncu -i "/tmp/$kern.ncu-rep" --page details > "$OUT/ncu_${kern}_t8192.txt" 2>&1
     done
@@ -470,18 +472,18 @@ case "$stage" in
   topk)
     # the Pallas radix-select kernel: its native tests first, then the top-k rows (lax / Pallas), full and with one
     # short row (_mixed), and the knob rows beside the default (16 warps, 2-bit digits; ninth session's ncu profile)
-    timeout -s INT ${TOPK_TESTS_TIMEOUT:-240} python3 -m pytest -m gpu -v --tb=short -rfE -p no:cacheprovider \
+    timeout -k 10 -s INT ${TOPK_TESTS_TIMEOUT:-240} python3 -m pytest -m gpu -v --tb=short -rfE -p no:cacheprovider \
       tests/test_kernel_topk_select.py > "$OUT/gpu_topk_tests.log" 2>&1
     echo "topk tests rc=$?"; tail -3 "$OUT/gpu_topk_tests.log"
     # topk_pallas: without the XLA radix / segment rows, so that all six shapes (64 x 64K: the target) fit (the full
     # topk case was cut at 64 x 32K in 220 s, eighth session); TOPK_CASES=topk for those rows
-    timeout ${TOPK_TIMEOUT:-420} python3 scripts/bench_kernels.py --only sparse_indexer --cases ${TOPK_CASES:-topk_pallas} \
+    timeout -k 10 ${TOPK_TIMEOUT:-420} python3 scripts/bench_kernels.py --only sparse_indexer --cases ${TOPK_CASES:-topk_pallas} \
       --out "$OUT/kernels_topk.json" > "$OUT/bench_topk.log" 2>&1; echo "topk bench rc=$?"
     ;;
   topk-tests)
     # the native top-k and sparse-indexer tests, 4 pytest-xdist workers (carry .whl/ for xdist)
     python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
-    timeout -s INT ${TOPK_TESTS_TIMEOUT:-150} python3 -m pytest -m gpu -n 4 -q --tb=short -rfE -p no:cacheprovider \
+    timeout -k 10 -s INT ${TOPK_TESTS_TIMEOUT:-150} python3 -m pytest -m gpu -n 4 -q --tb=short -rfE -p no:cacheprovider \
       tests/test_kernel_topk_select.py tests/test_kernel_sparse_indexer.py > "$OUT/gpu_topk_tests.log" 2>&1
     echo "topk tests rc=$?"; tail -3 "$OUT/gpu_topk_tests.log"
     ;;
@@ -489,23 +491,23 @@ case "$stage" in
     # the top-k's native tests, then the default split set select against knob sets (unroll, 2-bit digits, shrink,
     # 4096-key blocks, and combinations) at four shapes (scripts/diag/topk_knobs.py): which knob becomes the default
     bash "$0" topk-tests
-    timeout ${KNOBS_TIMEOUT:-240} python3 scripts/diag/topk_knobs.py ${KNOBS_ARGS:-} --out "$OUT/topk_knobs_h200.json" \
+    timeout -k 10 ${KNOBS_TIMEOUT:-240} python3 scripts/diag/topk_knobs.py ${KNOBS_ARGS:-} --out "$OUT/topk_knobs_h200.json" \
       > "$OUT/topk_knobs.log" 2>&1; echo "topk knobs rc=$?"; cut -c1-160 "$OUT/topk_knobs.log" | grep -v Warn
     ;;
   topk-pivot)
     # the indexer's config (16-bit pivot, held shrunk block) against a 12- and an 8-bit pivot, GPU timeline, four
     # shapes (about 3 minutes); a winner everywhere goes into select_config_for, then topk-tests
-    timeout ${KNOBS_TIMEOUT:-300} python3 scripts/diag/topk_knobs.py --knobs h512_p16_hold h512_p12_hold h512_p8_hold \
+    timeout -k 10 ${KNOBS_TIMEOUT:-300} python3 scripts/diag/topk_knobs.py --knobs h512_p16_hold h512_p12_hold h512_p8_hold \
       --out "$OUT/topk_knobs_pivot12_h200.json" > "$OUT/topk_knobs_pivot12.log" 2>&1; echo "topk pivot rc=$?"
     grep '^{' "$OUT/topk_knobs_pivot12.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("same_set_as_lax"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
     ;;
   select)
     # the indexer decode select: top-k "auto" (the default since the eighth session) against lax, full and mixed-length batches
-    timeout ${SELECT_TIMEOUT:-330} python3 scripts/bench_kernels.py --only sparse_indexer --cases select \
+    timeout -k 10 ${SELECT_TIMEOUT:-330} python3 scripts/bench_kernels.py --only sparse_indexer --cases select \
       --out "$OUT/kernels_select.json" > "$OUT/bench_select.log" 2>&1; echo "select rc=$?"
     ;;
   mqa)
-    timeout ${MQA_TIMEOUT:-200} python3 scripts/bench_kernels.py --only sparse_mqa \
+    timeout -k 10 ${MQA_TIMEOUT:-200} python3 scripts/bench_kernels.py --only sparse_mqa \
       --cases v32_decode_1 v4_decode_1 v32_decode_8 v4_decode_8 v32_decode_64 v4_decode_64 \
       --out "$OUT/kernels_mqa.json" > "$OUT/bench_mqa.log" 2>&1; echo "mqa rc=$?"; tail -6 "$OUT/bench_mqa.log"
     ;;
@@ -517,13 +519,13 @@ case "$stage" in
     ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
     [ "$ngpu" -ge 2 ] || { echo "multigpu: needs 2 GPUs, found $ngpu"; continue; }
     for tp in 1 2; do
-      timeout ${MULTIGPU_TTFT_TIMEOUT:-130} python3 -m jds.bench.ttft --arch v32 --layers 8 --intermediate 18432 \
+      timeout -k 10 ${MULTIGPU_TTFT_TIMEOUT:-130} python3 -m jds.bench.ttft --arch v32 --layers 8 --intermediate 18432 \
         --tensor-parallel $tp --n 30 --variants fused:host fused:device ${MULTIGPU_ARGS:-} \
         --out "$OUT/ttft_v32_tp$tp.json" > "$OUT/ttft_v32_tp$tp.log" 2>&1
       echo "ttft tp=$tp rc=$?"; grep '^{' "$OUT/ttft_v32_tp$tp.log" | cut -c1-250; tail -3 "$OUT/ttft_v32_tp$tp.log"
     done
     for tp in 1 2; do
-      timeout ${MULTIGPU_DECODE_TIMEOUT:-150} python3 -m jds.bench.boundary --arch v32 --layers 8 --quick \
+      timeout -k 10 ${MULTIGPU_DECODE_TIMEOUT:-150} python3 -m jds.bench.boundary --arch v32 --layers 8 --quick \
         --modes fused --tensor-parallel $tp ${MULTIGPU_ARGS:-} --out "$OUT/decode_v32_tp$tp.json" \
         > "$OUT/decode_v32_tp$tp.log" 2>&1
       echo "decode tp=$tp rc=$?"; grep '^{' "$OUT/decode_v32_tp$tp.log" | cut -c1-400; tail -3 "$OUT/decode_v32_tp$tp.log"
