@@ -150,7 +150,8 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: jax.Array, w_sc
                        interpret: bool | plgpu.InterpretGPUParams | None = None, block_t: int | None = None,
                        block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                        stages: int = 4, dequant: Dequant = "auto", layout: Implementation = "auto",
-                       x_scale: jax.Array | None = None, mma_group: int | None = None) -> jax.Array:
+                       x_scale: jax.Array | None = None, mma_group: int | None = None,
+                       profile_dir: str | None = None) -> jax.Array:
     """y [M, N] (``out_dtype``): row r of x [M, K] (bfloat16) times W[e(r)]^T, rows grouped by expert in order
     (``sizes`` int32 [E], sum <= M; rows past the sum give 0), W = ``w_packed`` (uint8 [E, N, K/2], two e2m1
     codes a byte, low nibble first) with ``w_scale`` (uint8 [E, N, K/32] e8m0 exponents).
@@ -178,6 +179,9 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: jax.Array, w_sc
     block, promoted in fp32 with the weight and x scales, the release's kernel's summation.
     ``mma_group``: the "fp8" route's wgmmas in flight per wait (a divisor of block_k / 32; default 4 up to 32-row
     token tiles, fewer for larger ones: their accumulators take block_t / 2 registers each).
+    ``profile_dir`` (diagnostic; e4m3 x, native): Mosaic GPU's profiler writes a trace of the kernel's named
+    regions per warpgroup there (each work unit's ``unit``, inside it the compute warpgroups' ``step`` bodies
+    and ``store``): whether the compute warpgroups work or wait (``scripts/diag/fp4_regions.py``).
     """
     _check_inputs(x, sizes, w_packed, w_scale, x_scale)
     return run_op("fp4_grouped_linear", implementation, {
@@ -185,7 +189,7 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: jax.Array, w_sc
         "pallas": lambda: _pallas(x, sizes, w_packed, w_scale, out_dtype=out_dtype, interpret=interpret,
                                   block_t=block_t, block_n=block_n, block_k=block_k, split_k=split_k,
                                   stages=stages, dequant=dequant, layout=layout, x_scale=x_scale,
-                                  mma_group=mma_group)})
+                                  mma_group=mma_group, profile_dir=profile_dir)})
 
 
 def _check_inputs(x, sizes, w_packed, w_scale, x_scale=None) -> None:
@@ -283,7 +287,7 @@ def _permute_k(x: jax.Array, dequant: Dequant) -> jax.Array:
 
 
 def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block_n, block_k, split_k, stages,
-            dequant, layout="auto", x_scale=None, mma_group=None):
+            dequant, layout="auto", x_scale=None, mma_group=None, profile_dir=None):
     _check_tiles(block_t, block_n, block_k, split_k, stages, fp8=x_scale is not None)
     if dequant not in ("auto", "fp8", *DEQUANTS):
         raise ValueError(f"dequant must be one of {('auto', 'fp8', *DEQUANTS)}, got {dequant!r}")
@@ -322,7 +326,7 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
     call = _build_call(n=n, k=k, items=p.items, bt=p.block_t, bn=p.block_n, bk=p.block_k, splits=p.splits,
                        stages=st, dequant=dequant,
                        out_dtype=out_dtype if p.splits == 1 else jnp.dtype(jnp.float32), interpret=p.interpret,
-                       mma_group=mma_group)
+                       mma_group=mma_group, profile_dir=profile_dir)
     if fused:  # the layout kernel's copies: permuted e4m3 rows, scales [K/128, rows]
         xp, sxt = lax.bitcast_convert_type(p.xp, jnp.float8_e4m3fn), p.sxt
         return grouped_rows.finish(call(p.count, p.info, xp, sxt, w_packed, w_scale), p, out_dtype)
@@ -485,11 +489,14 @@ def _scale_exp_bias(dequant: Dequant) -> int:
 @functools.lru_cache(maxsize=None)
 def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits: int, stages: int,
                 dequant: Dequant, out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None,
-                mma_group: int | None = None):
+                mma_group: int | None = None, profile_dir: str | None = None):
     emulate_mma = interpret is not None
     if dequant == "fp8":
         return _build_fp8_call(n=n, k=k, items=items, bt=bt, bn=bn, bk=bk, splits=splits, stages=stages,
-                               out_dtype=out_dtype, interpret=interpret, mma_group=mma_group)
+                               out_dtype=out_dtype, interpret=interpret, mma_group=mma_group,
+                               profile_dir=profile_dir)
+    if profile_dir is not None:
+        raise ValueError("profile_dir: the profiled regions are the e4m3-x route's (pass x_scale)")
     exp_bias = _scale_exp_bias(dequant)
     lop3 = dequant == "lop3"
     kc = k // splits  # input columns per CTA
@@ -582,6 +589,7 @@ def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits
                         interpret=interpret if interpret is not None else False)
 
 
+PROFILE_RANGES = 512  # per warpgroup and call: ``profile_dir``'s events (past it the trace is truncated)
 FP8_SCALE_COLS = 16  # the "fp8" route's weight-scale block per pipeline step: [block_n, 16] bytes (TMA rows >= 16 B)
 
 
@@ -600,7 +608,8 @@ def fp8_stages(stages: int, steps: int, bt: int, bn: int, bk: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits: int, stages: int,
-                    out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, mma_group: int | None):
+                    out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, mma_group: int | None,
+                    profile_dir: str | None = None):
     """The "fp8" route (e4m3 x) as a persistent kernel: one CTA per SM loops over the work units (K split, N
     tile, item), and consecutive units continue one TMA ring (``pipeline_state``), so a unit's first loads are
     in flight while the previous unit's last steps compute: at decode a unit is 2-8 steps, and a ring refilled
@@ -709,7 +718,8 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
         return acc
 
     def body(idx, x_s, sx_s, w_s, s_s, acc):
-        return step_acc(idx[0], x_s, sx_s, w_s, s_s, acc)
+        with jax.named_scope("step"):  # regions of the Mosaic GPU profiler (``profile_dir``)
+            return step_acc(idx[0], x_s, sx_s, w_s, s_s, acc)
 
     def unit_refs(x_ref, sxt_ref, w_ref, s_ref, ex, row0, n0, si):
         return (x_ref.at[pl.ds(row0, bt), pl.ds(si * kc, kc)],
@@ -750,22 +760,29 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
                     wg = lax.axis_index("wg")
                     dst = o_ref.at[pl.ds(n0 + wg * 64, 64), pl.ds(item * bt, bt)] if splits == 1 else \
                         o_ref.at[si, pl.ds(n0 + wg * 64, 64), pl.ds(item * bt, bt)]
-                    dst[...] = acc.astype(dst.dtype)
+                    with jax.named_scope("store"):
+                        dst[...] = acc.astype(dst.dtype)
 
                 j, last = loop.local_index, loop.num_local_steps - 1
                 P = plgpu.PipelinePipeline
 
                 @pl.when(last == 0)
                 def _():
-                    make_pipeline(body, context, None)(*refs, allocations=allocs)
+                    with jax.named_scope("unit"):
+                        make_pipeline(body, context, None)(*refs, allocations=allocs)
 
                 @pl.when(last > 0)
                 def _():
                     state = jnp.where(j == 0, P.START, jnp.where(j == last, P.STOP, P.STEADY))
-                    make_pipeline(body, context, state)(*refs, allocations=allocs)
+                    with jax.named_scope("unit"):
+                        make_pipeline(body, context, state)(*refs, allocations=allocs)
 
     out_shape = (n, items * bt) if splits == 1 else (splits, n, items * bt)
-    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    if profile_dir is not None and interpret is not None:
+        raise ValueError("profile_dir: Mosaic GPU's profiler runs natively only (interpret mode has no trace)")
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                  **(dict(profile_space=PROFILE_RANGES, profile_dir=profile_dir,
+                                          profile_bounds_check=True) if profile_dir else {}))
     return plgpu.kernel(kernel,
                         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(ctas,), grid_names=("cta",),
                         num_threads=nwg + 1, thread_name="wg", compiler_params=params,

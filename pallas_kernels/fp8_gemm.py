@@ -128,8 +128,9 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     ``implementation``: "xla" = ``jds.ops.quant.fp8_linear``; "pallas" = the kernel (in and out multiples
     of 128, else ``Unsupported``); "auto" = the kernel where it applies, else XLA.
     Tiles (kernel only, see ``_pick_tiles`` for the defaults): ``block_m`` 64 or 128, ``block_n`` 64, 128, 192
-    or 256 (dividing out; 192: one wave of 128-row tiles where 128-wide ones leave a tail, q_b's 24576 columns), ``split_k`` K splits (a divisor of in/128), ``stages`` TMA ring depth, ``group_m`` M
-    tiles per rasterisation group (L2 reuse at large M). ``stage_scales``: copy a CTA's scales into SMEM by
+    or 256 (dividing out; 192: one wave of 128-row tiles where 128-wide ones leave a tail, q_b's 24576 columns),
+    ``split_k`` K splits (a divisor of in/128), ``stages`` TMA ring depth, ``group_m`` M tiles per rasterisation
+    group (L2 reuse at large M). ``stage_scales``: copy a CTA's scales into SMEM by
     TMA before the pipeline instead of loading each K block's from GMEM inside the loop (at decode those loads'
     latency stalls the promotion); None: on up to 128 rows (M), where it measured faster, if it fits SMEM.
     ``quantize_x``: the kernel quantises x itself, per K block as it streams (decode

@@ -41,6 +41,7 @@
 #   scripts/gpu_session.sh kernels       # fused insert (+ tile sweep) + indexer rows with device_us, top-k variants
 #   scripts/gpu_session.sh insert-parts  # issue 20: V3.2's inserts without their Hadamard, a same-size copy, ncu at T = 8192
 #   scripts/gpu_session.sh insert-regs   # issue 20: the inserts' registers / shared memory as the GPU build compiles them
+#   scripts/gpu_session.sh fp4-regions   # issue 22: the FP4 kernel's named regions per warpgroup at 1 and 8 tokens (profiler)
 #   scripts/gpu_session.sh fused-layout  # issues 22 / 19: the grouped GEMMs' layout kernel copying x's rows too (tests, timeline, ncu)
 #   scripts/gpu_session.sh fp8-192       # issue 19: the FP8 GEMM's 192-wide tiles (q_b at 128 rows in one wave), tests then ncu sweep
 #   scripts/gpu_session.sh fp4-wg4       # issue 22: the FP4 GEMM's four-warpgroup e4m3-x form, native tests then ncu sweep
@@ -221,6 +222,13 @@ case "$stage" in
       --variants '[{}, {"layout": "fused"}]' --rotations 4 --out "$OUT/fp4_tiles_time_fused_h200.json" > "$OUT/fused_time.log" 2>&1
     echo "fp4 fused timing rc=$?"
     FP8GSWEEP_VARIANTS='[{}, {"layout": "fused"}]' SWEEP_CASES=${SWEEP_CASES:-'w1:1 w1:8 w2:8'} bash "$0" ncu-fp8gsweep
+    ;;
+  fp4-regions)
+    # issue 22 (twenty-fourth session, built untested): the FP4 kernel's named regions per warpgroup (Mosaic GPU's
+    # profiler): do the compute warpgroups work or wait at 1 token, and what does a unit boundary cost
+    timeout -k 10 ${FP4REG_TIMEOUT:-200} python3 scripts/diag/fp4_regions.py --cases ${FP4REG_CASES:-w1:1 w1:8} \
+      --variants ${FP4REG_VARIANTS:-'[{}, {"split_k": 2}, {"split_k": 8}]'} --out "$OUT/fp4_regions_h200.json" \
+      > "$OUT/fp4_regions.log" 2>&1; echo "fp4 regions rc=$?"; tail -c 3000 "$OUT/fp4_regions.log"
     ;;
   fp8gap)
     # issue 19: the idle gap between act_quant="kernel"'s two Mosaic kernels in a waited call (5-8 µs, seventh

@@ -626,6 +626,12 @@ def test_fp8_route_bad_inputs(kwargs: dict, field: str) -> None:
         with pytest.raises(ValueError, match="mma_group"):
             G.fp4_grouped_linear(xq, sz, wp, ws, implementation="pallas", x_scale=jnp.ones((4, 4), jnp.float32),
                                  mma_group=group, block_k=256, interpret=True)
+    with pytest.raises(ValueError, match="natively only"):  # the profiler's trace: native runs only
+        G.fp4_grouped_linear(xq, sz, wp, ws, implementation="pallas", x_scale=jnp.ones((4, 4), jnp.float32),
+                             interpret=True, profile_dir="/tmp/jds_fp4_profile")
+    with pytest.raises(ValueError, match="profile_dir"):  # bf16 x: not the profiled route
+        G.fp4_grouped_linear(x, sz, wp, ws, implementation="pallas", interpret=True, dequant="f16",
+                             profile_dir="/tmp/jds_fp4_profile")
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU-only cross-lowering smoke test (the gpu tests compile for real)")

@@ -53,3 +53,35 @@ def measured_row(row: dict[str, Any], measure: Callable[[], dict[str, Any]]) -> 
         row = {**row, "error": error_text(e, 400)}
     print(json.dumps(row), flush=True)
     return row
+
+
+def case_variant_rows(cases: list[str], variants: list[dict[str, Any]], measure: Callable[[str, int, dict], dict],
+                      out: str | None, bench: str, **row: Any) -> list[dict[str, Any]]:
+    """A diag script's sweep: per case "shape:count" and tile dict, ``measure(shape, count, tiles)`` as a row
+    (``measured_row``: a failure is recorded and the sweep goes on) with ``row``'s fields, saved after each."""
+    rows: list[dict[str, Any]] = []
+    for case in cases:
+        shape, count = case.split(":")
+        for v in variants:
+            rows.append(measured_row({"case": case, "tiles": v, **row}, lambda: measure(shape, int(count), v)))
+            save_rows(out, rows, False, bench=bench)
+    save_rows(out, rows, True, bench=bench)
+    return rows
+
+
+def tiles_sweep_main(doc: str, measure: Callable[[str, int, int, dict, int], dict], bench: str, *, cases: list[str],
+                     variants: str, rotations: int, rotations_help: str) -> None:
+    """The command line of a tile-variant timing script (``scripts/diag/fp4_tiles_time.py``, ``fp8_tiles_time.py``):
+    --cases shape:count, --variants JSON tile dicts, --rotations (weight sets a timed call cycles through), --calls,
+    --out; ``measure(shape, count, rotations, tiles, calls)`` per row (``case_variant_rows``)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--cases", nargs="+", default=cases, help="shape:count")
+    ap.add_argument("--variants", default=variants, help="JSON list of tile dicts")
+    ap.add_argument("--rotations", type=int, default=rotations, help=rotations_help)
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    case_variant_rows(a.cases, json.loads(a.variants), lambda shape, count, v: measure(
+        shape, count, a.rotations, v, a.calls), a.out, bench, rotations=a.rotations)

@@ -13,15 +13,13 @@ back and part of their weights sit in the 50 MB L2 (the first run of this script
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 
 import jax
 import jax.numpy as jnp
 
 from jds.bench import kernels_grouped as kg
-from jds.bench.results import measured_row, save_rows
+from jds.bench.results import tiles_sweep_main
 from jds.bench.timing import profiled_device_us
 from jds.ops import quant
 
@@ -49,21 +47,9 @@ def _measure(shape: str, tokens: int, rotations: int, tiles: dict, calls: int) -
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", nargs="+", default=["w1:1", "w1:8", "w2:8", "w1:64"], help="shape:tokens")
-    ap.add_argument("--variants", default='[{}, {"block_n": 256}]', help="JSON list of tile dicts")
-    ap.add_argument("--rotations", type=int, default=4, help="routings per timed call (cold weights)")
-    ap.add_argument("--calls", type=int, default=20)
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
-    rows = []
-    for case in a.cases:
-        shape, tokens = case.split(":")
-        for v in json.loads(a.variants):
-            rows.append(measured_row({"case": case, "tiles": v, "rotations": a.rotations},
-                                     lambda: _measure(shape, int(tokens), a.rotations, v, a.calls)))
-            save_rows(a.out, rows, False, bench="fp4_tiles_time")
-    save_rows(a.out, rows, True, bench="fp4_tiles_time")
+    tiles_sweep_main(__doc__, _measure, "fp4_tiles_time", cases=["w1:1", "w1:8", "w2:8", "w1:64"],
+                     variants='[{}, {"block_n": 256}]', rotations=4,
+                     rotations_help="routings per timed call (cold weights)")
 
 
 if __name__ == "__main__":

@@ -8,16 +8,14 @@ shows there before any time is read).
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jds.bench.kernels_fp8_gemm import SHAPES
-from jds.bench.results import measured_row, save_rows
+from jds.bench.results import tiles_sweep_main
 from jds.bench.timing import profiled_device_us
 from pallas_kernels import fp8_gemm
 
@@ -49,21 +47,9 @@ def _measure(shape: str, m: int, rotations: int, tiles: dict, calls: int) -> dic
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", nargs="+", default=["q_b:128", "mlp:128"], help="shape:rows")
-    ap.add_argument("--variants", default='[{}, {"block_n": 192}]', help="JSON list of tile dicts")
-    ap.add_argument("--rotations", type=int, default=2, help="weight copies per timed call (cold weights)")
-    ap.add_argument("--calls", type=int, default=20)
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
-    rows = []
-    for case in a.cases:
-        shape, m = case.split(":")
-        for v in json.loads(a.variants):
-            rows.append(measured_row({"case": case, "tiles": v, "rotations": a.rotations},
-                                     lambda: _measure(shape, int(m), a.rotations, v, a.calls)))
-            save_rows(a.out, rows, False, bench="fp8_tiles_time")
-    save_rows(a.out, rows, True, bench="fp8_tiles_time")
+    tiles_sweep_main(__doc__, _measure, "fp8_tiles_time", cases=["q_b:128", "mlp:128"],
+                     variants='[{}, {"block_n": 192}]', rotations=2,
+                     rotations_help="weight copies per timed call (cold weights)")
 
 
 if __name__ == "__main__":
