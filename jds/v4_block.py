@@ -418,6 +418,14 @@ class FP4Experts(nnx.Module):
         return fp4_grouped_linear(x, sizes, self.weight[...], self.scale[...], out_dtype=out_dtype or x.dtype,
                                   implementation=self.implementation)
 
+    def ragged_pair(self, other: "FP4Experts", x: jax.Array, sizes: jax.Array, x_scale: jax.Array,
+                    out_dtype: jnp.dtype) -> jax.Array:
+        """[x W^T, x W_other^T] ([M, 2 out]) of e4m3 rows grouped by expert with their per-128 ``x_scale``: one
+        grouped FP4 GEMM call over both stacks (``fp4_grouped_linear`` with weight sets)."""
+        return fp4_grouped_linear(x, sizes, (self.weight[...], other.weight[...]),
+                                  (self.scale[...], other.scale[...]), x_scale=x_scale, out_dtype=out_dtype,
+                                  implementation=self.implementation)
+
     def dequant(self, dtype: jnp.dtype, index: jax.Array | None = None) -> jax.Array:
         """The float weights [E, out, in] (or those of experts ``index`` [..., out, in]) in ``dtype``: exact,
         since an e2m1 value times a power of two has 2 significant bits."""
@@ -485,6 +493,17 @@ class V4MoE(nnx.Module):
             return w.ragged(x, sizes)
         return _ragged_linear(x, self.expert_weights(name, x.dtype), sizes, x.dtype)
 
+    def _gate_up(self, xs: jax.Array | tuple[jax.Array, jax.Array], sizes: jax.Array,
+                 dt: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+        """(w1 rows, w3 rows) of the grouped rows. FP4 experts with e4m3 rows: one grouped GEMM call over both
+        weight sets (``FP4Experts.ragged_pair``: one row layout and copy of x, both stacks' units spread over
+        the GPU together); the same values as two calls (each output row is the same per-set sum)."""
+        if isinstance(xs, tuple) and isinstance(self.w1, FP4Experts) and isinstance(self.w3, FP4Experts):
+            f = self.cfg.moe_intermediate_size
+            y = self.w1.ragged_pair(self.w3, xs[0], sizes, xs[1], dt)
+            return y[:, :f], y[:, f:]
+        return self._grouped("w1", xs, sizes, dt), self._grouped("w3", xs, sizes, dt)
+
     def _expert_rows(self, x: jax.Array, rows: jax.Array | None = None):
         """The expert GEMMs' input (``_expert_input``) at ``rows``. bf16 into FP4 experts: the release's
         ``linear()`` quantisation itself, (e4m3 rows, per-128 scales), which the FP4 kernel takes as they are (the
@@ -517,7 +536,7 @@ class V4MoE(nnx.Module):
         rows = order // k  # token of each sorted (token, slot) pair
         sizes = jnp.bincount(flat, length=self.cfg.n_routed_experts).astype(jnp.int32)
         xs = self._expert_rows(x, rows)  # the quantisation is per token row: done once, before the gather
-        h = swiglu(self._grouped("w1", xs, sizes, dt), self._grouped("w3", xs, sizes, dt), self.cfg.swiglu_limit)
+        h = swiglu(*self._gate_up(xs, sizes, dt), self.cfg.swiglu_limit)
         h = self._expert_rows((h * weights.reshape(-1)[order][:, None]).astype(dt))
         y = self._grouped("w2", h, sizes, dt)
         # Un-sort with a permutation (no scatter-add), then sum the k slots in slot order: deterministic, and

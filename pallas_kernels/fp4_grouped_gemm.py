@@ -145,7 +145,10 @@ def _launch_pool_registers() -> Iterator[None]:
 
 # ----------------------------------------------------------------------------------------------------
 # public entry point
-def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: jax.Array, w_scale: jax.Array, *,
+Weights = jax.Array | tuple[jax.Array, ...]  # one expert stack, or several of one shape (``fp4_grouped_linear``)
+
+
+def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: Weights, w_scale: Weights, *,
                        out_dtype: jnp.dtype = jnp.bfloat16, implementation: Implementation = "auto",
                        interpret: bool | plgpu.InterpretGPUParams | None = None, block_t: int | None = None,
                        block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
@@ -155,6 +158,9 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: jax.Array, w_sc
     """y [M, N] (``out_dtype``): row r of x [M, K] (bfloat16) times W[e(r)]^T, rows grouped by expert in order
     (``sizes`` int32 [E], sum <= M; rows past the sum give 0), W = ``w_packed`` (uint8 [E, N, K/2], two e2m1
     codes a byte, low nibble first) with ``w_scale`` (uint8 [E, N, K/32] e8m0 exponents).
+    Tuples of S stacks of one shape (an MoE's w1 and w3) give y [M, S * N], set i in columns [i N, (i + 1) N):
+    on the e4m3-x route one kernel call streams them all (its units cover every set's N tiles: one row layout,
+    one gather of x, and twice the units to spread at decode); the other routes run a call per set.
 
     ``implementation``: "xla" = dequantise + ``ragged_dot_general`` (fp32 accumulation); "pallas" = the
     kernel (``Unsupported`` for N not a multiple of 64 or K not a multiple of 512); "auto" = the kernel
@@ -183,13 +189,29 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: jax.Array, w_sc
     regions per warpgroup there (each work unit's ``unit``, inside it the compute warpgroups' ``step`` bodies
     and ``store``): whether the compute warpgroups work or wait (``scripts/diag/fp4_regions.py``).
     """
-    _check_inputs(x, sizes, w_packed, w_scale, x_scale)
+    w_packed, w_scale = _weight_sets(w_packed, w_scale)
+    _check_inputs(x, sizes, w_packed[0], w_scale[0], x_scale)
     return run_op("fp4_grouped_linear", implementation, {
-        "xla": lambda: _xla(x, sizes, w_packed, w_scale, out_dtype, x_scale),
+        "xla": lambda: jnp.concatenate([_xla(x, sizes, w, sc, out_dtype, x_scale)
+                                        for w, sc in zip(w_packed, w_scale)], axis=1),
         "pallas": lambda: _pallas(x, sizes, w_packed, w_scale, out_dtype=out_dtype, interpret=interpret,
                                   block_t=block_t, block_n=block_n, block_k=block_k, split_k=split_k,
                                   stages=stages, dequant=dequant, layout=layout, x_scale=x_scale,
                                   mma_group=mma_group, profile_dir=profile_dir)})
+
+
+def _weight_sets(w_packed: Weights, w_scale: Weights) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """(packed stacks, scale stacks) as equal-length tuples of one shape each (ValueError naming the argument)."""
+    ws = tuple(w_packed) if isinstance(w_packed, (tuple, list)) else (w_packed,)
+    ss = tuple(w_scale) if isinstance(w_scale, (tuple, list)) else (w_scale,)
+    if not ws or len(ws) != len(ss):
+        raise ValueError(f"w_packed and w_scale must be one stack each or tuples of equal length, got {len(ws)} "
+                         f"and {len(ss)}")
+    for name, group in (("w_packed", ws), ("w_scale", ss)):
+        if any(a.shape != group[0].shape or a.dtype != group[0].dtype for a in group):
+            raise ValueError(f"{name}: the sets must share one shape and dtype, got "
+                             f"{[(str(a.dtype), a.shape) for a in group]}")
+    return ws, ss
 
 
 def _check_inputs(x, sizes, w_packed, w_scale, x_scale=None) -> None:
@@ -288,6 +310,12 @@ def _permute_k(x: jax.Array, dequant: Dequant) -> jax.Array:
 
 def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block_n, block_k, split_k, stages,
             dequant, layout="auto", x_scale=None, mma_group=None, profile_dir=None):
+    """The kernel path; ``w_packed`` / ``w_scale``: tuples of stacks (``_weight_sets``)."""
+    if len(w_packed) > 1 and x_scale is None:  # the bf16 routes: a call per set
+        return jnp.concatenate([_pallas(x, sizes, (w,), (sc,), out_dtype=out_dtype, interpret=interpret,
+                                        block_t=block_t, block_n=block_n, block_k=block_k, split_k=split_k,
+                                        stages=stages, dequant=dequant, layout=layout, profile_dir=profile_dir)
+                                for w, sc in zip(w_packed, w_scale)], axis=1)
     _check_tiles(block_t, block_n, block_k, split_k, stages, fp8=x_scale is not None)
     if dequant not in ("auto", "fp8", *DEQUANTS):
         raise ValueError(f"dequant must be one of {('auto', 'fp8', *DEQUANTS)}, got {dequant!r}")
@@ -299,15 +327,15 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
         raise ValueError("mma_group applies to e4m3 x (x_scale given) only")
     if mma_group is not None and mma_group < 1:
         raise ValueError(f"mma_group must be a positive divisor of block_k / 32, got {mma_group}")
-    e, n, kh = w_packed.shape
+    e, n, kh = w_packed[0].shape
     k = 2 * kh
     m = x.shape[0]
     if not supports(n, k):
         raise Unsupported(f"fp4_grouped_linear kernel: N = {n} must be a multiple of 64 and K = {k} a multiple "
-                          f"of {K_ALIGN} (w_packed shape {w_packed.shape})")
+                          f"of {K_ALIGN} (w_packed shape {w_packed[0].shape})")
     out_dtype = jnp.dtype(out_dtype)
     if m == 0:
-        return jnp.zeros((0, n), out_dtype)
+        return jnp.zeros((0, len(w_packed) * n), out_dtype)
     if x_scale is not None:  # "fp8": 512-column steps at decode tiles, >= 2 steps per unit (_pick_tiles)
         _, _, block_k, split_k = _pick_tiles(m, e, n, k, block_t, block_n, block_k, split_k, fp8=True)
     fused = layout == "fused" and x_scale is not None  # e4m3 bytes and scales copied by the layout kernel
@@ -326,14 +354,15 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
     call = _build_call(n=n, k=k, items=p.items, bt=p.block_t, bn=p.block_n, bk=p.block_k, splits=p.splits,
                        stages=st, dequant=dequant,
                        out_dtype=out_dtype if p.splits == 1 else jnp.dtype(jnp.float32), interpret=p.interpret,
-                       mma_group=mma_group, profile_dir=profile_dir)
+                       mma_group=mma_group, profile_dir=profile_dir, sets=len(w_packed))
+    weights = [a for pair in zip(w_packed, w_scale) for a in pair]  # w_0, s_0, w_1, s_1, ...
     if fused:  # the layout kernel's copies: permuted e4m3 rows, scales [K/128, rows]
         xp, sxt = lax.bitcast_convert_type(p.xp, jnp.float8_e4m3fn), p.sxt
-        return grouped_rows.finish(call(p.count, p.info, xp, sxt, w_packed, w_scale), p, out_dtype)
+        return grouped_rows.finish(call(p.count, p.info, xp, sxt, *weights), p, out_dtype)
     if x_scale is not None:  # the padded rows' scales [K/128, rows]: a token tile's per 128-column block
-        return grouped_rows.finish(call(p.count, p.info, xp, grouped_rows.tile_rows(x_scale, p).T, w_packed,
-                                        w_scale), p, out_dtype)
-    return grouped_rows.finish(call(p.info, xp, w_packed, w_scale), p, out_dtype)
+        return grouped_rows.finish(call(p.count, p.info, xp, grouped_rows.tile_rows(x_scale, p).T, *weights), p,
+                                   out_dtype)
+    return grouped_rows.finish(call(p.info, xp, *weights), p, out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -489,12 +518,14 @@ def _scale_exp_bias(dequant: Dequant) -> int:
 @functools.lru_cache(maxsize=None)
 def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits: int, stages: int,
                 dequant: Dequant, out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None,
-                mma_group: int | None = None, profile_dir: str | None = None):
+                mma_group: int | None = None, profile_dir: str | None = None, sets: int = 1):
     emulate_mma = interpret is not None
     if dequant == "fp8":
         return _build_fp8_call(n=n, k=k, items=items, bt=bt, bn=bn, bk=bk, splits=splits, stages=stages,
                                out_dtype=out_dtype, interpret=interpret, mma_group=mma_group,
-                               profile_dir=profile_dir)
+                               profile_dir=profile_dir, sets=sets)
+    if sets != 1:
+        raise ValueError("several weight sets in one call: the e4m3-x route only")
     if profile_dir is not None:
         raise ValueError("profile_dir: the profiled regions are the e4m3-x route's (pass x_scale)")
     exp_bias = _scale_exp_bias(dequant)
@@ -609,7 +640,7 @@ def fp8_stages(stages: int, steps: int, bt: int, bn: int, bk: int) -> int:
 @functools.lru_cache(maxsize=None)
 def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits: int, stages: int,
                     out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, mma_group: int | None,
-                    profile_dir: str | None = None):
+                    profile_dir: str | None = None, sets: int = 1):
     """The "fp8" route (e4m3 x) as a persistent kernel: one CTA per SM loops over the work units (K split, N
     tile, item), and consecutive units continue one TMA ring (``pipeline_state``), so a unit's first loads are
     in flight while the previous unit's last steps compute: at decode a unit is 2-8 steps, and a ring refilled
@@ -617,10 +648,11 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
     the ring: the token tile, the packed weights, their e8m0 scales ([block_n, 16] bytes) and the tokens' x
     scales ([4, block_t] float32), both those of the 512-column chunk holding the step (re-read from L2 by the
     steps of one chunk): a TMA row is at least 16 bytes, and Mosaic's native copies at least 128 bytes.
-    ``bn`` 256 runs four compute warpgroups (112 registers each beside the producer's 40, the pipeline helper's
-    split of the register file) instead of two: at 1 token the producer waits on the compute warpgroups, which
-    are busy converting and promoting at two warps per scheduler (Nsight Compute's SASS samples,
-    docs/perf-log.md, twenty-third session); natively untimed so far."""
+    ``bn`` 256 runs four compute warpgroups (``compute_registers``: 104 registers each beside the producer's 40)
+    instead of two, for more warps converting per SM; it timed level with two (docs/perf-log.md, twenty-fourth
+    session). ``sets`` weight sets of one shape (w1 and w3 of an MoE: arguments w_0, s_0, w_1, s_1, ...) share
+    the call: their N tiles are one list of units, the output rows of set i start at i * n, so at decode one
+    call streams both weights with twice the units to balance over the CTAs."""
     emulate_mma = interpret is not None
     kc = k // splits  # input columns per unit
     steps = kc // bk
@@ -630,7 +662,7 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
     n_tiles = n // bn
     nwg = bn // 64
     # at most one CTA per SM (and per unit); interpret mode: 3, so that a CTA runs several units
-    ctas = min(splits * n_tiles * items, num_sms() if interpret is None else 3)
+    ctas = min(splits * sets * n_tiles * items, num_sms() if interpret is None else 3)
     st = fp8_stages(stages, steps, bt, bn, bk)
     L = plgpu.Layout.WGMMA
     ROW, COL = L.reduce(1), L.reduce(0)  # [64] along the accumulator's rows (weights), [bt] along its columns
@@ -736,48 +768,51 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
         with _launch_pool_registers():
             kernel_body(*refs)
 
-    def kernel_body(count_ref, info_ref, x_ref, sxt_ref, w_ref, s_ref, o_ref):
+    def kernel_body(count_ref, info_ref, x_ref, sxt_ref, *rest):
+        *ws_refs, o_ref = rest  # w_0, s_0, w_1, s_1, ...: the weight sets
         ignore = lambda *_, **__: None  # noqa: E731 - the allocations depend on the specs and shapes only
         allocs = make_pipeline(ignore, ignore, None).get_allocations(
-            *unit_refs(x_ref, sxt_ref, w_ref, s_ref, 0, 0, 0, 0))
+            *unit_refs(x_ref, sxt_ref, ws_refs[0], ws_refs[1], 0, 0, 0, 0))
         n_items = count_ref[0]
 
         @functools.partial(pl.run_scoped, allocs=allocs, collective_axes="wg")
         def _(allocs):
-            @plgpu.nd_loop((splits * n_tiles * n_items,), collective_axes="cta")
+            @plgpu.nd_loop((splits * sets * n_tiles * n_items,), collective_axes="cta")
             def _(loop):
-                """Unit (split, N tile, item), item fastest. The CTA's first unit starts the ring, its last
+                """Unit (split, set and N tile, item), item fastest. The CTA's first unit starts the ring, its last
                 drains it, the ones between continue it; a CTA with one unit runs a whole pipeline."""
                 (u,) = loop.index
                 item = u % n_items
                 ex, row0 = info_ref[0, item], info_ref[1, item]
-                n0 = (u // n_items) % n_tiles * bn
-                si = u // (n_items * n_tiles)
-                refs = unit_refs(x_ref, sxt_ref, w_ref, s_ref, ex, row0, n0, si)
+                tile = (u // n_items) % (sets * n_tiles)
+                ws_i, n0 = tile // n_tiles, tile % n_tiles * bn  # weight set, first row in it
+                si = u // (n_items * sets * n_tiles)
 
                 def context(run_pipeline):
                     acc = run_pipeline(plgpu.layout_cast(jnp.full((64, bt), 0.0, jnp.float32), L))
-                    wg = lax.axis_index("wg")
-                    dst = o_ref.at[pl.ds(n0 + wg * 64, 64), pl.ds(item * bt, bt)] if splits == 1 else \
-                        o_ref.at[si, pl.ds(n0 + wg * 64, 64), pl.ds(item * bt, bt)]
+                    r0 = ws_i * n + n0 + lax.axis_index("wg") * 64  # the output row of this warpgroup's first
+                    dst = o_ref.at[pl.ds(r0, 64), pl.ds(item * bt, bt)] if splits == 1 else \
+                        o_ref.at[si, pl.ds(r0, 64), pl.ds(item * bt, bt)]
                     with jax.named_scope("store"):
                         dst[...] = acc.astype(dst.dtype)
 
                 j, last = loop.local_index, loop.num_local_steps - 1
                 P = plgpu.PipelinePipeline
+                for i in range(sets):  # one pipeline per weight set: a set's refs are static in its TMA copies
+                    refs = unit_refs(x_ref, sxt_ref, ws_refs[2 * i], ws_refs[2 * i + 1], ex, row0, n0, si)
 
-                @pl.when(last == 0)
-                def _():
-                    with jax.named_scope("unit"):
-                        make_pipeline(body, context, None)(*refs, allocations=allocs)
+                    @pl.when((ws_i == i) & (last == 0))
+                    def _(refs=refs):
+                        with jax.named_scope("unit"):
+                            make_pipeline(body, context, None)(*refs, allocations=allocs)
 
-                @pl.when(last > 0)
-                def _():
-                    state = jnp.where(j == 0, P.START, jnp.where(j == last, P.STOP, P.STEADY))
-                    with jax.named_scope("unit"):
-                        make_pipeline(body, context, state)(*refs, allocations=allocs)
+                    @pl.when((ws_i == i) & (last > 0))
+                    def _(refs=refs):
+                        state = jnp.where(j == 0, P.START, jnp.where(j == last, P.STOP, P.STEADY))
+                        with jax.named_scope("unit"):
+                            make_pipeline(body, context, state)(*refs, allocations=allocs)
 
-    out_shape = (n, items * bt) if splits == 1 else (splits, n, items * bt)
+    out_shape = (sets * n, items * bt) if splits == 1 else (splits, sets * n, items * bt)
     if profile_dir is not None and interpret is not None:
         raise ValueError("profile_dir: Mosaic GPU's profiler runs natively only (interpret mode has no trace)")
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,

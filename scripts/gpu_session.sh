@@ -42,7 +42,7 @@
 #   scripts/gpu_session.sh insert-parts  # issue 20: V3.2's inserts without their Hadamard, a same-size copy, ncu at T = 8192
 #   scripts/gpu_session.sh insert-regs   # issue 20: the inserts' registers / shared memory as the GPU build compiles them
 #   scripts/gpu_session.sh fp4-regions   # issue 22: the FP4 kernel's named regions per warpgroup at 1 and 8 tokens (profiler)
-#   scripts/gpu_session.sh fused-layout  # issues 22 / 19: the grouped GEMMs' layout kernel copying x's rows too (tests, timeline, ncu)
+#   scripts/gpu_session.sh fused-layout  # issues 22 / 19: layout "fused", w1 + w3 in one FP4 call, 4-deep rings (tests, timeline, ncu)
 #   scripts/gpu_session.sh fp8-192       # issue 19: the FP8 GEMM's 192-wide tiles (q_b at 128 rows in one wave), tests then ncu sweep
 #   scripts/gpu_session.sh fp4-wg4       # issue 22: the FP4 GEMM's four-warpgroup e4m3-x form, native tests then ncu sweep
 #   scripts/gpu_session.sh inserts       # issue 20: the fused inserts alone, GPU timeline + T = 8192 tile sweep
@@ -216,10 +216,14 @@ case "$stage" in
     # also copying x's rows and scales into the padded layout (two XLA gathers fewer per call); native tests, then
     # the FP4 call per GEMM on the timeline with cold weights, then the FP8 grouped call's kernels under ncu
     timeout -k 5 ${FUSEDT_TIMEOUT:-150} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernel_grouped_rows.py \
-      tests/test_kernel_fp4_grouped_gemm.py tests/test_kernel_fp8_grouped_gemm.py -k "fused" > "$OUT/fused_tests.log" 2>&1
+      tests/test_kernel_fp4_grouped_gemm.py tests/test_kernel_fp8_grouped_gemm.py -k "fused or weight_sets" \
+      > "$OUT/fused_tests.log" 2>&1
     echo "fused layout tests rc=$?"; tail -3 "$OUT/fused_tests.log"
-    timeout -k 5 ${FUSEDTIME_TIMEOUT:-150} python3 scripts/diag/fp4_tiles_time.py --cases w1:1 w1:8 w2:8 w1:64 \
-      --variants '[{}, {"layout": "fused"}]' --rotations 4 --out "$OUT/fp4_tiles_time_fused_h200.json" > "$OUT/fused_time.log" 2>&1
+    # the FP4 call per GEMM, cold weights: the fused layout, w1 + w3 as one call ("sets": 2, against twice the
+    # default's time), and the 4-deep rings (split 2; 256-column steps) against the default's 2-deep one
+    timeout -k 10 ${FUSEDTIME_TIMEOUT:-240} python3 scripts/diag/fp4_tiles_time.py --cases w1:1 w1:8 w2:8 \
+      --variants '[{}, {"layout": "fused"}, {"sets": 2}, {"sets": 2, "layout": "fused"}, {"split_k": 2}, {"block_k": 256}]' \
+      --rotations 4 --out "$OUT/fp4_tiles_time_fused_h200.json" > "$OUT/fused_time.log" 2>&1
     echo "fp4 fused timing rc=$?"
     FP8GSWEEP_VARIANTS='[{}, {"layout": "fused"}]' SWEEP_CASES=${SWEEP_CASES:-'w1:1 w1:8 w2:8'} bash "$0" ncu-fp8gsweep
     ;;

@@ -541,6 +541,47 @@ def test_fp8_route_exact_bit_equal(mode: str, group: int | None) -> None:
 
 
 @pytest.mark.parametrize("mode", ["interpret", pytest.param("native", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("tiles", [dict(block_n=64, split_k=2, block_k=256), {}])
+def test_fp8_route_weight_sets(mode: str, tiles: dict) -> None:
+    """Two weight sets (an MoE's w1 and w3) in one call: y = [x W1^T, x W3^T], each half the float64 reference
+    bit for bit on exact data, with the units of both sets spread over the CTAs (interpret mode: 3 CTAs, so the
+    ring continues across sets); bf16 x runs a call per set and gives the same."""
+    sizes = [3, 0, 6, 1]
+    x, sz, wp, ws = exact_case(sizes, 128, 1024, seed=21)
+    _, _, wp3, ws3 = exact_case(sizes, 128, 1024, seed=22)
+    xq, sx, xf = quantized(x)
+    got = G.fp4_grouped_linear(xq, sz, (wp, wp3), (ws, ws3), out_dtype=jnp.float32, implementation="pallas",
+                               interpret=interpret_for(mode), x_scale=sx, **tiles)
+    assert got.shape == (x.shape[0], 256)
+    for half, (w, sc) in enumerate(((wp, ws), (wp3, ws3))):
+        ref, _ = reference(xf, sizes, w, sc)
+        np.testing.assert_array_equal(np.asarray(got[:, 128 * half:128 * (half + 1)], np.float64), ref)
+    want = G.fp4_grouped_linear(xq, sz, [wp, wp3], [ws, ws3], out_dtype=jnp.float32, implementation="xla", x_scale=sx)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_weight_sets_errors() -> None:
+    x, sz, wp, ws = _inputs()
+    with pytest.raises(ValueError, match="equal length"):
+        G.fp4_grouped_linear(x, sz, (wp, wp), (ws,), implementation="xla")
+    with pytest.raises(ValueError, match="w_packed: the sets"):
+        G.fp4_grouped_linear(x, sz, (wp, wp[:, :64]), (ws, ws), implementation="xla")
+    with pytest.raises(ValueError, match="w_scale: the sets"):
+        G.fp4_grouped_linear(x, sz, (wp, wp), (ws, ws.astype(jnp.int8)), implementation="xla")
+
+
+def test_weight_sets_bf16_route_runs_a_call_per_set() -> None:
+    """bf16 x with two sets: the kernel per set, concatenated, equal to the single-set calls."""
+    sizes = [2, 3]
+    x, sz, wp, ws = exact_case(sizes, 64, 512, seed=23)
+    one = functools.partial(G.fp4_grouped_linear, out_dtype=jnp.float32, implementation="pallas", interpret=True,
+                            dequant="f16")
+    got = one(x, sz, (wp, wp[:, ::-1]), (ws, ws[:, ::-1]))
+    want = jnp.concatenate([one(x, sz, wp, ws), one(x, sz, wp[:, ::-1], ws[:, ::-1])], axis=1)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("mode", ["interpret", pytest.param("native", marks=pytest.mark.gpu)])
 def test_fp8_route_fused_layout(mode: str) -> None:
     """layout "fused" (the layout kernel copies the permuted e4m3 rows and their scales): the reference bit for
     bit on exact data, with a scale impulse per 128 columns (which scale multiplies which columns), as the
@@ -651,3 +692,22 @@ def test_fp8_route_lowers_for_cuda(m: int, e: int, n: int, k: int, tiles: dict) 
         text = jax.jit(lambda x, s, wp, ws, sx: f(x, s, wp, ws, x_scale=sx)).trace(
             *args, jax.ShapeDtypeStruct((m, k // 128), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU-only cross-lowering smoke test (the gpu tests compile for real)")
+def test_fp8_route_weight_sets_lower_for_cuda() -> None:
+    """V4-Flash's w1 and w3 at 1 token as one call (two weight sets) pass Mosaic GPU's lowering."""
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    m, e, n, k = 6, 256, 2048, 4096
+    f = functools.partial(G.fp4_grouped_linear, implementation="pallas", interpret=False)
+    w = jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8)
+    sc = jax.ShapeDtypeStruct((e, n, k // 32), jnp.uint8)
+    args = (jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((e,), jnp.int32), w, sc, w, sc,
+            jax.ShapeDtypeStruct((m, k // 128), jnp.float32))
+    dev = AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=dev)):
+        text = jax.jit(lambda x, s, w1, s1, w3, s3, sx: f(x, s, (w1, w3), (s1, s3), x_scale=sx)).trace(
+            *args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+

@@ -444,6 +444,22 @@ def test_fp4_experts_run_the_grouped_kernel_where_set():
                           for m in stacks)
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_ragged_pair_equals_two_calls(implementation: str) -> None:
+    """``FP4Experts.ragged_pair`` (w1 and w3 in one grouped call, the MoE's gate / up at e4m3 rows) equals the
+    two single calls bit for bit, for the XLA path and the kernel (GPU interpret mode off a GPU)."""
+    e, n, k = 3, 64, 512
+    w1, w3 = FP4Experts((e, n, k), k, nnx.Rngs(7)), FP4Experts((e, n, k), k, nnx.Rngs(8))
+    w1.implementation = w3.implementation = implementation
+    x = jax.random.normal(jax.random.key(9), (9, k), jnp.float32).astype(jnp.bfloat16)
+    xq, sx = quant.act_quant(x, 128, "ue8m0")
+    sizes = jnp.array([4, 0, 5], jnp.int32)
+    got = np.asarray(w1.ragged_pair(w3, xq, sizes, sx, jnp.bfloat16), np.float32)
+    want = np.concatenate([np.asarray(w.ragged(xq, sizes, x_scale=sx, out_dtype=jnp.bfloat16), np.float32)
+                           for w in (w1, w3)], axis=1)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_expert_rows_e4m3_at_every_size(fp4_moe):
     """bf16 expert inputs go to the FP4 kernel as act_quant's (e4m3, scales) pair at decode and prefill sizes
     (the route measured faster at both), standing for the values ``_expert_input`` gives; float32 inputs (exact

@@ -6,7 +6,8 @@ deadlocks hangs its whole call; here each row prints as it ends).
         --variants '[{}, {"block_n": 256}]' --rotations 4 --out OUT/fp4_tiles.json
 
 x is e4m3 with act_quant's scales (the kernel's "fp8" route, as the V4 MoE calls it), quantised outside the
-timed call. ``--rotations R``: one timed call runs R routings of the same tokens (different experts, so
+timed call. A tile dict's "sets": S stacks in one call (the MoE's w1 and w3: compare with twice S = 1's time).
+``--rotations R``: one timed call runs R routings of the same tokens (different experts, so
 different weights), and each row reports per-GEMM µs (the call's / R): with R = 1 the same experts run back to
 back and part of their weights sit in the 50 MB L2 (the first run of this script, 2026-12-03, was so).
 """
@@ -27,9 +28,13 @@ KERNEL = "kernel_mosaic_gpu_kernel"  # the GEMM's name on the timeline (the wrap
 
 
 def _case(shape: str, tokens: int, rotations: int, tiles: dict):
+    """``tiles["sets"]`` = S > 1: S expert stacks in one call (an MoE's w1 and w3), y [M, S N]."""
     f = kg.FORMATS["fp4"]
     k, n = f.shapes[shape]
-    w, ws = f.experts(k, n, 256, jax.random.key(0))
+    tiles = dict(tiles)
+    sets = tiles.pop("sets", 1)
+    stacks = [f.experts(k, n, 256, jax.random.key(i)) for i in range(sets)]
+    w, ws = (stacks[0] if sets == 1 else tuple(zip(*stacks)))
     routes = [kg._routing(256, k, tokens, f.top_k, kk) for kk in jax.random.split(jax.random.key(1), rotations)]
     xs = [quant.act_quant(x, 128, "ue8m0") for x, _ in routes]
     sizes = [jnp.asarray(s) for _, s in routes]
