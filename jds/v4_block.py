@@ -102,6 +102,9 @@ class V4BlockConfig:
     moe_impl: str = "ragged"
     experts_fp4: bool = False  # routed experts as released: packed e2m1 + e8m0 scales (Numerics.experts_fp4)
     shared_fp8: bool = False  # the shared expert's linears FP8 block-scaled, as released (Numerics.fp8_linear)
+    # FP4 experts at e4m3 rows: w1 and w3 in one grouped GEMM call (``FP4Experts.ragged_pair``), the same values;
+    # off until the H200 has timed it against two calls (scripts/gpu_session.sh fused-layout)
+    gate_up_one_call: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "vocab_size", "hc_mult", "hc_sinkhorn_iters", "n_routed_experts",
@@ -495,10 +498,12 @@ class V4MoE(nnx.Module):
 
     def _gate_up(self, xs: jax.Array | tuple[jax.Array, jax.Array], sizes: jax.Array,
                  dt: jnp.dtype) -> tuple[jax.Array, jax.Array]:
-        """(w1 rows, w3 rows) of the grouped rows. FP4 experts with e4m3 rows: one grouped GEMM call over both
-        weight sets (``FP4Experts.ragged_pair``: one row layout and copy of x, both stacks' units spread over
-        the GPU together); the same values as two calls (each output row is the same per-set sum)."""
-        if isinstance(xs, tuple) and isinstance(self.w1, FP4Experts) and isinstance(self.w3, FP4Experts):
+        """(w1 rows, w3 rows) of the grouped rows. FP4 experts with e4m3 rows and ``gate_up_one_call``: one
+        grouped GEMM call over both weight sets (``FP4Experts.ragged_pair``: one row layout and copy of x, both
+        stacks' units spread over the GPU together); the same values as two calls (each output row is the same
+        per-set sum)."""
+        if (self.cfg.gate_up_one_call and isinstance(xs, tuple) and isinstance(self.w1, FP4Experts)
+                and isinstance(self.w3, FP4Experts)):
             f = self.cfg.moe_intermediate_size
             y = self.w1.ragged_pair(self.w3, xs[0], sizes, xs[1], dt)
             return y[:, :f], y[:, f:]
