@@ -129,7 +129,8 @@ def _row_layout_xla(sizes: jax.Array, m: int, n_items: int, n_padded: int, bt: i
     return items, src.astype(jnp.int32), col.astype(jnp.int32), valid, count
 
 
-ROW_CHUNK = 512  # columns of x a "fused" layout program copies at once ([8, 512]: 32 bytes a thread for e4m3)
+ROW_CHUNK = 512  # columns of x a "fused" layout program copies at once ([8, 512]: 32 bytes a thread for e4m3;
+#                  a multiple of 32, the FP4 GEMM's column permutation block)
 # items / rows / padded rows per program of the layout kernel (x every expert: [8, E] compares). The programs run
 # side by side, so a program's own instruction chain is the kernel's time: at 32 an Nsight Compute profile
 # (2026-12-02, FP4 call at 8 tokens) showed 12.4 us for 13 programs, each of ~4.8K instructions per warp issued
@@ -194,9 +195,10 @@ def _layout_kernel(sizes_ref, *refs, ne: int, ep: int, m: int, n_items: int, n_p
         r_in, r_out = jnp.where(live, src, 0), jnp.where(inside, i, n_padded)
         for c0 in range(0, kx, ROW_CHUNK):
             cols = c0 + C.iota((1, ROW_CHUNK), 1)
-            q = cols % 32
-            srcc = cols - q + (q % 16) * 2 + q // 16 if split_pairs else cols
-            v = C.load(x_ref, (r_in, jnp.minimum(srcc, kx - 1)), (LAYOUT_BLOCK, ROW_CHUNK), mask=live & (cols < kx))
+            v = C.load(x_ref, (r_in, jnp.minimum(cols, kx - 1)), (LAYOUT_BLOCK, ROW_CHUNK), mask=live & (cols < kx))
+            if split_pairs:  # one contiguous load, the (even, odd) halves made in registers (a transpose)
+                v = jnp.swapaxes(v.reshape(LAYOUT_BLOCK, ROW_CHUNK // 32, 16, 2), 2, 3).reshape(LAYOUT_BLOCK,
+                                                                                                  ROW_CHUNK)
             C.store(xp_ref, (r_out, cols), v, inside & (cols < kx))
         j = C.iota((1, C.next_pow2(ns)), 1)
         sv = C.load(s_ref, (r_in, jnp.minimum(j, ns - 1)), (LAYOUT_BLOCK, j.shape[1]), mask=live & (j < ns))
