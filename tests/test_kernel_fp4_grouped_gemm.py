@@ -541,7 +541,8 @@ def test_fp8_route_exact_bit_equal(mode: str, group: int | None) -> None:
 
 
 @pytest.mark.parametrize("mode", ["interpret", pytest.param("native", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("tiles", [dict(block_n=64, split_k=2, block_k=256), {}])
+@pytest.mark.parametrize("tiles", [dict(block_n=64, split_k=2, block_k=256),
+                                   pytest.param({}, marks=pytest.mark.slow)])  # CI time: the default tiles
 def test_fp8_route_weight_sets(mode: str, tiles: dict) -> None:
     """Two weight sets (an MoE's w1 and w3) in one call: y = [x W1^T, x W3^T], each half the float64 reference
     bit for bit on exact data, with the units of both sets spread over the CTAs (interpret mode: 3 CTAs, so the

@@ -454,7 +454,8 @@ def test_fp4_experts_run_the_grouped_kernel_where_set():
                           for m in stacks)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+# CI time: the kernel's weight sets run in test_kernel_fp4_grouped_gemm.py's test_fp8_route_weight_sets
+@pytest.mark.parametrize("implementation", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
 def test_ragged_pair_equals_two_calls(implementation: str) -> None:
     """``FP4Experts.ragged_pair`` (w1 and w3 in one grouped call, the MoE's gate / up at e4m3 rows) equals the
     two single calls bit for bit, for the XLA path and the kernel (GPU interpret mode off a GPU)."""
