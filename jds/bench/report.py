@@ -611,10 +611,10 @@ def _insert_parts(d: dict) -> list[str]:
                + [f"{n} of copy bw" for n in names], body)
 
 
-def _fp4_tiles_time(d: dict) -> list[str]:
-    """scripts/diag/fp4_tiles_time.py: the FP4 grouped GEMM's kernel µs per tile variant (GPU timeline), each
-    against the case's first variant, per GEMM of ``rotations`` routings a call (1: the same weights back to back,
-    partly served from the 50 MB L2)."""
+def _tiles_time(d: dict) -> list[str]:
+    """scripts/diag/fp4_tiles_time.py / fp8_tiles_time.py: a GEMM kernel's µs per tile variant (GPU timeline), each
+    against the case's first variant, per GEMM of ``rotations`` weight sets a call (1: the same weights back to
+    back, partly served from the 50 MB L2)."""
     first: dict[str, float | None] = {}
     body = []
     for r in d.get("rows", []):
@@ -622,9 +622,14 @@ def _fp4_tiles_time(d: dict) -> list[str]:
         base = first.setdefault(r["case"], k)
         body.append([r["case"], json.dumps(r["tiles"]), str(r.get("rotations", 1)), _fmt(k, 2),
                      _fmt(r.get("call_span_us", r.get("profile_span_us")), 1),
-                     _fmt(k / base if k and base else None, 3)])
-    return ["FP4 grouped GEMM tile variants (case shape:tokens, e4m3 x), GPU timeline medians, µs per GEMM:", ""] + \
-        _table(["case", "tiles", "rotations", "kernel µs", "call µs", "kernel / first variant"], body)
+                     _fmt(k / base if k and base else None, 3), _pct(r.get("kernel_copy_frac"))])
+    copy = (d.get("meta") or {}).get("copy_bytes_per_s")
+    ceiling = f" (copy {copy / 1e12:.2f} TB/s in the same run)" if copy else " (copy bandwidth not measured in this run)"
+    what = ("FP8 GEMM tile variants (case shape:rows)" if (d.get("meta") or {}).get("bench") == "fp8_tiles_time"
+            else "FP4 grouped GEMM tile variants (case shape:tokens, e4m3 x)")
+    return [f"{what}, GPU timeline medians, µs per GEMM; the kernel's share of the copy bandwidth{ceiling}:", ""] + \
+        _table(["case", "tiles", "rotations", "kernel µs", "call µs", "kernel / first variant", "kernel of copy bw"],
+               body)
 
 
 def _mqa_fixed_cost(d: dict) -> list[str]:
@@ -661,7 +666,7 @@ RENDERERS: list[tuple[Callable[[str, dict], bool], Callable[[dict], list[str]]]]
     (lambda b, d: b.startswith("gather_probe"), _gather_probe),
     (lambda b, d: b.startswith("mqa_variants"), _mqa_variants),
     (lambda b, d: b.startswith("insert_parts"), _insert_parts),
-    (lambda b, d: b.startswith("fp4_tiles_time"), _fp4_tiles_time),
+    (lambda b, d: b.startswith(("fp4_tiles_time", "fp8_tiles_time")), _tiles_time),
     (lambda b, d: b.startswith("mqa_fixed_cost"), _mqa_fixed_cost),
     (lambda b, d: b.startswith("kernels"), _kernels),
 ]

@@ -56,16 +56,18 @@ def measured_row(row: dict[str, Any], measure: Callable[[], dict[str, Any]]) -> 
 
 
 def case_variant_rows(cases: list[str], variants: list[dict[str, Any]], measure: Callable[[str, int, dict], dict],
-                      out: str | None, bench: str, **row: Any) -> list[dict[str, Any]]:
+                      out: str | None, bench: str, meta: dict[str, Any] | None = None,
+                      **row: Any) -> list[dict[str, Any]]:
     """A diag script's sweep: per case "shape:count" and tile dict, ``measure(shape, count, tiles)`` as a row
-    (``measured_row``: a failure is recorded and the sweep goes on) with ``row``'s fields, saved after each."""
+    (``measured_row``: a failure is recorded and the sweep goes on) with ``row``'s fields, saved after each with
+    ``meta`` in the file's meta."""
     rows: list[dict[str, Any]] = []
     for case in cases:
         shape, count = case.split(":")
         for v in variants:
             rows.append(measured_row({"case": case, "tiles": v, **row}, lambda: measure(shape, int(count), v)))
-            save_rows(out, rows, False, bench=bench)
-    save_rows(out, rows, True, bench=bench)
+            save_rows(out, rows, False, bench=bench, **(meta or {}))
+    save_rows(out, rows, True, bench=bench, **(meta or {}))
     return rows
 
 
@@ -73,8 +75,14 @@ def tiles_sweep_main(doc: str, measure: Callable[[str, int, int, dict, int], dic
                      variants: str, rotations: int, rotations_help: str) -> None:
     """The command line of a tile-variant timing script (``scripts/diag/fp4_tiles_time.py``, ``fp8_tiles_time.py``):
     --cases shape:count, --variants JSON tile dicts, --rotations (weight sets a timed call cycles through), --calls,
-    --out; ``measure(shape, count, rotations, tiles, calls)`` per row (``case_variant_rows``)."""
+    --out; ``measure(shape, count, rotations, tiles, calls)`` per row (``case_variant_rows``). A row whose
+    measure gives ``bytes`` (HBM bytes per GEMM) and ``kernel_us`` gets ``kernel_copy_frac``: of the copy
+    bandwidth measured at the start of the same run (``timing.measure_ceilings``, GPU only)."""
     import argparse
+
+    import jax
+
+    from jds.bench.timing import measure_ceilings
 
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--cases", nargs="+", default=cases, help="shape:count")
@@ -83,5 +91,13 @@ def tiles_sweep_main(doc: str, measure: Callable[[str, int, int, dict, int], dic
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    case_variant_rows(a.cases, json.loads(a.variants), lambda shape, count, v: measure(
-        shape, count, a.rotations, v, a.calls), a.out, bench, rotations=a.rotations)
+    copy = measure_ceilings()["copy_bytes_per_s"] if jax.default_backend() == "gpu" else None
+
+    def row(shape: str, count: int, v: dict) -> dict:
+        r = measure(shape, count, a.rotations, v, a.calls)
+        if copy and r.get("bytes") and r.get("kernel_us"):
+            r["kernel_copy_frac"] = r["bytes"] / (r["kernel_us"] * 1e-6) / copy
+        return r
+
+    case_variant_rows(a.cases, json.loads(a.variants), row, a.out, bench, meta={"copy_bytes_per_s": copy},
+                      rotations=a.rotations)

@@ -43,12 +43,24 @@ def _case(shape: str, tokens: int, rotations: int, tiles: dict):
     return fn, (xs, sizes, w, ws)
 
 
+def gemm_bytes(shape: str, tokens: int, rotations: int, sets: int = 1) -> float:
+    """HBM bytes per GEMM of ``_case``'s calls, averaged over its routings: the active experts' packed weights and
+    scales (per set), e4m3 x with its scales, bf16 y."""
+    f = kg.FORMATS["fp4"]
+    k, n = f.shapes[shape]
+    m = tokens * f.top_k
+    active = [int((s > 0).sum()) for _, s in
+              (kg._routing(256, k, tokens, f.top_k, kk) for kk in jax.random.split(jax.random.key(1), rotations))]
+    return sum(active) / rotations * sets * f.weight_bytes(k, n) + m * k * (1 + 4 / 128) + 2 * m * sets * n
+
+
 def _measure(shape: str, tokens: int, rotations: int, tiles: dict, calls: int) -> dict:
     fn, args = _case(shape, tokens, rotations, tiles)
     r = profiled_device_us(fn, *args, calls=calls, by_kernel=True)
     per = lambda v: None if v is None else v / rotations  # noqa: E731
     return {"kernel_us": per((r.get("profile_kernel_us") or {}).get(KERNEL)),
-            "call_span_us": per(r.get("profile_span_us")), "call_busy_us": per(r.get("profile_busy_us")), "raw": r}
+            "call_span_us": per(r.get("profile_span_us")), "call_busy_us": per(r.get("profile_busy_us")),
+            "bytes": gemm_bytes(shape, tokens, rotations, tiles.get("sets", 1)), "raw": r}
 
 
 def main() -> None:

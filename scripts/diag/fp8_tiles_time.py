@@ -32,6 +32,12 @@ def _case(shape: str, m: int, rotations: int):
     return jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16), ws_
 
 
+def _bytes(shape: str, m: int) -> int:
+    """HBM bytes of one call: e4m3 weights and their fp32 block scales, bf16 x and y."""
+    k, n = SHAPES[shape]
+    return n * k + 4 * (n // 128) * (k // 128) + 2 * m * (k + n)
+
+
 def _measure(shape: str, m: int, rotations: int, tiles: dict, calls: int) -> dict:
     x, ws_ = _case(shape, m, rotations)
     call = functools.partial(fp8_gemm.fp8_linear, implementation="pallas", **tiles)
@@ -42,7 +48,7 @@ def _measure(shape: str, m: int, rotations: int, tiles: dict, calls: int) -> dic
     per = lambda v: None if v is None else v / rotations  # noqa: E731
     return {"max_abs_diff_vs_xla": float(np.abs(got - want).max()), "max_abs_xla": float(np.abs(want).max()),
             "kernel_us": per((r.get("profile_kernel_us") or {}).get(KERNEL)),
-            "call_span_us": per(r.get("profile_span_us")), "weight_bytes": SHAPES[shape][0] * SHAPES[shape][1],
+            "call_span_us": per(r.get("profile_span_us")), "bytes": _bytes(shape, m),
             "raw": r}
 
 
