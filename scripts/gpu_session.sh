@@ -41,6 +41,7 @@
 #   scripts/gpu_session.sh kernels       # fused insert (+ tile sweep) + indexer rows with device_us, top-k variants
 #   scripts/gpu_session.sh insert-parts  # issue 20: V3.2's inserts without their Hadamard, a same-size copy, ncu at T = 8192
 #   scripts/gpu_session.sh insert-regs   # issue 20: the inserts' registers / shared memory as the GPU build compiles them
+#   scripts/gpu_session.sh q-rows        # issue 20: the fused q at two tokens per program (T = 1024 in one wave)
 #   scripts/gpu_session.sh fp4-regions   # issue 22: the FP4 kernel's named regions per warpgroup at 1 and 8 tokens (profiler)
 #   scripts/gpu_session.sh fused-layout  # issues 22 / 19: layout "fused", w1 + w3 in one FP4 call, 4-deep rings (tests, timeline, ncu)
 #   scripts/gpu_session.sh fp8-192       # issue 19: the FP8 GEMM's 192-wide tiles (q_b at 128 rows in one wave), tests then ncu sweep
@@ -468,6 +469,13 @@ case "$stage" in
         --shape $1 --m ${INSERT_REGS_T:-8192} --tiles "$2" 2>/dev/null \
         | grep -i "Registers Per Thread\|Dynamic Shared" | awk -F'","' -v v="$v" '{print v": "$(NF-2), $NF}'
     done
+    ;;
+  q-rows)
+    # issue 20 (twenty-fourth session): the fused q at two tokens per program against one (T = 1024: 1024
+    # programs are two waves at 4 a SM; 512 are one), beside a same-size copy, GPU timeline (about 2 minutes)
+    timeout -k 10 ${QROWS_TIMEOUT:-180} python3 scripts/diag/insert_parts.py --ts 1024 8192 \
+      --variants default q_rows256 q_rows256_w8 --out "$OUT/insert_parts_qrows_h200.json" > "$OUT/q_rows.log" 2>&1
+    echo "q rows rc=$?"; grep '^{' "$OUT/q_rows.log" | cut -c1-300
     ;;
   insert-parts)
     # issue 20: V3.2's inserts with / without their Hadamard beside a same-size copy (GPU timeline), then Nsight

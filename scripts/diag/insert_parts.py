@@ -8,7 +8,8 @@ below the share of the copy bandwidth that V4's reaches (docs/perf-log.md, twent
 Variants: ``split`` / ``unsplit``, each kernel's parts (MLA / indexer) in their own programs or not (``split_phases``);
 ``btN``: the kv insert at N tokens per program (``block_tokens``); ``pairs_loads`` / ``pairs_registers``: its
 indexer key's rope partners loaded again or found in registers (``rope_pairs``); ``w8``: 8 warps per program;
-``no_hadamard``, not the model's numerics, says what the indexer's Hadamard (a tl.dot against a 128 x 128
+``q_rows256`` (``_w8``): the fused q at two tokens per program (half the programs: T = 1024's 1024 one-token
+programs are two waves at the 4 a SM its registers allow); ``no_hadamard``, not the model's numerics, says what the indexer's Hadamard (a tl.dot against a 128 x 128
 matrix every program loads) costs. The copy row (``a + 1`` on float32, half the case's bytes: read + written =
 the case's bytes; a uint8 array copies far slower) is the same-size ceiling: a small call sits at its launch
 and latency floor, which the one large copy of ``measure_ceilings`` does not show.
@@ -32,7 +33,8 @@ VARIANTS = {"default": {}, "no_hadamard": {"hadamard": False}, "split": {"split_
             "unsplit": {"split_phases": False}, "bt4": {"block_tokens": 4}, "bt8": {"block_tokens": 8},
             "bt32": {"block_tokens": 32}, "pairs_loads": {"rope_pairs": "loads"},
             "pairs_registers": {"rope_pairs": "registers"}, "bt32_loads": {"block_tokens": 32, "rope_pairs": "loads"},
-            "w8": {"num_warps": 8}}
+            "w8": {"num_warps": 8}, "q_rows256": {"rows_per_program": 256},
+            "q_rows256_w8": {"rows_per_program": 256, "num_warps": 8}}
 
 
 def main() -> None:
@@ -50,6 +52,8 @@ def main() -> None:
             kw = VARIANTS[name]
             if any(k not in inspect.signature(fn).parameters for k in kw):
                 continue  # (V4's insert has no Hadamard and one part)
+            if name.startswith("q_") and kernel != "v32_fused_q":
+                continue  # the fused q's own tiles
             call = functools.partial(fn, **{**static, **kw}, implementation="pallas")
 
             def measure(call=call, args=args, cache_pos=cache_pos, out_pos=out_pos, nbytes=nbytes) -> dict:
