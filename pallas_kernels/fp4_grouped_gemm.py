@@ -356,13 +356,13 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
                        out_dtype=out_dtype if p.splits == 1 else jnp.dtype(jnp.float32), interpret=p.interpret,
                        mma_group=mma_group, profile_dir=profile_dir, sets=len(w_packed))
     weights = [a for pair in zip(w_packed, w_scale) for a in pair]  # w_0, s_0, w_1, s_1, ...
-    if fused:  # the layout kernel's copies: permuted e4m3 rows, scales [K/128, rows]
-        xp, sxt = lax.bitcast_convert_type(p.xp, jnp.float8_e4m3fn), p.sxt
-        return grouped_rows.finish(call(p.count, p.info, xp, sxt, *weights), p, out_dtype)
-    if x_scale is not None:  # the padded rows' scales [K/128, rows]: a token tile's per 128-column block
-        return grouped_rows.finish(call(p.count, p.info, xp, grouped_rows.tile_rows(x_scale, p).T, *weights), p,
-                                   out_dtype)
-    return grouped_rows.finish(call(p.info, xp, *weights), p, out_dtype)
+    if x_scale is None:
+        return grouped_rows.finish(call(p.info, xp, *weights), p, out_dtype)
+    # the padded rows' scales [K/128, rows] (a token tile's per 128-column block); "fused": the layout kernel's
+    # copies of the permuted e4m3 rows and of the scales
+    xp, sxt = ((lax.bitcast_convert_type(p.xp, jnp.float8_e4m3fn), p.sxt) if fused
+               else (xp, grouped_rows.tile_rows(x_scale, p).T))
+    return grouped_rows.finish(call(p.count, p.info, xp, sxt, *weights), p, out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -693,8 +693,8 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
 
         def load_for(cs):
             """Load the packed columns of this warpgroup's rows that blocks ``cs`` lie in (at the step's level, not
-            inside an MMA scope, whose values cannot be used by the next). Four warpgroups (112 registers each)
-            load one swizzle tile at a time (wsw / 4 registers per thread), not the whole step (bk / 8)."""
+            inside an MMA scope, whose values cannot be used by the next). Four warpgroups (``compute_registers``
+            each) load one swizzle tile at a time (wsw / 4 registers per thread), not the whole step (bk / 8)."""
             for j in sorted({16 * c // cw for c in cs}):
                 if j not in chunks:
                     chunks[j] = plgpu.load(w_s.at[pl.ds(wg * 64, 64), pl.ds(j * cw, cw)],
