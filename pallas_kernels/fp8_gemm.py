@@ -186,9 +186,9 @@ def _pick_tiles(m: int, n: int, nk: int, block_m: int | None, block_n: int | Non
                 split_k: int | None) -> tuple[int, int, int]:
     """(block_m, block_n, split_k): the given ones, defaults for the rest.
 
-    Defaults: M <= 64 (decode, weight-read bound): 64 x 128 tiles (wgmma's minimum M; 64 x 256 for a short K
-    with many columns, ``_default_block_n``) and split-K until one wave of CTAs fills most SMs
-    (``_auto_split_k``). Larger M: 128 x 128 tiles (+ split-K if too few). 256-wide tiles halve the SMEM / L2
+    Defaults: M <= 64 (decode, weight-read bound): 64 x 128 tiles (wgmma's minimum M) and split-K until one
+    wave of CTAs fills most SMs (``_auto_split_k``). Larger M: 128 x 128 tiles (+ split-K if too few). Decode
+    rows with more 128-wide column tiles than SMs: 192- or 256-wide tiles (``_default_block_n``). 256-wide tiles halve the SMEM / L2
     traffic per FLOP but were slower at M = 2048 in the tile sweep (``jds.bench.kernels_fp8_gemm --sweep``): a
     256-wide warpgroup chunk doubles the promotion registers and leaves room for fewer TMA stages."""
     bm = block_m or (64 if m <= 64 else 128)
@@ -223,13 +223,18 @@ def _auto_split_k(tiles: int, nk: int) -> int:
 
 
 def _default_block_n(m: int, n: int, nk: int, bm: int) -> int:
-    """256-wide tiles for decode rows (one 64-row tile) of a short K (<= ``WIDE_TILE_MAX_K``) whose 128-wide
-    column tiles exceed one wave (q_b: 24576 x 1536), else 128. There stream-K's fp32 partials cost too much
-    beside a short K's weight read, and whole 128-wide tiles leave a tail wave; 256-wide tiles (96 for q_b, with
-    the one-wave K split) were faster at 1 and 64 rows, slower at 128 (exact kernel times,
-    fp8_decode_ncu_sweep_h200_2026-12-02.json)."""
-    if bm == 64 and m <= 64 and n % 256 == 0 and n // 128 > NUM_SMS and nk * BLOCK <= WIDE_TILE_MAX_K:
-        return 256
+    """Decode rows (one row tile, M <= 128) whose 128-wide column tiles exceed one wave (q_b's 192, mlp's 144
+    on 132 SMs), where whole tiles leave a tail wave: 192-wide tiles where they make one wave (q_b's 128, mlp's
+    96; each accumulator chunk stays inside one weight-scale block); else 256-wide for one
+    64-row tile of a short K (<= ``WIDE_TILE_MAX_K``), where stream-K's fp32 partials cost too much beside the
+    weight read; else 128. Exact kernel times (ncu): 192-wide tiles beat the earlier defaults at q_b 64 / 128
+    rows and mlp 1, 64 and 128 rows, level at q_b 1 row (fp8_decode_ncu_sweep_h200_2026-12-03.json); 256 beat 128 at 1 and 64 rows
+    (archive/fp8_decode_ncu_sweep_h200_2026-12-02.json)."""
+    if m <= min(bm, 128) and n // BLOCK > NUM_SMS:
+        if n % 192 == 0 and n // 192 <= NUM_SMS:
+            return 192
+        if bm == 64 and n % 256 == 0 and nk * BLOCK <= WIDE_TILE_MAX_K:
+            return 256
     return 128
 
 
@@ -242,7 +247,7 @@ def _auto_stream_k(m: int, n: int, nk: int, block_m: int | None, block_n: int | 
 
     Off where the fp32 partials cost too much beside the weight read: a shared tile's partial is written and
     summed (8 M bytes per column, in two kernels) against its K weight bytes per column, so stream-K needs
-    M <= K / ``STREAM_K_ROWS_PER_K``. Exact kernel times (ncu, fp8_decode_ncu_sweep_h200_2026-12-02.json):
+    M <= K / ``STREAM_K_ROWS_PER_K``. Exact kernel times (ncu, archive/fp8_decode_ncu_sweep_h200_2026-12-02.json):
     q_b (K = 1536) was faster without stream-K at 64 and 128 rows and level at 1; mlp (K = 7168) faster with
     it at 64 and 128."""
     if m > 128 or block_m not in (None, 64 if m <= 64 else 128) or split_k is not None or stage_scales:
@@ -432,7 +437,7 @@ def stream_k_layout(n_tiles: int, nk: int, ctas: int) -> tuple[int, int, np.ndar
     bool [J, n_tiles]: whether a tile has a j-th CTA). The j-th CTA of tile t (counted from the owner of its
     first unit) writes its partial to slot j of the [J, rows, N] output. Every tile's units are shared: whole
     tiles first and only the remainder shared (so that the fixup reads fewer partials) made mlp's kernel as slow
-    as no stream-K at 64 and 128 rows (fp8_decode_ncu_sweep_h200_2026-12-02.json, runs 0 and 1), and was
+    as no stream-K at 64 and 128 rows (archive/fp8_decode_ncu_sweep_h200_2026-12-02.json, runs 0 and 1), and was
     reverted; why is not measured (one guess: every CTA then starts its tile at K block 0 at once)."""
     units = n_tiles * nk
     t = np.arange(n_tiles)

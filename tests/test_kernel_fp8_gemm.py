@@ -386,26 +386,31 @@ def test_auto_split_k() -> None:
 
 
 def test_auto_stream_k_and_staged_scales() -> None:
-    """stream_k=None: on for decode rows whose column tiles alone exceed one wave (mlp), off where the K split
-    makes one wave (wo, q_a), above 128 rows, where the fp32 partials outweigh a short K (q_b: 256-wide tiles up
-    to 64 rows, one wave; 128-wide ones from 65 rows) and wherever a tile choice excludes it. Staged scales by
+    """Default tiles for decode rows whose 128-wide column tiles exceed one wave: 192 wide where that makes one
+    wave (q_b, mlp), else 256 wide for a short K. stream_k=None: on for decode rows whose column tiles alone
+    still exceed one wave (mlp at 128-wide tiles), off where the K split makes one wave (wo, q_a), above 128
+    rows, where the fp32 partials outweigh a short K and wherever a tile choice excludes it. Staged scales by
     default up to 128 rows where they fit SMEM; act_quant in one kernel up to 128 rows."""
-    assert G._auto_stream_k(1, 18432, 56, None, None, None, None)  # mlp: 144 tiles
-    for m in (1, 64):  # q_b: 96 tiles 256 wide, one wave
+    for m in (1, 64, 128):  # q_b: 128 tiles 192 wide, mlp: 96; one wave each, no stream-K
+        bm = 64 if m <= 64 else 128
+        assert G._pick_tiles(m, 24576, 12, None, None, None) == (bm, 192, 1)
+        assert G._pick_tiles(m, 18432, 56, None, None, None) == (bm, 192, 1)
         assert not G._auto_stream_k(m, 24576, 12, None, None, None, None)
-        assert G._pick_tiles(m, 24576, 12, None, None, None) == (64, 256, 1)
+        assert not G._auto_stream_k(m, 18432, 56, None, None, None, None)
+    assert G._default_block_n(1, 25600, 12, 64) == 256  # not a multiple of 192: 256 wide for a short K
+    assert G._default_block_n(1, 25600, 56, 64) == 128
+    assert G._default_block_n(129, 24576, 12, 128) == 128  # two row tiles
+    assert G._auto_stream_k(1, 18432, 56, None, 128, None, None)  # mlp: 144 tiles 128 wide
     assert G._auto_stream_k(1, 24576, 12, None, 128, None, None)  # 192 tiles 128 wide, short rows
     assert not G._auto_stream_k(49, 24576, 12, None, 128, None, None)  # K = 1536: partials beside the weights
-    assert not G._auto_stream_k(128, 24576, 12, None, None, None, None)
-    assert G._pick_tiles(128, 24576, 12, None, None, None)[:2] == (128, 128)
-    assert G._pick_tiles(1, 18432, 56, None, None, 1) == (64, 128, 1)  # mlp: K = 7168 keeps 128-wide tiles
+    assert G._pick_tiles(1, 18432, 56, None, 128, 1) == (64, 128, 1)
     assert not G._auto_stream_k(1, 7168, 128, None, None, None, None)  # wo: 56 tiles, split 2
-    assert G._auto_stream_k(128, 18432, 56, None, None, None, None)  # one 128-row tile
-    assert not G._auto_stream_k(129, 18432, 56, None, None, None, None)
-    assert not G._auto_stream_k(100, 18432, 56, 64, None, None, None)  # two 64-row tiles
-    assert not G._auto_stream_k(1, 18432, 56, None, None, 2, None)
-    assert not G._auto_stream_k(1, 18432, 56, None, None, None, True)
-    assert not G._auto_stream_k(1, 18432, 56, 128, None, None, None)
+    assert G._auto_stream_k(128, 18432, 56, None, 128, None, None)  # one 128-row tile
+    assert not G._auto_stream_k(129, 18432, 56, None, 128, None, None)
+    assert not G._auto_stream_k(100, 18432, 56, 64, 128, None, None)  # two 64-row tiles
+    assert not G._auto_stream_k(1, 18432, 56, None, 128, 2, None)
+    assert not G._auto_stream_k(1, 18432, 56, None, 128, None, True)
+    assert not G._auto_stream_k(1, 18432, 56, 128, 128, None, None)
     assert G._staged_smem(64, 128, 128, 64, 4, True) <= G.SMEM_BYTES  # wo decode
     assert G._staged_smem(128, 256, 512, 512, 4, False) > G.SMEM_BYTES  # in = 65536 unsplit: not staged
     assert G.STAGE_SCALES_BELOW > 128

@@ -315,11 +315,12 @@ def test_fp4_moe_call_and_paths_agree(fp4_moe):
 def test_gate_up_one_call_same_routed_output(fp4_moe):
     """``gate_up_one_call``: w1 and w3 as one grouped call give the routed output of two calls, bit for bit."""
     x, weights, idx = _inputs(fp4_moe.cfg, "bfloat16", seed=11)
-    one = nnx.clone(fp4_moe)
+    one, two = nnx.clone(fp4_moe), nnx.clone(fp4_moe)
     one.cfg = dataclasses.replace(fp4_moe.cfg, gate_up_one_call=True)
+    two.cfg = dataclasses.replace(fp4_moe.cfg, gate_up_one_call=False)
     routed = nnx.jit(lambda m, a, w, i: m.routed(a, w, i))
     np.testing.assert_array_equal(np.asarray(routed(one, x, weights, idx)),
-                                  np.asarray(routed(fp4_moe, x, weights, idx)))
+                                  np.asarray(routed(two, x, weights, idx)))
 
 
 # ------------------------------------------------------------------------------------------------------------
