@@ -174,9 +174,11 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: Weights, w_scal
     2^126, no conversions, native only: XLA on the CPU flushes them; "auto": "lop3" natively for token tiles
     up to 32 rows (decode), else "f16", which measured faster with 128-row prefill tiles). ``layout``: where the
     rows' bookkeeping is computed (``grouped_rows.row_layout``: "xla", about eight small kernels, or "pallas",
-    one, which shortened the decode call on the H200 (benchmarks/results/fp4_decode_ncu_sweep_h200_2026-12-02.json);
-    "auto": "pallas" natively, "xla" in interpret mode; "fused", e4m3 x only: that kernel also copies x's rows,
-    permuted, and their scales into the padded layout, two XLA kernels fewer per call).
+    one, which shortened the decode call on the H200:
+    benchmarks/results/archive/fp4_decode_ncu_sweep_h200_2026-12-02.json); "auto": "pallas" natively, "xla" in
+    interpret mode; "fused", e4m3 x only: that kernel also copies x's rows, permuted, and their scales into the
+    padded layout, two XLA kernels fewer per call, but its call was longer on the H200 at 1 and 8 tokens
+    (fp4_tiles_time_h200_2026-12-03.json).
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``); None = whenever the default
     backend is not a GPU.
     ``x_scale``: x given quantised, as the release's ``fp4_gemm`` takes it: x float8_e4m3fn [M, K] and
@@ -269,7 +271,7 @@ def _pick_tiles(m: int, e: int, n: int, k: int, block_t: int | None, block_n: in
     """(block_t, block_n, block_k, split_k): the given ones, defaults for the rest (``grouped_rows.pick_tiles``;
     a split holds whole ``K_ALIGN``-column chunks). The "fp8" route (e4m3 x) steps 512 columns at token tiles
     up to 32 rows: faster than 256 at 1, 8 and 64 tokens on the H200 (Nsight Compute,
-    benchmarks/results/fp4_decode_ncu_sweep_h200_2026-12-02.json). Its default split leaves at least two steps
+    benchmarks/results/archive/fp4_decode_ncu_sweep_h200_2026-12-02.json). Its default split leaves at least two steps
     per work unit where the K range allows: the ring's depth divides a unit's steps (``fp8_stages``), and a
     one-step unit would leave a ring of one stage (the split rule, counting 128-row tiles, cuts 256-row tiles'
     K range twice as often)."""
@@ -629,7 +631,7 @@ def fp8_stages(stages: int, steps: int, bt: int, bn: int, bk: int) -> int:
     unit (consecutive units' pipelines continue one ring, whose slots must line up at unit boundaries). One
     pipeline per CTA over all its units' steps, of any depth (the "flat" ring, which the FP8 grouped kernel's
     persistent form uses), measured no faster at 1 to 64 tokens
-    (benchmarks/results/fp4_decode_ncu_sweep_h200_2026-12-02.json, run 3)."""
+    (benchmarks/results/archive/fp4_decode_ncu_sweep_h200_2026-12-02.json, run 3)."""
     per_stage = bt * bk + bn * bk // 2 + bn * FP8_SCALE_COLS + K_ALIGN // X_BLOCK * bt * 4
     fit = min(stages, steps, SMEM_BUDGET // per_stage)
     if fit < 1:
@@ -685,7 +687,7 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
         group's weights are converted (this group's scales loaded) while they run: the warps waited on
         shared-memory loads for most of their stalls when conversion came after the wait, and the overlap was no
         slower anywhere
-        (benchmarks/results/fp4_decode_ncu_sweep_h200_2026-12-02.json)."""
+        (benchmarks/results/archive/fp4_decode_ncu_sweep_h200_2026-12-02.json)."""
         wg = lax.axis_index("wg")
         groups = [list(range(c0, c0 + group)) for c0 in range(0, blocks, group)]
         col0 = step * blocks % FP8_SCALE_COLS  # the step's first scale column in the ring's 16

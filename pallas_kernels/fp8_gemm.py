@@ -35,11 +35,13 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, 3 warpgroups per CTA: 2 compu
   <= 128 (one MMA accumulator + the running sums: block_n = 256 with 128-row tiles keeps 2 x 64 fp32 running
   registers + one 64-register MMA tile per thread); a chunk lies in one weight-scale block (one sw scalar).
 - Output: ``split_k`` == 1 stores acc as out_dtype straight from registers to GMEM ([Mp, N], padded rows
-  sliced away). ``split_k`` > 1 stores fp32 partials [split_k, rows, N] that XLA sums and casts; with a single
-  64-row tile (decode) only the first round_up(M, 8) rows go out, through SMEM and a TMA store (fp32 partials
-  of 64 rows per split would be as many bytes as the weights). Split-K is the decode path: with M <= 64 there
-  are only N / block_n output tiles (12 for the 7168->1536 q_a projection) and the call is weight-read
-  bound, so the K range is cut until one wave of CTAs (one per SM) fills most SMs (``_auto_split_k``).
+  sliced away), except a single 64-row tile of fewer real rows: its first round_up(M, 8) rows go out through
+  SMEM and a TMA store, as the decode partials below. ``split_k`` > 1 stores fp32 partials [split_k, rows, N]
+  that XLA sums and casts; with a single 64-row tile (decode) only the first round_up(M, 8) rows go out,
+  through SMEM and a TMA store (fp32 partials of 64 rows per split would be as many bytes as the weights).
+  Split-K is the decode path: with M <= 64 there are only N / block_n output tiles (12 for the 7168->1536
+  q_a projection) and the call is weight-read bound, so the K range is cut until one wave of CTAs (one per
+  SM) fills most SMs (``_auto_split_k``).
 - ``quantize_x=True`` (decode tiles: bfloat16 x, M <= 64): the pipeline streams bfloat16 x tiles instead of
   e4m3 ones, and each compute warpgroup quantises the K block's tile in registers (row amax, ``row_scales``,
   clamp, RNE cast) into its own e4m3 SMEM tile right before its MMA; the row scales stay in registers for the
@@ -188,9 +190,10 @@ def _pick_tiles(m: int, n: int, nk: int, block_m: int | None, block_n: int | Non
 
     Defaults: M <= 64 (decode, weight-read bound): 64 x 128 tiles (wgmma's minimum M) and split-K until one
     wave of CTAs fills most SMs (``_auto_split_k``). Larger M: 128 x 128 tiles (+ split-K if too few). Decode
-    rows with more 128-wide column tiles than SMs: 192- or 256-wide tiles (``_default_block_n``). 256-wide tiles halve the SMEM / L2
-    traffic per FLOP but were slower at M = 2048 in the tile sweep (``jds.bench.kernels_fp8_gemm --sweep``): a
-    256-wide warpgroup chunk doubles the promotion registers and leaves room for fewer TMA stages."""
+    rows with more 128-wide column tiles than SMs: 192- or 256-wide tiles (``_default_block_n``). 256-wide
+    tiles halve the SMEM / L2 traffic per FLOP but were slower at M = 2048 in the tile sweep
+    (``jds.bench.kernels_fp8_gemm --sweep``): a 256-wide warpgroup chunk doubles the promotion registers and
+    leaves room for fewer TMA stages."""
     bm = block_m or (64 if m <= 64 else 128)
     mt = -(-m // bm)
     if block_n is None:
@@ -228,8 +231,8 @@ def _default_block_n(m: int, n: int, nk: int, bm: int) -> int:
     96; each accumulator chunk stays inside one weight-scale block); else 256-wide for one
     64-row tile of a short K (<= ``WIDE_TILE_MAX_K``), where stream-K's fp32 partials cost too much beside the
     weight read; else 128. Exact kernel times (ncu): 192-wide tiles beat the earlier defaults at q_b 64 / 128
-    rows and mlp 1, 64 and 128 rows, level at q_b 1 row (fp8_decode_ncu_sweep_h200_2026-12-03.json); 256 beat 128 at 1 and 64 rows
-    (archive/fp8_decode_ncu_sweep_h200_2026-12-02.json)."""
+    rows and mlp 1, 64 and 128 rows, level at q_b 1 row (fp8_decode_ncu_sweep_h200_2026-12-03.json); 256 beat
+    128 at 1 and 64 rows (archive/fp8_decode_ncu_sweep_h200_2026-12-02.json)."""
     if m <= min(bm, 128) and n // BLOCK > NUM_SMS:
         if n % 192 == 0 and n // 192 <= NUM_SMS:
             return 192
@@ -322,7 +325,8 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     mp = -(-m // bm) * bm
-    trim = _trimmed(s, bm, mp // bm)
+    mr = min(mp, -(-m // 8) * 8)
+    trim = _trimmed(s, bm, mp // bm, mr)
     # interpret mode hangs on staged scales + the trimmed epilogue (undiagnosed, 2026-12-01; the GPU runs it: native
     # tests and the benchmark), so there the default keeps the unstaged kernel
     if stage_scales is None:
@@ -334,7 +338,6 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     if stream_k:
         stage_scales = False
     ctas = stream_k_ctas(n // bn, nk) if stream_k else 0
-    mr = min(mp, -(-m // 8) * 8)
     call = _build_call(mr=mr, mp=mp, n=n, k=k, bm=bm, bn=bn, splits=s, stages=stages, group_m=group_m,
                        out_dtype=out_dtype if s == 1 and not stream_k else jnp.dtype(jnp.float32),
                        interpret=interpret or None, stage_scales=stage_scales,
@@ -445,9 +448,11 @@ def stream_k_layout(n_tiles: int, nk: int, ctas: int) -> tuple[int, int, np.ndar
     return -(-units // ctas), int(count.max()), np.arange(count.max())[:, None] < count[None, :]
 
 
-def _trimmed(splits: int, bm: int, m_tiles: int) -> bool:
-    """Split-K partials of a single 64-row tile (decode) go through the trimmed SMEM epilogue."""
-    return splits > 1 and bm == 64 and m_tiles == 1
+def _trimmed(splits: int, bm: int, m_tiles: int, mr: int) -> bool:
+    """A single 64-row tile (decode) stores through the trimmed SMEM epilogue: split-K partials always, one split's
+    output when it has fewer than 64 real rows. Stored from registers, the padded rows of a one-row q_b call
+    are 3 MB of writes beside 38 MB of weights, in half-used 32-byte sectors (Nsight Compute, 2026-12-03)."""
+    return bm == 64 and m_tiles == 1 and (splits > 1 or mr < bm)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -476,9 +481,11 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     nch = wn // cw
     L = plgpu.Layout.WGMMA
     ROW = L.reduce(1)
-    # split-K partials of a single 64-row tile (decode) keep only the first mr = round_up(M, 8) rows: fp32
-    # partials of all 64 rows would be written and read back once per split (as many bytes as the weights)
-    trim = _trimmed(splits, bm, m_tiles) or stream_k > 0
+    # a single 64-row tile (decode) keeps only the first mr = round_up(M, 8) rows: fp32 partials of all 64 rows
+    # would be written and read back once per split (as many bytes as the weights); one split's output in
+    # out_dtype, its padded rows never written
+    trim = _trimmed(splits, bm, m_tiles, mr) or stream_k > 0
+    ep_dtype = jnp.dtype(jnp.float32) if splits > 1 or stream_k else jnp.dtype(out_dtype)
     if stream_k and (m_tiles != 1 or stage_scales or splits != 1):
         raise ValueError("stream_k needs one row tile, unstaged scales and no split_k")
     units = n_tiles * nk
@@ -601,10 +608,11 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                         for c in range(nch):
                             if c:
                                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                            ep_s.at[w][...] = acc[c]
+                            ep_s.at[w][...] = acc[c].astype(ep_dtype)
                             plgpu.commit_smem()
+                            cols = pl.ds(wg_cols(w) + c * cw, cw)
                             plgpu.copy_smem_to_gmem(ep_s.at[w, pl.ds(0, mr)],
-                                                    o_ref.at[si, :, pl.ds(wg_cols(w) + c * cw, cw)])
+                                                    o_ref.at[si, :, cols] if splits > 1 else o_ref.at[:, cols])
                         plgpu.wait_smem_to_gmem(0)
                 return
             rows = pl.ds(m0 + wg * 64, 64) if split_m else pl.ds(m0, 64)
@@ -633,12 +641,14 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                   x_ref.at[pl.ds(m0, bm), pl.ds(kb0 * BLOCK, kps * BLOCK)]),
                  w_ref.at[pl.ds(n0, bn), pl.ds(kb0 * BLOCK, kps * BLOCK)])
 
-    out_shape = (mp, n) if splits == 1 else (splits, mr if trim else mp, n)
+    out_shape = ((mr if trim else mp, n) if splits == 1 else (splits, mr if trim else mp, n))
     if stream_k:
         out_shape = (slots, mr, n)
-    # the [64, cw] fp32 staging tile of each compute warpgroup's partial (128-byte rows: (8, 32) tiles)
-    scratch = [plgpu.SMEM((2, 64, cw), jnp.float32,
-                          transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))] if trim else []
+    # the [64, cw] staging tile of each compute warpgroup's output (fp32 partials, else out_dtype), swizzled by
+    # its row's bytes up to 128
+    ep_swz = min(128, cw * ep_dtype.itemsize)
+    scratch = [plgpu.SMEM((2, 64, cw), ep_dtype, transforms=(plgpu.TilingTransform((8, ep_swz // ep_dtype.itemsize)),
+                                                             plgpu.SwizzleTransform(ep_swz)))] if trim else []
     if quantize_x:
         scratch += [plgpu.SMEM((2, 64, BLOCK), quant.FP8, transforms=swz)]
     if stage_scales:

@@ -135,7 +135,7 @@ ROW_CHUNK = 512  # columns of x a "fused" layout program copies at once ([8, 512
 # side by side, so a program's own instruction chain is the kernel's time: at 32 an Nsight Compute profile
 # (2026-12-02, FP4 call at 8 tokens) showed 12.4 us for 13 programs, each of ~4.8K instructions per warp issued
 # one per ~4 cycles, half the stalls on instruction fetch (the unrolled [32, 256] code). 8 cuts a program's
-# element work by 4: 4.2 us in the same calls (benchmarks/results/fp4_decode_ncu_sweep_h200_2026-12-02.json).
+# element work by 4: 4.2 us in the same calls (benchmarks/results/archive/fp4_decode_ncu_sweep_h200_2026-12-02.json).
 LAYOUT_BLOCK = 8
 
 

@@ -134,6 +134,20 @@ def test_exact_data_bit_equal(mode: str, tiles: dict) -> None:
     np.testing.assert_array_equal(np.asarray(got), x @ w.T)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("m,block_n", [(5, 192), (13, 128)])
+def test_one_split_trimmed_rows_bit_equal(mode: str, m: int, block_n: int) -> None:
+    """One split of a single 64-row tile with fewer real rows (decode): only the first round_up(M, 8) rows are
+    stored, in out_dtype through SMEM (bf16 chunks of 32 and 64 columns); exact data, so the output is the
+    exact product rounded once to bf16."""
+    x, w, wq, ws = _exact_case(m, 256, 768, seed=m)
+    got = G.fp8_linear(jnp.asarray(x, jnp.bfloat16), wq, ws, out_dtype=jnp.bfloat16, implementation="pallas",
+                       interpret=interpret_for(mode), block_n=block_n, split_k=1)
+    assert got.shape == (m, 768)
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(jnp.asarray(x @ w.T).astype(jnp.bfloat16), np.float32))
+
+
 def _exact_case(m: int, k: int, n: int, seed: int):
     """(x, w float32, wq, ws): test_exact_data_bit_equal's data, any summation order exact."""
     rng = np.random.default_rng(seed)
@@ -433,7 +447,9 @@ def test_auto_stream_k_and_staged_scales() -> None:
                                          (128, 7168, 18432, dict(act_quant="kernel")),
                                          (256, 640, 512, dict(block_n=256, split_k=1, stage_scales=True)),
                                          (128, 1536, 24576, dict(block_n=192)),  # q_b prefill 128: one wave
-                                         (64, 1536, 24576, dict(block_n=192, split_k=2))])
+                                         (64, 1536, 24576, dict(block_n=192, split_k=2)),
+                                         (1, 1536, 24576, {}),  # q_b decode: 192 wide, one split, trimmed rows
+                                         (5, 7168, 18432, dict(block_n=128, split_k=1))])  # 64-column chunks
 def test_lowers_for_cuda(m: int, k: int, n: int, tiles: dict) -> None:
     """The compiled kernel passes Mosaic GPU's lowering (e4m3 wgmma with K-major operands, TMA, layouts)."""
     from jax.sharding import AbstractDevice, AbstractMesh
