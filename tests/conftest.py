@@ -8,6 +8,8 @@ of an identical module is skipped. The directory is made by the controlling proc
 workers, which inherit the variable) and removed at its end. Set only in this process's jax config, never in the
 environment jax reads, so subprocesses (servers, scripts, the mesh workers) compile as before.
 
+Kernel tests' interpret-mode runs outside ``tests/ci_budget.py``'s list are marked ``slow`` (CI time budget).
+
 ``JDS_TEST_XLA_CACHE=0`` turns the cache off. Tests that observe XLA compiling (dumps, compile counts) take the ``no_compile_cache`` fixture.
 
 On a machine without a jax GPU plugin, XLA's CPU backend compiles at LLVM optimisation level 0 in the test processes
@@ -84,3 +86,24 @@ def no_compile_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     from jax._src import compilation_cache
 
     monkeypatch.setattr(compilation_cache, "is_cache_used", lambda backend: False)
+
+
+@pytest.hookimpl(tryfirst=True)  # before the mark plugin deselects by ``-m``
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Interpret-mode runs of ``tests/test_kernel_*.py`` not listed in ``tests/ci_budget.py``: ``slow``. A listed
+    run that a whole-directory collection does not find is an error (a renamed test or parameter)."""
+    from tests.ci_budget import CI_INTERPRET, ci_interpret_run
+
+    seen = set()
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if not item.path.name.startswith("test_kernel_") or params.get("mode") != "interpret":
+            continue
+        if ci_interpret_run(item.nodeid):
+            seen.add(item.nodeid.rsplit("/", 1)[-1])
+        else:
+            item.add_marker(pytest.mark.slow)
+    whole = not config.option.keyword and all(os.path.isdir(str(a)) for a in config.args)
+    stale = sorted(CI_INTERPRET - seen)
+    if whole and stale:
+        raise pytest.UsageError(f"tests/ci_budget.py lists interpret-mode runs that do not exist: {stale}")

@@ -129,7 +129,8 @@ def test_convert_restore_same_logits(tmp_path, sources, arch: str) -> None:
     assert runner.model.cfg == s.cfg
 
 
-@pytest.mark.parametrize("arch,moe", [("v32", False), ("v32", True), ("v4", False), ("v4", True)])
+@pytest.mark.parametrize("arch,moe", [pytest.param("v32", False, marks=pytest.mark.slow), ("v32", True),
+                                      pytest.param("v4", False, marks=pytest.mark.slow), ("v4", True)])
 def test_mapping_covers_every_parameter(tmp_path, arch: str, moe: bool) -> None:
     """target_spec (no allocation) equals a real model's export; export -> convert is bit-exact for each
     architecture x FFN kind, in both the fp8 and the bf16 numerics."""

@@ -30,7 +30,7 @@ def _random_step(rng: np.random.Generator, rows: int, max_blocks: int, bs: int, 
     return chunks, bt
 
 
-@pytest.mark.parametrize("seed", range(25))
+@pytest.mark.parametrize("seed", [*range(10), *(pytest.param(s, marks=pytest.mark.slow) for s in range(10, 25))])
 def test_unpack_equals_make_batch(seed: int) -> None:
     rng = np.random.default_rng(seed)
     rows, max_blocks, bs, pool, cap = 6, 9, 4, 64, 80

@@ -1,0 +1,48 @@
+"""What `make test` (CI) runs of the kernels' GPU interpret mode, within its budget (10 minutes on 2 cores).
+
+Interpret mode simulates every GPU thread of a Pallas kernel on the CPU: a kernel test costs seconds there,
+and the kernel files' interpret-mode runs were over a third of the suite's time (2026-12-03). Their native
+runs (``gpu``) are what establishes a kernel, on the H200. In CI each kernel keeps the interpret-mode runs listed
+here: its default form on exact data (any summation order exact, so equal to the reference bit for bit) or
+against its reference, and the forms the model runs by default; ``tests/test_ops.py`` runs every op's kernel
+once more in interpret mode against the op's reference. ``tests/conftest.py`` marks every other
+interpret-mode run of ``tests/test_kernel_*.py`` ``slow`` (``make test-all`` runs them), so a new kernel test
+is out of CI until it is listed here.
+"""
+
+from __future__ import annotations
+
+CI_INTERPRET: frozenset[str] = frozenset({
+    # FP4 grouped GEMM: the e4m3-x route (V4's experts), its weight sets (gate + up in one call), the bf16-x route
+    "test_kernel_fp4_grouped_gemm.py::test_fp8_route_exact_bit_equal[interpret-None]",
+    "test_kernel_fp4_grouped_gemm.py::test_fp8_route_weight_sets[tiles0-interpret]",
+    "test_kernel_fp4_grouped_gemm.py::test_exact_data_bit_equal[interpret-pallas]",
+    "test_kernel_fp4_grouped_gemm.py::test_auto_runs_kernel[interpret]",
+    # FP8 GEMM: split-K decode tiles, one split with trimmed rows, the one-kernel act_quant, leading dims / auto
+    "test_kernel_fp8_gemm.py::test_exact_data_bit_equal[tiles0-interpret]",
+    "test_kernel_fp8_gemm.py::test_one_split_trimmed_rows_bit_equal[5-192-interpret]",
+    "test_kernel_fp8_gemm.py::test_quantize_rows_equals_act_quant[1-256-64-ue8m0-interpret]",
+    "test_kernel_fp8_gemm.py::test_leading_dims_and_auto[interpret]",
+    # FP8 grouped GEMM: the persistent schedule and the default layout
+    "test_kernel_fp8_grouped_gemm.py::test_persistent_exact_bit_equal[sizes2-tiles2-interpret]",
+    "test_kernel_fp8_grouped_gemm.py::test_exact_data_bit_equal[interpret-pallas]",
+    # the grouped GEMMs' row layout
+    "test_kernel_grouped_rows.py::test_layout_kernel_equals_xla[7-100-16-None-interpret]",
+    "test_kernel_grouped_rows.py::test_fused_layout_copies_rows[7-20-16-None-False-interpret]",
+    # top-k: the indexer's split form (prefilter, shrink, unroll) and the direct one
+    "test_kernel_topk_select.py::test_unroll_same_result[4-400-2-True-interpret]",
+    "test_kernel_topk_select.py::test_direct_matches_lax_top_k[300-37-4-interpret]",
+    # sparse MQA: V4 window + compressed + sink (V3.2's FP8 records: tests/test_ops.py)
+    "test_kernel_sparse_mqa.py::test_v4_window_compressed_sink[1-interpret]",
+    # fused inserts: both layers' prepare stage (each kernel alone: tests/test_ops.py)
+    "test_kernel_fused_insert.py::test_v32_layer_prepare[serving-interpret]",
+    "test_kernel_fused_insert.py::test_v4_layer_prepare[swa-interpret]",
+    # sparse indexer: gathered decode logits, exact ties
+    "test_kernel_sparse_indexer.py::test_logits_match_reference[gathered_decode-interpret]",
+    "test_kernel_sparse_indexer.py::test_exact_ties_lower_index_wins[interpret]",
+})
+
+
+def ci_interpret_run(nodeid: str) -> bool:
+    """Whether an interpret-mode run of a kernel test (``file.py::name[params]``, any directory prefix) is in CI."""
+    return nodeid.rsplit("/", 1)[-1] in CI_INTERPRET
