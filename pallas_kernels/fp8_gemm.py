@@ -641,7 +641,8 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                   x_ref.at[pl.ds(m0, bm), pl.ds(kb0 * BLOCK, kps * BLOCK)]),
                  w_ref.at[pl.ds(n0, bn), pl.ds(kb0 * BLOCK, kps * BLOCK)])
 
-    out_shape = ((mr if trim else mp, n) if splits == 1 else (splits, mr if trim else mp, n))
+    rows_out = mr if trim else mp
+    out_shape = (rows_out, n) if splits == 1 else (splits, rows_out, n)
     if stream_k:
         out_shape = (slots, mr, n)
     # the [64, cw] staging tile of each compute warpgroup's output (fp32 partials, else out_dtype), swizzled by

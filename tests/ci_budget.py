@@ -41,8 +41,3 @@ CI_INTERPRET: frozenset[str] = frozenset({
     "test_kernel_sparse_indexer.py::test_logits_match_reference[gathered_decode-interpret]",
     "test_kernel_sparse_indexer.py::test_exact_ties_lower_index_wins[interpret]",
 })
-
-
-def ci_interpret_run(nodeid: str) -> bool:
-    """Whether an interpret-mode run of a kernel test (``file.py::name[params]``, any directory prefix) is in CI."""
-    return nodeid.rsplit("/", 1)[-1] in CI_INTERPRET

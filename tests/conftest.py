@@ -92,15 +92,16 @@ def no_compile_cache(monkeypatch: pytest.MonkeyPatch) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Interpret-mode runs of ``tests/test_kernel_*.py`` not listed in ``tests/ci_budget.py``: ``slow``. A listed
     run that a whole-directory collection does not find is an error (a renamed test or parameter)."""
-    from tests.ci_budget import CI_INTERPRET, ci_interpret_run
+    from tests.ci_budget import CI_INTERPRET
 
     seen = set()
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if not item.path.name.startswith("test_kernel_") or params.get("mode") != "interpret":
             continue
-        if ci_interpret_run(item.nodeid):
-            seen.add(item.nodeid.rsplit("/", 1)[-1])
+        key = item.nodeid.rsplit("/", 1)[-1]  # file.py::name[params], as CI_INTERPRET lists them
+        if key in CI_INTERPRET:
+            seen.add(key)
         else:
             item.add_marker(pytest.mark.slow)
     whole = not config.option.keyword and all(os.path.isdir(str(a)) for a in config.args)
