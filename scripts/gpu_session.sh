@@ -45,6 +45,7 @@
 #   scripts/gpu_session.sh fp4-regions   # issue 22: the FP4 kernel's named regions per warpgroup at 1 and 8 tokens (profiler)
 #   scripts/gpu_session.sh fused-layout  # issues 22 / 19: layout "fused", w1 + w3 in one FP4 call, 4-deep rings (tests, timeline, ncu)
 #   scripts/gpu_session.sh fp8-192       # issue 19: the FP8 GEMM's 192-wide tiles (q_b at 128 rows in one wave), tests then ncu sweep
+#   scripts/gpu_session.sh qb-floor      # issue 19: q_b's weight stream alone (no MMA) against the GEMM, ring depths (ncu)
 #   scripts/gpu_session.sh fp4-wg4       # issue 22: the FP4 GEMM's four-warpgroup e4m3-x form, native tests then ncu sweep
 #   scripts/gpu_session.sh inserts       # issue 20: the fused inserts alone, GPU timeline + T = 8192 tile sweep
 #   scripts/gpu_session.sh topk          # Pallas radix-select top-k: native tests, then the top-k rows
@@ -211,6 +212,15 @@ case "$stage" in
     tail -3 "$OUT/fp8_192_tests.log"
     V=${FP8SWEEP_VARIANTS:-'[{}, {"block_n": 192}, {"block_n": 192, "stages": 5}]'}
     SWEEP_CASES=${SWEEP_CASES:-'q_b:128 mlp:128 q_b:64'} ncu_sweep fp8 "$V"
+    ;;
+  qb-floor)
+    # issue 19 (twenty-sixth session): is q_b's 56% of DRAM peak the GEMM's or its decomposition's? The same CTA
+    # grid and TMA ring with no MMA (ncu_kernels.py streamsweep) by ring depth and weight layout, then the GEMM
+    # itself at shallower rings (a 5-deep ring was slower than the 4-deep default, twenty-fourth session)
+    V=${STREAMSWEEP_VARIANTS:-'[{}, {"stages": 2}, {"stages": 3}, {"stages": 6}, {"layout": "rows_ws"}, {"layout": "tiles"}]'}
+    SWEEP_CASES=${SWEEP_CASES:-'q_b:0 mlp:0'} ncu_sweep stream "$V"
+    V=${FP8SWEEP_VARIANTS:-'[{}, {"stages": 2}, {"stages": 3}]'}
+    SWEEP_CASES=${FP8_CASES:-'q_b:1 q_b:64 q_b:128 mlp:1 mlp:128'} ncu_sweep fp8 "$V"
     ;;
   fused-layout)
     # issues 22 / 19 (twenty-fourth session, built untested): layout "fused", the grouped GEMMs' layout kernel

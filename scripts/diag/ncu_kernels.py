@@ -96,8 +96,29 @@ def _insert(kernel: str, tokens: int, tiles: dict):
     raise ValueError(f"unknown insert kernel {kernel!r}")
 
 
+def _stream(shape: str, tiles: dict):
+    """The FP8 GEMM's weight stream alone (``tma_stream.stream_call``: the GEMM's CTA grid and TMA ring, no MMA)
+    for the weight ``shape`` of ``kernels_fp8_gemm``; ``tiles``: layout ("rows_ws+x" = the GEMM's warp-specialised
+    pipeline with its 64-row activation tile, "rows", "tiles", ...), block_n (192), split_k (1), stages (4)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from tma_stream import stream_call
+
+    from jds.bench import kernels_fp8_gemm as b
+    k, n = b.SHAPES[shape]
+    t = {"layout": "rows_ws+x", "block_n": 192, "split_k": 1, "stages": 4, **tiles}
+    bn = t["block_n"]
+    w = jnp.zeros((n, k), jnp.float8_e4m3fn)
+    if t["layout"] == "tiles":
+        w = jnp.zeros((n // bn, k // 128, bn, 128), jnp.float8_e4m3fn)
+    x = jnp.zeros((64, k), jnp.float8_e4m3fn)
+    return jax.jit(stream_call(t["layout"], n, k, bn, t["split_k"], t["stages"], False)), (w, x)
+
+
 def _sweep(a: argparse.Namespace) -> None:
-    """fp8sweep: cases shape:rows of the FP8 GEMM; fp4sweep / fp8gsweep: shape:tokens of the grouped GEMMs."""
+    """fp8sweep: cases shape:rows of the FP8 GEMM; fp4sweep / fp8gsweep: shape:tokens of the grouped GEMMs;
+    streamsweep: shape:0, the FP8 GEMM's weight stream alone (``_stream``)."""
     cases = [(c.split(":")[0], int(c.split(":")[1])) for c in a.cases]
     variants = json.loads(a.variants)
     marker = jax.jit(lambda v: jnp.sin(v) * 3.0)
@@ -105,9 +126,11 @@ def _sweep(a: argparse.Namespace) -> None:
     calls = []
     for shape, m in cases:
         for v in variants:
-            name = f"{shape}_m{m}" if a.kernel == "fp8sweep" else f"{shape}_t{m}"
+            name = {"fp8sweep": f"{shape}_m{m}", "streamsweep": f"{shape}_stream"}.get(a.kernel, f"{shape}_t{m}")
             try:
-                if a.kernel == "fp8sweep":
+                if a.kernel == "streamsweep":
+                    f, args = _stream(shape, v)
+                elif a.kernel == "fp8sweep":
                     f, args = _fp8(shape, m, v)
                 else:
                     f, args = _grouped("fp4" if a.kernel == "fp4sweep" else "fp8", shape, m, v)
@@ -131,7 +154,7 @@ def _sweep(a: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kernel", choices=("fp4", "fp8", "fp8g", "topk", "mqa", "insert", "fp8sweep", "fp4sweep",
-                                       "fp8gsweep"))
+                                       "fp8gsweep", "streamsweep"))
     ap.add_argument("--shape", default=None, help="GEMM shape (default wo / w1); mqa: v32 or v4 (default v32); "
                                                   "insert: the kernel (v32_kv_insert, v32_fused_q, ...)")
     ap.add_argument("--cases", nargs="+", default=None,
@@ -147,6 +170,7 @@ def main() -> None:
     if a.kernel.endswith("sweep"):
         if a.cases is None:
             a.cases = ([f"{s}:{m}" for s in ("wo", "mlp") for m in (1, 64, 128)] if a.kernel == "fp8sweep"
+                       else ["q_b:0", "mlp:0"] if a.kernel == "streamsweep"
                        else [f"{s}:{t}" for s in ("w1", "w2") for t in (1, 8, 64)])
         return _sweep(a)
     tiles = json.loads(a.tiles)
