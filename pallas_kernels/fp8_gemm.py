@@ -122,8 +122,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                interpret: bool | plgpu.InterpretGPUParams | None = None, block_m: int | None = None,
                block_n: int | None = None, split_k: int | None = None, stages: int = 4,
                group_m: int = 8, stage_scales: bool | None = None, quantize_x: bool = False,
-               stream_k: bool | None = None, act_quant: str | None = None,
-               chunk_mmas: str | None = None) -> jax.Array:
+               stream_k: bool | None = None, act_quant: str | None = None) -> jax.Array:
     """y = x W^T with W = ``wq`` (float8_e4m3fn [out, in]) * ``w_scale`` (float32 [ceil(out/128),
     ceil(in/128)] per 128 x 128 block), x [..., in] re-quantised per 1 x 128 group (``scale_fmt``);
     [..., out] in ``out_dtype``.
@@ -145,9 +144,6 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     is quantised when the kernel does not do it itself: "xla" (``quant.act_quant`` plus the padding and transposed
     scales: three XLA kernels) or "kernel" (``quantize_rows``: one kernel; bfloat16 x, M < 8 or a multiple of 8,
     else XLA); None: "kernel" up to ``ACT_QUANT_KERNEL_UP_TO`` rows (``_auto_act_quant``).
-    ``chunk_mmas``: a warpgroup's accumulator is split in chunks of at most 128 columns inside one weight-scale
-    block; "serial" waits for each chunk's MMA before issuing the next (one chunk's registers at a time),
-    "batched" issues all of a K block's chunk MMAs and waits once; None: ``_auto_chunk_mmas``.
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``); None = whenever the default
     backend is not a GPU.
     """
@@ -157,7 +153,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
         "pallas": lambda: _pallas(x, wq, w_scale, out_dtype=out_dtype, scale_fmt=scale_fmt, interpret=interpret,
                                   block_m=block_m, block_n=block_n, split_k=split_k, stages=stages,
                                   group_m=group_m, stage_scales=stage_scales, quantize_x=quantize_x,
-                                  stream_k=stream_k, act_quant=act_quant, chunk_mmas=chunk_mmas)})
+                                  stream_k=stream_k, act_quant=act_quant)})
 
 
 def _check_common(x, wq, w_scale, scale_fmt) -> None:
@@ -271,11 +267,6 @@ def _auto_act_quant(m: int) -> str:
     return "kernel" if m <= ACT_QUANT_KERNEL_UP_TO else "xla"
 
 
-def _auto_chunk_mmas(bm: int, bn: int) -> str:
-    """chunk_mmas=None: "batched" (PROVISIONAL, twenty-sixth session: to be measured natively)."""
-    return "batched"
-
-
 def _staged_smem(bm: int, bn: int, nk: int, kps: int, stages: int, trim: bool) -> int:
     """SMEM bytes of the staged-scales kernel: the TMA ring, per compute warpgroup the row scales of the CTA's K
     range and the weight-scale rows, and the trimmed epilogue's fp32 staging tiles."""
@@ -299,7 +290,7 @@ def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
 
 
 def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages, group_m,
-            stage_scales, quantize_x=False, stream_k=None, act_quant=None, chunk_mmas=None):
+            stage_scales, quantize_x=False, stream_k=None, act_quant=None):
     _check_tiles(block_m, block_n, split_k, stages, group_m)
     if stage_scales is not None and not isinstance(stage_scales, bool):
         raise ValueError(f"stage_scales must be a bool or None, got {stage_scales!r}")
@@ -307,8 +298,6 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         raise ValueError(f"quantize_x must be a bool, got {quantize_x!r}")
     if stream_k is not None and not isinstance(stream_k, bool):
         raise ValueError(f"stream_k must be a bool or None, got {stream_k!r}")
-    if chunk_mmas not in (None, "serial", "batched"):
-        raise ValueError(f"chunk_mmas must be 'serial', 'batched' or None, got {chunk_mmas!r}")
     if act_quant not in (None, "xla", "kernel"):
         raise ValueError(f"act_quant must be 'xla', 'kernel' or None, got {act_quant!r}")
     n, k = wq.shape
@@ -352,8 +341,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     call = _build_call(mr=mr, mp=mp, n=n, k=k, bm=bm, bn=bn, splits=s, stages=stages, group_m=group_m,
                        out_dtype=out_dtype if s == 1 and not stream_k else jnp.dtype(jnp.float32),
                        interpret=interpret or None, stage_scales=stage_scales,
-                       quantize_x=scale_fmt if quantize_x else None, stream_k=ctas,
-                       chunk_mmas=chunk_mmas or _auto_chunk_mmas(bm, bn))
+                       quantize_x=scale_fmt if quantize_x else None, stream_k=ctas)
     sw = w_scale.astype(jnp.float32)
     sw = pad_weight_scales(sw) if stage_scales else sw
     if quantize_x:
@@ -472,7 +460,7 @@ def _trimmed(splits: int, bm: int, m_tiles: int, mr: int) -> bool:
 @functools.lru_cache(maxsize=None)
 def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: int, stages: int, group_m: int,
                 out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, stage_scales: bool = False,
-                quantize_x: quant.ScaleFmt | None = None, stream_k: int = 0, chunk_mmas: str = "serial"):
+                quantize_x: quant.ScaleFmt | None = None, stream_k: int = 0):
     """``quantize_x`` (a scale format; 64-row tiles only): the kernel takes bfloat16 x [Mp, K] and no scales of
     it, and each compute warpgroup quantises the K block's x tile into its own e4m3 SMEM tile before its MMA
     (the row scales stay in registers for the promotion): x (arguments x, w, sw), else (xq, sx^T, w, sw).
@@ -556,36 +544,28 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 xq_s.at[wg][...] = xq
                 plgpu.commit_smem()
                 a = xq_s.at[wg]
-            def scales(c):  # chunk c's weight scale, and (first chunk) the block's row scales
-                if quantize_x:  # the row scales are already in registers
-                    sx_c = None
-                    sw_c = (sw_s[wg, (wg_cols(wg) + c * cw) // BLOCK - scale_window(n0 // BLOCK, sw_rows), kb]
-                            if stage_scales else sw_ref[(wg_cols(wg, tile) + c * cw) // BLOCK, kb])
-                elif stage_scales:
-                    sx_c = plgpu.load(sx_s.at[wg, step], layout=ROW, optimized=False) if c == 0 else None
-                    sw_c = sw_s[wg, (wg_cols(wg) + c * cw) // BLOCK - scale_window(n0 // BLOCK, sw_rows), kb]
-                else:
-                    sx_c = plgpu.load(sxt_ref.at[kb, pl.ds(r0, 64)], layout=ROW, optimized=False) if c == 0 else None
-                    sw_c = sw_ref[(wg_cols(wg, tile) + c * cw) // BLOCK, kb]
-                return sx_c, sw_c
+            for c in range(nch):  # chunks run one after the other: one [64, cw] MMA accumulator at a time
+                def mma(blk_ref, c=c):
+                    plgpu.wgmma(blk_ref, a, w_s.at[pl.ds(c0 + c * cw, cw)].T)
+                    # the block's scales load while the MMA runs (from SMEM when staged)
+                    if quantize_x:  # the row scales are already in registers
+                        sx_c = None
+                        sw_c = (sw_s[wg, (wg_cols(wg) + c * cw) // BLOCK - scale_window(n0 // BLOCK, sw_rows), kb]
+                                if stage_scales else sw_ref[(wg_cols(wg, tile) + c * cw) // BLOCK, kb])
+                    elif stage_scales:
+                        sx_c = plgpu.load(sx_s.at[wg, step], layout=ROW, optimized=False) if c == 0 else None
+                        sw_c = sw_s[wg, (wg_cols(wg) + c * cw) // BLOCK - scale_window(n0 // BLOCK, sw_rows), kb]
+                    else:
+                        sx_c = plgpu.load(sxt_ref.at[kb, pl.ds(r0, 64)], layout=ROW, optimized=False) if c == 0 else None
+                        sw_c = sw_ref[(wg_cols(wg, tile) + c * cw) // BLOCK, kb]
+                    plgpu.wgmma_wait(0)
+                    return blk_ref[...], sx_c, sw_c
 
-            def mma(*blk_refs, chunks):  # the chunks' MMAs issued together, their scales loaded while they run
-                for c, r in zip(chunks, blk_refs):
-                    plgpu.wgmma(r, a, w_s.at[pl.ds(c0 + c * cw, cw)].T)
-                sc = [scales(c) for c in chunks]
-                plgpu.wgmma_wait(0)
-                return [r[...] for r in blk_refs], sc
-
-            # "serial": one [64, cw] accumulator at a time, each MMA waited before the next; "batched": one wait
-            groups = [range(nch)] if chunk_mmas == "batched" else [range(c, c + 1) for c in range(nch)]
-            for chunks in groups:
-                blks, sc = pl.run_scoped(functools.partial(mma, chunks=chunks),
-                                         *[plgpu.ACC((64, cw), jnp.float32) for _ in chunks])
-                for c, blk, (sx_c, sw_c) in zip(chunks, blks, sc):
-                    sxv = (sxq if quantize_x else sx_c) if c == 0 else sxv
-                    if stream_k:  # a repeated last unit adds nothing
-                        sw_c = sw_c * (step < n_units).astype(jnp.float32)
-                    out.append(acc[c] + blk * lax.broadcast_in_dim(sxv * sw_c, blk.shape, [0]))
+                blk, sx_c, sw_c = pl.run_scoped(mma, plgpu.ACC((64, cw), jnp.float32))
+                sxv = (sxq if quantize_x else sx_c) if c == 0 else sxv
+                if stream_k:  # a repeated last unit adds nothing
+                    sw_c = sw_c * (step < n_units).astype(jnp.float32)
+                out.append(acc[c] + blk * lax.broadcast_in_dim(sxv * sw_c, blk.shape, [0]))
             if stream_k:  # the run leaves this tile: store the partial (slot = its rank in the tile), start the next at 0
                 done = (step < n_units) & ((kb == nk - 1) | (step == n_units - 1))
                 for w in range(2):

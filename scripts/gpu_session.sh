@@ -46,7 +46,6 @@
 #   scripts/gpu_session.sh fused-layout  # issues 22 / 19: layout "fused", w1 + w3 in one FP4 call, 4-deep rings (tests, timeline, ncu)
 #   scripts/gpu_session.sh fp8-192       # issue 19: the FP8 GEMM's 192-wide tiles (q_b at 128 rows in one wave), tests then ncu sweep
 #   scripts/gpu_session.sh qb-floor      # issue 19: q_b's weight stream alone (no MMA) against the GEMM, ring depths (ncu)
-#   scripts/gpu_session.sh fp8-batched   # issue 19: the FP8 GEMM's chunk MMAs issued together (one wait a K block): tests, ncu
 #   scripts/gpu_session.sh fp4-wg4       # issue 22: the FP4 GEMM's four-warpgroup e4m3-x form, native tests then ncu sweep
 #   scripts/gpu_session.sh inserts       # issue 20: the fused inserts alone, GPU timeline + T = 8192 tile sweep
 #   scripts/gpu_session.sh topk          # Pallas radix-select top-k: native tests, then the top-k rows
@@ -222,15 +221,6 @@ case "$stage" in
     SWEEP_CASES=${SWEEP_CASES:-'q_b:0 mlp:0'} ncu_sweep stream "$V"
     V=${FP8SWEEP_VARIANTS:-'[{}, {"stages": 2}, {"stages": 3}]'}
     SWEEP_CASES=${FP8_CASES:-'q_b:1 q_b:64 q_b:128 mlp:1 mlp:128'} ncu_sweep fp8 "$V"
-    ;;
-  fp8-batched)
-    # issue 19 (twenty-sixth session): the weight stream alone takes 11.7 us at q_b, 32.8 at mlp (qb-floor), the
-    # GEMM 14.1 / 38.7: the compute warpgroups hold the ring's slots too long; "batched" issues a K block's chunk
-    # MMAs together and waits once. Native tests (the default now "batched"), then both forms under ncu
-    timeout -k 10 -s INT ${FP8T_TIMEOUT:-200} python3 -m pytest -m gpu -q -x --tb=short -p no:cacheprovider \
-      tests/test_kernel_fp8_gemm.py > "$OUT/fp8_gemm_tests.log" 2>&1; echo "fp8 tests rc=$?"; tail -5 "$OUT/fp8_gemm_tests.log"
-    V=${FP8SWEEP_VARIANTS:-'[{"chunk_mmas": "serial"}, {"chunk_mmas": "batched"}, {"chunk_mmas": "batched", "stages": 3}]'}
-    SWEEP_CASES=${FP8_CASES:-'q_b:1 q_b:8 q_b:64 q_b:128 mlp:1 mlp:64 mlp:128'} ncu_sweep fp8 "$V"
     ;;
   fused-layout)
     # issues 22 / 19 (twenty-fourth session, built untested): layout "fused", the grouped GEMMs' layout kernel
