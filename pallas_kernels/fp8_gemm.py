@@ -113,6 +113,7 @@ STREAM_K_ROWS_PER_K = 32  # stream_k=None needs M <= K / this (_auto_stream_k: q
 WIDE_TILE_MAX_K = 2048  # in-features up to which decode rows default to 256-wide tiles (_default_block_n)
 ACT_QUANT_KERNEL_UP_TO = 128  # rows (M) up to which act_quant=None quantises x in one kernel (quantize_rows)
 SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
+PROFILE_RANGES = 256  # per warpgroup and call: ``profile_dir``'s events (a region per K block, a few more)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -122,7 +123,8 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                interpret: bool | plgpu.InterpretGPUParams | None = None, block_m: int | None = None,
                block_n: int | None = None, split_k: int | None = None, stages: int = 4,
                group_m: int = 8, stage_scales: bool | None = None, quantize_x: bool = False,
-               stream_k: bool | None = None, act_quant: str | None = None) -> jax.Array:
+               stream_k: bool | None = None, act_quant: str | None = None,
+               profile_dir: str | None = None) -> jax.Array:
     """y = x W^T with W = ``wq`` (float8_e4m3fn [out, in]) * ``w_scale`` (float32 [ceil(out/128),
     ceil(in/128)] per 128 x 128 block), x [..., in] re-quantised per 1 x 128 group (``scale_fmt``);
     [..., out] in ``out_dtype``.
@@ -144,6 +146,9 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     is quantised when the kernel does not do it itself: "xla" (``quant.act_quant`` plus the padding and transposed
     scales: three XLA kernels) or "kernel" (``quantize_rows``: one kernel; bfloat16 x, M < 8 or a multiple of 8,
     else XLA); None: "kernel" up to ``ACT_QUANT_KERNEL_UP_TO`` rows (``_auto_act_quant``).
+    ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler writes a trace of the kernel's named regions per
+    warpgroup there: ``all`` (the pipeline, every warpgroup), the compute warpgroups' ``scales`` (staging wait),
+    ``loop``, its ``step`` bodies and ``store`` (``scripts/diag/fp8_regions.py``).
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``); None = whenever the default
     backend is not a GPU.
     """
@@ -153,7 +158,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
         "pallas": lambda: _pallas(x, wq, w_scale, out_dtype=out_dtype, scale_fmt=scale_fmt, interpret=interpret,
                                   block_m=block_m, block_n=block_n, split_k=split_k, stages=stages,
                                   group_m=group_m, stage_scales=stage_scales, quantize_x=quantize_x,
-                                  stream_k=stream_k, act_quant=act_quant)})
+                                  stream_k=stream_k, act_quant=act_quant, profile_dir=profile_dir)})
 
 
 def _check_common(x, wq, w_scale, scale_fmt) -> None:
@@ -290,7 +295,7 @@ def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
 
 
 def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages, group_m,
-            stage_scales, quantize_x=False, stream_k=None, act_quant=None):
+            stage_scales, quantize_x=False, stream_k=None, act_quant=None, profile_dir=None):
     _check_tiles(block_m, block_n, split_k, stages, group_m)
     if stage_scales is not None and not isinstance(stage_scales, bool):
         raise ValueError(f"stage_scales must be a bool or None, got {stage_scales!r}")
@@ -298,6 +303,8 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         raise ValueError(f"quantize_x must be a bool, got {quantize_x!r}")
     if stream_k is not None and not isinstance(stream_k, bool):
         raise ValueError(f"stream_k must be a bool or None, got {stream_k!r}")
+    if profile_dir is not None and interpret:
+        raise ValueError("profile_dir: Mosaic GPU's profiler runs natively only (interpret mode has no trace)")
     if act_quant not in (None, "xla", "kernel"):
         raise ValueError(f"act_quant must be 'xla', 'kernel' or None, got {act_quant!r}")
     n, k = wq.shape
@@ -341,7 +348,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     call = _build_call(mr=mr, mp=mp, n=n, k=k, bm=bm, bn=bn, splits=s, stages=stages, group_m=group_m,
                        out_dtype=out_dtype if s == 1 and not stream_k else jnp.dtype(jnp.float32),
                        interpret=interpret or None, stage_scales=stage_scales,
-                       quantize_x=scale_fmt if quantize_x else None, stream_k=ctas)
+                       quantize_x=scale_fmt if quantize_x else None, stream_k=ctas, profile_dir=profile_dir)
     sw = w_scale.astype(jnp.float32)
     sw = pad_weight_scales(sw) if stage_scales else sw
     if quantize_x:
@@ -460,7 +467,7 @@ def _trimmed(splits: int, bm: int, m_tiles: int, mr: int) -> bool:
 @functools.lru_cache(maxsize=None)
 def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: int, stages: int, group_m: int,
                 out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, stage_scales: bool = False,
-                quantize_x: quant.ScaleFmt | None = None, stream_k: int = 0):
+                quantize_x: quant.ScaleFmt | None = None, stream_k: int = 0, profile_dir: str | None = None):
     """``quantize_x`` (a scale format; 64-row tiles only): the kernel takes bfloat16 x [Mp, K] and no scales of
     it, and each compute warpgroup quantises the K block's x tile into its own e4m3 SMEM tile before its MMA
     (the row scales stay in registers for the promotion): x (arguments x, w, sw), else (xq, sx^T, w, sw).
@@ -532,6 +539,10 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             return base if split_m else base + wg * wn
 
         def body(idx, x_s, w_s, acc):
+            with jax.named_scope("step"):  # regions of the Mosaic GPU profiler (``profile_dir``)
+                return step_body(idx, x_s, w_s, acc)
+
+        def step_body(idx, x_s, w_s, acc):
             (step,) = idx
             tile, kb = unit(step)
             wg = lax.axis_index("wg")
@@ -587,6 +598,15 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             return tuple(out)
 
         def compute(run_pipeline):
+            with jax.named_scope("scales"):
+                stage()
+            with jax.named_scope("loop"):
+                acc = run_pipeline(tuple(plgpu.layout_cast(jnp.full((64, cw), 0.0, jnp.float32), L)
+                                         for _ in range(nch)))
+            with jax.named_scope("store"):
+                store(acc)
+
+        def stage():
             if stage_scales:  # this warpgroup's row scales over the CTA's K range, and SW_ROWS weight-scale rows
                 w = lax.axis_index("wg")
                 rows = pl.ds(m0 + w * 64, 64) if split_m else pl.ds(m0, 64)
@@ -595,8 +615,8 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 plgpu.copy_gmem_to_smem(sw_ref.at[pl.ds(scale_window(n0 // BLOCK, sw_rows), SW_ROWS)], sw_s.at[w],
                                         bar.at[w])
                 plgpu.barrier_wait(bar.at[w])
-            zero = plgpu.layout_cast(jnp.full((64, cw), 0.0, jnp.float32), L)
-            acc = run_pipeline(tuple(zero for _ in range(nch)))
+
+        def store(acc):
             wg = lax.axis_index("wg")
             if stream_k:  # the partials went out in the body
                 plgpu.wait_smem_to_gmem(0)
@@ -630,16 +650,18 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 max_concurrent_steps=min(stages, spc), compute_context=compute,
                 in_specs=[plgpu.BlockSpec((bm, BLOCK), lambda s: (0, unit(s)[1]), transforms=x_tf),
                           plgpu.BlockSpec((bn, BLOCK), lambda s: unit(s), transforms=swz)])
-            pipeline(x_ref, w_ref)
+            with jax.named_scope("all"):
+                pipeline(x_ref, w_ref)
             return
         pipeline = plgpu.emit_pipeline_warp_specialized(
             body, grid=(kps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
             max_concurrent_steps=min(stages, kps), compute_context=compute,
             in_specs=[plgpu.BlockSpec((bm, BLOCK), lambda s: (0, s), transforms=x_tf),
                       plgpu.BlockSpec((bn, BLOCK), lambda s: (0, s), transforms=swz)])
-        pipeline((x_ref.at[:, pl.ds(kb0 * BLOCK, kps * BLOCK)] if quantize_x and x_ref.shape[0] < bm else
-                  x_ref.at[pl.ds(m0, bm), pl.ds(kb0 * BLOCK, kps * BLOCK)]),
-                 w_ref.at[pl.ds(n0, bn), pl.ds(kb0 * BLOCK, kps * BLOCK)])
+        with jax.named_scope("all"):
+            pipeline((x_ref.at[:, pl.ds(kb0 * BLOCK, kps * BLOCK)] if quantize_x and x_ref.shape[0] < bm else
+                      x_ref.at[pl.ds(m0, bm), pl.ds(kb0 * BLOCK, kps * BLOCK)]),
+                     w_ref.at[pl.ds(n0, bn), pl.ds(kb0 * BLOCK, kps * BLOCK)])
 
     rows_out = mr if trim else mp
     out_shape = (rows_out, n) if splits == 1 else (splits, rows_out, n)
@@ -656,7 +678,9 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
         scratch += [plgpu.SMEM((2, kps, 64), jnp.float32)] if not quantize_x else []
         scratch += [plgpu.SMEM((2, SW_ROWS, nk + -nk % 4), jnp.float32),
                     plgpu.Barrier(num_arrivals=1 if quantize_x else 2, num_barriers=2)]
-    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                  **(dict(profile_space=PROFILE_RANGES, profile_dir=profile_dir,
+                                          profile_bounds_check=True) if profile_dir else {}))
     return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
                         grid=(stream_k or splits * tiles,),
                         scratch_types=scratch, grid_names=("cta",), num_threads=3, thread_name="wg", compiler_params=params,

@@ -46,6 +46,7 @@
 #   scripts/gpu_session.sh fused-layout  # issues 22 / 19: layout "fused", w1 + w3 in one FP4 call, 4-deep rings (tests, timeline, ncu)
 #   scripts/gpu_session.sh fp8-192       # issue 19: the FP8 GEMM's 192-wide tiles (q_b at 128 rows in one wave), tests then ncu sweep
 #   scripts/gpu_session.sh qb-floor      # issue 19: q_b's weight stream alone (no MMA) against the GEMM, ring depths (ncu)
+#   scripts/gpu_session.sh fp8-regions   # issue 19: the FP8 GEMM's named regions per warpgroup at decode (profiler)
 #   scripts/gpu_session.sh fp4-wg4       # issue 22: the FP4 GEMM's four-warpgroup e4m3-x form, native tests then ncu sweep
 #   scripts/gpu_session.sh inserts       # issue 20: the fused inserts alone, GPU timeline + T = 8192 tile sweep
 #   scripts/gpu_session.sh topk          # Pallas radix-select top-k: native tests, then the top-k rows
@@ -221,6 +222,16 @@ case "$stage" in
     SWEEP_CASES=${SWEEP_CASES:-'q_b:0 mlp:0'} ncu_sweep stream "$V"
     V=${FP8SWEEP_VARIANTS:-'[{}, {"stages": 2}, {"stages": 3}]'}
     SWEEP_CASES=${FP8_CASES:-'q_b:1 q_b:64 q_b:128 mlp:1 mlp:128'} ncu_sweep fp8 "$V"
+    ;;
+  fp8-regions)
+    # issue 19 (twenty-sixth session): the weight stream alone is 2-6 us shorter than the GEMM (qb-floor): does the
+    # GEMM lose it in the first fill, in step bodies longer than the arrival interval, or at the end?
+    timeout -k 10 -s INT ${FP8RT_TIMEOUT:-120} python3 -m pytest -m gpu -q -x --tb=short -p no:cacheprovider \
+      tests/test_kernel_fp8_gemm.py -k "192 or exact_data" > "$OUT/fp8_regions_tests.log" 2>&1
+    echo "fp8 tests rc=$?"; tail -2 "$OUT/fp8_regions_tests.log"
+    timeout -k 10 ${FP8REG_TIMEOUT:-240} python3 scripts/diag/fp8_regions.py --cases ${FP8REG_CASES:-q_b:1 q_b:64 q_b:128 mlp:1 mlp:128} \
+      --variants ${FP8REG_VARIANTS:-'[{}]'} --out "$OUT/fp8_regions_h200.json" > "$OUT/fp8_regions.log" 2>&1
+    echo "fp8 regions rc=$?"; grep -v Warning "$OUT/fp8_regions.log" | tail -c 5000
     ;;
   fused-layout)
     # issues 22 / 19 (twenty-fourth session, built untested): layout "fused", the grouped GEMMs' layout kernel
