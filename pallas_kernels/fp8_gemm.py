@@ -272,11 +272,17 @@ def _auto_act_quant(m: int) -> str:
     return "kernel" if m <= ACT_QUANT_KERNEL_UP_TO else "xla"
 
 
-def _staged_smem(bm: int, bn: int, nk: int, kps: int, stages: int, trim: bool) -> int:
+def _chunk_cols(bm: int, bn: int) -> int:
+    """Columns of a compute warpgroup's accumulator chunk: at most 128, inside one weight-scale block wherever the
+    tile starts (a 192-wide tile at column 192 spans blocks 1 and 2: 64-column chunks)."""
+    return math.gcd(bn, BLOCK) if bm == 128 else math.gcd(bn // 2, BLOCK, bn)
+
+
+def _staged_smem(bm: int, bn: int, nk: int, kps: int, stages: int, ep_bytes: int) -> int:
     """SMEM bytes of the staged-scales kernel: the TMA ring, per compute warpgroup the row scales of the CTA's K
-    range and the weight-scale rows, and the trimmed epilogue's fp32 staging tiles."""
+    range and the weight-scale rows, and ``ep_bytes`` of trimmed-epilogue staging tiles."""
     ring = stages * (bm + bn) * BLOCK
-    return ring + 2 * kps * 64 * 4 + 2 * SW_ROWS * (nk + -nk % 4) * 4 + (2 * 64 * 128 * 4 if trim else 0)
+    return ring + 2 * kps * 64 * 4 + 2 * SW_ROWS * (nk + -nk % 4) * 4 + ep_bytes
 
 
 def pad_weight_scales(sw: jax.Array) -> jax.Array:
@@ -333,15 +339,16 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         interpret = plgpu.InterpretGPUParams()
     mp = -(-m // bm) * bm
     mr = min(mp, -(-m // 8) * 8)
-    trim = _trimmed(s, bm, mp // bm, mr)
+    trim = _trimmed(mp // bm, bm, s)
     # interpret mode hangs on staged scales + the trimmed epilogue (undiagnosed, 2026-12-01; the GPU runs it: native
     # tests and the benchmark), so there the default keeps the unstaged kernel
     if stage_scales is None:
+        ep_bytes = 2 * 64 * _chunk_cols(bm, bn) * (4 if s > 1 else out_dtype.itemsize) if trim else 0
         stage_scales = (m < STAGE_SCALES_BELOW and not (interpret and trim)
-                        and _staged_smem(bm, bn, nk, nk // s, stages, trim) <= SMEM_BYTES)
+                        and _staged_smem(bm, bn, nk, nk // s, stages, ep_bytes) <= SMEM_BYTES)
     elif stage_scales and interpret and trim:
-        raise Unsupported("fp8_linear kernel: stage_scales=True with split-K partials of one 64-row tile hangs in "
-                          "interpret mode; pass stage_scales=False (or None) there, or run on the GPU")
+        raise Unsupported("fp8_linear kernel: stage_scales=True with one row tile (the trimmed SMEM epilogue) hangs "
+                          "in interpret mode; pass stage_scales=False (or None) there, or run on the GPU")
     if stream_k:
         stage_scales = False
     ctas = stream_k_ctas(n // bn, nk) if stream_k else 0
@@ -455,11 +462,13 @@ def stream_k_layout(n_tiles: int, nk: int, ctas: int) -> tuple[int, int, np.ndar
     return -(-units // ctas), int(count.max()), np.arange(count.max())[:, None] < count[None, :]
 
 
-def _trimmed(splits: int, bm: int, m_tiles: int, mr: int) -> bool:
-    """A single 64-row tile (decode) stores through the trimmed SMEM epilogue: split-K partials always, one split's
-    output when it has fewer than 64 real rows. Stored from registers, the padded rows of a one-row q_b call
-    are 3 MB of writes beside 38 MB of weights, in half-used 32-byte sectors (Nsight Compute, 2026-12-03)."""
-    return bm == 64 and m_tiles == 1 and (splits > 1 or mr < bm)
+def _trimmed(m_tiles: int, bm: int, splits: int) -> bool:
+    """One row tile (decode, M <= 128) stores only its first round_up(M, 8) rows, through SMEM and TMA stores.
+    Stored from registers, the padded rows of a one-row q_b call are 3 MB of writes beside 38 MB of weights, in
+    half-used 32-byte sectors (Nsight Compute, 2026-12-03), and a full 128-row tile's uncoalesced register stores
+    were the longest part of its CTAs' tail (``scripts/diag/fp8_regions.py``, 2026-12-04). Not a 128-row tile's
+    split-K partials: their fp32 staging tiles (64 KB) would push wo's staged scales out of SMEM."""
+    return m_tiles == 1 and (bm == 64 or splits == 1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -482,16 +491,14 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     tiles = m_tiles * n_tiles
     split_m = bm == 128  # warpgroups split the tile's rows (128) or its columns (64-row tiles)
     wn = bn if split_m else bn // 2  # output columns per warpgroup
-    # accumulator chunk: <= 128 columns inside one weight-scale block wherever the tile starts (a 192-wide tile
-    # at column 192 spans blocks 1 and 2: 64-column chunks)
-    cw = math.gcd(wn, BLOCK) if split_m else math.gcd(wn, BLOCK, bn)
+    cw = _chunk_cols(bm, bn)
     nch = wn // cw
     L = plgpu.Layout.WGMMA
     ROW = L.reduce(1)
     # a single 64-row tile (decode) keeps only the first mr = round_up(M, 8) rows: fp32 partials of all 64 rows
     # would be written and read back once per split (as many bytes as the weights); one split's output in
     # out_dtype, its padded rows never written
-    trim = _trimmed(splits, bm, m_tiles, mr) or stream_k > 0
+    trim = _trimmed(m_tiles, bm, splits) or stream_k > 0
     ep_dtype = jnp.dtype(jnp.float32) if splits > 1 or stream_k else jnp.dtype(out_dtype)
     if stream_k and (m_tiles != 1 or stage_scales or splits != 1):
         raise ValueError("stream_k needs one row tile, unstaged scales and no split_k")
@@ -621,18 +628,23 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             if stream_k:  # the partials went out in the body
                 plgpu.wait_smem_to_gmem(0)
                 return
-            if trim:  # decode partials: only the first mr rows, through SMEM and a TMA store
+            if trim:  # one row tile: only the first mr rows, through SMEM and a TMA store
                 for w in range(2):
+                    r0w, rows_w = (w * 64, min(64, mr - w * 64)) if split_m else (0, mr)  # its output rows
+                    if rows_w <= 0:  # 128-row tile, at most 64 real rows: the second warpgroup's are padding
+                        continue
+
                     @pl.when(wg == w)
-                    def _(w=w):
+                    def _(w=w, r0w=r0w, rows_w=rows_w):
                         for c in range(nch):
                             if c:
                                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                             ep_s.at[w][...] = acc[c].astype(ep_dtype)
                             plgpu.commit_smem()
                             cols = pl.ds(wg_cols(w) + c * cw, cw)
-                            plgpu.copy_smem_to_gmem(ep_s.at[w, pl.ds(0, mr)],
-                                                    o_ref.at[si, :, cols] if splits > 1 else o_ref.at[:, cols])
+                            plgpu.copy_smem_to_gmem(ep_s.at[w, pl.ds(0, rows_w)],
+                                                    o_ref.at[si, pl.ds(r0w, rows_w), cols] if splits > 1 else
+                                                    o_ref.at[pl.ds(r0w, rows_w), cols])
                         plgpu.wait_smem_to_gmem(0)
                 return
             rows = pl.ds(m0 + wg * 64, 64) if split_m else pl.ds(m0, 64)

@@ -47,6 +47,7 @@
 #   scripts/gpu_session.sh fp8-192       # issue 19: the FP8 GEMM's 192-wide tiles (q_b at 128 rows in one wave), tests then ncu sweep
 #   scripts/gpu_session.sh qb-floor      # issue 19: q_b's weight stream alone (no MMA) against the GEMM, ring depths (ncu)
 #   scripts/gpu_session.sh fp8-regions   # issue 19: the FP8 GEMM's named regions per warpgroup at decode (profiler)
+#   scripts/gpu_session.sh fp8-trim      # issue 19: every one-row-tile FP8 call stores its rows through SMEM + TMA: tests, ncu
 #   scripts/gpu_session.sh fp4-wg4       # issue 22: the FP4 GEMM's four-warpgroup e4m3-x form, native tests then ncu sweep
 #   scripts/gpu_session.sh inserts       # issue 20: the fused inserts alone, GPU timeline + T = 8192 tile sweep
 #   scripts/gpu_session.sh topk          # Pallas radix-select top-k: native tests, then the top-k rows
@@ -232,6 +233,14 @@ case "$stage" in
     timeout -k 10 ${FP8REG_TIMEOUT:-240} python3 scripts/diag/fp8_regions.py --cases ${FP8REG_CASES:-q_b:1 q_b:64 q_b:128 mlp:1 mlp:128} \
       --variants ${FP8REG_VARIANTS:-'[{}]'} --out "$OUT/fp8_regions_h200.json" > "$OUT/fp8_regions.log" 2>&1
     echo "fp8 regions rc=$?"; grep -v Warning "$OUT/fp8_regions.log" | tail -c 5000
+    ;;
+  fp8-trim)
+    # issue 19 (twenty-sixth session): the regions put a 128-row tile's register stores at 5-7 us of its CTAs' tail
+    # (fp8-regions); every one-row-tile call now stores its first round_up(M, 8) rows through SMEM and TMA
+    timeout -k 10 -s INT ${FP8T_TIMEOUT:-200} python3 -m pytest -m gpu -q -x --tb=short -p no:cacheprovider \
+      tests/test_kernel_fp8_gemm.py > "$OUT/fp8_gemm_tests.log" 2>&1; echo "fp8 tests rc=$?"; tail -2 "$OUT/fp8_gemm_tests.log"
+    V=${FP8SWEEP_VARIANTS:-'[{"stages": 4}]'}
+    SWEEP_CASES=${FP8_CASES:-'q_b:1 q_b:64 q_b:128 mlp:1 mlp:64 mlp:128 wo:64 wo:128'} ncu_sweep fp8 "$V"
     ;;
   fused-layout)
     # issues 22 / 19 (twenty-fourth session, built untested): layout "fused", the grouped GEMMs' layout kernel
