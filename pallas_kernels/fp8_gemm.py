@@ -236,8 +236,8 @@ def _default_block_n(m: int, n: int, nk: int, bm: int) -> int:
     96; each accumulator chunk stays inside one weight-scale block); else 256-wide for one
     64-row tile of a short K (<= ``WIDE_TILE_MAX_K``), where stream-K's fp32 partials cost too much beside the
     weight read; else 128. Exact kernel times (ncu): 192-wide tiles beat the earlier defaults at q_b 64 / 128
-    rows and mlp 1, 64 and 128 rows, level at q_b 1 row (fp8_decode_ncu_sweep_h200_2026-12-03.json); 256 beat
-    128 at 1 and 64 rows (archive/fp8_decode_ncu_sweep_h200_2026-12-02.json)."""
+    rows and mlp 1, 64 and 128 rows, level at q_b 1 row (archive/fp8_decode_ncu_sweep_h200_2026-12-03.json);
+    256 beat 128 at 1 and 64 rows (archive/fp8_decode_ncu_sweep_h200_2026-12-02.json)."""
     if m <= min(bm, 128) and n // BLOCK > NUM_SMS:
         if n % 192 == 0 and n // 192 <= NUM_SMS:
             return 192
