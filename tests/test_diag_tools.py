@@ -1,4 +1,5 @@
-"""scripts/diag/ncu_sass_regions.py on a synthetic Nsight Compute source page (no GPU, no ncu)."""
+"""scripts/diag/ncu_sass_regions.py on a synthetic Nsight Compute source page, fp8_regions.py's phases on a synthetic
+profiler trace (no GPU, no ncu)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,23 @@ def test_mqa_regions_summary():
     assert s["regions"]["produce/wg2"]["median_us"] == 5.0
     with pytest.raises(ValueError, match="unbalanced"):
         mod.summarize([dict(name="qk", ph="E", ts=1.0, tid=1)], traces_per_cta=3)
+
+
+def test_fp8_region_phases():
+    """First fill, step body, gap, tail and store per compute warpgroup (the producer's trace is left out), the
+    median over CTAs; a trace whose events arrive out of order gives the same."""
+    import sys
+    sys.path.insert(0, str(ROOT / "scripts/diag"))
+    import fp8_regions
+
+    def cta(tid: int, t0: float) -> list[dict]:
+        spans = [("all", 0, 10), ("step", 2, 3), ("step", 3.5, 4.5), ("step", 5, 6), ("store", 6.5, 7.5)]
+        return [dict(name=n, ph=ph, ts=t0 + t, tid=tid) for n, b, e in spans for ph, t in (("B", b), ("E", e))]
+
+    events = [e for c in range(2) for w in range(3) for e in cta(3 * c + w + 1, 100.0 * c)]
+    got = fp8_regions.phases(events[::-1])
+    for wg in (0, 1):
+        assert got[f"first_fill/wg{wg}"] == pytest.approx(2.0) and got[f"step/wg{wg}"] == pytest.approx(1.0)
+        assert got[f"gap/wg{wg}"] == pytest.approx(0.5) and got[f"tail/wg{wg}"] == pytest.approx(4.0)
+        assert got[f"store/wg{wg}"] == pytest.approx(1.0) and got[f"span/wg{wg}"] == pytest.approx(10.0)
+    assert not any(k.endswith("wg2") for k in got)

@@ -15,14 +15,9 @@ Native only.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import glob
-import json
-import os
 import statistics
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -31,9 +26,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mqa_regions import summarize  # noqa: E402
-
-from jds.bench.results import case_variant_rows  # noqa: E402
+from mqa_regions import profiled_events, regions_sweep_main, summarize  # noqa: E402
 
 TRACES_PER_CTA = 3  # two compute warpgroups, then the producer
 
@@ -78,27 +71,19 @@ def _measure(shape: str, m: int, tiles: dict) -> dict:
     wq = (jax.random.normal(kw, (n, k), jnp.float32) * 0.5).astype(jnp.float8_e4m3fn)
     ws = jnp.full((n // 128, k // 128), 2.0 ** -7, jnp.float32)
     x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
-    with tempfile.TemporaryDirectory() as d:
-        f = jax.jit(functools.partial(fp8_gemm.fp8_linear, implementation="pallas", profile_dir=d, **tiles))
-        for _ in range(3):  # compile, warm up; the last call's trace is read
-            jax.block_until_ready(f(x, wq, ws))
-        traces = sorted(glob.glob(os.path.join(d, "*-trace.json")), key=os.path.getmtime)
-        if not traces:
-            raise RuntimeError(f"no trace written under {d}")
-        with open(traces[-1]) as fh:
-            events = json.load(fh)["traceEvents"]
+    fns: dict[str, object] = {}
+
+    def run(d: str):
+        if d not in fns:  # built once per trace directory: the three calls share one compile
+            fns[d] = jax.jit(functools.partial(fp8_gemm.fp8_linear, implementation="pallas", profile_dir=d, **tiles))
+        return fns[d](x, wq, ws)
+    events = profiled_events(run)
     return {**summarize(events, traces_per_cta=TRACES_PER_CTA), "phases": phases(events)}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", nargs="+", default=["q_b:1", "mlp:1"], help="shape:rows")
-    ap.add_argument("--variants", default="[{}]", help="JSON list of tile dicts")
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
-    for r in case_variant_rows(a.cases, json.loads(a.variants), _measure, a.out, "fp8_regions"):
-        print(json.dumps({k: r.get(k) for k in ("case", "tiles", "phases", "kernel_span_us", "cta_start_spread_us",
-                                                "cta_end_spread_us", "error")}))
+    regions_sweep_main(__doc__, _measure, "fp8_regions", ["q_b:1", "mlp:1"], "[{}]",
+                       shown=("case", "tiles", "phases", "kernel_span_us", "cta_start_spread_us", "cta_end_spread_us"))
 
 
 if __name__ == "__main__":

@@ -20,15 +20,44 @@ import os
 import statistics
 import tempfile
 from collections import defaultdict
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
 from jds.bench import kernels_sparse_mqa as b
-from jds.bench.results import measured_row, run_meta, write_json
+from jds.bench.results import case_variant_rows, measured_row, run_meta, write_json
 from pallas_kernels import sparse_mqa
 
 WARPGROUPS = sparse_mqa.NUM_WG + 1  # the traces per CTA: the compute warpgroups, then the producer
+
+
+def profiled_events(run: Callable[[str], Any]) -> list[dict]:
+    """The trace events of the last of three calls of ``run(profile_dir)`` (compile, warm up, traced call): a
+    kernel built with Mosaic GPU's profiler writes one Perfetto trace per call under the directory."""
+    with tempfile.TemporaryDirectory() as d:
+        for _ in range(3):
+            jax.block_until_ready(run(d))
+        traces = sorted(glob.glob(os.path.join(d, "*-trace.json")), key=os.path.getmtime)
+        if not traces:
+            raise RuntimeError(f"no trace written under {d}")
+        with open(traces[-1]) as fh:
+            return json.load(fh)["traceEvents"]
+
+
+def regions_sweep_main(doc: str, measure: Callable[[str, int, dict], dict], bench: str, cases: list[str],
+                       variants: str, shown: tuple[str, ...] = ()) -> None:
+    """The command line of a GEMM regions script (``fp4_regions.py``, ``fp8_regions.py``): --cases shape:count,
+    --variants JSON tile dicts, --out; a row per (case, variant) (``case_variant_rows``), ``shown`` fields of each
+    printed."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--cases", nargs="+", default=cases, help="shape:count")
+    ap.add_argument("--variants", default=variants, help="JSON list of tile dicts")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    for r in case_variant_rows(a.cases, json.loads(a.variants), measure, a.out, bench):
+        if shown:
+            print(json.dumps({k: r.get(k) for k in (*shown, "error")}))
 
 
 def summarize(events: list[dict], traces_per_cta: int = WARPGROUPS) -> dict:
@@ -81,17 +110,15 @@ def main() -> None:
         c = b.case(name)
         for splits in a.splits:
             def measure(splits=splits) -> dict:
-                with tempfile.TemporaryDirectory() as d:
-                    f = jax.jit(lambda q, cs, ss, sk: sparse_mqa.sparse_mqa(
-                        q, cs, c["fmts"], ss, scale=c["scale"], v_dim=c["v_dim"], sink=sk,
-                        num_splits=splits or None, profile_dir=d))
-                    for _ in range(3):  # compile, warm up; the last call's trace is read
-                        jax.block_until_ready(f(c["q"], c["caches"], c["slots"], c["sink"]))
-                    traces = sorted(glob.glob(os.path.join(d, "*-trace.json")), key=os.path.getmtime)
-                    if not traces:
-                        raise RuntimeError(f"no trace written under {d}")
-                    with open(traces[-1]) as fh:
-                        return summarize(json.load(fh)["traceEvents"])
+                fns: dict[str, Any] = {}
+
+                def run(d: str):
+                    if d not in fns:  # built once per trace directory: the three calls share one compile
+                        fns[d] = jax.jit(lambda q, cs, ss, sk: sparse_mqa.sparse_mqa(
+                            q, cs, c["fmts"], ss, scale=c["scale"], v_dim=c["v_dim"], sink=sk,
+                            num_splits=splits or None, profile_dir=d))
+                    return fns[d](c["q"], c["caches"], c["slots"], c["sink"])
+                return summarize(profiled_events(run))
 
             rows.append(measured_row({"case": name, "num_splits": splits}, measure))
     if a.out:
