@@ -495,8 +495,8 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     nch = wn // cw
     L = plgpu.Layout.WGMMA
     ROW = L.reduce(1)
-    # a single 64-row tile (decode) keeps only the first mr = round_up(M, 8) rows: fp32 partials of all 64 rows
-    # would be written and read back once per split (as many bytes as the weights); one split's output in
+    # one row tile (decode) keeps only the first mr = round_up(M, 8) rows (``_trimmed``): fp32 partials of all 64
+    # rows would be written and read back once per split (as many bytes as the weights); one split's output in
     # out_dtype, its padded rows never written
     trim = _trimmed(m_tiles, bm, splits) or stream_k > 0
     ep_dtype = jnp.dtype(jnp.float32) if splits > 1 or stream_k else jnp.dtype(out_dtype)
@@ -540,6 +540,12 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
         else:
             def unit(step):
                 return ni, kb0 + step
+
+        def trimmed_rows():
+            """(warpgroup, first output row, rows) of each warpgroup that stores real rows of a trimmed tile (in a
+            128-row tile with at most 64 real rows, the second warpgroup's are all padding)."""
+            spans = [(w, w * 64, min(64, mr - w * 64)) if split_m else (w, 0, mr) for w in range(2)]
+            return [sp for sp in spans if sp[2] > 0]
 
         def wg_cols(wg, tile=None):  # first output column of this warpgroup's accumulator
             base = (ni if tile is None else tile) * bn
@@ -586,11 +592,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 out.append(acc[c] + blk * lax.broadcast_in_dim(sxv * sw_c, blk.shape, [0]))
             if stream_k:  # the run leaves this tile: store the partial (slot = its rank in the tile), start the next at 0
                 done = (step < n_units) & ((kb == nk - 1) | (step == n_units - 1))
-                for w in range(2):
-                    r0w, rows_w = (w * 64, min(64, mr - w * 64)) if split_m else (0, mr)  # its output rows
-                    if rows_w <= 0:  # 128-row tile, at most 64 real rows: the second warpgroup's are padding
-                        continue
-
+                for w, r0w, rows_w in trimmed_rows():
                     @pl.when(done & (wg == w))
                     def _(w=w, r0w=r0w, rows_w=rows_w):
                         for c in range(nch):
@@ -629,11 +631,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 plgpu.wait_smem_to_gmem(0)
                 return
             if trim:  # one row tile: only the first mr rows, through SMEM and a TMA store
-                for w in range(2):
-                    r0w, rows_w = (w * 64, min(64, mr - w * 64)) if split_m else (0, mr)  # its output rows
-                    if rows_w <= 0:  # 128-row tile, at most 64 real rows: the second warpgroup's are padding
-                        continue
-
+                for w, r0w, rows_w in trimmed_rows():
                     @pl.when(wg == w)
                     def _(w=w, r0w=r0w, rows_w=rows_w):
                         for c in range(nch):
