@@ -123,7 +123,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                interpret: bool | plgpu.InterpretGPUParams | None = None, block_m: int | None = None,
                block_n: int | None = None, split_k: int | None = None, stages: int = 4,
                group_m: int = 8, stage_scales: bool | None = None, quantize_x: bool = False,
-               stream_k: bool | None = None, act_quant: str | None = None,
+               stream_k: bool | None = None, act_quant: str | None = None, swap_ab: bool | None = None,
                profile_dir: str | None = None) -> jax.Array:
     """y = x W^T with W = ``wq`` (float8_e4m3fn [out, in]) * ``w_scale`` (float32 [ceil(out/128),
     ceil(in/128)] per 128 x 128 block), x [..., in] re-quantised per 1 x 128 group (``scale_fmt``);
@@ -146,6 +146,8 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     is quantised when the kernel does not do it itself: "xla" (``quant.act_quant`` plus the padding and transposed
     scales: three XLA kernels) or "kernel" (``quantize_rows``: one kernel; bfloat16 x, M < 8 or a multiple of 8,
     else XLA); None: "kernel" up to ``ACT_QUANT_KERNEL_UP_TO`` rows (``_auto_act_quant``).
+    ``swap_ab`` (M <= 128, ``block_n`` 64, 128 or 192, staged scales): the roles swapped, y^T = W x^T, so that the
+    wgmma's N is round_up(M, 8) instead of a padded 64- or 128-row x tile (``_build_swapped_call``); None: off.
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler writes a trace of the kernel's named regions per
     warpgroup there: ``all`` (the pipeline, every warpgroup), the compute warpgroups' ``scales`` (staging wait),
     ``loop``, its ``step`` bodies and ``store`` (``scripts/diag/fp8_regions.py``).
@@ -158,7 +160,8 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
         "pallas": lambda: _pallas(x, wq, w_scale, out_dtype=out_dtype, scale_fmt=scale_fmt, interpret=interpret,
                                   block_m=block_m, block_n=block_n, split_k=split_k, stages=stages,
                                   group_m=group_m, stage_scales=stage_scales, quantize_x=quantize_x,
-                                  stream_k=stream_k, act_quant=act_quant, profile_dir=profile_dir)})
+                                  stream_k=stream_k, act_quant=act_quant, swap_ab=swap_ab,
+                                  profile_dir=profile_dir)})
 
 
 def _check_common(x, wq, w_scale, scale_fmt) -> None:
@@ -301,8 +304,10 @@ def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
 
 
 def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages, group_m,
-            stage_scales, quantize_x=False, stream_k=None, act_quant=None, profile_dir=None):
+            stage_scales, quantize_x=False, stream_k=None, act_quant=None, swap_ab=None, profile_dir=None):
     _check_tiles(block_m, block_n, split_k, stages, group_m)
+    if swap_ab is not None and not isinstance(swap_ab, bool):
+        raise ValueError(f"swap_ab must be a bool or None, got {swap_ab!r}")
     if stage_scales is not None and not isinstance(stage_scales, bool):
         raise ValueError(f"stage_scales must be a bool or None, got {stage_scales!r}")
     if not isinstance(quantize_x, bool):
@@ -323,6 +328,11 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         return jnp.zeros((*lead, n), out_dtype)
     nk = k // BLOCK
     act_quant = act_quant or _auto_act_quant(m)
+    if swap_ab:
+        return _pallas_swapped(x.reshape(m, k), wq, w_scale, out_dtype=out_dtype, scale_fmt=scale_fmt,
+                               interpret=interpret, block_m=block_m, block_n=block_n, split_k=split_k, stages=stages,
+                               stage_scales=stage_scales, quantize_x=quantize_x, stream_k=stream_k,
+                               act_quant=act_quant, profile_dir=profile_dir).reshape(*lead, n)
     if stream_k is None:
         stream_k = _auto_stream_k(m, n, nk, block_m, block_n, split_k, stage_scales)
     if stream_k and (m > 128 or split_k is not None or stage_scales or (block_m or (64 if m <= 64 else 128)) < m):
@@ -373,6 +383,50 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     elif s > 1:
         y = jnp.sum(y, axis=0)
     return y[:m].astype(out_dtype).reshape(*lead, n)
+
+
+def _pallas_swapped(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages,
+                    stage_scales, quantize_x, stream_k, act_quant, profile_dir):
+    """``swap_ab=True``: x [M, K] -> y [M, N] through ``_build_swapped_call`` (x quantised by ``quantize_rows`` or
+    XLA as ``act_quant`` says; the tiles' defaults are the 64-row decode ones of ``_pick_tiles``)."""
+    m, k = x.shape
+    n, nk = wq.shape[0], k // BLOCK
+    if m > 128 or block_m is not None or quantize_x or stream_k or stage_scales is False:
+        raise Unsupported(f"fp8_linear kernel: swap_ab takes at most 128 rows, staged scales, and no block_m, "
+                          f"quantize_x or stream_k (got {m} rows, block_m {block_m}, quantize_x {quantize_x}, "
+                          f"stream_k {stream_k}, stage_scales {stage_scales})")
+    if block_n == 256:
+        raise Unsupported("fp8_linear kernel: swap_ab takes block_n 64, 128 or 192 (a compute warpgroup per 64 "
+                          "weight rows, at most three)")
+    wide = _default_block_n(1, n, nk, 64)  # the decode default, but at most three compute warpgroups
+    _, bn, s = _pick_tiles(min(m, 64), n, nk, 64, block_n or (128 if wide == 256 else wide), split_k)
+    mr = -(-m // 8) * 8
+    stages = _swapped_stages(stages, mr, bn, nk, nk // s)
+    if interpret is None:
+        interpret = resolve_interpret(None)
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
+    call = _build_swapped_call(mr=mr, n=n, k=k, bn=bn, splits=s, stages=stages,
+                               out_dtype=jnp.dtype(out_dtype) if s == 1 else jnp.dtype(jnp.float32),
+                               interpret=interpret or None, profile_dir=profile_dir)
+    mp = -(-m // 64) * 64
+    if act_quant == "kernel" and jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16) and (m <= 8 or m % 8 == 0):
+        xq, sxt = quantize_rows(x, mp, scale_fmt, interpret=interpret or False)
+    else:
+        xq, sx = quant.act_quant(x, BLOCK, scale_fmt)
+        xq, sxt = jnp.pad(xq, ((0, mr - m), (0, 0))), jnp.pad(sx.T, ((0, 0), (0, mr - m)))
+    yt = call(xq, sxt, wq, pad_weight_scales(w_scale.astype(jnp.float32)))
+    yt = yt if s == 1 else jnp.sum(yt, axis=0)
+    return yt[:, :m].T.astype(out_dtype)
+
+
+def _swapped_stages(stages: int, mr: int, bn: int, nk: int, kps: int) -> int:
+    """The swapped kernel's ring depth: ``stages``, fewer where the ring and the staged scales would pass SMEM."""
+    fixed = kps * mr * 4 + SW_ROWS * (nk + -nk % 4) * 4
+    fit = (SMEM_BYTES - 2048 - fixed) // ((mr + bn) * BLOCK)
+    if fit < 1:
+        raise Unsupported(f"fp8_linear kernel: swap_ab's staged scales ({fixed} bytes) leave no room for a stage")
+    return max(1, min(stages, kps, fit))
 
 
 def row_scales(amax: jax.Array, scale_fmt: quant.ScaleFmt) -> jax.Array:
@@ -695,3 +749,83 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                         grid=(stream_k or splits * tiles,),
                         scratch_types=scratch, grid_names=("cta",), num_threads=3, thread_name="wg", compiler_params=params,
                         interpret=interpret if interpret is not None else False)
+
+
+# ----------------------------------------------------------------------------------------------------
+# roles swapped: y^T = W x^T (decode rows)
+@functools.lru_cache(maxsize=None)
+def _build_swapped_call(*, mr: int, n: int, k: int, bn: int, splits: int, stages: int, out_dtype: jnp.dtype,
+                        interpret: plgpu.InterpretGPUParams | None, profile_dir: str | None = None):
+    """``swap_ab``: y^T [N, mr] = W x^T for at most 128 rows (mr = round_up(M, 8)): the weight tile is the e4m3
+    wgmma's A operand (64 weight rows per compute warpgroup, ``bn`` / 64 of them) and x's mr rows its B operand
+    (N = mr), both K-major in SMEM as 8-bit wgmma needs. The other form's A is a 64-row x tile, so a 1-row call
+    multiplies 63 zero rows per K block: for q_b its compute warpgroups' steps were as long as the TMA ring's
+    arrival interval (``scripts/diag/fp8_regions.py``, 2026-12-04); here one MMA of 64 x mr per warpgroup and K block.
+    Scales as DeepGEMM: per K block a fresh accumulator, promoted in fp32 by the weight scale (one scalar per
+    warpgroup: its 64 rows lie in one 128-row block) times the rows' activation scales (a vector along the
+    accumulator's columns). A CTA's scales are staged by TMA before the pipeline (sx^T [kps, mr] and the
+    ``SW_ROWS`` weight-scale rows holding its tile's). Output: one split's tile y^T in out_dtype, or fp32
+    partials [splits, N, mr] that XLA sums, stored from registers (mr columns a row); the wrapper transposes."""
+    nk = k // BLOCK
+    kps = nk // splits
+    n_tiles = n // bn
+    nwg = bn // 64
+    sw_rows = max(-(-n // BLOCK), SW_ROWS)
+    L = plgpu.Layout.WGMMA
+    COL = L.reduce(0)  # [mr] along the accumulator's columns (x rows)
+
+    def kernel(x_ref, sxt_ref, w_ref, sw_ref, o_ref, sx_s, sw_s, bar):
+        pid = lax.axis_index("cta")
+        si, ni = pid // n_tiles, pid % n_tiles
+        n0, kb0 = ni * bn, si * kps
+        win = scale_window(n0 // BLOCK, sw_rows)
+
+        def body(idx, x_s, w_s, acc):
+            with jax.named_scope("step"):  # regions of the Mosaic GPU profiler (``profile_dir``)
+                (step,) = idx
+                wg = lax.axis_index("wg")
+
+                def mma(blk_ref):
+                    plgpu.wgmma(blk_ref, w_s.at[pl.ds(wg * 64, 64)], x_s.T)
+                    sx = plgpu.load(sx_s.at[step], layout=COL, optimized=False)  # while the MMA runs
+                    sw = sw_s[(n0 + wg * 64) // BLOCK - win, kb0 + step]
+                    plgpu.wgmma_wait(0)
+                    return blk_ref[...], sx, sw
+
+                blk, sx, sw = pl.run_scoped(mma, plgpu.ACC((64, mr), jnp.float32))
+                return acc + blk * lax.broadcast_in_dim(sx * sw, (64, mr), [1])
+
+        def compute(run_pipeline):
+            wg = lax.axis_index("wg")
+            with jax.named_scope("scales"):
+                @pl.when(wg == 0)
+                def _():
+                    plgpu.copy_gmem_to_smem(sxt_ref.at[pl.ds(kb0, kps), pl.ds(0, mr)], sx_s, bar.at[0])
+                    plgpu.copy_gmem_to_smem(sw_ref.at[pl.ds(win, SW_ROWS)], sw_s, bar.at[0])
+
+                plgpu.barrier_wait(bar.at[0])
+            with jax.named_scope("loop"):
+                acc = run_pipeline(plgpu.layout_cast(jnp.full((64, mr), 0.0, jnp.float32), L))
+            with jax.named_scope("store"):
+                rows = pl.ds(n0 + wg * 64, 64)
+                dst = o_ref.at[rows] if splits == 1 else o_ref.at[si, rows]
+                dst[...] = acc.astype(dst.dtype)
+
+        pipeline = plgpu.emit_pipeline_warp_specialized(
+            body, grid=(kps,), memory_registers=40, wg_axis="wg", num_compute_wgs=nwg,
+            max_concurrent_steps=min(stages, kps), compute_context=compute,
+            in_specs=[plgpu.BlockSpec((mr, BLOCK), lambda s: (0, s), transforms=_SWZ8),
+                      plgpu.BlockSpec((bn, BLOCK), lambda s: (0, s), transforms=_SWZ8)])
+        with jax.named_scope("all"):
+            pipeline(x_ref.at[pl.ds(0, mr), pl.ds(kb0 * BLOCK, kps * BLOCK)],
+                     w_ref.at[pl.ds(n0, bn), pl.ds(kb0 * BLOCK, kps * BLOCK)])
+
+    out_shape = (n, mr) if splits == 1 else (splits, n, mr)
+    scratch = [plgpu.SMEM((kps, mr), jnp.float32), plgpu.SMEM((SW_ROWS, nk + -nk % 4), jnp.float32),
+               plgpu.Barrier(num_arrivals=2, num_barriers=1)]
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                  **(dict(profile_space=PROFILE_RANGES, profile_dir=profile_dir,
+                                          profile_bounds_check=True) if profile_dir else {}))
+    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(splits * n_tiles,),
+                        scratch_types=scratch, grid_names=("cta",), num_threads=nwg + 1, thread_name="wg",
+                        compiler_params=params, interpret=interpret if interpret is not None else False)

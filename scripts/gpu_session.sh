@@ -48,6 +48,7 @@
 #   scripts/gpu_session.sh qb-floor      # issue 19: q_b's weight stream alone (no MMA) against the GEMM, ring depths (ncu)
 #   scripts/gpu_session.sh fp8-regions   # issue 19: the FP8 GEMM's named regions per warpgroup at decode (profiler)
 #   scripts/gpu_session.sh fp8-trim      # issue 19: every one-row-tile FP8 call stores its rows through SMEM + TMA: tests, ncu
+#   scripts/gpu_session.sh fp8-swap      # issue 19: the FP8 GEMM with the roles swapped (y^T = W x^T) at decode: tests, ncu
 #   scripts/gpu_session.sh fp4-wg4       # issue 22: the FP4 GEMM's four-warpgroup e4m3-x form, native tests then ncu sweep
 #   scripts/gpu_session.sh inserts       # issue 20: the fused inserts alone, GPU timeline + T = 8192 tile sweep
 #   scripts/gpu_session.sh topk          # Pallas radix-select top-k: native tests, then the top-k rows
@@ -241,6 +242,15 @@ case "$stage" in
       tests/test_kernel_fp8_gemm.py > "$OUT/fp8_gemm_tests.log" 2>&1; echo "fp8 tests rc=$?"; tail -2 "$OUT/fp8_gemm_tests.log"
     V=${FP8SWEEP_VARIANTS:-'[{"stages": 4}]'}
     SWEEP_CASES=${FP8_CASES:-'q_b:1 q_b:64 q_b:128 mlp:1 mlp:64 mlp:128 wo:64 wo:128'} ncu_sweep fp8 "$V"
+    ;;
+  fp8-swap)
+    # issue 19 (twenty-seventh session): swap_ab, the weight tile as the wgmma's A and x's round_up(M, 8) rows as its N,
+    # against the default (a padded 64-row x tile: the regions put q_b's steps as long as the ring's arrival interval)
+    timeout -k 10 -s INT ${FP8S_TIMEOUT:-150} python3 -m pytest -m gpu -q -x --tb=short -p no:cacheprovider \
+      tests/test_kernel_fp8_gemm.py -k "swap or exact_data" > "$OUT/fp8_swap_tests.log" 2>&1
+    echo "fp8 swap tests rc=$?"; tail -3 "$OUT/fp8_swap_tests.log"
+    V=${FP8SWEEP_VARIANTS:-'[{}, {"swap_ab": true}, {"swap_ab": true, "stages": 6}, {"swap_ab": true, "stages": 8}]'}
+    SWEEP_CASES=${FP8_CASES:-'q_b:1 q_b:8 q_b:64 q_b:128 mlp:1 mlp:64 mlp:128 wo:1 wo:64'} ncu_sweep fp8 "$V"
     ;;
   fused-layout)
     # issues 22 / 19 (twenty-fourth session, built untested): layout "fused", the grouped GEMMs' layout kernel

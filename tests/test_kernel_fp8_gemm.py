@@ -182,6 +182,48 @@ def test_192_wide_tiles_bit_equal(mode: str, m: int, tiles: dict) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("m,out_dtype,tiles", [(1, jnp.bfloat16, {}),  # 192-wide tiles: three compute warpgroups
+                                               (8, jnp.float32, dict(block_n=128, split_k=2)),  # fp32 partials
+                                               (40, jnp.bfloat16, dict(block_n=64)),  # one compute warpgroup
+                                               (128, jnp.float32, dict(block_n=192, stages=2))])
+def test_swap_ab_bit_equal(mode: str, m: int, out_dtype, tiles: dict) -> None:
+    """swap_ab (y^T = W x^T, wgmma N = round_up(M, 8)): tiles of 64-row warpgroups that straddle weight-scale
+    blocks (192 wide), K splits, 8 to 128 rows; exact data, so the output is the exact product rounded once."""
+    x, w, wq, ws = _exact_case(m, 512, 768, seed=m + 1)
+    got = G.fp8_linear(jnp.asarray(x, jnp.bfloat16), wq, ws, out_dtype=out_dtype, implementation="pallas",
+                       interpret=interpret_for(mode), swap_ab=True, **tiles)
+    assert got.shape == (m, 768) and got.dtype == jnp.dtype(out_dtype)
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(jnp.asarray(x @ w.T).astype(out_dtype), np.float32))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("scale_fmt,act_quant", [("amax", "xla"), ("ue8m0", "kernel")])
+def test_swap_ab_matches_xla(mode: str, scale_fmt: str, act_quant: str) -> None:
+    """swap_ab on random data (both activation-scale formats, x quantised by XLA or by ``quantize_rows``, 3 rows
+    in leading dims): within the summation-order bound of the unswapped kernel."""
+    x, wq, ws = make_case(3, 1024, 384, seed=5, w_fmt="amax" if scale_fmt == "ue8m0" else "ue8m0")
+    got = G.fp8_linear(x.reshape(1, 3, 1024), wq, ws, out_dtype=jnp.float32, scale_fmt=scale_fmt,
+                       implementation="pallas", interpret=interpret_for(mode), swap_ab=True, act_quant=act_quant)
+    ref, abssum = reference(x, wq, ws, scale_fmt)
+    check(got.reshape(3, 384), ref, abssum, _rtol(mode, 1024), jnp.float32)
+
+
+def test_swap_ab_limits() -> None:
+    """swap_ab: more than 128 rows, block_n 256, quantize_x, stream_k, block_m or unstaged scales raise
+    Unsupported naming the field; the ring depth shrinks to fit SMEM beside the staged scales."""
+    wq, ws = _weights(512, 512)
+    for m, kw, field in [(129, {}, "128 rows"), (2, dict(block_n=256), "block_n"), (2, dict(quantize_x=True), "quantize_x"),
+                         (2, dict(stream_k=True), "stream_k"), (2, dict(block_m=64), "block_m"),
+                         (2, dict(stage_scales=False), "stage_scales")]:
+        with pytest.raises(Unsupported, match=field):
+            G.fp8_linear(jnp.ones((m, 512), jnp.bfloat16), wq, ws, implementation="pallas", swap_ab=True, **kw)
+    assert G._swapped_stages(4, 8, 192, 12, 12) == 4
+    assert G._swapped_stages(8, 128, 192, 56, 56) == 4  # (128 + 192) x 128 bytes a stage beside 28 KB of scales
+    assert G._swapped_stages(4, 8, 128, 12, 2) == 2  # no deeper than the CTA's K blocks
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_leading_dims_and_auto(mode: str) -> None:
     """x [2, 3, k] (leading dims flatten to M = 6, f32 input); "auto" runs the kernel for supported shapes."""
     interpret = interpret_for(mode)
@@ -251,7 +293,7 @@ def test_unsupported_in() -> None:
     (dict(block_m=32), "block_m"), (dict(block_n=96), "block_n"), (dict(block_n=256), "block_n"),
     (dict(split_k=3), "split_k"), (dict(split_k=0), "split_k"), (dict(stages=0), "stages"),
     (dict(group_m=0), "group_m"), (dict(stage_scales=1), "stage_scales"), (dict(scale_fmt="e5m2"), "scale_fmt"),
-    (dict(implementation="cuda"), "implementation"),
+    (dict(implementation="cuda"), "implementation"), (dict(swap_ab="yes"), "swap_ab"),
 ])
 def test_bad_params(kwargs: dict, field: str) -> None:
     wq, ws = _weights(384, 512)  # out = 384: block_n 256 does not divide it; in / 128 = 4: split_k 3 does not
@@ -461,7 +503,10 @@ def test_auto_stream_k_and_staged_scales() -> None:
                                          (128, 1536, 24576, dict(block_n=192)),  # q_b prefill 128: one wave
                                          (64, 1536, 24576, dict(block_n=192, split_k=2)),
                                          (1, 1536, 24576, {}),  # q_b decode: 192 wide, one split, trimmed rows
-                                         (5, 7168, 18432, dict(block_n=128, split_k=1))])  # 64-column chunks
+                                         (5, 7168, 18432, dict(block_n=128, split_k=1)),  # 64-column chunks
+                                         (1, 1536, 24576, dict(swap_ab=True)),  # q_b decode, roles swapped
+                                         (128, 7168, 18432, dict(swap_ab=True)),  # mlp, N = 128 MMAs
+                                         (8, 16384, 7168, dict(swap_ab=True, block_n=64))])  # wo, split-K
 def test_lowers_for_cuda(m: int, k: int, n: int, tiles: dict) -> None:
     """The compiled kernel passes Mosaic GPU's lowering (e4m3 wgmma with K-major operands, TMA, layouts)."""
     from jax.sharding import AbstractDevice, AbstractMesh
