@@ -113,6 +113,7 @@ STREAM_K_ROWS_PER_K = 32  # stream_k=None needs M <= K / this (_auto_stream_k: q
 WIDE_TILE_MAX_K = 2048  # in-features up to which decode rows default to 256-wide tiles (_default_block_n)
 ACT_QUANT_KERNEL_UP_TO = 128  # rows (M) up to which act_quant=None quantises x in one kernel (quantize_rows)
 SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
+SWAP_ROWS_OUT_UP_TO = 8  # swap_ab stores y [M, N] itself up to this many rows (M masked row sums), else y^T
 PROFILE_RANGES = 256  # per warpgroup and call: ``profile_dir``'s events (a region per K block, a few more)
 
 
@@ -406,23 +407,30 @@ def _pallas_swapped(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m,
         interpret = resolve_interpret(None)
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
+    direct = m <= SWAP_ROWS_OUT_UP_TO
     call = _build_swapped_call(mr=mr, n=n, k=k, bn=bn, splits=s, stages=stages,
                                out_dtype=jnp.dtype(out_dtype) if s == 1 else jnp.dtype(jnp.float32),
-                               interpret=interpret or None, profile_dir=profile_dir)
+                               interpret=interpret or None, rows_out=m if direct else 0, profile_dir=profile_dir)
     mp = -(-m // 64) * 64
     if act_quant == "kernel" and jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16) and (m <= 8 or m % 8 == 0):
         xq, sxt = quantize_rows(x, mp, scale_fmt, interpret=interpret or False)
     else:
         xq, sx = quant.act_quant(x, BLOCK, scale_fmt)
-        xq, sxt = jnp.pad(xq, ((0, mr - m), (0, 0))), jnp.pad(sx.T, ((0, 0), (0, mr - m)))
-    yt = call(xq, sxt, wq, pad_weight_scales(w_scale.astype(jnp.float32)))
-    yt = yt if s == 1 else jnp.sum(yt, axis=0)
-    return yt[:, :m].T.astype(out_dtype)
+        xq, sxt = jnp.pad(xq, ((0, mr - m), (0, 0))), jnp.pad(sx.T, ((0, 0), (0, swapped_scale_cols(mr) - m)))
+    y = call(xq, sxt, wq, pad_weight_scales(w_scale.astype(jnp.float32)))
+    y = y if s == 1 else jnp.sum(y, axis=0)
+    return (y if direct else y[:, :m].T).astype(out_dtype)
+
+
+def swapped_scale_cols(mr: int) -> int:
+    """Columns of sx^T the swapped kernel stages per K block: mr rounded up to 32 (a warpgroup's copy moves a
+    multiple of 128 bytes)."""
+    return -(-mr // 32) * 32
 
 
 def _swapped_stages(stages: int, mr: int, bn: int, nk: int, kps: int) -> int:
     """The swapped kernel's ring depth: ``stages``, fewer where the ring and the staged scales would pass SMEM."""
-    fixed = kps * mr * 4 + SW_ROWS * (nk + -nk % 4) * 4
+    fixed = kps * swapped_scale_cols(mr) * 4 + SW_ROWS * (nk + -nk % 4) * 4
     fit = (SMEM_BYTES - 2048 - fixed) // ((mr + bn) * BLOCK)
     if fit < 1:
         raise Unsupported(f"fp8_linear kernel: swap_ab's staged scales ({fixed} bytes) leave no room for a stage")
@@ -755,7 +763,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
 # roles swapped: y^T = W x^T (decode rows)
 @functools.lru_cache(maxsize=None)
 def _build_swapped_call(*, mr: int, n: int, k: int, bn: int, splits: int, stages: int, out_dtype: jnp.dtype,
-                        interpret: plgpu.InterpretGPUParams | None, profile_dir: str | None = None):
+                        interpret: plgpu.InterpretGPUParams | None, rows_out: int = 0, profile_dir: str | None = None):
     """``swap_ab``: y^T [N, mr] = W x^T for at most 128 rows (mr = round_up(M, 8)): the weight tile is the e4m3
     wgmma's A operand (64 weight rows per compute warpgroup, ``bn`` / 64 of them) and x's mr rows its B operand
     (N = mr), both K-major in SMEM as 8-bit wgmma needs. The other form's A is a 64-row x tile, so a 1-row call
@@ -764,13 +772,16 @@ def _build_swapped_call(*, mr: int, n: int, k: int, bn: int, splits: int, stages
     Scales as DeepGEMM: per K block a fresh accumulator, promoted in fp32 by the weight scale (one scalar per
     warpgroup: its 64 rows lie in one 128-row block) times the rows' activation scales (a vector along the
     accumulator's columns). A CTA's scales are staged by TMA before the pipeline (sx^T [kps, mr] and the
-    ``SW_ROWS`` weight-scale rows holding its tile's). Output: one split's tile y^T in out_dtype, or fp32
-    partials [splits, N, mr] that XLA sums, stored from registers (mr columns a row); the wrapper transposes."""
+    ``SW_ROWS`` weight-scale rows holding its tile's). Output: one split's tile in out_dtype, or fp32 partials
+    that XLA sums; ``rows_out`` = M > 0: y [M, N] itself ([splits, M, N]), each real row taken out of the
+    accumulator's columns by a masked row sum and stored as 64 contiguous values (no transposing kernel after the
+    call; M cheap reductions for small M only); 0: y^T [N, mr] from registers, which the wrapper transposes."""
     nk = k // BLOCK
     kps = nk // splits
     n_tiles = n // bn
     nwg = bn // 64
     sw_rows = max(-(-n // BLOCK), SW_ROWS)
+    sxc = swapped_scale_cols(mr)
     L = plgpu.Layout.WGMMA
     COL = L.reduce(0)  # [mr] along the accumulator's columns (x rows)
 
@@ -787,7 +798,7 @@ def _build_swapped_call(*, mr: int, n: int, k: int, bn: int, splits: int, stages
 
                 def mma(blk_ref):
                     plgpu.wgmma(blk_ref, w_s.at[pl.ds(wg * 64, 64)], x_s.T)
-                    sx = plgpu.load(sx_s.at[step], layout=COL, optimized=False)  # while the MMA runs
+                    sx = plgpu.load(sx_s.at[step, pl.ds(0, mr)], layout=COL, optimized=False)  # while the MMA runs
                     sw = sw_s[(n0 + wg * 64) // BLOCK - win, kb0 + step]
                     plgpu.wgmma_wait(0)
                     return blk_ref[...], sx, sw
@@ -800,7 +811,7 @@ def _build_swapped_call(*, mr: int, n: int, k: int, bn: int, splits: int, stages
             with jax.named_scope("scales"):
                 @pl.when(wg == 0)
                 def _():
-                    plgpu.copy_gmem_to_smem(sxt_ref.at[pl.ds(kb0, kps), pl.ds(0, mr)], sx_s, bar.at[0])
+                    plgpu.copy_gmem_to_smem(sxt_ref.at[pl.ds(kb0, kps), pl.ds(0, sxc)], sx_s, bar.at[0])
                     plgpu.copy_gmem_to_smem(sw_ref.at[pl.ds(win, SW_ROWS)], sw_s, bar.at[0])
 
                 plgpu.barrier_wait(bar.at[0])
@@ -808,8 +819,14 @@ def _build_swapped_call(*, mr: int, n: int, k: int, bn: int, splits: int, stages
                 acc = run_pipeline(plgpu.layout_cast(jnp.full((64, mr), 0.0, jnp.float32), L))
             with jax.named_scope("store"):
                 rows = pl.ds(n0 + wg * 64, 64)
-                dst = o_ref.at[rows] if splits == 1 else o_ref.at[si, rows]
-                dst[...] = acc.astype(dst.dtype)
+                if rows_out:
+                    col = plgpu.broadcasted_iota(jnp.int32, (64, mr), 1, layout=L)
+                    for i in range(rows_out):
+                        dst = o_ref.at[i, rows] if splits == 1 else o_ref.at[si, i, rows]
+                        dst[...] = jnp.sum(jnp.where(col == i, acc, 0.0), axis=1).astype(dst.dtype)
+                else:
+                    dst = o_ref.at[rows] if splits == 1 else o_ref.at[si, rows]
+                    dst[...] = acc.astype(dst.dtype)
 
         pipeline = plgpu.emit_pipeline_warp_specialized(
             body, grid=(kps,), memory_registers=40, wg_axis="wg", num_compute_wgs=nwg,
@@ -820,8 +837,9 @@ def _build_swapped_call(*, mr: int, n: int, k: int, bn: int, splits: int, stages
             pipeline(x_ref.at[pl.ds(0, mr), pl.ds(kb0 * BLOCK, kps * BLOCK)],
                      w_ref.at[pl.ds(n0, bn), pl.ds(kb0 * BLOCK, kps * BLOCK)])
 
-    out_shape = (n, mr) if splits == 1 else (splits, n, mr)
-    scratch = [plgpu.SMEM((kps, mr), jnp.float32), plgpu.SMEM((SW_ROWS, nk + -nk % 4), jnp.float32),
+    out_shape = (rows_out, n) if rows_out else (n, mr)
+    out_shape = out_shape if splits == 1 else (splits, *out_shape)
+    scratch = [plgpu.SMEM((kps, sxc), jnp.float32), plgpu.SMEM((SW_ROWS, nk + -nk % 4), jnp.float32),
                plgpu.Barrier(num_arrivals=2, num_barriers=1)]
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                   **(dict(profile_space=PROFILE_RANGES, profile_dir=profile_dir,

@@ -184,11 +184,14 @@ def test_192_wide_tiles_bit_equal(mode: str, m: int, tiles: dict) -> None:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("m,out_dtype,tiles", [(1, jnp.bfloat16, {}),  # 192-wide tiles: three compute warpgroups
                                                (8, jnp.float32, dict(block_n=128, split_k=2)),  # fp32 partials
+                                               (5, jnp.bfloat16, dict(block_n=192, split_k=1)),  # rows out directly
+                                               (24, jnp.bfloat16, dict(block_n=128, split_k=2)),  # y^T, transposed
                                                (40, jnp.bfloat16, dict(block_n=64)),  # one compute warpgroup
                                                (128, jnp.float32, dict(block_n=192, stages=2))])
 def test_swap_ab_bit_equal(mode: str, m: int, out_dtype, tiles: dict) -> None:
     """swap_ab (y^T = W x^T, wgmma N = round_up(M, 8)): tiles of 64-row warpgroups that straddle weight-scale
-    blocks (192 wide), K splits, 8 to 128 rows; exact data, so the output is the exact product rounded once."""
+    blocks (192 wide), K splits, 1 to 128 rows, y stored directly (M <= 8) or as y^T; exact data, so the output is
+    the exact product rounded once."""
     x, w, wq, ws = _exact_case(m, 512, 768, seed=m + 1)
     got = G.fp8_linear(jnp.asarray(x, jnp.bfloat16), wq, ws, out_dtype=out_dtype, implementation="pallas",
                        interpret=interpret_for(mode), swap_ab=True, **tiles)
@@ -506,7 +509,9 @@ def test_auto_stream_k_and_staged_scales() -> None:
                                          (5, 7168, 18432, dict(block_n=128, split_k=1)),  # 64-column chunks
                                          (1, 1536, 24576, dict(swap_ab=True)),  # q_b decode, roles swapped
                                          (128, 7168, 18432, dict(swap_ab=True)),  # mlp, N = 128 MMAs
-                                         (8, 16384, 7168, dict(swap_ab=True, block_n=64))])  # wo, split-K
+                                         (8, 16384, 7168, dict(swap_ab=True, block_n=64)),  # wo, split-K
+                                         (1, 512, 768, dict(swap_ab=True)),  # 2 K blocks a CTA: a 256-byte scale copy
+                                         (24, 512, 768, dict(swap_ab=True, block_n=128, split_k=1))])
 def test_lowers_for_cuda(m: int, k: int, n: int, tiles: dict) -> None:
     """The compiled kernel passes Mosaic GPU's lowering (e4m3 wgmma with K-major operands, TMA, layouts)."""
     from jax.sharding import AbstractDevice, AbstractMesh
