@@ -114,6 +114,7 @@ WIDE_TILE_MAX_K = 2048  # in-features up to which decode rows default to 256-wid
 ACT_QUANT_KERNEL_UP_TO = 128  # rows (M) up to which act_quant=None quantises x in one kernel (quantize_rows)
 SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 SWAP_ROWS_OUT_UP_TO = 8  # swap_ab stores y [M, N] itself up to this many rows (M masked row sums), else y^T
+SWAP_AB_UP_TO = 8  # rows (M) up to which swap_ab=None swaps the roles (``_auto_swap_ab``)
 PROFILE_RANGES = 256  # per warpgroup and call: ``profile_dir``'s events (a region per K block, a few more)
 
 
@@ -148,7 +149,8 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     scales: three XLA kernels) or "kernel" (``quantize_rows``: one kernel; bfloat16 x, M < 8 or a multiple of 8,
     else XLA); None: "kernel" up to ``ACT_QUANT_KERNEL_UP_TO`` rows (``_auto_act_quant``).
     ``swap_ab`` (M <= 128, ``block_n`` 64, 128 or 192, staged scales): the roles swapped, y^T = W x^T, so that the
-    wgmma's N is round_up(M, 8) instead of a padded 64- or 128-row x tile (``_build_swapped_call``); None: off.
+    wgmma's N is round_up(M, 8) instead of a padded 64- or 128-row x tile (``_build_swapped_call``); None: on up to
+    ``SWAP_AB_UP_TO`` rows where no other choice excludes it (``_auto_swap_ab``).
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler writes a trace of the kernel's named regions per
     warpgroup there: ``all`` (the pipeline, every warpgroup), the compute warpgroups' ``scales`` (staging wait),
     ``loop``, its ``step`` bodies and ``store`` (``scripts/diag/fp8_regions.py``).
@@ -268,6 +270,17 @@ def _auto_stream_k(m: int, n: int, nk: int, block_m: int | None, block_n: int | 
     return n % bn == 0 and n // bn > NUM_SMS and nk >= 2 and m * STREAM_K_ROWS_PER_K <= nk * BLOCK
 
 
+def _auto_swap_ab(m: int, block_m: int | None, block_n: int | None, quantize_x: bool, stream_k: bool | None,
+                  stage_scales: bool | None) -> bool:
+    """swap_ab=None: on up to ``SWAP_AB_UP_TO`` rows unless a choice excludes it (block_m, block_n 256, quantize_x,
+    stream_k=True, stage_scales=False). Exact kernel times (ncu, 2026-12-04,
+    benchmarks/results/fp8_decode_ncu_sweep_h200_2026-12-04.json): faster at 1 to 32 rows of q_a, q_b, wo and mlp;
+    up to 8 rows its call is one kernel fewer (y stored directly), above that the transposing fusion after it
+    made the call slower than the unswapped one."""
+    return (m <= SWAP_AB_UP_TO and block_m is None and block_n != 256 and not quantize_x and not stream_k
+            and stage_scales is not False)
+
+
 def _auto_act_quant(m: int) -> str:
     """act_quant=None: "kernel" (``quantize_rows``) up to ``ACT_QUANT_KERNEL_UP_TO`` rows, else "xla". In one
     executable (the model's step, one command buffer) the one kernel's call was as fast or faster at 1 and 64 rows
@@ -329,6 +342,8 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         return jnp.zeros((*lead, n), out_dtype)
     nk = k // BLOCK
     act_quant = act_quant or _auto_act_quant(m)
+    if swap_ab is None:
+        swap_ab = _auto_swap_ab(m, block_m, block_n, quantize_x, stream_k, stage_scales)
     if swap_ab:
         return _pallas_swapped(x.reshape(m, k), wq, w_scale, out_dtype=out_dtype, scale_fmt=scale_fmt,
                                interpret=interpret, block_m=block_m, block_n=block_n, split_k=split_k, stages=stages,

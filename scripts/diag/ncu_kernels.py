@@ -61,6 +61,9 @@ def _fp8(shape: str, m: int, tiles: dict):
     wq = (jax.random.normal(kw, (n, k), jnp.float32) * 0.5).astype(jnp.float8_e4m3fn)
     ws = jnp.full((n // 128, k // 128), 2.0 ** -7, jnp.float32)
     x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+    tiles = dict(tiles)
+    if "rows_out_up_to" in tiles:  # swap_ab's direct row store up to this many rows (the module's threshold)
+        fp8_gemm.SWAP_ROWS_OUT_UP_TO = tiles.pop("rows_out_up_to")
     f = jax.jit(functools.partial(fp8_gemm.fp8_linear, implementation="pallas", **tiles))
     return f, (x, wq, ws)
 
