@@ -119,8 +119,17 @@ def _stream(shape: str, tiles: dict):
     return jax.jit(stream_call(t["layout"], n, k, bn, t["split_k"], t["stages"], False)), (w, x)
 
 
+def _ceiling(kind: str, mib: int):
+    """The same run's DRAM ceilings beside the GEMM rows (fp8sweep cases copy:MiB, read:MiB): XLA's elementwise
+    copy (y = 2 a) of a bfloat16 array of ``mib`` MiB, or its sum (a read of it), on random data."""
+    a = jax.random.normal(jax.random.key(1), (mib * 2 ** 19,), jnp.float32).astype(jnp.bfloat16)
+    if kind == "copy":
+        return jax.jit(lambda v: v * 2), (a,)
+    return jax.jit(lambda v: jnp.sum(v.reshape(-1, 4096).astype(jnp.float32), axis=1)), (a,)
+
+
 def _sweep(a: argparse.Namespace) -> None:
-    """fp8sweep: cases shape:rows of the FP8 GEMM; fp4sweep / fp8gsweep: shape:tokens of the grouped GEMMs;
+    """fp8sweep: cases shape:rows of the FP8 GEMM (and copy:MiB / read:MiB, ``_ceiling``); fp4sweep / fp8gsweep: shape:tokens of the grouped GEMMs;
     streamsweep: shape:0, the FP8 GEMM's weight stream alone (``_stream``)."""
     cases = [(c.split(":")[0], int(c.split(":")[1])) for c in a.cases]
     variants = json.loads(a.variants)
@@ -133,6 +142,8 @@ def _sweep(a: argparse.Namespace) -> None:
             try:
                 if a.kernel == "streamsweep":
                     f, args = _stream(shape, v)
+                elif a.kernel == "fp8sweep" and shape in ("copy", "read"):
+                    f, args = _ceiling(shape, m)
                 elif a.kernel == "fp8sweep":
                     f, args = _fp8(shape, m, v)
                 else:
