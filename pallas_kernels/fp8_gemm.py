@@ -58,6 +58,11 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, 3 warpgroups per CTA: 2 compu
   [mr, block_n] fp32 partial for that tile into slot j (its rank among the tile's CTAs, ``stream_k_layout``)
   of a [J, mr, N] output and restarts at 0; one XLA reduction (masking the slots no CTA wrote) sums them, as
   split-K's does. On by default up to 128 rows where the column tiles alone exceed one wave (``_auto_stream_k``).
+- ``swap_ab`` (decode, the default up to ``SWAP_AB_UP_TO`` rows: ``_build_swapped_call``): the roles swapped,
+  y^T = W x^T. The weight tile is the wgmma's A (64 rows per compute warpgroup, ``block_n`` / 64 warpgroups) and
+  x's round_up(M, 8) rows its N, so a 1-row call no longer multiplies a 64-row x tile of zeros per K block (the
+  regions had put q_b's steps as long as the ring's arrival interval). Up to 8 rows y is stored directly (each
+  row a masked sum over the accumulator's columns); above that y^T and a transposing XLA fusion.
 - Padding: M is padded to block_m (zero xq rows and scales). With ``quantize_x`` x is not padded (no XLA kernel
   at all before the call): the x tile's TMA box runs past its M rows, which TMA fills with zeros, and rows past
   M only feed output rows that are dropped (an MMA row depends on its own row of x alone). N and K must be multiples of 128

@@ -120,7 +120,7 @@ def _stream(shape: str, tiles: dict):
 
 
 def _ceiling(kind: str, mib: int):
-    """The same run's DRAM ceilings beside the GEMM rows (fp8sweep cases copy:MiB, read:MiB): XLA's elementwise
+    """The same run's DRAM ceilings beside the GEMM rows (a sweep's cases copy:MiB, read:MiB): XLA's elementwise
     copy (y = 2 a) of a bfloat16 array of ``mib`` MiB, or its sum (a read of it), on random data."""
     a = jax.random.normal(jax.random.key(1), (mib * 2 ** 19,), jnp.float32).astype(jnp.bfloat16)
     if kind == "copy":
@@ -140,10 +140,10 @@ def _sweep(a: argparse.Namespace) -> None:
         for v in variants:
             name = {"fp8sweep": f"{shape}_m{m}", "streamsweep": f"{shape}_stream"}.get(a.kernel, f"{shape}_t{m}")
             try:
-                if a.kernel == "streamsweep":
-                    f, args = _stream(shape, v)
-                elif a.kernel == "fp8sweep" and shape in ("copy", "read"):
+                if shape in ("copy", "read"):
                     f, args = _ceiling(shape, m)
+                elif a.kernel == "streamsweep":
+                    f, args = _stream(shape, v)
                 elif a.kernel == "fp8sweep":
                     f, args = _fp8(shape, m, v)
                 else:
