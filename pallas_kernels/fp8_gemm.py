@@ -370,10 +370,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         interpret = plgpu.InterpretGPUParams()
     mp = -(-m // bm) * bm
     mr = min(mp, -(-m // 8) * 8)
-    # a 128-row tile's split-K partials go through SMEM too where the staging tiles fit beside staged scales
-    fits = (not interpret and stage_scales is not False and mp == bm == 128 and s > 1 and m < STAGE_SCALES_BELOW
-            and _staged_smem(bm, bn, nk, nk // s, stages, 2 * 64 * _chunk_cols(bm, bn) * 4) <= SMEM_BYTES)
-    trim = _trimmed(mp // bm, bm, s, fits)
+    trim = _trimmed(mp // bm, bm, s)
     # interpret mode hangs on staged scales + the trimmed epilogue (undiagnosed, 2026-12-01; the GPU runs it: native
     # tests and the benchmark), so there the default keeps the unstaged kernel
     if stage_scales is None:
@@ -389,8 +386,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     call = _build_call(mr=mr, mp=mp, n=n, k=k, bm=bm, bn=bn, splits=s, stages=stages, group_m=group_m,
                        out_dtype=out_dtype if s == 1 and not stream_k else jnp.dtype(jnp.float32),
                        interpret=interpret or None, stage_scales=stage_scales,
-                       quantize_x=scale_fmt if quantize_x else None, stream_k=ctas, trim_partials=fits,
-                       profile_dir=profile_dir)
+                       quantize_x=scale_fmt if quantize_x else None, stream_k=ctas, profile_dir=profile_dir)
     sw = w_scale.astype(jnp.float32)
     sw = pad_weight_scales(sw) if stage_scales else sw
     if quantize_x:
@@ -548,14 +544,13 @@ def stream_k_layout(n_tiles: int, nk: int, ctas: int) -> tuple[int, int, np.ndar
     return -(-units // ctas), int(count.max()), np.arange(count.max())[:, None] < count[None, :]
 
 
-def _trimmed(m_tiles: int, bm: int, splits: int, partials_fit: bool = False) -> bool:
+def _trimmed(m_tiles: int, bm: int, splits: int) -> bool:
     """One row tile (decode, M <= 128) stores only its first round_up(M, 8) rows, through SMEM and TMA stores.
     Stored from registers, the padded rows of a one-row q_b call are 3 MB of writes beside 38 MB of weights, in
     half-used 32-byte sectors (Nsight Compute, 2026-12-03), and a full 128-row tile's uncoalesced register stores
-    were the longest part of its CTAs' tail (``scripts/diag/fp8_regions.py``, 2026-12-04). A 128-row tile's
-    split-K partials only where their fp32 staging tiles (64 KB) fit beside the staged scales (``partials_fit``:
-    wo at 100-128 rows with a 3-deep ring; at the default 4 they would push its staged scales out of SMEM)."""
-    return m_tiles == 1 and (bm == 64 or splits == 1 or partials_fit)
+    were the longest part of its CTAs' tail (``scripts/diag/fp8_regions.py``, 2026-12-04). Not a 128-row tile's
+    split-K partials: their fp32 staging tiles (64 KB) would push wo's staged scales out of SMEM."""
+    return m_tiles == 1 and (bm == 64 or splits == 1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -563,8 +558,7 @@ def _trimmed(m_tiles: int, bm: int, splits: int, partials_fit: bool = False) -> 
 @functools.lru_cache(maxsize=None)
 def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: int, stages: int, group_m: int,
                 out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, stage_scales: bool = False,
-                quantize_x: quant.ScaleFmt | None = None, stream_k: int = 0, trim_partials: bool = False,
-                profile_dir: str | None = None):
+                quantize_x: quant.ScaleFmt | None = None, stream_k: int = 0, profile_dir: str | None = None):
     """``quantize_x`` (a scale format; 64-row tiles only): the kernel takes bfloat16 x [Mp, K] and no scales of
     it, and each compute warpgroup quantises the K block's x tile into its own e4m3 SMEM tile before its MMA
     (the row scales stay in registers for the promotion): x (arguments x, w, sw), else (xq, sx^T, w, sw).
@@ -586,7 +580,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     # one row tile (decode) keeps only the first mr = round_up(M, 8) rows (``_trimmed``): fp32 partials of all 64
     # rows would be written and read back once per split (as many bytes as the weights); one split's output in
     # out_dtype, its padded rows never written
-    trim = _trimmed(m_tiles, bm, splits, trim_partials) or stream_k > 0
+    trim = _trimmed(m_tiles, bm, splits) or stream_k > 0
     ep_dtype = jnp.dtype(jnp.float32) if splits > 1 or stream_k else jnp.dtype(out_dtype)
     if stream_k and (m_tiles != 1 or stage_scales or splits != 1):
         raise ValueError("stream_k needs one row tile, unstaged scales and no split_k")
