@@ -120,6 +120,8 @@ ACT_QUANT_KERNEL_UP_TO = 128  # rows (M) up to which act_quant=None quantises x 
 SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 SWAP_ROWS_OUT_UP_TO = 8  # swap_ab stores y [M, N] itself up to this many rows (M masked row sums), else y^T
 SWAP_AB_UP_TO = 8  # rows (M) up to which swap_ab=None swaps the roles (``_auto_swap_ab``)
+STAGES = 4  # TMA ring depth (stages=None)
+SWAP_RING_BYTES = 104 * 1024  # swap_ab, stages=None: ring bytes in flight per CTA (``_swapped_stages``)
 PROFILE_RANGES = 256  # per warpgroup and call: ``profile_dir``'s events (a region per K block, a few more)
 
 
@@ -128,7 +130,7 @@ PROFILE_RANGES = 256  # per warpgroup and call: ``profile_dir``'s events (a regi
 def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jnp.dtype = jnp.bfloat16,
                scale_fmt: quant.ScaleFmt = "ue8m0", implementation: Implementation = "auto",
                interpret: bool | plgpu.InterpretGPUParams | None = None, block_m: int | None = None,
-               block_n: int | None = None, split_k: int | None = None, stages: int = 4,
+               block_n: int | None = None, split_k: int | None = None, stages: int | None = None,
                group_m: int = 8, stage_scales: bool | None = None, quantize_x: bool = False,
                stream_k: bool | None = None, act_quant: str | None = None, swap_ab: bool | None = None,
                profile_dir: str | None = None) -> jax.Array:
@@ -140,7 +142,8 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     of 128, else ``Unsupported``); "auto" = the kernel where it applies, else XLA.
     Tiles (kernel only, see ``_pick_tiles`` for the defaults): ``block_m`` 64 or 128, ``block_n`` 64, 128, 192
     or 256 (dividing out; 192: one wave of 128-row tiles where 128-wide ones leave a tail, q_b's 24576 columns),
-    ``split_k`` K splits (a divisor of in/128), ``stages`` TMA ring depth, ``group_m`` M tiles per rasterisation
+    ``split_k`` K splits (a divisor of in/128), ``stages`` TMA ring depth (None: ``STAGES``, or with ``swap_ab``
+    about ``SWAP_RING_BYTES`` of ring, ``_swapped_stages``), ``group_m`` M tiles per rasterisation
     group (L2 reuse at large M). ``stage_scales``: copy a CTA's scales into SMEM by
     TMA before the pipeline instead of loading each K block's from GMEM inside the loop (at decode those loads'
     latency stalls the promotion); None: on up to 128 rows (M), where it measured faster, if it fits SMEM.
@@ -153,7 +156,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     is quantised when the kernel does not do it itself: "xla" (``quant.act_quant`` plus the padding and transposed
     scales: three XLA kernels) or "kernel" (``quantize_rows``: one kernel; bfloat16 x, M < 8 or a multiple of 8,
     else XLA); None: "kernel" up to ``ACT_QUANT_KERNEL_UP_TO`` rows (``_auto_act_quant``).
-    ``swap_ab`` (M <= 128, ``block_n`` 64, 128 or 192, staged scales): the roles swapped, y^T = W x^T, so that the
+    ``swap_ab`` (M <= 128, ``block_n`` 64, 128 or 192; scales staged unless ``stage_scales=False``): the roles swapped, y^T = W x^T, so that the
     wgmma's N is round_up(M, 8) instead of a padded 64- or 128-row x tile (``_build_swapped_call``); None: on up to
     ``SWAP_AB_UP_TO`` rows where no other choice excludes it (``_auto_swap_ab``).
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler writes a trace of the kernel's named regions per
@@ -275,15 +278,13 @@ def _auto_stream_k(m: int, n: int, nk: int, block_m: int | None, block_n: int | 
     return n % bn == 0 and n // bn > NUM_SMS and nk >= 2 and m * STREAM_K_ROWS_PER_K <= nk * BLOCK
 
 
-def _auto_swap_ab(m: int, block_m: int | None, block_n: int | None, quantize_x: bool, stream_k: bool | None,
-                  stage_scales: bool | None) -> bool:
+def _auto_swap_ab(m: int, block_m: int | None, block_n: int | None, quantize_x: bool, stream_k: bool | None) -> bool:
     """swap_ab=None: on up to ``SWAP_AB_UP_TO`` rows unless a choice excludes it (block_m, block_n 256, quantize_x,
-    stream_k=True, stage_scales=False). Exact kernel times (ncu, 2026-12-04,
+    stream_k=True). Exact kernel times (ncu, 2026-12-04,
     benchmarks/results/fp8_decode_ncu_sweep_h200_2026-12-04.json): faster at 1 to 32 rows of q_a, q_b, wo and mlp;
     up to 8 rows its call is one kernel fewer (y stored directly), above that the transposing fusion after it
     made the call slower than the unswapped one."""
-    return (m <= SWAP_AB_UP_TO and block_m is None and block_n != 256 and not quantize_x and not stream_k
-            and stage_scales is not False)
+    return m <= SWAP_AB_UP_TO and block_m is None and block_n != 256 and not quantize_x and not stream_k
 
 
 def _auto_act_quant(m: int) -> str:
@@ -324,7 +325,7 @@ def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
 
 def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages, group_m,
             stage_scales, quantize_x=False, stream_k=None, act_quant=None, swap_ab=None, profile_dir=None):
-    _check_tiles(block_m, block_n, split_k, stages, group_m)
+    _check_tiles(block_m, block_n, split_k, STAGES if stages is None else stages, group_m)
     if swap_ab is not None and not isinstance(swap_ab, bool):
         raise ValueError(f"swap_ab must be a bool or None, got {swap_ab!r}")
     if stage_scales is not None and not isinstance(stage_scales, bool):
@@ -348,12 +349,13 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     nk = k // BLOCK
     act_quant = act_quant or _auto_act_quant(m)
     if swap_ab is None:
-        swap_ab = _auto_swap_ab(m, block_m, block_n, quantize_x, stream_k, stage_scales)
+        swap_ab = _auto_swap_ab(m, block_m, block_n, quantize_x, stream_k)
     if swap_ab:
         return _pallas_swapped(x.reshape(m, k), wq, w_scale, out_dtype=out_dtype, scale_fmt=scale_fmt,
                                interpret=interpret, block_m=block_m, block_n=block_n, split_k=split_k, stages=stages,
                                stage_scales=stage_scales, quantize_x=quantize_x, stream_k=stream_k,
                                act_quant=act_quant, profile_dir=profile_dir).reshape(*lead, n)
+    stages = STAGES if stages is None else stages
     if stream_k is None:
         stream_k = _auto_stream_k(m, n, nk, block_m, block_n, split_k, stage_scales)
     if stream_k and (m > 128 or split_k is not None or stage_scales or (block_m or (64 if m <= 64 else 128)) < m):
@@ -412,25 +414,31 @@ def _pallas_swapped(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m,
     XLA as ``act_quant`` says; the tiles' defaults are the 64-row decode ones of ``_pick_tiles``)."""
     m, k = x.shape
     n, nk = wq.shape[0], k // BLOCK
-    if m > 128 or block_m is not None or quantize_x or stream_k or stage_scales is False:
-        raise Unsupported(f"fp8_linear kernel: swap_ab takes at most 128 rows, staged scales, and no block_m, "
-                          f"quantize_x or stream_k (got {m} rows, block_m {block_m}, quantize_x {quantize_x}, "
-                          f"stream_k {stream_k}, stage_scales {stage_scales})")
+    if m > 128 or block_m is not None or quantize_x or stream_k:
+        raise Unsupported(f"fp8_linear kernel: swap_ab takes at most 128 rows, and no block_m, quantize_x or "
+                          f"stream_k (got {m} rows, block_m {block_m}, quantize_x {quantize_x}, stream_k {stream_k})")
     if block_n == 256:
         raise Unsupported("fp8_linear kernel: swap_ab takes block_n 64, 128 or 192 (a compute warpgroup per 64 "
                           "weight rows, at most three)")
     wide = _default_block_n(1, n, nk, 64)  # the decode default, but at most three compute warpgroups
     _, bn, s = _pick_tiles(min(m, 64), n, nk, 64, block_n or (128 if wide == 256 else wide), split_k)
     mr = -(-m // 8) * 8
-    stages = _swapped_stages(stages, mr, bn, nk, nk // s)
     if interpret is None:
         interpret = resolve_interpret(None)
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
+    # interpret mode hangs intermittently on the staged scales here too (two CPU workers, 2026-12-04; as the other
+    # form's staged scales with its trimmed epilogue): there the default loads each K block's scales from GMEM
+    if stage_scales and interpret:
+        raise Unsupported("fp8_linear kernel: swap_ab with stage_scales=True hangs in interpret mode; pass "
+                          "stage_scales=None or False there, or run on the GPU")
+    staged = not interpret if stage_scales is None else stage_scales
+    stages = _swapped_stages(stages, mr, bn, nk, nk // s, staged)
     direct = m <= SWAP_ROWS_OUT_UP_TO
     call = _build_swapped_call(mr=mr, n=n, k=k, bn=bn, splits=s, stages=stages,
                                out_dtype=jnp.dtype(out_dtype) if s == 1 else jnp.dtype(jnp.float32),
-                               interpret=interpret or None, rows_out=m if direct else 0, profile_dir=profile_dir)
+                               interpret=interpret or None, rows_out=m if direct else 0, stage_scales=staged,
+                               profile_dir=profile_dir)
     mp = -(-m // 64) * 64
     if act_quant == "kernel" and jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16) and (m <= 8 or m % 8 == 0):
         xq, sxt = quantize_rows(x, mp, scale_fmt, interpret=interpret or False)
@@ -448,9 +456,14 @@ def swapped_scale_cols(mr: int) -> int:
     return -(-mr // 32) * 32
 
 
-def _swapped_stages(stages: int, mr: int, bn: int, nk: int, kps: int) -> int:
-    """The swapped kernel's ring depth: ``stages``, fewer where the ring and the staged scales would pass SMEM."""
-    fixed = kps * swapped_scale_cols(mr) * 4 + SW_ROWS * (nk + -nk % 4) * 4
+def _swapped_stages(stages: int | None, mr: int, bn: int, nk: int, kps: int, staged: bool = True) -> int:
+    """The swapped kernel's ring depth: ``stages``, fewer where the ring and the staged scales would pass SMEM.
+    None: about ``SWAP_RING_BYTES`` in flight, at least ``STAGES`` (a stage is only (mr + bn) x 128 bytes here: wo's
+    128-wide tiles took 6 stages for it and ran 1.3-1.7 µs faster than with 4 in two runs, while q_b's and mlp's
+    192-wide tiles were slower with 6 than with 4; archive/fp8_decode_ncu_sweep_h200_2026-12-04_raw.json, runs 5, 9)."""
+    if stages is None:
+        stages = max(STAGES, SWAP_RING_BYTES // ((mr + bn) * BLOCK))
+    fixed = kps * swapped_scale_cols(mr) * 4 + SW_ROWS * (nk + -nk % 4) * 4 if staged else 0
     fit = (SMEM_BYTES - 2048 - fixed) // ((mr + bn) * BLOCK)
     if fit < 1:
         raise Unsupported(f"fp8_linear kernel: swap_ab's staged scales ({fixed} bytes) leave no room for a stage")
@@ -783,7 +796,8 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
 # roles swapped: y^T = W x^T (decode rows)
 @functools.lru_cache(maxsize=None)
 def _build_swapped_call(*, mr: int, n: int, k: int, bn: int, splits: int, stages: int, out_dtype: jnp.dtype,
-                        interpret: plgpu.InterpretGPUParams | None, rows_out: int = 0, profile_dir: str | None = None):
+                        interpret: plgpu.InterpretGPUParams | None, rows_out: int = 0, stage_scales: bool = True,
+                        profile_dir: str | None = None):
     """``swap_ab``: y^T [N, mr] = W x^T for at most 128 rows (mr = round_up(M, 8)): the weight tile is the e4m3
     wgmma's A operand (64 weight rows per compute warpgroup, ``bn`` / 64 of them) and x's mr rows its B operand
     (N = mr), both K-major in SMEM as 8-bit wgmma needs. The other form's A is a 64-row x tile, so a 1-row call
@@ -791,8 +805,8 @@ def _build_swapped_call(*, mr: int, n: int, k: int, bn: int, splits: int, stages
     arrival interval (``scripts/diag/fp8_regions.py``, 2026-12-04); here one MMA of 64 x mr per warpgroup and K block.
     Scales as DeepGEMM: per K block a fresh accumulator, promoted in fp32 by the weight scale (one scalar per
     warpgroup: its 64 rows lie in one 128-row block) times the rows' activation scales (a vector along the
-    accumulator's columns). A CTA's scales are staged by TMA before the pipeline (sx^T [kps, mr] and the
-    ``SW_ROWS`` weight-scale rows holding its tile's). Output: one split's tile in out_dtype, or fp32 partials
+    accumulator's columns). ``stage_scales``: a CTA's scales are staged by TMA before the pipeline (sx^T [kps, mr]
+    and the ``SW_ROWS`` weight-scale rows holding its tile's), else each K block's load from GMEM (L2). Output: one split's tile in out_dtype, or fp32 partials
     that XLA sums; ``rows_out`` = M > 0: y [M, N] itself ([splits, M, N]), each real row taken out of the
     accumulator's columns by a masked row sum and stored as 64 contiguous values (no transposing kernel after the
     call; M cheap reductions for small M only); 0: y^T [N, mr] from registers, which the wrapper transposes."""
@@ -805,7 +819,8 @@ def _build_swapped_call(*, mr: int, n: int, k: int, bn: int, splits: int, stages
     L = plgpu.Layout.WGMMA
     COL = L.reduce(0)  # [mr] along the accumulator's columns (x rows)
 
-    def kernel(x_ref, sxt_ref, w_ref, sw_ref, o_ref, sx_s, sw_s, bar):
+    def kernel(x_ref, sxt_ref, w_ref, sw_ref, o_ref, *scratch):
+        sx_s, sw_s, bar = scratch if stage_scales else (None, None, None)
         pid = lax.axis_index("cta")
         si, ni = pid // n_tiles, pid % n_tiles
         n0, kb0 = ni * bn, si * kps
@@ -818,8 +833,12 @@ def _build_swapped_call(*, mr: int, n: int, k: int, bn: int, splits: int, stages
 
                 def mma(blk_ref):
                     plgpu.wgmma(blk_ref, w_s.at[pl.ds(wg * 64, 64)], x_s.T)
-                    sx = plgpu.load(sx_s.at[step, pl.ds(0, mr)], layout=COL, optimized=False)  # while the MMA runs
-                    sw = sw_s[(n0 + wg * 64) // BLOCK - win, kb0 + step]
+                    if stage_scales:  # loaded while the MMA runs
+                        sx = plgpu.load(sx_s.at[step, pl.ds(0, mr)], layout=COL, optimized=False)
+                        sw = sw_s[(n0 + wg * 64) // BLOCK - win, kb0 + step]
+                    else:
+                        sx = plgpu.load(sxt_ref.at[kb0 + step, pl.ds(0, mr)], layout=COL, optimized=False)
+                        sw = sw_ref[(n0 + wg * 64) // BLOCK, kb0 + step]
                     plgpu.wgmma_wait(0)
                     return blk_ref[...], sx, sw
 
@@ -829,12 +848,13 @@ def _build_swapped_call(*, mr: int, n: int, k: int, bn: int, splits: int, stages
         def compute(run_pipeline):
             wg = lax.axis_index("wg")
             with jax.named_scope("scales"):
-                @pl.when(wg == 0)
-                def _():
-                    plgpu.copy_gmem_to_smem(sxt_ref.at[pl.ds(kb0, kps), pl.ds(0, sxc)], sx_s, bar.at[0])
-                    plgpu.copy_gmem_to_smem(sw_ref.at[pl.ds(win, SW_ROWS)], sw_s, bar.at[0])
+                if stage_scales:
+                    @pl.when(wg == 0)
+                    def _():
+                        plgpu.copy_gmem_to_smem(sxt_ref.at[pl.ds(kb0, kps), pl.ds(0, sxc)], sx_s, bar.at[0])
+                        plgpu.copy_gmem_to_smem(sw_ref.at[pl.ds(win, SW_ROWS)], sw_s, bar.at[0])
 
-                plgpu.barrier_wait(bar.at[0])
+                    plgpu.barrier_wait(bar.at[0])
             with jax.named_scope("loop"):
                 acc = run_pipeline(plgpu.layout_cast(jnp.full((64, mr), 0.0, jnp.float32), L))
             with jax.named_scope("store"):
@@ -860,7 +880,7 @@ def _build_swapped_call(*, mr: int, n: int, k: int, bn: int, splits: int, stages
     out_shape = (rows_out, n) if rows_out else (n, mr)
     out_shape = out_shape if splits == 1 else (splits, *out_shape)
     scratch = [plgpu.SMEM((kps, sxc), jnp.float32), plgpu.SMEM((SW_ROWS, nk + -nk % 4), jnp.float32),
-               plgpu.Barrier(num_arrivals=2, num_barriers=1)]
+               plgpu.Barrier(num_arrivals=2, num_barriers=1)] if stage_scales else []
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                   **(dict(profile_space=PROFILE_RANGES, profile_dir=profile_dir,
                                           profile_bounds_check=True) if profile_dir else {}))

@@ -247,7 +247,7 @@ case "$stage" in
     # issue 19 (twenty-seventh session): swap_ab, the weight tile as the wgmma's A and x's round_up(M, 8) rows as its N,
     # against the default (a padded 64-row x tile: the regions put q_b's steps as long as the ring's arrival interval)
     timeout -k 10 -s INT ${FP8S_TIMEOUT:-150} python3 -m pytest -m gpu -q -x --tb=short -p no:cacheprovider \
-      tests/test_kernel_fp8_gemm.py ${FP8S_K:--k "swap or exact_data"} > "$OUT/fp8_swap_tests.log" 2>&1
+      tests/test_kernel_fp8_gemm.py -k "${FP8S_K:-swap or exact_data}" > "$OUT/fp8_swap_tests.log" 2>&1
     echo "fp8 swap tests rc=$?"; tail -3 "$OUT/fp8_swap_tests.log"
     V=${FP8SWEEP_VARIANTS:-'[{}, {"swap_ab": true}, {"swap_ab": true, "stages": 6}, {"swap_ab": true, "stages": 8}]'}
     SWEEP_CASES=${FP8_CASES:-'q_b:1 q_b:8 q_b:64 q_b:128 mlp:1 mlp:64 mlp:128 wo:1 wo:64'} ncu_sweep fp8 "$V"
