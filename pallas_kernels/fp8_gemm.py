@@ -459,8 +459,9 @@ def swapped_scale_cols(mr: int) -> int:
 def _swapped_stages(stages: int | None, mr: int, bn: int, nk: int, kps: int, staged: bool = True) -> int:
     """The swapped kernel's ring depth: ``stages``, fewer where the ring and the staged scales would pass SMEM.
     None: about ``SWAP_RING_BYTES`` in flight, at least ``STAGES`` (a stage is only (mr + bn) x 128 bytes here: wo's
-    128-wide tiles took 6 stages for it and ran 1.3-1.7 µs faster than with 4 in two runs, while q_b's and mlp's
-    192-wide tiles were slower with 6 than with 4; archive/fp8_decode_ncu_sweep_h200_2026-12-04_raw.json, runs 5, 9)."""
+    128-wide tiles take 6 stages for it, faster than 4 in 5 of 6 pairs at 1 and 8 rows (0.7-1.5 µs on average), while
+    q_b's and mlp's 192-wide tiles were slower with 6 than with 4; archive/fp8_decode_ncu_sweep_h200_2026-12-04_raw.json,
+    runs 5, 9, 10)."""
     if stages is None:
         stages = max(STAGES, SWAP_RING_BYTES // ((mr + bn) * BLOCK))
     fixed = kps * swapped_scale_cols(mr) * 4 + SW_ROWS * (nk + -nk % 4) * 4 if staged else 0
