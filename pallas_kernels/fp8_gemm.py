@@ -348,6 +348,10 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         return jnp.zeros((*lead, n), out_dtype)
     nk = k // BLOCK
     act_quant = act_quant or _auto_act_quant(m)
+    if interpret is None:
+        interpret = resolve_interpret(None)
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
     if swap_ab is None:
         swap_ab = _auto_swap_ab(m, block_m, block_n, quantize_x, stream_k)
     if swap_ab:
@@ -366,10 +370,6 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     if quantize_x and (bm != 64 or m > 64 or jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16)):
         raise Unsupported(f"fp8_linear kernel: quantize_x takes bfloat16 x of at most 64 rows in 64-row tiles "
                           f"(got {x.dtype}, {m} rows, block_m {bm})")
-    if interpret is None:
-        interpret = resolve_interpret(None)
-    if interpret is True:
-        interpret = plgpu.InterpretGPUParams()
     mp = -(-m // bm) * bm
     mr = min(mp, -(-m // 8) * 8)
     trim = _trimmed(mp // bm, bm, s)
@@ -393,13 +393,8 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     sw = pad_weight_scales(sw) if stage_scales else sw
     if quantize_x:
         y = call(x.reshape(m, k), wq, sw)
-    elif act_quant == "kernel" and jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16) and (m <= 8 or m % 8 == 0):
-        y = call(*quantize_rows(x.reshape(m, k), mp, scale_fmt, interpret=interpret or False), wq, sw)
     else:
-        xq, sx = quant.act_quant(x.reshape(m, k), BLOCK, scale_fmt)
-        xq = jnp.pad(xq, ((0, mp - m), (0, 0)))
-        sxt = jnp.pad(sx.T, ((0, 0), (0, mp - m)))  # [nk, Mp]: a CTA's 64 row scales of one K block are contiguous
-        y = call(xq, sxt, wq, sw)
+        y = call(*_x_operands(x.reshape(m, k), scale_fmt, act_quant, interpret, mp, mp, mp), wq, sw)
     if stream_k:  # a tile's j-th CTA wrote slot j; slots no CTA wrote hold whatever was there: masked
         _, _, written = stream_k_layout(n // bn, nk, ctas)
         y = jnp.where(jnp.asarray(np.repeat(written, bn, axis=1))[:, None, :], y, 0.0).sum(axis=0)
@@ -423,10 +418,6 @@ def _pallas_swapped(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m,
     wide = _default_block_n(1, n, nk, 64)  # the decode default, but at most three compute warpgroups
     _, bn, s = _pick_tiles(min(m, 64), n, nk, 64, block_n or (128 if wide == 256 else wide), split_k)
     mr = -(-m // 8) * 8
-    if interpret is None:
-        interpret = resolve_interpret(None)
-    if interpret is True:
-        interpret = plgpu.InterpretGPUParams()
     # interpret mode hangs intermittently on the staged scales here too (two CPU workers, 2026-12-04; as the other
     # form's staged scales with its trimmed epilogue): there the default loads each K block's scales from GMEM
     if stage_scales and interpret:
@@ -439,15 +430,24 @@ def _pallas_swapped(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m,
                                out_dtype=jnp.dtype(out_dtype) if s == 1 else jnp.dtype(jnp.float32),
                                interpret=interpret or None, rows_out=m if direct else 0, stage_scales=staged,
                                profile_dir=profile_dir)
-    mp = -(-m // 64) * 64
-    if act_quant == "kernel" and jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16) and (m <= 8 or m % 8 == 0):
-        xq, sxt = quantize_rows(x, mp, scale_fmt, interpret=interpret or False)
-    else:
-        xq, sx = quant.act_quant(x, BLOCK, scale_fmt)
-        xq, sxt = jnp.pad(xq, ((0, mr - m), (0, 0))), jnp.pad(sx.T, ((0, 0), (0, swapped_scale_cols(mr) - m)))
-    y = call(xq, sxt, wq, pad_weight_scales(w_scale.astype(jnp.float32)))
+    sw = w_scale.astype(jnp.float32)
+    sw = pad_weight_scales(sw) if staged else sw
+    y = call(*_x_operands(x, scale_fmt, act_quant, interpret, -(-m // 64) * 64, mr, swapped_scale_cols(mr)), wq, sw)
     y = y if s == 1 else jnp.sum(y, axis=0)
     return (y if direct else y[:, :m].T).astype(out_dtype)
+
+
+def _x_operands(x: jax.Array, scale_fmt: quant.ScaleFmt, act_quant: str, interpret, mp: int, rows: int,
+                cols: int) -> tuple[jax.Array, jax.Array]:
+    """x [M, K] as both kernel forms read it: (xq e4m3, sx^T float32 [K / 128, .]; a CTA's row scales of one K
+    block contiguous). ``quantize_rows`` (``mp`` rows, a multiple of 64) where ``act_quant`` is "kernel" and it
+    applies (bfloat16, M < 8 or a multiple of 8), else XLA's ``act_quant`` padded to ``rows`` rows of xq and ``cols``
+    columns of sx^T."""
+    m = x.shape[0]
+    if act_quant == "kernel" and jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16) and (m <= 8 or m % 8 == 0):
+        return quantize_rows(x, mp, scale_fmt, interpret=interpret or False)
+    xq, sx = quant.act_quant(x, BLOCK, scale_fmt)
+    return jnp.pad(xq, ((0, rows - m), (0, 0))), jnp.pad(sx.T, ((0, 0), (0, cols - m)))
 
 
 def swapped_scale_cols(mr: int) -> int:
