@@ -154,7 +154,7 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: Weights, w_scal
                        block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                        stages: int = 4, dequant: Dequant = "auto", layout: str = "auto",
                        x_scale: jax.Array | None = None, mma_group: int | None = None,
-                       l2_prefetch: int | None = None, profile_dir: str | None = None) -> jax.Array:
+                       profile_dir: str | None = None) -> jax.Array:
     """y [M, N] (``out_dtype``): row r of x [M, K] (bfloat16) times W[e(r)]^T, rows grouped by expert in order
     (``sizes`` int32 [E], sum <= M; rows past the sum give 0), W = ``w_packed`` (uint8 [E, N, K/2], two e2m1
     codes a byte, low nibble first) with ``w_scale`` (uint8 [E, N, K/32] e8m0 exponents).
@@ -187,9 +187,6 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: Weights, w_scal
     block, promoted in fp32 with the weight and x scales, the release's kernel's summation.
     ``mma_group``: the "fp8" route's wgmmas in flight per wait (a divisor of block_k / 32; default 4 up to 32-row
     token tiles, fewer for larger ones: their accumulators take block_t / 2 registers each).
-    ``l2_prefetch`` (e4m3 x): each CTA asks L2 for the weights of its work units this many units ahead of the
-    one it streams (TMA prefetches, no SMEM), so that DRAM has the requests of units beyond the ring's depth in
-    flight; 0 = off, None = ``L2_PREFETCH``. Skipped in interpret mode (a prefetch does not change results).
     ``profile_dir`` (diagnostic; e4m3 x, native): Mosaic GPU's profiler writes a trace of the kernel's named
     regions per warpgroup there (each work unit's ``unit``, inside it the compute warpgroups' ``step`` bodies
     and ``store``): whether the compute warpgroups work or wait (``scripts/diag/fp4_regions.py``).
@@ -202,7 +199,7 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: Weights, w_scal
         "pallas": lambda: _pallas(x, sizes, w_packed, w_scale, out_dtype=out_dtype, interpret=interpret,
                                   block_t=block_t, block_n=block_n, block_k=block_k, split_k=split_k,
                                   stages=stages, dequant=dequant, layout=layout, x_scale=x_scale,
-                                  mma_group=mma_group, l2_prefetch=l2_prefetch, profile_dir=profile_dir)})
+                                  mma_group=mma_group, profile_dir=profile_dir)})
 
 
 def _weight_sets(w_packed: Weights, w_scale: Weights) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
@@ -314,7 +311,7 @@ def _permute_k(x: jax.Array, dequant: Dequant) -> jax.Array:
 
 
 def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block_n, block_k, split_k, stages,
-            dequant, layout="auto", x_scale=None, mma_group=None, l2_prefetch=None, profile_dir=None):
+            dequant, layout="auto", x_scale=None, mma_group=None, profile_dir=None):
     """The kernel path; ``w_packed`` / ``w_scale``: tuples of stacks (``_weight_sets``)."""
     if len(w_packed) > 1 and x_scale is None:  # the bf16 routes: a call per set
         return jnp.concatenate([_pallas(x, sizes, (w,), (sc,), out_dtype=out_dtype, interpret=interpret,
@@ -330,10 +327,6 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
         raise ValueError('dequant="fp8" needs e4m3 x with its x_scale')
     if x_scale is None and mma_group is not None:
         raise ValueError("mma_group applies to e4m3 x (x_scale given) only")
-    if x_scale is None and l2_prefetch:
-        raise ValueError("l2_prefetch applies to e4m3 x (x_scale given) only")
-    if l2_prefetch is not None and (not isinstance(l2_prefetch, int) or l2_prefetch < 0):
-        raise ValueError(f"l2_prefetch must be a non-negative int (units ahead) or None, got {l2_prefetch!r}")
     if mma_group is not None and mma_group < 1:
         raise ValueError(f"mma_group must be a positive divisor of block_k / 32, got {mma_group}")
     e, n, kh = w_packed[0].shape
@@ -363,8 +356,7 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
     call = _build_call(n=n, k=k, items=p.items, bt=p.block_t, bn=p.block_n, bk=p.block_k, splits=p.splits,
                        stages=st, dequant=dequant,
                        out_dtype=out_dtype if p.splits == 1 else jnp.dtype(jnp.float32), interpret=p.interpret,
-                       mma_group=mma_group, profile_dir=profile_dir, sets=len(w_packed),
-                       l2_prefetch=0 if x_scale is None else L2_PREFETCH if l2_prefetch is None else l2_prefetch)
+                       mma_group=mma_group, profile_dir=profile_dir, sets=len(w_packed))
     weights = [a for pair in zip(w_packed, w_scale) for a in pair]  # w_0, s_0, w_1, s_1, ...
     if x_scale is None:
         return grouped_rows.finish(call(p.info, xp, *weights), p, out_dtype)
@@ -528,13 +520,12 @@ def _scale_exp_bias(dequant: Dequant) -> int:
 @functools.lru_cache(maxsize=None)
 def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits: int, stages: int,
                 dequant: Dequant, out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None,
-                mma_group: int | None = None, profile_dir: str | None = None, sets: int = 1,
-                l2_prefetch: int = 0):
+                mma_group: int | None = None, profile_dir: str | None = None, sets: int = 1):
     emulate_mma = interpret is not None
     if dequant == "fp8":
         return _build_fp8_call(n=n, k=k, items=items, bt=bt, bn=bn, bk=bk, splits=splits, stages=stages,
                                out_dtype=out_dtype, interpret=interpret, mma_group=mma_group,
-                               profile_dir=profile_dir, sets=sets, l2_prefetch=l2_prefetch)
+                               profile_dir=profile_dir, sets=sets)
     if sets != 1:
         raise ValueError("several weight sets in one call: the e4m3-x route only")
     if profile_dir is not None:
@@ -632,7 +623,6 @@ def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits
 
 
 PROFILE_RANGES = 512  # per warpgroup and call: ``profile_dir``'s events (past it the trace is truncated)
-L2_PREFETCH = 0  # units ahead whose weights a CTA prefetches into L2 (``l2_prefetch``)
 FP8_SCALE_COLS = 16  # the "fp8" route's weight-scale block per pipeline step: [block_n, 16] bytes (TMA rows >= 16 B)
 
 
@@ -652,7 +642,7 @@ def fp8_stages(stages: int, steps: int, bt: int, bn: int, bk: int) -> int:
 @functools.lru_cache(maxsize=None)
 def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits: int, stages: int,
                     out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, mma_group: int | None,
-                    profile_dir: str | None = None, sets: int = 1, l2_prefetch: int = 0):
+                    profile_dir: str | None = None, sets: int = 1):
     """The "fp8" route (e4m3 x) as a persistent kernel: one CTA per SM loops over the work units (K split, N
     tile, item), and consecutive units continue one TMA ring (``pipeline_state``), so a unit's first loads are
     in flight while the previous unit's last steps compute: at decode a unit is 2-8 steps, and a ring refilled
@@ -789,44 +779,16 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
 
         @functools.partial(pl.run_scoped, allocs=allocs, collective_axes="wg")
         def _(allocs):
-            units = splits * sets * n_tiles * n_items
-
-            def coords(u):
-                """Unit ``u``'s item, expert, first token row, weight set, first weight row in it and K split."""
-                item = u % n_items
-                tile = (u // n_items) % (sets * n_tiles)
-                return (item, info_ref[0, item], info_ref[1, item], tile // n_tiles, tile % n_tiles * bn,
-                        u // (n_items * sets * n_tiles))
-
-            def prefetch(u):
-                """Unit ``u``'s packed weights and their scales into L2 (one TMA prefetch per pipeline step)."""
-                _, ex, _, ws_i, n0, si = coords(u)
-                for i in range(sets):
-                    w_ref, s_ref = ws_refs[2 * i], ws_refs[2 * i + 1]
-
-                    @pl.when((u < units) & (ws_i == i))
-                    def _():
-                        for c in range(steps):
-                            plgpu.async_prefetch(w_ref.at[ex, pl.ds(n0, bn), pl.ds((si * kc + c * bk) // 2, bk // 2)])
-                        plgpu.async_prefetch(s_ref.at[ex, pl.ds(n0, bn), pl.ds(si * kc // SCALE_BLOCK,
-                                                                                kc // SCALE_BLOCK)])
-
-            @plgpu.nd_loop((units,), collective_axes="cta")
+            @plgpu.nd_loop((splits * sets * n_tiles * n_items,), collective_axes="cta")
             def _(loop):
                 """Unit (split, set and N tile, item), item fastest. The CTA's first unit starts the ring, its last
                 drains it, the ones between continue it; a CTA with one unit runs a whole pipeline."""
                 (u,) = loop.index
-                item, ex, row0, ws_i, n0, si = coords(u)
-                if l2_prefetch and interpret is None:  # the memory warpgroup asks for units ahead of its ring
-                    ahead = lambda d: u + d * lax.axis_size("cta")  # noqa: E731 - nd_loop interleaves units
-
-                    @pl.when(lax.axis_index("wg") == nwg)
-                    def _():
-                        @pl.when(loop.local_index == 0)
-                        def _():
-                            for d in range(1, l2_prefetch):
-                                prefetch(ahead(d))
-                        prefetch(ahead(l2_prefetch))
+                item = u % n_items
+                ex, row0 = info_ref[0, item], info_ref[1, item]
+                tile = (u // n_items) % (sets * n_tiles)
+                ws_i, n0 = tile // n_tiles, tile % n_tiles * bn  # weight set, first row in it
+                si = u // (n_items * sets * n_tiles)
 
                 def context(run_pipeline):
                     acc = run_pipeline(plgpu.layout_cast(jnp.full((64, bt), 0.0, jnp.float32), L))
