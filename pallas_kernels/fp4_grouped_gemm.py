@@ -154,7 +154,7 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: Weights, w_scal
                        block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                        stages: int = 4, dequant: Dequant = "auto", layout: str = "auto",
                        x_scale: jax.Array | None = None, mma_group: int | None = None,
-                       list_loads: str | None = None, profile_dir: str | None = None) -> jax.Array:
+                       profile_dir: str | None = None) -> jax.Array:
     """y [M, N] (``out_dtype``): row r of x [M, K] (bfloat16) times W[e(r)]^T, rows grouped by expert in order
     (``sizes`` int32 [E], sum <= M; rows past the sum give 0), W = ``w_packed`` (uint8 [E, N, K/2], two e2m1
     codes a byte, low nibble first) with ``w_scale`` (uint8 [E, N, K/32] e8m0 exponents).
@@ -187,10 +187,6 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: Weights, w_scal
     block, promoted in fp32 with the weight and x scales, the release's kernel's summation.
     ``mma_group``: the "fp8" route's wgmmas in flight per wait (a divisor of block_k / 32; default 4 up to 32-row
     token tiles, fewer for larger ones: their accumulators take block_t / 2 registers each).
-    ``list_loads`` (e4m3 x): which warpgroups load each work unit's (expert, first row) entry from the row
-    layout's list in global memory: "all", "producer" (the TMA producer alone: the compute warpgroups never use
-    it) or "ahead" (the producer alone, one unit ahead, so no unit start waits for the load); None =
-    ``LIST_LOADS``.
     ``profile_dir`` (diagnostic; e4m3 x, native): Mosaic GPU's profiler writes a trace of the kernel's named
     regions per warpgroup there (each work unit's ``unit``, inside it the compute warpgroups' ``step`` bodies
     and ``store``): whether the compute warpgroups work or wait (``scripts/diag/fp4_regions.py``).
@@ -203,7 +199,7 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: Weights, w_scal
         "pallas": lambda: _pallas(x, sizes, w_packed, w_scale, out_dtype=out_dtype, interpret=interpret,
                                   block_t=block_t, block_n=block_n, block_k=block_k, split_k=split_k,
                                   stages=stages, dequant=dequant, layout=layout, x_scale=x_scale,
-                                  mma_group=mma_group, list_loads=list_loads, profile_dir=profile_dir)})
+                                  mma_group=mma_group, profile_dir=profile_dir)})
 
 
 def _weight_sets(w_packed: Weights, w_scale: Weights) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
@@ -315,7 +311,7 @@ def _permute_k(x: jax.Array, dequant: Dequant) -> jax.Array:
 
 
 def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block_n, block_k, split_k, stages,
-            dequant, layout="auto", x_scale=None, mma_group=None, list_loads=None, profile_dir=None):
+            dequant, layout="auto", x_scale=None, mma_group=None, profile_dir=None):
     """The kernel path; ``w_packed`` / ``w_scale``: tuples of stacks (``_weight_sets``)."""
     if len(w_packed) > 1 and x_scale is None:  # the bf16 routes: a call per set
         return jnp.concatenate([_pallas(x, sizes, (w,), (sc,), out_dtype=out_dtype, interpret=interpret,
@@ -331,10 +327,6 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
         raise ValueError('dequant="fp8" needs e4m3 x with its x_scale')
     if x_scale is None and mma_group is not None:
         raise ValueError("mma_group applies to e4m3 x (x_scale given) only")
-    if x_scale is None and list_loads is not None:
-        raise ValueError("list_loads applies to e4m3 x (x_scale given) only")
-    if list_loads not in (None, *LIST_LOADS_CHOICES):
-        raise ValueError(f"list_loads must be one of {LIST_LOADS_CHOICES} or None, got {list_loads!r}")
     if mma_group is not None and mma_group < 1:
         raise ValueError(f"mma_group must be a positive divisor of block_k / 32, got {mma_group}")
     e, n, kh = w_packed[0].shape
@@ -364,8 +356,7 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
     call = _build_call(n=n, k=k, items=p.items, bt=p.block_t, bn=p.block_n, bk=p.block_k, splits=p.splits,
                        stages=st, dequant=dequant,
                        out_dtype=out_dtype if p.splits == 1 else jnp.dtype(jnp.float32), interpret=p.interpret,
-                       mma_group=mma_group, profile_dir=profile_dir, sets=len(w_packed),
-                       list_loads=list_loads or LIST_LOADS)
+                       mma_group=mma_group, profile_dir=profile_dir, sets=len(w_packed))
     weights = [a for pair in zip(w_packed, w_scale) for a in pair]  # w_0, s_0, w_1, s_1, ...
     if x_scale is None:
         return grouped_rows.finish(call(p.info, xp, *weights), p, out_dtype)
@@ -529,13 +520,12 @@ def _scale_exp_bias(dequant: Dequant) -> int:
 @functools.lru_cache(maxsize=None)
 def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits: int, stages: int,
                 dequant: Dequant, out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None,
-                mma_group: int | None = None, profile_dir: str | None = None, sets: int = 1,
-                list_loads: str = "all"):
+                mma_group: int | None = None, profile_dir: str | None = None, sets: int = 1):
     emulate_mma = interpret is not None
     if dequant == "fp8":
         return _build_fp8_call(n=n, k=k, items=items, bt=bt, bn=bn, bk=bk, splits=splits, stages=stages,
                                out_dtype=out_dtype, interpret=interpret, mma_group=mma_group,
-                               profile_dir=profile_dir, sets=sets, list_loads=list_loads)
+                               profile_dir=profile_dir, sets=sets)
     if sets != 1:
         raise ValueError("several weight sets in one call: the e4m3-x route only")
     if profile_dir is not None:
@@ -633,8 +623,6 @@ def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits
 
 
 PROFILE_RANGES = 512  # per warpgroup and call: ``profile_dir``'s events (past it the trace is truncated)
-LIST_LOADS_CHOICES = ("all", "producer", "ahead")
-LIST_LOADS = "all"  # list_loads=None (the "fp8" route's work-list loads)
 FP8_SCALE_COLS = 16  # the "fp8" route's weight-scale block per pipeline step: [block_n, 16] bytes (TMA rows >= 16 B)
 
 
@@ -654,7 +642,7 @@ def fp8_stages(stages: int, steps: int, bt: int, bn: int, bk: int) -> int:
 @functools.lru_cache(maxsize=None)
 def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits: int, stages: int,
                     out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, mma_group: int | None,
-                    profile_dir: str | None = None, sets: int = 1, list_loads: str = "all"):
+                    profile_dir: str | None = None, sets: int = 1):
     """The "fp8" route (e4m3 x) as a persistent kernel: one CTA per SM loops over the work units (K split, N
     tile, item), and consecutive units continue one TMA ring (``pipeline_state``), so a unit's first loads are
     in flight while the previous unit's last steps compute: at decode a unit is 2-8 steps, and a ring refilled
@@ -788,32 +776,16 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
         allocs = make_pipeline(ignore, ignore, None).get_allocations(
             *unit_refs(x_ref, sxt_ref, ws_refs[0], ws_refs[1], 0, 0, 0, 0))
         n_items = count_ref[0]
-        producer = lax.axis_index("wg") == nwg
-
-        def list_entry(item):
-            """(expert, first padded row) of work item ``item``. Only the producer warpgroup's TMA copies use them:
-            "producer" / "ahead" load them there alone (the compute warpgroups take zeros), "all" in every
-            warpgroup."""
-            if list_loads == "all":
-                return info_ref[0, item], info_ref[1, item]
-            return lax.cond(producer, lambda: (info_ref[0, item], info_ref[1, item]),
-                            lambda: (jnp.int32(0), jnp.int32(0)))
 
         @functools.partial(pl.run_scoped, allocs=allocs, collective_axes="wg")
         def _(allocs):
-            first = list_entry(lax.axis_index("cta") % jnp.maximum(n_items, 1)) if list_loads == "ahead" else None
-
-            @plgpu.nd_loop((splits * sets * n_tiles * n_items,), collective_axes="cta", init_carry=first)
-            def _(loop, carry=None):
+            @plgpu.nd_loop((splits * sets * n_tiles * n_items,), collective_axes="cta")
+            def _(loop):
                 """Unit (split, set and N tile, item), item fastest. The CTA's first unit starts the ring, its last
-                drains it, the ones between continue it; a CTA with one unit runs a whole pipeline. "ahead": the
-                carry holds this unit's list entry, loaded during the previous unit, and takes the next one's."""
+                drains it, the ones between continue it; a CTA with one unit runs a whole pipeline."""
                 (u,) = loop.index
                 item = u % n_items
-                if list_loads == "ahead":
-                    (ex, row0), carry = carry, list_entry((u + lax.axis_size("cta")) % n_items)
-                else:
-                    ex, row0 = list_entry(item)
+                ex, row0 = info_ref[0, item], info_ref[1, item]
                 tile = (u // n_items) % (sets * n_tiles)
                 ws_i, n0 = tile // n_tiles, tile % n_tiles * bn  # weight set, first row in it
                 si = u // (n_items * sets * n_tiles)
@@ -841,7 +813,6 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
                         state = jnp.where(j == 0, P.START, jnp.where(j == last, P.STOP, P.STEADY))
                         with jax.named_scope("unit"):
                             make_pipeline(body, context, state)(*refs, allocations=allocs)
-                return carry
 
     out_shape = (sets * n, items * bt) if splits == 1 else (splits, sets * n, items * bt)
     if profile_dir is not None and interpret is not None:

@@ -604,12 +604,7 @@ def test_fp8_route_fused_layout(mode: str) -> None:
     ([0, 5, 0], dict(block_n=64, split_k=1)),  # one work unit: its CTA runs a whole pipeline
     ([0, 0, 0], {}),  # no rows in the groups: no units, zero output
     ([4, 0, 3], dict(block_n=64, split_k=1)),  # two units on two CTAs
-    ([9, 1, 17], dict(block_n=64, block_k=128, block_t=16)),  # 8 units of 4 steps over 3 CTAs (interpret)
-    ([9, 1, 17], dict(block_n=64, block_k=128, block_t=16, list_loads="all")),
-    ([9, 1, 17], dict(block_n=64, block_k=128, block_t=16, list_loads="producer")),
-    ([9, 1, 17], dict(block_n=64, block_k=128, block_t=16, list_loads="ahead")),
-    ([0, 0, 0], dict(list_loads="ahead")),  # no items: the first entry's index stays defined
-    ([0, 5, 0], dict(block_n=64, split_k=1, list_loads="ahead"))])
+    ([9, 1, 17], dict(block_n=64, block_k=128, block_t=16))])  # 8 units of 4 steps over 3 CTAs (interpret)
 def test_fp8_route_units_per_cta(mode: str, sizes: list[int], tiles: dict) -> None:
     """The persistent "fp8" route: a CTA with one, several or no work units (the ring started, continued and
     drained across units) gives the float64 reference bit for bit on exact
@@ -657,7 +652,6 @@ def test_compute_registers_fit_the_launch_pool() -> None:
     (dict(x_scale=jnp.ones((4, 4), jnp.float32)), "x must be float8_e4m3fn"),
     (dict(dequant="fp8"), "needs e4m3 x"),
     (dict(mma_group=2), "applies to e4m3 x"),
-    (dict(list_loads="some"), "list_loads"),
 ])
 def test_fp8_route_bad_inputs(kwargs: dict, field: str) -> None:
     x, sz, wp, ws = _inputs()
@@ -686,8 +680,6 @@ def test_fp8_route_bad_inputs(kwargs: dict, field: str) -> None:
 @pytest.mark.parametrize("m,e,n,k,tiles", [(6, 256, 2048, 4096, {}), (384, 256, 4096, 2048, {}),
                                            (48, 256, 2048, 4096, dict(mma_group=2)),
                                            (6, 256, 2048, 4096, dict(block_n=256, split_k=4)),
-                                           (6, 256, 4096, 2048, dict(list_loads="ahead")),
-                                           (48, 256, 4096, 2048, dict(list_loads="producer")),
                                            pytest.param(24576, 256, 4096, 2048, {}, marks=pytest.mark.slow)])
 def test_fp8_route_lowers_for_cuda(m: int, e: int, n: int, k: int, tiles: dict) -> None:
     """The "fp8" route passes Mosaic GPU's lowering (register-A e4m3 wgmma against the e4m3 token tile)."""
