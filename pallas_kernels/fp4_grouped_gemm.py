@@ -154,8 +154,7 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: Weights, w_scal
                        block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                        stages: int = 4, dequant: Dequant = "auto", layout: str = "auto",
                        x_scale: jax.Array | None = None, mma_group: int | None = None,
-                       ring: str | None = None, unit_order: str = "tile",
-                       profile_dir: str | None = None) -> jax.Array:
+                       ring: str | None = None, profile_dir: str | None = None) -> jax.Array:
     """y [M, N] (``out_dtype``): row r of x [M, K] (bfloat16) times W[e(r)]^T, rows grouped by expert in order
     (``sizes`` int32 [E], sum <= M; rows past the sum give 0), W = ``w_packed`` (uint8 [E, N, K/2], two e2m1
     codes a byte, low nibble first) with ``w_scale`` (uint8 [E, N, K/32] e8m0 exponents).
@@ -203,8 +202,7 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: Weights, w_scal
         "pallas": lambda: _pallas(x, sizes, w_packed, w_scale, out_dtype=out_dtype, interpret=interpret,
                                   block_t=block_t, block_n=block_n, block_k=block_k, split_k=split_k,
                                   stages=stages, dequant=dequant, layout=layout, x_scale=x_scale,
-                                  mma_group=mma_group, ring=ring, unit_order=unit_order,
-                                  profile_dir=profile_dir)})
+                                  mma_group=mma_group, ring=ring, profile_dir=profile_dir)})
 
 
 def _weight_sets(w_packed: Weights, w_scale: Weights) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
@@ -316,7 +314,7 @@ def _permute_k(x: jax.Array, dequant: Dequant) -> jax.Array:
 
 
 def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block_n, block_k, split_k, stages,
-            dequant, layout="auto", x_scale=None, mma_group=None, ring=None, unit_order="tile", profile_dir=None):
+            dequant, layout="auto", x_scale=None, mma_group=None, ring=None, profile_dir=None):
     """The kernel path; ``w_packed`` / ``w_scale``: tuples of stacks (``_weight_sets``)."""
     if len(w_packed) > 1 and x_scale is None:  # the bf16 routes: a call per set
         return jnp.concatenate([_pallas(x, sizes, (w,), (sc,), out_dtype=out_dtype, interpret=interpret,
@@ -367,8 +365,7 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
     call = _build_call(n=n, k=k, items=p.items, bt=p.block_t, bn=p.block_n, bk=p.block_k, splits=p.splits,
                        stages=st, dequant=dequant,
                        out_dtype=out_dtype if p.splits == 1 else jnp.dtype(jnp.float32), interpret=p.interpret,
-                       mma_group=mma_group, profile_dir=profile_dir, sets=len(w_packed), ring=ring or RING,
-                       unit_order=unit_order)
+                       mma_group=mma_group, profile_dir=profile_dir, sets=len(w_packed), ring=ring or RING)
     weights = [a for pair in zip(w_packed, w_scale) for a in pair]  # w_0, s_0, w_1, s_1, ...
     if x_scale is None:
         return grouped_rows.finish(call(p.info, xp, *weights), p, out_dtype)
@@ -533,12 +530,12 @@ def _scale_exp_bias(dequant: Dequant) -> int:
 def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits: int, stages: int,
                 dequant: Dequant, out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None,
                 mma_group: int | None = None, profile_dir: str | None = None, sets: int = 1,
-                ring: str = "chained", unit_order: str = "tile"):
+                ring: str = "chained"):
     emulate_mma = interpret is not None
     if dequant == "fp8":
         return _build_fp8_call(n=n, k=k, items=items, bt=bt, bn=bn, bk=bk, splits=splits, stages=stages,
                                out_dtype=out_dtype, interpret=interpret, mma_group=mma_group,
-                               profile_dir=profile_dir, sets=sets, ring=ring, unit_order=unit_order)
+                               profile_dir=profile_dir, sets=sets, ring=ring)
     if sets != 1:
         raise ValueError("several weight sets in one call: the e4m3-x route only")
     if profile_dir is not None:
@@ -656,8 +653,7 @@ def fp8_stages(stages: int, steps: int | None, bt: int, bn: int, bk: int) -> int
 @functools.lru_cache(maxsize=None)
 def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits: int, stages: int,
                     out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, mma_group: int | None,
-                    profile_dir: str | None = None, sets: int = 1, ring: str = "chained",
-                    unit_order: str = "tile"):
+                    profile_dir: str | None = None, sets: int = 1, ring: str = "chained"):
     """The "fp8" route (e4m3 x) as a persistent kernel: one CTA per SM loops over the work units (K split, N
     tile, item), and consecutive units continue one TMA ring (``pipeline_state``), so a unit's first loads are
     in flight while the previous unit's last steps compute: at decode a unit is 2-8 steps, and a ring refilled
@@ -801,11 +797,9 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
                 (u,) = loop.index
                 item = u % n_items
                 ex, row0 = info_ref[0, item], info_ref[1, item]
-                if unit_order == "split":  # a weight tile's K splits run next to each other
-                    tile, si = u // (n_items * splits), (u // n_items) % splits
-                else:
-                    tile, si = (u // n_items) % (sets * n_tiles), u // (n_items * sets * n_tiles)
+                tile = (u // n_items) % (sets * n_tiles)
                 ws_i, n0 = tile // n_tiles, tile % n_tiles * bn  # weight set, first row in it
+                si = u // (n_items * sets * n_tiles)
 
                 def context(run_pipeline):
                     acc = run_pipeline(plgpu.layout_cast(jnp.full((64, bt), 0.0, jnp.float32), L))
