@@ -154,7 +154,7 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: Weights, w_scal
                        block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                        stages: int = 4, dequant: Dequant = "auto", layout: str = "auto",
                        x_scale: jax.Array | None = None, mma_group: int | None = None,
-                       ring: str | None = None, profile_dir: str | None = None) -> jax.Array:
+                       profile_dir: str | None = None) -> jax.Array:
     """y [M, N] (``out_dtype``): row r of x [M, K] (bfloat16) times W[e(r)]^T, rows grouped by expert in order
     (``sizes`` int32 [E], sum <= M; rows past the sum give 0), W = ``w_packed`` (uint8 [E, N, K/2], two e2m1
     codes a byte, low nibble first) with ``w_scale`` (uint8 [E, N, K/32] e8m0 exponents).
@@ -187,9 +187,6 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: Weights, w_scal
     block, promoted in fp32 with the weight and x scales, the release's kernel's summation.
     ``mma_group``: the "fp8" route's wgmmas in flight per wait (a divisor of block_k / 32; default 4 up to 32-row
     token tiles, fewer for larger ones: their accumulators take block_t / 2 registers each).
-    ``ring`` (e4m3 x): the persistent kernel's TMA ring: "chained" (one pipeline per work unit, continuing the
-    ring across units; its depth divides a unit's steps) or "flat" (one pipeline per CTA over all its units'
-    steps, any depth that fits: the index maps find each step's unit; one weight set only); None = ``RING``.
     ``profile_dir`` (diagnostic; e4m3 x, native): Mosaic GPU's profiler writes a trace of the kernel's named
     regions per warpgroup there (each work unit's ``unit``, inside it the compute warpgroups' ``step`` bodies
     and ``store``): whether the compute warpgroups work or wait (``scripts/diag/fp4_regions.py``).
@@ -202,7 +199,7 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: Weights, w_scal
         "pallas": lambda: _pallas(x, sizes, w_packed, w_scale, out_dtype=out_dtype, interpret=interpret,
                                   block_t=block_t, block_n=block_n, block_k=block_k, split_k=split_k,
                                   stages=stages, dequant=dequant, layout=layout, x_scale=x_scale,
-                                  mma_group=mma_group, ring=ring, profile_dir=profile_dir)})
+                                  mma_group=mma_group, profile_dir=profile_dir)})
 
 
 def _weight_sets(w_packed: Weights, w_scale: Weights) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
@@ -314,7 +311,7 @@ def _permute_k(x: jax.Array, dequant: Dequant) -> jax.Array:
 
 
 def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block_n, block_k, split_k, stages,
-            dequant, layout="auto", x_scale=None, mma_group=None, ring=None, profile_dir=None):
+            dequant, layout="auto", x_scale=None, mma_group=None, profile_dir=None):
     """The kernel path; ``w_packed`` / ``w_scale``: tuples of stacks (``_weight_sets``)."""
     if len(w_packed) > 1 and x_scale is None:  # the bf16 routes: a call per set
         return jnp.concatenate([_pallas(x, sizes, (w,), (sc,), out_dtype=out_dtype, interpret=interpret,
@@ -330,12 +327,6 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
         raise ValueError('dequant="fp8" needs e4m3 x with its x_scale')
     if x_scale is None and mma_group is not None:
         raise ValueError("mma_group applies to e4m3 x (x_scale given) only")
-    if ring not in (None, "chained", "flat"):
-        raise ValueError(f'ring must be "chained", "flat" or None, got {ring!r}')
-    if x_scale is None and ring is not None:
-        raise ValueError("ring applies to e4m3 x (x_scale given) only")
-    if ring == "flat" and len(w_packed) > 1:
-        raise ValueError('ring="flat" takes one weight set (its index maps pick one weight array)')
     if mma_group is not None and mma_group < 1:
         raise ValueError(f"mma_group must be a positive divisor of block_k / 32, got {mma_group}")
     e, n, kh = w_packed[0].shape
@@ -365,7 +356,7 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
     call = _build_call(n=n, k=k, items=p.items, bt=p.block_t, bn=p.block_n, bk=p.block_k, splits=p.splits,
                        stages=st, dequant=dequant,
                        out_dtype=out_dtype if p.splits == 1 else jnp.dtype(jnp.float32), interpret=p.interpret,
-                       mma_group=mma_group, profile_dir=profile_dir, sets=len(w_packed), ring=ring or RING)
+                       mma_group=mma_group, profile_dir=profile_dir, sets=len(w_packed))
     weights = [a for pair in zip(w_packed, w_scale) for a in pair]  # w_0, s_0, w_1, s_1, ...
     if x_scale is None:
         return grouped_rows.finish(call(p.info, xp, *weights), p, out_dtype)
@@ -529,13 +520,12 @@ def _scale_exp_bias(dequant: Dequant) -> int:
 @functools.lru_cache(maxsize=None)
 def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits: int, stages: int,
                 dequant: Dequant, out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None,
-                mma_group: int | None = None, profile_dir: str | None = None, sets: int = 1,
-                ring: str = "chained"):
+                mma_group: int | None = None, profile_dir: str | None = None, sets: int = 1):
     emulate_mma = interpret is not None
     if dequant == "fp8":
         return _build_fp8_call(n=n, k=k, items=items, bt=bt, bn=bn, bk=bk, splits=splits, stages=stages,
                                out_dtype=out_dtype, interpret=interpret, mma_group=mma_group,
-                               profile_dir=profile_dir, sets=sets, ring=ring)
+                               profile_dir=profile_dir, sets=sets)
     if sets != 1:
         raise ValueError("several weight sets in one call: the e4m3-x route only")
     if profile_dir is not None:
@@ -633,27 +623,26 @@ def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits
 
 
 PROFILE_RANGES = 512  # per warpgroup and call: ``profile_dir``'s events (past it the trace is truncated)
-RING = "chained"  # ring=None (the "fp8" route's persistent TMA ring)
 FP8_SCALE_COLS = 16  # the "fp8" route's weight-scale block per pipeline step: [block_n, 16] bytes (TMA rows >= 16 B)
 
 
-def fp8_stages(stages: int, steps: int | None, bt: int, bn: int, bk: int) -> int:
+def fp8_stages(stages: int, steps: int, bt: int, bn: int, bk: int) -> int:
     """The "fp8" route's ring depth: at most ``stages``, what fits SMEM, and a divisor of the steps per work
     unit (consecutive units' pipelines continue one ring, whose slots must line up at unit boundaries). One
     pipeline per CTA over all its units' steps, of any depth (the "flat" ring, which the FP8 grouped kernel's
     persistent form uses), measured no faster at 1 to 64 tokens
     (benchmarks/results/archive/fp4_decode_ncu_sweep_h200_2026-12-02.json, run 3)."""
     per_stage = bt * bk + bn * bk // 2 + bn * FP8_SCALE_COLS + K_ALIGN // X_BLOCK * bt * 4
-    fit = min(stages, steps or stages, SMEM_BUDGET // per_stage)
+    fit = min(stages, steps, SMEM_BUDGET // per_stage)
     if fit < 1:
         raise ValueError(f"block_t {bt} x block_k {bk} (block_n {bn}) does not fit shared memory")
-    return max(d for d in range(1, fit + 1) if steps is None or steps % d == 0)
+    return max(d for d in range(1, fit + 1) if steps % d == 0)
 
 
 @functools.lru_cache(maxsize=None)
 def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits: int, stages: int,
                     out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, mma_group: int | None,
-                    profile_dir: str | None = None, sets: int = 1, ring: str = "chained"):
+                    profile_dir: str | None = None, sets: int = 1):
     """The "fp8" route (e4m3 x) as a persistent kernel: one CTA per SM loops over the work units (K split, N
     tile, item), and consecutive units continue one TMA ring (``pipeline_state``), so a unit's first loads are
     in flight while the previous unit's last steps compute: at decode a unit is 2-8 steps, and a ring refilled
@@ -676,7 +665,7 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
     nwg = bn // 64
     # at most one CTA per SM (and per unit); interpret mode: 3, so that a CTA runs several units
     ctas = min(splits * sets * n_tiles * items, num_sms() if interpret is None else 3)
-    st = fp8_stages(stages, None if ring == "flat" else steps, bt, bn, bk)
+    st = fp8_stages(stages, steps, bt, bn, bk)
     L = plgpu.Layout.WGMMA
     ROW, COL = L.reduce(1), L.reduce(0)  # [64] along the accumulator's rows (weights), [bt] along its columns
     group = min(blocks, mma_group or max(1, min(4, 128 // bt)))  # MMAs in flight per wait: bt / 2 registers each
@@ -825,35 +814,13 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
                         with jax.named_scope("unit"):
                             make_pipeline(body, context, state)(*refs, allocations=allocs)
 
-    def kernel_flat(count_ref, info_ref, x_ref, sxt_ref, w_ref, s_ref, o_ref):
-        """ring="flat": one pipeline per CTA over all its (unit, step) pairs (a dynamic grid); the index maps
-        find each step's unit, so the ring's depth is not bound by one unit's steps (1 token: 2), and a unit's
-        last step stores its columns and restarts the accumulator."""
-        sc = grouped_rows.flat_schedule(count_ref, info_ref, ctas=ctas, splits=splits, n_tiles=n_tiles,
-                                        steps=steps, kc=kc, bk=bk)
-        col = lambda s: sc.unit(s)[4]  # noqa: E731 - the step's first input column
-        flat_specs = [
-            plgpu.BlockSpec((pl.Element(bt), bk), lambda s: (sc.row0(s), col(s) // bk), transforms=specs[0].transforms),
-            plgpu.BlockSpec((xb, pl.Element(bt)), lambda s: (col(s) // K_ALIGN, sc.row0(s))),
-            plgpu.BlockSpec((None, bn, bk // 2), lambda s: (sc.expert(s), sc.unit(s)[1], col(s) // bk),
-                            transforms=specs[2].transforms),
-            plgpu.BlockSpec((None, bn, FP8_SCALE_COLS), lambda s: (sc.expert(s), sc.unit(s)[1], col(s) // K_ALIGN))]
-
-        def flat_body(idx, x_s, sx_s, w_s, s_s, acc):
-            acc = step_acc(sc.unit(idx[0])[3], x_s, sx_s, w_s, s_s, acc)
-            return grouped_rows.store_unit(o_ref, acc, sc, idx[0], steps=steps, block_n=bn, block_t=bt, splits=splits)
-
-        with _launch_pool_registers():
-            grouped_rows.flat_pipeline(flat_body, sc, stages=st, in_specs=flat_specs, num_compute_wgs=nwg,
-                                       block_t=bt)(x_ref, sxt_ref, w_ref, s_ref)
-
     out_shape = (sets * n, items * bt) if splits == 1 else (splits, sets * n, items * bt)
     if profile_dir is not None and interpret is not None:
         raise ValueError("profile_dir: Mosaic GPU's profiler runs natively only (interpret mode has no trace)")
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                   **(dict(profile_space=PROFILE_RANGES, profile_dir=profile_dir,
                                           profile_bounds_check=True) if profile_dir else {}))
-    return plgpu.kernel(kernel_flat if ring == "flat" else kernel,
+    return plgpu.kernel(kernel,
                         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(ctas,), grid_names=("cta",),
                         num_threads=nwg + 1, thread_name="wg", compiler_params=params,
                         interpret=interpret if interpret is not None else False)

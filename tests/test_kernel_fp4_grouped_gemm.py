@@ -600,13 +600,12 @@ def test_fp8_route_fused_layout(mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["interpret", pytest.param("native", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("ring", ["chained", "flat"])
 @pytest.mark.parametrize("sizes,tiles", [
     ([0, 5, 0], dict(block_n=64, split_k=1)),  # one work unit: its CTA runs a whole pipeline
     ([0, 0, 0], {}),  # no rows in the groups: no units, zero output
     ([4, 0, 3], dict(block_n=64, split_k=1)),  # two units on two CTAs
     ([9, 1, 17], dict(block_n=64, block_k=128, block_t=16))])  # 8 units of 4 steps over 3 CTAs (interpret)
-def test_fp8_route_units_per_cta(mode: str, ring: str, sizes: list[int], tiles: dict) -> None:
+def test_fp8_route_units_per_cta(mode: str, sizes: list[int], tiles: dict) -> None:
     """The persistent "fp8" route: a CTA with one, several or no work units (the ring started, continued and
     drained across units) gives the float64 reference bit for bit on exact
     data; 3 rows past the groups give 0. block_t 16: items start at 8-row (not 16-row) offsets of x."""
@@ -614,7 +613,7 @@ def test_fp8_route_units_per_cta(mode: str, ring: str, sizes: list[int], tiles: 
     x = jnp.concatenate([x, jnp.ones((3, 1024), x.dtype)])
     xq, sx, xf = quantized(x)
     got = G.fp4_grouped_linear(xq, sz, wp, ws, out_dtype=jnp.float32, implementation="pallas",
-                               interpret=interpret_for(mode), x_scale=sx, ring=ring, **tiles)
+                               interpret=interpret_for(mode), x_scale=sx, **tiles)
     ref, _ = reference(xf, sizes, wp, ws)
     np.testing.assert_array_equal(np.asarray(got, np.float64), ref)
 
@@ -653,8 +652,6 @@ def test_compute_registers_fit_the_launch_pool() -> None:
     (dict(x_scale=jnp.ones((4, 4), jnp.float32)), "x must be float8_e4m3fn"),
     (dict(dequant="fp8"), "needs e4m3 x"),
     (dict(mma_group=2), "applies to e4m3 x"),
-    (dict(ring="flat"), "ring applies to e4m3 x"),
-    (dict(ring="linear"), "ring must be"),
 ])
 def test_fp8_route_bad_inputs(kwargs: dict, field: str) -> None:
     x, sz, wp, ws = _inputs()
@@ -683,7 +680,6 @@ def test_fp8_route_bad_inputs(kwargs: dict, field: str) -> None:
 @pytest.mark.parametrize("m,e,n,k,tiles", [(6, 256, 2048, 4096, {}), (384, 256, 4096, 2048, {}),
                                            (48, 256, 2048, 4096, dict(mma_group=2)),
                                            (6, 256, 2048, 4096, dict(block_n=256, split_k=4)),
-                                           (6, 256, 4096, 2048, dict(ring="flat", stages=6)),
                                            pytest.param(24576, 256, 4096, 2048, {}, marks=pytest.mark.slow)])
 def test_fp8_route_lowers_for_cuda(m: int, e: int, n: int, k: int, tiles: dict) -> None:
     """The "fp8" route passes Mosaic GPU's lowering (register-A e4m3 wgmma against the e4m3 token tile)."""
