@@ -154,7 +154,7 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: Weights, w_scal
                        block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                        stages: int = 4, dequant: Dequant = "auto", layout: str = "auto",
                        x_scale: jax.Array | None = None, mma_group: int | None = None,
-                       unit_loop: str = "fori", profile_dir: str | None = None) -> jax.Array:
+                       profile_dir: str | None = None) -> jax.Array:
     """y [M, N] (``out_dtype``): row r of x [M, K] (bfloat16) times W[e(r)]^T, rows grouped by expert in order
     (``sizes`` int32 [E], sum <= M; rows past the sum give 0), W = ``w_packed`` (uint8 [E, N, K/2], two e2m1
     codes a byte, low nibble first) with ``w_scale`` (uint8 [E, N, K/32] e8m0 exponents).
@@ -199,7 +199,7 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: Weights, w_scal
         "pallas": lambda: _pallas(x, sizes, w_packed, w_scale, out_dtype=out_dtype, interpret=interpret,
                                   block_t=block_t, block_n=block_n, block_k=block_k, split_k=split_k,
                                   stages=stages, dequant=dequant, layout=layout, x_scale=x_scale,
-                                  mma_group=mma_group, unit_loop=unit_loop, profile_dir=profile_dir)})
+                                  mma_group=mma_group, profile_dir=profile_dir)})
 
 
 def _weight_sets(w_packed: Weights, w_scale: Weights) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
@@ -311,7 +311,7 @@ def _permute_k(x: jax.Array, dequant: Dequant) -> jax.Array:
 
 
 def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block_n, block_k, split_k, stages,
-            dequant, layout="auto", x_scale=None, mma_group=None, unit_loop="fori", profile_dir=None):
+            dequant, layout="auto", x_scale=None, mma_group=None, profile_dir=None):
     """The kernel path; ``w_packed`` / ``w_scale``: tuples of stacks (``_weight_sets``)."""
     if len(w_packed) > 1 and x_scale is None:  # the bf16 routes: a call per set
         return jnp.concatenate([_pallas(x, sizes, (w,), (sc,), out_dtype=out_dtype, interpret=interpret,
@@ -356,7 +356,7 @@ def _pallas(x, sizes, w_packed, w_scale, *, out_dtype, interpret, block_t, block
     call = _build_call(n=n, k=k, items=p.items, bt=p.block_t, bn=p.block_n, bk=p.block_k, splits=p.splits,
                        stages=st, dequant=dequant,
                        out_dtype=out_dtype if p.splits == 1 else jnp.dtype(jnp.float32), interpret=p.interpret,
-                       mma_group=mma_group, profile_dir=profile_dir, sets=len(w_packed), unit_loop=unit_loop)
+                       mma_group=mma_group, profile_dir=profile_dir, sets=len(w_packed))
     weights = [a for pair in zip(w_packed, w_scale) for a in pair]  # w_0, s_0, w_1, s_1, ...
     if x_scale is None:
         return grouped_rows.finish(call(p.info, xp, *weights), p, out_dtype)
@@ -520,13 +520,12 @@ def _scale_exp_bias(dequant: Dequant) -> int:
 @functools.lru_cache(maxsize=None)
 def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits: int, stages: int,
                 dequant: Dequant, out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None,
-                mma_group: int | None = None, profile_dir: str | None = None, sets: int = 1,
-                unit_loop: str = "fori"):
+                mma_group: int | None = None, profile_dir: str | None = None, sets: int = 1):
     emulate_mma = interpret is not None
     if dequant == "fp8":
         return _build_fp8_call(n=n, k=k, items=items, bt=bt, bn=bn, bk=bk, splits=splits, stages=stages,
                                out_dtype=out_dtype, interpret=interpret, mma_group=mma_group,
-                               profile_dir=profile_dir, sets=sets, unit_loop=unit_loop)
+                               profile_dir=profile_dir, sets=sets)
     if sets != 1:
         raise ValueError("several weight sets in one call: the e4m3-x route only")
     if profile_dir is not None:
@@ -643,7 +642,7 @@ def fp8_stages(stages: int, steps: int, bt: int, bn: int, bk: int) -> int:
 @functools.lru_cache(maxsize=None)
 def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits: int, stages: int,
                     out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, mma_group: int | None,
-                    profile_dir: str | None = None, sets: int = 1, unit_loop: str = "fori"):
+                    profile_dir: str | None = None, sets: int = 1):
     """The "fp8" route (e4m3 x) as a persistent kernel: one CTA per SM loops over the work units (K split, N
     tile, item), and consecutive units continue one TMA ring (``pipeline_state``), so a unit's first loads are
     in flight while the previous unit's last steps compute: at decode a unit is 2-8 steps, and a ring refilled
@@ -787,15 +786,14 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
             def unit(j, carry):
                 """This CTA's unit j: (split, set and N tile, item), item fastest. The CTA's first unit starts the
                 ring, its last drains it, the ones between continue it; a CTA with one unit runs a whole pipeline.
-                One division by the dynamic item count per unit (the rest divide by constants)."""
+                One division by the dynamic item count per unit, the rest by constants: ``nd_loop``'s remainder and
+                quotient by the unit count and two more divisions by the item count (Mosaic emits each as a
+                reciprocal-based sequence every warp runs) made the call 3% slower at 1 token
+                (benchmarks/results/fp4_tiles_time_h200_2026-12-04.json)."""
                 u = cta + j * ctas
-                if unit_loop == "fori":
-                    q = u // n_items
-                    item = u - q * n_items
-                    tile, si = q % (sets * n_tiles), q // (sets * n_tiles)
-                else:
-                    item = u % n_items
-                    tile, si = (u // n_items) % (sets * n_tiles), u // (n_items * sets * n_tiles)
+                q = u // n_items
+                item = u - q * n_items
+                tile, si = q % (sets * n_tiles), q // (sets * n_tiles)
                 ex, row0 = info_ref[0, item], info_ref[1, item]
                 ws_i, n0 = tile // n_tiles, tile % n_tiles * bn  # weight set, first row in it
 
@@ -824,12 +822,7 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
                             make_pipeline(body, context, state)(*refs, allocations=allocs)
                 return carry
 
-            if unit_loop == "nd_loop":
-                @plgpu.nd_loop((units,), collective_axes="cta")
-                def _(loop):
-                    unit(loop.local_index, None)
-            else:
-                lax.fori_loop(0, n_local, unit, None)
+            lax.fori_loop(0, n_local, unit, None)
 
     out_shape = (sets * n, items * bt) if splits == 1 else (splits, sets * n, items * bt)
     if profile_dir is not None and interpret is not None:

@@ -605,7 +605,7 @@ def test_fp8_route_fused_layout(mode: str) -> None:
     ([0, 0, 0], {}),  # no rows in the groups: no units, zero output
     ([4, 0, 3], dict(block_n=64, split_k=1)),  # two units on two CTAs
     ([9, 1, 17], dict(block_n=64, block_k=128, block_t=16)),  # 8 units of 4 steps over 3 CTAs (interpret)
-    ([9, 1, 17], dict(block_n=64, block_k=128, block_t=16, split_k=2, unit_loop="nd_loop"))])
+    ([9, 1, 17], dict(block_n=64, block_k=128, block_t=16, split_k=2))])  # 16 units: split and tile decoded
 def test_fp8_route_units_per_cta(mode: str, sizes: list[int], tiles: dict) -> None:
     """The persistent "fp8" route: a CTA with one, several or no work units (the ring started, continued and
     drained across units) gives the float64 reference bit for bit on exact
