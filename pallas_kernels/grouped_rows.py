@@ -356,11 +356,10 @@ def flat_schedule(count_ref, info_ref, *, ctas: int, splits: int, n_tiles: int, 
     n_local = jnp.maximum(units - cta + ctas - 1, 0) // ctas
 
     def unit(s):
-        """One division by the dynamic item count; the others divide by constants (cheap)."""
         u = cta + s // steps * ctas
-        q = u // n_items
-        si, ks = q // n_tiles, s % steps
-        return u - q * n_items, q % n_tiles, si, ks, si * kc + ks * bk
+        si = u // (n_items * n_tiles)
+        ks = s % steps
+        return u % n_items, u // n_items % n_tiles, si, ks, si * kc + ks * bk
 
     return FlatSchedule(n_local * steps, unit, lambda s: info_ref[0, unit(s)[0]], lambda s: info_ref[1, unit(s)[0]])
 
