@@ -103,7 +103,8 @@ class V4BlockConfig:
     experts_fp4: bool = False  # routed experts as released: packed e2m1 + e8m0 scales (Numerics.experts_fp4)
     shared_fp8: bool = False  # the shared expert's linears FP8 block-scaled, as released (Numerics.fp8_linear)
     # FP4 experts at e4m3 rows: w1 and w3 in one grouped GEMM call (``FP4Experts.ragged_pair``), the same values;
-    # faster than two calls at 1 and 8 tokens on the H200 (fp4_tiles_time_h200_2026-12-03.json)
+    # faster than two calls at 1 and 8 tokens on the H200
+    # (benchmarks/results/archive/fp4_tiles_time_h200_2026-12-03.json)
     gate_up_one_call: bool = True
 
     def __post_init__(self) -> None:
