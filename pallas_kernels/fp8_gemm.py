@@ -156,9 +156,10 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     is quantised when the kernel does not do it itself: "xla" (``quant.act_quant`` plus the padding and transposed
     scales: three XLA kernels) or "kernel" (``quantize_rows``: one kernel; bfloat16 x, M < 8 or a multiple of 8,
     else XLA); None: "kernel" up to ``ACT_QUANT_KERNEL_UP_TO`` rows (``_auto_act_quant``).
-    ``swap_ab`` (M <= 128, ``block_n`` 64, 128 or 192; scales staged unless ``stage_scales=False``): the roles swapped, y^T = W x^T, so that the
-    wgmma's N is round_up(M, 8) instead of a padded 64- or 128-row x tile (``_build_swapped_call``); None: on up to
-    ``SWAP_AB_UP_TO`` rows where no other choice excludes it (``_auto_swap_ab``).
+    ``swap_ab`` (M <= 128, ``block_n`` 64, 128 or 192; scales staged unless ``stage_scales=False``): the roles
+    swapped, y^T = W x^T, so that the wgmma's N is round_up(M, 8) instead of a padded 64- or 128-row x tile
+    (``_build_swapped_call``); None: on up to ``SWAP_AB_UP_TO`` rows where no other choice excludes it
+    (``_auto_swap_ab``).
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler writes a trace of the kernel's named regions per
     warpgroup there: ``all`` (the pipeline, every warpgroup), the compute warpgroups' ``scales`` (staging wait),
     ``loop``, its ``step`` bodies and ``store`` (``scripts/diag/fp8_regions.py``).
@@ -459,9 +460,9 @@ def swapped_scale_cols(mr: int) -> int:
 def _swapped_stages(stages: int | None, mr: int, bn: int, nk: int, kps: int, staged: bool = True) -> int:
     """The swapped kernel's ring depth: ``stages``, fewer where the ring and the staged scales would pass SMEM.
     None: about ``SWAP_RING_BYTES`` in flight, at least ``STAGES`` (a stage is only (mr + bn) x 128 bytes here: wo's
-    128-wide tiles take 6 stages for it, faster than 4 in 5 of 6 pairs at 1 and 8 rows (0.7-1.5 µs on average), while
-    q_b's and mlp's 192-wide tiles were slower with 6 than with 4; archive/fp8_decode_ncu_sweep_h200_2026-12-04_raw.json,
-    runs 5, 9, 10)."""
+    128-wide tiles take 6 stages for it, faster than 4 in 5 of 6 pairs at 1 and 8 rows (0.7-1.5 µs on average),
+    while q_b's and mlp's 192-wide tiles were slower with 6 than with 4;
+    archive/fp8_decode_ncu_sweep_h200_2026-12-04_raw.json, runs 5, 9, 10)."""
     if stages is None:
         stages = max(STAGES, SWAP_RING_BYTES // ((mr + bn) * BLOCK))
     fixed = kps * swapped_scale_cols(mr) * 4 + SW_ROWS * (nk + -nk % 4) * 4 if staged else 0
@@ -807,8 +808,8 @@ def _build_swapped_call(*, mr: int, n: int, k: int, bn: int, splits: int, stages
     Scales as DeepGEMM: per K block a fresh accumulator, promoted in fp32 by the weight scale (one scalar per
     warpgroup: its 64 rows lie in one 128-row block) times the rows' activation scales (a vector along the
     accumulator's columns). ``stage_scales``: a CTA's scales are staged by TMA before the pipeline (sx^T [kps, mr]
-    and the ``SW_ROWS`` weight-scale rows holding its tile's), else each K block's load from GMEM (L2). Output: one split's tile in out_dtype, or fp32 partials
-    that XLA sums; ``rows_out`` = M > 0: y [M, N] itself ([splits, M, N]), each real row taken out of the
+    and the ``SW_ROWS`` weight-scale rows holding its tile's), else each K block's load from GMEM (L2). Output:
+    one split's tile in out_dtype, or fp32 partials that XLA sums; ``rows_out`` = M > 0: y [M, N] itself ([splits, M, N]), each real row taken out of the
     accumulator's columns by a masked row sum and stored as 64 contiguous values (no transposing kernel after the
     call; M cheap reductions for small M only); 0: y^T [N, mr] from registers, which the wrapper transposes."""
     nk = k // BLOCK

@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+_SWAP_ROWS_OUT_DEFAULT: int | None = None  # fp8_gemm.SWAP_ROWS_OUT_UP_TO as imported (``_fp8``)
+
 
 def _grouped(fmt: str, shape: str, tokens: int, tiles: dict):
     """A grouped expert GEMM call ("fp4" / "fp8"), 256 experts, the benchmark's format (top-k routing).
@@ -61,9 +63,13 @@ def _fp8(shape: str, m: int, tiles: dict):
     wq = (jax.random.normal(kw, (n, k), jnp.float32) * 0.5).astype(jnp.float8_e4m3fn)
     ws = jnp.full((n // 128, k // 128), 2.0 ** -7, jnp.float32)
     x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+    global _SWAP_ROWS_OUT_DEFAULT
+    if _SWAP_ROWS_OUT_DEFAULT is None:  # the module's own value, read before any variant changes it
+        _SWAP_ROWS_OUT_DEFAULT = fp8_gemm.SWAP_ROWS_OUT_UP_TO
     tiles = dict(tiles)
-    if "rows_out_up_to" in tiles:  # swap_ab's direct row store up to this many rows (the module's threshold)
-        fp8_gemm.SWAP_ROWS_OUT_UP_TO = tiles.pop("rows_out_up_to")
+    # swap_ab's direct row store up to this many rows (the module's threshold), set for every case so that one
+    # variant's value does not carry over to the next in the same process
+    fp8_gemm.SWAP_ROWS_OUT_UP_TO = tiles.pop("rows_out_up_to", _SWAP_ROWS_OUT_DEFAULT)
     f = jax.jit(functools.partial(fp8_gemm.fp8_linear, implementation="pallas", **tiles))
     return f, (x, wq, ws)
 
@@ -129,8 +135,8 @@ def _ceiling(kind: str, mib: int):
 
 
 def _sweep(a: argparse.Namespace) -> None:
-    """fp8sweep: cases shape:rows of the FP8 GEMM (and copy:MiB / read:MiB, ``_ceiling``); fp4sweep / fp8gsweep: shape:tokens of the grouped GEMMs;
-    streamsweep: shape:0, the FP8 GEMM's weight stream alone (``_stream``)."""
+    """fp8sweep: cases shape:rows of the FP8 GEMM (and copy:MiB / read:MiB, ``_ceiling``); fp4sweep / fp8gsweep:
+    shape:tokens of the grouped GEMMs; streamsweep: shape:0, the FP8 GEMM's weight stream alone (``_stream``)."""
     cases = [(c.split(":")[0], int(c.split(":")[1])) for c in a.cases]
     variants = json.loads(a.variants)
     marker = jax.jit(lambda v: jnp.sin(v) * 3.0)
