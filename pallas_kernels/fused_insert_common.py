@@ -69,9 +69,10 @@ def split_phases(split: bool | None, programs: int, op: str) -> bool:
 
 
 # rope_pairs=None (the V3.2 kv insert): the indexer key's rope partners are found in registers when a call has at
-# most this many programs, else loaded again. Natively the register form took the kernel from 96 to 185 registers
-# per thread (Nsight Compute): faster where one program's latency sets the time (T = 1 to 1024: 64 programs),
-# slower at 512 (T = 8192) (benchmarks/results/insert_parts_h200_2026-12-03.json, pairs_loads / pairs_registers).
+# most this many programs, else loaded again. The native build compiles the register form to far more registers
+# per thread than the loaded one (Nsight Compute; the CPU's Triton does not): faster where one program's latency
+# sets the time (T = 1 to 1024: 64 programs), slower at 512 (T = 8192)
+# (benchmarks/results/archive/insert_parts_variants_h200_2026-12-04.json, pairs_loads / pairs_registers).
 REGISTER_PAIRS_MAX_PROGRAMS = 256
 
 RopePairs = Literal["registers", "loads"] | None
@@ -141,9 +142,19 @@ def div_rn(x: jax.Array, y: jax.Array, interpret: bool) -> jax.Array:
                                       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, F32)])[0]
 
 
-def e4m3_bytes(x_scaled: jax.Array) -> jax.Array:
-    """clip(x, +-448) -> float8_e4m3fn (RNE) -> its uint8 bit pattern (jds.ops.quant.quantize_e4m3)."""
-    return jax.lax.bitcast_convert_type(jnp.clip(x_scaled, -FP8_MAX, FP8_MAX).astype(FP8), jnp.uint8)
+def to_e4m3(x_scaled: jax.Array, interpret: bool) -> jax.Array:
+    """clip(x, +-448) -> float8_e4m3fn, round to nearest even (jds.ops.quant.quantize_e4m3). On the GPU without
+    the clip: Triton converts with ``cvt.rn.satfinite``, which clamps to +-448 itself (and keeps a NaN a NaN, as
+    XLA's clamp does, where Triton's min / max would turn it into +-448), so the two compares per element were
+    redundant instructions; interpret mode's XLA conversion does not saturate, so it keeps the clip."""
+    if interpret:
+        x_scaled = jnp.clip(x_scaled, -FP8_MAX, FP8_MAX)
+    return x_scaled.astype(FP8)
+
+
+def e4m3_bytes(x_scaled: jax.Array, interpret: bool) -> jax.Array:
+    """``to_e4m3``'s uint8 bit patterns."""
+    return jax.lax.bitcast_convert_type(to_e4m3(x_scaled, interpret), jnp.uint8)
 
 
 def u16_bytes(x_bf16: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -199,20 +210,30 @@ def rope_row_block(x: jax.Array, cos_sin_at: Callable[[jax.Array], tuple[jax.Arr
     (all below rope_dim / 2). The products and sums are ``rope_rows``'."""
     r, width = x.shape
     half = rope_dim // 2
+    freqs = rope_freqs(width, rope_dim, interleaved)
     if interleaved:  # pairs (2j, 2j + 1): pair index j along axis 1, rope where j < half
         u, v = split_pairs(x)
         j = iota((1, width // 2), 1)
-        e, o = rope_pair(u, v, *cos_sin_at(jnp.minimum(j, half - 1)))
+        e, o = rope_pair(u, v, *cos_sin_at(freqs))
         return join_pairs(jnp.where(j < half, e, u), jnp.where(j < half, o, v))
     # NeoX: [rows, width / rope_dim, 2, half] -> the pair's halves on the last axis, split in registers
     g = width // rope_dim
     y = jnp.swapaxes(x.reshape(r, g, 2, half), 2, 3)  # [rows, g, half, 2]
     u, v = jnp.unstack(y, axis=-1)  # [rows, g, half] each: first / second halves of each rope_dim group
-    c3, s3 = (c.reshape(c.shape[0], 1, half) for c in cos_sin_at(iota((1, half), 1)))
+    c3, s3 = (c.reshape(c.shape[0], 1, half) for c in cos_sin_at(freqs))
     first, second = rope_pair(u, v, c3, s3)
     in_rope = iota((1, g, 1), 1) == 0
     out = jnp.stack([jnp.where(in_rope, first, u), jnp.where(in_rope, second, v)], axis=-1)  # [rows, g, half, 2]
     return jnp.swapaxes(out, 2, 3).reshape(r, width)
+
+
+def rope_freqs(width: int, rope_dim: int, interleaved: bool) -> jax.Array:
+    """The frequency columns [1, n] that ``rope_row_block`` asks its ``cos_sin_at`` for: a caller can load the
+    cos / sin early (before a store that its loads would otherwise wait behind) and hand them back."""
+    half = rope_dim // 2
+    if interleaved:
+        return jnp.minimum(iota((1, width // 2), 1), half - 1)
+    return iota((1, half), 1)
 
 
 def cos_sin(cos_ref: Any, sin_ref: Any, tc: jax.Array, cols: jax.Array, shape: tuple[int, int], pid: jax.Array,

@@ -57,10 +57,18 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
 
     def mla():
         # ---- MLA: latent RMSNorm (weighted) and k_pe RoPE ----
-        col = C.iota((1, lat), 1)
-        x = C.load(kv_ref, (tc, col), (BT, lat)).astype(F32)
-        r = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-        c = (x * r * C.load(kvw_ref, (col,), (1, lat)).astype(F32)).astype(dtype)
+        # The latent as its 128-column quantisation blocks, [BT, 128] each in one register layout: a [BT, lat]
+        # tile reshaped to [BT, lat / 128, 128] for the per-block amax made Triton convert it (and its e4m3
+        # bytes) through shared memory, barrier by barrier.
+        nblk = lat // 128 if isinstance(kv_fmt, MlaRecord656) else 1
+        bw = lat // nblk
+        cols = [b * bw + C.iota((1, bw), 1) for b in range(nblk)]
+        xs = [C.load(kv_ref, (tc, cb), (BT, bw)).astype(F32) for cb in cols]
+        ss = functools.reduce(jnp.add, [jnp.sum(xb * xb, axis=-1, keepdims=True) for xb in xs])
+        r = jax.lax.rsqrt(ss * np.float32(1 / lat) + eps)
+        # the weights loaded as [BT, bw] (rows of L1 hits): a [1, bw] load gets a layout of its own, and the
+        # product took it, converting every block through shared memory
+        cs_ = [(xb * r * C.load(kvw_ref, (cb,), (BT, bw)).astype(F32)).astype(dtype) for xb, cb in zip(xs, cols)]
         p, jp = C.iota((1, rd), 1), C.iota((1, rd // 2), 1)  # rope columns, their pairs
         u, v = C.split_pairs(C.load(kv_ref, (tc, lat + p), (BT, rd)).astype(F32))  # interleaved pairs
         cs, sn = C.load(cos_ref, (tc, jp), (BT, rd // 2)), C.load(sin_ref, (tc, jp), (BT, rd // 2))
@@ -71,50 +79,60 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
         page = jnp.where(ok, jax.lax.div(safe, epp), nb)  # masked lanes: one past the last page
         j = jax.lax.rem(safe, epp)
         if isinstance(kv_fmt, MlaRecord656):
-            rec = kv_fmt.record_bytes
-            nblk = lat // 128
-            cf = c.astype(F32).reshape(BT, nblk, 128)
-            amax = jnp.max(jnp.abs(cf), axis=-1)  # [BT, nblk]
-            if kv_fmt.scale_fmt == "ue8m0":
-                s, inv, _ = ue8m0_scale_bits(amax)
-                q = C.e4m3_bytes(cf * inv[..., None])
-            else:  # vLLM: max(amax / 448, FLT_MIN), then a true division
-                s = jnp.maximum(C.div_rn(amax, jnp.full(amax.shape, FP8_MAX, F32), interpret), FLT_MIN)
-                q = C.e4m3_bytes(C.div_rn(cf, jnp.broadcast_to(s[..., None], cf.shape), interpret))
-            base = j * rec
-            C.store(kv_out, (page, base + col), q.reshape(BT, lat), ok)
-            sc = C.iota((1, nblk), 1)
-            for k in range(4):
-                C.store(kv_out, (page, base + lat + 4 * sc + k), C.u32_byte(s, k), ok)
+            base = j * kv_fmt.record_bytes
+            bits = []  # each block's fp32 scale as its bits [BT, 1]
+            for cb, c in zip(cols, cs_):
+                cf = c.astype(F32)
+                amax = jnp.max(jnp.abs(cf), axis=-1, keepdims=True)
+                if kv_fmt.scale_fmt == "ue8m0":
+                    s, inv, _ = ue8m0_scale_bits(amax)
+                    q = C.e4m3_bytes(cf * inv, interpret)
+                else:  # vLLM: max(amax / 448, FLT_MIN), then a true division
+                    s = jnp.maximum(C.div_rn(amax, jnp.full(amax.shape, FP8_MAX, F32), interpret), FLT_MIN)
+                    q = C.e4m3_bytes(C.div_rn(cf, jnp.broadcast_to(s, cf.shape), interpret), interpret)
+                C.store(kv_out, (page, base + cb), q, ok)
+                bits.append(jax.lax.bitcast_convert_type(s, jnp.uint32))
+            # the scales' 4 * nblk bytes, little-endian, as one contiguous store
+            sc = C.iota((1, 4 * nblk), 1)
+            word = functools.reduce(lambda w, b: jnp.where(sc // 4 == b, bits[b], w), range(1, nblk), bits[0])
+            byte = (jax.lax.shift_right_logical(word, (8 * (sc % 4)).astype(jnp.uint32)) & 0xFF).astype(jnp.uint8)
+            C.store(kv_out, (page, base + lat + sc), byte, ok)
             lo, hi = C.u16_bytes(pe.astype(jnp.bfloat16))  # the rope's bf16 bytes, little-endian: one store
             C.store(kv_out, (page, base + lat + 4 * nblk + C.iota((1, 2 * rd), 1)), C.join_pairs(lo, hi), ok)
         else:  # FloatRows(lat + rd)
             base = j * kv_fmt.dim
-            C.store(kv_out, (page, base + col), c.astype(kv_out.dtype), ok)
+            C.store(kv_out, (page, base + cols[0]), cs_[0].astype(kv_out.dtype), ok)
             C.store(kv_out, (page, base + lat + p), pe.astype(kv_out.dtype), ok)
 
-    def indexer():
+    def indexer_inputs() -> tuple[jax.Array, ...]:
+        """The indexer key's DRAM inputs: its row and the rope's cos / sin (with loaded partners, those too)."""
+        ci = C.iota((1, di), 1)
+        xk = C.load(ik_ref, (tc, ci), (BT, di))
+        if pairs_in_registers:
+            f = C.rope_freqs(di, rd, ilv)
+            return xk, C.load(cos_ref, (tc, f), (BT, f.shape[1])), C.load(sin_ref, (tc, f), (BT, f.shape[1]))
+        in_rope, pci, fci, _ = C.rope_partner(ci, 0, rd, ilv)
+        return (xk, C.load(ik_ref, (tc, pci), (BT, di), mask=in_rope), C.load(cos_ref, (tc, fci), (BT, di)),
+                C.load(sin_ref, (tc, fci), (BT, di)))
+
+    def indexer(inputs: tuple[jax.Array, ...]) -> None:
         # ---- indexer key: LayerNorm -> RoPE (first rd dims) -> Hadamard -> quantise ----
         ci = C.iota((1, di), 1)
-        xk = C.load(ik_ref, (tc, ci), (BT, di)).astype(F32)
+        xk = inputs[0].astype(F32)
         mu = jnp.mean(xk, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(xk - mu), axis=-1, keepdims=True)
         rs = jax.lax.rsqrt(var + eps)
 
         def norm(cols: jax.Array, x: jax.Array) -> jax.Array:
-            return ((x - mu) * rs * C.load(knw_ref, (cols,), (1, di)) + C.load(knb_ref, (cols,), (1, di))).astype(dtype)
+            return ((x - mu) * rs * C.load(knw_ref, (cols,), (BT, di)) + C.load(knb_ref, (cols,), (BT, di))).astype(dtype)
 
         y = norm(ci, xk)
         if pairs_in_registers:  # the partners by reshaping in registers (``rope_row_block``)
-            def cos_sin_at(f: jax.Array) -> tuple[jax.Array, jax.Array]:
-                return C.load(cos_ref, (tc, f), (BT, f.shape[1])), C.load(sin_ref, (tc, f), (BT, f.shape[1]))
-
-            k = C.rope_row_block(y.astype(F32), cos_sin_at, rd, ilv).astype(dtype)
+            k = C.rope_row_block(y.astype(F32), lambda _: inputs[1:], rd, ilv).astype(dtype)
         else:  # the partners loaded again, permuted (an L1 hit), and normalised alike
-            in_rope, pci, fci, firsti = C.rope_partner(ci, 0, rd, ilv)
-            yp = norm(pci, C.load(ik_ref, (tc, pci), (BT, di), mask=in_rope).astype(F32))
-            csi, sni = C.load(cos_ref, (tc, fci), (BT, di)), C.load(sin_ref, (tc, fci), (BT, di))
-            k = C.rope_rows(y.astype(F32), yp.astype(F32), csi, sni, firsti, in_rope).astype(dtype)
+            in_rope, pci, _, firsti = C.rope_partner(ci, 0, rd, ilv)
+            yp = norm(pci, inputs[1].astype(F32))
+            k = C.rope_rows(y.astype(F32), yp.astype(F32), inputs[2], inputs[3], firsti, in_rope).astype(dtype)
         if hadamard:
             hm = h_ref[...]
             kk = jax.lax.dot(k.astype(dot_dtype), hm, precision=jax.lax.Precision.HIGHEST,
@@ -128,7 +146,7 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
         if isinstance(idx_fmt, IndexerRecord132):
             kf = k.astype(F32)
             s, inv, _ = ue8m0_scale_bits(jnp.max(jnp.abs(kf), axis=-1, keepdims=True))  # [BT, 1]
-            C.store(ix_out, (pagei, ji * di + ci), C.e4m3_bytes(kf * inv), ok)
+            C.store(ix_out, (pagei, ji * di + ci), C.e4m3_bytes(kf * inv, interpret), ok)
             b = C.iota((1, 4), 1)
             sb = jnp.broadcast_to(s, (BT, 4))
             byte = jnp.zeros((BT, 4), jnp.uint8)
@@ -138,7 +156,12 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
         else:  # FloatRows(di)
             C.store(ix_out, (pagei, ji * idx_fmt.dim + ci), k.astype(ix_out.dtype), ok)
 
-    C.phases(split, mla, indexer)
+    if split:
+        C.phases(split, mla, lambda: indexer(indexer_inputs()))
+    else:  # the indexer's DRAM loads first: issued after the MLA record's stores, they would wait behind them
+        inputs = indexer_inputs()
+        mla()
+        indexer(inputs)
 
 
 def supports(latent_dim: int, rope_dim: int, index_head_dim: int) -> bool:
@@ -218,7 +241,7 @@ fused_q_v32_reference = q_v32_xla
 
 
 def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, HiP, nope, rd, di, dtype,
-              ilv, hadamard, fp8, dot_dtype, split):
+              ilv, hadamard, fp8, dot_dtype, split, interpret):
     h_ref = rest[0] if hadamard else None
     qpe_out, iq_out, is_out, iw_out = rest[1:] if hadamard else rest
     pid = pl.program_id(0)
@@ -265,7 +288,7 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
         if fp8:
             kf = k.astype(F32)
             s, inv, _ = ue8m0_scale_bits(jnp.max(jnp.abs(kf), axis=-1, keepdims=True))
-            qv = jnp.clip(kf * inv, -FP8_MAX, FP8_MAX).astype(FP8)
+            qv = C.to_e4m3(kf * inv, interpret)
             wf = wf * s
         else:
             qv, s = k, jnp.ones((r, 1), F32)
@@ -273,6 +296,8 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
         C.store(is_out, (tok_s, hc), s, ok)
         C.store(iw_out, (tok_s, hc), wf, ok)
 
+    # unlike the kv insert, the indexer's loads stay after q_pe's stores: held across q_pe they took the native
+    # build from 128 to 138 registers (3 programs per SM, not 4), slower at T = 1024 and 8192 (docs/perf-log.md)
     C.phases(split, q_pe, indexer)
 
 
@@ -321,7 +346,7 @@ def _q_pallas(q, index_q, index_w, cos, sin, *, nope_dim, dtype, indexer_interle
     split = C.split_phases(split, pl.cdiv(t, bt), "fused_q_v32")
     kernel = functools.partial(_q_kernel, T=t, BT=bt, H=h, HP=hp, Hi=hi, HiP=hip, nope=nope_dim, rd=rd, di=di,
                                dtype=dt, ilv=indexer_interleave, hadamard=hadamard, fp8=fp8, dot_dtype=dot_dtype,
-                               split=split)
+                               split=split, interpret=interpret)
     out_shape = (jax.ShapeDtypeStruct((t, h, rd), dt), jax.ShapeDtypeStruct((t, hi, di), FP8 if fp8 else dt),
                  jax.ShapeDtypeStruct((t, hi), F32), jax.ShapeDtypeStruct((t, hi), F32))
     grid = (pl.cdiv(t, bt), 2) if split else (pl.cdiv(t, bt),)

@@ -33,7 +33,7 @@ fused_qnorm_rope_kv_insert_v4_reference = qnorm_rope_kv_insert_v4_xla
 
 
 def _v4_kernel(q_ref, kv_ref, cos_ref, sin_ref, slot_ref, w_ref, _cache_in, q_out, c_out, *, T, BT, H, HB, nhb,
-               D, rd, eps, dtype, fmt):
+               D, rd, eps, dtype, fmt, interpret):
     pid, jh = pl.program_id(0), pl.program_id(1)
     col = C.iota((1, D), 1)
     in_rope, pcol, fcol, first = C.rope_partner(col, D - rd, rd, True)
@@ -84,7 +84,7 @@ def _v4_kernel(q_ref, kv_ref, cos_ref, sin_ref, slot_ref, w_ref, _cache_in, q_ou
             kb = k.astype(jnp.bfloat16)
             nf = kb.astype(F32).reshape(BT, nblk, blk)
             s, inv, e = ue8m0_scale_bits(jnp.max(jnp.abs(nf), axis=-1))  # [BT, nblk]
-            q8 = C.e4m3_bytes(nf * inv[..., None]).reshape(shape)
+            q8 = C.e4m3_bytes(nf * inv[..., None], interpret).reshape(shape)
             lo, hi = C.u16_bytes(kb)
             is_nope = col < nope
             roff = nope + 2 * (col - nope)
@@ -158,7 +158,7 @@ def _pallas(q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w, *, window_fo
     nhb = -(-h // hb)
     dt = jnp.dtype(dtype)
     kernel = functools.partial(_v4_kernel, T=t, BT=bt, H=h, HB=hb, nhb=nhb, D=d, rd=rd, eps=eps, dtype=dt,
-                               fmt=window_format)
+                               fmt=window_format, interpret=interpret)
     out_shape = (jax.ShapeDtypeStruct((t, h, d), dt), jax.ShapeDtypeStruct(window_cache.shape, window_cache.dtype))
     args = [q, kv, cos.astype(F32), sin.astype(F32), slot_mapping.astype(jnp.int32), kv_norm_w.astype(F32),
             window_cache]
