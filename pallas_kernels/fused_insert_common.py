@@ -29,6 +29,7 @@ from typing import Any, Callable, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -225,6 +226,25 @@ def rope_row_block(x: jax.Array, cos_sin_at: Callable[[jax.Array], tuple[jax.Arr
     in_rope = iota((1, g, 1), 1) == 0
     out = jnp.stack([jnp.where(in_rope, first, u), jnp.where(in_rope, second, v)], axis=-1)  # [rows, g, half, 2]
     return jnp.swapaxes(out, 2, 3).reshape(r, width)
+
+
+def hadamard(x: jax.Array, h_ref: Any, dot_dtype: Any, dtype: Any) -> jax.Array:
+    """Rows ``x`` [rows, n] times the Sylvester H_n in ``h_ref``, scaled by n^-1/2 (jds.ops.hadamard): one dot."""
+    y = jax.lax.dot(x.astype(dot_dtype), h_ref[...], precision=jax.lax.Precision.HIGHEST, preferred_element_type=F32)
+    return (y * np.float32(x.shape[-1] ** -0.5)).astype(dtype)
+
+
+def hadamard_halves(a: jax.Array, b: jax.Array, h_ref: Any, dot_dtype: Any, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """Rows [a | b] (two halves of width n / 2) times the Sylvester H_n, scaled by n^-1/2 (jds.ops.hadamard), as
+    H_n = [[H, H], [H, -H]] with H = H_{n/2} in ``h_ref``: [a H + b H, a H - b H]. The products of +-1 and a
+    bf16 are exact and the sums are float32, as in one [rows, n] x H_n dot, but a program loads a quarter of the
+    matrix (a [16, 128] x H_128 dot loaded 32 KB per program for 4 KB of payload) and the tensor cores do half
+    the work."""
+    h = h_ref[...]
+    pa, pb = (jax.lax.dot(x.astype(dot_dtype), h, precision=jax.lax.Precision.HIGHEST, preferred_element_type=F32)
+              for x in (a, b))
+    scale = np.float32((2 * a.shape[-1]) ** -0.5)
+    return ((pa + pb) * scale).astype(dtype), ((pa - pb) * scale).astype(dtype)
 
 
 def rope_freqs(width: int, rope_dim: int, interleaved: bool) -> jax.Array:

@@ -42,7 +42,7 @@ fused_kv_insert_v32_reference = kv_insert_v32_xla
 
 def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_ref, knb_ref, *rest,
                       T, BT, lat, rd, di, eps, dtype, kv_fmt, idx_fmt, ilv, hadamard, dot_dtype, interpret, split,
-                      pairs_in_registers):
+                      pairs_in_registers, halves):
     if hadamard:
         h_ref, _, _, kv_out, ix_out = rest
     else:
@@ -104,49 +104,54 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
             C.store(kv_out, (page, base + cols[0]), cs_[0].astype(kv_out.dtype), ok)
             C.store(kv_out, (page, base + lat + p), pe.astype(kv_out.dtype), ok)
 
-    def indexer_inputs() -> tuple[jax.Array, ...]:
-        """The indexer key's DRAM inputs: its row and the rope's cos / sin (with loaded partners, those too)."""
-        ci = C.iota((1, di), 1)
-        xk = C.load(ik_ref, (tc, ci), (BT, di))
-        if pairs_in_registers:
-            f = C.rope_freqs(di, rd, ilv)
-            return xk, C.load(cos_ref, (tc, f), (BT, f.shape[1])), C.load(sin_ref, (tc, f), (BT, f.shape[1]))
-        in_rope, pci, fci, _ = C.rope_partner(ci, 0, rd, ilv)
-        return (xk, C.load(ik_ref, (tc, pci), (BT, di), mask=in_rope), C.load(cos_ref, (tc, fci), (BT, di)),
-                C.load(sin_ref, (tc, fci), (BT, di)))
+    # the indexer key's columns as one group, or as two halves (the Hadamard by ``hadamard_halves``); the rope lies
+    # in the first group
+    ng = 2 if halves else 1
+    gw = di // ng
+    icols = [g * gw + C.iota((1, gw), 1) for g in range(ng)]
 
-    def indexer(inputs: tuple[jax.Array, ...]) -> None:
+    def indexer_inputs() -> tuple[list[jax.Array], tuple[jax.Array, ...]]:
+        """The indexer key's DRAM inputs: its row's column groups and the rope's cos / sin (with loaded partners,
+        those too)."""
+        xs = [C.load(ik_ref, (tc, c), (BT, gw)) for c in icols]
+        if pairs_in_registers:
+            f = C.rope_freqs(gw, rd, ilv)
+            return xs, (C.load(cos_ref, (tc, f), (BT, f.shape[1])), C.load(sin_ref, (tc, f), (BT, f.shape[1])))
+        in_rope, pci, fci, _ = C.rope_partner(icols[0], 0, rd, ilv)
+        return xs, (C.load(ik_ref, (tc, pci), (BT, gw), mask=in_rope), C.load(cos_ref, (tc, fci), (BT, gw)),
+                    C.load(sin_ref, (tc, fci), (BT, gw)))
+
+    def indexer(inputs: tuple[list[jax.Array], tuple[jax.Array, ...]]) -> None:
         # ---- indexer key: LayerNorm -> RoPE (first rd dims) -> Hadamard -> quantise ----
-        ci = C.iota((1, di), 1)
-        xk = inputs[0].astype(F32)
-        mu = jnp.mean(xk, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(xk - mu), axis=-1, keepdims=True)
+        xs, rope_in = [x.astype(F32) for x in inputs[0]], inputs[1]
+        mu = sum(jnp.sum(x, axis=-1, keepdims=True) for x in xs) * np.float32(1 / di)
+        var = sum(jnp.sum(jnp.square(x - mu), axis=-1, keepdims=True) for x in xs) * np.float32(1 / di)
         rs = jax.lax.rsqrt(var + eps)
 
         def norm(cols: jax.Array, x: jax.Array) -> jax.Array:
-            return ((x - mu) * rs * C.load(knw_ref, (cols,), (BT, di)) + C.load(knb_ref, (cols,), (BT, di))).astype(dtype)
+            w, b = C.load(knw_ref, (cols,), (BT, gw)), C.load(knb_ref, (cols,), (BT, gw))
+            return ((x - mu) * rs * w + b).astype(dtype)
 
-        y = norm(ci, xk)
+        ks = [norm(c, x) for c, x in zip(icols, xs)]
         if pairs_in_registers:  # the partners by reshaping in registers (``rope_row_block``)
-            k = C.rope_row_block(y.astype(F32), lambda _: inputs[1:], rd, ilv).astype(dtype)
+            ks[0] = C.rope_row_block(ks[0].astype(F32), lambda _: rope_in, rd, ilv).astype(dtype)
         else:  # the partners loaded again, permuted (an L1 hit), and normalised alike
-            in_rope, pci, _, firsti = C.rope_partner(ci, 0, rd, ilv)
-            yp = norm(pci, inputs[1].astype(F32))
-            k = C.rope_rows(y.astype(F32), yp.astype(F32), inputs[2], inputs[3], firsti, in_rope).astype(dtype)
+            in_rope, pci, _, firsti = C.rope_partner(icols[0], 0, rd, ilv)
+            kp = norm(pci, rope_in[0].astype(F32))
+            ks[0] = C.rope_rows(ks[0].astype(F32), kp.astype(F32), *rope_in[1:], firsti, in_rope).astype(dtype)
         if hadamard:
-            hm = h_ref[...]
-            kk = jax.lax.dot(k.astype(dot_dtype), hm, precision=jax.lax.Precision.HIGHEST,
-                             preferred_element_type=F32)
-            k = (kk * np.float32(di ** -0.5)).astype(dtype)
+            ks = C.hadamard_halves(*ks, h_ref, dot_dtype, dtype) if halves else [C.hadamard(ks[0], h_ref, dot_dtype, dtype)]
 
         iepp = idx_fmt.entries_per_page
         nbi = ix_out.shape[0]
         pagei = jnp.where(ok, jax.lax.div(safe, iepp), nbi)
         ji = jax.lax.rem(safe, iepp)
         if isinstance(idx_fmt, IndexerRecord132):
-            kf = k.astype(F32)
-            s, inv, _ = ue8m0_scale_bits(jnp.max(jnp.abs(kf), axis=-1, keepdims=True))  # [BT, 1]
-            C.store(ix_out, (pagei, ji * di + ci), C.e4m3_bytes(kf * inv, interpret), ok)
+            kf = [k.astype(F32) for k in ks]
+            amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(k), axis=-1, keepdims=True) for k in kf])
+            s, inv, _ = ue8m0_scale_bits(amax)  # [BT, 1]
+            for c, k in zip(icols, kf):
+                C.store(ix_out, (pagei, ji * di + c), C.e4m3_bytes(k * inv, interpret), ok)
             b = C.iota((1, 4), 1)
             sb = jnp.broadcast_to(s, (BT, 4))
             byte = jnp.zeros((BT, 4), jnp.uint8)
@@ -154,7 +159,8 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
                 byte = jnp.where(b == kk_, C.u32_byte(sb, kk_), byte)
             C.store(ix_out, (pagei, iepp * di + ji * 4 + b), byte, ok)
         else:  # FloatRows(di)
-            C.store(ix_out, (pagei, ji * idx_fmt.dim + ci), k.astype(ix_out.dtype), ok)
+            for c, k in zip(icols, ks):
+                C.store(ix_out, (pagei, ji * idx_fmt.dim + c), k.astype(ix_out.dtype), ok)
 
     if split:
         C.phases(split, mla, lambda: indexer(indexer_inputs()))
@@ -166,15 +172,25 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
 
 def supports(latent_dim: int, rope_dim: int, index_head_dim: int) -> bool:
     """Whether both V3.2 kernels take these dims (Triton blocks are powers of two). Otherwise the kernels
-    raise ``Unsupported`` and ``implementation="auto"`` runs the XLA implementation."""
-    return all(C.is_pow2(n) for n in (latent_dim, rope_dim, index_head_dim))
+    raise ``Unsupported`` and ``implementation="auto"`` runs the XLA implementation. The indexer rows are handled
+    as two halves (``fused_insert_common.hadamard_halves``), the rope in the first: rope_dim <= index_head_dim / 2,
+    and halves of at least 16 columns (tl.dot's smallest K)."""
+    return (all(C.is_pow2(n) for n in (latent_dim, rope_dim, index_head_dim))
+            and rope_dim <= index_head_dim // 2 and index_head_dim >= 32)
+
+
+def _check_indexer_dims(op: str, rd: int, di: int) -> None:
+    if rd > di // 2 or di < 32:
+        raise Unsupported(f"{op}: the indexer rows run as halves with the rope in the first: rope dim {rd} must be "
+                          f"at most half the indexer head dim {di}, which must be at least 32")
 
 
 def fused_kv_insert_v32(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache, kv_norm_w, k_norm_w,
                         k_norm_b, *, kv_format: RecordFormat, index_format: RecordFormat, eps: float, dtype,
                         indexer_interleave: bool, hadamard: bool, implementation: Implementation = "pallas",
                         interpret: bool | None = None, block_tokens: int = 16, num_warps: int = 4,
-                        split_phases: bool | None = None, rope_pairs: C.RopePairs = None):
+                        split_phases: bool | None = None, rope_pairs: C.RopePairs = None,
+                        hadamard_halves: bool | None = None):
     """Same inputs/outputs as ``fused_kv_insert_v32_reference``; returns (kv_cache, index_cache).
 
     Tiles: ``block_tokens`` tokens per program, ``num_warps``; 4 warps were faster than 8 at T = 8192 on the
@@ -182,6 +198,10 @@ def fused_kv_insert_v32(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cac
     the MLA record and the indexer key in separate programs (``fused_insert_common.phases``); None: where the
     grid is small (``fused_insert_common.split_phases``). ``rope_pairs``: the indexer key's rope partners found in
     registers ("registers") or loaded again ("loads"); None: by grid size (``rope_pairs_in_registers``).
+    ``hadamard_halves``: the indexer key as two halves with the Hadamard by ``fused_insert_common.hadamard_halves``
+    (a quarter of the matrix per program), or as one row and one dot; None: halves where the parts are not split
+    (a large grid, where every program's load of the matrix counts), one dot where they are (the halves' second
+    dot and its shared-memory staging lengthen a small grid's latency chain).
 
     kv [T, lat + rd], index_k [T, Di] in ``dtype``; cos/sin [T, rd/2] float32 (jds.ops.rope.rope_cos_sin);
     slot_mapping [T] int32 (-1 = padding); caches [num_blocks, page_elems] of their formats.
@@ -192,12 +212,13 @@ def fused_kv_insert_v32(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cac
     return run_op("fused_kv_insert_v32", implementation, {
         "xla": lambda: kv_insert_v32_xla(*args, **kw),
         "pallas": lambda: _kv_insert_pallas(*args, **kw, interpret=interpret, block_tokens=block_tokens,
-                                            num_warps=num_warps, split=split_phases, rope_pairs=rope_pairs)})
+                                            num_warps=num_warps, split=split_phases, rope_pairs=rope_pairs,
+                                            halves=hadamard_halves)})
 
 
 def _kv_insert_pallas(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache, kv_norm_w, k_norm_w, k_norm_b,
                       *, kv_format, index_format, eps, dtype, indexer_interleave, hadamard, interpret, block_tokens,
-                      num_warps, split, rope_pairs=None):
+                      num_warps, split, rope_pairs=None, halves=None):
     if isinstance(index_format, IndexerRecord132) and index_format.scale_fmt != "ue8m0":
         raise Unsupported(f"fused_kv_insert_v32: indexer key scale_fmt {index_format.scale_fmt!r} "
                           "(the kernel implements 'ue8m0')")
@@ -209,6 +230,7 @@ def _kv_insert_pallas(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache
     for name, n in (("latent dim", lat), ("rope dim", rd), ("indexer head dim", di), ("block_tokens", block_tokens)):
         if not C.is_pow2(n):
             raise Unsupported(f"fused_kv_insert_v32: {name} {n} is not a power of 2")
+    _check_indexer_dims("fused_kv_insert_v32", rd, di)
     if isinstance(kv_format, MlaRecord656) and (kv_format.latent_dim != lat or kv_format.rope_dim != rd):
         raise ValueError(f"kv_format {kv_format} does not match kv width {width}")
     dt = jnp.dtype(dtype)
@@ -216,16 +238,19 @@ def _kv_insert_pallas(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache
     dot_dtype = F32 if (interpret or dt == F32) else jnp.bfloat16
     split = C.split_phases(split, pl.cdiv(t, bt), "fused_kv_insert_v32")
     in_registers = C.rope_pairs_in_registers(rope_pairs, pl.cdiv(t, bt), "fused_kv_insert_v32")
+    if halves not in (None, False, True):
+        raise ValueError(f"fused_kv_insert_v32: hadamard_halves must be None, False or True, got {halves!r}")
+    halves = not split if halves is None else halves
     args = [kv, index_k, cos.astype(F32), sin.astype(F32), slot_mapping.astype(jnp.int32),
             kv_norm_w.astype(F32), k_norm_w.astype(F32), k_norm_b.astype(F32)]
     if hadamard:
-        args.append(jnp.asarray(hadamard_matrix(di), dot_dtype))
+        args.append(jnp.asarray(hadamard_matrix(di // 2 if halves else di), dot_dtype))
     n_in = len(args)
     args += [kv_cache, index_cache]
     kernel = functools.partial(
         _kv_insert_kernel, T=t, BT=bt, lat=lat, rd=rd, di=di, eps=eps, dtype=dt, kv_fmt=kv_format,
         idx_fmt=index_format, ilv=indexer_interleave, hadamard=hadamard, dot_dtype=dot_dtype, interpret=interpret,
-        split=split, pairs_in_registers=in_registers)
+        split=split, pairs_in_registers=in_registers, halves=halves)
     out_shape = (jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
                  jax.ShapeDtypeStruct(index_cache.shape, index_cache.dtype))
     grid = (pl.cdiv(t, bt), 2) if split else (pl.cdiv(t, bt),)
@@ -270,29 +295,30 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
         tok, ok, tc, hc = rows(HiP, Hi)
         r = BT * HiP
 
-        # each element loaded once, the rope pairs found in registers (``rope_row_block``)
-        ci = C.iota((1, di), 1)
-        x = C.load(iq_ref, (tc, hc, ci), (r, di)).astype(F32)
+        # each element loaded once, the rope pairs found in registers (``rope_row_block``); the rows as two
+        # halves, the rope in the first (``fused_insert_common.hadamard_halves``)
+        half = di // 2
+        cols = (C.iota((1, half), 1), half + C.iota((1, half), 1))
+        xa, xb = (C.load(iq_ref, (tc, hc, c), (r, half)).astype(F32) for c in cols)
 
         def cos_sin_at(f: jax.Array) -> tuple[jax.Array, jax.Array]:
             return C.cos_sin(cos_ref, sin_ref, tc, f, (r, f.shape[1]), pid, T, BT)
 
-        k = C.rope_row_block(x, cos_sin_at, rd, ilv).astype(dtype)
+        ks = (C.rope_row_block(xa, cos_sin_at, rd, ilv).astype(dtype), xb.astype(dtype))
         if hadamard:
-            kk = jax.lax.dot(k.astype(dot_dtype), h_ref[...], precision=jax.lax.Precision.HIGHEST,
-                             preferred_element_type=F32)
-            k = (kk * np.float32(di ** -0.5)).astype(dtype)
+            ks = C.hadamard_halves(*ks, h_ref, dot_dtype, dtype)
         w = C.load(iw_ref, (tc, hc), (r, 1)).astype(F32)
         wf = w * (di ** -0.5) * (Hi ** -0.5)
         tok_s = jnp.where(ok, tok, T)
         if fp8:
-            kf = k.astype(F32)
-            s, inv, _ = ue8m0_scale_bits(jnp.max(jnp.abs(kf), axis=-1, keepdims=True))
-            qv = C.to_e4m3(kf * inv, interpret)
+            kf = [k.astype(F32) for k in ks]
+            s, inv, _ = ue8m0_scale_bits(jnp.maximum(*(jnp.max(jnp.abs(k), axis=-1, keepdims=True) for k in kf)))
+            qv = [C.to_e4m3(k * inv, interpret) for k in kf]
             wf = wf * s
         else:
-            qv, s = k, jnp.ones((r, 1), F32)
-        C.store(iq_out, (tok_s, hc, ci), qv, ok)
+            qv, s = ks, jnp.ones((r, 1), F32)
+        for c, q in zip(cols, qv):
+            C.store(iq_out, (tok_s, hc, c), q, ok)
         C.store(is_out, (tok_s, hc), s, ok)
         C.store(iw_out, (tok_s, hc), wf, ok)
 
@@ -334,6 +360,7 @@ def _q_pallas(q, index_q, index_w, cos, sin, *, nope_dim, dtype, indexer_interle
     for name, n in (("rope dim", rd), ("indexer head dim", di)):
         if not C.is_pow2(n):
             raise Unsupported(f"fused_q_v32: {name} {n} is not a power of 2")
+    _check_indexer_dims("fused_q_v32", rd, di)
     hp, hip = C.next_pow2(h), C.next_pow2(hi)
     # tokens per program: >= 16 indexer rows (tl.dot's minimum M), at most ``rows_per_program`` rows
     bt = max(1, C.next_pow2(max(16, rows_per_program) // max(hp, hip)))
@@ -342,7 +369,7 @@ def _q_pallas(q, index_q, index_w, cos, sin, *, nope_dim, dtype, indexer_interle
     dot_dtype = F32 if (interpret or dt == F32) else jnp.bfloat16
     args = [q, index_q, index_w.astype(F32), cos.astype(F32), sin.astype(F32)]
     if hadamard:
-        args.append(jnp.asarray(hadamard_matrix(di), dot_dtype))
+        args.append(jnp.asarray(hadamard_matrix(di // 2), dot_dtype))  # ``hadamard_halves``
     split = C.split_phases(split, pl.cdiv(t, bt), "fused_q_v32")
     kernel = functools.partial(_q_kernel, T=t, BT=bt, H=h, HP=hp, Hi=hi, HiP=hip, nope=nope_dim, rd=rd, di=di,
                                dtype=dt, ilv=indexer_interleave, hadamard=hadamard, fp8=fp8, dot_dtype=dot_dtype,

@@ -224,12 +224,38 @@ def test_v32_split_phases(mode, t):
                                               err_msg=f"{fn.__name__} t={t} {form}")
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_v32_kv_insert_hadamard_halves(mode):
+    """The indexer key's Hadamard as two dots against H_64 ([a H + b H, a H - b H]) against one dot with H_128:
+    the same exact products, float32 sums in another order, so the records agree within one storage step (a
+    rounding flip at most), in both split forms; the MLA records byte for byte."""
+    t = 40
+    rng = np.random.default_rng(7)
+    cos, sin = rope_cos_sin(cached_inv_freqs(V32Config.tiny().rope, 64),
+                            jnp.asarray(rng.integers(0, 2000, t), jnp.int32))
+    kv_fmt, idx_fmt = MlaRecord656(16, "ue8m0"), IndexerRecord132(16)
+    slots = _slots(rng, t, 64)
+    args = (jnp.asarray(rng.normal(size=(t, 576)), BF16), jnp.asarray(rng.normal(size=(t, 128)) * 3, BF16),
+            cos, sin, jnp.asarray(slots), _noise_cache(rng, kv_fmt, 4), _noise_cache(rng, idx_fmt, 4),
+            jnp.ones(512, F32), jnp.asarray(1 + 0.1 * rng.normal(size=128), F32),
+            jnp.asarray(0.1 * rng.normal(size=128), F32))
+    for split in (False, True):
+        (kv1, ix1), (kv2, ix2) = (jax.jit(functools.partial(
+            fused_kv_insert_v32, kv_format=kv_fmt, index_format=idx_fmt, eps=1e-6, dtype=BF16,
+            indexer_interleave=False, hadamard=True, implementation="pallas", interpret=_interpret(mode),
+            split_phases=split, hadamard_halves=h))(*args) for h in (True, False))
+        np.testing.assert_array_equal(np.asarray(kv1), np.asarray(kv2), err_msg=f"MLA records, split={split}")
+        assert_cache_match(idx_fmt, ix1, ix2, slots, True, f"indexer records, split={split}")
+
+
 def test_v32_split_phases_rejects_unknown_forms() -> None:
     """Neither op takes a split form other than None / False / True: a ValueError naming the op."""
     from jds.bench.kernels_fused_insert import _cases
     (_, _, kv_fn, kv_static, kv_args, *_), (_, _, q_fn, q_static, q_args, *_), _ = _cases(False, (2,))
     with pytest.raises(ValueError, match="fused_kv_insert_v32: split_phases"):
         kv_fn(*kv_args, **kv_static, interpret=True, split_phases="kernels")
+    with pytest.raises(ValueError, match="fused_kv_insert_v32: hadamard_halves"):
+        kv_fn(*kv_args, **kv_static, interpret=True, hadamard_halves="auto")
     with pytest.raises(ValueError, match="fused_q_v32: split_phases"):
         q_fn(*q_args, **q_static, interpret=True, split_phases="programs")
 
