@@ -290,25 +290,28 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
         tok_out = jnp.where(ok, tok, T)
         C.store(qpe_out, (tok_out, hc, c), C.join_pairs(even.astype(dtype), odd.astype(dtype)), ok)
 
-    def indexer():
+    def indexer_inputs() -> tuple[jax.Array, ...]:
+        """The indexer q's DRAM inputs: its rows' halves, the rope's cos / sin and the head weights."""
+        _, _, tc, hc = rows(HiP, Hi)
+        r = BT * HiP
+        half = di // 2
+        f = C.rope_freqs(half, rd, ilv)
+        return (*(C.load(iq_ref, (tc, hc, g * half + C.iota((1, half), 1)), (r, half)) for g in range(2)),
+                *C.cos_sin(cos_ref, sin_ref, tc, f, (r, f.shape[1]), pid, T, BT), C.load(iw_ref, (tc, hc), (r, 1)))
+
+    def indexer(inputs: tuple[jax.Array, ...]) -> None:
         # ---- indexer q: RoPE (first rd dims) -> Hadamard -> per-head FP8 with the scale folded into w ----
         tok, ok, tc, hc = rows(HiP, Hi)
         r = BT * HiP
-
+        xa, xb, cs, sn, w = inputs
         # each element loaded once, the rope pairs found in registers (``rope_row_block``); the rows as two
         # halves, the rope in the first (``fused_insert_common.hadamard_halves``)
         half = di // 2
         cols = (C.iota((1, half), 1), half + C.iota((1, half), 1))
-        xa, xb = (C.load(iq_ref, (tc, hc, c), (r, half)).astype(F32) for c in cols)
-
-        def cos_sin_at(f: jax.Array) -> tuple[jax.Array, jax.Array]:
-            return C.cos_sin(cos_ref, sin_ref, tc, f, (r, f.shape[1]), pid, T, BT)
-
-        ks = (C.rope_row_block(xa, cos_sin_at, rd, ilv).astype(dtype), xb.astype(dtype))
+        ks = (C.rope_row_block(xa.astype(F32), lambda _: (cs, sn), rd, ilv).astype(dtype), xb.astype(dtype))
         if hadamard:
             ks = C.hadamard_halves(*ks, h_ref, dot_dtype, dtype)
-        w = C.load(iw_ref, (tc, hc), (r, 1)).astype(F32)
-        wf = w * (di ** -0.5) * (Hi ** -0.5)
+        wf = w.astype(F32) * (di ** -0.5) * (Hi ** -0.5)
         tok_s = jnp.where(ok, tok, T)
         if fp8:
             kf = [k.astype(F32) for k in ks]
@@ -322,9 +325,13 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
         C.store(is_out, (tok_s, hc), s, ok)
         C.store(iw_out, (tok_s, hc), wf, ok)
 
-    # unlike the kv insert, the indexer's loads stay after q_pe's stores: held across q_pe they took the native
-    # build from 128 to 138 registers (3 programs per SM, not 4), slower at T = 1024 and 8192 (docs/perf-log.md)
-    C.phases(split, q_pe, indexer)
+    if split:
+        C.phases(split, q_pe, lambda: indexer(indexer_inputs()))
+    else:  # the indexer's DRAM loads first: issued after q_pe's stores, they would wait behind them (with the
+        # Hadamard in halves the registers allow it: faster at T = 1 to 1024, 2% slower at 8192; docs/perf-log.md)
+        inputs = indexer_inputs()
+        q_pe()
+        indexer(inputs)
 
 
 def fused_q_v32(q, index_q, index_w, cos, sin, *, nope_dim: int, dtype, indexer_interleave: bool,
