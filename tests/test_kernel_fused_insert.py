@@ -10,8 +10,9 @@ reference; but whether CPU float code is bit-identical depends on the machine's 
 choices (an AVX2 machine showed one bf16 ulp in 40,960 elements). So the "tight" comparisons allow one step of
 the storage format (one bf16 ulp; one e4m3 step of the block scale for decoded FP8 records) on a small fraction
 of elements, never more. Looser tolerances remain for:
-* the Hadamard rotation: the kernel's [rows, 128] x H128 dot accumulates in a different order than the
-  reference einsum, so a bf16 rounding (and then an e4m3 byte) differs more often;
+* the Hadamard rotation: the kernel's dots (one against H128, or two against H64 and their sum and difference)
+  accumulate in a different order than the reference einsum, so a bf16 rounding (and then an e4m3 byte) differs
+  more often;
 * float32 activations: differences from reduction order / FMA contraction inside XLA CPU fusions.
 On the GPU every comparison uses the loose tolerances: Triton's reduction trees and FMA contraction differ from
 XLA's. Bytes the step does not write (other slots, padding tokens' slots) are compared exactly in every mode:
