@@ -140,7 +140,8 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
             kp = norm(pci, rope_in[0].astype(F32))
             ks[0] = C.rope_rows(ks[0].astype(F32), kp.astype(F32), *rope_in[1:], firsti, in_rope).astype(dtype)
         if hadamard:
-            ks = C.hadamard_halves(*ks, h_ref, dot_dtype, dtype) if halves else [C.hadamard(ks[0], h_ref, dot_dtype, dtype)]
+            ks = (C.hadamard_halves(*ks, h_ref, dot_dtype, dtype) if halves
+                  else [C.hadamard(ks[0], h_ref, dot_dtype, dtype)])
 
         iepp = idx_fmt.entries_per_page
         nbi = ix_out.shape[0]

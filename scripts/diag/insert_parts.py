@@ -5,13 +5,13 @@ timeline.
 
 Why: at one token the two V3.2 kernels take several times V4's insert's device time, and at T >= 1024 they stay
 below the share of the copy bandwidth that V4's reaches (docs/perf-log.md, twenty-second session).
-Variants: ``split`` / ``unsplit``, each kernel's parts (MLA / indexer) in their own programs or not (``split_phases``);
-``btN``: the kv insert at N tokens per program (``block_tokens``); ``pairs_loads`` / ``pairs_registers``: its
-indexer key's rope partners loaded again or found in registers (``rope_pairs``); ``halves`` / ``one_dot``: its
-indexer key's Hadamard as two dots against H_64 or one against H_128 (``hadamard_halves``); ``w8``: 8 warps per program;
-``q_rows256`` (``_w8``): the fused q at two tokens per program (half the programs: T = 1024's 1024 one-token
-programs are two waves at the 4 a SM its registers allow); ``no_hadamard``, not the model's numerics, says what the indexer's Hadamard (a tl.dot against a 128 x 128
-matrix every program loads) costs. The copy row (``a + 1`` on float32, half the case's bytes: read + written =
+Variants: ``split`` / ``unsplit``, each kernel's parts (MLA / indexer) in their own programs or not
+(``split_phases``); ``btN``: the kv insert at N tokens per program (``block_tokens``); ``pairs_loads`` /
+``pairs_registers``: its indexer key's rope partners loaded again or found in registers (``rope_pairs``);
+``halves`` / ``one_dot``: its indexer key's Hadamard as two dots against H_64 or one against H_128
+(``hadamard_halves``); ``w8``: 8 warps per program; ``q_rows256`` (``_w8``): the fused q at two tokens per
+program (half the programs); ``no_hadamard``, not the model's numerics, says what the indexer's Hadamard
+costs. The copy row (``a + 1`` on float32, half the case's bytes: read + written =
 the case's bytes; a uint8 array copies far slower) is the same-size ceiling: a small call sits at its launch
 and latency floor, which the one large copy of ``measure_ceilings`` does not show.
 """
