@@ -225,37 +225,11 @@ def test_v32_split_phases(mode, t):
                                               err_msg=f"{fn.__name__} t={t} {form}")
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_v32_kv_insert_hadamard_halves(mode):
-    """The indexer key's Hadamard as two dots against H_64 ([a H + b H, a H - b H]) against one dot with H_128:
-    the same exact products, float32 sums in another order, so the records agree within one storage step (a
-    rounding flip at most), in both split forms; the MLA records byte for byte."""
+def _kv_insert_forms(mode: str, seed: int, forms: list[dict]) -> tuple[np.ndarray, list[tuple[jax.Array, ...]]]:
+    """(slots, the kv insert's (kv cache, index cache) per form) on one random 40-token step: real dims, noisy
+    caches, the default static arguments plus each form's keyword arguments."""
     t = 40
-    rng = np.random.default_rng(7)
-    cos, sin = rope_cos_sin(cached_inv_freqs(V32Config.tiny().rope, 64),
-                            jnp.asarray(rng.integers(0, 2000, t), jnp.int32))
-    kv_fmt, idx_fmt = MlaRecord656(16, "ue8m0"), IndexerRecord132(16)
-    slots = _slots(rng, t, 64)
-    args = (jnp.asarray(rng.normal(size=(t, 576)), BF16), jnp.asarray(rng.normal(size=(t, 128)) * 3, BF16),
-            cos, sin, jnp.asarray(slots), _noise_cache(rng, kv_fmt, 4), _noise_cache(rng, idx_fmt, 4),
-            jnp.ones(512, F32), jnp.asarray(1 + 0.1 * rng.normal(size=128), F32),
-            jnp.asarray(0.1 * rng.normal(size=128), F32))
-    for split in (False, True):
-        (kv1, ix1), (kv2, ix2) = (jax.jit(functools.partial(
-            fused_kv_insert_v32, kv_format=kv_fmt, index_format=idx_fmt, eps=1e-6, dtype=BF16,
-            indexer_interleave=False, hadamard=True, implementation="pallas", interpret=_interpret(mode),
-            split_phases=split, hadamard_halves=h))(*args) for h in (True, False))
-        np.testing.assert_array_equal(np.asarray(kv1), np.asarray(kv2), err_msg=f"MLA records, split={split}")
-        assert_cache_match(idx_fmt, ix1, ix2, slots, True, f"indexer records, split={split}")
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("block_tokens", [8, 32])
-def test_v32_kv_insert_block_tokens(mode, block_tokens):
-    """Programs of 8 tokens (the indexer dot then has fewer rows than tl.dot's 16) or 32 write what 16-token
-    programs write: each row's math is the same, so the records agree within one storage step, split or not."""
-    t = 40
-    rng = np.random.default_rng(11)
+    rng = np.random.default_rng(seed)
     cos, sin = rope_cos_sin(cached_inv_freqs(V32Config.tiny().rope, 64),
                             jnp.asarray(rng.integers(0, 2000, t), jnp.int32))
     kv_fmt, idx_fmt = MlaRecord656(16, "ue8m0"), IndexerRecord132(16)
@@ -264,13 +238,33 @@ def test_v32_kv_insert_block_tokens(mode, block_tokens):
             cos, sin, jnp.asarray(slots), _noise_cache(rng, kv_fmt, 4), _noise_cache(rng, idx_fmt, 4),
             jnp.asarray(1 + 0.1 * rng.normal(size=512), F32), jnp.asarray(1 + 0.1 * rng.normal(size=128), F32),
             jnp.asarray(0.1 * rng.normal(size=128), F32))
+    return slots, [jax.jit(functools.partial(
+        fused_kv_insert_v32, kv_format=kv_fmt, index_format=idx_fmt, eps=1e-6, dtype=BF16, indexer_interleave=False,
+        hadamard=True, implementation="pallas", interpret=_interpret(mode), **form))(*args) for form in forms]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_v32_kv_insert_hadamard_halves(mode):
+    """The indexer key's Hadamard as two dots against H_64 ([a H + b H, a H - b H]) against one dot with H_128:
+    the same exact products, float32 sums in another order, so the records agree within one storage step (a
+    rounding flip at most), in both split forms; the MLA records byte for byte."""
     for split in (False, True):
-        (kv1, ix1), (kv2, ix2) = (jax.jit(functools.partial(
-            fused_kv_insert_v32, kv_format=kv_fmt, index_format=idx_fmt, eps=1e-6, dtype=BF16,
-            indexer_interleave=False, hadamard=True, implementation="pallas", interpret=_interpret(mode),
-            split_phases=split, block_tokens=bt))(*args) for bt in (block_tokens, 16))
-        assert_cache_match(kv_fmt, kv1, kv2, slots, True, f"MLA records, split={split}")
-        assert_cache_match(idx_fmt, ix1, ix2, slots, True, f"indexer records, split={split}")
+        slots, ((kv1, ix1), (kv2, ix2)) = _kv_insert_forms(
+            mode, 7, [dict(split_phases=split, hadamard_halves=h) for h in (True, False)])
+        np.testing.assert_array_equal(np.asarray(kv1), np.asarray(kv2), err_msg=f"MLA records, split={split}")
+        assert_cache_match(IndexerRecord132(16), ix1, ix2, slots, True, f"indexer records, split={split}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("block_tokens", [8, 32])
+def test_v32_kv_insert_block_tokens(mode, block_tokens):
+    """Programs of 8 tokens (the indexer dot then has fewer rows than tl.dot's 16) or 32 write what 16-token
+    programs write: each row's math is the same, so the records agree within one storage step, split or not."""
+    for split in (False, True):
+        slots, ((kv1, ix1), (kv2, ix2)) = _kv_insert_forms(
+            mode, 11, [dict(split_phases=split, block_tokens=bt) for bt in (block_tokens, 16)])
+        assert_cache_match(MlaRecord656(16, "ue8m0"), kv1, kv2, slots, True, f"MLA records, split={split}")
+        assert_cache_match(IndexerRecord132(16), ix1, ix2, slots, True, f"indexer records, split={split}")
 
 
 def test_v32_split_phases_rejects_unknown_forms() -> None:
