@@ -809,9 +809,10 @@ def _build_swapped_call(*, mr: int, n: int, k: int, bn: int, splits: int, stages
     warpgroup: its 64 rows lie in one 128-row block) times the rows' activation scales (a vector along the
     accumulator's columns). ``stage_scales``: a CTA's scales are staged by TMA before the pipeline (sx^T [kps, mr]
     and the ``SW_ROWS`` weight-scale rows holding its tile's), else each K block's load from GMEM (L2). Output:
-    one split's tile in out_dtype, or fp32 partials that XLA sums; ``rows_out`` = M > 0: y [M, N] itself ([splits, M, N]), each real row taken out of the
-    accumulator's columns by a masked row sum and stored as 64 contiguous values (no transposing kernel after the
-    call; M cheap reductions for small M only); 0: y^T [N, mr] from registers, which the wrapper transposes."""
+    one split's tile in out_dtype, or fp32 partials that XLA sums; ``rows_out`` = M > 0: y [M, N] itself
+    ([splits, M, N]), each real row taken out of the accumulator's columns by a masked row sum and stored as 64
+    contiguous values (no transposing kernel after the call; M cheap reductions for small M only); 0: y^T [N, mr]
+    from registers, which the wrapper transposes."""
     nk = k // BLOCK
     kps = nk // splits
     n_tiles = n // bn

@@ -228,10 +228,13 @@ def rope_row_block(x: jax.Array, cos_sin_at: Callable[[jax.Array], tuple[jax.Arr
     return jnp.swapaxes(out, 2, 3).reshape(r, width)
 
 
+def _dot_f32(x: jax.Array, h: jax.Array, dot_dtype: Any) -> jax.Array:
+    return jax.lax.dot(x.astype(dot_dtype), h, precision=jax.lax.Precision.HIGHEST, preferred_element_type=F32)
+
+
 def hadamard(x: jax.Array, h_ref: Any, dot_dtype: Any, dtype: Any) -> jax.Array:
     """Rows ``x`` [rows, n] times the Sylvester H_n in ``h_ref``, scaled by n^-1/2 (jds.ops.hadamard): one dot."""
-    y = jax.lax.dot(x.astype(dot_dtype), h_ref[...], precision=jax.lax.Precision.HIGHEST, preferred_element_type=F32)
-    return (y * np.float32(x.shape[-1] ** -0.5)).astype(dtype)
+    return (_dot_f32(x, h_ref[...], dot_dtype) * np.float32(x.shape[-1] ** -0.5)).astype(dtype)
 
 
 def hadamard_halves(a: jax.Array, b: jax.Array, h_ref: Any, dot_dtype: Any, dtype: Any) -> tuple[jax.Array, jax.Array]:
@@ -241,8 +244,7 @@ def hadamard_halves(a: jax.Array, b: jax.Array, h_ref: Any, dot_dtype: Any, dtyp
     matrix (a [16, 128] x H_128 dot loaded 32 KB per program for 4 KB of payload) and the tensor cores do half
     the work."""
     h = h_ref[...]
-    pa, pb = (jax.lax.dot(x.astype(dot_dtype), h, precision=jax.lax.Precision.HIGHEST, preferred_element_type=F32)
-              for x in (a, b))
+    pa, pb = (_dot_f32(x, h, dot_dtype) for x in (a, b))
     scale = np.float32((2 * a.shape[-1]) ** -0.5)
     return ((pa + pb) * scale).astype(dtype), ((pa - pb) * scale).astype(dtype)
 

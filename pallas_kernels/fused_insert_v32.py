@@ -177,11 +177,15 @@ def supports(latent_dim: int, rope_dim: int, index_head_dim: int) -> bool:
     as two halves (``fused_insert_common.hadamard_halves``), the rope in the first: rope_dim <= index_head_dim / 2,
     and halves of at least 16 columns (tl.dot's smallest K)."""
     return (all(C.is_pow2(n) for n in (latent_dim, rope_dim, index_head_dim))
-            and rope_dim <= index_head_dim // 2 and index_head_dim >= 32)
+            and _indexer_halves_fit(rope_dim, index_head_dim))
+
+
+def _indexer_halves_fit(rd: int, di: int) -> bool:
+    return rd <= di // 2 and di >= 32
 
 
 def _check_indexer_dims(op: str, rd: int, di: int) -> None:
-    if rd > di // 2 or di < 32:
+    if not _indexer_halves_fit(rd, di):
         raise Unsupported(f"{op}: the indexer rows run as halves with the rope in the first: rope dim {rd} must be "
                           f"at most half the indexer head dim {di}, which must be at least 32")
 

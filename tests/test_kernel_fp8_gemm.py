@@ -228,7 +228,8 @@ def test_swap_ab_limits() -> None:
     SMEM beside the staged scales."""
     wq, ws = _weights(512, 512)
     for m, kw, field in [(129, {}, "128 rows"), (2, dict(block_n=256), "block_n"),
-                         (2, dict(quantize_x=True), "quantize_x"), (2, dict(stream_k=True), "stream_k"), (2, dict(block_m=64), "block_m"),
+                         (2, dict(quantize_x=True), "quantize_x"), (2, dict(stream_k=True), "stream_k"),
+                         (2, dict(block_m=64), "block_m"),
                          (2, dict(stage_scales=True, interpret=True), "stage_scales")]:
         with pytest.raises(Unsupported, match=field):
             G.fp8_linear(jnp.ones((m, 512), jnp.bfloat16), wq, ws, implementation="pallas", swap_ab=True, **kw)
