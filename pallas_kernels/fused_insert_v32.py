@@ -193,13 +193,13 @@ def _check_indexer_dims(op: str, rd: int, di: int) -> None:
 def fused_kv_insert_v32(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache, kv_norm_w, k_norm_w,
                         k_norm_b, *, kv_format: RecordFormat, index_format: RecordFormat, eps: float, dtype,
                         indexer_interleave: bool, hadamard: bool, implementation: Implementation = "pallas",
-                        interpret: bool | None = None, block_tokens: int = 16, num_warps: int = 4,
+                        interpret: bool | None = None, block_tokens: int | None = None, num_warps: int = 4,
                         split_phases: bool | None = None, rope_pairs: C.RopePairs = None,
                         hadamard_halves: bool | None = None):
     """Same inputs/outputs as ``fused_kv_insert_v32_reference``; returns (kv_cache, index_cache).
 
-    Tiles: ``block_tokens`` tokens per program, ``num_warps``; 4 warps were faster than 8 at T = 8192 on the
-    GPU timeline (``benchmarks/results/kernels_fused_insert_*.json``, rows with ``tiles``). ``split_phases``:
+    Tiles: ``block_tokens`` tokens per program (None: ``kv_block_tokens``), ``num_warps``; 4 warps were faster
+    than 8 at T = 8192 on the GPU timeline (``benchmarks/results/kernels_fused_insert_*.json``, rows with ``tiles``). ``split_phases``:
     the MLA record and the indexer key in separate programs (``fused_insert_common.phases``); None: where the
     grid is small (``fused_insert_common.split_phases``). ``rope_pairs``: the indexer key's rope partners found in
     registers ("registers") or loaded again ("loads"); None: by grid size (``rope_pairs_in_registers``).
@@ -221,6 +221,14 @@ def fused_kv_insert_v32(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cac
                                             halves=hadamard_halves)})
 
 
+def kv_block_tokens(t: int) -> int:
+    """The kv insert's default tokens per program: 16, or 8 where 8-token programs are more than
+    ``SPLIT_MAX_PROGRAMS`` (T > 2048), so that such a call runs unsplit (at T = 4096 the 16-token grid falls
+    under the split rule). On the H200 8 tokens were faster at T = 4096 and 16384, level at 8192, and slower at
+    2048 (benchmarks/results/archive/insert_parts_block_tokens_h200_2026-12-04.json)."""
+    return 8 if pl.cdiv(t, 8) > C.SPLIT_MAX_PROGRAMS else 16
+
+
 def _kv_insert_pallas(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache, kv_norm_w, k_norm_w, k_norm_b,
                       *, kv_format, index_format, eps, dtype, indexer_interleave, hadamard, interpret, block_tokens,
                       num_warps, split, rope_pairs=None, halves=None):
@@ -232,6 +240,7 @@ def _kv_insert_pallas(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache
     rd = 2 * cos.shape[-1]
     lat = width - rd
     di = index_k.shape[-1]
+    block_tokens = kv_block_tokens(t) if block_tokens is None else block_tokens
     for name, n in (("latent dim", lat), ("rope dim", rd), ("indexer head dim", di), ("block_tokens", block_tokens)):
         if not C.is_pow2(n):
             raise Unsupported(f"fused_kv_insert_v32: {name} {n} is not a power of 2")

@@ -515,17 +515,19 @@ def test_e4m3_codes_and_ptx() -> None:
     np.testing.assert_array_equal(perm[:32], np.r_[np.arange(0, 32, 2), np.arange(1, 32, 2)])
 
 
-@pytest.mark.parametrize("mode,group", [("interpret", None), ("interpret", 2),
-                                        pytest.param("interpret", 8, marks=pytest.mark.slow),
-                                        pytest.param("interpret", 1, marks=pytest.mark.slow),
-                                        pytest.param("native", None, marks=pytest.mark.gpu),
-                                        pytest.param("native", 8, marks=pytest.mark.gpu),
-                                        pytest.param("native", 2, marks=pytest.mark.gpu)])
-def test_fp8_route_exact_bit_equal(mode: str, group: int | None) -> None:
+@pytest.mark.parametrize("mode,group,block_k", [("interpret", None, 256), ("interpret", 2, 256),
+                                                pytest.param("interpret", 8, 256, marks=pytest.mark.slow),
+                                                pytest.param("interpret", 1, 256, marks=pytest.mark.slow),
+                                                pytest.param("native", None, 256, marks=pytest.mark.gpu),
+                                                pytest.param("native", 8, 256, marks=pytest.mark.gpu),
+                                                pytest.param("native", 2, 256, marks=pytest.mark.gpu),
+                                                pytest.param("native", None, 512, marks=pytest.mark.gpu)])
+def test_fp8_route_exact_bit_equal(mode: str, group: int | None, block_k: int) -> None:
     """Exact data (integer x, scale 1; weights on a 1/4 grid): every block sum is exact even in the fp8 wgmma's
     accumulator, so kernel == float64 reference == XLA path, bit for bit; plus an impulse of x per 128-block
     scale (x = 2^j on block j) to pin which x scale multiplies which columns. ``group``: MMAs per wait (8: a
-    wait spans two x-scale blocks; 2: four groups, each converted during the previous one's MMAs)."""
+    wait spans two x-scale blocks; 2: four groups, each converted during the previous one's MMAs). block_k 512
+    (natively): a step's 16 scale columns read as four 32-bit words per row (``_scale_words``)."""
     interpret = interpret_for(mode)
     sizes = [2, 0, 9, 1]
     x, sz, wp, ws = exact_case(sizes, 128, 1024, seed=3)
@@ -533,7 +535,7 @@ def test_fp8_route_exact_bit_equal(mode: str, group: int | None) -> None:
     xq, sx, xf = quantized(x)
     assert np.array_equal(np.asarray(xf), np.asarray(x, np.float32))
     got = G.fp4_grouped_linear(xq, sz, wp, ws, out_dtype=jnp.float32, implementation="pallas", interpret=interpret,
-                               x_scale=sx, block_k=256, mma_group=group)
+                               x_scale=sx, block_k=block_k, mma_group=group)
     want = G.fp4_grouped_linear(xq, sz, wp, ws, out_dtype=jnp.float32, implementation="xla", x_scale=sx)
     ref, _ = reference(xf, sizes, wp, ws)
     np.testing.assert_array_equal(np.asarray(got, np.float64), ref)

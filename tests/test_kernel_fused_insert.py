@@ -267,6 +267,15 @@ def test_v32_kv_insert_block_tokens(mode, block_tokens):
         assert_cache_match(IndexerRecord132(16), ix1, ix2, slots, True, f"indexer records, split={split}")
 
 
+def test_v32_kv_block_tokens_default() -> None:
+    """block_tokens=None: 16 tokens per program up to T = 2048, 8 beyond, where 8-token grids exceed the split
+    rule's program count and run unsplit."""
+    from pallas_kernels import fused_insert_common as C
+    from pallas_kernels.fused_insert_v32 import kv_block_tokens
+    assert [kv_block_tokens(t) for t in (1, 64, 1024, 2048, 2049, 4096, 16384)] == [16, 16, 16, 16, 8, 8, 8]
+    assert all(not C.split_phases(None, -(-t // kv_block_tokens(t)), "x") for t in (2049, 4096, 8192))
+
+
 def test_v32_split_phases_rejects_unknown_forms() -> None:
     """Neither op takes a split form other than None / False / True: a ValueError naming the op."""
     from jds.bench.kernels_fused_insert import _cases

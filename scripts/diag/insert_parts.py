@@ -32,6 +32,7 @@ from jds.bench.timing import CAPTURED_OPTIONS, measure_ceilings, profiled_device
 KERNELS = ("v32_kv_insert", "v32_fused_q", "v4_qnorm_rope_kv_insert")
 VARIANTS = {"default": {}, "no_hadamard": {"hadamard": False}, "split": {"split_phases": True},
             "unsplit": {"split_phases": False}, "bt4": {"block_tokens": 4}, "bt8": {"block_tokens": 8},
+            "bt16": {"block_tokens": 16},
             "bt32": {"block_tokens": 32}, "pairs_loads": {"rope_pairs": "loads"},
             "pairs_registers": {"rope_pairs": "registers"}, "bt32_loads": {"block_tokens": 32, "rope_pairs": "loads"},
             "w8": {"num_warps": 8}, "q_rows256": {"rows_per_program": 256},
