@@ -828,7 +828,7 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
                 One division by the dynamic item count per unit, the rest by constants: ``nd_loop``'s remainder and
                 quotient by the unit count and two more divisions by the item count (Mosaic emits each as a
                 reciprocal-based sequence every warp runs) made the call 3% slower at 1 token
-                (benchmarks/results/fp4_tiles_time_h200_2026-12-04.json)."""
+                (benchmarks/results/archive/fp4_tiles_time_h200_2026-12-04_twentyeighth.json)."""
                 u = cta + j * ctas
                 q = u // n_items
                 item = u - q * n_items
