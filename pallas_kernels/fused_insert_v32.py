@@ -199,10 +199,11 @@ def fused_kv_insert_v32(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cac
     """Same inputs/outputs as ``fused_kv_insert_v32_reference``; returns (kv_cache, index_cache).
 
     Tiles: ``block_tokens`` tokens per program (None: ``kv_block_tokens``), ``num_warps``; 4 warps were faster
-    than 8 at T = 8192 on the GPU timeline (``benchmarks/results/kernels_fused_insert_*.json``, rows with ``tiles``). ``split_phases``:
-    the MLA record and the indexer key in separate programs (``fused_insert_common.phases``); None: where the
-    grid is small (``fused_insert_common.split_phases``). ``rope_pairs``: the indexer key's rope partners found in
-    registers ("registers") or loaded again ("loads"); None: by grid size (``rope_pairs_in_registers``).
+    than 2 or 8 on the GPU timeline (``benchmarks/results/archive/insert_parts_warps_h200_2026-12-04.json``).
+    ``split_phases``: the MLA record and the indexer key in separate programs (``fused_insert_common.phases``);
+    None: where the grid is small (``fused_insert_common.split_phases``). ``rope_pairs``: the indexer key's rope
+    partners found in registers ("registers") or loaded again ("loads"); None: by grid size
+    (``rope_pairs_in_registers``).
     ``hadamard_halves``: the indexer key as two halves with the Hadamard by ``fused_insert_common.hadamard_halves``
     (a quarter of the matrix per program), or as one row and one dot; None: halves where the parts are not split
     (a large grid, where every program's load of the matrix counts), one dot where they are (the halves' second
