@@ -43,6 +43,7 @@
 #   scripts/gpu_session.sh insert-regs   # issue 20: the inserts' registers / shared memory as the GPU build compiles them
 #   scripts/gpu_session.sh q-rows        # issue 20: the fused q at two tokens per program (T = 1024 in one wave)
 #   scripts/gpu_session.sh fp4-regions   # issue 22: the FP4 kernel's named regions per warpgroup at 1 and 8 tokens (profiler)
+#   scripts/gpu_session.sh mosaic-ptx    # a Mosaic kernel's PTX (default: FP4 w2, 1 token) for scripts/diag/mosaic_sass.py
 #   scripts/gpu_session.sh fused-layout  # issues 22 / 19: layout "fused", w1 + w3 in one FP4 call, 4-deep rings (tests, timeline, ncu)
 #   scripts/gpu_session.sh fp8-192       # issue 19: the FP8 GEMM's 192-wide tiles (q_b at 128 rows in one wave), tests then ncu sweep
 #   scripts/gpu_session.sh qb-floor      # issue 19: q_b's weight stream alone (no MMA) against the GEMM, ring depths (ncu)
@@ -267,6 +268,15 @@ case "$stage" in
       --rotations 4 --out "$OUT/fp4_tiles_time_fused_h200.json" > "$OUT/fused_time.log" 2>&1
     echo "fp4 fused timing rc=$?"
     FP8GSWEEP_VARIANTS='[{}, {"layout": "fused"}]' SWEEP_CASES=${SWEEP_CASES:-'w1:1 w1:8 w2:8'} bash "$0" ncu-fp8gsweep
+    ;;
+  mosaic-ptx)
+    # the PTX (and ptxas -v) of every Mosaic GPU kernel the command compiles, copied to $OUT/mosaic_ptx (the dump
+    # directory also gets a large MLIR pass log, left behind); read it here with scripts/diag/mosaic_sass.py
+    D=$(mktemp -d); mkdir -p "$OUT/mosaic_ptx"
+    CMD=${MOSAIC_PTX_CMD:-"python3 scripts/diag/fp4_tiles_time.py --cases w2:1 --variants '[{}]' --rotations 1"}
+    MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$D" eval timeout -k 10 ${MPTX_TIMEOUT:-150} "$CMD" \
+      > "$OUT/mosaic_ptx.log" 2>&1; echo "mosaic-ptx rc=$?"
+    cp "$D"/*.ptx "$D"/*.ptxas "$OUT/mosaic_ptx/" 2>/dev/null; ls "$OUT/mosaic_ptx"
     ;;
   fp4-regions)
     # issue 22 (twenty-fourth session, built untested): the FP4 kernel's named regions per warpgroup (Mosaic GPU's

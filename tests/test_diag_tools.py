@@ -94,3 +94,28 @@ def test_fp8_region_phases():
         assert got[f"gap/wg{wg}"] == pytest.approx(0.5) and got[f"tail/wg{wg}"] == pytest.approx(4.0)
         assert got[f"store/wg{wg}"] == pytest.approx(1.0) and got[f"span/wg{wg}"] == pytest.approx(10.0)
     assert not any(k.endswith("wg2") for k in got)
+
+
+def test_mosaic_sass_parsing():
+    """scripts/diag/mosaic_sass.py's reading of a ``cuobjdump -sass`` listing: instructions with their line numbers
+    (predicates skipped, encoding-only lines ignored), the histogram by base opcode, the stretches between two
+    opcodes and a line range."""
+    spec = importlib.util.spec_from_file_location("mosaic_sass", ROOT / "scripts/diag/mosaic_sass.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sass = "\n".join([
+        "        Function : kernel_mosaic_gpu_kernel",
+        "        /*0000*/                   LDS.128 R108, [R15+UR12+0x12480] ;   /* 0x0000000c0f6c7984 */",
+        "                                                                        /* 0x000e280008000c00 */",
+        "        /*0010*/                   LOP3.LUT R17, R17, 0x1c1c1c1c, RZ, 0xc0, !PT ;",
+        "        /*0020*/              @!P0 BRA 0x30 ;",
+        "        /*0030*/                   QGMMA.64x8x32.F32.E4M3.E4M3 R88, R72, gdesc[UR8], RZ, !UPT, gsb0 ;",
+        "        /*0040*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;",
+        "        /*0050*/                   LOP3.LUT R18, R18, 0x80808080, R21, 0xf8, !PT ;"])
+    ops = mod.opcodes(sass)
+    assert [op for _, op in ops] == ["LDS.128", "LOP3.LUT", "BRA", "QGMMA.64x8x32.F32.E4M3.E4M3",
+                                     "BAR.SYNC.DEFER_BLOCKING", "LOP3.LUT"]
+    assert ops[0][0] == 2 and ops[1][0] == 4
+    assert mod.histogram(ops) == {"LOP3": 2, "LDS": 1, "BRA": 1, "QGMMA": 1, "BAR": 1}
+    assert [len(s) for s in mod.stretches(ops, "LDS.128", "BAR")] == [4]
+    assert [op for _, op in mod.opcodes(sass, (4, 6))] == ["LOP3.LUT", "BRA", "QGMMA.64x8x32.F32.E4M3.E4M3"]
