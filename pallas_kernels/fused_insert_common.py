@@ -114,6 +114,18 @@ def phases(split: bool, *parts: Callable[[], None]) -> None:
         pl.when(ph == i)(f)
 
 
+def phases_loads_first(split: bool, first: Callable[[], None], loads: Callable[[], Any],
+                       second: Callable[[Any], None]) -> None:
+    """Two parts as ``phases``; where they share a program, the second part's DRAM loads (``loads()``, handed to
+    ``second``) are issued before the first part: after its stores they would wait behind them."""
+    if split:
+        phases(True, first, lambda: second(loads()))
+        return
+    inputs = loads()
+    first()
+    second(inputs)
+
+
 def iota(shape: tuple[int, ...], dim: int) -> jax.Array:
     return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
 

@@ -163,12 +163,7 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
             for c, k in zip(icols, ks):
                 C.store(ix_out, (pagei, ji * idx_fmt.dim + c), k.astype(ix_out.dtype), ok)
 
-    if split:
-        C.phases(split, mla, lambda: indexer(indexer_inputs()))
-    else:  # the indexer's DRAM loads first: issued after the MLA record's stores, they would wait behind them
-        inputs = indexer_inputs()
-        mla()
-        indexer(inputs)
+    C.phases_loads_first(split, mla, indexer_inputs, indexer)
 
 
 def supports(latent_dim: int, rope_dim: int, index_head_dim: int) -> bool:
@@ -340,13 +335,9 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
         C.store(is_out, (tok_s, hc), s, ok)
         C.store(iw_out, (tok_s, hc), wf, ok)
 
-    if split:
-        C.phases(split, q_pe, lambda: indexer(indexer_inputs()))
-    else:  # the indexer's DRAM loads first: issued after q_pe's stores, they would wait behind them (with the
-        # Hadamard in halves the registers allow it: faster at T = 1 to 1024, 2% slower at 8192; docs/perf-log.md)
-        inputs = indexer_inputs()
-        q_pe()
-        indexer(inputs)
+    # the indexer's loads ahead of q_pe where they share a program (with the Hadamard in halves the registers allow
+    # it: faster at T = 1 to 1024, 2% slower at 8192; docs/perf-log.md)
+    C.phases_loads_first(split, q_pe, indexer_inputs, indexer)
 
 
 def fused_q_v32(q, index_q, index_w, cos, sin, *, nope_dim: int, dtype, indexer_interleave: bool,
