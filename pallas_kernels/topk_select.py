@@ -272,12 +272,23 @@ def _row_keys(x_ref, row, n: int) -> Callable[[jax.Array, int], tuple[jax.Array,
 
 
 def _sample_pivot(x_ref, row, n: int, k: int, cfg: TopkSelectConfig) -> jax.Array:
-    """u of the prefilter's pivot: the ``_sample_rank``-th largest key of ``cfg.sample`` evenly spaced keys."""
+    """u of the prefilter's pivot: the ``_sample_rank``-th largest key of ``cfg.sample`` evenly spaced keys.
+
+    With ``pivot_bits`` < 32 that key is resolved only to its bucket, and the pivot is the smallest sampled key
+    in the bucket or above its floor: still at most the exact rank's key (so no fewer candidates), and always a
+    key of the row. Why: a short row's sampled pivot is its -inf tail, and the "pivot is tau" path needs the
+    pivot to be that value. The bucket's floor lies below -inf, every -inf key counted as above it, and such
+    a row streamed its whole length through the counting passes instead (the H200's mixed select batches:
+    benchmarks/results/kernels_select_h200_2026-12-04.json)."""
     s_n = cfg.sample
     scol = lax.div(C.iota((1, s_n), 1) * n, s_n)  # evenly spaced, distinct (s_n <= n)
     xs = lax.bitcast_convert_type(C.load(x_ref, (row, scol), (1, s_n)), I32)
     xs = jnp.where(xs < 0, xs ^ 0x7FFFFFFF, xs)
-    return _kth_key([(1, lambda b: (xs, scol))], _sample_rank(n, k, s_n), cfg.bits, s_n, cfg.pivot_bits)[0]
+    floor_u = _kth_key([(1, lambda b: (xs, scol))], _sample_rank(n, k, s_n), cfg.bits, s_n, cfg.pivot_bits)[0]
+    if cfg.pivot_bits == 32:
+        return floor_u
+    floor_s = floor_u ^ _SIGN
+    return jnp.min(jnp.where(xs >= floor_s, xs, jnp.iinfo(jnp.int32).max)) ^ _SIGN
 
 
 def _scatter(ref, row, t: int, slot: jax.Array, val: jax.Array, ok: jax.Array) -> None:

@@ -641,6 +641,25 @@ def _mqa_fixed_cost(d: dict) -> list[str]:
             f"({pts}); least-squares fit: " + "; ".join(fits) + "."]
 
 
+def _topk_mixed(d: dict) -> list[str]:
+    """scripts/diag/topk_mixed.py: the default decode select on full and mixed batches per variant (GPU timeline),
+    its top-k kernels' share, and the top-k paths the batch's rows took."""
+    by: dict[str, dict[str, dict]] = {}
+    for r in d.get("rows", []):
+        by.setdefault(r["case"], {})[r.get("variant", "")] = r
+    names = list(dict.fromkeys(r.get("variant", "") for r in d.get("rows", [])))
+    topk = lambda r: sum(v for k, v in (r.get("profile_kernel_us") or {}).items() if k.startswith("topk"))  # noqa: E731
+    paths = lambda r: ", ".join(f"{k} {v}" for k, v in (r.get("paths") or {}).items()) or "—"  # noqa: E731
+    body = [[case] + [_fmt(per.get(n, {}).get("profile_span_us"), 1) for n in names]
+            + [_fmt(topk(per[n]), 1) if n in per else "—" for n in names]
+            + [paths(per[n]) if n in per else "—" for n in names] for case, per in by.items()]
+    return ["Decode select (paged logits + top-2048, `topk_algorithm=\"auto\"`), device µs per call (GPU timeline), "
+            "full batches and mixed ones (`_mixed1000`: one request of 1000 tokens among full-length ones); the "
+            "top-k's kernels alone; the top-k path of the batch's rows:", ""] + \
+        _table(["case"] + [f"{n} µs" for n in names] + [f"{n} top-k kernels µs" for n in names]
+               + [f"{n} paths" for n in names], body)
+
+
 def _kernels(d: dict) -> list[str]:
     return _kernel_rows(d) + _topk_rows(d)
 
@@ -668,6 +687,7 @@ RENDERERS: list[tuple[Callable[[str, dict], bool], Callable[[dict], list[str]]]]
     (lambda b, d: b.startswith("insert_parts"), _insert_parts),
     (lambda b, d: b.startswith(("fp4_tiles_time", "fp8_tiles_time")), _tiles_time),
     (lambda b, d: b.startswith("mqa_fixed_cost"), _mqa_fixed_cost),
+    (lambda b, d: b.startswith("topk_mixed"), _topk_mixed),
     (lambda b, d: b.startswith("kernels"), _kernels),
 ]
 

@@ -1,0 +1,67 @@
+"""The indexer's decode select (paged logits + top-k, the default ``topk_algorithm="auto"``) on full batches and on
+mixed ones (one request of 1000 tokens among full-length ones), GPU timeline per kernel, and the top-k's path
+per row. Issue 20 asks that a mixed batch be no slower than a full one.
+
+    python3 scripts/diag/topk_mixed.py --shapes 16x32768 16x131072 64x32768 64x131072 --out OUT/topk_mixed.json
+
+Each row: device µs per call (``profile_span_us``), each kernel's median (``profile_kernel_us``: the logits
+kernel, the top-k's fill and finish kernels), and the top-k paths of the batch's rows (``paths``: counts of
+``topk_select.PATHS``, from ``select_unsorted`` on the same logits with the indexer's config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jds.bench import kernels_sparse_indexer as ksi
+from jds.bench.results import measured_row, save_rows
+from jds.bench.timing import profiled_device_us
+from jds.ops.records import IndexerRecord132
+from pallas_kernels import sparse_indexer as si
+from pallas_kernels.topk_select import PATHS, select_config_for, select_unsorted
+
+
+def _measure(b: int, c: int, short: int | None) -> dict:
+    fmt = IndexerRecord132(ksi.EPP)
+    config = si.IndexerKernelConfig(topk_algorithm="auto")
+    interpret = jax.default_backend() != "gpu"  # a CPU smoke run: interpret mode, no timeline
+    bt, cache, iq, iw, req = ksi._decode_inputs(jax.random.key(b * 7 + c), b, c)
+    vis = np.full(b, c) if short is None else np.r_[short, np.full(b - 1, c)]
+    nvis = jnp.asarray(vis, jnp.int32)
+
+    def select(iq, iw, cache, bt, req, nvis):
+        return si.indexer_topk_jit(iq, iw, cache, fmt, bt, req, nvis, ksi.K, "pallas", config, interpret)
+
+    r = profiled_device_us(select, iq, iw, cache, bt, req, nvis, calls=20, by_kernel=True)
+    q8, w8 = si.quantize_q(iq, iw)
+    logits = jax.jit(lambda *a: si.paged_logits(*a, entries_per_page=ksi.EPP, config=config, interpret=interpret))(
+        q8, w8, cache, bt, req, nvis)
+    paths = np.asarray(select_unsorted(logits, ksi.K, config=select_config_for(b, c),
+                                       interpret=interpret)[3])
+    return {"topk": si.resolve_topk_algorithm(b, c), "paths": dict(collections.Counter(PATHS[p] for p in paths)),
+            **r}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=["16x32768", "16x131072", "64x32768", "64x131072"])
+    ap.add_argument("--short", type=int, default=1000, help="the mixed batch's short request (tokens)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    rows: list[dict] = []
+    for shape in a.shapes:
+        b, c = (int(v) for v in shape.split("x"))
+        for short in (None, a.short):
+            row = {"case": f"select_b{b}_c{c}" + ("" if short is None else f"_mixed{short}")}
+            rows.append(measured_row(row, lambda: _measure(b, c, short)))
+            save_rows(a.out, rows, complete=False)
+    save_rows(a.out, rows, complete=True)
+
+
+if __name__ == "__main__":
+    main()
