@@ -279,7 +279,7 @@ def _sample_pivot(x_ref, row, n: int, k: int, cfg: TopkSelectConfig) -> jax.Arra
     key of the row. Why: a short row's sampled pivot is its -inf tail, and the "pivot is tau" path needs the
     pivot to be that value. The bucket's floor lies below -inf, every -inf key counted as above it, and such
     a row streamed its whole length through the counting passes instead (the H200's mixed select batches:
-    benchmarks/results/kernels_select_h200_2026-12-04.json)."""
+    benchmarks/results/archive/kernels_select_h200_2026-12-04_before_pivot_fix.json)."""
     s_n = cfg.sample
     scol = lax.div(C.iota((1, s_n), 1) * n, s_n)  # evenly spaced, distinct (s_n <= n)
     xs = lax.bitcast_convert_type(C.load(x_ref, (row, scol), (1, s_n)), I32)

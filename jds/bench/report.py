@@ -654,7 +654,7 @@ def _topk_mixed(d: dict) -> list[str]:
             + [_fmt(topk(per[n]), 1) if n in per else "—" for n in names]
             + [paths(per[n]) if n in per else "—" for n in names] for case, per in by.items()]
     return ["Decode select (paged logits + top-2048, `topk_algorithm=\"auto\"`), device µs per call (GPU timeline), "
-            "full batches and mixed ones (`_mixed1000`: one request of 1000 tokens among full-length ones); the "
+            "full batches and mixed ones (`_mixedN`: one request of N tokens among full-length ones); the "
             "top-k's kernels alone; the top-k path of the batch's rows:", ""] + \
         _table(["case"] + [f"{n} µs" for n in names] + [f"{n} top-k kernels µs" for n in names]
                + [f"{n} paths" for n in names], body)
