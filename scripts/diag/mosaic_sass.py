@@ -63,10 +63,11 @@ def stretches(ops: list[tuple[int, str]], start: str, end: str) -> list[list[tup
     return out
 
 
-def _bundled_tool(name: str) -> str:
-    import triton  # noqa: PLC0415 - only this tool needs pip triton
+def _triton_ptxas() -> str:
+    """The ptxas pip's triton uses (as ``fused_insert_common.compile_sm90_report`` finds it)."""
+    from triton.backends.nvidia import compiler as nvc  # noqa: PLC0415 - only this tool needs pip triton
 
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    return nvc.get_ptxas(90).path
 
 
 def assemble(ptx: str, *, arch: str, ptx_version: str, ptxas: str) -> tuple[str, str]:
@@ -95,7 +96,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the SASS listing here")
     a = ap.parse_args()
     with open(a.ptx) as f:
-        log, sass = assemble(f.read(), arch=a.arch, ptx_version=a.ptx_version, ptxas=a.ptxas or _bundled_tool("ptxas"))
+        log, sass = assemble(f.read(), arch=a.arch, ptx_version=a.ptx_version, ptxas=a.ptxas or _triton_ptxas())
     if a.out:
         with open(a.out, "w") as f:
             f.write(sass)
