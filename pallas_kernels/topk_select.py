@@ -297,22 +297,40 @@ def _scatter(ref, row, t: int, slot: jax.Array, val: jax.Array, ok: jax.Array) -
     C.store(ref, (jnp.where(ok, row, t), jnp.where(ok, slot, 0)), val, ok)
 
 
-def _fill(x_keys, first_block, n_blocks, piv, cap: int, width: int, strict: bool, put: Callable, unroll: int = 1
-          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+_NEG_INF_U = 0x007FFFFF  # u of -inf: below it only padding (u = 0) and no float
+
+
+def _strict_fill(piv_u: jax.Array) -> jax.Array:
+    """1 where the row's pivot is -inf, else 0: the prefilter then fills with the keys above -inf only.
+
+    Why: a sampled -inf pivot is a row whose sample is mostly -inf (a short request in a wide decode batch). Every
+    key is >= -inf, so a fill of keys >= pivot packs the buffers with the -inf tail, and where k or more finite
+    keys exist ("overflowed buffer") the counting passes streamed those buffers, the whole row's worth. Nothing is
+    lost by leaving -inf out: with fewer than k finite keys tau is -inf ("pivot is tau", which every key >= -inf
+    makes valid, the buffers overflowed or not) and the compaction reads the row; with k or more they are all
+    the candidates there are."""
+    return (piv_u == _NEG_INF_U).astype(I32)
+
+
+def _fill(x_keys, first_block, n_blocks, piv, cap: int, width: int, strict: bool | jax.Array, put: Callable,
+          unroll: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The prefilter's streaming pass over blocks ``first_block .. first_block + n_blocks - 1``: keys >= ``piv``
     (> with ``strict``) go in column order to buffer slots < ``cap`` (``put(slot, s, col, ok)``). Returns (keys
     kept or counted, keys > piv, keys > piv that landed in the buffer). Only the first count sets the next block's
     slots, so it is the one reduced across the CTA per block; the other two (read once, after the pass) are
     per-lane counters reduced at the end: two cross-warp reductions and their barriers fewer per block.
     ``unroll`` blocks are loaded per step before any is used; one past ``n_blocks`` (another split's, or past the
-    row) reads as keys below every pivot."""
+    row) reads as keys below every pivot. ``strict`` may be an int32 0 / 1 decided per row (``_strict_fill``):
+    then the fill keeps keys >= piv + strict, one compare a key either way."""
+    lo = piv + strict if isinstance(strict, jax.Array) else None
+
     def body(i, carry):
         filled, above, above_in = carry
         blocks = [x_keys(first_block + i * unroll + j, width) for j in range(unroll)]  # the loads first
         for j, (s, col) in enumerate(blocks):
             if unroll > 1:
                 s = jnp.where(i * unroll + j < n_blocks, s, _SIGN)
-            ki = ((s > piv) if strict else (s >= piv)).astype(I32)
+            ki = ((s >= lo) if lo is not None else (s > piv) if strict else (s >= piv)).astype(I32)
             slot = filled + jnp.cumsum(ki, axis=1) - ki
             ok = (ki == 1) & (slot < cap)
             put(slot, s, col, ok)
@@ -374,18 +392,20 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
             _scatter(bcol_ref, row, t, slot, col, ok)
 
         blocks = pl.cdiv(n, cfg.block)
-        filled, above, above_in = _fill(x_keys, 0, blocks, piv, cap, cfg.block, False, put, cfg.unroll)
+        strict = _strict_fill(piv_u)  # a -inf pivot: the keys above it alone
+        filled, above, above_in = _fill(x_keys, 0, blocks, piv, cap, cfg.block, strict, put, cfg.unroll)
         if not interpret:
             plt.debug_barrier()  # the buffer's stores -> its loads by other threads of the CTA
         # More than cap keys at or above the pivot: its value is shared by many keys (the -inf tail of a short
         # row, or a heavy tie). With k to cap keys above it, tau is above the pivot: if every one of them landed
         # in the buffer (a short row's finite head before its -inf tail) the buffer's cap keys hold every key
         # >= tau in column order and serve as they are; else a second pass fills the buffer with those alone.
-        # With fewer than k above it, the pivot is tau, and the row goes straight to the compaction.
+        # With fewer than k above it, the pivot is tau, and the row goes straight to the compaction; a -inf pivot
+        # (filled with the keys above it alone, so never over for its tail) is tau whenever fewer than k are above.
         over = filled > cap
         kept_all = over & (above >= k) & (above_in == above)
         refill = over & (above >= k) & (above <= cap) & (above_in < above)
-        at_pivot = over & (above < k)
+        at_pivot = (over | (strict == 1)) & (above < k)
         _fill(x_keys, 0, refill.astype(I32) * blocks, piv, cap, cfg.block, True, put, cfg.unroll)
         if not interpret:
             plt.debug_barrier()
@@ -436,7 +456,8 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
         _scatter(key_ref, row, t, j * cap + slot, s, ok)
         _scatter(col_ref, row, t, j * cap + slot, col, ok)
 
-    counts = _fill(_row_keys(x_ref, row, n), j * per, nb, piv_u ^ _SIGN, cap, cfg.block, False, put, cfg.unroll)
+    counts = _fill(_row_keys(x_ref, row, n), j * per, nb, piv_u ^ _SIGN, cap, cfg.block, _strict_fill(piv_u), put,
+                   cfg.unroll)
     at = (row + jnp.zeros((1, 1), I32), j + jnp.zeros((1, 1), I32))
     for ref, v in zip((filled_ref, above_ref, in_ref), counts):
         C.store(ref, at, jnp.full((1, 1), v, I32), jnp.ones((1, 1), bool))
@@ -468,7 +489,7 @@ def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref,
     # path; the union then serves only with the keys strictly above the pivot (kept_all)
     over = (jnp.sum((filled > cap).astype(I32)) > 0) | (total > cap)
     kept_all = over & (total_above >= k) & (jnp.sum((above_in < above).astype(I32)) == 0)
-    at_pivot = over & (total_above < k)
+    at_pivot = (over | (_strict_fill(piv_u) == 1)) & (total_above < k)  # a -inf pivot: the fill kept keys above it
     use_buf = ((~over) & (total >= k)) | kept_all
     on, piv_on, strict = use_buf.astype(I32), at_pivot.astype(I32), kept_all.astype(I32)
     piv = piv_u ^ _SIGN

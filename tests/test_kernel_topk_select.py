@@ -85,26 +85,32 @@ def test_prefilter_buffer_and_fallback(mode: str) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_short_rows_skip_the_row_passes(mode: str) -> None:
     """Rows with few finite logits and -inf after them (a short request in a decode batch), and an all -inf
-    row: the sampled pivot is -inf, shared by more keys than the buffer holds. With fewer than k keys above
-    it, the pivot is tau and the row goes straight to the compaction (which stops at k kept keys); with k to
-    capacity keys above it, all in the buffer (the finite head comes first), the buffer serves as it is; with
-    the finite keys after the -inf ones (the buffer filled before them), a second pass refills it. Same result
-    as lax.top_k every time; rows with a finite pivot keep the buffer."""
+    row: the sampled pivot is -inf, and the prefilter keeps only the keys above it. With fewer than k of them, the
+    pivot is tau and the row goes straight to the compaction (which stops at k kept keys); with k to capacity,
+    finite head first or last, the buffer holds exactly the finite keys. The same rows with a finite tail value
+    (-10, a heavy tie): the pivot is that value, shared by more keys than the buffer holds; with fewer than k keys
+    above it it is tau; with k to capacity above it, all in the buffer (the head comes first), the buffer serves as
+    it is; with the head after the tie (the buffer filled before it), a second pass refills it. Same result as
+    lax.top_k every time; rows with a random pivot keep the buffer."""
     n, k, cap = 3000, 50, 400
     cfg = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=cap)
     rng = np.random.default_rng(13)
     finite = [0, 1, 10, 49, 50, 60, 120, 3000, 60, 120]
     x = rng.standard_normal((len(finite), n)).astype(np.float32)
     x[np.arange(n)[None, :] >= np.array(finite)[:, None]] = -np.inf
-    x[8:] = x[8:, ::-1]  # the finite keys last: the buffer holds -inf keys when they come
+    x[8:] = x[8:, ::-1]  # the finite keys last: a fill of keys >= the pivot would hold -inf keys when they come
     x[2, 3] = x[2, 4] = np.float32(0.5)  # a tie among the finite keys
-    x[5, 3] = x[5, 40] = np.float32(9.0)  # a tie at the top, in the overflowed buffer
-    cand, path = _check(x, k, interpret_for(mode), cfg, paths=True)
+    x[5, 3] = x[5, 40] = np.float32(9.0)  # a tie at the top
+    tied = np.where(np.isinf(x), np.float32(-10.0), x)
+    cand, path = _check(np.concatenate([x, tied]), k, interpret_for(mode), cfg, paths=True)
     names = [PATHS[p] for p in path]
     assert names[:4] == ["pivot is tau"] * 4, (names, cand)
-    assert names[4:7] == ["overflowed buffer"] * 3, (names, cand)
-    assert names[7] == "buffer", (names, cand)
-    assert names[8:] == ["refilled buffer"] * 2, (names, cand)
+    assert names[4:10] == ["buffer"] * 6, (names, cand)
+    np.testing.assert_array_equal(cand[:10], [0, 1, 10, 49, 50, 60, 120, cand[7], 60, 120])  # the finite keys alone
+    assert names[10:14] == ["pivot is tau"] * 4, (names, cand)
+    assert names[14:17] == ["overflowed buffer"] * 3, (names, cand)
+    assert names[17] == "buffer", (names, cand)
+    assert names[18:] == ["refilled buffer"] * 2, (names, cand)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -171,7 +177,7 @@ def test_coarse_pivot_same_result(mode: str, splits: int) -> None:
     want, want_path = _check(x, k, interpret_for(mode), exact, paths=True)
     assert (coarse >= want).all()
     short_rows = slice(len(KINDS), len(KINDS) + 3)
-    assert [PATHS[p] for p in coarse_path[short_rows]] == ["pivot is tau", "overflowed buffer", "pivot is tau"]
+    assert [PATHS[p] for p in coarse_path[short_rows]] == ["pivot is tau", "buffer", "pivot is tau"]
     np.testing.assert_array_equal(coarse_path[short_rows], want_path[short_rows])
     with pytest.raises(ValueError, match="pivot_bits"):
         TopkSelectConfig(pivot_bits=6)
@@ -181,8 +187,9 @@ def test_coarse_pivot_same_result(mode: str, splits: int) -> None:
 def test_split_prefilter_matches_lax_top_k(mode: str) -> None:
     """``splits`` programs per row stream the prefilter (each into its own buffer), a second kernel counts and
     compacts the buffers' union: lax.top_k's result on every row kind, and each path: buffers (random rows),
-    the row (a skewed sample; a heavy tie past a full buffer), pivot is tau and the overflowed buffers (short
-    rows: a finite head, -inf after)."""
+    the row (a skewed sample; a heavy tie past a full buffer), pivot is tau and the buffers of the finite keys
+    alone (short rows: a finite head, -inf after), and with a finite tail value instead (a heavy tie at the
+    pivot) pivot is tau and the overflowed buffers."""
     n, k, cap = 3000, 50, 400
     cfg = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=cap, splits=4)
     rng = np.random.default_rng(17)
@@ -191,12 +198,14 @@ def test_split_prefilter_matches_lax_top_k(mode: str) -> None:
     short = rng.standard_normal((3, n)).astype(np.float32)
     short[np.arange(n)[None, :] >= np.array([10, 60, 828])[:, None]] = -np.inf
     short[2, 60:768] = -np.inf  # 60 finite keys at the heads of the first two splits (768 columns each)
-    x = np.concatenate([_mixed(n, rng, 1), skewed, short, rng.standard_normal((1, n)).astype(np.float32)])
+    tied = np.where(np.isinf(short), np.float32(-10.0), short)
+    x = np.concatenate([_mixed(n, rng, 1), skewed, short, tied, rng.standard_normal((1, n)).astype(np.float32)])
     cand, path = _check(x, k, interpret_for(mode), cfg, paths=True)
     names = [PATHS[p] for p in path]
     assert names[0] == "buffer" and names[-1] == "buffer", (names, cand)  # normal, random
     assert names[4] == "row", (names, cand)  # skewed sample: fewer than k reach the pivot
-    assert names[5:8] == ["pivot is tau", "overflowed buffer", "overflowed buffer"], (names, cand)
+    assert names[5:8] == ["pivot is tau", "buffer", "buffer"], (names, cand)
+    assert names[8:11] == ["pivot is tau", "overflowed buffer", "overflowed buffer"], (names, cand)
     np.testing.assert_array_equal(cand, np.asarray(select_unsorted(jnp.asarray(x), k, interpret=interpret_for(mode),
                                                                    config=dataclasses.replace(cfg, splits=1))[2]))
 
@@ -205,7 +214,8 @@ def test_split_prefilter_matches_lax_top_k(mode: str) -> None:
 def test_split_short_rows_whose_splits_each_fit(mode: str) -> None:
     """Splits that each fit their buffer (768 columns, capacity 800) while the row's keys at the pivot do not fit
     one (the H200's 16 x 32K mixed batch: 4 splits of 8K keys, capacity 8K): a short row's -inf pivot is tau (fewer
-    than k finite keys) or its finite keys alone serve from the split buffers, never the whole row."""
+    than k finite keys) or its finite keys alone fill and serve from the split buffers, never the whole row; with a
+    finite tail value instead (a heavy tie at the pivot), the pivot is tau or the overflowed buffers serve."""
     n, k, cap = 3000, 50, 800
     cfg = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=cap, splits=4)
     rng = np.random.default_rng(19)
@@ -213,9 +223,13 @@ def test_split_short_rows_whose_splits_each_fit(mode: str) -> None:
     x[np.arange(n)[None, :] >= np.array([10, 60, 828, 0, n])[:, None]] = -np.inf
     x[2, 60:768] = -np.inf  # 60 finite keys at the heads of the first two splits
     x[1, 7] = x[1, 30] = np.float32(9.0)  # a tie among the kept keys
-    cand, path = _check(x, k, interpret_for(mode), cfg, paths=True)
+    tied = np.where(np.isinf(x), np.float32(-10.0), x)
+    cand, path = _check(np.concatenate([x, tied]), k, interpret_for(mode), cfg, paths=True)
     names = [PATHS[p] for p in path]
-    assert names == ["pivot is tau", "overflowed buffer", "overflowed buffer", "pivot is tau", "buffer"], (names, cand)
+    assert names[:5] == ["pivot is tau", "buffer", "buffer", "pivot is tau", "buffer"], (names, cand)
+    np.testing.assert_array_equal(cand[:4], [10, 60, 120, 0])  # the finite keys alone
+    assert names[5:] == ["pivot is tau", "overflowed buffer", "overflowed buffer", "pivot is tau", "buffer"], (names,
+                                                                                                                cand)
 
 
 def test_split_for() -> None:

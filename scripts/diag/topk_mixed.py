@@ -1,8 +1,9 @@
 """The indexer's decode select (paged logits + top-k, the default ``topk_algorithm="auto"``) on full batches and on
-mixed ones (one request of 1000 tokens among full-length ones), GPU timeline per kernel, and the top-k's path
-per row. Issue 20 asks that a mixed batch be no slower than a full one.
+mixed ones (one short request, ``--short`` tokens, among full-length ones), GPU timeline per kernel, and the top-k's
+path per row. Issue 20 asks that a mixed batch be no slower than a full one.
 
-    python3 scripts/diag/topk_mixed.py --shapes 16x32768 16x131072 64x32768 64x131072 --out OUT/topk_mixed.json
+    python3 scripts/diag/topk_mixed.py --shapes 16x32768 16x131072 64x32768 64x131072 --short 1000 3000 \
+        --out OUT/topk_mixed.json
 
 Each row: device µs per call (``profile_span_us``), each kernel's median (``profile_kernel_us``: the logits
 kernel, the top-k's fill and finish kernels), and the top-k paths of the batch's rows (``paths``: counts of
@@ -50,13 +51,14 @@ def _measure(b: int, c: int, short: int | None) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["16x32768", "16x131072", "64x32768", "64x131072"])
-    ap.add_argument("--short", type=int, default=1000, help="the mixed batch's short request (tokens)")
+    ap.add_argument("--short", type=int, nargs="+", default=[1000],
+                    help="the mixed batches' short request (tokens), one batch each")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     rows: list[dict] = []
     for shape in a.shapes:
         b, c = (int(v) for v in shape.split("x"))
-        for short in (None, a.short):
+        for short in (None, *a.short):
             row = {"case": f"select_b{b}_c{c}" + ("" if short is None else f"_mixed{short}")}
             rows.append(measured_row(row, lambda: _measure(b, c, short)))
             save_rows(a.out, rows, complete=False)
