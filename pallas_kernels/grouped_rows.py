@@ -15,6 +15,7 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+from jax import lax
 
 from jds.ops.dispatch import Implementation, resolve_interpret, run_op
 from pallas_kernels import fused_insert_common as C
@@ -137,6 +138,7 @@ ROW_CHUNK = 512  # columns of x a "fused" layout program copies at once ([8, 512
 # one per ~4 cycles, half the stalls on instruction fetch (the unrolled [32, 256] code). 8 cuts a program's
 # element work by 4: 4.2 us in the same calls (benchmarks/results/archive/fp4_decode_ncu_sweep_h200_2026-12-02.json).
 LAYOUT_BLOCK = 8
+PACK_LIMIT = 1 << 15  # the layout kernel packs two of its values into one int32 where all are below this
 
 
 def _layout_kernel(sizes_ref, *refs, ne: int, ep: int, m: int, n_items: int, n_padded: int, bt: int,
@@ -157,36 +159,58 @@ def _layout_kernel(sizes_ref, *refs, ne: int, ep: int, m: int, n_items: int, n_p
     s = C.load(sizes_ref, (jnp.minimum(e, ne - 1),), (1, ep), mask=e < ne)
     tiles = (s + (bt - 1)) // bt
     psize = (s + 7) // 8 * 8
-    tile_end, row_end, pend = (jnp.cumsum(v, axis=1) for v in (tiles, s, psize))
+    # Every value here is at most n_padded. Below 2^15, two of them share an int32 (hi * 2^16 + lo) through a prefix
+    # sum or a one-hot sum without carries: half the scans and cross-warp reductions, whose barriers set the time
+    # of this latency-bound kernel (the FP4 / FP8 grouped calls' row layout at decode).
+    pack = n_padded < PACK_LIMIT
+
+    def two(f, hi, lo):  # f over hi and lo, in one call where they pack
+        if not pack:
+            return f(hi), f(lo)
+        both = f(lax.shift_left(hi, 16) + lo)
+        return lax.shift_right_logical(both, 16), both & 0xFFFF
+
+    row_end, tile_end = two(lambda v: jnp.cumsum(v, axis=1), s, tiles)
+    pend = jnp.cumsum(psize, axis=1)
     tile_start, row_off, poff = tile_end - tiles, row_end - s, pend - psize
-    total_tiles, total_rows = jnp.sum(tiles), jnp.sum(s)
+    total_rows, total_tiles = two(jnp.sum, s, tiles)
 
     i = pl.program_id(0) * LAYOUT_BLOCK + C.iota((LAYOUT_BLOCK, 1), 0)
 
-    def owner(ends):  # [B, 1]: the expert whose range holds i (clamped to the last)
-        return jnp.minimum(jnp.sum((ends <= i).astype(jnp.int32), axis=1, keepdims=True), ne - 1)
+    def owners(*ends):  # [B, 1] each: the expert whose range holds i (clamped to the last)
+        if not pack or ep >= 1 << 10 or len(ends) > 3:
+            counts = [jnp.sum((v <= i).astype(jnp.int32), axis=1, keepdims=True) for v in ends]
+        else:  # each count <= ep < 2^10: three in one reduction
+            c = jnp.sum(sum(lax.shift_left((v <= i).astype(jnp.int32), 10 * j) for j, v in enumerate(ends)), axis=1,
+                        keepdims=True)
+            counts = [lax.shift_right_logical(c, 10 * j) & 1023 for j in range(len(ends))]
+        return [jnp.minimum(c, ne - 1) for c in counts]
 
     def at(v, idx):  # v [1, ep] at idx [B, 1] -> [B, 1]
         return jnp.sum(jnp.where(e == idx, v, 0), axis=1, keepdims=True)
 
-    ex = owner(tile_end)
+    def at2(hi, lo, idx):  # at(hi, idx), at(lo, idx)
+        return two(lambda v: at(v, idx), hi, lo)
+
+    ex, re, pe = owners(tile_end, row_end, pend)
     ok = i < total_tiles
-    row0 = at(poff, ex) + (i - at(tile_start, ex)) * bt
+    ex_poff, ex_start = at2(poff, tile_start, ex)
+    row0 = ex_poff + (i - ex_start) * bt
     # masked-out lanes point one past the first axis (interpret mode's scatter drops them; natively they store nothing)
     inside = i < n_items
     C.store(items_ref, (jnp.where(inside, 0, 2), jnp.where(inside, i, 0)), jnp.where(ok, ex, -1), inside)
     C.store(items_ref, (jnp.where(inside, 1, 2), jnp.where(inside, i, 0)), jnp.where(ok, row0, 0), inside)
 
-    re = owner(row_end)
-    local = i - at(row_off, re)
+    re_off, re_start = at2(row_off, tile_start, re)
+    local = i - re_off
     valid = i < total_rows
-    col = jnp.where(valid, (at(tile_start, re) + local // bt) * bt + local % bt, 0)
+    col = jnp.where(valid, (re_start + local // bt) * bt + local % bt, 0)
     C.store(col_ref, (jnp.where(i < m, i, m),), col, i < m)
     C.store(valid_ref, (jnp.where(i < m, i, m),), valid.astype(jnp.int32), i < m)
 
-    pe = owner(pend)
-    plocal = i - at(poff, pe)
-    src = jnp.where(plocal < at(s, pe), at(row_off, pe) + plocal, m)
+    pe_poff, pe_s = at2(poff, s, pe)
+    plocal = i - pe_poff
+    src = jnp.where(plocal < pe_s, at(row_off, pe) + plocal, m)
     C.store(src_ref, (jnp.where(i < n_padded, i, n_padded),), src, i < n_padded)
     first = i == 0  # program 0's first lane
     C.store(count_ref, (jnp.where(first, 0, 1),), jnp.broadcast_to(total_tiles, i.shape), first)

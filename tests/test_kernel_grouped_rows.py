@@ -40,6 +40,14 @@ def test_layout_kernel_equals_xla(mode: str, ne: int, m: int, bt: int, routed: i
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("ne,m,bt,routed", [(5, 30, 8, 28), (256, 512, 8, 500)])
+def test_layout_kernel_unpacked_equals_xla(monkeypatch, mode: str, ne: int, m: int, bt: int, routed: int) -> None:
+    """The kernel's form without packed sums (rows past ``PACK_LIMIT``: long prefills), here forced at small shapes."""
+    monkeypatch.setattr(G, "PACK_LIMIT", 0)
+    test_layout_kernel_equals_xla(mode, ne, m, bt, routed)
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("ne,m,bt,routed,split_pairs", [(5, 30, 8, 28, True), (256, 6, 8, None, True),
                                                         (7, 20, 16, None, False)])
 def test_fused_layout_copies_rows(mode: str, ne: int, m: int, bt: int, routed: int | None, split_pairs: bool) -> None:
