@@ -617,19 +617,21 @@ def _tiles_time(d: dict) -> list[str]:
     back, partly served from the 50 MB L2)."""
     first: dict[str, float | None] = {}
     body = []
+    layout = any("layout_kernel_us" in r for r in d.get("rows", []))  # the row layout kernel's µs, where recorded
     for r in d.get("rows", []):
         k = r.get("kernel_us", (r.get("profile_kernel_us") or {}).get("kernel_mosaic_gpu_kernel"))
         base = first.setdefault(r["case"], k)
         body.append([r["case"], json.dumps(r["tiles"]), str(r.get("rotations", 1)), _fmt(k, 2),
-                     _fmt(r.get("call_span_us", r.get("profile_span_us")), 1),
-                     _fmt(k / base if k and base else None, 3), _pct(r.get("kernel_copy_frac"))])
+                     _fmt(r.get("call_span_us", r.get("profile_span_us")), 1)]
+                    + ([_fmt(r.get("layout_kernel_us"), 2)] if layout else [])
+                    + [_fmt(k / base if k and base else None, 3), _pct(r.get("kernel_copy_frac"))])
     copy = (d.get("meta") or {}).get("copy_bytes_per_s")
     ceiling = f" (copy {copy / 1e12:.2f} TB/s in the same run)" if copy else " (copy bandwidth not measured in this run)"
     what = ("FP8 GEMM tile variants (case shape:rows)" if (d.get("meta") or {}).get("bench") == "fp8_tiles_time"
             else "FP4 grouped GEMM tile variants (case shape:tokens, e4m3 x)")
     return [f"{what}, GPU timeline medians, µs per GEMM; the kernel's share of the copy bandwidth{ceiling}:", ""] + \
-        _table(["case", "tiles", "rotations", "kernel µs", "call µs", "kernel / first variant", "kernel of copy bw"],
-               body)
+        _table(["case", "tiles", "rotations", "kernel µs", "call µs"] + (["row layout µs"] if layout else [])
+               + ["kernel / first variant", "kernel of copy bw"], body)
 
 
 def _mqa_fixed_cost(d: dict) -> list[str]:
