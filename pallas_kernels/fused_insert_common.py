@@ -24,6 +24,8 @@ interpret mode's scatter drops); masked-out load lanes are clamped to valid rows
 
 from __future__ import annotations
 
+import functools
+
 import math
 from typing import Any, Callable, Literal
 
@@ -176,10 +178,13 @@ def u16_bytes(x_bf16: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (u & 0xFF).astype(jnp.uint8), jax.lax.shift_right_logical(u, jnp.uint16(8)).astype(jnp.uint8)
 
 
-def u32_byte(x_f32: jax.Array, k: int) -> jax.Array:
-    """Byte k (little-endian) of fp32 values."""
-    u = jax.lax.bitcast_convert_type(x_f32, jnp.uint32)
-    return (jax.lax.shift_right_logical(u, jnp.uint32(8 * k)) & 0xFF).astype(jnp.uint8)
+def f32_bytes(xs: list[jax.Array]) -> jax.Array:
+    """fp32 columns [rows, 1] each -> their bytes, little-endian, side by side [rows, 4 len(xs)] (uint8): a record's
+    scales as one contiguous store."""
+    sc = iota((1, 4 * len(xs)), 1)
+    words = [jax.lax.bitcast_convert_type(x, jnp.uint32) for x in xs]
+    word = functools.reduce(lambda w, b: jnp.where(sc // 4 == b, words[b], w), range(1, len(words)), words[0])
+    return (jax.lax.shift_right_logical(word, (8 * (sc % 4)).astype(jnp.uint32)) & 0xFF).astype(jnp.uint8)
 
 
 def rope_rows(y: jax.Array, yp: jax.Array, cs: jax.Array, sn: jax.Array, first_of_pair: jax.Array,

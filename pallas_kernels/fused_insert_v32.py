@@ -80,7 +80,7 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
         j = jax.lax.rem(safe, epp)
         if isinstance(kv_fmt, MlaRecord656):
             base = j * kv_fmt.record_bytes
-            bits = []  # each block's fp32 scale as its bits [BT, 1]
+            scales = []  # each block's fp32 scale [BT, 1]
             for cb, c in zip(cols, cs_):
                 cf = c.astype(F32)
                 amax = jnp.max(jnp.abs(cf), axis=-1, keepdims=True)
@@ -91,12 +91,8 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
                     s = jnp.maximum(C.div_rn(amax, jnp.full(amax.shape, FP8_MAX, F32), interpret), FLT_MIN)
                     q = C.e4m3_bytes(C.div_rn(cf, jnp.broadcast_to(s, cf.shape), interpret), interpret)
                 C.store(kv_out, (page, base + cb), q, ok)
-                bits.append(jax.lax.bitcast_convert_type(s, jnp.uint32))
-            # the scales' 4 * nblk bytes, little-endian, as one contiguous store
-            sc = C.iota((1, 4 * nblk), 1)
-            word = functools.reduce(lambda w, b: jnp.where(sc // 4 == b, bits[b], w), range(1, nblk), bits[0])
-            byte = (jax.lax.shift_right_logical(word, (8 * (sc % 4)).astype(jnp.uint32)) & 0xFF).astype(jnp.uint8)
-            C.store(kv_out, (page, base + lat + sc), byte, ok)
+                scales.append(s)
+            C.store(kv_out, (page, base + lat + C.iota((1, 4 * nblk), 1)), C.f32_bytes(scales), ok)
             lo, hi = C.u16_bytes(pe.astype(jnp.bfloat16))  # the rope's bf16 bytes, little-endian: one store
             C.store(kv_out, (page, base + lat + 4 * nblk + C.iota((1, 2 * rd), 1)), C.join_pairs(lo, hi), ok)
         else:  # FloatRows(lat + rd)
@@ -153,12 +149,7 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
             s, inv, _ = ue8m0_scale_bits(amax)  # [BT, 1]
             for c, k in zip(icols, kf):
                 C.store(ix_out, (pagei, ji * di + c), C.e4m3_bytes(k * inv, interpret), ok)
-            b = C.iota((1, 4), 1)
-            sb = jnp.broadcast_to(s, (BT, 4))
-            byte = jnp.zeros((BT, 4), jnp.uint8)
-            for kk_ in range(4):
-                byte = jnp.where(b == kk_, C.u32_byte(sb, kk_), byte)
-            C.store(ix_out, (pagei, iepp * di + ji * 4 + b), byte, ok)
+            C.store(ix_out, (pagei, iepp * di + ji * 4 + C.iota((1, 4), 1)), C.f32_bytes([s]), ok)
         else:  # FloatRows(di)
             for c, k in zip(icols, ks):
                 C.store(ix_out, (pagei, ji * idx_fmt.dim + c), k.astype(ix_out.dtype), ok)
@@ -300,9 +291,11 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
         tok_out = jnp.where(ok, tok, T)
         C.store(qpe_out, (tok_out, hc, c), C.join_pairs(even.astype(dtype), odd.astype(dtype)), ok)
 
+    irows = rows(HiP, Hi)  # the indexer q's rows, for its loads and its stores
+
     def indexer_inputs() -> tuple[jax.Array, ...]:
         """The indexer q's DRAM inputs: its rows' halves, the rope's cos / sin and the head weights."""
-        _, _, tc, hc = rows(HiP, Hi)
+        _, _, tc, hc = irows
         r = BT * HiP
         half = di // 2
         f = C.rope_freqs(half, rd, ilv)
@@ -311,7 +304,7 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
 
     def indexer(inputs: tuple[jax.Array, ...]) -> None:
         # ---- indexer q: RoPE (first rd dims) -> Hadamard -> per-head FP8 with the scale folded into w ----
-        tok, ok, tc, hc = rows(HiP, Hi)
+        tok, ok, _, hc = irows
         r = BT * HiP
         xa, xb, cs, sn, w = inputs
         # each element loaded once, the rope pairs found in registers (``rope_row_block``); the rows as two
