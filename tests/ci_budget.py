@@ -32,10 +32,14 @@ CI_INTERPRET: frozenset[str] = frozenset({
     "test_kernel_fp8_grouped_gemm.py::test_exact_data_bit_equal[interpret-pallas]",
     # the grouped GEMMs' row layout
     "test_kernel_grouped_rows.py::test_layout_kernel_equals_xla[7-100-16-None-interpret]",
+    "test_kernel_grouped_rows.py::test_layout_kernel_unpacked_equals_xla[5-30-8-28-interpret]",  # long prefills' form
     "test_kernel_grouped_rows.py::test_fused_layout_copies_rows[7-20-16-None-False-interpret]",
     # top-k: the indexer's split form (prefilter, shrink, unroll) and the direct one
     "test_kernel_topk_select.py::test_unroll_same_result[4-400-2-True-interpret]",
     "test_kernel_topk_select.py::test_direct_matches_lax_top_k[300-37-4-interpret]",
+    # short rows' paths (a mixed decode batch's time): the coarse pivot, the split form's -inf pivot
+    "test_kernel_topk_select.py::test_coarse_pivot_same_result[1-interpret]",
+    "test_kernel_topk_select.py::test_split_prefilter_matches_lax_top_k[interpret]",
     # sparse MQA: V4 window + compressed + sink (V3.2's FP8 records: tests/test_ops.py)
     "test_kernel_sparse_mqa.py::test_v4_window_compressed_sink[1-interpret]",
     # fused inserts: both layers' prepare stage (each kernel alone: tests/test_ops.py)
