@@ -177,8 +177,8 @@ def fp4_grouped_linear(x: jax.Array, sizes: jax.Array, w_packed: Weights, w_scal
     one, which shortened the decode call on the H200:
     benchmarks/results/archive/fp4_decode_ncu_sweep_h200_2026-12-02.json); "auto": "pallas" natively, "xla" in
     interpret mode; "fused", e4m3 x only: that kernel also copies x's rows, permuted, and their scales into the
-    padded layout, two XLA kernels fewer per call, but its call was longer on the H200 at 1 and 8 tokens
-    (benchmarks/results/archive/fp4_tiles_time_h200_2026-12-03.json).
+    padded layout, two XLA kernels fewer per call; on the H200 its call was shorter for w2 at 1 token and longer
+    for w1 (benchmarks/results/fp4_tiles_time_h200_2026-12-04.json), so "auto" does not pick it.
     ``interpret``: GPU interpret mode (True or an ``InterpretGPUParams``); None = whenever the default
     backend is not a GPU.
     ``x_scale``: x given quantised, as the release's ``fp4_gemm`` takes it: x float8_e4m3fn [M, K] and

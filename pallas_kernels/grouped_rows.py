@@ -161,7 +161,8 @@ def _layout_kernel(sizes_ref, *refs, ne: int, ep: int, m: int, n_items: int, n_p
     psize = (s + 7) // 8 * 8
     # Every value here is at most n_padded. Below 2^15, two of them share an int32 (hi * 2^16 + lo) through a prefix
     # sum or a one-hot sum without carries: half the scans and cross-warp reductions, whose barriers set the time
-    # of this latency-bound kernel (the FP4 / FP8 grouped calls' row layout at decode).
+    # of this latency-bound kernel (the FP4 / FP8 grouped calls' row layout at decode; on the H200 it took about
+    # a fifth less time: benchmarks/results/archive/fp4_layout_ab_h200_2026-12-04.json).
     pack = n_padded < PACK_LIMIT
 
     def two(f, hi, lo):  # f over hi and lo, in one call where they pack

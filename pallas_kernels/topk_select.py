@@ -308,7 +308,8 @@ def _strict_fill(piv_u: jax.Array) -> jax.Array:
     keys exist ("overflowed buffer") the counting passes streamed those buffers, the whole row's worth. Nothing is
     lost by leaving -inf out: with fewer than k finite keys tau is -inf ("pivot is tau", which every key >= -inf
     makes valid, the buffers overflowed or not) and the compaction reads the row; with k or more they are all
-    the candidates there are."""
+    the candidates there are. On the H200 such a request took a batch's select to up to twice a full batch's
+    time before (benchmarks/results/topk_mixed_h200_2026-12-04.json, the ``_mixed3000`` rows)."""
     return (piv_u == _NEG_INF_U).astype(I32)
 
 
