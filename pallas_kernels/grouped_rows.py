@@ -218,11 +218,11 @@ def _layout_kernel(sizes_ref, *refs, ne: int, ep: int, m: int, n_items: int, n_p
     if kx:
         inside, live = i < n_padded, (i < n_padded) & (src < m)
         r_in, r_out = jnp.where(live, src, 0), jnp.where(inside, i, n_padded)
+        # whole chunks load as they are: a clamped column hides the chunk's contiguity from Triton, which then
+        # loads x a byte at a time (sm_90a SASS: 128 LDG.U8 a thread at 2048 e4m3 columns)
+        whole = kx % ROW_CHUNK == 0
         for c0 in range(0, kx, ROW_CHUNK):
             cols = c0 + C.iota((1, ROW_CHUNK), 1)
-            # whole chunks load as they are: a clamped column hides the chunk's contiguity from Triton, which then
-            # loads x a byte at a time (sm_90a SASS: 128 LDG.U8 a thread at 2048 e4m3 columns)
-            whole = kx % ROW_CHUNK == 0
             v = C.load(x_ref, (r_in, cols if whole else jnp.minimum(cols, kx - 1)), (LAYOUT_BLOCK, ROW_CHUNK),
                        mask=live if whole else live & (cols < kx))
             if split_pairs:  # one contiguous load, the (even, odd) halves made in registers (a transpose)
