@@ -316,14 +316,16 @@ def check_triton_lowering(fn: Any, *args: Any) -> str:
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def compile_sm90_report(fn: Any, *args: Any) -> list[dict[str, Any]]:
+def compile_sm90_report(fn: Any, *args: Any, sass: bool = False) -> list[dict[str, Any]]:
     """Lower ``fn(*args)`` for CUDA, then compile every Pallas Triton kernel in it for sm_90a with the pip
-    ``triton`` package (PTX + ptxas, no GPU needed). Returns [{name, registers, spill_bytes, smem_bytes}].
+    ``triton`` package (PTX + ptxas, no GPU needed). Returns [{name, registers, spill_bytes, smem_bytes}], and
+    with ``sass`` each kernel's disassembly (``nvdisasm -c``, bundled with pip triton) under "sass".
 
     A development check, not the H200 gate: XLA compiles the same Triton IR with the Triton bundled in
     the CUDA plugin, whose version differs from pip's. Raises ImportError without pip ``triton``.
     Captures the IR through jax's private Pallas Triton lowering module (jax 0.11.2).
     """
+    import os
     import re
     import subprocess
     import tempfile
@@ -365,4 +367,8 @@ def compile_sm90_report(fn: Any, *args: Any) -> list[dict[str, Any]]:
             spill = re.search(r"(\d+) bytes spill stores", log)
             out.append({"name": name, "num_warps": NUM_WARPS.get(name, 4), "registers": int(regs.group(1)),
                         "spill_bytes": int(spill.group(1)), "smem_bytes": int(k.metadata.shared)})
+            if sass:
+                nvdisasm = os.path.join(os.path.dirname(ptxas), "nvdisasm")
+                out[-1]["sass"] = subprocess.run([nvdisasm, "-c", f"{d}/k{i}.cubin"], capture_output=True, text=True,
+                                                 check=True).stdout
     return out

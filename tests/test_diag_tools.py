@@ -119,3 +119,26 @@ def test_mosaic_sass_parsing():
     assert mod.histogram(ops) == {"LOP3": 2, "LDS": 1, "BRA": 1, "QGMMA": 1, "BAR": 1}
     assert [len(s) for s in mod.stretches(ops, "LDS.128", "BAR")] == [4]
     assert [op for _, op in mod.opcodes(sass, (4, 6))] == ["LOP3.LUT", "BRA", "QGMMA.64x8x32.F32.E4M3.E4M3"]
+
+
+def test_triton_sass_loops():
+    """scripts/diag/triton_sass.py's loop finder on a synthetic nvdisasm listing: a backward branch to an earlier
+    label is a loop (its body from the label to the branch), a forward one is not; opcodes lose predicates and
+    modifiers."""
+    spec = importlib.util.spec_from_file_location("triton_sass", ROOT / "scripts/diag/triton_sass.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    text = "\n".join([
+        "        /*0000*/                   LDC R1, c[0x0][0x28] ;",
+        ".L_x_0:",
+        "        /*0010*/                   ISETP.GE.AND P0, PT, R2, RZ, PT ;",
+        "        /*0020*/               @!P0 LOP3.LUT R3, R3, 0x7fffffff, RZ, 0x3c, !PT ;",
+        "        /*0030*/               @P0 BRA `(.L_x_1) ;",
+        "        /*0040*/                   IMAD.IADD R4, R4, 0x1, R3 ;",
+        ".L_x_1:",
+        "        /*0050*/               @P1 BRA `(.L_x_0) ;",
+        "        /*0060*/                   EXIT ;"])
+    n, found = mod.loops(text)
+    assert n == 7
+    assert [(lp["first"], lp["last"], lp["body"]) for lp in found] == [(1, 5, 5)]
+    assert found[0]["opcodes"] == {"ISETP": 1, "LOP3": 1, "BRA": 2, "IMAD": 1}

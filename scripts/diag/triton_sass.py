@@ -1,0 +1,101 @@
+"""A Pallas Triton kernel's SASS for sm_90a on a machine without a GPU: registers, spills, instruction count and,
+per loop, its body's length and opcode mix.
+
+    python scripts/diag/triton_sass.py topk [--rows 64] [--cols 65536] [--tiles '{"range_margin": 1}']
+    python scripts/diag/triton_sass.py insert [--kernel v32_kv_insert] [--t 8192]
+    ... [--out DIR]   # each kernel's listing as DIR/NAME.sass
+
+Why: the Triton kernels (top-k, fused inserts) are bound by instruction issue and its latency, and a change's
+instruction count is the first thing to know about it. pip's triton compiles the same Triton IR for sm_90a here
+(its ptxas, then its nvdisasm); the CUDA plugin's Triton on the H200 differs in version, so counts are a guide for
+comparing variants, not the native numbers. Loops are the spans of backward branches (``BRA`` to an earlier
+label), innermost first as nvdisasm lays them out; one that a compiler rotates may show up split.
+``--tiles`` for ``topk`` are ``TopkSelectConfig`` fields over the indexer's config (``select_config_for``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import functools
+import json
+import os
+import re
+
+INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+BRANCH = re.compile(r"BRA\s+`\((\.L_x_\d+)\)")
+
+
+def opcode(text: str) -> str:
+    """An instruction's opcode without predicate and modifiers: '@!P0 LOP3.LUT R1, ...' -> 'LOP3'."""
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+
+
+def loops(sass: str) -> tuple[int, list[dict]]:
+    """(instructions, loops): each loop {first, last (instruction indices), body, opcodes (top 10)}."""
+    ins, labels = [], {}
+    for line in sass.splitlines():
+        m = LABEL.match(line)
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        m = INSTR.match(line)
+        if m:
+            ins.append(m.group(2))
+    out = []
+    for i, text in enumerate(ins):
+        m = BRANCH.search(text)
+        if m and labels.get(m.group(1), len(ins)) < i:
+            j = labels[m.group(1)]
+            ops = collections.Counter(opcode(x) for x in ins[j:i + 1])
+            out.append({"first": j, "last": i, "body": i + 1 - j, "opcodes": dict(ops.most_common(10))})
+    return len(ins), out
+
+
+def _topk(a: argparse.Namespace):
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.topk_select import select_config_for, topk_select
+    cfg = dataclasses.replace(select_config_for(a.rows, a.cols), **json.loads(a.tiles))
+    return (functools.partial(topk_select, k=a.k, interpret=False, config=cfg, sort=False),
+            [jax.ShapeDtypeStruct((a.rows, a.cols), jnp.float32)])
+
+
+def _insert(a: argparse.Namespace):
+    import jax
+    from jds.bench.kernels_fused_insert import _cases
+    for kernel, _, fn, static, args, *_ in _cases(False, (a.t,)):
+        if kernel == a.kernel:
+            return (functools.partial(fn, **static, implementation="pallas", interpret=False),
+                    [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args])
+    raise ValueError(f"kernel must be one of the fused-insert benchmark's, got {a.kernel!r}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("what", choices=["topk", "insert"])
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--cols", type=int, default=65536)
+    ap.add_argument("--k", type=int, default=2048)
+    ap.add_argument("--tiles", default="{}", help="TopkSelectConfig fields (JSON) over select_config_for's")
+    ap.add_argument("--kernel", default="v32_kv_insert")
+    ap.add_argument("--t", type=int, default=8192)
+    ap.add_argument("--out", default=None, help="a folder for each kernel's listing")
+    a = ap.parse_args()
+    from pallas_kernels import fused_insert_common as C
+    fn, args = (_topk if a.what == "topk" else _insert)(a)
+    for k in C.compile_sm90_report(fn, *args, sass=True):
+        n, found = loops(k["sass"])
+        print(f"{k['name']}: {k['registers']} registers, {k['spill_bytes']} bytes of spill, {n} instructions")
+        for lp in found:
+            print(f"  loop {lp['first']}..{lp['last']}: {lp['body']} instructions {lp['opcodes']}")
+        if a.out:
+            os.makedirs(a.out, exist_ok=True)
+            with open(os.path.join(a.out, f"{k['name']}.sass"), "w") as f:
+                f.write(k["sass"])
+
+
+if __name__ == "__main__":
+    main()
