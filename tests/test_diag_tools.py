@@ -10,6 +10,15 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _script(name: str):
+    """scripts/diag/NAME.py as a module (the scripts are no package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / f"scripts/diag/{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
 _spec = importlib.util.spec_from_file_location("ncu_sass_regions", ROOT / "scripts/diag/ncu_sass_regions.py")
 regions_mod = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(regions_mod)
@@ -55,9 +64,7 @@ def test_missing_kernel(tmp_path):
 def test_mqa_regions_summary():
     """scripts/diag/mqa_regions.py's reduction of a Mosaic GPU profiler trace: two CTAs of three warpgroups
     (traces 1-3, 4-6), nested regions, per-occurrence and per-CTA medians, CTA spans and spreads."""
-    spec = importlib.util.spec_from_file_location("mqa_regions", ROOT / "scripts/diag/mqa_regions.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script("mqa_regions")
 
     def rng(name, tid, t0, t1):
         return [dict(name=name, ph="B", ts=t0, tid=tid), dict(name=name, ph="E", ts=t1, tid=tid)]
@@ -100,9 +107,7 @@ def test_mosaic_sass_parsing():
     """scripts/diag/mosaic_sass.py's reading of a ``cuobjdump -sass`` listing: instructions with their line numbers
     (predicates skipped, encoding-only lines ignored), the histogram by base opcode, the stretches between two
     opcodes and a line range."""
-    spec = importlib.util.spec_from_file_location("mosaic_sass", ROOT / "scripts/diag/mosaic_sass.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script("mosaic_sass")
     sass = "\n".join([
         "        Function : kernel_mosaic_gpu_kernel",
         "        /*0000*/                   LDS.128 R108, [R15+UR12+0x12480] ;   /* 0x0000000c0f6c7984 */",
@@ -125,9 +130,7 @@ def test_triton_sass_loops():
     """scripts/diag/triton_sass.py's loop finder on a synthetic nvdisasm listing: a backward branch to an earlier
     label is a loop (its body from the label to the branch), a forward one is not; opcodes lose predicates and
     modifiers."""
-    spec = importlib.util.spec_from_file_location("triton_sass", ROOT / "scripts/diag/triton_sass.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script("triton_sass")
     text = "\n".join([
         "        /*0000*/                   LDC R1, c[0x0][0x28] ;",
         ".L_x_0:",
