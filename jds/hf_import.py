@@ -862,32 +862,29 @@ def _check_fp4_expert(src: SafetensorsDir, hf: str, shape: tuple[int, int], suff
     return "fp4_stored"
 
 
-def _check_param(src: SafetensorsDir, hf: str, shape: tuple[int, ...], jds: str, consumed: set[str]) -> str:
-    if hf not in src:
-        raise ValueError(f"HF checkpoint {src.path!r}: missing tensor {hf!r} (for jds {jds!r})")
-    dt, shp = src.info(hf)
-    consumed.add(hf)
-    if dt not in FLOAT_DTYPES:
-        raise ValueError(f"HF tensor {hf!r} has dtype {dt}, expected a float tensor ({', '.join(FLOAT_DTYPES)}) "
-                         f"for jds {jds!r}")
-    if tuple(shp) != tuple(shape):
-        raise ValueError(f"HF tensor {hf!r} has shape {tuple(shp)}, expected {tuple(shape)} (for jds {jds!r})")
-    return "float"
-
-
 INT_DTYPES = ("I32", "I64", "I16", "U8", "I8")
 
 
-def _check_index(src: SafetensorsDir, hf: str, shape: tuple[int, ...], jds: str, consumed: set[str]) -> str:
+def _check_tensor(src: SafetensorsDir, hf: str, shape: tuple[int, ...], jds: str, consumed: set[str],
+                  dtypes: tuple[str, ...], what: str) -> None:
+    """``hf`` exists with one of ``dtypes`` (``what`` names them in the error) and ``shape``; marks it consumed."""
     if hf not in src:
         raise ValueError(f"HF checkpoint {src.path!r}: missing tensor {hf!r} (for jds {jds!r})")
     dt, shp = src.info(hf)
     consumed.add(hf)
-    if dt not in INT_DTYPES:
-        raise ValueError(f"HF tensor {hf!r} has dtype {dt}, expected an integer tensor ({', '.join(INT_DTYPES)}) "
-                         f"for jds {jds!r}")
+    if dt not in dtypes:
+        raise ValueError(f"HF tensor {hf!r} has dtype {dt}, expected {what} ({', '.join(dtypes)}) for jds {jds!r}")
     if tuple(shp) != tuple(shape):
         raise ValueError(f"HF tensor {hf!r} has shape {tuple(shp)}, expected {tuple(shape)} (for jds {jds!r})")
+
+
+def _check_param(src: SafetensorsDir, hf: str, shape: tuple[int, ...], jds: str, consumed: set[str]) -> str:
+    _check_tensor(src, hf, shape, jds, consumed, FLOAT_DTYPES, "a float tensor")
+    return "float"
+
+
+def _check_index(src: SafetensorsDir, hf: str, shape: tuple[int, ...], jds: str, consumed: set[str]) -> str:
+    _check_tensor(src, hf, shape, jds, consumed, INT_DTYPES, "an integer tensor")
     return "index"
 
 
