@@ -19,9 +19,7 @@ def _script(name: str):
     spec.loader.exec_module(mod)
     return mod
 
-_spec = importlib.util.spec_from_file_location("ncu_sass_regions", ROOT / "scripts/diag/ncu_sass_regions.py")
-regions_mod = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(regions_mod)
+regions_mod = _script("ncu_sass_regions")
 
 HEADER = ["Address", "Source", regions_mod.SAMPLES, regions_mod.NOT_ISSUED, regions_mod.EXECUTED]
 

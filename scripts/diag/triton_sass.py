@@ -22,15 +22,16 @@ import functools
 import json
 import os
 import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ncu_sass_regions import opcode  # noqa: E402  (an instruction's base opcode, its predicate skipped)
 
 INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 BRANCH = re.compile(r"BRA\s+`\((\.L_x_\d+)\)")
-
-
-def opcode(text: str) -> str:
-    """An instruction's opcode without predicate and modifiers: '@!P0 LOP3.LUT R1, ...' -> 'LOP3'."""
-    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
 
 
 def loops(sass: str) -> tuple[int, list[dict]]:
