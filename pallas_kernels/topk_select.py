@@ -28,6 +28,9 @@ each survivor is stored straight to its output slot. Per row:
    counters, one cross-lane reduction per pass (no atomics). The largest d with ``ge[d] >= k'`` extends the
    prefix, and k' drops by ``ge[d + 1]``. After the last pass the prefix is tau and k' = ``need``, the
    number of keys == tau to keep (>= 1). The prefilter's pivot is the same computation on the sample.
+   With ``TopkSelectConfig.range_margin`` the passes over the buffer count digits of u - pivot instead, the
+   first ones a fraction of the span up to the sample's largest key, so the first pass splits the candidates
+   finely where the whole key space's first digits are shared by almost all of them (``_kth_key``).
 3. Compaction: one more loop keeps key > tau, and key == tau while fewer than ``need`` equal keys came
    before; an exclusive prefix sum of the kept mask within the block plus the count so far is each
    survivor's slot in the [T, k] output (a masked scatter store). It stops when k keys are kept, so a short
@@ -110,6 +113,12 @@ class TopkSelectConfig:
     # with shrink: the shrunk block stays in registers across the remaining counting passes (loaded once after the
     # copy) instead of each pass reloading the scratch row: one dependent load fewer per pass
     hold_shrunk: bool = False
+    # None: the counting passes over the candidate buffers start from the whole key space (8 passes of 4-bit digits,
+    # the first ones shared by almost every candidate: normal logits' top 4K lie within two exponents). m >= 0: they
+    # start from the pivot, with digits 2^-(bits + m) of the span between the pivot and the sample's largest key
+    # (keys above it count in the top digit), so the first pass already splits the candidates finely: about 300 of
+    # the 3.8K of a 64K row remain after it instead of 2.3K, and fit the shrunk block from the second pass on
+    range_margin: int | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in (1, 2, 4):  # 8 would need [256, hist_block] counters: spills
@@ -125,6 +134,8 @@ class TopkSelectConfig:
             raise ValueError(f"hist_block must be < 32768, got {self.hist_block}")
         if self.capacity is not None and self.capacity < 0:
             raise ValueError(f"capacity must be >= 0 or None, got {self.capacity}")
+        if self.range_margin is not None and not 0 <= self.range_margin <= 8:
+            raise ValueError(f"range_margin must be None or in 0..8, got {self.range_margin}")
 
     def buffer_capacity(self, n: int, k: int) -> int:
         """Candidate buffer length per row for rows of n and this k (0: no prefilter)."""
@@ -170,16 +181,46 @@ def _sample_rank(n: int, k: int, sample: int) -> int:
 Source = tuple[jax.Array | int, Callable[[jax.Array], tuple[jax.Array, jax.Array]]]  # (blocks, block -> (s, col))
 
 
+Range = tuple[jax.Array, jax.Array, jax.Array]  # (lo, span, shift): keys with lo <= u <= lo + span, digit (u - lo) >> shift
+
+
+def _bitlen(x: jax.Array) -> jax.Array:
+    """Significant bits of x read as uint32 (0 for 0)."""
+    return 32 - lax.clz(x)
+
+
+def _whole_range(bits: int) -> Range:
+    """Every key: the plain radix select, the leading ``bits`` of u first."""
+    return jnp.zeros((), I32), jnp.full((), -1, I32), jnp.full((), 32 - bits, I32)
+
+
+def _pivot_range(piv_u: jax.Array, hi_u: jax.Array, bits: int, margin: int) -> Range:
+    """Keys at or above the pivot, the first digits 2^-(bits + margin) of the span from the pivot to ``hi_u`` (the
+    sample's largest key) each; keys past the last digit's bucket count in it (``_kth_key`` clamps the digit). The
+    shift stays below what the whole span needs, and at least 1 where the span is 2^31 or more (a digit is then
+    always a nonnegative int32)."""
+    span = ~piv_u
+    need = jnp.maximum(_bitlen(span) - bits, 0)
+    return piv_u, span, jnp.minimum(jnp.maximum(_bitlen(hi_u - piv_u) - bits - margin, 1), need)
+
+
 def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, key_bits: int = 32,
-             shrink: tuple | None = None, unroll: int = 1, hold: bool = False) -> tuple[jax.Array, jax.Array]:
+             shrink: tuple | None = None, unroll: int = 1, hold: bool = False,
+             start: Range | None = None) -> tuple[jax.Array, jax.Array]:
     """(u of the k-th largest key over all sources' blocks [1, width], need = k - #keys above it). With
     ``key_bits`` < 32, only that many leading bits are resolved: u is then the floor of the k-th largest key's
     bucket (its low bits zero), need is relative to that bucket.
 
+    Each pass counts the candidates (keys in the current range [lo, lo + span], as uint32) by digit
+    (u - lo) >> shift, clamped to the top digit; the largest digit at which k' or more candidates lie picks the next
+    range (that digit's bucket; the top digit's reaches the range's end), k' drops by the keys above it, and the
+    next shift leaves ``bits`` bits of digit for the new span. It stops when the span has no bits left above the
+    resolved ones. ``start`` (``_whole_range`` if None) is the first range: from the whole key space this is the
+    plain radix select, 32 / bits passes; from ``_pivot_range`` the first pass splits the buffers' candidates finely.
+
     ``shrink`` = (scratch ref [T, >= width], row, T, interpret): after the first pass that leaves at most ``width``
-    candidates (keys whose decided bits equal the prefix), they are copied to the scratch row, and the remaining
-    passes count that one block instead of every source's blocks. The counts are the same (the later passes count
-    only those keys anyway), so u and need are too.
+    candidates, they are copied to the scratch row, and the remaining passes count that one block instead of every
+    source's blocks. The counts are the same (the later passes count only those keys anyway), so u and need are too.
 
     ``unroll``: each loop step loads that many of a source's blocks before counting any (``TopkSelectConfig.unroll``);
     blocks past the source's count are no candidates, so the counts are unchanged. Sources must load by block index
@@ -191,7 +232,6 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
     nd = 1 << bits
     d = C.iota((nd, 1), 0)
     d1 = C.iota((nd,), 0)
-    passes = key_bits // bits
 
     def scratch_keys(count):
         def load(b):
@@ -201,20 +241,31 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
             return jnp.where(inside, s, _SIGN), lane
         return load
 
-    def digit_pass(p, carry):
-        prefix, k_rem, shrunk, kept, held = carry
-        shift = 32 - bits - bits * p
+    def inside(s, lo, span):
+        """1 where u(s) lies in [lo, lo + span] (uint32): s - (lo ^ SIGN) is u - lo; the compare is unsigned."""
+        return ((s - (lo ^ _SIGN)) ^ _SIGN) <= (span ^ _SIGN)
+
+    def digit_pass(carry):
+        lo, span, shift, k_rem, shrunk, kept, held, _ = carry
+        lo_s, span_s = lo ^ _SIGN, span ^ _SIGN
+        prefix = lax.shift_right_logical(lax.shift_right_logical(lo, shift), bits)  # the radix form's decided bits
+
+        def digit(s):
+            """(candidate, digit) of keys s in the current range."""
+            if radix:  # the whole key space: the decided bits == prefix (the same keys, two ops fewer a key)
+                top = lax.shift_right_logical(s ^ _SIGN, shift)
+                return lax.shift_right_logical(top, bits) == prefix, top & (nd - 1)
+            rel = s - lo_s  # u - lo
+            return (rel ^ _SIGN) <= span_s, jnp.minimum(lax.shift_right_logical(rel, shift), nd - 1)
 
         def count(load, n_blocks, u):
             def body(i, acc):
                 keys = [load(i * u + j)[0] for j in range(u)]  # every load issued before the first use
                 for j, s in enumerate(keys):
-                    top = lax.shift_right_logical(s ^ _SIGN, shift)
-                    # digit of a candidate (high bits == prefix); -1 (below every d) for the rest
-                    cand = lax.shift_right_logical(top, bits) == prefix
+                    cand, dig = digit(s)
                     if u > 1:  # a block past the source's count (its masked lanes would read as u = 0 keys)
                         cand = cand & (i * u + j < n_blocks)
-                    acc = acc + (jnp.where(cand, top & (nd - 1), -1) >= d).astype(I32)
+                    acc = acc + (jnp.where(cand, dig, -1) >= d).astype(I32)  # -1: below every d
                 return acc
             return body
 
@@ -229,15 +280,20 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
         ge = jnp.sum(acc, axis=1)
         sel = jnp.sum((ge >= k_rem).astype(I32)) - 1  # ge[0] = all candidates >= k_rem
         above = jnp.sum(jnp.where(d1 == sel + 1, ge, 0))  # candidates with a larger digit
-        prefix = (prefix << bits) | sel
+        base = lax.shift_left(sel, shift)
+        rest, bucket = span - base, lax.shift_left(jnp.ones((), I32), shift) - 1
+        # the top digit's bucket reaches the range's end; any other ends at its own width or there, the smaller (uint32)
+        span = jnp.where((sel == nd - 1) | ((rest >= 0) & (rest < bucket)), rest, bucket)
+        lo = lo + base
+        done = (_bitlen(span) <= 32 - key_bits).astype(I32)
         if shrink is not None:  # the next pass's candidates: this digit == sel
             nxt = jnp.sum(jnp.where(d1 == sel, ge, 0)) - above
-            go = (1 - shrunk) * (nxt <= width).astype(I32) * (p + 1 < passes).astype(I32)
+            go = (1 - shrunk) * (nxt <= width).astype(I32) * (1 - done)
 
             def copy(load):
                 def body(b, put):
                     s = load(b)[0]
-                    ki = (lax.shift_right_logical(s ^ _SIGN, shift) == prefix).astype(I32)
+                    ki = inside(s, lo, span).astype(I32)
                     _scatter(shrink[0], shrink[1], shrink[2], put + jnp.cumsum(ki, axis=1) - ki, s, ki == 1)
                     return put + jnp.sum(ki)
                 return body
@@ -250,12 +306,18 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
             if hold:  # the copied block, loaded once (no lane is loaded on the passes without a copy)
                 held = jnp.where(go == 1, scratch_keys(go * nxt)(0)[0], held)
             shrunk, kept = shrunk + go, jnp.where(go == 1, nxt, kept)
-        return prefix, k_rem - above, shrunk, kept, held
+        shift = jnp.maximum(_bitlen(span) - bits, 0)
+        return lo, span, shift, k_rem - above, shrunk, kept, held, done
 
     zero = jnp.zeros((), I32)
     held0 = jnp.full((1, width), _SIGN, I32)
-    prefix, need, _, _, _ = lax.fori_loop(0, passes, digit_pass, (zero, jnp.asarray(k, I32), zero, zero, held0))
-    return (prefix if key_bits == 32 else lax.shift_left(prefix, 32 - key_bits)), need
+    radix = start is None
+    if radix:  # the whole key space: a static number of passes (a dynamic one took the registers of a spill)
+        out = lax.fori_loop(0, key_bits // bits, lambda p, c: digit_pass((*c, zero))[:-1],
+                            (*_whole_range(bits), jnp.asarray(k, I32), zero, zero, held0))
+    else:
+        out = lax.while_loop(lambda c: c[-1] == 0, digit_pass, (*start, jnp.asarray(k, I32), zero, zero, held0, zero))
+    return out[0], out[3]
 
 
 PATHS = ("row", "buffer", "refilled buffer", "pivot is tau", "overflowed buffer")  # select_unsorted's path codes
@@ -271,8 +333,9 @@ def _row_keys(x_ref, row, n: int) -> Callable[[jax.Array, int], tuple[jax.Array,
     return x_keys
 
 
-def _sample_pivot(x_ref, row, n: int, k: int, cfg: TopkSelectConfig) -> jax.Array:
-    """u of the prefilter's pivot: the ``_sample_rank``-th largest key of ``cfg.sample`` evenly spaced keys.
+def _sample_pivot(x_ref, row, n: int, k: int, cfg: TopkSelectConfig) -> tuple[jax.Array, jax.Array]:
+    """(u of the prefilter's pivot: the ``_sample_rank``-th largest key of ``cfg.sample`` evenly spaced keys; u of
+    the sample's largest key where ``cfg.range_margin`` is set, else 0).
 
     With ``pivot_bits`` < 32 that key is resolved only to its bucket, and the pivot is the smallest sampled key
     in the bucket or above its floor: still at most the exact rank's key (so no fewer candidates), and always a
@@ -285,10 +348,20 @@ def _sample_pivot(x_ref, row, n: int, k: int, cfg: TopkSelectConfig) -> jax.Arra
     xs = lax.bitcast_convert_type(C.load(x_ref, (row, scol), (1, s_n)), I32)
     xs = jnp.where(xs < 0, xs ^ 0x7FFFFFFF, xs)
     floor_u = _kth_key([(1, lambda b: (xs, scol))], _sample_rank(n, k, s_n), cfg.bits, s_n, cfg.pivot_bits)[0]
+    hi_u = jnp.max(xs) ^ _SIGN if cfg.range_margin is not None else jnp.zeros((), I32)
     if cfg.pivot_bits == 32:
-        return floor_u
+        return floor_u, hi_u
     floor_s = floor_u ^ _SIGN
-    return jnp.min(jnp.where(xs >= floor_s, xs, jnp.iinfo(jnp.int32).max)) ^ _SIGN
+    return jnp.min(jnp.where(xs >= floor_s, xs, jnp.iinfo(jnp.int32).max)) ^ _SIGN, hi_u
+
+
+def _counting_start(cfg: TopkSelectConfig, use_buf: jax.Array, piv_u: jax.Array, hi_u: jax.Array) -> Range | None:
+    """The counting passes' first range (``TopkSelectConfig.range_margin``): from the pivot where they read the
+    candidate buffers (every candidate is >= the pivot there), the whole key space where they read the row."""
+    if cfg.range_margin is None:
+        return None
+    return tuple(jnp.where(use_buf, p, w) for p, w in zip(_pivot_range(piv_u, hi_u, cfg.bits, cfg.range_margin),
+                                                            _whole_range(cfg.bits)))
 
 
 def _scatter(ref, row, t: int, slot: jax.Array, val: jax.Array, ok: jax.Array) -> None:
@@ -385,7 +458,7 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
     sources = [from_row]
     if cap:
         bkey_ref, bcol_ref = bufs[:2]
-        piv_u = _sample_pivot(x_ref, row, n, k, cfg)
+        piv_u, hi_u = _sample_pivot(x_ref, row, n, k, cfg)
         piv = piv_u ^ _SIGN
 
         def put(slot, s, col, ok):
@@ -427,7 +500,8 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
         sources = [(on * lax.shift_right_logical(count + hb - 1, C.log2(hb)), buf_keys),
                    ((1 - on) * from_row[0], from_row[1])]
         counted = [sources[0], ((1 - on) * (1 - piv_on) * from_row[0], from_row[1])]
-        tau_u, need = _kth_key(counted, k, cfg.bits, hb, shrink=shrink, unroll=cfg.unroll, hold=cfg.hold_shrunk)
+        tau_u, need = _kth_key(counted, k, cfg.bits, hb, shrink=shrink, unroll=cfg.unroll, hold=cfg.hold_shrunk,
+                               start=_counting_start(cfg, use_buf, piv_u, hi_u))
         tau_u = jnp.where(at_pivot, piv_u, tau_u)
         need = jnp.where(at_pivot, k - above, need)
     else:
@@ -446,10 +520,10 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
     """Program (row, j): the prefilter's pass over the j-th of ``cfg.splits`` column ranges of the row (whole
     blocks), keys >= the row's sample pivot into buffer j ([row, j cap : (j + 1) cap], column order), and its
     counts: keys >= pivot, keys > pivot, keys > pivot that fit the buffer; the pivot's u for the finish kernel
-    (every program of the row writes the same value)."""
+    and the sample's largest key's ([row, 0], [row, 1]; every program of the row writes the same values)."""
     row, j = pl.program_id(0), pl.program_id(1)
     t = key_ref.shape[0]
-    piv_u = _sample_pivot(x_ref, row, n, k, cfg)
+    piv_u, hi_u = _sample_pivot(x_ref, row, n, k, cfg)
     per = pl.cdiv(pl.cdiv(n, cfg.block), cfg.splits)
     nb = jnp.clip(pl.cdiv(n, cfg.block) - j * per, 0, per)
 
@@ -462,7 +536,8 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
     at = (row + jnp.zeros((1, 1), I32), j + jnp.zeros((1, 1), I32))
     for ref, v in zip((filled_ref, above_ref, in_ref), counts):
         C.store(ref, at, jnp.full((1, 1), v, I32), jnp.ones((1, 1), bool))
-    C.store(piv_ref, (at[0],), jnp.full((1, 1), piv_u, I32), jnp.ones((1, 1), bool))
+    for c, v in enumerate((piv_u, hi_u)):
+        C.store(piv_ref, (at[0], jnp.full((1, 1), c, I32)), jnp.full((1, 1), v, I32), jnp.ones((1, 1), bool))
 
 
 def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, idx_ref, tau_ref,
@@ -484,7 +559,8 @@ def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref,
     js = C.iota((1, sp), 1)
     filled, above, above_in = (C.load(r, (row, js), (1, sp)) for r in (filled_ref, above_ref, in_ref))
     total, total_above = jnp.sum(filled), jnp.sum(above)
-    piv_u = jnp.sum(C.load(piv_ref, (row + jnp.zeros((1, 1), I32),), (1, 1)))
+    piv_u, hi_u = (jnp.sum(C.load(piv_ref, (row + jnp.zeros((1, 1), I32), jnp.full((1, 1), c, I32)), (1, 1)))
+                   for c in (0, 1))
     # more keys at or above the pivot than one buffer holds, in one split or in all of them together (a short row's
     # -inf tail whose splits each fit their buffer): the pivot's value is shared by many keys, as in the one-kernel
     # path; the union then serves only with the keys strictly above the pivot (kept_all)
@@ -512,7 +588,8 @@ def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref,
     from_row = (pl.cdiv(n, hb), lambda b: x_keys(b, hb))
     shrink = (scratch[0], row, t, interpret) if cfg.shrink else None
     tau_u, need = _kth_key(bufs + [((1 - on) * (1 - piv_on) * from_row[0], from_row[1])], k, cfg.bits, hb,
-                           shrink=shrink, unroll=cfg.unroll, hold=cfg.hold_shrunk)
+                           shrink=shrink, unroll=cfg.unroll, hold=cfg.hold_shrunk,
+                           start=_counting_start(cfg, use_buf, piv_u, hi_u))
     tau_u = jnp.where(at_pivot, piv_u, tau_u)
     need = jnp.where(at_pivot, k - total_above, need)
     row11, one11 = row + jnp.zeros((1, 1), I32), jnp.ones((1, 1), bool)
@@ -529,7 +606,7 @@ def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpr
     sp = cfg.splits
     fill = functools.partial(_split_fill_kernel, n=n, k=k, cfg=cfg, cap=cap)
     bufs = [jax.ShapeDtypeStruct((t, sp * cap), I32)] * 2 + [jax.ShapeDtypeStruct((t, sp), I32)] * 3
-    bufs += [jax.ShapeDtypeStruct((t,), I32)]  # the row's pivot (u)
+    bufs += [jax.ShapeDtypeStruct((t, 2), I32)]  # the row's pivot and its sample's largest key (u)
     keys, cols, filled, above, above_in, piv = C.pallas_call(
         fill, out_shape=tuple(bufs), grid=(t, sp), aliases={}, interpret=interpret, name="topk_radix_prefilter",
         num_warps=cfg.num_warps)(x)

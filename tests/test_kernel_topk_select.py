@@ -184,6 +184,39 @@ def test_coarse_pivot_same_result(mode: str, splits: int) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("splits,margin,fast", [
+    (4, 1, True),  # the indexer's form (unroll 2, shrink, held block)
+    (1, 0, False),  # one kernel per row
+    pytest.param(4, 2, False, marks=pytest.mark.slow), pytest.param(1, 3, True, marks=pytest.mark.slow)])
+def test_range_start_same_result(mode: str, splits: int, margin: int, fast: bool) -> None:
+    """``range_margin`` (the counting passes over the candidate buffers start from the pivot, their first digits
+    a fraction of the span up to the sample's largest key): lax.top_k's result, the same candidates and the same
+    path on every row kind and path as the whole-key-space start; k below and above hist_block (shrunk or not);
+    rows whose k-th key lies above the sample's largest (it falls in the clamped top digit: 60 keys of 100 off the
+    sample's columns); rows whose k-th key equals the pivot (ties), short rows."""
+    n = 3000
+    base = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=1200, splits=splits)
+    if fast:
+        base = dataclasses.replace(base, unroll=2, shrink=True, hold_shrunk=True)
+    rng = np.random.default_rng(41 + margin)
+    above = rng.standard_normal((2, n)).astype(np.float32)
+    off = np.setdiff1d(np.arange(n), (np.arange(256) * n) // 256)
+    above[0, rng.choice(off, 60, replace=False)] += np.float32(100.0)
+    above[1, rng.choice(off, 60, replace=False)] = np.float32(1e30)  # the top digit's bucket reaches 2^32
+    short = rng.standard_normal((2, n)).astype(np.float32)
+    short[np.arange(n)[None, :] >= np.array([10, 120])[:, None]] = -np.inf
+    x = np.concatenate([_mixed(n, rng, 1), above, short, rng.standard_normal((2, n)).astype(np.float32) * 1e-3 + 1.0])
+    for k in (50, 300):
+        want = _check(x, k, interpret_for(mode), base, paths=True)
+        got = _check(x, k, interpret_for(mode), dataclasses.replace(base, range_margin=margin), paths=True)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+        assert [PATHS[p] for p in got[1][len(KINDS):len(KINDS) + 2]] == ["buffer", "buffer"], got
+    with pytest.raises(ValueError, match="range_margin"):
+        TopkSelectConfig(range_margin=-1)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_split_prefilter_matches_lax_top_k(mode: str) -> None:
     """``splits`` programs per row stream the prefilter (each into its own buffer), a second kernel counts and
     compacts the buffers' union: lax.top_k's result on every row kind, and each path: buffers (random rows),
@@ -372,16 +405,19 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
     assert "__gpu$xla.gpu.triton" in C.check_triton_lowering(fn, jax.ShapeDtypeStruct((t, n), jnp.float32))
 
 
-@pytest.mark.parametrize("t,n", [(64, 65536),  # the 8-split finish takes ptxas about 40 s on 2 cores: slow
-                                 pytest.param(16, 131072, marks=pytest.mark.slow)])
-def test_sm90_compile_indexer_config(t: int, n: int) -> None:
+@pytest.mark.parametrize("t,n,margin", [(64, 65536, None), (64, 65536, 1),
+                                        # the 8-split finish takes ptxas about 40 s on 2 cores: slow
+                                        pytest.param(16, 131072, None, marks=pytest.mark.slow),
+                                        pytest.param(16, 131072, 1, marks=pytest.mark.slow)])
+def test_sm90_compile_indexer_config(t: int, n: int, margin: int | None) -> None:
     """The indexer's config at its shapes (``select_config_for``: split, unroll 2, shrink, 512-key steps, 16-bit
     pivot) compiles for sm_90a with at most 64 bytes of spills (a bound, not zero: with pip triton 3.6 the 512-key
     finish kernel spills 40 bytes at 128 registers, with 3.8 none; the H200's timeline, with the plugin's own Triton,
     measured that form faster than the 256-key one, whatever it spills there)."""
     pytest.importorskip("triton")
     from pallas_kernels.topk_select import select_config_for
-    fn = functools.partial(topk_select, k=2048, interpret=False, config=select_config_for(t, n), sort=False)
+    cfg = dataclasses.replace(select_config_for(t, n), range_margin=margin)
+    fn = functools.partial(topk_select, k=2048, interpret=False, config=cfg, sort=False)
     for k in C.compile_sm90_report(fn, jax.ShapeDtypeStruct((t, n), jnp.float32)):
         assert k["spill_bytes"] <= 64, k
 

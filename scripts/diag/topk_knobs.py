@@ -49,7 +49,16 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          # the indexer's config (h512_p16_hold, twelfth session) with a coarser pivot: 3 or 2 of the sample's 4
          # counting passes, more candidates for the finish
          "h512_p12_hold": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=12, hold_shrunk=True),
-         "h512_p8_hold": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=8, hold_shrunk=True)}
+         "h512_p8_hold": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=8, hold_shrunk=True),
+         # the indexer's config with the finish's counting from the pivot (range_margin; thirty-fourth session): the
+         # first pass's digits 2^-(4 + m) of the span up to the sample's largest key (scripts/diag/topk_passes.py
+         # gives the passes over the buffers before the shrink: 4 -> 1 at 64 x 64K for m = 1)
+         "h512_p16_hold_r0": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
+                                  range_margin=0),
+         "h512_p16_hold_r1": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
+                                  range_margin=1),
+         "h512_p16_hold_r2": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
+                                  range_margin=2)}
 
 
 def main() -> None:
