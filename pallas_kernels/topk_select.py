@@ -217,6 +217,8 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
     next shift leaves ``bits`` bits of digit for the new span. It stops when the span has no bits left above the
     resolved ones. ``start`` (``_whole_range`` if None) is the first range: from the whole key space this is the
     plain radix select, 32 / bits passes; from ``_pivot_range`` the first pass splits the buffers' candidates finely.
+    Where the k-th key lies past the first digits' reach (the clamped top digit), the next digits are 2^bits times
+    as wide, up to what the rest of the range needs (``scripts/diag/topk_passes.py`` replays this arithmetic).
 
     ``shrink`` = (scratch ref [T, >= width], row, T, interpret): after the first pass that leaves at most ``width``
     candidates, they are copied to the scratch row, and the remaining passes count that one block instead of every
@@ -282,6 +284,8 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
         above = jnp.sum(jnp.where(d1 == sel + 1, ge, 0))  # candidates with a larger digit
         base = lax.shift_left(sel, shift)
         rest, bucket = span - base, lax.shift_left(jnp.ones((), I32), shift) - 1
+        # the top digit held keys past the digits' reach (a start from the pivot whose k-th key lies above them)
+        clamped = (sel == nd - 1) & (lax.shift_right_logical(span, shift) > nd - 1)
         # the top digit's bucket reaches the range's end; any other ends at its own width or there, the smaller (uint32)
         span = jnp.where((sel == nd - 1) | ((rest >= 0) & (rest < bucket)), rest, bucket)
         lo = lo + base
@@ -306,8 +310,10 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
             if hold:  # the copied block, loaded once (no lane is loaded on the passes without a copy)
                 held = jnp.where(go == 1, scratch_keys(go * nxt)(0)[0], held)
             shrunk, kept = shrunk + go, jnp.where(go == 1, nxt, kept)
-        shift = jnp.maximum(_bitlen(span) - bits, 0)
-        return lo, span, shift, k_rem - above, shrunk, kept, held, done
+        nxt_shift = jnp.maximum(_bitlen(span) - bits, 0)
+        if not radix:  # past a clamped top digit the digits grow 2^bits-fold, not to the rest of the key space at once
+            nxt_shift = jnp.where(clamped, jnp.minimum(nxt_shift, shift + bits), nxt_shift)
+        return lo, span, nxt_shift, k_rem - above, shrunk, kept, held, done
 
     zero = jnp.zeros((), I32)
     held0 = jnp.full((1, width), _SIGN, I32)

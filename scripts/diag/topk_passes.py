@@ -1,7 +1,7 @@
 """How many counting passes the split top-k's finish makes over its candidate buffers before the candidates fit
 the shrunk block, with the whole-key-space start and with ``range_margin``'s start from the pivot (CPU, numpy).
 
-    python scripts/diag/topk_passes.py [--rows 64] [--n 65536] [--k 2048] [--margins 0 1 2] [--scale 1 0.01 100]
+    python scripts/diag/topk_passes.py [--rows 64] [--n 65536] [--k 2048] [--margins 0 1 2] [--scale 1 0.01 100] [--pivot-bits 16]
 
 Why: each pass before the shrink reads every candidate buffer (latency-bound L2 round trips on the H200), the
 passes after it count one block held in registers. This replays the kernel's pivot (``_sample_pivot``: evenly
@@ -36,7 +36,7 @@ def pivot(u: np.ndarray, k: int, sample: int = 1024, pivot_bits: int = 16) -> tu
 def passes(cand: np.ndarray, k: int, lo: int, span: int, shift: int, width: int = 512, bits: int = 4
            ) -> tuple[int, int, int]:
     """(passes before the candidates fit ``width``, passes in all, the k-th key) for the range arithmetic."""
-    nd, k_rem, full, total = 1 << bits, k, None, 0
+    nd, k_rem, full, total, prev = 1 << bits, k, None, 0, shift
     cand = cand.astype(np.int64)
     while True:
         total += 1
@@ -47,6 +47,7 @@ def passes(cand: np.ndarray, k: int, lo: int, span: int, shift: int, width: int 
         above = int(ge[sel + 1]) if sel + 1 < nd else 0
         base = sel << shift
         rest, bucket = span - base, (1 << shift) - 1
+        clamped = sel == nd - 1 and span >> shift > nd - 1  # the open top digit: keys past the digits' reach
         span = rest if sel == nd - 1 else min(rest, bucket)
         lo += base
         k_rem -= above
@@ -55,6 +56,9 @@ def passes(cand: np.ndarray, k: int, lo: int, span: int, shift: int, width: int 
         if span == 0:
             return full if full is not None else total, total, lo
         shift = max(span.bit_length() - bits, 0)
+        if clamped:  # grow the digits 2^bits-fold from where they stopped, not the whole rest of the key space at once
+            shift = min(shift, prev + bits)
+        prev = shift
 
 
 def main() -> None:
@@ -64,13 +68,14 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--margins", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--scale", type=float, nargs="+", default=[1.0])
+    ap.add_argument("--pivot-bits", type=int, default=16)
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     for scale in a.scale:
         stats: dict[str, list[tuple[int, int]]] = {}
         for _ in range(a.rows):
             u = ordered(rng.standard_normal(a.n) * scale)
-            piv, hi = pivot(u, a.k)
+            piv, hi = pivot(u, a.k, pivot_bits=a.pivot_bits)
             cand = u[u >= piv]
             want = int(np.partition(u, u.size - a.k)[u.size - a.k])
             starts = {"whole": (0, 0xFFFFFFFF, 28)}
