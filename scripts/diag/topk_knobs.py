@@ -62,7 +62,14 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          # a 12-bit pivot lost to the 16-bit one when every candidate cost the finish 8 passes' worth of reads; from
          # the pivot the finish reads them about 3 times whatever their number, so the prefilter's saved pass may win
          "h512_p12_hold_r1": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=12, hold_shrunk=True,
-                                  range_margin=1)}
+                                  range_margin=1),
+         # the prefilter's streaming pass waits on memory (16 KB in flight per SM with unroll 2): more of it in flight,
+         # by twice the programs per row (2 CTAs per SM at 127 registers; more sources for the finish, which now reads
+         # them about 3 times, not 6) or 4 blocks a step
+         "x2_h512_p16_hold_r1": dict(splits_x=2, unroll=2, shrink=True, hist_block=512, pivot_bits=16,
+                                     hold_shrunk=True, range_margin=1),
+         "u4_h512_p16_hold_r1": dict(unroll=4, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
+                                     range_margin=1)}
 
 
 def main() -> None:
