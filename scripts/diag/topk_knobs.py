@@ -69,7 +69,9 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          "x2_h512_p16_hold_r1": dict(splits_x=2, unroll=2, shrink=True, hist_block=512, pivot_bits=16,
                                      hold_shrunk=True, range_margin=1),
          "u4_h512_p16_hold_r1": dict(unroll=4, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
-                                     range_margin=1)}
+                                     range_margin=1),
+         "x2_u4_h512_p16_hold_r1": dict(splits_x=2, unroll=4, shrink=True, hist_block=512, pivot_bits=16,
+                                        hold_shrunk=True, range_margin=1)}
 
 
 def main() -> None:
