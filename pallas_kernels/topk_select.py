@@ -119,6 +119,9 @@ class TopkSelectConfig:
     # (keys above it count in the top digit), so the first pass already splits the candidates finely: about 300 of
     # the 3.8K of a 64K row remain after it instead of 2.3K, and fit the shrunk block from the second pass on
     range_margin: int | None = None
+    # the prefilter's streaming pass keeps the next step's blocks in flight while it works on the current ones, and
+    # the split kernel issues its first step's loads before the sample pivot (_fill's ``prefetch``)
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (1, 2, 4):  # 8 would need [256, hist_block] counters: spills
@@ -329,11 +332,12 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
 PATHS = ("row", "buffer", "refilled buffer", "pivot is tau", "overflowed buffer")  # select_unsorted's path codes
 
 
-def _row_keys(x_ref, row, n: int) -> Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]:
-    """(block b, width) -> (s, column) [1, width] of the row's keys; padding lanes past n get s = _SIGN."""
-    def x_keys(b, width):
+def _row_keys(x_ref, row, n: int) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """(block b, width[, end]) -> (s, column) [1, width] of the row's keys; padding lanes past n (and past column
+    ``end``, unloaded) get s = _SIGN."""
+    def x_keys(b, width, end=None):
         col = b * width + C.iota((1, width), 1)
-        inside = col < n
+        inside = col < n if end is None else (col < n) & (col < end)
         xb = lax.bitcast_convert_type(C.load(x_ref, (row, col), (1, width), mask=inside), I32)
         return jnp.where(inside, jnp.where(xb < 0, xb ^ 0x7FFFFFFF, xb), _SIGN), col
     return x_keys
@@ -393,7 +397,8 @@ def _strict_fill(piv_u: jax.Array) -> jax.Array:
 
 
 def _fill(x_keys, first_block, n_blocks, piv, cap: int, width: int, strict: bool | jax.Array, put: Callable,
-          unroll: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
+          unroll: int = 1, prefetch: bool = False, first: list[jax.Array] | None = None
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The prefilter's streaming pass over blocks ``first_block .. first_block + n_blocks - 1``: keys >= ``piv``
     (> with ``strict``) go in column order to buffer slots < ``cap`` (``put(slot, s, col, ok)``). Returns (keys
     kept or counted, keys > piv, keys > piv that landed in the buffer). Only the first count sets the next block's
@@ -401,12 +406,17 @@ def _fill(x_keys, first_block, n_blocks, piv, cap: int, width: int, strict: bool
     per-lane counters reduced at the end: two cross-warp reductions and their barriers fewer per block.
     ``unroll`` blocks are loaded per step before any is used; one past ``n_blocks`` (another split's, or past the
     row) reads as keys below every pivot. ``strict`` may be an int32 0 / 1 decided per row (``_strict_fill``):
-    then the fill keeps keys >= piv + strict, one compare a key either way."""
-    lo = piv + strict if isinstance(strict, jax.Array) else None
+    then the fill keeps keys >= piv + strict, one compare a key either way.
 
-    def body(i, carry):
+    ``prefetch`` (``TopkSelectConfig.prefetch``): each step issues the next step's loads before using its own, which
+    the previous step loaded (its keys carried in registers), so two steps' blocks are in flight; loads past the
+    pass's last block are masked out (no memory traffic). ``first``: the first step's keys, loaded by the caller
+    (``_step_keys``) before other work, e.g. the sample pivot, so that they are in flight during it."""
+    lo = piv + strict if isinstance(strict, jax.Array) else None
+    end = (first_block + n_blocks) * width
+
+    def step(i, carry, blocks):
         filled, above, above_in = carry
-        blocks = [x_keys(first_block + i * unroll + j, width) for j in range(unroll)]  # the loads first
         for j, (s, col) in enumerate(blocks):
             if unroll > 1:
                 s = jnp.where(i * unroll + j < n_blocks, s, _SIGN)
@@ -418,9 +428,29 @@ def _fill(x_keys, first_block, n_blocks, piv, cap: int, width: int, strict: bool
             filled, above, above_in = filled + jnp.sum(ki), above + gt, above_in + gt * ok.astype(I32)
         return filled, above, above_in
 
+    def cols(i, j):
+        return (first_block + i * unroll + j) * width + C.iota((1, width), 1)
+
     lanes = jnp.zeros((1, width), I32)
-    filled, above, above_in = lax.fori_loop(0, pl.cdiv(n_blocks, unroll), body, (jnp.zeros((), I32), lanes, lanes))
+    init = (jnp.zeros((), I32), lanes, lanes)
+    steps = pl.cdiv(n_blocks, unroll)
+    if not prefetch:
+        def body(i, carry):  # the loads first
+            return step(i, carry, [x_keys(first_block + i * unroll + j, width) for j in range(unroll)])
+        filled, above, above_in = lax.fori_loop(0, steps, body, init)
+    else:
+        def body(i, carry):
+            nxt = _step_keys(x_keys, first_block, i + 1, unroll, width, end)  # issued before this step's work
+            return (*step(i, carry[:3], [(s, cols(i, j)) for j, s in enumerate(carry[3:])]), *nxt)
+        if first is None:
+            first = _step_keys(x_keys, first_block, 0, unroll, width, end)
+        filled, above, above_in, *_ = lax.fori_loop(0, steps, body, (*init, *first))
     return filled, jnp.sum(above), jnp.sum(above_in)
+
+
+def _step_keys(x_keys, first_block, i, unroll: int, width: int, end) -> list[jax.Array]:
+    """The keys (s) of a fill's step ``i``: ``unroll`` blocks from ``first_block``, masked at column ``end``."""
+    return [x_keys(first_block + i * unroll + j, width, end)[0] for j in range(unroll)]
 
 
 def _compact(sources: list[Source], tau: jax.Array, need: jax.Array, k: int, out: Callable, unroll: int = 1) -> None:
@@ -473,7 +503,7 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
 
         blocks = pl.cdiv(n, cfg.block)
         strict = _strict_fill(piv_u)  # a -inf pivot: the keys above it alone
-        filled, above, above_in = _fill(x_keys, 0, blocks, piv, cap, cfg.block, strict, put, cfg.unroll)
+        filled, above, above_in = _fill(x_keys, 0, blocks, piv, cap, cfg.block, strict, put, cfg.unroll, cfg.prefetch)
         if not interpret:
             plt.debug_barrier()  # the buffer's stores -> its loads by other threads of the CTA
         # More than cap keys at or above the pivot: its value is shared by many keys (the -inf tail of a short
@@ -486,7 +516,7 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
         kept_all = over & (above >= k) & (above_in == above)
         refill = over & (above >= k) & (above <= cap) & (above_in < above)
         at_pivot = (over | (strict == 1)) & (above < k)
-        _fill(x_keys, 0, refill.astype(I32) * blocks, piv, cap, cfg.block, True, put, cfg.unroll)
+        _fill(x_keys, 0, refill.astype(I32) * blocks, piv, cap, cfg.block, True, put, cfg.unroll, cfg.prefetch)
         if not interpret:
             plt.debug_barrier()
         count = jnp.where(refill, above, jnp.minimum(filled, cap))  # keys in the buffer
@@ -529,16 +559,18 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
     and the sample's largest key's ([row, 0], [row, 1]; every program of the row writes the same values)."""
     row, j = pl.program_id(0), pl.program_id(1)
     t = key_ref.shape[0]
-    piv_u, hi_u = _sample_pivot(x_ref, row, n, k, cfg)
     per = pl.cdiv(pl.cdiv(n, cfg.block), cfg.splits)
     nb = jnp.clip(pl.cdiv(n, cfg.block) - j * per, 0, per)
+    x_keys = _row_keys(x_ref, row, n)
+    first = _step_keys(x_keys, j * per, 0, cfg.unroll, cfg.block, (j * per + nb) * cfg.block) if cfg.prefetch else None
+    piv_u, hi_u = _sample_pivot(x_ref, row, n, k, cfg)
 
     def put(slot, s, col, ok):
         _scatter(key_ref, row, t, j * cap + slot, s, ok)
         _scatter(col_ref, row, t, j * cap + slot, col, ok)
 
-    counts = _fill(_row_keys(x_ref, row, n), j * per, nb, piv_u ^ _SIGN, cap, cfg.block, _strict_fill(piv_u), put,
-                   cfg.unroll)
+    counts = _fill(x_keys, j * per, nb, piv_u ^ _SIGN, cap, cfg.block, _strict_fill(piv_u), put, cfg.unroll,
+                   cfg.prefetch, first)
     at = (row + jnp.zeros((1, 1), I32), j + jnp.zeros((1, 1), I32))
     for ref, v in zip((filled_ref, above_ref, in_ref), counts):
         C.store(ref, at, jnp.full((1, 1), v, I32), jnp.ones((1, 1), bool))

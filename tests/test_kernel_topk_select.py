@@ -142,7 +142,7 @@ def test_unroll_same_result(mode: str, splits: int, capacity: int, unroll: int, 
     """``unroll`` (each loop step loads that many blocks before using any; blocks past a source's end masked out):
     the same result, candidates and paths as ``unroll=1`` and as lax.top_k, on every row kind and path, with block
     counts that are no multiple of the unroll. With shrink the shrunk block is held in registers
-    (``hold_shrunk``)."""
+    (``hold_shrunk``). And with ``prefetch`` (the next step's blocks loaded during this one's work)."""
     n, k = 3000, 50
     base = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=capacity, splits=splits, shrink=shrink)
     rng = np.random.default_rng(37)
@@ -153,6 +153,10 @@ def test_unroll_same_result(mode: str, splits: int, capacity: int, unroll: int, 
     x = np.concatenate([_mixed(n, rng, 1), short])
     want = _check(x, k, interpret_for(mode), base, paths=True)
     got = _check(x, k, interpret_for(mode), dataclasses.replace(base, unroll=unroll, hold_shrunk=shrink), paths=True)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    # the next step's loads in flight (prefetch): the same candidates and paths
+    got = _check(x, k, interpret_for(mode), dataclasses.replace(base, unroll=unroll, prefetch=True), paths=True)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
     with pytest.raises(ValueError, match="unroll"):
@@ -405,18 +409,18 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
     assert "__gpu$xla.gpu.triton" in C.check_triton_lowering(fn, jax.ShapeDtypeStruct((t, n), jnp.float32))
 
 
-@pytest.mark.parametrize("t,n,margin", [(64, 65536, None), (64, 65536, 1),
-                                        # the 8-split finish takes ptxas about 40 s on 2 cores: slow
-                                        pytest.param(16, 131072, None, marks=pytest.mark.slow),
-                                        pytest.param(16, 131072, 1, marks=pytest.mark.slow)])
-def test_sm90_compile_indexer_config(t: int, n: int, margin: int | None) -> None:
+@pytest.mark.parametrize("t,n,margin,prefetch", [(64, 65536, None, False), (64, 65536, 1, True),
+                                                 # the 8-split finish takes ptxas about 40 s on 2 cores: slow
+                                                 pytest.param(16, 131072, None, False, marks=pytest.mark.slow),
+                                                 pytest.param(16, 131072, 1, False, marks=pytest.mark.slow)])
+def test_sm90_compile_indexer_config(t: int, n: int, margin: int | None, prefetch: bool) -> None:
     """The indexer's config at its shapes (``select_config_for``: split, unroll 2, shrink, 512-key steps, 16-bit
     pivot) compiles for sm_90a with at most 64 bytes of spills (a bound, not zero: with pip triton 3.6 the 512-key
     finish kernel spills 40 bytes at 128 registers, with 3.8 none; the H200's timeline, with the plugin's own Triton,
     measured that form faster than the 256-key one, whatever it spills there)."""
     pytest.importorskip("triton")
     from pallas_kernels.topk_select import select_config_for
-    cfg = dataclasses.replace(select_config_for(t, n), range_margin=margin)
+    cfg = dataclasses.replace(select_config_for(t, n), range_margin=margin, prefetch=prefetch)
     fn = functools.partial(topk_select, k=2048, interpret=False, config=cfg, sort=False)
     for k in C.compile_sm90_report(fn, jax.ShapeDtypeStruct((t, n), jnp.float32)):
         assert k["spill_bytes"] <= 64, k

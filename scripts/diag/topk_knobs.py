@@ -71,7 +71,13 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          "u4_h512_p16_hold_r1": dict(unroll=4, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
                                      range_margin=1),
          "x2_u4_h512_p16_hold_r1": dict(splits_x=2, unroll=4, shrink=True, hist_block=512, pivot_bits=16,
-                                        hold_shrunk=True, range_margin=1)}
+                                        hold_shrunk=True, range_margin=1),
+         # or the next step's blocks loaded during this one's work, the first step's during the sample pivot
+         # (prefetch; 128 registers, 8 bytes of spill with pip triton 3.8)
+         "h512_p16_hold_r1_pf": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
+                                     range_margin=1, prefetch=True),
+         "x2_h512_p16_hold_r1_pf": dict(splits_x=2, unroll=2, shrink=True, hist_block=512, pivot_bits=16,
+                                        hold_shrunk=True, range_margin=1, prefetch=True)}
 
 
 def main() -> None:
