@@ -56,6 +56,7 @@
 #   scripts/gpu_session.sh topk-tests    # the native top-k + sparse-indexer tests (4 workers)
 #   scripts/gpu_session.sh topk-knobs    # top-k native tests + knob sets (unroll, bits, shrink, block) at four shapes
 #   scripts/gpu_session.sh topk-pivot    # issue 20: the indexer's top-k config against a 12- and an 8-bit pivot
+#   scripts/gpu_session.sh topk-range    # issue 20: the finish from the pivot and the prefilter's loads in flight (knobs)
 #   scripts/gpu_session.sh select      # indexer decode select: top-k "auto" against the default lax, and XLA
 #   scripts/gpu_session.sh mqa           # MQA decode rows again, now with device_us (b1/b8 sit at the dispatch floor)
 #   scripts/gpu_session.sh gather-probe  # issue 20: register gather + dequant into the swizzled K tile (the MQA producer's plan)
@@ -549,6 +550,16 @@ case "$stage" in
     # topk case was cut at 64 x 32K in 220 s, eighth session); TOPK_CASES=topk for those rows
     timeout -k 10 ${TOPK_TIMEOUT:-420} python3 scripts/bench_kernels.py --only sparse_indexer --cases ${TOPK_CASES:-topk_pallas} \
       --out "$OUT/kernels_topk.json" > "$OUT/bench_topk.log" 2>&1; echo "topk bench rc=$?"
+    ;;
+  topk-range)
+    # the indexer's config against the finish's counting from the pivot (range_margin) and the prefilter's loads in
+    # flight (2x programs, 4 blocks a step, prefetch), four full shapes, GPU timeline (about 7 minutes); then the
+    # winners with --mixed (TOPK_RANGE_KNOBS, TOPK_RANGE_ARGS=--mixed)
+    timeout -k 10 ${KNOBS_TIMEOUT:-480} python3 scripts/diag/topk_knobs.py ${TOPK_RANGE_ARGS:-} --knobs \
+      ${TOPK_RANGE_KNOBS:-h512_p16_hold h512_p16_hold_r1 h512_p16_hold_r0 x2_h512_p16_hold_r1 u4_h512_p16_hold_r1 \
+      h512_p16_hold_r1_pf x2_h512_p16_hold_r1_pf} \
+      --out "$OUT/topk_range_h200.json" > "$OUT/topk_range.log" 2>&1; echo "topk range rc=$?"
+    grep '^{' "$OUT/topk_range.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("same_set_as_lax"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
     ;;
   topk-tests)
     # the native top-k and sparse-indexer tests, 4 pytest-xdist workers (carry .whl/ for xdist)
