@@ -374,10 +374,14 @@ def _counting_start(cfg: TopkSelectConfig, use_buf: jax.Array, piv_u: jax.Array,
                                                             _whole_range(cfg.bits)))
 
 
-def _scatter(ref, row, t: int, slot: jax.Array, val: jax.Array, ok: jax.Array) -> None:
-    """Masked store of ``val`` at [row, slot] where ``ok``; masked-out lanes point one past the first axis (t rows:
-    interpret mode drops them)."""
-    C.store(ref, (jnp.where(ok, row, t), jnp.where(ok, slot, 0)), val, ok)
+def _scatter(ref, row, t: int | None, slot: jax.Array, val: jax.Array, ok: jax.Array) -> None:
+    """Masked store of ``val`` at [row, slot] where ``ok``. In interpret mode (``t`` = the rows) masked-out lanes
+    point one past the first axis, which it drops; natively (``t`` None) the mask alone keeps them from memory, and
+    the plain index saves the two selects and the wider address arithmetic a key they cost in the fill's loop."""
+    if t is None:
+        C.store(ref, (row, slot), val, ok)
+    else:
+        C.store(ref, (jnp.where(ok, row, t), jnp.where(ok, slot, 0)), val, ok)
 
 
 _NEG_INF_U = 0x007FFFFF  # u of -inf: below it only padding (u = 0) and no float
@@ -482,9 +486,9 @@ def _compact(sources: list[Source], tau: jax.Array, need: jax.Array, k: int, out
 def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k: int, cfg: TopkSelectConfig,
                    cap: int, interpret: bool) -> None:
     row = pl.program_id(0)
-    t = idx_ref.shape[0]
+    t = idx_ref.shape[0] if interpret else None  # _scatter: masked-out lanes' index (interpret mode only)
     hb = cfg.hist_block
-    shrink = (bufs[-1], row, t, interpret) if cfg.shrink else None  # the scratch row comes last
+    shrink = (bufs[-1], row, t if interpret else None, interpret) if cfg.shrink else None  # the scratch row comes last
     row11 = row + jnp.zeros((1, 1), I32)  # [1, 1] index of this row's scalar outputs
     one11 = jnp.ones((1, 1), bool)
 
@@ -552,13 +556,13 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
 
 
 def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, *, n: int, k: int,
-                       cfg: TopkSelectConfig, cap: int) -> None:
+                       cfg: TopkSelectConfig, cap: int, interpret: bool) -> None:
     """Program (row, j): the prefilter's pass over the j-th of ``cfg.splits`` column ranges of the row (whole
     blocks), keys >= the row's sample pivot into buffer j ([row, j cap : (j + 1) cap], column order), and its
     counts: keys >= pivot, keys > pivot, keys > pivot that fit the buffer; the pivot's u for the finish kernel
     and the sample's largest key's ([row, 0], [row, 1]; every program of the row writes the same values)."""
     row, j = pl.program_id(0), pl.program_id(1)
-    t = key_ref.shape[0]
+    t = key_ref.shape[0] if interpret else None
     per = pl.cdiv(pl.cdiv(n, cfg.block), cfg.splits)
     nb = jnp.clip(pl.cdiv(n, cfg.block) - j * per, 0, per)
     x_keys = _row_keys(x_ref, row, n)
@@ -592,7 +596,7 @@ def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref,
     above the pivot); with fewer than k above it, the pivot is tau (the compaction reads the row, stopping at k).
     Otherwise (a skewed sample, or keys above the pivot past a full buffer) the row is read."""
     row = pl.program_id(0)
-    t = idx_ref.shape[0]
+    t = idx_ref.shape[0] if interpret else None
     hb, sp = cfg.hist_block, cfg.splits
     js = C.iota((1, sp), 1)
     filled, above, above_in = (C.load(r, (row, js), (1, sp)) for r in (filled_ref, above_ref, in_ref))
@@ -624,7 +628,7 @@ def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref,
     bufs = [split_source(jj) for jj in range(sp)]
     x_keys = _row_keys(x_ref, row, n)
     from_row = (pl.cdiv(n, hb), lambda b: x_keys(b, hb))
-    shrink = (scratch[0], row, t, interpret) if cfg.shrink else None
+    shrink = (scratch[0], row, t if interpret else None, interpret) if cfg.shrink else None
     tau_u, need = _kth_key(bufs + [((1 - on) * (1 - piv_on) * from_row[0], from_row[1])], k, cfg.bits, hb,
                            shrink=shrink, unroll=cfg.unroll, hold=cfg.hold_shrunk,
                            start=_counting_start(cfg, use_buf, piv_u, hi_u))
@@ -642,7 +646,7 @@ def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpr
     """select_unsorted with the prefilter's pass split over ``cfg.splits`` programs per row (two kernels)."""
     t, n = x.shape
     sp = cfg.splits
-    fill = functools.partial(_split_fill_kernel, n=n, k=k, cfg=cfg, cap=cap)
+    fill = functools.partial(_split_fill_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret)
     bufs = [jax.ShapeDtypeStruct((t, sp * cap), I32)] * 2 + [jax.ShapeDtypeStruct((t, sp), I32)] * 3
     bufs += [jax.ShapeDtypeStruct((t, 2), I32)]  # the row's pivot and its sample's largest key (u)
     keys, cols, filled, above, above_in, piv = C.pallas_call(

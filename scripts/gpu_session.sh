@@ -554,7 +554,13 @@ case "$stage" in
   topk-range)
     # the indexer's config against the finish's counting from the pivot (range_margin) and the prefilter's loads in
     # flight (2x programs, 4 blocks a step, prefetch), four full shapes, GPU timeline (about 7 minutes); then the
-    # winners with --mixed (TOPK_RANGE_KNOBS, TOPK_RANGE_ARGS=--mixed)
+    # winners with --mixed (TOPK_RANGE_KNOBS, TOPK_RANGE_ARGS=--mixed). TOPK_MAIN=DIR (a copy of main's tree): main's
+    # indexer config first, from there (the branch's kernels store with plain indices, so its h512_p16_hold differs)
+    if [ -n "${TOPK_MAIN:-}" ]; then
+      (cd "$TOPK_MAIN" && PYTHONPATH=. timeout -k 10 120 python3 scripts/diag/topk_knobs.py ${TOPK_RANGE_ARGS:-} \
+        --knobs h512_p16_hold --out "$OUT/topk_range_main_h200.json" > "$OUT/topk_range_main.log" 2>&1)
+      echo "topk main rc=$?"; grep '^{' "$OUT/topk_range_main.log" | python3 -c 'import json, sys; [print("main", r["case"], r.get("profile_span_us"), r.get("same_set_as_lax"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
+    fi
     timeout -k 10 ${KNOBS_TIMEOUT:-480} python3 scripts/diag/topk_knobs.py ${TOPK_RANGE_ARGS:-} --knobs \
       ${TOPK_RANGE_KNOBS:-h512_p16_hold h512_p16_hold_r1 h512_p16_hold_r0 x2_h512_p16_hold_r1 u4_h512_p16_hold_r1 \
       h512_p16_hold_r1_pf x2_h512_p16_hold_r1_pf} \
