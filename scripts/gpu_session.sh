@@ -558,13 +558,13 @@ case "$stage" in
     # indexer config first, from there (the branch's kernels store with plain indices, so its h512_p16_hold differs)
     if [ -n "${TOPK_MAIN:-}" ]; then
       (cd "$TOPK_MAIN" && PYTHONPATH=. timeout -k 10 120 python3 scripts/diag/topk_knobs.py ${TOPK_RANGE_ARGS:-} \
-        --knobs h512_p16_hold --out "$OUT/topk_range_main_h200.json" > "$OUT/topk_range_main.log" 2>&1)
+        --knobs h512_p16_hold --out "$OUT/topk_knobs_range_main_h200.json" > "$OUT/topk_range_main.log" 2>&1)
       echo "topk main rc=$?"; grep '^{' "$OUT/topk_range_main.log" | python3 -c 'import json, sys; [print("main", r["case"], r.get("profile_span_us"), r.get("same_set_as_lax"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
     fi
     timeout -k 10 ${KNOBS_TIMEOUT:-480} python3 scripts/diag/topk_knobs.py ${TOPK_RANGE_ARGS:-} --knobs \
       ${TOPK_RANGE_KNOBS:-h512_p16_hold h512_p16_hold_r1 h512_p16_hold_r0 x2_h512_p16_hold_r1 u4_h512_p16_hold_r1 \
       h512_p16_hold_r1_pf x2_h512_p16_hold_r1_pf} \
-      --out "$OUT/topk_range_h200.json" > "$OUT/topk_range.log" 2>&1; echo "topk range rc=$?"
+      --out "$OUT/topk_knobs_range_h200.json" > "$OUT/topk_range.log" 2>&1; echo "topk range rc=$?"
     grep '^{' "$OUT/topk_range.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("same_set_as_lax"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
     ;;
   topk-tests)
