@@ -45,6 +45,11 @@ steps 2-3 on the buffers' union where it lies, one source per split in column or
 same conditions as above; a heavy tie past a full buffer reads the row instead of refilling).
 The indexer's default (``IndexerKernelConfig.topk_splits=None``: ``split_for``): on the H200 it was faster than
 one program per row on batches of 16 rows, full or mixed, and level with it at 64 rows (BENCHMARKS.md).
+``TopkSelectConfig.split_finish`` spreads the second kernel's work over the row's split programs too: the fill
+kernel also counts its buffer's first-pass digits (from the pivot, ``range_margin``), a bucket kernel copies the
+keys of the k-th key's digit (one block at most) to a scratch row, and a finish kernel of ``splits`` programs per
+row finds tau in it (each program the same) and compacts its own buffer into its own output slots. Rows whose
+bucket exceeds a block, or that take another path, run the one-program finish in their first split's program.
 
 Backend: the Triton lowering (conventions of ``pallas_kernels/fused_insert_common.py``), not Mosaic GPU.
 The prefilter and the compaction store each kept key at a data-dependent position, a vector scatter, and
@@ -122,6 +127,11 @@ class TopkSelectConfig:
     # the prefilter's streaming pass keeps the next step's blocks in flight while it works on the current ones, and
     # the split kernel issues its first step's loads before the sample pivot (_fill's ``prefetch``)
     prefetch: bool = False
+    # with splits > 1 and range_margin: the finish as three kernels of ``splits`` programs per row. The prefilter also
+    # counts its buffer's first-pass digits; a second kernel copies the k-th key's bucket (at most hist_block keys)
+    # to a scratch row; the third finds tau there and compacts each buffer in its own program. A row whose bucket
+    # is larger, or that takes another path, runs the one-program finish in its first split's program
+    split_finish: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (1, 2, 4):  # 8 would need [256, hist_block] counters: spills
@@ -139,6 +149,8 @@ class TopkSelectConfig:
             raise ValueError(f"capacity must be >= 0 or None, got {self.capacity}")
         if self.range_margin is not None and not 0 <= self.range_margin <= 8:
             raise ValueError(f"range_margin must be None or in 0..8, got {self.range_margin}")
+        if self.split_finish and self.range_margin is None:
+            raise ValueError("split_finish needs range_margin (its first pass counts from the pivot)")
 
     def buffer_capacity(self, n: int, k: int) -> int:
         """Candidate buffer length per row for rows of n and this k (0: no prefilter)."""
@@ -207,9 +219,38 @@ def _pivot_range(piv_u: jax.Array, hi_u: jax.Array, bits: int, margin: int) -> R
     return piv_u, span, jnp.minimum(jnp.maximum(_bitlen(hi_u - piv_u) - bits - margin, 1), need)
 
 
+def _in_range(s: jax.Array, lo: jax.Array, span: jax.Array) -> jax.Array:
+    """Where u(s) lies in [lo, lo + span] (uint32): s - (lo ^ SIGN) is u - lo; the compare is unsigned."""
+    return ((s - (lo ^ _SIGN)) ^ _SIGN) <= (span ^ _SIGN)
+
+
+def _range_digit(s: jax.Array, lo: jax.Array, span: jax.Array, shift: jax.Array, nd: int) -> jax.Array:
+    """The digit (u - lo) >> shift of keys s in the range, clamped to nd - 1 (keys past the digits' reach count in
+    the top one); -1 for keys outside the range (below every digit)."""
+    rel = s - (lo ^ _SIGN)  # u - lo
+    return jnp.where((rel ^ _SIGN) <= (span ^ _SIGN), jnp.minimum(lax.shift_right_logical(rel, shift), nd - 1), -1)
+
+
+def _next_range(lo: jax.Array, span: jax.Array, shift: jax.Array, sel: jax.Array, bits: int, grow: bool = True
+                ) -> Range:
+    """The range of digit ``sel``'s keys after a pass: its bucket; the top digit's reaches the range's end. Past a
+    clamped top digit (``grow``) the next digits are 2^bits times as wide as this pass's, up to what the rest of the
+    range needs, not all of it at once."""
+    nd = 1 << bits
+    base = lax.shift_left(sel, shift)
+    rest, bucket = span - base, lax.shift_left(jnp.ones((), I32), shift) - 1
+    clamped = (sel == nd - 1) & (lax.shift_right_logical(span, shift) > nd - 1)
+    # any digit but the top one ends at its own width or at the range's end, the smaller (uint32)
+    span2 = jnp.where((sel == nd - 1) | ((rest >= 0) & (rest < bucket)), rest, bucket)
+    shift2 = jnp.maximum(_bitlen(span2) - bits, 0)
+    if grow:
+        shift2 = jnp.where(clamped, jnp.minimum(shift2, shift + bits), shift2)
+    return lo + base, span2, shift2
+
+
 def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, key_bits: int = 32,
              shrink: tuple | None = None, unroll: int = 1, hold: bool = False,
-             start: Range | None = None) -> tuple[jax.Array, jax.Array]:
+             start: Range | None = None, held: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(u of the k-th largest key over all sources' blocks [1, width], need = k - #keys above it). With
     ``key_bits`` < 32, only that many leading bits are resolved: u is then the floor of the k-th largest key's
     bucket (its low bits zero), need is relative to that bucket.
@@ -233,7 +274,8 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
 
     ``hold`` (with ``shrink``): the shrunk block is loaded once after its copy and carried in registers through the
     remaining passes (``TopkSelectConfig.hold_shrunk``); its counts are added only once it exists, as the scratch
-    row's loop runs only then."""
+    row's loop runs only then. ``held`` [1, width]: such a block from the start (the candidates of ``start``'s range,
+    padded with _SIGN; the split finish's bucket), counted in every pass beside the sources."""
     nd = 1 << bits
     d = C.iota((nd, 1), 0)
     d1 = C.iota((nd,), 0)
@@ -246,10 +288,6 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
             return jnp.where(inside, s, _SIGN), lane
         return load
 
-    def inside(s, lo, span):
-        """1 where u(s) lies in [lo, lo + span] (uint32): s - (lo ^ SIGN) is u - lo; the compare is unsigned."""
-        return ((s - (lo ^ _SIGN)) ^ _SIGN) <= (span ^ _SIGN)
-
     def digit_pass(carry):
         lo, span, shift, k_rem, shrunk, kept, held, _ = carry
         lo_s, span_s = lo ^ _SIGN, span ^ _SIGN
@@ -260,7 +298,7 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
             if radix:  # the whole key space: the decided bits == prefix (the same keys, two ops fewer a key)
                 top = lax.shift_right_logical(s ^ _SIGN, shift)
                 return lax.shift_right_logical(top, bits) == prefix, top & (nd - 1)
-            rel = s - lo_s  # u - lo
+            rel = s - lo_s  # u - lo (as _range_digit, with the candidate mask apart for the unrolled loops' check)
             return (rel ^ _SIGN) <= span_s, jnp.minimum(lax.shift_right_logical(rel, shift), nd - 1)
 
         def count(load, n_blocks, u):
@@ -278,20 +316,16 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
         for n_blocks, load in sources:  # without shrink, the trip counts stay as given (static where they are)
             nb = n_blocks if shrink is None else (1 - shrunk) * n_blocks
             acc = lax.fori_loop(0, pl.cdiv(nb, unroll), count(load, nb, unroll), acc)
-        if shrink is not None and hold:
+        if (shrink is not None and hold) or held_from_start:
             acc = acc + shrunk * count(lambda b: (held, None), 1, 1)(0, jnp.zeros_like(acc))
         elif shrink is not None:
             acc = lax.fori_loop(0, shrunk, count(scratch_keys(kept), 1, 1), acc)
         ge = jnp.sum(acc, axis=1)
         sel = jnp.sum((ge >= k_rem).astype(I32)) - 1  # ge[0] = all candidates >= k_rem
         above = jnp.sum(jnp.where(d1 == sel + 1, ge, 0))  # candidates with a larger digit
-        base = lax.shift_left(sel, shift)
-        rest, bucket = span - base, lax.shift_left(jnp.ones((), I32), shift) - 1
-        # the top digit held keys past the digits' reach (a start from the pivot whose k-th key lies above them)
-        clamped = (sel == nd - 1) & (lax.shift_right_logical(span, shift) > nd - 1)
-        # the top digit's bucket reaches the range's end; any other ends at its own width or there, the smaller (uint32)
-        span = jnp.where((sel == nd - 1) | ((rest >= 0) & (rest < bucket)), rest, bucket)
-        lo = lo + base
+        # past a clamped top digit (a start from the pivot whose k-th key lies above the digits' reach) the digits
+        # grow; the whole key space never clamps
+        lo, span, nxt_shift = _next_range(lo, span, shift, sel, bits, grow=not radix)
         done = (_bitlen(span) <= 32 - key_bits).astype(I32)
         if shrink is not None:  # the next pass's candidates: this digit == sel
             nxt = jnp.sum(jnp.where(d1 == sel, ge, 0)) - above
@@ -300,7 +334,7 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
             def copy(load):
                 def body(b, put):
                     s = load(b)[0]
-                    ki = inside(s, lo, span).astype(I32)
+                    ki = _in_range(s, lo, span).astype(I32)
                     _scatter(shrink[0], shrink[1], shrink[2], put + jnp.cumsum(ki, axis=1) - ki, s, ki == 1)
                     return put + jnp.sum(ki)
                 return body
@@ -313,19 +347,19 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
             if hold:  # the copied block, loaded once (no lane is loaded on the passes without a copy)
                 held = jnp.where(go == 1, scratch_keys(go * nxt)(0)[0], held)
             shrunk, kept = shrunk + go, jnp.where(go == 1, nxt, kept)
-        nxt_shift = jnp.maximum(_bitlen(span) - bits, 0)
-        if not radix:  # past a clamped top digit the digits grow 2^bits-fold, not to the rest of the key space at once
-            nxt_shift = jnp.where(clamped, jnp.minimum(nxt_shift, shift + bits), nxt_shift)
         return lo, span, nxt_shift, k_rem - above, shrunk, kept, held, done
 
     zero = jnp.zeros((), I32)
-    held0 = jnp.full((1, width), _SIGN, I32)
+    held_from_start = held is not None
+    held0 = held if held_from_start else jnp.full((1, width), _SIGN, I32)
+    shrunk0 = jnp.ones((), I32) if held_from_start else zero
     radix = start is None
     if radix:  # the whole key space: a static number of passes (a dynamic one took the registers of a spill)
         out = lax.fori_loop(0, key_bits // bits, lambda p, c: digit_pass((*c, zero))[:-1],
-                            (*_whole_range(bits), jnp.asarray(k, I32), zero, zero, held0))
+                            (*_whole_range(bits), jnp.asarray(k, I32), shrunk0, zero, held0))
     else:
-        out = lax.while_loop(lambda c: c[-1] == 0, digit_pass, (*start, jnp.asarray(k, I32), zero, zero, held0, zero))
+        out = lax.while_loop(lambda c: c[-1] == 0, digit_pass,
+                             (*start, jnp.asarray(k, I32), shrunk0, zero, held0, zero))
     return out[0], out[3]
 
 
@@ -555,12 +589,14 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
     _compact(sources, tau, need, k, lambda slot, col, keep: _scatter(idx_ref, row, t, slot, col, keep), cfg.unroll)
 
 
-def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, *, n: int, k: int,
+def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, *hist_ref, n: int, k: int,
                        cfg: TopkSelectConfig, cap: int, interpret: bool) -> None:
     """Program (row, j): the prefilter's pass over the j-th of ``cfg.splits`` column ranges of the row (whole
     blocks), keys >= the row's sample pivot into buffer j ([row, j cap : (j + 1) cap], column order), and its
     counts: keys >= pivot, keys > pivot, keys > pivot that fit the buffer; the pivot's u for the finish kernel
-    and the sample's largest key's ([row, 0], [row, 1]; every program of the row writes the same values)."""
+    and the sample's largest key's ([row, 0], [row, 1]; every program of the row writes the same values). With
+    ``hist_ref`` (``split_finish``): its buffer's counts ge[d] of first-pass digits >= d from the pivot, at
+    [row, j nd : (j + 1) nd]."""
     row, j = pl.program_id(0), pl.program_id(1)
     t = key_ref.shape[0] if interpret else None
     per = pl.cdiv(pl.cdiv(n, cfg.block), cfg.splits)
@@ -575,6 +611,22 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
 
     counts = _fill(x_keys, j * per, nb, piv_u ^ _SIGN, cap, cfg.block, _strict_fill(piv_u), put, cfg.unroll,
                    cfg.prefetch, first)
+    if hist_ref:  # the split finish's first pass over this buffer, from the pivot (_first_pass sums the splits')
+        if not interpret:
+            plt.debug_barrier()  # the buffer's stores -> its loads by other threads of the CTA
+        nd, hb = 1 << cfg.bits, cfg.hist_block
+        fj = jnp.minimum(counts[0], cap)
+        lo, span, shift = _pivot_range(piv_u, hi_u, cfg.bits, cfg.range_margin)
+        d = C.iota((nd, 1), 0)
+
+        def count(b, acc):
+            i = b * hb + C.iota((1, hb), 1)
+            keys = jnp.where(i < fj, C.load(key_ref, (row, j * cap + i), (1, hb), mask=i < fj), _SIGN)
+            return acc + (_range_digit(keys, lo, span, shift, nd) >= d).astype(I32)
+
+        ge = jnp.sum(lax.fori_loop(0, pl.cdiv(fj, hb), count, jnp.zeros((nd, hb), I32)), axis=1)
+        d1 = C.iota((nd,), 0)
+        C.store(hist_ref[0], (row + jnp.zeros((nd,), I32), j * nd + d1), ge, jnp.ones((nd,), bool))
     at = (row + jnp.zeros((1, 1), I32), j + jnp.zeros((1, 1), I32))
     for ref, v in zip((filled_ref, above_ref, in_ref), counts):
         C.store(ref, at, jnp.full((1, 1), v, I32), jnp.ones((1, 1), bool))
@@ -582,82 +634,221 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
         C.store(piv_ref, (at[0], jnp.full((1, 1), c, I32)), jnp.full((1, 1), v, I32), jnp.ones((1, 1), bool))
 
 
-def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, idx_ref, tau_ref,
-                         path_ref, *scratch, n: int, k: int, cfg: TopkSelectConfig, cap: int,
-                         interpret: bool) -> None:
-    """Program row: steps 2-3 over the union of the row's split buffers, or over the row.
+@dataclasses.dataclass
+class _RowPlan:
+    """The split buffers' counts of a row and what they decide (``_row_plan``)."""
+    js: jax.Array  # [1, splits] split ids
+    fill: jax.Array  # [1, splits] keys in each buffer
+    piv_u: jax.Array
+    hi_u: jax.Array
+    total: jax.Array  # keys at or above the pivot (all splits)
+    total_above: jax.Array  # keys above it
+    kept_all: jax.Array  # the buffers serve with the keys at the pivot masked out
+    at_pivot: jax.Array  # the pivot is tau
+    use_buf: jax.Array  # steps 2-3 read the buffers, not the row
+    over: jax.Array
 
-    The union holds every key >= tau when at least k keys reached the pivot and at most ``cap`` did (one
-    buffer's worth, as in the one-kernel path). Steps 2-3 read the buffers where they are, one source per split in
-    split order: the splits are consecutive column ranges and each buffer is in column order, so the sources are
-    too (no copy into one buffer first). More than ``cap`` keys at the pivot (in one split, or in all together: a
-    short row's -inf tail, where each split can still fit its own buffer) mean its value is shared by many keys:
-    with k or more above it, all in their buffers, the buffers serve with the keys at the pivot masked out (tau is
-    above the pivot); with fewer than k above it, the pivot is tau (the compaction reads the row, stopping at k).
-    Otherwise (a skewed sample, or keys above the pivot past a full buffer) the row is read."""
-    row = pl.program_id(0)
-    t = idx_ref.shape[0] if interpret else None
-    hb, sp = cfg.hist_block, cfg.splits
+
+def _row_plan(filled_ref, above_ref, in_ref, piv_ref, row, k: int, cap: int, sp: int) -> _RowPlan:
+    """The finish's decisions from the prefilter's counts (every finish kernel of a row makes the same ones).
+
+    More keys at or above the pivot than one buffer holds, in one split or in all of them together (a short row's
+    -inf tail whose splits each fit their buffer): the pivot's value is shared by many keys, as in the one-kernel
+    path; the union then serves only with the keys strictly above the pivot (kept_all)."""
     js = C.iota((1, sp), 1)
     filled, above, above_in = (C.load(r, (row, js), (1, sp)) for r in (filled_ref, above_ref, in_ref))
     total, total_above = jnp.sum(filled), jnp.sum(above)
     piv_u, hi_u = (jnp.sum(C.load(piv_ref, (row + jnp.zeros((1, 1), I32), jnp.full((1, 1), c, I32)), (1, 1)))
                    for c in (0, 1))
-    # more keys at or above the pivot than one buffer holds, in one split or in all of them together (a short row's
-    # -inf tail whose splits each fit their buffer): the pivot's value is shared by many keys, as in the one-kernel
-    # path; the union then serves only with the keys strictly above the pivot (kept_all)
     over = (jnp.sum((filled > cap).astype(I32)) > 0) | (total > cap)
     kept_all = over & (total_above >= k) & (jnp.sum((above_in < above).astype(I32)) == 0)
     at_pivot = (over | (_strict_fill(piv_u) == 1)) & (total_above < k)  # a -inf pivot: the fill kept keys above it
     use_buf = ((~over) & (total >= k)) | kept_all
-    on, piv_on, strict = use_buf.astype(I32), at_pivot.astype(I32), kept_all.astype(I32)
-    piv = piv_u ^ _SIGN
-    fill = jnp.minimum(filled, cap)
+    return _RowPlan(js, jnp.minimum(filled, cap), piv_u, hi_u, total, total_above, kept_all, at_pivot, use_buf, over)
 
-    def split_source(jj: int) -> Source:
-        fj = jnp.sum(jnp.where(js == jj, fill, 0))
 
-        def keys(b):
-            i = b * hb + C.iota((1, hb), 1)
-            inside = i < fj
-            s = C.load(key_ref, (row, jj * cap + i), (1, hb), mask=inside)
-            keep = inside & ((s > piv) | (strict == 0))  # kept_all: the keys at the pivot are not candidates
-            return jnp.where(keep, s, _SIGN), C.load(col_ref, (row, jj * cap + i), (1, hb), mask=inside)
-        return on * lax.shift_right_logical(fj + hb - 1, C.log2(hb)), keys
+def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, idx_ref, tau_ref,
+                         path_ref, *scratch, n: int, k: int, cfg: TopkSelectConfig, cap: int,
+                         interpret: bool) -> None:
+    """Program row: steps 2-3 over the union of the row's split buffers, or over the row (``_finish_row``)."""
+    row = pl.program_id(0)
+    plan = _row_plan(filled_ref, above_ref, in_ref, piv_ref, row, k, cap, cfg.splits)
+    _finish_row(x_ref, key_ref, col_ref, idx_ref, tau_ref, path_ref, scratch, row, plan, n, k, cfg, cap, interpret)
 
-    bufs = [split_source(jj) for jj in range(sp)]
+
+def _buffer_source(key_ref, col_ref, row, jj: int | jax.Array, fj: jax.Array, cap: int, hb: int, on: jax.Array,
+                   piv: jax.Array | None = None, strict: jax.Array | None = None) -> Source:
+    """Split ``jj``'s buffer of ``fj`` keys as a source of ``hb``-key blocks (none unless ``on``); with ``strict``
+    (kept_all) the keys at the pivot ``piv`` are no candidates."""
+    def keys(b):
+        i = b * hb + C.iota((1, hb), 1)
+        inside = i < fj
+        s = C.load(key_ref, (row, jj * cap + i), (1, hb), mask=inside)
+        keep = inside if strict is None else inside & ((s > piv) | (strict == 0))
+        return jnp.where(keep, s, _SIGN), C.load(col_ref, (row, jj * cap + i), (1, hb), mask=inside)
+    return on * lax.shift_right_logical(fj + hb - 1, C.log2(hb)), keys
+
+
+def _finish_row(x_ref, key_ref, col_ref, idx_ref, tau_ref, path_ref, scratch, row, plan: _RowPlan, n: int, k: int,
+                cfg: TopkSelectConfig, cap: int, interpret: bool) -> None:
+    """Steps 2-3 of one row over the union of its split buffers, or over the row.
+
+    The union holds every key >= tau when at least k keys reached the pivot and at most ``cap`` did (one
+    buffer's worth, as in the one-kernel path). Steps 2-3 read the buffers where they are, one source per split in
+    split order: the splits are consecutive column ranges and each buffer is in column order, so the sources are
+    too (no copy into one buffer first). More than ``cap`` keys at the pivot (``_row_plan``): with k or more above
+    it, all in their buffers, the buffers serve with the keys at the pivot masked out (tau is above the pivot);
+    with fewer than k above it, the pivot is tau (the compaction reads the row, stopping at k). Otherwise (a
+    skewed sample, or keys above the pivot past a full buffer) the row is read."""
+    t = idx_ref.shape[0] if interpret else None
+    hb, sp = cfg.hist_block, cfg.splits
+    on, piv_on, strict = plan.use_buf.astype(I32), plan.at_pivot.astype(I32), plan.kept_all.astype(I32)
+    piv = plan.piv_u ^ _SIGN
+    bufs = [_buffer_source(key_ref, col_ref, row, jj, jnp.sum(jnp.where(plan.js == jj, plan.fill, 0)), cap, hb, on,
+                           piv, strict) for jj in range(sp)]
     x_keys = _row_keys(x_ref, row, n)
     from_row = (pl.cdiv(n, hb), lambda b: x_keys(b, hb))
     shrink = (scratch[0], row, t if interpret else None, interpret) if cfg.shrink else None
     tau_u, need = _kth_key(bufs + [((1 - on) * (1 - piv_on) * from_row[0], from_row[1])], k, cfg.bits, hb,
                            shrink=shrink, unroll=cfg.unroll, hold=cfg.hold_shrunk,
-                           start=_counting_start(cfg, use_buf, piv_u, hi_u))
-    tau_u = jnp.where(at_pivot, piv_u, tau_u)
-    need = jnp.where(at_pivot, k - total_above, need)
+                           start=_counting_start(cfg, plan.use_buf, plan.piv_u, plan.hi_u))
+    tau_u = jnp.where(plan.at_pivot, plan.piv_u, tau_u)
+    need = jnp.where(plan.at_pivot, k - plan.total_above, need)
     row11, one11 = row + jnp.zeros((1, 1), I32), jnp.ones((1, 1), bool)
     C.store(tau_ref, (row11,), jnp.full((1, 1), tau_u, I32), one11)
-    C.store(path_ref, (row11,), jnp.full((1, 1), jnp.where(at_pivot, 3, jnp.where(kept_all, 4, on)), I32), one11)
+    code = jnp.where(plan.at_pivot, 3, jnp.where(plan.kept_all, 4, on))
+    C.store(path_ref, (row11,), jnp.full((1, 1), code, I32), one11)
 
     _compact(bufs + [((1 - on) * from_row[0], from_row[1])], tau_u ^ _SIGN, need, k,
              lambda slot, col, keep: _scatter(idx_ref, row, t, slot, col, keep), cfg.unroll)
+
+
+@dataclasses.dataclass
+class _FirstPass:
+    """The split finish's first counting pass, summed from the prefilter's per-split counts (``_first_pass``)."""
+    ge_up: jax.Array  # [splits]: each split's keys above the k-th key's bucket
+    bucket_n: jax.Array  # [splits]: each split's keys in it
+    above: jax.Array  # all splits' keys above the bucket
+    bucket: jax.Array  # all splits' keys in it
+    start: Range  # the bucket's range: the counting's next start
+    fast: jax.Array  # the bucket fits one block and the buffers serve as they are: the three-kernel finish
+
+
+def _first_pass(hist_ref, row, plan: _RowPlan, k: int, cfg: TopkSelectConfig) -> _FirstPass:
+    nd, sp = 1 << cfg.bits, cfg.splits
+    jd = C.iota((sp, nd), 0) * nd + C.iota((sp, nd), 1)
+    tile = C.load(hist_ref, (row + jnp.zeros((sp, nd), I32), jd), (sp, nd))  # [split, d]: keys with digit >= d
+    dd = C.iota((sp, nd), 1)
+    ge = jnp.sum(tile, axis=0)
+    sel = jnp.sum((ge >= k).astype(I32)) - 1
+    ge_up = jnp.sum(jnp.where(dd == sel + 1, tile, 0), axis=1)
+    bucket_n = jnp.sum(jnp.where(dd == sel, tile, 0), axis=1) - ge_up
+    start = _next_range(*_pivot_range(plan.piv_u, plan.hi_u, cfg.bits, cfg.range_margin), sel, cfg.bits)
+    bucket = jnp.sum(bucket_n)
+    fast = (~plan.over) & (plan.total >= k) & (bucket <= cfg.hist_block)
+    return _FirstPass(ge_up, bucket_n, jnp.sum(ge_up), bucket, start, fast)
+
+
+def _split_copy_kernel(key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, hist_ref, skey_ref, scol_ref, *,
+                       k: int, cfg: TopkSelectConfig, cap: int, interpret: bool) -> None:
+    """Program (row, j) of the split finish: split j's keys in the k-th key's first-pass bucket, in column order, to
+    the row's scratch [row, off_j : off_j + n_j] (off_j: the bucket's keys of the splits before it), keys and
+    columns. Nothing where the row takes the one-program finish."""
+    row, j = pl.program_id(0), pl.program_id(1)
+    t = skey_ref.shape[0] if interpret else None
+    hb = cfg.hist_block
+    plan = _row_plan(filled_ref, above_ref, in_ref, piv_ref, row, k, cap, cfg.splits)
+    fp = _first_pass(hist_ref, row, plan, k, cfg)
+    lo, span, _ = fp.start
+    off = jnp.sum(jnp.where(C.iota((cfg.splits,), 0) < j, fp.bucket_n, 0))
+    fj = jnp.sum(jnp.where(plan.js == j, plan.fill, 0))
+
+    def body(b, put):
+        i = b * hb + C.iota((1, hb), 1)
+        inside = i < fj
+        s = jnp.where(inside, C.load(key_ref, (row, j * cap + i), (1, hb), mask=inside), _SIGN)
+        col = C.load(col_ref, (row, j * cap + i), (1, hb), mask=inside)
+        ki = _in_range(s, lo, span).astype(I32)
+        slot = off + put + jnp.cumsum(ki, axis=1) - ki
+        _scatter(skey_ref, row, t, slot, s, ki == 1)
+        _scatter(scol_ref, row, t, slot, col, ki == 1)
+        return put + jnp.sum(ki)
+
+    lax.fori_loop(0, fp.fast.astype(I32) * pl.cdiv(fj, hb), body, jnp.zeros((), I32))
+
+
+def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, hist_ref, skey_ref,
+                                  scol_ref, idx_ref, tau_ref, path_ref, *scratch, n: int, k: int, cfg: TopkSelectConfig,
+                                  cap: int, interpret: bool) -> None:
+    """Program (row, j) of the split finish. Where the bucket fits one block (``_first_pass``): tau from the scratch
+    row's bucket (every program of the row finds the same), then split j's buffer compacted into its own output
+    slots: after the kept keys of the splits before it (their keys above the bucket, from the prefilter's counts,
+    and their bucket keys > tau or kept at tau), keeping the keys == tau that the row keeps from it (the first
+    ``need`` of the bucket's, in column order). Elsewhere the row's first program runs ``_finish_row``."""
+    row, j = pl.program_id(0), pl.program_id(1)
+    t = idx_ref.shape[0] if interpret else None
+    hb, sp = cfg.hist_block, cfg.splits
+    plan = _row_plan(filled_ref, above_ref, in_ref, piv_ref, row, k, cap, sp)
+    fp = _first_pass(hist_ref, row, plan, k, cfg)
+    split_cols = pl.cdiv(pl.cdiv(n, cfg.block), sp) * cfg.block  # columns per split (the prefilter's ranges)
+
+    @pl.when(fp.fast)
+    def _():
+        lane = C.iota((1, hb), 1)
+        inside = lane < fp.bucket
+        held = jnp.where(inside, C.load(skey_ref, (row, lane), (1, hb), mask=inside), _SIGN)
+        hcol = C.load(scol_ref, (row, lane), (1, hb), mask=inside)
+        tau_u, need = _kth_key([], k - fp.above, cfg.bits, hb, start=fp.start, held=held)
+        tau = tau_u ^ _SIGN
+        eq = (inside & (held == tau)).astype(I32)
+        tie = (eq == 1) & (jnp.cumsum(eq, axis=1) - eq < need)  # the row's kept keys == tau: the first need
+        keep = (inside & (held > tau)) | tie
+        of = lax.div(hcol, jnp.asarray(split_cols, I32))  # each bucket key's split
+        ids = C.iota((sp,), 0)
+        kept = fp.ge_up + jnp.sum((keep & (of == C.iota((sp, 1), 0))).astype(I32), axis=1)  # [split]
+        off, mine = jnp.sum(jnp.where(ids < j, kept, 0)), jnp.sum(jnp.where(ids == j, kept, 0))
+        ties = jnp.sum((tie & (of == j)).astype(I32))
+        fj = jnp.sum(jnp.where(plan.js == j, plan.fill, 0))
+        own = _buffer_source(key_ref, col_ref, row, j, fj, cap, hb, jnp.ones((), I32))
+        _compact([own], tau, ties, mine, lambda slot, col, kp: _scatter(idx_ref, row, t, off + slot, col, kp),
+                 cfg.unroll)
+        row11, first11 = row + jnp.zeros((1, 1), I32), (j == 0) & jnp.ones((1, 1), bool)
+        C.store(tau_ref, (row11,), jnp.full((1, 1), tau_u, I32), first11)
+        C.store(path_ref, (row11,), jnp.full((1, 1), 1, I32), first11)
+
+    @pl.when((~fp.fast) & (j == 0))
+    def _():
+        _finish_row(x_ref, key_ref, col_ref, idx_ref, tau_ref, path_ref, scratch, row, plan, n, k, cfg, cap, interpret)
 
 
 def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpret: bool):
     """select_unsorted with the prefilter's pass split over ``cfg.splits`` programs per row (two kernels)."""
     t, n = x.shape
     sp = cfg.splits
+    par = cfg.split_finish
     fill = functools.partial(_split_fill_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret)
     bufs = [jax.ShapeDtypeStruct((t, sp * cap), I32)] * 2 + [jax.ShapeDtypeStruct((t, sp), I32)] * 3
     bufs += [jax.ShapeDtypeStruct((t, 2), I32)]  # the row's pivot and its sample's largest key (u)
-    keys, cols, filled, above, above_in, piv = C.pallas_call(
+    bufs += [jax.ShapeDtypeStruct((t, sp << cfg.bits), I32)] if par else []  # per split: first-pass digit counts
+    keys, cols, filled, above, above_in, piv, *hist = C.pallas_call(
         fill, out_shape=tuple(bufs), grid=(t, sp), aliases={}, interpret=interpret, name="topk_radix_prefilter",
         num_warps=cfg.num_warps)(x)
-    finish = functools.partial(_split_finish_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret)
     out = [jax.ShapeDtypeStruct((t, k), I32)] + [jax.ShapeDtypeStruct((t,), I32)] * 2
     out += [jax.ShapeDtypeStruct((t, cfg.hist_block), I32)] if cfg.shrink else []  # the counting's scratch row
-    idx, tau, path, *_ = C.pallas_call(finish, out_shape=tuple(out), grid=(t,), aliases={}, interpret=interpret,
-                                   name="topk_radix_finish", num_warps=cfg.num_warps)(x, keys, cols, filled, above,
-                                                                                     above_in, piv)
+    counts = (filled, above, above_in, piv)
+    if not par:
+        finish = functools.partial(_split_finish_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret)
+        idx, tau, path, *_ = C.pallas_call(finish, out_shape=tuple(out), grid=(t,), aliases={}, interpret=interpret,
+                                           name="topk_radix_finish", num_warps=cfg.num_warps)(x, keys, cols, *counts)
+        return idx, tau, jnp.sum(filled, axis=1), path
+    copy = functools.partial(_split_copy_kernel, k=k, cfg=cfg, cap=cap, interpret=interpret)
+    bucket = [jax.ShapeDtypeStruct((t, cfg.hist_block), I32)] * 2  # the k-th key's first-pass bucket: keys, columns
+    skey, scol = C.pallas_call(copy, out_shape=tuple(bucket), grid=(t, sp), aliases={}, interpret=interpret,
+                               name="topk_radix_bucket", num_warps=cfg.num_warps)(keys, cols, *counts, *hist)
+    finish = functools.partial(_split_finish_parallel_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret)
+    idx, tau, path, *_ = C.pallas_call(finish, out_shape=tuple(out), grid=(t, sp), aliases={}, interpret=interpret,
+                                       name="topk_radix_finish", num_warps=cfg.num_warps)(x, keys, cols, *counts, *hist,
+                                                                                          skey, scol)
     return idx, tau, jnp.sum(filled, axis=1), path
 
 

@@ -221,6 +221,36 @@ def test_range_start_same_result(mode: str, splits: int, margin: int, fast: bool
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("splits,unroll", [(4, 2), pytest.param(2, 1, marks=pytest.mark.slow)])
+def test_split_finish_same_result(mode: str, splits: int, unroll: int) -> None:
+    """``split_finish`` (the finish as a bucket copy and a per-split compaction where the k-th key's first-pass
+    bucket fits one block; the one-program finish elsewhere): lax.top_k's result in column order, the same
+    candidates and paths as the one-program finish, on every row kind, short rows (pivot is tau), heavy ties at the
+    pivot (overflowed buffers), k-th keys far above the sample's largest, ties at tau across splits; k = 50 (most
+    buckets fit the 128-key block) and k = 300 (many do not)."""
+    n = 3000
+    base = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=1200, splits=splits, unroll=unroll,
+                            shrink=True, hold_shrunk=True, range_margin=1)
+    rng = np.random.default_rng(43)
+    off = np.setdiff1d(np.arange(n), (np.arange(256) * n) // 256)
+    above = rng.standard_normal((2, n)).astype(np.float32)
+    above[0, rng.choice(off, 60, replace=False)] += np.float32(100.0)
+    above[1, rng.choice(off, 60, replace=False)] = np.float32(1e30)
+    short = rng.standard_normal((2, n)).astype(np.float32)
+    short[np.arange(n)[None, :] >= np.array([10, 120])[:, None]] = -np.inf
+    tied = np.round(rng.standard_normal((2, n)) * 4).astype(np.float32) / 4  # ties at tau, spread over the splits
+    tail = np.where(np.isinf(short), np.float32(-10.0), short)
+    x = np.concatenate([_mixed(n, rng, 1), above, short, tied, tail, rng.standard_normal((2, n)).astype(np.float32)])
+    for k in (50, 300):
+        want = _check(x, k, interpret_for(mode), base, paths=True)
+        got = _check(x, k, interpret_for(mode), dataclasses.replace(base, split_finish=True), paths=True)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+    with pytest.raises(ValueError, match="split_finish"):
+        TopkSelectConfig(split_finish=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_split_prefilter_matches_lax_top_k(mode: str) -> None:
     """``splits`` programs per row stream the prefilter (each into its own buffer), a second kernel counts and
     compacts the buffers' union: lax.top_k's result on every row kind, and each path: buffers (random rows),
@@ -409,18 +439,19 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
     assert "__gpu$xla.gpu.triton" in C.check_triton_lowering(fn, jax.ShapeDtypeStruct((t, n), jnp.float32))
 
 
-@pytest.mark.parametrize("t,n,margin,prefetch", [(64, 65536, None, False), (64, 65536, 1, True),
-                                                 # the 8-split finish takes ptxas about 40 s on 2 cores: slow
-                                                 pytest.param(16, 131072, None, False, marks=pytest.mark.slow),
-                                                 pytest.param(16, 131072, 1, False, marks=pytest.mark.slow)])
-def test_sm90_compile_indexer_config(t: int, n: int, margin: int | None, prefetch: bool) -> None:
+@pytest.mark.parametrize("t,n,margin,prefetch,split_finish", [
+    (64, 65536, None, False, False), (64, 65536, 1, True, False), (64, 65536, 1, False, True),
+    # the 8-split finish takes ptxas about 40 s on 2 cores: slow
+    pytest.param(16, 131072, None, False, False, marks=pytest.mark.slow),
+    pytest.param(16, 131072, 1, False, True, marks=pytest.mark.slow)])
+def test_sm90_compile_indexer_config(t: int, n: int, margin: int | None, prefetch: bool, split_finish: bool) -> None:
     """The indexer's config at its shapes (``select_config_for``: split, unroll 2, shrink, 512-key steps, 16-bit
     pivot) compiles for sm_90a with at most 64 bytes of spills (a bound, not zero: with pip triton 3.6 the 512-key
     finish kernel spills 40 bytes at 128 registers, with 3.8 none; the H200's timeline, with the plugin's own Triton,
     measured that form faster than the 256-key one, whatever it spills there)."""
     pytest.importorskip("triton")
     from pallas_kernels.topk_select import select_config_for
-    cfg = dataclasses.replace(select_config_for(t, n), range_margin=margin, prefetch=prefetch)
+    cfg = dataclasses.replace(select_config_for(t, n), range_margin=margin, prefetch=prefetch, split_finish=split_finish)
     fn = functools.partial(topk_select, k=2048, interpret=False, config=cfg, sort=False)
     for k in C.compile_sm90_report(fn, jax.ShapeDtypeStruct((t, n), jnp.float32)):
         assert k["spill_bytes"] <= 64, k

@@ -77,7 +77,15 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          "h512_p16_hold_r1_pf": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
                                      range_margin=1, prefetch=True),
          "x2_h512_p16_hold_r1_pf": dict(splits_x=2, unroll=2, shrink=True, hist_block=512, pivot_bits=16,
-                                        hold_shrunk=True, range_margin=1, prefetch=True)}
+                                        hold_shrunk=True, range_margin=1, prefetch=True),
+         # the finish as a bucket copy and a compaction per split (split_finish): the first pass counted by the
+         # prefilter, the finish's rows spread over the row's split programs
+         "h512_p16_hold_r1_sf": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
+                                     range_margin=1, split_finish=True),
+         "x2_h512_p16_hold_r1_sf": dict(splits_x=2, unroll=2, shrink=True, hist_block=512, pivot_bits=16,
+                                        hold_shrunk=True, range_margin=1, split_finish=True),
+         "h512_p16_hold_r1_pf_sf": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
+                                        range_margin=1, prefetch=True, split_finish=True)}
 
 
 def main() -> None:
