@@ -595,8 +595,8 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
     blocks), keys >= the row's sample pivot into buffer j ([row, j cap : (j + 1) cap], column order), and its
     counts: keys >= pivot, keys > pivot, keys > pivot that fit the buffer; the pivot's u for the finish kernel
     and the sample's largest key's ([row, 0], [row, 1]; every program of the row writes the same values). With
-    ``hist_ref`` (``split_finish``): its buffer's counts ge[d] of first-pass digits >= d from the pivot, at
-    [row, j nd : (j + 1) nd]."""
+    ``hist_ref`` (``split_finish``): its buffer's counts ge[d] of first-pass digits >= d from the pivot, at two
+    resolutions r (``_first_pass``), at [row, (2 j + r) nd : (2 j + r + 1) nd]."""
     row, j = pl.program_id(0), pl.program_id(1)
     t = key_ref.shape[0] if interpret else None
     per = pl.cdiv(pl.cdiv(n, cfg.block), cfg.splits)
@@ -614,19 +614,21 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
     if hist_ref:  # the split finish's first pass over this buffer, from the pivot (_first_pass sums the splits')
         if not interpret:
             plt.debug_barrier()  # the buffer's stores -> its loads by other threads of the CTA
-        nd, hb = 1 << cfg.bits, cfg.hist_block
+        nd, hb = 1 << cfg.bits, min(cfg.hist_block, 256)  # two [nd, hb] counters: 256 keys a step
         fj = jnp.minimum(counts[0], cap)
-        lo, span, shift = _pivot_range(piv_u, hi_u, cfg.bits, cfg.range_margin)
+        ranges = [_pivot_range(piv_u, hi_u, cfg.bits, cfg.range_margin + r) for r in range(2)]
         d = C.iota((nd, 1), 0)
 
-        def count(b, acc):
+        def count(b, accs):
             i = b * hb + C.iota((1, hb), 1)
             keys = jnp.where(i < fj, C.load(key_ref, (row, j * cap + i), (1, hb), mask=i < fj), _SIGN)
-            return acc + (_range_digit(keys, lo, span, shift, nd) >= d).astype(I32)
+            return tuple(a + (_range_digit(keys, *rg, nd) >= d).astype(I32) for a, rg in zip(accs, ranges))
 
-        ge = jnp.sum(lax.fori_loop(0, pl.cdiv(fj, hb), count, jnp.zeros((nd, hb), I32)), axis=1)
+        accs = lax.fori_loop(0, pl.cdiv(fj, hb), count, (jnp.zeros((nd, hb), I32),) * 2)
         d1 = C.iota((nd,), 0)
-        C.store(hist_ref[0], (row + jnp.zeros((nd,), I32), j * nd + d1), ge, jnp.ones((nd,), bool))
+        for r, a in enumerate(accs):
+            C.store(hist_ref[0], (row + jnp.zeros((nd,), I32), (2 * j + r) * nd + d1), jnp.sum(a, axis=1),
+                    jnp.ones((nd,), bool))
     at = (row + jnp.zeros((1, 1), I32), j + jnp.zeros((1, 1), I32))
     for ref, v in zip((filled_ref, above_ref, in_ref), counts):
         C.store(ref, at, jnp.full((1, 1), v, I32), jnp.ones((1, 1), bool))
@@ -735,15 +737,26 @@ class _FirstPass:
 
 
 def _first_pass(hist_ref, row, plan: _RowPlan, k: int, cfg: TopkSelectConfig) -> _FirstPass:
+    """The first pass at two resolutions (digits from ``range_margin`` and from one more): the finer one where the
+    k-th key's bucket fits one block there (any range is exact: a clamped top digit's bucket holds every key above
+    it), else the coarser. Why two: the digits are a power of two wide, so the bucket's population varies twice over
+    with the span's rounding; at 128K keys a row, margin 1 alone left 13 of 64 replayed rows over a block, margins
+    1 and 2 one (``scripts/diag/topk_passes.py --margins 1 --n 131072 --rows 64``)."""
     nd, sp = 1 << cfg.bits, cfg.splits
-    jd = C.iota((sp, nd), 0) * nd + C.iota((sp, nd), 1)
-    tile = C.load(hist_ref, (row + jnp.zeros((sp, nd), I32), jd), (sp, nd))  # [split, d]: keys with digit >= d
     dd = C.iota((sp, nd), 1)
-    ge = jnp.sum(tile, axis=0)
-    sel = jnp.sum((ge >= k).astype(I32)) - 1
-    ge_up = jnp.sum(jnp.where(dd == sel + 1, tile, 0), axis=1)
-    bucket_n = jnp.sum(jnp.where(dd == sel, tile, 0), axis=1) - ge_up
-    start = _next_range(*_pivot_range(plan.piv_u, plan.hi_u, cfg.bits, cfg.range_margin), sel, cfg.bits)
+    passes = []
+    for r in range(2):
+        jd = (2 * C.iota((sp, nd), 0) + r) * nd + dd
+        tile = C.load(hist_ref, (row + jnp.zeros((sp, nd), I32), jd), (sp, nd))  # [split, d]: keys with digit >= d
+        ge = jnp.sum(tile, axis=0)
+        sel = jnp.sum((ge >= k).astype(I32)) - 1
+        ge_up = jnp.sum(jnp.where(dd == sel + 1, tile, 0), axis=1)
+        bucket_n = jnp.sum(jnp.where(dd == sel, tile, 0), axis=1) - ge_up
+        start = _next_range(*_pivot_range(plan.piv_u, plan.hi_u, cfg.bits, cfg.range_margin + r), sel, cfg.bits)
+        passes.append((ge_up, bucket_n, start))
+    fine = jnp.sum(passes[1][1]) <= cfg.hist_block
+    ge_up, bucket_n = (jnp.where(fine, f, c) for f, c in zip(passes[1][:2], passes[0][:2]))
+    start = tuple(jnp.where(fine, f, c) for f, c in zip(passes[1][2], passes[0][2]))
     bucket = jnp.sum(bucket_n)
     fast = (~plan.over) & (plan.total >= k) & (bucket <= cfg.hist_block)
     return _FirstPass(ge_up, bucket_n, jnp.sum(ge_up), bucket, start, fast)
@@ -829,7 +842,7 @@ def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpr
     fill = functools.partial(_split_fill_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret)
     bufs = [jax.ShapeDtypeStruct((t, sp * cap), I32)] * 2 + [jax.ShapeDtypeStruct((t, sp), I32)] * 3
     bufs += [jax.ShapeDtypeStruct((t, 2), I32)]  # the row's pivot and its sample's largest key (u)
-    bufs += [jax.ShapeDtypeStruct((t, sp << cfg.bits), I32)] if par else []  # per split: first-pass digit counts
+    bufs += [jax.ShapeDtypeStruct((t, 2 * sp << cfg.bits), I32)] if par else []  # per split: first-pass counts
     keys, cols, filled, above, above_in, piv, *hist = C.pallas_call(
         fill, out_shape=tuple(bufs), grid=(t, sp), aliases={}, interpret=interpret, name="topk_radix_prefilter",
         num_warps=cfg.num_warps)(x)

@@ -7,7 +7,8 @@ Why: each pass before the shrink reads every candidate buffer (latency-bound L2 
 passes after it count one block held in registers. This replays the kernel's pivot (``_sample_pivot``: evenly
 spaced sample, ``_sample_rank``, 16-bit bucket floor) and its range arithmetic (``_kth_key``) on random normal
 rows, so a start's pass counts are known before a GPU session times it. The kth key it finds is checked against
-``np.partition``.
+``np.partition``. It also counts the rows whose k-th key's first-pass bucket fits one 512-key block, the split
+finish's fast path (``split_finish``), at one margin and at a margin and the next (``_first_pass``).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for scale in a.scale:
         stats: dict[str, list[tuple[int, int]]] = {}
+        fits: dict[str, list[bool]] = {}
         for _ in range(a.rows):
             u = ordered(rng.standard_normal(a.n) * scale)
             piv, hi = pivot(u, a.k, pivot_bits=a.pivot_bits)
@@ -87,11 +89,24 @@ def main() -> None:
                 full, total, tau = passes(cand, a.k, *st)
                 assert tau == want, (name, tau, want)
                 stats.setdefault(name, []).append((full, total))
+            # the split finish's fast path: the k-th key's first-pass bucket fits one block, at margin m or, with
+            # the pair, at m or m + 1 (_first_pass)
+            fit = {}
+            for m in a.margins + [a.margins[-1] + 1]:
+                lo, span, shift = starts.get(f"margin{m}") or (piv, 0xFFFFFFFF - piv, min(max(
+                    (hi - piv).bit_length() - 4 - m, 1), max((0xFFFFFFFF - piv).bit_length() - 4, 0)))
+                dig = np.minimum((cand.astype(np.int64) - lo) >> shift, 15)
+                fit[m] = int((dig == min((want - lo) >> shift, 15)).sum()) <= 512
+            for m in a.margins:
+                fits.setdefault(f"margin{m}", []).append(fit[m])
+                fits.setdefault(f"margins{m}+{m + 1}", []).append(fit[m] or fit[m + 1])
         print(f"N={a.n} k={a.k} scale={scale}: candidates per row about {cand.size}")
         for name, v in stats.items():
             f, t = np.array(v).T
             print(f"  {name:8s} passes over the buffers before the shrink: mean {f.mean():.2f} (max {f.max()}),"
                   f" passes in all: mean {t.mean():.2f}")
+        for name, v in fits.items():
+            print(f"  first-pass bucket within 512 keys, {name}: {sum(v)} of {len(v)} rows")
 
 
 if __name__ == "__main__":
