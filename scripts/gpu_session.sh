@@ -296,9 +296,13 @@ case "$stage" in
     # the radix select sits at ~15x one read of its logits at 64 x 64K (BENCHMARKS.md): where its time goes
     # the indexer's config (select_config_for: 2 splits, unroll 2, shrink, 512-key steps, 16-bit pivot) and the
     # split alone
-    for spec in '{"splits": 2, "unroll": 2, "shrink": true, "hist_block": 512, "pivot_bits": 16}' '{"splits": 2}'; do
+    # NCU_TOPK_SPECS: other TopkSelectConfig specs, separated by ';' (e.g. the range start and the split finish:
+    # '{"splits": 2, "unroll": 2, "shrink": true, "hist_block": 512, "pivot_bits": 16, "hold_shrunk": true,
+    # "range_margin": 1, "split_finish": true}')
+    IFS=';' read -r -a specs <<< "${NCU_TOPK_SPECS:-{\"splits\": 2, \"unroll\": 2, \"shrink\": true, \"hist_block\": 512, \"pivot_bits\": 16\};{\"splits\": 2\}}"
+    for spec in "${specs[@]}"; do
       name=topk64x64k_$(echo "$spec" | tr -dc 'a-z0-9' | sed 's/splits/s/; s/unroll/u/; s/shrinktrue/_shrink/;
-        s/histblock/_h/; s/pivotbits/_p/')
+        s/histblock/_h/; s/pivotbits/_p/; s/holdshrunktrue/_hold/; s/rangemargin/_r/; s/splitfinishtrue/_sf/' | cut -c1-80)
       timeout -k 10 ${NCUT_TIMEOUT:-100} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
         -o "/tmp/$name" python3 scripts/diag/ncu_kernels.py topk --m 64 --cols 65536 --tiles "$spec" > /dev/null 2>&1
       echo "ncu $name rc=$?"
