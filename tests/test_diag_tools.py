@@ -148,9 +148,7 @@ def test_topk_passes_replay():
     numpy's, from the whole key space (8 passes of 4-bit digits) and from the pivot, on rows whose k-th key lies
     far past the sample's largest (the clamped top digit, then wider digits)."""
     import numpy as np
-    spec = importlib.util.spec_from_file_location("topk_passes", ROOT / "scripts/diag/topk_passes.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script("topk_passes")
     rng = np.random.default_rng(3)
     n, k = 8192, 256
     for far in (0.0, 100.0, 1e30):
