@@ -250,6 +250,29 @@ def test_split_finish_same_result(mode: str, splits: int, unroll: int) -> None:
         TopkSelectConfig(split_finish=True)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_split_finish_random_configs(mode: str) -> None:
+    """Random configs of the split path with the range start, the split finish and prefetch (splits, margins,
+    blocks, unroll, capacity, pivot bits) on random rows of every kind, with far keys off the sample: the same
+    kept set as lax.top_k. (An unseeded form of this ran 179 configs in interpret mode, thirty-fourth session.)"""
+    rng = np.random.default_rng(47)
+    for _ in range(8):
+        n = int(rng.integers(1200, 5000))
+        k = int(rng.integers(1, n // 8))
+        cfg = TopkSelectConfig(block=128, hist_block=int(rng.choice([64, 128])), sample=256,
+                               capacity=int(rng.integers(4 * k, n - 1)), splits=int(rng.choice([2, 4, 8])),
+                               unroll=int(rng.choice([1, 2])), shrink=True, hold_shrunk=bool(rng.integers(2)),
+                               range_margin=int(rng.integers(0, 4)), split_finish=True, prefetch=bool(rng.integers(2)),
+                               pivot_bits=int(rng.choice([16, 32])))
+        x = np.concatenate([_rows(kind, 1, n, rng) for kind in rng.choice(KINDS, 4)])
+        x[0, rng.choice(n, 20)] += np.float32(1e6)
+        xj = jnp.asarray(x)
+        idx = select_unsorted(xj, k, config=cfg, interpret=interpret_for(mode))[0]
+        np.testing.assert_array_equal(np.asarray(idx), np.sort(np.asarray(jax.lax.top_k(xj, k)[1]), axis=1),
+                                      err_msg=str(cfg))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_split_prefilter_matches_lax_top_k(mode: str) -> None:
     """``splits`` programs per row stream the prefilter (each into its own buffer), a second kernel counts and
