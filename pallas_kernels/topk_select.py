@@ -491,7 +491,8 @@ def _step_keys(x_keys, first_block, i, unroll: int, width: int, end) -> list[jax
     return [x_keys(first_block + i * unroll + j, width, end)[0] for j in range(unroll)]
 
 
-def _compact(sources: list[Source], tau: jax.Array, need: jax.Array, k: int, out: Callable, unroll: int = 1) -> None:
+def _compact(sources: list[Source], tau: jax.Array, need: jax.Array, k: int | jax.Array, out: Callable,
+             unroll: int = 1) -> None:
     """Step 3 over the sources in column order: keys > tau, and == tau while fewer than ``need`` came before,
     each stored by ``out(slot, col, keep)``. Stops once k keys are kept (none can follow): a row whose pivot is
     tau (a short row's -inf tail) then reads its finite keys and the first -inf ones, not the whole row again.
