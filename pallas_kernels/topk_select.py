@@ -290,25 +290,23 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
 
     def digit_pass(carry):
         lo, span, shift, k_rem, shrunk, kept, held, _ = carry
-        lo_s, span_s = lo ^ _SIGN, span ^ _SIGN
         prefix = lax.shift_right_logical(lax.shift_right_logical(lo, shift), bits)  # the radix form's decided bits
 
         def digit(s):
-            """(candidate, digit) of keys s in the current range."""
+            """The digit of keys s in the current range, -1 (below every d) for the rest."""
             if radix:  # the whole key space: the decided bits == prefix (the same keys, two ops fewer a key)
                 top = lax.shift_right_logical(s ^ _SIGN, shift)
-                return lax.shift_right_logical(top, bits) == prefix, top & (nd - 1)
-            rel = s - lo_s  # u - lo (as _range_digit, with the candidate mask apart for the unrolled loops' check)
-            return (rel ^ _SIGN) <= span_s, jnp.minimum(lax.shift_right_logical(rel, shift), nd - 1)
+                return jnp.where(lax.shift_right_logical(top, bits) == prefix, top & (nd - 1), -1)
+            return _range_digit(s, lo, span, shift, nd)
 
         def count(load, n_blocks, u):
             def body(i, acc):
                 keys = [load(i * u + j)[0] for j in range(u)]  # every load issued before the first use
                 for j, s in enumerate(keys):
-                    cand, dig = digit(s)
+                    dig = digit(s)
                     if u > 1:  # a block past the source's count (its masked lanes would read as u = 0 keys)
-                        cand = cand & (i * u + j < n_blocks)
-                    acc = acc + (jnp.where(cand, dig, -1) >= d).astype(I32)  # -1: below every d
+                        dig = jnp.where(i * u + j < n_blocks, dig, -1)
+                    acc = acc + (dig >= d).astype(I32)
                 return acc
             return body
 
