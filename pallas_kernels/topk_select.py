@@ -457,18 +457,25 @@ def _fill(x_keys, first_block, n_blocks, piv, cap: int, width: int, strict: bool
             if unroll > 1:
                 s = jnp.where(i * unroll + j < n_blocks, s, _SIGN)
             ki = ((s >= lo) if lo is not None else (s > piv) if strict else (s >= piv)).astype(I32)
-            slot = filled + jnp.cumsum(ki, axis=1) - ki
+            gt = (s > piv).astype(I32)
+            both = ki + lax.shift_left(gt, 16)  # one scan and one reduction count both (each <= width < 2^16)
+            slot = filled + (jnp.cumsum(both, axis=1) & 0xFFFF) - ki
             ok = (ki == 1) & (slot < cap)
             put(slot, s, col, ok)
-            gt = (s > piv).astype(I32)
-            filled, above, above_in = filled + jnp.sum(ki), above + gt, above_in + gt * ok.astype(I32)
+            tot = jnp.sum(both)
+            n_ki, n_gt = tot & 0xFFFF, lax.shift_right_logical(tot, 16)
+            # the keys > piv that landed: all of the block's while the buffer has room for every key it keeps, none
+            # once it is full; only the block that fills it counts them lane by lane
+            landed = lax.cond((filled < cap) & (filled + n_ki > cap),
+                              lambda: jnp.sum(gt * ok.astype(I32)),
+                              lambda: jnp.where(filled + n_ki <= cap, n_gt, 0))
+            filled, above, above_in = filled + n_ki, above + n_gt, above_in + landed
         return filled, above, above_in
 
     def cols(i, j):
         return (first_block + i * unroll + j) * width + C.iota((1, width), 1)
 
-    lanes = jnp.zeros((1, width), I32)
-    init = (jnp.zeros((), I32), lanes, lanes)
+    init = (jnp.zeros((), I32),) * 3
     steps = pl.cdiv(n_blocks, unroll)
     if not prefetch:
         def body(i, carry):  # the loads first
@@ -481,7 +488,7 @@ def _fill(x_keys, first_block, n_blocks, piv, cap: int, width: int, strict: bool
         if first is None:
             first = _step_keys(x_keys, first_block, 0, unroll, width, end)
         filled, above, above_in, *_ = lax.fori_loop(0, steps, body, (*init, *first))
-    return filled, jnp.sum(above), jnp.sum(above_in)
+    return filled, above, above_in
 
 
 def _step_keys(x_keys, first_block, i, unroll: int, width: int, end) -> list[jax.Array]:
