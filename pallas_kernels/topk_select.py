@@ -196,7 +196,7 @@ def _sample_rank(n: int, k: int, sample: int) -> int:
 Source = tuple[jax.Array | int, Callable[[jax.Array], tuple[jax.Array, jax.Array]]]  # (blocks, block -> (s, col))
 
 
-Range = tuple[jax.Array, jax.Array, jax.Array]  # (lo, span, shift): keys with lo <= u <= lo + span, digit (u - lo) >> shift
+Range = tuple[jax.Array, jax.Array, jax.Array]  # (lo, span, shift): keys lo <= u <= lo + span, digit (u - lo) >> shift
 
 
 def _bitlen(x: jax.Array) -> jax.Array:
@@ -437,9 +437,10 @@ def _fill(x_keys, first_block, n_blocks, piv, cap: int, width: int, strict: bool
           ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The prefilter's streaming pass over blocks ``first_block .. first_block + n_blocks - 1``: keys >= ``piv``
     (> with ``strict``) go in column order to buffer slots < ``cap`` (``put(slot, s, col, ok)``). Returns (keys
-    kept or counted, keys > piv, keys > piv that landed in the buffer). Only the first count sets the next block's
-    slots, so it is the one reduced across the CTA per block; the other two (read once, after the pass) are
-    per-lane counters reduced at the end: two cross-warp reductions and their barriers fewer per block.
+    kept or counted, keys > piv, keys > piv that landed in the buffer). The first two counts are packed in one int32 per
+    key (kept + (above << 16)), so that one scan gives the slots and one CTA reduction both block counts; the third
+    is counted lane by lane only in the block that fills the buffer. Per-lane counters for the other two cost more
+    instructions a step and registers (pip triton's SASS for sm_90a, ``scripts/diag/triton_sass.py``).
     ``unroll`` blocks are loaded per step before any is used; one past ``n_blocks`` (another split's, or past the
     row) reads as keys below every pivot. ``strict`` may be an int32 0 / 1 decided per row (``_strict_fill``):
     then the fill keeps keys >= piv + strict, one compare a key either way.
