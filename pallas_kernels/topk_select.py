@@ -132,6 +132,9 @@ class TopkSelectConfig:
     # to a scratch row; the third finds tau there and compacts each buffer in its own program. A row whose bucket
     # is larger, or that takes another path, runs the one-program finish in its first split's program
     split_finish: bool = False
+    # the counting passes count each lane's keys of a several-block source in packed 4-bit fields, a shift and an add
+    # a key per word instead of a compare and an add per digit value (``_kth_key``'s ``packed``)
+    packed_counts: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (1, 2, 4):  # 8 would need [256, hist_block] counters: spills
@@ -231,6 +234,26 @@ def _range_digit(s: jax.Array, lo: jax.Array, span: jax.Array, shift: jax.Array,
     return jnp.where((rel ^ _SIGN) <= (span ^ _SIGN), jnp.minimum(lax.shift_right_logical(rel, shift), nd - 1), -1)
 
 
+_PACKED_FIELDS = 8  # 4-bit digit counters in an int32 word
+_PACKED_KEYS = 15  # keys a lane may add to one 4-bit counter
+
+
+def _pack_digit(words: tuple[jax.Array, ...], dig: jax.Array, nd: int) -> tuple[jax.Array, ...]:
+    """Add each lane's key to its packed counter of digit ``dig`` (-1: none): word dig // 8, field dig % 8."""
+    inc = lax.shift_left(jnp.ones_like(dig), lax.shift_left(dig & (_PACKED_FIELDS - 1), 2))
+    word = lax.shift_right_arithmetic(dig, 3)  # -1 for no digit: no word
+    return tuple(w + jnp.where(word == i, inc, 0) for i, w in enumerate(words))
+
+
+def _unpack_digits(words: tuple[jax.Array, ...], nd: int) -> jax.Array:
+    """[nd, width] per-lane counts from ``_pack_digit``'s words."""
+    d = C.iota((nd, 1), 0)
+    w = words[0]
+    for i in range(1, len(words)):
+        w = jnp.where(lax.shift_right_logical(d, 3) == i, words[i], w)
+    return lax.shift_right_logical(w, lax.shift_left(d & (_PACKED_FIELDS - 1), 2)) & 15
+
+
 def _next_range(lo: jax.Array, span: jax.Array, shift: jax.Array, sel: jax.Array, bits: int, grow: bool = True
                 ) -> Range:
     """The range of digit ``sel``'s keys after a pass: its bucket; the top digit's reaches the range's end. Past a
@@ -250,7 +273,8 @@ def _next_range(lo: jax.Array, span: jax.Array, shift: jax.Array, sel: jax.Array
 
 def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, key_bits: int = 32,
              shrink: tuple | None = None, unroll: int = 1, hold: bool = False,
-             start: Range | None = None, held: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+             start: Range | None = None, held: jax.Array | None = None, packed: bool = False
+             ) -> tuple[jax.Array, jax.Array]:
     """(u of the k-th largest key over all sources' blocks [1, width], need = k - #keys above it). With
     ``key_bits`` < 32, only that many leading bits are resolved: u is then the floor of the k-th largest key's
     bucket (its low bits zero), need is relative to that bucket.
@@ -275,7 +299,11 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
     ``hold`` (with ``shrink``): the shrunk block is loaded once after its copy and carried in registers through the
     remaining passes (``TopkSelectConfig.hold_shrunk``); its counts are added only once it exists, as the scratch
     row's loop runs only then. ``held`` [1, width]: such a block from the start (the candidates of ``start``'s range,
-    padded with _SIGN; the split finish's bucket), counted in every pass beside the sources."""
+    padded with _SIGN; the split finish's bucket), counted in every pass beside the sources.
+
+    ``packed`` (``TopkSelectConfig.packed_counts``): a pass counts each digit value's keys (not the keys >= each
+    value) and, over a source of several blocks, in 4-bit fields of a few words per lane (``_pack_digit``): a shift
+    and an add a key per word instead of a compare and an add per digit value. The sums give the same ge."""
     nd = 1 << bits
     d = C.iota((nd, 1), 0)
     d1 = C.iota((nd,), 0)
@@ -299,26 +327,51 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
                 return jnp.where(lax.shift_right_logical(top, bits) == prefix, top & (nd - 1), -1)
             return _range_digit(s, lo, span, shift, nd)
 
+        def digits(load, n_blocks, u, i):
+            keys = [load(i * u + j)[0] for j in range(u)]  # every load issued before the first use
+            for j, s in enumerate(keys):
+                dig = digit(s)
+                if u > 1:  # a block past the source's count (its masked lanes would read as u = 0 keys)
+                    dig = jnp.where(i * u + j < n_blocks, dig, -1)
+                yield dig
+
         def count(load, n_blocks, u):
             def body(i, acc):
-                keys = [load(i * u + j)[0] for j in range(u)]  # every load issued before the first use
-                for j, s in enumerate(keys):
-                    dig = digit(s)
-                    if u > 1:  # a block past the source's count (its masked lanes would read as u = 0 keys)
-                        dig = jnp.where(i * u + j < n_blocks, dig, -1)
-                    acc = acc + (dig >= d).astype(I32)
+                for dig in digits(load, n_blocks, u, i):
+                    acc = acc + ((dig == d) if packed else (dig >= d)).astype(I32)
                 return acc
             return body
+
+        def count_packed(load, n_blocks, u, acc):
+            """``count``'s loop over a source's blocks as packed 4-bit counters (``_pack_digit``), added to the
+            [nd, width] ones every ``_PACKED_KEYS`` // u steps, before a field could overflow."""
+            steps = pl.cdiv(n_blocks, u)
+            per = max(1, _PACKED_KEYS // u)
+
+            def group(g, acc):
+                def body(i, words):
+                    for dig in digits(load, n_blocks, u, i):
+                        words = _pack_digit(words, dig, nd)
+                    return words
+                words = lax.fori_loop(g * per, jnp.minimum(g * per + per, steps), body,
+                                      (jnp.zeros((1, width), I32),) * pl.cdiv(nd, _PACKED_FIELDS))
+                return acc + _unpack_digits(words, nd)
+            return lax.fori_loop(0, pl.cdiv(steps, per), group, acc)
 
         acc = jnp.zeros((nd, width), I32)  # per-lane counters, reduced once per pass
         for n_blocks, load in sources:  # without shrink, the trip counts stay as given (static where they are)
             nb = n_blocks if shrink is None else (1 - shrunk) * n_blocks
-            acc = lax.fori_loop(0, pl.cdiv(nb, unroll), count(load, nb, unroll), acc)
+            if packed and not (isinstance(nb, int) and nb <= 1):
+                acc = count_packed(load, nb, unroll, acc)
+            else:
+                acc = lax.fori_loop(0, pl.cdiv(nb, unroll), count(load, nb, unroll), acc)
         if (shrink is not None and hold) or held_from_start:
             acc = acc + shrunk * count(lambda b: (held, None), 1, 1)(0, jnp.zeros_like(acc))
         elif shrink is not None:
             acc = lax.fori_loop(0, shrunk, count(scratch_keys(kept), 1, 1), acc)
         ge = jnp.sum(acc, axis=1)
+        if packed:  # per-digit counts -> counts of digits >= d
+            ge = jnp.sum(jnp.where(d1[None, :] >= d1[:, None], ge[None, :], 0), axis=1)
         sel = jnp.sum((ge >= k_rem).astype(I32)) - 1  # ge[0] = all candidates >= k_rem
         above = jnp.sum(jnp.where(d1 == sel + 1, ge, 0))  # candidates with a larger digit
         # past a clamped top digit (a start from the pivot whose k-th key lies above the digits' reach) the digits
@@ -389,7 +442,8 @@ def _sample_pivot(x_ref, row, n: int, k: int, cfg: TopkSelectConfig) -> tuple[ja
     scol = lax.div(C.iota((1, s_n), 1) * n, s_n)  # evenly spaced, distinct (s_n <= n)
     xs = lax.bitcast_convert_type(C.load(x_ref, (row, scol), (1, s_n)), I32)
     xs = jnp.where(xs < 0, xs ^ 0x7FFFFFFF, xs)
-    floor_u = _kth_key([(1, lambda b: (xs, scol))], _sample_rank(n, k, s_n), cfg.bits, s_n, cfg.pivot_bits)[0]
+    floor_u = _kth_key([(1, lambda b: (xs, scol))], _sample_rank(n, k, s_n), cfg.bits, s_n, cfg.pivot_bits,
+                       packed=cfg.packed_counts)[0]
     hi_u = jnp.max(xs) ^ _SIGN if cfg.range_margin is not None else jnp.zeros((), I32)
     if cfg.pivot_bits == 32:
         return floor_u, hi_u
@@ -582,11 +636,12 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
                    ((1 - on) * from_row[0], from_row[1])]
         counted = [sources[0], ((1 - on) * (1 - piv_on) * from_row[0], from_row[1])]
         tau_u, need = _kth_key(counted, k, cfg.bits, hb, shrink=shrink, unroll=cfg.unroll, hold=cfg.hold_shrunk,
-                               start=_counting_start(cfg, use_buf, piv_u, hi_u))
+                               start=_counting_start(cfg, use_buf, piv_u, hi_u), packed=cfg.packed_counts)
         tau_u = jnp.where(at_pivot, piv_u, tau_u)
         need = jnp.where(at_pivot, k - above, need)
     else:
-        tau_u, need = _kth_key(sources, k, cfg.bits, hb, shrink=shrink, unroll=cfg.unroll, hold=cfg.hold_shrunk)
+        tau_u, need = _kth_key(sources, k, cfg.bits, hb, shrink=shrink, unroll=cfg.unroll, hold=cfg.hold_shrunk,
+                               packed=cfg.packed_counts)
     tau = tau_u ^ _SIGN
     C.store(tau_ref, (row11,), jnp.full((1, 1), tau_u, I32), one11)
     if not cap:
@@ -720,7 +775,7 @@ def _finish_row(x_ref, key_ref, col_ref, idx_ref, tau_ref, path_ref, scratch, ro
     shrink = (scratch[0], row, t if interpret else None, interpret) if cfg.shrink else None
     tau_u, need = _kth_key(bufs + [((1 - on) * (1 - piv_on) * from_row[0], from_row[1])], k, cfg.bits, hb,
                            shrink=shrink, unroll=cfg.unroll, hold=cfg.hold_shrunk,
-                           start=_counting_start(cfg, plan.use_buf, plan.piv_u, plan.hi_u))
+                           start=_counting_start(cfg, plan.use_buf, plan.piv_u, plan.hi_u), packed=cfg.packed_counts)
     tau_u = jnp.where(plan.at_pivot, plan.piv_u, tau_u)
     need = jnp.where(plan.at_pivot, k - plan.total_above, need)
     row11, one11 = row + jnp.zeros((1, 1), I32), jnp.ones((1, 1), bool)
@@ -818,7 +873,7 @@ def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref
         inside = lane < fp.bucket
         held = jnp.where(inside, C.load(skey_ref, (row, lane), (1, hb), mask=inside), _SIGN)
         hcol = C.load(scol_ref, (row, lane), (1, hb), mask=inside)
-        tau_u, need = _kth_key([], k - fp.above, cfg.bits, hb, start=fp.start, held=held)
+        tau_u, need = _kth_key([], k - fp.above, cfg.bits, hb, start=fp.start, held=held, packed=cfg.packed_counts)
         tau = tau_u ^ _SIGN
         eq = (inside & (held == tau)).astype(I32)
         tie = (eq == 1) & (jnp.cumsum(eq, axis=1) - eq < need)  # the row's kept keys == tau: the first need

@@ -221,6 +221,28 @@ def test_range_start_same_result(mode: str, splits: int, margin: int, fast: bool
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bits,unroll", [(4, 1), (4, 2), pytest.param(2, 1, marks=pytest.mark.slow),
+                                         pytest.param(1, 2, marks=pytest.mark.slow)])
+def test_packed_counts_same_result(mode: str, bits: int, unroll: int) -> None:
+    """``packed_counts`` (a source's keys counted per digit value in packed 4-bit fields, flushed before one can
+    overflow): lax.top_k's result, the same tau, candidates and paths as the plain counts. The row path with
+    32-key blocks (94 a row: several flushes, the last group short; a row of one repeated value puts 15 keys a
+    lane in one field), and the indexer's form (split buffers, the range start, the shrunk block held)."""
+    n = 3000
+    rng = np.random.default_rng(53 + bits)
+    same = np.full((1, n), 0.5, np.float32)  # every key the same digit in every pass
+    x = np.concatenate([_mixed(n, rng, 1), same, rng.standard_normal((2, n)).astype(np.float32)])
+    row = TopkSelectConfig(bits=bits, hist_block=32, capacity=0, unroll=unroll)
+    split = TopkSelectConfig(bits=bits, block=256, hist_block=128, sample=256, capacity=1200, splits=4, unroll=unroll,
+                             shrink=True, hold_shrunk=True, range_margin=1)
+    for base, k in ((row, 37), (split, 50), (split, 300)):
+        want = _check(x, k, interpret_for(mode), base, paths=True)
+        got = _check(x, k, interpret_for(mode), dataclasses.replace(base, packed_counts=True), paths=True)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("splits,unroll", [(4, 2), pytest.param(2, 1, marks=pytest.mark.slow)])
 def test_split_finish_same_result(mode: str, splits: int, unroll: int) -> None:
     """``split_finish`` (the finish as a bucket copy and a per-split compaction where the k-th key's first-pass
@@ -462,19 +484,22 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
     assert "__gpu$xla.gpu.triton" in C.check_triton_lowering(fn, jax.ShapeDtypeStruct((t, n), jnp.float32))
 
 
-@pytest.mark.parametrize("t,n,margin,prefetch,split_finish", [
-    (64, 65536, None, False, False), (64, 65536, 1, True, False), (64, 65536, 1, False, True),
+@pytest.mark.parametrize("t,n,margin,prefetch,split_finish,packed", [
+    (64, 65536, None, False, False, False), (64, 65536, 1, True, False, False), (64, 65536, 1, False, True, False),
+    (64, 65536, 1, False, False, True),
     # the 8-split finish takes ptxas about 40 s on 2 cores: slow
-    pytest.param(16, 131072, None, False, False, marks=pytest.mark.slow),
-    pytest.param(16, 131072, 1, False, True, marks=pytest.mark.slow)])
-def test_sm90_compile_indexer_config(t: int, n: int, margin: int | None, prefetch: bool, split_finish: bool) -> None:
+    pytest.param(16, 131072, None, False, False, False, marks=pytest.mark.slow),
+    pytest.param(16, 131072, 1, False, True, True, marks=pytest.mark.slow)])
+def test_sm90_compile_indexer_config(t: int, n: int, margin: int | None, prefetch: bool, split_finish: bool,
+                                     packed: bool) -> None:
     """The indexer's config at its shapes (``select_config_for``: split, unroll 2, shrink, 512-key steps, 16-bit
     pivot) compiles for sm_90a with at most 64 bytes of spills (a bound, not zero: with pip triton 3.6 the 512-key
     finish kernel spills 40 bytes at 128 registers, with 3.8 none; the H200's timeline, with the plugin's own Triton,
     measured that form faster than the 256-key one, whatever it spills there)."""
     pytest.importorskip("triton")
     from pallas_kernels.topk_select import select_config_for
-    cfg = dataclasses.replace(select_config_for(t, n), range_margin=margin, prefetch=prefetch, split_finish=split_finish)
+    cfg = dataclasses.replace(select_config_for(t, n), range_margin=margin, prefetch=prefetch,
+                              split_finish=split_finish, packed_counts=packed)
     fn = functools.partial(topk_select, k=2048, interpret=False, config=cfg, sort=False)
     for k in C.compile_sm90_report(fn, jax.ShapeDtypeStruct((t, n), jnp.float32)):
         assert k["spill_bytes"] <= 64, k
