@@ -245,6 +245,42 @@ def _pack_digit(words: tuple[jax.Array, ...], dig: jax.Array, nd: int) -> tuple[
     return tuple(w + jnp.where(word == i, inc, 0) for i, w in enumerate(words))
 
 
+def _count_steps(steps: jax.Array | int, step_digits: Callable[[jax.Array], list[tuple[jax.Array, ...]]],
+                 accs: tuple[jax.Array, ...], nd: int, packed: bool, keys_per_step: int = 1, fields: bool = True
+                 ) -> tuple[jax.Array, ...]:
+    """Add ``steps`` steps' keys to per-lane counters ``accs`` ([nd, width] each): ``step_digits(i)`` gives step
+    i's keys, one digit array [1, width] per counter for each (-1: no digit). Plain: counts of digits >= d. Packed
+    (``TopkSelectConfig.packed_counts``): counts of each digit value (``_at_or_above`` turns their sums into the
+    former), kept in 4-bit fields (``_pack_digit``) and added to ``accs`` every ``_PACKED_KEYS`` keys a lane, before a
+    field could overflow; a static single step, or ``fields=False``, counts straight into ``accs``."""
+    d = C.iota((nd, 1), 0)
+
+    def direct(i, accs):
+        for digs in step_digits(i):
+            accs = tuple(a + ((dg == d) if packed else (dg >= d)).astype(I32) for a, dg in zip(accs, digs))
+        return accs
+
+    if not packed or not fields or (isinstance(steps, int) and steps <= 1):
+        return lax.fori_loop(0, steps, direct, accs)
+    per = max(1, _PACKED_KEYS // keys_per_step)
+    empty = (jnp.zeros((1, accs[0].shape[1]), I32),) * pl.cdiv(nd, _PACKED_FIELDS)
+
+    def group(g, accs):
+        def body(i, words):
+            for digs in step_digits(i):
+                words = tuple(_pack_digit(w, dg, nd) for w, dg in zip(words, digs))
+            return words
+        words = lax.fori_loop(g * per, jnp.minimum(g * per + per, steps), body, (empty,) * len(accs))
+        return tuple(a + _unpack_digits(w, nd) for a, w in zip(accs, words))
+    return lax.fori_loop(0, pl.cdiv(steps, per), group, accs)
+
+
+def _at_or_above(h: jax.Array) -> jax.Array:
+    """[nd] counts of each digit value -> counts of digits >= each value."""
+    d1 = C.iota((h.shape[0],), 0)
+    return jnp.sum(jnp.where(d1[None, :] >= d1[:, None], h[None, :], 0), axis=1)
+
+
 def _unpack_digits(words: tuple[jax.Array, ...], nd: int) -> jax.Array:
     """[nd, width] per-lane counts from ``_pack_digit``'s words."""
     d = C.iota((nd, 1), 0)
@@ -305,7 +341,6 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
     value) and, over a source of several blocks, in 4-bit fields of a few words per lane (``_pack_digit``): a shift
     and an add a key per word instead of a compare and an add per digit value. The sums give the same ge."""
     nd = 1 << bits
-    d = C.iota((nd, 1), 0)
     d1 = C.iota((nd,), 0)
 
     def scratch_keys(count):
@@ -335,43 +370,22 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
                     dig = jnp.where(i * u + j < n_blocks, dig, -1)
                 yield dig
 
-        def count(load, n_blocks, u):
-            def body(i, acc):
-                for dig in digits(load, n_blocks, u, i):
-                    acc = acc + ((dig == d) if packed else (dig >= d)).astype(I32)
-                return acc
-            return body
+        def step(load, n_blocks, u):
+            return lambda i: [(dig,) for dig in digits(load, n_blocks, u, i)]
 
-        def count_packed(load, n_blocks, u, acc):
-            """``count``'s loop over a source's blocks as packed 4-bit counters (``_pack_digit``), added to the
-            [nd, width] ones every ``_PACKED_KEYS`` // u steps, before a field could overflow."""
-            steps = pl.cdiv(n_blocks, u)
-            per = max(1, _PACKED_KEYS // u)
-
-            def group(g, acc):
-                def body(i, words):
-                    for dig in digits(load, n_blocks, u, i):
-                        words = _pack_digit(words, dig, nd)
-                    return words
-                words = lax.fori_loop(g * per, jnp.minimum(g * per + per, steps), body,
-                                      (jnp.zeros((1, width), I32),) * pl.cdiv(nd, _PACKED_FIELDS))
-                return acc + _unpack_digits(words, nd)
-            return lax.fori_loop(0, pl.cdiv(steps, per), group, acc)
-
-        acc = jnp.zeros((nd, width), I32)  # per-lane counters, reduced once per pass
+        acc = (jnp.zeros((nd, width), I32),)  # per-lane counters, reduced once per pass
         for n_blocks, load in sources:  # without shrink, the trip counts stay as given (static where they are)
             nb = n_blocks if shrink is None else (1 - shrunk) * n_blocks
-            if packed and not (isinstance(nb, int) and nb <= 1):
-                acc = count_packed(load, nb, unroll, acc)
-            else:
-                acc = lax.fori_loop(0, pl.cdiv(nb, unroll), count(load, nb, unroll), acc)
+            acc = _count_steps(pl.cdiv(nb, unroll), step(load, nb, unroll), acc, nd, packed, unroll)
         if (shrink is not None and hold) or held_from_start:
-            acc = acc + shrunk * count(lambda b: (held, None), 1, 1)(0, jnp.zeros_like(acc))
-        elif shrink is not None:
-            acc = lax.fori_loop(0, shrunk, count(scratch_keys(kept), 1, 1), acc)
+            acc = (acc[0] + shrunk * _count_steps(1, step(lambda b: (held, None), 1, 1), (jnp.zeros_like(acc[0]),),
+                                                  nd, packed)[0],)
+        elif shrink is not None:  # 0 or 1 steps: no packed fields
+            acc = _count_steps(shrunk, step(scratch_keys(kept), 1, 1), acc, nd, packed, fields=False)
+        acc = acc[0]
         ge = jnp.sum(acc, axis=1)
-        if packed:  # per-digit counts -> counts of digits >= d
-            ge = jnp.sum(jnp.where(d1[None, :] >= d1[:, None], ge[None, :], 0), axis=1)
+        if packed:
+            ge = _at_or_above(ge)
         sel = jnp.sum((ge >= k_rem).astype(I32)) - 1  # ge[0] = all candidates >= k_rem
         above = jnp.sum(jnp.where(d1 == sel + 1, ge, 0))  # candidates with a larger digit
         # past a clamped top digit (a start from the pivot whose k-th key lies above the digits' reach) the digits
@@ -442,8 +456,7 @@ def _sample_pivot(x_ref, row, n: int, k: int, cfg: TopkSelectConfig) -> tuple[ja
     scol = lax.div(C.iota((1, s_n), 1) * n, s_n)  # evenly spaced, distinct (s_n <= n)
     xs = lax.bitcast_convert_type(C.load(x_ref, (row, scol), (1, s_n)), I32)
     xs = jnp.where(xs < 0, xs ^ 0x7FFFFFFF, xs)
-    floor_u = _kth_key([(1, lambda b: (xs, scol))], _sample_rank(n, k, s_n), cfg.bits, s_n, cfg.pivot_bits,
-                       packed=cfg.packed_counts)[0]
+    floor_u = _kth_key([(1, lambda b: (xs, scol))], _sample_rank(n, k, s_n), cfg.bits, s_n, cfg.pivot_bits)[0]
     hi_u = jnp.max(xs) ^ _SIGN if cfg.range_margin is not None else jnp.zeros((), I32)
     if cfg.pivot_bits == 32:
         return floor_u, hi_u
@@ -679,18 +692,17 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
         nd, hb = 1 << cfg.bits, min(cfg.hist_block, 256)  # two [nd, hb] counters: 256 keys a step
         fj = jnp.minimum(counts[0], cap)
         ranges = [_pivot_range(piv_u, hi_u, cfg.bits, cfg.range_margin + r) for r in range(2)]
-        d = C.iota((nd, 1), 0)
 
-        def count(b, accs):
+        def step(b):
             i = b * hb + C.iota((1, hb), 1)
             keys = jnp.where(i < fj, C.load(key_ref, (row, j * cap + i), (1, hb), mask=i < fj), _SIGN)
-            return tuple(a + (_range_digit(keys, *rg, nd) >= d).astype(I32) for a, rg in zip(accs, ranges))
+            return [tuple(_range_digit(keys, *rg, nd) for rg in ranges)]
 
-        accs = lax.fori_loop(0, pl.cdiv(fj, hb), count, (jnp.zeros((nd, hb), I32),) * 2)
+        accs = _count_steps(pl.cdiv(fj, hb), step, (jnp.zeros((nd, hb), I32),) * 2, nd, cfg.packed_counts)
         d1 = C.iota((nd,), 0)
         for r, a in enumerate(accs):
-            C.store(hist_ref[0], (row + jnp.zeros((nd,), I32), (2 * j + r) * nd + d1), jnp.sum(a, axis=1),
-                    jnp.ones((nd,), bool))
+            ge = _at_or_above(jnp.sum(a, axis=1)) if cfg.packed_counts else jnp.sum(a, axis=1)
+            C.store(hist_ref[0], (row + jnp.zeros((nd,), I32), (2 * j + r) * nd + d1), ge, jnp.ones((nd,), bool))
     at = (row + jnp.zeros((1, 1), I32), j + jnp.zeros((1, 1), I32))
     for ref, v in zip((filled_ref, above_ref, in_ref), counts):
         C.store(ref, at, jnp.full((1, 1), v, I32), jnp.ones((1, 1), bool))

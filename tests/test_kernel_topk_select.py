@@ -227,7 +227,8 @@ def test_packed_counts_same_result(mode: str, bits: int, unroll: int) -> None:
     """``packed_counts`` (a source's keys counted per digit value in packed 4-bit fields, flushed before one can
     overflow): lax.top_k's result, the same tau, candidates and paths as the plain counts. The row path with
     32-key blocks (94 a row: several flushes, the last group short; a row of one repeated value puts 15 keys a
-    lane in one field), and the indexer's form (split buffers, the range start, the shrunk block held)."""
+    lane in one field), and the indexer's form (split buffers, the range start, the shrunk block held), with the split
+    finish (whose fill kernel counts its buffer's first pass too)."""
     n = 3000
     rng = np.random.default_rng(53 + bits)
     same = np.full((1, n), 0.5, np.float32)  # every key the same digit in every pass
@@ -235,7 +236,7 @@ def test_packed_counts_same_result(mode: str, bits: int, unroll: int) -> None:
     row = TopkSelectConfig(bits=bits, hist_block=32, capacity=0, unroll=unroll)
     split = TopkSelectConfig(bits=bits, block=256, hist_block=128, sample=256, capacity=1200, splits=4, unroll=unroll,
                              shrink=True, hold_shrunk=True, range_margin=1)
-    for base, k in ((row, 37), (split, 50), (split, 300)):
+    for base, k in ((row, 37), (split, 50), (split, 300), (dataclasses.replace(split, split_finish=True), 50)):
         want = _check(x, k, interpret_for(mode), base, paths=True)
         got = _check(x, k, interpret_for(mode), dataclasses.replace(base, packed_counts=True), paths=True)
         np.testing.assert_array_equal(got[0], want[0])
@@ -276,8 +277,9 @@ def test_split_finish_same_result(mode: str, splits: int, unroll: int) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_split_finish_random_configs(mode: str) -> None:
     """Random configs of the split path with the range start, the split finish and prefetch (splits, margins,
-    blocks, unroll, capacity, pivot bits) on random rows of every kind, with far keys off the sample: the same
-    kept set as lax.top_k. (An unseeded form of this ran 179 configs in interpret mode, thirty-fourth session.)"""
+    blocks, unroll, capacity, pivot bits, packed counts) on random rows of every kind, with far keys off the sample:
+    the same kept set as lax.top_k. (An unseeded form of this ran 179 configs in interpret mode, thirty-fourth
+    session.)"""
     rng = np.random.default_rng(47)
     for _ in range(8):
         n = int(rng.integers(1200, 5000))
@@ -286,7 +288,7 @@ def test_split_finish_random_configs(mode: str) -> None:
                                capacity=int(rng.integers(4 * k, n - 1)), splits=int(rng.choice([2, 4, 8])),
                                unroll=int(rng.choice([1, 2])), shrink=True, hold_shrunk=bool(rng.integers(2)),
                                range_margin=int(rng.integers(0, 4)), split_finish=True, prefetch=bool(rng.integers(2)),
-                               pivot_bits=int(rng.choice([16, 32])))
+                               pivot_bits=int(rng.choice([16, 32])), packed_counts=bool(rng.integers(2)))
         x = np.concatenate([_rows(kind, 1, n, rng) for kind in rng.choice(KINDS, 4)])
         x[0, rng.choice(n, 20)] += np.float32(1e6)
         xj = jnp.asarray(x)
