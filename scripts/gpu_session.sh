@@ -556,9 +556,9 @@ case "$stage" in
       --out "$OUT/kernels_topk.json" > "$OUT/bench_topk.log" 2>&1; echo "topk bench rc=$?"
     ;;
   topk-range)
-    # the indexer's config against the finish's counting from the pivot (range_margin), the split finish (_sf) and
-    # the prefilter's loads in flight (2x programs, 4 blocks a step, prefetch), four full shapes, GPU timeline (about
-    # 6 minutes); then the
+    # the indexer's config against the finish's counting from the pivot (range_margin), packed counts (_pk), the split
+    # finish (_sf) and the prefilter's loads in flight (2x programs, prefetch), four full shapes, GPU timeline (about
+    # 7 minutes); then the
     # winners with --mixed (TOPK_RANGE_KNOBS, TOPK_RANGE_ARGS=--mixed). TOPK_MAIN=DIR (a copy of main's tree): main's
     # indexer config first, from there (the branch's kernels store with plain indices, so its h512_p16_hold differs)
     if [ -n "${TOPK_MAIN:-}" ]; then
@@ -567,8 +567,8 @@ case "$stage" in
       echo "topk main rc=$?"; grep '^{' "$OUT/topk_range_main.log" | python3 -c 'import json, sys; [print("main", r["case"], r.get("profile_span_us"), r.get("same_set_as_lax"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
     fi
     timeout -k 10 ${KNOBS_TIMEOUT:-480} python3 scripts/diag/topk_knobs.py ${TOPK_RANGE_ARGS:-} --knobs \
-      ${TOPK_RANGE_KNOBS:-h512_p16_hold h512_p16_hold_r1 h512_p16_hold_r1_sf h512_p16_hold_r1_pf x2_h512_p16_hold_r1 \
-      u4_h512_p16_hold_r1} \
+      ${TOPK_RANGE_KNOBS:-h512_p16_hold h512_p16_hold_r1 h512_p16_hold_r1_pk h512_p16_hold_r1_sf h512_p16_hold_r1_pf \
+      x2_h512_p16_hold_r1 h512_p16_hold_pk} \
       --out "$OUT/topk_knobs_range_h200.json" > "$OUT/topk_range.log" 2>&1; echo "topk range rc=$?"
     grep '^{' "$OUT/topk_range.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("same_set_as_lax"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
     ;;
