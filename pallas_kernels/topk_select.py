@@ -135,6 +135,9 @@ class TopkSelectConfig:
     # the counting passes count each lane's keys of a several-block source in packed 4-bit fields, a shift and an add
     # a key per word instead of a compare and an add per digit value (``_kth_key``'s ``packed``)
     packed_counts: bool = False
+    # warps of the split prefilter's programs (None: num_warps). One program per SM streams a 64-row batch's rows (64 x
+    # 2 splits on 132 SMs); its loop waits on barriers, shuffles and shared memory with 2 warps per scheduler at 8
+    fill_warps: int | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in (1, 2, 4):  # 8 would need [256, hist_block] counters: spills
@@ -142,6 +145,8 @@ class TopkSelectConfig:
         for name in ("block", "hist_block", "sample", "num_warps", "splits", "unroll"):
             if not C.is_pow2(getattr(self, name)):
                 raise ValueError(f"{name} must be a power of 2, got {getattr(self, name)}")
+        if self.fill_warps is not None and not C.is_pow2(self.fill_warps):
+            raise ValueError(f"fill_warps must be None or a power of 2, got {self.fill_warps}")
         if self.unroll > 8:
             raise ValueError(f"unroll must be at most 8, got {self.unroll}")
         if not (0 < self.pivot_bits <= 32 and self.pivot_bits % self.bits == 0):
@@ -919,7 +924,7 @@ def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpr
     bufs += [jax.ShapeDtypeStruct((t, 2 * sp << cfg.bits), I32)] if par else []  # per split: first-pass counts
     keys, cols, filled, above, above_in, piv, *hist = C.pallas_call(
         fill, out_shape=tuple(bufs), grid=(t, sp), aliases={}, interpret=interpret, name="topk_radix_prefilter",
-        num_warps=cfg.num_warps)(x)
+        num_warps=cfg.fill_warps or cfg.num_warps)(x)
     out = [jax.ShapeDtypeStruct((t, k), I32)] + [jax.ShapeDtypeStruct((t,), I32)] * 2
     out += [jax.ShapeDtypeStruct((t, cfg.hist_block), I32)] if cfg.shrink else []  # the counting's scratch row
     counts = (filled, above, above_in, piv)

@@ -241,6 +241,8 @@ def test_packed_counts_same_result(mode: str, bits: int, unroll: int) -> None:
         got = _check(x, k, interpret_for(mode), dataclasses.replace(base, packed_counts=True), paths=True)
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])
+    with pytest.raises(ValueError, match="fill_warps"):
+        TopkSelectConfig(fill_warps=12)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -486,22 +488,22 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
     assert "__gpu$xla.gpu.triton" in C.check_triton_lowering(fn, jax.ShapeDtypeStruct((t, n), jnp.float32))
 
 
-@pytest.mark.parametrize("t,n,margin,prefetch,split_finish,packed", [
-    (64, 65536, None, False, False, False), (64, 65536, 1, True, False, False), (64, 65536, 1, False, True, False),
-    (64, 65536, 1, False, False, True),
+@pytest.mark.parametrize("t,n,tiles", [
+    (64, 65536, {}), (64, 65536, dict(range_margin=1, prefetch=True)),
+    (64, 65536, dict(range_margin=1, split_finish=True)),
+    (64, 65536, dict(range_margin=1, packed_counts=True, fill_warps=16)),
     # the 8-split finish takes ptxas about 40 s on 2 cores: slow
-    pytest.param(16, 131072, None, False, False, False, marks=pytest.mark.slow),
-    pytest.param(16, 131072, 1, False, True, True, marks=pytest.mark.slow)])
-def test_sm90_compile_indexer_config(t: int, n: int, margin: int | None, prefetch: bool, split_finish: bool,
-                                     packed: bool) -> None:
+    pytest.param(16, 131072, {}, marks=pytest.mark.slow),
+    pytest.param(16, 131072, dict(range_margin=1, split_finish=True, packed_counts=True), marks=pytest.mark.slow)])
+def test_sm90_compile_indexer_config(t: int, n: int, tiles: dict) -> None:
     """The indexer's config at its shapes (``select_config_for``: split, unroll 2, shrink, 512-key steps, 16-bit
-    pivot) compiles for sm_90a with at most 64 bytes of spills (a bound, not zero: with pip triton 3.6 the 512-key
-    finish kernel spills 40 bytes at 128 registers, with 3.8 none; the H200's timeline, with the plugin's own Triton,
-    measured that form faster than the 256-key one, whatever it spills there)."""
+    pivot), and with the options still to be timed, compiles for sm_90a with at most 64 bytes of spills (a bound, not
+    zero: with pip triton 3.6 the 512-key finish kernel spills 40 bytes at 128 registers, with 3.8 none; the H200's
+    timeline, with the plugin's own Triton, measured that form faster than the 256-key one, whatever it spills
+    there)."""
     pytest.importorskip("triton")
     from pallas_kernels.topk_select import select_config_for
-    cfg = dataclasses.replace(select_config_for(t, n), range_margin=margin, prefetch=prefetch,
-                              split_finish=split_finish, packed_counts=packed)
+    cfg = dataclasses.replace(select_config_for(t, n), **tiles)
     fn = functools.partial(topk_select, k=2048, interpret=False, config=cfg, sort=False)
     for k in C.compile_sm90_report(fn, jax.ShapeDtypeStruct((t, n), jnp.float32)):
         assert k["spill_bytes"] <= 64, k

@@ -93,7 +93,13 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          "h512_p16_hold_r1_pk": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
                                      range_margin=1, packed_counts=True),
          "h512_p16_hold_r1_sf_pk": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
-                                        range_margin=1, split_finish=True, packed_counts=True)}
+                                        range_margin=1, split_finish=True, packed_counts=True),
+         # the prefilter with 16 warps a program (fill_warps): 4 warps a scheduler to hide its loop's barrier, shuffle
+         # and shared-memory latency (64 x 64K: one program an SM), 8 keys a thread a step; or twice the programs
+         "h512_p16_hold_r1_pk_w16": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
+                                         range_margin=1, packed_counts=True, fill_warps=16),
+         "x2_h512_p16_hold_r1_pk": dict(splits_x=2, unroll=2, shrink=True, hist_block=512, pivot_bits=16,
+                                        hold_shrunk=True, range_margin=1, packed_counts=True)}
 
 
 def main() -> None:
