@@ -575,7 +575,7 @@ case "$stage" in
   topk-tests)
     # the native top-k and sparse-indexer tests, 4 pytest-xdist workers (carry .whl/ for xdist)
     python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
-    timeout -k 10 -s INT ${TOPK_TESTS_TIMEOUT:-150} python3 -m pytest -m gpu -n 4 -q --tb=short -rfE -p no:cacheprovider \
+    timeout -k 10 -s INT ${TOPK_TESTS_TIMEOUT:-240} python3 -m pytest -m gpu -n 4 -q --tb=short -rfE -p no:cacheprovider \
       tests/test_kernel_topk_select.py tests/test_kernel_sparse_indexer.py > "$OUT/gpu_topk_tests.log" 2>&1
     echo "topk tests rc=$?"; tail -3 "$OUT/gpu_topk_tests.log"
     ;;
