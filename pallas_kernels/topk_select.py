@@ -133,7 +133,8 @@ class TopkSelectConfig:
     # is larger, or that takes another path, runs the one-program finish in its first split's program
     split_finish: bool = False
     # the counting passes count each lane's keys of a several-block source in packed 4-bit fields, a shift and an add
-    # a key per word instead of a compare and an add per digit value (``_kth_key``'s ``packed``)
+    # a key per word instead of a compare and an add per digit value (``_kth_key``'s ``packed``); the sample pivot
+    # then holds its sample as 256-key blocks, several keys a lane
     packed_counts: bool = False
     # warps of the split prefilter's programs (None: num_warps). One program per SM streams a 64-row batch's rows (64 x
     # 2 splits on 132 SMs); its loop waits on barriers, shuffles and shared memory with 2 warps per scheduler at 8
@@ -240,6 +241,7 @@ def _range_digit(s: jax.Array, lo: jax.Array, span: jax.Array, shift: jax.Array,
 
 
 _PACKED_FIELDS = 8  # 4-bit digit counters in an int32 word
+_SAMPLE_BLOCK = 256  # the sample pivot's block with packed counts
 _PACKED_KEYS = 15  # keys a lane may add to one 4-bit counter
 
 
@@ -265,7 +267,7 @@ def _count_steps(steps: jax.Array | int, step_digits: Callable[[jax.Array], list
             accs = tuple(a + ((dg == d) if packed else (dg >= d)).astype(I32) for a, dg in zip(accs, digs))
         return accs
 
-    if not packed or not fields or (isinstance(steps, int) and steps <= 1):
+    if not packed or not fields or (isinstance(steps, int) and steps * keys_per_step <= 1):
         return lax.fori_loop(0, steps, direct, accs)
     per = max(1, _PACKED_KEYS // keys_per_step)
     empty = (jnp.zeros((1, accs[0].shape[1]), I32),) * pl.cdiv(nd, _PACKED_FIELDS)
@@ -458,15 +460,28 @@ def _sample_pivot(x_ref, row, n: int, k: int, cfg: TopkSelectConfig) -> tuple[ja
     a row streamed its whole length through the counting passes instead (the H200's mixed select batches:
     benchmarks/results/archive/kernels_select_h200_2026-12-04_before_pivot_fix.json)."""
     s_n = cfg.sample
-    scol = lax.div(C.iota((1, s_n), 1) * n, s_n)  # evenly spaced, distinct (s_n <= n)
-    xs = lax.bitcast_convert_type(C.load(x_ref, (row, scol), (1, s_n)), I32)
-    xs = jnp.where(xs < 0, xs ^ 0x7FFFFFFF, xs)
-    floor_u = _kth_key([(1, lambda b: (xs, scol))], _sample_rank(n, k, s_n), cfg.bits, s_n, cfg.pivot_bits)[0]
-    hi_u = jnp.max(xs) ^ _SIGN if cfg.range_margin is not None else jnp.zeros((), I32)
+    # with packed counts, the sample as blocks of 256 keys held in registers: each lane then counts several keys,
+    # through the packed fields, and the per-pass reduction is over 256 lanes, not the whole sample
+    w = _SAMPLE_BLOCK if cfg.packed_counts and s_n > _SAMPLE_BLOCK else s_n
+    nb = s_n // w
+    xs = []
+    for b in range(nb):
+        scol = lax.div((b * w + C.iota((1, w), 1)) * n, s_n)  # evenly spaced, distinct (s_n <= n)
+        xb = lax.bitcast_convert_type(C.load(x_ref, (row, scol), (1, w)), I32)
+        xs.append(jnp.where(xb < 0, xb ^ 0x7FFFFFFF, xb))
+
+    def block(b):  # b is 0 .. nb - 1 (the one step of an nb-block unroll)
+        return functools.reduce(lambda acc, j: jnp.where(b == j, xs[j], acc), range(1, nb), xs[0]), None
+
+    floor_u = _kth_key([(nb, block)], _sample_rank(n, k, s_n), cfg.bits, w, cfg.pivot_bits, unroll=nb,
+                       packed=cfg.packed_counts)[0]
+    hi_u = functools.reduce(jnp.maximum, [jnp.max(x) for x in xs]) ^ _SIGN
+    hi_u = hi_u if cfg.range_margin is not None else jnp.zeros((), I32)
     if cfg.pivot_bits == 32:
         return floor_u, hi_u
     floor_s = floor_u ^ _SIGN
-    return jnp.min(jnp.where(xs >= floor_s, xs, jnp.iinfo(jnp.int32).max)) ^ _SIGN, hi_u
+    big = jnp.iinfo(jnp.int32).max
+    return functools.reduce(jnp.minimum, [jnp.min(jnp.where(x >= floor_s, x, big)) for x in xs]) ^ _SIGN, hi_u
 
 
 def _counting_start(cfg: TopkSelectConfig, use_buf: jax.Array, piv_u: jax.Array, hi_u: jax.Array) -> Range | None:

@@ -227,14 +227,15 @@ def test_packed_counts_same_result(mode: str, bits: int, unroll: int) -> None:
     """``packed_counts`` (a source's keys counted per digit value in packed 4-bit fields, flushed before one can
     overflow): lax.top_k's result, the same tau, candidates and paths as the plain counts. The row path with
     32-key blocks (94 a row: several flushes, the last group short; a row of one repeated value puts 15 keys a
-    lane in one field), and the indexer's form (split buffers, the range start, the shrunk block held), with the split
-    finish (whose fill kernel counts its buffer's first pass too)."""
+    lane in one field), and the indexer's form (split buffers, the range start, the shrunk block held; a 1024-key
+    sample, counted as four 256-key blocks), with the split finish (whose fill kernel counts its buffer's first pass
+    too): the same pivots, so the same candidates."""
     n = 3000
     rng = np.random.default_rng(53 + bits)
     same = np.full((1, n), 0.5, np.float32)  # every key the same digit in every pass
     x = np.concatenate([_mixed(n, rng, 1), same, rng.standard_normal((2, n)).astype(np.float32)])
     row = TopkSelectConfig(bits=bits, hist_block=32, capacity=0, unroll=unroll)
-    split = TopkSelectConfig(bits=bits, block=256, hist_block=128, sample=256, capacity=1200, splits=4, unroll=unroll,
+    split = TopkSelectConfig(bits=bits, block=256, hist_block=128, sample=1024, capacity=1200, splits=4, unroll=unroll,
                              shrink=True, hold_shrunk=True, range_margin=1)
     for base, k in ((row, 37), (split, 50), (split, 300), (dataclasses.replace(split, split_finish=True), 50)):
         want = _check(x, k, interpret_for(mode), base, paths=True)
