@@ -241,8 +241,8 @@ def _range_digit(s: jax.Array, lo: jax.Array, span: jax.Array, shift: jax.Array,
 
 
 _PACKED_FIELDS = 8  # 4-bit digit counters in an int32 word
-_SAMPLE_BLOCK = 256  # the sample pivot's block with packed counts
 _PACKED_KEYS = 15  # keys a lane may add to one 4-bit counter
+_SAMPLE_BLOCK = 256  # the sample pivot's block with packed counts
 
 
 def _pack_digit(words: tuple[jax.Array, ...], dig: jax.Array, nd: int) -> tuple[jax.Array, ...]:
@@ -259,7 +259,8 @@ def _count_steps(steps: jax.Array | int, step_digits: Callable[[jax.Array], list
     i's keys, one digit array [1, width] per counter for each (-1: no digit). Plain: counts of digits >= d. Packed
     (``TopkSelectConfig.packed_counts``): counts of each digit value (``_at_or_above`` turns their sums into the
     former), kept in 4-bit fields (``_pack_digit``) and added to ``accs`` every ``_PACKED_KEYS`` keys a lane, before a
-    field could overflow; a static single step, or ``fields=False``, counts straight into ``accs``."""
+    field could overflow; a static single step of one key a lane, or ``fields=False``, counts straight into
+    ``accs``."""
     d = C.iota((nd, 1), 0)
 
     def direct(i, accs):
