@@ -99,7 +99,11 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          "h512_p16_hold_r1_pk_w16": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
                                          range_margin=1, packed_counts=True, fill_warps=16),
          "x2_h512_p16_hold_r1_pk": dict(splits_x=2, unroll=2, shrink=True, hist_block=512, pivot_bits=16,
-                                        hold_shrunk=True, range_margin=1, packed_counts=True)}
+                                        hold_shrunk=True, range_margin=1, packed_counts=True),
+         # 1024-key counting / compaction steps over packed counts (half the finish's steps and a 1024-key held
+         # block; 168 registers with pip triton, no spills): the finish's loops wait on latency, not issue
+         "h1024_p16_hold_r1_pk": dict(unroll=2, shrink=True, hist_block=1024, pivot_bits=16, hold_shrunk=True,
+                                      range_margin=1, packed_counts=True)}
 
 
 def main() -> None:
