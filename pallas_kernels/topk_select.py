@@ -30,7 +30,9 @@ each survivor is stored straight to its output slot. Per row:
    number of keys == tau to keep (>= 1). The prefilter's pivot is the same computation on the sample.
    With ``TopkSelectConfig.range_margin`` the passes over the buffer count digits of u - pivot instead, the
    first ones a fraction of the span up to the sample's largest key, so the first pass splits the candidates
-   finely where the whole key space's first digits are shared by almost all of them (``_kth_key``).
+   finely where the whole key space's first digits are shared by almost all of them (``_kth_key``). With
+   ``packed_counts`` a lane counts its keys per digit value in packed 4-bit fields (``_count_steps``), a shift
+   and an add a key per word instead of a compare and an add per digit value.
 3. Compaction: one more loop keeps key > tau, and key == tau while fewer than ``need`` equal keys came
    before; an exclusive prefix sum of the kept mask within the block plus the count so far is each
    survivor's slot in the [T, k] output (a masked scatter store). It stops when k keys are kept, so a short
