@@ -285,6 +285,23 @@ def _count_steps(steps: jax.Array | int, step_digits: Callable[[jax.Array], list
     return lax.fori_loop(0, pl.cdiv(steps, per), group, accs)
 
 
+def _held_counts(dig: jax.Array, nd: int, width: int) -> jax.Array:
+    """[nd] counts of each digit value over one block of keys, one a lane (``dig`` [1, width], -1: none), summed
+    across the lanes as two 16-bit fields a word (digit values 2j, 2j + 1 in word j; width < 2^16 keys, so no carry
+    between them): nd / 2 reductions instead of nd, and a select a word a lane instead of a compare and an add per
+    digit value. (Triton's tensors take power-of-2 shapes, so three 10-bit fields a word would still reduce 8.)"""
+    assert width < 1 << 16
+    on = dig >= 0
+    word = jnp.where(on, lax.shift_right_arithmetic(dig, 1), -1)
+    inc = lax.shift_left(jnp.ones_like(dig), lax.shift_left(dig & 1, 4))
+    nw = max(1, nd // 2)
+    sums = jnp.sum(jnp.where(C.iota((nw, 1), 0) == word, inc, 0), axis=1)  # [nw]
+    d1 = C.iota((nd,), 0)
+    mine = jnp.sum(jnp.where(lax.shift_right_logical(d1, 1)[:, None] == C.iota((1, nw), 1), sums[None, :], 0),
+                   axis=1)
+    return lax.shift_right_logical(mine, lax.shift_left(d1 & 1, 4)) & 0xFFFF
+
+
 def _at_or_above(h: jax.Array) -> jax.Array:
     """[nd] counts of each digit value -> counts of digits >= each value."""
     d1 = C.iota((h.shape[0],), 0)
@@ -383,19 +400,28 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
         def step(load, n_blocks, u):
             return lambda i: [(dig,) for dig in digits(load, n_blocks, u, i)]
 
-        acc = (jnp.zeros((nd, width), I32),)  # per-lane counters, reduced once per pass
-        for n_blocks, load in sources:  # without shrink, the trip counts stay as given (static where they are)
-            nb = n_blocks if shrink is None else (1 - shrunk) * n_blocks
-            acc = _count_steps(pl.cdiv(nb, unroll), step(load, nb, unroll), acc, nd, packed, unroll)
-        if (shrink is not None and hold) or held_from_start:
-            acc = (acc[0] + shrunk * _count_steps(1, step(lambda b: (held, None), 1, 1), (jnp.zeros_like(acc[0]),),
-                                                  nd, packed)[0],)
-        elif shrink is not None:  # 0 or 1 steps: no packed fields
-            acc = _count_steps(shrunk, step(scratch_keys(kept), 1, 1), acc, nd, packed, fields=False)
-        acc = acc[0]
-        ge = jnp.sum(acc, axis=1)
-        if packed:
-            ge = _at_or_above(ge)
+        def counts_all():
+            acc = (jnp.zeros((nd, width), I32),)  # per-lane counters, reduced once per pass
+            for n_blocks, load in sources:  # without shrink, the trip counts stay as given (static where they are)
+                nb = n_blocks if shrink is None else (1 - shrunk) * n_blocks
+                acc = _count_steps(pl.cdiv(nb, unroll), step(load, nb, unroll), acc, nd, packed, unroll)
+            if (shrink is not None and hold) or held_from_start:
+                acc = (acc[0] + shrunk * _count_steps(1, step(lambda b: (held, None), 1, 1),
+                                                      (jnp.zeros_like(acc[0]),), nd, packed)[0],)
+            elif shrink is not None:  # 0 or 1 steps: no packed fields
+                acc = _count_steps(shrunk, step(scratch_keys(kept), 1, 1), acc, nd, packed, fields=False)
+            ge = jnp.sum(acc[0], axis=1)
+            return _at_or_above(ge) if packed else ge
+
+        def counts_held():  # the held block alone: its per-digit totals summed in wide fields (_held_counts)
+            return _at_or_above(_held_counts(digit(held), nd, width))
+
+        if packed and held_from_start and not sources:
+            ge = counts_held()
+        elif packed and shrink is not None and hold:  # once shrunk, the sources have no blocks left
+            ge = lax.cond(shrunk == 1, counts_held, counts_all)
+        else:
+            ge = counts_all()
         sel = jnp.sum((ge >= k_rem).astype(I32)) - 1  # ge[0] = all candidates >= k_rem
         above = jnp.sum(jnp.where(d1 == sel + 1, ge, 0))  # candidates with a larger digit
         # past a clamped top digit (a start from the pivot whose k-th key lies above the digits' reach) the digits
