@@ -247,7 +247,7 @@ _PACKED_KEYS = 15  # keys a lane may add to one 4-bit counter
 _SAMPLE_BLOCK = 256  # the sample pivot's block with packed counts
 
 
-def _pack_digit(words: tuple[jax.Array, ...], dig: jax.Array, nd: int) -> tuple[jax.Array, ...]:
+def _pack_digit(words: tuple[jax.Array, ...], dig: jax.Array) -> tuple[jax.Array, ...]:
     """Add each lane's key to its packed counter of digit ``dig`` (-1: none): word dig // 8, field dig % 8."""
     inc = lax.shift_left(jnp.ones_like(dig), lax.shift_left(dig & (_PACKED_FIELDS - 1), 2))
     word = lax.shift_right_arithmetic(dig, 3)  # -1 for no digit: no word
@@ -278,7 +278,7 @@ def _count_steps(steps: jax.Array | int, step_digits: Callable[[jax.Array], list
     def group(g, accs):
         def body(i, words):
             for digs in step_digits(i):
-                words = tuple(_pack_digit(w, dg, nd) for w, dg in zip(words, digs))
+                words = tuple(_pack_digit(w, dg) for w, dg in zip(words, digs))
             return words
         words = lax.fori_loop(g * per, jnp.minimum(g * per + per, steps), body, (empty,) * len(accs))
         return tuple(a + _unpack_digits(w, nd) for a, w in zip(accs, words))
@@ -291,8 +291,7 @@ def _held_counts(dig: jax.Array, nd: int, width: int) -> jax.Array:
     between them): nd / 2 reductions instead of nd, and a select a word a lane instead of a compare and an add per
     digit value. (Triton's tensors take power-of-2 shapes, so three 10-bit fields a word would still reduce 8.)"""
     assert width < 1 << 16
-    on = dig >= 0
-    word = jnp.where(on, lax.shift_right_arithmetic(dig, 1), -1)
+    word = lax.shift_right_arithmetic(dig, 1)  # -1 for no digit: no word
     inc = lax.shift_left(jnp.ones_like(dig), lax.shift_left(dig & 1, 4))
     nw = max(1, nd // 2)
     sums = jnp.sum(jnp.where(C.iota((nw, 1), 0) == word, inc, 0), axis=1)  # [nw]
