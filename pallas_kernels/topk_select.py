@@ -188,11 +188,15 @@ def select_config_for(t: int, n: int, sms: int = 132) -> TopkSelectConfig:
     512-key steps were the fastest of the sets tried at 64 x 64K, 16 x 128K and 16 x 32K, and second at 64 x 128K;
     the 16-bit pivot was faster again at 64 x 64K and 16 x 128K; more programs per row were slower. Holding the
     shrunk block in registers through the finish passes won at all four shapes (topk_knobs_cols_h200_*.json);
-    column-only split buffers (the finish reading each key back from the row) lost at all four and were removed."""
+    column-only split buffers (the finish reading each key back from the row) lost at all four and were removed.
+    The finish's counting from the pivot (range_margin 1) with the prefilter's next loads in flight (prefetch) won
+    at all four, full and mixed-length batches (topk_knobs_range_*h200_2026-12-05.json); the split finish was
+    faster again at 64 x 64K and 16 x 128K but slower at 64 x 128K and in 16 x 32K's mixed batch, so it stays off."""
     sp = split_for(t, n, sms=sms)
     if sp == 1:
         return TopkSelectConfig()
-    return TopkSelectConfig(splits=sp, unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True)
+    return TopkSelectConfig(splits=sp, unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
+                            range_margin=1, prefetch=True)
 
 
 def _sample_rank(n: int, k: int, sample: int) -> int:
