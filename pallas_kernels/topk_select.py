@@ -28,6 +28,11 @@ each survivor is stored straight to its output slot. Per row:
    counters, one cross-lane reduction per pass (no atomics). The largest d with ``ge[d] >= k'`` extends the
    prefix, and k' drops by ``ge[d + 1]``. After the last pass the prefix is tau and k' = ``need``, the
    number of keys == tau to keep (>= 1). The prefilter's pivot is the same computation on the sample.
+   With ``TopkSelectConfig.range_margin`` the passes over the buffer count digits of u - pivot instead, the
+   first ones a fraction of the span up to the sample's largest key, so the first pass splits the candidates
+   finely where the whole key space's first digits are shared by almost all of them (``_kth_key``). With
+   ``packed_counts`` a lane counts its keys per digit value in packed 4-bit fields (``_count_steps``), a shift
+   and an add a key per word instead of a compare and an add per digit value.
 3. Compaction: one more loop keeps key > tau, and key == tau while fewer than ``need`` equal keys came
    before; an exclusive prefix sum of the kept mask within the block plus the count so far is each
    survivor's slot in the [T, k] output (a masked scatter store). It stops when k keys are kept, so a short
@@ -42,6 +47,11 @@ steps 2-3 on the buffers' union where it lies, one source per split in column or
 same conditions as above; a heavy tie past a full buffer reads the row instead of refilling).
 The indexer's default (``IndexerKernelConfig.topk_splits=None``: ``split_for``): on the H200 it was faster than
 one program per row on batches of 16 rows, full or mixed, and level with it at 64 rows (BENCHMARKS.md).
+``TopkSelectConfig.split_finish`` spreads the second kernel's work over the row's split programs too: the fill
+kernel also counts its buffer's first-pass digits (from the pivot, ``range_margin``), a bucket kernel copies the
+keys of the k-th key's digit (one block at most) to a scratch row, and a finish kernel of ``splits`` programs per
+row finds tau in it (each program the same) and compacts its own buffer into its own output slots. Rows whose
+bucket exceeds a block, or that take another path, run the one-program finish in their first split's program.
 
 Backend: the Triton lowering (conventions of ``pallas_kernels/fused_insert_common.py``), not Mosaic GPU.
 The prefilter and the compaction store each kept key at a data-dependent position, a vector scatter, and
@@ -110,6 +120,27 @@ class TopkSelectConfig:
     # with shrink: the shrunk block stays in registers across the remaining counting passes (loaded once after the
     # copy) instead of each pass reloading the scratch row: one dependent load fewer per pass
     hold_shrunk: bool = False
+    # None: the counting passes over the candidate buffers start from the whole key space (8 passes of 4-bit digits,
+    # the first ones shared by almost every candidate: normal logits' top 4K lie within two exponents). m >= 0: they
+    # start from the pivot, with digits 2^-(bits + m) of the span between the pivot and the sample's largest key
+    # (keys above it count in the top digit), so the first pass already splits the candidates finely: about 300 of
+    # the 3.8K of a 64K row remain after it instead of 2.3K, and fit the shrunk block from the second pass on
+    range_margin: int | None = None
+    # the prefilter's streaming pass keeps the next step's blocks in flight while it works on the current ones, and
+    # the split kernel issues its first step's loads before the sample pivot (_fill's ``prefetch``)
+    prefetch: bool = False
+    # with splits > 1 and range_margin: the finish as three kernels of ``splits`` programs per row. The prefilter also
+    # counts its buffer's first-pass digits; a second kernel copies the k-th key's bucket (at most hist_block keys)
+    # to a scratch row; the third finds tau there and compacts each buffer in its own program. A row whose bucket
+    # is larger, or that takes another path, runs the one-program finish in its first split's program
+    split_finish: bool = False
+    # the counting passes count each lane's keys of a several-block source in packed 4-bit fields, a shift and an add
+    # a key per word instead of a compare and an add per digit value (``_kth_key``'s ``packed``); the sample pivot
+    # then holds its sample as 256-key blocks, several keys a lane
+    packed_counts: bool = False
+    # warps of the split prefilter's programs (None: num_warps). One program per SM streams a 64-row batch's rows (64 x
+    # 2 splits on 132 SMs); its loop waits on barriers, shuffles and shared memory with 2 warps per scheduler at 8
+    fill_warps: int | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in (1, 2, 4):  # 8 would need [256, hist_block] counters: spills
@@ -117,6 +148,8 @@ class TopkSelectConfig:
         for name in ("block", "hist_block", "sample", "num_warps", "splits", "unroll"):
             if not C.is_pow2(getattr(self, name)):
                 raise ValueError(f"{name} must be a power of 2, got {getattr(self, name)}")
+        if self.fill_warps is not None and not C.is_pow2(self.fill_warps):
+            raise ValueError(f"fill_warps must be None or a power of 2, got {self.fill_warps}")
         if self.unroll > 8:
             raise ValueError(f"unroll must be at most 8, got {self.unroll}")
         if not (0 < self.pivot_bits <= 32 and self.pivot_bits % self.bits == 0):
@@ -125,6 +158,10 @@ class TopkSelectConfig:
             raise ValueError(f"hist_block must be < 32768, got {self.hist_block}")
         if self.capacity is not None and self.capacity < 0:
             raise ValueError(f"capacity must be >= 0 or None, got {self.capacity}")
+        if self.range_margin is not None and not 0 <= self.range_margin <= 8:
+            raise ValueError(f"range_margin must be None or in 0..8, got {self.range_margin}")
+        if self.split_finish and self.range_margin is None:
+            raise ValueError("split_finish needs range_margin (its first pass counts from the pivot)")
 
     def buffer_capacity(self, n: int, k: int) -> int:
         """Candidate buffer length per row for rows of n and this k (0: no prefilter)."""
@@ -151,11 +188,15 @@ def select_config_for(t: int, n: int, sms: int = 132) -> TopkSelectConfig:
     512-key steps were the fastest of the sets tried at 64 x 64K, 16 x 128K and 16 x 32K, and second at 64 x 128K;
     the 16-bit pivot was faster again at 64 x 64K and 16 x 128K; more programs per row were slower. Holding the
     shrunk block in registers through the finish passes won at all four shapes (topk_knobs_cols_h200_*.json);
-    column-only split buffers (the finish reading each key back from the row) lost at all four and were removed."""
+    column-only split buffers (the finish reading each key back from the row) lost at all four and were removed.
+    The finish's counting from the pivot (range_margin 1) with the prefilter's next loads in flight (prefetch) won
+    at all four, full and mixed-length batches (topk_knobs_range_*h200_2026-12-05.json); the split finish was
+    faster again at 64 x 64K and 16 x 128K but slower at 64 x 128K and in 16 x 32K's mixed batch, so it stays off."""
     sp = split_for(t, n, sms=sms)
     if sp == 1:
         return TopkSelectConfig()
-    return TopkSelectConfig(splits=sp, unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True)
+    return TopkSelectConfig(splits=sp, unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
+                            range_margin=1, prefetch=True)
 
 
 def _sample_rank(n: int, k: int, sample: int) -> int:
@@ -170,16 +211,152 @@ def _sample_rank(n: int, k: int, sample: int) -> int:
 Source = tuple[jax.Array | int, Callable[[jax.Array], tuple[jax.Array, jax.Array]]]  # (blocks, block -> (s, col))
 
 
+Range = tuple[jax.Array, jax.Array, jax.Array]  # (lo, span, shift): keys lo <= u <= lo + span, digit (u - lo) >> shift
+
+
+def _bitlen(x: jax.Array) -> jax.Array:
+    """Significant bits of x read as uint32 (0 for 0)."""
+    return 32 - lax.clz(x)
+
+
+def _whole_range(bits: int) -> Range:
+    """Every key: the plain radix select, the leading ``bits`` of u first."""
+    return jnp.zeros((), I32), jnp.full((), -1, I32), jnp.full((), 32 - bits, I32)
+
+
+def _pivot_range(piv_u: jax.Array, hi_u: jax.Array, bits: int, margin: int) -> Range:
+    """Keys at or above the pivot, the first digits 2^-(bits + margin) of the span from the pivot to ``hi_u`` (the
+    sample's largest key) each; keys past the last digit's bucket count in it (``_kth_key`` clamps the digit). The
+    shift stays below what the whole span needs, and at least 1 where the span is 2^31 or more (a digit is then
+    always a nonnegative int32)."""
+    span = ~piv_u
+    need = jnp.maximum(_bitlen(span) - bits, 0)
+    return piv_u, span, jnp.minimum(jnp.maximum(_bitlen(hi_u - piv_u) - bits - margin, 1), need)
+
+
+def _in_range(s: jax.Array, lo: jax.Array, span: jax.Array) -> jax.Array:
+    """Where u(s) lies in [lo, lo + span] (uint32): s - (lo ^ SIGN) is u - lo; the compare is unsigned."""
+    return ((s - (lo ^ _SIGN)) ^ _SIGN) <= (span ^ _SIGN)
+
+
+def _range_digit(s: jax.Array, lo: jax.Array, span: jax.Array, shift: jax.Array, nd: int) -> jax.Array:
+    """The digit (u - lo) >> shift of keys s in the range, clamped to nd - 1 (keys past the digits' reach count in
+    the top one); -1 for keys outside the range (below every digit)."""
+    rel = s - (lo ^ _SIGN)  # u - lo
+    return jnp.where((rel ^ _SIGN) <= (span ^ _SIGN), jnp.minimum(lax.shift_right_logical(rel, shift), nd - 1), -1)
+
+
+_PACKED_FIELDS = 8  # 4-bit digit counters in an int32 word
+_PACKED_KEYS = 15  # keys a lane may add to one 4-bit counter
+_SAMPLE_BLOCK = 256  # the sample pivot's block with packed counts
+
+
+def _pack_digit(words: tuple[jax.Array, ...], dig: jax.Array) -> tuple[jax.Array, ...]:
+    """Add each lane's key to its packed counter of digit ``dig`` (-1: none): word dig // 8, field dig % 8."""
+    inc = lax.shift_left(jnp.ones_like(dig), lax.shift_left(dig & (_PACKED_FIELDS - 1), 2))
+    word = lax.shift_right_arithmetic(dig, 3)  # -1 for no digit: no word
+    return tuple(w + jnp.where(word == i, inc, 0) for i, w in enumerate(words))
+
+
+def _count_steps(steps: jax.Array | int, step_digits: Callable[[jax.Array], list[tuple[jax.Array, ...]]],
+                 accs: tuple[jax.Array, ...], nd: int, packed: bool, keys_per_step: int = 1, fields: bool = True
+                 ) -> tuple[jax.Array, ...]:
+    """Add ``steps`` steps' keys to per-lane counters ``accs`` ([nd, width] each): ``step_digits(i)`` gives step
+    i's keys, one digit array [1, width] per counter for each (-1: no digit). Plain: counts of digits >= d. Packed
+    (``TopkSelectConfig.packed_counts``): counts of each digit value (``_at_or_above`` turns their sums into the
+    former), kept in 4-bit fields (``_pack_digit``) and added to ``accs`` every ``_PACKED_KEYS`` keys a lane, before a
+    field could overflow; a static single step of one key a lane, or ``fields=False``, counts straight into
+    ``accs``."""
+    d = C.iota((nd, 1), 0)
+
+    def direct(i, accs):
+        for digs in step_digits(i):
+            accs = tuple(a + ((dg == d) if packed else (dg >= d)).astype(I32) for a, dg in zip(accs, digs))
+        return accs
+
+    if not packed or not fields or (isinstance(steps, int) and steps * keys_per_step <= 1):
+        return lax.fori_loop(0, steps, direct, accs)
+    per = max(1, _PACKED_KEYS // keys_per_step)
+    empty = (jnp.zeros((1, accs[0].shape[1]), I32),) * pl.cdiv(nd, _PACKED_FIELDS)
+
+    def group(g, accs):
+        def body(i, words):
+            for digs in step_digits(i):
+                words = tuple(_pack_digit(w, dg) for w, dg in zip(words, digs))
+            return words
+        words = lax.fori_loop(g * per, jnp.minimum(g * per + per, steps), body, (empty,) * len(accs))
+        return tuple(a + _unpack_digits(w, nd) for a, w in zip(accs, words))
+    return lax.fori_loop(0, pl.cdiv(steps, per), group, accs)
+
+
+def _held_counts(dig: jax.Array, nd: int, width: int) -> jax.Array:
+    """[nd] counts of each digit value over one block of keys, one a lane (``dig`` [1, width], -1: none), summed
+    across the lanes as two 16-bit fields a word (digit values 2j, 2j + 1 in word j; width < 2^16 keys, so no carry
+    between them): nd / 2 reductions instead of nd, and a select a word a lane instead of a compare and an add per
+    digit value. (Triton's tensors take power-of-2 shapes, so three 10-bit fields a word would still reduce 8.)"""
+    assert width < 1 << 16
+    word = lax.shift_right_arithmetic(dig, 1)  # -1 for no digit: no word
+    inc = lax.shift_left(jnp.ones_like(dig), lax.shift_left(dig & 1, 4))
+    nw = max(1, nd // 2)
+    sums = jnp.sum(jnp.where(C.iota((nw, 1), 0) == word, inc, 0), axis=1)  # [nw]
+    d1 = C.iota((nd,), 0)
+    mine = jnp.sum(jnp.where(lax.shift_right_logical(d1, 1)[:, None] == C.iota((1, nw), 1), sums[None, :], 0),
+                   axis=1)
+    return lax.shift_right_logical(mine, lax.shift_left(d1 & 1, 4)) & 0xFFFF
+
+
+def _at_or_above(h: jax.Array) -> jax.Array:
+    """[nd] counts of each digit value -> counts of digits >= each value."""
+    d1 = C.iota((h.shape[0],), 0)
+    return jnp.sum(jnp.where(d1[None, :] >= d1[:, None], h[None, :], 0), axis=1)
+
+
+def _unpack_digits(words: tuple[jax.Array, ...], nd: int) -> jax.Array:
+    """[nd, width] per-lane counts from ``_pack_digit``'s words."""
+    d = C.iota((nd, 1), 0)
+    w = words[0]
+    for i in range(1, len(words)):
+        w = jnp.where(lax.shift_right_logical(d, 3) == i, words[i], w)
+    return lax.shift_right_logical(w, lax.shift_left(d & (_PACKED_FIELDS - 1), 2)) & 15
+
+
+def _next_range(lo: jax.Array, span: jax.Array, shift: jax.Array, sel: jax.Array, bits: int, grow: bool = True
+                ) -> Range:
+    """The range of digit ``sel``'s keys after a pass: its bucket; the top digit's reaches the range's end. Past a
+    clamped top digit (``grow``) the next digits are 2^bits times as wide as this pass's, up to what the rest of the
+    range needs, not all of it at once."""
+    nd = 1 << bits
+    base = lax.shift_left(sel, shift)
+    rest, bucket = span - base, lax.shift_left(jnp.ones((), I32), shift) - 1
+    clamped = (sel == nd - 1) & (lax.shift_right_logical(span, shift) > nd - 1)
+    # any digit but the top one ends at its own width or at the range's end, the smaller (uint32)
+    span2 = jnp.where((sel == nd - 1) | ((rest >= 0) & (rest < bucket)), rest, bucket)
+    shift2 = jnp.maximum(_bitlen(span2) - bits, 0)
+    if grow:
+        shift2 = jnp.where(clamped, jnp.minimum(shift2, shift + bits), shift2)
+    return lo + base, span2, shift2
+
+
 def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, key_bits: int = 32,
-             shrink: tuple | None = None, unroll: int = 1, hold: bool = False) -> tuple[jax.Array, jax.Array]:
+             shrink: tuple | None = None, unroll: int = 1, hold: bool = False,
+             start: Range | None = None, held: jax.Array | None = None, packed: bool = False
+             ) -> tuple[jax.Array, jax.Array]:
     """(u of the k-th largest key over all sources' blocks [1, width], need = k - #keys above it). With
     ``key_bits`` < 32, only that many leading bits are resolved: u is then the floor of the k-th largest key's
     bucket (its low bits zero), need is relative to that bucket.
 
+    Each pass counts the candidates (keys in the current range [lo, lo + span], as uint32) by digit
+    (u - lo) >> shift, clamped to the top digit; the largest digit at which k' or more candidates lie picks the next
+    range (that digit's bucket; the top digit's reaches the range's end), k' drops by the keys above it, and the
+    next shift leaves ``bits`` bits of digit for the new span. It stops when the span has no bits left above the
+    resolved ones. ``start`` (``_whole_range`` if None) is the first range: from the whole key space this is the
+    plain radix select, 32 / bits passes; from ``_pivot_range`` the first pass splits the buffers' candidates finely.
+    Where the k-th key lies past the first digits' reach (the clamped top digit), the next digits are 2^bits times
+    as wide, up to what the rest of the range needs (``scripts/diag/topk_passes.py`` replays this arithmetic).
+
     ``shrink`` = (scratch ref [T, >= width], row, T, interpret): after the first pass that leaves at most ``width``
-    candidates (keys whose decided bits equal the prefix), they are copied to the scratch row, and the remaining
-    passes count that one block instead of every source's blocks. The counts are the same (the later passes count
-    only those keys anyway), so u and need are too.
+    candidates, they are copied to the scratch row, and the remaining passes count that one block instead of every
+    source's blocks. The counts are the same (the later passes count only those keys anyway), so u and need are too.
 
     ``unroll``: each loop step loads that many of a source's blocks before counting any (``TopkSelectConfig.unroll``);
     blocks past the source's count are no candidates, so the counts are unchanged. Sources must load by block index
@@ -187,11 +364,14 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
 
     ``hold`` (with ``shrink``): the shrunk block is loaded once after its copy and carried in registers through the
     remaining passes (``TopkSelectConfig.hold_shrunk``); its counts are added only once it exists, as the scratch
-    row's loop runs only then."""
+    row's loop runs only then. ``held`` [1, width]: such a block from the start (the candidates of ``start``'s range,
+    padded with _SIGN; the split finish's bucket), counted in every pass beside the sources.
+
+    ``packed`` (``TopkSelectConfig.packed_counts``): a pass counts each digit value's keys (not the keys >= each
+    value) and, over a source of several blocks, in 4-bit fields of a few words per lane (``_pack_digit``): a shift
+    and an add a key per word instead of a compare and an add per digit value. The sums give the same ge."""
     nd = 1 << bits
-    d = C.iota((nd, 1), 0)
     d1 = C.iota((nd,), 0)
-    passes = key_bits // bits
 
     def scratch_keys(count):
         def load(b):
@@ -201,43 +381,64 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
             return jnp.where(inside, s, _SIGN), lane
         return load
 
-    def digit_pass(p, carry):
-        prefix, k_rem, shrunk, kept, held = carry
-        shift = 32 - bits - bits * p
+    def digit_pass(carry):
+        lo, span, shift, k_rem, shrunk, kept, held, _ = carry
+        prefix = lax.shift_right_logical(lax.shift_right_logical(lo, shift), bits)  # the radix form's decided bits
 
-        def count(load, n_blocks, u):
-            def body(i, acc):
-                keys = [load(i * u + j)[0] for j in range(u)]  # every load issued before the first use
-                for j, s in enumerate(keys):
-                    top = lax.shift_right_logical(s ^ _SIGN, shift)
-                    # digit of a candidate (high bits == prefix); -1 (below every d) for the rest
-                    cand = lax.shift_right_logical(top, bits) == prefix
-                    if u > 1:  # a block past the source's count (its masked lanes would read as u = 0 keys)
-                        cand = cand & (i * u + j < n_blocks)
-                    acc = acc + (jnp.where(cand, top & (nd - 1), -1) >= d).astype(I32)
-                return acc
-            return body
+        def digit(s):
+            """The digit of keys s in the current range, -1 (below every d) for the rest."""
+            if radix:  # the whole key space: the decided bits == prefix (the same keys, two ops fewer a key)
+                top = lax.shift_right_logical(s ^ _SIGN, shift)
+                return jnp.where(lax.shift_right_logical(top, bits) == prefix, top & (nd - 1), -1)
+            return _range_digit(s, lo, span, shift, nd)
 
-        acc = jnp.zeros((nd, width), I32)  # per-lane counters, reduced once per pass
-        for n_blocks, load in sources:  # without shrink, the trip counts stay as given (static where they are)
-            nb = n_blocks if shrink is None else (1 - shrunk) * n_blocks
-            acc = lax.fori_loop(0, pl.cdiv(nb, unroll), count(load, nb, unroll), acc)
-        if shrink is not None and hold:
-            acc = acc + shrunk * count(lambda b: (held, None), 1, 1)(0, jnp.zeros_like(acc))
-        elif shrink is not None:
-            acc = lax.fori_loop(0, shrunk, count(scratch_keys(kept), 1, 1), acc)
-        ge = jnp.sum(acc, axis=1)
+        def digits(load, n_blocks, u, i):
+            keys = [load(i * u + j)[0] for j in range(u)]  # every load issued before the first use
+            for j, s in enumerate(keys):
+                dig = digit(s)
+                if u > 1:  # a block past the source's count (its masked lanes would read as u = 0 keys)
+                    dig = jnp.where(i * u + j < n_blocks, dig, -1)
+                yield dig
+
+        def step(load, n_blocks, u):
+            return lambda i: [(dig,) for dig in digits(load, n_blocks, u, i)]
+
+        def counts_all():
+            acc = (jnp.zeros((nd, width), I32),)  # per-lane counters, reduced once per pass
+            for n_blocks, load in sources:  # without shrink, the trip counts stay as given (static where they are)
+                nb = n_blocks if shrink is None else (1 - shrunk) * n_blocks
+                acc = _count_steps(pl.cdiv(nb, unroll), step(load, nb, unroll), acc, nd, packed, unroll)
+            if (shrink is not None and hold) or held_from_start:
+                acc = (acc[0] + shrunk * _count_steps(1, step(lambda b: (held, None), 1, 1),
+                                                      (jnp.zeros_like(acc[0]),), nd, packed)[0],)
+            elif shrink is not None:  # 0 or 1 steps: no packed fields
+                acc = _count_steps(shrunk, step(scratch_keys(kept), 1, 1), acc, nd, packed, fields=False)
+            ge = jnp.sum(acc[0], axis=1)
+            return _at_or_above(ge) if packed else ge
+
+        def counts_held():  # the held block alone: its per-digit totals summed in wide fields (_held_counts)
+            return _at_or_above(_held_counts(digit(held), nd, width))
+
+        if packed and held_from_start and not sources:
+            ge = counts_held()
+        elif packed and shrink is not None and hold:  # once shrunk, the sources have no blocks left
+            ge = lax.cond(shrunk == 1, counts_held, counts_all)
+        else:
+            ge = counts_all()
         sel = jnp.sum((ge >= k_rem).astype(I32)) - 1  # ge[0] = all candidates >= k_rem
         above = jnp.sum(jnp.where(d1 == sel + 1, ge, 0))  # candidates with a larger digit
-        prefix = (prefix << bits) | sel
+        # past a clamped top digit (a start from the pivot whose k-th key lies above the digits' reach) the digits
+        # grow; the whole key space never clamps
+        lo, span, nxt_shift = _next_range(lo, span, shift, sel, bits, grow=not radix)
+        done = (_bitlen(span) <= 32 - key_bits).astype(I32)
         if shrink is not None:  # the next pass's candidates: this digit == sel
             nxt = jnp.sum(jnp.where(d1 == sel, ge, 0)) - above
-            go = (1 - shrunk) * (nxt <= width).astype(I32) * (p + 1 < passes).astype(I32)
+            go = (1 - shrunk) * (nxt <= width).astype(I32) * (1 - done)
 
             def copy(load):
                 def body(b, put):
                     s = load(b)[0]
-                    ki = (lax.shift_right_logical(s ^ _SIGN, shift) == prefix).astype(I32)
+                    ki = _in_range(s, lo, span).astype(I32)
                     _scatter(shrink[0], shrink[1], shrink[2], put + jnp.cumsum(ki, axis=1) - ki, s, ki == 1)
                     return put + jnp.sum(ki)
                 return body
@@ -250,29 +451,39 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
             if hold:  # the copied block, loaded once (no lane is loaded on the passes without a copy)
                 held = jnp.where(go == 1, scratch_keys(go * nxt)(0)[0], held)
             shrunk, kept = shrunk + go, jnp.where(go == 1, nxt, kept)
-        return prefix, k_rem - above, shrunk, kept, held
+        return lo, span, nxt_shift, k_rem - above, shrunk, kept, held, done
 
     zero = jnp.zeros((), I32)
-    held0 = jnp.full((1, width), _SIGN, I32)
-    prefix, need, _, _, _ = lax.fori_loop(0, passes, digit_pass, (zero, jnp.asarray(k, I32), zero, zero, held0))
-    return (prefix if key_bits == 32 else lax.shift_left(prefix, 32 - key_bits)), need
+    held_from_start = held is not None
+    held0 = held if held_from_start else jnp.full((1, width), _SIGN, I32)
+    shrunk0 = jnp.ones((), I32) if held_from_start else zero
+    radix = start is None
+    if radix:  # the whole key space: a static number of passes (a dynamic one took the registers of a spill)
+        out = lax.fori_loop(0, key_bits // bits, lambda p, c: digit_pass((*c, zero))[:-1],
+                            (*_whole_range(bits), jnp.asarray(k, I32), shrunk0, zero, held0))
+    else:
+        out = lax.while_loop(lambda c: c[-1] == 0, digit_pass,
+                             (*start, jnp.asarray(k, I32), shrunk0, zero, held0, zero))
+    return out[0], out[3]
 
 
 PATHS = ("row", "buffer", "refilled buffer", "pivot is tau", "overflowed buffer")  # select_unsorted's path codes
 
 
-def _row_keys(x_ref, row, n: int) -> Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]:
-    """(block b, width) -> (s, column) [1, width] of the row's keys; padding lanes past n get s = _SIGN."""
-    def x_keys(b, width):
+def _row_keys(x_ref, row, n: int) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """(block b, width[, end]) -> (s, column) [1, width] of the row's keys; padding lanes past n (and past column
+    ``end``, unloaded) get s = _SIGN."""
+    def x_keys(b, width, end=None):
         col = b * width + C.iota((1, width), 1)
-        inside = col < n
+        inside = col < n if end is None else (col < n) & (col < end)
         xb = lax.bitcast_convert_type(C.load(x_ref, (row, col), (1, width), mask=inside), I32)
         return jnp.where(inside, jnp.where(xb < 0, xb ^ 0x7FFFFFFF, xb), _SIGN), col
     return x_keys
 
 
-def _sample_pivot(x_ref, row, n: int, k: int, cfg: TopkSelectConfig) -> jax.Array:
-    """u of the prefilter's pivot: the ``_sample_rank``-th largest key of ``cfg.sample`` evenly spaced keys.
+def _sample_pivot(x_ref, row, n: int, k: int, cfg: TopkSelectConfig) -> tuple[jax.Array, jax.Array]:
+    """(u of the prefilter's pivot: the ``_sample_rank``-th largest key of ``cfg.sample`` evenly spaced keys; u of
+    the sample's largest key where ``cfg.range_margin`` is set, else 0).
 
     With ``pivot_bits`` < 32 that key is resolved only to its bucket, and the pivot is the smallest sampled key
     in the bucket or above its floor: still at most the exact rank's key (so no fewer candidates), and always a
@@ -281,20 +492,47 @@ def _sample_pivot(x_ref, row, n: int, k: int, cfg: TopkSelectConfig) -> jax.Arra
     a row streamed its whole length through the counting passes instead (the H200's mixed select batches:
     benchmarks/results/archive/kernels_select_h200_2026-12-04_before_pivot_fix.json)."""
     s_n = cfg.sample
-    scol = lax.div(C.iota((1, s_n), 1) * n, s_n)  # evenly spaced, distinct (s_n <= n)
-    xs = lax.bitcast_convert_type(C.load(x_ref, (row, scol), (1, s_n)), I32)
-    xs = jnp.where(xs < 0, xs ^ 0x7FFFFFFF, xs)
-    floor_u = _kth_key([(1, lambda b: (xs, scol))], _sample_rank(n, k, s_n), cfg.bits, s_n, cfg.pivot_bits)[0]
+    # with packed counts, the sample as blocks of 256 keys held in registers: each lane then counts several keys,
+    # through the packed fields, and the per-pass reduction is over 256 lanes, not the whole sample
+    w = _SAMPLE_BLOCK if cfg.packed_counts and s_n > _SAMPLE_BLOCK else s_n
+    nb = s_n // w
+    xs = []
+    for b in range(nb):
+        scol = lax.div((b * w + C.iota((1, w), 1)) * n, s_n)  # evenly spaced, distinct (s_n <= n)
+        xb = lax.bitcast_convert_type(C.load(x_ref, (row, scol), (1, w)), I32)
+        xs.append(jnp.where(xb < 0, xb ^ 0x7FFFFFFF, xb))
+
+    def block(b):  # b is 0 .. nb - 1 (the one step of an nb-block unroll)
+        return functools.reduce(lambda acc, j: jnp.where(b == j, xs[j], acc), range(1, nb), xs[0]), None
+
+    floor_u = _kth_key([(nb, block)], _sample_rank(n, k, s_n), cfg.bits, w, cfg.pivot_bits, unroll=nb,
+                       packed=cfg.packed_counts)[0]
+    hi_u = functools.reduce(jnp.maximum, [jnp.max(x) for x in xs]) ^ _SIGN
+    hi_u = hi_u if cfg.range_margin is not None else jnp.zeros((), I32)
     if cfg.pivot_bits == 32:
-        return floor_u
+        return floor_u, hi_u
     floor_s = floor_u ^ _SIGN
-    return jnp.min(jnp.where(xs >= floor_s, xs, jnp.iinfo(jnp.int32).max)) ^ _SIGN
+    big = jnp.iinfo(jnp.int32).max
+    return functools.reduce(jnp.minimum, [jnp.min(jnp.where(x >= floor_s, x, big)) for x in xs]) ^ _SIGN, hi_u
 
 
-def _scatter(ref, row, t: int, slot: jax.Array, val: jax.Array, ok: jax.Array) -> None:
-    """Masked store of ``val`` at [row, slot] where ``ok``; masked-out lanes point one past the first axis (t rows:
-    interpret mode drops them)."""
-    C.store(ref, (jnp.where(ok, row, t), jnp.where(ok, slot, 0)), val, ok)
+def _counting_start(cfg: TopkSelectConfig, use_buf: jax.Array, piv_u: jax.Array, hi_u: jax.Array) -> Range | None:
+    """The counting passes' first range (``TopkSelectConfig.range_margin``): from the pivot where they read the
+    candidate buffers (every candidate is >= the pivot there), the whole key space where they read the row."""
+    if cfg.range_margin is None:
+        return None
+    return tuple(jnp.where(use_buf, p, w) for p, w in zip(_pivot_range(piv_u, hi_u, cfg.bits, cfg.range_margin),
+                                                            _whole_range(cfg.bits)))
+
+
+def _scatter(ref, row, t: int | None, slot: jax.Array, val: jax.Array, ok: jax.Array) -> None:
+    """Masked store of ``val`` at [row, slot] where ``ok``. In interpret mode (``t`` = the rows) masked-out lanes
+    point one past the first axis, which it drops; natively (``t`` None) the mask alone keeps them from memory, and
+    the plain index saves the two selects and the wider address arithmetic a key they cost in the fill's loop."""
+    if t is None:
+        C.store(ref, (row, slot), val, ok)
+    else:
+        C.store(ref, (jnp.where(ok, row, t), jnp.where(ok, slot, 0)), val, ok)
 
 
 _NEG_INF_U = 0x007FFFFF  # u of -inf: below it only padding (u = 0) and no float
@@ -314,37 +552,72 @@ def _strict_fill(piv_u: jax.Array) -> jax.Array:
 
 
 def _fill(x_keys, first_block, n_blocks, piv, cap: int, width: int, strict: bool | jax.Array, put: Callable,
-          unroll: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
+          unroll: int = 1, prefetch: bool = False, first: list[jax.Array] | None = None
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The prefilter's streaming pass over blocks ``first_block .. first_block + n_blocks - 1``: keys >= ``piv``
     (> with ``strict``) go in column order to buffer slots < ``cap`` (``put(slot, s, col, ok)``). Returns (keys
-    kept or counted, keys > piv, keys > piv that landed in the buffer). Only the first count sets the next block's
-    slots, so it is the one reduced across the CTA per block; the other two (read once, after the pass) are
-    per-lane counters reduced at the end: two cross-warp reductions and their barriers fewer per block.
+    kept or counted, keys > piv, keys > piv that landed in the buffer). The first two counts are packed in one int32 per
+    key (kept + (above << 16)), so that one scan gives the slots and one CTA reduction both block counts; the third
+    is counted lane by lane only in the block that fills the buffer. Per-lane counters for the other two cost more
+    instructions a step and registers (pip triton's SASS for sm_90a, ``scripts/diag/triton_sass.py``).
     ``unroll`` blocks are loaded per step before any is used; one past ``n_blocks`` (another split's, or past the
     row) reads as keys below every pivot. ``strict`` may be an int32 0 / 1 decided per row (``_strict_fill``):
-    then the fill keeps keys >= piv + strict, one compare a key either way."""
-    lo = piv + strict if isinstance(strict, jax.Array) else None
+    then the fill keeps keys >= piv + strict, one compare a key either way.
 
-    def body(i, carry):
+    ``prefetch`` (``TopkSelectConfig.prefetch``): each step issues the next step's loads before using its own, which
+    the previous step loaded (its keys carried in registers), so two steps' blocks are in flight; loads past the
+    pass's last block are masked out (no memory traffic). ``first``: the first step's keys, loaded by the caller
+    (``_step_keys``) before other work, e.g. the sample pivot, so that they are in flight during it."""
+    lo = piv + strict if isinstance(strict, jax.Array) else None
+    end = (first_block + n_blocks) * width
+
+    def step(i, carry, blocks):
         filled, above, above_in = carry
-        blocks = [x_keys(first_block + i * unroll + j, width) for j in range(unroll)]  # the loads first
         for j, (s, col) in enumerate(blocks):
             if unroll > 1:
                 s = jnp.where(i * unroll + j < n_blocks, s, _SIGN)
             ki = ((s >= lo) if lo is not None else (s > piv) if strict else (s >= piv)).astype(I32)
-            slot = filled + jnp.cumsum(ki, axis=1) - ki
+            gt = (s > piv).astype(I32)
+            both = ki + lax.shift_left(gt, 16)  # one scan and one reduction count both (each <= width < 2^16)
+            slot = filled + (jnp.cumsum(both, axis=1) & 0xFFFF) - ki
             ok = (ki == 1) & (slot < cap)
             put(slot, s, col, ok)
-            gt = (s > piv).astype(I32)
-            filled, above, above_in = filled + jnp.sum(ki), above + gt, above_in + gt * ok.astype(I32)
+            tot = jnp.sum(both)
+            n_ki, n_gt = tot & 0xFFFF, lax.shift_right_logical(tot, 16)
+            # the keys > piv that landed: all of the block's while the buffer has room for every key it keeps, none
+            # once it is full; only the block that fills it counts them lane by lane
+            landed = lax.cond((filled < cap) & (filled + n_ki > cap),
+                              lambda: jnp.sum(gt * ok.astype(I32)),
+                              lambda: jnp.where(filled + n_ki <= cap, n_gt, 0))
+            filled, above, above_in = filled + n_ki, above + n_gt, above_in + landed
         return filled, above, above_in
 
-    lanes = jnp.zeros((1, width), I32)
-    filled, above, above_in = lax.fori_loop(0, pl.cdiv(n_blocks, unroll), body, (jnp.zeros((), I32), lanes, lanes))
-    return filled, jnp.sum(above), jnp.sum(above_in)
+    def cols(i, j):
+        return (first_block + i * unroll + j) * width + C.iota((1, width), 1)
+
+    init = (jnp.zeros((), I32),) * 3
+    steps = pl.cdiv(n_blocks, unroll)
+    if not prefetch:
+        def body(i, carry):  # the loads first
+            return step(i, carry, [x_keys(first_block + i * unroll + j, width) for j in range(unroll)])
+        filled, above, above_in = lax.fori_loop(0, steps, body, init)
+    else:
+        def body(i, carry):
+            nxt = _step_keys(x_keys, first_block, i + 1, unroll, width, end)  # issued before this step's work
+            return (*step(i, carry[:3], [(s, cols(i, j)) for j, s in enumerate(carry[3:])]), *nxt)
+        if first is None:
+            first = _step_keys(x_keys, first_block, 0, unroll, width, end)
+        filled, above, above_in, *_ = lax.fori_loop(0, steps, body, (*init, *first))
+    return filled, above, above_in
 
 
-def _compact(sources: list[Source], tau: jax.Array, need: jax.Array, k: int, out: Callable, unroll: int = 1) -> None:
+def _step_keys(x_keys, first_block, i, unroll: int, width: int, end) -> list[jax.Array]:
+    """The keys (s) of a fill's step ``i``: ``unroll`` blocks from ``first_block``, masked at column ``end``."""
+    return [x_keys(first_block + i * unroll + j, width, end)[0] for j in range(unroll)]
+
+
+def _compact(sources: list[Source], tau: jax.Array, need: jax.Array, k: int | jax.Array, out: Callable,
+             unroll: int = 1) -> None:
     """Step 3 over the sources in column order: keys > tau, and == tau while fewer than ``need`` came before,
     each stored by ``out(slot, col, keep)``. Stops once k keys are kept (none can follow): a row whose pivot is
     tau (a short row's -inf tail) then reads its finite keys and the first -inf ones, not the whole row again.
@@ -373,9 +646,9 @@ def _compact(sources: list[Source], tau: jax.Array, need: jax.Array, k: int, out
 def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k: int, cfg: TopkSelectConfig,
                    cap: int, interpret: bool) -> None:
     row = pl.program_id(0)
-    t = idx_ref.shape[0]
+    t = idx_ref.shape[0] if interpret else None  # _scatter: masked-out lanes' index (interpret mode only)
     hb = cfg.hist_block
-    shrink = (bufs[-1], row, t, interpret) if cfg.shrink else None  # the scratch row comes last
+    shrink = (bufs[-1], row, t if interpret else None, interpret) if cfg.shrink else None  # the scratch row comes last
     row11 = row + jnp.zeros((1, 1), I32)  # [1, 1] index of this row's scalar outputs
     one11 = jnp.ones((1, 1), bool)
 
@@ -385,7 +658,7 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
     sources = [from_row]
     if cap:
         bkey_ref, bcol_ref = bufs[:2]
-        piv_u = _sample_pivot(x_ref, row, n, k, cfg)
+        piv_u, hi_u = _sample_pivot(x_ref, row, n, k, cfg)
         piv = piv_u ^ _SIGN
 
         def put(slot, s, col, ok):
@@ -394,7 +667,7 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
 
         blocks = pl.cdiv(n, cfg.block)
         strict = _strict_fill(piv_u)  # a -inf pivot: the keys above it alone
-        filled, above, above_in = _fill(x_keys, 0, blocks, piv, cap, cfg.block, strict, put, cfg.unroll)
+        filled, above, above_in = _fill(x_keys, 0, blocks, piv, cap, cfg.block, strict, put, cfg.unroll, cfg.prefetch)
         if not interpret:
             plt.debug_barrier()  # the buffer's stores -> its loads by other threads of the CTA
         # More than cap keys at or above the pivot: its value is shared by many keys (the -inf tail of a short
@@ -407,7 +680,7 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
         kept_all = over & (above >= k) & (above_in == above)
         refill = over & (above >= k) & (above <= cap) & (above_in < above)
         at_pivot = (over | (strict == 1)) & (above < k)
-        _fill(x_keys, 0, refill.astype(I32) * blocks, piv, cap, cfg.block, True, put, cfg.unroll)
+        _fill(x_keys, 0, refill.astype(I32) * blocks, piv, cap, cfg.block, True, put, cfg.unroll, cfg.prefetch)
         if not interpret:
             plt.debug_barrier()
         count = jnp.where(refill, above, jnp.minimum(filled, cap))  # keys in the buffer
@@ -427,11 +700,13 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
         sources = [(on * lax.shift_right_logical(count + hb - 1, C.log2(hb)), buf_keys),
                    ((1 - on) * from_row[0], from_row[1])]
         counted = [sources[0], ((1 - on) * (1 - piv_on) * from_row[0], from_row[1])]
-        tau_u, need = _kth_key(counted, k, cfg.bits, hb, shrink=shrink, unroll=cfg.unroll, hold=cfg.hold_shrunk)
+        tau_u, need = _kth_key(counted, k, cfg.bits, hb, shrink=shrink, unroll=cfg.unroll, hold=cfg.hold_shrunk,
+                               start=_counting_start(cfg, use_buf, piv_u, hi_u), packed=cfg.packed_counts)
         tau_u = jnp.where(at_pivot, piv_u, tau_u)
         need = jnp.where(at_pivot, k - above, need)
     else:
-        tau_u, need = _kth_key(sources, k, cfg.bits, hb, shrink=shrink, unroll=cfg.unroll, hold=cfg.hold_shrunk)
+        tau_u, need = _kth_key(sources, k, cfg.bits, hb, shrink=shrink, unroll=cfg.unroll, hold=cfg.hold_shrunk,
+                               packed=cfg.packed_counts)
     tau = tau_u ^ _SIGN
     C.store(tau_ref, (row11,), jnp.full((1, 1), tau_u, I32), one11)
     if not cap:
@@ -441,104 +716,278 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
     _compact(sources, tau, need, k, lambda slot, col, keep: _scatter(idx_ref, row, t, slot, col, keep), cfg.unroll)
 
 
-def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, *, n: int, k: int,
-                       cfg: TopkSelectConfig, cap: int) -> None:
+def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, *hist_ref, n: int, k: int,
+                       cfg: TopkSelectConfig, cap: int, interpret: bool) -> None:
     """Program (row, j): the prefilter's pass over the j-th of ``cfg.splits`` column ranges of the row (whole
     blocks), keys >= the row's sample pivot into buffer j ([row, j cap : (j + 1) cap], column order), and its
     counts: keys >= pivot, keys > pivot, keys > pivot that fit the buffer; the pivot's u for the finish kernel
-    (every program of the row writes the same value)."""
+    and the sample's largest key's ([row, 0], [row, 1]; every program of the row writes the same values). With
+    ``hist_ref`` (``split_finish``): its buffer's counts ge[d] of first-pass digits >= d from the pivot, at two
+    resolutions r (``_first_pass``), at [row, (2 j + r) nd : (2 j + r + 1) nd]."""
     row, j = pl.program_id(0), pl.program_id(1)
-    t = key_ref.shape[0]
-    piv_u = _sample_pivot(x_ref, row, n, k, cfg)
+    t = key_ref.shape[0] if interpret else None
     per = pl.cdiv(pl.cdiv(n, cfg.block), cfg.splits)
     nb = jnp.clip(pl.cdiv(n, cfg.block) - j * per, 0, per)
+    x_keys = _row_keys(x_ref, row, n)
+    first = _step_keys(x_keys, j * per, 0, cfg.unroll, cfg.block, (j * per + nb) * cfg.block) if cfg.prefetch else None
+    piv_u, hi_u = _sample_pivot(x_ref, row, n, k, cfg)
 
     def put(slot, s, col, ok):
         _scatter(key_ref, row, t, j * cap + slot, s, ok)
         _scatter(col_ref, row, t, j * cap + slot, col, ok)
 
-    counts = _fill(_row_keys(x_ref, row, n), j * per, nb, piv_u ^ _SIGN, cap, cfg.block, _strict_fill(piv_u), put,
-                   cfg.unroll)
+    counts = _fill(x_keys, j * per, nb, piv_u ^ _SIGN, cap, cfg.block, _strict_fill(piv_u), put, cfg.unroll,
+                   cfg.prefetch, first)
+    if hist_ref:  # the split finish's first pass over this buffer, from the pivot (_first_pass sums the splits')
+        if not interpret:
+            plt.debug_barrier()  # the buffer's stores -> its loads by other threads of the CTA
+        nd, hb = 1 << cfg.bits, min(cfg.hist_block, 256)  # two [nd, hb] counters: 256 keys a step
+        fj = jnp.minimum(counts[0], cap)
+        ranges = [_pivot_range(piv_u, hi_u, cfg.bits, cfg.range_margin + r) for r in range(2)]
+
+        def step(b):
+            i = b * hb + C.iota((1, hb), 1)
+            keys = jnp.where(i < fj, C.load(key_ref, (row, j * cap + i), (1, hb), mask=i < fj), _SIGN)
+            return [tuple(_range_digit(keys, *rg, nd) for rg in ranges)]
+
+        accs = _count_steps(pl.cdiv(fj, hb), step, (jnp.zeros((nd, hb), I32),) * 2, nd, cfg.packed_counts)
+        d1 = C.iota((nd,), 0)
+        for r, a in enumerate(accs):
+            ge = _at_or_above(jnp.sum(a, axis=1)) if cfg.packed_counts else jnp.sum(a, axis=1)
+            C.store(hist_ref[0], (row + jnp.zeros((nd,), I32), (2 * j + r) * nd + d1), ge, jnp.ones((nd,), bool))
     at = (row + jnp.zeros((1, 1), I32), j + jnp.zeros((1, 1), I32))
     for ref, v in zip((filled_ref, above_ref, in_ref), counts):
         C.store(ref, at, jnp.full((1, 1), v, I32), jnp.ones((1, 1), bool))
-    C.store(piv_ref, (at[0],), jnp.full((1, 1), piv_u, I32), jnp.ones((1, 1), bool))
+    for c, v in enumerate((piv_u, hi_u)):
+        C.store(piv_ref, (at[0], jnp.full((1, 1), c, I32)), jnp.full((1, 1), v, I32), jnp.ones((1, 1), bool))
+
+
+@dataclasses.dataclass
+class _RowPlan:
+    """The split buffers' counts of a row and what they decide (``_row_plan``)."""
+    js: jax.Array  # [1, splits] split ids
+    fill: jax.Array  # [1, splits] keys in each buffer
+    piv_u: jax.Array
+    hi_u: jax.Array
+    total: jax.Array  # keys at or above the pivot (all splits)
+    total_above: jax.Array  # keys above it
+    kept_all: jax.Array  # the buffers serve with the keys at the pivot masked out
+    at_pivot: jax.Array  # the pivot is tau
+    use_buf: jax.Array  # steps 2-3 read the buffers, not the row
+    over: jax.Array
+
+
+def _row_plan(filled_ref, above_ref, in_ref, piv_ref, row, k: int, cap: int, sp: int) -> _RowPlan:
+    """The finish's decisions from the prefilter's counts (every finish kernel of a row makes the same ones).
+
+    More keys at or above the pivot than one buffer holds, in one split or in all of them together (a short row's
+    -inf tail whose splits each fit their buffer): the pivot's value is shared by many keys, as in the one-kernel
+    path; the union then serves only with the keys strictly above the pivot (kept_all)."""
+    js = C.iota((1, sp), 1)
+    filled, above, above_in = (C.load(r, (row, js), (1, sp)) for r in (filled_ref, above_ref, in_ref))
+    total, total_above = jnp.sum(filled), jnp.sum(above)
+    piv_u, hi_u = (jnp.sum(C.load(piv_ref, (row + jnp.zeros((1, 1), I32), jnp.full((1, 1), c, I32)), (1, 1)))
+                   for c in (0, 1))
+    over = (jnp.sum((filled > cap).astype(I32)) > 0) | (total > cap)
+    kept_all = over & (total_above >= k) & (jnp.sum((above_in < above).astype(I32)) == 0)
+    at_pivot = (over | (_strict_fill(piv_u) == 1)) & (total_above < k)  # a -inf pivot: the fill kept keys above it
+    use_buf = ((~over) & (total >= k)) | kept_all
+    return _RowPlan(js, jnp.minimum(filled, cap), piv_u, hi_u, total, total_above, kept_all, at_pivot, use_buf, over)
 
 
 def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, idx_ref, tau_ref,
                          path_ref, *scratch, n: int, k: int, cfg: TopkSelectConfig, cap: int,
                          interpret: bool) -> None:
-    """Program row: steps 2-3 over the union of the row's split buffers, or over the row.
+    """Program row: steps 2-3 over the union of the row's split buffers, or over the row (``_finish_row``)."""
+    row = pl.program_id(0)
+    plan = _row_plan(filled_ref, above_ref, in_ref, piv_ref, row, k, cap, cfg.splits)
+    _finish_row(x_ref, key_ref, col_ref, idx_ref, tau_ref, path_ref, scratch, row, plan, n, k, cfg, cap, interpret)
+
+
+def _buffer_source(key_ref, col_ref, row, jj: int | jax.Array, fj: jax.Array, cap: int, hb: int, on: jax.Array,
+                   piv: jax.Array | None = None, strict: jax.Array | None = None) -> Source:
+    """Split ``jj``'s buffer of ``fj`` keys as a source of ``hb``-key blocks (none unless ``on``); with ``strict``
+    (kept_all) the keys at the pivot ``piv`` are no candidates."""
+    def keys(b):
+        i = b * hb + C.iota((1, hb), 1)
+        inside = i < fj
+        s = C.load(key_ref, (row, jj * cap + i), (1, hb), mask=inside)
+        keep = inside if strict is None else inside & ((s > piv) | (strict == 0))
+        return jnp.where(keep, s, _SIGN), C.load(col_ref, (row, jj * cap + i), (1, hb), mask=inside)
+    return on * lax.shift_right_logical(fj + hb - 1, C.log2(hb)), keys
+
+
+def _finish_row(x_ref, key_ref, col_ref, idx_ref, tau_ref, path_ref, scratch, row, plan: _RowPlan, n: int, k: int,
+                cfg: TopkSelectConfig, cap: int, interpret: bool) -> None:
+    """Steps 2-3 of one row over the union of its split buffers, or over the row.
 
     The union holds every key >= tau when at least k keys reached the pivot and at most ``cap`` did (one
     buffer's worth, as in the one-kernel path). Steps 2-3 read the buffers where they are, one source per split in
     split order: the splits are consecutive column ranges and each buffer is in column order, so the sources are
-    too (no copy into one buffer first). More than ``cap`` keys at the pivot (in one split, or in all together: a
-    short row's -inf tail, where each split can still fit its own buffer) mean its value is shared by many keys:
-    with k or more above it, all in their buffers, the buffers serve with the keys at the pivot masked out (tau is
-    above the pivot); with fewer than k above it, the pivot is tau (the compaction reads the row, stopping at k).
-    Otherwise (a skewed sample, or keys above the pivot past a full buffer) the row is read."""
-    row = pl.program_id(0)
-    t = idx_ref.shape[0]
+    too (no copy into one buffer first). More than ``cap`` keys at the pivot (``_row_plan``): with k or more above
+    it, all in their buffers, the buffers serve with the keys at the pivot masked out (tau is above the pivot);
+    with fewer than k above it, the pivot is tau (the compaction reads the row, stopping at k). Otherwise (a
+    skewed sample, or keys above the pivot past a full buffer) the row is read."""
+    t = idx_ref.shape[0] if interpret else None
     hb, sp = cfg.hist_block, cfg.splits
-    js = C.iota((1, sp), 1)
-    filled, above, above_in = (C.load(r, (row, js), (1, sp)) for r in (filled_ref, above_ref, in_ref))
-    total, total_above = jnp.sum(filled), jnp.sum(above)
-    piv_u = jnp.sum(C.load(piv_ref, (row + jnp.zeros((1, 1), I32),), (1, 1)))
-    # more keys at or above the pivot than one buffer holds, in one split or in all of them together (a short row's
-    # -inf tail whose splits each fit their buffer): the pivot's value is shared by many keys, as in the one-kernel
-    # path; the union then serves only with the keys strictly above the pivot (kept_all)
-    over = (jnp.sum((filled > cap).astype(I32)) > 0) | (total > cap)
-    kept_all = over & (total_above >= k) & (jnp.sum((above_in < above).astype(I32)) == 0)
-    at_pivot = (over | (_strict_fill(piv_u) == 1)) & (total_above < k)  # a -inf pivot: the fill kept keys above it
-    use_buf = ((~over) & (total >= k)) | kept_all
-    on, piv_on, strict = use_buf.astype(I32), at_pivot.astype(I32), kept_all.astype(I32)
-    piv = piv_u ^ _SIGN
-    fill = jnp.minimum(filled, cap)
-
-    def split_source(jj: int) -> Source:
-        fj = jnp.sum(jnp.where(js == jj, fill, 0))
-
-        def keys(b):
-            i = b * hb + C.iota((1, hb), 1)
-            inside = i < fj
-            s = C.load(key_ref, (row, jj * cap + i), (1, hb), mask=inside)
-            keep = inside & ((s > piv) | (strict == 0))  # kept_all: the keys at the pivot are not candidates
-            return jnp.where(keep, s, _SIGN), C.load(col_ref, (row, jj * cap + i), (1, hb), mask=inside)
-        return on * lax.shift_right_logical(fj + hb - 1, C.log2(hb)), keys
-
-    bufs = [split_source(jj) for jj in range(sp)]
+    on, piv_on, strict = plan.use_buf.astype(I32), plan.at_pivot.astype(I32), plan.kept_all.astype(I32)
+    piv = plan.piv_u ^ _SIGN
+    bufs = [_buffer_source(key_ref, col_ref, row, jj, jnp.sum(jnp.where(plan.js == jj, plan.fill, 0)), cap, hb, on,
+                           piv, strict) for jj in range(sp)]
     x_keys = _row_keys(x_ref, row, n)
     from_row = (pl.cdiv(n, hb), lambda b: x_keys(b, hb))
-    shrink = (scratch[0], row, t, interpret) if cfg.shrink else None
+    shrink = (scratch[0], row, t if interpret else None, interpret) if cfg.shrink else None
     tau_u, need = _kth_key(bufs + [((1 - on) * (1 - piv_on) * from_row[0], from_row[1])], k, cfg.bits, hb,
-                           shrink=shrink, unroll=cfg.unroll, hold=cfg.hold_shrunk)
-    tau_u = jnp.where(at_pivot, piv_u, tau_u)
-    need = jnp.where(at_pivot, k - total_above, need)
+                           shrink=shrink, unroll=cfg.unroll, hold=cfg.hold_shrunk,
+                           start=_counting_start(cfg, plan.use_buf, plan.piv_u, plan.hi_u), packed=cfg.packed_counts)
+    tau_u = jnp.where(plan.at_pivot, plan.piv_u, tau_u)
+    need = jnp.where(plan.at_pivot, k - plan.total_above, need)
     row11, one11 = row + jnp.zeros((1, 1), I32), jnp.ones((1, 1), bool)
     C.store(tau_ref, (row11,), jnp.full((1, 1), tau_u, I32), one11)
-    C.store(path_ref, (row11,), jnp.full((1, 1), jnp.where(at_pivot, 3, jnp.where(kept_all, 4, on)), I32), one11)
+    code = jnp.where(plan.at_pivot, 3, jnp.where(plan.kept_all, 4, on))
+    C.store(path_ref, (row11,), jnp.full((1, 1), code, I32), one11)
 
     _compact(bufs + [((1 - on) * from_row[0], from_row[1])], tau_u ^ _SIGN, need, k,
              lambda slot, col, keep: _scatter(idx_ref, row, t, slot, col, keep), cfg.unroll)
+
+
+@dataclasses.dataclass
+class _FirstPass:
+    """The split finish's first counting pass, summed from the prefilter's per-split counts (``_first_pass``)."""
+    ge_up: jax.Array  # [splits]: each split's keys above the k-th key's bucket
+    bucket_n: jax.Array  # [splits]: each split's keys in it
+    above: jax.Array  # all splits' keys above the bucket
+    bucket: jax.Array  # all splits' keys in it
+    start: Range  # the bucket's range: the counting's next start
+    fast: jax.Array  # the bucket fits one block and the buffers serve as they are: the three-kernel finish
+
+
+def _first_pass(hist_ref, row, plan: _RowPlan, k: int, cfg: TopkSelectConfig) -> _FirstPass:
+    """The first pass at two resolutions (digits from ``range_margin`` and from one more): the finer one where the
+    k-th key's bucket fits one block there (any range is exact: a clamped top digit's bucket holds every key above
+    it), else the coarser. Why two: the digits are a power of two wide, so the bucket's population varies twice over
+    with the span's rounding; at 128K keys a row, margin 1 alone left 13 of 64 replayed rows over a block, margins
+    1 and 2 one (``scripts/diag/topk_passes.py --margins 1 --n 131072 --rows 64``)."""
+    nd, sp = 1 << cfg.bits, cfg.splits
+    dd = C.iota((sp, nd), 1)
+    passes = []
+    for r in range(2):
+        jd = (2 * C.iota((sp, nd), 0) + r) * nd + dd
+        tile = C.load(hist_ref, (row + jnp.zeros((sp, nd), I32), jd), (sp, nd))  # [split, d]: keys with digit >= d
+        ge = jnp.sum(tile, axis=0)
+        sel = jnp.sum((ge >= k).astype(I32)) - 1
+        ge_up = jnp.sum(jnp.where(dd == sel + 1, tile, 0), axis=1)
+        bucket_n = jnp.sum(jnp.where(dd == sel, tile, 0), axis=1) - ge_up
+        start = _next_range(*_pivot_range(plan.piv_u, plan.hi_u, cfg.bits, cfg.range_margin + r), sel, cfg.bits)
+        passes.append((ge_up, bucket_n, start))
+    fine = jnp.sum(passes[1][1]) <= cfg.hist_block
+    ge_up, bucket_n = (jnp.where(fine, f, c) for f, c in zip(passes[1][:2], passes[0][:2]))
+    start = tuple(jnp.where(fine, f, c) for f, c in zip(passes[1][2], passes[0][2]))
+    bucket = jnp.sum(bucket_n)
+    fast = (~plan.over) & (plan.total >= k) & (bucket <= cfg.hist_block)
+    return _FirstPass(ge_up, bucket_n, jnp.sum(ge_up), bucket, start, fast)
+
+
+def _split_copy_kernel(key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, hist_ref, skey_ref, scol_ref, *,
+                       k: int, cfg: TopkSelectConfig, cap: int, interpret: bool) -> None:
+    """Program (row, j) of the split finish: split j's keys in the k-th key's first-pass bucket, in column order, to
+    the row's scratch [row, off_j : off_j + n_j] (off_j: the bucket's keys of the splits before it), keys and
+    columns. Nothing where the row takes the one-program finish."""
+    row, j = pl.program_id(0), pl.program_id(1)
+    t = skey_ref.shape[0] if interpret else None
+    hb = cfg.hist_block
+    plan = _row_plan(filled_ref, above_ref, in_ref, piv_ref, row, k, cap, cfg.splits)
+    fp = _first_pass(hist_ref, row, plan, k, cfg)
+    lo, span, _ = fp.start
+    off = jnp.sum(jnp.where(C.iota((cfg.splits,), 0) < j, fp.bucket_n, 0))
+    fj = jnp.sum(jnp.where(plan.js == j, plan.fill, 0))
+
+    def body(b, put):
+        i = b * hb + C.iota((1, hb), 1)
+        inside = i < fj
+        s = jnp.where(inside, C.load(key_ref, (row, j * cap + i), (1, hb), mask=inside), _SIGN)
+        col = C.load(col_ref, (row, j * cap + i), (1, hb), mask=inside)
+        ki = _in_range(s, lo, span).astype(I32)
+        slot = off + put + jnp.cumsum(ki, axis=1) - ki
+        _scatter(skey_ref, row, t, slot, s, ki == 1)
+        _scatter(scol_ref, row, t, slot, col, ki == 1)
+        return put + jnp.sum(ki)
+
+    lax.fori_loop(0, fp.fast.astype(I32) * pl.cdiv(fj, hb), body, jnp.zeros((), I32))
+
+
+def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, hist_ref, skey_ref,
+                                  scol_ref, idx_ref, tau_ref, path_ref, *scratch, n: int, k: int, cfg: TopkSelectConfig,
+                                  cap: int, interpret: bool) -> None:
+    """Program (row, j) of the split finish. Where the bucket fits one block (``_first_pass``): tau from the scratch
+    row's bucket (every program of the row finds the same), then split j's buffer compacted into its own output
+    slots: after the kept keys of the splits before it (their keys above the bucket, from the prefilter's counts,
+    and their bucket keys > tau or kept at tau), keeping the keys == tau that the row keeps from it (the first
+    ``need`` of the bucket's, in column order). Elsewhere the row's first program runs ``_finish_row``."""
+    row, j = pl.program_id(0), pl.program_id(1)
+    t = idx_ref.shape[0] if interpret else None
+    hb, sp = cfg.hist_block, cfg.splits
+    plan = _row_plan(filled_ref, above_ref, in_ref, piv_ref, row, k, cap, sp)
+    fp = _first_pass(hist_ref, row, plan, k, cfg)
+    split_cols = pl.cdiv(pl.cdiv(n, cfg.block), sp) * cfg.block  # columns per split (the prefilter's ranges)
+
+    @pl.when(fp.fast)
+    def _():
+        lane = C.iota((1, hb), 1)
+        inside = lane < fp.bucket
+        held = jnp.where(inside, C.load(skey_ref, (row, lane), (1, hb), mask=inside), _SIGN)
+        hcol = C.load(scol_ref, (row, lane), (1, hb), mask=inside)
+        tau_u, need = _kth_key([], k - fp.above, cfg.bits, hb, start=fp.start, held=held, packed=cfg.packed_counts)
+        tau = tau_u ^ _SIGN
+        eq = (inside & (held == tau)).astype(I32)
+        tie = (eq == 1) & (jnp.cumsum(eq, axis=1) - eq < need)  # the row's kept keys == tau: the first need
+        keep = (inside & (held > tau)) | tie
+        of = lax.div(hcol, jnp.asarray(split_cols, I32))  # each bucket key's split
+        ids = C.iota((sp,), 0)
+        kept = fp.ge_up + jnp.sum((keep & (of == C.iota((sp, 1), 0))).astype(I32), axis=1)  # [split]
+        off, mine = jnp.sum(jnp.where(ids < j, kept, 0)), jnp.sum(jnp.where(ids == j, kept, 0))
+        ties = jnp.sum((tie & (of == j)).astype(I32))
+        fj = jnp.sum(jnp.where(plan.js == j, plan.fill, 0))
+        own = _buffer_source(key_ref, col_ref, row, j, fj, cap, hb, jnp.ones((), I32))
+        _compact([own], tau, ties, mine, lambda slot, col, kp: _scatter(idx_ref, row, t, off + slot, col, kp),
+                 cfg.unroll)
+        row11, first11 = row + jnp.zeros((1, 1), I32), (j == 0) & jnp.ones((1, 1), bool)
+        C.store(tau_ref, (row11,), jnp.full((1, 1), tau_u, I32), first11)
+        C.store(path_ref, (row11,), jnp.full((1, 1), 1, I32), first11)
+
+    @pl.when((~fp.fast) & (j == 0))
+    def _():
+        _finish_row(x_ref, key_ref, col_ref, idx_ref, tau_ref, path_ref, scratch, row, plan, n, k, cfg, cap, interpret)
 
 
 def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpret: bool):
     """select_unsorted with the prefilter's pass split over ``cfg.splits`` programs per row (two kernels)."""
     t, n = x.shape
     sp = cfg.splits
-    fill = functools.partial(_split_fill_kernel, n=n, k=k, cfg=cfg, cap=cap)
+    par = cfg.split_finish
+    fill = functools.partial(_split_fill_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret)
     bufs = [jax.ShapeDtypeStruct((t, sp * cap), I32)] * 2 + [jax.ShapeDtypeStruct((t, sp), I32)] * 3
-    bufs += [jax.ShapeDtypeStruct((t,), I32)]  # the row's pivot (u)
-    keys, cols, filled, above, above_in, piv = C.pallas_call(
+    bufs += [jax.ShapeDtypeStruct((t, 2), I32)]  # the row's pivot and its sample's largest key (u)
+    bufs += [jax.ShapeDtypeStruct((t, 2 * sp << cfg.bits), I32)] if par else []  # per split: first-pass counts
+    keys, cols, filled, above, above_in, piv, *hist = C.pallas_call(
         fill, out_shape=tuple(bufs), grid=(t, sp), aliases={}, interpret=interpret, name="topk_radix_prefilter",
-        num_warps=cfg.num_warps)(x)
-    finish = functools.partial(_split_finish_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret)
+        num_warps=cfg.fill_warps or cfg.num_warps)(x)
     out = [jax.ShapeDtypeStruct((t, k), I32)] + [jax.ShapeDtypeStruct((t,), I32)] * 2
     out += [jax.ShapeDtypeStruct((t, cfg.hist_block), I32)] if cfg.shrink else []  # the counting's scratch row
-    idx, tau, path, *_ = C.pallas_call(finish, out_shape=tuple(out), grid=(t,), aliases={}, interpret=interpret,
-                                   name="topk_radix_finish", num_warps=cfg.num_warps)(x, keys, cols, filled, above,
-                                                                                     above_in, piv)
+    counts = (filled, above, above_in, piv)
+    if not par:
+        finish = functools.partial(_split_finish_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret)
+        idx, tau, path, *_ = C.pallas_call(finish, out_shape=tuple(out), grid=(t,), aliases={}, interpret=interpret,
+                                           name="topk_radix_finish", num_warps=cfg.num_warps)(x, keys, cols, *counts)
+        return idx, tau, jnp.sum(filled, axis=1), path
+    copy = functools.partial(_split_copy_kernel, k=k, cfg=cfg, cap=cap, interpret=interpret)
+    bucket = [jax.ShapeDtypeStruct((t, cfg.hist_block), I32)] * 2  # the k-th key's first-pass bucket: keys, columns
+    skey, scol = C.pallas_call(copy, out_shape=tuple(bucket), grid=(t, sp), aliases={}, interpret=interpret,
+                               name="topk_radix_bucket", num_warps=cfg.num_warps)(keys, cols, *counts, *hist)
+    finish = functools.partial(_split_finish_parallel_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret)
+    idx, tau, path, *_ = C.pallas_call(finish, out_shape=tuple(out), grid=(t, sp), aliases={}, interpret=interpret,
+                                       name="topk_radix_finish", num_warps=cfg.num_warps)(x, keys, cols, *counts, *hist,
+                                                                                          skey, scol)
     return idx, tau, jnp.sum(filled, axis=1), path
 
 

@@ -56,6 +56,7 @@
 #   scripts/gpu_session.sh topk-tests    # the native top-k + sparse-indexer tests (4 workers)
 #   scripts/gpu_session.sh topk-knobs    # top-k native tests + knob sets (unroll, bits, shrink, block) at four shapes
 #   scripts/gpu_session.sh topk-pivot    # issue 20: the indexer's top-k config against a 12- and an 8-bit pivot
+#   scripts/gpu_session.sh topk-range    # issue 20: the finish from the pivot and the prefilter's loads in flight (knobs)
 #   scripts/gpu_session.sh select      # indexer decode select: top-k "auto" against the default lax, and XLA
 #   scripts/gpu_session.sh mqa           # MQA decode rows again, now with device_us (b1/b8 sit at the dispatch floor)
 #   scripts/gpu_session.sh gather-probe  # issue 20: register gather + dequant into the swizzled K tile (the MQA producer's plan)
@@ -295,9 +296,13 @@ case "$stage" in
     # the radix select sits at ~15x one read of its logits at 64 x 64K (BENCHMARKS.md): where its time goes
     # the indexer's config (select_config_for: 2 splits, unroll 2, shrink, 512-key steps, 16-bit pivot) and the
     # split alone
-    for spec in '{"splits": 2, "unroll": 2, "shrink": true, "hist_block": 512, "pivot_bits": 16}' '{"splits": 2}'; do
+    # NCU_TOPK_SPECS: other TopkSelectConfig specs, separated by ';' (e.g. the range start and the split finish:
+    # '{"splits": 2, "unroll": 2, "shrink": true, "hist_block": 512, "pivot_bits": 16, "hold_shrunk": true,
+    # "range_margin": 1, "split_finish": true}')
+    IFS=';' read -r -a specs <<< "${NCU_TOPK_SPECS:-{\"splits\": 2, \"unroll\": 2, \"shrink\": true, \"hist_block\": 512, \"pivot_bits\": 16\};{\"splits\": 2\}}"
+    for spec in "${specs[@]}"; do
       name=topk64x64k_$(echo "$spec" | tr -dc 'a-z0-9' | sed 's/splits/s/; s/unroll/u/; s/shrinktrue/_shrink/;
-        s/histblock/_h/; s/pivotbits/_p/')
+        s/histblock/_h/; s/pivotbits/_p/; s/holdshrunktrue/_hold/; s/rangemargin/_r/; s/splitfinishtrue/_sf/' | cut -c1-80)
       timeout -k 10 ${NCUT_TIMEOUT:-100} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
         -o "/tmp/$name" python3 scripts/diag/ncu_kernels.py topk --m 64 --cols 65536 --tiles "$spec" > /dev/null 2>&1
       echo "ncu $name rc=$?"
@@ -550,10 +555,27 @@ case "$stage" in
     timeout -k 10 ${TOPK_TIMEOUT:-420} python3 scripts/bench_kernels.py --only sparse_indexer --cases ${TOPK_CASES:-topk_pallas} \
       --out "$OUT/kernels_topk.json" > "$OUT/bench_topk.log" 2>&1; echo "topk bench rc=$?"
     ;;
+  topk-range)
+    # the indexer's config against the finish's counting from the pivot (range_margin), packed counts (_pk), the split
+    # finish (_sf) and the prefilter's loads in flight (2x programs, prefetch), four full shapes, GPU timeline (about
+    # 7 minutes); then the
+    # winners with --mixed (TOPK_RANGE_KNOBS, TOPK_RANGE_ARGS=--mixed). TOPK_MAIN=DIR (a copy of main's tree): main's
+    # indexer config first, from there (the branch's kernels store with plain indices, so its h512_p16_hold differs)
+    if [ -n "${TOPK_MAIN:-}" ]; then
+      (cd "$TOPK_MAIN" && PYTHONPATH=. timeout -k 10 120 python3 scripts/diag/topk_knobs.py ${TOPK_RANGE_ARGS:-} \
+        --knobs h512_p16_hold --out "$OUT/topk_knobs_range_main_h200.json" > "$OUT/topk_range_main.log" 2>&1)
+      echo "topk main rc=$?"; grep '^{' "$OUT/topk_range_main.log" | python3 -c 'import json, sys; [print("main", r["case"], r.get("profile_span_us"), r.get("same_set_as_lax"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
+    fi
+    timeout -k 10 ${KNOBS_TIMEOUT:-480} python3 scripts/diag/topk_knobs.py ${TOPK_RANGE_ARGS:-} --knobs \
+      ${TOPK_RANGE_KNOBS:-h512_p16_hold h512_p16_hold_r1 h512_p16_hold_r1_pk h512_p16_hold_r1_sf h512_p16_hold_r1_pf \
+      x2_h512_p16_hold_r1 h512_p16_hold_pk} \
+      --out "$OUT/topk_knobs_range_h200.json" > "$OUT/topk_range.log" 2>&1; echo "topk range rc=$?"
+    grep '^{' "$OUT/topk_range.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("same_set_as_lax"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
+    ;;
   topk-tests)
     # the native top-k and sparse-indexer tests, 4 pytest-xdist workers (carry .whl/ for xdist)
     python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
-    timeout -k 10 -s INT ${TOPK_TESTS_TIMEOUT:-150} python3 -m pytest -m gpu -n 4 -q --tb=short -rfE -p no:cacheprovider \
+    timeout -k 10 -s INT ${TOPK_TESTS_TIMEOUT:-240} python3 -m pytest -m gpu -n 4 -q --tb=short -rfE -p no:cacheprovider \
       tests/test_kernel_topk_select.py tests/test_kernel_sparse_indexer.py > "$OUT/gpu_topk_tests.log" 2>&1
     echo "topk tests rc=$?"; tail -3 "$OUT/gpu_topk_tests.log"
     ;;

@@ -143,3 +143,24 @@ def test_triton_sass_loops():
     assert n == 7
     assert [(lp["first"], lp["last"], lp["body"]) for lp in found] == [(1, 5, 5)]
     assert found[0]["opcodes"] == {"ISETP": 1, "LOP3": 1, "BRA": 2, "IMAD": 1}
+def test_topk_passes_replay():
+    """scripts/diag/topk_passes.py's replay of the top-k finish's range arithmetic (``_kth_key``): the k-th key equals
+    numpy's, from the whole key space (8 passes of 4-bit digits) and from the pivot, on rows whose k-th key lies
+    far past the sample's largest (the clamped top digit, then wider digits)."""
+    import numpy as np
+    mod = _script("topk_passes")
+    rng = np.random.default_rng(3)
+    n, k = 8192, 256
+    for far in (0.0, 100.0, 1e30):
+        x = rng.standard_normal(n)
+        x[rng.choice(np.setdiff1d(np.arange(n), (np.arange(1024) * n) // 1024), 300, replace=False)] += far
+        u = mod.ordered(x)
+        piv, hi = mod.pivot(u, k)
+        cand = u[u >= piv]
+        want = int(np.partition(u, n - k)[n - k])
+        full, total, tau = mod.passes(cand, k, 0, 0xFFFFFFFF, 28)
+        assert tau == want and total == 8
+        span = 0xFFFFFFFF - piv
+        start = (piv, span, min(max((hi - piv).bit_length() - 5, 1), span.bit_length() - 4))
+        full, total, tau = mod.passes(cand, k, *start)
+        assert tau == want and 1 <= full <= total

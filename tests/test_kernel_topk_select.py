@@ -142,7 +142,7 @@ def test_unroll_same_result(mode: str, splits: int, capacity: int, unroll: int, 
     """``unroll`` (each loop step loads that many blocks before using any; blocks past a source's end masked out):
     the same result, candidates and paths as ``unroll=1`` and as lax.top_k, on every row kind and path, with block
     counts that are no multiple of the unroll. With shrink the shrunk block is held in registers
-    (``hold_shrunk``)."""
+    (``hold_shrunk``). And with ``prefetch`` (the next step's blocks loaded during this one's work)."""
     n, k = 3000, 50
     base = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=capacity, splits=splits, shrink=shrink)
     rng = np.random.default_rng(37)
@@ -153,6 +153,10 @@ def test_unroll_same_result(mode: str, splits: int, capacity: int, unroll: int, 
     x = np.concatenate([_mixed(n, rng, 1), short])
     want = _check(x, k, interpret_for(mode), base, paths=True)
     got = _check(x, k, interpret_for(mode), dataclasses.replace(base, unroll=unroll, hold_shrunk=shrink), paths=True)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    # the next step's loads in flight (prefetch): the same candidates and paths
+    got = _check(x, k, interpret_for(mode), dataclasses.replace(base, unroll=unroll, prefetch=True), paths=True)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
     with pytest.raises(ValueError, match="unroll"):
@@ -181,6 +185,119 @@ def test_coarse_pivot_same_result(mode: str, splits: int) -> None:
     np.testing.assert_array_equal(coarse_path[short_rows], want_path[short_rows])
     with pytest.raises(ValueError, match="pivot_bits"):
         TopkSelectConfig(pivot_bits=6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("splits,margin,fast", [
+    (4, 1, True),  # the indexer's form (unroll 2, shrink, held block)
+    (1, 0, False),  # one kernel per row
+    pytest.param(4, 2, False, marks=pytest.mark.slow), pytest.param(1, 3, True, marks=pytest.mark.slow)])
+def test_range_start_same_result(mode: str, splits: int, margin: int, fast: bool) -> None:
+    """``range_margin`` (the counting passes over the candidate buffers start from the pivot, their first digits
+    a fraction of the span up to the sample's largest key): lax.top_k's result, the same candidates and the same
+    path on every row kind and path as the whole-key-space start; k below and above hist_block (shrunk or not);
+    rows whose k-th key lies above the sample's largest (it falls in the clamped top digit: 60 keys of 100 off the
+    sample's columns); rows whose k-th key equals the pivot (ties), short rows."""
+    n = 3000
+    base = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=1200, splits=splits)
+    if fast:
+        base = dataclasses.replace(base, unroll=2, shrink=True, hold_shrunk=True)
+    rng = np.random.default_rng(41 + margin)
+    above = rng.standard_normal((2, n)).astype(np.float32)
+    off = np.setdiff1d(np.arange(n), (np.arange(256) * n) // 256)
+    above[0, rng.choice(off, 60, replace=False)] += np.float32(100.0)
+    above[1, rng.choice(off, 60, replace=False)] = np.float32(1e30)  # the top digit's bucket reaches 2^32
+    short = rng.standard_normal((2, n)).astype(np.float32)
+    short[np.arange(n)[None, :] >= np.array([10, 120])[:, None]] = -np.inf
+    x = np.concatenate([_mixed(n, rng, 1), above, short, rng.standard_normal((2, n)).astype(np.float32) * 1e-3 + 1.0])
+    for k in (50, 300):
+        want = _check(x, k, interpret_for(mode), base, paths=True)
+        got = _check(x, k, interpret_for(mode), dataclasses.replace(base, range_margin=margin), paths=True)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+        assert [PATHS[p] for p in got[1][len(KINDS):len(KINDS) + 2]] == ["buffer", "buffer"], got
+    with pytest.raises(ValueError, match="range_margin"):
+        TopkSelectConfig(range_margin=-1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bits,unroll", [(4, 1), (4, 2), pytest.param(2, 1, marks=pytest.mark.slow),
+                                         pytest.param(1, 2, marks=pytest.mark.slow)])
+def test_packed_counts_same_result(mode: str, bits: int, unroll: int) -> None:
+    """``packed_counts`` (a source's keys counted per digit value in packed 4-bit fields, flushed before one can
+    overflow): lax.top_k's result, the same tau, candidates and paths as the plain counts. The row path with
+    32-key blocks (94 a row: several flushes, the last group short; a row of one repeated value puts 15 keys a
+    lane in one field), and the indexer's form (split buffers, the range start, the shrunk block held; a 1024-key
+    sample, counted as four 256-key blocks), with the split finish (whose fill kernel counts its buffer's first pass
+    too): the same pivots, so the same candidates."""
+    n = 3000
+    rng = np.random.default_rng(53 + bits)
+    same = np.full((1, n), 0.5, np.float32)  # every key the same digit in every pass
+    x = np.concatenate([_mixed(n, rng, 1), same, rng.standard_normal((2, n)).astype(np.float32)])
+    row = TopkSelectConfig(bits=bits, hist_block=32, capacity=0, unroll=unroll)
+    split = TopkSelectConfig(bits=bits, block=256, hist_block=128, sample=1024, capacity=1200, splits=4, unroll=unroll,
+                             shrink=True, hold_shrunk=True, range_margin=1)
+    for base, k in ((row, 37), (split, 50), (split, 300), (dataclasses.replace(split, split_finish=True), 50)):
+        want = _check(x, k, interpret_for(mode), base, paths=True)
+        got = _check(x, k, interpret_for(mode), dataclasses.replace(base, packed_counts=True), paths=True)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+    with pytest.raises(ValueError, match="fill_warps"):
+        TopkSelectConfig(fill_warps=12)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("splits,unroll", [(4, 2), pytest.param(2, 1, marks=pytest.mark.slow)])
+def test_split_finish_same_result(mode: str, splits: int, unroll: int) -> None:
+    """``split_finish`` (the finish as a bucket copy and a per-split compaction where the k-th key's first-pass
+    bucket fits one block; the one-program finish elsewhere): lax.top_k's result in column order, the same
+    candidates and paths as the one-program finish, on every row kind, short rows (pivot is tau), heavy ties at the
+    pivot (overflowed buffers), k-th keys far above the sample's largest, ties at tau across splits; k = 50 (most
+    buckets fit the 128-key block) and k = 300 (many do not)."""
+    n = 3000
+    base = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=1200, splits=splits, unroll=unroll,
+                            shrink=True, hold_shrunk=True, range_margin=1)
+    rng = np.random.default_rng(43)
+    off = np.setdiff1d(np.arange(n), (np.arange(256) * n) // 256)
+    above = rng.standard_normal((2, n)).astype(np.float32)
+    above[0, rng.choice(off, 60, replace=False)] += np.float32(100.0)
+    above[1, rng.choice(off, 60, replace=False)] = np.float32(1e30)
+    short = rng.standard_normal((2, n)).astype(np.float32)
+    short[np.arange(n)[None, :] >= np.array([10, 120])[:, None]] = -np.inf
+    tied = np.round(rng.standard_normal((2, n)) * 4).astype(np.float32) / 4  # ties at tau, spread over the splits
+    tail = np.where(np.isinf(short), np.float32(-10.0), short)
+    x = np.concatenate([_mixed(n, rng, 1), above, short, tied, tail, rng.standard_normal((2, n)).astype(np.float32)])
+    for k in (50, 300):
+        want = _check(x, k, interpret_for(mode), base, paths=True)
+        got = _check(x, k, interpret_for(mode), dataclasses.replace(base, split_finish=True), paths=True)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+    with pytest.raises(ValueError, match="split_finish"):
+        TopkSelectConfig(split_finish=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_split_finish_random_configs(mode: str) -> None:
+    """Random configs of the split path with the range start, the split finish and prefetch (splits, margins,
+    blocks, unroll, capacity, pivot bits, packed counts) on random rows of every kind, with far keys off the sample:
+    the same kept set as lax.top_k. (An unseeded form of this ran 179 configs in interpret mode, thirty-fourth
+    session.)"""
+    rng = np.random.default_rng(47)
+    for _ in range(8):
+        n = int(rng.integers(1200, 5000))
+        k = int(rng.integers(1, n // 8))
+        cfg = TopkSelectConfig(block=128, hist_block=int(rng.choice([64, 128])), sample=256,
+                               capacity=int(rng.integers(4 * k, n - 1)), splits=int(rng.choice([2, 4, 8])),
+                               unroll=int(rng.choice([1, 2])), shrink=True, hold_shrunk=bool(rng.integers(2)),
+                               range_margin=int(rng.integers(0, 4)), split_finish=True, prefetch=bool(rng.integers(2)),
+                               pivot_bits=int(rng.choice([16, 32])), packed_counts=bool(rng.integers(2)))
+        x = np.concatenate([_rows(kind, 1, n, rng) for kind in rng.choice(KINDS, 4)])
+        x[0, rng.choice(n, 20)] += np.float32(1e6)
+        xj = jnp.asarray(x)
+        idx = select_unsorted(xj, k, config=cfg, interpret=interpret_for(mode))[0]
+        np.testing.assert_array_equal(np.asarray(idx), np.sort(np.asarray(jax.lax.top_k(xj, k)[1]), axis=1),
+                                      err_msg=str(cfg))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -236,10 +353,12 @@ def test_split_for() -> None:
     from pallas_kernels.topk_select import select_config_for, split_for
     assert [split_for(t, 131072) for t in (1, 4, 16, 64, 128)] == [16, 16, 8, 2, 1]
     assert split_for(16, 8192) == 1  # too short to split (4 blocks of 2048 per split)
-    # the indexer's config: the measured unroll, shrink, 512-key counting steps and 16-bit pivot where it splits, the
+    # the indexer's config: the measured unroll, shrink, 512-key counting steps, 16-bit pivot, the finish from the
+    # pivot and the prefilter's loads in flight where it splits, the
     # defaults where it does not
     assert select_config_for(64, 65536) == TopkSelectConfig(splits=2, unroll=2, shrink=True, hist_block=512,
-                                                            pivot_bits=16, hold_shrunk=True)
+                                                            pivot_bits=16, hold_shrunk=True, range_margin=1,
+                                                            prefetch=True)
     assert select_config_for(128, 65536) == TopkSelectConfig()
 
 
@@ -372,16 +491,23 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
     assert "__gpu$xla.gpu.triton" in C.check_triton_lowering(fn, jax.ShapeDtypeStruct((t, n), jnp.float32))
 
 
-@pytest.mark.parametrize("t,n", [(64, 65536),  # the 8-split finish takes ptxas about 40 s on 2 cores: slow
-                                 pytest.param(16, 131072, marks=pytest.mark.slow)])
-def test_sm90_compile_indexer_config(t: int, n: int) -> None:
+@pytest.mark.parametrize("t,n,tiles", [
+    (64, 65536, {}), (64, 65536, dict(range_margin=None, prefetch=False)),  # the config before 2026-12-05
+    (64, 65536, dict(range_margin=1, split_finish=True)),
+    (64, 65536, dict(range_margin=1, packed_counts=True, fill_warps=16)),
+    # the 8-split finish takes ptxas about 40 s on 2 cores: slow
+    pytest.param(16, 131072, {}, marks=pytest.mark.slow),
+    pytest.param(16, 131072, dict(range_margin=1, split_finish=True, packed_counts=True), marks=pytest.mark.slow)])
+def test_sm90_compile_indexer_config(t: int, n: int, tiles: dict) -> None:
     """The indexer's config at its shapes (``select_config_for``: split, unroll 2, shrink, 512-key steps, 16-bit
-    pivot) compiles for sm_90a with at most 64 bytes of spills (a bound, not zero: with pip triton 3.6 the 512-key
-    finish kernel spills 40 bytes at 128 registers, with 3.8 none; the H200's timeline, with the plugin's own Triton,
-    measured that form faster than the 256-key one, whatever it spills there)."""
+    pivot), and with the options still to be timed, compiles for sm_90a with at most 64 bytes of spills (a bound, not
+    zero: with pip triton 3.6 the 512-key finish kernel spills 40 bytes at 128 registers, with 3.8 none; the H200's
+    timeline, with the plugin's own Triton, measured that form faster than the 256-key one, whatever it spills
+    there)."""
     pytest.importorskip("triton")
     from pallas_kernels.topk_select import select_config_for
-    fn = functools.partial(topk_select, k=2048, interpret=False, config=select_config_for(t, n), sort=False)
+    cfg = dataclasses.replace(select_config_for(t, n), **tiles)
+    fn = functools.partial(topk_select, k=2048, interpret=False, config=cfg, sort=False)
     for k in C.compile_sm90_report(fn, jax.ShapeDtypeStruct((t, n), jnp.float32)):
         assert k["spill_bytes"] <= 64, k
 

@@ -49,7 +49,61 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          # the indexer's config (h512_p16_hold, twelfth session) with a coarser pivot: 3 or 2 of the sample's 4
          # counting passes, more candidates for the finish
          "h512_p12_hold": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=12, hold_shrunk=True),
-         "h512_p8_hold": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=8, hold_shrunk=True)}
+         "h512_p8_hold": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=8, hold_shrunk=True),
+         # the indexer's config with the finish's counting from the pivot (range_margin; thirty-fourth session): the
+         # first pass's digits 2^-(4 + m) of the span up to the sample's largest key (scripts/diag/topk_passes.py
+         # gives the passes over the buffers before the shrink: 4 -> 1 at 64 x 64K for m = 1)
+         "h512_p16_hold_r0": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
+                                  range_margin=0),
+         "h512_p16_hold_r1": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
+                                  range_margin=1),
+         "h512_p16_hold_r2": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
+                                  range_margin=2),
+         # a 12-bit pivot lost to the 16-bit one when every candidate cost the finish 8 passes' worth of reads; from
+         # the pivot the finish reads them about 3 times whatever their number, so the prefilter's saved pass may win
+         "h512_p12_hold_r1": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=12, hold_shrunk=True,
+                                  range_margin=1),
+         # the prefilter's streaming pass waits on memory (16 KB in flight per SM with unroll 2): more of it in flight,
+         # by twice the programs per row (2 CTAs per SM at 127 registers; more sources for the finish, which now reads
+         # them about 3 times, not 6) or 4 blocks a step
+         "x2_h512_p16_hold_r1": dict(splits_x=2, unroll=2, shrink=True, hist_block=512, pivot_bits=16,
+                                     hold_shrunk=True, range_margin=1),
+         "u4_h512_p16_hold_r1": dict(unroll=4, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
+                                     range_margin=1),
+         "x2_u4_h512_p16_hold_r1": dict(splits_x=2, unroll=4, shrink=True, hist_block=512, pivot_bits=16,
+                                        hold_shrunk=True, range_margin=1),
+         # or the next step's blocks loaded during this one's work, the first step's during the sample pivot
+         # (prefetch; 128 registers, 8 bytes of spill with pip triton 3.8)
+         "h512_p16_hold_r1_pf": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
+                                     range_margin=1, prefetch=True),
+         "x2_h512_p16_hold_r1_pf": dict(splits_x=2, unroll=2, shrink=True, hist_block=512, pivot_bits=16,
+                                        hold_shrunk=True, range_margin=1, prefetch=True),
+         # the finish as a bucket copy and a compaction per split (split_finish): the first pass counted by the
+         # prefilter, the finish's rows spread over the row's split programs
+         "h512_p16_hold_r1_sf": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
+                                     range_margin=1, split_finish=True),
+         "x2_h512_p16_hold_r1_sf": dict(splits_x=2, unroll=2, shrink=True, hist_block=512, pivot_bits=16,
+                                        hold_shrunk=True, range_margin=1, split_finish=True),
+         "h512_p16_hold_r1_pf_sf": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
+                                        range_margin=1, prefetch=True, split_finish=True),
+         # the counting passes' per-lane counts in packed 4-bit fields (packed_counts; thirty-fifth session): the
+         # count step over 512-key blocks 265 -> 114 SASS instructions for 4 keys a thread (pip triton, sm_90a)
+         "h512_p16_hold_pk": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
+                                  packed_counts=True),
+         "h512_p16_hold_r1_pk": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
+                                     range_margin=1, packed_counts=True),
+         "h512_p16_hold_r1_sf_pk": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
+                                        range_margin=1, split_finish=True, packed_counts=True),
+         # the prefilter with 16 warps a program (fill_warps): 4 warps a scheduler to hide its loop's barrier, shuffle
+         # and shared-memory latency (64 x 64K: one program an SM), 8 keys a thread a step; or twice the programs
+         "h512_p16_hold_r1_pk_w16": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
+                                         range_margin=1, packed_counts=True, fill_warps=16),
+         "x2_h512_p16_hold_r1_pk": dict(splits_x=2, unroll=2, shrink=True, hist_block=512, pivot_bits=16,
+                                        hold_shrunk=True, range_margin=1, packed_counts=True),
+         # 1024-key counting / compaction steps over packed counts (half the finish's steps and a 1024-key held
+         # block; 168 registers with pip triton, no spills): the finish's loops wait on latency, not issue
+         "h1024_p16_hold_r1_pk": dict(unroll=2, shrink=True, hist_block=1024, pivot_bits=16, hold_shrunk=True,
+                                      range_margin=1, packed_counts=True)}
 
 
 def main() -> None:

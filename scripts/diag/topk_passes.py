@@ -1,0 +1,113 @@
+"""How many counting passes the split top-k's finish makes over its candidate buffers before the candidates fit
+the shrunk block, with the whole-key-space start and with ``range_margin``'s start from the pivot (CPU, numpy).
+
+    python scripts/diag/topk_passes.py [--rows 64] [--n 65536] [--k 2048] [--margins 0 1 2] [--scale 1 0.01 100] [--pivot-bits 16]
+
+Why: each pass before the shrink reads every candidate buffer (latency-bound L2 round trips on the H200), the
+passes after it count one block held in registers. This replays the kernel's pivot (``_sample_pivot``: evenly
+spaced sample, ``_sample_rank``, 16-bit bucket floor) and its range arithmetic (``_kth_key``) on random normal
+rows, so a start's pass counts are known before a GPU session times it. The kth key it finds is checked against
+``np.partition``. It also counts the rows whose k-th key's first-pass bucket fits one 512-key block, the split
+finish's fast path (``split_finish``), at one margin and at a margin and the next (``_first_pass``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from pallas_kernels.topk_select import _sample_rank
+
+
+def ordered(x: np.ndarray) -> np.ndarray:
+    """jds.ops.select.ordered_key in numpy: uint32, ordered as the floats are."""
+    b = x.astype(np.float32).view(np.uint32)
+    return np.where(b >> 31 == 1, ~b, b | np.uint32(1 << 31)).astype(np.uint32)
+
+
+def pivot(u: np.ndarray, k: int, sample: int = 1024, pivot_bits: int = 16) -> tuple[int, int]:
+    n = u.size
+    su = u[(np.arange(sample) * n) // sample]
+    r = _sample_rank(n, k, sample)
+    floor = int(np.sort(su)[::-1][r - 1]) >> (32 - pivot_bits) << (32 - pivot_bits)
+    return int(su[su >= floor].min()), int(su.max())
+
+
+def passes(cand: np.ndarray, k: int, lo: int, span: int, shift: int, width: int = 512, bits: int = 4
+           ) -> tuple[int, int, int]:
+    """(passes before the candidates fit ``width``, passes in all, the k-th key) for the range arithmetic."""
+    nd, k_rem, full, total, prev = 1 << bits, k, None, 0, shift
+    cand = cand.astype(np.int64)
+    while True:
+        total += 1
+        inside = (cand >= lo) & (cand - lo <= span)
+        dig = np.minimum((cand[inside] - lo) >> shift, nd - 1)
+        ge = np.array([(dig >= d).sum() for d in range(nd)])
+        sel = int((ge >= k_rem).sum()) - 1
+        above = int(ge[sel + 1]) if sel + 1 < nd else 0
+        base = sel << shift
+        rest, bucket = span - base, (1 << shift) - 1
+        clamped = sel == nd - 1 and span >> shift > nd - 1  # the open top digit: keys past the digits' reach
+        span = rest if sel == nd - 1 else min(rest, bucket)
+        lo += base
+        k_rem -= above
+        if full is None and int(ge[sel]) - above <= width:
+            full = total
+        if span == 0:
+            return full if full is not None else total, total, lo
+        shift = max(span.bit_length() - bits, 0)
+        if clamped:  # grow the digits 2^bits-fold from where they stopped, not the whole rest of the key space at once
+            shift = min(shift, prev + bits)
+        prev = shift
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--n", type=int, default=65536)
+    ap.add_argument("--k", type=int, default=2048)
+    ap.add_argument("--margins", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--scale", type=float, nargs="+", default=[1.0])
+    ap.add_argument("--pivot-bits", type=int, default=16)
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    for scale in a.scale:
+        stats: dict[str, list[tuple[int, int]]] = {}
+        fits: dict[str, list[bool]] = {}
+        for _ in range(a.rows):
+            u = ordered(rng.standard_normal(a.n) * scale)
+            piv, hi = pivot(u, a.k, pivot_bits=a.pivot_bits)
+            cand = u[u >= piv]
+            want = int(np.partition(u, u.size - a.k)[u.size - a.k])
+            starts = {"whole": (0, 0xFFFFFFFF, 28)}
+            for m in a.margins:
+                span = 0xFFFFFFFF - piv
+                need = max(span.bit_length() - 4, 0)
+                starts[f"margin{m}"] = (piv, span, min(max((hi - piv).bit_length() - 4 - m, 1), need))
+            for name, st in starts.items():
+                full, total, tau = passes(cand, a.k, *st)
+                assert tau == want, (name, tau, want)
+                stats.setdefault(name, []).append((full, total))
+            # the split finish's fast path: the k-th key's first-pass bucket fits one block, at margin m or, with
+            # the pair, at m or m + 1 (_first_pass)
+            fit = {}
+            for m in a.margins + [a.margins[-1] + 1]:
+                lo, span, shift = starts.get(f"margin{m}") or (piv, 0xFFFFFFFF - piv, min(max(
+                    (hi - piv).bit_length() - 4 - m, 1), max((0xFFFFFFFF - piv).bit_length() - 4, 0)))
+                dig = np.minimum((cand.astype(np.int64) - lo) >> shift, 15)
+                fit[m] = int((dig == min((want - lo) >> shift, 15)).sum()) <= 512
+            for m in a.margins:
+                fits.setdefault(f"margin{m}", []).append(fit[m])
+                fits.setdefault(f"margins{m}+{m + 1}", []).append(fit[m] or fit[m + 1])
+        print(f"N={a.n} k={a.k} scale={scale}: candidates per row about {cand.size}")
+        for name, v in stats.items():
+            f, t = np.array(v).T
+            print(f"  {name:8s} passes over the buffers before the shrink: mean {f.mean():.2f} (max {f.max()}),"
+                  f" passes in all: mean {t.mean():.2f}")
+        for name, v in fits.items():
+            print(f"  first-pass bucket within 512 keys, {name}: {sum(v)} of {len(v)} rows")
+
+
+if __name__ == "__main__":
+    main()
