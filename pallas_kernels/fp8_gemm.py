@@ -164,7 +164,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     row a masked sum over the accumulator's columns (M reductions); "transpose": y^T [N, round_up(M, 8)] from
     registers and a transposing XLA fusion after the call; "smem": y^T written into each warpgroup's SMEM tile
     through a transposed view, so that the tile is y's [round_up(M, 8), 64] block, and stored as y by TMA (no
-    reductions, no kernel after the call; 16-bit ``out_dtype`` and one K split). None: "rows" up to
+    reductions, no kernel after the call). None: "rows" up to
     ``SWAP_ROWS_OUT_UP_TO`` rows, else "transpose".
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler writes a trace of the kernel's named regions per
     warpgroup there: ``all`` (the pipeline, every warpgroup), the compute warpgroups' ``scales`` (staging wait),
@@ -440,10 +440,6 @@ def _pallas_swapped(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m,
     staged = not interpret if stage_scales is None else stage_scales
     store = swap_store or ("rows" if m <= SWAP_ROWS_OUT_UP_TO else "transpose")
     y_dtype = jnp.dtype(out_dtype) if s == 1 else jnp.dtype(jnp.float32)
-    if store == "smem" and y_dtype.itemsize != 2:
-        raise Unsupported(f"fp8_linear kernel: swap_store='smem' stores 16-bit y tiles (Mosaic GPU does not lower a "
-                          f"32-bit accumulator's store through a transposed SMEM view); y here is {y_dtype} "
-                          f"({s} K splits, out_dtype {jnp.dtype(out_dtype)})")
     y_tiles = (bn // 64) * mr * 64 * y_dtype.itemsize if store == "smem" else 0
     stages = _swapped_stages(stages, mr, bn, nk, nk // s, staged, y_tiles)
     call = _build_swapped_call(mr=mr, n=n, k=k, bn=bn, splits=s, stages=stages, out_dtype=y_dtype,
@@ -888,7 +884,9 @@ def _build_swapped_call(*, mr: int, n: int, k: int, bn: int, splits: int, stages
                 rows = pl.ds(n0 + wg * 64, 64)
                 if smem_out:  # the accumulator [64, mr] is y's [mr, 64] block transposed
                     tile = y_s.at[wg]
-                    tile.T[...] = acc.astype(tile.dtype)
+                    # in the transposed register layout (a shuffle and a permute per register) each thread's pairs
+                    # run along the view's contiguous axis; stored from the WGMMA layout, a 32-bit y does not lower
+                    tile.T[...] = plgpu.layout_cast(acc.astype(tile.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
                     plgpu.commit_smem()
                     dst = o_ref.at[pl.ds(0, mr), rows] if splits == 1 else o_ref.at[si, pl.ds(0, mr), rows]
                     plgpu.copy_smem_to_gmem(tile, dst)

@@ -204,7 +204,8 @@ def test_swap_ab_bit_equal(mode: str, m: int, out_dtype, tiles: dict) -> None:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("m,out_dtype,tiles", [(16, jnp.bfloat16, dict(block_n=192, split_k=1)),  # 3 warpgroups
                                                (5, jnp.bfloat16, dict(block_n=128, split_k=1)),  # 5 rows of 8 kept
-                                               (40, jnp.float16, dict(block_n=64, split_k=1, stage_scales=False))])
+                                               (24, jnp.bfloat16, dict(block_n=128, split_k=2)),  # fp32 partials
+                                               (40, jnp.float32, dict(block_n=64, split_k=1, stage_scales=False))])
 def test_swap_store_smem_bit_equal(mode: str, m: int, out_dtype, tiles: dict) -> None:
     """swap_store="smem": each warpgroup's accumulator written into its SMEM tile through the transposed view and
     stored as y's block by TMA; exact data, the exact product rounded once, as the other stores."""
@@ -217,17 +218,13 @@ def test_swap_store_smem_bit_equal(mode: str, m: int, out_dtype, tiles: dict) ->
 
 
 def test_swap_store_limits() -> None:
-    """swap_store: an unknown value raises ValueError, and so does a store for a call that does not swap; "smem"
-    with a 32-bit y (fp32 out_dtype, or K splits' fp32 partials) raises Unsupported naming it."""
+    """swap_store: an unknown value raises ValueError, and so does a store for a call that does not swap."""
     wq, ws = _weights(768, 512)
     x = jnp.ones((16, 512), jnp.bfloat16)
     with pytest.raises(ValueError, match="swap_store"):
         G.fp8_linear(x, wq, ws, implementation="pallas", swap_ab=True, swap_store="tma")
     with pytest.raises(ValueError, match="swap_store"):
         G.fp8_linear(x, wq, ws, implementation="pallas", swap_ab=False, swap_store="smem")
-    for kw in (dict(out_dtype=jnp.float32), dict(block_n=128, split_k=2)):
-        with pytest.raises(Unsupported, match="swap_store='smem'"):
-            G.fp8_linear(x, wq, ws, implementation="pallas", swap_ab=True, swap_store="smem", **kw)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -559,7 +556,9 @@ def test_auto_stream_k_and_staged_scales() -> None:
                                          # y through SMEM tiles and TMA: q_b at 32 rows, 8-row tiles
                                          (32, 1536, 24576, dict(swap_ab=True, swap_store="smem")),
                                          (5, 512, 768, dict(swap_ab=True, swap_store="smem", block_n=128,
-                                                            split_k=1))])
+                                                            split_k=1)),
+                                         (24, 512, 768, dict(swap_ab=True, swap_store="smem", block_n=128,
+                                                             split_k=2))])  # fp32 partials
 def test_lowers_for_cuda(m: int, k: int, n: int, tiles: dict) -> None:
     """The compiled kernel passes Mosaic GPU's lowering (e4m3 wgmma with K-major operands, TMA, layouts)."""
     from jax.sharding import AbstractDevice, AbstractMesh
