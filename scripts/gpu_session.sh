@@ -251,7 +251,7 @@ case "$stage" in
     timeout -k 10 -s INT ${FP8S_TIMEOUT:-150} python3 -m pytest -m gpu -q -x --tb=short -p no:cacheprovider \
       tests/test_kernel_fp8_gemm.py -k "swap" > "$OUT/fp8_smem_tests.log" 2>&1
     echo "fp8 smem tests rc=$?"; tail -3 "$OUT/fp8_smem_tests.log"
-    timeout -k 10 -s INT ${FP8SM_TIMEOUT:-300} python3 scripts/diag/fp8_tiles_time.py \
+    timeout -k 10 -s INT ${FP8SM_TIMEOUT:-400} python3 scripts/diag/fp8_tiles_time.py \
       --cases ${FP8_CASES:-q_b:16 q_b:32 q_b:64 q_b:128 mlp:16 mlp:32 wo:16 wo:64} \
       --variants '[{}, {"swap_ab": true}, {"swap_ab": true, "swap_store": "smem"}]' --rotations 4 \
       --out "$OUT/fp8_tiles_time_smem_h200.json" > "$OUT/fp8_smem.log" 2>&1; echo "fp8 smem rc=$?"
