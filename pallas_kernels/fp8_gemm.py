@@ -164,8 +164,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     row a masked sum over the accumulator's columns (M reductions); "transpose": y^T [N, round_up(M, 8)] from
     registers and a transposing XLA fusion after the call; "smem": y^T written into each warpgroup's SMEM tile
     through a transposed view, so that the tile is y's [round_up(M, 8), 64] block, and stored as y by TMA (no
-    reductions, no kernel after the call). None: "rows" up to
-    ``SWAP_ROWS_OUT_UP_TO`` rows, else "transpose".
+    reductions, no kernel after the call). None: "rows" up to ``SWAP_ROWS_OUT_UP_TO`` rows, else "transpose".
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler writes a trace of the kernel's named regions per
     warpgroup there: ``all`` (the pipeline, every warpgroup), the compute warpgroups' ``scales`` (staging wait),
     ``loop``, its ``step`` bodies and ``store`` (``scripts/diag/fp8_regions.py``).
@@ -449,7 +448,10 @@ def _pallas_swapped(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m,
     sw = pad_weight_scales(sw) if staged else sw
     y = call(*_x_operands(x, scale_fmt, act_quant, interpret, -(-m // 64) * 64, mr, swapped_scale_cols(mr)), wq, sw)
     y = y if s == 1 else jnp.sum(y, axis=0)
-    y = {"rows": lambda: y, "smem": lambda: y[:m], "transpose": lambda: y[:, :m].T}[store]()
+    if store == "smem":  # [mr, N]: the padded rows dropped
+        y = y[:m]
+    elif store == "transpose":  # y^T [N, mr]
+        y = y[:, :m].T
     return y.astype(out_dtype)
 
 
