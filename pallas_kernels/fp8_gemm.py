@@ -62,7 +62,8 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, 3 warpgroups per CTA: 2 compu
   y^T = W x^T. The weight tile is the wgmma's A (64 rows per compute warpgroup, ``block_n`` / 64 warpgroups) and
   x's round_up(M, 8) rows its N, so a 1-row call no longer multiplies a 64-row x tile of zeros per K block (the
   regions had put q_b's steps as long as the ring's arrival interval). Up to 8 rows y is stored directly (each
-  row a masked sum over the accumulator's columns); above that y^T and a transposing XLA fusion.
+  row a masked sum over the accumulator's columns); above that the accumulator goes through a transposed view of
+  an SMEM tile and TMA stores y's rows (``swap_store="smem"``: no kernel after the call without split-K).
 - Padding: M is padded to block_m (zero xq rows and scales). With ``quantize_x`` x is not padded (no XLA kernel
   at all before the call): the x tile's TMA box runs past its M rows, which TMA fills with zeros, and rows past
   M only feed output rows that are dropped (an MMA row depends on its own row of x alone). N and K must be multiples of 128
@@ -119,7 +120,7 @@ WIDE_TILE_MAX_K = 2048  # in-features up to which decode rows default to 256-wid
 ACT_QUANT_KERNEL_UP_TO = 128  # rows (M) up to which act_quant=None quantises x in one kernel (quantize_rows)
 SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 SWAP_ROWS_OUT_UP_TO = 8  # swap_ab stores y [M, N] itself up to this many rows (M masked row sums), else y^T
-SWAP_AB_UP_TO = 8  # rows (M) up to which swap_ab=None swaps the roles (``_auto_swap_ab``)
+SWAP_AB_UP_TO = 32  # rows (M) up to which swap_ab=None swaps the roles (``_auto_swap_ab``)
 SWAP_STORES = ("rows", "transpose", "smem")  # swap_ab's ways to store y (``fp8_linear``'s ``swap_store``)
 STAGES = 4  # TMA ring depth (stages=None)
 SWAP_RING_BYTES = 104 * 1024  # swap_ab, stages=None: ring bytes in flight per CTA (``_swapped_stages``)
@@ -164,7 +165,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     row a masked sum over the accumulator's columns (M reductions); "transpose": y^T [N, round_up(M, 8)] from
     registers and a transposing XLA fusion after the call; "smem": y^T written into each warpgroup's SMEM tile
     through a transposed view, so that the tile is y's [round_up(M, 8), 64] block, and stored as y by TMA (no
-    reductions, no kernel after the call). None: "rows" up to ``SWAP_ROWS_OUT_UP_TO`` rows, else "transpose".
+    reductions, no kernel after the call). None: "rows" up to ``SWAP_ROWS_OUT_UP_TO`` rows, else "smem".
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler writes a trace of the kernel's named regions per
     warpgroup there: ``all`` (the pipeline, every warpgroup), the compute warpgroups' ``scales`` (staging wait),
     ``loop``, its ``step`` bodies and ``store`` (``scripts/diag/fp8_regions.py``).
@@ -287,9 +288,11 @@ def _auto_stream_k(m: int, n: int, nk: int, block_m: int | None, block_n: int | 
 def _auto_swap_ab(m: int, block_m: int | None, block_n: int | None, quantize_x: bool, stream_k: bool | None) -> bool:
     """swap_ab=None: on up to ``SWAP_AB_UP_TO`` rows unless a choice excludes it (block_m, block_n 256, quantize_x,
     stream_k=True). Exact kernel times (ncu, 2026-12-04,
-    benchmarks/results/fp8_decode_ncu_sweep_h200_2026-12-04.json): faster at 1 to 32 rows of q_a, q_b, wo and mlp;
-    up to 8 rows its call is one kernel fewer (y stored directly), above that the transposing fusion after it
-    made the call slower than the unswapped one."""
+    benchmarks/results/fp8_decode_ncu_sweep_h200_2026-12-04.json): faster at 1 to 32 rows of q_a, q_b, wo and mlp.
+    Above 8 rows the whole call with y stored through SMEM (``swap_store="smem"``) was faster than the unswapped
+    call at 16 and 32 rows of q_b and mlp and 16 of wo, slower at 64 (whole-call GPU timeline, 2026-12-05,
+    benchmarks/results/fp8_tiles_time_smem_h200_2026-12-05.json); the y^T + transposing fusion form had been
+    slower than the unswapped call there."""
     return m <= SWAP_AB_UP_TO and block_m is None and block_n != 256 and not quantize_x and not stream_k
 
 
@@ -437,7 +440,7 @@ def _pallas_swapped(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m,
         raise Unsupported("fp8_linear kernel: swap_ab with stage_scales=True hangs in interpret mode; pass "
                           "stage_scales=None or False there, or run on the GPU")
     staged = not interpret if stage_scales is None else stage_scales
-    store = swap_store or ("rows" if m <= SWAP_ROWS_OUT_UP_TO else "transpose")
+    store = swap_store or ("rows" if m <= SWAP_ROWS_OUT_UP_TO else "smem")
     y_dtype = jnp.dtype(out_dtype) if s == 1 else jnp.dtype(jnp.float32)
     y_tiles = (bn // 64) * mr * 64 * y_dtype.itemsize if store == "smem" else 0
     stages = _swapped_stages(stages, mr, bn, nk, nk // s, staged, y_tiles)

@@ -186,12 +186,13 @@ def test_192_wide_tiles_bit_equal(mode: str, m: int, tiles: dict) -> None:
                                                (8, jnp.float32, dict(block_n=128, split_k=2)),  # fp32 partials
                                                (5, jnp.bfloat16, dict(block_n=192, split_k=1)),  # rows out directly
                                                (6, jnp.float32, dict(stage_scales=False)),  # scales from GMEM
-                                               (24, jnp.bfloat16, dict(block_n=128, split_k=2)),  # y^T, transposed
+                                               (24, jnp.bfloat16, dict(block_n=128, split_k=2, swap_store="transpose")),  # y^T
                                                (40, jnp.bfloat16, dict(block_n=64)),  # one compute warpgroup
                                                (128, jnp.float32, dict(block_n=192, stages=2))])
 def test_swap_ab_bit_equal(mode: str, m: int, out_dtype, tiles: dict) -> None:
     """swap_ab (y^T = W x^T, wgmma N = round_up(M, 8)): tiles of 64-row warpgroups that straddle weight-scale
-    blocks (192 wide), K splits, 1 to 128 rows, y stored directly (M <= 8) or as y^T; exact data, so the output is
+    blocks (192 wide), K splits, 1 to 128 rows, y stored directly (M <= 8), through SMEM (the default above) or
+    as y^T; exact data, so the output is
     the exact product rounded once."""
     x, w, wq, ws = _exact_case(m, 512, 768, seed=m + 1)
     got = G.fp8_linear(jnp.asarray(x, jnp.bfloat16), wq, ws, out_dtype=out_dtype, implementation="pallas",
@@ -242,7 +243,7 @@ def test_swap_ab_matches_xla(mode: str, scale_fmt: str, act_quant: str) -> None:
 def test_auto_swap_ab() -> None:
     """swap_ab=None: on up to SWAP_AB_UP_TO rows unless a tile choice excludes it."""
     auto = G._auto_swap_ab
-    assert [auto(m, None, None, False, None) for m in (1, 8, 9, 64)] == [True, True, False, False]
+    assert [auto(m, None, None, False, None) for m in (1, 8, 9, 32, 33, 64)] == [True, True, True, True, False, False]
     assert not any([auto(1, 64, None, False, None), auto(1, None, 256, False, None),
                     auto(1, None, None, True, None), auto(1, None, None, False, True)])
     assert auto(1, None, 192, False, False)
