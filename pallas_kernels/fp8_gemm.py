@@ -62,7 +62,8 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, 3 warpgroups per CTA: 2 compu
   y^T = W x^T. The weight tile is the wgmma's A (64 rows per compute warpgroup, ``block_n`` / 64 warpgroups) and
   x's round_up(M, 8) rows its N, so a 1-row call no longer multiplies a 64-row x tile of zeros per K block (the
   regions had put q_b's steps as long as the ring's arrival interval). Up to 8 rows y is stored directly (each
-  row a masked sum over the accumulator's columns); above that y^T and a transposing XLA fusion.
+  row a masked sum over the accumulator's columns); above that the accumulator goes through a transposed view of
+  an SMEM tile and TMA stores y's rows (``swap_store="smem"``: no kernel after the call without split-K).
 - Padding: M is padded to block_m (zero xq rows and scales). With ``quantize_x`` x is not padded (no XLA kernel
   at all before the call): the x tile's TMA box runs past its M rows, which TMA fills with zeros, and rows past
   M only feed output rows that are dropped (an MMA row depends on its own row of x alone). N and K must be multiples of 128
@@ -119,7 +120,8 @@ WIDE_TILE_MAX_K = 2048  # in-features up to which decode rows default to 256-wid
 ACT_QUANT_KERNEL_UP_TO = 128  # rows (M) up to which act_quant=None quantises x in one kernel (quantize_rows)
 SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 SWAP_ROWS_OUT_UP_TO = 8  # swap_ab stores y [M, N] itself up to this many rows (M masked row sums), else y^T
-SWAP_AB_UP_TO = 8  # rows (M) up to which swap_ab=None swaps the roles (``_auto_swap_ab``)
+SWAP_AB_UP_TO = 32  # rows (M) up to which swap_ab=None swaps the roles (``_auto_swap_ab``)
+SWAP_STORES = ("rows", "transpose", "smem")  # swap_ab's ways to store y (``fp8_linear``'s ``swap_store``)
 STAGES = 4  # TMA ring depth (stages=None)
 SWAP_RING_BYTES = 104 * 1024  # swap_ab, stages=None: ring bytes in flight per CTA (``_swapped_stages``)
 PROFILE_RANGES = 256  # per warpgroup and call: ``profile_dir``'s events (a region per K block, a few more)
@@ -133,7 +135,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                block_n: int | None = None, split_k: int | None = None, stages: int | None = None,
                group_m: int = 8, stage_scales: bool | None = None, quantize_x: bool = False,
                stream_k: bool | None = None, act_quant: str | None = None, swap_ab: bool | None = None,
-               profile_dir: str | None = None) -> jax.Array:
+               swap_store: str | None = None, profile_dir: str | None = None) -> jax.Array:
     """y = x W^T with W = ``wq`` (float8_e4m3fn [out, in]) * ``w_scale`` (float32 [ceil(out/128),
     ceil(in/128)] per 128 x 128 block), x [..., in] re-quantised per 1 x 128 group (``scale_fmt``);
     [..., out] in ``out_dtype``.
@@ -159,7 +161,11 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     ``swap_ab`` (M <= 128, ``block_n`` 64, 128 or 192; scales staged unless ``stage_scales=False``): the roles
     swapped, y^T = W x^T, so that the wgmma's N is round_up(M, 8) instead of a padded 64- or 128-row x tile
     (``_build_swapped_call``); None: on up to ``SWAP_AB_UP_TO`` rows where no other choice excludes it
-    (``_auto_swap_ab``).
+    (``_auto_swap_ab``). ``swap_store`` (with ``swap_ab``): how y leaves the kernel. "rows": y [M, N] itself, each
+    row a masked sum over the accumulator's columns (M reductions); "transpose": y^T [N, round_up(M, 8)] from
+    registers and a transposing XLA fusion after the call; "smem": y^T written into each warpgroup's SMEM tile
+    through a transposed view, so that the tile is y's [round_up(M, 8), 64] block, and stored as y by TMA (no
+    reductions, no kernel after the call). None: "rows" up to ``SWAP_ROWS_OUT_UP_TO`` rows, else "smem".
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler writes a trace of the kernel's named regions per
     warpgroup there: ``all`` (the pipeline, every warpgroup), the compute warpgroups' ``scales`` (staging wait),
     ``loop``, its ``step`` bodies and ``store`` (``scripts/diag/fp8_regions.py``).
@@ -173,7 +179,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                                   block_m=block_m, block_n=block_n, split_k=split_k, stages=stages,
                                   group_m=group_m, stage_scales=stage_scales, quantize_x=quantize_x,
                                   stream_k=stream_k, act_quant=act_quant, swap_ab=swap_ab,
-                                  profile_dir=profile_dir)})
+                                  swap_store=swap_store, profile_dir=profile_dir)})
 
 
 def _check_common(x, wq, w_scale, scale_fmt) -> None:
@@ -282,9 +288,11 @@ def _auto_stream_k(m: int, n: int, nk: int, block_m: int | None, block_n: int | 
 def _auto_swap_ab(m: int, block_m: int | None, block_n: int | None, quantize_x: bool, stream_k: bool | None) -> bool:
     """swap_ab=None: on up to ``SWAP_AB_UP_TO`` rows unless a choice excludes it (block_m, block_n 256, quantize_x,
     stream_k=True). Exact kernel times (ncu, 2026-12-04,
-    benchmarks/results/fp8_decode_ncu_sweep_h200_2026-12-04.json): faster at 1 to 32 rows of q_a, q_b, wo and mlp;
-    up to 8 rows its call is one kernel fewer (y stored directly), above that the transposing fusion after it
-    made the call slower than the unswapped one."""
+    benchmarks/results/fp8_decode_ncu_sweep_h200_2026-12-04.json): faster at 1 to 32 rows of q_a, q_b, wo and mlp.
+    Above 8 rows the whole call with y stored through SMEM (``swap_store="smem"``) was faster than the unswapped
+    call at 16 and 32 rows of q_b and mlp and 16 of wo, slower at 64 (whole-call GPU timeline, 2026-12-05,
+    benchmarks/results/fp8_tiles_time_smem_h200_2026-12-05.json); the y^T + transposing fusion form had been
+    slower than the unswapped call there."""
     return m <= SWAP_AB_UP_TO and block_m is None and block_n != 256 and not quantize_x and not stream_k
 
 
@@ -325,7 +333,8 @@ def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
 
 
 def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages, group_m,
-            stage_scales, quantize_x=False, stream_k=None, act_quant=None, swap_ab=None, profile_dir=None):
+            stage_scales, quantize_x=False, stream_k=None, act_quant=None, swap_ab=None, swap_store=None,
+            profile_dir=None):
     _check_tiles(block_m, block_n, split_k, STAGES if stages is None else stages, group_m)
     if swap_ab is not None and not isinstance(swap_ab, bool):
         raise ValueError(f"swap_ab must be a bool or None, got {swap_ab!r}")
@@ -339,6 +348,8 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         raise ValueError("profile_dir: Mosaic GPU's profiler runs natively only (interpret mode has no trace)")
     if act_quant not in (None, "xla", "kernel"):
         raise ValueError(f"act_quant must be 'xla', 'kernel' or None, got {act_quant!r}")
+    if swap_store not in (None,) + SWAP_STORES:
+        raise ValueError(f"swap_store must be one of {SWAP_STORES} or None, got {swap_store!r}")
     n, k = wq.shape
     if not supports(n, k):
         raise Unsupported(f"fp8_linear kernel: out = {n} and in = {k} (wq shape) must be multiples of {BLOCK}")
@@ -355,11 +366,15 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         interpret = plgpu.InterpretGPUParams()
     if swap_ab is None:
         swap_ab = _auto_swap_ab(m, block_m, block_n, quantize_x, stream_k)
+    if swap_store is not None and not swap_ab:
+        raise ValueError(f"swap_store={swap_store!r} is the swapped form's output (swap_ab), which this call does not "
+                         f"use ({m} rows, swap_ab={swap_ab})")
     if swap_ab:
         return _pallas_swapped(x.reshape(m, k), wq, w_scale, out_dtype=out_dtype, scale_fmt=scale_fmt,
                                interpret=interpret, block_m=block_m, block_n=block_n, split_k=split_k, stages=stages,
                                stage_scales=stage_scales, quantize_x=quantize_x, stream_k=stream_k,
-                               act_quant=act_quant, profile_dir=profile_dir).reshape(*lead, n)
+                               act_quant=act_quant, swap_store=swap_store,
+                               profile_dir=profile_dir).reshape(*lead, n)
     stages = STAGES if stages is None else stages
     if stream_k is None:
         stream_k = _auto_stream_k(m, n, nk, block_m, block_n, split_k, stage_scales)
@@ -405,7 +420,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
 
 
 def _pallas_swapped(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages,
-                    stage_scales, quantize_x, stream_k, act_quant, profile_dir):
+                    stage_scales, quantize_x, stream_k, act_quant, swap_store, profile_dir):
     """``swap_ab=True``: x [M, K] -> y [M, N] through ``_build_swapped_call`` (x quantised by ``quantize_rows`` or
     XLA as ``act_quant`` says; the tiles' defaults are the 64-row decode ones of ``_pick_tiles``)."""
     m, k = x.shape
@@ -425,17 +440,22 @@ def _pallas_swapped(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m,
         raise Unsupported("fp8_linear kernel: swap_ab with stage_scales=True hangs in interpret mode; pass "
                           "stage_scales=None or False there, or run on the GPU")
     staged = not interpret if stage_scales is None else stage_scales
-    stages = _swapped_stages(stages, mr, bn, nk, nk // s, staged)
-    direct = m <= SWAP_ROWS_OUT_UP_TO
-    call = _build_swapped_call(mr=mr, n=n, k=k, bn=bn, splits=s, stages=stages,
-                               out_dtype=jnp.dtype(out_dtype) if s == 1 else jnp.dtype(jnp.float32),
-                               interpret=interpret or None, rows_out=m if direct else 0, stage_scales=staged,
-                               profile_dir=profile_dir)
+    store = swap_store or ("rows" if m <= SWAP_ROWS_OUT_UP_TO else "smem")
+    y_dtype = jnp.dtype(out_dtype) if s == 1 else jnp.dtype(jnp.float32)
+    y_tiles = (bn // 64) * mr * 64 * y_dtype.itemsize if store == "smem" else 0
+    stages = _swapped_stages(stages, mr, bn, nk, nk // s, staged, y_tiles)
+    call = _build_swapped_call(mr=mr, n=n, k=k, bn=bn, splits=s, stages=stages, out_dtype=y_dtype,
+                               interpret=interpret or None, rows_out=m if store == "rows" else 0, stage_scales=staged,
+                               smem_out=store == "smem", profile_dir=profile_dir)
     sw = w_scale.astype(jnp.float32)
     sw = pad_weight_scales(sw) if staged else sw
     y = call(*_x_operands(x, scale_fmt, act_quant, interpret, -(-m // 64) * 64, mr, swapped_scale_cols(mr)), wq, sw)
     y = y if s == 1 else jnp.sum(y, axis=0)
-    return (y if direct else y[:, :m].T).astype(out_dtype)
+    if store == "smem":  # [mr, N]: the padded rows dropped
+        y = y[:m]
+    elif store == "transpose":  # y^T [N, mr]
+        y = y[:, :m].T
+    return y.astype(out_dtype)
 
 
 def _x_operands(x: jax.Array, scale_fmt: quant.ScaleFmt, act_quant: str, interpret, mp: int, rows: int,
@@ -457,7 +477,8 @@ def swapped_scale_cols(mr: int) -> int:
     return -(-mr // 32) * 32
 
 
-def _swapped_stages(stages: int | None, mr: int, bn: int, nk: int, kps: int, staged: bool = True) -> int:
+def _swapped_stages(stages: int | None, mr: int, bn: int, nk: int, kps: int, staged: bool = True,
+                    y_tiles: int = 0) -> int:
     """The swapped kernel's ring depth: ``stages``, fewer where the ring and the staged scales would pass SMEM.
     None: about ``SWAP_RING_BYTES`` in flight, at least ``STAGES`` (a stage is only (mr + bn) x 128 bytes here: wo's
     128-wide tiles take 6 stages for it, faster than 4 in 5 of 6 pairs at 1 and 8 rows (0.7-1.5 µs on average),
@@ -465,10 +486,11 @@ def _swapped_stages(stages: int | None, mr: int, bn: int, nk: int, kps: int, sta
     archive/fp8_decode_ncu_sweep_h200_2026-12-04_raw.json, runs 5, 9, 10)."""
     if stages is None:
         stages = max(STAGES, SWAP_RING_BYTES // ((mr + bn) * BLOCK))
-    fixed = kps * swapped_scale_cols(mr) * 4 + SW_ROWS * (nk + -nk % 4) * 4 if staged else 0
+    fixed = (kps * swapped_scale_cols(mr) * 4 + SW_ROWS * (nk + -nk % 4) * 4 if staged else 0) + y_tiles
     fit = (SMEM_BYTES - 2048 - fixed) // ((mr + bn) * BLOCK)
     if fit < 1:
-        raise Unsupported(f"fp8_linear kernel: swap_ab's staged scales ({fixed} bytes) leave no room for a stage")
+        raise Unsupported(f"fp8_linear kernel: swap_ab's staged scales and y tiles ({fixed} bytes) leave no room "
+                          "for a stage")
     return max(1, min(stages, kps, fit))
 
 
@@ -799,7 +821,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
 @functools.lru_cache(maxsize=None)
 def _build_swapped_call(*, mr: int, n: int, k: int, bn: int, splits: int, stages: int, out_dtype: jnp.dtype,
                         interpret: plgpu.InterpretGPUParams | None, rows_out: int = 0, stage_scales: bool = True,
-                        profile_dir: str | None = None):
+                        smem_out: bool = False, profile_dir: str | None = None):
     """``swap_ab``: y^T [N, mr] = W x^T for at most 128 rows (mr = round_up(M, 8)): the weight tile is the e4m3
     wgmma's A operand (64 weight rows per compute warpgroup, ``bn`` / 64 of them) and x's mr rows its B operand
     (N = mr), both K-major in SMEM as 8-bit wgmma needs. The other form's A is a 64-row x tile, so a 1-row call
@@ -812,7 +834,9 @@ def _build_swapped_call(*, mr: int, n: int, k: int, bn: int, splits: int, stages
     one split's tile in out_dtype, or fp32 partials that XLA sums; ``rows_out`` = M > 0: y [M, N] itself
     ([splits, M, N]), each real row taken out of the accumulator's columns by a masked row sum and stored as 64
     contiguous values (no transposing kernel after the call; M cheap reductions for small M only); 0: y^T [N, mr]
-    from registers, which the wrapper transposes."""
+    from registers, which the wrapper transposes; ``smem_out``: y [mr, N] ([splits, mr, N]): each warpgroup writes
+    its accumulator into its [mr, 64] SMEM tile through the tile's transposed view, and a TMA copy stores the tile
+    as y's block (no reductions and no transposing kernel, at any M)."""
     nk = k // BLOCK
     kps = nk // splits
     n_tiles = n // bn
@@ -823,7 +847,8 @@ def _build_swapped_call(*, mr: int, n: int, k: int, bn: int, splits: int, stages
     COL = L.reduce(0)  # [mr] along the accumulator's columns (x rows)
 
     def kernel(x_ref, sxt_ref, w_ref, sw_ref, o_ref, *scratch):
-        sx_s, sw_s, bar = scratch if stage_scales else (None, None, None)
+        sx_s, sw_s, bar = scratch[:3] if stage_scales else (None, None, None)
+        y_s = scratch[-1] if smem_out else None
         pid = lax.axis_index("cta")
         si, ni = pid // n_tiles, pid % n_tiles
         n0, kb0 = ni * bn, si * kps
@@ -862,7 +887,16 @@ def _build_swapped_call(*, mr: int, n: int, k: int, bn: int, splits: int, stages
                 acc = run_pipeline(plgpu.layout_cast(jnp.full((64, mr), 0.0, jnp.float32), L))
             with jax.named_scope("store"):
                 rows = pl.ds(n0 + wg * 64, 64)
-                if rows_out:
+                if smem_out:  # the accumulator [64, mr] is y's [mr, 64] block transposed
+                    tile = y_s.at[wg]
+                    # in the transposed register layout (a shuffle and a permute per register) each thread's pairs
+                    # run along the view's contiguous axis; stored from the WGMMA layout, a 32-bit y does not lower
+                    tile.T[...] = plgpu.layout_cast(acc.astype(tile.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+                    plgpu.commit_smem()
+                    dst = o_ref.at[pl.ds(0, mr), rows] if splits == 1 else o_ref.at[si, pl.ds(0, mr), rows]
+                    plgpu.copy_smem_to_gmem(tile, dst)
+                    plgpu.wait_smem_to_gmem(0)
+                elif rows_out:
                     col = plgpu.broadcasted_iota(jnp.int32, (64, mr), 1, layout=L)
                     for i in range(rows_out):
                         dst = o_ref.at[i, rows] if splits == 1 else o_ref.at[si, i, rows]
@@ -880,10 +914,11 @@ def _build_swapped_call(*, mr: int, n: int, k: int, bn: int, splits: int, stages
             pipeline(x_ref.at[pl.ds(0, mr), pl.ds(kb0 * BLOCK, kps * BLOCK)],
                      w_ref.at[pl.ds(n0, bn), pl.ds(kb0 * BLOCK, kps * BLOCK)])
 
-    out_shape = (rows_out, n) if rows_out else (n, mr)
+    out_shape = (rows_out, n) if rows_out else (mr, n) if smem_out else (n, mr)
     out_shape = out_shape if splits == 1 else (splits, *out_shape)
     scratch = [plgpu.SMEM((kps, sxc), jnp.float32), plgpu.SMEM((SW_ROWS, nk + -nk % 4), jnp.float32),
                plgpu.Barrier(num_arrivals=2, num_barriers=1)] if stage_scales else []
+    scratch += [plgpu.SMEM((nwg, mr, 64), out_dtype)] if smem_out else []
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                   **(dict(profile_space=PROFILE_RANGES, profile_dir=profile_dir,
                                           profile_bounds_check=True) if profile_dir else {}))

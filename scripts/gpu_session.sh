@@ -50,6 +50,7 @@
 #   scripts/gpu_session.sh fp8-regions   # issue 19: the FP8 GEMM's named regions per warpgroup at decode (profiler)
 #   scripts/gpu_session.sh fp8-trim      # issue 19: every one-row-tile FP8 call stores its rows through SMEM + TMA: tests, ncu
 #   scripts/gpu_session.sh fp8-swap      # issue 19: the FP8 GEMM with the roles swapped (y^T = W x^T) at decode: tests, ncu
+#   scripts/gpu_session.sh fp8-smem      # issue 19: swap_ab's y through transposed SMEM tiles (swap_store="smem"), timeline
 #   scripts/gpu_session.sh fp4-wg4       # issue 22: the FP4 GEMM's four-warpgroup e4m3-x form, native tests then ncu sweep
 #   scripts/gpu_session.sh inserts       # issue 20: the fused inserts alone, GPU timeline + T = 8192 tile sweep
 #   scripts/gpu_session.sh topk          # Pallas radix-select top-k: native tests, then the top-k rows
@@ -244,6 +245,18 @@ case "$stage" in
       tests/test_kernel_fp8_gemm.py > "$OUT/fp8_gemm_tests.log" 2>&1; echo "fp8 tests rc=$?"; tail -2 "$OUT/fp8_gemm_tests.log"
     V=${FP8SWEEP_VARIANTS:-'[{"stages": 4}]'}
     SWEEP_CASES=${FP8_CASES:-'q_b:1 q_b:64 q_b:128 mlp:1 mlp:64 mlp:128 wo:64 wo:128'} ncu_sweep fp8 "$V"
+    ;;
+  fp8-smem)
+    # issue 19 (thirty-fifth session): the swapped form's y through transposed SMEM tiles and TMA (swap_store="smem")
+    # against the default call and the y^T + XLA transpose form, whole-call µs on the GPU timeline, cold weights
+    timeout -k 10 -s INT ${FP8S_TIMEOUT:-150} python3 -m pytest -m gpu -q -x --tb=short -p no:cacheprovider \
+      tests/test_kernel_fp8_gemm.py -k "swap" > "$OUT/fp8_smem_tests.log" 2>&1
+    echo "fp8 smem tests rc=$?"; tail -3 "$OUT/fp8_smem_tests.log"
+    timeout -k 10 -s INT ${FP8SM_TIMEOUT:-400} python3 scripts/diag/fp8_tiles_time.py \
+      --cases ${FP8_CASES:-q_b:16 q_b:32 q_b:64 q_b:128 mlp:16 mlp:32 wo:16 wo:64} \
+      --variants '[{}, {"swap_ab": true}, {"swap_ab": true, "swap_store": "smem"}]' --rotations 4 \
+      --out "$OUT/fp8_tiles_time_smem_h200.json" > "$OUT/fp8_smem.log" 2>&1; echo "fp8 smem rc=$?"
+    grep -v Warning "$OUT/fp8_smem.log" | tail -c 4000
     ;;
   fp8-swap)
     # issue 19 (twenty-seventh session): swap_ab, the weight tile as the wgmma's A and x's round_up(M, 8) rows as its N,

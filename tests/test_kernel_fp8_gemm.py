@@ -186,12 +186,13 @@ def test_192_wide_tiles_bit_equal(mode: str, m: int, tiles: dict) -> None:
                                                (8, jnp.float32, dict(block_n=128, split_k=2)),  # fp32 partials
                                                (5, jnp.bfloat16, dict(block_n=192, split_k=1)),  # rows out directly
                                                (6, jnp.float32, dict(stage_scales=False)),  # scales from GMEM
-                                               (24, jnp.bfloat16, dict(block_n=128, split_k=2)),  # y^T, transposed
+                                               (24, jnp.bfloat16, dict(block_n=128, split_k=2, swap_store="transpose")),  # y^T
                                                (40, jnp.bfloat16, dict(block_n=64)),  # one compute warpgroup
                                                (128, jnp.float32, dict(block_n=192, stages=2))])
 def test_swap_ab_bit_equal(mode: str, m: int, out_dtype, tiles: dict) -> None:
     """swap_ab (y^T = W x^T, wgmma N = round_up(M, 8)): tiles of 64-row warpgroups that straddle weight-scale
-    blocks (192 wide), K splits, 1 to 128 rows, y stored directly (M <= 8) or as y^T; exact data, so the output is
+    blocks (192 wide), K splits, 1 to 128 rows, y stored directly (M <= 8), through SMEM (the default above) or
+    as y^T; exact data, so the output is
     the exact product rounded once."""
     x, w, wq, ws = _exact_case(m, 512, 768, seed=m + 1)
     got = G.fp8_linear(jnp.asarray(x, jnp.bfloat16), wq, ws, out_dtype=out_dtype, implementation="pallas",
@@ -199,6 +200,32 @@ def test_swap_ab_bit_equal(mode: str, m: int, out_dtype, tiles: dict) -> None:
     assert got.shape == (m, 768) and got.dtype == jnp.dtype(out_dtype)
     np.testing.assert_array_equal(np.asarray(got, np.float32),
                                   np.asarray(jnp.asarray(x @ w.T).astype(out_dtype), np.float32))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("m,out_dtype,tiles", [(16, jnp.bfloat16, dict(block_n=192, split_k=1)),  # 3 warpgroups
+                                               (5, jnp.bfloat16, dict(block_n=128, split_k=1)),  # 5 rows of 8 kept
+                                               (24, jnp.bfloat16, dict(block_n=128, split_k=2)),  # fp32 partials
+                                               (40, jnp.float32, dict(block_n=64, split_k=1, stage_scales=False))])
+def test_swap_store_smem_bit_equal(mode: str, m: int, out_dtype, tiles: dict) -> None:
+    """swap_store="smem": each warpgroup's accumulator written into its SMEM tile through the transposed view and
+    stored as y's block by TMA; exact data, the exact product rounded once, as the other stores."""
+    x, w, wq, ws = _exact_case(m, 512, 768, seed=m + 3)
+    got = G.fp8_linear(jnp.asarray(x, jnp.bfloat16), wq, ws, out_dtype=out_dtype, implementation="pallas",
+                       interpret=interpret_for(mode), swap_ab=True, swap_store="smem", **tiles)
+    assert got.shape == (m, 768) and got.dtype == jnp.dtype(out_dtype)
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(jnp.asarray(x @ w.T).astype(out_dtype), np.float32))
+
+
+def test_swap_store_limits() -> None:
+    """swap_store: an unknown value raises ValueError, and so does a store for a call that does not swap."""
+    wq, ws = _weights(768, 512)
+    x = jnp.ones((16, 512), jnp.bfloat16)
+    with pytest.raises(ValueError, match="swap_store"):
+        G.fp8_linear(x, wq, ws, implementation="pallas", swap_ab=True, swap_store="tma")
+    with pytest.raises(ValueError, match="swap_store"):
+        G.fp8_linear(x, wq, ws, implementation="pallas", swap_ab=False, swap_store="smem")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -216,7 +243,7 @@ def test_swap_ab_matches_xla(mode: str, scale_fmt: str, act_quant: str) -> None:
 def test_auto_swap_ab() -> None:
     """swap_ab=None: on up to SWAP_AB_UP_TO rows unless a tile choice excludes it."""
     auto = G._auto_swap_ab
-    assert [auto(m, None, None, False, None) for m in (1, 8, 9, 64)] == [True, True, False, False]
+    assert [auto(m, None, None, False, None) for m in (1, 8, 9, 32, 33, 64)] == [True, True, True, True, False, False]
     assert not any([auto(1, 64, None, False, None), auto(1, None, 256, False, None),
                     auto(1, None, None, True, None), auto(1, None, None, False, True)])
     assert auto(1, None, 192, False, False)
@@ -526,7 +553,13 @@ def test_auto_stream_k_and_staged_scales() -> None:
                                          (128, 7168, 18432, dict(swap_ab=True)),  # mlp, N = 128 MMAs
                                          (8, 16384, 7168, dict(swap_ab=True, block_n=64)),  # wo, split-K
                                          (1, 512, 768, dict(swap_ab=True)),  # 2 K blocks a CTA: a 256-byte scale copy
-                                         (24, 512, 768, dict(swap_ab=True, block_n=128, split_k=1))])
+                                         (24, 512, 768, dict(swap_ab=True, block_n=128, split_k=1)),
+                                         # y through SMEM tiles and TMA: q_b at 32 rows, 8-row tiles
+                                         (32, 1536, 24576, dict(swap_ab=True, swap_store="smem")),
+                                         (5, 512, 768, dict(swap_ab=True, swap_store="smem", block_n=128,
+                                                            split_k=1)),
+                                         (24, 512, 768, dict(swap_ab=True, swap_store="smem", block_n=128,
+                                                             split_k=2))])  # fp32 partials
 def test_lowers_for_cuda(m: int, k: int, n: int, tiles: dict) -> None:
     """The compiled kernel passes Mosaic GPU's lowering (e4m3 wgmma with K-major operands, TMA, layouts)."""
     from jax.sharding import AbstractDevice, AbstractMesh
