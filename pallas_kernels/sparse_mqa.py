@@ -19,11 +19,11 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, two compute warpgroups per CT
 - CTA = (token, tile of 64 heads, candidate split). Heads are padded to a multiple of 64 (wgmma needs
   M >= 64; padded heads get q = 0 and sink -inf, and are sliced away). Blocks of 64 candidates stream
   through SMEM. Each list's blocks past its last valid slot are skipped (``_extents``: one XLA reduction
-  per list; the kernel maps its k-th block to a list's block by scalar arithmetic), so prefill tokens early
+  for all lists; the kernel maps its k-th block to a list's block by scalar arithmetic), so prefill tokens early
   in the sequence, short contexts and masked rows cost only their live blocks. ``num_splits`` cuts each
   token's sequence of live blocks into CTAs (small decode batches need them to fill the GPU); each split writes
-  its normalised rows (in a 16-bit output's dtype, else fp32) with their (m, l), merged in JAX with the sink
-  (with one split the CTA writes the final rows itself). Merging them in the kernel instead, by each head
+  its normalised rows (in a 16-bit output's dtype, else fp32) with their (m, l), merged with the sink by one
+  more kernel (``pallas_kernels.split_combine``; with one split the CTA writes the final rows itself). Merging them in the kernel instead, by each head
   tile's last split to finish, measured slower at V4 decode batch 64 and was removed (docs/perf-log.md).
 - Row gather: Hopper has no gather TMA, so every candidate row is one (V3.2, bf16 rows) or two (V4: data,
   UE8M0 exponents) contiguous bulk TMA copies ``cache[page, start:start+n] -> staging[row]`` with the page
@@ -123,11 +123,12 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from jds.ops.dispatch import Implementation, Unsupported, resolve_interpret, run_op
+from jds.ops.dispatch import Implementation, Unsupported, check_implementation, resolve_interpret, run_op
 from jds.ops.paging import RecordFormat
 from jds.ops.records import FloatRows, MlaRecord584, MlaRecord656
 from jds.ops.sparse_mqa import paged_sparse_mqa_xla
 from pallas_kernels import record_gather
+from pallas_kernels.split_combine import split_combine
 
 Producer = Literal["tma", "registers"]
 
@@ -215,7 +216,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                out_dtype: jnp.dtype = jnp.float32,
                interpret: bool | plgpu.InterpretGPUParams | None = None, producer: Producer | None = None,
                producer_regs: int | None = None, producer_phases: int | None = None,
-               producer_pow2: bool | None = None, profile_dir: str | None = None) -> jax.Array:
+               producer_pow2: bool | None = None, profile_dir: str | None = None,
+               combine: Implementation = "auto") -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype; with candidate
@@ -238,12 +240,15 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     third thread; the register producer's needs one CPU per warpgroup).
     ``producer_pow2``: the register producers' dequantisation without conversion instructions, exact only for
     power-of-two scales (``record_gather._DQ_POW2_ASM``); None = where the records' scales are ("ue8m0").
+    ``combine``: the implementation of the splits' merge (``pallas_kernels.split_combine``; "auto": its
+    kernel where the row width is a power of 2).
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler records the kernel's named regions per
     warpgroup (prologue, the block loop's wait_full / qk / softmax / pv, epilogue; produce) and writes a
     Perfetto trace under this folder per call (``scripts/diag/mqa_regions.py``). Its buffer takes shared
     memory, which V3.2's fp8 kernel has no room for.
     Timings: docs/perf-log.md.
     """
+    check_implementation(combine, "combine")
     caches, formats, slots = tuple(caches), tuple(formats), tuple(slots)
     if not (len(caches) == len(formats) == len(slots) >= 1):
         raise ValueError("caches, formats and slots must be sequences of the same non-zero length")
@@ -254,11 +259,11 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                                   num_splits=num_splits, out_dtype=out_dtype, interpret=interpret,
                                   producer=producer, producer_regs=producer_regs,
                                   producer_phases=producer_phases, producer_pow2=producer_pow2,
-                                  profile_dir=profile_dir)})
+                                  profile_dir=profile_dir, combine=combine)})
 
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
-            producer_regs=None, producer_phases=None, producer_pow2=None, profile_dir=None):
+            producer_regs=None, producer_phases=None, producer_pow2=None, profile_dir=None, combine="auto"):
     if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
     if producer_phases not in (None, 1, 2, 4):
@@ -324,24 +329,25 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                        producer_phases=producer_phases,
                        pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2,
                        profile_dir=profile_dir)
-    outs = call(qp, *padded, *_extents(padded), sink_p, *caches)  # the lists' slots apart: no concatenated copy
+    outs = call(qp, *padded, _extents(padded), sink_p, *caches)  # the lists' slots apart: no concatenated copy
     if n_splits == 1:
         return outs[:, :h]
     o, m, l = outs
-    return _combine(o[:, :, :h], m[:, :, :h], l[:, :, :h],
-                    sink.astype(jnp.float32) if has_sink else None).astype(out_dtype)
+    return split_combine(o, m, l, sink.astype(jnp.float32) if has_sink else None, heads=h, out_dtype=out_dtype,
+                         implementation=combine, interpret=bool(interpret))
 
 
-def _extents(padded: Sequence[jax.Array]) -> list[jax.Array]:
-    """Per list, each token's blocks to compute: up to its last block with a valid slot ([T] int32, one XLA
-    reduction each). Top-k lists end in -1, so this skips what matters (prefill tokens early in the sequence,
+def _extents(padded: Sequence[jax.Array]) -> jax.Array:
+    """Each token's blocks to compute per list: up to its last block with a valid slot ([T * lists] int32,
+    token-major). Top-k lists end in -1, so this skips what matters (prefill tokens early in the sequence,
     short contexts, fully masked rows) without a sort; the kernel walks list 0's first extent blocks, then list
-    1's, ... (``block_of``). A dead block inside a list's extent is computed, its weights 0."""
-    out = []
-    for s in padded:
-        j = lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        out.append(jnp.max(jnp.where(s >= 0, j // BLOCK_K + 1, 0), axis=1).astype(jnp.int32))
-    return out
+    1's, ... (``block_of``). A dead block inside a list's extent is computed, its weights 0. The lists are
+    padded to one length and stacked so that all of them are one XLA reduction: a kernel per list cost a
+    launch each on the decode step's path."""
+    width = max(s.shape[1] for s in padded)
+    s = jnp.stack([jnp.pad(p, ((0, 0), (0, width - p.shape[1])), constant_values=-1) for p in padded], axis=1)
+    j = lax.broadcasted_iota(jnp.int32, s.shape, 2)
+    return jnp.max(jnp.where(s >= 0, j // BLOCK_K + 1, 0), axis=2).astype(jnp.int32).reshape(-1)
 
 
 def block_of(pos, exts: Sequence, list_blocks: Sequence[int]):
@@ -360,30 +366,6 @@ def _partial_dtype(out_dtype: jnp.dtype) -> jnp.dtype:
     """The splits' rows: in a 16-bit output's dtype (normalised rows, so one more rounding of the same size;
     half the bytes the kernel writes and the combine reads), else fp32."""
     return jnp.dtype(out_dtype) if jnp.dtype(out_dtype).itemsize == 2 else jnp.dtype(jnp.float32)
-
-
-def _split_shares(ms: Sequence, ls: Sequence, sink_log2=None) -> list:
-    """Each split's share of a row's softmax mass, from its (m, l) (base-2 logits) and the sink (base 2): the
-    weights of the splits' normalised rows; all 0 where a row has no mass. The splits are few and static, so
-    the steps are unrolled and elementwise."""
-    mx = functools.reduce(jnp.maximum, ms)
-    if sink_log2 is not None:
-        mx = jnp.maximum(mx, sink_log2)
-    ws = [jnp.exp2(m - mx) * l for m, l in zip(ms, ls)]
-    den = functools.reduce(jnp.add, ws)
-    if sink_log2 is not None:
-        den = den + jnp.exp2(sink_log2 - mx)
-    inv = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
-    return [w * inv for w in ws]
-
-
-def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -> jax.Array:
-    """Merge per-split (o [S,T,H,D] each split's normalised rows, m, l [S,T,H]; base-2 logits) and the sink into
-    the softmax output."""
-    n = o.shape[0]
-    shares = _split_shares([m[i] for i in range(n)], [l[i] for i in range(n)],
-                           None if sink is None else sink[None, :] * LOG2E)
-    return functools.reduce(jnp.add, [shares[i][..., None] * o[i].astype(jnp.float32) for i in range(n)])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -532,7 +514,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         k_s[:, pl.ds(64 * rope_chunk, 64)] = pe.astype(jnp.bfloat16)
 
     def kernel(q_ref, *rest):
-        slots_refs, ext_refs, sink_ref, rest = rest[:nc], rest[nc:2 * nc], rest[2 * nc], rest[2 * nc + 1:]
+        slots_refs, ext_ref, sink_ref, rest = rest[:nc], rest[nc], rest[nc + 1], rest[nc + 2:]
         cache_refs, rest = rest[:nc], rest[nc:]
         if n_splits == 1:
             (o_ref,), scratch = rest[:1], rest[1:]
@@ -553,7 +535,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         q_s, k_s = q_s1.at[0], k_s1.at[0]  # [1, rows, dk]: index 0 statically (copies, dequantisation)
         pid = lax.axis_index("cta")
         gi, ti, si = pid % G, (pid // G) % t, pid // (G * t)
-        exts = [r[ti] for r in ext_refs]  # this token's live blocks per list (``_extents``)
+        exts = [ext_ref[ti * nc + ci] for ci in range(nc)]  # this token's live blocks per list (``_extents``)
         b0 = si * bps  # this split's first position in the token's sequence of live blocks
         nblk = jnp.clip(functools.reduce(jnp.add, exts) - b0, 0, bps)
         wg = lax.axis_index("wg")

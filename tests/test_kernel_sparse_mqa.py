@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import AbstractDevice, AbstractMesh
 
 from jds.batch import Chunk, make_batch
 from jds.config import Numerics, V32Config, V4Config
@@ -317,13 +318,15 @@ def test_extents_and_block_walk():
         s[rng.random((t, n * mqa.BLOCK_K)) < 0.3] = -1
         lists.append(s)
     lists[1][4] = -1
-    exts = [np.asarray(e) for e in mqa._extents([jnp.asarray(s) for s in lists])]
+    flat = np.asarray(mqa._extents([jnp.asarray(s) for s in lists]))  # [T * lists], token-major
+    assert flat.dtype == np.int32 and flat.shape == (t * len(nbs),)
+    exts = list(flat.reshape(t, len(nbs)).T)
     pos = np.arange(sum(nbs) + 3)  # 3 past the end
     for r in range(t):
         want, start = [], 0
         for i, (s, n) in enumerate(zip(lists, nbs)):
             live = [b for b in range(n) if (s[r, b * mqa.BLOCK_K:(b + 1) * mqa.BLOCK_K] >= 0).any()]
-            assert exts[i].dtype == np.int32 and exts[i][r] == (max(live) + 1 if live else 0)
+            assert exts[i][r] == (max(live) + 1 if live else 0)
             want += [start + b for b in range(exts[i][r])]
             start += n
         got = np.asarray(mqa.block_of(jnp.asarray(pos), [e[r] for e in exts], nbs))
@@ -430,6 +433,11 @@ def test_lowers_for_cuda(case):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,
                               interpret=False, **kw)
 
-    exp = jax.export.export(jax.jit(f), platforms=["cuda"])(
-        jax.ShapeDtypeStruct((t, h, dim), jnp.bfloat16), caches, slots, sink)
+    # an abstract H200: the splits' merge is a Triton kernel, whose lowering asks for a GPU's compute capability
+    dev = AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=dev)):
+        exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+            jax.ShapeDtypeStruct((t, h, dim), jnp.bfloat16), caches, slots, sink)
     assert "mosaic_gpu" in exp.mlir_module()
+    assert ("split_combine" in exp.mlir_module()) == (splits > 1)

@@ -30,6 +30,8 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             "splits4": dict(num_splits=4),
             # the layers' output dtype: with splits, bf16 split rows (half the partial bytes; ``_partial_dtype``)
             "bf16_out": dict(out_dtype="bfloat16"), "bf16_out_splits1": dict(out_dtype="bfloat16", num_splits=1),
+            # the splits' merge as XLA's fusions instead of the one-kernel default (``split_combine``)
+            "combine_xla": dict(combine="xla"), "bf16_out_combine_xla": dict(out_dtype="bfloat16", combine="xla"),
             # who fills the K tile: "tma" (the compute warpgroups, from bulk-copied rows) or "registers" (the
             # default for fp8 records natively: a third warpgroup, one software-pipelined loop of coalesced loads)
             "tma": dict(producer="tma"), "registers": dict(producer="registers"),

@@ -1,0 +1,99 @@
+"""Merge a split softmax: the sparse MQA's candidate splits (``pallas_kernels.sparse_mqa``, ``num_splits`` > 1)
+each write their normalised rows o_i with their base-2 row maximum m_i and sum l_i; the output row is
+sum_i share_i o_i, share_i = 2^(m_i - M) l_i / (sum_j 2^(m_j - M) l_j + 2^(sink - M)), M the largest of the m_i
+and the sink (all shares 0 where a row has no mass).
+
+``implementation="xla"``: the shares, then the weighted sum, as jnp (the reference). On the H200 XLA ran that
+as three kernels at V4 decode batch 64 (the shares' two fusions, then the sum), each a launch and a DRAM round
+trip of latency on the decode step's critical path. ``"pallas"``: one kernel; each program takes a token's
+``HEAD_BLOCK`` heads, computes their shares from (m, l) and reads each split's rows once.
+
+Backend: the Pallas Triton lowering (``fused_insert_common``'s conventions). Mosaic GPU's register layouts are
+built for warpgroup tiles of 64 or more rows, and a head block's per-row shares broadcast over its columns
+would need a row layout per split; the pass is elementwise over gathered rows, which Triton expresses directly
+(and lowers on a CPU-only machine, so the CPU tests check it).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jds.ops.dispatch import Implementation, Unsupported, run_op
+from pallas_kernels import fused_insert_common as C
+
+LOG2E = 1.4426950408889634
+F32 = jnp.float32
+HEAD_BLOCK = 16  # heads per program: [16, v_dim] rows per split in registers (4 warps)
+
+
+def split_shares(ms: Sequence, ls: Sequence, sink_log2=None) -> list:
+    """Each split's share of a row's softmax mass, from its (m, l) (base-2 logits) and the sink (base 2): the
+    weights of the splits' normalised rows; all 0 where a row has no mass. The splits are few and static, so
+    the steps are unrolled and elementwise (the kernel runs the same function on its rows)."""
+    mx = functools.reduce(jnp.maximum, ms)
+    if sink_log2 is not None:
+        mx = jnp.maximum(mx, sink_log2)
+    ws = [jnp.exp2(m - mx) * l for m, l in zip(ms, ls)]
+    den = functools.reduce(jnp.add, ws)
+    if sink_log2 is not None:
+        den = den + jnp.exp2(sink_log2 - mx)
+    inv = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
+    return [w * inv for w in ws]
+
+
+def split_combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None, *, heads: int,
+                  out_dtype: jnp.dtype, implementation: Implementation = "pallas",
+                  interpret: bool | None = None) -> jax.Array:
+    """[T, heads, D] in ``out_dtype`` from o [S, T, Hp, D] (each split's normalised rows, any float dtype),
+    m, l [S, T, Hp] float32 (base-2 maximum and sum) and ``sink`` [heads] (natural-log units) or None. Heads
+    past ``heads`` (padding, Hp >= heads) are not read."""
+    if o.ndim != 4 or m.shape != o.shape[:3] or l.shape != m.shape:
+        raise ValueError(f"o must be [S, T, Hp, D] with m, l [S, T, Hp]; got {o.shape}, {m.shape}, {l.shape}")
+    if not 0 < heads <= o.shape[2]:
+        raise ValueError(f"heads must be in [1, {o.shape[2]}], got {heads}")
+    if sink is not None and sink.shape != (heads,):
+        raise ValueError(f"sink must be [{heads}], got {sink.shape}")
+    return run_op("split_combine", implementation, {
+        "xla": lambda: _xla(o, m, l, sink, heads).astype(out_dtype),
+        "pallas": lambda: _pallas(o, m, l, sink, heads, jnp.dtype(out_dtype), interpret)})
+
+
+def _xla(o, m, l, sink, heads):
+    o, m, l = o[:, :, :heads], m[:, :, :heads], l[:, :, :heads]
+    n = o.shape[0]
+    shares = split_shares([m[i] for i in range(n)], [l[i] for i in range(n)],
+                          None if sink is None else sink.astype(F32)[None, :] * LOG2E)
+    return functools.reduce(jnp.add, [shares[i][..., None] * o[i].astype(F32) for i in range(n)])
+
+
+def _kernel(o_ref, m_ref, l_ref, sink_ref, out_ref, *, S, T, H, D, has_sink):
+    t, hb = pl.program_id(0), pl.program_id(1)
+    h = hb * HEAD_BLOCK + C.iota((HEAD_BLOCK, 1), 0)
+    ok = h < H
+    hc = jnp.minimum(h, H - 1)
+    ms = [C.load(m_ref, (i, t, hc), (HEAD_BLOCK, 1)) for i in range(S)]
+    ls = [C.load(l_ref, (i, t, hc), (HEAD_BLOCK, 1)) for i in range(S)]
+    sk = C.load(sink_ref, (hc,), (HEAD_BLOCK, 1)) * LOG2E if has_sink else None
+    shares = split_shares(ms, ls, sk)
+    d = C.iota((1, D), 1)
+    acc = functools.reduce(jnp.add, [shares[i] * C.load(o_ref, (i, t, hc, d), (HEAD_BLOCK, D)).astype(F32)
+                                     for i in range(S)])
+    C.store(out_ref, (jnp.where(ok, t, T), hc, d), acc.astype(out_ref.dtype), ok)
+
+
+def _pallas(o, m, l, sink, heads, out_dtype, interpret):
+    s, t, _, d = o.shape
+    if not C.is_pow2(d):
+        raise Unsupported(f"split_combine kernel: row width {d} is not a power of 2")
+    interpret = C.resolve_interpret(interpret)
+    has_sink = sink is not None
+    sink_a = sink.astype(F32) if has_sink else jnp.zeros((heads,), F32)
+    kernel = functools.partial(_kernel, S=s, T=t, H=heads, D=d, has_sink=has_sink)
+    return C.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((t, heads, d), out_dtype),
+                         grid=(t, -(-heads // HEAD_BLOCK)), aliases={}, interpret=interpret,
+                         name="split_combine")(o, m.astype(F32), l.astype(F32), sink_a)
