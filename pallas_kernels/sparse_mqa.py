@@ -19,7 +19,7 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, two compute warpgroups per CT
 - CTA = (token, tile of 64 heads, candidate split). Heads are padded to a multiple of 64 (wgmma needs
   M >= 64; padded heads get q = 0 and sink -inf, and are sliced away). Blocks of 64 candidates stream
   through SMEM. Each list's blocks past its last valid slot are skipped (``_extents``: one XLA reduction
-  for all lists; the kernel maps its k-th block to a list's block by scalar arithmetic), so prefill tokens early
+  per list; the kernel maps its k-th block to a list's block by scalar arithmetic), so prefill tokens early
   in the sequence, short contexts and masked rows cost only their live blocks. ``num_splits`` cuts each
   token's sequence of live blocks into CTAs (small decode batches need them to fill the GPU); each split writes
   its normalised rows (in a 16-bit output's dtype, else fp32) with their (m, l), merged with the sink by one
@@ -329,7 +329,7 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                        producer_phases=producer_phases,
                        pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2,
                        profile_dir=profile_dir)
-    outs = call(qp, *padded, _extents(padded), sink_p, *caches)  # the lists' slots apart: no concatenated copy
+    outs = call(qp, *padded, *_extents(padded), sink_p, *caches)  # the lists' slots apart: no concatenated copy
     if n_splits == 1:
         return outs[:, :h]
     o, m, l = outs
@@ -337,17 +337,16 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                          implementation=combine, interpret=bool(interpret))
 
 
-def _extents(padded: Sequence[jax.Array]) -> jax.Array:
-    """Each token's blocks to compute per list: up to its last block with a valid slot ([T * lists] int32,
-    token-major). Top-k lists end in -1, so this skips what matters (prefill tokens early in the sequence,
+def _extents(padded: Sequence[jax.Array]) -> list[jax.Array]:
+    """Per list, each token's blocks to compute: up to its last block with a valid slot ([T] int32, one XLA
+    reduction each). Top-k lists end in -1, so this skips what matters (prefill tokens early in the sequence,
     short contexts, fully masked rows) without a sort; the kernel walks list 0's first extent blocks, then list
-    1's, ... (``block_of``). A dead block inside a list's extent is computed, its weights 0. The lists are
-    padded to one length and stacked so that all of them are one XLA reduction: a kernel per list cost a
-    launch each on the decode step's path."""
-    width = max(s.shape[1] for s in padded)
-    s = jnp.stack([jnp.pad(p, ((0, 0), (0, width - p.shape[1])), constant_values=-1) for p in padded], axis=1)
-    j = lax.broadcasted_iota(jnp.int32, s.shape, 2)
-    return jnp.max(jnp.where(s >= 0, j // BLOCK_K + 1, 0), axis=2).astype(jnp.int32).reshape(-1)
+    1's, ... (``block_of``). A dead block inside a list's extent is computed, its weights 0."""
+    out = []
+    for s in padded:
+        j = lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        out.append(jnp.max(jnp.where(s >= 0, j // BLOCK_K + 1, 0), axis=1).astype(jnp.int32))
+    return out
 
 
 def block_of(pos, exts: Sequence, list_blocks: Sequence[int]):
@@ -514,7 +513,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         k_s[:, pl.ds(64 * rope_chunk, 64)] = pe.astype(jnp.bfloat16)
 
     def kernel(q_ref, *rest):
-        slots_refs, ext_ref, sink_ref, rest = rest[:nc], rest[nc], rest[nc + 1], rest[nc + 2:]
+        slots_refs, ext_refs, sink_ref, rest = rest[:nc], rest[nc:2 * nc], rest[2 * nc], rest[2 * nc + 1:]
         cache_refs, rest = rest[:nc], rest[nc:]
         if n_splits == 1:
             (o_ref,), scratch = rest[:1], rest[1:]
@@ -535,7 +534,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         q_s, k_s = q_s1.at[0], k_s1.at[0]  # [1, rows, dk]: index 0 statically (copies, dequantisation)
         pid = lax.axis_index("cta")
         gi, ti, si = pid % G, (pid // G) % t, pid // (G * t)
-        exts = [ext_ref[ti * nc + ci] for ci in range(nc)]  # this token's live blocks per list (``_extents``)
+        exts = [r[ti] for r in ext_refs]  # this token's live blocks per list (``_extents``)
         b0 = si * bps  # this split's first position in the token's sequence of live blocks
         nblk = jnp.clip(functools.reduce(jnp.add, exts) - b0, 0, bps)
         wg = lax.axis_index("wg")

@@ -6,7 +6,8 @@ and the sink (all shares 0 where a row has no mass).
 ``implementation="xla"``: the shares, then the weighted sum, as jnp (the reference). On the H200 XLA ran that
 as three kernels at V4 decode batch 64 (the shares' two fusions, then the sum), each a launch and a DRAM round
 trip of latency on the decode step's critical path. ``"pallas"``: one kernel; each program takes a token's
-``HEAD_BLOCK`` heads, computes their shares from (m, l) and reads each split's rows once.
+block of heads and columns (``tiles``), all splits at once, computes the shares from (m, l) and reads each
+split's rows once.
 
 Backend: the Pallas Triton lowering (``fused_insert_common``'s conventions). Mosaic GPU's register layouts are
 built for warpgroup tiles of 64 or more rows, and a head block's per-row shares broadcast over its columns
@@ -28,13 +29,14 @@ from pallas_kernels import fused_insert_common as C
 
 LOG2E = 1.4426950408889634
 F32 = jnp.float32
-HEAD_BLOCK = 16  # heads per program: [16, v_dim] rows per split in registers (4 warps)
+TILE_ELEMS = 4096  # values of o per program (``tiles``): 32 a thread at 4 warps
+LOWEST = float(jnp.finfo(jnp.float32).min)  # a padded split's m: exp2(LOWEST - M) = 0 for any real M
 
 
 def split_shares(ms: Sequence, ls: Sequence, sink_log2=None) -> list:
     """Each split's share of a row's softmax mass, from its (m, l) (base-2 logits) and the sink (base 2): the
     weights of the splits' normalised rows; all 0 where a row has no mass. The splits are few and static, so
-    the steps are unrolled and elementwise (the kernel runs the same function on its rows)."""
+    the steps are unrolled and elementwise (the XLA form; the kernel takes the same steps over a split axis)."""
     mx = functools.reduce(jnp.maximum, ms)
     if sink_log2 is not None:
         mx = jnp.maximum(mx, sink_log2)
@@ -71,19 +73,41 @@ def _xla(o, m, l, sink, heads):
     return functools.reduce(jnp.add, [shares[i][..., None] * o[i].astype(F32) for i in range(n)])
 
 
-def _kernel(o_ref, m_ref, l_ref, sink_ref, out_ref, *, S, T, H, D, has_sink):
-    t, hb = pl.program_id(0), pl.program_id(1)
-    h = hb * HEAD_BLOCK + C.iota((HEAD_BLOCK, 1), 0)
+def _kernel(o_ref, m_ref, l_ref, sink_ref, out_ref, *, S, SP, HB, DC, T, H, has_sink):
+    """One program: token t, heads [HB * j, + HB), columns [DC * c, + DC), every split at once (the splits are a
+    tile axis, padded to SP: their loads go out together however many there are)."""
+    t, hb, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    si = C.iota((SP, 1, 1), 0)
+    h = hb * HB + C.iota((1, HB, 1), 1)
     ok = h < H
     hc = jnp.minimum(h, H - 1)
-    ms = [C.load(m_ref, (i, t, hc), (HEAD_BLOCK, 1)) for i in range(S)]
-    ls = [C.load(l_ref, (i, t, hc), (HEAD_BLOCK, 1)) for i in range(S)]
-    sk = C.load(sink_ref, (hc,), (HEAD_BLOCK, 1)) * LOG2E if has_sink else None
-    shares = split_shares(ms, ls, sk)
-    d = C.iota((1, D), 1)
-    acc = functools.reduce(jnp.add, [shares[i] * C.load(o_ref, (i, t, hc, d), (HEAD_BLOCK, D)).astype(F32)
-                                     for i in range(S)])
-    C.store(out_ref, (jnp.where(ok, t, T), hc, d), acc.astype(out_ref.dtype), ok)
+    live = si < S
+    sc = jnp.minimum(si, S - 1)
+    m = C.load(m_ref, (sc, t, hc), (SP, HB, 1), live, other=LOWEST)
+    l = C.load(l_ref, (sc, t, hc), (SP, HB, 1), live, other=0.0)
+    d = c * DC + C.iota((1, 1, DC), 2)
+    o = C.load(o_ref, (sc, t, hc, d), (SP, HB, DC), live, other=0.0).astype(F32)
+    mx = jnp.max(m, axis=0, keepdims=True)
+    if has_sink:
+        sk = C.load(sink_ref, (hc,), (1, HB, 1)) * LOG2E
+        mx = jnp.maximum(mx, sk)
+    w = jnp.exp2(m - mx) * l
+    den = jnp.sum(w, axis=0, keepdims=True)
+    if has_sink:
+        den = den + jnp.exp2(sk - mx)
+    inv = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
+    acc = jnp.sum((w * inv) * o, axis=0)  # [HB, DC]
+    C.store(out_ref, (jnp.where(ok[0], t, T), hc[0], d[0]), acc.astype(out_ref.dtype), ok[0])
+
+
+def tiles(splits: int, heads: int, d: int) -> tuple[int, int, int]:
+    """(padded splits, heads per program, columns per program): about ``TILE_ELEMS`` values of o per program,
+    so that small decode batches (few tokens, many splits) still spread over the GPU and many splits do not
+    overflow registers."""
+    sp = C.next_pow2(splits)
+    dc = min(d, 128)
+    hb = max(1, min(16, C.next_pow2(heads), TILE_ELEMS // (sp * dc)))
+    return sp, hb, dc
 
 
 def _pallas(o, m, l, sink, heads, out_dtype, interpret):
@@ -93,7 +117,8 @@ def _pallas(o, m, l, sink, heads, out_dtype, interpret):
     interpret = C.resolve_interpret(interpret)
     has_sink = sink is not None
     sink_a = sink.astype(F32) if has_sink else jnp.zeros((heads,), F32)
-    kernel = functools.partial(_kernel, S=s, T=t, H=heads, D=d, has_sink=has_sink)
+    sp, hb, dc = tiles(s, heads, d)
+    kernel = functools.partial(_kernel, S=s, SP=sp, HB=hb, DC=dc, T=t, H=heads, has_sink=has_sink)
     return C.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((t, heads, d), out_dtype),
-                         grid=(t, -(-heads // HEAD_BLOCK)), aliases={}, interpret=interpret,
+                         grid=(t, -(-heads // hb), d // dc), aliases={}, interpret=interpret,
                          name="split_combine")(o, m.astype(F32), l.astype(F32), sink_a)

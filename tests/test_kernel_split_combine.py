@@ -44,11 +44,12 @@ def _inputs(key, s, t, hp, d, heads, part_dtype, with_sink):
     (2, jnp.float32, jnp.float32, True),  # V4 decode, fp32 output
     (2, jnp.bfloat16, jnp.bfloat16, True),  # V4 layers: bf16 split rows and output
     (3, jnp.float32, jnp.float32, False),  # V3.2 (no sink), an odd split count
-    (4, jnp.bfloat16, jnp.float32, False)])
+    (4, jnp.bfloat16, jnp.float32, False),
+    (13, jnp.bfloat16, jnp.bfloat16, False)])  # V3.2 at batch 1 runs 16: a padded split axis
 @pytest.mark.parametrize("implementation", ["pallas", "xla"])
 def test_matches_float64(mode, splits, part_dtype, out_dtype, with_sink, implementation):
     interpret = interpret_for(mode)
-    t, hp, d, heads = 5, 64, 512, 40  # padded heads, a partial last head block
+    t, hp, d, heads = 5, 64, 512, 40  # padded heads, a partial last head block (2 splits: 16 a program)
     o, m, l, sink = _inputs(jax.random.key(splits), splits, t, hp, d, heads, part_dtype, with_sink)
     got = split_combine(o, m, l, sink, heads=heads, out_dtype=out_dtype, implementation=implementation,
                         interpret=interpret)
