@@ -22,7 +22,7 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, two compute warpgroups per CT
   per list; the kernel maps its k-th block to a list's block by scalar arithmetic), so prefill tokens early
   in the sequence, short contexts and masked rows cost only their live blocks. ``num_splits`` cuts each
   token's sequence of live blocks into CTAs (small decode batches need them to fill the GPU); each split writes
-  its normalised rows (in a 16-bit output's dtype, else fp32) with their (m, l), merged with the sink by one
+  its normalised rows (fp32 unless ``split_dtype``) with their (m, l), merged with the sink by one
   more kernel (``pallas_kernels.split_combine``; with one split the CTA writes the final rows itself). Merging them in the kernel instead, by each head
   tile's last split to finish, measured slower at V4 decode batch 64 and was removed (docs/perf-log.md).
 - Row gather: Hopper has no gather TMA, so every candidate row is one (V3.2, bf16 rows) or two (V4: data,
@@ -217,11 +217,13 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                interpret: bool | plgpu.InterpretGPUParams | None = None, producer: Producer | None = None,
                producer_regs: int | None = None, producer_phases: int | None = None,
                producer_pow2: bool | None = None, profile_dir: str | None = None,
-               combine: Implementation = "auto") -> jax.Array:
+               combine: Implementation = "auto", split_dtype: jnp.dtype | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype; with candidate
-    splits, a 16-bit output is merged from each split's rows in that dtype).
+    splits, the merge of the splits' rows rounds it).
+    ``split_dtype``: the splits' rows (None: float32). A 16-bit dtype halves the bytes they take, but on the
+    H200 its stores cost the MQA kernel more than the merge saves (docs/perf-log.md).
 
     ``implementation="xla"``: gather + dequantise with ``read_records`` and the pure-JAX softmax
     (``jds.ops.sparse_mqa.paged_sparse_mqa_xla``); ``"auto"``: the kernel where ``supports``, else XLA.
@@ -259,13 +261,17 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                                   num_splits=num_splits, out_dtype=out_dtype, interpret=interpret,
                                   producer=producer, producer_regs=producer_regs,
                                   producer_phases=producer_phases, producer_pow2=producer_pow2,
-                                  profile_dir=profile_dir, combine=combine)})
+                                  profile_dir=profile_dir, combine=combine, split_dtype=split_dtype)})
 
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
-            producer_regs=None, producer_phases=None, producer_pow2=None, profile_dir=None, combine="auto"):
+            producer_regs=None, producer_phases=None, producer_pow2=None, profile_dir=None, combine="auto",
+            split_dtype=None):
     if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
+    if split_dtype is not None and jnp.dtype(split_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
+                                                                  jnp.dtype(jnp.float16)):
+        raise ValueError(f"split_dtype must be float32, bfloat16 or float16, got {split_dtype}")
     if producer_phases not in (None, 1, 2, 4):
         raise ValueError(f"producer_phases must be 1, 2 or 4, got {producer_phases}")
     if producer_regs is not None and not (isinstance(producer_regs, int) and 24 <= producer_regs <= 256
@@ -325,6 +331,7 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
               else jnp.zeros((hp,), jnp.float32))
     call = _build_call(specs=specs, list_blocks=tuple(list_blocks), t=t, hp=hp, dv=v_dim, scale=float(scale),
                        has_sink=has_sink, n_splits=n_splits, bps=bps, out_dtype=jnp.dtype(out_dtype),
+                       split_dtype=jnp.dtype(jnp.float32 if split_dtype is None else split_dtype),
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
                        producer_phases=producer_phases,
                        pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2,
@@ -361,17 +368,13 @@ def block_of(pos, exts: Sequence, list_blocks: Sequence[int]):
     return jnp.minimum(blk, sum(list_blocks) - 1)
 
 
-def _partial_dtype(out_dtype: jnp.dtype) -> jnp.dtype:
-    """The splits' rows: in a 16-bit output's dtype (normalised rows, so one more rounding of the same size;
-    half the bytes the kernel writes and the combine reads), else fp32."""
-    return jnp.dtype(out_dtype) if jnp.dtype(out_dtype).itemsize == 2 else jnp.dtype(jnp.float32)
-
 
 # ----------------------------------------------------------------------------------------------------
 # the kernel
 @functools.lru_cache(maxsize=None)
 def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t: int, hp: int, dv: int,
                 scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype,
+                split_dtype: jnp.dtype,
                 interpret: plgpu.InterpretGPUParams | None, producer: Producer = "tma",
                 producer_regs: int = 144, producer_phases: int = 1, pow2: bool = False,
                 profile_dir: str | None = None):
@@ -725,7 +728,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 if n_splits == 1:
                     o_ref.at[ti, heads, cols][...] = o.astype(out_dtype)
                 else:
-                    o_ref.at[si, ti, heads, cols][...] = o.astype(_partial_dtype(out_dtype))
+                    o_ref.at[si, ti, heads, cols][...] = o.astype(split_dtype)
                     if w == 0:
                         m_ref.at[si, ti, heads][...] = m
                         l_ref.at[si, ti, heads][...] = l
@@ -827,7 +830,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     if n_splits == 1:
         out_type = jax.ShapeDtypeStruct((t, hp, dv), out_dtype)
     else:
-        out_type = (jax.ShapeDtypeStruct((n_splits, t, hp, dv), _partial_dtype(out_dtype)),
+        out_type = (jax.ShapeDtypeStruct((n_splits, t, hp, dv), split_dtype),
                     jax.ShapeDtypeStruct((n_splits, t, hp), jnp.float32),
                     jax.ShapeDtypeStruct((n_splits, t, hp), jnp.float32))
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, unsafe_no_auto_barriers=True,

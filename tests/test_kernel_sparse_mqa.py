@@ -150,9 +150,10 @@ def test_v32_padded_heads_and_splits(mode):
     for s in (2, 3):
         _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_EXACT_KV,
                interpret=interpret, num_splits=s)
-    # a bf16 output merged from bf16 split rows (``_partial_dtype``)
-    _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_BF16_OUT, interpret=interpret,
-           num_splits=2, out_dtype=jnp.bfloat16)
+    # a bf16 output merged from fp32 split rows (the default) and from bf16 ones (``split_dtype``)
+    for sd in (None, jnp.bfloat16):
+        _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_BF16_OUT, interpret=interpret,
+               num_splits=2, out_dtype=jnp.bfloat16, split_dtype=sd)
 
 
 @pytest.mark.parametrize("producer", ["registers", pytest.param("registers_p2", marks=pytest.mark.gpu)])
@@ -191,7 +192,7 @@ def test_v32_register_producer(mode, producer):
 
 
 def test_register_producer_bad_inputs():
-    """producer / producer_regs / producer_phases errors name the argument; bf16 rows are not the register
+    """producer / producer_regs / producer_phases / split_dtype / combine errors name the argument; bf16 rows are not the register
     producer's format, and V4's records take it natively only."""
     rng = np.random.default_rng(0)
     fmt = MlaRecord656(16)
@@ -199,7 +200,8 @@ def test_register_producer_bad_inputs():
     q, slots = jnp.zeros((1, 4, 576), jnp.bfloat16), jnp.zeros((1, 64), jnp.int32)
     for kw, msg in [(dict(producer="warp"), "producer must be"), (dict(producer="cluster"), "producer must be"),
                     (dict(producer_phases=3), "producer_phases"), (dict(producer_phases=0), "producer_phases"),
-                    (dict(producer_regs=100), "producer_regs"), (dict(producer_regs=8), "producer_regs")]:
+                    (dict(producer_regs=100), "producer_regs"), (dict(producer_regs=8), "producer_regs"),
+                    (dict(split_dtype=jnp.int8), "split_dtype"), (dict(combine="triton"), "combine")]:
         with pytest.raises(ValueError, match=msg):
             mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.1, v_dim=512, interpret=True, **kw)
     f4 = MlaRecord584(16)
@@ -264,7 +266,7 @@ def _v4_window_compressed(interpret, num_splits, **kw) -> None:
     out = _check(q, [cw, cc], [fw, fc], [sw, sc], scale=512 ** -0.5, v_dim=512, sink=sink, tol=TOL_EXACT_KV,
                  interpret=interpret, num_splits=num_splits, **kw)
     assert np.all(out[2] == 0.0)  # only the sink's mass: zero output
-    if num_splits > 1:  # as the V4 layer calls it: a bf16 output, merged from bf16 split rows
+    if num_splits > 1:  # as the V4 layer calls it: a bf16 output, merged from the fp32 split rows
         out = _check(q, [cw, cc], [fw, fc], [sw, sc], scale=512 ** -0.5, v_dim=512, sink=sink, tol=TOL_BF16_OUT,
                      interpret=interpret, num_splits=num_splits, out_dtype=jnp.bfloat16, **kw)
         assert np.all(out[2] == 0.0)
@@ -425,7 +427,7 @@ def test_lowers_for_cuda(case):
     kw = {"v32_fp8_tma": dict(producer="tma"), "v4_fp8_tma": dict(producer="tma"),
           "v32_fp8_registers_p2": dict(producer="registers", producer_phases=2),
           "v4_fp8_registers_p2": dict(producer="registers", producer_phases=2),
-          "v4_fp8_splits_bf16": dict(out_dtype=jnp.bfloat16)}.get(case, {})  # bf16 split rows
+          "v4_fp8_splits_bf16": dict(out_dtype=jnp.bfloat16, split_dtype=jnp.bfloat16)}.get(case, {})
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,

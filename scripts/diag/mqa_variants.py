@@ -28,10 +28,12 @@ from pallas_kernels import sparse_mqa
 # removed, as was the twentieth's (the next block's QK issued behind the PV; docs/perf-log.md).
 VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_splits=2),
             "splits4": dict(num_splits=4),
-            # the layers' output dtype: with splits, bf16 split rows (half the partial bytes; ``_partial_dtype``)
+            # the layers' output dtype (split rows fp32 by default; ``split_dtype`` bf16: half their bytes)
             "bf16_out": dict(out_dtype="bfloat16"), "bf16_out_splits1": dict(out_dtype="bfloat16", num_splits=1),
+            "bf16_out_split_bf16": dict(out_dtype="bfloat16", split_dtype="bfloat16"),
             # the splits' merge as XLA's fusions instead of the one-kernel default (``split_combine``)
             "combine_xla": dict(combine="xla"), "bf16_out_combine_xla": dict(out_dtype="bfloat16", combine="xla"),
+            "bf16_out_split_bf16_combine_xla": dict(out_dtype="bfloat16", split_dtype="bfloat16", combine="xla"),
             # who fills the K tile: "tma" (the compute warpgroups, from bulk-copied rows) or "registers" (the
             # default for fp8 records natively: a third warpgroup, one software-pipelined loop of coalesced loads)
             "tma": dict(producer="tma"), "registers": dict(producer="registers"),
