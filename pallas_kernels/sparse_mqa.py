@@ -131,6 +131,7 @@ from pallas_kernels import record_gather
 from pallas_kernels.split_combine import split_combine
 
 Producer = Literal["tma", "registers"]
+OutStore = Literal["direct", "tma"]
 
 
 PROFILE_RANGES = 64  # per warpgroup and call: ``profile_dir``'s regions (4 per block, 2 more per warpgroup)
@@ -217,13 +218,19 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                interpret: bool | plgpu.InterpretGPUParams | None = None, producer: Producer | None = None,
                producer_regs: int | None = None, producer_phases: int | None = None,
                producer_pow2: bool | None = None, profile_dir: str | None = None,
-               combine: Implementation = "auto", split_dtype: jnp.dtype | None = None) -> jax.Array:
+               combine: Implementation = "auto", split_dtype: jnp.dtype | None = None,
+               out_store: OutStore = "direct") -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype; with candidate
     splits, the merge of the splits' rows rounds it).
     ``split_dtype``: the splits' rows (None: float32). A 16-bit dtype halves the bytes they take, but on the
     H200 its stores cost the MQA kernel more than the merge saves (docs/perf-log.md).
+    ``out_store`` (rows stored in bf16 only): "direct", each thread stores its registers to GMEM (a quad of
+    threads covers 16 bytes of a row: half a 32-byte sector per store); "tma", each warpgroup writes its rows
+    into the q tile (free once both warpgroups' last QK is done) and one TMA store copies them out in whole
+    lines. The bf16 output timed slower than fp32 in the thirty-third session (V4 prefill 4096: 1036 against
+    975 µs), which partial-sector writes would explain.
 
     ``implementation="xla"``: gather + dequantise with ``read_records`` and the pure-JAX softmax
     (``jds.ops.sparse_mqa.paged_sparse_mqa_xla``); ``"auto"``: the kernel where ``supports``, else XLA.
@@ -261,12 +268,13 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                                   num_splits=num_splits, out_dtype=out_dtype, interpret=interpret,
                                   producer=producer, producer_regs=producer_regs,
                                   producer_phases=producer_phases, producer_pow2=producer_pow2,
-                                  profile_dir=profile_dir, combine=combine, split_dtype=split_dtype)})
+                                  profile_dir=profile_dir, combine=combine, split_dtype=split_dtype,
+                                  out_store=out_store)})
 
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
             producer_regs=None, producer_phases=None, producer_pow2=None, profile_dir=None, combine="auto",
-            split_dtype=None):
+            split_dtype=None, out_store="direct"):
     if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
     if split_dtype is not None and jnp.dtype(split_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
@@ -326,12 +334,18 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
         num_splits = max(1, min(NUM_SMS // max(1, t * g), nb // MIN_BLOCKS_PER_SPLIT))
     bps = -(-nb // max(1, min(num_splits, nb)))
     n_splits = -(-nb // bps)
+    stored = jnp.dtype(out_dtype) if n_splits == 1 else jnp.dtype(jnp.float32 if split_dtype is None else split_dtype)
+    if out_store not in ("direct", "tma"):
+        raise ValueError(f'out_store must be "direct" or "tma", got {out_store!r}')
+    if out_store == "tma" and stored != jnp.dtype(jnp.bfloat16):
+        raise ValueError(f'out_store="tma" stores bfloat16 rows (through the q tile); these rows are {stored}')
     has_sink = sink is not None
     sink_p = (jnp.pad(sink.astype(jnp.float32), (0, hp - h), constant_values=-jnp.inf) if has_sink
               else jnp.zeros((hp,), jnp.float32))
     call = _build_call(specs=specs, list_blocks=tuple(list_blocks), t=t, hp=hp, dv=v_dim, scale=float(scale),
                        has_sink=has_sink, n_splits=n_splits, bps=bps, out_dtype=jnp.dtype(out_dtype),
                        split_dtype=jnp.dtype(jnp.float32 if split_dtype is None else split_dtype),
+                       out_store=out_store,
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
                        producer_phases=producer_phases,
                        pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2,
@@ -374,7 +388,7 @@ def block_of(pos, exts: Sequence, list_blocks: Sequence[int]):
 @functools.lru_cache(maxsize=None)
 def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t: int, hp: int, dv: int,
                 scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype,
-                split_dtype: jnp.dtype,
+                split_dtype: jnp.dtype, out_store: OutStore = "direct",
                 interpret: plgpu.InterpretGPUParams | None, producer: Producer = "tma",
                 producer_regs: int = 144, producer_phases: int = 1, pow2: bool = False,
                 profile_dir: str | None = None):
@@ -725,13 +739,20 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 cols = pl.ds(w * dvw, dvw)
                 inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
                 o = acc * lax.broadcast_in_dim(inv, acc.shape, [0])  # normalised, so a split's rows fit its dtype
-                if n_splits == 1:
-                    o_ref.at[ti, heads, cols][...] = o.astype(out_dtype)
+                dst = o_ref.at[ti, heads, cols] if n_splits == 1 else o_ref.at[si, ti, heads, cols]
+                if out_store == "tma":  # the q tile is free: both warpgroups passed the statistics barrier
+                    q_s.at[:, cols][...] = o.astype(jnp.bfloat16)
+                    plgpu.commit_smem()
+                    for r in range(HEAD_TILE // 8):  # an 8-row group of the tiled q tile is contiguous
+                        rows = pl.ds(8 * r, 8)
+                        plgpu.copy_smem_to_gmem(q_s.at[rows, cols], dst.at[rows])
                 else:
-                    o_ref.at[si, ti, heads, cols][...] = o.astype(split_dtype)
-                    if w == 0:
-                        m_ref.at[si, ti, heads][...] = m
-                        l_ref.at[si, ti, heads][...] = l
+                    dst[...] = o.astype(dst.dtype)
+                if n_splits > 1 and w == 0:
+                    m_ref.at[si, ti, heads][...] = m
+                    l_ref.at[si, ti, heads][...] = l
+                if out_store == "tma":
+                    plgpu.wait_smem_to_gmem(0)  # the q tile stays until the copy has read it
 
         def produce():
             """producer="registers": block k into K tile k % 2 (and its slots into idx slot k % 2), once the

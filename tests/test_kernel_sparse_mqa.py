@@ -154,6 +154,10 @@ def test_v32_padded_heads_and_splits(mode):
     for sd in (None, jnp.bfloat16):
         _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_BF16_OUT, interpret=interpret,
                num_splits=2, out_dtype=jnp.bfloat16, split_dtype=sd)
+    # bf16 rows stored through the q tile and TMA copies (``out_store``): one split and bf16 split rows
+    for splits in (1, 2):
+        _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_BF16_OUT, interpret=interpret,
+               num_splits=splits, out_dtype=jnp.bfloat16, split_dtype=jnp.bfloat16, out_store="tma")
 
 
 @pytest.mark.parametrize("producer", ["registers", pytest.param("registers_p2", marks=pytest.mark.gpu)])
@@ -201,7 +205,8 @@ def test_register_producer_bad_inputs():
     for kw, msg in [(dict(producer="warp"), "producer must be"), (dict(producer="cluster"), "producer must be"),
                     (dict(producer_phases=3), "producer_phases"), (dict(producer_phases=0), "producer_phases"),
                     (dict(producer_regs=100), "producer_regs"), (dict(producer_regs=8), "producer_regs"),
-                    (dict(split_dtype=jnp.int8), "split_dtype"), (dict(combine="triton"), "combine")]:
+                    (dict(split_dtype=jnp.int8), "split_dtype"), (dict(combine="triton"), "combine"),
+                    (dict(out_store="smem"), "out_store"), (dict(out_store="tma"), "out_store")]:  # fp32 rows
         with pytest.raises(ValueError, match=msg):
             mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.1, v_dim=512, interpret=True, **kw)
     f4 = MlaRecord584(16)
@@ -270,6 +275,11 @@ def _v4_window_compressed(interpret, num_splits, **kw) -> None:
         out = _check(q, [cw, cc], [fw, fc], [sw, sc], scale=512 ** -0.5, v_dim=512, sink=sink, tol=TOL_BF16_OUT,
                      interpret=interpret, num_splits=num_splits, out_dtype=jnp.bfloat16, **kw)
         assert np.all(out[2] == 0.0)
+    # bf16 rows through the q tile and TMA copies (``out_store``)
+    out = _check(q, [cw, cc], [fw, fc], [sw, sc], scale=512 ** -0.5, v_dim=512, sink=sink, tol=TOL_BF16_OUT,
+                 interpret=interpret, num_splits=num_splits, out_dtype=jnp.bfloat16, split_dtype=jnp.bfloat16,
+                 out_store="tma", **kw)
+    assert np.all(out[2] == 0.0)
 
 
 # ----- bf16 FloatRows caches -----------------------------------------------------------------------------
@@ -407,7 +417,8 @@ def test_v4_layer_attend(mode):
 @pytest.mark.skipif(ON_GPU, reason="the native tests compile the kernel")
 @pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16", "v32_fp8_tma",
                                   "v32_fp8_registers_p2", "v4_fp8_tma",
-                                  "v4_fp8_registers_p2", "v4_fp8_splits_bf16"])
+                                  "v4_fp8_registers_p2", "v4_fp8_splits_bf16", "v32_fp8_out_tma",
+                                  "v4_fp8_splits_out_tma"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -427,7 +438,11 @@ def test_lowers_for_cuda(case):
     kw = {"v32_fp8_tma": dict(producer="tma"), "v4_fp8_tma": dict(producer="tma"),
           "v32_fp8_registers_p2": dict(producer="registers", producer_phases=2),
           "v4_fp8_registers_p2": dict(producer="registers", producer_phases=2),
-          "v4_fp8_splits_bf16": dict(out_dtype=jnp.bfloat16, split_dtype=jnp.bfloat16)}.get(case, {})
+          "v4_fp8_splits_bf16": dict(out_dtype=jnp.bfloat16, split_dtype=jnp.bfloat16),
+          # bf16 rows through the q tile and a TMA store
+          "v32_fp8_out_tma": dict(out_dtype=jnp.bfloat16, out_store="tma"),
+          "v4_fp8_splits_out_tma": dict(out_dtype=jnp.bfloat16, split_dtype=jnp.bfloat16,
+                                        out_store="tma")}.get(case, {})
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,
