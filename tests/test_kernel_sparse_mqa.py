@@ -196,8 +196,8 @@ def test_v32_register_producer(mode, producer):
 
 
 def test_register_producer_bad_inputs():
-    """producer / producer_regs / producer_phases / split_dtype / combine errors name the argument; bf16 rows are not the register
-    producer's format, and V4's records take it natively only."""
+    """producer / producer_regs / producer_phases / split_dtype / combine / out_store errors name the argument;
+    bf16 rows are not the register producer's format, and V4's records take it natively only."""
     rng = np.random.default_rng(0)
     fmt = MlaRecord656(16)
     cache = _cache(fmt, 2, 576, rng)
