@@ -24,7 +24,8 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, two compute warpgroups per CT
   token's sequence of live blocks into CTAs (small decode batches need them to fill the GPU); each split writes
   its normalised rows (fp32 unless ``split_dtype``) with their (m, l), merged with the sink by one more
   kernel (``pallas_kernels.split_combine``; with one split the CTA writes the final rows itself). Merging
-  them in the kernel instead, by each head tile's last split to finish, measured slower at V4 decode batch 64 and was removed (docs/perf-log.md).
+  them in the kernel instead, by each head tile's last split to finish, measured slower at V4 decode batch 64
+  and was removed (docs/perf-log.md).
 - Row gather: Hopper has no gather TMA, so every candidate row is one (V3.2, bf16 rows) or two (V4: data,
   UE8M0 exponents) contiguous bulk TMA copies ``cache[page, start:start+n] -> staging[row]`` with the page
   and byte offset computed from the slot by scalar code. Each warp issues 8 of the block's 64 rows under
