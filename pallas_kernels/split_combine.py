@@ -4,15 +4,16 @@ sum_i share_i o_i, share_i = 2^(m_i - M) l_i / (sum_j 2^(m_j - M) l_j + 2^(sink 
 and the sink (all shares 0 where a row has no mass).
 
 ``implementation="xla"``: the shares, then the weighted sum, as jnp (the reference). On the H200 XLA ran that
-as three kernels at V4 decode batch 64 (the shares' two fusions, then the sum), each a launch and a DRAM round
-trip of latency on the decode step's critical path. ``"pallas"``: one kernel; each program takes a token's
+as two or three kernels (the shares' fusions, then the sum; 3.8-7.0 µs at decode, docs/perf-log.md), each a
+launch and a DRAM round trip of latency on the decode step's critical path. ``"pallas"``: one kernel; each program takes a token's
 block of heads and columns (``tiles``), all splits at once, computes the shares from (m, l) and reads each
 split's rows once.
 
-Backend: the Pallas Triton lowering (``fused_insert_common``'s conventions). Mosaic GPU's register layouts are
-built for warpgroup tiles of 64 or more rows, and a head block's per-row shares broadcast over its columns
-would need a row layout per split; the pass is elementwise over gathered rows, which Triton expresses directly
-(and lowers on a CPU-only machine, so the CPU tests check it).
+Backend: the Pallas Triton lowering (``fused_insert_common``'s conventions), not Mosaic GPU. A program's tile is
+3-D, [splits, heads, columns], reduced over its leading (split) axis, with 1-16 heads and any power-of-2 split
+count. Mosaic GPU's register layouts are 2-D warpgroup tiles of 64 or more rows, and a leading-axis reduction
+across them is not among its layout transforms. Triton expresses the tile and the reduction directly, and it
+lowers on a CPU-only machine, so the CPU tests check it.
 """
 
 from __future__ import annotations
