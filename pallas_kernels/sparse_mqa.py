@@ -128,6 +128,7 @@ from jds.ops.dispatch import Implementation, Unsupported, check_implementation, 
 from jds.ops.paging import RecordFormat
 from jds.ops.records import FloatRows, MlaRecord584, MlaRecord656
 from jds.ops.sparse_mqa import paged_sparse_mqa_xla
+from pallas_kernels import fused_insert_common as C
 from pallas_kernels import record_gather
 from pallas_kernels.split_combine import split_combine
 
@@ -220,13 +221,15 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                producer_regs: int | None = None, producer_phases: int | None = None,
                producer_pow2: bool | None = None, profile_dir: str | None = None,
                combine: Implementation = "auto", split_dtype: jnp.dtype | None = None,
-               out_store: OutStore = "direct") -> jax.Array:
+               out_store: OutStore = "direct", extents: Literal["xla", "pallas"] = "xla") -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype; with candidate
     splits, the merge of the splits' rows rounds it).
     ``split_dtype``: the splits' rows (None: float32). A 16-bit dtype halves the bytes they take, but on the
     H200 its stores cost the MQA kernel more than the merge saves (docs/perf-log.md).
+    ``extents``: the lists' live blocks (``_extents``) as one XLA reduction per list, or one Triton kernel for
+    all lists ("pallas"; the default stays "xla" until timed).
     ``out_store`` (rows stored in bf16 only): "direct", each thread stores its registers to GMEM (a quad of
     threads covers 16 bytes of a row: half a 32-byte sector per store); "tma", each warpgroup writes its rows
     into the q tile (free once both warpgroups' last QK is done) and one TMA store copies them out in whole
@@ -270,12 +273,12 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                                   producer=producer, producer_regs=producer_regs,
                                   producer_phases=producer_phases, producer_pow2=producer_pow2,
                                   profile_dir=profile_dir, combine=combine, split_dtype=split_dtype,
-                                  out_store=out_store)})
+                                  out_store=out_store, extents=extents)})
 
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
             producer_regs=None, producer_phases=None, producer_pow2=None, profile_dir=None, combine="auto",
-            split_dtype=None, out_store="direct"):
+            split_dtype=None, out_store="direct", extents="xla"):
     if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
     if split_dtype is not None and jnp.dtype(split_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
@@ -336,6 +339,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     bps = -(-nb // max(1, min(num_splits, nb)))
     n_splits = -(-nb // bps)
     stored = jnp.dtype(out_dtype) if n_splits == 1 else jnp.dtype(jnp.float32 if split_dtype is None else split_dtype)
+    if extents not in ("xla", "pallas"):
+        raise ValueError(f'extents must be "xla" or "pallas", got {extents!r}')
     if out_store not in ("direct", "tma"):
         raise ValueError(f'out_store must be "direct" or "tma", got {out_store!r}')
     if out_store == "tma" and stored != jnp.dtype(jnp.bfloat16):
@@ -351,7 +356,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                        producer_phases=producer_phases,
                        pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2,
                        profile_dir=profile_dir)
-    outs = call(qp, *padded, *_extents(padded), sink_p, *caches)  # the lists' slots apart: no concatenated copy
+    # the lists' slots apart: no concatenated copy
+    outs = call(qp, *padded, *_extents(padded, extents, bool(interpret)), sink_p, *caches)
     if n_splits == 1:
         return outs[:, :h]
     o, m, l = outs
@@ -359,16 +365,52 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                          implementation=combine, interpret=bool(interpret))
 
 
-def _extents(padded: Sequence[jax.Array]) -> list[jax.Array]:
-    """Per list, each token's blocks to compute: up to its last block with a valid slot ([T] int32, one XLA
-    reduction each). Top-k lists end in -1, so this skips what matters (prefill tokens early in the sequence,
-    short contexts, fully masked rows) without a sort; the kernel walks list 0's first extent blocks, then list
-    1's, ... (``block_of``). A dead block inside a list's extent is computed, its weights 0."""
+def _extents(padded: Sequence[jax.Array], implementation: str = "xla",
+             interpret: bool = False) -> list[jax.Array]:
+    """Per list, each token's blocks to compute: up to its last block with a valid slot ([T] int32). Top-k lists
+    end in -1, so this skips what matters (prefill tokens early in the sequence, short contexts, fully masked
+    rows) without a sort; the kernel walks list 0's first extent blocks, then list 1's, ... (``block_of``). A
+    dead block inside a list's extent is computed, its weights 0.
+
+    "xla": one reduction per list (XLA makes each its own kernel; stacking the lists first added a concatenate
+    kernel). "pallas" (several lists): one Triton kernel for all of them (``_extents_kernel``)."""
+    if implementation == "pallas" and len(padded) > 1:
+        return _extents_pallas(padded, interpret)
     out = []
     for s in padded:
         j = lax.broadcasted_iota(jnp.int32, s.shape, 1)
         out.append(jnp.max(jnp.where(s >= 0, j // BLOCK_K + 1, 0), axis=1).astype(jnp.int32))
     return out
+
+
+EXTENTS_TILE = 4096  # slots per program of ``_extents_kernel``
+
+
+def _extents_kernel(*refs, T: int, TB: int, widths: tuple[int, ...]):
+    """``TB`` tokens' rows of every list (padded to a power of 2 wide, masked), each list's extent stored. The
+    Triton lowering, not Mosaic GPU: a row reduction over [TB, K] int32 tiles of a few rows, with masked
+    loads past a list's width, which Triton expresses directly (and lowers on a CPU-only machine)."""
+    n = len(widths)
+    slots, outs = refs[:n], refs[n:]
+    tok = pl.program_id(0) * TB + C.iota((TB, 1), 0)
+    ok = tok < T
+    tc = jnp.minimum(tok, T - 1)
+    for s_ref, o_ref, k in zip(slots, outs, widths):
+        col = C.iota((1, C.next_pow2(k)), 1)
+        s = C.load(s_ref, (tc, jnp.minimum(col, k - 1)), (TB, col.shape[1]), col < k, other=-1)
+        ext = jnp.max(jnp.where(s >= 0, col // BLOCK_K + 1, 0), axis=1, keepdims=True)
+        C.store(o_ref, (jnp.where(ok, tok, T),), ext, ok)
+
+
+def _extents_pallas(padded: Sequence[jax.Array], interpret: bool) -> list[jax.Array]:
+    t = padded[0].shape[0]
+    widths = tuple(s.shape[1] for s in padded)
+    tb = max(1, min(16, EXTENTS_TILE // sum(C.next_pow2(k) for k in widths)))
+    tb = 1 << (tb.bit_length() - 1)  # a power of 2
+    kernel = functools.partial(_extents_kernel, T=t, TB=tb, widths=widths)
+    return list(C.pallas_call(kernel, out_shape=tuple(jax.ShapeDtypeStruct((t,), jnp.int32) for _ in padded),
+                              grid=(pl.cdiv(t, tb),), aliases={}, interpret=interpret,
+                              name="mqa_extents")(*padded))
 
 
 def block_of(pos, exts: Sequence, list_blocks: Sequence[int]):

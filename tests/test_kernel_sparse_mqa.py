@@ -196,8 +196,8 @@ def test_v32_register_producer(mode, producer):
 
 
 def test_register_producer_bad_inputs():
-    """producer / producer_regs / producer_phases / split_dtype / combine / out_store errors name the argument;
-    bf16 rows are not the register producer's format, and V4's records take it natively only."""
+    """producer / producer_regs / producer_phases / split_dtype / combine / out_store / extents errors name
+    the argument; bf16 rows are not the register producer's format, and V4's records take it natively only."""
     rng = np.random.default_rng(0)
     fmt = MlaRecord656(16)
     cache = _cache(fmt, 2, 576, rng)
@@ -206,7 +206,8 @@ def test_register_producer_bad_inputs():
                     (dict(producer_phases=3), "producer_phases"), (dict(producer_phases=0), "producer_phases"),
                     (dict(producer_regs=100), "producer_regs"), (dict(producer_regs=8), "producer_regs"),
                     (dict(split_dtype=jnp.int8), "split_dtype"), (dict(combine="triton"), "combine"),
-                    (dict(out_store="smem"), "out_store"), (dict(out_store="tma"), "out_store")]:  # fp32 rows
+                    (dict(out_store="smem"), "out_store"), (dict(out_store="tma"), "out_store"),  # fp32 rows
+                    (dict(extents="auto"), "extents")]:
         with pytest.raises(ValueError, match=msg):
             mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.1, v_dim=512, interpret=True, **kw)
     f4 = MlaRecord584(16)
@@ -331,6 +332,9 @@ def test_extents_and_block_walk():
         lists.append(s)
     lists[1][4] = -1
     exts = [np.asarray(e) for e in mqa._extents([jnp.asarray(s) for s in lists])]
+    # the one-kernel form (``extents="pallas"``, interpret mode here) gives the same integers
+    for e, k in zip(exts, mqa._extents([jnp.asarray(s) for s in lists], "pallas", interpret=True)):
+        assert np.asarray(k).dtype == np.int32 and np.array_equal(np.asarray(k), e)
     pos = np.arange(sum(nbs) + 3)  # 3 past the end
     for r in range(t):
         want, start = [], 0
@@ -418,7 +422,7 @@ def test_v4_layer_attend(mode):
 @pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16", "v32_fp8_tma",
                                   "v32_fp8_registers_p2", "v4_fp8_tma",
                                   "v4_fp8_registers_p2", "v4_fp8_splits_bf16", "v32_fp8_out_tma",
-                                  "v4_fp8_splits_out_tma"])
+                                  "v4_fp8_splits_out_tma", "v4_fp8_extents_pallas"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -442,7 +446,8 @@ def test_lowers_for_cuda(case):
           # bf16 rows through the q tile and a TMA store
           "v32_fp8_out_tma": dict(out_dtype=jnp.bfloat16, out_store="tma"),
           "v4_fp8_splits_out_tma": dict(out_dtype=jnp.bfloat16, split_dtype=jnp.bfloat16,
-                                        out_store="tma")}.get(case, {})
+                                        out_store="tma"),
+          "v4_fp8_extents_pallas": dict(extents="pallas")}.get(case, {})
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,

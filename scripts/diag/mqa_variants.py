@@ -37,6 +37,9 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             # bf16 rows through the q tile and TMA copies instead of each thread's stores (``out_store``)
             "bf16_out_tma": dict(out_dtype="bfloat16", out_store="tma"),
             "bf16_out_split_bf16_tma": dict(out_dtype="bfloat16", split_dtype="bfloat16", out_store="tma"),
+            # the lists' extents as one Triton kernel instead of an XLA reduction per list (V4's two lists)
+            "extents_pallas": dict(extents="pallas"), "bf16_out_extents_pallas": dict(out_dtype="bfloat16",
+                                                                                     extents="pallas"),
             # who fills the K tile: "tma" (the compute warpgroups, from bulk-copied rows) or "registers" (the
             # default for fp8 records natively: a third warpgroup, one software-pipelined loop of coalesced loads)
             "tma": dict(producer="tma"), "registers": dict(producer="registers"),
