@@ -221,7 +221,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                producer_regs: int | None = None, producer_phases: int | None = None,
                producer_pow2: bool | None = None, profile_dir: str | None = None,
                combine: Implementation = "auto", split_dtype: jnp.dtype | None = None,
-               out_store: OutStore = "direct", extents: Literal["xla", "pallas"] = "xla") -> jax.Array:
+               out_store: OutStore | None = None, extents: Literal["xla", "pallas"] | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype; with candidate
@@ -229,12 +229,13 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     ``split_dtype``: the splits' rows (None: float32). A 16-bit dtype halves the bytes they take, but on the
     H200 its stores cost the MQA kernel more than the merge saves (docs/perf-log.md).
     ``extents``: the lists' live blocks (``_extents``) as one XLA reduction per list, or one Triton kernel for
-    all lists ("pallas"; the default stays "xla" until timed).
+    all lists ("pallas"); None: "pallas" for several lists (faster at both V4 decode cases timed, 2026-12-05,
+    benchmarks/results/mqa_variants_wrapper_h200_2026-12-05.json), "xla" for one.
     ``out_store`` (rows stored in bf16 only): "direct", each thread stores its registers to GMEM (a quad of
     threads covers 16 bytes of a row: half a 32-byte sector per store); "tma", each warpgroup writes its rows
     into the q tile (free once both warpgroups' last QK is done) and one TMA store copies them out in whole
-    lines. The bf16 output timed slower than fp32 in the thirty-third session (V4 prefill 4096: 1036 against
-    975 µs), which partial-sector writes would explain.
+    lines. None: "tma" where the kernel stores bf16 rows (one split, bf16 out: it removed the bf16 rows' cost
+    at V3.2 decode 64 and V4 prefill 4096 in the same run), else "direct".
 
     ``implementation="xla"``: gather + dequantise with ``read_records`` and the pure-JAX softmax
     (``jds.ops.sparse_mqa.paged_sparse_mqa_xla``); ``"auto"``: the kernel where ``supports``, else XLA.
@@ -278,7 +279,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
             producer_regs=None, producer_phases=None, producer_pow2=None, profile_dir=None, combine="auto",
-            split_dtype=None, out_store="direct", extents="xla"):
+            split_dtype=None, out_store=None, extents=None):
     if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
     if split_dtype is not None and jnp.dtype(split_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
@@ -339,6 +340,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     bps = -(-nb // max(1, min(num_splits, nb)))
     n_splits = -(-nb // bps)
     stored = jnp.dtype(out_dtype) if n_splits == 1 else jnp.dtype(jnp.float32 if split_dtype is None else split_dtype)
+    extents = ("pallas" if len(slots) > 1 else "xla") if extents is None else extents
+    out_store = ("tma" if stored == jnp.dtype(jnp.bfloat16) else "direct") if out_store is None else out_store
     if extents not in ("xla", "pallas"):
         raise ValueError(f'extents must be "xla" or "pallas", got {extents!r}')
     if out_store not in ("direct", "tma"):

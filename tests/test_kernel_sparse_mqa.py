@@ -154,10 +154,13 @@ def test_v32_padded_heads_and_splits(mode):
     for sd in (None, jnp.bfloat16):
         _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_BF16_OUT, interpret=interpret,
                num_splits=2, out_dtype=jnp.bfloat16, split_dtype=sd)
-    # bf16 rows stored through the q tile and TMA copies (``out_store``): one split and bf16 split rows
+    # bf16 rows stored through the q tile and TMA copies (``out_store``, the default for bf16 rows): one split and
+    # bf16 split rows; and each thread's own stores ("direct")
     for splits in (1, 2):
         _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_BF16_OUT, interpret=interpret,
                num_splits=splits, out_dtype=jnp.bfloat16, split_dtype=jnp.bfloat16, out_store="tma")
+    _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_BF16_OUT, interpret=interpret,
+           num_splits=1, out_dtype=jnp.bfloat16, out_store="direct")
 
 
 @pytest.mark.parametrize("producer", ["registers", pytest.param("registers_p2", marks=pytest.mark.gpu)])

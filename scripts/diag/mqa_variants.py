@@ -34,11 +34,17 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             # the splits' merge as XLA's fusions instead of the one-kernel default (``split_combine``)
             "combine_xla": dict(combine="xla"), "bf16_out_combine_xla": dict(out_dtype="bfloat16", combine="xla"),
             "bf16_out_split_bf16_combine_xla": dict(out_dtype="bfloat16", split_dtype="bfloat16", combine="xla"),
-            # bf16 rows through the q tile and TMA copies instead of each thread's stores (``out_store``)
+            # bf16 rows through the q tile and TMA copies (``out_store``; the bf16 default since 2026-12-05, so
+            # "bf16_out" rows of one split measured before then are "bf16_out_direct")
             "bf16_out_tma": dict(out_dtype="bfloat16", out_store="tma"),
+            "bf16_out_direct": dict(out_dtype="bfloat16", out_store="direct"),
             "bf16_out_split_bf16_tma": dict(out_dtype="bfloat16", split_dtype="bfloat16", out_store="tma"),
-            # the lists' extents as one Triton kernel instead of an XLA reduction per list (V4's two lists)
-            "extents_pallas": dict(extents="pallas"), "bf16_out_extents_pallas": dict(out_dtype="bfloat16",
+            # the lists' extents as one Triton kernel instead of an XLA reduction per list (V4's two lists; the
+            # default for several lists since 2026-12-05: "default" rows of V4 before then are "extents_xla")
+            "extents_xla": dict(extents="xla"), "extents_pallas": dict(extents="pallas"),
+            # the wrapper as main's layers ran it before 2026-12-05 (bf16 split rows, XLA's merge, direct stores)
+            "before_1205": dict(out_dtype="bfloat16", split_dtype="bfloat16", combine="xla", out_store="direct",
+                                extents="xla"), "bf16_out_extents_pallas": dict(out_dtype="bfloat16",
                                                                                      extents="pallas"),
             # who fills the K tile: "tma" (the compute warpgroups, from bulk-copied rows) or "registers" (the
             # default for fp8 records natively: a third warpgroup, one software-pipelined loop of coalesced loads)
