@@ -22,9 +22,10 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, two compute warpgroups per CT
   per list; the kernel maps its k-th block to a list's block by scalar arithmetic), so prefill tokens early
   in the sequence, short contexts and masked rows cost only their live blocks. ``num_splits`` cuts each
   token's sequence of live blocks into CTAs (small decode batches need them to fill the GPU); each split writes
-  its normalised rows (in a 16-bit output's dtype, else fp32) with their (m, l), merged in JAX with the sink
-  (with one split the CTA writes the final rows itself). Merging them in the kernel instead, by each head
-  tile's last split to finish, measured slower at V4 decode batch 64 and was removed (docs/perf-log.md).
+  its normalised rows (fp32 unless ``split_dtype``) with their (m, l), merged with the sink by one more
+  kernel (``pallas_kernels.split_combine``; with one split the CTA writes the final rows itself). Merging
+  them in the kernel instead, by each head tile's last split to finish, measured slower at V4 decode batch 64
+  and was removed (docs/perf-log.md).
 - Row gather: Hopper has no gather TMA, so every candidate row is one (V3.2, bf16 rows) or two (V4: data,
   UE8M0 exponents) contiguous bulk TMA copies ``cache[page, start:start+n] -> staging[row]`` with the page
   and byte offset computed from the slot by scalar code. Each warp issues 8 of the block's 64 rows under
@@ -123,13 +124,16 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from jds.ops.dispatch import Implementation, Unsupported, resolve_interpret, run_op
+from jds.ops.dispatch import Implementation, Unsupported, check_implementation, resolve_interpret, run_op
 from jds.ops.paging import RecordFormat
 from jds.ops.records import FloatRows, MlaRecord584, MlaRecord656
 from jds.ops.sparse_mqa import paged_sparse_mqa_xla
+from pallas_kernels import fused_insert_common as C
 from pallas_kernels import record_gather
+from pallas_kernels.split_combine import split_combine
 
 Producer = Literal["tma", "registers"]
+OutStore = Literal["direct", "tma"]
 
 
 PROFILE_RANGES = 64  # per warpgroup and call: ``profile_dir``'s regions (4 per block, 2 more per warpgroup)
@@ -215,11 +219,23 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                out_dtype: jnp.dtype = jnp.float32,
                interpret: bool | plgpu.InterpretGPUParams | None = None, producer: Producer | None = None,
                producer_regs: int | None = None, producer_phases: int | None = None,
-               producer_pow2: bool | None = None, profile_dir: str | None = None) -> jax.Array:
+               producer_pow2: bool | None = None, profile_dir: str | None = None,
+               combine: Implementation = "auto", split_dtype: jnp.dtype | None = None,
+               out_store: OutStore | None = None, extents: Literal["xla", "pallas"] | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype; with candidate
-    splits, a 16-bit output is merged from each split's rows in that dtype).
+    splits, the merge of the splits' rows rounds it).
+    ``split_dtype``: the splits' rows (None: float32). A 16-bit dtype halves the bytes they take, but on the
+    H200 its stores cost the MQA kernel more than the merge saves (docs/perf-log.md).
+    ``extents``: the lists' live blocks (``_extents``) as one XLA reduction per list, or one Triton kernel for
+    all lists ("pallas"); None: "pallas" for several lists (faster at both V4 decode cases timed, 2026-12-05,
+    benchmarks/results/mqa_variants_wrapper_h200_2026-12-05.json), "xla" for one.
+    ``out_store`` (rows stored in bf16 only): "direct", each thread stores its registers to GMEM (a quad of
+    threads covers 16 bytes of a row: half a 32-byte sector per store); "tma", each warpgroup writes its rows
+    into the q tile (free once both warpgroups' last QK is done) and one TMA store copies them out in whole
+    lines. None: "tma" where the kernel stores bf16 rows (one split, bf16 out: it removed the bf16 rows' cost
+    at V3.2 decode 64 and V4 prefill 4096 in the same run), else "direct".
 
     ``implementation="xla"``: gather + dequantise with ``read_records`` and the pure-JAX softmax
     (``jds.ops.sparse_mqa.paged_sparse_mqa_xla``); ``"auto"``: the kernel where ``supports``, else XLA.
@@ -238,12 +254,15 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     third thread; the register producer's needs one CPU per warpgroup).
     ``producer_pow2``: the register producers' dequantisation without conversion instructions, exact only for
     power-of-two scales (``record_gather._DQ_POW2_ASM``); None = where the records' scales are ("ue8m0").
+    ``combine``: the implementation of the splits' merge (``pallas_kernels.split_combine``; "auto": its
+    kernel where the row width is a power of 2).
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler records the kernel's named regions per
     warpgroup (prologue, the block loop's wait_full / qk / softmax / pv, epilogue; produce) and writes a
     Perfetto trace under this folder per call (``scripts/diag/mqa_regions.py``). Its buffer takes shared
     memory, which V3.2's fp8 kernel has no room for.
     Timings: docs/perf-log.md.
     """
+    check_implementation(combine, "combine")
     caches, formats, slots = tuple(caches), tuple(formats), tuple(slots)
     if not (len(caches) == len(formats) == len(slots) >= 1):
         raise ValueError("caches, formats and slots must be sequences of the same non-zero length")
@@ -254,13 +273,18 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                                   num_splits=num_splits, out_dtype=out_dtype, interpret=interpret,
                                   producer=producer, producer_regs=producer_regs,
                                   producer_phases=producer_phases, producer_pow2=producer_pow2,
-                                  profile_dir=profile_dir)})
+                                  profile_dir=profile_dir, combine=combine, split_dtype=split_dtype,
+                                  out_store=out_store, extents=extents)})
 
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
-            producer_regs=None, producer_phases=None, producer_pow2=None, profile_dir=None):
+            producer_regs=None, producer_phases=None, producer_pow2=None, profile_dir=None, combine="auto",
+            split_dtype=None, out_store=None, extents=None):
     if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
+    if split_dtype is not None and jnp.dtype(split_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
+                                                                  jnp.dtype(jnp.float16)):
+        raise ValueError(f"split_dtype must be float32, bfloat16 or float16, got {split_dtype}")
     if producer_phases not in (None, 1, 2, 4):
         raise ValueError(f"producer_phases must be 1, 2 or 4, got {producer_phases}")
     if producer_regs is not None and not (isinstance(producer_regs, int) and 24 <= producer_regs <= 256
@@ -315,33 +339,81 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
         num_splits = max(1, min(NUM_SMS // max(1, t * g), nb // MIN_BLOCKS_PER_SPLIT))
     bps = -(-nb // max(1, min(num_splits, nb)))
     n_splits = -(-nb // bps)
+    stored = jnp.dtype(out_dtype) if n_splits == 1 else jnp.dtype(jnp.float32 if split_dtype is None else split_dtype)
+    extents = ("pallas" if len(slots) > 1 else "xla") if extents is None else extents
+    out_store = ("tma" if stored == jnp.dtype(jnp.bfloat16) else "direct") if out_store is None else out_store
+    if extents not in ("xla", "pallas"):
+        raise ValueError(f'extents must be "xla" or "pallas", got {extents!r}')
+    if out_store not in ("direct", "tma"):
+        raise ValueError(f'out_store must be "direct" or "tma", got {out_store!r}')
+    if out_store == "tma" and stored != jnp.dtype(jnp.bfloat16):
+        raise ValueError(f'out_store="tma" stores bfloat16 rows (through the q tile); these rows are {stored}')
     has_sink = sink is not None
     sink_p = (jnp.pad(sink.astype(jnp.float32), (0, hp - h), constant_values=-jnp.inf) if has_sink
               else jnp.zeros((hp,), jnp.float32))
     call = _build_call(specs=specs, list_blocks=tuple(list_blocks), t=t, hp=hp, dv=v_dim, scale=float(scale),
                        has_sink=has_sink, n_splits=n_splits, bps=bps, out_dtype=jnp.dtype(out_dtype),
+                       split_dtype=jnp.dtype(jnp.float32 if split_dtype is None else split_dtype),
+                       out_store=out_store,
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
                        producer_phases=producer_phases,
                        pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2,
                        profile_dir=profile_dir)
-    outs = call(qp, *padded, *_extents(padded), sink_p, *caches)  # the lists' slots apart: no concatenated copy
+    # the lists' slots apart: no concatenated copy
+    outs = call(qp, *padded, *_extents(padded, extents, bool(interpret)), sink_p, *caches)
     if n_splits == 1:
         return outs[:, :h]
     o, m, l = outs
-    return _combine(o[:, :, :h], m[:, :, :h], l[:, :, :h],
-                    sink.astype(jnp.float32) if has_sink else None).astype(out_dtype)
+    return split_combine(o, m, l, sink.astype(jnp.float32) if has_sink else None, heads=h, out_dtype=out_dtype,
+                         implementation=combine, interpret=bool(interpret))
 
 
-def _extents(padded: Sequence[jax.Array]) -> list[jax.Array]:
-    """Per list, each token's blocks to compute: up to its last block with a valid slot ([T] int32, one XLA
-    reduction each). Top-k lists end in -1, so this skips what matters (prefill tokens early in the sequence,
-    short contexts, fully masked rows) without a sort; the kernel walks list 0's first extent blocks, then list
-    1's, ... (``block_of``). A dead block inside a list's extent is computed, its weights 0."""
+def _extents(padded: Sequence[jax.Array], implementation: str = "xla",
+             interpret: bool = False) -> list[jax.Array]:
+    """Per list, each token's blocks to compute: up to its last block with a valid slot ([T] int32). Top-k lists
+    end in -1, so this skips what matters (prefill tokens early in the sequence, short contexts, fully masked
+    rows) without a sort; the kernel walks list 0's first extent blocks, then list 1's, ... (``block_of``). A
+    dead block inside a list's extent is computed, its weights 0.
+
+    "xla": one reduction per list (XLA makes each its own kernel; stacking the lists first added a concatenate
+    kernel). "pallas" (several lists): one Triton kernel for all of them (``_extents_kernel``)."""
+    if implementation == "pallas" and len(padded) > 1:
+        return _extents_pallas(padded, interpret)
     out = []
     for s in padded:
         j = lax.broadcasted_iota(jnp.int32, s.shape, 1)
         out.append(jnp.max(jnp.where(s >= 0, j // BLOCK_K + 1, 0), axis=1).astype(jnp.int32))
     return out
+
+
+EXTENTS_TILE = 4096  # slots per program of ``_extents_kernel``
+
+
+def _extents_kernel(*refs, T: int, TB: int, widths: tuple[int, ...]):
+    """``TB`` tokens' rows of every list (padded to a power of 2 wide, masked), each list's extent stored. The
+    Triton lowering, not Mosaic GPU: a row reduction over [TB, K] int32 tiles of a few rows, with masked
+    loads past a list's width, which Triton expresses directly (and lowers on a CPU-only machine)."""
+    n = len(widths)
+    slots, outs = refs[:n], refs[n:]
+    tok = pl.program_id(0) * TB + C.iota((TB, 1), 0)
+    ok = tok < T
+    tc = jnp.minimum(tok, T - 1)
+    for s_ref, o_ref, k in zip(slots, outs, widths):
+        col = C.iota((1, C.next_pow2(k)), 1)
+        s = C.load(s_ref, (tc, jnp.minimum(col, k - 1)), (TB, col.shape[1]), col < k, other=-1)
+        ext = jnp.max(jnp.where(s >= 0, col // BLOCK_K + 1, 0), axis=1, keepdims=True)
+        C.store(o_ref, (jnp.where(ok, tok, T),), ext, ok)
+
+
+def _extents_pallas(padded: Sequence[jax.Array], interpret: bool) -> list[jax.Array]:
+    t = padded[0].shape[0]
+    widths = tuple(s.shape[1] for s in padded)
+    tb = max(1, min(16, EXTENTS_TILE // sum(C.next_pow2(k) for k in widths)))
+    tb = 1 << (tb.bit_length() - 1)  # a power of 2
+    kernel = functools.partial(_extents_kernel, T=t, TB=tb, widths=widths)
+    return list(C.pallas_call(kernel, out_shape=tuple(jax.ShapeDtypeStruct((t,), jnp.int32) for _ in padded),
+                              grid=(pl.cdiv(t, tb),), aliases={}, interpret=interpret,
+                              name="mqa_extents")(*padded))
 
 
 def block_of(pos, exts: Sequence, list_blocks: Sequence[int]):
@@ -356,41 +428,13 @@ def block_of(pos, exts: Sequence, list_blocks: Sequence[int]):
     return jnp.minimum(blk, sum(list_blocks) - 1)
 
 
-def _partial_dtype(out_dtype: jnp.dtype) -> jnp.dtype:
-    """The splits' rows: in a 16-bit output's dtype (normalised rows, so one more rounding of the same size;
-    half the bytes the kernel writes and the combine reads), else fp32."""
-    return jnp.dtype(out_dtype) if jnp.dtype(out_dtype).itemsize == 2 else jnp.dtype(jnp.float32)
-
-
-def _split_shares(ms: Sequence, ls: Sequence, sink_log2=None) -> list:
-    """Each split's share of a row's softmax mass, from its (m, l) (base-2 logits) and the sink (base 2): the
-    weights of the splits' normalised rows; all 0 where a row has no mass. The splits are few and static, so
-    the steps are unrolled and elementwise."""
-    mx = functools.reduce(jnp.maximum, ms)
-    if sink_log2 is not None:
-        mx = jnp.maximum(mx, sink_log2)
-    ws = [jnp.exp2(m - mx) * l for m, l in zip(ms, ls)]
-    den = functools.reduce(jnp.add, ws)
-    if sink_log2 is not None:
-        den = den + jnp.exp2(sink_log2 - mx)
-    inv = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
-    return [w * inv for w in ws]
-
-
-def _combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -> jax.Array:
-    """Merge per-split (o [S,T,H,D] each split's normalised rows, m, l [S,T,H]; base-2 logits) and the sink into
-    the softmax output."""
-    n = o.shape[0]
-    shares = _split_shares([m[i] for i in range(n)], [l[i] for i in range(n)],
-                           None if sink is None else sink[None, :] * LOG2E)
-    return functools.reduce(jnp.add, [shares[i][..., None] * o[i].astype(jnp.float32) for i in range(n)])
-
 
 # ----------------------------------------------------------------------------------------------------
 # the kernel
 @functools.lru_cache(maxsize=None)
 def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t: int, hp: int, dv: int,
                 scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype,
+                split_dtype: jnp.dtype, out_store: OutStore = "direct",
                 interpret: plgpu.InterpretGPUParams | None, producer: Producer = "tma",
                 producer_regs: int = 144, producer_phases: int = 1, pow2: bool = False,
                 profile_dir: str | None = None):
@@ -741,13 +785,20 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 cols = pl.ds(w * dvw, dvw)
                 inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
                 o = acc * lax.broadcast_in_dim(inv, acc.shape, [0])  # normalised, so a split's rows fit its dtype
-                if n_splits == 1:
-                    o_ref.at[ti, heads, cols][...] = o.astype(out_dtype)
+                dst = o_ref.at[ti, heads, cols] if n_splits == 1 else o_ref.at[si, ti, heads, cols]
+                if out_store == "tma":  # the q tile is free: both warpgroups passed the statistics barrier
+                    q_s.at[:, cols][...] = o.astype(jnp.bfloat16)
+                    plgpu.commit_smem()
+                    for r in range(HEAD_TILE // 8):  # an 8-row group of the tiled q tile is contiguous
+                        rows = pl.ds(8 * r, 8)
+                        plgpu.copy_smem_to_gmem(q_s.at[rows, cols], dst.at[rows])
                 else:
-                    o_ref.at[si, ti, heads, cols][...] = o.astype(_partial_dtype(out_dtype))
-                    if w == 0:
-                        m_ref.at[si, ti, heads][...] = m
-                        l_ref.at[si, ti, heads][...] = l
+                    dst[...] = o.astype(dst.dtype)
+                if n_splits > 1 and w == 0:
+                    m_ref.at[si, ti, heads][...] = m
+                    l_ref.at[si, ti, heads][...] = l
+                if out_store == "tma":
+                    plgpu.wait_smem_to_gmem(0)  # the q tile stays until the copy has read it
 
         def produce():
             """producer="registers": block k into K tile k % 2 (and its slots into idx slot k % 2), once the
@@ -846,7 +897,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     if n_splits == 1:
         out_type = jax.ShapeDtypeStruct((t, hp, dv), out_dtype)
     else:
-        out_type = (jax.ShapeDtypeStruct((n_splits, t, hp, dv), _partial_dtype(out_dtype)),
+        out_type = (jax.ShapeDtypeStruct((n_splits, t, hp, dv), split_dtype),
                     jax.ShapeDtypeStruct((n_splits, t, hp), jnp.float32),
                     jax.ShapeDtypeStruct((n_splits, t, hp), jnp.float32))
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, unsafe_no_auto_barriers=True,

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import AbstractDevice, AbstractMesh
 
 from jds.batch import Chunk, make_batch
 from jds.config import Numerics, V32Config, V4Config
@@ -149,9 +150,17 @@ def test_v32_padded_heads_and_splits(mode):
     for s in (2, 3):
         _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_EXACT_KV,
                interpret=interpret, num_splits=s)
-    # a bf16 output merged from bf16 split rows (``_partial_dtype``)
+    # a bf16 output merged from fp32 split rows (the default) and from bf16 ones (``split_dtype``)
+    for sd in (None, jnp.bfloat16):
+        _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_BF16_OUT, interpret=interpret,
+               num_splits=2, out_dtype=jnp.bfloat16, split_dtype=sd)
+    # bf16 rows stored through the q tile and TMA copies (``out_store``, the default for bf16 rows): one split and
+    # bf16 split rows; and each thread's own stores ("direct")
+    for splits in (1, 2):
+        _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_BF16_OUT, interpret=interpret,
+               num_splits=splits, out_dtype=jnp.bfloat16, split_dtype=jnp.bfloat16, out_store="tma")
     _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_BF16_OUT, interpret=interpret,
-           num_splits=2, out_dtype=jnp.bfloat16)
+           num_splits=1, out_dtype=jnp.bfloat16, out_store="direct")
 
 
 @pytest.mark.parametrize("producer", ["registers", pytest.param("registers_p2", marks=pytest.mark.gpu)])
@@ -190,15 +199,18 @@ def test_v32_register_producer(mode, producer):
 
 
 def test_register_producer_bad_inputs():
-    """producer / producer_regs / producer_phases errors name the argument; bf16 rows are not the register
-    producer's format, and V4's records take it natively only."""
+    """producer / producer_regs / producer_phases / split_dtype / combine / out_store / extents errors name
+    the argument; bf16 rows are not the register producer's format, and V4's records take it natively only."""
     rng = np.random.default_rng(0)
     fmt = MlaRecord656(16)
     cache = _cache(fmt, 2, 576, rng)
     q, slots = jnp.zeros((1, 4, 576), jnp.bfloat16), jnp.zeros((1, 64), jnp.int32)
     for kw, msg in [(dict(producer="warp"), "producer must be"), (dict(producer="cluster"), "producer must be"),
                     (dict(producer_phases=3), "producer_phases"), (dict(producer_phases=0), "producer_phases"),
-                    (dict(producer_regs=100), "producer_regs"), (dict(producer_regs=8), "producer_regs")]:
+                    (dict(producer_regs=100), "producer_regs"), (dict(producer_regs=8), "producer_regs"),
+                    (dict(split_dtype=jnp.int8), "split_dtype"), (dict(combine="triton"), "combine"),
+                    (dict(out_store="smem"), "out_store"), (dict(out_store="tma"), "out_store"),  # fp32 rows
+                    (dict(extents="auto"), "extents")]:
         with pytest.raises(ValueError, match=msg):
             mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.1, v_dim=512, interpret=True, **kw)
     f4 = MlaRecord584(16)
@@ -263,10 +275,15 @@ def _v4_window_compressed(interpret, num_splits, **kw) -> None:
     out = _check(q, [cw, cc], [fw, fc], [sw, sc], scale=512 ** -0.5, v_dim=512, sink=sink, tol=TOL_EXACT_KV,
                  interpret=interpret, num_splits=num_splits, **kw)
     assert np.all(out[2] == 0.0)  # only the sink's mass: zero output
-    if num_splits > 1:  # as the V4 layer calls it: a bf16 output, merged from bf16 split rows
+    if num_splits > 1:  # as the V4 layer calls it: a bf16 output, merged from the fp32 split rows
         out = _check(q, [cw, cc], [fw, fc], [sw, sc], scale=512 ** -0.5, v_dim=512, sink=sink, tol=TOL_BF16_OUT,
                      interpret=interpret, num_splits=num_splits, out_dtype=jnp.bfloat16, **kw)
         assert np.all(out[2] == 0.0)
+    # bf16 rows through the q tile and TMA copies (``out_store``)
+    out = _check(q, [cw, cc], [fw, fc], [sw, sc], scale=512 ** -0.5, v_dim=512, sink=sink, tol=TOL_BF16_OUT,
+                 interpret=interpret, num_splits=num_splits, out_dtype=jnp.bfloat16, split_dtype=jnp.bfloat16,
+                 out_store="tma", **kw)
+    assert np.all(out[2] == 0.0)
 
 
 # ----- bf16 FloatRows caches -----------------------------------------------------------------------------
@@ -318,6 +335,9 @@ def test_extents_and_block_walk():
         lists.append(s)
     lists[1][4] = -1
     exts = [np.asarray(e) for e in mqa._extents([jnp.asarray(s) for s in lists])]
+    # the one-kernel form (``extents="pallas"``, interpret mode here) gives the same integers
+    for e, k in zip(exts, mqa._extents([jnp.asarray(s) for s in lists], "pallas", interpret=True)):
+        assert np.asarray(k).dtype == np.int32 and np.array_equal(np.asarray(k), e)
     pos = np.arange(sum(nbs) + 3)  # 3 past the end
     for r in range(t):
         want, start = [], 0
@@ -404,7 +424,8 @@ def test_v4_layer_attend(mode):
 @pytest.mark.skipif(ON_GPU, reason="the native tests compile the kernel")
 @pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16", "v32_fp8_tma",
                                   "v32_fp8_registers_p2", "v4_fp8_tma",
-                                  "v4_fp8_registers_p2", "v4_fp8_splits_bf16"])
+                                  "v4_fp8_registers_p2", "v4_fp8_splits_bf16", "v32_fp8_out_tma",
+                                  "v4_fp8_splits_out_tma", "v4_fp8_extents_pallas"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -424,12 +445,22 @@ def test_lowers_for_cuda(case):
     kw = {"v32_fp8_tma": dict(producer="tma"), "v4_fp8_tma": dict(producer="tma"),
           "v32_fp8_registers_p2": dict(producer="registers", producer_phases=2),
           "v4_fp8_registers_p2": dict(producer="registers", producer_phases=2),
-          "v4_fp8_splits_bf16": dict(out_dtype=jnp.bfloat16)}.get(case, {})  # bf16 split rows
+          "v4_fp8_splits_bf16": dict(out_dtype=jnp.bfloat16, split_dtype=jnp.bfloat16),
+          # bf16 rows through the q tile and a TMA store
+          "v32_fp8_out_tma": dict(out_dtype=jnp.bfloat16, out_store="tma"),
+          "v4_fp8_splits_out_tma": dict(out_dtype=jnp.bfloat16, split_dtype=jnp.bfloat16,
+                                        out_store="tma"),
+          "v4_fp8_extents_pallas": dict(extents="pallas")}.get(case, {})
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,
                               interpret=False, **kw)
 
-    exp = jax.export.export(jax.jit(f), platforms=["cuda"])(
-        jax.ShapeDtypeStruct((t, h, dim), jnp.bfloat16), caches, slots, sink)
+    # an abstract H200: the splits' merge is a Triton kernel, whose lowering asks for a GPU's compute capability
+    dev = AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=dev)):
+        exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+            jax.ShapeDtypeStruct((t, h, dim), jnp.bfloat16), caches, slots, sink)
     assert "mosaic_gpu" in exp.mlir_module()
+    assert ("split_combine" in exp.mlir_module()) == (splits > 1)

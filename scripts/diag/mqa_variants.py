@@ -28,8 +28,24 @@ from pallas_kernels import sparse_mqa
 # removed, as was the twentieth's (the next block's QK issued behind the PV; docs/perf-log.md).
 VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_splits=2),
             "splits4": dict(num_splits=4),
-            # the layers' output dtype: with splits, bf16 split rows (half the partial bytes; ``_partial_dtype``)
+            # the layers' output dtype (split rows fp32 by default; ``split_dtype`` bf16: half their bytes)
             "bf16_out": dict(out_dtype="bfloat16"), "bf16_out_splits1": dict(out_dtype="bfloat16", num_splits=1),
+            "bf16_out_split_bf16": dict(out_dtype="bfloat16", split_dtype="bfloat16"),
+            # the splits' merge as XLA's fusions instead of the one-kernel default (``split_combine``)
+            "combine_xla": dict(combine="xla"), "bf16_out_combine_xla": dict(out_dtype="bfloat16", combine="xla"),
+            "bf16_out_split_bf16_combine_xla": dict(out_dtype="bfloat16", split_dtype="bfloat16", combine="xla"),
+            # bf16 rows through the q tile and TMA copies (``out_store``; the bf16 default since 2026-12-05, so
+            # "bf16_out" rows of one split measured before then are "bf16_out_direct")
+            "bf16_out_tma": dict(out_dtype="bfloat16", out_store="tma"),
+            "bf16_out_direct": dict(out_dtype="bfloat16", out_store="direct"),
+            "bf16_out_split_bf16_tma": dict(out_dtype="bfloat16", split_dtype="bfloat16", out_store="tma"),
+            # the lists' extents as one Triton kernel instead of an XLA reduction per list (V4's two lists; the
+            # default for several lists since 2026-12-05: "default" rows of V4 before then are "extents_xla")
+            "extents_xla": dict(extents="xla"), "extents_pallas": dict(extents="pallas"),
+            # the wrapper as main's layers ran it before 2026-12-05 (bf16 split rows, XLA's merge, direct stores)
+            "before_1205": dict(out_dtype="bfloat16", split_dtype="bfloat16", combine="xla", out_store="direct",
+                                extents="xla"), "bf16_out_extents_pallas": dict(out_dtype="bfloat16",
+                                                                                     extents="pallas"),
             # who fills the K tile: "tma" (the compute warpgroups, from bulk-copied rows) or "registers" (the
             # default for fp8 records natively: a third warpgroup, one software-pipelined loop of coalesced loads)
             "tma": dict(producer="tma"), "registers": dict(producer="registers"),
