@@ -291,7 +291,7 @@ def _auto_swap_ab(m: int, block_m: int | None, block_n: int | None, quantize_x: 
     benchmarks/results/fp8_decode_ncu_sweep_h200_2026-12-04.json): faster at 1 to 32 rows of q_a, q_b, wo and mlp.
     Above 8 rows the whole call with y stored through SMEM (``swap_store="smem"``) was faster than the unswapped
     call at 16 and 32 rows of q_b and mlp and 16 of wo, slower at 64 (whole-call GPU timeline, 2026-12-05,
-    benchmarks/results/fp8_tiles_time_smem_h200_2026-12-05.json); the y^T + transposing fusion form had been
+    benchmarks/results/archive/fp8_tiles_time_smem_h200_2026-12-05.json); the y^T + transposing fusion form had been
     slower than the unswapped call there."""
     return m <= SWAP_AB_UP_TO and block_m is None and block_n != 256 and not quantize_x and not stream_k
 

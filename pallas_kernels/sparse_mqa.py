@@ -230,7 +230,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     H200 its stores cost the MQA kernel more than the merge saves (docs/perf-log.md).
     ``extents``: the lists' live blocks (``_extents``) as one XLA reduction per list, or one Triton kernel for
     all lists ("pallas"); None: "pallas" for several lists (faster at both V4 decode cases timed, 2026-12-05,
-    benchmarks/results/mqa_variants_wrapper_h200_2026-12-05.json), "xla" for one.
+    benchmarks/results/archive/mqa_variants_wrapper_h200_2026-12-05.json), "xla" for one.
     ``out_store`` (rows stored in bf16 only): "direct", each thread stores its registers to GMEM (a quad of
     threads covers 16 bytes of a row: half a 32-byte sector per store); "tma", each warpgroup writes its rows
     into the q tile (free once both warpgroups' last QK is done) and one TMA store copies them out in whole

@@ -190,7 +190,7 @@ def select_config_for(t: int, n: int, sms: int = 132) -> TopkSelectConfig:
     shrunk block in registers through the finish passes won at all four shapes (topk_knobs_cols_h200_*.json);
     column-only split buffers (the finish reading each key back from the row) lost at all four and were removed.
     The finish's counting from the pivot (range_margin 1) with the prefilter's next loads in flight (prefetch) won
-    at all four, full and mixed-length batches (topk_knobs_range_*h200_2026-12-05.json); the split finish was
+    at all four, full and mixed-length batches (archive/topk_knobs_range_*h200_2026-12-05.json); the split finish was
     faster again at 64 x 64K and 16 x 128K but slower at 64 x 128K and in 16 x 32K's mixed batch, so it stays off."""
     sp = split_for(t, n, sms=sms)
     if sp == 1:

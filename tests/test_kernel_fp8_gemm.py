@@ -186,7 +186,8 @@ def test_192_wide_tiles_bit_equal(mode: str, m: int, tiles: dict) -> None:
                                                (8, jnp.float32, dict(block_n=128, split_k=2)),  # fp32 partials
                                                (5, jnp.bfloat16, dict(block_n=192, split_k=1)),  # rows out directly
                                                (6, jnp.float32, dict(stage_scales=False)),  # scales from GMEM
-                                               (24, jnp.bfloat16, dict(block_n=128, split_k=2, swap_store="transpose")),  # y^T
+                                               (24, jnp.bfloat16,  # y^T, transposed after
+                                                dict(block_n=128, split_k=2, swap_store="transpose")),
                                                (40, jnp.bfloat16, dict(block_n=64)),  # one compute warpgroup
                                                (128, jnp.float32, dict(block_n=192, stages=2))])
 def test_swap_ab_bit_equal(mode: str, m: int, out_dtype, tiles: dict) -> None:
