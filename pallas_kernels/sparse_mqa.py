@@ -428,7 +428,6 @@ def block_of(pos, exts: Sequence, list_blocks: Sequence[int]):
     return jnp.minimum(blk, sum(list_blocks) - 1)
 
 
-
 # ----------------------------------------------------------------------------------------------------
 # the kernel
 @functools.lru_cache(maxsize=None)

@@ -243,7 +243,7 @@ def _range_digit(s: jax.Array, lo: jax.Array, span: jax.Array, shift: jax.Array,
     """The digit (u - lo) >> shift of keys s in the range, clamped to nd - 1 (keys past the digits' reach count in
     the top one); -1 for keys outside the range (below every digit)."""
     rel = s - (lo ^ _SIGN)  # u - lo
-    return jnp.where((rel ^ _SIGN) <= (span ^ _SIGN), jnp.minimum(lax.shift_right_logical(rel, shift), nd - 1), -1)
+    return jnp.where(_in_range(s, lo, span), jnp.minimum(lax.shift_right_logical(rel, shift), nd - 1), -1)
 
 
 _PACKED_FIELDS = 8  # 4-bit digit counters in an int32 word
@@ -745,9 +745,10 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
         fj = jnp.minimum(counts[0], cap)
         ranges = [_pivot_range(piv_u, hi_u, cfg.bits, cfg.range_margin + r) for r in range(2)]
 
+        _, own = _buffer_source(key_ref, col_ref, row, j, fj, cap, hb, jnp.ones((), I32))
+
         def step(b):
-            i = b * hb + C.iota((1, hb), 1)
-            keys = jnp.where(i < fj, C.load(key_ref, (row, j * cap + i), (1, hb), mask=i < fj), _SIGN)
+            keys = own(b)[0]
             return [tuple(_range_digit(keys, *rg, nd) for rg in ranges)]
 
         accs = _count_steps(pl.cdiv(fj, hb), step, (jnp.zeros((nd, hb), I32),) * 2, nd, cfg.packed_counts)
@@ -901,12 +902,10 @@ def _split_copy_kernel(key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref,
     lo, span, _ = fp.start
     off = jnp.sum(jnp.where(C.iota((cfg.splits,), 0) < j, fp.bucket_n, 0))
     fj = jnp.sum(jnp.where(plan.js == j, plan.fill, 0))
+    _, own = _buffer_source(key_ref, col_ref, row, j, fj, cap, hb, jnp.ones((), I32))
 
     def body(b, put):
-        i = b * hb + C.iota((1, hb), 1)
-        inside = i < fj
-        s = jnp.where(inside, C.load(key_ref, (row, j * cap + i), (1, hb), mask=inside), _SIGN)
-        col = C.load(col_ref, (row, j * cap + i), (1, hb), mask=inside)
+        s, col = own(b)
         ki = _in_range(s, lo, span).astype(I32)
         slot = off + put + jnp.cumsum(ki, axis=1) - ki
         _scatter(skey_ref, row, t, slot, s, ki == 1)

@@ -143,6 +143,8 @@ def test_triton_sass_loops():
     assert n == 7
     assert [(lp["first"], lp["last"], lp["body"]) for lp in found] == [(1, 5, 5)]
     assert found[0]["opcodes"] == {"ISETP": 1, "LOP3": 1, "BRA": 2, "IMAD": 1}
+
+
 def test_topk_passes_replay():
     """scripts/diag/topk_passes.py's replay of the top-k finish's range arithmetic (``_kth_key``): the k-th key equals
     numpy's, from the whole key space (8 passes of 4-bit digits) and from the pivot, on rows whose k-th key lies
@@ -160,7 +162,5 @@ def test_topk_passes_replay():
         want = int(np.partition(u, n - k)[n - k])
         full, total, tau = mod.passes(cand, k, 0, 0xFFFFFFFF, 28)
         assert tau == want and total == 8
-        span = 0xFFFFFFFF - piv
-        start = (piv, span, min(max((hi - piv).bit_length() - 5, 1), span.bit_length() - 4))
-        full, total, tau = mod.passes(cand, k, *start)
+        full, total, tau = mod.passes(cand, k, *mod.pivot_start(piv, hi, 1))
         assert tau == want and 1 <= full <= total

@@ -34,6 +34,13 @@ def pivot(u: np.ndarray, k: int, sample: int = 1024, pivot_bits: int = 16) -> tu
     return int(su[su >= floor].min()), int(su.max())
 
 
+def pivot_start(piv: int, hi: int, margin: int, bits: int = 4) -> tuple[int, int, int]:
+    """(lo, span, shift) of the counting's start from the pivot (``_pivot_range``): digits 2^-(bits + margin) of
+    the span up to the sample's largest key, at least 1 bit, at most what the whole span needs."""
+    span = 0xFFFFFFFF - piv
+    return piv, span, min(max((hi - piv).bit_length() - bits - margin, 1), max(span.bit_length() - bits, 0))
+
+
 def passes(cand: np.ndarray, k: int, lo: int, span: int, shift: int, width: int = 512, bits: int = 4
            ) -> tuple[int, int, int]:
     """(passes before the candidates fit ``width``, passes in all, the k-th key) for the range arithmetic."""
@@ -82,9 +89,7 @@ def main() -> None:
             want = int(np.partition(u, u.size - a.k)[u.size - a.k])
             starts = {"whole": (0, 0xFFFFFFFF, 28)}
             for m in a.margins:
-                span = 0xFFFFFFFF - piv
-                need = max(span.bit_length() - 4, 0)
-                starts[f"margin{m}"] = (piv, span, min(max((hi - piv).bit_length() - 4 - m, 1), need))
+                starts[f"margin{m}"] = pivot_start(piv, hi, m)
             for name, st in starts.items():
                 full, total, tau = passes(cand, a.k, *st)
                 assert tau == want, (name, tau, want)
@@ -93,8 +98,7 @@ def main() -> None:
             # the pair, at m or m + 1 (_first_pass)
             fit = {}
             for m in a.margins + [a.margins[-1] + 1]:
-                lo, span, shift = starts.get(f"margin{m}") or (piv, 0xFFFFFFFF - piv, min(max(
-                    (hi - piv).bit_length() - 4 - m, 1), max((0xFFFFFFFF - piv).bit_length() - 4, 0)))
+                lo, span, shift = pivot_start(piv, hi, m)
                 dig = np.minimum((cand.astype(np.int64) - lo) >> shift, 15)
                 fit[m] = int((dig == min((want - lo) >> shift, 15)).sum()) <= 512
             for m in a.margins:
