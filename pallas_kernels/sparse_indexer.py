@@ -118,7 +118,7 @@ class IndexerKernelConfig:
     #                                 a power of 2); None: topk_select.select_config_for(rows, cols), by the
     #                                 batch (split_for's splits, with its measured loop knobs where it splits)
     # Why "set" and None by default: on the H200 both were at least as fast as "sorted" / 1 at every measured
-    # k = 2048 shape, full and mixed batches (kernels_sparse_indexer_h200_2026-12-02.json, rows ..._pallas_radix_set
+    # k = 2048 shape, full and mixed batches (archive/kernels_sparse_indexer_h200_2026-12-02.json, rows ..._pallas_radix_set
     # and ..._split*_set; archive/kernels_select_h200_2026-12-02_partial.json), within a few percent at 64 x 32K
 
     def __post_init__(self) -> None:

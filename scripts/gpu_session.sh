@@ -558,11 +558,10 @@ case "$stage" in
     done
     ;;
   topk)
-    # the Pallas radix-select kernel: its native tests first, then the top-k rows (lax / Pallas), full and with one
-    # short row (_mixed), and the knob rows beside the default (16 warps, 2-bit digits; ninth session's ncu profile)
-    timeout -k 10 -s INT ${TOPK_TESTS_TIMEOUT:-240} python3 -m pytest -m gpu -v --tb=short -rfE -p no:cacheprovider \
-      tests/test_kernel_topk_select.py > "$OUT/gpu_topk_tests.log" 2>&1
-    echo "topk tests rc=$?"; tail -3 "$OUT/gpu_topk_tests.log"
+    # the Pallas radix-select kernel: its native tests first (4 workers: one process did not finish them in 240 s,
+    # thirty-seventh session), then the top-k rows (lax / Pallas: sorted, set, split, the indexer's config), full
+    # and with one short row (_mixed)
+    bash "$0" topk-tests
     # topk_pallas: without the XLA radix / segment rows, so that all six shapes (64 x 64K: the target) fit (the full
     # topk case was cut at 64 x 32K in 220 s, eighth session); TOPK_CASES=topk for those rows
     timeout -k 10 ${TOPK_TIMEOUT:-420} python3 scripts/bench_kernels.py --only sparse_indexer --cases ${TOPK_CASES:-topk_pallas} \

@@ -22,12 +22,11 @@ Cases (full run; ``quick`` uses tiny shapes and few iterations, e.g. to smoke-te
   without the sort of the k winners, ``_pallas_radix_direct``: that kernel without the prefilter; ``_mixed``:
   row 0 holds 1000 finite logits and -inf after them (lax and the two radix rows), against the full batch;
   ``_pallas_radix_split*_set``: the unsorted select with its prefilter split over ``split_for(B, C)`` programs
-  (the indexer's default); ``..._w16`` / ``..._b2`` / ``..._blk4096`` / ``..._s512`` / ``..._p16`` / ``..._shrink``
-  / ``..._u2`` / ``..._u4``: that with 16 warps a program / 2-bit digits / prefilter blocks of 4096 keys / a 512-key
-  sample / a 16-bit pivot / the counting passes shrunk to one block once few candidates remain / the loads of 2 or 4
-  blocks issued together per loop step.
-- topk_pallas: the topk rows without the XLA radix, ``_seg*`` and ``_pallas_radix_direct`` rows, with the knob rows
-  at 64 x 64K and 16 x 128K (all six shapes fit one 10-minute call).
+  and no other knob; ``_pallas_radix_indexer_set``: the config the indexer runs (``select_config_for``: that split
+  with its measured loop knobs), where it splits; the Pallas rows also record the GPU timeline (one-knob rows:
+  scripts/diag/topk_knobs.py).
+- topk_pallas: the topk rows without the XLA radix, ``_seg*`` and ``_pallas_radix_direct`` rows (all six shapes fit
+  one 10-minute call).
 
 ``bytes`` / ``flops`` are the kernel's own model for both implementations (so the fractions compare):
 FP8 key bytes read once per query group (132 B per key and group, groups of G tokens), the fp32 logits
@@ -49,7 +48,7 @@ from jds.ops.select import radix_topk
 from pallas_kernels import sparse_indexer as si
 from jds.bench.results import error_text
 from jds.bench.timing import device_row, profiled_device_us, time_fn
-from pallas_kernels.topk_select import TopkSelectConfig, split_for, topk_select
+from pallas_kernels.topk_select import TopkSelectConfig, select_config_for, split_for, topk_select
 
 HI = 64
 EPP = 64
@@ -227,26 +226,17 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
         if sp > 1:  # the prefilter's pass over sp programs per row (two kernels), unsorted
             radix_rows[f"pallas_radix_split{sp}_set"] = jax.jit(functools.partial(
                 topk_select, interpret=interpret, config=TopkSelectConfig(splits=sp), sort=False), static_argnums=1)
-        # the indexer's default (set, split_for's splits) with one knob changed, full batches, at 64 x 64K and 16 x 128K
-        # only (the call's time limit). Under ncu the kernel was integer-ALU and latency bound with 2 warps per
-        # scheduler (perf-log, 2026-12-02): twice the warps; 2-bit digits (16 passes of 4 compares per key instead of
-        # 8 of 16); prefilter blocks of 4096 keys (half the block-wide scans and barriers); a 512-key sample (half the
-        # pivot's counting, ~20% more candidates); a pivot of 16 leading bits (half its counting passes); the counting
-        # passes on a one-block scratch once few candidates remain (shrink). All compile for sm_90a, without spills
-        # but for 32 bytes in the 8-split finish with shrink.
-        knobs = {"w16": dict(num_warps=16), "b2": dict(bits=2), "blk4096": dict(block=4096), "s512": dict(sample=512),
-                 "p16": dict(pivot_bits=16), "shrink": dict(shrink=True), "u2": dict(unroll=2), "u4": dict(unroll=4)}
-        knob_rows = {f"pallas_radix_split{sp}_set_{name}": jax.jit(functools.partial(
-            topk_select, interpret=interpret, sort=False, config=TopkSelectConfig(splits=sp, **kw)), static_argnums=1)
-            for name, kw in knobs.items()} if quick or (b, c) in ((64, 65536), (16, 131072)) else {}
+            # what the indexer runs (IndexerKernelConfig.topk_splits=None): the split with its measured loop knobs
+            radix_rows["pallas_radix_indexer_set"] = jax.jit(functools.partial(
+                topk_select, interpret=interpret, config=select_config_for(b, c), sort=False), static_argnums=1)
         def radix_row(case, f, x):  # a lowering failure is a result too; the other rows still get measured
             try:
-                return _row(case, "pallas", f, (x, min(K, c)), 4 * b * c, 0, quick)
+                return _row(case, "pallas", f, (x, min(K, c)), 4 * b * c, 0, quick, profile=True)
             except Exception as e:  # noqa: BLE001
                 return {"kernel": "sparse_indexer", "case": case, "impl": "pallas", "bytes": 4 * b * c, "flops": 0,
                         "error": error_text(e, 2000)}
 
-        for name, f in {**radix_rows, **knob_rows}.items():  # radix select as one Pallas kernel (+ a sort of the k winners)
+        for name, f in radix_rows.items():  # radix select as one Pallas kernel (+ a sort of the k winners)
             yield radix_row(f"topk_k{K}_b{b}_c{c}_{name}", f, lg)
         # one short row (1000 finite logits, -inf after: a short request) among full ones: lax against the
         # radix select, whose short-row path must not set the batch's time

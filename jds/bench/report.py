@@ -430,32 +430,36 @@ def _kernel_rows(d: dict) -> list[str]:
 
 def _topk_rows(d: dict) -> list[str]:
     """Top-k alone per shape: lax.top_k and the Pallas radix select's variants (sorted, set, set with the split
-    prefilter, direct), full batches and mixed ones (one short row); the fastest Pallas variant as a multiple of
-    one read of the logits at the run's copy bandwidth (issue 20's target: <= 10x at 64 x 64K)."""
+    prefilter, the indexer's config, direct), full batches and mixed ones (one short row); the fastest Pallas
+    variant as a multiple of one read of the logits at the run's copy bandwidth (issue 20's target: <= 10x at
+    64 x 64K). The GPU timeline's time where every row has it, else the pipelined median."""
+    names = {None: "sorted", "_set": "set", "_direct": "direct", "_indexer_set": "indexer"}
     by: dict[str, dict[str, dict]] = {}
     for r in d.get("rows", []):
-        m = re.match(r"(topk_k\d+_b\d+_c\d+)(_mixed)?(?:_pallas_radix(_direct|_split\d+_set|_set)?)?$", r.get("case", ""))
+        m = re.match(r"(topk_k\d+_b\d+_c\d+)(_mixed)?(?:_pallas_radix(_direct|_split\d+_set|_indexer_set|_set)?)?$",
+                     r.get("case", ""))
         if m and "error" not in r:
-            v = "lax" if r["case"] == m.group(1) + (m.group(2) or "") else \
-                {None: "sorted", "_set": "set", "_direct": "direct"}.get(m.group(3), "split")
+            v = "lax" if r["case"] == m.group(1) + (m.group(2) or "") else names.get(m.group(3), "split")
             by.setdefault(m.group(1), {})[v + (" mixed" if m.group(2) else "")] = r
     if not by:
         return []
-    cols = [c for c in ("lax", "sorted", "set", "split", "direct", "lax mixed", "sorted mixed", "set mixed",
-                        "split mixed") if any(c in per for per in by.values())]
+    cols = [c for v in ("", " mixed") for c in (f"lax{v}", f"sorted{v}", f"set{v}", f"split{v}", f"indexer{v}",
+                                                   f"direct{v}") if any(c in per for per in by.values())]
+    rows = [r for per in by.values() for c, r in per.items() if c not in ("lax", "lax mixed")]
+    key, what = ("profile_span_us", "device µs per call (GPU timeline; lax: pipelined median)") \
+        if rows and all("profile_span_us" in r for r in rows) else ("median_us", "pipelined median µs")
     copy = d.get("meta", {}).get("copy_bytes_per_s")
     body = []
     for shape, per in by.items():
-        best = min((r for c, r in per.items() if c != "lax" and "mixed" not in c and r.get("median_us")),
-                   key=lambda r: r["median_us"], default={})
-        read_us = best.get("bytes", 0) / copy * 1e6 if copy and best.get("bytes") else None
-        body.append([shape] + [_fmt(per.get(c, {}).get("median_us"), 1) for c in cols]
-                    + [_fmt(best["median_us"] / read_us, 0) if read_us else "—",
-                       _ratio(per.get("lax", {}).get("median_us"), best.get("median_us"))])
-    direct = ", `direct` (no prefilter)" if "direct" in cols else ""
-    return ["", "Top-k alone (k = 2048), pipelined median µs: `lax` = lax.top_k; the Pallas radix select `sorted`, "
-            f"`set` (no sort of the winners), `split` (set, `split_for`'s programs per row){direct}; `mixed`: one "
-            "short row in the batch:", ""] + \
+        us = {c: r.get("median_us") if c.startswith("lax") else r.get(key) for c, r in per.items()}
+        best = min((c for c in per if c != "lax" and "mixed" not in c and us[c]), key=us.get, default=None)
+        read_us = per[best].get("bytes", 0) / copy * 1e6 if best and copy and per[best].get("bytes") else None
+        body.append([shape] + [_fmt(us.get(c), 1) for c in cols]
+                    + [_fmt(us[best] / read_us, 0) if read_us else "—", _ratio(us.get("lax"), us.get(best))])
+    direct = ", `direct` (no prefilter)" if any(c.startswith("direct") for c in cols) else ""
+    return ["", f"Top-k alone (k = 2048), {what}: `lax` = lax.top_k; the Pallas radix select `sorted`, "
+            "`set` (no sort of the winners), `split` (set, `split_for`'s programs per row), `indexer` (the config "
+            f"the indexer runs: `select_config_for`){direct}; `mixed`: one short row in the batch:", ""] + \
         _table(["shape"] + cols + ["fastest Pallas / one read of the logits", "lax / fastest"], body)
 
 
