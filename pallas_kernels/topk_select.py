@@ -134,6 +134,15 @@ class TopkSelectConfig:
     # to a scratch row; the third finds tau there and compacts each buffer in its own program. A row whose bucket
     # is larger, or that takes another path, runs the one-program finish in its first split's program
     split_finish: bool = False
+    # with split_finish: the scratch bucket's size in hist_block blocks; a row whose k-th key's first-pass bucket holds
+    # more keys runs the one-program finish (in its first split's program), so a larger one keeps more rows on the
+    # parallel finish, whose programs then count the bucket's blocks in each pass instead of one held block
+    bucket_blocks: int = 1
+    # with split_finish: first passes at this many resolutions, digits 2^-(bits + m) of the span for m from
+    # range_margin + 2 - bucket_resolutions to range_margin + 1; the finest whose bucket fits is used. The digits are a
+    # power of two wide, so one resolution's bucket varies twice over with the span's rounding; a coarser one reaches
+    # further, where the k-th key lies in the finer one's clamped top digit (scripts/diag/topk_passes.py)
+    bucket_resolutions: int = 2
     # the counting passes count each lane's keys of a several-block source in packed 4-bit fields, a shift and an add
     # a key per word instead of a compare and an add per digit value (``_kth_key``'s ``packed``); the sample pivot
     # then holds its sample as 256-key blocks, several keys a lane
@@ -162,6 +171,18 @@ class TopkSelectConfig:
             raise ValueError(f"range_margin must be None or in 0..8, got {self.range_margin}")
         if self.split_finish and self.range_margin is None:
             raise ValueError("split_finish needs range_margin (its first pass counts from the pivot)")
+        if not (C.is_pow2(self.bucket_blocks) and self.bucket_blocks <= 8):
+            raise ValueError(f"bucket_blocks must be a power of 2 up to 8, got {self.bucket_blocks}")
+        if self.bucket_resolutions not in (1, 2, 3):
+            raise ValueError(f"bucket_resolutions must be 1, 2 or 3, got {self.bucket_resolutions}")
+        if self.range_margin is not None and self.range_margin + 2 - self.bucket_resolutions < 0:
+            raise ValueError(f"bucket_resolutions={self.bucket_resolutions} needs range_margin >= "
+                             f"{self.bucket_resolutions - 2} (its coarsest first pass), got {self.range_margin}")
+
+    def bucket_margins(self) -> tuple[int, ...]:
+        """The split finish's first-pass margins, coarsest first (``bucket_resolutions``)."""
+        top = (self.range_margin or 0) + 1
+        return tuple(range(top + 1 - self.bucket_resolutions, top + 1))
 
     def buffer_capacity(self, n: int, k: int) -> int:
         """Candidate buffer length per row for rows of n and this k (0: no prefilter)."""
@@ -722,8 +743,8 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
     blocks), keys >= the row's sample pivot into buffer j ([row, j cap : (j + 1) cap], column order), and its
     counts: keys >= pivot, keys > pivot, keys > pivot that fit the buffer; the pivot's u for the finish kernel
     and the sample's largest key's ([row, 0], [row, 1]; every program of the row writes the same values). With
-    ``hist_ref`` (``split_finish``): its buffer's counts ge[d] of first-pass digits >= d from the pivot, at two
-    resolutions r (``_first_pass``), at [row, (2 j + r) nd : (2 j + r + 1) nd]."""
+    ``hist_ref`` (``split_finish``): its buffer's counts ge[d] of first-pass digits >= d from the pivot, at R =
+    ``bucket_resolutions`` resolutions r (``_first_pass``), at [row, (R j + r) nd : (R j + r + 1) nd]."""
     row, j = pl.program_id(0), pl.program_id(1)
     t = key_ref.shape[0] if interpret else None
     per = pl.cdiv(pl.cdiv(n, cfg.block), cfg.splits)
@@ -741,9 +762,10 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
     if hist_ref:  # the split finish's first pass over this buffer, from the pivot (_first_pass sums the splits')
         if not interpret:
             plt.debug_barrier()  # the buffer's stores -> its loads by other threads of the CTA
-        nd, hb = 1 << cfg.bits, min(cfg.hist_block, 256)  # two [nd, hb] counters: 256 keys a step
+        nd, hb = 1 << cfg.bits, min(cfg.hist_block, 256)  # R [nd, hb] counters: 256 keys a step
         fj = jnp.minimum(counts[0], cap)
-        ranges = [_pivot_range(piv_u, hi_u, cfg.bits, cfg.range_margin + r) for r in range(2)]
+        ranges = [_pivot_range(piv_u, hi_u, cfg.bits, m) for m in cfg.bucket_margins()]
+        nr = len(ranges)
 
         _, own = _buffer_source(key_ref, col_ref, row, j, fj, cap, hb, jnp.ones((), I32))
 
@@ -751,11 +773,11 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
             keys = own(b)[0]
             return [tuple(_range_digit(keys, *rg, nd) for rg in ranges)]
 
-        accs = _count_steps(pl.cdiv(fj, hb), step, (jnp.zeros((nd, hb), I32),) * 2, nd, cfg.packed_counts)
+        accs = _count_steps(pl.cdiv(fj, hb), step, (jnp.zeros((nd, hb), I32),) * nr, nd, cfg.packed_counts)
         d1 = C.iota((nd,), 0)
         for r, a in enumerate(accs):
             ge = _at_or_above(jnp.sum(a, axis=1)) if cfg.packed_counts else jnp.sum(a, axis=1)
-            C.store(hist_ref[0], (row + jnp.zeros((nd,), I32), (2 * j + r) * nd + d1), ge, jnp.ones((nd,), bool))
+            C.store(hist_ref[0], (row + jnp.zeros((nd,), I32), (nr * j + r) * nd + d1), ge, jnp.ones((nd,), bool))
     at = (row + jnp.zeros((1, 1), I32), j + jnp.zeros((1, 1), I32))
     for ref, v in zip((filled_ref, above_ref, in_ref), counts):
         C.store(ref, at, jnp.full((1, 1), v, I32), jnp.ones((1, 1), bool))
@@ -860,32 +882,37 @@ class _FirstPass:
     above: jax.Array  # all splits' keys above the bucket
     bucket: jax.Array  # all splits' keys in it
     start: Range  # the bucket's range: the counting's next start
-    fast: jax.Array  # the bucket fits one block and the buffers serve as they are: the three-kernel finish
+    fast: jax.Array  # the bucket fits the scratch and the buffers serve as they are: the three-kernel finish
 
 
 def _first_pass(hist_ref, row, plan: _RowPlan, k: int, cfg: TopkSelectConfig) -> _FirstPass:
-    """The first pass at two resolutions (digits from ``range_margin`` and from one more): the finer one where the
-    k-th key's bucket fits one block there (any range is exact: a clamped top digit's bucket holds every key above
-    it), else the coarser. Why two: the digits are a power of two wide, so the bucket's population varies twice over
-    with the span's rounding; at 128K keys a row, margin 1 alone left 13 of 64 replayed rows over a block, margins
-    1 and 2 one (``scripts/diag/topk_passes.py --margins 1 --n 131072 --rows 64``)."""
+    """The first pass at ``bucket_resolutions`` resolutions (``bucket_margins``): the finest one where the k-th key's
+    bucket fits the scratch (``bucket_blocks`` blocks; any range is exact: a clamped top digit's bucket holds every
+    key above it), else the coarsest. Why several: the digits are a power of two wide, so the bucket's population
+    varies twice over with the span's rounding; at 128K keys a row, margin 1 alone left 13 of 64 replayed rows over
+    a block, margins 1 and 2 one; margins 0..2 with 1024-key buckets none of 256 (``scripts/diag/topk_passes.py
+    --margins 1 --n 131072 --rows 256 --bucket-keys 512 1024``)."""
     nd, sp = 1 << cfg.bits, cfg.splits
+    margins = cfg.bucket_margins()
+    nr, room = len(margins), cfg.bucket_blocks * cfg.hist_block
     dd = C.iota((sp, nd), 1)
     passes = []
-    for r in range(2):
-        jd = (2 * C.iota((sp, nd), 0) + r) * nd + dd
+    for r, m in enumerate(margins):
+        jd = (nr * C.iota((sp, nd), 0) + r) * nd + dd
         tile = C.load(hist_ref, (row + jnp.zeros((sp, nd), I32), jd), (sp, nd))  # [split, d]: keys with digit >= d
         ge = jnp.sum(tile, axis=0)
         sel = jnp.sum((ge >= k).astype(I32)) - 1
         ge_up = jnp.sum(jnp.where(dd == sel + 1, tile, 0), axis=1)
         bucket_n = jnp.sum(jnp.where(dd == sel, tile, 0), axis=1) - ge_up
-        start = _next_range(*_pivot_range(plan.piv_u, plan.hi_u, cfg.bits, cfg.range_margin + r), sel, cfg.bits)
-        passes.append((ge_up, bucket_n, start))
-    fine = jnp.sum(passes[1][1]) <= cfg.hist_block
-    ge_up, bucket_n = (jnp.where(fine, f, c) for f, c in zip(passes[1][:2], passes[0][:2]))
-    start = tuple(jnp.where(fine, f, c) for f, c in zip(passes[1][2], passes[0][2]))
+        start = _next_range(*_pivot_range(plan.piv_u, plan.hi_u, cfg.bits, m), sel, cfg.bits)
+        passes.append((ge_up, bucket_n, *start))
+    pick = passes[0]
+    for p in passes[1:]:  # finer ones override where they fit
+        fits = jnp.sum(p[1]) <= room
+        pick = tuple(jnp.where(fits, f, c) for f, c in zip(p, pick))
+    ge_up, bucket_n, start = pick[0], pick[1], pick[2:]
     bucket = jnp.sum(bucket_n)
-    fast = (~plan.over) & (plan.total >= k) & (bucket <= cfg.hist_block)
+    fast = (~plan.over) & (plan.total >= k) & (bucket <= room)
     return _FirstPass(ge_up, bucket_n, jnp.sum(ge_up), bucket, start, fast)
 
 
@@ -918,11 +945,12 @@ def _split_copy_kernel(key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref,
 def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, hist_ref, skey_ref,
                                   scol_ref, idx_ref, tau_ref, path_ref, *scratch, n: int, k: int, cfg: TopkSelectConfig,
                                   cap: int, interpret: bool) -> None:
-    """Program (row, j) of the split finish. Where the bucket fits one block (``_first_pass``): tau from the scratch
-    row's bucket (every program of the row finds the same), then split j's buffer compacted into its own output
-    slots: after the kept keys of the splits before it (their keys above the bucket, from the prefilter's counts,
-    and their bucket keys > tau or kept at tau), keeping the keys == tau that the row keeps from it (the first
-    ``need`` of the bucket's, in column order). Elsewhere the row's first program runs ``_finish_row``."""
+    """Program (row, j) of the split finish. Where the bucket fits the scratch row (``_first_pass``): tau from the
+    bucket (every program of the row finds the same; one block is held in registers, several are counted block by
+    block), then split j's buffer compacted into its own output slots: after the kept keys of the splits before it
+    (their keys above the bucket, from the prefilter's counts, and their bucket keys > tau or kept at tau), keeping
+    the keys == tau that the row keeps from it (the first ``need`` of the bucket's, in column order). Elsewhere the
+    row's first program runs ``_finish_row``."""
     row, j = pl.program_id(0), pl.program_id(1)
     t = idx_ref.shape[0] if interpret else None
     hb, sp = cfg.hist_block, cfg.splits
@@ -932,20 +960,43 @@ def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref
 
     @pl.when(fp.fast)
     def _():
-        lane = C.iota((1, hb), 1)
-        inside = lane < fp.bucket
-        held = jnp.where(inside, C.load(skey_ref, (row, lane), (1, hb), mask=inside), _SIGN)
-        hcol = C.load(scol_ref, (row, lane), (1, hb), mask=inside)
-        tau_u, need = _kth_key([], k - fp.above, cfg.bits, hb, start=fp.start, held=held, packed=cfg.packed_counts)
+        def bucket_keys(b):  # block b of the scratch row's bucket: (keys, _SIGN past it; columns; inside)
+            lane = b * hb + C.iota((1, hb), 1)
+            inside = lane < fp.bucket
+            s = jnp.where(inside, C.load(skey_ref, (row, lane), (1, hb), mask=inside), _SIGN)
+            return s, C.load(scol_ref, (row, lane), (1, hb), mask=inside), inside
+
+        if cfg.bucket_blocks == 1:
+            held, hcol, inside = bucket_keys(0)
+            tau_u, need = _kth_key([], k - fp.above, cfg.bits, hb, start=fp.start, held=held, packed=cfg.packed_counts)
+        else:
+            nbk = lax.shift_right_logical(fp.bucket + hb - 1, C.log2(hb))
+            tau_u, need = _kth_key([(nbk, lambda b: bucket_keys(b)[:2])], k - fp.above, cfg.bits, hb, start=fp.start,
+                                   packed=cfg.packed_counts)
         tau = tau_u ^ _SIGN
-        eq = (inside & (held == tau)).astype(I32)
-        tie = (eq == 1) & (jnp.cumsum(eq, axis=1) - eq < need)  # the row's kept keys == tau: the first need
-        keep = (inside & (held > tau)) | tie
-        of = lax.div(hcol, jnp.asarray(split_cols, I32))  # each bucket key's split
+        on_split = C.iota((sp, 1), 0)
+
+        def tally(s, col, inside, eq_seen):
+            """A bucket block's kept keys per split and the ties at tau split j keeps (the row keeps the first
+            ``need`` keys == tau of the bucket, in column order), after ``eq_seen`` earlier ones."""
+            eq = (inside & (s == tau)).astype(I32)
+            tie = (eq == 1) & (eq_seen + jnp.cumsum(eq, axis=1) - eq < need)
+            keep = (inside & (s > tau)) | tie
+            of = lax.div(col, jnp.asarray(split_cols, I32))  # each bucket key's split
+            return (jnp.sum((keep & (of == on_split)).astype(I32), axis=1), jnp.sum((tie & (of == j)).astype(I32)),
+                    jnp.sum(eq))
+
+        if cfg.bucket_blocks == 1:
+            kept_b, ties, _ = tally(held, hcol, inside, jnp.zeros((), I32))
+        else:
+            def body(b, carry):
+                kb, tb, eqs = tally(*bucket_keys(b), carry[2])
+                return carry[0] + kb, carry[1] + tb, carry[2] + eqs
+            kept_b, ties, _ = lax.fori_loop(0, nbk, body, (jnp.zeros((sp,), I32), jnp.zeros((), I32),
+                                                          jnp.zeros((), I32)))
         ids = C.iota((sp,), 0)
-        kept = fp.ge_up + jnp.sum((keep & (of == C.iota((sp, 1), 0))).astype(I32), axis=1)  # [split]
+        kept = fp.ge_up + kept_b  # [split]
         off, mine = jnp.sum(jnp.where(ids < j, kept, 0)), jnp.sum(jnp.where(ids == j, kept, 0))
-        ties = jnp.sum((tie & (of == j)).astype(I32))
         fj = jnp.sum(jnp.where(plan.js == j, plan.fill, 0))
         own = _buffer_source(key_ref, col_ref, row, j, fj, cap, hb, jnp.ones((), I32))
         _compact([own], tau, ties, mine, lambda slot, col, kp: _scatter(idx_ref, row, t, off + slot, col, kp),
@@ -967,7 +1018,7 @@ def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpr
     fill = functools.partial(_split_fill_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret)
     bufs = [jax.ShapeDtypeStruct((t, sp * cap), I32)] * 2 + [jax.ShapeDtypeStruct((t, sp), I32)] * 3
     bufs += [jax.ShapeDtypeStruct((t, 2), I32)]  # the row's pivot and its sample's largest key (u)
-    bufs += [jax.ShapeDtypeStruct((t, 2 * sp << cfg.bits), I32)] if par else []  # per split: first-pass counts
+    bufs += [jax.ShapeDtypeStruct((t, cfg.bucket_resolutions * sp << cfg.bits), I32)] if par else []  # first passes
     keys, cols, filled, above, above_in, piv, *hist = C.pallas_call(
         fill, out_shape=tuple(bufs), grid=(t, sp), aliases={}, interpret=interpret, name="topk_radix_prefilter",
         num_warps=cfg.fill_warps or cfg.num_warps)(x)
@@ -980,7 +1031,7 @@ def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpr
                                            name="topk_radix_finish", num_warps=cfg.num_warps)(x, keys, cols, *counts)
         return idx, tau, jnp.sum(filled, axis=1), path
     copy = functools.partial(_split_copy_kernel, k=k, cfg=cfg, cap=cap, interpret=interpret)
-    bucket = [jax.ShapeDtypeStruct((t, cfg.hist_block), I32)] * 2  # the k-th key's first-pass bucket: keys, columns
+    bucket = [jax.ShapeDtypeStruct((t, cfg.bucket_blocks * cfg.hist_block), I32)] * 2  # its bucket: keys, columns
     skey, scol = C.pallas_call(copy, out_shape=tuple(bucket), grid=(t, sp), aliases={}, interpret=interpret,
                                name="topk_radix_bucket", num_warps=cfg.num_warps)(keys, cols, *counts, *hist)
     finish = functools.partial(_split_finish_parallel_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret)

@@ -582,7 +582,7 @@ case "$stage" in
       ${TOPK_RANGE_KNOBS:-h512_p16_hold h512_p16_hold_r1 h512_p16_hold_r1_pk h512_p16_hold_r1_sf h512_p16_hold_r1_pf \
       x2_h512_p16_hold_r1 h512_p16_hold_pk} \
       --out "$OUT/topk_knobs_range_h200.json" > "$OUT/topk_range.log" 2>&1; echo "topk range rc=$?"
-    grep '^{' "$OUT/topk_range.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("same_set_as_lax"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
+    grep '^{' "$OUT/topk_range.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("same_set_as_lax"), r.get("profile_kernel_us"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
     ;;
   topk-tests)
     # the native top-k and sparse-indexer tests, 4 pytest-xdist workers (carry .whl/ for xdist)

@@ -247,13 +247,17 @@ def test_packed_counts_same_result(mode: str, bits: int, unroll: int) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("splits,unroll", [(4, 2), pytest.param(2, 1, marks=pytest.mark.slow)])
-def test_split_finish_same_result(mode: str, splits: int, unroll: int) -> None:
+@pytest.mark.parametrize("splits,unroll,finish", [
+    (4, 2, {}), (4, 1, dict(bucket_blocks=2, bucket_resolutions=3)),
+    pytest.param(2, 1, {}, marks=pytest.mark.slow), pytest.param(2, 2, dict(bucket_blocks=4, bucket_resolutions=1),
+                                                                  marks=pytest.mark.slow)])
+def test_split_finish_same_result(mode: str, splits: int, unroll: int, finish: dict) -> None:
     """``split_finish`` (the finish as a bucket copy and a per-split compaction where the k-th key's first-pass
-    bucket fits one block; the one-program finish elsewhere): lax.top_k's result in column order, the same
+    bucket fits the scratch; the one-program finish elsewhere): lax.top_k's result in column order, the same
     candidates and paths as the one-program finish, on every row kind, short rows (pivot is tau), heavy ties at the
     pivot (overflowed buffers), k-th keys far above the sample's largest, ties at tau across splits; k = 50 (most
-    buckets fit the 128-key block) and k = 300 (many do not)."""
+    buckets fit the 128-key block) and k = 300 (many do not); with a bucket of several blocks (counted block by
+    block) and one or three first-pass resolutions."""
     n = 3000
     base = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=1200, splits=splits, unroll=unroll,
                             shrink=True, hold_shrunk=True, range_margin=1)
@@ -269,11 +273,15 @@ def test_split_finish_same_result(mode: str, splits: int, unroll: int) -> None:
     x = np.concatenate([_mixed(n, rng, 1), above, short, tied, tail, rng.standard_normal((2, n)).astype(np.float32)])
     for k in (50, 300):
         want = _check(x, k, interpret_for(mode), base, paths=True)
-        got = _check(x, k, interpret_for(mode), dataclasses.replace(base, split_finish=True), paths=True)
+        got = _check(x, k, interpret_for(mode), dataclasses.replace(base, split_finish=True, **finish), paths=True)
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])
     with pytest.raises(ValueError, match="split_finish"):
         TopkSelectConfig(split_finish=True)
+    with pytest.raises(ValueError, match="bucket_resolutions=3 needs range_margin >= 1"):
+        TopkSelectConfig(range_margin=0, split_finish=True, bucket_resolutions=3)
+    with pytest.raises(ValueError, match="bucket_blocks"):
+        TopkSelectConfig(bucket_blocks=3)
 
 
 @pytest.mark.slow
@@ -291,7 +299,9 @@ def test_split_finish_random_configs(mode: str) -> None:
                                capacity=int(rng.integers(4 * k, n - 1)), splits=int(rng.choice([2, 4, 8])),
                                unroll=int(rng.choice([1, 2])), shrink=True, hold_shrunk=bool(rng.integers(2)),
                                range_margin=int(rng.integers(0, 4)), split_finish=True, prefetch=bool(rng.integers(2)),
-                               pivot_bits=int(rng.choice([16, 32])), packed_counts=bool(rng.integers(2)))
+                               pivot_bits=int(rng.choice([16, 32])), packed_counts=bool(rng.integers(2)),
+                               bucket_blocks=int(rng.choice([1, 2, 4])))
+        cfg = dataclasses.replace(cfg, bucket_resolutions=int(rng.integers(1, min(cfg.range_margin + 2, 3) + 1)))
         x = np.concatenate([_rows(kind, 1, n, rng) for kind in rng.choice(KINDS, 4)])
         x[0, rng.choice(n, 20)] += np.float32(1e6)
         xj = jnp.asarray(x)
@@ -494,6 +504,7 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
 @pytest.mark.parametrize("t,n,tiles", [
     (64, 65536, {}), (64, 65536, dict(range_margin=None, prefetch=False)),  # the config before 2026-12-05
     (64, 65536, dict(range_margin=1, split_finish=True)),
+    (64, 65536, dict(split_finish=True, bucket_blocks=2, bucket_resolutions=3)),
     (64, 65536, dict(range_margin=1, packed_counts=True, fill_warps=16)),
     # the 8-split finish takes ptxas about 40 s on 2 cores: slow
     pytest.param(16, 131072, {}, marks=pytest.mark.slow),

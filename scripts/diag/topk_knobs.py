@@ -7,7 +7,8 @@ shapes, in a call that also times every other top-k row. This times only the set
 (``split_for``'s splits, as the indexer runs it) with each knob set named below, at any shapes, full batches and
 (``--mixed``) one short row, checking each set against ``lax.top_k``'s, so a knob can become the default from one
 short call. ``--lax`` also times ``lax.top_k``; the knob set ``single`` is one program per row (no split). Each row
-carries the GPU timeline's device time per call (``profile_span_us``) beside the pipelined median.
+carries the GPU timeline's device time per call (``profile_span_us``, and per kernel ``profile_kernel_us``) beside
+the pipelined median.
 (``--mixed --lax --knobs single default`` is the former scripts/diag/topk_split_mixed.py.)
 """
 
@@ -86,6 +87,14 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
                                         hold_shrunk=True, range_margin=1, split_finish=True),
          "h512_p16_hold_r1_pf_sf": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
                                         range_margin=1, prefetch=True, split_finish=True),
+         # ... with the rows whose k-th key's bucket exceeds 512 keys kept on the parallel finish: a third, coarser
+         # first pass (r3), and a 1024-key bucket counted as two blocks (b2); the replay (scripts/diag/topk_passes.py)
+         # fits 254 / 256 of 256 rows at 128K, against 253 with the pair of 512-key resolutions
+         "h512_p16_hold_r1_pf_sf_r3": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
+                                           range_margin=1, prefetch=True, split_finish=True, bucket_resolutions=3),
+         "h512_p16_hold_r1_pf_sf_b2r3": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
+                                             range_margin=1, prefetch=True, split_finish=True, bucket_blocks=2,
+                                             bucket_resolutions=3),
          # the counting passes' per-lane counts in packed 4-bit fields (packed_counts; thirty-fifth session): the
          # count step over 512-key blocks 265 -> 114 SASS instructions for 4 keys a thread (pip triton, sm_90a)
          "h512_p16_hold_pk": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
@@ -136,7 +145,7 @@ def main() -> None:
                 def measure(f=f, x=x, want=want) -> dict:
                     got = np.sort(np.asarray(f(x, K)[1]), axis=1)
                     return {"same_set_as_lax": bool((got == want).all()), **time_fn(f, x, K, warmup=5, iters=30),
-                            **profiled_device_us(f, x, K)}
+                            **profiled_device_us(f, x, K, by_kernel=True)}
 
                 rows.append(measured_row({"case": case}, measure))
     if a.out:

@@ -8,7 +8,8 @@ passes after it count one block held in registers. This replays the kernel's piv
 spaced sample, ``_sample_rank``, 16-bit bucket floor) and its range arithmetic (``_kth_key``) on random normal
 rows, so a start's pass counts are known before a GPU session times it. The kth key it finds is checked against
 ``np.partition``. It also counts the rows whose k-th key's first-pass bucket fits one 512-key block, the split
-finish's fast path (``split_finish``), at one margin and at a margin and the next (``_first_pass``).
+finish's fast path (``split_finish``), at one margin, at a margin and the next (``_first_pass``), and with one
+coarser margin too (``bucket_resolutions=3``), for buckets of ``--bucket-keys`` keys (``bucket_blocks``).
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def main() -> None:
     ap.add_argument("--margins", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--scale", type=float, nargs="+", default=[1.0])
     ap.add_argument("--pivot-bits", type=int, default=16)
+    ap.add_argument("--bucket-keys", type=int, nargs="+", default=[512],
+                    help="the split finish's bucket sizes to count fits for (bucket_blocks x hist_block)")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     for scale in a.scale:
@@ -96,21 +99,25 @@ def main() -> None:
                 stats.setdefault(name, []).append((full, total))
             # the split finish's fast path: the k-th key's first-pass bucket fits one block, at margin m or, with
             # the pair, at m or m + 1 (_first_pass)
-            fit = {}
-            for m in a.margins + [a.margins[-1] + 1]:
+            size = {}
+            for m in range(max(min(a.margins) - 1, 0), max(a.margins) + 2):
                 lo, span, shift = pivot_start(piv, hi, m)
                 dig = np.minimum((cand.astype(np.int64) - lo) >> shift, 15)
-                fit[m] = int((dig == min((want - lo) >> shift, 15)).sum()) <= 512
-            for m in a.margins:
-                fits.setdefault(f"margin{m}", []).append(fit[m])
-                fits.setdefault(f"margins{m}+{m + 1}", []).append(fit[m] or fit[m + 1])
+                size[m] = int((dig == min((want - lo) >> shift, 15)).sum())
+            for keys in a.bucket_keys:
+                for m in a.margins:
+                    fits.setdefault(f"margin{m}, {keys} keys", []).append(size[m] <= keys)
+                    fits.setdefault(f"margins{m}+{m + 1}, {keys} keys", []).append(min(size[m], size[m + 1]) <= keys)
+                    if m >= 1:  # TopkSelectConfig.bucket_resolutions=3: one coarser first pass too
+                        fits.setdefault(f"margins{m - 1}..{m + 1}, {keys} keys", []).append(
+                            min(size[m - 1], size[m], size[m + 1]) <= keys)
         print(f"N={a.n} k={a.k} scale={scale}: candidates per row about {cand.size}")
         for name, v in stats.items():
             f, t = np.array(v).T
             print(f"  {name:8s} passes over the buffers before the shrink: mean {f.mean():.2f} (max {f.max()}),"
                   f" passes in all: mean {t.mean():.2f}")
         for name, v in fits.items():
-            print(f"  first-pass bucket within 512 keys, {name}: {sum(v)} of {len(v)} rows")
+            print(f"  first-pass bucket fits, {name}: {sum(v)} of {len(v)} rows")
 
 
 if __name__ == "__main__":
