@@ -491,6 +491,20 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
 PATHS = ("row", "buffer", "refilled buffer", "pivot is tau", "overflowed buffer")  # select_unsorted's path codes
 
 
+def _pivot_or_kth(at_pivot: jax.Array, piv_u: jax.Array, need_at_pivot: jax.Array,
+                  kth: Callable[[], tuple[jax.Array, jax.Array]], skip: bool) -> tuple[jax.Array, jax.Array]:
+    """(tau's u, need): where the pivot is tau, the pivot and the keys at it the row keeps, else ``kth``'s counting.
+    ``skip``: such rows do not run the counting passes. A short request's -inf tail has no blocks to count, but the
+    passes still run: 8 from the whole key space, each a CTA reduction and barrier; beside the split finish's fast
+    rows that set a mixed batch's time on the H200 (its finish 11.2 -> 18.0 µs at 16 x 32K,
+    benchmarks/results/archive/topk_knobs_bucket_h200_2026-12-05.json), so the split finish skips them. The other
+    finishes run each row in its own program beside full rows' longer counting, and keep their measured code."""
+    if skip:
+        return lax.cond(at_pivot, lambda: (piv_u, jnp.asarray(need_at_pivot, I32)), kth)
+    tau_u, need = kth()
+    return jnp.where(at_pivot, piv_u, tau_u), jnp.where(at_pivot, need_at_pivot, need)
+
+
 def _row_keys(x_ref, row, n: int) -> Callable[..., tuple[jax.Array, jax.Array]]:
     """(block b, width[, end]) -> (s, column) [1, width] of the row's keys; padding lanes past n (and past column
     ``end``, unloaded) get s = _SIGN."""
@@ -721,10 +735,9 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
         sources = [(on * lax.shift_right_logical(count + hb - 1, C.log2(hb)), buf_keys),
                    ((1 - on) * from_row[0], from_row[1])]
         counted = [sources[0], ((1 - on) * (1 - piv_on) * from_row[0], from_row[1])]
-        tau_u, need = _kth_key(counted, k, cfg.bits, hb, shrink=shrink, unroll=cfg.unroll, hold=cfg.hold_shrunk,
-                               start=_counting_start(cfg, use_buf, piv_u, hi_u), packed=cfg.packed_counts)
-        tau_u = jnp.where(at_pivot, piv_u, tau_u)
-        need = jnp.where(at_pivot, k - above, need)
+        tau_u, need = _pivot_or_kth(at_pivot, piv_u, k - above, lambda: _kth_key(
+            counted, k, cfg.bits, hb, shrink=shrink, unroll=cfg.unroll, hold=cfg.hold_shrunk,
+            start=_counting_start(cfg, use_buf, piv_u, hi_u), packed=cfg.packed_counts), skip=False)
     else:
         tau_u, need = _kth_key(sources, k, cfg.bits, hb, shrink=shrink, unroll=cfg.unroll, hold=cfg.hold_shrunk,
                                packed=cfg.packed_counts)
@@ -860,11 +873,10 @@ def _finish_row(x_ref, key_ref, col_ref, idx_ref, tau_ref, path_ref, scratch, ro
     x_keys = _row_keys(x_ref, row, n)
     from_row = (pl.cdiv(n, hb), lambda b: x_keys(b, hb))
     shrink = (scratch[0], row, t if interpret else None, interpret) if cfg.shrink else None
-    tau_u, need = _kth_key(bufs + [((1 - on) * (1 - piv_on) * from_row[0], from_row[1])], k, cfg.bits, hb,
-                           shrink=shrink, unroll=cfg.unroll, hold=cfg.hold_shrunk,
-                           start=_counting_start(cfg, plan.use_buf, plan.piv_u, plan.hi_u), packed=cfg.packed_counts)
-    tau_u = jnp.where(plan.at_pivot, plan.piv_u, tau_u)
-    need = jnp.where(plan.at_pivot, k - plan.total_above, need)
+    tau_u, need = _pivot_or_kth(plan.at_pivot, plan.piv_u, k - plan.total_above, lambda: _kth_key(
+        bufs + [((1 - on) * (1 - piv_on) * from_row[0], from_row[1])], k, cfg.bits, hb, shrink=shrink,
+        unroll=cfg.unroll, hold=cfg.hold_shrunk, start=_counting_start(cfg, plan.use_buf, plan.piv_u, plan.hi_u),
+        packed=cfg.packed_counts), skip=cfg.split_finish)
     row11, one11 = row + jnp.zeros((1, 1), I32), jnp.ones((1, 1), bool)
     C.store(tau_ref, (row11,), jnp.full((1, 1), tau_u, I32), one11)
     code = jnp.where(plan.at_pivot, 3, jnp.where(plan.kept_all, 4, on))

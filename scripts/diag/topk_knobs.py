@@ -89,7 +89,9 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
                                         range_margin=1, prefetch=True, split_finish=True),
          # ... with the rows whose k-th key's bucket exceeds 512 keys kept on the parallel finish: a third, coarser
          # first pass (r3), and a 1024-key bucket counted as two blocks (b2); the replay (scripts/diag/topk_passes.py)
-         # fits 254 / 256 of 256 rows at 128K, against 253 with the pair of 512-key resolutions
+         # fits 254 / 256 of 256 rows at 128K, against 253 with the pair of 512-key resolutions. H200, 2026-12-05
+         # (archive/topk_knobs_bucket_h200_2026-12-05.json): b2r3 faster than _pf on the timeline at 7 of 8 batches;
+         # since then the split finish skips the counting passes of rows whose pivot is tau (mixed batches)
          "h512_p16_hold_r1_pf_sf_r3": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
                                            range_margin=1, prefetch=True, split_finish=True, bucket_resolutions=3),
          "h512_p16_hold_r1_pf_sf_b2r3": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
