@@ -781,12 +781,13 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
         nr = len(ranges)
 
         _, own = _buffer_source(key_ref, col_ref, row, j, fj, cap, hb, jnp.ones((), I32))
+        u = cfg.unroll  # blocks loaded per step before any is counted (past the buffer's fill: no key, no digit)
 
-        def step(b):
-            keys = own(b)[0]
-            return [tuple(_range_digit(keys, *rg, nd) for rg in ranges)]
+        def step(i):
+            keys = [own(i * u + b)[0] for b in range(u)]
+            return [tuple(_range_digit(s, *rg, nd) for rg in ranges) for s in keys]
 
-        accs = _count_steps(pl.cdiv(fj, hb), step, (jnp.zeros((nd, hb), I32),) * nr, nd, cfg.packed_counts)
+        accs = _count_steps(pl.cdiv(fj, hb * u), step, (jnp.zeros((nd, hb), I32),) * nr, nd, cfg.packed_counts, u)
         d1 = C.iota((nd,), 0)
         for r, a in enumerate(accs):
             ge = _at_or_above(jnp.sum(a, axis=1)) if cfg.packed_counts else jnp.sum(a, axis=1)
