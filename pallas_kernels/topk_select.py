@@ -200,7 +200,7 @@ def split_for(t: int, n: int, cfg: TopkSelectConfig | None = None, sms: int = 13
     return s
 
 
-def select_config_for(t: int, n: int, sms: int = 132) -> TopkSelectConfig:
+def select_config_for(t: int, n: int, sms: int = 132, split_finish: bool = False) -> TopkSelectConfig:
     """The indexer's config for [t, n] rows (``IndexerKernelConfig.topk_splits=None``): ``split_for``'s splits, and
     where it splits, the loads of 2 blocks issued together, the counting shrunk to one block once few candidates
     remain, 512-key counting / compaction steps (half the steps over the candidate buffers), and a pivot resolved
@@ -212,12 +212,16 @@ def select_config_for(t: int, n: int, sms: int = 132) -> TopkSelectConfig:
     column-only split buffers (the finish reading each key back from the row) lost at all four and were removed.
     The finish's counting from the pivot (range_margin 1) with the prefilter's next loads in flight (prefetch) won
     at all four, full and mixed-length batches (archive/topk_knobs_range_*h200_2026-12-05.json); the split finish was
-    faster again at 64 x 64K and 16 x 128K but slower at 64 x 128K and in 16 x 32K's mixed batch, so it stays off."""
+    faster again at 64 x 64K and 16 x 128K but slower at 64 x 128K and in 16 x 32K's mixed batch, so it stays off.
+    ``split_finish`` (where it splits): the split finish with a 1024-key bucket and three first-pass resolutions,
+    faster on the timeline at 7 of the 8 batches timed (archive/topk_knobs_bucket_h200_2026-12-05.json), not the
+    default yet: its native tests and the eager call's cost of its extra kernel are still to be measured."""
     sp = split_for(t, n, sms=sms)
     if sp == 1:
         return TopkSelectConfig()
+    finish = dict(split_finish=True, bucket_blocks=2, bucket_resolutions=3) if split_finish else {}
     return TopkSelectConfig(splits=sp, unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
-                            range_margin=1, prefetch=True)
+                            range_margin=1, prefetch=True, **finish)
 
 
 def _sample_rank(n: int, k: int, sample: int) -> int:

@@ -24,6 +24,8 @@
 #   scripts/gpu_session.sh ncu-mqa       # issue 20: Nsight Compute (full set) on the sparse MQA, V3.2 and V4 decode at batch 64
 #   scripts/gpu_session.sh mqa-variants  # issue 20: sparse MQA native tests, its switches on the GPU timeline, ncu of the default
 #   scripts/gpu_session.sh mqa-loops     # issue 20: the register producer's native tests, then its switch sets timed
+#   scripts/gpu_session.sh topk-sf       # issue 20: the top-k's split finish against the indexer's config, native tests first
+#   scripts/gpu_session.sh topk-select   # issue 20: the indexer's decode select per top-k choice (the split finish beside)
 #   scripts/gpu_session.sh mqa-refresh   # issue 20: every native MQA test; the defaults, V4's splits and output dtypes timed
 #   scripts/gpu_session.sh mqa-probe     # issue 20: the MQA's fixed / per-block cost fit, V4's in-kernel regions
 #   scripts/gpu_session.sh mqa-rows      # issue 20: the MQA's wall-clock rows beside XLA, the 8-layer V3.2 fused step
@@ -583,6 +585,23 @@ case "$stage" in
       x2_h512_p16_hold_r1 h512_p16_hold_pk} \
       --out "$OUT/topk_knobs_range_h200.json" > "$OUT/topk_range.log" 2>&1; echo "topk range rc=$?"
     grep '^{' "$OUT/topk_range.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("same_set_as_lax"), r.get("profile_kernel_us"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
+    ;;
+  topk-sf)
+    # issue 20: the split finish (a 1024-key bucket, three first-pass resolutions, rows whose pivot is tau skipping
+    # the counting; IndexerKernelConfig.topk_split_finish) against the indexer's config: the native tests, then both
+    # at ten shapes, full and with one short row (about 5 minutes), on the GPU timeline with per-kernel µs
+    bash "$0" topk-tests
+    timeout -k 10 ${KNOBS_TIMEOUT:-360} python3 scripts/diag/topk_knobs.py --mixed --shapes 64x65536 16x131072 \
+      16x32768 64x131072 8x65536 32x65536 8x131072 32x131072 32x32768 64x32768 \
+      --knobs h512_p16_hold_r1_pf h512_p16_hold_r1_pf_sf_b2r3 --out "$OUT/topk_knobs_sf_h200.json" \
+      > "$OUT/topk_sf.log" 2>&1; echo "topk sf rc=$?"
+    grep '^{' "$OUT/topk_sf.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("profile_busy_us"), r.get("same_set_as_lax"), r.get("profile_kernel_us"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
+    ;;
+  topk-select)
+    # issue 20: the indexer's decode select (paged logits + top-k, as the layers call it) per top-k choice, the split
+    # finish beside the split config, at 16 / 64 rows x 32K / 128K, full and mixed (kernels_select rows)
+    timeout -k 10 ${SELECT_TIMEOUT:-480} python3 -m jds.bench.kernels --only sparse_indexer --cases select \
+      --out "$OUT/kernels_select_h200.json" > "$OUT/select.log" 2>&1; echo "select rc=$?"; tail -5 "$OUT/select.log" | cut -c1-200
     ;;
   topk-tests)
     # the native top-k and sparse-indexer tests, 4 pytest-xdist workers (carry .whl/ for xdist)

@@ -370,6 +370,9 @@ def test_split_for() -> None:
                                                             pivot_bits=16, hold_shrunk=True, range_margin=1,
                                                             prefetch=True)
     assert select_config_for(128, 65536) == TopkSelectConfig()
+    sf = select_config_for(64, 65536, split_finish=True)  # IndexerKernelConfig.topk_split_finish
+    assert (sf.split_finish, sf.bucket_blocks, sf.bucket_resolutions) == (True, 2, 3)
+    assert select_config_for(128, 65536, split_finish=True) == TopkSelectConfig()  # no split, no split finish
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -398,17 +401,19 @@ def test_indexer_topk_from_logits_pallas_radix(mode: str, k: int) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_indexer_topk_splits(mode: str) -> None:
     """IndexerKernelConfig.topk_splits reaches the kernel: None picks select_config_for (2 programs per row for 2
-    rows of 16K with the default blocks, with unroll and shrink), and the selection equals lax's; a bad value names
-    the field."""
+    rows of 16K with the default blocks, with unroll and shrink), and the selection equals lax's, with the split
+    finish too; a bad value names the field."""
     from pallas_kernels.topk_select import select_config_for
     interpret_for(mode)
     rng = np.random.default_rng(5)
     x = rng.standard_normal((2, 16384)).astype(np.float32)
     x[1, 3000:] = -np.inf  # a short row among them
     assert select_config_for(2, 16384).splits == 2
-    np.testing.assert_array_equal(np.asarray(topk_from_logits(jnp.asarray(x), 64, algorithm="pallas_radix",
-                                                              order="set", splits=None)),
-                                  np.sort(np.asarray(topk_from_logits(jnp.asarray(x), 64)), axis=1))
+    want = np.sort(np.asarray(topk_from_logits(jnp.asarray(x), 64)), axis=1)
+    for split_finish in (False, True):  # IndexerKernelConfig.topk_split_finish
+        np.testing.assert_array_equal(np.asarray(topk_from_logits(jnp.asarray(x), 64, algorithm="pallas_radix",
+                                                                  order="set", splits=None,
+                                                                  split_finish=split_finish)), want)
     with pytest.raises(ValueError, match="topk_splits"):
         IndexerKernelConfig(topk_splits=3)
 

@@ -8,7 +8,8 @@ Cases (full run; ``quick`` uses tiny shapes and few iterations, e.g. to smoke-te
 - select (only when asked for): decode_select at B in {16, 64} x C in {32K, 128K} with
   ``topk_algorithm="auto"`` (``_auto``, the default; field ``topk``: what it resolved to), with
   ``lax.top_k`` (no suffix), and XLA; ``_set``: ``topk_algorithm="pallas_radix"`` with ``topk_order="set"`` (no sort of
-  the k winners); ``_set_split``: that with the prefilter split over ``split_for(B, C)`` programs per row;
+  the k winners), one program per row; ``_set_split``: that with the indexer's split config (``select_config_for``);
+  ``_set_split_sf``: that with its split finish (``topk_split_finish``);
   ``_mixed``: the same batch with one request of 1000 tokens.
 - prefill_select: one request, a chunk of Q in {1K, 4K, 8K} queries at positions C-Q..C-1 over
   C in {8K, 32K, 64K} (Q <= C), causal; logits bounded by the 512 MiB default workspace (pallas) and an
@@ -185,9 +186,12 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
     sel = [(b, c) for b in (16, 64) for c in (32768, 131072)] if "select" in want and not quick else []
     sel_auto = selector("pallas", si.IndexerKernelConfig(topk_algorithm="auto"))
     sel_lax = selector("pallas", si.IndexerKernelConfig(topk_algorithm="lax"))
-    sel_set = selector("pallas", si.IndexerKernelConfig(topk_algorithm="pallas_radix", topk_order="set"))
+    sel_set = selector("pallas", si.IndexerKernelConfig(topk_algorithm="pallas_radix", topk_order="set",
+                                                        topk_splits=1))
     sel_split = selector("pallas", si.IndexerKernelConfig(topk_algorithm="pallas_radix", topk_order="set",
                                                           topk_splits=None))
+    sel_sf = selector("pallas", si.IndexerKernelConfig(topk_algorithm="pallas_radix", topk_order="set",
+                                                       topk_splits=None, topk_split_finish=True))
     for b, c in sel:
         k, key = jax.random.split(key)
         bt, cache, iq, iw, req = _decode_inputs(k, b, c)
@@ -206,6 +210,8 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
             if split_for(b, c) > 1:
                 yield _row(case + "_set_split", "pallas", sel_split, args, nbytes, flops, quick, profile=True,
                            topk=f"pallas_radix, unsorted, {split_for(b, c)} splits")
+                yield _row(case + "_set_split_sf", "pallas", sel_sf, args, nbytes, flops, quick, profile=True,
+                           topk=f"pallas_radix, unsorted, {split_for(b, c)} splits, split finish")
             if not tag:
                 yield _row(case, "xla", select_x, args, nbytes, flops, quick, big=True, profile=True, topk="lax")
         del cache
