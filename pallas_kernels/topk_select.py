@@ -49,9 +49,10 @@ The indexer's default (``IndexerKernelConfig.topk_splits=None``: ``split_for``):
 one program per row on batches of 16 rows, full or mixed, and level with it at 64 rows (BENCHMARKS.md).
 ``TopkSelectConfig.split_finish`` spreads the second kernel's work over the row's split programs too: the fill
 kernel also counts its buffer's first-pass digits (from the pivot, ``range_margin``), a bucket kernel copies the
-keys of the k-th key's digit (one block at most) to a scratch row, and a finish kernel of ``splits`` programs per
-row finds tau in it (each program the same) and compacts its own buffer into its own output slots. Rows whose
-bucket exceeds a block, or that take another path, run the one-program finish in their first split's program.
+keys of the k-th key's digit (``bucket_blocks`` blocks at most) to a scratch row, and a finish kernel of ``splits``
+programs per row finds tau in it (each program the same) and compacts its own buffer into its own output slots.
+Rows whose bucket exceeds the scratch, or that take another path, run the one-program finish in their first split's
+program (a row whose pivot is tau without the counting passes).
 
 Backend: the Triton lowering (conventions of ``pallas_kernels/fused_insert_common.py``), not Mosaic GPU.
 The prefilter and the compaction store each kept key at a data-dependent position, a vector scatter, and
@@ -130,9 +131,9 @@ class TopkSelectConfig:
     # the split kernel issues its first step's loads before the sample pivot (_fill's ``prefetch``)
     prefetch: bool = False
     # with splits > 1 and range_margin: the finish as three kernels of ``splits`` programs per row. The prefilter also
-    # counts its buffer's first-pass digits; a second kernel copies the k-th key's bucket (at most hist_block keys)
-    # to a scratch row; the third finds tau there and compacts each buffer in its own program. A row whose bucket
-    # is larger, or that takes another path, runs the one-program finish in its first split's program
+    # counts its buffer's first-pass digits; a second kernel copies the k-th key's bucket (at most bucket_blocks x
+    # hist_block keys) to a scratch row; the third finds tau there and compacts each buffer in its own program. A row
+    # whose bucket is larger, or that takes another path, runs the one-program finish in its first split's program
     split_finish: bool = False
     # with split_finish: the scratch bucket's size in hist_block blocks; a row whose k-th key's first-pass bucket holds
     # more keys runs the one-program finish (in its first split's program), so a larger one keeps more rows on the

@@ -24,7 +24,7 @@ Cases (full run; ``quick`` uses tiny shapes and few iterations, e.g. to smoke-te
   row 0 holds 1000 finite logits and -inf after them (lax and the two radix rows), against the full batch;
   ``_pallas_radix_split*_set``: the unsorted select with its prefilter split over ``split_for(B, C)`` programs
   and no other knob; ``_pallas_radix_indexer_set``: the config the indexer runs (``select_config_for``: that split
-  with its measured loop knobs), where it splits; the Pallas rows also record the GPU timeline (one-knob rows:
+  with its measured loop knobs), where it splits; every top-k row also records the GPU timeline (one-knob rows:
   scripts/diag/topk_knobs.py).
 - topk_pallas: the topk rows without the XLA radix, ``_seg*`` and ``_pallas_radix_direct`` rows (all six shapes fit
   one 10-minute call).
@@ -222,7 +222,7 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
     for b, c in tk:
         k1, key = jax.random.split(key)
         lg = jax.random.normal(k1, (b, c), jnp.float32)
-        yield (_row(f"topk_k{K}_b{b}_c{c}", "xla", topk, (lg, K, None, "lax"), 4 * b * c, 0, quick))
+        yield (_row(f"topk_k{K}_b{b}_c{c}", "xla", topk, (lg, K, None, "lax"), 4 * b * c, 0, quick, profile=True))
         for bits in () if lean_topk else (1, 2, 4):  # counting passes of radix select: 32 / bits, each 2^bits compares per key
             yield (_row(f"topk_k{K}_b{b}_c{c}_radix{bits}", "xla", radix, (lg, min(K, c), bits), 4 * b * c, 0,
                         quick))
@@ -247,7 +247,8 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
         # one short row (1000 finite logits, -inf after: a short request) among full ones: lax against the
         # radix select, whose short-row path must not set the batch's time
         lgm = lg.at[0, 1000:].set(-jnp.inf) if c > 1000 else lg
-        yield (_row(f"topk_k{K}_b{b}_c{c}_mixed", "xla", topk, (lgm, K, None, "lax"), 4 * b * c, 0, quick))
+        yield (_row(f"topk_k{K}_b{b}_c{c}_mixed", "xla", topk, (lgm, K, None, "lax"), 4 * b * c, 0, quick,
+                    profile=True))
         for name in [r for r in radix_rows if r != "pallas_radix_direct"]:
             yield radix_row(f"topk_k{K}_b{b}_c{c}_mixed_{name}", radix_rows[name], lgm)
         del lgm

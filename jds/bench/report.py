@@ -445,13 +445,13 @@ def _topk_rows(d: dict) -> list[str]:
         return []
     cols = [c for v in ("", " mixed") for c in (f"lax{v}", f"sorted{v}", f"set{v}", f"split{v}", f"indexer{v}",
                                                    f"direct{v}") if any(c in per for per in by.values())]
-    rows = [r for per in by.values() for c, r in per.items() if c not in ("lax", "lax mixed")]
-    key, what = ("profile_span_us", "device µs per call (GPU timeline; lax: pipelined median)") \
-        if rows and all("profile_span_us" in r for r in rows) else ("median_us", "pipelined median µs")
+    timeline = all("profile_span_us" in r for per in by.values() for r in per.values())
+    key, what = ("profile_span_us", "device µs per call (GPU timeline)") if timeline else ("median_us",
+                                                                                          "pipelined median µs")
     copy = d.get("meta", {}).get("copy_bytes_per_s")
     body = []
     for shape, per in by.items():
-        us = {c: r.get("median_us") if c.startswith("lax") else r.get(key) for c, r in per.items()}
+        us = {c: r.get(key) for c, r in per.items()}
         best = min((c for c in per if c != "lax" and "mixed" not in c and us[c]), key=us.get, default=None)
         read_us = per[best].get("bytes", 0) / copy * 1e6 if best and copy and per[best].get("bytes") else None
         body.append([shape] + [_fmt(us.get(c), 1) for c in cols]
