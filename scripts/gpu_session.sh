@@ -589,9 +589,10 @@ case "$stage" in
   topk-sf)
     # issue 20: the split finish (a 1024-key bucket, three first-pass resolutions, rows whose pivot is tau skipping
     # the counting; IndexerKernelConfig.topk_split_finish) against the indexer's config: the native tests, then both
-    # at ten shapes, full and with one short row (about 5 minutes), on the GPU timeline with per-kernel µs
+    # at ten shapes, full and with one short row (at most 320 s after the tests' 240), on the GPU timeline with
+    # per-kernel µs
     bash "$0" topk-tests
-    timeout -k 10 ${KNOBS_TIMEOUT:-360} python3 scripts/diag/topk_knobs.py --mixed --shapes 64x65536 16x131072 \
+    timeout -k 10 ${KNOBS_TIMEOUT:-320} python3 scripts/diag/topk_knobs.py --mixed --shapes 64x65536 16x131072 \
       16x32768 64x131072 8x65536 32x65536 8x131072 32x131072 32x32768 64x32768 \
       --knobs h512_p16_hold_r1_pf h512_p16_hold_r1_pf_sf_b2r3 --out "$OUT/topk_knobs_sf_h200.json" \
       > "$OUT/topk_sf.log" 2>&1; echo "topk sf rc=$?"
