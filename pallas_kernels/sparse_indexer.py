@@ -84,7 +84,7 @@ from jds.ops.indexer import indexer_topk_xla, map_token_chunks, masked_index_log
 from jds.ops.select import radix_topk
 from jds.ops.quant import FP8, act_quant
 from jds.ops.records import IndexerRecord132
-from pallas_kernels.topk_select import TopkSelectConfig, select_config_for, topk_select
+from pallas_kernels.topk_select import TopkSelectConfig, select_config_for, select_unsorted, topk_select
 
 TILE = 64  # keys per MMA tile (wgmma M)
 HEAD_DIM = 128
@@ -119,9 +119,12 @@ class IndexerKernelConfig:
     #                                 batch (split_for's splits, with its measured loop knobs where it splits)
     topk_split_finish: bool = False  # pallas_radix with topk_splits=None: select_config_for's split finish (the
     #                                  finish spread over the row's split programs; one more kernel)
+    topk_invisible_in_kernel: bool = False  # pallas_radix, "set" order: the kernel writes -1 for invisible (-inf)
+    #                                  keys, so no gather of the kept values follows it (one XLA kernel fewer)
     # Why "set" and None by default: on the H200 both were at least as fast as "sorted" / 1 at every measured
-    # k = 2048 shape, full and mixed batches (archive/kernels_sparse_indexer_h200_2026-12-02.json, rows ..._pallas_radix_set
-    # and ..._split*_set; archive/kernels_select_h200_2026-12-02_partial.json), within a few percent at 64 x 32K
+    # k = 2048 shape, full and mixed batches (archive/kernels_sparse_indexer_h200_2026-12-02.json, rows
+    # ..._pallas_radix_set and ..._split*_set; archive/kernels_select_h200_2026-12-02_partial.json), within a few
+    # percent at 64 x 32K
 
     def __post_init__(self) -> None:
         if self.queries_per_cta is not None and not 1 <= self.queries_per_cta <= 4:
@@ -490,7 +493,8 @@ def resolve_topk_algorithm(rows: int, cols: int, backend: str | None = None) -> 
 
 def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
                      algorithm: TopkAlgorithm = "lax", order: TopkOrder = "sorted",
-                     splits: int | None = 1, split_finish: bool = False) -> jax.Array:
+                     splits: int | None = 1, split_finish: bool = False,
+                     invisible_in_kernel: bool = False) -> jax.Array:
     """lax.top_k of rows already -inf at invisible keys: int32 [T, k], -1 where fewer are visible.
 
     ``order="set"``: the same keys, in any order (``"pallas_radix"`` then returns them in ascending key order,
@@ -500,8 +504,10 @@ def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
     ``algorithm="radix"``: ``jds.ops.select.radix_topk`` (counting passes instead of a sort), identical
     output; ``"pallas_radix"``: the same selection as a Pallas kernel (``pallas_kernels.topk_select``,
     GPU interpret mode off-GPU), identical output; ``"auto"``: ``resolve_topk_algorithm``. ``segment``
-    applies to ``"lax"`` only, ``splits`` and ``split_finish`` (``IndexerKernelConfig.topk_splits`` /
-    ``topk_split_finish``) to ``"pallas_radix"`` only.
+    applies to ``"lax"`` only, ``splits``, ``split_finish`` and ``invisible_in_kernel`` (``IndexerKernelConfig``'s
+    ``topk_splits`` / ``topk_split_finish`` / ``topk_invisible_in_kernel``) to ``"pallas_radix"`` only, the last
+    one with ``order="set"``: the kernel marks the invisible keys itself (``minus_one_for_neg_inf``), so the kept
+    values are never gathered.
 
     Tie rule: among equal scores the lower key index wins (lax.top_k's order). With ``segment``, a
     two-stage selection: top-k of each segment of ``segment`` keys, then top-k of the concatenated winners
@@ -516,6 +522,9 @@ def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
         vals, idx = radix_topk(logits, kk)
     elif algorithm == "pallas_radix":
         cfg = select_config_for(t, n, split_finish=split_finish) if splits is None else TopkSelectConfig(splits=splits)
+        if invisible_in_kernel and order == "set":
+            idx = select_unsorted(logits, kk, config=dataclasses.replace(cfg, minus_one_for_neg_inf=True))[0]
+            return jnp.pad(idx, ((0, 0), (0, k - kk)), constant_values=-1) if kk < k else idx
         vals, idx = topk_select(logits, kk, sort=order == "sorted", config=cfg)
     elif segment is None or n <= segment or segment < kk:
         vals, idx = lax.top_k(logits, kk)
@@ -560,7 +569,7 @@ def _indexer_topk_pallas(index_q, index_w, cache, fmt, block_tables, req_idx, n_
         lg = paged_logits(q, w, cache, block_tables, r, nv, entries_per_page=fmt.entries_per_page,
                           config=config, interpret=interpret)
         return topk_from_logits(lg, k, config.topk_segment, config.topk_algorithm, config.topk_order,
-                                config.topk_splits, config.topk_split_finish)
+                                config.topk_splits, config.topk_split_finish, config.topk_invisible_in_kernel)
 
     return map_token_chunks(fn, t, chunk, (q8, w8, req_idx, n_visible), (0, 0, 0, 0))
 

@@ -144,6 +144,9 @@ class TopkSelectConfig:
     # power of two wide, so one resolution's bucket varies twice over with the span's rounding; a coarser one reaches
     # further, where the k-th key lies in the finer one's clamped top digit (scripts/diag/topk_passes.py)
     bucket_resolutions: int = 2
+    # the compaction writes -1 for kept -inf keys instead of their column: the indexer's invisible keys, so that a
+    # caller wanting the visible columns alone (the indexer's set order) needs no gather of the kept values after it
+    minus_one_for_neg_inf: bool = False
     # the counting passes count each lane's keys of a several-block source in packed 4-bit fields, a shift and an add
     # a key per word instead of a compare and an add per digit value (``_kth_key``'s ``packed``); the sample pivot
     # then holds its sample as 256-key blocks, several keys a lane
@@ -576,6 +579,7 @@ def _scatter(ref, row, t: int | None, slot: jax.Array, val: jax.Array, ok: jax.A
 
 
 _NEG_INF_U = 0x007FFFFF  # u of -inf: below it only padding (u = 0) and no float
+_NEG_INF_S = _NEG_INF_U ^ _SIGN  # its s
 
 
 def _strict_fill(piv_u: jax.Array) -> jax.Array:
@@ -657,11 +661,12 @@ def _step_keys(x_keys, first_block, i, unroll: int, width: int, end) -> list[jax
 
 
 def _compact(sources: list[Source], tau: jax.Array, need: jax.Array, k: int | jax.Array, out: Callable,
-             unroll: int = 1) -> None:
+             unroll: int = 1, neg_inf_col: bool = False) -> None:
     """Step 3 over the sources in column order: keys > tau, and == tau while fewer than ``need`` came before,
     each stored by ``out(slot, col, keep)``. Stops once k keys are kept (none can follow): a row whose pivot is
     tau (a short row's -inf tail) then reads its finite keys and the first -inf ones, not the whole row again.
-    ``unroll`` blocks are loaded per step before any is used; one past a source's count keeps nothing."""
+    ``unroll`` blocks are loaded per step before any is used; one past a source's count keeps nothing.
+    ``neg_inf_col`` (``TopkSelectConfig.minus_one_for_neg_inf``): a kept -inf key's column is stored as -1."""
     def run(n_blocks, load, carry):
         def body(c):
             b, eq_seen, kept = c
@@ -672,6 +677,8 @@ def _compact(sources: list[Source], tau: jax.Array, need: jax.Array, k: int | ja
                 eq = (s == tau).astype(I32)
                 keep = (s > tau) | ((eq == 1) & (eq_seen + jnp.cumsum(eq, axis=1) - eq < need))
                 ki = keep.astype(I32)
+                if neg_inf_col:
+                    col = jnp.where(s == _NEG_INF_S, -1, col)
                 out(kept + jnp.cumsum(ki, axis=1) - ki, col, keep)
                 both = jnp.sum(ki + lax.shift_left(eq, 16))  # one cross-warp reduction for both counts (each <= width)
                 eq_seen, kept = eq_seen + lax.shift_right_logical(both, 16), kept + (both & 0xFFFF)
@@ -752,7 +759,8 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
         C.store(cand_ref, (row11,), jnp.full((1, 1), n, I32), one11)
         C.store(path_ref, (row11,), jnp.zeros((1, 1), I32), one11)
 
-    _compact(sources, tau, need, k, lambda slot, col, keep: _scatter(idx_ref, row, t, slot, col, keep), cfg.unroll)
+    _compact(sources, tau, need, k, lambda slot, col, keep: _scatter(idx_ref, row, t, slot, col, keep), cfg.unroll,
+             cfg.minus_one_for_neg_inf)
 
 
 def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, *hist_ref, n: int, k: int,
@@ -889,7 +897,8 @@ def _finish_row(x_ref, key_ref, col_ref, idx_ref, tau_ref, path_ref, scratch, ro
     C.store(path_ref, (row11,), jnp.full((1, 1), code, I32), one11)
 
     _compact(bufs + [((1 - on) * from_row[0], from_row[1])], tau_u ^ _SIGN, need, k,
-             lambda slot, col, keep: _scatter(idx_ref, row, t, slot, col, keep), cfg.unroll)
+             lambda slot, col, keep: _scatter(idx_ref, row, t, slot, col, keep), cfg.unroll,
+             cfg.minus_one_for_neg_inf)
 
 
 @dataclasses.dataclass
@@ -1018,7 +1027,7 @@ def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref
         fj = jnp.sum(jnp.where(plan.js == j, plan.fill, 0))
         own = _buffer_source(key_ref, col_ref, row, j, fj, cap, hb, jnp.ones((), I32))
         _compact([own], tau, ties, mine, lambda slot, col, kp: _scatter(idx_ref, row, t, off + slot, col, kp),
-                 cfg.unroll)
+                 cfg.unroll, cfg.minus_one_for_neg_inf)
         row11, first11 = row + jnp.zeros((1, 1), I32), (j == 0) & jnp.ones((1, 1), bool)
         C.store(tau_ref, (row11,), jnp.full((1, 1), tau_u, I32), first11)
         C.store(path_ref, (row11,), jnp.full((1, 1), 1, I32), first11)
@@ -1077,7 +1086,8 @@ def _check(x: jax.Array, k: int) -> int:
 
 def select_unsorted(x: jax.Array, k: int, *, config: TopkSelectConfig | None = None,
                     interpret: bool | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """The kernel alone: (kept columns int32 [T, k] in ascending order; tau uint32 [T] = the k-th largest
+    """The kernel alone: (kept columns int32 [T, k] in ascending order, with ``minus_one_for_neg_inf`` -1 in place
+    of -inf keys' columns; tau uint32 [T] = the k-th largest
     ``ordered_key`` of each row, i.e. ``jds.ops.select.kth_largest_key``; candidates int32 [T] = keys the
     prefilter's first pass kept, N without a prefilter; path int32 [T]: how steps 2-3 ran, an index into
     ``PATHS``)."""
@@ -1118,6 +1128,9 @@ def topk_select(x: jax.Array, k: int, *, implementation: Implementation = "palla
 
 def _pallas(x: jax.Array, k: int, config: TopkSelectConfig | None, interpret: bool | None, sort: bool = True
             ) -> tuple[jax.Array, jax.Array]:
+    if config is not None and config.minus_one_for_neg_inf:
+        raise ValueError("config.minus_one_for_neg_inf: topk_select returns the kept keys' values and columns; "
+                         "select_unsorted gives the columns with -1 for -inf keys")
     idx, *_ = select_unsorted(x, k, config=config, interpret=interpret)
     sel = jnp.take_along_axis(x, idx, axis=1)
     if not sort:

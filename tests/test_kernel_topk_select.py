@@ -419,6 +419,35 @@ def test_indexer_topk_splits(mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_invisible_in_kernel(mode: str) -> None:
+    """``minus_one_for_neg_inf`` / ``topk_from_logits(invisible_in_kernel=True)``: the kernel's columns with -1 for
+    kept -inf keys, on every path (one program per row over the row and its buffer, the split finish with its
+    one-program fallback), equal to the default set order's (which marks them after a gather of the values);
+    topk_select refuses the option (its values would be gathered at -1)."""
+    interpret_for(mode)
+    rng = np.random.default_rng(19)
+    n, k = 3000, 300
+    x = np.concatenate([_mixed(n, rng, 1), rng.standard_normal((4, n)).astype(np.float32)])
+    x[-4:-2, 2500:] = -np.inf  # invisible tails beside k or more visible keys
+    x[-3, :40] = -np.inf  # and -inf keys among the visible ones
+    x[-2, 100:] = -np.inf  # fewer visible keys than k: the pivot is tau, -inf keys kept
+    x[-1, rng.choice(n, n - 250, replace=False)] = -np.inf  # the same, scattered
+    xj = jnp.asarray(x)
+    want = np.asarray(topk_from_logits(xj, k, algorithm="pallas_radix", order="set", splits=1))
+    np.testing.assert_array_equal((want == -1).sum(axis=1)[-2:], [k - 100, k - 250])
+    base = dataclasses.replace(SMALL, capacity=1200)
+    for cfg in (base, dataclasses.replace(base, splits=4, shrink=True, range_margin=1, split_finish=True,
+                                          bucket_blocks=2, bucket_resolutions=3)):
+        got = select_unsorted(xj, k, config=dataclasses.replace(cfg, minus_one_for_neg_inf=True),
+                              interpret=interpret_for(mode))[0]
+        np.testing.assert_array_equal(np.sort(np.asarray(got), axis=1), np.sort(want, axis=1), err_msg=str(cfg))
+    got = topk_from_logits(xj, k, algorithm="pallas_radix", order="set", splits=1, invisible_in_kernel=True)
+    np.testing.assert_array_equal(np.sort(np.asarray(got), axis=1), np.sort(want, axis=1))
+    with pytest.raises(ValueError, match="minus_one_for_neg_inf"):
+        topk_select(xj, k, config=TopkSelectConfig(minus_one_for_neg_inf=True))
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_set_order_skips_the_sort(mode: str) -> None:
     """order="set" (no sort of the k winners): per row the same keys as lax.top_k, in ascending key order,
     -1 where lax has -1 (invisible keys), counted per row; the indexer's default is the set (with split_for's splits)."""
@@ -509,7 +538,7 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
 @pytest.mark.parametrize("t,n,tiles", [
     (64, 65536, {}), (64, 65536, dict(range_margin=None, prefetch=False)),  # the config before 2026-12-05
     (64, 65536, dict(range_margin=1, split_finish=True)),
-    (64, 65536, dict(split_finish=True, bucket_blocks=2, bucket_resolutions=3)),
+    (64, 65536, dict(split_finish=True, bucket_blocks=2, bucket_resolutions=3, minus_one_for_neg_inf=True)),
     (64, 65536, dict(range_margin=1, packed_counts=True, fill_warps=16)),
     # the 8-split finish takes ptxas about 40 s on 2 cores: slow
     pytest.param(16, 131072, {}, marks=pytest.mark.slow),
@@ -523,7 +552,7 @@ def test_sm90_compile_indexer_config(t: int, n: int, tiles: dict) -> None:
     pytest.importorskip("triton")
     from pallas_kernels.topk_select import select_config_for
     cfg = dataclasses.replace(select_config_for(t, n), **tiles)
-    fn = functools.partial(topk_select, k=2048, interpret=False, config=cfg, sort=False)
+    fn = functools.partial(select_unsorted, k=2048, interpret=False, config=cfg)
     for k in C.compile_sm90_report(fn, jax.ShapeDtypeStruct((t, n), jnp.float32)):
         assert k["spill_bytes"] <= 64, k
 

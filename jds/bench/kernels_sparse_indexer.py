@@ -9,7 +9,8 @@ Cases (full run; ``quick`` uses tiny shapes and few iterations, e.g. to smoke-te
   ``topk_algorithm="auto"`` (``_auto``, the default; field ``topk``: what it resolved to), with
   ``lax.top_k`` (no suffix), and XLA; ``_set``: ``topk_algorithm="pallas_radix"`` with ``topk_order="set"`` (no sort of
   the k winners), one program per row; ``_set_split``: that with the indexer's split config (``select_config_for``);
-  ``_set_split_sf``: that with its split finish (``topk_split_finish``);
+  ``_set_split_sf``: that with its split finish (``topk_split_finish``); ``_set_split_inv``: the split config with
+  the invisible keys marked by the kernel (``topk_invisible_in_kernel``: no gather of the kept values);
   ``_mixed``: the same batch with one request of 1000 tokens.
 - prefill_select: one request, a chunk of Q in {1K, 4K, 8K} queries at positions C-Q..C-1 over
   C in {8K, 32K, 64K} (Q <= C), causal; logits bounded by the 512 MiB default workspace (pallas) and an
@@ -192,6 +193,8 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
                                                           topk_splits=None))
     sel_sf = selector("pallas", si.IndexerKernelConfig(topk_algorithm="pallas_radix", topk_order="set",
                                                        topk_splits=None, topk_split_finish=True))
+    sel_inv = selector("pallas", si.IndexerKernelConfig(topk_algorithm="pallas_radix", topk_order="set",
+                                                        topk_splits=None, topk_invisible_in_kernel=True))
     for b, c in sel:
         k, key = jax.random.split(key)
         bt, cache, iq, iw, req = _decode_inputs(k, b, c)
@@ -212,6 +215,8 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
                            topk=f"pallas_radix, unsorted, {split_for(b, c)} splits")
                 yield _row(case + "_set_split_sf", "pallas", sel_sf, args, nbytes, flops, quick, profile=True,
                            topk=f"pallas_radix, unsorted, {split_for(b, c)} splits, split finish")
+                yield _row(case + "_set_split_inv", "pallas", sel_inv, args, nbytes, flops, quick, profile=True,
+                           topk=f"pallas_radix, unsorted, {split_for(b, c)} splits, -1s from the kernel")
             if not tag:
                 yield _row(case, "xla", select_x, args, nbytes, flops, quick, big=True, profile=True, topk="lax")
         del cache

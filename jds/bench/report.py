@@ -475,15 +475,16 @@ def _select_variants(d: dict) -> list[str]:
     the rows that decide the default ``topk_algorithm``."""
     by: dict[str, dict[str, dict]] = {}
     for r in d.get("rows", []):
-        m = re.match(r"(decode_select_b\d+_c\d+)(_mixed)?(?:_(auto|set_split_sf|set_split|set))?$",
+        m = re.match(r"(decode_select_b\d+_c\d+)(_mixed)?(?:_(auto|set_split_sf|set_split_inv|set_split|set))?$",
                      r.get("case", ""))
         if m and "error" not in r:
             col = ("xla" if r["impl"] == "xla" else (m.group(3) or "lax")) + (" mixed" if m.group(2) else "")
             by.setdefault(m.group(1), {})[col] = r
     if not by:
         return []
-    cols = [c for c in ("lax", "auto", "set", "set_split", "set_split_sf", "lax mixed", "auto mixed", "set mixed",
-                        "set_split mixed", "set_split_sf mixed", "xla") if any(c in per for per in by.values())]
+    cols = [c for v in ("", " mixed") for c in (f"lax{v}", f"auto{v}", f"set{v}", f"set_split{v}", f"set_split_sf{v}",
+                                                   f"set_split_inv{v}")] + ["xla"]
+    cols = [c for c in cols if any(c in per for per in by.values())]
     timeline, what = _timeline(r for per in by.values() for r in per.values())
     key = "profile_span_us" if timeline else "median_us"
     body = [[shape] + [_fmt(per.get(c, {}).get(key), 1) for c in cols]
@@ -494,7 +495,8 @@ def _select_variants(d: dict) -> list[str]:
     return [f"Decode select (paged logits + top-2048), {what} per top-k choice: `lax` = lax.top_k, "
             "`auto` = the default (`resolve_topk_algorithm`), `set` = the Pallas radix select without its sort "
             "(one program per row since 2026-12-05), "
-            "`set_split` = that with the indexer's split config, `set_split_sf` = that with its split finish; "
+            "`set_split` = that with the indexer's split config, `set_split_sf` = that with its split finish, "
+            "`set_split_inv` = the split config marking the invisible keys in the kernel; "
             "`mixed`: one request of 1000 tokens among "
             "full ones:", ""] + _table(["shape"] + [f"{c} µs" for c in cols]
                                        + ["lax / auto", "auto mixed / full", "auto runs"], body)

@@ -58,9 +58,9 @@ def loops(sass: str) -> tuple[int, list[dict]]:
 def _topk(a: argparse.Namespace):
     import jax
     import jax.numpy as jnp
-    from pallas_kernels.topk_select import select_config_for, topk_select
+    from pallas_kernels.topk_select import select_config_for, select_unsorted
     cfg = dataclasses.replace(select_config_for(a.rows, a.cols), **json.loads(a.tiles))
-    return (functools.partial(topk_select, k=a.k, interpret=False, config=cfg, sort=False),
+    return (functools.partial(select_unsorted, k=a.k, interpret=False, config=cfg),
             [jax.ShapeDtypeStruct((a.rows, a.cols), jnp.float32)])
 
 
