@@ -588,14 +588,17 @@ case "$stage" in
     ;;
   topk-sf)
     # issue 20: the split finish (a 1024-key bucket, three first-pass resolutions, rows whose pivot is tau skipping
-    # the counting; IndexerKernelConfig.topk_split_finish) against the indexer's config: the native tests, then both
-    # at ten shapes, full and with one short row (at most 320 s after the tests' 240), on the GPU timeline with
-    # per-kernel µs
+    # the counting; IndexerKernelConfig.topk_split_finish) and the kernel's -1 for invisible keys (no gather after it;
+    # topk_invisible_in_kernel) against the indexer's config: the native tests, then the four sets at the four main
+    # shapes, then the split finish at six more, full and with one short row, GPU timeline with per-kernel µs
     bash "$0" topk-tests
-    timeout -k 10 ${KNOBS_TIMEOUT:-320} python3 scripts/diag/topk_knobs.py --mixed --shapes 64x65536 16x131072 \
-      16x32768 64x131072 8x65536 32x65536 8x131072 32x131072 32x32768 64x32768 \
-      --knobs h512_p16_hold_r1_pf h512_p16_hold_r1_pf_sf_b2r3 --out "$OUT/topk_knobs_sf_h200.json" \
-      > "$OUT/topk_sf.log" 2>&1; echo "topk sf rc=$?"
+    timeout -k 10 ${KNOBS_TIMEOUT:-200} python3 scripts/diag/topk_knobs.py --mixed --shapes 64x65536 16x131072 \
+      16x32768 64x131072 --knobs h512_p16_hold_r1_pf h512_p16_hold_r1_pf_inv h512_p16_hold_r1_pf_sf_b2r3 \
+      h512_p16_hold_r1_pf_sf_b2r3_inv --out "$OUT/topk_knobs_sf_h200.json" > "$OUT/topk_sf.log" 2>&1
+    echo "topk sf rc=$?"
+    timeout -k 10 ${KNOBS2_TIMEOUT:-140} python3 scripts/diag/topk_knobs.py --mixed --shapes 8x65536 32x65536 \
+      8x131072 32x131072 32x32768 64x32768 --knobs h512_p16_hold_r1_pf h512_p16_hold_r1_pf_sf_b2r3 \
+      --out "$OUT/topk_knobs_sf_more_h200.json" >> "$OUT/topk_sf.log" 2>&1; echo "topk sf more rc=$?"
     grep '^{' "$OUT/topk_sf.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("profile_busy_us"), r.get("same_set_as_lax"), r.get("profile_kernel_us"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
     ;;
   topk-select)

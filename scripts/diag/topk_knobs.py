@@ -24,7 +24,7 @@ import numpy as np
 
 from jds.bench.results import measured_row, run_meta, write_json
 from jds.bench.timing import profiled_device_us, time_fn
-from pallas_kernels.topk_select import TopkSelectConfig, split_for, topk_select
+from pallas_kernels.topk_select import TopkSelectConfig, select_unsorted, split_for, topk_select
 
 K = 2048
 KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": dict(unroll=4), "b2": dict(bits=2),
@@ -97,6 +97,13 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          "h512_p16_hold_r1_pf_sf_b2r3": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
                                              range_margin=1, prefetch=True, split_finish=True, bucket_blocks=2,
                                              bucket_resolutions=3),
+         # ... the kernel writing -1 for kept -inf keys (the indexer's invisible keys; topk_invisible_in_kernel): the
+         # call is select_unsorted's columns alone, no gather of the kept values after the kernels
+         "h512_p16_hold_r1_pf_inv": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
+                                         range_margin=1, prefetch=True, minus_one_for_neg_inf=True),
+         "h512_p16_hold_r1_pf_sf_b2r3_inv": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16,
+                                                 hold_shrunk=True, range_margin=1, prefetch=True, split_finish=True,
+                                                 bucket_blocks=2, bucket_resolutions=3, minus_one_for_neg_inf=True),
          # the counting passes' per-lane counts in packed 4-bit fields (packed_counts; thirty-fifth session): the
          # count step over 512-key blocks 265 -> 114 SASS instructions for 4 keys a thread (pip triton, sm_90a)
          "h512_p16_hold_pk": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
@@ -133,7 +140,9 @@ def main() -> None:
         lg = jax.random.normal(jax.random.key(b * c), (b, c), jnp.float32)
         batches = [("", lg)] + ([("_mixed", lg.at[0, 1000:].set(-jnp.inf))] if a.mixed else [])
         for tag, x in batches:
-            want = np.sort(np.asarray(lax_topk(x, K)[1]), axis=1)
+            lv, li = lax_topk(x, K)
+            want = np.sort(np.asarray(li), axis=1)
+            want_inv = np.sort(np.where(np.asarray(lv) > -np.inf, np.asarray(li), -1), axis=1)  # -1: -inf keys
             if a.lax:
                 rows.append({"case": f"topk_b{b}_c{c}{tag}_lax", **time_fn(lax_topk, x, K, warmup=5, iters=30),
                              **profiled_device_us(lax_topk, x, K)})
@@ -141,10 +150,13 @@ def main() -> None:
             for name in a.knobs:
                 kn = dict(KNOBS[name])
                 cfg = TopkSelectConfig(**{"splits": sp * kn.pop("splits_x", 1), **kn})
-                f = jax.jit(functools.partial(topk_select, sort=False, config=cfg), static_argnums=1)
+                if cfg.minus_one_for_neg_inf:  # the kernels' columns alone (topk_select would gather at -1)
+                    f = jax.jit(lambda x, k, cfg=cfg: (select_unsorted(x, k, config=cfg)[0],) * 2, static_argnums=1)
+                else:
+                    f = jax.jit(functools.partial(topk_select, sort=False, config=cfg), static_argnums=1)
                 case = f"topk_b{b}_c{c}{tag}_split{cfg.splits}_set_{name}"
 
-                def measure(f=f, x=x, want=want) -> dict:
+                def measure(f=f, x=x, want=want_inv if cfg.minus_one_for_neg_inf else want) -> dict:
                     got = np.sort(np.asarray(f(x, K)[1]), axis=1)
                     return {"same_set_as_lax": bool((got == want).all()), **time_fn(f, x, K, warmup=5, iters=30),
                             **profiled_device_us(f, x, K, by_kernel=True)}
