@@ -521,7 +521,8 @@ def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
     if algorithm == "radix":
         vals, idx = radix_topk(logits, kk)
     elif algorithm == "pallas_radix":
-        cfg = select_config_for(t, n, split_finish=split_finish) if splits is None else TopkSelectConfig(splits=splits)
+        cfg = (select_config_for(t, n, split_finish=split_finish) if splits is None
+               else TopkSelectConfig(splits=splits))
         if invisible_in_kernel and order == "set":
             idx = select_unsorted(logits, kk, config=dataclasses.replace(cfg, minus_one_for_neg_inf=True))[0]
             return jnp.pad(idx, ((0, 0), (0, k - kk)), constant_values=-1) if kk < k else idx
