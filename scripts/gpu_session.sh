@@ -592,11 +592,11 @@ case "$stage" in
     # topk_invisible_in_kernel) against the indexer's config: the native tests, then the four sets at the four main
     # shapes, then the split finish at six more, full and with one short row, GPU timeline with per-kernel µs
     bash "$0" topk-tests
-    timeout -k 10 ${KNOBS_TIMEOUT:-200} python3 scripts/diag/topk_knobs.py --mixed --shapes 64x65536 16x131072 \
+    timeout -k 10 ${KNOBS_TIMEOUT:-190} python3 scripts/diag/topk_knobs.py --mixed --shapes 64x65536 16x131072 \
       16x32768 64x131072 --knobs h512_p16_hold_r1_pf h512_p16_hold_r1_pf_inv h512_p16_hold_r1_pf_sf_b2r3 \
       h512_p16_hold_r1_pf_sf_b2r3_inv --out "$OUT/topk_knobs_sf_h200.json" > "$OUT/topk_sf.log" 2>&1
     echo "topk sf rc=$?"
-    timeout -k 10 ${KNOBS2_TIMEOUT:-140} python3 scripts/diag/topk_knobs.py --mixed --shapes 8x65536 32x65536 \
+    timeout -k 10 ${KNOBS2_TIMEOUT:-120} python3 scripts/diag/topk_knobs.py --mixed --shapes 8x65536 32x65536 \
       8x131072 32x131072 32x32768 64x32768 --knobs h512_p16_hold_r1_pf h512_p16_hold_r1_pf_sf_b2r3 \
       --out "$OUT/topk_knobs_sf_more_h200.json" >> "$OUT/topk_sf.log" 2>&1; echo "topk sf more rc=$?"
     grep '^{' "$OUT/topk_sf.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("profile_busy_us"), r.get("same_set_as_lax"), r.get("profile_kernel_us"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
@@ -610,7 +610,7 @@ case "$stage" in
   topk-tests)
     # the native top-k and sparse-indexer tests, 4 pytest-xdist workers (carry .whl/ for xdist)
     python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
-    timeout -k 10 -s INT ${TOPK_TESTS_TIMEOUT:-240} python3 -m pytest -m gpu -n 4 -q --tb=short -rfE -p no:cacheprovider \
+    timeout -k 10 -s INT ${TOPK_TESTS_TIMEOUT:-270} python3 -m pytest -m gpu -n 4 -q --tb=short -rfE -p no:cacheprovider \
       tests/test_kernel_topk_select.py tests/test_kernel_sparse_indexer.py > "$OUT/gpu_topk_tests.log" 2>&1
     echo "topk tests rc=$?"; tail -3 "$OUT/gpu_topk_tests.log"
     ;;
