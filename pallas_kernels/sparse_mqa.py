@@ -339,7 +339,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
         num_splits = max(1, min(NUM_SMS // max(1, t * g), nb // MIN_BLOCKS_PER_SPLIT))
     bps = -(-nb // max(1, min(num_splits, nb)))
     n_splits = -(-nb // bps)
-    stored = jnp.dtype(out_dtype) if n_splits == 1 else jnp.dtype(jnp.float32 if split_dtype is None else split_dtype)
+    split_dtype = jnp.dtype(jnp.float32 if split_dtype is None else split_dtype)
+    stored = jnp.dtype(out_dtype) if n_splits == 1 else split_dtype
     extents = ("pallas" if len(slots) > 1 else "xla") if extents is None else extents
     out_store = ("tma" if stored == jnp.dtype(jnp.bfloat16) else "direct") if out_store is None else out_store
     if extents not in ("xla", "pallas"):
@@ -353,8 +354,7 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
               else jnp.zeros((hp,), jnp.float32))
     call = _build_call(specs=specs, list_blocks=tuple(list_blocks), t=t, hp=hp, dv=v_dim, scale=float(scale),
                        has_sink=has_sink, n_splits=n_splits, bps=bps, out_dtype=jnp.dtype(out_dtype),
-                       split_dtype=jnp.dtype(jnp.float32 if split_dtype is None else split_dtype),
-                       out_store=out_store,
+                       split_dtype=split_dtype, out_store=out_store,
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
                        producer_phases=producer_phases,
                        pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2,

@@ -695,7 +695,7 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
     row = pl.program_id(0)
     t = idx_ref.shape[0] if interpret else None  # _scatter: masked-out lanes' index (interpret mode only)
     hb = cfg.hist_block
-    shrink = (bufs[-1], row, t if interpret else None, interpret) if cfg.shrink else None  # the scratch row comes last
+    shrink = (bufs[-1], row, t, interpret) if cfg.shrink else None  # the scratch row comes last
     row11 = row + jnp.zeros((1, 1), I32)  # [1, 1] index of this row's scalar outputs
     one11 = jnp.ones((1, 1), bool)
 
@@ -886,7 +886,7 @@ def _finish_row(x_ref, key_ref, col_ref, idx_ref, tau_ref, path_ref, scratch, ro
                            piv, strict) for jj in range(sp)]
     x_keys = _row_keys(x_ref, row, n)
     from_row = (pl.cdiv(n, hb), lambda b: x_keys(b, hb))
-    shrink = (scratch[0], row, t if interpret else None, interpret) if cfg.shrink else None
+    shrink = (scratch[0], row, t, interpret) if cfg.shrink else None
     tau_u, need = _pivot_or_kth(plan.at_pivot, plan.piv_u, k - plan.total_above, lambda: _kth_key(
         bufs + [((1 - on) * (1 - piv_on) * from_row[0], from_row[1])], k, cfg.bits, hb, shrink=shrink,
         unroll=cfg.unroll, hold=cfg.hold_shrunk, start=_counting_start(cfg, plan.use_buf, plan.piv_u, plan.hi_u),
