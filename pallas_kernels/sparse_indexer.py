@@ -117,8 +117,9 @@ class IndexerKernelConfig:
     topk_splits: int | None = None  # pallas_radix: programs per row for its prefilter pass (TopkSelectConfig.splits;
     #                                 a power of 2); None: topk_select.select_config_for(rows, cols), by the
     #                                 batch (split_for's splits, with its measured loop knobs where it splits)
-    topk_split_finish: bool = False  # pallas_radix with topk_splits=None: select_config_for's split finish (the
-    #                                  finish spread over the row's split programs; one more kernel)
+    topk_split_finish: bool = True  # pallas_radix with topk_splits=None: select_config_for's split finish (the
+    #                                 finish spread over the row's split programs; one more kernel, faster at every
+    #                                 batch timed: select_config_for); False: the one-program finish
     topk_invisible_in_kernel: bool = False  # pallas_radix, "set" order: the kernel writes -1 for invisible (-inf)
     #                                  keys, so no gather of the kept values follows it (one XLA kernel fewer)
     # Why "set" and None by default: on the H200 both were at least as fast as "sorted" / 1 at every measured
@@ -493,7 +494,7 @@ def resolve_topk_algorithm(rows: int, cols: int, backend: str | None = None) -> 
 
 def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
                      algorithm: TopkAlgorithm = "lax", order: TopkOrder = "sorted",
-                     splits: int | None = 1, split_finish: bool = False,
+                     splits: int | None = 1, split_finish: bool = True,
                      invisible_in_kernel: bool = False) -> jax.Array:
     """lax.top_k of rows already -inf at invisible keys: int32 [T, k], -1 where fewer are visible.
 

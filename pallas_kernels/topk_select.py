@@ -204,7 +204,7 @@ def split_for(t: int, n: int, cfg: TopkSelectConfig | None = None, sms: int = 13
     return s
 
 
-def select_config_for(t: int, n: int, sms: int = 132, split_finish: bool = False) -> TopkSelectConfig:
+def select_config_for(t: int, n: int, sms: int = 132, split_finish: bool = True) -> TopkSelectConfig:
     """The indexer's config for [t, n] rows (``IndexerKernelConfig.topk_splits=None``): ``split_for``'s splits, and
     where it splits, the loads of 2 blocks issued together, the counting shrunk to one block once few candidates
     remain, 512-key counting / compaction steps (half the steps over the candidate buffers), and a pivot resolved
@@ -215,11 +215,13 @@ def select_config_for(t: int, n: int, sms: int = 132, split_finish: bool = False
     shrunk block in registers through the finish passes won at all four shapes (topk_knobs_cols_h200_*.json);
     column-only split buffers (the finish reading each key back from the row) lost at all four and were removed.
     The finish's counting from the pivot (range_margin 1) with the prefilter's next loads in flight (prefetch) won
-    at all four, full and mixed-length batches (archive/topk_knobs_range_*h200_2026-12-05.json); the split finish was
-    faster again at 64 x 64K and 16 x 128K but slower at 64 x 128K and in 16 x 32K's mixed batch, so it stays off.
-    ``split_finish`` (where it splits): the split finish with a 1024-key bucket and three first-pass resolutions,
-    faster on the timeline at 7 of the 8 batches timed (archive/topk_knobs_bucket_h200_2026-12-05.json), not the
-    default yet: its native tests and the eager call's cost of its extra kernel are still to be measured."""
+    at all four, full and mixed-length batches (archive/topk_knobs_range_*h200_2026-12-05.json).
+    ``split_finish`` (where it splits; ``IndexerKernelConfig.topk_split_finish``): the finish spread over the row's
+    split programs, with a 2-block bucket and three first-pass resolutions. On the timeline it was faster than the
+    one-program finish at every batch timed in the thirty-eighth session, 7 shapes full and 6 mixed
+    (archive/topk_knobs_sf_h200_2026-12-05.json; 64 x 128K in archive/topk_knobs_bucket_h200_2026-12-05.json), and
+    in the layers' decode select at 16 x 32K and 16 x 128K, full and mixed, its fourth kernel included
+    (archive/kernels_select_h200_2026-12-05_partial.json). 64 x 32K, 32 x 32K and 32 / 8 x 128K are untimed."""
     sp = split_for(t, n, sms=sms)
     if sp == 1:
         return TopkSelectConfig()

@@ -366,13 +366,13 @@ def test_split_for() -> None:
     # the indexer's config: the measured unroll, shrink, 512-key counting steps, 16-bit pivot, the finish from the
     # pivot and the prefilter's loads in flight where it splits, the
     # defaults where it does not
-    assert select_config_for(64, 65536) == TopkSelectConfig(splits=2, unroll=2, shrink=True, hist_block=512,
-                                                            pivot_bits=16, hold_shrunk=True, range_margin=1,
-                                                            prefetch=True)
-    assert select_config_for(128, 65536) == TopkSelectConfig()
-    sf = select_config_for(64, 65536, split_finish=True)  # IndexerKernelConfig.topk_split_finish
-    assert (sf.split_finish, sf.bucket_blocks, sf.bucket_resolutions) == (True, 2, 3)
-    assert select_config_for(128, 65536, split_finish=True) == TopkSelectConfig()  # no split, no split finish
+    one = TopkSelectConfig(splits=2, unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
+                           range_margin=1, prefetch=True)
+    assert select_config_for(64, 65536, split_finish=False) == one  # IndexerKernelConfig.topk_split_finish=False
+    # the default: the split finish with a 2-block bucket and three first-pass resolutions
+    assert select_config_for(64, 65536) == dataclasses.replace(one, split_finish=True, bucket_blocks=2,
+                                                               bucket_resolutions=3)
+    assert select_config_for(128, 65536) == TopkSelectConfig()  # no split, no split finish
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -536,16 +536,16 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
 
 
 @pytest.mark.parametrize("t,n,tiles", [
-    (64, 65536, {}), (64, 65536, dict(range_margin=None, prefetch=False)),  # the config before 2026-12-05
-    (64, 65536, dict(range_margin=1, split_finish=True)),
-    (64, 65536, dict(split_finish=True, bucket_blocks=2, bucket_resolutions=3, minus_one_for_neg_inf=True)),
-    (64, 65536, dict(range_margin=1, packed_counts=True, fill_warps=16)),
+    (64, 65536, {}), (64, 65536, dict(split_finish=False)),  # the one-program finish (the default before 2026-12-05)
+    (64, 65536, dict(range_margin=None, prefetch=False, split_finish=False)),  # the config before that
+    (64, 65536, dict(minus_one_for_neg_inf=True)),
+    (64, 65536, dict(split_finish=False, packed_counts=True, fill_warps=16)),
     # the 8-split finish takes ptxas about 40 s on 2 cores: slow
     pytest.param(16, 131072, {}, marks=pytest.mark.slow),
-    pytest.param(16, 131072, dict(range_margin=1, split_finish=True, packed_counts=True), marks=pytest.mark.slow)])
+    pytest.param(16, 131072, dict(split_finish=False, packed_counts=True), marks=pytest.mark.slow)])
 def test_sm90_compile_indexer_config(t: int, n: int, tiles: dict) -> None:
     """The indexer's config at its shapes (``select_config_for``: split, unroll 2, shrink, 512-key steps, 16-bit
-    pivot), and with the options still to be timed, compiles for sm_90a with at most 64 bytes of spills (a bound, not
+    pivot, the split finish), earlier configs and the options still to be timed, compiles for sm_90a with at most 64 bytes of spills (a bound, not
     zero: with pip triton 3.6 the 512-key finish kernel spills 40 bytes at 128 registers, with 3.8 none; the H200's
     timeline, with the plugin's own Triton, measured that form faster than the 256-key one, whatever it spills
     there)."""

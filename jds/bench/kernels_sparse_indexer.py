@@ -8,9 +8,10 @@ Cases (full run; ``quick`` uses tiny shapes and few iterations, e.g. to smoke-te
 - select (only when asked for): decode_select at B in {16, 64} x C in {32K, 128K} with
   ``topk_algorithm="auto"`` (``_auto``, the default; field ``topk``: what it resolved to), with
   ``lax.top_k`` (no suffix), and XLA; ``_set``: ``topk_algorithm="pallas_radix"`` with ``topk_order="set"`` (no sort of
-  the k winners), one program per row; ``_set_split``: that with the indexer's split config (``select_config_for``);
-  ``_set_split_sf``: that with its split finish (``topk_split_finish``); ``_set_split_inv``: the split config with
-  the invisible keys marked by the kernel (``topk_invisible_in_kernel``: no gather of the kept values);
+  the k winners), one program per row; ``_set_split``: that with the indexer's split config (``select_config_for``)
+  and the one-program finish; ``_set_split_sf``: with its split finish (``topk_split_finish``, the default since
+  2026-12-05); ``_set_split_inv``: the indexer's config with the invisible keys marked by the kernel
+  (``topk_invisible_in_kernel``: no gather of the kept values);
   ``_mixed``: the same batch with one request of 1000 tokens.
 - prefill_select: one request, a chunk of Q in {1K, 4K, 8K} queries at positions C-Q..C-1 over
   C in {8K, 32K, 64K} (Q <= C), causal; logits bounded by the 512 MiB default workspace (pallas) and an
@@ -190,7 +191,7 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
     sel_set = selector("pallas", si.IndexerKernelConfig(topk_algorithm="pallas_radix", topk_order="set",
                                                         topk_splits=1))
     sel_split = selector("pallas", si.IndexerKernelConfig(topk_algorithm="pallas_radix", topk_order="set",
-                                                          topk_splits=None))
+                                                          topk_splits=None, topk_split_finish=False))
     sel_sf = selector("pallas", si.IndexerKernelConfig(topk_algorithm="pallas_radix", topk_order="set",
                                                        topk_splits=None, topk_split_finish=True))
     sel_inv = selector("pallas", si.IndexerKernelConfig(topk_algorithm="pallas_radix", topk_order="set",

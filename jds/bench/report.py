@@ -495,8 +495,9 @@ def _select_variants(d: dict) -> list[str]:
     return [f"Decode select (paged logits + top-2048), {what} per top-k choice: `lax` = lax.top_k, "
             "`auto` = the default (`resolve_topk_algorithm`), `set` = the Pallas radix select without its sort "
             "(one program per row since 2026-12-05), "
-            "`set_split` = that with the indexer's split config, `set_split_sf` = that with its split finish, "
-            "`set_split_inv` = the split config marking the invisible keys in the kernel; "
+            "`set_split` = that with the indexer's split config and the one-program finish, `set_split_sf` = with "
+            "its split finish (the default since 2026-12-05), `set_split_inv` = the indexer's config marking the "
+            "invisible keys in the kernel; "
             "`mixed`: one request of 1000 tokens among "
             "full ones:", ""] + _table(["shape"] + [f"{c} µs" for c in cols]
                                        + ["lax / auto", "auto mixed / full", "auto runs"], body)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jds.bench.results import measured_row, run_meta, write_json
+from jds.bench.results import measured_row, save_rows
 from jds.bench.timing import profiled_device_us, time_fn
 from pallas_kernels.topk_select import TopkSelectConfig, select_unsorted, split_for, topk_select
 
@@ -133,7 +133,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     lax_topk = jax.jit(jax.lax.top_k, static_argnums=1)
-    rows = []
+    rows: list[dict] = []
+    knobs = {n: KNOBS[n] for n in a.knobs}
+    save = functools.partial(save_rows, a.out, rows, False, knobs=knobs)  # after every row: a cut run keeps its rows
     for shape in a.shapes:
         b, c = (int(v) for v in shape.split("x"))
         sp = split_for(b, c)
@@ -147,6 +149,7 @@ def main() -> None:
                 rows.append({"case": f"topk_b{b}_c{c}{tag}_lax", **time_fn(lax_topk, x, K, warmup=5, iters=30),
                              **profiled_device_us(lax_topk, x, K)})
                 print(json.dumps(rows[-1]), flush=True)
+                save()
             for name in a.knobs:
                 kn = dict(KNOBS[name])
                 cfg = TopkSelectConfig(**{"splits": sp * kn.pop("splits_x", 1), **kn})
@@ -162,8 +165,8 @@ def main() -> None:
                             **profiled_device_us(f, x, K, by_kernel=True)}
 
                 rows.append(measured_row({"case": case}, measure))
-    if a.out:
-        write_json(a.out, {"meta": run_meta(knobs={n: KNOBS[n] for n in a.knobs}), "rows": rows})
+                save()
+    save_rows(a.out, rows, True, knobs=knobs)
 
 
 if __name__ == "__main__":
