@@ -25,6 +25,7 @@
 #   scripts/gpu_session.sh mqa-variants  # issue 20: sparse MQA native tests, its switches on the GPU timeline, ncu of the default
 #   scripts/gpu_session.sh mqa-loops     # issue 20: the register producer's native tests, then its switch sets timed
 #   scripts/gpu_session.sh topk-sf       # issue 20: the top-k's split finish against the indexer's config, native tests first
+#   scripts/gpu_session.sh topk-prefilter # issue 20: the prefilter with 16 warps / packed counts on the default, 4 shapes
 #   scripts/gpu_session.sh topk-shapes   # issue 20: the split finish (the default) against the one-program finish at four more shapes
 #   scripts/gpu_session.sh topk-select   # issue 20: the indexer's decode select per top-k choice (the split finish beside)
 #   scripts/gpu_session.sh mqa-refresh   # issue 20: every native MQA test; the defaults, V4's splits and output dtypes timed
@@ -616,6 +617,15 @@ case "$stage" in
       8x131072 32x131072 --knobs h512_p16_hold_r1_pf h512_p16_hold_r1_pf_sf_b2r3 \
       --out "$OUT/topk_knobs_shapes_h200.json" > "$OUT/topk_shapes.log" 2>&1; echo "topk shapes rc=$?"
     grep '^{' "$OUT/topk_shapes.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("same_set_as_lax"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
+    ;;
+  topk-prefilter)
+    # issue 20: the prefilter (28 of 48 µs at 64 x 64K) with 16 warps a program and / or packed sample counts, on the
+    # indexer's default (the split finish), four shapes, full and mixed; the top-k tests first unless TOPK_TESTS=0
+    [ "${TOPK_TESTS:-1}" = 0 ] || bash "$0" topk-tests
+    timeout -k 10 ${KNOBS_TIMEOUT:-280} python3 scripts/diag/topk_knobs.py --mixed --shapes 64x65536 16x131072 \
+      16x32768 64x131072 --knobs h512_p16_hold_r1_pf_sf_b2r3 sf_w16 sf_pk sf_pk_w16 \
+      --out "$OUT/topk_knobs_prefilter_h200.json" > "$OUT/topk_prefilter.log" 2>&1; echo "topk prefilter rc=$?"
+    grep '^{' "$OUT/topk_prefilter.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("same_set_as_lax"), r.get("profile_kernel_us"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
     ;;
   topk-select)
     # issue 20: the indexer's decode select (paged logits + top-k, as the layers call it) per top-k choice, the split

@@ -288,7 +288,7 @@ def test_split_finish_same_result(mode: str, splits: int, unroll: int, finish: d
 @pytest.mark.parametrize("mode", MODES)
 def test_split_finish_random_configs(mode: str) -> None:
     """Random configs of the split path with the range start, the split finish and prefetch (splits, margins,
-    blocks, unroll, capacity, pivot bits, packed counts) on random rows of every kind, with far keys off the sample:
+    blocks, unroll, capacity, pivot bits, packed counts, the prefilter's warps) on random rows of every kind, with far keys off the sample:
     the same kept set as lax.top_k. (An unseeded form of this ran 179 configs in interpret mode, thirty-fourth
     session.)"""
     rng = np.random.default_rng(47)
@@ -304,6 +304,7 @@ def test_split_finish_random_configs(mode: str) -> None:
         cfg = dataclasses.replace(cfg, bucket_resolutions=int(rng.integers(1, min(cfg.range_margin + 2, 3) + 1)))
         x = np.concatenate([_rows(kind, 1, n, rng) for kind in rng.choice(KINDS, 4)])
         x[0, rng.choice(n, 20)] += np.float32(1e6)
+        cfg = dataclasses.replace(cfg, fill_warps=[None, 16][int(rng.integers(2))])  # the prefilter's own warps
         xj = jnp.asarray(x)
         idx = select_unsorted(xj, k, config=cfg, interpret=interpret_for(mode))[0]
         np.testing.assert_array_equal(np.asarray(idx), np.sort(np.asarray(jax.lax.top_k(xj, k)[1]), axis=1),
@@ -539,7 +540,7 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
     (64, 65536, {}), (64, 65536, dict(split_finish=False)),  # the one-program finish (the default before 2026-12-05)
     (64, 65536, dict(range_margin=None, prefetch=False, split_finish=False)),  # the config before that
     (64, 65536, dict(minus_one_for_neg_inf=True)),
-    (64, 65536, dict(split_finish=False, packed_counts=True, fill_warps=16)),
+    (64, 65536, dict(packed_counts=True, fill_warps=16)),
     # the 8-split finish takes ptxas about 40 s on 2 cores: slow
     pytest.param(16, 131072, {}, marks=pytest.mark.slow),
     pytest.param(16, 131072, dict(split_finish=False, packed_counts=True), marks=pytest.mark.slow)])

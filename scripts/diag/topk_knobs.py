@@ -27,6 +27,9 @@ from jds.bench.timing import profiled_device_us, time_fn
 from pallas_kernels.topk_select import TopkSelectConfig, select_unsorted, split_for, topk_select
 
 K = 2048
+# the indexer's config where it splits (select_config_for): the split finish, a 2-block bucket, three resolutions
+_SF = dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True, range_margin=1, prefetch=True,
+           split_finish=True, bucket_blocks=2, bucket_resolutions=3)
 KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": dict(unroll=4), "b2": dict(bits=2),
          "u2_b2": dict(unroll=2, bits=2), "u2_blk4096": dict(unroll=2, block=4096),
          "u2_shrink": dict(unroll=2, shrink=True), "blk4096": dict(block=4096), "shrink": dict(shrink=True),
@@ -116,6 +119,10 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          # and shared-memory latency (64 x 64K: one program an SM), 8 keys a thread a step; or twice the programs
          "h512_p16_hold_r1_pk_w16": dict(unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
                                          range_margin=1, packed_counts=True, fill_warps=16),
+         # ... on the indexer's default (the split finish, thirty-eighth session): the prefilter, 28 of 48 µs at
+         # 64 x 64K, issues at about 0.3 instructions a cycle a scheduler with 2 warps each (eleventh session's ncu)
+         "sf_w16": {**_SF, "fill_warps": 16}, "sf_pk": {**_SF, "packed_counts": True},
+         "sf_pk_w16": {**_SF, "packed_counts": True, "fill_warps": 16},
          "x2_h512_p16_hold_r1_pk": dict(splits_x=2, unroll=2, shrink=True, hist_block=512, pivot_bits=16,
                                         hold_shrunk=True, range_margin=1, packed_counts=True),
          # 1024-key counting / compaction steps over packed counts (half the finish's steps and a 1024-key held
