@@ -259,7 +259,8 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool) -> Iterator[dict]:
                 d = device_row(g, *targs, median_us=t["median_us"])
                 r.update({key: v / rot for key, v in d.items()})
                 d = profiled_device_us(g, *targs)  # per timed call of ``rot`` calls, from the GPU's timeline
-                r.update({key: v if key == "profile_calls" else v / rot for key, v in d.items()})
+                r.update({key: v / rot if key != "profile_calls" and isinstance(v, (int, float)) else v
+                          for key, v in d.items()})
             _rates(r, nb, ceil)
         except Exception as ex:  # noqa: BLE001
             r["error"] = error_text(ex)

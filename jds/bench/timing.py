@@ -168,7 +168,8 @@ def profiled_device_us(fn: Callable[..., Any], *args: Any, calls: int = 20, warm
 
     Returns the medians over calls of ``profile_span_us`` (first kernel start -> last kernel end: the call's
     device time, gaps between its kernels included), ``profile_busy_us`` (kernel time alone) and
-    ``profile_kernels`` (kernels per call); ``{}`` when the trace holds no GPU kernels (a CPU run).
+    ``profile_kernels`` (kernels per call); ``{}`` when the trace holds no GPU kernels (a CPU run), and only
+    ``profile_lines`` (the GPU planes' line names and event counts) when it has GPU lines but no stream's kernels.
     ``by_kernel``: also ``profile_kernel_us``, each kernel name's median time per call (which of a call's
     kernels costs what: the wrapper's XLA fusions beside a Pallas kernel).
 
@@ -209,8 +210,11 @@ def profiled_device_us(fn: Callable[..., Any], *args: Any, calls: int = 20, warm
         if not files:
             return {}
         pd = ProfileData.from_file(max(files, key=os.path.getmtime))
-        events = [e for plane in pd.planes if plane.name.startswith("/device:GPU") for line in plane.lines
-                  if "stream" in line.name.lower() and "memcpy" not in line.name.lower() for e in line.events]
+        lines = [line for plane in pd.planes if plane.name.startswith("/device:GPU") for line in plane.lines]
+        events = [e for line in lines if "stream" in line.name.lower() and "memcpy" not in line.name.lower()
+                  for e in line.events]
+        if not events:  # which lines the trace has instead (executables of Pallas calls alone came back empty)
+            return {"profile_lines": {line.name: sum(1 for _ in line.events) for line in lines}}
     kernels = [(int(e.start_ns), int(e.duration_ns)) for e in events]
     return split_calls(kernels, calls, [e.name for e in events] if by_kernel else None)
 
