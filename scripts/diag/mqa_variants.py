@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from jds.bench import kernels_sparse_mqa as b
-from jds.bench.results import measured_row, run_meta, write_json
+from jds.bench.results import measured_row, save_rows
 from jds.bench.timing import CAPTURED_OPTIONS, profiled_device_us
 from pallas_kernels import sparse_mqa
 
@@ -52,6 +52,14 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             "registers_splits1": dict(producer="registers", num_splits=1),  # V4 b64
             # the fp32 dequantisation (conversion instructions) where the default takes the power-of-two one
             "registers_f32": dict(producer="registers", producer_pow2=False),
+            # each compute warpgroup half of the head dim for all 64 candidates, the partial scores exchanged
+            # (qk_split="depth", thirty-eighth session); its compute warpgroups hold the whole block's S and P, so
+            # also with fewer producer registers (more for them) and the producer's loads in two rounds
+            "depth": dict(qk_split="depth"), "depth_bf16_out": dict(qk_split="depth", out_dtype="bfloat16"),
+            "depth_splits1": dict(qk_split="depth", num_splits=1),
+            "depth_splits4": dict(qk_split="depth", num_splits=4),
+            "depth_tma": dict(qk_split="depth", producer="tma"),
+            "depth_p2r104": dict(qk_split="depth", producer="registers", producer_phases=2, producer_regs=104),
             # the register producer's rounds of loads (96 words per lane and block) and registers
             **{f"registers_p{p}r{r}": dict(producer="registers", producer_phases=p, producer_regs=r)
                for p, r in ((1, 136), (1, 144), (1, 152), (2, 136), (4, 80))}}
@@ -64,7 +72,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the benchmark's small shapes (a CPU check of the script)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    rows = []
+    rows: list[dict] = []
+    variants = {n: VARIANTS[n] for n in a.variants}
     for name in a.cases:
         c = b.case(name, a.quick)
         q, caches, slots, sink = c["q"], c["caches"], c["slots"], c["sink"]
@@ -85,8 +94,8 @@ def main() -> None:
                 return dict(m, tflops=flops / m["profile_span_us"] / 1e6) if "profile_span_us" in m else m
 
             rows.append(measured_row({"case": name, "variant": v, **VARIANTS[v], "flops": flops}, measure))
-    if a.out:
-        write_json(a.out, {"meta": run_meta(variants={n: VARIANTS[n] for n in a.variants}), "rows": rows})
+            save_rows(a.out, rows, False, variants=variants)  # a run cut short keeps its rows
+    save_rows(a.out, rows, True, variants=variants)
 
 
 if __name__ == "__main__":
