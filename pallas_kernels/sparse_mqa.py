@@ -245,7 +245,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     memory), each half of the head dim for all 64 candidates (N = 64, half of Q each); the partial scores are
     exchanged and summed in fp32 (the same sum in both), both run the softmax over the whole block and feed PV
     their P from registers (interpret mode: from their own SMEM tile), so no maxima, P or final-sum exchanges.
-    Why: V4 decode's per-block cost (docs/perf-log.md, the thirteenth session's in-kernel regions) sat in the two
+    Why: V4 decode's per-block cost (docs/perf-log.md, the twenty-second session's in-kernel regions) sat in the two
     QK wgmma groups and the maxima wait.
 
     ``implementation="xla"``: gather + dequantise with ``read_records`` and the pure-JAX softmax
