@@ -53,7 +53,8 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, two compute warpgroups per CT
   columns; the two also dequantise half of the K tile each). Each warpgroup's running sum covers its own
   candidates; the two sums are added at the end (same maxima, so the same scale). The tiles are swizzled
   over 64 bytes (32 columns), so that a half of P is whole tiles. The next block's rows are copied while the
-  current block is multiplied; their copies are issued while the tensor cores run QK.
+  current block is multiplied; their copies are issued while the tensor cores run QK. (``qk_split="depth"``
+  splits QK over the head dim instead: ``sparse_mqa``.)
 - wgmma descriptors: the q and K tiles are [1, rows, dk] buffers indexed by a zero the compiler cannot fold
   (block id >> 20), so the operands' shared-memory descriptors are rebuilt in each block from uniform
   registers. Computed once before the loop, the compiler held all of them across it and spilled them to
@@ -728,7 +729,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     q_mm, k_mm = q_s1.at[z], k_s1.at[islot + z]
                 else:
                     q_mm, k_mm = q_s1.at[z], k_s1.at[z]
-                valid = plgpu.load(idx_s.at[islot, pl.ds(0, BK) if depth else own], layout=COL, optimized=False) >= 0
+                cand = pl.ds(0, BK) if depth else own  # the candidates whose scores this warpgroup holds
+                valid = plgpu.load(idx_s.at[islot, cand], layout=COL, optimized=False) >= 0
                 if not reg:  # K tile of block k complete (both halves), its staging rows and slots read by both
                     plgpu.barrier_arrive(bar_ready.at[0])
                     plgpu.barrier_wait(bar_ready.at[0])
@@ -985,8 +987,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                         plgpu.Barrier(num_arrivals=BK * copies, num_barriers=1)]
         scratch += [plgpu.SMEM((2, NUM_WG, HEAD_TILE), jnp.float32), plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1)]
     if depth:  # no maxima or sums exchanged (the last two); interpret mode's P tiles (one a warpgroup), then "read"
-        scratch = scratch[:-2] + ([plgpu.SMEM((NUM_WG, HEAD_TILE, BK), jnp.bfloat16, transforms=SW)] if interpret is not None
-                    else []) + [plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1)]
+        p_own = [plgpu.SMEM((NUM_WG, HEAD_TILE, BK), jnp.bfloat16, transforms=SW)] if interpret is not None else []
+        scratch = scratch[:-2] + p_own + [plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1)]
     if n_splits == 1:
         out_type = jax.ShapeDtypeStruct((t, hp, dv), out_dtype)
     else:

@@ -213,7 +213,7 @@ def profiled_device_us(fn: Callable[..., Any], *args: Any, calls: int = 20, warm
         lines = [line for plane in pd.planes if plane.name.startswith("/device:GPU") for line in plane.lines]
         events = [e for line in lines if "stream" in line.name.lower() and "memcpy" not in line.name.lower()
                   for e in line.events]
-        if lines and not events:  # which lines the trace has instead (executables of Pallas calls alone came back empty)
+        if lines and not events:  # the lines the trace has instead (Pallas-only executables came back empty)
             return {"profile_lines": {line.name: sum(1 for _ in line.events) for line in lines}}
     kernels = [(int(e.start_ns), int(e.duration_ns)) for e in events]
     return split_calls(kernels, calls, [e.name for e in events] if by_kernel else None)
