@@ -829,7 +829,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     p_s.at[w][...] = part
                     plgpu.barrier_arrive(bar_p.at[0])
                     plgpu.barrier_wait(bar_p.at[0])
-                    sc = (part + plgpu.load(p_s.at[1 - w], layout=L, optimized=False)) * s2
+                    sc = (part + plgpu.load(p_s.at[1 - w], layout=L)) * s2
                     plgpu.barrier_arrive(bar_rd.at[0])
                     sc = jnp.where(lax.broadcast_in_dim(valid, sc.shape, [1]), sc, -jnp.inf)
                     m_new = jnp.maximum(m, sc.max(axis=1))
@@ -944,8 +944,10 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     else:
         st_t = plgpu.SMEM((BK, rows_w), jnp.bfloat16)
     p_t = plgpu.SMEM((HEAD_TILE, BK), jnp.bfloat16, transforms=SW)
-    if depth:  # P's place: the fp32 partial scores, one [HEAD_TILE, BK] tile per warpgroup
-        p_t = plgpu.SMEM((NUM_WG, HEAD_TILE, BK), jnp.float32)
+    if depth:  # P's place: the fp32 partial scores, one [HEAD_TILE, BK] tile per warpgroup, in 128-byte swizzled
+        # tiles of 32 columns (row-major, the accumulator layout's stores would hit 8 rows in the same banks)
+        p_t = plgpu.SMEM((NUM_WG, HEAD_TILE, BK), jnp.float32,
+                         transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
     if fp8 and not rope_mm:  # the staging rows as bytes (copies, latent, scales) and as bf16 (rope values)
         st_t = plgpu.RefUnion(st_t, plgpu.SMEM((BK, st_t.shape[1] // 2), jnp.bfloat16))
     if rope_mm:  # interpret mode only: the rope byte tile (its own: the other warpgroup's PV may still read P
