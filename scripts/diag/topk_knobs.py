@@ -123,6 +123,9 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          # 64 x 64K, issues at about 0.3 instructions a cycle a scheduler with 2 warps each (eleventh session's ncu)
          "sf_w16": {**_SF, "fill_warps": 16}, "sf_pk": {**_SF, "packed_counts": True},
          "sf_pk_w16": {**_SF, "packed_counts": True, "fill_warps": 16},
+         # two first-pass resolutions, margins 0 and 1 (the replay, topk_passes.py, fits 256 of 256 rows at 64K with
+         # 1024 keys at margin 0 alone): one resolution's counts fewer in the prefilter
+         "sf_m0r2": {**_SF, "range_margin": 0, "bucket_resolutions": 2},
          "x2_h512_p16_hold_r1_pk": dict(splits_x=2, unroll=2, shrink=True, hist_block=512, pivot_bits=16,
                                         hold_shrunk=True, range_margin=1, packed_counts=True),
          # 1024-key counting / compaction steps over packed counts (half the finish's steps and a 1024-key held
