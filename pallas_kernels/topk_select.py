@@ -218,7 +218,7 @@ def select_config_for(t: int, n: int, sms: int = 132, split_finish: bool = True)
     at all four, full and mixed-length batches (archive/topk_knobs_range_*h200_2026-12-05.json).
     ``split_finish`` (where it splits; ``IndexerKernelConfig.topk_split_finish``): the finish spread over the row's
     split programs, with a 2-block bucket and three first-pass resolutions. On the timeline it was faster than the
-    one-program finish at every batch timed in the thirty-eighth session, 7 shapes full and 6 mixed
+    one-program finish at every batch timed in the thirty-eighth session, 5 shapes full and 4 mixed
     (archive/topk_knobs_sf_h200_2026-12-05.json; 64 x 128K in archive/topk_knobs_bucket_h200_2026-12-05.json), and
     in the layers' decode select at 16 x 32K and 16 x 128K, full and mixed, its fourth kernel included
     (archive/kernels_select_h200_2026-12-05_partial.json). 64 x 32K, 32 x 32K and 32 / 8 x 128K are untimed."""

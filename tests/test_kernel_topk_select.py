@@ -288,8 +288,8 @@ def test_split_finish_same_result(mode: str, splits: int, unroll: int, finish: d
 @pytest.mark.parametrize("mode", MODES)
 def test_split_finish_random_configs(mode: str) -> None:
     """Random configs of the split path with the range start, the split finish and prefetch (splits, margins,
-    blocks, unroll, capacity, pivot bits, packed counts, the prefilter's warps) on random rows of every kind, with far keys off the sample:
-    the same kept set as lax.top_k. (An unseeded form of this ran 179 configs in interpret mode, thirty-fourth
+    blocks, unroll, capacity, pivot bits, packed counts, the prefilter's warps) on random rows of every kind, with
+    far keys off the sample: the same kept set as lax.top_k. (An unseeded form of this ran 179 configs in interpret mode, thirty-fourth
     session.)"""
     rng = np.random.default_rng(47)
     for _ in range(8):
@@ -537,7 +537,7 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
 
 
 @pytest.mark.parametrize("t,n,tiles", [
-    (64, 65536, {}), (64, 65536, dict(split_finish=False)),  # the one-program finish (the default before 2026-12-05)
+    (64, 65536, {}), (64, 65536, dict(split_finish=False)),  # the one-program finish (default to the 38th session)
     (64, 65536, dict(range_margin=None, prefetch=False, split_finish=False)),  # the config before that
     (64, 65536, dict(minus_one_for_neg_inf=True)),
     (64, 65536, dict(packed_counts=True, fill_warps=16)),
@@ -546,10 +546,10 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
     pytest.param(16, 131072, dict(split_finish=False, packed_counts=True), marks=pytest.mark.slow)])
 def test_sm90_compile_indexer_config(t: int, n: int, tiles: dict) -> None:
     """The indexer's config at its shapes (``select_config_for``: split, unroll 2, shrink, 512-key steps, 16-bit
-    pivot, the split finish), earlier configs and the options still to be timed, compiles for sm_90a with at most 64 bytes of spills (a bound, not
-    zero: with pip triton 3.6 the 512-key finish kernel spills 40 bytes at 128 registers, with 3.8 none; the H200's
-    timeline, with the plugin's own Triton, measured that form faster than the 256-key one, whatever it spills
-    there)."""
+    pivot, the split finish), earlier configs and the options still to be timed, compiles for sm_90a with at most 64
+    bytes of spills (a bound, not zero: with pip triton 3.6 the 512-key finish kernel spills 40 bytes at 128
+    registers, with 3.8 none; the H200's timeline, with the plugin's own Triton, measured that form faster than the
+    256-key one, whatever it spills there)."""
     pytest.importorskip("triton")
     from pallas_kernels.topk_select import select_config_for
     cfg = dataclasses.replace(select_config_for(t, n), **tiles)
