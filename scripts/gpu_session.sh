@@ -25,8 +25,8 @@
 #   scripts/gpu_session.sh mqa-variants  # issue 20: sparse MQA native tests, its switches on the GPU timeline, ncu of the default
 #   scripts/gpu_session.sh mqa-loops     # issue 20: the register producer's native tests, then its switch sets timed
 #   scripts/gpu_session.sh topk-sf       # issue 20: the top-k's split finish against the indexer's config, native tests first
-#   scripts/gpu_session.sh topk-prefilter # issue 20: the prefilter with 16 warps / packed counts on the default, 4 shapes
-#   scripts/gpu_session.sh topk-shapes   # issue 20: the split finish (the default) against the one-program finish at four more shapes
+#   scripts/gpu_session.sh topk-prefilter # issue 20: the prefilter with 16 warps / packed counts / 2 resolutions
+#   scripts/gpu_session.sh topk-shapes   # issue 20: the split finish (default) against the one-program finish, 4 more shapes
 #   scripts/gpu_session.sh topk-select   # issue 20: the indexer's decode select per top-k choice (the split finish beside)
 #   scripts/gpu_session.sh mqa-depth     # issue 20: the MQA's QK split over the head dim against the default (V4)
 #   scripts/gpu_session.sh mqa-refresh   # issue 20: every native MQA test; the defaults, V4's splits and output dtypes timed

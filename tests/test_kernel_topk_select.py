@@ -289,8 +289,8 @@ def test_split_finish_same_result(mode: str, splits: int, unroll: int, finish: d
 def test_split_finish_random_configs(mode: str) -> None:
     """Random configs of the split path with the range start, the split finish and prefetch (splits, margins,
     blocks, unroll, capacity, pivot bits, packed counts, the prefilter's warps) on random rows of every kind, with
-    far keys off the sample: the same kept set as lax.top_k. (An unseeded form of this ran 179 configs in interpret mode, thirty-fourth
-    session.)"""
+    far keys off the sample: the same kept set as lax.top_k. (An unseeded form of this ran 179 configs in interpret
+    mode, thirty-fourth session.)"""
     rng = np.random.default_rng(47)
     for _ in range(8):
         n = int(rng.integers(1200, 5000))
