@@ -5,7 +5,8 @@ Cases (full run; ``quick`` uses tiny shapes and few iterations, e.g. to smoke-te
 - decode_logits / decode_select: batch B in {1, 16, 64} x context C in {4K, 32K, 128K}, one token per
   request at position C - 1 (all C keys visible), 64 heads, 64-entry pages shuffled in the pool.
   *_logits = the logits alone; *_select = logits + top-2048 (``indexer_topk``, what ``select`` runs).
-- select (only when asked for): decode_select at B in {16, 64} x C in {32K, 128K} with
+- select (only when asked for; ``select_split``: only its ``_auto`` and ``_set_split*`` rows): decode_select at
+  B in {16, 64} x C in {32K, 128K} with
   ``topk_algorithm="auto"`` (``_auto``, the default; field ``topk``: what it resolved to), with
   ``lax.top_k`` (no suffix), and XLA; ``_set``: ``topk_algorithm="pallas_radix"`` with ``topk_order="set"`` (no sort of
   the k winners), one program per row; ``_set_split``: that with the indexer's split config (``select_config_for``)
@@ -119,12 +120,12 @@ def _row(case: str, impl: str, fn, args, nbytes: int, flops: int, quick: bool, b
 
 
 def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]:
-    """Rows as they are measured. ``cases``: only these sections ("decode", "select", "topk", "prefill";
-    "select" runs only when asked for)."""
+    """Rows as they are measured. ``cases``: only these sections ("decode", "select", "select_split", "topk",
+    "prefill"; "select" and "select_split" run only when asked for)."""
     want = set(cases or ("decode", "topk", "prefill"))
-    if not want <= {"decode", "select", "topk", "topk_pallas", "prefill"}:
-        raise ValueError(f"cases for sparse_indexer are decode / select / topk / topk_pallas / prefill, "
-                         f"got {sorted(want)}")
+    if not want <= {"decode", "select", "select_split", "topk", "topk_pallas", "prefill"}:
+        raise ValueError(f"cases for sparse_indexer are decode / select / select_split / topk / topk_pallas / "
+                         f"prefill, got {sorted(want)}")
     lean_topk = "topk_pallas" in want and "topk" not in want  # the top-k rows without the XLA radix / segment rows
     interpret = jax.default_backend() != "gpu"
     fmt = IndexerRecord132(EPP)
@@ -185,7 +186,10 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
         del cache
 
     # ----- decode logits + top-k with each selection, one run ("auto" against the default lax) -----
-    sel = [(b, c) for b in (16, 64) for c in (32768, 131072)] if "select" in want and not quick else []
+    # "select_split" alone: the default and the split configs' rows, without lax.top_k's, the one-program-a-row
+    # select's and XLA's (the slow ones: the whole case ran past a 540 s call at 64 x 32K, 2026-12-05)
+    split_only = "select_split" in want and "select" not in want
+    sel = [(b, c) for b in (16, 64) for c in (32768, 131072)] if want & {"select", "select_split"} and not quick else []
     sel_auto = selector("pallas", si.IndexerKernelConfig(topk_algorithm="auto"))
     sel_lax = selector("pallas", si.IndexerKernelConfig(topk_algorithm="lax"))
     sel_set = selector("pallas", si.IndexerKernelConfig(topk_algorithm="pallas_radix", topk_order="set",
@@ -208,9 +212,10 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
             case = f"decode_select_b{b}_c{c}{tag}"
             yield _row(case + "_auto", "pallas", sel_auto, args, nbytes, flops, quick, profile=True,
                        topk=si.resolve_topk_algorithm(b, c))
-            yield _row(case, "pallas", sel_lax, args, nbytes, flops, quick, profile=True, topk="lax")
-            yield _row(case + "_set", "pallas", sel_set, args, nbytes, flops, quick, profile=True,
-                       topk="pallas_radix, unsorted")
+            if not split_only:
+                yield _row(case, "pallas", sel_lax, args, nbytes, flops, quick, profile=True, topk="lax")
+                yield _row(case + "_set", "pallas", sel_set, args, nbytes, flops, quick, profile=True,
+                           topk="pallas_radix, unsorted")
             if split_for(b, c) > 1:
                 yield _row(case + "_set_split", "pallas", sel_split, args, nbytes, flops, quick, profile=True,
                            topk=f"pallas_radix, unsorted, {split_for(b, c)} splits")
@@ -218,7 +223,7 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
                            topk=f"pallas_radix, unsorted, {split_for(b, c)} splits, split finish")
                 yield _row(case + "_set_split_inv", "pallas", sel_inv, args, nbytes, flops, quick, profile=True,
                            topk=f"pallas_radix, unsorted, {split_for(b, c)} splits, -1s from the kernel")
-            if not tag:
+            if not tag and not split_only:
                 yield _row(case, "xla", select_x, args, nbytes, flops, quick, big=True, profile=True, topk="lax")
         del cache
 
