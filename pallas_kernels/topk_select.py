@@ -828,6 +828,10 @@ class _RowPlan:
     use_buf: jax.Array  # steps 2-3 read the buffers, not the row
     over: jax.Array
 
+    def fill_of(self, j: int | jax.Array) -> jax.Array:
+        """Keys in split ``j``'s buffer (a scalar)."""
+        return jnp.sum(jnp.where(self.js == j, self.fill, 0))
+
 
 def _row_plan(filled_ref, above_ref, in_ref, piv_ref, row, k: int, cap: int, sp: int) -> _RowPlan:
     """The finish's decisions from the prefilter's counts (every finish kernel of a row makes the same ones).
@@ -884,8 +888,7 @@ def _finish_row(x_ref, key_ref, col_ref, idx_ref, tau_ref, path_ref, scratch, ro
     hb, sp = cfg.hist_block, cfg.splits
     on, piv_on, strict = plan.use_buf.astype(I32), plan.at_pivot.astype(I32), plan.kept_all.astype(I32)
     piv = plan.piv_u ^ _SIGN
-    bufs = [_buffer_source(key_ref, col_ref, row, jj, jnp.sum(jnp.where(plan.js == jj, plan.fill, 0)), cap, hb, on,
-                           piv, strict) for jj in range(sp)]
+    bufs = [_buffer_source(key_ref, col_ref, row, jj, plan.fill_of(jj), cap, hb, on, piv, strict) for jj in range(sp)]
     x_keys = _row_keys(x_ref, row, n)
     from_row = (pl.cdiv(n, hb), lambda b: x_keys(b, hb))
     shrink = (scratch[0], row, t, interpret) if cfg.shrink else None
@@ -957,7 +960,7 @@ def _split_copy_kernel(key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref,
     fp = _first_pass(hist_ref, row, plan, k, cfg)
     lo, span, _ = fp.start
     off = jnp.sum(jnp.where(C.iota((cfg.splits,), 0) < j, fp.bucket_n, 0))
-    fj = jnp.sum(jnp.where(plan.js == j, plan.fill, 0))
+    fj = plan.fill_of(j)
     _, own = _buffer_source(key_ref, col_ref, row, j, fj, cap, hb, jnp.ones((), I32))
 
     def body(b, put):
@@ -1026,8 +1029,7 @@ def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref
         ids = C.iota((sp,), 0)
         kept = fp.ge_up + kept_b  # [split]
         off, mine = jnp.sum(jnp.where(ids < j, kept, 0)), jnp.sum(jnp.where(ids == j, kept, 0))
-        fj = jnp.sum(jnp.where(plan.js == j, plan.fill, 0))
-        own = _buffer_source(key_ref, col_ref, row, j, fj, cap, hb, jnp.ones((), I32))
+        own = _buffer_source(key_ref, col_ref, row, j, plan.fill_of(j), cap, hb, jnp.ones((), I32))
         _compact([own], tau, ties, mine, lambda slot, col, kp: _scatter(idx_ref, row, t, off + slot, col, kp),
                  cfg.unroll, cfg.minus_one_for_neg_inf)
         row11, first11 = row + jnp.zeros((1, 1), I32), (j == 0) & jnp.ones((1, 1), bool)
