@@ -318,8 +318,10 @@ def check_triton_lowering(fn: Any, *args: Any) -> str:
 
 def compile_sm90_report(fn: Any, *args: Any, sass: bool = False) -> list[dict[str, Any]]:
     """Lower ``fn(*args)`` for CUDA, then compile every Pallas Triton kernel in it for sm_90a with the pip
-    ``triton`` package (PTX + ptxas, no GPU needed). Returns [{name, registers, spill_bytes, smem_bytes}], and
-    with ``sass`` each kernel's disassembly (``nvdisasm -c``, bundled with pip triton) under "sass".
+    ``triton`` package (PTX + ptxas, no GPU needed). Returns [{name, registers, spill_bytes, smem_bytes,
+    layout_conversions}] (the last: ``ttg.convert_layout`` ops in its TTGIR, register data moved between layouts,
+    most through shared memory), and with ``sass`` each kernel's disassembly (``nvdisasm -c``, bundled with pip
+    triton) under "sass".
 
     A development check, not the H200 gate: XLA compiles the same Triton IR with the Triton bundled in
     the CUDA plugin, whose version differs from pip's. Raises ImportError without pip ``triton``.
@@ -366,7 +368,8 @@ def compile_sm90_report(fn: Any, *args: Any, sass: bool = False) -> list[dict[st
             regs = re.search(r"Used (\d+) registers", log)
             spill = re.search(r"(\d+) bytes spill stores", log)
             out.append({"name": name, "num_warps": NUM_WARPS.get(name, 4), "registers": int(regs.group(1)),
-                        "spill_bytes": int(spill.group(1)), "smem_bytes": int(k.metadata.shared)})
+                        "spill_bytes": int(spill.group(1)), "smem_bytes": int(k.metadata.shared),
+                        "layout_conversions": k.asm["ttgir"].count("ttg.convert_layout")})
             if sass:
                 nvdisasm = os.path.join(os.path.dirname(ptxas), "nvdisasm")
                 out[-1]["sass"] = subprocess.run([nvdisasm, "-c", f"{d}/k{i}.cubin"], capture_output=True, text=True,

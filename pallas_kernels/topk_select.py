@@ -154,6 +154,16 @@ class TopkSelectConfig:
     # warps of the split prefilter's programs (None: num_warps). One program per SM streams a 64-row batch's rows (64 x
     # 2 splits on 132 SMs); its loop waits on barriers, shuffles and shared memory with 2 warps per scheduler at 8
     fill_warps: int | None = None
+    # the loads of the streaming loops take one key a lane per instruction (a contiguity hint of 1 on their columns),
+    # so that the keys, the compaction's scan and its scatter stores share one register layout. Triton gives a store
+    # whose addresses depend on the data one key a lane, and with vectorised loads (2 or 4 keys a lane) the stores'
+    # pointers, values and masks went through shared memory to it, barrier by barrier, in every block (pip triton's
+    # TTGIR and SASS: scripts/diag/triton_sass.py). The scan then runs one warp scan per key a lane holds, so the
+    # trade is cheaper where a lane holds few keys. ``fill_lane_loads``: the prefilter's row loads (2048-key blocks:
+    # 8 keys a lane at 8 warps); ``finish_lane_loads``: the loads of the counting, copy and compaction loops after it
+    # (buffers, bucket, scratch and row: 512-key blocks, 2 keys a lane)
+    fill_lane_loads: bool = False
+    finish_lane_loads: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (1, 2, 4):  # 8 would need [256, hist_block] counters: spills
@@ -370,7 +380,7 @@ def _next_range(lo: jax.Array, span: jax.Array, shift: jax.Array, sel: jax.Array
 
 def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, key_bits: int = 32,
              shrink: tuple | None = None, unroll: int = 1, hold: bool = False,
-             start: Range | None = None, held: jax.Array | None = None, packed: bool = False
+             start: Range | None = None, held: jax.Array | None = None, packed: bool = False, lane: bool = False
              ) -> tuple[jax.Array, jax.Array]:
     """(u of the k-th largest key over all sources' blocks [1, width], need = k - #keys above it). With
     ``key_bits`` < 32, only that many leading bits are resolved: u is then the floor of the k-th largest key's
@@ -400,15 +410,18 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
 
     ``packed`` (``TopkSelectConfig.packed_counts``): a pass counts each digit value's keys (not the keys >= each
     value) and, over a source of several blocks, in 4-bit fields of a few words per lane (``_pack_digit``): a shift
-    and an add a key per word instead of a compare and an add per digit value. The sums give the same ge."""
+    and an add a key per word instead of a compare and an add per digit value. The sums give the same ge.
+
+    ``lane``: the scratch row's loads take one key a lane (``_lanes``), as the sources' do."""
     nd = 1 << bits
     d1 = C.iota((nd,), 0)
+    lane_loads = lane
 
     def scratch_keys(count):
         def load(b):
             lane = C.iota((1, width), 1)
             inside = lane < count
-            s = C.load(shrink[0], (shrink[1], lane), (1, width), mask=inside)
+            s = C.load(shrink[0], (shrink[1], _lanes(lane, lane_loads)), (1, width), mask=inside)
             return jnp.where(inside, s, _SIGN), lane
         return load
 
@@ -515,13 +528,26 @@ def _pivot_or_kth(at_pivot: jax.Array, piv_u: jax.Array, need_at_pivot: jax.Arra
     return jnp.where(at_pivot, piv_u, tau_u), jnp.where(at_pivot, need_at_pivot, need)
 
 
-def _row_keys(x_ref, row, n: int) -> Callable[..., tuple[jax.Array, jax.Array]]:
+def _lanes(idx: jax.Array, lane: bool) -> jax.Array:
+    """A load's column index; with ``lane``, passed through an identity Triton cannot see through (a PTX move), so
+    that nothing is known of its contiguity: the load then takes one key a lane per instruction, the layout of the
+    scatter stores it feeds (``TopkSelectConfig.fill_lane_loads``). Not ``max_contiguous``: its hint sits on the
+    index's defining op, which the canonicalizer folds away where the index is x + 0 (split 0's buffer), and one
+    vectorisable load of the same shape anywhere in a kernel widens them all (Triton's coalescing takes the widest
+    of the related loads). Native only: interpret mode runs no PTX (and has no layouts)."""
+    if not lane:
+        return idx
+    return plt.elementwise_inline_asm("mov.b32 $0, $1;", args=[idx], constraints="=r,r", pack=1,
+                                      result_shape_dtypes=[jax.ShapeDtypeStruct(idx.shape, idx.dtype)])[0]
+
+
+def _row_keys(x_ref, row, n: int, lane: bool = False) -> Callable[..., tuple[jax.Array, jax.Array]]:
     """(block b, width[, end]) -> (s, column) [1, width] of the row's keys; padding lanes past n (and past column
-    ``end``, unloaded) get s = _SIGN."""
+    ``end``, unloaded) get s = _SIGN. ``lane``: one key a lane per load (``_lanes``)."""
     def x_keys(b, width, end=None):
         col = b * width + C.iota((1, width), 1)
         inside = col < n if end is None else (col < n) & (col < end)
-        xb = lax.bitcast_convert_type(C.load(x_ref, (row, col), (1, width), mask=inside), I32)
+        xb = lax.bitcast_convert_type(C.load(x_ref, (row, _lanes(col, lane)), (1, width), mask=inside), I32)
         return jnp.where(inside, jnp.where(xb < 0, xb ^ 0x7FFFFFFF, xb), _SIGN), col
     return x_keys
 
@@ -701,9 +727,11 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
     row11 = row + jnp.zeros((1, 1), I32)  # [1, 1] index of this row's scalar outputs
     one11 = jnp.ones((1, 1), bool)
 
-    x_keys = _row_keys(x_ref, row, n)
+    x_keys = _row_keys(x_ref, row, n, cfg.fill_lane_loads and not interpret)  # the prefilter's
+    lane = cfg.finish_lane_loads and not interpret
+    row_keys = _row_keys(x_ref, row, n, lane)  # the counting's and the compaction's
 
-    from_row: Source = (pl.cdiv(n, hb), lambda b: x_keys(b, hb))
+    from_row: Source = (pl.cdiv(n, hb), lambda b: row_keys(b, hb))
     sources = [from_row]
     if cap:
         bkey_ref, bcol_ref = bufs[:2]
@@ -741,8 +769,9 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
         def buf_keys(b):
             j = b * hb + C.iota((1, hb), 1)
             inside = j < count
-            s = C.load(bkey_ref, (row, j), (1, hb), mask=inside)
-            return jnp.where(inside, s, _SIGN), C.load(bcol_ref, (row, j), (1, hb), mask=inside)
+            jl = _lanes(j, lane)
+            s = C.load(bkey_ref, (row, jl), (1, hb), mask=inside)
+            return jnp.where(inside, s, _SIGN), C.load(bcol_ref, (row, jl), (1, hb), mask=inside)
 
         on = use_buf.astype(I32)  # not jnp.where(use_buf, 0, m): Triton lowered those literals as i1
         piv_on = at_pivot.astype(I32)
@@ -751,10 +780,10 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
         counted = [sources[0], ((1 - on) * (1 - piv_on) * from_row[0], from_row[1])]
         tau_u, need = _pivot_or_kth(at_pivot, piv_u, k - above, lambda: _kth_key(
             counted, k, cfg.bits, hb, shrink=shrink, unroll=cfg.unroll, hold=cfg.hold_shrunk,
-            start=_counting_start(cfg, use_buf, piv_u, hi_u), packed=cfg.packed_counts), skip=False)
+            start=_counting_start(cfg, use_buf, piv_u, hi_u), packed=cfg.packed_counts, lane=lane), skip=False)
     else:
         tau_u, need = _kth_key(sources, k, cfg.bits, hb, shrink=shrink, unroll=cfg.unroll, hold=cfg.hold_shrunk,
-                               packed=cfg.packed_counts)
+                               packed=cfg.packed_counts, lane=lane)
     tau = tau_u ^ _SIGN
     C.store(tau_ref, (row11,), jnp.full((1, 1), tau_u, I32), one11)
     if not cap:
@@ -777,7 +806,7 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
     t = key_ref.shape[0] if interpret else None
     per = pl.cdiv(pl.cdiv(n, cfg.block), cfg.splits)
     nb = jnp.clip(pl.cdiv(n, cfg.block) - j * per, 0, per)
-    x_keys = _row_keys(x_ref, row, n)
+    x_keys = _row_keys(x_ref, row, n, cfg.fill_lane_loads and not interpret)
     first = _step_keys(x_keys, j * per, 0, cfg.unroll, cfg.block, (j * per + nb) * cfg.block) if cfg.prefetch else None
     piv_u, hi_u = _sample_pivot(x_ref, row, n, k, cfg)
 
@@ -861,15 +890,16 @@ def _split_finish_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref,
 
 
 def _buffer_source(key_ref, col_ref, row, jj: int | jax.Array, fj: jax.Array, cap: int, hb: int, on: jax.Array,
-                   piv: jax.Array | None = None, strict: jax.Array | None = None) -> Source:
+                   piv: jax.Array | None = None, strict: jax.Array | None = None, lane: bool = False) -> Source:
     """Split ``jj``'s buffer of ``fj`` keys as a source of ``hb``-key blocks (none unless ``on``); with ``strict``
-    (kept_all) the keys at the pivot ``piv`` are no candidates."""
+    (kept_all) the keys at the pivot ``piv`` are no candidates. ``lane``: one key a lane per load (``_lanes``)."""
     def keys(b):
         i = b * hb + C.iota((1, hb), 1)
         inside = i < fj
-        s = C.load(key_ref, (row, jj * cap + i), (1, hb), mask=inside)
+        at = _lanes(jj * cap + i, lane)
+        s = C.load(key_ref, (row, at), (1, hb), mask=inside)
         keep = inside if strict is None else inside & ((s > piv) | (strict == 0))
-        return jnp.where(keep, s, _SIGN), C.load(col_ref, (row, jj * cap + i), (1, hb), mask=inside)
+        return jnp.where(keep, s, _SIGN), C.load(col_ref, (row, at), (1, hb), mask=inside)
     return on * lax.shift_right_logical(fj + hb - 1, C.log2(hb)), keys
 
 
@@ -888,14 +918,16 @@ def _finish_row(x_ref, key_ref, col_ref, idx_ref, tau_ref, path_ref, scratch, ro
     hb, sp = cfg.hist_block, cfg.splits
     on, piv_on, strict = plan.use_buf.astype(I32), plan.at_pivot.astype(I32), plan.kept_all.astype(I32)
     piv = plan.piv_u ^ _SIGN
-    bufs = [_buffer_source(key_ref, col_ref, row, jj, plan.fill_of(jj), cap, hb, on, piv, strict) for jj in range(sp)]
-    x_keys = _row_keys(x_ref, row, n)
+    lane = cfg.finish_lane_loads and not interpret
+    bufs = [_buffer_source(key_ref, col_ref, row, jj, plan.fill_of(jj), cap, hb, on, piv, strict, lane)
+            for jj in range(sp)]
+    x_keys = _row_keys(x_ref, row, n, lane)
     from_row = (pl.cdiv(n, hb), lambda b: x_keys(b, hb))
     shrink = (scratch[0], row, t, interpret) if cfg.shrink else None
     tau_u, need = _pivot_or_kth(plan.at_pivot, plan.piv_u, k - plan.total_above, lambda: _kth_key(
         bufs + [((1 - on) * (1 - piv_on) * from_row[0], from_row[1])], k, cfg.bits, hb, shrink=shrink,
         unroll=cfg.unroll, hold=cfg.hold_shrunk, start=_counting_start(cfg, plan.use_buf, plan.piv_u, plan.hi_u),
-        packed=cfg.packed_counts), skip=cfg.split_finish)
+        packed=cfg.packed_counts, lane=lane), skip=cfg.split_finish)
     row11, one11 = row + jnp.zeros((1, 1), I32), jnp.ones((1, 1), bool)
     C.store(tau_ref, (row11,), jnp.full((1, 1), tau_u, I32), one11)
     code = jnp.where(plan.at_pivot, 3, jnp.where(plan.kept_all, 4, on))
@@ -961,7 +993,8 @@ def _split_copy_kernel(key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref,
     lo, span, _ = fp.start
     off = jnp.sum(jnp.where(C.iota((cfg.splits,), 0) < j, fp.bucket_n, 0))
     fj = plan.fill_of(j)
-    _, own = _buffer_source(key_ref, col_ref, row, j, fj, cap, hb, jnp.ones((), I32))
+    lane = cfg.finish_lane_loads and not interpret
+    _, own = _buffer_source(key_ref, col_ref, row, j, fj, cap, hb, jnp.ones((), I32), lane=lane)
 
     def body(b, put):
         s, col = own(b)
@@ -995,8 +1028,9 @@ def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref
         def bucket_keys(b):  # block b of the scratch row's bucket: (keys, _SIGN past it; columns; inside)
             lane = b * hb + C.iota((1, hb), 1)
             inside = lane < fp.bucket
-            s = jnp.where(inside, C.load(skey_ref, (row, lane), (1, hb), mask=inside), _SIGN)
-            return s, C.load(scol_ref, (row, lane), (1, hb), mask=inside), inside
+            at = _lanes(lane, cfg.finish_lane_loads and not interpret)
+            s = jnp.where(inside, C.load(skey_ref, (row, at), (1, hb), mask=inside), _SIGN)
+            return s, C.load(scol_ref, (row, at), (1, hb), mask=inside), inside
 
         if cfg.bucket_blocks == 1:
             held, hcol, inside = bucket_keys(0)
@@ -1029,7 +1063,8 @@ def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref
         ids = C.iota((sp,), 0)
         kept = fp.ge_up + kept_b  # [split]
         off, mine = jnp.sum(jnp.where(ids < j, kept, 0)), jnp.sum(jnp.where(ids == j, kept, 0))
-        own = _buffer_source(key_ref, col_ref, row, j, plan.fill_of(j), cap, hb, jnp.ones((), I32))
+        own = _buffer_source(key_ref, col_ref, row, j, plan.fill_of(j), cap, hb, jnp.ones((), I32),
+                             lane=cfg.finish_lane_loads and not interpret)
         _compact([own], tau, ties, mine, lambda slot, col, kp: _scatter(idx_ref, row, t, off + slot, col, kp),
                  cfg.unroll, cfg.minus_one_for_neg_inf)
         row11, first11 = row + jnp.zeros((1, 1), I32), (j == 0) & jnp.ones((1, 1), bool)

@@ -305,6 +305,8 @@ def test_split_finish_random_configs(mode: str) -> None:
         x = np.concatenate([_rows(kind, 1, n, rng) for kind in rng.choice(KINDS, 4)])
         x[0, rng.choice(n, 20)] += np.float32(1e6)
         cfg = dataclasses.replace(cfg, fill_warps=[None, 16][int(rng.integers(2))])  # the prefilter's own warps
+        # one key a lane per load (layouts only: natively; interpret mode has none)
+        cfg = dataclasses.replace(cfg, fill_lane_loads=bool(rng.integers(2)), finish_lane_loads=bool(rng.integers(2)))
         xj = jnp.asarray(x)
         idx = select_unsorted(xj, k, config=cfg, interpret=interpret_for(mode))[0]
         np.testing.assert_array_equal(np.asarray(idx), np.sort(np.asarray(jax.lax.top_k(xj, k)[1]), axis=1),
@@ -541,6 +543,7 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
     (64, 65536, dict(range_margin=None, prefetch=False, split_finish=False)),  # the config before that
     (64, 65536, dict(minus_one_for_neg_inf=True)),
     (64, 65536, dict(packed_counts=True, fill_warps=16)),
+    (64, 65536, dict(fill_lane_loads=True, finish_lane_loads=True)),
     # the 8-split finish takes ptxas about 40 s on 2 cores: slow
     pytest.param(16, 131072, {}, marks=pytest.mark.slow),
     pytest.param(16, 131072, dict(split_finish=False, packed_counts=True), marks=pytest.mark.slow)])
@@ -556,6 +559,23 @@ def test_sm90_compile_indexer_config(t: int, n: int, tiles: dict) -> None:
     fn = functools.partial(select_unsorted, k=2048, interpret=False, config=cfg)
     for k in C.compile_sm90_report(fn, jax.ShapeDtypeStruct((t, n), jnp.float32)):
         assert k["spill_bytes"] <= 64, k
+
+
+def test_lane_loads_share_the_stores_layout() -> None:
+    """``fill_lane_loads`` / ``finish_lane_loads`` at 64 x 64K: pip triton's TTGIR keeps the stores' operands in the
+    loads' layout. The prefilter's streaming loop had four conversions a block (pointers twice, values, mask) and
+    keeps none (what remains are the scalar and per-digit stores after it); the finish keeps the small vectors'."""
+    pytest.importorskip("triton")
+    from pallas_kernels.topk_select import select_config_for
+    conv = {}
+    for lane in (False, True):
+        cfg = dataclasses.replace(select_config_for(64, 65536), fill_lane_loads=lane, finish_lane_loads=lane)
+        fn = functools.partial(select_unsorted, k=2048, interpret=False, config=cfg)
+        conv[lane] = {k["name"]: k["layout_conversions"]
+                      for k in C.compile_sm90_report(fn, jax.ShapeDtypeStruct((64, 65536), jnp.float32))}
+    assert conv[False]["topk_radix_prefilter"] >= conv[True]["topk_radix_prefilter"] + 8, conv  # 2 blocks a step
+    assert conv[True]["topk_radix_finish"] * 2 < conv[False]["topk_radix_finish"], conv
+    assert conv[True]["topk_radix_bucket"] < conv[False]["topk_radix_bucket"], conv
 
 
 @pytest.mark.parametrize("t,n,config", REAL)

@@ -126,6 +126,12 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          # two first-pass resolutions, margins 0 and 1 (the replay, topk_passes.py, fits 256 of 256 rows at 64K with
          # 1024 keys at margin 0 alone): one resolution's counts fewer in the prefilter
          "sf_m0r2": {**_SF, "range_margin": 0, "bucket_resolutions": 2},
+         # one key a lane per load (thirty-ninth session): the scatter stores' operands stay in the loads' layout.
+         # pip triton's TTGIR at 64 x 64K: the prefilter's loop 8 layout conversions a step -> 0 (BAR 32 -> 12 a
+         # step, 944 -> 1382 instructions: the scan's warp scans per key a lane), the finish 52 -> 18
+         "sf_lane": {**_SF, "fill_lane_loads": True, "finish_lane_loads": True},
+         "sf_lane_fin": {**_SF, "finish_lane_loads": True},
+         "sf_lane_w16": {**_SF, "fill_lane_loads": True, "finish_lane_loads": True, "fill_warps": 16},
          "x2_h512_p16_hold_r1_pk": dict(splits_x=2, unroll=2, shrink=True, hist_block=512, pivot_bits=16,
                                         hold_shrunk=True, range_margin=1, packed_counts=True),
          # 1024-key counting / compaction steps over packed counts (half the finish's steps and a 1024-key held

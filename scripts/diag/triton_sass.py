@@ -89,7 +89,8 @@ def main() -> None:
     fn, args = (_topk if a.what == "topk" else _insert)(a)
     for k in C.compile_sm90_report(fn, *args, sass=True):
         n, found = loops(k["sass"])
-        print(f"{k['name']}: {k['registers']} registers, {k['spill_bytes']} bytes of spill, {n} instructions")
+        print(f"{k['name']}: {k['registers']} registers, {k['spill_bytes']} bytes of spill, {n} instructions, "
+              f"{k['layout_conversions']} layout conversions")
         for lp in found:
             print(f"  loop {lp['first']}..{lp['last']}: {lp['body']} instructions {lp['opcodes']}")
         if a.out:
