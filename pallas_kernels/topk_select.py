@@ -164,6 +164,10 @@ class TopkSelectConfig:
     # (buffers, bucket, scratch and row: 512-key blocks, 2 keys a lane)
     fill_lane_loads: bool = False
     finish_lane_loads: bool = False
+    # with split_finish and bucket_blocks > 1: the finish loads the whole bucket once, as one [1, bucket_blocks x
+    # hist_block] block held in registers through its counting passes and the tally, instead of loading it from the
+    # scratch row block by block in each pass (a dependent L2 load a pass; 4 keys a lane for a 2-block bucket)
+    hold_bucket: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (1, 2, 4):  # 8 would need [256, hist_block] counters: spills
@@ -185,6 +189,8 @@ class TopkSelectConfig:
             raise ValueError(f"range_margin must be None or in 0..8, got {self.range_margin}")
         if self.split_finish and self.range_margin is None:
             raise ValueError("split_finish needs range_margin (its first pass counts from the pivot)")
+        if self.hold_bucket and not self.split_finish:
+            raise ValueError("hold_bucket needs split_finish (it holds the split finish's bucket)")
         if not (C.is_pow2(self.bucket_blocks) and self.bucket_blocks <= 8):
             raise ValueError(f"bucket_blocks must be a power of 2 up to 8, got {self.bucket_blocks}")
         if self.bucket_resolutions not in (1, 2, 3):
@@ -1025,16 +1031,18 @@ def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref
 
     @pl.when(fp.fast)
     def _():
-        def bucket_keys(b):  # block b of the scratch row's bucket: (keys, _SIGN past it; columns; inside)
-            lane = b * hb + C.iota((1, hb), 1)
+        def bucket_keys(b, w=hb):  # block b of w keys of the scratch row's bucket: (keys, _SIGN past it; columns; inside)
+            lane = b * w + C.iota((1, w), 1)
             inside = lane < fp.bucket
             at = _lanes(lane, cfg.finish_lane_loads and not interpret)
-            s = jnp.where(inside, C.load(skey_ref, (row, at), (1, hb), mask=inside), _SIGN)
-            return s, C.load(scol_ref, (row, at), (1, hb), mask=inside), inside
+            s = jnp.where(inside, C.load(skey_ref, (row, at), (1, w), mask=inside), _SIGN)
+            return s, C.load(scol_ref, (row, at), (1, w), mask=inside), inside
 
-        if cfg.bucket_blocks == 1:
-            held, hcol, inside = bucket_keys(0)
-            tau_u, need = _kth_key([], k - fp.above, cfg.bits, hb, start=fp.start, held=held, packed=cfg.packed_counts)
+        held_all = cfg.bucket_blocks == 1 or cfg.hold_bucket
+        if held_all:  # the whole bucket in registers, one load
+            hw = cfg.bucket_blocks * hb
+            held, hcol, inside = bucket_keys(0, hw)
+            tau_u, need = _kth_key([], k - fp.above, cfg.bits, hw, start=fp.start, held=held, packed=cfg.packed_counts)
         else:
             nbk = lax.shift_right_logical(fp.bucket + hb - 1, C.log2(hb))
             tau_u, need = _kth_key([(nbk, lambda b: bucket_keys(b)[:2])], k - fp.above, cfg.bits, hb, start=fp.start,
@@ -1052,7 +1060,7 @@ def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref
             return (jnp.sum((keep & (of == on_split)).astype(I32), axis=1), jnp.sum((tie & (of == j)).astype(I32)),
                     jnp.sum(eq))
 
-        if cfg.bucket_blocks == 1:
+        if held_all:
             kept_b, ties, _ = tally(held, hcol, inside, jnp.zeros((), I32))
         else:
             def body(b, carry):
