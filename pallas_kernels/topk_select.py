@@ -168,6 +168,9 @@ class TopkSelectConfig:
     # hist_block] block held in registers through its counting passes and the tally, instead of loading it from the
     # scratch row block by block in each pass (a dependent L2 load a pass; 4 keys a lane for a 2-block bucket)
     hold_bucket: bool = False
+    # with split_finish: no bucket kernel; each finish program copies every split's bucket keys to its own part of a
+    # scratch row itself (the copy's pass over the row's candidates, one kernel and its dependent loads fewer a call)
+    fuse_bucket: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (1, 2, 4):  # 8 would need [256, hist_block] counters: spills
@@ -189,8 +192,9 @@ class TopkSelectConfig:
             raise ValueError(f"range_margin must be None or in 0..8, got {self.range_margin}")
         if self.split_finish and self.range_margin is None:
             raise ValueError("split_finish needs range_margin (its first pass counts from the pivot)")
-        if self.hold_bucket and not self.split_finish:
-            raise ValueError("hold_bucket needs split_finish (it holds the split finish's bucket)")
+        for name in ("hold_bucket", "fuse_bucket"):
+            if getattr(self, name) and not self.split_finish:
+                raise ValueError(f"{name} needs split_finish (it changes the split finish's bucket)")
         if not (C.is_pow2(self.bucket_blocks) and self.bucket_blocks <= 8):
             raise ValueError(f"bucket_blocks must be a power of 2 up to 8, got {self.bucket_blocks}")
         if self.bucket_resolutions not in (1, 2, 3):
@@ -986,55 +990,77 @@ def _first_pass(hist_ref, row, plan: _RowPlan, k: int, cfg: TopkSelectConfig) ->
     return _FirstPass(ge_up, bucket_n, jnp.sum(ge_up), bucket, start, fast)
 
 
-def _split_copy_kernel(key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, hist_ref, skey_ref, scol_ref, *,
-                       k: int, cfg: TopkSelectConfig, cap: int, interpret: bool) -> None:
-    """Program (row, j) of the split finish: split j's keys in the k-th key's first-pass bucket, in column order, to
-    the row's scratch [row, off_j : off_j + n_j] (off_j: the bucket's keys of the splits before it), keys and
-    columns. Nothing where the row takes the one-program finish."""
-    row, j = pl.program_id(0), pl.program_id(1)
-    t = skey_ref.shape[0] if interpret else None
+def _copy_bucket(key_ref, col_ref, skey_ref, scol_ref, row, t: int | None, plan: _RowPlan, fp: _FirstPass,
+                 jj: int | jax.Array, dst: int | jax.Array, on: jax.Array, cap: int, cfg: TopkSelectConfig,
+                 lane: bool) -> None:
+    """Split ``jj``'s keys in the k-th key's first-pass bucket, in column order, to the scratch row from column
+    dst + off_jj (off_jj: the bucket's keys of the splits before it), keys and columns; nothing unless ``on``."""
     hb = cfg.hist_block
-    plan = _row_plan(filled_ref, above_ref, in_ref, piv_ref, row, k, cap, cfg.splits)
-    fp = _first_pass(hist_ref, row, plan, k, cfg)
     lo, span, _ = fp.start
-    off = jnp.sum(jnp.where(C.iota((cfg.splits,), 0) < j, fp.bucket_n, 0))
-    fj = plan.fill_of(j)
-    lane = cfg.finish_lane_loads and not interpret
-    _, own = _buffer_source(key_ref, col_ref, row, j, fj, cap, hb, jnp.ones((), I32), lane=lane)
+    off = dst + jnp.sum(jnp.where(C.iota((cfg.splits,), 0) < jj, fp.bucket_n, 0))
+    fj = plan.fill_of(jj)
+    _, src = _buffer_source(key_ref, col_ref, row, jj, fj, cap, hb, jnp.ones((), I32), lane=lane)
 
     def body(b, put):
-        s, col = own(b)
+        s, col = src(b)
         ki = _in_range(s, lo, span).astype(I32)
         slot = off + put + jnp.cumsum(ki, axis=1) - ki
         _scatter(skey_ref, row, t, slot, s, ki == 1)
         _scatter(scol_ref, row, t, slot, col, ki == 1)
         return put + jnp.sum(ki)
 
-    lax.fori_loop(0, fp.fast.astype(I32) * pl.cdiv(fj, hb), body, jnp.zeros((), I32))
+    lax.fori_loop(0, on.astype(I32) * pl.cdiv(fj, hb), body, jnp.zeros((), I32))
 
 
-def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, hist_ref, skey_ref,
-                                  scol_ref, idx_ref, tau_ref, path_ref, *scratch, n: int, k: int, cfg: TopkSelectConfig,
-                                  cap: int, interpret: bool) -> None:
+def _split_copy_kernel(key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, hist_ref, skey_ref, scol_ref, *,
+                       k: int, cfg: TopkSelectConfig, cap: int, interpret: bool) -> None:
+    """Program (row, j) of the split finish: split j's keys in the k-th key's first-pass bucket, in column order, to
+    the row's scratch [row, off_j : off_j + n_j] (``_copy_bucket``), keys and columns. Nothing where the row takes
+    the one-program finish."""
+    row, j = pl.program_id(0), pl.program_id(1)
+    plan = _row_plan(filled_ref, above_ref, in_ref, piv_ref, row, k, cap, cfg.splits)
+    fp = _first_pass(hist_ref, row, plan, k, cfg)
+    _copy_bucket(key_ref, col_ref, skey_ref, scol_ref, row, skey_ref.shape[0] if interpret else None, plan, fp, j, 0,
+                 fp.fast, cap, cfg, cfg.finish_lane_loads and not interpret)
+
+
+def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, hist_ref, *refs,
+                                  n: int, k: int, cfg: TopkSelectConfig, cap: int, interpret: bool) -> None:
     """Program (row, j) of the split finish. Where the bucket fits the scratch row (``_first_pass``): tau from the
     bucket (every program of the row finds the same; one block is held in registers, several are counted block by
     block), then split j's buffer compacted into its own output slots: after the kept keys of the splits before it
     (their keys above the bucket, from the prefilter's counts, and their bucket keys > tau or kept at tau), keeping
     the keys == tau that the row keeps from it (the first ``need`` of the bucket's, in column order). Elsewhere the
-    row's first program runs ``_finish_row``."""
+    row's first program runs ``_finish_row``.
+
+    ``fuse_bucket``: the bucket is not an input from the copy kernel; each program first copies every split's bucket
+    keys into its own scratch row part (``_copy_bucket``, outputs after the others: [row, j room : (j + 1) room])."""
+    if cfg.fuse_bucket:
+        idx_ref, tau_ref, path_ref, *scratch, skey_ref, scol_ref = refs
+    else:
+        skey_ref, scol_ref, idx_ref, tau_ref, path_ref, *scratch = refs
     row, j = pl.program_id(0), pl.program_id(1)
     t = idx_ref.shape[0] if interpret else None
     hb, sp = cfg.hist_block, cfg.splits
     plan = _row_plan(filled_ref, above_ref, in_ref, piv_ref, row, k, cap, sp)
     fp = _first_pass(hist_ref, row, plan, k, cfg)
     split_cols = pl.cdiv(pl.cdiv(n, cfg.block), sp) * cfg.block  # columns per split (the prefilter's ranges)
+    room = cfg.bucket_blocks * hb
+    base = j * room if cfg.fuse_bucket else 0  # this program's bucket in the scratch row
 
     @pl.when(fp.fast)
     def _():
+        if cfg.fuse_bucket:
+            for jj in range(sp):
+                _copy_bucket(key_ref, col_ref, skey_ref, scol_ref, row, skey_ref.shape[0] if interpret else None,
+                             plan, fp, jj, base, jnp.ones((), bool), cap, cfg, cfg.finish_lane_loads and not interpret)
+            if not interpret:
+                plt.debug_barrier()  # the bucket's stores -> its loads by other threads of the CTA
+
         def bucket_keys(b, w=hb):  # block b of w keys of the scratch row's bucket: (keys, _SIGN past it; columns; inside)
             lane = b * w + C.iota((1, w), 1)
             inside = lane < fp.bucket
-            at = _lanes(lane, cfg.finish_lane_loads and not interpret)
+            at = _lanes(base + lane, cfg.finish_lane_loads and not interpret)
             s = jnp.where(inside, C.load(skey_ref, (row, at), (1, w), mask=inside), _SIGN)
             return s, C.load(scol_ref, (row, at), (1, w), mask=inside), inside
 
@@ -1104,14 +1130,19 @@ def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpr
         idx, tau, path, *_ = C.pallas_call(finish, out_shape=tuple(out), grid=(t,), aliases={}, interpret=interpret,
                                            name="topk_radix_finish", num_warps=cfg.num_warps)(x, keys, cols, *counts)
         return idx, tau, jnp.sum(filled, axis=1), path
-    copy = functools.partial(_split_copy_kernel, k=k, cfg=cfg, cap=cap, interpret=interpret)
-    bucket = [jax.ShapeDtypeStruct((t, cfg.bucket_blocks * cfg.hist_block), I32)] * 2  # its bucket: keys, columns
-    skey, scol = C.pallas_call(copy, out_shape=tuple(bucket), grid=(t, sp), aliases={}, interpret=interpret,
-                               name="topk_radix_bucket", num_warps=cfg.num_warps)(keys, cols, *counts, *hist)
+    room = cfg.bucket_blocks * cfg.hist_block
     finish = functools.partial(_split_finish_parallel_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret)
+    if cfg.fuse_bucket:  # each finish program's own bucket: keys, columns
+        out += [jax.ShapeDtypeStruct((t, sp * room), I32)] * 2
+        bucket = ()
+    else:
+        copy = functools.partial(_split_copy_kernel, k=k, cfg=cfg, cap=cap, interpret=interpret)
+        shapes = (jax.ShapeDtypeStruct((t, room), I32),) * 2  # the row's bucket: keys, columns
+        bucket = C.pallas_call(copy, out_shape=shapes, grid=(t, sp), aliases={}, interpret=interpret,
+                               name="topk_radix_bucket", num_warps=cfg.num_warps)(keys, cols, *counts, *hist)
     idx, tau, path, *_ = C.pallas_call(finish, out_shape=tuple(out), grid=(t, sp), aliases={}, interpret=interpret,
                                        name="topk_radix_finish", num_warps=cfg.num_warps)(x, keys, cols, *counts, *hist,
-                                                                                          skey, scol)
+                                                                                          *bucket)
     return idx, tau, jnp.sum(filled, axis=1), path
 
 

@@ -250,6 +250,8 @@ def test_packed_counts_same_result(mode: str, bits: int, unroll: int) -> None:
 @pytest.mark.parametrize("splits,unroll,finish", [
     (4, 2, {}), (4, 1, dict(bucket_blocks=2, bucket_resolutions=3)),
     (4, 2, dict(bucket_blocks=2, bucket_resolutions=3, hold_bucket=True)),  # the bucket held in registers
+    (4, 2, dict(bucket_blocks=2, bucket_resolutions=3, hold_bucket=True, fuse_bucket=True)),  # no bucket kernel
+    (4, 1, dict(fuse_bucket=True)),
     pytest.param(2, 1, {}, marks=pytest.mark.slow), pytest.param(2, 2, dict(bucket_blocks=4, bucket_resolutions=1),
                                                                   marks=pytest.mark.slow)])
 def test_split_finish_same_result(mode: str, splits: int, unroll: int, finish: dict) -> None:
@@ -258,7 +260,8 @@ def test_split_finish_same_result(mode: str, splits: int, unroll: int, finish: d
     candidates and paths as the one-program finish, on every row kind, short rows (pivot is tau), heavy ties at the
     pivot (overflowed buffers), k-th keys far above the sample's largest, ties at tau across splits; k = 50 (most
     buckets fit the 128-key block) and k = 300 (many do not); with a bucket of several blocks (counted block by
-    block, or held whole in registers: ``hold_bucket``) and one or three first-pass resolutions."""
+    block, or held whole in registers: ``hold_bucket``) and one or three first-pass resolutions; with each finish
+    program copying the bucket itself (``fuse_bucket``)."""
     n = 3000
     base = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=1200, splits=splits, unroll=unroll,
                             shrink=True, hold_shrunk=True, range_margin=1)
@@ -281,6 +284,8 @@ def test_split_finish_same_result(mode: str, splits: int, unroll: int, finish: d
         TopkSelectConfig(split_finish=True)
     with pytest.raises(ValueError, match="hold_bucket needs split_finish"):
         TopkSelectConfig(hold_bucket=True)
+    with pytest.raises(ValueError, match="fuse_bucket needs split_finish"):
+        TopkSelectConfig(fuse_bucket=True)
     with pytest.raises(ValueError, match="bucket_resolutions=3 needs range_margin >= 1"):
         TopkSelectConfig(range_margin=0, split_finish=True, bucket_resolutions=3)
     with pytest.raises(ValueError, match="bucket_blocks"):
@@ -310,7 +315,7 @@ def test_split_finish_random_configs(mode: str) -> None:
         cfg = dataclasses.replace(cfg, fill_warps=[None, 16][int(rng.integers(2))])  # the prefilter's own warps
         # one key a lane per load (layouts only: natively; interpret mode has none)
         cfg = dataclasses.replace(cfg, fill_lane_loads=bool(rng.integers(2)), finish_lane_loads=bool(rng.integers(2)),
-                                  hold_bucket=bool(rng.integers(2)))
+                                  hold_bucket=bool(rng.integers(2)), fuse_bucket=bool(rng.integers(2)))
         xj = jnp.asarray(x)
         idx = select_unsorted(xj, k, config=cfg, interpret=interpret_for(mode))[0]
         np.testing.assert_array_equal(np.asarray(idx), np.sort(np.asarray(jax.lax.top_k(xj, k)[1]), axis=1),
@@ -548,6 +553,7 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
     (64, 65536, dict(minus_one_for_neg_inf=True)),
     (64, 65536, dict(packed_counts=True, fill_warps=16)),
     (64, 65536, dict(fill_lane_loads=True, finish_lane_loads=True, hold_bucket=True)),
+    (64, 65536, dict(finish_lane_loads=True, hold_bucket=True, fuse_bucket=True)),
     # the 8-split finish takes ptxas about 40 s on 2 cores: slow
     pytest.param(16, 131072, {}, marks=pytest.mark.slow),
     pytest.param(16, 131072, dict(split_finish=False, packed_counts=True), marks=pytest.mark.slow)])

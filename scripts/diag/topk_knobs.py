@@ -136,6 +136,10 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          # pass loop (pip triton: 2 dependent L2 load rounds a pass -> none)
          "sf_hold": {**_SF, "hold_bucket": True},
          "sf_lane_hold": {**_SF, "fill_lane_loads": True, "finish_lane_loads": True, "hold_bucket": True},
+         # ... and no bucket kernel: each finish program copies every split's bucket keys itself (fuse_bucket)
+         "sf_fuse": {**_SF, "hold_bucket": True, "fuse_bucket": True},
+         "sf_lane_fuse": {**_SF, "fill_lane_loads": True, "finish_lane_loads": True, "hold_bucket": True,
+                          "fuse_bucket": True},
          "x2_h512_p16_hold_r1_pk": dict(splits_x=2, unroll=2, shrink=True, hist_block=512, pivot_bits=16,
                                         hold_shrunk=True, range_margin=1, packed_counts=True),
          # 1024-key counting / compaction steps over packed counts (half the finish's steps and a 1024-key held
