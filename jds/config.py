@@ -643,9 +643,8 @@ class RunnerConfig:
     ``xla_dump_to`` to both, so a dump covers exactly this runner's executables without editing ``XLA_FLAGS``.
     Under both lies ``xla_allow_excess_precision`` = ``excess_precision``: XLA's default (True) lets a fusion
     keep bf16 intermediates in float32, so the jitted bf16 forward skips rounding points that the eager forward
-    and DeepSeek's reference make (78% of a V4 layer's outputs differed from eager, up to 1% of its scale; 0.8%
-    and one bf16 ulp with it off: tests/test_excess_precision.py). False, the default here, rounds where the
-    program casts.
+    and DeepSeek's reference make (most of a V4 layer's outputs then differ from eager's; with it off, a few
+    by one bf16 ulp: tests/test_excess_precision.py). False, the default here, rounds where the program casts.
     """
 
     mode: str = "narrow"  # execution boundary: wide / narrow / fused (see jds.runner)

@@ -75,8 +75,8 @@ weight-read bound (1-4 rows per expert), so the design moves the weights once th
   slab's TMA rows are 16 bytes).
 Cost model: per weight the kernel moves half a byte from HBM and spends CUDA-core operations on
 dequantisation, so at decode that ALU work, not HBM, bounds it (an Nsight Compute profile of 8 tokens,
-2026-12-01: issue slots 65% busy with "f16"/"bf16"; "lop3" cut the instructions by 40%, and what remains is
-spread over the dequantisation, the scale multiplies and the wgmma descriptors' uniform-datapath arithmetic
+2026-12-01, docs/perf-log.md: issue slots mostly busy with "f16"/"bf16"; "lop3" cut the instructions, and what
+remains is spread over the dequantisation, the scale multiplies and the wgmma descriptors' uniform-datapath arithmetic
 of one m64n8k16 MMA per 16 columns).
 Limits: N multiple of 64, K multiple of 512 (else ``Unsupported``; "auto" runs XLA); ``block_t`` <= 128.
 ``interpret=None`` runs GPU interpret mode off-GPU (the same kernel on the CPU, slow: tests only). The
@@ -827,7 +827,7 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
                 ring, its last drains it, the ones between continue it; a CTA with one unit runs a whole pipeline.
                 One division by the dynamic item count per unit, the rest by constants: ``nd_loop``'s remainder and
                 quotient by the unit count and two more divisions by the item count (Mosaic emits each as a
-                reciprocal-based sequence every warp runs) made the call 3% slower at 1 token
+                reciprocal-based sequence every warp runs) made the call slower at 1 token
                 (benchmarks/results/archive/fp4_tiles_time_h200_2026-12-04_twentyeighth.json)."""
                 u = cta + j * ctas
                 q = u // n_items

@@ -46,9 +46,10 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, 3 warpgroups per CTA: 2 compu
   e4m3 ones, and each compute warpgroup quantises the K block's tile in registers (row amax, ``row_scales``,
   clamp, RNE cast) into its own e4m3 SMEM tile right before its MMA; the row scales stay in registers for the
   promotion. The call then has no XLA kernels for act_quant, its padding and the transposed scales (three of
-  the decode call's kernels, about 8 µs on the H200: docs/perf-log.md; what remains around the kernel is the
+  the decode call's kernels, several µs of its timeline: docs/perf-log.md; what remains around the kernel is the
   split-K sum, where there is one). Same operands as act_quant's, bit for bit (tests). Off: the quantisation
-  between each K block's TMA wait and its MMA made the kernel 2-3x slower (Nsight Compute, 2026-12-01).
+  between each K block's TMA wait and its MMA made the kernel several times slower (Nsight Compute, 2026-12-01;
+  docs/perf-log.md).
   ``act_quant="kernel"`` (``quantize_rows``, the default up to 128 rows) does the same quantisation in one kernel
   before the GEMM instead.
 - ``stream_k=True`` (decode, one 64- or 128-row tile): the kernel holds one CTA per SM (its registers and SMEM), so a
@@ -481,8 +482,8 @@ def _swapped_stages(stages: int | None, mr: int, bn: int, nk: int, kps: int, sta
                     y_tiles: int = 0) -> int:
     """The swapped kernel's ring depth: ``stages``, fewer where the ring and the staged scales would pass SMEM.
     None: about ``SWAP_RING_BYTES`` in flight, at least ``STAGES`` (a stage is only (mr + bn) x 128 bytes here: wo's
-    128-wide tiles take 6 stages for it, faster than 4 in 5 of 6 pairs at 1 and 8 rows (0.7-1.5 µs on average),
-    while q_b's and mlp's 192-wide tiles were slower with 6 than with 4;
+    128-wide tiles take 6 stages for it, faster than 4 in most pairs at 1 and 8 rows, while q_b's and mlp's
+    192-wide tiles were slower with 6 than with 4;
     archive/fp8_decode_ncu_sweep_h200_2026-12-04_raw.json, runs 5, 9, 10)."""
     if stages is None:
         stages = max(STAGES, SWAP_RING_BYTES // ((mr + bn) * BLOCK))

@@ -329,7 +329,7 @@ def _q_kernel(q_ref, iq_ref, iw_ref, cos_ref, sin_ref, *rest, T, BT, H, HP, Hi, 
         C.store(iw_out, (tok_s, hc), wf, ok)
 
     # the indexer's loads ahead of q_pe where they share a program (with the Hadamard in halves the registers allow
-    # it: faster at T = 1 to 1024, 2% slower at 8192; docs/perf-log.md)
+    # it: faster up to T = 1024, slightly slower at 8192; docs/perf-log.md, twenty-ninth session)
     C.phases_loads_first(split, q_pe, indexer_inputs, indexer)
 
 

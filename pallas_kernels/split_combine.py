@@ -4,7 +4,7 @@ sum_i share_i o_i, share_i = 2^(m_i - M) l_i / (sum_j 2^(m_j - M) l_j + 2^(sink 
 and the sink (all shares 0 where a row has no mass).
 
 ``implementation="xla"``: the shares, then the weighted sum, as jnp (the reference). On the H200 XLA ran that
-as two or three kernels (the shares' fusions, then the sum; 3.8-7.0 µs at decode, docs/perf-log.md), each a
+as two or three kernels (the shares' fusions, then the sum: docs/perf-log.md), each a
 launch and a DRAM round trip of latency on the decode step's critical path. ``"pallas"``: one kernel; each program takes a token's
 block of heads and columns (``tiles``), all splits at once, computes the shares from (m, l) and reads each
 split's rows once.

@@ -529,7 +529,7 @@ def _pivot_or_kth(at_pivot: jax.Array, piv_u: jax.Array, need_at_pivot: jax.Arra
     """(tau's u, need): where the pivot is tau, the pivot and the keys at it the row keeps, else ``kth``'s counting.
     ``skip``: such rows do not run the counting passes. A short request's -inf tail has no blocks to count, but the
     passes still run: 8 from the whole key space, each a CTA reduction and barrier; beside the split finish's fast
-    rows that set a mixed batch's time on the H200 (its finish 11.2 -> 18.0 µs at 16 x 32K,
+    rows that set a mixed batch's time on the H200 (its finish slower than a full batch's at 16 x 32K,
     benchmarks/results/archive/topk_knobs_bucket_h200_2026-12-05.json), so the split finish skips them. The other
     finishes run each row in its own program beside full rows' longer counting, and keep their measured code."""
     if skip:
@@ -1057,7 +1057,7 @@ def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref
             if not interpret:
                 plt.debug_barrier()  # the bucket's stores -> its loads by other threads of the CTA
 
-        def bucket_keys(b, w=hb):  # block b of w keys of the scratch row's bucket: (keys, _SIGN past it; columns; inside)
+        def bucket_keys(b, w=hb):  # block b (w keys) of the scratch row's bucket: keys (_SIGN past it), columns, inside
             lane = b * w + C.iota((1, w), 1)
             inside = lane < fp.bucket
             at = _lanes(base + lane, cfg.finish_lane_loads and not interpret)
