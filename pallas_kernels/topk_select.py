@@ -75,7 +75,7 @@ import dataclasses
 import functools
 import math
 import operator
-from typing import Callable
+from typing import Callable, Literal
 
 import jax
 import jax.numpy as jnp
@@ -154,15 +154,17 @@ class TopkSelectConfig:
     # warps of the split prefilter's programs (None: num_warps). One program per SM streams a 64-row batch's rows (64 x
     # 2 splits on 132 SMs); its loop waits on barriers, shuffles and shared memory with 2 warps per scheduler at 8
     fill_warps: int | None = None
-    # the loads of the streaming loops take one key a lane per instruction (a contiguity hint of 1 on their columns),
-    # so that the keys, the compaction's scan and its scatter stores share one register layout. Triton gives a store
-    # whose addresses depend on the data one key a lane, and with vectorised loads (2 or 4 keys a lane) the stores'
-    # pointers, values and masks went through shared memory to it, barrier by barrier, in every block (pip triton's
-    # TTGIR and SASS: scripts/diag/triton_sass.py). The scan then runs one warp scan per key a lane holds, so the
-    # trade is cheaper where a lane holds few keys. ``fill_lane_loads``: the prefilter's row loads (2048-key blocks:
-    # 8 keys a lane at 8 warps); ``finish_lane_loads``: the loads of the counting, copy and compaction loops after it
-    # (buffers, bucket, scratch and row: 512-key blocks, 2 keys a lane)
-    fill_lane_loads: bool = False
+    # the register layout of the prefilter's streaming loop. Triton gives a store whose addresses depend on the data
+    # one key a lane; with vectorised loads (4 keys a lane, "vector") the stores' pointers, values and masks go through
+    # shared memory to that layout, barrier by barrier, in every block (pip triton's TTGIR and SASS:
+    # scripts/diag/triton_sass.py). "lane": the loads take one key a lane too (``_lanes``), so nothing is converted,
+    # but the scan runs one warp scan per key a lane holds (8 at 2048-key blocks and 8 warps). "group": a block is
+    # [4, block / 4] with column 4 c + r at [r, c] (``_row_keys``' ``groups``): a lane loads its 4 consecutive keys in
+    # one instruction, and the stores' one-key-a-lane layout of that shape gives each lane the same 4 keys, so nothing
+    # is converted either; the prefix runs along the group in the lane, then one warp scan per 4 keys (``_col_prefix``)
+    fill_layout: Literal["vector", "lane", "group"] = "vector"
+    # the loads of the counting, copy and compaction loops after the prefilter (buffers, bucket, scratch and row:
+    # 512-key blocks, 2 keys a lane) take one key a lane, as "lane" above
     finish_lane_loads: bool = False
     # with split_finish and bucket_blocks > 1: the finish loads the whole bucket once, as one [1, bucket_blocks x
     # hist_block] block held in registers through its counting passes and the tally, instead of loading it from the
@@ -178,6 +180,10 @@ class TopkSelectConfig:
         for name in ("block", "hist_block", "sample", "num_warps", "splits", "unroll"):
             if not C.is_pow2(getattr(self, name)):
                 raise ValueError(f"{name} must be a power of 2, got {getattr(self, name)}")
+        if self.fill_layout not in ("vector", "lane", "group"):
+            raise ValueError(f'fill_layout must be "vector", "lane" or "group", got {self.fill_layout!r}')
+        if self.fill_layout == "group" and self.block < 4 * 32:
+            raise ValueError(f'fill_layout="group" needs block >= 128 (4 keys a lane of a warp), got {self.block}')
         if self.fill_warps is not None and not C.is_pow2(self.fill_warps):
             raise ValueError(f"fill_warps must be None or a power of 2, got {self.fill_warps}")
         if self.unroll > 8:
@@ -541,7 +547,7 @@ def _pivot_or_kth(at_pivot: jax.Array, piv_u: jax.Array, need_at_pivot: jax.Arra
 def _lanes(idx: jax.Array, lane: bool) -> jax.Array:
     """A load's column index; with ``lane``, passed through an identity Triton cannot see through (a PTX move), so
     that nothing is known of its contiguity: the load then takes one key a lane per instruction, the layout of the
-    scatter stores it feeds (``TopkSelectConfig.fill_lane_loads``). Not ``max_contiguous``: its hint sits on the
+    scatter stores it feeds (``TopkSelectConfig.fill_layout``). Not ``max_contiguous``: its hint sits on the
     index's defining op, which the canonicalizer folds away where the index is x + 0 (split 0's buffer), and one
     vectorisable load of the same shape anywhere in a kernel widens them all (Triton's coalescing takes the widest
     of the related loads). Native only: interpret mode runs no PTX (and has no layouts)."""
@@ -551,15 +557,38 @@ def _lanes(idx: jax.Array, lane: bool) -> jax.Array:
                                       result_shape_dtypes=[jax.ShapeDtypeStruct(idx.shape, idx.dtype)])[0]
 
 
-def _row_keys(x_ref, row, n: int, lane: bool = False) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    """(block b, width[, end]) -> (s, column) [1, width] of the row's keys; padding lanes past n (and past column
-    ``end``, unloaded) get s = _SIGN. ``lane``: one key a lane per load (``_lanes``)."""
+def _row_keys(x_ref, row, n: int, lane: bool = False, groups: int = 1) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """(block b, width[, end]) -> (s, column) of the row's keys; padding lanes past n (and past column ``end``,
+    unloaded) get s = _SIGN. [1, width], or with ``groups`` g > 1 [g, width / g] holding column b width + g c + r at
+    [r, c] (``TopkSelectConfig.fill_layout="group"``). ``lane``: one key a lane per load (``_lanes``)."""
     def x_keys(b, width, end=None):
-        col = b * width + C.iota((1, width), 1)
+        col = _block_cols(b, width, groups)
+        shape = col.shape
         inside = col < n if end is None else (col < n) & (col < end)
-        xb = lax.bitcast_convert_type(C.load(x_ref, (row, _lanes(col, lane)), (1, width), mask=inside), I32)
+        xb = lax.bitcast_convert_type(C.load(x_ref, (row, _lanes(col, lane)), shape, mask=inside), I32)
         return jnp.where(inside, jnp.where(xb < 0, xb ^ 0x7FFFFFFF, xb), _SIGN), col
     return x_keys
+
+
+def _block_cols(b, width: int, groups: int = 1) -> jax.Array:
+    """Columns of block b (``width`` keys): [1, width], or [g, width / g] with column b width + g c + r at [r, c]."""
+    shape = (groups, width // groups)
+    return b * width + groups * C.iota(shape, 1) + C.iota(shape, 0)
+
+
+def _col_prefix(v: jax.Array) -> jax.Array:
+    """Inclusive prefix sums of a block's values in column order: along a [1, w] block's row; over a [g, w / g] block
+    (column g c + r at [r, c], ``_row_keys``' groups) along each group first (a lane's own keys), then over the
+    groups' totals (one scan of w / g values)."""
+    if v.shape[0] == 1:
+        return jnp.cumsum(v, axis=1)
+    tot = jnp.sum(v, axis=0, keepdims=True)
+    return jnp.cumsum(v, axis=0) + (jnp.cumsum(tot, axis=1) - tot)
+
+
+def _fill_keys(x_ref, row, n: int, cfg: TopkSelectConfig, interpret: bool) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """The prefilter's row keys in its ``fill_layout``."""
+    return _row_keys(x_ref, row, n, cfg.fill_layout == "lane" and not interpret, 4 if cfg.fill_layout == "group" else 1)
 
 
 def _sample_pivot(x_ref, row, n: int, k: int, cfg: TopkSelectConfig) -> tuple[jax.Array, jax.Array]:
@@ -649,7 +678,8 @@ def _fill(x_keys, first_block, n_blocks, piv, cap: int, width: int, strict: bool
     ``prefetch`` (``TopkSelectConfig.prefetch``): each step issues the next step's loads before using its own, which
     the previous step loaded (its keys carried in registers), so two steps' blocks are in flight; loads past the
     pass's last block are masked out (no memory traffic). ``first``: the first step's keys, loaded by the caller
-    (``_step_keys``) before other work, e.g. the sample pivot, so that they are in flight during it."""
+    (``_step_keys``) before other work, e.g. the sample pivot, so that they are in flight during it. Blocks are
+    ``x_keys``' shape: [1, width] or column groups (``_row_keys``; the slots' prefix by ``_col_prefix``)."""
     lo = piv + strict if isinstance(strict, jax.Array) else None
     end = (first_block + n_blocks) * width
 
@@ -661,7 +691,7 @@ def _fill(x_keys, first_block, n_blocks, piv, cap: int, width: int, strict: bool
             ki = ((s >= lo) if lo is not None else (s > piv) if strict else (s >= piv)).astype(I32)
             gt = (s > piv).astype(I32)
             both = ki + lax.shift_left(gt, 16)  # one scan and one reduction count both (each <= width < 2^16)
-            slot = filled + (jnp.cumsum(both, axis=1) & 0xFFFF) - ki
+            slot = filled + (_col_prefix(both) & 0xFFFF) - ki
             ok = (ki == 1) & (slot < cap)
             put(slot, s, col, ok)
             tot = jnp.sum(both)
@@ -674,8 +704,8 @@ def _fill(x_keys, first_block, n_blocks, piv, cap: int, width: int, strict: bool
             filled, above, above_in = filled + n_ki, above + n_gt, above_in + landed
         return filled, above, above_in
 
-    def cols(i, j):
-        return (first_block + i * unroll + j) * width + C.iota((1, width), 1)
+    def cols(i, j, groups):
+        return _block_cols(first_block + i * unroll + j, width, groups)
 
     init = (jnp.zeros((), I32),) * 3
     steps = pl.cdiv(n_blocks, unroll)
@@ -686,7 +716,7 @@ def _fill(x_keys, first_block, n_blocks, piv, cap: int, width: int, strict: bool
     else:
         def body(i, carry):
             nxt = _step_keys(x_keys, first_block, i + 1, unroll, width, end)  # issued before this step's work
-            return (*step(i, carry[:3], [(s, cols(i, j)) for j, s in enumerate(carry[3:])]), *nxt)
+            return (*step(i, carry[:3], [(s, cols(i, j, s.shape[0])) for j, s in enumerate(carry[3:])]), *nxt)
         if first is None:
             first = _step_keys(x_keys, first_block, 0, unroll, width, end)
         filled, above, above_in, *_ = lax.fori_loop(0, steps, body, (*init, *first))
@@ -737,7 +767,7 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
     row11 = row + jnp.zeros((1, 1), I32)  # [1, 1] index of this row's scalar outputs
     one11 = jnp.ones((1, 1), bool)
 
-    x_keys = _row_keys(x_ref, row, n, cfg.fill_lane_loads and not interpret)  # the prefilter's
+    x_keys = _fill_keys(x_ref, row, n, cfg, interpret)  # the prefilter's
     lane = cfg.finish_lane_loads and not interpret
     row_keys = _row_keys(x_ref, row, n, lane)  # the counting's and the compaction's
 
@@ -816,7 +846,7 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
     t = key_ref.shape[0] if interpret else None
     per = pl.cdiv(pl.cdiv(n, cfg.block), cfg.splits)
     nb = jnp.clip(pl.cdiv(n, cfg.block) - j * per, 0, per)
-    x_keys = _row_keys(x_ref, row, n, cfg.fill_lane_loads and not interpret)
+    x_keys = _fill_keys(x_ref, row, n, cfg, interpret)
     first = _step_keys(x_keys, j * per, 0, cfg.unroll, cfg.block, (j * per + nb) * cfg.block) if cfg.prefetch else None
     piv_u, hi_u = _sample_pivot(x_ref, row, n, k, cfg)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -142,7 +143,8 @@ def test_unroll_same_result(mode: str, splits: int, capacity: int, unroll: int, 
     """``unroll`` (each loop step loads that many blocks before using any; blocks past a source's end masked out):
     the same result, candidates and paths as ``unroll=1`` and as lax.top_k, on every row kind and path, with block
     counts that are no multiple of the unroll. With shrink the shrunk block is held in registers
-    (``hold_shrunk``). And with ``prefetch`` (the next step's blocks loaded during this one's work)."""
+    (``hold_shrunk``). And with ``prefetch`` (the next step's blocks loaded during this one's work), also with the
+    prefilter's blocks as column groups."""
     n, k = 3000, 50
     base = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=capacity, splits=splits, shrink=shrink)
     rng = np.random.default_rng(37)
@@ -159,6 +161,13 @@ def test_unroll_same_result(mode: str, splits: int, capacity: int, unroll: int, 
     got = _check(x, k, interpret_for(mode), dataclasses.replace(base, unroll=unroll, prefetch=True), paths=True)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
+    # ... with the prefilter's blocks as column groups (fill_layout="group": its slots from a two-level prefix)
+    got = _check(x, k, interpret_for(mode), dataclasses.replace(base, unroll=unroll, prefetch=True,
+                                                                fill_layout="group"), paths=True)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    with pytest.raises(ValueError, match="fill_layout"):
+        TopkSelectConfig(fill_layout="rows")
     with pytest.raises(ValueError, match="unroll"):
         TopkSelectConfig(unroll=3)
 
@@ -252,6 +261,7 @@ def test_packed_counts_same_result(mode: str, bits: int, unroll: int) -> None:
     (4, 2, dict(bucket_blocks=2, bucket_resolutions=3, hold_bucket=True)),  # the bucket held in registers
     (4, 2, dict(bucket_blocks=2, bucket_resolutions=3, hold_bucket=True, fuse_bucket=True)),  # no bucket kernel
     (4, 1, dict(fuse_bucket=True)),
+    (4, 2, dict(fill_layout="group")),  # the prefilter's blocks as column groups (its prefix in two levels)
     pytest.param(2, 1, {}, marks=pytest.mark.slow), pytest.param(2, 2, dict(bucket_blocks=4, bucket_resolutions=1),
                                                                   marks=pytest.mark.slow)])
 def test_split_finish_same_result(mode: str, splits: int, unroll: int, finish: dict) -> None:
@@ -314,7 +324,8 @@ def test_split_finish_random_configs(mode: str) -> None:
         x[0, rng.choice(n, 20)] += np.float32(1e6)
         cfg = dataclasses.replace(cfg, fill_warps=[None, 16][int(rng.integers(2))])  # the prefilter's own warps
         # one key a lane per load (layouts only: natively; interpret mode has none)
-        cfg = dataclasses.replace(cfg, fill_lane_loads=bool(rng.integers(2)), finish_lane_loads=bool(rng.integers(2)),
+        cfg = dataclasses.replace(cfg, fill_layout=str(rng.choice(["vector", "lane", "group"])),
+                                  finish_lane_loads=bool(rng.integers(2)),
                                   hold_bucket=bool(rng.integers(2)), fuse_bucket=bool(rng.integers(2)))
         xj = jnp.asarray(x)
         idx = select_unsorted(xj, k, config=cfg, interpret=interpret_for(mode))[0]
@@ -552,7 +563,8 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
     (64, 65536, dict(range_margin=None, prefetch=False, split_finish=False)),  # the config before that
     (64, 65536, dict(minus_one_for_neg_inf=True)),
     (64, 65536, dict(packed_counts=True, fill_warps=16)),
-    (64, 65536, dict(fill_lane_loads=True, finish_lane_loads=True, hold_bucket=True)),
+    (64, 65536, dict(fill_layout="lane", finish_lane_loads=True, hold_bucket=True)),
+    (64, 65536, dict(fill_layout="group", finish_lane_loads=True)),
     (64, 65536, dict(finish_lane_loads=True, hold_bucket=True, fuse_bucket=True)),
     # the 8-split finish takes ptxas about 40 s on 2 cores: slow
     pytest.param(16, 131072, {}, marks=pytest.mark.slow),
@@ -572,20 +584,31 @@ def test_sm90_compile_indexer_config(t: int, n: int, tiles: dict) -> None:
 
 
 def test_lane_loads_share_the_stores_layout() -> None:
-    """``fill_lane_loads`` / ``finish_lane_loads`` at 64 x 64K: pip triton's TTGIR keeps the stores' operands in the
-    loads' layout. The prefilter's streaming loop had four conversions a block (pointers twice, values, mask) and
-    keeps none (what remains are the scalar and per-digit stores after it); the finish keeps the small vectors'."""
+    """``fill_layout="lane"`` / ``finish_lane_loads`` at 64 x 64K: pip triton's TTGIR keeps the stores' operands in
+    the loads' layout. The prefilter's streaming loop had four conversions a block (pointers twice, values, mask) and
+    keeps none (what remains are the scalar and per-digit stores after it); the finish keeps the small vectors'.
+    ``fill_layout="group"``: the conversions stay in the TTGIR, between layouts that give each lane the same keys, and
+    cost nothing: the prefilter's SASS has as many barriers and shared-memory accesses as the lane form's or fewer."""
     pytest.importorskip("triton")
     from pallas_kernels.topk_select import select_config_for
     conv = {}
     for lane in (False, True):
-        cfg = dataclasses.replace(select_config_for(64, 65536), fill_lane_loads=lane, finish_lane_loads=lane)
+        cfg = dataclasses.replace(select_config_for(64, 65536), fill_layout="lane" if lane else "vector",
+                                  finish_lane_loads=lane)
         fn = functools.partial(select_unsorted, k=2048, interpret=False, config=cfg)
         conv[lane] = {k["name"]: k["layout_conversions"]
                       for k in C.compile_sm90_report(fn, jax.ShapeDtypeStruct((64, 65536), jnp.float32))}
     assert conv[False]["topk_radix_prefilter"] >= conv[True]["topk_radix_prefilter"] + 8, conv  # 2 blocks a step
     assert conv[True]["topk_radix_finish"] * 2 < conv[False]["topk_radix_finish"], conv
     assert conv[True]["topk_radix_bucket"] < conv[False]["topk_radix_bucket"], conv
+    shared = {}
+    for layout in ("lane", "group"):
+        cfg = dataclasses.replace(select_config_for(64, 65536), fill_layout=layout)
+        fn = functools.partial(select_unsorted, k=2048, interpret=False, config=cfg)
+        sass = next(k["sass"] for k in C.compile_sm90_report(fn, jax.ShapeDtypeStruct((64, 65536), jnp.float32),
+                                                              sass=True) if k["name"] == "topk_radix_prefilter")
+        shared[layout] = [len(re.findall(rf"\b{op}\b", sass)) for op in ("BAR", "LDS", "STS")]
+    assert all(g <= la for g, la in zip(shared["group"], shared["lane"])), shared
 
 
 @pytest.mark.parametrize("t,n,config", REAL)

@@ -126,19 +126,22 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          # two first-pass resolutions, margins 0 and 1 (the replay, topk_passes.py, fits 256 of 256 rows at 64K with
          # 1024 keys at margin 0 alone): one resolution's counts fewer in the prefilter
          "sf_m0r2": {**_SF, "range_margin": 0, "bucket_resolutions": 2},
-         # one key a lane per load (thirty-ninth session): the scatter stores' operands stay in the loads' layout.
-         # pip triton's TTGIR at 64 x 64K: the prefilter's loop 8 layout conversions a step -> 0 (BAR 32 -> 12 a
-         # step, 944 -> 1382 instructions: the scan's warp scans per key a lane), the finish 52 -> 18
-         "sf_lane": {**_SF, "fill_lane_loads": True, "finish_lane_loads": True},
+         # the prefilter's loop without layout conversions before its stores (thirty-ninth session; fill_layout):
+         # pip triton's SASS a step (2 blocks of 2048 keys) at 64 x 64K, vector -> lane / group: 944 -> 1382 / 892
+         # instructions, BAR 32 -> 12 / 12, shared loads + stores 76 -> 56 / 20. finish_lane_loads: the finish's
+         # conversions 52 -> 18. hold_bucket: the 2-block bucket held in registers through the finish's passes (no
+         # loads in its pass loop); fuse_bucket: no bucket kernel, each finish program copies the bucket itself
+         "sf_group": {**_SF, "fill_layout": "group"},
+         "sf_lane": {**_SF, "fill_layout": "lane", "finish_lane_loads": True},
          "sf_lane_fin": {**_SF, "finish_lane_loads": True},
-         "sf_lane_w16": {**_SF, "fill_lane_loads": True, "finish_lane_loads": True, "fill_warps": 16},
-         # the 2-block bucket held in registers through the finish's passes (hold_bucket): no scratch-row loads in its
-         # pass loop (pip triton: 2 dependent L2 load rounds a pass -> none)
+         "sf_group_fin": {**_SF, "fill_layout": "group", "finish_lane_loads": True},
+         "sf_group_w16": {**_SF, "fill_layout": "group", "fill_warps": 16},
+         "sf_lane_w16": {**_SF, "fill_layout": "lane", "finish_lane_loads": True, "fill_warps": 16},
          "sf_hold": {**_SF, "hold_bucket": True},
-         "sf_lane_hold": {**_SF, "fill_lane_loads": True, "finish_lane_loads": True, "hold_bucket": True},
-         # ... and no bucket kernel: each finish program copies every split's bucket keys itself (fuse_bucket)
          "sf_fuse": {**_SF, "hold_bucket": True, "fuse_bucket": True},
-         "sf_lane_fuse": {**_SF, "fill_lane_loads": True, "finish_lane_loads": True, "hold_bucket": True,
+         "sf_group_fuse": {**_SF, "fill_layout": "group", "finish_lane_loads": True, "hold_bucket": True,
+                           "fuse_bucket": True},
+         "sf_lane_fuse": {**_SF, "fill_layout": "lane", "finish_lane_loads": True, "hold_bucket": True,
                           "fuse_bucket": True},
          "x2_h512_p16_hold_r1_pk": dict(splits_x=2, unroll=2, shrink=True, hist_block=512, pivot_bits=16,
                                         hold_shrunk=True, range_margin=1, packed_counts=True),
