@@ -136,6 +136,10 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          "sf_lane_fin": {**_SF, "finish_lane_loads": True},
          "sf_group_fin": {**_SF, "fill_layout": "group", "finish_lane_loads": True},
          "sf_group_w16": {**_SF, "fill_layout": "group", "fill_warps": 16},
+         # group + 16 warps: 64 registers (pip triton), so two prefilter programs fit an SM: twice the splits; or
+         # 4096-key blocks (one scan and one reduction per 4096 keys; 120 registers)
+         "sf_group_w16_x2": {**_SF, "fill_layout": "group", "fill_warps": 16, "splits_x": 2},
+         "sf_group_b4k_w16": {**_SF, "fill_layout": "group", "fill_warps": 16, "block": 4096},
          "sf_lane_w16": {**_SF, "fill_layout": "lane", "finish_lane_loads": True, "fill_warps": 16},
          "sf_hold": {**_SF, "hold_bucket": True},
          "sf_fuse": {**_SF, "hold_bucket": True, "fuse_bucket": True},
