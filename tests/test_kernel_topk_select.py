@@ -257,13 +257,15 @@ def test_packed_counts_same_result(mode: str, bits: int, unroll: int) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("splits,unroll,finish", [
-    (4, 2, {}), (4, 1, dict(bucket_blocks=2, bucket_resolutions=3)),
-    (4, 2, dict(bucket_blocks=2, bucket_resolutions=3, hold_bucket=True)),  # the bucket held in registers
-    (4, 2, dict(bucket_blocks=2, bucket_resolutions=3, hold_bucket=True, fuse_bucket=True)),  # no bucket kernel
-    (4, 1, dict(fuse_bucket=True)),
-    (4, 2, dict(fill_layout="group")),  # the prefilter's blocks as column groups (its prefix in two levels)
-    pytest.param(2, 1, {}, marks=pytest.mark.slow), pytest.param(2, 2, dict(bucket_blocks=4, bucket_resolutions=1),
-                                                                  marks=pytest.mark.slow)])
+    pytest.param(4, 2, {}, id="4-2-b1r2"),
+    pytest.param(4, 1, dict(bucket_blocks=2, bucket_resolutions=3), id="4-1-b2r3"),  # the indexer's form
+    pytest.param(4, 2, dict(bucket_blocks=2, bucket_resolutions=3, hold_bucket=True), id="4-2-b2r3-hold"),
+    pytest.param(4, 2, dict(bucket_blocks=2, bucket_resolutions=3, hold_bucket=True, fuse_bucket=True),
+                 id="4-2-b2r3-hold-fuse"),  # no bucket kernel
+    pytest.param(4, 1, dict(fuse_bucket=True), id="4-1-b1r2-fuse"),
+    pytest.param(4, 2, dict(fill_layout="group"), id="4-2-b1r2-group"),  # the prefilter's blocks as column groups
+    pytest.param(2, 1, {}, id="2-1-b1r2", marks=pytest.mark.slow),
+    pytest.param(2, 2, dict(bucket_blocks=4, bucket_resolutions=1), id="2-2-b4r1", marks=pytest.mark.slow)])
 def test_split_finish_same_result(mode: str, splits: int, unroll: int, finish: dict) -> None:
     """``split_finish`` (the finish as a bucket copy and a per-split compaction where the k-th key's first-pass
     bucket fits the scratch; the one-program finish elsewhere): lax.top_k's result in column order, the same
