@@ -1,7 +1,8 @@
 """Exact top-k by radix selection in one Pallas GPU kernel (issue 7: the indexer's top-2048).
 
-``topk_select(x, k)`` returns what ``jax.lax.top_k(x, k)`` returns for rows of float logits without NaN:
-values descending, equal values by ascending index, +0.0 above -0.0. Pure-JAX reference:
+``topk_select(x, k)`` returns what ``jax.lax.top_k(x, k)`` returns for rows of float logits: values descending,
+equal values by ascending index, in IEEE's total order (+0.0 above -0.0; NaN by its sign bit above +inf or below
+-inf, as ``jds.ops.select`` orders it). Pure-JAX reference:
 ``jds.ops.select.radix_topk`` (``implementation="xla"``), whose definitions the kernel follows: the ordered
 key, the k-th largest key tau (``kth_largest_key``) and the kept set (every key > tau, plus the lowest-index
 keys == tau up to exactly k). XLA then sorts only the k survivors, as radix_topk does.
@@ -65,8 +66,8 @@ The candidate buffer is a kernel output in GPU memory: the native kernel places 
 Keys stay int32 in the kernel: ``s`` = the signed image of the float bits (``bits ^ 0x7fffffff`` for
 negative floats), ordered as the floats are; ``u = s ^ 0x80000000`` is ``jds.ops.select.ordered_key``'s
 uint32 key as a bit pattern, whose digits are taken with logical shifts. Padding lanes (past N, past the
-buffer's fill) get u = 0, below every non-NaN float (-inf has u = 0x007fffff): they never change tau nor
-get kept (k <= N).
+buffer's fill) get u = 0, below every float but the negative NaN 0xFFFFFFFF, which ties with them (-inf has
+u = 0x007fffff): they come after every real key in column order, so they never change tau nor get kept (k <= N).
 """
 
 from __future__ import annotations
@@ -1224,7 +1225,7 @@ def select_unsorted(x: jax.Array, k: int, *, config: TopkSelectConfig | None = N
 def topk_select(x: jax.Array, k: int, *, implementation: Implementation = "pallas", interpret: bool | None = None,
                 config: TopkSelectConfig | None = None, sort: bool = True) -> tuple[jax.Array, jax.Array]:
     """(values [T, k] in x's dtype, int32 indices [T, k]) of the k largest entries of each row of ``x``
-    [T, N] (float32 / bfloat16 / float16, no NaN): identical to ``lax.top_k(x, k)``.
+    [T, N] (float32 / bfloat16 / float16; NaN in the module's total order): identical to ``lax.top_k(x, k)``.
 
     ``sort=False``: the same entries in ascending index order instead (no sort of the k winners: a consumer that
     takes the set, as the sparse MQA does, skips it). The "xla" implementation always sorts."""

@@ -134,6 +134,47 @@ def test_shrink_same_result(mode: str, splits: int, capacity: int) -> None:
     _check(x, 50, interpret_for(mode), dataclasses.replace(cfg, hold_shrunk=True))
 
 
+def _nan_rows(n: int, rng: np.random.Generator) -> np.ndarray:
+    """Rows with NaNs of both signs: a few, all, more than k, negative ones, in a short row, every other key, and all
+    of the lowest one (0xFFFFFFFF, whose key ties with the kernel's padding lanes past n)."""
+    x = rng.standard_normal((7, n)).astype(np.float32)
+    neg_nan = np.uint32(0xFFC00001).view(np.float32)
+    x[0, rng.choice(n, 5, replace=False)] = np.nan
+    x[1] = np.nan
+    x[2, rng.choice(n, 200, replace=False)] = np.nan
+    x[3, rng.choice(n, 30, replace=False)] = neg_nan
+    x[4, 20:] = -np.inf
+    x[4, 3] = np.nan
+    x[5, ::2] = np.nan
+    x[6] = np.uint32(0xFFFFFFFF).view(np.float32)
+    return x
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+def test_nan_total_order(mode: str, implementation: str) -> None:
+    """NaN logits are ordered by their bits, as IEEE's total order (and lax.top_k on the CPU) orders them: a NaN
+    with the sign bit clear above +inf, one with it set below -inf; equal keys by ascending index. Both
+    implementations, the one-kernel path and the indexer's split form, against an independent numpy order of
+    the keys' bit patterns (values compared bit for bit)."""
+    if implementation == "xla" and mode != "interpret":
+        pytest.skip("the XLA implementation has no kernel mode")
+    n, k = 3001, 50  # a partial last block: padding lanes
+    x = _nan_rows(n, np.random.default_rng(53))
+    bits = x.view(np.uint32).astype(np.int64)
+    key = np.where(bits >> 31 == 1, 0xFFFFFFFF - bits, bits | (1 << 31))  # the float order of the bit patterns
+    want = np.argsort(-key, axis=1, kind="stable")[:, :k]
+    base = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=1200, unroll=2, shrink=True,
+                            hold_shrunk=True, range_margin=1, prefetch=True)
+    configs = [dataclasses.replace(base, splits=4, split_finish=True, bucket_blocks=2, bucket_resolutions=3)]
+    configs += [base] if implementation == "pallas" else []
+    for cfg in configs:
+        kw = dict(config=cfg, interpret=interpret_for(mode)) if implementation == "pallas" else {}
+        vals, idx = topk_select(jnp.asarray(x), k, implementation=implementation, **kw)
+        np.testing.assert_array_equal(np.asarray(idx), want, err_msg=str(cfg))
+        np.testing.assert_array_equal(np.asarray(vals).view(np.uint32), np.take_along_axis(x, want, 1).view(np.uint32))
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("splits,capacity,unroll,shrink", [
     (4, 400, 2, True),  # the indexer's form; 3 prefilter blocks per split: the second step's last block is the next's

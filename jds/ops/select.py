@@ -10,7 +10,8 @@ lowest-index elements equal to it, compacts them with a prefix sum and sorts onl
 
 Result: the same values and indices, in the same order, as ``jax.lax.top_k``: values descending, equal
 values by ascending index (the tie rule of every jds top-k). Like lax.top_k (checked on the CPU backend),
-it ranks +0.0 above -0.0 (IEEE total order). NaN is not supported: the indexer's logits are finite or -inf.
+it ranks by IEEE's total order of the bit patterns: +0.0 above -0.0, a NaN with the sign bit clear above +inf and
+one with it set below -inf (``ordered_key``; tests/test_kernel_topk_select.py ``test_nan_total_order``).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def kth_largest_key(key: jax.Array, k: int, bits: int = 4) -> jax.Array:
 
 def radix_topk(x: jax.Array, k: int, bits: int = 4) -> tuple[jax.Array, jax.Array]:
     """(values, int32 indices) of the k largest entries of each row of ``x`` [T, N], k <= N: identical
-    to ``lax.top_k(x, k)`` for inputs without NaN."""
+    to ``lax.top_k(x, k)`` (NaN included: the module's total order)."""
     t, n = x.shape
     if not 1 <= k <= n:
         raise ValueError(f"k must be in [1, {n}] for rows of {n}, got {k}")
