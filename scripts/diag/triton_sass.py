@@ -4,6 +4,7 @@ per loop, its body's length and opcode mix.
     python scripts/diag/triton_sass.py topk [--rows 64] [--cols 65536] [--tiles '{"range_margin": 1}']
     python scripts/diag/triton_sass.py insert [--kernel v32_kv_insert] [--t 8192]
     ... [--out DIR]   # each kernel's listing as DIR/NAME.sass
+    ... [--json FILE]  # the counts appended to a JSON list (a record per run, with its arguments)
 
 Why: the Triton kernels (top-k, fused inserts) are bound by instruction issue and its latency, and a change's
 instruction count is the first thing to know about it. pip's triton compiles the same Triton IR for sm_90a here
@@ -34,8 +35,12 @@ LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 BRANCH = re.compile(r"BRA\s+`\((\.L_x_\d+)\)")
 
 
+MEMORY_SYNC = ("BAR", "SHFL", "LDS", "STS", "LDG", "STG")  # each loop's counts of these, whatever their rank
+
+
 def loops(sass: str) -> tuple[int, list[dict]]:
-    """(instructions, loops): each loop {first, last (instruction indices), body, opcodes (top 10)}."""
+    """(instructions, loops): each loop {first, last (instruction indices), body, opcodes (top 10), memory_sync
+    (``MEMORY_SYNC``'s counts)}."""
     ins, labels = [], {}
     for line in sass.splitlines():
         m = LABEL.match(line)
@@ -51,7 +56,8 @@ def loops(sass: str) -> tuple[int, list[dict]]:
         if m and labels.get(m.group(1), len(ins)) < i:
             j = labels[m.group(1)]
             ops = collections.Counter(opcode(x) for x in ins[j:i + 1])
-            out.append({"first": j, "last": i, "body": i + 1 - j, "opcodes": dict(ops.most_common(10))})
+            out.append({"first": j, "last": i, "body": i + 1 - j, "opcodes": dict(ops.most_common(10)),
+                        "memory_sync": {op: ops[op] for op in MEMORY_SYNC}})
     return len(ins), out
 
 
@@ -84,11 +90,17 @@ def main() -> None:
     ap.add_argument("--kernel", default="v32_kv_insert")
     ap.add_argument("--t", type=int, default=8192)
     ap.add_argument("--out", default=None, help="a folder for each kernel's listing")
+    ap.add_argument("--json", default=None, help="a JSON list file to append this run's counts to")
     a = ap.parse_args()
+    import triton
     from pallas_kernels import fused_insert_common as C
     fn, args = (_topk if a.what == "topk" else _insert)(a)
+    record = {"args": {k: v for k, v in vars(a).items() if k not in ("out", "json")},
+              "triton": triton.__version__, "target": "sm_90a", "kernels": []}
     for k in C.compile_sm90_report(fn, *args, sass=True):
         n, found = loops(k["sass"])
+        record["kernels"].append({**{f: k[f] for f in ("name", "num_warps", "registers", "spill_bytes",
+                                                       "layout_conversions")}, "instructions": n, "loops": found})
         print(f"{k['name']}: {k['registers']} registers, {k['spill_bytes']} bytes of spill, {n} instructions, "
               f"{k['layout_conversions']} layout conversions")
         for lp in found:
@@ -97,6 +109,9 @@ def main() -> None:
             os.makedirs(a.out, exist_ok=True)
             with open(os.path.join(a.out, f"{k['name']}.sass"), "w") as f:
                 f.write(k["sass"])
+    if a.json:
+        runs = json.loads(Path(a.json).read_text()) if Path(a.json).exists() else []
+        Path(a.json).write_text(json.dumps(runs + [record], indent=1) + "\n")
 
 
 if __name__ == "__main__":
