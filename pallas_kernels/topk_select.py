@@ -1043,6 +1043,47 @@ def _copy_bucket(key_ref, col_ref, skey_ref, scol_ref, row, t: int | None, plan:
     lax.fori_loop(0, on.astype(I32) * pl.cdiv(fj, hb), body, jnp.zeros((), I32))
 
 
+def _all_buffers(key_ref, col_ref, row, plan: _RowPlan, cap: int, hb: int, lane: bool) -> Source:
+    """Every split's buffer as one source of ``hb``-key blocks in column order (split 0's blocks, then split 1's,
+    ...): a loop over it keeps its loads in flight across the splits (``fuse_bucket``'s copy, where most splits'
+    buffers are a block or two). Block b's split and offset come from the buffers' block counts by scalar
+    arithmetic; blocks past the last give no keys."""
+    nb = lax.shift_right_logical(plan.fill + hb - 1, C.log2(hb))  # [1, splits] blocks a buffer
+    ends = jnp.cumsum(nb, axis=1)
+
+    def keys(b):
+        jj = jnp.sum((ends <= b).astype(I32))  # block b's split (splits past the last: none)
+        mine = plan.js == jj
+        i = (b - jnp.sum(jnp.where(mine, ends - nb, 0))) * hb + C.iota((1, hb), 1)
+        inside = i < jnp.sum(jnp.where(mine, plan.fill, 0))
+        at = _lanes(jj * cap + i, lane)
+        s = C.load(key_ref, (row, at), (1, hb), mask=inside)
+        return jnp.where(inside, s, _SIGN), C.load(col_ref, (row, at), (1, hb), mask=inside)
+    return jnp.sum(nb), keys
+
+
+def _copy_bucket_all(key_ref, col_ref, skey_ref, scol_ref, row, t: int | None, plan: _RowPlan, fp: _FirstPass,
+                     dst: int | jax.Array, cap: int, cfg: TopkSelectConfig, lane: bool) -> None:
+    """Every split's keys in the k-th key's first-pass bucket, in column order, to the scratch row from column
+    ``dst`` (``fuse_bucket``): one loop over the splits' buffers (``_all_buffers``), ``cfg.unroll`` blocks loaded a
+    step before any is used."""
+    lo, span, _ = fp.start
+    n_blocks, src = _all_buffers(key_ref, col_ref, row, plan, cap, cfg.hist_block, lane)
+    u = cfg.unroll
+
+    def body(i, put):
+        blocks = [src(i * u + j) for j in range(u)]  # the loads first
+        for s, col in blocks:  # blocks past the last hold no keys (_SIGN is in no bucket: piv_u > 0 there)
+            ki = _in_range(s, lo, span).astype(I32)
+            slot = dst + put + jnp.cumsum(ki, axis=1) - ki
+            _scatter(skey_ref, row, t, slot, s, ki == 1)
+            _scatter(scol_ref, row, t, slot, col, ki == 1)
+            put = put + jnp.sum(ki)
+        return put
+
+    lax.fori_loop(0, pl.cdiv(n_blocks, u), body, jnp.zeros((), I32))
+
+
 def _split_copy_kernel(key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, hist_ref, skey_ref, scol_ref, *,
                        k: int, cfg: TopkSelectConfig, cap: int, interpret: bool) -> None:
     """Program (row, j) of the split finish: split j's keys in the k-th key's first-pass bucket, in column order, to
@@ -1065,7 +1106,7 @@ def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref
     row's first program runs ``_finish_row``.
 
     ``fuse_bucket``: the bucket is not an input from the copy kernel; each program first copies every split's bucket
-    keys into its own scratch row part (``_copy_bucket``, outputs after the others: [row, j room : (j + 1) room])."""
+    keys into its own scratch row part (``_copy_bucket_all``, outputs after the others: [row, j room : (j + 1) room])."""
     if cfg.fuse_bucket:
         idx_ref, tau_ref, path_ref, *scratch, skey_ref, scol_ref = refs
     else:
@@ -1082,9 +1123,8 @@ def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref
     @pl.when(fp.fast)
     def _():
         if cfg.fuse_bucket:
-            for jj in range(sp):
-                _copy_bucket(key_ref, col_ref, skey_ref, scol_ref, row, skey_ref.shape[0] if interpret else None,
-                             plan, fp, jj, base, jnp.ones((), bool), cap, cfg, cfg.finish_lane_loads and not interpret)
+            _copy_bucket_all(key_ref, col_ref, skey_ref, scol_ref, row, skey_ref.shape[0] if interpret else None, plan,
+                             fp, base, cap, cfg, cfg.finish_lane_loads and not interpret)
             if not interpret:
                 plt.debug_barrier()  # the bucket's stores -> its loads by other threads of the CTA
 

@@ -147,6 +147,9 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
                            "fuse_bucket": True},
          "sf_lane_fuse": {**_SF, "fill_layout": "lane", "finish_lane_loads": True, "hold_bucket": True,
                           "fuse_bucket": True},
+         # ... with the counting passes' packed counts (the held bucket's per-digit totals in wide fields)
+         "sf_group_fuse_pk": {**_SF, "fill_layout": "group", "finish_lane_loads": True, "hold_bucket": True,
+                              "fuse_bucket": True, "packed_counts": True},
          "x2_h512_p16_hold_r1_pk": dict(splits_x=2, unroll=2, shrink=True, hist_block=512, pivot_bits=16,
                                         hold_shrunk=True, range_margin=1, packed_counts=True),
          # 1024-key counting / compaction steps over packed counts (half the finish's steps and a 1024-key held
