@@ -111,7 +111,7 @@ def main() -> None:
                 f.write(k["sass"])
     if a.json:
         runs = json.loads(Path(a.json).read_text()) if Path(a.json).exists() else []
-        Path(a.json).write_text(json.dumps(runs + [record], indent=1) + "\n")
+        Path(a.json).write_text("[\n" + ",\n".join(json.dumps(r) for r in runs + [record]) + "\n]\n")  # a line a run
 
 
 if __name__ == "__main__":
