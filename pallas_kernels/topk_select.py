@@ -432,14 +432,13 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
     ``lane``: the scratch row's loads take one key a lane (``_lanes``), as the sources' do."""
     nd = 1 << bits
     d1 = C.iota((nd,), 0)
-    lane_loads = lane
 
     def scratch_keys(count):
         def load(b):
-            lane = C.iota((1, width), 1)
-            inside = lane < count
-            s = C.load(shrink[0], (shrink[1], _lanes(lane, lane_loads)), (1, width), mask=inside)
-            return jnp.where(inside, s, _SIGN), lane
+            pos = C.iota((1, width), 1)
+            inside = pos < count
+            s = C.load(shrink[0], (shrink[1], _lanes(pos, lane)), (1, width), mask=inside)
+            return jnp.where(inside, s, _SIGN), pos
         return load
 
     def digit_pass(carry):
@@ -587,9 +586,11 @@ def _col_prefix(v: jax.Array) -> jax.Array:
     return jnp.cumsum(v, axis=0) + (jnp.cumsum(tot, axis=1) - tot)
 
 
-def _fill_keys(x_ref, row, n: int, cfg: TopkSelectConfig, interpret: bool) -> Callable[..., tuple[jax.Array, jax.Array]]:
+def _fill_keys(x_ref, row, n: int, cfg: TopkSelectConfig, interpret: bool
+               ) -> Callable[..., tuple[jax.Array, jax.Array]]:
     """The prefilter's row keys in its ``fill_layout``."""
-    return _row_keys(x_ref, row, n, cfg.fill_layout == "lane" and not interpret, 4 if cfg.fill_layout == "group" else 1)
+    groups = 4 if cfg.fill_layout == "group" else 1
+    return _row_keys(x_ref, row, n, cfg.fill_layout == "lane" and not interpret, groups)
 
 
 def _sample_pivot(x_ref, row, n: int, k: int, cfg: TopkSelectConfig) -> tuple[jax.Array, jax.Array]:
@@ -1021,26 +1022,25 @@ def _first_pass(hist_ref, row, plan: _RowPlan, k: int, cfg: TopkSelectConfig) ->
     return _FirstPass(ge_up, bucket_n, jnp.sum(ge_up), bucket, start, fast)
 
 
-def _copy_bucket(key_ref, col_ref, skey_ref, scol_ref, row, t: int | None, plan: _RowPlan, fp: _FirstPass,
-                 jj: int | jax.Array, dst: int | jax.Array, on: jax.Array, cap: int, cfg: TopkSelectConfig,
-                 lane: bool) -> None:
-    """Split ``jj``'s keys in the k-th key's first-pass bucket, in column order, to the scratch row from column
-    dst + off_jj (off_jj: the bucket's keys of the splits before it), keys and columns; nothing unless ``on``."""
-    hb = cfg.hist_block
+def _copy_bucket(src: Source, skey_ref, scol_ref, row, t: int | None, fp: _FirstPass, dst: int | jax.Array,
+                 unroll: int = 1) -> None:
+    """The keys of ``src`` in the k-th key's first-pass bucket, in column order, to the scratch row from column
+    ``dst``, keys and columns; ``unroll`` blocks loaded a step before any is used (blocks past the source's count
+    hold no keys: _SIGN is in no bucket, since the split finish's fast rows have piv_u > 0)."""
     lo, span, _ = fp.start
-    off = dst + jnp.sum(jnp.where(C.iota((cfg.splits,), 0) < jj, fp.bucket_n, 0))
-    fj = plan.fill_of(jj)
-    _, src = _buffer_source(key_ref, col_ref, row, jj, fj, cap, hb, jnp.ones((), I32), lane=lane)
+    n_blocks, load = src
 
-    def body(b, put):
-        s, col = src(b)
-        ki = _in_range(s, lo, span).astype(I32)
-        slot = off + put + jnp.cumsum(ki, axis=1) - ki
-        _scatter(skey_ref, row, t, slot, s, ki == 1)
-        _scatter(scol_ref, row, t, slot, col, ki == 1)
-        return put + jnp.sum(ki)
+    def body(i, put):
+        blocks = [load(i * unroll + j) for j in range(unroll)]  # the loads first
+        for s, col in blocks:
+            ki = _in_range(s, lo, span).astype(I32)
+            slot = dst + put + jnp.cumsum(ki, axis=1) - ki
+            _scatter(skey_ref, row, t, slot, s, ki == 1)
+            _scatter(scol_ref, row, t, slot, col, ki == 1)
+            put = put + jnp.sum(ki)
+        return put
 
-    lax.fori_loop(0, on.astype(I32) * pl.cdiv(fj, hb), body, jnp.zeros((), I32))
+    lax.fori_loop(0, pl.cdiv(n_blocks, unroll), body, jnp.zeros((), I32))
 
 
 def _all_buffers(key_ref, col_ref, row, plan: _RowPlan, cap: int, hb: int, lane: bool) -> Source:
@@ -1062,38 +1062,18 @@ def _all_buffers(key_ref, col_ref, row, plan: _RowPlan, cap: int, hb: int, lane:
     return jnp.sum(nb), keys
 
 
-def _copy_bucket_all(key_ref, col_ref, skey_ref, scol_ref, row, t: int | None, plan: _RowPlan, fp: _FirstPass,
-                     dst: int | jax.Array, cap: int, cfg: TopkSelectConfig, lane: bool) -> None:
-    """Every split's keys in the k-th key's first-pass bucket, in column order, to the scratch row from column
-    ``dst`` (``fuse_bucket``): one loop over the splits' buffers (``_all_buffers``), ``cfg.unroll`` blocks loaded a
-    step before any is used."""
-    lo, span, _ = fp.start
-    n_blocks, src = _all_buffers(key_ref, col_ref, row, plan, cap, cfg.hist_block, lane)
-    u = cfg.unroll
-
-    def body(i, put):
-        blocks = [src(i * u + j) for j in range(u)]  # the loads first
-        for s, col in blocks:  # blocks past the last hold no keys (_SIGN is in no bucket: piv_u > 0 there)
-            ki = _in_range(s, lo, span).astype(I32)
-            slot = dst + put + jnp.cumsum(ki, axis=1) - ki
-            _scatter(skey_ref, row, t, slot, s, ki == 1)
-            _scatter(scol_ref, row, t, slot, col, ki == 1)
-            put = put + jnp.sum(ki)
-        return put
-
-    lax.fori_loop(0, pl.cdiv(n_blocks, u), body, jnp.zeros((), I32))
-
-
 def _split_copy_kernel(key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, hist_ref, skey_ref, scol_ref, *,
                        k: int, cfg: TopkSelectConfig, cap: int, interpret: bool) -> None:
     """Program (row, j) of the split finish: split j's keys in the k-th key's first-pass bucket, in column order, to
-    the row's scratch [row, off_j : off_j + n_j] (``_copy_bucket``), keys and columns. Nothing where the row takes
-    the one-program finish."""
+    the row's scratch [row, off_j : off_j + n_j] (off_j: the bucket's keys of the splits before it), keys and
+    columns. Nothing where the row takes the one-program finish."""
     row, j = pl.program_id(0), pl.program_id(1)
     plan = _row_plan(filled_ref, above_ref, in_ref, piv_ref, row, k, cap, cfg.splits)
     fp = _first_pass(hist_ref, row, plan, k, cfg)
-    _copy_bucket(key_ref, col_ref, skey_ref, scol_ref, row, skey_ref.shape[0] if interpret else None, plan, fp, j, 0,
-                 fp.fast, cap, cfg, cfg.finish_lane_loads and not interpret)
+    off = jnp.sum(jnp.where(C.iota((cfg.splits,), 0) < j, fp.bucket_n, 0))
+    own = _buffer_source(key_ref, col_ref, row, j, plan.fill_of(j), cap, cfg.hist_block, fp.fast.astype(I32),
+                         lane=cfg.finish_lane_loads and not interpret)
+    _copy_bucket(own, skey_ref, scol_ref, row, skey_ref.shape[0] if interpret else None, fp, off)
 
 
 def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, hist_ref, *refs,
@@ -1106,7 +1086,8 @@ def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref
     row's first program runs ``_finish_row``.
 
     ``fuse_bucket``: the bucket is not an input from the copy kernel; each program first copies every split's bucket
-    keys into its own scratch row part (``_copy_bucket_all``, outputs after the others: [row, j room : (j + 1) room])."""
+    keys into its own scratch row part (``_copy_bucket`` over ``_all_buffers``; outputs after the others:
+    [row, j room : (j + 1) room])."""
     if cfg.fuse_bucket:
         idx_ref, tau_ref, path_ref, *scratch, skey_ref, scol_ref = refs
     else:
@@ -1123,8 +1104,8 @@ def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref
     @pl.when(fp.fast)
     def _():
         if cfg.fuse_bucket:
-            _copy_bucket_all(key_ref, col_ref, skey_ref, scol_ref, row, skey_ref.shape[0] if interpret else None, plan,
-                             fp, base, cap, cfg, cfg.finish_lane_loads and not interpret)
+            every = _all_buffers(key_ref, col_ref, row, plan, cap, hb, cfg.finish_lane_loads and not interpret)
+            _copy_bucket(every, skey_ref, scol_ref, row, skey_ref.shape[0] if interpret else None, fp, base, cfg.unroll)
             if not interpret:
                 plt.debug_barrier()  # the bucket's stores -> its loads by other threads of the CTA
 
