@@ -366,7 +366,8 @@ def test_split_finish_random_configs(mode: str) -> None:
         x = np.concatenate([_rows(kind, 1, n, rng) for kind in rng.choice(KINDS, 4)])
         x[0, rng.choice(n, 20)] += np.float32(1e6)
         cfg = dataclasses.replace(cfg, fill_warps=[None, 16][int(rng.integers(2))])  # the prefilter's own warps
-        # one key a lane per load (layouts only: natively; interpret mode has none)
+        # the prefilter's register layout ("lane" and the finish's lane loads act natively only; "group" changes the
+        # blocks' shape and prefix everywhere), the bucket held and the bucket kernel fused
         cfg = dataclasses.replace(cfg, fill_layout=str(rng.choice(["vector", "lane", "group"])),
                                   finish_lane_loads=bool(rng.integers(2)),
                                   hold_bucket=bool(rng.integers(2)), fuse_bucket=bool(rng.integers(2)))
