@@ -150,6 +150,10 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          # ... with the counting passes' packed counts (the held bucket's per-digit totals in wide fields)
          "sf_group_fuse_pk": {**_SF, "fill_layout": "group", "finish_lane_loads": True, "hold_bucket": True,
                               "fuse_bucket": True, "packed_counts": True},
+         # ... with the sample pivot resolved to 12 bits (3 of its 4 passes over the sample; a bucket a sixteenth of
+         # a binade wide, so a few more candidates)
+         "sf_group_fuse_p12": {**_SF, "fill_layout": "group", "finish_lane_loads": True, "hold_bucket": True,
+                               "fuse_bucket": True, "pivot_bits": 12},
          "x2_h512_p16_hold_r1_pk": dict(splits_x=2, unroll=2, shrink=True, hist_block=512, pivot_bits=16,
                                         hold_shrunk=True, range_margin=1, packed_counts=True),
          # 1024-key counting / compaction steps over packed counts (half the finish's steps and a 1024-key held
