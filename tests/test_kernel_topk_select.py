@@ -360,7 +360,7 @@ def test_split_finish_random_configs(mode: str) -> None:
                                capacity=int(rng.integers(4 * k, n - 1)), splits=int(rng.choice([2, 4, 8])),
                                unroll=int(rng.choice([1, 2])), shrink=True, hold_shrunk=bool(rng.integers(2)),
                                range_margin=int(rng.integers(0, 4)), split_finish=True, prefetch=bool(rng.integers(2)),
-                               pivot_bits=int(rng.choice([16, 32])), packed_counts=bool(rng.integers(2)),
+                               pivot_bits=int(rng.choice([12, 16, 32])), packed_counts=bool(rng.integers(2)),
                                bucket_blocks=int(rng.choice([1, 2, 4])))
         cfg = dataclasses.replace(cfg, bucket_resolutions=int(rng.integers(1, min(cfg.range_margin + 2, 3) + 1)))
         x = np.concatenate([_rows(kind, 1, n, rng) for kind in rng.choice(KINDS, 4)])
