@@ -99,8 +99,10 @@ def main() -> None:
               "triton": triton.__version__, "target": "sm_90a", "kernels": []}
     for k in C.compile_sm90_report(fn, *args, sass=True):
         n, found = loops(k["sass"])
+        whole = collections.Counter(opcode(m.group(2)) for m in map(INSTR.match, k["sass"].splitlines()) if m)
         record["kernels"].append({**{f: k[f] for f in ("name", "num_warps", "registers", "spill_bytes",
-                                                       "layout_conversions")}, "instructions": n, "loops": found})
+                                                       "layout_conversions")}, "instructions": n,
+                                  "memory_sync": {op: whole[op] for op in MEMORY_SYNC}, "loops": found})
         print(f"{k['name']}: {k['registers']} registers, {k['spill_bytes']} bytes of spill, {n} instructions, "
               f"{k['layout_conversions']} layout conversions")
         for lp in found:
