@@ -1100,19 +1100,20 @@ def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref
     split_cols = pl.cdiv(pl.cdiv(n, cfg.block), sp) * cfg.block  # columns per split (the prefilter's ranges)
     room = cfg.bucket_blocks * hb
     base = j * room if cfg.fuse_bucket else 0  # this program's bucket in the scratch row
+    lane = cfg.finish_lane_loads and not interpret
 
     @pl.when(fp.fast)
     def _():
         if cfg.fuse_bucket:
-            every = _all_buffers(key_ref, col_ref, row, plan, cap, hb, cfg.finish_lane_loads and not interpret)
-            _copy_bucket(every, skey_ref, scol_ref, row, skey_ref.shape[0] if interpret else None, fp, base, cfg.unroll)
+            _copy_bucket(_all_buffers(key_ref, col_ref, row, plan, cap, hb, lane), skey_ref, scol_ref, row, t, fp, base,
+                         cfg.unroll)
             if not interpret:
                 plt.debug_barrier()  # the bucket's stores -> its loads by other threads of the CTA
 
         def bucket_keys(b, w=hb):  # block b (w keys) of the scratch row's bucket: keys (_SIGN past it), columns, inside
-            lane = b * w + C.iota((1, w), 1)
-            inside = lane < fp.bucket
-            at = _lanes(base + lane, cfg.finish_lane_loads and not interpret)
+            pos = b * w + C.iota((1, w), 1)
+            inside = pos < fp.bucket
+            at = _lanes(base + pos, lane)
             s = jnp.where(inside, C.load(skey_ref, (row, at), (1, w), mask=inside), _SIGN)
             return s, C.load(scol_ref, (row, at), (1, w), mask=inside), inside
 
@@ -1150,7 +1151,7 @@ def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref
         kept = fp.ge_up + kept_b  # [split]
         off, mine = jnp.sum(jnp.where(ids < j, kept, 0)), jnp.sum(jnp.where(ids == j, kept, 0))
         own = _buffer_source(key_ref, col_ref, row, j, plan.fill_of(j), cap, hb, jnp.ones((), I32),
-                             lane=cfg.finish_lane_loads and not interpret)
+                             lane=lane)
         _compact([own], tau, ties, mine, lambda slot, col, kp: _scatter(idx_ref, row, t, off + slot, col, kp),
                  cfg.unroll, cfg.minus_one_for_neg_inf)
         row11, first11 = row + jnp.zeros((1, 1), I32), (j == 0) & jnp.ones((1, 1), bool)
