@@ -134,6 +134,10 @@ def test_sampling_rules():
     assert {sample(logits, SamplingParams(top_p=0.5), 11, i) for i in range(300)} <= allowed
     with pytest.raises(ValueError):
         SamplingParams(max_tokens=0)
+    for field, bad in (("top_k", 2**31), ("top_k", -2**31 - 1), ("seed", 2**63), ("seed", -2**63 - 1)):
+        with pytest.raises(ValueError, match=field):  # a step's int32 top-k rows; the RNG's 64-bit seed
+            SamplingParams(**{field: bad})
+    SamplingParams(top_k=2**31 - 1, seed=-2**63)  # the ends of both ranges are accepted
 
 
 def test_greedy_concurrent_chunked_matches_rollout(async_steps):

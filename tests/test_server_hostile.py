@@ -106,6 +106,9 @@ CASES = [
     ("ctype-form", "POST", C, json.dumps(P).encode(), "application/x-www-form-urlencoded", 415, None),
     ("ctype-multipart", "POST", CH, json.dumps(chat()).encode(), "multipart/form-data; boundary=x", 415, None),
     ("ctype-xml", "POST", C, b"<prompt>hi</prompt>", "application/xml", 415, None),
+    ("ctype-charset-utf16", "POST", C, '{"prompt": "hi"}'.encode("utf-16-le"), "application/json; charset=utf-16le",
+     415, None),
+    ("ctype-charset-latin1", "POST", C, json.dumps(P).encode(), "application/json; charset=ISO-8859-1", 415, None),
     # -- routes and methods ---------------------------------------------------------------------------
     ("unknown-route", "GET", "/v1/nothing", None, None, 404, None),
     ("get-completions", "GET", C, None, None, 405, None),
@@ -156,6 +159,10 @@ CASES = [
     ("message-part-no-type", "POST", CH, parts({"text": "hi"}), None, 400, "messages[0].content[0]"),
     ("message-part-no-text", "POST", CH, parts({"type": "text"}), None, 400, "messages[0].content[0].text"),
     ("message-name-number", "POST", CH, msg(name=5), None, 400, "messages[0].name"),
+    ("message-refusal", "POST", CH, msg(refusal="I can't"), None, 400, "messages[0].refusal"),
+    ("message-reasoning-content", "POST", CH, msg(reasoning_content="thinking"), None, 400,
+     "messages[0].reasoning_content"),
+    ("message-tool-call-id-on-user", "POST", CH, msg(tool_call_id="1"), None, 400, "messages[0].tool_call_id"),
     ("message-tool-calls", "POST", CH, {"messages": [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, None, 400,
      "messages[0].tool_calls"),
@@ -169,6 +176,14 @@ CASES = [
     ("max-tokens-huge", "POST", C, {**P, "max_tokens": 10**30}, None, 400, "max_tokens"),
     ("max-tokens-over-context", "POST", C, {**P, "max_tokens": CTX}, None, 400, "max_tokens"),
     ("max-completion-tokens-zero", "POST", CH, chat(max_completion_tokens=0), None, 400, "max_completion_tokens"),
+    ("max-completion-tokens-over-context", "POST", CH, chat(max_completion_tokens=CTX), None, 400,
+     "max_completion_tokens"),
+    ("max-tokens-disagrees-with-max-completion-tokens", "POST", CH, chat(max_tokens=3, max_completion_tokens=5), None,
+     400, "max_tokens"),
+    ("max-tokens-string-beside-max-completion-tokens", "POST", CH, chat(max_tokens="8", max_completion_tokens=5),
+     None, 400, "max_tokens"),
+    ("max-completion-tokens-on-completions", "POST", C, {**P, "max_completion_tokens": 3}, None, 400,
+     "max_completion_tokens"),
     # -- sampling -------------------------------------------------------------------------------------
     ("temperature-negative", "POST", C, {**P, "temperature": -0.1}, None, 400, "temperature"),
     ("temperature-big", "POST", C, {**P, "temperature": 1e308}, None, 400, "temperature"),
@@ -180,6 +195,9 @@ CASES = [
     ("top-k-float", "POST", C, {**P, "top_k": 2.5}, None, 400, "top_k"),
     ("seed-string", "POST", C, {**P, "seed": "1"}, None, 400, "seed"),
     ("seed-float", "POST", C, {**P, "seed": 1.5}, None, 400, "seed"),
+    ("seed-2^64", "POST", C, {**P, "seed": 2**64}, None, 400, "seed"),
+    ("seed-below-int64", "POST", C, {**P, "seed": -2**63 - 1}, None, 400, "seed"),
+    ("seed-10^30", "POST", CH, chat(seed=10**30), None, 400, "seed"),
     ("n-zero", "POST", C, {**P, "n": 0}, None, 400, "n"),
     ("n-negative", "POST", C, {**P, "n": -1}, None, 400, "n"),
     ("n-two", "POST", CH, chat(n=2), None, 400, "n"),
@@ -234,6 +252,19 @@ CASES = [
     ("return-token-ids-int", "POST", C, {**P, "return_token_ids": 1}, None, 400, "return_token_ids"),
     ("user-number", "POST", C, {**P, "user": 5}, None, 400, "user"),
     ("model-number", "POST", C, {**P, "model": 5}, None, 400, "model"),
+    # -- fields the server does not know: refused by name (as OpenAI does), never dropped -------------
+    ("unknown-field", "POST", C, {**P, "max_new_tokens": 5}, None, 400, "max_new_tokens"),
+    ("unknown-min-p", "POST", CH, chat(min_p=0.1), None, 400, "min_p"),
+    ("unknown-reasoning-effort", "POST", CH, chat(reasoning_effort="high"), None, 400, "reasoning_effort"),
+    ("unknown-include-stop-str", "POST", C, {**P, "include_stop_str_in_output": True}, None, 400,
+     "include_stop_str_in_output"),
+    ("unknown-surrogate-key", "POST", C, raw('{"prompt": "hi", "\\ud800": 1}'), JSON, 400, "\ud800"),
+    ("messages-on-completions", "POST", C, {**P, "messages": U}, None, 400, "messages"),
+    ("prompt-on-chat", "POST", CH, chat(prompt="hi"), None, 400, "prompt"),
+    ("store-true", "POST", CH, chat(store=True), None, 400, "store"),
+    ("metadata-string", "POST", CH, chat(metadata="x"), None, 400, "metadata"),
+    ("parallel-tool-calls-string", "POST", CH, chat(parallel_tool_calls="yes"), None, 400, "parallel_tool_calls"),
+    ("service-tier-number", "POST", CH, chat(service_tier=1), None, 400, "service_tier"),
     ("model-unknown", "POST", C, {**P, "model": "gpt-4"}, None, 404, "model"),
     ("model-unknown-chat", "POST", CH, chat(model="x" * 10_000), None, 404, "model"),
 ]
@@ -294,6 +325,16 @@ def test_messages_name_fields(srv):
     err = check_error(srv.post(C, content=json.dumps(P), headers={"Content-Type": "application/x-www-form-urlencoded"}),
                       415, None)
     assert "-H 'Content-Type: application/json'" in err["message"]
+    err = check_error(srv.post(C, json={**P, "max_new_tokens": 5}), 400, "max_new_tokens")
+    assert "Unrecognized request argument" in err["message"] and "'max_new_tokens'" in err["message"]
+    err = check_error(srv.post(C, json={**P, "max_completion_tokens": 5}), 400, "max_completion_tokens")
+    assert "/v1/chat/completions field" in err["message"] and "'max_tokens'" in err["message"]
+    err = check_error(srv.post(CH, json=chat(max_tokens=3, max_completion_tokens=5)), 400, "max_tokens")
+    assert "'max_completion_tokens' (5)" in err["message"]
+    err = check_error(srv.post(C, json={**P, "seed": 2**64}), 400, "seed")
+    assert "64-bit" in err["message"]
+    err = check_error(srv.post(CH, json=chat(max_completion_tokens=CTX)), 400, "max_completion_tokens")
+    assert err["code"] == "context_length_exceeded"
 
 
 def test_health_stays_fast_under_stop_string_floods(srv):
@@ -352,7 +393,13 @@ def test_text_only_options_are_accepted(srv):
                   {"presence_penalty": 0, "frequency_penalty": 0.0, "tools": [], "tool_choice": "none"},
                   {"messages": [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text",
                                                                                              "text": "i"}]}]},
-                  {"stop": []}, {"user": "u1", "seed": 3}):
+                  {"stop": []}, {"user": "u1", "seed": 3},
+                  # OpenAI fields with no effect on the output, null for an unknown field, an SDK message dump
+                  {"metadata": {"k": "v"}, "service_tier": "auto", "parallel_tool_calls": False, "store": False,
+                   "prompt_cache_key": "c", "safety_identifier": "s", "some_extension": None},
+                  {"max_completion_tokens": 4},
+                  {"messages": [{"role": "user", "content": "hi", "refusal": None, "annotations": [],
+                                 "tool_calls": None, "audio": None}]}):
         r = srv.post(CH, json={**base, **extra})
         assert r.status_code == 200, (extra, r.text)
         assert r.json()["choices"][0]["message"]["content"] == ref, extra
@@ -361,6 +408,46 @@ def test_text_only_options_are_accepted(srv):
     for role in ("system", "developer", "assistant"):
         r = srv.post(CH, json={**base, "messages": [{"role": role, "content": "x"}, *U]})
         assert r.status_code == 200, (role, r.text)
+
+
+def test_seed_and_top_k_extremes(srv):
+    """The 64-bit seed range is accepted whole; a top_k beyond the vocabulary keeps every token (as off) instead
+    of overflowing the engine's int32 sampling rows, which failed the step for every request batched with it."""
+    base = {"prompt": "hi", "max_tokens": 6, "temperature": 1.0, "ignore_eos": True, "return_token_ids": True}
+    for seed in (-2**63, 2**63 - 1):
+        assert srv.post(C, json={**base, "seed": seed}).status_code == 200, seed
+    ref = srv.post(C, json={**base, "seed": 5}).json()["choices"][0]["token_ids"]
+    for top_k in (512, 2**31, 2**63, 10**30):
+        r = srv.post(C, json={**base, "seed": 5, "top_k": top_k})
+        assert r.status_code == 200, (top_k, r.text)
+        assert r.json()["choices"][0]["token_ids"] == ref, top_k
+
+
+def test_content_encoding(srv, caplog):
+    """gzip / deflate bodies are read; a coding aiohttp would pass through undecoded is a 415; a body that does
+    not decode is a 400 (it was a 500 with two tracebacks in the log), and the server keeps serving."""
+    import gzip
+    import zlib
+
+    body = json.dumps({**P, "max_tokens": 2}).encode()
+    for enc, data in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body)), ("identity", body)):
+        r = srv.post(C, content=data, headers={"Content-Type": JSON, "Content-Encoding": enc})
+        assert r.status_code == 200, (enc, r.text)
+    for enc in ("x-gzip", "compress", "gzip, gzip", "foo"):
+        err = check_error(srv.post(C, content=body, headers={"Content-Type": JSON, "Content-Encoding": enc}), 415,
+                          None)
+        assert enc in err["message"]
+    with caplog.at_level(logging.INFO):
+        for data in (b"not gzip", gzip.compress(body)[:5] + b"\xff" * 20):
+            err = check_error(srv.post(C, content=data, headers={"Content-Type": JSON, "Content-Encoding": "gzip"}),
+                              400, None)
+            assert "content-encoding: gzip" in err["message"]
+            assert srv.get("/health").status_code == 200
+        time.sleep(0.1)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+    ok = srv.post(C, content=body, headers={"Content-Type": "Application/JSON; Charset=\"UTF-8\""})
+    assert ok.status_code == 200, ok.text
 
 
 def test_client_leaving_right_after_done_logs_no_error(srv, caplog, monkeypatch):

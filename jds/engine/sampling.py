@@ -38,6 +38,10 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not -2**31 <= self.top_k < 2**31:  # a step's rows hold it as int32 (SamplingRows); >= vocab: off
+            raise ValueError(f"top_k must fit int32 (>= the vocabulary size keeps every token), got {self.top_k}")
+        if self.seed is not None and not -2**63 <= self.seed < 2**63:  # the RNG is keyed by the seed's 64 bits
+            raise ValueError(f"seed must be a 64-bit integer in [-2^63, 2^63), got {self.seed}")
 
     @property
     def greedy(self) -> bool:

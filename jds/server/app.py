@@ -27,8 +27,8 @@ from aiohttp import web
 from jds.engine.loop import SHUTDOWN, EngineLoop
 from jds.engine.request import RequestOutput
 from jds.server.metrics import ServerMetrics
-from jds.server.protocol import (ApiError, GenerationRequest, check_content_type, check_length, error_body,
-                                 parse_json_body, parse_request)
+from jds.server.protocol import (ApiError, GenerationRequest, check_content_encoding, check_content_type,
+                                 check_length, error_body, parse_json_body, parse_request)
 from jds.server.stop import StopChecker
 from jds.server.tokenizer import ChatTemplateError, Tokenizer, render_chat
 
@@ -87,7 +87,10 @@ class OpenAIServer:
         try:
             return await handler(request)
         except ApiError as e:
-            return web.json_response(e.body(), status=e.status, headers=e.headers)
+            resp = web.json_response(e.body(), status=e.status, headers=e.headers)
+            if e.headers and e.headers.get("Connection") == "close":
+                resp.force_close()
+            return resp
         except web.HTTPException as e:  # 404/405 from routing, 413 from the body limit
             if e.status < 400:
                 raise
@@ -150,7 +153,17 @@ class OpenAIServer:
 
     async def _parse(self, request: web.Request, chat: bool) -> tuple[GenerationRequest, list[int], Any]:
         check_content_type(request.headers.get("Content-Type"))
-        body = parse_json_body(await request.read())
+        check_content_encoding(request.headers.get("Content-Encoding"))
+        try:
+            raw = await request.read()
+        except web.RequestPayloadError as e:  # e.g. a Content-Encoding: gzip body that is not gzip
+            # The connection's parser is broken from here: answer, then close. Marking the payload read stops
+            # aiohttp from draining it after the answer (which re-raises this error and logs a traceback).
+            request.content.feed_eof()
+            cause = getattr(e.__cause__, "message", None) or str(e)
+            raise ApiError(400, f"invalid request body: {' '.join(str(cause).split())[:200]}",
+                           headers={"Connection": "close"}) from None
+        body = parse_json_body(raw)
         gen, messages = parse_request(body, chat=chat)
         if gen.model is not None and gen.model != self.cfg.model_name:
             raise ApiError(404, f"The model `{gen.model[:200]}` does not exist.", param="model",

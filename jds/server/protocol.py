@@ -117,11 +117,29 @@ def check_content_type(header: str | None) -> None:
     (curl's ``-d`` sends a form type unless told ``-H 'Content-Type: application/json'``)."""
     if header is None or not header.strip():
         return
-    media = header.split(";", 1)[0].strip().lower()
+    media, _, params = header.partition(";")
+    media = media.strip().lower()
     if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+        for p in params.split(";"):  # the body is read as UTF-8 (RFC 8259), so no other charset is honoured
+            key, _, value = p.partition("=")
+            charset = value.strip().strip('"').lower()
+            if key.strip().lower() == "charset" and charset not in ("utf-8", "utf8"):
+                raise ApiError(415, f"Content-Type charset must be utf-8 (JSON is UTF-8), got {_short(charset)}",
+                               code="unsupported_media_type")
         return
     raise ApiError(415, f"Content-Type must be application/json, got {_short(media)} (with curl, add "
                         "-H 'Content-Type: application/json')", code="unsupported_media_type")
+
+
+def check_content_encoding(header: str | None) -> None:
+    """aiohttp decodes exactly one of gzip / deflate (br / zstd where their libraries are installed) and
+    passes any other coding through undecoded: refuse those (415) rather than read the body as plain JSON."""
+    if header is None:
+        return
+    enc = header.strip().lower()
+    if enc not in ("", "identity", "gzip", "deflate", "br", "zstd"):
+        raise ApiError(415, f"Content-Encoding {_short(header.strip(), 40)} is not supported (gzip, deflate or none)",
+                       code="unsupported_media_type")
 
 
 # -- fields ----------------------------------------------------------------------------------------------
@@ -139,6 +157,7 @@ class GenerationRequest:
     model: str | None
     chat: bool
     return_token_ids: bool = False
+    max_tokens_param: str = "max_tokens"  # the field max_tokens came from (chat: max_completion_tokens)
 
 
 def _bad(msg: str, param: str | None) -> ApiError:
@@ -203,9 +222,10 @@ def _messages_to_text(messages: Any) -> list[dict]:
         if role not in CHAT_ROLES:
             raise _bad(f"{at}.role {_short(role)} is not a chat role (one of {', '.join(CHAT_ROLES)})",
                        f"{at}.role")
-        for key in ("tool_calls", "function_call", "audio"):
-            if m.get(key) is not None and m.get(key) != []:
-                raise _bad(f"{at}.{key} is not supported by this server", f"{at}.{key}")
+        for key, v in m.items():  # tool_calls, function_call, audio, refusal, ... (null / [] say nothing)
+            if key not in ("role", "content", "name") and v is not None and v != []:
+                k = key if len(key) <= 40 else key[:37] + "..."
+                raise _bad(f"{at}.{k} is not supported by this server", f"{at}.{k}")
         name = m.get("name")
         if name is not None:
             if not isinstance(name, str):
@@ -277,6 +297,43 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float, *, lo_o
     return v
 
 
+# Every field a body may hold; any other with a value is refused by name (as OpenAI does), so a misspelt or
+# unsupported option (``max_new_tokens``, ``min_p``, ``reasoning_effort``) is never silently dropped.
+_FIELDS = frozenset((
+    "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stream", "stream_options", "stop",
+    "stop_token_ids", "ignore_eos", "return_token_ids", "user",
+    # refused unless neutral (_refuse_unsupported)
+    "logprobs", "top_logprobs", "echo", "suffix", "tools", "tool_choice", "functions", "function_call",
+    "logit_bias", "min_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "audio",
+    "prediction", "modalities", "presence_penalty", "frequency_penalty", "repetition_penalty", "best_of",
+    "response_format", "store",
+    # OpenAI fields that do not change the output: checked for type, otherwise unused
+    "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier",
+))
+_CHAT_FIELDS = _FIELDS | {"messages", "max_completion_tokens"}
+_COMPLETION_FIELDS = _FIELDS | {"prompt"}
+
+
+def _refuse_unknown(body: dict, chat: bool) -> None:
+    known, other = (_CHAT_FIELDS, _COMPLETION_FIELDS) if chat else (_COMPLETION_FIELDS, _CHAT_FIELDS)
+    for name, v in body.items():
+        if name in known or v is None:
+            continue
+        shown = name if len(name) <= 40 else name[:37] + "..."
+        if name in other:
+            here, there = ("/v1/chat/completions", "/v1/completions") if chat else (
+                "/v1/completions", "/v1/chat/completions")
+            hint = "; this route takes 'max_tokens'" if name == "max_completion_tokens" else ""
+            raise _bad(f"'{shown}' is a {there} field, not one of {here}{hint}", shown)
+        raise _bad(f"Unrecognized request argument supplied: '{shown}' (this server does not support it)", shown)
+    _get(body, "metadata", (dict,), None, what="an object")
+    _get(body, "parallel_tool_calls", (bool,), None, what="a boolean")
+    for name in ("service_tier", "prompt_cache_key", "safety_identifier"):
+        v = _get(body, name, (str,), None, what="a string")
+        if v is not None:
+            _text(v, name)
+
+
 def _refuse_unsupported(body: dict) -> None:
     """Fields whose non-default values change the output: refused by name, never ignored."""
     def off(name: str, *neutral: Any) -> None:
@@ -301,6 +358,7 @@ def _refuse_unsupported(body: dict) -> None:
     off("guided_grammar")
     off("audio")
     off("prediction")
+    off("store", False)
     if body.get("modalities") not in (None, ["text"]):
         raise _bad(f"'modalities' must be [\"text\"], got {_short(body['modalities'])}", "modalities")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -329,14 +387,21 @@ def parse_request(body: Any, *, chat: bool) -> tuple[GenerationRequest, list[dic
     model = _get(body, "model", (str,), None, what="a string")
     if model is not None:
         _text(model, "model")
+    _refuse_unknown(body, chat)
     messages = None
     prompt_text, prompt_ids = None, None
     if chat:
         messages = _messages_to_text(body.get("messages"))
     else:
         prompt_text, prompt_ids = _prompt(body)
-    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    name = "max_tokens"
     max_tokens = _get(body, name, (int,), None, what="an integer")
+    if chat and body.get("max_completion_tokens") is not None:
+        mct = _get(body, "max_completion_tokens", (int,), None, what="an integer")
+        if max_tokens is not None and max_tokens != mct:
+            raise _bad(f"'max_tokens' ({max_tokens}) and 'max_completion_tokens' ({mct}) disagree; send one of them",
+                       "max_tokens")
+        name, max_tokens = "max_completion_tokens", mct
     if max_tokens is not None and max_tokens < 1:
         raise _bad(f"'{name}' must be at least 1, got {max_tokens}", name)
     temperature = _number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE)
@@ -344,7 +409,10 @@ def parse_request(body: Any, *, chat: bool) -> tuple[GenerationRequest, list[dic
     top_k = _get(body, "top_k", (int,), -1, what="an integer")
     if top_k < -1:
         raise _bad(f"'top_k' must be -1 (off), 0 (off) or >= 1, got {top_k}", "top_k")
+    top_k = top_k if top_k < 2**31 else -1  # beyond any vocabulary: off (check_length maps >= the vocabulary too)
     seed = _get(body, "seed", (int,), None, what="an integer")
+    if seed is not None and not -2**63 <= seed < 2**63:  # the engine keys its RNG by the seed's 64 bits
+        raise _bad(f"'seed' must be a 64-bit integer (in [-2^63, 2^63)), got {_short(seed, 40)}", "seed")
     n = _get(body, "n", (int,), 1, what="an integer")
     if n != 1:
         raise _bad(f"only n=1 is supported, got {n}", "n")
@@ -372,7 +440,7 @@ def parse_request(body: Any, *, chat: bool) -> tuple[GenerationRequest, list[dic
     params = SamplingParams(max_tokens=max_tokens or 1, temperature=temperature, top_p=top_p,
                             top_k=top_k, seed=seed, stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos)
     return GenerationRequest(prompt_text, prompt_ids, params, max_tokens is not None, stream, include_usage,
-                             stop, model, chat, return_ids), messages
+                             stop, model, chat, return_ids, name), messages
 
 
 def check_length(req: GenerationRequest, prompt_len: int, *, max_seq_len: int, vocab_size: int) -> SamplingParams:
@@ -386,6 +454,9 @@ def check_length(req: GenerationRequest, prompt_len: int, *, max_seq_len: int, v
         raise _bad(f"prompt token ids must be in [0, {vocab_size})", "prompt")
     if any(not 0 <= t < vocab_size for t in req.params.stop_token_ids):
         raise _bad(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+    params = req.params
+    if params.top_k >= vocab_size:  # keeps every token: the same as off (and fits the engine's int32 rows)
+        params = dataclasses.replace(params, top_k=-1)
     param = "messages" if req.chat else "prompt"
     if prompt_len >= max_seq_len:
         raise ApiError(400, f"This model's maximum context length is {max_seq_len} tokens; the prompt has "
@@ -393,11 +464,10 @@ def check_length(req: GenerationRequest, prompt_len: int, *, max_seq_len: int, v
                        code="context_length_exceeded")
     room = max_seq_len - prompt_len
     if not req.max_tokens_given:
-        return dataclasses.replace(req.params, max_tokens=room if req.chat else min(DEFAULT_COMPLETION_MAX_TOKENS,
-                                                                                     room))
-    if prompt_len + req.params.max_tokens > max_seq_len:
+        return dataclasses.replace(params, max_tokens=room if req.chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room))
+    if prompt_len + params.max_tokens > max_seq_len:
         raise ApiError(400, f"This model's maximum context length is {max_seq_len} tokens. However, you requested "
-                            f"{prompt_len + req.params.max_tokens} tokens ({prompt_len} in the prompt, "
-                            f"{req.params.max_tokens} for the completion).", param="max_tokens",
+                            f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the prompt, "
+                            f"{params.max_tokens} for the completion).", param=req.max_tokens_param,
                        code="context_length_exceeded")
-    return req.params
+    return params
