@@ -83,9 +83,14 @@ class CheckpointWriter:
         self.overwrite = overwrite
         _check_replaceable(self.path, overwrite)
         parent = os.path.dirname(self.path)
-        os.makedirs(parent, exist_ok=True)
         self.tmp = os.path.join(parent, f".{os.path.basename(self.path)}.tmp-{uuid.uuid4().hex[:12]}")
-        os.makedirs(os.path.join(self.tmp, SHARDS))
+        try:
+            os.makedirs(parent, exist_ok=True)
+            os.makedirs(os.path.join(self.tmp, SHARDS))
+        except OSError as e:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise ValueError(f"checkpoint {self.path!r}: cannot create it ({e.strerror or e}: "
+                             f"{e.filename or parent!r})") from None
         self.tensors: dict[str, dict[str, Any]] = {}
         self.shards: list[str] = []
         self._buf: dict[str, np.ndarray] = {}
@@ -155,11 +160,11 @@ def _is_checkpoint_dir(path: str) -> bool:
 def _check_replaceable(path: str, overwrite: bool) -> None:
     if not os.path.lexists(path):
         return
-    if not overwrite:
-        raise ValueError(f"checkpoint {path!r}: already exists (pass overwrite / --overwrite to replace it)")
-    if not _is_checkpoint_dir(path):
+    if not _is_checkpoint_dir(path):  # first: --overwrite would not help here
         raise ValueError(f"checkpoint {path!r}: exists and is not a jds checkpoint or an empty directory; "
                          "refusing to replace it")
+    if not overwrite:
+        raise ValueError(f"checkpoint {path!r}: already exists (pass overwrite / --overwrite to replace it)")
 
 
 def _publish(tmp: str, path: str, overwrite: bool) -> None:
@@ -213,8 +218,9 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
 
 def checkpoint_config(path: str | os.PathLike) -> ModelConfig:
     """The ModelConfig stored in a checkpoint."""
+    meta = read_meta(path)  # its errors name the checkpoint already
     try:
-        return config_from_dict(read_meta(path)["config"])
+        return config_from_dict(meta["config"])
     except (TypeError, ValueError) as e:
         raise ValueError(f"checkpoint {os.fspath(path)!r}: {e}") from e
 

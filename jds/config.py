@@ -32,6 +32,42 @@ def _positive(obj: Any, *names: str) -> None:
         _require(isinstance(v, int) and not isinstance(v, bool) and v > 0, n, f"must be a positive int, got {v!r}")
 
 
+def _hf_mapping(d: Mapping[str, Any], *keys: str) -> dict[str, Any]:
+    """The first of ``keys`` config.json sets (``{}`` when none): a JSON object, else a ValueError naming it."""
+    for k in keys:
+        v = d.get(k)
+        if v:
+            _require(isinstance(v, dict), k, f"expected a JSON object, got {v!r}")
+            return v
+    return {}
+
+
+def _hf_float(d: Mapping[str, Any], key: str, default: float, where: str = "") -> float:
+    """``d[key]`` (``default`` when absent) as a float; a non-number is a ValueError naming ``where + key``."""
+    v = d.get(key, default)
+    try:
+        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+            raise ValueError
+        return float(v)
+    except ValueError:
+        raise ValueError(f"invalid config field {where + key!r}: expected a number, got {v!r}") from None
+
+
+def _hf_int(d: Mapping[str, Any], key: str, default: int, where: str = "") -> int:
+    """``d[key]`` (``default`` when absent) as an int (an integral float or a numeric string is taken); anything
+    else is a ValueError naming ``where + key``."""
+    v = d.get(key, default)
+    try:
+        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+            raise ValueError
+        f = float(v)
+        if not f.is_integer():
+            raise ValueError
+        return int(f)
+    except (ValueError, OverflowError):
+        raise ValueError(f"invalid config field {where + key!r}: expected an integer, got {v!r}") from None
+
+
 def yarn_mscale(factor: float, mscale: float) -> float:
     """DeepSeek's YaRN attention-magnitude factor 0.1*mscale*ln(factor)+1 (1 when factor<=1)."""
     if factor <= 1.0:
@@ -207,25 +243,29 @@ class V32Config:
     def from_hf_config(cls, path_or_dict: str | os.PathLike | dict, **overrides: Any) -> "V32Config":
         """Build from a HuggingFace DeepSeek-V3.2 (or GLM-5.x) ``config.json``."""
         d = _load_json(path_or_dict)
-        rs = d.get("rope_scaling") or d.get("rope_parameters") or {}
+        rs = _hf_mapping(d, "rope_scaling", "rope_parameters")
+        where = "rope_scaling." if d.get("rope_scaling") else "rope_parameters."
         rope_type = rs.get("rope_type", rs.get("type", "default")) if rs else "default"
+        interleave = d.get("indexer_rope_interleave", False)
+        _require(interleave is None or isinstance(interleave, bool), "indexer_rope_interleave",
+                 f"expected true or false, got {interleave!r}")
         kw: dict[str, Any] = dict(
             hidden_size=d.get("hidden_size"), n_heads=d.get("num_attention_heads"),
             q_lora_rank=d.get("q_lora_rank"), kv_lora_rank=d.get("kv_lora_rank"),
             qk_nope_head_dim=d.get("qk_nope_head_dim"), qk_rope_head_dim=d.get("qk_rope_head_dim"),
             v_head_dim=d.get("v_head_dim"), index_n_heads=d.get("index_n_heads"),
             index_head_dim=d.get("index_head_dim"), index_topk=d.get("index_topk"),
-            rope_theta=float(d.get("rope_theta", rs.get("rope_theta", 10000.0))),
-            max_seq_len=d.get("max_position_embeddings"), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            indexer_rope_interleave=bool(d.get("indexer_rope_interleave", False)),
+            rope_theta=_hf_float(d, "rope_theta", rs.get("rope_theta", 10000.0)),
+            max_seq_len=d.get("max_position_embeddings"), rms_norm_eps=_hf_float(d, "rms_norm_eps", 1e-6),
+            indexer_rope_interleave=bool(interleave),
         )
         if rope_type == "default":
             kw["rope_factor"] = 1.0
         else:
-            kw.update(rope_factor=float(rs.get("factor", 40.0)),
-                      original_seq_len=int(rs.get("original_max_position_embeddings", 4096)),
-                      beta_fast=float(rs.get("beta_fast", 32.0)), beta_slow=float(rs.get("beta_slow", 1.0)),
-                      mscale=float(rs.get("mscale", 1.0)))
+            kw.update(rope_factor=_hf_float(rs, "factor", 40.0, where),
+                      original_seq_len=_hf_int(rs, "original_max_position_embeddings", 4096, where),
+                      beta_fast=_hf_float(rs, "beta_fast", 32.0, where),
+                      beta_slow=_hf_float(rs, "beta_slow", 1.0, where), mscale=_hf_float(rs, "mscale", 1.0, where))
         _check_missing(kw, {"n_heads": "num_attention_heads", "max_seq_len": "max_position_embeddings"})
         kw.update(overrides)
         return cls(**kw)
@@ -316,24 +356,26 @@ class V4Config:
     @classmethod
     def from_hf_config(cls, path_or_dict: str | os.PathLike | dict, **overrides: Any) -> "V4Config":
         d = _load_json(path_or_dict)
-        rs = d.get("rope_scaling") or {}
+        rs = _hf_mapping(d, "rope_scaling")
         kw: dict[str, Any] = dict(
             hidden_size=d.get("hidden_size"), n_heads=d.get("num_attention_heads"), head_dim=d.get("head_dim"),
             rope_head_dim=d.get("qk_rope_head_dim"), q_lora_rank=d.get("q_lora_rank"),
             o_lora_rank=d.get("o_lora_rank"), o_groups=d.get("o_groups"), window_size=d.get("sliding_window"),
             index_n_heads=d.get("index_n_heads"), index_head_dim=d.get("index_head_dim"),
-            index_topk=d.get("index_topk"), rope_theta=float(d.get("rope_theta", 10000.0)),
-            compress_rope_theta=float(d.get("compress_rope_theta", 160000.0)),
-            max_seq_len=d.get("max_position_embeddings"), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            index_topk=d.get("index_topk"), rope_theta=_hf_float(d, "rope_theta", 10000.0),
+            compress_rope_theta=_hf_float(d, "compress_rope_theta", 160000.0),
+            max_seq_len=d.get("max_position_embeddings"), rms_norm_eps=_hf_float(d, "rms_norm_eps", 1e-6),
         )
         ratios = d.get("compress_ratios")
         if ratios is None:
             raise ValueError("invalid config field 'compress_ratios': missing from config.json")
-        kw["compress_ratios"] = tuple(int(r) for r in ratios)
+        _require(isinstance(ratios, (list, tuple)), "compress_ratios", f"expected a list of integers, got {ratios!r}")
+        kw["compress_ratios"] = tuple(_hf_int({"compress_ratios": r}, "compress_ratios", 0) for r in ratios)
         if rs:
-            kw.update(rope_factor=float(rs.get("factor", 16.0)),
-                      original_seq_len=int(rs.get("original_max_position_embeddings", 65536)),
-                      beta_fast=float(rs.get("beta_fast", 32.0)), beta_slow=float(rs.get("beta_slow", 1.0)))
+            kw.update(rope_factor=_hf_float(rs, "factor", 16.0, "rope_scaling."),
+                      original_seq_len=_hf_int(rs, "original_max_position_embeddings", 65536, "rope_scaling."),
+                      beta_fast=_hf_float(rs, "beta_fast", 32.0, "rope_scaling."),
+                      beta_slow=_hf_float(rs, "beta_slow", 1.0, "rope_scaling."))
         else:
             kw["rope_factor"] = 1.0
         _check_missing(kw, {"n_heads": "num_attention_heads", "rope_head_dim": "qk_rope_head_dim",
@@ -363,8 +405,15 @@ def _load_json(path_or_dict: str | os.PathLike | dict) -> dict:
     p = os.fspath(path_or_dict)
     if os.path.isdir(p):
         p = os.path.join(p, "config.json")
-    with open(p) as f:
-        return json.load(f)
+    try:
+        with open(p) as f:
+            d = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"config {p!r}: cannot read it as JSON ({e.strerror if isinstance(e, OSError) else e})") \
+            from None
+    if not isinstance(d, dict):
+        raise ValueError(f"config {p!r}: expected a JSON object, got {type(d).__name__}")
+    return d
 
 
 def replace(cfg: Any, **kw: Any) -> Any:

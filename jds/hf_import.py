@@ -399,11 +399,16 @@ def normalize_v4_config(d: dict[str, Any]) -> dict[str, Any]:
     and a YaRN ``rope_scaling``; transformers' DeepseekV4Config writes ``layer_types`` (+ ``compress_rates``),
     ``partial_rotary_factor`` and ``rope_parameters = {"main": {...}, "compress": {...}}`` instead.
     """
+    from jds.config import _hf_float, _hf_int, _hf_mapping
+
     d = dict(d)
     if d.get("compress_ratios") is None and d.get("layer_types") is not None:
+        if not isinstance(d["layer_types"], list):
+            raise ValueError(f"invalid config field 'layer_types': expected a list, got {d['layer_types']!r}")
         rates = dict(_V4_LAYER_TYPE_RATIO)
-        for k, v in (d.get("compress_rates") or {}).items():
-            rates[k] = int(v)
+        compress_rates = _hf_mapping(d, "compress_rates")
+        for k in compress_rates:
+            rates[k] = _hf_int(compress_rates, k, 0, "compress_rates.")
         ratios = []
         for t in d["layer_types"]:
             if t not in rates:
@@ -411,10 +416,12 @@ def normalize_v4_config(d: dict[str, Any]) -> dict[str, Any]:
             ratios.append(rates[t])
         d["compress_ratios"] = ratios
     if d.get("qk_rope_head_dim") is None and d.get("partial_rotary_factor") and d.get("head_dim"):
-        d["qk_rope_head_dim"] = int(round(d["head_dim"] * d["partial_rotary_factor"]))
+        d["qk_rope_head_dim"] = int(round(_hf_int(d, "head_dim", 0) * _hf_float(d, "partial_rotary_factor", 0.0)))
     rp = d.get("rope_parameters")
     if isinstance(rp, dict) and isinstance(rp.get("compress"), dict):
         comp, main = rp["compress"], rp.get("main") or {}
+        if not isinstance(main, dict):
+            raise ValueError(f"invalid config field 'rope_parameters.main': expected a JSON object, got {main!r}")
         if main.get("rope_theta") is not None:
             d.setdefault("rope_theta", main["rope_theta"])
         if comp.get("rope_theta") is not None:
@@ -584,7 +591,7 @@ def hf_model_config(hf: Any, *, layers: int | None = None, dequantize: bool = Fa
     "F8_E4M3" with a preset-named ``numerics`` keeps the V3-style block's routed experts FP8 as stored
     (``Numerics.experts_fp8``); None or another dtype dequantises them.
     """
-    from jds.config import V32Config, V4Config, _load_json
+    from jds.config import V32Config, V4Config, _hf_int, _load_json
     from jds.model import ModelConfig
 
     d = _load_json(hf)
@@ -607,8 +614,10 @@ def hf_model_config(hf: Any, *, layers: int | None = None, dequantize: bool = Fa
     n = n_hf if layers is None else layers
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= n_hf:
         raise ValueError(f"invalid config field 'layers': {n!r} must be in [1, num_hidden_layers={n_hf}]")
-    n_routed = d.get("n_routed_experts") or 0
-    first_dense = int(d.get("first_k_dense_replace") or 0) if n_routed else n
+    n_routed = _hf_int(d, "n_routed_experts", 0) if d.get("n_routed_experts") else 0
+    if n_routed < 0:
+        raise ValueError(f"invalid config field 'n_routed_experts': {n_routed!r} must be >= 0")
+    first_dense = (_hf_int(d, "first_k_dense_replace", 0) if d.get("first_k_dense_replace") else 0) if n_routed else n
     if n_routed and d.get("moe_layer_freq", 1) != 1:
         raise ValueError(f"invalid config field 'moe_layer_freq': {d['moe_layer_freq']!r}, jds supports 1")
     if n_routed and 0 < first_dense < n:
@@ -691,6 +700,8 @@ def _v4_block_fields(d: dict[str, Any]) -> dict[str, Any]:
     """The V4-block ModelConfig fields of a V4 MoE config.json. A config with ``hc_mult`` describes DeepSeek-V4's
     block (``block="v4"``); one without it (jds's V3-style decoder around V4 attention) keeps ``block="v3"``.
     Two spellings of one field that disagree are a ValueError naming both."""
+    from jds.config import _hf_float
+
     if d.get("hc_mult") is None:
         return {}
     out: dict[str, Any] = {"block": "v4"}
@@ -700,7 +711,8 @@ def _v4_block_fields(d: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"invalid config field {given[0][0]!r}: {given[0][1]!r} disagrees with "
                              f"{given[1][0]!r}={given[1][1]!r}")
         if given:
-            out[field_] = float(given[0][1]) if field_ in ("hc_eps", "route_scale", "swiglu_limit") else given[0][1]
+            out[field_] = (_hf_float(d, given[0][0], 0.0) if field_ in ("hc_eps", "route_scale", "swiglu_limit")
+                           else given[0][1])
     return out
 
 
@@ -1028,6 +1040,8 @@ def convert_hf_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, lay
     if not os.path.exists(cfg_path):
         raise ValueError(f"HF checkpoint {src!r}: no config.json")
     hf_cfg = read_json(cfg_path, f"HF checkpoint {src!r}")
+    if not isinstance(hf_cfg, dict):
+        raise ValueError(f"HF checkpoint {src!r}: config.json is not a JSON object (got {type(hf_cfg).__name__})")
     quant = quantization_config(hf_cfg)
     reader = SafetensorsDir(src)
     cfg = hf_model_config(hf_cfg, layers=layers, dequantize=dequantize, numerics=numerics, overrides=overrides,

@@ -76,6 +76,8 @@ class SafetensorsFile:
         if not isinstance(header, dict):
             raise ValueError(f"safetensors file {self.path!r}: header is not a JSON object")
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        if not isinstance(self.metadata, dict):
+            raise ValueError(f"safetensors file {self.path!r}: __metadata__ is not a JSON object")
         self.data_start = 8 + n
         self.data_size = size - self.data_start
         self._tensors: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
@@ -157,7 +159,7 @@ def read_json(path: str, label: str) -> Any:
     try:
         with open(path) as f:
             return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{label}: cannot read {os.path.basename(path)} ({e})") from e
 
 

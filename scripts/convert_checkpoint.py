@@ -32,6 +32,17 @@ def _override(text: str) -> tuple[str, Any]:
         return k.strip(), v
 
 
+def _shard_mb(text: str) -> float:
+    """argparse type of --shard-mb: a finite number > 0 (MiB)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB, got {text!r}") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return v
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("hf_dir", help="HF checkpoint directory (config.json + *.safetensors)")
@@ -45,11 +56,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--numerics-field", action="append", default=[], metavar="FIELD=VALUE",
                     help="set a Numerics field (an explicit departure or opt-in), e.g. experts_fp8=true")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing jds checkpoint at OUT")
-    ap.add_argument("--shard-mb", type=float, default=1024.0, help="orbax shard size (memory bound), MiB")
+    ap.add_argument("--shard-mb", type=_shard_mb, default=1024.0, help="orbax shard size (memory bound), MiB")
     ap.add_argument("--allow-unexpected", action="store_true",
                     help="skip HF tensors that have no place in the jds model instead of failing")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    for name, v in (("hf_dir", a.hf_dir), ("out", a.out)):
+        if not v.strip():
+            ap.error(f"{name} must not be empty")
+    return a
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True)
     add_moe_flags(ap)
     a = ap.parse_args(argv)
+    if not a.out.strip():
+        ap.error("--out must not be empty")
     from jds.checkpoint import save_checkpoint
     from jds.config import load_model_config
     from jds.model import Decoder

@@ -70,7 +70,7 @@ from jds.engine.core import Engine  # noqa: E402
 from jds.engine.loop import EngineLoop  # noqa: E402
 from jds.bench.cli import (GRAPH_UPDATE_MODES, add_moe_flags, moe_overrides, numerics_fields,  # noqa: E402
                            positive_int, use_graph_update_mode)
-from jds.config import RunnerConfig  # noqa: E402
+from jds.config import PRESETS, RunnerConfig, load_model_config  # noqa: E402
 from jds.server.app import ServerConfig, build_app, serve, shutdown_reserve  # noqa: E402
 from jds.server.tokenizer import load_tokenizer  # noqa: E402
 
@@ -149,6 +149,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_moe_flags(p)
     a = p.parse_args(argv)
     check_model_dir_args(p, a)
+    if a.preset is not None and a.preset not in PRESETS:
+        p.error(f"--preset {a.preset!r}: choose one of {', '.join(PRESETS)}")
+    if a.served_model_name is not None and not a.served_model_name.strip():
+        p.error("--served-model-name must not be empty")
+    if a.tokenizer is not None and not os.path.isfile(os.path.join(a.tokenizer, "tokenizer.json")):
+        p.error(f"--tokenizer {a.tokenizer!r}: no tokenizer.json there (a directory holding a HF tokenizer.json)")
     try:  # the model and runner settings are checked here, before minutes of model building
         a.model_overrides = moe_overrides(a)
         if a.mtp_layers is not None:
@@ -156,6 +162,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if a.speculative and a.async_steps:
             raise ValueError("--speculative mtp runs only in the synchronous loop: add --no-async")
         a.runner_config = runner_config(a)
+        if a.runner == "model" and a.model is None and not checkpoint_alone(a):  # the config ModelRunner.build makes
+            load_model_config(a.preset or "v32-tiny", a.config, **a.model_overrides)
     except ValueError as e:
         p.error(str(e))
     if not 0 <= a.port <= 65535:
@@ -203,11 +211,28 @@ def check_model_dir_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> N
     if a.no_indexer_hadamard:
         a.numerics_overrides["indexer_hadamard"] = False
     for flag, v in (("--checkpoint", a.checkpoint), ("--preset", a.preset), ("--config", a.config),
-                    ("--moe", a.moe or None), ("--moe-experts", a.moe_experts)):
+                    ("--moe", a.moe or None), ("--moe-experts", a.moe_experts), ("--mtp-layers", a.mtp_layers)):
         if v is not None:
             p.error(f"--model takes the model from the HF directory; {flag} cannot be combined with it")
     if a.runner == "fake":
         p.error("--model needs --runner model")
+
+
+def checkpoint_alone(a: argparse.Namespace) -> bool:
+    """``--checkpoint`` without a preset, config or model overrides: the model is the checkpoint's stored config."""
+    return bool(a.checkpoint) and a.preset is None and not a.config and not a.model_overrides
+
+
+def open_tokenizer(path: str | None, *, bos_token_id: int, eos_token_id: int):
+    """``load_tokenizer``; a tokenizer.json the ``tokenizers`` package cannot load (it raises a bare Exception)
+    is a ValueError naming the file."""
+    try:
+        return load_tokenizer(path, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - tokenizers.Tokenizer.from_file raises Exception
+        raise ValueError(f"{os.path.join(path or '', 'tokenizer.json')}: cannot be loaded "
+                         f"({type(e).__name__}: {e})") from None
 
 
 def prepare_model_dir(a: argparse.Namespace, say) -> None:
@@ -219,7 +244,10 @@ def prepare_model_dir(a: argparse.Namespace, say) -> None:
 
     if a.tokenizer is None:
         a.tokenizer = a.model
-    load_tokenizer(a.tokenizer, bos_token_id=0, eos_token_id=0)  # a bad tokenizer_config fails before converting
+        if not os.path.isfile(os.path.join(a.model, "tokenizer.json")):
+            say(f"WARNING: {a.model} has no tokenizer.json: serving with the byte-level tokenizer "
+                "(pass --tokenizer DIR for the model's own)")
+    open_tokenizer(a.tokenizer, bos_token_id=0, eos_token_id=0)  # a bad tokenizer fails before converting
     a.checkpoint, _ = cached_conversion(a.model, cache_dir=a.cache_dir, layers=a.num_layers, say=say,
                                         numerics=a.numerics or "reference", dequantize=a.dequantize,
                                         numerics_overrides=a.numerics_overrides or None)
@@ -319,8 +347,17 @@ async def main(a: argparse.Namespace) -> int:
     why = check_port(a.host, a.port)
     if why:
         fail(why)
+    if a.compile_cache:  # JAX only warns, at each compile, about a cache directory it cannot use
+        try:
+            os.makedirs(a.compile_cache, exist_ok=True)
+        except OSError as e:
+            fail(f"--compile-cache {a.compile_cache!r}: cannot create it ({e.strerror or e})")
+        if not os.access(a.compile_cache, os.W_OK | os.X_OK):
+            fail(f"--compile-cache {a.compile_cache!r}: not writable")
     try:
         prepare_model_dir(a, say)
+        if a.model is None and (a.tokenizer or a.checkpoint):  # a bad tokenizer fails before building
+            open_tokenizer(a.tokenizer or a.checkpoint, bos_token_id=0, eos_token_id=0)
     except ValueError as e:
         fail(str(e))
     t0 = time.perf_counter()
@@ -332,7 +369,10 @@ async def main(a: argparse.Namespace) -> int:
         from jds.runner import enable_compile_cache
 
         enable_compile_cache(a.compile_cache)
-    runner = build_runner(a)
+    try:
+        runner = build_runner(a)
+    except ValueError as e:  # a checkpoint that does not match its config, a mesh that does not divide the model
+        fail(str(e))
     say(f"built in {time.perf_counter() - t0:.1f}s; block_size={runner.block_size}, vocab={runner.vocab_size}")
     if getattr(runner, "model", None) is not None:  # which numerics run (departures from a checkpoint show here)
         say(f"numerics: {runner.model.cfg.numerics}; XLA excess precision "
@@ -342,8 +382,11 @@ async def main(a: argparse.Namespace) -> int:
     except ValueError as e:  # an unsupported model / runner for --speculative, named by its field
         fail(str(e))
     loop = EngineLoop(engine)
-    tok = load_tokenizer(a.tokenizer or a.checkpoint, bos_token_id=getattr(runner, "bos_token_id", 256),
-                         eos_token_id=runner.eos_token_id)
+    try:
+        tok = open_tokenizer(a.tokenizer or a.checkpoint, bos_token_id=getattr(runner, "bos_token_id", 256),
+                             eos_token_id=runner.eos_token_id)
+    except ValueError as e:
+        fail(str(e))
     say(f"tokenizer: {describe_tokenizer(tok, runner)}")
     name = a.served_model_name or f"jds-{label}"
     app, srv = build_app(loop, tok, ServerConfig(model_name=name, max_queue_len=a.max_queue_len,

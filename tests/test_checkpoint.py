@@ -153,3 +153,22 @@ def test_model_runner_uses_the_checkpoint_config(tmp_path) -> None:
     assert_same_weights(export_weights(runner.model), read_checkpoint(tmp_path / "v4"))
     with pytest.raises(ValueError, match=r"does not match the model.*'arch'"):
         ModelRunner.build(preset="v32-tiny", checkpoint=str(tmp_path / "v4"), num_blocks=4)
+
+
+def test_unusable_targets_are_named(tmp_path) -> None:
+    """A target under a file is a ValueError naming it (was a FileExistsError traceback); an existing directory
+    that is not a checkpoint is refused as such even without overwrite (was "pass --overwrite", which would
+    not help); a missing checkpoint's error names its path once."""
+    cfg = preset("v32-tiny")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match=r"checkpoint '.*afile/ck': cannot create it \(.*afile"):
+        ckpt.CheckpointWriter(tmp_path / "afile" / "ck", cfg)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("x")
+    with pytest.raises(ValueError, match="not a jds checkpoint or an empty directory; refusing"):
+        ckpt.CheckpointWriter(other, cfg, overwrite=False)
+    assert (other / "keep.txt").read_text() == "x" and no_temp_dirs(tmp_path)
+    with pytest.raises(ValueError) as e:
+        checkpoint_config(tmp_path / "missing")
+    assert str(e.value).count("checkpoint '") == 1 and "no jds_checkpoint.json" in str(e.value)

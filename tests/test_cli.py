@@ -91,3 +91,73 @@ def test_serve_flags_build_one_runner_config() -> None:
         serve.parse_args(["--max-num-tokens", "32", "--token-buckets", "64"])
     with pytest.raises(SystemExit):
         serve.parse_args(["--moe-shared", "2"])
+
+
+def _script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"{name}_script", ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("argv,pattern", [
+    (["--preset", "v5-huge"], "--preset 'v5-huge': choose one of v32-tiny"),  # was a traceback after start-up
+    (["--preset", "v32-tiny", "--mtp-layers", "1"], "'mtp_layers': MTP modules exist in DeepSeek-V4's block"),
+    (["--config", "/nonexistent/config.json"], "config '/nonexistent/config.json': cannot read it as JSON"),
+    (["--served-model-name", " "], "--served-model-name must not be empty"),  # was replaced by the default
+    (["--tokenizer", "/nonexistent"], "--tokenizer '/nonexistent': no tokenizer.json there"),  # was byte-level
+])
+def test_serve_flag_errors_before_building(argv, pattern, capsys) -> None:
+    serve = _script("serve")
+    with pytest.raises(SystemExit) as e:
+        serve.parse_args(argv)
+    assert e.value.code == 2 and pattern in capsys.readouterr().err
+
+
+def test_serve_config_file_errors_are_usage_errors(tmp_path, capsys) -> None:
+    serve = _script("serve")
+    (tmp_path / "config.json").write_text('{"hidden_size": ')
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--config", str(tmp_path / "config.json")])
+    assert "cannot read it as JSON (Expecting value" in capsys.readouterr().err
+    a = serve.parse_args(["--preset", "v4-tiny-block", "--mtp-layers", "1"])  # the valid spelling still parses
+    assert a.model_overrides == {"mtp_layers": 1}
+
+
+def _serve_main(serve, argv: list[str]) -> None:
+    import asyncio
+
+    asyncio.run(serve.main(serve.parse_args(["--port", "0", *argv])))
+
+
+def test_serve_startup_errors_are_one_line(tmp_path, capsys) -> None:
+    """Errors found after parsing (a bad tokenizer.json, an unusable --compile-cache, a checkpoint that is not
+    one) end start-up with one "serve.py: error:" line and exit code 1, no traceback."""
+    serve = _script("serve")
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("garbage")
+    (tmp_path / "afile").write_text("x")
+    cases = [
+        (["--runner", "fake", "--tokenizer", str(tmp_path / "tok")], "tokenizer.json: cannot be loaded"),
+        (["--runner", "fake", "--compile-cache", str(tmp_path / "afile" / "cc")], "--compile-cache"),
+        (["--checkpoint", str(tmp_path / "afile")], "no jds_checkpoint.json"),
+    ]
+    for argv, pattern in cases:
+        with pytest.raises(SystemExit) as e:
+            _serve_main(serve, argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 1 and err.startswith("serve.py: error:") and pattern in err, (argv, err)
+        assert len(err.strip().splitlines()) == 1, err
+
+
+def test_other_scripts_check_their_flags(capsys) -> None:
+    demo = _script("demo")
+    with pytest.raises(SystemExit) as e:  # was numpy's "expected non-negative integer" traceback
+        demo.main(["--seed", "-1"])
+    assert e.value.code == 2 and "argument --seed: must be >= 0" in capsys.readouterr().err
+    make = _script("make_checkpoint")
+    with pytest.raises(SystemExit) as e:  # was "checkpoint '<cwd>': exists and is not a jds checkpoint"
+        make.main(["--out", ""])
+    assert e.value.code == 2 and "--out must not be empty" in capsys.readouterr().err

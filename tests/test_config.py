@@ -323,3 +323,49 @@ def test_runner_config_defaults_and_normalisation() -> None:
 def test_runner_config_invalid_field(field: str, kw: dict) -> None:
     with pytest.raises(ValueError, match=f"invalid config field '{field}'"):
         replace(RunnerConfig(), **kw)
+
+
+# ------------------------------------------------------------------------------------------
+# a config.json that cannot be read, or a value of the wrong type: a ValueError naming the file or field
+# ------------------------------------------------------------------------------------------
+def test_unreadable_config_json_names_the_file(tmp_path) -> None:
+    from jds.config import load_model_config
+
+    with pytest.raises(ValueError, match=r"config '.*nope\.json': cannot read it as JSON \(No such file"):
+        V32Config.from_hf_config(tmp_path / "nope.json")
+    (tmp_path / "config.json").write_text('{"hidden_size": ')
+    with pytest.raises(ValueError, match=r"config '.*config\.json': cannot read it as JSON"):
+        V32Config.from_hf_config(tmp_path)  # a directory: its config.json
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a JSON object, got list"):
+        load_model_config("v32-tiny", tmp_path / "config.json")
+
+
+@pytest.mark.parametrize("cls,edit,pattern", [
+    (V32Config, dict(rope_theta=None), "'rope_theta': expected a number, got None"),
+    (V32Config, dict(rms_norm_eps="small"), "'rms_norm_eps': expected a number, got 'small'"),
+    (V32Config, dict(rope_scaling="yarn"), "'rope_scaling': expected a JSON object, got 'yarn'"),
+    (V32Config, dict(rope_scaling=dict(V32_HF["rope_scaling"], factor=[40])),
+     "'rope_scaling.factor': expected a number"),
+    (V32Config, dict(rope_scaling=dict(V32_HF["rope_scaling"], original_max_position_embeddings=4096.5)),
+     "'rope_scaling.original_max_position_embeddings': expected an integer"),
+    (V32Config, dict(rope_scaling=dict(V32_HF["rope_scaling"], mscale=None)), "'rope_scaling.mscale'"),
+    (V32Config, dict(indexer_rope_interleave="false"), "'indexer_rope_interleave': expected true or false"),
+    (V4Config, dict(compress_rope_theta=[1]), "'compress_rope_theta': expected a number"),
+    (V4Config, dict(compress_ratios=4), "'compress_ratios': expected a list of integers, got 4"),
+    (V4Config, dict(compress_ratios=[0, "x"]), "'compress_ratios': expected an integer, got 'x'"),
+    (V4Config, dict(rope_scaling=[1]), "'rope_scaling': expected a JSON object"),
+    (V4Config, dict(rope_scaling=dict(V4_HF["rope_scaling"], beta_fast={})), "'rope_scaling.beta_fast'"),
+])
+def test_hf_value_of_the_wrong_type_names_the_field(cls, edit: dict, pattern: str) -> None:
+    """Before: TypeError / AttributeError tracebacks, or a ValueError from float() naming no field."""
+    base = V32_HF if cls is V32Config else V4_HF
+    with pytest.raises(ValueError, match=re.escape(f"invalid config field {pattern}")):
+        cls.from_hf_config(dict(base, **edit))
+
+
+def test_hf_numbers_as_before() -> None:
+    """Integral floats and numeric strings read as they did (int() / float() of them)."""
+    rs = dict(V32_HF["rope_scaling"], original_max_position_embeddings=4096.0, factor="40")
+    a = V32Config.from_hf_config(dict(V32_HF, rope_scaling=rs, rope_theta="10000"))
+    assert a == V32Config.from_hf_config(V32_HF)

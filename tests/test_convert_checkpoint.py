@@ -614,3 +614,74 @@ def test_v4_without_hc_mult_keeps_the_v3_block_and_skips_with_reasons(tmp_path, 
     assert hf_import.skip_reason("layers.0.hc_attn_fn", "v4", 3, "v3") is not None
     assert hf_import.skip_reason("layers.0.hc_attn_fn", "v4", 3, "v4") is None
     assert hf_import.skip_reason("mtp.0.e_proj.weight", "v4", 3, "v4") == hf_import.MTP_REJECTED
+
+
+# ----- config.json values of the wrong type, and the command line's own checks ------------------------------
+def _modern_v4() -> dict:
+    """tiny V4 (MoE) config.json in transformers' spelling (as in the test above)."""
+    legacy = hf_import.hf_config_dict(tiny_cfg("v4", moe=True))
+    modern = dict(legacy)
+    ratio_type = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+    modern["layer_types"] = [ratio_type[r] for r in modern.pop("compress_ratios")]
+    modern["rope_parameters"] = {"main": {"rope_theta": modern.pop("rope_theta")},
+                                 "compress": {"rope_theta": modern.pop("compress_rope_theta"), "rope_type": "yarn",
+                                              **{k: v for k, v in modern.pop("rope_scaling").items() if k != "type"}}}
+    return modern
+
+
+@pytest.mark.parametrize("base,edit,pattern", [
+    ("v32", dict(n_routed_experts="many"), "'n_routed_experts': expected an integer, got 'many'"),
+    ("v32", dict(n_routed_experts=-4), "'n_routed_experts': -4 must be >= 0"),
+    ("v32", dict(first_k_dense_replace="x"), "'first_k_dense_replace': expected an integer, got 'x'"),
+    ("block", dict(hc_eps=[1e-6]), "'hc_eps': expected a number, got [1e-06]"),
+    ("block", dict(routed_scaling_factor="big"), "'routed_scaling_factor': expected a number, got 'big'"),
+    ("modern", dict(layer_types="sliding_attention"), "'layer_types': expected a list"),
+    ("modern", dict(compress_rates=[4]), "'compress_rates': expected a JSON object"),
+    ("modern", dict(compress_rates={"compressed_sparse_attention": "four"}),
+     "'compress_rates.compressed_sparse_attention': expected an integer"),
+    ("modern", dict(rope_parameters={"main": 1, "compress": {"rope_theta": 1e5}}),
+     "'rope_parameters.main': expected a JSON object, got 1"),
+])
+def test_config_value_of_the_wrong_type_names_the_field(base: str, edit: dict, pattern: str) -> None:
+    """Before: int() / float() / .get() on the raw value (a TypeError / AttributeError traceback, or a ValueError
+    naming no field)."""
+    d = {"v32": lambda: hf_import.hf_config_dict(tiny_cfg("v32", moe=True)),
+         "block": lambda: hf_import.hf_config_dict(preset("v4-tiny-block")), "modern": _modern_v4}[base]()
+    with pytest.raises(ValueError, match=re.escape(f"invalid config field {pattern}")):
+        hf_import.hf_model_config({**d, **edit})
+
+
+def test_unreadable_directory_files_name_the_file(tmp_path) -> None:
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="config.json is not a JSON object"):
+        convert(hf, tmp_path / "out", 64)
+    (hf / "config.json").write_bytes(b"\xff\xfe{")
+    with pytest.raises(ValueError, match=r"cannot read config\.json \('utf-8' codec"):
+        convert(hf, tmp_path / "out", 64)
+    write_safetensors(tmp_path / "m.safetensors", {"a": np.zeros(2, np.float32)})
+    raw = (tmp_path / "m.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header["__metadata__"] = ["pt"]
+    text = json.dumps(header).encode()
+    (tmp_path / "m.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    with pytest.raises(ValueError, match="__metadata__ is not a JSON object"):
+        SafetensorsFile(tmp_path / "m.safetensors")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv,pattern", [
+    (["--shard-mb", "0"], "argument --shard-mb: must be a finite number > 0"),
+    (["--shard-mb", "nan"], "argument --shard-mb: must be a finite number > 0"),  # was "cannot convert float NaN"
+    (["--shard-mb", "x"], "argument --shard-mb: expected a number of MiB"),
+    (["--override", "block_size"], "expected KEY=VALUE"),
+])
+def test_convert_flag_errors(tmp_path, argv, pattern, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        CONVERT.main([str(tmp_path / "hf"), str(tmp_path / "out"), *argv])
+    assert e.value.code == 2 and pattern in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        CONVERT.main([str(tmp_path / "hf"), ""])
+    assert "out must not be empty" in capsys.readouterr().err

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from jds.bench import plan_memory
 from jds.bench.plan_memory import model_config, deepseek_v32, kv_bytes, main, weight_bytes
 from jds.config import Numerics, preset
@@ -80,3 +82,30 @@ def test_deepseek_v32_plan_from_abstract_shapes(capsys, monkeypatch) -> None:
     assert res["weights"]["routed experts"] == experts and "routed experts fp8" in out
     deq = model_config(None, dequantize=True).numerics  # --dequantize: every weight bf16 (as the import)
     assert not deq.fp8_linear and not deq.experts_fp8
+
+
+def test_flag_errors_are_one_line(tmp_path, capsys) -> None:
+    """A zero or negative size was planned (negative bytes, "fits"), --tp 0 and a mesh that does not divide the
+    model were tracebacks, as was an unreadable --config; now each is one argparse error line, exit 2."""
+    from jds.hf_import import hf_config_dict
+
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(_cfg())))  # 4 heads, 4 routed experts
+    cfg = ["--config", str(tmp_path / "config.json"), "--tp", "1", "--ep", "1"]
+    cases = [
+        (["--tp", "0"], "argument --tp: must be >= 1, got 0"),
+        (["--batch", "-4"], "argument --batch: must be >= 1, got -4"),
+        (["--context", "0"], "argument --context: must be >= 1"),
+        (["--dp", "0"], "argument --dp: must be >= 1"),
+        (["--max-num-tokens", "-1"], "argument --max-num-tokens: must be >= 1"),
+        (["--hbm-gib", "nan"], "argument --hbm-gib: must be a finite number > 0"),
+        (["--config", str(tmp_path / "missing.json")], "missing.json': cannot read it as JSON"),
+        ([*cfg, "--tp", "3"], "tensor_parallel: 3 does not divide the 4 attention heads"),
+        ([*cfg, "--ep", "3"], "expert_parallel: 3"),
+    ]
+    for argv, pattern in cases:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and ": error:" in err and pattern in err and "Traceback" not in err, (argv, err)
+    res = main([*cfg, "--batch", "2", "--context", "128", "--max-num-tokens", "64"])
+    assert res["per_device_total"] > 0 and "fits" in capsys.readouterr().out

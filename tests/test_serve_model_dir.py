@@ -104,6 +104,8 @@ def test_default_cache_is_beside_the_model_and_follows_the_source(tmp_path, hf_d
     (["--model", "x", "--numerics-field", "indexer_fp8=maybe"], "indexer_fp8: expected true or false"),
     (["--model", "x", "--numerics-field", "kv_cache_dtype=fp4"], "kv_cache_dtype"),
     (["--model", "x", "--numerics-field", "fp8_linear=false"], "fp8_linear"),
+    # was a traceback after the conversion (a v32-tiny preset built with MTP layers)
+    (["--model", "x", "--mtp-layers", "1"], "--mtp-layers cannot be combined"),
 ])
 def test_flag_errors(argv, pattern, capsys) -> None:
     with pytest.raises(SystemExit):
@@ -133,6 +135,28 @@ def test_bad_model_dir_names_the_problem(tmp_path, hf_dir) -> None:
     with pytest.raises(ValueError, match="'layers'"):
         prepare("--model", str(hf_dir), "--cache-dir", str(tmp_path / "c"), "--num-layers", "5")
     assert not any((tmp_path / "c").iterdir())  # nothing half-written in the cache
+
+
+def test_damaged_model_dir_files_are_named(tmp_path, hf_dir) -> None:
+    """config.json that is not an object (was an AttributeError traceback), a tokenizer.json the tokenizers
+    package cannot read (was its bare Exception), no tokenizer.json at all (said, not silently byte-level)."""
+    import shutil
+
+    bad = tmp_path / "listcfg"
+    bad.mkdir()
+    (bad / "config.json").write_text("[1]")
+    with pytest.raises(ValueError, match="config.json is not a JSON object"):
+        prepare("--model", str(bad), "--cache-dir", str(tmp_path / "c"))
+    src = tmp_path / "m"
+    shutil.copytree(hf_dir, src)
+    (src / "tokenizer.json").write_text("garbage")
+    with pytest.raises(ValueError, match=r"m/tokenizer\.json: cannot be loaded"):
+        prepare("--model", str(src), "--cache-dir", str(tmp_path / "c"), "--num-layers", "1")
+    assert not any((tmp_path / "c").iterdir())
+    (src / "tokenizer.json").unlink()
+    (src / "tokenizer_config.json").unlink()
+    _, said = prepare("--model", str(src), "--cache-dir", str(tmp_path / "c"), "--num-layers", "1")
+    assert any(m.startswith("WARNING:") and "no tokenizer.json" in m for m in said), said
 
 
 def _start(argv: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:

@@ -79,6 +79,17 @@ def positive_int(text: str) -> int:
     return v
 
 
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return v
+
+
 def add_moe_flags(p: argparse.ArgumentParser) -> None:
     """``--moe-experts N --moe-topk K --moe-shared S`` (a DeepSeek-style MoE FFN instead of the dense MLP),
     and ``--moe``, the alias of the 8 / 2 / 1 MoE. Read them back with :func:`moe_overrides`."""

@@ -24,6 +24,8 @@ import math
 import sys
 from typing import Any
 
+from jds.bench.cli import positive_float, positive_int
+
 GIB = 2**30
 
 
@@ -161,17 +163,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=None, help="a HF config.json (or its directory); default: DeepSeek-V3.2")
     ap.add_argument("--dequantize", action="store_true", help="the FP8 linears and routed experts held in bf16 (--dequantize import)")
-    ap.add_argument("--tp", type=int, default=8)
-    ap.add_argument("--ep", type=int, default=1)
-    ap.add_argument("--dp", type=int, default=1)
-    ap.add_argument("--batch", type=int, default=64, help="requests resident at once")
-    ap.add_argument("--context", type=int, default=8192, help="tokens per request")
-    ap.add_argument("--max-num-tokens", type=int, default=8192, help="rows of the largest step")
-    ap.add_argument("--hbm-gib", type=float, default=141.0, help="memory per device (H200: 141 GB)")
+    ap.add_argument("--tp", type=positive_int, default=8)
+    ap.add_argument("--ep", type=positive_int, default=1)
+    ap.add_argument("--dp", type=positive_int, default=1)
+    ap.add_argument("--batch", type=positive_int, default=64, help="requests resident at once")
+    ap.add_argument("--context", type=positive_int, default=8192, help="tokens per request")
+    ap.add_argument("--max-num-tokens", type=positive_int, default=8192, help="rows of the largest step")
+    ap.add_argument("--hbm-gib", type=positive_float, default=141.0, help="memory per device (H200: 141 GB)")
     a = ap.parse_args(argv)
-    cfg = model_config(a.config, a.dequantize)
+    try:  # an unreadable --config, a mesh that does not divide the model: one line naming the field
+        cfg = model_config(a.config, a.dequantize)
+        res = plan(cfg, a.dp, a.tp, a.ep, a.batch, a.context, a.max_num_tokens, a.hbm_gib)
+    except ValueError as e:
+        ap.error(str(e))
     label = a.config or "DeepSeek-V3.2 (built-in dims)"
-    res = plan(cfg, a.dp, a.tp, a.ep, a.batch, a.context, a.max_num_tokens, a.hbm_gib)
     head = (f"{label}: {cfg.n_layers} layers, {cfg.n_routed_experts} routed experts; mesh data={a.dp} "
             f"tensor={a.tp} expert={a.ep} ({a.dp * a.tp * a.ep} devices: the axes multiply); {a.batch} requests x "
             f"{a.context} tokens; fp8_linear="
