@@ -21,6 +21,8 @@ import json
 import sys
 from typing import Any
 
+from jds.bench.cli import positive_float
+
 
 def _override(text: str) -> tuple[str, Any]:
     if "=" not in text:
@@ -30,17 +32,6 @@ def _override(text: str) -> tuple[str, Any]:
         return k.strip(), json.loads(v)
     except json.JSONDecodeError:
         return k.strip(), v
-
-
-def _shard_mb(text: str) -> float:
-    """argparse type of --shard-mb: a finite number > 0 (MiB)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of MiB, got {text!r}") from None
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return v
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--numerics-field", action="append", default=[], metavar="FIELD=VALUE",
                     help="set a Numerics field (an explicit departure or opt-in), e.g. experts_fp8=true")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing jds checkpoint at OUT")
-    ap.add_argument("--shard-mb", type=_shard_mb, default=1024.0, help="orbax shard size (memory bound), MiB")
+    ap.add_argument("--shard-mb", type=positive_float, default=1024.0, help="orbax shard size (memory bound), MiB")
     ap.add_argument("--allow-unexpected", action="store_true",
                     help="skip HF tensors that have no place in the jds model instead of failing")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from jds.batch import Chunk, make_batch
+from jds.bench.cli import int_at_least
 from jds.config import Numerics, V32Config, V4Config
 
 
@@ -64,21 +65,10 @@ def run_v4(seed: int) -> None:
                   f"|y| = {float(jnp.linalg.norm(res.y[i].astype(jnp.float32))):.3f}")
 
 
-def seed_type(text: str) -> int:
-    """argparse type of --seed: an integer >= 0 (numpy's generator takes no negative seed)."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--arch", choices=["v32", "v4", "both"], default="both")
-    ap.add_argument("--seed", type=seed_type, default=0)
+    ap.add_argument("--seed", type=int_at_least(0), default=0)  # numpy takes no negative seed
     a = ap.parse_args(argv)
     if a.arch in ("v32", "both"):
         run_v32(a.seed)

@@ -675,7 +675,7 @@ def test_unreadable_directory_files_name_the_file(tmp_path) -> None:
 @pytest.mark.parametrize("argv,pattern", [
     (["--shard-mb", "0"], "argument --shard-mb: must be a finite number > 0"),
     (["--shard-mb", "nan"], "argument --shard-mb: must be a finite number > 0"),  # was "cannot convert float NaN"
-    (["--shard-mb", "x"], "argument --shard-mb: expected a number of MiB"),
+    (["--shard-mb", "x"], "argument --shard-mb: expected a number"),
     (["--override", "block_size"], "expected KEY=VALUE"),
 ])
 def test_convert_flag_errors(tmp_path, argv, pattern, capsys) -> None:

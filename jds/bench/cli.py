@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+from typing import Any, Callable
 
 # Values of XLA's DebugOptions.CommandBufferUpdateMode in jax 0.11.2's XLA (read from the enum
 # descriptor in jaxlib; an unknown value is rejected when XLA parses its flags).
@@ -68,15 +68,20 @@ def numerics_fields(items: list[str]) -> dict[str, object]:
     return out
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (a zero or negative pool/batch/length is refused at start-up)."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+def int_at_least(lo: int) -> Callable[[str], int]:
+    """argparse type: an integer >= ``lo``."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+    return parse
+
+
+positive_int = int_at_least(1)  # a zero or negative pool / batch / length is refused at start-up
 
 
 def positive_float(text: str) -> float:
