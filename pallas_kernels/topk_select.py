@@ -53,7 +53,9 @@ kernel also counts its buffer's first-pass digits (from the pivot, ``range_margi
 keys of the k-th key's digit (``bucket_blocks`` blocks at most) to a scratch row, and a finish kernel of ``splits``
 programs per row finds tau in it (each program the same) and compacts its own buffer into its own output slots.
 Rows whose bucket exceeds the scratch, or that take another path, run the one-program finish in their first split's
-program (a row whose pivot is tau without the counting passes).
+program (a row whose pivot is tau without the counting passes). ``fill_layout="warp"`` streams a split's range as
+one consecutive part a warp, each into its own scratch buffer, and copies their first ``capacity`` keys to the
+split's buffer after the pass: the pass's slots and counts then stay within a warp, with no CTA barrier in its loop.
 
 Backend: the Triton lowering (conventions of ``pallas_kernels/fused_insert_common.py``), not Mosaic GPU.
 The prefilter and the compaction store each kept key at a data-dependent position, a vector scatter, and
@@ -76,7 +78,7 @@ import dataclasses
 import functools
 import math
 import operator
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +92,7 @@ from pallas_kernels import fused_insert_common as C
 
 I32 = jnp.int32
 _SIGN = -(1 << 31)  # 0x80000000 as int32: s <-> u
+_CHUNK = 128  # fill_layout="warp": a warp's keys a chunk (4 consecutive keys a lane: one 16-byte load)
 _FLOAT_DTYPES = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16))  # exact in float32
 
 
@@ -162,8 +165,11 @@ class TopkSelectConfig:
     # but the scan runs one warp scan per key a lane holds (8 at 2048-key blocks and 8 warps). "group": a block is
     # [4, block / 4] with column 4 c + r at [r, c] (``_row_keys``' ``groups``): a lane loads its 4 consecutive keys in
     # one instruction, and the stores' one-key-a-lane layout of that shape gives each lane the same 4 keys, so nothing
-    # is converted either; the prefix runs along the group in the lane, then one warp scan per 4 keys (``_col_prefix``)
-    fill_layout: Literal["vector", "lane", "group"] = "vector"
+    # is converted either; the prefix runs along the group in the lane, then one warp scan per 4 keys (``_col_prefix``).
+    # "warp" (split prefilter only): each warp streams its own contiguous part of the split's range into its own
+    # scratch buffer (``_warp_fill``), so the loop's prefix and counts stay within a warp: no CTA barrier a block,
+    # where the other forms' cross-warp scan and reduction wait on barriers several times a block
+    fill_layout: Literal["vector", "lane", "group", "warp"] = "vector"
     # the loads of the counting, copy and compaction loops after the prefilter (buffers, bucket, scratch and row:
     # 512-key blocks, 2 keys a lane) take one key a lane, as "lane" above
     finish_lane_loads: bool = False
@@ -181,10 +187,17 @@ class TopkSelectConfig:
         for name in ("block", "hist_block", "sample", "num_warps", "splits", "unroll"):
             if not C.is_pow2(getattr(self, name)):
                 raise ValueError(f"{name} must be a power of 2, got {getattr(self, name)}")
-        if self.fill_layout not in ("vector", "lane", "group"):
-            raise ValueError(f'fill_layout must be "vector", "lane" or "group", got {self.fill_layout!r}')
+        if self.fill_layout not in ("vector", "lane", "group", "warp"):
+            raise ValueError(f'fill_layout must be "vector", "lane", "group" or "warp", got {self.fill_layout!r}')
         if self.fill_layout == "group" and self.block < 4 * 32:
             raise ValueError(f'fill_layout="group" needs block >= 128 (4 keys a lane of a warp), got {self.block}')
+        if self.fill_layout == "warp":
+            if self.splits == 1:
+                raise ValueError('fill_layout="warp" is a form of the split prefilter: it needs splits > 1')
+            warps = self.fill_warps or self.num_warps
+            if self.block < _CHUNK * warps:
+                raise ValueError(f'fill_layout="warp" needs block >= {_CHUNK} x the prefilter\'s {warps} warps (a '
+                                 f'{_CHUNK}-key chunk a warp a block), got {self.block}')
         if self.fill_warps is not None and not C.is_pow2(self.fill_warps):
             raise ValueError(f"fill_warps must be None or a power of 2, got {self.fill_warps}")
         if self.unroll > 8:
@@ -565,9 +578,15 @@ def _row_keys(x_ref, row, n: int, lane: bool = False, groups: int = 1) -> Callab
         col = _block_cols(b, width, groups)
         shape = col.shape
         inside = col < n if end is None else (col < n) & (col < end)
-        xb = lax.bitcast_convert_type(C.load(x_ref, (row, _lanes(col, lane)), shape, mask=inside), I32)
-        return jnp.where(inside, jnp.where(xb < 0, xb ^ 0x7FFFFFFF, xb), _SIGN), col
+        return _key_s(C.load(x_ref, (row, _lanes(col, lane)), shape, mask=inside, other=-1)), col
     return x_keys
+
+
+def _key_s(xb: jax.Array) -> jax.Array:
+    """s (the order-preserving signed key) of float32 bits ``xb`` (int32): a shift and one three-input logic op a
+    key. Bits -1 (the kernels' masked-load value; a NaN's) give ``_SIGN``, below every other key, so a masked lane
+    needs no select of its own."""
+    return xb ^ (lax.shift_right_arithmetic(xb, 31) & 0x7FFFFFFF)
 
 
 def _block_cols(b, width: int, groups: int = 1) -> jax.Array:
@@ -576,14 +595,15 @@ def _block_cols(b, width: int, groups: int = 1) -> jax.Array:
     return b * width + groups * C.iota(shape, 1) + C.iota(shape, 0)
 
 
-def _col_prefix(v: jax.Array) -> jax.Array:
-    """Inclusive prefix sums of a block's values in column order: along a [1, w] block's row; over a [g, w / g] block
-    (column g c + r at [r, c], ``_row_keys``' groups) along each group first (a lane's own keys), then over the
-    groups' totals (one scan of w / g values)."""
+def _col_prefix(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(inclusive prefix sums of a block's values in column order, the block's total): along a [1, w] block's row;
+    over a [g, w / g] block (column g c + r at [r, c], ``_row_keys``' groups) along each group first (a lane's own
+    keys), then over the groups' totals (one scan of w / g values). The total of a grouped block sums those group
+    totals, one value a column: summing the [g, w / g] block itself reduced g values a lane across the CTA."""
     if v.shape[0] == 1:
-        return jnp.cumsum(v, axis=1)
+        return jnp.cumsum(v, axis=1), jnp.sum(v)
     tot = jnp.sum(v, axis=0, keepdims=True)
-    return jnp.cumsum(v, axis=0) + (jnp.cumsum(tot, axis=1) - tot)
+    return jnp.cumsum(v, axis=0) + (jnp.cumsum(tot, axis=1) - tot), jnp.sum(tot)
 
 
 def _fill_keys(x_ref, row, n: int, cfg: TopkSelectConfig, interpret: bool
@@ -611,8 +631,7 @@ def _sample_pivot(x_ref, row, n: int, k: int, cfg: TopkSelectConfig) -> tuple[ja
     xs = []
     for b in range(nb):
         scol = lax.div((b * w + C.iota((1, w), 1)) * n, s_n)  # evenly spaced, distinct (s_n <= n)
-        xb = lax.bitcast_convert_type(C.load(x_ref, (row, scol), (1, w)), I32)
-        xs.append(jnp.where(xb < 0, xb ^ 0x7FFFFFFF, xb))
+        xs.append(_key_s(C.load(x_ref, (row, scol), (1, w))))
 
     def block(b):  # b is 0 .. nb - 1 (the one step of an nb-block unroll)
         return functools.reduce(lambda acc, j: jnp.where(b == j, xs[j], acc), range(1, nb), xs[0]), None
@@ -688,15 +707,15 @@ def _fill(x_keys, first_block, n_blocks, piv, cap: int, width: int, strict: bool
     def step(i, carry, blocks):
         filled, above, above_in = carry
         for j, (s, col) in enumerate(blocks):
-            if unroll > 1:
+            if unroll > 1 and not prefetch:  # prefetched loads are masked at the pass's end column already
                 s = jnp.where(i * unroll + j < n_blocks, s, _SIGN)
             ki = ((s >= lo) if lo is not None else (s > piv) if strict else (s >= piv)).astype(I32)
             gt = (s > piv).astype(I32)
             both = ki + lax.shift_left(gt, 16)  # one scan and one reduction count both (each <= width < 2^16)
-            slot = filled + (_col_prefix(both) & 0xFFFF) - ki
+            prefix, tot = _col_prefix(both)
+            slot = filled + (prefix & 0xFFFF) - ki
             ok = (ki == 1) & (slot < cap)
             put(slot, s, col, ok)
-            tot = jnp.sum(both)
             n_ki, n_gt = tot & 0xFFFF, lax.shift_right_logical(tot, 16)
             # the keys > piv that landed: all of the block's while the buffer has room for every key it keeps, none
             # once it is full; only the block that fills it counts them lane by lane
@@ -728,6 +747,125 @@ def _fill(x_keys, first_block, n_blocks, piv, cap: int, width: int, strict: bool
 def _step_keys(x_keys, first_block, i, unroll: int, width: int, end) -> list[jax.Array]:
     """The keys (s) of a fill's step ``i``: ``unroll`` blocks from ``first_block``, masked at column ``end``."""
     return [x_keys(first_block + i * unroll + j, width, end)[0] for j in range(unroll)]
+
+
+def warp_room(cap: int) -> int:
+    """fill_layout="warp": each warp's scratch buffer (keys). A warp whose part of the range holds more keys at or
+    above the pivot than this makes its program fill the split's buffer again the CTA-wide way (``_warp_fill``)."""
+    return cap // 2
+
+
+def _warp_cols(base: jax.Array, w_len: jax.Array, c, nw: int) -> jax.Array:
+    """fill_layout="warp": the columns [4, nw, 32] of chunk ``c`` of every warp's part: warp w's part starts at
+    ``base + w w_len``, and lane l holds the chunk's 4 consecutive keys 128 c + 4 l + r at [r, w, l]. That is the
+    layout Triton gives the shape by default (a warp a row of dim 1, the lanes along dim 2, dim 0 in registers)
+    and the one its coalescing gives the 16-byte loads, so no conversion moves the keys between warps."""
+    shape = (_CHUNK // 32, nw, 32)
+    return base + C.iota(shape, 1) * w_len + c * _CHUNK + C.iota(shape, 2) * (_CHUNK // 32) + C.iota(shape, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _WarpPass:
+    """fill_layout="warp": the split's blocks ``first_block ..`` cut into ``nw`` equal consecutive parts, one a
+    warp, streamed ``per`` 128-key chunks a warp a step."""
+    x_ref: Any
+    row: jax.Array
+    nw: int
+    per: int  # chunks a warp a step
+    chunks: jax.Array  # a warp's chunks
+    base: jax.Array  # the split's first column
+    w_len: jax.Array  # a warp's part (columns)
+    end: jax.Array  # the split's end column (or the row's)
+
+    @classmethod
+    def of(cls, x_ref, row, n: int, first_block: jax.Array, n_blocks: jax.Array, cfg: TopkSelectConfig,
+           nw: int) -> "_WarpPass":
+        per_block = cfg.block // (_CHUNK * nw)  # chunks a warp a block
+        base = first_block * cfg.block
+        return cls(x_ref, row, nw, cfg.unroll * per_block, n_blocks * per_block, base, n_blocks * (cfg.block // nw),
+                   jnp.minimum(base + n_blocks * cfg.block, n))
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (_CHUNK // 32, self.nw, 32)
+
+    def steps(self) -> jax.Array:
+        return pl.cdiv(self.chunks, self.per)
+
+    def cols(self, c) -> jax.Array:
+        return _warp_cols(self.base, self.w_len, c, self.nw)
+
+    def keys(self, c) -> jax.Array:
+        """Chunk ``c`` of every warp: s, _SIGN past the part or the row (unloaded)."""
+        col = self.cols(c)
+        inside = (col < self.end) & (c < self.chunks)
+        return _key_s(C.load(self.x_ref, (self.row, col), self.shape, mask=inside, other=-1))
+
+    def step_keys(self, i) -> list[jax.Array]:
+        return [self.keys(i * self.per + u) for u in range(self.per)]
+
+
+def _warp_fill(wp: _WarpPass, n: int, first_block: jax.Array, n_blocks: jax.Array, piv: jax.Array,
+               strict: jax.Array, cap: int, cfg: TopkSelectConfig, put: Callable, put_warp: Callable,
+               get_warp: Callable, first: list[jax.Array] | None, interpret: bool
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``_fill``'s pass and counts in fill_layout="warp" (``_WarpPass``): each warp streams its part into its own
+    scratch buffer of ``warp_room(cap)`` keys (``put_warp(slot in the warps' scratch, s, col, ok)``, read back by
+    ``get_warp(slot, mask) -> (s, col)``). A chunk's slots are the warp's count so far plus a prefix within the
+    lane and one warp scan; its counts one warp reduction. After the pass the warps' buffers, in warp order, hold
+    the split's keys >= pivot in column order: their first ``cap`` go to the split's buffer (``put``), as
+    ``_fill`` leaves it. Where a warp's part held more than its room, the pass runs again as ``_fill``.
+    ``first``: the first step's keys, loaded before the sample pivot (``TopkSelectConfig.prefetch``)."""
+    room = warp_room(cap)
+    nw, shape = wp.nw, wp.shape
+    warp = C.iota((1, nw, 1), 1)
+    lo = piv + strict
+
+    def step(i, carry, blocks):
+        fw, aw = carry  # [1, nw, 1]: each warp's keys kept (or counted past its room), and above the pivot
+        for u, sk in enumerate(blocks):
+            col = wp.cols(i * wp.per + u)
+            ki = (sk >= lo).astype(I32)
+            both = ki + lax.shift_left((sk > piv).astype(I32), 16)  # as _fill: both counts in one scan
+            lane_tot = jnp.sum(both, axis=0, keepdims=True)
+            prefix = jnp.cumsum(both, axis=0) + jnp.cumsum(lane_tot, axis=2) - lane_tot  # within the warp
+            slot = fw + (prefix & 0xFFFF) - ki
+            put_warp(warp * room + slot, sk, col, (ki == 1) & (slot < room))
+            tot = jnp.sum(lane_tot, axis=2, keepdims=True)
+            fw, aw = fw + (tot & 0xFFFF), aw + lax.shift_right_logical(tot, 16)
+        return fw, aw
+
+    init = (jnp.zeros((1, nw, 1), I32),) * 2
+    if cfg.prefetch:
+        def body(i, carry):
+            nxt = wp.step_keys(i + 1)  # issued before this step's work
+            return (*step(i, carry[:2], carry[2:]), *nxt)
+        fw, aw, *_ = lax.fori_loop(0, wp.steps(), body, (*init, *(first if first is not None else wp.step_keys(0))))
+    else:
+        fw, aw = lax.fori_loop(0, wp.steps(), lambda i, carry: step(i, carry, wp.step_keys(i)), init)
+    if not interpret:
+        plt.debug_barrier()  # the warps' scratch stores -> the copy's loads by other lanes
+    lost = jnp.max(fw) > room
+    filled, above = jnp.sum(fw), jnp.sum(aw)
+    fill_w = jnp.minimum(fw, room)
+    off = jnp.cumsum(fill_w, axis=1) - fill_w  # each warp's first slot in the split's buffer
+
+    def copy(c, acc):  # the warps' chunk c: lane l's 4 keys at 128 c + 4 l + r of its warp's scratch
+        at = c * _CHUNK + C.iota(shape, 2) * (_CHUNK // 32) + C.iota(shape, 0)
+        mine = at < fill_w
+        sk, col = get_warp(warp * room + at, mine)
+        ok = mine & (off + at < cap)
+        # the stores' slots through _lanes: their contiguity known, Triton gives them a layout of its own (one key a
+        # lane, lanes along the 4 consecutive keys) and converts the keys to it through shared memory
+        put(_lanes(off + at, not interpret), sk, col, ok)
+        return acc + ((sk > piv) & ok).astype(I32)
+
+    rounds = jnp.where(lost, 0, pl.cdiv(jnp.max(fill_w), _CHUNK))
+    above_in = jnp.sum(lax.fori_loop(0, rounds, copy, jnp.zeros(shape, I32)))
+    # a warp past its room: the CTA-wide pass instead (its counts are the same; it fills the buffer itself)
+    again = _fill(_row_keys(wp.x_ref, wp.row, n), first_block, lost.astype(I32) * n_blocks, piv, cap, cfg.block,
+                  strict, put, cfg.unroll, cfg.prefetch)
+    return filled, above, jnp.where(lost, again[2], above_in)
 
 
 def _compact(sources: list[Source], tau: jax.Array, need: jax.Array, k: int | jax.Array, out: Callable,
@@ -836,28 +974,51 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
              cfg.minus_one_for_neg_inf)
 
 
-def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, *hist_ref, n: int, k: int,
+def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, *extra, n: int, k: int,
                        cfg: TopkSelectConfig, cap: int, interpret: bool) -> None:
     """Program (row, j): the prefilter's pass over the j-th of ``cfg.splits`` column ranges of the row (whole
     blocks), keys >= the row's sample pivot into buffer j ([row, j cap : (j + 1) cap], column order), and its
     counts: keys >= pivot, keys > pivot, keys > pivot that fit the buffer; the pivot's u for the finish kernel
     and the sample's largest key's ([row, 0], [row, 1]; every program of the row writes the same values). With
     ``hist_ref`` (``split_finish``): its buffer's counts ge[d] of first-pass digits >= d from the pivot, at R =
-    ``bucket_resolutions`` resolutions r (``_first_pass``), at [row, (R j + r) nd : (R j + r + 1) nd]."""
+    ``bucket_resolutions`` resolutions r (``_first_pass``), at [row, (R j + r) nd : (R j + r + 1) nd]. With
+    fill_layout="warp" the last two outputs are the warps' scratch buffers (keys, columns; ``_warp_fill``)."""
     row, j = pl.program_id(0), pl.program_id(1)
     t = key_ref.shape[0] if interpret else None
+    hist_ref = extra[:1] if cfg.split_finish else ()
     per = pl.cdiv(pl.cdiv(n, cfg.block), cfg.splits)
     nb = jnp.clip(pl.cdiv(n, cfg.block) - j * per, 0, per)
-    x_keys = _fill_keys(x_ref, row, n, cfg, interpret)
-    first = _step_keys(x_keys, j * per, 0, cfg.unroll, cfg.block, (j * per + nb) * cfg.block) if cfg.prefetch else None
+    warp = cfg.fill_layout == "warp"
+    if warp:
+        nw = cfg.fill_warps or cfg.num_warps
+        wp = _WarpPass.of(x_ref, row, n, j * per, nb, cfg, nw)
+        first = wp.step_keys(0) if cfg.prefetch else None
+    else:
+        x_keys = _fill_keys(x_ref, row, n, cfg, interpret)
+        first = _step_keys(x_keys, j * per, 0, cfg.unroll, cfg.block, (j * per + nb) * cfg.block) if cfg.prefetch \
+            else None
     piv_u, hi_u = _sample_pivot(x_ref, row, n, k, cfg)
 
     def put(slot, s, col, ok):
         _scatter(key_ref, row, t, j * cap + slot, s, ok)
         _scatter(col_ref, row, t, j * cap + slot, col, ok)
 
-    counts = _fill(x_keys, j * per, nb, piv_u ^ _SIGN, cap, cfg.block, _strict_fill(piv_u), put, cfg.unroll,
-                   cfg.prefetch, first)
+    if warp:
+        wkey_ref, wcol_ref = extra[-2:]
+        w0 = j * nw * warp_room(cap)  # this program's warps' scratch
+
+        def put_warp(slot, s, col, ok):
+            _scatter(wkey_ref, row, t, w0 + slot, s, ok)
+            _scatter(wcol_ref, row, t, w0 + slot, col, ok)
+
+        def get_warp(slot, mask):
+            return tuple(C.load(r, (row, w0 + slot), slot.shape, mask=mask) for r in (wkey_ref, wcol_ref))
+
+        counts = _warp_fill(wp, n, j * per, nb, piv_u ^ _SIGN, _strict_fill(piv_u), cap, cfg, put, put_warp,
+                            get_warp, first, interpret)
+    else:
+        counts = _fill(x_keys, j * per, nb, piv_u ^ _SIGN, cap, cfg.block, _strict_fill(piv_u), put, cfg.unroll,
+                       cfg.prefetch, first)
     if hist_ref:  # the split finish's first pass over this buffer, from the pivot (_first_pass sums the splits')
         if not interpret:
             plt.debug_barrier()  # the buffer's stores -> its loads by other threads of the CTA
@@ -1172,9 +1333,12 @@ def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpr
     bufs = [jax.ShapeDtypeStruct((t, sp * cap), I32)] * 2 + [jax.ShapeDtypeStruct((t, sp), I32)] * 3
     bufs += [jax.ShapeDtypeStruct((t, 2), I32)]  # the row's pivot and its sample's largest key (u)
     bufs += [jax.ShapeDtypeStruct((t, cfg.bucket_resolutions * sp << cfg.bits), I32)] if par else []  # first passes
+    if cfg.fill_layout == "warp":  # the prefilter's warps' scratch buffers: keys, columns
+        bufs += [jax.ShapeDtypeStruct((t, sp * (cfg.fill_warps or cfg.num_warps) * warp_room(cap)), I32)] * 2
     keys, cols, filled, above, above_in, piv, *hist = C.pallas_call(
         fill, out_shape=tuple(bufs), grid=(t, sp), aliases={}, interpret=interpret, name="topk_radix_prefilter",
         num_warps=cfg.fill_warps or cfg.num_warps)(x)
+    hist = hist[:1] if par else []
     out = [jax.ShapeDtypeStruct((t, k), I32)] + [jax.ShapeDtypeStruct((t,), I32)] * 2
     out += [jax.ShapeDtypeStruct((t, cfg.hist_block), I32)] if cfg.shrink else []  # the counting's scratch row
     counts = (filled, above, above_in, piv)
@@ -1231,8 +1395,9 @@ def select_unsorted(x: jax.Array, k: int, *, config: TopkSelectConfig | None = N
     cap = cfg.buffer_capacity(n, k)
     if cap and n * cfg.sample >= 1 << 31:
         raise ValueError(f"rows of {n} with sample {cfg.sample}: column * n overflows int32")
+    xi = lax.bitcast_convert_type(x.astype(jnp.float32), I32)  # the kernels read the bits (``_key_s``)
     if cap and cfg.splits > 1:
-        idx, tau, cand, path = _select_split(x.astype(jnp.float32), k, cfg, cap, interpret)
+        idx, tau, cand, path = _select_split(xi, k, cfg, cap, interpret)
         return idx, lax.bitcast_convert_type(tau, jnp.uint32), cand, path
     out_shape = [jax.ShapeDtypeStruct((t, k), I32)] + [jax.ShapeDtypeStruct((t,), I32)] * 3
     out_shape += [jax.ShapeDtypeStruct((t, cap), I32)] * 2 if cap else []  # candidate keys, columns
@@ -1240,7 +1405,7 @@ def select_unsorted(x: jax.Array, k: int, *, config: TopkSelectConfig | None = N
     kernel = functools.partial(_select_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret)
     idx, tau, cand, path, *_ = C.pallas_call(kernel, out_shape=tuple(out_shape), grid=(t,), aliases={},
                                              interpret=interpret, name="topk_radix_select",
-                                             num_warps=cfg.num_warps)(x.astype(jnp.float32))
+                                             num_warps=cfg.num_warps)(xi)
     return idx, lax.bitcast_convert_type(tau, jnp.uint32), cand, path
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
+import pathlib
 import re
 
 import jax
@@ -167,7 +169,8 @@ def test_nan_total_order(mode: str, implementation: str) -> None:
     base = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=1200, unroll=2, shrink=True,
                             hold_shrunk=True, range_margin=1, prefetch=True)
     configs = [dataclasses.replace(base, splits=4, split_finish=True, bucket_blocks=2, bucket_resolutions=3)]
-    configs += [base] if implementation == "pallas" else []
+    configs += [base, dataclasses.replace(configs[0], fill_layout="warp", fill_warps=2)] \
+        if implementation == "pallas" else []
     for cfg in configs:
         kw = dict(config=cfg, interpret=interpret_for(mode)) if implementation == "pallas" else {}
         vals, idx = topk_select(jnp.asarray(x), k, implementation=implementation, **kw)
@@ -207,8 +210,17 @@ def test_unroll_same_result(mode: str, splits: int, capacity: int, unroll: int, 
                                                                 fill_layout="group"), paths=True)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
+    if splits > 1:  # ... with each warp streaming its own part of the split (fill_layout="warp")
+        got = _check(x, k, interpret_for(mode), dataclasses.replace(base, unroll=unroll, prefetch=True,
+                                                                    fill_layout="warp", fill_warps=2), paths=True)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
     with pytest.raises(ValueError, match="fill_layout"):
         TopkSelectConfig(fill_layout="rows")
+    with pytest.raises(ValueError, match="splits > 1"):
+        TopkSelectConfig(fill_layout="warp")
+    with pytest.raises(ValueError, match="block >= 128 x the prefilter's 8 warps"):
+        TopkSelectConfig(fill_layout="warp", splits=2, block=512)
     with pytest.raises(ValueError, match="unroll"):
         TopkSelectConfig(unroll=3)
 
@@ -368,13 +380,48 @@ def test_split_finish_random_configs(mode: str) -> None:
         cfg = dataclasses.replace(cfg, fill_warps=[None, 16][int(rng.integers(2))])  # the prefilter's own warps
         # the prefilter's register layout ("lane" and the finish's lane loads act natively only; "group" changes the
         # blocks' shape and prefix everywhere), the bucket held and the bucket kernel fused
-        cfg = dataclasses.replace(cfg, fill_layout=str(rng.choice(["vector", "lane", "group"])),
-                                  finish_lane_loads=bool(rng.integers(2)),
-                                  hold_bucket=bool(rng.integers(2)), fuse_bucket=bool(rng.integers(2)))
+        layout = str(rng.choice(["vector", "lane", "group", "warp"]))
+        # "warp": a 128-key chunk a warp a block, so as many warps as the 128-key blocks allow
+        cfg = dataclasses.replace(cfg, fill_layout=layout, finish_lane_loads=bool(rng.integers(2)),
+                                  hold_bucket=bool(rng.integers(2)), fuse_bucket=bool(rng.integers(2)),
+                                  **(dict(fill_warps=1) if layout == "warp" else {}))
         xj = jnp.asarray(x)
         idx = select_unsorted(xj, k, config=cfg, interpret=interpret_for(mode))[0]
         np.testing.assert_array_equal(np.asarray(idx), np.sort(np.asarray(jax.lax.top_k(xj, k)[1]), axis=1),
                                       err_msg=str(cfg))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("tiles", [
+    pytest.param(dict(split_finish=True, bucket_blocks=2, bucket_resolutions=3), id="sf"),  # the indexer's form
+    pytest.param(dict(prefetch=False, unroll=1), id="plain", marks=pytest.mark.slow),
+    pytest.param(dict(fill_warps=4, split_finish=True), id="w4", marks=pytest.mark.slow)])
+def test_warp_fill_same_result(mode: str, tiles: dict) -> None:
+    """``fill_layout="warp"`` (each warp streams its own part of the split into its own scratch, the first capacity
+    keys then copied to the split's buffer): the same columns, tau, candidates and paths as the CTA-wide prefilter,
+    and lax.top_k's set, on random rows, rows whose keys above the pivot crowd into one warp's part (more than its
+    room: that program's pass runs again the CTA-wide way), short rows and ties."""
+    n, k = 4096, 20
+    base = dataclasses.replace(TopkSelectConfig(block=512, hist_block=128, sample=256, capacity=100, splits=2,
+                                                unroll=2, shrink=True, hold_shrunk=True, range_margin=1,
+                                                prefetch=True, fill_warps=2), **tiles)
+    rng = np.random.default_rng(61)
+    x = rng.standard_normal((6, n)).astype(np.float32)
+    x[1] -= 10  # 200 keys at 20 in warp 0's part of split 0 (columns 0-1023), past its room of 50 (a sampled pivot
+    x[1, 100:300] = 20.0  # of 20: more than the capacity reach it), 28 unsampled ones at 21 among them: their buffer
+    x[1, [c for c in range(101, 131) if c % 16]] = 21.0  # serves as the refilled pass leaves it ("overflowed buffer")
+    x[2] -= 10
+    x[2, 3000:3040] += 20  # 40: within the room of warp 1 of split 1
+    x[3, 700:] = -np.inf
+    x[4] = np.round(x[4] * 2) / 2  # ties
+    x[5, :2048] -= 5  # the large keys in the second split
+    xj = jnp.asarray(x)
+    want = select_unsorted(xj, k, config=base, interpret=interpret_for(mode))
+    got = select_unsorted(xj, k, config=dataclasses.replace(base, fill_layout="warp"), interpret=interpret_for(mode))
+    for name, g, w in zip(("columns", "tau", "candidates", "path"), got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.sort(np.asarray(jax.lax.top_k(xj, k)[1]), axis=1))
+    assert PATHS[int(got[3][1])] == "overflowed buffer", [PATHS[p] for p in np.asarray(got[3])]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -610,6 +657,8 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
     (64, 65536, dict(fill_layout="lane", finish_lane_loads=True, hold_bucket=True)),
     (64, 65536, dict(fill_layout="group", finish_lane_loads=True)),
     (64, 65536, dict(finish_lane_loads=True, hold_bucket=True, fuse_bucket=True)),
+    pytest.param(64, 65536, dict(fill_layout="warp", fill_warps=16), marks=pytest.mark.slow),  # the 8-warp form:
+    # test_warp_fill_loop_has_no_barriers
     # the 8-split finish takes ptxas about 40 s on 2 cores: slow
     pytest.param(16, 131072, {}, marks=pytest.mark.slow),
     pytest.param(16, 131072, dict(split_finish=False, packed_counts=True), marks=pytest.mark.slow)])
@@ -653,6 +702,26 @@ def test_lane_loads_share_the_stores_layout() -> None:
                                                               sass=True) if k["name"] == "topk_radix_prefilter")
         shared[layout] = [len(re.findall(rf"\b{op}\b", sass)) for op in ("BAR", "LDS", "STS")]
     assert all(g <= la for g, la in zip(shared["group"], shared["lane"])), shared
+
+
+def test_warp_fill_loop_has_no_barriers() -> None:
+    """``fill_layout="warp"`` at 64 x 64K compiles for sm_90a (spills within the indexer config's bound), and in pip
+    triton's SASS its streaming loop (the prefilter's first loop with the scatter stores) has no barrier and no
+    shared-memory access: each warp's slots and counts stay in the warp (the other forms wait on barriers several
+    times a block: 12 to 32 a 4096-key step)."""
+    pytest.importorskip("triton")
+    from pallas_kernels.topk_select import select_config_for
+    root = pathlib.Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("triton_sass", root / "scripts/diag/triton_sass.py")
+    sass_tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sass_tool)
+    cfg = dataclasses.replace(select_config_for(64, 65536), fill_layout="warp")
+    fn = functools.partial(select_unsorted, k=2048, interpret=False, config=cfg)
+    kernels = C.compile_sm90_report(fn, jax.ShapeDtypeStruct((64, 65536), jnp.float32), sass=True)
+    assert all(k["spill_bytes"] <= 64 for k in kernels), [(k["name"], k["spill_bytes"]) for k in kernels]
+    pre = next(k for k in kernels if k["name"] == "topk_radix_prefilter")
+    fill = next(lp for lp in sass_tool.loops(pre["sass"])[1] if lp["memory_sync"]["STG"] >= 16)
+    assert {op: fill["memory_sync"][op] for op in ("BAR", "LDS", "STS")} == {"BAR": 0, "LDS": 0, "STS": 0}, fill
 
 
 @pytest.mark.parametrize("t,n,config", REAL)

@@ -154,6 +154,15 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          # a binade wide, so a few more candidates)
          "sf_group_fuse_p12": {**_SF, "fill_layout": "group", "finish_lane_loads": True, "hold_bucket": True,
                                "fuse_bucket": True, "pivot_bits": 12},
+         # each warp streams its own part of the split into its own scratch (fortieth session; fill_layout="warp"):
+         # pip triton's SASS a 4096-key step at 64 x 64K 488 instructions without a barrier or a shared-memory
+         # access (vector 925 with 32 barriers, group 793 with 12); 16 warps: 252; 125 registers at 8 warps, so two
+         # programs fit an SM (x2: twice the splits)
+         "sf_warp": {**_SF, "fill_layout": "warp"},
+         "sf_warp_w16": {**_SF, "fill_layout": "warp", "fill_warps": 16},
+         "sf_warp_x2": {**_SF, "fill_layout": "warp", "splits_x": 2},
+         "sf_warp_fuse": {**_SF, "fill_layout": "warp", "finish_lane_loads": True, "hold_bucket": True,
+                          "fuse_bucket": True},
          "x2_h512_p16_hold_r1_pk": dict(splits_x=2, unroll=2, shrink=True, hist_block=512, pivot_bits=16,
                                         hold_shrunk=True, range_margin=1, packed_counts=True),
          # 1024-key counting / compaction steps over packed counts (half the finish's steps and a 1024-key held
