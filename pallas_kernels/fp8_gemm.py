@@ -195,8 +195,12 @@ def _check_common(x, wq, w_scale, scale_fmt) -> None:
     want = (-(-n // BLOCK), -(-k // BLOCK))
     if w_scale.shape != want:
         raise ValueError(f"w_scale must have shape {want} for wq {wq.shape}, got {w_scale.shape}")
+    if not jnp.issubdtype(w_scale.dtype, jnp.floating):
+        raise ValueError(f"w_scale must be a float array (float32 block scales), got {w_scale.dtype}")
     if x.ndim < 1 or x.shape[-1] != k:
         raise ValueError(f"x must be [..., {k}] for wq {wq.shape}, got shape {x.shape}")
+    if k % BLOCK:
+        raise ValueError(f"wq: in = {k} must be a multiple of {BLOCK} (x is re-quantised per 1 x {BLOCK} group)")
     if jnp.dtype(x.dtype) not in _X_DTYPES:
         raise ValueError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
 

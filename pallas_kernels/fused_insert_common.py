@@ -35,6 +35,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from jds.ops.dispatch import check_array, describe
 from jds.ops.dispatch import resolve_interpret  # re-exported: the Triton kernels call C.resolve_interpret
 from jds.ops.quant import FP8, FP8_MAX, true_divide
 
@@ -44,7 +45,17 @@ F32 = jnp.float32
 
 
 def is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
+    """n is a positive power of two (False for anything not an int: a float or bool setting is not a size)."""
+    return isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
+
+
+def check_rope_tables(op: str, cos: Any, sin: Any, t: int) -> int:
+    """ValueError naming the table unless cos and sin are float [T, rd/2] of one shape (rd >= 2); returns rd."""
+    check_array(f"{op}: cos", cos, (("T", t), ("rd/2", None)), "float")
+    check_array(f"{op}: sin", sin, (("T", t), ("rd/2", cos.shape[1])), "float")
+    if cos.shape[1] < 1:
+        raise ValueError(f"{op}: cos and sin must have at least one column (rd/2 >= 1), got {describe(cos)}")
+    return 2 * cos.shape[1]
 
 
 def next_pow2(n: int) -> int:

@@ -23,14 +23,15 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jds.ops.hadamard import hadamard_matrix
-from jds.ops.dispatch import Implementation, Unsupported, run_op
+from jds.ops.dispatch import Implementation, Unsupported, check_array, check_int, run_op
 from jds.ops.fused_insert import kv_insert_v32_xla, q_v32_xla
-from jds.ops.paging import RecordFormat
+from jds.ops.paging import RecordFormat, check_cache
 from jds.ops.quant import FLT_MIN, FP8, FP8_MAX, ue8m0_scale_bits
 from jds.ops.records import IndexerRecord132, MlaRecord656
 from pallas_kernels import fused_insert_common as C
 
 F32 = jnp.float32
+SCALE_FMTS = ("ue8m0", "amax")  # the indexer q's activation scale formats (jds.ops.quant.ScaleFmt)
 
 
 # =====================================================================================================
@@ -199,6 +200,7 @@ def fused_kv_insert_v32(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cac
     slot_mapping [T] int32 (-1 = padding); caches [num_blocks, page_elems] of their formats.
     """
     args = (kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache, kv_norm_w, k_norm_w, k_norm_b)
+    _check_kv_inputs(*args, kv_format=kv_format, index_format=index_format, hadamard=hadamard)
     kw = dict(kv_format=kv_format, index_format=index_format, eps=eps, dtype=dtype,
               indexer_interleave=indexer_interleave, hadamard=hadamard)
     return run_op("fused_kv_insert_v32", implementation, {
@@ -206,6 +208,35 @@ def fused_kv_insert_v32(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cac
         "pallas": lambda: _kv_insert_pallas(*args, **kw, interpret=interpret, block_tokens=block_tokens,
                                             num_warps=num_warps, split=split_phases, rope_pairs=rope_pairs,
                                             halves=hadamard_halves)})
+
+
+def _check_kv_inputs(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache, kv_norm_w, k_norm_w, k_norm_b, *,
+                     kv_format, index_format, hadamard) -> None:
+    """Input errors of every implementation (ValueError naming the argument; static shapes and dtypes only)."""
+    op = "fused_kv_insert_v32"
+    check_array(f"{op}: kv", kv, (("T", None), ("lat + rd", None)), "float")
+    t, width = kv.shape
+    rd = C.check_rope_tables(op, cos, sin, t)
+    check_array(f"{op}: index_k", index_k, (("T", t), ("Di", None)), "float")
+    di = index_k.shape[1]
+    if not rd < width:
+        raise ValueError(f"{op}: kv width {width} must exceed the rope dim {rd} (2 * cos.shape[-1]): kv is "
+                         "[T, lat + rd]")
+    if rd > di:
+        raise ValueError(f"{op}: index_k head dim {di} must be at least the rope dim {rd} (2 * cos.shape[-1])")
+    if hadamard and not C.is_pow2(di):
+        raise ValueError(f"{op}: hadamard=True needs a power-of-2 index_k head dim, got {di}")
+    check_array(f"{op}: slot_mapping", slot_mapping, (("T", t),), "int")
+    kv_width = check_cache(f"{op}: kv_cache", kv_cache, kv_format, "kv_format")
+    if kv_width != width:
+        raise ValueError(f"{op}: kv width {width} must equal kv_format's row width {kv_width} ({kv_format})")
+    index_width = check_cache(f"{op}: index_cache", index_cache, index_format, "index_format")
+    if index_width != di:
+        raise ValueError(f"{op}: index_k head dim {di} must equal index_format's row width {index_width} "
+                         f"({index_format})")
+    check_array(f"{op}: kv_norm_w", kv_norm_w, (("lat", width - rd),), "float")
+    check_array(f"{op}: k_norm_w", k_norm_w, (("Di", di),), "float")
+    check_array(f"{op}: k_norm_b", k_norm_b, (("Di", di),), "float")
 
 
 def kv_block_tokens(t: int) -> int:
@@ -219,6 +250,9 @@ def kv_block_tokens(t: int) -> int:
 def _kv_insert_pallas(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache, kv_norm_w, k_norm_w, k_norm_b,
                       *, kv_format, index_format, eps, dtype, indexer_interleave, hadamard, interpret, block_tokens,
                       num_warps, split, rope_pairs=None, halves=None):
+    for name, n in (("block_tokens", 1 if block_tokens is None else block_tokens), ("num_warps", num_warps)):
+        if not C.is_pow2(n):  # a tile setting, not a shape: an error under "auto" too
+            raise ValueError(f"fused_kv_insert_v32: {name} must be a power of 2 (or None), got {n!r}")
     if isinstance(index_format, IndexerRecord132) and index_format.scale_fmt != "ue8m0":
         raise Unsupported(f"fused_kv_insert_v32: indexer key scale_fmt {index_format.scale_fmt!r} "
                           "(the kernel implements 'ue8m0')")
@@ -228,12 +262,14 @@ def _kv_insert_pallas(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache
     lat = width - rd
     di = index_k.shape[-1]
     block_tokens = kv_block_tokens(t) if block_tokens is None else block_tokens
-    for name, n in (("latent dim", lat), ("rope dim", rd), ("indexer head dim", di), ("block_tokens", block_tokens)):
+    for name, n in (("latent dim", lat), ("rope dim", rd), ("indexer head dim", di)):
         if not C.is_pow2(n):
             raise Unsupported(f"fused_kv_insert_v32: {name} {n} is not a power of 2")
     _check_indexer_dims("fused_kv_insert_v32", rd, di)
     if isinstance(kv_format, MlaRecord656) and (kv_format.latent_dim != lat or kv_format.rope_dim != rd):
         raise ValueError(f"kv_format {kv_format} does not match kv width {width}")
+    if t == 0:  # no tokens: nothing to write (and no empty grid)
+        return kv_cache, index_cache
     dt = jnp.dtype(dtype)
     bt = block_tokens
     dot_dtype = F32 if (interpret or dt == F32) else jnp.bfloat16
@@ -345,6 +381,7 @@ def fused_q_v32(q, index_q, index_w, cos, sin, *, nope_dim: int, dtype, indexer_
     (the previous default) at T = 8192 with bit-identical outputs (``benchmarks/results/kernels_fused_insert_*.json``,
     rows with ``tiles``; ``archive/fused_insert_defaults_h200_2026-11-29.json``: new against old default)."""
     args = (q, index_q, index_w, cos, sin)
+    _check_q_inputs(*args, nope_dim=nope_dim, hadamard=hadamard, scale_fmt=scale_fmt)
     kw = dict(nope_dim=nope_dim, dtype=dtype, indexer_interleave=indexer_interleave, hadamard=hadamard, fp8=fp8)
     return run_op("fused_q_v32", implementation, {
         "xla": lambda: q_v32_xla(*args, **kw, scale_fmt=scale_fmt),
@@ -353,8 +390,30 @@ def fused_q_v32(q, index_q, index_w, cos, sin, *, nope_dim: int, dtype, indexer_
                                     split=split_phases)})
 
 
+def _check_q_inputs(q, index_q, index_w, cos, sin, *, nope_dim, hadamard, scale_fmt) -> None:
+    """Input errors of every implementation (ValueError naming the argument; static shapes and dtypes only)."""
+    op = "fused_q_v32"
+    check_array(f"{op}: q", q, (("T", None), ("H", None), ("nope + rd", None)), "float")
+    t, _, qk = q.shape
+    rd = C.check_rope_tables(op, cos, sin, t)
+    nope = check_int(f"{op}: nope_dim", nope_dim, 0)
+    if qk != nope + rd:
+        raise ValueError(f"{op}: q head dim {qk} must equal nope_dim {nope} + the rope dim {rd} (2 * cos.shape[-1])")
+    check_array(f"{op}: index_q", index_q, (("T", t), ("Hi", None), ("Di", None)), "float")
+    _, hi, di = index_q.shape
+    if rd > di:
+        raise ValueError(f"{op}: index_q head dim {di} must be at least the rope dim {rd} (2 * cos.shape[-1])")
+    if hadamard and not C.is_pow2(di):
+        raise ValueError(f"{op}: hadamard=True needs a power-of-2 index_q head dim, got {di}")
+    check_array(f"{op}: index_w", index_w, (("T", t), ("Hi", hi)), "float")
+    if scale_fmt not in SCALE_FMTS:
+        raise ValueError(f"{op}: scale_fmt must be one of {SCALE_FMTS}, got {scale_fmt!r}")
+
+
 def _q_pallas(q, index_q, index_w, cos, sin, *, nope_dim, dtype, indexer_interleave, hadamard, fp8, scale_fmt,
               interpret, rows_per_program, num_warps, split):
+    if not C.is_pow2(num_warps):  # a tile setting, not a shape: an error under "auto" too
+        raise ValueError(f"fused_q_v32: num_warps must be a power of 2, got {num_warps!r}")
     if fp8 and scale_fmt != "ue8m0":  # the kernel quantises with power-of-two scales (an exact multiply)
         raise Unsupported(f"fused_q_v32: indexer q scale_fmt {scale_fmt!r} (the kernel implements 'ue8m0')")
     interpret = C.resolve_interpret(interpret)
@@ -367,6 +426,9 @@ def _q_pallas(q, index_q, index_w, cos, sin, *, nope_dim, dtype, indexer_interle
         if not C.is_pow2(n):
             raise Unsupported(f"fused_q_v32: {name} {n} is not a power of 2")
     _check_indexer_dims("fused_q_v32", rd, di)
+    if t == 0:  # no tokens: empty outputs (and no empty grid)
+        return (jnp.zeros((0, h, rd), dtype), jnp.zeros((0, hi, di), FP8 if fp8 else dtype),
+                jnp.zeros((0, hi), F32), jnp.zeros((0, hi), F32))
     hp, hip = C.next_pow2(h), C.next_pow2(hi)
     # tokens per program: >= 16 indexer rows (tl.dot's minimum M), at most ``rows_per_program`` rows
     bt = max(1, C.next_pow2(max(16, rows_per_program) // max(hp, hip)))

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jds.ops.dispatch import Implementation, Unsupported, run_op
+from jds.ops.dispatch import Implementation, Unsupported, check_array, run_op
 from jds.ops.fused_insert import qnorm_rope_kv_insert_v4_xla
-from jds.ops.paging import RecordFormat
+from jds.ops.paging import RecordFormat, check_cache
 from jds.ops.quant import ue8m0_scale_bits
 from jds.ops.records import MlaRecord584
 from pallas_kernels import fused_insert_common as C
@@ -123,11 +123,28 @@ def fused_qnorm_rope_kv_insert_v4(q, kv, cos, sin, slot_mapping, window_cache, k
     fastest before), bit-identical to the other tilings
     (``benchmarks/results/kernels_fused_insert_*.json``, rows with ``tiles``; issue 6)."""
     args = (q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w)
+    _check_inputs(*args, window_format=window_format)
     kw = dict(window_format=window_format, eps=eps, dtype=dtype)
     return run_op("fused_qnorm_rope_kv_insert_v4", implementation, {
         "xla": lambda: qnorm_rope_kv_insert_v4_xla(*args, **kw),
         "pallas": lambda: _pallas(*args, **kw, interpret=interpret, rows_per_program=rows_per_program,
                                   num_warps=num_warps, heads_per_program=heads_per_program)})
+
+
+def _check_inputs(q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w, *, window_format) -> None:
+    """Input errors of every implementation (ValueError naming the argument; static shapes and dtypes only)."""
+    op = "fused_qnorm_rope_kv_insert_v4"
+    check_array(f"{op}: q", q, (("T", None), ("H", None), ("D", None)), "float")
+    t, _, d = q.shape
+    check_array(f"{op}: kv", kv, (("T", t), ("D", d)), "float")
+    rd = C.check_rope_tables(op, cos, sin, t)
+    if rd > d:
+        raise ValueError(f"{op}: head dim {d} must be at least the rope dim {rd} (2 * cos.shape[-1])")
+    check_array(f"{op}: slot_mapping", slot_mapping, (("T", t),), "int")
+    width = check_cache(f"{op}: window_cache", window_cache, window_format, "window_format")
+    if width != d:
+        raise ValueError(f"{op}: head dim {d} must equal window_format's row width {width} ({window_format})")
+    check_array(f"{op}: kv_norm_w", kv_norm_w, (("D", d),), "float")
 
 
 def _pallas(q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w, *, window_format, eps, dtype, interpret,
@@ -139,14 +156,19 @@ def _pallas(q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w, *, window_fo
         rows_per_program = heads_per_program = 8
     rows_per_program = rows_per_program or 8
     num_warps = num_warps or 8
-    for name, n in (("head dim", d), ("rope dim", rd), ("rows_per_program", rows_per_program),
-                    ("heads_per_program", heads_per_program or 1)):
+    for name, n in (("rows_per_program", rows_per_program), ("heads_per_program", heads_per_program or 1),
+                    ("num_warps", num_warps)):
+        if not C.is_pow2(n):  # a tile setting, not a shape: an error under "auto" too
+            raise ValueError(f"fused_qnorm_rope_kv_insert_v4: {name} must be a power of 2 (or None), got {n!r}")
+    for name, n in (("head dim", d), ("rope dim", rd)):
         if not C.is_pow2(n):
             raise Unsupported(f"fused_qnorm_rope_kv_insert_v4: {name} {n} is not a power of 2")
     if isinstance(window_format, MlaRecord584):
         f = window_format
         if f.nope_dim + f.rope_dim != d or f.rope_dim != rd or d % f.block or d // f.block < f.scale_bytes:
             raise ValueError(f"window_format {f} does not fit head dim {d} / rope dim {rd}")
+    if t == 0:  # no tokens: nothing to write (and no empty grid)
+        return jnp.zeros((0, h, d), dtype), window_cache
     hp = C.next_pow2(h)
     # decode (few tokens): one token per program, heads spread over programs; prefill: more tokens each
     if heads_per_program is None:

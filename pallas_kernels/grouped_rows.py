@@ -17,7 +17,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from jds.ops.dispatch import Implementation, resolve_interpret, run_op
+from jds.ops.dispatch import Implementation, check_int, describe, resolve_interpret, run_op
 from pallas_kernels import fused_insert_common as C
 
 NUM_SMS = 132  # H100 / H200; only steers the automatic split_k
@@ -95,6 +95,9 @@ def row_layout(sizes: jax.Array, m: int, n_items: int, n_padded: int, bt: int, *
     * col [m]: the column of y^T holding row r (item * bt + row in tile); valid [m]: r < sum(sizes).
     * count [1]: the number of work items (a persistent kernel's loop bound).
     """
+    if getattr(sizes, "ndim", None) != 1 or not jnp.issubdtype(sizes.dtype, jnp.integer):
+        raise ValueError(f"sizes must be int32 [E] (one group size per expert), got {describe(sizes)}")
+    bt = check_int("bt", bt, 1)
     sizes = sizes.astype(jnp.int32)
     return run_op("row_layout", implementation, {
         "xla": lambda: _row_layout_xla(sizes, m, n_items, n_padded, bt),

@@ -255,6 +255,8 @@ def dequant_blocks(cache: jax.Array, slots: jax.Array, *, pow2_scales: bool = Fa
     ``MlaRecord656`` records), through the MQA producer's register path and its swizzled K tile: the whole
     producer job on its own, so that it can be checked bit for bit against ``MlaRecord656.unpack`` and timed.
     Native only."""
+    if slots.ndim != 2 or not jnp.issubdtype(slots.dtype, jnp.integer):
+        raise ValueError(f"slots must be int32 [n, {BLOCK}], got {slots.dtype} {slots.shape}")
     n_blocks, rows = slots.shape
     if rows != BLOCK or cache.dtype != jnp.uint8 or cache.ndim != 2 or cache.shape[1] != REC656:
         raise ValueError(f"slots must be [n, {BLOCK}] and cache uint8 [rows, {REC656}], got slots {slots.shape}, "

@@ -79,7 +79,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jds.ops.dispatch import Implementation, Unsupported, num_sms, resolve_interpret, run_op
+from jds.ops.dispatch import (Implementation, Unsupported, check_array, check_int, describe, num_sms,
+                              resolve_interpret, run_op)
+from jds.ops.paging import check_cache
 from jds.ops.indexer import indexer_topk_xla, map_token_chunks, masked_index_logits, visible_topk_indices
 from jds.ops.select import radix_topk
 from jds.ops.quant import FP8, act_quant
@@ -128,6 +130,15 @@ class IndexerKernelConfig:
     # percent at 64 x 32K
 
     def __post_init__(self) -> None:
+        for name in ("queries_per_cta", "tiles_per_cta", "num_buffers", "max_logits_bytes", "topk_segment",
+                     "topk_splits"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
+                none = "" if name in ("num_buffers", "max_logits_bytes") else " or None"
+                raise ValueError(f"{name} must be an int{none}, got {v!r}")
+        for name in ("topk_split_finish", "topk_invisible_in_kernel"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.queries_per_cta is not None and not 1 <= self.queries_per_cta <= 4:
             raise ValueError(f"queries_per_cta must be in 1..4, got {self.queries_per_cta}")
         if self.tiles_per_cta is not None and self.tiles_per_cta < 1:
@@ -550,6 +561,7 @@ def indexer_topk(index_q: jax.Array, index_w: jax.Array, cache: jax.Array, fmt, 
     ``implementation="pallas"`` needs an FP8 ``IndexerRecord132`` cache (see ``supports``); ``"auto"`` runs
     the XLA implementation (``jds.ops.indexer.indexer_topk_xla``) for other caches.
     """
+    k = _check_inputs(index_q, index_w, cache, fmt, block_tables, req_idx, n_visible, k, config)
     config = config or default_config()
     args = (index_q, index_w, cache, fmt, block_tables, req_idx, n_visible, k)
     return run_op("indexer_topk", implementation, {
@@ -558,10 +570,32 @@ def indexer_topk(index_q: jax.Array, index_w: jax.Array, cache: jax.Array, fmt, 
         "pallas": lambda: _indexer_topk_pallas(*args, config=config, interpret=interpret)})
 
 
+def _check_inputs(index_q, index_w, cache, fmt, block_tables, req_idx, n_visible, k, config) -> int:
+    """Input errors of every implementation (ValueError naming the argument; static shapes and dtypes only).
+    Returns ``k`` as an int."""
+    check_array("index_q", index_q, (("T", None), ("Hi", None), ("D", None)), "float")
+    t, hi, d = index_q.shape
+    check_array("index_w", index_w, (("T", t), ("Hi", hi)), "float")
+    width = check_cache("cache", cache, fmt, "fmt")
+    if width != d:
+        raise ValueError(f"index_q head dim D = {d} must equal the key width {width} of fmt = {fmt}")
+    check_array("block_tables", block_tables, (("R", None), ("max_blocks", None)), "int")
+    if min(block_tables.shape) < 1:
+        raise ValueError(f"block_tables must have at least one request row and one block column, got "
+                         f"{describe(block_tables)}")
+    check_array("req_idx", req_idx, (("T", t),), "int")
+    check_array("n_visible", n_visible, (("T", t),), "int")
+    if config is not None and not isinstance(config, IndexerKernelConfig):
+        raise ValueError(f"config must be an IndexerKernelConfig or None, got {config!r}")
+    return check_int("k", k, 1)
+
+
 def _indexer_topk_pallas(index_q, index_w, cache, fmt, block_tables, req_idx, n_visible, k, *, config, interpret):
     if not supports(fmt, index_q.shape[-1]):
         raise Unsupported(f"the Pallas indexer kernel does not support {fmt} (see supports)")
     t = index_q.shape[0]
+    if t == 0:  # no tokens: no kernel (an empty grid)
+        return jnp.zeros((0, k), jnp.int32)
     n_cols = block_tables.shape[1] * fmt.entries_per_page
     q8, w8 = quantize_q(index_q, index_w)
     width = -(-n_cols // TILE) * TILE

@@ -125,8 +125,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from jds.ops.dispatch import Implementation, Unsupported, check_implementation, resolve_interpret, run_op
-from jds.ops.paging import RecordFormat
+from jds.ops.dispatch import (Implementation, Unsupported, check_array, check_implementation, check_int,
+                              resolve_interpret, run_op)
+from jds.ops.paging import RecordFormat, check_cache
 from jds.ops.records import FloatRows, MlaRecord584, MlaRecord656
 from jds.ops.sparse_mqa import paged_sparse_mqa_xla
 from pallas_kernels import fused_insert_common as C
@@ -276,17 +277,42 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     """
     check_implementation(combine, "combine")
     caches, formats, slots = tuple(caches), tuple(formats), tuple(slots)
-    if not (len(caches) == len(formats) == len(slots) >= 1):
-        raise ValueError("caches, formats and slots must be sequences of the same non-zero length")
+    v_dim = _check_inputs(q, caches, formats, slots, v_dim, sink)
     return run_op("sparse_mqa", implementation, {
-        "xla": lambda: paged_sparse_mqa_xla(q, caches, formats, slots, scale=scale, v_dim=v_dim,
-                                            sink=sink).astype(out_dtype),
+        "xla": lambda: _xla(q, caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink, out_dtype=out_dtype),
         "pallas": lambda: _pallas(q, caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink,
                                   num_splits=num_splits, out_dtype=out_dtype, interpret=interpret,
                                   producer=producer, producer_regs=producer_regs,
                                   producer_phases=producer_phases, producer_pow2=producer_pow2,
                                   profile_dir=profile_dir, combine=combine, split_dtype=split_dtype,
                                   out_store=out_store, extents=extents, qk_split=qk_split)})
+
+
+def _check_inputs(q, caches, formats, slots, v_dim, sink) -> int:
+    """Input errors of every implementation (ValueError naming the argument; static shapes and dtypes only).
+    Returns ``v_dim`` as an int."""
+    if not (len(caches) == len(formats) == len(slots) >= 1):
+        raise ValueError(f"caches, formats and slots must be sequences of the same non-zero length, got "
+                         f"{len(caches)}, {len(formats)} and {len(slots)}")
+    check_array("q", q, (("T", None), ("H", None), ("Dk", None)), "float")
+    t, h, dk = q.shape
+    widths = []
+    for i, (c, f, s) in enumerate(zip(caches, formats, slots)):
+        widths.append(check_cache(f"caches[{i}]", c, f, f"formats[{i}]"))
+        check_array(f"slots[{i}]", s, (("T", t), (f"K_{i}", None)), "int")
+    if any(w != dk for w in widths):
+        raise ValueError(f"q head dim Dk = {dk} must equal the row width of every format, got widths {widths} "
+                         f"for formats {list(formats)}")
+    v_dim = check_int("v_dim", v_dim, 1, dk)
+    if sink is not None:
+        check_array("sink", sink, (("H", h),), "float")
+    return v_dim
+
+
+def _xla(q, caches, formats, slots, *, scale, v_dim, sink, out_dtype):
+    if sum(s.shape[1] for s in slots) == 0:  # no candidate at all: every row has no mass (zeros, as the kernel)
+        return jnp.zeros((q.shape[0], q.shape[1], v_dim), out_dtype)
+    return paged_sparse_mqa_xla(q, caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink).astype(out_dtype)
 
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
@@ -299,6 +325,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
         raise ValueError(f"split_dtype must be float32, bfloat16 or float16, got {split_dtype}")
     if producer_phases not in (None, 1, 2, 4):
         raise ValueError(f"producer_phases must be 1, 2 or 4, got {producer_phases}")
+    if num_splits is not None:
+        check_int("num_splits", num_splits, 1)
     if producer_regs is not None and not (isinstance(producer_regs, int) and 24 <= producer_regs <= 256
                                           and producer_regs % 8 == 0 and compute_regs(producer_regs) >= 24):
         raise ValueError(f"producer_regs must be a multiple of 8 in [24, 256] (got {producer_regs!r})")

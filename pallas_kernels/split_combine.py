@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jds.ops.dispatch import Implementation, Unsupported, run_op
+from jds.ops.dispatch import Implementation, Unsupported, check_array, check_int, describe, run_op
 from pallas_kernels import fused_insert_common as C
 
 LOG2E = 1.4426950408889634
@@ -57,10 +57,14 @@ def split_combine(o: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | No
     past ``heads`` (padding, Hp >= heads) are not read."""
     if o.ndim != 4 or m.shape != o.shape[:3] or l.shape != m.shape:
         raise ValueError(f"o must be [S, T, Hp, D] with m, l [S, T, Hp]; got {o.shape}, {m.shape}, {l.shape}")
-    if not 0 < heads <= o.shape[2]:
-        raise ValueError(f"heads must be in [1, {o.shape[2]}], got {heads}")
-    if sink is not None and sink.shape != (heads,):
-        raise ValueError(f"sink must be [{heads}], got {sink.shape}")
+    for name, a in (("o", o), ("m", m), ("l", l)):
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise ValueError(f"{name} must be a float array, got {describe(a)}")
+    if o.shape[0] < 1:
+        raise ValueError(f"o must hold at least one split (S >= 1), got {describe(o)}")
+    heads = check_int("heads", heads, 1, o.shape[2])
+    if sink is not None:
+        check_array("sink", sink, (("heads", heads),), "float")
     return run_op("split_combine", implementation, {
         "xla": lambda: _xla(o, m, l, sink, heads).astype(out_dtype),
         "pallas": lambda: _pallas(o, m, l, sink, heads, jnp.dtype(out_dtype), interpret)})
@@ -115,6 +119,8 @@ def _pallas(o, m, l, sink, heads, out_dtype, interpret):
     s, t, _, d = o.shape
     if not C.is_pow2(d):
         raise Unsupported(f"split_combine kernel: row width {d} is not a power of 2")
+    if t == 0:  # no tokens: no kernel (an empty grid)
+        return jnp.zeros((0, heads, d), out_dtype)
     interpret = C.resolve_interpret(interpret)
     has_sink = sink is not None
     sink_a = sink.astype(F32) if has_sink else jnp.zeros((heads,), F32)

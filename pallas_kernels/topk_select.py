@@ -749,7 +749,7 @@ def _step_keys(x_keys, first_block, i, unroll: int, width: int, end) -> list[jax
     return [x_keys(first_block + i * unroll + j, width, end)[0] for j in range(unroll)]
 
 
-def warp_room(cap: int) -> int:
+def _warp_room(cap: int) -> int:
     """fill_layout="warp": each warp's scratch buffer (keys). A warp whose part of the range holds more keys at or
     above the pivot than this makes its program fill the split's buffer again the CTA-wide way (``_warp_fill``)."""
     return cap // 2
@@ -810,13 +810,13 @@ def _warp_fill(wp: _WarpPass, n: int, first_block: jax.Array, n_blocks: jax.Arra
                get_warp: Callable, first: list[jax.Array] | None, interpret: bool
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``_fill``'s pass and counts in fill_layout="warp" (``_WarpPass``): each warp streams its part into its own
-    scratch buffer of ``warp_room(cap)`` keys (``put_warp(slot in the warps' scratch, s, col, ok)``, read back by
+    scratch buffer of ``_warp_room(cap)`` keys (``put_warp(slot in the warps' scratch, s, col, ok)``, read back by
     ``get_warp(slot, mask) -> (s, col)``). A chunk's slots are the warp's count so far plus a prefix within the
     lane and one warp scan; its counts one warp reduction. After the pass the warps' buffers, in warp order, hold
     the split's keys >= pivot in column order: their first ``cap`` go to the split's buffer (``put``), as
     ``_fill`` leaves it. Where a warp's part held more than its room, the pass runs again as ``_fill``.
     ``first``: the first step's keys, loaded before the sample pivot (``TopkSelectConfig.prefetch``)."""
-    room = warp_room(cap)
+    room = _warp_room(cap)
     nw, shape = wp.nw, wp.shape
     warp = C.iota((1, nw, 1), 1)
     lo = piv + strict
@@ -1005,7 +1005,7 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
 
     if warp:
         wkey_ref, wcol_ref = extra[-2:]
-        w0 = j * nw * warp_room(cap)  # this program's warps' scratch
+        w0 = j * nw * _warp_room(cap)  # this program's warps' scratch
 
         def put_warp(slot, s, col, ok):
             _scatter(wkey_ref, row, t, w0 + slot, s, ok)
@@ -1334,7 +1334,7 @@ def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpr
     bufs += [jax.ShapeDtypeStruct((t, 2), I32)]  # the row's pivot and its sample's largest key (u)
     bufs += [jax.ShapeDtypeStruct((t, cfg.bucket_resolutions * sp << cfg.bits), I32)] if par else []  # first passes
     if cfg.fill_layout == "warp":  # the prefilter's warps' scratch buffers: keys, columns
-        bufs += [jax.ShapeDtypeStruct((t, sp * (cfg.fill_warps or cfg.num_warps) * warp_room(cap)), I32)] * 2
+        bufs += [jax.ShapeDtypeStruct((t, sp * (cfg.fill_warps or cfg.num_warps) * _warp_room(cap)), I32)] * 2
     keys, cols, filled, above, above_in, piv, *hist = C.pallas_call(
         fill, out_shape=tuple(bufs), grid=(t, sp), aliases={}, interpret=interpret, name="topk_radix_prefilter",
         num_warps=cfg.fill_warps or cfg.num_warps)(x)
@@ -1364,12 +1364,16 @@ def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpr
 
 
 # ----- wrappers --------------------------------------------------------------------------------------
-def _check(x: jax.Array, k: int) -> int:
+def _check(x: jax.Array, k: int, config: TopkSelectConfig | None = None) -> int:
     if x.ndim != 2:
         raise ValueError(f"x must be a 2-D array [rows, N], got shape {x.shape}")
     if x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"x must be float32, bfloat16 or float16, got dtype {x.dtype}")
+    if config is not None and not isinstance(config, TopkSelectConfig):
+        raise ValueError(f"config must be a TopkSelectConfig or None, got {config!r}")
     try:
+        if isinstance(k, bool):  # True is not a k
+            raise TypeError
         k = operator.index(k)
     except TypeError:
         raise ValueError(f"k must be an int, got {k!r}") from None
@@ -1386,7 +1390,7 @@ def select_unsorted(x: jax.Array, k: int, *, config: TopkSelectConfig | None = N
     ``ordered_key`` of each row, i.e. ``jds.ops.select.kth_largest_key``; candidates int32 [T] = keys the
     prefilter's first pass kept, N without a prefilter; path int32 [T]: how steps 2-3 ran, an index into
     ``PATHS``)."""
-    k = _check(x, k)
+    k = _check(x, k, config)
     cfg = config or TopkSelectConfig()
     interpret = C.resolve_interpret(interpret)
     t, n = x.shape
@@ -1416,7 +1420,7 @@ def topk_select(x: jax.Array, k: int, *, implementation: Implementation = "palla
 
     ``sort=False``: the same entries in ascending index order instead (no sort of the k winners: a consumer that
     takes the set, as the sparse MQA does, skips it). The "xla" implementation always sorts."""
-    k = _check(x, k)
+    k = _check(x, k, config)
     return run_op("topk_select", implementation, {
         "xla": lambda: radix_topk(x, k, (config or TopkSelectConfig()).bits),
         "pallas": lambda: _pallas(x, k, config, interpret, sort)})

@@ -11,9 +11,12 @@ Why here (the lowest layer): the kernels and the layers both import it, and noth
 
 from __future__ import annotations
 
+import operator
 from typing import Callable, Literal, Mapping, TypeVar
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 Implementation = Literal["auto", "pallas", "xla"]
 IMPLEMENTATIONS: tuple[str, ...] = ("auto", "pallas", "xla")
@@ -31,6 +34,45 @@ def check_implementation(value: object, field: str = "implementation",
     if value not in allowed:
         raise ValueError(f"{field} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
     return value  # type: ignore[return-value]
+
+
+def describe(x: object) -> str:
+    """``x``'s dtype and shape for an error message ("float32 [4, 8]"), or its type when it is not an array."""
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    if shape is None or dtype is None:
+        return f"{type(x).__name__} {x!r}"[:120]
+    return f"{dtype} [{', '.join(map(str, shape))}]"
+
+
+_KINDS = {"float": ("float", jnp.floating), "int": ("int32", jnp.signedinteger)}
+
+
+def check_array(name: str, x: object, dims: tuple[tuple[str, int | None], ...], kind: str) -> None:
+    """ValueError naming ``name`` unless ``x`` is an array of ``kind`` ("float": any floating dtype; "int": a signed
+    integer dtype, int32 as documented) with one axis per ``dims`` entry, each (label, size) with ``size`` None for
+    any size. Static (shapes and dtypes only), so it holds at trace time under ``jax.jit``."""
+    word, base = _KINDS[kind]
+    want = f"{word} [{', '.join(lab if n is None else f'{lab}={n}' for lab, n in dims)}]"
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    ok = (shape is not None and dtype is not None and len(shape) == len(dims)
+          and all(n is None or s == n for s, (_, n) in zip(shape, dims)) and jnp.issubdtype(dtype, base))
+    if not ok:
+        raise ValueError(f"{name} must be {want}, got {describe(x)}")
+
+
+def check_int(name: str, value: object, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as a Python int (a bool is refused) in [minimum, maximum], else a ValueError naming ``name``."""
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {value!r}") from None
+    if (minimum is not None and v < minimum) or (maximum is not None and v > maximum):
+        want = (f"in [{minimum}, {maximum}]" if minimum is not None and maximum is not None
+                else f">= {minimum}" if minimum is not None else f"<= {maximum}")
+        raise ValueError(f"{name} must be {want}, got {v}")
+    return v
 
 
 def on_gpu() -> bool:

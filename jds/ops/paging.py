@@ -7,6 +7,7 @@ out-of-range offsets dropped (slot -1 = padding writes nothing); reads are one g
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import jax
@@ -86,6 +87,43 @@ def gather_request_rows(cache: jax.Array, fmt: RecordFormat, block_tables: jax.A
     local = jnp.broadcast_to(jnp.arange(max_entries, dtype=jnp.int32), (r, max_entries))
     slots = global_slots(block_tables, jnp.arange(r, dtype=jnp.int32), local, fmt.entries_per_page)
     return read_records(cache, fmt, slots)
+
+
+_FORMAT_ATTRS = ("entries_per_page", "page_elems", "dtype", "segments", "pack", "unpack")
+
+
+def _check_format(name: str, fmt: object) -> None:
+    if not all(hasattr(fmt, a) for a in _FORMAT_ATTRS):
+        raise ValueError(f"{name} must be a record format (jds.ops.records: FloatRows, MlaRecord656, ...), got {fmt!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _record_dim(fmt: RecordFormat) -> int:
+    rows = jax.eval_shape(lambda c: read_records(c, fmt, jnp.zeros((1,), jnp.int32)),
+                          jax.ShapeDtypeStruct((1, fmt.page_elems), fmt.dtype))
+    return int(rows.shape[-1])
+
+
+def record_dim(fmt: RecordFormat, name: str = "fmt") -> int:
+    """The row width D that ``fmt`` packs and unpacks (``read_records`` traced on abstract shapes: static)."""
+    _check_format(name, fmt)
+    try:
+        return _record_dim(fmt)
+    except TypeError:  # an unhashable format: no memo
+        return _record_dim.__wrapped__(fmt)
+
+
+def check_cache(name: str, cache: object, fmt: RecordFormat, fmt_name: str = "fmt") -> int:
+    """ValueError naming ``name`` (or ``fmt_name``) unless ``cache`` is a page pool of ``fmt``: ``fmt.dtype``
+    [num_blocks >= 1, fmt.page_elems]. Returns the format's row width (``record_dim``). Static (shapes, dtypes)."""
+    _check_format(fmt_name, fmt)
+    shape, dtype = getattr(cache, "shape", None), getattr(cache, "dtype", None)
+    if (shape is None or dtype is None or len(shape) != 2 or shape[0] < 1 or shape[1] != fmt.page_elems
+            or jnp.dtype(dtype) != jnp.dtype(fmt.dtype)):
+        got = f"{dtype} [{', '.join(map(str, shape))}]" if shape is not None and dtype is not None else repr(cache)
+        raise ValueError(f"{name} must be {jnp.dtype(fmt.dtype)} [num_blocks >= 1, {fmt.page_elems}] (pages of "
+                         f"{fmt_name} = {fmt}), got {got}")
+    return record_dim(fmt, fmt_name)
 
 
 def empty_cache(fmt: RecordFormat, num_blocks: int) -> jax.Array:
