@@ -641,13 +641,13 @@ case "$stage" in
     [ "${TOPK_TESTS:-1}" = 0 ] || bash "$0" topk-tests
     # PREFILTER_KNOBS: the sets (the fortieth session's: each warp its own part of the split, no barrier in the
     # loop; the thirty-ninth's: the prefilter's loop without layout conversions, the finish's lane loads, the bucket
-    # held and no bucket kernel, two prefilter programs an SM; sf_warp_x2, sf_group_w16, sf_group_fuse_pk,
-    # sf_lane_fuse, sf_w16, sf_lane, sf_lane_fin, sf_lane_w16, sf_group_fin, sf_hold, sf_pk, sf_pk_w16, sf_m0r2 on
-    # request). Shapes run in turn, every set at each: a cut run keeps the first shapes (TOPK_TESTS=0
+    # held and no bucket kernel, two prefilter programs an SM; sf_warp_x2, sf_warp_fuse_pk, sf_fuse, sf_group_w16,
+    # sf_group_fuse_pk, sf_lane_fuse, sf_w16, sf_lane, sf_lane_fin, sf_lane_w16, sf_group_fin, sf_hold, sf_pk,
+    # sf_pk_w16, sf_m0r2 on request). Shapes run in turn, every set at each: a cut run keeps the first shapes (TOPK_TESTS=0
     # KNOBS_TIMEOUT=540 in a call of its own for all)
     timeout -k 10 ${KNOBS_TIMEOUT:-280} python3 scripts/diag/topk_knobs.py --mixed --shapes 64x65536 16x131072 \
-      16x32768 64x131072 --knobs ${PREFILTER_KNOBS:-h512_p16_hold_r1_pf_sf_b2r3 sf_warp sf_warp_w16 sf_warp_fuse \
-      sf_group_fuse sf_group sf_group_w16_x2 sf_fuse} \
+      16x32768 64x131072 --knobs ${PREFILTER_KNOBS:-h512_p16_hold_r1_pf_sf_b2r3 sf_warp sf_warp_w16 sf_warp_pk \
+      sf_warp_fuse sf_group_fuse sf_group sf_group_w16_x2} \
       --out "$OUT/topk_knobs_prefilter_h200.json" > "$OUT/topk_prefilter.log" 2>&1; echo "topk prefilter rc=$?"
     grep '^{' "$OUT/topk_prefilter.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("same_set_as_lax"), r.get("profile_kernel_us"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
     ;;

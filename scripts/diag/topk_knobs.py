@@ -163,6 +163,11 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          "sf_warp_x2": {**_SF, "fill_layout": "warp", "splits_x": 2},
          "sf_warp_fuse": {**_SF, "fill_layout": "warp", "finish_lane_loads": True, "hold_bucket": True,
                           "fuse_bucket": True},
+         # ... with packed counts: the sample's passes 481 -> 289 instructions, the buffer's first-pass counts 331 ->
+         # 99 a step (pip triton): with the streaming loop halved, they were a third of the prefilter's instructions
+         "sf_warp_pk": {**_SF, "fill_layout": "warp", "packed_counts": True},
+         "sf_warp_fuse_pk": {**_SF, "fill_layout": "warp", "finish_lane_loads": True, "hold_bucket": True,
+                             "fuse_bucket": True, "packed_counts": True},
          "x2_h512_p16_hold_r1_pk": dict(splits_x=2, unroll=2, shrink=True, hist_block=512, pivot_bits=16,
                                         hold_shrunk=True, range_margin=1, packed_counts=True),
          # 1024-key counting / compaction steps over packed counts (half the finish's steps and a 1024-key held
