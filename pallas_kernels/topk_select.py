@@ -261,13 +261,16 @@ def select_config_for(t: int, n: int, sms: int = 132, split_finish: bool = True)
     one-program finish at every batch timed in the thirty-eighth session, 5 shapes full and 4 mixed
     (archive/topk_knobs_sf_h200_2026-12-05.json; 64 x 128K in archive/topk_knobs_bucket_h200_2026-12-05.json), and
     in the layers' decode select at 16 x 32K and 16 x 128K, full and mixed, its fourth kernel included
-    (archive/kernels_select_h200_2026-12-05_partial.json). 64 x 32K, 32 x 32K and 32 / 8 x 128K are untimed."""
+    (archive/kernels_select_h200_2026-12-05_partial.json). 64 x 32K, 32 x 32K and 32 / 8 x 128K are untimed.
+    The prefilter streams a split as one part a warp (``fill_layout="warp"``): its kernel was faster at each of the
+    four shapes timed, full and mixed, the other kernels unchanged (an H100's timeline, fortieth session:
+    archive/topk_knobs_warp_h100_2026-12-05.json, archive/topk_knobs_warp_shapes_h100_2026-12-05.json)."""
     sp = split_for(t, n, sms=sms)
     if sp == 1:
         return TopkSelectConfig()
     finish = dict(split_finish=True, bucket_blocks=2, bucket_resolutions=3) if split_finish else {}
     return TopkSelectConfig(splits=sp, unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
-                            range_margin=1, prefetch=True, **finish)
+                            range_margin=1, prefetch=True, fill_layout="warp", **finish)
 
 
 def _sample_rank(n: int, k: int, sample: int) -> int:
@@ -749,10 +752,12 @@ def _step_keys(x_keys, first_block, i, unroll: int, width: int, end) -> list[jax
     return [x_keys(first_block + i * unroll + j, width, end)[0] for j in range(unroll)]
 
 
-def _warp_room(cap: int) -> int:
-    """fill_layout="warp": each warp's scratch buffer (keys). A warp whose part of the range holds more keys at or
-    above the pivot than this makes its program fill the split's buffer again the CTA-wide way (``_warp_fill``)."""
-    return cap // 2
+def _warp_room(cap: int, n: int, cfg: TopkSelectConfig) -> int:
+    """fill_layout="warp": each warp's scratch buffer (keys): half the split's buffer, or a warp's whole part where
+    that is less (a part holds no more keys than columns). A warp whose part holds more keys at or above the pivot
+    than this makes its program fill the split's buffer again the CTA-wide way (``_warp_fill``)."""
+    part = pl.cdiv(pl.cdiv(n, cfg.block), cfg.splits) * cfg.block // (cfg.fill_warps or cfg.num_warps)
+    return min(cap // 2, part)
 
 
 def _warp_cols(base: jax.Array, w_len: jax.Array, c, nw: int) -> jax.Array:
@@ -810,13 +815,13 @@ def _warp_fill(wp: _WarpPass, n: int, first_block: jax.Array, n_blocks: jax.Arra
                get_warp: Callable, first: list[jax.Array] | None, interpret: bool
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``_fill``'s pass and counts in fill_layout="warp" (``_WarpPass``): each warp streams its part into its own
-    scratch buffer of ``_warp_room(cap)`` keys (``put_warp(slot in the warps' scratch, s, col, ok)``, read back by
+    scratch buffer of ``_warp_room`` keys (``put_warp(slot in the warps' scratch, s, col, ok)``, read back by
     ``get_warp(slot, mask) -> (s, col)``). A chunk's slots are the warp's count so far plus a prefix within the
     lane and one warp scan; its counts one warp reduction. After the pass the warps' buffers, in warp order, hold
     the split's keys >= pivot in column order: their first ``cap`` go to the split's buffer (``put``), as
     ``_fill`` leaves it. Where a warp's part held more than its room, the pass runs again as ``_fill``.
     ``first``: the first step's keys, loaded before the sample pivot (``TopkSelectConfig.prefetch``)."""
-    room = _warp_room(cap)
+    room = _warp_room(cap, n, cfg)
     nw, shape = wp.nw, wp.shape
     warp = C.iota((1, nw, 1), 1)
     lo = piv + strict
@@ -1005,7 +1010,7 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
 
     if warp:
         wkey_ref, wcol_ref = extra[-2:]
-        w0 = j * nw * _warp_room(cap)  # this program's warps' scratch
+        w0 = j * nw * _warp_room(cap, n, cfg)  # this program's warps' scratch
 
         def put_warp(slot, s, col, ok):
             _scatter(wkey_ref, row, t, w0 + slot, s, ok)
@@ -1334,7 +1339,7 @@ def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpr
     bufs += [jax.ShapeDtypeStruct((t, 2), I32)]  # the row's pivot and its sample's largest key (u)
     bufs += [jax.ShapeDtypeStruct((t, cfg.bucket_resolutions * sp << cfg.bits), I32)] if par else []  # first passes
     if cfg.fill_layout == "warp":  # the prefilter's warps' scratch buffers: keys, columns
-        bufs += [jax.ShapeDtypeStruct((t, sp * (cfg.fill_warps or cfg.num_warps) * _warp_room(cap)), I32)] * 2
+        bufs += [jax.ShapeDtypeStruct((t, sp * (cfg.fill_warps or cfg.num_warps) * _warp_room(cap, n, cfg)), I32)] * 2
     keys, cols, filled, above, above_in, piv, *hist = C.pallas_call(
         fill, out_shape=tuple(bufs), grid=(t, sp), aliases={}, interpret=interpret, name="topk_radix_prefilter",
         num_warps=cfg.fill_warps or cfg.num_warps)(x)

@@ -26,7 +26,7 @@
 #   scripts/gpu_session.sh mqa-loops     # issue 20: the register producer's native tests, then its switch sets timed
 #   scripts/gpu_session.sh topk-sf       # issue 20: the top-k's split finish against the indexer's config, native tests first
 #   scripts/gpu_session.sh topk-prefilter # issue 20: a warp's own part / layouts without conversions, fused bucket
-#   scripts/gpu_session.sh topk-shapes   # issue 20: the split finish (default) against the one-program finish, 4 more shapes
+#   scripts/gpu_session.sh topk-shapes   # issue 20: the default (warp fill) against the CTA-wide fill, 4 more shapes
 #   scripts/gpu_session.sh topk-select   # issue 20: the indexer's decode select per top-k choice (the split finish beside)
 #   scripts/gpu_session.sh mqa-depth     # issue 20: the MQA's QK split over the head dim against the default (V4)
 #   scripts/gpu_session.sh mqa-refresh   # issue 20: every native MQA test; the defaults, V4's splits and output dtypes timed
@@ -628,10 +628,10 @@ case "$stage" in
     grep '^{' "$OUT/topk_sf.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("profile_busy_us"), r.get("same_set_as_lax"), r.get("profile_kernel_us"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
     ;;
   topk-shapes)
-    # issue 20: the split finish (the indexer's default since 2026-12-05) against the one-program finish at the shapes
-    # the thirty-eighth session's topk-sf call did not reach, full and mixed
+    # issue 20: the indexer's default (the split finish and the warp fill, fortieth session: sf_warp) against the split
+    # finish with the CTA-wide fill at the shapes no call has reached, full and mixed
     timeout -k 10 ${KNOBS_TIMEOUT:-300} python3 scripts/diag/topk_knobs.py --mixed --shapes 64x32768 32x32768 \
-      8x131072 32x131072 --knobs h512_p16_hold_r1_pf h512_p16_hold_r1_pf_sf_b2r3 \
+      8x131072 32x131072 --knobs ${SHAPES_KNOBS:-h512_p16_hold_r1_pf_sf_b2r3 sf_warp} \
       --out "$OUT/topk_knobs_shapes_h200.json" > "$OUT/topk_shapes.log" 2>&1; echo "topk shapes rc=$?"
     grep '^{' "$OUT/topk_shapes.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("same_set_as_lax"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
     ;;
