@@ -168,7 +168,8 @@ class TopkSelectConfig:
     # is converted either; the prefix runs along the group in the lane, then one warp scan per 4 keys (``_col_prefix``).
     # "warp" (split prefilter only): each warp streams its own contiguous part of the split's range into its own
     # scratch buffer (``_warp_fill``), so the loop's prefix and counts stay within a warp: no CTA barrier a block,
-    # where the other forms' cross-warp scan and reduction wait on barriers several times a block
+    # where the other forms' cross-warp scan and reduction wait on barriers several times a block; "vector" here,
+    # "warp" in the indexer's split config (select_config_for)
     fill_layout: Literal["vector", "lane", "group", "warp"] = "vector"
     # the loads of the counting, copy and compaction loops after the prefilter (buffers, bucket, scratch and row:
     # 512-key blocks, 2 keys a lane) take one key a lane, as "lane" above
