@@ -776,6 +776,9 @@ class _WarpPass:
     warp, streamed ``per`` 128-key chunks a warp a step."""
     x_ref: Any
     row: jax.Array
+    n: int  # the row's keys
+    first_block: jax.Array  # the split's blocks (CTA-wide, as _fill takes them: the refill's)
+    n_blocks: jax.Array
     nw: int
     per: int  # chunks a warp a step
     chunks: jax.Array  # a warp's chunks
@@ -788,8 +791,8 @@ class _WarpPass:
            nw: int) -> "_WarpPass":
         per_block = cfg.block // (_CHUNK * nw)  # chunks a warp a block
         base = first_block * cfg.block
-        return cls(x_ref, row, nw, cfg.unroll * per_block, n_blocks * per_block, base, n_blocks * (cfg.block // nw),
-                   jnp.minimum(base + n_blocks * cfg.block, n))
+        return cls(x_ref, row, n, first_block, n_blocks, nw, cfg.unroll * per_block, n_blocks * per_block, base,
+                   n_blocks * (cfg.block // nw), jnp.minimum(base + n_blocks * cfg.block, n))
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -811,9 +814,8 @@ class _WarpPass:
         return [self.keys(i * self.per + u) for u in range(self.per)]
 
 
-def _warp_fill(wp: _WarpPass, n: int, first_block: jax.Array, n_blocks: jax.Array, piv: jax.Array,
-               strict: jax.Array, cap: int, cfg: TopkSelectConfig, put: Callable, put_warp: Callable,
-               get_warp: Callable, first: list[jax.Array] | None, interpret: bool
+def _warp_fill(wp: _WarpPass, piv: jax.Array, strict: jax.Array, cap: int, cfg: TopkSelectConfig, put: Callable,
+               put_warp: Callable, get_warp: Callable, first: list[jax.Array] | None, interpret: bool
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``_fill``'s pass and counts in fill_layout="warp" (``_WarpPass``): each warp streams its part into its own
     scratch buffer of ``_warp_room`` keys (``put_warp(slot in the warps' scratch, s, col, ok)``, read back by
@@ -822,7 +824,7 @@ def _warp_fill(wp: _WarpPass, n: int, first_block: jax.Array, n_blocks: jax.Arra
     the split's keys >= pivot in column order: their first ``cap`` go to the split's buffer (``put``), as
     ``_fill`` leaves it. Where a warp's part held more than its room, the pass runs again as ``_fill``.
     ``first``: the first step's keys, loaded before the sample pivot (``TopkSelectConfig.prefetch``)."""
-    room = _warp_room(cap, n, cfg)
+    room = _warp_room(cap, wp.n, cfg)
     nw, shape = wp.nw, wp.shape
     warp = C.iota((1, nw, 1), 1)
     lo = piv + strict
@@ -869,8 +871,8 @@ def _warp_fill(wp: _WarpPass, n: int, first_block: jax.Array, n_blocks: jax.Arra
     rounds = jnp.where(lost, 0, pl.cdiv(jnp.max(fill_w), _CHUNK))
     above_in = jnp.sum(lax.fori_loop(0, rounds, copy, jnp.zeros(shape, I32)))
     # a warp past its room: the CTA-wide pass instead (its counts are the same; it fills the buffer itself)
-    again = _fill(_row_keys(wp.x_ref, wp.row, n), first_block, lost.astype(I32) * n_blocks, piv, cap, cfg.block,
-                  strict, put, cfg.unroll, cfg.prefetch)
+    again = _fill(_row_keys(wp.x_ref, wp.row, wp.n), wp.first_block, lost.astype(I32) * wp.n_blocks, piv, cap,
+                  cfg.block, strict, put, cfg.unroll, cfg.prefetch)
     return filled, above, jnp.where(lost, again[2], above_in)
 
 
@@ -1020,8 +1022,8 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
         def get_warp(slot, mask):
             return tuple(C.load(r, (row, w0 + slot), slot.shape, mask=mask) for r in (wkey_ref, wcol_ref))
 
-        counts = _warp_fill(wp, n, j * per, nb, piv_u ^ _SIGN, _strict_fill(piv_u), cap, cfg, put, put_warp,
-                            get_warp, first, interpret)
+        counts = _warp_fill(wp, piv_u ^ _SIGN, _strict_fill(piv_u), cap, cfg, put, put_warp, get_warp, first,
+                            interpret)
     else:
         counts = _fill(x_keys, j * per, nb, piv_u ^ _SIGN, cap, cfg.block, _strict_fill(piv_u), put, cfg.unroll,
                        cfg.prefetch, first)

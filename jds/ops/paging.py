@@ -13,6 +13,8 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
+from jds.ops.dispatch import describe
+
 
 class RecordFormat(Protocol):
     """How one cache stores one row per slot."""
@@ -120,9 +122,8 @@ def check_cache(name: str, cache: object, fmt: RecordFormat, fmt_name: str = "fm
     shape, dtype = getattr(cache, "shape", None), getattr(cache, "dtype", None)
     if (shape is None or dtype is None or len(shape) != 2 or shape[0] < 1 or shape[1] != fmt.page_elems
             or jnp.dtype(dtype) != jnp.dtype(fmt.dtype)):
-        got = f"{dtype} [{', '.join(map(str, shape))}]" if shape is not None and dtype is not None else repr(cache)
         raise ValueError(f"{name} must be {jnp.dtype(fmt.dtype)} [num_blocks >= 1, {fmt.page_elems}] (pages of "
-                         f"{fmt_name} = {fmt}), got {got}")
+                         f"{fmt_name} = {fmt}), got {describe(cache)}")
     return record_dim(fmt, fmt_name)
 
 

@@ -170,6 +170,11 @@ def _short(v: Any, n: int = 60) -> str:
     return r if len(r) <= n else r[: n - 3] + "..."
 
 
+def _clip(name: str, n: int = 40) -> str:
+    """A client-chosen field name, bounded for an error message and its param."""
+    return name if len(name) <= n else name[: n - 3] + "..."
+
+
 def _text(v: str, param: str) -> str:
     """``v`` if it is encodable text; a lone UTF-16 surrogate (JSON ``"\\ud800"``) is not."""
     try:
@@ -224,7 +229,7 @@ def _messages_to_text(messages: Any) -> list[dict]:
                        f"{at}.role")
         for key, v in m.items():  # tool_calls, function_call, audio, refusal, ... (null / [] say nothing)
             if key not in ("role", "content", "name") and v is not None and v != []:
-                k = key if len(key) <= 40 else key[:37] + "..."
+                k = _clip(key)
                 raise _bad(f"{at}.{k} is not supported by this server", f"{at}.{k}")
         name = m.get("name")
         if name is not None:
@@ -319,7 +324,7 @@ def _refuse_unknown(body: dict, chat: bool) -> None:
     for name, v in body.items():
         if name in known or v is None:
             continue
-        shown = name if len(name) <= 40 else name[:37] + "..."
+        shown = _clip(name)
         if name in other:
             here, there = ("/v1/chat/completions", "/v1/completions") if chat else (
                 "/v1/completions", "/v1/chat/completions")
