@@ -33,7 +33,9 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, 3 warpgroups per CTA: 2 compu
 - Warpgroup split: block_m = 128 -> each warpgroup owns 64 rows x block_n columns; block_m = 64 (small M,
   wgmma's minimum M) -> the 64 rows x block_n / 2 columns. A warpgroup's columns are processed in chunks of
   <= 128 (one MMA accumulator + the running sums: block_n = 256 with 128-row tiles keeps 2 x 64 fp32 running
-  registers + one 64-register MMA tile per thread); a chunk lies in one weight-scale block (one sw scalar).
+  registers + one 64-register MMA tile per thread); a chunk lies in one weight-scale block (one sw scalar), except
+  with tile widths that are no multiple of 64 (``_ragged``: 144, so that mlp's 18432 columns make 128 tiles, one
+  wave), where a chunk may cross into a second block and takes a [chunk] vector of per-column weight scales.
 - Output: ``split_k`` == 1 stores acc as out_dtype straight from registers to GMEM ([Mp, N], padded rows
   sliced away), except a single 64-row tile of fewer real rows: its first round_up(M, 8) rows go out through
   SMEM and a TMA store, as the decode partials below. ``split_k`` > 1 stores fp32 partials [split_k, rows, N]
@@ -143,8 +145,9 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
 
     ``implementation``: "xla" = ``jds.ops.quant.fp8_linear``; "pallas" = the kernel (in and out multiples
     of 128, else ``Unsupported``); "auto" = the kernel where it applies, else XLA.
-    Tiles (kernel only, see ``_pick_tiles`` for the defaults): ``block_m`` 64 or 128, ``block_n`` 64, 128, 192
-    or 256 (dividing out; 192: one wave of 128-row tiles where 128-wide ones leave a tail, q_b's 24576 columns),
+    Tiles (kernel only, see ``_pick_tiles`` for the defaults): ``block_m`` 64 or 128, ``block_n`` a multiple of 16
+    up to 256 dividing out (192: one wave of 128-row tiles where 128-wide ones leave a tail, q_b's 24576 columns;
+    a width that is no multiple of 64, e.g. 144 for mlp's 18432 columns in 128 tiles, scales each column: ``_ragged``),
     ``split_k`` K splits (a divisor of in/128), ``stages`` TMA ring depth (None: ``STAGES``, or with ``swap_ab``
     about ``SWAP_RING_BYTES`` of ring, ``_swapped_stages``), ``group_m`` M tiles per rasterisation
     group (L2 reuse at large M). ``stage_scales``: copy a CTA's scales into SMEM by
@@ -208,8 +211,8 @@ def _check_common(x, wq, w_scale, scale_fmt) -> None:
 def _check_tiles(block_m: int | None, block_n: int | None, split_k: int | None, stages: int, group_m: int) -> None:
     if block_m not in (None, 64, 128):
         raise ValueError(f"block_m must be 64 or 128 (or None), got {block_m}")
-    if block_n not in (None, 64, 128, 192, 256):
-        raise ValueError(f"block_n must be 64, 128, 192 or 256 (or None), got {block_n}")
+    if block_n is not None and (not isinstance(block_n, int) or block_n % 16 or not 16 <= block_n <= 256):
+        raise ValueError(f"block_n must be a multiple of 16 from 16 to 256 (or None), got {block_n}")
     for name, v in (("split_k", 1 if split_k is None else split_k), ("stages", stages), ("group_m", group_m)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v}")
@@ -298,7 +301,8 @@ def _auto_swap_ab(m: int, block_m: int | None, block_n: int | None, quantize_x: 
     call at 16 and 32 rows of q_b and mlp and 16 of wo, slower at 64 (whole-call GPU timeline, 2026-12-05,
     benchmarks/results/archive/fp8_tiles_time_smem_h200_2026-12-05.json); the y^T + transposing fusion form had been
     slower than the unswapped call there."""
-    return m <= SWAP_AB_UP_TO and block_m is None and block_n != 256 and not quantize_x and not stream_k
+    return (m <= SWAP_AB_UP_TO and block_m is None and block_n in (None, 64, 128, 192) and not quantize_x
+            and not stream_k)
 
 
 def _auto_act_quant(m: int) -> str:
@@ -309,10 +313,25 @@ def _auto_act_quant(m: int) -> str:
     return "kernel" if m <= ACT_QUANT_KERNEL_UP_TO else "xla"
 
 
+def _ragged(bn: int) -> bool:
+    """Whether ``bn``-wide tiles start inside weight-scale blocks at widths no whole chunk fits (not a multiple of
+    64: 144, mlp's 18432 columns in 128 tiles): the chunks then take a weight scale per column
+    (``_chunk_cols``)."""
+    return bn % 64 != 0
+
+
 def _chunk_cols(bm: int, bn: int) -> int:
     """Columns of a compute warpgroup's accumulator chunk: at most 128, inside one weight-scale block wherever the
-    tile starts (a 192-wide tile at column 192 spans blocks 1 and 2: 64-column chunks)."""
-    return math.gcd(bn, BLOCK) if bm == 128 else math.gcd(bn // 2, BLOCK, bn)
+    tile starts (a 192-wide tile at column 192 spans blocks 1 and 2: 64-column chunks). ``_ragged`` widths: the
+    fewest equal chunks of at most 128 columns and a multiple of 8 (wgmma's N), each spanning at most two
+    weight-scale blocks, scaled per column."""
+    wn = bn if bm == 128 else bn // 2
+    if not _ragged(bn):
+        return math.gcd(bn, BLOCK) if bm == 128 else math.gcd(wn, BLOCK, bn)
+    q = -(-wn // BLOCK)
+    while wn % q or (wn // q) % 8:
+        q += 1
+    return wn // q
 
 
 def _staged_smem(bm: int, bn: int, nk: int, kps: int, stages: int, ep_bytes: int) -> int:
@@ -433,9 +452,9 @@ def _pallas_swapped(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m,
     if m > 128 or block_m is not None or quantize_x or stream_k:
         raise Unsupported(f"fp8_linear kernel: swap_ab takes at most 128 rows, and no block_m, quantize_x or "
                           f"stream_k (got {m} rows, block_m {block_m}, quantize_x {quantize_x}, stream_k {stream_k})")
-    if block_n == 256:
-        raise Unsupported("fp8_linear kernel: swap_ab takes block_n 64, 128 or 192 (a compute warpgroup per 64 "
-                          "weight rows, at most three)")
+    if block_n not in (None, 64, 128, 192):
+        raise Unsupported(f"fp8_linear kernel: swap_ab takes block_n 64, 128 or 192 (a compute warpgroup per 64 "
+                          f"weight rows, at most three), got {block_n}")
     wide = _default_block_n(1, n, nk, 64)  # the decode default, but at most three compute warpgroups
     _, bn, s = _pick_tiles(min(m, 64), n, nk, 64, block_n or (128 if wide == 256 else wide), split_k)
     mr = -(-m // 8) * 8
@@ -618,7 +637,9 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     cw = _chunk_cols(bm, bn)
     nch = wn // cw
     L = plgpu.Layout.WGMMA
-    ROW = L.reduce(1)
+    ROW, COL = L.reduce(1), L.reduce(0)
+    ragged = _ragged(bn)  # per-column weight scales (``_chunk_cols``)
+    nb = -(-n // BLOCK)  # weight-scale rows
     # one row tile (decode) keeps only the first mr = round_up(M, 8) rows (``_trimmed``): fp32 partials of all 64
     # rows would be written and read back once per split (as many bytes as the weights); one split's output in
     # out_dtype, its padded rows never written
@@ -692,20 +713,31 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 xq_s.at[wg][...] = xq
                 plgpu.commit_smem()
                 a = xq_s.at[wg]
+            def w_scale(col0):
+                """The weight scale of the chunk from column ``col0`` at K block kb (from SMEM when staged): one
+                scalar, or with ``ragged`` tiles a [cw] vector along the accumulator's columns (two blocks'
+                scales, split where the chunk crosses into the second)."""
+                def get(b):
+                    return sw_s[wg, b - scale_window(n0 // BLOCK, sw_rows), kb] if stage_scales else sw_ref[b, kb]
+
+                b0 = col0 // BLOCK
+                if not ragged:
+                    return get(b0)
+                s0, s1 = get(b0), get(jnp.minimum(b0 + 1, nb - 1))
+                col = col0 + plgpu.broadcasted_iota(jnp.int32, (cw,), 0, layout=COL)
+                return jnp.where(col < (b0 + 1) * BLOCK, s0, s1)
+
             for c in range(nch):  # chunks run one after the other: one [64, cw] MMA accumulator at a time
                 def mma(blk_ref, c=c):
                     plgpu.wgmma(blk_ref, a, w_s.at[pl.ds(c0 + c * cw, cw)].T)
                     # the block's scales load while the MMA runs (from SMEM when staged)
-                    if quantize_x:  # the row scales are already in registers
+                    sw_c = w_scale((wg_cols(wg) if stage_scales else wg_cols(wg, tile)) + c * cw)
+                    if quantize_x or c:  # the row scales are already in registers
                         sx_c = None
-                        sw_c = (sw_s[wg, (wg_cols(wg) + c * cw) // BLOCK - scale_window(n0 // BLOCK, sw_rows), kb]
-                                if stage_scales else sw_ref[(wg_cols(wg, tile) + c * cw) // BLOCK, kb])
                     elif stage_scales:
-                        sx_c = plgpu.load(sx_s.at[wg, step], layout=ROW, optimized=False) if c == 0 else None
-                        sw_c = sw_s[wg, (wg_cols(wg) + c * cw) // BLOCK - scale_window(n0 // BLOCK, sw_rows), kb]
+                        sx_c = plgpu.load(sx_s.at[wg, step], layout=ROW, optimized=False)
                     else:
-                        sx_c = plgpu.load(sxt_ref.at[kb, pl.ds(r0, 64)], layout=ROW, optimized=False) if c == 0 else None
-                        sw_c = sw_ref[(wg_cols(wg, tile) + c * cw) // BLOCK, kb]
+                        sx_c = plgpu.load(sxt_ref.at[kb, pl.ds(r0, 64)], layout=ROW, optimized=False)
                     plgpu.wgmma_wait(0)
                     return blk_ref[...], sx_c, sw_c
 
@@ -713,7 +745,12 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 sxv = (sxq if quantize_x else sx_c) if c == 0 else sxv
                 if stream_k:  # a repeated last unit adds nothing
                     sw_c = sw_c * (step < n_units).astype(jnp.float32)
-                out.append(acc[c] + blk * lax.broadcast_in_dim(sxv * sw_c, blk.shape, [0]))
+                if ragged:  # the row scale times each column's weight scale, then the block (as below, per element)
+                    scale = (lax.broadcast_in_dim(sxv, blk.shape, [0])
+                             * lax.broadcast_in_dim(sw_c, blk.shape, [1]))
+                else:
+                    scale = lax.broadcast_in_dim(sxv * sw_c, blk.shape, [0])
+                out.append(acc[c] + blk * scale)
             if stream_k:  # the run leaves this tile: store the partial (slot = its rank in the tile), start the next at 0
                 done = (step < n_units) & ((kb == nk - 1) | (step == n_units - 1))
                 for w, r0w, rows_w in trimmed_rows():
@@ -802,10 +839,10 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     if stream_k:
         out_shape = (slots, mr, n)
     # the [64, cw] staging tile of each compute warpgroup's output (fp32 partials, else out_dtype), swizzled by
-    # its row's bytes up to 128
-    ep_swz = min(128, cw * ep_dtype.itemsize)
-    scratch = [plgpu.SMEM((2, 64, cw), ep_dtype, transforms=(plgpu.TilingTransform((8, ep_swz // ep_dtype.itemsize)),
-                                                             plgpu.SwizzleTransform(ep_swz)))] if trim else []
+    # its row's bytes up to 128 (a ``_ragged`` chunk's rows by what divides them; 144 bytes of bf16: plain rows)
+    ep_swz = next((sz for sz in (128, 64, 32) if cw * ep_dtype.itemsize % sz == 0), 0)
+    ep_tf = (plgpu.TilingTransform((8, ep_swz // ep_dtype.itemsize)), plgpu.SwizzleTransform(ep_swz)) if ep_swz else ()
+    scratch = [plgpu.SMEM((2, 64, cw), ep_dtype, transforms=ep_tf)] if trim else []
     if quantize_x:
         scratch += [plgpu.SMEM((2, 64, BLOCK), quant.FP8, transforms=swz)]
     if stage_scales:

@@ -56,6 +56,7 @@
 #   scripts/gpu_session.sh fp8-trim      # issue 19: every one-row-tile FP8 call stores its rows through SMEM + TMA: tests, ncu
 #   scripts/gpu_session.sh fp8-swap      # issue 19: the FP8 GEMM with the roles swapped (y^T = W x^T) at decode: tests, ncu
 #   scripts/gpu_session.sh fp8-smem      # issue 19: swap_ab's y through transposed SMEM tiles (swap_store="smem"), timeline
+#   scripts/gpu_session.sh fp8-ragged    # issue 19: tiles of 144 / 112 / 224 columns (one wave at 64-128 rows), tests then timeline
 #   scripts/gpu_session.sh fp4-wg4       # issue 22: the FP4 GEMM's four-warpgroup e4m3-x form, native tests then ncu sweep
 #   scripts/gpu_session.sh inserts       # issue 20: the fused inserts alone, GPU timeline + T = 8192 tile sweep
 #   scripts/gpu_session.sh topk          # Pallas radix-select top-k: native tests, then the top-k rows
@@ -268,6 +269,21 @@ case "$stage" in
       --variants '[{}, {"swap_ab": true}, {"swap_ab": true, "swap_store": "smem"}]' --rotations 4 \
       --out "$OUT/fp8_tiles_time_smem_h200.json" > "$OUT/fp8_smem.log" 2>&1; echo "fp8 smem rc=$?"
     grep -v Warning "$OUT/fp8_smem.log" | tail -c 4000
+    ;;
+  fp8-ragged)
+    # issue 19 (forty-first session): mlp / wo at 64-128 rows ran 96 / 112 CTAs on 132 SMs (192- / 128-wide tiles);
+    # tiles of 144 (mlp: 128 tiles) and 112 or 224 (wo: 64 / 32 tiles, split-K 2 / 4) columns start inside
+    # weight-scale blocks and scale each column: the native tests, then whole-call and kernel µs on the GPU timeline,
+    # cold weights (a variant whose width does not divide a case's columns is recorded as its error)
+    timeout -k 10 -s INT ${FP8R_TESTS_TIMEOUT:-180} python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider \
+      tests/test_kernel_fp8_gemm.py -k "ragged or exact_data or 192 or matches_xla" > "$OUT/fp8_ragged_tests.log" 2>&1
+    echo "fp8 ragged tests rc=$?"; tail -3 "$OUT/fp8_ragged_tests.log"
+    V=${FP8R_VARIANTS:-'[{}, {"block_n": 144}, {"block_n": 112}, {"block_n": 224}]'}
+    timeout -k 10 -s INT ${FP8R_TIMEOUT:-360} python3 scripts/diag/fp8_tiles_time.py \
+      --cases ${FP8_CASES:-mlp:128 wo:128 mlp:64 wo:64} \
+      --variants "$V" --rotations 2 \
+      --out "$OUT/fp8_tiles_time_ragged_h200.json" > "$OUT/fp8_ragged.log" 2>&1; echo "fp8 ragged rc=$?"
+    grep -v Warning "$OUT/fp8_ragged.log" | tail -c 4000
     ;;
   fp8-swap)
     # issue 19 (twenty-seventh session): swap_ab, the weight tile as the wgmma's A and x's round_up(M, 8) rows as its N,

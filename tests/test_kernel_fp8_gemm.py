@@ -182,6 +182,32 @@ def test_192_wide_tiles_bit_equal(mode: str, m: int, tiles: dict) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("m,n,tiles", [(130, 1152, dict(block_m=128, block_n=144, split_k=1)),  # 2 chunks of 72
+                                       (100, 1152, dict(block_m=128, block_n=144, stage_scales=True)),  # one row tile
+                                       (7, 384, dict(block_m=64, block_n=48, split_k=2, stage_scales=False)),
+                                       (9, 1152, dict(block_n=144, stream_k=True)),  # units across tiles
+                                       (5, 640, dict(block_n=80, quantize_x=True, split_k=1))])  # 40 columns
+def test_ragged_tiles_bit_equal(mode: str, m: int, n: int, tiles: dict) -> None:
+    """Tiles whose width is no multiple of 64 (144: mlp's 18432 columns in 128 tiles) start inside weight-scale
+    blocks, so a chunk takes each column's weight scale. Weight scales differ per (row block, K block) here
+    (powers of two: exact data), so a column scaled by its neighbour block's scale changes the result."""
+    x, w, _, _ = _exact_case(m, 256, n, seed=m)
+    w = w * 2.0 ** ((np.arange(n) // 128) % 3)[:, None] * 2.0 ** ((np.arange(256) // 128) % 2)[None, :]
+    wq, ws = quant.quantize_weight_blocks_jax(jnp.asarray(w, jnp.float32), 128, "ue8m0")
+    assert len(np.unique(np.asarray(ws))) > 2
+    got = G.fp8_linear(jnp.asarray(x, jnp.bfloat16), wq, ws, out_dtype=jnp.float32, implementation="pallas",
+                       interpret=interpret_for(mode), swap_ab=False, **_staging(tiles, mode))
+    np.testing.assert_array_equal(np.asarray(got), x @ w.T)
+
+
+def test_ragged_chunks() -> None:
+    """A ragged tile's chunks: the fewest of at most 128 columns and a multiple of 8 (wgmma's N) per warpgroup."""
+    assert [G._chunk_cols(128, bn) for bn in (144, 112, 48, 240)] == [72, 112, 48, 120]
+    assert [G._chunk_cols(64, bn) for bn in (144, 112, 48, 80)] == [72, 56, 24, 40]
+    assert [G._chunk_cols(128, bn) for bn in (64, 128, 192, 256)] == [64, 128, 64, 128]  # aligned: unchanged
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("m,out_dtype,tiles", [(1, jnp.bfloat16, {}),  # 192-wide tiles: three compute warpgroups
                                                (8, jnp.float32, dict(block_n=128, split_k=2)),  # fp32 partials
                                                (5, jnp.bfloat16, dict(block_n=192, split_k=1)),  # rows out directly
@@ -336,7 +362,8 @@ def test_unsupported_in() -> None:
 
 
 @pytest.mark.parametrize("kwargs,field", [
-    (dict(block_m=32), "block_m"), (dict(block_n=96), "block_n"), (dict(block_n=256), "block_n"),
+    (dict(block_m=32), "block_m"), (dict(block_n=100), "block_n"), (dict(block_n=272), "block_n"),
+    (dict(block_n=256), "block_n"),
     (dict(split_k=3), "split_k"), (dict(split_k=0), "split_k"), (dict(stages=0), "stages"),
     (dict(group_m=0), "group_m"), (dict(stage_scales=1), "stage_scales"), (dict(scale_fmt="e5m2"), "scale_fmt"),
     (dict(implementation="cuda"), "implementation"), (dict(swap_ab="yes"), "swap_ab"),
@@ -543,6 +570,8 @@ def test_auto_stream_k_and_staged_scales() -> None:
                                          (1, 7168, 18432, dict(stream_k=True, quantize_x=True)),  # mlp decode
                                          (64, 16384, 7168, dict(stream_k=True)),
                                          (128, 7168, 18432, dict(stream_k=True)),  # mlp, one 128-row tile
+                                         (128, 7168, 18432, dict(block_n=144)),  # mlp: 128 ragged tiles
+                                         (64, 16384, 7168, dict(block_n=112)),  # wo: 56-column chunks, split-K
                                          (1, 16384, 7168, dict(act_quant="kernel")),
                                          (128, 7168, 18432, dict(act_quant="kernel")),
                                          (256, 640, 512, dict(block_n=256, split_k=1, stage_scales=True)),
