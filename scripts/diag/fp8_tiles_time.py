@@ -28,7 +28,10 @@ def _case(shape: str, m: int, rotations: int):
     ws_ = []
     for i in range(rotations):
         wq = (jax.random.normal(jax.random.fold_in(kw, i), (n, k), jnp.float32) * 0.5).astype(jnp.float8_e4m3fn)
-        ws_.append((wq, jnp.full((n // 128, k // 128), 2.0 ** -7, jnp.float32)))
+        # block scales that differ between neighbouring blocks, so that a tile path applying a neighbour's scale
+        # (ragged tiles scale per column) shows in max_abs_diff_vs_xla
+        b = np.add.outer(np.arange(n // 128), np.arange(k // 128)) % 3
+        ws_.append((wq, jnp.asarray(2.0 ** (-6.0 - b), jnp.float32)))
     return jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16), ws_
 
 
