@@ -57,6 +57,7 @@
 #   scripts/gpu_session.sh fp8-swap      # issue 19: the FP8 GEMM with the roles swapped (y^T = W x^T) at decode: tests, ncu
 #   scripts/gpu_session.sh fp8-smem      # issue 19: swap_ab's y through transposed SMEM tiles (swap_store="smem"), timeline
 #   scripts/gpu_session.sh fp8-ragged    # issue 19: tiles of 144 / 112 / 224 columns (one wave at 64-128 rows), tests then timeline
+#   scripts/gpu_session.sh key           # one call for a scarce machine: top-k 64 x 64K, FP8 ragged mlp, MQA depth, top-k tests
 #   scripts/gpu_session.sh fp4-wg4       # issue 22: the FP4 GEMM's four-warpgroup e4m3-x form, native tests then ncu sweep
 #   scripts/gpu_session.sh inserts       # issue 20: the fused inserts alone, GPU timeline + T = 8192 tile sweep
 #   scripts/gpu_session.sh topk          # Pallas radix-select top-k: native tests, then the top-k rows
@@ -269,6 +270,24 @@ case "$stage" in
       --variants '[{}, {"swap_ab": true}, {"swap_ab": true, "swap_store": "smem"}]' --rotations 4 \
       --out "$OUT/fp8_tiles_time_smem_h200.json" > "$OUT/fp8_smem.log" 2>&1; echo "fp8 smem rc=$?"
     grep -v Warning "$OUT/fp8_smem.log" | tail -c 4000
+    ;;
+  key)
+    # forty-first session: a device came for two calls in three hours, so the open questions in one call of
+    # under 10 minutes, most important first (each piece's output lands in $OUT as it goes): the top-k's default
+    # (the warp fill) against the one before at the target shape on this GPU; mlp at 64 / 128 rows in 144-wide tiles
+    # (128 CTAs against 96; level on an H100, whose HBM bounds it first); the MQA's depth split at V4 decode 64 (its
+    # native tests have not run: a hang is killed); then the native top-k tests with the time left
+    timeout -k 10 ${KEY_TOPK_TIMEOUT:-130} python3 scripts/diag/topk_knobs.py --mixed --shapes 64x65536 \
+      --knobs h512_p16_hold_r1_pf_sf_b2r3 sf_warp --out "$OUT/topk_knobs_key_h200.json" > "$OUT/key_topk.log" 2>&1
+    echo "key topk rc=$?"; grep '^{' "$OUT/key_topk.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("same_set_as_lax"), r.get("profile_kernel_us"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
+    timeout -k 10 -s INT ${KEY_FP8_TIMEOUT:-130} python3 scripts/diag/fp8_tiles_time.py --cases mlp:128 mlp:64 \
+      --variants '[{}, {"block_n": 144}]' --rotations 2 --out "$OUT/fp8_tiles_time_ragged_h200.json" \
+      > "$OUT/key_fp8.log" 2>&1; echo "key fp8 rc=$?"
+    grep '^{' "$OUT/key_fp8.log" | python3 -c 'import json, sys; [print(r["case"], r["tiles"], r.get("kernel_us"), r.get("call_span_us"), r.get("kernel_copy_frac"), r.get("max_abs_diff_vs_xla"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
+    timeout -k 10 -s KILL ${KEY_MQA_TIMEOUT:-120} python3 scripts/diag/mqa_variants.py --cases v4_decode_64 \
+      --variants default depth --out "$OUT/mqa_variants_depth_key_h200.json" > "$OUT/key_mqa.log" 2>&1
+    echo "key mqa rc=$?"; grep '^{' "$OUT/key_mqa.log" | python3 -c 'import json, sys; [print(r["case"], r["variant"], r.get("profile_span_us"), r.get("profile_kernel_us"), r.get("max_abs_err"), r.get("error", "")[:200]) for r in map(json.loads, sys.stdin)]'
+    TOPK_TESTS_TIMEOUT=${KEY_TESTS_TIMEOUT:-180} bash "$0" topk-tests
     ;;
   fp8-ragged)
     # issue 19 (forty-first session): mlp / wo at 64-128 rows ran 96 / 112 CTAs on 132 SMs (192- / 128-wide tiles);
