@@ -731,13 +731,13 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 def mma(blk_ref, c=c):
                     plgpu.wgmma(blk_ref, a, w_s.at[pl.ds(c0 + c * cw, cw)].T)
                     # the block's scales load while the MMA runs (from SMEM when staged)
-                    sw_c = w_scale((wg_cols(wg) if stage_scales else wg_cols(wg, tile)) + c * cw)
                     if quantize_x or c:  # the row scales are already in registers
                         sx_c = None
                     elif stage_scales:
                         sx_c = plgpu.load(sx_s.at[wg, step], layout=ROW, optimized=False)
                     else:
                         sx_c = plgpu.load(sxt_ref.at[kb, pl.ds(r0, 64)], layout=ROW, optimized=False)
+                    sw_c = w_scale((wg_cols(wg) if stage_scales else wg_cols(wg, tile)) + c * cw)
                     plgpu.wgmma_wait(0)
                     return blk_ref[...], sx_c, sw_c
 
