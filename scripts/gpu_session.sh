@@ -694,9 +694,10 @@ case "$stage" in
       --out "$OUT/kernels_select_h200.json" > "$OUT/select.log" 2>&1; echo "select rc=$?"; tail -5 "$OUT/select.log" | cut -c1-200
     ;;
   topk-tests)
-    # the native top-k and sparse-indexer tests, 4 pytest-xdist workers (carry .whl/ for xdist)
+    # the native top-k and sparse-indexer tests, GPU_WORKERS pytest-xdist workers (default 8: with 4, 44 of them
+    # filled a 150 s limit on an H100, forty-first session; carry .whl/ for xdist)
     python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
-    timeout -k 10 -s INT ${TOPK_TESTS_TIMEOUT:-270} python3 -m pytest -m gpu -n 4 -q --tb=short -rfE -p no:cacheprovider \
+    timeout -k 10 -s INT ${TOPK_TESTS_TIMEOUT:-270} python3 -m pytest -m gpu -n ${GPU_WORKERS:-8} -q --tb=short -rfE -p no:cacheprovider \
       tests/test_kernel_topk_select.py tests/test_kernel_sparse_indexer.py > "$OUT/gpu_topk_tests.log" 2>&1
     echo "topk tests rc=$?"; tail -3 "$OUT/gpu_topk_tests.log"
     ;;
