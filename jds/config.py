@@ -53,10 +53,9 @@ def _hf_float(d: Mapping[str, Any], key: str, default: float, where: str = "") -
         raise ValueError(f"invalid config field {where + key!r}: expected a number, got {v!r}") from None
 
 
-def _hf_int(d: Mapping[str, Any], key: str, default: int, where: str = "") -> int:
-    """``d[key]`` (``default`` when absent) as an int (an integral float or a numeric string is taken); anything
-    else is a ValueError naming ``where + key``."""
-    v = d.get(key, default)
+def _config_int(v: Any, field: str) -> int:
+    """A config.json value as an int (an integral float or a numeric string is taken); anything else is a
+    ValueError naming ``field``."""
     try:
         if isinstance(v, bool) or not isinstance(v, (int, float, str)):
             raise ValueError
@@ -65,7 +64,12 @@ def _hf_int(d: Mapping[str, Any], key: str, default: int, where: str = "") -> in
             raise ValueError
         return int(f)
     except (ValueError, OverflowError):
-        raise ValueError(f"invalid config field {where + key!r}: expected an integer, got {v!r}") from None
+        raise ValueError(f"invalid config field {field!r}: expected an integer, got {v!r}") from None
+
+
+def _hf_int(d: Mapping[str, Any], key: str, default: int, where: str = "") -> int:
+    """``d[key]`` (``default`` when absent) as an int (``_config_int``, naming ``where + key``)."""
+    return _config_int(d.get(key, default), where + key)
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
@@ -370,7 +374,7 @@ class V4Config:
         if ratios is None:
             raise ValueError("invalid config field 'compress_ratios': missing from config.json")
         _require(isinstance(ratios, (list, tuple)), "compress_ratios", f"expected a list of integers, got {ratios!r}")
-        kw["compress_ratios"] = tuple(_hf_int({"compress_ratios": r}, "compress_ratios", 0) for r in ratios)
+        kw["compress_ratios"] = tuple(_config_int(r, "compress_ratios") for r in ratios)
         if rs:
             kw.update(rope_factor=_hf_float(rs, "factor", 16.0, "rope_scaling."),
                       original_seq_len=_hf_int(rs, "original_max_position_embeddings", 65536, "rope_scaling."),

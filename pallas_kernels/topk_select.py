@@ -77,7 +77,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import operator
 from typing import Any, Callable, Literal
 
 import jax
@@ -86,7 +85,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jds.ops.dispatch import Implementation, run_op
+from jds.ops.dispatch import Implementation, check_int, run_op
 from jds.ops.select import ordered_key, radix_topk
 from pallas_kernels import fused_insert_common as C
 
@@ -1379,12 +1378,7 @@ def _check(x: jax.Array, k: int, config: TopkSelectConfig | None = None) -> int:
         raise ValueError(f"x must be float32, bfloat16 or float16, got dtype {x.dtype}")
     if config is not None and not isinstance(config, TopkSelectConfig):
         raise ValueError(f"config must be a TopkSelectConfig or None, got {config!r}")
-    try:
-        if isinstance(k, bool):  # True is not a k
-            raise TypeError
-        k = operator.index(k)
-    except TypeError:
-        raise ValueError(f"k must be an int, got {k!r}") from None
+    k = check_int("k", k)  # a bool is not a k
     n = x.shape[1]
     if not 1 <= k <= n:
         raise ValueError(f"k must be in [1, {n}] for rows of {n}, got {k}")
