@@ -275,8 +275,8 @@ case "$stage" in
     # forty-first session: a device came for two calls in three hours, so the open questions in one call of
     # under 10 minutes, most important first (each piece's output lands in $OUT as it goes): the top-k's default
     # (the warp fill) against the one before at the target shape on this GPU; mlp at 64 / 128 rows in 144-wide tiles
-    # (128 CTAs against 96; level on an H100, whose HBM bounds it first); the MQA's depth split at V4 decode 64 (its
-    # native tests have not run: a hang is killed); then the native top-k tests with the time left
+    # (128 CTAs against 96; level on an H100, whose HBM bounds it first); then the native top-k tests with the time
+    # left (KEY_TESTS=0 skips them; they passed on an H100, forty-second session)
     timeout -k 10 ${KEY_TOPK_TIMEOUT:-130} python3 scripts/diag/topk_knobs.py --mixed --shapes 64x65536 \
       --knobs h512_p16_hold_r1_pf_sf_b2r3 sf_warp --out "$OUT/topk_knobs_key_h200.json" > "$OUT/key_topk.log" 2>&1
     echo "key topk rc=$?"; grep '^{' "$OUT/key_topk.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("same_set_as_lax"), r.get("profile_kernel_us"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
@@ -284,10 +284,7 @@ case "$stage" in
       --variants '[{}, {"block_n": 144}]' --rotations 2 --out "$OUT/fp8_tiles_time_ragged_h200.json" \
       > "$OUT/key_fp8.log" 2>&1; echo "key fp8 rc=$?"
     grep '^{' "$OUT/key_fp8.log" | python3 -c 'import json, sys; [print(r["case"], r["tiles"], r.get("kernel_us"), r.get("call_span_us"), r.get("kernel_copy_frac"), r.get("max_abs_diff_vs_xla"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
-    timeout -k 10 -s KILL ${KEY_MQA_TIMEOUT:-120} python3 scripts/diag/mqa_variants.py --cases v4_decode_64 \
-      --variants default depth --out "$OUT/mqa_variants_depth_key_h200.json" > "$OUT/key_mqa.log" 2>&1
-    echo "key mqa rc=$?"; grep '^{' "$OUT/key_mqa.log" | python3 -c 'import json, sys; [print(r["case"], r["variant"], r.get("profile_span_us"), r.get("profile_kernel_us"), r.get("max_abs_err"), r.get("error", "")[:200]) for r in map(json.loads, sys.stdin)]'
-    TOPK_TESTS_TIMEOUT=${KEY_TESTS_TIMEOUT:-180} bash "$0" topk-tests
+    [ "${KEY_TESTS:-1}" = 0 ] || TOPK_TESTS_TIMEOUT=${KEY_TESTS_TIMEOUT:-180} bash "$0" topk-tests
     ;;
   fp8-ragged)
     # issue 19 (forty-first session): mlp / wo at 64-128 rows ran 96 / 112 CTAs on 132 SMs (192- / 128-wide tiles);
