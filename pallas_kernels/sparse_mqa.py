@@ -53,8 +53,9 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, two compute warpgroups per CT
   columns; the two also dequantise half of the K tile each). Each warpgroup's running sum covers its own
   candidates; the two sums are added at the end (same maxima, so the same scale). The tiles are swizzled
   over 64 bytes (32 columns), so that a half of P is whole tiles. The next block's rows are copied while the
-  current block is multiplied; their copies are issued while the tensor cores run QK. (``qk_split="depth"``
-  splits QK over the head dim instead: ``sparse_mqa``.)
+  current block is multiplied; their copies are issued while the tensor cores run QK. QK split over the head
+  dim instead (each warpgroup all 64 candidates, the fp32 partial scores exchanged) measured slower with the
+  register producer and level with TMA's, and was removed (docs/perf-log.md, forty-second session).
 - wgmma descriptors: the q and K tiles are [1, rows, dk] buffers indexed by a zero the compiler cannot fold
   (block id >> 20), so the operands' shared-memory descriptors are rebuilt in each block from uniform
   registers. Computed once before the loop, the compiler held all of them across it and spilled them to
@@ -136,7 +137,6 @@ from pallas_kernels.split_combine import split_combine
 
 Producer = Literal["tma", "registers"]
 OutStore = Literal["direct", "tma"]
-QkSplit = Literal["candidates", "depth"]
 
 
 PROFILE_RANGES = 64  # per warpgroup and call: ``profile_dir``'s regions (4 per block, 2 more per warpgroup)
@@ -224,8 +224,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                producer_regs: int | None = None, producer_phases: int | None = None,
                producer_pow2: bool | None = None, profile_dir: str | None = None,
                combine: Implementation = "auto", split_dtype: jnp.dtype | None = None,
-               out_store: OutStore | None = None, extents: Literal["xla", "pallas"] | None = None,
-               qk_split: QkSplit | None = None) -> jax.Array:
+               out_store: OutStore | None = None, extents: Literal["xla", "pallas"] | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype; with candidate
@@ -240,15 +239,6 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     into the q tile (free once both warpgroups' last QK is done) and one TMA store copies them out in whole
     lines. None: "tma" where the kernel stores bf16 rows (one split, bf16 out: it removed the bf16 rows' cost
     at V3.2 decode 64 and V4 prefill 4096 in the same run), else "direct".
-
-    ``qk_split``: how the two compute warpgroups share a block's QK. "candidates" (None: the default), each the
-    whole head dim for half of the 64 candidates (wgmma N = 32, so each reads all of Q), the row maxima and P's
-    halves exchanged through SMEM. "depth" (head dims up to 512: its 32 KB fp32 exchange must fit the shared
-    memory), each half of the head dim for all 64 candidates (N = 64, half of Q each); the partial scores are
-    exchanged and summed in fp32 (the same sum in both), both run the softmax over the whole block and feed PV
-    their P from registers (interpret mode: from their own SMEM tile), so no maxima, P or final-sum exchanges.
-    Why: V4 decode's per-block cost (docs/perf-log.md, the twenty-second session's in-kernel regions) sat in the two
-    QK wgmma groups and the maxima wait.
 
     ``implementation="xla"``: gather + dequantise with ``read_records`` and the pure-JAX softmax
     (``jds.ops.sparse_mqa.paged_sparse_mqa_xla``); ``"auto"``: the kernel where ``supports``, else XLA.
@@ -285,7 +275,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                                   producer=producer, producer_regs=producer_regs,
                                   producer_phases=producer_phases, producer_pow2=producer_pow2,
                                   profile_dir=profile_dir, combine=combine, split_dtype=split_dtype,
-                                  out_store=out_store, extents=extents, qk_split=qk_split)})
+                                  out_store=out_store, extents=extents)})
 
 
 def _check_inputs(q, caches, formats, slots, v_dim, sink) -> int:
@@ -317,7 +307,7 @@ def _xla(q, caches, formats, slots, *, scale, v_dim, sink, out_dtype):
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
             producer_regs=None, producer_phases=None, producer_pow2=None, profile_dir=None, combine="auto",
-            split_dtype=None, out_store=None, extents=None, qk_split=None):
+            split_dtype=None, out_store=None, extents=None):
     if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
     if split_dtype is not None and jnp.dtype(split_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
@@ -343,12 +333,6 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
         raise ValueError("producer_pow2=True needs MlaRecord656 records with power-of-two (ue8m0) scales, "
                          f"got {formats}")
     t, h, dk = q.shape
-    qk_split = "candidates" if qk_split is None else qk_split
-    if qk_split not in ("candidates", "depth"):
-        raise ValueError(f'qk_split must be "candidates" or "depth", got {qk_split!r}')
-    if qk_split == "depth" and dk > 512:
-        raise ValueError(f'qk_split="depth" takes head dims up to 512 (its fp32 score exchange does not fit the '
-                         f"shared memory beside a {dk}-wide q tile and K tiles), got {dk}")
     if dk != specs[0].dim:
         raise ValueError(f"q head dim {dk} does not match the cache rows ({specs[0].dim})")
     for c, f in zip(caches, formats):
@@ -404,7 +388,7 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
                        producer_phases=producer_phases,
                        pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2,
-                       profile_dir=profile_dir, depth=qk_split == "depth")
+                       profile_dir=profile_dir)
     # the lists' slots apart: no concatenated copy
     outs = call(qp, *padded, *_extents(padded, extents, bool(interpret)), sink_p, *caches)
     if n_splits == 1:
@@ -482,20 +466,14 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 split_dtype: jnp.dtype, out_store: OutStore = "direct",
                 interpret: plgpu.InterpretGPUParams | None, producer: Producer = "tma",
                 producer_regs: int = 144, producer_phases: int = 1, pow2: bool = False,
-                profile_dir: str | None = None, depth: bool = False):
+                profile_dir: str | None = None):
     """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k and arrives on "full"[k % 2];
     the compute warpgroups wait on it, read the block's slots from its idx slot (written by the producer),
     compute as below and arrive on "free"[k % 2] after their PV, which the producer waits for before it refills
     that tile with block k + 2. No "ready" barrier and no staging rows natively. Natively the producer is one
     software-pipelined loop (``record_gather.produce_tile``) and "full" and "free"
     are raw mbarriers in the idx buffer's third row (``record_gather.init_barriers``); interpret mode emulates
-    it with the staged copies, the compute warpgroups' conversion and Pallas barriers.
-
-    ``depth`` (``qk_split="depth"``): warpgroup w multiplies head-dim columns [w dk/2, (w+1) dk/2) of Q and the K
-    tile for all BK candidates, writes its fp32 partial scores into its half of the exchange tile (the P tile's
-    place), arrives / waits "P" (now: both partials written), adds the other's; both then hold the same S (fp32
-    addition commutes). Before writing the next block's partial a warpgroup waits "read" (the other has read this
-    one's; one buffer per warpgroup, 32 KB in all)."""
+    it with the staged copies, the compute warpgroups' conversion and Pallas barriers."""
     reg = producer == "registers"
     raw = reg and interpret is None  # the producer's inline PTX loop over raw mbarriers
     kind, dk = specs[0].kind, specs[0].dim
@@ -633,14 +611,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             (o_ref,), scratch = rest[:1], rest[1:]
         else:
             (o_ref, m_ref, l_ref), scratch = rest[:3], rest[3:]
-        st16 = pb_s = sel_s = st = bar_i = bar_kv = bar_ready = pi_s = bar_rd = stat_s = bar_stat = None
-        if depth:  # the "read" barrier, and interpret mode's own P tiles (no register A operand there)
-            if interpret is not None:
-                *scratch, pi_s, bar_rd = scratch
-            else:
-                *scratch, bar_rd = scratch
-        else:  # the row maxima and final sums exchanged
-            *scratch, stat_s, bar_stat = scratch
+        st16 = pb_s = sel_s = st = bar_i = bar_kv = bar_ready = None
+        *scratch, stat_s, bar_stat = scratch
         if reg:
             q_s1, k_s1, p_s, idx_s, bar_q, bar_full, bar_free, bar_p, *staged = scratch
             if emulate:  # the producer's staging rows, rope byte tile and selection matrix; then the barriers
@@ -729,8 +701,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 if has_sink and n_splits == 1:
                     sk = plgpu.load(sink_ref.at[pl.ds(gi * HEAD_TILE, HEAD_TILE)], layout=ROW, optimized=False) * LOG2E
                     m0 = jnp.maximum(sk, M_INIT)
-                    # counted once, in warpgroup 0's sum (with depth each sums the whole block: both count it)
-                    l0 = jnp.exp2(sk - m0) * (1.0 if w == 0 or depth else 0.0)
+                    l0 = jnp.exp2(sk - m0) * (1.0 if w == 0 else 0.0)  # counted once, in warpgroup 0's sum
                 else:
                     m0 = plgpu.layout_cast(jnp.full((HEAD_TILE,), M_INIT, jnp.float32), ROW)
                     l0 = plgpu.layout_cast(jnp.full((HEAD_TILE,), 0.0, jnp.float32), ROW)
@@ -738,7 +709,6 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 plgpu.barrier_wait(bar_q.at[0])
 
             own = pl.ds(w * HALF, HALF)  # this warpgroup's candidates
-            kc = pl.ds(w * (dk // NUM_WG), dk // NUM_WG)  # depth: this warpgroup's head-dim columns
 
             def body(k, carry):
                 acc, m, l = carry
@@ -757,8 +727,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     q_mm, k_mm = q_s1.at[z], k_s1.at[islot + z]
                 else:
                     q_mm, k_mm = q_s1.at[z], k_s1.at[z]
-                cand = pl.ds(0, BK) if depth else own  # the candidates whose scores this warpgroup holds
-                valid = plgpu.load(idx_s.at[islot, cand], layout=COL, optimized=False) >= 0
+                valid = plgpu.load(idx_s.at[islot, own], layout=COL, optimized=False) >= 0
                 if not reg:  # K tile of block k complete (both halves), its staging rows and slots read by both
                     plgpu.barrier_arrive(bar_ready.at[0])
                     plgpu.barrier_wait(bar_ready.at[0])
@@ -777,17 +746,12 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
 
                 # S = Q K^T (the prefetch is issued while the tensor cores run it), masked online softmax (base 2)
                 def qk(acc_ref):
-                    if depth:
-                        plgpu.wgmma(acc_ref, q_mm.at[:, kc], k_mm.at[:, kc].T)
-                    else:
-                        plgpu.wgmma(acc_ref, q_mm, k_mm.at[own].T)
+                    plgpu.wgmma(acc_ref, q_mm, k_mm.at[own].T)
                     if not reg:
                         prefetch()
                     plgpu.wgmma_wait(0)
                     return acc_ref[...]
 
-                if depth:
-                    return depth_step(k, islot, k_mm, valid, qk, acc, m, l)
                 with jax.named_scope("qk"):
                     sc = pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, HALF), jnp.float32)) * s2
                 with jax.named_scope("softmax"):  # and the exchanges of the row maxima and of P
@@ -825,11 +789,6 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     with jax.named_scope("pv"):
                         acc = pl.run_state(pv)(plgpu.ACC.init(acc))
 
-                release(k, islot)
-                return acc, m_new, l
-
-            def release(k, islot):
-                """After PV(k): K tile k % 2 back to the producer, or (TMA producer) block k+1's chunks filled."""
                 if raw:  # done with K tile k % 2 (and its slots): the producer may refill it
                     record_gather.arrive_free(idx_s.at[2, pl.ds(4 + 2 * islot, 2)])
                 elif reg:  # this warpgroup is done with K tile k % 2 (and its slots): the producer may refill it
@@ -837,74 +796,26 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 else:
                     # block k+1's K chunks of this warpgroup, once its PV(k) is done: PV(k) reads this
                     # warpgroup's value columns, the very chunks it writes; the other warpgroup's QK(k) finished
-                    # before the P (with depth: the scores') exchange and its PV(k) reads only its own columns (so
-                    # no "K free" barrier)
-                    @pl.when(k + 1 < nblk)
+                    # before the P exchange and its PV(k) reads only its own columns (so no "K free" barrier)
+                    @pl.when(nxt)
                     def _():
                         plgpu.barrier_wait(bar_kv.at[0])
                         fill_k(1 - islot)
-
-            def depth_step(k, islot, k_mm, valid, qk, acc, m, l):
-                """Block k with ``depth``: the partial scores over this warpgroup's head-dim half, summed with the
-                other's through SMEM; the softmax over the whole block; PV with P from registers."""
-                with jax.named_scope("qk"):
-                    part = pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, BK), jnp.float32))
-                with jax.named_scope("softmax"):  # and the exchange of the partial scores
-                    @pl.when(k > 0)
-                    def _():  # the other warpgroup has read this one's partial of block k - 1
-                        plgpu.barrier_wait(bar_rd.at[0])
-
-                    p_s.at[w][...] = part
-                    plgpu.barrier_arrive(bar_p.at[0])
-                    plgpu.barrier_wait(bar_p.at[0])
-                    sc = (part + plgpu.load(p_s.at[1 - w], layout=L)) * s2
-                    plgpu.barrier_arrive(bar_rd.at[0])
-                    sc = jnp.where(lax.broadcast_in_dim(valid, sc.shape, [1]), sc, -jnp.inf)
-                    m_new = jnp.maximum(m, sc.max(axis=1))
-                    alpha = jnp.exp2(m - m_new)
-                    p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
-                    l = l * alpha + p.sum(axis=1)
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                v_ref = k_mm.at[:, pl.ds(w * dvw, dvw)]
-                if interpret is not None:  # no register A operand in interpret mode: this warpgroup's own P tile
-                    pi_s.at[w][...] = p.astype(jnp.bfloat16)
-                    plgpu.commit_smem()
-
-                    def pv_fresh(acc_ref):
-                        plgpu.wgmma(acc_ref, pi_s.at[w], v_ref)
-                        plgpu.wgmma_wait(0)
-                        return acc_ref[...]
-
-                    acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((HEAD_TILE, dvw), jnp.float32))
-                else:
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p.astype(jnp.bfloat16), v_ref)
-                        plgpu.wgmma_wait(0)
-
-                    with jax.named_scope("pv"):
-                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                release(k, islot)
                 return acc, m_new, l
 
             acc, m, l = lax.fori_loop(0, nblk, body, (acc0, m0, l0))
             with jax.named_scope("epilogue"):
-                if depth:
-                    @pl.when(nblk > 0)
-                    def _():  # the last block's "read" phase (every phase is waited once by each waiter)
-                        plgpu.barrier_wait(bar_rd.at[0])
-                else:
-                    # each warpgroup summed its halves' weights (same maxima): the total is the sum of both
-                    stat_s.at[1, w][...] = l
-                    plgpu.barrier_arrive(bar_stat.at[0])
-                    plgpu.barrier_wait(bar_stat.at[0])
-                    l = l + plgpu.load(stat_s.at[1, 1 - w], layout=ROW, optimized=False)
+                # each warpgroup summed its halves' weights (same maxima): the total is the sum of both
+                stat_s.at[1, w][...] = l
+                plgpu.barrier_arrive(bar_stat.at[0])
+                plgpu.barrier_wait(bar_stat.at[0])
+                l = l + plgpu.load(stat_s.at[1, 1 - w], layout=ROW, optimized=False)
                 heads = pl.ds(gi * HEAD_TILE, HEAD_TILE)
                 cols = pl.ds(w * dvw, dvw)
                 inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
                 o = acc * lax.broadcast_in_dim(inv, acc.shape, [0])  # normalised, so a split's rows fit its dtype
                 dst = o_ref.at[ti, heads, cols] if n_splits == 1 else o_ref.at[si, ti, heads, cols]
-                if out_store == "tma":  # the q tile is free: both warpgroups passed the statistics barrier (with
-                    # depth: the last block's score exchange, after both QKs; with no block there was no QK)
+                if out_store == "tma":  # the q tile is free: both warpgroups passed the statistics barrier
                     q_s.at[:, cols][...] = o.astype(jnp.bfloat16)
                     plgpu.commit_smem()
                     for r in range(HEAD_TILE // 8):  # an 8-row group of the tiled q tile is contiguous
@@ -972,10 +883,6 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     else:
         st_t = plgpu.SMEM((BK, rows_w), jnp.bfloat16)
     p_t = plgpu.SMEM((HEAD_TILE, BK), jnp.bfloat16, transforms=SW)
-    if depth:  # P's place: the fp32 partial scores, one [HEAD_TILE, BK] tile per warpgroup, in 128-byte swizzled
-        # tiles of 32 columns (row-major, the accumulator layout's stores would hit 8 rows in the same banks)
-        p_t = plgpu.SMEM((NUM_WG, HEAD_TILE, BK), jnp.float32,
-                         transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
     if fp8 and not rope_mm:  # the staging rows as bytes (copies, latent, scales) and as bf16 (rope values)
         st_t = plgpu.RefUnion(st_t, plgpu.SMEM((BK, st_t.shape[1] // 2), jnp.bfloat16))
     if rope_mm:  # interpret mode only: the rope byte tile (its own: the other warpgroup's PV may still read P
@@ -1016,9 +923,6 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             scratch += [st_t, *mid[1:], plgpu.Barrier(num_arrivals=1, num_barriers=2),
                         plgpu.Barrier(num_arrivals=BK * copies, num_barriers=1)]
         scratch += [plgpu.SMEM((2, NUM_WG, HEAD_TILE), jnp.float32), plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1)]
-    if depth:  # no maxima or sums exchanged (the last two); interpret mode's P tiles (one a warpgroup), then "read"
-        p_own = [plgpu.SMEM((NUM_WG, HEAD_TILE, BK), jnp.bfloat16, transforms=SW)] if interpret is not None else []
-        scratch = scratch[:-2] + p_own + [plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1)]
     if n_splits == 1:
         out_type = jax.ShapeDtypeStruct((t, hp, dv), out_dtype)
     else:

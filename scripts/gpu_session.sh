@@ -28,7 +28,6 @@
 #   scripts/gpu_session.sh topk-prefilter # issue 20: a warp's own part / layouts without conversions, fused bucket
 #   scripts/gpu_session.sh topk-shapes   # issue 20: the default (warp fill) against the CTA-wide fill, 4 more shapes
 #   scripts/gpu_session.sh topk-select   # issue 20: the indexer's decode select per top-k choice (the split finish beside)
-#   scripts/gpu_session.sh mqa-depth     # issue 20: the MQA's QK split over the head dim against the default (V4)
 #   scripts/gpu_session.sh mqa-refresh   # issue 20: every native MQA test; the defaults, V4's splits and output dtypes timed
 #   scripts/gpu_session.sh mqa-probe     # issue 20: the MQA's fixed / per-block cost fit, V4's in-kernel regions
 #   scripts/gpu_session.sh mqa-rows      # issue 20: the MQA's wall-clock rows beside XLA, the 8-layer V3.2 fused step
@@ -57,7 +56,7 @@
 #   scripts/gpu_session.sh fp8-swap      # issue 19: the FP8 GEMM with the roles swapped (y^T = W x^T) at decode: tests, ncu
 #   scripts/gpu_session.sh fp8-smem      # issue 19: swap_ab's y through transposed SMEM tiles (swap_store="smem"), timeline
 #   scripts/gpu_session.sh fp8-ragged    # issue 19: tiles of 144 / 112 / 224 columns (one wave at 64-128 rows), tests then timeline
-#   scripts/gpu_session.sh key           # one call for a scarce machine: top-k 64 x 64K, FP8 ragged mlp, MQA depth, top-k tests
+#   scripts/gpu_session.sh key           # one call for a scarce machine: top-k 64 x 64K, FP8 ragged mlp, top-k tests
 #   scripts/gpu_session.sh fp4-wg4       # issue 22: the FP4 GEMM's four-warpgroup e4m3-x form, native tests then ncu sweep
 #   scripts/gpu_session.sh inserts       # issue 20: the fused inserts alone, GPU timeline + T = 8192 tile sweep
 #   scripts/gpu_session.sh topk          # Pallas radix-select top-k: native tests, then the top-k rows
@@ -429,22 +428,6 @@ case "$stage" in
     ncu -i /tmp/mqa_loop.ncu-rep --page details > "$OUT/mqa_v32_b64_loop_details.txt" 2>&1
     ncu -i /tmp/mqa_loop.ncu-rep --page source --csv --print-source sass > "$OUT/mqa_v32_b64_loop_sass.csv" 2>&1
     python3 scripts/diag/ncu_sass_regions.py "$OUT/mqa_v32_b64_loop_sass.csv" --top 15 | tee "$OUT/mqa_v32_b64_loop_regions.txt" | head -60
-    ;;
-  mqa-depth)
-    # issue 20: the sparse MQA's QK split over the head dim (qk_split="depth", off by default): the native MQA tests
-    # (test_qk_split_depth among them), then it against the default at V4 decode 64 / 8 and 4K prefill, and V4 decode
-    # 64's splits, output dtype, TMA producer and register split (GPU timeline); V3.2 takes no depth split (576)
-    python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
-    timeout -k 10 -s INT ${MQAR_TEST_TIMEOUT:-150} python3 -m pytest -m gpu -n ${GPU_WORKERS:-8} -q --tb=short -rfE \
-      -p no:cacheprovider tests/test_kernel_sparse_mqa.py > "$OUT/gpu_mqa_tests.log" 2>&1
-    echo "mqa tests rc=$?"; grep -E "FAILED|ERROR" "$OUT/gpu_mqa_tests.log" | head; tail -1 "$OUT/gpu_mqa_tests.log"
-    timeout -k 10 -s KILL ${MQAD_TIMEOUT:-150} python3 scripts/diag/mqa_variants.py --cases v4_decode_64 v4_decode_8 \
-      v4_prefill_4096 --variants default depth bf16_out depth_bf16_out --out "$OUT/mqa_variants_depth_h200.json" \
-      > "$OUT/mqa_depth.log" 2>&1; echo "mqa depth rc=$?"
-    timeout -k 10 -s KILL ${MQAD_TIMEOUT:-150} python3 scripts/diag/mqa_variants.py --cases v4_decode_64 \
-      --variants depth_splits1 depth_splits4 depth_tma depth_p2r104 tma --out "$OUT/mqa_variants_depth_more_h200.json" \
-      >> "$OUT/mqa_depth.log" 2>&1; echo "mqa depth more rc=$?"
-    grep '^{' "$OUT/mqa_depth.log" | python3 -c 'import json, sys; [print(r["case"], r["variant"], r.get("profile_span_us"), r.get("profile_kernel_us"), r.get("tflops"), r.get("max_abs_err"), r.get("error", "")[:200]) for r in map(json.loads, sys.stdin)]'
     ;;
   mqa-refresh)
     # the MQA's defaults (the coalesced register producer for fp8 records, per-list extents, bf16 split rows for

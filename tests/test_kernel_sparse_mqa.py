@@ -224,11 +224,9 @@ def test_register_producer_bad_inputs():
 
 
 @pytest.mark.skipif(ON_GPU, reason="interpret mode's race detector")
-@pytest.mark.parametrize("qk_split", ["candidates", "depth"])
-def test_no_races(qk_split):
-    """Interpret mode's race detector over the warpgroups' exchanges: the row maxima and final sums, P's halves
-    (with ``qk_split="depth"``: the partial scores and their "read" barrier), the K tile's ready / free protocol;
-    V4's two caches, sink and 2 splits."""
+def test_no_races():
+    """Interpret mode's race detector over the warpgroups' exchanges: the row maxima and final sums, P's halves,
+    the K tile's ready / free protocol; V4's two caches, sink and 2 splits."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -238,7 +236,7 @@ def test_no_races(qk_split):
     q = _bf16_exact(rng.standard_normal((1, 4, 512)))
     _check(q, [cw, cc], [fw, fc], [_slots(rng, 1, 64, 32, 0.2), _slots(rng, 1, 100, 32, 0.3)], scale=512 ** -0.5,
            v_dim=512, sink=jnp.asarray(rng.standard_normal(4).astype(np.float32)), tol=TOL_EXACT_KV,
-           interpret=plgpu.InterpretGPUParams(detect_races=True), num_splits=2, qk_split=qk_split)
+           interpret=plgpu.InterpretGPUParams(detect_races=True), num_splits=2)
     assert not gpu_callbacks.get_races().races_found
 
 
@@ -260,39 +258,6 @@ def test_v4_register_producer(num_splits, producer):
         pytest.skip("native only")
     kw = {"tma": dict(producer="tma"), "registers_p2": dict(producer="registers", producer_phases=2)}[producer]
     _v4_window_compressed(False, num_splits, **kw)
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("producer", [None, pytest.param("tma", marks=pytest.mark.gpu)])
-def test_qk_split_depth(mode, producer):
-    """``qk_split="depth"`` (each warpgroup half of the head dim for all candidates, the fp32 partial scores
-    exchanged): V4's two lists with the sink and a fully masked row, 2 splits (fp32, bf16 and TMA-stored bf16
-    rows), natively with the default register producer and the TMA one; bf16 rows of width 512; rows with every
-    candidate masked. V3.2's 576-wide rows are refused (the exchange does not fit the shared memory)."""
-    interpret = _interpret(mode)
-    if producer and interpret:
-        pytest.skip("interpret mode runs the TMA producer by default")
-    _v4_window_compressed(interpret, 2, qk_split="depth", **({"producer": producer} if producer else {}))
-    rng = np.random.default_rng(9)
-    t, h, k, epp = (2, 4, 90, 16) if interpret else (8, 64, 640, 64)
-    fmt = FloatRows(512, epp, jnp.bfloat16)
-    cache = _cache(fmt, 8, 512, rng)
-    q = _bf16_exact(rng.standard_normal((t, h, 512)))
-    sink = jnp.asarray(rng.standard_normal(h).astype(np.float32))
-    _check(q, [cache], [fmt], [_slots(rng, t, k, 8 * epp, 0.2)], scale=512 ** -0.5, v_dim=512, sink=sink,
-           tol=TOL_EXACT_KV, interpret=interpret, qk_split="depth")
-    for sk in (None, sink):
-        out = mqa.sparse_mqa(q, [cache], [fmt], [jnp.full((t, 10), -1, jnp.int32)], scale=0.05, v_dim=512, sink=sk,
-                             interpret=interpret, num_splits=1, qk_split="depth")
-        assert np.all(np.asarray(out) == 0.0)
-    f656 = MlaRecord656(16)
-    c656 = _cache(f656, 2, 576, rng)
-    with pytest.raises(ValueError, match="qk_split"):
-        mqa.sparse_mqa(_bf16_exact(rng.standard_normal((1, 4, 576))), [c656], [f656], [jnp.zeros((1, 8), jnp.int32)],
-                       scale=0.05, v_dim=512, interpret=interpret, qk_split="depth")
-    with pytest.raises(ValueError, match="qk_split"):
-        mqa.sparse_mqa(q, [cache], [fmt], [jnp.zeros((t, 8), jnp.int32)], scale=0.05, v_dim=512,
-                       interpret=interpret, qk_split="heads")
 
 
 def _v4_window_compressed(interpret, num_splits, **kw) -> None:
@@ -460,8 +425,7 @@ def test_v4_layer_attend(mode):
 @pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16", "v32_fp8_tma",
                                   "v32_fp8_registers_p2", "v4_fp8_tma",
                                   "v4_fp8_registers_p2", "v4_fp8_splits_bf16", "v32_fp8_out_tma",
-                                  "v4_fp8_splits_out_tma", "v4_fp8_extents_pallas", "v4_fp8_depth",
-                                  "v4_fp8_tma_depth", "v4_fp8_splits_out_tma_depth", "v4_bf16_depth"])
+                                  "v4_fp8_splits_out_tma", "v4_fp8_extents_pallas"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -486,12 +450,7 @@ def test_lowers_for_cuda(case):
           "v32_fp8_out_tma": dict(out_dtype=jnp.bfloat16, out_store="tma"),
           "v4_fp8_splits_out_tma": dict(out_dtype=jnp.bfloat16, split_dtype=jnp.bfloat16,
                                         out_store="tma"),
-          "v4_fp8_extents_pallas": dict(extents="pallas"),
-          # qk_split="depth": the register producer (two K tiles), the TMA producer (staging rows), bf16 rows
-          "v4_fp8_depth": dict(qk_split="depth"), "v4_fp8_tma_depth": dict(producer="tma", qk_split="depth"),
-          "v4_fp8_splits_out_tma_depth": dict(out_dtype=jnp.bfloat16, split_dtype=jnp.bfloat16, out_store="tma",
-                                              qk_split="depth"),
-          "v4_bf16_depth": dict(qk_split="depth")}.get(case, {})
+          "v4_fp8_extents_pallas": dict(extents="pallas")}.get(case, {})
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,

@@ -52,14 +52,6 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             "registers_splits1": dict(producer="registers", num_splits=1),  # V4 b64
             # the fp32 dequantisation (conversion instructions) where the default takes the power-of-two one
             "registers_f32": dict(producer="registers", producer_pow2=False),
-            # each compute warpgroup half of the head dim for all 64 candidates, the partial scores exchanged
-            # (qk_split="depth", thirty-eighth session); its compute warpgroups hold the whole block's S and P, so
-            # also with fewer producer registers (more for them) and the producer's loads in two rounds
-            "depth": dict(qk_split="depth"), "depth_bf16_out": dict(qk_split="depth", out_dtype="bfloat16"),
-            "depth_splits1": dict(qk_split="depth", num_splits=1),
-            "depth_splits4": dict(qk_split="depth", num_splits=4),
-            "depth_tma": dict(qk_split="depth", producer="tma"),
-            "depth_p2r104": dict(qk_split="depth", producer="registers", producer_phases=2, producer_regs=104),
             # the register producer's rounds of loads (96 words per lane and block) and registers
             **{f"registers_p{p}r{r}": dict(producer="registers", producer_phases=p, producer_regs=r)
                for p, r in ((1, 136), (1, 144), (1, 152), (2, 136), (4, 80))}}
