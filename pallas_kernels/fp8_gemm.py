@@ -123,6 +123,7 @@ WIDE_TILE_MAX_K = 2048  # in-features up to which decode rows default to 256-wid
 ACT_QUANT_KERNEL_UP_TO = 128  # rows (M) up to which act_quant=None quantises x in one kernel (quantize_rows)
 SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 SWAP_ROWS_OUT_UP_TO = 8  # swap_ab stores y [M, N] itself up to this many rows (M masked row sums), else via SMEM
+SWAP_BLOCK_N = (64, 128, 192)  # swap_ab's tile widths: a compute warpgroup per 64 weight rows, at most three
 SWAP_AB_UP_TO = 32  # rows (M) up to which swap_ab=None swaps the roles (``_auto_swap_ab``)
 SWAP_STORES = ("rows", "transpose", "smem")  # swap_ab's ways to store y (``fp8_linear``'s ``swap_store``)
 STAGES = 4  # TMA ring depth (stages=None)
@@ -301,7 +302,7 @@ def _auto_swap_ab(m: int, block_m: int | None, block_n: int | None, quantize_x: 
     call at 16 and 32 rows of q_b and mlp and 16 of wo, slower at 64 (whole-call GPU timeline, 2026-12-05,
     benchmarks/results/archive/fp8_tiles_time_smem_h200_2026-12-05.json); the y^T + transposing fusion form had been
     slower than the unswapped call there."""
-    return (m <= SWAP_AB_UP_TO and block_m is None and block_n in (None, 64, 128, 192) and not quantize_x
+    return (m <= SWAP_AB_UP_TO and block_m is None and block_n in (None, *SWAP_BLOCK_N) and not quantize_x
             and not stream_k)
 
 
@@ -452,7 +453,7 @@ def _pallas_swapped(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m,
     if m > 128 or block_m is not None or quantize_x or stream_k:
         raise Unsupported(f"fp8_linear kernel: swap_ab takes at most 128 rows, and no block_m, quantize_x or "
                           f"stream_k (got {m} rows, block_m {block_m}, quantize_x {quantize_x}, stream_k {stream_k})")
-    if block_n not in (None, 64, 128, 192):
+    if block_n not in (None, *SWAP_BLOCK_N):
         raise Unsupported(f"fp8_linear kernel: swap_ab takes block_n 64, 128 or 192 (a compute warpgroup per 64 "
                           f"weight rows, at most three), got {block_n}")
     wide = _default_block_n(1, n, nk, 64)  # the decode default, but at most three compute warpgroups
@@ -639,7 +640,6 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     L = plgpu.Layout.WGMMA
     ROW, COL = L.reduce(1), L.reduce(0)
     ragged = _ragged(bn)  # per-column weight scales (``_chunk_cols``)
-    nb = -(-n // BLOCK)  # weight-scale rows
     # one row tile (decode) keeps only the first mr = round_up(M, 8) rows (``_trimmed``): fp32 partials of all 64
     # rows would be written and read back once per split (as many bytes as the weights); one split's output in
     # out_dtype, its padded rows never written
@@ -723,7 +723,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 b0 = col0 // BLOCK
                 if not ragged:
                     return get(b0)
-                s0, s1 = get(b0), get(jnp.minimum(b0 + 1, nb - 1))
+                s0, s1 = get(b0), get((col0 + cw - 1) // BLOCK)  # the blocks of its first and last columns
                 col = col0 + plgpu.broadcasted_iota(jnp.int32, (cw,), 0, layout=COL)
                 return jnp.where(col < (b0 + 1) * BLOCK, s0, s1)
 
