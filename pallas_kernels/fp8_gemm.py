@@ -262,18 +262,34 @@ def _auto_split_k(tiles: int, nk: int) -> int:
 
 def _default_block_n(m: int, n: int, nk: int, bm: int) -> int:
     """Decode rows (one row tile, M <= 128) whose 128-wide column tiles exceed one wave (q_b's 192, mlp's 144
-    on 132 SMs), where whole tiles leave a tail wave: 192-wide tiles where they make one wave (q_b's 128, mlp's
-    96; each accumulator chunk stays inside one weight-scale block); else 256-wide for one
-    64-row tile of a short K (<= ``WIDE_TILE_MAX_K``), where stream-K's fp32 partials cost too much beside the
-    weight read; else 128. Exact kernel times (ncu): 192-wide tiles beat the earlier defaults at q_b 64 / 128
-    rows and mlp 1, 64 and 128 rows, level at q_b 1 row (archive/fp8_decode_ncu_sweep_h200_2026-12-03.json);
-    256 beat 128 at 1 and 64 rows (archive/fp8_decode_ncu_sweep_h200_2026-12-02.json)."""
+    on 132 SMs), where whole tiles leave a tail wave. Above ``SWAP_AB_UP_TO`` rows (the unswapped kernel): the
+    narrowest multiple of 16 dividing n whose tiles fit one wave (``_one_wave_width``: q_b 192, 128 tiles; mlp
+    144, 128 tiles, where 192 made 96). Up to it (the widths swap_ab takes, and the unswapped kernel where a
+    choice excludes the swap): 192-wide tiles where they make one wave (each accumulator chunk inside one
+    weight-scale block); else 256-wide for one 64-row tile of a short K (<= ``WIDE_TILE_MAX_K``), where
+    stream-K's fp32 partials cost too much beside the weight read; else 128.
+
+    Measured: 192-wide tiles beat the earlier defaults at q_b 64 / 128 rows and mlp 1, 64 and 128 rows, level
+    at q_b 1 row (ncu, archive/fp8_decode_ncu_sweep_h200_2026-12-03.json); 256 beat 128 at 1 and 64 rows
+    (archive/fp8_decode_ncu_sweep_h200_2026-12-02.json); mlp's 144 against 192 on an H100, the kernel on the
+    GPU timeline: faster at 48 to 96 rows, level at 128 (archive/fp8_tiles_time_wave_h100_2026-12-05.json and
+    the ragged runs beside it; docs/perf-log.md, forty-third session)."""
     if m <= min(bm, 128) and n // BLOCK > NUM_SMS:
+        if m > SWAP_AB_UP_TO and (w := _one_wave_width(n)):
+            return w
         if n % 192 == 0 and n // 192 <= NUM_SMS:
             return 192
         if bm == 64 and n % 256 == 0 and nk * BLOCK <= WIDE_TILE_MAX_K:
             return 256
     return 128
+
+
+def _one_wave_width(n: int) -> int | None:
+    """The narrowest tile width from 128 to 192 (the widths measured at these rows), a multiple of 16 (two
+    compute warpgroups' chunks of a multiple of wgmma's N step of 8), that divides n into at most ``NUM_SMS``
+    tiles; None if none does."""
+    return next((w for w in range(max(128, -(-n // NUM_SMS) + 15) // 16 * 16, 193, 16)
+                 if n % w == 0 and n // w <= NUM_SMS), None)
 
 
 def _auto_stream_k(m: int, n: int, nk: int, block_m: int | None, block_n: int | None, split_k: int | None,

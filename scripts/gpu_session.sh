@@ -279,8 +279,11 @@ case "$stage" in
     timeout -k 10 ${KEY_TOPK_TIMEOUT:-130} python3 scripts/diag/topk_knobs.py --mixed --shapes 64x65536 \
       --knobs h512_p16_hold_r1_pf_sf_b2r3 sf_warp --out "$OUT/topk_knobs_key_h200.json" > "$OUT/key_topk.log" 2>&1
     echo "key topk rc=$?"; grep '^{' "$OUT/key_topk.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("same_set_as_lax"), r.get("profile_kernel_us"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
-    timeout -k 10 -s INT ${KEY_FP8_TIMEOUT:-130} python3 scripts/diag/fp8_tiles_time.py --cases mlp:128 mlp:64 \
-      --variants '[{}, {"block_n": 144}]' --rotations 2 --out "$OUT/fp8_tiles_time_ragged_h200.json" \
+    # (KEY_FP8_CASES / KEY_FP8_VARIANTS widen it, e.g. wo:128 with {"block_n": 112}: a width that does not divide a
+    # case's columns is recorded as that row's error)
+    timeout -k 10 -s INT ${KEY_FP8_TIMEOUT:-130} python3 scripts/diag/fp8_tiles_time.py \
+      --cases ${KEY_FP8_CASES:-mlp:128 mlp:64} --variants "${KEY_FP8_VARIANTS:-[{\}, {\"block_n\": 144\}]}" \
+      --rotations 2 --out "$OUT/fp8_tiles_time_ragged_h200.json" \
       > "$OUT/key_fp8.log" 2>&1; echo "key fp8 rc=$?"
     grep '^{' "$OUT/key_fp8.log" | python3 -c 'import json, sys; [print(r["case"], r["tiles"], r.get("kernel_us"), r.get("call_span_us"), r.get("kernel_copy_frac"), r.get("max_abs_diff_vs_xla"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
     [ "${KEY_TESTS:-1}" = 0 ] || TOPK_TESTS_TIMEOUT=${KEY_TESTS_TIMEOUT:-180} bash "$0" topk-tests

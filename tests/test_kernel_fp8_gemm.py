@@ -524,20 +524,23 @@ def test_auto_split_k() -> None:
 
 
 def test_auto_stream_k_and_staged_scales() -> None:
-    """Default tiles for decode rows whose 128-wide column tiles exceed one wave: 192 wide where that makes one
-    wave (q_b, mlp), else 256 wide for a short K. stream_k=None: on for decode rows whose column tiles alone
+    """Default tiles for decode rows whose 128-wide column tiles exceed one wave: above swap_ab's rows the
+    narrowest width that makes one wave (q_b 192, mlp 144), up to them 192 where that makes one wave, else 256
+    wide for a short K. stream_k=None: on for decode rows whose column tiles alone
     still exceed one wave (mlp at 128-wide tiles), off where the K split makes one wave (wo, q_a), above 128
     rows, where the fp32 partials outweigh a short K and wherever a tile choice excludes it. Staged scales by
     default up to 128 rows where they fit SMEM; act_quant in one kernel up to 128 rows."""
-    for m in (1, 64, 128):  # q_b: 128 tiles 192 wide, mlp: 96; one wave each, no stream-K
-        bm = 64 if m <= 64 else 128
+    for m in (1, 32, 33, 64, 128):  # one wave each, no stream-K: q_b 128 tiles 192 wide; mlp 96 of 192
+        bm = 64 if m <= 64 else 128  # up to swap_ab's rows (its widths), 128 tiles 144 wide above
         assert G._pick_tiles(m, 24576, 12, None, None, None) == (bm, 192, 1)
-        assert G._pick_tiles(m, 18432, 56, None, None, None) == (bm, 192, 1)
+        assert G._pick_tiles(m, 18432, 56, None, None, None) == (bm, 192 if m <= G.SWAP_AB_UP_TO else 144, 1)
         assert not G._auto_stream_k(m, 24576, 12, None, None, None, None)
         assert not G._auto_stream_k(m, 18432, 56, None, None, None, None)
     assert G._default_block_n(1, 25600, 12, 64) == 256  # not a multiple of 192: 256 wide for a short K
     assert G._default_block_n(1, 25600, 56, 64) == 128
     assert G._default_block_n(129, 24576, 12, 128) == 128  # two row tiles
+    assert G._default_block_n(64, 25600, 12, 64) == 256  # no one-wave width from 128 to 192 divides it
+    assert [G._one_wave_width(n) for n in (18432, 24576, 25600, 7168)] == [144, 192, None, 128]
     assert G._auto_stream_k(1, 18432, 56, None, 128, None, None)  # mlp: 144 tiles 128 wide
     assert G._auto_stream_k(1, 24576, 12, None, 128, None, None)  # 192 tiles 128 wide, short rows
     assert not G._auto_stream_k(49, 24576, 12, None, 128, None, None)  # K = 1536: partials beside the weights
@@ -550,7 +553,8 @@ def test_auto_stream_k_and_staged_scales() -> None:
     assert not G._auto_stream_k(1, 18432, 56, None, 128, None, True)
     assert not G._auto_stream_k(1, 18432, 56, 128, 128, None, None)
     assert G._staged_smem(64, 128, 128, 64, 4, 2 * 64 * 64 * 4) <= G.SMEM_BYTES  # wo decode, fp32 partials
-    assert G._staged_smem(128, 192, 56, 56, 4, 2 * 64 * 64 * 2) <= G.SMEM_BYTES  # mlp at 128 rows, bf16 out
+    assert G._staged_smem(128, 144, 56, 56, 4, 2 * 64 * 64 * 2) <= G.SMEM_BYTES  # mlp at 128 rows, bf16 out
+    assert G._staged_smem(128, 192, 56, 56, 4, 2 * 64 * 64 * 2) <= G.SMEM_BYTES  # (its 192-wide tiles)
     assert G._staged_smem(128, 256, 512, 512, 4, 0) > G.SMEM_BYTES  # in = 65536 unsplit: not staged
     assert [G._chunk_cols(bm, bn) for bm, bn in ((64, 128), (64, 192), (64, 256), (128, 128), (128, 192))] == \
         [64, 32, 128, 128, 64]
