@@ -180,6 +180,10 @@ class TopkSelectConfig:
     # with split_finish: no bucket kernel; each finish program copies every split's bucket keys to its own part of a
     # scratch row itself (the copy's pass over the row's candidates, one kernel and its dependent loads fewer a call)
     fuse_bucket: bool = False
+    # fill_layout="warp": the warps' scratch chunks copied to the split's buffer per step of the copy loop, all their
+    # loads issued before their stores. Each step waits on its L2 loads, and the loop runs as many steps as the
+    # fullest warp's chunks: a short row's finite keys all lie in its first split's first warp's part
+    copy_unroll: int = 1
 
     def __post_init__(self) -> None:
         if self.bits not in (1, 2, 4):  # 8 would need [256, hist_block] counters: spills
@@ -198,6 +202,11 @@ class TopkSelectConfig:
             if self.block < _CHUNK * warps:
                 raise ValueError(f'fill_layout="warp" needs block >= {_CHUNK} x the prefilter\'s {warps} warps (a '
                                  f'{_CHUNK}-key chunk a warp a block), got {self.block}')
+        if not (C.is_pow2(self.copy_unroll) and self.copy_unroll <= 8):
+            raise ValueError(f"copy_unroll must be a power of 2 up to 8, got {self.copy_unroll}")
+        if self.copy_unroll > 1 and self.fill_layout != "warp":
+            raise ValueError(f'copy_unroll={self.copy_unroll} is a form of fill_layout="warp" (its scratch copy), '
+                             f'got fill_layout={self.fill_layout!r}')
         if self.fill_warps is not None and not C.is_pow2(self.fill_warps):
             raise ValueError(f"fill_warps must be None or a power of 2, got {self.fill_warps}")
         if self.unroll > 8:
@@ -857,17 +866,20 @@ def _warp_fill(wp: _WarpPass, piv: jax.Array, strict: jax.Array, cap: int, cfg: 
     fill_w = jnp.minimum(fw, room)
     off = jnp.cumsum(fill_w, axis=1) - fill_w  # each warp's first slot in the split's buffer
 
-    def copy(c, acc):  # the warps' chunk c: lane l's 4 keys at 128 c + 4 l + r of its warp's scratch
-        at = c * _CHUNK + C.iota(shape, 2) * (_CHUNK // 32) + C.iota(shape, 0)
-        mine = at < fill_w
-        sk, col = get_warp(warp * room + at, mine)
-        ok = mine & (off + at < cap)
-        # the stores' slots through _lanes: their contiguity known, Triton gives them a layout of its own (one key a
-        # lane, lanes along the 4 consecutive keys) and converts the keys to it through shared memory
-        put(_lanes(off + at, not interpret), sk, col, ok)
-        return acc + ((sk > piv) & ok).astype(I32)
+    cu = cfg.copy_unroll
 
-    rounds = jnp.where(lost, 0, pl.cdiv(jnp.max(fill_w), _CHUNK))
+    def copy(i, acc):  # the warps' chunks cu i ..: lane l's 4 keys at 128 c + 4 l + r of its warp's scratch
+        ats = [(i * cu + u) * _CHUNK + C.iota(shape, 2) * (_CHUNK // 32) + C.iota(shape, 0) for u in range(cu)]
+        got = [get_warp(warp * room + at, at < fill_w) for at in ats]  # every load before the first store
+        for at, (sk, col) in zip(ats, got):
+            ok = (at < fill_w) & (off + at < cap)
+            # the stores' slots through _lanes: their contiguity known, Triton gives them a layout of its own (one key
+            # a lane, lanes along the 4 consecutive keys) and converts the keys to it through shared memory
+            put(_lanes(off + at, not interpret), sk, col, ok)
+            acc = acc + ((sk > piv) & ok).astype(I32)
+        return acc
+
+    rounds = jnp.where(lost, 0, pl.cdiv(jnp.max(fill_w), _CHUNK * cu))
     above_in = jnp.sum(lax.fori_loop(0, rounds, copy, jnp.zeros(shape, I32)))
     # a warp past its room: the CTA-wide pass instead (its counts are the same; it fills the buffer itself)
     again = _fill(_row_keys(wp.x_ref, wp.row, wp.n), wp.first_block, lost.astype(I32) * wp.n_blocks, piv, cap,

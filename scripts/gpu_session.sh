@@ -271,19 +271,24 @@ case "$stage" in
     grep -v Warning "$OUT/fp8_smem.log" | tail -c 4000
     ;;
   key)
-    # forty-first session: a device came for two calls in three hours, so the open questions in one call of
-    # under 10 minutes, most important first (each piece's output lands in $OUT as it goes): the top-k's default
-    # (the warp fill) against the one before at the target shape on this GPU; mlp at 64 / 128 rows in 144-wide tiles
-    # (128 CTAs against 96; level on an H100, whose HBM bounds it first); then the native top-k tests with the time
-    # left (KEY_TESTS=0 skips them; they passed on an H100, forty-second session)
-    timeout -k 10 ${KEY_TOPK_TIMEOUT:-130} python3 scripts/diag/topk_knobs.py --mixed --shapes 64x65536 \
-      --knobs h512_p16_hold_r1_pf_sf_b2r3 sf_warp --out "$OUT/topk_knobs_key_h200.json" > "$OUT/key_topk.log" 2>&1
+    # the open questions in one call of under 10 minutes, most important first (each piece's output lands in $OUT as
+    # it goes). Forty-third session: on an H100 the warp fill's prefilter ran a mixed batch at 8 x 128K 1.9 us longer
+    # than the full one; copy_unroll (the warps' scratch copied 2 / 4 chunks a step) is built to end it: its native
+    # test, then the indexer's default against it at the shapes where a short row lands in one warp, full and mixed
+    # (32 x 128K never ran). Then mlp at 64 / 128 rows, the default (144-wide tiles since the forty-third session,
+    # measured on an H100 only) against 192; then the native top-k tests unless KEY_TESTS=0
+    timeout -k 10 -s INT ${KEY_COPY_TESTS_TIMEOUT:-120} python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider \
+      tests/test_kernel_topk_select.py -k "copy_unroll or warp_fill" > "$OUT/key_copy_tests.log" 2>&1
+    echo "key copy tests rc=$?"; tail -3 "$OUT/key_copy_tests.log"
+    timeout -k 10 ${KEY_TOPK_TIMEOUT:-200} python3 scripts/diag/topk_knobs.py --mixed \
+      --shapes ${KEY_TOPK_SHAPES:-8x131072 32x131072 32x32768} --knobs ${KEY_TOPK_KNOBS:-sf_warp sf_warp_cu2 sf_warp_cu4} \
+      --out "$OUT/topk_knobs_key_h200.json" > "$OUT/key_topk.log" 2>&1
     echo "key topk rc=$?"; grep '^{' "$OUT/key_topk.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("same_set_as_lax"), r.get("profile_kernel_us"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
     # (KEY_FP8_CASES / KEY_FP8_VARIANTS widen it, e.g. wo:128 with {"block_n": 112}: a width that does not divide a
     # case's columns is recorded as that row's error)
     timeout -k 10 -s INT ${KEY_FP8_TIMEOUT:-130} python3 scripts/diag/fp8_tiles_time.py \
-      --cases ${KEY_FP8_CASES:-mlp:128 mlp:64} --variants "${KEY_FP8_VARIANTS:-[{\}, {\"block_n\": 144\}]}" \
-      --rotations 2 --out "$OUT/fp8_tiles_time_ragged_h200.json" \
+      --cases ${KEY_FP8_CASES:-mlp:128 mlp:64} --variants "${KEY_FP8_VARIANTS:-[{\}, {\"block_n\": 192\}]}" \
+      --rotations 2 --out "$OUT/fp8_tiles_time_wave_h200.json" \
       > "$OUT/key_fp8.log" 2>&1; echo "key fp8 rc=$?"
     grep '^{' "$OUT/key_fp8.log" | python3 -c 'import json, sys; [print(r["case"], r["tiles"], r.get("kernel_us"), r.get("call_span_us"), r.get("kernel_copy_frac"), r.get("max_abs_diff_vs_xla"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
     [ "${KEY_TESTS:-1}" = 0 ] || TOPK_TESTS_TIMEOUT=${KEY_TESTS_TIMEOUT:-180} bash "$0" topk-tests

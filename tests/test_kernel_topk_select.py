@@ -24,7 +24,7 @@ import pytest
 from jds.ops.select import kth_largest_key, ordered_key
 from pallas_kernels import fused_insert_common as C
 from pallas_kernels.sparse_indexer import IndexerKernelConfig, topk_from_logits
-from pallas_kernels.topk_select import PATHS, TopkSelectConfig, select_unsorted, topk_select
+from pallas_kernels.topk_select import PATHS, TopkSelectConfig, _warp_room, select_unsorted, topk_select
 from tests.kernel_modes import MODES, interpret_for
 from tests.test_radix_select import _rows
 
@@ -384,7 +384,8 @@ def test_split_finish_random_configs(mode: str) -> None:
         # "warp": a 128-key chunk a warp a block, so as many warps as the 128-key blocks allow
         cfg = dataclasses.replace(cfg, fill_layout=layout, finish_lane_loads=bool(rng.integers(2)),
                                   hold_bucket=bool(rng.integers(2)), fuse_bucket=bool(rng.integers(2)),
-                                  **(dict(fill_warps=1) if layout == "warp" else {}))
+                                  **(dict(fill_warps=1, copy_unroll=int(rng.choice([1, 2, 4])))
+                                     if layout == "warp" else {}))
         xj = jnp.asarray(x)
         idx = select_unsorted(xj, k, config=cfg, interpret=interpret_for(mode))[0]
         np.testing.assert_array_equal(np.asarray(idx), np.sort(np.asarray(jax.lax.top_k(xj, k)[1]), axis=1),
@@ -422,6 +423,38 @@ def test_warp_fill_same_result(mode: str, tiles: dict) -> None:
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
     np.testing.assert_array_equal(np.asarray(got[0]), np.sort(np.asarray(jax.lax.top_k(xj, k)[1]), axis=1))
     assert PATHS[int(got[3][1])] == "overflowed buffer", [PATHS[p] for p in np.asarray(got[3])]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_warp_copy_unroll_same_result(mode: str) -> None:
+    """``copy_unroll`` (the warps' scratch chunks copied several a step, their loads first): the same columns, tau,
+    candidates and paths as one chunk a step, and lax.top_k's set, where the copy takes several steps: 700 keys at or
+    above the pivot in a row's first warp's part, its top k in the last (6 chunks: two steps of 4, the second partly
+    masked), 300 keys crowding one warp, a short row (100 finite keys), random rows and ties."""
+    n, k = 4096, 20
+    base = TopkSelectConfig(block=512, hist_block=128, sample=256, capacity=1600, splits=2, unroll=2, shrink=True,
+                            hold_shrunk=True, range_margin=1, prefetch=True, fill_warps=2, split_finish=True,
+                            bucket_blocks=2, bucket_resolutions=3, fill_layout="warp")
+    assert _warp_room(1600, n, base) == 800
+    rng = np.random.default_rng(67)
+    x = rng.standard_normal((5, n)).astype(np.float32)
+    x[0, :700] = 20.0
+    x[0, 680:700] = 30.0 + rng.standard_normal(20).astype(np.float32)  # the top k in the last chunk
+    x[1] -= 10
+    x[1, 2100:2400] = 20.0 + rng.standard_normal(300).astype(np.float32)  # split 1's first warp
+    x[2] = np.round(x[2] * 2) / 2  # ties
+    x[3, 100:] = -np.inf
+    xj = jnp.asarray(x)
+    want = select_unsorted(xj, k, config=base, interpret=interpret_for(mode))
+    got = select_unsorted(xj, k, config=dataclasses.replace(base, copy_unroll=4), interpret=interpret_for(mode))
+    for name, g, w in zip(("columns", "tau", "candidates", "path"), got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.sort(np.asarray(jax.lax.top_k(xj, k)[1]), axis=1))
+    assert int(got[2][0]) == 700, got[2]  # the tied keys, all of them candidates (from the first warp's scratch)
+    with pytest.raises(ValueError, match="copy_unroll"):
+        TopkSelectConfig(copy_unroll=2)  # a form of the warp fill
+    with pytest.raises(ValueError, match="copy_unroll"):
+        dataclasses.replace(base, copy_unroll=3)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -656,6 +689,7 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
     (64, 65536, dict(fill_layout="lane", finish_lane_loads=True, hold_bucket=True)),
     (64, 65536, dict(fill_layout="group", finish_lane_loads=True)),
     (64, 65536, dict(finish_lane_loads=True, hold_bucket=True, fuse_bucket=True)),
+    pytest.param(64, 65536, dict(copy_unroll=4), marks=pytest.mark.slow),  # the warps' scratch copy, 4 chunks a step
     pytest.param(64, 65536, dict(fill_layout="warp", fill_warps=16), marks=pytest.mark.slow),  # the 8-warp form:
     # test_warp_fill_loop_has_no_barriers
     # the 8-split finish takes ptxas about 40 s on 2 cores: slow

@@ -160,6 +160,11 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          # programs fit an SM (x2: twice the splits)
          "sf_warp": {**_SF, "fill_layout": "warp"},
          "sf_warp_w16": {**_SF, "fill_layout": "warp", "fill_warps": 16},
+         # the warps' scratch copied 2 / 4 chunks a step, loads first (forty-third session: on an H100 a mixed batch
+         # at 8 x 128K ran the warp fill's prefilter 1.9 us longer than the full one; a short row's finite keys all
+         # lie in one warp's part, and the copy loop takes as many steps as that warp's chunks: the suspected cause)
+         "sf_warp_cu2": {**_SF, "fill_layout": "warp", "copy_unroll": 2},
+         "sf_warp_cu4": {**_SF, "fill_layout": "warp", "copy_unroll": 4},
          "sf_warp_x2": {**_SF, "fill_layout": "warp", "splits_x": 2},
          "sf_warp_fuse": {**_SF, "fill_layout": "warp", "finish_lane_loads": True, "hold_bucket": True,
                           "fuse_bucket": True},
