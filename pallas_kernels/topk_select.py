@@ -270,10 +270,11 @@ def select_config_for(t: int, n: int, sms: int = 132, split_finish: bool = True)
     one-program finish at every batch timed in the thirty-eighth session, 5 shapes full and 4 mixed
     (archive/topk_knobs_sf_h200_2026-12-05.json; 64 x 128K in archive/topk_knobs_bucket_h200_2026-12-05.json), and
     in the layers' decode select at 16 x 32K and 16 x 128K, full and mixed, its fourth kernel included
-    (archive/kernels_select_h200_2026-12-05_partial.json). 64 x 32K, 32 x 32K and 32 / 8 x 128K are untimed.
+    (archive/kernels_select_h200_2026-12-05_partial.json). 32 x 128K is untimed.
     The prefilter streams a split as one part a warp (``fill_layout="warp"``): its kernel was faster at each of the
-    four shapes timed, full and mixed, the other kernels unchanged (an H100's timeline, fortieth session:
-    archive/topk_knobs_warp_h100_2026-12-05.json, archive/topk_knobs_warp_shapes_h100_2026-12-05.json)."""
+    seven shapes timed, full and mixed (at 8 x 128K mixed by less than full), the other kernels unchanged (an H100's
+    timeline, fortieth and forty-third sessions: archive/topk_knobs_warp_h100_2026-12-05.json,
+    archive/topk_knobs_warp_shapes_h100_2026-12-05.json, archive/topk_knobs_shapes_h100_2026-12-05_partial.json)."""
     sp = split_for(t, n, sms=sms)
     if sp == 1:
         return TopkSelectConfig()
