@@ -141,3 +141,17 @@ def test_profiled_device_us_without_a_gpu_is_empty() -> None:
     if jax.default_backend() == "gpu":
         pytest.skip("on a GPU the trace has kernel records")
     assert profiled_device_us(lambda a: a * 2.0 + 1.0, jnp.ones((64,)), calls=2, warmup=1) == {}
+
+
+def test_kernel_events_keep_a_copy_streams_kernels() -> None:
+    """A stream line named for its copies too keeps its kernels; copies, memsets and non-stream lines are dropped."""
+    from types import SimpleNamespace as NS
+
+    from jds.bench.timing import kernel_events
+
+    ev = lambda name: NS(name=name, start_ns=0, duration_ns=1)  # noqa: E731
+    lines = [NS(name="Stream #14(Compute,MemcpyH2D)", events=[ev("MemcpyH2D"), ev("topk_radix_prefilter")]),
+             NS(name="Stream #7(Compute)", events=[ev("loop_select_fusion"), ev("Memset")]),
+             NS(name="Stream #9(MemcpyD2H)", events=[ev("MemcpyD2H")]),
+             NS(name="XLA Ops", events=[ev("select.1")])]
+    assert [e.name for e in kernel_events(lines)] == ["topk_radix_prefilter", "loop_select_fusion"]

@@ -211,12 +211,23 @@ def profiled_device_us(fn: Callable[..., Any], *args: Any, calls: int = 20, warm
             return {}
         pd = ProfileData.from_file(max(files, key=os.path.getmtime))
         lines = [line for plane in pd.planes if plane.name.startswith("/device:GPU") for line in plane.lines]
-        events = [e for line in lines if "stream" in line.name.lower() and "memcpy" not in line.name.lower()
-                  for e in line.events]
-        if lines and not events:  # the lines the trace has instead (Pallas-only executables came back empty)
+        events = kernel_events(lines)
+        if lines and not events:  # the lines the trace has instead
             return {"profile_lines": {line.name: sum(1 for _ in line.events) for line in lines}}
     kernels = [(int(e.start_ns), int(e.duration_ns)) for e in events]
     return split_calls(kernels, calls, [e.name for e in events] if by_kernel else None)
+
+
+COPY_EVENTS = ("memcpy", "memset")  # a stream's events that are no kernels (CUPTI's names start with these)
+
+
+def kernel_events(lines: Sequence[Any]) -> list[Any]:
+    """The kernel records of a GPU plane's lines (``.name``, ``.events`` each ``.name``): every stream line's
+    events but its copies and memsets. Why by event, not by line: a stream that also ran a host-to-device copy
+    is named so (``Stream #14(Compute,MemcpyH2D)``), and dropping such lines by name lost every kernel of a call
+    (lax.top_k at 64 x 32K on an H100: docs/perf-log.md, forty-third session)."""
+    return [e for line in lines if "stream" in line.name.lower() for e in line.events
+            if not e.name.lower().startswith(COPY_EVENTS)]
 
 
 def split_calls(kernels: list[tuple[int, int]], calls: int, names: Sequence[str] | None = None) -> dict[str, Any]:
