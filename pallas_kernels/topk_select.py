@@ -184,6 +184,11 @@ class TopkSelectConfig:
     # loads issued before their stores. Each step waits on its L2 loads, and the loop runs as many steps as the
     # fullest warp's chunks: a short row's finite keys all lie in its first split's first warp's part
     copy_unroll: int = 1
+    # fill_layout="warp": the warps' scratch copied as one sequence spread over every warp of the CTA (a warp's 128
+    # slots of the split's buffer a step, read from whichever warps' scratch holds them), so the loop runs as many
+    # steps as the split's kept keys fill the CTA's lanes, not as the fullest warp's chunks: a short row's finite
+    # keys, all in one warp's part, cost one step instead of eight
+    copy_spread: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (1, 2, 4):  # 8 would need [256, hist_block] counters: spills
@@ -206,6 +211,9 @@ class TopkSelectConfig:
             raise ValueError(f"copy_unroll must be a power of 2 up to 8, got {self.copy_unroll}")
         if self.copy_unroll > 1 and self.fill_layout != "warp":
             raise ValueError(f'copy_unroll={self.copy_unroll} is a form of fill_layout="warp" (its scratch copy), '
+                             f'got fill_layout={self.fill_layout!r}')
+        if self.copy_spread and self.fill_layout != "warp":
+            raise ValueError(f'copy_spread is a form of fill_layout="warp" (its scratch copy), '
                              f'got fill_layout={self.fill_layout!r}')
         if self.fill_warps is not None and not C.is_pow2(self.fill_warps):
             raise ValueError(f"fill_warps must be None or a power of 2, got {self.fill_warps}")
@@ -868,9 +876,10 @@ def _warp_fill(wp: _WarpPass, piv: jax.Array, strict: jax.Array, cap: int, cfg: 
     off = jnp.cumsum(fill_w, axis=1) - fill_w  # each warp's first slot in the split's buffer
 
     cu = cfg.copy_unroll
+    in_chunk = C.iota(shape, 2) * (_CHUNK // 32) + C.iota(shape, 0)  # lane l's 4 keys at 4 l + r of a chunk
 
     def copy(i, acc):  # the warps' chunks cu i ..: lane l's 4 keys at 128 c + 4 l + r of its warp's scratch
-        ats = [(i * cu + u) * _CHUNK + C.iota(shape, 2) * (_CHUNK // 32) + C.iota(shape, 0) for u in range(cu)]
+        ats = [(i * cu + u) * _CHUNK + in_chunk for u in range(cu)]
         got = [get_warp(warp * room + at, at < fill_w) for at in ats]  # every load before the first store
         for at, (sk, col) in zip(ats, got):
             ok = (at < fill_w) & (off + at < cap)
@@ -880,8 +889,33 @@ def _warp_fill(wp: _WarpPass, piv: jax.Array, strict: jax.Array, cap: int, cfg: 
             acc = acc + ((sk > piv) & ok).astype(I32)
         return acc
 
-    rounds = jnp.where(lost, 0, pl.cdiv(jnp.max(fill_w), _CHUNK * cu))
-    above_in = jnp.sum(lax.fori_loop(0, rounds, copy, jnp.zeros(shape, I32)))
+    # copy_spread: slot g of the split's buffer (warp w's 128 of each CTA-wide step) comes from the warp whose slots
+    # [end of the warp before, its end) hold it; the warps' ends as scalars, one reduction each
+    ends = [jnp.sum(jnp.where(warp <= j, fill_w, 0)) for j in range(nw - 1)] if cfg.copy_spread else []
+
+    def copy_spread(i, acc):
+        gs = [((i * cu + u) * nw + warp) * _CHUNK + in_chunk for u in range(cu)]
+        srcs = []
+        for g in gs:
+            src, start = jnp.zeros(shape, I32), jnp.zeros(shape, I32)
+            for e in ends:
+                past = g >= e
+                src, start = src + past.astype(I32), jnp.where(past, e, start)
+            srcs.append(src * room + g - start)
+        got = [get_warp(at, g < filled_in) for g, at in zip(gs, srcs)]  # every load before the first store
+        for g, (sk, col) in zip(gs, got):
+            ok = g < jnp.minimum(filled_in, cap)
+            put(_lanes(g, not interpret), sk, col, ok)
+            acc = acc + ((sk > piv) & ok).astype(I32)
+        return acc
+
+    filled_in = jnp.sum(fill_w)  # the warps' kept keys (within their rooms)
+    if cfg.copy_spread:
+        rounds = pl.cdiv(jnp.minimum(filled_in, cap), _CHUNK * nw * cu)
+    else:
+        rounds = pl.cdiv(jnp.max(fill_w), _CHUNK * cu)
+    above_in = jnp.sum(lax.fori_loop(0, jnp.where(lost, 0, rounds), copy_spread if cfg.copy_spread else copy,
+                                     jnp.zeros(shape, I32)))
     # a warp past its room: the CTA-wide pass instead (its counts are the same; it fills the buffer itself)
     again = _fill(_row_keys(wp.x_ref, wp.row, wp.n), wp.first_block, lost.astype(I32) * wp.n_blocks, piv, cap,
                   cfg.block, strict, put, cfg.unroll, cfg.prefetch)

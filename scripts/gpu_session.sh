@@ -273,15 +273,16 @@ case "$stage" in
   key)
     # the open questions in one call of under 10 minutes, most important first (each piece's output lands in $OUT as
     # it goes). Forty-third session: on an H100 the warp fill's prefilter ran a mixed batch at 8 x 128K 1.9 us longer
-    # than the full one; copy_unroll (the warps' scratch copied 2 / 4 chunks a step) is built to end it: its native
-    # test, then the indexer's default against it at the shapes where a short row lands in one warp, full and mixed
-    # (32 x 128K never ran). Then mlp at 64 / 128 rows, the default (144-wide tiles since the forty-third session,
+    # than the full one; copy_unroll (the warps' scratch copied 2 / 4 chunks a step) and copy_spread (forty-fourth:
+    # the copy spread over every warp of the CTA, one step for a short row's keys) are built to end it: their native
+    # tests, then the indexer's default against them at the shapes where a short row lands in one warp, full and
+    # mixed (32 x 128K never ran). Then mlp at 64 / 128 rows, the default (144-wide tiles since the forty-third session,
     # measured on an H100 only) against 192; then the native top-k tests unless KEY_TESTS=0
     timeout -k 10 -s INT ${KEY_COPY_TESTS_TIMEOUT:-120} python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider \
-      tests/test_kernel_topk_select.py -k "copy_unroll or warp_fill" > "$OUT/key_copy_tests.log" 2>&1
+      tests/test_kernel_topk_select.py -k "copy_forms or warp_fill" > "$OUT/key_copy_tests.log" 2>&1
     echo "key copy tests rc=$?"; tail -3 "$OUT/key_copy_tests.log"
     timeout -k 10 ${KEY_TOPK_TIMEOUT:-200} python3 scripts/diag/topk_knobs.py --mixed \
-      --shapes ${KEY_TOPK_SHAPES:-8x131072 32x131072 32x32768} --knobs ${KEY_TOPK_KNOBS:-sf_warp sf_warp_cu2 sf_warp_cu4} \
+      --shapes ${KEY_TOPK_SHAPES:-8x131072 32x131072 32x32768} --knobs ${KEY_TOPK_KNOBS:-sf_warp sf_warp_cu4 sf_warp_sp sf_warp_sp_cu2} \
       --out "$OUT/topk_knobs_key_h200.json" > "$OUT/key_topk.log" 2>&1
     echo "key topk rc=$?"; grep '^{' "$OUT/key_topk.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("same_set_as_lax"), r.get("profile_kernel_us"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
     # (KEY_FP8_CASES / KEY_FP8_VARIANTS widen it, e.g. wo:128 with {"block_n": 112}: a width that does not divide a

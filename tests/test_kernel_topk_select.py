@@ -384,7 +384,8 @@ def test_split_finish_random_configs(mode: str) -> None:
         # "warp": a 128-key chunk a warp a block, so as many warps as the 128-key blocks allow
         cfg = dataclasses.replace(cfg, fill_layout=layout, finish_lane_loads=bool(rng.integers(2)),
                                   hold_bucket=bool(rng.integers(2)), fuse_bucket=bool(rng.integers(2)),
-                                  **(dict(fill_warps=1, copy_unroll=int(rng.choice([1, 2, 4])))
+                                  **(dict(fill_warps=1, copy_unroll=int(rng.choice([1, 2, 4])),
+                                          copy_spread=bool(rng.integers(2)))
                                      if layout == "warp" else {}))
         xj = jnp.asarray(x)
         idx = select_unsorted(xj, k, config=cfg, interpret=interpret_for(mode))[0]
@@ -426,11 +427,17 @@ def test_warp_fill_same_result(mode: str, tiles: dict) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_warp_copy_unroll_same_result(mode: str) -> None:
-    """``copy_unroll`` (the warps' scratch chunks copied several a step, their loads first): the same columns, tau,
-    candidates and paths as one chunk a step, and lax.top_k's set, where the copy takes several steps: 700 keys at or
-    above the pivot in a row's first warp's part, its top k in the last (6 chunks: two steps of 4, the second partly
-    masked), 300 keys crowding one warp, a short row (100 finite keys), random rows and ties."""
+@pytest.mark.parametrize("form", [
+    pytest.param(dict(copy_unroll=4), id="cu4"),
+    pytest.param(dict(copy_spread=True), id="spread"),
+    pytest.param(dict(copy_spread=True, copy_unroll=2), id="spread_cu2")])
+def test_warp_copy_forms_same_result(mode: str, form: dict) -> None:
+    """The warps' scratch copy's forms: ``copy_unroll`` (several chunks a step, their loads first) and
+    ``copy_spread`` (the split's buffer filled a warp's 128 slots at a time from whichever warp's scratch holds
+    them): the same columns, tau, candidates and paths as one chunk of its own warp a step, and lax.top_k's set,
+    where the copy takes several steps: 700 keys at or above the pivot in a row's first warp's part, its top k in
+    the last (6 chunks: two steps of 4, the second partly masked; spread over 2 warps, 3 steps), 300 keys crowding
+    one warp, a short row (100 finite keys), random rows and ties."""
     n, k = 4096, 20
     base = TopkSelectConfig(block=512, hist_block=128, sample=256, capacity=1600, splits=2, unroll=2, shrink=True,
                             hold_shrunk=True, range_margin=1, prefetch=True, fill_warps=2, split_finish=True,
@@ -446,7 +453,7 @@ def test_warp_copy_unroll_same_result(mode: str) -> None:
     x[3, 100:] = -np.inf
     xj = jnp.asarray(x)
     want = select_unsorted(xj, k, config=base, interpret=interpret_for(mode))
-    got = select_unsorted(xj, k, config=dataclasses.replace(base, copy_unroll=4), interpret=interpret_for(mode))
+    got = select_unsorted(xj, k, config=dataclasses.replace(base, **form), interpret=interpret_for(mode))
     for name, g, w in zip(("columns", "tau", "candidates", "path"), got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
     np.testing.assert_array_equal(np.asarray(got[0]), np.sort(np.asarray(jax.lax.top_k(xj, k)[1]), axis=1))
@@ -455,6 +462,8 @@ def test_warp_copy_unroll_same_result(mode: str) -> None:
         TopkSelectConfig(copy_unroll=2)  # a form of the warp fill
     with pytest.raises(ValueError, match="copy_unroll"):
         dataclasses.replace(base, copy_unroll=3)
+    with pytest.raises(ValueError, match="copy_spread"):
+        TopkSelectConfig(copy_spread=True)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -690,6 +699,7 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
     (64, 65536, dict(fill_layout="group", finish_lane_loads=True)),
     (64, 65536, dict(finish_lane_loads=True, hold_bucket=True, fuse_bucket=True)),
     pytest.param(64, 65536, dict(copy_unroll=4), marks=pytest.mark.slow),  # the warps' scratch copy, 4 chunks a step
+    pytest.param(64, 65536, dict(copy_spread=True), marks=pytest.mark.slow),  # ... spread over the CTA's warps
     pytest.param(64, 65536, dict(fill_layout="warp", fill_warps=16), marks=pytest.mark.slow),  # the 8-warp form:
     # test_warp_fill_loop_has_no_barriers
     # the 8-split finish takes ptxas about 40 s on 2 cores: slow

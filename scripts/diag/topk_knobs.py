@@ -165,6 +165,8 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          # lie in one warp's part, and the copy loop takes as many steps as that warp's chunks: the suspected cause)
          "sf_warp_cu2": {**_SF, "fill_layout": "warp", "copy_unroll": 2},
          "sf_warp_cu4": {**_SF, "fill_layout": "warp", "copy_unroll": 4},
+         "sf_warp_sp": {**_SF, "fill_layout": "warp", "copy_spread": True},
+         "sf_warp_sp_cu2": {**_SF, "fill_layout": "warp", "copy_spread": True, "copy_unroll": 2},
          "sf_warp_x2": {**_SF, "fill_layout": "warp", "splits_x": 2},
          "sf_warp_fuse": {**_SF, "fill_layout": "warp", "finish_lane_loads": True, "hold_bucket": True,
                           "fuse_bucket": True},
