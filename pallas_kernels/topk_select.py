@@ -282,13 +282,17 @@ def select_config_for(t: int, n: int, sms: int = 132, split_finish: bool = True)
     The prefilter streams a split as one part a warp (``fill_layout="warp"``): its kernel was faster at each of the
     seven shapes timed, full and mixed (at 8 x 128K mixed by less than full), the other kernels unchanged (an H100's
     timeline, fortieth and forty-third sessions: archive/topk_knobs_warp_h100_2026-12-05.json,
-    archive/topk_knobs_warp_shapes_h100_2026-12-05.json, archive/topk_knobs_shapes_h100_2026-12-05_partial.json)."""
+    archive/topk_knobs_warp_shapes_h100_2026-12-05.json, archive/topk_knobs_shapes_h100_2026-12-05_partial.json).
+    Its scratch copy is spread over every warp of the CTA (``copy_spread``): a mixed batch's short row (its finite keys
+    all in one warp's part) then costs the prefilter no more than a full row, where the copy of its own warp's chunks
+    a step made it slower (8 x 128K, 16 x 128K, 32 x 32K); on full rows it was level or slightly slower at the six
+    shapes timed (an H100's timeline, forty-fourth session: topk_knobs_spread_h100_2026-12-05.json)."""
     sp = split_for(t, n, sms=sms)
     if sp == 1:
         return TopkSelectConfig()
     finish = dict(split_finish=True, bucket_blocks=2, bucket_resolutions=3) if split_finish else {}
     return TopkSelectConfig(splits=sp, unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
-                            range_margin=1, prefetch=True, fill_layout="warp", **finish)
+                            range_margin=1, prefetch=True, fill_layout="warp", copy_spread=True, **finish)
 
 
 def _sample_rank(n: int, k: int, sample: int) -> int:

@@ -520,9 +520,10 @@ def test_split_for() -> None:
     assert [split_for(t, 131072) for t in (1, 4, 16, 64, 128)] == [16, 16, 8, 2, 1]
     assert split_for(16, 8192) == 1  # too short to split (4 blocks of 2048 per split)
     # the indexer's config: the measured unroll, shrink, 512-key counting steps, 16-bit pivot, the finish from the
-    # pivot, the prefilter's loads in flight and its parts a warp each where it splits, the defaults where it does not
+    # pivot, the prefilter's loads in flight and its parts a warp each (their copy spread over the CTA) where it
+    # splits, the defaults where it does not
     one = TopkSelectConfig(splits=2, unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
-                           range_margin=1, prefetch=True, fill_layout="warp")
+                           range_margin=1, prefetch=True, fill_layout="warp", copy_spread=True)
     assert select_config_for(64, 65536, split_finish=False) == one  # IndexerKernelConfig.topk_split_finish=False
     # the default: the split finish with a 2-block bucket and three first-pass resolutions
     assert select_config_for(64, 65536) == dataclasses.replace(one, split_finish=True, bucket_blocks=2,

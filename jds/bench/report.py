@@ -545,8 +545,10 @@ def _gather_probe(d: dict) -> list[str]:
 
 def _topk_knobs(d: dict) -> list[str]:
     """scripts/diag/topk_knobs.py: per shape, the split set select's µs with each knob set (the GPU timeline's span
-    per call where the run measured it, else the pipelined median), lax.top_k's where timed, and the fastest set
-    against the default (split alone) or lax; a set whose result differed from lax.top_k's is marked."""
+    per call where the run measured it, else the pipelined median; where the row has it, the kernels' own time in
+    brackets, the span less the gaps between them, which vary from run to run by several µs), lax.top_k's where
+    timed, and the fastest set (by the kernels' time where every row has it) against the default (split alone) or
+    lax; a set whose result differed from lax.top_k's is marked."""
     by: dict[str, dict[str, dict]] = {}
     lax_rows: dict[str, dict] = {}
     for r in d.get("rows", []):
@@ -560,24 +562,31 @@ def _topk_knobs(d: dict) -> list[str]:
     knobs = list(d.get("meta", {}).get("knobs", {})) or sorted({k for per in by.values() for k in per})
     timeline, what = _timeline(r for per in by.values() for r in per.values())
 
+    busy = all("profile_busy_us" in r for per in by.values() for r in per.values()) and bool(by)
+
     def us(r: dict | None) -> float | None:
         return None if r is None else r.get("profile_span_us", None if timeline else r.get("median_us"))
+
+    def rank(r: dict | None) -> float | None:
+        return r.get("profile_busy_us") if busy and r is not None and us(r) is not None else us(r)
 
     def cell(r: dict | None) -> str:
         if r is None:
             return "—"
         if us(r) is None:  # a row the timeline did not split into calls: its pipelined median, marked
             return _fmt(r.get("median_us"), 1) + " (pipelined)"
-        return _fmt(us(r), 1) + ("" if r.get("same_set_as_lax", True) else " ≠lax")
+        kernels = f" ({_fmt(r['profile_busy_us'], 1)})" if "profile_busy_us" in r else ""
+        return _fmt(us(r), 1) + kernels + ("" if r.get("same_set_as_lax", True) else " ≠lax")
 
     base = "default" if "default" in knobs else "lax" if lax_rows else None
     body = []
     for shape, per in by.items():
-        best = min((k for k in per if us(per[k]) is not None), key=lambda k: us(per[k]), default=None)
+        best = min((k for k in per if rank(per[k]) is not None), key=lambda k: rank(per[k]), default=None)
         ref = per.get("default") if base == "default" else lax_rows.get(shape)
         ratio = [_ratio(us(ref) or (ref or {}).get("median_us"), us(per[best]) if best else None)] if base else []
         body.append([shape] + [cell(per.get(k)) for k in knobs] + ([cell(lax_rows.get(shape))] if lax_rows else [])
                     + [best or "—"] + ratio)
+    what += " (in brackets the kernels' own time, gaps excluded; the fastest by it)" if busy else ""
     return [f"Top-k knob sets (k = 2048, set order, `split_for`'s splits times `splits_x` where a set has it), {what}:",
             ""] + _table(["shape"] + knobs + (["lax.top_k"] if lax_rows else []) + ["fastest"]
                          + ([f"{base} / fastest"] if base else []), body)

@@ -165,6 +165,8 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          # lie in one warp's part, and the copy loop takes as many steps as that warp's chunks: the suspected cause)
          "sf_warp_cu2": {**_SF, "fill_layout": "warp", "copy_unroll": 2},
          "sf_warp_cu4": {**_SF, "fill_layout": "warp", "copy_unroll": 4},
+         # the copy spread over every warp of the CTA (forty-fourth session; the indexer's default since): a mixed
+         # batch level with a full one at the six shapes timed on an H100, the full rows level or 0-3% slower
          "sf_warp_sp": {**_SF, "fill_layout": "warp", "copy_spread": True},
          "sf_warp_sp_cu2": {**_SF, "fill_layout": "warp", "copy_spread": True, "copy_unroll": 2},
          "sf_warp_x2": {**_SF, "fill_layout": "warp", "splits_x": 2},
@@ -200,22 +202,25 @@ def main() -> None:
         sp = split_for(b, c)
         lg = jax.random.normal(jax.random.key(b * c), (b, c), jnp.float32)
         batches = [("", lg)] + ([("_mixed", lg.at[0, 1000:].set(-jnp.inf))] if a.mixed else [])
+        wants = []
         for tag, x in batches:
             lv, li = lax_topk(x, K)
             want = np.sort(np.asarray(li), axis=1)
             want_inv = np.sort(np.where(np.asarray(lv) > -np.inf, np.asarray(li), -1), axis=1)  # -1: -inf keys
+            wants.append((want, want_inv))
             if a.lax:
                 rows.append({"case": f"topk_b{b}_c{c}{tag}_lax", **time_fn(lax_topk, x, K, warmup=5, iters=30),
                              **profiled_device_us(lax_topk, x, K)})
                 print(json.dumps(rows[-1]), flush=True)
                 save()
-            for name in a.knobs:
-                kn = dict(KNOBS[name])
-                cfg = TopkSelectConfig(**{"splits": sp * kn.pop("splits_x", 1), **kn})
-                if cfg.minus_one_for_neg_inf:  # the kernels' columns alone (topk_select would gather at -1)
-                    f = jax.jit(lambda x, k, cfg=cfg: (select_unsorted(x, k, config=cfg)[0],) * 2, static_argnums=1)
-                else:
-                    f = jax.jit(functools.partial(topk_select, sort=False, config=cfg), static_argnums=1)
+        for name in a.knobs:  # one executable a knob for the batches (a compile takes tens of seconds)
+            kn = dict(KNOBS[name])
+            cfg = TopkSelectConfig(**{"splits": sp * kn.pop("splits_x", 1), **kn})
+            if cfg.minus_one_for_neg_inf:  # the kernels' columns alone (topk_select would gather at -1)
+                f = jax.jit(lambda x, k, cfg=cfg: (select_unsorted(x, k, config=cfg)[0],) * 2, static_argnums=1)
+            else:
+                f = jax.jit(functools.partial(topk_select, sort=False, config=cfg), static_argnums=1)
+            for (tag, x), (want, want_inv) in zip(batches, wants):
                 case = f"topk_b{b}_c{c}{tag}_split{cfg.splits}_set_{name}"
 
                 def measure(f=f, x=x, want=want_inv if cfg.minus_one_for_neg_inf else want) -> dict:
