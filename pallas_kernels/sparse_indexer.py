@@ -124,6 +124,11 @@ class IndexerKernelConfig:
     #                                 batch timed: select_config_for); False: the one-program finish
     topk_invisible_in_kernel: bool = False  # pallas_radix, "set" order: the kernel writes -1 for invisible (-inf)
     #                                  keys, so no gather of the kept values follows it (one XLA kernel fewer)
+    topk_lengths: bool = False  # pallas_radix: each token's n_visible goes to the kernel as its row's -inf tail
+    #                             (topk_select's ``lengths``), so the split prefilter spreads a short request's keys
+    #                             over its programs and skips the tail. Off until timed (docs/perf-log.md, 44th
+    #                             session: a request of 3000 tokens in an 8 x 128K batch put all its candidates in
+    #                             its first split, and the top-k took 45 us against 32 for the full batch, H100)
     # Why "set" and None by default: on the H200 both were at least as fast as "sorted" / 1 at every measured
     # k = 2048 shape, full and mixed batches (archive/kernels_sparse_indexer_h200_2026-12-02.json, rows
     # ..._pallas_radix_set and ..._split*_set; archive/kernels_select_h200_2026-12-02_partial.json), within a few
@@ -136,7 +141,7 @@ class IndexerKernelConfig:
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
                 none = "" if name in ("num_buffers", "max_logits_bytes") else " or None"
                 raise ValueError(f"{name} must be an int{none}, got {v!r}")
-        for name in ("topk_split_finish", "topk_invisible_in_kernel"):
+        for name in ("topk_split_finish", "topk_invisible_in_kernel", "topk_lengths"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.queries_per_cta is not None and not 1 <= self.queries_per_cta <= 4:
@@ -506,7 +511,7 @@ def resolve_topk_algorithm(rows: int, cols: int, backend: str | None = None) -> 
 def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
                      algorithm: TopkAlgorithm = "lax", order: TopkOrder = "sorted",
                      splits: int | None = 1, split_finish: bool = True,
-                     invisible_in_kernel: bool = False) -> jax.Array:
+                     invisible_in_kernel: bool = False, lengths: jax.Array | None = None) -> jax.Array:
     """lax.top_k of rows already -inf at invisible keys: int32 [T, k], -1 where fewer are visible.
 
     ``order="set"``: the same keys, in any order (``"pallas_radix"`` then returns them in ascending key order,
@@ -519,7 +524,8 @@ def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
     applies to ``"lax"`` only, ``splits``, ``split_finish`` and ``invisible_in_kernel`` (``IndexerKernelConfig``'s
     ``topk_splits`` / ``topk_split_finish`` / ``topk_invisible_in_kernel``) to ``"pallas_radix"`` only, the last
     one with ``order="set"``: the kernel marks the invisible keys itself (``minus_one_for_neg_inf``), so the kept
-    values are never gathered.
+    values are never gathered. ``lengths`` (int32 [T], ``"pallas_radix"`` only; the others read whole rows): each row
+    is -inf from that column on (``topk_select``'s hint).
 
     Tie rule: among equal scores the lower key index wins (lax.top_k's order). With ``segment``, a
     two-stage selection: top-k of each segment of ``segment`` keys, then top-k of the concatenated winners
@@ -536,9 +542,10 @@ def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
         cfg = (select_config_for(t, n, split_finish=split_finish) if splits is None
                else TopkSelectConfig(splits=splits))
         if invisible_in_kernel and order == "set":
-            idx = select_unsorted(logits, kk, config=dataclasses.replace(cfg, minus_one_for_neg_inf=True))[0]
+            idx = select_unsorted(logits, kk, config=dataclasses.replace(cfg, minus_one_for_neg_inf=True),
+                                  lengths=lengths)[0]
             return jnp.pad(idx, ((0, 0), (0, k - kk)), constant_values=-1) if kk < k else idx
-        vals, idx = topk_select(logits, kk, sort=order == "sorted", config=cfg)
+        vals, idx = topk_select(logits, kk, sort=order == "sorted", config=cfg, lengths=lengths)
     elif segment is None or n <= segment or segment < kk:
         vals, idx = lax.top_k(logits, kk)
     else:
@@ -605,7 +612,8 @@ def _indexer_topk_pallas(index_q, index_w, cache, fmt, block_tables, req_idx, n_
         lg = paged_logits(q, w, cache, block_tables, r, nv, entries_per_page=fmt.entries_per_page,
                           config=config, interpret=interpret)
         return topk_from_logits(lg, k, config.topk_segment, config.topk_algorithm, config.topk_order,
-                                config.topk_splits, config.topk_split_finish, config.topk_invisible_in_kernel)
+                                config.topk_splits, config.topk_split_finish, config.topk_invisible_in_kernel,
+                                nv if config.topk_lengths else None)
 
     return map_token_chunks(fn, t, chunk, (q8, w8, req_idx, n_visible), (0, 0, 0, 0))
 

@@ -56,6 +56,9 @@ Rows whose bucket exceeds the scratch, or that take another path, run the one-pr
 program (a row whose pivot is tau without the counting passes). ``fill_layout="warp"`` streams a split's range as
 one consecutive part a warp, each into its own scratch buffer, and copies their first ``capacity`` keys to the
 split's buffer after the pass: the pass's slots and counts then stay within a warp, with no CTA barrier in its loop.
+With the ``lengths`` hint (rows -inf from lengths[t] on: a decode batch's logits past each request's context) the
+splits cut the row's head instead of the whole row, and its sample is drawn from the head: a short request's keys
+are otherwise all in its first split, and its sample mostly -inf.
 
 Backend: the Triton lowering (conventions of ``pallas_kernels/fused_insert_common.py``), not Mosaic GPU.
 The prefilter and the compaction store each kept key at a data-dependent position, a vector scatter, and
@@ -301,6 +304,21 @@ def _sample_rank(n: int, k: int, sample: int) -> int:
     of randomly ordered values (e.g. k = 2048, n = 64K: m = 32, r = 59, ~3.8K candidates expected)."""
     m = sample * k / n
     return min(sample, math.ceil(m + 4 * math.sqrt(m) + 4))
+
+
+def _sample_rank_traced(n: jax.Array, k: int, sample: int) -> jax.Array:
+    """``_sample_rank`` for a traced n (int32 scalar, n >= k): the same formula in float32 (a rank one off
+    where m + 4 sqrt(m) + 4 lies within float32's rounding of an integer changes the pivot, never the result)."""
+    m = jnp.float32(sample * k) / n.astype(jnp.float32)
+    return jnp.minimum(jnp.ceil(m + 4 * jnp.sqrt(m) + 4).astype(I32), sample)
+
+
+def _row_extent(len_ref, row, n: int, k: int, cfg: TopkSelectConfig) -> jax.Array:
+    """The columns of ``row`` the split prefilter streams under the ``lengths`` hint (columns from lengths[row] on
+    hold -inf): max(lengths[row], k, sample), at most n. From k on because a row's top k may be -inf keys (the
+    first of its -inf tail, by column); from ``sample`` on so that the sample's columns stay distinct."""
+    ln = jnp.sum(C.load(len_ref, (row + jnp.zeros((1,), I32),), (1,)))
+    return jnp.clip(ln, max(k, cfg.sample), n)
 
 
 # ----- kernel-side pieces ----------------------------------------------------------------------------
@@ -638,9 +656,10 @@ def _fill_keys(x_ref, row, n: int, cfg: TopkSelectConfig, interpret: bool
     return _row_keys(x_ref, row, n, cfg.fill_layout == "lane" and not interpret, groups)
 
 
-def _sample_pivot(x_ref, row, n: int, k: int, cfg: TopkSelectConfig) -> tuple[jax.Array, jax.Array]:
-    """(u of the prefilter's pivot: the ``_sample_rank``-th largest key of ``cfg.sample`` evenly spaced keys; u of
-    the sample's largest key where ``cfg.range_margin`` is set, else 0).
+def _sample_pivot(x_ref, row, n: int | jax.Array, k: int, cfg: TopkSelectConfig) -> tuple[jax.Array, jax.Array]:
+    """(u of the prefilter's pivot: the ``_sample_rank``-th largest key of ``cfg.sample`` evenly spaced keys of the
+    row's first ``n`` columns (a traced n: the row's ``lengths`` hint, ``_row_extent``); u of the sample's largest
+    key where ``cfg.range_margin`` is set, else 0).
 
     With ``pivot_bits`` < 32 that key is resolved only to its bucket, and the pivot is the smallest sampled key
     in the bucket or above its floor: still at most the exact rank's key (so no fewer candidates), and always a
@@ -661,8 +680,8 @@ def _sample_pivot(x_ref, row, n: int, k: int, cfg: TopkSelectConfig) -> tuple[ja
     def block(b):  # b is 0 .. nb - 1 (the one step of an nb-block unroll)
         return functools.reduce(lambda acc, j: jnp.where(b == j, xs[j], acc), range(1, nb), xs[0]), None
 
-    floor_u = _kth_key([(nb, block)], _sample_rank(n, k, s_n), cfg.bits, w, cfg.pivot_bits, unroll=nb,
-                       packed=cfg.packed_counts)[0]
+    rank = _sample_rank(n, k, s_n) if isinstance(n, int) else _sample_rank_traced(n, k, s_n)
+    floor_u = _kth_key([(nb, block)], rank, cfg.bits, w, cfg.pivot_bits, unroll=nb, packed=cfg.packed_counts)[0]
     hi_u = functools.reduce(jnp.maximum, [jnp.max(x) for x in xs]) ^ _SIGN
     hi_u = hi_u if cfg.range_margin is not None else jnp.zeros((), I32)
     if cfg.pivot_bits == 32:
@@ -1032,20 +1051,26 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
              cfg.minus_one_for_neg_inf)
 
 
-def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, *extra, n: int, k: int,
-                       cfg: TopkSelectConfig, cap: int, interpret: bool) -> None:
+def _split_fill_kernel(x_ref, *refs, n: int, k: int, cfg: TopkSelectConfig, cap: int, interpret: bool,
+                       lengths: bool = False) -> None:
     """Program (row, j): the prefilter's pass over the j-th of ``cfg.splits`` column ranges of the row (whole
     blocks), keys >= the row's sample pivot into buffer j ([row, j cap : (j + 1) cap], column order), and its
     counts: keys >= pivot, keys > pivot, keys > pivot that fit the buffer; the pivot's u for the finish kernel
     and the sample's largest key's ([row, 0], [row, 1]; every program of the row writes the same values). With
     ``hist_ref`` (``split_finish``): its buffer's counts ge[d] of first-pass digits >= d from the pivot, at R =
     ``bucket_resolutions`` resolutions r (``_first_pass``), at [row, (R j + r) nd : (R j + r + 1) nd]. With
-    fill_layout="warp" the last two outputs are the warps' scratch buffers (keys, columns; ``_warp_fill``)."""
+    fill_layout="warp" the last two outputs are the warps' scratch buffers (keys, columns; ``_warp_fill``).
+    ``lengths`` (the first input after x: int32 [T]): the splits cut the row's first ``_row_extent`` columns, not
+    all n, and the row's split width (columns) is the pivot output's third column (the finish's split of the
+    bucket's keys)."""
+    len_ref, refs = (refs[0], refs[1:]) if lengths else (None, refs)
+    key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, *extra = refs
     row, j = pl.program_id(0), pl.program_id(1)
     t = key_ref.shape[0] if interpret else None
     hist_ref = extra[:1] if cfg.split_finish else ()
-    per = pl.cdiv(pl.cdiv(n, cfg.block), cfg.splits)
-    nb = jnp.clip(pl.cdiv(n, cfg.block) - j * per, 0, per)
+    ne = _row_extent(len_ref, row, n, k, cfg) if lengths else n  # the columns the splits cut
+    per = pl.cdiv(pl.cdiv(ne, cfg.block), cfg.splits)
+    nb = jnp.clip(pl.cdiv(ne, cfg.block) - j * per, 0, per)
     warp = cfg.fill_layout == "warp"
     if warp:
         nw = cfg.fill_warps or cfg.num_warps
@@ -1055,7 +1080,7 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
         x_keys = _fill_keys(x_ref, row, n, cfg, interpret)
         first = _step_keys(x_keys, j * per, 0, cfg.unroll, cfg.block, (j * per + nb) * cfg.block) if cfg.prefetch \
             else None
-    piv_u, hi_u = _sample_pivot(x_ref, row, n, k, cfg)
+    piv_u, hi_u = _sample_pivot(x_ref, row, ne, k, cfg)
 
     def put(slot, s, col, ok):
         _scatter(key_ref, row, t, j * cap + slot, s, ok)
@@ -1100,7 +1125,7 @@ def _split_fill_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, p
     at = (row + jnp.zeros((1, 1), I32), j + jnp.zeros((1, 1), I32))
     for ref, v in zip((filled_ref, above_ref, in_ref), counts):
         C.store(ref, at, jnp.full((1, 1), v, I32), jnp.ones((1, 1), bool))
-    for c, v in enumerate((piv_u, hi_u)):
+    for c, v in enumerate((piv_u, hi_u) + ((per * cfg.block,) if lengths else ())):
         C.store(piv_ref, (at[0], jnp.full((1, 1), c, I32)), jnp.full((1, 1), v, I32), jnp.ones((1, 1), bool))
 
 
@@ -1296,7 +1321,8 @@ def _split_copy_kernel(key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref,
 
 
 def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref, in_ref, piv_ref, hist_ref, *refs,
-                                  n: int, k: int, cfg: TopkSelectConfig, cap: int, interpret: bool) -> None:
+                                  n: int, k: int, cfg: TopkSelectConfig, cap: int, interpret: bool,
+                                  lengths: bool = False) -> None:
     """Program (row, j) of the split finish. Where the bucket fits the scratch row (``_first_pass``): tau from the
     bucket (every program of the row finds the same; one block is held in registers, several are counted block by
     block), then split j's buffer compacted into its own output slots: after the kept keys of the splits before it
@@ -1316,7 +1342,10 @@ def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref
     hb, sp = cfg.hist_block, cfg.splits
     plan = _row_plan(filled_ref, above_ref, in_ref, piv_ref, row, k, cap, sp)
     fp = _first_pass(hist_ref, row, plan, k, cfg)
-    split_cols = pl.cdiv(pl.cdiv(n, cfg.block), sp) * cfg.block  # columns per split (the prefilter's ranges)
+    if lengths:  # columns per split (the prefilter's ranges): the row's, stored by the fill kernel
+        split_cols = jnp.sum(C.load(piv_ref, (row + jnp.zeros((1, 1), I32), jnp.full((1, 1), 2, I32)), (1, 1)))
+    else:
+        split_cols = jnp.asarray(pl.cdiv(pl.cdiv(n, cfg.block), sp) * cfg.block, I32)
     room = cfg.bucket_blocks * hb
     base = j * room if cfg.fuse_bucket else 0  # this program's bucket in the scratch row
     lane = cfg.finish_lane_loads and not interpret
@@ -1354,7 +1383,7 @@ def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref
             eq = (inside & (s == tau)).astype(I32)
             tie = (eq == 1) & (eq_seen + jnp.cumsum(eq, axis=1) - eq < need)
             keep = (inside & (s > tau)) | tie
-            of = lax.div(col, jnp.asarray(split_cols, I32))  # each bucket key's split
+            of = lax.div(col, split_cols)  # each bucket key's split
             return (jnp.sum((keep & (of == on_split)).astype(I32), axis=1), jnp.sum((tie & (of == j)).astype(I32)),
                     jnp.sum(eq))
 
@@ -1382,20 +1411,23 @@ def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref
         _finish_row(x_ref, key_ref, col_ref, idx_ref, tau_ref, path_ref, scratch, row, plan, n, k, cfg, cap, interpret)
 
 
-def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpret: bool):
+def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpret: bool,
+                  lengths: jax.Array | None = None):
     """select_unsorted with the prefilter's pass split over ``cfg.splits`` programs per row (two kernels)."""
     t, n = x.shape
     sp = cfg.splits
     par = cfg.split_finish
-    fill = functools.partial(_split_fill_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret)
+    hint = lengths is not None
+    fill = functools.partial(_split_fill_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret, lengths=hint)
     bufs = [jax.ShapeDtypeStruct((t, sp * cap), I32)] * 2 + [jax.ShapeDtypeStruct((t, sp), I32)] * 3
-    bufs += [jax.ShapeDtypeStruct((t, 2), I32)]  # the row's pivot and its sample's largest key (u)
+    # the row's pivot and its sample's largest key (u); with lengths, its split width (columns)
+    bufs += [jax.ShapeDtypeStruct((t, 3 if hint else 2), I32)]
     bufs += [jax.ShapeDtypeStruct((t, cfg.bucket_resolutions * sp << cfg.bits), I32)] if par else []  # first passes
     if cfg.fill_layout == "warp":  # the prefilter's warps' scratch buffers: keys, columns
         bufs += [jax.ShapeDtypeStruct((t, sp * (cfg.fill_warps or cfg.num_warps) * _warp_room(cap, n, cfg)), I32)] * 2
     keys, cols, filled, above, above_in, piv, *hist = C.pallas_call(
         fill, out_shape=tuple(bufs), grid=(t, sp), aliases={}, interpret=interpret, name="topk_radix_prefilter",
-        num_warps=cfg.fill_warps or cfg.num_warps)(x)
+        num_warps=cfg.fill_warps or cfg.num_warps)(x, *((lengths,) if hint else ()))
     hist = hist[:1] if par else []
     out = [jax.ShapeDtypeStruct((t, k), I32)] + [jax.ShapeDtypeStruct((t,), I32)] * 2
     out += [jax.ShapeDtypeStruct((t, cfg.hist_block), I32)] if cfg.shrink else []  # the counting's scratch row
@@ -1406,7 +1438,8 @@ def _select_split(x: jax.Array, k: int, cfg: TopkSelectConfig, cap: int, interpr
                                            name="topk_radix_finish", num_warps=cfg.num_warps)(x, keys, cols, *counts)
         return idx, tau, jnp.sum(filled, axis=1), path
     room = cfg.bucket_blocks * cfg.hist_block
-    finish = functools.partial(_split_finish_parallel_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret)
+    finish = functools.partial(_split_finish_parallel_kernel, n=n, k=k, cfg=cfg, cap=cap, interpret=interpret,
+                               lengths=hint)
     if cfg.fuse_bucket:  # each finish program's own bucket: keys, columns
         out += [jax.ShapeDtypeStruct((t, sp * room), I32)] * 2
         bucket = ()
@@ -1437,13 +1470,21 @@ def _check(x: jax.Array, k: int, config: TopkSelectConfig | None = None) -> int:
 
 
 def select_unsorted(x: jax.Array, k: int, *, config: TopkSelectConfig | None = None,
-                    interpret: bool | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+                    interpret: bool | None = None, lengths: jax.Array | None = None
+                    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The kernel alone: (kept columns int32 [T, k] in ascending order, with ``minus_one_for_neg_inf`` -1 in place
     of -inf keys' columns; tau uint32 [T] = the k-th largest
     ``ordered_key`` of each row, i.e. ``jds.ops.select.kth_largest_key``; candidates int32 [T] = keys the
     prefilter's first pass kept, N without a prefilter; path int32 [T]: how steps 2-3 ran, an index into
-    ``PATHS``)."""
+    ``PATHS``).
+
+    ``lengths`` (int32 [T], optional): a promise that row t holds -inf from column lengths[t] on (a decode batch's
+    logits past each request's context). The split prefilter then cuts only the row's first max(lengths[t], k,
+    sample) columns over its programs, so a short request's keys are spread over all of them instead of lying in
+    the first, and its -inf tail is not read. The other paths read the whole row; every path gives lax.top_k's
+    result where the promise holds."""
     k = _check(x, k, config)
+    lengths = _check_lengths(lengths, x.shape[0])
     cfg = config or TopkSelectConfig()
     interpret = C.resolve_interpret(interpret)
     t, n = x.shape
@@ -1454,7 +1495,7 @@ def select_unsorted(x: jax.Array, k: int, *, config: TopkSelectConfig | None = N
         raise ValueError(f"rows of {n} with sample {cfg.sample}: column * n overflows int32")
     xi = lax.bitcast_convert_type(x.astype(jnp.float32), I32)  # the kernels read the bits (``_key_s``)
     if cap and cfg.splits > 1:
-        idx, tau, cand, path = _select_split(xi, k, cfg, cap, interpret)
+        idx, tau, cand, path = _select_split(xi, k, cfg, cap, interpret, lengths)
         return idx, lax.bitcast_convert_type(tau, jnp.uint32), cand, path
     out_shape = [jax.ShapeDtypeStruct((t, k), I32)] + [jax.ShapeDtypeStruct((t,), I32)] * 3
     out_shape += [jax.ShapeDtypeStruct((t, cap), I32)] * 2 if cap else []  # candidate keys, columns
@@ -1467,24 +1508,39 @@ def select_unsorted(x: jax.Array, k: int, *, config: TopkSelectConfig | None = N
 
 
 def topk_select(x: jax.Array, k: int, *, implementation: Implementation = "pallas", interpret: bool | None = None,
-                config: TopkSelectConfig | None = None, sort: bool = True) -> tuple[jax.Array, jax.Array]:
+                config: TopkSelectConfig | None = None, sort: bool = True, lengths: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
     """(values [T, k] in x's dtype, int32 indices [T, k]) of the k largest entries of each row of ``x``
     [T, N] (float32 / bfloat16 / float16; NaN in the module's total order): identical to ``lax.top_k(x, k)``.
 
     ``sort=False``: the same entries in ascending index order instead (no sort of the k winners: a consumer that
-    takes the set, as the sparse MQA does, skips it). The "xla" implementation always sorts."""
+    takes the set, as the sparse MQA does, skips it). The "xla" implementation always sorts. ``lengths``: the
+    promise that row t is -inf from column lengths[t] on (``select_unsorted``); the "xla" implementation reads the
+    whole row."""
     k = _check(x, k, config)
+    lengths = _check_lengths(lengths, x.shape[0])
     return run_op("topk_select", implementation, {
         "xla": lambda: radix_topk(x, k, (config or TopkSelectConfig()).bits),
-        "pallas": lambda: _pallas(x, k, config, interpret, sort)})
+        "pallas": lambda: _pallas(x, k, config, interpret, sort, lengths)})
 
 
-def _pallas(x: jax.Array, k: int, config: TopkSelectConfig | None, interpret: bool | None, sort: bool = True
-            ) -> tuple[jax.Array, jax.Array]:
+def _check_lengths(lengths: jax.Array | None, t: int) -> jax.Array | None:
+    """``lengths`` as int32 [T], or None; a ValueError naming it otherwise. Values past the row are read as the
+    row's end, values below k as k (``_row_extent``): the promise is about the row's -inf tail, not a mask."""
+    if lengths is None:
+        return None
+    shape, dtype = jnp.shape(lengths), jnp.result_type(lengths)
+    if shape != (t,) or not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(f"lengths must be an integer array of shape ({t},) (one per row), got {dtype} {shape}")
+    return jnp.asarray(lengths).astype(I32)
+
+
+def _pallas(x: jax.Array, k: int, config: TopkSelectConfig | None, interpret: bool | None, sort: bool = True,
+            lengths: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     if config is not None and config.minus_one_for_neg_inf:
         raise ValueError("config.minus_one_for_neg_inf: topk_select returns the kept keys' values and columns; "
                          "select_unsorted gives the columns with -1 for -inf keys")
-    idx, *_ = select_unsorted(x, k, config=config, interpret=interpret)
+    idx, *_ = select_unsorted(x, k, config=config, interpret=interpret, lengths=lengths)
     sel = jnp.take_along_axis(x, idx, axis=1)
     if not sort:
         return sel, idx

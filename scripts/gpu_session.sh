@@ -271,20 +271,13 @@ case "$stage" in
     grep -v Warning "$OUT/fp8_smem.log" | tail -c 4000
     ;;
   key)
-    # the open questions in one call of under 10 minutes, most important first (each piece's output lands in $OUT as
-    # it goes). Forty-third session: on an H100 the warp fill's prefilter ran a mixed batch at 8 x 128K 1.9 us longer
-    # than the full one; copy_unroll (the warps' scratch copied 2 / 4 chunks a step) and copy_spread (forty-fourth:
-    # the copy spread over every warp of the CTA, one step for a short row's keys) are built to end it: their native
-    # tests, then the indexer's default against them at the shapes where a short row lands in one warp, full and
-    # mixed (32 x 128K never ran). Then mlp at 64 / 128 rows, the default (144-wide tiles since the forty-third session,
-    # measured on an H100 only) against 192; then the native top-k tests unless KEY_TESTS=0
+    # the open questions of one call (each piece's output lands in $OUT as it goes). Forty-fourth session: the warp
+    # fill's copy forms were decided (copy_spread, on an H100; its native tests run here too); left for an H200: mlp
+    # at 64 / 128 rows, the default (144-wide tiles since the forty-third session, measured on an H100 only) against
+    # 192; then the native top-k tests unless KEY_TESTS=0
     timeout -k 10 -s INT ${KEY_COPY_TESTS_TIMEOUT:-120} python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider \
       tests/test_kernel_topk_select.py -k "copy_forms or warp_fill" > "$OUT/key_copy_tests.log" 2>&1
     echo "key copy tests rc=$?"; tail -3 "$OUT/key_copy_tests.log"
-    timeout -k 10 ${KEY_TOPK_TIMEOUT:-200} python3 scripts/diag/topk_knobs.py --mixed \
-      --shapes ${KEY_TOPK_SHAPES:-8x131072 32x131072 32x32768} --knobs ${KEY_TOPK_KNOBS:-sf_warp sf_warp_cu4 sf_warp_sp sf_warp_sp_cu2} \
-      --out "$OUT/topk_knobs_key_h200.json" > "$OUT/key_topk.log" 2>&1
-    echo "key topk rc=$?"; grep '^{' "$OUT/key_topk.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("same_set_as_lax"), r.get("profile_kernel_us"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
     # (KEY_FP8_CASES / KEY_FP8_VARIANTS widen it, e.g. wo:128 with {"block_n": 112}: a width that does not divide a
     # case's columns is recorded as that row's error)
     timeout -k 10 -s INT ${KEY_FP8_TIMEOUT:-130} python3 scripts/diag/fp8_tiles_time.py \
@@ -293,6 +286,24 @@ case "$stage" in
       > "$OUT/key_fp8.log" 2>&1; echo "key fp8 rc=$?"
     grep '^{' "$OUT/key_fp8.log" | python3 -c 'import json, sys; [print(r["case"], r["tiles"], r.get("kernel_us"), r.get("call_span_us"), r.get("kernel_copy_frac"), r.get("max_abs_diff_vs_xla"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
     [ "${KEY_TESTS:-1}" = 0 ] || TOPK_TESTS_TIMEOUT=${KEY_TESTS_TIMEOUT:-180} bash "$0" topk-tests
+    ;;
+  topk-lengths)
+    # issue 20 (forty-fourth session): a request of 3000 tokens in an 8 x 128K batch put all its top-k candidates in
+    # its first split (the splits cut the whole row), and the top-k's kernels took 45 us against 32 for the full
+    # batch on an H100. topk_select's lengths hint (IndexerKernelConfig.topk_lengths) cuts each row's head instead:
+    # its native tests, then the default against the hint at the shapes, full and with short rows of 1000 / 3000 /
+    # 6000 tokens, then the whole decode select at 8 x 128K
+    timeout -k 10 -s INT ${TL_TESTS_TIMEOUT:-150} python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider \
+      tests/test_kernel_topk_select.py tests/test_kernel_sparse_indexer.py \
+      -k "lengths or visible_counts or indexer_topk_splits or chunking" > "$OUT/topk_lengths_tests.log" 2>&1
+    echo "topk lengths tests rc=$?"; tail -3 "$OUT/topk_lengths_tests.log"
+    timeout -k 10 ${TL_KNOBS_TIMEOUT:-260} python3 scripts/diag/topk_knobs.py --mixed --short 1000 3000 6000 \
+      --shapes ${TL_SHAPES:-8x131072 16x131072 32x32768 64x65536} --knobs sf_warp_sp sf_warp_sp_len \
+      --out "$OUT/topk_knobs_lengths_h200.json" > "$OUT/topk_lengths_knobs.log" 2>&1
+    echo "topk lengths knobs rc=$?"; grep '^{' "$OUT/topk_lengths_knobs.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("profile_busy_us"), r.get("same_set_as_lax"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
+    timeout -k 10 -s INT ${TL_SELECT_TIMEOUT:-150} python3 scripts/diag/topk_mixed.py --shapes 8x131072 --short 3000 \
+      --variants default lengths --out "$OUT/topk_mixed_lengths_h200.json" > "$OUT/topk_lengths_select.log" 2>&1
+    echo "topk lengths select rc=$?"
     ;;
   fp8-ragged)
     # issue 19 (forty-first session): mlp / wo at 64-128 rows ran 96 / 112 CTAs on 132 SMs (192- / 128-wide tiles);

@@ -260,7 +260,8 @@ def test_topk_matches_reference_with_chunking(mode: str) -> None:
     unsorted = si.IndexerKernelConfig(topk_algorithm="pallas_radix", topk_order="set")
     # interpret mode (CI time): the chunked two-stage and the radix selections, k above the visible counts in one
     configs = ((16, small), (100, radix)) if interpret else (
-        (16, small), (100, si.IndexerKernelConfig()), (40, radix), (40, unsorted))
+        (16, small), (100, si.IndexerKernelConfig()), (40, radix), (40, unsorted),
+        (40, dataclasses.replace(unsorted, topk_lengths=True)))  # n_visible as the kernel's lengths hint
     for k, cfg in configs:
         want = np.asarray(topk_visible(jnp.asarray(np.where(np.isfinite(ref), ref, 0.0)), nvis, k))
         got = np.asarray(si.indexer_topk(qd, wf, cache, fmt, bt, req, nvis, k, config=cfg, interpret=interpret))

@@ -427,6 +427,52 @@ def test_warp_fill_same_result(mode: str, tiles: dict) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("tiles", [
+    pytest.param(dict(fill_layout="warp", copy_spread=True), id="warp"),  # the indexer's form
+    pytest.param(dict(fill_layout="vector"), id="vector")])
+def test_lengths_hint_same_result(mode: str, tiles: dict) -> None:
+    """``lengths`` (rows -inf from lengths[t] on): lax.top_k's set and tau as without the hint, for rows shorter
+    than k, at k, shorter than the sample, a block, across the splits, the whole row and past it (read as the row's
+    end), and ties; short rows' samples from their heads (fewer candidates); then a row whose columns past its extent
+    (max(lengths, k, sample), a whole number of blocks) hold large finite keys: with the hint the split prefilter
+    never reads them (the promise broken on purpose), so the result is the top k of the row's first 1024 columns."""
+    n, k = 4096, 20
+    cfg = dataclasses.replace(TopkSelectConfig(block=512, hist_block=128, sample=256, capacity=400, splits=2,
+                                               unroll=2, shrink=True, hold_shrunk=True, range_margin=1, prefetch=True,
+                                               fill_warps=2, split_finish=True, bucket_blocks=2,
+                                               bucket_resolutions=3), **tiles)
+    lens = np.array([0, 5, 20, 100, 700, 1500, 3000, 4096, 9999, 2500])
+    rng = np.random.default_rng(71)
+    x = rng.standard_normal((len(lens), n)).astype(np.float32)
+    x[-1] = np.round(x[-1] * 2) / 2  # ties
+    x[np.arange(n)[None, :] >= lens[:, None]] = -np.inf
+    xj, lj = jnp.asarray(x), jnp.asarray(lens, jnp.int32)
+    want = select_unsorted(xj, k, config=cfg, interpret=interpret_for(mode))
+    got = select_unsorted(xj, k, config=cfg, interpret=interpret_for(mode), lengths=lj)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.sort(np.asarray(jax.lax.top_k(xj, k)[1]), axis=1))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]), err_msg="tau")
+    # with the hint a short row's sample is drawn from its head, not mostly from its -inf tail: a pivot nearer tau
+    cand, cand0 = np.asarray(got[2]), np.asarray(want[2])
+    assert (cand[3:7] < cand0[3:7]).all() and (cand[7:9] == cand0[7:9]).all(), (cand, cand0)
+    vals, idx = topk_select(xj, k, config=cfg, interpret=interpret_for(mode), lengths=lj)
+    ref = jax.lax.top_k(xj, k)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref[1]))
+    np.testing.assert_array_equal(np.asarray(vals), np.asarray(ref[0]))
+    y = rng.standard_normal((2, n)).astype(np.float32)
+    y[:, 1024:] = 100.0  # past the extent of lengths 1000 (1024 columns: 2 blocks, one a split)
+    got = select_unsorted(jnp.asarray(y), k, config=cfg, interpret=interpret_for(mode),
+                          lengths=jnp.asarray([1000, n], jnp.int32))
+    head = np.where(np.arange(n) < 1024, y[0], -np.inf)
+    np.testing.assert_array_equal(np.asarray(got[0][0]), np.sort(np.argsort(-head, kind="stable")[:k]))
+    assert PATHS[int(got[3][0])] == "buffer", PATHS[int(got[3][0])]
+    np.testing.assert_array_equal(np.asarray(got[0][1]), np.arange(1024, 1024 + k))  # the hint: the whole row
+    with pytest.raises(ValueError, match="lengths"):
+        select_unsorted(xj, k, config=cfg, lengths=lj[:3])
+    with pytest.raises(ValueError, match="lengths"):
+        topk_select(xj, k, config=cfg, lengths=lj.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("form", [
     pytest.param(dict(copy_unroll=4), id="cu4"),
     pytest.param(dict(copy_spread=True), id="spread"),
@@ -570,8 +616,33 @@ def test_indexer_topk_splits(mode: str) -> None:
         np.testing.assert_array_equal(np.asarray(topk_from_logits(jnp.asarray(x), 64, algorithm="pallas_radix",
                                                                   order="set", splits=None,
                                                                   split_finish=split_finish)), want)
+    # IndexerKernelConfig.topk_lengths: the rows' visible counts as the kernel's lengths hint, both orders' forms
+    lengths = jnp.asarray([16384, 3000], jnp.int32)
+    for invisible in (False, True):
+        got = topk_from_logits(jnp.asarray(x), 64, algorithm="pallas_radix", order="set", splits=None,
+                               invisible_in_kernel=invisible, lengths=lengths)
+        np.testing.assert_array_equal(np.sort(np.asarray(got), axis=1), want)
     with pytest.raises(ValueError, match="topk_splits"):
         IndexerKernelConfig(topk_splits=3)
+
+
+def test_indexer_passes_visible_counts_as_lengths(monkeypatch) -> None:
+    """IndexerKernelConfig(topk_lengths=True) hands each token's n_visible to topk_from_logits as ``lengths`` (the
+    paged logits are -inf from there on); the default hands none."""
+    from pallas_kernels import sparse_indexer as si
+    from tests.test_kernel_sparse_indexer import paged_keys, queries
+    fmt, cache, bt = paged_keys(64, [100, 30], 2, 3)
+    req, nvis = jnp.asarray([0, 1], jnp.int32), jnp.asarray([100, 30], jnp.int32)
+    qd, wf = queries(2, 4, 5)
+    seen = []
+    real = si.topk_from_logits
+    monkeypatch.setattr(si, "topk_from_logits", lambda *a, **kw: seen.append(a[8:]) or real(*a, **kw))
+    for on in (False, True):
+        si.indexer_topk(qd, wf, cache, fmt, bt, req, nvis, 8, interpret=True,
+                        config=IndexerKernelConfig(topk_algorithm="lax", topk_lengths=on))
+    assert seen[0] == (None,) and np.asarray(seen[1][0]).tolist() == [100, 30], seen
+    with pytest.raises(ValueError, match="topk_lengths"):
+        IndexerKernelConfig(topk_lengths=1)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -696,8 +767,8 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
     (64, 65536, dict(range_margin=None, prefetch=False, split_finish=False)),  # the config before that
     (64, 65536, dict(minus_one_for_neg_inf=True)),
     (64, 65536, dict(packed_counts=True, fill_warps=16)),
-    (64, 65536, dict(fill_layout="lane", finish_lane_loads=True, hold_bucket=True)),
-    (64, 65536, dict(fill_layout="group", finish_lane_loads=True)),
+    (64, 65536, dict(fill_layout="lane", copy_spread=False, finish_lane_loads=True, hold_bucket=True)),
+    (64, 65536, dict(fill_layout="group", copy_spread=False, finish_lane_loads=True)),
     (64, 65536, dict(finish_lane_loads=True, hold_bucket=True, fuse_bucket=True)),
     pytest.param(64, 65536, dict(copy_unroll=4), marks=pytest.mark.slow),  # the warps' scratch copy, 4 chunks a step
     pytest.param(64, 65536, dict(copy_spread=True), marks=pytest.mark.slow),  # ... spread over the CTA's warps
@@ -731,7 +802,7 @@ def test_lane_loads_share_the_stores_layout() -> None:
     conv = {}
     for lane in (False, True):
         cfg = dataclasses.replace(select_config_for(64, 65536), fill_layout="lane" if lane else "vector",
-                                  finish_lane_loads=lane)
+                                  copy_spread=False, finish_lane_loads=lane)
         fn = functools.partial(select_unsorted, k=2048, interpret=False, config=cfg)
         conv[lane] = {k["name"]: k["layout_conversions"]
                       for k in C.compile_sm90_report(fn, jax.ShapeDtypeStruct((64, 65536), jnp.float32))}
@@ -740,7 +811,7 @@ def test_lane_loads_share_the_stores_layout() -> None:
     assert conv[True]["topk_radix_bucket"] < conv[False]["topk_radix_bucket"], conv
     shared = {}
     for layout in ("lane", "group"):
-        cfg = dataclasses.replace(select_config_for(64, 65536), fill_layout=layout)
+        cfg = dataclasses.replace(select_config_for(64, 65536), fill_layout=layout, copy_spread=False)
         fn = functools.partial(select_unsorted, k=2048, interpret=False, config=cfg)
         sass = next(k["sass"] for k in C.compile_sm90_report(fn, jax.ShapeDtypeStruct((64, 65536), jnp.float32),
                                                               sass=True) if k["name"] == "topk_radix_prefilter")

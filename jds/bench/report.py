@@ -552,7 +552,7 @@ def _topk_knobs(d: dict) -> list[str]:
     by: dict[str, dict[str, dict]] = {}
     lax_rows: dict[str, dict] = {}
     for r in d.get("rows", []):
-        m = re.match(r"topk_b(\d+)_c(\d+)(_mixed)?_(?:split\d+_set_(\w+)|lax)$", r.get("case", ""))
+        m = re.match(r"topk_b(\d+)_c(\d+)(_mixed\d*)?_(?:split\d+_set_(\w+)|lax)$", r.get("case", ""))
         if m and "error" not in r:
             shape = f"{m.group(1)} x {m.group(2)}{m.group(3) or ''}"
             if m.group(4):

@@ -168,6 +168,9 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          # the copy spread over every warp of the CTA (forty-fourth session; the indexer's default since): a mixed
          # batch level with a full one at the six shapes timed on an H100, the full rows level or 0-3% slower
          "sf_warp_sp": {**_SF, "fill_layout": "warp", "copy_spread": True},
+         # ... with the rows' finite counts as the lengths hint (forty-fourth session): the splits cut a short row's
+         # head, not the whole row
+         "sf_warp_sp_len": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True},
          "sf_warp_sp_cu2": {**_SF, "fill_layout": "warp", "copy_spread": True, "copy_unroll": 2},
          "sf_warp_x2": {**_SF, "fill_layout": "warp", "splits_x": 2},
          "sf_warp_fuse": {**_SF, "fill_layout": "warp", "finish_lane_loads": True, "hold_bucket": True,
@@ -190,6 +193,9 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["64x65536", "16x131072", "16x32768", "64x131072"])
     ap.add_argument("--knobs", nargs="+", default=list(KNOBS), choices=list(KNOBS))
     ap.add_argument("--mixed", action="store_true", help="also a batch with one short row (1000 finite logits)")
+    ap.add_argument("--short", type=int, nargs="+", default=[1000],
+                    help="with --mixed: the short row's finite logits, one batch each (tag _mixed for 1000, else "
+                         "_mixedN)")
     ap.add_argument("--lax", action="store_true", help="also time lax.top_k")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -201,9 +207,10 @@ def main() -> None:
         b, c = (int(v) for v in shape.split("x"))
         sp = split_for(b, c)
         lg = jax.random.normal(jax.random.key(b * c), (b, c), jnp.float32)
-        batches = [("", lg)] + ([("_mixed", lg.at[0, 1000:].set(-jnp.inf))] if a.mixed else [])
+        batches = [("", lg, c)] + ([("_mixed" if m == 1000 else f"_mixed{m}", lg.at[0, m:].set(-jnp.inf), m)
+                                     for m in a.short] if a.mixed else [])
         wants = []
-        for tag, x in batches:
+        for tag, x, _ in batches:
             lv, li = lax_topk(x, K)
             want = np.sort(np.asarray(li), axis=1)
             want_inv = np.sort(np.where(np.asarray(lv) > -np.inf, np.asarray(li), -1), axis=1)  # -1: -inf keys
@@ -215,18 +222,22 @@ def main() -> None:
                 save()
         for name in a.knobs:  # one executable a knob for the batches (a compile takes tens of seconds)
             kn = dict(KNOBS[name])
+            hint = kn.pop("lengths", False)  # the rows' finite counts as topk_select's lengths hint
             cfg = TopkSelectConfig(**{"splits": sp * kn.pop("splits_x", 1), **kn})
             if cfg.minus_one_for_neg_inf:  # the kernels' columns alone (topk_select would gather at -1)
-                f = jax.jit(lambda x, k, cfg=cfg: (select_unsorted(x, k, config=cfg)[0],) * 2, static_argnums=1)
+                f = jax.jit(lambda x, k, ln, cfg=cfg: (select_unsorted(x, k, config=cfg, lengths=ln)[0],) * 2,
+                            static_argnums=1)
             else:
-                f = jax.jit(functools.partial(topk_select, sort=False, config=cfg), static_argnums=1)
-            for (tag, x), (want, want_inv) in zip(batches, wants):
+                f = jax.jit(lambda x, k, ln, cfg=cfg: topk_select(x, k, sort=False, config=cfg, lengths=ln),
+                            static_argnums=1)
+            for (tag, x, short), (want, want_inv) in zip(batches, wants):
                 case = f"topk_b{b}_c{c}{tag}_split{cfg.splits}_set_{name}"
+                ln = jnp.asarray([short] + [c] * (b - 1), jnp.int32) if hint else None
 
-                def measure(f=f, x=x, want=want_inv if cfg.minus_one_for_neg_inf else want) -> dict:
-                    got = np.sort(np.asarray(f(x, K)[1]), axis=1)
-                    return {"same_set_as_lax": bool((got == want).all()), **time_fn(f, x, K, warmup=5, iters=30),
-                            **profiled_device_us(f, x, K, by_kernel=True)}
+                def measure(f=f, x=x, ln=ln, want=want_inv if cfg.minus_one_for_neg_inf else want) -> dict:
+                    got = np.sort(np.asarray(f(x, K, ln)[1]), axis=1)
+                    return {"same_set_as_lax": bool((got == want).all()), **time_fn(f, x, K, ln, warmup=5, iters=30),
+                            **profiled_device_us(f, x, K, ln, by_kernel=True)}
 
                 rows.append(measured_row({"case": case}, measure))
                 save()

@@ -3,7 +3,7 @@ mixed ones (one short request, ``--short`` tokens, among full-length ones), GPU 
 path per row. Issue 20 asks that a mixed batch be no slower than a full one.
 
     python3 scripts/diag/topk_mixed.py --shapes 16x32768 16x131072 64x32768 64x131072 --short 1000 3000 \
-        --out OUT/topk_mixed.json
+        [--variants default lengths] --out OUT/topk_mixed.json
 
 Each row: device µs per call (``profile_span_us``), each kernel's median (``profile_kernel_us``: the logits
 kernel, the top-k's fill and finish kernels), and the top-k paths of the batch's rows (``paths``: counts of
@@ -27,9 +27,12 @@ from pallas_kernels import sparse_indexer as si
 from pallas_kernels.topk_select import PATHS, select_config_for, select_unsorted
 
 
-def _measure(b: int, c: int, short: int | None) -> dict:
+VARIANTS = {"default": {}, "lengths": {"topk_lengths": True}}  # IndexerKernelConfig fields
+
+
+def _measure(b: int, c: int, short: int | None, variant: str = "default") -> dict:
     fmt = IndexerRecord132(ksi.EPP)
-    config = si.IndexerKernelConfig(topk_algorithm="auto")
+    config = si.IndexerKernelConfig(topk_algorithm="auto", **VARIANTS[variant])
     interpret = jax.default_backend() != "gpu"  # a CPU smoke run: interpret mode, no timeline
     bt, cache, iq, iw, req = ksi._decode_inputs(jax.random.key(b * 7 + c), b, c)
     vis = np.full(b, c) if short is None else np.r_[short, np.full(b - 1, c)]
@@ -42,8 +45,8 @@ def _measure(b: int, c: int, short: int | None) -> dict:
     q8, w8 = si.quantize_q(iq, iw)
     logits = jax.jit(lambda *a: si.paged_logits(*a, entries_per_page=ksi.EPP, config=config, interpret=interpret))(
         q8, w8, cache, bt, req, nvis)
-    paths = np.asarray(select_unsorted(logits, ksi.K, config=select_config_for(b, c),
-                                       interpret=interpret)[3])
+    paths = np.asarray(select_unsorted(logits, ksi.K, config=select_config_for(b, c), interpret=interpret,
+                                       lengths=nvis if config.topk_lengths else None)[3])
     return {"topk": si.resolve_topk_algorithm(b, c), "paths": dict(collections.Counter(PATHS[p] for p in paths)),
             **r}
 
@@ -53,15 +56,18 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["16x32768", "16x131072", "64x32768", "64x131072"])
     ap.add_argument("--short", type=int, nargs="+", default=[1000],
                     help="the mixed batches' short request (tokens), one batch each")
+    ap.add_argument("--variants", nargs="+", default=["default"], choices=list(VARIANTS),
+                    help="IndexerKernelConfig switches (lengths: each token's n_visible as the top-k's hint)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     rows: list[dict] = []
     for shape in a.shapes:
         b, c = (int(v) for v in shape.split("x"))
         for short in (None, *a.short):
-            row = {"case": f"select_b{b}_c{c}" + ("" if short is None else f"_mixed{short}")}
-            rows.append(measured_row(row, lambda: _measure(b, c, short)))
-            save_rows(a.out, rows, complete=False)
+            for v in a.variants:
+                row = {"case": f"select_b{b}_c{c}" + ("" if short is None else f"_mixed{short}"), "variant": v}
+                rows.append(measured_row(row, lambda: _measure(b, c, short, v)))
+                save_rows(a.out, rows, complete=False)
     save_rows(a.out, rows, complete=True)
 
 

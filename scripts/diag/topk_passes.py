@@ -10,6 +10,7 @@ rows, so a start's pass counts are known before a GPU session times it. The kth 
 ``np.partition``. It also counts the rows whose k-th key's first-pass bucket fits one 512-key block, the split
 finish's fast path (``split_finish``), at one margin, at a margin and the next (``_first_pass``), and with one
 coarser margin too (``bucket_resolutions=3``), for buckets of ``--bucket-keys`` keys (``bucket_blocks``).
+``--short L ...``: a decode batch's short rows instead (``short_rows``), with and without ``lengths``.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ def ordered(x: np.ndarray) -> np.ndarray:
     return np.where(b >> 31 == 1, ~b, b | np.uint32(1 << 31)).astype(np.uint32)
 
 
-def pivot(u: np.ndarray, k: int, sample: int = 1024, pivot_bits: int = 16) -> tuple[int, int]:
-    n = u.size
+def pivot(u: np.ndarray, k: int, sample: int = 1024, pivot_bits: int = 16, n: int | None = None) -> tuple[int, int]:
+    """(u of the pivot, u of the sample's largest key) over the first ``n`` keys (all of them if None)."""
+    n = u.size if n is None else n
     su = u[(np.arange(sample) * n) // sample]
     r = _sample_rank(n, k, sample)
     floor = int(np.sort(su)[::-1][r - 1]) >> (32 - pivot_bits) << (32 - pivot_bits)
@@ -70,6 +72,45 @@ def passes(cand: np.ndarray, k: int, lo: int, span: int, shift: int, width: int 
         prev = shift
 
 
+_NEG_INF_U = 0x007FFFFF  # ordered(-inf)
+
+
+def first_bucket(cand: np.ndarray, k: int, piv: int, hi: int, margin: int) -> int | None:
+    """Keys in the k-th key's first-pass bucket at ``margin`` (``_first_pass``), None if fewer than k are in range."""
+    lo, span, shift = pivot_start(piv, hi, margin)
+    c = cand.astype(np.int64)
+    inside = (c >= lo) & (c - lo <= span)
+    dig = np.minimum((c[inside] - lo) >> shift, 15)
+    ge = np.array([(dig >= d).sum() for d in range(16)])
+    sel = int((ge >= k).sum()) - 1
+    return None if sel < 0 else int((dig == sel).sum())
+
+
+def short_rows(a: argparse.Namespace) -> None:
+    """--short: rows of L normal keys then -inf to n (a decode batch's short request), with the split prefilter's
+    sample over the whole row and, with topk_select's ``lengths`` hint, over its first max(L, k, sample) keys: the
+    candidates, and the rows whose first-pass bucket fits ``--bucket-keys`` keys at margins 0..2 (the split finish's
+    fast path; otherwise the one-program finish runs)."""
+    rng = np.random.default_rng(0)
+    for hint in (False, True):
+        out = []
+        for length in a.short:
+            fits, cands = 0, []
+            for _ in range(a.rows):
+                x = np.full(a.n, -np.inf, np.float32)
+                x[:length] = rng.standard_normal(length)
+                u = ordered(x)
+                piv, hi = pivot(u, a.k, pivot_bits=a.pivot_bits,
+                                n=min(max(length, a.k, 1024), a.n) if hint else None)
+                cand = u[u > piv] if piv == _NEG_INF_U else u[u >= piv]  # a -inf pivot keeps the keys above it
+                cands.append(cand.size)
+                sizes = [first_bucket(cand, a.k, piv, hi, m) for m in (0, 1, 2)]
+                fits += cand.size >= a.k and min((b for b in sizes if b is not None), default=a.n) <= a.bucket_keys[0]
+            out.append(f"{length}: {fits}/{a.rows} ({int(np.mean(cands))})")
+        print(f"N={a.n} k={a.k} {'lengths hint' if hint else 'no hint'}: rows whose bucket fits "
+              f"{a.bucket_keys[0]} keys (mean candidates): " + ", ".join(out))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=64)
@@ -80,7 +121,11 @@ def main() -> None:
     ap.add_argument("--pivot-bits", type=int, default=16)
     ap.add_argument("--bucket-keys", type=int, nargs="+", default=[512],
                     help="the split finish's bucket sizes to count fits for (bucket_blocks x hist_block)")
+    ap.add_argument("--short", type=int, nargs="+", default=None,
+                    help="instead: rows of this many finite keys then -inf (short_rows), with and without the hint")
     a = ap.parse_args()
+    if a.short:
+        return short_rows(a)
     rng = np.random.default_rng(0)
     for scale in a.scale:
         stats: dict[str, list[tuple[int, int]]] = {}
