@@ -429,6 +429,7 @@ def test_warp_fill_same_result(mode: str, tiles: dict) -> None:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("tiles", [
     pytest.param(dict(fill_layout="warp", copy_spread=True), id="warp"),  # the indexer's form
+    pytest.param(dict(fill_layout="warp", copy_spread=True, bucket_blocks=8), id="warp_b8"),  # every bucket fits
     pytest.param(dict(fill_layout="vector"), id="vector")])
 def test_lengths_hint_same_result(mode: str, tiles: dict) -> None:
     """``lengths`` (rows -inf from lengths[t] on): lax.top_k's set and tau as without the hint, for rows shorter

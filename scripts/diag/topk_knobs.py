@@ -171,6 +171,10 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          # ... with the rows' finite counts as the lengths hint (forty-fourth session): the splits cut a short row's
          # head, not the whole row
          "sf_warp_sp_len": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True},
+         # ... with 8-block (4096-key) buckets: every short row's bucket fits in topk_passes.py --short's replay, so it
+         # takes the split finish, not the one-program one (a row whose finest bucket fits 2 blocks takes it either way)
+         "sf_warp_sp_b8": {**_SF, "fill_layout": "warp", "copy_spread": True, "bucket_blocks": 8},
+         "sf_warp_sp_len_b8": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True, "bucket_blocks": 8},
          "sf_warp_sp_cu2": {**_SF, "fill_layout": "warp", "copy_spread": True, "copy_unroll": 2},
          "sf_warp_x2": {**_SF, "fill_layout": "warp", "splits_x": 2},
          "sf_warp_fuse": {**_SF, "fill_layout": "warp", "finish_lane_loads": True, "hold_bucket": True,
