@@ -299,7 +299,7 @@ case "$stage" in
       -k "lengths or visible_counts or indexer_topk_splits or chunking" > "$OUT/topk_lengths_tests.log" 2>&1
     echo "topk lengths tests rc=$?"; tail -3 "$OUT/topk_lengths_tests.log"
     timeout -k 10 ${TL_KNOBS_TIMEOUT:-400} python3 scripts/diag/topk_knobs.py --mixed --short 1000 3000 6000 \
-      --shapes ${TL_SHAPES:-8x131072 32x32768 64x65536} --knobs ${TL_KNOBS:-sf_warp_sp sf_warp_sp_len sf_warp_sp_len_b8 sf_warp_sp_b8} \
+      --shapes ${TL_SHAPES:-8x131072 32x32768} --knobs ${TL_KNOBS:-sf_warp_sp sf_warp_sp_len_b8 sf_warp_sp_len sf_warp_sp_b8} \
       --out "$OUT/topk_knobs_lengths_h200.json" > "$OUT/topk_lengths_knobs.log" 2>&1
     echo "topk lengths knobs rc=$?"; grep '^{' "$OUT/topk_lengths_knobs.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("profile_busy_us"), r.get("same_set_as_lax"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
     ;;
