@@ -126,9 +126,9 @@ class IndexerKernelConfig:
     #                                  keys, so no gather of the kept values follows it (one XLA kernel fewer)
     topk_lengths: bool = False  # pallas_radix: each token's n_visible goes to the kernel as its row's -inf tail
     #                             (topk_select's ``lengths``), so the split prefilter spreads a short request's keys
-    #                             over its programs and skips the tail. Off until timed (docs/perf-log.md, 44th
-    #                             session: a request of 3000 tokens in an 8 x 128K batch put all its candidates in
-    #                             its first split, and the top-k took 45 us against 32 for the full batch, H100)
+    #                             over its programs and skips the tail. Off until timed: without it a short
+    #                             request's candidates all land in its first split, and a batch holding one was
+    #                             slower than a full one (archive/topk_mixed_h100_2026-12-05_partial.json)
     # Why "set" and None by default: on the H200 both were at least as fast as "sorted" / 1 at every measured
     # k = 2048 shape, full and mixed batches (archive/kernels_sparse_indexer_h200_2026-12-02.json, rows
     # ..._pallas_radix_set and ..._split*_set; archive/kernels_select_h200_2026-12-02_partial.json), within a few

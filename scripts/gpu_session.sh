@@ -289,7 +289,7 @@ case "$stage" in
     ;;
   topk-lengths)
     # issue 20 (forty-fourth session): a request of 3000 tokens in an 8 x 128K batch put all its top-k candidates in
-    # its first split (the splits cut the whole row), and the top-k's kernels took 45 us against 32 for the full
+    # its first split (the splits cut the whole row), and the top-k's kernels took 43.4 us against 30.2 for the full
     # batch on an H100. topk_select's lengths hint (IndexerKernelConfig.topk_lengths) cuts each row's head instead:
     # its native tests, then the default against the hint, with and without 8-block buckets (every short row's
     # bucket then fits, by topk_passes.py --short's replay), at the shapes, full and with short rows of 1000 / 3000 /
