@@ -176,6 +176,9 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          "sf_warp_sp_b8": {**_SF, "fill_layout": "warp", "copy_spread": True, "bucket_blocks": 8},
          "sf_warp_sp_len_b8": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True, "bucket_blocks": 8},
          "sf_warp_sp_cu2": {**_SF, "fill_layout": "warp", "copy_spread": True, "copy_unroll": 2},
+         # ... writing -1 for kept -inf keys (IndexerKernelConfig.topk_invisible_in_kernel): no gather of the kept
+         # values after the kernels (the loop_select_fusion kernel on the timeline)
+         "sf_warp_sp_inv": {**_SF, "fill_layout": "warp", "copy_spread": True, "minus_one_for_neg_inf": True},
          "sf_warp_x2": {**_SF, "fill_layout": "warp", "splits_x": 2},
          "sf_warp_fuse": {**_SF, "fill_layout": "warp", "finish_lane_loads": True, "hold_bucket": True,
                           "fuse_bucket": True},
