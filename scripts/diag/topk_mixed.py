@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,12 @@ from pallas_kernels.topk_select import PATHS, select_config_for, select_unsorted
 VARIANTS = {"default": {}, "lengths": {"topk_lengths": True}}  # IndexerKernelConfig fields
 
 
+@functools.lru_cache(maxsize=None)
+def _logits_fn(config: si.IndexerKernelConfig, interpret: bool):
+    """The paged logits as one executable per config, shared by a shape's batches (a compile a row otherwise)."""
+    return jax.jit(lambda *a: si.paged_logits(*a, entries_per_page=ksi.EPP, config=config, interpret=interpret))
+
+
 def _measure(b: int, c: int, short: int | None, variant: str = "default") -> dict:
     fmt = IndexerRecord132(ksi.EPP)
     config = si.IndexerKernelConfig(topk_algorithm="auto", **VARIANTS[variant])
@@ -43,8 +50,7 @@ def _measure(b: int, c: int, short: int | None, variant: str = "default") -> dic
 
     r = profiled_device_us(select, iq, iw, cache, bt, req, nvis, calls=20, by_kernel=True)
     q8, w8 = si.quantize_q(iq, iw)
-    logits = jax.jit(lambda *a: si.paged_logits(*a, entries_per_page=ksi.EPP, config=config, interpret=interpret))(
-        q8, w8, cache, bt, req, nvis)
+    logits = _logits_fn(config, interpret)(q8, w8, cache, bt, req, nvis)
     paths = np.asarray(select_unsorted(logits, ksi.K, config=select_config_for(b, c), interpret=interpret,
                                        lengths=nvis if config.topk_lengths else None)[3])
     return {"topk": si.resolve_topk_algorithm(b, c), "paths": dict(collections.Counter(PATHS[p] for p in paths)),
