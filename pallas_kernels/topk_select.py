@@ -900,45 +900,38 @@ def _warp_fill(wp: _WarpPass, piv: jax.Array, strict: jax.Array, cap: int, cfg: 
 
     cu = cfg.copy_unroll
     in_chunk = C.iota(shape, 2) * (_CHUNK // 32) + C.iota(shape, 0)  # lane l's 4 keys at 4 l + r of a chunk
-
-    def copy(i, acc):  # the warps' chunks cu i ..: lane l's 4 keys at 128 c + 4 l + r of its warp's scratch
-        ats = [(i * cu + u) * _CHUNK + in_chunk for u in range(cu)]
-        got = [get_warp(warp * room + at, at < fill_w) for at in ats]  # every load before the first store
-        for at, (sk, col) in zip(ats, got):
-            ok = (at < fill_w) & (off + at < cap)
-            # the stores' slots through _lanes: their contiguity known, Triton gives them a layout of its own (one key
-            # a lane, lanes along the 4 consecutive keys) and converts the keys to it through shared memory
-            put(_lanes(off + at, not interpret), sk, col, ok)
-            acc = acc + ((sk > piv) & ok).astype(I32)
-        return acc
-
+    filled_in = jnp.sum(fill_w)  # the warps' kept keys (within their rooms)
     # copy_spread: slot g of the split's buffer (warp w's 128 of each CTA-wide step) comes from the warp whose slots
     # [end of the warp before, its end) hold it; the warps' ends as scalars, one reduction each
     ends = [jnp.sum(jnp.where(warp <= j, fill_w, 0)) for j in range(nw - 1)] if cfg.copy_spread else []
 
-    def copy_spread(i, acc):
-        gs = [((i * cu + u) * nw + warp) * _CHUNK + in_chunk for u in range(cu)]
-        srcs = []
-        for g in gs:
-            src, start = jnp.zeros(shape, I32), jnp.zeros(shape, I32)
-            for e in ends:
-                past = g >= e
-                src, start = src + past.astype(I32), jnp.where(past, e, start)
-            srcs.append(src * room + g - start)
-        got = [get_warp(at, g < filled_in) for g, at in zip(gs, srcs)]  # every load before the first store
-        for g, (sk, col) in zip(gs, got):
-            ok = g < jnp.minimum(filled_in, cap)
-            put(_lanes(g, not interpret), sk, col, ok)
+    def moves(c):
+        """Step piece c's (slot in the split's buffer, slot in the warps' scratch, loaded, stored) per lane."""
+        if not cfg.copy_spread:  # chunk c of each warp's own scratch, after the warps before it
+            at = c * _CHUNK + in_chunk
+            return off + at, warp * room + at, at < fill_w, (at < fill_w) & (off + at < cap)
+        g = (c * nw + warp) * _CHUNK + in_chunk
+        src, start = jnp.zeros(shape, I32), jnp.zeros(shape, I32)
+        for e in ends:
+            past = g >= e
+            src, start = src + past.astype(I32), jnp.where(past, e, start)
+        return g, src * room + g - start, g < filled_in, g < jnp.minimum(filled_in, cap)
+
+    def copy(i, acc):  # cu pieces a step: a chunk of every warp's scratch, or (copy_spread) 128 slots a warp
+        ms = [moves(i * cu + u) for u in range(cu)]
+        got = [get_warp(src, loaded) for _, src, loaded, _ in ms]  # every load before the first store
+        for (dst, _, _, ok), (sk, col) in zip(ms, got):
+            # the stores' slots through _lanes: their contiguity known, Triton gives them a layout of its own (one key
+            # a lane, lanes along the 4 consecutive keys) and converts the keys to it through shared memory
+            put(_lanes(dst, not interpret), sk, col, ok)
             acc = acc + ((sk > piv) & ok).astype(I32)
         return acc
 
-    filled_in = jnp.sum(fill_w)  # the warps' kept keys (within their rooms)
     if cfg.copy_spread:
         rounds = pl.cdiv(jnp.minimum(filled_in, cap), _CHUNK * nw * cu)
     else:
         rounds = pl.cdiv(jnp.max(fill_w), _CHUNK * cu)
-    above_in = jnp.sum(lax.fori_loop(0, jnp.where(lost, 0, rounds), copy_spread if cfg.copy_spread else copy,
-                                     jnp.zeros(shape, I32)))
+    above_in = jnp.sum(lax.fori_loop(0, jnp.where(lost, 0, rounds), copy, jnp.zeros(shape, I32)))
     # a warp past its room: the CTA-wide pass instead (its counts are the same; it fills the buffer itself)
     again = _fill(_row_keys(wp.x_ref, wp.row, wp.n), wp.first_block, lost.astype(I32) * wp.n_blocks, piv, cap,
                   cfg.block, strict, put, cfg.unroll, cfg.prefetch)

@@ -19,7 +19,7 @@ import argparse
 
 import numpy as np
 
-from pallas_kernels.topk_select import _sample_rank
+from pallas_kernels.topk_select import _NEG_INF_U, _sample_rank
 
 
 def ordered(x: np.ndarray) -> np.ndarray:
@@ -70,9 +70,6 @@ def passes(cand: np.ndarray, k: int, lo: int, span: int, shift: int, width: int 
         if clamped:  # grow the digits 2^bits-fold from where they stopped, not the whole rest of the key space at once
             shift = min(shift, prev + bits)
         prev = shift
-
-
-_NEG_INF_U = 0x007FFFFF  # ordered(-inf)
 
 
 def first_bucket(cand: np.ndarray, k: int, piv: int, hi: int, margin: int) -> int | None:
@@ -144,11 +141,8 @@ def main() -> None:
                 stats.setdefault(name, []).append((full, total))
             # the split finish's fast path: the k-th key's first-pass bucket fits one block, at margin m or, with
             # the pair, at m or m + 1 (_first_pass)
-            size = {}
-            for m in range(max(min(a.margins) - 1, 0), max(a.margins) + 2):
-                lo, span, shift = pivot_start(piv, hi, m)
-                dig = np.minimum((cand.astype(np.int64) - lo) >> shift, 15)
-                size[m] = int((dig == min((want - lo) >> shift, 15)).sum())
+            size = {m: first_bucket(cand, a.k, piv, hi, m)
+                    for m in range(max(min(a.margins) - 1, 0), max(a.margins) + 2)}
             for keys in a.bucket_keys:
                 for m in a.margins:
                     fits.setdefault(f"margin{m}, {keys} keys", []).append(size[m] <= keys)
