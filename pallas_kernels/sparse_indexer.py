@@ -124,11 +124,13 @@ class IndexerKernelConfig:
     #                                 batch timed: select_config_for); False: the one-program finish
     topk_invisible_in_kernel: bool = False  # pallas_radix, "set" order: the kernel writes -1 for invisible (-inf)
     #                                  keys, so no gather of the kept values follows it (one XLA kernel fewer)
-    topk_lengths: bool = False  # pallas_radix: each token's n_visible goes to the kernel as its row's -inf tail
-    #                             (topk_select's ``lengths``), so the split prefilter spreads a short request's keys
-    #                             over its programs and skips the tail. Off until timed: without it a short
-    #                             request's candidates all land in its first split, and a batch holding one was
-    #                             slower than a full one (archive/topk_mixed_h100_2026-12-05_partial.json)
+    topk_lengths: bool = True  # pallas_radix: each token's n_visible goes to the kernel as its row's -inf tail
+    #                            (topk_select's ``lengths``), so the split prefilter spreads a short request's keys
+    #                            over its programs and skips the tail. Without it a short request's candidates all
+    #                            land in its first split, and a batch holding a request of 3000 or 6000 tokens
+    #                            ran the top-k's kernels twice as long as a full one; with it, the 6000-token batch
+    #                            was level and full batches level or slightly slower (H200 timeline,
+    #                            topk_knobs_lengths_h200_2026-12-05.json)
     # Why "set" and None by default: on the H200 both were at least as fast as "sorted" / 1 at every measured
     # k = 2048 shape, full and mixed batches (archive/kernels_sparse_indexer_h200_2026-12-02.json, rows
     # ..._pallas_radix_set and ..._split*_set; archive/kernels_select_h200_2026-12-02_partial.json), within a few

@@ -192,6 +192,15 @@ class TopkSelectConfig:
     # steps as the split's kept keys fill the CTA's lanes, not as the fullest warp's chunks: a short row's finite
     # keys, all in one warp's part, cost one step instead of eight
     copy_spread: bool = False
+    # with range_margin: the counting's range from the pivot reaches up to the sample's key at rank
+    # m - range_top_sigma sqrt(m) - 4 (m = sample k / n: the sampled keys expected at or above tau; ``_top_rank``),
+    # resolved to ``range_top_bits`` leading bits (its bucket's top), where that rank exceeds 1; the sample's
+    # largest key elsewhere (None: always). Why: a short row's tau lies among its bulk, so its pivot is negative and
+    # its sample's largest key positive; the span then crosses the sign, the first digits are 2^25-2^27 keys of
+    # u wide, and the k-th key's bucket holds hundreds of keys (or overflows the split finish's scratch). Keys above
+    # the range's top count in the top digit, so every top gives the same result
+    range_top_sigma: float | None = None
+    range_top_bits: int = 12
 
     def __post_init__(self) -> None:
         if self.bits not in (1, 2, 4):  # 8 would need [256, hist_block] counters: spills
@@ -230,6 +239,14 @@ class TopkSelectConfig:
             raise ValueError(f"capacity must be >= 0 or None, got {self.capacity}")
         if self.range_margin is not None and not 0 <= self.range_margin <= 8:
             raise ValueError(f"range_margin must be None or in 0..8, got {self.range_margin}")
+        if self.range_top_sigma is not None:
+            if self.range_margin is None:
+                raise ValueError("range_top_sigma needs range_margin (it sets the top of the counting's range)")
+            if not 0 <= self.range_top_sigma <= 16:
+                raise ValueError(f"range_top_sigma must be None or in [0, 16], got {self.range_top_sigma}")
+        if not (0 < self.range_top_bits <= 32 and self.range_top_bits % self.bits == 0):
+            raise ValueError(f"range_top_bits must be a multiple of bits={self.bits} in 1..32, "
+                             f"got {self.range_top_bits}")
         if self.split_finish and self.range_margin is None:
             raise ValueError("split_finish needs range_margin (its first pass counts from the pivot)")
         for name in ("hold_bucket", "fuse_bucket"):
@@ -289,13 +306,19 @@ def select_config_for(t: int, n: int, sms: int = 132, split_finish: bool = True)
     Its scratch copy is spread over every warp of the CTA (``copy_spread``): a mixed batch's short row (its finite keys
     all in one warp's part) then costs the prefilter no more than a full row, where the copy of its own warp's chunks
     a step made it slower (8 x 128K, 16 x 128K, 32 x 32K); on full rows it was level or slightly slower at the six
-    shapes timed (an H100's timeline, forty-fourth session: topk_knobs_spread_h100_2026-12-05.json)."""
+    shapes timed (an H100's timeline, forty-fourth session: archive/topk_knobs_spread_h100_2026-12-05.json).
+    The counting range's top is the sample's key of rank m - 6 sqrt(m) - 4 where the range crosses the sign
+    (``range_top_sigma``): with the indexer's lengths hint, a request of 2500 or 3000 tokens in a batch then ran the
+    split finish's fast path on a bucket of one block, where it had run the one-program finish or counted two blocks
+    through two more passes; full rows and rows of 1000 / 6000 tokens were level or up to 1% slower (an H100's
+    timeline, forty-fifth session: topk_knobs_top2_h100_2026-12-05.json)."""
     sp = split_for(t, n, sms=sms)
     if sp == 1:
         return TopkSelectConfig()
     finish = dict(split_finish=True, bucket_blocks=2, bucket_resolutions=3) if split_finish else {}
     return TopkSelectConfig(splits=sp, unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
-                            range_margin=1, prefetch=True, fill_layout="warp", copy_spread=True, **finish)
+                            range_margin=1, prefetch=True, fill_layout="warp", copy_spread=True, range_top_sigma=6.0,
+                            **finish)
 
 
 def _sample_rank(n: int, k: int, sample: int) -> int:
@@ -311,6 +334,16 @@ def _sample_rank_traced(n: jax.Array, k: int, sample: int) -> jax.Array:
     where m + 4 sqrt(m) + 4 lies within float32's rounding of an integer changes the pivot, never the result)."""
     m = jnp.float32(sample * k) / n.astype(jnp.float32)
     return jnp.minimum(jnp.ceil(m + 4 * jnp.sqrt(m) + 4).astype(I32), sample)
+
+
+def _top_rank(n: int | jax.Array, k: int, sample: int, sigma: float) -> int | jax.Array:
+    """Rank of the counting range's top in the sample (``TopkSelectConfig.range_top_sigma``): floor(m - sigma
+    sqrt(m) - 4), m = sample k / n, at least 1 (1: the sample's largest key). Traced n: the same in float32."""
+    if isinstance(n, int):
+        m = sample * k / n
+        return max(1, math.floor(m - sigma * math.sqrt(m) - 4))
+    m = jnp.float32(sample * k) / n.astype(jnp.float32)
+    return jnp.maximum(jnp.floor(m - sigma * jnp.sqrt(m) - 4).astype(I32), 1)
 
 
 def _row_extent(len_ref, row, n: int, k: int, cfg: TopkSelectConfig) -> jax.Array:
@@ -340,7 +373,7 @@ def _whole_range(bits: int) -> Range:
 
 def _pivot_range(piv_u: jax.Array, hi_u: jax.Array, bits: int, margin: int) -> Range:
     """Keys at or above the pivot, the first digits 2^-(bits + margin) of the span from the pivot to ``hi_u`` (the
-    sample's largest key) each; keys past the last digit's bucket count in it (``_kth_key`` clamps the digit). The
+    range's top, ``_sample_pivot``) each; keys past the last digit's bucket count in it (``_kth_key`` clamps the digit). The
     shift stays below what the whole span needs, and at least 1 where the span is 2^31 or more (a digit is then
     always a nonnegative int32)."""
     span = ~piv_u
@@ -658,8 +691,9 @@ def _fill_keys(x_ref, row, n: int, cfg: TopkSelectConfig, interpret: bool
 
 def _sample_pivot(x_ref, row, n: int | jax.Array, k: int, cfg: TopkSelectConfig) -> tuple[jax.Array, jax.Array]:
     """(u of the prefilter's pivot: the ``_sample_rank``-th largest key of ``cfg.sample`` evenly spaced keys of the
-    row's first ``n`` columns (a traced n: the row's ``lengths`` hint, ``_row_extent``); u of the sample's largest
-    key where ``cfg.range_margin`` is set, else 0).
+    row's first ``n`` columns (a traced n: the row's ``lengths`` hint, ``_row_extent``); u of the counting range's
+    top where ``cfg.range_margin`` is set, else 0: the sample's largest key, or with ``range_top_sigma`` and a range
+    across the sign, the top of the ``_top_rank``-th key's bucket).
 
     With ``pivot_bits`` < 32 that key is resolved only to its bucket, and the pivot is the smallest sampled key
     in the bucket or above its floor: still at most the exact rank's key (so no fewer candidates), and always a
@@ -685,10 +719,25 @@ def _sample_pivot(x_ref, row, n: int | jax.Array, k: int, cfg: TopkSelectConfig)
     hi_u = functools.reduce(jnp.maximum, [jnp.max(x) for x in xs]) ^ _SIGN
     hi_u = hi_u if cfg.range_margin is not None else jnp.zeros((), I32)
     if cfg.pivot_bits == 32:
-        return floor_u, hi_u
-    floor_s = floor_u ^ _SIGN
-    big = jnp.iinfo(jnp.int32).max
-    return functools.reduce(jnp.minimum, [jnp.min(jnp.where(x >= floor_s, x, big)) for x in xs]) ^ _SIGN, hi_u
+        piv_u = floor_u
+    else:
+        floor_s = floor_u ^ _SIGN
+        big = jnp.iinfo(jnp.int32).max
+        piv_u = functools.reduce(jnp.minimum, [jnp.min(jnp.where(x >= floor_s, x, big)) for x in xs]) ^ _SIGN
+    if cfg.range_margin is not None and cfg.range_top_sigma is not None:
+        top = _top_rank(n, k, s_n, cfg.range_top_sigma)
+        low = (1 << (32 - cfg.range_top_bits)) - 1 if cfg.range_top_bits < 32 else 0
+
+        def ranked():  # the top-rank key's bucket's top: at least that key, so at least the pivot
+            return _kth_key([(nb, block)], top, cfg.bits, w, cfg.range_top_bits, unroll=nb,
+                            packed=cfg.packed_counts)[0] | low
+        # only where the range crosses the sign (u's top bit: clear for a negative key, set for a positive one) and
+        # the pivot is finite (a -inf pivot's row takes the "pivot is tau" path, which counts nothing); a static
+        # rank of 1 (rows of n >= about 64 k: m <= 32) is the sample's largest key already
+        if not (isinstance(top, int) and top <= 1):
+            crosses = (piv_u >= 0) & (hi_u < 0) & (piv_u != _NEG_INF_U) & (top > 1)
+            hi_u = lax.cond(crosses, ranked, lambda hi_u=hi_u: hi_u)
+    return piv_u, hi_u
 
 
 def _counting_start(cfg: TopkSelectConfig, use_buf: jax.Array, piv_u: jax.Array, hi_u: jax.Array) -> Range | None:

@@ -24,7 +24,8 @@ import pytest
 from jds.ops.select import kth_largest_key, ordered_key
 from pallas_kernels import fused_insert_common as C
 from pallas_kernels.sparse_indexer import IndexerKernelConfig, topk_from_logits
-from pallas_kernels.topk_select import PATHS, TopkSelectConfig, _warp_room, select_unsorted, topk_select
+from pallas_kernels.topk_select import (PATHS, TopkSelectConfig, _top_rank, _warp_room, select_unsorted,
+                                        topk_select)
 from tests.kernel_modes import MODES, interpret_for
 from tests.test_radix_select import _rows
 
@@ -474,6 +475,43 @@ def test_lengths_hint_same_result(mode: str, tiles: dict) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("hint", [pytest.param(True, id="hint"), pytest.param(False, id="no_hint")])
+def test_range_top_same_result(mode: str, hint: bool) -> None:
+    """``range_top_sigma`` (the counting range's top at a sampled key's rank where the range crosses the sign):
+    lax.top_k's set and the same tau as the sample's largest key as the top, for rows whose tau lies among their
+    bulk (finite lengths from k to a few k: a negative pivot under a positive largest key), shorter than k, full,
+    with ties at tau, and with all keys negative or all positive (no crossing)."""
+    n, k = 4096, 20
+    base = TopkSelectConfig(block=512, hist_block=128, sample=256, capacity=400, splits=2, unroll=2, shrink=True,
+                            hold_shrunk=True, range_margin=1, prefetch=True, fill_layout="warp", copy_spread=True,
+                            fill_warps=2, split_finish=True, bucket_blocks=2, bucket_resolutions=3, pivot_bits=16)
+    cfg = dataclasses.replace(base, range_top_sigma=6.0)
+    lens = np.array([5, 20, 22, 26, 30, 40, 60, 4096, 28, 30, 30])
+    rng = np.random.default_rng(73)
+    x = rng.standard_normal((len(lens), n)).astype(np.float32)
+    x[-3] = np.round(x[-3] * 2) / 2  # ties at tau
+    x[-2] = -np.abs(x[-2]) - 1  # every key negative
+    x[-1] = np.abs(x[-1]) + 1  # every key positive
+    x[np.arange(n)[None, :] >= lens[:, None]] = -np.inf
+    xj = jnp.asarray(x)
+    lj = jnp.asarray(lens, jnp.int32) if hint else None
+    want = select_unsorted(xj, k, config=base, interpret=interpret_for(mode), lengths=lj)
+    got = select_unsorted(xj, k, config=cfg, interpret=interpret_for(mode), lengths=lj)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.sort(np.asarray(jax.lax.top_k(xj, k)[1]), axis=1))
+    for name, g, w in zip(("tau", "candidates"), got[1:3], want[1:3]):  # the top sets the counting, not the pivot
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+
+
+def test_top_rank_static_equals_traced() -> None:
+    """``_top_rank`` for a static n (no hint) and a traced one (the lengths hint) agree, 1 at least."""
+    ns = [1024, 2048, 2500, 3000, 4096, 6000, 32768, 65536, 131072]
+    traced = jax.jit(lambda n: _top_rank(n, 2048, 1024, 6.0))
+    for n in ns:
+        assert int(traced(jnp.int32(n))) == _top_rank(n, 2048, 1024, 6.0), n
+    assert _top_rank(131072, 2048, 1024, 6.0) == 1 and _top_rank(3000, 2048, 1024, 6.0) > 500
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("form", [
     pytest.param(dict(copy_unroll=4), id="cu4"),
     pytest.param(dict(copy_spread=True), id="spread"),
@@ -568,9 +606,9 @@ def test_split_for() -> None:
     assert split_for(16, 8192) == 1  # too short to split (4 blocks of 2048 per split)
     # the indexer's config: the measured unroll, shrink, 512-key counting steps, 16-bit pivot, the finish from the
     # pivot, the prefilter's loads in flight and its parts a warp each (their copy spread over the CTA) where it
-    # splits, the defaults where it does not
+    # splits, the counting range's top below zero for a short row (range_top_sigma), the defaults where it does not
     one = TopkSelectConfig(splits=2, unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
-                           range_margin=1, prefetch=True, fill_layout="warp", copy_spread=True)
+                           range_margin=1, prefetch=True, fill_layout="warp", copy_spread=True, range_top_sigma=6.0)
     assert select_config_for(64, 65536, split_finish=False) == one  # IndexerKernelConfig.topk_split_finish=False
     # the default: the split finish with a 2-block bucket and three first-pass resolutions
     assert select_config_for(64, 65536) == dataclasses.replace(one, split_finish=True, bucket_blocks=2,
@@ -747,6 +785,10 @@ def test_bad_arguments() -> None:
         TopkSelectConfig(bits=8)
     with pytest.raises(ValueError, match="hist_block"):
         TopkSelectConfig(hist_block=100)
+    with pytest.raises(ValueError, match="range_top_sigma needs range_margin"):
+        TopkSelectConfig(range_top_sigma=6.0)
+    with pytest.raises(ValueError, match="range_top_bits"):
+        TopkSelectConfig(range_margin=1, range_top_sigma=6.0, range_top_bits=10)
     with pytest.raises(ValueError, match="topk_algorithm"):
         IndexerKernelConfig(topk_algorithm="pallas")
 
@@ -765,7 +807,8 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
 
 @pytest.mark.parametrize("t,n,tiles", [
     (64, 65536, {}), (64, 65536, dict(split_finish=False)),  # the one-program finish (default to the 38th session)
-    (64, 65536, dict(range_margin=None, prefetch=False, split_finish=False)),  # the config before that
+    (64, 65536, dict(range_margin=None, prefetch=False, split_finish=False, range_top_sigma=None)),  # before that
+    (32, 32768, dict(lengths=True)),  # the lengths hint: a traced extent and range top (the branch in the prefilter)
     (64, 65536, dict(minus_one_for_neg_inf=True)),
     (64, 65536, dict(packed_counts=True, fill_warps=16)),
     (64, 65536, dict(fill_layout="lane", copy_spread=False, finish_lane_loads=True, hold_bucket=True)),
@@ -786,9 +829,14 @@ def test_sm90_compile_indexer_config(t: int, n: int, tiles: dict) -> None:
     256-key one, whatever it spills there)."""
     pytest.importorskip("triton")
     from pallas_kernels.topk_select import select_config_for
+    hint = tiles.pop("lengths", False)
     cfg = dataclasses.replace(select_config_for(t, n), **tiles)
     fn = functools.partial(select_unsorted, k=2048, interpret=False, config=cfg)
-    for k in C.compile_sm90_report(fn, jax.ShapeDtypeStruct((t, n), jnp.float32)):
+    args = [jax.ShapeDtypeStruct((t, n), jnp.float32)]
+    if hint:
+        fn = lambda x, ln, fn=fn: fn(x, lengths=ln)  # noqa: E731
+        args.append(jax.ShapeDtypeStruct((t,), jnp.int32))
+    for k in C.compile_sm90_report(fn, *args):
         assert k["spill_bytes"] <= 64, k
 
 

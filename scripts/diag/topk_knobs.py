@@ -175,6 +175,18 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          # takes the split finish, not the one-program one (a row whose finest bucket fits 2 blocks takes it either way)
          "sf_warp_sp_b8": {**_SF, "fill_layout": "warp", "copy_spread": True, "bucket_blocks": 8},
          "sf_warp_sp_len_b8": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True, "bucket_blocks": 8},
+         # ... with the 2-block bucket held in registers through the finish's passes (forty-fifth session: with the
+         # hint a row of 3000 keys takes the split finish's fast path, yet its finish ran 20 us against 12.5 on an
+         # H200; its pivot is negative and its sample's top positive, so the bucket's range is wide: more passes)
+         "sf_warp_sp_len_hold": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True,
+                                 "hold_bucket": True},
+         # ... with the counting range's top at the sample's key of rank m - 6 sqrt(m) - 4, not its largest key
+         # (range_top_sigma) where the range crosses the sign: a short row's range then stays below zero, and its
+         # bucket holds tens of keys, not hundreds (the indexer's default since; archive/topk_knobs_top_h100_*.json
+         # ran it on every row whose rank exceeded 1, before the sign test)
+         "sf_warp_sp_len_top": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True,
+                                "range_top_sigma": 6.0},
+         "sf_warp_sp_hold": {**_SF, "fill_layout": "warp", "copy_spread": True, "hold_bucket": True},
          "sf_warp_sp_cu2": {**_SF, "fill_layout": "warp", "copy_spread": True, "copy_unroll": 2},
          # ... writing -1 for kept -inf keys (IndexerKernelConfig.topk_invisible_in_kernel): no gather of the kept
          # values after the kernels (the loop_select_fusion kernel on the timeline)

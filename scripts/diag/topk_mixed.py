@@ -28,7 +28,8 @@ from pallas_kernels import sparse_indexer as si
 from pallas_kernels.topk_select import PATHS, select_config_for, select_unsorted
 
 
-VARIANTS = {"default": {}, "lengths": {"topk_lengths": True}}  # IndexerKernelConfig fields
+# IndexerKernelConfig fields ("no_lengths": the kernel reads each row whole, as before the forty-fifth session)
+VARIANTS = {"default": {}, "lengths": {"topk_lengths": True}, "no_lengths": {"topk_lengths": False}}
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,7 +10,8 @@ rows, so a start's pass counts are known before a GPU session times it. The kth 
 ``np.partition``. It also counts the rows whose k-th key's first-pass bucket fits one 512-key block, the split
 finish's fast path (``split_finish``), at one margin, at a margin and the next (``_first_pass``), and with one
 coarser margin too (``bucket_resolutions=3``), for buckets of ``--bucket-keys`` keys (``bucket_blocks``).
-``--short L ...``: a decode batch's short rows instead (``short_rows``), with and without ``lengths``.
+``--short L ...``: a decode batch's short rows instead (``short_rows``), with and without ``lengths``
+(``--range-top-sigma 6``: with the indexer's range top, ``TopkSelectConfig.range_top_sigma``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import argparse
 
 import numpy as np
 
-from pallas_kernels.topk_select import _NEG_INF_U, _sample_rank
+from pallas_kernels.topk_select import _NEG_INF_U, _sample_rank, _top_rank
 
 
 def ordered(x: np.ndarray) -> np.ndarray:
@@ -28,13 +29,21 @@ def ordered(x: np.ndarray) -> np.ndarray:
     return np.where(b >> 31 == 1, ~b, b | np.uint32(1 << 31)).astype(np.uint32)
 
 
-def pivot(u: np.ndarray, k: int, sample: int = 1024, pivot_bits: int = 16, n: int | None = None) -> tuple[int, int]:
-    """(u of the pivot, u of the sample's largest key) over the first ``n`` keys (all of them if None)."""
+def pivot(u: np.ndarray, k: int, sample: int = 1024, pivot_bits: int = 16, n: int | None = None,
+          top_sigma: float | None = None, top_bits: int = 12) -> tuple[int, int]:
+    """(u of the pivot, u of the counting range's top) over the first ``n`` keys (all of them if None): the sample's
+    largest key, or with ``top_sigma`` (``range_top_sigma``) and a range across the sign, the top of the bucket
+    of the sample's ``_top_rank``-th key."""
     n = u.size if n is None else n
     su = u[(np.arange(sample) * n) // sample]
     r = _sample_rank(n, k, sample)
     floor = int(np.sort(su)[::-1][r - 1]) >> (32 - pivot_bits) << (32 - pivot_bits)
-    return int(su[su >= floor].min()), int(su.max())
+    piv, hi = int(su[su >= floor].min()), int(su.max())
+    if top_sigma is not None:
+        top = _top_rank(n, k, sample, top_sigma)
+        if top > 1 and piv < 1 << 31 <= hi and piv != _NEG_INF_U:
+            hi = int(np.sort(su)[::-1][top - 1]) | ((1 << (32 - top_bits)) - 1)
+    return piv, hi
 
 
 def pivot_start(piv: int, hi: int, margin: int, bits: int = 4) -> tuple[int, int, int]:
@@ -98,7 +107,7 @@ def short_rows(a: argparse.Namespace) -> None:
                 x[:length] = rng.standard_normal(length)
                 u = ordered(x)
                 piv, hi = pivot(u, a.k, pivot_bits=a.pivot_bits,
-                                n=min(max(length, a.k, 1024), a.n) if hint else None)
+                                n=min(max(length, a.k, 1024), a.n) if hint else None, top_sigma=a.range_top_sigma)
                 cand = u[u > piv] if piv == _NEG_INF_U else u[u >= piv]  # a -inf pivot keeps the keys above it
                 cands.append(cand.size)
                 sizes = [first_bucket(cand, a.k, piv, hi, m) for m in (0, 1, 2)]
@@ -120,6 +129,9 @@ def main() -> None:
                     help="the split finish's bucket sizes to count fits for (bucket_blocks x hist_block)")
     ap.add_argument("--short", type=int, nargs="+", default=None,
                     help="instead: rows of this many finite keys then -inf (short_rows), with and without the hint")
+    ap.add_argument("--range-top-sigma", type=float, default=None,
+                    help="with --short: the counting range's top at the sampled key of rank m - sigma sqrt(m) - 4 "
+                         "where the range crosses the sign (TopkSelectConfig.range_top_sigma; the indexer's 6)")
     a = ap.parse_args()
     if a.short:
         return short_rows(a)
