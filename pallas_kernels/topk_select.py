@@ -201,6 +201,12 @@ class TopkSelectConfig:
     # the range's top count in the top digit, so every top gives the same result
     range_top_sigma: float | None = None
     range_top_bits: int = 12
+    # with split_finish: where the range from the pivot crosses the sign, the first pass counts the keys with the
+    # magnitudes below 2^-zero_band of the smaller of the pivot's and the range top's as one value (``_zero_band``):
+    # the ordered keys of the floats near zero span most of the key space (every exponent down to the smallest), so
+    # a tau near zero (a request of about 2 k tokens) otherwise shares its first-pass digit with most of the row's
+    # bulk, whose bucket then overflows the scratch. None: off
+    zero_band: int | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in (1, 2, 4):  # 8 would need [256, hist_block] counters: spills
@@ -244,6 +250,11 @@ class TopkSelectConfig:
                 raise ValueError("range_top_sigma needs range_margin (it sets the top of the counting's range)")
             if not 0 <= self.range_top_sigma <= 16:
                 raise ValueError(f"range_top_sigma must be None or in [0, 16], got {self.range_top_sigma}")
+        if self.zero_band is not None:
+            if not self.split_finish:
+                raise ValueError("zero_band needs split_finish (it changes the split finish's first pass)")
+            if isinstance(self.zero_band, bool) or not 1 <= self.zero_band <= 32:
+                raise ValueError(f"zero_band must be None or an int in 1..32, got {self.zero_band!r}")
         if not (0 < self.range_top_bits <= 32 and self.range_top_bits % self.bits == 0):
             raise ValueError(f"range_top_bits must be a multiple of bits={self.bits} in 1..32, "
                              f"got {self.range_top_bits}")
@@ -311,11 +322,14 @@ def select_config_for(t: int, n: int, sms: int = 132, split_finish: bool = True)
     (``range_top_sigma``): with the indexer's lengths hint, a request of 2500 or 3000 tokens in a batch then ran the
     split finish's fast path on a bucket of one block, where it had run the one-program finish or counted two blocks
     through two more passes; full rows and rows of 1000 / 6000 tokens were level or up to 1% slower (an H100's
-    timeline, forty-fifth session: topk_knobs_top2_h100_2026-12-05.json)."""
+    timeline, forty-fifth session: topk_knobs_top2_h100_2026-12-05.json). The split finish's first pass counts the
+    keys near zero as one value where the range crosses the sign (``zero_band``): a request of 4500 tokens (its tau
+    near zero) then took the fast path, where it had run the one-program finish, at twice the speed; the full batch
+    was level (an H100's timeline, 8 x 128K: topk_knobs_zb_h100_2026-12-05.json)."""
     sp = split_for(t, n, sms=sms)
     if sp == 1:
         return TopkSelectConfig()
-    finish = dict(split_finish=True, bucket_blocks=2, bucket_resolutions=3) if split_finish else {}
+    finish = dict(split_finish=True, bucket_blocks=2, bucket_resolutions=3, zero_band=8) if split_finish else {}
     return TopkSelectConfig(splits=sp, unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
                             range_margin=1, prefetch=True, fill_layout="warp", copy_spread=True, range_top_sigma=6.0,
                             **finish)
@@ -391,6 +405,58 @@ def _range_digit(s: jax.Array, lo: jax.Array, span: jax.Array, shift: jax.Array,
     the top one); -1 for keys outside the range (below every digit)."""
     rel = s - (lo ^ _SIGN)  # u - lo
     return jnp.where(_in_range(s, lo, span), jnp.minimum(lax.shift_right_logical(rel, shift), nd - 1), -1)
+
+
+def _ult(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a < b read as uint32."""
+    return (a ^ _SIGN) < (b ^ _SIGN)
+
+
+def _zero_band(piv_u: jax.Array, hi_u: jax.Array, binades: int | None) -> tuple[jax.Array, jax.Array]:
+    """(ra, gap) of the split finish's first pass (``TopkSelectConfig.zero_band``), uint32 in int32: the keys u of
+    magnitude below w, u in [piv + ra, piv + ra + gap], count as the one value piv + ra. w is a power of 2,
+    ``binades`` below the smaller magnitude of the pivot and the range top; (0, 0) where the range does not cross
+    the sign (a negative, finite pivot under a positive top) or ``binades`` is None: every key itself."""
+    zero = jnp.zeros((), I32)
+    if binades is None:
+        return zero, zero
+    cross = (piv_u >= 0) & (hi_u < 0) & (piv_u != _NEG_INF_U)
+    mag = jnp.minimum(~piv_u & 0x7FFFFFFF, hi_u & 0x7FFFFFFF)
+    bw = lax.shift_left(jnp.maximum(lax.shift_right_logical(mag, 23) - binades, 0), 23)  # w's bits
+    return jnp.where(cross, ~(bw | _SIGN) - piv_u, zero), jnp.where(cross, 2 * bw + 1, zero)  # u(-w) - piv, u(w) - u(-w)
+
+
+def _band_rel(rel: jax.Array, ra: jax.Array, gap: jax.Array) -> jax.Array:
+    """u - piv in the first pass's coordinates (``_zero_band``): less the band's width past its start."""
+    past = jnp.where(_ult(rel, ra), 0, rel - ra)
+    return rel - jnp.where(_ult(past, gap), past, gap)
+
+
+def _band_start(piv_u: jax.Array, hi_u: jax.Array, bits: int, margin: int, ra: jax.Array, gap: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+    """(span, shift) of the first pass with the zero band: ``_pivot_range``'s, over the band's coordinates."""
+    span = ~piv_u - gap
+    need = jnp.maximum(_bitlen(span) - bits, 0)
+    return span, jnp.minimum(jnp.maximum(_bitlen(_band_rel(hi_u - piv_u, ra, gap)) - bits - margin, 1), need)
+
+
+def _band_digit(s: jax.Array, piv_u: jax.Array, span: jax.Array, shift: jax.Array, ra: jax.Array, gap: jax.Array,
+                nd: int) -> jax.Array:
+    """``_range_digit`` of keys s over the band's coordinates (every key >= the pivot is in range)."""
+    rel = s - (piv_u ^ _SIGN)  # u - piv
+    return jnp.where(_in_range(s, piv_u, ~piv_u),
+                     jnp.minimum(lax.shift_right_logical(_band_rel(rel, ra, gap), shift), nd - 1), -1)
+
+
+def _band_bucket(piv_u: jax.Array, span: jax.Array, shift: jax.Array, sel: jax.Array, bits: int, ra: jax.Array,
+                 gap: jax.Array) -> Range:
+    """Digit ``sel``'s bucket of a zero-band first pass as a range of u (the band's preimage: a bucket reaching
+    the band's value holds the whole band), the next passes' start."""
+    flo, fspan, _ = _next_range(jnp.zeros((), I32), span, shift, sel, bits, grow=False)
+    fhi = flo + fspan
+    lo = jnp.where(_ult(ra, flo), flo + gap, flo)
+    hi = jnp.where(_ult(fhi, ra), fhi, fhi + gap)
+    return piv_u + lo, hi - lo, jnp.maximum(_bitlen(hi - lo) - bits, 0)
 
 
 _PACKED_FIELDS = 8  # 4-bit digit counters in an int32 word
@@ -1149,7 +1215,17 @@ def _split_fill_kernel(x_ref, *refs, n: int, k: int, cfg: TopkSelectConfig, cap:
             plt.debug_barrier()  # the buffer's stores -> its loads by other threads of the CTA
         nd, hb = 1 << cfg.bits, min(cfg.hist_block, 256)  # R [nd, hb] counters: 256 keys a step
         fj = jnp.minimum(counts[0], cap)
-        ranges = [_pivot_range(piv_u, hi_u, cfg.bits, m) for m in cfg.bucket_margins()]
+        if cfg.zero_band is None:
+            ranges = [_pivot_range(piv_u, hi_u, cfg.bits, m) for m in cfg.bucket_margins()]
+
+            def digit(s, rg):
+                return _range_digit(s, *rg, nd)
+        else:
+            band = _zero_band(piv_u, hi_u, cfg.zero_band)
+            ranges = [_band_start(piv_u, hi_u, cfg.bits, m, *band) for m in cfg.bucket_margins()]
+
+            def digit(s, rg):
+                return _band_digit(s, piv_u, *rg, *band, nd)
         nr = len(ranges)
 
         _, own = _buffer_source(key_ref, col_ref, row, j, fj, cap, hb, jnp.ones((), I32))
@@ -1157,7 +1233,7 @@ def _split_fill_kernel(x_ref, *refs, n: int, k: int, cfg: TopkSelectConfig, cap:
 
         def step(i):
             keys = [own(i * u + b)[0] for b in range(u)]
-            return [tuple(_range_digit(s, *rg, nd) for rg in ranges) for s in keys]
+            return [tuple(digit(s, rg) for rg in ranges) for s in keys]
 
         accs = _count_steps(pl.cdiv(fj, hb * u), step, (jnp.zeros((nd, hb), I32),) * nr, nd, cfg.packed_counts, u)
         d1 = C.iota((nd,), 0)
@@ -1296,7 +1372,15 @@ def _first_pass(hist_ref, row, plan: _RowPlan, k: int, cfg: TopkSelectConfig) ->
         sel = jnp.sum((ge >= k).astype(I32)) - 1
         ge_up = jnp.sum(jnp.where(dd == sel + 1, tile, 0), axis=1)
         bucket_n = jnp.sum(jnp.where(dd == sel, tile, 0), axis=1) - ge_up
-        start = _next_range(*_pivot_range(plan.piv_u, plan.hi_u, cfg.bits, m), sel, cfg.bits)
+        if cfg.zero_band is None:
+            start = _next_range(*_pivot_range(plan.piv_u, plan.hi_u, cfg.bits, m), sel, cfg.bits)
+        else:
+            band = _zero_band(plan.piv_u, plan.hi_u, cfg.zero_band)
+            start = _band_bucket(plan.piv_u, *_band_start(plan.piv_u, plan.hi_u, cfg.bits, m, *band), sel, cfg.bits,
+                                 *band)
+            # rows without the band count as before (the clamped top digit's next digits grow 2^bits-fold)
+            plain = _next_range(*_pivot_range(plan.piv_u, plan.hi_u, cfg.bits, m), sel, cfg.bits)
+            start = tuple(jnp.where(band[1] == 0, p, b) for p, b in zip(plain, start))
         passes.append((ge_up, bucket_n, *start))
     pick = passes[0]
     for p in passes[1:]:  # finer ones override where they fit

@@ -502,6 +502,67 @@ def test_range_top_same_result(mode: str, hint: bool) -> None:
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("hint", [pytest.param(True, id="hint"), pytest.param(False, id="no_hint")])
+def test_zero_band_same_result(mode: str, hint: bool) -> None:
+    """``zero_band`` (the split finish's first pass counting the keys near zero as one value where the range
+    crosses the sign): lax.top_k's set and the same tau as without it, for rows whose tau lies near zero (about 2 k
+    finite keys), in it (many keys at +-0 and tiny magnitudes), at other scales, with ties, and full rows."""
+    n, k = 4096, 20
+    base = TopkSelectConfig(block=512, hist_block=128, sample=256, capacity=400, splits=2, unroll=2, shrink=True,
+                            hold_shrunk=True, range_margin=1, prefetch=True, fill_layout="warp", copy_spread=True,
+                            fill_warps=2, split_finish=True, bucket_blocks=2, bucket_resolutions=3, pivot_bits=16,
+                            range_top_sigma=6.0)
+    cfg = dataclasses.replace(base, zero_band=8)
+    lens = np.array([36, 40, 44, 48, 40, 40, 40, 4096, 60])
+    rng = np.random.default_rng(79)
+    x = rng.standard_normal((len(lens), n)).astype(np.float32)
+    x[1] *= 1e-3  # another scale
+    x[2] *= 300.0  # a band wider than 2 (its u-width overflows int32)
+    x[4, :40] = np.round(x[4, :40] * 2) / 2  # ties at tau
+    x[5, :40:2] = 0.0  # tau at +0, -0 among the keys
+    x[5, 1:40:4] = -0.0
+    x[6, :40] *= np.float32(2.0) ** rng.integers(-40, 1, 40)  # tiny magnitudes: many keys inside the band
+    x[np.arange(n)[None, :] >= lens[:, None]] = -np.inf
+    xj = jnp.asarray(x)
+    lj = jnp.asarray(lens, jnp.int32) if hint else None
+    want = select_unsorted(xj, k, config=base, interpret=interpret_for(mode), lengths=lj)
+    got = select_unsorted(xj, k, config=cfg, interpret=interpret_for(mode), lengths=lj)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.sort(np.asarray(jax.lax.top_k(xj, k)[1]), axis=1))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]), err_msg="tau")
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-3, 1e3, 1e5])  # 1e5: the band past 2, its width past int32
+def test_zero_band_bucket_is_the_digits_preimage(scale: float) -> None:
+    """The zero band's first pass (``_band_digit``) and its buckets as u ranges (``_band_bucket``): for pivots
+    across the sign, every margin and digit, a key lies in digit d's range exactly when its digit is d; the digits
+    never decrease with the key; keys within the band share one digit; without a crossing the band is empty."""
+    from pallas_kernels.topk_select import _band_bucket, _band_digit, _band_start, _in_range, _zero_band
+    rng = np.random.default_rng(83)
+    keys = np.sort(np.r_[rng.standard_normal(3000), rng.standard_normal(200) * 1e-6, 0.0, -0.0, 1e-30, -1e-30]
+                   ).astype(np.float32) * np.float32(scale)
+    u = np.asarray(ordered_key(jnp.asarray(keys)))
+    s = jnp.asarray((u ^ np.uint32(1 << 31)).view(np.int32))[None, :]  # the kernels' signed form
+    for piv_x, hi_x in ((-0.3, 2.9), (-1.7, 0.05), (-0.01, 3.5)):
+        piv_u, hi_u = (jnp.asarray(np.asarray(ordered_key(jnp.float32(v * scale))).view(np.int32)) for v in (piv_x, hi_x))
+        band = _zero_band(piv_u, hi_u, 8)
+        assert int(band[1]) != 0
+        w = float(np.float32(scale) * min(abs(piv_x), hi_x))
+        for m in (0, 1, 2):
+            span, shift = _band_start(piv_u, hi_u, 4, m, *band)
+            dig = np.asarray(_band_digit(s, piv_u, span, shift, *band, 16))[0]
+            inside = keys >= np.float32(piv_x * scale)
+            assert (dig[~inside] == -1).all() and (dig[inside] >= 0).all()
+            assert (np.diff(dig[inside]) >= 0).all()  # keys are sorted: digits never decrease
+            near = inside & (np.abs(keys) < w / 2 ** 9)  # well inside the band
+            assert len(set(dig[near])) <= 1
+            for d in range(16):
+                lo, sp, _ = _band_bucket(piv_u, span, shift, jnp.int32(d), 4, *band)
+                np.testing.assert_array_equal(np.asarray(_in_range(s, lo, sp))[0], dig == d, err_msg=f"{m} {d}")
+    plain = _zero_band(*(jnp.asarray(np.asarray(ordered_key(jnp.float32(v))).view(np.int32)) for v in (0.2, 3.0)), 8)
+    assert int(plain[0]) == 0 and int(plain[1]) == 0
+
+
 def test_top_rank_static_equals_traced() -> None:
     """``_top_rank`` for a static n (no hint) and a traced one (the lengths hint) agree, 1 at least."""
     ns = [1024, 2048, 2500, 3000, 4096, 6000, 32768, 65536, 131072]
@@ -612,7 +673,7 @@ def test_split_for() -> None:
     assert select_config_for(64, 65536, split_finish=False) == one  # IndexerKernelConfig.topk_split_finish=False
     # the default: the split finish with a 2-block bucket and three first-pass resolutions
     assert select_config_for(64, 65536) == dataclasses.replace(one, split_finish=True, bucket_blocks=2,
-                                                               bucket_resolutions=3)
+                                                               bucket_resolutions=3, zero_band=8)
     assert select_config_for(128, 65536) == TopkSelectConfig()  # no split, no split finish
 
 
@@ -787,6 +848,8 @@ def test_bad_arguments() -> None:
         TopkSelectConfig(hist_block=100)
     with pytest.raises(ValueError, match="range_top_sigma needs range_margin"):
         TopkSelectConfig(range_top_sigma=6.0)
+    with pytest.raises(ValueError, match="zero_band needs split_finish"):
+        TopkSelectConfig(range_margin=1, zero_band=8)
     with pytest.raises(ValueError, match="range_top_bits"):
         TopkSelectConfig(range_margin=1, range_top_sigma=6.0, range_top_bits=10)
     with pytest.raises(ValueError, match="topk_algorithm"):
@@ -806,8 +869,8 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
 
 
 @pytest.mark.parametrize("t,n,tiles", [
-    (64, 65536, {}), (64, 65536, dict(split_finish=False)),  # the one-program finish (default to the 38th session)
-    (64, 65536, dict(range_margin=None, prefetch=False, split_finish=False, range_top_sigma=None)),  # before that
+    (64, 65536, {}), (64, 65536, dict(split_finish=False, zero_band=None)),  # the one-program finish (to the 38th)
+    (64, 65536, dict(range_margin=None, prefetch=False, split_finish=False, range_top_sigma=None, zero_band=None)),
     (32, 32768, dict(lengths=True)),  # the lengths hint: a traced extent and range top (the branch in the prefilter)
     (64, 65536, dict(minus_one_for_neg_inf=True)),
     (64, 65536, dict(packed_counts=True, fill_warps=16)),
@@ -820,7 +883,7 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
     # test_warp_fill_loop_has_no_barriers
     # the 8-split finish takes ptxas about 40 s on 2 cores: slow
     pytest.param(16, 131072, {}, marks=pytest.mark.slow),
-    pytest.param(16, 131072, dict(split_finish=False, packed_counts=True), marks=pytest.mark.slow)])
+    pytest.param(16, 131072, dict(split_finish=False, zero_band=None, packed_counts=True), marks=pytest.mark.slow)])
 def test_sm90_compile_indexer_config(t: int, n: int, tiles: dict) -> None:
     """The indexer's config at its shapes (``select_config_for``: split, unroll 2, shrink, 512-key steps, 16-bit
     pivot, the split finish), earlier configs and the options still to be timed, compiles for sm_90a with at most 64

@@ -186,6 +186,12 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          # ran it on every row whose rank exceeded 1, before the sign test)
          "sf_warp_sp_len_top": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True,
                                 "range_top_sigma": 6.0},
+         # ... and the first pass's keys near zero as one value (zero_band, forty-fifth session; the indexer's
+         # default since: 4500 tokens at 8 x 128K twice as fast on an H100, full level): a request
+         # of 3500-5000 tokens has its tau near zero, where the ordered keys of every tiny magnitude share the k-th
+         # key's first-pass digit (topk_passes.py --short: 4500 tokens fit 0 of 20 rows, with --zero-band 8 all)
+         "sf_warp_sp_len_top_zb": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True,
+                                   "range_top_sigma": 6.0, "zero_band": 8},
          "sf_warp_sp_hold": {**_SF, "fill_layout": "warp", "copy_spread": True, "hold_bucket": True},
          "sf_warp_sp_cu2": {**_SF, "fill_layout": "warp", "copy_spread": True, "copy_unroll": 2},
          # ... writing -1 for kept -inf keys (IndexerKernelConfig.topk_invisible_in_kernel): no gather of the kept

@@ -11,7 +11,8 @@ rows, so a start's pass counts are known before a GPU session times it. The kth 
 finish's fast path (``split_finish``), at one margin, at a margin and the next (``_first_pass``), and with one
 coarser margin too (``bucket_resolutions=3``), for buckets of ``--bucket-keys`` keys (``bucket_blocks``).
 ``--short L ...``: a decode batch's short rows instead (``short_rows``), with and without ``lengths``
-(``--range-top-sigma 6``: with the indexer's range top, ``TopkSelectConfig.range_top_sigma``).
+(``--range-top-sigma 6``: with the indexer's range top, ``TopkSelectConfig.range_top_sigma``; ``--zero-band 8``:
+the first pass's keys near zero as one value, ``zero_band``).
 """
 
 from __future__ import annotations
@@ -81,10 +82,26 @@ def passes(cand: np.ndarray, k: int, lo: int, span: int, shift: int, width: int 
         prev = shift
 
 
-def first_bucket(cand: np.ndarray, k: int, piv: int, hi: int, margin: int) -> int | None:
-    """Keys in the k-th key's first-pass bucket at ``margin`` (``_first_pass``), None if fewer than k are in range."""
+def zero_band(piv: int, hi: int, binades: int | None) -> tuple[int, int]:
+    """(ra, gap) of ``_zero_band``: keys u in [piv + ra, piv + ra + gap] (magnitudes below a power of 2 ``binades``
+    under the pivot's and the top's smaller one) count as one value where the range crosses the sign, else (0, 0)."""
+    if binades is None or not (piv < 1 << 31 <= hi and piv != _NEG_INF_U):
+        return 0, 0
+    bw = max((min(~piv & 0x7FFFFFFF, hi & 0x7FFFFFFF) >> 23) - binades, 0) << 23
+    return (0x7FFFFFFF - bw) - piv, 2 * bw + 1
+
+
+def first_bucket(cand: np.ndarray, k: int, piv: int, hi: int, margin: int, band: int | None = None) -> int | None:
+    """Keys in the k-th key's first-pass bucket at ``margin`` (``_first_pass``), None if fewer than k are in range;
+    ``band``: over ``zero_band``'s coordinates (``TopkSelectConfig.zero_band``)."""
+    ra, gap = zero_band(piv, hi, band)
     lo, span, shift = pivot_start(piv, hi, margin)
     c = cand.astype(np.int64)
+    if gap:  # _band_start: the span and the top less the band's width
+        f = lambda r: r - np.clip(r - ra, 0, gap)  # noqa: E731
+        span -= gap
+        shift = min(max(int(f(np.int64(hi - piv))).bit_length() - 4 - margin, 1), max(span.bit_length() - 4, 0))
+        c = lo + f(c - lo)
     inside = (c >= lo) & (c - lo <= span)
     dig = np.minimum((c[inside] - lo) >> shift, 15)
     ge = np.array([(dig >= d).sum() for d in range(16)])
@@ -110,7 +127,7 @@ def short_rows(a: argparse.Namespace) -> None:
                                 n=min(max(length, a.k, 1024), a.n) if hint else None, top_sigma=a.range_top_sigma)
                 cand = u[u > piv] if piv == _NEG_INF_U else u[u >= piv]  # a -inf pivot keeps the keys above it
                 cands.append(cand.size)
-                sizes = [first_bucket(cand, a.k, piv, hi, m) for m in (0, 1, 2)]
+                sizes = [first_bucket(cand, a.k, piv, hi, m, a.zero_band) for m in (0, 1, 2)]
                 fits += cand.size >= a.k and min((b for b in sizes if b is not None), default=a.n) <= a.bucket_keys[0]
             out.append(f"{length}: {fits}/{a.rows} ({int(np.mean(cands))})")
         print(f"N={a.n} k={a.k} {'lengths hint' if hint else 'no hint'}: rows whose bucket fits "
@@ -132,6 +149,8 @@ def main() -> None:
     ap.add_argument("--range-top-sigma", type=float, default=None,
                     help="with --short: the counting range's top at the sampled key of rank m - sigma sqrt(m) - 4 "
                          "where the range crosses the sign (TopkSelectConfig.range_top_sigma; the indexer's 6)")
+    ap.add_argument("--zero-band", type=int, default=None,
+                    help="with --short: the first pass's keys near zero as one value (TopkSelectConfig.zero_band)")
     a = ap.parse_args()
     if a.short:
         return short_rows(a)
