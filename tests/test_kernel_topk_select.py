@@ -474,6 +474,27 @@ def test_lengths_hint_same_result(mode: str, tiles: dict) -> None:
         topk_select(xj, k, config=cfg, lengths=lj.astype(jnp.float32))
 
 
+# the split finish's form of test_lengths_hint_same_result (k = 20 over 4096 keys: two splits, a 256-key sample)
+_SHORT_ROWS = TopkSelectConfig(block=512, hist_block=128, sample=256, capacity=400, splits=2, unroll=2, shrink=True,
+                               hold_shrunk=True, range_margin=1, prefetch=True, fill_layout="warp", copy_spread=True,
+                               fill_warps=2, split_finish=True, bucket_blocks=2, bucket_resolutions=3, pivot_bits=16)
+
+
+def _knob_keeps_the_result(x: np.ndarray, lens: np.ndarray, k: int, base: TopkSelectConfig, knob: dict, hint: bool,
+                           mode: str, same: tuple[str, ...]) -> None:
+    """Rows ``x`` -inf from ``lens`` on: with ``knob`` over ``base``, lax.top_k's set, and the outputs named in
+    ``same`` ("tau", "candidates") equal to ``base``'s; the lengths as the hint where ``hint``."""
+    x = np.where(np.arange(x.shape[1])[None, :] >= lens[:, None], -np.inf, x).astype(np.float32)
+    xj = jnp.asarray(x)
+    lj = jnp.asarray(lens, jnp.int32) if hint else None
+    want = select_unsorted(xj, k, config=base, interpret=interpret_for(mode), lengths=lj)
+    got = select_unsorted(xj, k, config=dataclasses.replace(base, **knob), interpret=interpret_for(mode), lengths=lj)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.sort(np.asarray(jax.lax.top_k(xj, k)[1]), axis=1))
+    for name in same:
+        at = ("tau", "candidates").index(name) + 1
+        np.testing.assert_array_equal(np.asarray(got[at]), np.asarray(want[at]), err_msg=name)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("hint", [pytest.param(True, id="hint"), pytest.param(False, id="no_hint")])
 def test_range_top_same_result(mode: str, hint: bool) -> None:
@@ -482,24 +503,14 @@ def test_range_top_same_result(mode: str, hint: bool) -> None:
     bulk (finite lengths from k to a few k: a negative pivot under a positive largest key), shorter than k, full,
     with ties at tau, and with all keys negative or all positive (no crossing)."""
     n, k = 4096, 20
-    base = TopkSelectConfig(block=512, hist_block=128, sample=256, capacity=400, splits=2, unroll=2, shrink=True,
-                            hold_shrunk=True, range_margin=1, prefetch=True, fill_layout="warp", copy_spread=True,
-                            fill_warps=2, split_finish=True, bucket_blocks=2, bucket_resolutions=3, pivot_bits=16)
-    cfg = dataclasses.replace(base, range_top_sigma=6.0)
     lens = np.array([5, 20, 22, 26, 30, 40, 60, 4096, 28, 30, 30])
     rng = np.random.default_rng(73)
     x = rng.standard_normal((len(lens), n)).astype(np.float32)
     x[-3] = np.round(x[-3] * 2) / 2  # ties at tau
     x[-2] = -np.abs(x[-2]) - 1  # every key negative
     x[-1] = np.abs(x[-1]) + 1  # every key positive
-    x[np.arange(n)[None, :] >= lens[:, None]] = -np.inf
-    xj = jnp.asarray(x)
-    lj = jnp.asarray(lens, jnp.int32) if hint else None
-    want = select_unsorted(xj, k, config=base, interpret=interpret_for(mode), lengths=lj)
-    got = select_unsorted(xj, k, config=cfg, interpret=interpret_for(mode), lengths=lj)
-    np.testing.assert_array_equal(np.asarray(got[0]), np.sort(np.asarray(jax.lax.top_k(xj, k)[1]), axis=1))
-    for name, g, w in zip(("tau", "candidates"), got[1:3], want[1:3]):  # the top sets the counting, not the pivot
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+    # the top sets the counting, not the pivot: the same candidates
+    _knob_keeps_the_result(x, lens, k, _SHORT_ROWS, dict(range_top_sigma=6.0), hint, mode, ("tau", "candidates"))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -509,11 +520,6 @@ def test_zero_band_same_result(mode: str, hint: bool) -> None:
     crosses the sign): lax.top_k's set and the same tau as without it, for rows whose tau lies near zero (about 2 k
     finite keys), in it (many keys at +-0 and tiny magnitudes), at other scales, with ties, and full rows."""
     n, k = 4096, 20
-    base = TopkSelectConfig(block=512, hist_block=128, sample=256, capacity=400, splits=2, unroll=2, shrink=True,
-                            hold_shrunk=True, range_margin=1, prefetch=True, fill_layout="warp", copy_spread=True,
-                            fill_warps=2, split_finish=True, bucket_blocks=2, bucket_resolutions=3, pivot_bits=16,
-                            range_top_sigma=6.0)
-    cfg = dataclasses.replace(base, zero_band=8)
     lens = np.array([36, 40, 44, 48, 40, 40, 40, 4096, 60])
     rng = np.random.default_rng(79)
     x = rng.standard_normal((len(lens), n)).astype(np.float32)
@@ -523,13 +529,8 @@ def test_zero_band_same_result(mode: str, hint: bool) -> None:
     x[5, :40:2] = 0.0  # tau at +0, -0 among the keys
     x[5, 1:40:4] = -0.0
     x[6, :40] *= np.float32(2.0) ** rng.integers(-40, 1, 40)  # tiny magnitudes: many keys inside the band
-    x[np.arange(n)[None, :] >= lens[:, None]] = -np.inf
-    xj = jnp.asarray(x)
-    lj = jnp.asarray(lens, jnp.int32) if hint else None
-    want = select_unsorted(xj, k, config=base, interpret=interpret_for(mode), lengths=lj)
-    got = select_unsorted(xj, k, config=cfg, interpret=interpret_for(mode), lengths=lj)
-    np.testing.assert_array_equal(np.asarray(got[0]), np.sort(np.asarray(jax.lax.top_k(xj, k)[1]), axis=1))
-    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]), err_msg="tau")
+    _knob_keeps_the_result(x, lens, k, dataclasses.replace(_SHORT_ROWS, range_top_sigma=6.0), dict(zero_band=8), hint,
+                           mode, ("tau",))
 
 
 @pytest.mark.parametrize("scale", [1.0, 1e-3, 1e3, 1e5])  # 1e5: the band past 2, its width past int32
