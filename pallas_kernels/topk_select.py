@@ -194,8 +194,8 @@ class TopkSelectConfig:
     copy_spread: bool = False
     # with range_margin: the counting's range from the pivot reaches up to the sample's key at rank
     # m - range_top_sigma sqrt(m) - 4 (m = sample k / n: the sampled keys expected at or above tau; ``_top_rank``),
-    # resolved to ``range_top_bits`` leading bits (its bucket's top), where that rank exceeds 1; the sample's
-    # largest key elsewhere (None: always). Why: a short row's tau lies among its bulk, so its pivot is negative and
+    # resolved to ``range_top_bits`` leading bits (its bucket's top), where that rank exceeds 1 and the range from a
+    # finite pivot crosses the sign; the sample's largest key elsewhere (None: always). Why: a short row's tau lies among its bulk, so its pivot is negative and
     # its sample's largest key positive; the span then crosses the sign, the first digits are 2^25-2^27 keys of
     # u wide, and the k-th key's bucket holds hundreds of keys (or overflows the split finish's scratch). Keys above
     # the range's top count in the top digit, so every top gives the same result
@@ -387,9 +387,9 @@ def _whole_range(bits: int) -> Range:
 
 def _pivot_range(piv_u: jax.Array, hi_u: jax.Array, bits: int, margin: int) -> Range:
     """Keys at or above the pivot, the first digits 2^-(bits + margin) of the span from the pivot to ``hi_u`` (the
-    range's top, ``_sample_pivot``) each; keys past the last digit's bucket count in it (``_kth_key`` clamps the digit). The
-    shift stays below what the whole span needs, and at least 1 where the span is 2^31 or more (a digit is then
-    always a nonnegative int32)."""
+    range's top, ``_sample_pivot``) each; keys past the last digit's bucket count in it (``_kth_key`` clamps the
+    digit). The shift stays below what the whole span needs, and at least 1 where the span is 2^31 or more (a digit
+    is then always a nonnegative int32)."""
     span = ~piv_u
     need = jnp.maximum(_bitlen(span) - bits, 0)
     return piv_u, span, jnp.minimum(jnp.maximum(_bitlen(hi_u - piv_u) - bits - margin, 1), need)
@@ -423,7 +423,7 @@ def _zero_band(piv_u: jax.Array, hi_u: jax.Array, binades: int | None) -> tuple[
     cross = (piv_u >= 0) & (hi_u < 0) & (piv_u != _NEG_INF_U)
     mag = jnp.minimum(~piv_u & 0x7FFFFFFF, hi_u & 0x7FFFFFFF)
     bw = lax.shift_left(jnp.maximum(lax.shift_right_logical(mag, 23) - binades, 0), 23)  # w's bits
-    return jnp.where(cross, ~(bw | _SIGN) - piv_u, zero), jnp.where(cross, 2 * bw + 1, zero)  # u(-w) - piv, u(w) - u(-w)
+    return jnp.where(cross, ~(bw | _SIGN) - piv_u, zero), jnp.where(cross, 2 * bw + 1, zero)  # u(-w) - piv, width
 
 
 def _band_rel(rel: jax.Array, ra: jax.Array, gap: jax.Array) -> jax.Array:

@@ -306,10 +306,11 @@ case "$stage" in
     echo "topk lengths knobs rc=$?"; grep '^{' "$OUT/topk_lengths_knobs.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("profile_busy_us"), r.get("same_set_as_lax"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
     ;;
   topk-lengths-select)
-    # the whole decode select (paged logits + top-k) at 8 x 128K with a request of 3000 tokens, the default (the
-    # lengths hint and the range top, forty-fifth session) against IndexerKernelConfig(topk_lengths=False) (about
-    # 90 s a row on a cold process: compiles)
-    timeout -k 10 -s INT ${TL_SELECT_TIMEOUT:-400} python3 scripts/diag/topk_mixed.py --shapes 8x131072 --short 3000 \
+    # the whole decode select (paged logits + top-k) at 8 x 128K with a request of 3000 tokens (TL_SELECT_SHORT), the
+    # default (the lengths hint, the range top and the zero band, forty-fifth session) against
+    # IndexerKernelConfig(topk_lengths=False) (about 90 s a row on a cold process: compiles)
+    timeout -k 10 -s INT ${TL_SELECT_TIMEOUT:-400} python3 scripts/diag/topk_mixed.py --shapes 8x131072 \
+      --short ${TL_SELECT_SHORT:-3000} \
       --variants default no_lengths --out "$OUT/topk_mixed_lengths_h200.json" > "$OUT/topk_lengths_select.log" 2>&1
     echo "topk lengths select rc=$?"; grep '^{' "$OUT/topk_lengths_select.log" | cut -c1-300
     ;;

@@ -544,8 +544,11 @@ def test_zero_band_bucket_is_the_digits_preimage(scale: float) -> None:
                    ).astype(np.float32) * np.float32(scale)
     u = np.asarray(ordered_key(jnp.asarray(keys)))
     s = jnp.asarray((u ^ np.uint32(1 << 31)).view(np.int32))[None, :]  # the kernels' signed form
+
+    def u_of(v: float) -> jax.Array:  # a key's u as the kernels hold it (uint32 bits in int32)
+        return jnp.asarray(np.asarray(ordered_key(jnp.float32(v))).view(np.int32))
     for piv_x, hi_x in ((-0.3, 2.9), (-1.7, 0.05), (-0.01, 3.5)):
-        piv_u, hi_u = (jnp.asarray(np.asarray(ordered_key(jnp.float32(v * scale))).view(np.int32)) for v in (piv_x, hi_x))
+        piv_u, hi_u = u_of(piv_x * scale), u_of(hi_x * scale)
         band = _zero_band(piv_u, hi_u, 8)
         assert int(band[1]) != 0
         w = float(np.float32(scale) * min(abs(piv_x), hi_x))
@@ -560,7 +563,7 @@ def test_zero_band_bucket_is_the_digits_preimage(scale: float) -> None:
             for d in range(16):
                 lo, sp, _ = _band_bucket(piv_u, span, shift, jnp.int32(d), 4, *band)
                 np.testing.assert_array_equal(np.asarray(_in_range(s, lo, sp))[0], dig == d, err_msg=f"{m} {d}")
-    plain = _zero_band(*(jnp.asarray(np.asarray(ordered_key(jnp.float32(v))).view(np.int32)) for v in (0.2, 3.0)), 8)
+    plain = _zero_band(u_of(0.2), u_of(3.0), 8)
     assert int(plain[0]) == 0 and int(plain[1]) == 0
 
 
