@@ -207,6 +207,11 @@ class TopkSelectConfig:
     # a tau near zero (a request of about 2 k tokens) otherwise shares its first-pass digit with most of the row's
     # bulk, whose bucket then overflows the scratch. None: off
     zero_band: int | None = None
+    # fill_layout="warp" with the ``lengths`` hint: the splits cut a row's head in units of a 128-key chunk a warp
+    # (1024 columns at 8 warps), not whole blocks, so a short request's keys spread over more splits (3000 tokens:
+    # 3 splits, not 2): less of its fill, copy and bucket in one program. A full row whose length divides into
+    # splits x block is cut as before
+    fine_splits: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (1, 2, 4):  # 8 would need [256, hist_block] counters: spills
@@ -230,6 +235,8 @@ class TopkSelectConfig:
         if self.copy_unroll > 1 and self.fill_layout != "warp":
             raise ValueError(f'copy_unroll={self.copy_unroll} is a form of fill_layout="warp" (its scratch copy), '
                              f'got fill_layout={self.fill_layout!r}')
+        if self.fine_splits and self.fill_layout != "warp":
+            raise ValueError(f'fine_splits is a form of fill_layout="warp" (its parts), got {self.fill_layout!r}')
         if self.copy_spread and self.fill_layout != "warp":
             raise ValueError(f'copy_spread is a form of fill_layout="warp" (its scratch copy), '
                              f'got fill_layout={self.fill_layout!r}')
@@ -927,13 +934,15 @@ def _warp_cols(base: jax.Array, w_len: jax.Array, c, nw: int) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class _WarpPass:
-    """fill_layout="warp": the split's blocks ``first_block ..`` cut into ``nw`` equal consecutive parts, one a
-    warp, streamed ``per`` 128-key chunks a warp a step."""
+    """fill_layout="warp": the split's blocks ``first_block ..`` (of ``unit`` columns: a block, or with
+    ``fine_splits`` a chunk a warp) cut into ``nw`` equal consecutive parts, one a warp, streamed ``per`` 128-key
+    chunks a warp a step."""
     x_ref: Any
     row: jax.Array
     n: int  # the row's keys
-    first_block: jax.Array  # the split's blocks (CTA-wide, as _fill takes them: the refill's)
+    first_block: jax.Array  # the split's units (CTA-wide, as _fill takes them: the refill's)
     n_blocks: jax.Array
+    unit: int  # columns a unit
     nw: int
     per: int  # chunks a warp a step
     chunks: jax.Array  # a warp's chunks
@@ -943,11 +952,12 @@ class _WarpPass:
 
     @classmethod
     def of(cls, x_ref, row, n: int, first_block: jax.Array, n_blocks: jax.Array, cfg: TopkSelectConfig,
-           nw: int) -> "_WarpPass":
-        per_block = cfg.block // (_CHUNK * nw)  # chunks a warp a block
-        base = first_block * cfg.block
-        return cls(x_ref, row, n, first_block, n_blocks, nw, cfg.unroll * per_block, n_blocks * per_block, base,
-                   n_blocks * (cfg.block // nw), jnp.minimum(base + n_blocks * cfg.block, n))
+           nw: int, unit: int | None = None) -> "_WarpPass":
+        unit = unit or cfg.block
+        per_unit = unit // (_CHUNK * nw)  # chunks a warp a unit
+        base = first_block * unit
+        return cls(x_ref, row, n, first_block, n_blocks, unit, nw, cfg.unroll * (cfg.block // (_CHUNK * nw)),
+                   n_blocks * per_unit, base, n_blocks * (unit // nw), jnp.minimum(base + n_blocks * unit, n))
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -1049,7 +1059,7 @@ def _warp_fill(wp: _WarpPass, piv: jax.Array, strict: jax.Array, cap: int, cfg: 
     above_in = jnp.sum(lax.fori_loop(0, jnp.where(lost, 0, rounds), copy, jnp.zeros(shape, I32)))
     # a warp past its room: the CTA-wide pass instead (its counts are the same; it fills the buffer itself)
     again = _fill(_row_keys(wp.x_ref, wp.row, wp.n), wp.first_block, lost.astype(I32) * wp.n_blocks, piv, cap,
-                  cfg.block, strict, put, cfg.unroll, cfg.prefetch)
+                  wp.unit, strict, put, cfg.unroll, cfg.prefetch)
     return filled, above, jnp.where(lost, again[2], above_in)
 
 
@@ -1162,7 +1172,7 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
 def _split_fill_kernel(x_ref, *refs, n: int, k: int, cfg: TopkSelectConfig, cap: int, interpret: bool,
                        lengths: bool = False) -> None:
     """Program (row, j): the prefilter's pass over the j-th of ``cfg.splits`` column ranges of the row (whole
-    blocks), keys >= the row's sample pivot into buffer j ([row, j cap : (j + 1) cap], column order), and its
+    blocks; with ``fine_splits`` and the hint, whole 128-key chunks a warp), keys >= the row's sample pivot into buffer j ([row, j cap : (j + 1) cap], column order), and its
     counts: keys >= pivot, keys > pivot, keys > pivot that fit the buffer; the pivot's u for the finish kernel
     and the sample's largest key's ([row, 0], [row, 1]; every program of the row writes the same values). With
     ``hist_ref`` (``split_finish``): its buffer's counts ge[d] of first-pass digits >= d from the pivot, at R =
@@ -1177,12 +1187,13 @@ def _split_fill_kernel(x_ref, *refs, n: int, k: int, cfg: TopkSelectConfig, cap:
     t = key_ref.shape[0] if interpret else None
     hist_ref = extra[:1] if cfg.split_finish else ()
     ne = _row_extent(len_ref, row, n, k, cfg) if lengths else n  # the columns the splits cut
-    per = pl.cdiv(pl.cdiv(ne, cfg.block), cfg.splits)
-    nb = jnp.clip(pl.cdiv(ne, cfg.block) - j * per, 0, per)
     warp = cfg.fill_layout == "warp"
+    nw = cfg.fill_warps or cfg.num_warps
+    unit = _CHUNK * nw if warp and lengths and cfg.fine_splits else cfg.block  # columns the splits cut by
+    per = pl.cdiv(pl.cdiv(ne, unit), cfg.splits)
+    nb = jnp.clip(pl.cdiv(ne, unit) - j * per, 0, per)
     if warp:
-        nw = cfg.fill_warps or cfg.num_warps
-        wp = _WarpPass.of(x_ref, row, n, j * per, nb, cfg, nw)
+        wp = _WarpPass.of(x_ref, row, n, j * per, nb, cfg, nw, unit)
         first = wp.step_keys(0) if cfg.prefetch else None
     else:
         x_keys = _fill_keys(x_ref, row, n, cfg, interpret)
@@ -1243,7 +1254,7 @@ def _split_fill_kernel(x_ref, *refs, n: int, k: int, cfg: TopkSelectConfig, cap:
     at = (row + jnp.zeros((1, 1), I32), j + jnp.zeros((1, 1), I32))
     for ref, v in zip((filled_ref, above_ref, in_ref), counts):
         C.store(ref, at, jnp.full((1, 1), v, I32), jnp.ones((1, 1), bool))
-    for c, v in enumerate((piv_u, hi_u) + ((per * cfg.block,) if lengths else ())):
+    for c, v in enumerate((piv_u, hi_u) + ((per * unit,) if lengths else ())):
         C.store(piv_ref, (at[0], jnp.full((1, 1), c, I32)), jnp.full((1, 1), v, I32), jnp.ones((1, 1), bool))
 
 

@@ -431,6 +431,8 @@ def test_warp_fill_same_result(mode: str, tiles: dict) -> None:
 @pytest.mark.parametrize("tiles", [
     pytest.param(dict(fill_layout="warp", copy_spread=True), id="warp"),  # the indexer's form
     pytest.param(dict(fill_layout="warp", copy_spread=True, bucket_blocks=8), id="warp_b8"),  # every bucket fits
+    # the splits cut the head by a chunk a warp (256 columns here), not by blocks
+    pytest.param(dict(fill_layout="warp", copy_spread=True, fine_splits=True, zero_band=8), id="warp_fine"),
     pytest.param(dict(fill_layout="vector"), id="vector")])
 def test_lengths_hint_same_result(mode: str, tiles: dict) -> None:
     """``lengths`` (rows -inf from lengths[t] on): lax.top_k's set and tau as without the hint, for rows shorter
@@ -493,6 +495,22 @@ def _knob_keeps_the_result(x: np.ndarray, lens: np.ndarray, k: int, base: TopkSe
     for name in same:
         at = ("tau", "candidates").index(name) + 1
         np.testing.assert_array_equal(np.asarray(got[at]), np.asarray(want[at]), err_msg=name)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fine_splits_refill(mode: str) -> None:
+    """``fine_splits`` with the hint where a warp's part holds more candidates than its scratch room: the CTA-wide
+    refill of the split (``_warp_fill``'s ``_fill`` over the split's 256-column units) gives lax.top_k's set. Rows
+    ascending over their heads put their top keys in the last warp's part."""
+    n, k = 4096, 20
+    cfg = dataclasses.replace(_SHORT_ROWS, capacity=100, fine_splits=True)
+    lens = np.array([700, 900, 1300, 4096])
+    x = np.tile(np.linspace(-1.0, 1.0, n, dtype=np.float32), (len(lens), 1))
+    x[:, :1300] = np.linspace(-1.0, 1.0, 1300, dtype=np.float32)[None, :]
+    x[np.arange(n)[None, :] >= lens[:, None]] = -np.inf
+    xj = jnp.asarray(x)
+    got = select_unsorted(xj, k, config=cfg, interpret=interpret_for(mode), lengths=jnp.asarray(lens, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.sort(np.asarray(jax.lax.top_k(xj, k)[1]), axis=1))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -852,6 +870,8 @@ def test_bad_arguments() -> None:
         TopkSelectConfig(hist_block=100)
     with pytest.raises(ValueError, match="range_top_sigma needs range_margin"):
         TopkSelectConfig(range_top_sigma=6.0)
+    with pytest.raises(ValueError, match="fine_splits"):
+        TopkSelectConfig(splits=2, fine_splits=True)
     with pytest.raises(ValueError, match="zero_band needs split_finish"):
         TopkSelectConfig(range_margin=1, zero_band=8)
     with pytest.raises(ValueError, match="range_top_bits"):
