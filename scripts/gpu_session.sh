@@ -293,16 +293,17 @@ case "$stage" in
     # batch on an H100. topk_select's lengths hint (IndexerKernelConfig.topk_lengths, the default since the
     # forty-fifth session) cuts each row's head instead, and the range top (range_top_sigma) keeps a short row's
     # bucket to one block, the zero band (zero_band: 3500-5000 tokens, tau near zero) its first pass: their native
-    # tests, then the default (sf_warp_sp_len_top_zb) against the splits cut by a chunk a warp (fine_splits) and the
-    # range top at 8 bits (two sample passes, not three), full and with short rows of 1000 / 3000 / 4500 / 6000
-    # tokens (TL_SHAPES / TL_KNOBS / TL_SHORT narrow it; the whole decode select against no hint: topk-lengths-select)
+    # tests, then the default (sf_warp_sp_len_top_zb) against the splits cut by a chunk a warp (fine_splits), the
+    # range top at 8 bits (two sample passes, not three) and none (the band alone), full and with short rows of
+    # 1000 / 3000 / 4500 / 6000 tokens (TL_SHAPES / TL_KNOBS / TL_SHORT narrow it; the whole decode select against no
+    # hint: topk-lengths-select)
     timeout -k 10 -s INT ${TL_TESTS_TIMEOUT:-150} python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider \
       tests/test_kernel_topk_select.py tests/test_kernel_sparse_indexer.py \
       -k "lengths or range_top or zero_band or fine_splits or visible_counts or indexer_topk_splits or chunking" \
       > "$OUT/topk_lengths_tests.log" 2>&1
     echo "topk lengths tests rc=$?"; tail -3 "$OUT/topk_lengths_tests.log"
     timeout -k 10 ${TL_KNOBS_TIMEOUT:-400} python3 scripts/diag/topk_knobs.py --mixed --short ${TL_SHORT:-1000 3000 4500 6000} \
-      --shapes ${TL_SHAPES:-8x131072 32x32768} --knobs ${TL_KNOBS:-sf_warp_sp_len_top_zb sf_warp_sp_len_top_zb_fine sf_warp_sp_len_top8_zb} \
+      --shapes ${TL_SHAPES:-8x131072 32x32768} --knobs ${TL_KNOBS:-sf_warp_sp_len_top_zb sf_warp_sp_len_top_zb_fine sf_warp_sp_len_top8_zb sf_warp_sp_len_zb} \
       --out "$OUT/topk_knobs_lengths_h200.json" > "$OUT/topk_lengths_knobs.log" 2>&1
     echo "topk lengths knobs rc=$?"; grep '^{' "$OUT/topk_lengths_knobs.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("profile_busy_us"), r.get("same_set_as_lax"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
     ;;

@@ -196,6 +196,9 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          # (fine_splits, forty-fifth session, untimed): a request of 3000 tokens over 3 splits, not 2
          "sf_warp_sp_len_top_zb_fine": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True,
                                         "range_top_sigma": 6.0, "zero_band": 8, "fine_splits": True},
+         # ... the zero band without the range top (no extra sample passes: in topk_passes.py --short's replay with
+         # --zero-band 8 alone every short row's bucket fits too, with a few hundred keys instead of tens at 2100-3000)
+         "sf_warp_sp_len_zb": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True, "zero_band": 8},
          # ... with the range top resolved to 8 leading bits (two sample passes instead of three: the short row's
          # prefilter took 2.3 us longer than a full row's with 12 bits on an H100; the replay's buckets barely grow)
          "sf_warp_sp_len_top8_zb": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True,
