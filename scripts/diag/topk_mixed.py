@@ -3,7 +3,7 @@ mixed ones (one short request, ``--short`` tokens, among full-length ones), GPU 
 path per row. Issue 20 asks that a mixed batch be no slower than a full one.
 
     python3 scripts/diag/topk_mixed.py --shapes 16x32768 16x131072 64x32768 64x131072 --short 1000 3000 \
-        [--variants default lengths] --out OUT/topk_mixed.json
+        [--variants default no_lengths] --out OUT/topk_mixed.json
 
 Each row: device µs per call (``profile_span_us``), each kernel's median (``profile_kernel_us``: the logits
 kernel, the top-k's fill and finish kernels), and the top-k paths of the batch's rows (``paths``: counts of
@@ -32,28 +32,40 @@ from pallas_kernels.topk_select import PATHS, select_config_for, select_unsorted
 VARIANTS = {"default": {}, "lengths": {"topk_lengths": True}, "no_lengths": {"topk_lengths": False}}
 
 
+# one executable per config (and shape), shared by a shape's batches: a closure jitted per row compiled the whole
+# select again for each row (about 90 s a row on a cold H100 process, the forty-fifth session)
 @functools.lru_cache(maxsize=None)
 def _logits_fn(config: si.IndexerKernelConfig, interpret: bool):
-    """The paged logits as one executable per config, shared by a shape's batches (a compile a row otherwise)."""
+    """The paged logits."""
     return jax.jit(lambda *a: si.paged_logits(*a, entries_per_page=ksi.EPP, config=config, interpret=interpret))
 
 
-def _measure(b: int, c: int, short: int | None, variant: str = "default") -> dict:
+@functools.lru_cache(maxsize=None)
+def _select_fn(config: si.IndexerKernelConfig, interpret: bool):
+    """The decode select as the layers run it (paged logits + top-k)."""
     fmt = IndexerRecord132(ksi.EPP)
+    return jax.jit(lambda iq, iw, cache, bt, req, nvis: si.indexer_topk(
+        iq, iw, cache, fmt, bt, req, nvis, ksi.K, implementation="pallas", config=config, interpret=interpret))
+
+
+@functools.lru_cache(maxsize=None)
+def _paths_fn(b: int, c: int, hint: bool, interpret: bool):
+    """The top-k's path per row with the indexer's config (``select_unsorted``'s fourth output)."""
+    cfg = select_config_for(b, c)
+    return jax.jit(lambda logits, nvis: select_unsorted(logits, ksi.K, config=cfg, interpret=interpret,
+                                                        lengths=nvis if hint else None)[3])
+
+
+def _measure(b: int, c: int, short: int | None, variant: str = "default") -> dict:
     config = si.IndexerKernelConfig(topk_algorithm="auto", **VARIANTS[variant])
     interpret = jax.default_backend() != "gpu"  # a CPU smoke run: interpret mode, no timeline
     bt, cache, iq, iw, req = ksi._decode_inputs(jax.random.key(b * 7 + c), b, c)
     vis = np.full(b, c) if short is None else np.r_[short, np.full(b - 1, c)]
     nvis = jnp.asarray(vis, jnp.int32)
-
-    def select(iq, iw, cache, bt, req, nvis):
-        return si.indexer_topk_jit(iq, iw, cache, fmt, bt, req, nvis, ksi.K, "pallas", config, interpret)
-
-    r = profiled_device_us(select, iq, iw, cache, bt, req, nvis, calls=20, by_kernel=True)
+    r = profiled_device_us(_select_fn(config, interpret), iq, iw, cache, bt, req, nvis, calls=20, by_kernel=True)
     q8, w8 = si.quantize_q(iq, iw)
     logits = _logits_fn(config, interpret)(q8, w8, cache, bt, req, nvis)
-    paths = np.asarray(select_unsorted(logits, ksi.K, config=select_config_for(b, c), interpret=interpret,
-                                       lengths=nvis if config.topk_lengths else None)[3])
+    paths = np.asarray(_paths_fn(b, c, bool(config.topk_lengths), interpret)(logits, nvis))
     return {"topk": si.resolve_topk_algorithm(b, c), "paths": dict(collections.Counter(PATHS[p] for p in paths)),
             **r}
 
@@ -64,7 +76,8 @@ def main() -> None:
     ap.add_argument("--short", type=int, nargs="+", default=[1000],
                     help="the mixed batches' short request (tokens), one batch each")
     ap.add_argument("--variants", nargs="+", default=["default"], choices=list(VARIANTS),
-                    help="IndexerKernelConfig switches (lengths: each token's n_visible as the top-k's hint)")
+                    help="IndexerKernelConfig switches (no_lengths: the top-k without each token's n_visible as its "
+                         "hint, the default before the forty-fifth session)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     rows: list[dict] = []
