@@ -195,10 +195,11 @@ class TopkSelectConfig:
     # with range_margin: the counting's range from the pivot reaches up to the sample's key at rank
     # m - range_top_sigma sqrt(m) - 4 (m = sample k / n: the sampled keys expected at or above tau; ``_top_rank``),
     # resolved to ``range_top_bits`` leading bits (its bucket's top), where that rank exceeds 1 and the range from a
-    # finite pivot crosses the sign; the sample's largest key elsewhere (None: always). Why: a short row's tau lies among its bulk, so its pivot is negative and
-    # its sample's largest key positive; the span then crosses the sign, the first digits are 2^25-2^27 keys of
-    # u wide, and the k-th key's bucket holds hundreds of keys (or overflows the split finish's scratch). Keys above
-    # the range's top count in the top digit, so every top gives the same result
+    # finite pivot crosses the sign (``_crosses_sign``); the sample's largest key elsewhere (None: always). Why: a
+    # short row's tau lies among its bulk, so its pivot is negative and its sample's largest key positive; the span
+    # then crosses the sign, the first digits are 2^25-2^27 keys of u wide, and the k-th key's bucket holds hundreds
+    # of keys (or overflows the split finish's scratch). Keys above the range's top count in the top digit, so
+    # every top gives the same result
     range_top_sigma: float | None = None
     range_top_bits: int = 12
     # with split_finish: where the range from the pivot crosses the sign, the first pass counts the keys with the
@@ -419,6 +420,12 @@ def _ult(a: jax.Array, b: jax.Array) -> jax.Array:
     return (a ^ _SIGN) < (b ^ _SIGN)
 
 
+def _crosses_sign(piv_u: jax.Array, hi_u: jax.Array) -> jax.Array:
+    """Where the range from a finite pivot to its top crosses the sign: a negative pivot (u's top bit clear) other
+    than -inf (whose row takes the "pivot is tau" path, which counts nothing) under a positive top (bit set)."""
+    return (piv_u >= 0) & (hi_u < 0) & (piv_u != _NEG_INF_U)
+
+
 def _zero_band(piv_u: jax.Array, hi_u: jax.Array, binades: int | None) -> tuple[jax.Array, jax.Array]:
     """(ra, gap) of the split finish's first pass (``TopkSelectConfig.zero_band``), uint32 in int32: the keys u of
     magnitude below w, u in [piv + ra, piv + ra + gap], count as the one value piv + ra. w is a power of 2,
@@ -427,7 +434,7 @@ def _zero_band(piv_u: jax.Array, hi_u: jax.Array, binades: int | None) -> tuple[
     zero = jnp.zeros((), I32)
     if binades is None:
         return zero, zero
-    cross = (piv_u >= 0) & (hi_u < 0) & (piv_u != _NEG_INF_U)
+    cross = _crosses_sign(piv_u, hi_u)
     mag = jnp.minimum(~piv_u & 0x7FFFFFFF, hi_u & 0x7FFFFFFF)
     bw = lax.shift_left(jnp.maximum(lax.shift_right_logical(mag, 23) - binades, 0), 23)  # w's bits
     return jnp.where(cross, ~(bw | _SIGN) - piv_u, zero), jnp.where(cross, 2 * bw + 1, zero)  # u(-w) - piv, width
@@ -804,12 +811,10 @@ def _sample_pivot(x_ref, row, n: int | jax.Array, k: int, cfg: TopkSelectConfig)
         def ranked():  # the top-rank key's bucket's top: at least that key, so at least the pivot
             return _kth_key([(nb, block)], top, cfg.bits, w, cfg.range_top_bits, unroll=nb,
                             packed=cfg.packed_counts)[0] | low
-        # only where the range crosses the sign (u's top bit: clear for a negative key, set for a positive one) and
-        # the pivot is finite (a -inf pivot's row takes the "pivot is tau" path, which counts nothing); a static
-        # rank of 1 (rows of n >= about 64 k: m <= 32) is the sample's largest key already
+        # only where the range crosses the sign; a static rank of 1 (rows of n >= about 64 k: m <= 32) is the
+        # sample's largest key already
         if not (isinstance(top, int) and top <= 1):
-            crosses = (piv_u >= 0) & (hi_u < 0) & (piv_u != _NEG_INF_U) & (top > 1)
-            hi_u = lax.cond(crosses, ranked, lambda hi_u=hi_u: hi_u)
+            hi_u = lax.cond(_crosses_sign(piv_u, hi_u) & (top > 1), ranked, lambda hi_u=hi_u: hi_u)
     return piv_u, hi_u
 
 
@@ -1172,9 +1177,10 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
 def _split_fill_kernel(x_ref, *refs, n: int, k: int, cfg: TopkSelectConfig, cap: int, interpret: bool,
                        lengths: bool = False) -> None:
     """Program (row, j): the prefilter's pass over the j-th of ``cfg.splits`` column ranges of the row (whole
-    blocks; with ``fine_splits`` and the hint, whole 128-key chunks a warp), keys >= the row's sample pivot into buffer j ([row, j cap : (j + 1) cap], column order), and its
-    counts: keys >= pivot, keys > pivot, keys > pivot that fit the buffer; the pivot's u for the finish kernel
-    and the sample's largest key's ([row, 0], [row, 1]; every program of the row writes the same values). With
+    blocks; with ``fine_splits`` and the hint, whole 128-key chunks a warp), keys >= the row's sample pivot into
+    buffer j ([row, j cap : (j + 1) cap], column order), and its counts: keys >= pivot, keys > pivot, keys > pivot
+    that fit the buffer; the pivot's u for the finish kernel and the counting range's top ([row, 0], [row, 1];
+    every program of the row writes the same values). With
     ``hist_ref`` (``split_finish``): its buffer's counts ge[d] of first-pass digits >= d from the pivot, at R =
     ``bucket_resolutions`` resolutions r (``_first_pass``), at [row, (R j + r) nd : (R j + r + 1) nd]. With
     fill_layout="warp" the last two outputs are the warps' scratch buffers (keys, columns; ``_warp_fill``).
@@ -1376,6 +1382,7 @@ def _first_pass(hist_ref, row, plan: _RowPlan, k: int, cfg: TopkSelectConfig) ->
     nr, room = len(margins), cfg.bucket_blocks * cfg.hist_block
     dd = C.iota((sp, nd), 1)
     passes = []
+    band = None if cfg.zero_band is None else _zero_band(plan.piv_u, plan.hi_u, cfg.zero_band)
     for r, m in enumerate(margins):
         jd = (nr * C.iota((sp, nd), 0) + r) * nd + dd
         tile = C.load(hist_ref, (row + jnp.zeros((sp, nd), I32), jd), (sp, nd))  # [split, d]: keys with digit >= d
@@ -1383,15 +1390,11 @@ def _first_pass(hist_ref, row, plan: _RowPlan, k: int, cfg: TopkSelectConfig) ->
         sel = jnp.sum((ge >= k).astype(I32)) - 1
         ge_up = jnp.sum(jnp.where(dd == sel + 1, tile, 0), axis=1)
         bucket_n = jnp.sum(jnp.where(dd == sel, tile, 0), axis=1) - ge_up
-        if cfg.zero_band is None:
-            start = _next_range(*_pivot_range(plan.piv_u, plan.hi_u, cfg.bits, m), sel, cfg.bits)
-        else:
-            band = _zero_band(plan.piv_u, plan.hi_u, cfg.zero_band)
-            start = _band_bucket(plan.piv_u, *_band_start(plan.piv_u, plan.hi_u, cfg.bits, m, *band), sel, cfg.bits,
-                                 *band)
-            # rows without the band count as before (the clamped top digit's next digits grow 2^bits-fold)
-            plain = _next_range(*_pivot_range(plan.piv_u, plan.hi_u, cfg.bits, m), sel, cfg.bits)
-            start = tuple(jnp.where(band[1] == 0, p, b) for p, b in zip(plain, start))
+        start = _next_range(*_pivot_range(plan.piv_u, plan.hi_u, cfg.bits, m), sel, cfg.bits)
+        if band is not None:  # rows without the band keep that start (the clamped top digit's digits grow 2^bits-fold)
+            banded = _band_bucket(plan.piv_u, *_band_start(plan.piv_u, plan.hi_u, cfg.bits, m, *band), sel, cfg.bits,
+                                  *band)
+            start = tuple(jnp.where(band[1] == 0, p, b) for p, b in zip(start, banded))
         passes.append((ge_up, bucket_n, *start))
     pick = passes[0]
     for p in passes[1:]:  # finer ones override where they fit
