@@ -326,20 +326,19 @@ def select_config_for(t: int, n: int, sms: int = 132, split_finish: bool = True)
     all in one warp's part) then costs the prefilter no more than a full row, where the copy of its own warp's chunks
     a step made it slower (8 x 128K, 16 x 128K, 32 x 32K); on full rows it was level or slightly slower at the six
     shapes timed (an H100's timeline, forty-fourth session: archive/topk_knobs_spread_h100_2026-12-05.json).
-    The counting range's top is the sample's key of rank m - 6 sqrt(m) - 4 where the range crosses the sign
-    (``range_top_sigma``): with the indexer's lengths hint, a request of 2500 or 3000 tokens in a batch then ran the
-    split finish's fast path on a bucket of one block, where it had run the one-program finish or counted two blocks
-    through two more passes; full rows and rows of 1000 / 6000 tokens were level or up to 1% slower (an H100's
-    timeline, forty-fifth session: topk_knobs_top2_h100_2026-12-05.json). The split finish's first pass counts the
-    keys near zero as one value where the range crosses the sign (``zero_band``): a request of 4500 tokens (its tau
-    near zero) then took the fast path, where it had run the one-program finish, at twice the speed; the full batch
-    was level (an H100's timeline, 8 x 128K: topk_knobs_zb_h100_2026-12-05.json)."""
+    The split finish's first pass counts the keys near zero as one value where the range from the pivot crosses the
+    sign (``zero_band``, magnitudes 3 binades under the pivot's or the top's), and with the lengths hint a short
+    request's head is cut into the splits a 128-key chunk a warp at a time (``fine_splits``): a decode batch with a
+    request of 2500-5000 tokens then ran its top-k 1.7-3.2 us over a full batch's, where the band of 8 binades and the
+    counting range's top at a lower sampled key (``range_top_sigma``, the default before) left it 3-9 us over; the
+    full batch was 0.3 us faster (an H100's timeline, 8 x 128K and 32 x 32K, forty-sixth session:
+    topk_knobs_band_h100_2026-12-05.json)."""
     sp = split_for(t, n, sms=sms)
     if sp == 1:
         return TopkSelectConfig()
-    finish = dict(split_finish=True, bucket_blocks=2, bucket_resolutions=3, zero_band=8) if split_finish else {}
+    finish = dict(split_finish=True, bucket_blocks=2, bucket_resolutions=3, zero_band=3) if split_finish else {}
     return TopkSelectConfig(splits=sp, unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
-                            range_margin=1, prefetch=True, fill_layout="warp", copy_spread=True, range_top_sigma=6.0,
+                            range_margin=1, prefetch=True, fill_layout="warp", copy_spread=True, fine_splits=True,
                             **finish)
 
 

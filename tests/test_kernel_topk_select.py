@@ -432,7 +432,7 @@ def test_warp_fill_same_result(mode: str, tiles: dict) -> None:
     pytest.param(dict(fill_layout="warp", copy_spread=True), id="warp"),  # the indexer's form
     pytest.param(dict(fill_layout="warp", copy_spread=True, bucket_blocks=8), id="warp_b8"),  # every bucket fits
     # the splits cut the head by a chunk a warp (256 columns here), not by blocks
-    pytest.param(dict(fill_layout="warp", copy_spread=True, fine_splits=True, zero_band=8), id="warp_fine"),
+    pytest.param(dict(fill_layout="warp", copy_spread=True, fine_splits=True, zero_band=3), id="warp_fine"),
     pytest.param(dict(fill_layout="vector"), id="vector")])
 def test_lengths_hint_same_result(mode: str, tiles: dict) -> None:
     """``lengths`` (rows -inf from lengths[t] on): lax.top_k's set and tau as without the hint, for rows shorter
@@ -532,11 +532,13 @@ def test_range_top_same_result(mode: str, hint: bool) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("binades,top", [pytest.param(3, None, id="indexer"), pytest.param(8, 6.0, id="b8_top")])
 @pytest.mark.parametrize("hint", [pytest.param(True, id="hint"), pytest.param(False, id="no_hint")])
-def test_zero_band_same_result(mode: str, hint: bool) -> None:
+def test_zero_band_same_result(mode: str, binades: int, top: float | None, hint: bool) -> None:
     """``zero_band`` (the split finish's first pass counting the keys near zero as one value where the range
     crosses the sign): lax.top_k's set and the same tau as without it, for rows whose tau lies near zero (about 2 k
-    finite keys), in it (many keys at +-0 and tiny magnitudes), at other scales, with ties, and full rows."""
+    finite keys), in it (many keys at +-0 and tiny magnitudes), at other scales, with ties, and full rows; the
+    indexer's band (3 binades, the sample's largest key as the range's top) and 8 binades under the range top."""
     n, k = 4096, 20
     lens = np.array([36, 40, 44, 48, 40, 40, 40, 4096, 60])
     rng = np.random.default_rng(79)
@@ -547,12 +549,13 @@ def test_zero_band_same_result(mode: str, hint: bool) -> None:
     x[5, :40:2] = 0.0  # tau at +0, -0 among the keys
     x[5, 1:40:4] = -0.0
     x[6, :40] *= np.float32(2.0) ** rng.integers(-40, 1, 40)  # tiny magnitudes: many keys inside the band
-    _knob_keeps_the_result(x, lens, k, dataclasses.replace(_SHORT_ROWS, range_top_sigma=6.0), dict(zero_band=8), hint,
-                           mode, ("tau",))
+    _knob_keeps_the_result(x, lens, k, dataclasses.replace(_SHORT_ROWS, range_top_sigma=top), dict(zero_band=binades),
+                           hint, mode, ("tau",))
 
 
+@pytest.mark.parametrize("binades", [3, 8])
 @pytest.mark.parametrize("scale", [1.0, 1e-3, 1e3, 1e5])  # 1e5: the band past 2, its width past int32
-def test_zero_band_bucket_is_the_digits_preimage(scale: float) -> None:
+def test_zero_band_bucket_is_the_digits_preimage(scale: float, binades: int) -> None:
     """The zero band's first pass (``_band_digit``) and its buckets as u ranges (``_band_bucket``): for pivots
     across the sign, every margin and digit, a key lies in digit d's range exactly when its digit is d; the digits
     never decrease with the key; keys within the band share one digit; without a crossing the band is empty."""
@@ -567,7 +570,7 @@ def test_zero_band_bucket_is_the_digits_preimage(scale: float) -> None:
         return jnp.asarray(np.asarray(ordered_key(jnp.float32(v))).view(np.int32))
     for piv_x, hi_x in ((-0.3, 2.9), (-1.7, 0.05), (-0.01, 3.5)):
         piv_u, hi_u = u_of(piv_x * scale), u_of(hi_x * scale)
-        band = _zero_band(piv_u, hi_u, 8)
+        band = _zero_band(piv_u, hi_u, binades)
         assert int(band[1]) != 0
         w = float(np.float32(scale) * min(abs(piv_x), hi_x))
         for m in (0, 1, 2):
@@ -576,12 +579,12 @@ def test_zero_band_bucket_is_the_digits_preimage(scale: float) -> None:
             inside = keys >= np.float32(piv_x * scale)
             assert (dig[~inside] == -1).all() and (dig[inside] >= 0).all()
             assert (np.diff(dig[inside]) >= 0).all()  # keys are sorted: digits never decrease
-            near = inside & (np.abs(keys) < w / 2 ** 9)  # well inside the band
+            near = inside & (np.abs(keys) < w / 2 ** (binades + 1))  # well inside the band
             assert len(set(dig[near])) <= 1
             for d in range(16):
                 lo, sp, _ = _band_bucket(piv_u, span, shift, jnp.int32(d), 4, *band)
                 np.testing.assert_array_equal(np.asarray(_in_range(s, lo, sp))[0], dig == d, err_msg=f"{m} {d}")
-    plain = _zero_band(u_of(0.2), u_of(3.0), 8)
+    plain = _zero_band(u_of(0.2), u_of(3.0), binades)
     assert int(plain[0]) == 0 and int(plain[1]) == 0
 
 
@@ -688,14 +691,14 @@ def test_split_for() -> None:
     assert [split_for(t, 131072) for t in (1, 4, 16, 64, 128)] == [16, 16, 8, 2, 1]
     assert split_for(16, 8192) == 1  # too short to split (4 blocks of 2048 per split)
     # the indexer's config: the measured unroll, shrink, 512-key counting steps, 16-bit pivot, the finish from the
-    # pivot, the prefilter's loads in flight and its parts a warp each (their copy spread over the CTA) where it
-    # splits, the counting range's top below zero for a short row (range_top_sigma), the defaults where it does not
+    # pivot, the prefilter's loads in flight and its parts a warp each (their copy spread over the CTA, a short
+    # request's head cut a chunk a warp at a time) where it splits, the defaults where it does not
     one = TopkSelectConfig(splits=2, unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
-                           range_margin=1, prefetch=True, fill_layout="warp", copy_spread=True, range_top_sigma=6.0)
+                           range_margin=1, prefetch=True, fill_layout="warp", copy_spread=True, fine_splits=True)
     assert select_config_for(64, 65536, split_finish=False) == one  # IndexerKernelConfig.topk_split_finish=False
-    # the default: the split finish with a 2-block bucket and three first-pass resolutions
+    # the default: the split finish with a 2-block bucket, three first-pass resolutions and the zero band
     assert select_config_for(64, 65536) == dataclasses.replace(one, split_finish=True, bucket_blocks=2,
-                                                               bucket_resolutions=3, zero_band=8)
+                                                               bucket_resolutions=3, zero_band=3)
     assert select_config_for(128, 65536) == TopkSelectConfig()  # no split, no split finish
 
 
@@ -895,11 +898,12 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
 @pytest.mark.parametrize("t,n,tiles", [
     (64, 65536, {}), (64, 65536, dict(split_finish=False, zero_band=None)),  # the one-program finish (to the 38th)
     (64, 65536, dict(range_margin=None, prefetch=False, split_finish=False, range_top_sigma=None, zero_band=None)),
-    (32, 32768, dict(lengths=True)),  # the lengths hint: a traced extent and range top (the branch in the prefilter)
+    (32, 32768, dict(lengths=True)),  # the lengths hint: a traced extent, the splits cut by a chunk a warp
     (64, 65536, dict(minus_one_for_neg_inf=True)),
     (64, 65536, dict(packed_counts=True, fill_warps=16)),
-    (64, 65536, dict(fill_layout="lane", copy_spread=False, finish_lane_loads=True, hold_bucket=True)),
-    (64, 65536, dict(fill_layout="group", copy_spread=False, finish_lane_loads=True)),
+    (64, 65536, dict(fill_layout="lane", copy_spread=False, fine_splits=False, finish_lane_loads=True,
+                     hold_bucket=True)),
+    (64, 65536, dict(fill_layout="group", copy_spread=False, fine_splits=False, finish_lane_loads=True)),
     (64, 65536, dict(finish_lane_loads=True, hold_bucket=True, fuse_bucket=True)),
     pytest.param(64, 65536, dict(copy_unroll=4), marks=pytest.mark.slow),  # the warps' scratch copy, 4 chunks a step
     pytest.param(64, 65536, dict(copy_spread=True), marks=pytest.mark.slow),  # ... spread over the CTA's warps
@@ -938,7 +942,7 @@ def test_lane_loads_share_the_stores_layout() -> None:
     conv = {}
     for lane in (False, True):
         cfg = dataclasses.replace(select_config_for(64, 65536), fill_layout="lane" if lane else "vector",
-                                  copy_spread=False, finish_lane_loads=lane)
+                                  copy_spread=False, fine_splits=False, finish_lane_loads=lane)
         fn = functools.partial(select_unsorted, k=2048, interpret=False, config=cfg)
         conv[lane] = {k["name"]: k["layout_conversions"]
                       for k in C.compile_sm90_report(fn, jax.ShapeDtypeStruct((64, 65536), jnp.float32))}
@@ -947,7 +951,8 @@ def test_lane_loads_share_the_stores_layout() -> None:
     assert conv[True]["topk_radix_bucket"] < conv[False]["topk_radix_bucket"], conv
     shared = {}
     for layout in ("lane", "group"):
-        cfg = dataclasses.replace(select_config_for(64, 65536), fill_layout=layout, copy_spread=False)
+        cfg = dataclasses.replace(select_config_for(64, 65536), fill_layout=layout, copy_spread=False,
+                                  fine_splits=False)
         fn = functools.partial(select_unsorted, k=2048, interpret=False, config=cfg)
         sass = next(k["sass"] for k in C.compile_sm90_report(fn, jax.ShapeDtypeStruct((64, 65536), jnp.float32),
                                                               sass=True) if k["name"] == "topk_radix_prefilter")

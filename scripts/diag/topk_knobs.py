@@ -203,6 +203,17 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          # prefilter took 2.3 us longer than a full row's with 12 bits on an H100; the replay's buckets barely grow)
          "sf_warp_sp_len_top8_zb": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True,
                                     "range_top_sigma": 6.0, "range_top_bits": 8, "zero_band": 8},
+         # ... the band 3 / 4 binades under the smaller magnitude, with fine splits, with and without the range top
+         # (forty-sixth session: in topk_passes.py --short's replay a band of 8 binades left a request of 4500-5000
+         # tokens a bucket of up to 651-1196 keys, two blocks through six passes; 3 binades: at most 180-446)
+         "sf_warp_sp_len_zb_fine": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True,
+                                    "zero_band": 8, "fine_splits": True},
+         "sf_warp_sp_len_zb4_fine": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True,
+                                     "zero_band": 4, "fine_splits": True},
+         "sf_warp_sp_len_zb3_fine": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True,
+                                     "zero_band": 3, "fine_splits": True},
+         "sf_warp_sp_len_top_zb3_fine": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True,
+                                         "range_top_sigma": 6.0, "zero_band": 3, "fine_splits": True},
          "sf_warp_sp_hold": {**_SF, "fill_layout": "warp", "copy_spread": True, "hold_bucket": True},
          "sf_warp_sp_cu2": {**_SF, "fill_layout": "warp", "copy_spread": True, "copy_unroll": 2},
          # ... writing -1 for kept -inf keys (IndexerKernelConfig.topk_invisible_in_kernel): no gather of the kept

@@ -1,7 +1,7 @@
 """A Pallas Triton kernel's SASS for sm_90a on a machine without a GPU: registers, spills, instruction count and,
 per loop, its body's length and opcode mix.
 
-    python scripts/diag/triton_sass.py topk [--rows 64] [--cols 65536] [--tiles '{"range_margin": 1}']
+    python scripts/diag/triton_sass.py topk [--rows 64] [--cols 65536] [--tiles '{"range_margin": 1}'] [--lengths]
     python scripts/diag/triton_sass.py insert [--kernel v32_kv_insert] [--t 8192]
     ... [--out DIR]   # each kernel's listing as DIR/NAME.sass
     ... [--json FILE]  # the counts appended to a JSON list (a record per run, with its arguments)
@@ -66,8 +66,11 @@ def _topk(a: argparse.Namespace):
     import jax.numpy as jnp
     from pallas_kernels.topk_select import select_config_for, select_unsorted
     cfg = dataclasses.replace(select_config_for(a.rows, a.cols), **json.loads(a.tiles))
-    return (functools.partial(select_unsorted, k=a.k, interpret=False, config=cfg),
-            [jax.ShapeDtypeStruct((a.rows, a.cols), jnp.float32)])
+    x = jax.ShapeDtypeStruct((a.rows, a.cols), jnp.float32)
+    if a.lengths:  # the indexer's lengths hint (IndexerKernelConfig.topk_lengths)
+        return (lambda x, ln: select_unsorted(x, a.k, interpret=False, config=cfg, lengths=ln),
+                [x, jax.ShapeDtypeStruct((a.rows,), jnp.int32)])
+    return functools.partial(select_unsorted, k=a.k, interpret=False, config=cfg), [x]
 
 
 def _insert(a: argparse.Namespace):
@@ -87,6 +90,7 @@ def main() -> None:
     ap.add_argument("--cols", type=int, default=65536)
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--tiles", default="{}", help="TopkSelectConfig fields (JSON) over select_config_for's")
+    ap.add_argument("--lengths", action="store_true", help="topk: with the rows' lengths hint, as the indexer runs it")
     ap.add_argument("--kernel", default="v32_kv_insert")
     ap.add_argument("--t", type=int, default=8192)
     ap.add_argument("--out", default=None, help="a folder for each kernel's listing")
