@@ -213,6 +213,11 @@ class TopkSelectConfig:
     # 3 splits, not 2): less of its fill, copy and bucket in one program. A full row whose length divides into
     # splits x block is cut as before
     fine_splits: bool = False
+    # with the ``lengths`` hint and the split prefilter: the sample's and the first step's loads are issued at a full
+    # row's columns before the row's length arrives, and only a row shorter than n loads them again at its own
+    # (``_speculated``). Without it they wait on the length's load: the hinted prefilter's first loads came after it
+    # in pip triton's SASS, where the unhinted one issues them at once
+    speculate_full: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (1, 2, 4):  # 8 would need [256, hist_block] counters: spills
@@ -236,6 +241,8 @@ class TopkSelectConfig:
         if self.copy_unroll > 1 and self.fill_layout != "warp":
             raise ValueError(f'copy_unroll={self.copy_unroll} is a form of fill_layout="warp" (its scratch copy), '
                              f'got fill_layout={self.fill_layout!r}')
+        if self.speculate_full and self.splits == 1:
+            raise ValueError("speculate_full is a form of the split prefilter (its first loads): it needs splits > 1")
         if self.fine_splits and self.fill_layout != "warp":
             raise ValueError(f'fine_splits is a form of fill_layout="warp" (its parts), got {self.fill_layout!r}')
         if self.copy_spread and self.fill_layout != "warp":
@@ -768,7 +775,27 @@ def _fill_keys(x_ref, row, n: int, cfg: TopkSelectConfig, interpret: bool
     return _row_keys(x_ref, row, n, cfg.fill_layout == "lane" and not interpret, groups)
 
 
-def _sample_pivot(x_ref, row, n: int | jax.Array, k: int, cfg: TopkSelectConfig) -> tuple[jax.Array, jax.Array]:
+def _sample_keys(x_ref, row, n: int | jax.Array, cfg: TopkSelectConfig) -> list[jax.Array]:
+    """The prefilter's sample: ``cfg.sample`` evenly spaced keys of the row's first ``n`` columns, as blocks."""
+    s_n = cfg.sample
+    # with packed counts, the sample as blocks of 256 keys held in registers: each lane then counts several keys,
+    # through the packed fields, and the per-pass reduction is over 256 lanes, not the whole sample
+    w = _SAMPLE_BLOCK if cfg.packed_counts and s_n > _SAMPLE_BLOCK else s_n
+    return [_key_s(C.load(x_ref, (row, lax.div((b * w + C.iota((1, w), 1)) * n, s_n)), (1, w)))  # distinct: s_n <= n
+            for b in range(s_n // w)]
+
+
+def _speculated(full: bool | jax.Array, at_full: Callable[[], Any], own: Callable[[], Any]) -> Any:
+    """``TopkSelectConfig.speculate_full``: ``at_full()``'s loads (a full row's columns, independent of the row's
+    length) issued now; where the row is not ``full``, ``own()``'s in a branch instead. Static ``full``: one of them."""
+    if isinstance(full, bool):
+        return at_full() if full else own()
+    spec = at_full()
+    return lax.cond(full, lambda: spec, own)
+
+
+def _sample_pivot(x_ref, row, n: int | jax.Array, k: int, cfg: TopkSelectConfig,
+                  xs: list[jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
     """(u of the prefilter's pivot: the ``_sample_rank``-th largest key of ``cfg.sample`` evenly spaced keys of the
     row's first ``n`` columns (a traced n: the row's ``lengths`` hint, ``_row_extent``); u of the counting range's
     top where ``cfg.range_margin`` is set, else 0: the sample's largest key, or with ``range_top_sigma`` and a range
@@ -779,16 +806,11 @@ def _sample_pivot(x_ref, row, n: int | jax.Array, k: int, cfg: TopkSelectConfig)
     key of the row. Why: a short row's sampled pivot is its -inf tail, and the "pivot is tau" path needs the
     pivot to be that value. The bucket's floor lies below -inf, every -inf key counted as above it, and such
     a row streamed its whole length through the counting passes instead (the H200's mixed select batches:
-    benchmarks/results/archive/kernels_select_h200_2026-12-04_before_pivot_fix.json)."""
+    benchmarks/results/archive/kernels_select_h200_2026-12-04_before_pivot_fix.json). ``xs``: the sample
+    (``_sample_keys``) where the caller loaded it."""
     s_n = cfg.sample
-    # with packed counts, the sample as blocks of 256 keys held in registers: each lane then counts several keys,
-    # through the packed fields, and the per-pass reduction is over 256 lanes, not the whole sample
-    w = _SAMPLE_BLOCK if cfg.packed_counts and s_n > _SAMPLE_BLOCK else s_n
-    nb = s_n // w
-    xs = []
-    for b in range(nb):
-        scol = lax.div((b * w + C.iota((1, w), 1)) * n, s_n)  # evenly spaced, distinct (s_n <= n)
-        xs.append(_key_s(C.load(x_ref, (row, scol), (1, w))))
+    xs = _sample_keys(x_ref, row, n, cfg) if xs is None else xs
+    nb, w = len(xs), xs[0].shape[1]
 
     def block(b):  # b is 0 .. nb - 1 (the one step of an nb-block unroll)
         return functools.reduce(lambda acc, j: jnp.where(b == j, xs[j], acc), range(1, nb), xs[0]), None
@@ -1195,16 +1217,26 @@ def _split_fill_kernel(x_ref, *refs, n: int, k: int, cfg: TopkSelectConfig, cap:
     warp = cfg.fill_layout == "warp"
     nw = cfg.fill_warps or cfg.num_warps
     unit = _CHUNK * nw if warp and lengths and cfg.fine_splits else cfg.block  # columns the splits cut by
-    per = pl.cdiv(pl.cdiv(ne, unit), cfg.splits)
-    nb = jnp.clip(pl.cdiv(ne, unit) - j * per, 0, per)
+    full = (ne == n) if lengths and cfg.speculate_full else not lengths  # the row's extent is n (speculate_full)
+
+    def split_range(e):  # this split's first unit and units over a row extent of e columns
+        per = pl.cdiv(pl.cdiv(e, unit), cfg.splits)
+        return j * per, jnp.clip(pl.cdiv(e, unit) - j * per, 0, per), per
+
+    first_u, nb, per = split_range(ne)
     if warp:
-        wp = _WarpPass.of(x_ref, row, n, j * per, nb, cfg, nw, unit)
-        first = wp.step_keys(0) if cfg.prefetch else None
+        wp = _WarpPass.of(x_ref, row, n, first_u, nb, cfg, nw, unit)
+        first = _speculated(full, lambda: _WarpPass.of(x_ref, row, n, *split_range(n)[:2], cfg, nw, unit).step_keys(0),
+                            lambda: wp.step_keys(0)) if cfg.prefetch else None
     else:
         x_keys = _fill_keys(x_ref, row, n, cfg, interpret)
-        first = _step_keys(x_keys, j * per, 0, cfg.unroll, cfg.block, (j * per + nb) * cfg.block) if cfg.prefetch \
-            else None
-    piv_u, hi_u = _sample_pivot(x_ref, row, ne, k, cfg)
+
+        def first_keys(e):
+            f, b, _ = split_range(e)
+            return _step_keys(x_keys, f, 0, cfg.unroll, cfg.block, (f + b) * cfg.block)
+        first = _speculated(full, lambda: first_keys(n), lambda: first_keys(ne)) if cfg.prefetch else None
+    xs = _speculated(full, lambda: _sample_keys(x_ref, row, n, cfg), lambda: _sample_keys(x_ref, row, ne, cfg))
+    piv_u, hi_u = _sample_pivot(x_ref, row, ne, k, cfg, xs)
 
     def put(slot, s, col, ok):
         _scatter(key_ref, row, t, j * cap + slot, s, ok)
@@ -1224,7 +1256,7 @@ def _split_fill_kernel(x_ref, *refs, n: int, k: int, cfg: TopkSelectConfig, cap:
         counts = _warp_fill(wp, piv_u ^ _SIGN, _strict_fill(piv_u), cap, cfg, put, put_warp, get_warp, first,
                             interpret)
     else:
-        counts = _fill(x_keys, j * per, nb, piv_u ^ _SIGN, cap, cfg.block, _strict_fill(piv_u), put, cfg.unroll,
+        counts = _fill(x_keys, first_u, nb, piv_u ^ _SIGN, cap, cfg.block, _strict_fill(piv_u), put, cfg.unroll,
                        cfg.prefetch, first)
     if hist_ref:  # the split finish's first pass over this buffer, from the pivot (_first_pass sums the splits')
         if not interpret:

@@ -433,7 +433,11 @@ def test_warp_fill_same_result(mode: str, tiles: dict) -> None:
     pytest.param(dict(fill_layout="warp", copy_spread=True, bucket_blocks=8), id="warp_b8"),  # every bucket fits
     # the splits cut the head by a chunk a warp (256 columns here), not by blocks
     pytest.param(dict(fill_layout="warp", copy_spread=True, fine_splits=True, zero_band=3), id="warp_fine"),
-    pytest.param(dict(fill_layout="vector"), id="vector")])
+    # ... with a full row's first loads issued before the row's length arrives (a short row loads again)
+    pytest.param(dict(fill_layout="warp", copy_spread=True, fine_splits=True, zero_band=3, speculate_full=True),
+                 id="warp_fine_spec"),
+    pytest.param(dict(fill_layout="vector"), id="vector"),
+    pytest.param(dict(fill_layout="vector", speculate_full=True), id="vector_spec")])
 def test_lengths_hint_same_result(mode: str, tiles: dict) -> None:
     """``lengths`` (rows -inf from lengths[t] on): lax.top_k's set and tau as without the hint, for rows shorter
     than k, at k, shorter than the sample, a block, across the splits, the whole row and past it (read as the row's
@@ -877,6 +881,8 @@ def test_bad_arguments() -> None:
         TopkSelectConfig(splits=2, fine_splits=True)
     with pytest.raises(ValueError, match="zero_band needs split_finish"):
         TopkSelectConfig(range_margin=1, zero_band=8)
+    with pytest.raises(ValueError, match="speculate_full"):
+        TopkSelectConfig(speculate_full=True)  # one program a row: no split prefilter
     with pytest.raises(ValueError, match="range_top_bits"):
         TopkSelectConfig(range_margin=1, range_top_sigma=6.0, range_top_bits=10)
     with pytest.raises(ValueError, match="topk_algorithm"):
@@ -899,6 +905,7 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
     (64, 65536, {}), (64, 65536, dict(split_finish=False, zero_band=None)),  # the one-program finish (to the 38th)
     (64, 65536, dict(range_margin=None, prefetch=False, split_finish=False, range_top_sigma=None, zero_band=None)),
     (32, 32768, dict(lengths=True)),  # the lengths hint: a traced extent, the splits cut by a chunk a warp
+    (32, 32768, dict(lengths=True, speculate_full=True)),  # ... a full row's first loads before the length's
     (64, 65536, dict(minus_one_for_neg_inf=True)),
     (64, 65536, dict(packed_counts=True, fill_warps=16)),
     (64, 65536, dict(fill_layout="lane", copy_spread=False, fine_splits=False, finish_lane_loads=True,

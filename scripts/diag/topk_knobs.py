@@ -214,6 +214,14 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
                                      "zero_band": 3, "fine_splits": True},
          "sf_warp_sp_len_top_zb3_fine": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True,
                                          "range_top_sigma": 6.0, "zero_band": 3, "fine_splits": True},
+         # the indexer's default since the forty-sixth session without the lengths hint (fine_splits acts only with it;
+         # the hint cost full batches 0.7-0.9 us on both cards) and with a full row's first loads issued before its
+         # length arrives (speculate_full: pip triton's SASS then issues them at once, where the hinted prefilter's
+         # sample and first step waited on the length's load)
+         "sf_warp_sp_zb3_fine": {**_SF, "fill_layout": "warp", "copy_spread": True, "zero_band": 3,
+                                 "fine_splits": True},
+         "sf_warp_sp_len_zb3_fine_spec": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True,
+                                          "zero_band": 3, "fine_splits": True, "speculate_full": True},
          "sf_warp_sp_hold": {**_SF, "fill_layout": "warp", "copy_spread": True, "hold_bucket": True},
          "sf_warp_sp_cu2": {**_SF, "fill_layout": "warp", "copy_spread": True, "copy_unroll": 2},
          # ... writing -1 for kept -inf keys (IndexerKernelConfig.topk_invisible_in_kernel): no gather of the kept
