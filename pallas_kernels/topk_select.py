@@ -180,6 +180,12 @@ class TopkSelectConfig:
     # hist_block] block held in registers through its counting passes and the tally, instead of loading it from the
     # scratch row block by block in each pass (a dependent L2 load a pass; 4 keys a lane for a 2-block bucket)
     hold_bucket: bool = False
+    # with split_finish and bucket_blocks > 1: the bucket's first hist_block keys are loaded once and held in registers
+    # through the counting passes and the tally; only a bucket past one block loads its further blocks in each pass.
+    # The finish's bucket mostly fits one block, which otherwise comes from the scratch row again in every pass (a
+    # dependent L2 load a pass, five or six passes); ``hold_bucket`` holds the whole bucket, and counts twice the keys.
+    # pip triton's finish kernel at 8 x 128K then spills 64 bytes at its 128 registers (none without)
+    hold_bucket_head: bool = False
     # with split_finish: no bucket kernel; each finish program copies every split's bucket keys to its own part of a
     # scratch row itself (the copy's pass over the row's candidates, one kernel and its dependent loads fewer a call)
     fuse_bucket: bool = False
@@ -275,7 +281,9 @@ class TopkSelectConfig:
                              f"got {self.range_top_bits}")
         if self.split_finish and self.range_margin is None:
             raise ValueError("split_finish needs range_margin (its first pass counts from the pivot)")
-        for name in ("hold_bucket", "fuse_bucket"):
+        if self.hold_bucket and self.hold_bucket_head:
+            raise ValueError("hold_bucket holds the whole bucket; hold_bucket_head its first block: one of them")
+        for name in ("hold_bucket", "hold_bucket_head", "fuse_bucket"):
             if getattr(self, name) and not self.split_finish:
                 raise ValueError(f"{name} needs split_finish (it changes the split finish's bucket)")
         if not (C.is_pow2(self.bucket_blocks) and self.bucket_blocks <= 8):
@@ -1537,14 +1545,16 @@ def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref
             return s, C.load(scol_ref, (row, at), (1, w), mask=inside), inside
 
         held_all = cfg.bucket_blocks == 1 or cfg.hold_bucket
+        head = 0 if held_all else int(cfg.hold_bucket_head)  # blocks held before the ones loaded a pass
         if held_all:  # the whole bucket in registers, one load
             hw = cfg.bucket_blocks * hb
             held, hcol, inside = bucket_keys(0, hw)
             tau_u, need = _kth_key([], k - fp.above, cfg.bits, hw, start=fp.start, held=held, packed=cfg.packed_counts)
         else:
             nbk = lax.shift_right_logical(fp.bucket + hb - 1, C.log2(hb))
-            tau_u, need = _kth_key([(nbk, lambda b: bucket_keys(b)[:2])], k - fp.above, cfg.bits, hb, start=fp.start,
-                                   packed=cfg.packed_counts)
+            # hold_bucket_head: the first block's keys loaded once (its columns only for the tally, after the passes)
+            tau_u, need = _kth_key([(nbk - head, lambda b: bucket_keys(b + head)[:2])], k - fp.above, cfg.bits, hb,
+                                   start=fp.start, held=bucket_keys(0)[0] if head else None, packed=cfg.packed_counts)
         tau = tau_u ^ _SIGN
         on_split = C.iota((sp, 1), 0)
 

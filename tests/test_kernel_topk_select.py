@@ -314,6 +314,8 @@ def test_packed_counts_same_result(mode: str, bits: int, unroll: int) -> None:
     pytest.param(4, 2, {}, id="4-2-b1r2"),
     pytest.param(4, 1, dict(bucket_blocks=2, bucket_resolutions=3), id="4-1-b2r3"),  # the indexer's form
     pytest.param(4, 2, dict(bucket_blocks=2, bucket_resolutions=3, hold_bucket=True), id="4-2-b2r3-hold"),
+    # ... its first block held, the second loaded a pass where the bucket has one
+    pytest.param(4, 1, dict(bucket_blocks=2, bucket_resolutions=3, hold_bucket_head=True), id="4-1-b2r3-head"),
     pytest.param(4, 2, dict(bucket_blocks=2, bucket_resolutions=3, hold_bucket=True, fuse_bucket=True),
                  id="4-2-b2r3-hold-fuse"),  # no bucket kernel
     pytest.param(4, 1, dict(fuse_bucket=True), id="4-1-b1r2-fuse"),
@@ -326,8 +328,8 @@ def test_split_finish_same_result(mode: str, splits: int, unroll: int, finish: d
     candidates and paths as the one-program finish, on every row kind, short rows (pivot is tau), heavy ties at the
     pivot (overflowed buffers), k-th keys far above the sample's largest, ties at tau across splits; k = 50 (most
     buckets fit the 128-key block) and k = 300 (many do not); with a bucket of several blocks (counted block by
-    block, or held whole in registers: ``hold_bucket``) and one or three first-pass resolutions; with each finish
-    program copying the bucket itself (``fuse_bucket``)."""
+    block, held whole in registers: ``hold_bucket``, or its first block held: ``hold_bucket_head``) and one or three
+    first-pass resolutions; with each finish program copying the bucket itself (``fuse_bucket``)."""
     n = 3000
     base = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=1200, splits=splits, unroll=unroll,
                             shrink=True, hold_shrunk=True, range_margin=1)
@@ -350,6 +352,10 @@ def test_split_finish_same_result(mode: str, splits: int, unroll: int, finish: d
         TopkSelectConfig(split_finish=True)
     with pytest.raises(ValueError, match="hold_bucket needs split_finish"):
         TopkSelectConfig(hold_bucket=True)
+    with pytest.raises(ValueError, match="hold_bucket_head needs split_finish"):
+        TopkSelectConfig(hold_bucket_head=True)
+    with pytest.raises(ValueError, match="one of them"):
+        TopkSelectConfig(range_margin=1, split_finish=True, hold_bucket=True, hold_bucket_head=True)
     with pytest.raises(ValueError, match="fuse_bucket needs split_finish"):
         TopkSelectConfig(fuse_bucket=True)
     with pytest.raises(ValueError, match="bucket_resolutions=3 needs range_margin >= 1"):
@@ -383,8 +389,9 @@ def test_split_finish_random_configs(mode: str) -> None:
         # blocks' shape and prefix everywhere), the bucket held and the bucket kernel fused
         layout = str(rng.choice(["vector", "lane", "group", "warp"]))
         # "warp": a 128-key chunk a warp a block, so as many warps as the 128-key blocks allow
+        hold = int(rng.integers(3))  # the bucket: loaded a pass, held whole, its first block held
         cfg = dataclasses.replace(cfg, fill_layout=layout, finish_lane_loads=bool(rng.integers(2)),
-                                  hold_bucket=bool(rng.integers(2)), fuse_bucket=bool(rng.integers(2)),
+                                  hold_bucket=hold == 1, hold_bucket_head=hold == 2, fuse_bucket=bool(rng.integers(2)),
                                   **(dict(fill_warps=1, copy_unroll=int(rng.choice([1, 2, 4])),
                                           copy_spread=bool(rng.integers(2)))
                                      if layout == "warp" else {}))

@@ -222,6 +222,10 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
                                  "fine_splits": True},
          "sf_warp_sp_len_zb3_fine_spec": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True,
                                           "zero_band": 3, "fine_splits": True, "speculate_full": True},
+         # ... with the bucket's first block held through the finish's passes (hold_bucket_head): no L2 load a pass
+         # where the bucket fits one block (most rows), where hold_bucket counted two blocks a pass
+         "sf_warp_sp_len_zb3_fine_head": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True,
+                                          "zero_band": 3, "fine_splits": True, "hold_bucket_head": True},
          "sf_warp_sp_hold": {**_SF, "fill_layout": "warp", "copy_spread": True, "hold_bucket": True},
          "sf_warp_sp_cu2": {**_SF, "fill_layout": "warp", "copy_spread": True, "copy_unroll": 2},
          # ... writing -1 for kept -inf keys (IndexerKernelConfig.topk_invisible_in_kernel): no gather of the kept
