@@ -181,7 +181,8 @@ class TopkSelectConfig:
     # scratch row block by block in each pass (a dependent L2 load a pass; 4 keys a lane for a 2-block bucket)
     hold_bucket: bool = False
     # with split_finish and bucket_blocks > 1: the bucket's first hist_block keys are loaded once and held in registers
-    # through the counting passes and the tally; only a bucket past one block loads its further blocks in each pass.
+    # through the counting passes (the tally loads them again, with their columns); only a bucket past one block loads
+    # its further blocks in each pass.
     # The finish's bucket mostly fits one block, which otherwise comes from the scratch row again in every pass (a
     # dependent L2 load a pass, five or six passes); ``hold_bucket`` holds the whole bucket, and counts twice the keys.
     # pip triton's finish kernel at 8 x 128K then spills 64 bytes at its 128 registers (none without)

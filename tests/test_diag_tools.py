@@ -145,6 +145,34 @@ def test_triton_sass_loops():
     assert found[0]["opcodes"] == {"ISETP": 1, "LOP3": 1, "BRA": 2, "IMAD": 1}
 
 
+def test_topk_passes_band_bucket():
+    """topk_passes.py's first-pass bucket as a u range (``first_bucket(detail=True)``, the replay of ``_band_bucket``):
+    short rows (two whose range crosses the sign, one whose pivot is positive), the band at 3 and 8 binades, margins
+    0..2: the range holds exactly the bucket's keys, and counting from it reaches numpy's k-th key."""
+    import numpy as np
+    mod = _script("topk_passes")
+    rng = np.random.default_rng(5)
+    n, k = 16384, 2048
+    crossed = []
+    for length in (3000, 4500, 5000):
+        x = np.full(n, -np.inf, np.float32)
+        x[:length] = rng.standard_normal(length)
+        u = mod.ordered(x)
+        piv, hi = mod.pivot(u, k, n=length)
+        crossed.append(piv < 1 << 31 <= hi)  # a negative pivot under a positive top: the band applies
+        cand = u[u >= piv]
+        want = int(np.partition(u, n - k)[n - k])
+        for band in (3, 8):
+            for m in (0, 1, 2):
+                keys, lo, span, above = mod.first_bucket(cand, k, piv, hi, m, band, detail=True)
+                assert keys == mod.first_bucket(cand, k, piv, hi, m, band)
+                c = cand.astype(np.int64)
+                bc = cand[(c >= lo) & (c - lo <= span)]
+                assert bc.size == keys and int((c > lo + span).sum()) == above, (length, band, m)
+                assert mod.passes(bc, k - above, lo, span, max(span.bit_length() - 4, 0))[2] == want
+    assert crossed[:2] == [True, True], crossed
+
+
 def test_topk_passes_replay():
     """scripts/diag/topk_passes.py's replay of the top-k finish's range arithmetic (``_kth_key``): the k-th key equals
     numpy's, from the whole key space (8 passes of 4-bit digits) and from the pivot, on rows whose k-th key lies

@@ -11,8 +11,9 @@ rows, so a start's pass counts are known before a GPU session times it. The kth 
 finish's fast path (``split_finish``), at one margin, at a margin and the next (``_first_pass``), and with one
 coarser margin too (``bucket_resolutions=3``), for buckets of ``--bucket-keys`` keys (``bucket_blocks``).
 ``--short L ...``: a decode batch's short rows instead (``short_rows``), with and without ``lengths``
-(``--range-top-sigma 6``: with the indexer's range top, ``TopkSelectConfig.range_top_sigma``; ``--zero-band 8``:
-the first pass's keys near zero as one value, ``zero_band``).
+(``--range-top-sigma 6``: with the range top, ``TopkSelectConfig.range_top_sigma``; ``--zero-band 3``: the first
+pass's keys near zero as one value, ``zero_band``, the indexer's 3 binades), and the bucket the split finish then
+counts: its keys and passes.
 """
 
 from __future__ import annotations
@@ -91,9 +92,12 @@ def zero_band(piv: int, hi: int, binades: int | None) -> tuple[int, int]:
     return (0x7FFFFFFF - bw) - piv, 2 * bw + 1
 
 
-def first_bucket(cand: np.ndarray, k: int, piv: int, hi: int, margin: int, band: int | None = None) -> int | None:
+def first_bucket(cand: np.ndarray, k: int, piv: int, hi: int, margin: int, band: int | None = None,
+                 detail: bool = False) -> int | tuple[int, int, int, int] | None:
     """Keys in the k-th key's first-pass bucket at ``margin`` (``_first_pass``), None if fewer than k are in range;
-    ``band``: over ``zero_band``'s coordinates (``TopkSelectConfig.zero_band``)."""
+    ``band``: over ``zero_band``'s coordinates (``TopkSelectConfig.zero_band``). ``detail``: (keys, the bucket's
+    first u, its span, keys above it), the bucket as ``_band_bucket`` / ``_next_range`` give it (a bucket reaching the
+    band holds all of it)."""
     ra, gap = zero_band(piv, hi, band)
     lo, span, shift = pivot_start(piv, hi, margin)
     c = cand.astype(np.int64)
@@ -106,19 +110,29 @@ def first_bucket(cand: np.ndarray, k: int, piv: int, hi: int, margin: int, band:
     dig = np.minimum((c[inside] - lo) >> shift, 15)
     ge = np.array([(dig >= d).sum() for d in range(16)])
     sel = int((ge >= k).sum()) - 1
-    return None if sel < 0 else int((dig == sel).sum())
+    if sel < 0:
+        return None
+    if not detail:
+        return int((dig == sel).sum())
+    flo = sel << shift  # the digit's range in the first pass's coordinates, then its preimage in u
+    fhi = flo + (span - flo if sel == 15 else min(span - flo, (1 << shift) - 1))
+    blo, bhi = (flo + gap if ra < flo else flo, fhi if fhi < ra else fhi + gap) if gap else (flo, fhi)
+    return int((dig == sel).sum()), lo + blo, bhi - blo, int(ge[sel + 1]) if sel < 15 else 0
 
 
 def short_rows(a: argparse.Namespace) -> None:
     """--short: rows of L normal keys then -inf to n (a decode batch's short request), with the split prefilter's
     sample over the whole row and, with topk_select's ``lengths`` hint, over its first max(L, k, sample) keys: the
     candidates, and the rows whose first-pass bucket fits ``--bucket-keys`` keys at margins 0..2 (the split finish's
-    fast path; otherwise the one-program finish runs)."""
+    fast path; otherwise the one-program finish runs). Then, per length, the bucket the split finish takes as
+    ``_first_pass`` picks it (the finest margin whose bucket fits the largest ``--bucket-keys``, the indexer's
+    1024-key scratch): its keys (mean and largest) and the counting passes from its range to tau."""
     rng = np.random.default_rng(0)
+    room = max(a.bucket_keys)
     for hint in (False, True):
-        out = []
+        out, picked = [], []
         for length in a.short:
-            fits, cands = 0, []
+            fits, cands, buckets, npass = 0, [], [], []
             for _ in range(a.rows):
                 x = np.full(a.n, -np.inf, np.float32)
                 x[:length] = rng.standard_normal(length)
@@ -129,9 +143,28 @@ def short_rows(a: argparse.Namespace) -> None:
                 cands.append(cand.size)
                 sizes = [first_bucket(cand, a.k, piv, hi, m, a.zero_band) for m in (0, 1, 2)]
                 fits += cand.size >= a.k and min((b for b in sizes if b is not None), default=a.n) <= a.bucket_keys[0]
+                if cand.size < a.k or piv == _NEG_INF_U or None in sizes:
+                    continue  # another path: pivot is tau, or the row read again
+                pick = None
+                for m in (0, 1, 2):  # coarsest first; a finer one overrides where it fits
+                    d = first_bucket(cand, a.k, piv, hi, m, a.zero_band, detail=True)
+                    if pick is None or d[0] <= room:
+                        pick = d
+                keys, lo, span, above = pick
+                if keys <= room:
+                    c = cand.astype(np.int64)
+                    bc = cand[(c >= lo) & (c - lo <= span)]
+                    buckets.append(keys)
+                    npass.append(passes(bc, a.k - above, lo, span, max(span.bit_length() - 4, 0))[1])
             out.append(f"{length}: {fits}/{a.rows} ({int(np.mean(cands))})")
+            if buckets:
+                picked.append(f"{length}: {np.mean(buckets):.0f} / {max(buckets)} keys, {np.mean(npass):.2f} passes"
+                              f" ({len(buckets)} rows)")
         print(f"N={a.n} k={a.k} {'lengths hint' if hint else 'no hint'}: rows whose bucket fits "
               f"{a.bucket_keys[0]} keys (mean candidates): " + ", ".join(out))
+        if picked:
+            print(f"  the split finish's bucket (of {room} keys at most; mean / largest) and its passes: "
+                  + "; ".join(picked))
 
 
 def main() -> None:
@@ -148,9 +181,10 @@ def main() -> None:
                     help="instead: rows of this many finite keys then -inf (short_rows), with and without the hint")
     ap.add_argument("--range-top-sigma", type=float, default=None,
                     help="with --short: the counting range's top at the sampled key of rank m - sigma sqrt(m) - 4 "
-                         "where the range crosses the sign (TopkSelectConfig.range_top_sigma; the indexer's 6)")
+                         "where the range crosses the sign (TopkSelectConfig.range_top_sigma; off in the indexer)")
     ap.add_argument("--zero-band", type=int, default=None,
-                    help="with --short: the first pass's keys near zero as one value (TopkSelectConfig.zero_band)")
+                    help="with --short: the first pass's keys near zero as one value (TopkSelectConfig.zero_band; "
+                         "the indexer's 3)")
     a = ap.parse_args()
     if a.short:
         return short_rows(a)
