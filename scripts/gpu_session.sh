@@ -287,26 +287,6 @@ case "$stage" in
     grep '^{' "$OUT/key_fp8.log" | python3 -c 'import json, sys; [print(r["case"], r["tiles"], r.get("kernel_us"), r.get("call_span_us"), r.get("kernel_copy_frac"), r.get("max_abs_diff_vs_xla"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
     [ "${KEY_TESTS:-1}" = 0 ] || TOPK_TESTS_TIMEOUT=${KEY_TESTS_TIMEOUT:-180} bash "$0" topk-tests
     ;;
-  topk-lengths)
-    # issue 20 (forty-fourth session): a request of 3000 tokens in an 8 x 128K batch put all its top-k candidates in
-    # its first split (the splits cut the whole row), and the top-k's kernels took 43.4 us against 30.2 for the full
-    # batch on an H100. topk_select's lengths hint (IndexerKernelConfig.topk_lengths, the default since the
-    # forty-fifth session) cuts each row's head instead, and the range top (range_top_sigma) keeps a short row's
-    # bucket to one block, the zero band (zero_band: 3500-5000 tokens, tau near zero) its first pass: their native
-    # tests, then the default (sf_warp_sp_len_top_zb) against the splits cut by a chunk a warp (fine_splits), the
-    # range top at 8 bits (two sample passes, not three) and none (the band alone), full and with short rows of
-    # 1000 / 3000 / 4500 / 6000 tokens (TL_SHAPES / TL_KNOBS / TL_SHORT narrow it; the whole decode select against no
-    # hint: topk-lengths-select)
-    timeout -k 10 -s INT ${TL_TESTS_TIMEOUT:-150} python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider \
-      tests/test_kernel_topk_select.py tests/test_kernel_sparse_indexer.py \
-      -k "lengths or range_top or zero_band or fine_splits or visible_counts or indexer_topk_splits or chunking" \
-      > "$OUT/topk_lengths_tests.log" 2>&1
-    echo "topk lengths tests rc=$?"; tail -3 "$OUT/topk_lengths_tests.log"
-    timeout -k 10 ${TL_KNOBS_TIMEOUT:-400} python3 scripts/diag/topk_knobs.py --mixed --short ${TL_SHORT:-1000 3000 4500 6000} \
-      --shapes ${TL_SHAPES:-8x131072 32x32768} --knobs ${TL_KNOBS:-sf_warp_sp_len_top_zb sf_warp_sp_len_top_zb_fine sf_warp_sp_len_top8_zb sf_warp_sp_len_zb} \
-      --out "$OUT/topk_knobs_lengths_h200.json" > "$OUT/topk_lengths_knobs.log" 2>&1
-    echo "topk lengths knobs rc=$?"; grep '^{' "$OUT/topk_lengths_knobs.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_span_us"), r.get("profile_busy_us"), r.get("same_set_as_lax"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
-    ;;
   topk-spec)
     # issue 20 (forty-sixth session): the indexer's top-k default is the lengths hint, the zero band at 3 binades
     # and fine splits (sf_warp_sp_len_zb3_fine); the hint itself cost full batches 0.7-0.9 us (the prefilter's
