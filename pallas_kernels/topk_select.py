@@ -225,6 +225,10 @@ class TopkSelectConfig:
     # (``_speculated``). Without it they wait on the length's load: the hinted prefilter's first loads came after it
     # in pip triton's SASS, where the unhinted one issues them at once
     speculate_full: bool = False
+    # the finish's counting from the pivot (``range_margin``) stops once a pass leaves one key in the k-th key's digit:
+    # that key is tau, taken by a masked max over the blocks in one more pass (``_kth_key``'s ``exit_one``). In the
+    # replay a bucket's digit holds one key after 2-3 of its 5-6 passes, full rows and short ones alike
+    exit_at_one: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (1, 2, 4):  # 8 would need [256, hist_block] counters: spills
@@ -248,6 +252,8 @@ class TopkSelectConfig:
         if self.copy_unroll > 1 and self.fill_layout != "warp":
             raise ValueError(f'copy_unroll={self.copy_unroll} is a form of fill_layout="warp" (its scratch copy), '
                              f'got fill_layout={self.fill_layout!r}')
+        if self.exit_at_one and self.range_margin is None:
+            raise ValueError("exit_at_one needs range_margin (it ends the counting from the pivot)")
         if self.speculate_full and self.splits == 1:
             raise ValueError("speculate_full is a form of the split prefilter (its first loads): it needs splits > 1")
         if self.fine_splits and self.fill_layout != "warp":
@@ -581,8 +587,8 @@ def _next_range(lo: jax.Array, span: jax.Array, shift: jax.Array, sel: jax.Array
 
 def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, key_bits: int = 32,
              shrink: tuple | None = None, unroll: int = 1, hold: bool = False,
-             start: Range | None = None, held: jax.Array | None = None, packed: bool = False, lane: bool = False
-             ) -> tuple[jax.Array, jax.Array]:
+             start: Range | None = None, held: jax.Array | None = None, packed: bool = False, lane: bool = False,
+             exit_one: bool = False) -> tuple[jax.Array, jax.Array]:
     """(u of the k-th largest key over all sources' blocks [1, width], need = k - #keys above it). With
     ``key_bits`` < 32, only that many leading bits are resolved: u is then the floor of the k-th largest key's
     bucket (its low bits zero), need is relative to that bucket.
@@ -613,7 +619,14 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
     value) and, over a source of several blocks, in 4-bit fields of a few words per lane (``_pack_digit``): a shift
     and an add a key per word instead of a compare and an add per digit value. The sums give the same ge.
 
-    ``lane``: the scratch row's loads take one key a lane (``_lanes``), as the sources' do."""
+    ``lane``: the scratch row's loads take one key a lane (``_lanes``), as the sources' do.
+
+    ``exit_one`` (``TopkSelectConfig.exit_at_one``; a ``start`` and all 32 bits only): once a pass leaves one key in
+    the k-th key's digit, that key is the k-th key (and need is 1), so the next pass takes the largest key in the
+    range (a masked max over the same blocks) instead of resolving the range's remaining bits digit by digit: about
+    2-3 counting passes then the max, against 5-6 counting passes (``scripts/diag/topk_passes.py --short``'s
+    replay of the split finish's buckets)."""
+    exit_one = exit_one and start is not None and key_bits == 32  # the whole key space: a static pass count
     nd = 1 << bits
     d1 = C.iota((nd,), 0)
 
@@ -626,7 +639,7 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
         return load
 
     def digit_pass(carry):
-        lo, span, shift, k_rem, shrunk, kept, held, _ = carry
+        lo, span, shift, k_rem, shrunk, kept, held, _, _ = carry
         prefix = lax.shift_right_logical(lax.shift_right_logical(lo, shift), bits)  # the radix form's decided bits
 
         def digit(s):
@@ -675,8 +688,9 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
         # grow; the whole key space never clamps
         lo, span, nxt_shift = _next_range(lo, span, shift, sel, bits, grow=not radix)
         done = (_bitlen(span) <= 32 - key_bits).astype(I32)
-        if shrink is not None:  # the next pass's candidates: this digit == sel
-            nxt = jnp.sum(jnp.where(d1 == sel, ge, 0)) - above
+        nxt = jnp.sum(jnp.where(d1 == sel, ge, 0)) - above  # the next pass's candidates: this digit == sel
+        one = ((nxt == 1) & (done == 0)).astype(I32) if exit_one else zero
+        if shrink is not None:
             go = (1 - shrunk) * (nxt <= width).astype(I32) * (1 - done)
 
             def copy(load):
@@ -695,7 +709,25 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
             if hold:  # the copied block, loaded once (no lane is loaded on the passes without a copy)
                 held = jnp.where(go == 1, scratch_keys(go * nxt)(0)[0], held)
             shrunk, kept = shrunk + go, jnp.where(go == 1, nxt, kept)
-        return lo, span, nxt_shift, k_rem - above, shrunk, kept, held, done
+        return lo, span, nxt_shift, k_rem - above, shrunk, kept, held, one, done
+
+    def max_pass(carry):
+        """``exit_one``: the range's one key (its u) as tau, over the blocks a counting pass would count."""
+        lo, span, _, k_rem, shrunk, kept, held, one, _ = carry  # one is 1 here
+        low = jnp.full((1, width), jnp.iinfo(jnp.int32).min, I32)
+
+        def fold(acc, s):
+            return jnp.maximum(acc, jnp.where(_in_range(s, lo, span), s, low))
+        acc = low
+        for n_blocks, load in sources:
+            nb = n_blocks if shrink is None else (1 - shrunk) * n_blocks
+            acc = lax.fori_loop(0, nb, lambda b, a, load=load: fold(a, load(b)[0]), acc)
+        if (shrink is not None and hold) or held_from_start:
+            acc = jnp.where(shrunk == 1, fold(acc, held), acc)
+        elif shrink is not None:
+            acc = lax.fori_loop(0, shrunk, lambda b, a: fold(a, scratch_keys(kept)(0)[0]), acc)
+        # done = one: a computed value (Triton's cond lowering takes no literal output, which jnp.ones would be)
+        return jnp.max(acc) ^ _SIGN, zero, zero, k_rem, shrunk, kept, held, one - one, one
 
     zero = jnp.zeros((), I32)
     held_from_start = held is not None
@@ -703,11 +735,12 @@ def _kth_key(sources: list[Source], k: jax.Array | int, bits: int, width: int, k
     shrunk0 = jnp.ones((), I32) if held_from_start else zero
     radix = start is None
     if radix:  # the whole key space: a static number of passes (a dynamic one took the registers of a spill)
-        out = lax.fori_loop(0, key_bits // bits, lambda p, c: digit_pass((*c, zero))[:-1],
+        out = lax.fori_loop(0, key_bits // bits, lambda p, c: digit_pass((*c, zero, zero))[:-2],
                             (*_whole_range(bits), jnp.asarray(k, I32), shrunk0, zero, held0))
     else:
-        out = lax.while_loop(lambda c: c[-1] == 0, digit_pass,
-                             (*start, jnp.asarray(k, I32), shrunk0, zero, held0, zero))
+        body = (lambda c: lax.cond(c[-2] == 1, max_pass, digit_pass, c)) if exit_one else digit_pass
+        out = lax.while_loop(lambda c: c[-1] == 0, body,
+                             (*start, jnp.asarray(k, I32), shrunk0, zero, held0, zero, zero))
     return out[0], out[3]
 
 
@@ -1190,7 +1223,8 @@ def _select_kernel(x_ref, idx_ref, tau_ref, cand_ref, path_ref, *bufs, n: int, k
         counted = [sources[0], ((1 - on) * (1 - piv_on) * from_row[0], from_row[1])]
         tau_u, need = _pivot_or_kth(at_pivot, piv_u, k - above, lambda: _kth_key(
             counted, k, cfg.bits, hb, shrink=shrink, unroll=cfg.unroll, hold=cfg.hold_shrunk,
-            start=_counting_start(cfg, use_buf, piv_u, hi_u), packed=cfg.packed_counts, lane=lane), skip=False)
+            start=_counting_start(cfg, use_buf, piv_u, hi_u), packed=cfg.packed_counts, lane=lane,
+            exit_one=cfg.exit_at_one), skip=False)
     else:
         tau_u, need = _kth_key(sources, k, cfg.bits, hb, shrink=shrink, unroll=cfg.unroll, hold=cfg.hold_shrunk,
                                packed=cfg.packed_counts, lane=lane)
@@ -1388,7 +1422,7 @@ def _finish_row(x_ref, key_ref, col_ref, idx_ref, tau_ref, path_ref, scratch, ro
     tau_u, need = _pivot_or_kth(plan.at_pivot, plan.piv_u, k - plan.total_above, lambda: _kth_key(
         bufs + [((1 - on) * (1 - piv_on) * from_row[0], from_row[1])], k, cfg.bits, hb, shrink=shrink,
         unroll=cfg.unroll, hold=cfg.hold_shrunk, start=_counting_start(cfg, plan.use_buf, plan.piv_u, plan.hi_u),
-        packed=cfg.packed_counts, lane=lane), skip=cfg.split_finish)
+        packed=cfg.packed_counts, lane=lane, exit_one=cfg.exit_at_one), skip=cfg.split_finish)
     row11, one11 = row + jnp.zeros((1, 1), I32), jnp.ones((1, 1), bool)
     C.store(tau_ref, (row11,), jnp.full((1, 1), tau_u, I32), one11)
     code = jnp.where(plan.at_pivot, 3, jnp.where(plan.kept_all, 4, on))
@@ -1550,12 +1584,14 @@ def _split_finish_parallel_kernel(x_ref, key_ref, col_ref, filled_ref, above_ref
         if held_all:  # the whole bucket in registers, one load
             hw = cfg.bucket_blocks * hb
             held, hcol, inside = bucket_keys(0, hw)
-            tau_u, need = _kth_key([], k - fp.above, cfg.bits, hw, start=fp.start, held=held, packed=cfg.packed_counts)
+            tau_u, need = _kth_key([], k - fp.above, cfg.bits, hw, start=fp.start, held=held, packed=cfg.packed_counts,
+                                   exit_one=cfg.exit_at_one)
         else:
             nbk = lax.shift_right_logical(fp.bucket + hb - 1, C.log2(hb))
             # hold_bucket_head: the first block's keys loaded once (its columns only for the tally, after the passes)
             tau_u, need = _kth_key([(nbk - head, lambda b: bucket_keys(b + head)[:2])], k - fp.above, cfg.bits, hb,
-                                   start=fp.start, held=bucket_keys(0)[0] if head else None, packed=cfg.packed_counts)
+                                   start=fp.start, held=bucket_keys(0)[0] if head else None, packed=cfg.packed_counts,
+                                   exit_one=cfg.exit_at_one)
         tau = tau_u ^ _SIGN
         on_split = C.iota((sp, 1), 0)
 

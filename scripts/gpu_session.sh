@@ -291,17 +291,19 @@ case "$stage" in
     # issue 20 (forty-sixth session): the indexer's top-k default is the lengths hint, the zero band at 3 binades
     # and fine splits (sf_warp_sp_len_zb3_fine); the hint itself cost full batches 0.7-0.9 us (the prefilter's
     # sample and first loads wait on the row's length). The native tests of that default first, then the default
-    # against no hint, against speculate_full (a full row's first loads issued before the length arrives) and
-    # against hold_bucket_head (the finish's first bucket block held through its passes), full and with a request
-    # of 1000 / 3000 / 4500 tokens (TS_SHAPES / TS_SHORT / TS_KNOBS narrow it; about 5 minutes)
+    # against exit_at_one (the finish's counting ended once the k-th key's digit holds one key), the same with the
+    # bucket's first block held (hold_bucket_head) and speculate_full (a full row's first loads issued before the
+    # length arrives), full and with a request of 3000 / 4500 tokens (TS_SHAPES / TS_SHORT / TS_KNOBS change it:
+    # sf_warp_sp_zb3_fine is the default without the hint, sf_warp_sp_len_zb3_fine_head the held block alone;
+    # about 8 minutes)
     timeout -k 10 -s INT ${TS_TESTS_TIMEOUT:-200} python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider \
       tests/test_kernel_topk_select.py tests/test_kernel_sparse_indexer.py \
-      -k "lengths or zero_band or fine_splits or visible_counts or indexer_topk_splits or chunking or default" \
+      -k "lengths or zero_band or fine_splits or visible_counts or indexer_topk_splits or chunking or default or exit_at_one" \
       > "$OUT/topk_spec_tests.log" 2>&1
     echo "topk spec tests rc=$?"; tail -3 "$OUT/topk_spec_tests.log"
-    timeout -k 10 ${TS_KNOBS_TIMEOUT:-360} python3 scripts/diag/topk_knobs.py --mixed --short ${TS_SHORT:-1000 3000 4500} \
+    timeout -k 10 ${TS_KNOBS_TIMEOUT:-380} python3 scripts/diag/topk_knobs.py --mixed --short ${TS_SHORT:-3000 4500} \
       --shapes ${TS_SHAPES:-8x131072 32x32768 64x65536} \
-      --knobs ${TS_KNOBS:-sf_warp_sp_len_zb3_fine sf_warp_sp_zb3_fine sf_warp_sp_len_zb3_fine_spec sf_warp_sp_len_zb3_fine_head} \
+      --knobs ${TS_KNOBS:-sf_warp_sp_len_zb3_fine sf_warp_sp_len_zb3_fine_exit sf_warp_sp_len_zb3_fine_head_exit sf_warp_sp_len_zb3_fine_spec} \
       --out "$OUT/topk_knobs_spec_h200.json" > "$OUT/topk_spec_knobs.log" 2>&1
     echo "topk spec knobs rc=$?"; grep '^{' "$OUT/topk_spec_knobs.log" | python3 -c 'import json, sys; [print(r["case"], r.get("profile_busy_us"), r.get("same_set_as_lax"), r.get("error", "")[:120]) for r in map(json.loads, sys.stdin)]'
     ;;

@@ -180,6 +180,36 @@ def test_nan_total_order(mode: str, implementation: str) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_exit_at_one_same_result(mode: str) -> None:
+    """``exit_at_one`` (the counting from the pivot ends once the k-th key's digit holds one key, tau then that
+    key's u by a masked max): the same indices, tau, candidates and paths as counting to the last bit, in the
+    one-kernel path (buffer, and the row from the whole key space: every key one value), the split path's
+    one-program finish (its shrunk block held, or read from the scratch row) and the split finish (its bucket
+    loaded a pass, held whole, its first block held), k = 50 and 300; rows of every kind, ties at tau, k-th keys
+    far above the sample, NaN rows (one of the lowest NaN throughout, tied with the padding lanes)."""
+    n = 3000
+    rng = np.random.default_rng(59)
+    far = rng.standard_normal((1, n)).astype(np.float32)
+    far[0, rng.choice(n, 60, replace=False)] += np.float32(1e30)
+    tied = np.round(rng.standard_normal((1, n)) * 4).astype(np.float32) / 4
+    x = jnp.asarray(np.concatenate([_mixed(n, rng, 1), far, tied, _nan_rows(n, rng)]))
+    one = TopkSelectConfig(block=256, hist_block=128, sample=256, capacity=1200, unroll=2, shrink=True,
+                           hold_shrunk=True, range_margin=1, prefetch=True)
+    split = dataclasses.replace(one, splits=4)
+    finish = dataclasses.replace(split, split_finish=True, bucket_blocks=2, bucket_resolutions=3)
+    for base, k in ((one, 50), (split, 50), (dataclasses.replace(split, hold_shrunk=False), 300), (finish, 50),
+                    (finish, 300),
+                    (dataclasses.replace(finish, hold_bucket=True), 300),
+                    (dataclasses.replace(finish, hold_bucket_head=True), 300)):
+        want = select_unsorted(x, k, config=base, interpret=interpret_for(mode))
+        got = select_unsorted(x, k, config=dataclasses.replace(base, exit_at_one=True), interpret=interpret_for(mode))
+        for name, g, w in zip(("indices", "tau", "candidates", "paths"), got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{name} {base} k={k}")
+    with pytest.raises(ValueError, match="exit_at_one needs range_margin"):
+        TopkSelectConfig(exit_at_one=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("splits,capacity,unroll,shrink", [
     (4, 400, 2, True),  # the indexer's form; 3 prefilter blocks per split: the second step's last block is the next's
     pytest.param(1, 400, 4, True, marks=pytest.mark.slow),  # CI time: the one-kernel path's loops are the same code
@@ -392,6 +422,7 @@ def test_split_finish_random_configs(mode: str) -> None:
         hold = int(rng.integers(3))  # the bucket: loaded a pass, held whole, its first block held
         cfg = dataclasses.replace(cfg, fill_layout=layout, finish_lane_loads=bool(rng.integers(2)),
                                   hold_bucket=hold == 1, hold_bucket_head=hold == 2, fuse_bucket=bool(rng.integers(2)),
+                                  exit_at_one=bool(rng.integers(2)),
                                   **(dict(fill_warps=1, copy_unroll=int(rng.choice([1, 2, 4])),
                                           copy_spread=bool(rng.integers(2)))
                                      if layout == "warp" else {}))
@@ -913,6 +944,7 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
     (64, 65536, dict(range_margin=None, prefetch=False, split_finish=False, range_top_sigma=None, zero_band=None)),
     (32, 32768, dict(lengths=True)),  # the lengths hint: a traced extent, the splits cut by a chunk a warp
     (32, 32768, dict(lengths=True, speculate_full=True)),  # ... a full row's first loads before the length's
+    (64, 65536, dict(exit_at_one=True)),  # the counting's exit at one key: a cond in the finish's loop
     (64, 65536, dict(minus_one_for_neg_inf=True)),
     (64, 65536, dict(packed_counts=True, fill_warps=16)),
     (64, 65536, dict(fill_layout="lane", copy_spread=False, fine_splits=False, finish_lane_loads=True,

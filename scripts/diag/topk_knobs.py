@@ -226,6 +226,14 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          # where the bucket fits one block (most rows), where hold_bucket counted two blocks a pass
          "sf_warp_sp_len_zb3_fine_head": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True,
                                           "zero_band": 3, "fine_splits": True, "hold_bucket_head": True},
+         # ... the finish's counting ended once the k-th key's digit holds one key (exit_at_one: tau by a masked max;
+         # topk_passes.py's replay: 2-3 counting passes then the max, against 5-6 counting passes), alone and with
+         # the bucket's first block held
+         "sf_warp_sp_len_zb3_fine_exit": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True,
+                                          "zero_band": 3, "fine_splits": True, "exit_at_one": True},
+         "sf_warp_sp_len_zb3_fine_head_exit": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True,
+                                               "zero_band": 3, "fine_splits": True, "hold_bucket_head": True,
+                                               "exit_at_one": True},
          "sf_warp_sp_hold": {**_SF, "fill_layout": "warp", "copy_spread": True, "hold_bucket": True},
          "sf_warp_sp_cu2": {**_SF, "fill_layout": "warp", "copy_spread": True, "copy_unroll": 2},
          # ... writing -1 for kept -inf keys (IndexerKernelConfig.topk_invisible_in_kernel): no gather of the kept
