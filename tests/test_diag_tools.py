@@ -169,7 +169,9 @@ def test_topk_passes_band_bucket():
                 c = cand.astype(np.int64)
                 bc = cand[(c >= lo) & (c - lo <= span)]
                 assert bc.size == keys and int((c > lo + span).sum()) == above, (length, band, m)
-                assert mod.passes(bc, k - above, lo, span, max(span.bit_length() - 4, 0))[2] == want
+                for exit_one in (False, True):  # ... and with the exit at one key (TopkSelectConfig.exit_at_one)
+                    assert mod.passes(bc, k - above, lo, span, max(span.bit_length() - 4, 0), exit_one=exit_one)[2] \
+                        == want
     assert crossed[:2] == [True, True], crossed
 
 

@@ -55,9 +55,11 @@ def pivot_start(piv: int, hi: int, margin: int, bits: int = 4) -> tuple[int, int
     return piv, span, min(max((hi - piv).bit_length() - bits - margin, 1), max(span.bit_length() - bits, 0))
 
 
-def passes(cand: np.ndarray, k: int, lo: int, span: int, shift: int, width: int = 512, bits: int = 4
-           ) -> tuple[int, int, int]:
-    """(passes before the candidates fit ``width``, passes in all, the k-th key) for the range arithmetic."""
+def passes(cand: np.ndarray, k: int, lo: int, span: int, shift: int, width: int = 512, bits: int = 4,
+           exit_one: bool = False) -> tuple[int, int, int]:
+    """(passes before the candidates fit ``width``, passes in all, the k-th key) for the range arithmetic;
+    ``exit_one`` (``TopkSelectConfig.exit_at_one``): once the k-th key's digit holds one key, one more pass (the
+    masked max) takes it."""
     nd, k_rem, full, total, prev = 1 << bits, k, None, 0, shift
     cand = cand.astype(np.int64)
     while True:
@@ -77,6 +79,8 @@ def passes(cand: np.ndarray, k: int, lo: int, span: int, shift: int, width: int 
             full = total
         if span == 0:
             return full if full is not None else total, total, lo
+        if exit_one and int(ge[sel]) - above == 1:
+            return full, total + 1, int(cand[(cand >= lo) & (cand - lo <= span)].max())
         shift = max(span.bit_length() - bits, 0)
         if clamped:  # grow the digits 2^bits-fold from where they stopped, not the whole rest of the key space at once
             shift = min(shift, prev + bits)
@@ -126,7 +130,8 @@ def short_rows(a: argparse.Namespace) -> None:
     candidates, and the rows whose first-pass bucket fits ``--bucket-keys`` keys at margins 0..2 (the split finish's
     fast path; otherwise the one-program finish runs). Then, per length, the bucket the split finish takes as
     ``_first_pass`` picks it (the finest margin whose bucket fits the largest ``--bucket-keys``, the indexer's
-    1024-key scratch): its keys (mean and largest) and the counting passes from its range to tau."""
+    1024-key scratch): its keys (mean and largest) and the counting passes from its range to tau, without and with
+    ``exit_at_one`` (its max pass counted as one)."""
     rng = np.random.default_rng(0)
     room = max(a.bucket_keys)
     for hint in (False, True):
@@ -155,11 +160,13 @@ def short_rows(a: argparse.Namespace) -> None:
                     c = cand.astype(np.int64)
                     bc = cand[(c >= lo) & (c - lo <= span)]
                     buckets.append(keys)
-                    npass.append(passes(bc, a.k - above, lo, span, max(span.bit_length() - 4, 0))[1])
+                    npass.append([passes(bc, a.k - above, lo, span, max(span.bit_length() - 4, 0), exit_one=e)[1]
+                                  for e in (False, True)])
             out.append(f"{length}: {fits}/{a.rows} ({int(np.mean(cands))})")
             if buckets:
-                picked.append(f"{length}: {np.mean(buckets):.0f} / {max(buckets)} keys, {np.mean(npass):.2f} passes"
-                              f" ({len(buckets)} rows)")
+                p, pe = np.mean(npass, axis=0)
+                picked.append(f"{length}: {np.mean(buckets):.0f} / {max(buckets)} keys, {p:.2f} passes ({pe:.2f} "
+                              f"with exit_at_one; {len(buckets)} rows)")
         print(f"N={a.n} k={a.k} {'lengths hint' if hint else 'no hint'}: rows whose bucket fits "
               f"{a.bucket_keys[0]} keys (mean candidates): " + ", ".join(out))
         if picked:
