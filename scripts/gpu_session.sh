@@ -289,7 +289,7 @@ case "$stage" in
     ;;
   topk-spec)
     # issue 20 (forty-sixth session): the indexer's top-k default is the lengths hint, the zero band at 3 binades
-    # and fine splits (sf_warp_sp_len_zb3_fine); the hint itself cost full batches 0.7-0.9 us (the prefilter's
+    # and fine splits (sf_warp_sp_len_zb3_fine); the hint itself cost full batches 0.6-0.8 us (the prefilter's
     # sample and first loads wait on the row's length). The native tests of that default first, then the default
     # against exit_at_one (the finish's counting ended once the k-th key's digit holds one key), the same with the
     # bucket's first block held (hold_bucket_head) and speculate_full (a full row's first loads issued before the

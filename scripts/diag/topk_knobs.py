@@ -215,7 +215,7 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          "sf_warp_sp_len_top_zb3_fine": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True,
                                          "range_top_sigma": 6.0, "zero_band": 3, "fine_splits": True},
          # the indexer's default since the forty-sixth session without the lengths hint (fine_splits acts only with it;
-         # the hint cost full batches 0.7-0.9 us on both cards) and with a full row's first loads issued before its
+         # the hint cost full batches 0.6-0.8 us on both cards) and with a full row's first loads issued before its
          # length arrives (speculate_full: pip triton's SASS then issues them at once, where the hinted prefilter's
          # sample and first step waited on the length's load)
          "sf_warp_sp_zb3_fine": {**_SF, "fill_layout": "warp", "copy_spread": True, "zero_band": 3,
