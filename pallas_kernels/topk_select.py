@@ -364,17 +364,15 @@ def select_config_for(t: int, n: int, sms: int = 132, split_finish: bool = True)
                             **finish)
 
 
-def _sample_rank(n: int, k: int, sample: int) -> int:
+def _sample_rank(n: int | jax.Array, k: int, sample: int) -> int | jax.Array:
     """Rank r of the pivot in the sample. About m = sample * k / n sampled keys reach tau; r = m + 4 sqrt(m) + 4
     puts the pivot below tau unless the sample holds >= r of the row's top k, a ~4-sigma event for a sample
-    of randomly ordered values (e.g. k = 2048, n = 64K: m = 32, r = 59, ~3.8K candidates expected)."""
-    m = sample * k / n
-    return min(sample, math.ceil(m + 4 * math.sqrt(m) + 4))
-
-
-def _sample_rank_traced(n: jax.Array, k: int, sample: int) -> jax.Array:
-    """``_sample_rank`` for a traced n (int32 scalar, n >= k): the same formula in float32 (a rank one off
-    where m + 4 sqrt(m) + 4 lies within float32's rounding of an integer changes the pivot, never the result)."""
+    of randomly ordered values (e.g. k = 2048, n = 64K: m = 32, r = 59, ~3.8K candidates expected). A traced n
+    (int32 scalar, n >= k: the lengths hint): the same formula in float32 (a rank one off where m + 4 sqrt(m) + 4
+    lies within float32's rounding of an integer changes the pivot, never the result)."""
+    if isinstance(n, int):
+        m = sample * k / n
+        return min(sample, math.ceil(m + 4 * math.sqrt(m) + 4))
     m = jnp.float32(sample * k) / n.astype(jnp.float32)
     return jnp.minimum(jnp.ceil(m + 4 * jnp.sqrt(m) + 4).astype(I32), sample)
 
@@ -857,8 +855,7 @@ def _sample_pivot(x_ref, row, n: int | jax.Array, k: int, cfg: TopkSelectConfig,
     def block(b):  # b is 0 .. nb - 1 (the one step of an nb-block unroll)
         return functools.reduce(lambda acc, j: jnp.where(b == j, xs[j], acc), range(1, nb), xs[0]), None
 
-    rank = _sample_rank(n, k, s_n) if isinstance(n, int) else _sample_rank_traced(n, k, s_n)
-    floor_u = _kth_key([(nb, block)], rank, cfg.bits, w, cfg.pivot_bits, unroll=nb, packed=cfg.packed_counts)[0]
+    floor_u = _kth_key([(nb, block)], _sample_rank(n, k, s_n), cfg.bits, w, cfg.pivot_bits, unroll=nb, packed=cfg.packed_counts)[0]
     hi_u = functools.reduce(jnp.maximum, [jnp.max(x) for x in xs]) ^ _SIGN
     hi_u = hi_u if cfg.range_margin is not None else jnp.zeros((), I32)
     if cfg.pivot_bits == 32:

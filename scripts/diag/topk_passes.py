@@ -146,14 +146,14 @@ def short_rows(a: argparse.Namespace) -> None:
                                 n=min(max(length, a.k, 1024), a.n) if hint else None, top_sigma=a.range_top_sigma)
                 cand = u[u > piv] if piv == _NEG_INF_U else u[u >= piv]  # a -inf pivot keeps the keys above it
                 cands.append(cand.size)
-                sizes = [first_bucket(cand, a.k, piv, hi, m, a.zero_band) for m in (0, 1, 2)]
+                found = [first_bucket(cand, a.k, piv, hi, m, a.zero_band, detail=True) for m in (0, 1, 2)]
+                sizes = [None if d is None else d[0] for d in found]
                 fits += cand.size >= a.k and min((b for b in sizes if b is not None), default=a.n) <= a.bucket_keys[0]
                 if cand.size < a.k or piv == _NEG_INF_U or None in sizes:
                     continue  # another path: pivot is tau, or the row read again
-                pick = None
-                for m in (0, 1, 2):  # coarsest first; a finer one overrides where it fits
-                    d = first_bucket(cand, a.k, piv, hi, m, a.zero_band, detail=True)
-                    if pick is None or d[0] <= room:
+                pick = found[0]
+                for d in found[1:]:  # coarsest first; a finer one overrides where it fits
+                    if d[0] <= room:
                         pick = d
                 keys, lo, span, above = pick
                 if keys <= room:
