@@ -139,7 +139,8 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                block_n: int | None = None, split_k: int | None = None, stages: int | None = None,
                group_m: int = 8, stage_scales: bool | None = None, quantize_x: bool = False,
                stream_k: bool | None = None, act_quant: str | None = None, swap_ab: bool | None = None,
-               swap_store: str | None = None, profile_dir: str | None = None) -> jax.Array:
+               swap_store: str | None = None, persistent: bool = False, prefetch_scales: bool = False,
+               profile_dir: str | None = None) -> jax.Array:
     """y = x W^T with W = ``wq`` (float8_e4m3fn [out, in]) * ``w_scale`` (float32 [ceil(out/128),
     ceil(in/128)] per 128 x 128 block), x [..., in] re-quantised per 1 x 128 group (``scale_fmt``);
     [..., out] in ``out_dtype``.
@@ -171,6 +172,13 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     registers and a transposing XLA fusion after the call; "smem": y^T written into each warpgroup's SMEM tile
     through a transposed view, so that the tile is y's [round_up(M, 8), 64] block, and stored as y by TMA (no
     reductions, no kernel after the call). None: "rows" up to ``SWAP_ROWS_OUT_UP_TO`` rows, else "smem".
+    ``persistent`` (several row tiles, no ``split_k``, unstaged scales): one CTA per SM loops over whole output
+    tiles through one TMA ring, and each finished tile leaves through SMEM by TMA stores while the next one's
+    blocks stream in, instead of a CTA per tile that fills its ring, runs its K blocks and stores its
+    accumulators from registers (a 128-row tile's uncoalesced register stores were the longest part of a CTA's
+    tail in the regions profile, and at q_b's 12 K blocks a tile's fill and store are a large part of it).
+    ``prefetch_scales`` (unstaged scales, x quantised outside the kernel): each K block's scales load a step
+    ahead, so the promotion does not wait on global memory. Both off by default until timed on the GPU.
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler writes a trace of the kernel's named regions per
     warpgroup there: ``all`` (the pipeline, every warpgroup), the compute warpgroups' ``scales`` (staging wait),
     ``loop``, its ``step`` bodies and ``store`` (``scripts/diag/fp8_regions.py``).
@@ -184,7 +192,8 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                                   block_m=block_m, block_n=block_n, split_k=split_k, stages=stages,
                                   group_m=group_m, stage_scales=stage_scales, quantize_x=quantize_x,
                                   stream_k=stream_k, act_quant=act_quant, swap_ab=swap_ab,
-                                  swap_store=swap_store, profile_dir=profile_dir)})
+                                  swap_store=swap_store, persistent=persistent,
+                                  prefetch_scales=prefetch_scales, profile_dir=profile_dir)})
 
 
 def _check_common(x, wq, w_scale, scale_fmt) -> None:
@@ -375,7 +384,7 @@ def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
 
 def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages, group_m,
             stage_scales, quantize_x=False, stream_k=None, act_quant=None, swap_ab=None, swap_store=None,
-            profile_dir=None):
+            persistent=False, prefetch_scales=False, profile_dir=None):
     _check_tiles(block_m, block_n, split_k, STAGES if stages is None else stages, group_m)
     if swap_ab is not None and not isinstance(swap_ab, bool):
         raise ValueError(f"swap_ab must be a bool or None, got {swap_ab!r}")
@@ -385,6 +394,9 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         raise ValueError(f"quantize_x must be a bool, got {quantize_x!r}")
     if stream_k is not None and not isinstance(stream_k, bool):
         raise ValueError(f"stream_k must be a bool or None, got {stream_k!r}")
+    for name, v in (("persistent", persistent), ("prefetch_scales", prefetch_scales)):
+        if not isinstance(v, bool):
+            raise ValueError(f"{name} must be a bool, got {v!r}")
     if profile_dir is not None and interpret:
         raise ValueError("profile_dir: Mosaic GPU's profiler runs natively only (interpret mode has no trace)")
     if act_quant not in (None, "xla", "kernel"):
@@ -406,7 +418,9 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     if swap_ab is None:
-        swap_ab = _auto_swap_ab(m, block_m, block_n, quantize_x, stream_k)
+        swap_ab = _auto_swap_ab(m, block_m, block_n, quantize_x, stream_k) and not (persistent or prefetch_scales)
+    elif swap_ab and (persistent or prefetch_scales):
+        raise Unsupported("fp8_linear kernel: swap_ab has no persistent or prefetch_scales form")
     if swap_store is not None and not swap_ab:
         raise ValueError(f"swap_store={swap_store!r} is the swapped form's output (swap_ab), which this call does not "
                          f"use ({m} rows, swap_ab={swap_ab})")
@@ -418,12 +432,21 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
                                profile_dir=profile_dir).reshape(*lead, n)
     stages = STAGES if stages is None else stages
     if stream_k is None:
-        stream_k = _auto_stream_k(m, n, nk, block_m, block_n, split_k, stage_scales)
+        stream_k = _auto_stream_k(m, n, nk, block_m, block_n, split_k, stage_scales) and not persistent
+    if (persistent or prefetch_scales) and (stage_scales or quantize_x):
+        raise Unsupported(f"fp8_linear kernel: persistent and prefetch_scales load the scales from GMEM with x quantised "
+                          f"outside (got stage_scales={stage_scales}, quantize_x={quantize_x})")
+    if persistent and (stream_k or split_k not in (None, 1)):
+        raise Unsupported(f"fp8_linear kernel: persistent takes whole tiles, no stream_k or split_k (got stream_k="
+                          f"{stream_k}, split_k={split_k})")
     if stream_k and (m > 128 or split_k is not None or stage_scales or (block_m or (64 if m <= 64 else 128)) < m):
         raise Unsupported(f"fp8_linear kernel: stream_k takes at most 128 rows in one row tile, with unstaged "
                           f"scales and no split_k (got {m} rows, block_m {block_m}, split_k {split_k}, "
                           f"stage_scales {stage_scales})")
-    bm, bn, s = _pick_tiles(m, n, nk, block_m, block_n, 1 if stream_k else split_k)
+    bm, bn, s = _pick_tiles(m, n, nk, block_m, block_n, 1 if stream_k or persistent else split_k)
+    if persistent and m <= bm:
+        raise Unsupported(f"fp8_linear kernel: persistent loops over several row tiles ({m} rows in {bm}-row tiles "
+                          "is one; the decode forms cover it)")
     if quantize_x and (bm != 64 or m > 64 or jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16)):
         raise Unsupported(f"fp8_linear kernel: quantize_x takes bfloat16 x of at most 64 rows in 64-row tiles "
                           f"(got {x.dtype}, {m} rows, block_m {bm})")
@@ -439,13 +462,18 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     elif stage_scales and interpret and trim:
         raise Unsupported("fp8_linear kernel: stage_scales=True with one row tile (the trimmed SMEM epilogue) hangs "
                           "in interpret mode; pass stage_scales=False (or None) there, or run on the GPU")
-    if stream_k:
+    if stream_k or persistent or prefetch_scales:
         stage_scales = False
     ctas = stream_k_ctas(n // bn, nk) if stream_k else 0
+    if persistent:  # the ring beside a [64, chunk] output tile per compute warpgroup and chunk
+        ep_bytes = 2 * 64 * (bn if bm == 128 else bn // 2) * out_dtype.itemsize
+        stages = min(stages, (SMEM_BYTES - 2048 - ep_bytes) // ((bm + bn) * BLOCK))
     call = _build_call(mr=mr, mp=mp, n=n, k=k, bm=bm, bn=bn, splits=s, stages=stages, group_m=group_m,
                        out_dtype=out_dtype if s == 1 and not stream_k else jnp.dtype(jnp.float32),
                        interpret=interpret or None, stage_scales=stage_scales,
-                       quantize_x=scale_fmt if quantize_x else None, stream_k=ctas, profile_dir=profile_dir)
+                       quantize_x=scale_fmt if quantize_x else None, stream_k=ctas,
+                       persistent=min(NUM_SMS, (mp // bm) * (n // bn)) if persistent else 0,
+                       prefetch_scales=prefetch_scales, profile_dir=profile_dir)
     sw = w_scale.astype(jnp.float32)
     sw = pad_weight_scales(sw) if stage_scales else sw
     if quantize_x:
@@ -636,14 +664,21 @@ def _trimmed(m_tiles: int, bm: int, splits: int) -> bool:
 @functools.lru_cache(maxsize=None)
 def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: int, stages: int, group_m: int,
                 out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, stage_scales: bool = False,
-                quantize_x: quant.ScaleFmt | None = None, stream_k: int = 0, profile_dir: str | None = None):
+                quantize_x: quant.ScaleFmt | None = None, stream_k: int = 0, persistent: int = 0,
+                prefetch_scales: bool = False, profile_dir: str | None = None):
     """``quantize_x`` (a scale format; 64-row tiles only): the kernel takes bfloat16 x [Mp, K] and no scales of
     it, and each compute warpgroup quantises the K block's x tile into its own e4m3 SMEM tile before its MMA
     (the row scales stay in registers for the promotion): x (arguments x, w, sw), else (xq, sx^T, w, sw).
     ``stream_k`` = P > 0 (one 64- or 128-row tile, unstaged scales): P CTAs split the (column tile, K block)
     units evenly, each a contiguous run that may span tiles; at each tile's end in its run a CTA stores its fp32
     partial [mr, bn] into slot j of [J, mr, N] at the tile's columns, j = its rank among the tile's CTAs
-    (``stream_k_layout``)."""
+    (``stream_k_layout``).
+    ``persistent`` = P > 0 (several row tiles, one split, unstaged scales): P CTAs loop over whole output tiles,
+    CTA c taking tiles c, c + P, ... in the rasterised order, through one pipeline of (tile, K block) steps; at a
+    tile's last K block each compute warpgroup writes its rows into an SMEM tile per chunk and TMA stores them,
+    and the ring keeps streaming the next tile's blocks meanwhile. ``prefetch_scales`` (unstaged scales, x
+    quantised outside): each step loads the next step's scales and carries them, so that their global-memory
+    latency is not waited on before the promotion."""
     nk = k // BLOCK
     sw_rows = max(-(-n // BLOCK), SW_ROWS)  # rows of the (padded) weight scales, when staged
     kps = nk // splits  # K blocks per CTA
@@ -668,6 +703,14 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     swz, swz16 = _SWZ8, _SWZ16
     if quantize_x and bm != 64:
         raise ValueError("quantize_x needs 64-row tiles")
+    if persistent and (m_tiles < 2 or splits != 1 or stage_scales or quantize_x or stream_k):
+        raise ValueError("persistent needs several row tiles, one split, unstaged scales and x quantised outside")
+    if prefetch_scales and (stage_scales or quantize_x):
+        raise ValueError("prefetch_scales needs unstaged scales and x quantised outside")
+    rounds = -(-tiles // persistent) if persistent else 0  # output tiles per persistent CTA (the last round partial)
+    if persistent:
+        spc = rounds * nk
+    steps = spc  # the pipeline's steps per CTA
 
     def tile_of(t):
         """Output tile t (of one split) -> (mi, ni): groups of ``group_m`` M tiles, M fastest inside a group,
@@ -683,7 +726,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             (x_ref, w_ref, sw_ref, o_ref), sxt_ref, rest = refs[:4], None, list(refs[4:])
         else:
             (x_ref, sxt_ref, w_ref, sw_ref, o_ref), rest = refs[:5], list(refs[5:])
-        ep_s = rest.pop(0) if trim else None
+        ep_s = rest.pop(0) if trim or persistent else None
         xq_s = rest.pop(0) if quantize_x else None  # [2, 64, 128] e4m3: each compute warpgroup's quantised x
         sx_s = rest.pop(0) if stage_scales and not quantize_x else None
         sw_s, bar = (rest.pop(0), rest.pop(0)) if stage_scales else (None, None)
@@ -691,16 +734,24 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
         si = pid // tiles
         mi, ni = tile_of(pid % tiles)
         m0, n0, kb0 = mi * bm, ni * bn, si * kps
+        # unit(step) -> (row tile, column tile, K block, live) of a pipeline step; a step that is not live repeats
+        # a unit of the CTA's (in-bounds loads) and adds nothing
         if stream_k:  # this CTA's units [u0, u0 + n_units): (column tile, K block) pairs, K fastest
             u0 = pid * units // stream_k
             n_units = (pid + 1) * units // stream_k - u0
 
-            def unit(step):  # steps past the CTA's units repeat its last one (and add nothing)
+            def unit(step):  # steps past the CTA's units repeat its last one
                 u = u0 + jnp.minimum(step, n_units - 1)
-                return u // nk, u % nk
+                return mi, u // nk, u % nk, step < n_units
+        elif persistent:
+            def unit(step):  # round j: tile pid + j P; past the last tile, the CTA's previous round's tile
+                t = pid + (step // nk) * persistent
+                live = t < tiles
+                tmi, tni = tile_of(jnp.where(live, t, t - persistent))
+                return tmi, tni, step % nk, live
         else:
             def unit(step):
-                return ni, kb0 + step
+                return mi, ni, kb0 + step, True
 
         def trimmed_rows():
             """(warpgroup, first output row, rows) of each warpgroup that stores real rows of a trimmed tile (in a
@@ -712,55 +763,79 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             base = (ni if tile is None else tile) * bn
             return base if split_m else base + wg * wn
 
-        def body(idx, x_s, w_s, acc):
+        def body(idx, x_s, w_s, carry):
             with jax.named_scope("step"):  # regions of the Mosaic GPU profiler (``profile_dir``)
-                return step_body(idx, x_s, w_s, acc)
+                return step_body(idx, x_s, w_s, carry)
 
-        def step_body(idx, x_s, w_s, acc):
+        def w_scale(wg, tile, kb, col0):
+            """The weight scale at K block kb of the chunk from column ``col0`` (of this CTA's tile when staged): one
+            scalar, or with ``ragged`` tiles a [cw] vector along the accumulator's columns (two blocks' scales,
+            split where the chunk crosses into the second)."""
+            def get(b):
+                return sw_s[wg, b - scale_window(n0 // BLOCK, sw_rows), kb] if stage_scales else sw_ref[b, kb]
+
+            col0 = (wg_cols(wg) if stage_scales else wg_cols(wg, tile)) + col0
+            b0 = col0 // BLOCK
+            if not ragged:
+                return get(b0)
+            s0, s1 = get(b0), get((col0 + cw - 1) // BLOCK)  # the blocks of its first and last columns
+            col = col0 + plgpu.broadcasted_iota(jnp.int32, (cw,), 0, layout=COL)
+            return jnp.where(col < (b0 + 1) * BLOCK, s0, s1)
+
+        def gmem_scales(u):
+            """``prefetch_scales``: unit u's row scales ([64] along the accumulator's rows) and its chunks' weight
+            scales, from GMEM (a repeated stream-K unit's weight scales 0: it adds nothing)."""
+            tmi, tile, kb, live = u
+            wg = lax.axis_index("wg")
+            r0 = tmi * bm + wg * 64 if split_m else tmi * bm
+            sx = plgpu.load(sxt_ref.at[kb, pl.ds(r0, 64)], layout=ROW, optimized=False)
+            sws = tuple(w_scale(wg, tile, kb, c * cw) for c in range(nch))
+            if stream_k:
+                sws = tuple(v * live.astype(jnp.float32) for v in sws)
+            return sx, sws
+
+        def step_body(idx, x_s, w_s, carry):
             (step,) = idx
-            tile, kb = unit(step)
+            acc, pre = carry if prefetch_scales else (carry, None)  # pre: this step's scales, loaded a step ago
+            tmi, tile, kb, live = unit(step)
             wg = lax.axis_index("wg")
             a = x_s.at[pl.ds(wg * 64, 64)] if split_m else x_s
-            r0 = m0 + wg * 64 if split_m else m0
+            r0 = tmi * bm + wg * 64 if split_m else tmi * bm
             c0 = 0 if split_m else wg * wn  # first column of this warpgroup inside the W tile
-            out, sxv = [], None
+            out, sxv, nxt = [], None, None
             if quantize_x:  # act_quant of this K block's 64 rows, in registers, into the warpgroup's e4m3 tile
                 xq, sxq = _quantize_tile(plgpu.load(a, layout=L).astype(jnp.float32), quantize_x)
                 xq_s.at[wg][...] = xq
                 plgpu.commit_smem()
                 a = xq_s.at[wg]
-            def w_scale(col0):
-                """The weight scale of the chunk from column ``col0`` at K block kb (from SMEM when staged): one
-                scalar, or with ``ragged`` tiles a [cw] vector along the accumulator's columns (two blocks'
-                scales, split where the chunk crosses into the second)."""
-                def get(b):
-                    return sw_s[wg, b - scale_window(n0 // BLOCK, sw_rows), kb] if stage_scales else sw_ref[b, kb]
-
-                b0 = col0 // BLOCK
-                if not ragged:
-                    return get(b0)
-                s0, s1 = get(b0), get((col0 + cw - 1) // BLOCK)  # the blocks of its first and last columns
-                col = col0 + plgpu.broadcasted_iota(jnp.int32, (cw,), 0, layout=COL)
-                return jnp.where(col < (b0 + 1) * BLOCK, s0, s1)
 
             for c in range(nch):  # chunks run one after the other: one [64, cw] MMA accumulator at a time
                 def mma(blk_ref, c=c):
                     plgpu.wgmma(blk_ref, a, w_s.at[pl.ds(c0 + c * cw, cw)].T)
-                    # the block's scales load while the MMA runs (from SMEM when staged)
-                    if quantize_x or c:  # the row scales are already in registers
-                        sx_c = None
-                    elif stage_scales:
-                        sx_c = plgpu.load(sx_s.at[wg, step], layout=ROW, optimized=False)
+                    # the block's scales load while the MMA runs (from SMEM when staged); prefetched: the next
+                    # step's, which the next step uses
+                    nxt_c = None
+                    if prefetch_scales:
+                        sx_c, sw_c = None, pre[1][c]
+                        if c == 0:
+                            nxt_c = gmem_scales(unit(jnp.minimum(step + 1, steps - 1)))
                     else:
-                        sx_c = plgpu.load(sxt_ref.at[kb, pl.ds(r0, 64)], layout=ROW, optimized=False)
-                    sw_c = w_scale((wg_cols(wg) if stage_scales else wg_cols(wg, tile)) + c * cw)
+                        if quantize_x or c:  # the row scales are already in registers
+                            sx_c = None
+                        elif stage_scales:
+                            sx_c = plgpu.load(sx_s.at[wg, step], layout=ROW, optimized=False)
+                        else:
+                            sx_c = plgpu.load(sxt_ref.at[kb, pl.ds(r0, 64)], layout=ROW, optimized=False)
+                        sw_c = w_scale(wg, tile, kb, c * cw)
+                        if stream_k:  # a repeated last unit adds nothing
+                            sw_c = sw_c * live.astype(jnp.float32)
                     plgpu.wgmma_wait(0)
-                    return blk_ref[...], sx_c, sw_c
+                    return blk_ref[...], sx_c, sw_c, nxt_c
 
-                blk, sx_c, sw_c = pl.run_scoped(mma, plgpu.ACC((64, cw), jnp.float32))
-                sxv = (sxq if quantize_x else sx_c) if c == 0 else sxv
-                if stream_k:  # a repeated last unit adds nothing
-                    sw_c = sw_c * (step < n_units).astype(jnp.float32)
+                blk, sx_c, sw_c, nxt_c = pl.run_scoped(mma, plgpu.ACC((64, cw), jnp.float32))
+                if c == 0:
+                    sxv = sxq if quantize_x else pre[0] if prefetch_scales else sx_c
+                    nxt = nxt_c
                 if ragged:  # the row scale times each column's weight scale, then the block (as below, per element)
                     scale = (lax.broadcast_in_dim(sxv, blk.shape, [0])
                              * lax.broadcast_in_dim(sw_c, blk.shape, [1]))
@@ -768,7 +843,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                     scale = lax.broadcast_in_dim(sxv * sw_c, blk.shape, [0])
                 out.append(acc[c] + blk * scale)
             if stream_k:  # the run leaves this tile: store the partial (slot = its rank in the tile), start the next at 0
-                done = (step < n_units) & ((kb == nk - 1) | (step == n_units - 1))
+                done = live & ((kb == nk - 1) | (step == n_units - 1))
                 for w, r0w, rows_w in trimmed_rows():
                     @pl.when(done & (wg == w))
                     def _(w=w, r0w=r0w, rows_w=rows_w):
@@ -781,14 +856,34 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                                                              pl.ds(r0w, rows_w), pl.ds(wg_cols(w, tile) + c * cw, cw)])
                 keep = 1.0 - done.astype(jnp.float32)
                 out = [o * keep for o in out]
-            return tuple(out)
+            if persistent:  # the tile's last K block: store it (TMA, asynchronous) and start the next tile at 0
+                out = lax.cond(live & (kb == nk - 1), functools.partial(flush, tmi, tile), lambda o: o, tuple(out))
+            out = tuple(out)
+            return (out, nxt) if prefetch_scales else out
+
+        def flush(tmi, tile, out):
+            """``persistent``: this warpgroup's rows of a finished tile into its SMEM tiles (one per chunk; the
+            previous tile's stores, a whole tile of K blocks ago, have read them) and out by TMA stores that the
+            next tile's MMAs need not wait for; returns the zeroed accumulators."""
+            wg = lax.axis_index("wg")
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            for c in range(nch):
+                ep_s.at[wg, c][...] = out[c].astype(ep_dtype)
+            plgpu.commit_smem()
+            rows = pl.ds(tmi * bm + wg * 64, 64) if split_m else pl.ds(tmi * bm, 64)
+            for c in range(nch):
+                plgpu.copy_smem_to_gmem(ep_s.at[wg, c], o_ref.at[rows, pl.ds(wg_cols(wg, tile) + c * cw, cw)])
+            return tuple(plgpu.layout_cast(jnp.full((64, cw), 0.0, jnp.float32), L) for _ in range(nch))
 
         def compute(run_pipeline):
             with jax.named_scope("scales"):
                 stage()
             with jax.named_scope("loop"):
-                acc = run_pipeline(tuple(plgpu.layout_cast(jnp.full((64, cw), 0.0, jnp.float32), L)
-                                         for _ in range(nch)))
+                zeros = tuple(plgpu.layout_cast(jnp.full((64, cw), 0.0, jnp.float32), L) for _ in range(nch))
+                if prefetch_scales:
+                    acc, _ = run_pipeline((zeros, gmem_scales(unit(0))))
+                else:
+                    acc = run_pipeline(zeros)
             with jax.named_scope("store"):
                 store(acc)
 
@@ -804,7 +899,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
 
         def store(acc):
             wg = lax.axis_index("wg")
-            if stream_k:  # the partials went out in the body
+            if stream_k or persistent:  # the tiles or partials went out in the body
                 plgpu.wait_smem_to_gmem(0)
                 return
             if trim:  # one row tile: only the first mr rows, through SMEM and a TMA store
@@ -831,12 +926,12 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                     o_ref.at[si, rows, cols][...] = acc[c]
 
         x_tf = swz16 if quantize_x else swz
-        if stream_k:  # whole arrays: the blocks follow the CTA's units
+        if stream_k or persistent:  # whole arrays: the blocks follow the CTA's units
             pipeline = plgpu.emit_pipeline_warp_specialized(
                 body, grid=(spc,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
                 max_concurrent_steps=min(stages, spc), compute_context=compute,
-                in_specs=[plgpu.BlockSpec((bm, BLOCK), lambda s: (0, unit(s)[1]), transforms=x_tf),
-                          plgpu.BlockSpec((bn, BLOCK), lambda s: unit(s), transforms=swz)])
+                in_specs=[plgpu.BlockSpec((bm, BLOCK), lambda s: (unit(s)[0], unit(s)[2]), transforms=x_tf),
+                          plgpu.BlockSpec((bn, BLOCK), lambda s: (unit(s)[1], unit(s)[2]), transforms=swz)])
             with jax.named_scope("all"):
                 pipeline(x_ref, w_ref)
             return
@@ -859,6 +954,8 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     ep_swz = next((sz for sz in (128, 64, 32) if cw * ep_dtype.itemsize % sz == 0), 0)
     ep_tf = (plgpu.TilingTransform((8, ep_swz // ep_dtype.itemsize)), plgpu.SwizzleTransform(ep_swz)) if ep_swz else ()
     scratch = [plgpu.SMEM((2, 64, cw), ep_dtype, transforms=ep_tf)] if trim else []
+    if persistent:  # a tile per compute warpgroup and chunk: a tile's stores need not wait for each other
+        scratch = [plgpu.SMEM((2, nch, 64, cw), ep_dtype, transforms=ep_tf)]
     if quantize_x:
         scratch += [plgpu.SMEM((2, 64, BLOCK), quant.FP8, transforms=swz)]
     if stage_scales:
@@ -869,7 +966,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                                   **(dict(profile_space=PROFILE_RANGES, profile_dir=profile_dir,
                                           profile_bounds_check=True) if profile_dir else {}))
     return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
-                        grid=(stream_k or splits * tiles,),
+                        grid=(stream_k or persistent or splits * tiles,),
                         scratch_types=scratch, grid_names=("cta",), num_threads=3, thread_name="wg", compiler_params=params,
                         interpret=interpret if interpret is not None else False)
 

@@ -54,6 +54,7 @@
 #   scripts/gpu_session.sh fp8-regions   # issue 19: the FP8 GEMM's named regions per warpgroup at decode (profiler)
 #   scripts/gpu_session.sh fp8-trim      # issue 19: every one-row-tile FP8 call stores its rows through SMEM + TMA: tests, ncu
 #   scripts/gpu_session.sh fp8-swap      # issue 19: the FP8 GEMM with the roles swapped (y^T = W x^T) at decode: tests, ncu
+#   scripts/gpu_session.sh fp8-large     # issue 19: the FP8 GEMM at 2048 / 8192 rows: persistent tiles, scales a step ahead
 #   scripts/gpu_session.sh fp8-smem      # issue 19: swap_ab's y through transposed SMEM tiles (swap_store="smem"), timeline
 #   scripts/gpu_session.sh fp8-ragged    # issue 19: tiles of 144 / 112 / 224 columns (one wave at 64-128 rows), tests then timeline
 #   scripts/gpu_session.sh key           # one call for a scarce machine: top-k 64 x 64K, FP8 ragged mlp, top-k tests
@@ -220,6 +221,20 @@ case "$stage" in
     # FP8SWEEP_VARIANTS narrows it (M = 128 rows: stream_k is Unsupported there, recorded as an error)
     V=${FP8SWEEP_VARIANTS:-'[{}, {"stream_k": true}, {"stream_k": false}, {"act_quant": "xla"}]'}
     ncu_sweep fp8 "$V"
+    ;;
+  fp8-large)
+    # issue 19 (forty-seventh session, built CPU-only): large M against the 60% target (H100: wo 56-58%, q_b
+    # 47-51%). persistent=True: one CTA per SM loops over whole tiles, each tile TMA-stored from SMEM while the
+    # next one's blocks stream; prefetch_scales=True: each K block's scales loaded a step ahead. Native tests of
+    # both forms first, then the bench rows against the default and torch in one call
+    timeout -k 5 ${FLT_TIMEOUT:-150} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernel_fp8_gemm.py \
+      -k "persistent or prefetch or exact_data" > "$OUT/fp8_large_tests.log" 2>&1; echo "fp8 large tests rc=$?"
+    tail -4 "$OUT/fp8_large_tests.log"
+    timeout -k 10 -s INT ${FLB_TIMEOUT:-330} python3 -m jds.bench.kernels_fp8_gemm --shapes ${FL_SHAPES:-q_b wo mlp} \
+      --ms ${FL_MS:-2048 8192} --rows ${FL_ROWS:-pallas 'pallas[persistent=True]' 'pallas[prefetch_scales=True]' \
+      'pallas[persistent=True,prefetch_scales=True]' 'pallas[persistent=True,block_n=256]' torch} \
+      --out "$OUT/kernels_fp8_gemm_large_h200.json" > "$OUT/fp8_large_bench.log" 2>&1
+    echo "fp8 large bench rc=$?"; tail -40 "$OUT/fp8_large_bench.log" | cut -c1-220
     ;;
   fp8-192)
     # issue 19 (twenty-fourth session, built untested): 192-wide tiles, so q_b's 24576 columns at 128 rows run

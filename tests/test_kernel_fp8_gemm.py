@@ -477,6 +477,97 @@ def test_stream_k_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, quan
     assert slots > 1 and written[0].all()  # tiles shared by several CTAs; every tile has a first one
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("m,k,n,ctas,tiles,out_dtype", [
+    (300, 512, 384, 4, {}, jnp.float32),  # 9 tiles on 4 CTAs: 3 rounds, the last with one live tile
+    (300, 512, 384, 4, dict(prefetch_scales=True), jnp.bfloat16),
+    (300, 256, 512, 3, dict(block_n=256), jnp.float32),  # 2 chunks a warpgroup, a 3-deep ring
+    (200, 384, 256, 5, dict(block_m=64, prefetch_scales=True), jnp.float32),  # warpgroups split the columns
+    (200, 256, 1152, 5, dict(block_n=144), jnp.bfloat16),  # ragged chunks: per-column weight scales
+])
+def test_persistent_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, tiles: dict, out_dtype,
+                                monkeypatch) -> None:
+    """persistent=True: a few CTAs (NUM_SMS patched in interpret mode) loop over the tiles through one ring and
+    store each through SMEM by TMA, CTAs without a tile in the last round repeating their previous one without
+    storing it; every element within the bound of the reference."""
+    interpret = interpret_for(mode)
+    if interpret:
+        monkeypatch.setattr(G, "NUM_SMS", ctas)
+    x, wq, ws = make_case(m, k, n, seed=m + k)
+    ref, ab = reference(x, wq, ws, "ue8m0")
+    got = G.fp8_linear(x, wq, ws, out_dtype=out_dtype, implementation="pallas", interpret=interpret,
+                       persistent=True, **tiles)
+    assert got.dtype == jnp.dtype(out_dtype) and got.shape == (m, n)
+    check(got, ref, ab, _rtol(mode, k), out_dtype)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("tiles", [dict(persistent=True), dict(persistent=True, prefetch_scales=True),
+                                   dict(prefetch_scales=True, split_k=2),
+                                   pytest.param(dict(prefetch_scales=True, block_m=128, block_n=256, split_k=1),
+                                                marks=pytest.mark.slow)])
+def test_persistent_and_prefetch_exact_data_bit_equal(mode: str, tiles: dict, monkeypatch) -> None:
+    """Exact data (as ``test_exact_data_bit_equal``): the persistent loop (4 tiles on 3 CTAs, the last round's
+    repeated tile not stored) and the scales loaded a step ahead must equal the exact product: this pins the
+    tiles' addressing and stores (every block's scale is the same here: the random-data tests pin which scales
+    a step uses)."""
+    if interpret_for(mode):
+        monkeypatch.setattr(G, "NUM_SMS", 3)
+    x, w, wq, ws = _exact_case(130, 512, 256, seed=12)
+    got = G.fp8_linear(jnp.asarray(x, jnp.bfloat16), wq, ws, out_dtype=jnp.float32, implementation="pallas",
+                       interpret=interpret_for(mode), **tiles)
+    np.testing.assert_array_equal(np.asarray(got), x @ w.T)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("m,tiles", [(1, dict(stream_k=True)), (130, dict(split_k=2))])
+def test_prefetch_scales_matches_xla(mode: str, m: int, tiles: dict, monkeypatch) -> None:
+    """prefetch_scales on random data (rows and columns of spread magnitudes, so blocks' scales differ): with
+    stream-K (5 CTAs) the runs start and end inside tiles and the next step's scales come from the next unit (a
+    repeated last unit's weight scale 0); with split-K each CTA's K range. Using a step's scales one step late
+    fails this (checked by mutation)."""
+    interpret = interpret_for(mode)
+    if interpret:
+        monkeypatch.setattr(G, "NUM_SMS", 5)
+    x, wq, ws = make_case(m, 512, 384, seed=3)
+    ref, ab = reference(x, wq, ws, "ue8m0")
+    got = G.fp8_linear(x, wq, ws, out_dtype=jnp.float32, implementation="pallas", interpret=interpret,
+                       prefetch_scales=True, **tiles)
+    check(got, ref, ab, _rtol(mode, 512), jnp.float32)
+
+
+@pytest.mark.skipif(ON_GPU, reason="GPU interpret mode's race detector runs on the CPU")
+def test_persistent_no_races(monkeypatch) -> None:
+    """The race detector over the persistent loop: 4 tiles on 3 CTAs, so a CTA's second tile rewrites the SMEM
+    output tiles its first one's TMA stores read, and the ring's slots carry on across tiles."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    monkeypatch.setattr(G, "NUM_SMS", 3)
+    x, wq, ws = make_case(130, 512, 256, seed=10)
+    y = G.fp8_linear(x, wq, ws, out_dtype=jnp.bfloat16, implementation="pallas", persistent=True,
+                     prefetch_scales=True, interpret=plgpu.InterpretGPUParams(detect_races=True))
+    jax.block_until_ready(y)
+    assert not gpu_callbacks.get_races().races_found
+
+
+def test_persistent_and_prefetch_limits() -> None:
+    """Unsupported (a ValueError naming the option) where the forms do not apply; non-bool values rejected."""
+    x, wq, ws = make_case(130, 512, 256, seed=0)
+    kw = dict(implementation="pallas", interpret=True)
+    for bad, field in ((dict(persistent=True, split_k=2), "persistent"),
+                       (dict(persistent=True, stage_scales=True), "persistent"),
+                       (dict(persistent=True, swap_ab=True), "swap_ab"),
+                       (dict(prefetch_scales=True, stage_scales=True), "prefetch_scales"),
+                       (dict(persistent=1), "persistent"), (dict(prefetch_scales="yes"), "prefetch_scales")):
+        with pytest.raises(ValueError, match=field):
+            G.fp8_linear(x, wq, ws, **kw, **bad)
+    with pytest.raises(Unsupported, match="persistent loops over several row tiles"):
+        G.fp8_linear(x[:100], wq, ws, persistent=True, **kw)  # one 128-row tile
+    with pytest.raises(Unsupported, match="quantize_x"):
+        G.fp8_linear(x[:7], wq, ws, prefetch_scales=True, quantize_x=True, **kw)
+
+
 @pytest.mark.parametrize("n_tiles,nk,ctas", [(3, 4, 5), (56, 128, 132), (144, 56, 132), (2, 3, 6), (7, 2, 3)])
 def test_stream_k_layout_counts_each_tiles_ctas(n_tiles: int, nk: int, ctas: int) -> None:
     """stream_k_owner / stream_k_layout against a direct enumeration of the CTAs' runs [c U / P, (c + 1) U / P)."""
@@ -593,7 +684,15 @@ def test_auto_stream_k_and_staged_scales() -> None:
                                          (5, 512, 768, dict(swap_ab=True, swap_store="smem", block_n=128,
                                                             split_k=1)),
                                          (24, 512, 768, dict(swap_ab=True, swap_store="smem", block_n=128,
-                                                             split_k=2))])  # fp32 partials
+                                                             split_k=2)),  # fp32 partials
+                                         # large M: whole tiles looped over by one CTA per SM, TMA-stored
+                                         (2048, 1536, 24576, dict(persistent=True)),  # q_b prefill
+                                         (2048, 16384, 7168, dict(persistent=True, prefetch_scales=True)),  # wo
+                                         (2048, 7168, 18432, dict(persistent=True, block_n=256)),  # 3-deep ring
+                                         (2048, 7168, 18432, dict(persistent=True, block_n=144,
+                                                                  prefetch_scales=True)),  # ragged chunks
+                                         (2048, 7168, 18432, dict(prefetch_scales=True)),
+                                         (64, 7168, 18432, dict(stream_k=True, prefetch_scales=True))])
 def test_lowers_for_cuda(m: int, k: int, n: int, tiles: dict) -> None:
     """The compiled kernel passes Mosaic GPU's lowering (e4m3 wgmma with K-major operands, TMA, layouts)."""
     from jax.sharding import AbstractDevice, AbstractMesh
