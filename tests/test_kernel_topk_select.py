@@ -738,9 +738,11 @@ def test_split_for() -> None:
     one = TopkSelectConfig(splits=2, unroll=2, shrink=True, hist_block=512, pivot_bits=16, hold_shrunk=True,
                            range_margin=1, prefetch=True, fill_layout="warp", copy_spread=True, fine_splits=True)
     assert select_config_for(64, 65536, split_finish=False) == one  # IndexerKernelConfig.topk_split_finish=False
-    # the default: the split finish with a 2-block bucket, three first-pass resolutions and the zero band
+    # the default: the split finish with a 2-block bucket, three first-pass resolutions and the zero band, its
+    # counting ended at one key in the k-th key's digit, the bucket's first block held
     assert select_config_for(64, 65536) == dataclasses.replace(one, split_finish=True, bucket_blocks=2,
-                                                               bucket_resolutions=3, zero_band=3)
+                                                               bucket_resolutions=3, zero_band=3,
+                                                               hold_bucket_head=True, exit_at_one=True)
     assert select_config_for(128, 65536) == TopkSelectConfig()  # no split, no split finish
 
 
@@ -940,24 +942,27 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
 
 
 @pytest.mark.parametrize("t,n,tiles", [
-    (64, 65536, {}), (64, 65536, dict(split_finish=False, zero_band=None)),  # the one-program finish (to the 38th)
-    (64, 65536, dict(range_margin=None, prefetch=False, split_finish=False, range_top_sigma=None, zero_band=None)),
+    (64, 65536, {}),
+    (64, 65536, dict(split_finish=False, zero_band=None, hold_bucket_head=False)),  # the one-program finish (to the 38th)
+    (64, 65536, dict(range_margin=None, prefetch=False, split_finish=False, range_top_sigma=None, zero_band=None,
+                     hold_bucket_head=False, exit_at_one=False)),
     (32, 32768, dict(lengths=True)),  # the lengths hint: a traced extent, the splits cut by a chunk a warp
     (32, 32768, dict(lengths=True, speculate_full=True)),  # ... a full row's first loads before the length's
     (64, 65536, dict(exit_at_one=True)),  # the counting's exit at one key: a cond in the finish's loop
     (64, 65536, dict(minus_one_for_neg_inf=True)),
     (64, 65536, dict(packed_counts=True, fill_warps=16)),
     (64, 65536, dict(fill_layout="lane", copy_spread=False, fine_splits=False, finish_lane_loads=True,
-                     hold_bucket=True)),
+                     hold_bucket=True, hold_bucket_head=False)),
     (64, 65536, dict(fill_layout="group", copy_spread=False, fine_splits=False, finish_lane_loads=True)),
-    (64, 65536, dict(finish_lane_loads=True, hold_bucket=True, fuse_bucket=True)),
+    (64, 65536, dict(finish_lane_loads=True, hold_bucket=True, hold_bucket_head=False, fuse_bucket=True)),
     pytest.param(64, 65536, dict(copy_unroll=4), marks=pytest.mark.slow),  # the warps' scratch copy, 4 chunks a step
     pytest.param(64, 65536, dict(copy_spread=True), marks=pytest.mark.slow),  # ... spread over the CTA's warps
     pytest.param(64, 65536, dict(fill_layout="warp", fill_warps=16), marks=pytest.mark.slow),  # the 8-warp form:
     # test_warp_fill_loop_has_no_barriers
     # the 8-split finish takes ptxas about 40 s on 2 cores: slow
     pytest.param(16, 131072, {}, marks=pytest.mark.slow),
-    pytest.param(16, 131072, dict(split_finish=False, zero_band=None, packed_counts=True), marks=pytest.mark.slow)])
+    pytest.param(16, 131072, dict(split_finish=False, zero_band=None, hold_bucket_head=False, packed_counts=True),
+                 marks=pytest.mark.slow)])
 def test_sm90_compile_indexer_config(t: int, n: int, tiles: dict) -> None:
     """The indexer's config at its shapes (``select_config_for``: split, unroll 2, shrink, 512-key steps, 16-bit
     pivot, the split finish), earlier configs and the options still to be timed, compiles for sm_90a with at most 64

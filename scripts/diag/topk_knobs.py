@@ -228,7 +228,8 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
                                           "zero_band": 3, "fine_splits": True, "hold_bucket_head": True},
          # ... the finish's counting ended once the k-th key's digit holds one key (exit_at_one: tau by a masked max;
          # topk_passes.py's replay: 2-3 counting passes then the max, against 5-6 counting passes), alone and with
-         # the bucket's first block held
+         # the bucket's first block held (the indexer's default since the forty-seventh session: faster than the one
+         # before at 8 x 128K, 32 x 32K and 64 x 64K, full and mixed; topk_knobs_spec_h100_2026-12-05.json)
          "sf_warp_sp_len_zb3_fine_exit": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True,
                                           "zero_band": 3, "fine_splits": True, "exit_at_one": True},
          "sf_warp_sp_len_zb3_fine_head_exit": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True,
