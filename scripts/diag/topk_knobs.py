@@ -235,6 +235,9 @@ KNOBS = {"default": {}, "single": dict(splits=1), "u2": dict(unroll=2), "u4": di
          "sf_warp_sp_len_zb3_fine_head_exit": {**_SF, "fill_layout": "warp", "copy_spread": True, "lengths": True,
                                                "zero_band": 3, "fine_splits": True, "hold_bucket_head": True,
                                                "exit_at_one": True},
+         # ... without the lengths hint (its cost on full batches under the default finish)
+         "sf_warp_sp_zb3_fine_head_exit": {**_SF, "fill_layout": "warp", "copy_spread": True, "zero_band": 3,
+                                           "fine_splits": True, "hold_bucket_head": True, "exit_at_one": True},
          "sf_warp_sp_hold": {**_SF, "fill_layout": "warp", "copy_spread": True, "hold_bucket": True},
          "sf_warp_sp_cu2": {**_SF, "fill_layout": "warp", "copy_spread": True, "copy_unroll": 2},
          # ... writing -1 for kept -inf keys (IndexerKernelConfig.topk_invisible_in_kernel): no gather of the kept
