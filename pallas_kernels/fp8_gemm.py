@@ -610,7 +610,7 @@ def _build_quantize_rows(*, m: int, mp: int, k: int, scale_fmt: quant.ScaleFmt,
         rows, cols = pl.ds((pid // nk) * 64, 64), pl.ds((pid % nk) * BLOCK, BLOCK)
         plgpu.copy_gmem_to_smem(x_ref.at[rows, cols], x_s, bar.at[0])
         plgpu.barrier_wait(bar.at[0])
-        xq_s[...], sx_s[...] = _quantize_tile(plgpu.load(x_s, (), layout=L).astype(jnp.float32), scale_fmt)
+        xq_s[...], sx_s[...] = _quantize_tile(plgpu.load(x_s, layout=L).astype(jnp.float32), scale_fmt)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(xq_s, xq_ref.at[rows, cols])
         plgpu.copy_smem_to_gmem(sx_s, sxt_ref.at[pid % nk, rows])
