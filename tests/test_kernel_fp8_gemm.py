@@ -487,12 +487,11 @@ def test_stream_k_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, quan
 ])
 def test_persistent_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, tiles: dict, out_dtype,
                                 monkeypatch) -> None:
-    """persistent=True: a few CTAs (NUM_SMS patched in interpret mode) loop over the tiles through one ring and
-    store each through SMEM by TMA, CTAs without a tile in the last round repeating their previous one without
-    storing it; every element within the bound of the reference."""
+    """persistent=True: a few CTAs (NUM_SMS patched, natively too: the CTA count is a choice of the kernel's) loop
+    over the tiles through one ring and store each through SMEM by TMA, CTAs without a tile in the last round
+    repeating their previous one without storing it; every element within the bound of the reference."""
     interpret = interpret_for(mode)
-    if interpret:
-        monkeypatch.setattr(G, "NUM_SMS", ctas)
+    monkeypatch.setattr(G, "NUM_SMS", ctas)
     x, wq, ws = make_case(m, k, n, seed=m + k)
     ref, ab = reference(x, wq, ws, "ue8m0")
     got = G.fp8_linear(x, wq, ws, out_dtype=out_dtype, implementation="pallas", interpret=interpret,
@@ -511,8 +510,7 @@ def test_persistent_and_prefetch_exact_data_bit_equal(mode: str, tiles: dict, mo
     repeated tile not stored) and the scales loaded a step ahead must equal the exact product: this pins the
     tiles' addressing and stores (every block's scale is the same here: the random-data tests pin which scales
     a step uses)."""
-    if interpret_for(mode):
-        monkeypatch.setattr(G, "NUM_SMS", 3)
+    monkeypatch.setattr(G, "NUM_SMS", 3)
     x, w, wq, ws = _exact_case(130, 512, 256, seed=12)
     got = G.fp8_linear(jnp.asarray(x, jnp.bfloat16), wq, ws, out_dtype=jnp.float32, implementation="pallas",
                        interpret=interpret_for(mode), **tiles)
@@ -527,8 +525,7 @@ def test_prefetch_scales_matches_xla(mode: str, m: int, tiles: dict, monkeypatch
     repeated last unit's weight scale 0); with split-K each CTA's K range. Using a step's scales one step late
     fails this (checked by mutation)."""
     interpret = interpret_for(mode)
-    if interpret:
-        monkeypatch.setattr(G, "NUM_SMS", 5)
+    monkeypatch.setattr(G, "NUM_SMS", 5)
     x, wq, ws = make_case(m, 512, 384, seed=3)
     ref, ab = reference(x, wq, ws, "ue8m0")
     got = G.fp8_linear(x, wq, ws, out_dtype=jnp.float32, implementation="pallas", interpret=interpret,
