@@ -356,7 +356,7 @@ def select_config_for(t: int, n: int, sms: int = 132, split_finish: bool = True)
     full batch was 0.3 us faster (an H100's timeline, 8 x 128K and 32 x 32K, forty-sixth session:
     archive/topk_knobs_band_h100_2026-12-05.json). The split finish's counting ends once the k-th key's digit holds
     one key, a masked max then taking it (``exit_at_one``), with the bucket's first block held in registers through
-    the passes (``hold_bucket_head``): 0.9-2.3 us faster on full batches and 2.0-3.6 us on mixed ones at 8 x 128K,
+    the passes (``hold_bucket_head``): 1.1-2.3 us faster on full batches and 1.2-3.6 us on mixed ones at 8 x 128K,
     32 x 32K and 64 x 64K, a request of 3000 / 4500 tokens then within 0.5 us of a full batch except 32 x 32K with
     4500 (+1.9) (an H100's timeline, forty-seventh session: topk_knobs_spec_h100_2026-12-05.json)."""
     sp = split_for(t, n, sms=sms)
