@@ -2,7 +2,7 @@
 per loop, its body's length and opcode mix.
 
     python scripts/diag/triton_sass.py topk [--rows 64] [--cols 65536] [--tiles '{"range_margin": 1}'] [--lengths]
-    python scripts/diag/triton_sass.py insert [--kernel v32_kv_insert] [--t 8192]
+    python scripts/diag/triton_sass.py insert [--kernel v32_kv_insert] [--t 8192] [--tiles '{"num_warps": 8}']
     ... [--out DIR]   # each kernel's listing as DIR/NAME.sass
     ... [--json FILE]  # the counts appended to a JSON list (a record per run, with its arguments)
 
@@ -78,7 +78,8 @@ def _insert(a: argparse.Namespace):
     from jds.bench.kernels_fused_insert import _cases
     for kernel, _, fn, static, args, *_ in _cases(False, (a.t,)):
         if kernel == a.kernel:
-            return (functools.partial(fn, **static, implementation="pallas", interpret=False),
+            return (functools.partial(fn, **{**static, **json.loads(a.tiles)}, implementation="pallas",
+                                      interpret=False),
                     [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args])
     raise ValueError(f"kernel must be one of the fused-insert benchmark's, got {a.kernel!r}")
 
@@ -89,7 +90,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--cols", type=int, default=65536)
     ap.add_argument("--k", type=int, default=2048)
-    ap.add_argument("--tiles", default="{}", help="TopkSelectConfig fields (JSON) over select_config_for's")
+    ap.add_argument("--tiles", default="{}", help="topk: TopkSelectConfig fields (JSON) over select_config_for's; "
+                    "insert: the kernel's keyword arguments over the benchmark's (num_warps, split_phases, ...)")
     ap.add_argument("--lengths", action="store_true", help="topk: with the rows' lengths hint, as the indexer runs it")
     ap.add_argument("--kernel", default="v32_kv_insert")
     ap.add_argument("--t", type=int, default=8192)
