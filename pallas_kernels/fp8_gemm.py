@@ -676,7 +676,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     ``persistent`` = P > 0 (several row tiles, one split, unstaged scales): P CTAs loop over whole output tiles,
     CTA c taking tiles c, c + P, ... in the rasterised order, through one pipeline of (tile, K block) steps; at a
     tile's last K block each compute warpgroup writes its rows into an SMEM tile per chunk and TMA stores them,
-    and the ring keeps streaming the next tile's blocks meanwhile. ``prefetch_scales`` (unstaged scales, x
+    and the ring keeps streaming the next tile's blocks meanwhile; a CTA's step count is traced (its own tiles). ``prefetch_scales`` (unstaged scales, x
     quantised outside): each step loads the next step's scales and carries them, so that their global-memory
     latency is not waited on before the promotion."""
     nk = k // BLOCK
@@ -707,10 +707,8 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
         raise ValueError("persistent needs several row tiles, one split, unstaged scales and x quantised outside")
     if prefetch_scales and (stage_scales or quantize_x):
         raise ValueError("prefetch_scales needs unstaged scales and x quantised outside")
-    rounds = -(-tiles // persistent) if persistent else 0  # output tiles per persistent CTA (the last round partial)
-    if persistent:
-        spc = rounds * nk
-    steps = spc  # the pipeline's steps per CTA
+    if persistent:  # the most steps a persistent CTA runs: its tiles' K blocks (the first tiles % P CTAs one tile more)
+        spc = -(-tiles // persistent) * nk
 
     def tile_of(t):
         """Output tile t (of one split) -> (mi, ni): groups of ``group_m`` M tiles, M fastest inside a group,
@@ -744,14 +742,16 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 u = u0 + jnp.minimum(step, n_units - 1)
                 return mi, u // nk, u % nk, step < n_units
         elif persistent:
-            def unit(step):  # round j: tile pid + j P; past the last tile, the CTA's previous round's tile
-                t = pid + (step // nk) * persistent
-                live = t < tiles
-                tmi, tni = tile_of(jnp.where(live, t, t - persistent))
-                return tmi, tni, step % nk, live
+            def unit(step):  # round j: tile pid + j P (the CTA's pipeline runs only its own tiles' steps)
+                tmi, tni = tile_of(pid + (step // nk) * persistent)
+                return tmi, tni, step % nk, True
         else:
             def unit(step):
                 return mi, ni, kb0 + step, True
+
+        # the pipeline's steps in this CTA: a persistent CTA's own tiles' K blocks (a traced count: the CTAs past
+        # tiles % P have one tile fewer and stop, where a static count would have them repeat a tile for nothing)
+        steps = (tiles - pid + persistent - 1) // persistent * nk if persistent else spc
 
         def trimmed_rows():
             """(warpgroup, first output row, rows) of each warpgroup that stores real rows of a trimmed tile (in a
@@ -857,7 +857,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 keep = 1.0 - done.astype(jnp.float32)
                 out = [o * keep for o in out]
             if persistent:  # the tile's last K block: store it (TMA, asynchronous) and start the next tile at 0
-                out = lax.cond(live & (kb == nk - 1), functools.partial(flush, tmi, tile), lambda o: o, tuple(out))
+                out = lax.cond(kb == nk - 1, functools.partial(flush, tmi, tile), lambda o: o, tuple(out))
             out = tuple(out)
             return (out, nxt) if prefetch_scales else out
 
@@ -928,7 +928,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
         x_tf = swz16 if quantize_x else swz
         if stream_k or persistent:  # whole arrays: the blocks follow the CTA's units
             pipeline = plgpu.emit_pipeline_warp_specialized(
-                body, grid=(spc,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+                body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
                 max_concurrent_steps=min(stages, spc), compute_context=compute,
                 in_specs=[plgpu.BlockSpec((bm, BLOCK), lambda s: (unit(s)[0], unit(s)[2]), transforms=x_tf),
                           plgpu.BlockSpec((bn, BLOCK), lambda s: (unit(s)[1], unit(s)[2]), transforms=swz)])

@@ -479,7 +479,7 @@ def test_stream_k_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, quan
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("m,k,n,ctas,tiles,out_dtype", [
-    (300, 512, 384, 4, {}, jnp.float32),  # 9 tiles on 4 CTAs: 3 rounds, the last with one live tile
+    (300, 512, 384, 4, {}, jnp.float32),  # 9 tiles on 4 CTAs: 3 rounds, the last with one CTA
     (300, 512, 384, 4, dict(prefetch_scales=True), jnp.bfloat16),
     (300, 256, 512, 3, dict(block_n=256), jnp.float32),  # 2 chunks a warpgroup, a 3-deep ring
     (200, 384, 256, 5, dict(block_m=64, prefetch_scales=True), jnp.float32),  # warpgroups split the columns
@@ -489,7 +489,7 @@ def test_persistent_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, ti
                                 monkeypatch) -> None:
     """persistent=True: a few CTAs (NUM_SMS patched, natively too: the CTA count is a choice of the kernel's) loop
     over the tiles through one ring and store each through SMEM by TMA, CTAs without a tile in the last round
-    repeating their previous one without storing it; every element within the bound of the reference."""
+    stopping a round early (their traced step count); every element within the bound of the reference."""
     interpret = interpret_for(mode)
     monkeypatch.setattr(G, "NUM_SMS", ctas)
     x, wq, ws = make_case(m, k, n, seed=m + k)
@@ -506,8 +506,8 @@ def test_persistent_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, ti
                                    pytest.param(dict(prefetch_scales=True, block_m=128, block_n=256, split_k=1),
                                                 marks=pytest.mark.slow)])
 def test_persistent_and_prefetch_exact_data_bit_equal(mode: str, tiles: dict, monkeypatch) -> None:
-    """Exact data (as ``test_exact_data_bit_equal``): the persistent loop (4 tiles on 3 CTAs, the last round's
-    repeated tile not stored) and the scales loaded a step ahead must equal the exact product: this pins the
+    """Exact data (as ``test_exact_data_bit_equal``): the persistent loop (4 tiles on 3 CTAs: one CTA runs
+    two tiles, two run one) and the scales loaded a step ahead must equal the exact product: this pins the
     tiles' addressing and stores (every block's scale is the same here: the random-data tests pin which scales
     a step uses)."""
     monkeypatch.setattr(G, "NUM_SMS", 3)
