@@ -767,32 +767,32 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             with jax.named_scope("step"):  # regions of the Mosaic GPU profiler (``profile_dir``)
                 return step_body(idx, x_s, w_s, carry)
 
-        def w_scale(wg, tile, kb, col0):
+        def w_scale(wg, tile, kb, col0, live):
             """The weight scale at K block kb of the chunk from column ``col0`` (of this CTA's tile when staged): one
             scalar, or with ``ragged`` tiles a [cw] vector along the accumulator's columns (two blocks' scales,
-            split where the chunk crosses into the second)."""
+            split where the chunk crosses into the second); 0 for a repeated stream-K unit (not ``live``: it adds
+            nothing)."""
             def get(b):
                 return sw_s[wg, b - scale_window(n0 // BLOCK, sw_rows), kb] if stage_scales else sw_ref[b, kb]
 
             col0 = (wg_cols(wg) if stage_scales else wg_cols(wg, tile)) + col0
             b0 = col0 // BLOCK
             if not ragged:
-                return get(b0)
-            s0, s1 = get(b0), get((col0 + cw - 1) // BLOCK)  # the blocks of its first and last columns
-            col = col0 + plgpu.broadcasted_iota(jnp.int32, (cw,), 0, layout=COL)
-            return jnp.where(col < (b0 + 1) * BLOCK, s0, s1)
+                v = get(b0)
+            else:
+                s0, s1 = get(b0), get((col0 + cw - 1) // BLOCK)  # the blocks of its first and last columns
+                col = col0 + plgpu.broadcasted_iota(jnp.int32, (cw,), 0, layout=COL)
+                v = jnp.where(col < (b0 + 1) * BLOCK, s0, s1)
+            return v * live.astype(jnp.float32) if stream_k else v
 
         def gmem_scales(u):
             """``prefetch_scales``: unit u's row scales ([64] along the accumulator's rows) and its chunks' weight
-            scales, from GMEM (a repeated stream-K unit's weight scales 0: it adds nothing)."""
+            scales, from GMEM."""
             tmi, tile, kb, live = u
             wg = lax.axis_index("wg")
             r0 = tmi * bm + wg * 64 if split_m else tmi * bm
             sx = plgpu.load(sxt_ref.at[kb, pl.ds(r0, 64)], layout=ROW, optimized=False)
-            sws = tuple(w_scale(wg, tile, kb, c * cw) for c in range(nch))
-            if stream_k:
-                sws = tuple(v * live.astype(jnp.float32) for v in sws)
-            return sx, sws
+            return sx, tuple(w_scale(wg, tile, kb, c * cw, live) for c in range(nch))
 
         def step_body(idx, x_s, w_s, carry):
             (step,) = idx
@@ -826,9 +826,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                             sx_c = plgpu.load(sx_s.at[wg, step], layout=ROW, optimized=False)
                         else:
                             sx_c = plgpu.load(sxt_ref.at[kb, pl.ds(r0, 64)], layout=ROW, optimized=False)
-                        sw_c = w_scale(wg, tile, kb, c * cw)
-                        if stream_k:  # a repeated last unit adds nothing
-                            sw_c = sw_c * live.astype(jnp.float32)
+                        sw_c = w_scale(wg, tile, kb, c * cw, live)
                     plgpu.wgmma_wait(0)
                     return blk_ref[...], sx_c, sw_c, nxt_c
 

@@ -860,7 +860,8 @@ def _sample_pivot(x_ref, row, n: int | jax.Array, k: int, cfg: TopkSelectConfig,
     def block(b):  # b is 0 .. nb - 1 (the one step of an nb-block unroll)
         return functools.reduce(lambda acc, j: jnp.where(b == j, xs[j], acc), range(1, nb), xs[0]), None
 
-    floor_u = _kth_key([(nb, block)], _sample_rank(n, k, s_n), cfg.bits, w, cfg.pivot_bits, unroll=nb, packed=cfg.packed_counts)[0]
+    floor_u = _kth_key([(nb, block)], _sample_rank(n, k, s_n), cfg.bits, w, cfg.pivot_bits, unroll=nb,
+                       packed=cfg.packed_counts)[0]
     hi_u = functools.reduce(jnp.maximum, [jnp.max(x) for x in xs]) ^ _SIGN
     hi_u = hi_u if cfg.range_margin is not None else jnp.zeros((), I32)
     if cfg.pivot_bits == 32:
