@@ -137,6 +137,7 @@ from pallas_kernels.split_combine import split_combine
 
 Producer = Literal["tma", "registers"]
 OutStore = Literal["direct", "tma"]
+Merge = Literal["rows", "cluster"]
 
 
 PROFILE_RANGES = 64  # per warpgroup and call: ``profile_dir``'s regions (4 per block, 2 more per warpgroup)
@@ -224,7 +225,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                producer_regs: int | None = None, producer_phases: int | None = None,
                producer_pow2: bool | None = None, profile_dir: str | None = None,
                combine: Implementation = "auto", split_dtype: jnp.dtype | None = None,
-               out_store: OutStore | None = None, extents: Literal["xla", "pallas"] | None = None) -> jax.Array:
+               out_store: OutStore | None = None, extents: Literal["xla", "pallas"] | None = None,
+               merge: Merge | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype; with candidate
@@ -259,6 +261,12 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     power-of-two scales (``record_gather._DQ_POW2_ASM``); None = where the records' scales are ("ue8m0").
     ``combine``: the implementation of the splits' merge (``pallas_kernels.split_combine``; "auto": its
     kernel where the row width is a power of 2).
+    ``merge`` (two candidate splits): "rows", each split writes its normalised rows and (m, l) and
+    ``split_combine`` merges them; "cluster" (native, register producer), the two splits of a (token, head
+    tile) run as a 2-CTA cluster and merge in the kernel: each CTA keeps half of the value columns, receives
+    the peer's unnormalised accumulator of that half and its (m, l) into its K tiles (free once both loops are
+    done) by ``st.async`` through distributed shared memory, and writes the final rows, so the split rows never
+    reach GMEM and no merge kernel runs. None: "rows".
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler records the kernel's named regions per
     warpgroup (prologue, the block loop's wait_full / qk / softmax / pv, epilogue; produce) and writes a
     Perfetto trace under this folder per call (``scripts/diag/mqa_regions.py``). Its buffer takes shared
@@ -275,7 +283,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                                   producer=producer, producer_regs=producer_regs,
                                   producer_phases=producer_phases, producer_pow2=producer_pow2,
                                   profile_dir=profile_dir, combine=combine, split_dtype=split_dtype,
-                                  out_store=out_store, extents=extents)})
+                                  out_store=out_store, extents=extents, merge=merge)})
 
 
 def _check_inputs(q, caches, formats, slots, v_dim, sink) -> int:
@@ -307,7 +315,7 @@ def _xla(q, caches, formats, slots, *, scale, v_dim, sink, out_dtype):
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
             producer_regs=None, producer_phases=None, producer_pow2=None, profile_dir=None, combine="auto",
-            split_dtype=None, out_store=None, extents=None):
+            split_dtype=None, out_store=None, extents=None, merge=None):
     if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
     if split_dtype is not None and jnp.dtype(split_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
@@ -369,8 +377,16 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
         num_splits = max(1, min(NUM_SMS // max(1, t * g), nb // MIN_BLOCKS_PER_SPLIT))
     bps = -(-nb // max(1, min(num_splits, nb)))
     n_splits = -(-nb // bps)
+    merge = "rows" if merge is None else merge
+    if merge not in ("rows", "cluster"):
+        raise ValueError(f'merge must be "rows" or "cluster", got {merge!r}')
+    cluster = merge == "cluster"
+    if cluster and (n_splits != 2 or producer != "registers" or interpret):
+        raise ValueError(f'merge="cluster" merges exactly two candidate splits of the native register producer '
+                         f'(got {n_splits} splits, producer {producer!r}, interpret {bool(interpret)}); '
+                         f'pass num_splits=2')
     split_dtype = jnp.dtype(jnp.float32 if split_dtype is None else split_dtype)
-    stored = jnp.dtype(out_dtype) if n_splits == 1 else split_dtype
+    stored = jnp.dtype(out_dtype) if n_splits == 1 or cluster else split_dtype
     extents = ("pallas" if len(slots) > 1 else "xla") if extents is None else extents
     out_store = ("tma" if stored == jnp.dtype(jnp.bfloat16) else "direct") if out_store is None else out_store
     if extents not in ("xla", "pallas"):
@@ -388,10 +404,10 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
                        producer_phases=producer_phases,
                        pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2,
-                       profile_dir=profile_dir)
+                       profile_dir=profile_dir, cluster=cluster)
     # the lists' slots apart: no concatenated copy
     outs = call(qp, *padded, *_extents(padded, extents, bool(interpret)), sink_p, *caches)
-    if n_splits == 1:
+    if n_splits == 1 or cluster:
         return outs[:, :h]
     o, m, l = outs
     return split_combine(o, m, l, sink.astype(jnp.float32) if has_sink else None, heads=h, out_dtype=out_dtype,
@@ -466,7 +482,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 split_dtype: jnp.dtype, out_store: OutStore = "direct",
                 interpret: plgpu.InterpretGPUParams | None, producer: Producer = "tma",
                 producer_regs: int = 144, producer_phases: int = 1, pow2: bool = False,
-                profile_dir: str | None = None):
+                profile_dir: str | None = None, cluster: bool = False):
     """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k and arrives on "full"[k % 2];
     the compute warpgroups wait on it, read the block's slots from its idx slot (written by the producer),
     compute as below and arrive on "free"[k % 2] after their PV, which the producer waits for before it refills
@@ -607,11 +623,14 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     def kernel(q_ref, *rest):
         slots_refs, ext_refs, sink_ref, rest = rest[:nc], rest[nc:2 * nc], rest[2 * nc], rest[2 * nc + 1:]
         cache_refs, rest = rest[:nc], rest[nc:]
-        if n_splits == 1:
+        if n_splits == 1 or cluster:
             (o_ref,), scratch = rest[:1], rest[1:]
         else:
             (o_ref, m_ref, l_ref), scratch = rest[:3], rest[3:]
-        st16 = pb_s = sel_s = st = bar_i = bar_kv = bar_ready = None
+        st16 = pb_s = sel_s = st = bar_i = bar_kv = bar_ready = xacc = xml = bar_xfree = bar_xfull = None
+        if cluster:  # the K tiles and, aliased, the peer's half accumulator and statistics; their barriers
+            *scratch, bar_xfree, bar_xfull = scratch
+            scratch[1], (xacc, xml) = scratch[1]
         *scratch, stat_s, bar_stat = scratch
         if reg:
             q_s1, k_s1, p_s, idx_s, bar_q, bar_full, bar_free, bar_p, *staged = scratch
@@ -625,7 +644,10 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             q_s1, k_s1, st, p_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_p = scratch
         q_s, k_s = q_s1.at[0], k_s1.at[0]  # [1, rows, dk]: index 0 statically (copies, dequantisation)
         pid = lax.axis_index("cta")
-        gi, ti, si = pid % G, (pid // G) % t, pid // (G * t)
+        if cluster:  # the grid is over (token, head tile) pairs; the split is the CTA's rank in its cluster
+            gi, ti, si = pid % G, pid // G, lax.axis_index("pair")
+        else:
+            gi, ti, si = pid % G, (pid // G) % t, pid // (G * t)
         exts = [r[ti] for r in ext_refs]  # this token's live blocks per list (``_extents``)
         b0 = si * bps  # this split's first position in the token's sequence of live blocks
         nblk = jnp.clip(functools.reduce(jnp.add, exts) - b0, 0, bps)
@@ -812,22 +834,76 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 l = l + plgpu.load(stat_s.at[1, 1 - w], layout=ROW, optimized=False)
                 heads = pl.ds(gi * HEAD_TILE, HEAD_TILE)
                 cols = pl.ds(w * dvw, dvw)
+                if cluster:
+                    merge_in_cluster(w, acc, m, l, o_ref.at[ti, heads, cols])
+                    return
                 inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
                 o = acc * lax.broadcast_in_dim(inv, acc.shape, [0])  # normalised, so a split's rows fit its dtype
                 dst = o_ref.at[ti, heads, cols] if n_splits == 1 else o_ref.at[si, ti, heads, cols]
-                if out_store == "tma":  # the q tile is free: both warpgroups passed the statistics barrier
-                    q_s.at[:, cols][...] = o.astype(jnp.bfloat16)
-                    plgpu.commit_smem()
-                    for r in range(HEAD_TILE // 8):  # an 8-row group of the tiled q tile is contiguous
-                        rows = pl.ds(8 * r, 8)
-                        plgpu.copy_smem_to_gmem(q_s.at[rows, cols], dst.at[rows])
-                else:
-                    dst[...] = o.astype(dst.dtype)
+                store_rows(w, dst, [(0, o)])
                 if n_splits > 1 and w == 0:
                     m_ref.at[si, ti, heads][...] = m
                     l_ref.at[si, ti, heads][...] = l
                 if out_store == "tma":
                     plgpu.wait_smem_to_gmem(0)  # the q tile stays until the copy has read it
+
+        def store_rows(w, dst, parts):
+            """Warpgroup w's rows [64, dvw] into ``dst``, given as [(first column, [64, n] fp32)]: directly, or
+            through its columns of the q tile (free: both warpgroups passed the statistics barrier) and TMA
+            copies, whose reads the caller waits for."""
+            for c0, o in parts:
+                if out_store == "tma":
+                    q_s.at[:, pl.ds(w * dvw + c0, o.shape[1])][...] = o.astype(jnp.bfloat16)
+                else:
+                    dst.at[:, pl.ds(c0, o.shape[1])][...] = o.astype(dst.dtype)
+            if out_store == "tma":
+                plgpu.commit_smem()
+                for r in range(HEAD_TILE // 8):  # an 8-row group of the tiled q tile is contiguous
+                    rows = pl.ds(8 * r, 8)
+                    plgpu.copy_smem_to_gmem(q_s.at[rows, pl.ds(w * dvw, dvw)], dst.at[rows])
+
+        def merge_in_cluster(w, acc, m, l, dst):
+            """merge="cluster": CTA si finalises the value columns of its warpgroup si. Its other warpgroup
+            sends its unnormalised accumulator and (m, l) to the peer, once the peer's loops are done (its K
+            tiles, which hold the received values, are then free); warpgroup si announces that for this CTA,
+            waits for the peer's half and writes the merged rows. ``st.async`` completes on the receiver's
+            barrier with the bytes it carries, so no cluster-scope fence is needed (both waits are the only
+            reads of remote data). (m, l) travel as one [64, 32] tile: m in columns 0-15, l in 16-31."""
+            col = plgpu.broadcasted_iota(jnp.int32, (HEAD_TILE, 32), 1, layout=L)
+
+            @pl.when(si != w)
+            def _send():
+                plgpu.barrier_wait(bar_xfree)
+                ml = jnp.where(col < 16, lax.broadcast_in_dim(m, col.shape, [0]),
+                               lax.broadcast_in_dim(l, col.shape, [0]))
+                plgpu.async_store_smem(acc, xacc, bar_xfull, cluster_idx=1 - si, cluster_dim="pair")
+                plgpu.async_store_smem(ml, xml, bar_xfull, cluster_idx=1 - si, cluster_dim="pair")
+
+            @pl.when(si == w)
+            def _receive():
+                plgpu.barrier_arrive(bar_xfree)  # in both CTAs: this one's loops are done
+                plgpu.barrier_wait(bar_xfull)
+                ml = xml[...]
+                pm = jnp.where(col < 16, ml, -jnp.inf).max(axis=1)
+                pl_ = jnp.where(col >= 16, ml, -jnp.inf).max(axis=1)
+                mt = jnp.maximum(m, pm)
+                if has_sink:
+                    heads = pl.ds(gi * HEAD_TILE, HEAD_TILE)
+                    sk = plgpu.load(sink_ref.at[heads], layout=ROW, optimized=False) * LOG2E
+                    mt = jnp.maximum(mt, sk)
+                a0, a1 = jnp.exp2(m - mt), jnp.exp2(pm - mt)
+                lt = l * a0 + pl_ * a1
+                if has_sink:
+                    lt = lt + jnp.exp2(sk - mt)
+                inv = jnp.where(lt > 0, 1.0 / jnp.where(lt > 0, lt, 1.0), 0.0)
+                w0 = lax.broadcast_in_dim(a0 * inv, (HEAD_TILE, 64), [0])
+                w1 = lax.broadcast_in_dim(a1 * inv, (HEAD_TILE, 64), [0])
+                # 64 columns at a time: the peer's whole half beside this one's would not fit the registers
+                parts = [(c0, acc[:, c0:c0 + 64] * w0 + xacc.at[:, pl.ds(c0, 64)][...] * w1)
+                         for c0 in range(0, dvw, 64)]
+                store_rows(w, dst, parts)
+                if out_store == "tma":
+                    plgpu.wait_smem_to_gmem(0)
 
         def produce():
             """producer="registers": block k into K tile k % 2 (and its slots into idx slot k % 2), once the
@@ -923,7 +999,14 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             scratch += [st_t, *mid[1:], plgpu.Barrier(num_arrivals=1, num_barriers=2),
                         plgpu.Barrier(num_arrivals=BK * copies, num_barriers=1)]
         scratch += [plgpu.SMEM((2, NUM_WG, HEAD_TILE), jnp.float32), plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1)]
-    if n_splits == 1:
+    if cluster:  # the peer's half accumulator and its (m, l) in the K tiles' memory; "both CTAs' loops done"
+        # (each CTA's receiving warpgroup arrives in both) and "the peer's two stores landed"
+        f32_tiles = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+        scratch[1] = plgpu.RefUnion(scratch[1], (plgpu.SMEM((HEAD_TILE, dvw), jnp.float32, transforms=f32_tiles),
+                                                 plgpu.SMEM((HEAD_TILE, 32), jnp.float32, transforms=f32_tiles)))
+        scratch += [plgpu.ClusterBarrier(collective_axes=("pair",), num_arrivals=1),
+                    plgpu.Barrier(num_arrivals=2, num_barriers=1)]
+    if n_splits == 1 or cluster:
         out_type = jax.ShapeDtypeStruct((t, hp, dv), out_dtype)
     else:
         out_type = (jax.ShapeDtypeStruct((n_splits, t, hp, dv), split_dtype),
@@ -933,6 +1016,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                                   approx_math=True, reduction_scratch_bytes=0,  # row reductions stay in-warp
                                   **(dict(profile_space=PROFILE_RANGES, profile_dir=profile_dir) if profile_dir
                                      else {}))
-    return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=(n_splits * t * G,),
-                        grid_names=("cta",), num_threads=NUM_WG + reg, thread_name="wg", compiler_params=params,
+    grid = dict(grid=(t * G,), grid_names=("cta",), cluster=(2,), cluster_names=("pair",)) if cluster else dict(
+        grid=(n_splits * t * G,), grid_names=("cta",))
+    return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, **grid,
+                        num_threads=NUM_WG + reg, thread_name="wg", compiler_params=params,
                         interpret=interpret if interpret is not None else False)

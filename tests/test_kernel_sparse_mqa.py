@@ -260,6 +260,46 @@ def test_v4_register_producer(num_splits, producer):
     _v4_window_compressed(False, num_splits, **kw)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["v4", "v32"])
+def test_cluster_merge(arch):
+    """merge="cluster": the two splits of each (token, head tile) merge through distributed shared memory.
+    V4: window + compressed lists with the sink and a fully masked row, fp32 rows and bf16 rows (direct and
+    through TMA). V3.2: 200 heads (two head tiles, padded), a short row whose second split has no block, a
+    fully masked row, no sink. GPU interpret mode has no cluster memory: native only."""
+    if not ON_GPU:
+        pytest.skip("native only")
+    if arch == "v4":
+        _v4_window_compressed(False, 2, merge="cluster")
+        return
+    rng = np.random.default_rng(6)
+    t, h, k, nblk, epp = 4, 200, 2048, 96, 64
+    fmt = MlaRecord656(epp, "ue8m0")
+    cache = _cache(fmt, nblk, 576, rng)
+    slots = _slots(rng, t, k, nblk * epp, 0.2, empty_rows=(1,)).at[2, 100:].set(-1)
+    q = _bf16_exact(rng.standard_normal((t, h, 576)))
+    for kw in (dict(), dict(out_dtype=jnp.bfloat16)):
+        tol = TOL_BF16_OUT if kw else TOL_EXACT_KV
+        out = _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=tol, interpret=False,
+                     num_splits=2, merge="cluster", **kw)
+        assert np.all(out[1] == 0.0)
+
+
+def test_cluster_merge_needs_two_native_splits():
+    """merge="cluster" is refused, naming the argument, where it cannot run: not two splits, interpret mode."""
+    rng = np.random.default_rng(7)
+    fmt = MlaRecord656(16, "ue8m0")
+    cache = _cache(fmt, 4, 576, rng)
+    slots = _slots(rng, 2, 200, 64, 0.2)
+    q = _bf16_exact(rng.standard_normal((2, 4, 576)))
+    for kw in (dict(num_splits=1, interpret=False), dict(num_splits=2, interpret=True),
+               dict(num_splits=2, interpret=False, producer="tma")):
+        with pytest.raises(ValueError, match="merge"):
+            mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, merge="cluster", **kw)
+    with pytest.raises(ValueError, match="merge"):
+        mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, merge="tree", interpret=True)
+
+
 def _v4_window_compressed(interpret, num_splits, **kw) -> None:
     rng = np.random.default_rng(3)
     if interpret:  # window list (16 wide) and compressed list (70 wide) -> 1 + 2 blocks
@@ -425,7 +465,8 @@ def test_v4_layer_attend(mode):
 @pytest.mark.parametrize("case", ["v32_fp8", "v32_fp8_splits", "v4_fp8", "v32_bf16", "v4_bf16", "v32_fp8_tma",
                                   "v32_fp8_registers_p2", "v4_fp8_tma",
                                   "v4_fp8_registers_p2", "v4_fp8_splits_bf16", "v32_fp8_out_tma",
-                                  "v4_fp8_splits_out_tma", "v4_fp8_extents_pallas"])
+                                  "v4_fp8_splits_out_tma", "v4_fp8_extents_pallas", "v4_fp8_cluster",
+                                  "v4_fp8_cluster_out_tma", "v32_fp8_cluster"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -440,7 +481,7 @@ def test_lowers_for_cuda(case):
     caches = [jax.ShapeDtypeStruct((64, f.page_elems), f.dtype) for f in fmts]
     slots = [jax.ShapeDtypeStruct((t, k), jnp.int32) for k in lists]
     sink = jax.ShapeDtypeStruct((h,), jnp.float32) if case.startswith("v4") else None
-    splits = 4 if "splits" in case else 1
+    splits = 4 if "splits" in case else 2 if "cluster" in case else 1
     # v32_fp8 / v4_fp8: the register producer (the default natively for fp8 records)
     kw = {"v32_fp8_tma": dict(producer="tma"), "v4_fp8_tma": dict(producer="tma"),
           "v32_fp8_registers_p2": dict(producer="registers", producer_phases=2),
@@ -450,7 +491,10 @@ def test_lowers_for_cuda(case):
           "v32_fp8_out_tma": dict(out_dtype=jnp.bfloat16, out_store="tma"),
           "v4_fp8_splits_out_tma": dict(out_dtype=jnp.bfloat16, split_dtype=jnp.bfloat16,
                                         out_store="tma"),
-          "v4_fp8_extents_pallas": dict(extents="pallas")}.get(case, {})
+          "v4_fp8_extents_pallas": dict(extents="pallas"),
+          # two splits merged through distributed shared memory (fp32 rows stored directly, bf16 by TMA)
+          "v4_fp8_cluster": dict(merge="cluster"), "v32_fp8_cluster": dict(merge="cluster"),
+          "v4_fp8_cluster_out_tma": dict(merge="cluster", out_dtype=jnp.bfloat16)}.get(case, {})
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,
@@ -463,4 +507,4 @@ def test_lowers_for_cuda(case):
             jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
             jax.ShapeDtypeStruct((t, h, dim), jnp.bfloat16), caches, slots, sink)
     assert "mosaic_gpu" in exp.mlir_module()
-    assert ("split_combine" in exp.mlir_module()) == (splits > 1)
+    assert ("split_combine" in exp.mlir_module()) == (splits > 1 and "cluster" not in case)

@@ -42,6 +42,10 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             # the lists' extents as one Triton kernel instead of an XLA reduction per list (V4's two lists; the
             # default for several lists since 2026-12-05: "default" rows of V4 before then are "extents_xla")
             "extents_xla": dict(extents="xla"), "extents_pallas": dict(extents="pallas"),
+            # two splits as a 2-CTA cluster merging through distributed shared memory (no split rows, no merge
+            # kernel; ``merge``)
+            "cluster": dict(num_splits=2, merge="cluster"),
+            "bf16_out_cluster": dict(out_dtype="bfloat16", num_splits=2, merge="cluster"),
             # the wrapper as main's layers ran it before 2026-12-05 (bf16 split rows, XLA's merge, direct stores)
             "before_1205": dict(out_dtype="bfloat16", split_dtype="bfloat16", combine="xla", out_store="direct",
                                 extents="xla"), "bf16_out_extents_pallas": dict(out_dtype="bfloat16",
