@@ -128,6 +128,8 @@ SWAP_AB_UP_TO = 32  # rows (M) up to which swap_ab=None swaps the roles (``_auto
 SWAP_STORES = ("rows", "transpose", "smem")  # swap_ab's ways to store y (``fp8_linear``'s ``swap_store``)
 STAGES = 4  # TMA ring depth (stages=None)
 SWAP_RING_BYTES = 104 * 1024  # swap_ab, stages=None: ring bytes in flight per CTA (``_swapped_stages``)
+LARGE_M_FROM = 1024  # rows from which persistent / prefetch_scales = None may turn on (``_auto_large_m``)
+PERSISTENT_MAX_KBLOCKS = 16  # in / 128 up to which persistent=None loops over tiles there (q_b's 12)
 PROFILE_RANGES = 256  # per warpgroup and call: ``profile_dir``'s events (a region per K block, a few more)
 
 
@@ -139,8 +141,8 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                block_n: int | None = None, split_k: int | None = None, stages: int | None = None,
                group_m: int = 8, stage_scales: bool | None = None, quantize_x: bool = False,
                stream_k: bool | None = None, act_quant: str | None = None, swap_ab: bool | None = None,
-               swap_store: str | None = None, persistent: bool = False, prefetch_scales: bool = False,
-               profile_dir: str | None = None) -> jax.Array:
+               swap_store: str | None = None, persistent: bool | None = None,
+               prefetch_scales: bool | None = None, profile_dir: str | None = None) -> jax.Array:
     """y = x W^T with W = ``wq`` (float8_e4m3fn [out, in]) * ``w_scale`` (float32 [ceil(out/128),
     ceil(in/128)] per 128 x 128 block), x [..., in] re-quantised per 1 x 128 group (``scale_fmt``);
     [..., out] in ``out_dtype``.
@@ -178,7 +180,9 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     accumulators from registers (a 128-row tile's uncoalesced register stores were the longest part of a CTA's
     tail in the regions profile, and at q_b's 12 K blocks a tile's fill and store are a large part of it).
     ``prefetch_scales`` (unstaged scales, x quantised outside the kernel): each K block's scales load a step
-    ahead, so the promotion does not wait on global memory. Both off by default until timed on the GPU.
+    ahead, so the promotion does not wait on global memory. None (``_auto_large_m``): from ``LARGE_M_FROM`` rows
+    where nothing else excludes them, ``persistent`` for a short K (at most ``PERSISTENT_MAX_KBLOCKS`` K blocks),
+    else ``prefetch_scales``.
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler writes a trace of the kernel's named regions per
     warpgroup there: ``all`` (the pipeline, every warpgroup), the compute warpgroups' ``scales`` (staging wait),
     ``loop``, its ``step`` bodies and ``store`` (``scripts/diag/fp8_regions.py``).
@@ -252,6 +256,23 @@ def _pick_tiles(m: int, n: int, nk: int, block_m: int | None, block_n: int | Non
 def supports(n: int, k: int) -> bool:
     """Whether the kernel takes a weight of [n, k] (out, in)."""
     return n % BLOCK == 0 and k % BLOCK == 0 and n > 0 and k > 0
+
+
+def _auto_large_m(m: int, nk: int, split_k: int | None, stage_scales: bool | None, quantize_x: bool,
+                  stream_k: bool | None, swap_ab: bool | None) -> tuple[bool, bool]:
+    """(persistent, prefetch_scales) where the caller leaves them None: off below ``LARGE_M_FROM`` rows and
+    wherever the caller asked for staged scales, quantize_x, stream_k or swap_ab; there, ``persistent`` for at
+    most ``PERSISTENT_MAX_KBLOCKS`` K blocks (no split_k), else ``prefetch_scales``.
+
+    Why: with a short K a tile's ring fill and accumulator store are a large share of its time, which the
+    persistent loop overlaps with the next tile's blocks; with a long K that loop's smaller ring (its SMEM
+    output tiles take room) costs more than it saves, and the scales a step ahead help instead. Measured at
+    2048 and 8192 rows on an H100 (benchmarks/results/kernels_fp8_gemm_large_h100_2026-12-05.json): persistent
+    faster at q_b (12 K blocks), slower at mlp (56) and wo (128), where prefetch_scales was faster or level."""
+    if m < LARGE_M_FROM or stage_scales or quantize_x or stream_k or swap_ab:
+        return False, False
+    persistent = nk <= PERSISTENT_MAX_KBLOCKS and split_k in (None, 1)
+    return persistent, not persistent
 
 
 def _auto_split_k(tiles: int, nk: int) -> int:
@@ -384,7 +405,7 @@ def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
 
 def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages, group_m,
             stage_scales, quantize_x=False, stream_k=None, act_quant=None, swap_ab=None, swap_store=None,
-            persistent=False, prefetch_scales=False, profile_dir=None):
+            persistent=None, prefetch_scales=None, profile_dir=None):
     _check_tiles(block_m, block_n, split_k, STAGES if stages is None else stages, group_m)
     if swap_ab is not None and not isinstance(swap_ab, bool):
         raise ValueError(f"swap_ab must be a bool or None, got {swap_ab!r}")
@@ -395,8 +416,8 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     if stream_k is not None and not isinstance(stream_k, bool):
         raise ValueError(f"stream_k must be a bool or None, got {stream_k!r}")
     for name, v in (("persistent", persistent), ("prefetch_scales", prefetch_scales)):
-        if not isinstance(v, bool):
-            raise ValueError(f"{name} must be a bool, got {v!r}")
+        if v is not None and not isinstance(v, bool):
+            raise ValueError(f"{name} must be a bool or None, got {v!r}")
     if profile_dir is not None and interpret:
         raise ValueError("profile_dir: Mosaic GPU's profiler runs natively only (interpret mode has no trace)")
     if act_quant not in (None, "xla", "kernel"):
@@ -417,6 +438,9 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         interpret = resolve_interpret(None)
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
+    auto_persistent, auto_prefetch = _auto_large_m(m, nk, split_k, stage_scales, quantize_x, stream_k, swap_ab)
+    persistent = auto_persistent if persistent is None else persistent
+    prefetch_scales = auto_prefetch if prefetch_scales is None else prefetch_scales
     if swap_ab is None:
         swap_ab = _auto_swap_ab(m, block_m, block_n, quantize_x, stream_k) and not (persistent or prefetch_scales)
     elif swap_ab and (persistent or prefetch_scales):

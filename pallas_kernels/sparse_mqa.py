@@ -266,7 +266,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     tile) run as a 2-CTA cluster and merge in the kernel: each CTA keeps half of the value columns, receives
     the peer's unnormalised accumulator of that half and its (m, l) into its K tiles (free once both loops are
     done) by ``st.async`` through distributed shared memory, and writes the final rows, so the split rows never
-    reach GMEM and no merge kernel runs. None: "rows".
+    reach GMEM and no merge kernel runs. None: "cluster" where it applies (faster at V4 decode batch 64,
+    benchmarks/results/mqa_variants_cluster_h100_2026-12-05.json), else "rows".
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler records the kernel's named regions per
     warpgroup (prologue, the block loop's wait_full / qk / softmax / pv, epilogue; produce) and writes a
     Perfetto trace under this folder per call (``scripts/diag/mqa_regions.py``). Its buffer takes shared
@@ -377,7 +378,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
         num_splits = max(1, min(NUM_SMS // max(1, t * g), nb // MIN_BLOCKS_PER_SPLIT))
     bps = -(-nb // max(1, min(num_splits, nb)))
     n_splits = -(-nb // bps)
-    merge = "rows" if merge is None else merge
+    if merge is None:
+        merge = "cluster" if n_splits == 2 and producer == "registers" and not interpret else "rows"
     if merge not in ("rows", "cluster"):
         raise ValueError(f'merge must be "rows" or "cluster", got {merge!r}')
     cluster = merge == "cluster"

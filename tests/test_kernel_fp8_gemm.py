@@ -565,6 +565,21 @@ def test_persistent_and_prefetch_limits() -> None:
         G.fp8_linear(x[:7], wq, ws, prefetch_scales=True, quantize_x=True, **kw)
 
 
+def test_auto_large_m() -> None:
+    """persistent / prefetch_scales = None: off below LARGE_M_FROM rows and beside staged scales, quantize_x,
+    stream_k or swap_ab; persistent for short K without split_k, else the scales a step ahead."""
+    big, short_k, long_k = G.LARGE_M_FROM, G.PERSISTENT_MAX_KBLOCKS, G.PERSISTENT_MAX_KBLOCKS + 1
+    auto = functools.partial(G._auto_large_m, split_k=None, stage_scales=None, quantize_x=False, stream_k=None,
+                             swap_ab=None)
+    assert auto(big, 12) == (True, False)  # q_b
+    assert auto(8192, short_k) == (True, False)
+    assert auto(big, long_k) == auto(big, 128) == (False, True)  # mlp, wo
+    assert auto(big - 1, 12) == auto(128, 128) == (False, False)
+    assert auto(big, 12, split_k=2) == (False, True)
+    for excl in (dict(stage_scales=True), dict(quantize_x=True), dict(stream_k=True), dict(swap_ab=True)):
+        assert auto(big, 12, **excl) == auto(big, 128, **excl) == (False, False)
+
+
 @pytest.mark.parametrize("n_tiles,nk,ctas", [(3, 4, 5), (56, 128, 132), (144, 56, 132), (2, 3, 6), (7, 2, 3)])
 def test_stream_k_layout_counts_each_tiles_ctas(n_tiles: int, nk: int, ctas: int) -> None:
     """stream_k_owner / stream_k_layout against a direct enumeration of the CTAs' runs [c U / P, (c + 1) U / P)."""
@@ -689,6 +704,8 @@ def test_auto_stream_k_and_staged_scales() -> None:
                                          (2048, 7168, 18432, dict(persistent=True, block_n=144,
                                                                   prefetch_scales=True)),  # ragged chunks
                                          (2048, 7168, 18432, dict(prefetch_scales=True)),
+                                         # the defaults at large M: persistent (q_b), scales a step ahead (wo)
+                                         (2048, 1536, 24576, {}), (2048, 16384, 7168, {}),
                                          (64, 7168, 18432, dict(stream_k=True, prefetch_scales=True))])
 def test_lowers_for_cuda(m: int, k: int, n: int, tiles: dict) -> None:
     """The compiled kernel passes Mosaic GPU's lowering (e4m3 wgmma with K-major operands, TMA, layouts)."""

@@ -44,7 +44,8 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             "extents_xla": dict(extents="xla"), "extents_pallas": dict(extents="pallas"),
             # two splits as a 2-CTA cluster merging through distributed shared memory (no split rows, no merge
             # kernel; ``merge``)
-            "cluster": dict(num_splits=2, merge="cluster"),
+            "cluster": dict(num_splits=2, merge="cluster"), "rows": dict(merge="rows"),
+            "bf16_out_rows": dict(out_dtype="bfloat16", merge="rows"),
             "bf16_out_cluster": dict(out_dtype="bfloat16", num_splits=2, merge="cluster"),
             # the wrapper as main's layers ran it before 2026-12-05 (bf16 split rows, XLA's merge, direct stores)
             "before_1205": dict(out_dtype="bfloat16", split_dtype="bfloat16", combine="xla", out_store="direct",
