@@ -267,7 +267,7 @@ def _auto_large_m(m: int, nk: int, split_k: int | None, stage_scales: bool | Non
     Why: with a short K a tile's ring fill and accumulator store are a large share of its time, which the
     persistent loop overlaps with the next tile's blocks; with a long K that loop's smaller ring (its SMEM
     output tiles take room) costs more than it saves, and the scales a step ahead help instead. Measured at
-    2048 and 8192 rows on an H100 (benchmarks/results/kernels_fp8_gemm_large_h100_2026-12-05.json): persistent
+    2048 and 8192 rows on an H100 (benchmarks/results/kernels_fp8_gemm_h100_2026-12-06.json): persistent
     faster at q_b (12 K blocks), slower at mlp (56) and wo (128), where prefetch_scales was faster or level."""
     if m < LARGE_M_FROM or stage_scales or quantize_x or stream_k or swap_ab:
         return False, False

@@ -131,7 +131,7 @@ class IndexerKernelConfig:
     #                            ran the top-k's kernels twice as long as a full one; with it, the 6000-token batch
     #                            was level and full batches level or slightly slower (H200 timeline,
     #                            archive/topk_knobs_lengths_h200_2026-12-05.json; with today's config on an H100:
-    #                            topk_knobs_fine_h100_2026-12-05.json, topk_knobs_spec_h100_2026-12-05.json)
+    #                            archive/topk_knobs_fine_h100_2026-12-05.json, topk_knobs_spec_h100_2026-12-05.json)
     # Why "set" and None by default: on the H200 both were at least as fast as "sorted" / 1 at every measured
     # k = 2048 shape, full and mixed batches (archive/kernels_sparse_indexer_h200_2026-12-02.json, rows
     # ..._pallas_radix_set and ..._split*_set; archive/kernels_select_h200_2026-12-02_partial.json), within a few

@@ -165,7 +165,20 @@ def _fp8_gemm(d: dict) -> list[str]:
             f"{_fmt(m.get('copy_bytes_per_s', 0) / 1e12)} TB/s, both measured in the same run.{runs}", ""] + \
         _table(["case", "pallas", "xla", "torch", "bf16", "torch scales", "pallas TFLOP/s", "of FP8 peak",
                 "of copy bw", "torch / pallas"] + (["pallas device µs (GPU timeline)", "of copy bw"] if prof else []),
-               rows)
+               rows) + _fp8_forms(by)
+
+
+def _fp8_forms(by: dict[str, dict[str, dict]]) -> list[str]:
+    """The kernel's forms a run timed beside its default (``--rows 'pallas[knob=value]'``): median µs and share
+    of the run's FP8 peak per case; nothing when the run timed none."""
+    forms = list(dict.fromkeys(i for per in by.values() for i in per if i.startswith("pallas[")))
+    if not forms:
+        return []
+    cols = ["pallas"] + forms
+    rows = [[case] + [f"{_fmt(per[i]['median_us'], 1)} ({_pct(per[i].get('fp8_peak_frac'))})" if i in per else "—"
+                      for i in cols] for case, per in by.items() if any(f in per for f in forms)]
+    return ["", "The kernel's forms in the same runs, median µs per call (of the FP8 peak):", ""] + \
+        _table(["case"] + cols, rows)
 
 
 def _grouped(d: dict) -> list[str]:
