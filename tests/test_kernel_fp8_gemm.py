@@ -533,6 +533,23 @@ def test_prefetch_scales_matches_xla(mode: str, m: int, tiles: dict, monkeypatch
     check(got, ref, ab, _rtol(mode, 512), jnp.float32)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(1024, 1536, 3072), (2048, 2176, 1024)])
+def test_large_m_defaults_match_xla(m: int, k: int, n: int) -> None:
+    """The defaults from LARGE_M_FROM rows (``_auto_large_m``), natively at the GPU's own CTA count: the
+    persistent loop at 12 K blocks (q_b's in-features), the scales a step ahead at 17; every element within the
+    bound of the reference, fp32 and bf16 out."""
+    if not ON_GPU:
+        pytest.skip("native only")
+    want = (True, False) if k == 1536 else (False, True)
+    assert G._auto_large_m(m, k // 128, None, None, False, None, None) == want
+    x, wq, ws = make_case(m, k, n, seed=m + k)
+    ref, ab = reference(x, wq, ws, "ue8m0")
+    for out_dtype in (jnp.float32, jnp.bfloat16):
+        got = G.fp8_linear(x, wq, ws, out_dtype=out_dtype, implementation="pallas", interpret=False)
+        check(got, ref, ab, _rtol("native", k), out_dtype)
+
+
 @pytest.mark.skipif(ON_GPU, reason="GPU interpret mode's race detector runs on the CPU")
 def test_persistent_no_races(monkeypatch) -> None:
     """The race detector over the persistent loop: 4 tiles on 3 CTAs, so a CTA's second tile rewrites the SMEM
