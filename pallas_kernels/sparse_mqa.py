@@ -21,11 +21,12 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, two compute warpgroups per CT
   through SMEM. Each list's blocks past its last valid slot are skipped (``_extents``: one XLA reduction
   per list; the kernel maps its k-th block to a list's block by scalar arithmetic), so prefill tokens early
   in the sequence, short contexts and masked rows cost only their live blocks. ``num_splits`` cuts each
-  token's sequence of live blocks into CTAs (small decode batches need them to fill the GPU); each split writes
-  its normalised rows (fp32 unless ``split_dtype``) with their (m, l), merged with the sink by one more
-  kernel (``pallas_kernels.split_combine``; with one split the CTA writes the final rows itself). Merging
-  them in the kernel instead, by each head tile's last split to finish, measured slower at V4 decode batch 64
-  and was removed (docs/perf-log.md).
+  token's sequence of live blocks into CTAs (small decode batches need them to fill the GPU). Two splits of the
+  register producer run as a 2-CTA cluster that merges through distributed shared memory (``merge``); other
+  split counts write their normalised rows (fp32 unless ``split_dtype``) with their (m, l), merged with the sink
+  by one more kernel (``pallas_kernels.split_combine``; with one split the CTA writes the final rows itself).
+  Merging through global memory instead, by each head tile's last split to finish, measured slower at V4
+  decode batch 64 and was removed (docs/perf-log.md).
 - Row gather: Hopper has no gather TMA, so every candidate row is one (V3.2, bf16 rows) or two (V4: data,
   UE8M0 exponents) contiguous bulk TMA copies ``cache[page, start:start+n] -> staging[row]`` with the page
   and byte offset computed from the slot by scalar code. Each warp issues 8 of the block's 64 rows under

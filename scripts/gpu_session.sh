@@ -224,8 +224,8 @@ case "$stage" in
     ncu_sweep fp8 "$V"
     ;;
   fp8-large)
-    # issue 19 (forty-seventh session; its native tests passed on an H100, untimed): large M against the 60% target (H100: wo 56-58%, q_b
-    # 47-51%). persistent=True: one CTA per SM loops over whole tiles, each tile TMA-stored from SMEM while the
+    # issue 19 (forty-seventh session; timed on an H100 in the forty-eighth, whose defaults took persistent for short K
+    # and prefetch_scales for long K from 1024 rows): large M against the 60% target. persistent=True: one CTA per SM loops over whole tiles, each tile TMA-stored from SMEM while the
     # next one's blocks stream; prefetch_scales=True: each K block's scales loaded a step ahead. Native tests of
     # both forms first, then the bench rows against the default and torch in one call
     timeout -k 5 ${FLT_TIMEOUT:-150} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernel_fp8_gemm.py \
