@@ -870,8 +870,9 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             sends its unnormalised accumulator and (m, l) to the peer, once the peer's loops are done (its K
             tiles, which hold the received values, are then free); warpgroup si announces that for this CTA,
             waits for the peer's half and writes the merged rows. ``st.async`` completes on the receiver's
-            barrier with the bytes it carries, so no cluster-scope fence is needed (both waits are the only
-            reads of remote data). (m, l) travel as one [64, 32] tile: m in columns 0-15, l in 16-31."""
+            barrier with the bytes it carries, and the receiver reads them only after waiting on that barrier,
+            so no cluster-scope fence is needed. (m, l) travel as one [64, 32] tile: m in columns 0-15, l in
+            16-31."""
             col = plgpu.broadcasted_iota(jnp.int32, (HEAD_TILE, 32), 1, layout=L)
 
             @pl.when(si != w)
@@ -887,15 +888,15 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 plgpu.barrier_arrive(bar_xfree)  # in both CTAs: this one's loops are done
                 plgpu.barrier_wait(bar_xfull)
                 ml = xml[...]
-                pm = jnp.where(col < 16, ml, -jnp.inf).max(axis=1)
-                pl_ = jnp.where(col >= 16, ml, -jnp.inf).max(axis=1)
-                mt = jnp.maximum(m, pm)
+                m_peer = jnp.where(col < 16, ml, -jnp.inf).max(axis=1)
+                l_peer = jnp.where(col >= 16, ml, -jnp.inf).max(axis=1)
+                mt = jnp.maximum(m, m_peer)
                 if has_sink:
                     heads = pl.ds(gi * HEAD_TILE, HEAD_TILE)
                     sk = plgpu.load(sink_ref.at[heads], layout=ROW, optimized=False) * LOG2E
                     mt = jnp.maximum(mt, sk)
-                a0, a1 = jnp.exp2(m - mt), jnp.exp2(pm - mt)
-                lt = l * a0 + pl_ * a1
+                a0, a1 = jnp.exp2(m - mt), jnp.exp2(m_peer - mt)
+                lt = l * a0 + l_peer * a1
                 if has_sink:
                     lt = lt + jnp.exp2(sk - mt)
                 inv = jnp.where(lt > 0, 1.0 / jnp.where(lt > 0, lt, 1.0), 0.0)
