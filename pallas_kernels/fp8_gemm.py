@@ -458,8 +458,8 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     if stream_k is None:
         stream_k = _auto_stream_k(m, n, nk, block_m, block_n, split_k, stage_scales) and not persistent
     if (persistent or prefetch_scales) and (stage_scales or quantize_x):
-        raise Unsupported(f"fp8_linear kernel: persistent and prefetch_scales load the scales from GMEM with x quantised "
-                          f"outside (got stage_scales={stage_scales}, quantize_x={quantize_x})")
+        raise Unsupported(f"fp8_linear kernel: persistent and prefetch_scales load the scales from GMEM with x "
+                          f"quantised outside (got stage_scales={stage_scales}, quantize_x={quantize_x})")
     if persistent and (stream_k or split_k not in (None, 1)):
         raise Unsupported(f"fp8_linear kernel: persistent takes whole tiles, no stream_k or split_k (got stream_k="
                           f"{stream_k}, split_k={split_k})")
@@ -700,9 +700,9 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     ``persistent`` = P > 0 (several row tiles, one split, unstaged scales): P CTAs loop over whole output tiles,
     CTA c taking tiles c, c + P, ... in the rasterised order, through one pipeline of (tile, K block) steps; at a
     tile's last K block each compute warpgroup writes its rows into an SMEM tile per chunk and TMA stores them,
-    and the ring keeps streaming the next tile's blocks meanwhile; a CTA's step count is traced (its own tiles). ``prefetch_scales`` (unstaged scales, x
-    quantised outside): each step loads the next step's scales and carries them, so that their global-memory
-    latency is not waited on before the promotion."""
+    and the ring keeps streaming the next tile's blocks meanwhile; a CTA's step count is traced (its own tiles).
+    ``prefetch_scales`` (unstaged scales, x quantised outside): each step loads the next step's scales and carries
+    them, so that their global-memory latency is not waited on before the promotion."""
     nk = k // BLOCK
     sw_rows = max(-(-n // BLOCK), SW_ROWS)  # rows of the (padded) weight scales, when staged
     kps = nk // splits  # K blocks per CTA

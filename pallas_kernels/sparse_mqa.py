@@ -838,7 +838,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 heads = pl.ds(gi * HEAD_TILE, HEAD_TILE)
                 cols = pl.ds(w * dvw, dvw)
                 if cluster:
-                    merge_in_cluster(w, acc, m, l, o_ref.at[ti, heads, cols])
+                    merge_in_cluster(w, acc, m, l, heads, o_ref.at[ti, heads, cols])
                     return
                 inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
                 o = acc * lax.broadcast_in_dim(inv, acc.shape, [0])  # normalised, so a split's rows fit its dtype
@@ -865,7 +865,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     rows = pl.ds(8 * r, 8)
                     plgpu.copy_smem_to_gmem(q_s.at[rows, pl.ds(w * dvw, dvw)], dst.at[rows])
 
-        def merge_in_cluster(w, acc, m, l, dst):
+        def merge_in_cluster(w, acc, m, l, heads, dst):
             """merge="cluster": CTA si finalises the value columns of its warpgroup si. Its other warpgroup
             sends its unnormalised accumulator and (m, l) to the peer, once the peer's loops are done (its K
             tiles, which hold the received values, are then free); warpgroup si announces that for this CTA,
@@ -892,7 +892,6 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 l_peer = jnp.where(col >= 16, ml, -jnp.inf).max(axis=1)
                 mt = jnp.maximum(m, m_peer)
                 if has_sink:
-                    heads = pl.ds(gi * HEAD_TILE, HEAD_TILE)
                     sk = plgpu.load(sink_ref.at[heads], layout=ROW, optimized=False) * LOG2E
                     mt = jnp.maximum(mt, sk)
                 a0, a1 = jnp.exp2(m - mt), jnp.exp2(m_peer - mt)

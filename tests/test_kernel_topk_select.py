@@ -943,7 +943,8 @@ def test_lowers_for_cuda(t: int, n: int, config: TopkSelectConfig | None) -> Non
 
 @pytest.mark.parametrize("t,n,tiles", [
     (64, 65536, {}),
-    (64, 65536, dict(split_finish=False, zero_band=None, hold_bucket_head=False)),  # the one-program finish (to the 38th)
+    # the one-program finish (to the 38th)
+    (64, 65536, dict(split_finish=False, zero_band=None, hold_bucket_head=False)),
     (64, 65536, dict(range_margin=None, prefetch=False, split_finish=False, range_top_sigma=None, zero_band=None,
                      hold_bucket_head=False, exit_at_one=False)),
     (32, 32768, dict(lengths=True)),  # the lengths hint: a traced extent, the splits cut by a chunk a warp

@@ -9,9 +9,9 @@ Variants: ``split`` / ``unsplit``, each kernel's parts (MLA / indexer) in their 
 (``split_phases``); ``btN``: the kv insert at N tokens per program (``block_tokens``); ``pairs_loads`` /
 ``pairs_registers``: its indexer key's rope partners loaded again or found in registers (``rope_pairs``);
 ``halves`` / ``one_dot``: its indexer key's Hadamard as two dots against H_64 or one against H_128
-(``hadamard_halves``); ``w2`` / ``w8``: 2 / 8 warps per program; ``split_w8``: both (the fused q at 64 registers
-in pip triton's compile for sm_90a, against 96 by default, 80 with 8 warps and 90 split); ``q_rows256`` (``_w8``): the fused q at two tokens per
-program (half the programs); ``no_hadamard``, not the model's numerics, says what the indexer's Hadamard
+(``hadamard_halves``); ``w2`` / ``w8``: 2 / 8 warps per program; ``split_w8``: both (the fused q at 64
+registers in pip triton's compile for sm_90a, against 96 by default, 80 with 8 warps and 90 split);
+``q_rows256`` (``_w8``): the fused q at two tokens per program (half the programs); ``no_hadamard``, not the model's numerics, says what the indexer's Hadamard
 costs. The copy row (``a + 1`` on float32, half the case's bytes: read + written =
 the case's bytes; a uint8 array copies far slower) is the same-size ceiling: a small call sits at its launch
 and latency floor, which the one large copy of ``measure_ceilings`` does not show.
@@ -36,7 +36,8 @@ VARIANTS = {"default": {}, "no_hadamard": {"hadamard": False}, "split": {"split_
             "bt16": {"block_tokens": 16},
             "bt32": {"block_tokens": 32}, "pairs_loads": {"rope_pairs": "loads"},
             "pairs_registers": {"rope_pairs": "registers"}, "bt32_loads": {"block_tokens": 32, "rope_pairs": "loads"},
-            "w2": {"num_warps": 2}, "w8": {"num_warps": 8}, "split_w8": {"split_phases": True, "num_warps": 8}, "q_rows256": {"rows_per_program": 256},
+            "w2": {"num_warps": 2}, "w8": {"num_warps": 8}, "split_w8": {"split_phases": True, "num_warps": 8},
+            "q_rows256": {"rows_per_program": 256},
             "q_rows256_w8": {"rows_per_program": 256, "num_warps": 8}, "halves": {"hadamard_halves": True},
             "one_dot": {"hadamard_halves": False}}
 
