@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.experimental.pallas as pl
@@ -315,6 +316,80 @@ def wait_full(bar_ref, parity) -> None:
         e.wait_parity(e.smem_addr(bar), par.registers.item())
 
     wait(bar_ref, parity)
+
+
+def list_extents(slot_rows, widths: tuple[int, ...]) -> list[jax.Array]:
+    """Per list, one token's live blocks (the MQA's ``_extents``: 1 + the last block holding a valid slot, 0 if
+    none) from its slot rows (GMEM int32, ``widths[i]`` slots, a multiple of ``BLOCK``), computed in the kernel so
+    that no extents kernel runs before it. Every warp computes them alone, so every thread holds them without a
+    barrier: lane l reads slots 4 l .. 4 l + 3 of each 128 (one 16-byte load each, all in flight at once; the
+    other warps find the row in L1), keeps its block's number if any of them is valid, and ``redux.sync.max``
+    gives the warp's largest. Native only (PTX); int32 scalars."""
+    for w in widths:
+        if w <= 0 or w % BLOCK:
+            raise ValueError(f"list_extents: slot row widths must be positive multiples of {BLOCK}, got {widths}")
+    if len(slot_rows) != len(widths):
+        raise ValueError(f"list_extents: {len(slot_rows)} slot rows for {len(widths)} widths")
+    scalar = plgpu.Layout.WG_SPLAT(shape=())
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(widths),
+                       return_type=[plgpu.ShapeDtypeStruct((), jnp.int32, layout=scalar)] * len(widths))
+    def extents(_, *rows):
+        from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415 - lowering-time import
+
+        e = _Emit()
+        arith, c32 = e.arith, e.c32
+        lane = arith.remui(e.mu.thread_idx(), c32(32))
+        blk_in_128 = arith.addi(arith.shrui(lane, c32(4)), c32(1))  # 1 + the block of slots 4 lane .. 4 lane + 3
+        # the loads of every list in one statement: (list, chunk, lane's address, whether the lane's slots exist)
+        addrs, plan = [], []
+        for li, (row, w) in enumerate(zip(rows, widths)):
+            for ch in range(-(-w // 128)):
+                rem = min(128, w - 128 * ch) // 4  # lanes with slots in this chunk (32, or 16 for its last 64)
+                mine = lane if rem == 32 else arith.minui(lane, c32(rem - 1))  # in bounds: the lane's or the last
+                off = arith.extui(e.i64, arith.addi(c32(512 * ch), arith.muli(mine, c32(16))))
+                addrs.append(arith.addi(e.gmem_addr(row), off))
+                plan.append((li, ch, rem))
+        n = len(addrs)
+        text = "".join(f"ld.global.nc.v4.u32 {{${4 * j}, ${4 * j + 1}, ${4 * j + 2}, ${4 * j + 3}}}, [${4 * n + j}];\n"
+                       for j in range(n))
+        words = e.asm(text, addrs, ",".join(["=r"] * (4 * n) + ["l"] * n), 4 * n)
+        best = [c32(0)] * len(widths)
+        for j, (li, ch, rem) in enumerate(plan):
+            top = functools.reduce(arith.maxsi, words[4 * j:4 * j + 4])  # a valid slot is >= 0
+            live = arith.cmpi(arith.CmpIPredicate.sge, top, c32(0))
+            if rem < 32:
+                live = arith.andi(live, arith.cmpi(arith.CmpIPredicate.ult, lane, c32(rem)))
+            best[li] = arith.maxsi(best[li], arith.select(live, arith.addi(blk_in_128, c32(2 * ch)), c32(0)))
+        out = []
+        for b in best:
+            v = e.asm("redux.sync.max.s32 $0, $1, 0xffffffff;", [b], "=r,r", 1)[0]
+            out.append(mgpu.FragmentedArray.splat(v, (), layout=mgpu.WGSplatFragLayout(()), is_signed=True))
+        return out
+
+    return extents(*slot_rows)
+
+
+def kernel_extents(lists: Sequence[jax.Array]) -> list[jax.Array]:
+    """``list_extents`` on its own: each token's live blocks per list ([T] int32 each) of the slot lists
+    ``lists`` ([T, K_i] int32, K_i a multiple of ``BLOCK``), one CTA per token, so that the in-kernel
+    computation can be checked integer for integer against ``sparse_mqa._extents``. Native only."""
+    if not lists or any(s.ndim != 2 or s.dtype != jnp.int32 or s.shape[0] != lists[0].shape[0] for s in lists):
+        raise ValueError(f"lists must be int32 [T, K_i] with one T, got {[(s.dtype, s.shape) for s in lists]}")
+    t, widths = lists[0].shape[0], tuple(int(s.shape[1]) for s in lists)
+    nc = len(lists)
+
+    def kernel(*refs):
+        rows, out = refs[:nc], refs[nc]
+        ti = lax.axis_index("tok")
+        exts = list_extents(tuple(r.at[ti] for r in rows), widths)
+        for i, x in enumerate(exts):
+            out[ti, i] = x
+
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    out = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((t, nc), jnp.int32), grid=(t,), grid_names=("tok",),
+                       compiler_params=params)(*lists)
+    return [out[:, i] for i in range(nc)]
 
 
 class _Loop:

@@ -226,7 +226,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                producer_regs: int | None = None, producer_phases: int | None = None,
                producer_pow2: bool | None = None, profile_dir: str | None = None,
                combine: Implementation = "auto", split_dtype: jnp.dtype | None = None,
-               out_store: OutStore | None = None, extents: Literal["xla", "pallas"] | None = None,
+               out_store: OutStore | None = None, extents: Literal["xla", "pallas", "kernel"] | None = None,
                merge: Merge | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
@@ -235,7 +235,9 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     ``split_dtype``: the splits' rows (None: float32). A 16-bit dtype halves the bytes they take, but on the
     H200 its stores cost the MQA kernel more than the merge saves (docs/perf-log.md).
     ``extents``: the lists' live blocks (``_extents``) as one XLA reduction per list, or one Triton kernel for
-    all lists ("pallas"); None: "pallas" for several lists (faster at both V4 decode cases timed, 2026-12-05,
+    all lists ("pallas"), or inside the MQA kernel itself, from the slot rows each CTA reads anyway ("kernel":
+    the native register producer only; no kernel runs before the MQA); None: "pallas" for several lists
+    (faster at both V4 decode cases timed, 2026-12-05,
     benchmarks/results/archive/mqa_variants_wrapper_h200_2026-12-05.json), "xla" for one.
     ``out_store`` (rows stored in bf16 only): "direct", each thread stores its registers to GMEM (a quad of
     threads covers 16 bytes of a row: half a 32-byte sector per store); "tma", each warpgroup writes its rows
@@ -392,8 +394,11 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     stored = jnp.dtype(out_dtype) if n_splits == 1 or cluster else split_dtype
     extents = ("pallas" if len(slots) > 1 else "xla") if extents is None else extents
     out_store = ("tma" if stored == jnp.dtype(jnp.bfloat16) else "direct") if out_store is None else out_store
-    if extents not in ("xla", "pallas"):
-        raise ValueError(f'extents must be "xla" or "pallas", got {extents!r}')
+    if extents not in ("xla", "pallas", "kernel"):
+        raise ValueError(f'extents must be "xla", "pallas" or "kernel", got {extents!r}')
+    if extents == "kernel" and (producer != "registers" or interpret):
+        raise ValueError(f'extents="kernel" computes the extents in the native register producer\'s kernel (got '
+                         f'producer {producer!r}, interpret {bool(interpret)})')
     if out_store not in ("direct", "tma"):
         raise ValueError(f'out_store must be "direct" or "tma", got {out_store!r}')
     if out_store == "tma" and stored != jnp.dtype(jnp.bfloat16):
@@ -407,9 +412,10 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
                        producer_phases=producer_phases,
                        pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2,
-                       profile_dir=profile_dir, cluster=cluster)
+                       profile_dir=profile_dir, cluster=cluster, kernel_extents=extents == "kernel")
     # the lists' slots apart: no concatenated copy
-    outs = call(qp, *padded, *_extents(padded, extents, bool(interpret)), sink_p, *caches)
+    exts = [] if extents == "kernel" else _extents(padded, extents, bool(interpret))
+    outs = call(qp, *padded, *exts, sink_p, *caches)
     if n_splits == 1 or cluster:
         return outs[:, :h]
     o, m, l = outs
@@ -485,7 +491,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 split_dtype: jnp.dtype, out_store: OutStore = "direct",
                 interpret: plgpu.InterpretGPUParams | None, producer: Producer = "tma",
                 producer_regs: int = 144, producer_phases: int = 1, pow2: bool = False,
-                profile_dir: str | None = None, cluster: bool = False):
+                profile_dir: str | None = None, cluster: bool = False, kernel_extents: bool = False):
     """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k and arrives on "full"[k % 2];
     the compute warpgroups wait on it, read the block's slots from its idx slot (written by the producer),
     compute as below and arrive on "free"[k % 2] after their PV, which the producer waits for before it refills
@@ -623,8 +629,10 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         pe = lax.bitcast_convert_type(lax.shift_left(u16, 16), jnp.float32)
         k_s[:, pl.ds(64 * rope_chunk, 64)] = pe.astype(jnp.bfloat16)
 
+    n_ext = 0 if kernel_extents else nc  # extents given per list, or computed here (``kernel_extents``)
+
     def kernel(q_ref, *rest):
-        slots_refs, ext_refs, sink_ref, rest = rest[:nc], rest[nc:2 * nc], rest[2 * nc], rest[2 * nc + 1:]
+        slots_refs, ext_refs, sink_ref, rest = rest[:nc], rest[nc:nc + n_ext], rest[nc + n_ext], rest[nc + n_ext + 1:]
         cache_refs, rest = rest[:nc], rest[nc:]
         if n_splits == 1 or cluster:
             (o_ref,), scratch = rest[:1], rest[1:]
@@ -651,7 +659,11 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             gi, ti, si = pid % G, pid // G, lax.axis_index("pair")
         else:
             gi, ti, si = pid % G, (pid // G) % t, pid // (G * t)
-        exts = [r[ti] for r in ext_refs]  # this token's live blocks per list (``_extents``)
+        if kernel_extents:  # this token's live blocks per list (``_extents``): every warp computes them
+            exts = record_gather.list_extents(tuple(r.at[ti] for r in slots_refs),
+                                              tuple(BK * b for b in list_blocks))
+        else:
+            exts = [r[ti] for r in ext_refs]
         b0 = si * bps  # this split's first position in the token's sequence of live blocks
         nblk = jnp.clip(functools.reduce(jnp.add, exts) - b0, 0, bps)
         wg = lax.axis_index("wg")

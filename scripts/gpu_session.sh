@@ -427,14 +427,14 @@ case "$stage" in
   ncu-mqa)
     # stall reasons, pipe and memory utilisation of the sparse MQA (twelfth session: 259 TFLOP/s at V3.2 decode
     # batch 64, target 300; V4 batch 64 at 20% of its roofline, target 50%)
-    for spec in "v32 {}" "v4 {}"; do
-      arch=${spec%% *}; tiles=${spec#* }
+    for arch in ${NCUM_ARCHES:-v32 v4}; do
+      tiles={}
       name=mqa_${arch}_b64
       timeout -k 10 ${NCUM_TIMEOUT:-150} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
         -o "/tmp/$name" python3 scripts/diag/ncu_kernels.py mqa --shape "$arch" --m 64 --tiles "$tiles" > /dev/null 2>&1
       echo "ncu $name rc=$?"
       ncu -i "/tmp/$name.ncu-rep" --page details > "$OUT/${name}_details.txt" 2>&1
-      [ "$arch" = v32 ] && ncu -i "/tmp/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/${name}_sass.csv" 2>&1 \
+      ncu -i "/tmp/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/${name}_sass.csv" 2>&1 \
         && python3 scripts/diag/ncu_sass_regions.py "$OUT/${name}_sass.csv" --top 15 > "$OUT/${name}_regions.txt" 2>&1
     done
     ;;

@@ -61,6 +61,46 @@ def test_lowers_for_cuda(pow2):
     assert "mosaic_gpu" in exp.mlir_module()
 
 
+@pytest.mark.skipif(ON_GPU, reason="the native test compiles the kernel")
+def test_extents_lower_for_cuda():
+    f = jax.jit(lambda a, b, c: record_gather.kernel_extents([a, b, c]))
+    exp = jax.export.export(f, platforms=["cuda"])(*(jax.ShapeDtypeStruct((8, k), jnp.int32) for k in (64, 128, 576)))
+    assert "mosaic_gpu" in exp.mlir_module()
+
+
+def test_extents_bad_inputs():
+    with pytest.raises(ValueError, match="lists must be"):
+        record_gather.kernel_extents([jnp.zeros((2, 64), jnp.int32), jnp.zeros((3, 64), jnp.int32)])
+    with pytest.raises(ValueError, match="widths"):
+        record_gather.kernel_extents([jnp.zeros((2, 100), jnp.int32)])
+
+
+@pytest.mark.gpu
+def test_extents_exact():
+    """The in-kernel live blocks (``list_extents``) equal the wrapper's (``sparse_mqa._extents``) for every
+    token: lists of 1, 2, 8 and 9 blocks (a last chunk of 64 slots), random dead tails, dead blocks inside,
+    fully masked rows and a row whose only live slot is its list's last."""
+    if not ON_GPU:
+        pytest.skip("native only")
+    from pallas_kernels import sparse_mqa as mqa
+    rng = np.random.default_rng(5)
+    t, lists = 64, []
+    for nb in (1, 2, 8, 9):
+        s = rng.integers(0, 1 << 20, (t, nb * 64)).astype(np.int32)
+        for r in range(t):
+            s[r, rng.integers(0, nb + 1) * 64:] = -1
+            s[r, rng.integers(0, nb) * 64:][:64] = -1
+        s[rng.random(s.shape) < 0.5] = -1
+        s[3] = -1
+        s[4, :-1], s[4, -1] = -1, 7
+        lists.append(jnp.asarray(s))
+    got = record_gather.kernel_extents(lists)
+    want = mqa._extents(lists)
+    for g, w in zip(got, want):
+        assert np.asarray(g).dtype == np.int32
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 def test_bad_shapes():
     with pytest.raises(ValueError, match="slots must be"):
         record_gather.dequant_blocks(jnp.zeros((16, 656), jnp.uint8), jnp.zeros((2, 32), jnp.int32))

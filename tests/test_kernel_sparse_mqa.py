@@ -210,7 +210,7 @@ def test_register_producer_bad_inputs():
                     (dict(producer_regs=100), "producer_regs"), (dict(producer_regs=8), "producer_regs"),
                     (dict(split_dtype=jnp.int8), "split_dtype"), (dict(combine="triton"), "combine"),
                     (dict(out_store="smem"), "out_store"), (dict(out_store="tma"), "out_store"),  # fp32 rows
-                    (dict(extents="auto"), "extents")]:
+                    (dict(extents="auto"), "extents"), (dict(extents="kernel"), "extents")]:
         with pytest.raises(ValueError, match=msg):
             mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.1, v_dim=512, interpret=True, **kw)
     f4 = MlaRecord584(16)
@@ -283,6 +283,43 @@ def test_cluster_merge(arch):
         out = _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=tol, interpret=False,
                      num_splits=2, merge="cluster", **kw)
         assert np.all(out[1] == 0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["v4", "v32"])
+def test_kernel_extents(arch):
+    """extents="kernel": the lists' live blocks computed in the MQA kernel. Rows with dead tails, a dead window
+    with a live compressed list (V4), a row whose only live slot is its list's last, a fully masked row; one
+    split, and two merged in a cluster. Native only (the register producer)."""
+    if not ON_GPU:
+        pytest.skip("native only")
+    rng = np.random.default_rng(8)
+    if arch == "v4":
+        t, h, kw_, kc, ew, ec = 5, 64, 128, 512, 256, 64
+        fw, fc = MlaRecord584(ew), MlaRecord584(ec)
+        caches, fmts = [_cache(fw, 4, 512, rng), _cache(fc, 16, 512, rng)], [fw, fc]
+        sw = np.asarray(_slots(rng, t, kw_, 4 * ew, 0.2))
+        sc = np.asarray(_slots(rng, t, kc, 16 * ec, 0.2))
+        sc[0, 100:] = -1  # a dead tail: 2 of 8 compressed blocks live
+        sw[1] = -1  # no window, the compressed list live
+        sw[3, :-1], sc[3, :-1] = -1, -1  # each list's last slot alone
+        sw[4], sc[4] = -1, -1  # fully masked
+        slots, dim, sink = [jnp.asarray(sw), jnp.asarray(sc)], 512, jnp.asarray(rng.standard_normal(h), jnp.float32)
+    else:
+        t, h, k, nblk, epp = 4, 128, 2048, 96, 64
+        fmt = MlaRecord656(epp, "ue8m0")
+        caches, fmts = [_cache(fmt, nblk, 576, rng)], [fmt]
+        s = np.asarray(_slots(rng, t, k, nblk * epp, 0.2))
+        s[0, 300:] = -1
+        s[2, :-1] = -1
+        s[3] = -1
+        slots, dim, sink = [jnp.asarray(s)], 576, None
+    q = _bf16_exact(rng.standard_normal((t, h, dim)))
+    for splits, kw in ((1, {}), (2, dict(merge="cluster")), (2, dict(merge="cluster", out_dtype=jnp.bfloat16))):
+        tol = TOL_BF16_OUT if kw.get("out_dtype") else TOL_EXACT_KV
+        out = _check(q, caches, fmts, slots, scale=dim ** -0.5, v_dim=512, sink=sink, tol=tol, interpret=False,
+                     num_splits=splits, extents="kernel", **kw)
+        assert np.all(out[t - 1] == 0.0)
 
 
 def test_cluster_merge_needs_two_native_splits():
@@ -466,7 +503,8 @@ def test_v4_layer_attend(mode):
                                   "v32_fp8_registers_p2", "v4_fp8_tma",
                                   "v4_fp8_registers_p2", "v4_fp8_splits_bf16", "v32_fp8_out_tma",
                                   "v4_fp8_splits_out_tma", "v4_fp8_extents_pallas", "v4_fp8_cluster",
-                                  "v4_fp8_cluster_out_tma", "v32_fp8_cluster"])
+                                  "v4_fp8_cluster_out_tma", "v32_fp8_cluster", "v4_fp8_extents_kernel",
+                                  "v4_fp8_cluster_extents_kernel", "v32_fp8_extents_kernel"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -494,7 +532,10 @@ def test_lowers_for_cuda(case):
           "v4_fp8_extents_pallas": dict(extents="pallas"),
           # two splits merged through distributed shared memory (fp32 rows stored directly, bf16 by TMA)
           "v4_fp8_cluster": dict(merge="cluster"), "v32_fp8_cluster": dict(merge="cluster"),
-          "v4_fp8_cluster_out_tma": dict(merge="cluster", out_dtype=jnp.bfloat16)}.get(case, {})
+          "v4_fp8_cluster_out_tma": dict(merge="cluster", out_dtype=jnp.bfloat16),
+          # the lists' live blocks computed in the MQA kernel (no extents kernel before it)
+          "v4_fp8_extents_kernel": dict(extents="kernel"), "v32_fp8_extents_kernel": dict(extents="kernel"),
+          "v4_fp8_cluster_extents_kernel": dict(merge="cluster", extents="kernel")}.get(case, {})
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,
@@ -508,3 +549,5 @@ def test_lowers_for_cuda(case):
             jax.ShapeDtypeStruct((t, h, dim), jnp.bfloat16), caches, slots, sink)
     assert "mosaic_gpu" in exp.mlir_module()
     assert ("split_combine" in exp.mlir_module()) == (splits > 1 and "cluster" not in case)
+    # V4's two lists: their extents by one Triton kernel before the MQA, unless the MQA computes them
+    assert ("mqa_extents" in exp.mlir_module()) == (case.startswith("v4") and "extents_kernel" not in case)

@@ -42,6 +42,8 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             # the lists' extents as one Triton kernel instead of an XLA reduction per list (V4's two lists; the
             # default for several lists since 2026-12-05: "default" rows of V4 before then are "extents_xla")
             "extents_xla": dict(extents="xla"), "extents_pallas": dict(extents="pallas"),
+            # ... or in the MQA kernel from the slot rows (no kernel before it; the register producer only)
+            "ext_kernel": dict(extents="kernel"), "bf16_out_ext_kernel": dict(out_dtype="bfloat16", extents="kernel"),
             # two splits as a 2-CTA cluster merging through distributed shared memory (no split rows, no merge
             # kernel; ``merge``)
             "cluster": dict(num_splits=2, merge="cluster"), "rows": dict(merge="rows"),
