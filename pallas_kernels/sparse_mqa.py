@@ -227,7 +227,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                producer_pow2: bool | None = None, profile_dir: str | None = None,
                combine: Implementation = "auto", split_dtype: jnp.dtype | None = None,
                out_store: OutStore | None = None, extents: Literal["xla", "pallas", "kernel"] | None = None,
-               merge: Merge | None = None) -> jax.Array:
+               merge: Merge | None = None, q_multicast: bool | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype; with candidate
@@ -271,6 +271,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     done) by ``st.async`` through distributed shared memory, and writes the final rows, so the split rows never
     reach GMEM and no merge kernel runs. None: "cluster" where it applies (faster at V4 decode batch 64,
     benchmarks/results/mqa_variants_cluster_h100_2026-12-05.json), else "rows".
+    ``q_multicast`` (``merge="cluster"`` only): the pair's common q tile loaded once, each CTA fetching half
+    of it by a TMA multicast into both, instead of each CTA loading all of it. None: False.
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler records the kernel's named regions per
     warpgroup (prologue, the block loop's wait_full / qk / softmax / pv, epilogue; produce) and writes a
     Perfetto trace under this folder per call (``scripts/diag/mqa_regions.py``). Its buffer takes shared
@@ -287,7 +289,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                                   producer=producer, producer_regs=producer_regs,
                                   producer_phases=producer_phases, producer_pow2=producer_pow2,
                                   profile_dir=profile_dir, combine=combine, split_dtype=split_dtype,
-                                  out_store=out_store, extents=extents, merge=merge)})
+                                  out_store=out_store, extents=extents, merge=merge, q_multicast=q_multicast)})
 
 
 def _check_inputs(q, caches, formats, slots, v_dim, sink) -> int:
@@ -319,7 +321,7 @@ def _xla(q, caches, formats, slots, *, scale, v_dim, sink, out_dtype):
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
             producer_regs=None, producer_phases=None, producer_pow2=None, profile_dir=None, combine="auto",
-            split_dtype=None, out_store=None, extents=None, merge=None):
+            split_dtype=None, out_store=None, extents=None, merge=None, q_multicast=None):
     if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
     if split_dtype is not None and jnp.dtype(split_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
@@ -386,6 +388,9 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     if merge not in ("rows", "cluster"):
         raise ValueError(f'merge must be "rows" or "cluster", got {merge!r}')
     cluster = merge == "cluster"
+    if q_multicast and not cluster:
+        raise ValueError(f'q_multicast=True shares the q tile within the pair of merge="cluster" (got merge '
+                         f'{merge!r})')
     if cluster and (n_splits != 2 or producer != "registers" or interpret):
         raise ValueError(f'merge="cluster" merges exactly two candidate splits of the native register producer '
                          f'(got {n_splits} splits, producer {producer!r}, interpret {bool(interpret)}); '
@@ -412,7 +417,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
                        producer_phases=producer_phases,
                        pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2,
-                       profile_dir=profile_dir, cluster=cluster, kernel_extents=extents == "kernel")
+                       profile_dir=profile_dir, cluster=cluster, kernel_extents=extents == "kernel",
+                       q_multicast=bool(q_multicast))
     # the lists' slots apart: no concatenated copy
     exts = [] if extents == "kernel" else _extents(padded, extents, bool(interpret))
     outs = call(qp, *padded, *exts, sink_p, *caches)
@@ -491,7 +497,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 split_dtype: jnp.dtype, out_store: OutStore = "direct",
                 interpret: plgpu.InterpretGPUParams | None, producer: Producer = "tma",
                 producer_regs: int = 144, producer_phases: int = 1, pow2: bool = False,
-                profile_dir: str | None = None, cluster: bool = False, kernel_extents: bool = False):
+                profile_dir: str | None = None, cluster: bool = False, kernel_extents: bool = False,
+                q_multicast: bool = False):
     """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k and arrives on "full"[k % 2];
     the compute warpgroups wait on it, read the block's slots from its idx slot (written by the producer),
     compute as below and arrive on "free"[k % 2] after their PV, which the producer waits for before it refills
@@ -716,7 +723,9 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 if reg and not emulate:
                     plgpu.set_max_registers(compute_regs(producer_regs), action="increase")
                 if w == 0:
-                    plgpu.copy_gmem_to_smem(q_ref.at[ti, pl.ds(gi * HEAD_TILE, HEAD_TILE)], q_s, bar_q.at[0])
+                    # q_multicast: both CTAs of the pair need this tile; each fetches half of it into both
+                    plgpu.copy_gmem_to_smem(q_ref.at[ti, pl.ds(gi * HEAD_TILE, HEAD_TILE)], q_s, bar_q.at[0],
+                                            collective_axes="pair" if q_multicast else None)
                     if not reg:
                         @pl.when(nblk > 0)
                         def _():

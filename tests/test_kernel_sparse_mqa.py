@@ -278,8 +278,8 @@ def test_cluster_merge(arch):
     cache = _cache(fmt, nblk, 576, rng)
     slots = _slots(rng, t, k, nblk * epp, 0.2, empty_rows=(1,)).at[2, 100:].set(-1)
     q = _bf16_exact(rng.standard_normal((t, h, 576)))
-    for kw in (dict(), dict(out_dtype=jnp.bfloat16)):
-        tol = TOL_BF16_OUT if kw else TOL_EXACT_KV
+    for kw in (dict(), dict(out_dtype=jnp.bfloat16), dict(q_multicast=True)):  # + the pair's q by one multicast
+        tol = TOL_BF16_OUT if "out_dtype" in kw else TOL_EXACT_KV
         out = _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=tol, interpret=False,
                      num_splits=2, merge="cluster", **kw)
         assert np.all(out[1] == 0.0)
@@ -315,7 +315,8 @@ def test_kernel_extents(arch):
         s[3] = -1
         slots, dim, sink = [jnp.asarray(s)], 576, None
     q = _bf16_exact(rng.standard_normal((t, h, dim)))
-    for splits, kw in ((1, {}), (2, dict(merge="cluster")), (2, dict(merge="cluster", out_dtype=jnp.bfloat16))):
+    for splits, kw in ((1, {}), (2, dict(merge="cluster")), (2, dict(merge="cluster", out_dtype=jnp.bfloat16)),
+                       (2, dict(merge="cluster", q_multicast=True))):
         tol = TOL_BF16_OUT if kw.get("out_dtype") else TOL_EXACT_KV
         out = _check(q, caches, fmts, slots, scale=dim ** -0.5, v_dim=512, sink=sink, tol=tol, interpret=False,
                      num_splits=splits, extents="kernel", **kw)
@@ -335,6 +336,9 @@ def test_cluster_merge_needs_two_native_splits():
             mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, merge="cluster", **kw)
     with pytest.raises(ValueError, match="merge"):
         mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, merge="tree", interpret=True)
+    with pytest.raises(ValueError, match="q_multicast"):  # only the cluster's pair shares a q tile
+        mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, merge="rows", q_multicast=True,
+                       interpret=True)
 
 
 def _v4_window_compressed(interpret, num_splits, **kw) -> None:
@@ -504,7 +508,8 @@ def test_v4_layer_attend(mode):
                                   "v4_fp8_registers_p2", "v4_fp8_splits_bf16", "v32_fp8_out_tma",
                                   "v4_fp8_splits_out_tma", "v4_fp8_extents_pallas", "v4_fp8_cluster",
                                   "v4_fp8_cluster_out_tma", "v32_fp8_cluster", "v4_fp8_extents_kernel",
-                                  "v4_fp8_cluster_extents_kernel", "v32_fp8_extents_kernel"])
+                                  "v4_fp8_cluster_extents_kernel", "v32_fp8_extents_kernel",
+                                  "v4_fp8_cluster_q_multicast", "v32_fp8_cluster_q_multicast"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -535,7 +540,10 @@ def test_lowers_for_cuda(case):
           "v4_fp8_cluster_out_tma": dict(merge="cluster", out_dtype=jnp.bfloat16),
           # the lists' live blocks computed in the MQA kernel (no extents kernel before it)
           "v4_fp8_extents_kernel": dict(extents="kernel"), "v32_fp8_extents_kernel": dict(extents="kernel"),
-          "v4_fp8_cluster_extents_kernel": dict(merge="cluster", extents="kernel")}.get(case, {})
+          "v4_fp8_cluster_extents_kernel": dict(merge="cluster", extents="kernel"),
+          # the pair's q tile by one multicast TMA
+          "v4_fp8_cluster_q_multicast": dict(merge="cluster", q_multicast=True),
+          "v32_fp8_cluster_q_multicast": dict(merge="cluster", q_multicast=True)}.get(case, {})
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,

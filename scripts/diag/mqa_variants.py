@@ -49,6 +49,11 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             "cluster": dict(num_splits=2, merge="cluster"), "rows": dict(merge="rows"),
             "bf16_out_rows": dict(out_dtype="bfloat16", merge="rows"),
             "bf16_out_cluster": dict(out_dtype="bfloat16", num_splits=2, merge="cluster"),
+            # ... with the pair's q tile by one multicast TMA (``q_multicast``), and the extents in the kernel
+            "q_mc": dict(num_splits=2, merge="cluster", q_multicast=True),
+            "bf16_out_q_mc": dict(out_dtype="bfloat16", num_splits=2, merge="cluster", q_multicast=True),
+            "bf16_out_q_mc_ext_kernel": dict(out_dtype="bfloat16", num_splits=2, merge="cluster", q_multicast=True,
+                                             extents="kernel"),
             # the wrapper as main's layers ran it before 2026-12-05 (bf16 split rows, XLA's merge, direct stores)
             "before_1205": dict(out_dtype="bfloat16", split_dtype="bfloat16", combine="xla", out_store="direct",
                                 extents="xla"), "bf16_out_extents_pallas": dict(out_dtype="bfloat16",
