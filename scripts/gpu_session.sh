@@ -224,10 +224,11 @@ case "$stage" in
     ncu_sweep fp8 "$V"
     ;;
   fp8-large)
-    # issue 19 (forty-seventh session; timed on an H100 in the forty-eighth, whose defaults took persistent for short K
-    # and prefetch_scales for long K from 1024 rows): large M against the 60% target. persistent=True: one CTA per SM loops over whole tiles, each tile TMA-stored from SMEM while the
-    # next one's blocks stream; prefetch_scales=True: each K block's scales loaded a step ahead. Native tests of
-    # both forms first, then the bench rows against the default and torch in one call
+    # issue 19 (forty-seventh session; timed on an H100 in the forty-eighth, whose defaults took persistent for
+    # short K and prefetch_scales for long K from 1024 rows): large M against the 60% target. persistent=True:
+    # one CTA per SM loops over whole tiles, each tile TMA-stored from SMEM while the next one's blocks stream;
+    # prefetch_scales=True: each K block's scales loaded a step ahead. Native tests of both forms first, then the
+    # bench rows against the default and torch in one call
     timeout -k 5 ${FLT_TIMEOUT:-150} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernel_fp8_gemm.py \
       -k "persistent or prefetch or exact_data" > "$OUT/fp8_large_tests.log" 2>&1; echo "fp8 large tests rc=$?"
     tail -4 "$OUT/fp8_large_tests.log"
@@ -428,10 +429,9 @@ case "$stage" in
     # stall reasons, pipe and memory utilisation of the sparse MQA (twelfth session: 259 TFLOP/s at V3.2 decode
     # batch 64, target 300; V4 batch 64 at 20% of its roofline, target 50%)
     for arch in ${NCUM_ARCHES:-v32 v4}; do
-      tiles={}
       name=mqa_${arch}_b64
       timeout -k 10 ${NCUM_TIMEOUT:-150} ncu --clock-control none --profile-from-start off --set full --import-source yes -f \
-        -o "/tmp/$name" python3 scripts/diag/ncu_kernels.py mqa --shape "$arch" --m 64 --tiles "$tiles" > /dev/null 2>&1
+        -o "/tmp/$name" python3 scripts/diag/ncu_kernels.py mqa --shape "$arch" --m 64 --tiles '{}' > /dev/null 2>&1
       echo "ncu $name rc=$?"
       ncu -i "/tmp/$name.ncu-rep" --page details > "$OUT/${name}_details.txt" 2>&1
       ncu -i "/tmp/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/${name}_sass.csv" 2>&1 \

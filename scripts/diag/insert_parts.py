@@ -11,10 +11,10 @@ Variants: ``split`` / ``unsplit``, each kernel's parts (MLA / indexer) in their 
 ``halves`` / ``one_dot``: its indexer key's Hadamard as two dots against H_64 or one against H_128
 (``hadamard_halves``); ``w2`` / ``w8``: 2 / 8 warps per program; ``split_w8``: both (the fused q at 64
 registers in pip triton's compile for sm_90a, against 96 by default, 80 with 8 warps and 90 split);
-``q_rows256`` (``_w8``): the fused q at two tokens per program (half the programs); ``no_hadamard``, not the model's numerics, says what the indexer's Hadamard
-costs. The copy row (``a + 1`` on float32, half the case's bytes: read + written =
-the case's bytes; a uint8 array copies far slower) is the same-size ceiling: a small call sits at its launch
-and latency floor, which the one large copy of ``measure_ceilings`` does not show.
+``q_rows256`` (``_w8``): the fused q at two tokens per program (half the programs); ``no_hadamard``, not the
+model's numerics, says what the indexer's Hadamard costs. The copy row (``a + 1`` on float32, half the case's
+bytes: read + written = the case's bytes; a uint8 array copies far slower) is the same-size ceiling: a small
+call sits at its launch and latency floor, which the one large copy of ``measure_ceilings`` does not show.
 """
 
 from __future__ import annotations
