@@ -54,6 +54,10 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             "bf16_out_q_mc": dict(out_dtype="bfloat16", num_splits=2, merge="cluster", q_multicast=True),
             "bf16_out_q_mc_ext_kernel": dict(out_dtype="bfloat16", num_splits=2, merge="cluster", q_multicast=True,
                                              extents="kernel"),
+            # four splits as a 4-CTA cluster (V4 decode 32, V3.2 decode 16: the default there is four splits' rows)
+            "cluster4": dict(num_splits=4, merge="cluster"),
+            "bf16_out_cluster4": dict(out_dtype="bfloat16", num_splits=4, merge="cluster"),
+            "bf16_out_cluster4_q_mc": dict(out_dtype="bfloat16", num_splits=4, merge="cluster", q_multicast=True),
             # the wrapper as main's layers ran it before 2026-12-05 (bf16 split rows, XLA's merge, direct stores)
             "before_1205": dict(out_dtype="bfloat16", split_dtype="bfloat16", combine="xla", out_store="direct",
                                 extents="xla"), "bf16_out_extents_pallas": dict(out_dtype="bfloat16",
