@@ -390,6 +390,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     if merge not in ("rows", "cluster"):
         raise ValueError(f'merge must be "rows" or "cluster", got {merge!r}')
     cluster = merge == "cluster"
+    if q_multicast is None:
+        q_multicast = cluster
     if q_multicast and not cluster:
         raise ValueError(f'q_multicast=True shares the q tile within the cluster of merge="cluster" (got merge '
                          f'{merge!r})')
@@ -399,7 +401,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                          f'pass num_splits=2 or 4')
     split_dtype = jnp.dtype(jnp.float32 if split_dtype is None else split_dtype)
     stored = jnp.dtype(out_dtype) if n_splits == 1 or cluster else split_dtype
-    extents = ("pallas" if len(slots) > 1 else "xla") if extents is None else extents
+    if extents is None:  # in the kernel where it can (faster at V4 decode 64: docstring); else before it
+        extents = "kernel" if producer == "registers" and not interpret else "pallas" if len(slots) > 1 else "xla"
     out_store = ("tma" if stored == jnp.dtype(jnp.bfloat16) else "direct") if out_store is None else out_store
     if extents not in ("xla", "pallas", "kernel"):
         raise ValueError(f'extents must be "xla", "pallas" or "kernel", got {extents!r}')

@@ -302,8 +302,8 @@ def test_kernel_extents(arch):
         t, h, kw_, kc, ew, ec = 5, 64, 128, 512, 256, 64
         fw, fc = MlaRecord584(ew), MlaRecord584(ec)
         caches, fmts = [_cache(fw, 4, 512, rng), _cache(fc, 16, 512, rng)], [fw, fc]
-        sw = np.asarray(_slots(rng, t, kw_, 4 * ew, 0.2))
-        sc = np.asarray(_slots(rng, t, kc, 16 * ec, 0.2))
+        sw = np.array(_slots(rng, t, kw_, 4 * ew, 0.2))
+        sc = np.array(_slots(rng, t, kc, 16 * ec, 0.2))
         sc[0, 100:] = -1  # a dead tail: 2 of 8 compressed blocks live
         sw[1] = -1  # no window, the compressed list live
         sw[3, :-1], sc[3, :-1] = -1, -1  # each list's last slot alone
@@ -313,7 +313,7 @@ def test_kernel_extents(arch):
         t, h, k, nblk, epp = 4, 128, 2048, 96, 64
         fmt = MlaRecord656(epp, "ue8m0")
         caches, fmts = [_cache(fmt, nblk, 576, rng)], [fmt]
-        s = np.asarray(_slots(rng, t, k, nblk * epp, 0.2))
+        s = np.array(_slots(rng, t, k, nblk * epp, 0.2))
         s[0, 300:] = -1
         s[2, :-1] = -1
         s[3] = -1
