@@ -302,8 +302,9 @@ def _default_block_n(m: int, n: int, nk: int, bm: int) -> int:
     Measured: 192-wide tiles beat the earlier defaults at q_b 64 / 128 rows and mlp 1, 64 and 128 rows, level
     at q_b 1 row (ncu, archive/fp8_decode_ncu_sweep_h200_2026-12-03.json); 256 beat 128 at 1 and 64 rows
     (archive/fp8_decode_ncu_sweep_h200_2026-12-02.json); mlp's 144 against 192 on an H100, the kernel on the
-    GPU timeline: faster at 48 to 96 rows, level at 128 (benchmarks/results/fp8_tiles_time_wave_h100_2026-12-05.json,
-    archive/fp8_tiles_time_ragged*_h100_2026-12-05.json; docs/perf-log.md, forty-third session)."""
+    GPU timeline: faster at 48 to 96 rows, level at 128 (benchmarks/results/archive/
+    fp8_tiles_time_wave_h100_2026-12-05.json, fp8_tiles_time_ragged*_h100_2026-12-05.json; docs/perf-log.md,
+    forty-third session)."""
     if m <= min(bm, 128) and n // BLOCK > NUM_SMS:
         if m > SWAP_AB_UP_TO and (w := _one_wave_width(n)):
             return w

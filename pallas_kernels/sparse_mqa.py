@@ -18,14 +18,14 @@ token its own lists) are the same call: the kernel never looks at requests, only
 Kernel (``plgpu.kernel``, Lane lowering semantics, two compute warpgroups per CTA):
 - CTA = (token, tile of 64 heads, candidate split). Heads are padded to a multiple of 64 (wgmma needs
   M >= 64; padded heads get q = 0 and sink -inf, and are sliced away). Blocks of 64 candidates stream
-  through SMEM. Each list's blocks past its last valid slot are skipped (``_extents``: one XLA reduction
-  per list; the kernel maps its k-th block to a list's block by scalar arithmetic), so prefill tokens early
+  through SMEM. Each list's blocks past its last valid slot are skipped (``_extents``, computed by every warp
+  of the CTA from the slot rows with the register producer, else before the kernel; the kernel maps its k-th
+  block to a list's block by scalar arithmetic), so prefill tokens early
   in the sequence, short contexts and masked rows cost only their live blocks. ``num_splits`` cuts each
   token's sequence of live blocks into CTAs (small decode batches need them to fill the GPU). Two splits of the
-  register producer run as a 2-CTA cluster that merges through distributed shared memory (``merge``; four
-  splits can, as a 4-CTA cluster); other split counts write their normalised rows (fp32 unless
-  ``split_dtype``) with their (m, l), merged with the sink by one more kernel (``pallas_kernels.split_combine``;
-  with one split the CTA writes the final rows itself).
+  register producer run as a 2-CTA cluster that merges through distributed shared memory (``merge``); other
+  split counts write their normalised rows (fp32 unless ``split_dtype``) with their (m, l), merged with the sink
+  by one more kernel (``pallas_kernels.split_combine``; with one split the CTA writes the final rows itself).
   Merging through global memory instead, by each head tile's last split to finish, measured slower at V4
   decode batch 64 and was removed (docs/perf-log.md).
 - Row gather: Hopper has no gather TMA, so every candidate row is one (V3.2, bf16 rows) or two (V4: data,
@@ -237,9 +237,11 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     H200 its stores cost the MQA kernel more than the merge saves (docs/perf-log.md).
     ``extents``: the lists' live blocks (``_extents``) as one XLA reduction per list, or one Triton kernel for
     all lists ("pallas"), or inside the MQA kernel itself, from the slot rows each CTA reads anyway ("kernel":
-    the native register producer only; no kernel runs before the MQA); None: "pallas" for several lists
-    (faster at both V4 decode cases timed, 2026-12-05,
-    benchmarks/results/archive/mqa_variants_wrapper_h200_2026-12-05.json), "xla" for one.
+    the native register producer only; no kernel runs before the MQA). None: "kernel" with the native register
+    producer (faster than both others at V3.2 / V4 decode 64 and 4K prefill,
+    benchmarks/results/mqa_variants_defaults_h100_2026-12-06.json), else "pallas" for several lists (faster at
+    both V4 decode cases timed, benchmarks/results/archive/mqa_variants_wrapper_h200_2026-12-05.json), "xla" for
+    one.
     ``out_store`` (rows stored in bf16 only): "direct", each thread stores its registers to GMEM (a quad of
     threads covers 16 bytes of a row: half a 32-byte sector per store); "tma", each warpgroup writes its rows
     into the q tile (free once both warpgroups' last QK is done) and one TMA store copies them out in whole
@@ -265,16 +267,17 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     power-of-two scales (``record_gather._DQ_POW2_ASM``); None = where the records' scales are ("ue8m0").
     ``combine``: the implementation of the splits' merge (``pallas_kernels.split_combine``; "auto": its
     kernel where the row width is a power of 2).
-    ``merge`` (several candidate splits): "rows", each split writes its normalised rows and (m, l) and
-    ``split_combine`` merges them; "cluster" (native, register producer, 2 or 4 splits), the splits of a
-    (token, head tile) run as one cluster and merge in the kernel: each CTA keeps 1 / n_splits of the value
-    columns, receives the peers' unnormalised accumulators of those columns and their (m, l) into its K tiles
-    (free once every loop is done) by ``st.async`` through distributed shared memory, and writes the final
-    rows, so the split rows never reach GMEM and no merge kernel runs. None: "cluster" for two splits (faster
-    at V4 decode batch 64, benchmarks/results/mqa_variants_cluster_h100_2026-12-05.json), else "rows" (four
-    splits in a cluster have not been timed).
-    ``q_multicast`` (``merge="cluster"`` only): the cluster's common q tile loaded once, each CTA fetching its
-    share of it by a TMA multicast into all of them, instead of each CTA loading all of it. None: False.
+    ``merge`` (two candidate splits): "rows", each split writes its normalised rows and (m, l) and
+    ``split_combine`` merges them; "cluster" (native, register producer), the two splits of a (token, head
+    tile) run as a 2-CTA cluster and merge in the kernel: each CTA keeps half of the value columns, receives
+    the peer's unnormalised accumulator of that half and its (m, l) into its K tiles (free once both loops are
+    done) by ``st.async`` through distributed shared memory, and writes the final rows, so the split rows never
+    reach GMEM and no merge kernel runs. None: "cluster" where it applies (faster at V4 decode batch 64,
+    benchmarks/results/archive/mqa_variants_cluster_h100_2026-12-05.json), else "rows".
+    ``q_multicast`` (``merge="cluster"`` only): the pair's common q tile loaded once, each CTA fetching half
+    of it by a TMA multicast into both, instead of each CTA loading all of it. None: with the cluster merge
+    (0.2-0.5 µs faster at V4 decode 64 in two runs: benchmarks/results/mqa_variants_defaults_h100_2026-12-06.json,
+    archive/mqa_variants_pending_h100_2026-12-06.json).
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler records the kernel's named regions per
     warpgroup (prologue, the block loop's wait_full / qk / softmax / pv, epilogue; produce) and writes a
     Perfetto trace under this folder per call (``scripts/diag/mqa_regions.py``). Its buffer takes shared
@@ -393,12 +396,12 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     if q_multicast is None:
         q_multicast = cluster
     if q_multicast and not cluster:
-        raise ValueError(f'q_multicast=True shares the q tile within the cluster of merge="cluster" (got merge '
+        raise ValueError(f'q_multicast=True shares the q tile within the pair of merge="cluster" (got merge '
                          f'{merge!r})')
-    if cluster and (n_splits not in (2, 4) or producer != "registers" or interpret):
-        raise ValueError(f'merge="cluster" merges two or four candidate splits of the native register producer '
+    if cluster and (n_splits != 2 or producer != "registers" or interpret):
+        raise ValueError(f'merge="cluster" merges exactly two candidate splits of the native register producer '
                          f'(got {n_splits} splits, producer {producer!r}, interpret {bool(interpret)}); '
-                         f'pass num_splits=2 or 4')
+                         f'pass num_splits=2')
     split_dtype = jnp.dtype(jnp.float32 if split_dtype is None else split_dtype)
     stored = jnp.dtype(out_dtype) if n_splits == 1 or cluster else split_dtype
     if extents is None:  # in the kernel where it can (faster at V4 decode 64: docstring); else before it
@@ -522,9 +525,6 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     G = hp // HEAD_TILE
     BK = BLOCK_K
     dvw = dv // NUM_WG
-    # merge="cluster": each CTA finalises cw value columns, per_wg slices of a warpgroup's
-    per_wg = max(1, n_splits // NUM_WG) if cluster else 1
-    cw = dvw // per_wg
     HALF = BK // NUM_WG  # candidates per warpgroup in QK and the softmax
     fp8 = kind != "rows"
     # rope values: compiled, read as bf16 through a second (aliased) view of the staging rows; GPU interpret mode
@@ -670,8 +670,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             q_s1, k_s1, st, p_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_p = scratch
         q_s, k_s = q_s1.at[0], k_s1.at[0]  # [1, rows, dk]: index 0 statically (copies, dequantisation)
         pid = lax.axis_index("cta")
-        if cluster:  # the grid is over (token, head tile)s; the split is the CTA's rank in its cluster
-            gi, ti, si = pid % G, pid // G, lax.axis_index("split")
+        if cluster:  # the grid is over (token, head tile) pairs; the split is the CTA's rank in its cluster
+            gi, ti, si = pid % G, pid // G, lax.axis_index("pair")
         else:
             gi, ti, si = pid % G, (pid // G) % t, pid // (G * t)
         if kernel_extents:  # this token's live blocks per list (``_extents``): every warp computes them
@@ -731,9 +731,9 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 if reg and not emulate:
                     plgpu.set_max_registers(compute_regs(producer_regs), action="increase")
                 if w == 0:
-                    # q_multicast: every CTA of the cluster needs this tile; each fetches its share into all
+                    # q_multicast: both CTAs of the pair need this tile; each fetches half of it into both
                     plgpu.copy_gmem_to_smem(q_ref.at[ti, pl.ds(gi * HEAD_TILE, HEAD_TILE)], q_s, bar_q.at[0],
-                                            collective_axes="split" if q_multicast else None)
+                                            collective_axes="pair" if q_multicast else None)
                     if not reg:
                         @pl.when(nblk > 0)
                         def _():
@@ -888,80 +888,54 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     q_s.at[:, pl.ds(w * dvw + c0, o.shape[1])][...] = o.astype(jnp.bfloat16)
                 else:
                     dst.at[:, pl.ds(c0, o.shape[1])][...] = o.astype(dst.dtype)
-            if out_store == "tma":  # the parts' columns (contiguous), from the first part's
-                c_lo, n = parts[0][0], sum(o.shape[1] for _, o in parts)
+            if out_store == "tma":
                 plgpu.commit_smem()
                 for r in range(HEAD_TILE // 8):  # an 8-row group of the tiled q tile is contiguous
                     rows = pl.ds(8 * r, 8)
-                    src = q_s.at[rows, pl.ds(w * dvw + c_lo, n)]
-                    plgpu.copy_smem_to_gmem(src, dst.at[rows] if n == dvw else dst.at[rows, pl.ds(c_lo, n)])
+                    plgpu.copy_smem_to_gmem(q_s.at[rows, pl.ds(w * dvw, dvw)], dst.at[rows])
 
         def merge_in_cluster(w, acc, m, l, heads, dst):
-            """merge="cluster": the cluster's ``n_splits`` CTAs (one per split) each finalise ``cw`` of the value
-            columns: CTA r those of warpgroup r // per_wg, at (r % per_wg) * cw of its accumulator (two CTAs: a
-            warpgroup's half each). Once every CTA's loops are done (its K tiles, which receive the slices, are
-            then free: each CTA's receiving warpgroup arrives on a cluster barrier in all of them), every
-            warpgroup sends its unnormalised slices that another CTA finalises, with its (m, l); the receiving
-            warpgroup waits for the n_splits - 1 slices and writes the merged rows. Sender s's slot in receiver
-            r is (s - r - 1) mod n_splits. ``st.async`` completes on the receiver's barrier with the bytes it
-            carries, and the receiver reads them only after waiting on that barrier, so no cluster-scope fence
-            is needed. (m, l) travel as one [64, 32] tile: m in columns 0-15, l in 16-31."""
+            """merge="cluster": CTA si finalises the value columns of its warpgroup si. Its other warpgroup
+            sends its unnormalised accumulator and (m, l) to the peer, once the peer's loops are done (its K
+            tiles, which hold the received values, are then free); warpgroup si announces that for this CTA,
+            waits for the peer's half and writes the merged rows. ``st.async`` completes on the receiver's
+            barrier with the bytes it carries, and the receiver reads them only after waiting on that barrier,
+            so no cluster-scope fence is needed. (m, l) travel as one [64, 32] tile: m in columns 0-15, l in
+            16-31."""
             col = plgpu.broadcasted_iota(jnp.int32, (HEAD_TILE, 32), 1, layout=L)
-            receives = si // per_wg == w
 
-            @pl.when(receives)
-            def _():
-                plgpu.barrier_arrive(bar_xfree)  # in every CTA of the cluster: this one's loops are done
-
-            def send():
+            @pl.when(si != w)
+            def _send():
                 plgpu.barrier_wait(bar_xfree)
                 ml = jnp.where(col < 16, lax.broadcast_in_dim(m, col.shape, [0]),
                                lax.broadcast_in_dim(l, col.shape, [0]))
-                for j in range(per_wg):
-                    r = w * per_wg + j  # the CTA finalising this slice
+                plgpu.async_store_smem(acc, xacc, bar_xfull, cluster_idx=1 - si, cluster_dim="pair")
+                plgpu.async_store_smem(ml, xml, bar_xfull, cluster_idx=1 - si, cluster_dim="pair")
 
-                    @pl.when(si != r)
-                    def _(j=j, r=r):
-                        slot = 0 if n_splits == 2 else (si + (n_splits - 1 - r)) % n_splits
-                        part = acc if per_wg == 1 else acc[:, j * cw:(j + 1) * cw]
-                        plgpu.async_store_smem(part, xacc.at[slot], bar_xfull, cluster_idx=r, cluster_dim="split")
-                        plgpu.async_store_smem(ml, xml.at[slot], bar_xfull, cluster_idx=r, cluster_dim="split")
-
-            if per_wg == 1:  # two CTAs: the receiving warpgroup sends nothing
-                pl.when(jnp.logical_not(receives))(send)
-            else:
-                send()
-
-            def receive(j):
+            @pl.when(si == w)
+            def _receive():
+                plgpu.barrier_arrive(bar_xfree)  # in both CTAs: this one's loops are done
                 plgpu.barrier_wait(bar_xfull)
-                ms, ls = [m], [l]
-                for p in range(n_splits - 1):
-                    ml = xml.at[p][...]
-                    ms.append(jnp.where(col < 16, ml, -jnp.inf).max(axis=1))
-                    ls.append(jnp.where(col >= 16, ml, -jnp.inf).max(axis=1))
-                mt = functools.reduce(jnp.maximum, ms)
+                ml = xml[...]
+                m_peer = jnp.where(col < 16, ml, -jnp.inf).max(axis=1)
+                l_peer = jnp.where(col >= 16, ml, -jnp.inf).max(axis=1)
+                mt = jnp.maximum(m, m_peer)
                 if has_sink:
                     sk = plgpu.load(sink_ref.at[heads], layout=ROW, optimized=False) * LOG2E
                     mt = jnp.maximum(mt, sk)
-                alphas = [jnp.exp2(x - mt) for x in ms]
-                lt = functools.reduce(jnp.add, [x * a for x, a in zip(ls, alphas)])
+                a0, a1 = jnp.exp2(m - mt), jnp.exp2(m_peer - mt)
+                lt = l * a0 + l_peer * a1
                 if has_sink:
                     lt = lt + jnp.exp2(sk - mt)
                 inv = jnp.where(lt > 0, 1.0 / jnp.where(lt > 0, lt, 1.0), 0.0)
-                ws = [lax.broadcast_in_dim(a * inv, (HEAD_TILE, 64), [0]) for a in alphas]
-                # 64 columns at a time: the peers' slices beside this one's would not fit the registers
-                parts = []
-                for c0 in range(0, cw, 64):
-                    o = acc[:, j * cw + c0:j * cw + c0 + 64] * ws[0]
-                    for p in range(n_splits - 1):
-                        o = o + xacc.at[p, :, pl.ds(c0, 64)][...] * ws[p + 1]
-                    parts.append((j * cw + c0, o))
+                w0 = lax.broadcast_in_dim(a0 * inv, (HEAD_TILE, 64), [0])
+                w1 = lax.broadcast_in_dim(a1 * inv, (HEAD_TILE, 64), [0])
+                # 64 columns at a time: the peer's whole half beside this one's would not fit the registers
+                parts = [(c0, acc[:, c0:c0 + 64] * w0 + xacc.at[:, pl.ds(c0, 64)][...] * w1)
+                         for c0 in range(0, dvw, 64)]
                 store_rows(w, dst, parts)
                 if out_store == "tma":
                     plgpu.wait_smem_to_gmem(0)
-
-            for j in range(per_wg):
-                pl.when(si == w * per_wg + j)(functools.partial(receive, j))
 
         def produce():
             """producer="registers": block k into K tile k % 2 (and its slots into idx slot k % 2), once the
@@ -1057,16 +1031,13 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             scratch += [st_t, *mid[1:], plgpu.Barrier(num_arrivals=1, num_barriers=2),
                         plgpu.Barrier(num_arrivals=BK * copies, num_barriers=1)]
         scratch += [plgpu.SMEM((2, NUM_WG, HEAD_TILE), jnp.float32), plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1)]
-    if cluster:  # the peers' slices of the accumulator and their (m, l) in the K tiles' memory (4 CTAs: 120 of
-        # V4's 128 KB); "every CTA's loops done" (each CTA's receiving warpgroup arrives in all) and "the peers'
-        # stores landed" (two each)
+    if cluster:  # the peer's half accumulator and its (m, l) in the K tiles' memory; "both CTAs' loops done"
+        # (each CTA's receiving warpgroup arrives in both) and "the peer's two stores landed"
         f32_tiles = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-        peers = n_splits - 1
-        scratch[1] = plgpu.RefUnion(scratch[1], (
-            plgpu.SMEM((peers, HEAD_TILE, cw), jnp.float32, transforms=f32_tiles),
-            plgpu.SMEM((peers, HEAD_TILE, 32), jnp.float32, transforms=f32_tiles)))
-        scratch += [plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=1),
-                    plgpu.Barrier(num_arrivals=2 * peers, num_barriers=1)]
+        scratch[1] = plgpu.RefUnion(scratch[1], (plgpu.SMEM((HEAD_TILE, dvw), jnp.float32, transforms=f32_tiles),
+                                                 plgpu.SMEM((HEAD_TILE, 32), jnp.float32, transforms=f32_tiles)))
+        scratch += [plgpu.ClusterBarrier(collective_axes=("pair",), num_arrivals=1),
+                    plgpu.Barrier(num_arrivals=2, num_barriers=1)]
     if n_splits == 1 or cluster:
         out_type = jax.ShapeDtypeStruct((t, hp, dv), out_dtype)
     else:
@@ -1077,10 +1048,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                                   approx_math=True, reduction_scratch_bytes=0,  # row reductions stay in-warp
                                   **(dict(profile_space=PROFILE_RANGES, profile_dir=profile_dir) if profile_dir
                                      else {}))
-    if cluster:
-        grid = dict(grid=(t * G,), grid_names=("cta",), cluster=(n_splits,), cluster_names=("split",))
-    else:
-        grid = dict(grid=(n_splits * t * G,), grid_names=("cta",))
+    grid = dict(grid=(t * G,), grid_names=("cta",), cluster=(2,), cluster_names=("pair",)) if cluster else dict(
+        grid=(n_splits * t * G,), grid_names=("cta",))
     return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, **grid,
                         num_threads=NUM_WG + reg, thread_name="wg", compiler_params=params,
                         interpret=interpret if interpret is not None else False)

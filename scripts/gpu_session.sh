@@ -67,7 +67,6 @@
 #   scripts/gpu_session.sh topk-range    # issue 20: the finish from the pivot and the prefilter's loads in flight (knobs)
 #   scripts/gpu_session.sh select      # indexer decode select: top-k "auto" against the default lax, and XLA
 #   scripts/gpu_session.sh mqa-pending   # issue 20: the native MQA / FP8 set left unrun, V4 decode 64 variants (in-kernel extents, q multicast), ncu of V4
-#   scripts/gpu_session.sh mqa-cluster4  # issue 20: four splits merged in a 4-CTA cluster at V4 decode 32 / V3.2 decode 16
 #   scripts/gpu_session.sh mqa           # MQA decode rows again, now with device_us (b1/b8 sit at the dispatch floor)
 #   scripts/gpu_session.sh gather-probe  # issue 20: register gather + dequant into the swizzled K tile (the MQA producer's plan)
 #   scripts/gpu_session.sh multigpu      # issue 21, kind nvidia-h200-x2: 8-layer V3.2 TTFT + decode, tp=1 vs tp=2
@@ -493,15 +492,6 @@ case "$stage" in
       --out "$OUT/mqa_variants_pending_h200.json" > "$OUT/mqa_pending.log" 2>&1; echo "mqa pending rc=$?"
     grep '^{' "$OUT/mqa_pending.log" | python3 -c 'import json, sys; [print(r["case"], r["variant"], r.get("profile_span_us"), r.get("profile_busy_us"), r.get("profile_kernels"), r.get("tflops"), r.get("max_abs_err"), r.get("error", "")[:300]) for r in map(json.loads, sys.stdin)]'
     NCUM_ARCHES=v4 NCUM_TIMEOUT=${MQAP_NCU_TIMEOUT:-100} bash "$0" ncu-mqa
-    ;;
-  mqa-cluster4)
-    # issue 20: four candidate splits merged in a 4-CTA cluster (merge="cluster", num_splits=4; the fiftieth
-    # session, native tests in mqa-pending's set) against the default there (four splits' rows + split_combine),
-    # at V4 decode 32 and V3.2 decode 16, fp32 and bf16 rows, and with the q tile by one multicast. About 3 minutes
-    timeout -k 10 -s KILL ${MQAC4_TIMEOUT:-200} python3 scripts/diag/mqa_variants.py --cases v4_decode_32 v32_decode_16 \
-      --variants ${MQAC4_VARIANTS:-default cluster4 bf16_out bf16_out_cluster4 bf16_out_cluster4_q_mc} \
-      --out "$OUT/mqa_variants_cluster4_h200.json" > "$OUT/mqa_cluster4.log" 2>&1; echo "mqa cluster4 rc=$?"
-    grep '^{' "$OUT/mqa_cluster4.log" | python3 -c 'import json, sys; [print(r["case"], r["variant"], r.get("profile_span_us"), r.get("profile_busy_us"), r.get("profile_kernels"), r.get("tflops"), r.get("max_abs_err"), r.get("error", "")[:300]) for r in map(json.loads, sys.stdin)]'
     ;;
   mqa-refresh)
     # the MQA's defaults (the coalesced register producer for fp8 records, per-list extents, bf16 split rows for

@@ -57,10 +57,6 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             # the q tile loaded by each CTA of the pair (the default multicasts it since 2026-12-06)
             "no_q_mc": dict(q_multicast=False), "bf16_out_no_q_mc": dict(out_dtype="bfloat16", q_multicast=False),
             "bf16_out_extents_xla": dict(out_dtype="bfloat16", extents="xla"),
-            # four splits as a 4-CTA cluster (V4 decode 32, V3.2 decode 16: the default there is four splits' rows)
-            "cluster4": dict(num_splits=4, merge="cluster"),
-            "bf16_out_cluster4": dict(out_dtype="bfloat16", num_splits=4, merge="cluster"),
-            "bf16_out_cluster4_q_mc": dict(out_dtype="bfloat16", num_splits=4, merge="cluster", q_multicast=True),
             # the wrapper as main's layers ran it before 2026-12-05 (bf16 split rows, XLA's merge, direct stores)
             "before_1205": dict(out_dtype="bfloat16", split_dtype="bfloat16", combine="xla", out_store="direct",
                                 extents="xla"), "bf16_out_extents_pallas": dict(out_dtype="bfloat16",
