@@ -550,7 +550,7 @@ def coalesced_lane(lane: int) -> dict[str, int]:
 
 
 def produce_tile(slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *, exts=(), nblocks: int, lists=None,
-                 phases: int = 1, pow2_scales: bool = False) -> None:
+                 phases: int = 1, pow2_scales: bool = False, overlap: bool = False) -> None:
     """The producer loop of a single CTA (one warpgroup, all 128 threads) for one ``MlaRecord656`` cache
     (``lists=None``) or one or two ``MlaRecord584`` caches (window, compressed; ``lists[i]`` = (the list's
     first block in the concatenated lists, entries per page, page bytes)). For k < ``nblk``: the block at
@@ -564,7 +564,13 @@ def produce_tile(slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *, exts=(), n
     (NoPE) or four (rope) records. A warp serves 16 rows; a lane holds its row's slot (lane % 16) and gets the
     others' by ``shfl.sync``. 96 words per lane and block, loaded in ``phases`` rounds (1, 2 or 4) of row pairs
     and rope rows. V4's second NoPE load of a row pair has 12 chunks for 16 lanes: the other 4 read rope bytes
-    and store nothing. V4's UE8M0 scales make the conversion-free dequantisation exact (``_DQ_POW2_ASM``)."""
+    and store nothing. V4's UE8M0 scales make the conversion-free dequantisation exact (``_DQ_POW2_ASM``).
+
+    ``overlap``: each round's loads are issued before the previous round is converted, and a block's first
+    round during its predecessor's last, so that a load's latency runs under the conversion instead of before
+    it (a lone producer warp per scheduler has nothing else to issue meanwhile: Nsight Compute, V4 decode 64,
+    benchmarks/results/archive/ncu_mqa_v4_b64_regions_h100_2026-12-06.txt). Two rounds' words are then live at
+    once: with one round, all of a block's twice."""
     if phases not in (1, 2, 4):
         raise ValueError(f"phases must be 1, 2 or 4, got {phases}")
     nc = len(cache_refs)
@@ -648,14 +654,27 @@ def produce_tile(slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *, exts=(), n
                     i += 4
             return out
 
+        def flat(got) -> list:  # ``round_loads``' words as one list (the loop carries them), and back
+            return [w for it in got for w in ([*it[0], *it[1], it[2], it[3]] if isinstance(it, tuple) else it)]
+
+        def unflat(words: list) -> list:
+            return ([(words[10 * p:10 * p + 4], words[10 * p + 4:10 * p + 8], words[10 * p + 8], words[10 * p + 9])
+                     for p in range(pairs)] + [words[10 * pairs + 4 * q:10 * pairs + 4 * q + 4] for q in range(ropes)])
+
         def body(kk, carried):
-            s_cur, blk_cur, s_next, blk_next, blk_nn = carried
+            s_cur, blk_cur, s_next, blk_next, blk_nn = carried[:5]
+            ahead = unflat(carried[5:]) if overlap else None  # ``overlap``: this block's first round, loaded
             b = arith.remui(kk, c32(2))
             b8 = arith.muli(b, c32(8))
             tile = lp.tile(b, fmt.cols)
             out = {}
             for r in range(phases):
-                got = round_loads(s_cur, blk_cur, r * pairs, r * ropes)
+                if overlap:  # the next round's loads (the next block's first after the last round) go out first
+                    got = ahead
+                    s_ld, blk_ld, r_ld = (s_cur, blk_cur, r + 1) if r + 1 < phases else (s_next, blk_next, 0)
+                    ahead = round_loads(s_ld, blk_ld, r_ld * pairs, r_ld * ropes)
+                else:
+                    got = round_loads(s_cur, blk_cur, r * pairs, r * ropes)
                 if r == 0:  # block k + 2's slot, block k + 3's id, block k + 1's records into L2, tile b free
                     out["s_nn"] = lp.slot_of(blk_nn, my_row)
                     out["blk_nnn"] = lp.block_of(arith.addi(kk, c32(3)))
@@ -681,10 +700,12 @@ def produce_tile(slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *, exts=(), n
                     row_base, sw = e.k_row(tile, arith.addi(row0, arith.addi(c32(4 * q), rope_row)), fmt.cols)
                     e.store16(e.k_addr(row_base, sw, arith.muli(rc, c32(8)), fmt.rope_col), got[pairs + n])
             lp.arrive_full(b8)
-            return [s_next, blk_next, out["s_nn"], blk_nn, out["blk_nnn"]]
+            return [s_next, blk_next, out["s_nn"], blk_nn, out["blk_nnn"]] + (flat(ahead) if overlap else [])
 
         blk0, blk1, blk2 = lp.block_of(c32(0)), lp.block_of(c32(1)), lp.block_of(c32(2))
-        lp.run([lp.slot_of(blk0, my_row), blk0, lp.slot_of(blk1, my_row), blk1, blk2], body)
+        s0 = lp.slot_of(blk0, my_row)
+        first = flat(round_loads(s0, blk0, 0, 0)) if overlap else []  # block 0's first round (or a re-read)
+        lp.run([s0, blk0, lp.slot_of(blk1, my_row), blk1, blk2] + first, body)
 
     if len(slots_refs) != nc or len(exts) != nc - 1:
         raise ValueError(f"a slot row per list and the live blocks of all but the last: got {len(slots_refs)} slot "

@@ -225,7 +225,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                out_dtype: jnp.dtype = jnp.float32,
                interpret: bool | plgpu.InterpretGPUParams | None = None, producer: Producer | None = None,
                producer_regs: int | None = None, producer_phases: int | None = None,
-               producer_pow2: bool | None = None, profile_dir: str | None = None,
+               producer_pow2: bool | None = None, producer_overlap: bool | None = None,
+               profile_dir: str | None = None,
                combine: Implementation = "auto", split_dtype: jnp.dtype | None = None,
                out_store: OutStore | None = None, extents: Literal["xla", "pallas", "kernel"] | None = None,
                merge: Merge | None = None, q_multicast: bool | None = None) -> jax.Array:
@@ -263,6 +264,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     compute warpgroups, and loads a block in ``producer_phases`` rounds (1, 2 or 4; None: ``PRODUCER_PHASES``).
     None: "registers" natively for fp8 records, else "tma" (interpret mode: "tma", whose emulation blocks no
     third thread; the register producer's needs one CPU per warpgroup).
+    ``producer_overlap`` (native register producer): each round's loads issued before the previous round is
+    converted (``record_gather.produce_tile``'s ``overlap``; with ``producer_phases`` 2 or 4). None: False.
     ``producer_pow2``: the register producers' dequantisation without conversion instructions, exact only for
     power-of-two scales (``record_gather._DQ_POW2_ASM``); None = where the records' scales are ("ue8m0").
     ``combine``: the implementation of the splits' merge (``pallas_kernels.split_combine``; "auto": its
@@ -293,6 +296,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                                   num_splits=num_splits, out_dtype=out_dtype, interpret=interpret,
                                   producer=producer, producer_regs=producer_regs,
                                   producer_phases=producer_phases, producer_pow2=producer_pow2,
+                                  producer_overlap=producer_overlap,
                                   profile_dir=profile_dir, combine=combine, split_dtype=split_dtype,
                                   out_store=out_store, extents=extents, merge=merge, q_multicast=q_multicast)})
 
@@ -325,7 +329,8 @@ def _xla(q, caches, formats, slots, *, scale, v_dim, sink, out_dtype):
 
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
-            producer_regs=None, producer_phases=None, producer_pow2=None, profile_dir=None, combine="auto",
+            producer_regs=None, producer_phases=None, producer_pow2=None, producer_overlap=None, profile_dir=None,
+            combine="auto",
             split_dtype=None, out_store=None, extents=None, merge=None, q_multicast=None):
     if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
@@ -334,6 +339,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
         raise ValueError(f"split_dtype must be float32, bfloat16 or float16, got {split_dtype}")
     if producer_phases not in (None, 1, 2, 4):
         raise ValueError(f"producer_phases must be 1, 2 or 4, got {producer_phases}")
+    if producer_overlap not in (None, True, False):
+        raise ValueError(f"producer_overlap must be a bool or None, got {producer_overlap!r}")
     if num_splits is not None:
         check_int("num_splits", num_splits, 1)
     if producer_regs is not None and not (isinstance(producer_regs, int) and 24 <= producer_regs <= 256
@@ -372,6 +379,9 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
         producer = "registers" if (one_656 or v4_lists) and not interpret else "tma"
     if producer_phases is None:
         producer_phases = PRODUCER_PHASES
+    if producer_overlap and (producer != "registers" or interpret):
+        raise ValueError(f"producer_overlap=True overlaps the native register producer's loads (got producer "
+                         f"{producer!r}, interpret {bool(interpret)})")
     if producer_regs is None:  # (no producer warpgroup with "tma": 0, unused)
         producer_regs = PRODUCER_REGS[specs[0].kind] if producer == "registers" else 0
     hp = -(-h // HEAD_TILE) * HEAD_TILE
@@ -423,7 +433,7 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                        has_sink=has_sink, n_splits=n_splits, bps=bps, out_dtype=jnp.dtype(out_dtype),
                        split_dtype=split_dtype, out_store=out_store,
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
-                       producer_phases=producer_phases,
+                       producer_phases=producer_phases, producer_overlap=bool(producer_overlap),
                        pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2,
                        profile_dir=profile_dir, cluster=cluster, kernel_extents=extents == "kernel",
                        q_multicast=bool(q_multicast))
@@ -504,7 +514,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 scale: float, has_sink: bool, n_splits: int, bps: int, out_dtype: jnp.dtype,
                 split_dtype: jnp.dtype, out_store: OutStore = "direct",
                 interpret: plgpu.InterpretGPUParams | None, producer: Producer = "tma",
-                producer_regs: int = 144, producer_phases: int = 1, pow2: bool = False,
+                producer_regs: int = 144, producer_phases: int = 1, producer_overlap: bool = False,
+                pow2: bool = False,
                 profile_dir: str | None = None, cluster: bool = False, kernel_extents: bool = False,
                 q_multicast: bool = False):
     """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k and arrives on "full"[k % 2];
@@ -947,7 +958,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 with jax.named_scope("produce"):
                     record_gather.produce_tile(tuple(x.at[ti] for x in slots_refs), tuple(cache_refs), k_s1, idx_s, b0,
                                                nblk, exts=tuple(exts[:-1]), nblocks=sum(list_blocks), lists=lists,
-                                               phases=producer_phases, pow2_scales=pow2)
+                                               phases=producer_phases, pow2_scales=pow2,
+                                               overlap=producer_overlap)
                 return
             st, pb_s, sel_s = per_prod
             init_selection(sel_s)

@@ -163,20 +163,24 @@ def test_v32_padded_heads_and_splits(mode):
            num_splits=1, out_dtype=jnp.bfloat16, out_store="direct")
 
 
-@pytest.mark.parametrize("producer", ["registers", pytest.param("registers_p2", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("producer", ["registers"] + [pytest.param(p, marks=pytest.mark.gpu) for p in (
+    "registers_p2", "registers_ovl2", "registers_ovl4")])
 @pytest.mark.parametrize("mode", MODES)
 def test_v32_register_producer(mode, producer):
     """producer="registers": a third warpgroup fills two K tiles in turn (natively by per-thread loads and
     dequantisation in registers, ``record_gather``; interpret mode emulates it with the staged rows), so blocks
     0..4 cycle through both tiles (natively the coalesced loads); "registers_p2" (native only): the latent
-    loaded in two rounds. A fully masked row gives zeros; 2 splits (one with 2 blocks, one with 3); interpret
+    loaded in two rounds; "registers_ovl2" / "_ovl4" (native only): in two / four rounds, each issued before
+    the previous one is converted (``producer_overlap``). A fully masked row gives zeros; 2 splits (one with 2 blocks, one with 3); interpret
     mode also runs the race detector over the full / free protocol.
 
     Interpret mode runs each warpgroup as an XLA CPU computation whose barrier waits block a thread of XLA's
     intra-op pool (one per CPU): with fewer CPUs than warpgroups a producer never runs."""
     if _interpret(mode) and producer != "registers":
         pytest.skip("native only")
-    kw = {"registers_p2": dict(producer="registers", producer_phases=2)}.get(producer, dict(producer="registers"))
+    kw = {"registers_p2": dict(producer="registers", producer_phases=2),
+          "registers_ovl2": dict(producer="registers", producer_phases=2, producer_overlap=True),
+          "registers_ovl4": dict(producer="registers", producer_phases=4, producer_overlap=True)}.get(producer, dict(producer="registers"))
     if _interpret(mode) and len(os.sched_getaffinity(0)) < mqa.NUM_WG + 1:
         pytest.skip(f"interpret mode needs a CPU per warpgroup ({mqa.NUM_WG + 1}) for the register "
                     "producer's blocking waits")
@@ -210,7 +214,9 @@ def test_register_producer_bad_inputs():
                     (dict(producer_regs=100), "producer_regs"), (dict(producer_regs=8), "producer_regs"),
                     (dict(split_dtype=jnp.int8), "split_dtype"), (dict(combine="triton"), "combine"),
                     (dict(out_store="smem"), "out_store"), (dict(out_store="tma"), "out_store"),  # fp32 rows
-                    (dict(extents="auto"), "extents"), (dict(extents="kernel"), "extents")]:
+                    (dict(extents="auto"), "extents"), (dict(extents="kernel"), "extents"),
+                    (dict(producer_overlap=1), "producer_overlap"),  # interpret mode: no PTX loop to overlap
+                    (dict(producer="registers", producer_overlap=True), "producer_overlap")]:
         with pytest.raises(ValueError, match=msg):
             mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.1, v_dim=512, interpret=True, **kw)
     f4 = MlaRecord584(16)
@@ -248,15 +254,18 @@ def test_v4_window_compressed_sink(mode, num_splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("producer", ["tma", "registers_p2"])
+@pytest.mark.parametrize("producer", ["tma", "registers_p2", "registers_ovl2", "registers_ovl4"])
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_v4_register_producer(num_splits, producer):
     """V4's producers natively beside the default register producer (``test_v4_window_compressed_sink``): the
-    TMA producer and the register producer's loads in two rounds; the two MlaRecord584
+    TMA producer and the register producer's loads in two rounds, and in two / four rounds each issued before
+    the previous is converted (``producer_overlap``); the two MlaRecord584
     lists of different pages per block, every block of the loop, the sink, a fully masked row."""
     if not ON_GPU:
         pytest.skip("native only")
-    kw = {"tma": dict(producer="tma"), "registers_p2": dict(producer="registers", producer_phases=2)}[producer]
+    kw = {"tma": dict(producer="tma"), "registers_p2": dict(producer="registers", producer_phases=2),
+          "registers_ovl2": dict(producer="registers", producer_phases=2, producer_overlap=True),
+          "registers_ovl4": dict(producer="registers", producer_phases=4, producer_overlap=True)}[producer]
     _v4_window_compressed(False, num_splits, **kw)
 
 
@@ -509,7 +518,9 @@ def test_v4_layer_attend(mode):
                                   "v4_fp8_splits_out_tma", "v4_fp8_extents_pallas", "v4_fp8_cluster",
                                   "v4_fp8_cluster_out_tma", "v32_fp8_cluster", "v4_fp8_extents_kernel",
                                   "v4_fp8_cluster_extents_kernel", "v32_fp8_extents_kernel",
-                                  "v4_fp8_cluster_q_multicast", "v32_fp8_cluster_q_multicast"])
+                                  "v4_fp8_cluster_q_multicast", "v32_fp8_cluster_q_multicast",
+                                  "v4_fp8_overlap_p2", "v4_fp8_overlap_p4", "v32_fp8_overlap_p2",
+                                  "v4_fp8_cluster_overlap_p2"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -543,7 +554,12 @@ def test_lowers_for_cuda(case):
           "v4_fp8_cluster_extents_kernel": dict(merge="cluster", extents="kernel"),
           # the pair's q tile by one multicast TMA
           "v4_fp8_cluster_q_multicast": dict(merge="cluster", q_multicast=True),
-          "v32_fp8_cluster_q_multicast": dict(merge="cluster", q_multicast=True)}.get(case, {})
+          "v32_fp8_cluster_q_multicast": dict(merge="cluster", q_multicast=True),
+          # the register producer's rounds of loads issued one ahead of their conversion
+          "v4_fp8_overlap_p2": dict(producer_phases=2, producer_overlap=True),
+          "v4_fp8_overlap_p4": dict(producer_phases=4, producer_overlap=True),
+          "v32_fp8_overlap_p2": dict(producer_phases=2, producer_overlap=True),
+          "v4_fp8_cluster_overlap_p2": dict(merge="cluster", producer_phases=2, producer_overlap=True)}.get(case, {})
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,

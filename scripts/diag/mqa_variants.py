@@ -57,6 +57,11 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             # the q tile loaded by each CTA of the pair (the default multicasts it since 2026-12-06)
             "no_q_mc": dict(q_multicast=False), "bf16_out_no_q_mc": dict(out_dtype="bfloat16", q_multicast=False),
             "bf16_out_extents_xla": dict(out_dtype="bfloat16", extents="xla"),
+            # the producer's rounds of loads issued one ahead of their conversion (``producer_overlap``)
+            "ovl2": dict(producer_phases=2, producer_overlap=True), "ovl4": dict(producer_phases=4, producer_overlap=True),
+            "ovl2_r152": dict(producer_phases=2, producer_overlap=True, producer_regs=152),
+            "bf16_out_ovl2": dict(out_dtype="bfloat16", producer_phases=2, producer_overlap=True),
+            "p2": dict(producer_phases=2),
             # the wrapper as main's layers ran it before 2026-12-05 (bf16 split rows, XLA's merge, direct stores)
             "before_1205": dict(out_dtype="bfloat16", split_dtype="bfloat16", combine="xla", out_store="direct",
                                 extents="xla"), "bf16_out_extents_pallas": dict(out_dtype="bfloat16",
