@@ -58,7 +58,8 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             "no_q_mc": dict(q_multicast=False), "bf16_out_no_q_mc": dict(out_dtype="bfloat16", q_multicast=False),
             "bf16_out_extents_xla": dict(out_dtype="bfloat16", extents="xla"),
             # the producer's rounds of loads issued one ahead of their conversion (``producer_overlap``)
-            "ovl2": dict(producer_phases=2, producer_overlap=True), "ovl4": dict(producer_phases=4, producer_overlap=True),
+            "ovl2": dict(producer_phases=2, producer_overlap=True),
+            "ovl4": dict(producer_phases=4, producer_overlap=True),
             "ovl2_r152": dict(producer_phases=2, producer_overlap=True, producer_regs=152),
             "bf16_out_ovl2": dict(out_dtype="bfloat16", producer_phases=2, producer_overlap=True),
             "p2": dict(producer_phases=2),
