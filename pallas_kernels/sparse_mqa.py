@@ -153,8 +153,9 @@ LOG2E = 1.4426950408889634
 # producer="registers": the producer warpgroup's registers per thread (the rest: compute) and its rounds of
 # loads (96 words per lane and block in all): one round for both record kinds, which needs more than 128
 # registers.
-PRODUCER_REGS = {"mla656": 144, "mla584": 136}
-PRODUCER_PHASES = 1
+PRODUCER_REGS = {"mla656": 152, "mla584": 136}
+PRODUCER_PHASES = {"mla656": 2, "mla584": 1}
+PRODUCER_OVERLAP = {"mla656": True, "mla584": False}
 
 
 def compute_regs(producer_regs: int) -> int:
@@ -265,7 +266,11 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     None: "registers" natively for fp8 records, else "tma" (interpret mode: "tma", whose emulation blocks no
     third thread; the register producer's needs one CPU per warpgroup).
     ``producer_overlap`` (native register producer): each round's loads issued before the previous round is
-    converted (``record_gather.produce_tile``'s ``overlap``; with ``producer_phases`` 2 or 4). None: False.
+    converted (``record_gather.produce_tile``'s ``overlap``; with ``producer_phases`` 2 or 4). None:
+    ``PRODUCER_OVERLAP`` of the format. V3.2's records: on, in two rounds with 152 registers (``PRODUCER_PHASES``,
+    ``PRODUCER_REGS``), 3.5-6% faster at every V3.2 case timed (decode 64 / 128, ue8m0 scales, 4K prefill:
+    benchmarks/results/mqa_variants_defaults_h100_2026-12-06.json); V4's: off (slower at V4 decode 64 with 136 or
+    152 registers, benchmarks/results/archive/mqa_variants_overlap_h100_2026-12-06.json).
     ``producer_pow2``: the register producers' dequantisation without conversion instructions, exact only for
     power-of-two scales (``record_gather._DQ_POW2_ASM``); None = where the records' scales are ("ue8m0").
     ``combine``: the implementation of the splits' merge (``pallas_kernels.split_combine``; "auto": its
@@ -378,7 +383,9 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     if producer is None:
         producer = "registers" if (one_656 or v4_lists) and not interpret else "tma"
     if producer_phases is None:
-        producer_phases = PRODUCER_PHASES
+        producer_phases = PRODUCER_PHASES[specs[0].kind] if producer == "registers" else 1
+    if producer_overlap is None:
+        producer_overlap = PRODUCER_OVERLAP[specs[0].kind] if producer == "registers" and not interpret else False
     if producer_overlap and (producer != "registers" or interpret):
         raise ValueError(f"producer_overlap=True overlaps the native register producer's loads (got producer "
                          f"{producer!r}, interpret {bool(interpret)})")

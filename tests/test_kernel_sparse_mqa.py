@@ -164,23 +164,25 @@ def test_v32_padded_heads_and_splits(mode):
 
 
 @pytest.mark.parametrize("producer", ["registers"] + [pytest.param(p, marks=pytest.mark.gpu) for p in (
-    "registers_p2", "registers_ovl2", "registers_ovl4")])
+    "registers_p1", "registers_p2", "registers_ovl4")])
 @pytest.mark.parametrize("mode", MODES)
 def test_v32_register_producer(mode, producer):
     """producer="registers": a third warpgroup fills two K tiles in turn (natively by per-thread loads and
     dequantisation in registers, ``record_gather``; interpret mode emulates it with the staged rows), so blocks
-    0..4 cycle through both tiles (natively the coalesced loads); "registers_p2" (native only): the latent
-    loaded in two rounds; "registers_ovl2" / "_ovl4" (native only): in two / four rounds, each issued before
-    the previous one is converted (``producer_overlap``). A fully masked row gives zeros; 2 splits (one with 2 blocks, one with 3); interpret
+    0..4 cycle through both tiles (natively the coalesced loads, by default in two rounds, each issued before
+    the previous one is converted: ``producer_overlap``). Native only: "registers_p1", one round, not
+    overlapped (the default before 2026-12-06); "registers_p2", two rounds, not overlapped; "registers_ovl4",
+    four overlapped rounds. A fully masked row gives zeros; 2 splits (one with 2 blocks, one with 3); interpret
     mode also runs the race detector over the full / free protocol.
 
     Interpret mode runs each warpgroup as an XLA CPU computation whose barrier waits block a thread of XLA's
     intra-op pool (one per CPU): with fewer CPUs than warpgroups a producer never runs."""
     if _interpret(mode) and producer != "registers":
         pytest.skip("native only")
-    kw = {"registers_p2": dict(producer="registers", producer_phases=2),
-          "registers_ovl2": dict(producer="registers", producer_phases=2, producer_overlap=True),
-          "registers_ovl4": dict(producer="registers", producer_phases=4, producer_overlap=True)}.get(producer, dict(producer="registers"))
+    kw = {"registers_p1": dict(producer="registers", producer_phases=1, producer_overlap=False, producer_regs=144),
+          "registers_p2": dict(producer="registers", producer_phases=2, producer_overlap=False),
+          "registers_ovl4": dict(producer="registers", producer_phases=4, producer_overlap=True)}.get(
+        producer, dict(producer="registers"))
     if _interpret(mode) and len(os.sched_getaffinity(0)) < mqa.NUM_WG + 1:
         pytest.skip(f"interpret mode needs a CPU per warpgroup ({mqa.NUM_WG + 1}) for the register "
                     "producer's blocking waits")
