@@ -66,7 +66,6 @@
 #   scripts/gpu_session.sh topk-pivot    # issue 20: the indexer's top-k config against a 12- and an 8-bit pivot
 #   scripts/gpu_session.sh topk-range    # issue 20: the finish from the pivot and the prefilter's loads in flight (knobs)
 #   scripts/gpu_session.sh select      # indexer decode select: top-k "auto" against the default lax, and XLA
-#   scripts/gpu_session.sh mqa-pending   # issue 20: the native MQA / FP8 set left unrun, V4 decode 64 variants (in-kernel extents, q multicast), ncu of V4
 #   scripts/gpu_session.sh mqa           # MQA decode rows again, now with device_us (b1/b8 sit at the dispatch floor)
 #   scripts/gpu_session.sh gather-probe  # issue 20: register gather + dequant into the swizzled K tile (the MQA producer's plan)
 #   scripts/gpu_session.sh multigpu      # issue 21, kind nvidia-h200-x2: 8-layer V3.2 TTFT + decode, tp=1 vs tp=2
@@ -475,23 +474,6 @@ case "$stage" in
     ncu -i /tmp/mqa_loop.ncu-rep --page details > "$OUT/mqa_v32_b64_loop_details.txt" 2>&1
     ncu -i /tmp/mqa_loop.ncu-rep --page source --csv --print-source sass > "$OUT/mqa_v32_b64_loop_sass.csv" 2>&1
     python3 scripts/diag/ncu_sass_regions.py "$OUT/mqa_v32_b64_loop_sass.csv" --top 15 | tee "$OUT/mqa_v32_b64_loop_regions.txt" | head -60
-    ;;
-  mqa-pending)
-    # what the forty-eighth and forty-ninth sessions left unrun (no machine in the forty-ninth): the native MQA /
-    # record-gather set with the cluster merge as the default, the new extents tests and the FP8 GEMM's large-M
-    # defaults test (8 workers, carry .whl/), then V4 decode 64's rows: the cluster default against the split rows,
-    # the extents in the MQA kernel (ext_kernel) and the pair's q tile by one multicast (q_mc), each a default if it
-    # wins; then Nsight Compute of the V4 kernel (never profiled). About 8 minutes
-    python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
-    timeout -k 10 -s INT ${MQAP_TEST_TIMEOUT:-220} python3 -m pytest -m "gpu and not slow" -n ${GPU_WORKERS:-8} -q --tb=short \
-      -rfE -p no:cacheprovider tests/test_kernel_sparse_mqa.py tests/test_kernel_record_gather.py tests/test_kernel_fp8_gemm.py \
-      -k "not test_kernel_fp8_gemm or large_m_defaults or persistent or prefetch" > "$OUT/gpu_mqa_pending_tests.log" 2>&1
-    echo "pending tests rc=$?"; grep -E "FAILED|ERROR" "$OUT/gpu_mqa_pending_tests.log" | head; tail -1 "$OUT/gpu_mqa_pending_tests.log"
-    timeout -k 10 -s KILL ${MQAP_TIMEOUT:-180} python3 scripts/diag/mqa_variants.py --cases v4_decode_64 \
-      --variants ${MQAP_VARIANTS:-default rows ext_kernel q_mc bf16_out bf16_out_rows bf16_out_q_mc bf16_out_q_mc_ext_kernel} \
-      --out "$OUT/mqa_variants_pending_h200.json" > "$OUT/mqa_pending.log" 2>&1; echo "mqa pending rc=$?"
-    grep '^{' "$OUT/mqa_pending.log" | python3 -c 'import json, sys; [print(r["case"], r["variant"], r.get("profile_span_us"), r.get("profile_busy_us"), r.get("profile_kernels"), r.get("tflops"), r.get("max_abs_err"), r.get("error", "")[:300]) for r in map(json.loads, sys.stdin)]'
-    NCUM_ARCHES=v4 NCUM_TIMEOUT=${MQAP_NCU_TIMEOUT:-100} bash "$0" ncu-mqa
     ;;
   mqa-refresh)
     # the MQA's defaults (the coalesced register producer for fp8 records, per-list extents, bf16 split rows for
