@@ -150,9 +150,10 @@ ROWS_PER_WARP = BLOCK_K // NUM_WG // 4  # row copies each warp issues per block
 NUM_SMS = 132  # H100/H200; only steers the automatic num_splits
 MIN_BLOCKS_PER_SPLIT = 2
 LOG2E = 1.4426950408889634
-# producer="registers": the producer warpgroup's registers per thread (the rest: compute) and its rounds of
-# loads (96 words per lane and block in all): one round for both record kinds, which needs more than 128
-# registers.
+# producer="registers": the producer warpgroup's registers per thread (the rest: compute), its rounds of loads
+# (96 words per lane and block in all) and whether each round is loaded while the previous one is converted
+# (``producer_overlap``): V3.2's records two overlapped rounds in 152 registers, V4's one round in 136 (timings:
+# the ``producer_overlap`` docstring).
 PRODUCER_REGS = {"mla656": 152, "mla584": 136}
 PRODUCER_PHASES = {"mla656": 2, "mla584": 1}
 PRODUCER_OVERLAP = {"mla656": True, "mla584": False}
