@@ -570,7 +570,8 @@ def produce_tile(slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *, exts=(), n
     round during its predecessor's last, so that a load's latency runs under the conversion instead of before
     it (a lone producer warp per scheduler has nothing else to issue meanwhile: Nsight Compute, V4 decode 64,
     benchmarks/results/archive/ncu_mqa_v4_b64_regions_h100_2026-12-06.txt). Two rounds' words are then live at
-    once: with one round, all of a block's twice."""
+    once: with one round, all of a block's twice. The MQA's default for V3.2's records (``sparse_mqa.PRODUCER_OVERLAP``;
+    V4's records lost with it)."""
     if phases not in (1, 2, 4):
         raise ValueError(f"phases must be 1, 2 or 4, got {phases}")
     nc = len(cache_refs)
