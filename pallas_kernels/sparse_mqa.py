@@ -336,8 +336,7 @@ def _xla(q, caches, formats, slots, *, scale, v_dim, sink, out_dtype):
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
             producer_regs=None, producer_phases=None, producer_pow2=None, producer_overlap=None, profile_dir=None,
-            combine="auto",
-            split_dtype=None, out_store=None, extents=None, merge=None, q_multicast=None):
+            combine="auto", split_dtype=None, out_store=None, extents=None, merge=None, q_multicast=None):
     if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
     if split_dtype is not None and jnp.dtype(split_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
@@ -383,11 +382,12 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                          "emulates V3.2's register producer alone)")
     if producer is None:
         producer = "registers" if (one_656 or v4_lists) and not interpret else "tma"
+    native_reg = producer == "registers" and not interpret  # what the cluster, in-kernel extents and overlap need
     if producer_phases is None:
         producer_phases = PRODUCER_PHASES[specs[0].kind] if producer == "registers" else 1
     if producer_overlap is None:
-        producer_overlap = PRODUCER_OVERLAP[specs[0].kind] if producer == "registers" and not interpret else False
-    if producer_overlap and (producer != "registers" or interpret):
+        producer_overlap = PRODUCER_OVERLAP[specs[0].kind] if native_reg else False
+    if producer_overlap and not native_reg:
         raise ValueError(f"producer_overlap=True overlaps the native register producer's loads (got producer "
                          f"{producer!r}, interpret {bool(interpret)})")
     if producer_regs is None:  # (no producer warpgroup with "tma": 0, unused)
@@ -407,7 +407,7 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     bps = -(-nb // max(1, min(num_splits, nb)))
     n_splits = -(-nb // bps)
     if merge is None:
-        merge = "cluster" if n_splits == 2 and producer == "registers" and not interpret else "rows"
+        merge = "cluster" if n_splits == 2 and native_reg else "rows"
     if merge not in ("rows", "cluster"):
         raise ValueError(f'merge must be "rows" or "cluster", got {merge!r}')
     cluster = merge == "cluster"
@@ -416,18 +416,18 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     if q_multicast and not cluster:
         raise ValueError(f'q_multicast=True shares the q tile within the pair of merge="cluster" (got merge '
                          f'{merge!r})')
-    if cluster and (n_splits != 2 or producer != "registers" or interpret):
+    if cluster and (n_splits != 2 or not native_reg):
         raise ValueError(f'merge="cluster" merges exactly two candidate splits of the native register producer '
                          f'(got {n_splits} splits, producer {producer!r}, interpret {bool(interpret)}); '
                          f'pass num_splits=2')
     split_dtype = jnp.dtype(jnp.float32 if split_dtype is None else split_dtype)
     stored = jnp.dtype(out_dtype) if n_splits == 1 or cluster else split_dtype
     if extents is None:  # in the kernel where it can (faster at V4 decode 64: docstring); else before it
-        extents = "kernel" if producer == "registers" and not interpret else "pallas" if len(slots) > 1 else "xla"
+        extents = "kernel" if native_reg else "pallas" if len(slots) > 1 else "xla"
     out_store = ("tma" if stored == jnp.dtype(jnp.bfloat16) else "direct") if out_store is None else out_store
     if extents not in ("xla", "pallas", "kernel"):
         raise ValueError(f'extents must be "xla", "pallas" or "kernel", got {extents!r}')
-    if extents == "kernel" and (producer != "registers" or interpret):
+    if extents == "kernel" and not native_reg:
         raise ValueError(f'extents="kernel" computes the extents in the native register producer\'s kernel (got '
                          f'producer {producer!r}, interpret {bool(interpret)})')
     if out_store not in ("direct", "tma"):
@@ -523,9 +523,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 split_dtype: jnp.dtype, out_store: OutStore = "direct",
                 interpret: plgpu.InterpretGPUParams | None, producer: Producer = "tma",
                 producer_regs: int = 144, producer_phases: int = 1, producer_overlap: bool = False,
-                pow2: bool = False,
-                profile_dir: str | None = None, cluster: bool = False, kernel_extents: bool = False,
-                q_multicast: bool = False):
+                pow2: bool = False, profile_dir: str | None = None, cluster: bool = False,
+                kernel_extents: bool = False, q_multicast: bool = False):
     """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k and arrives on "full"[k % 2];
     the compute warpgroups wait on it, read the block's slots from its idx slot (written by the producer),
     compute as below and arrive on "free"[k % 2] after their PV, which the producer waits for before it refills
