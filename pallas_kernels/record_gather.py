@@ -501,9 +501,29 @@ K_COLS_584 = 512  # the K tile: 448 NoPE + 64 rope
 
 def _record_584(e: _Emit, bases, lists, raw, blk):
     """(data address, exponent address) of slot ``raw`` (masked: slot 0) of block ``blk``'s list: ``bases`` the
-    lists' caches (GMEM addresses), ``lists`` as ``produce_tile``'s."""
+    lists' caches (GMEM addresses), ``lists`` as ``produce_tile``'s. Two lists whose pages hold a power of 2 of
+    entries: the block's list constants (base, shift, mask, page bytes) are selected first and one address is
+    computed, rather than both lists' addresses and a select of each (the producer is issue-bound)."""
     arith, c32, c64, i64 = e.arith, e.c32, e.c64, e.i64
     slot = arith.maxsi(raw, c32(0))
+    pow2 = all(epp & (epp - 1) == 0 for _, epp, _ in lists)
+    if len(lists) == 2 and pow2:
+        second = arith.cmpi(arith.CmpIPredicate.sge, blk, c32(lists[1][0]))
+        (_, epp0, pb0), (_, epp1, pb1) = lists
+
+        def pick(a, b):
+            return arith.select(second, b, a)
+
+        shift = pick(c32(epp0.bit_length() - 1), c32(epp1.bit_length() - 1))
+        page = arith.extui(i64, arith.shrui(slot, shift))
+        j = arith.extui(i64, arith.andi(slot, pick(c32(epp0 - 1), c32(epp1 - 1))))
+        # both factors zero-extended from 32 bits: one mul.wide.u32
+        page_bytes = arith.extui(i64, pick(c32(pb0), c32(pb1)))
+        page_base = arith.addi(pick(bases[0], bases[1]), arith.muli(page, page_bytes))
+        data = arith.addi(page_base, arith.muli(j, c64(REC584_DATA)))
+        exps = arith.addi(arith.addi(page_base, pick(c64(epp0 * REC584_DATA), c64(epp1 * REC584_DATA))),
+                          arith.muli(j, c64(SCALES584)))
+        return data, exps
     out = []
     for base, (_, epp, page_bytes) in zip(bases, lists):
         page = arith.extui(i64, arith.divui(slot, c32(epp)))
