@@ -51,29 +51,58 @@ BLOCK = 64  # rows per block (the MQA's candidates per block)
 K_TILE_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))
 
 # one 16-byte chunk of e4m3 (4 words) times an fp32 scale -> 16 bf16 (8 words); element order kept (the low
-# byte / half of a word first)
-_DQ_ASM = (
-    "{ .reg .b16 h<8>; .reg .b32 f<8>; .reg .f16 x<16>; .reg .f32 y<16>;\n"
-    + "".join(f"mov.b32 {{h{2 * i}, h{2 * i + 1}}}, ${8 + i};\n" for i in range(4))
-    + "".join(f"cvt.rn.f16x2.e4m3x2 f{i}, h{i};\n" for i in range(8))
-    + "".join(f"mov.b32 {{x{2 * i}, x{2 * i + 1}}}, f{i};\n" for i in range(8))
-    + "".join(f"cvt.f32.f16 y{i}, x{i};\nmul.f32 y{i}, y{i}, $12;\n" for i in range(16))
-    + "".join(f"cvt.rn.bf16x2.f32 ${i}, y{2 * i + 1}, y{2 * i};\n" for i in range(8))
-    + "}")
+# byte / half of a word first). ``swap``: per lane, the chunk's two 8-byte halves exchanged (input word j read
+# as word (j + 2) % 4) where the selector $13 says so, by the byte permute the dequantisation does anyway or one
+# per input word, rather than eight selects of the results (the coalesced producer's stores alternate halves
+# between lanes to spread banks; the producer is issue-bound: docs/perf-log.md, fifty-first session)
+def _dq_asm(swap: bool) -> str:
+    src = [f"w{j}" for j in range(4)] if swap else [f"${8 + j}" for j in range(4)]
+    return ("{ .reg .b16 h<8>; .reg .b32 f<8>, w<4>; .reg .f16 x<16>; .reg .f32 y<16>;\n"
+            + ("".join(f"prmt.b32 w{j}, ${8 + j}, ${8 + (j + 2) % 4}, $13;\n" for j in range(4)) if swap else "")
+            + "".join(f"mov.b32 {{h{2 * i}, h{2 * i + 1}}}, {src[i]};\n" for i in range(4))
+            + "".join(f"cvt.rn.f16x2.e4m3x2 f{i}, h{i};\n" for i in range(8))
+            + "".join(f"mov.b32 {{x{2 * i}, x{2 * i + 1}}}, f{i};\n" for i in range(8))
+            + "".join(f"cvt.f32.f16 y{i}, x{i};\nmul.f32 y{i}, y{i}, $12;\n" for i in range(16))
+            + "".join(f"cvt.rn.bf16x2.f32 ${i}, y{2 * i + 1}, y{2 * i};\n" for i in range(8))
+            + "}")
+
 
 # the same for power-of-two scales without a conversion instruction (exact; on the H200 no faster than _DQ_ASM,
 # the producer being bound by its loads' latency: docs/perf-log.md): each e4m3 byte b becomes the bf16 bit pattern
 # (b & 0x80) << 8 | (b & 0x7F) << 4, whose value is exactly b's times 2^-120 for normal and subnormal b alike
 # (the exponent biases differ by 120, and the mantissa bits line up). Then two exact bf16 products: by
-# scale * 2^60 ($12, both halves) and by 2^60 (split so that no intermediate leaves bf16's range).
+# scale * 2^60 ($12, both halves) and by 2^60 (split so that no intermediate leaves bf16's range). ``swap``:
+# the byte permute reads the other half's word where selectors $13 / $14 (``dq_swap_selectors``) say so; the
+# bytes it leaves in the halves' low bytes are masked off.
 _BF16X2_2P60 = 0x5D805D80
-_DQ_POW2_ASM = (
-    f"{{ .reg .b32 t, a, s2; mov.b32 s2, {_BF16X2_2P60:#x};\n"
-    + "".join(f"prmt.b32 t, ${8 + j}, 0, {sel:#x};\nand.b32 a, t, 0x7F007F00;\nshr.b32 a, a, 4;\n"
-              f"and.b32 t, t, 0x80008000;\nor.b32 t, t, a;\nmul.rn.bf16x2 t, t, $12;\nmul.rn.bf16x2 ${o}, t, s2;\n"
-              for j in range(4) for o, sel in ((2 * j, 0x1404), (2 * j + 1, 0x3424)))
-    + "}")
+_SEL_EVEN, _SEL_ODD = (0x1000, 0x5444), (0x3020, 0x7464)  # (own word, other word): bytes 0, 1 / 2, 3 -> 1, 3
+
+
+def _dq_pow2_asm(swap: bool) -> str:
+    def prmt(j: int, odd: int) -> str:
+        if swap:
+            return f"prmt.b32 t, ${8 + j}, ${8 + (j + 2) % 4}, ${13 + odd};\n"
+        return f"prmt.b32 t, ${8 + j}, 0, {(0x3424 if odd else 0x1404):#x};\n"
+
+    return (f"{{ .reg .b32 t, a, s2; mov.b32 s2, {_BF16X2_2P60:#x};\n"
+            + "".join(prmt(j, odd) + "and.b32 a, t, 0x7F007F00;\nshr.b32 a, a, 4;\n"
+                      f"and.b32 t, t, 0x80008000;\nor.b32 t, t, a;\nmul.rn.bf16x2 t, t, $12;\n"
+                      f"mul.rn.bf16x2 ${2 * j + odd}, t, s2;\n" for j in range(4) for odd in (0, 1))
+            + "}")
+
+
+_DQ_ASM, _DQ_SWAP_ASM = _dq_asm(False), _dq_asm(True)
+_DQ_POW2_ASM, _DQ_POW2_SWAP_ASM = _dq_pow2_asm(False), _dq_pow2_asm(True)
 _SCALE_2P60 = 60 << 23  # added to a normal fp32's bits: times 2^60
+_UE8M0_2P60 = 60 << 7 | 60 << 23  # added to a bf16x2's bits whose exponent fields hold e: times 2^60 (e <= 195)
+
+
+def ue8m0_selector(k: int | None = None, *, e=None, byte=None):
+    """``prmt`` selector placing byte k of a word at bytes 1 and 3, zeros (b = 0) at bytes 0 and 2; with ``e``
+    (an ``_Emit``), the same for a dynamic ``byte`` (i32)."""
+    if e is None:
+        return k << 12 | 4 << 8 | k << 4 | 4
+    return e.arith.ori(e.c32(0x0404), e.arith.muli(byte, e.c32(0x1010)))
 
 
 class _Emit:
@@ -128,16 +157,34 @@ class _Emit:
         slot = arith.maxsi(raw, self.c32(0))
         return raw, arith.addi(self.gmem_addr(cache_ref), arith.muli(arith.extui(self.i64, slot), self.c64(REC656)))
 
-    def dequant(self, words, scale, pow2: bool = False):
+    def dequant(self, words, scale, pow2: bool = False, swap=None):
         """16 e4m3 (4 words) times an fp32 scale -> 16 bf16 (8 words); ``pow2``: ``scale`` is
-        ``pow2_scale(fp32 scale)`` of a power-of-two scale (``_DQ_POW2_ASM``)."""
-        return self.asm(_DQ_POW2_ASM if pow2 else _DQ_ASM, [*words, scale], "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r", 8)
+        ``pow2_scale(fp32 scale)`` of a power-of-two scale (``_DQ_POW2_ASM``). ``swap``: this lane's selectors
+        (``dq_swap_selectors``), the chunk's 8-byte halves exchanged where they say so."""
+        if swap is None:
+            return self.asm(_DQ_POW2_ASM if pow2 else _DQ_ASM, [*words, scale], ",".join(["=r"] * 8 + ["r"] * 5), 8)
+        return self.asm(_DQ_POW2_SWAP_ASM if pow2 else _DQ_SWAP_ASM, [*words, scale, *swap],
+                        ",".join(["=r"] * 8 + ["r"] * (5 + len(swap))), 8)
+
+    def dq_swap_selectors(self, swapped, pow2: bool) -> tuple:
+        """``dequant``'s ``swap`` for a lane whose halves are exchanged where ``swapped`` (i1): the byte permute
+        selectors of ``_DQ_POW2_SWAP_ASM`` ($13, $14) or ``_DQ_SWAP_ASM`` ($13)."""
+        arith, c32 = self.arith, self.c32
+        pairs = (_SEL_EVEN, _SEL_ODD) if pow2 else ((0x3210, 0x7654),)
+        return tuple(arith.select(swapped, c32(other), c32(own)) for own, other in pairs)
 
     def pow2_scale(self, bits):
-        """A power-of-two fp32 scale (its bits) -> bf16x2 of scale * 2^60 in both halves (exact)."""
-        arith = self.arith
-        h = arith.shrui(arith.addi(bits, self.c32(_SCALE_2P60)), self.c32(16))
-        return arith.ori(h, arith.shli(h, self.c32(16)))
+        """A power-of-two fp32 scale (its bits) -> bf16x2 of scale * 2^60 in both halves (exact): the high half
+        of bits + 2^60's exponent, copied to both halves by one byte permute."""
+        return self.asm(f"{{ .reg .b32 t; add.u32 t, $1, {_SCALE_2P60:#x}; prmt.b32 $0, t, 0, 0x3232; }}",
+                        [bits], "=r,r", 1)[0]
+
+    def ue8m0_scale(self, word, sel):
+        """Byte k of an exponent word (UE8M0 e) -> bf16x2 of 2^(e - 127) * 2^60 in both halves: the byte
+        permuted to bits 8..15 of both halves (``ue8m0_selector(k)``), shifted to bf16's exponent field and
+        biased by 60."""
+        return self.asm(f"{{ .reg .b32 t; prmt.b32 t, $1, 0, $2; shr.b32 t, t, 1; add.u32 $0, t, {_UE8M0_2P60:#x}; }}",
+                        [word, sel], "=r,r,r", 1)[0]
 
     def store16(self, addr, words, pred=None) -> None:
         """16 bytes to shared address ``addr`` (where ``pred``, i32, is nonzero)."""
@@ -606,7 +653,8 @@ def produce_tile(slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *, exts=(), n
         row0 = arith.muli(warp, c32(16))  # this warp's first row
         h, c = arith.andi(lane, c32(1)), arith.shrui(lane, c32(1))  # the roles of ``coalesced_lane``
         swap = arith.andi(arith.shrui(c, c32(1)), c32(1))
-        first_half = arith.cmpi(arith.CmpIPredicate.eq, swap, c32(0))
+        pow2 = pow2_scales or fmt.scales == "ue8m0"
+        dq_swap = e.dq_swap_selectors(arith.cmpi(arith.CmpIPredicate.ne, swap, c32(0)), pow2)
         rope_row = arith.addi(h, arith.muli(arith.shrui(lane, c32(4)), c32(2)))
         rc = arith.andi(c, c32(7))
         my_row = arith.addi(row0, arith.andi(lane, c32(15)))  # the row whose slot this lane holds
@@ -617,7 +665,7 @@ def produce_tile(slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *, exts=(), n
             sc_off = arith.extui(i64, arith.addi(c32(LATENT), arith.muli(arith.shrui(c, c32(3)), c32(4))))
         else:  # the exponent word of chunk 16 j + c: + 4 j from the entry's exponents; its byte c // 4
             sc_off = c64(0)
-            sc_shift = arith.muli(arith.shrui(c, c32(2)), c32(8))
+            sc_sel = ue8m0_selector(e=e, byte=arith.shrui(c, c32(2)))
         last_live = arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.ult, c, c32(fmt.nope_chunks - 16)))
         publisher = arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.ult, lane, c32(16)))
         pairs, ropes = 8 // phases, 4 // phases
@@ -632,8 +680,7 @@ def produce_tile(slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *, exts=(), n
         def scale_of(word):
             if fmt.scales == "fp32":
                 return e.pow2_scale(word) if pow2_scales else word
-            hb = arith.shli(arith.addi(arith.andi(arith.shrui(word, sc_shift), c32(0xFF)), c32(60)), c32(7))
-            return arith.ori(hb, arith.shli(hb, c32(16)))  # bf16 of 2^(e - 127) * 2^60, both halves
+            return e.ue8m0_scale(word, sc_sel)  # bf16 of 2^(e - 127) * 2^60, both halves
 
         def round_loads(s_cur, blk, p0: int, q0: int):
             """One asm statement: the NoPE chunks and scale words of row pairs p0.. and the rope chunks of rope
@@ -711,9 +758,8 @@ def produce_tile(slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *, exts=(), n
                     row_base, sw = e.k_row(tile, arith.addi(row0, arith.addi(c32(2 * p), h)), fmt.cols)
                     col = arith.addi(arith.muli(c, c32(16)), arith.muli(swap, c32(8)))
                     for j in range(2):
-                        words = e.dequant(nope[j], scale_of(nope[2 + j]), pow2_scales or fmt.scales == "ue8m0")
-                        lo = [arith.select(first_half, words[i], words[4 + i]) for i in range(4)]
-                        hi = [arith.select(first_half, words[4 + i], words[i]) for i in range(4)]
+                        words = e.dequant(nope[j], scale_of(nope[2 + j]), pow2, dq_swap)  # lo, hi halves
+                        lo, hi = words[:4], words[4:]
                         live = last_live if 16 * (j + 1) > fmt.nope_chunks else None
                         e.store16(e.k_addr(row_base, sw, col, 256 * j), lo, live)
                         e.store16(e.k_addr(row_base, sw, arith.xori(col, c32(8)), 256 * j), hi, live)

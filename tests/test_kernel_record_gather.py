@@ -52,6 +52,41 @@ def test_pow2_arithmetic_model():
     assert _bits_to_f32(np.uint32(record_gather._BF16X2_2P60 & 0xFFFF)) == np.float32(2.0 ** 60)
 
 
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX ``prmt.b32`` in its default mode: result byte i is byte (sel >> 4 i) & 7 of b:a."""
+    src = a | b << 32
+    return sum(((src >> 8 * ((sel >> 4 * i) & 7)) & 0xFF) << 8 * i for i in range(4))
+
+
+def test_swap_selectors():
+    """The swapped dequantisation's byte permutes: lanes that keep their halves read input word j, the others
+    word (j + 2) % 4, with the same bytes in the kept positions (bytes 1 and 3, which the masks keep, for the
+    power-of-two path; all four bytes for the fp32 path's pre-permute) as the unswapped selectors place."""
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        own, other = (int(x) for x in rng.integers(0, 2 ** 32, 2, dtype=np.uint64))
+        for sels, plain in ((record_gather._SEL_EVEN, 0x1404), (record_gather._SEL_ODD, 0x3424)):
+            want_own, want_other = _prmt(own, 0, plain), _prmt(other, 0, plain)
+            assert _prmt(own, other, sels[0]) & 0xFF00FF00 == want_own
+            assert _prmt(own, other, sels[1]) & 0xFF00FF00 == want_other
+        assert _prmt(own, other, 0x3210) == own and _prmt(own, other, 0x7654) == other
+    assert "$14" in record_gather._DQ_POW2_SWAP_ASM and "$13" in record_gather._DQ_SWAP_ASM
+
+
+def test_scale_permutes():
+    """The scales' byte permutes against the shifts and masks they replace: byte k of a UE8M0 exponent word ->
+    bf16x2 of (e + 60) << 7 in both halves; a power-of-two fp32 scale's bits + 2^60's exponent -> their high
+    half in both halves."""
+    rng = np.random.default_rng(1)
+    for word in [int(x) for x in rng.integers(0, 2 ** 32, 200, dtype=np.uint64)] + [0, 0xFFFFFFFF]:
+        for k in range(4):
+            hb = (((word >> 8 * k) & 0xFF) + 60) << 7
+            got = ((_prmt(word, 0, record_gather.ue8m0_selector(k)) >> 1) + record_gather._UE8M0_2P60) & 0xFFFFFFFF
+            assert got == hb | hb << 16, (hex(word), k)
+        t = (word + record_gather._SCALE_2P60) & 0xFFFFFFFF
+        assert _prmt(t, 0, 0x3232) == (t >> 16) | (t >> 16) << 16
+
+
 @pytest.mark.skipif(ON_GPU, reason="the native test compiles the kernel")
 @pytest.mark.parametrize("pow2", [False, True])
 def test_lowers_for_cuda(pow2):
