@@ -242,9 +242,9 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     all lists ("pallas"), or inside the MQA kernel itself, from the slot rows each CTA reads anyway ("kernel":
     the native register producer only; no kernel runs before the MQA). None: "kernel" with the native register
     producer (faster than both others at V3.2 / V4 decode 64 and 4K prefill,
-    benchmarks/results/mqa_variants_defaults_h100_2026-12-06.json), else "pallas" for several lists (faster at
-    both V4 decode cases timed, benchmarks/results/archive/mqa_variants_wrapper_h200_2026-12-05.json), "xla" for
-    one.
+    benchmarks/results/archive/mqa_variants_defaults_fiftieth_h100_2026-12-06.json), else "pallas" for
+    several lists (faster at both V4 decode cases timed,
+    benchmarks/results/archive/mqa_variants_wrapper_h200_2026-12-05.json), "xla" for one.
     ``out_store`` (rows stored in bf16 only): "direct", each thread stores its registers to GMEM (a quad of
     threads covers 16 bytes of a row: half a 32-byte sector per store); "tma", each warpgroup writes its rows
     into the q tile (free once both warpgroups' last QK is done) and one TMA store copies them out in whole
@@ -270,8 +270,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     converted (``record_gather.produce_tile``'s ``overlap``; with ``producer_phases`` 2 or 4). None:
     ``PRODUCER_OVERLAP`` of the format. V3.2's records: on, in two rounds with 152 registers (``PRODUCER_PHASES``,
     ``PRODUCER_REGS``), 3.5-6% faster at every V3.2 case timed (decode 64 / 128, ue8m0 scales, 4K prefill:
-    benchmarks/results/mqa_variants_defaults_h100_2026-12-06.json); V4's: off (slower at V4 decode 64 with 136 or
-    152 registers, benchmarks/results/archive/mqa_variants_overlap_h100_2026-12-06.json).
+    benchmarks/results/archive/mqa_variants_defaults_fiftieth_h100_2026-12-06.json); V4's: off (slower at
+    V4 decode 64 with 136 or 152 registers, benchmarks/results/archive/mqa_variants_overlap_h100_2026-12-06.json).
     ``producer_pow2``: the register producers' dequantisation without conversion instructions, exact only for
     power-of-two scales (``record_gather._DQ_POW2_ASM``); None = where the records' scales are ("ue8m0").
     ``combine``: the implementation of the splits' merge (``pallas_kernels.split_combine``; "auto": its
@@ -285,7 +285,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     benchmarks/results/archive/mqa_variants_cluster_h100_2026-12-05.json), else "rows".
     ``q_multicast`` (``merge="cluster"`` only): the pair's common q tile loaded once, each CTA fetching half
     of it by a TMA multicast into both, instead of each CTA loading all of it. None: with the cluster merge
-    (0.2-0.5 µs faster at V4 decode 64 in two runs: benchmarks/results/mqa_variants_defaults_h100_2026-12-06.json,
+    (0.2-0.5 µs faster at V4 decode 64 in two runs:
+    benchmarks/results/archive/mqa_variants_defaults_fiftieth_h100_2026-12-06.json,
     archive/mqa_variants_pending_h100_2026-12-06.json).
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler records the kernel's named regions per
     warpgroup (prologue, the block loop's wait_full / qk / softmax / pv, epilogue; produce) and writes a
