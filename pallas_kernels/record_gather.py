@@ -54,7 +54,7 @@ K_TILE_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))
 # byte / half of a word first). ``swap``: per lane, the chunk's two 8-byte halves exchanged (input word j read
 # as word (j + 2) % 4) where the selector $13 says so, by the byte permute the dequantisation does anyway or one
 # per input word, rather than eight selects of the results (the coalesced producer's stores alternate halves
-# between lanes to spread banks; the producer is issue-bound: docs/perf-log.md, fifty-first session)
+# between lanes to spread banks; the producer's loop sets V4 decode's pace: docs/perf-log.md, fifty-first session)
 def _dq_asm(swap: bool) -> str:
     src = [f"w{j}" for j in range(4)] if swap else [f"${8 + j}" for j in range(4)]
     return ("{ .reg .b16 h<8>; .reg .b32 f<8>, w<4>; .reg .f16 x<16>; .reg .f32 y<16>;\n"
@@ -94,15 +94,15 @@ def _dq_pow2_asm(swap: bool) -> str:
 _DQ_ASM, _DQ_SWAP_ASM = _dq_asm(False), _dq_asm(True)
 _DQ_POW2_ASM, _DQ_POW2_SWAP_ASM = _dq_pow2_asm(False), _dq_pow2_asm(True)
 _SCALE_2P60 = 60 << 23  # added to a normal fp32's bits: times 2^60
-_UE8M0_2P60 = 60 << 7 | 60 << 23  # added to a bf16x2's bits whose exponent fields hold e: times 2^60 (e <= 195)
+_UE8M0_2P60 = 60 << 7 | 60 << 23  # added to bf16x2 bits whose exponent fields hold e: times 2^60 (sign clear: e <= 195)
 
 
-def ue8m0_selector(k: int | None = None, *, e=None, byte=None):
-    """``prmt`` selector placing byte k of a word at bytes 1 and 3, zeros (b = 0) at bytes 0 and 2; with ``e``
-    (an ``_Emit``), the same for a dynamic ``byte`` (i32)."""
-    if e is None:
-        return k << 12 | 4 << 8 | k << 4 | 4
-    return e.arith.ori(e.c32(0x0404), e.arith.muli(byte, e.c32(0x1010)))
+_UE8M0_SEL, _UE8M0_SEL_STEP = 0x0404, 0x1010  # ``ue8m0_selector(k)`` = _UE8M0_SEL + k * _UE8M0_SEL_STEP
+
+
+def ue8m0_selector(k: int) -> int:
+    """``prmt`` selector placing byte k of a word at bytes 1 and 3, zeros (b = 0) at bytes 0 and 2."""
+    return _UE8M0_SEL + k * _UE8M0_SEL_STEP
 
 
 class _Emit:
@@ -550,7 +550,7 @@ def _record_584(e: _Emit, bases, lists, raw, blk):
     """(data address, exponent address) of slot ``raw`` (masked: slot 0) of block ``blk``'s list: ``bases`` the
     lists' caches (GMEM addresses), ``lists`` as ``produce_tile``'s. Two lists whose pages hold a power of 2 of
     entries: the block's list constants (base, shift, mask, page bytes) are selected first and one address is
-    computed, rather than both lists' addresses and a select of each (the producer is issue-bound)."""
+    computed, rather than both lists' addresses and a select of each (the producer's loop sets V4 decode's pace)."""
     arith, c32, c64, i64 = e.arith, e.c32, e.c64, e.i64
     slot = arith.maxsi(raw, c32(0))
     pow2 = all(epp & (epp - 1) == 0 for _, epp, _ in lists)
@@ -665,7 +665,7 @@ def produce_tile(slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *, exts=(), n
             sc_off = arith.extui(i64, arith.addi(c32(LATENT), arith.muli(arith.shrui(c, c32(3)), c32(4))))
         else:  # the exponent word of chunk 16 j + c: + 4 j from the entry's exponents; its byte c // 4
             sc_off = c64(0)
-            sc_sel = ue8m0_selector(e=e, byte=arith.shrui(c, c32(2)))
+            sc_sel = arith.addi(c32(_UE8M0_SEL), arith.muli(arith.shrui(c, c32(2)), c32(_UE8M0_SEL_STEP)))
         last_live = arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.ult, c, c32(fmt.nope_chunks - 16)))
         publisher = arith.extui(e.i32, arith.cmpi(arith.CmpIPredicate.ult, lane, c32(16)))
         pairs, ropes = 8 // phases, 4 // phases
