@@ -78,21 +78,31 @@ _BF16X2_2P60 = 0x5D805D80
 _SEL_EVEN, _SEL_ODD = (0x1000, 0x5444), (0x3020, 0x7464)  # (own word, other word): bytes 0, 1 / 2, 3 -> 1, 3
 
 
-def _dq_pow2_asm(swap: bool) -> str:
+def _dq_pow2_asm(swap: bool, shifted: bool = False) -> str:
+    """``shifted``: the second product left out, so the words hold the values times 2^-60 (``K_SHIFT``; exact
+    for the cache writer's scales, >= 2^-24: the smallest product, 2^-9 * 2^-24 * 2^-60, is a normal bf16)."""
     def prmt(j: int, odd: int) -> str:
         if swap:
             return f"prmt.b32 t, ${8 + j}, ${8 + (j + 2) % 4}, ${13 + odd};\n"
         return f"prmt.b32 t, ${8 + j}, 0, {(0x3424 if odd else 0x1404):#x};\n"
 
+    def products(o: int) -> str:
+        if shifted:
+            return f"mul.rn.bf16x2 ${o}, t, $12;\n"
+        return f"mul.rn.bf16x2 t, t, $12;\nmul.rn.bf16x2 ${o}, t, s2;\n"
+
     return (f"{{ .reg .b32 t, a, s2; mov.b32 s2, {_BF16X2_2P60:#x};\n"
             + "".join(prmt(j, odd) + "and.b32 a, t, 0x7F007F00;\nshr.b32 a, a, 4;\n"
-                      f"and.b32 t, t, 0x80008000;\nor.b32 t, t, a;\nmul.rn.bf16x2 t, t, $12;\n"
-                      f"mul.rn.bf16x2 ${2 * j + odd}, t, s2;\n" for j in range(4) for odd in (0, 1))
+                      "and.b32 t, t, 0x80008000;\nor.b32 t, t, a;\n" + products(2 * j + odd)
+                      for j in range(4) for odd in (0, 1))
             + "}")
 
 
 _DQ_ASM, _DQ_SWAP_ASM = _dq_asm(False), _dq_asm(True)
 _DQ_POW2_ASM, _DQ_POW2_SWAP_ASM = _dq_pow2_asm(False), _dq_pow2_asm(True)
+_DQ_POW2_SHIFTED = {swap: _dq_pow2_asm(swap, True) for swap in (False, True)}
+K_SHIFT = 60  # ``produce_tile(k_shift=True)``: the K tile holds the keys times 2^-K_SHIFT
+_BF16X2_2M60 = 0x21802180  # bf16 2^-60 in both halves (the rope values' factor under ``k_shift``)
 _SCALE_2P60 = 60 << 23  # added to a normal fp32's bits: times 2^60
 _UE8M0_2P60 = 60 << 7 | 60 << 23  # added to bf16x2 bits whose exponent fields hold e: times 2^60 (sign clear: e <= 195)
 
@@ -157,14 +167,23 @@ class _Emit:
         slot = arith.maxsi(raw, self.c32(0))
         return raw, arith.addi(self.gmem_addr(cache_ref), arith.muli(arith.extui(self.i64, slot), self.c64(REC656)))
 
-    def dequant(self, words, scale, pow2: bool = False, swap=None):
+    def dequant(self, words, scale, pow2: bool = False, swap=None, shifted: bool = False):
         """16 e4m3 (4 words) times an fp32 scale -> 16 bf16 (8 words); ``pow2``: ``scale`` is
         ``pow2_scale(fp32 scale)`` of a power-of-two scale (``_DQ_POW2_ASM``). ``swap``: this lane's selectors
-        (``dq_swap_selectors``), the chunk's 8-byte halves exchanged where they say so."""
-        if swap is None:
-            return self.asm(_DQ_POW2_ASM if pow2 else _DQ_ASM, [*words, scale], ",".join(["=r"] * 8 + ["r"] * 5), 8)
-        return self.asm(_DQ_POW2_SWAP_ASM if pow2 else _DQ_SWAP_ASM, [*words, scale, *swap],
-                        ",".join(["=r"] * 8 + ["r"] * (5 + len(swap))), 8)
+        (``dq_swap_selectors``), the chunk's 8-byte halves exchanged where they say so. ``shifted`` (``pow2``):
+        the values times 2^-K_SHIFT, by one product instead of two."""
+        if shifted:
+            text = _DQ_POW2_SHIFTED[swap is not None]
+        elif swap is None:
+            text = _DQ_POW2_ASM if pow2 else _DQ_ASM
+        else:
+            text = _DQ_POW2_SWAP_ASM if pow2 else _DQ_SWAP_ASM
+        sel = [] if swap is None else list(swap)
+        return self.asm(text, [*words, scale, *sel], ",".join(["=r"] * 8 + ["r"] * (5 + len(sel))), 8)
+
+    def mul_bf16x2(self, word, const: int):
+        """bf16x2 ``word`` times the bf16x2 constant ``const`` (both halves)."""
+        return self.asm(f"{{ .reg .b32 c; mov.b32 c, {const:#x}; mul.rn.bf16x2 $0, $1, c; }}", [word], "=r,r", 1)[0]
 
     def dq_swap_selectors(self, swapped, pow2: bool) -> tuple:
         """``dequant``'s ``swap`` for a lane whose halves are exchanged where ``swapped`` (i1): the byte permute
@@ -617,7 +636,7 @@ def coalesced_lane(lane: int) -> dict[str, int]:
 
 
 def produce_tile(slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *, exts=(), nblocks: int, lists=None,
-                 phases: int = 1, pow2_scales: bool = False, overlap: bool = False) -> None:
+                 phases: int = 1, pow2_scales: bool = False, overlap: bool = False, k_shift: bool = False) -> None:
     """The producer loop of a single CTA (one warpgroup, all 128 threads) for one ``MlaRecord656`` cache
     (``lists=None``) or one or two ``MlaRecord584`` caches (window, compressed; ``lists[i]`` = (the list's
     first block in the concatenated lists, entries per page, page bytes)). For k < ``nblk``: the block at
@@ -638,7 +657,11 @@ def produce_tile(slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *, exts=(), n
     it (a lone producer warp per scheduler has nothing else to issue meanwhile: Nsight Compute, V4 decode 64,
     benchmarks/results/archive/ncu_mqa_v4_b64_regions_h100_2026-12-06.txt). Two rounds' words are then live at
     once: with one round, all of a block's twice. The MQA's default for V3.2's records (``sparse_mqa.PRODUCER_OVERLAP``;
-    V4's records lost with it)."""
+    V4's records lost with it).
+
+    ``k_shift`` (power-of-two scales only): the tile holds the keys times 2^-K_SHIFT, so that the dequantisation
+    takes one bf16 product instead of two (the rope values take one product each); the MQA scales its scores
+    and rows back (``sparse_mqa``'s ``k_prescale``)."""
     if phases not in (1, 2, 4):
         raise ValueError(f"phases must be 1, 2 or 4, got {phases}")
     nc = len(cache_refs)
@@ -646,6 +669,8 @@ def produce_tile(slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *, exts=(), n
         raise ValueError(f"MlaRecord656: one cache and lists=None; MlaRecord584: one or two caches and their lists "
                          f"(got {nc} caches, lists {lists})")
     fmt = _C656 if lists is None else _C584
+    if k_shift and not (pow2_scales or fmt.scales == "ue8m0"):
+        raise ValueError("k_shift: the power-of-two dequantisation's (ue8m0 scales or pow2_scales=True)")
 
     def emit(e: _Emit, lp: _Loop, bases: list) -> None:
         arith, c32, c64, i64 = e.arith, e.c32, e.c64, e.i64
@@ -758,14 +783,15 @@ def produce_tile(slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *, exts=(), n
                     row_base, sw = e.k_row(tile, arith.addi(row0, arith.addi(c32(2 * p), h)), fmt.cols)
                     col = arith.addi(arith.muli(c, c32(16)), arith.muli(swap, c32(8)))
                     for j in range(2):
-                        words = e.dequant(nope[j], scale_of(nope[2 + j]), pow2, dq_swap)  # lo, hi halves
+                        words = e.dequant(nope[j], scale_of(nope[2 + j]), pow2, dq_swap, k_shift)  # lo, hi
                         lo, hi = words[:4], words[4:]
                         live = last_live if 16 * (j + 1) > fmt.nope_chunks else None
                         e.store16(e.k_addr(row_base, sw, col, 256 * j), lo, live)
                         e.store16(e.k_addr(row_base, sw, arith.xori(col, c32(8)), 256 * j), hi, live)
                 for n, q in enumerate(range(r * ropes, (r + 1) * ropes)):
                     row_base, sw = e.k_row(tile, arith.addi(row0, arith.addi(c32(4 * q), rope_row)), fmt.cols)
-                    e.store16(e.k_addr(row_base, sw, arith.muli(rc, c32(8)), fmt.rope_col), got[pairs + n])
+                    rope = [e.mul_bf16x2(x, _BF16X2_2M60) for x in got[pairs + n]] if k_shift else got[pairs + n]
+                    e.store16(e.k_addr(row_base, sw, arith.muli(rc, c32(8)), fmt.rope_col), rope)
             lp.arrive_full(b8)
             return [s_next, blk_next, out["s_nn"], blk_nn, out["blk_nnn"]] + (flat(ahead) if overlap else [])
 

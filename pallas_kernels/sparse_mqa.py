@@ -231,7 +231,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                profile_dir: str | None = None,
                combine: Implementation = "auto", split_dtype: jnp.dtype | None = None,
                out_store: OutStore | None = None, extents: Literal["xla", "pallas", "kernel"] | None = None,
-               merge: Merge | None = None, q_multicast: bool | None = None) -> jax.Array:
+               merge: Merge | None = None, q_multicast: bool | None = None,
+               k_prescale: bool | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype; with candidate
@@ -292,6 +293,11 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     warpgroup (prologue, the block loop's wait_full / qk / softmax / pv, epilogue; produce) and writes a
     Perfetto trace under this folder per call (``scripts/diag/mqa_regions.py``). Its buffer takes shared
     memory, which V3.2's fp8 kernel has no room for.
+    ``k_prescale`` (the native register producer's power-of-two dequantisation: V4's records, V3.2's with ue8m0
+    scales): the producer writes the keys times 2^-60 (``record_gather.K_SHIFT``), one bf16 product per word
+    instead of two, and the kernel multiplies its scores and rows by 2^60 (exact: powers of two, no value
+    leaves the normal range for the cache writer's scales). None: off (built in the fifty-first session, not yet
+    run natively: docs/perf-log.md's runbook).
     Timings: docs/perf-log.md.
     """
     check_implementation(combine, "combine")
@@ -305,7 +311,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                                   producer_phases=producer_phases, producer_pow2=producer_pow2,
                                   producer_overlap=producer_overlap,
                                   profile_dir=profile_dir, combine=combine, split_dtype=split_dtype,
-                                  out_store=out_store, extents=extents, merge=merge, q_multicast=q_multicast)})
+                                  out_store=out_store, extents=extents, merge=merge, q_multicast=q_multicast,
+                                  k_prescale=k_prescale)})
 
 
 def _check_inputs(q, caches, formats, slots, v_dim, sink) -> int:
@@ -337,7 +344,8 @@ def _xla(q, caches, formats, slots, *, scale, v_dim, sink, out_dtype):
 
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
             producer_regs=None, producer_phases=None, producer_pow2=None, producer_overlap=None, profile_dir=None,
-            combine="auto", split_dtype=None, out_store=None, extents=None, merge=None, q_multicast=None):
+            combine="auto", split_dtype=None, out_store=None, extents=None, merge=None, q_multicast=None,
+            k_prescale=None):
     if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
     if split_dtype is not None and jnp.dtype(split_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
@@ -391,6 +399,13 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     if producer_overlap and not native_reg:
         raise ValueError(f"producer_overlap=True overlaps the native register producer's loads (got producer "
                          f"{producer!r}, interpret {bool(interpret)})")
+    pow2 = specs[0].pow2_scales if producer_pow2 is None else producer_pow2
+    if k_prescale not in (None, True, False):
+        raise ValueError(f"k_prescale must be a bool or None, got {k_prescale!r}")
+    if k_prescale and not (native_reg and (v4_lists or pow2)):
+        raise ValueError(f"k_prescale=True scales the keys in the native register producer's power-of-two "
+                         f"dequantisation (V4's records, or V3.2's with ue8m0 scales; got {formats}, producer "
+                         f"{producer!r}, interpret {bool(interpret)})")
     if producer_regs is None:  # (no producer warpgroup with "tma": 0, unused)
         producer_regs = PRODUCER_REGS[specs[0].kind] if producer == "registers" else 0
     hp = -(-h // HEAD_TILE) * HEAD_TILE
@@ -443,9 +458,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                        split_dtype=split_dtype, out_store=out_store,
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
                        producer_phases=producer_phases, producer_overlap=bool(producer_overlap),
-                       pow2=specs[0].pow2_scales if producer_pow2 is None else producer_pow2,
-                       profile_dir=profile_dir, cluster=cluster, kernel_extents=extents == "kernel",
-                       q_multicast=bool(q_multicast))
+                       pow2=pow2, profile_dir=profile_dir, cluster=cluster, kernel_extents=extents == "kernel",
+                       q_multicast=bool(q_multicast), k_shift=bool(k_prescale))
     # the lists' slots apart: no concatenated copy
     exts = [] if extents == "kernel" else _extents(padded, extents, bool(interpret))
     outs = call(qp, *padded, *exts, sink_p, *caches)
@@ -525,7 +539,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 interpret: plgpu.InterpretGPUParams | None, producer: Producer = "tma",
                 producer_regs: int = 144, producer_phases: int = 1, producer_overlap: bool = False,
                 pow2: bool = False, profile_dir: str | None = None, cluster: bool = False,
-                kernel_extents: bool = False, q_multicast: bool = False):
+                kernel_extents: bool = False, q_multicast: bool = False, k_shift: bool = False):
     """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k and arrives on "full"[k % 2];
     the compute warpgroups wait on it, read the block's slots from its idx slot (written by the producer),
     compute as below and arrive on "free"[k % 2] after their PV, which the producer waits for before it refills
@@ -560,7 +574,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     # cover whole tiles, and wgmma takes both operands in one swizzle)
     SW = (plgpu.TilingTransform((8, HALF)), plgpu.SwizzleTransform(2 * HALF))
     PIB = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
-    s2 = scale * LOG2E
+    s2 = scale * LOG2E * (2.0 ** record_gather.K_SHIFT if k_shift else 1.0)  # scores in base 2 (K shifted back)
+    o_scale = 2.0 ** record_gather.K_SHIFT if k_shift else 1.0  # the rows' factor: V (= K's columns) shifted back
 
     def issue_row_copies(cache_refs, st, idx_s, islot, gb, w, bar_kv):
         """Bulk-copy the records of rows [w*BK/2, (w+1)*BK/2) of global block gb into the staging rows. Each warp
@@ -888,7 +903,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 if cluster:
                     merge_in_cluster(w, acc, m, l, heads, o_ref.at[ti, heads, cols])
                     return
-                inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+                inv = jnp.where(l > 0, o_scale / jnp.where(l > 0, l, 1.0), 0.0)
                 o = acc * lax.broadcast_in_dim(inv, acc.shape, [0])  # normalised, so a split's rows fit its dtype
                 dst = o_ref.at[ti, heads, cols] if n_splits == 1 else o_ref.at[si, ti, heads, cols]
                 store_rows(w, dst, [(0, o)])
@@ -946,7 +961,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 lt = l * a0 + l_peer * a1
                 if has_sink:
                     lt = lt + jnp.exp2(sk - mt)
-                inv = jnp.where(lt > 0, 1.0 / jnp.where(lt > 0, lt, 1.0), 0.0)
+                inv = jnp.where(lt > 0, o_scale / jnp.where(lt > 0, lt, 1.0), 0.0)
                 w0 = lax.broadcast_in_dim(a0 * inv, (HEAD_TILE, 64), [0])
                 w1 = lax.broadcast_in_dim(a1 * inv, (HEAD_TILE, 64), [0])
                 # 64 columns at a time: the peer's whole half beside this one's would not fit the registers
@@ -967,7 +982,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     record_gather.produce_tile(tuple(x.at[ti] for x in slots_refs), tuple(cache_refs), k_s1, idx_s, b0,
                                                nblk, exts=tuple(exts[:-1]), nblocks=sum(list_blocks), lists=lists,
                                                phases=producer_phases, pow2_scales=pow2,
-                                               overlap=producer_overlap)
+                                               overlap=producer_overlap, k_shift=k_shift)
                 return
             st, pb_s, sel_s = per_prod
             init_selection(sel_s)

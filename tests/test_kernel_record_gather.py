@@ -52,6 +52,28 @@ def test_pow2_arithmetic_model():
     assert _bits_to_f32(np.uint32(record_gather._BF16X2_2P60 & 0xFFFF)) == np.float32(2.0 ** 60)
 
 
+def test_pow2_shifted_model():
+    """``k_shift``: one bf16 product by scale * 2^60 leaves every e4m3 byte's value times scale * 2^-60, exactly
+    (a normal bf16) over the cache writer's scales; the rope values' factor is 2^-60 in both halves."""
+    b = np.arange(256, dtype=np.uint32)
+    b = b[(b & 0x7F) != 0x7F]
+    value = b.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    x = _bits_to_f32(((b & 0x80) << 8) | ((b & 0x7F) << 4))
+    for k in range(-24, 40):
+        sbits = np.array([np.float32(2.0 ** k)]).view(np.uint32)[0]
+        s1 = _bits_to_f32(np.uint32((sbits + record_gather._SCALE_2P60) >> 16))
+        got = _bf16_round(x * s1)
+        want = value * 2.0 ** (k - record_gather.K_SHIFT)
+        assert np.array_equal(got.astype(np.float64), want), k
+        nz = want != 0
+        assert np.all(np.abs(want[nz]) >= 2.0 ** -126)  # normal: no flush anywhere downstream
+    m60 = _bits_to_f32(np.uint32(record_gather._BF16X2_2M60 & 0xFFFF))
+    assert m60 == np.float32(2.0 ** -60) and record_gather._BF16X2_2M60 >> 16 == record_gather._BF16X2_2M60 & 0xFFFF
+    for swap in (False, True):  # one product per word instead of two
+        assert record_gather._DQ_POW2_SHIFTED[swap].count("mul.rn.bf16x2") == 8
+    assert record_gather._DQ_POW2_ASM.count("mul.rn.bf16x2") == 16
+
+
 def _prmt(a: int, b: int, sel: int) -> int:
     """PTX ``prmt.b32`` in its default mode: result byte i is byte (sel >> 4 i) & 7 of b:a."""
     src = a | b << 32

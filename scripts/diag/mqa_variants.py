@@ -67,6 +67,9 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             "ovl4_r152": dict(producer_phases=4, producer_overlap=True, producer_regs=152),
             # V3.2's producer before 2026-12-06 (one round, not overlapped, 144 registers)
             "v32_p1_r144": dict(producer_phases=1, producer_overlap=False, producer_regs=144),
+            # the keys times 2^-60 in the K tile, one bf16 product per dequantised word (``k_prescale``; V4 and
+            # V3.2 ue8m0 records)
+            "k_pre": dict(k_prescale=True), "bf16_out_k_pre": dict(out_dtype="bfloat16", k_prescale=True),
             # the wrapper as main's layers ran it before 2026-12-05 (bf16 split rows, XLA's merge, direct stores)
             "before_1205": dict(out_dtype="bfloat16", split_dtype="bfloat16", combine="xla", out_store="direct",
                                 extents="xla"), "bf16_out_extents_pallas": dict(out_dtype="bfloat16",
