@@ -670,7 +670,7 @@ def produce_tile(slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *, exts=(), n
                          f"(got {nc} caches, lists {lists})")
     fmt = _C656 if lists is None else _C584
     if k_shift and not (pow2_scales or fmt.scales == "ue8m0"):
-        raise ValueError("k_shift: the power-of-two dequantisation's (ue8m0 scales or pow2_scales=True)")
+        raise ValueError("k_shift=True needs the power-of-two dequantisation (ue8m0 scales, or pow2_scales=True)")
 
     def emit(e: _Emit, lp: _Loop, bases: list) -> None:
         arith, c32, c64, i64 = e.arith, e.c32, e.c64, e.i64
