@@ -574,8 +574,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     # cover whole tiles, and wgmma takes both operands in one swizzle)
     SW = (plgpu.TilingTransform((8, HALF)), plgpu.SwizzleTransform(2 * HALF))
     PIB = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
-    s2 = scale * LOG2E * (2.0 ** record_gather.K_SHIFT if k_shift else 1.0)  # scores in base 2 (K shifted back)
-    o_scale = 2.0 ** record_gather.K_SHIFT if k_shift else 1.0  # the rows' factor: V (= K's columns) shifted back
+    o_scale = 2.0 ** record_gather.K_SHIFT if k_shift else 1.0  # K (and V, its columns) shifted back
+    s2 = scale * LOG2E * o_scale  # scores in base 2
 
     def issue_row_copies(cache_refs, st, idx_s, islot, gb, w, bar_kv):
         """Bulk-copy the records of rows [w*BK/2, (w+1)*BK/2) of global block gb into the staging rows. Each warp
