@@ -286,7 +286,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     benchmarks/results/archive/mqa_variants_cluster_h100_2026-12-05.json), else "rows".
     ``q_multicast`` (``merge="cluster"`` only): the pair's common q tile loaded once, each CTA fetching half
     of it by a TMA multicast into both, instead of each CTA loading all of it. None: with the cluster merge
-    (0.2-0.5 µs faster at V4 decode 64 in two runs:
+    (faster at V4 decode 64 in two runs:
     benchmarks/results/archive/mqa_variants_defaults_fiftieth_h100_2026-12-06.json,
     archive/mqa_variants_pending_h100_2026-12-06.json).
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler records the kernel's named regions per
@@ -296,8 +296,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     ``k_prescale`` (the native register producer's power-of-two dequantisation: V4's records, V3.2's with ue8m0
     scales): the producer writes the keys times 2^-60 (``record_gather.K_SHIFT``), one bf16 product per word
     instead of two, and the kernel multiplies its scores and rows by 2^60 (exact: powers of two, no value
-    leaves the normal range for the cache writer's scales). None: off (built in the fifty-first session, not yet
-    run natively: docs/perf-log.md's runbook).
+    leaves the normal range for the cache writer's scales). None: on where it applies (faster at V4 decode and
+    prefill and V3.2 ue8m0 decode: benchmarks/results/archive/mqa_k_prescale_ab_h100_2026-12-06.json).
     Timings: docs/perf-log.md.
     """
     check_implementation(combine, "combine")
@@ -402,6 +402,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     pow2 = specs[0].pow2_scales if producer_pow2 is None else producer_pow2
     if k_prescale not in (None, True, False):
         raise ValueError(f"k_prescale must be a bool or None, got {k_prescale!r}")
+    if k_prescale is None:  # on where it applies (faster: docstring)
+        k_prescale = native_reg and (v4_lists or pow2)
     if k_prescale and not (native_reg and (v4_lists or pow2)):
         raise ValueError(f"k_prescale=True scales the keys in the native register producer's power-of-two "
                          f"dequantisation (V4's records, or V3.2's with ue8m0 scales; got {formats}, producer "

@@ -70,6 +70,8 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             # the keys times 2^-60 in the K tile, one bf16 product per dequantised word (``k_prescale``; V4 and
             # V3.2 ue8m0 records)
             "k_pre": dict(k_prescale=True), "bf16_out_k_pre": dict(out_dtype="bfloat16", k_prescale=True),
+            # the keys unscaled, two products per word (the default before 2026-12-06)
+            "no_k_pre": dict(k_prescale=False),
             # the wrapper as main's layers ran it before 2026-12-05 (bf16 split rows, XLA's merge, direct stores)
             "before_1205": dict(out_dtype="bfloat16", split_dtype="bfloat16", combine="xla", out_store="direct",
                                 extents="xla"), "bf16_out_extents_pallas": dict(out_dtype="bfloat16",
