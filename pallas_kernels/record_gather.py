@@ -67,15 +67,19 @@ def _dq_asm(swap: bool) -> str:
             + "}")
 
 
-# the same for power-of-two scales without a conversion instruction (exact; on the H200 no faster than _DQ_ASM,
-# the producer being bound by its loads' latency: docs/perf-log.md): each e4m3 byte b becomes the bf16 bit pattern
-# (b & 0x80) << 8 | (b & 0x7F) << 4, whose value is exactly b's times 2^-120 for normal and subnormal b alike
-# (the exponent biases differ by 120, and the mantissa bits line up). Then two exact bf16 products: by
-# scale * 2^60 ($12, both halves) and by 2^60 (split so that no intermediate leaves bf16's range). ``swap``:
-# the byte permute reads the other half's word where selectors $13 / $14 (``dq_swap_selectors``) say so; the
-# bytes it leaves in the halves' low bytes are masked off.
+# the same for power-of-two scales without a conversion instruction (exact): each e4m3 byte b becomes the bf16
+# bit pattern (b & 0x80) << 8 | (b & 0x7F) << 4, whose value is exactly b's times 2^-120 for normal and subnormal b
+# alike (the exponent biases differ by 120, and the mantissa bits line up). One byte permute puts a byte pair into
+# the halves' low bytes with its sign replicated over the high bytes (sign-extended to 16 bits), then a shift by 4
+# and one mask (``_PLACE_MASK``) keep the sign at bit 15 and the magnitude at bits 10:4: three integer
+# instructions a word where masking sign and magnitude apart took four (the producer's loop sets V4 decode's pace:
+# docs/perf-log.md, fifty-second session). Then two exact bf16 products: by scale * 2^60 ($12, both halves) and by
+# 2^60 (split so that no intermediate leaves bf16's range). ``swap``: the byte permute reads the other half's word
+# where selectors $13 / $14 (``dq_swap_selectors``) say so.
 _BF16X2_2P60 = 0x5D805D80
-_SEL_EVEN, _SEL_ODD = (0x1000, 0x5444), (0x3020, 0x7464)  # (own word, other word): bytes 0, 1 / 2, 3 -> 1, 3
+_PLACE_MASK = 0x87F087F0  # after the shift: each half's sign (bit 15) and magnitude (bits 10:4)
+_PLACE_SEL = (0x9180, 0xB3A2)  # bytes 0, 1 / 2, 3 -> halves' low bytes, sign-replicated (selector bit 3) above
+_SEL_EVEN, _SEL_ODD = (0x9180, 0xD5C4), (0xB3A2, 0xF7E6)  # (own word, other word)
 
 
 def _dq_pow2_asm(swap: bool, shifted: bool = False) -> str:
@@ -84,16 +88,15 @@ def _dq_pow2_asm(swap: bool, shifted: bool = False) -> str:
     def prmt(j: int, odd: int) -> str:
         if swap:
             return f"prmt.b32 t, ${8 + j}, ${8 + (j + 2) % 4}, ${13 + odd};\n"
-        return f"prmt.b32 t, ${8 + j}, 0, {(0x3424 if odd else 0x1404):#x};\n"
+        return f"prmt.b32 t, ${8 + j}, 0, {_PLACE_SEL[odd]:#x};\n"
 
     def products(o: int) -> str:
         if shifted:
             return f"mul.rn.bf16x2 ${o}, t, $12;\n"
         return f"mul.rn.bf16x2 t, t, $12;\nmul.rn.bf16x2 ${o}, t, s2;\n"
 
-    return (f"{{ .reg .b32 t, a, s2; mov.b32 s2, {_BF16X2_2P60:#x};\n"
-            + "".join(prmt(j, odd) + "and.b32 a, t, 0x7F007F00;\nshr.b32 a, a, 4;\n"
-                      "and.b32 t, t, 0x80008000;\nor.b32 t, t, a;\n" + products(2 * j + odd)
+    return (f"{{ .reg .b32 t, s2; mov.b32 s2, {_BF16X2_2P60:#x};\n"
+            + "".join(prmt(j, odd) + f"shl.b32 t, t, 4;\nand.b32 t, t, {_PLACE_MASK:#x};\n" + products(2 * j + odd)
                       for j in range(4) for odd in (0, 1))
             + "}")
 

@@ -38,7 +38,7 @@ def test_pow2_arithmetic_model():
     b = np.arange(256, dtype=np.uint32)
     b = b[(b & 0x7F) != 0x7F]  # e4m3fn NaN
     value = b.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    placed = ((b & 0x80) << 8) | ((b & 0x7F) << 4)  # the PTX's prmt / and / shr / or, per 16-bit half
+    placed = _placed(b)  # the PTX's prmt / shl / and, per 16-bit half (test_place_permutes)
     x = _bits_to_f32(placed)
     assert np.array_equal(x, value * np.float32(2.0 ** -120))  # exact (numpy keeps float32 subnormals)
     for k in range(-24, 40):  # UE8M0 scales: >= 1e-4 / 448 > 2^-22
@@ -58,7 +58,7 @@ def test_pow2_shifted_model():
     b = np.arange(256, dtype=np.uint32)
     b = b[(b & 0x7F) != 0x7F]
     value = b.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    x = _bits_to_f32(((b & 0x80) << 8) | ((b & 0x7F) << 4))
+    x = _bits_to_f32(_placed(b))
     for k in range(-24, 40):
         sbits = np.array([np.float32(2.0 ** k)]).view(np.uint32)[0]
         s1 = _bits_to_f32(np.uint32((sbits + record_gather._SCALE_2P60) >> 16))
@@ -75,22 +75,51 @@ def test_pow2_shifted_model():
 
 
 def _prmt(a: int, b: int, sel: int) -> int:
-    """PTX ``prmt.b32`` in its default mode: result byte i is byte (sel >> 4 i) & 7 of b:a."""
+    """PTX ``prmt.b32`` in its default mode: result byte i is byte (sel >> 4 i) & 7 of b:a, or that byte's sign
+    replicated over 8 bits where the selector nibble's bit 3 is set."""
     src = a | b << 32
-    return sum(((src >> 8 * ((sel >> 4 * i) & 7)) & 0xFF) << 8 * i for i in range(4))
+    out = 0
+    for i in range(4):
+        nib = (sel >> 4 * i) & 0xF
+        byte = (src >> 8 * (nib & 7)) & 0xFF
+        out |= ((0xFF if byte & 0x80 else 0) if nib & 8 else byte) << 8 * i
+    return out
+
+
+def _placed(b: int) -> int:
+    """The bf16 bit pattern of e4m3 byte ``b`` times 2^-120 (``test_pow2_arithmetic_model``)."""
+    return ((b & 0x80) << 8) | ((b & 0x7F) << 4)
+
+
+def test_place_permutes():
+    """The power-of-two dequantisation's placement, as its PTX does it (a sign-replicating byte permute, a shift by
+    4, one mask), against the formula the arithmetic model checks, for every pair of e4m3 bytes in each position;
+    the swapped selectors read the other word's bytes (lanes that exchange a chunk's halves) and place them the
+    same way."""
+    b = np.arange(256)
+    hi, lo = np.repeat(b, 256), np.tile(b, 256)
+    pair = hi << 8 | lo
+    want = _placed(hi) << 16 | _placed(lo)
+    for k, sel in enumerate(record_gather._PLACE_SEL):  # bytes 2k, 2k + 1 of the word
+        for word in (pair << 16 * k) & 0xFFFFFFFF, (pair << 16 * k | (0x5A3C << 16 * (1 - k))) & 0xFFFFFFFF:
+            got = [(_prmt(int(w), 0, sel) << 4) & record_gather._PLACE_MASK for w in word[::97]]
+            assert got == [int(x) for x in want[::97]]
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        own, other = (int(x) for x in rng.integers(0, 2 ** 32, 2, dtype=np.uint64))
+        for sels, plain in ((record_gather._SEL_EVEN, record_gather._PLACE_SEL[0]),
+                            (record_gather._SEL_ODD, record_gather._PLACE_SEL[1])):
+            assert _prmt(own, other, sels[0]) == _prmt(own, 0, plain)
+            assert _prmt(own, other, sels[1]) == _prmt(other, 0, plain)
+    asm = record_gather._DQ_POW2_ASM
+    assert asm.count("prmt.b32") == 8 and asm.count("shl.b32") == 8 and asm.count("and.b32") == 8
 
 
 def test_swap_selectors():
-    """The swapped dequantisation's byte permutes: lanes that keep their halves read input word j, the others
-    word (j + 2) % 4, with the same bytes in the kept positions (bytes 1 and 3, which the masks keep, for the
-    power-of-two path; all four bytes for the fp32 path's pre-permute) as the unswapped selectors place."""
+    """The fp32 path's pre-permute: lanes that keep their halves read input word j, the others word (j + 2) % 4."""
     rng = np.random.default_rng(0)
     for _ in range(100):
         own, other = (int(x) for x in rng.integers(0, 2 ** 32, 2, dtype=np.uint64))
-        for sels, plain in ((record_gather._SEL_EVEN, 0x1404), (record_gather._SEL_ODD, 0x3424)):
-            want_own, want_other = _prmt(own, 0, plain), _prmt(other, 0, plain)
-            assert _prmt(own, other, sels[0]) & 0xFF00FF00 == want_own
-            assert _prmt(own, other, sels[1]) & 0xFF00FF00 == want_other
         assert _prmt(own, other, 0x3210) == own and _prmt(own, other, 0x7654) == other
     assert "$14" in record_gather._DQ_POW2_SWAP_ASM and "$13" in record_gather._DQ_SWAP_ASM
 
