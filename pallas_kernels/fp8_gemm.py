@@ -142,8 +142,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                group_m: int = 8, stage_scales: bool | None = None, quantize_x: bool = False,
                stream_k: bool | None = None, act_quant: str | None = None, swap_ab: bool | None = None,
                swap_store: str | None = None, persistent: bool | None = None,
-               prefetch_scales: bool | None = None, cluster_m: bool = False,
-               profile_dir: str | None = None) -> jax.Array:
+               prefetch_scales: bool | None = None, profile_dir: str | None = None) -> jax.Array:
     """y = x W^T with W = ``wq`` (float8_e4m3fn [out, in]) * ``w_scale`` (float32 [ceil(out/128),
     ceil(in/128)] per 128 x 128 block), x [..., in] re-quantised per 1 x 128 group (``scale_fmt``);
     [..., out] in ``out_dtype``.
@@ -184,12 +183,6 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     ahead, so the promotion does not wait on global memory. None (``_auto_large_m``): from ``LARGE_M_FROM`` rows
     where nothing else excludes them, ``persistent`` for a short K (at most ``PERSISTENT_MAX_KBLOCKS`` K blocks),
     else ``prefetch_scales``.
-    ``cluster_m`` (128-row tiles, an even number of them, no ``split_k``, ``stream_k``, ``persistent``, staged
-    scales or ``swap_ab``): two CTAs whose row tiles are neighbours and whose column tile is the same run as a
-    2-CTA cluster, and each loads half of their common weight tile per K block by a TMA multicast into both (the
-    ring's slots are released only when both CTAs consumed them). A 128 x 128 tile reads 32 KB from L2 per K block
-    for 4 MFLOP; the pair reads 48 KB for two tiles instead of 64 (cuBLAS and DeepGEMM share an operand the same
-    way). Off by default: not yet timed natively (docs/perf-log.md).
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler writes a trace of the kernel's named regions per
     warpgroup there: ``all`` (the pipeline, every warpgroup), the compute warpgroups' ``scales`` (staging wait),
     ``loop``, its ``step`` bodies and ``store`` (``scripts/diag/fp8_regions.py``).
@@ -204,8 +197,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                                   group_m=group_m, stage_scales=stage_scales, quantize_x=quantize_x,
                                   stream_k=stream_k, act_quant=act_quant, swap_ab=swap_ab,
                                   swap_store=swap_store, persistent=persistent,
-                                  prefetch_scales=prefetch_scales, cluster_m=cluster_m,
-                                  profile_dir=profile_dir)})
+                                  prefetch_scales=prefetch_scales, profile_dir=profile_dir)})
 
 
 def _check_common(x, wq, w_scale, scale_fmt) -> None:
@@ -414,7 +406,7 @@ def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
 
 def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages, group_m,
             stage_scales, quantize_x=False, stream_k=None, act_quant=None, swap_ab=None, swap_store=None,
-            persistent=None, prefetch_scales=None, cluster_m=False, profile_dir=None):
+            persistent=None, prefetch_scales=None, profile_dir=None):
     _check_tiles(block_m, block_n, split_k, STAGES if stages is None else stages, group_m)
     if swap_ab is not None and not isinstance(swap_ab, bool):
         raise ValueError(f"swap_ab must be a bool or None, got {swap_ab!r}")
@@ -427,8 +419,6 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     for name, v in (("persistent", persistent), ("prefetch_scales", prefetch_scales)):
         if v is not None and not isinstance(v, bool):
             raise ValueError(f"{name} must be a bool or None, got {v!r}")
-    if not isinstance(cluster_m, bool):
-        raise ValueError(f"cluster_m must be a bool, got {cluster_m!r}")
     if profile_dir is not None and interpret:
         raise ValueError("profile_dir: Mosaic GPU's profiler runs natively only (interpret mode has no trace)")
     if act_quant not in (None, "xla", "kernel"):
@@ -450,13 +440,12 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     auto_persistent, auto_prefetch = _auto_large_m(m, nk, split_k, stage_scales, quantize_x, stream_k, swap_ab)
-    persistent = (auto_persistent and not cluster_m) if persistent is None else persistent
+    persistent = auto_persistent if persistent is None else persistent
     prefetch_scales = auto_prefetch if prefetch_scales is None else prefetch_scales
     if swap_ab is None:
-        swap_ab = (_auto_swap_ab(m, block_m, block_n, quantize_x, stream_k)
-                   and not (persistent or prefetch_scales or cluster_m))
-    elif swap_ab and (persistent or prefetch_scales or cluster_m):
-        raise Unsupported("fp8_linear kernel: swap_ab has no persistent, prefetch_scales or cluster_m form")
+        swap_ab = _auto_swap_ab(m, block_m, block_n, quantize_x, stream_k) and not (persistent or prefetch_scales)
+    elif swap_ab and (persistent or prefetch_scales):
+        raise Unsupported("fp8_linear kernel: swap_ab has no persistent or prefetch_scales form")
     if swap_store is not None and not swap_ab:
         raise ValueError(f"swap_store={swap_store!r} is the swapped form's output (swap_ab), which this call does not "
                          f"use ({m} rows, swap_ab={swap_ab})")
@@ -468,7 +457,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
                                profile_dir=profile_dir).reshape(*lead, n)
     stages = STAGES if stages is None else stages
     if stream_k is None:
-        stream_k = _auto_stream_k(m, n, nk, block_m, block_n, split_k, stage_scales) and not (persistent or cluster_m)
+        stream_k = _auto_stream_k(m, n, nk, block_m, block_n, split_k, stage_scales) and not persistent
     if (persistent or prefetch_scales) and (stage_scales or quantize_x):
         raise Unsupported(f"fp8_linear kernel: persistent and prefetch_scales load the scales from GMEM with x "
                           f"quantised outside (got stage_scales={stage_scales}, quantize_x={quantize_x})")
@@ -479,8 +468,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         raise Unsupported(f"fp8_linear kernel: stream_k takes at most 128 rows in one row tile, with unstaged "
                           f"scales and no split_k (got {m} rows, block_m {block_m}, split_k {split_k}, "
                           f"stage_scales {stage_scales})")
-    bm, bn, s = _pick_tiles(m, n, nk, block_m, block_n,
-                            1 if stream_k or persistent or (cluster_m and split_k is None) else split_k)
+    bm, bn, s = _pick_tiles(m, n, nk, block_m, block_n, 1 if stream_k or persistent else split_k)
     if persistent and m <= bm:
         raise Unsupported(f"fp8_linear kernel: persistent loops over several row tiles ({m} rows in {bm}-row tiles "
                           "is one; the decode forms cover it)")
@@ -499,13 +487,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     elif stage_scales and interpret and trim:
         raise Unsupported("fp8_linear kernel: stage_scales=True with one row tile (the trimmed SMEM epilogue) hangs "
                           "in interpret mode; pass stage_scales=False (or None) there, or run on the GPU")
-    if cluster_m and (bm != 128 or (mp // bm) % 2 or s != 1 or stream_k or persistent or stage_scales
-                      or quantize_x):
-        raise Unsupported(f"fp8_linear kernel: cluster_m pairs 128-row tiles (an even number of them) of one split, "
-                          f"without stream_k, persistent, staged scales or quantize_x (got block_m {bm}, "
-                          f"{mp // bm} row tiles, split_k {s}, stream_k {stream_k}, persistent {persistent}, "
-                          f"stage_scales {stage_scales}, quantize_x {quantize_x})")
-    if stream_k or persistent or prefetch_scales or cluster_m:
+    if stream_k or persistent or prefetch_scales:
         stage_scales = False
     ctas = stream_k_ctas(n // bn, nk) if stream_k else 0
     if persistent:  # the ring beside a [64, chunk] output tile per compute warpgroup and chunk
@@ -516,7 +498,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
                        interpret=interpret or None, stage_scales=stage_scales,
                        quantize_x=scale_fmt if quantize_x else None, stream_k=ctas,
                        persistent=min(NUM_SMS, (mp // bm) * (n // bn)) if persistent else 0,
-                       prefetch_scales=prefetch_scales, cluster_m=cluster_m, profile_dir=profile_dir)
+                       prefetch_scales=prefetch_scales, profile_dir=profile_dir)
     sw = w_scale.astype(jnp.float32)
     sw = pad_weight_scales(sw) if stage_scales else sw
     if quantize_x:
@@ -708,7 +690,7 @@ def _trimmed(m_tiles: int, bm: int, splits: int) -> bool:
 def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: int, stages: int, group_m: int,
                 out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, stage_scales: bool = False,
                 quantize_x: quant.ScaleFmt | None = None, stream_k: int = 0, persistent: int = 0,
-                prefetch_scales: bool = False, cluster_m: bool = False, profile_dir: str | None = None):
+                prefetch_scales: bool = False, profile_dir: str | None = None):
     """``quantize_x`` (a scale format; 64-row tiles only): the kernel takes bfloat16 x [Mp, K] and no scales of
     it, and each compute warpgroup quantises the K block's x tile into its own e4m3 SMEM tile before its MMA
     (the row scales stay in registers for the promotion): x (arguments x, w, sw), else (xq, sx^T, w, sw).
@@ -721,10 +703,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     tile's last K block each compute warpgroup writes its rows into an SMEM tile per chunk and TMA stores them,
     and the ring keeps streaming the next tile's blocks meanwhile; a CTA's step count is traced (its own tiles).
     ``prefetch_scales`` (unstaged scales, x quantised outside): each step loads the next step's scales and carries
-    them, so that their global-memory latency is not waited on before the promotion.
-    ``cluster_m``: the grid is of CTA pairs (2-CTA clusters): pair p takes the rasterised tile p of the row-tile
-    pairs, and its CTA r the row tile 2 i + r; the weight tile's BlockSpec is collective over the cluster (each CTA
-    copies half of it, multicast into both)."""
+    them, so that their global-memory latency is not waited on before the promotion."""
     nk = k // BLOCK
     sw_rows = max(-(-n // BLOCK), SW_ROWS)  # rows of the (padded) weight scales, when staged
     kps = nk // splits  # K blocks per CTA
@@ -753,19 +732,15 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
         raise ValueError("persistent needs several row tiles, one split, unstaged scales and x quantised outside")
     if prefetch_scales and (stage_scales or quantize_x):
         raise ValueError("prefetch_scales needs unstaged scales and x quantised outside")
-    if cluster_m and (bm != 128 or m_tiles % 2 or splits != 1 or stage_scales or quantize_x or stream_k
-                      or persistent):
-        raise ValueError("cluster_m needs an even number of 128-row tiles, one split, unstaged scales, x quantised "
-                         "outside, no stream_k and no persistent loop")
     if persistent:  # the most steps a persistent CTA runs: its tiles' K blocks (the first tiles % P CTAs one tile more)
         spc = -(-tiles // persistent) * nk
 
-    def tile_of(t, rows=m_tiles):
-        """Output tile t (of one split) -> (mi, ni): groups of ``group_m`` M tiles (of ``rows``), M fastest inside
-        a group, so that the CTAs resident at once share a few x row tiles and a band of weight tiles in L2."""
+    def tile_of(t):
+        """Output tile t (of one split) -> (mi, ni): groups of ``group_m`` M tiles, M fastest inside a group,
+        so that the CTAs resident at once share a few x row tiles and a band of weight tiles in L2."""
         per_group = group_m * n_tiles
         first = (t // per_group) * group_m
-        size = jnp.minimum(rows - first, group_m)
+        size = jnp.minimum(m_tiles - first, group_m)
         r = t % per_group
         return first + r % size, r // size
 
@@ -780,11 +755,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
         sw_s, bar = (rest.pop(0), rest.pop(0)) if stage_scales else (None, None)
         pid = lax.axis_index("cta")
         si = pid // tiles
-        if cluster_m:  # pair pid: row-tile pair and column tile, this CTA's row tile of the pair
-            pmi, ni = tile_of(pid, m_tiles // 2)
-            mi = 2 * pmi + lax.axis_index("cluster")
-        else:
-            mi, ni = tile_of(pid % tiles)
+        mi, ni = tile_of(pid % tiles)
         m0, n0, kb0 = mi * bm, ni * bn, si * kps
         # unit(step) -> (row tile, column tile, K block, live) of a pipeline step; a step that is not live repeats
         # a unit of the CTA's (in-bounds loads) and adds nothing
@@ -991,8 +962,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             body, grid=(kps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
             max_concurrent_steps=min(stages, kps), compute_context=compute,
             in_specs=[plgpu.BlockSpec((bm, BLOCK), lambda s: (0, s), transforms=x_tf),
-                      plgpu.BlockSpec((bn, BLOCK), lambda s: (0, s), transforms=swz,
-                                      collective_axes=("cluster",) if cluster_m else None)])
+                      plgpu.BlockSpec((bn, BLOCK), lambda s: (0, s), transforms=swz)])
         with jax.named_scope("all"):
             pipeline((x_ref.at[:, pl.ds(kb0 * BLOCK, kps * BLOCK)] if quantize_x and x_ref.shape[0] < bm else
                       x_ref.at[pl.ds(m0, bm), pl.ds(kb0 * BLOCK, kps * BLOCK)]),
@@ -1018,11 +988,10 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                   **(dict(profile_space=PROFILE_RANGES, profile_dir=profile_dir,
                                           profile_bounds_check=True) if profile_dir else {}))
-    cluster = dict(cluster=(2,), cluster_names=("cluster",)) if cluster_m else {}
     return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
-                        grid=(stream_k or persistent or (tiles // 2 if cluster_m else splits * tiles),),
+                        grid=(stream_k or persistent or splits * tiles,),
                         scratch_types=scratch, grid_names=("cta",), num_threads=3, thread_name="wg", compiler_params=params,
-                        interpret=interpret if interpret is not None else False, **cluster)
+                        interpret=interpret if interpret is not None else False)
 
 
 # ----------------------------------------------------------------------------------------------------

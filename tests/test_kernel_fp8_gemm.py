@@ -582,48 +582,6 @@ def test_persistent_and_prefetch_limits() -> None:
         G.fp8_linear(x[:7], wq, ws, prefetch_scales=True, quantize_x=True, **kw)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("m,k,n,tiles,out_dtype", [
-    (256, 512, 384, {}, jnp.float32),  # one pair of row tiles, 3 column tiles
-    (500, 384, 256, dict(prefetch_scales=True), jnp.bfloat16),  # two pairs, the last row tile padded
-    (256, 256, 512, dict(block_n=256, group_m=1), jnp.float32),  # 2 chunks a warpgroup, one pair per group
-])
-def test_cluster_m_matches_xla(mode: str, m: int, k: int, n: int, tiles: dict, out_dtype) -> None:
-    """cluster_m=True: CTA pairs of neighbouring row tiles share each K block's weight tile (each copies half,
-    multicast into both); every element within the bound of the reference."""
-    x, wq, ws = make_case(m, k, n, seed=m + n)
-    ref, ab = reference(x, wq, ws, "ue8m0")
-    got = G.fp8_linear(x, wq, ws, out_dtype=out_dtype, implementation="pallas", interpret=interpret_for(mode),
-                       cluster_m=True, **tiles)
-    assert got.dtype == jnp.dtype(out_dtype) and got.shape == (m, n)
-    check(got, ref, ab, _rtol(mode, k), out_dtype)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_cluster_m_exact_data_bit_equal(mode: str) -> None:
-    """Exact data (as ``test_exact_data_bit_equal``) through the pairs: pins each CTA's row tile and the shared
-    weight tile's halves (4 row tiles, 2 pairs, 2 column tiles)."""
-    x, w, wq, ws = _exact_case(512, 512, 256, seed=13)
-    got = G.fp8_linear(jnp.asarray(x, jnp.bfloat16), wq, ws, out_dtype=jnp.float32, implementation="pallas",
-                       interpret=interpret_for(mode), cluster_m=True)
-    np.testing.assert_array_equal(np.asarray(got), x @ w.T)
-
-
-def test_cluster_m_limits() -> None:
-    """cluster_m: a bool; Unsupported where the pairs do not apply (one 128-row tile or an odd count of them,
-    64-row tiles, split-K, the persistent loop, staged scales, swap_ab)."""
-    x, wq, ws = make_case(384, 512, 256, seed=0)
-    kw = dict(implementation="pallas", interpret=True)
-    with pytest.raises(ValueError, match="cluster_m"):
-        G.fp8_linear(x, wq, ws, cluster_m=1, **kw)
-    for rows, bad in ((128, {}), (384, {}), (256, dict(block_m=64)), (256, dict(split_k=2)),
-                      (256, dict(persistent=True)), (256, dict(stage_scales=True))):
-        with pytest.raises(Unsupported, match="cluster_m"):
-            G.fp8_linear(x[:rows], wq, ws, cluster_m=True, **kw, **bad)
-    with pytest.raises(Unsupported, match="swap_ab"):
-        G.fp8_linear(x[:16], wq, ws, cluster_m=True, swap_ab=True, **kw)
-
-
 def test_auto_large_m() -> None:
     """persistent / prefetch_scales = None: off below LARGE_M_FROM rows and beside staged scales, quantize_x,
     stream_k or swap_ab; persistent for short K without split_k, else the scales a step ahead."""
@@ -765,10 +723,7 @@ def test_auto_stream_k_and_staged_scales() -> None:
                                          (2048, 7168, 18432, dict(prefetch_scales=True)),
                                          # the defaults at large M: persistent (q_b), scales a step ahead (wo)
                                          (2048, 1536, 24576, {}), (2048, 16384, 7168, {}),
-                                         (64, 7168, 18432, dict(stream_k=True, prefetch_scales=True)),
-                                         # CTA pairs sharing the weight tile by TMA multicast (wo, q_b)
-                                         (2048, 16384, 7168, dict(cluster_m=True)),
-                                         (2048, 1536, 24576, dict(cluster_m=True, prefetch_scales=False))])
+                                         (64, 7168, 18432, dict(stream_k=True, prefetch_scales=True))])
 def test_lowers_for_cuda(m: int, k: int, n: int, tiles: dict) -> None:
     """The compiled kernel passes Mosaic GPU's lowering (e4m3 wgmma with K-major operands, TMA, layouts)."""
     from jax.sharding import AbstractDevice, AbstractMesh
