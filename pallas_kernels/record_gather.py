@@ -72,8 +72,8 @@ def _dq_asm(swap: bool) -> str:
 # alike (the exponent biases differ by 120, and the mantissa bits line up). One byte permute puts a byte pair into
 # the halves' low bytes with its sign replicated over the high bytes (sign-extended to 16 bits), then a shift by 4
 # and one mask (``_PLACE_MASK``) keep the sign at bit 15 and the magnitude at bits 10:4: three integer
-# instructions a word where masking sign and magnitude apart took four (the producer's loop sets V4 decode's pace:
-# docs/perf-log.md, fifty-second session). Then two exact bf16 products: by scale * 2^60 ($12, both halves) and by
+# instructions a word where masking sign and magnitude apart took four (docs/perf-log.md, fifty-second session).
+# Then two exact bf16 products: by scale * 2^60 ($12, both halves) and by
 # 2^60 (split so that no intermediate leaves bf16's range). ``swap``: the byte permute reads the other half's word
 # where selectors $13 / $14 (``dq_swap_selectors``) say so.
 _BF16X2_2P60 = 0x5D805D80

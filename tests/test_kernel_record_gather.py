@@ -86,6 +86,18 @@ def _prmt(a: int, b: int, sel: int) -> int:
     return out
 
 
+def _prmt_np(a: np.ndarray, sel: int) -> np.ndarray:
+    """``_prmt(a, 0, sel)`` over an array of words (uint64 holding 32-bit values)."""
+    out = np.zeros_like(a)
+    for i in range(4):
+        nib = (sel >> 4 * i) & 0xF
+        byte = (a >> np.uint64(8 * (nib & 7))) & np.uint64(0xFF) if (nib & 7) < 4 else np.zeros_like(a)
+        if nib & 8:
+            byte = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
+        out |= byte << np.uint64(8 * i)
+    return out
+
+
 def _placed(b: int) -> int:
     """The bf16 bit pattern of e4m3 byte ``b`` times 2^-120 (``test_pow2_arithmetic_model``)."""
     return ((b & 0x80) << 8) | ((b & 0x7F) << 4)
@@ -96,14 +108,16 @@ def test_place_permutes():
     4, one mask), against the formula the arithmetic model checks, for every pair of e4m3 bytes in each position;
     the swapped selectors read the other word's bytes (lanes that exchange a chunk's halves) and place them the
     same way."""
-    b = np.arange(256)
+    b = np.arange(256, dtype=np.uint64)
     hi, lo = np.repeat(b, 256), np.tile(b, 256)
-    pair = hi << 8 | lo
-    want = _placed(hi) << 16 | _placed(lo)
-    for k, sel in enumerate(record_gather._PLACE_SEL):  # bytes 2k, 2k + 1 of the word
-        for word in (pair << 16 * k) & 0xFFFFFFFF, (pair << 16 * k | (0x5A3C << 16 * (1 - k))) & 0xFFFFFFFF:
-            got = [(_prmt(int(w), 0, sel) << 4) & record_gather._PLACE_MASK for w in word[::97]]
-            assert got == [int(x) for x in want[::97]]
+    pair = hi << np.uint64(8) | lo
+    want = _placed(hi) << np.uint64(16) | _placed(lo)
+    mask = np.uint64(record_gather._PLACE_MASK)
+    for k, sel in enumerate(record_gather._PLACE_SEL):  # bytes 2k, 2k + 1 of the word; the other pair: any bytes
+        for other in (0x0000, 0x5A3C, 0xFFFF):
+            word = pair << np.uint64(16 * k) | np.uint64(other << 16 * (1 - k))
+            np.testing.assert_array_equal((_prmt_np(word, sel) << np.uint64(4)) & mask, want)
+        assert _prmt_np(np.array([0x12345678], np.uint64), sel)[0] == _prmt(0x12345678, 0, sel)
     rng = np.random.default_rng(0)
     for _ in range(200):
         own, other = (int(x) for x in rng.integers(0, 2 ** 32, 2, dtype=np.uint64))
@@ -225,7 +239,8 @@ def _k_tile_slot(row: int, col: int, cols: int = record_gather.K_COLS) -> tuple[
 def test_coalesced_producer_lane_map(fmt):
     """``produce_tile``'s lane roles (``coalesced_lane``) for V3.2's and V4's records: the four warps
     write every 8-column unit of the block's 64 rows exactly once (NoPE chunk c holds columns 16 c .. 16 c + 15
-    and takes the scale of group c // 8 (V3.2) or c // 4 (V4); V4's lanes past its 28 chunks store nothing); each load instruction of a warp reads 16 contiguous chunks of two rows (latent) or the 8
+    and takes the scale of group c // 8 (V3.2) or c // 4 (V4); V4's lanes past its 28 chunks store nothing); each
+    load instruction of a warp reads 16 contiguous chunks of two rows (latent) or the 8
     rope chunks of four rows; and every quarter-warp of every shared store hits eight distinct 16-byte bank
     slots (no conflict)."""
     f = record_gather._C656 if fmt == "v32" else record_gather._C584
