@@ -639,7 +639,8 @@ def coalesced_lane(lane: int) -> dict[str, int]:
 
 
 def produce_tile(slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *, exts=(), nblocks: int, lists=None,
-                 phases: int = 1, pow2_scales: bool = False, overlap: bool = False, k_shift: bool = False) -> None:
+                 phases: int = 1, pow2_scales: bool = False, overlap: bool = False, k_shift: bool = False,
+                 prefetch_ahead: int = 1) -> None:
     """The producer loop of a single CTA (one warpgroup, all 128 threads) for one ``MlaRecord656`` cache
     (``lists=None``) or one or two ``MlaRecord584`` caches (window, compressed; ``lists[i]`` = (the list's
     first block in the concatenated lists, entries per page, page bytes)). For k < ``nblk``: the block at
@@ -664,9 +665,16 @@ def produce_tile(slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *, exts=(), n
 
     ``k_shift`` (power-of-two scales only): the tile holds the keys times 2^-K_SHIFT, so that the dequantisation
     takes one bf16 product instead of two (the rope values take one product each); the MQA scales its scores
-    and rows back (``sparse_mqa``'s ``k_prescale``)."""
+    and rows back (``sparse_mqa``'s ``k_prescale``).
+
+    ``prefetch_ahead``: the block whose records go into L2 while block k is loaded, k + 1 or k + 2 (block k + 2's
+    slot is then loaded a block earlier and carried; block 1 is prefetched before the loop). Why: V4 decode's
+    consumers wait on "full" much of their time, and fewer producer instructions did not shorten it
+    (docs/perf-log.md, fifty-second session), so the loads' latency may set the pace."""
     if phases not in (1, 2, 4):
         raise ValueError(f"phases must be 1, 2 or 4, got {phases}")
+    if prefetch_ahead not in (1, 2):
+        raise ValueError(f"prefetch_ahead must be 1 or 2, got {prefetch_ahead}")
     nc = len(cache_refs)
     if nc != 1 if lists is None else (len(lists) != nc or not 1 <= nc <= 2):
         raise ValueError(f"MlaRecord656: one cache and lists=None; MlaRecord584: one or two caches and their lists "
@@ -757,9 +765,19 @@ def produce_tile(slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *, exts=(), n
             return ([(words[10 * p:10 * p + 4], words[10 * p + 4:10 * p + 8], words[10 * p + 8], words[10 * p + 9])
                      for p in range(pairs)] + [words[10 * pairs + 4 * q:10 * pairs + 4 * q + 4] for q in range(ropes)])
 
+        far = prefetch_ahead == 2
+        n_slots = 6 if far else 5  # carried: slots / block ids k, k + 1, block id k + 2 (and its slot if ``far``)
+
+        def prefetch(s_blk, blk) -> None:
+            ndata, nsc = record(s_blk, blk)
+            e.prefetch(arith.addi(ndata, arith.muli(hi16, c64(fmt.prefetch_split))), fmt.prefetch_offsets)
+            if fmt.scales == "ue8m0":
+                e.prefetch(nsc, (0,))
+
         def body(kk, carried):
             s_cur, blk_cur, s_next, blk_next, blk_nn = carried[:5]
-            ahead = unflat(carried[5:]) if overlap else None  # ``overlap``: this block's first round, loaded
+            s_nn = carried[5] if far else None  # block k + 2's slot, loaded a block ago
+            ahead = unflat(carried[n_slots:]) if overlap else None  # ``overlap``: this block's first round, loaded
             b = arith.remui(kk, c32(2))
             b8 = arith.muli(b, c32(8))
             tile = lp.tile(b, fmt.cols)
@@ -771,13 +789,15 @@ def produce_tile(slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *, exts=(), n
                     ahead = round_loads(s_ld, blk_ld, r_ld * pairs, r_ld * ropes)
                 else:
                     got = round_loads(s_cur, blk_cur, r * pairs, r * ropes)
-                if r == 0:  # block k + 2's slot, block k + 3's id, block k + 1's records into L2, tile b free
-                    out["s_nn"] = lp.slot_of(blk_nn, my_row)
+                if r == 0:  # block k + 2's slot (k + 3's if ``far``), block k + 3's id, the records of block
+                    # k + 1 (k + 2) into L2, tile b free
                     out["blk_nnn"] = lp.block_of(arith.addi(kk, c32(3)))
-                    ndata, nsc = record(s_next, blk_next)
-                    e.prefetch(arith.addi(ndata, arith.muli(hi16, c64(fmt.prefetch_split))), fmt.prefetch_offsets)
-                    if fmt.scales == "ue8m0":
-                        e.prefetch(nsc, (0,))
+                    if far:
+                        out["s_nnn"] = lp.slot_of(out["blk_nnn"], my_row)
+                        prefetch(s_nn, blk_nn)
+                    else:
+                        out["s_nn"] = lp.slot_of(blk_nn, my_row)
+                        prefetch(s_next, blk_next)
                     lp.wait_free(kk, b8)
                     e.store_slot_at(arith.addi(lp.idx_base, arith.muli(b, c32(BLOCK * 4))), my_row, s_cur,
                                     publisher)
@@ -796,12 +816,18 @@ def produce_tile(slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *, exts=(), n
                     rope = [e.mul_bf16x2(x, _BF16X2_2M60) for x in got[pairs + n]] if k_shift else got[pairs + n]
                     e.store16(e.k_addr(row_base, sw, arith.muli(rc, c32(8)), fmt.rope_col), rope)
             lp.arrive_full(b8)
-            return [s_next, blk_next, out["s_nn"], blk_nn, out["blk_nnn"]] + (flat(ahead) if overlap else [])
+            slots = ([s_next, blk_next, s_nn, blk_nn, out["blk_nnn"], out["s_nnn"]] if far else
+                     [s_next, blk_next, out["s_nn"], blk_nn, out["blk_nnn"]])
+            return slots + (flat(ahead) if overlap else [])
 
         blk0, blk1, blk2 = lp.block_of(c32(0)), lp.block_of(c32(1)), lp.block_of(c32(2))
-        s0 = lp.slot_of(blk0, my_row)
+        s0, s1 = lp.slot_of(blk0, my_row), lp.slot_of(blk1, my_row)
+        init = [s0, blk0, s1, blk1, blk2]
+        if far:  # block 1's records into L2 here (the loop's first prefetch is block 2's), block 2's slot carried
+            prefetch(s1, blk1)
+            init.append(lp.slot_of(blk2, my_row))
         first = flat(round_loads(s0, blk0, 0, 0)) if overlap else []  # block 0's first round (or a re-read)
-        lp.run([s0, blk0, lp.slot_of(blk1, my_row), blk1, blk2] + first, body)
+        lp.run(init + first, body)
 
     if len(slots_refs) != nc or len(exts) != nc - 1:
         raise ValueError(f"a slot row per list and the live blocks of all but the last: got {len(slots_refs)} slot "

@@ -232,7 +232,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                combine: Implementation = "auto", split_dtype: jnp.dtype | None = None,
                out_store: OutStore | None = None, extents: Literal["xla", "pallas", "kernel"] | None = None,
                merge: Merge | None = None, q_multicast: bool | None = None,
-               k_prescale: bool | None = None) -> jax.Array:
+               k_prescale: bool | None = None, producer_prefetch: int | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype; with candidate
@@ -298,6 +298,9 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     instead of two, and the kernel multiplies its scores and rows by 2^60 (exact: powers of two, no value
     leaves the normal range for the cache writer's scales). None: on where it applies (faster at V4 decode and
     prefill and V3.2 ue8m0 decode: benchmarks/results/archive/mqa_k_prescale_ab_h100_2026-12-06.json).
+    ``producer_prefetch`` (native register producer): how many blocks ahead the producer prefetches records into
+    L2 while it loads block k, 1 or 2 (``record_gather.produce_tile``'s ``prefetch_ahead``). None: 1 (2 was
+    level at V3.2 in the eighteenth session; V4's not yet timed: docs/perf-log.md).
     Timings: docs/perf-log.md.
     """
     check_implementation(combine, "combine")
@@ -312,7 +315,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                                   producer_overlap=producer_overlap,
                                   profile_dir=profile_dir, combine=combine, split_dtype=split_dtype,
                                   out_store=out_store, extents=extents, merge=merge, q_multicast=q_multicast,
-                                  k_prescale=k_prescale)})
+                                  k_prescale=k_prescale, producer_prefetch=producer_prefetch)})
 
 
 def _check_inputs(q, caches, formats, slots, v_dim, sink) -> int:
@@ -345,7 +348,7 @@ def _xla(q, caches, formats, slots, *, scale, v_dim, sink, out_dtype):
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
             producer_regs=None, producer_phases=None, producer_pow2=None, producer_overlap=None, profile_dir=None,
             combine="auto", split_dtype=None, out_store=None, extents=None, merge=None, q_multicast=None,
-            k_prescale=None):
+            k_prescale=None, producer_prefetch=None):
     if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
     if split_dtype is not None and jnp.dtype(split_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
@@ -408,6 +411,11 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
         raise ValueError(f"k_prescale=True scales the keys in the native register producer's power-of-two "
                          f"dequantisation (V4's records, or V3.2's with ue8m0 scales; got {formats}, producer "
                          f"{producer!r}, interpret {bool(interpret)})")
+    if producer_prefetch not in (None, 1, 2) or isinstance(producer_prefetch, bool):
+        raise ValueError(f"producer_prefetch must be 1, 2 or None, got {producer_prefetch!r}")
+    if producer_prefetch == 2 and not native_reg:
+        raise ValueError(f"producer_prefetch=2 is the native register producer's prefetch distance (got producer "
+                         f"{producer!r}, interpret {bool(interpret)})")
     if producer_regs is None:  # (no producer warpgroup with "tma": 0, unused)
         producer_regs = PRODUCER_REGS[specs[0].kind] if producer == "registers" else 0
     hp = -(-h // HEAD_TILE) * HEAD_TILE
@@ -461,7 +469,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                        interpret=interpret or None, producer=producer, producer_regs=producer_regs,
                        producer_phases=producer_phases, producer_overlap=bool(producer_overlap),
                        pow2=pow2, profile_dir=profile_dir, cluster=cluster, kernel_extents=extents == "kernel",
-                       q_multicast=bool(q_multicast), k_shift=bool(k_prescale))
+                       q_multicast=bool(q_multicast), k_shift=bool(k_prescale),
+                       prefetch_ahead=producer_prefetch or 1)
     # the lists' slots apart: no concatenated copy
     exts = [] if extents == "kernel" else _extents(padded, extents, bool(interpret))
     outs = call(qp, *padded, *exts, sink_p, *caches)
@@ -541,7 +550,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 interpret: plgpu.InterpretGPUParams | None, producer: Producer = "tma",
                 producer_regs: int = 144, producer_phases: int = 1, producer_overlap: bool = False,
                 pow2: bool = False, profile_dir: str | None = None, cluster: bool = False,
-                kernel_extents: bool = False, q_multicast: bool = False, k_shift: bool = False):
+                kernel_extents: bool = False, q_multicast: bool = False, k_shift: bool = False,
+                prefetch_ahead: int = 1):
     """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k and arrives on "full"[k % 2];
     the compute warpgroups wait on it, read the block's slots from its idx slot (written by the producer),
     compute as below and arrive on "free"[k % 2] after their PV, which the producer waits for before it refills
@@ -984,7 +994,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     record_gather.produce_tile(tuple(x.at[ti] for x in slots_refs), tuple(cache_refs), k_s1, idx_s, b0,
                                                nblk, exts=tuple(exts[:-1]), nblocks=sum(list_blocks), lists=lists,
                                                phases=producer_phases, pow2_scales=pow2,
-                                               overlap=producer_overlap, k_shift=k_shift)
+                                               overlap=producer_overlap, k_shift=k_shift,
+                                               prefetch_ahead=prefetch_ahead)
                 return
             st, pb_s, sel_s = per_prod
             init_selection(sel_s)

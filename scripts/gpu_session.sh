@@ -480,14 +480,14 @@ case "$stage" in
     # pair's q multicast, V3.2's overlapped producer loads): every native MQA / record-gather test (8 pytest-xdist
     # workers: about 75 s, 2026-12-03), then the defaults (each call one CUDA graph: timing.CAPTURED_OPTIONS)
     # beside the forms before them on this card (V3.2's producer `v32_p1_r144`, the extents kernel
-    # `extents_pallas`) and the keys unscaled in the K tile (`no_k_pre`, the default before 2026-12-06), V4's
-    # splits and output dtypes
+    # `extents_pallas`), the keys unscaled in the K tile (`no_k_pre`, the default before 2026-12-06) and the
+    # records prefetched two blocks ahead (`pf2`, off: built 2026-12-06, unrun), V4's splits and output dtypes
     python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
     timeout -k 10 -s INT ${MQAR_TEST_TIMEOUT:-150} python3 -m pytest -m gpu -n ${GPU_WORKERS:-8} -q --tb=short -rfE \
       -p no:cacheprovider tests/test_kernel_sparse_mqa.py tests/test_kernel_record_gather.py > "$OUT/gpu_mqa_tests.log" 2>&1
     echo "mqa tests rc=$?"; grep -E "FAILED|ERROR" "$OUT/gpu_mqa_tests.log" | head; tail -1 "$OUT/gpu_mqa_tests.log"
     timeout -k 10 -s KILL ${MQAR_TIMEOUT:-240} python3 scripts/diag/mqa_variants.py --cases v32_decode_64 v32_decode_128 \
-      v32_prefill_4096 v32u_decode_64 v4_decode_64 v4_prefill_4096 --variants default ${MQAR_VARIANTS:-v32_p1_r144 extents_pallas no_k_pre} \
+      v32_prefill_4096 v32u_decode_64 v4_decode_64 v4_prefill_4096 --variants default ${MQAR_VARIANTS:-v32_p1_r144 extents_pallas no_k_pre pf2} \
       --out "$OUT/mqa_variants_default_h200.json" > "$OUT/mqa_refresh.log" 2>&1; echo "mqa default rc=$?"
     timeout -k 10 -s KILL ${MQAR_TIMEOUT:-180} python3 scripts/diag/mqa_variants.py --cases v4_decode_64 \
       --variants splits1 bf16_out bf16_out_splits1 splits4 --out "$OUT/mqa_variants_v4_splits_h200.json" \

@@ -164,7 +164,7 @@ def test_v32_padded_heads_and_splits(mode):
 
 
 @pytest.mark.parametrize("producer", ["registers"] + [pytest.param(p, marks=pytest.mark.gpu) for p in (
-    "registers_p1", "registers_p2", "registers_ovl4", "registers_nokpre")])
+    "registers_p1", "registers_p2", "registers_ovl4", "registers_nokpre", "registers_pf2")])
 @pytest.mark.parametrize("mode", MODES)
 def test_v32_register_producer(mode, producer):
     """producer="registers": a third warpgroup fills two K tiles in turn (natively by per-thread loads and
@@ -173,8 +173,9 @@ def test_v32_register_producer(mode, producer):
     the previous one is converted: ``producer_overlap``). Native only: "registers_p1", one round, not
     overlapped (the default before 2026-12-06); "registers_p2", two rounds, not overlapped; "registers_ovl4",
     four overlapped rounds; "registers_nokpre", the keys unscaled in the K tile (``k_prescale=False``, the
-    default before 2026-12-06). A fully masked row gives zeros; 2 splits (one with 2 blocks, one with 3); interpret
-    mode also runs the race detector over the full / free protocol.
+    default before 2026-12-06); "registers_pf2", records prefetched two blocks ahead. A fully masked row gives
+    zeros; 2 splits (one with 2 blocks, one with 3); interpret mode also runs the race detector over the full /
+    free protocol.
 
     Interpret mode runs each warpgroup as an XLA CPU computation whose barrier waits block a thread of XLA's
     intra-op pool (one per CPU): with fewer CPUs than warpgroups a producer never runs."""
@@ -183,7 +184,8 @@ def test_v32_register_producer(mode, producer):
     kw = {"registers_p1": dict(producer="registers", producer_phases=1, producer_overlap=False, producer_regs=144),
           "registers_p2": dict(producer="registers", producer_phases=2, producer_overlap=False),
           "registers_ovl4": dict(producer="registers", producer_phases=4, producer_overlap=True),
-          "registers_nokpre": dict(producer="registers", k_prescale=False)}.get(producer, dict(producer="registers"))
+          "registers_nokpre": dict(producer="registers", k_prescale=False),
+          "registers_pf2": dict(producer="registers", producer_prefetch=2)}.get(producer, dict(producer="registers"))
     if _interpret(mode) and len(os.sched_getaffinity(0)) < mqa.NUM_WG + 1:
         pytest.skip(f"interpret mode needs a CPU per warpgroup ({mqa.NUM_WG + 1}) for the register "
                     "producer's blocking waits")
@@ -220,7 +222,10 @@ def test_register_producer_bad_inputs():
                     (dict(extents="auto"), "extents"), (dict(extents="kernel"), "extents"),
                     (dict(producer_overlap=1), "producer_overlap"),  # interpret mode: no PTX loop to overlap
                     (dict(producer="registers", producer_overlap=True), "producer_overlap"),
-                    (dict(k_prescale=1), "k_prescale"), (dict(k_prescale=True), "k_prescale")]:
+                    (dict(k_prescale=1), "k_prescale"), (dict(k_prescale=True), "k_prescale"),
+                    (dict(producer_prefetch=3), "producer_prefetch"),
+                    (dict(producer_prefetch=True), "producer_prefetch"),
+                    (dict(producer_prefetch=2), "producer_prefetch")]:  # interpret mode: no native producer
         with pytest.raises(ValueError, match=msg):
             mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.1, v_dim=512, interpret=True, **kw)
     f4 = MlaRecord584(16)
@@ -258,19 +263,22 @@ def test_v4_window_compressed_sink(mode, num_splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("producer", ["tma", "registers_p2", "registers_ovl2", "registers_ovl4", "registers_nokpre"])
+@pytest.mark.parametrize("producer", ["tma", "registers_p2", "registers_ovl2", "registers_ovl4", "registers_nokpre",
+                                      "registers_pf2"])
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_v4_register_producer(num_splits, producer):
     """V4's producers natively beside the default register producer (``test_v4_window_compressed_sink``): the
     TMA producer and the register producer's loads in two rounds, and in two / four rounds each issued before
-    the previous is converted (``producer_overlap``), and the keys unscaled (``k_prescale=False``); the two MlaRecord584
+    the previous is converted (``producer_overlap``), the keys unscaled (``k_prescale=False``), and the records
+    prefetched two blocks ahead (``producer_prefetch=2``); the two MlaRecord584
     lists of different pages per block, every block of the loop, the sink, a fully masked row."""
     if not ON_GPU:
         pytest.skip("native only")
     kw = {"tma": dict(producer="tma"), "registers_p2": dict(producer="registers", producer_phases=2),
           "registers_ovl2": dict(producer="registers", producer_phases=2, producer_overlap=True),
           "registers_ovl4": dict(producer="registers", producer_phases=4, producer_overlap=True),
-          "registers_nokpre": dict(producer="registers", k_prescale=False)}[producer]
+          "registers_nokpre": dict(producer="registers", k_prescale=False),
+          "registers_pf2": dict(producer="registers", producer_prefetch=2)}[producer]
     _v4_window_compressed(False, num_splits, **kw)
 
 
@@ -526,7 +534,8 @@ def test_v4_layer_attend(mode):
                                   "v4_fp8_cluster_q_multicast", "v32_fp8_cluster_q_multicast",
                                   "v4_fp8_overlap_p2", "v4_fp8_overlap_p4", "v32_fp8_overlap_p2",
                                   "v4_fp8_cluster_overlap_p2", "v4_fp8_no_k_prescale",
-                                  "v4_fp8_cluster_no_k_prescale", "v32u_fp8_no_k_prescale", "v32u_fp8"])
+                                  "v4_fp8_cluster_no_k_prescale", "v32u_fp8_no_k_prescale", "v32u_fp8",
+                                  "v4_fp8_prefetch2", "v4_fp8_cluster_prefetch2", "v32_fp8_prefetch2"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -567,10 +576,13 @@ def test_lowers_for_cuda(case):
           "v4_fp8_overlap_p4": dict(producer_phases=4, producer_overlap=True),
           "v32_fp8_overlap_p2": dict(producer_phases=2, producer_overlap=True),
           "v4_fp8_cluster_overlap_p2": dict(merge="cluster", producer_phases=2, producer_overlap=True),
-          # the keys times 2^-60 in the K tile, the scores and rows scaled back
+          # the keys unscaled in the K tile (the default scales them by 2^-60 and its scores and rows back)
           "v4_fp8_no_k_prescale": dict(k_prescale=False),
           "v4_fp8_cluster_no_k_prescale": dict(merge="cluster", k_prescale=False),
-          "v32u_fp8_no_k_prescale": dict(k_prescale=False)}.get(case, {})
+          "v32u_fp8_no_k_prescale": dict(k_prescale=False),
+          # the records prefetched into L2 two blocks ahead
+          "v4_fp8_prefetch2": dict(producer_prefetch=2), "v32_fp8_prefetch2": dict(producer_prefetch=2),
+          "v4_fp8_cluster_prefetch2": dict(merge="cluster", producer_prefetch=2)}.get(case, {})
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,

@@ -72,6 +72,8 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             "k_pre": dict(k_prescale=True), "bf16_out_k_pre": dict(out_dtype="bfloat16", k_prescale=True),
             # the keys unscaled, two products per word (the default before 2026-12-06)
             "no_k_pre": dict(k_prescale=False),
+            # the records prefetched into L2 two blocks ahead instead of one (``producer_prefetch``)
+            "pf2": dict(producer_prefetch=2), "bf16_out_pf2": dict(out_dtype="bfloat16", producer_prefetch=2),
             # the wrapper as main's layers ran it before 2026-12-05 (bf16 split rows, XLA's merge, direct stores)
             "before_1205": dict(out_dtype="bfloat16", split_dtype="bfloat16", combine="xla", out_store="direct",
                                 extents="xla"), "bf16_out_extents_pallas": dict(out_dtype="bfloat16",
