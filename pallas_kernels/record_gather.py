@@ -791,12 +791,13 @@ def produce_tile(slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *, exts=(), n
                     got = round_loads(s_cur, blk_cur, r * pairs, r * ropes)
                 if r == 0:  # block k + 2's slot (k + 3's if ``far``), block k + 3's id, the records of block
                     # k + 1 (k + 2) into L2, tile b free
-                    out["blk_nnn"] = lp.block_of(arith.addi(kk, c32(3)))
                     if far:
+                        out["blk_nnn"] = lp.block_of(arith.addi(kk, c32(3)))
                         out["s_nnn"] = lp.slot_of(out["blk_nnn"], my_row)
                         prefetch(s_nn, blk_nn)
                     else:
                         out["s_nn"] = lp.slot_of(blk_nn, my_row)
+                        out["blk_nnn"] = lp.block_of(arith.addi(kk, c32(3)))
                         prefetch(s_next, blk_next)
                     lp.wait_free(kk, b8)
                     e.store_slot_at(arith.addi(lp.idx_base, arith.muli(b, c32(BLOCK * 4))), my_row, s_cur,
@@ -821,12 +822,13 @@ def produce_tile(slots_refs, cache_refs, k_ref, idx_ref, b0, nblk, *, exts=(), n
             return slots + (flat(ahead) if overlap else [])
 
         blk0, blk1, blk2 = lp.block_of(c32(0)), lp.block_of(c32(1)), lp.block_of(c32(2))
-        s0, s1 = lp.slot_of(blk0, my_row), lp.slot_of(blk1, my_row)
+        s0 = lp.slot_of(blk0, my_row)
+        first = flat(round_loads(s0, blk0, 0, 0)) if overlap else []  # block 0's first round (or a re-read)
+        s1 = lp.slot_of(blk1, my_row)
         init = [s0, blk0, s1, blk1, blk2]
         if far:  # block 1's records into L2 here (the loop's first prefetch is block 2's), block 2's slot carried
             prefetch(s1, blk1)
             init.append(lp.slot_of(blk2, my_row))
-        first = flat(round_loads(s0, blk0, 0, 0)) if overlap else []  # block 0's first round (or a re-read)
         lp.run(init + first, body)
 
     if len(slots_refs) != nc or len(exts) != nc - 1:
