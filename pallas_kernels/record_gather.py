@@ -54,7 +54,7 @@ K_TILE_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))
 # byte / half of a word first). ``swap``: per lane, the chunk's two 8-byte halves exchanged (input word j read
 # as word (j + 2) % 4) where the selector $13 says so, by the byte permute the dequantisation does anyway or one
 # per input word, rather than eight selects of the results (the coalesced producer's stores alternate halves
-# between lanes to spread banks; the producer's loop sets V4 decode's pace: docs/perf-log.md, fifty-first session)
+# between lanes to spread banks; fewer instructions in the producer's loop: docs/perf-log.md, fifty-first session)
 def _dq_asm(swap: bool) -> str:
     src = [f"w{j}" for j in range(4)] if swap else [f"${8 + j}" for j in range(4)]
     return ("{ .reg .b16 h<8>; .reg .b32 f<8>, w<4>; .reg .f16 x<16>; .reg .f32 y<16>;\n"
@@ -73,13 +73,14 @@ def _dq_asm(swap: bool) -> str:
 # the halves' low bytes with its sign replicated over the high bytes (sign-extended to 16 bits), then a shift by 4
 # and one mask (``_PLACE_MASK``) keep the sign at bit 15 and the magnitude at bits 10:4: three integer
 # instructions a word where masking sign and magnitude apart took four (docs/perf-log.md, fifty-second session).
-# Then two exact bf16 products: by scale * 2^60 ($12, both halves) and by
-# 2^60 (split so that no intermediate leaves bf16's range). ``swap``: the byte permute reads the other half's word
-# where selectors $13 / $14 (``dq_swap_selectors``) say so.
+# Then two exact bf16 products: by scale * 2^60 ($12, both halves) and by 2^60 (split so that no intermediate
+# leaves bf16's range). ``swap``: the byte permute reads the other half's word where selectors $13 / $14
+# (``dq_swap_selectors``) say so.
 _BF16X2_2P60 = 0x5D805D80
 _PLACE_MASK = 0x87F087F0  # after the shift: each half's sign (bit 15) and magnitude (bits 10:4)
 _PLACE_SEL = (0x9180, 0xB3A2)  # bytes 0, 1 / 2, 3 -> halves' low bytes, sign-replicated (selector bit 3) above
-_SEL_EVEN, _SEL_ODD = (0x9180, 0xD5C4), (0xB3A2, 0xF7E6)  # (own word, other word)
+_OTHER_WORD = 0x4444  # added to a selector: each nibble's byte taken from prmt's second word (bytes 4..7)
+_SEL_EVEN, _SEL_ODD = ((sel, sel + _OTHER_WORD) for sel in _PLACE_SEL)  # (own word, other word)
 
 
 def _dq_pow2_asm(swap: bool, shifted: bool = False) -> str:
@@ -192,7 +193,7 @@ class _Emit:
         """``dequant``'s ``swap`` for a lane whose halves are exchanged where ``swapped`` (i1): the byte permute
         selectors of ``_DQ_POW2_SWAP_ASM`` ($13, $14) or ``_DQ_SWAP_ASM`` ($13)."""
         arith, c32 = self.arith, self.c32
-        pairs = (_SEL_EVEN, _SEL_ODD) if pow2 else ((0x3210, 0x7654),)
+        pairs = (_SEL_EVEN, _SEL_ODD) if pow2 else ((0x3210, 0x3210 + _OTHER_WORD),)
         return tuple(arith.select(swapped, c32(other), c32(own)) for own, other in pairs)
 
     def pow2_scale(self, bits):
@@ -572,7 +573,7 @@ def _record_584(e: _Emit, bases, lists, raw, blk):
     """(data address, exponent address) of slot ``raw`` (masked: slot 0) of block ``blk``'s list: ``bases`` the
     lists' caches (GMEM addresses), ``lists`` as ``produce_tile``'s. Two lists whose pages hold a power of 2 of
     entries: the block's list constants (base, shift, mask, page bytes) are selected first and one address is
-    computed, rather than both lists' addresses and a select of each (the producer's loop sets V4 decode's pace)."""
+    computed, rather than both lists' addresses and a select of each (fewer instructions in the producer's loop)."""
     arith, c32, c64, i64 = e.arith, e.c32, e.c64, e.i64
     slot = arith.maxsi(raw, c32(0))
     pow2 = all(epp & (epp - 1) == 0 for _, epp, _ in lists)

@@ -405,9 +405,10 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     pow2 = specs[0].pow2_scales if producer_pow2 is None else producer_pow2
     if k_prescale not in (None, True, False):
         raise ValueError(f"k_prescale must be a bool or None, got {k_prescale!r}")
+    kpre_applies = native_reg and (v4_lists or pow2)
     if k_prescale is None:  # on where it applies (faster: docstring)
-        k_prescale = native_reg and (v4_lists or pow2)
-    if k_prescale and not (native_reg and (v4_lists or pow2)):
+        k_prescale = kpre_applies
+    if k_prescale and not kpre_applies:
         raise ValueError(f"k_prescale=True scales the keys in the native register producer's power-of-two "
                          f"dequantisation (V4's records, or V3.2's with ue8m0 scales; got {formats}, producer "
                          f"{producer!r}, interpret {bool(interpret)})")

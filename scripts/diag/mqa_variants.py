@@ -68,7 +68,7 @@ VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_sp
             # V3.2's producer before 2026-12-06 (one round, not overlapped, 144 registers)
             "v32_p1_r144": dict(producer_phases=1, producer_overlap=False, producer_regs=144),
             # the keys times 2^-60 in the K tile, one bf16 product per dequantised word (``k_prescale``; V4 and
-            # V3.2 ue8m0 records)
+            # V3.2 ue8m0 records; the default since 2026-12-06, so these equal "default" / "bf16_out" now)
             "k_pre": dict(k_prescale=True), "bf16_out_k_pre": dict(out_dtype="bfloat16", k_prescale=True),
             # the keys unscaled, two products per word (the default before 2026-12-06)
             "no_k_pre": dict(k_prescale=False),
