@@ -142,7 +142,8 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                group_m: int = 8, stage_scales: bool | None = None, quantize_x: bool = False,
                stream_k: bool | None = None, act_quant: str | None = None, swap_ab: bool | None = None,
                swap_store: str | None = None, persistent: bool | None = None,
-               prefetch_scales: bool | None = None, profile_dir: str | None = None) -> jax.Array:
+               prefetch_scales: bool | None = None, ring_scales: bool | None = None,
+               profile_dir: str | None = None) -> jax.Array:
     """y = x W^T with W = ``wq`` (float8_e4m3fn [out, in]) * ``w_scale`` (float32 [ceil(out/128),
     ceil(in/128)] per 128 x 128 block), x [..., in] re-quantised per 1 x 128 group (``scale_fmt``);
     [..., out] in ``out_dtype``.
@@ -179,10 +180,17 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     blocks stream in, instead of a CTA per tile that fills its ring, runs its K blocks and stores its
     accumulators from registers (a 128-row tile's uncoalesced register stores were the longest part of a CTA's
     tail in the regions profile, and at q_b's 12 K blocks a tile's fill and store are a large part of it).
+    None (``_auto_large_m``): from ``LARGE_M_FROM`` rows where nothing else excludes it, for a short K (at most
+    ``PERSISTENT_MAX_KBLOCKS`` K blocks).
     ``prefetch_scales`` (unstaged scales, x quantised outside the kernel): each K block's scales load a step
-    ahead, so the promotion does not wait on global memory. None (``_auto_large_m``): from ``LARGE_M_FROM`` rows
-    where nothing else excludes them, ``persistent`` for a short K (at most ``PERSISTENT_MAX_KBLOCKS`` K blocks),
-    else ``prefetch_scales``.
+    ahead from GMEM.
+    ``ring_scales`` (unstaged scales, x quantised outside, no ``stream_k``): each K block's row scales (sx^T[kb,
+    the tile's rows]) and its row of weight scales (sw^T[kb, :], padded) travel through the TMA ring with the
+    block's tiles, so the promotion reads them from SMEM: the compute warpgroups issue no global loads (in the
+    forms that load them from GMEM, ``prefetch_scales`` too, the step copies the loaded registers before it ends,
+    which waits for the load: the SASS of a native dump). None (``_auto_large_m``): on from ``LARGE_M_FROM`` rows
+    where nothing else excludes it; ``prefetch_scales=None`` is then on only where ``ring_scales=False`` is passed
+    at large M without ``persistent``.
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler writes a trace of the kernel's named regions per
     warpgroup there: ``all`` (the pipeline, every warpgroup), the compute warpgroups' ``scales`` (staging wait),
     ``loop``, its ``step`` bodies and ``store`` (``scripts/diag/fp8_regions.py``).
@@ -197,7 +205,8 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                                   group_m=group_m, stage_scales=stage_scales, quantize_x=quantize_x,
                                   stream_k=stream_k, act_quant=act_quant, swap_ab=swap_ab,
                                   swap_store=swap_store, persistent=persistent,
-                                  prefetch_scales=prefetch_scales, profile_dir=profile_dir)})
+                                  prefetch_scales=prefetch_scales, ring_scales=ring_scales,
+                                  profile_dir=profile_dir)})
 
 
 def _check_common(x, wq, w_scale, scale_fmt) -> None:
@@ -260,19 +269,19 @@ def supports(n: int, k: int) -> bool:
 
 def _auto_large_m(m: int, nk: int, split_k: int | None, stage_scales: bool | None, quantize_x: bool,
                   stream_k: bool | None, swap_ab: bool | None) -> tuple[bool, bool]:
-    """(persistent, prefetch_scales) where the caller leaves them None: off below ``LARGE_M_FROM`` rows and
-    wherever the caller asked for staged scales, quantize_x, stream_k or swap_ab; there, ``persistent`` for at
-    most ``PERSISTENT_MAX_KBLOCKS`` K blocks (no split_k), else ``prefetch_scales``.
+    """(persistent, ring_scales) where the caller leaves them None: off below ``LARGE_M_FROM`` rows and wherever
+    the caller asked for staged scales, quantize_x, stream_k or swap_ab; there, ``ring_scales``, with
+    ``persistent`` for at most ``PERSISTENT_MAX_KBLOCKS`` K blocks (no split_k).
 
     Why: with a short K a tile's ring fill and accumulator store are a large share of its time, which the
     persistent loop overlaps with the next tile's blocks; with a long K that loop's smaller ring (its SMEM
-    output tiles take room) costs more than it saves, and the scales a step ahead help instead. Measured at
-    2048 and 8192 rows on an H100 (benchmarks/results/kernels_fp8_gemm_h100_2026-12-06.json): persistent
-    faster at q_b (12 K blocks), slower at mlp (56) and wo (128), where prefetch_scales was faster or level."""
+    output tiles take room) costs more than it saves (H100, 2048 rows: persistent faster at q_b's 12 K blocks,
+    slower at mlp's 56 and wo's 128, with the scales loaded from GMEM and with them through the ring). The scales
+    through the ring were faster than loading them from GMEM a step ahead (``prefetch_scales``, the default
+    before) or in the step, at all three (benchmarks/results/fp8_large_kernels_h100_2026-12-06.json)."""
     if m < LARGE_M_FROM or stage_scales or quantize_x or stream_k or swap_ab:
         return False, False
-    persistent = nk <= PERSISTENT_MAX_KBLOCKS and split_k in (None, 1)
-    return persistent, not persistent
+    return nk <= PERSISTENT_MAX_KBLOCKS and split_k in (None, 1), True
 
 
 def _auto_split_k(tiles: int, nk: int) -> int:
@@ -354,11 +363,13 @@ def _auto_swap_ab(m: int, block_m: int | None, block_n: int | None, quantize_x: 
 
 
 def _auto_act_quant(m: int) -> str:
-    """act_quant=None: "kernel" (``quantize_rows``) up to ``ACT_QUANT_KERNEL_UP_TO`` rows, else "xla". In one
-    executable (the model's step, one command buffer) the one kernel's call was as fast or faster at 1 and 64 rows
-    (wo, mlp: scripts/diag/fp8_call_gap.py), and its kernels were busy for less time at 128 (q_b, wo, mlp); a single
-    waited call shows an idle gap between the two Mosaic kernels that chained calls do not. Unmeasured above."""
-    return "kernel" if m <= ACT_QUANT_KERNEL_UP_TO else "xla"
+    """act_quant=None: "kernel" (``quantize_rows``) up to ``ACT_QUANT_KERNEL_UP_TO`` rows and from ``LARGE_M_FROM``,
+    else "xla". In one executable (the model's step, one command buffer) the one kernel's call was as fast or
+    faster at 1 and 64 rows (wo, mlp: scripts/diag/fp8_call_gap.py), and its kernels were busy for less time at
+    128 (q_b, wo, mlp); a single waited call shows an idle gap between the two Mosaic kernels that chained calls
+    do not. At 2048 rows it was faster than XLA's kernels at q_b, wo and mlp (which read x twice;
+    benchmarks/results/fp8_large_kernels_h100_2026-12-06.json). Unmeasured in between."""
+    return "kernel" if m <= ACT_QUANT_KERNEL_UP_TO or m >= LARGE_M_FROM else "xla"
 
 
 def _ragged(bn: int) -> bool:
@@ -398,6 +409,19 @@ def pad_weight_scales(sw: jax.Array) -> jax.Array:
     return sw if pad == ((0, 0), (0, 0)) else jnp.pad(sw, ((0, 0),) * (sw.ndim - 2) + pad)
 
 
+def ring_weight_scales(sw: jax.Array) -> jax.Array:
+    """Weight scales [N / 128, K / 128] as ``ring_scales`` streams them: sw^T [K / 128, N / 128 padded to a multiple
+    of 32] (one K block's row is one copy, which Mosaic GPU needs in multiples of 128 bytes)."""
+    swt = sw.T
+    return jnp.pad(swt, ((0, 0), (0, ring_weight_scales_cols(swt.shape[1] * BLOCK) - swt.shape[1])))
+
+
+def ring_weight_scales_cols(n: int) -> int:
+    """Columns of ``ring_weight_scales``' rows for n output features: ceil(n / 128) rounded up to 32."""
+    blocks = -(-n // BLOCK)
+    return -(-blocks // 32) * 32
+
+
 def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
     """The first of the ``SW_ROWS`` weight-scale rows a CTA copies to hold ``first_row`` (and the next ones
     its tile needs): ``first_row`` itself, moved back so the window ends inside the ``rows`` rows."""
@@ -406,7 +430,7 @@ def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
 
 def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages, group_m,
             stage_scales, quantize_x=False, stream_k=None, act_quant=None, swap_ab=None, swap_store=None,
-            persistent=None, prefetch_scales=None, profile_dir=None):
+            persistent=None, prefetch_scales=None, ring_scales=None, profile_dir=None):
     _check_tiles(block_m, block_n, split_k, STAGES if stages is None else stages, group_m)
     if swap_ab is not None and not isinstance(swap_ab, bool):
         raise ValueError(f"swap_ab must be a bool or None, got {swap_ab!r}")
@@ -416,7 +440,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         raise ValueError(f"quantize_x must be a bool, got {quantize_x!r}")
     if stream_k is not None and not isinstance(stream_k, bool):
         raise ValueError(f"stream_k must be a bool or None, got {stream_k!r}")
-    for name, v in (("persistent", persistent), ("prefetch_scales", prefetch_scales)):
+    for name, v in (("persistent", persistent), ("prefetch_scales", prefetch_scales), ("ring_scales", ring_scales)):
         if v is not None and not isinstance(v, bool):
             raise ValueError(f"{name} must be a bool or None, got {v!r}")
     if profile_dir is not None and interpret:
@@ -439,13 +463,19 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         interpret = resolve_interpret(None)
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
-    auto_persistent, auto_prefetch = _auto_large_m(m, nk, split_k, stage_scales, quantize_x, stream_k, swap_ab)
+    auto_persistent, auto_ring = _auto_large_m(m, nk, split_k, stage_scales, quantize_x, stream_k, swap_ab)
     persistent = auto_persistent if persistent is None else persistent
-    prefetch_scales = auto_prefetch if prefetch_scales is None else prefetch_scales
+    if ring_scales and prefetch_scales:
+        raise ValueError("ring_scales and prefetch_scales are two ways to have the scales ready: pass one")
+    if ring_scales is None:  # the default at large M, unless the caller asked for the scales a step ahead
+        ring_scales = auto_ring and not prefetch_scales
+    # prefetch_scales=None: only where the caller turned the ring off at large M (the default there before it)
+    prefetch_scales = auto_ring and not ring_scales and not persistent if prefetch_scales is None else prefetch_scales
     if swap_ab is None:
-        swap_ab = _auto_swap_ab(m, block_m, block_n, quantize_x, stream_k) and not (persistent or prefetch_scales)
-    elif swap_ab and (persistent or prefetch_scales):
-        raise Unsupported("fp8_linear kernel: swap_ab has no persistent or prefetch_scales form")
+        swap_ab = (_auto_swap_ab(m, block_m, block_n, quantize_x, stream_k)
+                   and not (persistent or prefetch_scales or ring_scales))
+    elif swap_ab and (persistent or prefetch_scales or ring_scales):
+        raise Unsupported("fp8_linear kernel: swap_ab has no persistent, prefetch_scales or ring_scales form")
     if swap_store is not None and not swap_ab:
         raise ValueError(f"swap_store={swap_store!r} is the swapped form's output (swap_ab), which this call does not "
                          f"use ({m} rows, swap_ab={swap_ab})")
@@ -457,10 +487,12 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
                                profile_dir=profile_dir).reshape(*lead, n)
     stages = STAGES if stages is None else stages
     if stream_k is None:
-        stream_k = _auto_stream_k(m, n, nk, block_m, block_n, split_k, stage_scales) and not persistent
-    if (persistent or prefetch_scales) and (stage_scales or quantize_x):
-        raise Unsupported(f"fp8_linear kernel: persistent and prefetch_scales load the scales from GMEM with x "
-                          f"quantised outside (got stage_scales={stage_scales}, quantize_x={quantize_x})")
+        stream_k = _auto_stream_k(m, n, nk, block_m, block_n, split_k, stage_scales) and not (persistent or ring_scales)
+    if (persistent or prefetch_scales or ring_scales) and (stage_scales or quantize_x):
+        raise Unsupported(f"fp8_linear kernel: persistent, prefetch_scales and ring_scales take the scales from GMEM "
+                          f"with x quantised outside (got stage_scales={stage_scales}, quantize_x={quantize_x})")
+    if ring_scales and stream_k:
+        raise Unsupported("fp8_linear kernel: ring_scales has no stream_k form")
     if persistent and (stream_k or split_k not in (None, 1)):
         raise Unsupported(f"fp8_linear kernel: persistent takes whole tiles, no stream_k or split_k (got stream_k="
                           f"{stream_k}, split_k={split_k})")
@@ -487,7 +519,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     elif stage_scales and interpret and trim:
         raise Unsupported("fp8_linear kernel: stage_scales=True with one row tile (the trimmed SMEM epilogue) hangs "
                           "in interpret mode; pass stage_scales=False (or None) there, or run on the GPU")
-    if stream_k or persistent or prefetch_scales:
+    if stream_k or persistent or prefetch_scales or ring_scales:
         stage_scales = False
     ctas = stream_k_ctas(n // bn, nk) if stream_k else 0
     if persistent:  # the ring beside a [64, chunk] output tile per compute warpgroup and chunk
@@ -498,9 +530,9 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
                        interpret=interpret or None, stage_scales=stage_scales,
                        quantize_x=scale_fmt if quantize_x else None, stream_k=ctas,
                        persistent=min(NUM_SMS, (mp // bm) * (n // bn)) if persistent else 0,
-                       prefetch_scales=prefetch_scales, profile_dir=profile_dir)
+                       prefetch_scales=prefetch_scales, ring_scales=ring_scales, profile_dir=profile_dir)
     sw = w_scale.astype(jnp.float32)
-    sw = pad_weight_scales(sw) if stage_scales else sw
+    sw = pad_weight_scales(sw) if stage_scales else ring_weight_scales(sw) if ring_scales else sw
     if quantize_x:
         y = call(x.reshape(m, k), wq, sw)
     else:
@@ -690,7 +722,7 @@ def _trimmed(m_tiles: int, bm: int, splits: int) -> bool:
 def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: int, stages: int, group_m: int,
                 out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, stage_scales: bool = False,
                 quantize_x: quant.ScaleFmt | None = None, stream_k: int = 0, persistent: int = 0,
-                prefetch_scales: bool = False, profile_dir: str | None = None):
+                prefetch_scales: bool = False, ring_scales: bool = False, profile_dir: str | None = None):
     """``quantize_x`` (a scale format; 64-row tiles only): the kernel takes bfloat16 x [Mp, K] and no scales of
     it, and each compute warpgroup quantises the K block's x tile into its own e4m3 SMEM tile before its MMA
     (the row scales stay in registers for the promotion): x (arguments x, w, sw), else (xq, sx^T, w, sw).
@@ -703,7 +735,10 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     tile's last K block each compute warpgroup writes its rows into an SMEM tile per chunk and TMA stores them,
     and the ring keeps streaming the next tile's blocks meanwhile; a CTA's step count is traced (its own tiles).
     ``prefetch_scales`` (unstaged scales, x quantised outside): each step loads the next step's scales and carries
-    them, so that their global-memory latency is not waited on before the promotion."""
+    them, so that their global-memory latency is not waited on before the promotion.
+    ``ring_scales`` (unstaged scales, x quantised outside, no stream_k; the weight scales given as
+    ``ring_weight_scales``' sw^T): the ring's stages also carry each step's sx^T[kb, the tile's rows] and sw^T[kb, :],
+    which the promotion reads from SMEM."""
     nk = k // BLOCK
     sw_rows = max(-(-n // BLOCK), SW_ROWS)  # rows of the (padded) weight scales, when staged
     kps = nk // splits  # K blocks per CTA
@@ -732,6 +767,9 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
         raise ValueError("persistent needs several row tiles, one split, unstaged scales and x quantised outside")
     if prefetch_scales and (stage_scales or quantize_x):
         raise ValueError("prefetch_scales needs unstaged scales and x quantised outside")
+    if ring_scales and (stage_scales or quantize_x or stream_k or prefetch_scales):
+        raise ValueError("ring_scales needs unstaged scales, x quantised outside, no stream_k and no prefetch_scales")
+    swt_cols = ring_weight_scales_cols(n)  # ring_scales: sw^T's padded row
     if persistent:  # the most steps a persistent CTA runs: its tiles' K blocks (the first tiles % P CTAs one tile more)
         spc = -(-tiles // persistent) * nk
 
@@ -788,16 +826,20 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             base = (ni if tile is None else tile) * bn
             return base if split_m else base + wg * wn
 
-        def body(idx, x_s, w_s, carry):
+        def body(idx, x_s, w_s, *rest):
             with jax.named_scope("step"):  # regions of the Mosaic GPU profiler (``profile_dir``)
-                return step_body(idx, x_s, w_s, carry)
+                # ring_scales: the step's row scales [1, bm] and weight-scale row [1, swt_cols] in SMEM
+                ring = rest[:2] if ring_scales else None
+                return step_body(idx, x_s, w_s, rest[-1], ring)
 
-        def w_scale(wg, tile, kb, col0, live):
+        def w_scale(wg, tile, kb, col0, live, ring=None):
             """The weight scale at K block kb of the chunk from column ``col0`` (of this CTA's tile when staged): one
             scalar, or with ``ragged`` tiles a [cw] vector along the accumulator's columns (two blocks' scales,
             split where the chunk crosses into the second); 0 for a repeated stream-K unit (not ``live``: it adds
             nothing)."""
             def get(b):
+                if ring is not None:
+                    return ring[1][0, b]
                 return sw_s[wg, b - scale_window(n0 // BLOCK, sw_rows), kb] if stage_scales else sw_ref[b, kb]
 
             col0 = (wg_cols(wg) if stage_scales else wg_cols(wg, tile)) + col0
@@ -819,7 +861,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             sx = plgpu.load(sxt_ref.at[kb, pl.ds(r0, 64)], layout=ROW, optimized=False)
             return sx, tuple(w_scale(wg, tile, kb, c * cw, live) for c in range(nch))
 
-        def step_body(idx, x_s, w_s, carry):
+        def step_body(idx, x_s, w_s, carry, ring):
             (step,) = idx
             acc, pre = carry if prefetch_scales else (carry, None)  # pre: this step's scales, loaded a step ago
             tmi, tile, kb, live = unit(step)
@@ -847,11 +889,14 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                     else:
                         if quantize_x or c:  # the row scales are already in registers
                             sx_c = None
+                        elif ring is not None:
+                            sx_c = plgpu.load(ring[0].at[0, pl.ds(wg * 64 if split_m else 0, 64)], layout=ROW,
+                                              optimized=False)
                         elif stage_scales:
                             sx_c = plgpu.load(sx_s.at[wg, step], layout=ROW, optimized=False)
                         else:
                             sx_c = plgpu.load(sxt_ref.at[kb, pl.ds(r0, 64)], layout=ROW, optimized=False)
-                        sw_c = w_scale(wg, tile, kb, c * cw, live)
+                        sw_c = w_scale(wg, tile, kb, c * cw, live, ring)
                     plgpu.wgmma_wait(0)
                     return blk_ref[...], sx_c, sw_c, nxt_c
 
@@ -950,23 +995,29 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
 
         x_tf = swz16 if quantize_x else swz
         if stream_k or persistent:  # whole arrays: the blocks follow the CTA's units
+            ring_specs = [plgpu.BlockSpec((1, bm), lambda s: (unit(s)[2], unit(s)[0])),
+                          plgpu.BlockSpec((1, swt_cols), lambda s: (unit(s)[2], 0))] if ring_scales else []
             pipeline = plgpu.emit_pipeline_warp_specialized(
                 body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
                 max_concurrent_steps=min(stages, spc), compute_context=compute,
                 in_specs=[plgpu.BlockSpec((bm, BLOCK), lambda s: (unit(s)[0], unit(s)[2]), transforms=x_tf),
-                          plgpu.BlockSpec((bn, BLOCK), lambda s: (unit(s)[1], unit(s)[2]), transforms=swz)])
+                          plgpu.BlockSpec((bn, BLOCK), lambda s: (unit(s)[1], unit(s)[2]), transforms=swz),
+                          *ring_specs])
             with jax.named_scope("all"):
-                pipeline(x_ref, w_ref)
+                pipeline(x_ref, w_ref, *((sxt_ref, sw_ref) if ring_scales else ()))
             return
+        ring_specs = [plgpu.BlockSpec((1, bm), lambda s: (s, 0)),
+                      plgpu.BlockSpec((1, swt_cols), lambda s: (s, 0))] if ring_scales else []
         pipeline = plgpu.emit_pipeline_warp_specialized(
             body, grid=(kps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
             max_concurrent_steps=min(stages, kps), compute_context=compute,
             in_specs=[plgpu.BlockSpec((bm, BLOCK), lambda s: (0, s), transforms=x_tf),
-                      plgpu.BlockSpec((bn, BLOCK), lambda s: (0, s), transforms=swz)])
+                      plgpu.BlockSpec((bn, BLOCK), lambda s: (0, s), transforms=swz), *ring_specs])
+        ring_refs = (sxt_ref.at[pl.ds(kb0, kps), pl.ds(m0, bm)], sw_ref.at[pl.ds(kb0, kps)]) if ring_scales else ()
         with jax.named_scope("all"):
             pipeline((x_ref.at[:, pl.ds(kb0 * BLOCK, kps * BLOCK)] if quantize_x and x_ref.shape[0] < bm else
                       x_ref.at[pl.ds(m0, bm), pl.ds(kb0 * BLOCK, kps * BLOCK)]),
-                     w_ref.at[pl.ds(n0, bn), pl.ds(kb0 * BLOCK, kps * BLOCK)])
+                     w_ref.at[pl.ds(n0, bn), pl.ds(kb0 * BLOCK, kps * BLOCK)], *ring_refs)
 
     rows_out = mr if trim else mp
     out_shape = (rows_out, n) if splits == 1 else (splits, rows_out, n)

@@ -484,6 +484,9 @@ def test_stream_k_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, quan
     (300, 256, 512, 3, dict(block_n=256), jnp.float32),  # 2 chunks a warpgroup, a 3-deep ring
     (200, 384, 256, 5, dict(block_m=64, prefetch_scales=True), jnp.float32),  # warpgroups split the columns
     (200, 256, 1152, 5, dict(block_n=144), jnp.bfloat16),  # ragged chunks: per-column weight scales
+    (300, 512, 384, 4, dict(ring_scales=True), jnp.bfloat16),  # the scales through the ring
+    (200, 384, 256, 5, dict(block_m=64, ring_scales=True), jnp.float32),
+    (200, 256, 1152, 5, dict(block_n=144, ring_scales=True), jnp.float32),
 ])
 def test_persistent_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, tiles: dict, out_dtype,
                                 monkeypatch) -> None:
@@ -503,6 +506,7 @@ def test_persistent_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, ti
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("tiles", [dict(persistent=True), dict(persistent=True, prefetch_scales=True),
                                    dict(prefetch_scales=True, split_k=2),
+                                   dict(persistent=True, ring_scales=True), dict(ring_scales=True, split_k=2),
                                    pytest.param(dict(prefetch_scales=True, block_m=128, block_n=256, split_k=1),
                                                 marks=pytest.mark.slow)])
 def test_persistent_and_prefetch_exact_data_bit_equal(mode: str, tiles: dict, monkeypatch) -> None:
@@ -533,15 +537,38 @@ def test_prefetch_scales_matches_xla(mode: str, m: int, tiles: dict, monkeypatch
     check(got, ref, ab, _rtol(mode, 512), jnp.float32)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("m,tiles", [(130, dict(split_k=2)), (130, dict(block_m=64, split_k=1)),
+                                     (200, dict(block_n=144, split_k=1))])
+def test_ring_scales_matches_xla(mode: str, m: int, tiles: dict) -> None:
+    """ring_scales on random data (blocks' scales differ): each step's row scales and weight-scale row come
+    through the ring with its tiles, per K split, per warpgroup's rows (128-row tiles) or columns (64-row tiles),
+    and per column in ragged chunks. Taking the rows of the wrong tile or another K block's scales fails this."""
+    x, wq, ws = make_case(m, 512, 1152 if tiles.get("block_n") == 144 else 384, seed=5)
+    ref, ab = reference(x, wq, ws, "ue8m0")
+    got = G.fp8_linear(x, wq, ws, out_dtype=jnp.float32, implementation="pallas", interpret=interpret_for(mode),
+                       ring_scales=True, **tiles)
+    check(got, ref, ab, _rtol(mode, 512), jnp.float32)
+
+
+def test_ring_weight_scales() -> None:
+    """sw^T with 128-byte rows: the transpose, zero-padded to a multiple of 32 columns."""
+    sw = jnp.arange(6 * 3, dtype=jnp.float32).reshape(6, 3)
+    got = np.asarray(G.ring_weight_scales(sw))
+    assert got.shape == (3, 32)
+    np.testing.assert_array_equal(got[:, :6], np.asarray(sw).T)
+    assert not got[:, 6:].any()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,n", [(1024, 1536, 3072), (2048, 2176, 1024)])
 def test_large_m_defaults_match_xla(m: int, k: int, n: int) -> None:
-    """The defaults from LARGE_M_FROM rows (``_auto_large_m``), natively at the GPU's own CTA count: the
-    persistent loop at 12 K blocks (q_b's in-features), the scales a step ahead at 17; every element within the
-    bound of the reference, fp32 and bf16 out."""
+    """The defaults from LARGE_M_FROM rows (``_auto_large_m``), natively at the GPU's own CTA count: the scales
+    through the ring, with the persistent loop at 12 K blocks (q_b's in-features), without it at 17; every element
+    within the bound of the reference, fp32 and bf16 out."""
     if not ON_GPU:
         pytest.skip("native only")
-    want = (True, False) if k == 1536 else (False, True)
+    want = (k == 1536, True)
     assert G._auto_large_m(m, k // 128, None, None, False, None, None) == want
     x, wq, ws = make_case(m, k, n, seed=m + k)
     ref, ab = reference(x, wq, ws, "ue8m0")
@@ -573,6 +600,9 @@ def test_persistent_and_prefetch_limits() -> None:
                        (dict(persistent=True, stage_scales=True), "persistent"),
                        (dict(persistent=True, swap_ab=True), "swap_ab"),
                        (dict(prefetch_scales=True, stage_scales=True), "prefetch_scales"),
+                       (dict(ring_scales=True, prefetch_scales=True), "ring_scales"),
+                       (dict(ring_scales=True, stage_scales=True), "ring_scales"),
+                       (dict(ring_scales=True, stream_k=True), "ring_scales"), (dict(ring_scales=1), "ring_scales"),
                        (dict(persistent=1), "persistent"), (dict(prefetch_scales="yes"), "prefetch_scales")):
         with pytest.raises(ValueError, match=field):
             G.fp8_linear(x, wq, ws, **kw, **bad)
@@ -583,18 +613,37 @@ def test_persistent_and_prefetch_limits() -> None:
 
 
 def test_auto_large_m() -> None:
-    """persistent / prefetch_scales = None: off below LARGE_M_FROM rows and beside staged scales, quantize_x,
-    stream_k or swap_ab; persistent for short K without split_k, else the scales a step ahead."""
+    """persistent / ring_scales = None: off below LARGE_M_FROM rows and beside staged scales, quantize_x,
+    stream_k or swap_ab; the scales through the ring there, persistent for a short K without split_k."""
     big, short_k, long_k = G.LARGE_M_FROM, G.PERSISTENT_MAX_KBLOCKS, G.PERSISTENT_MAX_KBLOCKS + 1
     auto = functools.partial(G._auto_large_m, split_k=None, stage_scales=None, quantize_x=False, stream_k=None,
                              swap_ab=None)
-    assert auto(big, 12) == (True, False)  # q_b
-    assert auto(8192, short_k) == (True, False)
+    assert auto(big, 12) == (True, True)  # q_b
+    assert auto(8192, short_k) == (True, True)
     assert auto(big, long_k) == auto(big, 128) == (False, True)  # mlp, wo
     assert auto(big - 1, 12) == auto(128, 128) == (False, False)
     assert auto(big, 12, split_k=2) == (False, True)
     for excl in (dict(stage_scales=True), dict(quantize_x=True), dict(stream_k=True), dict(swap_ab=True)):
         assert auto(big, 12, **excl) == auto(big, 128, **excl) == (False, False)
+
+
+def test_large_m_scale_forms_resolved(monkeypatch) -> None:
+    """How fp8_linear resolves ring_scales / prefetch_scales = None at large M (the kernel builder's arguments):
+    the ring by default; the scales a step ahead where the caller turns the ring off (long K) or asks for them."""
+    seen = []
+    real = G._build_call
+
+    def spy(**kw):
+        seen.append((kw["ring_scales"], kw["prefetch_scales"], kw["persistent"] > 0))
+        return real(**kw)
+
+    monkeypatch.setattr(G, "_build_call", spy)
+    monkeypatch.setattr(G, "LARGE_M_FROM", 130)
+    x, wq, ws = make_case(130, 2176, 256, seed=1)  # 17 K blocks: no persistent loop by default
+    kw = dict(implementation="pallas", interpret=True, out_dtype=jnp.float32)
+    for extra in ({}, dict(ring_scales=False), dict(prefetch_scales=True), dict(ring_scales=False, persistent=True)):
+        G.fp8_linear(x, wq, ws, **kw, **extra)
+    assert seen == [(True, False, False), (False, True, False), (False, True, False), (False, False, True)]
 
 
 @pytest.mark.parametrize("n_tiles,nk,ctas", [(3, 4, 5), (56, 128, 132), (144, 56, 132), (2, 3, 6), (7, 2, 3)])
@@ -649,7 +698,7 @@ def test_auto_stream_k_and_staged_scales() -> None:
     wide for a short K. stream_k=None: on for decode rows whose column tiles alone
     still exceed one wave (mlp at 128-wide tiles), off where the K split makes one wave (wo, q_a), above 128
     rows, where the fp32 partials outweigh a short K and wherever a tile choice excludes it. Staged scales by
-    default up to 128 rows where they fit SMEM; act_quant in one kernel up to 128 rows."""
+    default up to 128 rows where they fit SMEM; act_quant in one kernel up to 128 rows and from LARGE_M_FROM."""
     for m in (1, 32, 33, 64, 128):  # one wave each, no stream-K: q_b 128 tiles 192 wide; mlp 96 of 192
         bm = 64 if m <= 64 else 128  # up to swap_ab's rows (its widths), 128 tiles 144 wide above
         assert G._pick_tiles(m, 24576, 12, None, None, None) == (bm, 192, 1)
@@ -679,7 +728,8 @@ def test_auto_stream_k_and_staged_scales() -> None:
     assert [G._chunk_cols(bm, bn) for bm, bn in ((64, 128), (64, 192), (64, 256), (128, 128), (128, 192))] == \
         [64, 32, 128, 128, 64]
     assert G.STAGE_SCALES_BELOW > 128
-    assert [G._auto_act_quant(m) for m in (1, 64, 128, 129, 2048)] == ["kernel"] * 3 + ["xla"] * 2
+    assert [G._auto_act_quant(m) for m in (1, 64, 128, 129, G.LARGE_M_FROM - 1)] == ["kernel"] * 3 + ["xla"] * 2
+    assert G._auto_act_quant(G.LARGE_M_FROM) == G._auto_act_quant(8192) == "kernel"
 
 
 # ----- lowering for CUDA on the CPU ---------------------------------------------------------------
@@ -721,6 +771,11 @@ def test_auto_stream_k_and_staged_scales() -> None:
                                          (2048, 7168, 18432, dict(persistent=True, block_n=144,
                                                                   prefetch_scales=True)),  # ragged chunks
                                          (2048, 7168, 18432, dict(prefetch_scales=True)),
+                                         # the scales through the ring: wo, q_b persistent, mlp ragged, 64-row tiles
+                                         (2048, 16384, 7168, dict(ring_scales=True)),
+                                         (2048, 1536, 24576, dict(persistent=True, ring_scales=True)),
+                                         (2048, 7168, 18432, dict(ring_scales=True, block_n=144)),
+                                         (256, 7168, 18432, dict(ring_scales=True, block_m=64, split_k=2)),
                                          # the defaults at large M: persistent (q_b), scales a step ahead (wo)
                                          (2048, 1536, 24576, {}), (2048, 16384, 7168, {}),
                                          (64, 7168, 18432, dict(stream_k=True, prefetch_scales=True))])
