@@ -143,7 +143,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                stream_k: bool | None = None, act_quant: str | None = None, swap_ab: bool | None = None,
                swap_store: str | None = None, persistent: bool | None = None,
                prefetch_scales: bool | None = None, ring_scales: bool | None = None,
-               profile_dir: str | None = None) -> jax.Array:
+               k_pairs: bool | None = None, profile_dir: str | None = None) -> jax.Array:
     """y = x W^T with W = ``wq`` (float8_e4m3fn [out, in]) * ``w_scale`` (float32 [ceil(out/128),
     ceil(in/128)] per 128 x 128 block), x [..., in] re-quantised per 1 x 128 group (``scale_fmt``);
     [..., out] in ``out_dtype``.
@@ -191,6 +191,10 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     which waits for the load: the SASS of a native dump). None (``_auto_large_m``): on from ``LARGE_M_FROM`` rows
     where nothing else excludes it; ``prefetch_scales=None`` is then on only where ``ring_scales=False`` is passed
     at large M without ``persistent``.
+    ``k_pairs`` (with ``ring_scales``, tiles whose warpgroup columns are one accumulator chunk, an even number of
+    K blocks per CTA): each pipeline step carries two K blocks; a compute warpgroup issues both MMAs into two
+    accumulators and promotes the first while the second runs (only every second promotion leaves its MMAs
+    idle). The ring keeps as many stages of two blocks as fit SMEM, at most ``stages``. None: off.
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler writes a trace of the kernel's named regions per
     warpgroup there: ``all`` (the pipeline, every warpgroup), the compute warpgroups' ``scales`` (staging wait),
     ``loop``, its ``step`` bodies and ``store`` (``scripts/diag/fp8_regions.py``).
@@ -205,7 +209,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                                   group_m=group_m, stage_scales=stage_scales, quantize_x=quantize_x,
                                   stream_k=stream_k, act_quant=act_quant, swap_ab=swap_ab,
                                   swap_store=swap_store, persistent=persistent,
-                                  prefetch_scales=prefetch_scales, ring_scales=ring_scales,
+                                  prefetch_scales=prefetch_scales, ring_scales=ring_scales, k_pairs=k_pairs,
                                   profile_dir=profile_dir)})
 
 
@@ -430,7 +434,7 @@ def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
 
 def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages, group_m,
             stage_scales, quantize_x=False, stream_k=None, act_quant=None, swap_ab=None, swap_store=None,
-            persistent=None, prefetch_scales=None, ring_scales=None, profile_dir=None):
+            persistent=None, prefetch_scales=None, ring_scales=None, k_pairs=None, profile_dir=None):
     _check_tiles(block_m, block_n, split_k, STAGES if stages is None else stages, group_m)
     if swap_ab is not None and not isinstance(swap_ab, bool):
         raise ValueError(f"swap_ab must be a bool or None, got {swap_ab!r}")
@@ -440,7 +444,8 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         raise ValueError(f"quantize_x must be a bool, got {quantize_x!r}")
     if stream_k is not None and not isinstance(stream_k, bool):
         raise ValueError(f"stream_k must be a bool or None, got {stream_k!r}")
-    for name, v in (("persistent", persistent), ("prefetch_scales", prefetch_scales), ("ring_scales", ring_scales)):
+    for name, v in (("persistent", persistent), ("prefetch_scales", prefetch_scales), ("ring_scales", ring_scales),
+                    ("k_pairs", k_pairs)):
         if v is not None and not isinstance(v, bool):
             raise ValueError(f"{name} must be a bool or None, got {v!r}")
     if profile_dir is not None and interpret:
@@ -493,6 +498,9 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
                           f"with x quantised outside (got stage_scales={stage_scales}, quantize_x={quantize_x})")
     if ring_scales and stream_k:
         raise Unsupported("fp8_linear kernel: ring_scales has no stream_k form")
+    k_pairs = bool(k_pairs)
+    if k_pairs and not ring_scales:
+        raise Unsupported("fp8_linear kernel: k_pairs reads both K blocks' scales from the ring: it needs ring_scales")
     if persistent and (stream_k or split_k not in (None, 1)):
         raise Unsupported(f"fp8_linear kernel: persistent takes whole tiles, no stream_k or split_k (got stream_k="
                           f"{stream_k}, split_k={split_k})")
@@ -522,15 +530,25 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     if stream_k or persistent or prefetch_scales or ring_scales:
         stage_scales = False
     ctas = stream_k_ctas(n // bn, nk) if stream_k else 0
+    kstep = 2 if k_pairs else 1
+    # a ring stage: the x and weight tiles of its K blocks, with ring_scales their row scales and weight-scale rows
+    stage_bytes = kstep * ((bm + bn) * BLOCK + (4 * (bm + ring_weight_scales_cols(n)) if ring_scales else 0))
+    if k_pairs:
+        if _ragged(bn) or _chunk_cols(bm, bn) != (bn if bm == 128 else bn // 2) or (nk // s) % 2:
+            raise Unsupported(f"fp8_linear kernel: k_pairs needs one accumulator chunk per warpgroup ({bm} x {bn} tiles "
+                              f"make {_chunk_cols(bm, bn)}-column chunks) and an even number of K blocks per CTA "
+                              f"({nk // s})")
+        stages = min(stages, (SMEM_BYTES - 2048) // stage_bytes)
     if persistent:  # the ring beside a [64, chunk] output tile per compute warpgroup and chunk
         ep_bytes = 2 * 64 * (bn if bm == 128 else bn // 2) * out_dtype.itemsize
-        stages = min(stages, (SMEM_BYTES - 2048 - ep_bytes) // ((bm + bn) * BLOCK))
+        stages = min(stages, (SMEM_BYTES - 2048 - ep_bytes) // stage_bytes)
     call = _build_call(mr=mr, mp=mp, n=n, k=k, bm=bm, bn=bn, splits=s, stages=stages, group_m=group_m,
                        out_dtype=out_dtype if s == 1 and not stream_k else jnp.dtype(jnp.float32),
                        interpret=interpret or None, stage_scales=stage_scales,
                        quantize_x=scale_fmt if quantize_x else None, stream_k=ctas,
                        persistent=min(NUM_SMS, (mp // bm) * (n // bn)) if persistent else 0,
-                       prefetch_scales=prefetch_scales, ring_scales=ring_scales, profile_dir=profile_dir)
+                       prefetch_scales=prefetch_scales, ring_scales=ring_scales, k_pairs=k_pairs,
+                       profile_dir=profile_dir)
     sw = w_scale.astype(jnp.float32)
     sw = pad_weight_scales(sw) if stage_scales else ring_weight_scales(sw) if ring_scales else sw
     if quantize_x:
@@ -722,7 +740,8 @@ def _trimmed(m_tiles: int, bm: int, splits: int) -> bool:
 def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: int, stages: int, group_m: int,
                 out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, stage_scales: bool = False,
                 quantize_x: quant.ScaleFmt | None = None, stream_k: int = 0, persistent: int = 0,
-                prefetch_scales: bool = False, ring_scales: bool = False, profile_dir: str | None = None):
+                prefetch_scales: bool = False, ring_scales: bool = False, k_pairs: bool = False,
+                profile_dir: str | None = None):
     """``quantize_x`` (a scale format; 64-row tiles only): the kernel takes bfloat16 x [Mp, K] and no scales of
     it, and each compute warpgroup quantises the K block's x tile into its own e4m3 SMEM tile before its MMA
     (the row scales stay in registers for the promotion): x (arguments x, w, sw), else (xq, sx^T, w, sw).
@@ -738,7 +757,10 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     them, so that their global-memory latency is not waited on before the promotion.
     ``ring_scales`` (unstaged scales, x quantised outside, no stream_k; the weight scales given as
     ``ring_weight_scales``' sw^T): the ring's stages also carry each step's sx^T[kb, the tile's rows] and sw^T[kb, :],
-    which the promotion reads from SMEM."""
+    which the promotion reads from SMEM.
+    ``k_pairs`` (with ``ring_scales``, one accumulator chunk per warpgroup, an even K range): a pipeline step is
+    two K blocks; each compute warpgroup issues both blocks' MMAs into two accumulators, then promotes the first
+    while the second runs, so that only every second promotion leaves its warpgroup's MMAs idle."""
     nk = k // BLOCK
     sw_rows = max(-(-n // BLOCK), SW_ROWS)  # rows of the (padded) weight scales, when staged
     kps = nk // splits  # K blocks per CTA
@@ -770,8 +792,14 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     if ring_scales and (stage_scales or quantize_x or stream_k or prefetch_scales):
         raise ValueError("ring_scales needs unstaged scales, x quantised outside, no stream_k and no prefetch_scales")
     swt_cols = ring_weight_scales_cols(n)  # ring_scales: sw^T's padded row
+    kstep = 2 if k_pairs else 1  # K blocks per pipeline step
+    if k_pairs and (not ring_scales or nch != 1 or kps % 2 or nk % 2 or stream_k):
+        raise ValueError("k_pairs needs ring_scales, one accumulator chunk per warpgroup, an even number of K "
+                         "blocks per CTA and no stream_k")
     if persistent:  # the most steps a persistent CTA runs: its tiles' K blocks (the first tiles % P CTAs one tile more)
         spc = -(-tiles // persistent) * nk
+    spc //= kstep
+    nks = nk // kstep  # pipeline steps per whole K range
 
     def tile_of(t):
         """Output tile t (of one split) -> (mi, ni): groups of ``group_m`` M tiles, M fastest inside a group,
@@ -806,15 +834,15 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 return mi, u // nk, u % nk, step < n_units
         elif persistent:
             def unit(step):  # round j: tile pid + j P (the CTA's pipeline runs only its own tiles' steps)
-                tmi, tni = tile_of(pid + (step // nk) * persistent)
-                return tmi, tni, step % nk, True
+                tmi, tni = tile_of(pid + (step // nks) * persistent)
+                return tmi, tni, step % nks * kstep, True
         else:
             def unit(step):
-                return mi, ni, kb0 + step, True
+                return mi, ni, kb0 + step * kstep, True
 
         # the pipeline's steps in this CTA: a persistent CTA's own tiles' K blocks (a traced count: the CTAs past
         # tiles % P have one tile fewer and stop, where a static count would have them repeat a tile for nothing)
-        steps = (tiles - pid + persistent - 1) // persistent * nk if persistent else spc
+        steps = (tiles - pid + persistent - 1) // persistent * nks if persistent else spc
 
         def trimmed_rows():
             """(warpgroup, first output row, rows) of each warpgroup that stores real rows of a trimmed tile (in a
@@ -832,14 +860,14 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 ring = rest[:2] if ring_scales else None
                 return step_body(idx, x_s, w_s, rest[-1], ring)
 
-        def w_scale(wg, tile, kb, col0, live, ring=None):
+        def w_scale(wg, tile, kb, col0, live, ring=None, h=0):
             """The weight scale at K block kb of the chunk from column ``col0`` (of this CTA's tile when staged): one
             scalar, or with ``ragged`` tiles a [cw] vector along the accumulator's columns (two blocks' scales,
             split where the chunk crosses into the second); 0 for a repeated stream-K unit (not ``live``: it adds
             nothing)."""
             def get(b):
-                if ring is not None:
-                    return ring[1][0, b]
+                if ring is not None:  # row h of the step's K blocks
+                    return ring[1][h, b]
                 return sw_s[wg, b - scale_window(n0 // BLOCK, sw_rows), kb] if stage_scales else sw_ref[b, kb]
 
             col0 = (wg_cols(wg) if stage_scales else wg_cols(wg, tile)) + col0
@@ -861,8 +889,32 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             sx = plgpu.load(sxt_ref.at[kb, pl.ds(r0, 64)], layout=ROW, optimized=False)
             return sx, tuple(w_scale(wg, tile, kb, c * cw, live) for c in range(nch))
 
+        def pair_body(step, x_s, w_s, acc, ring):
+            """``k_pairs``: the step's two K blocks into two accumulators; the first promoted while the second runs."""
+            tmi, tile, kb, live = unit(step)
+            wg = lax.axis_index("wg")
+            a = x_s.at[pl.ds(wg * 64, 64)] if split_m else x_s
+            c0 = 0 if split_m else wg * wn
+            rows = pl.ds(wg * 64 if split_m else 0, 64)
+
+            def mma(acc_a, acc_b):
+                for h, acc_h in enumerate((acc_a, acc_b)):
+                    plgpu.wgmma(acc_h, a.at[:, pl.ds(h * BLOCK, BLOCK)], w_s.at[pl.ds(c0, cw), pl.ds(h * BLOCK, BLOCK)].T)
+                scales = [plgpu.load(ring[0].at[h, rows], layout=ROW, optimized=False)
+                          * w_scale(wg, tile, kb + h, 0, live, ring, h) for h in range(2)]
+                out = acc[0] + plgpu.wgmma_accumulator_load(acc_a, wait_n=1) * lax.broadcast_in_dim(
+                    scales[0], (64, cw), [0])
+                return out + acc_b[...] * lax.broadcast_in_dim(scales[1], (64, cw), [0])
+
+            out = (pl.run_scoped(mma, plgpu.ACC((64, cw), jnp.float32), plgpu.ACC((64, cw), jnp.float32)),)
+            if persistent:
+                out = lax.cond(kb == nk - kstep, functools.partial(flush, tmi, tile), lambda o: o, out)
+            return out
+
         def step_body(idx, x_s, w_s, carry, ring):
             (step,) = idx
+            if k_pairs:
+                return pair_body(step, x_s, w_s, carry, ring)
             acc, pre = carry if prefetch_scales else (carry, None)  # pre: this step's scales, loaded a step ago
             tmi, tile, kb, live = unit(step)
             wg = lax.axis_index("wg")
@@ -994,25 +1046,26 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                     o_ref.at[si, rows, cols][...] = acc[c]
 
         x_tf = swz16 if quantize_x else swz
+        kw = kstep * BLOCK  # a step's K width
         if stream_k or persistent:  # whole arrays: the blocks follow the CTA's units
-            ring_specs = [plgpu.BlockSpec((1, bm), lambda s: (unit(s)[2], unit(s)[0])),
-                          plgpu.BlockSpec((1, swt_cols), lambda s: (unit(s)[2], 0))] if ring_scales else []
+            ring_specs = [plgpu.BlockSpec((kstep, bm), lambda s: (unit(s)[2] // kstep, unit(s)[0])),
+                          plgpu.BlockSpec((kstep, swt_cols), lambda s: (unit(s)[2] // kstep, 0))] if ring_scales else []
             pipeline = plgpu.emit_pipeline_warp_specialized(
                 body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
                 max_concurrent_steps=min(stages, spc), compute_context=compute,
-                in_specs=[plgpu.BlockSpec((bm, BLOCK), lambda s: (unit(s)[0], unit(s)[2]), transforms=x_tf),
-                          plgpu.BlockSpec((bn, BLOCK), lambda s: (unit(s)[1], unit(s)[2]), transforms=swz),
+                in_specs=[plgpu.BlockSpec((bm, kw), lambda s: (unit(s)[0], unit(s)[2] // kstep), transforms=x_tf),
+                          plgpu.BlockSpec((bn, kw), lambda s: (unit(s)[1], unit(s)[2] // kstep), transforms=swz),
                           *ring_specs])
             with jax.named_scope("all"):
                 pipeline(x_ref, w_ref, *((sxt_ref, sw_ref) if ring_scales else ()))
             return
-        ring_specs = [plgpu.BlockSpec((1, bm), lambda s: (s, 0)),
-                      plgpu.BlockSpec((1, swt_cols), lambda s: (s, 0))] if ring_scales else []
+        ring_specs = [plgpu.BlockSpec((kstep, bm), lambda s: (s, 0)),
+                      plgpu.BlockSpec((kstep, swt_cols), lambda s: (s, 0))] if ring_scales else []
         pipeline = plgpu.emit_pipeline_warp_specialized(
-            body, grid=(kps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-            max_concurrent_steps=min(stages, kps), compute_context=compute,
-            in_specs=[plgpu.BlockSpec((bm, BLOCK), lambda s: (0, s), transforms=x_tf),
-                      plgpu.BlockSpec((bn, BLOCK), lambda s: (0, s), transforms=swz), *ring_specs])
+            body, grid=(kps // kstep,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+            max_concurrent_steps=min(stages, kps // kstep), compute_context=compute,
+            in_specs=[plgpu.BlockSpec((bm, kw), lambda s: (0, s), transforms=x_tf),
+                      plgpu.BlockSpec((bn, kw), lambda s: (0, s), transforms=swz), *ring_specs])
         ring_refs = (sxt_ref.at[pl.ds(kb0, kps), pl.ds(m0, bm)], sw_ref.at[pl.ds(kb0, kps)]) if ring_scales else ()
         with jax.named_scope("all"):
             pipeline((x_ref.at[:, pl.ds(kb0 * BLOCK, kps * BLOCK)] if quantize_x and x_ref.shape[0] < bm else

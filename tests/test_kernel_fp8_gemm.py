@@ -507,6 +507,8 @@ def test_persistent_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, ti
 @pytest.mark.parametrize("tiles", [dict(persistent=True), dict(persistent=True, prefetch_scales=True),
                                    dict(prefetch_scales=True, split_k=2),
                                    dict(persistent=True, ring_scales=True), dict(ring_scales=True, split_k=2),
+                                   dict(ring_scales=True, k_pairs=True, split_k=2),
+                                   dict(persistent=True, ring_scales=True, k_pairs=True),
                                    pytest.param(dict(prefetch_scales=True, block_m=128, block_n=256, split_k=1),
                                                 marks=pytest.mark.slow)])
 def test_persistent_and_prefetch_exact_data_bit_equal(mode: str, tiles: dict, monkeypatch) -> None:
@@ -549,6 +551,22 @@ def test_ring_scales_matches_xla(mode: str, m: int, tiles: dict) -> None:
     got = G.fp8_linear(x, wq, ws, out_dtype=jnp.float32, implementation="pallas", interpret=interpret_for(mode),
                        ring_scales=True, **tiles)
     check(got, ref, ab, _rtol(mode, 512), jnp.float32)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("m,tiles,out_dtype", [(130, dict(split_k=2), jnp.float32),
+                                               (130, dict(block_m=64, split_k=1), jnp.float32),
+                                               (300, dict(persistent=True), jnp.bfloat16)])
+def test_k_pairs_matches_xla(mode: str, m: int, tiles: dict, out_dtype, monkeypatch) -> None:
+    """k_pairs on random data: two K blocks a step, each into its own accumulator and promoted with its own
+    scales (row h of the step's ring scales), per K split, with 64-row tiles, and in the persistent loop (4
+    CTAs: a tile's last pair stores it)."""
+    monkeypatch.setattr(G, "NUM_SMS", 4)
+    x, wq, ws = make_case(m, 512, 384, seed=7)
+    ref, ab = reference(x, wq, ws, "ue8m0")
+    got = G.fp8_linear(x, wq, ws, out_dtype=out_dtype, implementation="pallas", interpret=interpret_for(mode),
+                       ring_scales=True, k_pairs=True, **tiles)
+    check(got, ref, ab, _rtol(mode, 512), out_dtype)
 
 
 def test_ring_weight_scales() -> None:
@@ -603,6 +621,9 @@ def test_persistent_and_prefetch_limits() -> None:
                        (dict(ring_scales=True, prefetch_scales=True), "ring_scales"),
                        (dict(ring_scales=True, stage_scales=True), "ring_scales"),
                        (dict(ring_scales=True, stream_k=True), "ring_scales"), (dict(ring_scales=1), "ring_scales"),
+                       (dict(k_pairs=True, ring_scales=False), "k_pairs"),
+                       (dict(k_pairs=True, ring_scales=True, split_k=4), "k_pairs"),  # one K block a CTA
+                       (dict(k_pairs=True, ring_scales=True, block_n=256, block_m=128), "k_pairs"),  # 2 chunks
                        (dict(persistent=1), "persistent"), (dict(prefetch_scales="yes"), "prefetch_scales")):
         with pytest.raises(ValueError, match=field):
             G.fp8_linear(x, wq, ws, **kw, **bad)
@@ -776,6 +797,9 @@ def test_auto_stream_k_and_staged_scales() -> None:
                                          (2048, 1536, 24576, dict(persistent=True, ring_scales=True)),
                                          (2048, 7168, 18432, dict(ring_scales=True, block_n=144)),
                                          (256, 7168, 18432, dict(ring_scales=True, block_m=64, split_k=2)),
+                                         # two K blocks a step (k_pairs)
+                                         (2048, 16384, 7168, dict(ring_scales=True, k_pairs=True)),
+                                         (2048, 1536, 24576, dict(persistent=True, ring_scales=True, k_pairs=True)),
                                          # the defaults at large M: persistent (q_b), scales a step ahead (wo)
                                          (2048, 1536, 24576, {}), (2048, 16384, 7168, {}),
                                          (64, 7168, 18432, dict(stream_k=True, prefetch_scales=True))])
