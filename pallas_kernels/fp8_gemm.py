@@ -130,6 +130,7 @@ STAGES = 4  # TMA ring depth (stages=None)
 SWAP_RING_BYTES = 104 * 1024  # swap_ab, stages=None: ring bytes in flight per CTA (``_swapped_stages``)
 LARGE_M_FROM = 1024  # rows from which persistent / prefetch_scales = None may turn on (``_auto_large_m``)
 PERSISTENT_MAX_KBLOCKS = 16  # in / 128 up to which persistent=None loops over tiles there (q_b's 12)
+K_PAIRS_MIN_KBLOCKS = 64  # k_pairs=None: on with ring_scales in the persistent loop or from this many K blocks
 PROFILE_RANGES = 256  # per warpgroup and call: ``profile_dir``'s events (a region per K block, a few more)
 
 
@@ -194,7 +195,9 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     ``k_pairs`` (with ``ring_scales``, tiles whose warpgroup columns are one accumulator chunk, an even number of
     K blocks per CTA): each pipeline step carries two K blocks; a compute warpgroup issues both MMAs into two
     accumulators and promotes the first while the second runs (only every second promotion leaves its MMAs
-    idle). The ring keeps as many stages of two blocks as fit SMEM, at most ``stages``. None: off.
+    idle). The ring keeps as many stages of two blocks as fit SMEM, at most ``stages``. None (``_auto_k_pairs``):
+    on with ``ring_scales`` where the tile allows it, in the persistent loop or from ``K_PAIRS_MIN_KBLOCKS`` K
+    blocks per CTA.
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler writes a trace of the kernel's named regions per
     warpgroup there: ``all`` (the pipeline, every warpgroup), the compute warpgroups' ``scales`` (staging wait),
     ``loop``, its ``step`` bodies and ``store`` (``scripts/diag/fp8_regions.py``).
@@ -286,6 +289,19 @@ def _auto_large_m(m: int, nk: int, split_k: int | None, stage_scales: bool | Non
     if m < LARGE_M_FROM or stage_scales or quantize_x or stream_k or swap_ab:
         return False, False
     return nk <= PERSISTENT_MAX_KBLOCKS and split_k in (None, 1), True
+
+
+def _auto_k_pairs(bm: int, bn: int, kps: int, persistent: bool) -> bool:
+    """k_pairs=None with ring_scales: on where the tile allows it (one accumulator chunk per warpgroup, an even
+    number of K blocks per CTA) and the CTA loops over tiles (``persistent``) or runs at least
+    ``K_PAIRS_MIN_KBLOCKS`` K blocks.
+
+    Why: a step of two blocks takes twice the SMEM, so a CTA's ring fills later before its first MMA; in the
+    persistent loop that happens once per CTA, and over a long K it is repaid. H100, 2048 rows: faster at q_b
+    (persistent, 12 K blocks) and wo (128), slower at mlp (56 K blocks, 17 waves of CTAs)
+    (benchmarks/results/archive/fp8_k_pairs_h100_2026-12-06.json)."""
+    one_chunk = not _ragged(bn) and _chunk_cols(bm, bn) == (bn if bm == 128 else bn // 2)
+    return one_chunk and kps % 2 == 0 and (persistent or kps >= K_PAIRS_MIN_KBLOCKS)
 
 
 def _auto_split_k(tiles: int, nk: int) -> int:
@@ -498,7 +514,8 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
                           f"with x quantised outside (got stage_scales={stage_scales}, quantize_x={quantize_x})")
     if ring_scales and stream_k:
         raise Unsupported("fp8_linear kernel: ring_scales has no stream_k form")
-    k_pairs = bool(k_pairs)
+    if k_pairs is None:
+        k_pairs = False if not ring_scales else None  # None: decided with the tiles below (``_auto_k_pairs``)
     if k_pairs and not ring_scales:
         raise Unsupported("fp8_linear kernel: k_pairs reads both K blocks' scales from the ring: it needs ring_scales")
     if persistent and (stream_k or split_k not in (None, 1)):
@@ -530,6 +547,8 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     if stream_k or persistent or prefetch_scales or ring_scales:
         stage_scales = False
     ctas = stream_k_ctas(n // bn, nk) if stream_k else 0
+    if k_pairs is None:
+        k_pairs = _auto_k_pairs(bm, bn, nk // s, persistent)
     kstep = 2 if k_pairs else 1
     # a ring stage: the x and weight tiles of its K blocks, with ring_scales their row scales and weight-scale rows
     stage_bytes = kstep * ((bm + bn) * BLOCK + (4 * (bm + ring_weight_scales_cols(n)) if ring_scales else 0))

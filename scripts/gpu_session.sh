@@ -54,7 +54,7 @@
 #   scripts/gpu_session.sh fp8-regions   # issue 19: the FP8 GEMM's named regions per warpgroup at decode (profiler)
 #   scripts/gpu_session.sh fp8-trim      # issue 19: every one-row-tile FP8 call stores its rows through SMEM + TMA: tests, ncu
 #   scripts/gpu_session.sh fp8-swap      # issue 19: the FP8 GEMM with the roles swapped (y^T = W x^T) at decode: tests, ncu
-#   scripts/gpu_session.sh fp8-large     # issue 19: the FP8 GEMM at 2048 / 8192 rows: persistent tiles, scales a step ahead
+#   scripts/gpu_session.sh fp8-large     # issue 19: the FP8 GEMM at 2048 / 8192 rows: call and kernel time beside torch, the form before
 #   scripts/gpu_session.sh fp8-smem      # issue 19: swap_ab's y through transposed SMEM tiles (swap_store="smem"), timeline
 #   scripts/gpu_session.sh fp8-ragged    # issue 19: tiles of 144 / 112 / 224 columns (one wave at 64-128 rows), tests then timeline
 #   scripts/gpu_session.sh key           # one call for a scarce machine: top-k 64 x 64K, FP8 ragged mlp, top-k tests
@@ -223,56 +223,21 @@ case "$stage" in
     ncu_sweep fp8 "$V"
     ;;
   fp8-large)
-    # issue 19 (forty-seventh session; timed on an H100 in the forty-eighth, whose defaults took persistent for
-    # short K and prefetch_scales for long K from 1024 rows): large M against the 60% target. persistent=True:
-    # one CTA per SM loops over whole tiles, each tile TMA-stored from SMEM while the next one's blocks stream;
-    # prefetch_scales=True: each K block's scales loaded a step ahead. Native tests of both forms first, then the
-    # bench rows against the default and torch in one call
+    # issue 19: large M against the 60% target. Defaults (fifty-third session): the scales through the TMA ring
+    # (ring_scales), two K blocks a step where K is long or the loop persistent (k_pairs), act_quant in one kernel.
+    # Native tests of the large-M forms first, then the call and kernel device times beside torch's blockwise
+    # kernel and the form before (scripts/diag/fp8_large_kernels.py), then the benchmark's rows at 2048 / 8192
     timeout -k 5 ${FLT_TIMEOUT:-150} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernel_fp8_gemm.py \
-      -k "persistent or prefetch or exact_data" > "$OUT/fp8_large_tests.log" 2>&1; echo "fp8 large tests rc=$?"
-    tail -4 "$OUT/fp8_large_tests.log"
-    timeout -k 10 -s INT ${FLB_TIMEOUT:-330} python3 -m jds.bench.kernels_fp8_gemm --shapes ${FL_SHAPES:-q_b wo mlp} \
-      --ms ${FL_MS:-2048 8192} --rows ${FL_ROWS:-pallas 'pallas[persistent=True]' 'pallas[prefetch_scales=True]' \
-      'pallas[persistent=True,prefetch_scales=True]' 'pallas[persistent=True,block_n=256]' torch} \
+      -k "persistent or prefetch or ring or k_pairs or exact_data or large_m" > "$OUT/fp8_large_tests.log" 2>&1
+    echo "fp8 large tests rc=$?"; tail -4 "$OUT/fp8_large_tests.log"
+    timeout -k 10 -s KILL ${FLK_TIMEOUT:-200} python3 scripts/diag/fp8_large_kernels.py --shapes ${FL_SHAPES:-q_b wo mlp} \
+      --m 2048 --rounds 2 --variants "${FLK_VARIANTS:-[{}, {\"ring_scales\": false, \"k_pairs\": false, \"act_quant\": \"xla\"}]}" \
+      --out "$OUT/fp8_large_kernels_h200.json" > /tmp/fp8_large_kernels.log 2>&1
+    echo "fp8 large kernels rc=$?"; grep '^{' /tmp/fp8_large_kernels.log | cut -c1-260
+    timeout -k 10 -s INT ${FLB_TIMEOUT:-250} python3 -m jds.bench.kernels_fp8_gemm --shapes ${FL_SHAPES:-q_b wo mlp} \
+      --ms ${FL_MS:-2048 8192} --rows ${FL_ROWS:-pallas torch} \
       --out "$OUT/kernels_fp8_gemm_large_h200.json" > "$OUT/fp8_large_bench.log" 2>&1
     echo "fp8 large bench rc=$?"; tail -40 "$OUT/fp8_large_bench.log" | cut -c1-220
-    ;;
-  fp8-192)
-    # issue 19 (twenty-fourth session, built untested): 192-wide tiles, so q_b's 24576 columns at 128 rows run
-    # as 128 CTAs (one wave) instead of 192 128-wide tiles on 132 SMs (a tail wave); native tests, then exact
-    # kernel times against the default at 128 (and 64) rows
-    timeout -k 5 ${F192T_TIMEOUT:-150} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernel_fp8_gemm.py \
-      -k "192 or lowers or exact_data" > "$OUT/fp8_192_tests.log" 2>&1; echo "fp8 192 tests rc=$?"
-    tail -3 "$OUT/fp8_192_tests.log"
-    V=${FP8SWEEP_VARIANTS:-'[{}, {"block_n": 192}, {"block_n": 192, "stages": 5}]'}
-    SWEEP_CASES=${SWEEP_CASES:-'q_b:128 mlp:128 q_b:64'} ncu_sweep fp8 "$V"
-    ;;
-  qb-floor)
-    # issue 19 (twenty-sixth session): is q_b's 56% of DRAM peak the GEMM's or its decomposition's? The same CTA
-    # grid and TMA ring with no MMA (ncu_kernels.py streamsweep) by ring depth and weight layout, then the GEMM
-    # itself at shallower rings (a 5-deep ring was slower than the 4-deep default, twenty-fourth session)
-    V=${STREAMSWEEP_VARIANTS:-'[{}, {"stages": 2}, {"stages": 3}, {"stages": 6}, {"layout": "rows_ws"}, {"layout": "tiles"}]'}
-    SWEEP_CASES=${SWEEP_CASES:-'q_b:0 mlp:0'} ncu_sweep stream "$V"
-    V=${FP8SWEEP_VARIANTS:-'[{}, {"stages": 2}, {"stages": 3}]'}
-    SWEEP_CASES=${FP8_CASES:-'q_b:1 q_b:64 q_b:128 mlp:1 mlp:128'} ncu_sweep fp8 "$V"
-    ;;
-  fp8-regions)
-    # issue 19 (twenty-sixth session): the weight stream alone is 2-6 us shorter than the GEMM (qb-floor): does the
-    # GEMM lose it in the first fill, in step bodies longer than the arrival interval, or at the end?
-    timeout -k 10 -s INT ${FP8RT_TIMEOUT:-120} python3 -m pytest -m gpu -q -x --tb=short -p no:cacheprovider \
-      tests/test_kernel_fp8_gemm.py -k "192 or exact_data" > "$OUT/fp8_regions_tests.log" 2>&1
-    echo "fp8 tests rc=$?"; tail -2 "$OUT/fp8_regions_tests.log"
-    timeout -k 10 ${FP8REG_TIMEOUT:-240} python3 scripts/diag/fp8_regions.py --cases ${FP8REG_CASES:-q_b:1 q_b:64 q_b:128 mlp:1 mlp:128} \
-      --variants ${FP8REG_VARIANTS:-'[{}]'} --out "$OUT/fp8_regions_h200.json" > "$OUT/fp8_regions.log" 2>&1
-    echo "fp8 regions rc=$?"; grep -v Warning "$OUT/fp8_regions.log" | tail -c 5000
-    ;;
-  fp8-trim)
-    # issue 19 (twenty-sixth session): the regions put a 128-row tile's register stores at 5-7 us of its CTAs' tail
-    # (fp8-regions); every one-row-tile call now stores its first round_up(M, 8) rows through SMEM and TMA
-    timeout -k 10 -s INT ${FP8T_TIMEOUT:-200} python3 -m pytest -m gpu -q -x --tb=short -p no:cacheprovider \
-      tests/test_kernel_fp8_gemm.py > "$OUT/fp8_gemm_tests.log" 2>&1; echo "fp8 tests rc=$?"; tail -2 "$OUT/fp8_gemm_tests.log"
-    V=${FP8SWEEP_VARIANTS:-'[{"stages": 4}]'}
-    SWEEP_CASES=${FP8_CASES:-'q_b:1 q_b:64 q_b:128 mlp:1 mlp:64 mlp:128 wo:64 wo:128'} ncu_sweep fp8 "$V"
     ;;
   fp8-smem)
     # issue 19 (thirty-fifth session): the swapped form's y through transposed SMEM tiles and TMA (swap_store="smem")

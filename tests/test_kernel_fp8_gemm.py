@@ -648,6 +648,20 @@ def test_auto_large_m() -> None:
         assert auto(big, 12, **excl) == auto(big, 128, **excl) == (False, False)
 
 
+def test_auto_k_pairs() -> None:
+    """k_pairs = None (with ring_scales): on for one accumulator chunk per warpgroup and an even K range, in the
+    persistent loop or from K_PAIRS_MIN_KBLOCKS K blocks; off for ragged or multi-chunk tiles."""
+    long_k = G.K_PAIRS_MIN_KBLOCKS
+    assert G._auto_k_pairs(128, 128, 128, False) and G._auto_k_pairs(128, 128, long_k, False)  # wo
+    assert G._auto_k_pairs(128, 128, 12, True)  # q_b, persistent
+    assert not G._auto_k_pairs(128, 128, 56, False)  # mlp
+    assert not G._auto_k_pairs(128, 128, long_k + 1, False)  # odd
+    assert not G._auto_k_pairs(128, 144, 128, True)  # ragged
+    assert not G._auto_k_pairs(128, 192, 128, True)  # 64-column chunks
+    assert not G._auto_k_pairs(128, 256, 128, True)  # two chunks
+    assert G._auto_k_pairs(64, 256, 128, False)  # 64-row tile: a warpgroup's 128 columns
+
+
 def test_large_m_scale_forms_resolved(monkeypatch) -> None:
     """How fp8_linear resolves ring_scales / prefetch_scales = None at large M (the kernel builder's arguments):
     the ring by default; the scales a step ahead where the caller turns the ring off (long K) or asks for them."""
@@ -655,16 +669,21 @@ def test_large_m_scale_forms_resolved(monkeypatch) -> None:
     real = G._build_call
 
     def spy(**kw):
-        seen.append((kw["ring_scales"], kw["prefetch_scales"], kw["persistent"] > 0))
+        seen.append((kw["ring_scales"], kw["prefetch_scales"], kw["persistent"] > 0, kw["k_pairs"]))
         return real(**kw)
 
     monkeypatch.setattr(G, "_build_call", spy)
     monkeypatch.setattr(G, "LARGE_M_FROM", 130)
     x, wq, ws = make_case(130, 2176, 256, seed=1)  # 17 K blocks: no persistent loop by default
     kw = dict(implementation="pallas", interpret=True, out_dtype=jnp.float32)
+    monkeypatch.setattr(G, "K_PAIRS_MIN_KBLOCKS", 18)  # 17 K blocks: odd, so no pairs here by default either
     for extra in ({}, dict(ring_scales=False), dict(prefetch_scales=True), dict(ring_scales=False, persistent=True)):
         G.fp8_linear(x, wq, ws, **kw, **extra)
-    assert seen == [(True, False, False), (False, True, False), (False, True, False), (False, False, True)]
+    assert seen == [(True, False, False, False), (False, True, False, False), (False, True, False, False),
+                    (False, False, True, False)]
+    x, wq, ws = make_case(130, 512, 256, seed=2)  # 4 K blocks, persistent: pairs by default
+    G.fp8_linear(x, wq, ws, **kw, persistent=True)
+    assert seen[-1] == (True, False, True, True)
 
 
 @pytest.mark.parametrize("n_tiles,nk,ctas", [(3, 4, 5), (56, 128, 132), (144, 56, 132), (2, 3, 6), (7, 2, 3)])

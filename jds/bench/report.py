@@ -181,6 +181,38 @@ def _fp8_forms(by: dict[str, dict[str, dict]]) -> list[str]:
         _table(["case"] + cols, rows)
 
 
+def _fp8_large_kernels(d: dict) -> list[str]:
+    """FP8 GEMM at large M (``scripts/diag/fp8_large_kernels.py``): per case and form, the call's device time and
+    its GEMM kernel's alone (GPU timeline, median over the run's rounds), each as a share of the FP8 peak measured
+    in the run, beside torch's blockwise kernel on the same e4m3 operands."""
+    by: dict[tuple[str, int], dict[str, list[dict]]] = {}
+    for r in d.get("rows", []):
+        if "error" not in r:
+            by.setdefault((r["shape"], r["m"]), {}).setdefault(r["impl"], []).append(r)
+
+    def med(rs: list[dict], key: str) -> float | None:
+        v = sorted(r[key] for r in rs if r.get(key) is not None)
+        return v[len(v) // 2] if v else None
+
+    rows = []
+    for (shape, m), per in by.items():
+        t = med(per.get("torch", []), "kernel_us")
+        tf = med(per.get("torch", []), "kernel_peak_frac")
+        for impl, rs in per.items():
+            if impl == "torch":
+                continue
+            k = med(rs, "kernel_us")
+            rows.append([f"{shape} {m}", impl, _fmt(med(rs, "call_us"), 1), _pct(med(rs, "call_peak_frac")),
+                         _fmt(k, 1), _pct(med(rs, "kernel_peak_frac")), _fmt(t, 1), _pct(tf), _ratio(t, k)])
+    peak = d.get("meta", {}).get("fp8_flops_per_s")
+    return [f"Device µs per call from the GPU timeline: the call (x's quantisation included) and its Mosaic GPU "
+            f"kernels alone; torch's blockwise GEMM on the same e4m3 operands (CUDA events, x quantised outside); "
+            f"shares of the FP8 peak measured in the run ({_fmt((peak or 0) / 1e12, 0)} TFLOP/s, "
+            f"{d.get('meta', {}).get('fp8_peak_how', '?')}):", ""] + \
+        _table(["case", "form", "call µs", "of FP8 peak", "kernels µs", "of FP8 peak", "torch µs", "of FP8 peak",
+                "torch / pallas kernels"], rows)
+
+
 def _grouped(d: dict) -> list[str]:
     """FP4 / FP8 grouped expert GEMM: per token count, the kernel's time and fraction of the copy bandwidth for
     the two expert shapes, a second kernel variant measured in the run (the e4m3-x route where there is one, else
@@ -716,6 +748,7 @@ RENDERERS: list[tuple[Callable[[str, dict], bool], Callable[[dict], list[str]]]]
     (lambda b, d: b.startswith("ttft"), _ttft),
     (lambda b, d: b.startswith("batch_invariant"), _batch_invariant),
     (lambda b, d: b.startswith("kernels_fp8_gemm"), _fp8_gemm),
+    (lambda b, d: b.startswith("fp8_large_kernels"), _fp8_large_kernels),
     (lambda b, d: b.startswith(("kernels_fp4_grouped", "kernels_fp8_grouped")), _grouped),
     (lambda b, d: b.startswith("kernels_select"), _select_variants),
     (lambda b, d: b.startswith("fp8_call_gap"), _call_gap),

@@ -13,8 +13,11 @@ kernel's changes move. Each row also records the fp32-output call's error agains
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import json
+import shlex
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +45,9 @@ def main() -> None:
     a = ap.parse_args()
     variants = json.loads(a.variants)
     torch = None if a.no_torch else b._torch()
-    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "variants": variants}
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
+            "device": jax.devices()[0].device_kind, "jax": jax.__version__, "variants": variants, "complete": False}
     if torch is not None:
         meta.update(b.fp8_peak(torch))
     rows = []
@@ -94,7 +99,8 @@ def main() -> None:
                         r["kernel_peak_frac"] = flops / (us * 1e-6) / meta["fp8_flops_per_s"]
                     rows.append(r)
                     print(json.dumps(r), flush=True)
-            write_json(a.out, {"meta": meta, "rows": rows})
+            write_json(a.out, {"meta": meta, "rows": rows})  # a run cut short keeps its rows
+    meta["complete"] = True
     write_json(a.out, {"meta": meta, "rows": rows})
 
 
