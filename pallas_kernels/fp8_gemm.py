@@ -825,7 +825,9 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
         so that the CTAs resident at once share a few x row tiles and a band of weight tiles in L2."""
         per_group = group_m * n_tiles
         first = (t // per_group) * group_m
-        size = jnp.minimum(m_tiles - first, group_m)
+        # every group full: a constant divisor, so the steps that call this (the persistent loop's, every step of
+        # both compute warpgroups) do no integer division (the SASS of q_b's ring kernel had one per step)
+        size = group_m if m_tiles % group_m == 0 else jnp.minimum(m_tiles - first, group_m)
         r = t % per_group
         return first + r % size, r // size
 

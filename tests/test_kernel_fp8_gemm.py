@@ -487,6 +487,8 @@ def test_stream_k_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, quan
     (300, 512, 384, 4, dict(ring_scales=True), jnp.bfloat16),  # the scales through the ring
     (200, 384, 256, 5, dict(block_m=64, ring_scales=True), jnp.float32),
     (200, 256, 1152, 5, dict(block_n=144, ring_scales=True), jnp.float32),
+    (256, 512, 384, 4, dict(group_m=2, ring_scales=True), jnp.float32),  # full groups: a constant divisor
+    (300, 512, 384, 4, dict(group_m=1), jnp.float32),
 ])
 def test_persistent_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, tiles: dict, out_dtype,
                                 monkeypatch) -> None:
