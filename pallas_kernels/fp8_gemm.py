@@ -120,7 +120,7 @@ _SWZ16 = (plgpu.TilingTransform((8, BLOCK // 2)), plgpu.SwizzleTransform(128))
 STAGE_SCALES_BELOW = 129  # rows (M) below which stage_scales=None stages the scales in SMEM (if they fit)
 STREAM_K_ROWS_PER_K = 32  # stream_k=None needs M <= K / this (_auto_stream_k: q_b's 1536 -> 48 rows, mlp's 7168 -> 224)
 WIDE_TILE_MAX_K = 2048  # in-features up to which decode rows default to 256-wide tiles (_default_block_n)
-ACT_QUANT_KERNEL_UP_TO = 128  # rows (M) up to which act_quant=None quantises x in one kernel (quantize_rows)
+ACT_QUANT_KERNEL_UP_TO = 128  # rows (M) up to which (and from LARGE_M_FROM) act_quant=None quantises x in one kernel
 SMEM_BYTES = 227 * 1024  # a Hopper CTA's shared memory
 SWAP_ROWS_OUT_UP_TO = 8  # swap_ab stores y [M, N] itself up to this many rows (M masked row sums), else via SMEM
 SWAP_BLOCK_N = (64, 128, 192)  # swap_ab's tile widths: a compute warpgroup per 64 weight rows, at most three
@@ -128,7 +128,7 @@ SWAP_AB_UP_TO = 32  # rows (M) up to which swap_ab=None swaps the roles (``_auto
 SWAP_STORES = ("rows", "transpose", "smem")  # swap_ab's ways to store y (``fp8_linear``'s ``swap_store``)
 STAGES = 4  # TMA ring depth (stages=None)
 SWAP_RING_BYTES = 104 * 1024  # swap_ab, stages=None: ring bytes in flight per CTA (``_swapped_stages``)
-LARGE_M_FROM = 1024  # rows from which persistent / prefetch_scales = None may turn on (``_auto_large_m``)
+LARGE_M_FROM = 1024  # rows from which persistent / ring_scales = None may turn on (``_auto_large_m``), act_quant's kernel
 PERSISTENT_MAX_KBLOCKS = 16  # in / 128 up to which persistent=None loops over tiles there (q_b's 12)
 K_PAIRS_MIN_KBLOCKS = 64  # k_pairs=None: on with ring_scales in the persistent loop or from this many K blocks
 PROFILE_RANGES = 256  # per warpgroup and call: ``profile_dir``'s events (a region per K block, a few more)

@@ -239,6 +239,43 @@ case "$stage" in
       --out "$OUT/kernels_fp8_gemm_large_h200.json" > "$OUT/fp8_large_bench.log" 2>&1
     echo "fp8 large bench rc=$?"; tail -40 "$OUT/fp8_large_bench.log" | cut -c1-220
     ;;
+  fp8-192)
+    # issue 19 (twenty-fourth session, built untested): 192-wide tiles, so q_b's 24576 columns at 128 rows run
+    # as 128 CTAs (one wave) instead of 192 128-wide tiles on 132 SMs (a tail wave); native tests, then exact
+    # kernel times against the default at 128 (and 64) rows
+    timeout -k 5 ${F192T_TIMEOUT:-150} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernel_fp8_gemm.py \
+      -k "192 or lowers or exact_data" > "$OUT/fp8_192_tests.log" 2>&1; echo "fp8 192 tests rc=$?"
+    tail -3 "$OUT/fp8_192_tests.log"
+    V=${FP8SWEEP_VARIANTS:-'[{}, {"block_n": 192}, {"block_n": 192, "stages": 5}]'}
+    SWEEP_CASES=${SWEEP_CASES:-'q_b:128 mlp:128 q_b:64'} ncu_sweep fp8 "$V"
+    ;;
+  qb-floor)
+    # issue 19 (twenty-sixth session): is q_b's 56% of DRAM peak the GEMM's or its decomposition's? The same CTA
+    # grid and TMA ring with no MMA (ncu_kernels.py streamsweep) by ring depth and weight layout, then the GEMM
+    # itself at shallower rings (a 5-deep ring was slower than the 4-deep default, twenty-fourth session)
+    V=${STREAMSWEEP_VARIANTS:-'[{}, {"stages": 2}, {"stages": 3}, {"stages": 6}, {"layout": "rows_ws"}, {"layout": "tiles"}]'}
+    SWEEP_CASES=${SWEEP_CASES:-'q_b:0 mlp:0'} ncu_sweep stream "$V"
+    V=${FP8SWEEP_VARIANTS:-'[{}, {"stages": 2}, {"stages": 3}]'}
+    SWEEP_CASES=${FP8_CASES:-'q_b:1 q_b:64 q_b:128 mlp:1 mlp:128'} ncu_sweep fp8 "$V"
+    ;;
+  fp8-regions)
+    # issue 19 (twenty-sixth session): the weight stream alone is 2-6 us shorter than the GEMM (qb-floor): does the
+    # GEMM lose it in the first fill, in step bodies longer than the arrival interval, or at the end?
+    timeout -k 10 -s INT ${FP8RT_TIMEOUT:-120} python3 -m pytest -m gpu -q -x --tb=short -p no:cacheprovider \
+      tests/test_kernel_fp8_gemm.py -k "192 or exact_data" > "$OUT/fp8_regions_tests.log" 2>&1
+    echo "fp8 tests rc=$?"; tail -2 "$OUT/fp8_regions_tests.log"
+    timeout -k 10 ${FP8REG_TIMEOUT:-240} python3 scripts/diag/fp8_regions.py --cases ${FP8REG_CASES:-q_b:1 q_b:64 q_b:128 mlp:1 mlp:128} \
+      --variants ${FP8REG_VARIANTS:-'[{}]'} --out "$OUT/fp8_regions_h200.json" > "$OUT/fp8_regions.log" 2>&1
+    echo "fp8 regions rc=$?"; grep -v Warning "$OUT/fp8_regions.log" | tail -c 5000
+    ;;
+  fp8-trim)
+    # issue 19 (twenty-sixth session): the regions put a 128-row tile's register stores at 5-7 us of its CTAs' tail
+    # (fp8-regions); every one-row-tile call now stores its first round_up(M, 8) rows through SMEM and TMA
+    timeout -k 10 -s INT ${FP8T_TIMEOUT:-200} python3 -m pytest -m gpu -q -x --tb=short -p no:cacheprovider \
+      tests/test_kernel_fp8_gemm.py > "$OUT/fp8_gemm_tests.log" 2>&1; echo "fp8 tests rc=$?"; tail -2 "$OUT/fp8_gemm_tests.log"
+    V=${FP8SWEEP_VARIANTS:-'[{"stages": 4}]'}
+    SWEEP_CASES=${FP8_CASES:-'q_b:1 q_b:64 q_b:128 mlp:1 mlp:64 mlp:128 wo:64 wo:128'} ncu_sweep fp8 "$V"
+    ;;
   fp8-smem)
     # issue 19 (thirty-fifth session): the swapped form's y through transposed SMEM tiles and TMA (swap_store="smem")
     # against the default call and the y^T + XLA transpose form, whole-call µs on the GPU timeline, cold weights
