@@ -300,8 +300,13 @@ def _auto_k_pairs(bm: int, bn: int, kps: int, persistent: bool) -> bool:
     persistent loop that happens once per CTA, and over a long K it is repaid. H100, 2048 rows: faster at q_b
     (persistent, 12 K blocks) and wo (128), slower at mlp (56 K blocks, 17 waves of CTAs)
     (benchmarks/results/archive/fp8_k_pairs_h100_2026-12-06.json)."""
-    one_chunk = not _ragged(bn) and _chunk_cols(bm, bn) == (bn if bm == 128 else bn // 2)
-    return one_chunk and kps % 2 == 0 and (persistent or kps >= K_PAIRS_MIN_KBLOCKS)
+    return _k_pairs_fit(bm, bn, kps) and (persistent or kps >= K_PAIRS_MIN_KBLOCKS)
+
+
+def _k_pairs_fit(bm: int, bn: int, kps: int) -> bool:
+    """Whether k_pairs can take these tiles: one accumulator chunk per warpgroup (not ragged) and an even number of
+    K blocks per CTA."""
+    return not _ragged(bn) and _chunk_cols(bm, bn) == (bn if bm == 128 else bn // 2) and kps % 2 == 0
 
 
 def _auto_split_k(tiles: int, nk: int) -> int:
@@ -514,8 +519,6 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
                           f"with x quantised outside (got stage_scales={stage_scales}, quantize_x={quantize_x})")
     if ring_scales and stream_k:
         raise Unsupported("fp8_linear kernel: ring_scales has no stream_k form")
-    if k_pairs is None:
-        k_pairs = False if not ring_scales else None  # None: decided with the tiles below (``_auto_k_pairs``)
     if k_pairs and not ring_scales:
         raise Unsupported("fp8_linear kernel: k_pairs reads both K blocks' scales from the ring: it needs ring_scales")
     if persistent and (stream_k or split_k not in (None, 1)):
@@ -547,13 +550,13 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     if stream_k or persistent or prefetch_scales or ring_scales:
         stage_scales = False
     ctas = stream_k_ctas(n // bn, nk) if stream_k else 0
-    if k_pairs is None:
-        k_pairs = _auto_k_pairs(bm, bn, nk // s, persistent)
+    if k_pairs is None:  # decided with the tiles
+        k_pairs = bool(ring_scales) and _auto_k_pairs(bm, bn, nk // s, persistent)
     kstep = 2 if k_pairs else 1
     # a ring stage: the x and weight tiles of its K blocks, with ring_scales their row scales and weight-scale rows
     stage_bytes = kstep * ((bm + bn) * BLOCK + (4 * (bm + ring_weight_scales_cols(n)) if ring_scales else 0))
     if k_pairs:
-        if _ragged(bn) or _chunk_cols(bm, bn) != (bn if bm == 128 else bn // 2) or (nk // s) % 2:
+        if not _k_pairs_fit(bm, bn, nk // s):
             raise Unsupported(f"fp8_linear kernel: k_pairs needs one accumulator chunk per warpgroup ({bm} x {bn} tiles "
                               f"make {_chunk_cols(bm, bn)}-column chunks) and an even number of K blocks per CTA "
                               f"({nk // s})")
