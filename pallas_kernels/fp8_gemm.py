@@ -131,6 +131,7 @@ SWAP_RING_BYTES = 104 * 1024  # swap_ab, stages=None: ring bytes in flight per C
 LARGE_M_FROM = 1024  # rows from which persistent / ring_scales = None may turn on (``_auto_large_m``), act_quant's kernel
 PERSISTENT_MAX_KBLOCKS = 16  # in / 128 up to which persistent=None loops over tiles there (q_b's 12)
 K_PAIRS_MIN_KBLOCKS = 64  # k_pairs=None: on with ring_scales in the persistent loop or from this many K blocks
+RING_SCALE_COLS = 32  # ring_scales: a stage's weight scales of its tile, one 128-byte row (``ring_weight_scales``)
 PROFILE_RANGES = 256  # per warpgroup and call: ``profile_dir``'s events (a region per K block, a few more)
 
 
@@ -434,17 +435,20 @@ def pad_weight_scales(sw: jax.Array) -> jax.Array:
     return sw if pad == ((0, 0), (0, 0)) else jnp.pad(sw, ((0, 0),) * (sw.ndim - 2) + pad)
 
 
-def ring_weight_scales(sw: jax.Array) -> jax.Array:
-    """Weight scales [N / 128, K / 128] as ``ring_scales`` streams them: sw^T [K / 128, N / 128 padded to a multiple
-    of 32] (one K block's row is one copy, which Mosaic GPU needs in multiples of 128 bytes)."""
-    swt = sw.T
-    return jnp.pad(swt, ((0, 0), (0, ring_weight_scales_cols(swt.shape[1] * BLOCK) - swt.shape[1])))
+def ring_weight_scales(sw: jax.Array, bn: int) -> jax.Array:
+    """Weight scales [N / 128, K / 128] as ``ring_scales`` streams them for ``bn``-wide tiles: [K / 128, N / bn *
+    ``RING_SCALE_COLS``], tile t's columns the scales of the blocks from the one holding its first column
+    (floor(t bn / 128)) on, zero past the last block (a tile spans at most three blocks; a row of 32 floats is
+    the 128 bytes a Mosaic GPU copy moves).
 
-
-def ring_weight_scales_cols(n: int) -> int:
-    """Columns of ``ring_weight_scales``' rows for n output features: ceil(n / 128) rounded up to 32."""
-    blocks = -(-n // BLOCK)
-    return -(-blocks // 32) * 32
+    Why per tile: a compute warpgroup then indexes a step's scales by its columns' place in the tile, a constant
+    where ``bn`` is a multiple of 128, instead of by the tile's index, which in the persistent loop was per-step
+    arithmetic between the MMA issues (the whole sw^T row per stage before)."""
+    nb, nk = sw.shape
+    n_tiles = nb * BLOCK // bn
+    idx = (np.arange(n_tiles) * bn // BLOCK)[:, None] + np.arange(RING_SCALE_COLS)[None]
+    tiles = sw.T[:, np.minimum(idx, nb - 1)]  # [K / 128, tiles, 32]
+    return jnp.where(jnp.asarray(idx < nb), tiles, 0.0).reshape(nk, n_tiles * RING_SCALE_COLS)
 
 
 def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
@@ -554,7 +558,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         k_pairs = bool(ring_scales) and _auto_k_pairs(bm, bn, nk // s, persistent)
     kstep = 2 if k_pairs else 1
     # a ring stage: the x and weight tiles of its K blocks, with ring_scales their row scales and weight-scale rows
-    stage_bytes = kstep * ((bm + bn) * BLOCK + (4 * (bm + ring_weight_scales_cols(n)) if ring_scales else 0))
+    stage_bytes = kstep * ((bm + bn) * BLOCK + (4 * (bm + RING_SCALE_COLS) if ring_scales else 0))
     if k_pairs:
         if not _k_pairs_fit(bm, bn, nk // s):
             raise Unsupported(f"fp8_linear kernel: k_pairs needs one accumulator chunk per warpgroup ({bm} x {bn} tiles "
@@ -572,7 +576,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
                        prefetch_scales=prefetch_scales, ring_scales=ring_scales, k_pairs=k_pairs,
                        profile_dir=profile_dir)
     sw = w_scale.astype(jnp.float32)
-    sw = pad_weight_scales(sw) if stage_scales else ring_weight_scales(sw) if ring_scales else sw
+    sw = pad_weight_scales(sw) if stage_scales else ring_weight_scales(sw, bn) if ring_scales else sw
     if quantize_x:
         y = call(x.reshape(m, k), wq, sw)
     else:
@@ -778,8 +782,8 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     ``prefetch_scales`` (unstaged scales, x quantised outside): each step loads the next step's scales and carries
     them, so that their global-memory latency is not waited on before the promotion.
     ``ring_scales`` (unstaged scales, x quantised outside, no stream_k; the weight scales given as
-    ``ring_weight_scales``' sw^T): the ring's stages also carry each step's sx^T[kb, the tile's rows] and sw^T[kb, :],
-    which the promotion reads from SMEM.
+    ``ring_weight_scales``' per-tile rows): the ring's stages also carry each step's sx^T[kb, the tile's rows] and
+    its tile's weight scales at kb, which the promotion reads from SMEM.
     ``k_pairs`` (with ``ring_scales``, one accumulator chunk per warpgroup, an even K range): a pipeline step is
     two K blocks; each compute warpgroup issues both blocks' MMAs into two accumulators, then promotes the first
     while the second runs, so that only every second promotion leaves its warpgroup's MMAs idle."""
@@ -813,7 +817,6 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
         raise ValueError("prefetch_scales needs unstaged scales and x quantised outside")
     if ring_scales and (stage_scales or quantize_x or stream_k or prefetch_scales):
         raise ValueError("ring_scales needs unstaged scales, x quantised outside, no stream_k and no prefetch_scales")
-    swt_cols = ring_weight_scales_cols(n)  # ring_scales: sw^T's padded row
     kstep = 2 if k_pairs else 1  # K blocks per pipeline step
     if k_pairs and (not ring_scales or nch != 1 or kps % 2 or nk % 2 or stream_k):
         raise ValueError("k_pairs needs ring_scales, one accumulator chunk per warpgroup, an even number of K "
@@ -880,7 +883,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
 
         def body(idx, x_s, w_s, *rest):
             with jax.named_scope("step"):  # regions of the Mosaic GPU profiler (``profile_dir``)
-                # ring_scales: the step's row scales [1, bm] and weight-scale row [1, swt_cols] in SMEM
+                # ring_scales: the step's row scales [kstep, bm] and its tile's weight scales [kstep, 32] in SMEM
                 ring = rest[:2] if ring_scales else None
                 return step_body(idx, x_s, w_s, rest[-1], ring)
 
@@ -890,11 +893,14 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             split where the chunk crosses into the second); 0 for a repeated stream-K unit (not ``live``: it adds
             nothing)."""
             def get(b):
-                if ring is not None:  # row h of the step's K blocks
+                if ring is not None:  # row h of the step's K blocks; b counts from the tile's first block
                     return ring[1][h, b]
                 return sw_s[wg, b - scale_window(n0 // BLOCK, sw_rows), kb] if stage_scales else sw_ref[b, kb]
 
-            col0 = (wg_cols(wg) if stage_scales else wg_cols(wg, tile)) + col0
+            if ring is not None:  # columns from the tile's first block (tile-free where bn is a multiple of 128)
+                col0 = (0 if bn % BLOCK == 0 else tile * bn % BLOCK) + (0 if split_m else wg * wn) + col0
+            else:
+                col0 = (wg_cols(wg) if stage_scales else wg_cols(wg, tile)) + col0
             b0 = col0 // BLOCK
             if not ragged:
                 v = get(b0)
@@ -931,8 +937,8 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 return out + acc_b[...] * lax.broadcast_in_dim(scales[1], (64, cw), [0])
 
             out = (pl.run_scoped(mma, plgpu.ACC((64, cw), jnp.float32), plgpu.ACC((64, cw), jnp.float32)),)
-            if persistent:
-                out = lax.cond(kb == nk - kstep, functools.partial(flush, tmi, tile), lambda o: o, out)
+            if persistent:  # the tile's indices only in the branch that stores it
+                out = lax.cond(kb == nk - kstep, lambda o: flush(*unit(step)[:2], o), lambda o: o, out)
             return out
 
         def step_body(idx, x_s, w_s, carry, ring):
@@ -1001,7 +1007,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 keep = 1.0 - done.astype(jnp.float32)
                 out = [o * keep for o in out]
             if persistent:  # the tile's last K block: store it (TMA, asynchronous) and start the next tile at 0
-                out = lax.cond(kb == nk - 1, functools.partial(flush, tmi, tile), lambda o: o, tuple(out))
+                out = lax.cond(kb == nk - 1, lambda o: flush(*unit(step)[:2], o), lambda o: o, tuple(out))
             out = tuple(out)
             return (out, nxt) if prefetch_scales else out
 
@@ -1073,7 +1079,8 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
         kw = kstep * BLOCK  # a step's K width
         if stream_k or persistent:  # whole arrays: the blocks follow the CTA's units
             ring_specs = [plgpu.BlockSpec((kstep, bm), lambda s: (unit(s)[2] // kstep, unit(s)[0])),
-                          plgpu.BlockSpec((kstep, swt_cols), lambda s: (unit(s)[2] // kstep, 0))] if ring_scales else []
+                          plgpu.BlockSpec((kstep, RING_SCALE_COLS), lambda s: (unit(s)[2] // kstep, unit(s)[1]))
+                          ] if ring_scales else []
             pipeline = plgpu.emit_pipeline_warp_specialized(
                 body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
                 max_concurrent_steps=min(stages, spc), compute_context=compute,
@@ -1084,13 +1091,14 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 pipeline(x_ref, w_ref, *((sxt_ref, sw_ref) if ring_scales else ()))
             return
         ring_specs = [plgpu.BlockSpec((kstep, bm), lambda s: (s, 0)),
-                      plgpu.BlockSpec((kstep, swt_cols), lambda s: (s, 0))] if ring_scales else []
+                      plgpu.BlockSpec((kstep, RING_SCALE_COLS), lambda s: (s, 0))] if ring_scales else []
         pipeline = plgpu.emit_pipeline_warp_specialized(
             body, grid=(kps // kstep,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
             max_concurrent_steps=min(stages, kps // kstep), compute_context=compute,
             in_specs=[plgpu.BlockSpec((bm, kw), lambda s: (0, s), transforms=x_tf),
                       plgpu.BlockSpec((bn, kw), lambda s: (0, s), transforms=swz), *ring_specs])
-        ring_refs = (sxt_ref.at[pl.ds(kb0, kps), pl.ds(m0, bm)], sw_ref.at[pl.ds(kb0, kps)]) if ring_scales else ()
+        ring_refs = (sxt_ref.at[pl.ds(kb0, kps), pl.ds(m0, bm)],
+                     sw_ref.at[pl.ds(kb0, kps), pl.ds(ni * RING_SCALE_COLS, RING_SCALE_COLS)]) if ring_scales else ()
         with jax.named_scope("all"):
             pipeline((x_ref.at[:, pl.ds(kb0 * BLOCK, kps * BLOCK)] if quantize_x and x_ref.shape[0] < bm else
                       x_ref.at[pl.ds(m0, bm), pl.ds(kb0 * BLOCK, kps * BLOCK)]),

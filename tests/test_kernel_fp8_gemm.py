@@ -571,13 +571,20 @@ def test_k_pairs_matches_xla(mode: str, m: int, tiles: dict, out_dtype, monkeypa
     check(got, ref, ab, _rtol(mode, 512), out_dtype)
 
 
-def test_ring_weight_scales() -> None:
-    """sw^T with 128-byte rows: the transpose, zero-padded to a multiple of 32 columns."""
-    sw = jnp.arange(6 * 3, dtype=jnp.float32).reshape(6, 3)
-    got = np.asarray(G.ring_weight_scales(sw))
-    assert got.shape == (3, 32)
-    np.testing.assert_array_equal(got[:, :6], np.asarray(sw).T)
-    assert not got[:, 6:].any()
+@pytest.mark.parametrize("bn", [64, 128, 144, 192, 384])
+def test_ring_weight_scales(bn: int) -> None:
+    """The ring's per-tile weight scales: tile t's 32 columns at K block kb are sw[floor(t bn / 128) + j, kb],
+    zero past the last block, for widths aligned to the blocks and not (64, 144, 192: tiles that start inside
+    a block)."""
+    nb, nk = 9, 3
+    sw = np.arange(nb * nk, dtype=np.float32).reshape(nb, nk) + 1
+    got = np.asarray(G.ring_weight_scales(jnp.asarray(sw), bn))
+    tiles = nb * 128 // bn
+    assert got.shape == (nk, tiles * G.RING_SCALE_COLS)
+    for t in range(tiles):
+        for j in range(G.RING_SCALE_COLS):
+            b = t * bn // 128 + j
+            np.testing.assert_array_equal(got[:, t * G.RING_SCALE_COLS + j], sw[b] if b < nb else 0.0)
 
 
 @pytest.mark.gpu
