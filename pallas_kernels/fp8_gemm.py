@@ -130,8 +130,8 @@ STAGES = 4  # TMA ring depth (stages=None)
 SWAP_RING_BYTES = 104 * 1024  # swap_ab, stages=None: ring bytes in flight per CTA (``_swapped_stages``)
 LARGE_M_FROM = 1024  # rows from which persistent / ring_scales = None may turn on (``_auto_large_m``), act_quant's kernel
 PERSISTENT_MAX_KBLOCKS = 16  # in / 128 up to which persistent=None loops over tiles there (q_b's 12)
-K_PAIRS_MIN_KBLOCKS = 64  # k_pairs=None: on with ring_scales in the persistent loop or from this many K blocks
-RING_SCALE_COLS = 32  # ring_scales: a stage's weight scales of its tile, one 128-byte row (``ring_weight_scales``)
+K_PAIRS_MIN_KBLOCKS = 64  # k_pairs=None: on with ring_scales from this many K blocks per CTA
+RING_SCALE_COLS = 32  # ring_scales: weight scales per stage in multiples of this (128 bytes; ``ring_weight_scales``)
 PROFILE_RANGES = 256  # per warpgroup and call: ``profile_dir``'s events (a region per K block, a few more)
 
 
@@ -197,8 +197,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     K blocks per CTA): each pipeline step carries two K blocks; a compute warpgroup issues both MMAs into two
     accumulators and promotes the first while the second runs (only every second promotion leaves its MMAs
     idle). The ring keeps as many stages of two blocks as fit SMEM, at most ``stages``. None (``_auto_k_pairs``):
-    on with ``ring_scales`` where the tile allows it, in the persistent loop or from ``K_PAIRS_MIN_KBLOCKS`` K
-    blocks per CTA.
+    on with ``ring_scales`` where the tile allows it, from ``K_PAIRS_MIN_KBLOCKS`` K blocks per CTA.
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler writes a trace of the kernel's named regions per
     warpgroup there: ``all`` (the pipeline, every warpgroup), the compute warpgroups' ``scales`` (staging wait),
     ``loop``, its ``step`` bodies and ``store`` (``scripts/diag/fp8_regions.py``).
@@ -292,16 +291,16 @@ def _auto_large_m(m: int, nk: int, split_k: int | None, stage_scales: bool | Non
     return nk <= PERSISTENT_MAX_KBLOCKS and split_k in (None, 1), True
 
 
-def _auto_k_pairs(bm: int, bn: int, kps: int, persistent: bool) -> bool:
+def _auto_k_pairs(bm: int, bn: int, kps: int) -> bool:
     """k_pairs=None with ring_scales: on where the tile allows it (one accumulator chunk per warpgroup, an even
-    number of K blocks per CTA) and the CTA loops over tiles (``persistent``) or runs at least
-    ``K_PAIRS_MIN_KBLOCKS`` K blocks.
+    number of K blocks per CTA) and the CTA runs at least ``K_PAIRS_MIN_KBLOCKS`` K blocks.
 
-    Why: a step of two blocks takes twice the SMEM, so a CTA's ring fills later before its first MMA; in the
-    persistent loop that happens once per CTA, and over a long K it is repaid. H100, 2048 rows: faster at q_b
-    (persistent, 12 K blocks) and wo (128), slower at mlp (56 K blocks, 17 waves of CTAs)
-    (benchmarks/results/archive/fp8_k_pairs_h100_2026-12-06.json)."""
-    return _k_pairs_fit(bm, bn, kps) and (persistent or kps >= K_PAIRS_MIN_KBLOCKS)
+    Why: a step of two blocks takes twice the SMEM, so a CTA's ring holds half the steps and fills later before
+    its first MMA; over a long K the second accumulator's overlap repays it. H100, 2048 rows: faster at wo (128 K
+    blocks), slower at mlp (56 K blocks, 17 waves of CTAs) (benchmarks/results/archive/fp8_k_pairs_h100_2026-12-06.json)
+    and, once the persistent loop's steps stopped computing the tile's indices, at q_b (12 K blocks, persistent;
+    benchmarks/results/archive/fp8_tile_scales_h100_2026-12-06.json)."""
+    return _k_pairs_fit(bm, bn, kps) and kps >= K_PAIRS_MIN_KBLOCKS
 
 
 def _k_pairs_fit(bm: int, bn: int, kps: int) -> bool:
@@ -435,20 +434,29 @@ def pad_weight_scales(sw: jax.Array) -> jax.Array:
     return sw if pad == ((0, 0), (0, 0)) else jnp.pad(sw, ((0, 0),) * (sw.ndim - 2) + pad)
 
 
-def ring_weight_scales(sw: jax.Array, bn: int) -> jax.Array:
-    """Weight scales [N / 128, K / 128] as ``ring_scales`` streams them for ``bn``-wide tiles: [K / 128, N / bn *
-    ``RING_SCALE_COLS``], tile t's columns the scales of the blocks from the one holding its first column
-    (floor(t bn / 128)) on, zero past the last block (a tile spans at most three blocks; a row of 32 floats is
-    the 128 bytes a Mosaic GPU copy moves).
+def ring_weight_scales(sw: jax.Array, bn: int | None = None) -> jax.Array:
+    """Weight scales [N / 128, K / 128] as ``ring_scales`` streams them. ``bn`` None: sw^T [K / 128, N / 128 padded
+    to a multiple of ``RING_SCALE_COLS``], a stage carrying its K block's whole row. ``bn`` given (the persistent
+    loop's ``bn``-wide tiles): [K / 128, N / bn * ``RING_SCALE_COLS``], tile t's columns the scales of the blocks
+    from the one holding its first column (floor(t bn / 128)) on, zero past the last block (a tile spans at most
+    three). A copy moves multiples of 128 bytes (32 floats).
 
-    Why per tile: a compute warpgroup then indexes a step's scales by its columns' place in the tile, a constant
-    where ``bn`` is a multiple of 128, instead of by the tile's index, which in the persistent loop was per-step
-    arithmetic between the MMA issues (the whole sw^T row per stage before)."""
+    Why per tile in the persistent loop: a compute warpgroup then indexes a step's scales by its columns' place in
+    the tile, a constant where ``bn`` is a multiple of 128, instead of by the tile's index, which there was
+    per-step arithmetic between the MMA issues. A CTA with one tile computes that index once; there the whole
+    rows measured faster (mlp, 2048 rows, on an H100: benchmarks/results/archive/fp8_tile_scales_h100_2026-12-06.json)."""
     nb, nk = sw.shape
+    if bn is None:
+        return jnp.pad(sw.T, ((0, 0), (0, ring_weight_scales_cols(nb * BLOCK) - nb)))
     n_tiles = nb * BLOCK // bn
     idx = (np.arange(n_tiles) * bn // BLOCK)[:, None] + np.arange(RING_SCALE_COLS)[None]
     tiles = sw.T[:, np.minimum(idx, nb - 1)]  # [K / 128, tiles, 32]
     return jnp.where(jnp.asarray(idx < nb), tiles, 0.0).reshape(nk, n_tiles * RING_SCALE_COLS)
+
+
+def ring_weight_scales_cols(n: int) -> int:
+    """Columns of ``ring_weight_scales``' whole rows for n output features: ceil(n / 128) rounded up to 32."""
+    return -(-(-(-n // BLOCK)) // RING_SCALE_COLS) * RING_SCALE_COLS
 
 
 def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
@@ -555,10 +563,11 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         stage_scales = False
     ctas = stream_k_ctas(n // bn, nk) if stream_k else 0
     if k_pairs is None:  # decided with the tiles
-        k_pairs = bool(ring_scales) and _auto_k_pairs(bm, bn, nk // s, persistent)
+        k_pairs = bool(ring_scales) and _auto_k_pairs(bm, bn, nk // s)
     kstep = 2 if k_pairs else 1
     # a ring stage: the x and weight tiles of its K blocks, with ring_scales their row scales and weight-scale rows
-    stage_bytes = kstep * ((bm + bn) * BLOCK + (4 * (bm + RING_SCALE_COLS) if ring_scales else 0))
+    sw_cols = RING_SCALE_COLS if persistent else ring_weight_scales_cols(n)  # a stage's weight scales
+    stage_bytes = kstep * ((bm + bn) * BLOCK + (4 * (bm + sw_cols) if ring_scales else 0))
     if k_pairs:
         if not _k_pairs_fit(bm, bn, nk // s):
             raise Unsupported(f"fp8_linear kernel: k_pairs needs one accumulator chunk per warpgroup ({bm} x {bn} tiles "
@@ -576,7 +585,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
                        prefetch_scales=prefetch_scales, ring_scales=ring_scales, k_pairs=k_pairs,
                        profile_dir=profile_dir)
     sw = w_scale.astype(jnp.float32)
-    sw = pad_weight_scales(sw) if stage_scales else ring_weight_scales(sw, bn) if ring_scales else sw
+    sw = pad_weight_scales(sw) if stage_scales else ring_weight_scales(sw, bn if persistent else None) if ring_scales else sw
     if quantize_x:
         y = call(x.reshape(m, k), wq, sw)
     else:
@@ -782,12 +791,13 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     ``prefetch_scales`` (unstaged scales, x quantised outside): each step loads the next step's scales and carries
     them, so that their global-memory latency is not waited on before the promotion.
     ``ring_scales`` (unstaged scales, x quantised outside, no stream_k; the weight scales given as
-    ``ring_weight_scales``' per-tile rows): the ring's stages also carry each step's sx^T[kb, the tile's rows] and
-    its tile's weight scales at kb, which the promotion reads from SMEM.
+    ``ring_weight_scales``' form: whole rows, per-tile rows when ``persistent``): the ring's stages also carry each
+    step's sx^T[kb, the tile's rows] and the weight scales at kb, which the promotion reads from SMEM.
     ``k_pairs`` (with ``ring_scales``, one accumulator chunk per warpgroup, an even K range): a pipeline step is
     two K blocks; each compute warpgroup issues both blocks' MMAs into two accumulators, then promotes the first
     while the second runs, so that only every second promotion leaves its warpgroup's MMAs idle."""
     nk = k // BLOCK
+    sw_cols = ring_weight_scales_cols(n)  # ring_scales without persistent: sw^T's padded rows
     sw_rows = max(-(-n // BLOCK), SW_ROWS)  # rows of the (padded) weight scales, when staged
     kps = nk // splits  # K blocks per CTA
     m_tiles, n_tiles = mp // bm, n // bn
@@ -893,11 +903,11 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             split where the chunk crosses into the second); 0 for a repeated stream-K unit (not ``live``: it adds
             nothing)."""
             def get(b):
-                if ring is not None:  # row h of the step's K blocks; b counts from the tile's first block
+                if ring is not None:  # row h of the step's K blocks (persistent: b counts from the tile's first block)
                     return ring[1][h, b]
                 return sw_s[wg, b - scale_window(n0 // BLOCK, sw_rows), kb] if stage_scales else sw_ref[b, kb]
 
-            if ring is not None:  # columns from the tile's first block (tile-free where bn is a multiple of 128)
+            if ring is not None and persistent:  # columns from the tile's first block (no tile index for bn % 128 == 0)
                 col0 = (0 if bn % BLOCK == 0 else tile * bn % BLOCK) + (0 if split_m else wg * wn) + col0
             else:
                 col0 = (wg_cols(wg) if stage_scales else wg_cols(wg, tile)) + col0
@@ -1091,14 +1101,13 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 pipeline(x_ref, w_ref, *((sxt_ref, sw_ref) if ring_scales else ()))
             return
         ring_specs = [plgpu.BlockSpec((kstep, bm), lambda s: (s, 0)),
-                      plgpu.BlockSpec((kstep, RING_SCALE_COLS), lambda s: (s, 0))] if ring_scales else []
+                      plgpu.BlockSpec((kstep, sw_cols), lambda s: (s, 0))] if ring_scales else []
         pipeline = plgpu.emit_pipeline_warp_specialized(
             body, grid=(kps // kstep,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
             max_concurrent_steps=min(stages, kps // kstep), compute_context=compute,
             in_specs=[plgpu.BlockSpec((bm, kw), lambda s: (0, s), transforms=x_tf),
                       plgpu.BlockSpec((bn, kw), lambda s: (0, s), transforms=swz), *ring_specs])
-        ring_refs = (sxt_ref.at[pl.ds(kb0, kps), pl.ds(m0, bm)],
-                     sw_ref.at[pl.ds(kb0, kps), pl.ds(ni * RING_SCALE_COLS, RING_SCALE_COLS)]) if ring_scales else ()
+        ring_refs = (sxt_ref.at[pl.ds(kb0, kps), pl.ds(m0, bm)], sw_ref.at[pl.ds(kb0, kps)]) if ring_scales else ()
         with jax.named_scope("all"):
             pipeline((x_ref.at[:, pl.ds(kb0 * BLOCK, kps * BLOCK)] if quantize_x and x_ref.shape[0] < bm else
                       x_ref.at[pl.ds(m0, bm), pl.ds(kb0 * BLOCK, kps * BLOCK)]),

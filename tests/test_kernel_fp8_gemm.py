@@ -487,6 +487,7 @@ def test_stream_k_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, quan
     (300, 512, 384, 4, dict(ring_scales=True), jnp.bfloat16),  # the scales through the ring
     (200, 384, 256, 5, dict(block_m=64, ring_scales=True), jnp.float32),
     (200, 256, 1152, 5, dict(block_n=144, ring_scales=True), jnp.float32),
+    (300, 512, 384, 4, dict(block_n=192, ring_scales=True), jnp.float32),  # a tile starting mid-block: scales 1, 2
     (256, 512, 384, 4, dict(group_m=2, ring_scales=True), jnp.float32),  # full groups: a constant divisor
     (300, 512, 384, 4, dict(group_m=1), jnp.float32),
 ])
@@ -571,10 +572,19 @@ def test_k_pairs_matches_xla(mode: str, m: int, tiles: dict, out_dtype, monkeypa
     check(got, ref, ab, _rtol(mode, 512), out_dtype)
 
 
+def test_ring_weight_scales_rows() -> None:
+    """The ring's whole-row weight scales (no persistent loop): sw^T, zero-padded to a multiple of 32 columns."""
+    sw = jnp.arange(6 * 3, dtype=jnp.float32).reshape(6, 3)
+    got = np.asarray(G.ring_weight_scales(sw))
+    assert got.shape == (3, 32)
+    np.testing.assert_array_equal(got[:, :6], np.asarray(sw).T)
+    assert not got[:, 6:].any()
+
+
 @pytest.mark.parametrize("bn", [64, 128, 144, 192, 384])
-def test_ring_weight_scales(bn: int) -> None:
-    """The ring's per-tile weight scales: tile t's 32 columns at K block kb are sw[floor(t bn / 128) + j, kb],
-    zero past the last block, for widths aligned to the blocks and not (64, 144, 192: tiles that start inside
+def test_ring_weight_scales_tiles(bn: int) -> None:
+    """The persistent loop's per-tile weight scales: tile t's 32 columns at K block kb are sw[floor(t bn / 128) + j,
+    kb], zero past the last block, for widths aligned to the blocks and not (64, 144, 192: tiles that start inside
     a block)."""
     nb, nk = 9, 3
     sw = np.arange(nb * nk, dtype=np.float32).reshape(nb, nk) + 1
@@ -658,17 +668,17 @@ def test_auto_large_m() -> None:
 
 
 def test_auto_k_pairs() -> None:
-    """k_pairs = None (with ring_scales): on for one accumulator chunk per warpgroup and an even K range, in the
-    persistent loop or from K_PAIRS_MIN_KBLOCKS K blocks; off for ragged or multi-chunk tiles."""
+    """k_pairs = None (with ring_scales): on for one accumulator chunk per warpgroup and an even K range from
+    K_PAIRS_MIN_KBLOCKS K blocks per CTA (q_b's persistent 12 K blocks: off); off for ragged or multi-chunk tiles."""
     long_k = G.K_PAIRS_MIN_KBLOCKS
-    assert G._auto_k_pairs(128, 128, 128, False) and G._auto_k_pairs(128, 128, long_k, False)  # wo
-    assert G._auto_k_pairs(128, 128, 12, True)  # q_b, persistent
-    assert not G._auto_k_pairs(128, 128, 56, False)  # mlp
-    assert not G._auto_k_pairs(128, 128, long_k + 1, False)  # odd
-    assert not G._auto_k_pairs(128, 144, 128, True)  # ragged
-    assert not G._auto_k_pairs(128, 192, 128, True)  # 64-column chunks
-    assert not G._auto_k_pairs(128, 256, 128, True)  # two chunks
-    assert G._auto_k_pairs(64, 256, 128, False)  # 64-row tile: a warpgroup's 128 columns
+    assert G._auto_k_pairs(128, 128, 128) and G._auto_k_pairs(128, 128, long_k)  # wo
+    assert not G._auto_k_pairs(128, 128, 12)  # q_b
+    assert not G._auto_k_pairs(128, 128, 56)  # mlp
+    assert not G._auto_k_pairs(128, 128, long_k + 1)  # odd
+    assert not G._auto_k_pairs(128, 144, 128)  # ragged
+    assert not G._auto_k_pairs(128, 192, 128)  # 64-column chunks
+    assert not G._auto_k_pairs(128, 256, 128)  # two chunks
+    assert G._auto_k_pairs(64, 256, 128)  # 64-row tile: a warpgroup's 128 columns
 
 
 def test_large_m_scale_forms_resolved(monkeypatch) -> None:
@@ -690,7 +700,10 @@ def test_large_m_scale_forms_resolved(monkeypatch) -> None:
         G.fp8_linear(x, wq, ws, **kw, **extra)
     assert seen == [(True, False, False, False), (False, True, False, False), (False, True, False, False),
                     (False, False, True, False)]
-    x, wq, ws = make_case(130, 512, 256, seed=2)  # 4 K blocks, persistent: pairs by default
+    x, wq, ws = make_case(130, 512, 256, seed=2)  # 4 K blocks, persistent: no pairs by default (short K)
+    G.fp8_linear(x, wq, ws, **kw, persistent=True)
+    assert seen[-1] == (True, False, True, False)
+    monkeypatch.setattr(G, "K_PAIRS_MIN_KBLOCKS", 4)  # pairs from 4 K blocks: on in the persistent loop too
     G.fp8_linear(x, wq, ws, **kw, persistent=True)
     assert seen[-1] == (True, False, True, True)
 
