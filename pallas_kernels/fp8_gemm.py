@@ -127,9 +127,10 @@ SWAP_BLOCK_N = (64, 128, 192)  # swap_ab's tile widths: a compute warpgroup per 
 SWAP_AB_UP_TO = 32  # rows (M) up to which swap_ab=None swaps the roles (``_auto_swap_ab``)
 SWAP_STORES = ("rows", "transpose", "smem")  # swap_ab's ways to store y (``fp8_linear``'s ``swap_store``)
 STAGES = 4  # TMA ring depth (stages=None)
+GROUP_M = 16  # fp8_linear's group_m default: M tiles per rasterisation group (8 before: archive/fp8_tile_scales_h100_2026-12-06.json)
 SWAP_RING_BYTES = 104 * 1024  # swap_ab, stages=None: ring bytes in flight per CTA (``_swapped_stages``)
 LARGE_M_FROM = 1024  # rows from which persistent / ring_scales = None may turn on (``_auto_large_m``), act_quant's kernel
-PERSISTENT_MAX_KBLOCKS = 16  # in / 128 up to which persistent=None loops over tiles there (q_b's 12)
+PERSISTENT_MAX_KBLOCKS = 64  # in / 128 up to which persistent=None loops over tiles there (q_b's 12, mlp's 56)
 K_PAIRS_MIN_KBLOCKS = 64  # k_pairs=None: on with ring_scales from this many K blocks per CTA
 RING_SCALE_COLS = 32  # ring_scales: weight scales per stage in multiples of this (128 bytes; ``ring_weight_scales``)
 PROFILE_RANGES = 256  # per warpgroup and call: ``profile_dir``'s events (a region per K block, a few more)
@@ -141,7 +142,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                scale_fmt: quant.ScaleFmt = "ue8m0", implementation: Implementation = "auto",
                interpret: bool | plgpu.InterpretGPUParams | None = None, block_m: int | None = None,
                block_n: int | None = None, split_k: int | None = None, stages: int | None = None,
-               group_m: int = 8, stage_scales: bool | None = None, quantize_x: bool = False,
+               group_m: int = GROUP_M, stage_scales: bool | None = None, quantize_x: bool = False,
                stream_k: bool | None = None, act_quant: str | None = None, swap_ab: bool | None = None,
                swap_store: str | None = None, persistent: bool | None = None,
                prefetch_scales: bool | None = None, ring_scales: bool | None = None,
@@ -282,8 +283,9 @@ def _auto_large_m(m: int, nk: int, split_k: int | None, stage_scales: bool | Non
 
     Why: with a short K a tile's ring fill and accumulator store are a large share of its time, which the
     persistent loop overlaps with the next tile's blocks; with a long K that loop's smaller ring (its SMEM
-    output tiles take room) costs more than it saves (H100, 2048 rows: persistent faster at q_b's 12 K blocks,
-    slower at mlp's 56 and wo's 128, with the scales loaded from GMEM and with them through the ring). The scales
+    output tiles take room) costs more than it saves (H100, 2048 rows: persistent faster at q_b's 12 K blocks and,
+    once its steps stopped computing the tile's indices, at mlp's 56; slower at wo's 128:
+    benchmarks/results/archive/fp8_tile_scales_h100_2026-12-06.json). The scales
     through the ring were faster than loading them from GMEM a step ahead (``prefetch_scales``, the default
     before) or in the step, at all three (benchmarks/results/fp8_large_kernels_h100_2026-12-06.json)."""
     if m < LARGE_M_FROM or stage_scales or quantize_x or stream_k or swap_ab:
@@ -839,11 +841,12 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     def tile_of(t):
         """Output tile t (of one split) -> (mi, ni): groups of ``group_m`` M tiles, M fastest inside a group,
         so that the CTAs resident at once share a few x row tiles and a band of weight tiles in L2."""
-        per_group = group_m * n_tiles
-        first = (t // per_group) * group_m
+        g = min(group_m, m_tiles)  # a group of more M tiles than there are is all of them
+        per_group = g * n_tiles
+        first = (t // per_group) * g
         # every group full: a constant divisor, so the steps that call this (the persistent loop's, every step of
         # both compute warpgroups) do no integer division (the SASS of q_b's ring kernel had one per step)
-        size = group_m if m_tiles % group_m == 0 else jnp.minimum(m_tiles - first, group_m)
+        size = g if m_tiles % g == 0 else jnp.minimum(m_tiles - first, g)
         r = t % per_group
         return first + r % size, r // size
 

@@ -598,14 +598,14 @@ def test_ring_weight_scales_tiles(bn: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n", [(1024, 1536, 3072), (2048, 2176, 1024)])
+@pytest.mark.parametrize("m,k,n", [(1024, 1536, 3072), (2048, 7168, 1024), (2048, 8448, 1024)])
 def test_large_m_defaults_match_xla(m: int, k: int, n: int) -> None:
     """The defaults from LARGE_M_FROM rows (``_auto_large_m``), natively at the GPU's own CTA count: the scales
-    through the ring, with the persistent loop at 12 K blocks (q_b's in-features), without it at 17; every element
-    within the bound of the reference, fp32 and bf16 out."""
+    through the ring, with the persistent loop at 12 and 56 K blocks (q_b's and mlp's in-features), without it
+    and with K pairs at 66; every element within the bound of the reference, fp32 and bf16 out."""
     if not ON_GPU:
         pytest.skip("native only")
-    want = (k == 1536, True)
+    want = (k // 128 <= G.PERSISTENT_MAX_KBLOCKS, True)
     assert G._auto_large_m(m, k // 128, None, None, False, None, None) == want
     x, wq, ws = make_case(m, k, n, seed=m + k)
     ref, ab = reference(x, wq, ws, "ue8m0")
@@ -693,6 +693,7 @@ def test_large_m_scale_forms_resolved(monkeypatch) -> None:
 
     monkeypatch.setattr(G, "_build_call", spy)
     monkeypatch.setattr(G, "LARGE_M_FROM", 130)
+    monkeypatch.setattr(G, "PERSISTENT_MAX_KBLOCKS", 16)
     x, wq, ws = make_case(130, 2176, 256, seed=1)  # 17 K blocks: no persistent loop by default
     kw = dict(implementation="pallas", interpret=True, out_dtype=jnp.float32)
     monkeypatch.setattr(G, "K_PAIRS_MIN_KBLOCKS", 18)  # 17 K blocks: odd, so no pairs here by default either

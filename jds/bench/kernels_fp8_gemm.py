@@ -256,8 +256,8 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch, rows: Sequenc
             jax.block_until_ready(f(x, wq, ws))
             bm, bn, sk = fp8_gemm._pick_tiles(m, n, k // 128, tiles.get("block_m"), tiles.get("block_n"),
                                               tiles.get("split_k"))
-            r.update(block_m=bm, block_n=bn, split_k=sk, stages=tiles.get("stages", 4),
-                     group_m=tiles.get("group_m", 8))
+            r.update(block_m=bm, block_n=bn, split_k=sk, stages=tiles.get("stages", fp8_gemm.STAGES),
+                     group_m=tiles.get("group_m", fp8_gemm.GROUP_M))
             if tiles.get("stream_k", fp8_gemm._auto_stream_k(m, n, k // 128, tiles.get("block_m"), tiles.get(
                     "block_n"), tiles.get("split_k"), tiles.get("stage_scales"))):  # no K split: a wave shares the units
                 r.update(split_k=None, stream_k_ctas=fp8_gemm.stream_k_ctas(n // bn, k // 128))
