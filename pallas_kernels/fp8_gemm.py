@@ -127,7 +127,7 @@ SWAP_BLOCK_N = (64, 128, 192)  # swap_ab's tile widths: a compute warpgroup per 
 SWAP_AB_UP_TO = 32  # rows (M) up to which swap_ab=None swaps the roles (``_auto_swap_ab``)
 SWAP_STORES = ("rows", "transpose", "smem")  # swap_ab's ways to store y (``fp8_linear``'s ``swap_store``)
 STAGES = 4  # TMA ring depth (stages=None)
-GROUP_M = 16  # fp8_linear's group_m default: M tiles per rasterisation group (8 before: archive/fp8_tile_scales_h100_2026-12-06.json)
+GROUP_M = 16  # fp8_linear's group_m: M tiles per rasterisation group (8 before; archive/fp8_tile_scales_h100_2026-12-06)
 SWAP_RING_BYTES = 104 * 1024  # swap_ab, stages=None: ring bytes in flight per CTA (``_swapped_stages``)
 LARGE_M_FROM = 1024  # rows from which persistent / ring_scales = None may turn on (``_auto_large_m``), act_quant's kernel
 PERSISTENT_MAX_KBLOCKS = 64  # in / 128 up to which persistent=None loops over tiles there (q_b's 12, mlp's 56)
@@ -287,7 +287,8 @@ def _auto_large_m(m: int, nk: int, split_k: int | None, stage_scales: bool | Non
     once its steps stopped computing the tile's indices, at mlp's 56; slower at wo's 128:
     benchmarks/results/archive/fp8_tile_scales_h100_2026-12-06.json). The scales
     through the ring were faster than loading them from GMEM a step ahead (``prefetch_scales``, the default
-    before) or in the step, at all three (benchmarks/results/fp8_large_kernels_h100_2026-12-06.json)."""
+    before) or in the step, at all three
+    (benchmarks/results/archive/fp8_large_kernels_kpairs_h100_2026-12-06.json)."""
     if m < LARGE_M_FROM or stage_scales or quantize_x or stream_k or swap_ab:
         return False, False
     return nk <= PERSISTENT_MAX_KBLOCKS and split_k in (None, 1), True
@@ -395,7 +396,7 @@ def _auto_act_quant(m: int) -> str:
     faster at 1 and 64 rows (wo, mlp: scripts/diag/fp8_call_gap.py), and its kernels were busy for less time at
     128 (q_b, wo, mlp); a single waited call shows an idle gap between the two Mosaic kernels that chained calls
     do not. At 2048 rows it was faster than XLA's kernels at q_b, wo and mlp (which read x twice;
-    benchmarks/results/fp8_large_kernels_h100_2026-12-06.json). Unmeasured in between."""
+    benchmarks/results/archive/fp8_large_kernels_kpairs_h100_2026-12-06.json). Unmeasured in between."""
     return "kernel" if m <= ACT_QUANT_KERNEL_UP_TO or m >= LARGE_M_FROM else "xla"
 
 
@@ -446,7 +447,8 @@ def ring_weight_scales(sw: jax.Array, bn: int | None = None) -> jax.Array:
     Why per tile in the persistent loop: a compute warpgroup then indexes a step's scales by its columns' place in
     the tile, a constant where ``bn`` is a multiple of 128, instead of by the tile's index, which there was
     per-step arithmetic between the MMA issues. A CTA with one tile computes that index once; there the whole
-    rows measured faster (mlp, 2048 rows, on an H100: benchmarks/results/archive/fp8_tile_scales_h100_2026-12-06.json)."""
+    rows measured faster (mlp, 2048 rows, on an H100:
+    benchmarks/results/archive/fp8_tile_scales_h100_2026-12-06.json)."""
     nb, nk = sw.shape
     if bn is None:
         return jnp.pad(sw.T, ((0, 0), (0, ring_weight_scales_cols(nb * BLOCK) - nb)))
@@ -587,7 +589,10 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
                        prefetch_scales=prefetch_scales, ring_scales=ring_scales, k_pairs=k_pairs,
                        profile_dir=profile_dir)
     sw = w_scale.astype(jnp.float32)
-    sw = pad_weight_scales(sw) if stage_scales else ring_weight_scales(sw, bn if persistent else None) if ring_scales else sw
+    if stage_scales:
+        sw = pad_weight_scales(sw)
+    elif ring_scales:
+        sw = ring_weight_scales(sw, bn if persistent else None)
     if quantize_x:
         y = call(x.reshape(m, k), wq, sw)
     else:
