@@ -223,8 +223,10 @@ case "$stage" in
     ncu_sweep fp8 "$V"
     ;;
   fp8-large)
-    # issue 19: large M against the 60% target. Defaults (fifty-third session): the scales through the TMA ring
-    # (ring_scales), two K blocks a step where K is long or the loop persistent (k_pairs), act_quant in one kernel.
+    # issue 19: large M against the 60% target. Defaults (fifty-fourth session): the scales through the TMA ring
+    # (ring_scales; per tile in the persistent loop), two K blocks a step from 64 K blocks (k_pairs), the persistent
+    # loop up to 64 K blocks (q_b, mlp), groups of 16 M tiles, act_quant in one kernel. The "before" variant below is
+    # the fifty-second session's form (no ring, no pairs, act_quant in XLA).
     # Native tests of the large-M forms first, then the call and kernel device times beside torch's blockwise
     # kernel and the form before (scripts/diag/fp8_large_kernels.py), then the benchmark's rows at 2048 / 8192
     timeout -k 5 ${FLT_TIMEOUT:-150} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernel_fp8_gemm.py \
