@@ -460,7 +460,8 @@ def ring_weight_scales(sw: jax.Array, bn: int | None = None) -> jax.Array:
 
 def ring_weight_scales_cols(n: int) -> int:
     """Columns of ``ring_weight_scales``' whole rows for n output features: ceil(n / 128) rounded up to 32."""
-    return -(-(-(-n // BLOCK)) // RING_SCALE_COLS) * RING_SCALE_COLS
+    blocks = -(-n // BLOCK)
+    return -(-blocks // RING_SCALE_COLS) * RING_SCALE_COLS
 
 
 def scale_window(first_row: jax.Array, rows: int) -> jax.Array:

@@ -41,13 +41,21 @@ def main() -> None:
     ap.add_argument("--variants", default='[{}]', help="JSON list of fp8_linear keyword sets")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--num-sms", type=int, default=None,
+                    help="fp8_gemm.NUM_SMS for this run: the persistent loop's CTA count (e.g. 128: q_b's 3072 "
+                         "tiles in 24 equal rounds instead of 23 full ones and one of 36 CTAs)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if a.num_sms is not None:
+        if a.num_sms < 1:
+            raise SystemExit(f"--num-sms must be positive, got {a.num_sms}")
+        fp8_gemm.NUM_SMS = a.num_sms
     variants = json.loads(a.variants)
     torch = None if a.no_torch else b._torch()
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
-            "device": jax.devices()[0].device_kind, "jax": jax.__version__, "variants": variants, "complete": False}
+            "device": jax.devices()[0].device_kind, "jax": jax.__version__, "variants": variants, "complete": False,
+            "num_sms": fp8_gemm.NUM_SMS}
     if torch is not None:
         meta.update(b.fp8_peak(torch))
     rows = []
