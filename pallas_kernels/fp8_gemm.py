@@ -145,7 +145,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                group_m: int = GROUP_M, stage_scales: bool | None = None, quantize_x: bool = False,
                stream_k: bool | None = None, act_quant: str | None = None, swap_ab: bool | None = None,
                swap_store: str | None = None, persistent: bool | None = None,
-               prefetch_scales: bool | None = None, ring_scales: bool | None = None,
+               ring_scales: bool | None = None,
                k_pairs: bool | None = None, profile_dir: str | None = None) -> jax.Array:
     """y = x W^T with W = ``wq`` (float8_e4m3fn [out, in]) * ``w_scale`` (float32 [ceil(out/128),
     ceil(in/128)] per 128 x 128 block), x [..., in] re-quantised per 1 x 128 group (``scale_fmt``);
@@ -185,15 +185,12 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     tail in the regions profile, and at q_b's 12 K blocks a tile's fill and store are a large part of it).
     None (``_auto_large_m``): from ``LARGE_M_FROM`` rows where nothing else excludes it, for a short K (at most
     ``PERSISTENT_MAX_KBLOCKS`` K blocks).
-    ``prefetch_scales`` (unstaged scales, x quantised outside the kernel): each K block's scales load a step
-    ahead from GMEM.
     ``ring_scales`` (unstaged scales, x quantised outside, no ``stream_k``): each K block's row scales (sx^T[kb,
     the tile's rows]) and its row of weight scales (sw^T[kb, :], padded) travel through the TMA ring with the
-    block's tiles, so the promotion reads them from SMEM: the compute warpgroups issue no global loads (in the
-    forms that load them from GMEM, ``prefetch_scales`` too, the step copies the loaded registers before it ends,
-    which waits for the load: the SASS of a native dump). None (``_auto_large_m``): on from ``LARGE_M_FROM`` rows
-    where nothing else excludes it; ``prefetch_scales=None`` is then on only where ``ring_scales=False`` is passed
-    at large M without ``persistent``.
+    block's tiles, so the promotion reads them from SMEM: the compute warpgroups issue no global loads (where
+    they load them from GMEM, even a step ahead, the step copies the loaded registers before it ends, which waits
+    for the load: the SASS of a native dump). None (``_auto_large_m``): on from ``LARGE_M_FROM`` rows where nothing
+    else excludes it.
     ``k_pairs`` (with ``ring_scales``, tiles whose warpgroup columns are one accumulator chunk, an even number of
     K blocks per CTA): each pipeline step carries two K blocks; a compute warpgroup issues both MMAs into two
     accumulators and promotes the first while the second runs (only every second promotion leaves its MMAs
@@ -213,8 +210,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                                   group_m=group_m, stage_scales=stage_scales, quantize_x=quantize_x,
                                   stream_k=stream_k, act_quant=act_quant, swap_ab=swap_ab,
                                   swap_store=swap_store, persistent=persistent,
-                                  prefetch_scales=prefetch_scales, ring_scales=ring_scales, k_pairs=k_pairs,
-                                  profile_dir=profile_dir)})
+                                  ring_scales=ring_scales, k_pairs=k_pairs, profile_dir=profile_dir)})
 
 
 def _check_common(x, wq, w_scale, scale_fmt) -> None:
@@ -287,7 +283,7 @@ def _auto_large_m(m: int, nk: int, split_k: int | None, stage_scales: bool | Non
     once its steps stopped computing the tile's indices, at mlp's 56; slower at wo's 128:
     benchmarks/results/archive/fp8_tile_scales_h100_2026-12-06.json). The scales
     through the ring were faster than loading them from GMEM a step ahead (``prefetch_scales``, the default
-    before) or in the step, at all three
+    before, since removed) or in the step, at all three
     (benchmarks/results/archive/fp8_large_kernels_kpairs_h100_2026-12-06.json)."""
     if m < LARGE_M_FROM or stage_scales or quantize_x or stream_k or swap_ab:
         return False, False
@@ -472,7 +468,7 @@ def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
 
 def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages, group_m,
             stage_scales, quantize_x=False, stream_k=None, act_quant=None, swap_ab=None, swap_store=None,
-            persistent=None, prefetch_scales=None, ring_scales=None, k_pairs=None, profile_dir=None):
+            persistent=None, ring_scales=None, k_pairs=None, profile_dir=None):
     _check_tiles(block_m, block_n, split_k, STAGES if stages is None else stages, group_m)
     if swap_ab is not None and not isinstance(swap_ab, bool):
         raise ValueError(f"swap_ab must be a bool or None, got {swap_ab!r}")
@@ -482,8 +478,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         raise ValueError(f"quantize_x must be a bool, got {quantize_x!r}")
     if stream_k is not None and not isinstance(stream_k, bool):
         raise ValueError(f"stream_k must be a bool or None, got {stream_k!r}")
-    for name, v in (("persistent", persistent), ("prefetch_scales", prefetch_scales), ("ring_scales", ring_scales),
-                    ("k_pairs", k_pairs)):
+    for name, v in (("persistent", persistent), ("ring_scales", ring_scales), ("k_pairs", k_pairs)):
         if v is not None and not isinstance(v, bool):
             raise ValueError(f"{name} must be a bool or None, got {v!r}")
     if profile_dir is not None and interpret:
@@ -508,17 +503,11 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         interpret = plgpu.InterpretGPUParams()
     auto_persistent, auto_ring = _auto_large_m(m, nk, split_k, stage_scales, quantize_x, stream_k, swap_ab)
     persistent = auto_persistent if persistent is None else persistent
-    if ring_scales and prefetch_scales:
-        raise ValueError("ring_scales and prefetch_scales are two ways to have the scales ready: pass one")
-    if ring_scales is None:  # the default at large M, unless the caller asked for the scales a step ahead
-        ring_scales = auto_ring and not prefetch_scales
-    # prefetch_scales=None: only where the caller turned the ring off at large M (the default there before it)
-    prefetch_scales = auto_ring and not ring_scales and not persistent if prefetch_scales is None else prefetch_scales
+    ring_scales = auto_ring if ring_scales is None else ring_scales
     if swap_ab is None:
-        swap_ab = (_auto_swap_ab(m, block_m, block_n, quantize_x, stream_k)
-                   and not (persistent or prefetch_scales or ring_scales))
-    elif swap_ab and (persistent or prefetch_scales or ring_scales):
-        raise Unsupported("fp8_linear kernel: swap_ab has no persistent, prefetch_scales or ring_scales form")
+        swap_ab = _auto_swap_ab(m, block_m, block_n, quantize_x, stream_k) and not (persistent or ring_scales)
+    elif swap_ab and (persistent or ring_scales):
+        raise Unsupported("fp8_linear kernel: swap_ab has no persistent or ring_scales form")
     if swap_store is not None and not swap_ab:
         raise ValueError(f"swap_store={swap_store!r} is the swapped form's output (swap_ab), which this call does not "
                          f"use ({m} rows, swap_ab={swap_ab})")
@@ -531,9 +520,9 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     stages = STAGES if stages is None else stages
     if stream_k is None:
         stream_k = _auto_stream_k(m, n, nk, block_m, block_n, split_k, stage_scales) and not (persistent or ring_scales)
-    if (persistent or prefetch_scales or ring_scales) and (stage_scales or quantize_x):
-        raise Unsupported(f"fp8_linear kernel: persistent, prefetch_scales and ring_scales take the scales from GMEM "
-                          f"with x quantised outside (got stage_scales={stage_scales}, quantize_x={quantize_x})")
+    if (persistent or ring_scales) and (stage_scales or quantize_x):
+        raise Unsupported(f"fp8_linear kernel: persistent and ring_scales take the scales from GMEM with x quantised "
+                          f"outside (got stage_scales={stage_scales}, quantize_x={quantize_x})")
     if ring_scales and stream_k:
         raise Unsupported("fp8_linear kernel: ring_scales has no stream_k form")
     if k_pairs and not ring_scales:
@@ -564,7 +553,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     elif stage_scales and interpret and trim:
         raise Unsupported("fp8_linear kernel: stage_scales=True with one row tile (the trimmed SMEM epilogue) hangs "
                           "in interpret mode; pass stage_scales=False (or None) there, or run on the GPU")
-    if stream_k or persistent or prefetch_scales or ring_scales:
+    if stream_k or persistent or ring_scales:
         stage_scales = False
     ctas = stream_k_ctas(n // bn, nk) if stream_k else 0
     if k_pairs is None:  # decided with the tiles
@@ -587,8 +576,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
                        interpret=interpret or None, stage_scales=stage_scales,
                        quantize_x=scale_fmt if quantize_x else None, stream_k=ctas,
                        persistent=min(NUM_SMS, (mp // bm) * (n // bn)) if persistent else 0,
-                       prefetch_scales=prefetch_scales, ring_scales=ring_scales, k_pairs=k_pairs,
-                       profile_dir=profile_dir)
+                       ring_scales=ring_scales, k_pairs=k_pairs, profile_dir=profile_dir)
     sw = w_scale.astype(jnp.float32)
     if stage_scales:
         sw = pad_weight_scales(sw)
@@ -783,7 +771,7 @@ def _trimmed(m_tiles: int, bm: int, splits: int) -> bool:
 def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: int, stages: int, group_m: int,
                 out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, stage_scales: bool = False,
                 quantize_x: quant.ScaleFmt | None = None, stream_k: int = 0, persistent: int = 0,
-                prefetch_scales: bool = False, ring_scales: bool = False, k_pairs: bool = False,
+                ring_scales: bool = False, k_pairs: bool = False,
                 profile_dir: str | None = None):
     """``quantize_x`` (a scale format; 64-row tiles only): the kernel takes bfloat16 x [Mp, K] and no scales of
     it, and each compute warpgroup quantises the K block's x tile into its own e4m3 SMEM tile before its MMA
@@ -796,11 +784,13 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     CTA c taking tiles c, c + P, ... in the rasterised order, through one pipeline of (tile, K block) steps; at a
     tile's last K block each compute warpgroup writes its rows into an SMEM tile per chunk and TMA stores them,
     and the ring keeps streaming the next tile's blocks meanwhile; a CTA's step count is traced (its own tiles).
-    ``prefetch_scales`` (unstaged scales, x quantised outside): each step loads the next step's scales and carries
-    them, so that their global-memory latency is not waited on before the promotion.
     ``ring_scales`` (unstaged scales, x quantised outside, no stream_k; the weight scales given as
     ``ring_weight_scales``' form: whole rows, per-tile rows when ``persistent``): the ring's stages also carry each
-    step's sx^T[kb, the tile's rows] and the weight scales at kb, which the promotion reads from SMEM.
+    step's sx^T[kb, the tile's rows] and the weight scales at kb, which the promotion reads from SMEM. Each step
+    ends with a proxy fence (``commit_smem``): those reads go through the generic proxy, and the producer's next
+    TMA write of the slot through the async proxy, which the PTX memory model orders only across
+    fence.proxy.async (the pipeline's consumed barrier alone does not; GPU interpret mode's race detector flags
+    the pair without the fence, ``test_persistent_no_races``).
     ``k_pairs`` (with ``ring_scales``, one accumulator chunk per warpgroup, an even K range): a pipeline step is
     two K blocks; each compute warpgroup issues both blocks' MMAs into two accumulators, then promotes the first
     while the second runs, so that only every second promotion leaves its warpgroup's MMAs idle."""
@@ -831,10 +821,8 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
         raise ValueError("quantize_x needs 64-row tiles")
     if persistent and (m_tiles < 2 or splits != 1 or stage_scales or quantize_x or stream_k):
         raise ValueError("persistent needs several row tiles, one split, unstaged scales and x quantised outside")
-    if prefetch_scales and (stage_scales or quantize_x):
-        raise ValueError("prefetch_scales needs unstaged scales and x quantised outside")
-    if ring_scales and (stage_scales or quantize_x or stream_k or prefetch_scales):
-        raise ValueError("ring_scales needs unstaged scales, x quantised outside, no stream_k and no prefetch_scales")
+    if ring_scales and (stage_scales or quantize_x or stream_k):
+        raise ValueError("ring_scales needs unstaged scales, x quantised outside and no stream_k")
     kstep = 2 if k_pairs else 1  # K blocks per pipeline step
     if k_pairs and (not ring_scales or nch != 1 or kps % 2 or nk % 2 or stream_k):
         raise ValueError("k_pairs needs ring_scales, one accumulator chunk per warpgroup, an even number of K "
@@ -904,7 +892,10 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             with jax.named_scope("step"):  # regions of the Mosaic GPU profiler (``profile_dir``)
                 # ring_scales: the step's row scales [kstep, bm] and its tile's weight scales [kstep, 32] in SMEM
                 ring = rest[:2] if ring_scales else None
-                return step_body(idx, x_s, w_s, rest[-1], ring)
+                out = step_body(idx, x_s, w_s, rest[-1], ring)
+                if ring_scales:  # the slot's scales were read through the generic proxy: fence them (docstring)
+                    plgpu.commit_smem()
+                return out
 
         def w_scale(wg, tile, kb, col0, live, ring=None, h=0):
             """The weight scale at K block kb of the chunk from column ``col0`` (of this CTA's tile when staged): one
@@ -929,15 +920,6 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 v = jnp.where(col < (b0 + 1) * BLOCK, s0, s1)
             return v * live.astype(jnp.float32) if stream_k else v
 
-        def gmem_scales(u):
-            """``prefetch_scales``: unit u's row scales ([64] along the accumulator's rows) and its chunks' weight
-            scales, from GMEM."""
-            tmi, tile, kb, live = u
-            wg = lax.axis_index("wg")
-            r0 = tmi * bm + wg * 64 if split_m else tmi * bm
-            sx = plgpu.load(sxt_ref.at[kb, pl.ds(r0, 64)], layout=ROW, optimized=False)
-            return sx, tuple(w_scale(wg, tile, kb, c * cw, live) for c in range(nch))
-
         def pair_body(step, x_s, w_s, acc, ring):
             """``k_pairs``: the step's two K blocks into two accumulators; the first promoted while the second runs."""
             tmi, tile, kb, live = unit(step)
@@ -960,17 +942,16 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 out = lax.cond(kb == nk - kstep, lambda o: flush(*unit(step)[:2], o), lambda o: o, out)
             return out
 
-        def step_body(idx, x_s, w_s, carry, ring):
+        def step_body(idx, x_s, w_s, acc, ring):
             (step,) = idx
             if k_pairs:
-                return pair_body(step, x_s, w_s, carry, ring)
-            acc, pre = carry if prefetch_scales else (carry, None)  # pre: this step's scales, loaded a step ago
+                return pair_body(step, x_s, w_s, acc, ring)
             tmi, tile, kb, live = unit(step)
             wg = lax.axis_index("wg")
             a = x_s.at[pl.ds(wg * 64, 64)] if split_m else x_s
             r0 = tmi * bm + wg * 64 if split_m else tmi * bm
             c0 = 0 if split_m else wg * wn  # first column of this warpgroup inside the W tile
-            out, sxv, nxt = [], None, None
+            out, sxv = [], None
             if quantize_x:  # act_quant of this K block's 64 rows, in registers, into the warpgroup's e4m3 tile
                 xq, sxq = _quantize_tile(plgpu.load(a, layout=L).astype(jnp.float32), quantize_x)
                 xq_s.at[wg][...] = xq
@@ -980,31 +961,23 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             for c in range(nch):  # chunks run one after the other: one [64, cw] MMA accumulator at a time
                 def mma(blk_ref, c=c):
                     plgpu.wgmma(blk_ref, a, w_s.at[pl.ds(c0 + c * cw, cw)].T)
-                    # the block's scales load while the MMA runs (from SMEM when staged); prefetched: the next
-                    # step's, which the next step uses
-                    nxt_c = None
-                    if prefetch_scales:
-                        sx_c, sw_c = None, pre[1][c]
-                        if c == 0:
-                            nxt_c = gmem_scales(unit(jnp.minimum(step + 1, steps - 1)))
+                    # the block's scales load while the MMA runs (from SMEM when staged or through the ring)
+                    if quantize_x or c:  # the row scales are already in registers
+                        sx_c = None
+                    elif ring is not None:
+                        sx_c = plgpu.load(ring[0].at[0, pl.ds(wg * 64 if split_m else 0, 64)], layout=ROW,
+                                          optimized=False)
+                    elif stage_scales:
+                        sx_c = plgpu.load(sx_s.at[wg, step], layout=ROW, optimized=False)
                     else:
-                        if quantize_x or c:  # the row scales are already in registers
-                            sx_c = None
-                        elif ring is not None:
-                            sx_c = plgpu.load(ring[0].at[0, pl.ds(wg * 64 if split_m else 0, 64)], layout=ROW,
-                                              optimized=False)
-                        elif stage_scales:
-                            sx_c = plgpu.load(sx_s.at[wg, step], layout=ROW, optimized=False)
-                        else:
-                            sx_c = plgpu.load(sxt_ref.at[kb, pl.ds(r0, 64)], layout=ROW, optimized=False)
-                        sw_c = w_scale(wg, tile, kb, c * cw, live, ring)
+                        sx_c = plgpu.load(sxt_ref.at[kb, pl.ds(r0, 64)], layout=ROW, optimized=False)
+                    sw_c = w_scale(wg, tile, kb, c * cw, live, ring)
                     plgpu.wgmma_wait(0)
-                    return blk_ref[...], sx_c, sw_c, nxt_c
+                    return blk_ref[...], sx_c, sw_c
 
-                blk, sx_c, sw_c, nxt_c = pl.run_scoped(mma, plgpu.ACC((64, cw), jnp.float32))
+                blk, sx_c, sw_c = pl.run_scoped(mma, plgpu.ACC((64, cw), jnp.float32))
                 if c == 0:
-                    sxv = sxq if quantize_x else pre[0] if prefetch_scales else sx_c
-                    nxt = nxt_c
+                    sxv = sxq if quantize_x else sx_c
                 if ragged:  # the row scale times each column's weight scale, then the block (as below, per element)
                     scale = (lax.broadcast_in_dim(sxv, blk.shape, [0])
                              * lax.broadcast_in_dim(sw_c, blk.shape, [1]))
@@ -1027,8 +1000,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 out = [o * keep for o in out]
             if persistent:  # the tile's last K block: store it (TMA, asynchronous) and start the next tile at 0
                 out = lax.cond(kb == nk - 1, lambda o: flush(*unit(step)[:2], o), lambda o: o, tuple(out))
-            out = tuple(out)
-            return (out, nxt) if prefetch_scales else out
+            return tuple(out)
 
         def flush(tmi, tile, out):
             """``persistent``: this warpgroup's rows of a finished tile into its SMEM tiles (one per chunk; the
@@ -1049,10 +1021,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 stage()
             with jax.named_scope("loop"):
                 zeros = tuple(plgpu.layout_cast(jnp.full((64, cw), 0.0, jnp.float32), L) for _ in range(nch))
-                if prefetch_scales:
-                    acc, _ = run_pipeline((zeros, gmem_scales(unit(0))))
-                else:
-                    acc = run_pipeline(zeros)
+                acc = run_pipeline(zeros)
             with jax.named_scope("store"):
                 store(acc)
 

@@ -480,9 +480,8 @@ def test_stream_k_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, quan
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("m,k,n,ctas,tiles,out_dtype", [
     (300, 512, 384, 4, {}, jnp.float32),  # 9 tiles on 4 CTAs: 3 rounds, the last with one CTA
-    (300, 512, 384, 4, dict(prefetch_scales=True), jnp.bfloat16),
     (300, 256, 512, 3, dict(block_n=256), jnp.float32),  # 2 chunks a warpgroup, a 3-deep ring
-    (200, 384, 256, 5, dict(block_m=64, prefetch_scales=True), jnp.float32),  # warpgroups split the columns
+    (200, 384, 256, 5, dict(block_m=64), jnp.bfloat16),  # warpgroups split the columns
     (200, 256, 1152, 5, dict(block_n=144), jnp.bfloat16),  # ragged chunks: per-column weight scales
     (300, 512, 384, 4, dict(ring_scales=True), jnp.bfloat16),  # the scales through the ring
     (200, 384, 256, 5, dict(block_m=64, ring_scales=True), jnp.float32),
@@ -507,16 +506,15 @@ def test_persistent_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, ti
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("tiles", [dict(persistent=True), dict(persistent=True, prefetch_scales=True),
-                                   dict(prefetch_scales=True, split_k=2),
+@pytest.mark.parametrize("tiles", [dict(persistent=True),
                                    dict(persistent=True, ring_scales=True), dict(ring_scales=True, split_k=2),
                                    dict(ring_scales=True, k_pairs=True, split_k=2),
                                    dict(persistent=True, ring_scales=True, k_pairs=True),
-                                   pytest.param(dict(prefetch_scales=True, block_m=128, block_n=256, split_k=1),
+                                   pytest.param(dict(ring_scales=True, block_m=128, block_n=256, split_k=1),
                                                 marks=pytest.mark.slow)])
-def test_persistent_and_prefetch_exact_data_bit_equal(mode: str, tiles: dict, monkeypatch) -> None:
+def test_persistent_and_ring_exact_data_bit_equal(mode: str, tiles: dict, monkeypatch) -> None:
     """Exact data (as ``test_exact_data_bit_equal``): the persistent loop (4 tiles on 3 CTAs: one CTA runs
-    two tiles, two run one) and the scales loaded a step ahead must equal the exact product: this pins the
+    two tiles, two run one) and the scales through the ring must equal the exact product: this pins the
     tiles' addressing and stores (every block's scale is the same here: the random-data tests pin which scales
     a step uses)."""
     monkeypatch.setattr(G, "NUM_SMS", 3)
@@ -524,22 +522,6 @@ def test_persistent_and_prefetch_exact_data_bit_equal(mode: str, tiles: dict, mo
     got = G.fp8_linear(jnp.asarray(x, jnp.bfloat16), wq, ws, out_dtype=jnp.float32, implementation="pallas",
                        interpret=interpret_for(mode), **tiles)
     np.testing.assert_array_equal(np.asarray(got), x @ w.T)
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("m,tiles", [(1, dict(stream_k=True)), (130, dict(split_k=2))])
-def test_prefetch_scales_matches_xla(mode: str, m: int, tiles: dict, monkeypatch) -> None:
-    """prefetch_scales on random data (rows and columns of spread magnitudes, so blocks' scales differ): with
-    stream-K (5 CTAs) the runs start and end inside tiles and the next step's scales come from the next unit (a
-    repeated last unit's weight scale 0); with split-K each CTA's K range. Using a step's scales one step late
-    fails this (checked by mutation)."""
-    interpret = interpret_for(mode)
-    monkeypatch.setattr(G, "NUM_SMS", 5)
-    x, wq, ws = make_case(m, 512, 384, seed=3)
-    ref, ab = reference(x, wq, ws, "ue8m0")
-    got = G.fp8_linear(x, wq, ws, out_dtype=jnp.float32, implementation="pallas", interpret=interpret,
-                       prefetch_scales=True, **tiles)
-    check(got, ref, ab, _rtol(mode, 512), jnp.float32)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -615,41 +597,43 @@ def test_large_m_defaults_match_xla(m: int, k: int, n: int) -> None:
 
 
 @pytest.mark.skipif(ON_GPU, reason="GPU interpret mode's race detector runs on the CPU")
-def test_persistent_no_races(monkeypatch) -> None:
+@pytest.mark.parametrize("tiles", [dict(ring_scales=False), dict(ring_scales=True),
+                                   dict(ring_scales=True, k_pairs=True)])
+def test_persistent_no_races(tiles: dict, monkeypatch) -> None:
     """The race detector over the persistent loop: 4 tiles on 3 CTAs, so a CTA's second tile rewrites the SMEM
-    output tiles its first one's TMA stores read, and the ring's slots carry on across tiles."""
+    output tiles its first one's TMA stores read, and the ring's slots carry on across tiles; with the scales
+    through the ring, their generic-proxy reads against the next TMA write of the slot (a race without the
+    step's proxy fence, checked by removing it)."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     monkeypatch.setattr(G, "NUM_SMS", 3)
     x, wq, ws = make_case(130, 512, 256, seed=10)
     y = G.fp8_linear(x, wq, ws, out_dtype=jnp.bfloat16, implementation="pallas", persistent=True,
-                     prefetch_scales=True, interpret=plgpu.InterpretGPUParams(detect_races=True))
+                     interpret=plgpu.InterpretGPUParams(detect_races=True), **tiles)
     jax.block_until_ready(y)
     assert not gpu_callbacks.get_races().races_found
 
 
-def test_persistent_and_prefetch_limits() -> None:
+def test_persistent_and_ring_limits() -> None:
     """Unsupported (a ValueError naming the option) where the forms do not apply; non-bool values rejected."""
     x, wq, ws = make_case(130, 512, 256, seed=0)
     kw = dict(implementation="pallas", interpret=True)
     for bad, field in ((dict(persistent=True, split_k=2), "persistent"),
                        (dict(persistent=True, stage_scales=True), "persistent"),
                        (dict(persistent=True, swap_ab=True), "swap_ab"),
-                       (dict(prefetch_scales=True, stage_scales=True), "prefetch_scales"),
-                       (dict(ring_scales=True, prefetch_scales=True), "ring_scales"),
                        (dict(ring_scales=True, stage_scales=True), "ring_scales"),
                        (dict(ring_scales=True, stream_k=True), "ring_scales"), (dict(ring_scales=1), "ring_scales"),
                        (dict(k_pairs=True, ring_scales=False), "k_pairs"),
                        (dict(k_pairs=True, ring_scales=True, split_k=4), "k_pairs"),  # one K block a CTA
                        (dict(k_pairs=True, ring_scales=True, block_n=256, block_m=128), "k_pairs"),  # 2 chunks
-                       (dict(persistent=1), "persistent"), (dict(prefetch_scales="yes"), "prefetch_scales")):
+                       (dict(persistent=1), "persistent"), (dict(k_pairs="yes"), "k_pairs")):
         with pytest.raises(ValueError, match=field):
             G.fp8_linear(x, wq, ws, **kw, **bad)
     with pytest.raises(Unsupported, match="persistent loops over several row tiles"):
         G.fp8_linear(x[:100], wq, ws, persistent=True, **kw)  # one 128-row tile
     with pytest.raises(Unsupported, match="quantize_x"):
-        G.fp8_linear(x[:7], wq, ws, prefetch_scales=True, quantize_x=True, **kw)
+        G.fp8_linear(x[:7], wq, ws, ring_scales=True, quantize_x=True, **kw)
 
 
 def test_auto_large_m() -> None:
@@ -660,7 +644,8 @@ def test_auto_large_m() -> None:
                              swap_ab=None)
     assert auto(big, 12) == (True, True)  # q_b
     assert auto(8192, short_k) == (True, True)
-    assert auto(big, long_k) == auto(big, 128) == (False, True)  # mlp, wo
+    assert auto(big, 56) == (True, True)  # mlp
+    assert auto(big, long_k) == auto(big, 128) == (False, True)  # wo
     assert auto(big - 1, 12) == auto(128, 128) == (False, False)
     assert auto(big, 12, split_k=2) == (False, True)
     for excl in (dict(stage_scales=True), dict(quantize_x=True), dict(stream_k=True), dict(swap_ab=True)):
@@ -682,13 +667,13 @@ def test_auto_k_pairs() -> None:
 
 
 def test_large_m_scale_forms_resolved(monkeypatch) -> None:
-    """How fp8_linear resolves ring_scales / prefetch_scales = None at large M (the kernel builder's arguments):
-    the ring by default; the scales a step ahead where the caller turns the ring off (long K) or asks for them."""
+    """How fp8_linear resolves ring_scales / persistent / k_pairs = None at large M (the kernel builder's
+    arguments): the ring by default, off where the caller turns it off; pairs only from K_PAIRS_MIN_KBLOCKS."""
     seen = []
     real = G._build_call
 
     def spy(**kw):
-        seen.append((kw["ring_scales"], kw["prefetch_scales"], kw["persistent"] > 0, kw["k_pairs"]))
+        seen.append((kw["ring_scales"], kw["persistent"] > 0, kw["k_pairs"]))
         return real(**kw)
 
     monkeypatch.setattr(G, "_build_call", spy)
@@ -697,16 +682,15 @@ def test_large_m_scale_forms_resolved(monkeypatch) -> None:
     x, wq, ws = make_case(130, 2176, 256, seed=1)  # 17 K blocks: no persistent loop by default
     kw = dict(implementation="pallas", interpret=True, out_dtype=jnp.float32)
     monkeypatch.setattr(G, "K_PAIRS_MIN_KBLOCKS", 18)  # 17 K blocks: odd, so no pairs here by default either
-    for extra in ({}, dict(ring_scales=False), dict(prefetch_scales=True), dict(ring_scales=False, persistent=True)):
+    for extra in ({}, dict(ring_scales=False), dict(ring_scales=False, persistent=True)):
         G.fp8_linear(x, wq, ws, **kw, **extra)
-    assert seen == [(True, False, False, False), (False, True, False, False), (False, True, False, False),
-                    (False, False, True, False)]
+    assert seen == [(True, False, False), (False, False, False), (False, True, False)]
     x, wq, ws = make_case(130, 512, 256, seed=2)  # 4 K blocks, persistent: no pairs by default (short K)
     G.fp8_linear(x, wq, ws, **kw, persistent=True)
-    assert seen[-1] == (True, False, True, False)
+    assert seen[-1] == (True, True, False)
     monkeypatch.setattr(G, "K_PAIRS_MIN_KBLOCKS", 4)  # pairs from 4 K blocks: on in the persistent loop too
     G.fp8_linear(x, wq, ws, **kw, persistent=True)
-    assert seen[-1] == (True, False, True, True)
+    assert seen[-1] == (True, True, True)
 
 
 @pytest.mark.parametrize("n_tiles,nk,ctas", [(3, 4, 5), (56, 128, 132), (144, 56, 132), (2, 3, 6), (7, 2, 3)])
@@ -829,11 +813,10 @@ def test_auto_stream_k_and_staged_scales() -> None:
                                                              split_k=2)),  # fp32 partials
                                          # large M: whole tiles looped over by one CTA per SM, TMA-stored
                                          (2048, 1536, 24576, dict(persistent=True)),  # q_b prefill
-                                         (2048, 16384, 7168, dict(persistent=True, prefetch_scales=True)),  # wo
+                                         (2048, 16384, 7168, dict(persistent=True)),  # wo
                                          (2048, 7168, 18432, dict(persistent=True, block_n=256)),  # 3-deep ring
-                                         (2048, 7168, 18432, dict(persistent=True, block_n=144,
-                                                                  prefetch_scales=True)),  # ragged chunks
-                                         (2048, 7168, 18432, dict(prefetch_scales=True)),
+                                         (2048, 7168, 18432, dict(persistent=True, block_n=144)),  # ragged chunks
+                                         (2048, 7168, 18432, dict(persistent=True, block_n=144, ring_scales=True)),
                                          # the scales through the ring: wo, q_b persistent, mlp ragged, 64-row tiles
                                          (2048, 16384, 7168, dict(ring_scales=True)),
                                          (2048, 1536, 24576, dict(persistent=True, ring_scales=True)),
@@ -842,9 +825,9 @@ def test_auto_stream_k_and_staged_scales() -> None:
                                          # two K blocks a step (k_pairs)
                                          (2048, 16384, 7168, dict(ring_scales=True, k_pairs=True)),
                                          (2048, 1536, 24576, dict(persistent=True, ring_scales=True, k_pairs=True)),
-                                         # the defaults at large M: persistent (q_b), scales a step ahead (wo)
-                                         (2048, 1536, 24576, {}), (2048, 16384, 7168, {}),
-                                         (64, 7168, 18432, dict(stream_k=True, prefetch_scales=True))])
+                                         # the defaults at large M: persistent (q_b, mlp), pairs (wo)
+                                         (2048, 1536, 24576, {}), (2048, 16384, 7168, {}), (2048, 7168, 18432, {}),
+                                         (64, 7168, 18432, dict(stream_k=True))])
 def test_lowers_for_cuda(m: int, k: int, n: int, tiles: dict) -> None:
     """The compiled kernel passes Mosaic GPU's lowering (e4m3 wgmma with K-major operands, TMA, layouts)."""
     from jax.sharding import AbstractDevice, AbstractMesh

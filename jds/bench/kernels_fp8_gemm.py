@@ -68,9 +68,10 @@ SWEEP = [dict(block_n=bn, split_k=s) for bn in (64, 128) for s in (1, 4, 8, 14, 
 # (128 + block_n) x 128 bytes, so 256-wide tiles take at most 4 stages
 SWEEP_LARGE = [dict(block_n=bn, stages=st, group_m=g) for bn, sts in ((128, (4, 6)), (256, (3, 4)))
                for st in sts for g in (8, 16)]
-# ... and the persistent forms (one CTA per SM over whole tiles; scales a step ahead), forty-seventh session
-SWEEP_LARGE += [dict(persistent=True), dict(persistent=True, prefetch_scales=True), dict(prefetch_scales=True),
-                dict(persistent=True, block_n=256), dict(persistent=True, group_m=16)]
+# ... and the persistent forms (one CTA per SM over whole tiles), forty-seventh session; the scales through the
+# ring on and off (fifty-third)
+SWEEP_LARGE += [dict(persistent=True), dict(persistent=False), dict(ring_scales=False), dict(k_pairs=False),
+                dict(persistent=True, block_n=256), dict(persistent=True, group_m=8)]
 
 
 def _torch():
