@@ -101,6 +101,7 @@ from jax._src.pallas.mosaic_gpu import pipeline as _mgpu_pipeline
 from jds.ops import quant
 from jds.ops.dispatch import Implementation, Unsupported, num_sms, run_op
 from pallas_kernels import grouped_rows
+from pallas_kernels.fp8_gemm import fence_slot_reads
 
 Dequant = Literal["auto", "lop3", "f16", "bf16", "fp8"]
 DEQUANTS = ("lop3", "f16", "bf16")  # bf16 x; "auto": "lop3" natively at decode tiles, else "f16"
@@ -635,7 +636,7 @@ def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits
             dst[...] = acc.astype(dst.dtype)
 
         pipeline = plgpu.emit_pipeline_warp_specialized(
-            body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=nwg,
+            fence_slot_reads(body), grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=nwg,
             max_concurrent_steps=stages, compute_context=compute,
             in_specs=[plgpu.BlockSpec((bt, bk), lambda s: (0, s), transforms=x_tf),
                       plgpu.BlockSpec((bn, bk // 2), lambda s: (0, s), transforms=w_tf)])
@@ -802,8 +803,9 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
 
     def make_pipeline(body_fn, context, state):
         return plgpu.emit_pipeline_warp_specialized(
-            body_fn, grid=(steps,), memory_registers=MEMORY_REGISTERS, wg_axis="wg", num_compute_wgs=nwg,
-            max_concurrent_steps=st, compute_context=context, in_specs=specs, pipeline_state=state)
+            fence_slot_reads(body_fn), grid=(steps,), memory_registers=MEMORY_REGISTERS, wg_axis="wg",
+            num_compute_wgs=nwg, max_concurrent_steps=st, compute_context=context, in_specs=specs,
+            pipeline_state=state)
 
     def kernel(*refs):
         with _launch_pool_registers():

@@ -94,6 +94,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable
 
 import jax
 import jax.experimental.pallas as pl
@@ -460,6 +461,23 @@ def ring_weight_scales_cols(n: int) -> int:
     return -(-blocks // RING_SCALE_COLS) * RING_SCALE_COLS
 
 
+def fence_slot_reads(body: Callable) -> Callable:
+    """``body`` of ``plgpu.emit_pipeline_warp_specialized`` followed by a proxy fence (``plgpu.commit_smem``), for
+    compute warpgroups that read their slots through the generic proxy (``plgpu.load``: scales, tiles dequantised
+    in registers; wgmma's operand reads are async-proxy reads).
+
+    Why: the producer's next TMA write of a released slot is an async-proxy write, which the PTX memory model
+    orders after those reads only across fence.proxy.async; the pipeline's consumed barrier alone does not (GPU
+    interpret mode's race detector reports each such read against the slot's next write without the fence)."""
+    @functools.wraps(body)
+    def fenced(*args):
+        out = body(*args)
+        plgpu.commit_smem()
+        return out
+
+    return fenced
+
+
 def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
     """The first of the ``SW_ROWS`` weight-scale rows a CTA copies to hold ``first_row`` (and the next ones
     its tile needs): ``first_row`` itself, moved back so the window ends inside the ``rows`` rows."""
@@ -786,11 +804,8 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     and the ring keeps streaming the next tile's blocks meanwhile; a CTA's step count is traced (its own tiles).
     ``ring_scales`` (unstaged scales, x quantised outside, no stream_k; the weight scales given as
     ``ring_weight_scales``' form: whole rows, per-tile rows when ``persistent``): the ring's stages also carry each
-    step's sx^T[kb, the tile's rows] and the weight scales at kb, which the promotion reads from SMEM. Each step
-    ends with a proxy fence (``commit_smem``): those reads go through the generic proxy, and the producer's next
-    TMA write of the slot through the async proxy, which the PTX memory model orders only across
-    fence.proxy.async (the pipeline's consumed barrier alone does not; GPU interpret mode's race detector flags
-    the pair without the fence, ``test_persistent_no_races``).
+    step's sx^T[kb, the tile's rows] and the weight scales at kb, which the promotion reads from SMEM; each step
+    ends with a proxy fence (``fence_slot_reads``).
     ``k_pairs`` (with ``ring_scales``, one accumulator chunk per warpgroup, an even K range): a pipeline step is
     two K blocks; each compute warpgroup issues both blocks' MMAs into two accumulators, then promotes the first
     while the second runs, so that only every second promotion leaves its warpgroup's MMAs idle."""
@@ -892,10 +907,10 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             with jax.named_scope("step"):  # regions of the Mosaic GPU profiler (``profile_dir``)
                 # ring_scales: the step's row scales [kstep, bm] and its tile's weight scales [kstep, 32] in SMEM
                 ring = rest[:2] if ring_scales else None
-                out = step_body(idx, x_s, w_s, rest[-1], ring)
-                if ring_scales:  # the slot's scales were read through the generic proxy: fence them (docstring)
-                    plgpu.commit_smem()
-                return out
+                return step_body(idx, x_s, w_s, rest[-1], ring)
+
+        if ring_scales:  # the promotion reads the slots' scales through the generic proxy
+            body = fence_slot_reads(body)
 
         def w_scale(wg, tile, kb, col0, live, ring=None, h=0):
             """The weight scale at K block kb of the chunk from column ``col0`` (of this CTA's tile when staged): one

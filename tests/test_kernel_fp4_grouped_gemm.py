@@ -204,15 +204,15 @@ def test_auto_runs_kernel(mode: str) -> None:
 @pytest.mark.skipif(ON_GPU, reason="GPU interpret mode's race detector runs on the CPU")
 @pytest.mark.slow
 def test_no_races() -> None:
-    """Interpret mode's race detector over the warp-specialised ring (producer vs 2 consumers) and the scale
-    slab's TMA. Without slot reuse (4 steps, 4 stages): this jax's detector reports reuse of a warp-specialised
-    pipeline's slot as a race even for a minimal pipeline that only reads its tiles (the fp8 kernel's reuse case
-    passes because wgmma's operand reads are not checked), so reuse is left to the native tests."""
+    """Interpret mode's race detector over the warp-specialised ring (producer vs 2 consumers, 4 steps on 2
+    slots) and the scale slab's TMA. The compute warpgroups read their weight tiles through the generic proxy
+    (``plgpu.load``), so a slot's reuse is a race without the step's proxy fence (``fp8_gemm.fence_slot_reads``;
+    checked by removing it)."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     x, sz, wp, ws = make_case([3, 9], 128, 1024, seed=9)
-    y = G.fp4_grouped_linear(x, sz, wp, ws, implementation="pallas", block_k=128, split_k=2, stages=4,
+    y = G.fp4_grouped_linear(x, sz, wp, ws, implementation="pallas", block_k=128, split_k=2, stages=2,
                              interpret=plgpu.InterpretGPUParams(detect_races=True))
     jax.block_until_ready(y)
     assert not gpu_callbacks.get_races().races_found

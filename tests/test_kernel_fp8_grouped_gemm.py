@@ -195,6 +195,23 @@ def test_persistent_exact_bit_equal(mode: str, sizes: list[int], tiles: dict) ->
     assert (np.asarray(got)[sum(sizes):] == 0).all()
 
 
+@pytest.mark.skipif(ON_GPU, reason="GPU interpret mode's race detector runs on the CPU")
+@pytest.mark.parametrize("persistent", [False, True])
+def test_no_races(persistent: bool) -> None:
+    """Interpret mode's race detector over both forms' rings with slots reused (K = 1024 in 128-wide steps on 2
+    stages): the compute warpgroups read their weight tiles and scales through the generic proxy, a race against
+    the slot's next TMA write without the step's proxy fence (``fp8_gemm.fence_slot_reads``; checked by removing
+    it)."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    x, sz, wq, ws = make_case([5, 0, 9], 256, 1024, seed=4)
+    y = G.fp8_grouped_linear(x, sz, wq, ws, implementation="pallas", block_k=128, split_k=1, stages=2,
+                             persistent=persistent, interpret=plgpu.InterpretGPUParams(detect_races=True))
+    jax.block_until_ready(y)
+    assert not gpu_callbacks.get_races().races_found
+
+
 @pytest.mark.parametrize("kwargs,field", [
     (dict(block_t=12), "block_t"), (dict(block_n=256), "block_n"), (dict(block_k=512), "block_k"),
     (dict(split_k=3), "split_k"), (dict(stages=0), "stages"), (dict(scale_fmt="e8m0"), "scale_fmt"),
