@@ -128,7 +128,7 @@ SWAP_BLOCK_N = (64, 128, 192)  # swap_ab's tile widths: a compute warpgroup per 
 SWAP_AB_UP_TO = 32  # rows (M) up to which swap_ab=None swaps the roles (``_auto_swap_ab``)
 SWAP_STORES = ("rows", "transpose", "smem")  # swap_ab's ways to store y (``fp8_linear``'s ``swap_store``)
 STAGES = 4  # TMA ring depth (stages=None)
-GROUP_M = 16  # fp8_linear's group_m: M tiles per rasterisation group (8 before; archive/fp8_tile_scales_h100_2026-12-06)
+GROUP_M = 16  # fp8_linear's group_m: M tiles per rasterisation group (8 before; archive/fp8_tile_scales_h100_*)
 SWAP_RING_BYTES = 104 * 1024  # swap_ab, stages=None: ring bytes in flight per CTA (``_swapped_stages``)
 LARGE_M_FROM = 1024  # rows from which persistent / ring_scales = None may turn on (``_auto_large_m``), act_quant's kernel
 PERSISTENT_MAX_KBLOCKS = 64  # in / 128 up to which persistent=None loops over tiles there (q_b's 12, mlp's 56)
@@ -187,11 +187,12 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     None (``_auto_large_m``): from ``LARGE_M_FROM`` rows where nothing else excludes it, for a short K (at most
     ``PERSISTENT_MAX_KBLOCKS`` K blocks).
     ``ring_scales`` (unstaged scales, x quantised outside, no ``stream_k``): each K block's row scales (sx^T[kb,
-    the tile's rows]) and its row of weight scales (sw^T[kb, :], padded) travel through the TMA ring with the
-    block's tiles, so the promotion reads them from SMEM: the compute warpgroups issue no global loads (where
-    they load them from GMEM, even a step ahead, the step copies the loaded registers before it ends, which waits
-    for the load: the SASS of a native dump). None (``_auto_large_m``): on from ``LARGE_M_FROM`` rows where nothing
-    else excludes it.
+    the tile's rows]) and its weight scales (sw^T[kb, :] padded; in the persistent loop the tile's own,
+    ``ring_weight_scales``) travel through the TMA ring with the block's tiles, so the promotion reads them from
+    SMEM (each step then ends with a proxy fence, ``fence_slot_reads``): the compute warpgroups issue no global
+    loads (where they load them from GMEM, even a step ahead, the step copies the loaded registers before it
+    ends, which waits for the load: the SASS of a native dump). None (``_auto_large_m``): on from
+    ``LARGE_M_FROM`` rows where nothing else excludes it.
     ``k_pairs`` (with ``ring_scales``, tiles whose warpgroup columns are one accumulator chunk, an even number of
     K blocks per CTA): each pipeline step carries two K blocks; a compute warpgroup issues both MMAs into two
     accumulators and promotes the first while the second runs (only every second promotion leaves its MMAs

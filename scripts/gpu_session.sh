@@ -251,7 +251,7 @@ case "$stage" in
       tests/test_kernel_fp8_grouped_gemm.py tests/test_kernel_fp4_grouped_gemm.py tests/test_kernel_fp8_gemm.py \
       -k "not swap and not stream_k" > "$OUT/fence_tests.log" 2>&1
     echo "fence tests rc=$?"; tail -3 "$OUT/fence_tests.log"
-    rm -rf vt/nofence && mkdir -p vt/nofence && cp -r pallas_kernels jds vt/nofence/  # the device's copy may have no .git
+    rm -rf vt/nofence && mkdir -p vt/nofence && cp -r pallas_kernels jds vt/nofence/  # (the device's copy: no .git)
     python3 - vt/nofence/pallas_kernels/fp8_gemm.py <<'PY'
 import sys
 p = sys.argv[1]
@@ -263,12 +263,13 @@ PY
     for r in 1 2; do
       for t in vt/nofence .; do
         tag=$(basename "$t" | sed 's/^\.$/main/')
-        PYTHONPATH=$t:. timeout -k 10 -s KILL ${FAK_TIMEOUT:-90} python3 scripts/diag/fp8_large_kernels.py --shapes q_b wo mlp \
-          --m 2048 --rounds 1 --no-torch --variants '[{}]' --out "/tmp/fence_${tag}_$r.json" > "/tmp/fence_${tag}_$r.log" 2>&1
+        PYTHONPATH=$t:. timeout -k 10 -s KILL ${FAK_TIMEOUT:-90} python3 scripts/diag/fp8_large_kernels.py \
+          --shapes q_b wo mlp --m 2048 --rounds 1 --no-torch --variants '[{}]' --out "/tmp/fence_${tag}_$r.json" \
+          > "/tmp/fence_${tag}_$r.log" 2>&1
         echo "fp8 gemm $tag round $r rc=$?"; grep '^{' "/tmp/fence_${tag}_$r.log" | cut -c1-150
         for b in kernels_fp8_grouped kernels_fp4_grouped; do
-          (cd "$t" && PYTHONPATH=.:$R timeout -k 10 -s INT ${FAG_TIMEOUT:-150} python3 -m jds.bench.$b ${FAG_ARGS:---tokens 1 8 64} \
-            --out "/tmp/fence_${b}_${tag}_$r.json" > "/tmp/fence_${b}_${tag}_$r.log" 2>&1)
+          (cd "$t" && PYTHONPATH=.:$R timeout -k 10 -s INT ${FAG_TIMEOUT:-150} python3 -m jds.bench.$b \
+            ${FAG_ARGS:---tokens 1 8 64} --out "/tmp/fence_${b}_${tag}_$r.json" > "/tmp/fence_${b}_${tag}_$r.log" 2>&1)
           echo "$b $tag round $r rc=$?"; tail -6 "/tmp/fence_${b}_${tag}_$r.log" | cut -c1-200
         done
       done
