@@ -146,8 +146,8 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                group_m: int = GROUP_M, stage_scales: bool | None = None, quantize_x: bool = False,
                stream_k: bool | None = None, act_quant: str | None = None, swap_ab: bool | None = None,
                swap_store: str | None = None, persistent: bool | None = None,
-               ring_scales: bool | None = None,
-               k_pairs: bool | None = None, profile_dir: str | None = None) -> jax.Array:
+               ring_scales: bool | None = None, k_pairs: bool | None = None,
+               store_overlap: bool | None = None, profile_dir: str | None = None) -> jax.Array:
     """y = x W^T with W = ``wq`` (float8_e4m3fn [out, in]) * ``w_scale`` (float32 [ceil(out/128),
     ceil(in/128)] per 128 x 128 block), x [..., in] re-quantised per 1 x 128 group (``scale_fmt``);
     [..., out] in ``out_dtype``.
@@ -198,6 +198,9 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     accumulators and promotes the first while the second runs (only every second promotion leaves its MMAs
     idle). The ring keeps as many stages of two blocks as fit SMEM, at most ``stages``. None (``_auto_k_pairs``):
     on with ``ring_scales`` where the tile allows it, from ``K_PAIRS_MIN_KBLOCKS`` K blocks per CTA.
+    ``store_overlap`` (``persistent``, one K block a step): a finished tile's accumulators leave (SMEM, TMA store)
+    while the next tile's first MMA runs, instead of before it is issued; the CTA's last tile leaves after the
+    loop. None: off (not yet timed natively).
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler writes a trace of the kernel's named regions per
     warpgroup there: ``all`` (the pipeline, every warpgroup), the compute warpgroups' ``scales`` (staging wait),
     ``loop``, its ``step`` bodies and ``store`` (``scripts/diag/fp8_regions.py``).
@@ -212,7 +215,8 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                                   group_m=group_m, stage_scales=stage_scales, quantize_x=quantize_x,
                                   stream_k=stream_k, act_quant=act_quant, swap_ab=swap_ab,
                                   swap_store=swap_store, persistent=persistent,
-                                  ring_scales=ring_scales, k_pairs=k_pairs, profile_dir=profile_dir)})
+                                  ring_scales=ring_scales, k_pairs=k_pairs, store_overlap=store_overlap,
+                                  profile_dir=profile_dir)})
 
 
 def _check_common(x, wq, w_scale, scale_fmt) -> None:
@@ -487,7 +491,7 @@ def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
 
 def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages, group_m,
             stage_scales, quantize_x=False, stream_k=None, act_quant=None, swap_ab=None, swap_store=None,
-            persistent=None, ring_scales=None, k_pairs=None, profile_dir=None):
+            persistent=None, ring_scales=None, k_pairs=None, store_overlap=None, profile_dir=None):
     _check_tiles(block_m, block_n, split_k, STAGES if stages is None else stages, group_m)
     if swap_ab is not None and not isinstance(swap_ab, bool):
         raise ValueError(f"swap_ab must be a bool or None, got {swap_ab!r}")
@@ -497,7 +501,8 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         raise ValueError(f"quantize_x must be a bool, got {quantize_x!r}")
     if stream_k is not None and not isinstance(stream_k, bool):
         raise ValueError(f"stream_k must be a bool or None, got {stream_k!r}")
-    for name, v in (("persistent", persistent), ("ring_scales", ring_scales), ("k_pairs", k_pairs)):
+    for name, v in (("persistent", persistent), ("ring_scales", ring_scales), ("k_pairs", k_pairs),
+                    ("store_overlap", store_overlap)):
         if v is not None and not isinstance(v, bool):
             raise ValueError(f"{name} must be a bool or None, got {v!r}")
     if profile_dir is not None and interpret:
@@ -578,6 +583,10 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     if k_pairs is None:  # decided with the tiles
         k_pairs = bool(ring_scales) and _auto_k_pairs(bm, bn, nk // s)
     kstep = 2 if k_pairs else 1
+    store_overlap = bool(store_overlap)
+    if store_overlap and (not persistent or k_pairs):
+        raise Unsupported(f"fp8_linear kernel: store_overlap is a form of the persistent loop with one K block a step "
+                          f"(got persistent={persistent}, k_pairs={k_pairs})")
     # a ring stage: the x and weight tiles of its K blocks, with ring_scales their row scales and weight-scale rows
     sw_cols = RING_SCALE_COLS if persistent else ring_weight_scales_cols(n)  # a stage's weight scales
     stage_bytes = kstep * ((bm + bn) * BLOCK + (4 * (bm + sw_cols) if ring_scales else 0))
@@ -595,7 +604,8 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
                        interpret=interpret or None, stage_scales=stage_scales,
                        quantize_x=scale_fmt if quantize_x else None, stream_k=ctas,
                        persistent=min(NUM_SMS, (mp // bm) * (n // bn)) if persistent else 0,
-                       ring_scales=ring_scales, k_pairs=k_pairs, profile_dir=profile_dir)
+                       ring_scales=ring_scales, k_pairs=k_pairs, store_overlap=store_overlap,
+                       profile_dir=profile_dir)
     sw = w_scale.astype(jnp.float32)
     if stage_scales:
         sw = pad_weight_scales(sw)
@@ -790,7 +800,7 @@ def _trimmed(m_tiles: int, bm: int, splits: int) -> bool:
 def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: int, stages: int, group_m: int,
                 out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, stage_scales: bool = False,
                 quantize_x: quant.ScaleFmt | None = None, stream_k: int = 0, persistent: int = 0,
-                ring_scales: bool = False, k_pairs: bool = False,
+                ring_scales: bool = False, k_pairs: bool = False, store_overlap: bool = False,
                 profile_dir: str | None = None):
     """``quantize_x`` (a scale format; 64-row tiles only): the kernel takes bfloat16 x [Mp, K] and no scales of
     it, and each compute warpgroup quantises the K block's x tile into its own e4m3 SMEM tile before its MMA
@@ -809,7 +819,9 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     ends with a proxy fence (``fence_slot_reads``).
     ``k_pairs`` (with ``ring_scales``, one accumulator chunk per warpgroup, an even K range): a pipeline step is
     two K blocks; each compute warpgroup issues both blocks' MMAs into two accumulators, then promotes the first
-    while the second runs, so that only every second promotion leaves its warpgroup's MMAs idle."""
+    while the second runs, so that only every second promotion leaves its warpgroup's MMAs idle.
+    ``store_overlap`` (``persistent``, no ``k_pairs``): a tile's accumulators are carried into the next tile's
+    first step and stored (``flush``) between that step's MMA issue and its wait; the last tile after the loop."""
     nk = k // BLOCK
     sw_cols = ring_weight_scales_cols(n)  # ring_scales without persistent: sw^T's padded rows
     sw_rows = max(-(-n // BLOCK), SW_ROWS)  # rows of the (padded) weight scales, when staged
@@ -840,6 +852,8 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     if ring_scales and (stage_scales or quantize_x or stream_k):
         raise ValueError("ring_scales needs unstaged scales, x quantised outside and no stream_k")
     kstep = 2 if k_pairs else 1  # K blocks per pipeline step
+    if store_overlap and (not persistent or k_pairs):
+        raise ValueError("store_overlap needs the persistent loop and one K block a step")
     if k_pairs and (not ring_scales or nch != 1 or kps % 2 or nk % 2 or stream_k):
         raise ValueError("k_pairs needs ring_scales, one accumulator chunk per warpgroup, an even number of K "
                          "blocks per CTA and no stream_k")
@@ -975,7 +989,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 a = xq_s.at[wg]
 
             for c in range(nch):  # chunks run one after the other: one [64, cw] MMA accumulator at a time
-                def mma(blk_ref, c=c):
+                def mma(blk_ref, c=c, acc=acc):
                     plgpu.wgmma(blk_ref, a, w_s.at[pl.ds(c0 + c * cw, cw)].T)
                     # the block's scales load while the MMA runs (from SMEM when staged or through the ring)
                     if quantize_x or c:  # the row scales are already in registers
@@ -988,10 +1002,13 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                     else:
                         sx_c = plgpu.load(sxt_ref.at[kb, pl.ds(r0, 64)], layout=ROW, optimized=False)
                     sw_c = w_scale(wg, tile, kb, c * cw, live, ring)
+                    if store_overlap and c == 0:  # the tile finished a step ago leaves while this MMA runs
+                        acc = lax.cond((kb == 0) & (step > 0), lambda o: flush(*unit(step - 1)[:2], o),
+                                       lambda o: o, acc)
                     plgpu.wgmma_wait(0)
-                    return blk_ref[...], sx_c, sw_c
+                    return blk_ref[...], sx_c, sw_c, acc
 
-                blk, sx_c, sw_c = pl.run_scoped(mma, plgpu.ACC((64, cw), jnp.float32))
+                blk, sx_c, sw_c, acc = pl.run_scoped(mma, plgpu.ACC((64, cw), jnp.float32))
                 if c == 0:
                     sxv = sxq if quantize_x else sx_c
                 if ragged:  # the row scale times each column's weight scale, then the block (as below, per element)
@@ -1014,7 +1031,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                                                              pl.ds(r0w, rows_w), pl.ds(wg_cols(w, tile) + c * cw, cw)])
                 keep = 1.0 - done.astype(jnp.float32)
                 out = [o * keep for o in out]
-            if persistent:  # the tile's last K block: store it (TMA, asynchronous) and start the next tile at 0
+            if persistent and not store_overlap:  # the tile's last K block: store it (TMA, asynchronous), next at 0
                 out = lax.cond(kb == nk - 1, lambda o: flush(*unit(step)[:2], o), lambda o: o, tuple(out))
             return tuple(out)
 
@@ -1038,6 +1055,8 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             with jax.named_scope("loop"):
                 zeros = tuple(plgpu.layout_cast(jnp.full((64, cw), 0.0, jnp.float32), L) for _ in range(nch))
                 acc = run_pipeline(zeros)
+                if store_overlap:  # the CTA's last tile (every persistent CTA has at least one)
+                    flush(*unit(steps - 1)[:2], acc)
             with jax.named_scope("store"):
                 store(acc)
 

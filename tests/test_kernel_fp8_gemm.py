@@ -489,6 +489,12 @@ def test_stream_k_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, quan
     (300, 512, 384, 4, dict(block_n=192, ring_scales=True), jnp.float32),  # a tile starting mid-block: scales 1, 2
     (256, 512, 384, 4, dict(group_m=2, ring_scales=True), jnp.float32),  # full groups: a constant divisor
     (300, 512, 384, 4, dict(group_m=1), jnp.float32),
+    # a tile's store overlapping the next tile's first MMA: plain, ring scales, 2 chunks, 64-row tiles, ragged
+    (300, 512, 384, 4, dict(store_overlap=True), jnp.bfloat16),
+    (300, 512, 384, 4, dict(store_overlap=True, ring_scales=True), jnp.float32),
+    (300, 256, 512, 3, dict(store_overlap=True, block_n=256, ring_scales=True), jnp.float32),
+    (200, 384, 256, 5, dict(store_overlap=True, block_m=64, ring_scales=True), jnp.bfloat16),
+    (200, 256, 1152, 5, dict(store_overlap=True, block_n=144, ring_scales=True), jnp.float32),
 ])
 def test_persistent_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, tiles: dict, out_dtype,
                                 monkeypatch) -> None:
@@ -510,6 +516,7 @@ def test_persistent_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, ti
                                    dict(persistent=True, ring_scales=True), dict(ring_scales=True, split_k=2),
                                    dict(ring_scales=True, k_pairs=True, split_k=2),
                                    dict(persistent=True, ring_scales=True, k_pairs=True),
+                                   dict(persistent=True, ring_scales=True, store_overlap=True),
                                    pytest.param(dict(ring_scales=True, block_m=128, block_n=256, split_k=1),
                                                 marks=pytest.mark.slow)])
 def test_persistent_and_ring_exact_data_bit_equal(mode: str, tiles: dict, monkeypatch) -> None:
@@ -598,7 +605,7 @@ def test_large_m_defaults_match_xla(m: int, k: int, n: int) -> None:
 
 @pytest.mark.skipif(ON_GPU, reason="GPU interpret mode's race detector runs on the CPU")
 @pytest.mark.parametrize("tiles", [dict(ring_scales=False), dict(ring_scales=True),
-                                   dict(ring_scales=True, k_pairs=True)])
+                                   dict(ring_scales=True, k_pairs=True), dict(ring_scales=True, store_overlap=True)])
 def test_persistent_no_races(tiles: dict, monkeypatch) -> None:
     """The race detector over the persistent loop: 4 tiles on 3 CTAs, so a CTA's second tile rewrites the SMEM
     output tiles its first one's TMA stores read, and the ring's slots carry on across tiles; with the scales
@@ -627,6 +634,9 @@ def test_persistent_and_ring_limits() -> None:
                        (dict(k_pairs=True, ring_scales=False), "k_pairs"),
                        (dict(k_pairs=True, ring_scales=True, split_k=4), "k_pairs"),  # one K block a CTA
                        (dict(k_pairs=True, ring_scales=True, block_n=256, block_m=128), "k_pairs"),  # 2 chunks
+                       (dict(store_overlap=True), "store_overlap"),  # 130 rows: no persistent loop by default
+                       (dict(store_overlap=True, persistent=True, ring_scales=True, k_pairs=True), "store_overlap"),
+                       (dict(store_overlap=1, persistent=True), "store_overlap"),
                        (dict(persistent=1), "persistent"), (dict(k_pairs="yes"), "k_pairs")):
         with pytest.raises(ValueError, match=field):
             G.fp8_linear(x, wq, ws, **kw, **bad)
@@ -824,6 +834,7 @@ def test_auto_stream_k_and_staged_scales() -> None:
                                          (256, 7168, 18432, dict(ring_scales=True, block_m=64, split_k=2)),
                                          # two K blocks a step (k_pairs)
                                          (2048, 16384, 7168, dict(ring_scales=True, k_pairs=True)),
+                                         (2048, 1536, 24576, dict(store_overlap=True)),  # q_b, store overlapped
                                          (2048, 1536, 24576, dict(persistent=True, ring_scales=True, k_pairs=True)),
                                          # the defaults at large M: persistent (q_b, mlp), pairs (wo)
                                          (2048, 1536, 24576, {}), (2048, 16384, 7168, {}), (2048, 7168, 18432, {}),
