@@ -460,8 +460,11 @@ def ring_weight_scales(sw: jax.Array, bn: int | None = None) -> jax.Array:
     return jnp.where(jnp.asarray(idx < nb), tiles, 0.0).reshape(nk, n_tiles * RING_SCALE_COLS)
 
 
-def ring_weight_scales_cols(n: int) -> int:
-    """Columns of ``ring_weight_scales``' whole rows for n output features: ceil(n / 128) rounded up to 32."""
+def ring_weight_scales_cols(n: int, per_tile: bool = False) -> int:
+    """Columns of a ring stage's weight scales (``ring_weight_scales``) for n output features: ``RING_SCALE_COLS``
+    per tile, else the whole row, ceil(n / 128) rounded up to ``RING_SCALE_COLS``."""
+    if per_tile:
+        return RING_SCALE_COLS
     blocks = -(-n // BLOCK)
     return -(-blocks // RING_SCALE_COLS) * RING_SCALE_COLS
 
@@ -588,8 +591,8 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         raise Unsupported(f"fp8_linear kernel: store_overlap is a form of the persistent loop with one K block a step "
                           f"(got persistent={persistent}, k_pairs={k_pairs})")
     # a ring stage: the x and weight tiles of its K blocks, with ring_scales their row scales and weight-scale rows
-    sw_cols = RING_SCALE_COLS if persistent else ring_weight_scales_cols(n)  # a stage's weight scales
-    stage_bytes = kstep * ((bm + bn) * BLOCK + (4 * (bm + sw_cols) if ring_scales else 0))
+    ring_bytes = 4 * (bm + ring_weight_scales_cols(n, persistent)) if ring_scales else 0  # its scales
+    stage_bytes = kstep * ((bm + bn) * BLOCK + ring_bytes)
     if k_pairs:
         if not _k_pairs_fit(bm, bn, nk // s):
             raise Unsupported(f"fp8_linear kernel: k_pairs needs one accumulator chunk per warpgroup ({bm} x {bn} tiles "
@@ -823,7 +826,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     ``store_overlap`` (``persistent``, no ``k_pairs``): a tile's accumulators are carried into the next tile's
     first step and stored (``flush``) between that step's MMA issue and its wait; the last tile after the loop."""
     nk = k // BLOCK
-    sw_cols = ring_weight_scales_cols(n)  # ring_scales without persistent: sw^T's padded rows
+    sw_cols = ring_weight_scales_cols(n, bool(persistent))  # ring_scales: a stage's weight scales
     sw_rows = max(-(-n // BLOCK), SW_ROWS)  # rows of the (padded) weight scales, when staged
     kps = nk // splits  # K blocks per CTA
     m_tiles, n_tiles = mp // bm, n // bn
@@ -967,15 +970,18 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                     scales[0], (64, cw), [0])
                 return out + acc_b[...] * lax.broadcast_in_dim(scales[1], (64, cw), [0])
 
-            out = (pl.run_scoped(mma, plgpu.ACC((64, cw), jnp.float32), plgpu.ACC((64, cw), jnp.float32)),)
-            if persistent:  # the tile's indices only in the branch that stores it
-                out = lax.cond(kb == nk - kstep, lambda o: flush(*unit(step)[:2], o), lambda o: o, out)
-            return out
+            return (pl.run_scoped(mma, plgpu.ACC((64, cw), jnp.float32), plgpu.ACC((64, cw), jnp.float32)),)
 
         def step_body(idx, x_s, w_s, acc, ring):
             (step,) = idx
-            if k_pairs:
-                return pair_body(step, x_s, w_s, acc, ring)
+            out = (pair_body if k_pairs else block_body)(step, x_s, w_s, acc, ring)
+            if persistent and not store_overlap:  # the tile's last step stores it (TMA, asynchronous), next at 0;
+                # the tile's indices only in that branch
+                out = lax.cond(unit(step)[2] == nk - kstep, lambda o: flush(*unit(step)[:2], o), lambda o: o, out)
+            return out
+
+        def block_body(step, x_s, w_s, acc, ring):
+            """One K block a step (``k_pairs`` off)."""
             tmi, tile, kb, live = unit(step)
             wg = lax.axis_index("wg")
             a = x_s.at[pl.ds(wg * 64, 64)] if split_m else x_s
@@ -1031,8 +1037,6 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                                                              pl.ds(r0w, rows_w), pl.ds(wg_cols(w, tile) + c * cw, cw)])
                 keep = 1.0 - done.astype(jnp.float32)
                 out = [o * keep for o in out]
-            if persistent and not store_overlap:  # the tile's last K block: store it (TMA, asynchronous), next at 0
-                out = lax.cond(kb == nk - 1, lambda o: flush(*unit(step)[:2], o), lambda o: o, tuple(out))
             return tuple(out)
 
         def flush(tmi, tile, out):
@@ -1102,7 +1106,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
         kw = kstep * BLOCK  # a step's K width
         if stream_k or persistent:  # whole arrays: the blocks follow the CTA's units
             ring_specs = [plgpu.BlockSpec((kstep, bm), lambda s: (unit(s)[2] // kstep, unit(s)[0])),
-                          plgpu.BlockSpec((kstep, RING_SCALE_COLS), lambda s: (unit(s)[2] // kstep, unit(s)[1]))
+                          plgpu.BlockSpec((kstep, sw_cols), lambda s: (unit(s)[2] // kstep, unit(s)[1]))
                           ] if ring_scales else []
             pipeline = plgpu.emit_pipeline_warp_specialized(
                 body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
