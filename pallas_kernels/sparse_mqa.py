@@ -300,8 +300,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     prefill and V3.2 ue8m0 decode: benchmarks/results/archive/mqa_k_prescale_ab_h100_2026-12-06.json).
     ``producer_prefetch`` (native register producer): how many blocks ahead the producer prefetches records into
     L2 while it loads block k, 1 or 2 (``record_gather.produce_tile``'s ``prefetch_ahead``). None: 1 (2 was
-    level at V3.2 in the eighteenth session, and slower at V4 and V3.2 ue8m0 decode 64 on an H100:
-    benchmarks/results/archive/mqa_variants_pf2_h100_2026-12-06.json).
+    level at V3.2 in the eighteenth session; on an H100 it was 1% faster at V4 4K prefill and slower at V4 and
+    V3.2 ue8m0 decode 64: benchmarks/results/archive/mqa_variants_pf2_h100_2026-12-06.json).
     Timings: docs/perf-log.md.
     """
     check_implementation(combine, "combine")
