@@ -636,7 +636,7 @@ def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits
             dst[...] = acc.astype(dst.dtype)
 
         pipeline = plgpu.emit_pipeline_warp_specialized(
-            fence_slot_reads(body), grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=nwg,
+            fence_slot_reads(body, interpret), grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=nwg,
             max_concurrent_steps=stages, compute_context=compute,
             in_specs=[plgpu.BlockSpec((bt, bk), lambda s: (0, s), transforms=x_tf),
                       plgpu.BlockSpec((bn, bk // 2), lambda s: (0, s), transforms=w_tf)])
@@ -803,7 +803,7 @@ def _build_fp8_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, sp
 
     def make_pipeline(body_fn, context, state):
         return plgpu.emit_pipeline_warp_specialized(
-            fence_slot_reads(body_fn), grid=(steps,), memory_registers=MEMORY_REGISTERS, wg_axis="wg",
+            fence_slot_reads(body_fn, interpret), grid=(steps,), memory_registers=MEMORY_REGISTERS, wg_axis="wg",
             num_compute_wgs=nwg, max_concurrent_steps=st, compute_context=context, in_specs=specs,
             pipeline_state=state)
 

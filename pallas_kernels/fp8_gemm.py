@@ -469,21 +469,38 @@ def ring_weight_scales_cols(n: int, per_tile: bool = False) -> int:
     return -(-blocks // RING_SCALE_COLS) * RING_SCALE_COLS
 
 
-def fence_slot_reads(body: Callable) -> Callable:
-    """``body`` of ``plgpu.emit_pipeline_warp_specialized`` followed by a proxy fence (``plgpu.commit_smem``), for
-    compute warpgroups that read their slots through the generic proxy (``plgpu.load``: scales, tiles dequantised
-    in registers; wgmma's operand reads are async-proxy reads).
+def fence_slot_reads(body: Callable, interpret: object = None) -> Callable:
+    """``body`` of ``plgpu.emit_pipeline_warp_specialized`` followed by a proxy fence in every thread, for compute
+    warpgroups that read their slots through the generic proxy (``plgpu.load``: scales, tiles dequantised in
+    registers; wgmma's operand reads are async-proxy reads).
 
     Why: the producer's next TMA write of a released slot is an async-proxy write, which the PTX memory model
     orders after those reads only across fence.proxy.async; the pipeline's consumed barrier alone does not (GPU
-    interpret mode's race detector reports each such read against the slot's next write without the fence)."""
+    interpret mode's race detector reports each such read against the slot's next write without the fence).
+    Natively the fence is ``fence.proxy.async.shared::cta`` alone: under Lane semantics every thread arrives on
+    the consumed barrier itself, so each thread's fence before its own release suffices, and ``commit_smem``'s
+    warpgroup barrier would only add a rendezvous per step. ``interpret`` (the kernel's interpret argument, not
+    None or False there) uses ``commit_smem``, the fence the interpreter models."""
     @functools.wraps(body)
     def fenced(*args):
         out = body(*args)
-        plgpu.commit_smem()
+        if interpret:
+            plgpu.commit_smem()
+        else:
+            proxy_fence()
         return out
 
     return fenced
+
+
+def proxy_fence() -> None:
+    """``fence.proxy.async.shared::cta`` in the calling thread (native only: interpret mode cannot run it)."""
+    @plgpu.inline_mgpu()
+    def fence(_):
+        from jax._src.lib.mlir.dialects import nvvm  # noqa: PLC0415 - lowering-time import
+        nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+
+    fence()
 
 
 def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
@@ -928,7 +945,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 return step_body(idx, x_s, w_s, rest[-1], ring)
 
         if ring_scales:  # the promotion reads the slots' scales through the generic proxy
-            body = fence_slot_reads(body)
+            body = fence_slot_reads(body, interpret)
 
         def w_scale(wg, tile, kb, col0, live, ring=None, h=0):
             """The weight scale at K block kb of the chunk from column ``col0`` (of this CTA's tile when staged): one

@@ -221,7 +221,7 @@ def _build_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: int, splits
             dst[...] = acc.astype(dst.dtype)
 
         pipeline = plgpu.emit_pipeline_warp_specialized(
-            fence_slot_reads(body), grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=nwg,
+            fence_slot_reads(body, interpret), grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=nwg,
             max_concurrent_steps=stages, compute_context=compute,
             in_specs=[plgpu.BlockSpec((bt, bk), lambda s: (0, s), transforms=x_tf),
                       plgpu.BlockSpec((bn, bk), lambda s: (0, s), transforms=w_tf)])
@@ -291,8 +291,8 @@ def _build_persistent_call(*, n: int, k: int, items: int, bt: int, bn: int, bk: 
                 acc = acc + blk * lax.broadcast_in_dim(sxv * sw_s[sw_row, kb], (64, bt), [1])
             return grouped_rows.store_unit(o_ref, acc, sc, idx[0], steps=steps, block_n=bn, block_t=bt, splits=splits)
 
-        grouped_rows.flat_pipeline(fence_slot_reads(body), sc, stages=st, in_specs=specs, num_compute_wgs=nwg,
-                                   block_t=bt)(
+        grouped_rows.flat_pipeline(fence_slot_reads(body, interpret), sc, stages=st, in_specs=specs,
+                                   num_compute_wgs=nwg, block_t=bt)(
             x_ref, sxt_ref, w_ref, sw_ref)
 
     out_shape = (n, items * bt) if splits == 1 else (splits, n, items * bt)
