@@ -469,7 +469,7 @@ def ring_weight_scales_cols(n: int, per_tile: bool = False) -> int:
     return -(-blocks // RING_SCALE_COLS) * RING_SCALE_COLS
 
 
-def fence_slot_reads(body: Callable, interpret: object = None) -> Callable:
+def fence_slot_reads(body: Callable, interpret: bool | plgpu.InterpretGPUParams | None = None) -> Callable:
     """``body`` of ``plgpu.emit_pipeline_warp_specialized`` followed by a proxy fence in every thread, for compute
     warpgroups that read their slots through the generic proxy (``plgpu.load``: scales, tiles dequantised in
     registers; wgmma's operand reads are async-proxy reads).
@@ -479,8 +479,9 @@ def fence_slot_reads(body: Callable, interpret: object = None) -> Callable:
     interpret mode's race detector reports each such read against the slot's next write without the fence).
     Natively the fence is ``fence.proxy.async.shared::cta`` alone: under Lane semantics every thread arrives on
     the consumed barrier itself, so each thread's fence before its own release suffices, and ``commit_smem``'s
-    warpgroup barrier would only add a rendezvous per step. ``interpret`` (the kernel's interpret argument, not
-    None or False there) uses ``commit_smem``, the fence the interpreter models."""
+    warpgroup barrier would only add a rendezvous per step, which measured slower (benchmarks/results/archive/
+    fence_proxy_h100_2026-12-06.json). In interpret mode (``interpret``
+    neither None nor False) the fence is ``commit_smem``, the one the interpreter models."""
     @functools.wraps(body)
     def fenced(*args):
         out = body(*args)
