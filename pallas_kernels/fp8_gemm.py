@@ -480,8 +480,8 @@ def fence_slot_reads(body: Callable, interpret: bool | plgpu.InterpretGPUParams 
     Natively the fence is ``fence.proxy.async.shared::cta`` alone: under Lane semantics every thread arrives on
     the consumed barrier itself, so each thread's fence before its own release suffices, and ``commit_smem``'s
     warpgroup barrier would only add a rendezvous per step, which measured slower (benchmarks/results/archive/
-    fence_proxy_h100_2026-12-06.json). In interpret mode (``interpret``
-    neither None nor False) the fence is ``commit_smem``, the one the interpreter models."""
+    fence_proxy_h100_2026-12-06.json). In interpret mode (``interpret`` neither None nor False) the fence is
+    ``commit_smem``, the one the interpreter models."""
     @functools.wraps(body)
     def fenced(*args):
         out = body(*args)
