@@ -678,29 +678,34 @@ def test_auto_k_pairs() -> None:
 
 def test_large_m_scale_forms_resolved(monkeypatch) -> None:
     """How fp8_linear resolves ring_scales / persistent / k_pairs = None at large M (the kernel builder's
-    arguments): the ring by default, off where the caller turns it off; pairs only from K_PAIRS_MIN_KBLOCKS."""
+    arguments): the ring by default, off where the caller turns it off; pairs only from K_PAIRS_MIN_KBLOCKS.
+    The spy stops each call at the builder (these forms' results are the interpret tests' and native tests')."""
     seen = []
-    real = G._build_call
+
+    class Resolved(Exception):
+        pass
 
     def spy(**kw):
         seen.append((kw["ring_scales"], kw["persistent"] > 0, kw["k_pairs"]))
-        return real(**kw)
+        raise Resolved
+
+    def resolve(x, wq, ws, **extra):
+        with pytest.raises(Resolved):
+            G.fp8_linear(x, wq, ws, implementation="pallas", interpret=True, out_dtype=jnp.float32, **extra)
+        return seen[-1]
 
     monkeypatch.setattr(G, "_build_call", spy)
     monkeypatch.setattr(G, "LARGE_M_FROM", 130)
     monkeypatch.setattr(G, "PERSISTENT_MAX_KBLOCKS", 16)
     x, wq, ws = make_case(130, 2176, 256, seed=1)  # 17 K blocks: no persistent loop by default
-    kw = dict(implementation="pallas", interpret=True, out_dtype=jnp.float32)
     monkeypatch.setattr(G, "K_PAIRS_MIN_KBLOCKS", 18)  # 17 K blocks: odd, so no pairs here by default either
-    for extra in ({}, dict(ring_scales=False), dict(ring_scales=False, persistent=True)):
-        G.fp8_linear(x, wq, ws, **kw, **extra)
-    assert seen == [(True, False, False), (False, False, False), (False, True, False)]
+    assert [resolve(x, wq, ws, **extra) for extra in ({}, dict(ring_scales=False),
+                                                       dict(ring_scales=False, persistent=True))] == \
+        [(True, False, False), (False, False, False), (False, True, False)]
     x, wq, ws = make_case(130, 512, 256, seed=2)  # 4 K blocks, persistent: no pairs by default (short K)
-    G.fp8_linear(x, wq, ws, **kw, persistent=True)
-    assert seen[-1] == (True, True, False)
+    assert resolve(x, wq, ws, persistent=True) == (True, True, False)
     monkeypatch.setattr(G, "K_PAIRS_MIN_KBLOCKS", 4)  # pairs from 4 K blocks: on in the persistent loop too
-    G.fp8_linear(x, wq, ws, **kw, persistent=True)
-    assert seen[-1] == (True, True, True)
+    assert resolve(x, wq, ws, persistent=True) == (True, True, True)
 
 
 @pytest.mark.parametrize("n_tiles,nk,ctas", [(3, 4, 5), (56, 128, 132), (144, 56, 132), (2, 3, 6), (7, 2, 3)])
