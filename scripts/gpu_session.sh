@@ -243,9 +243,10 @@ case "$stage" in
     ;;
   fence-ab)
     # the proxy fence after generic-proxy slot reads (fp8_gemm.fence_slot_reads; fifty-fifth session, H100: the
-    # fence alone costs nothing measurable, commit_smem's form 2-3%): the fenced kernels' native tests, then main
-    # against a copy whose fence_slot_reads returns the body unchanged, interleaved. The copy is imported first only where the script's own directory heads sys.path:
-    # scripts by path, or python -m run from inside the copy (never python -m / -c from the repo root)
+    # fence alone costs nothing measurable, commit_smem's form 2-4%): the fenced kernels' native tests, then main
+    # against a copy whose fence_slot_reads returns the body unchanged, interleaved. The copy is imported first
+    # only where the script's own directory heads sys.path: scripts by path, or python -m run from inside the copy
+    # (never python -m / -c from the repo root)
     R=$(pwd)
     timeout -k 10 -s INT ${FAT_TIMEOUT:-300} python3 -m pytest -m gpu -q -n 6 --tb=short -p no:cacheprovider \
       tests/test_kernel_fp8_grouped_gemm.py tests/test_kernel_fp4_grouped_gemm.py tests/test_kernel_fp8_gemm.py \
