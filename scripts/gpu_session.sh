@@ -268,14 +268,15 @@ PY
           --shapes q_b wo mlp --m 2048 --rounds 1 --no-torch --variants '[{}]' --out "/tmp/fence_${tag}_$r.json" \
           > "/tmp/fence_${tag}_$r.log" 2>&1
         echo "fp8 gemm $tag round $r rc=$?"; grep '^{' "/tmp/fence_${tag}_$r.log" | cut -c1-150
+        (cd /tmp && tar czf "$OUT/fence_ab.tgz" fence_*.json)  # after every run: a call cut short keeps them
         for b in kernels_fp8_grouped kernels_fp4_grouped; do
           (cd "$t" && PYTHONPATH=.:$R timeout -k 10 -s INT ${FAG_TIMEOUT:-150} python3 -m jds.bench.$b \
             ${FAG_ARGS:---shapes w1 --tokens 8 64} --out "/tmp/fence_${b}_${tag}_$r.json" > "/tmp/fence_${b}_${tag}_$r.log" 2>&1)
           echo "$b $tag round $r rc=$?"; tail -6 "/tmp/fence_${b}_${tag}_$r.log" | cut -c1-200
+          (cd /tmp && tar czf "$OUT/fence_ab.tgz" fence_*.json)
         done
       done
     done
-    (cd /tmp && tar czf "$OUT/fence_ab.tgz" fence_*.json)
     ;;
   fp8-192)
     # issue 19 (twenty-fourth session, built untested): 192-wide tiles, so q_b's 24576 columns at 128 rows run
