@@ -55,6 +55,7 @@
 #   scripts/gpu_session.sh fp8-trim      # issue 19: every one-row-tile FP8 call stores its rows through SMEM + TMA: tests, ncu
 #   scripts/gpu_session.sh fp8-swap      # issue 19: the FP8 GEMM with the roles swapped (y^T = W x^T) at decode: tests, ncu
 #   scripts/gpu_session.sh fp8-large     # issue 19: the FP8 GEMM at 2048 / 8192 rows: call and kernel time beside torch, the form before
+#   scripts/gpu_session.sh fence-ab      # issue 19: the proxy fence after slot reads: native tests, then against no fence
 #   scripts/gpu_session.sh fp8-smem      # issue 19: swap_ab's y through transposed SMEM tiles (swap_store="smem"), timeline
 #   scripts/gpu_session.sh fp8-ragged    # issue 19: tiles of 144 / 112 / 224 columns (one wave at 64-128 rows), tests then timeline
 #   scripts/gpu_session.sh key           # one call for a scarce machine: top-k 64 x 64K, FP8 ragged mlp, top-k tests
@@ -230,7 +231,7 @@ case "$stage" in
     # Native tests of the large-M forms first, then the call and kernel device times beside torch's blockwise
     # kernel and the form before (scripts/diag/fp8_large_kernels.py), then the benchmark's rows at 2048 / 8192
     timeout -k 5 ${FLT_TIMEOUT:-150} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernel_fp8_gemm.py \
-      -k "persistent or prefetch or ring or k_pairs or exact_data or large_m" > "$OUT/fp8_large_tests.log" 2>&1
+      -k "persistent or ring or k_pairs or exact_data or large_m" > "$OUT/fp8_large_tests.log" 2>&1
     echo "fp8 large tests rc=$?"; tail -4 "$OUT/fp8_large_tests.log"
     timeout -k 10 -s KILL ${FLK_TIMEOUT:-200} python3 scripts/diag/fp8_large_kernels.py --shapes ${FL_SHAPES:-q_b wo mlp} \
       --m 2048 --rounds 2 --variants "${FLK_VARIANTS:-[{}, {\"ring_scales\": false, \"k_pairs\": false, \"act_quant\": \"xla\"}]}" \

@@ -20,6 +20,8 @@ import re
 import sys
 from typing import Any, Callable
 
+from jds.bench.stats import median
+
 NAME = re.compile(r"^(?P<bench>.+)_(?P<device>[a-z0-9]+)_(?P<date>\d{4}-\d{2}-\d{2})\.json$")
 # the card whose tables carry the benchmark's own name (the targets' card); another card's current file gets a table
 # of its own, titled ``<benchmark>_<device>``, so that neither card's run supersedes the other's
@@ -191,8 +193,8 @@ def _fp8_large_kernels(d: dict) -> list[str]:
             by.setdefault((r["shape"], r["m"]), {}).setdefault(r["impl"], []).append(r)
 
     def med(rs: list[dict], key: str) -> float | None:
-        v = sorted(r[key] for r in rs if r.get(key) is not None)
-        return v[len(v) // 2] if v else None
+        v = [r[key] for r in rs if r.get(key) is not None]
+        return median(v) if v else None
 
     rows = []
     for (shape, m), per in by.items():

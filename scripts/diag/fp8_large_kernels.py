@@ -65,6 +65,16 @@ def main() -> None:
             c = b._case(shape, k, n, m, False, jax.random.key(0))
             x, wq, ws = c["x"], c["wq"], c["ws"]
             flops = 2.0 * m * n * k
+
+            def rates(key: str, t: float | None) -> dict:
+                """``t`` µs as TFLOP/s and, where the run measured it, as a share of the FP8 peak."""
+                if not t:
+                    return {}
+                r = {f"{key}_tflops": flops / (t * 1e-6) / 1e12}
+                if meta.get("fp8_flops_per_s"):
+                    r[f"{key}_peak_frac"] = flops / (t * 1e-6) / meta["fp8_flops_per_s"]
+                return r
+
             ref, ab = b._reference(x, wq, ws)
             fns = {}
             for v in variants:
@@ -89,12 +99,8 @@ def main() -> None:
                     kus = _kernel_us(p.get("profile_kernel_us", {}))
                     r = {"shape": shape, "m": m, "impl": name, "round": rnd, **acc,
                          "call_us": p.get("profile_span_us"), "kernel_us": kus,
-                         "kernel_us_by_name": p.get("profile_kernel_us")}
-                    for key, t in (("call", r["call_us"]), ("kernel", kus)):
-                        if t:
-                            r[f"{key}_tflops"] = flops / (t * 1e-6) / 1e12
-                            if meta.get("fp8_flops_per_s"):
-                                r[f"{key}_peak_frac"] = flops / (t * 1e-6) / meta["fp8_flops_per_s"]
+                         "kernel_us_by_name": p.get("profile_kernel_us"),
+                         **rates("call", p.get("profile_span_us")), **rates("kernel", kus)}
                     rows.append(r)
                     print(json.dumps({q: r.get(q) for q in ("shape", "m", "impl", "round", "call_us", "kernel_us",
                                                             "kernel_peak_frac", "call_peak_frac",
@@ -102,9 +108,7 @@ def main() -> None:
                 if tfn is not None:
                     us = b._torch_time_us(torch, tfn, iters=10)
                     r = {"shape": shape, "m": m, "impl": "torch", "variant": tvar, "round": rnd, "kernel_us": us,
-                         "kernel_tflops": flops / (us * 1e-6) / 1e12}
-                    if meta.get("fp8_flops_per_s"):
-                        r["kernel_peak_frac"] = flops / (us * 1e-6) / meta["fp8_flops_per_s"]
+                         **rates("kernel", us)}
                     rows.append(r)
                     print(json.dumps(r), flush=True)
             write_json(a.out, {"meta": meta, "rows": rows})  # a run cut short keeps its rows
