@@ -153,6 +153,7 @@ def _fp8_gemm(d: dict) -> list[str]:
     rows = []
     # the kernel's device time from the GPU's timeline, where the file has it (runs from 2026-12-01, sixth session)
     prof = any(r.get("profile_span_us") for per in by.values() for r in per.values())
+    graph = any(r.get("profile_captured") for per in by.values() for r in per.values())  # one CUDA graph a call
     for case, per in by.items():
         p, t = per.get("pallas", {}), per.get("torch", {})
         rows.append([case] + [_fmt(per.get(i, {}).get("median_us"), 1) for i in ("pallas", "xla", "torch", "bf16")]
@@ -166,7 +167,8 @@ def _fp8_gemm(d: dict) -> list[str]:
             f"{_fmt(m.get('fp8_flops_per_s', 0) / 1e12, 0)} TFLOP/s ({m.get('fp8_peak_how', '?')}), copy "
             f"{_fmt(m.get('copy_bytes_per_s', 0) / 1e12)} TB/s, both measured in the same run.{runs}", ""] + \
         _table(["case", "pallas", "xla", "torch", "bf16", "torch scales", "pallas TFLOP/s", "of FP8 peak",
-                "of copy bw", "torch / pallas"] + (["pallas device µs (GPU timeline)", "of copy bw"] if prof else []),
+                "of copy bw", "torch / pallas"]
+               + ([f"pallas device µs (GPU timeline{', one CUDA graph' if graph else ''})", "of copy bw"] if prof else []),
                rows) + _fp8_forms(by)
 
 
@@ -179,8 +181,16 @@ def _fp8_forms(by: dict[str, dict[str, dict]]) -> list[str]:
     cols = ["pallas"] + forms
     rows = [[case] + [f"{_fmt(per[i]['median_us'], 1)} ({_pct(per[i].get('fp8_peak_frac'))})" if i in per else "—"
                       for i in cols] for case, per in by.items() if any(f in per for f in forms)]
-    return ["", "The kernel's forms in the same runs, median µs per call (of the FP8 peak):", ""] + \
-        _table(["case"] + cols, rows)
+    out = ["", "The kernel's forms in the same runs, median µs per call (of the FP8 peak):", ""] + _table(["case"] + cols, rows)
+    has = lambda i: any(per.get(i, {}).get("profile_span_us") for per in by.values())  # noqa: E731
+    tcols = [i for i in cols if has(i)]
+    timeline = [[case] + [f"{_fmt(per[i]['profile_span_us'], 1)} ({_pct(per[i].get('hbm_frac_profile'))})"
+                          if per.get(i, {}).get("profile_span_us") else "—" for i in tcols]
+                for case, per in by.items() if any(per.get(f, {}).get("profile_span_us") for f in tcols[1:])]
+    if timeline:  # decode rows: the device time from the GPU's timeline, the fraction of the copy bandwidth
+        out += ["", "The same forms' device µs per call (GPU timeline; of the copy bandwidth):", ""] + \
+            _table(["case"] + tcols, timeline)
+    return out
 
 
 def _fp8_large_kernels(d: dict) -> list[str]:
