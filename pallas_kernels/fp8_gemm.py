@@ -200,7 +200,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     on with ``ring_scales`` where the tile allows it, from ``K_PAIRS_MIN_KBLOCKS`` K blocks per CTA.
     ``store_overlap`` (``persistent``, one K block a step): a finished tile's accumulators leave (SMEM, TMA store)
     while the next tile's first MMA runs, instead of before it is issued; the CTA's last tile leaves after the
-    loop. None: off (not yet timed natively).
+    loop. None: on wherever it applies (faster at q_b and mlp, the persistent shapes).
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler writes a trace of the kernel's named regions per
     warpgroup there: ``all`` (the pipeline, every warpgroup), the compute warpgroups' ``scales`` (staging wait),
     ``loop``, its ``step`` bodies and ``store`` (``scripts/diag/fp8_regions.py``).
@@ -604,7 +604,9 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     if k_pairs is None:  # decided with the tiles
         k_pairs = bool(ring_scales) and _auto_k_pairs(bm, bn, nk // s)
     kstep = 2 if k_pairs else 1
-    store_overlap = bool(store_overlap)
+    if store_overlap is None:  # wherever it applies (H100, 2048 rows: q_b's kernel 2%, mlp's 1% faster;
+        # benchmarks/results/archive/store_overlap_h100_2026-12-06.json)
+        store_overlap = bool(persistent) and not k_pairs
     if store_overlap and (not persistent or k_pairs):
         raise Unsupported(f"fp8_linear kernel: store_overlap is a form of the persistent loop with one K block a step "
                           f"(got persistent={persistent}, k_pairs={k_pairs})")

@@ -143,6 +143,33 @@ def test_profiled_device_us_without_a_gpu_is_empty() -> None:
     assert profiled_device_us(lambda a: a * 2.0 + 1.0, jnp.ones((64,)), calls=2, warmup=1) == {}
 
 
+def test_profiled_device_us_rotates_argument_sets() -> None:
+    """``rotate``: the calls (warm-up and timed) take the argument sets in turn; sets of another arity, or beside
+    ``thread``, are a ValueError; ``rotation_copies`` spans twice the L2."""
+    from jds.bench.timing import L2_BYTES, profiled_device_us, rotation_copies
+
+    seen = []
+
+    class Spy:  # a compiled-looking callable: profiled_device_us calls it as it is
+        lower = None
+
+        def __call__(self, a, b):
+            seen.append((float(a[0]), float(b)))
+            return a
+
+    sets = [(jnp.full((4,), float(i)), jnp.float32(10 * i)) for i in range(3)]
+    profiled_device_us(Spy(), *sets[0], calls=4, warmup=2, rotate=sets[1:])
+    assert seen == [(float(i % 3), 10.0 * (i % 3)) for i in range(6)]
+    with pytest.raises(ValueError, match="rotate"):
+        profiled_device_us(Spy(), *sets[0], calls=2, rotate=[sets[1][:1]])
+    with pytest.raises(ValueError, match="rotate"):
+        profiled_device_us(Spy(), *sets[0], calls=2, rotate=sets[1:], thread=((0, 0),))
+    assert rotation_copies(36 * 2**20) == 3 and rotation_copies(126 * 2**20) == 1
+    assert rotation_copies(L2_BYTES) == 2
+    with pytest.raises(ValueError, match="nbytes"):
+        rotation_copies(0)
+
+
 def test_kernel_events_keep_a_copy_streams_kernels() -> None:
     """A stream line named for its copies too keeps its kernels; copies, memsets and non-stream lines are dropped."""
     from types import SimpleNamespace as NS

@@ -489,12 +489,13 @@ def test_stream_k_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, quan
     (300, 512, 384, 4, dict(block_n=192, ring_scales=True), jnp.float32),  # a tile starting mid-block: scales 1, 2
     (256, 512, 384, 4, dict(group_m=2, ring_scales=True), jnp.float32),  # full groups: a constant divisor
     (300, 512, 384, 4, dict(group_m=1), jnp.float32),
-    # a tile's store overlapping the next tile's first MMA: plain, ring scales, 2 chunks, 64-row tiles, ragged
-    (300, 512, 384, 4, dict(store_overlap=True), jnp.bfloat16),
-    (300, 512, 384, 4, dict(store_overlap=True, ring_scales=True), jnp.float32),
-    (300, 256, 512, 3, dict(store_overlap=True, block_n=256, ring_scales=True), jnp.float32),
-    (200, 384, 256, 5, dict(store_overlap=True, block_m=64, ring_scales=True), jnp.bfloat16),
-    (200, 256, 1152, 5, dict(store_overlap=True, block_n=144, ring_scales=True), jnp.float32),
+    # (above: a tile's store overlapping the next tile's first MMA, the default) a tile's store before the next
+    # tile's first MMA: plain, ring scales, 2 chunks, 64-row tiles, ragged
+    (300, 512, 384, 4, dict(store_overlap=False), jnp.bfloat16),
+    (300, 512, 384, 4, dict(store_overlap=False, ring_scales=True), jnp.float32),
+    (300, 256, 512, 3, dict(store_overlap=False, block_n=256, ring_scales=True), jnp.float32),
+    (200, 384, 256, 5, dict(store_overlap=False, block_m=64, ring_scales=True), jnp.bfloat16),
+    (200, 256, 1152, 5, dict(store_overlap=False, block_n=144, ring_scales=True), jnp.float32),
 ])
 def test_persistent_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, tiles: dict, out_dtype,
                                 monkeypatch) -> None:
@@ -516,7 +517,7 @@ def test_persistent_matches_xla(mode: str, m: int, k: int, n: int, ctas: int, ti
                                    dict(persistent=True, ring_scales=True), dict(ring_scales=True, split_k=2),
                                    dict(ring_scales=True, k_pairs=True, split_k=2),
                                    dict(persistent=True, ring_scales=True, k_pairs=True),
-                                   dict(persistent=True, ring_scales=True, store_overlap=True),
+                                   dict(persistent=True, ring_scales=True, store_overlap=False),
                                    pytest.param(dict(ring_scales=True, block_m=128, block_n=256, split_k=1),
                                                 marks=pytest.mark.slow)])
 def test_persistent_and_ring_exact_data_bit_equal(mode: str, tiles: dict, monkeypatch) -> None:
@@ -605,7 +606,7 @@ def test_large_m_defaults_match_xla(m: int, k: int, n: int) -> None:
 
 @pytest.mark.skipif(ON_GPU, reason="GPU interpret mode's race detector runs on the CPU")
 @pytest.mark.parametrize("tiles", [dict(ring_scales=False), dict(ring_scales=True),
-                                   dict(ring_scales=True, k_pairs=True), dict(ring_scales=True, store_overlap=True)])
+                                   dict(ring_scales=True, k_pairs=True), dict(ring_scales=True, store_overlap=False)])
 def test_persistent_no_races(tiles: dict, monkeypatch) -> None:
     """The race detector over the persistent loop: 4 tiles on 3 CTAs, so a CTA's second tile rewrites the SMEM
     output tiles its first one's TMA stores read, and the ring's slots carry on across tiles; with the scales
@@ -677,8 +678,9 @@ def test_auto_k_pairs() -> None:
 
 
 def test_large_m_scale_forms_resolved(monkeypatch) -> None:
-    """How fp8_linear resolves ring_scales / persistent / k_pairs = None at large M (the kernel builder's
-    arguments): the ring by default, off where the caller turns it off; pairs only from K_PAIRS_MIN_KBLOCKS.
+    """How fp8_linear resolves ring_scales / persistent / k_pairs / store_overlap = None at large M (the kernel
+    builder's arguments): the ring by default, off where the caller turns it off; pairs only from
+    K_PAIRS_MIN_KBLOCKS; the overlapped store wherever the persistent loop runs one K block a step.
     The spy stops each call at the builder (these forms' results are the interpret tests' and native tests')."""
     seen = []
 
@@ -686,7 +688,7 @@ def test_large_m_scale_forms_resolved(monkeypatch) -> None:
         pass
 
     def spy(**kw):
-        seen.append((kw["ring_scales"], kw["persistent"] > 0, kw["k_pairs"]))
+        seen.append((kw["ring_scales"], kw["persistent"] > 0, kw["k_pairs"], kw["store_overlap"]))
         raise Resolved
 
     def resolve(x, wq, ws, **extra):
@@ -701,11 +703,12 @@ def test_large_m_scale_forms_resolved(monkeypatch) -> None:
     monkeypatch.setattr(G, "K_PAIRS_MIN_KBLOCKS", 18)  # 17 K blocks: odd, so no pairs here by default either
     assert [resolve(x, wq, ws, **extra) for extra in ({}, dict(ring_scales=False),
                                                        dict(ring_scales=False, persistent=True))] == \
-        [(True, False, False), (False, False, False), (False, True, False)]
+        [(True, False, False, False), (False, False, False, False), (False, True, False, True)]
     x, wq, ws = make_case(130, 512, 256, seed=2)  # 4 K blocks, persistent: no pairs by default (short K)
-    assert resolve(x, wq, ws, persistent=True) == (True, True, False)
+    assert resolve(x, wq, ws, persistent=True) == (True, True, False, True)
+    assert resolve(x, wq, ws, persistent=True, store_overlap=False) == (True, True, False, False)
     monkeypatch.setattr(G, "K_PAIRS_MIN_KBLOCKS", 4)  # pairs from 4 K blocks: on in the persistent loop too
-    assert resolve(x, wq, ws, persistent=True) == (True, True, True)
+    assert resolve(x, wq, ws, persistent=True) == (True, True, True, False)
 
 
 @pytest.mark.parametrize("n_tiles,nk,ctas", [(3, 4, 5), (56, 128, 132), (144, 56, 132), (2, 3, 6), (7, 2, 3)])
@@ -839,7 +842,7 @@ def test_auto_stream_k_and_staged_scales() -> None:
                                          (256, 7168, 18432, dict(ring_scales=True, block_m=64, split_k=2)),
                                          # two K blocks a step (k_pairs)
                                          (2048, 16384, 7168, dict(ring_scales=True, k_pairs=True)),
-                                         (2048, 1536, 24576, dict(store_overlap=True)),  # q_b, store overlapped
+                                         (2048, 1536, 24576, dict(store_overlap=False)),  # q_b, the store before the next tile
                                          (2048, 1536, 24576, dict(persistent=True, ring_scales=True, k_pairs=True)),
                                          # the defaults at large M: persistent (q_b, mlp), pairs (wo)
                                          (2048, 1536, 24576, {}), (2048, 16384, 7168, {}), (2048, 7168, 18432, {}),

@@ -27,7 +27,8 @@ others still run):
 Fields: median_us (jds.bench.timing.time_fn; torch: CUDA events over back-to-back calls), device_unrolled_us
 (calls under 200 us, jds.bench.timing.device_row), profile_span_us / profile_busy_us / profile_kernels and
 hbm_frac_profile (kernel rows at M <= 128: the call's device time from the GPU's timeline,
-jds.bench.timing.profiled_device_us, the call compiled as one CUDA graph: ``profile_captured``), tflops (2 M in out / time), fp8_peak_frac (of the FP8
+jds.bench.timing.profiled_device_us, the call compiled as one CUDA graph: ``profile_captured``, the calls taking
+``profile_weight_copies`` copies of the weights in turn, together twice the L2), tflops (2 M in out / time), fp8_peak_frac (of the FP8
 peak measured in this run: torch._scaled_mm per-tensor at 8192^3, bf16 out), bytes (weights + scales + x +
 y in their stored dtypes: the unavoidable traffic), hbm_frac (of the copy bandwidth measured in this run:
 a 1 GiB jnp add), and, vs the XLA output of the same inputs: max_abs_err, ref_max_abs and err_abssum_max
@@ -55,7 +56,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jds.bench.results import error_text, write_json
-from jds.bench.timing import CAPTURED_OPTIONS, device_row, measure_ceilings, profiled_device_us, time_fn
+from jds.bench.timing import (CAPTURED_OPTIONS, device_row, measure_ceilings, profiled_device_us, rotation_copies,
+                              time_fn)
 from jds.ops import quant
 from pallas_kernels import fp8_gemm
 
@@ -232,6 +234,9 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch, rows: Sequenc
         ref = ab = None
         yield {**base, "impl": "reference", "error": error_text(e)}
     iters = _iters(flops)
+    # the decode timeline's further weight sets (copies: the same values), so that no call reads L2-resident weights
+    rot = [(x, jnp.array(wq, copy=True), jnp.array(ws, copy=True))
+           for _ in range(rotation_copies(n * k) - 1)] if m <= 128 and not quick else []
 
     # (a) the kernel (default tiles, plus the sweep)
     # the default stages the scales below STAGE_SCALES_BELOW rows: time the other choice beside it at decode sizes
@@ -273,7 +278,9 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch, rows: Sequenc
                     # call one CUDA graph as inside the model's captured step (no host gap between its kernels)
                     fc = jax.jit(functools.partial(fp8_gemm.fp8_linear, out_dtype=jnp.bfloat16, implementation="pallas",
                                                    **tiles), compiler_options=CAPTURED_OPTIONS)
-                    r.update(profiled_device_us(fc, x, wq, ws, by_kernel=True), profile_captured=True)
+                    # weight copies spanning twice the L2 in turn: q_b's 36 MiB would otherwise stay in L2
+                    r.update(profiled_device_us(fc, x, wq, ws, by_kernel=True, rotate=rot), profile_captured=True,
+                             profile_weight_copies=1 + len(rot))
             if name == "pallas":  # act_quant of x alone in XLA (the call quantises x; torch's row excludes it)
                 aq = jax.jit(functools.partial(quant.act_quant, block=128, fmt="ue8m0"))
                 r["act_quant_us"] = time_fn(aq, x, iters=3 if quick else 20)["median_us"]

@@ -161,7 +161,8 @@ def device_row(fn: Callable[..., Any], *args: Any, median_us: float, thread: Seq
 
 
 def profiled_device_us(fn: Callable[..., Any], *args: Any, calls: int = 20, warmup: int = 3,
-                       thread: Sequence[tuple[int, int]] = (), by_kernel: bool = False) -> dict[str, Any]:
+                       thread: Sequence[tuple[int, int]] = (), by_kernel: bool = False,
+                       rotate: Sequence[Sequence[Any]] = ()) -> dict[str, Any]:
     """Device time per call of ``fn(*args)`` read off the GPU's timeline: ``calls`` calls, each waited for,
     under ``jax.profiler`` (CUPTI's kernel records), split into calls at the ``calls - 1`` longest idle gaps
     (the host's wait and dispatch between two calls; a call's own kernels follow each other closely).
@@ -178,20 +179,33 @@ def profiled_device_us(fn: Callable[..., Any], *args: Any, calls: int = 20, warm
     session); the kernels' own records do not depend on the host's timing.
 
     ``thread``: (argument, output) index pairs of buffers updated in place (a cache the call's kernel aliases):
-    the argument is donated and replaced by that output after each call, so that no call copies it."""
+    the argument is donated and replaced by that output after each call, so that no call copies it.
+
+    ``rotate``: further argument sets (each as ``args``); the calls take ``args`` and these in turn, so that an
+    operand smaller than the L2 cache (a 36-MiB weight on a 50-MiB L2) is not read from L2 by the next call, as a
+    model's next layer reads its own weights (``rotation_copies``)."""
     import glob
     import os
     import tempfile
 
     from jax.profiler import ProfileData
 
+    if thread and rotate:
+        raise ValueError("rotate: argument sets to cycle through, not with thread (one state updated in place)")
     if thread:
         jf = jax.jit(fn, donate_argnums=tuple(i for i, _ in thread))
         state = [jnp.array(a, copy=True) if i in dict(thread) else a for i, a in enumerate(args)]
     else:
         jf, state = (fn if hasattr(fn, "lower") else jax.jit(fn)), list(args)
+    sets = [list(args)] + [list(r) for r in rotate]
+    if any(len(r) != len(args) for r in sets):
+        raise ValueError(f"rotate: every argument set needs {len(args)} arguments, got {[len(r) for r in sets]}")
+    turn = [0]
 
     def call() -> None:
+        if rotate:
+            state[:] = sets[turn[0] % len(sets)]
+            turn[0] += 1
         outs = jf(*state)
         for i, o in thread:
             state[i] = outs[o]
@@ -216,6 +230,18 @@ def profiled_device_us(fn: Callable[..., Any], *args: Any, calls: int = 20, warm
             return {"profile_lines": {line.name: sum(1 for _ in line.events) for line in lines}}
     kernels = [(int(e.start_ns), int(e.duration_ns)) for e in events]
     return split_calls(kernels, calls, [e.name for e in events] if by_kernel else None)
+
+
+L2_BYTES = 50 * 2**20  # H100 / H200
+
+
+def rotation_copies(nbytes: int, l2_bytes: int = L2_BYTES) -> int:
+    """How many copies of an operand of ``nbytes`` a timed call cycles through (``profiled_device_us``'s
+    ``rotate``) so that together they span twice the L2: what the calls between two uses of one copy read
+    then evicts it."""
+    if nbytes <= 0:
+        raise ValueError(f"nbytes must be positive, got {nbytes}")
+    return max(1, -(-2 * l2_bytes // nbytes))
 
 
 COPY_EVENTS = ("memcpy", "memset")  # a stream's events that are no kernels (CUPTI's names start with these)
