@@ -226,7 +226,8 @@ case "$stage" in
   fp8-large)
     # issue 19: large M against the 60% target. Defaults (fifty-fourth session): the scales through the TMA ring
     # (ring_scales; per tile in the persistent loop), two K blocks a step from 64 K blocks (k_pairs), the persistent
-    # loop up to 64 K blocks (q_b, mlp), groups of 16 M tiles, act_quant in one kernel. The "before" variant below is
+    # loop up to 64 K blocks (q_b, mlp) with a tile's store behind the next tile's first MMA (store_overlap, fifty-sixth
+    # session), groups of 16 M tiles, act_quant in one kernel. The "before" variant below is
     # the fifty-second session's form (no ring, no pairs, act_quant in XLA).
     # Native tests of the large-M forms first, then the call and kernel device times beside torch's blockwise
     # kernel and the form before (scripts/diag/fp8_large_kernels.py), then the benchmark's rows at 2048 / 8192
