@@ -147,7 +147,8 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                stream_k: bool | None = None, act_quant: str | None = None, swap_ab: bool | None = None,
                swap_store: str | None = None, persistent: bool | None = None,
                ring_scales: bool | None = None, k_pairs: bool | None = None,
-               store_overlap: bool | None = None, profile_dir: str | None = None) -> jax.Array:
+               store_overlap: bool | None = None, column_scales: bool = False,
+               profile_dir: str | None = None) -> jax.Array:
     """y = x W^T with W = ``wq`` (float8_e4m3fn [out, in]) * ``w_scale`` (float32 [ceil(out/128),
     ceil(in/128)] per 128 x 128 block), x [..., in] re-quantised per 1 x 128 group (``scale_fmt``);
     [..., out] in ``out_dtype``.
@@ -201,6 +202,10 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     ``store_overlap`` (``persistent``, one K block a step): a finished tile's accumulators leave (SMEM, TMA store)
     while the next tile's first MMA runs, instead of before it is issued; the CTA's last tile leaves after the
     loop. None: on wherever it applies (faster at q_b and mlp, the persistent shapes).
+    ``column_scales`` (unswapped kernel, no ``k_pairs``): every tile width takes the per-column weight scales of
+    ``_ragged`` widths, so that a warpgroup's columns make the fewest chunks of at most 128 (a 192-wide tile: one
+    96-column chunk a warpgroup at 64 rows, two at 128) instead of chunks inside one weight-scale block (32 / 64
+    columns there, each its own MMA, wait and promotion). Off by default (not yet timed natively).
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler writes a trace of the kernel's named regions per
     warpgroup there: ``all`` (the pipeline, every warpgroup), the compute warpgroups' ``scales`` (staging wait),
     ``loop``, its ``step`` bodies and ``store`` (``scripts/diag/fp8_regions.py``).
@@ -216,7 +221,7 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                                   stream_k=stream_k, act_quant=act_quant, swap_ab=swap_ab,
                                   swap_store=swap_store, persistent=persistent,
                                   ring_scales=ring_scales, k_pairs=k_pairs, store_overlap=store_overlap,
-                                  profile_dir=profile_dir)})
+                                  column_scales=column_scales, profile_dir=profile_dir)})
 
 
 def _check_common(x, wq, w_scale, scale_fmt) -> None:
@@ -409,13 +414,13 @@ def _ragged(bn: int) -> bool:
     return bn % 64 != 0
 
 
-def _chunk_cols(bm: int, bn: int) -> int:
+def _chunk_cols(bm: int, bn: int, column_scales: bool = False) -> int:
     """Columns of a compute warpgroup's accumulator chunk: at most 128, inside one weight-scale block wherever the
-    tile starts (a 192-wide tile at column 192 spans blocks 1 and 2: 64-column chunks). ``_ragged`` widths: the
-    fewest equal chunks of at most 128 columns and a multiple of 8 (wgmma's N), each spanning at most two
-    weight-scale blocks, scaled per column."""
+    tile starts (a 192-wide tile at column 192 spans blocks 1 and 2: 64-column chunks). ``_ragged`` widths (and
+    any width with ``column_scales``): the fewest equal chunks of at most 128 columns and a multiple of 8 (wgmma's
+    N), each spanning at most two weight-scale blocks, scaled per column."""
     wn = bn if bm == 128 else bn // 2
-    if not _ragged(bn):
+    if not (_ragged(bn) or column_scales):
         return math.gcd(bn, BLOCK) if bm == 128 else math.gcd(wn, BLOCK, bn)
     q = -(-wn // BLOCK)
     while wn % q or (wn // q) % 8:
@@ -512,14 +517,16 @@ def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
 
 def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages, group_m,
             stage_scales, quantize_x=False, stream_k=None, act_quant=None, swap_ab=None, swap_store=None,
-            persistent=None, ring_scales=None, k_pairs=None, store_overlap=None, profile_dir=None):
+            persistent=None, ring_scales=None, k_pairs=None, store_overlap=None, column_scales=False,
+            profile_dir=None):
     _check_tiles(block_m, block_n, split_k, STAGES if stages is None else stages, group_m)
     if swap_ab is not None and not isinstance(swap_ab, bool):
         raise ValueError(f"swap_ab must be a bool or None, got {swap_ab!r}")
     if stage_scales is not None and not isinstance(stage_scales, bool):
         raise ValueError(f"stage_scales must be a bool or None, got {stage_scales!r}")
-    if not isinstance(quantize_x, bool):
-        raise ValueError(f"quantize_x must be a bool, got {quantize_x!r}")
+    for name, v in (("quantize_x", quantize_x), ("column_scales", column_scales)):
+        if not isinstance(v, bool):
+            raise ValueError(f"{name} must be a bool, got {v!r}")
     if stream_k is not None and not isinstance(stream_k, bool):
         raise ValueError(f"stream_k must be a bool or None, got {stream_k!r}")
     for name, v in (("persistent", persistent), ("ring_scales", ring_scales), ("k_pairs", k_pairs),
@@ -550,9 +557,10 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     persistent = auto_persistent if persistent is None else persistent
     ring_scales = auto_ring if ring_scales is None else ring_scales
     if swap_ab is None:
-        swap_ab = _auto_swap_ab(m, block_m, block_n, quantize_x, stream_k) and not (persistent or ring_scales)
-    elif swap_ab and (persistent or ring_scales):
-        raise Unsupported("fp8_linear kernel: swap_ab has no persistent or ring_scales form")
+        swap_ab = (_auto_swap_ab(m, block_m, block_n, quantize_x, stream_k)
+                   and not (persistent or ring_scales or column_scales))
+    elif swap_ab and (persistent or ring_scales or column_scales):
+        raise Unsupported("fp8_linear kernel: swap_ab has no persistent, ring_scales or column_scales form")
     if swap_store is not None and not swap_ab:
         raise ValueError(f"swap_store={swap_store!r} is the swapped form's output (swap_ab), which this call does not "
                          f"use ({m} rows, swap_ab={swap_ab})")
@@ -592,7 +600,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     # interpret mode hangs on staged scales + the trimmed epilogue (undiagnosed, 2026-12-01; the GPU runs it: native
     # tests and the benchmark), so there the default keeps the unstaged kernel
     if stage_scales is None:
-        ep_bytes = 2 * 64 * _chunk_cols(bm, bn) * (4 if s > 1 else out_dtype.itemsize) if trim else 0
+        ep_bytes = 2 * 64 * _chunk_cols(bm, bn, column_scales) * (4 if s > 1 else out_dtype.itemsize) if trim else 0
         stage_scales = (m < STAGE_SCALES_BELOW and not (interpret and trim)
                         and _staged_smem(bm, bn, nk, nk // s, stages, ep_bytes) <= SMEM_BYTES)
     elif stage_scales and interpret and trim:
@@ -613,6 +621,8 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     # a ring stage: the x and weight tiles of its K blocks, with ring_scales their row scales and weight-scale rows
     ring_bytes = 4 * (bm + ring_weight_scales_cols(n, persistent)) if ring_scales else 0  # its scales
     stage_bytes = kstep * ((bm + bn) * BLOCK + ring_bytes)
+    if k_pairs and column_scales:
+        raise Unsupported("fp8_linear kernel: k_pairs takes one weight scale per chunk; column_scales has none")
     if k_pairs:
         if not _k_pairs_fit(bm, bn, nk // s):
             raise Unsupported(f"fp8_linear kernel: k_pairs needs one accumulator chunk per warpgroup ({bm} x {bn} tiles "
@@ -628,7 +638,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
                        quantize_x=scale_fmt if quantize_x else None, stream_k=ctas,
                        persistent=min(NUM_SMS, (mp // bm) * (n // bn)) if persistent else 0,
                        ring_scales=ring_scales, k_pairs=k_pairs, store_overlap=store_overlap,
-                       profile_dir=profile_dir)
+                       column_scales=column_scales, profile_dir=profile_dir)
     sw = w_scale.astype(jnp.float32)
     if stage_scales:
         sw = pad_weight_scales(sw)
@@ -824,7 +834,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None, stage_scales: bool = False,
                 quantize_x: quant.ScaleFmt | None = None, stream_k: int = 0, persistent: int = 0,
                 ring_scales: bool = False, k_pairs: bool = False, store_overlap: bool = False,
-                profile_dir: str | None = None):
+                column_scales: bool = False, profile_dir: str | None = None):
     """``quantize_x`` (a scale format; 64-row tiles only): the kernel takes bfloat16 x [Mp, K] and no scales of
     it, and each compute warpgroup quantises the K block's x tile into its own e4m3 SMEM tile before its MMA
     (the row scales stay in registers for the promotion): x (arguments x, w, sw), else (xq, sx^T, w, sw).
@@ -853,11 +863,11 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     tiles = m_tiles * n_tiles
     split_m = bm == 128  # warpgroups split the tile's rows (128) or its columns (64-row tiles)
     wn = bn if split_m else bn // 2  # output columns per warpgroup
-    cw = _chunk_cols(bm, bn)
+    cw = _chunk_cols(bm, bn, column_scales)
     nch = wn // cw
     L = plgpu.Layout.WGMMA
     ROW, COL = L.reduce(1), L.reduce(0)
-    ragged = _ragged(bn)  # per-column weight scales (``_chunk_cols``)
+    ragged = _ragged(bn) or column_scales  # per-column weight scales (``_chunk_cols``)
     # one row tile (decode) keeps only the first mr = round_up(M, 8) rows (``_trimmed``): fp32 partials of all 64
     # rows would be written and read back once per split (as many bytes as the weights); one split's output in
     # out_dtype, its padded rows never written

@@ -186,11 +186,17 @@ def test_192_wide_tiles_bit_equal(mode: str, m: int, tiles: dict) -> None:
                                        (100, 1152, dict(block_m=128, block_n=144, stage_scales=True)),  # one row tile
                                        (7, 384, dict(block_m=64, block_n=48, split_k=2, stage_scales=False)),
                                        (9, 1152, dict(block_n=144, stream_k=True)),  # units across tiles
-                                       (5, 640, dict(block_n=80, quantize_x=True, split_k=1))])  # 40 columns
+                                       (5, 640, dict(block_n=80, quantize_x=True, split_k=1)),  # 40 columns
+                                       # column_scales: 192-wide tiles in 96-column chunks across scale blocks
+                                       (64, 768, dict(block_n=192, column_scales=True, split_k=1)),  # q_b 64 rows
+                                       (130, 768, dict(block_m=128, block_n=192, column_scales=True, split_k=1)),
+                                       (100, 768, dict(block_m=128, block_n=192, column_scales=True,
+                                                       stage_scales=True))])  # q_b 128 rows: one row tile
 def test_ragged_tiles_bit_equal(mode: str, m: int, n: int, tiles: dict) -> None:
     """Tiles whose width is no multiple of 64 (144: mlp's 18432 columns in 128 tiles) start inside weight-scale
-    blocks, so a chunk takes each column's weight scale. Weight scales differ per (row block, K block) here
-    (powers of two: exact data), so a column scaled by its neighbour block's scale changes the result."""
+    blocks, so a chunk takes each column's weight scale (as any width does with ``column_scales``). Weight scales
+    differ per (row block, K block) here (powers of two: exact data), so a column scaled by its neighbour block's
+    scale changes the result."""
     x, w, _, _ = _exact_case(m, 256, n, seed=m)
     w = w * 2.0 ** ((np.arange(n) // 128) % 3)[:, None] * 2.0 ** ((np.arange(256) // 128) % 2)[None, :]
     wq, ws = quant.quantize_weight_blocks_jax(jnp.asarray(w, jnp.float32), 128, "ue8m0")
@@ -205,6 +211,9 @@ def test_ragged_chunks() -> None:
     assert [G._chunk_cols(128, bn) for bn in (144, 112, 48, 240)] == [72, 112, 48, 120]
     assert [G._chunk_cols(64, bn) for bn in (144, 112, 48, 80)] == [72, 56, 24, 40]
     assert [G._chunk_cols(128, bn) for bn in (64, 128, 192, 256)] == [64, 128, 64, 128]  # aligned: unchanged
+    # column_scales: any width as the ragged ones (192 wide: one 96-column chunk a warpgroup at 64 rows, two at 128)
+    assert [G._chunk_cols(64, bn, True) for bn in (128, 192, 256)] == [64, 96, 128]
+    assert [G._chunk_cols(128, bn, True) for bn in (128, 192, 256)] == [128, 96, 128]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -638,6 +647,9 @@ def test_persistent_and_ring_limits() -> None:
                        (dict(store_overlap=True), "store_overlap"),  # 130 rows: no persistent loop by default
                        (dict(store_overlap=True, persistent=True, ring_scales=True, k_pairs=True), "store_overlap"),
                        (dict(store_overlap=1, persistent=True), "store_overlap"),
+                       (dict(column_scales=None), "column_scales"),
+                       (dict(column_scales=True, ring_scales=True, k_pairs=True), "column_scales"),
+                       (dict(column_scales=True, swap_ab=True), "column_scales"),
                        (dict(persistent=1), "persistent"), (dict(k_pairs="yes"), "k_pairs")):
         with pytest.raises(ValueError, match=field):
             G.fp8_linear(x, wq, ws, **kw, **bad)
@@ -846,7 +858,10 @@ def test_auto_stream_k_and_staged_scales() -> None:
                                          (2048, 1536, 24576, dict(persistent=True, ring_scales=True, k_pairs=True)),
                                          # the defaults at large M: persistent (q_b, mlp), pairs (wo)
                                          (2048, 1536, 24576, {}), (2048, 16384, 7168, {}), (2048, 7168, 18432, {}),
-                                         (64, 7168, 18432, dict(stream_k=True))])
+                                         (64, 7168, 18432, dict(stream_k=True)),
+                                         # q_b's decode tiles in 96-column chunks (per-column weight scales)
+                                         (64, 1536, 24576, dict(column_scales=True)),
+                                         (128, 1536, 24576, dict(column_scales=True))])
 def test_lowers_for_cuda(m: int, k: int, n: int, tiles: dict) -> None:
     """The compiled kernel passes Mosaic GPU's lowering (e4m3 wgmma with K-major operands, TMA, layouts)."""
     from jax.sharding import AbstractDevice, AbstractMesh
