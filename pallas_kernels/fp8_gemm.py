@@ -612,7 +612,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     if k_pairs is None:  # decided with the tiles
         k_pairs = bool(ring_scales) and _auto_k_pairs(bm, bn, nk // s)
     kstep = 2 if k_pairs else 1
-    if store_overlap is None:  # wherever it applies (H100, 2048 rows: q_b's kernel 2%, mlp's 1% faster;
+    if store_overlap is None:  # wherever it applies (faster at q_b and mlp, H100, 2048 rows:
         # benchmarks/results/archive/store_overlap_h100_2026-12-06.json)
         store_overlap = bool(persistent) and not k_pairs
     if store_overlap and (not persistent or k_pairs):

@@ -56,6 +56,7 @@
 #   scripts/gpu_session.sh fp8-swap      # issue 19: the FP8 GEMM with the roles swapped (y^T = W x^T) at decode: tests, ncu
 #   scripts/gpu_session.sh fp8-large     # issue 19: the FP8 GEMM at 2048 / 8192 rows: call and kernel time beside torch, the form before
 #   scripts/gpu_session.sh fence-ab      # issue 19: the proxy fence after slot reads: native tests, then against no fence
+#   scripts/gpu_session.sh fp8-decode    # issue 19: decode rows (one graph, rotated weights), q_b's 96-column chunks; tests
 #   scripts/gpu_session.sh fp8-smem      # issue 19: swap_ab's y through transposed SMEM tiles (swap_store="smem"), timeline
 #   scripts/gpu_session.sh fp8-ragged    # issue 19: tiles of 144 / 112 / 224 columns (one wave at 64-128 rows), tests then timeline
 #   scripts/gpu_session.sh key           # one call for a scarce machine: top-k 64 x 64K, FP8 ragged mlp, top-k tests
@@ -242,6 +243,21 @@ case "$stage" in
       --ms ${FL_MS:-2048 8192} --rows ${FL_ROWS:-pallas torch} \
       --out "$OUT/kernels_fp8_gemm_large_h200.json" > "$OUT/fp8_large_bench.log" 2>&1
     echo "fp8 large bench rc=$?"; tail -40 "$OUT/fp8_large_bench.log" | cut -c1-220
+    ;;
+  fp8-decode)
+    # issue 19 at 1-128 rows: the decode rows' device time as inside the model's captured step (one CUDA graph a call,
+    # the weights cycled through copies spanning twice the L2), q_b's 192-wide tiles in 96-column chunks
+    # (column_scales, built off in the fifty-sixth session) beside the default; then their native tests. Rows are
+    # written after each one, so a call cut short keeps them
+    set -f  # the row names' brackets are no glob
+    timeout -k 10 -s INT ${FD_TIMEOUT:-150} python3 -m jds.bench.kernels_fp8_gemm --shapes ${FD_SHAPES:-q_b} \
+      --ms ${FD_MS:-1 64 128} --rows ${FD_ROWS:-pallas pallas[column_scales=True] torch} \
+      --out "$OUT/kernels_fp8_gemm_decode_h200.json" > "$OUT/fp8_decode.log" 2>&1
+    echo "fp8 decode rc=$?"; set +f; grep '^{' "$OUT/fp8_decode.log" | python3 -c 'import json, sys; [print(r["case"], r["impl"], r.get("profile_span_us"), r.get("hbm_frac_profile"), r.get("profile_weight_copies"), r.get("error", "")[:160]) for r in map(json.loads, sys.stdin)]'
+    python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
+    timeout -k 10 -s INT ${FDT_TIMEOUT:-90} python3 -m pytest -m gpu -q -n 8 --tb=short -rfE -p no:cacheprovider \
+      tests/test_kernel_fp8_gemm.py -k "ragged or persistent or lowers" > "$OUT/fp8_decode_tests.log" 2>&1
+    echo "fp8 decode tests rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/fp8_decode_tests.log" | head; tail -1 "$OUT/fp8_decode_tests.log"
     ;;
   fence-ab)
     # the proxy fence after generic-proxy slot reads (fp8_gemm.fence_slot_reads; fifty-fifth session, H100: the
