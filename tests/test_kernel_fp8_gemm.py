@@ -854,7 +854,7 @@ def test_auto_stream_k_and_staged_scales() -> None:
                                          (256, 7168, 18432, dict(ring_scales=True, block_m=64, split_k=2)),
                                          # two K blocks a step (k_pairs)
                                          (2048, 16384, 7168, dict(ring_scales=True, k_pairs=True)),
-                                         (2048, 1536, 24576, dict(store_overlap=False)),  # q_b, the store before the next tile
+                                         (2048, 1536, 24576, dict(store_overlap=False)),  # q_b, stored before
                                          (2048, 1536, 24576, dict(persistent=True, ring_scales=True, k_pairs=True)),
                                          # the defaults at large M: persistent (q_b, mlp), pairs (wo)
                                          (2048, 1536, 24576, {}), (2048, 16384, 7168, {}), (2048, 7168, 18432, {}),

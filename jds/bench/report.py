@@ -168,7 +168,8 @@ def _fp8_gemm(d: dict) -> list[str]:
             f"{_fmt(m.get('copy_bytes_per_s', 0) / 1e12)} TB/s, both measured in the same run.{runs}", ""] + \
         _table(["case", "pallas", "xla", "torch", "bf16", "torch scales", "pallas TFLOP/s", "of FP8 peak",
                 "of copy bw", "torch / pallas"]
-               + ([f"pallas device µs (GPU timeline{', one CUDA graph' if graph else ''})", "of copy bw"] if prof else []),
+               + ([f"pallas device µs (GPU timeline{', one CUDA graph' if graph else ''})", "of copy bw"]
+                  if prof else []),
                rows) + _fp8_forms(by)
 
 
@@ -181,7 +182,8 @@ def _fp8_forms(by: dict[str, dict[str, dict]]) -> list[str]:
     cols = ["pallas"] + forms
     rows = [[case] + [f"{_fmt(per[i]['median_us'], 1)} ({_pct(per[i].get('fp8_peak_frac'))})" if i in per else "—"
                       for i in cols] for case, per in by.items() if any(f in per for f in forms)]
-    out = ["", "The kernel's forms in the same runs, median µs per call (of the FP8 peak):", ""] + _table(["case"] + cols, rows)
+    out = ["", "The kernel's forms in the same runs, median µs per call (of the FP8 peak):", ""] + \
+        _table(["case"] + cols, rows)
     has = lambda i: any(per.get(i, {}).get("profile_span_us") for per in by.values())  # noqa: E731
     tcols = [i for i in cols if has(i)]
     timeline = [[case] + [f"{_fmt(per[i]['profile_span_us'], 1)} ({_pct(per[i].get('hbm_frac_profile'))})"
