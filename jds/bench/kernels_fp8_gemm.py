@@ -24,17 +24,17 @@ others still run):
   scales; ``variant`` says which (only "blockwise" computes the same function; the others are the cuBLAS
   FP8 speed reference). x is quantised outside the timed call.
 - ``bf16``: ``x @ W_bf16^T`` in jnp (W dequantised to bf16 once, outside the timing).
-Fields: median_us (jds.bench.timing.time_fn; torch: CUDA events over back-to-back calls), device_unrolled_us
-(calls under 200 us, jds.bench.timing.device_row), profile_span_us / profile_busy_us / profile_kernels and
-hbm_frac_profile (kernel rows at M <= 128: the call's device time from the GPU's timeline,
-jds.bench.timing.profiled_device_us, the call compiled as one CUDA graph: ``profile_captured``, the calls taking
-``profile_weight_copies`` copies of the weights in turn, together twice the L2), tflops (2 M in out / time),
-fp8_peak_frac (of the FP8 peak measured in this run: torch._scaled_mm per-tensor at 8192^3, bf16 out), bytes
-(weights + scales + x + y in their stored dtypes: the unavoidable traffic), hbm_frac (of the copy bandwidth
-measured in this run: a 1 GiB jnp add), and, vs the XLA output of the same inputs: max_abs_err, ref_max_abs and err_abssum_max
-(max |y - ref| / sum_k |x_k W_k|: the tests' metric; the native test bound is 2^-9). The kernel's accuracy
-is measured on an extra fp32-output call with the same tiles (the timed call stores bf16); bf16 / torch rows
-compare their bf16 output, so their errors include the output rounding. The XLA row is the reference.
+Fields: median_us (jds.bench.timing.time_fn; torch: CUDA events over back-to-back calls), device_unrolled_us (calls
+under 200 us, jds.bench.timing.device_row), profile_span_us / profile_busy_us / profile_kernels and hbm_frac_profile
+(kernel rows at M <= 128: the call's device time from the GPU's timeline, jds.bench.timing.profiled_device_us, the
+call compiled as one CUDA graph: ``profile_captured``, the calls taking ``profile_weight_copies`` copies of the
+weights in turn, together twice the L2), tflops (2 M in out / time), fp8_peak_frac (of the FP8 peak measured in this
+run: torch._scaled_mm per-tensor at 8192^3, bf16 out), bytes (weights + scales + x + y in their stored dtypes: the
+unavoidable traffic), hbm_frac (of the copy bandwidth measured in this run: a 1 GiB jnp add), and, vs the XLA output
+of the same inputs: max_abs_err, ref_max_abs and err_abssum_max (max |y - ref| / sum_k |x_k W_k|: the tests' metric;
+the native test bound is 2^-9). The kernel's accuracy is measured on an extra fp32-output call with the same tiles
+(the timed call stores bf16); bf16 / torch rows compare their bf16 output, so their errors include the output
+rounding. The XLA row is the reference.
 meta: date, jax, torch, command, device, copy_bytes_per_s, bf16_flops_per_s, fp8_flops_per_s (+ how).
 ``--quick``: tiny shapes for a CPU smoke run (kernel in GPU interpret mode, no torch).
 """
