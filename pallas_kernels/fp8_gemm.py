@@ -202,10 +202,11 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     ``store_overlap`` (``persistent``, one K block a step): a finished tile's accumulators leave (SMEM, TMA store)
     while the next tile's first MMA runs, instead of before it is issued; the CTA's last tile leaves after the
     loop. None: on wherever it applies (faster at q_b and mlp, the persistent shapes).
-    ``column_scales`` (unswapped kernel, no ``k_pairs``): every tile width takes the per-column weight scales of
-    ``_ragged`` widths, so that a warpgroup's columns make the fewest chunks of at most 128 (a 192-wide tile: one
-    96-column chunk a warpgroup at 64 rows, two at 128) instead of chunks inside one weight-scale block (32 / 64
-    columns there, each its own MMA, wait and promotion). Off by default (not yet timed natively).
+    ``column_scales`` (unswapped kernel): every tile width takes the per-column weight scales of ``_ragged``
+    widths, so that a warpgroup's columns make the fewest chunks of at most 128 (a 192-wide tile: one 96-column
+    chunk a warpgroup at 64 rows, two at 128) instead of chunks inside one weight-scale block (32 / 64 columns
+    there, each its own MMA, wait and promotion); with one chunk a warpgroup ``k_pairs`` can take the tile. Off by
+    default (not yet timed natively).
     ``profile_dir`` (diagnostic, native): Mosaic GPU's profiler writes a trace of the kernel's named regions per
     warpgroup there: ``all`` (the pipeline, every warpgroup), the compute warpgroups' ``scales`` (staging wait),
     ``loop``, its ``step`` bodies and ``store`` (``scripts/diag/fp8_regions.py``).
@@ -313,10 +314,10 @@ def _auto_k_pairs(bm: int, bn: int, kps: int) -> bool:
     return _k_pairs_fit(bm, bn, kps) and kps >= K_PAIRS_MIN_KBLOCKS
 
 
-def _k_pairs_fit(bm: int, bn: int, kps: int) -> bool:
-    """Whether k_pairs can take these tiles: one accumulator chunk per warpgroup (not ragged) and an even number of
-    K blocks per CTA."""
-    return not _ragged(bn) and _chunk_cols(bm, bn) == (bn if bm == 128 else bn // 2) and kps % 2 == 0
+def _k_pairs_fit(bm: int, bn: int, kps: int, column_scales: bool = False) -> bool:
+    """Whether k_pairs can take these tiles: one accumulator chunk per warpgroup (``_chunk_cols``; with per-column
+    weight scales where the width is ragged or ``column_scales``) and an even number of K blocks per CTA."""
+    return _chunk_cols(bm, bn, column_scales) == (bn if bm == 128 else bn // 2) and kps % 2 == 0
 
 
 def _auto_split_k(tiles: int, nk: int) -> int:
@@ -606,6 +607,9 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     elif stage_scales and interpret and trim:
         raise Unsupported("fp8_linear kernel: stage_scales=True with one row tile (the trimmed SMEM epilogue) hangs "
                           "in interpret mode; pass stage_scales=False (or None) there, or run on the GPU")
+    if ring_scales and interpret and trim:  # the same family of hang as staged scales there (undiagnosed)
+        raise Unsupported("fp8_linear kernel: ring_scales with one row tile (the trimmed SMEM epilogue) hangs in "
+                          "interpret mode; pass more rows, or run on the GPU")
     if stream_k or persistent or ring_scales:
         stage_scales = False
     ctas = stream_k_ctas(n // bn, nk) if stream_k else 0
@@ -621,12 +625,11 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     # a ring stage: the x and weight tiles of its K blocks, with ring_scales their row scales and weight-scale rows
     ring_bytes = 4 * (bm + ring_weight_scales_cols(n, persistent)) if ring_scales else 0  # its scales
     stage_bytes = kstep * ((bm + bn) * BLOCK + ring_bytes)
-    if k_pairs and column_scales:
-        raise Unsupported("fp8_linear kernel: k_pairs takes one weight scale per chunk; column_scales has none")
     if k_pairs:
-        if not _k_pairs_fit(bm, bn, nk // s):
+        if not _k_pairs_fit(bm, bn, nk // s, column_scales):
             raise Unsupported(f"fp8_linear kernel: k_pairs needs one accumulator chunk per warpgroup ({bm} x {bn} tiles "
-                              f"make {_chunk_cols(bm, bn)}-column chunks) and an even number of K blocks per CTA "
+                              f"make {_chunk_cols(bm, bn, column_scales)}-column chunks) and an even number of K blocks "
+                              f"per CTA "
                               f"({nk // s})")
         stages = min(stages, (SMEM_BYTES - 2048) // stage_bytes)
     if persistent:  # the ring beside a [64, chunk] output tile per compute warpgroup and chunk
@@ -991,14 +994,19 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             c0 = 0 if split_m else wg * wn
             rows = pl.ds(wg * 64 if split_m else 0, 64)
 
+            def scale(h):  # block h's [64, cw] scales: row scale times weight scale (per column where ragged)
+                sx = plgpu.load(ring[0].at[h, rows], layout=ROW, optimized=False)
+                sw = w_scale(wg, tile, kb + h, 0, live, ring, h)
+                if ragged:
+                    return lax.broadcast_in_dim(sx, (64, cw), [0]) * lax.broadcast_in_dim(sw, (64, cw), [1])
+                return lax.broadcast_in_dim(sx * sw, (64, cw), [0])
+
             def mma(acc_a, acc_b):
                 for h, acc_h in enumerate((acc_a, acc_b)):
                     plgpu.wgmma(acc_h, a.at[:, pl.ds(h * BLOCK, BLOCK)], w_s.at[pl.ds(c0, cw), pl.ds(h * BLOCK, BLOCK)].T)
-                scales = [plgpu.load(ring[0].at[h, rows], layout=ROW, optimized=False)
-                          * w_scale(wg, tile, kb + h, 0, live, ring, h) for h in range(2)]
-                out = acc[0] + plgpu.wgmma_accumulator_load(acc_a, wait_n=1) * lax.broadcast_in_dim(
-                    scales[0], (64, cw), [0])
-                return out + acc_b[...] * lax.broadcast_in_dim(scales[1], (64, cw), [0])
+                scales = [scale(h) for h in range(2)]
+                out = acc[0] + plgpu.wgmma_accumulator_load(acc_a, wait_n=1) * scales[0]
+                return out + acc_b[...] * scales[1]
 
             return (pl.run_scoped(mma, plgpu.ACC((64, cw), jnp.float32), plgpu.ACC((64, cw), jnp.float32)),)
 

@@ -247,16 +247,18 @@ case "$stage" in
   fp8-decode)
     # issue 19 at 1-128 rows: the decode rows' device time as inside the model's captured step (one CUDA graph a call,
     # the weights cycled through copies spanning twice the L2), q_b's 192-wide tiles in 96-column chunks
-    # (column_scales, built off in the fifty-sixth session) beside the default; then their native tests. Rows are
+    # (column_scales, built off in the fifty-sixth session; with ring_scales + k_pairs at 64 rows: two K blocks a
+    # step, the first promoted while the second's MMA runs) beside the default; then their native tests. Rows are
     # written after each one, so a call cut short keeps them
     set -f  # the row names' brackets are no glob
     timeout -k 10 -s INT ${FD_TIMEOUT:-150} python3 -m jds.bench.kernels_fp8_gemm --shapes ${FD_SHAPES:-q_b} \
-      --ms ${FD_MS:-1 64 128} --rows ${FD_ROWS:-pallas pallas[column_scales=True] torch} \
+      --ms ${FD_MS:-1 64 128} \
+      --rows ${FD_ROWS:-pallas pallas[column_scales=True] pallas[column_scales=True,ring_scales=True,k_pairs=True] torch} \
       --out "$OUT/kernels_fp8_gemm_decode_h200.json" > "$OUT/fp8_decode.log" 2>&1
     echo "fp8 decode rc=$?"; set +f; grep '^{' "$OUT/fp8_decode.log" | python3 -c 'import json, sys; [print(r["case"], r["impl"], r.get("profile_span_us"), r.get("hbm_frac_profile"), r.get("profile_weight_copies"), r.get("error", "")[:160]) for r in map(json.loads, sys.stdin)]'
     python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
     timeout -k 10 -s INT ${FDT_TIMEOUT:-90} python3 -m pytest -m gpu -q -n 8 --tb=short -rfE -p no:cacheprovider \
-      tests/test_kernel_fp8_gemm.py -k "ragged or persistent or lowers" > "$OUT/fp8_decode_tests.log" 2>&1
+      tests/test_kernel_fp8_gemm.py -k "ragged or persistent or ring_one_row" > "$OUT/fp8_decode_tests.log" 2>&1
     echo "fp8 decode tests rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/fp8_decode_tests.log" | head; tail -1 "$OUT/fp8_decode_tests.log"
     ;;
   fence-ab)
