@@ -629,8 +629,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         if not _k_pairs_fit(bm, bn, nk // s, column_scales):
             raise Unsupported(f"fp8_linear kernel: k_pairs needs one accumulator chunk per warpgroup ({bm} x {bn} tiles "
                               f"make {_chunk_cols(bm, bn, column_scales)}-column chunks) and an even number of K blocks "
-                              f"per CTA "
-                              f"({nk // s})")
+                              f"per CTA ({nk // s})")
         stages = min(stages, (SMEM_BYTES - 2048) // stage_bytes)
     if persistent:  # the ring beside a [64, chunk] output tile per compute warpgroup and chunk
         ep_bytes = 2 * 64 * (bn if bm == 128 else bn // 2) * out_dtype.itemsize
@@ -994,19 +993,24 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             c0 = 0 if split_m else wg * wn
             rows = pl.ds(wg * 64 if split_m else 0, 64)
 
-            def scale(h):  # block h's [64, cw] scales: row scale times weight scale (per column where ragged)
+            def scales_of(h):  # block h's scales, loaded while the MMAs run: row times weight scale ([64]); with
+                # ragged tiles the row scales and the per-column weight scales, multiplied per element at the promotion
                 sx = plgpu.load(ring[0].at[h, rows], layout=ROW, optimized=False)
                 sw = w_scale(wg, tile, kb + h, 0, live, ring, h)
-                if ragged:
-                    return lax.broadcast_in_dim(sx, (64, cw), [0]) * lax.broadcast_in_dim(sw, (64, cw), [1])
-                return lax.broadcast_in_dim(sx * sw, (64, cw), [0])
+                return (sx, sw) if ragged else (sx * sw, None)
+
+            def promote(blk, sv):  # the [64, cw] scales broadcast only here, as each block is promoted
+                sx, sw = sv
+                if sw is None:
+                    return blk * lax.broadcast_in_dim(sx, (64, cw), [0])
+                return blk * (lax.broadcast_in_dim(sx, (64, cw), [0]) * lax.broadcast_in_dim(sw, (64, cw), [1]))
 
             def mma(acc_a, acc_b):
                 for h, acc_h in enumerate((acc_a, acc_b)):
                     plgpu.wgmma(acc_h, a.at[:, pl.ds(h * BLOCK, BLOCK)], w_s.at[pl.ds(c0, cw), pl.ds(h * BLOCK, BLOCK)].T)
-                scales = [scale(h) for h in range(2)]
-                out = acc[0] + plgpu.wgmma_accumulator_load(acc_a, wait_n=1) * scales[0]
-                return out + acc_b[...] * scales[1]
+                sv = [scales_of(h) for h in range(2)]
+                out = acc[0] + promote(plgpu.wgmma_accumulator_load(acc_a, wait_n=1), sv[0])
+                return out + promote(acc_b[...], sv[1])
 
             return (pl.run_scoped(mma, plgpu.ACC((64, cw), jnp.float32), plgpu.ACC((64, cw), jnp.float32)),)
 
