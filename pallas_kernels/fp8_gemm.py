@@ -985,6 +985,13 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 v = jnp.where(col < (b0 + 1) * BLOCK, s0, s1)
             return v * live.astype(jnp.float32) if stream_k else v
 
+        def promote(blk, sx, sw):
+            """A [64, cw] block times its scales: the row scales ``sx`` [64] times the weight scale ``sw`` (one, or
+            with ``ragged`` tiles one per column [cw]), broadcast only here, as the block is promoted."""
+            if ragged:
+                return blk * (lax.broadcast_in_dim(sx, blk.shape, [0]) * lax.broadcast_in_dim(sw, blk.shape, [1]))
+            return blk * lax.broadcast_in_dim(sx * sw, blk.shape, [0])
+
         def pair_body(step, x_s, w_s, acc, ring):
             """``k_pairs``: the step's two K blocks into two accumulators; the first promoted while the second runs."""
             tmi, tile, kb, live = unit(step)
@@ -993,24 +1000,13 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
             c0 = 0 if split_m else wg * wn
             rows = pl.ds(wg * 64 if split_m else 0, 64)
 
-            def scales_of(h):  # block h's scales, loaded while the MMAs run: row times weight scale ([64]); with
-                # ragged tiles the row scales and the per-column weight scales, multiplied per element at the promotion
-                sx = plgpu.load(ring[0].at[h, rows], layout=ROW, optimized=False)
-                sw = w_scale(wg, tile, kb + h, 0, live, ring, h)
-                return (sx, sw) if ragged else (sx * sw, None)
-
-            def promote(blk, sv):  # the [64, cw] scales broadcast only here, as each block is promoted
-                sx, sw = sv
-                if sw is None:
-                    return blk * lax.broadcast_in_dim(sx, (64, cw), [0])
-                return blk * (lax.broadcast_in_dim(sx, (64, cw), [0]) * lax.broadcast_in_dim(sw, (64, cw), [1]))
-
             def mma(acc_a, acc_b):
                 for h, acc_h in enumerate((acc_a, acc_b)):
                     plgpu.wgmma(acc_h, a.at[:, pl.ds(h * BLOCK, BLOCK)], w_s.at[pl.ds(c0, cw), pl.ds(h * BLOCK, BLOCK)].T)
-                sv = [scales_of(h) for h in range(2)]
-                out = acc[0] + promote(plgpu.wgmma_accumulator_load(acc_a, wait_n=1), sv[0])
-                return out + promote(acc_b[...], sv[1])
+                sv = [(plgpu.load(ring[0].at[h, rows], layout=ROW, optimized=False),  # loaded while the MMAs run
+                       w_scale(wg, tile, kb + h, 0, live, ring, h)) for h in range(2)]
+                out = acc[0] + promote(plgpu.wgmma_accumulator_load(acc_a, wait_n=1), *sv[0])
+                return out + promote(acc_b[...], *sv[1])
 
             return (pl.run_scoped(mma, plgpu.ACC((64, cw), jnp.float32), plgpu.ACC((64, cw), jnp.float32)),)
 
@@ -1059,12 +1055,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
                 blk, sx_c, sw_c, acc = pl.run_scoped(mma, plgpu.ACC((64, cw), jnp.float32))
                 if c == 0:
                     sxv = sxq if quantize_x else sx_c
-                if ragged:  # the row scale times each column's weight scale, then the block (as below, per element)
-                    scale = (lax.broadcast_in_dim(sxv, blk.shape, [0])
-                             * lax.broadcast_in_dim(sw_c, blk.shape, [1]))
-                else:
-                    scale = lax.broadcast_in_dim(sxv * sw_c, blk.shape, [0])
-                out.append(acc[c] + blk * scale)
+                out.append(acc[c] + promote(blk, sxv, sw_c))
             if stream_k:  # the run leaves this tile: store the partial (slot = its rank in the tile), start the next at 0
                 done = live & ((kb == nk - 1) | (step == n_units - 1))
                 for w, r0w, rows_w in trimmed_rows():
