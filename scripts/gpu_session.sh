@@ -56,6 +56,7 @@
 #   scripts/gpu_session.sh fp8-swap      # issue 19: the FP8 GEMM with the roles swapped (y^T = W x^T) at decode: tests, ncu
 #   scripts/gpu_session.sh fp8-large     # issue 19: the FP8 GEMM at 2048 / 8192 rows: call and kernel time beside torch, the form before
 #   scripts/gpu_session.sh fence-ab      # issue 19: the proxy fence after slot reads: native tests, then against no fence
+#   scripts/gpu_session.sh fp8-decode h200-only mqa-refresh  # h200-only: the stages after it only on an H200
 #   scripts/gpu_session.sh fp8-decode    # issue 19: decode rows (one graph, rotated weights), q_b's 96-column chunks; tests
 #   scripts/gpu_session.sh fp8-smem      # issue 19: swap_ab's y through transposed SMEM tiles (swap_store="smem"), timeline
 #   scripts/gpu_session.sh fp8-ragged    # issue 19: tiles of 144 / 112 / 224 columns (one wave at 64-128 rows), tests then timeline
@@ -543,17 +544,25 @@ PY
     # beside the forms before them on this card (V3.2's producer `v32_p1_r144`, the extents kernel
     # `extents_pallas`), the keys unscaled in the K tile (`no_k_pre`, the default before 2026-12-06) and the
     # records prefetched two blocks ahead (`pf2`, off: built 2026-12-06, unrun), V4's splits and output dtypes
+    # (MQAR_SPLITS=0 leaves those out, MQAR_VARIANTS= the forms beside the defaults: to share a call)
     python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
     timeout -k 10 -s INT ${MQAR_TEST_TIMEOUT:-150} python3 -m pytest -m gpu -n ${GPU_WORKERS:-8} -q --tb=short -rfE \
       -p no:cacheprovider tests/test_kernel_sparse_mqa.py tests/test_kernel_record_gather.py > "$OUT/gpu_mqa_tests.log" 2>&1
     echo "mqa tests rc=$?"; grep -E "FAILED|ERROR" "$OUT/gpu_mqa_tests.log" | head; tail -1 "$OUT/gpu_mqa_tests.log"
     timeout -k 10 -s KILL ${MQAR_TIMEOUT:-240} python3 scripts/diag/mqa_variants.py --cases v32_decode_64 v32_decode_128 \
-      v32_prefill_4096 v32u_decode_64 v4_decode_64 v4_prefill_4096 --variants default ${MQAR_VARIANTS:-v32_p1_r144 extents_pallas no_k_pre pf2} \
+      v32_prefill_4096 v32u_decode_64 v4_decode_64 v4_prefill_4096 --variants default ${MQAR_VARIANTS-v32_p1_r144 extents_pallas no_k_pre pf2} \
       --out "$OUT/mqa_variants_default_h200.json" > "$OUT/mqa_refresh.log" 2>&1; echo "mqa default rc=$?"
-    timeout -k 10 -s KILL ${MQAR_TIMEOUT:-180} python3 scripts/diag/mqa_variants.py --cases v4_decode_64 \
-      --variants splits1 bf16_out bf16_out_splits1 splits4 --out "$OUT/mqa_variants_v4_splits_h200.json" \
-      >> "$OUT/mqa_refresh.log" 2>&1; echo "mqa v4 splits rc=$?"
+    if [ "${MQAR_SPLITS:-1}" = 1 ]; then
+      timeout -k 10 -s KILL ${MQAR_TIMEOUT:-180} python3 scripts/diag/mqa_variants.py --cases v4_decode_64 \
+        --variants splits1 bf16_out bf16_out_splits1 splits4 --out "$OUT/mqa_variants_v4_splits_h200.json" \
+        >> "$OUT/mqa_refresh.log" 2>&1; echo "mqa v4 splits rc=$?"
+    fi
     grep '^{' "$OUT/mqa_refresh.log" | python3 -c 'import json, sys; [print(r["case"], r["variant"], r.get("profile_span_us"), r.get("profile_busy_us"), r.get("profile_kernels"), r.get("tflops"), r.get("max_abs_err"), r.get("error", "")[:200]) for r in map(json.loads, sys.stdin)]'
+    ;;
+  h200-only)
+    # a guard between stages: the stages after it run only on an H200 (those whose numbers count only there), so one
+    # call that finds an H100 still does the card-independent stages before it (starts are the scarce part)
+    nvidia-smi -L 2>/dev/null | grep -q H200 || { echo "h200-only: not an H200, the later stages skipped"; break; }
     ;;
   mqa-probe)
     # where the MQA's per-CTA time goes: the fixed / per-block fit (both archs), then the in-kernel regions of V4
