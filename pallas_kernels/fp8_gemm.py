@@ -598,8 +598,9 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     mp = -(-m // bm) * bm
     mr = min(mp, -(-m // 8) * 8)
     trim = _trimmed(mp // bm, bm, s)
-    # interpret mode hangs on staged scales + the trimmed epilogue (undiagnosed, 2026-12-01; the GPU runs it: native
-    # tests and the benchmark), so there the default keeps the unstaged kernel
+    # interpret mode deadlocks on staged scales + the trimmed epilogue where XLA's CPU thread pool is small (the
+    # simulated threads' barrier waits hold pool threads: one per core unless NPROC sets more, as the tests do;
+    # 2026-12-06), so there the default keeps the unstaged kernel (the GPU runs it: native tests and the benchmark)
     if stage_scales is None:
         ep_bytes = 2 * 64 * _chunk_cols(bm, bn, column_scales) * (4 if s > 1 else out_dtype.itemsize) if trim else 0
         stage_scales = (m < STAGE_SCALES_BELOW and not (interpret and trim)
@@ -607,7 +608,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     elif stage_scales and interpret and trim:
         raise Unsupported("fp8_linear kernel: stage_scales=True with one row tile (the trimmed SMEM epilogue) hangs "
                           "in interpret mode; pass stage_scales=False (or None) there, or run on the GPU")
-    if ring_scales and interpret and trim:  # the same family of hang as staged scales there (undiagnosed)
+    if ring_scales and interpret and trim:  # the same deadlock as staged scales there (a small CPU thread pool)
         raise Unsupported("fp8_linear kernel: ring_scales with one row tile (the trimmed SMEM epilogue) hangs in "
                           "interpret mode; pass more rows, or run on the GPU")
     if stream_k or persistent or ring_scales:
@@ -674,7 +675,8 @@ def _pallas_swapped(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m,
     _, bn, s = _pick_tiles(min(m, 64), n, nk, 64, block_n or (128 if wide == 256 else wide), split_k)
     mr = -(-m // 8) * 8
     # interpret mode hangs intermittently on the staged scales here too (two CPU workers, 2026-12-04; as the other
-    # form's staged scales with its trimmed epilogue): there the default loads each K block's scales from GMEM
+    # form's staged scales with its trimmed epilogue, which deadlocks on a small CPU thread pool: not rechecked
+    # here): there the default loads each K block's scales from GMEM
     if stage_scales and interpret:
         raise Unsupported("fp8_linear kernel: swap_ab with stage_scales=True hangs in interpret mode; pass "
                           "stage_scales=None or False there, or run on the GPU")

@@ -10,6 +10,9 @@ environment jax reads, so subprocesses (servers, scripts, the mesh workers) comp
 
 Kernel tests' interpret-mode runs outside ``tests/ci_budget.py``'s list are marked ``slow`` (CI time budget).
 
+``NPROC`` (XLA's CPU thread pool, unless set) is at least ``INTERPRET_POOL_THREADS``: GPU interpret mode's barrier
+waits hold pool threads (``pytest_configure``).
+
 ``JDS_TEST_XLA_CACHE=0`` turns the cache off. Tests that observe XLA compiling (dumps, compile counts) take the ``no_compile_cache`` fixture.
 
 On a machine without a jax GPU plugin, XLA's CPU backend compiles at LLVM optimisation level 0 in the test processes
@@ -34,6 +37,7 @@ _DIR_VAR = "JDS_TEST_XLA_CACHE_DIR"  # not a variable jax reads
 
 
 _FAST_COMPILE = "--xla_backend_optimization_level=0"
+INTERPRET_POOL_THREADS = 32  # at least this many CPU-client pool threads in the tests (``NPROC``, below)
 
 
 def _gpu_plugin_installed() -> bool:
@@ -50,6 +54,12 @@ def pytest_configure(config: pytest.Config) -> None:
             and (os.environ.get("JAX_PLATFORMS") == "cpu" or not _gpu_plugin_installed())):
         # before any backend starts (jax reads XLA_FLAGS once, when it creates the first client)
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
+    # XLA's CPU client sizes its thread pool from NPROC (else one thread per core), read when the client starts:
+    # GPU interpret mode runs a kernel's simulated threads as computations whose barrier waits block pool threads, so
+    # with 2 of them (a 2-core machine) the FP8 GEMM's staged or ring scales with one row tile deadlocked (the
+    # waiting threads were pool threads, the computations they waited for queued; with a pool of 16 the same calls
+    # ran in 2 s, 2026-12-06). Inherited by the xdist workers and the subprocesses the tests start
+    os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, INTERPRET_POOL_THREADS)))
     import jax
 
     # CPU computations run inline on the calling thread instead of on the CPU client's pool (as many threads as
