@@ -544,7 +544,7 @@ PY
     # beside the forms before them on this card (V3.2's producer `v32_p1_r144`, the extents kernel
     # `extents_pallas`), the keys unscaled in the K tile (`no_k_pre`, the default before 2026-12-06) and the
     # records prefetched two blocks ahead (`pf2`, off: built 2026-12-06, unrun), V4's splits and output dtypes
-    # (MQAR_SPLITS=0 leaves those out, MQAR_VARIANTS= the forms beside the defaults: to share a call)
+    # (to share a call: MQAR_SPLITS=0 leaves those out, an empty MQAR_VARIANTS= the forms beside the defaults)
     python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
     timeout -k 10 -s INT ${MQAR_TEST_TIMEOUT:-150} python3 -m pytest -m gpu -n ${GPU_WORKERS:-8} -q --tb=short -rfE \
       -p no:cacheprovider tests/test_kernel_sparse_mqa.py tests/test_kernel_record_gather.py > "$OUT/gpu_mqa_tests.log" 2>&1

@@ -215,8 +215,9 @@ def test_ragged_tiles_bit_equal(mode: str, m: int, n: int, tiles: dict) -> None:
 @pytest.mark.parametrize("tiles", [dict(ring_scales=True), dict(ring_scales=True, k_pairs=True),
                                    dict(column_scales=True, ring_scales=True, k_pairs=True)])
 def test_ring_one_row_tile_bit_equal(tiles: dict) -> None:
-    """The scales through the ring with one 64-row tile (decode: the trimmed SMEM epilogue), natively only (it
-    hangs in interpret mode, where fp8_linear refuses it): q_b's 192-wide tiles, exact data, per-block scales."""
+    """The scales through the ring with one 64-row tile (decode: the trimmed SMEM epilogue), natively only
+    (fp8_linear refuses it in interpret mode, which deadlocks there on a small CPU thread pool): q_b's 192-wide
+    tiles, exact data, per-block scales."""
     interpret_for("native")
     x, w, _, _ = _exact_case(40, 256, 768, seed=40)
     w = w * 2.0 ** ((np.arange(768) // 128) % 3)[:, None] * 2.0 ** ((np.arange(256) // 128) % 2)[None, :]
@@ -676,7 +677,8 @@ def test_persistent_and_ring_limits() -> None:
         G.fp8_linear(x[:100], wq, ws, persistent=True, **kw)  # one 128-row tile
     with pytest.raises(Unsupported, match="quantize_x"):
         G.fp8_linear(x[:7], wq, ws, ring_scales=True, quantize_x=True, **kw)
-    with pytest.raises(Unsupported, match="ring_scales with one row tile"):  # interpret mode only (it hangs there)
+    # interpret mode only (a small CPU thread pool deadlocks there)
+    with pytest.raises(Unsupported, match="ring_scales with one row tile"):
         G.fp8_linear(x[:40], wq, ws, ring_scales=True, block_m=64, split_k=1, **kw)
 
 
