@@ -135,6 +135,11 @@ PERSISTENT_MAX_KBLOCKS = 64  # in / 128 up to which persistent=None loops over t
 K_PAIRS_MIN_KBLOCKS = 64  # k_pairs=None: on with ring_scales from this many K blocks per CTA
 RING_SCALE_COLS = 32  # ring_scales: weight scales per stage in multiples of this (128 bytes; ``ring_weight_scales``)
 PROFILE_RANGES = 256  # per warpgroup and call: ``profile_dir``'s events (a region per K block, a few more)
+# GPU interpret mode runs a kernel's simulated threads on XLA's CPU thread pool, whose barrier waits hold pool threads:
+# the staged / ring scales with one row tile (the trimmed SMEM epilogue) and swap_ab's staged scales deadlock where
+# the pool is small (one thread per core unless NPROC sets it; 2026-12-06). fp8_linear refuses those forms in
+# interpret mode while this holds; a caller that has sized the pool (the tests: NPROC >= 32) may clear it.
+INTERPRET_REFUSES_BARRIER_FORMS = True
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -598,19 +603,20 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     mp = -(-m // bm) * bm
     mr = min(mp, -(-m // 8) * 8)
     trim = _trimmed(mp // bm, bm, s)
-    # interpret mode deadlocks on staged scales + the trimmed epilogue where XLA's CPU thread pool is small (the
-    # simulated threads' barrier waits hold pool threads: one per core unless NPROC sets more, as the tests do;
-    # 2026-12-06), so there the default keeps the unstaged kernel (the GPU runs it: native tests and the benchmark)
+    # staged / ring scales with the trimmed epilogue can deadlock in interpret mode (INTERPRET_REFUSES_BARRIER_FORMS),
+    # so there the default keeps the unstaged kernel (the GPU runs it: native tests and the benchmark)
+    refuse = interpret and trim and INTERPRET_REFUSES_BARRIER_FORMS
     if stage_scales is None:
         ep_bytes = 2 * 64 * _chunk_cols(bm, bn, column_scales) * (4 if s > 1 else out_dtype.itemsize) if trim else 0
-        stage_scales = (m < STAGE_SCALES_BELOW and not (interpret and trim)
+        stage_scales = (m < STAGE_SCALES_BELOW and not refuse
                         and _staged_smem(bm, bn, nk, nk // s, stages, ep_bytes) <= SMEM_BYTES)
-    elif stage_scales and interpret and trim:
+    elif stage_scales and refuse:
         raise Unsupported("fp8_linear kernel: stage_scales=True with one row tile (the trimmed SMEM epilogue) hangs "
-                          "in interpret mode; pass stage_scales=False (or None) there, or run on the GPU")
-    if ring_scales and interpret and trim:  # the same deadlock as staged scales there (a small CPU thread pool)
+                          "in interpret mode on a small CPU thread pool; pass stage_scales=False (or None) there, "
+                          "or run on the GPU")
+    if ring_scales and refuse:
         raise Unsupported("fp8_linear kernel: ring_scales with one row tile (the trimmed SMEM epilogue) hangs in "
-                          "interpret mode; pass more rows, or run on the GPU")
+                          "interpret mode on a small CPU thread pool; pass more rows, or run on the GPU")
     if stream_k or persistent or ring_scales:
         stage_scales = False
     ctas = stream_k_ctas(n // bn, nk) if stream_k else 0
@@ -674,13 +680,13 @@ def _pallas_swapped(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m,
     wide = _default_block_n(1, n, nk, 64)  # the decode default, but at most three compute warpgroups
     _, bn, s = _pick_tiles(min(m, 64), n, nk, 64, block_n or (128 if wide == 256 else wide), split_k)
     mr = -(-m // 8) * 8
-    # interpret mode hangs intermittently on the staged scales here too (two CPU workers, 2026-12-04; as the other
-    # form's staged scales with its trimmed epilogue, which deadlocks on a small CPU thread pool: not rechecked
-    # here): there the default loads each K block's scales from GMEM
-    if stage_scales and interpret:
-        raise Unsupported("fp8_linear kernel: swap_ab with stage_scales=True hangs in interpret mode; pass "
-                          "stage_scales=None or False there, or run on the GPU")
-    staged = not interpret if stage_scales is None else stage_scales
+    # the staged scales can deadlock in interpret mode here too (INTERPRET_REFUSES_BARRIER_FORMS): there the default
+    # loads each K block's scales from GMEM
+    refuse = interpret and INTERPRET_REFUSES_BARRIER_FORMS
+    if stage_scales and refuse:
+        raise Unsupported("fp8_linear kernel: swap_ab with stage_scales=True hangs in interpret mode on a small CPU "
+                          "thread pool; pass stage_scales=None or False there, or run on the GPU")
+    staged = not refuse if stage_scales is None else stage_scales
     store = swap_store or ("rows" if m <= SWAP_ROWS_OUT_UP_TO else "smem")
     y_dtype = jnp.dtype(out_dtype) if s == 1 else jnp.dtype(jnp.float32)
     y_tiles = (bn // 64) * mr * 64 * y_dtype.itemsize if store == "smem" else 0

@@ -58,8 +58,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # GPU interpret mode runs a kernel's simulated threads as computations whose barrier waits block pool threads, so
     # with 2 of them (a 2-core machine) the FP8 GEMM's staged or ring scales with one row tile deadlocked (the
     # waiting threads were pool threads, the computations they waited for queued; with a pool of 16 the same calls
-    # ran in 2 s, 2026-12-06). Inherited by the xdist workers and the subprocesses the tests start
-    os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, INTERPRET_POOL_THREADS)))
+    # ran in 2 s, 2026-12-06). Raised, never lowered; inherited by the xdist workers and the subprocesses the tests
+    # start. ``interpret_barrier_forms`` relies on it
+    nproc = os.environ.get("NPROC", "")
+    os.environ["NPROC"] = str(max(int(nproc) if nproc.isdigit() else 0, os.cpu_count() or 1, INTERPRET_POOL_THREADS))
     import jax
 
     # CPU computations run inline on the calling thread instead of on the CPU client's pool (as many threads as
@@ -118,3 +120,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     stale = sorted(CI_INTERPRET - seen)
     if whole and stale:
         raise pytest.UsageError(f"tests/ci_budget.py lists interpret-mode runs that do not exist: {stale}")
+
+
+@pytest.fixture
+def interpret_barrier_forms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8_linear runs in interpret mode the forms it refuses there by default (staged / ring scales with one row
+    tile, swap_ab's staged scales: their barrier waits deadlock on a small CPU thread pool): the tests' pool has at
+    least ``INTERPRET_POOL_THREADS`` threads (``pytest_configure``)."""
+    from pallas_kernels import fp8_gemm
+
+    monkeypatch.setattr(fp8_gemm, "INTERPRET_REFUSES_BARRIER_FORMS", False)

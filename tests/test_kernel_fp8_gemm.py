@@ -38,11 +38,10 @@ from tests.tolerances import ulp
 FP8 = jnp.float8_e4m3fn
 
 
-def _staging(tiles: dict, mode: str) -> dict:
-    """``tiles`` for ``mode``: stage_scales=True with one row tile (the trimmed SMEM epilogue) runs natively only
-    (interpret mode hangs on it and the kernel raises Unsupported there), so the interpret run covers the unstaged
-    kernel."""
-    return {**tiles, "stage_scales": False} if mode == "interpret" and tiles.get("stage_scales") else tiles
+@pytest.fixture(autouse=True)
+def _barrier_forms_in_interpret(interpret_barrier_forms: None) -> None:
+    """Interpret mode runs the staged / ring scales with one row tile as the GPU does: the tests' CPU thread pool is
+    large enough for their barrier waits (``tests/conftest.py``)."""
 
 
 def _rtol(mode: str, k: int) -> float:
@@ -177,7 +176,7 @@ def test_192_wide_tiles_bit_equal(mode: str, m: int, tiles: dict) -> None:
     block (each accumulator chunk stays inside one); exact data, the reference bit for bit."""
     x, w, wq, ws = _exact_case(m, 256, 768, seed=m)
     got = G.fp8_linear(jnp.asarray(x, jnp.bfloat16), wq, ws, out_dtype=jnp.float32, implementation="pallas",
-                       interpret=interpret_for(mode), block_n=192, **_staging(tiles, mode))
+                       interpret=interpret_for(mode), block_n=192, **tiles)
     np.testing.assert_array_equal(np.asarray(got), x @ w.T)
 
 
@@ -207,23 +206,23 @@ def test_ragged_tiles_bit_equal(mode: str, m: int, n: int, tiles: dict) -> None:
     wq, ws = quant.quantize_weight_blocks_jax(jnp.asarray(w, jnp.float32), 128, "ue8m0")
     assert len(np.unique(np.asarray(ws))) > 2
     got = G.fp8_linear(jnp.asarray(x, jnp.bfloat16), wq, ws, out_dtype=jnp.float32, implementation="pallas",
-                       interpret=interpret_for(mode), swap_ab=False, **_staging(tiles, mode))
+                       interpret=interpret_for(mode), swap_ab=False, **tiles)
     np.testing.assert_array_equal(np.asarray(got), x @ w.T)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [dict(ring_scales=True), dict(ring_scales=True, k_pairs=True),
-                                   dict(column_scales=True, ring_scales=True, k_pairs=True)])
-def test_ring_one_row_tile_bit_equal(tiles: dict) -> None:
-    """The scales through the ring with one 64-row tile (decode: the trimmed SMEM epilogue), natively only
-    (fp8_linear refuses it in interpret mode, which deadlocks there on a small CPU thread pool): q_b's 192-wide
-    tiles, exact data, per-block scales."""
-    interpret_for("native")
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("tiles", [dict(ring_scales=True, block_n=192),
+                                   dict(ring_scales=True, k_pairs=True, block_n=128),  # 192 wide: 32-column chunks
+                                   dict(column_scales=True, ring_scales=True, k_pairs=True, block_n=192)])
+def test_ring_one_row_tile_bit_equal(tiles: dict, mode: str) -> None:
+    """The scales through the ring with one 64-row tile (decode: the trimmed SMEM epilogue), two K blocks a step
+    where a warpgroup's columns make one chunk: q_b's 192-wide tiles, exact data, per-block scales."""
+    interpret = interpret_for(mode)
     x, w, _, _ = _exact_case(40, 256, 768, seed=40)
     w = w * 2.0 ** ((np.arange(768) // 128) % 3)[:, None] * 2.0 ** ((np.arange(256) // 128) % 2)[None, :]
     wq, ws = quant.quantize_weight_blocks_jax(jnp.asarray(w, jnp.float32), 128, "ue8m0")
     got = G.fp8_linear(jnp.asarray(x, jnp.bfloat16), wq, ws, out_dtype=jnp.float32, implementation="pallas",
-                       interpret=False, swap_ab=False, block_m=64, block_n=192, split_k=1, **tiles)
+                       interpret=interpret, swap_ab=False, block_m=64, split_k=1, **tiles)
     np.testing.assert_array_equal(np.asarray(got), x @ w.T)
 
 
@@ -308,13 +307,12 @@ def test_auto_swap_ab() -> None:
 
 def test_swap_ab_limits() -> None:
     """swap_ab: more than 128 rows, block_n 256, quantize_x, stream_k or block_m raise Unsupported naming the
-    field, and so do staged scales in interpret mode (they hang there intermittently); the ring depth shrinks to fit
+    field (its staged scales in interpret mode: ``test_persistent_and_ring_limits``); the ring depth shrinks to fit
     SMEM beside the staged scales."""
     wq, ws = _weights(512, 512)
     for m, kw, field in [(129, {}, "128 rows"), (2, dict(block_n=256), "block_n"),
                          (2, dict(quantize_x=True), "quantize_x"), (2, dict(stream_k=True), "stream_k"),
-                         (2, dict(block_m=64), "block_m"),
-                         (2, dict(stage_scales=True, interpret=True), "stage_scales")]:
+                         (2, dict(block_m=64), "block_m")]:
         with pytest.raises(Unsupported, match=field):
             G.fp8_linear(jnp.ones((m, 512), jnp.bfloat16), wq, ws, implementation="pallas", swap_ab=True, **kw)
     assert G._swapped_stages(4, 8, 192, 12, 12) == 4
@@ -441,7 +439,7 @@ def test_quantize_x_in_the_kernel_equals_act_quant(mode: str, m: int, tiles: dic
     interpret = interpret_for(mode)
     x, wq, ws = make_case(m, 512, 256, seed=m)
     kw = dict(out_dtype=jnp.float32, scale_fmt=scale_fmt, implementation="pallas", interpret=interpret,
-              **_staging(tiles, mode))
+              **tiles)
     got = G.fp8_linear(x, wq, ws, quantize_x=True, **kw)
     want = G.fp8_linear(x, wq, ws, swap_ab=False, **kw)  # the same kernel form (swap_ab's MMAs sum differently)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -653,7 +651,7 @@ def test_persistent_no_races(tiles: dict, monkeypatch) -> None:
     assert not gpu_callbacks.get_races().races_found
 
 
-def test_persistent_and_ring_limits() -> None:
+def test_persistent_and_ring_limits(monkeypatch: pytest.MonkeyPatch) -> None:
     """Unsupported (a ValueError naming the option) where the forms do not apply; non-bool values rejected."""
     x, wq, ws = make_case(130, 512, 256, seed=0)
     kw = dict(implementation="pallas", interpret=True)
@@ -677,9 +675,14 @@ def test_persistent_and_ring_limits() -> None:
         G.fp8_linear(x[:100], wq, ws, persistent=True, **kw)  # one 128-row tile
     with pytest.raises(Unsupported, match="quantize_x"):
         G.fp8_linear(x[:7], wq, ws, ring_scales=True, quantize_x=True, **kw)
-    # interpret mode only (a small CPU thread pool deadlocks there)
+    # interpret mode where the CPU thread pool may be small (the library's default: it cannot see the pool's size)
+    monkeypatch.setattr(G, "INTERPRET_REFUSES_BARRIER_FORMS", True)
     with pytest.raises(Unsupported, match="ring_scales with one row tile"):
         G.fp8_linear(x[:40], wq, ws, ring_scales=True, block_m=64, split_k=1, **kw)
+    with pytest.raises(Unsupported, match="stage_scales=True with one row tile"):
+        G.fp8_linear(x[:40], wq, ws, stage_scales=True, block_m=64, split_k=1, **kw)
+    with pytest.raises(Unsupported, match="swap_ab with stage_scales=True"):
+        G.fp8_linear(x[:8], wq, ws, stage_scales=True, swap_ab=True, **kw)
 
 
 def test_auto_large_m() -> None:
