@@ -337,16 +337,20 @@ def test_leading_dims_and_auto(mode: str) -> None:
 
 
 @pytest.mark.skipif(ON_GPU, reason="GPU interpret mode's race detector runs on the CPU")
-@pytest.mark.parametrize("tiles", [dict(block_n=128, split_k=2),
-                                   pytest.param(dict(block_m=128, block_n=256, split_k=1, stages=2),
-                                                marks=pytest.mark.slow)])
-def test_no_races(tiles: dict) -> None:
-    """Interpret mode's race detector over the warp-specialised TMA ring (producer vs 2 consumers, slot
+@pytest.mark.parametrize("m,n,tiles", [(7, 256, dict(block_n=128, split_k=2)),  # staged scales, trimmed partials
+                                       pytest.param(130, 256, dict(block_m=128, block_n=256, split_k=1, stages=2),
+                                                    marks=pytest.mark.slow),
+                                       # q_b's decode candidate: the ring's scales with one trimmed row tile, two
+                                       # K blocks a step in 96-column chunks
+                                       (40, 768, dict(block_m=64, block_n=192, split_k=1, column_scales=True,
+                                                      ring_scales=True, k_pairs=True))])
+def test_no_races(m: int, n: int, tiles: dict) -> None:
+    """Interpret mode's race detector over the warp-specialised TMA ring (producer vs 2-3 consumers, slot
     reuse) and the trimmed-partial SMEM epilogue."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    x, wq, ws = make_case(7 if tiles.get("block_m") is None else 130, 512, 256, seed=9)
+    x, wq, ws = make_case(m, 512, n, seed=9)
     y = G.fp8_linear(x, wq, ws, out_dtype=jnp.float32, implementation="pallas",
                      interpret=plgpu.InterpretGPUParams(detect_races=True), **tiles)
     jax.block_until_ready(y)
