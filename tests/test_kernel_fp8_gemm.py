@@ -343,7 +343,10 @@ def test_leading_dims_and_auto(mode: str) -> None:
                                        # q_b's decode candidate: the ring's scales with one trimmed row tile, two
                                        # K blocks a step in 96-column chunks
                                        (40, 768, dict(block_m=64, block_n=192, split_k=1, column_scales=True,
-                                                      ring_scales=True, k_pairs=True))])
+                                                      ring_scales=True, k_pairs=True)),
+                                       # and its staged forms at 64 and 128 rows (one and two chunks a warpgroup)
+                                       (40, 768, dict(block_m=64, block_n=192, split_k=1, column_scales=True)),
+                                       (100, 768, dict(block_m=128, block_n=192, split_k=1, column_scales=True))])
 def test_no_races(m: int, n: int, tiles: dict) -> None:
     """Interpret mode's race detector over the warp-specialised TMA ring (producer vs 2-3 consumers, slot
     reuse) and the trimmed-partial SMEM epilogue."""
