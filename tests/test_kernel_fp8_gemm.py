@@ -215,8 +215,9 @@ def test_ragged_tiles_bit_equal(mode: str, m: int, n: int, tiles: dict) -> None:
                                    dict(ring_scales=True, k_pairs=True, block_n=128),  # 192 wide: 32-column chunks
                                    dict(column_scales=True, ring_scales=True, k_pairs=True, block_n=192)])
 def test_ring_one_row_tile_bit_equal(tiles: dict, mode: str) -> None:
-    """The scales through the ring with one 64-row tile (decode: the trimmed SMEM epilogue), two K blocks a step
-    where a warpgroup's columns make one chunk: q_b's 192-wide tiles, exact data, per-block scales."""
+    """The scales through the ring with one 64-row tile (decode: the trimmed SMEM epilogue), and two K blocks a step
+    where a warpgroup's columns make one chunk: q_b's 192-wide tiles (128 wide for K pairs without column_scales),
+    exact data, per-block scales."""
     interpret = interpret_for(mode)
     x, w, _, _ = _exact_case(40, 256, 768, seed=40)
     w = w * 2.0 ** ((np.arange(768) // 128) % 3)[:, None] * 2.0 ** ((np.arange(256) // 128) % 2)[None, :]
