@@ -38,10 +38,9 @@ from tests.tolerances import ulp
 FP8 = jnp.float8_e4m3fn
 
 
-@pytest.fixture(autouse=True)
-def _barrier_forms_in_interpret(interpret_barrier_forms: None) -> None:
-    """Interpret mode runs the staged / ring scales with one row tile as the GPU does: the tests' CPU thread pool is
-    large enough for their barrier waits (``tests/conftest.py``)."""
+# interpret mode runs the staged / ring scales with one row tile as the GPU does: the tests' CPU thread pool is large
+# enough for their barrier waits (``tests/conftest.py``)
+pytestmark = pytest.mark.usefixtures("interpret_barrier_forms")
 
 
 def _rtol(mode: str, k: int) -> float:
