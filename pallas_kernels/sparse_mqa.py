@@ -270,7 +270,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     ``producer_overlap`` (native register producer): each round's loads issued before the previous round is
     converted (``record_gather.produce_tile``'s ``overlap``; with ``producer_phases`` 2 or 4). None:
     ``PRODUCER_OVERLAP`` of the format. V3.2's records: on, in two rounds with 152 registers (``PRODUCER_PHASES``,
-    ``PRODUCER_REGS``), 3.5-6% faster at every V3.2 case timed (decode 64 / 128, ue8m0 scales, 4K prefill:
+    ``PRODUCER_REGS``), faster at every V3.2 case timed (decode 64 / 128, ue8m0 scales, 4K prefill:
     benchmarks/results/archive/mqa_variants_defaults_fiftieth_h100_2026-12-06.json); V4's: off (slower at
     V4 decode 64 with 136 or 152 registers, benchmarks/results/archive/mqa_variants_overlap_h100_2026-12-06.json).
     ``producer_pow2``: the register producers' dequantisation without conversion instructions, exact only for
@@ -300,8 +300,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     prefill and V3.2 ue8m0 decode: benchmarks/results/archive/mqa_k_prescale_ab_h100_2026-12-06.json).
     ``producer_prefetch`` (native register producer): how many blocks ahead the producer prefetches records into
     L2 while it loads block k, 1 or 2 (``record_gather.produce_tile``'s ``prefetch_ahead``). None: 1 (2 was
-    level at V3.2 in the eighteenth session; on an H100 it was 1% faster at V4 4K prefill and slower at V4 and
-    V3.2 ue8m0 decode 64: benchmarks/results/archive/mqa_variants_pf2_h100_2026-12-06.json).
+    level at V3.2 in the eighteenth session; on an H100 it was slightly faster at V4 4K prefill and slower at V4
+    and V3.2 ue8m0 decode 64: benchmarks/results/archive/mqa_variants_pf2_h100_2026-12-06.json).
     Timings: docs/perf-log.md.
     """
     check_implementation(combine, "combine")
