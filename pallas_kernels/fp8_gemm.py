@@ -434,6 +434,16 @@ def _chunk_cols(bm: int, bn: int, column_scales: bool = False) -> int:
     return wn // q
 
 
+def _ring_fit(stages: int, stage_bytes: int, fixed: int) -> int:
+    """``stages``, fewer where a ring of ``stage_bytes`` stages beside ``fixed`` bytes of other buffers (scales,
+    output tiles) would pass a CTA's SMEM (2 KB kept for barriers): a Mosaic GPU kernel over it does not compile."""
+    fit = (SMEM_BYTES - 2048 - fixed) // stage_bytes
+    if fit < 1:
+        raise Unsupported(f"fp8_linear kernel: {fixed} bytes of scales and output tiles leave no SMEM for a "
+                          f"{stage_bytes}-byte ring stage")
+    return min(stages, fit)
+
+
 def _staged_smem(bm: int, bn: int, nk: int, kps: int, stages: int, ep_bytes: int) -> int:
     """SMEM bytes of the staged-scales kernel: the TMA ring, per compute warpgroup the row scales of the CTA's K
     range and the weight-scale rows, and ``ep_bytes`` of trimmed-epilogue staging tiles."""
@@ -632,15 +642,19 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     # a ring stage: the x and weight tiles of its K blocks, with ring_scales their row scales and weight-scale rows
     ring_bytes = 4 * (bm + ring_weight_scales_cols(n, persistent)) if ring_scales else 0  # its scales
     stage_bytes = kstep * ((bm + bn) * BLOCK + ring_bytes)
-    if k_pairs:
-        if not _k_pairs_fit(bm, bn, nk // s, column_scales):
-            raise Unsupported(f"fp8_linear kernel: k_pairs needs one accumulator chunk per warpgroup ({bm} x {bn} tiles "
-                              f"make {_chunk_cols(bm, bn, column_scales)}-column chunks) and an even number of K blocks "
-                              f"per CTA ({nk // s})")
-        stages = min(stages, (SMEM_BYTES - 2048) // stage_bytes)
-    if persistent:  # the ring beside a [64, chunk] output tile per compute warpgroup and chunk
-        ep_bytes = 2 * 64 * (bn if bm == 128 else bn // 2) * out_dtype.itemsize
-        stages = min(stages, (SMEM_BYTES - 2048 - ep_bytes) // stage_bytes)
+    if k_pairs and not _k_pairs_fit(bm, bn, nk // s, column_scales):
+        raise Unsupported(f"fp8_linear kernel: k_pairs needs one accumulator chunk per warpgroup ({bm} x {bn} tiles "
+                          f"make {_chunk_cols(bm, bn, column_scales)}-column chunks) and an even number of K blocks "
+                          f"per CTA ({nk // s})")
+    # beside the ring: the output's staging tiles (the trimmed epilogue's [64, chunk] per compute warpgroup, fp32
+    # partials with split_k / stream_k; the persistent loop's one per warpgroup and chunk), quantize_x's quantised
+    # x, and the staged scales
+    ep_cols = ((bn if bm == 128 else bn // 2) if persistent
+               else _chunk_cols(bm, bn, column_scales) if trim or ctas else 0)
+    fixed = 2 * 64 * ep_cols * (4 if s > 1 or ctas else out_dtype.itemsize) + (2 * 64 * BLOCK if quantize_x else 0)
+    if stage_scales:
+        fixed += _staged_smem(bm, bn, nk, nk // s, 0, 0) - (2 * (nk // s) * 64 * 4 if quantize_x else 0)
+    stages = _ring_fit(stages, stage_bytes, fixed)
     call = _build_call(mr=mr, mp=mp, n=n, k=k, bm=bm, bn=bn, splits=s, stages=stages, group_m=group_m,
                        out_dtype=out_dtype if s == 1 and not stream_k else jnp.dtype(jnp.float32),
                        interpret=interpret or None, stage_scales=stage_scales,
@@ -734,11 +748,7 @@ def _swapped_stages(stages: int | None, mr: int, bn: int, nk: int, kps: int, sta
     if stages is None:
         stages = max(STAGES, SWAP_RING_BYTES // ((mr + bn) * BLOCK))
     fixed = (kps * swapped_scale_cols(mr) * 4 + SW_ROWS * (nk + -nk % 4) * 4 if staged else 0) + y_tiles
-    fit = (SMEM_BYTES - 2048 - fixed) // ((mr + bn) * BLOCK)
-    if fit < 1:
-        raise Unsupported(f"fp8_linear kernel: swap_ab's staged scales and y tiles ({fixed} bytes) leave no room "
-                          "for a stage")
-    return max(1, min(stages, kps, fit))
+    return max(1, min(_ring_fit(stages, (mr + bn) * BLOCK, fixed), kps))
 
 
 def row_scales(amax: jax.Array, scale_fmt: quant.ScaleFmt) -> jax.Array:

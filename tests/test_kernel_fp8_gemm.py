@@ -682,6 +682,10 @@ def test_persistent_and_ring_limits(monkeypatch: pytest.MonkeyPatch) -> None:
         G.fp8_linear(x[:100], wq, ws, persistent=True, **kw)  # one 128-row tile
     with pytest.raises(Unsupported, match="quantize_x"):
         G.fp8_linear(x[:7], wq, ws, ring_scales=True, quantize_x=True, **kw)
+    # the ring's depth against SMEM: as deep as asked where it fits, shallower where not, refused where no stage fits
+    assert G._ring_fit(4, 40_000, 10_000) == 4 and G._ring_fit(4, 80_000, 50_000) == 2
+    with pytest.raises(Unsupported, match="no SMEM"):
+        G._ring_fit(4, 100_000, G.SMEM_BYTES - 50_000)
     # interpret mode where the CPU thread pool may be small (the library's default: it cannot see the pool's size)
     monkeypatch.setattr(G, "INTERPRET_REFUSES_BARRIER_FORMS", True)
     with pytest.raises(Unsupported, match="ring_scales with one row tile"):
@@ -895,13 +899,20 @@ def test_auto_stream_k_and_staged_scales() -> None:
                                          # q_b's decode tiles in 96-column chunks (per-column weight scales)
                                          (64, 1536, 24576, dict(column_scales=True)),
                                          (128, 1536, 24576, dict(column_scales=True)),
-                                         (64, 1536, 24576, dict(column_scales=True, ring_scales=True, k_pairs=True))])
+                                         (64, 1536, 24576, dict(column_scales=True, ring_scales=True, k_pairs=True)),
+                                         # the ring fewer stages deep where the SMEM beside it (the trimmed
+                                         # epilogue's tiles, fp32 for the benchmark's accuracy call) needs the room
+                                         (64, 1536, 24576, dict(column_scales=True, ring_scales=True, k_pairs=True,
+                                                                out_dtype=jnp.float32)),
+                                         (64, 16384, 7168, dict(ring_scales=True)),
+                                         (128, 1536, 24576, dict(block_n=256, out_dtype=jnp.float32))])
 def test_lowers_for_cuda(m: int, k: int, n: int, tiles: dict) -> None:
-    """The compiled kernel passes Mosaic GPU's lowering (e4m3 wgmma with K-major operands, TMA, layouts)."""
+    """The compiled kernel passes Mosaic GPU's lowering (e4m3 wgmma with K-major operands, TMA, layouts) and its
+    shared-memory limit (sm90's 227 KB, checked at lowering)."""
     from jax.sharding import AbstractDevice, AbstractMesh
 
-    f = jax.jit(functools.partial(G.fp8_linear, out_dtype=jnp.bfloat16, implementation="pallas", interpret=False,
-                                  **tiles))
+    f = jax.jit(functools.partial(G.fp8_linear, implementation="pallas", interpret=False,
+                                  **{"out_dtype": jnp.bfloat16, **tiles}))
     args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), FP8),
             jax.ShapeDtypeStruct((n // 128, k // 128), jnp.float32))
     dev = AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
