@@ -378,8 +378,10 @@ PY
     # length arrives), full and with a request of 3000 / 4500 tokens (TS_SHAPES / TS_SHORT / TS_KNOBS change it:
     # sf_warp_sp_zb3_fine is the default without the hint, sf_warp_sp_len_zb3_fine_head the held block alone;
     # about 8 minutes)
-    timeout -k 10 -s INT ${TS_TESTS_TIMEOUT:-200} python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider \
-      tests/test_kernel_topk_select.py tests/test_kernel_sparse_indexer.py \
+    # (serially they ran past 200 s on the H200, fifty-ninth session: pytest-xdist workers; carry .whl/)
+    python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
+    timeout -k 10 -s INT ${TS_TESTS_TIMEOUT:-200} python3 -m pytest -m gpu -n ${GPU_WORKERS:-8} -q --tb=short \
+      -p no:cacheprovider tests/test_kernel_topk_select.py tests/test_kernel_sparse_indexer.py \
       -k "lengths or zero_band or fine_splits or visible_counts or indexer_topk_splits or chunking or default or exit_at_one" \
       > "$OUT/topk_spec_tests.log" 2>&1
     echo "topk spec tests rc=$?"; tail -3 "$OUT/topk_spec_tests.log"
