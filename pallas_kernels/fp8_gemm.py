@@ -617,8 +617,13 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     # staged / ring scales with the trimmed epilogue can deadlock in interpret mode (INTERPRET_REFUSES_BARRIER_FORMS),
     # so there the default keeps the unstaged kernel (the GPU runs it: native tests and the benchmark)
     refuse = interpret and trim and INTERPRET_REFUSES_BARRIER_FORMS
+    ctas = stream_k_ctas(n // bn, nk) if stream_k else 0
+    # the output's staging tiles in SMEM: the trimmed epilogue's [64, chunk] per compute warpgroup (fp32 partials with
+    # split_k / stream_k), the persistent loop's one per warpgroup and chunk
+    ep_cols = ((bn if bm == 128 else bn // 2) if persistent
+               else _chunk_cols(bm, bn, column_scales) if trim or ctas else 0)
+    ep_bytes = 2 * 64 * ep_cols * (4 if s > 1 or ctas else out_dtype.itemsize)
     if stage_scales is None:
-        ep_bytes = 2 * 64 * _chunk_cols(bm, bn, column_scales) * (4 if s > 1 else out_dtype.itemsize) if trim else 0
         stage_scales = (m < STAGE_SCALES_BELOW and not refuse
                         and _staged_smem(bm, bn, nk, nk // s, stages, ep_bytes) <= SMEM_BYTES)
     elif stage_scales and refuse:
@@ -630,7 +635,6 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
                           "interpret mode on a small CPU thread pool; pass more rows, or run on the GPU")
     if stream_k or persistent or ring_scales:
         stage_scales = False
-    ctas = stream_k_ctas(n // bn, nk) if stream_k else 0
     if k_pairs is None:  # decided with the tiles
         k_pairs = bool(ring_scales) and _auto_k_pairs(bm, bn, nk // s)
     kstep = 2 if k_pairs else 1
@@ -647,12 +651,8 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         raise Unsupported(f"fp8_linear kernel: k_pairs needs one accumulator chunk per warpgroup ({bm} x {bn} tiles "
                           f"make {_chunk_cols(bm, bn, column_scales)}-column chunks) and an even number of K blocks "
                           f"per CTA ({nk // s})")
-    # beside the ring: the output's staging tiles (the trimmed epilogue's [64, chunk] per compute warpgroup, fp32
-    # partials with split_k / stream_k; the persistent loop's one per warpgroup and chunk), quantize_x's quantised
-    # x, and the staged scales
-    ep_cols = ((bn if bm == 128 else bn // 2) if persistent
-               else _chunk_cols(bm, bn, column_scales) if trim or ctas else 0)
-    fixed = 2 * 64 * ep_cols * (4 if s > 1 or ctas else out_dtype.itemsize) + (2 * 64 * BLOCK if quantize_x else 0)
+    # beside the ring: the output's staging tiles, quantize_x's quantised x and the staged scales
+    fixed = ep_bytes + (2 * 64 * BLOCK if quantize_x else 0)
     if stage_scales:
         fixed += _staged_smem(bm, bn, nk, nk // s, 0, 0, row_scales=not quantize_x)
     stages = _ring_fit(stages, stage_bytes, fixed)
