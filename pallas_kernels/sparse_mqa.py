@@ -140,6 +140,7 @@ from pallas_kernels.split_combine import split_combine
 Producer = Literal["tma", "registers"]
 OutStore = Literal["direct", "tma"]
 Merge = Literal["rows", "cluster"]
+Scores = Literal["split", "one"]
 
 
 PROFILE_RANGES = 64  # per warpgroup and call: ``profile_dir``'s regions (4 per block, 2 more per warpgroup)
@@ -168,6 +169,16 @@ def compute_regs(producer_regs: int) -> int:
     nwg = NUM_WG + 1
     pool = 65536 // (128 * nwg) // 8 * 8 * nwg
     return (pool - producer_regs) // NUM_WG // 8 * 8
+# scores="one": warpgroup 0's registers per thread above the even split (its [64, 64] fp32 scores and bf16 P beside
+# the [64, 256] accumulator), taken from warpgroup 1 (the accumulator and one row vector)
+SCORES_ONE_REGS = 16
+
+
+def launch_regs() -> int:
+    """Registers per thread at launch of a CTA of the compute warpgroups and one producer warpgroup."""
+    return 65536 // (128 * (NUM_WG + 1)) // 8 * 8
+
+
 M_INIT = -1e30  # finite running-max start: exp2(m_old - m_new) never sees -inf - -inf
 
 
@@ -232,7 +243,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                combine: Implementation = "auto", split_dtype: jnp.dtype | None = None,
                out_store: OutStore | None = None, extents: Literal["xla", "pallas", "kernel"] | None = None,
                merge: Merge | None = None, q_multicast: bool | None = None,
-               k_prescale: bool | None = None, producer_prefetch: int | None = None) -> jax.Array:
+               k_prescale: bool | None = None, producer_prefetch: int | None = None,
+               scores: Scores | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype; with candidate
@@ -302,6 +314,15 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     L2 while it loads block k, 1 or 2 (``record_gather.produce_tile``'s ``prefetch_ahead``). None: 1 (2 was
     level at V3.2 in the eighteenth session; on an H100 it was slightly faster at V4 4K prefill and slower at V4
     and V3.2 ue8m0 decode 64: benchmarks/results/archive/mqa_variants_pf2_h100_2026-12-06.json).
+    ``scores``: who computes a block's scores and softmax. "split": each compute warpgroup scores its half of the
+    candidates (a [64, 32] wgmma that reads all of q) and the two exchange row maxima, then each publishes its
+    half of P. "one": warpgroup 0 scores all 64 candidates (a [64, 64] wgmma: q read once a block, the shape
+    whose shared-memory reads match the tensor cores' rate), runs the softmax alone and publishes P with each
+    row's rescale factor and maximum; warpgroup 1 only rescales and multiplies its value columns, and gives
+    P's buffer back once its PV is done. No maxima exchange and half the q reads, for an uneven split of the
+    work (FlashMLA's SM90 sparse decode kernel divides it this way). Warpgroup 0 then holds the [64, 64]
+    scores beside its accumulator: natively it takes ``SCORES_ONE_REGS`` registers per thread more than the
+    even split, warpgroup 1 that many fewer. None: "split".
     Timings: docs/perf-log.md.
     """
     check_implementation(combine, "combine")
@@ -316,7 +337,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                                   producer_overlap=producer_overlap,
                                   profile_dir=profile_dir, combine=combine, split_dtype=split_dtype,
                                   out_store=out_store, extents=extents, merge=merge, q_multicast=q_multicast,
-                                  k_prescale=k_prescale, producer_prefetch=producer_prefetch)})
+                                  k_prescale=k_prescale, producer_prefetch=producer_prefetch,
+                                  scores=scores)})
 
 
 def _check_inputs(q, caches, formats, slots, v_dim, sink) -> int:
@@ -349,7 +371,7 @@ def _xla(q, caches, formats, slots, *, scale, v_dim, sink, out_dtype):
 def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
             producer_regs=None, producer_phases=None, producer_pow2=None, producer_overlap=None, profile_dir=None,
             combine="auto", split_dtype=None, out_store=None, extents=None, merge=None, q_multicast=None,
-            k_prescale=None, producer_prefetch=None):
+            k_prescale=None, producer_prefetch=None, scores=None):
     if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
     if split_dtype is not None and jnp.dtype(split_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
@@ -413,6 +435,8 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
         raise ValueError(f"k_prescale=True scales the keys in the native register producer's power-of-two "
                          f"dequantisation (V4's records, or V3.2's with ue8m0 scales; got {formats}, producer "
                          f"{producer!r}, interpret {bool(interpret)})")
+    if scores not in (None, "split", "one"):
+        raise ValueError(f'scores must be "split" or "one", got {scores!r}')
     if producer_prefetch not in (None, 1, 2) or isinstance(producer_prefetch, bool):
         raise ValueError(f"producer_prefetch must be 1, 2 or None, got {producer_prefetch!r}")
     if producer_prefetch == 2 and not native_reg:
@@ -472,7 +496,7 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                        producer_phases=producer_phases, producer_overlap=bool(producer_overlap),
                        pow2=pow2, profile_dir=profile_dir, cluster=cluster, kernel_extents=extents == "kernel",
                        q_multicast=bool(q_multicast), k_shift=bool(k_prescale),
-                       prefetch_ahead=producer_prefetch or 1)
+                       prefetch_ahead=producer_prefetch or 1, scores_one=scores == "one")
     # the lists' slots apart: no concatenated copy
     exts = [] if extents == "kernel" else _extents(padded, extents, bool(interpret))
     outs = call(qp, *padded, *exts, sink_p, *caches)
@@ -553,7 +577,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 producer_regs: int = 144, producer_phases: int = 1, producer_overlap: bool = False,
                 pow2: bool = False, profile_dir: str | None = None, cluster: bool = False,
                 kernel_extents: bool = False, q_multicast: bool = False, k_shift: bool = False,
-                prefetch_ahead: int = 1):
+                prefetch_ahead: int = 1, scores_one: bool = False):
     """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k and arrives on "full"[k % 2];
     the compute warpgroups wait on it, read the block's slots from its idx slot (written by the producer),
     compute as below and arrive on "free"[k % 2] after their PV, which the producer waits for before it refills
@@ -705,6 +729,9 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         if cluster:  # the K tiles and, aliased, the peer's half accumulator and statistics; their barriers
             *scratch, bar_xfree, bar_xfull = scratch
             scratch[1], (xacc, xml) = scratch[1]
+        bar_pfree = None
+        if scores_one:  # P's buffer and the rescale factors read by warpgroup 1 (``scores="one"``)
+            *scratch, bar_pfree = scratch
         *scratch, stat_s, bar_stat = scratch
         if reg:
             q_s1, k_s1, p_s, idx_s, bar_q, bar_full, bar_free, bar_p, *staged = scratch
@@ -777,7 +804,9 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             # ---- prologue
             with jax.named_scope("prologue"):  # regions of the Mosaic GPU profiler (``profile_dir``)
                 if reg and not emulate:
-                    plgpu.set_max_registers(compute_regs(producer_regs), action="increase")
+                    n = compute_regs(producer_regs) + (SCORES_ONE_REGS * (1 - 2 * w) if scores_one else 0)
+                    if n != launch_regs():
+                        plgpu.set_max_registers(n, action="increase" if n > launch_regs() else "decrease")
                 if w == 0:
                     # q_multicast: both CTAs of the pair need this tile; each fetches half of it into both
                     plgpu.copy_gmem_to_smem(q_ref.at[ti, pl.ds(gi * HEAD_TILE, HEAD_TILE)], q_s, bar_q.at[0],
@@ -810,7 +839,10 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 acc0 = plgpu.layout_cast(jnp.full((HEAD_TILE, dvw), 0.0, jnp.float32), L)
                 plgpu.barrier_wait(bar_q.at[0])
 
-            own = pl.ds(w * HALF, HALF)  # this warpgroup's candidates
+            # this warpgroup's candidates (``scores="one"``: warpgroup 0 scores all, warpgroup 1 none)
+            scorer = not scores_one or w == 0
+            width = BK if scores_one else HALF
+            own = pl.ds(0 if scores_one else w * HALF, width)
 
             def body(k, carry):
                 acc, m, l = carry
@@ -829,7 +861,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     q_mm, k_mm = q_s1.at[z], k_s1.at[islot + z]
                 else:
                     q_mm, k_mm = q_s1.at[z], k_s1.at[z]
-                valid = plgpu.load(idx_s.at[islot, own], layout=COL, optimized=False) >= 0
+                if scorer:
+                    valid = plgpu.load(idx_s.at[islot, own], layout=COL, optimized=False) >= 0
                 if not reg:  # K tile of block k complete (both halves), its staging rows and slots read by both
                     plgpu.barrier_arrive(bar_ready.at[0])
                     plgpu.barrier_wait(bar_ready.at[0])
@@ -854,28 +887,48 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     plgpu.wgmma_wait(0)
                     return acc_ref[...]
 
-                with jax.named_scope("qk"):
-                    sc = pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, HALF), jnp.float32)) * s2
-                with jax.named_scope("softmax"):  # and the exchanges of the row maxima and of P
-                    sc = jnp.where(lax.broadcast_in_dim(valid, sc.shape, [1]), sc, -jnp.inf)
-                    mx = sc.max(axis=1)
-                    # the row maximum over both halves: one exchange through shared memory
-                    stat_s.at[0, w][...] = mx
-                    plgpu.barrier_arrive(bar_stat.at[0])
-                    plgpu.barrier_wait(bar_stat.at[0])
-                    mx = jnp.maximum(mx, plgpu.load(stat_s.at[0, 1 - w], layout=ROW, optimized=False))
-                    m_new = jnp.maximum(m, mx)
-                    alpha = jnp.exp2(m - m_new)
-                    p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
-                    l = l * alpha + p.sum(axis=1)
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    v_ref = k_mm.at[:, pl.ds(w * dvw, dvw)]
+                v_ref = k_mm.at[:, pl.ds(w * dvw, dvw)]
+                if not scorer:  # scores="one", warpgroup 1: block k's P, rescale factors and maxima from warpgroup 0
+                    if not reg:
+                        prefetch()
+                    with jax.named_scope("softmax"):
+                        plgpu.barrier_wait(bar_p.at[0])
+                        alpha = plgpu.load(stat_s.at[0, 0], layout=ROW, optimized=False)
+                        m_new = plgpu.load(stat_s.at[0, 1], layout=ROW, optimized=False)
+                        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                else:
+                    with jax.named_scope("qk"):
+                        sc = pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, width), jnp.float32)) * s2
+                    with jax.named_scope("softmax"):  # and the exchanges of the row maxima and of P
+                        sc = jnp.where(lax.broadcast_in_dim(valid, sc.shape, [1]), sc, -jnp.inf)
+                        mx = sc.max(axis=1)
+                        if not scores_one:  # the row maximum over both halves: one exchange through shared memory
+                            stat_s.at[0, w][...] = mx
+                            plgpu.barrier_arrive(bar_stat.at[0])
+                            plgpu.barrier_wait(bar_stat.at[0])
+                            mx = jnp.maximum(mx, plgpu.load(stat_s.at[0, 1 - w], layout=ROW, optimized=False))
+                        m_new = jnp.maximum(m, mx)
+                        alpha = jnp.exp2(m - m_new)
+                        p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
+                        l = l * alpha + p.sum(axis=1)
+                        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                        if scores_one:
+                            # P's buffer and the statistics row are free once warpgroup 1's PV of block k - 1
+                            # is done (it read the statistics before that PV)
+                            @pl.when(k > 0)
+                            def _():
+                                plgpu.barrier_wait(bar_pfree.at[0])
 
-                    # each warpgroup publishes its half of P's columns; PV takes the whole P
-                    p_s.at[:, own][...] = p.astype(jnp.bfloat16)
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(bar_p.at[0])
-                    plgpu.barrier_wait(bar_p.at[0])
+                            p_s[...] = p.astype(jnp.bfloat16)
+                            stat_s.at[0, 0][...] = alpha
+                            stat_s.at[0, 1][...] = m_new
+                            plgpu.commit_smem()
+                            plgpu.barrier_arrive(bar_p.at[0])
+                        else:  # each warpgroup publishes its half of P's columns; PV takes the whole P
+                            p_s.at[:, own][...] = p.astype(jnp.bfloat16)
+                            plgpu.commit_smem()
+                            plgpu.barrier_arrive(bar_p.at[0])
+                            plgpu.barrier_wait(bar_p.at[0])
 
                 def pv(acc_ref):
                     plgpu.wgmma(acc_ref, p_s, v_ref)
@@ -890,6 +943,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 else:  # in place: a second [64, 256] fp32 accumulator would not fit the registers
                     with jax.named_scope("pv"):
                         acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                if not scorer:  # P and the statistics row read: warpgroup 0 may write block k + 1's
+                    plgpu.barrier_arrive(bar_pfree.at[0])
 
                 if raw:  # done with K tile k % 2 (and its slots): the producer may refill it
                     record_gather.arrive_free(idx_s.at[2, pl.ds(4 + 2 * islot, 2)])
@@ -906,6 +961,10 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 return acc, m_new, l
 
             acc, m, l = lax.fori_loop(0, nblk, body, (acc0, m0, l0))
+            if scores_one and w == 0:  # the last block's "P free" (a waiting thread observes every phase)
+                @pl.when(nblk > 0)
+                def _():
+                    plgpu.barrier_wait(bar_pfree.at[0])
             with jax.named_scope("epilogue"):
                 # each warpgroup summed its halves' weights (same maxima): the total is the sum of both
                 stat_s.at[1, w][...] = l
@@ -1058,7 +1117,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         plgpu.Barrier(num_arrivals=1, num_barriers=2),  # slots landed (per idx slot)
         plgpu.Barrier(num_arrivals=BK * copies, num_barriers=1),  # all row copies of a block landed
         plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1),  # K tile complete, staging/slots read
-        plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1),  # both halves of P published
+        plgpu.Barrier(num_arrivals=1 if scores_one else NUM_WG, num_barriers=1),  # P published (both halves)
         # row maxima, then the final sums (block k+1's maxima are written only after both warpgroups
         # passed block k's "ready" barrier, by then both read block k's)
         plgpu.SMEM((2, NUM_WG, HEAD_TILE), jnp.float32),
@@ -1075,12 +1134,14 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             plgpu.Barrier(num_arrivals=1, num_barriers=1),  # q landed
             plgpu.Barrier(num_arrivals=1, num_barriers=2),  # "full": the producer filled K tile / idx slot b
             plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=2),  # "free": the compute warpgroups are done with b
-            plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1),  # both halves of P published
+            plgpu.Barrier(num_arrivals=1 if scores_one else NUM_WG, num_barriers=1),  # P published (both halves)
         ]
         if emulate:  # the producer's staged rows and interpret mode's rope tiles; slots and rows landed
             scratch += [st_t, *mid[1:], plgpu.Barrier(num_arrivals=1, num_barriers=2),
                         plgpu.Barrier(num_arrivals=BK * copies, num_barriers=1)]
         scratch += [plgpu.SMEM((2, NUM_WG, HEAD_TILE), jnp.float32), plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1)]
+    if scores_one:  # warpgroup 1 is done with P and the statistics row (``scores="one"``)
+        scratch.append(plgpu.Barrier(num_arrivals=1, num_barriers=1))
     if cluster:  # the peer's half accumulator and its (m, l) in the K tiles' memory; "both CTAs' loops done"
         # (each CTA's receiving warpgroup arrives in both) and "the peer's two stores landed"
         f32_tiles = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))

@@ -28,6 +28,7 @@
 #   scripts/gpu_session.sh topk-prefilter # issue 20: a warp's own part / layouts without conversions, fused bucket
 #   scripts/gpu_session.sh topk-shapes   # issue 20: the default (warp fill) against the CTA-wide fill, 4 more shapes
 #   scripts/gpu_session.sh topk-select   # issue 20: the indexer's decode select per top-k choice (the split finish beside)
+#   scripts/gpu_session.sh mqa-one       # issue 20: scores="one" (warpgroup 0 scores all candidates): native tests, then timed
 #   scripts/gpu_session.sh mqa-refresh   # issue 20: every native MQA test; the defaults, V4's splits and output dtypes timed
 #   scripts/gpu_session.sh mqa-probe     # issue 20: the MQA's fixed / per-block cost fit, V4's in-kernel regions
 #   scripts/gpu_session.sh mqa-rows      # issue 20: the MQA's wall-clock rows beside XLA, the 8-layer V3.2 fused step
@@ -546,6 +547,24 @@ PY
     ncu -i /tmp/mqa_loop.ncu-rep --page details > "$OUT/mqa_v32_b64_loop_details.txt" 2>&1
     ncu -i /tmp/mqa_loop.ncu-rep --page source --csv --print-source sass > "$OUT/mqa_v32_b64_loop_sass.csv" 2>&1
     python3 scripts/diag/ncu_sass_regions.py "$OUT/mqa_v32_b64_loop_sass.csv" --top 15 | tee "$OUT/mqa_v32_b64_loop_regions.txt" | head -60
+    ;;
+  mqa-one)
+    # issue 20 (sixtieth session): scores="one", warpgroup 0 scoring all of a block's candidates and running the
+    # softmax alone (no maxima exchange, q read once a block), warpgroup 1 multiplying its value columns: its
+    # native tests beside the producers' and the cluster merge's, then against the default (each call one CUDA
+    # graph), V4 decode 64 in both output dtypes, V3.2 decode 64, both 4K prefills
+    python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
+    timeout -k 10 -s INT ${MQA1_TEST_TIMEOUT:-150} python3 -m pytest -m gpu -n ${GPU_WORKERS:-8} -q --tb=short -rfE \
+      -p no:cacheprovider tests/test_kernel_sparse_mqa.py -k "scores_one or window_compressed or register_producer or cluster_merge" \
+      > "$OUT/gpu_mqa_one_tests.log" 2>&1
+    echo "mqa one tests rc=$?"; grep -E "FAILED|ERROR" "$OUT/gpu_mqa_one_tests.log" | head; tail -1 "$OUT/gpu_mqa_one_tests.log"
+    timeout -k 10 -s KILL ${MQA1_TIMEOUT:-150} python3 scripts/diag/mqa_variants.py --cases v4_decode_64 \
+      --variants default scores_one bf16_out bf16_out_scores_one --out "$OUT/mqa_variants_scores_one_h200.json" \
+      > "$OUT/mqa_one.log" 2>&1; echo "mqa one v4 rc=$?"
+    timeout -k 10 -s KILL ${MQA1_MORE_TIMEOUT:-180} python3 scripts/diag/mqa_variants.py --cases v32_decode_64 \
+      v4_prefill_4096 v32_prefill_4096 --variants default scores_one --out "$OUT/mqa_variants_scores_one_more_h200.json" \
+      >> "$OUT/mqa_one.log" 2>&1; echo "mqa one more rc=$?"
+    grep '^{' "$OUT/mqa_one.log" | python3 -c 'import json, sys; [print(r["case"], r["variant"], r.get("profile_span_us"), r.get("profile_busy_us"), r.get("tflops"), r.get("max_abs_err"), r.get("error", "")[:200]) for r in map(json.loads, sys.stdin)]'
     ;;
   mqa-refresh)
     # the MQA's defaults (2026-12-06: the 2-CTA cluster merge of two splits, the extents in the MQA kernel, the

@@ -239,9 +239,11 @@ def test_register_producer_bad_inputs():
 
 
 @pytest.mark.skipif(ON_GPU, reason="interpret mode's race detector")
-def test_no_races():
-    """Interpret mode's race detector over the warpgroups' exchanges: the row maxima and final sums, P's halves,
-    the K tile's ready / free protocol; V4's two caches, sink and 2 splits."""
+@pytest.mark.parametrize("scores", ["split", "one"])
+def test_no_races(scores):
+    """Interpret mode's race detector over the warpgroups' exchanges: the row maxima and final sums, P's halves
+    (``scores="one"``: P, the rescale factors and maxima one way, P's buffer freed the other), the K tile's
+    ready / free protocol; V4's two caches, sink and 2 splits."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -251,7 +253,7 @@ def test_no_races():
     q = _bf16_exact(rng.standard_normal((1, 4, 512)))
     _check(q, [cw, cc], [fw, fc], [_slots(rng, 1, 64, 32, 0.2), _slots(rng, 1, 100, 32, 0.3)], scale=512 ** -0.5,
            v_dim=512, sink=jnp.asarray(rng.standard_normal(4).astype(np.float32)), tol=TOL_EXACT_KV,
-           interpret=plgpu.InterpretGPUParams(detect_races=True), num_splits=2)
+           interpret=plgpu.InterpretGPUParams(detect_races=True), num_splits=2, scores=scores)
     assert not gpu_callbacks.get_races().races_found
 
 
@@ -343,6 +345,39 @@ def test_kernel_extents(arch):
         out = _check(q, caches, fmts, slots, scale=dim ** -0.5, v_dim=512, sink=sink, tol=tol, interpret=False,
                      num_splits=splits, extents="kernel", **kw)
         assert np.all(out[t - 1] == 0.0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_scores_one(mode):
+    """scores="one": warpgroup 0 scores all of a block's candidates and runs the softmax alone, warpgroup 1
+    rescales and multiplies its value columns from the published P, rescale factors and maxima, then frees P's
+    buffer. V3.2's records (100 heads: two head tiles, padded) with a fully masked row, one and two splits; V4's
+    two lists with the sink and a fully masked row, two splits (natively merged in a cluster, and as rows); each
+    case's blocks cycle through both K tiles (natively the register producer, in interpret mode the staged
+    copies)."""
+    interpret = _interpret(mode)
+    rng = np.random.default_rng(12)
+    t, h, k, nblk, epp = (2, 4, 300, 8, 16) if interpret else (4, 100, 2048, 96, 64)
+    fmt = MlaRecord656(epp, "ue8m0")
+    cache = _cache(fmt, nblk, 576, rng)
+    slots = _slots(rng, t, k, nblk * epp, 0.2, empty_rows=(1,))
+    q = _bf16_exact(rng.standard_normal((t, h, 576)))
+    for splits in (1, 2):
+        out = _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_EXACT_KV,
+                     interpret=interpret, num_splits=splits, scores="one")
+        assert np.all(out[1] == 0.0)
+    tw, hw, kw_, kc, ew, ec = (2, 4, 32, 100, 16, 8) if interpret else (5, 64, 128, 512, 256, 64)
+    fw, fc = MlaRecord584(ew), MlaRecord584(ec)
+    caches = [_cache(fw, 4, 512, rng), _cache(fc, 16, 512, rng)]
+    v4_slots = [_slots(rng, tw, kw_, 4 * ew, 0.2, empty_rows=(1,)), _slots(rng, tw, kc, 16 * ec, 0.2, empty_rows=(1,))]
+    q4 = _bf16_exact(rng.standard_normal((tw, hw, 512)))
+    sink = jnp.asarray(rng.standard_normal(hw), jnp.float32)
+    for kw in ([dict()] if interpret else [dict(), dict(merge="rows")]):
+        out = _check(q4, caches, [fw, fc], v4_slots, scale=512 ** -0.5, v_dim=512, sink=sink, tol=TOL_EXACT_KV,
+                     interpret=interpret, num_splits=2, scores="one", **kw)
+        assert np.all(out[1] == 0.0)
+    with pytest.raises(ValueError, match="scores"):
+        mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, interpret=True, scores="two")
 
 
 def test_cluster_merge_needs_two_native_splits():
@@ -535,7 +570,9 @@ def test_v4_layer_attend(mode):
                                   "v4_fp8_overlap_p2", "v4_fp8_overlap_p4", "v32_fp8_overlap_p2",
                                   "v4_fp8_cluster_overlap_p2", "v4_fp8_no_k_prescale",
                                   "v4_fp8_cluster_no_k_prescale", "v32u_fp8_no_k_prescale", "v32u_fp8",
-                                  "v4_fp8_prefetch2", "v4_fp8_cluster_prefetch2", "v32_fp8_prefetch2"])
+                                  "v4_fp8_prefetch2", "v4_fp8_cluster_prefetch2", "v32_fp8_prefetch2",
+                                  "v4_fp8_cluster_scores_one", "v4_fp8_scores_one", "v32_fp8_scores_one",
+                                  "v32_fp8_cluster_scores_one", "v4_fp8_tma_scores_one"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -582,7 +619,12 @@ def test_lowers_for_cuda(case):
           "v32u_fp8_no_k_prescale": dict(k_prescale=False),
           # the records prefetched into L2 two blocks ahead
           "v4_fp8_prefetch2": dict(producer_prefetch=2), "v32_fp8_prefetch2": dict(producer_prefetch=2),
-          "v4_fp8_cluster_prefetch2": dict(merge="cluster", producer_prefetch=2)}.get(case, {})
+          "v4_fp8_cluster_prefetch2": dict(merge="cluster", producer_prefetch=2),
+          # warpgroup 0 scores all of a block's candidates and runs the softmax alone
+          "v4_fp8_cluster_scores_one": dict(merge="cluster", scores="one"),
+          "v4_fp8_scores_one": dict(scores="one"), "v32_fp8_scores_one": dict(scores="one"),
+          "v32_fp8_cluster_scores_one": dict(merge="cluster", scores="one"),
+          "v4_fp8_tma_scores_one": dict(producer="tma", scores="one")}.get(case, {})
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,

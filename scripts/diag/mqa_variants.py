@@ -26,7 +26,8 @@ from pallas_kernels import sparse_mqa
 # one at V3.2 batch 64, two at V4 batch 64, whose partial rows the wrapper merges in XLA). The twelfth session's
 # switches (descriptors held across the loop, both warpgroups computing the whole S, register P) all lost and were
 # removed, as was the twentieth's (the next block's QK issued behind the PV; docs/perf-log.md).
-VARIANTS = {"default": {}, "splits1": dict(num_splits=1), "splits2": dict(num_splits=2),
+VARIANTS = {"default": {}, "scores_one": dict(scores="one"), "bf16_out_scores_one": dict(out_dtype="bfloat16", scores="one"),
+            "splits1": dict(num_splits=1), "splits2": dict(num_splits=2),
             "splits4": dict(num_splits=4),
             # the layers' output dtype (split rows fp32 by default; ``split_dtype`` bf16: half their bytes)
             "bf16_out": dict(out_dtype="bfloat16"), "bf16_out_splits1": dict(out_dtype="bfloat16", num_splits=1),
