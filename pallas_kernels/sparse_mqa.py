@@ -58,6 +58,9 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, two compute warpgroups per CT
   current block is multiplied; their copies are issued while the tensor cores run QK. QK split over the head
   dim instead (each warpgroup all 64 candidates, the fp32 partial scores exchanged) measured slower with the
   register producer and level with TMA's, and was removed (docs/perf-log.md, forty-second session).
+  ``scores="one"`` (off by default until timed natively) divides it unevenly instead: warpgroup 0 alone
+  scores all 64 candidates and runs the softmax, then publishes P with each row's rescale factor and maximum;
+  warpgroup 1 rescales its accumulator and runs its PV, and frees P's buffer for the next block.
 - wgmma descriptors: the q and K tiles are [1, rows, dk] buffers indexed by a zero the compiler cannot fold
   (block id >> 20), so the operands' shared-memory descriptors are rebuilt in each block from uniform
   registers. Computed once before the loop, the compiler held all of them across it and spilled them to
