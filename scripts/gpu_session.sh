@@ -555,15 +555,17 @@ PY
     # graph), V4 decode 64 in both output dtypes, V3.2 decode 64, both 4K prefills
     python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
     timeout -k 10 -s INT ${MQA1_TEST_TIMEOUT:-150} python3 -m pytest -m gpu -n ${GPU_WORKERS:-8} -q --tb=short -rfE \
-      -p no:cacheprovider tests/test_kernel_sparse_mqa.py -k "scores_one or window_compressed or register_producer or cluster_merge" \
+      -p no:cacheprovider tests/test_kernel_sparse_mqa.py -k "${MQA1_K:-scores_one or window_compressed or register_producer or cluster_merge}" \
       > "$OUT/gpu_mqa_one_tests.log" 2>&1
     echo "mqa one tests rc=$?"; grep -E "FAILED|ERROR" "$OUT/gpu_mqa_one_tests.log" | head; tail -1 "$OUT/gpu_mqa_one_tests.log"
     timeout -k 10 -s KILL ${MQA1_TIMEOUT:-150} python3 scripts/diag/mqa_variants.py --cases v4_decode_64 \
       --variants default scores_one bf16_out bf16_out_scores_one --out "$OUT/mqa_variants_scores_one_h200.json" \
       > "$OUT/mqa_one.log" 2>&1; echo "mqa one v4 rc=$?"
+    if [ "${MQA1_MORE:-1}" = 1 ]; then  # MQA1_MORE=0: V4 decode 64 alone
     timeout -k 10 -s KILL ${MQA1_MORE_TIMEOUT:-180} python3 scripts/diag/mqa_variants.py --cases v32_decode_64 \
       v4_prefill_4096 v32_prefill_4096 --variants default scores_one --out "$OUT/mqa_variants_scores_one_more_h200.json" \
       >> "$OUT/mqa_one.log" 2>&1; echo "mqa one more rc=$?"
+    fi
     grep '^{' "$OUT/mqa_one.log" | python3 -c 'import json, sys; [print(r["case"], r["variant"], r.get("profile_span_us"), r.get("profile_busy_us"), r.get("tflops"), r.get("max_abs_err"), r.get("error", "")[:200]) for r in map(json.loads, sys.stdin)]'
     ;;
   mqa-refresh)
