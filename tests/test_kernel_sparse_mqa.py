@@ -163,6 +163,21 @@ def test_v32_padded_heads_and_splits(mode):
            num_splits=1, out_dtype=jnp.bfloat16, out_store="direct")
 
 
+def _v32_masked_row_splits(interpret, heads: int, rng: np.random.Generator, **kw):
+    """V3.2's records, row 1 fully masked (zeros), at one and two splits: interpret mode 2 tokens x 4 heads over
+    300 candidates (5 blocks), natively 4 tokens x ``heads`` over 2048; -> (cache, fmt, slots, q)."""
+    t, h, k, nblk, epp = (2, 4, 300, 8, 16) if interpret else (4, heads, 2048, 96, 64)
+    fmt = MlaRecord656(epp, "ue8m0")
+    cache = _cache(fmt, nblk, 576, rng)
+    slots = _slots(rng, t, k, nblk * epp, 0.2, empty_rows=(1,))
+    q = _bf16_exact(rng.standard_normal((t, h, 576)))
+    for splits in (1, 2):
+        out = _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_EXACT_KV,
+                     interpret=interpret, num_splits=splits, **kw)
+        assert np.all(out[1] == 0.0)
+    return cache, fmt, slots, q
+
+
 @pytest.mark.parametrize("producer", ["registers"] + [pytest.param(p, marks=pytest.mark.gpu) for p in (
     "registers_p1", "registers_p2", "registers_ovl4", "registers_nokpre", "registers_pf2")])
 @pytest.mark.parametrize("mode", MODES)
@@ -193,16 +208,7 @@ def test_v32_register_producer(mode, producer):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     interpret = plgpu.InterpretGPUParams(detect_races=True) if _interpret(mode) else False
-    rng = np.random.default_rng(5)
-    t, h, k, nblk, epp = (2, 4, 300, 8, 16) if interpret else (4, 128, 2048, 96, 64)
-    fmt = MlaRecord656(epp, "ue8m0")
-    cache = _cache(fmt, nblk, 576, rng)
-    slots = _slots(rng, t, k, nblk * epp, 0.2, empty_rows=(1,))
-    q = _bf16_exact(rng.standard_normal((t, h, 576)))
-    for splits in (1, 2):
-        out = _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_EXACT_KV,
-                     interpret=interpret, num_splits=splits, **kw)
-        assert np.all(out[1] == 0.0)
+    _v32_masked_row_splits(interpret, 128, np.random.default_rng(5), **kw)
     if interpret:
         assert not gpu_callbacks.get_races().races_found
 
@@ -357,15 +363,7 @@ def test_scores_one(mode):
     copies)."""
     interpret = _interpret(mode)
     rng = np.random.default_rng(12)
-    t, h, k, nblk, epp = (2, 4, 300, 8, 16) if interpret else (4, 100, 2048, 96, 64)
-    fmt = MlaRecord656(epp, "ue8m0")
-    cache = _cache(fmt, nblk, 576, rng)
-    slots = _slots(rng, t, k, nblk * epp, 0.2, empty_rows=(1,))
-    q = _bf16_exact(rng.standard_normal((t, h, 576)))
-    for splits in (1, 2):
-        out = _check(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, sink=None, tol=TOL_EXACT_KV,
-                     interpret=interpret, num_splits=splits, scores="one")
-        assert np.all(out[1] == 0.0)
+    cache, fmt, slots, q = _v32_masked_row_splits(interpret, 100, rng, scores="one")
     tw, hw, kw_, kc, ew, ec = (2, 4, 32, 100, 16, 8) if interpret else (5, 64, 128, 512, 256, 64)
     fw, fc = MlaRecord584(ew), MlaRecord584(ec)
     caches = [_cache(fw, 4, 512, rng), _cache(fc, 16, 512, rng)]
