@@ -161,6 +161,9 @@ LOG2E = 1.4426950408889634
 PRODUCER_REGS = {"mla656": 152, "mla584": 136}
 PRODUCER_PHASES = {"mla656": 2, "mla584": 1}
 PRODUCER_OVERLAP = {"mla656": True, "mla584": False}
+# scores="one": warpgroup 0's registers per thread above the even split (its [64, 64] fp32 scores and bf16 P beside
+# the [64, 256] accumulator), taken from warpgroup 1 (the accumulator and one row vector)
+SCORES_ONE_REGS = 16
 
 
 def compute_regs(producer_regs: int) -> int:
@@ -169,12 +172,7 @@ def compute_regs(producer_regs: int) -> int:
     setmaxnreg only moves registers inside that pool (an "increase" past it never returns): 3 warpgroups
     share 3 x 168 = 504 per thread. (Two producer warpgroups, 4 in all, were tried: the launch limit of 128
     registers per thread is below what ptxas needs for the [64, 256] wgmma, so that kernel does not build.)"""
-    nwg = NUM_WG + 1
-    pool = 65536 // (128 * nwg) // 8 * 8 * nwg
-    return (pool - producer_regs) // NUM_WG // 8 * 8
-# scores="one": warpgroup 0's registers per thread above the even split (its [64, 64] fp32 scores and bf16 P beside
-# the [64, 256] accumulator), taken from warpgroup 1 (the accumulator and one row vector)
-SCORES_ONE_REGS = 16
+    return (launch_regs() * (NUM_WG + 1) - producer_regs) // NUM_WG // 8 * 8
 
 
 def launch_regs() -> int:
