@@ -444,12 +444,16 @@ def _ring_fit(stages: int, stage_bytes: int, fixed: int) -> int:
     return min(stages, fit)
 
 
-def _staged_smem(bm: int, bn: int, nk: int, kps: int, stages: int, ep_bytes: int, row_scales: bool = True) -> int:
-    """SMEM bytes of the staged-scales kernel: the TMA ring, per compute warpgroup the row scales of the CTA's K
-    range (``row_scales``: not with ``quantize_x``, which keeps them in registers) and the weight-scale rows, and
+def _staged_scale_bytes(nk: int, kps: int, row_scales: bool = True) -> int:
+    """SMEM bytes of the staged scales: per compute warpgroup the row scales of the CTA's K range (``row_scales``:
+    not with ``quantize_x``, which keeps them in registers) and the weight-scale rows."""
+    return (2 * kps * 64 * 4 if row_scales else 0) + 2 * SW_ROWS * (nk + -nk % 4) * 4
+
+
+def _staged_smem(bm: int, bn: int, nk: int, kps: int, stages: int, ep_bytes: int) -> int:
+    """SMEM bytes of the staged-scales kernel: the TMA ring, the staged scales (``_staged_scale_bytes``) and
     ``ep_bytes`` of trimmed-epilogue staging tiles."""
-    ring = stages * (bm + bn) * BLOCK
-    return ring + (2 * kps * 64 * 4 if row_scales else 0) + 2 * SW_ROWS * (nk + -nk % 4) * 4 + ep_bytes
+    return stages * (bm + bn) * BLOCK + _staged_scale_bytes(nk, kps) + ep_bytes
 
 
 def pad_weight_scales(sw: jax.Array) -> jax.Array:
@@ -654,7 +658,7 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     # beside the ring: the output's staging tiles, quantize_x's quantised x and the staged scales
     fixed = ep_bytes + (2 * 64 * BLOCK if quantize_x else 0)
     if stage_scales:
-        fixed += _staged_smem(bm, bn, nk, nk // s, 0, 0, row_scales=not quantize_x)
+        fixed += _staged_scale_bytes(nk, nk // s, row_scales=not quantize_x)
     stages = _ring_fit(stages, stage_bytes, fixed)
     call = _build_call(mr=mr, mp=mp, n=n, k=k, bm=bm, bn=bn, splits=s, stages=stages, group_m=group_m,
                        out_dtype=out_dtype if s == 1 and not stream_k else jnp.dtype(jnp.float32),

@@ -358,22 +358,14 @@ def test_scores_one(mode):
     """scores="one": warpgroup 0 scores all of a block's candidates and runs the softmax alone, warpgroup 1
     rescales and multiplies its value columns from the published P, rescale factors and maxima, then frees P's
     buffer. V3.2's records (100 heads: two head tiles, padded) with a fully masked row, one and two splits; V4's
-    two lists with the sink and a fully masked row, two splits (natively merged in a cluster, and as rows); each
-    case's blocks cycle through both K tiles (natively the register producer, in interpret mode the staged
-    copies)."""
+    two lists with the sink and a fully masked row (``_v4_window_compressed``), two splits (natively merged in a
+    cluster, and as rows); each case's blocks cycle through both K tiles (natively the register producer, in
+    interpret mode the staged copies)."""
     interpret = _interpret(mode)
     rng = np.random.default_rng(12)
     cache, fmt, slots, q = _v32_masked_row_splits(interpret, 100, rng, scores="one")
-    tw, hw, kw_, kc, ew, ec = (2, 4, 32, 100, 16, 8) if interpret else (5, 64, 128, 512, 256, 64)
-    fw, fc = MlaRecord584(ew), MlaRecord584(ec)
-    caches = [_cache(fw, 4, 512, rng), _cache(fc, 16, 512, rng)]
-    v4_slots = [_slots(rng, tw, kw_, 4 * ew, 0.2, empty_rows=(1,)), _slots(rng, tw, kc, 16 * ec, 0.2, empty_rows=(1,))]
-    q4 = _bf16_exact(rng.standard_normal((tw, hw, 512)))
-    sink = jnp.asarray(rng.standard_normal(hw), jnp.float32)
     for kw in ([dict()] if interpret else [dict(), dict(merge="rows")]):
-        out = _check(q4, caches, [fw, fc], v4_slots, scale=512 ** -0.5, v_dim=512, sink=sink, tol=TOL_EXACT_KV,
-                     interpret=interpret, num_splits=2, scores="one", **kw)
-        assert np.all(out[1] == 0.0)
+        _v4_window_compressed(interpret, 2, scores="one", **kw)
     with pytest.raises(ValueError, match="scores"):
         mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, interpret=True, scores="two")
 
