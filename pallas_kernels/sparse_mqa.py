@@ -83,8 +83,8 @@ with explicit register layouts and no automatic barriers (``unsafe_no_auto_barri
 protocol below orders every SMEM reuse).
 
 Synchronisation per block k (both warpgroups; mbarriers). Before the loop each warpgroup fills its half of
-the K tile with block 0. Then per block: arrive/wait "ready" (K complete, its staging rows and slots read by
-both); issue QK; warpgroup w issues the row copies of block k+1 for its 32 rows and warpgroup 0 the slot copy
+the K tile with block 0. Then per block: a proxy fence (the slots' generic reads before warpgroup 0's next
+async copy into their idx slot), arrive/wait "ready" (K complete, its staging rows and slots read by both); issue QK; warpgroup w issues the row copies of block k+1 for its 32 rows and warpgroup 0 the slot copy
 of block k+2; wait QK; write the row maxima, arrive/wait "stats", read the other's; softmax; write P's half,
 fence, arrive/wait "P"; PV; then wait rows(k+1) landed and fill its half of the K tile with block k+1 (fence).
 A warpgroup overwrites only the columns its own, finished PV(k) read; the other's QK(k) finished before "P"
@@ -138,6 +138,7 @@ from jds.ops.records import FloatRows, MlaRecord584, MlaRecord656
 from jds.ops.sparse_mqa import paged_sparse_mqa_xla
 from pallas_kernels import fused_insert_common as C
 from pallas_kernels import record_gather
+from pallas_kernels.fp8_gemm import proxy_fence
 from pallas_kernels.split_combine import split_combine
 
 Producer = Literal["tma", "registers"]
@@ -865,6 +866,12 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 if scorer:
                     valid = plgpu.load(idx_s.at[islot, own], layout=COL, optimized=False) >= 0
                 if not reg:  # K tile of block k complete (both halves), its staging rows and slots read by both
+                    # the slots' generic reads before warpgroup 0's slot copy of block k + 2 into this idx slot
+                    # (an async-proxy write): ordered only across a proxy fence
+                    if interpret is not None:
+                        plgpu.commit_smem()
+                    else:
+                        proxy_fence()
                     plgpu.barrier_arrive(bar_ready.at[0])
                     plgpu.barrier_wait(bar_ready.at[0])
 

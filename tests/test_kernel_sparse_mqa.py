@@ -246,20 +246,30 @@ def test_register_producer_bad_inputs():
 
 @pytest.mark.skipif(ON_GPU, reason="interpret mode's race detector")
 @pytest.mark.parametrize("scores", ["split", "one"])
-def test_no_races(scores):
+@pytest.mark.parametrize("case", ["v4", "v32"])
+def test_no_races(case, scores):
     """Interpret mode's race detector over the warpgroups' exchanges: the row maxima and final sums, P's halves
     (``scores="one"``: P, the rescale factors and maxima one way, P's buffer freed the other), the K tile's
-    ready / free protocol; V4's two caches, sink and 2 splits."""
+    ready / free protocol. "v4": V4's two caches, sink and 2 splits. "v32": V3.2's records over 300 candidates
+    (5 blocks), so warpgroup 0 copies block k + 2's slots into the idx slot both warpgroups read block k's
+    validity from (a race without the proxy fence before "ready": checked by removing it)."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     rng = np.random.default_rng(11)
-    fw, fc = MlaRecord584(16), MlaRecord584(8)
-    cw, cc = _cache(fw, 2, 512, rng), _cache(fc, 4, 512, rng)
-    q = _bf16_exact(rng.standard_normal((1, 4, 512)))
-    _check(q, [cw, cc], [fw, fc], [_slots(rng, 1, 64, 32, 0.2), _slots(rng, 1, 100, 32, 0.3)], scale=512 ** -0.5,
-           v_dim=512, sink=jnp.asarray(rng.standard_normal(4).astype(np.float32)), tol=TOL_EXACT_KV,
-           interpret=plgpu.InterpretGPUParams(detect_races=True), num_splits=2, scores=scores)
+    interpret = plgpu.InterpretGPUParams(detect_races=True)
+    if case == "v4":
+        fw, fc = MlaRecord584(16), MlaRecord584(8)
+        cw, cc = _cache(fw, 2, 512, rng), _cache(fc, 4, 512, rng)
+        q = _bf16_exact(rng.standard_normal((1, 4, 512)))
+        _check(q, [cw, cc], [fw, fc], [_slots(rng, 1, 64, 32, 0.2), _slots(rng, 1, 100, 32, 0.3)],
+               scale=512 ** -0.5, v_dim=512, sink=jnp.asarray(rng.standard_normal(4).astype(np.float32)),
+               tol=TOL_EXACT_KV, interpret=interpret, num_splits=2, scores=scores)
+    else:
+        fmt = MlaRecord656(16, "ue8m0")
+        q = _bf16_exact(rng.standard_normal((1, 4, 576)))
+        _check(q, [_cache(fmt, 8, 576, rng)], [fmt], [_slots(rng, 1, 300, 128, 0.2)], scale=0.06, v_dim=512,
+               sink=None, tol=TOL_EXACT_KV, interpret=interpret, num_splits=1, scores=scores)
     assert not gpu_callbacks.get_races().races_found
 
 
