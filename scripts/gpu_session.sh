@@ -552,10 +552,11 @@ PY
     # issue 20 (sixtieth session): scores="one", warpgroup 0 scoring all of a block's candidates and running the
     # softmax alone (no maxima exchange, q read once a block), warpgroup 1 multiplying its value columns: its
     # native tests beside the producers' and the cluster merge's, then against the default (each call one CUDA
-    # graph), V4 decode 64 in both output dtypes, V3.2 decode 64, both 4K prefills
+    # graph), V4 decode 64 in both output dtypes, V3.2 decode 64, both 4K prefills (v32_fp8: the TMA path's new
+    # proxy fence natively)
     python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
     timeout -k 10 -s INT ${MQA1_TEST_TIMEOUT:-150} python3 -m pytest -m gpu -n ${GPU_WORKERS:-8} -q --tb=short -rfE \
-      -p no:cacheprovider tests/test_kernel_sparse_mqa.py -k "${MQA1_K:-scores_one or window_compressed or register_producer or cluster_merge}" \
+      -p no:cacheprovider tests/test_kernel_sparse_mqa.py -k "${MQA1_K:-scores_one or window_compressed or register_producer or cluster_merge or v32_fp8}" \
       > "$OUT/gpu_mqa_one_tests.log" 2>&1
     echo "mqa one tests rc=$?"; grep -E "FAILED|ERROR" "$OUT/gpu_mqa_one_tests.log" | head; tail -1 "$OUT/gpu_mqa_one_tests.log"
     timeout -k 10 -s KILL ${MQA1_TIMEOUT:-150} python3 scripts/diag/mqa_variants.py --cases v4_decode_64 \
