@@ -253,7 +253,7 @@ class _Plan:
         return 1 if self.mode == "gathered" else max(1, TILE // self.epp)
 
 
-def _logits_kernel(plan: _Plan, t_rows: int, interpret: bool):
+def _logits_kernel(plan: _Plan, t_rows: int, interpret: bool | plgpu.InterpretGPUParams):
     p = plan
     g_, hp, epp, ppt, nbuf = p.g, p.hp, p.epp, p.ppt, p.nbuf
     keys_per_copy = TILE // ppt
@@ -347,6 +347,9 @@ def _logits_kernel(plan: _Plan, t_rows: int, interpret: bool):
 
                     @pl.when(step + nbuf < n_comp)
                     def _refill():  # the slot's keys and scales are consumed
+                        # every thread's generic read of the scales before the copy's async-proxy write of
+                        # the slot: a proxy fence and the warpgroup's barrier (one thread issues the copy)
+                        plgpu.commit_smem()
                         issue(step + nbuf)
 
                     for i in range(g_):
@@ -396,7 +399,10 @@ def _logits_kernel(plan: _Plan, t_rows: int, interpret: bool):
 
         pl.run_scoped(scoped, *scratch)
 
-    kw = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
+    if isinstance(interpret, plgpu.InterpretGPUParams):
+        kw = {"interpret": interpret}
+    else:
+        kw = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
     return plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct((t_rows, p.n_tiles * TILE), jnp.float32),
@@ -408,15 +414,17 @@ def _logits_kernel(plan: _Plan, t_rows: int, interpret: bool):
 
 def paged_logits(q8: jax.Array, w: jax.Array, cache: jax.Array, block_tables: jax.Array, req_idx: jax.Array,
                  n_visible: jax.Array, *, entries_per_page: int, config: IndexerKernelConfig | None = None,
-                 interpret: bool | None = None) -> jax.Array:
+                 interpret: bool | plgpu.InterpretGPUParams | None = None) -> jax.Array:
     """One kernel launch: q8 [T, Hi, 128] e4m3, w [T, Hi] fp32 (= w * s_q), cache uint8 [pages, epp*132],
     block_tables [R, nblk], req_idx [T], n_visible [T] -> logits fp32 [T, ceil(nblk*epp / 64) * 64]
     (-inf at invisible keys and at the padding columns).
 
     The tokens of one request row must be contiguous (as ``jds.batch.PagedBatch`` lays them out, padding
     last): the grid holds ceil(T / G) + R + 1 groups, and rows of groups beyond that would stay unwritten.
+    ``interpret``: GPU interpret mode (True, or an ``InterpretGPUParams``: e.g. its race detector).
     """
-    interpret = resolve_interpret(interpret)
+    params = interpret if isinstance(interpret, plgpu.InterpretGPUParams) else None
+    interpret = True if params is not None else resolve_interpret(interpret)
     config = config or default_config()
     epp = entries_per_page
     t, hi, d = q8.shape
@@ -467,7 +475,7 @@ def paged_logits(q8: jax.Array, w: jax.Array, cache: jax.Array, block_tables: ja
         ks = lax.bitcast_convert_type(cache.reshape(nb, epp * 33, 4), jnp.float32)
     else:
         kv, ks = gather_keys(cache, block_tables, epp, n_tiles)
-    call = _logits_kernel(plan, t, interpret)
+    call = _logits_kernel(plan, t, params or interpret)
     return call(meta, nvis, block_tables.astype(jnp.int32), qp, wp, kv, ks)
 
 

@@ -190,8 +190,8 @@ CASES = [
 ]
 
 
-def _run_case(c: Case, mode: str, seed: int = 0):
-    interpret = _interpret(mode)
+def _run_case(c: Case, mode: str, seed: int = 0, interpret=None):
+    interpret = _interpret(mode) if interpret is None else interpret
     nblk = max(-(-n // c.epp) for n in c.lens) + c.extra_blocks
     fmt, cache, bt = paged_keys(c.epp, list(c.lens), nblk, seed)
     req = jnp.asarray(c.req, jnp.int32)
@@ -237,6 +237,21 @@ SLOW_CASES = {"v4_decode_tiny_heads", "epp128_g3", "odd_heads", "gathered_v4"}
 def test_logits_match_reference(case: Case, mode: str) -> None:
     out, ref, abssum, _ = _run_case(case, mode)
     check_logits(out, ref, abssum, _rtol(mode))
+
+
+@pytest.mark.skipif(ON_GPU, reason="interpret mode's race detector")
+@pytest.mark.parametrize("source", ["auto", "gathered"])
+def test_no_races(source: str) -> None:
+    """Interpret mode's race detector over the key ring: 5 tiles a CTA through 2 buffers, so each slot is
+    refilled after its scales' generic read (a race without the fence before the refill: checked by removing
+    it). The tests above run one or two tiles a CTA and never refill."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    c = Case("refill", 64, 64, (1, 70, 300), (0, 1, 2), (1, 70, 300), tpc=5, nbuf=2, source=source)
+    out, ref, abssum, _ = _run_case(c, "interpret", interpret=plgpu.InterpretGPUParams(detect_races=True))
+    check_logits(out, ref, abssum, _rtol("interpret"))
+    assert not gpu_callbacks.get_races().races_found
 
 
 @pytest.mark.parametrize("mode", MODES)
