@@ -82,17 +82,17 @@ the row copies must fill linearly (and crashes on the row subviews), so the kern
 with explicit register layouts and no automatic barriers (``unsafe_no_auto_barriers``; the mbarrier
 protocol below orders every SMEM reuse).
 
-Synchronisation per block k (both warpgroups; mbarriers). Before the loop each warpgroup fills its half of
-the K tile with block 0. Then per block: a proxy fence (the slots' generic reads before warpgroup 0's next
-async copy into their idx slot), arrive/wait "ready" (K complete, its staging rows and slots read by both); issue QK; warpgroup w issues the row copies of block k+1 for its 32 rows and warpgroup 0 the slot copy
-of block k+2; wait QK; write the row maxima, arrive/wait "stats", read the other's; softmax; write P's half,
-fence, arrive/wait "P"; PV; then wait rows(k+1) landed and fill its half of the K tile with block k+1 (fence).
-A warpgroup overwrites only the columns its own, finished PV(k) read; the other's QK(k) finished before "P"
-and the other's PV(k) reads only its own columns, so no "K free" barrier is needed (it measured the same as
-converting block k+1 while PV(k) runs, which was removed). After the loop, the running sums go through
-"stats" once more. Block k+1's maxima are written only after both warpgroups passed its "ready", so one buffer
-serves every block. Every barrier phase is waited once per waiter (GPU interpret mode checks this; its race
-detector passes at the test shapes, ``test_no_races``).
+Synchronisation per block k (both warpgroups; mbarriers). Before the loop each warpgroup fills its half of the K
+tile with block 0. Then per block: a proxy fence (the slots' generic reads before warpgroup 0's next async copy
+into their idx slot), arrive/wait "ready" (K complete, its staging rows and slots read by both); issue QK;
+warpgroup w issues the row copies of block k+1 for its 32 rows and warpgroup 0 the slot copy of block k+2; wait
+QK; write the row maxima, arrive/wait "stats", read the other's; softmax; write P's half, fence, arrive/wait "P";
+PV; then wait rows(k+1) landed and fill its half of the K tile with block k+1 (fence). A warpgroup overwrites only
+the columns its own, finished PV(k) read; the other's QK(k) finished before "P" and the other's PV(k) reads only
+its own columns, so no "K free" barrier is needed (it measured the same as converting block k+1 while PV(k) runs,
+which was removed). After the loop, the running sums go through "stats" once more. Block k+1's maxima are written
+only after both warpgroups passed its "ready", so one buffer serves every block. Every barrier phase is waited
+once per waiter (GPU interpret mode checks this; its race detector passes at the test shapes, ``test_no_races``).
 
 The register producer (``producer="registers"``, natively the default for the fp8 records, V3.2's one
 ``MlaRecord656`` list and V4's one or two ``MlaRecord584`` lists): a third warpgroup gathers and dequantises
