@@ -58,7 +58,8 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, two compute warpgroups per CT
   current block is multiplied; their copies are issued while the tensor cores run QK. QK split over the head
   dim instead (each warpgroup all 64 candidates, the fp32 partial scores exchanged) measured slower with the
   register producer and level with TMA's, and was removed (docs/perf-log.md, forty-second session).
-  ``scores="one"`` (off by default until timed natively) divides it unevenly instead: warpgroup 0 alone
+  ``scores="one"`` (the default since 2026-12-07, faster at every case timed; "split" stays a switch) divides it
+  unevenly instead: warpgroup 0 alone
   scores all 64 candidates and runs the softmax, then publishes P with each row's rescale factor and maximum;
   warpgroup 1 rescales its accumulator and runs its PV, and frees P's buffer for the next block.
 - wgmma descriptors: the q and K tiles are [1, rows, dk] buffers indexed by a zero the compiler cannot fold
@@ -82,17 +83,19 @@ the row copies must fill linearly (and crashes on the row subviews), so the kern
 with explicit register layouts and no automatic barriers (``unsafe_no_auto_barriers``; the mbarrier
 protocol below orders every SMEM reuse).
 
-Synchronisation per block k (both warpgroups; mbarriers). Before the loop each warpgroup fills its half of the K
-tile with block 0. Then per block: a proxy fence (the slots' generic reads before warpgroup 0's next async copy
-into their idx slot), arrive/wait "ready" (K complete, its staging rows and slots read by both); issue QK;
-warpgroup w issues the row copies of block k+1 for its 32 rows and warpgroup 0 the slot copy of block k+2; wait
-QK; write the row maxima, arrive/wait "stats", read the other's; softmax; write P's half, fence, arrive/wait "P";
-PV; then wait rows(k+1) landed and fill its half of the K tile with block k+1 (fence). A warpgroup overwrites only
-the columns its own, finished PV(k) read; the other's QK(k) finished before "P" and the other's PV(k) reads only
-its own columns, so no "K free" barrier is needed (it measured the same as converting block k+1 while PV(k) runs,
-which was removed). After the loop, the running sums go through "stats" once more. Block k+1's maxima are written
-only after both warpgroups passed its "ready", so one buffer serves every block. Every barrier phase is waited
-once per waiter (GPU interpret mode checks this; its race detector passes at the test shapes, ``test_no_races``).
+Synchronisation per block k (both warpgroups; mbarriers; as ``scores="split"`` runs it: "one" replaces the maxima
+exchange and P's halves with P published by warpgroup 0 and freed by warpgroup 1). Before the loop each warpgroup
+fills its half of the K tile with block 0. Then per block: a proxy fence (the slots' generic reads before
+warpgroup 0's next async copy into their idx slot), arrive/wait "ready" (K complete, its staging rows and slots
+read by both); issue QK; warpgroup w issues the row copies of block k+1 for its 32 rows and warpgroup 0 the slot
+copy of block k+2; wait QK; write the row maxima, arrive/wait "stats", read the other's; softmax; write P's half,
+fence, arrive/wait "P"; PV; then wait rows(k+1) landed and fill its half of the K tile with block k+1 (fence). A
+warpgroup overwrites only the columns its own, finished PV(k) read; the other's QK(k) finished before "P" and the
+other's PV(k) reads only its own columns, so no "K free" barrier is needed (it measured the same as converting
+block k+1 while PV(k) runs, which was removed). After the loop, the running sums go through "stats" once more.
+Block k+1's maxima are written only after both warpgroups passed its "ready", so one buffer serves every block.
+Every barrier phase is waited once per waiter (GPU interpret mode checks this; its race detector passes at the
+test shapes, ``test_no_races``).
 
 The register producer (``producer="registers"``, natively the default for the fp8 records, V3.2's one
 ``MlaRecord656`` list and V4's one or two ``MlaRecord584`` lists): a third warpgroup gathers and dequantises
@@ -324,8 +327,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     P's buffer back once its PV is done. No maxima exchange and half the q reads, for an uneven split of the
     work (FlashMLA's SM90 sparse decode kernel divides it this way). Warpgroup 0 then holds the [64, 64]
     scores beside its accumulator: natively it takes ``SCORES_ONE_REGS`` registers per thread more than the
-    even split, warpgroup 1 that many fewer. None: "split".
-    Timings: docs/perf-log.md.
+    even split, warpgroup 1 that many fewer. None: "one" (faster than "split" at V3.2 and V4 decode 64 and 4K
+    prefill; the timings: docs/perf-log.md, sixty-first session).
     """
     check_implementation(combine, "combine")
     caches, formats, slots = tuple(caches), tuple(formats), tuple(slots)
@@ -498,7 +501,7 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                        producer_phases=producer_phases, producer_overlap=bool(producer_overlap),
                        pow2=pow2, profile_dir=profile_dir, cluster=cluster, kernel_extents=extents == "kernel",
                        q_multicast=bool(q_multicast), k_shift=bool(k_prescale),
-                       prefetch_ahead=producer_prefetch or 1, scores_one=scores == "one")
+                       prefetch_ahead=producer_prefetch or 1, scores_one=scores in (None, "one"))
     # the lists' slots apart: no concatenated copy
     exts = [] if extents == "kernel" else _extents(padded, extents, bool(interpret))
     outs = call(qp, *padded, *exts, sink_p, *caches)

@@ -549,22 +549,22 @@ PY
     python3 scripts/diag/ncu_sass_regions.py "$OUT/mqa_v32_b64_loop_sass.csv" --top 15 | tee "$OUT/mqa_v32_b64_loop_regions.txt" | head -60
     ;;
   mqa-one)
-    # issue 20 (sixtieth session): scores="one", warpgroup 0 scoring all of a block's candidates and running the
-    # softmax alone (no maxima exchange, q read once a block), warpgroup 1 multiplying its value columns: its
-    # native tests beside the producers' and the cluster merge's, then against the default (each call one CUDA
-    # graph), V4 decode 64 in both output dtypes, V3.2 decode 64, both 4K prefills (v32_fp8: the TMA path's new
-    # proxy fence natively)
+    # issue 20: scores="one" (warpgroup 0 scoring all of a block's candidates and running the softmax alone; the
+    # default since 2026-12-07, timed on an H100) against "split" (the default before) on this card: the native
+    # tests of the split form beside the producers' and the cluster merge's, then each form (one CUDA graph a
+    # call), V4 decode 64 in both output dtypes, V3.2 decode 64, both 4K prefills (v32_fp8: the TMA path's proxy
+    # fence natively)
     python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
     timeout -k 10 -s INT ${MQA1_TEST_TIMEOUT:-150} python3 -m pytest -m gpu -n ${GPU_WORKERS:-8} -q --tb=short -rfE \
-      -p no:cacheprovider tests/test_kernel_sparse_mqa.py -k "${MQA1_K:-scores_one or window_compressed or register_producer or cluster_merge or v32_fp8}" \
+      -p no:cacheprovider tests/test_kernel_sparse_mqa.py -k "${MQA1_K:-scores_split or window_compressed or register_producer or cluster_merge or v32_fp8}" \
       > "$OUT/gpu_mqa_one_tests.log" 2>&1
     echo "mqa one tests rc=$?"; grep -E "FAILED|ERROR" "$OUT/gpu_mqa_one_tests.log" | head; tail -1 "$OUT/gpu_mqa_one_tests.log"
     timeout -k 10 -s KILL ${MQA1_TIMEOUT:-150} python3 scripts/diag/mqa_variants.py --cases v4_decode_64 \
-      --variants default scores_one bf16_out bf16_out_scores_one --out "$OUT/mqa_variants_scores_one_h200.json" \
+      --variants default scores_split bf16_out bf16_out_scores_split --out "$OUT/mqa_variants_scores_one_h200.json" \
       > "$OUT/mqa_one.log" 2>&1; echo "mqa one v4 rc=$?"
     if [ "${MQA1_MORE:-1}" = 1 ]; then  # MQA1_MORE=0: V4 decode 64 alone
     timeout -k 10 -s KILL ${MQA1_MORE_TIMEOUT:-180} python3 scripts/diag/mqa_variants.py --cases v32_decode_64 \
-      v4_prefill_4096 v32_prefill_4096 --variants default scores_one --out "$OUT/mqa_variants_scores_one_more_h200.json" \
+      v4_prefill_4096 v32_prefill_4096 --variants default scores_split --out "$OUT/mqa_variants_scores_one_more_h200.json" \
       >> "$OUT/mqa_one.log" 2>&1; echo "mqa one more rc=$?"
     fi
     grep '^{' "$OUT/mqa_one.log" | python3 -c 'import json, sys; [print(r["case"], r["variant"], r.get("profile_span_us"), r.get("profile_busy_us"), r.get("tflops"), r.get("max_abs_err"), r.get("error", "")[:200]) for r in map(json.loads, sys.stdin)]'

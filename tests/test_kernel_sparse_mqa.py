@@ -364,18 +364,18 @@ def test_kernel_extents(arch):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_scores_one(mode):
-    """scores="one": warpgroup 0 scores all of a block's candidates and runs the softmax alone, warpgroup 1
-    rescales and multiplies its value columns from the published P, rescale factors and maxima, then frees P's
-    buffer. V3.2's records (100 heads: two head tiles, padded) with a fully masked row, one and two splits; V4's
-    two lists with the sink and a fully masked row (``_v4_window_compressed``), two splits (natively merged in a
-    cluster, and as rows); each case's blocks cycle through both K tiles (natively the register producer, in
-    interpret mode the staged copies)."""
+def test_scores_split(mode):
+    """scores="split" (the default before 2026-12-07; "one", warpgroup 0 scoring all of a block's candidates, is
+    the default the other tests run): each compute warpgroup scores its half of the candidates, the two exchange
+    row maxima and publish their halves of P. V3.2's records (100 heads: two head tiles, padded) with a fully
+    masked row, one and two splits; V4's two lists with the sink and a fully masked row
+    (``_v4_window_compressed``), two splits (natively merged in a cluster, and as rows); each case's blocks cycle
+    through both K tiles (natively the register producer, in interpret mode the staged copies)."""
     interpret = _interpret(mode)
     rng = np.random.default_rng(12)
-    cache, fmt, slots, q = _v32_masked_row_splits(interpret, 100, rng, scores="one")
+    cache, fmt, slots, q = _v32_masked_row_splits(interpret, 100, rng, scores="split")
     for kw in ([dict()] if interpret else [dict(), dict(merge="rows")]):
-        _v4_window_compressed(interpret, 2, scores="one", **kw)
+        _v4_window_compressed(interpret, 2, scores="split", **kw)
     with pytest.raises(ValueError, match="scores"):
         mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, interpret=True, scores="two")
 
@@ -571,8 +571,8 @@ def test_v4_layer_attend(mode):
                                   "v4_fp8_cluster_overlap_p2", "v4_fp8_no_k_prescale",
                                   "v4_fp8_cluster_no_k_prescale", "v32u_fp8_no_k_prescale", "v32u_fp8",
                                   "v4_fp8_prefetch2", "v4_fp8_cluster_prefetch2", "v32_fp8_prefetch2",
-                                  "v4_fp8_cluster_scores_one", "v4_fp8_scores_one", "v32_fp8_scores_one",
-                                  "v32_fp8_cluster_scores_one", "v4_fp8_tma_scores_one"])
+                                  "v4_fp8_cluster_scores_split", "v4_fp8_scores_split", "v32_fp8_scores_split",
+                                  "v32_fp8_cluster_scores_split", "v4_fp8_tma_scores_split"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -620,11 +620,11 @@ def test_lowers_for_cuda(case):
           # the records prefetched into L2 two blocks ahead
           "v4_fp8_prefetch2": dict(producer_prefetch=2), "v32_fp8_prefetch2": dict(producer_prefetch=2),
           "v4_fp8_cluster_prefetch2": dict(merge="cluster", producer_prefetch=2),
-          # warpgroup 0 scores all of a block's candidates and runs the softmax alone
-          "v4_fp8_cluster_scores_one": dict(merge="cluster", scores="one"),
-          "v4_fp8_scores_one": dict(scores="one"), "v32_fp8_scores_one": dict(scores="one"),
-          "v32_fp8_cluster_scores_one": dict(merge="cluster", scores="one"),
-          "v4_fp8_tma_scores_one": dict(producer="tma", scores="one")}.get(case, {})
+          # each compute warpgroup scores half of a block's candidates (the default: warpgroup 0 scores all)
+          "v4_fp8_cluster_scores_split": dict(merge="cluster", scores="split"),
+          "v4_fp8_scores_split": dict(scores="split"), "v32_fp8_scores_split": dict(scores="split"),
+          "v32_fp8_cluster_scores_split": dict(merge="cluster", scores="split"),
+          "v4_fp8_tma_scores_split": dict(producer="tma", scores="split")}.get(case, {})
 
     def f(q, caches, slots, sink):
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,

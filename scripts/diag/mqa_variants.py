@@ -27,6 +27,8 @@ from pallas_kernels import sparse_mqa
 # switches (descriptors held across the loop, both warpgroups computing the whole S, register P) all lost and were
 # removed, as was the twentieth's (the next block's QK issued behind the PV; docs/perf-log.md).
 VARIANTS = {"default": {}, "scores_one": dict(scores="one"), "bf16_out_scores_one": dict(out_dtype="bfloat16", scores="one"),
+            # the default before 2026-12-07 (each compute warpgroup scores half of a block's candidates)
+            "scores_split": dict(scores="split"), "bf16_out_scores_split": dict(out_dtype="bfloat16", scores="split"),
             "splits1": dict(num_splits=1), "splits2": dict(num_splits=2),
             "splits4": dict(num_splits=4),
             # the layers' output dtype (split rows fp32 by default; ``split_dtype`` bf16: half their bytes)
