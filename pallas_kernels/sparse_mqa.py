@@ -58,10 +58,10 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, two compute warpgroups per CT
   current block is multiplied; their copies are issued while the tensor cores run QK. QK split over the head
   dim instead (each warpgroup all 64 candidates, the fp32 partial scores exchanged) measured slower with the
   register producer and level with TMA's, and was removed (docs/perf-log.md, forty-second session).
-  ``scores="one"`` (the default since 2026-12-07, faster at every case timed; "split" stays a switch) divides it
-  unevenly instead: warpgroup 0 alone
-  scores all 64 candidates and runs the softmax, then publishes P with each row's rescale factor and maximum;
-  warpgroup 1 rescales its accumulator and runs its PV, and frees P's buffer for the next block.
+  ``scores="one"`` (the default since 2026-12-07, faster at every case timed on an H100; "split" stays a switch)
+  divides it unevenly instead: warpgroup 0 alone scores all 64 candidates and runs the softmax, then publishes P
+  with each row's rescale factor and maximum; warpgroup 1 rescales its accumulator and runs its PV, and frees P's
+  buffer for the next block.
 - wgmma descriptors: the q and K tiles are [1, rows, dk] buffers indexed by a zero the compiler cannot fold
   (block id >> 20), so the operands' shared-memory descriptors are rebuilt in each block from uniform
   registers. Computed once before the loop, the compiler held all of them across it and spilled them to
@@ -328,7 +328,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     work (FlashMLA's SM90 sparse decode kernel divides it this way). Warpgroup 0 then holds the [64, 64]
     scores beside its accumulator: natively it takes ``SCORES_ONE_REGS`` registers per thread more than the
     even split, warpgroup 1 that many fewer. None: "one" (faster than "split" at V3.2 and V4 decode 64 and 4K
-    prefill; the timings: docs/perf-log.md, sixty-first session).
+    prefill on an H100, not yet timed on the H200; the timings: docs/perf-log.md, sixty-first session).
     """
     check_implementation(combine, "combine")
     caches, formats, slots = tuple(caches), tuple(formats), tuple(slots)
