@@ -511,13 +511,21 @@ def fence_slot_reads(body: Callable, interpret: bool | plgpu.InterpretGPUParams 
     @functools.wraps(body)
     def fenced(*args):
         out = body(*args)
-        if interpret:
-            plgpu.commit_smem()
-        else:
-            proxy_fence()
+        generic_reads_fence(interpret)
         return out
 
     return fenced
+
+
+def generic_reads_fence(interpret: bool | plgpu.InterpretGPUParams | None) -> None:
+    """Orders the calling thread's generic-proxy SMEM reads before later async-proxy writes (TMA) of the same
+    memory: natively ``proxy_fence`` (each thread then arrives on the barrier that releases the memory itself,
+    Lane semantics), in interpret mode (``interpret`` neither None nor False) ``commit_smem``, the fence the
+    interpreter models."""
+    if interpret:
+        plgpu.commit_smem()
+    else:
+        proxy_fence()
 
 
 def proxy_fence() -> None:

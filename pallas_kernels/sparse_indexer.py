@@ -253,7 +253,7 @@ class _Plan:
         return 1 if self.mode == "gathered" else max(1, TILE // self.epp)
 
 
-def _logits_kernel(plan: _Plan, t_rows: int, interpret: bool | plgpu.InterpretGPUParams):
+def _logits_kernel(plan: _Plan, t_rows: int, interpret: plgpu.InterpretGPUParams | None):
     p = plan
     g_, hp, epp, ppt, nbuf = p.g, p.hp, p.epp, p.ppt, p.nbuf
     keys_per_copy = TILE // ppt
@@ -399,10 +399,7 @@ def _logits_kernel(plan: _Plan, t_rows: int, interpret: bool | plgpu.InterpretGP
 
         pl.run_scoped(scoped, *scratch)
 
-    if isinstance(interpret, plgpu.InterpretGPUParams):
-        kw = {"interpret": interpret}
-    else:
-        kw = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
+    kw = {} if interpret is None else {"interpret": interpret}
     return plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct((t_rows, p.n_tiles * TILE), jnp.float32),
@@ -423,8 +420,8 @@ def paged_logits(q8: jax.Array, w: jax.Array, cache: jax.Array, block_tables: ja
     last): the grid holds ceil(T / G) + R + 1 groups, and rows of groups beyond that would stay unwritten.
     ``interpret``: GPU interpret mode (True, or an ``InterpretGPUParams``: e.g. its race detector).
     """
-    params = interpret if isinstance(interpret, plgpu.InterpretGPUParams) else None
-    interpret = True if params is not None else resolve_interpret(interpret)
+    if not isinstance(interpret, plgpu.InterpretGPUParams):  # None: native; else interpret mode's parameters
+        interpret = plgpu.InterpretGPUParams() if resolve_interpret(interpret) else None
     config = config or default_config()
     epp = entries_per_page
     t, hi, d = q8.shape
@@ -456,8 +453,8 @@ def paged_logits(q8: jax.Array, w: jax.Array, cache: jax.Array, block_tables: ja
     n_splits = -(-n_tiles // tpc)
     mode = config.key_source
     if mode == "auto":
-        mode = "views" if interpret else "paged"
-    if mode == "views" and not interpret:
+        mode = "views" if interpret is not None else "paged"
+    if mode == "views" and interpret is None:
         raise ValueError("key_source='views' is for interpret mode (its GMEM view breaks Mosaic's TMA tiling rule)")
     plan = _Plan(g=g, hp=hp, epp=epp, nb=nb, nblk=nblk, n_tiles=n_tiles, tpc=tpc, n_splits=n_splits,
                  n_groups=n_groups, nbuf=min(config.num_buffers, tpc), mode=mode)
@@ -475,7 +472,7 @@ def paged_logits(q8: jax.Array, w: jax.Array, cache: jax.Array, block_tables: ja
         ks = lax.bitcast_convert_type(cache.reshape(nb, epp * 33, 4), jnp.float32)
     else:
         kv, ks = gather_keys(cache, block_tables, epp, n_tiles)
-    call = _logits_kernel(plan, t, params or interpret)
+    call = _logits_kernel(plan, t, interpret)
     return call(meta, nvis, block_tables.astype(jnp.int32), qp, wp, kv, ks)
 
 

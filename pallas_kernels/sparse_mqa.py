@@ -141,7 +141,7 @@ from jds.ops.records import FloatRows, MlaRecord584, MlaRecord656
 from jds.ops.sparse_mqa import paged_sparse_mqa_xla
 from pallas_kernels import fused_insert_common as C
 from pallas_kernels import record_gather
-from pallas_kernels.fp8_gemm import proxy_fence
+from pallas_kernels.fp8_gemm import generic_reads_fence
 from pallas_kernels.split_combine import split_combine
 
 Producer = Literal["tma", "registers"]
@@ -871,10 +871,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 if not reg:  # K tile of block k complete (both halves), its staging rows and slots read by both
                     # the slots' generic reads before warpgroup 0's slot copy of block k + 2 into this idx slot
                     # (an async-proxy write): ordered only across a proxy fence
-                    if interpret is not None:
-                        plgpu.commit_smem()
-                    else:
-                        proxy_fence()
+                    generic_reads_fence(interpret)
                     plgpu.barrier_arrive(bar_ready.at[0])
                     plgpu.barrier_wait(bar_ready.at[0])
 
