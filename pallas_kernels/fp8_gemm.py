@@ -134,6 +134,8 @@ LARGE_M_FROM = 1024  # rows from which persistent / ring_scales = None may turn 
 PERSISTENT_MAX_KBLOCKS = 64  # in / 128 up to which persistent=None loops over tiles there (q_b's 12, mlp's 56)
 K_PAIRS_MIN_KBLOCKS = 64  # k_pairs=None: on with ring_scales from this many K blocks per CTA
 RING_SCALE_COLS = 32  # ring_scales: weight scales per stage in multiples of this (128 bytes; ``ring_weight_scales``)
+GEMM_KERNEL = "fp8_gemm"  # the GEMM kernels' name (both forms); on the GPU timeline "<name>_mosaic_gpu_kernel"
+QUANTIZE_KERNEL = "fp8_quantize_rows"  # quantize_rows' kernel: named apart so that a profile splits a call's time
 PROFILE_RANGES = 256  # per warpgroup and call: ``profile_dir``'s events (a region per K block, a few more)
 # GPU interpret mode runs a kernel's simulated threads on XLA's CPU thread pool, whose barrier waits hold pool threads:
 # the staged / ring scales with one row tile (the trimmed SMEM epilogue) and swap_ab's staged scales deadlock where
@@ -824,7 +826,7 @@ def _build_quantize_rows(*, m: int, mp: int, k: int, scale_fmt: quant.ScaleFmt,
                         scratch_types=[plgpu.SMEM((64, BLOCK), jnp.bfloat16, transforms=_SWZ16),
                                        plgpu.SMEM((64, BLOCK), quant.FP8, transforms=_SWZ8),
                                        plgpu.SMEM((64,), jnp.float32), plgpu.Barrier(num_barriers=1)],
-                        interpret=interpret if interpret is not None else False)
+                        interpret=interpret if interpret is not None else False, kernel_name=QUANTIZE_KERNEL)
 
 
 def stream_k_ctas(n_tiles: int, nk: int) -> int:
@@ -1217,7 +1219,7 @@ def _build_call(*, mr: int, mp: int, n: int, k: int, bm: int, bn: int, splits: i
     return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
                         grid=(stream_k or persistent or splits * tiles,),
                         scratch_types=scratch, grid_names=("cta",), num_threads=3, thread_name="wg", compiler_params=params,
-                        interpret=interpret if interpret is not None else False)
+                        interpret=interpret if interpret is not None else False, kernel_name=GEMM_KERNEL)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1328,4 +1330,5 @@ def _build_swapped_call(*, mr: int, n: int, k: int, bn: int, splits: int, stages
                                           profile_bounds_check=True) if profile_dir else {}))
     return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(splits * n_tiles,),
                         scratch_types=scratch, grid_names=("cta",), num_threads=nwg + 1, thread_name="wg",
-                        compiler_params=params, interpret=interpret if interpret is not None else False)
+                        compiler_params=params, interpret=interpret if interpret is not None else False,
+                        kernel_name=GEMM_KERNEL)

@@ -182,3 +182,21 @@ def test_kernel_events_keep_a_copy_streams_kernels() -> None:
              NS(name="Stream #9(MemcpyD2H)", events=[ev("MemcpyD2H")]),
              NS(name="XLA Ops", events=[ev("select.1")])]
     assert [e.name for e in kernel_events(lines)] == ["topk_radix_prefilter", "loop_select_fusion"]
+
+
+def test_named_kernel_us_matches_a_mosaic_kernels_timeline_name() -> None:
+    from jds.bench.kernels_fp8_gemm import _rates
+    from jds.bench.timing import named_kernel_us
+    from pallas_kernels import fp8_gemm
+
+    by = {"fp8_gemm_mosaic_gpu_kernel": 12.5, "fp8_quantize_rows_mosaic_gpu_kernel": 1.5, "loop_reduce_fusion": 2.0}
+    assert named_kernel_us(by, fp8_gemm.GEMM_KERNEL) == 12.5
+    assert named_kernel_us(by, fp8_gemm.QUANTIZE_KERNEL) == 1.5
+    assert named_kernel_us(by, "loop_reduce_fusion") == 2.0
+    assert named_kernel_us(by, "fp8") is None and named_kernel_us(None, "fp8_gemm") is None
+    # the benchmark row: the call's share of the copy bandwidth from its span, the kernel's from its own time
+    r = {"median_us": 20.0, "profile_span_us": 16.0, "profile_kernel_us": by}
+    _rates(r, 1e9, 4e7, {"copy_bytes_per_s": 4e12}, kernel_bytes=3.8e7)
+    assert r["hbm_frac_profile"] == pytest.approx(4e7 / 16e-6 / 4e12)
+    assert r["gemm_kernel_us"] == 12.5 and r["quantize_kernel_us"] == 1.5
+    assert r["hbm_frac_kernel"] == pytest.approx(3.8e7 / 12.5e-6 / 4e12)

@@ -919,3 +919,4 @@ def test_lowers_for_cuda(m: int, k: int, n: int, tiles: dict) -> None:
     with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=dev)):
         text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and ".f32.e4m3.e4m3" in text
+    assert f"{G.GEMM_KERNEL}_mosaic_gpu" in text  # named apart from quantize_rows' kernel on the GPU timeline

@@ -28,7 +28,9 @@ Fields: median_us (jds.bench.timing.time_fn; torch: CUDA events over back-to-bac
 under 200 us, jds.bench.timing.device_row), profile_span_us / profile_busy_us / profile_kernels and hbm_frac_profile
 (kernel rows at M <= 128: the call's device time from the GPU's timeline, jds.bench.timing.profiled_device_us, the
 call compiled as one CUDA graph: ``profile_captured``, the calls taking ``profile_weight_copies`` copies of the
-weights in turn, together twice the L2), tflops (2 M in out / time), fp8_peak_frac (of the FP8 peak measured in this
+weights in turn, together twice the L2; where the profile names the kernels, ``gemm_kernel_us`` / ``hbm_frac_kernel``: the
+GEMM kernel alone, as torch's row is timed, its bytes ``gemm_kernel_bytes`` with x in e4m3, and ``quantize_kernel_us``:
+x's quantisation kernel), tflops (2 M in out / time), fp8_peak_frac (of the FP8 peak measured in this
 run: torch._scaled_mm per-tensor at 8192^3, bf16 out), bytes (weights + scales + x + y in their stored dtypes: the
 unavoidable traffic), hbm_frac (of the copy bandwidth measured in this run: a 1 GiB jnp add), and, vs the XLA output
 of the same inputs: max_abs_err, ref_max_abs and err_abssum_max (max |y - ref| / sum_k |x_k W_k|: the tests' metric;
@@ -56,8 +58,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jds.bench.results import error_text, write_json
-from jds.bench.timing import (CAPTURED_OPTIONS, device_row, measure_ceilings, profiled_device_us, rotation_copies,
-                              time_fn)
+from jds.bench.timing import (CAPTURED_OPTIONS, device_row, measure_ceilings, named_kernel_us, profiled_device_us,
+                              rotation_copies, time_fn)
 from jds.ops import quant
 from pallas_kernels import fp8_gemm
 
@@ -189,7 +191,9 @@ def _accuracy(y, ref, ab) -> dict:
             "err_abssum_max": float(jnp.max(d / jnp.maximum(ab, 1e-30)))}
 
 
-def _rates(r: dict, flops: float, nbytes: float, ceil: dict) -> None:
+def _rates(r: dict, flops: float, nbytes: float, ceil: dict, kernel_bytes: float | None = None) -> None:
+    """Rates of a timed row. ``kernel_bytes``: what the GEMM kernel alone moves (x already e4m3 with its scales),
+    for ``hbm_frac_kernel``, its share of the copy bandwidth from its own time on the timeline."""
     t = r.get("median_us")
     if not t:
         return
@@ -200,6 +204,15 @@ def _rates(r: dict, flops: float, nbytes: float, ceil: dict) -> None:
     r["hbm_frac"] = nbytes / (t * 1e-6) / ceil["copy_bytes_per_s"]
     if r.get("profile_span_us"):  # the call's device time from the GPU timeline (profiled_device_us)
         r["hbm_frac_profile"] = nbytes / (r["profile_span_us"] * 1e-6) / ceil["copy_bytes_per_s"]
+    by = r.get("profile_kernel_us")
+    gemm, q = named_kernel_us(by, fp8_gemm.GEMM_KERNEL), named_kernel_us(by, fp8_gemm.QUANTIZE_KERNEL)
+    if gemm:  # the GEMM kernel alone, as torch's row is timed (x quantised outside)
+        r["gemm_kernel_us"] = gemm
+        if kernel_bytes:
+            r["gemm_kernel_bytes"] = kernel_bytes
+            r["hbm_frac_kernel"] = kernel_bytes / (gemm * 1e-6) / ceil["copy_bytes_per_s"]
+    if q:
+        r["quantize_kernel_us"] = q
 
 
 def _iters(flops: float) -> int:
@@ -226,6 +239,7 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch, rows: Sequenc
     flops = 2.0 * m * n * k
     scale_bytes = 4.0 * ws.size
     fp8_bytes = n * k + scale_bytes + 2.0 * m * k + 2.0 * m * n  # W e4m3 + scales + x bf16 + y bf16
+    gemm_bytes = n * k + scale_bytes + m * k + 4.0 * m * (k // 128) + 2.0 * m * n  # the kernel's: x e4m3 + scales
     base = {"kernel": "fp8_gemm", "case": f"{c['shape']}_m{m}", "shape": c["shape"], "m": m, "in": k, "out": n,
             "flops": flops}
     try:
@@ -284,7 +298,7 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch, rows: Sequenc
             if name == "pallas":  # act_quant of x alone in XLA (the call quantises x; torch's row excludes it)
                 aq = jax.jit(functools.partial(quant.act_quant, block=128, fmt="ue8m0"))
                 r["act_quant_us"] = time_fn(aq, x, iters=3 if quick else 20)["median_us"]
-            _rates(r, flops, fp8_bytes, ceil)
+            _rates(r, flops, fp8_bytes, ceil, gemm_bytes)
         except Exception as e:  # noqa: BLE001
             r["error"] = error_text(e)
             r["traceback"] = traceback.format_exc()[-2000:]

@@ -154,12 +154,16 @@ def _fp8_gemm(d: dict) -> list[str]:
     # the kernel's device time from the GPU's timeline, where the file has it (runs from 2026-12-01, sixth session)
     prof = any(r.get("profile_span_us") for per in by.values() for r in per.values())
     graph = any(r.get("profile_captured") for per in by.values() for r in per.values())  # one CUDA graph a call
+    # the GEMM kernel's own time, where the profile names it apart from x's quantisation (runs from 2026-12-07)
+    kern = any(r.get("gemm_kernel_us") for per in by.values() for r in per.values())
     for case, per in by.items():
         p, t = per.get("pallas", {}), per.get("torch", {})
         rows.append([case] + [_fmt(per.get(i, {}).get("median_us"), 1) for i in ("pallas", "xla", "torch", "bf16")]
                     + [t.get("variant", "—"), _fmt(p.get("tflops"), 0), _pct(p.get("fp8_peak_frac")),
                        _pct(p.get("hbm_frac")), _ratio(t.get("median_us"), p.get("median_us"))]
-                    + ([_fmt(p.get("profile_span_us"), 1), _pct(p.get("hbm_frac_profile"))] if prof else []))
+                    + ([_fmt(p.get("profile_span_us"), 1), _pct(p.get("hbm_frac_profile"))] if prof else [])
+                    + ([_fmt(p.get("gemm_kernel_us"), 1), _pct(p.get("hbm_frac_kernel")),
+                        _fmt(p.get("quantize_kernel_us"), 1)] if kern else []))
     m = d.get("meta", {})
     runs = (f" Rows from {len(m['runs'])} runs (`meta.runs`; each row's fractions are of its own run's peak and "
             f"bandwidth): {m.get('note', '')}") if m.get("runs") else ""
@@ -169,7 +173,9 @@ def _fp8_gemm(d: dict) -> list[str]:
         _table(["case", "pallas", "xla", "torch", "bf16", "torch scales", "pallas TFLOP/s", "of FP8 peak",
                 "of copy bw", "torch / pallas"]
                + ([f"pallas device µs (GPU timeline{', one CUDA graph' if graph else ''})", "of copy bw"]
-                  if prof else []),
+                  if prof else [])
+               + (["GEMM kernel µs (timeline)", "kernel of copy bw (x in e4m3)", "x quantisation kernel µs"]
+                  if kern else []),
                rows) + _fp8_forms(by)
 
 

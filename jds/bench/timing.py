@@ -292,6 +292,14 @@ def split_calls(kernels: list[tuple[int, int]], calls: int, names: Sequence[str]
     return out
 
 
+def named_kernel_us(by_kernel: dict[str, float] | None, name: str) -> float | None:
+    """The µs per call of the kernels called ``name`` in ``profile_kernel_us``: a Mosaic GPU kernel given
+    ``kernel_name=name`` appears on the timeline as ``<name>_mosaic_gpu_kernel`` (one without it under its body
+    function's name, e.g. ``kernel_mosaic_gpu_kernel``); None where the call ran none of them."""
+    hits = [v for k, v in (by_kernel or {}).items() if k == name or k.startswith(f"{name}_mosaic_gpu")]
+    return sum(hits) if hits else None
+
+
 def _union_ns(run: list[tuple[int, int]]) -> int:
     """Nanoseconds covered by at least one of the (start, duration) intervals (sorted by start)."""
     total, cur_s, cur_e = 0, None, None

@@ -24,14 +24,14 @@ import jax.numpy as jnp
 
 from jds.bench import kernels_fp8_gemm as b
 from jds.bench.results import error_text, write_json
-from jds.bench.timing import profiled_device_us
+from jds.bench.timing import named_kernel_us, profiled_device_us
 from pallas_kernels import fp8_gemm
 
 
 def _kernel_us(by_kernel: dict) -> float | None:
-    """The Mosaic GPU kernels' time per call (the GEMM; with act_quant="kernel" also quantize_rows)."""
-    t = [us for name, us in by_kernel.items() if "mosaic" in name]
-    return sum(t) if t else None
+    """The GEMM kernel's time per call (named apart from quantize_rows' since 2026-12-07; the runs before summed
+    every Mosaic kernel of the call, quantize_rows' with act_quant="kernel")."""
+    return named_kernel_us(by_kernel, fp8_gemm.GEMM_KERNEL)
 
 
 def main() -> None:

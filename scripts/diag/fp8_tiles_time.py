@@ -16,10 +16,8 @@ import numpy as np
 
 from jds.bench.kernels_fp8_gemm import SHAPES
 from jds.bench.results import tiles_sweep_main
-from jds.bench.timing import profiled_device_us
+from jds.bench.timing import named_kernel_us, profiled_device_us
 from pallas_kernels import fp8_gemm
-
-KERNEL = "kernel_mosaic_gpu_kernel"
 
 
 def _case(shape: str, m: int, rotations: int):
@@ -50,7 +48,7 @@ def _measure(shape: str, m: int, rotations: int, tiles: dict, calls: int) -> dic
     r = profiled_device_us(fn, x, ws_, calls=calls, by_kernel=True)
     per = lambda v: None if v is None else v / rotations  # noqa: E731
     return {"max_abs_diff_vs_xla": float(np.abs(got - want).max()), "max_abs_xla": float(np.abs(want).max()),
-            "kernel_us": per((r.get("profile_kernel_us") or {}).get(KERNEL)),
+            "kernel_us": per(named_kernel_us(r.get("profile_kernel_us"), fp8_gemm.GEMM_KERNEL)),
             "call_span_us": per(r.get("profile_span_us")), "bytes": _bytes(shape, m),
             "raw": r}
 
