@@ -69,8 +69,9 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, 3 warpgroups per CTA: 2 compu
   an SMEM tile and TMA stores y's rows (``swap_store="smem"``: no kernel after the call without split-K).
 - Padding: M is padded to block_m (zero xq rows and scales). With ``quantize_x`` x is not padded (no XLA kernel
   at all before the call): the x tile's TMA box runs past its M rows, which TMA fills with zeros, and rows past
-  M only feed output rows that are dropped (an MMA row depends on its own row of x alone). N and K must be multiples of 128
-  (``Unsupported`` otherwise: "auto" then runs XLA, which takes any N).
+  M only feed output rows that are dropped (an MMA row depends on its own row of x alone). K must be a multiple of 128
+  (``Unsupported`` otherwise); an N that is not is padded with zero weight rows to whole 128-row scale blocks
+  (``_pad_out``: one copy of the weight per call) and y's extra columns sliced off.
 
 Numerics. Interpret mode multiplies the e4m3 tiles exactly in fp32 (numpy), so the only difference to the
 XLA path (dequantise both operands to fp32, one HIGHEST matmul) is fp32 summation order and the rounding
@@ -160,8 +161,8 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     ceil(in/128)] per 128 x 128 block), x [..., in] re-quantised per 1 x 128 group (``scale_fmt``);
     [..., out] in ``out_dtype``.
 
-    ``implementation``: "xla" = ``jds.ops.quant.fp8_linear``; "pallas" = the kernel (in and out multiples
-    of 128, else ``Unsupported``); "auto" = the kernel where it applies, else XLA.
+    ``implementation``: "xla" = ``jds.ops.quant.fp8_linear``; "pallas" = the kernel (in a multiple of 128,
+    else ``Unsupported``; an out that is not runs on zero-padded weight rows); "auto" = the kernel where it applies, else XLA.
     Tiles (kernel only, see ``_pick_tiles`` for the defaults): ``block_m`` 64 or 128, ``block_n`` a multiple of 16
     up to 256 dividing out (192: one wave of 128-row tiles where 128-wide ones leave a tail, q_b's 24576 columns;
     a width that is no multiple of 64, e.g. 144 for mlp's 18432 columns in 128 tiles, scales each column: ``_ragged``),
@@ -286,8 +287,19 @@ def _pick_tiles(m: int, n: int, nk: int, block_m: int | None, block_n: int | Non
 
 
 def supports(n: int, k: int) -> bool:
-    """Whether the kernel takes a weight of [n, k] (out, in)."""
-    return n % BLOCK == 0 and k % BLOCK == 0 and n > 0 and k > 0
+    """Whether the kernel takes a weight of [n, k] (out, in): ``in`` whole 128-column quantisation groups; any
+    ``out`` (one that is no multiple of 128 is padded to whole 128-row scale blocks per call: ``_pad_out``)."""
+    return k % BLOCK == 0 and n > 0 and k > 0
+
+
+def _pad_out(wq: jax.Array) -> jax.Array:
+    """The weight with zero rows up to a multiple of 128 (its last scale block's rows past ``out``), so that the
+    tiles see whole scale blocks; the caller slices the zero columns off y.
+
+    Why: V3.2's wkv_a (576 out) otherwise left the kernel for XLA's path, which dequantises the weight to fp32
+    every call. The padding is one copy of the weight per call; its scales already have ceil(out / 128) rows."""
+    pad = -wq.shape[0] % BLOCK
+    return jnp.pad(wq, ((0, pad), (0, 0))) if pad else wq
 
 
 def _auto_large_m(m: int, nk: int, split_k: int | None, stage_scales: bool | None, quantize_x: bool,
@@ -572,12 +584,19 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
         raise ValueError(f"swap_store must be one of {SWAP_STORES} or None, got {swap_store!r}")
     n, k = wq.shape
     if not supports(n, k):
-        raise Unsupported(f"fp8_linear kernel: out = {n} and in = {k} (wq shape) must be multiples of {BLOCK}")
+        raise Unsupported(f"fp8_linear kernel: in = {k} (wq shape) must be a multiple of {BLOCK}")
     lead = x.shape[:-1]
     m = math.prod(lead)
     out_dtype = jnp.dtype(out_dtype)
     if m == 0:
         return jnp.zeros((*lead, n), out_dtype)
+    if n % BLOCK:  # whole scale blocks for the tiles: zero weight rows, their columns sliced off
+        return _pallas(x, _pad_out(wq), w_scale, out_dtype=out_dtype, scale_fmt=scale_fmt, interpret=interpret,
+                       block_m=block_m, block_n=block_n, split_k=split_k, stages=stages, group_m=group_m,
+                       stage_scales=stage_scales, quantize_x=quantize_x, stream_k=stream_k, act_quant=act_quant,
+                       swap_ab=swap_ab, swap_store=swap_store, persistent=persistent, ring_scales=ring_scales,
+                       k_pairs=k_pairs, store_overlap=store_overlap, column_scales=column_scales,
+                       profile_dir=profile_dir)[..., :n]
     nk = k // BLOCK
     act_quant = act_quant or _auto_act_quant(m)
     if interpret is None:

@@ -371,19 +371,21 @@ def _weights(n: int, k: int):
     return jnp.zeros((n, k), FP8), jnp.ones((-(-n // 128), -(-k // 128)), jnp.float32)
 
 
-def test_unsupported_out_falls_back() -> None:
-    """out = 200: explicit "pallas" raises Unsupported (a ValueError) naming out; "auto" runs XLA."""
-    x, wq, ws = make_case(4, 256, 200, seed=3)
-    with pytest.raises(Unsupported, match="out = 200"):
-        G.fp8_linear(x, wq, ws, implementation="pallas")
-    with pytest.raises(ValueError, match="out = 200"):
-        G.fp8_linear(x, wq, ws, implementation="pallas")
-    got = G.fp8_linear(x, wq, ws, out_dtype=jnp.float32, implementation="auto")
-    want = G.fp8_linear(x, wq, ws, out_dtype=jnp.float32, implementation="xla")
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    f = functools.partial(G.fp8_linear, out_dtype=jnp.float32, implementation="auto")
+@pytest.mark.parametrize("m,k,n,mode", [(4, 256, 200, "interpret"), (70, 256, 200, "interpret"),
+                                        pytest.param(8, 7168, 576, "native", marks=pytest.mark.gpu),
+                                        pytest.param(64, 7168, 576, "native", marks=pytest.mark.gpu),
+                                        pytest.param(128, 7168, 576, "native", marks=pytest.mark.gpu)])
+def test_out_not_a_multiple_of_128(m: int, k: int, n: int, mode: str) -> None:
+    """An out that is no multiple of 128 (V3.2's wkv_a: 576) runs the kernel on zero-padded weight rows, not XLA's
+    path: "auto" traces the kernel, and every element of y [m, out] is within the bound of the XLA reference
+    (the swapped decode form at 4 / 8 rows, the unswapped one above)."""
+    interpret = interpret_for(mode)
+    x, wq, ws = make_case(m, k, n, seed=3)
+    f = functools.partial(G.fp8_linear, out_dtype=jnp.float32, implementation="auto", interpret=interpret)
     text = str(jax.make_jaxpr(f)(x, wq, ws))
-    assert not any(p + "[" in text for p in KERNEL_PRIMITIVES)
+    assert any(p + "[" in text for p in KERNEL_PRIMITIVES)
+    ref, abssum = reference(x, wq, ws, "ue8m0")
+    check(jax.jit(f)(x, wq, ws), ref, abssum, _rtol(mode, k), jnp.float32)
 
 
 def test_unsupported_in() -> None:
@@ -905,7 +907,9 @@ def test_auto_stream_k_and_staged_scales() -> None:
                                          (64, 1536, 24576, dict(column_scales=True, ring_scales=True, k_pairs=True,
                                                                 out_dtype=jnp.float32)),
                                          (64, 16384, 7168, dict(ring_scales=True)),
-                                         (128, 1536, 24576, dict(block_n=256, out_dtype=jnp.float32))])
+                                         (128, 1536, 24576, dict(block_n=256, out_dtype=jnp.float32)),
+                                         # V3.2's wkv_a (576 out: padded to whole scale blocks), swapped and not
+                                         (8, 7168, 576, {}), (64, 7168, 576, {}), (128, 7168, 576, {})])
 def test_lowers_for_cuda(m: int, k: int, n: int, tiles: dict) -> None:
     """The compiled kernel passes Mosaic GPU's lowering (e4m3 wgmma with K-major operands, TMA, layouts) and its
     shared-memory limit (sm90's 227 KB, checked at lowering)."""
@@ -914,7 +918,7 @@ def test_lowers_for_cuda(m: int, k: int, n: int, tiles: dict) -> None:
     f = jax.jit(functools.partial(G.fp8_linear, implementation="pallas", interpret=False,
                                   **{"out_dtype": jnp.bfloat16, **tiles}))
     args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), FP8),
-            jax.ShapeDtypeStruct((n // 128, k // 128), jnp.float32))
+            jax.ShapeDtypeStruct((-(-n // 128), k // 128), jnp.float32))
     dev = AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
     with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=dev)):
         text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
