@@ -4,6 +4,7 @@
 #
 #   scripts/gpu_session.sh hostpath      # issue 16: graph updates per step (VLOG counts), TTFT variants
 #   scripts/gpu_session.sh ttft-fp8      # issue 19: 8-layer V3.2 TTFT, FP8 weights then bf16 weights (fused:device:8)
+#   scripts/gpu_session.sh ttft-fp8-pad  # issue 19: the same with wkv_a on the FP8 kernel (main) against XLA's path (vt/nopad)
 #   scripts/gpu_session.sh ttft-parts    # issue 16: TTFT's host time per dispatch, preparation in the loop vs alone, put / spin
 #   scripts/gpu_session.sh invariance    # issue 23: --batch-invariant under preemption (20 pages)
 #   scripts/gpu_session.sh deep          # issue 16: 61 layers, MoE (8 routed experts, top-8)
@@ -126,6 +127,19 @@ case "$stage" in
       timeout -k 10 ${TTFT8_TIMEOUT:-200} python3 -m jds.bench.ttft --arch v32 --layers 8 --intermediate 18432 \
         $([ $w = fp8 ] && echo --fp8-weights) --variants fused:device:8 --n 50 --out "$OUT/ttft_v32_${w}_h200.json" \
         > "$OUT/ttft_v32_$w.log" 2>&1; echo "ttft $w rc=$?"; grep '^{' "$OUT/ttft_v32_$w.log" | cut -c1-300
+    done
+    ;;
+  ttft-fp8-pad)
+    # issue 19: V3.2's wkv_a (576 out) on the FP8 kernel with zero-padded weight rows (sixty-second session) against
+    # XLA's path before it: the 8-layer TTFT with FP8 weights, the tree before (vt/nopad, made here with `git archive
+    # 554fc54 jds pallas_kernels | tar -x -C vt/nopad` and carried) then main. python -m puts the current directory
+    # first, so each run starts inside its tree
+    R=$(pwd)
+    for t in nopad main; do
+      D=$R; [ $t = nopad ] && D=$R/vt/nopad
+      (cd "$D" && PYTHONPATH=. timeout -k 10 ${TTFTP_TIMEOUT:-200} python3 -m jds.bench.ttft --arch v32 --layers 8 \
+        --intermediate 18432 --fp8-weights --variants fused:device:8 --n 50 --out "$OUT/ttft_v32_fp8_${t}_h200.json" \
+        > "$OUT/ttft_pad_$t.log" 2>&1); echo "ttft fp8 $t rc=$?"; grep '^{' "$OUT/ttft_pad_$t.log" | cut -c1-300
     done
     ;;
   ttft-parts)
@@ -252,15 +266,14 @@ case "$stage" in
     ;;
   fp8-decode)
     # issue 19 at 1-128 rows: the decode rows' device time as inside the model's captured step (one CUDA graph a call,
-    # the weights cycled through copies spanning twice the L2), q_b's 192-wide tiles in 96-column chunks with
-    # ring_scales + k_pairs (two K blocks a step, the first promoted while the second's MMA runs; column_scales
-    # alone was slower at 1 / 64 / 128 rows on the H200, fifty-ninth session, and this form did not compile then:
-    # its fp32-output call needed more SMEM than a CTA has, since fixed) beside the default; then their native tests. Rows are
-    # written after each one, so a call cut short keeps them
+    # the weights cycled through copies spanning twice the L2), q_b / wo / mlp at 1 / 64 / 128 rows beside torch: the
+    # call's and (the kernels named apart since the sixty-second session) the GEMM kernel's own share of the copy
+    # bandwidth; then the native tests of the decode forms. Forms beside the default: FD_ROWS='pallas
+    # pallas[column_scales=True] ...'. Rows are written after each one, so a call cut short keeps them
     set -f  # the row names' brackets are no glob
-    timeout -k 10 -s INT ${FD_TIMEOUT:-150} python3 -m jds.bench.kernels_fp8_gemm --shapes ${FD_SHAPES:-q_b} \
-      --ms ${FD_MS:-1 64} \
-      --rows ${FD_ROWS:-pallas pallas[column_scales=True,ring_scales=True,k_pairs=True] torch} \
+    timeout -k 10 -s INT ${FD_TIMEOUT:-240} python3 -m jds.bench.kernels_fp8_gemm --shapes ${FD_SHAPES:-q_b wo mlp} \
+      --ms ${FD_MS:-1 64 128} \
+      --rows ${FD_ROWS:-pallas torch} \
       --out "$OUT/kernels_fp8_gemm_decode_h200.json" > "$OUT/fp8_decode.log" 2>&1
     echo "fp8 decode rc=$?"; set +f; grep '^{' "$OUT/fp8_decode.log" | python3 -c 'import json, sys; [print(r["case"], r["impl"], r.get("profile_span_us"), r.get("hbm_frac_profile"), r.get("gemm_kernel_us"), r.get("hbm_frac_kernel"), r.get("quantize_kernel_us"), r.get("profile_weight_copies"), r.get("error", "")[:160]) for r in map(json.loads, sys.stdin)]'
     python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
@@ -701,9 +714,10 @@ PY
     ;;
   tests-all)
     # every gpu-marked test in one run: pytest-xdist workers share the GPU (the suite is compile-bound;
-    # no preallocation). The device image has no xdist: carry .whl/ (pip download pytest-xdist execnet).
+    # no preallocation). The device image has no xdist: carry .whl/ (pip download pytest-xdist execnet). 12 workers
+    # on the 16 cores: about 420-450 s (H100, sixty-second session; test_command_buffers_and_direct_launches 322 s)
     python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
-    JDS_GPU_OUT="$OUT" timeout -k 10 -s INT ${TESTS_TIMEOUT:-570} python3 -m pytest -m gpu -n ${GPU_WORKERS:-6} -v --tb=short -rfE \
+    JDS_GPU_OUT="$OUT" timeout -k 10 -s INT ${TESTS_TIMEOUT:-570} python3 -m pytest -m gpu -n ${GPU_WORKERS:-12} -v --tb=short -rfE \
       -p no:cacheprovider --durations=15 tests > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests rc=$?"; grep -E "FAILED|ERROR" "$OUT/gpu_tests.log" | head -20; tail -20 "$OUT/gpu_tests.log"
     ;;
