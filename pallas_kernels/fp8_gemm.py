@@ -591,6 +591,9 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     if m == 0:
         return jnp.zeros((*lead, n), out_dtype)
     if n % BLOCK:  # whole scale blocks for the tiles: zero weight rows, their columns sliced off
+        if block_n is not None and (n + -n % BLOCK) % block_n:
+            raise ValueError(f"block_n {block_n} must divide out = {n} padded to whole 128-row scale blocks "
+                             f"({n + -n % BLOCK})")
         return _pallas(x, _pad_out(wq), w_scale, out_dtype=out_dtype, scale_fmt=scale_fmt, interpret=interpret,
                        block_m=block_m, block_n=block_n, split_k=split_k, stages=stages, group_m=group_m,
                        stage_scales=stage_scales, quantize_x=quantize_x, stream_k=stream_k, act_quant=act_quant,
