@@ -162,9 +162,10 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     [..., out] in ``out_dtype``.
 
     ``implementation``: "xla" = ``jds.ops.quant.fp8_linear``; "pallas" = the kernel (in a multiple of 128,
-    else ``Unsupported``; an out that is not runs on zero-padded weight rows); "auto" = the kernel where it applies, else XLA.
+    else ``Unsupported``; an out that is not runs on zero-padded weight rows); "auto" = the kernel where it
+    applies, else XLA.
     Tiles (kernel only, see ``_pick_tiles`` for the defaults): ``block_m`` 64 or 128, ``block_n`` a multiple of 16
-    up to 256 dividing out (192: one wave of 128-row tiles where 128-wide ones leave a tail, q_b's 24576 columns;
+    up to 256 dividing out, padded to whole 128-row blocks (192: one wave of 128-row tiles where 128-wide ones leave a tail, q_b's 24576 columns;
     a width that is no multiple of 64, e.g. 144 for mlp's 18432 columns in 128 tiles, scales each column: ``_ragged``),
     ``split_k`` K splits (a divisor of in/128), ``stages`` TMA ring depth (None: ``STAGES``, or with ``swap_ab``
     about ``SWAP_RING_BYTES`` of ring, ``_swapped_stages``), ``group_m`` M tiles per rasterisation

@@ -28,10 +28,10 @@ Fields: median_us (jds.bench.timing.time_fn; torch: CUDA events over back-to-bac
 under 200 us, jds.bench.timing.device_row), profile_span_us / profile_busy_us / profile_kernels and hbm_frac_profile
 (kernel rows at M <= 128: the call's device time from the GPU's timeline, jds.bench.timing.profiled_device_us, the
 call compiled as one CUDA graph: ``profile_captured``, the calls taking ``profile_weight_copies`` copies of the
-weights in turn, together twice the L2; where the profile names the kernels, ``gemm_kernel_us`` / ``hbm_frac_kernel``: the
-GEMM kernel alone, as torch's row is timed, its bytes ``gemm_kernel_bytes`` with x in e4m3, and ``quantize_kernel_us``:
-x's quantisation kernel), tflops (2 M in out / time), fp8_peak_frac (of the FP8 peak measured in this
-run: torch._scaled_mm per-tensor at 8192^3, bf16 out), bytes (weights + scales + x + y in their stored dtypes: the
+weights in turn, together twice the L2; where the profile names the kernels, ``gemm_kernel_us`` /
+``hbm_frac_kernel``: the GEMM kernel alone, as torch's row is timed, its bytes ``gemm_kernel_bytes`` with x in
+e4m3, and ``quantize_kernel_us``: x's quantisation kernel), tflops (2 M in out / time), fp8_peak_frac (of the FP8
+peak measured in this run: torch._scaled_mm per-tensor at 8192^3, bf16 out), bytes (weights + scales + x + y in their stored dtypes: the
 unavoidable traffic), hbm_frac (of the copy bandwidth measured in this run: a 1 GiB jnp add), and, vs the XLA output
 of the same inputs: max_abs_err, ref_max_abs and err_abssum_max (max |y - ref| / sum_k |x_k W_k|: the tests' metric;
 the native test bound is 2^-9). The kernel's accuracy is measured on an extra fp32-output call with the same tiles
