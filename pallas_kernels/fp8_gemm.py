@@ -559,10 +559,22 @@ def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
     return jnp.minimum(first_row, rows - SW_ROWS)
 
 
-def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages, group_m,
-            stage_scales, quantize_x=False, stream_k=None, act_quant=None, swap_ab=None, swap_store=None,
-            persistent=None, ring_scales=None, k_pairs=None, store_overlap=None, column_scales=False,
-            profile_dir=None):
+def _pallas(x, wq, w_scale, *, block_n, **kw):
+    """The kernel on any out: one that is no multiple of 128 runs on zero-padded weight rows (``_pad_out``), y's
+    extra columns sliced off; a ``block_n`` must divide the padded out."""
+    n = wq.shape[0]
+    if n % BLOCK == 0:
+        return _pallas_blocks(x, wq, w_scale, block_n=block_n, **kw)
+    if isinstance(block_n, int) and block_n > 0 and (n + -n % BLOCK) % block_n:  # (other values: _check_tiles)
+        raise ValueError(f"block_n {block_n} must divide out = {n} padded to whole 128-row scale blocks "
+                         f"({n + -n % BLOCK})")
+    return _pallas_blocks(x, _pad_out(wq), w_scale, block_n=block_n, **kw)[..., :n]
+
+
+def _pallas_blocks(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages, group_m,
+                   stage_scales, quantize_x=False, stream_k=None, act_quant=None, swap_ab=None, swap_store=None,
+                   persistent=None, ring_scales=None, k_pairs=None, store_overlap=None, column_scales=False,
+                   profile_dir=None):
     _check_tiles(block_m, block_n, split_k, STAGES if stages is None else stages, group_m)
     if swap_ab is not None and not isinstance(swap_ab, bool):
         raise ValueError(f"swap_ab must be a bool or None, got {swap_ab!r}")
@@ -591,16 +603,6 @@ def _pallas(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n
     out_dtype = jnp.dtype(out_dtype)
     if m == 0:
         return jnp.zeros((*lead, n), out_dtype)
-    if n % BLOCK:  # whole scale blocks for the tiles: zero weight rows, their columns sliced off
-        if block_n is not None and (n + -n % BLOCK) % block_n:
-            raise ValueError(f"block_n {block_n} must divide out = {n} padded to whole 128-row scale blocks "
-                             f"({n + -n % BLOCK})")
-        return _pallas(x, _pad_out(wq), w_scale, out_dtype=out_dtype, scale_fmt=scale_fmt, interpret=interpret,
-                       block_m=block_m, block_n=block_n, split_k=split_k, stages=stages, group_m=group_m,
-                       stage_scales=stage_scales, quantize_x=quantize_x, stream_k=stream_k, act_quant=act_quant,
-                       swap_ab=swap_ab, swap_store=swap_store, persistent=persistent, ring_scales=ring_scales,
-                       k_pairs=k_pairs, store_overlap=store_overlap, column_scales=column_scales,
-                       profile_dir=profile_dir)[..., :n]
     nk = k // BLOCK
     act_quant = act_quant or _auto_act_quant(m)
     if interpret is None:
