@@ -37,7 +37,11 @@ class Linear(nnx.Module):
     ``scale_fmt`` scales (``Numerics.act_scale_fmt``: the checkpoint's ``quantization_config.scale_fmt``).
 
     ``implementation`` picks the FP8 GEMM (``pallas_kernels.fp8_gemm.fp8_linear``: "xla", "pallas" or
-    "auto"); a ``Decoder`` sets it on every linear from its own ``implementation``."""
+    "auto"); a ``Decoder`` sets it on every linear from its own ``implementation``.
+
+    An FP8 weight whose out is no multiple of 128 (V3.2's ``wkv_a``, 576) is stored with zero rows up to whole
+    128-row scale blocks, as its scale grid already is, so that the kernel reads it as it is instead of padding a
+    copy on every call; y is cut to ``out_features``. Export and load see the ``out_features`` rows only."""
 
     _flat_export = True
 
@@ -51,18 +55,27 @@ class Linear(nnx.Module):
         w = jax.random.normal(rngs.params(), (out_features, in_features), jnp.float32) * std
         self.fp8 = fp8
         self.dtype = dtype
+        self.out_features = out_features
         if fp8:
             wq, s = quantize_weight_blocks_jax(w)  # traceable: an FP8 model builds under nnx.eval_shape
-            self.weight = nnx.Param(jnp.asarray(wq))
+            self.weight = nnx.Param(jnp.pad(wq, ((0, -out_features % 128), (0, 0))))
             self.scale = nnx.Param(jnp.asarray(s))
         else:
             self.weight = nnx.Param(jnp.asarray(w, dtype))
 
+    def stored_rows(self, attr: str) -> tuple[int, int] | None:
+        """The rows of parameter ``attr`` that export / load exchange, where the stored one has more (an FP8
+        weight's zero rows past ``out_features``); None: all of it."""
+        if attr == "weight" and self.fp8 and self.out_features % 128:
+            return 0, self.out_features
+        return None
+
     def __call__(self, x: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
         out_dtype = out_dtype or self.dtype
         if self.fp8:
-            return fp8_linear(x, self.weight[...], self.scale[...], out_dtype=out_dtype, scale_fmt=self.scale_fmt,
-                              implementation=self.implementation)
+            y = fp8_linear(x, self.weight[...], self.scale[...], out_dtype=out_dtype, scale_fmt=self.scale_fmt,
+                           implementation=self.implementation)
+            return y if self.out_features % 128 == 0 else y[..., :self.out_features]
         return matmul(x.astype(self.dtype), self.weight[...], out_dtype)
 
     def grouped(self, x: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
@@ -87,7 +100,7 @@ class Linear(nnx.Module):
         """The weight as float32 [out, in] (dequantised if fp8), e.g. for MLA absorption."""
         if self.fp8:
             from jds.ops.quant import dequant_weight_blocks
-            return dequant_weight_blocks(self.weight[...], self.scale[...])
+            return dequant_weight_blocks(self.weight[...], self.scale[...])[:self.out_features]
         return self.weight[...].astype(jnp.float32)
 
 
@@ -163,7 +176,8 @@ def _param_paths(module: nnx.Module) -> dict[str, tuple[Any, str, tuple[int, int
                 continue
             if getattr(owner, "_flat_export", False) and names[-1] == "weight":
                 names = names[:-1]
-            out[".".join(names)] = (owner, str(path[-1]), None)
+            rows = owner.stored_rows(str(path[-1])) if isinstance(owner, Linear) else None
+            out[".".join(names)] = (owner, str(path[-1]), rows)
     return out
 
 

@@ -391,6 +391,41 @@ def test_out_not_a_multiple_of_128(m: int, k: int, n: int, mode: str) -> None:
             G.fp8_linear(x, wq, ws, implementation="pallas", block_n=48, interpret=True)
 
 
+@pytest.mark.parametrize("implementation,m", [("xla", 3), ("pallas", 4)])
+def test_linear_stores_padded_fp8_rows(implementation: str, m: int) -> None:
+    """``jds.nn.Linear`` keeps an FP8 weight whose out is no multiple of 128 (200 here; V3.2's wkv_a 576) with
+    zero rows up to whole scale blocks, so the kernel takes it without a padded copy per call (its jaxpr has no
+    pad): export shows the 200 rows only, a load keeps the zero rows, and y [m, 200] is within the bound of the
+    XLA reference on the unpadded weight."""
+    from flax import nnx
+
+    from jds.nn import Linear, export_weights, load_weights
+
+    class Holder(nnx.Module):  # export names a linear by its attribute: "lin", "lin.scale"
+        def __init__(self):
+            self.lin = Linear(256, 200, dtype=jnp.float32, fp8=True, rngs=nnx.Rngs(0), implementation=implementation)
+
+    holder = Holder()
+    lin = holder.lin
+    assert lin.weight[...].shape == (256, 256) and lin.scale[...].shape == (2, 2)
+    assert not np.asarray(lin.weight[...][200:].astype(jnp.float32)).any()
+    x, wq, ws = make_case(m, 256, 200, seed=5)
+    load_weights(holder, {"lin": wq, "lin.scale": ws})
+    out = export_weights(holder)
+    assert out["lin"].shape == (200, 256) and out["lin"].dtype == wq.dtype
+    np.testing.assert_array_equal(out["lin"].view(np.uint8), np.asarray(wq).view(np.uint8))
+    assert not np.asarray(lin.weight[...][200:].astype(jnp.float32)).any()
+    if implementation == "pallas":
+        lin.implementation = "auto"
+        text = str(jax.make_jaxpr(lambda v: lin(v))(x))
+        assert any(p + "[" in text for p in KERNEL_PRIMITIVES) and "f8_e4m3fn[256,256] = pad[" not in text
+        direct = str(jax.make_jaxpr(lambda v: G.fp8_linear(v, wq, ws, implementation="auto", interpret=True))(x))
+        assert "f8_e4m3fn[256,256] = pad[" in direct  # (what the stored padding saves)
+    ref, abssum = reference(x, wq, ws, "ue8m0")
+    check(jax.jit(lambda v: lin(v))(x), ref, abssum, _rtol("interpret", 256), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(lin.dense_weight()), np.asarray(quant.dequant_weight_blocks(wq, ws)))
+
+
 def test_unsupported_in() -> None:
     """in = 200 (not a multiple of the 128 quantisation group): the kernel names it; XLA's act_quant rejects it too."""
     wq, ws = _weights(128, 200)
