@@ -20,7 +20,7 @@ from flax import nnx
 from jds.attention import Implementation, Indexer, Query, StagedAttention, resolve_implementation
 from jds.batch import PagedBatch
 from jds.config import Numerics, V32Config
-from jds.nn import Linear, LayerNorm, RMSNorm, jdtype
+from jds.nn import FusedLinear, Linear, LayerNorm, RMSNorm, jdtype
 from jds.ops.paging import RecordFormat, global_slots, read_records
 from jds.ops.records import FloatRows, MlaRecord656
 from jds.ops.rope import cached_inv_freqs as _inv_freqs
@@ -80,10 +80,12 @@ class V32Attention(StagedAttention):
         self.indexer_config = indexer_config  # pallas_kernels.sparse_indexer.IndexerKernelConfig; None: default
         dt, fp8, sf = jdtype(numerics.dtype), numerics.fp8_linear, numerics.act_scale_fmt
         self.dtype = dt
-        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype=dt, fp8=fp8, rngs=rngs, scale_fmt=sf)
+        # wq_a and wkv_a share x: stored fused (one GEMM, x quantised once), exported / loaded as the checkpoint's
+        # wq_a and wkv_a (wkv_a's 576 rows last: with FP8 weights only the last part may end inside a scale block)
+        self.wq_a_wkv_a = FusedLinear(cfg.hidden_size, (("wq_a", cfg.q_lora_rank), ("wkv_a", cfg.kv_record_dim)),
+                                      dtype=dt, fp8=fp8, rngs=rngs, scale_fmt=sf)
         self.q_norm = RMSNorm(cfg.q_lora_rank, eps=cfg.rms_norm_eps, rngs=rngs)
         self.wq_b = Linear(cfg.q_lora_rank, cfg.n_heads * cfg.qk_head_dim, dtype=dt, fp8=fp8, rngs=rngs, scale_fmt=sf)
-        self.wkv_a = Linear(cfg.hidden_size, cfg.kv_record_dim, dtype=dt, fp8=fp8, rngs=rngs, scale_fmt=sf)
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, eps=cfg.rms_norm_eps, rngs=rngs)
         self.wkv_b = Linear(cfg.kv_lora_rank, cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype=dt,
                             fp8=fp8, rngs=rngs, scale_fmt=sf)
@@ -104,8 +106,8 @@ class V32Attention(StagedAttention):
     # ----- forward ----------------------------------------------------------------------------------
     def project_in(self, x: jax.Array) -> V32Inputs:
         x = x.astype(self.dtype)
-        return V32Inputs(q_lat=self.wq_a(x), kv=self.wkv_a(x), index_k=self.indexer.wk(x),
-                         index_w=self.indexer.head_weights(x))
+        q_lat, kv = self.wq_a_wkv_a.split(self.wq_a_wkv_a(x))
+        return V32Inputs(q_lat=q_lat, kv=kv, index_k=self.indexer.wk(x), index_w=self.indexer.head_weights(x))
 
     def prepare(self, inp: V32Inputs, batch: PagedBatch, cache: V32Cache) -> tuple[V32Query, V32Cache]:
         """Norms, RoPE, W_UK absorption and the indexer q prep; the MLA and indexer keys are inserted before

@@ -152,24 +152,47 @@ def test_exact_numerics_match_jds(arch: str, moe: bool) -> None:
                                        rtol=0, atol=1e-4, err_msg=f"layer {i} cache {name}")
 
 
-@pytest.mark.parametrize("arch,moe", [("v32", False), pytest.param("v4", False, marks=pytest.mark.slow)])
-def test_serving_numerics_every_mode(arch: str, moe: bool) -> None:
-    """bf16 + FP8 caches and indexer (656/584/132-byte records): logits within bf16/FP8 tolerance, top-k
-    sets equal but for rare near-ties, every mode bit-identical on the CPU, out-of-graph launches
-    eager > wide > narrow > full = 0.
+def _check_within_rounding_sensitivity(res: dict, arch: str) -> None:
+    """Every torch mode equals torch eager, and jds and torch differ by no more than jds differs from itself under
+    a one-ulp change of its input; out-of-graph launches eager > wide > narrow > full = 0.
+
+    A fixed tolerance does not fit here: with FP8 caches and a top-k indexer, one rounding difference (another
+    summation order) flips a quantised value or a near-tie pick, and the random tiny model amplifies that through
+    the layers by an amount that depends on its weights and the device's arithmetic (the same comparison differs
+    by 1% on the CPU and 4-7% on the H200; an ulp nudge of the embeddings moves jds's own logits by 3-37%; on the
+    CPU a decode step's two tokens both picked a different key in layer 1 at scores 0.355 against 0.358). So the
+    bound is measured: twice the largest distance between jds and three ulp-nudged copies of itself, for the
+    logits and for the number of tokens whose top-k sets differ (at least a tenth of the tokens); the greedy
+    tokens must match wherever no nudge moved jds's own. That the two sides compute the same function is the exact-numerics comparison."""
+    base_l = [lj for lj, _ in res["logits"]]
+    base_t = [tj for tj, _ in res["topk"]]
+    noise_l, noise_t = [0.0] * len(base_l), [[0] * len(t) for t in base_t]
+    noise_g = [np.zeros(lj.shape[0], bool) for lj in base_l]  # tokens whose greedy pick a nudge moved
+    for seed in range(3):
+        ln, tn, _ = _jds_run(_ulp_nudged(_model(arch, Numerics.serving(), False), seed), arch)
+        for s in range(len(base_l)):
+            noise_l[s] = max(noise_l[s], _rel(ln[s], base_l[s]))
+            noise_t[s] = [max(a, b) for a, b in zip(noise_t[s], _differ(tn[s], base_t[s]))]
+            noise_g[s] |= ln[s].argmax(-1) != base_l[s].argmax(-1)
+    for s, ((lj, lt), (tj, tt)) in enumerate(zip(res["logits"], res["topk"])):
+        for m in TORCH_MODES:
+            np.testing.assert_array_equal(lt[m], lt["eager"], err_msg=m)
+        assert _rel(lt["eager"], lj) <= 2 * noise_l[s], (s, _rel(lt["eager"], lj), noise_l[s])
+        assert ((lt["eager"].argmax(-1) == lj.argmax(-1)) | noise_g[s]).all(), (s, noise_g[s])
+        for i, (d, n) in enumerate(zip(_differ(tj, tt["eager"]), noise_t[s])):
+            assert d <= max(2 * n, 0.1 * tj[i].shape[0]), (s, i, d, n)
+    for c in res["counts"]:
+        assert c["eager"] > c["wide"] > c["narrow"] > c["full"] == 0, c
+
+
+@pytest.mark.parametrize("arch", ["v32", pytest.param("v4", marks=pytest.mark.slow)])
+def test_serving_numerics_every_mode(arch: str) -> None:
+    """bf16 + FP8 caches and indexer (656/584/132-byte records) on the CPU: every mode bit-identical, jds within
+    its own rounding sensitivity (``_check_within_rounding_sensitivity``).
 
     The MoE FFN is checked in fp32 only (test_exact_numerics_match_jds): with bf16 + FP8, one rounding flip
     changes an expert choice, and the layers after it amplify that past any tolerance meaningful here."""
-    res = _compare(arch, Numerics.serving(), TORCH_MODES, moe=moe)
-    for lj, lt in res["logits"]:
-        for m in TORCH_MODES:
-            np.testing.assert_array_equal(lt[m], lt["eager"], err_msg=m)
-        np.testing.assert_allclose(lt["eager"], lj, rtol=0, atol=3e-2 * np.abs(lj).max())
-        assert (lt["eager"].argmax(-1) == lj.argmax(-1)).all()
-    for tj, tt in res["topk"]:
-        _check_topk(tj, tt["eager"], 0.1)
-    for c in res["counts"]:
-        assert c["eager"] > c["wide"] > c["narrow"] > c["full"] == 0, c
+    _check_within_rounding_sensitivity(_compare(arch, Numerics.serving(), TORCH_MODES), arch)
 
 
 @pytest.mark.gpu
@@ -193,34 +216,10 @@ def test_gpu_exact_every_mode_matches_jds(arch: str) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("arch", ["v32", "v4"])
 def test_gpu_serving_every_mode_within_rounding_sensitivity(arch: str) -> None:
-    """On the GPU, bf16 + FP8 (656/584/132-byte caches): every torch mode equals torch eager, and jds and torch
-    differ by no more than jds differs from itself under a one-ulp change of its input.
-
-    A fixed tolerance does not fit here: with FP8 caches and a top-k indexer, one rounding difference (XLA's and
-    cuBLAS's GEMMs sum in different orders) flips a quantised value or a near-tie pick, and the random tiny
-    model amplifies that through the layers by an amount that depends on the device's arithmetic (the same
-    comparison differs by 1% on the CPU and 4-7% on the H200; an ulp nudge of the embeddings moves jds's own
-    logits by 3-37%). So the bound is measured: twice the largest distance between jds and three ulp-nudged
-    copies of itself, for the logits and for the number of tokens whose top-k sets differ; the greedy tokens
-    must match. That the two sides compute the same function is test_gpu_exact_every_mode_matches_jds."""
-    res = _compare(arch, Numerics.serving(), TORCH_MODES, device="cuda")
-    base_l = [lj for lj, _ in res["logits"]]
-    base_t = [tj for tj, _ in res["topk"]]
-    noise_l, noise_t = [0.0] * len(base_l), [[0] * len(t) for t in base_t]
-    for seed in range(3):
-        ln, tn, _ = _jds_run(_ulp_nudged(_model(arch, Numerics.serving(), False), seed), arch)
-        for s in range(len(base_l)):
-            noise_l[s] = max(noise_l[s], _rel(ln[s], base_l[s]))
-            noise_t[s] = [max(a, b) for a, b in zip(noise_t[s], _differ(tn[s], base_t[s]))]
-    for s, ((lj, lt), (tj, tt)) in enumerate(zip(res["logits"], res["topk"])):
-        for m in TORCH_MODES:
-            np.testing.assert_array_equal(lt[m], lt["eager"], err_msg=m)
-        assert _rel(lt["eager"], lj) <= 2 * noise_l[s], (s, _rel(lt["eager"], lj), noise_l[s])
-        assert (lt["eager"].argmax(-1) == lj.argmax(-1)).all(), s
-        for i, (d, n) in enumerate(zip(_differ(tj, tt["eager"]), noise_t[s])):
-            assert d <= max(2 * n, 0.1 * tj[i].shape[0]), (s, i, d, n)
-    for c in res["counts"]:
-        assert c["eager"] > c["wide"] > c["narrow"] > c["full"] == 0, c
+    """On the GPU, bf16 + FP8 (656/584/132-byte caches): as ``test_serving_numerics_every_mode``, with the graphs
+    captured and replayed (``_check_within_rounding_sensitivity``; that the two sides compute the same function is
+    test_gpu_exact_every_mode_matches_jds)."""
+    _check_within_rounding_sensitivity(_compare(arch, Numerics.serving(), TORCH_MODES, device="cuda"), arch)
 
 
 def _rows(fmt, n: int, rng) -> np.ndarray:

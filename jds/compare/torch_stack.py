@@ -213,8 +213,9 @@ class V32Layer(_Layer):
 
     def project_in(self, x: torch.Tensor) -> Env:
         w, x = self.w, x.to(self.dt)
-        return {"q_lat": K.linear(x, w["attn.wq_a.weight"], self.dt),
-                "kv": K.linear(x, w["attn.wkv_a.weight"], self.dt),
+        y = K.linear(x, w["attn.wq_a_wkv_a.weight"], self.dt)  # stored fused, as jds and vLLM run them
+        q = self.cfg.attn.q_lora_rank
+        return {"q_lat": y[:, :q], "kv": y[:, q:q + self.cfg.attn.kv_record_dim],
                 "index_k": K.linear(x, w["attn.indexer.wk.weight"], self.dt),
                 "index_w": K.linear(x.to(K.F32), w["attn.indexer.weights_proj.weight"], K.F32)}
 
