@@ -4,7 +4,7 @@
 #
 #   scripts/gpu_session.sh hostpath      # issue 16: graph updates per step (VLOG counts), TTFT variants
 #   scripts/gpu_session.sh ttft-fp8      # issue 19: 8-layer V3.2 TTFT, FP8 weights then bf16 weights (fused:device:8)
-#   scripts/gpu_session.sh ttft-fp8-pad  # issue 19: the same with wkv_a on the FP8 kernel (main) against XLA's path (vt/nopad)
+#   scripts/gpu_session.sh ttft-fp8-pad  # issue 19: the same with wkv_a on XLA's path (vt/nopad), padded per call (vt/percall), fused (main)
 #   scripts/gpu_session.sh ttft-parts    # issue 16: TTFT's host time per dispatch, preparation in the loop vs alone, put / spin
 #   scripts/gpu_session.sh invariance    # issue 23: --batch-invariant under preemption (20 pages)
 #   scripts/gpu_session.sh deep          # issue 16: 61 layers, MoE (8 routed experts, top-8)
@@ -130,14 +130,16 @@ case "$stage" in
     done
     ;;
   ttft-fp8-pad)
-    # issue 19: V3.2's wkv_a (576 out) on the FP8 kernel with zero-padded weight rows (sixty-second session) against
-    # XLA's path before it: the 8-layer TTFT with FP8 weights, the tree before (vt/nopad, made here with `git archive
-    # 554fc54 jds pallas_kernels | tar -x -C vt/nopad` and carried) then main. python -m puts the current directory
-    # first, so each run starts inside its tree
+    # issue 19: V3.2's wkv_a (576 out) with FP8 weights, the 8-layer TTFT in three trees: vt/nopad (554fc54: wkv_a
+    # on XLA's path, the kernel refused its out), vt/percall (b362dea: the kernel on weight rows padded per call)
+    # and main (wq_a + wkv_a stored fused, zero rows stored: one GEMM). Make each tree with `git archive REV jds
+    # pallas_kernels | tar -x -C vt/NAME` (untracked, it travels with the tree); a missing one is skipped. python -m
+    # puts the current directory first, so each run starts inside its tree
     R=$(pwd)
-    for t in nopad main; do
-      D=$R; [ $t = nopad ] && D=$R/vt/nopad
-      (cd "$D" && PYTHONPATH=. timeout -k 10 ${TTFTP_TIMEOUT:-200} python3 -m jds.bench.ttft --arch v32 --layers 8 \
+    for t in ${TTFTP_TREES:-nopad percall main}; do
+      D=$R; [ $t != main ] && D=$R/vt/$t
+      [ -d "$D/jds" ] || { echo "ttft fp8 $t: no tree at $D"; continue; }
+      (cd "$D" && PYTHONPATH=. timeout -k 10 ${TTFTP_TIMEOUT:-170} python3 -m jds.bench.ttft --arch v32 --layers 8 \
         --intermediate 18432 --fp8-weights --variants fused:device:8 --n 50 --out "$OUT/ttft_v32_fp8_${t}_h200.json" \
         > "$OUT/ttft_pad_$t.log" 2>&1); echo "ttft fp8 $t rc=$?"; grep '^{' "$OUT/ttft_pad_$t.log" | cut -c1-300
     done
@@ -271,7 +273,7 @@ case "$stage" in
     # bandwidth; then the native tests of the decode forms. Forms beside the default: FD_ROWS='pallas
     # pallas[column_scales=True] ...'. Rows are written after each one, so a call cut short keeps them
     set -f  # the row names' brackets are no glob
-    timeout -k 10 -s INT ${FD_TIMEOUT:-240} python3 -m jds.bench.kernels_fp8_gemm --shapes ${FD_SHAPES:-q_b wo mlp} \
+    timeout -k 10 -s INT ${FD_TIMEOUT:-240} python3 -m jds.bench.kernels_fp8_gemm --shapes ${FD_SHAPES:-q_b wo mlp q_kv_a} \
       --ms ${FD_MS:-1 64 128} \
       --rows ${FD_ROWS:-pallas torch} \
       --out "$OUT/kernels_fp8_gemm_decode_h200.json" > "$OUT/fp8_decode.log" 2>&1
