@@ -80,7 +80,7 @@ class V32Attention(StagedAttention):
         self.indexer_config = indexer_config  # pallas_kernels.sparse_indexer.IndexerKernelConfig; None: default
         dt, fp8, sf = jdtype(numerics.dtype), numerics.fp8_linear, numerics.act_scale_fmt
         self.dtype = dt
-        # wq_a and wkv_a share x: stored fused (one GEMM, x quantised once), exported / loaded as the checkpoint's
+        # wq_a and wkv_a share x: stored fused (one GEMM instead of two), exported / loaded as the checkpoint's
         # wq_a and wkv_a (wkv_a's 576 rows last: with FP8 weights only the last part may end inside a scale block)
         self.wq_a_wkv_a = FusedLinear(cfg.hidden_size, (("wq_a", cfg.q_lora_rank), ("wkv_a", cfg.kv_record_dim)),
                                       dtype=dt, fp8=fp8, rngs=rngs, scale_fmt=sf)
