@@ -268,8 +268,8 @@ case "$stage" in
     ;;
   fp8-decode)
     # issue 19 at 1-128 rows: the decode rows' device time as inside the model's captured step (one CUDA graph a call,
-    # the weights cycled through copies spanning twice the L2), q_b / wo / mlp at 1 / 64 / 128 rows beside torch: the
-    # call's and (the kernels named apart since the sixty-second session) the GEMM kernel's own share of the copy
+    # the weights cycled through copies spanning twice the L2), q_b / wo / mlp / q_kv_a at 1 / 64 / 128 rows beside
+    # torch: the call's and (the kernels named apart since the sixty-second session) the GEMM kernel's own share of the copy
     # bandwidth; then the native tests of the decode forms. Forms beside the default: FD_ROWS='pallas
     # pallas[column_scales=True] ...'. Rows are written after each one, so a call cut short keeps them
     set -f  # the row names' brackets are no glob
