@@ -16,7 +16,7 @@ from flax import nnx
 
 from jds.ops.norms import layer_norm, rms_norm
 from jds.ops.quant import act_quant, dequant, quantize_weight_blocks_jax
-from pallas_kernels.fp8_gemm import fp8_linear
+from pallas_kernels.fp8_gemm import fp8_linear, pad_out_rows
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -58,7 +58,7 @@ class Linear(nnx.Module):
         self.out_features = out_features
         if fp8:
             wq, s = quantize_weight_blocks_jax(w)  # traceable: an FP8 model builds under nnx.eval_shape
-            self.weight = nnx.Param(jnp.pad(wq, ((0, -out_features % 128), (0, 0))))
+            self.weight = nnx.Param(pad_out_rows(wq))
             self.scale = nnx.Param(jnp.asarray(s))
         else:
             self.weight = nnx.Param(jnp.asarray(w, dtype))

@@ -71,7 +71,7 @@ Kernel (``plgpu.kernel``, Lane lowering semantics, 3 warpgroups per CTA: 2 compu
   at all before the call): the x tile's TMA box runs past its M rows, which TMA fills with zeros, and rows past
   M only feed output rows that are dropped (an MMA row depends on its own row of x alone). K must be a multiple of 128
   (``Unsupported`` otherwise); an N that is not is padded with zero weight rows to whole 128-row scale blocks
-  (``_pad_out``: one copy of the weight per call) and y's extra columns sliced off.
+  (``pad_out_rows``: one copy of the weight per call) and y's extra columns sliced off.
 
 Numerics. Interpret mode multiplies the e4m3 tiles exactly in fp32 (numpy), so the only difference to the
 XLA path (dequantise both operands to fp32, one HIGHEST matmul) is fp32 summation order and the rounding
@@ -165,7 +165,8 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
     else ``Unsupported``; an out that is not runs on zero-padded weight rows); "auto" = the kernel where it
     applies, else XLA.
     Tiles (kernel only, see ``_pick_tiles`` for the defaults): ``block_m`` 64 or 128, ``block_n`` a multiple of 16
-    up to 256 dividing out, padded to whole 128-row blocks (192: one wave of 128-row tiles where 128-wide ones leave a tail, q_b's 24576 columns;
+    up to 256 dividing out, padded to whole 128-row blocks (192: one wave of 128-row tiles where 128-wide ones
+    leave a tail, q_b's 24576 columns;
     a width that is no multiple of 64, e.g. 144 for mlp's 18432 columns in 128 tiles, scales each column: ``_ragged``),
     ``split_k`` K splits (a divisor of in/128), ``stages`` TMA ring depth (None: ``STAGES``, or with ``swap_ab``
     about ``SWAP_RING_BYTES`` of ring, ``_swapped_stages``), ``group_m`` M tiles per rasterisation
@@ -289,16 +290,18 @@ def _pick_tiles(m: int, n: int, nk: int, block_m: int | None, block_n: int | Non
 
 def supports(n: int, k: int) -> bool:
     """Whether the kernel takes a weight of [n, k] (out, in): ``in`` whole 128-column quantisation groups; any
-    ``out`` (one that is no multiple of 128 is padded to whole 128-row scale blocks per call: ``_pad_out``)."""
+    ``out`` (one that is no multiple of 128 is padded to whole 128-row scale blocks per call: ``pad_out_rows``)."""
     return k % BLOCK == 0 and n > 0 and k > 0
 
 
-def _pad_out(wq: jax.Array) -> jax.Array:
+def pad_out_rows(wq: jax.Array) -> jax.Array:
     """The weight with zero rows up to a multiple of 128 (its last scale block's rows past ``out``), so that the
-    tiles see whole scale blocks; the caller slices the zero columns off y.
+    tiles see whole scale blocks; the caller slices the zero columns off y. Its scales already have ceil(out / 128)
+    rows.
 
     Why: V3.2's wkv_a (576 out) otherwise left the kernel for XLA's path, which dequantises the weight to fp32
-    every call. The padding is one copy of the weight per call; its scales already have ceil(out / 128) rows."""
+    every call. ``jds.nn.Linear`` stores such a weight padded by this once; ``fp8_linear`` pads an unpadded one per
+    call (one copy of the weight)."""
     pad = -wq.shape[0] % BLOCK
     return jnp.pad(wq, ((0, pad), (0, 0))) if pad else wq
 
@@ -560,7 +563,7 @@ def scale_window(first_row: jax.Array, rows: int) -> jax.Array:
 
 
 def _pallas(x, wq, w_scale, *, block_n, **kw):
-    """The kernel on any out: one that is no multiple of 128 runs on zero-padded weight rows (``_pad_out``), y's
+    """The kernel on any out: one that is no multiple of 128 runs on zero-padded weight rows (``pad_out_rows``), y's
     extra columns sliced off; a ``block_n`` must divide the padded out."""
     n = wq.shape[0]
     if n % BLOCK == 0:
@@ -568,7 +571,7 @@ def _pallas(x, wq, w_scale, *, block_n, **kw):
     if isinstance(block_n, int) and block_n > 0 and (n + -n % BLOCK) % block_n:  # (other values: _check_tiles)
         raise ValueError(f"block_n {block_n} must divide out = {n} padded to whole 128-row scale blocks "
                          f"({n + -n % BLOCK})")
-    return _pallas_blocks(x, _pad_out(wq), w_scale, block_n=block_n, **kw)[..., :n]
+    return _pallas_blocks(x, pad_out_rows(wq), w_scale, block_n=block_n, **kw)[..., :n]
 
 
 def _pallas_blocks(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages, group_m,
