@@ -53,12 +53,11 @@ V32Query = Query  # q, index_q, index_w: see jds.attention.Query
 
 
 class V32Indexer(Indexer):
-    """Key side: one key per token, ``wk`` then LayerNorm."""
+    """Key side: one key per token, ``wk`` then LayerNorm. ``wk`` shares x with wq_a and wkv_a, so its rows are
+    stored in the layer's fused input projection (``V32Attention.wq_a_wk_wkv_a``), exported as ``indexer.wk``."""
 
     def __init__(self, cfg: V32Config, numerics: Numerics, rngs: nnx.Rngs):
         self.wq_b = self._wq_b(cfg, numerics, rngs)
-        self.wk = Linear(cfg.hidden_size, cfg.index_head_dim, dtype=jdtype(numerics.dtype), fp8=numerics.fp8_linear,
-                         rngs=rngs, scale_fmt=numerics.act_scale_fmt)
         self.k_norm = LayerNorm(cfg.index_head_dim, eps=cfg.rms_norm_eps, rngs=rngs)
         self.weights_proj = self._weights_proj(cfg, rngs)
 
@@ -80,10 +79,11 @@ class V32Attention(StagedAttention):
         self.indexer_config = indexer_config  # pallas_kernels.sparse_indexer.IndexerKernelConfig; None: default
         dt, fp8, sf = jdtype(numerics.dtype), numerics.fp8_linear, numerics.act_scale_fmt
         self.dtype = dt
-        # wq_a and wkv_a share x: stored fused (one GEMM instead of two), exported / loaded as the checkpoint's
-        # wq_a and wkv_a (wkv_a's 576 rows last: with FP8 weights only the last part may end inside a scale block)
-        self.wq_a_wkv_a = FusedLinear(cfg.hidden_size, (("wq_a", cfg.q_lora_rank), ("wkv_a", cfg.kv_record_dim)),
-                                      dtype=dt, fp8=fp8, rngs=rngs, scale_fmt=sf)
+        # wq_a, the indexer's wk and wkv_a share x: stored fused (one GEMM instead of three), exported / loaded as
+        # the checkpoint's wq_a, indexer.wk and wkv_a (wkv_a's 576 rows last: with FP8 weights only the last part
+        # may end inside a scale block). All three are replicated over ``tensor`` (jds.sharding).
+        parts = (("wq_a", cfg.q_lora_rank), ("indexer.wk", cfg.index_head_dim), ("wkv_a", cfg.kv_record_dim))
+        self.wq_a_wk_wkv_a = FusedLinear(cfg.hidden_size, parts, dtype=dt, fp8=fp8, rngs=rngs, scale_fmt=sf)
         self.q_norm = RMSNorm(cfg.q_lora_rank, eps=cfg.rms_norm_eps, rngs=rngs)
         self.wq_b = Linear(cfg.q_lora_rank, cfg.n_heads * cfg.qk_head_dim, dtype=dt, fp8=fp8, rngs=rngs, scale_fmt=sf)
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, eps=cfg.rms_norm_eps, rngs=rngs)
@@ -106,8 +106,8 @@ class V32Attention(StagedAttention):
     # ----- forward ----------------------------------------------------------------------------------
     def project_in(self, x: jax.Array) -> V32Inputs:
         x = x.astype(self.dtype)
-        q_lat, kv = self.wq_a_wkv_a.split(self.wq_a_wkv_a(x))
-        return V32Inputs(q_lat=q_lat, kv=kv, index_k=self.indexer.wk(x), index_w=self.indexer.head_weights(x))
+        q_lat, index_k, kv = self.wq_a_wk_wkv_a.split(self.wq_a_wk_wkv_a(x))
+        return V32Inputs(q_lat=q_lat, kv=kv, index_k=index_k, index_w=self.indexer.head_weights(x))
 
     def prepare(self, inp: V32Inputs, batch: PagedBatch, cache: V32Cache) -> tuple[V32Query, V32Cache]:
         """Norms, RoPE, W_UK absorption and the indexer q prep; the MLA and indexer keys are inserted before

@@ -130,16 +130,17 @@ case "$stage" in
     done
     ;;
   ttft-fp8-pad)
-    # issue 19: V3.2's wkv_a (576 out) with FP8 weights, the 8-layer TTFT in three trees: vt/nopad (554fc54: wkv_a
-    # on XLA's path, the kernel refused its out), vt/percall (b362dea: the kernel on weight rows padded per call)
-    # and main (wq_a + wkv_a stored fused, zero rows stored: one GEMM). Make each tree with `git archive REV jds
-    # pallas_kernels | tar -x -C vt/NAME` (untracked, it travels with the tree); a missing one is skipped. python -m
-    # puts the current directory first, so each run starts inside its tree
+    # issue 19: V3.2's input projections with FP8 weights, the 8-layer TTFT in several trees: vt/nopad (554fc54:
+    # wkv_a on XLA's path, the kernel refused its out), vt/percall (b362dea: the kernel on weight rows padded per
+    # call), vt/qkva (b878b7d: wq_a + wkv_a stored fused, zero rows stored: one GEMM) and main (the indexer's wk in
+    # that GEMM too). Make each tree with `git archive REV jds pallas_kernels | tar -x -C vt/NAME` (untracked, it
+    # travels with the tree); a missing one is skipped. python -m puts the current directory first, so each run
+    # starts inside its tree
     R=$(pwd)
-    for t in ${TTFTP_TREES:-nopad percall main}; do
+    for t in ${TTFTP_TREES:-nopad percall qkva main}; do
       D=$R; [ $t != main ] && D=$R/vt/$t
       [ -d "$D/jds" ] || { echo "ttft fp8 $t: no tree at $D"; continue; }
-      (cd "$D" && PYTHONPATH=. timeout -k 10 ${TTFTP_TIMEOUT:-170} python3 -m jds.bench.ttft --arch v32 --layers 8 \
+      (cd "$D" && PYTHONPATH=. timeout -k 10 ${TTFTP_TIMEOUT:-140} python3 -m jds.bench.ttft --arch v32 --layers 8 \
         --intermediate 18432 --fp8-weights --variants fused:device:8 --n 50 --out "$OUT/ttft_v32_fp8_${t}_h200.json" \
         > "$OUT/ttft_pad_$t.log" 2>&1); echo "ttft fp8 $t rc=$?"; grep '^{' "$OUT/ttft_pad_$t.log" | cut -c1-300
     done
@@ -268,12 +269,12 @@ case "$stage" in
     ;;
   fp8-decode)
     # issue 19 at 1-128 rows: the decode rows' device time as inside the model's captured step (one CUDA graph a call,
-    # the weights cycled through copies spanning twice the L2), q_b / wo / mlp / q_kv_a at 1 / 64 / 128 rows beside
+    # the weights cycled through copies spanning twice the L2), q_b / wo / mlp / x_proj at 1 / 64 / 128 rows beside
     # torch: the call's and (the kernels named apart since the sixty-second session) the GEMM kernel's own share of the copy
     # bandwidth; then the native tests of the decode forms. Forms beside the default: FD_ROWS='pallas
     # pallas[column_scales=True] ...'. Rows are written after each one, so a call cut short keeps them
     set -f  # the row names' brackets are no glob
-    timeout -k 10 -s INT ${FD_TIMEOUT:-240} python3 -m jds.bench.kernels_fp8_gemm --shapes ${FD_SHAPES:-q_b wo mlp q_kv_a} \
+    timeout -k 10 -s INT ${FD_TIMEOUT:-240} python3 -m jds.bench.kernels_fp8_gemm --shapes ${FD_SHAPES:-q_b wo mlp x_proj} \
       --ms ${FD_MS:-1 64 128} \
       --rows ${FD_ROWS:-pallas torch} \
       --out "$OUT/kernels_fp8_gemm_decode_h200.json" > "$OUT/fp8_decode.log" 2>&1

@@ -948,9 +948,9 @@ def test_auto_stream_k_and_staged_scales() -> None:
                                          (128, 1536, 24576, dict(block_n=256, out_dtype=jnp.float32)),
                                          # V3.2's wkv_a (576 out: padded to whole scale blocks), swapped and not
                                          (8, 7168, 576, {}), (64, 7168, 576, {}), (128, 7168, 576, {}),
-                                         # V3.2's wq_a + wkv_a as the model stores them (1536 + 576, padded: 2176)
-                                         (1, 7168, 2176, {}), (64, 7168, 2176, {}), (128, 7168, 2176, {}),
-                                         (2048, 7168, 2176, {})])
+                                         # V3.2's wq_a + indexer.wk + wkv_a as the model stores them (2304)
+                                         (1, 7168, 2304, {}), (64, 7168, 2304, {}), (128, 7168, 2304, {}),
+                                         (2048, 7168, 2304, {})])
 def test_lowers_for_cuda(m: int, k: int, n: int, tiles: dict) -> None:
     """The compiled kernel passes Mosaic GPU's lowering (e4m3 wgmma with K-major operands, TMA, layouts) and its
     shared-memory limit (sm90's 227 KB, checked at lowering)."""

@@ -131,7 +131,7 @@ def test_v32_layer_amax_against_the_oracle() -> None:
 
     numerics = dataclasses.replace(Numerics.reference(), latent_scale_fmt="amax", act_scale_fmt="amax")
     layer, w = make_layer(CFG, numerics, seed=5)
-    assert layer.index_format.scale_fmt == "amax" and layer.wq_a_wkv_a.scale_fmt == "amax"
+    assert layer.index_format.scale_fmt == "amax" and layer.wq_a_wk_wkv_a.scale_fmt == "amax"
     xs = random_inputs([20, 11], CFG.hidden_size, seed=15)  # longer than index_topk = 8: sparse selection
     schedule = [[Chunk(0, 0, 13), Chunk(1, 0, 11)], [Chunk(0, 13, 7)]]  # a prefill chunk, then the rest
     j = run_jax(layer, xs, schedule, seed=6, jit=True, pad=True)

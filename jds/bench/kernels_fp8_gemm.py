@@ -5,8 +5,9 @@ against the XLA path, torch's FP8 GEMM and a bf16 matmul, in the same run.
         [--shapes q_a q_b wo mlp] [--ms 1 16 64 128 2048 4096 8192] [--sweep] [--quick]
 
 Shapes: DeepSeek-V3.2 linears, y [M, out] = x [M, in] W^T: q_a 7168->1536, q_b 1536->24576, wo 16384->7168,
-mlp 7168->18432, q_kv_a 7168->2176 (wq_a and wkv_a as the model stores them, fused: 1536 + 576 rows and zero rows
-to whole scale blocks) (W e4m3 with amax/448 128x128 block scales, as the checkpoints; x bf16, re-quantised per
+mlp 7168->18432, x_proj 7168->2304 (wq_a, the indexer's wk and wkv_a as the model stores them, fused: 1536 + 128 +
+576 rows), q_kv_a 7168->2176 (its form before the indexer's wk joined: wq_a and wkv_a, with zero rows to whole scale
+blocks) (W e4m3 with amax/448 128x128 block scales, as the checkpoints; x bf16, re-quantised per
 1x128 with UE8M0 scales; bf16 out), for M in (1, 16, 64, 128, 2048, 4096, 8192).
 
 Per (shape, M), one row per impl (each in its own try/except: a failing variant records ``error`` and the
@@ -65,7 +66,7 @@ from jds.ops import quant
 from pallas_kernels import fp8_gemm
 
 SHAPES = {"q_a": (7168, 1536), "q_b": (1536, 24576), "wo": (16384, 7168), "mlp": (7168, 18432),
-          "q_kv_a": (7168, 2176)}  # (in, out)
+          "x_proj": (7168, 2304), "q_kv_a": (7168, 2176)}  # (in, out)
 MS = (1, 16, 64, 128, 2048, 4096, 8192)
 QUICK_SHAPES = {"tiny": (512, 384)}
 QUICK_MS = (1, 130)

@@ -213,10 +213,10 @@ class V32Layer(_Layer):
 
     def project_in(self, x: torch.Tensor) -> Env:
         w, x = self.w, x.to(self.dt)
-        y = K.linear(x, w["attn.wq_a_wkv_a.weight"], self.dt)  # stored fused, as jds and vLLM run them
-        q = self.cfg.attn.q_lora_rank
-        return {"q_lat": y[:, :q], "kv": y[:, q:q + self.cfg.attn.kv_record_dim],
-                "index_k": K.linear(x, w["attn.indexer.wk.weight"], self.dt),
+        # wq_a, the indexer's wk and wkv_a as jds stores them: one GEMM (vLLM fuses wq_a with wkv_a)
+        y = K.linear(x, w["attn.wq_a_wk_wkv_a.weight"], self.dt)
+        q, k = self.cfg.attn.q_lora_rank, self.cfg.attn.q_lora_rank + self.cfg.attn.index_head_dim
+        return {"q_lat": y[:, :q], "index_k": y[:, q:k], "kv": y[:, k:k + self.cfg.attn.kv_record_dim],
                 "index_w": K.linear(x.to(K.F32), w["attn.indexer.weights_proj.weight"], K.F32)}
 
     def prepare(self, e: Env, b: Env) -> Env:
