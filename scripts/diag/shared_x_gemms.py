@@ -1,0 +1,90 @@
+"""FP8 linears that share one input x: separate GEMMs in one executable against one fused GEMM (issue 19).
+
+Two questions about V3.2's layer, answered from the GPU timeline (``jds.bench.timing.profiled_device_us``, each
+variant one executable compiled as one CUDA graph, the weights cycled through copies spanning twice the L2):
+
+- ``x``: the projections of the normed x. ``three``: wq_a + wkv_a fused (2176 rows, zero rows to whole scale
+  blocks, the form before the indexer's wk joined) beside wk (128 rows) as a second GEMM; ``one``: the three as
+  one GEMM (2304 rows, the model's ``wq_a_wk_wkv_a`` now).
+- ``qc``: the normed q latent's two linears, wq_b (24576 rows) and the indexer's wq_b (8192). ``two``: two GEMMs,
+  as the model runs them (wq_b is split over ``tensor`` by heads, the indexer's is replicated: one fused weight
+  would not shard); ``one``: one GEMM of 32768 rows, for reference. ``profile_kernels`` says whether XLA merged the
+  two identical quantisations of x into one kernel (CSE of the side-effect-free custom calls): 3 kernels, not 4.
+
+    python3 scripts/diag/shared_x_gemms.py [--ms 1 64 128] [--out F.json]
+
+Per (case, variant, rows): ``profile_span_us`` (first kernel start -> last end), ``profile_busy_us``,
+``profile_kernels`` and ``profile_kernel_us`` (per kernel name). Native only (the timeline needs a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jds.bench.timing import CAPTURED_OPTIONS, profiled_device_us, rotation_copies
+from jds.ops.quant import quantize_weight_blocks
+from pallas_kernels.fp8_gemm import fp8_linear, pad_out_rows
+
+CASES = {"x": (7168, {"three": (2176, 128), "one": (2304,)}),  # in, variant -> the GEMMs' out rows
+         "qc": (1536, {"two": (24576, 8192), "one": (32768,)})}
+
+
+def _weight(rng: np.random.Generator, n: int, k: int, out_rows: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """An e4m3 weight with 128 x 128 block scales; ``out_rows``: the real rows (the rest zero, as stored)."""
+    w = rng.standard_normal((out_rows or n, k), np.float32) * k ** -0.5
+    wq, s = quantize_weight_blocks(w)
+    return pad_out_rows(jnp.asarray(wq)), jnp.asarray(s)
+
+
+def run(ms: tuple[int, ...]) -> list[dict]:
+    rng = np.random.default_rng(0)
+    rows = []
+    for case, (k, variants) in CASES.items():
+        for variant, outs in variants.items():
+            # the 2176-row GEMM is wq_a + wkv_a: 2112 real rows, zero rows to 2176 (as the model stored it)
+            ws = [_weight(rng, n, k, 2112 if n == 2176 else None) for n in outs]
+            nbytes = sum(int(w.size) for w, _ in ws)
+
+            def call(x, *wss):
+                return tuple(fp8_linear(x, w, s, implementation="pallas") for w, s in zip(wss[::2], wss[1::2]))
+
+            fc = jax.jit(call, compiler_options=CAPTURED_OPTIONS)
+            flat = [a for w, s in ws for a in (w, s)]
+            for m in ms:
+                x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+                rot = [[x] + [jnp.array(a, copy=True) for a in flat] for _ in range(rotation_copies(nbytes) - 1)]
+                r = {"case": case, "variant": variant, "m": m, "k": k, "outs": list(outs), "weight_bytes": nbytes}
+                try:
+                    r.update(profiled_device_us(fc, x, *flat, by_kernel=True, rotate=rot),
+                             weight_copies=1 + len(rot))
+                except Exception as e:  # noqa: BLE001  (a failing variant is a row, not the end of the run)
+                    r["error"] = f"{type(e).__name__}: {e}"[:400]
+                print(json.dumps(r), flush=True)
+                rows.append(r)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ms", type=int, nargs="+", default=[1, 64, 128])
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        sys.exit("shared_x_gemms: needs a GPU (the timeline's kernel records)")
+    rows = run(tuple(a.ms))
+    if a.out:
+        meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
+                "jax": jax.__version__, "command": "python3 scripts/diag/shared_x_gemms.py " + " ".join(argv or sys.argv[1:])}
+        with open(a.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
