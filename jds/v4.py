@@ -69,20 +69,22 @@ V4Query = Query  # q, index_q, index_w: see jds.attention.Query
 
 
 class V4Compressor(nnx.Module):
-    """Parameters of one compressor: wkv/wgate [c*d, hidden] (fp32 math), ape [ratio, c*d], norm [d]."""
+    """Parameters of one compressor: wkv/wgate [c*d, hidden] (fp32 math), ape [ratio, c*d], norm [d].
+
+    wkv and wgate share x: stored as one [2*c*d, hidden] weight (exported / loaded as the checkpoint's wkv and
+    wgate), so that the step runs one GEMM on it as stored instead of concatenating the two weights every call."""
 
     def __init__(self, hidden: int, d: int, ratio: int, eps: float, rngs: nnx.Rngs):
         c = comp.overlap_factor(ratio)
         self.d, self.ratio = d, ratio
-        self.wkv = Linear(hidden, c * d, dtype=jnp.float32, fp8=False, rngs=rngs)
-        self.wgate = Linear(hidden, c * d, dtype=jnp.float32, fp8=False, rngs=rngs)
+        self.wkv_wgate = FusedLinear(hidden, (("wkv", c * d), ("wgate", c * d)), dtype=jnp.float32, fp8=False,
+                                     rngs=rngs)
         self.ape = nnx.Param(0.5 * jax.random.normal(rngs.params(), (ratio, c * d), jnp.float32))
         self.norm = RMSNorm(d, eps=eps, rngs=rngs)
 
     def project(self, x: jax.Array) -> jax.Array:
-        """x [T, hidden] -> [kv | gate] [T, 2*c*d] fp32: one GEMM over the two stacked weights (tiny: fp32 math)."""
-        w = jnp.concatenate([self.wkv.weight[...], self.wgate.weight[...]], axis=0)
-        return jnp.einsum("ti,oi->to", x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+        """x [T, hidden] -> [kv | gate] [T, 2*c*d] fp32 (fp32 math)."""
+        return self.wkv_wgate(x.astype(jnp.float32), jnp.float32)
 
 
 class V4Indexer(Indexer):

@@ -284,9 +284,6 @@ class V4Layer(_Layer):
         self.c = comp.overlap_factor(self.ratio) if self.ratio else 0
         wq = self.w["attn.wq_a_wkv.weight"]
         self.split = wq.shape[0] - a.head_dim
-        for pre in ("attn.compressor.", "attn.indexer.compressor."):
-            if pre + "wkv.weight" in self.w:
-                self.w[pre + "proj"] = torch.cat([self.w[pre + "wkv.weight"], self.w[pre + "wgate.weight"]], 0)
 
     def caches(self) -> dict[str, torch.Tensor]:
         return dict(self.store)
@@ -296,9 +293,9 @@ class V4Layer(_Layer):
         y = K.linear(x, w["attn.wq_a_wkv.weight"], self.dt)
         out = {"q_lat": y[:, : self.split], "kv": y[:, self.split:]}
         if self.ratio:
-            out["comp"] = K.linear(x.to(K.F32), w["attn.compressor.proj"], K.F32)
+            out["comp"] = K.linear(x.to(K.F32), w["attn.compressor.wkv_wgate.weight"], K.F32)
         if self.ratio == 4:
-            out["index_comp"] = K.linear(x.to(K.F32), w["attn.indexer.compressor.proj"], K.F32)
+            out["index_comp"] = K.linear(x.to(K.F32), w["attn.indexer.compressor.wkv_wgate.weight"], K.F32)
             out["index_w"] = K.linear(x.to(K.F32), w["attn.indexer.weights_proj.weight"], K.F32)
         return out
 
