@@ -10,6 +10,9 @@ variant one executable compiled as one CUDA graph, the weights cycled through co
   as the model runs them (wq_b is split over ``tensor`` by heads, the indexer's is replicated: one fused weight
   would not shard); ``one``: one GEMM of 32768 rows, for reference. ``profile_kernels`` says whether XLA merged the
   two identical quantisations of x into one kernel (CSE of the side-effect-free custom calls): 3 kernels, not 4.
+- ``comp``: a V4 compressor's fp32 projection of x (V4-Flash's C4 compressor: wkv and wgate 1024 x 4096 each).
+  ``concat``: the two weights concatenated inside the step, then one fp32 GEMM (the form before the compressor
+  stored them as one weight); ``stored``: one GEMM on the stored [2048, 4096] weight.
 
     python3 scripts/diag/shared_x_gemms.py [--ms 1 64 128] [--out F.json]
 
@@ -71,6 +74,32 @@ def run(ms: tuple[int, ...]) -> list[dict]:
     return rows
 
 
+def run_compressor(ms: tuple[int, ...], hidden: int = 4096, rows: int = 1024) -> list[dict]:
+    """The ``comp`` case: fp32 x W^T (HIGHEST) on [wkv; wgate] concatenated per call or stored as one weight."""
+    rng = np.random.default_rng(1)
+    hi = jax.lax.Precision.HIGHEST
+    a, b = (jnp.asarray(rng.standard_normal((rows, hidden), np.float32)) for _ in range(2))
+    w = jnp.concatenate([a, b], axis=0)
+    fns = {"concat": (lambda x, a, b: jnp.einsum("ti,oi->to", x.astype(jnp.float32), jnp.concatenate([a, b], 0),
+                                                 precision=hi), (a, b)),
+           "stored": (lambda x, w: jnp.einsum("ti,oi->to", x.astype(jnp.float32), w, precision=hi), (w,))}
+    out = []
+    for variant, (fn, ws) in fns.items():
+        fc = jax.jit(fn, compiler_options=CAPTURED_OPTIONS)
+        nbytes = sum(int(v.size) * 4 for v in ws)
+        for m in ms:
+            x = jnp.asarray(rng.standard_normal((m, hidden), np.float32), jnp.bfloat16)
+            rot = [[x] + [jnp.array(v, copy=True) for v in ws] for _ in range(rotation_copies(nbytes) - 1)]
+            r = {"case": "comp", "variant": variant, "m": m, "k": hidden, "outs": [2 * rows], "weight_bytes": nbytes}
+            try:
+                r.update(profiled_device_us(fc, x, *ws, by_kernel=True, rotate=rot), weight_copies=1 + len(rot))
+            except Exception as e:  # noqa: BLE001
+                r["error"] = f"{type(e).__name__}: {e}"[:400]
+            print(json.dumps(r), flush=True)
+            out.append(r)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 64, 128])
@@ -78,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
         sys.exit("shared_x_gemms: needs a GPU (the timeline's kernel records)")
-    rows = run(tuple(a.ms))
+    rows = run(tuple(a.ms)) + run_compressor(tuple(a.ms))
     if a.out:
         meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
                 "jax": jax.__version__, "command": "python3 scripts/diag/shared_x_gemms.py " + " ".join(argv or sys.argv[1:])}
