@@ -154,22 +154,29 @@ class V32Attention(StagedAttention):
 
     # ----- helpers ----------------------------------------------------------------------------------
     def _wkv_b_heads(self) -> tuple[jax.Array, jax.Array]:
+        """W_UK, W_UV [H, 128, kv_lora] in the activation dtype: an FP8 wkv_b dequantised and rounded to it, as
+        DeepSeek's reference does (``weight_dequant`` gives bf16)."""
         cfg = self.cfg
-        w = self.wkv_b.dense_weight().reshape(cfg.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w = self.wkv_b.dense_weight().astype(self.dtype)
+        w = w.reshape(cfg.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim:]
+
+    def _per_head(self, spec: str, a: jax.Array, w: jax.Array) -> jax.Array:
+        """A per-head matmul in the activation dtype, rounded once to it (a bf16 dot accumulates in fp32 on
+        both backends; XLA's CPU backend has no batched bf16 dot with an fp32 output): bf16 operands run on the
+        tensor cores, where float32 ones (precision HIGHEST) would run on the CUDA cores."""
+        prec = jax.lax.Precision.HIGHEST if self.dtype == jnp.float32 else None
+        return jnp.einsum(spec, a.astype(self.dtype), w, precision=prec)
 
     def _absorb_uk(self, q: jax.Array) -> jax.Array:
         """[q_nope W_UK ; q_pe]: the query in latent space (576-d)."""
         w_uk, _ = self._wkv_b_heads()
         nope = self.cfg.qk_nope_head_dim
-        q_lat = jnp.einsum("thd,hdc->thc", q[..., :nope].astype(jnp.float32), w_uk,
-                           precision=jax.lax.Precision.HIGHEST)
-        return jnp.concatenate([q_lat.astype(self.dtype), q[..., nope:]], axis=-1)
+        return jnp.concatenate([self._per_head("thd,hdc->thc", q[..., :nope], w_uk), q[..., nope:]], axis=-1)
 
     def _apply_uv(self, o_lat: jax.Array) -> jax.Array:
         _, w_uv = self._wkv_b_heads()
-        return jnp.einsum("thc,hdc->thd", o_lat.astype(jnp.float32), w_uv,
-                          precision=jax.lax.Precision.HIGHEST).astype(self.dtype)
+        return self._per_head("thc,hdc->thd", o_lat, w_uv)
 
     def _mha(self, q: jax.Array, rows: jax.Array, valid: jax.Array) -> jax.Array:
         """Prefill form: up-project every candidate latent with wkv_b (the fp8 GEMM re-quantises it)."""

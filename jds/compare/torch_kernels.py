@@ -53,6 +53,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     return torch.nn.functional.linear(xs.to(F32), w.to(F32)).to(out_dtype)
 
 
+def per_head(spec: str, a: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``torch.einsum(spec, a, w)`` in w's dtype with fp32 accumulation, rounded once to ``out_dtype`` (jds's
+    per-head matmuls, ``V32Attention._per_head``): on CUDA the einsum in w's dtype (cuBLAS accumulates bf16
+    products in fp32); on the CPU the fp32 einsum of the same values (exact products, fp32 sums)."""
+    a = a.to(w.dtype)
+    if w.dtype == F32 or a.is_cuda:
+        return torch.einsum(spec, a, w).to(out_dtype)
+    return torch.einsum(spec, a.to(F32), w.to(F32)).to(out_dtype)
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, out_dtype: torch.dtype | None = None
              ) -> torch.Tensor:
     """fp32 RMSNorm, one rounding (``w=None``: V4's weightless per-head norm).

@@ -204,8 +204,8 @@ class V32Layer(_Layer):
         self.kv_cache = K.new_storage(self.kv_fmt, num_blocks, device)
         self.index_cache = K.new_storage(self.index_fmt, num_blocks, device)
         self.inv_freqs = torch.from_numpy(cached_inv_freqs(a.rope, a.qk_rope_head_dim).copy()).to(device)
-        w = self.w["attn.wkv_b.weight"].to(K.F32).reshape(a.n_heads, a.qk_nope_head_dim + a.v_head_dim,
-                                                          a.kv_lora_rank)
+        w = self.w["attn.wkv_b.weight"].to(self.dt).reshape(a.n_heads, a.qk_nope_head_dim + a.v_head_dim,
+                                                            a.kv_lora_rank)
         self.w_uk, self.w_uv = w[:, : a.qk_nope_head_dim].contiguous(), w[:, a.qk_nope_head_dim:].contiguous()
 
     def caches(self) -> dict[str, torch.Tensor]:
@@ -228,7 +228,7 @@ class V32Layer(_Layer):
         q = K.linear(q_c, w["attn.wq_b.weight"], dt).reshape(-1, a.n_heads, a.qk_head_dim)
         q = K.rope_part(q, cos, sin, rope_dim=a.qk_rope_head_dim, first=False, interleaved=True)
         nope = a.qk_nope_head_dim
-        q_lat = torch.einsum("thd,hdc->thc", q[..., :nope].to(K.F32), self.w_uk).to(dt)
+        q_lat = K.per_head("thd,hdc->thc", q[..., :nope], self.w_uk, dt)
         q = torch.cat([q_lat, q[..., nope:]], dim=-1)
         c = K.rms_norm(e["kv"][:, : a.kv_lora_rank], w["attn.kv_norm.weight"], self.eps, dt)
         k_pe = K.rope_part(e["kv"][:, a.kv_lora_rank:], cos, sin, rope_dim=a.qk_rope_head_dim, first=False,
@@ -260,7 +260,7 @@ class V32Layer(_Layer):
         slots = K.global_slots(bt, b["req_idx"], topk, a.block_size)
         rows = K.read_records(self.kv_cache, self.kv_fmt, slots)
         o_lat = K.sparse_mqa(e["q"], rows, topk >= 0, scale=a.softmax_scale, v_dim=a.kv_lora_rank).to(self.dt)
-        o = torch.einsum("thc,hdc->thd", o_lat.to(K.F32), self.w_uv).to(self.dt)
+        o = K.per_head("thc,hdc->thd", o_lat, self.w_uv, self.dt)
         return o.reshape(o.shape[0], -1)
 
     def project_out(self, o: torch.Tensor) -> torch.Tensor:
