@@ -182,7 +182,8 @@ def _check_within_rounding_sensitivity(res: dict, arch: str) -> None:
     summation order) flips a quantised value or a near-tie pick, and the random tiny model amplifies that through
     the layers by an amount that depends on its weights and the device's arithmetic. So the bound is measured:
     twice the largest distance between jds and six ulp-nudged copies of itself, for the logits and for the number
-    of tokens whose top-k sets differ (at least a tenth of the tokens); the greedy tokens must match wherever no
+    of tokens whose top-k sets differ (at least a tenth of the tokens, and one: a decode step of two tokens had one
+    near-tie pick that none of the nudges moved, on an H100, sixty-fourth session); the greedy tokens must match wherever no
     nudge moved jds's own. Logits past that bound pass only where jds and torch picked different near-tie keys
     (in this step or before), and then only on the rows no differing pick reaches (``_comparable_rows``): a
     near-tie pick moves its token's output by a step that depends on the tie, not on rounding (docs/perf-log.md,
@@ -206,7 +207,7 @@ def _check_within_rounding_sensitivity(res: dict, arch: str) -> None:
             np.testing.assert_array_equal(lt[m], lt["eager"], err_msg=m)
         differ = _differ(tj, torch_t[s])
         for i, (d, n) in enumerate(zip(differ, noise_t[s])):
-            assert d <= max(2 * n, 0.1 * tj[i].shape[0]), (s, i, d, n)
+            assert d <= max(2 * n, 0.1 * tj[i].shape[0], 1), (s, i, d, n)
         picked_apart = picked_apart or any(differ)
         rows = np.arange(lj.shape[0])
         if _rel(lt["eager"], lj) > 2 * noise_l[s]:
