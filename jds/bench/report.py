@@ -92,6 +92,7 @@ def _boundary(d: dict) -> list[str]:
         rows.append(["dispatches_per_step (captured + eager)"]
                     + [f"{x['captured']} + {x['eager']}" if x else "—" for x in disp]
                     + ["" for m in have if m != "wide"])
+        out += [""] if out else []  # a blank line ends the previous arch's table
         out += [f"{arch}, {r.get('layers', '?')} layers; median ms ({keys and modes[have[0]][keys[0]].get('n')} "
                 f"steps for TTFT); ratios are mode / wide:", ""]
         out += _table(["step"] + have + [f"{m}/wide" for m in have if m != "wide"], rows)
@@ -751,6 +752,24 @@ def _topk_mixed(d: dict) -> list[str]:
                + [f"{n} paths" for n in names], body)
 
 
+def _shared_x(d: dict) -> list[str]:
+    """scripts/diag/shared_x_gemms.py: linears of one x as separate GEMMs in one executable (the first variant)
+    against one GEMM on the weights stored together (the second), GPU timeline, per case and rows."""
+    by: dict[tuple[str, int], list[dict]] = {}
+    for r in d.get("rows", []):
+        by.setdefault((r["case"], r["m"]), []).append(r)
+    body = []
+    for (case, m), rs in by.items():
+        cells = [f"{r['variant']} {'+'.join(map(str, r['outs']))}: {_fmt(r.get('profile_span_us'), 1)} "
+                 f"({r.get('profile_kernels', '?'):.0f})" if r.get("profile_span_us") else
+                 f"{r['variant']}: {r.get('error', '—')[:60]}" for r in rs]
+        a, b = (rs[0].get("profile_span_us"), rs[-1].get("profile_span_us")) if len(rs) > 1 else (None, None)
+        body.append([case, str(m)] + cells + [_ratio(b, a)])
+    return ["Linears of one x: separate (first) against stored together (second), device µs per call (GPU "
+            "timeline; in brackets the kernels a call ran):", ""] + \
+        _table(["case", "rows", "separate", "together", "together / separate"], body)
+
+
 def _kernels(d: dict) -> list[str]:
     return _kernel_rows(d) + _topk_rows(d)
 
@@ -780,6 +799,7 @@ RENDERERS: list[tuple[Callable[[str, dict], bool], Callable[[dict], list[str]]]]
     (lambda b, d: b.startswith(("fp4_tiles_time", "fp8_tiles_time")), _tiles_time),
     (lambda b, d: b.startswith("mqa_fixed_cost"), _mqa_fixed_cost),
     (lambda b, d: b.startswith("topk_mixed"), _topk_mixed),
+    (lambda b, d: b.startswith("shared_x_gemms"), _shared_x),
     (lambda b, d: b.startswith("kernels"), _kernels),
 ]
 
