@@ -137,6 +137,11 @@ class Numerics:
     # moe_intermediate_size multiples of 128. An FP8 V3.2 checkpoint whose experts are stored e4m3 imports with it
     # on (jds.hf_import); off: the experts dequantised to the activation dtype at import.
     experts_fp8: bool = False
+    # DeepSeek-V4's compressor projections (each compressor's wkv and wgate, fp32 output): held in float32 and
+    # multiplied in float32 (on the GPU's CUDA cores). Off: held in the activation dtype, as vLLM holds them,
+    # and multiplied with fp32 accumulation (bf16: the tensor cores). A checkpoint that stores them F32 imports with
+    # it on (jds.hf_import); with float32 activations they are float32 either way.
+    compressor_float32: bool = False
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("float32", "bfloat16"), "dtype", f"must be float32 or bfloat16, got {self.dtype!r}")
@@ -149,6 +154,8 @@ class Numerics:
         _require(self.act_scale_fmt in ("ue8m0", "amax"), "act_scale_fmt", "must be ue8m0 or amax")
         _require(isinstance(self.experts_fp4, bool), "experts_fp4", f"must be a bool, got {self.experts_fp4!r}")
         _require(isinstance(self.experts_fp8, bool), "experts_fp8", f"must be a bool, got {self.experts_fp8!r}")
+        _require(isinstance(self.compressor_float32, bool), "compressor_float32",
+                 f"must be a bool, got {self.compressor_float32!r}")
 
     @classmethod
     def exact(cls) -> "Numerics":

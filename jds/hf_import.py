@@ -18,7 +18,8 @@ float32 scales [E, out/128, in/128], and ``numerics_overrides={"experts_fp8": Fa
 V3-style block's shared experts, router, head,
 norms, indexer weights_proj, V4 compressors) are always dequantised (the V4 block's shared expert stays FP8), and so is V4's ``wo_a``: the release's conversion
 dequantises it and its layer runs a plain bf16 einsum (``Numerics.wo_a_fp8`` keeps it FP8 instead, a named
-departure).
+departure). V4's compressor weights are held in the activation dtype, or in float32 where the checkpoint stores
+them F32 (``Numerics.compressor_float32``, read from the first compressor's header dtype).
 
 V4 FP4 routed experts (config.json ``expert_dtype: "fp4"``; each ``ffn.experts.j.w{1,2,3}.weight`` I8 [out, in/2],
 two e2m1 codes a byte, low nibble first, and ``.scale`` F8_E8M0 [out, in/32], one per 1x32 block along the input
@@ -579,7 +580,7 @@ def make_numerics(numerics: Any, fp8: bool) -> Any:
 
 def hf_model_config(hf: Any, *, layers: int | None = None, dequantize: bool = False, numerics: Any = "reference",
                     overrides: dict[str, Any] | None = None, numerics_overrides: dict[str, Any] | None = None,
-                    stored_experts: str | None = None) -> Any:
+                    stored_experts: str | None = None, stored_compressor: str | None = None) -> Any:
     """The jds ModelConfig of a HF config.json (path, directory or dict).
 
     ``layers`` keeps the first N layers; ``numerics`` is a Numerics or a preset name whose ``fp8_linear`` is
@@ -589,7 +590,9 @@ def hf_model_config(hf: Any, *, layers: int | None = None, dequantize: bool = Fa
     attention-config fields that config.json lacks (e.g. ``{"block_size": 16}``). ``stored_experts``: the
     safetensors dtype of the first routed expert's weight (``convert_hf_checkpoint`` reads it from the headers):
     "F8_E4M3" with a preset-named ``numerics`` keeps the V3-style block's routed experts FP8 as stored
-    (``Numerics.experts_fp8``); None or another dtype dequantises them.
+    (``Numerics.experts_fp8``); None or another dtype dequantises them. ``stored_compressor``: the safetensors
+    dtype of V4's first compressor weight: "F32" with a preset-named ``numerics`` holds the compressors in float32
+    as stored (``Numerics.compressor_float32``); otherwise they are held in the activation dtype.
     """
     from jds.config import V32Config, V4Config, _hf_int, _load_json
     from jds.model import ModelConfig
@@ -655,6 +658,9 @@ def hf_model_config(hf: Any, *, layers: int | None = None, dequantize: bool = Fa
             and kw["moe_intermediate_size"] % 128 == 0):
         # the routed experts as the checkpoint stores them, run by the grouped FP8 GEMM
         kw["numerics"] = dataclasses.replace(kw["numerics"], experts_fp8=True)
+    if arch == "v4" and stored_compressor == "F32" and isinstance(numerics, str):
+        # float32 compressor weights as the checkpoint stores them (rounding them to bf16 would change them)
+        kw["numerics"] = dataclasses.replace(kw["numerics"], compressor_float32=True)
     if numerics_overrides:
         kw["numerics"] = override_numerics(kw["numerics"], numerics_overrides)
     if arch == "v4" and block == "v4" and mtp_layers(d):
@@ -1016,6 +1022,14 @@ def _stored_expert_dtype(reader: SafetensorsDir, hf_cfg: dict[str, Any]) -> str 
     return reader.info(name)[0]
 
 
+def _stored_compressor_dtype(reader: SafetensorsDir, hf_cfg: dict[str, Any]) -> str | None:
+    """The header dtype of the first V4 compressor's ``wkv`` weight, or None where there is none."""
+    if hf_arch(hf_cfg) != "v4":
+        return None
+    name = next((n for n in reader.names() if re.fullmatch(r"layers\.\d+\.attn\.compressor\.wkv\.weight", n)), None)
+    return reader.info(name)[0] if name else None
+
+
 def convert_hf_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, layers: int | None = None,
                           dequantize: bool = False, numerics: Any = "reference",
                           overrides: dict[str, Any] | None = None,
@@ -1045,7 +1059,8 @@ def convert_hf_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, lay
     quant = quantization_config(hf_cfg)
     reader = SafetensorsDir(src)
     cfg = hf_model_config(hf_cfg, layers=layers, dequantize=dequantize, numerics=numerics, overrides=overrides,
-                          numerics_overrides=numerics_overrides, stored_experts=_stored_expert_dtype(reader, hf_cfg))
+                          numerics_overrides=numerics_overrides, stored_experts=_stored_expert_dtype(reader, hf_cfg),
+                          stored_compressor=_stored_compressor_dtype(reader, hf_cfg))
     spec = target_spec(cfg)
     entries = plan(cfg)
     _check_plan(entries, spec)

@@ -69,22 +69,29 @@ V4Query = Query  # q, index_q, index_w: see jds.attention.Query
 
 
 class V4Compressor(nnx.Module):
-    """Parameters of one compressor: wkv/wgate [c*d, hidden] (fp32 math), ape [ratio, c*d], norm [d].
+    """Parameters of one compressor: wkv/wgate [c*d, hidden] (fp32 output), ape [ratio, c*d], norm [d].
 
     wkv and wgate share x: stored as one [2*c*d, hidden] weight (exported / loaded as the checkpoint's wkv and
-    wgate), so that the step runs one GEMM on it as stored instead of concatenating the two weights every call."""
+    wgate), so that the step runs one GEMM on it as stored instead of concatenating the two weights every call.
+    ``dtype``: the weight's (``compressor_dtype``)."""
 
-    def __init__(self, hidden: int, d: int, ratio: int, eps: float, rngs: nnx.Rngs):
+    def __init__(self, hidden: int, d: int, ratio: int, eps: float, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
         c = comp.overlap_factor(ratio)
         self.d, self.ratio = d, ratio
-        self.wkv_wgate = FusedLinear(hidden, (("wkv", c * d), ("wgate", c * d)), dtype=jnp.float32, fp8=False,
-                                     rngs=rngs)
+        self.wkv_wgate = FusedLinear(hidden, (("wkv", c * d), ("wgate", c * d)), dtype=dtype, fp8=False, rngs=rngs)
         self.ape = nnx.Param(0.5 * jax.random.normal(rngs.params(), (ratio, c * d), jnp.float32))
         self.norm = RMSNorm(d, eps=eps, rngs=rngs)
 
     def project(self, x: jax.Array) -> jax.Array:
-        """x [T, hidden] -> [kv | gate] [T, 2*c*d] fp32 (fp32 math)."""
-        return self.wkv_wgate(x.astype(jnp.float32), jnp.float32)
+        """x [T, hidden] -> [kv | gate] [T, 2*c*d] fp32: x in the weight's dtype (a bf16 x is exact in either),
+        fp32 accumulation."""
+        return self.wkv_wgate(x, jnp.float32)
+
+
+def compressor_dtype(numerics: Numerics) -> jnp.dtype:
+    """The compressors' weight dtype: float32 with ``Numerics.compressor_float32`` or float32 activations, else the
+    activation dtype (bf16: their GEMMs on the tensor cores, where float32 ones ran on the CUDA cores)."""
+    return jnp.dtype(jnp.float32) if numerics.compressor_float32 else jdtype(numerics.dtype)
 
 
 class V4Indexer(Indexer):
@@ -93,7 +100,8 @@ class V4Indexer(Indexer):
     def __init__(self, cfg: V4Config, numerics: Numerics, rngs: nnx.Rngs):
         self.wq_b = self._wq_b(cfg, numerics, rngs)
         self.weights_proj = self._weights_proj(cfg, rngs)
-        self.compressor = V4Compressor(cfg.hidden_size, cfg.index_head_dim, 4, cfg.rms_norm_eps, rngs)
+        self.compressor = V4Compressor(cfg.hidden_size, cfg.index_head_dim, 4, cfg.rms_norm_eps, rngs,
+                                       compressor_dtype(numerics))
 
 
 class V4Attention(StagedAttention):
@@ -133,7 +141,8 @@ class V4Attention(StagedAttention):
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, dtype=dt, fp8=fp8, rngs=rngs)
         self.attn_sink = nnx.Param(jax.random.normal(rngs.params(), (cfg.n_heads,), jnp.float32))
         if self.ratio:
-            self.compressor = V4Compressor(cfg.hidden_size, hd, self.ratio, cfg.rms_norm_eps, rngs)
+            self.compressor = V4Compressor(cfg.hidden_size, hd, self.ratio, cfg.rms_norm_eps, rngs,
+                                           compressor_dtype(numerics))
         if self.has_indexer:
             self.indexer = V4Indexer(cfg, numerics, rngs)
 

@@ -686,3 +686,22 @@ def test_convert_flag_errors(tmp_path, argv, pattern, capsys) -> None:
     with pytest.raises(SystemExit):
         CONVERT.main([str(tmp_path / "hf"), ""])
     assert "out must not be empty" in capsys.readouterr().err
+
+
+def test_v4_compressors_held_as_stored(tmp_path) -> None:
+    """A V4 checkpoint whose compressor weights are F32 imports with ``compressor_float32`` (held and multiplied in
+    float32, as stored); one that stores them bf16 holds them in the activation dtype. An explicit Numerics is
+    left as given."""
+    d = hf_import.hf_config_dict(tiny_cfg("v4", moe=False))
+    kw = dict(overrides={"block_size": 128})
+    assert hf_import.hf_model_config(d, stored_compressor="F32", **kw).numerics.compressor_float32
+    assert not hf_import.hf_model_config(d, stored_compressor="BF16", **kw).numerics.compressor_float32
+    explicit = Numerics.reference()
+    assert hf_import.hf_model_config(d, numerics=explicit, stored_compressor="F32", **kw).numerics == explicit
+    for f32 in (True, False):  # the dtype read from a synthetic directory's headers
+        cfg = tiny_cfg("v4", moe=False, numerics=dataclasses.replace(Numerics.reference(), compressor_float32=f32))
+        hf = tmp_path / f"hf_{f32}"
+        hf_import.export_hf(Decoder(cfg, seed=3), hf, n_shards=1)
+        want = "F32" if f32 else "BF16"
+        hf_cfg = json.loads((hf / "config.json").read_text())
+        assert hf_import._stored_compressor_dtype(SafetensorsDir(hf), hf_cfg) == want

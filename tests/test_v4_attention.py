@@ -22,7 +22,7 @@ from jds.nn import export_weights, load_weights
 from jds.ops.paging import read_records, write_records
 from jds.ops.records import MlaRecord584
 from jds.ops.sparse_mqa import sparse_mqa
-from jds.v4 import V4Attention, V4Cache
+from jds.v4 import V4Attention, V4Cache, compressor_dtype
 from tests.reference.torch_v4 import (TorchV4Attention, dequantize_wo_a, make_random_v4_weights,
                                       quantize_weights_fp8)
 
@@ -37,6 +37,9 @@ EXACT_RTOL = 1e-5
 
 def _weights(layer_id: int, seed: int, numerics: Numerics, sink_scale: float = 1.0) -> dict[str, np.ndarray]:
     w = make_random_v4_weights(CFG, layer_id, seed=seed, sink_scale=sink_scale)
+    if compressor_dtype(numerics) == jnp.bfloat16:  # the compressors' weights as the layer holds them (bf16)
+        w = {k: v.astype(ml_dtypes.bfloat16) if k.endswith(("compressor.wkv", "compressor.wgate")) else v
+             for k, v in w.items()}
     if not numerics.fp8_linear:
         return w
     # the checkpoint's FP8 linears; wo_a as the release converts it (bf16), unless the numerics keep it FP8
