@@ -754,7 +754,7 @@ def _topk_mixed(d: dict) -> list[str]:
 
 def _shared_x(d: dict) -> list[str]:
     """scripts/diag/shared_x_gemms.py: linears of one x as separate GEMMs in one executable (the first variant)
-    against one GEMM on the weights stored together (the second), GPU timeline, per case and rows."""
+    against one GEMM on the weights stored together (the others), GPU timeline, per case and rows."""
     by: dict[tuple[str, int], list[dict]] = {}
     for r in d.get("rows", []):
         by.setdefault((r["case"], r["m"]), []).append(r)
@@ -764,10 +764,10 @@ def _shared_x(d: dict) -> list[str]:
                  f"({r.get('profile_kernels', '?'):.0f})" if r.get("profile_span_us") else
                  f"{r['variant']}: {r.get('error', '—')[:60]}" for r in rs]
         a, b = (rs[0].get("profile_span_us"), rs[-1].get("profile_span_us")) if len(rs) > 1 else (None, None)
-        body.append([case, str(m)] + cells + [_ratio(b, a)])
-    return ["Linears of one x: separate (first) against stored together (second), device µs per call (GPU "
-            "timeline; in brackets the kernels a call ran):", ""] + \
-        _table(["case", "rows", "separate", "together", "together / separate"], body)
+        body.append([case, str(m), "; ".join(cells), _ratio(b, a)])
+    return ["Linears of one x: separate (first variant) against stored together (the others), device µs per call "
+            "(GPU timeline; in brackets the kernels a call ran):", ""] + \
+        _table(["case", "rows", "variants", "last / first"], body)
 
 
 def _kernels(d: dict) -> list[str]:

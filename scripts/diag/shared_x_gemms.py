@@ -12,7 +12,8 @@ variant one executable compiled as one CUDA graph, the weights cycled through co
   two identical quantisations of x into one kernel (CSE of the side-effect-free custom calls): 3 kernels, not 4.
 - ``comp``: a V4 compressor's fp32 projection of x (V4-Flash's C4 compressor: wkv and wgate 1024 x 4096 each).
   ``concat``: the two weights concatenated inside the step, then one fp32 GEMM (the form before the compressor
-  stored them as one weight); ``stored``: one GEMM on the stored [2048, 4096] weight.
+  stored them as one weight); ``stored``: one GEMM on the stored [2048, 4096] weight; ``stored_bf16``: the same
+  weight held in bf16 (``Numerics.compressor_float32`` off), bf16 operands with an fp32 output.
 
     python3 scripts/diag/shared_x_gemms.py [--ms 1 64 128] [--out F.json]
 
@@ -46,10 +47,11 @@ def _weight(rng: np.random.Generator, n: int, k: int, out_rows: int | None = Non
     return pad_out_rows(jnp.asarray(wq)), jnp.asarray(s)
 
 
-def run(ms: tuple[int, ...]) -> list[dict]:
+def run(ms: tuple[int, ...], cases: list[str]) -> list[dict]:
     rng = np.random.default_rng(0)
     rows = []
-    for case, (k, variants) in CASES.items():
+    for case in cases:
+        k, variants = CASES[case]
         for variant, outs in variants.items():
             # the 2176-row GEMM is wq_a + wkv_a: 2112 real rows, zero rows to 2176 (as the model stored it)
             ws = [_weight(rng, n, k, 2112 if n == 2176 else None) for n in outs]
@@ -80,13 +82,15 @@ def run_compressor(ms: tuple[int, ...], hidden: int = 4096, rows: int = 1024) ->
     hi = jax.lax.Precision.HIGHEST
     a, b = (jnp.asarray(rng.standard_normal((rows, hidden), np.float32)) for _ in range(2))
     w = jnp.concatenate([a, b], axis=0)
+    wb = w.astype(jnp.bfloat16)
     fns = {"concat": (lambda x, a, b: jnp.einsum("ti,oi->to", x.astype(jnp.float32), jnp.concatenate([a, b], 0),
                                                  precision=hi), (a, b)),
-           "stored": (lambda x, w: jnp.einsum("ti,oi->to", x.astype(jnp.float32), w, precision=hi), (w,))}
+           "stored": (lambda x, w: jnp.einsum("ti,oi->to", x.astype(jnp.float32), w, precision=hi), (w,)),
+           "stored_bf16": (lambda x, w: jnp.einsum("ti,oi->to", x, w, preferred_element_type=jnp.float32), (wb,))}
     out = []
     for variant, (fn, ws) in fns.items():
         fc = jax.jit(fn, compiler_options=CAPTURED_OPTIONS)
-        nbytes = sum(int(v.size) * 4 for v in ws)
+        nbytes = sum(int(v.size) * v.dtype.itemsize for v in ws)
         for m in ms:
             x = jnp.asarray(rng.standard_normal((m, hidden), np.float32), jnp.bfloat16)
             rot = [[x] + [jnp.array(v, copy=True) for v in ws] for _ in range(rotation_copies(nbytes) - 1)]
@@ -103,11 +107,12 @@ def run_compressor(ms: tuple[int, ...], hidden: int = 4096, rows: int = 1024) ->
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 64, 128])
+    ap.add_argument("--cases", nargs="+", default=["x", "qc", "comp"], choices=["x", "qc", "comp"])
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
         sys.exit("shared_x_gemms: needs a GPU (the timeline's kernel records)")
-    rows = run(tuple(a.ms)) + run_compressor(tuple(a.ms))
+    rows = run(tuple(a.ms), [c for c in a.cases if c in CASES]) + (run_compressor(tuple(a.ms)) if "comp" in a.cases else [])
     if a.out:
         meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
                 "jax": jax.__version__, "command": "python3 scripts/diag/shared_x_gemms.py " + " ".join(argv or sys.argv[1:])}
