@@ -21,6 +21,7 @@ from jds.attention import Implementation, Indexer, Query, StagedAttention, resol
 from jds.batch import PagedBatch
 from jds.config import Numerics, V32Config
 from jds.nn import FusedLinear, Linear, LayerNorm, RMSNorm, jdtype
+from jds.ops.dispatch import on_gpu
 from jds.ops.paging import RecordFormat, global_slots, read_records
 from jds.ops.records import FloatRows, MlaRecord656
 from jds.ops.rope import cached_inv_freqs as _inv_freqs
@@ -162,11 +163,15 @@ class V32Attention(StagedAttention):
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim:]
 
     def _per_head(self, spec: str, a: jax.Array, w: jax.Array) -> jax.Array:
-        """A per-head matmul in the activation dtype, rounded once to it (a bf16 dot accumulates in fp32 on
-        both backends; XLA's CPU backend has no batched bf16 dot with an fp32 output): bf16 operands run on the
-        tensor cores, where float32 ones (precision HIGHEST) would run on the CUDA cores."""
-        prec = jax.lax.Precision.HIGHEST if self.dtype == jnp.float32 else None
-        return jnp.einsum(spec, a.astype(self.dtype), w, precision=prec)
+        """A per-head matmul of operands in the activation dtype: exact products, fp32 sums, rounded once to it.
+        On the GPU a bf16 dot (cuBLAS accumulates in fp32) on the tensor cores, where float32 operands at precision
+        HIGHEST ran on the CUDA cores; elsewhere the float32 dot of the same values (XLA's CPU backend sums a
+        batched bf16 dot in bf16 and has none with an fp32 output)."""
+        a = a.astype(self.dtype)
+        if self.dtype == jnp.float32 or not on_gpu():
+            hp = jax.lax.Precision.HIGHEST
+            return jnp.einsum(spec, a.astype(jnp.float32), w.astype(jnp.float32), precision=hp).astype(self.dtype)
+        return jnp.einsum(spec, a, w)
 
     def _absorb_uk(self, q: jax.Array) -> jax.Array:
         """[q_nope W_UK ; q_pe]: the query in latent space (576-d)."""
