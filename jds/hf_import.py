@@ -1026,7 +1026,8 @@ def _stored_compressor_dtype(reader: SafetensorsDir, hf_cfg: dict[str, Any]) -> 
     """The header dtype of the first V4 compressor's ``wkv`` weight, or None where there is none."""
     if hf_arch(hf_cfg) != "v4":
         return None
-    name = next((n for n in reader.names() if re.fullmatch(r"layers\.\d+\.attn\.compressor\.wkv\.weight", n)), None)
+    pattern = re.compile(r"(?:model\.)?layers\.\d+\.attn\.compressor\.wkv\.weight")
+    name = next((n for n in reader.names() if pattern.fullmatch(n)), None)
     return reader.info(name)[0] if name else None
 
 

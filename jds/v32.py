@@ -164,9 +164,9 @@ class V32Attention(StagedAttention):
 
     def _per_head(self, spec: str, a: jax.Array, w: jax.Array) -> jax.Array:
         """A per-head matmul of operands in the activation dtype: exact products, fp32 sums, rounded once to it.
-        On the GPU a bf16 dot (cuBLAS accumulates in fp32) on the tensor cores, where float32 operands at precision
-        HIGHEST ran on the CUDA cores; elsewhere the float32 dot of the same values (XLA's CPU backend sums a
-        batched bf16 dot in bf16 and has none with an fp32 output)."""
+        On the GPU a bf16 dot (XLA's GPU dots sum bf16 products in fp32) on the tensor cores, where float32
+        operands at precision HIGHEST ran on the CUDA cores; elsewhere the float32 dot of the same values (XLA's
+        CPU backend sums a batched bf16 dot in bf16 and has none with an fp32 output)."""
         a = a.astype(self.dtype)
         if self.dtype == jnp.float32 or not on_gpu():
             hp = jax.lax.Precision.HIGHEST

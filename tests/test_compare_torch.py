@@ -183,12 +183,11 @@ def _check_within_rounding_sensitivity(res: dict, arch: str) -> None:
     the layers by an amount that depends on its weights and the device's arithmetic. So the bound is measured:
     twice the largest distance between jds and six ulp-nudged copies of itself, for the logits and for the number
     of tokens whose top-k sets differ (at least a tenth of the tokens, and one: a decode step of two tokens had one
-    near-tie pick that none of the nudges moved, on an H100, sixty-fourth session); the greedy tokens must match wherever no
-    nudge moved jds's own. Logits past that bound pass only where jds and torch picked different near-tie keys
-    (in this step or before), and then only on the rows no differing pick reaches (``_comparable_rows``): a
-    near-tie pick moves its token's output by a step that depends on the tie, not on rounding (docs/perf-log.md,
-    sixty-fourth session: 0.02 to 0.43 across six nudges of one decode step). That the two sides compute the same
-    function is the exact-numerics comparison."""
+    near-tie pick that none of the nudges moved); the greedy tokens must match wherever no nudge moved jds's own.
+    Logits past that bound pass only where jds and torch picked different near-tie keys (in this step or before),
+    and then only on the rows no differing pick reaches (``_comparable_rows``): a near-tie pick moves its token's
+    output by a step that depends on the tie, not on rounding (docs/perf-log.md, sixty-fourth session). That the
+    two sides compute the same function is the exact-numerics comparison."""
     base_l = [lj for lj, _ in res["logits"]]
     base_t = [tj for tj, _ in res["topk"]]
     noise_l, noise_t = [0.0] * len(base_l), [[0] * len(t) for t in base_t]

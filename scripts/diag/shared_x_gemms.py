@@ -112,10 +112,12 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
         sys.exit("shared_x_gemms: needs a GPU (the timeline's kernel records)")
-    rows = run(tuple(a.ms), [c for c in a.cases if c in CASES]) + (run_compressor(tuple(a.ms)) if "comp" in a.cases else [])
+    rows = run(tuple(a.ms), [c for c in a.cases if c in CASES])
+    rows += run_compressor(tuple(a.ms)) if "comp" in a.cases else []
     if a.out:
         meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
-                "jax": jax.__version__, "command": "python3 scripts/diag/shared_x_gemms.py " + " ".join(argv or sys.argv[1:])}
+                "jax": jax.__version__,
+                "command": "python3 scripts/diag/shared_x_gemms.py " + " ".join(argv or sys.argv[1:])}
         with open(a.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
