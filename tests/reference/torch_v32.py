@@ -237,9 +237,10 @@ class TorchMLA:
         self.k_norm_w = _np_to_f32(weights["indexer.k_norm.weight"])
         self.k_norm_b = _np_to_f32(weights["indexer.k_norm.bias"])
         self.weights_proj = _np_to_f32(weights["indexer.weights_proj"])
-        # wkv_b for the absorbed form: float32 (dequantised when fp8), [H, nope + v, kv_lora].
+        # wkv_b for the absorbed form, [H, nope + v, kv_lora]: in the activation dtype (held in float32 storage),
+        # dequantised and rounded to it when fp8 ([R]'s weight_dequant gives bf16)
         kind, w, sc = self.lin["wkv_b"]
-        wkv_b = block_dequant_weight(w, sc) if kind == "fp8" else w
+        wkv_b = self._r(block_dequant_weight(w, sc)) if kind == "fp8" else w
         self.wkv_b_heads = wkv_b.reshape(cfg.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
 
         self.cos, self.sin = rope_table(cfg, max_seq_len)
