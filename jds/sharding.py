@@ -111,8 +111,8 @@ def param_spec(path: str, shape: tuple[int, ...], model: ModelConfig, mesh: Mesh
 
     A rule's split is kept only where the dimension divides by the axis size (FP8 scale grids, vocabularies
     and V4 output groups may not); the splits the layout depends on are checked by ``check_divisible``.
-    Unmatched leaves (norms, the fused ``wq_a`` + ``wkv_a`` (V3.2) or ``wq_a`` + ``wkv`` (V4), the MoE gate) are
-    replicated.
+    Unmatched leaves (norms, the fused ``wq_a`` + ``indexer.wk`` + ``wkv_a`` (V3.2) or ``wq_a`` + ``wkv`` (V4), the
+    MoE gate) are replicated.
     """
     key = re.sub(r"^(layers|mtp)/\d+/", "", path)  # an MTP module (jds.mtp) is laid out like a layer
     spec: Any = P()

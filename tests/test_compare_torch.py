@@ -125,9 +125,15 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max() / np.abs(b.astype(np.float64)).max())
 
 
+def _same_sets(a: list[np.ndarray], b: list[np.ndarray]) -> np.ndarray:
+    """[layers, tokens] bool: whether a token's top-k sets agree at a layer."""
+    return np.array([[set(x[x >= 0].tolist()) == set(y[y >= 0].tolist()) for x, y in zip(p, q)]
+                     for p, q in zip(a, b)]).reshape(len(a), -1)
+
+
 def _differ(a: list[np.ndarray], b: list[np.ndarray]) -> list[int]:
     """Per layer: the number of tokens whose top-k sets differ."""
-    return [int(sum(set(x[x >= 0].tolist()) != set(y[y >= 0].tolist()) for x, y in zip(p, q))) for p, q in zip(a, b)]
+    return [int(n) for n in (~_same_sets(a, b)).sum(1)]
 
 
 def _check_topk(tj: list[np.ndarray], tt: list[np.ndarray], max_frac: float) -> None:
@@ -150,12 +156,6 @@ def test_exact_numerics_match_jds(arch: str, moe: bool) -> None:
             np.testing.assert_allclose(got, np.asarray(getattr(c, name) if arch == "v4" else
                                                        {"kv": c.kv, "index_k": c.index_k}[name]),
                                        rtol=0, atol=1e-4, err_msg=f"layer {i} cache {name}")
-
-
-def _same_sets(a: list[np.ndarray], b: list[np.ndarray]) -> np.ndarray:
-    """[layers, tokens] bool: whether a token's top-k sets agree at a layer."""
-    return np.array([[set(x[x >= 0].tolist()) == set(y[y >= 0].tolist()) for x, y in zip(p, q)]
-                     for p, q in zip(a, b)]).reshape(len(a), -1)
 
 
 def _comparable_rows(topk_a: list[list[np.ndarray]], topk_b: list[list[np.ndarray]], rows: list[np.ndarray]

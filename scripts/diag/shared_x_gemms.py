@@ -47,6 +47,18 @@ def _weight(rng: np.random.Generator, n: int, k: int, out_rows: int | None = Non
     return pad_out_rows(jnp.asarray(wq)), jnp.asarray(s)
 
 
+def _timed_row(r: dict, fc, x: jax.Array, weights: list[jax.Array], nbytes: int) -> dict:
+    """``r`` with ``fc(x, *weights)``'s GPU-timeline row, the weights cycled through copies spanning twice the L2
+    (an error is the row's ``error``, not the end of the run); printed as it is done."""
+    rot = [[x] + [jnp.array(a, copy=True) for a in weights] for _ in range(rotation_copies(nbytes) - 1)]
+    try:
+        r.update(profiled_device_us(fc, x, *weights, by_kernel=True, rotate=rot), weight_copies=1 + len(rot))
+    except Exception as e:  # noqa: BLE001
+        r["error"] = f"{type(e).__name__}: {e}"[:400]
+    print(json.dumps(r), flush=True)
+    return r
+
+
 def run(ms: tuple[int, ...], cases: list[str]) -> list[dict]:
     rng = np.random.default_rng(0)
     rows = []
@@ -64,15 +76,8 @@ def run(ms: tuple[int, ...], cases: list[str]) -> list[dict]:
             flat = [a for w, s in ws for a in (w, s)]
             for m in ms:
                 x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
-                rot = [[x] + [jnp.array(a, copy=True) for a in flat] for _ in range(rotation_copies(nbytes) - 1)]
                 r = {"case": case, "variant": variant, "m": m, "k": k, "outs": list(outs), "weight_bytes": nbytes}
-                try:
-                    r.update(profiled_device_us(fc, x, *flat, by_kernel=True, rotate=rot),
-                             weight_copies=1 + len(rot))
-                except Exception as e:  # noqa: BLE001  (a failing variant is a row, not the end of the run)
-                    r["error"] = f"{type(e).__name__}: {e}"[:400]
-                print(json.dumps(r), flush=True)
-                rows.append(r)
+                rows.append(_timed_row(r, fc, x, flat, nbytes))
     return rows
 
 
@@ -93,14 +98,8 @@ def run_compressor(ms: tuple[int, ...], hidden: int = 4096, rows: int = 1024) ->
         nbytes = sum(int(v.size) * v.dtype.itemsize for v in ws)
         for m in ms:
             x = jnp.asarray(rng.standard_normal((m, hidden), np.float32), jnp.bfloat16)
-            rot = [[x] + [jnp.array(v, copy=True) for v in ws] for _ in range(rotation_copies(nbytes) - 1)]
             r = {"case": "comp", "variant": variant, "m": m, "k": hidden, "outs": [2 * rows], "weight_bytes": nbytes}
-            try:
-                r.update(profiled_device_us(fc, x, *ws, by_kernel=True, rotate=rot), weight_copies=1 + len(rot))
-            except Exception as e:  # noqa: BLE001
-                r["error"] = f"{type(e).__name__}: {e}"[:400]
-            print(json.dumps(r), flush=True)
-            out.append(r)
+            out.append(_timed_row(r, fc, x, list(ws), nbytes))
     return out
 
 
