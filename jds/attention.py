@@ -49,6 +49,12 @@ class Query:
     index_w: jax.Array  # [T, Hi] float32, constant scales folded in; [T, 0] without an indexer
 
 
+def weights_proj_dtype(numerics: Numerics) -> jnp.dtype:
+    """The indexer's ``weights_proj`` dtype: float32 with ``Numerics.weights_proj_float32`` or float32 activations,
+    else the activation dtype (as the checkpoints store it)."""
+    return jnp.dtype(jnp.float32) if numerics.weights_proj_float32 else jnp.dtype(jdtype(numerics.dtype))
+
+
 class Indexer(nnx.Module):
     """The lightning indexer's query side, alike in both models: ``wq_b`` from the q latent and fp32 head
     weights from x. Subclasses add the key side (V3.2: a per-token ``wk`` + LayerNorm; V4: a compressor)
@@ -59,12 +65,13 @@ class Indexer(nnx.Module):
         return Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, dtype=dt, fp8=fp8, rngs=rngs,
                       scale_fmt=numerics.act_scale_fmt)
 
-    def _weights_proj(self, cfg: Any, rngs: nnx.Rngs) -> Linear:
-        return Linear(cfg.hidden_size, cfg.index_n_heads, dtype=jnp.float32, fp8=False, rngs=rngs)
+    def _weights_proj(self, cfg: Any, numerics: Numerics, rngs: nnx.Rngs) -> Linear:
+        return Linear(cfg.hidden_size, cfg.index_n_heads, dtype=weights_proj_dtype(numerics), fp8=False, rngs=rngs)
 
     def head_weights(self, x: jax.Array) -> jax.Array:
-        """[T, Hi] float32 head weights (before the constant scales)."""
-        return self.weights_proj(x.astype(jnp.float32), jnp.float32)
+        """[T, Hi] float32 head weights (before the constant scales): x (the activation dtype) times the weight
+        in its held dtype, fp32 accumulation (exact products either way)."""
+        return self.weights_proj(x, jnp.float32)
 
     def project_q(self, q_c: jax.Array, cfg: Any) -> jax.Array:
         """[T, Hi, Di] indexer queries from the normalised q latent (before RoPE)."""

@@ -142,6 +142,12 @@ class Numerics:
     # and multiplied with fp32 accumulation (bf16: the tensor cores). A checkpoint that stores them F32 imports with
     # it on (jds.hf_import); with float32 activations they are float32 either way.
     compressor_float32: bool = False
+    # The indexer's weights_proj (x -> per-head weights, fp32 output): held in float32 and multiplied in float32 (on
+    # the GPU's CUDA cores, one CTA for a decode batch's 64 x 64 output). Off: held in the activation dtype as the
+    # checkpoints store it (bf16) and multiplied with fp32 accumulation, which gives the float32 products of those
+    # values exactly (bf16 x bf16 fits float32), so only the summation order differs from DeepSeek's fp32 GEMM. A
+    # checkpoint that stores it F32 imports with it on (jds.hf_import); with float32 activations it is float32 anyway.
+    weights_proj_float32: bool = False
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("float32", "bfloat16"), "dtype", f"must be float32 or bfloat16, got {self.dtype!r}")
@@ -156,6 +162,8 @@ class Numerics:
         _require(isinstance(self.experts_fp8, bool), "experts_fp8", f"must be a bool, got {self.experts_fp8!r}")
         _require(isinstance(self.compressor_float32, bool), "compressor_float32",
                  f"must be a bool, got {self.compressor_float32!r}")
+        _require(isinstance(self.weights_proj_float32, bool), "weights_proj_float32",
+                 f"must be a bool, got {self.weights_proj_float32!r}")
 
     @classmethod
     def exact(cls) -> "Numerics":

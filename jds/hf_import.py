@@ -580,7 +580,8 @@ def make_numerics(numerics: Any, fp8: bool) -> Any:
 
 def hf_model_config(hf: Any, *, layers: int | None = None, dequantize: bool = False, numerics: Any = "reference",
                     overrides: dict[str, Any] | None = None, numerics_overrides: dict[str, Any] | None = None,
-                    stored_experts: str | None = None, stored_compressor: str | None = None) -> Any:
+                    stored_experts: str | None = None, stored_compressor: str | None = None,
+                    stored_weights_proj: str | None = None) -> Any:
     """The jds ModelConfig of a HF config.json (path, directory or dict).
 
     ``layers`` keeps the first N layers; ``numerics`` is a Numerics or a preset name whose ``fp8_linear`` is
@@ -593,6 +594,7 @@ def hf_model_config(hf: Any, *, layers: int | None = None, dequantize: bool = Fa
     (``Numerics.experts_fp8``); None or another dtype dequantises them. ``stored_compressor``: the safetensors
     dtype of V4's first compressor weight: "F32" with a preset-named ``numerics`` holds the compressors in float32
     as stored (``Numerics.compressor_float32``); otherwise they are held in the activation dtype.
+    ``stored_weights_proj``: the same for the first indexer's ``weights_proj`` (``Numerics.weights_proj_float32``).
     """
     from jds.config import V32Config, V4Config, _hf_int, _load_json
     from jds.model import ModelConfig
@@ -661,6 +663,9 @@ def hf_model_config(hf: Any, *, layers: int | None = None, dequantize: bool = Fa
     if arch == "v4" and stored_compressor == "F32" and isinstance(numerics, str):
         # float32 compressor weights as the checkpoint stores them (rounding them to bf16 would change them)
         kw["numerics"] = dataclasses.replace(kw["numerics"], compressor_float32=True)
+    if stored_weights_proj == "F32" and isinstance(numerics, str):
+        # a float32 weights_proj as stored (the checkpoints seen store it BF16)
+        kw["numerics"] = dataclasses.replace(kw["numerics"], weights_proj_float32=True)
     if numerics_overrides:
         kw["numerics"] = override_numerics(kw["numerics"], numerics_overrides)
     if arch == "v4" and block == "v4" and mtp_layers(d):
@@ -1022,13 +1027,23 @@ def _stored_expert_dtype(reader: SafetensorsDir, hf_cfg: dict[str, Any]) -> str 
     return reader.info(name)[0]
 
 
+def _first_dtype(reader: SafetensorsDir, pattern: str) -> str | None:
+    """The header dtype of the first tensor whose name matches ``pattern`` in full, or None where none does."""
+    rx = re.compile(pattern)
+    name = next((n for n in reader.names() if rx.fullmatch(n)), None)
+    return reader.info(name)[0] if name else None
+
+
 def _stored_compressor_dtype(reader: SafetensorsDir, hf_cfg: dict[str, Any]) -> str | None:
     """The header dtype of the first V4 compressor's ``wkv`` weight, or None where there is none."""
     if hf_arch(hf_cfg) != "v4":
         return None
-    pattern = re.compile(r"(?:model\.)?layers\.\d+\.attn\.compressor\.wkv\.weight")
-    name = next((n for n in reader.names() if pattern.fullmatch(n)), None)
-    return reader.info(name)[0] if name else None
+    return _first_dtype(reader, r"(?:model\.)?layers\.\d+\.attn\.compressor\.wkv\.weight")
+
+
+def _stored_weights_proj_dtype(reader: SafetensorsDir, hf_cfg: dict[str, Any]) -> str | None:
+    """The header dtype of the first indexer's ``weights_proj`` weight (V3.2 and V4 names), or None."""
+    return _first_dtype(reader, r"(?:model\.)?layers\.\d+\.(?:self_attn|attn)\.indexer\.weights_proj\.weight")
 
 
 def convert_hf_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, layers: int | None = None,
@@ -1061,7 +1076,8 @@ def convert_hf_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, lay
     reader = SafetensorsDir(src)
     cfg = hf_model_config(hf_cfg, layers=layers, dequantize=dequantize, numerics=numerics, overrides=overrides,
                           numerics_overrides=numerics_overrides, stored_experts=_stored_expert_dtype(reader, hf_cfg),
-                          stored_compressor=_stored_compressor_dtype(reader, hf_cfg))
+                          stored_compressor=_stored_compressor_dtype(reader, hf_cfg),
+                          stored_weights_proj=_stored_weights_proj_dtype(reader, hf_cfg))
     spec = target_spec(cfg)
     entries = plan(cfg)
     _check_plan(entries, spec)

@@ -60,7 +60,7 @@ class V32Indexer(Indexer):
     def __init__(self, cfg: V32Config, numerics: Numerics, rngs: nnx.Rngs):
         self.wq_b = self._wq_b(cfg, numerics, rngs)
         self.k_norm = LayerNorm(cfg.index_head_dim, eps=cfg.rms_norm_eps, rngs=rngs)
-        self.weights_proj = self._weights_proj(cfg, rngs)
+        self.weights_proj = self._weights_proj(cfg, numerics, rngs)
 
 
 class V32Attention(StagedAttention):

@@ -99,7 +99,7 @@ class V4Indexer(Indexer):
 
     def __init__(self, cfg: V4Config, numerics: Numerics, rngs: nnx.Rngs):
         self.wq_b = self._wq_b(cfg, numerics, rngs)
-        self.weights_proj = self._weights_proj(cfg, rngs)
+        self.weights_proj = self._weights_proj(cfg, numerics, rngs)
         self.compressor = V4Compressor(cfg.hidden_size, cfg.index_head_dim, 4, cfg.rms_norm_eps, rngs,
                                        compressor_dtype(numerics))
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from flax import nnx
 
+from jds.attention import weights_proj_dtype
 from jds.batch import Chunk, make_batch, replace
 from jds.config import Numerics, V32Config, V4Config
 from jds.nn import export_weights, load_weights
@@ -40,6 +41,8 @@ def _weights(layer_id: int, seed: int, numerics: Numerics, sink_scale: float = 1
     if compressor_dtype(numerics) == jnp.bfloat16:  # the compressors' weights as the layer holds them (bf16)
         w = {k: v.astype(ml_dtypes.bfloat16) if k.endswith(("compressor.wkv", "compressor.wgate")) else v
              for k, v in w.items()}
+    if weights_proj_dtype(numerics) == jnp.bfloat16 and "indexer.weights_proj" in w:  # as held (bf16, as stored)
+        w = {**w, "indexer.weights_proj": w["indexer.weights_proj"].astype(ml_dtypes.bfloat16)}
     if not numerics.fp8_linear:
         return w
     # the checkpoint's FP8 linears; wo_a as the release converts it (bf16), unless the numerics keep it FP8

@@ -15,7 +15,9 @@ variant one executable compiled as one CUDA graph, the weights cycled through co
   stored them as one weight); ``stored``: one GEMM on the stored [2048, 4096] weight; ``stored_bf16``: the same
   weight held in bf16 (``Numerics.compressor_float32`` off), bf16 operands with an fp32 output.
 
-    python3 scripts/diag/shared_x_gemms.py [--ms 1 64 128] [--out F.json]
+- ``woa``: V4's grouped wo_a in the forms XLA could be given (``run_wo_a``).
+
+    python3 scripts/diag/shared_x_gemms.py [--ms 1 64 128] [--cases x qc comp woa] [--out F.json]
 
 Per (case, variant, rows): ``profile_span_us`` (first kernel start -> last end), ``profile_busy_us``,
 ``profile_kernels`` and ``profile_kernel_us`` (per kernel name). Native only (the timeline needs a GPU).
@@ -103,16 +105,72 @@ def run_compressor(ms: tuple[int, ...], hidden: int = 4096, rows: int = 1024) ->
     return out
 
 
+def run_wo_a(ms: tuple[int, ...], groups: int = 8, o_lora: int = 1024, k: int = 4096) -> list[dict]:
+    """The ``woa`` case: V4's grouped wo_a (V4-Flash: 8 groups of [1024, 4096], bf16 as the release runs it),
+    y[t, g] = W_g x[t, g], in the forms XLA could be given: ``f32out`` (the model's einsum with an fp32 output, then
+    rounded), ``bf16out`` (the same einsum writing bf16; XLA's GPU GEMMs sum in fp32 either way), ``gmajor``
+    (x made group-major first), ``splitk2`` (K in two halves, summed in fp32), ``cublas`` (``f32out`` with XLA's
+    Triton GEMMs off) and ``fp8`` (the grouped FP8 GEMM on an e4m3 copy of the weight, as vLLM's fp8_einsum runs it;
+    a departure from the release's bf16, for reference)."""
+    from pallas_kernels.fp8_grouped_gemm import fp8_grouped_linear
+
+    rng = np.random.default_rng(2)
+    w = jnp.asarray(rng.standard_normal((groups, o_lora, k), np.float32) * k ** -0.5, jnp.bfloat16)
+    wq, ws = zip(*(quantize_weight_blocks(np.asarray(w[g], np.float32)) for g in range(groups)))
+    wq, ws = jnp.asarray(np.stack(wq)), jnp.asarray(np.stack(ws))
+    f32 = jnp.float32
+
+    def gmajor(x, w):
+        y = jnp.einsum("gti,goi->gto", jnp.swapaxes(x, 0, 1), w, preferred_element_type=f32)
+        return jnp.swapaxes(y, 0, 1).astype(jnp.bfloat16)
+
+    def splitk2(x, w):
+        t = x.shape[0]
+        y = jnp.einsum("tgsi,gosi->tgso", x.reshape(t, groups, 2, k // 2), w.reshape(groups, o_lora, 2, k // 2),
+                       preferred_element_type=f32)
+        return y.sum(axis=2).astype(jnp.bfloat16)
+
+    def fp8(x, wq, ws):
+        t = x.shape[0]
+        rows = jnp.swapaxes(x, 0, 1).reshape(groups * t, k)
+        y = fp8_grouped_linear(rows, jnp.full((groups,), t, jnp.int32), wq, ws, implementation="pallas")
+        return jnp.swapaxes(y.reshape(groups, t, o_lora), 0, 1)
+
+    einsum = lambda x, w, dt: jnp.einsum("tgi,goi->tgo", x, w, preferred_element_type=dt)  # noqa: E731
+    fns = {"f32out": (lambda x, w: einsum(x, w, f32).astype(jnp.bfloat16), (w,), CAPTURED_OPTIONS),
+           "bf16out": (lambda x, w: einsum(x, w, jnp.bfloat16), (w,), CAPTURED_OPTIONS),
+           "gmajor": (gmajor, (w,), CAPTURED_OPTIONS), "splitk2": (splitk2, (w,), CAPTURED_OPTIONS),
+           "cublas": (lambda x, w: einsum(x, w, f32).astype(jnp.bfloat16), (w,),
+                      {**CAPTURED_OPTIONS, "xla_gpu_enable_triton_gemm": False}),
+           "fp8": (fp8, (wq, ws), CAPTURED_OPTIONS)}
+    out = []
+    xs = {m: jnp.asarray(rng.standard_normal((m, groups, k), np.float32), jnp.bfloat16) for m in ms}
+    want = {m: np.asarray(fns["f32out"][0](x, w), np.float32) for m, x in xs.items()}
+    for variant, (fn, wts, opts) in fns.items():
+        fc = jax.jit(fn, compiler_options=opts)
+        nbytes = sum(int(v.size) * v.dtype.itemsize for v in wts)
+        for m, x in xs.items():
+            r = {"case": "woa", "variant": variant, "m": m, "k": k, "outs": [groups * o_lora], "weight_bytes": nbytes}
+            try:  # against the model's form: bf16 rounding apart, except fp8 (x and W quantised)
+                r["max_abs_vs_f32out"] = float(np.abs(np.asarray(fc(x, *wts), np.float32) - want[m]).max())
+                r["max_abs_f32out"] = float(np.abs(want[m]).max())
+            except Exception as e:  # noqa: BLE001
+                r["error"] = f"{type(e).__name__}: {e}"[:400]
+            out.append(_timed_row(r, fc, x, list(wts), nbytes))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 64, 128])
-    ap.add_argument("--cases", nargs="+", default=["x", "qc", "comp"], choices=["x", "qc", "comp"])
+    ap.add_argument("--cases", nargs="+", default=["x", "qc", "comp", "woa"], choices=["x", "qc", "comp", "woa"])
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
         sys.exit("shared_x_gemms: needs a GPU (the timeline's kernel records)")
     rows = run(tuple(a.ms), [c for c in a.cases if c in CASES])
     rows += run_compressor(tuple(a.ms)) if "comp" in a.cases else []
+    rows += run_wo_a(tuple(a.ms)) if "woa" in a.cases else []
     if a.out:
         meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
                 "jax": jax.__version__,
