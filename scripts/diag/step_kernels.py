@@ -156,6 +156,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ctx", type=int, default=4096, help="the runner's context (decode shapes name theirs)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--captured-options", default=None,
+                    help="JSON of XLA options for the captured step (RunnerConfig.captured_compiler_options), e.g. "
+                         "'{\"xla_gpu_enable_triton_gemm\": false}'")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     import jax
@@ -170,11 +173,13 @@ def main(argv: list[str] | None = None) -> None:
                                     "command": " ".join(["python3 scripts/diag/step_kernels.py"] + sys.argv[1:]),
                                     "jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
                                     "arch": a.arch, "layers": a.layers, "fp8_weights": a.fp8_weights,
-                                    "steps": a.steps}, "shapes": {}}
+                                    "steps": a.steps, "captured_options": a.captured_options}, "shapes": {}}
     for shape in a.shapes:
         with tempfile.TemporaryDirectory() as dump:
             try:
-                runner = make_runner(model, "fused", 64, a.ctx, input_prep="device", dump_dir=dump)
+                opts = json.loads(a.captured_options) if a.captured_options else None
+                runner = make_runner(model, "fused", 64, a.ctx, input_prep="device", dump_dir=dump,
+                                     captured_compiler_options=opts)
                 chunks = step_shapes(a.ctx)[shape]
                 bt = block_table(runner, len(chunks))
                 ids = np.random.default_rng(0).integers(0, 256, sum(c.num_tokens for c in chunks)).astype(np.int32)
