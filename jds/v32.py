@@ -127,8 +127,8 @@ class V32Attention(StagedAttention):
                                       nope_dim=cfg.qk_nope_head_dim, dtype=dt,
                                       indexer_interleave=cfg.indexer_rope_interleave, hadamard=n.indexer_hadamard,
                                       fp8=n.indexer_fp8, scale_fmt=n.act_scale_fmt, implementation=impl)
-        q = jnp.concatenate([q[..., : cfg.qk_nope_head_dim], q_pe], axis=-1)
-        q = self._absorb_uk(q) if self.form == "absorbed" else q
+        q_nope = q[..., : cfg.qk_nope_head_dim]
+        q = self._absorb_uk(q_nope, q_pe) if self.form == "absorbed" else jnp.concatenate([q_nope, q_pe], axis=-1)
         # V32Query keeps the dequantised q and the constant-scaled weights; the op's q-scale-folded weights
         # (its 4th output) are score-equivalent for a select that reads e4m3 q
         index_q = qi.astype(jnp.float32) * qs[..., None]
@@ -173,11 +173,11 @@ class V32Attention(StagedAttention):
             return jnp.einsum(spec, a.astype(jnp.float32), w.astype(jnp.float32), precision=hp).astype(self.dtype)
         return jnp.einsum(spec, a, w)
 
-    def _absorb_uk(self, q: jax.Array) -> jax.Array:
-        """[q_nope W_UK ; q_pe]: the query in latent space (576-d)."""
+    def _absorb_uk(self, q_nope: jax.Array, q_pe: jax.Array) -> jax.Array:
+        """[q_nope W_UK ; q_pe]: the query in latent space (576-d). From the two parts: their concatenation
+        first was a copy of q per layer that the absorption then split again."""
         w_uk, _ = self._wkv_b_heads()
-        nope = self.cfg.qk_nope_head_dim
-        return jnp.concatenate([self._per_head("thd,hdc->thc", q[..., :nope], w_uk), q[..., nope:]], axis=-1)
+        return jnp.concatenate([self._per_head("thd,hdc->thc", q_nope, w_uk), q_pe], axis=-1)
 
     def _apply_uv(self, o_lat: jax.Array) -> jax.Array:
         _, w_uv = self._wkv_b_heads()
