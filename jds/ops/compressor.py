@@ -19,8 +19,6 @@ RoPE'd (interleaved, last ``rope_dim`` dims) at position b*r, and goes to compre
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,20 +72,14 @@ def pool_blocks(state_cache: jax.Array, block_tables: jax.Array, req: jax.Array,
         return rows, local >= 0
 
     cur, _ = gather(blocks)
-    # (kv, score) [N, r, d] per candidate group: block b's r tokens, and at r = 4 block b-1's before them
-    parts = [(cur[..., (c - 1) * d: c * d], cur[..., c * d + (c - 1) * d:])]
+    kv = cur[..., (c - 1) * d: c * d]
+    sc = cur[..., c * d + (c - 1) * d:]
     if c == 2:
         prev, ok = gather(jnp.where(blocks >= 1, blocks - 1, -1))
-        parts.insert(0, (prev[..., :d], jnp.where(ok[..., None], prev[..., c * d: c * d + d], -jnp.inf)))
-    # softmax-weighted sum per channel over the c*r candidates as sum(e * kv) / sum(e), e = exp(score - max),
-    # each sum reduced over a group's candidate axis where it lies (axis 1, reading the gathered rows in place).
-    # Why not jax.nn.softmax then the weighted sum (DeepSeek's order): XLA ran that as a row softmax between two
-    # transposes of the gathered [N, r, d] rows; the quotient after the sums differs from it by float32 rounding.
-    m = functools.reduce(jnp.maximum, [jnp.max(sc, axis=1, keepdims=True) for _, sc in parts])
-    es = [jnp.exp(sc - m) for _, sc in parts]
-    num = functools.reduce(jnp.add, [jnp.sum(e * kv, axis=1) for (kv, _), e in zip(parts, es)])
-    den = functools.reduce(jnp.add, [jnp.sum(e, axis=1) for e in es])
-    return num / den
+        kv = jnp.concatenate([prev[..., :d], kv], axis=1)
+        sc = jnp.concatenate([jnp.where(ok[..., None], prev[..., c * d: c * d + d], -jnp.inf), sc], axis=1)
+    a = jax.nn.softmax(sc, axis=1)  # per channel, over the c*r candidates
+    return jnp.sum(a * kv, axis=1)
 
 
 def compress(state_cache: jax.Array, rows: jax.Array, *, positions: jax.Array, req_idx: jax.Array,
