@@ -194,3 +194,30 @@ def test_topk_passes_replay():
         assert tau == want and total == 8
         full, total, tau = mod.passes(cand, k, *mod.pivot_start(piv, hi, 1))
         assert tau == want and 1 <= full <= total
+
+
+def test_step_kernels_sources(tmp_path):
+    """step_kernels.py names each kernel by its instruction's innermost jds frames (an HLO dump's source tables,
+    parent ids one more than the row id, runner.py and library frames left out) and sums kernels by them."""
+    sk = _script("step_kernels")
+    (tmp_path / "module_0001.jit_full.sm_9.0_gpu_after_optimizations.txt").write_text("\n".join([
+        "HloModule jit_full",
+        "  %loop_convert_fusion.2 = bf16[4]{0} fusion(%p), kind=kLoop, calls=%c, "
+        'metadata={op_name="jit(full)/slice" stack_frame_id=3}',
+        "  ROOT %gemm_fusion_dot-1 = f32[4]{0} fusion(%q), kind=kCustom, calls=%d, "
+        'metadata={op_name="jit(full)/dot_general" stack_frame_id=4}',
+        "", "FileNames", '1 "/work/main/jds/runner.py"', '2 "/work/main/jds/v32.py"', '3 "/usr/lib/jax/core.py"',
+        "", "FunctionNames", '1 "BoundaryRunner.step"', '2 "V32Attention._wkv_b_heads"', '3 "V32Attention.prepare"',
+        '4 "bind"',
+        "", "FileLocations", "1 {file_name_id=1 function_name_id=1 line=741}",
+        "2 {file_name_id=2 function_name_id=3 line=131}", "3 {file_name_id=2 function_name_id=2 line=163}",
+        "4 {file_name_id=3 function_name_id=4 line=9}",
+        "", "StackFrames", "1 {file_location_id=1 parent_frame_id=0}", "2 {file_location_id=2 parent_frame_id=2}",
+        "3 {file_location_id=3 parent_frame_id=3}", "4 {file_location_id=4 parent_frame_id=4}", ""]))
+    src = sk.hlo_sources(str(tmp_path))
+    assert src["loop_convert_fusion_2"] == {"op_name": "jit(full)/slice",
+                                            "source": "v32.py:163(_wkv_b_heads) < v32.py:131(prepare)"}
+    assert src["gemm_fusion_dot_1"]["source"] == "v32.py:163(_wkv_b_heads) < v32.py:131(prepare)"
+    rows = sk.by_source({"loop_convert_fusion_2": 3.0, "gemm_fusion_dot_1": 2.0, "nvjet_sm90_gemm": 4.0}, src)
+    assert rows[0]["us"] == 5.0 and rows[0]["kernels"] == 2 and rows[0]["ops"] == ["dot_general", "slice"]
+    assert rows[1] == {"source": "nvjet_sm90_gemm", "us": 4.0, "kernels": 1, "ops": []}
