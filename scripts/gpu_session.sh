@@ -29,6 +29,7 @@
 #   scripts/gpu_session.sh topk-prefilter # issue 20: a warp's own part / layouts without conversions, fused bucket
 #   scripts/gpu_session.sh topk-shapes   # issue 20: the default (warp fill) against the CTA-wide fill, 4 more shapes
 #   scripts/gpu_session.sh topk-select   # issue 20: the indexer's decode select per top-k choice (the split finish beside)
+#   scripts/gpu_session.sh step-kernels  # the 8-layer FP8 steps' kernels by source line, V4 and V3.2, in each tree of SK_TREES
 #   scripts/gpu_session.sh mqa-one       # issue 20: scores="one" (warpgroup 0 scores all candidates): native tests, then timed
 #   scripts/gpu_session.sh mqa-refresh   # issue 20: every native MQA test; the defaults, V4's splits and output dtypes timed
 #   scripts/gpu_session.sh mqa-probe     # issue 20: the MQA's fixed / per-block cost fit, V4's in-kernel regions
@@ -144,6 +145,20 @@ case "$stage" in
         --intermediate 18432 --fp8-weights --variants fused:device:8 --n 50 --out "$OUT/ttft_v32_fp8_${t}_h200.json" \
         > "$OUT/ttft_pad_$t.log" 2>&1); echo "ttft fp8 $t rc=$?"; grep '^{' "$OUT/ttft_pad_$t.log" | cut -c1-300
     done
+    ;;
+  step-kernels)
+    # where a step's device time goes: scripts/diag/step_kernels.py (fused step, FP8 weights, TTFT 128 and decode
+    # 64 at 4K) for each arch of SK_ARCHS in each tree of SK_TREES (main, or vt/NAME made by `git archive REV jds
+    # pallas_kernels | tar -x -C vt/NAME`); the script runs from main, the tree's jds is imported (cd + PYTHONPATH=.)
+    R=$(pwd)
+    for a in ${SK_ARCHS:-v4 v32}; do for t in ${SK_TREES:-main}; do
+      D=$R; [ $t != main ] && D=$R/vt/$t
+      [ -d "$D/jds" ] || { echo "step kernels $t: no tree at $D"; continue; }
+      X=""; [ $a = v32 ] && X="--intermediate 18432"
+      (cd "$D" && PYTHONPATH=. timeout -k 10 ${SK_TIMEOUT:-150} python3 "$R/scripts/diag/step_kernels.py" --arch $a $X \
+        --fp8-weights --top 60 ${SK_SHAPES:+--shapes $SK_SHAPES} --out "$OUT/step_kernels_${a}_${t}.json" \
+        > "$OUT/step_kernels_${a}_${t}.log" 2>&1); echo "step kernels $a $t rc=$?"; grep "^==" "$OUT/step_kernels_${a}_${t}.log"
+    done; done
     ;;
   ttft-parts)
     # issue 16: where TTFT's host time goes, per dispatch (seg0..), input preparation in the step loop vs alone;
