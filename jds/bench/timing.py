@@ -184,12 +184,6 @@ def profiled_device_us(fn: Callable[..., Any], *args: Any, calls: int = 20, warm
     ``rotate``: further argument sets (each as ``args``); the calls take ``args`` and these in turn, so that an
     operand smaller than the L2 cache (a 36-MiB weight on a 50-MiB L2) is not read from L2 by the next call, as a
     model's next layer reads its own weights (``rotation_copies``)."""
-    import glob
-    import os
-    import tempfile
-
-    from jax.profiler import ProfileData
-
     if thread and rotate:
         raise ValueError("rotate: argument sets to cycle through, not with thread (one state updated in place)")
     if thread:
@@ -213,6 +207,19 @@ def profiled_device_us(fn: Callable[..., Any], *args: Any, calls: int = 20, warm
 
     for _ in range(warmup):
         call()
+    return timeline_calls(call, calls, by_kernel)
+
+
+def timeline_calls(call: Callable[[], None], calls: int, by_kernel: bool = False) -> dict[str, Any]:
+    """``call()`` run ``calls`` times under ``jax.profiler``, each waited for by ``call`` itself, reduced by
+    ``split_calls`` (``profiled_device_us``'s return, which see); the timed part of ``profiled_device_us`` and of
+    ``scripts/diag/step_kernels.py`` (a runner's whole steps)."""
+    import glob
+    import os
+    import tempfile
+
+    from jax.profiler import ProfileData
+
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
         try:

@@ -105,30 +105,17 @@ def hlo_sources(dump_dir: str, depth: int = 3) -> dict[str, dict[str, str]]:
 
 
 def profile_steps(runner: Any, ids: Any, chunks: Any, bt: Any, steps: int) -> dict[str, Any]:
-    """The steps' kernels off the GPU timeline, per name (``split_calls``)."""
-    import jax
+    """The steps' kernels off the GPU timeline, per name (``timeline_calls``), after three steps of warm-up."""
     import numpy as np
-    from jax.profiler import ProfileData
 
-    from jds.bench.timing import kernel_events, split_calls
+    from jds.bench.timing import timeline_calls
+
+    def step() -> None:
+        np.asarray(runner.step(*runner.prepare_inputs(ids, chunks, bt)))
 
     for _ in range(3):
-        np.asarray(runner.step(*runner.prepare_inputs(ids, chunks, bt)))
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        try:
-            for _ in range(steps):
-                np.asarray(runner.step(*runner.prepare_inputs(ids, chunks, bt)))
-        finally:
-            jax.profiler.stop_trace()
-        files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-        if not files:
-            return {}
-        pd = ProfileData.from_file(max(files, key=os.path.getmtime))
-        lines = [ln for p in pd.planes if p.name.startswith("/device:GPU") for ln in p.lines]
-        events = kernel_events(lines)
-        kernels = [(int(e.start_ns), int(e.duration_ns)) for e in events]
-        return split_calls(kernels, steps, [e.name for e in events])
+        step()
+    return timeline_calls(step, steps, by_kernel=True)
 
 
 def by_source(per_kernel: dict[str, float], sources: dict[str, dict[str, str]]) -> list[dict[str, Any]]:
