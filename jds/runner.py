@@ -188,10 +188,11 @@ class BoundaryRunner:
         self._marker = jax.jit(lambda x: x[:1, 0])  # a tiny array made after a step (``_witness``)
         # Parameters are flattened to plain leaf lists once: jit's C++ path flattens a list of arrays in
         # microseconds, while an nnx.State pytree costs milliseconds of Python per call.
-        self._embed = _split_flat(self.model.embed)
-        self._layers = [_split_flat(layer) for layer in self.model.layers]
-        self._head = _split_flat(self.model.head)
-        self._whole = _split_flat(self.model)
+        self._served = serving_copy(self.model, self.mesh)
+        self._embed = _split_flat(self._served.embed)
+        self._layers = [_split_flat(layer) for layer in self._served.layers]
+        self._head = _split_flat(self._served.head)
+        self._whole = _split_flat(self._served)
         self._kinds = [cfg.layer_kind(i) for i in range(cfg.n_layers)]
         self._gd_of_kind = {k: self._layers[i][0] for i, k in reversed(list(enumerate(self._kinds)))}
         self._on_gpu = jax.default_backend() == "gpu"
@@ -898,7 +899,7 @@ class BoundaryRunner:
             raise ValueError("stable_inputs: not supported with speculative 'mtp' (its steps prepare inputs on the host)")
         if getattr(self, "mtp_caches", None) is None:
             self.mtp_caches = self.model.init_mtp_caches(self.num_blocks)
-            self._mtp = _split_flat(self.model.mtp[0])
+            self._mtp = _split_flat(self._served.mtp[0])
         self._spec_last: tuple[jax.Array, PagedBatch] | None = None
 
     def _spec_main(self) -> Callable:
@@ -1111,6 +1112,23 @@ def enable_compile_cache(cache_dir: str) -> None:
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def serving_copy(model: Any, mesh: Any) -> Any:
+    """The model as the runner's executables read it: a copy of its graph (the same parameter arrays) whose
+    layers hold what they would otherwise derive from their weights every step (``hold_absorbed``: V3.2's W_UK
+    / W_UV dequantised from an FP8 ``wkv_b``), placed by the partition rules on a mesh. The caller's model is
+    left as it is, so loading new weights into it later never meets stale derived values there; the runner's
+    parameters are fixed at its construction anyway (``_split_flat``)."""
+    gd, state = nnx.split(model)
+    served = nnx.merge(gd, state)
+    holders = [node for _, node in nnx.iter_graph(served) if hasattr(node, "hold_absorbed")]
+    for node in holders:
+        node.hold_absorbed()
+    if holders and mesh is not None:
+        st = nnx.state(served)
+        nnx.update(served, jax.device_put(st, sharding.param_shardings(st, model.cfg, mesh)))
+    return served
 
 
 def _split_flat(module: nnx.Module) -> tuple[Any, list[jax.Array]]:

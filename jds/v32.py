@@ -63,6 +63,11 @@ class V32Indexer(Indexer):
         self.weights_proj = self._weights_proj(cfg, numerics, rngs)
 
 
+class AbsorbedHeads(nnx.Variable):
+    """W_UK and W_UV [2, H, 128, kv_lora] in the activation dtype, dequantised from an FP8 ``wkv_b`` once
+    (``V32Attention.hold_absorbed``). Derived, not a parameter: never exported, loaded or checkpointed."""
+
+
 class V32Attention(StagedAttention):
     """The V3.2 hooks are the base's defaults: an indexer key per token, keys 0..p visible."""
 
@@ -92,6 +97,7 @@ class V32Attention(StagedAttention):
                             fp8=fp8, rngs=rngs, scale_fmt=sf)
         self.wo = Linear(cfg.n_heads * cfg.v_head_dim, cfg.hidden_size, dtype=dt, fp8=fp8, rngs=rngs, scale_fmt=sf)
         self.indexer = V32Indexer(cfg, numerics, rngs)
+        self.absorbed: AbsorbedHeads | None = nnx.data(None)  # hold_absorbed (a runner's own copy of the model)
 
     # ----- cache formats -------------------------------------------------------------------------
     @property
@@ -154,9 +160,23 @@ class V32Attention(StagedAttention):
         return self.wo(o)
 
     # ----- helpers ----------------------------------------------------------------------------------
+    def hold_absorbed(self) -> None:
+        """Hold W_UK and W_UV dequantised (``AbsorbedHeads``) where the absorbed form would otherwise dequantise
+        an FP8 ``wkv_b`` every step (an FP8 read and a bf16 write of the whole weight a layer). For a runner's
+        own copy of the model (``jds.runner``): the values follow ``wkv_b`` only as it is now."""
+        if self.form == "absorbed" and self.wkv_b.fp8:
+            self.absorbed = AbsorbedHeads(jnp.stack(self._dequant_heads()))
+
     def _wkv_b_heads(self) -> tuple[jax.Array, jax.Array]:
-        """W_UK, W_UV [H, 128, kv_lora] in the activation dtype: an FP8 wkv_b dequantised and rounded to it, as
-        DeepSeek's reference does (``weight_dequant`` gives bf16)."""
+        """W_UK, W_UV [H, 128, kv_lora] in the activation dtype: held (``hold_absorbed``), else dequantised."""
+        if self.absorbed is not None:
+            w = self.absorbed[...]
+            return w[0], w[1]
+        return self._dequant_heads()
+
+    def _dequant_heads(self) -> tuple[jax.Array, jax.Array]:
+        """W_UK, W_UV from ``wkv_b``: an FP8 one dequantised and rounded to the activation dtype, as DeepSeek's
+        reference does (``weight_dequant`` gives bf16)."""
         cfg = self.cfg
         w = self.wkv_b.dense_weight().astype(self.dtype)
         w = w.reshape(cfg.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)

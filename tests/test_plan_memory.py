@@ -41,7 +41,7 @@ r = BoundaryRunner(model, RunnerConfig(mode="fused", num_blocks=8, max_num_seqs=
 dev = jax.devices()[0]
 def on_dev(tree):
     return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == dev)
-print(json.dumps({"weights": on_dev(nnx.state(r.model)), "caches": on_dev(r.caches)}))
+print(json.dumps({"weights": on_dev(nnx.state(r._served)), "caches": on_dev(r.caches)}))
 """
 
 

@@ -56,7 +56,11 @@ for name in sys.argv[1:]:
     ids = np.arange(1, 11, dtype=np.int32)
     la = a.execute(ids, [Chunk(0, 0, 6), Chunk(1, 0, 4)], bt)
     lb = b.execute(ids, [Chunk(0, 0, 6), Chunk(1, 0, 4)], bt)
-    out[name] = {"same": same, "specs": specs, "on_dev": on_dev, "plan": weight_bytes(cfg, 1, 2, 2)["total"],
+    # what the sharded runner holds: the restored parameters and what it derives from them once (V3.2's W_UK / W_UV)
+    served = sum(s.data.nbytes for y in jax.tree.leaves(nnx.state(b._served)) for s in y.addressable_shards
+                 if s.device == dev)
+    out[name] = {"same": same, "specs": specs, "on_dev": on_dev, "served": served,
+                 "plan": weight_bytes(cfg, 1, 2, 2)["total"],
                  "ticks": ticks[-1], "via_host": len(via_host), "fused": len(fused), "n_ticks": len(ticks), "logit_err": float(np.abs(la - lb).max()),
                  "logit_scale": float(np.abs(la).max()), "sharded": len(b.model.embed.weight[...].sharding.device_set)}
 print(json.dumps(out))
@@ -72,7 +76,7 @@ def test_restore_into_shards(name: str) -> None:
     res = json.loads(p.stdout.strip().splitlines()[-1])
     for name, r in res.items():
         assert r["same"] and r["specs"], name
-        assert r["on_dev"] == r["plan"], (name, r["on_dev"], r["plan"])
+        assert r["served"] == r["plan"] and r["on_dev"] <= r["served"], (name, r["on_dev"], r["served"], r["plan"])
         assert r["ticks"][0] == r["ticks"][1] == r["n_ticks"]  # one progress call per tensor
         # only fused parameters (several stored tensors, one GEMM) pass through the host; every other one is
         # restored by orbax straight into its shards

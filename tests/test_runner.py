@@ -262,3 +262,27 @@ def test_segment_bounds() -> None:
         BoundaryRunner(model, segments=3, first_segment_layers=6, **kw)
     with pytest.raises(ValueError, match="first_segment_layers"):
         RunnerConfig(mode="fused", first_segment_layers=1)
+
+
+def test_runner_holds_v32_absorbed_weights(monkeypatch) -> None:
+    """With an FP8 ``wkv_b`` the runner's copy of a V3.2 model holds W_UK / W_UV dequantised once
+    (``V32Attention.hold_absorbed``), the caller's model is left as it was, and the logits equal those of a
+    runner that dequantises them every step (the same bf16 values reach the same einsums)."""
+    from jds.v32 import V32Attention
+
+    model = Decoder(dataclasses.replace(preset("v32-tiny"), numerics=Numerics.reference()), seed=0)
+    kw = dict(mode="fused", num_blocks=8, max_num_seqs=2, max_model_len=64, max_num_tokens=32, token_buckets=(32,))
+    held = BoundaryRunner(model=model, **kw)
+    for layer, served in zip(model.layers, held._served.layers):
+        assert layer.attn.absorbed is None and served.attn.absorbed is not None
+        uk, uv = layer.attn._dequant_heads()
+        w = np.asarray(served.attn.absorbed[...])
+        assert np.array_equal(w[0], np.asarray(uk)) and np.array_equal(w[1], np.asarray(uv))
+    monkeypatch.setattr(V32Attention, "hold_absorbed", lambda self: None)
+    per_step = BoundaryRunner(model=model, **kw)
+    assert all(served.attn.absorbed is None for served in per_step._served.layers)
+    ids = np.arange(1, 13, dtype=np.int32)
+    bt = np.arange(8, dtype=np.int32).reshape(2, 4)
+    chunks = [Chunk(0, 0, 7), Chunk(1, 0, 5)]
+    a, b = held.execute(ids, chunks, bt), per_step.execute(ids, chunks, bt)
+    assert np.array_equal(a, b)

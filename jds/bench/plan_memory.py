@@ -5,7 +5,8 @@
 
 The mesh has dp x tp x ep devices (jds's axes multiply; vLLM's expert parallelism reuses the tensor ranks).
 
-Weights: every parameter of ``Decoder(cfg)`` as jds holds it (the model under ``nnx.eval_shape``: FP8 linears and
+Weights: every parameter of ``Decoder(cfg)`` as a runner holds it, with what it derives once (``serving_copy``: V3.2's
+dequantised W_UK / W_UV beside an FP8 ``wkv_b``) (the model under ``nnx.eval_shape``: FP8 linears and
 routed experts as e4m3 + block scales, as an FP8 V3.2 checkpoint imports; bf16 with ``--dequantize``; norms in
 float32), split by the partition rules of
 ``jds.sharding`` (the same ``param_spec`` the runner places them with; a split that does not divide is
@@ -48,12 +49,14 @@ def deepseek_v32() -> Any:
 
 
 def _abstract(cfg: Any) -> Any:
-    """``Decoder(cfg)`` as shapes only (``nnx.eval_shape``): parameters in the dtypes jds holds them."""
+    """``Decoder(cfg)`` as a runner holds it (``jds.runner.serving_copy``: with what it derives once, V3.2's
+    dequantised W_UK / W_UV), shapes only (``nnx.eval_shape``): parameters in the dtypes jds holds them."""
     from flax import nnx
 
     from jds.model import Decoder
+    from jds.runner import serving_copy
 
-    return nnx.eval_shape(lambda: Decoder(cfg))
+    return nnx.eval_shape(lambda: serving_copy(Decoder(cfg), None))
 
 
 def weight_bytes(cfg: Any, dp: int, tp: int, ep: int) -> dict[str, float]:
