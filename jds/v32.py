@@ -194,8 +194,8 @@ class V32Attention(StagedAttention):
         return jnp.einsum(spec, a, w)
 
     def _absorb_uk(self, q_nope: jax.Array, q_pe: jax.Array) -> jax.Array:
-        """[q_nope W_UK ; q_pe]: the query in latent space (576-d). From the two parts: their concatenation
-        first was a copy of q per layer that the absorption then split again."""
+        """[q_nope W_UK ; q_pe]: the query in latent space (576-d), from its two parts (not sliced back out of
+        their concatenation)."""
         w_uk, _ = self._wkv_b_heads()
         return jnp.concatenate([self._per_head("thd,hdc->thc", q_nope, w_uk), q_pe], axis=-1)
 

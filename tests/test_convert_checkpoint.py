@@ -705,3 +705,21 @@ def test_v4_compressors_held_as_stored(tmp_path) -> None:
         want = "F32" if f32 else "BF16"
         hf_cfg = json.loads((hf / "config.json").read_text())
         assert hf_import._stored_compressor_dtype(SafetensorsDir(hf), hf_cfg) == want
+
+
+@pytest.mark.parametrize("arch", ["v32", "v4"])
+def test_weights_proj_held_as_stored(tmp_path, arch: str) -> None:
+    """An indexer ``weights_proj`` stored F32 imports with ``weights_proj_float32`` (held and multiplied in float32);
+    one stored bf16 (the checkpoints seen) is held in the activation dtype. An explicit Numerics is left as given."""
+    d = hf_import.hf_config_dict(tiny_cfg(arch, moe=False))
+    kw = dict(overrides={"block_size": 128}) if arch == "v4" else {}
+    assert hf_import.hf_model_config(d, stored_weights_proj="F32", **kw).numerics.weights_proj_float32
+    assert not hf_import.hf_model_config(d, stored_weights_proj="BF16", **kw).numerics.weights_proj_float32
+    explicit = Numerics.reference()
+    assert hf_import.hf_model_config(d, numerics=explicit, stored_weights_proj="F32", **kw).numerics == explicit
+    for f32 in (True, False):  # the dtype read from a synthetic directory's headers
+        cfg = tiny_cfg(arch, moe=False, numerics=dataclasses.replace(Numerics.reference(), weights_proj_float32=f32))
+        hf = tmp_path / f"hf_{f32}"
+        hf_import.export_hf(Decoder(cfg, seed=3), hf, n_shards=1)
+        hf_cfg = json.loads((hf / "config.json").read_text())
+        assert hf_import._stored_weights_proj_dtype(SafetensorsDir(hf), hf_cfg) == ("F32" if f32 else "BF16")
