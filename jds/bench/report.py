@@ -753,8 +753,8 @@ def _topk_mixed(d: dict) -> list[str]:
 
 
 def _shared_x(d: dict) -> list[str]:
-    """scripts/diag/shared_x_gemms.py: linears of one x as separate GEMMs in one executable (the first variant)
-    against one GEMM on the weights stored together (the others), GPU timeline, per case and rows."""
+    """scripts/diag/shared_x_gemms.py: a case's first variant (the form the model ran or runs: separate GEMMs of
+    one x, V4's grouped wo_a einsum) against its others, GPU timeline, per case and rows."""
     by: dict[tuple[str, int], list[dict]] = {}
     for r in d.get("rows", []):
         by.setdefault((r["case"], r["m"]), []).append(r)
@@ -765,8 +765,8 @@ def _shared_x(d: dict) -> list[str]:
                  f"{r['variant']}: {r.get('error', '—')[:60]}" for r in rs]
         a, b = (rs[0].get("profile_span_us"), rs[-1].get("profile_span_us")) if len(rs) > 1 else (None, None)
         body.append([case, str(m), "; ".join(cells), _ratio(b, a)])
-    return ["Linears of one x: separate (first variant) against stored together (the others), device µs per call "
-            "(GPU timeline; in brackets the kernels a call ran):", ""] + \
+    return ["GEMMs of one x in other forms: each case's first variant (the model's form then or now) against the "
+            "others, device µs per call (GPU timeline; in brackets the kernels a call ran):", ""] + \
         _table(["case", "rows", "variants", "last / first"], body)
 
 
