@@ -44,9 +44,16 @@ class AttentionResult:
 class Query:
     """What ``prepare`` hands the consumers, alike in both models: ``attend`` reads ``q``, ``select`` the rest."""
 
-    q: jax.Array  # V3.2: absorbed [T, H, kv_lora + rope] or MHA [T, H, nope + rope]; V4: [T, H, head_dim]
+    q: jax.Array  # V3.2: absorbed [T, H, kv_lora] or MHA [T, H, nope + rope]; V4: [T, H, head_dim]
     index_q: jax.Array  # [T, Hi, Di] float32 (FP8-dequantised when indexer_fp8); [T, 0, 0] without an indexer
     index_w: jax.Array  # [T, Hi] float32, constant scales folded in; [T, 0] without an indexer
+    # V3.2 absorbed: the roped [T, H, rope] apart (the query's row is q then q_rope; the sparse MQA reads the two
+    # into one tile, so no op writes their concatenation); else None
+    q_rope: jax.Array | None = None
+
+    def full_q(self) -> jax.Array:
+        """The query's whole row, [T, H, Dk]."""
+        return self.q if self.q_rope is None else jnp.concatenate([self.q, self.q_rope.astype(self.q.dtype)], -1)
 
 
 def weights_proj_dtype(numerics: Numerics) -> jnp.dtype:

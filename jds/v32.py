@@ -44,13 +44,15 @@ class V32Cache:
 class V32Inputs:
     """Outputs of the input projections (always inside the captured region)."""
 
-    q_lat: jax.Array  # [T, q_lora] before q_norm
-    kv: jax.Array  # [T, kv_lora + rope] before kv_norm / RoPE
-    index_k: jax.Array  # [T, Di] before LayerNorm / RoPE
+    # [T, q_lora + Di + kv_lora + rope]: the fused input projection's output, whole (its parts, by
+    # ``V32Attention.wq_a_wk_wkv_a.row_ranges()``: the q latent before q_norm, the indexer key before LayerNorm /
+    # RoPE, kv before kv_norm / RoPE). Whole, because the kv insert reads its parts in place: sliced out, each
+    # would be a copy before the kernel
+    proj: jax.Array
     index_w: jax.Array  # [T, Hi] float32 head weights
 
 
-V32Query = Query  # q, index_q, index_w: see jds.attention.Query
+V32Query = Query  # q, q_rope (absorbed form), index_q, index_w: see jds.attention.Query
 
 
 class V32Indexer(Indexer):
@@ -113,8 +115,7 @@ class V32Attention(StagedAttention):
     # ----- forward ----------------------------------------------------------------------------------
     def project_in(self, x: jax.Array) -> V32Inputs:
         x = x.astype(self.dtype)
-        q_lat, index_k, kv = self.wq_a_wk_wkv_a.split(self.wq_a_wk_wkv_a(x))
-        return V32Inputs(q_lat=q_lat, kv=kv, index_k=index_k, index_w=self.indexer.head_weights(x))
+        return V32Inputs(proj=self.wq_a_wk_wkv_a(x), index_w=self.indexer.head_weights(x))
 
     def prepare(self, inp: V32Inputs, batch: PagedBatch, cache: V32Cache) -> tuple[V32Query, V32Cache]:
         """Norms, RoPE, W_UK absorption and the indexer q prep; the MLA and indexer keys are inserted before
@@ -122,24 +123,29 @@ class V32Attention(StagedAttention):
         cfg, dt, n = self.cfg, self.dtype, self.numerics
         impl = self.op_implementation
         cos, sin = rope_cos_sin(_inv_freqs(cfg.rope, cfg.qk_rope_head_dim), batch.positions)
+        (_, q0, q1), (_, i0, _), (_, k0, _) = self.wq_a_wk_wkv_a.row_ranges()
         kv_cache, index_cache = fused_kv_insert_v32(
-            inp.kv, inp.index_k, cos, sin, batch.slot_mapping, cache.kv, cache.index_k, self.kv_norm.weight[...],
+            inp.proj, inp.proj, cos, sin, batch.slot_mapping, cache.kv, cache.index_k, self.kv_norm.weight[...],
             self.indexer.k_norm.weight[...], self.indexer.k_norm.bias[...], kv_format=self.kv_format,
             index_format=self.index_format, eps=cfg.rms_norm_eps, dtype=dt,
-            indexer_interleave=cfg.indexer_rope_interleave, hadamard=n.indexer_hadamard, implementation=impl)
-        q_c = self.q_norm(inp.q_lat, dt)
+            indexer_interleave=cfg.indexer_rope_interleave, hadamard=n.indexer_hadamard, implementation=impl,
+            kv_col=k0, index_col=i0)
+        q_c = self.q_norm(inp.proj[:, q0:q1], dt)
         q = self.wq_b(q_c).reshape(-1, cfg.n_heads, cfg.qk_head_dim)
         q_pe, qi, qs, _ = fused_q_v32(q, self.indexer.project_q(q_c, cfg), inp.index_w, cos, sin,
                                       nope_dim=cfg.qk_nope_head_dim, dtype=dt,
                                       indexer_interleave=cfg.indexer_rope_interleave, hadamard=n.indexer_hadamard,
                                       fp8=n.indexer_fp8, scale_fmt=n.act_scale_fmt, implementation=impl)
         q_nope = q[..., : cfg.qk_nope_head_dim]
-        q = self._absorb_uk(q_nope, q_pe) if self.form == "absorbed" else jnp.concatenate([q_nope, q_pe], axis=-1)
+        # absorbed: the latent q and the roped part apart (the sparse MQA reads both into one tile)
+        q, q_rope = (self._absorb_uk(q_nope), q_pe) if self.form == "absorbed" else (
+            jnp.concatenate([q_nope, q_pe], axis=-1), None)
         # V32Query keeps the dequantised q and the constant-scaled weights; the op's q-scale-folded weights
         # (its 4th output) are score-equivalent for a select that reads e4m3 q
         index_q = qi.astype(jnp.float32) * qs[..., None]
         index_w = inp.index_w.astype(jnp.float32) * (cfg.index_head_dim ** -0.5) * (cfg.index_n_heads ** -0.5)
-        return V32Query(q=q, index_q=index_q, index_w=index_w), V32Cache(kv=kv_cache, index_k=index_cache)
+        return (V32Query(q=q, index_q=index_q, index_w=index_w, q_rope=q_rope),
+                V32Cache(kv=kv_cache, index_k=index_cache))
 
     def attend(self, query: V32Query, topk: jax.Array, batch: PagedBatch, cache: V32Cache) -> jax.Array:
         """Sparse attention over the selected keys; returns [T, H * v_head_dim] in the activation dtype."""
@@ -150,7 +156,8 @@ class V32Attention(StagedAttention):
         slots = global_slots(batch.block_tables, batch.req_idx, topk, cfg.block_size)
         if self.form == "absorbed":
             o_lat = sparse_mqa(query.q, (cache.kv,), (self.kv_format,), (slots,), scale=cfg.softmax_scale,
-                               v_dim=cfg.kv_lora_rank, out_dtype=self.dtype, implementation=self.op_implementation)
+                               v_dim=cfg.kv_lora_rank, out_dtype=self.dtype, implementation=self.op_implementation,
+                               q_rope=query.q_rope)
             o = self._apply_uv(o_lat.astype(self.dtype))
         else:
             o = self._mha(query.q, read_records(cache.kv, self.kv_format, slots), topk >= 0)
@@ -193,11 +200,10 @@ class V32Attention(StagedAttention):
             return jnp.einsum(spec, a.astype(jnp.float32), w.astype(jnp.float32), precision=hp).astype(self.dtype)
         return jnp.einsum(spec, a, w)
 
-    def _absorb_uk(self, q_nope: jax.Array, q_pe: jax.Array) -> jax.Array:
-        """[q_nope W_UK ; q_pe]: the query in latent space (576-d), from its two parts (not sliced back out of
-        their concatenation)."""
+    def _absorb_uk(self, q_nope: jax.Array) -> jax.Array:
+        """q_nope W_UK: the query's no-rope part in latent space [T, H, kv_lora]."""
         w_uk, _ = self._wkv_b_heads()
-        return jnp.concatenate([self._per_head("thd,hdc->thc", q_nope, w_uk), q_pe], axis=-1)
+        return self._per_head("thd,hdc->thc", q_nope, w_uk)
 
     def _apply_uv(self, o_lat: jax.Array) -> jax.Array:
         _, w_uv = self._wkv_b_heads()

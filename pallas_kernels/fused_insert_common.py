@@ -386,3 +386,16 @@ def compile_sm90_report(fn: Any, *args: Any, sass: bool = False) -> list[dict[st
                 out[-1]["sass"] = subprocess.run([nvdisasm, "-c", f"{d}/k{i}.cubin"], capture_output=True, text=True,
                                                  check=True).stdout
     return out
+
+
+def columns(name: str, arg: str, x: jax.Array, col: int | None, width: int) -> jax.Array:
+    """x's columns [col, col + width): the rows an op reads in place from a wider array ``name`` (its argument
+    ``arg`` gives col); x itself for col None. A ValueError names ``arg`` where they do not fit."""
+    if col is None:
+        return x
+    if isinstance(col, bool) or not isinstance(col, (int, np.integer)):
+        raise ValueError(f"{arg} must be an int or None, got {col!r}")
+    check_array(name, x, (("T", None), ("columns", None)), "float")
+    if not 0 <= col <= x.shape[1] - width:
+        raise ValueError(f"{arg} = {col}: {name}'s rows take columns [{arg}, {arg} + {width}) of its {x.shape[1]}")
+    return x[:, col: col + width]

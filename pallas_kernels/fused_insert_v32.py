@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jds.ops.hadamard import hadamard_matrix
 from jds.ops.dispatch import Implementation, Unsupported, check_array, check_int, run_op
 from jds.ops.fused_insert import kv_insert_v32_xla, q_v32_xla
-from jds.ops.paging import RecordFormat, check_cache
+from jds.ops.paging import RecordFormat, check_cache, record_dim
 from jds.ops.quant import FLT_MIN, FP8, FP8_MAX, ue8m0_scale_bits
 from jds.ops.records import IndexerRecord132, MlaRecord656
 from pallas_kernels import fused_insert_common as C
@@ -43,7 +43,8 @@ fused_kv_insert_v32_reference = kv_insert_v32_xla
 
 def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_ref, knb_ref, *rest,
                       T, BT, lat, rd, di, eps, dtype, kv_fmt, idx_fmt, ilv, hadamard, dot_dtype, interpret, split,
-                      pairs_in_registers, halves):
+                      pairs_in_registers, halves, kc=0, ic=0):
+    """``kc`` / ``ic``: the first column of the rows in ``kv_ref`` / ``ik_ref``."""
     if hadamard:
         h_ref, _, _, kv_out, ix_out = rest
     else:
@@ -64,14 +65,14 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
         nblk = lat // 128 if isinstance(kv_fmt, MlaRecord656) else 1
         bw = lat // nblk
         cols = [b * bw + C.iota((1, bw), 1) for b in range(nblk)]
-        xs = [C.load(kv_ref, (tc, cb), (BT, bw)).astype(F32) for cb in cols]
+        xs = [C.load(kv_ref, (tc, kc + cb), (BT, bw)).astype(F32) for cb in cols]
         ss = functools.reduce(jnp.add, [jnp.sum(xb * xb, axis=-1, keepdims=True) for xb in xs])
         r = jax.lax.rsqrt(ss * np.float32(1 / lat) + eps)
         # the weights loaded as [BT, bw] (rows of L1 hits): a [1, bw] load gets a layout of its own, and the
         # product took it, converting every block through shared memory
         cs_ = [(xb * r * C.load(kvw_ref, (cb,), (BT, bw)).astype(F32)).astype(dtype) for xb, cb in zip(xs, cols)]
         p, jp = C.iota((1, rd), 1), C.iota((1, rd // 2), 1)  # rope columns, their pairs
-        u, v = C.split_pairs(C.load(kv_ref, (tc, lat + p), (BT, rd)).astype(F32))  # interleaved pairs
+        u, v = C.split_pairs(C.load(kv_ref, (tc, kc + lat + p), (BT, rd)).astype(F32))  # interleaved pairs
         cs, sn = C.load(cos_ref, (tc, jp), (BT, rd // 2)), C.load(sin_ref, (tc, jp), (BT, rd // 2))
         pe = C.join_pairs(*C.rope_pair(u, v, cs, sn)).astype(dtype)
 
@@ -110,12 +111,12 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
     def indexer_inputs() -> tuple[list[jax.Array], tuple[jax.Array, ...]]:
         """The indexer key's DRAM inputs: its row's column groups and the rope's cos / sin (with loaded partners,
         those too)."""
-        xs = [C.load(ik_ref, (tc, c), (BT, gw)) for c in icols]
+        xs = [C.load(ik_ref, (tc, ic + c), (BT, gw)) for c in icols]
         if pairs_in_registers:
             f = C.rope_freqs(gw, rd, ilv)
             return xs, (C.load(cos_ref, (tc, f), (BT, f.shape[1])), C.load(sin_ref, (tc, f), (BT, f.shape[1])))
         in_rope, pci, fci, _ = C.rope_partner(icols[0], 0, rd, ilv)
-        return xs, (C.load(ik_ref, (tc, pci), (BT, gw), mask=in_rope), C.load(cos_ref, (tc, fci), (BT, gw)),
+        return xs, (C.load(ik_ref, (tc, ic + pci), (BT, gw), mask=in_rope), C.load(cos_ref, (tc, fci), (BT, gw)),
                     C.load(sin_ref, (tc, fci), (BT, gw)))
 
     def indexer(inputs: tuple[list[jax.Array], tuple[jax.Array, ...]]) -> None:
@@ -182,7 +183,8 @@ def fused_kv_insert_v32(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cac
                         indexer_interleave: bool, hadamard: bool, implementation: Implementation = "pallas",
                         interpret: bool | None = None, block_tokens: int | None = None, num_warps: int = 4,
                         split_phases: bool | None = None, rope_pairs: C.RopePairs = None,
-                        hadamard_halves: bool | None = None):
+                        hadamard_halves: bool | None = None, kv_col: int | None = None,
+                        index_col: int | None = None):
     """Same inputs/outputs as ``fused_kv_insert_v32_reference``; returns (kv_cache, index_cache).
 
     Tiles: ``block_tokens`` tokens per program (None: ``kv_block_tokens``), ``num_warps``; 4 warps were faster
@@ -198,16 +200,22 @@ def fused_kv_insert_v32(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cac
 
     kv [T, lat + rd], index_k [T, Di] in ``dtype``; cos/sin [T, rd/2] float32 (jds.ops.rope.rope_cos_sin);
     slot_mapping [T] int32 (-1 = padding); caches [num_blocks, page_elems] of their formats.
+    ``kv_col`` / ``index_col``: kv (index_k) holds the rows in its columns from there on, as wide as its
+    format's rows: the layer's fused input projection passed whole, which the kernel reads in place (a slice
+    passed instead is a copy XLA makes before the kernel). None: the whole array is the rows.
     """
-    args = (kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache, kv_norm_w, k_norm_w, k_norm_b)
-    _check_kv_inputs(*args, kv_format=kv_format, index_format=index_format, hadamard=hadamard)
+    kv_rows = C.columns("kv", "kv_col", kv, kv_col, record_dim(kv_format, "kv_format"))
+    index_rows = C.columns("index_k", "index_col", index_k, index_col, record_dim(index_format, "index_format"))
+    tail = (cos, sin, slot_mapping, kv_cache, index_cache, kv_norm_w, k_norm_w, k_norm_b)
+    _check_kv_inputs(kv_rows, index_rows, *tail, kv_format=kv_format, index_format=index_format, hadamard=hadamard)
     kw = dict(kv_format=kv_format, index_format=index_format, eps=eps, dtype=dtype,
               indexer_interleave=indexer_interleave, hadamard=hadamard)
     return run_op("fused_kv_insert_v32", implementation, {
-        "xla": lambda: kv_insert_v32_xla(*args, **kw),
-        "pallas": lambda: _kv_insert_pallas(*args, **kw, interpret=interpret, block_tokens=block_tokens,
+        "xla": lambda: kv_insert_v32_xla(kv_rows, index_rows, *tail, **kw),
+        "pallas": lambda: _kv_insert_pallas(kv, index_k, *tail, **kw, interpret=interpret, block_tokens=block_tokens,
                                             num_warps=num_warps, split=split_phases, rope_pairs=rope_pairs,
-                                            halves=hadamard_halves)})
+                                            halves=hadamard_halves, kv_col=kv_col or 0,
+                                            index_col=index_col or 0)})
 
 
 def _check_kv_inputs(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache, kv_norm_w, k_norm_w, k_norm_b, *,
@@ -249,7 +257,7 @@ def kv_block_tokens(t: int) -> int:
 
 def _kv_insert_pallas(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache, kv_norm_w, k_norm_w, k_norm_b,
                       *, kv_format, index_format, eps, dtype, indexer_interleave, hadamard, interpret, block_tokens,
-                      num_warps, split, rope_pairs=None, halves=None):
+                      num_warps, split, rope_pairs=None, halves=None, kv_col=0, index_col=0):
     for name, n in (("block_tokens", 1 if block_tokens is None else block_tokens), ("num_warps", num_warps)):
         if not C.is_pow2(n):  # a tile setting, not a shape: an error under "auto" too
             raise ValueError(f"fused_kv_insert_v32: {name} must be a power of 2 (or None), got {n!r}")
@@ -257,10 +265,11 @@ def _kv_insert_pallas(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache
         raise Unsupported(f"fused_kv_insert_v32: indexer key scale_fmt {index_format.scale_fmt!r} "
                           "(the kernel implements 'ue8m0')")
     interpret = C.resolve_interpret(interpret)
-    t, width = kv.shape
+    t = kv.shape[0]
+    width = record_dim(kv_format)  # the rows' columns of kv (from kv_col)
     rd = 2 * cos.shape[-1]
     lat = width - rd
-    di = index_k.shape[-1]
+    di = k_norm_w.shape[-1]
     block_tokens = kv_block_tokens(t) if block_tokens is None else block_tokens
     for name, n in (("latent dim", lat), ("rope dim", rd), ("indexer head dim", di)):
         if not C.is_pow2(n):
@@ -287,7 +296,7 @@ def _kv_insert_pallas(kv, index_k, cos, sin, slot_mapping, kv_cache, index_cache
     kernel = functools.partial(
         _kv_insert_kernel, T=t, BT=bt, lat=lat, rd=rd, di=di, eps=eps, dtype=dt, kv_fmt=kv_format,
         idx_fmt=index_format, ilv=indexer_interleave, hadamard=hadamard, dot_dtype=dot_dtype, interpret=interpret,
-        split=split, pairs_in_registers=in_registers, halves=halves)
+        split=split, pairs_in_registers=in_registers, halves=halves, kc=kv_col, ic=index_col)
     out_shape = (jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
                  jax.ShapeDtypeStruct(index_cache.shape, index_cache.dtype))
     grid = (pl.cdiv(t, bt), 2) if split else (pl.cdiv(t, bt),)

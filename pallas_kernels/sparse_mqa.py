@@ -126,6 +126,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Literal, Sequence
 
 import jax
@@ -249,7 +250,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                out_store: OutStore | None = None, extents: Literal["xla", "pallas", "kernel"] | None = None,
                merge: Merge | None = None, q_multicast: bool | None = None,
                k_prescale: bool | None = None, producer_prefetch: int | None = None,
-               scores: Scores | None = None) -> jax.Array:
+               scores: Scores | None = None, q_rope: jax.Array | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype; with candidate
@@ -268,6 +269,10 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     into the q tile (free once both warpgroups' last QK is done) and one TMA store copies them out in whole
     lines. None: "tma" where the kernel stores bf16 rows (one split, bf16 out: it removed the bf16 rows' cost
     at V3.2 decode 64 and V4 prefill 4096 in the same run), else "direct".
+
+    ``q_rope`` [T, H, R]: the query's last R columns apart, q then being its first Dk - R (V3.2's absorbed
+    latent and its roped part come from different ops): the kernel copies each into its columns of its q tile,
+    so no concatenated q is written and read again; XLA concatenates them.
 
     ``implementation="xla"``: gather + dequantise with ``read_records`` and the pure-JAX softmax
     (``jds.ops.sparse_mqa.paged_sparse_mqa_xla``); ``"auto"``: the kernel where ``supports``, else XLA.
@@ -332,10 +337,11 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     """
     check_implementation(combine, "combine")
     caches, formats, slots = tuple(caches), tuple(formats), tuple(slots)
-    v_dim = _check_inputs(q, caches, formats, slots, v_dim, sink)
+    v_dim = _check_inputs(q, caches, formats, slots, v_dim, sink, q_rope)
     return run_op("sparse_mqa", implementation, {
-        "xla": lambda: _xla(q, caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink, out_dtype=out_dtype),
-        "pallas": lambda: _pallas(q, caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink,
+        "xla": lambda: _xla(q if q_rope is None else jnp.concatenate([q, q_rope.astype(q.dtype)], axis=-1),
+                            caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink, out_dtype=out_dtype),
+        "pallas": lambda: _pallas(q if q_rope is None else (q, q_rope), caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink,
                                   num_splits=num_splits, out_dtype=out_dtype, interpret=interpret,
                                   producer=producer, producer_regs=producer_regs,
                                   producer_phases=producer_phases, producer_pow2=producer_pow2,
@@ -346,7 +352,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                                   scores=scores)})
 
 
-def _check_inputs(q, caches, formats, slots, v_dim, sink) -> int:
+def _check_inputs(q, caches, formats, slots, v_dim, sink, q_rope=None) -> int:
     """Input errors of every implementation (ValueError naming the argument; static shapes and dtypes only).
     Returns ``v_dim`` as an int."""
     if not (len(caches) == len(formats) == len(slots) >= 1):
@@ -354,13 +360,16 @@ def _check_inputs(q, caches, formats, slots, v_dim, sink) -> int:
                          f"{len(caches)}, {len(formats)} and {len(slots)}")
     check_array("q", q, (("T", None), ("H", None), ("Dk", None)), "float")
     t, h, dk = q.shape
+    if q_rope is not None:
+        check_array("q_rope", q_rope, (("T", t), ("H", h), ("R", None)), "float")
+        dk += q_rope.shape[2]
     widths = []
     for i, (c, f, s) in enumerate(zip(caches, formats, slots)):
         widths.append(check_cache(f"caches[{i}]", c, f, f"formats[{i}]"))
         check_array(f"slots[{i}]", s, (("T", t), (f"K_{i}", None)), "int")
     if any(w != dk for w in widths):
-        raise ValueError(f"q head dim Dk = {dk} must equal the row width of every format, got widths {widths} "
-                         f"for formats {list(formats)}")
+        raise ValueError(f"q head dim Dk = {dk} must equal the row width of every format (q_rope's columns "
+                         f"included), got widths {widths} for formats {list(formats)}")
     v_dim = check_int("v_dim", v_dim, 1, dk)
     if sink is not None:
         check_array("sink", sink, (("H", h),), "float")
@@ -373,7 +382,7 @@ def _xla(q, caches, formats, slots, *, scale, v_dim, sink, out_dtype):
     return paged_sparse_mqa_xla(q, caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink).astype(out_dtype)
 
 
-def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
+def _pallas(q: jax.Array | tuple[jax.Array, ...], caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
             producer_regs=None, producer_phases=None, producer_pow2=None, producer_overlap=None, profile_dir=None,
             combine="auto", split_dtype=None, out_store=None, extents=None, merge=None, q_multicast=None,
             k_prescale=None, producer_prefetch=None, scores=None):
@@ -403,9 +412,14 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     if producer_pow2 and not (one_656 and specs[0].pow2_scales):
         raise ValueError("producer_pow2=True needs MlaRecord656 records with power-of-two (ue8m0) scales, "
                          f"got {formats}")
-    t, h, dk = q.shape
+    qs = q if isinstance(q, tuple) else (q,)  # q's row in column parts (``q_rope``)
+    q_parts = tuple(x.shape[-1] for x in qs)
+    t, h, dk = qs[0].shape[0], qs[0].shape[1], sum(q_parts)
     if dk != specs[0].dim:
         raise ValueError(f"q head dim {dk} does not match the cache rows ({specs[0].dim})")
+    if len(qs) > 1 and any(w % (BLOCK_K // NUM_WG) for w in q_parts):
+        raise Unsupported(f"sparse_mqa kernel: q parts {q_parts} (each a multiple of {BLOCK_K // NUM_WG} columns, "
+                          "whole tiles of the q tile)")
     for c, f in zip(caches, formats):
         if c.ndim != 2 or c.shape[1] != f.page_elems:
             raise ValueError(f"cache of shape {c.shape} is not [num_blocks, {f.page_elems}]")
@@ -450,7 +464,7 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     if producer_regs is None:  # (no producer warpgroup with "tma": 0, unused)
         producer_regs = PRODUCER_REGS[specs[0].kind] if producer == "registers" else 0
     hp = -(-h // HEAD_TILE) * HEAD_TILE
-    qp = jnp.pad(q.astype(jnp.bfloat16), ((0, 0), (0, hp - h), (0, 0)))
+    qps = [jnp.pad(x.astype(jnp.bfloat16), ((0, 0), (0, hp - h), (0, 0))) for x in qs]
     padded, list_blocks = [], []
     for s in slots:
         k = s.shape[1]
@@ -468,11 +482,13 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
     if merge not in ("rows", "cluster"):
         raise ValueError(f'merge must be "rows" or "cluster", got {merge!r}')
     cluster = merge == "cluster"
-    if q_multicast is None:
-        q_multicast = cluster
+    if q_multicast is None:  # (a q in parts is copied by row groups: no multicast)
+        q_multicast = cluster and len(qs) == 1
     if q_multicast and not cluster:
         raise ValueError(f'q_multicast=True shares the q tile within the pair of merge="cluster" (got merge '
                          f'{merge!r})')
+    if q_multicast and len(qs) > 1:
+        raise ValueError("q_multicast=True copies q whole: pass q without q_rope")
     if cluster and (n_splits != 2 or not native_reg):
         raise ValueError(f'merge="cluster" merges exactly two candidate splits of the native register producer '
                          f'(got {n_splits} splits, producer {producer!r}, interpret {bool(interpret)}); '
@@ -501,10 +517,11 @@ def _pallas(q, caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dt
                        producer_phases=producer_phases, producer_overlap=bool(producer_overlap),
                        pow2=pow2, profile_dir=profile_dir, cluster=cluster, kernel_extents=extents == "kernel",
                        q_multicast=bool(q_multicast), k_shift=bool(k_prescale),
-                       prefetch_ahead=producer_prefetch or 1, scores_one=scores in (None, "one"))
+                       prefetch_ahead=producer_prefetch or 1, scores_one=scores in (None, "one"),
+                       q_parts=q_parts if len(qs) > 1 else None)
     # the lists' slots apart: no concatenated copy
     exts = [] if extents == "kernel" else _extents(padded, extents, bool(interpret))
-    outs = call(qp, *padded, *exts, sink_p, *caches)
+    outs = call(*qps, *padded, *exts, sink_p, *caches)
     if n_splits == 1 or cluster:
         return outs[:, :h]
     o, m, l = outs
@@ -582,17 +599,28 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 producer_regs: int = 144, producer_phases: int = 1, producer_overlap: bool = False,
                 pow2: bool = False, profile_dir: str | None = None, cluster: bool = False,
                 kernel_extents: bool = False, q_multicast: bool = False, k_shift: bool = False,
-                prefetch_ahead: int = 1, scores_one: bool = False):
+                prefetch_ahead: int = 1, scores_one: bool = False, q_parts: tuple[int, ...] | None = None):
     """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k and arrives on "full"[k % 2];
     the compute warpgroups wait on it, read the block's slots from its idx slot (written by the producer),
     compute as below and arrive on "free"[k % 2] after their PV, which the producer waits for before it refills
     that tile with block k + 2. No "ready" barrier and no staging rows natively. Natively the producer is one
     software-pipelined loop (``record_gather.produce_tile``) and "full" and "free"
     are raw mbarriers in the idx buffer's third row (``record_gather.init_barriers``); interpret mode emulates
-    it with the staged copies, the compute warpgroups' conversion and Pallas barriers."""
+    it with the staged copies, the compute warpgroups' conversion and Pallas barriers.
+    ``q_parts``: the widths of the q inputs whose rows, side by side, are q's (None: one input of ``dk``); each
+    is copied into its columns of the q tile by 8-row groups (the tiled tile's whole rows are contiguous, a
+    column range only within a group), all on the "q landed" barrier."""
     reg = producer == "registers"
     raw = reg and interpret is None  # the producer's inline PTX loop over raw mbarriers
     kind, dk = specs[0].kind, specs[0].dim
+    q_parts = (dk,) if q_parts is None else tuple(q_parts)
+    if sum(q_parts) != dk:
+        raise ValueError(f"sparse_mqa kernel: q parts {q_parts} do not sum to the row width {dk}")
+    nq = len(q_parts)
+    if nq > 1 and q_multicast:
+        raise ValueError("sparse_mqa kernel: q_multicast copies one whole q input (got q in parts)")
+    q_cols = [(i, sum(q_parts[:i]), w) for i, w in enumerate(q_parts)]  # (input, first column, width)
+    q_copies = 1 if nq == 1 else nq * (HEAD_TILE // 8)  # arrivals on "q landed"
     emulate = reg and interpret is not None  # the producer's register gather is PTX: interpret mode stages rows
     nc = len(specs)
     if sum(list_blocks) >= 1 << 20:  # the descriptors' opaque zero is block_id >> 20
@@ -723,7 +751,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
 
     n_ext = 0 if kernel_extents else nc  # extents given per list, or computed here (``kernel_extents``)
 
-    def kernel(q_ref, *rest):
+    def kernel(*refs):
+        q_refs, rest = refs[:nq], refs[nq:]
         slots_refs, ext_refs, sink_ref, rest = rest[:nc], rest[nc:nc + n_ext], rest[nc + n_ext], rest[nc + n_ext + 1:]
         cache_refs, rest = rest[:nc], rest[nc:]
         if n_splits == 1 or cluster:
@@ -814,8 +843,13 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                         plgpu.set_max_registers(n, action="increase" if n > launch_regs() else "decrease")
                 if w == 0:
                     # q_multicast: both CTAs of the pair need this tile; each fetches half of it into both
-                    plgpu.copy_gmem_to_smem(q_ref.at[ti, pl.ds(gi * HEAD_TILE, HEAD_TILE)], q_s, bar_q.at[0],
-                                            collective_axes="pair" if q_multicast else None)
+                    if nq == 1:
+                        plgpu.copy_gmem_to_smem(q_refs[0].at[ti, pl.ds(gi * HEAD_TILE, HEAD_TILE)], q_s,
+                                                bar_q.at[0], collective_axes="pair" if q_multicast else None)
+                    else:  # q's parts into their columns, by 8-row groups (a group's columns are contiguous)
+                        for r, (i, c0, width) in itertools.product(range(HEAD_TILE // 8), q_cols):
+                            plgpu.copy_gmem_to_smem(q_refs[i].at[ti, pl.ds(gi * HEAD_TILE + 8 * r, 8)],
+                                                    q_s.at[pl.ds(8 * r, 8), pl.ds(c0, width)], bar_q.at[0])
                     if not reg:
                         @pl.when(nblk > 0)
                         def _():
@@ -1121,7 +1155,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         plgpu.SMEM((1, BK, dk), jnp.bfloat16, transforms=SW),  # dequantised K tile (V = its first dv columns)
         st_t, *mid,
         plgpu.SMEM((2, BK), jnp.int32),  # slots of the current and next block
-        plgpu.Barrier(num_arrivals=1, num_barriers=1),  # q landed
+        plgpu.Barrier(num_arrivals=q_copies, num_barriers=1),  # q landed (each copy)
         plgpu.Barrier(num_arrivals=1, num_barriers=2),  # slots landed (per idx slot)
         plgpu.Barrier(num_arrivals=BK * copies, num_barriers=1),  # all row copies of a block landed
         plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1),  # K tile complete, staging/slots read
@@ -1139,7 +1173,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             # the two blocks' slots (-1 = masked), written by the producer; with raw barriers a third row holds
             # "full" and "free" (the buffer's 1 KB of shared memory has room)
             plgpu.SMEM((3 if raw else 2, BK), jnp.int32),
-            plgpu.Barrier(num_arrivals=1, num_barriers=1),  # q landed
+            plgpu.Barrier(num_arrivals=q_copies, num_barriers=1),  # q landed (each copy)
             plgpu.Barrier(num_arrivals=1, num_barriers=2),  # "full": the producer filled K tile / idx slot b
             plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=2),  # "free": the compute warpgroups are done with b
             plgpu.Barrier(num_arrivals=1 if scores_one else NUM_WG, num_barriers=1),  # P published (both halves)

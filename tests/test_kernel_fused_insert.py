@@ -155,6 +155,47 @@ def test_v32_kv_insert(mode, kv_fmt, idx_fmt, dt, had, ilv, t):
     assert_cache_match(idx_fmt, got[1], want[1], slots, exact and not had, "indexer cache")
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_inserts_read_columns_in_place(mode):
+    """kv_col / index_col: the inserts read their rows in place from a wider array (the layer's fused input
+    projection, passed whole) and write what they write from the rows sliced out, bit for bit, in each
+    implementation; columns that do not fit are a ValueError naming the argument."""
+    cfg, rng, t, nb = V32Config.tiny(), np.random.default_rng(5), 20, 4
+    proj = jnp.asarray(rng.normal(size=(t, 96 + 128 + 576)) * 2, BF16)  # [q latent | indexer key | kv]
+    kv, ik = proj[:, 224:], proj[:, 96:224]
+    cos, sin = rope_cos_sin(cached_inv_freqs(cfg.rope, 64), jnp.asarray(rng.integers(0, 2000, t), jnp.int32))
+    slots = jnp.asarray(_slots(rng, t, nb * 16))
+    fmt, ifmt = MlaRecord656(16, "ue8m0"), IndexerRecord132(16)
+    w, kw, kb = (jnp.asarray(1 + 0.1 * rng.normal(size=n), F32) for n in (512, 128, 128))
+    caches = _noise_cache(rng, fmt, nb), _noise_cache(rng, ifmt, nb)
+    static = dict(kv_format=fmt, index_format=ifmt, eps=1e-6, dtype=BF16, indexer_interleave=False, hadamard=True)
+    for impl in ("xla", "pallas"):
+        f = functools.partial(fused_kv_insert_v32, **static, implementation=impl, interpret=_interpret(mode))
+        sliced = f(kv, ik, cos, sin, slots, *caches, w, kw, kb)
+        whole = f(proj, proj, cos, sin, slots, *caches, w, kw, kb, kv_col=224, index_col=96)
+        for g, s_, what in zip(whole, sliced, ("MLA cache", "indexer cache")):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(s_), err_msg=f"{impl} {what}")
+    with pytest.raises(ValueError, match=r"kv_col = 300: kv's rows take columns \[kv_col, kv_col \+ 576\) of its 800"):
+        fused_kv_insert_v32(proj, proj, cos, sin, slots, *caches, w, kw, kb, **static, kv_col=300, index_col=96)
+    with pytest.raises(ValueError, match="index_col must be an int or None"):
+        fused_kv_insert_v32(proj, proj, cos, sin, slots, *caches, w, kw, kb, **static, kv_col=224, index_col=1.5)
+    # V4: [q latent | kv] into the window insert
+    v4 = V4Config.tiny()
+    proj4 = jnp.asarray(rng.normal(size=(t, 64 + 512)), BF16)
+    q = jnp.asarray(rng.normal(size=(t, v4.n_heads, 512)) * 3, BF16)
+    cos4, sin4 = rope_cos_sin(cached_inv_freqs(v4.rope_for(4), 64), jnp.asarray(rng.integers(0, 4000, t), jnp.int32))
+    wfmt = MlaRecord584(128)
+    cache4 = _noise_cache(rng, wfmt, 3)
+    slots4 = jnp.asarray(_slots(rng, t, 3 * 128))
+    for impl in ("xla", "pallas"):
+        f = functools.partial(fused_qnorm_rope_kv_insert_v4, window_format=wfmt, eps=1e-6, dtype=BF16,
+                              implementation=impl, interpret=_interpret(mode))
+        sliced = f(q, proj4[:, 64:], cos4, sin4, slots4, cache4, w)
+        whole = f(q, proj4, cos4, sin4, slots4, cache4, w, kv_col=64)
+        for g, s_, what in zip(whole, sliced, ("q", "window cache")):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(s_), err_msg=f"{impl} {what}")
+
+
 # ----- V3.2: q_pe RoPE + indexer q --------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dt,had,ilv,fp8,t", [
@@ -364,7 +405,7 @@ def test_v32_layer_prepare(mode, numerics, monkeypatch):
     layer = V32Attention(cfg, numerics, rngs=nnx.Rngs(0))
     assert_cache_match(layer.kv_format, gc.kv, wc.kv, slots, False, "MLA cache")
     assert_cache_match(layer.index_format, gc.index_k, wc.index_k, slots, False, "indexer cache")
-    assert_q_match(gq.q, wq.q, False, "q", 2e-2)
+    assert_q_match(gq.full_q(), wq.full_q(), False, "q", 2e-2)
     assert_q_match(gq.index_w, wq.index_w, True, "index_w", 0)  # f32: one ulp on a few elements
     np.testing.assert_allclose(np.asarray(gq.index_q), np.asarray(wq.index_q), rtol=0.13,
                                atol=2e-2 * float(np.abs(np.asarray(wq.index_q)).max()))
@@ -404,6 +445,7 @@ def _lowering_cases(t: int = 33):
     kv32_args = (jnp.zeros((t, 576), dt), jnp.zeros((t, 128), dt), cos, cos, slots,
                  jnp.zeros((4, 64 * 656), jnp.uint8), jnp.zeros((4, 64 * 132), jnp.uint8),
                  jnp.ones(512), jnp.ones(128), jnp.zeros(128))
+    proj32 = jnp.zeros((t, 1536 + 128 + 576), dt)
     q32 = functools.partial(fused_q_v32, nope_dim=128, dtype=dt, indexer_interleave=False, hadamard=True, fp8=True,
                             interpret=False)
     q32_args = (jnp.zeros((t, 128, 192), dt), jnp.zeros((t, 64, 128), dt), jnp.zeros((t, 64), F32), cos, cos)
@@ -416,7 +458,12 @@ def _lowering_cases(t: int = 33):
             pytest.param(v4, v4_args, True, id=f"v4_qnorm_rope_kv_insert-t{t}"),
             pytest.param(functools.partial(kv32, split_phases=True), kv32_args, True, id=f"v32_kv_insert-split-t{t}"),
             pytest.param(functools.partial(kv32, rope_pairs="loads"), kv32_args, True, id=f"v32_kv_insert-loads-t{t}"),
-            pytest.param(functools.partial(q32, split_phases=True), q32_args, False, id=f"v32_fused_q-split-t{t}")]
+            pytest.param(functools.partial(q32, split_phases=True), q32_args, False, id=f"v32_fused_q-split-t{t}"),
+            # the rows read in place from the fused input projections' outputs (V3.2: 1536 + 128 + 576 columns)
+            pytest.param(functools.partial(kv32, kv_col=1664, index_col=1536), (proj32, proj32) + kv32_args[2:], True,
+                         id=f"v32_kv_insert-cols-t{t}"),
+            pytest.param(functools.partial(v4, kv_col=1024), v4_args[:1] + (jnp.zeros((t, 1024 + 512), dt),)
+                         + v4_args[2:], True, id=f"v4_qnorm_rope_kv_insert-cols-t{t}")]
 
 
 @pytest.mark.parametrize("fn,args,inserts", _lowering_cases())

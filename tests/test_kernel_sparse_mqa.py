@@ -137,6 +137,35 @@ def test_v32_fp8(mode, scale_fmt):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_q_rope_apart(mode):
+    """q's last 64 columns passed apart (``q_rope``, V3.2's absorbed form) give the very rows of the whole q: the
+    same values land in the same q tile. Natively also with the cluster merge (whose q multicast takes a whole q) and
+    the TMA producer.
+    Also the XLA path, and a q_rope of the wrong shape."""
+    interpret = _interpret(mode)
+    rng = np.random.default_rng(11)
+    t, h, k, nblk, epp = (3, 4, 100, 8, 16) if interpret else (4, 128, 2048, 96, 64)
+    fmt = MlaRecord656(epp, "ue8m0")
+    cache = _cache(fmt, nblk, 576, rng)
+    slots = _slots(rng, t, k, nblk * epp, 0.2, empty_rows=(1,))
+    q = _bf16_exact(rng.standard_normal((t, h, 576))).astype(jnp.bfloat16)
+    forms = [dict()] if interpret else [dict(), dict(num_splits=2, merge="cluster"), dict(producer="tma")]
+    for impl, kw in [("pallas", kw) for kw in forms] + [("xla", {})]:
+        args = dict(scale=0.06, v_dim=512, implementation=impl, interpret=interpret, **kw)
+        whole = mqa.sparse_mqa(q, [cache], [fmt], [slots], **args)
+        apart = mqa.sparse_mqa(q[..., :512], [cache], [fmt], [slots], q_rope=q[..., 512:], **args)
+        np.testing.assert_array_equal(np.asarray(apart), np.asarray(whole), err_msg=f"{impl} {kw}")
+    with pytest.raises(ValueError, match="q_rope"):
+        mqa.sparse_mqa(q[..., :512], [cache], [fmt], [slots], q_rope=q[:1, :, 512:], scale=0.06, v_dim=512)
+    if not interpret:
+        with pytest.raises(ValueError, match="q_multicast"):
+            mqa.sparse_mqa(q[..., :512], [cache], [fmt], [slots], q_rope=q[..., 512:], scale=0.06, v_dim=512,
+                           num_splits=2, merge="cluster", q_multicast=True)
+    with pytest.raises(ValueError, match="q_rope's columns included"):
+        mqa.sparse_mqa(q[..., :512], [cache], [fmt], [slots], q_rope=q[..., 480:], scale=0.06, v_dim=512)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_v32_padded_heads_and_splits(mode):
     """72 heads -> two 64-head tiles (56 padded heads); 3 candidate blocks (the middle one fully masked, so
     2 live blocks) cut into 2 and 3 splits (the third split has no block: it contributes nothing)."""
@@ -572,7 +601,8 @@ def test_v4_layer_attend(mode):
                                   "v4_fp8_cluster_no_k_prescale", "v32u_fp8_no_k_prescale", "v32u_fp8",
                                   "v4_fp8_prefetch2", "v4_fp8_cluster_prefetch2", "v32_fp8_prefetch2",
                                   "v4_fp8_cluster_scores_split", "v4_fp8_scores_split", "v32_fp8_scores_split",
-                                  "v32_fp8_cluster_scores_split", "v4_fp8_tma_scores_split"])
+                                  "v32_fp8_cluster_scores_split", "v4_fp8_tma_scores_split", "v32_fp8_q_rope",
+                                  "v32_fp8_cluster_q_rope", "v32_fp8_tma_q_rope"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -624,9 +654,14 @@ def test_lowers_for_cuda(case):
           "v4_fp8_cluster_scores_split": dict(merge="cluster", scores="split"),
           "v4_fp8_scores_split": dict(scores="split"), "v32_fp8_scores_split": dict(scores="split"),
           "v32_fp8_cluster_scores_split": dict(merge="cluster", scores="split"),
-          "v4_fp8_tma_scores_split": dict(producer="tma", scores="split")}.get(case, {})
+          "v4_fp8_tma_scores_split": dict(producer="tma", scores="split"),
+          # q's roped columns apart, copied into their columns of the q tile
+          "v32_fp8_cluster_q_rope": dict(merge="cluster"),
+          "v32_fp8_tma_q_rope": dict(producer="tma")}.get(case, {})
 
     def f(q, caches, slots, sink):
+        if case.endswith("q_rope"):
+            kw["q_rope"], q = q[..., 512:], q[..., :512]
         return mqa.sparse_mqa(q, caches, fmts, slots, scale=0.07, v_dim=v, sink=sink, num_splits=splits,
                               interpret=False, **kw)
 
