@@ -70,12 +70,15 @@ class Linear(nnx.Module):
             return 0, self.out_features
         return None
 
-    def __call__(self, x: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, out_dtype: jnp.dtype | None = None, *, padded: bool = False) -> jax.Array:
+        """x @ W^T [..., out_features]. ``padded``: with an FP8 weight, the outputs of its stored rows, the zero
+        rows past ``out_features`` included (for consumers that read their columns in place: trimmed, the
+        output is copied)."""
         out_dtype = out_dtype or self.dtype
         if self.fp8:
             y = fp8_linear(x, self.weight[...], self.scale[...], out_dtype=out_dtype, scale_fmt=self.scale_fmt,
                            implementation=self.implementation)
-            return y if self.out_features % 128 == 0 else y[..., :self.out_features]
+            return y if padded or self.out_features % 128 == 0 else y[..., :self.out_features]
         return matmul(x.astype(self.dtype), self.weight[...], out_dtype)
 
     def grouped(self, x: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
@@ -109,8 +112,8 @@ class FusedLinear(Linear):
 
     ``parts`` = ((name, out_features), ...) in row order. export_weights/load_weights never see the fused
     module's own name: each part is exported/loaded under ``name`` (and ``name.scale``) as a sibling of
-    this module, so checkpoints keep their separate tensors while the step does a single matmul (its consumers
-    read their part's columns of the output, by ``row_ranges``).
+    this module, so checkpoints keep their separate tensors while the step does a single matmul (``split``, or
+    consumers that read their part's columns of the output in place, by ``row_ranges``).
     With ``fp8`` every part but the last must span whole 128-row scale blocks.
     """
 
@@ -130,6 +133,10 @@ class FusedLinear(Linear):
             out.append((n, r, r + o) if not scale else (n, r // 128, -(-(r + o) // 128)))
             r += o
         return out
+
+    def split(self, y: jax.Array) -> tuple[jax.Array, ...]:
+        """Cut a fused output [..., sum(out)] into the parts' outputs."""
+        return tuple(y[..., a:b] for _, a, b in self.row_ranges())
 
 
 class RMSNorm(nnx.Module):

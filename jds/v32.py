@@ -44,10 +44,10 @@ class V32Cache:
 class V32Inputs:
     """Outputs of the input projections (always inside the captured region)."""
 
-    # [T, q_lora + Di + kv_lora + rope]: the fused input projection's output, whole (its parts, by
-    # ``V32Attention.wq_a_wk_wkv_a.row_ranges()``: the q latent before q_norm, the indexer key before LayerNorm /
-    # RoPE, kv before kv_norm / RoPE). Whole, because the kv insert reads its parts in place: sliced out, each
-    # would be a copy before the kernel
+    # [T, >= q_lora + Di + kv_lora + rope]: the fused input projection's output, whole, with an FP8 weight's zero
+    # rows (its parts, by ``V32Attention.wq_a_wk_wkv_a.row_ranges()``: the q latent before q_norm, the indexer
+    # key before LayerNorm / RoPE, kv before kv_norm / RoPE). Whole, because the kv insert reads its parts in
+    # place: sliced out (or trimmed), each would be a copy before the kernel
     proj: jax.Array
     index_w: jax.Array  # [T, Hi] float32 head weights
 
@@ -115,7 +115,7 @@ class V32Attention(StagedAttention):
     # ----- forward ----------------------------------------------------------------------------------
     def project_in(self, x: jax.Array) -> V32Inputs:
         x = x.astype(self.dtype)
-        return V32Inputs(proj=self.wq_a_wk_wkv_a(x), index_w=self.indexer.head_weights(x))
+        return V32Inputs(proj=self.wq_a_wk_wkv_a(x, padded=True), index_w=self.indexer.head_weights(x))
 
     def prepare(self, inp: V32Inputs, batch: PagedBatch, cache: V32Cache) -> tuple[V32Query, V32Cache]:
         """Norms, RoPE, W_UK absorption and the indexer q prep; the MLA and indexer keys are inserted before

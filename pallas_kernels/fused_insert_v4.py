@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 
 from jds.ops.dispatch import Implementation, Unsupported, check_array, run_op
 from jds.ops.fused_insert import qnorm_rope_kv_insert_v4_xla
-from jds.ops.paging import RecordFormat, check_cache, record_dim
+from jds.ops.paging import RecordFormat, check_cache
 from jds.ops.quant import ue8m0_scale_bits
 from jds.ops.records import MlaRecord584
 from pallas_kernels import fused_insert_common as C
@@ -33,8 +33,7 @@ fused_qnorm_rope_kv_insert_v4_reference = qnorm_rope_kv_insert_v4_xla
 
 
 def _v4_kernel(q_ref, kv_ref, cos_ref, sin_ref, slot_ref, w_ref, _cache_in, q_out, c_out, *, T, BT, H, HB, nhb,
-               D, rd, eps, dtype, fmt, interpret, kc=0):
-    """``kc``: the first column of the kv rows in ``kv_ref``."""
+               D, rd, eps, dtype, fmt, interpret):
     pid, jh = pl.program_id(0), pl.program_id(1)
     col = C.iota((1, D), 1)
     in_rope, pcol, fcol, first = C.rope_partner(col, D - rd, rd, True)
@@ -68,8 +67,8 @@ def _v4_kernel(q_ref, kv_ref, cos_ref, sin_ref, slot_ref, w_ref, _cache_in, q_ou
         ok = (t < T) & (slot >= 0)
         safe = jnp.where(ok, slot, 0)
         shape = (BT, D)
-        x = C.load(kv_ref, (tc, kc + col), shape).astype(F32)
-        xp = C.load(kv_ref, (tc, kc + pcol), shape, mask=in_rope).astype(F32)
+        x = C.load(kv_ref, (tc, col), shape).astype(F32)
+        xp = C.load(kv_ref, (tc, pcol), shape, mask=in_rope).astype(F32)
         r_ = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
         y = (x * r_ * C.load(w_ref, (col,), (1, D))).astype(dtype).astype(F32)
         yp = (xp * r_ * C.load(w_ref, (pcol,), (1, D))).astype(dtype).astype(F32)
@@ -110,7 +109,7 @@ def fused_qnorm_rope_kv_insert_v4(q, kv, cos, sin, slot_mapping, window_cache, k
                                   window_format: RecordFormat, eps: float, dtype,
                                   implementation: Implementation = "pallas", interpret: bool | None = None,
                                   rows_per_program: int | None = None, num_warps: int | None = None,
-                                  heads_per_program: int | None = None, kv_col: int | None = None):
+                                  heads_per_program: int | None = None):
     """Same inputs/outputs as ``fused_qnorm_rope_kv_insert_v4_reference``.
 
     q [T, H, D], kv [T, D] in ``dtype``; cos/sin [T, rd/2] float32; slot_mapping [T] int32 (-1 = padding);
@@ -122,17 +121,14 @@ def fused_qnorm_rope_kv_insert_v4(q, kv, cos, sin, slot_mapping, window_cache, k
     All None: 8 heads x 1 token, 8 warps at every T: the fastest tiling of the T = 8192 sweep on the GPU
     timeline once the q rows' rope went to (even, odd) pairs (fewer registers; 16 heads and 4 warps were
     fastest before), bit-identical to the other tilings
-    (``benchmarks/results/kernels_fused_insert_*.json``, rows with ``tiles``; issue 6).
-    ``kv_col``: kv holds the rows in its D columns from there on (the layer's fused input projection passed
-    whole, read in place: a slice would be copied before the kernel); None: kv is the rows."""
-    rows = C.columns("kv", "kv_col", kv, kv_col, record_dim(window_format, "window_format"))
-    args = (q, rows, cos, sin, slot_mapping, window_cache, kv_norm_w)
+    (``benchmarks/results/kernels_fused_insert_*.json``, rows with ``tiles``; issue 6)."""
+    args = (q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w)
     _check_inputs(*args, window_format=window_format)
     kw = dict(window_format=window_format, eps=eps, dtype=dtype)
     return run_op("fused_qnorm_rope_kv_insert_v4", implementation, {
         "xla": lambda: qnorm_rope_kv_insert_v4_xla(*args, **kw),
-        "pallas": lambda: _pallas(q, kv, *args[2:], **kw, interpret=interpret, rows_per_program=rows_per_program,
-                                  num_warps=num_warps, heads_per_program=heads_per_program, kv_col=kv_col or 0)})
+        "pallas": lambda: _pallas(*args, **kw, interpret=interpret, rows_per_program=rows_per_program,
+                                  num_warps=num_warps, heads_per_program=heads_per_program)})
 
 
 def _check_inputs(q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w, *, window_format) -> None:
@@ -152,7 +148,7 @@ def _check_inputs(q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w, *, win
 
 
 def _pallas(q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w, *, window_format, eps, dtype, interpret,
-            rows_per_program, num_warps, heads_per_program, kv_col=0):
+            rows_per_program, num_warps, heads_per_program):
     interpret = C.resolve_interpret(interpret)
     t, h, d = q.shape
     rd = 2 * cos.shape[-1]
@@ -184,7 +180,7 @@ def _pallas(q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w, *, window_fo
     nhb = -(-h // hb)
     dt = jnp.dtype(dtype)
     kernel = functools.partial(_v4_kernel, T=t, BT=bt, H=h, HB=hb, nhb=nhb, D=d, rd=rd, eps=eps, dtype=dt,
-                               fmt=window_format, interpret=interpret, kc=kv_col)
+                               fmt=window_format, interpret=interpret)
     out_shape = (jax.ShapeDtypeStruct((t, h, d), dt), jax.ShapeDtypeStruct(window_cache.shape, window_cache.dtype))
     args = [q, kv, cos.astype(F32), sin.astype(F32), slot_mapping.astype(jnp.int32), kv_norm_w.astype(F32),
             window_cache]

@@ -126,7 +126,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from typing import Literal, Sequence
 
 import jax
@@ -271,8 +270,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     at V3.2 decode 64 and V4 prefill 4096 in the same run), else "direct".
 
     ``q_rope`` [T, H, R]: the query's last R columns apart, q then being its first Dk - R (V3.2's absorbed
-    latent and its roped part come from different ops): the kernel copies each into its columns of its q tile,
-    so no concatenated q is written and read again; XLA concatenates them.
+    latent and its roped part come from different ops): the kernel loads each into a tile of its own and
+    multiplies each by its columns of K, so no concatenated q is written and read again; XLA concatenates them.
 
     ``implementation="xla"``: gather + dequantise with ``read_records`` and the pure-JAX softmax
     (``jds.ops.sparse_mqa.paged_sparse_mqa_xla``); ``"auto"``: the kernel where ``supports``, else XLA.
@@ -418,8 +417,8 @@ def _pallas(q: jax.Array | tuple[jax.Array, ...], caches, formats, slots, *, sca
     if dk != specs[0].dim:
         raise ValueError(f"q head dim {dk} does not match the cache rows ({specs[0].dim})")
     if len(qs) > 1 and any(w % (BLOCK_K // NUM_WG) for w in q_parts):
-        raise Unsupported(f"sparse_mqa kernel: q parts {q_parts} (each a multiple of {BLOCK_K // NUM_WG} columns, "
-                          "whole tiles of the q tile)")
+        raise Unsupported(f"sparse_mqa kernel: q parts {q_parts} (each a multiple of {BLOCK_K // NUM_WG} columns: "
+                          "whole tiles of K for its wgmma)")
     for c, f in zip(caches, formats):
         if c.ndim != 2 or c.shape[1] != f.page_elems:
             raise ValueError(f"cache of shape {c.shape} is not [num_blocks, {f.page_elems}]")
@@ -482,13 +481,11 @@ def _pallas(q: jax.Array | tuple[jax.Array, ...], caches, formats, slots, *, sca
     if merge not in ("rows", "cluster"):
         raise ValueError(f'merge must be "rows" or "cluster", got {merge!r}')
     cluster = merge == "cluster"
-    if q_multicast is None:  # (a q in parts is copied by row groups: no multicast)
-        q_multicast = cluster and len(qs) == 1
+    if q_multicast is None:
+        q_multicast = cluster
     if q_multicast and not cluster:
         raise ValueError(f'q_multicast=True shares the q tile within the pair of merge="cluster" (got merge '
                          f'{merge!r})')
-    if q_multicast and len(qs) > 1:
-        raise ValueError("q_multicast=True copies q whole: pass q without q_rope")
     if cluster and (n_splits != 2 or not native_reg):
         raise ValueError(f'merge="cluster" merges exactly two candidate splits of the native register producer '
                          f'(got {n_splits} splits, producer {producer!r}, interpret {bool(interpret)}); '
@@ -607,9 +604,10 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     software-pipelined loop (``record_gather.produce_tile``) and "full" and "free"
     are raw mbarriers in the idx buffer's third row (``record_gather.init_barriers``); interpret mode emulates
     it with the staged copies, the compute warpgroups' conversion and Pallas barriers.
-    ``q_parts``: the widths of the q inputs whose rows, side by side, are q's (None: one input of ``dk``); each
-    is copied into its columns of the q tile by 8-row groups (the tiled tile's whole rows are contiguous, a
-    column range only within a group), all on the "q landed" barrier."""
+    ``q_parts``: the widths of the (at most two) q inputs whose rows, side by side, are q's (None: one input of
+    ``dk``). Each has a tile of its own (one TMA copy each, on the "q landed" barrier; a column range of the
+    tiled q tile is not contiguous, so copying into it took a copy per 8-row group, which measured slower), and
+    QK is one wgmma per part over its columns of K, accumulated in order: the same sums as one wgmma."""
     reg = producer == "registers"
     raw = reg and interpret is None  # the producer's inline PTX loop over raw mbarriers
     kind, dk = specs[0].kind, specs[0].dim
@@ -617,10 +615,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     if sum(q_parts) != dk:
         raise ValueError(f"sparse_mqa kernel: q parts {q_parts} do not sum to the row width {dk}")
     nq = len(q_parts)
-    if nq > 1 and q_multicast:
-        raise ValueError("sparse_mqa kernel: q_multicast copies one whole q input (got q in parts)")
-    q_cols = [(i, sum(q_parts[:i]), w) for i, w in enumerate(q_parts)]  # (input, first column, width)
-    q_copies = 1 if nq == 1 else nq * (HEAD_TILE // 8)  # arrivals on "q landed"
+    if nq > 2:
+        raise ValueError(f"sparse_mqa kernel: q in at most two parts, got {q_parts}")
     emulate = reg and interpret is not None  # the producer's register gather is PTX: interpret mode stages rows
     nc = len(specs)
     if sum(list_blocks) >= 1 << 20:  # the descriptors' opaque zero is block_id >> 20
@@ -760,6 +756,9 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         else:
             (o_ref, m_ref, l_ref), scratch = rest[:3], rest[3:]
         st16 = pb_s = sel_s = st = bar_i = bar_kv = bar_ready = xacc = xml = bar_xfree = bar_xfull = None
+        qr_s1 = None
+        if nq == 2:  # the tile of q's second part (allocated last)
+            *scratch, qr_s1 = scratch
         if cluster:  # the K tiles and, aliased, the peer's half accumulator and statistics; their barriers
             *scratch, bar_xfree, bar_xfull = scratch
             scratch[1], (xacc, xml) = scratch[1]
@@ -778,6 +777,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         else:
             q_s1, k_s1, st, p_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_p = scratch
         q_s, k_s = q_s1.at[0], k_s1.at[0]  # [1, rows, dk]: index 0 statically (copies, dequantisation)
+        qr_s = None if qr_s1 is None else qr_s1.at[0]
         pid = lax.axis_index("cta")
         if cluster:  # the grid is over (token, head tile) pairs; the split is the CTA's rank in its cluster
             gi, ti, si = pid % G, pid // G, lax.axis_index("pair")
@@ -843,13 +843,9 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                         plgpu.set_max_registers(n, action="increase" if n > launch_regs() else "decrease")
                 if w == 0:
                     # q_multicast: both CTAs of the pair need this tile; each fetches half of it into both
-                    if nq == 1:
-                        plgpu.copy_gmem_to_smem(q_refs[0].at[ti, pl.ds(gi * HEAD_TILE, HEAD_TILE)], q_s,
-                                                bar_q.at[0], collective_axes="pair" if q_multicast else None)
-                    else:  # q's parts into their columns, by 8-row groups (a group's columns are contiguous)
-                        for r, (i, c0, width) in itertools.product(range(HEAD_TILE // 8), q_cols):
-                            plgpu.copy_gmem_to_smem(q_refs[i].at[ti, pl.ds(gi * HEAD_TILE + 8 * r, 8)],
-                                                    q_s.at[pl.ds(8 * r, 8), pl.ds(c0, width)], bar_q.at[0])
+                    for q_ref, dst in zip(q_refs, (q_s, qr_s)[:nq]):
+                        plgpu.copy_gmem_to_smem(q_ref.at[ti, pl.ds(gi * HEAD_TILE, HEAD_TILE)], dst, bar_q.at[0],
+                                                collective_axes="pair" if q_multicast else None)
                     if not reg:
                         @pl.when(nblk > 0)
                         def _():
@@ -900,6 +896,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     q_mm, k_mm = q_s1.at[z], k_s1.at[islot + z]
                 else:
                     q_mm, k_mm = q_s1.at[z], k_s1.at[z]
+                qr_mm = None if qr_s1 is None else qr_s1.at[z]
                 if scorer:
                     valid = plgpu.load(idx_s.at[islot, own], layout=COL, optimized=False) >= 0
                 if not reg:  # K tile of block k complete (both halves), its staging rows and slots read by both
@@ -923,7 +920,11 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
 
                 # S = Q K^T (the prefetch is issued while the tensor cores run it), masked online softmax (base 2)
                 def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_mm, k_mm.at[own].T)
+                    if qr_mm is None:
+                        plgpu.wgmma(acc_ref, q_mm, k_mm.at[own].T)
+                    else:  # q in two parts: a wgmma each over its columns of K, accumulated in order
+                        plgpu.wgmma(acc_ref, q_mm, k_mm.at[own, pl.ds(0, q_parts[0])].T)
+                        plgpu.wgmma(acc_ref, qr_mm, k_mm.at[own, pl.ds(q_parts[0], q_parts[1])].T)
                     if not reg:
                         prefetch()
                     plgpu.wgmma_wait(0)
@@ -1151,11 +1152,11 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     else:
         mid = [p_t]
     scratch = [
-        plgpu.SMEM((1, HEAD_TILE, dk), jnp.bfloat16, transforms=SW),  # q tile
+        plgpu.SMEM((1, HEAD_TILE, q_parts[0]), jnp.bfloat16, transforms=SW),  # q tile (q's first part)
         plgpu.SMEM((1, BK, dk), jnp.bfloat16, transforms=SW),  # dequantised K tile (V = its first dv columns)
         st_t, *mid,
         plgpu.SMEM((2, BK), jnp.int32),  # slots of the current and next block
-        plgpu.Barrier(num_arrivals=q_copies, num_barriers=1),  # q landed (each copy)
+        plgpu.Barrier(num_arrivals=nq, num_barriers=1),  # q landed (each part's copy)
         plgpu.Barrier(num_arrivals=1, num_barriers=2),  # slots landed (per idx slot)
         plgpu.Barrier(num_arrivals=BK * copies, num_barriers=1),  # all row copies of a block landed
         plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1),  # K tile complete, staging/slots read
@@ -1167,13 +1168,13 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     ]
     if reg:  # two K tiles and no staging rows (natively: SMEM 226 KB of 227 at V3.2's 576 columns)
         scratch = [
-            plgpu.SMEM((1, HEAD_TILE, dk), jnp.bfloat16, transforms=SW),  # q tile
+            plgpu.SMEM((1, HEAD_TILE, q_parts[0]), jnp.bfloat16, transforms=SW),  # q tile (q's first part)
             plgpu.SMEM((2, BK, dk), jnp.bfloat16, transforms=SW),  # K tiles of blocks k and k + 1
             p_t,
             # the two blocks' slots (-1 = masked), written by the producer; with raw barriers a third row holds
             # "full" and "free" (the buffer's 1 KB of shared memory has room)
             plgpu.SMEM((3 if raw else 2, BK), jnp.int32),
-            plgpu.Barrier(num_arrivals=q_copies, num_barriers=1),  # q landed (each copy)
+            plgpu.Barrier(num_arrivals=nq, num_barriers=1),  # q landed (each part's copy)
             plgpu.Barrier(num_arrivals=1, num_barriers=2),  # "full": the producer filled K tile / idx slot b
             plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=2),  # "free": the compute warpgroups are done with b
             plgpu.Barrier(num_arrivals=1 if scores_one else NUM_WG, num_barriers=1),  # P published (both halves)
@@ -1191,6 +1192,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                                                  plgpu.SMEM((HEAD_TILE, 32), jnp.float32, transforms=f32_tiles)))
         scratch += [plgpu.ClusterBarrier(collective_axes=("pair",), num_arrivals=1),
                     plgpu.Barrier(num_arrivals=2, num_barriers=1)]
+    if nq == 2:  # the tile of q's second part
+        scratch.append(plgpu.SMEM((1, HEAD_TILE, q_parts[1]), jnp.bfloat16, transforms=SW))
     if n_splits == 1 or cluster:
         out_type = jax.ShapeDtypeStruct((t, hp, dv), out_dtype)
     else:
