@@ -126,6 +126,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Literal, Sequence
 
 import jax
@@ -249,7 +250,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                out_store: OutStore | None = None, extents: Literal["xla", "pallas", "kernel"] | None = None,
                merge: Merge | None = None, q_multicast: bool | None = None,
                k_prescale: bool | None = None, producer_prefetch: int | None = None,
-               scores: Scores | None = None, q_rope: jax.Array | None = None) -> jax.Array:
+               scores: Scores | None = None, q_rope: jax.Array | None = None,
+               q_tiles: bool | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype; with candidate
@@ -270,8 +272,13 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     at V3.2 decode 64 and V4 prefill 4096 in the same run), else "direct".
 
     ``q_rope`` [T, H, R]: the query's last R columns apart, q then being its first Dk - R (V3.2's absorbed
-    latent and its roped part come from different ops): the kernel loads each into a tile of its own and
-    multiplies each by its columns of K, so no concatenated q is written and read again; XLA concatenates them.
+    latent and its roped part come from different ops): the kernel copies each into its columns of its q tile,
+    so no concatenated q is written and read again; XLA concatenates them. A column range of the tiled q tile
+    is contiguous only within an 8-row group: each part takes a copy per group (no multicast to the cluster's
+    pair). ``q_tiles=True``: each part in a tile of its own instead, one copy each (multicast with the cluster
+    merge), and one wgmma each over its columns of K, accumulated in order. None: off (the copies per group
+    cost the V3.2 decode-64 kernel 2% on an H100; the tiles are not yet run natively: docs/perf-log.md,
+    sixty-sixth session).
 
     ``implementation="xla"``: gather + dequantise with ``read_records`` and the pure-JAX softmax
     (``jds.ops.sparse_mqa.paged_sparse_mqa_xla``); ``"auto"``: the kernel where ``supports``, else XLA.
@@ -348,7 +355,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                                   profile_dir=profile_dir, combine=combine, split_dtype=split_dtype,
                                   out_store=out_store, extents=extents, merge=merge, q_multicast=q_multicast,
                                   k_prescale=k_prescale, producer_prefetch=producer_prefetch,
-                                  scores=scores)})
+                                  scores=scores, q_tiles=q_tiles)})
 
 
 def _check_inputs(q, caches, formats, slots, v_dim, sink, q_rope=None) -> int:
@@ -384,7 +391,7 @@ def _xla(q, caches, formats, slots, *, scale, v_dim, sink, out_dtype):
 def _pallas(q: jax.Array | tuple[jax.Array, ...], caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
             producer_regs=None, producer_phases=None, producer_pow2=None, producer_overlap=None, profile_dir=None,
             combine="auto", split_dtype=None, out_store=None, extents=None, merge=None, q_multicast=None,
-            k_prescale=None, producer_prefetch=None, scores=None):
+            k_prescale=None, producer_prefetch=None, scores=None, q_tiles=None):
     if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
     if split_dtype is not None and jnp.dtype(split_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
@@ -416,9 +423,14 @@ def _pallas(q: jax.Array | tuple[jax.Array, ...], caches, formats, slots, *, sca
     t, h, dk = qs[0].shape[0], qs[0].shape[1], sum(q_parts)
     if dk != specs[0].dim:
         raise ValueError(f"q head dim {dk} does not match the cache rows ({specs[0].dim})")
+    if q_tiles not in (None, True, False):
+        raise ValueError(f"q_tiles must be a bool or None, got {q_tiles!r}")
+    if q_tiles and len(qs) == 1:
+        raise ValueError("q_tiles=True puts q's two parts in tiles of their own: pass q_rope")
+    q_tiles = bool(q_tiles)
     if len(qs) > 1 and any(w % (BLOCK_K // NUM_WG) for w in q_parts):
         raise Unsupported(f"sparse_mqa kernel: q parts {q_parts} (each a multiple of {BLOCK_K // NUM_WG} columns: "
-                          "whole tiles of K for its wgmma)")
+                          "whole tiles)")
     for c, f in zip(caches, formats):
         if c.ndim != 2 or c.shape[1] != f.page_elems:
             raise ValueError(f"cache of shape {c.shape} is not [num_blocks, {f.page_elems}]")
@@ -481,11 +493,13 @@ def _pallas(q: jax.Array | tuple[jax.Array, ...], caches, formats, slots, *, sca
     if merge not in ("rows", "cluster"):
         raise ValueError(f'merge must be "rows" or "cluster", got {merge!r}')
     cluster = merge == "cluster"
-    if q_multicast is None:
-        q_multicast = cluster
+    if q_multicast is None:  # (q's parts copied into one tile by row groups: no multicast)
+        q_multicast = cluster and (len(qs) == 1 or q_tiles)
     if q_multicast and not cluster:
         raise ValueError(f'q_multicast=True shares the q tile within the pair of merge="cluster" (got merge '
                          f'{merge!r})')
+    if q_multicast and len(qs) > 1 and not q_tiles:
+        raise ValueError("q_multicast=True with q_rope needs q_tiles=True (a copy per 8-row group otherwise)")
     if cluster and (n_splits != 2 or not native_reg):
         raise ValueError(f'merge="cluster" merges exactly two candidate splits of the native register producer '
                          f'(got {n_splits} splits, producer {producer!r}, interpret {bool(interpret)}); '
@@ -515,7 +529,7 @@ def _pallas(q: jax.Array | tuple[jax.Array, ...], caches, formats, slots, *, sca
                        pow2=pow2, profile_dir=profile_dir, cluster=cluster, kernel_extents=extents == "kernel",
                        q_multicast=bool(q_multicast), k_shift=bool(k_prescale),
                        prefetch_ahead=producer_prefetch or 1, scores_one=scores in (None, "one"),
-                       q_parts=q_parts if len(qs) > 1 else None)
+                       q_parts=q_parts if len(qs) > 1 else None, q_tiles=q_tiles)
     # the lists' slots apart: no concatenated copy
     exts = [] if extents == "kernel" else _extents(padded, extents, bool(interpret))
     outs = call(*qps, *padded, *exts, sink_p, *caches)
@@ -596,7 +610,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 producer_regs: int = 144, producer_phases: int = 1, producer_overlap: bool = False,
                 pow2: bool = False, profile_dir: str | None = None, cluster: bool = False,
                 kernel_extents: bool = False, q_multicast: bool = False, k_shift: bool = False,
-                prefetch_ahead: int = 1, scores_one: bool = False, q_parts: tuple[int, ...] | None = None):
+                prefetch_ahead: int = 1, scores_one: bool = False, q_parts: tuple[int, ...] | None = None,
+                q_tiles: bool = False):
     """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k and arrives on "full"[k % 2];
     the compute warpgroups wait on it, read the block's slots from its idx slot (written by the producer),
     compute as below and arrive on "free"[k % 2] after their PV, which the producer waits for before it refills
@@ -605,9 +620,9 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     are raw mbarriers in the idx buffer's third row (``record_gather.init_barriers``); interpret mode emulates
     it with the staged copies, the compute warpgroups' conversion and Pallas barriers.
     ``q_parts``: the widths of the (at most two) q inputs whose rows, side by side, are q's (None: one input of
-    ``dk``). Each has a tile of its own (one TMA copy each, on the "q landed" barrier; a column range of the
-    tiled q tile is not contiguous, so copying into it took a copy per 8-row group, which measured slower), and
-    QK is one wgmma per part over its columns of K, accumulated in order: the same sums as one wgmma."""
+    ``dk``), copied into their columns of the q tile by 8-row groups (a column range of the tiled tile is
+    contiguous only within a group), all on the "q landed" barrier. ``q_tiles``: the second part in a tile of
+    its own instead, each part one copy, and QK one wgmma per part over its columns of K, accumulated in order."""
     reg = producer == "registers"
     raw = reg and interpret is None  # the producer's inline PTX loop over raw mbarriers
     kind, dk = specs[0].kind, specs[0].dim
@@ -617,6 +632,11 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     nq = len(q_parts)
     if nq > 2:
         raise ValueError(f"sparse_mqa kernel: q in at most two parts, got {q_parts}")
+    q_tiles = q_tiles and nq == 2
+    if nq == 2 and q_multicast and not q_tiles:
+        raise ValueError("sparse_mqa kernel: q_multicast copies whole tiles (q's parts by row groups: q_tiles)")
+    # the q copies, each an arrival on "q landed"
+    q_copies = nq if nq == 1 or q_tiles else nq * (HEAD_TILE // 8)
     emulate = reg and interpret is not None  # the producer's register gather is PTX: interpret mode stages rows
     nc = len(specs)
     if sum(list_blocks) >= 1 << 20:  # the descriptors' opaque zero is block_id >> 20
@@ -757,7 +777,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
             (o_ref, m_ref, l_ref), scratch = rest[:3], rest[3:]
         st16 = pb_s = sel_s = st = bar_i = bar_kv = bar_ready = xacc = xml = bar_xfree = bar_xfull = None
         qr_s1 = None
-        if nq == 2:  # the tile of q's second part (allocated last)
+        if q_tiles:  # the tile of q's second part (allocated last)
             *scratch, qr_s1 = scratch
         if cluster:  # the K tiles and, aliased, the peer's half accumulator and statistics; their barriers
             *scratch, bar_xfree, bar_xfull = scratch
@@ -843,9 +863,14 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                         plgpu.set_max_registers(n, action="increase" if n > launch_regs() else "decrease")
                 if w == 0:
                     # q_multicast: both CTAs of the pair need this tile; each fetches half of it into both
-                    for q_ref, dst in zip(q_refs, (q_s, qr_s)[:nq]):
-                        plgpu.copy_gmem_to_smem(q_ref.at[ti, pl.ds(gi * HEAD_TILE, HEAD_TILE)], dst, bar_q.at[0],
-                                                collective_axes="pair" if q_multicast else None)
+                    if nq == 1 or q_tiles:
+                        for q_ref, dst in zip(q_refs, (q_s, qr_s)[:nq]):
+                            plgpu.copy_gmem_to_smem(q_ref.at[ti, pl.ds(gi * HEAD_TILE, HEAD_TILE)], dst,
+                                                    bar_q.at[0], collective_axes="pair" if q_multicast else None)
+                    else:  # q's parts into their columns, by 8-row groups (a group's columns are contiguous)
+                        for r, (i, c0) in itertools.product(range(HEAD_TILE // 8), ((0, 0), (1, q_parts[0]))):
+                            plgpu.copy_gmem_to_smem(q_refs[i].at[ti, pl.ds(gi * HEAD_TILE + 8 * r, 8)],
+                                                    q_s.at[pl.ds(8 * r, 8), pl.ds(c0, q_parts[i])], bar_q.at[0])
                     if not reg:
                         @pl.when(nblk > 0)
                         def _():
@@ -1152,11 +1177,11 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     else:
         mid = [p_t]
     scratch = [
-        plgpu.SMEM((1, HEAD_TILE, q_parts[0]), jnp.bfloat16, transforms=SW),  # q tile (q's first part)
+        plgpu.SMEM((1, HEAD_TILE, q_parts[0] if q_tiles else dk), jnp.bfloat16, transforms=SW),  # q tile
         plgpu.SMEM((1, BK, dk), jnp.bfloat16, transforms=SW),  # dequantised K tile (V = its first dv columns)
         st_t, *mid,
         plgpu.SMEM((2, BK), jnp.int32),  # slots of the current and next block
-        plgpu.Barrier(num_arrivals=nq, num_barriers=1),  # q landed (each part's copy)
+        plgpu.Barrier(num_arrivals=q_copies, num_barriers=1),  # q landed (each copy)
         plgpu.Barrier(num_arrivals=1, num_barriers=2),  # slots landed (per idx slot)
         plgpu.Barrier(num_arrivals=BK * copies, num_barriers=1),  # all row copies of a block landed
         plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=1),  # K tile complete, staging/slots read
@@ -1168,13 +1193,13 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     ]
     if reg:  # two K tiles and no staging rows (natively: SMEM 226 KB of 227 at V3.2's 576 columns)
         scratch = [
-            plgpu.SMEM((1, HEAD_TILE, q_parts[0]), jnp.bfloat16, transforms=SW),  # q tile (q's first part)
+            plgpu.SMEM((1, HEAD_TILE, q_parts[0] if q_tiles else dk), jnp.bfloat16, transforms=SW),  # q tile
             plgpu.SMEM((2, BK, dk), jnp.bfloat16, transforms=SW),  # K tiles of blocks k and k + 1
             p_t,
             # the two blocks' slots (-1 = masked), written by the producer; with raw barriers a third row holds
             # "full" and "free" (the buffer's 1 KB of shared memory has room)
             plgpu.SMEM((3 if raw else 2, BK), jnp.int32),
-            plgpu.Barrier(num_arrivals=nq, num_barriers=1),  # q landed (each part's copy)
+            plgpu.Barrier(num_arrivals=q_copies, num_barriers=1),  # q landed (each copy)
             plgpu.Barrier(num_arrivals=1, num_barriers=2),  # "full": the producer filled K tile / idx slot b
             plgpu.Barrier(num_arrivals=NUM_WG, num_barriers=2),  # "free": the compute warpgroups are done with b
             plgpu.Barrier(num_arrivals=1 if scores_one else NUM_WG, num_barriers=1),  # P published (both halves)
@@ -1192,7 +1217,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                                                  plgpu.SMEM((HEAD_TILE, 32), jnp.float32, transforms=f32_tiles)))
         scratch += [plgpu.ClusterBarrier(collective_axes=("pair",), num_arrivals=1),
                     plgpu.Barrier(num_arrivals=2, num_barriers=1)]
-    if nq == 2:  # the tile of q's second part
+    if q_tiles:  # the tile of q's second part
         scratch.append(plgpu.SMEM((1, HEAD_TILE, q_parts[1]), jnp.bfloat16, transforms=SW))
     if n_splits == 1 or cluster:
         out_type = jax.ShapeDtypeStruct((t, hp, dv), out_dtype)
