@@ -160,6 +160,18 @@ case "$stage" in
         > "$OUT/step_kernels_${a}_${t}.log" 2>&1); echo "step kernels $a $t rc=$?"; grep "^==" "$OUT/step_kernels_${a}_${t}.log"
     done; done
     ;;
+  q-tiles)
+    # issue 20 / the sixty-sixth session: sparse_mqa's q_tiles=True (V3.2's q parts in tiles of their own, one copy
+    # and one wgmma each) natively: its tests, then the 8-layer V3.2 step's kernels with it (vt/tiles: this tree with
+    # the layer passing q_tiles=True) against the default (sixteen copies a CTA into one tile)
+    timeout -k 10 -s INT ${QT_TEST_TIMEOUT:-150} python3 -m pytest -m gpu -q -p no:cacheprovider \
+      tests/test_kernel_sparse_mqa.py -k "q_rope or layer_attend" > "$OUT/q_tiles_tests.log" 2>&1
+    echo "q-tiles tests rc=$?"; tail -3 "$OUT/q_tiles_tests.log"
+    rm -rf vt/tiles && mkdir -p vt/tiles && cp -r jds pallas_kernels vt/tiles/
+    sed -i 's/q_rope=query.q_rope)/q_rope=query.q_rope, q_tiles=True)/' vt/tiles/jds/v32.py
+    grep -q "q_tiles=True)" vt/tiles/jds/v32.py || { echo "q-tiles: the layer's sparse_mqa call was not found"; exit 1; }
+    SK_TREES="main tiles" SK_ARCHS=v32 bash "$0" step-kernels
+    ;;
   ttft-parts)
     # issue 16: where TTFT's host time goes, per dispatch (seg0..), input preparation in the step loop vs alone;
     # the pinned step buffer + host ids (defaults) against the transfer paths (2026-12-01: spin and freeze lost)
