@@ -277,8 +277,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     is contiguous only within an 8-row group: each part takes a copy per group (no multicast to the cluster's
     pair). ``q_tiles=True``: each part in a tile of its own instead, one copy each (multicast with the cluster
     merge), and one wgmma each over its columns of K, accumulated in order. None: off (the copies per group
-    cost the V3.2 decode-64 kernel 2% on an H100; the tiles are not yet run natively: docs/perf-log.md,
-    sixty-sixth session).
+    measured slower than one whole copy at V3.2 decode 64, but the tiles have not run natively yet:
+    docs/perf-log.md, sixty-sixth session).
 
     ``implementation="xla"``: gather + dequantise with ``read_records`` and the pure-JAX softmax
     (``jds.ops.sparse_mqa.paged_sparse_mqa_xla``); ``"auto"``: the kernel where ``supports``, else XLA.
@@ -347,8 +347,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     return run_op("sparse_mqa", implementation, {
         "xla": lambda: _xla(q if q_rope is None else jnp.concatenate([q, q_rope.astype(q.dtype)], axis=-1),
                             caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink, out_dtype=out_dtype),
-        "pallas": lambda: _pallas(q if q_rope is None else (q, q_rope), caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink,
-                                  num_splits=num_splits, out_dtype=out_dtype, interpret=interpret,
+        "pallas": lambda: _pallas(q if q_rope is None else (q, q_rope), caches, formats, slots, scale=scale,
+                                  v_dim=v_dim, sink=sink, num_splits=num_splits, out_dtype=out_dtype, interpret=interpret,
                                   producer=producer, producer_regs=producer_regs,
                                   producer_phases=producer_phases, producer_pow2=producer_pow2,
                                   producer_overlap=producer_overlap,
@@ -388,8 +388,8 @@ def _xla(q, caches, formats, slots, *, scale, v_dim, sink, out_dtype):
     return paged_sparse_mqa_xla(q, caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink).astype(out_dtype)
 
 
-def _pallas(q: jax.Array | tuple[jax.Array, ...], caches, formats, slots, *, scale, v_dim, sink, num_splits, out_dtype, interpret, producer=None,
-            producer_regs=None, producer_phases=None, producer_pow2=None, producer_overlap=None, profile_dir=None,
+def _pallas(q: jax.Array | tuple[jax.Array, ...], caches, formats, slots, *, scale, v_dim, sink, num_splits,
+            out_dtype, interpret, producer=None, producer_regs=None, producer_phases=None, producer_pow2=None, producer_overlap=None, profile_dir=None,
             combine="auto", split_dtype=None, out_store=None, extents=None, merge=None, q_multicast=None,
             k_prescale=None, producer_prefetch=None, scores=None, q_tiles=None):
     if producer not in (None, "tma", "registers"):

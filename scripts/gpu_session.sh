@@ -169,7 +169,7 @@ case "$stage" in
     echo "q-tiles tests rc=$?"; tail -3 "$OUT/q_tiles_tests.log"
     rm -rf vt/tiles && mkdir -p vt/tiles && cp -r jds pallas_kernels vt/tiles/
     sed -i 's/q_rope=query.q_rope)/q_rope=query.q_rope, q_tiles=True)/' vt/tiles/jds/v32.py
-    grep -q "q_tiles=True)" vt/tiles/jds/v32.py || { echo "q-tiles: the layer's sparse_mqa call was not found"; exit 1; }
+    grep -q "q_tiles=True)" vt/tiles/jds/v32.py || { echo "q-tiles: the layer's sparse_mqa call not found"; exit 1; }
     SK_TREES="main tiles" SK_ARCHS=v32 bash "$0" step-kernels
     ;;
   ttft-parts)

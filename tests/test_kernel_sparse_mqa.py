@@ -672,7 +672,8 @@ def test_lowers_for_cuda(case):
           "v32_fp8_cluster_q_rope": dict(merge="cluster"),
           "v32_fp8_out_tma_q_rope": dict(out_dtype=jnp.bfloat16, out_store="tma"),
           # ... each in a tile of its own (multicast to the cluster's pair)
-          "v32_fp8_q_rope_tiles": dict(q_tiles=True), "v32_fp8_cluster_q_rope_tiles": dict(merge="cluster", q_tiles=True),
+          "v32_fp8_q_rope_tiles": dict(q_tiles=True),
+          "v32_fp8_cluster_q_rope_tiles": dict(merge="cluster", q_tiles=True),
           "v32_fp8_tma_q_rope": dict(producer="tma")}.get(case, {})
 
     def f(q, caches, slots, sink):
