@@ -373,6 +373,24 @@ def test_rope_part_touches_only_rope_dims(first: bool, interleaved: bool) -> Non
     np.testing.assert_allclose(back, x, rtol=0, atol=1e-6 * np.abs(x).max())
 
 
+@pytest.mark.parametrize("first", [True, False])
+def test_rope_part_then_matmul_under_jit(first: bool) -> None:
+    """rope_part feeding a matmul, compiled, equals the eager result within float32 rounding. Written as an
+    in-place update of the rotated columns over x's, XLA's CPU backend (jax 0.11.2) computed this wrongly (errors
+    of order 1: docs/perf-log.md, sixty-sixth session), so rope_part builds a new row."""
+    rng = np.random.default_rng(12 + first)
+    x = jnp.asarray(rng.standard_normal((1, 4, 128)), jnp.float32)
+    cos, sin = rope_cos_sin(rope_inv_freqs(V32Config().rope, 64), jnp.asarray([20], jnp.int32))
+    m = jnp.asarray(rng.standard_normal((128, 128)), jnp.float32)
+
+    def f(x, cos, sin):
+        y = rope_part(x, cos, sin, rope_dim=64, first=first, interleaved=False)
+        return jnp.einsum("...i,ij->...j", y, m, precision=jax.lax.Precision.HIGHEST)
+
+    want = np_(f(x, cos, sin))
+    np.testing.assert_allclose(np_(jax.jit(f)(x, cos, sin)), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
 # ------------------------------------------------------------------------------------------
 # norms, hadamard
 # ------------------------------------------------------------------------------------------
