@@ -158,6 +158,13 @@ case "$stage" in
       (cd "$D" && PYTHONPATH=. timeout -k 10 ${SK_TIMEOUT:-150} python3 "$R/scripts/diag/step_kernels.py" --arch $a $X \
         --fp8-weights --top 60 ${SK_SHAPES:+--shapes $SK_SHAPES} --out "$OUT/step_kernels_${a}_${t}.json" \
         > "$OUT/step_kernels_${a}_${t}.log" 2>&1); echo "step kernels $a $t rc=$?"; grep "^==" "$OUT/step_kernels_${a}_${t}.log"
+    done
+    # each later tree against the first, by source function (the call returns only its output's tail)
+    trees=(${SK_TREES:-main}); first=${trees[0]}
+    for t in "${trees[@]:1}"; do
+      [ -f "$OUT/step_kernels_${a}_${first}.json" ] && [ -f "$OUT/step_kernels_${a}_${t}.json" ] && {
+        echo "-- $a: $first -> $t"; python3 "$R/scripts/diag/step_kernels.py" --diff "$OUT/step_kernels_${a}_${first}.json" \
+          "$OUT/step_kernels_${a}_${t}.json" --top ${SK_DIFF_TOP:-10}; }
     done; done
     ;;
   q-tiles)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import pathlib
 
 import pytest
@@ -221,3 +222,28 @@ def test_step_kernels_sources(tmp_path):
     rows = sk.by_source({"loop_convert_fusion_2": 3.0, "gemm_fusion_dot_1": 2.0, "nvjet_sm90_gemm": 4.0}, src)
     assert rows[0]["us"] == 5.0 and rows[0]["kernels"] == 2 and rows[0]["ops"] == ["dot_general", "slice"]
     assert rows[1] == {"source": "nvjet_sm90_gemm", "us": 4.0, "kernels": 1, "ops": []}
+
+
+def test_step_kernels_diff(tmp_path, capsys):
+    """--diff: two runs compared per shape by source function, line numbers left out (they move between the
+    trees an A/B compares), the largest changes first; shapes only one run has are left out."""
+    sk = _script("step_kernels")
+
+    def run(rows, busy):
+        return {"shapes": {"ttft_128": {"profile_busy_us": busy, "by_source": rows}, "only": {"error": "x"}}}
+
+    base = run([{"source": "v32.py:180(_absorb_uk) < v32.py:131(prepare) < model.py:145(__call__)", "us": 98.0},
+                {"source": "v32.py:194(_per_head) < v32.py:200(_absorb_uk) < v32.py:137(prepare)", "us": 117.0},
+                {"source": "fp8_gemm_mosaic_gpu_kernel", "us": 2000.0}], 3300.0)
+    new = run([{"source": "v32.py:201(_per_head) < v32.py:203(_absorb_uk) < v32.py:139(prepare)", "us": 118.0},
+               {"source": "fp8_gemm_mosaic_gpu_kernel", "us": 1990.0}], 3200.0)
+    d = sk.diff_runs(base, new, top=2)
+    assert list(d) == ["ttft_128"] and d["ttft_128"]["busy_us"] == (3300.0, 3200.0)
+    assert d["ttft_128"]["changes"] == [("v32.py(_absorb_uk) < v32.py(prepare)", 98.0, 0.0),
+                                        ("fp8_gemm_mosaic_gpu_kernel", 2000.0, 1990.0)]
+    for name, r in (("base.json", base), ("new.json", new)):
+        (tmp_path / name).write_text(json.dumps(r))
+    sk.main(["--diff", str(tmp_path / "base.json"), str(tmp_path / "new.json"), "--top", "3"])
+    out = capsys.readouterr().out
+    assert "== ttft_128: busy 3300.0 -> 3200.0 us (-100.0)" in out
+    assert "117.0 ->     118.0 (    +1.0)  v32.py(_per_head) < v32.py(_absorb_uk)" in out

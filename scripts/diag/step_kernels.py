@@ -14,7 +14,10 @@ kernels are listed by name alone. A Pallas kernel is ``<kernel_name>_mosaic_gpu_
     python3 scripts/diag/step_kernels.py --arch v4 --layers 8 [--fp8-weights] \
         [--shapes ttft_128 decode_b64_ctx4096] [--steps 10] [--top 40] --out F.json
 
-Native only (the timeline needs a GPU).
+Native only (the timeline needs a GPU). Two runs' outputs compared (any machine), shape by shape, by source
+function (line numbers left out: they move between the trees an A/B compares):
+
+    python3 scripts/diag/step_kernels.py --diff BASE.json NEW.json [--top 12]
 """
 
 from __future__ import annotations
@@ -132,7 +135,50 @@ def by_source(per_kernel: dict[str, float], sources: dict[str, dict[str, str]]) 
     return sorted(rows, key=lambda r: -r["us"])
 
 
+def source_key(source: str, frames: int = 2) -> str:
+    """A by_source row's name without line numbers, its innermost ``frames`` frames (``v32.py:194(_per_head) <
+    v32.py:200(_absorb_uk) < ...`` -> ``v32.py(_per_head) < v32.py(_absorb_uk)``); kernel names pass unchanged."""
+    return " < ".join(re.sub(r":\d+\(", "(", f) for f in source.split(" < ")[:frames])
+
+
+def diff_runs(base: dict[str, Any], new: dict[str, Any], top: int = 12) -> dict[str, Any]:
+    """Per shape both runs have: busy µs of each, and the ``top`` source keys whose µs per step changed most."""
+    out: dict[str, Any] = {}
+    for shape, b in base.get("shapes", {}).items():
+        n = new.get("shapes", {}).get(shape)
+        if n is None or "by_source" not in b or "by_source" not in n:
+            continue
+        sums: list[dict[str, float]] = []
+        for run in (b, n):
+            acc: dict[str, float] = defaultdict(float)
+            for r in run["by_source"]:
+                acc[source_key(r["source"])] += r["us"]
+            sums.append(acc)
+        keys = sorted(set(sums[0]) | set(sums[1]), key=lambda k: -abs(sums[1].get(k, 0.0) - sums[0].get(k, 0.0)))
+        out[shape] = {"busy_us": (b.get("profile_busy_us"), n.get("profile_busy_us")),
+                      "changes": [(k, sums[0].get(k, 0.0), sums[1].get(k, 0.0)) for k in keys[:top]]}
+    return out
+
+
+def print_diff(diff: dict[str, Any]) -> None:
+    for shape, d in diff.items():
+        b, n = d["busy_us"]
+        print(f"== {shape}: busy {b:.1f} -> {n:.1f} us ({n - b:+.1f})")
+        for k, ub, un in d["changes"]:
+            print(f"  {ub:9.1f} -> {un:9.1f} ({un - ub:+8.1f})  {k[:100]}")
+
+
 def main(argv: list[str] | None = None) -> None:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "--diff":
+        dp = argparse.ArgumentParser(description="two step_kernels.py outputs compared by source function")
+        dp.add_argument("--diff", nargs=2, metavar=("BASE", "NEW"), required=True)
+        dp.add_argument("--top", type=int, default=12)
+        d = dp.parse_args(argv)
+        with open(d.diff[0]) as fb, open(d.diff[1]) as fn:
+            print_diff(diff_runs(json.load(fb), json.load(fn), d.top))
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="v4", choices=("v32", "v4"))
     ap.add_argument("--layers", type=int, default=8)
@@ -157,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
 
     model = build_stack(a.arch, a.layers, intermediate=a.intermediate, size=a.size, fp8_weights=a.fp8_weights)
     res: dict[str, Any] = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                                    "command": " ".join(["python3 scripts/diag/step_kernels.py"] + sys.argv[1:]),
+                                    "command": " ".join(["python3 scripts/diag/step_kernels.py"] + argv),
                                     "jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
                                     "arch": a.arch, "layers": a.layers, "fp8_weights": a.fp8_weights,
                                     "steps": a.steps, "captured_options": a.captured_options}, "shapes": {}}
