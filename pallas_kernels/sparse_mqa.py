@@ -626,15 +626,8 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     reg = producer == "registers"
     raw = reg and interpret is None  # the producer's inline PTX loop over raw mbarriers
     kind, dk = specs[0].kind, specs[0].dim
-    q_parts = (dk,) if q_parts is None else tuple(q_parts)
-    if sum(q_parts) != dk:
-        raise ValueError(f"sparse_mqa kernel: q parts {q_parts} do not sum to the row width {dk}")
+    q_parts = (dk,) if q_parts is None else tuple(q_parts)  # (checked by ``_pallas``: at most two, summing to dk)
     nq = len(q_parts)
-    if nq > 2:
-        raise ValueError(f"sparse_mqa kernel: q in at most two parts, got {q_parts}")
-    q_tiles = q_tiles and nq == 2
-    if nq == 2 and q_multicast and not q_tiles:
-        raise ValueError("sparse_mqa kernel: q_multicast copies whole tiles (q's parts by row groups: q_tiles)")
     # the q copies, each an arrival on "q landed"
     q_copies = nq if nq == 1 or q_tiles else nq * (HEAD_TILE // 8)
     emulate = reg and interpret is not None  # the producer's register gather is PTX: interpret mode stages rows
