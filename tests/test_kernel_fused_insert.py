@@ -397,7 +397,8 @@ def test_v32_layer_prepare(mode, numerics, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("layer_id", [pytest.param(0, id="swa")])
+@pytest.mark.parametrize("layer_id", [pytest.param(0, id="swa"), pytest.param(1, id="c4"),
+                                      pytest.param(2, id="c128")])
 def test_v4_layer_prepare(mode, layer_id, monkeypatch):
     from jds.v4 import V4Attention
 
@@ -415,8 +416,13 @@ def test_v4_layer_prepare(mode, layer_id, monkeypatch):
     layer = V4Attention(cfg, Numerics(fp8_linear=False), layer_id, rngs=nnx.Rngs(0))
     assert_q_match(gq.q, wq.q, False, "q", 2e-2)  # tolerances: see test_v32_layer_prepare
     assert_cache_match(layer.window_format, gc.window, wc.window, np.asarray(batch.slot_mapping), False, "window")
-    for name in ("compressed", "state", "index_k", "index_state"):  # [nb, 0] for the SWA layer: exact trivially
+    for name in ("state", "index_state"):  # written by XLA in both ([nb, 0] for the SWA layer)
         np.testing.assert_array_equal(np.asarray(getattr(gc, name)), np.asarray(getattr(wc, name)), err_msg=name)
+    # the compressors' entries (pallas_kernels/compressor_pool.py at "pallas"), every record of the caches
+    for name, fmt in layer.cache_formats().items():
+        if name in ("compressed", "index_k"):
+            every = np.arange(getattr(gc, name).shape[0] * fmt.entries_per_page)
+            assert_cache_match(fmt, getattr(gc, name), getattr(wc, name), every, False, name)
     np.testing.assert_array_equal(np.asarray(gq.index_q), np.asarray(wq.index_q))
 
 

@@ -82,25 +82,30 @@ def pool_blocks(state_cache: jax.Array, block_tables: jax.Array, req: jax.Array,
     return jnp.sum(a * kv, axis=1)
 
 
-def compress(state_cache: jax.Array, rows: jax.Array, *, positions: jax.Array, req_idx: jax.Array,
-             slot_mapping: jax.Array, block_tables: jax.Array, ratio: int, d: int, block_size: int,
-             norm_weight: jax.Array, eps: float, inv_freqs: np.ndarray, rope_dim: int, dtype: jnp.dtype,
-             max_out: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Save this step's state ``rows`` [T, 2*c*d], then emit every block a token of this step closes.
+def save_and_close(state_cache: jax.Array, rows: jax.Array, *, positions: jax.Array, req_idx: jax.Array,
+                   slot_mapping: jax.Array, ratio: int, d: int, block_size: int, max_out: int
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Save this step's state ``rows`` [T, 2*c*d]; find the blocks its tokens close.
 
-    Returns (new state cache, entries [max_out, d] in ``dtype`` (normed, roped), compressed-cache slots
-    [max_out] int32 with -1 for unused rows). The caller writes the entries with its record format.
-    """
-    fmt = state_format(ratio, d, block_size)
-    state_cache = write_records(state_cache, fmt, slot_mapping, rows)
+    Returns (new state cache, request row [max_out] int32, block [max_out] int32 with -1 for unused rows):
+    the inputs of ``pool_norm_rope`` (pallas_kernels.compressor_pool) and of the entries' cache slots."""
+    state_cache = write_records(state_cache, state_format(ratio, d, block_size), slot_mapping, rows)
     idx = closing_tokens(positions, slot_mapping, ratio, max_out)
-    valid = idx >= 0
     tok = jnp.maximum(idx, 0)
-    req = req_idx[tok]
-    block = jnp.where(valid, positions[tok] // ratio, -1)
-    pooled = pool_blocks(state_cache, block_tables, req, block, ratio=ratio, d=d, block_size=block_size)
+    return state_cache, req_idx[tok], jnp.where(idx >= 0, positions[tok] // ratio, -1)
+
+
+def entry_rope(inv_freqs: np.ndarray, blocks: jax.Array, ratio: int) -> tuple[jax.Array, jax.Array]:
+    """cos / sin [N, rope_dim / 2] of each entry's position (its block's first token, b * r)."""
+    return rope_cos_sin(inv_freqs, jnp.maximum(blocks, 0) * ratio)
+
+
+def pool_norm_rope_xla(state_cache: jax.Array, block_tables: jax.Array, req: jax.Array, blocks: jax.Array,
+                       norm_weight: jax.Array, cos: jax.Array, sin: jax.Array, *, ratio: int, d: int,
+                       block_size: int, eps: float, dtype: jnp.dtype) -> jax.Array:
+    """The entries [N, d] in ``dtype``: each block pooled (``pool_blocks``), RMSNorm'ed and RoPE'd (interleaved,
+    last 2 * cos.shape[-1] dims). The XLA implementation of pallas_kernels.compressor_pool.pool_norm_rope; rows
+    with block < 0 hold values that the caller must not write (their slot is -1)."""
+    pooled = pool_blocks(state_cache, block_tables, req, blocks, ratio=ratio, d=d, block_size=block_size)
     entry = rms_norm(pooled, norm_weight, eps, dtype)
-    cos, sin = rope_cos_sin(inv_freqs, jnp.maximum(block, 0) * ratio)
-    entry = rope_part(entry, cos, sin, rope_dim=rope_dim, first=False, interleaved=True)
-    slots = global_slots(block_tables, req, block, block_size // ratio)
-    return state_cache, entry, slots
+    return rope_part(entry, cos, sin, rope_dim=2 * cos.shape[-1], first=False, interleaved=True)

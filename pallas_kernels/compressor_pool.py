@@ -1,0 +1,144 @@
+"""DeepSeek-V4's compressor entries (pool, RMSNorm, RoPE) in one launch, Pallas on GPU.
+
+``pool_norm_rope``: for each row n with ``blocks[n] >= 0``, block ``blocks[n]`` of request row ``req[n]`` is
+softmax-pooled per channel over its candidate state rows (read through the block table from the fp32 state
+cache; at ratio 4 also the previous block's, jds/ops/compressor.py says which channels), RMSNorm'ed with the
+learned weight and RoPE'd (interleaved, the last 2 * cos.shape[-1] dims). Rows with block < 0 are written as
+zeros and read nothing: at decode most rows close no block, and the XLA implementation
+(``jds.ops.compressor.pool_norm_rope_xla``) gathers, exponentiates and sums every row's candidates anyway.
+
+One program per row, the candidates in chunks of ``CH`` with an online softmax (running max, sum and
+weighted sum per channel, float32), so a ratio-128 block's 128 candidates never sit in registers at once.
+Backend: the Triton lowering, as the fused inserts (pallas_kernels/fused_insert_common.py): every candidate
+row is a data-dependent gather through the block table (Mosaic GPU on Hopper takes no vector indices), and
+the kernel then lowers and runs in interpret mode on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jds.ops.compressor import overlap_factor, pool_norm_rope_xla, state_format
+from jds.ops.dispatch import Implementation, Unsupported, check_array, check_int, run_op
+from jds.ops.paging import check_cache
+from pallas_kernels import fused_insert_common as C
+
+F32 = jnp.float32
+
+
+def _pool_kernel(state_ref, bt_ref, req_ref, blk_ref, w_ref, cos_ref, sin_ref, out_ref, *, r, c, d, bs, nb,
+                 ch, eps, dtype):
+    n = pl.program_id(0)
+    row = C.iota((1, 1), 0) + n
+    b = blk_ref[n]
+    col = C.iota((1, d), 1)
+    width = 2 * c * d
+
+    @pl.when(b < 0)
+    def _skip():
+        C.store(out_ref, (row, col), jnp.zeros((1, d), dtype), True)
+
+    @pl.when(b >= 0)
+    def _pool():
+        req = req_ref[n]
+
+        def chunk(i, carry):
+            m, l, acc = carry
+            s = i * ch + C.iota((ch, 1), 0)  # candidate index: block b - (c - 1) + s // r, token s % r
+            part = s // r if c == 2 else jnp.zeros_like(s)
+            blk = b - (c - 1) + part
+            ok = blk >= 0
+            pos = jnp.maximum(blk, 0) * r + s % r  # request-local token position
+            page = C.load(bt_ref, (req, jnp.minimum(pos // bs, nb - 1)), (ch, 1))
+            off = (pos % bs) * width + part * d + col  # kv channels; the score's are c * d further on
+            kv = C.load(state_ref, (page, off), (ch, d))
+            sc = jnp.where(ok, C.load(state_ref, (page, off + c * d), (ch, d)), -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(sc, axis=0, keepdims=True))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no candidate yet: every weight is 0
+            p = jnp.exp(sc - m_safe)
+            alpha = jnp.exp(m - m_safe)
+            return m_new, l * alpha + jnp.sum(p, axis=0, keepdims=True), acc * alpha + jnp.sum(p * kv, axis=0,
+                                                                                                keepdims=True)
+
+        init = (jnp.full((1, d), -jnp.inf, F32), jnp.zeros((1, d), F32), jnp.zeros((1, d), F32))
+        _, l, acc = jax.lax.fori_loop(0, c * r // ch, chunk, init)
+        x = acc / l
+        y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * C.load(w_ref, (col,), (1, d))
+        y = y.astype(dtype).astype(F32)  # rms_norm's output, then rope_part on it (jds.ops.compressor)
+        half = cos_ref.shape[1]
+        j = C.iota((1, d // 2), 1)  # pair j: columns (2j, 2j + 1); the rope pairs are the last ``half``
+        fj = jnp.maximum(j - (d // 2 - half), 0)
+        cs, sn = C.load(cos_ref, (row, fj), (1, d // 2)), C.load(sin_ref, (row, fj), (1, d // 2))
+        u, v = C.split_pairs(y)
+        e, o = C.rope_pair(u, v, cs, sn)
+        rot = j >= d // 2 - half
+        out = C.join_pairs(jnp.where(rot, e, u), jnp.where(rot, o, v))
+        C.store(out_ref, (row, col), out.astype(dtype), True)
+
+
+def pool_norm_rope(state_cache, block_tables, req, blocks, norm_weight, cos, sin, *, ratio: int, d: int,
+                   block_size: int, eps: float, dtype, implementation: Implementation = "pallas",
+                   interpret: bool | None = None, chunk: int | None = None, num_warps: int | None = None):
+    """The compressor's entries [N, d] in ``dtype`` (jds.ops.compressor.pool_norm_rope_xla's outputs; rows with
+    block < 0 are zeros here and unspecified there: their slot is -1, nothing writes them).
+
+    state_cache: fp32 pages of ``state_format(ratio, d, block_size)``; block_tables [R, nb] int32; req, blocks
+    [N] int32; norm_weight [d]; cos / sin [N, rope_dim / 2] float32 at each entry's position.
+    ``chunk``: candidates per online-softmax step (a power of two dividing c * ratio; default min(8, c * ratio)).
+    """
+    args = (state_cache, block_tables, req, blocks, norm_weight, cos, sin)
+    _check_inputs(*args, ratio=ratio, d=d, block_size=block_size)
+    kw = dict(ratio=ratio, d=d, block_size=block_size, eps=eps, dtype=dtype)
+    return run_op("pool_norm_rope", implementation, {
+        "xla": lambda: pool_norm_rope_xla(*args, **kw),
+        "pallas": lambda: _pallas(*args, **kw, interpret=interpret, chunk=chunk, num_warps=num_warps)})
+
+
+def _check_inputs(state_cache, block_tables, req, blocks, norm_weight, cos, sin, *, ratio, d, block_size) -> None:
+    """Input errors of every implementation (ValueError naming the argument; static shapes and dtypes only)."""
+    op = "pool_norm_rope"
+    check_int(f"{op}: ratio", ratio, 1)
+    check_int(f"{op}: d", d, 1)
+    check_int(f"{op}: block_size", block_size, 1)
+    if block_size % ratio:
+        raise ValueError(f"{op}: block_size {block_size} must be a multiple of ratio {ratio}")
+    check_cache(f"{op}: state_cache", state_cache, state_format(ratio, d, block_size), "state format")
+    check_array(f"{op}: block_tables", block_tables, (("R", None), ("max_blocks", None)), "int")
+    check_array(f"{op}: req", req, (("N", None),), "int")
+    n = req.shape[0]
+    check_array(f"{op}: blocks", blocks, (("N", n),), "int")
+    check_array(f"{op}: norm_weight", norm_weight, (("d", d),), "float")
+    rd = C.check_rope_tables(op, cos, sin, n)
+    if rd > d:
+        raise ValueError(f"{op}: d {d} must be at least the rope dim {rd} (2 * cos.shape[-1])")
+
+
+def _pallas(state_cache, block_tables, req, blocks, norm_weight, cos, sin, *, ratio, d, block_size, eps, dtype,
+            interpret, chunk, num_warps):
+    interpret = C.resolve_interpret(interpret)
+    c = overlap_factor(ratio)
+    cands = c * ratio
+    ch = chunk or min(8, cands)
+    for name, v in (("chunk", ch), ("num_warps", num_warps or 1)):
+        if not C.is_pow2(v):  # a tile setting, not a shape: an error under "auto" too
+            raise ValueError(f"pool_norm_rope: {name} must be a power of 2 (or None), got {v!r}")
+    if cands % ch:
+        raise ValueError(f"pool_norm_rope: chunk {ch} must divide the {cands} candidates of ratio {ratio}")
+    for name, v in (("d", d), ("ratio", ratio), ("rope dim", 2 * cos.shape[-1])):
+        if not C.is_pow2(v):
+            raise Unsupported(f"pool_norm_rope: {name} {v} is not a power of 2")
+    n = req.shape[0]
+    dt = jnp.dtype(dtype)
+    if n == 0:
+        return jnp.zeros((0, d), dt)
+    kernel = functools.partial(_pool_kernel, r=ratio, c=c, d=d, bs=block_size, nb=block_tables.shape[1], ch=ch,
+                               eps=eps, dtype=dt)
+    args = (state_cache, block_tables.astype(jnp.int32), req.astype(jnp.int32), blocks.astype(jnp.int32),
+            norm_weight.astype(F32), cos.astype(F32), sin.astype(F32))
+    return C.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((n, d), dt), grid=(n,), aliases={},
+                         interpret=interpret, name="compressor_pool_norm_rope",
+                         num_warps=num_warps or (8 if d >= 512 else 4))(*args)

@@ -1,0 +1,144 @@
+"""pallas_kernels.compressor_pool.pool_norm_rope (V4's compressor entries: pool, RMSNorm, RoPE) against a
+float64 reference computed candidate by candidate from the state pages, every element of every closing row;
+rows that close no block must come out as zeros. Interpret mode on the CPU, natively on a GPU (``gpu``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import jax.numpy as jnp
+import pytest
+
+from jds.ops import compressor as comp
+from pallas_kernels.compressor_pool import pool_norm_rope
+from tests.kernel_modes import MODES, interpret_for
+from tests.tolerances import ulp
+
+EPS = 1e-6
+
+
+def _case(rng: np.random.Generator, ratio: int, d: int, rd: int, bs: int, n: int, num_blocks: int = 12,
+          reqs: int = 3, max_blocks: int = 4):
+    fmt = comp.state_format(ratio, d, block_size=bs)
+    state = rng.standard_normal((num_blocks, fmt.page_elems)).astype(np.float32)
+    state[:, 1::7] *= 4.0  # spread the scores so that the softmax weights are far from uniform
+    bt = rng.permutation(num_blocks)[: reqs * max_blocks].reshape(reqs, max_blocks).astype(np.int32)
+    req = rng.integers(0, reqs, n).astype(np.int32)
+    blocks = rng.integers(0, max_blocks * bs // ratio, n).astype(np.int32)
+    blocks[rng.random(n) < 0.4] = -1  # rows that close nothing
+    blocks[0] = 0  # block 0: at ratio 4 the previous block's candidates are all masked
+    w = rng.standard_normal(d).astype(np.float32)
+    freqs = 1.0 / (10000.0 ** (np.arange(0, rd, 2) / rd))
+    return state, bt, req, blocks, w, freqs
+
+
+def _reference(state, bt, req, blocks, w, cos, sin, *, ratio, d, bs, out_dtype) -> tuple[np.ndarray, np.ndarray]:
+    """float64, candidate by candidate: softmax-pool, RMSNorm (rounded to ``out_dtype`` as the op's norm output
+    is), interleaved RoPE on the last 2 * cos.shape[1] dims with the op's cos / sin inputs.
+
+    Also each element's scale for the error bound: the normed weighted sum of |kv| (a float32 sum errs relative
+    to its terms, not to a result that cancels), the larger of a rotated pair's two."""
+    c = comp.overlap_factor(ratio)
+    width = 2 * c * d
+    rd = 2 * cos.shape[1]
+    cos, sin = np.asarray(cos, np.float64), np.asarray(sin, np.float64)
+    out, scale = np.zeros((len(req), d)), np.zeros((len(req), d))
+    for i, (r_, b) in enumerate(zip(req, blocks)):
+        if b < 0:
+            continue
+        kv, sc = [], []
+        for part in range(c):  # ratio 4: part 0 the previous block (channels [0:d]), part 1 this block's [d:2d]
+            blk = b - (c - 1) + part
+            if blk < 0:
+                continue
+            for t in range(ratio):
+                p = blk * ratio + t
+                row = state[bt[r_, p // bs], (p % bs) * width:(p % bs + 1) * width].astype(np.float64)
+                kv.append(row[part * d:(part + 1) * d])
+                sc.append(row[c * d + part * d: c * d + (part + 1) * d])
+        kv, sc = np.array(kv), np.array(sc)
+        a = np.exp(sc - sc.max(axis=0))
+        x = (a * kv).sum(axis=0) / a.sum(axis=0)
+        inv_rms = 1.0 / np.sqrt(np.mean(x * x) + EPS)
+        y = x * inv_rms * w
+        m = (a * np.abs(kv)).sum(axis=0) / a.sum(axis=0) * inv_rms * np.abs(w)
+        m[d - rd:] = np.repeat(np.maximum(m[d - rd::2], m[d - rd + 1::2]), 2)
+        scale[i] = np.maximum(m, np.abs(y))
+        y = np.asarray(jnp.asarray(y, jnp.float32).astype(out_dtype).astype(jnp.float32), np.float64)
+        u, v = y[d - rd::2].copy(), y[d - rd + 1::2].copy()
+        y[d - rd::2], y[d - rd + 1::2] = u * cos[i] - v * sin[i], u * sin[i] + v * cos[i]
+        out[i] = y
+    return out, scale
+
+
+def assert_close(got, want, scale, dtype, n_f32: int, what: str) -> None:
+    """|got - want| <= n_f32 float32 ulps of ``scale`` (the float32 arithmetic) + 2 ``dtype`` ulps of ``scale``
+    (the norm output's rounding, then the rotation's), elementwise."""
+    got = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
+    bound = n_f32 * ulp(scale, np.float32) + (2 * ulp(scale, dtype) if dtype != jnp.float32 else 0)
+    err = np.abs(got - want)
+    bad = err > bound
+    k = np.argmax(err / bound)
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {err.size} elements off; worst {err.flat[k]:.3e} against "
+                           f"{bound.flat[k]:.3e} (got {got.flat[k]:.6e}, want {want.flat[k]:.6e}, scale {scale.flat[k]:.3e})")
+
+
+# (ratio, d, rope dim, page size): V4's main compressors (ratio 4 overlapping, ratio 128) and the indexer's
+CASES = [(4, 128, 64, 64), (128, 64, 16, 128), (4, 64, 16, 16)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("ratio,d,rd,bs", CASES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pool_norm_rope(mode, ratio, d, rd, bs, dtype):
+    interpret = interpret_for(mode)
+    rng = np.random.default_rng([ratio, d, rd, bs])
+    state, bt, req, blocks, w, freqs = _case(rng, ratio, d, rd, bs, n=9)
+    cos, sin = comp.entry_rope(freqs, jnp.asarray(blocks), ratio)
+    got = pool_norm_rope(jnp.asarray(state), jnp.asarray(bt), jnp.asarray(req), jnp.asarray(blocks), jnp.asarray(w),
+                         cos, sin, ratio=ratio, d=d, block_size=bs, eps=EPS, dtype=dtype, implementation="pallas",
+                         interpret=interpret)
+    assert got.dtype == jnp.dtype(dtype) and got.shape == (len(req), d)
+    want, scale = _reference(state, bt, req, blocks, w, cos, sin, ratio=ratio, d=d, bs=bs, out_dtype=dtype)
+    ok = blocks >= 0
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32))[~ok], 0.0, err_msg="rows closing no block")
+    # a softmax-weighted sum of c * ratio terms (each a rounded exp and product), the norm and a rotation
+    assert_close(np.asarray(got.astype(jnp.float32))[ok], want[ok], scale[ok], dtype,
+                 n_f32=4 * comp.overlap_factor(ratio) * ratio, what="entries")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pool_norm_rope_matches_xla(mode):
+    """The kernel at several chunk sizes against the op's XLA implementation (the layer's fallback), which is
+    itself checked against the reference; closing rows only."""
+    interpret = interpret_for(mode)
+    ratio, d, rd, bs = 128, 64, 16, 128
+    rng = np.random.default_rng(7)
+    state, bt, req, blocks, w, freqs = _case(rng, ratio, d, rd, bs, n=6)
+    cos, sin = comp.entry_rope(freqs, jnp.asarray(blocks), ratio)
+    args = (jnp.asarray(state), jnp.asarray(bt), jnp.asarray(req), jnp.asarray(blocks), jnp.asarray(w), cos, sin)
+    kw = dict(ratio=ratio, d=d, block_size=bs, eps=EPS, dtype=jnp.float32)
+    xla = np.asarray(pool_norm_rope(*args, **kw, implementation="xla"))
+    want, scale = _reference(state, bt, req, blocks, w, cos, sin, ratio=ratio, d=d, bs=bs, out_dtype=jnp.float32)
+    ok = blocks >= 0
+    assert_close(xla[ok], want[ok], scale[ok], jnp.float32, n_f32=4 * ratio, what="xla")
+    for chunk in (2, 32, 128):
+        got = np.asarray(pool_norm_rope(*args, **kw, implementation="pallas", interpret=interpret, chunk=chunk))
+        assert_close(got[ok], xla[ok], scale[ok], jnp.float32, n_f32=8 * ratio, what=f"chunk {chunk}")
+
+
+def test_pool_norm_rope_input_errors():
+    rng = np.random.default_rng(1)
+    state, bt, req, blocks, w, freqs = _case(rng, 4, 64, 16, 16, n=3)
+    cos, sin = comp.entry_rope(freqs, jnp.asarray(blocks), 4)
+    args = [jnp.asarray(state), jnp.asarray(bt), jnp.asarray(req), jnp.asarray(blocks), jnp.asarray(w), cos, sin]
+    kw = dict(ratio=4, d=64, block_size=16, eps=EPS, dtype=jnp.float32, interpret=True)
+    with pytest.raises(ValueError, match="state_cache"):
+        pool_norm_rope(args[0][:, :-1], *args[1:], **kw)
+    with pytest.raises(ValueError, match="blocks"):
+        pool_norm_rope(*args[:3], args[3][:2], *args[4:], **kw)
+    with pytest.raises(ValueError, match="norm_weight"):
+        pool_norm_rope(*args[:4], args[4][:8], *args[5:], **kw)
+    with pytest.raises(ValueError, match="chunk"):
+        pool_norm_rope(*args, **kw, chunk=3)
+    with pytest.raises(ValueError, match="block_size"):
+        pool_norm_rope(*args, **{**kw, "block_size": 18})
