@@ -1,4 +1,4 @@
-"""DeepSeek-V4's compressor entries (pool, RMSNorm, RoPE) in one launch, Pallas on GPU.
+"""DeepSeek-V4's compressor entries (pool, RMSNorm, RoPE), Pallas on GPU.
 
 ``pool_norm_rope``: for each row n with ``blocks[n] >= 0``, block ``blocks[n]`` of request row ``req[n]`` is
 softmax-pooled per channel over its candidate state rows (read through the block table from the fp32 state
@@ -7,8 +7,9 @@ learned weight and RoPE'd (interleaved, the last 2 * cos.shape[-1] dims). Rows w
 zeros and read nothing: at decode most rows close no block, and the XLA implementation
 (``jds.ops.compressor.pool_norm_rope_xla``) gathers, exponentiates and sums every row's candidates anyway.
 
-One program per row, the candidates in chunks of ``CH`` with an online softmax (running max, sum and
-weighted sum per channel, float32), so a ratio-128 block's 128 candidates never sit in registers at once.
+Programs: (row, channel block). The candidates go in chunks with an online softmax (running max, sum and
+weighted sum per channel, float32). A program holding a whole row (ratio 4's 8 candidates) norms and rotates
+it as well; at ratio 128 a row's channels are spread over programs and XLA norms and rotates the pooled rows.
 Backend: the Triton lowering, as the fused inserts (pallas_kernels/fused_insert_common.py): every candidate
 row is a data-dependent gather through the block table (Mosaic GPU on Hopper takes no vector indices), and
 the kernel then lowers and runs in interpret mode on a CPU-only machine.
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jds.ops.compressor import overlap_factor, pool_norm_rope_xla, state_format
+from jds.ops.compressor import norm_rope, overlap_factor, pool_norm_rope_xla, state_format
 from jds.ops.dispatch import Implementation, Unsupported, check_array, check_int, run_op
 from jds.ops.paging import check_cache
 from pallas_kernels import fused_insert_common as C
@@ -30,17 +31,18 @@ from pallas_kernels import fused_insert_common as C
 F32 = jnp.float32
 
 
-def _pool_kernel(state_ref, bt_ref, req_ref, blk_ref, w_ref, cos_ref, sin_ref, out_ref, *, r, c, d, bs, nb,
+def _pool_kernel(state_ref, bt_ref, req_ref, blk_ref, w_ref, cos_ref, sin_ref, out_ref, *, r, c, d, db, bs, nb,
                  ch, eps, dtype):
-    n = pl.program_id(0)
+    n, jc = pl.program_id(0), pl.program_id(1)
     row = C.iota((1, 1), 0) + n
     b = blk_ref[n]
-    col = C.iota((1, d), 1)
+    col = jc * db + C.iota((1, db), 1)  # this program's channels
     width = 2 * c * d
+    whole = db == d  # the whole row here: RMSNorm and RoPE too; else the pooled channels (float32) only
 
     @pl.when(b < 0)
     def _skip():
-        C.store(out_ref, (row, col), jnp.zeros((1, d), dtype), True)
+        C.store(out_ref, (row, col), jnp.zeros((1, db), out_ref.dtype), True)
 
     @pl.when(b >= 0)
     def _pool():
@@ -55,8 +57,8 @@ def _pool_kernel(state_ref, bt_ref, req_ref, blk_ref, w_ref, cos_ref, sin_ref, o
             pos = jnp.maximum(blk, 0) * r + s % r  # request-local token position
             page = C.load(bt_ref, (req, jnp.minimum(pos // bs, nb - 1)), (ch, 1))
             off = (pos % bs) * width + part * d + col  # kv channels; the score's are c * d further on
-            kv = C.load(state_ref, (page, off), (ch, d))
-            sc = jnp.where(ok, C.load(state_ref, (page, off + c * d), (ch, d)), -jnp.inf)
+            kv = C.load(state_ref, (page, off), (ch, db))
+            sc = jnp.where(ok, C.load(state_ref, (page, off + c * d), (ch, db)), -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(sc, axis=0, keepdims=True))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no candidate yet: every weight is 0
             p = jnp.exp(sc - m_safe)
@@ -64,9 +66,13 @@ def _pool_kernel(state_ref, bt_ref, req_ref, blk_ref, w_ref, cos_ref, sin_ref, o
             return m_new, l * alpha + jnp.sum(p, axis=0, keepdims=True), acc * alpha + jnp.sum(p * kv, axis=0,
                                                                                                 keepdims=True)
 
-        init = (jnp.full((1, d), -jnp.inf, F32), jnp.zeros((1, d), F32), jnp.zeros((1, d), F32))
-        _, l, acc = jax.lax.fori_loop(0, c * r // ch, chunk, init)
-        x = acc / l
+        init = (jnp.full((1, db), -jnp.inf, F32), jnp.zeros((1, db), F32), jnp.zeros((1, db), F32))
+        n_chunks = c * r // ch
+        carry = chunk(0, init) if n_chunks == 1 else jax.lax.fori_loop(0, n_chunks, chunk, init)
+        x = carry[2] / carry[1]
+        if not whole:
+            C.store(out_ref, (row, col), x, True)
+            return
         y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * C.load(w_ref, (col,), (1, d))
         y = y.astype(dtype).astype(F32)  # rms_norm's output, then rope_part on it (jds.ops.compressor)
         half = cos_ref.shape[1]
@@ -82,20 +88,27 @@ def _pool_kernel(state_ref, bt_ref, req_ref, blk_ref, w_ref, cos_ref, sin_ref, o
 
 def pool_norm_rope(state_cache, block_tables, req, blocks, norm_weight, cos, sin, *, ratio: int, d: int,
                    block_size: int, eps: float, dtype, implementation: Implementation = "pallas",
-                   interpret: bool | None = None, chunk: int | None = None, num_warps: int | None = None):
+                   interpret: bool | None = None, channel_block: int | None = None, chunk: int | None = None,
+                   num_warps: int | None = None):
     """The compressor's entries [N, d] in ``dtype`` (jds.ops.compressor.pool_norm_rope_xla's outputs; rows with
     block < 0 are zeros here and unspecified there: their slot is -1, nothing writes them).
 
     state_cache: fp32 pages of ``state_format(ratio, d, block_size)``; block_tables [R, nb] int32; req, blocks
     [N] int32; norm_weight [d]; cos / sin [N, rope_dim / 2] float32 at each entry's position.
-    ``chunk``: candidates per online-softmax step (a power of two dividing c * ratio; default min(8, c * ratio)).
+    ``channel_block``: channels per program. ``d`` (the default at ratio 4: c * r = 8 candidates) keeps a row in
+    one program, which also norms and rotates it; fewer (32, the default at ratio 128) spread a row's many
+    candidates over d / channel_block programs, which only pool (a loop over 128 candidates in one program
+    waited on one chunk's loads after another), and XLA norms and rotates (``norm_rope``).
+    ``chunk``: candidates per online-softmax step (a power of two dividing c * ratio; default: a tile of at most
+    4096 values per operand).
     """
     args = (state_cache, block_tables, req, blocks, norm_weight, cos, sin)
     _check_inputs(*args, ratio=ratio, d=d, block_size=block_size)
     kw = dict(ratio=ratio, d=d, block_size=block_size, eps=eps, dtype=dtype)
     return run_op("pool_norm_rope", implementation, {
         "xla": lambda: pool_norm_rope_xla(*args, **kw),
-        "pallas": lambda: _pallas(*args, **kw, interpret=interpret, chunk=chunk, num_warps=num_warps)})
+        "pallas": lambda: _pallas(*args, **kw, interpret=interpret, channel_block=channel_block, chunk=chunk,
+                                  num_warps=num_warps)})
 
 
 def _check_inputs(state_cache, block_tables, req, blocks, norm_weight, cos, sin, *, ratio, d, block_size) -> None:
@@ -118,27 +131,31 @@ def _check_inputs(state_cache, block_tables, req, blocks, norm_weight, cos, sin,
 
 
 def _pallas(state_cache, block_tables, req, blocks, norm_weight, cos, sin, *, ratio, d, block_size, eps, dtype,
-            interpret, chunk, num_warps):
+            interpret, channel_block, chunk, num_warps):
     interpret = C.resolve_interpret(interpret)
+    for name, v in (("d", d), ("ratio", ratio), ("rope dim", 2 * cos.shape[-1])):
+        if not C.is_pow2(v):
+            raise Unsupported(f"pool_norm_rope: {name} {v} is not a power of 2")
     c = overlap_factor(ratio)
     cands = c * ratio
-    ch = chunk or min(8, cands)
-    for name, v in (("chunk", ch), ("num_warps", num_warps or 1)):
+    db = channel_block or (d if cands <= 8 else min(d, 32))
+    ch = chunk or min(cands, max(1, 4096 // db))
+    for name, v in (("channel_block", db), ("chunk", ch), ("num_warps", num_warps or 1)):
         if not C.is_pow2(v):  # a tile setting, not a shape: an error under "auto" too
             raise ValueError(f"pool_norm_rope: {name} must be a power of 2 (or None), got {v!r}")
     if cands % ch:
         raise ValueError(f"pool_norm_rope: chunk {ch} must divide the {cands} candidates of ratio {ratio}")
-    for name, v in (("d", d), ("ratio", ratio), ("rope dim", 2 * cos.shape[-1])):
-        if not C.is_pow2(v):
-            raise Unsupported(f"pool_norm_rope: {name} {v} is not a power of 2")
+    if d % db:
+        raise ValueError(f"pool_norm_rope: channel_block {db} must divide d {d}")
     n = req.shape[0]
     dt = jnp.dtype(dtype)
     if n == 0:
         return jnp.zeros((0, d), dt)
-    kernel = functools.partial(_pool_kernel, r=ratio, c=c, d=d, bs=block_size, nb=block_tables.shape[1], ch=ch,
-                               eps=eps, dtype=dt)
+    kernel = functools.partial(_pool_kernel, r=ratio, c=c, d=d, db=db, bs=block_size, nb=block_tables.shape[1],
+                               ch=ch, eps=eps, dtype=dt)
     args = (state_cache, block_tables.astype(jnp.int32), req.astype(jnp.int32), blocks.astype(jnp.int32),
             norm_weight.astype(F32), cos.astype(F32), sin.astype(F32))
-    return C.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((n, d), dt), grid=(n,), aliases={},
-                         interpret=interpret, name="compressor_pool_norm_rope",
-                         num_warps=num_warps or (8 if d >= 512 else 4))(*args)
+    out = C.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((n, d), dt if db == d else F32), grid=(n, d // db),
+                        aliases={}, interpret=interpret, name="compressor_pool_norm_rope" if db == d else
+                        "compressor_pool", num_warps=num_warps or (8 if db * ch >= 4096 else 4))(*args)
+    return out if db == d else norm_rope(out, norm_weight, cos, sin, eps=eps, dtype=dt)

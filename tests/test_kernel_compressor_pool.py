@@ -108,7 +108,7 @@ def test_pool_norm_rope(mode, ratio, d, rd, bs, dtype):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_pool_norm_rope_matches_xla(mode):
-    """The kernel at several chunk sizes against the op's XLA implementation (the layer's fallback), which is
+    """The kernel at several tilings (a row in one program or spread, chunk sizes) against the op's XLA implementation (the layer's fallback), which is
     itself checked against the reference; closing rows only."""
     interpret = interpret_for(mode)
     ratio, d, rd, bs = 128, 64, 16, 128
@@ -121,9 +121,10 @@ def test_pool_norm_rope_matches_xla(mode):
     want, scale = _reference(state, bt, req, blocks, w, cos, sin, ratio=ratio, d=d, bs=bs, out_dtype=jnp.float32)
     ok = blocks >= 0
     assert_close(xla[ok], want[ok], scale[ok], jnp.float32, n_f32=4 * ratio, what="xla")
-    for chunk in (2, 32, 128):
-        got = np.asarray(pool_norm_rope(*args, **kw, implementation="pallas", interpret=interpret, chunk=chunk))
-        assert_close(got[ok], xla[ok], scale[ok], jnp.float32, n_f32=8 * ratio, what=f"chunk {chunk}")
+    for cb, chunk in ((64, 2), (64, 32), (16, 128), (8, 16)):  # d = 64: one program per row, then 4 and 8
+        got = np.asarray(pool_norm_rope(*args, **kw, implementation="pallas", interpret=interpret, chunk=chunk,
+                                        channel_block=cb))
+        assert_close(got[ok], xla[ok], scale[ok], jnp.float32, n_f32=8 * ratio, what=f"{cb} channels, chunk {chunk}")
 
 
 def test_pool_norm_rope_input_errors():
@@ -140,5 +141,7 @@ def test_pool_norm_rope_input_errors():
         pool_norm_rope(*args[:4], args[4][:8], *args[5:], **kw)
     with pytest.raises(ValueError, match="chunk"):
         pool_norm_rope(*args, **kw, chunk=3)
+    with pytest.raises(ValueError, match="channel_block"):
+        pool_norm_rope(*args, **kw, channel_block=128)
     with pytest.raises(ValueError, match="block_size"):
         pool_norm_rope(*args, **{**kw, "block_size": 18})

@@ -107,5 +107,12 @@ def pool_norm_rope_xla(state_cache: jax.Array, block_tables: jax.Array, req: jax
     last 2 * cos.shape[-1] dims). The XLA implementation of pallas_kernels.compressor_pool.pool_norm_rope; rows
     with block < 0 hold values that the caller must not write (their slot is -1)."""
     pooled = pool_blocks(state_cache, block_tables, req, blocks, ratio=ratio, d=d, block_size=block_size)
+    return norm_rope(pooled, norm_weight, cos, sin, eps=eps, dtype=dtype)
+
+
+def norm_rope(pooled: jax.Array, norm_weight: jax.Array, cos: jax.Array, sin: jax.Array, *, eps: float,
+              dtype: jnp.dtype) -> jax.Array:
+    """Pooled blocks [N, d] -> entries: RMSNorm (rounded to ``dtype``), then interleaved RoPE on the last
+    2 * cos.shape[-1] dims."""
     entry = rms_norm(pooled, norm_weight, eps, dtype)
     return rope_part(entry, cos, sin, rope_dim=2 * cos.shape[-1], first=False, interleaved=True)
