@@ -14,9 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jds.ops.dispatch import on_gpu
 from jds.ops.norms import layer_norm, rms_norm
 from jds.ops.quant import act_quant, dequant, quantize_weight_blocks_jax
 from pallas_kernels.fp8_gemm import fp8_linear, pad_out_rows
+from pallas_kernels.fp8_grouped_gemm import fp8_grouped_linear
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -85,10 +87,13 @@ class Linear(nnx.Module):
         """Block-diagonal use of the weight: x [..., G, in] with W viewed as [G, out/G, in].
 
         y[..., g, :] = W_g x[..., g, :], one batched einsum (V4's grouped ``wo_a``). With ``fp8`` the input
-        is re-quantised per 128 along ``in`` exactly as ``__call__`` would quantise each group's slice.
+        is re-quantised per 128 along ``in`` exactly as ``__call__`` would quantise each group's slice; off the
+        "xla" implementation, on the FP8 grouped GEMM where each group's rows span whole 128-row scale blocks.
         """
         out_dtype = out_dtype or self.dtype
         g = x.shape[-2]
+        if self.fp8 and self.implementation != "xla" and self.out_features % (128 * g) == 0:
+            return self._grouped_kernel(x, out_dtype)
         if self.fp8:
             xq, sx = act_quant(x, 128, self.scale_fmt)
             xd, w, prec = dequant(xq, sx, 128), self.dense_weight(), HIGHEST
@@ -96,8 +101,25 @@ class Linear(nnx.Module):
             xd, w = x.astype(self.dtype), self.weight[...]
             prec = HIGHEST if xd.dtype == jnp.float32 else None
         w = w.reshape(g, w.shape[0] // g, w.shape[1]).astype(xd.dtype)
-        y = jnp.einsum("...gi,goi->...go", xd, w, precision=prec, preferred_element_type=jnp.float32)
+        # bf16 operands on the GPU: the dot rounds its float32 sums to out_dtype itself (a float32 output left the
+        # convert to a kernel of its own); XLA's CPU backend would sum a bf16-output dot in bf16
+        acc = out_dtype if on_gpu() and xd.dtype == jnp.bfloat16 else jnp.float32
+        y = jnp.einsum("...gi,goi->...go", xd, w, precision=prec, preferred_element_type=acc)
         return y.astype(out_dtype)
+
+    def _grouped_kernel(self, x: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
+        """``grouped`` with an FP8 weight on the FP8 grouped GEMM (the MoE experts' kernel, the G groups as
+        experts of T rows each): it reads the e4m3 weight as stored, where the XLA form dequantises all of it
+        to float32 and runs a float32 batched dot every step. x's groups go group-major (one copy) and back."""
+        lead, (g, k) = x.shape[:-2], x.shape[-2:]
+        t = int(np.prod(lead, dtype=np.int64))
+        n = self.weight.shape[0] // g
+        xt = jnp.swapaxes(x.reshape(t, g, k), 0, 1).reshape(g * t, k)
+        wq = self.weight[...].reshape(g, n, k)
+        ws = self.scale[...].reshape(g, -(-n // 128), self.scale.shape[1])
+        y = fp8_grouped_linear(xt, jnp.full((g,), t, jnp.int32), wq, ws, out_dtype=out_dtype,
+                               scale_fmt=self.scale_fmt, implementation=self.implementation)
+        return jnp.swapaxes(y.reshape(g, t, n), 0, 1).reshape(*lead, g, n)
 
     def dense_weight(self) -> jax.Array:
         """The weight as float32 [out, in] (dequantised if fp8), e.g. for MLA absorption."""

@@ -5,6 +5,8 @@
 #   scripts/gpu_session.sh hostpath      # issue 16: graph updates per step (VLOG counts), TTFT variants
 #   scripts/gpu_session.sh ttft-fp8      # issue 19: 8-layer V3.2 TTFT, FP8 weights then bf16 weights (fused:device:8)
 #   scripts/gpu_session.sh ttft-fp8-pad  # issue 19: the same with wkv_a on XLA's path (vt/nopad), padded per call (vt/percall), fused (main)
+#   scripts/gpu_session.sh v4-epilogue   # V4: wo_a's dot rounding to bf16 itself (main vs vt/wo), the inverse RoPE in place (vt/inplace)
+#   scripts/gpu_session.sh ttft-trees    # the 8-layer TTFT (FP8 weights) of TT_ARCH in each tree of TT_TREES
 #   scripts/gpu_session.sh ttft-parts    # issue 16: TTFT's host time per dispatch, preparation in the loop vs alone, put / spin
 #   scripts/gpu_session.sh invariance    # issue 23: --batch-invariant under preemption (20 pages)
 #   scripts/gpu_session.sh deep          # issue 16: 61 layers, MoE (8 routed experts, top-8)
@@ -178,6 +180,31 @@ case "$stage" in
     sed -i 's/q_rope=query.q_rope)/q_rope=query.q_rope, q_tiles=True)/' vt/tiles/jds/v32.py
     grep -q "q_tiles=True)" vt/tiles/jds/v32.py || { echo "q-tiles: the layer's sparse_mqa call not found"; exit 1; }
     SK_TREES="main tiles" SK_ARCHS=v32 bash "$0" step-kernels
+    ;;
+  v4-epilogue)
+    # the sixty-seventh session's two unmeasured V4 epilogue changes: the grouped wo_a's dot rounding to bf16 itself
+    # (in main; vt/wo = `git archive 5f419c9 jds pallas_kernels` is before it) and the output's inverse RoPE in
+    # place (vt/inplace: this tree with the layer passing rope_part(..., in_place=True), a dynamic-update-slice that
+    # XLA's CPU backend miscompiled): the in-place form's tests natively in its tree first, then the step kernels
+    rm -rf vt/inplace && mkdir -p vt/inplace && cp -r jds pallas_kernels tests pyproject.toml vt/inplace/
+    sed -i 's/interleaved=True, inverse=True)/interleaved=True, inverse=True, in_place=True)/' vt/inplace/jds/v4.py
+    grep -q "in_place=True)" vt/inplace/jds/v4.py || { echo "v4-epilogue: the layer's rope_part call not found"; exit 1; }
+    (cd vt/inplace && PYTHONPATH=. timeout -k 10 -s INT ${EPI_TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider \
+      tests/test_primitives.py tests/test_v4_attention.py -k "rope_part or parity or decode_and_chunked or mixed_batch" \
+      > "$OUT/v4_epilogue_tests.log" 2>&1); echo "in-place tests rc=$?"; tail -3 "$OUT/v4_epilogue_tests.log"
+    SK_TREES="wo main inplace" SK_ARCHS=v4 bash "$0" step-kernels
+    ;;
+  ttft-trees)
+    # the 8-layer TTFT with FP8 weights (fused:device:8, 50 steps) of arch TT_ARCH in each tree of TT_TREES (main,
+    # or vt/NAME made by `git archive REV jds pallas_kernels | tar -x -C vt/NAME`), each run inside its tree
+    R=$(pwd); A=${TT_ARCH:-v4}; X=""; [ $A = v32 ] && X="--intermediate 18432"
+    for t in ${TT_TREES:-main}; do
+      D=$R; [ $t != main ] && D=$R/vt/$t
+      [ -d "$D/jds" ] || { echo "ttft $A $t: no tree at $D"; continue; }
+      (cd "$D" && PYTHONPATH=. timeout -k 10 ${TT_TIMEOUT:-150} python3 -m jds.bench.ttft --arch $A --layers 8 $X \
+        --fp8-weights --variants fused:device:8 --n 50 --out "$OUT/ttft_${A}_fp8_${t}.json" > "$OUT/ttft_${A}_$t.log" 2>&1)
+      echo "ttft $A $t rc=$?"; grep '^{' "$OUT/ttft_${A}_$t.log" | cut -c1-300
+    done
     ;;
   ttft-parts)
     # issue 16: where TTFT's host time goes, per dispatch (seg0..), input preparation in the step loop vs alone;

@@ -279,3 +279,27 @@ def test_native_model_shapes(k: int, n: int, e: int, regime: str) -> None:
     xe, sze, wqe, wse = exact_case(sizes, n, k, seed=e)
     got = G.fp8_grouped_linear(xe, sze, wqe, wse, out_dtype=jnp.float32, implementation="pallas")
     np.testing.assert_array_equal(np.asarray(got, np.float64), reference(xe, sizes, wqe, wse)[0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_linear_grouped_on_the_kernel(mode: str) -> None:
+    """``Linear.grouped`` with an FP8 weight (V4's grouped ``wo_a``) off the "xla" implementation runs this kernel,
+    its groups as experts of T rows each: on exact data it equals the XLA form (dequantised float32 batched dot) bit
+    for bit, which checks the group-major copy of x, the weight and scale views per group and the way back."""
+    from flax import nnx
+
+    from jds.nn import Linear
+
+    interpret_for(mode)  # the kernel's own default: interpret mode off-GPU
+    g, t, k, n = 3, 5, 512, 128
+    lin = Linear(k, g * n, dtype=jnp.bfloat16, fp8=True, rngs=nnx.Rngs(0))
+    _, _, wq, ws = exact_case([1] * g, n, k, seed=5)
+    lin.weight[...] = wq.reshape(g * n, k)
+    lin.scale[...] = ws.reshape(g * n // 128, k // 128)
+    x = jnp.asarray(np.random.default_rng(6).integers(-3, 4, (2, t, g, k)), jnp.float32)  # [..., G, in]
+    lin.implementation = "xla"
+    want = lin.grouped(x, jnp.float32)
+    lin.implementation = "pallas"
+    got = lin.grouped(x, jnp.float32)
+    assert got.shape == want.shape == (2, t, g, n)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -373,22 +373,37 @@ def test_rope_part_touches_only_rope_dims(first: bool, interleaved: bool) -> Non
     np.testing.assert_allclose(back, x, rtol=0, atol=1e-6 * np.abs(x).max())
 
 
+@pytest.mark.parametrize("in_place", [False, pytest.param(True, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("first", [True, False])
-def test_rope_part_then_matmul_under_jit(first: bool) -> None:
+def test_rope_part_then_matmul_under_jit(first: bool, in_place: bool) -> None:
     """rope_part feeding a matmul, compiled, equals the eager result within float32 rounding. Written as an
     in-place update of the rotated columns over x's, XLA's CPU backend (jax 0.11.2) computed this wrongly (errors
-    of order 1: docs/perf-log.md, sixty-sixth session), so rope_part builds a new row."""
+    of order 1: docs/perf-log.md, sixty-sixth session), so rope_part builds a new row unless asked for
+    ``in_place`` (GPU only: checked here natively)."""
+    if in_place and jax.default_backend() != "gpu":
+        pytest.skip("in_place is the GPU's form")
     rng = np.random.default_rng(12 + first)
     x = jnp.asarray(rng.standard_normal((1, 4, 128)), jnp.float32)
     cos, sin = rope_cos_sin(rope_inv_freqs(V32Config().rope, 64), jnp.asarray([20], jnp.int32))
     m = jnp.asarray(rng.standard_normal((128, 128)), jnp.float32)
 
     def f(x, cos, sin):
-        y = rope_part(x, cos, sin, rope_dim=64, first=first, interleaved=False)
+        y = rope_part(x, cos, sin, rope_dim=64, first=first, interleaved=False, in_place=in_place)
         return jnp.einsum("...i,ij->...j", y, m, precision=jax.lax.Precision.HIGHEST)
 
     want = np_(f(x, cos, sin))
     np.testing.assert_allclose(np_(jax.jit(f)(x, cos, sin)), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("first,interleaved,inverse", [(True, False, False), (False, True, True)])
+def test_rope_part_in_place_same_values(first: bool, interleaved: bool, inverse: bool) -> None:
+    """The in-place form (a dynamic-update-slice of the rotated dims) and the concatenation give the same bits,
+    eagerly (the same ops on the same values)."""
+    rng = np.random.default_rng(31)
+    x = jnp.asarray(rng.standard_normal((3, 2, 96)), jnp.bfloat16)
+    cos, sin = rope_cos_sin(rope_inv_freqs(V32Config().rope, 32), jnp.asarray([5, 70, 900], jnp.int32))
+    kw = dict(rope_dim=32, first=first, interleaved=interleaved, inverse=inverse)
+    np.testing.assert_array_equal(np_(rope_part(x, cos, sin, in_place=True, **kw)), np_(rope_part(x, cos, sin, **kw)))
 
 
 # ------------------------------------------------------------------------------------------

@@ -71,8 +71,17 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, *, interleaved: boo
 
 
 def rope_part(x: jax.Array, cos: jax.Array, sin: jax.Array, *, rope_dim: int, first: bool, interleaved: bool,
-              inverse: bool = False) -> jax.Array:
-    """Apply RoPE to the first or last ``rope_dim`` dims of the last axis, leave the rest untouched."""
+              inverse: bool = False, in_place: bool = False) -> jax.Array:
+    """Apply RoPE to the first or last ``rope_dim`` dims of the last axis, leave the rest untouched.
+
+    ``in_place``: the rotated dims written over x's (a dynamic-update-slice: XLA can update x's buffer and copy
+    only those dims) rather than a new row by concatenation. GPU only: XLA's CPU backend (jax 0.11.2) computed
+    the in-place form wrongly under jit when it fed a dot (docs/perf-log.md, sixty-sixth session)."""
+    if in_place:
+        start = 0 if first else x.shape[-1] - rope_dim
+        part = jax.lax.slice_in_dim(x, start, start + rope_dim, axis=-1)
+        rot = apply_rope(part, cos, sin, interleaved=interleaved, inverse=inverse)
+        return jax.lax.dynamic_update_slice_in_dim(x, rot, start, axis=-1)
     if first:
         return jnp.concatenate([apply_rope(x[..., :rope_dim], cos, sin, interleaved=interleaved, inverse=inverse),
                                 x[..., rope_dim:]], axis=-1)
