@@ -250,8 +250,7 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
                out_store: OutStore | None = None, extents: Literal["xla", "pallas", "kernel"] | None = None,
                merge: Merge | None = None, q_multicast: bool | None = None,
                k_prescale: bool | None = None, producer_prefetch: int | None = None,
-               scores: Scores | None = None, q_rope: jax.Array | None = None,
-               q_tiles: bool | None = None) -> jax.Array:
+               scores: Scores | None = None, q_rope: jax.Array | None = None) -> jax.Array:
     """Sparse MQA of q [T, H, Dk] over candidate lists ``slots[i]`` [T, K_i] (global slots of cache
     ``caches[i]`` in ``formats[i]``, -1 = masked), one softmax over all lists; [T, H, v_dim] in
     ``out_dtype`` (the fp32 result rounded once; the kernel stores it directly in that dtype; with candidate
@@ -275,10 +274,8 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
     latent and its roped part come from different ops): the kernel copies each into its columns of its q tile,
     so no concatenated q is written and read again; XLA concatenates them. A column range of the tiled q tile
     is contiguous only within an 8-row group: each part takes a copy per group (no multicast to the cluster's
-    pair). ``q_tiles=True``: each part in a tile of its own instead, one copy each (multicast with the cluster
-    merge), and one wgmma each over its columns of K, accumulated in order. None: off (the copies per group
-    measured slower than one whole copy at V3.2 decode 64, but the tiles have not run natively yet:
-    docs/perf-log.md, sixty-sixth session).
+    pair). Each part in a tile of its own (one copy and one wgmma each) measured no faster natively and was
+    removed (docs/perf-log.md, sixty-seventh session).
 
     ``implementation="xla"``: gather + dequantise with ``read_records`` and the pure-JAX softmax
     (``jds.ops.sparse_mqa.paged_sparse_mqa_xla``); ``"auto"``: the kernel where ``supports``, else XLA.
@@ -348,14 +345,15 @@ def sparse_mqa(q: jax.Array, caches: Sequence[jax.Array], formats: Sequence[Reco
         "xla": lambda: _xla(q if q_rope is None else jnp.concatenate([q, q_rope.astype(q.dtype)], axis=-1),
                             caches, formats, slots, scale=scale, v_dim=v_dim, sink=sink, out_dtype=out_dtype),
         "pallas": lambda: _pallas(q if q_rope is None else (q, q_rope), caches, formats, slots, scale=scale,
-                                  v_dim=v_dim, sink=sink, num_splits=num_splits, out_dtype=out_dtype, interpret=interpret,
+                                  v_dim=v_dim, sink=sink, num_splits=num_splits, out_dtype=out_dtype,
+                                  interpret=interpret,
                                   producer=producer, producer_regs=producer_regs,
                                   producer_phases=producer_phases, producer_pow2=producer_pow2,
                                   producer_overlap=producer_overlap,
                                   profile_dir=profile_dir, combine=combine, split_dtype=split_dtype,
                                   out_store=out_store, extents=extents, merge=merge, q_multicast=q_multicast,
                                   k_prescale=k_prescale, producer_prefetch=producer_prefetch,
-                                  scores=scores, q_tiles=q_tiles)})
+                                  scores=scores)})
 
 
 def _check_inputs(q, caches, formats, slots, v_dim, sink, q_rope=None) -> int:
@@ -389,9 +387,10 @@ def _xla(q, caches, formats, slots, *, scale, v_dim, sink, out_dtype):
 
 
 def _pallas(q: jax.Array | tuple[jax.Array, ...], caches, formats, slots, *, scale, v_dim, sink, num_splits,
-            out_dtype, interpret, producer=None, producer_regs=None, producer_phases=None, producer_pow2=None, producer_overlap=None, profile_dir=None,
+            out_dtype, interpret, producer=None, producer_regs=None, producer_phases=None, producer_pow2=None,
+            producer_overlap=None, profile_dir=None,
             combine="auto", split_dtype=None, out_store=None, extents=None, merge=None, q_multicast=None,
-            k_prescale=None, producer_prefetch=None, scores=None, q_tiles=None):
+            k_prescale=None, producer_prefetch=None, scores=None):
     if producer not in (None, "tma", "registers"):
         raise ValueError(f'producer must be "tma" or "registers", got {producer!r}')
     if split_dtype is not None and jnp.dtype(split_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
@@ -423,11 +422,6 @@ def _pallas(q: jax.Array | tuple[jax.Array, ...], caches, formats, slots, *, sca
     t, h, dk = qs[0].shape[0], qs[0].shape[1], sum(q_parts)
     if dk != specs[0].dim:
         raise ValueError(f"q head dim {dk} does not match the cache rows ({specs[0].dim})")
-    if q_tiles not in (None, True, False):
-        raise ValueError(f"q_tiles must be a bool or None, got {q_tiles!r}")
-    if q_tiles and len(qs) == 1:
-        raise ValueError("q_tiles=True puts q's two parts in tiles of their own: pass q_rope")
-    q_tiles = bool(q_tiles)
     if len(qs) > 1 and any(w % (BLOCK_K // NUM_WG) for w in q_parts):
         raise Unsupported(f"sparse_mqa kernel: q parts {q_parts} (each a multiple of {BLOCK_K // NUM_WG} columns: "
                           "whole tiles)")
@@ -494,12 +488,12 @@ def _pallas(q: jax.Array | tuple[jax.Array, ...], caches, formats, slots, *, sca
         raise ValueError(f'merge must be "rows" or "cluster", got {merge!r}')
     cluster = merge == "cluster"
     if q_multicast is None:  # (q's parts copied into one tile by row groups: no multicast)
-        q_multicast = cluster and (len(qs) == 1 or q_tiles)
+        q_multicast = cluster and len(qs) == 1
     if q_multicast and not cluster:
         raise ValueError(f'q_multicast=True shares the q tile within the pair of merge="cluster" (got merge '
                          f'{merge!r})')
-    if q_multicast and len(qs) > 1 and not q_tiles:
-        raise ValueError("q_multicast=True with q_rope needs q_tiles=True (a copy per 8-row group otherwise)")
+    if q_multicast and len(qs) > 1:
+        raise ValueError("q_multicast=True takes a whole q (with q_rope, q's parts are copied by 8-row groups)")
     if cluster and (n_splits != 2 or not native_reg):
         raise ValueError(f'merge="cluster" merges exactly two candidate splits of the native register producer '
                          f'(got {n_splits} splits, producer {producer!r}, interpret {bool(interpret)}); '
@@ -529,7 +523,7 @@ def _pallas(q: jax.Array | tuple[jax.Array, ...], caches, formats, slots, *, sca
                        pow2=pow2, profile_dir=profile_dir, cluster=cluster, kernel_extents=extents == "kernel",
                        q_multicast=bool(q_multicast), k_shift=bool(k_prescale),
                        prefetch_ahead=producer_prefetch or 1, scores_one=scores in (None, "one"),
-                       q_parts=q_parts if len(qs) > 1 else None, q_tiles=q_tiles)
+                       q_parts=q_parts if len(qs) > 1 else None)
     # the lists' slots apart: no concatenated copy
     exts = [] if extents == "kernel" else _extents(padded, extents, bool(interpret))
     outs = call(*qps, *padded, *exts, sink_p, *caches)
@@ -610,8 +604,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                 producer_regs: int = 144, producer_phases: int = 1, producer_overlap: bool = False,
                 pow2: bool = False, profile_dir: str | None = None, cluster: bool = False,
                 kernel_extents: bool = False, q_multicast: bool = False, k_shift: bool = False,
-                prefetch_ahead: int = 1, scores_one: bool = False, q_parts: tuple[int, ...] | None = None,
-                q_tiles: bool = False):
+                prefetch_ahead: int = 1, scores_one: bool = False, q_parts: tuple[int, ...] | None = None):
     """``producer="registers"``: warpgroup NUM_WG fills K tile k % 2 with block k and arrives on "full"[k % 2];
     the compute warpgroups wait on it, read the block's slots from its idx slot (written by the producer),
     compute as below and arrive on "free"[k % 2] after their PV, which the producer waits for before it refills
@@ -621,15 +614,14 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     it with the staged copies, the compute warpgroups' conversion and Pallas barriers.
     ``q_parts``: the widths of the (at most two) q inputs whose rows, side by side, are q's (None: one input of
     ``dk``), copied into their columns of the q tile by 8-row groups (a column range of the tiled tile is
-    contiguous only within a group), all on the "q landed" barrier. ``q_tiles``: the second part in a tile of
-    its own instead, each part one copy, and QK one wgmma per part over its columns of K, accumulated in order."""
+    contiguous only within a group), all on the "q landed" barrier."""
     reg = producer == "registers"
     raw = reg and interpret is None  # the producer's inline PTX loop over raw mbarriers
     kind, dk = specs[0].kind, specs[0].dim
     q_parts = (dk,) if q_parts is None else tuple(q_parts)  # (checked by ``_pallas``: at most two, summing to dk)
     nq = len(q_parts)
     # the q copies, each an arrival on "q landed"
-    q_copies = nq if nq == 1 or q_tiles else nq * (HEAD_TILE // 8)
+    q_copies = nq if nq == 1 else nq * (HEAD_TILE // 8)
     emulate = reg and interpret is not None  # the producer's register gather is PTX: interpret mode stages rows
     nc = len(specs)
     if sum(list_blocks) >= 1 << 20:  # the descriptors' opaque zero is block_id >> 20
@@ -769,9 +761,6 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         else:
             (o_ref, m_ref, l_ref), scratch = rest[:3], rest[3:]
         st16 = pb_s = sel_s = st = bar_i = bar_kv = bar_ready = xacc = xml = bar_xfree = bar_xfull = None
-        qr_s1 = None
-        if q_tiles:  # the tile of q's second part (allocated last)
-            *scratch, qr_s1 = scratch
         if cluster:  # the K tiles and, aliased, the peer's half accumulator and statistics; their barriers
             *scratch, bar_xfree, bar_xfull = scratch
             scratch[1], (xacc, xml) = scratch[1]
@@ -790,7 +779,6 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
         else:
             q_s1, k_s1, st, p_s, idx_s, bar_q, bar_i, bar_kv, bar_ready, bar_p = scratch
         q_s, k_s = q_s1.at[0], k_s1.at[0]  # [1, rows, dk]: index 0 statically (copies, dequantisation)
-        qr_s = None if qr_s1 is None else qr_s1.at[0]
         pid = lax.axis_index("cta")
         if cluster:  # the grid is over (token, head tile) pairs; the split is the CTA's rank in its cluster
             gi, ti, si = pid % G, pid // G, lax.axis_index("pair")
@@ -856,10 +844,9 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                         plgpu.set_max_registers(n, action="increase" if n > launch_regs() else "decrease")
                 if w == 0:
                     # q_multicast: both CTAs of the pair need this tile; each fetches half of it into both
-                    if nq == 1 or q_tiles:
-                        for q_ref, dst in zip(q_refs, (q_s, qr_s)[:nq]):
-                            plgpu.copy_gmem_to_smem(q_ref.at[ti, pl.ds(gi * HEAD_TILE, HEAD_TILE)], dst,
-                                                    bar_q.at[0], collective_axes="pair" if q_multicast else None)
+                    if nq == 1:
+                        plgpu.copy_gmem_to_smem(q_refs[0].at[ti, pl.ds(gi * HEAD_TILE, HEAD_TILE)], q_s,
+                                                bar_q.at[0], collective_axes="pair" if q_multicast else None)
                     else:  # q's parts into their columns, by 8-row groups (a group's columns are contiguous)
                         for r, (i, c0) in itertools.product(range(HEAD_TILE // 8), ((0, 0), (1, q_parts[0]))):
                             plgpu.copy_gmem_to_smem(q_refs[i].at[ti, pl.ds(gi * HEAD_TILE + 8 * r, 8)],
@@ -914,7 +901,6 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                     q_mm, k_mm = q_s1.at[z], k_s1.at[islot + z]
                 else:
                     q_mm, k_mm = q_s1.at[z], k_s1.at[z]
-                qr_mm = None if qr_s1 is None else qr_s1.at[z]
                 if scorer:
                     valid = plgpu.load(idx_s.at[islot, own], layout=COL, optimized=False) >= 0
                 if not reg:  # K tile of block k complete (both halves), its staging rows and slots read by both
@@ -938,11 +924,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
 
                 # S = Q K^T (the prefetch is issued while the tensor cores run it), masked online softmax (base 2)
                 def qk(acc_ref):
-                    if qr_mm is None:
-                        plgpu.wgmma(acc_ref, q_mm, k_mm.at[own].T)
-                    else:  # q in two parts: a wgmma each over its columns of K, accumulated in order
-                        plgpu.wgmma(acc_ref, q_mm, k_mm.at[own, pl.ds(0, q_parts[0])].T)
-                        plgpu.wgmma(acc_ref, qr_mm, k_mm.at[own, pl.ds(q_parts[0], q_parts[1])].T)
+                    plgpu.wgmma(acc_ref, q_mm, k_mm.at[own].T)
                     if not reg:
                         prefetch()
                     plgpu.wgmma_wait(0)
@@ -1170,7 +1152,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     else:
         mid = [p_t]
     scratch = [
-        plgpu.SMEM((1, HEAD_TILE, q_parts[0] if q_tiles else dk), jnp.bfloat16, transforms=SW),  # q tile
+        plgpu.SMEM((1, HEAD_TILE, dk), jnp.bfloat16, transforms=SW),  # q tile
         plgpu.SMEM((1, BK, dk), jnp.bfloat16, transforms=SW),  # dequantised K tile (V = its first dv columns)
         st_t, *mid,
         plgpu.SMEM((2, BK), jnp.int32),  # slots of the current and next block
@@ -1186,7 +1168,7 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
     ]
     if reg:  # two K tiles and no staging rows (natively: SMEM 226 KB of 227 at V3.2's 576 columns)
         scratch = [
-            plgpu.SMEM((1, HEAD_TILE, q_parts[0] if q_tiles else dk), jnp.bfloat16, transforms=SW),  # q tile
+            plgpu.SMEM((1, HEAD_TILE, dk), jnp.bfloat16, transforms=SW),  # q tile
             plgpu.SMEM((2, BK, dk), jnp.bfloat16, transforms=SW),  # K tiles of blocks k and k + 1
             p_t,
             # the two blocks' slots (-1 = masked), written by the producer; with raw barriers a third row holds
@@ -1210,8 +1192,6 @@ def _build_call(*, specs: tuple[CacheSpec, ...], list_blocks: tuple[int, ...], t
                                                  plgpu.SMEM((HEAD_TILE, 32), jnp.float32, transforms=f32_tiles)))
         scratch += [plgpu.ClusterBarrier(collective_axes=("pair",), num_arrivals=1),
                     plgpu.Barrier(num_arrivals=2, num_barriers=1)]
-    if q_tiles:  # the tile of q's second part
-        scratch.append(plgpu.SMEM((1, HEAD_TILE, q_parts[1]), jnp.bfloat16, transforms=SW))
     if n_splits == 1 or cluster:
         out_type = jax.ShapeDtypeStruct((t, hp, dv), out_dtype)
     else:

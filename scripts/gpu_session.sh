@@ -169,18 +169,6 @@ case "$stage" in
           "$OUT/step_kernels_${a}_${t}.json" --top ${SK_DIFF_TOP:-10}; }
     done; done
     ;;
-  q-tiles)
-    # issue 20 / the sixty-sixth session: sparse_mqa's q_tiles=True (V3.2's q parts in tiles of their own, one copy
-    # and one wgmma each) natively: its tests, then the 8-layer V3.2 step's kernels with it (vt/tiles: this tree with
-    # the layer passing q_tiles=True) against the default (sixteen copies a CTA into one tile)
-    timeout -k 10 -s INT ${QT_TEST_TIMEOUT:-150} python3 -m pytest -m gpu -q -p no:cacheprovider \
-      tests/test_kernel_sparse_mqa.py -k "q_rope or layer_attend" > "$OUT/q_tiles_tests.log" 2>&1
-    echo "q-tiles tests rc=$?"; tail -3 "$OUT/q_tiles_tests.log"
-    rm -rf vt/tiles && mkdir -p vt/tiles && cp -r jds pallas_kernels vt/tiles/
-    sed -i 's/q_rope=query.q_rope)/q_rope=query.q_rope, q_tiles=True)/' vt/tiles/jds/v32.py
-    grep -q "q_tiles=True)" vt/tiles/jds/v32.py || { echo "q-tiles: the layer's sparse_mqa call not found"; exit 1; }
-    SK_TREES="main tiles" SK_ARCHS=v32 bash "$0" step-kernels
-    ;;
   v4-epilogue)
     # the sixty-seventh session's two unmeasured V4 epilogue changes: the grouped wo_a's dot rounding to bf16 itself
     # (in main; vt/wo = `git archive 5f419c9 jds pallas_kernels` is before it) and the output's inverse RoPE in

@@ -79,7 +79,8 @@ def assert_close(got, want, scale, dtype, n_f32: int, what: str) -> None:
     bad = err > bound
     k = np.argmax(err / bound)
     assert not bad.any(), (f"{what}: {int(bad.sum())} of {err.size} elements off; worst {err.flat[k]:.3e} against "
-                           f"{bound.flat[k]:.3e} (got {got.flat[k]:.6e}, want {want.flat[k]:.6e}, scale {scale.flat[k]:.3e})")
+                           f"{bound.flat[k]:.3e} (got {got.flat[k]:.6e}, want {want.flat[k]:.6e}, "
+                           f"scale {scale.flat[k]:.3e})")
 
 
 # (ratio, d, rope dim, page size): V4's main compressors (ratio 4 overlapping, ratio 128) and the indexer's
@@ -108,8 +109,8 @@ def test_pool_norm_rope(mode, ratio, d, rd, bs, dtype):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_pool_norm_rope_matches_xla(mode):
-    """The kernel at several tilings (a row in one program or spread, chunk sizes) against the op's XLA implementation (the layer's fallback), which is
-    itself checked against the reference; closing rows only."""
+    """The kernel at several tilings (a row in one program or spread; chunk sizes) against the op's XLA
+    implementation (the layer's fallback), which is itself checked against the reference; closing rows only."""
     interpret = interpret_for(mode)
     ratio, d, rd, bs = 128, 64, 16, 128
     rng = np.random.default_rng(7)

@@ -139,10 +139,8 @@ def test_v32_fp8(mode, scale_fmt):
 @pytest.mark.parametrize("mode", MODES)
 def test_q_rope_apart(mode):
     """q's last 64 columns passed apart (``q_rope``, V3.2's absorbed form) give the very rows of the whole q: the
-    same values land in the same q tile. Natively also with the cluster merge, the TMA producer and bf16 rows
-    stored through the q tile. ``q_tiles``: each part in a tile of its own, two wgmmas accumulated in order
-    (natively the same sums; interpret mode sums two dots apart), with the pair's multicast under the cluster
-    merge. Also the XLA path, and bad arguments."""
+    same values land in the same q tile. Natively also with the cluster merge (whose q multicast takes a whole q),
+    the TMA producer and bf16 rows stored through the q tile. Also the XLA path, and bad arguments."""
     interpret = _interpret(mode)
     rng = np.random.default_rng(11)
     t, h, k, nblk, epp = (3, 4, 100, 8, 16) if interpret else (4, 128, 2048, 96, 64)
@@ -150,27 +148,18 @@ def test_q_rope_apart(mode):
     cache = _cache(fmt, nblk, 576, rng)
     slots = _slots(rng, t, k, nblk * epp, 0.2, empty_rows=(1,))
     q = _bf16_exact(rng.standard_normal((t, h, 576))).astype(jnp.bfloat16)
-    forms = [dict(), dict(q_tiles=True)]
+    forms = [dict()]
     if not interpret:
-        forms += [dict(num_splits=2, merge="cluster"), dict(producer="tma"), dict(out_dtype=jnp.bfloat16),
-                  dict(num_splits=2, merge="cluster", q_tiles=True), dict(out_dtype=jnp.bfloat16, q_tiles=True)]
+        forms += [dict(num_splits=2, merge="cluster"), dict(producer="tma"), dict(out_dtype=jnp.bfloat16)]
     for impl, kw in [("pallas", kw) for kw in forms] + [("xla", {})]:
         args = dict(scale=0.06, v_dim=512, implementation=impl, interpret=interpret, **kw)
-        whole = mqa.sparse_mqa(q, [cache], [fmt], [slots], **{k: v for k, v in args.items() if k != "q_tiles"})
+        whole = mqa.sparse_mqa(q, [cache], [fmt], [slots], **args)
         apart = mqa.sparse_mqa(q[..., :512], [cache], [fmt], [slots], q_rope=q[..., 512:], **args)
-        if interpret and kw.get("q_tiles"):  # emulated wgmmas: two fp32 dots summed apart, not one in one order:
-            # scores of 576 products move by ~576 * 2^-24 of their magnitude (~2^-15), the rows by as little
-            np.testing.assert_allclose(np.asarray(apart), np.asarray(whole), rtol=0,
-                                       atol=2.0 ** -12 * float(np.abs(np.asarray(whole)).max()), err_msg=str(kw))
-        else:  # the GPU's wgmmas accumulate K's 16-column steps in order, one wgmma or two alike; XLA concatenates
-            np.testing.assert_array_equal(np.asarray(apart), np.asarray(whole), err_msg=f"{impl} {kw}")
+        np.testing.assert_array_equal(np.asarray(apart), np.asarray(whole), err_msg=f"{impl} {kw}")
     with pytest.raises(ValueError, match="q_rope"):
         mqa.sparse_mqa(q[..., :512], [cache], [fmt], [slots], q_rope=q[:1, :, 512:], scale=0.06, v_dim=512)
-    with pytest.raises(ValueError, match="q_tiles=True puts q's two parts"):
-        mqa.sparse_mqa(q, [cache], [fmt], [slots], scale=0.06, v_dim=512, q_tiles=True, implementation="pallas",
-                       interpret=interpret)
     if not interpret:
-        with pytest.raises(ValueError, match="q_multicast=True with q_rope needs q_tiles=True"):
+        with pytest.raises(ValueError, match="q_multicast=True takes a whole q"):
             mqa.sparse_mqa(q[..., :512], [cache], [fmt], [slots], q_rope=q[..., 512:], scale=0.06, v_dim=512,
                            num_splits=2, merge="cluster", q_multicast=True)
     with pytest.raises(ValueError, match="q_rope's columns included"):
@@ -614,8 +603,7 @@ def test_v4_layer_attend(mode):
                                   "v4_fp8_prefetch2", "v4_fp8_cluster_prefetch2", "v32_fp8_prefetch2",
                                   "v4_fp8_cluster_scores_split", "v4_fp8_scores_split", "v32_fp8_scores_split",
                                   "v32_fp8_cluster_scores_split", "v4_fp8_tma_scores_split", "v32_fp8_q_rope",
-                                  "v32_fp8_cluster_q_rope", "v32_fp8_tma_q_rope", "v32_fp8_out_tma_q_rope",
-                                  "v32_fp8_q_rope_tiles", "v32_fp8_cluster_q_rope_tiles"])
+                                  "v32_fp8_cluster_q_rope", "v32_fp8_tma_q_rope", "v32_fp8_out_tma_q_rope"])
 def test_lowers_for_cuda(case):
     """jax.export for CUDA runs Mosaic GPU's layout inference and dialect lowering (TMA, wgmma, swizzle and
     shared-memory limits for sm90) on the CPU at the real shapes."""
@@ -671,9 +659,6 @@ def test_lowers_for_cuda(case):
           # q's roped columns apart, copied into their columns of the q tile
           "v32_fp8_cluster_q_rope": dict(merge="cluster"),
           "v32_fp8_out_tma_q_rope": dict(out_dtype=jnp.bfloat16, out_store="tma"),
-          # ... each in a tile of its own (multicast to the cluster's pair)
-          "v32_fp8_q_rope_tiles": dict(q_tiles=True),
-          "v32_fp8_cluster_q_rope_tiles": dict(merge="cluster", q_tiles=True),
           "v32_fp8_tma_q_rope": dict(producer="tma")}.get(case, {})
 
     def f(q, caches, slots, sink):

@@ -1,4 +1,5 @@
-"""The one implementation switch of every op (fused inserts, indexer top-k, top-k select, sparse MQA).
+"""The one implementation switch of every op (fused inserts, compressor entries, indexer top-k, top-k select,
+sparse MQA).
 
 Each op has one public entry point (in pallas_kernels/, next to its kernels) that takes
 ``implementation=``: ``"xla"`` runs the pure-JAX implementation (in jds/ops), ``"pallas"`` the kernel,
