@@ -34,7 +34,7 @@ from jds.ops.indexer import prepare_indexer_k, prepare_indexer_q
 from jds.ops.paging import RecordFormat, global_slots, write_records
 from jds.ops.records import FloatRows, MlaRecord584
 from jds.ops.rope import cached_inv_freqs, rope_cos_sin, rope_part
-from pallas_kernels.compressor_pool import pool_norm_rope
+from pallas_kernels.compressor_pool import pool_norm_rope, write_state
 from pallas_kernels.fused_insert_v4 import fused_qnorm_rope_kv_insert_v4
 from pallas_kernels.sparse_mqa import sparse_mqa
 
@@ -274,16 +274,15 @@ class V4Attention(StagedAttention):
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Save the step's compressor state, then emit the entries of every block its tokens close: (state,
         entries [max_out, d] normed and roped, compressed-cache slots with -1 for unused rows)."""
-        cfg, r, bt = self.cfg, mod.ratio, batch.block_tables
-        rows = comp.state_rows(*jnp.split(proj, 2, axis=-1), mod.ape[...], batch.positions)
-        state, req, block = comp.save_and_close(
-            state, rows, positions=batch.positions, req_idx=batch.req_idx, slot_mapping=batch.slot_mapping,
-            ratio=r, d=mod.d, block_size=cfg.block_size, max_out=comp.max_closing(batch.positions.shape[0],
-                                                                                   bt.shape[0], r))
+        cfg, r, bt, impl = self.cfg, mod.ratio, batch.block_tables, self.op_implementation
+        state = write_state(state, proj, mod.ape[...], batch.positions, batch.slot_mapping, ratio=r, d=mod.d,
+                            block_size=cfg.block_size, implementation=impl)
+        req, block = comp.closing_blocks(batch.positions, batch.req_idx, batch.slot_mapping, r,
+                                         comp.max_closing(batch.positions.shape[0], bt.shape[0], r))
         cos, sin = comp.entry_rope(self._freqs(), block, r)
         entries = pool_norm_rope(state, bt, req, block, mod.norm.weight[...], cos, sin, ratio=r, d=mod.d,
                                  block_size=cfg.block_size, eps=cfg.rms_norm_eps, dtype=self.dtype,
-                                 implementation=self.op_implementation)
+                                 implementation=impl)
         return state, entries, global_slots(bt, req, block, cfg.block_size // r)
 
     def check_extra(self, batch: PagedBatch) -> None:

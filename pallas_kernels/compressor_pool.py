@@ -1,4 +1,7 @@
-"""DeepSeek-V4's compressor entries (pool, RMSNorm, RoPE), Pallas on GPU.
+"""DeepSeek-V4's compressor kernels, Pallas on GPU: the state write and the entries (pool, RMSNorm, RoPE).
+
+``write_state``: each token's state row ``[kv | score + ape[p % r]]`` (float32) from the projection, written at
+its slot of the state pages in one launch (XLA: the sum and concatenation, then a scatter).
 
 ``pool_norm_rope``: for each row n with ``blocks[n] >= 0``, block ``blocks[n]`` of request row ``req[n]`` is
 softmax-pooled per channel over its candidate state rows (read through the block table from the fp32 state
@@ -23,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jds.ops.compressor import norm_rope, overlap_factor, pool_norm_rope_xla, state_format
+from jds.ops.compressor import norm_rope, overlap_factor, pool_norm_rope_xla, state_format, write_state_xla
 from jds.ops.dispatch import Implementation, Unsupported, check_array, check_int, run_op
 from jds.ops.paging import check_cache
 from pallas_kernels import fused_insert_common as C
@@ -159,3 +162,63 @@ def _pallas(state_cache, block_tables, req, blocks, norm_weight, cos, sin, *, ra
                         aliases={}, interpret=interpret, name="compressor_pool_norm_rope" if db == d else
                         "compressor_pool", num_warps=num_warps or (8 if db * ch >= 4096 else 4))(*args)
     return out if db == d else norm_rope(out, norm_weight, cos, sin, eps=eps, dtype=dt)
+
+
+def _state_kernel(proj_ref, ape_ref, pos_ref, slot_ref, _cache_in, c_out, *, T, BT, W, r, epp):
+    pid = pl.program_id(0)
+    t = pid * BT + C.iota((BT, 1), 0)
+    tc = jnp.minimum(t, T - 1)
+    col = C.iota((1, W), 1)
+    slot = C.load(slot_ref, (tc,), (BT, 1))
+    ok = (t < T) & (slot >= 0)
+    half = W // 2
+    x = C.load(proj_ref, (tc, col), (BT, W)).astype(F32)  # [kv | score]
+    phase = jax.lax.rem(C.load(pos_ref, (tc,), (BT, 1)), r)
+    ape = C.load(ape_ref, (phase, jnp.maximum(col - half, 0)), (BT, W), mask=col >= half).astype(F32)
+    safe = jnp.where(ok, slot, 0)
+    page = jnp.where(ok, jax.lax.div(safe, epp), c_out.shape[0])
+    C.store(c_out, (page, jax.lax.rem(safe, epp) * W + col), jnp.where(col >= half, x + ape, x), ok)
+
+
+def write_state(state_cache, proj, ape, positions, slot_mapping, *, ratio: int, d: int, block_size: int,
+                implementation: Implementation = "pallas", interpret: bool | None = None,
+                rows_per_program: int | None = None, num_warps: int | None = None):
+    """The state cache with this step's rows written (jds.ops.compressor.write_state_xla's result, bit for bit:
+    one float32 sum per score element in either).
+
+    state_cache: fp32 pages of ``state_format(ratio, d, block_size)`` (donate it: updated in place); proj
+    [T, 2*c*d] float ([kv | score]); ape [ratio, c*d]; positions, slot_mapping [T] int32 (slot -1 writes nothing).
+    ``rows_per_program``: tokens a program writes (default: a tile of at most 4096 values)."""
+    op = "write_state"
+    fmt = state_format(ratio, d, block_size)
+    width = check_cache(f"{op}: state_cache", state_cache, fmt, "state format")
+    check_array(f"{op}: proj", proj, (("T", None), ("2*c*d", width)), "float")
+    t = proj.shape[0]
+    check_array(f"{op}: ape", ape, (("ratio", ratio), ("c*d", width // 2)), "float")
+    check_array(f"{op}: positions", positions, (("T", t),), "int")
+    check_array(f"{op}: slot_mapping", slot_mapping, (("T", t),), "int")
+    args = (state_cache, proj, ape, positions, slot_mapping)
+    kw = dict(ratio=ratio, d=d, block_size=block_size)
+    return run_op(op, implementation, {
+        "xla": lambda: write_state_xla(*args, **kw),
+        "pallas": lambda: _write_state_pallas(*args, fmt=fmt, interpret=interpret, rows_per_program=rows_per_program,
+                                              num_warps=num_warps)})
+
+
+def _write_state_pallas(state_cache, proj, ape, positions, slot_mapping, *, fmt, interpret, rows_per_program,
+                        num_warps):
+    interpret = C.resolve_interpret(interpret)
+    t, w = proj.shape
+    if not C.is_pow2(w):
+        raise Unsupported(f"write_state: state row width {w} is not a power of 2")
+    bt = rows_per_program or max(1, 4096 // w)
+    for name, v in (("rows_per_program", bt), ("num_warps", num_warps or 1)):
+        if not C.is_pow2(v):  # a tile setting, not a shape: an error under "auto" too
+            raise ValueError(f"write_state: {name} must be a power of 2 (or None), got {v!r}")
+    if t == 0:
+        return state_cache
+    kernel = functools.partial(_state_kernel, T=t, BT=bt, W=w, r=ape.shape[0], epp=fmt.entries_per_page)
+    args = (proj, ape.astype(F32), positions.astype(jnp.int32), slot_mapping.astype(jnp.int32), state_cache)
+    return C.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(state_cache.shape, state_cache.dtype),
+                         grid=(pl.cdiv(t, bt),), aliases={4: 0}, interpret=interpret, name="compressor_write_state",
+                         num_warps=num_warps or 4)(*args)

@@ -5,7 +5,7 @@
 #   scripts/gpu_session.sh hostpath      # issue 16: graph updates per step (VLOG counts), TTFT variants
 #   scripts/gpu_session.sh ttft-fp8      # issue 19: 8-layer V3.2 TTFT, FP8 weights then bf16 weights (fused:device:8)
 #   scripts/gpu_session.sh ttft-fp8-pad  # issue 19: the same with wkv_a on XLA's path (vt/nopad), padded per call (vt/percall), fused (main)
-#   scripts/gpu_session.sh v4-epilogue   # V4: wo_a's dot rounding to bf16 itself (main vs vt/wo), the inverse RoPE in place (vt/inplace)
+#   scripts/gpu_session.sh v4-epilogue   # V4: the state write kernel, wo_a's dot rounding itself (main vs vt/wo), the inverse RoPE in place
 #   scripts/gpu_session.sh ttft-trees    # the 8-layer TTFT (FP8 weights) of TT_ARCH in each tree of TT_TREES
 #   scripts/gpu_session.sh ttft-parts    # issue 16: TTFT's host time per dispatch, preparation in the loop vs alone, put / spin
 #   scripts/gpu_session.sh invariance    # issue 23: --batch-invariant under preemption (20 pages)
@@ -170,10 +170,14 @@ case "$stage" in
     done; done
     ;;
   v4-epilogue)
-    # the sixty-seventh session's two unmeasured V4 epilogue changes: the grouped wo_a's dot rounding to bf16 itself
-    # (in main; vt/wo = `git archive 5f419c9 jds pallas_kernels` is before it) and the output's inverse RoPE in
-    # place (vt/inplace: this tree with the layer passing rope_part(..., in_place=True), a dynamic-update-slice that
-    # XLA's CPU backend miscompiled): the in-place form's tests natively in its tree first, then the step kernels
+    # the sixty-seventh session's unmeasured V4 changes: the compressor state write as a kernel (write_state) and the
+    # grouped wo_a's dot rounding to bf16 itself (in main; vt/wo = `git archive 5f419c9 jds pallas_kernels` is
+    # before both), and the output's inverse RoPE in place (vt/inplace: this tree with the layer passing
+    # rope_part(..., in_place=True), a dynamic-update-slice that XLA's CPU backend miscompiled): the compressor
+    # kernels' native tests, the in-place form's tests in its tree, then the step kernels
+    timeout -k 10 -s INT ${EPI_TEST_TIMEOUT:-150} python3 -m pytest -m gpu -q -p no:cacheprovider \
+      tests/test_kernel_compressor_pool.py tests/test_kernel_fused_insert.py -k "pool_norm_rope or write_state or v4_layer" \
+      > "$OUT/compressor_tests.log" 2>&1; echo "compressor tests rc=$?"; tail -3 "$OUT/compressor_tests.log"
     rm -rf vt/inplace && mkdir -p vt/inplace && cp -r jds pallas_kernels tests pyproject.toml vt/inplace/
     sed -i 's/interleaved=True, inverse=True)/interleaved=True, inverse=True, in_place=True)/' vt/inplace/jds/v4.py
     grep -q "in_place=True)" vt/inplace/jds/v4.py || { echo "v4-epilogue: the layer's rope_part call not found"; exit 1; }

@@ -1,15 +1,20 @@
-"""pallas_kernels.compressor_pool.pool_norm_rope (V4's compressor entries: pool, RMSNorm, RoPE) against a
-float64 reference computed candidate by candidate from the state pages, every element of every closing row;
-rows that close no block must come out as zeros. Interpret mode on the CPU, natively on a GPU (``gpu``)."""
+"""pallas_kernels.compressor_pool: ``pool_norm_rope`` (V4's compressor entries: pool, RMSNorm, RoPE) against a
+float64 reference computed candidate by candidate from the state pages, every element of every closing row
+(rows that close no block must come out as zeros); ``write_state`` against its XLA form, bit for bit. Interpret
+mode on the CPU, natively on a GPU (``gpu``)."""
 
 from __future__ import annotations
 
-import numpy as np
+import functools
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jds.ops import compressor as comp
-from pallas_kernels.compressor_pool import pool_norm_rope
+from pallas_kernels import fused_insert_common as C
+from pallas_kernels.compressor_pool import pool_norm_rope, write_state
 from tests.kernel_modes import MODES, interpret_for
 from tests.tolerances import ulp
 
@@ -146,3 +151,65 @@ def test_pool_norm_rope_input_errors():
         pool_norm_rope(*args, **kw, channel_block=128)
     with pytest.raises(ValueError, match="block_size"):
         pool_norm_rope(*args, **{**kw, "block_size": 18})
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("ratio,d,bs,t,rows", [(4, 64, 16, 11, None), (128, 32, 128, 5, None), (4, 16, 16, 9, 2)])
+def test_write_state(mode, ratio, d, bs, t, rows):
+    """The state write equals the XLA form's bit for bit (one float32 sum per score element in both, the kv
+    copied), every byte of the pages: written rows, untouched ones and the padding tokens' (slot -1)."""
+    interpret = interpret_for(mode)
+    rng = np.random.default_rng([ratio, d, t])
+    c = comp.overlap_factor(ratio)
+    fmt = comp.state_format(ratio, d, bs)
+    num_blocks = 5
+    cache = jnp.asarray(rng.standard_normal((num_blocks, fmt.page_elems)), jnp.float32)
+    proj = rng.standard_normal((t, 4 * c * d // 2)).astype(np.float32)
+    proj[0, :3] = -0.0  # signed zeros stay as they are
+    slots = rng.permutation(num_blocks * bs)[:t].astype(np.int32)
+    slots[1] = -1
+    pos = rng.integers(0, 10 * ratio, t).astype(np.int32)
+    ape = jnp.asarray(rng.standard_normal((ratio, c * d)), jnp.float32)
+    args = (cache, jnp.asarray(proj), ape, jnp.asarray(pos), jnp.asarray(slots))
+    kw = dict(ratio=ratio, d=d, block_size=bs)
+    want = write_state(*args, **kw, implementation="xla")
+    got = write_state(*args, **kw, implementation="pallas", interpret=interpret, rows_per_program=rows)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+    assert not np.array_equal(np.asarray(want), np.asarray(cache))  # something was written
+
+
+def test_write_state_input_errors():
+    fmt = comp.state_format(4, 16, 16)
+    cache = jnp.zeros((2, fmt.page_elems), jnp.float32)
+    proj, ape = jnp.zeros((3, 64), jnp.float32), jnp.zeros((4, 32), jnp.float32)
+    pos = slots = jnp.zeros((3,), jnp.int32)
+    kw = dict(ratio=4, d=16, block_size=16, interpret=True)
+    with pytest.raises(ValueError, match="proj"):
+        write_state(cache, proj[:, :32], ape, pos, slots, **kw)
+    with pytest.raises(ValueError, match="ape"):
+        write_state(cache, proj, ape[:2], pos, slots, **kw)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        write_state(cache, proj, ape, pos, slots[:2], **kw)
+    with pytest.raises(ValueError, match="state_cache"):
+        write_state(cache[:, :-1], proj, ape, pos, slots, **kw)
+    with pytest.raises(ValueError, match="rows_per_program"):
+        write_state(cache, proj, ape, pos, slots, **kw, rows_per_program=3)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="CPU-side lowering check (the gpu tests compile for real)")
+@pytest.mark.parametrize("ratio,d", [(4, 512), (128, 512), (4, 128)])  # V4's main compressors, the indexer's
+def test_lowers_for_cuda(ratio, d):
+    """Both kernels lower to Triton for CUDA at V4's shapes (decode batch 64, 256-token pages)."""
+    bs, n, rd = 256, 64, 64
+    c = comp.overlap_factor(ratio)
+    fmt = comp.state_format(ratio, d, bs)
+    sds = jax.ShapeDtypeStruct
+    cache, bt = sds((200, fmt.page_elems), jnp.float32), sds((n, 64), jnp.int32)
+    rows, tab = sds((n,), jnp.int32), sds((n, rd // 2), jnp.float32)
+    pool = functools.partial(pool_norm_rope, ratio=ratio, d=d, block_size=bs, eps=EPS, dtype=jnp.bfloat16,
+                             interpret=False)
+    assert "__gpu$xla.gpu.triton" in C.check_triton_lowering(pool, cache, bt, rows, rows, sds((d,), jnp.float32),
+                                                             tab, tab)
+    state = functools.partial(write_state, ratio=ratio, d=d, block_size=bs, interpret=False)
+    assert "__gpu$xla.gpu.triton" in C.check_triton_lowering(state, cache, sds((n, 2 * c * d), jnp.float32),
+                                                             sds((ratio, c * d), jnp.float32), rows, rows)

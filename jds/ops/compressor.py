@@ -82,17 +82,21 @@ def pool_blocks(state_cache: jax.Array, block_tables: jax.Array, req: jax.Array,
     return jnp.sum(a * kv, axis=1)
 
 
-def save_and_close(state_cache: jax.Array, rows: jax.Array, *, positions: jax.Array, req_idx: jax.Array,
-                   slot_mapping: jax.Array, ratio: int, d: int, block_size: int, max_out: int
-                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Save this step's state ``rows`` [T, 2*c*d]; find the blocks its tokens close.
+def write_state_xla(state_cache: jax.Array, proj: jax.Array, ape: jax.Array, positions: jax.Array,
+                    slot_mapping: jax.Array, *, ratio: int, d: int, block_size: int) -> jax.Array:
+    """Save this step's state rows (``state_rows`` of the projection ``proj`` = [kv | score] [T, 2*c*d]) at
+    ``slot_mapping`` (-1 writes nothing). The XLA implementation of pallas_kernels.compressor_pool.write_state."""
+    rows = state_rows(*jnp.split(proj, 2, axis=-1), ape, positions)
+    return write_records(state_cache, state_format(ratio, d, block_size), slot_mapping, rows)
 
-    Returns (new state cache, request row [max_out] int32, block [max_out] int32 with -1 for unused rows):
-    the inputs of ``pool_norm_rope`` (pallas_kernels.compressor_pool) and of the entries' cache slots."""
-    state_cache = write_records(state_cache, state_format(ratio, d, block_size), slot_mapping, rows)
+
+def closing_blocks(positions: jax.Array, req_idx: jax.Array, slot_mapping: jax.Array, ratio: int,
+                   max_out: int) -> tuple[jax.Array, jax.Array]:
+    """The blocks this step's tokens close: (request row [max_out] int32, block [max_out] int32, -1 for unused
+    rows), the inputs of ``pool_norm_rope`` (pallas_kernels.compressor_pool) and of the entries' cache slots."""
     idx = closing_tokens(positions, slot_mapping, ratio, max_out)
     tok = jnp.maximum(idx, 0)
-    return state_cache, req_idx[tok], jnp.where(idx >= 0, positions[tok] // ratio, -1)
+    return req_idx[tok], jnp.where(idx >= 0, positions[tok] // ratio, -1)
 
 
 def entry_rope(inv_freqs: np.ndarray, blocks: jax.Array, ratio: int) -> tuple[jax.Array, jax.Array]:
