@@ -213,3 +213,25 @@ def test_lowers_for_cuda(ratio, d):
     state = functools.partial(write_state, ratio=ratio, d=d, block_size=bs, interpret=False)
     assert "__gpu$xla.gpu.triton" in C.check_triton_lowering(state, cache, sds((n, 2 * c * d), jnp.float32),
                                                              sds((ratio, c * d), jnp.float32), rows, rows)
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_closing_blocks(ratio):
+    """The (request, block) pairs a step's tokens close, against a loop: compacted when the bound is under the token
+    count (prefill), token by token when it covers them all (decode); padding tokens (slot -1) close nothing."""
+    rng = np.random.default_rng(ratio)
+    for chunks in ([(0, 3 * ratio - 5, 2 * ratio + 7), (1, 0, 9)], [(r, int(p), 1) for r, p in
+                                                                   enumerate(rng.integers(0, 5 * ratio, 12))]):
+        req = np.concatenate([np.full(n, r) for r, _, n in chunks] + [np.zeros(3, int)]).astype(np.int32)
+        pos = np.concatenate([np.arange(p, p + n) for _, p, n in chunks] + [np.zeros(3, int)]).astype(np.int32)
+        pos[-8] = ratio - 1  # one more closing token (a real one: the last three are padding)
+        slots = np.where(np.arange(len(pos)) < len(pos) - 3, 1, -1).astype(np.int32)
+        max_out = comp.max_closing(len(pos), len(chunks), ratio)
+        got_r, got_b = (np.asarray(a) for a in comp.closing_blocks(jnp.asarray(pos), jnp.asarray(req),
+                                                                   jnp.asarray(slots), ratio, max_out))
+        assert got_r.shape == got_b.shape == (max_out,)
+        want = sorted((int(r), int(p) // ratio) for r, p, s in zip(req, pos, slots) if s >= 0 and (p + 1) % ratio == 0)
+        assert sorted((int(r), int(b)) for r, b in zip(got_r, got_b) if b >= 0) == want
+        if max_out >= len(pos):  # token by token: row t is token t's
+            closes = (slots >= 0) & ((pos + 1) % ratio == 0)
+            np.testing.assert_array_equal(got_b[:len(pos)], np.where(closes, pos // ratio, -1))

@@ -93,7 +93,14 @@ def write_state_xla(state_cache: jax.Array, proj: jax.Array, ape: jax.Array, pos
 def closing_blocks(positions: jax.Array, req_idx: jax.Array, slot_mapping: jax.Array, ratio: int,
                    max_out: int) -> tuple[jax.Array, jax.Array]:
     """The blocks this step's tokens close: (request row [max_out] int32, block [max_out] int32, -1 for unused
-    rows), the inputs of ``pool_norm_rope`` (pallas_kernels.compressor_pool) and of the entries' cache slots."""
+    rows), the inputs of ``pool_norm_rope`` (pallas_kernels.compressor_pool) and of the entries' cache slots.
+    Where ``max_out`` covers every token (decode: one token a request), row t is token t's, no compaction."""
+    t = positions.shape[0]
+    if max_out >= t:
+        closes = ((positions + 1) % ratio == 0) & (slot_mapping >= 0)
+        req = jnp.pad(req_idx.astype(jnp.int32), (0, max_out - t))
+        return req, jnp.pad(jnp.where(closes, positions // ratio, -1).astype(jnp.int32), (0, max_out - t),
+                            constant_values=-1)
     idx = closing_tokens(positions, slot_mapping, ratio, max_out)
     tok = jnp.maximum(idx, 0)
     return req_idx[tok], jnp.where(idx >= 0, positions[tok] // ratio, -1)
