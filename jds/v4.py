@@ -34,7 +34,7 @@ from jds.ops.indexer import prepare_indexer_k, prepare_indexer_q
 from jds.ops.paging import RecordFormat, global_slots, write_records
 from jds.ops.records import FloatRows, MlaRecord584
 from jds.ops.rope import cached_inv_freqs, rope_cos_sin, rope_part
-from pallas_kernels.compressor_pool import pool_norm_rope, write_state
+from pallas_kernels.compressor_pool import insert_entries, pool_norm_rope, write_state
 from pallas_kernels.fused_insert_v4 import fused_qnorm_rope_kv_insert_v4
 from pallas_kernels.sparse_mqa import sparse_mqa
 
@@ -215,7 +215,8 @@ class V4Attention(StagedAttention):
         index_q, index_w = jnp.zeros((t, 0, 0), jnp.float32), jnp.zeros((t, 0), jnp.float32)
         if self.ratio:
             state, e, slots = self._compress(self.compressor, state, inp.comp, batch)
-            compressed = write_records(compressed, self.compressed_format, slots, e)
+            compressed = insert_entries(compressed, e, slots, fmt=self.compressed_format,
+                                        implementation=self.op_implementation)
         if self.has_indexer:
             index_state, e, slots = self._compress(self.indexer.compressor, index_state, inp.index_comp, batch)
             e = prepare_indexer_k(e, hadamard=self.numerics.indexer_hadamard, dtype=dt)

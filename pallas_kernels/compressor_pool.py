@@ -1,5 +1,8 @@
 """DeepSeek-V4's compressor kernels, Pallas on GPU: the state write and the entries (pool, RMSNorm, RoPE).
 
+``insert_entries``: entries [N, d] written into V4's kv cache format at their slots (``MlaRecord584``'s packing in
+registers, or float rows) in one launch (XLA: the packing's kernels, then a scatter).
+
 ``write_state``: each token's state row ``[kv | score + ape[p % r]]`` (float32) from the projection, written at
 its slot of the state pages in one launch (XLA: the sum and concatenation, then a scatter).
 
@@ -28,7 +31,8 @@ from jax.experimental import pallas as pl
 
 from jds.ops.compressor import norm_rope, overlap_factor, pool_norm_rope_xla, state_format, write_state_xla
 from jds.ops.dispatch import Implementation, Unsupported, check_array, check_int, run_op
-from jds.ops.paging import check_cache
+from jds.ops.paging import RecordFormat, check_cache, write_records
+from jds.ops.records import FloatRows, MlaRecord584
 from pallas_kernels import fused_insert_common as C
 
 F32 = jnp.float32
@@ -222,3 +226,47 @@ def _write_state_pallas(state_cache, proj, ape, positions, slot_mapping, *, fmt,
     return C.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(state_cache.shape, state_cache.dtype),
                          grid=(pl.cdiv(t, bt),), aliases={4: 0}, interpret=interpret, name="compressor_write_state",
                          num_warps=num_warps or 4)(*args)
+
+
+def _entries_kernel(e_ref, slot_ref, _cache_in, c_out, *, N, BT, D, fmt, interpret):
+    t = pl.program_id(0) * BT + C.iota((BT, 1), 0)
+    tc = jnp.minimum(t, N - 1)
+    slot = C.load(slot_ref, (tc,), (BT, 1))
+    k = C.load(e_ref, (tc, C.iota((1, D), 1)), (BT, D))
+    C.store_kv_record(c_out, k, slot, (t < N) & (slot >= 0), fmt, interpret)
+
+
+def insert_entries(cache, entries, slots, *, fmt: RecordFormat, implementation: Implementation = "pallas",
+                   interpret: bool | None = None, rows_per_program: int | None = None, num_warps: int | None = None):
+    """``cache`` with ``entries`` [N, D] written at ``slots`` [N] int32 (-1 writes nothing) in ``fmt``:
+    ``jds.ops.paging.write_records``' result, bit for bit (the same packing: bf16 rounding, UE8M0 block exponents
+    by bits, e4m3 round to nearest even). For the compressors' entries, which only ``pool_norm_rope`` computes.
+    cache: pages of ``fmt`` (donate it: updated in place). ``fmt``: ``MlaRecord584`` or ``FloatRows`` (else
+    ``Unsupported``, and "auto" runs XLA). ``rows_per_program``: entries a program writes (default 4)."""
+    op = "insert_entries"
+    width = check_cache(f"{op}: cache", cache, fmt, "fmt")
+    check_array(f"{op}: entries", entries, (("N", None), ("D", width)), "float")
+    check_array(f"{op}: slots", slots, (("N", entries.shape[0]),), "int")
+    return run_op(op, implementation, {
+        "xla": lambda: write_records(cache, fmt, slots, entries),
+        "pallas": lambda: _insert_entries_pallas(cache, entries, slots, fmt=fmt, interpret=interpret,
+                                                 rows_per_program=rows_per_program, num_warps=num_warps)})
+
+
+def _insert_entries_pallas(cache, entries, slots, *, fmt, interpret, rows_per_program, num_warps):
+    interpret = C.resolve_interpret(interpret)
+    n, d = entries.shape
+    if not isinstance(fmt, (MlaRecord584, FloatRows)):
+        raise Unsupported(f"insert_entries: format {fmt} (the kernel writes MlaRecord584 or FloatRows)")
+    if not C.is_pow2(d) or (isinstance(fmt, MlaRecord584) and (d % fmt.block or d // fmt.block < fmt.scale_bytes)):
+        raise Unsupported(f"insert_entries: row width {d} (a power of 2; with {fmt}, whole blocks, one a scale byte)")
+    bt = rows_per_program or 4
+    for name, v in (("rows_per_program", bt), ("num_warps", num_warps or 1)):
+        if not C.is_pow2(v):  # a tile setting, not a shape: an error under "auto" too
+            raise ValueError(f"insert_entries: {name} must be a power of 2 (or None), got {v!r}")
+    if n == 0:
+        return cache
+    kernel = functools.partial(_entries_kernel, N=n, BT=bt, D=d, fmt=fmt, interpret=interpret)
+    return C.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(cache.shape, cache.dtype), grid=(pl.cdiv(n, bt),),
+                         aliases={2: 0}, interpret=interpret, name="compressor_insert_entries",
+                         num_warps=num_warps or 4)(entries, slots.astype(jnp.int32), cache)

@@ -37,7 +37,8 @@ from jax.experimental.pallas import triton as plt
 
 from jds.ops.dispatch import check_array, describe
 from jds.ops.dispatch import resolve_interpret  # re-exported: the Triton kernels call C.resolve_interpret
-from jds.ops.quant import FP8, FP8_MAX, true_divide
+from jds.ops.quant import FP8, FP8_MAX, true_divide, ue8m0_scale_bits
+from jds.ops.records import MlaRecord584
 
 F32 = jnp.float32
 
@@ -196,6 +197,37 @@ def f32_bytes(xs: list[jax.Array]) -> jax.Array:
     words = [jax.lax.bitcast_convert_type(x, jnp.uint32) for x in xs]
     word = functools.reduce(lambda w, b: jnp.where(sc // 4 == b, words[b], w), range(1, len(words)), words[0])
     return (jax.lax.shift_right_logical(word, (8 * (sc % 4)).astype(jnp.uint32)) & 0xFF).astype(jnp.uint8)
+
+
+def store_kv_record(c_out: Any, k: jax.Array, slot: jax.Array, ok: jax.Array, fmt: Any, interpret: bool) -> None:
+    """Store rows ``k`` [BT, D] at their slots [BT, 1] (``ok`` [BT, 1]: rows to write; a masked row's slot may be
+    anything) of a V4 kv cache ``c_out``: the 584-byte ``MlaRecord584`` (its ``pack``: e4m3 NoPE in 64-wide UE8M0
+    blocks of the bf16-rounded values, bf16 rope, exponent bytes and a zero pad byte) or ``FloatRows(D)``."""
+    bt, d = k.shape
+    col = iota((1, d), 1)
+    epp = fmt.entries_per_page
+    safe = jnp.where(ok, slot, 0)
+    page = jnp.where(ok, jax.lax.div(safe, epp), c_out.shape[0])
+    j = jax.lax.rem(safe, epp)
+    if not isinstance(fmt, MlaRecord584):  # FloatRows(D)
+        store(c_out, (page, j * fmt.dim + col), k.astype(c_out.dtype), ok)
+        return
+    nope, blk, data = fmt.nope_dim, fmt.block, fmt.data_bytes
+    nblk = d // blk  # NoPE blocks plus the rope block(s), whose scales are not stored
+    kb = k.astype(jnp.bfloat16)
+    nf = kb.astype(F32).reshape(bt, nblk, blk)
+    _, inv, e = ue8m0_scale_bits(jnp.max(jnp.abs(nf), axis=-1))  # [BT, nblk]
+    q8 = e4m3_bytes(nf * inv[..., None], interpret).reshape(bt, d)
+    lo, hi = u16_bytes(kb)
+    is_nope = col < nope
+    roff = nope + 2 * (col - nope)
+    base = j * data
+    store(c_out, (page, base + jnp.where(is_nope, col, roff)), jnp.where(is_nope, q8, lo), ok)
+    store(c_out, (page, jnp.where(is_nope, c_out.shape[1], base + roff + 1)), hi, ok & ~is_nope)
+    # scale bytes: nblk >= n_scales + 1 (one pad byte per entry, written as 0)
+    b = iota((1, nblk), 1)
+    ebytes = jnp.where(b < fmt.n_scales, e, 0).astype(jnp.uint8)
+    store(c_out, (page, epp * data + j * fmt.scale_bytes + b), ebytes, ok & (b < fmt.scale_bytes))
 
 
 def rope_rows(y: jax.Array, yp: jax.Array, cs: jax.Array, sn: jax.Array, first_of_pair: jax.Array,

@@ -21,7 +21,6 @@ from jax.experimental import pallas as pl
 from jds.ops.dispatch import Implementation, Unsupported, check_array, run_op
 from jds.ops.fused_insert import qnorm_rope_kv_insert_v4_xla
 from jds.ops.paging import RecordFormat, check_cache
-from jds.ops.quant import ue8m0_scale_bits
 from jds.ops.records import MlaRecord584
 from pallas_kernels import fused_insert_common as C
 
@@ -75,28 +74,7 @@ def _v4_kernel(q_ref, kv_ref, cos_ref, sin_ref, slot_ref, w_ref, _cache_in, q_ou
         cs, sn = C.load(cos_ref, (tc, fcol), shape), C.load(sin_ref, (tc, fcol), shape)
         k = C.rope_rows(y, yp, cs, sn, first, in_rope).astype(dtype)  # [BT, D]
 
-        epp = fmt.entries_per_page
-        page = jnp.where(ok, jax.lax.div(safe, epp), c_out.shape[0])
-        j = jax.lax.rem(safe, epp)
-        if isinstance(fmt, MlaRecord584):
-            nope, blk, data = fmt.nope_dim, fmt.block, fmt.data_bytes
-            nblk = D // blk  # NoPE blocks plus the rope block(s), whose scales are not stored
-            kb = k.astype(jnp.bfloat16)
-            nf = kb.astype(F32).reshape(BT, nblk, blk)
-            s, inv, e = ue8m0_scale_bits(jnp.max(jnp.abs(nf), axis=-1))  # [BT, nblk]
-            q8 = C.e4m3_bytes(nf * inv[..., None], interpret).reshape(shape)
-            lo, hi = C.u16_bytes(kb)
-            is_nope = col < nope
-            roff = nope + 2 * (col - nope)
-            base = j * data
-            C.store(c_out, (page, base + jnp.where(is_nope, col, roff)), jnp.where(is_nope, q8, lo), ok)
-            C.store(c_out, (page, jnp.where(is_nope, c_out.shape[1], base + roff + 1)), hi, ok & ~is_nope)
-            # scale bytes: nblk >= n_scales + 1 (one pad byte per entry, written as 0)
-            b = C.iota((1, nblk), 1)
-            ebytes = jnp.where(b < fmt.n_scales, e, 0).astype(jnp.uint8)
-            C.store(c_out, (page, epp * data + j * fmt.scale_bytes + b), ebytes, ok & (b < fmt.scale_bytes))
-        else:  # FloatRows(D)
-            C.store(c_out, (page, j * fmt.dim + col), k.astype(c_out.dtype), ok)
+        C.store_kv_record(c_out, k, safe, ok, fmt, interpret)
 
 
 def supports(head_dim: int, rope_dim: int) -> bool:

@@ -1,7 +1,7 @@
 """pallas_kernels.compressor_pool: ``pool_norm_rope`` (V4's compressor entries: pool, RMSNorm, RoPE) against a
 float64 reference computed candidate by candidate from the state pages, every element of every closing row
-(rows that close no block must come out as zeros); ``write_state`` against its XLA form, bit for bit. Interpret
-mode on the CPU, natively on a GPU (``gpu``)."""
+(rows that close no block must come out as zeros); ``write_state`` and ``insert_entries`` against their XLA forms,
+bit for bit. Interpret mode on the CPU, natively on a GPU (``gpu``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from jds.ops import compressor as comp
+from jds.ops.records import FloatRows, MlaRecord584
 from pallas_kernels import fused_insert_common as C
-from pallas_kernels.compressor_pool import pool_norm_rope, write_state
+from pallas_kernels.compressor_pool import insert_entries, pool_norm_rope, write_state
 from tests.kernel_modes import MODES, interpret_for
 from tests.tolerances import ulp
 
@@ -199,7 +200,7 @@ def test_write_state_input_errors():
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="CPU-side lowering check (the gpu tests compile for real)")
 @pytest.mark.parametrize("ratio,d", [(4, 512), (128, 512), (4, 128)])  # V4's main compressors, the indexer's
 def test_lowers_for_cuda(ratio, d):
-    """Both kernels lower to Triton for CUDA at V4's shapes (decode batch 64, 256-token pages)."""
+    """The kernels lower to Triton for CUDA at V4's shapes (decode batch 64, 256-token pages)."""
     bs, n, rd = 256, 64, 64
     c = comp.overlap_factor(ratio)
     fmt = comp.state_format(ratio, d, bs)
@@ -213,6 +214,11 @@ def test_lowers_for_cuda(ratio, d):
     state = functools.partial(write_state, ratio=ratio, d=d, block_size=bs, interpret=False)
     assert "__gpu$xla.gpu.triton" in C.check_triton_lowering(state, cache, sds((n, 2 * c * d), jnp.float32),
                                                              sds((ratio, c * d), jnp.float32), rows, rows)
+    if d == 512:  # the main compressors' entries into the 584-byte records
+        fmt = MlaRecord584(bs // ratio)
+        ins = functools.partial(insert_entries, fmt=fmt, interpret=False)
+        assert "__gpu$xla.gpu.triton" in C.check_triton_lowering(ins, sds((200, fmt.page_elems), jnp.uint8),
+                                                                 sds((n, d), jnp.bfloat16), rows)
 
 
 @pytest.mark.parametrize("ratio", [4, 128])
@@ -235,3 +241,29 @@ def test_closing_blocks(ratio):
         if max_out >= len(pos):  # token by token: row t is token t's
             closes = (slots >= 0) & ((pos + 1) % ratio == 0)
             np.testing.assert_array_equal(got_b[:len(pos)], np.where(closes, pos // ratio, -1))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fmt,dtype", [(MlaRecord584(4), jnp.bfloat16), (MlaRecord584(2), jnp.float32),
+                                       (FloatRows(64, 4, jnp.bfloat16), jnp.bfloat16),
+                                       (FloatRows(64, 4, jnp.float32), jnp.float32)])
+def test_insert_entries(mode, fmt, dtype):
+    """Entries written by the kernel equal ``write_records``' bytes, every byte of the cache (written records,
+    untouched ones, slot -1 rows); the rows span several binades (per-block exponents) and tiny ones (the floor)."""
+    interpret = interpret_for(mode)
+    rng = np.random.default_rng(5)
+    d = fmt.nope_dim + fmt.rope_dim if isinstance(fmt, MlaRecord584) else fmt.dim
+    num_blocks, n = 6, 9
+    x = rng.standard_normal((n, d)) * 10.0 ** rng.uniform(-6, 3, (n, 1))
+    x[2, :64] *= 1e-7  # a block under the amax floor
+    entries = jnp.asarray(x, dtype)
+    if jnp.dtype(fmt.dtype) == jnp.uint8:
+        cache = jnp.asarray(rng.integers(0, 256, (num_blocks, fmt.page_elems)), jnp.uint8)
+    else:
+        cache = jnp.asarray(rng.standard_normal((num_blocks, fmt.page_elems)), fmt.dtype)
+    slots = rng.permutation(num_blocks * fmt.entries_per_page)[:n].astype(np.int32)
+    slots[[1, 5]] = -1
+    want = insert_entries(cache, entries, jnp.asarray(slots), fmt=fmt, implementation="xla")
+    got = insert_entries(cache, entries, jnp.asarray(slots), fmt=fmt, implementation="pallas", interpret=interpret)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+    assert not np.array_equal(np.asarray(want), np.asarray(cache))
