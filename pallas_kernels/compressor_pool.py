@@ -1,4 +1,4 @@
-"""DeepSeek-V4's compressor kernels, Pallas on GPU: the state write and the entries (pool, RMSNorm, RoPE).
+"""DeepSeek-V4's compressor kernels, Pallas on GPU: the state write, the entries (pool, RMSNorm, RoPE), their records.
 
 ``insert_entries``: entries [N, d] written into V4's kv cache format at their slots (``MlaRecord584``'s packing in
 registers, or float rows) in one launch (XLA: the packing's kernels, then a scatter).

@@ -1,4 +1,5 @@
-"""Helpers shared by the fused norm/RoPE/cache-insert kernels (fused_insert_v32.py, fused_insert_v4.py).
+"""Helpers shared by the fused norm/RoPE/cache-insert kernels (fused_insert_v32.py, fused_insert_v4.py) and the V4
+compressor's kernels (compressor_pool.py).
 
 Backend: the Pallas *Triton* lowering (``pl.pallas_call`` with ``jax.experimental.pallas.triton``
 compiler params; ``interpret=True`` on the CPU), not Mosaic GPU. Why (jax 0.11.2, Hopper):
