@@ -1,7 +1,4 @@
-"""DeepSeek-V4's compressor kernels, Pallas on GPU: the state write, the entries (pool, RMSNorm, RoPE), their records.
-
-``insert_entries``: entries [N, d] written into V4's kv cache format at their slots (``MlaRecord584``'s packing in
-registers, or float rows) in one launch (XLA: the packing's kernels, then a scatter).
+"""DeepSeek-V4's compressor kernels, Pallas on GPU, in step order: the state write, the entries, their records.
 
 ``write_state``: each token's state row ``[kv | score + ape[p % r]]`` (float32) from the projection, written at
 its slot of the state pages in one launch (XLA: the sum and concatenation, then a scatter).
@@ -12,13 +9,16 @@ cache; at ratio 4 also the previous block's, jds/ops/compressor.py says which ch
 learned weight and RoPE'd (interleaved, the last 2 * cos.shape[-1] dims). Rows with block < 0 are written as
 zeros and read nothing: at decode most rows close no block, and the XLA implementation
 (``jds.ops.compressor.pool_norm_rope_xla``) gathers, exponentiates and sums every row's candidates anyway.
-
 Programs: (row, channel block). The candidates go in chunks with an online softmax (running max, sum and
 weighted sum per channel, float32). A program holding a whole row (ratio 4's 8 candidates) norms and rotates
 it as well; at ratio 128 a row's channels are spread over programs and XLA norms and rotates the pooled rows.
+
+``insert_entries``: entries [N, d] written into V4's kv cache format at their slots (``MlaRecord584``'s packing in
+registers, or float rows) in one launch (XLA: the packing's kernels, then a scatter).
+
 Backend: the Triton lowering, as the fused inserts (pallas_kernels/fused_insert_common.py): every candidate
-row is a data-dependent gather through the block table (Mosaic GPU on Hopper takes no vector indices), and
-the kernel then lowers and runs in interpret mode on a CPU-only machine.
+row is a data-dependent gather through the block table and the records mix byte-sized values (Mosaic GPU on
+Hopper takes no vector indices), and the kernels then lower and run in interpret mode on a CPU-only machine.
 """
 
 from __future__ import annotations
