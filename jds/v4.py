@@ -30,11 +30,11 @@ from jds.config import Numerics, V4Config
 from jds.nn import FusedLinear, Linear, RMSNorm, jdtype
 from jds.ops.quant import dequant_weight_blocks, quantize_weight_blocks_jax
 from jds.ops import compressor as comp
-from jds.ops.indexer import prepare_indexer_k, prepare_indexer_q
-from jds.ops.paging import RecordFormat, global_slots, write_records
+from jds.ops.indexer import prepare_indexer_q
+from jds.ops.paging import RecordFormat, global_slots
 from jds.ops.records import FloatRows, MlaRecord584
 from jds.ops.rope import cached_inv_freqs, rope_cos_sin, rope_part
-from pallas_kernels.compressor_pool import insert_entries, pool_norm_rope, write_state
+from pallas_kernels.compressor_pool import insert_entries, insert_index_keys, pool_norm_rope, write_state
 from pallas_kernels.fused_insert_v4 import fused_qnorm_rope_kv_insert_v4
 from pallas_kernels.sparse_mqa import sparse_mqa
 
@@ -219,8 +219,9 @@ class V4Attention(StagedAttention):
                                         implementation=self.op_implementation)
         if self.has_indexer:
             index_state, e, slots = self._compress(self.indexer.compressor, index_state, inp.index_comp, batch)
-            e = prepare_indexer_k(e, hadamard=self.numerics.indexer_hadamard, dtype=dt)
-            index_k = write_records(index_k, self.index_format, slots, e)
+            index_k = insert_index_keys(index_k, e, slots, fmt=self.index_format,
+                                        hadamard=self.numerics.indexer_hadamard, dtype=dt,
+                                        implementation=self.op_implementation)
             qi = rope_part(self.indexer.project_q(qr, cfg), cos, sin, rope_dim=rd, first=False, interleaved=True)
             index_q, index_w = prepare_indexer_q(qi, inp.index_w, head_dim=cfg.index_head_dim,
                                                  n_heads=cfg.index_n_heads, fp8=self.numerics.indexer_fp8,

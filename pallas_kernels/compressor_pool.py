@@ -14,7 +14,8 @@ weighted sum per channel, float32). A program holding a whole row (ratio 4's 8 c
 it as well; at ratio 128 a row's channels are spread over programs and XLA norms and rotates the pooled rows.
 
 ``insert_entries``: entries [N, d] written into V4's kv cache format at their slots (``MlaRecord584``'s packing in
-registers, or float rows) in one launch (XLA: the packing's kernels, then a scatter).
+registers, or float rows) in one launch (XLA: the packing's kernels, then a scatter); ``insert_index_keys`` the
+same for the indexer compressor's keys (``IndexerRecord132`` or float rows).
 
 Backend: the Triton lowering, as the fused inserts (pallas_kernels/fused_insert_common.py): every candidate
 row is a data-dependent gather through the block table and the records mix byte-sized values (Mosaic GPU on
@@ -32,7 +33,8 @@ from jax.experimental import pallas as pl
 from jds.ops.compressor import norm_rope, overlap_factor, pool_norm_rope_xla, state_format, write_state_xla
 from jds.ops.dispatch import Implementation, Unsupported, check_array, check_int, run_op
 from jds.ops.paging import RecordFormat, check_cache, write_records
-from jds.ops.records import FloatRows, MlaRecord584
+from jds.ops.indexer import prepare_indexer_k
+from jds.ops.records import FloatRows, IndexerRecord132, MlaRecord584
 from pallas_kernels import fused_insert_common as C
 
 F32 = jnp.float32
@@ -270,3 +272,53 @@ def _insert_entries_pallas(cache, entries, slots, *, fmt, interpret, rows_per_pr
     return C.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(cache.shape, cache.dtype), grid=(pl.cdiv(n, bt),),
                          aliases={2: 0}, interpret=interpret, name="compressor_insert_entries",
                          num_warps=num_warps or 4)(entries, slots.astype(jnp.int32), cache)
+
+
+def _index_keys_kernel(k_ref, slot_ref, _cache_in, c_out, *, N, BT, D, dtype, fmt, interpret):
+    t = pl.program_id(0) * BT + C.iota((BT, 1), 0)
+    tc = jnp.minimum(t, N - 1)
+    col = C.iota((1, D), 1)
+    slot = C.load(slot_ref, (tc,), (BT, 1))
+    k = C.load(k_ref, (tc, col), (BT, D)).astype(dtype)  # prepare_indexer_k without the Hadamard
+    C.store_index_record(c_out, [k], [col], slot, (t < N) & (slot >= 0), fmt, interpret)
+
+
+def insert_index_keys(cache, keys, slots, *, fmt: RecordFormat, hadamard: bool, dtype,
+                      implementation: Implementation = "pallas", interpret: bool | None = None,
+                      rows_per_program: int | None = None, num_warps: int | None = None):
+    """``cache`` with the indexer keys [N, D] (``prepare_indexer_k``'d: rounded to ``dtype``, Hadamard-rotated
+    with ``hadamard``) written at ``slots`` [N] int32 (-1 writes nothing) in ``fmt``: ``write_records``' result,
+    bit for bit. The kernel takes ``IndexerRecord132`` with ue8m0 scales or ``FloatRows`` and no Hadamard (the
+    serving numerics); otherwise ``Unsupported`` ("auto" runs XLA). cache: donate it (updated in place)."""
+    op = "insert_index_keys"
+    width = check_cache(f"{op}: cache", cache, fmt, "fmt")
+    check_array(f"{op}: keys", keys, (("N", None), ("D", width)), "float")
+    check_array(f"{op}: slots", slots, (("N", keys.shape[0]),), "int")
+    return run_op(op, implementation, {
+        "xla": lambda: write_records(cache, fmt, slots, prepare_indexer_k(keys, hadamard=hadamard, dtype=dtype)),
+        "pallas": lambda: _insert_index_keys_pallas(cache, keys, slots, fmt=fmt, hadamard=hadamard, dtype=dtype,
+                                                    interpret=interpret, rows_per_program=rows_per_program,
+                                                    num_warps=num_warps)})
+
+
+def _insert_index_keys_pallas(cache, keys, slots, *, fmt, hadamard, dtype, interpret, rows_per_program, num_warps):
+    interpret = C.resolve_interpret(interpret)
+    n, d = keys.shape
+    if hadamard:
+        raise Unsupported("insert_index_keys: the kernel writes keys without the Hadamard rotation")
+    if not (isinstance(fmt, FloatRows) or (isinstance(fmt, IndexerRecord132) and fmt.scale_fmt == "ue8m0")):
+        raise Unsupported(f"insert_index_keys: format {fmt} (the kernel writes IndexerRecord132 with ue8m0 scales "
+                          "or FloatRows)")
+    if not C.is_pow2(d):
+        raise Unsupported(f"insert_index_keys: key width {d} is not a power of 2")
+    bt = rows_per_program or 8
+    for name, v in (("rows_per_program", bt), ("num_warps", num_warps or 1)):
+        if not C.is_pow2(v):  # a tile setting, not a shape: an error under "auto" too
+            raise ValueError(f"insert_index_keys: {name} must be a power of 2 (or None), got {v!r}")
+    if n == 0:
+        return cache
+    kernel = functools.partial(_index_keys_kernel, N=n, BT=bt, D=d, dtype=jnp.dtype(dtype), fmt=fmt,
+                               interpret=interpret)
+    return C.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(cache.shape, cache.dtype), grid=(pl.cdiv(n, bt),),
+                         aliases={2: 0}, interpret=interpret, name="compressor_insert_index_keys",
+                         num_warps=num_warps or 4)(keys, slots.astype(jnp.int32), cache)

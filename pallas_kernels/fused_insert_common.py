@@ -39,7 +39,7 @@ from jax.experimental.pallas import triton as plt
 from jds.ops.dispatch import check_array, describe
 from jds.ops.dispatch import resolve_interpret  # re-exported: the Triton kernels call C.resolve_interpret
 from jds.ops.quant import FP8, FP8_MAX, true_divide, ue8m0_scale_bits
-from jds.ops.records import MlaRecord584
+from jds.ops.records import IndexerRecord132, MlaRecord584
 
 F32 = jnp.float32
 
@@ -229,6 +229,27 @@ def store_kv_record(c_out: Any, k: jax.Array, slot: jax.Array, ok: jax.Array, fm
     b = iota((1, nblk), 1)
     ebytes = jnp.where(b < fmt.n_scales, e, 0).astype(jnp.uint8)
     store(c_out, (page, epp * data + j * fmt.scale_bytes + b), ebytes, ok & (b < fmt.scale_bytes))
+
+
+def store_index_record(ix_out: Any, ks: list[jax.Array], cols: list[jax.Array], slot: jax.Array, ok: jax.Array,
+                       fmt: Any, interpret: bool) -> None:
+    """Store indexer keys, given as column groups ``ks[i]`` [BT, gw] at columns ``cols[i]`` [1, gw], at their slots
+    [BT, 1] (``ok``: rows to write) of an indexer cache ``ix_out``: ``IndexerRecord132`` (e4m3 values, one UE8M0
+    fp32 scale over the whole key: its ``pack`` with ue8m0 scales) or ``FloatRows``."""
+    epp = fmt.entries_per_page
+    safe = jnp.where(ok, slot, 0)
+    page = jnp.where(ok, jax.lax.div(safe, epp), ix_out.shape[0])
+    j = jax.lax.rem(safe, epp)
+    if not isinstance(fmt, IndexerRecord132):  # FloatRows
+        for c, k in zip(cols, ks):
+            store(ix_out, (page, j * fmt.dim + c), k.astype(ix_out.dtype), ok)
+        return
+    kf = [k.astype(F32) for k in ks]
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(k), axis=-1, keepdims=True) for k in kf])
+    s, inv, _ = ue8m0_scale_bits(amax)  # [BT, 1]
+    for c, k in zip(cols, kf):
+        store(ix_out, (page, j * fmt.dim + c), e4m3_bytes(k * inv, interpret), ok)
+    store(ix_out, (page, epp * fmt.dim + j * 4 + iota((1, 4), 1)), f32_bytes([s]), ok)
 
 
 def rope_rows(y: jax.Array, yp: jax.Array, cs: jax.Array, sn: jax.Array, first_of_pair: jax.Array,

@@ -141,20 +141,7 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
             ks = (C.hadamard_halves(*ks, h_ref, dot_dtype, dtype) if halves
                   else [C.hadamard(ks[0], h_ref, dot_dtype, dtype)])
 
-        iepp = idx_fmt.entries_per_page
-        nbi = ix_out.shape[0]
-        pagei = jnp.where(ok, jax.lax.div(safe, iepp), nbi)
-        ji = jax.lax.rem(safe, iepp)
-        if isinstance(idx_fmt, IndexerRecord132):
-            kf = [k.astype(F32) for k in ks]
-            amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(k), axis=-1, keepdims=True) for k in kf])
-            s, inv, _ = ue8m0_scale_bits(amax)  # [BT, 1]
-            for c, k in zip(icols, kf):
-                C.store(ix_out, (pagei, ji * di + c), C.e4m3_bytes(k * inv, interpret), ok)
-            C.store(ix_out, (pagei, iepp * di + ji * 4 + C.iota((1, 4), 1)), C.f32_bytes([s]), ok)
-        else:  # FloatRows(di)
-            for c, k in zip(icols, ks):
-                C.store(ix_out, (pagei, ji * idx_fmt.dim + c), k.astype(ix_out.dtype), ok)
+        C.store_index_record(ix_out, ks, icols, safe, ok, idx_fmt, interpret)
 
     C.phases_loads_first(split, mla, indexer_inputs, indexer)
 

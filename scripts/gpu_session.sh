@@ -176,7 +176,7 @@ case "$stage" in
     # rope_part(..., in_place=True), a dynamic-update-slice that XLA's CPU backend miscompiled): the compressor
     # kernels' native tests, the in-place form's tests in its tree, then the step kernels
     timeout -k 10 -s INT ${EPI_TEST_TIMEOUT:-150} python3 -m pytest -m gpu -q -p no:cacheprovider \
-      tests/test_kernel_compressor_pool.py tests/test_kernel_fused_insert.py -k "pool_norm_rope or write_state or insert_entries or v4_layer or v4_qnorm" \
+      tests/test_kernel_compressor_pool.py tests/test_kernel_fused_insert.py -k "pool_norm_rope or write_state or insert_entries or index_keys or v4_layer or v4_qnorm or v32_kv" \
       > "$OUT/compressor_tests.log" 2>&1; echo "compressor tests rc=$?"; tail -3 "$OUT/compressor_tests.log"
     rm -rf vt/inplace && mkdir -p vt/inplace && cp -r jds pallas_kernels tests pyproject.toml vt/inplace/
     sed -i 's/interleaved=True, inverse=True)/interleaved=True, inverse=True, in_place=True)/' vt/inplace/jds/v4.py

@@ -1,7 +1,7 @@
 """pallas_kernels.compressor_pool: ``pool_norm_rope`` (V4's compressor entries: pool, RMSNorm, RoPE) against a
 float64 reference computed candidate by candidate from the state pages, every element of every closing row
-(rows that close no block must come out as zeros); ``write_state`` and ``insert_entries`` against their XLA forms,
-bit for bit. Interpret mode on the CPU, natively on a GPU (``gpu``)."""
+(rows that close no block must come out as zeros); ``write_state``, ``insert_entries`` and ``insert_index_keys``
+against their XLA forms, bit for bit. Interpret mode on the CPU, natively on a GPU (``gpu``)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from jds.ops import compressor as comp
-from jds.ops.records import FloatRows, MlaRecord584
+from jds.ops.records import FloatRows, IndexerRecord132, MlaRecord584
 from pallas_kernels import fused_insert_common as C
-from pallas_kernels.compressor_pool import insert_entries, pool_norm_rope, write_state
+from pallas_kernels.compressor_pool import insert_entries, insert_index_keys, pool_norm_rope, write_state
 from tests.kernel_modes import MODES, interpret_for
 from tests.tolerances import ulp
 
@@ -219,6 +219,11 @@ def test_lowers_for_cuda(ratio, d):
         ins = functools.partial(insert_entries, fmt=fmt, interpret=False)
         assert "__gpu$xla.gpu.triton" in C.check_triton_lowering(ins, sds((200, fmt.page_elems), jnp.uint8),
                                                                  sds((n, d), jnp.bfloat16), rows)
+    else:  # the indexer's keys into the 132-byte records
+        fmt = IndexerRecord132(bs // ratio, d)
+        ins = functools.partial(insert_index_keys, fmt=fmt, hadamard=False, dtype=jnp.bfloat16, interpret=False)
+        assert "__gpu$xla.gpu.triton" in C.check_triton_lowering(ins, sds((200, fmt.page_elems), jnp.uint8),
+                                                                 sds((n, d), jnp.bfloat16), rows)
 
 
 @pytest.mark.parametrize("ratio", [4, 128])
@@ -267,3 +272,37 @@ def test_insert_entries(mode, fmt, dtype):
     got = insert_entries(cache, entries, jnp.asarray(slots), fmt=fmt, implementation="pallas", interpret=interpret)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
     assert not np.array_equal(np.asarray(want), np.asarray(cache))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fmt,dtype", [(IndexerRecord132(8), jnp.bfloat16), (IndexerRecord132(4), jnp.float32),
+                                       (FloatRows(128, 8, jnp.bfloat16), jnp.bfloat16)])
+def test_insert_index_keys(mode, fmt, dtype):
+    """The indexer compressor's keys written by the kernel equal ``prepare_indexer_k`` + ``write_records``, every
+    byte of the cache; rows of several binades and one under the amax floor. The Hadamard form and amax scales
+    are the kernel's ``Unsupported`` (XLA under "auto")."""
+    interpret = interpret_for(mode)
+    rng = np.random.default_rng(8)
+    num_blocks, n = 5, 11
+    x = rng.standard_normal((n, fmt.dim)) * 10.0 ** rng.uniform(-6, 3, (n, 1))
+    x[3] *= 1e-7
+    keys = jnp.asarray(x, jnp.float32)
+    if jnp.dtype(fmt.dtype) == jnp.uint8:
+        cache = jnp.asarray(rng.integers(0, 256, (num_blocks, fmt.page_elems)), jnp.uint8)
+    else:
+        cache = jnp.asarray(rng.standard_normal((num_blocks, fmt.page_elems)), fmt.dtype)
+    slots = rng.permutation(num_blocks * fmt.entries_per_page)[:n].astype(np.int32)
+    slots[[0, 7]] = -1
+    kw = dict(fmt=fmt, hadamard=False, dtype=dtype)
+    want = insert_index_keys(cache, keys, jnp.asarray(slots), **kw, implementation="xla")
+    got = insert_index_keys(cache, keys, jnp.asarray(slots), **kw, implementation="pallas", interpret=interpret)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+    assert not np.array_equal(np.asarray(want), np.asarray(cache))
+    with pytest.raises(NotImplementedError, match="Hadamard"):
+        insert_index_keys(cache, keys, jnp.asarray(slots), fmt=fmt, hadamard=True, dtype=dtype,
+                          implementation="pallas", interpret=interpret)
+    auto = insert_index_keys(cache, keys, jnp.asarray(slots), fmt=fmt, hadamard=True, dtype=dtype,
+                             implementation="auto", interpret=interpret)
+    np.testing.assert_array_equal(np.asarray(auto).view(np.uint8), np.asarray(
+        insert_index_keys(cache, keys, jnp.asarray(slots), fmt=fmt, hadamard=True, dtype=dtype,
+                          implementation="xla")).view(np.uint8))
