@@ -257,21 +257,28 @@ def insert_entries(cache, entries, slots, *, fmt: RecordFormat, implementation: 
 
 def _insert_entries_pallas(cache, entries, slots, *, fmt, interpret, rows_per_program, num_warps):
     interpret = C.resolve_interpret(interpret)
-    n, d = entries.shape
+    d = entries.shape[1]
     if not isinstance(fmt, (MlaRecord584, FloatRows)):
         raise Unsupported(f"insert_entries: format {fmt} (the kernel writes MlaRecord584 or FloatRows)")
     if not C.is_pow2(d) or (isinstance(fmt, MlaRecord584) and (d % fmt.block or d // fmt.block < fmt.scale_bytes)):
         raise Unsupported(f"insert_entries: row width {d} (a power of 2; with {fmt}, whole blocks, one a scale byte)")
-    bt = rows_per_program or 4
+    return _rows_call("insert_entries", _entries_kernel, entries, slots, cache, bt=rows_per_program or 4,
+                      num_warps=num_warps, interpret=interpret, fmt=fmt)
+
+
+def _rows_call(op: str, body, x, slots, cache, *, bt: int, num_warps: int | None, interpret: bool, **kw):
+    """One launch of the record kernel ``body`` over the rows of ``x`` [N, D], ``bt`` a program, writing ``cache``
+    in place at ``slots``."""
     for name, v in (("rows_per_program", bt), ("num_warps", num_warps or 1)):
         if not C.is_pow2(v):  # a tile setting, not a shape: an error under "auto" too
-            raise ValueError(f"insert_entries: {name} must be a power of 2 (or None), got {v!r}")
+            raise ValueError(f"{op}: {name} must be a power of 2 (or None), got {v!r}")
+    n, d = x.shape
     if n == 0:
         return cache
-    kernel = functools.partial(_entries_kernel, N=n, BT=bt, D=d, fmt=fmt, interpret=interpret)
+    kernel = functools.partial(body, N=n, BT=bt, D=d, interpret=interpret, **kw)
     return C.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(cache.shape, cache.dtype), grid=(pl.cdiv(n, bt),),
-                         aliases={2: 0}, interpret=interpret, name="compressor_insert_entries",
-                         num_warps=num_warps or 4)(entries, slots.astype(jnp.int32), cache)
+                         aliases={2: 0}, interpret=interpret, name=f"compressor_{op}",
+                         num_warps=num_warps or 4)(x, slots.astype(jnp.int32), cache)
 
 
 def _index_keys_kernel(k_ref, slot_ref, _cache_in, c_out, *, N, BT, D, dtype, fmt, interpret):
@@ -303,7 +310,7 @@ def insert_index_keys(cache, keys, slots, *, fmt: RecordFormat, hadamard: bool, 
 
 def _insert_index_keys_pallas(cache, keys, slots, *, fmt, hadamard, dtype, interpret, rows_per_program, num_warps):
     interpret = C.resolve_interpret(interpret)
-    n, d = keys.shape
+    d = keys.shape[1]
     if hadamard:
         raise Unsupported("insert_index_keys: the kernel writes keys without the Hadamard rotation")
     if not (isinstance(fmt, FloatRows) or (isinstance(fmt, IndexerRecord132) and fmt.scale_fmt == "ue8m0")):
@@ -311,14 +318,5 @@ def _insert_index_keys_pallas(cache, keys, slots, *, fmt, hadamard, dtype, inter
                           "or FloatRows)")
     if not C.is_pow2(d):
         raise Unsupported(f"insert_index_keys: key width {d} is not a power of 2")
-    bt = rows_per_program or 8
-    for name, v in (("rows_per_program", bt), ("num_warps", num_warps or 1)):
-        if not C.is_pow2(v):  # a tile setting, not a shape: an error under "auto" too
-            raise ValueError(f"insert_index_keys: {name} must be a power of 2 (or None), got {v!r}")
-    if n == 0:
-        return cache
-    kernel = functools.partial(_index_keys_kernel, N=n, BT=bt, D=d, dtype=jnp.dtype(dtype), fmt=fmt,
-                               interpret=interpret)
-    return C.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(cache.shape, cache.dtype), grid=(pl.cdiv(n, bt),),
-                         aliases={2: 0}, interpret=interpret, name="compressor_insert_index_keys",
-                         num_warps=num_warps or 4)(keys, slots.astype(jnp.int32), cache)
+    return _rows_call("insert_index_keys", _index_keys_kernel, keys, slots, cache, bt=rows_per_program or 8,
+                      num_warps=num_warps, interpret=interpret, dtype=jnp.dtype(dtype), fmt=fmt)

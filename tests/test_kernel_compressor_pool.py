@@ -248,6 +248,19 @@ def test_closing_blocks(ratio):
             np.testing.assert_array_equal(got_b[:len(pos)], np.where(closes, pos // ratio, -1))
 
 
+def _record_case(rng: np.random.Generator, fmt, d: int, n: int, dead: list[int], num_blocks: int = 6):
+    """Rows [n, d] of several binades (float64), a cache of ``fmt`` full of noise, and n distinct slots with ``dead``
+    ones -1."""
+    x = rng.standard_normal((n, d)) * 10.0 ** rng.uniform(-6, 3, (n, 1))
+    if jnp.dtype(fmt.dtype) == jnp.uint8:
+        cache = jnp.asarray(rng.integers(0, 256, (num_blocks, fmt.page_elems)), jnp.uint8)
+    else:
+        cache = jnp.asarray(rng.standard_normal((num_blocks, fmt.page_elems)), fmt.dtype)
+    slots = rng.permutation(num_blocks * fmt.entries_per_page)[:n].astype(np.int32)
+    slots[dead] = -1
+    return x, cache, jnp.asarray(slots)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fmt,dtype", [(MlaRecord584(4), jnp.bfloat16), (MlaRecord584(2), jnp.float32),
                                        (FloatRows(64, 4, jnp.bfloat16), jnp.bfloat16),
@@ -256,20 +269,12 @@ def test_insert_entries(mode, fmt, dtype):
     """Entries written by the kernel equal ``write_records``' bytes, every byte of the cache (written records,
     untouched ones, slot -1 rows); the rows span several binades (per-block exponents) and tiny ones (the floor)."""
     interpret = interpret_for(mode)
-    rng = np.random.default_rng(5)
     d = fmt.nope_dim + fmt.rope_dim if isinstance(fmt, MlaRecord584) else fmt.dim
-    num_blocks, n = 6, 9
-    x = rng.standard_normal((n, d)) * 10.0 ** rng.uniform(-6, 3, (n, 1))
+    x, cache, slots = _record_case(np.random.default_rng(5), fmt, d, n=9, dead=[1, 5])
     x[2, :64] *= 1e-7  # a block under the amax floor
     entries = jnp.asarray(x, dtype)
-    if jnp.dtype(fmt.dtype) == jnp.uint8:
-        cache = jnp.asarray(rng.integers(0, 256, (num_blocks, fmt.page_elems)), jnp.uint8)
-    else:
-        cache = jnp.asarray(rng.standard_normal((num_blocks, fmt.page_elems)), fmt.dtype)
-    slots = rng.permutation(num_blocks * fmt.entries_per_page)[:n].astype(np.int32)
-    slots[[1, 5]] = -1
-    want = insert_entries(cache, entries, jnp.asarray(slots), fmt=fmt, implementation="xla")
-    got = insert_entries(cache, entries, jnp.asarray(slots), fmt=fmt, implementation="pallas", interpret=interpret)
+    want = insert_entries(cache, entries, slots, fmt=fmt, implementation="xla")
+    got = insert_entries(cache, entries, slots, fmt=fmt, implementation="pallas", interpret=interpret)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
     assert not np.array_equal(np.asarray(want), np.asarray(cache))
 
@@ -282,27 +287,17 @@ def test_insert_index_keys(mode, fmt, dtype):
     byte of the cache; rows of several binades and one under the amax floor. The Hadamard form and amax scales
     are the kernel's ``Unsupported`` (XLA under "auto")."""
     interpret = interpret_for(mode)
-    rng = np.random.default_rng(8)
-    num_blocks, n = 5, 11
-    x = rng.standard_normal((n, fmt.dim)) * 10.0 ** rng.uniform(-6, 3, (n, 1))
+    x, cache, slots = _record_case(np.random.default_rng(8), fmt, fmt.dim, n=11, dead=[0, 7])
     x[3] *= 1e-7
     keys = jnp.asarray(x, jnp.float32)
-    if jnp.dtype(fmt.dtype) == jnp.uint8:
-        cache = jnp.asarray(rng.integers(0, 256, (num_blocks, fmt.page_elems)), jnp.uint8)
-    else:
-        cache = jnp.asarray(rng.standard_normal((num_blocks, fmt.page_elems)), fmt.dtype)
-    slots = rng.permutation(num_blocks * fmt.entries_per_page)[:n].astype(np.int32)
-    slots[[0, 7]] = -1
     kw = dict(fmt=fmt, hadamard=False, dtype=dtype)
-    want = insert_index_keys(cache, keys, jnp.asarray(slots), **kw, implementation="xla")
-    got = insert_index_keys(cache, keys, jnp.asarray(slots), **kw, implementation="pallas", interpret=interpret)
+    want = insert_index_keys(cache, keys, slots, **kw, implementation="xla")
+    got = insert_index_keys(cache, keys, slots, **kw, implementation="pallas", interpret=interpret)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
     assert not np.array_equal(np.asarray(want), np.asarray(cache))
+    kw["hadamard"] = True
     with pytest.raises(NotImplementedError, match="Hadamard"):
-        insert_index_keys(cache, keys, jnp.asarray(slots), fmt=fmt, hadamard=True, dtype=dtype,
-                          implementation="pallas", interpret=interpret)
-    auto = insert_index_keys(cache, keys, jnp.asarray(slots), fmt=fmt, hadamard=True, dtype=dtype,
-                             implementation="auto", interpret=interpret)
-    np.testing.assert_array_equal(np.asarray(auto).view(np.uint8), np.asarray(
-        insert_index_keys(cache, keys, jnp.asarray(slots), fmt=fmt, hadamard=True, dtype=dtype,
-                          implementation="xla")).view(np.uint8))
+        insert_index_keys(cache, keys, slots, **kw, implementation="pallas", interpret=interpret)
+    auto = insert_index_keys(cache, keys, slots, **kw, implementation="auto", interpret=interpret)
+    xla = insert_index_keys(cache, keys, slots, **kw, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(auto).view(np.uint8), np.asarray(xla).view(np.uint8))
