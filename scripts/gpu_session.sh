@@ -5,7 +5,7 @@
 #   scripts/gpu_session.sh hostpath      # issue 16: graph updates per step (VLOG counts), TTFT variants
 #   scripts/gpu_session.sh ttft-fp8      # issue 19: 8-layer V3.2 TTFT, FP8 weights then bf16 weights (fused:device:8)
 #   scripts/gpu_session.sh ttft-fp8-pad  # issue 19: the same with wkv_a on XLA's path (vt/nopad), padded per call (vt/percall), fused (main)
-#   scripts/gpu_session.sh v4-epilogue   # V4: the state write kernel, wo_a's dot rounding itself (main vs vt/wo), the inverse RoPE in place
+#   scripts/gpu_session.sh v4-epilogue   # V4: the compressor's write kernels, wo_a's dot rounding itself (main vs vt/wo), the inverse RoPE in place
 #   scripts/gpu_session.sh ttft-trees    # the 8-layer TTFT (FP8 weights) of TT_ARCH in each tree of TT_TREES
 #   scripts/gpu_session.sh ttft-parts    # issue 16: TTFT's host time per dispatch, preparation in the loop vs alone, put / spin
 #   scripts/gpu_session.sh invariance    # issue 23: --batch-invariant under preemption (20 pages)
@@ -170,9 +170,10 @@ case "$stage" in
     done; done
     ;;
   v4-epilogue)
-    # the sixty-seventh session's unmeasured V4 changes: the compressor state write as a kernel (write_state) and the
-    # grouped wo_a's dot rounding to bf16 itself (in main; vt/wo = `git archive 5f419c9 jds pallas_kernels` is
-    # before both), and the output's inverse RoPE in place (vt/inplace: this tree with the layer passing
+    # the sixty-seventh session's unmeasured V4 changes: the compressor's state write and record writes as kernels
+    # (write_state, insert_entries, insert_index_keys; closing blocks uncompacted at decode) and the grouped wo_a's
+    # dot rounding to bf16 itself (in main; vt/wo = `git archive 5f419c9 jds pallas_kernels` is before them all),
+    # and the output's inverse RoPE in place (vt/inplace: this tree with the layer passing
     # rope_part(..., in_place=True), a dynamic-update-slice that XLA's CPU backend miscompiled): the compressor
     # kernels' native tests, the in-place form's tests in its tree, then the step kernels
     timeout -k 10 -s INT ${EPI_TEST_TIMEOUT:-150} python3 -m pytest -m gpu -q -p no:cacheprovider \

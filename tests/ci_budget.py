@@ -38,6 +38,7 @@ CI_INTERPRET: frozenset[str] = frozenset({
     # FP8 grouped GEMM: the persistent schedule and the default layout
     "test_kernel_fp8_grouped_gemm.py::test_persistent_exact_bit_equal[sizes2-tiles2-interpret]",
     "test_kernel_fp8_grouped_gemm.py::test_exact_data_bit_equal[interpret-pallas]",
+    "test_kernel_fp8_grouped_gemm.py::test_linear_grouped_on_the_kernel[interpret]",  # V4's grouped wo_a with FP8
     # the grouped GEMMs' row layout
     "test_kernel_grouped_rows.py::test_layout_kernel_equals_xla[7-100-16-None-interpret]",
     "test_kernel_grouped_rows.py::test_layout_kernel_unpacked_equals_xla[5-30-8-28-interpret]",  # long prefills' form
@@ -61,6 +62,12 @@ CI_INTERPRET: frozenset[str] = frozenset({
     # fused inserts: both layers' prepare stage (each kernel alone: tests/test_ops.py)
     "test_kernel_fused_insert.py::test_v32_layer_prepare[serving-interpret]",
     "test_kernel_fused_insert.py::test_v4_layer_prepare[swa-interpret]",
+    "test_kernel_fused_insert.py::test_v4_layer_prepare[c4-interpret]",  # ... with the compressors' kernels
+    "test_kernel_fused_insert.py::test_v4_layer_prepare[c128-interpret]",
+    # V4 compressor (each op alone: tests/test_ops.py): ratio 128's rows over channel programs against float64,
+    # every tiling against XLA
+    "test_kernel_compressor_pool.py::test_pool_norm_rope[bfloat16-128-64-16-128-interpret]",
+    "test_kernel_compressor_pool.py::test_pool_norm_rope_matches_xla[interpret]",
     "test_kernel_fused_insert.py::test_v32_kv_insert_hadamard_halves[interpret]",  # the large grids' Hadamard form
     # sparse indexer: gathered decode logits, exact ties
     "test_kernel_sparse_indexer.py::test_logits_match_reference[gathered_decode-interpret]",

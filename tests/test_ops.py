@@ -15,9 +15,11 @@ import pytest
 
 from jds.ops import fused_insert as fi
 from jds.ops.dispatch import H200_SMS, Unsupported, check_implementation, num_sms, op_implementation
-from jds.ops.indexer import prepare_indexer_q
+from jds.ops import compressor as comp
+from jds.ops.indexer import prepare_indexer_k, prepare_indexer_q
 from jds.ops.paging import empty_cache, gather_request_rows, read_records, write_records
 from jds.ops.records import FloatRows, IndexerRecord132, MlaRecord584, MlaRecord656
+from pallas_kernels.compressor_pool import insert_entries, insert_index_keys, pool_norm_rope, write_state
 from pallas_kernels.fused_insert_v32 import fused_kv_insert_v32, fused_q_v32
 from pallas_kernels.fused_insert_v4 import fused_qnorm_rope_kv_insert_v4
 from pallas_kernels.sparse_indexer import indexer_topk
@@ -65,6 +67,11 @@ def _slots(t: int, n: int, seed: int) -> jax.Array:
 def _exact(got, want) -> None:
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+
+
+def _check_exact(got, want, args, kw, impl) -> None:
+    """Every implementation bit for bit (the compressor's record writers: the same packing, the same sums)."""
+    _exact(got, want)
 
 
 # ----- fused insert V3.2: caches ---------------------------------------------------------------------------
@@ -238,6 +245,52 @@ def _check_mqa(got, want, args, kw, impl) -> None:
     assert np.abs(got - ref).max() <= tol * vmax
 
 
+# ----- V4 compressor -------------------------------------------------------------------------------------
+def _state(d: int) -> tuple[tuple, dict]:
+    rng = np.random.default_rng(11)
+    fmt = comp.state_format(4, d, 16)
+    args = (jnp.asarray(rng.normal(size=(3, fmt.page_elems)), F32), jnp.asarray(rng.normal(size=(T, 4 * d)), F32),
+            jnp.asarray(rng.normal(size=(4, 2 * d)), F32), jnp.asarray(rng.integers(0, 50, T), jnp.int32),
+            _slots(T, 48, 12))
+    return args, dict(ratio=4, d=d, block_size=16)
+
+
+def _pool(d: int) -> tuple[tuple, dict]:
+    rng = np.random.default_rng(13)
+    fmt = comp.state_format(4, d, 16)
+    blocks = rng.integers(0, 16, T).astype(np.int32)
+    blocks[[1, 4]] = -1
+    cos, sin = _rope(T, 16, 14)
+    args = (jnp.asarray(rng.normal(size=(9, fmt.page_elems)), F32),
+            jnp.asarray(rng.permutation(9)[:8].reshape(2, 4), jnp.int32), jnp.asarray(rng.integers(0, 2, T), jnp.int32),
+            jnp.asarray(blocks), jnp.asarray(1 + 0.1 * rng.normal(size=d), F32), cos, sin)
+    return args, dict(ratio=4, d=d, block_size=16, eps=1e-6, dtype=BF16)
+
+
+def _check_pool(got, want, args, kw, impl) -> None:
+    """Rows that close a block (the others go nowhere: slot -1); the kernel's float32 sums in another order may flip
+    a bf16 rounding of the norm's output, which the rotation carries."""
+    ok = np.asarray(args[3]) >= 0
+    g, w = (np.asarray(x.astype(F32))[ok] for x in (got, want))
+    if impl == "xla":
+        return np.testing.assert_array_equal(g, w)
+    np.testing.assert_allclose(g, w, rtol=2.0 ** -7, atol=2.0 ** -7 * np.abs(w).max())
+
+
+def _entries(d: int, fmt) -> tuple[tuple, dict]:
+    rng = np.random.default_rng(15)
+    args = (jnp.asarray(rng.integers(0, 256, (2, fmt.page_elems)), fmt.dtype) if jnp.dtype(fmt.dtype) == jnp.uint8
+            else jnp.asarray(rng.normal(size=(2, fmt.page_elems)), fmt.dtype),
+            jnp.asarray(rng.normal(size=(T, d)), BF16), _slots(T, 2 * fmt.entries_per_page, 16))
+    return args, dict(fmt=fmt)
+
+
+def _index_keys(hadamard: bool) -> tuple[tuple, dict]:
+    (cache, _, slots), _ = _entries(128, IndexerRecord132(8))
+    keys = jnp.asarray(np.random.default_rng(17).normal(size=(T, 128)), F32)
+    return (cache, keys, slots), dict(fmt=IndexerRecord132(8), hadamard=hadamard, dtype=BF16)
+
+
 CASES = [
     OpCase("fused_kv_insert_v32", fused_kv_insert_v32,
            lambda: _kv32(512, MlaRecord656(16), IndexerRecord132(16)), _compiled(fi.kv_insert_v32_xla),
@@ -252,6 +305,17 @@ CASES = [
     OpCase("topk_select", _topk_op, _topk, _topk_reference, _check_topk),
     OpCase("sparse_mqa", _mqa_op, lambda: _mqa(MlaRecord656(16), 576, 512), _mqa_reference, _check_mqa,
            unsupported=lambda: _mqa(MlaRecord584(1), 512, 512)),
+    OpCase("write_state", write_state, lambda: _state(64), _compiled(comp.write_state_xla), _check_exact,
+           unsupported=lambda: _state(48)),
+    OpCase("pool_norm_rope", pool_norm_rope, lambda: _pool(64), _compiled(comp.pool_norm_rope_xla), _check_pool,
+           unsupported=lambda: _pool(48)),
+    OpCase("insert_entries", insert_entries, lambda: _entries(512, MlaRecord584(4)),
+           lambda args, kw: _write(args[0], kw["fmt"], args[2], args[1]), _check_exact,
+           unsupported=lambda: _entries(48, FloatRows(48, 4, BF16))),
+    OpCase("insert_index_keys", insert_index_keys, lambda: _index_keys(False),
+           lambda args, kw: _write(args[0], kw["fmt"], args[2], prepare_indexer_k(args[1], hadamard=kw["hadamard"],
+                                                                                  dtype=kw["dtype"])), _check_exact,
+           unsupported=lambda: _index_keys(True)),
 ]
 _ids = [c.name for c in CASES]
 
