@@ -416,7 +416,7 @@ def test_v4_layer_prepare(mode, layer_id, monkeypatch):
     layer = V4Attention(cfg, Numerics(fp8_linear=False), layer_id, rngs=nnx.Rngs(0))
     assert_q_match(gq.q, wq.q, False, "q", 2e-2)  # tolerances: see test_v32_layer_prepare
     assert_cache_match(layer.window_format, gc.window, wc.window, np.asarray(batch.slot_mapping), False, "window")
-    for name in ("state", "index_state"):  # written by XLA in both ([nb, 0] for the SWA layer)
+    for name in ("state", "index_state"):  # write_state at "pallas" is XLA's bit for bit ([nb, 0] for the SWA layer)
         np.testing.assert_array_equal(np.asarray(getattr(gc, name)), np.asarray(getattr(wc, name)), err_msg=name)
     # the compressors' entries (pallas_kernels/compressor_pool.py at "pallas"), every record of the caches
     for name, fmt in layer.cache_formats().items():
