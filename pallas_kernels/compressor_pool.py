@@ -170,7 +170,7 @@ def _pallas(state_cache, block_tables, req, blocks, norm_weight, cos, sin, *, ra
     return out if db == d else norm_rope(out, norm_weight, cos, sin, eps=eps, dtype=dt)
 
 
-def _state_kernel(proj_ref, ape_ref, pos_ref, slot_ref, _cache_in, c_out, *, T, BT, W, r, epp):
+def _state_kernel(proj_ref, ape_ref, pos_ref, slot_ref, _cache_in, c_out, *, T, BT, W, r, fmt):
     pid = pl.program_id(0)
     t = pid * BT + C.iota((BT, 1), 0)
     tc = jnp.minimum(t, T - 1)
@@ -181,9 +181,7 @@ def _state_kernel(proj_ref, ape_ref, pos_ref, slot_ref, _cache_in, c_out, *, T, 
     x = C.load(proj_ref, (tc, col), (BT, W)).astype(F32)  # [kv | score]
     phase = jax.lax.rem(C.load(pos_ref, (tc,), (BT, 1)), r)
     ape = C.load(ape_ref, (phase, jnp.maximum(col - half, 0)), (BT, W), mask=col >= half).astype(F32)
-    safe = jnp.where(ok, slot, 0)
-    page = jnp.where(ok, jax.lax.div(safe, epp), c_out.shape[0])
-    C.store(c_out, (page, jax.lax.rem(safe, epp) * W + col), jnp.where(col >= half, x + ape, x), ok)
+    C.store_kv_record(c_out, jnp.where(col >= half, x + ape, x), slot, ok, fmt, False)  # FloatRows: float32 rows
 
 
 def write_state(state_cache, proj, ape, positions, slot_mapping, *, ratio: int, d: int, block_size: int,
@@ -223,7 +221,7 @@ def _write_state_pallas(state_cache, proj, ape, positions, slot_mapping, *, fmt,
             raise ValueError(f"write_state: {name} must be a power of 2 (or None), got {v!r}")
     if t == 0:
         return state_cache
-    kernel = functools.partial(_state_kernel, T=t, BT=bt, W=w, r=ape.shape[0], epp=fmt.entries_per_page)
+    kernel = functools.partial(_state_kernel, T=t, BT=bt, W=w, r=ape.shape[0], fmt=fmt)
     args = (proj, ape.astype(F32), positions.astype(jnp.int32), slot_mapping.astype(jnp.int32), state_cache)
     return C.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(state_cache.shape, state_cache.dtype),
                          grid=(pl.cdiv(t, bt),), aliases={4: 0}, interpret=interpret, name="compressor_write_state",

@@ -200,16 +200,22 @@ def f32_bytes(xs: list[jax.Array]) -> jax.Array:
     return (jax.lax.shift_right_logical(word, (8 * (sc % 4)).astype(jnp.uint32)) & 0xFF).astype(jnp.uint8)
 
 
+def page_entry(out: Any, slot: jax.Array, ok: jax.Array, entries_per_page: int) -> tuple[jax.Array, jax.Array]:
+    """A slot's (page, entry in page) in the cache ``out``; rows not ``ok`` get the page one past the last (an
+    out-of-range index their masked stores drop) and entry 0, whatever their slot."""
+    safe = jnp.where(ok, slot, 0)
+    return jnp.where(ok, jax.lax.div(safe, entries_per_page), out.shape[0]), jax.lax.rem(safe, entries_per_page)
+
+
 def store_kv_record(c_out: Any, k: jax.Array, slot: jax.Array, ok: jax.Array, fmt: Any, interpret: bool) -> None:
     """Store rows ``k`` [BT, D] at their slots [BT, 1] (``ok`` [BT, 1]: rows to write; a masked row's slot may be
-    anything) of a V4 kv cache ``c_out``: the 584-byte ``MlaRecord584`` (its ``pack``: e4m3 NoPE in 64-wide UE8M0
-    blocks of the bf16-rounded values, bf16 rope, exponent bytes and a zero pad byte) or ``FloatRows(D)``."""
+    anything) of a cache ``c_out`` of V4's row formats: the 584-byte ``MlaRecord584`` (its ``pack``: e4m3 NoPE in
+    64-wide UE8M0 blocks of the bf16-rounded values, bf16 rope, exponent bytes and a zero pad byte) or
+    ``FloatRows(D)`` (float window / compressed caches, the compressor state)."""
     bt, d = k.shape
     col = iota((1, d), 1)
     epp = fmt.entries_per_page
-    safe = jnp.where(ok, slot, 0)
-    page = jnp.where(ok, jax.lax.div(safe, epp), c_out.shape[0])
-    j = jax.lax.rem(safe, epp)
+    page, j = page_entry(c_out, slot, ok, epp)
     if not isinstance(fmt, MlaRecord584):  # FloatRows(D)
         store(c_out, (page, j * fmt.dim + col), k.astype(c_out.dtype), ok)
         return
@@ -237,9 +243,7 @@ def store_index_record(ix_out: Any, ks: list[jax.Array], cols: list[jax.Array], 
     [BT, 1] (``ok``: rows to write) of an indexer cache ``ix_out``: ``IndexerRecord132`` (e4m3 values, one UE8M0
     fp32 scale over the whole key: its ``pack`` with ue8m0 scales) or ``FloatRows``."""
     epp = fmt.entries_per_page
-    safe = jnp.where(ok, slot, 0)
-    page = jnp.where(ok, jax.lax.div(safe, epp), ix_out.shape[0])
-    j = jax.lax.rem(safe, epp)
+    page, j = page_entry(ix_out, slot, ok, epp)
     if not isinstance(fmt, IndexerRecord132):  # FloatRows
         for c, k in zip(cols, ks):
             store(ix_out, (page, j * fmt.dim + c), k.astype(ix_out.dtype), ok)

@@ -55,7 +55,6 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
     tc = jnp.minimum(t, T - 1)
     slot = C.load(slot_ref, (tc,), (BT, 1))
     ok = (t < T) & (slot >= 0)
-    safe = jnp.where(ok, slot, 0)
 
     def mla():
         # ---- MLA: latent RMSNorm (weighted) and k_pe RoPE ----
@@ -76,10 +75,7 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
         cs, sn = C.load(cos_ref, (tc, jp), (BT, rd // 2)), C.load(sin_ref, (tc, jp), (BT, rd // 2))
         pe = C.join_pairs(*C.rope_pair(u, v, cs, sn)).astype(dtype)
 
-        epp = kv_fmt.entries_per_page
-        nb = kv_out.shape[0]
-        page = jnp.where(ok, jax.lax.div(safe, epp), nb)  # masked lanes: one past the last page
-        j = jax.lax.rem(safe, epp)
+        page, j = C.page_entry(kv_out, slot, ok, kv_fmt.entries_per_page)
         if isinstance(kv_fmt, MlaRecord656):
             base = j * kv_fmt.record_bytes
             scales = []  # each block's fp32 scale [BT, 1]
@@ -141,7 +137,7 @@ def _kv_insert_kernel(kv_ref, ik_ref, cos_ref, sin_ref, slot_ref, kvw_ref, knw_r
             ks = (C.hadamard_halves(*ks, h_ref, dot_dtype, dtype) if halves
                   else [C.hadamard(ks[0], h_ref, dot_dtype, dtype)])
 
-        C.store_index_record(ix_out, ks, icols, safe, ok, idx_fmt, interpret)
+        C.store_index_record(ix_out, ks, icols, slot, ok, idx_fmt, interpret)
 
     C.phases_loads_first(split, mla, indexer_inputs, indexer)
 

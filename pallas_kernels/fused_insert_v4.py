@@ -64,7 +64,6 @@ def _v4_kernel(q_ref, kv_ref, cos_ref, sin_ref, slot_ref, w_ref, _cache_in, q_ou
         tc = jnp.minimum(t, T - 1)
         slot = C.load(slot_ref, (tc,), (BT, 1))
         ok = (t < T) & (slot >= 0)
-        safe = jnp.where(ok, slot, 0)
         shape = (BT, D)
         x = C.load(kv_ref, (tc, col), shape).astype(F32)
         xp = C.load(kv_ref, (tc, pcol), shape, mask=in_rope).astype(F32)
@@ -74,7 +73,7 @@ def _v4_kernel(q_ref, kv_ref, cos_ref, sin_ref, slot_ref, w_ref, _cache_in, q_ou
         cs, sn = C.load(cos_ref, (tc, fcol), shape), C.load(sin_ref, (tc, fcol), shape)
         k = C.rope_rows(y, yp, cs, sn, first, in_rope).astype(dtype)  # [BT, D]
 
-        C.store_kv_record(c_out, k, safe, ok, fmt, interpret)
+        C.store_kv_record(c_out, k, slot, ok, fmt, interpret)
 
 
 def supports(head_dim: int, rope_dim: int) -> bool:
