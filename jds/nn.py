@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jds.ops.dispatch import on_gpu
 from jds.ops.norms import layer_norm, rms_norm
 from jds.ops.quant import act_quant, dequant, quantize_weight_blocks_jax
 from pallas_kernels.fp8_gemm import fp8_linear, pad_out_rows
 from pallas_kernels.fp8_grouped_gemm import fp8_grouped_linear
+from pallas_kernels.group_linear import group_linear
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -86,25 +86,22 @@ class Linear(nnx.Module):
     def grouped(self, x: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
         """Block-diagonal use of the weight: x [..., G, in] with W viewed as [G, out/G, in].
 
-        y[..., g, :] = W_g x[..., g, :], one batched einsum (V4's grouped ``wo_a``). With ``fp8`` the input
-        is re-quantised per 128 along ``in`` exactly as ``__call__`` would quantise each group's slice; off the
-        "xla" implementation, on the FP8 grouped GEMM where each group's rows span whole 128-row scale blocks.
+        y[..., g, :] = W_g x[..., g, :] (V4's grouped ``wo_a``): ``pallas_kernels.group_linear`` (off the "xla"
+        implementation its kernel, which reads a 16-bit weight near the copy rate at serving row counts). With
+        ``fp8`` the input is re-quantised per 128 along ``in`` exactly as ``__call__`` would quantise each group's
+        slice; off "xla", on the FP8 grouped GEMM where each group's rows span whole 128-row scale blocks.
         """
         out_dtype = out_dtype or self.dtype
         g = x.shape[-2]
         if self.fp8 and self.implementation != "xla" and self.out_features % (128 * g) == 0:
             return self._grouped_kernel(x, out_dtype)
-        if self.fp8:
-            xq, sx = act_quant(x, 128, self.scale_fmt)
-            xd, w, prec = dequant(xq, sx, 128), self.dense_weight(), HIGHEST
-        else:
-            xd, w = x.astype(self.dtype), self.weight[...]
-            prec = HIGHEST if xd.dtype == jnp.float32 else None
-        w = w.reshape(g, w.shape[0] // g, w.shape[1]).astype(xd.dtype)
-        # bf16 operands on the GPU: the dot rounds its float32 sums to out_dtype itself (a float32 output left the
-        # convert to a kernel of its own); XLA's CPU backend would sum a bf16-output dot in bf16
-        acc = out_dtype if on_gpu() and xd.dtype == jnp.bfloat16 else jnp.float32
-        y = jnp.einsum("...gi,goi->...go", xd, w, precision=prec, preferred_element_type=acc)
+        if not self.fp8:
+            return group_linear(x.astype(self.dtype), self.weight[...], out_dtype=out_dtype,
+                                implementation=self.implementation)
+        xq, sx = act_quant(x, 128, self.scale_fmt)
+        w = self.dense_weight().reshape(g, -1, x.shape[-1])
+        y = jnp.einsum("...gi,goi->...go", dequant(xq, sx, 128), w, precision=HIGHEST,
+                       preferred_element_type=jnp.float32)
         return y.astype(out_dtype)
 
     def _grouped_kernel(self, x: jax.Array, out_dtype: jnp.dtype) -> jax.Array:

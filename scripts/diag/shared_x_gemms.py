@@ -15,9 +15,11 @@ variant one executable compiled as one CUDA graph, the weights cycled through co
   stored them as one weight); ``stored``: one GEMM on the stored [2048, 4096] weight; ``stored_bf16``: the same
   weight held in bf16 (``Numerics.compressor_float32`` off), bf16 operands with an fp32 output.
 
-- ``woa``: V4's grouped wo_a in the forms XLA could be given (``run_wo_a``).
+- ``woa``: V4's grouped wo_a in the forms XLA could be given and on ``pallas_kernels.group_linear``'s kernel
+  (``run_wo_a``), beside a copy of the weight (``copy``: read and write, the rate ceiling measured in the run).
 
-    python3 scripts/diag/shared_x_gemms.py [--ms 1 64 128] [--cases x qc comp woa] [--out F.json]
+    python3 scripts/diag/shared_x_gemms.py [--ms 1 64 128] [--cases x qc comp woa] [--woa-variants V ...]
+        [--out F.json]
 
 Per (case, variant, rows): ``profile_span_us`` (first kernel start -> last end), ``profile_busy_us``,
 ``profile_kernels`` and ``profile_kernel_us`` (per kernel name). Native only (the timeline needs a GPU).
@@ -105,14 +107,17 @@ def run_compressor(ms: tuple[int, ...], hidden: int = 4096, rows: int = 1024) ->
     return out
 
 
-def run_wo_a(ms: tuple[int, ...], groups: int = 8, o_lora: int = 1024, k: int = 4096) -> list[dict]:
+def run_wo_a(ms: tuple[int, ...], groups: int = 8, o_lora: int = 1024, k: int = 4096,
+             variants: list[str] | None = None) -> list[dict]:
     """The ``woa`` case: V4's grouped wo_a (V4-Flash: 8 groups of [1024, 4096], bf16 as the release runs it),
     y[t, g] = W_g x[t, g], in the forms XLA could be given: ``f32out`` (the model's einsum with an fp32 output, then
     rounded), ``bf16out`` (the same einsum writing bf16; XLA's GPU GEMMs sum in fp32 either way), ``gmajor``
     (x made group-major first), ``splitk2`` (K in two halves, summed in fp32), ``cublas`` (``f32out`` with XLA's
-    Triton GEMMs off) and ``fp8`` (the grouped FP8 GEMM on an e4m3 copy of the weight, as vLLM's fp8_einsum runs it;
-    a departure from the release's bf16, for reference)."""
+    Triton GEMMs off), ``fp8`` (the grouped FP8 GEMM on an e4m3 copy of the weight, as vLLM's fp8_einsum runs it;
+    a departure from the release's bf16, for reference), ``kernel`` (``group_linear``'s kernel at its defaults;
+    ``kernel_bn32`` / ``_bn128`` other tile widths, ``kernel_s6`` a 6-stage ring) and ``copy`` (-w: the weight read and written once, for the copy rate)."""
     from pallas_kernels.fp8_grouped_gemm import fp8_grouped_linear
+    from pallas_kernels.group_linear import group_linear
 
     rng = np.random.default_rng(2)
     w = jnp.asarray(rng.standard_normal((groups, o_lora, k), np.float32) * k ** -0.5, jnp.bfloat16)
@@ -142,35 +147,45 @@ def run_wo_a(ms: tuple[int, ...], groups: int = 8, o_lora: int = 1024, k: int = 
            "gmajor": (gmajor, (w,), CAPTURED_OPTIONS), "splitk2": (splitk2, (w,), CAPTURED_OPTIONS),
            "cublas": (lambda x, w: einsum(x, w, f32).astype(jnp.bfloat16), (w,),
                       {**CAPTURED_OPTIONS, "xla_gpu_enable_triton_gemm": False}),
-           "fp8": (fp8, (wq, ws), CAPTURED_OPTIONS)}
+           "fp8": (fp8, (wq, ws), CAPTURED_OPTIONS),
+           "copy": (lambda x, w: -w, (w,), CAPTURED_OPTIONS)}
+    kern = {"kernel": {}, "kernel_bn32": dict(block_n=32), "kernel_bn128": dict(block_n=128),
+            "kernel_s6": dict(stages=6)}
+    for name, kw in kern.items():
+        fns[name] = (lambda x, w, kw=kw: group_linear(x, w.reshape(groups * o_lora, k), implementation="pallas", **kw),
+                     (w,), CAPTURED_OPTIONS)
+    fns = {v: f for v, f in fns.items() if variants is None or v in variants}
     out = []
     xs = {m: jnp.asarray(rng.standard_normal((m, groups, k), np.float32), jnp.bfloat16) for m in ms}
-    want = {m: np.asarray(fns["f32out"][0](x, w), np.float32) for m, x in xs.items()}
+    want = {m: np.asarray(einsum(x, w, f32).astype(jnp.bfloat16), np.float32) for m, x in xs.items()}
     for variant, (fn, wts, opts) in fns.items():
         fc = jax.jit(fn, compiler_options=opts)
         nbytes = sum(int(v.size) * v.dtype.itemsize for v in wts)
         for m, x in xs.items():
             r = {"case": "woa", "variant": variant, "m": m, "k": k, "outs": [groups * o_lora], "weight_bytes": nbytes}
-            try:  # against the model's form: bf16 rounding apart, except fp8 (x and W quantised)
-                r["max_abs_vs_f32out"] = float(np.abs(np.asarray(fc(x, *wts), np.float32) - want[m]).max())
-                r["max_abs_f32out"] = float(np.abs(want[m]).max())
+            try:  # against the model's form: bf16 rounding apart, except fp8 (x and W quantised); copy: none
+                if variant != "copy":
+                    r["max_abs_vs_f32out"] = float(np.abs(np.asarray(fc(x, *wts), np.float32) - want[m]).max())
+                    r["max_abs_f32out"] = float(np.abs(want[m]).max())
             except Exception as e:  # noqa: BLE001
                 r["error"] = f"{type(e).__name__}: {e}"[:400]
             out.append(_timed_row(r, fc, x, list(wts), nbytes))
     return out
 
 
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 64, 128])
     ap.add_argument("--cases", nargs="+", default=["x", "qc", "comp", "woa"], choices=["x", "qc", "comp", "woa"])
+    ap.add_argument("--woa-variants", nargs="+", default=None, help="the woa case's variants (default: all)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
         sys.exit("shared_x_gemms: needs a GPU (the timeline's kernel records)")
     rows = run(tuple(a.ms), [c for c in a.cases if c in CASES])
     rows += run_compressor(tuple(a.ms)) if "comp" in a.cases else []
-    rows += run_wo_a(tuple(a.ms)) if "woa" in a.cases else []
+    rows += run_wo_a(tuple(a.ms), variants=a.woa_variants) if "woa" in a.cases else []
     if a.out:
         meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
                 "jax": jax.__version__,

@@ -1,0 +1,97 @@
+"""What XLA put into named kernels: the instructions and fused computations of an ``--xla_dump_to`` dump.
+
+A step's profile (scripts/diag/step_kernels.py) names kernels by their HLO instruction (``loop_reduce_fusion_5``)
+and the source line of its first op; what the fusion computes is only in the optimized HLO. This prints, for each
+name, its instruction line from every ``*after_optimizations.txt`` module of the dump, its users and the computation it calls
+(nested fusions' computations too, up to ``--depth``). ``--from-step-kernels F --source REGEX``: the names of F's
+top kernels whose source matches REGEX (XLA's own kernels only: not Pallas / Mosaic ones).
+
+    XLA_FLAGS=--xla_dump_to=/tmp/d python3 scripts/diag/step_kernels.py ... --out sk.json
+    python3 scripts/diag/hlo_fusions.py /tmp/d --from-step-kernels sk.json --source 'v4.py:89' [--names N ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+
+
+def computations(text: str) -> dict[str, list[str]]:
+    """Each computation's lines (header to closing brace) by name."""
+    out: dict[str, list[str]] = {}
+    cur: list[str] | None = None
+    for line in text.splitlines():
+        m = _COMP.match(line)
+        if cur is None and m and not line.startswith(" "):
+            cur = out.setdefault(m.group(1), [])
+        if cur is not None:
+            cur.append(line)
+            if line.strip() == "}":
+                cur = None
+    return out
+
+
+def describe(text: str, names: list[str], depth: int, width: int) -> list[str]:
+    comps = computations(text)
+    lines: list[str] = []
+    for comp_lines in comps.values():
+        for line in comp_lines:
+            m = _INSTR.match(line)
+            if not m or m.group(1) not in names:
+                continue
+            lines.append(f"== {m.group(1)}: {line.strip()[:width]}")
+            use = re.compile(rf"[(,]\s*%{re.escape(m.group(1))}[,)]")
+            lines += [f"  used by: {u.strip()[:200]}" for u in comp_lines if use.search(u.split("=", 1)[-1])]
+            todo = [(c, 1) for c in _CALLS.findall(line)]
+            while todo:
+                c, d = todo.pop(0)
+                for body in comps.get(c, []):
+                    lines.append("    " * d + body.strip()[:width])
+                    if d < depth:
+                        todo += [(cc, d + 1) for cc in _CALLS.findall(body)]
+    return lines
+
+
+def names_from_step_kernels(path: str, source: str) -> list[str]:
+    d = json.load(open(path))
+    rx = re.compile(source)
+    out = []
+    for shape in d.get("shapes", {}).values():
+        for k in shape.get("top_kernels", []):
+            if rx.search(k.get("source", "")) and "mosaic" not in k["kernel"] and k["kernel"] not in out:
+                out.append(k["kernel"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("dump")
+    ap.add_argument("--names", nargs="*", default=[])
+    ap.add_argument("--from-step-kernels", default=None)
+    ap.add_argument("--source", default=".")
+    ap.add_argument("--module", default="", help="only modules whose file name contains this")
+    ap.add_argument("--depth", type=int, default=2)
+    ap.add_argument("--width", type=int, default=400)
+    a = ap.parse_args(argv)
+    names = list(a.names)
+    if a.from_step_kernels:
+        names += names_from_step_kernels(a.from_step_kernels, a.source)
+    print("names:", " ".join(names))
+    for path in sorted(glob.glob(os.path.join(a.dump, "*after_optimizations.txt"))):
+        if a.module not in os.path.basename(path):
+            continue
+        found = describe(open(path).read(), names, a.depth, a.width)
+        if found:
+            print(f"# {os.path.basename(path)}")
+            print("\n".join(found))
+
+
+if __name__ == "__main__":
+    main()
