@@ -59,8 +59,10 @@ class V4Cache:
 class V4Inputs:
     """Outputs of the input projections (absent parts are [T, 0])."""
 
-    q_lat: jax.Array  # [T, q_lora] before q_norm
-    kv: jax.Array  # [T, head_dim] before kv_norm / RoPE
+    # [T, >= q_lora + head_dim]: the fused input projection's output, whole (its parts by
+    # ``V4Attention.wq_a_wkv.row_ranges()``: the q latent before q_norm, kv before kv_norm / RoPE). Whole, because
+    # the window insert reads kv in place: sliced out, it would be a copy before the kernel
+    proj: jax.Array
     comp: jax.Array  # [T, 2*c*head_dim] fp32 main compressor [kv | gate]
     index_comp: jax.Array  # [T, 4*index_head_dim] fp32 indexer compressor [kv | gate]
     index_w: jax.Array  # [T, Hi] fp32 indexer head weights
@@ -190,26 +192,29 @@ class V4Attention(StagedAttention):
         x = x.astype(self.dtype)
         t = x.shape[0]
         none = jnp.zeros((t, 0), jnp.float32)
-        q_lat, kv = self.wq_a_wkv.split(self.wq_a_wkv(x))
+        proj = self.wq_a_wkv(x, padded=True)
         c = self.compressor.project(x) if self.ratio else none
         if self.has_indexer:
             ic = self.indexer.compressor.project(x)
             iw = self.indexer.head_weights(x)
         else:
             ic, iw = none, none
-        return V4Inputs(q_lat=q_lat, kv=kv, comp=c, index_comp=ic, index_w=iw)
+        return V4Inputs(proj=proj, comp=c, index_comp=ic, index_w=iw)
 
     def prepare(self, inp: V4Inputs, batch: PagedBatch, cache: V4Cache) -> tuple[V4Query, V4Cache]:
         cfg, dt, rd = self.cfg, self.dtype, self.cfg.rope_head_dim
         freqs = self._freqs()
         cos, sin = rope_cos_sin(freqs, batch.positions)
         # query: q_norm -> wq_b -> weightless per-head RMSNorm -> RoPE (last dims, interleaved)
-        qr = self.q_norm(inp.q_lat, dt)
+        (_, q0, q1), (_, k0, _) = self.wq_a_wkv.row_ranges()
+        qr = self.q_norm(inp.proj[:, q0:q1], dt)
         q = self.wq_b(qr).reshape(-1, cfg.n_heads, cfg.head_dim)
-        # ... and the window K = V, inserted before attention reads it (a query sees itself): one op
-        q, window = fused_qnorm_rope_kv_insert_v4(q, inp.kv, cos, sin, batch.slot_mapping, cache.window,
+        # ... and the window K = V (read in place from the projection), inserted before attention reads it (a
+        # query sees itself): one op
+        q, window = fused_qnorm_rope_kv_insert_v4(q, inp.proj, cos, sin, batch.slot_mapping, cache.window,
                                                   self.kv_norm.weight[...], window_format=self.window_format,
-                                                  eps=cfg.rms_norm_eps, dtype=dt, implementation=self.op_implementation)
+                                                  eps=cfg.rms_norm_eps, dtype=dt, implementation=self.op_implementation,
+                                                  kv_col=k0)
         t = q.shape[0]
         compressed, state, index_k, index_state = cache.compressed, cache.state, cache.index_k, cache.index_state
         index_q, index_w = jnp.zeros((t, 0, 0), jnp.float32), jnp.zeros((t, 0), jnp.float32)

@@ -32,7 +32,7 @@ fused_qnorm_rope_kv_insert_v4_reference = qnorm_rope_kv_insert_v4_xla
 
 
 def _v4_kernel(q_ref, kv_ref, cos_ref, sin_ref, slot_ref, w_ref, _cache_in, q_out, c_out, *, T, BT, H, HB, nhb,
-               D, rd, eps, dtype, fmt, interpret):
+               D, rd, eps, dtype, fmt, interpret, kc):
     pid, jh = pl.program_id(0), pl.program_id(1)
     col = C.iota((1, D), 1)
     in_rope, pcol, fcol, first = C.rope_partner(col, D - rd, rd, True)
@@ -65,8 +65,8 @@ def _v4_kernel(q_ref, kv_ref, cos_ref, sin_ref, slot_ref, w_ref, _cache_in, q_ou
         slot = C.load(slot_ref, (tc,), (BT, 1))
         ok = (t < T) & (slot >= 0)
         shape = (BT, D)
-        x = C.load(kv_ref, (tc, col), shape).astype(F32)
-        xp = C.load(kv_ref, (tc, pcol), shape, mask=in_rope).astype(F32)
+        x = C.load(kv_ref, (tc, kc + col), shape).astype(F32)  # kc: the rows' first column in kv
+        xp = C.load(kv_ref, (tc, kc + pcol), shape, mask=in_rope).astype(F32)
         r_ = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
         y = (x * r_ * C.load(w_ref, (col,), (1, D))).astype(dtype).astype(F32)
         yp = (xp * r_ * C.load(w_ref, (pcol,), (1, D))).astype(dtype).astype(F32)
@@ -86,11 +86,13 @@ def fused_qnorm_rope_kv_insert_v4(q, kv, cos, sin, slot_mapping, window_cache, k
                                   window_format: RecordFormat, eps: float, dtype,
                                   implementation: Implementation = "pallas", interpret: bool | None = None,
                                   rows_per_program: int | None = None, num_warps: int | None = None,
-                                  heads_per_program: int | None = None):
+                                  heads_per_program: int | None = None, kv_col: int | None = None):
     """Same inputs/outputs as ``fused_qnorm_rope_kv_insert_v4_reference``.
 
     q [T, H, D], kv [T, D] in ``dtype``; cos/sin [T, rd/2] float32; slot_mapping [T] int32 (-1 = padding);
-    window_cache [num_blocks, page_elems] (donate it: it is updated in place).
+    window_cache [num_blocks, page_elems] (donate it: it is updated in place). ``kv_col``: kv holds the rows in
+    its columns [kv_col, kv_col + D): the layer's fused input projection passed whole, which the kernel reads in
+    place (a slice passed instead is a copy XLA makes before the kernel). None: kv is the rows.
     Tiling: a q program normalises ``rows_per_program`` (token, head) rows. ``heads_per_program=h``: h
     heads of ``rows_per_program // h`` tokens (a token's heads are contiguous in memory, so h > 1 reads
     longer runs); ``heads_per_program=None`` with ``rows_per_program`` given: one token's heads when
@@ -99,13 +101,15 @@ def fused_qnorm_rope_kv_insert_v4(q, kv, cos, sin, slot_mapping, window_cache, k
     timeline once the q rows' rope went to (even, odd) pairs (fewer registers; 16 heads and 4 warps were
     fastest before), bit-identical to the other tilings
     (``benchmarks/results/kernels_fused_insert_*.json``, rows with ``tiles``; issue 6)."""
-    args = (q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w)
-    _check_inputs(*args, window_format=window_format)
+    check_array("fused_qnorm_rope_kv_insert_v4: q", q, (("T", None), ("H", None), ("D", None)), "float")
+    kv_rows = C.columns("kv", "kv_col", kv, kv_col, q.shape[-1])
+    tail = (cos, sin, slot_mapping, window_cache, kv_norm_w)
+    _check_inputs(q, kv_rows, *tail, window_format=window_format)
     kw = dict(window_format=window_format, eps=eps, dtype=dtype)
     return run_op("fused_qnorm_rope_kv_insert_v4", implementation, {
-        "xla": lambda: qnorm_rope_kv_insert_v4_xla(*args, **kw),
-        "pallas": lambda: _pallas(*args, **kw, interpret=interpret, rows_per_program=rows_per_program,
-                                  num_warps=num_warps, heads_per_program=heads_per_program)})
+        "xla": lambda: qnorm_rope_kv_insert_v4_xla(q, kv_rows, *tail, **kw),
+        "pallas": lambda: _pallas(q, kv, *tail, **kw, interpret=interpret, rows_per_program=rows_per_program,
+                                  num_warps=num_warps, heads_per_program=heads_per_program, kv_col=kv_col or 0)})
 
 
 def _check_inputs(q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w, *, window_format) -> None:
@@ -125,7 +129,7 @@ def _check_inputs(q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w, *, win
 
 
 def _pallas(q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w, *, window_format, eps, dtype, interpret,
-            rows_per_program, num_warps, heads_per_program):
+            rows_per_program, num_warps, heads_per_program, kv_col=0):
     interpret = C.resolve_interpret(interpret)
     t, h, d = q.shape
     rd = 2 * cos.shape[-1]
@@ -157,7 +161,7 @@ def _pallas(q, kv, cos, sin, slot_mapping, window_cache, kv_norm_w, *, window_fo
     nhb = -(-h // hb)
     dt = jnp.dtype(dtype)
     kernel = functools.partial(_v4_kernel, T=t, BT=bt, H=h, HB=hb, nhb=nhb, D=d, rd=rd, eps=eps, dtype=dt,
-                               fmt=window_format, interpret=interpret)
+                               fmt=window_format, interpret=interpret, kc=kv_col)
     out_shape = (jax.ShapeDtypeStruct((t, h, d), dt), jax.ShapeDtypeStruct(window_cache.shape, window_cache.dtype))
     args = [q, kv, cos.astype(F32), sin.astype(F32), slot_mapping.astype(jnp.int32), kv_norm_w.astype(F32),
             window_cache]

@@ -340,6 +340,31 @@ def test_v4_qnorm_rope_kv_insert(mode, fmt, dt, t, tiles=None):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_v4_kv_insert_reads_columns_in_place(mode):
+    """kv_col: V4's window insert reads kv in place from a wider array (the layer's fused input projection, passed
+    whole) and writes what it writes from the rows sliced out, bit for bit, in each implementation; columns that
+    do not fit are a ValueError naming the argument."""
+    cfg, rng, t, nb = V4Config.tiny(), np.random.default_rng(6), 20, 3
+    proj = jnp.asarray(rng.normal(size=(t, 96 + 512)) * 2, BF16)  # [q latent | kv]
+    q = jnp.asarray(rng.normal(size=(t, cfg.n_heads, 512)) * 3, BF16)
+    w = jnp.asarray(1 + 0.1 * rng.normal(size=512), F32)
+    cos, sin = rope_cos_sin(cached_inv_freqs(cfg.rope_for(4), 64), jnp.asarray(rng.integers(0, 4000, t), jnp.int32))
+    slots = jnp.asarray(_slots(rng, t, nb * 128))
+    fmt = MlaRecord584(128)
+    cache = _noise_cache(rng, fmt, nb)
+    for impl in ("xla", "pallas"):
+        f = functools.partial(fused_qnorm_rope_kv_insert_v4, window_format=fmt, eps=1e-6, dtype=BF16,
+                              implementation=impl, interpret=_interpret(mode))
+        sliced = f(q, proj[:, 96:], cos, sin, slots, cache, w)
+        whole = f(q, proj, cos, sin, slots, cache, w, kv_col=96)
+        for g, s_, what in zip(whole, sliced, ("q", "window cache")):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(s_), err_msg=f"{impl} {what}")
+    with pytest.raises(ValueError, match=r"kv_col = 100: kv's rows take columns \[kv_col, kv_col \+ 512\) of its 608"):
+        fused_qnorm_rope_kv_insert_v4(q, proj, cos, sin, slots, cache, w, window_format=fmt, eps=1e-6, dtype=BF16,
+                                      kv_col=100)
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("tiles", [  # heads first (several heads of a token per program), with token tails
     pytest.param(dict(rows_per_program=8, heads_per_program=4), id="h4xt2"),
     pytest.param(dict(rows_per_program=16, heads_per_program=16), id="h16(all)xt1"),
@@ -452,7 +477,10 @@ def _lowering_cases(t: int = 33):
             pytest.param(functools.partial(q32, split_phases=True), q32_args, False, id=f"v32_fused_q-split-t{t}"),
             # the rows read in place from the fused input projections' outputs (V3.2: 1536 + 128 + 576 columns)
             pytest.param(functools.partial(kv32, kv_col=1664, index_col=1536), (proj32, proj32) + kv32_args[2:], True,
-                         id=f"v32_kv_insert-cols-t{t}")]
+                         id=f"v32_kv_insert-cols-t{t}"),
+            # ... V4-Flash: 1024 + 512 columns
+            pytest.param(functools.partial(v4, kv_col=1024), (v4_args[0], jnp.zeros((t, 1536), dt)) + v4_args[2:], True,
+                         id=f"v4_qnorm_rope_kv_insert-cols-t{t}")]
 
 
 @pytest.mark.parametrize("fn,args,inserts", _lowering_cases())
