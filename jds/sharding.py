@@ -94,7 +94,7 @@ _RULES: tuple[tuple[str, Any], ...] = (
     (r"attn/indexer/", P()),  # replicated: every rank computes the same top-k
     (r"attn/compressor/", P()),  # V4 compressors write the replicated caches
     (r"attn/(wq_b|wkv_b)/(weight|scale)", _TENSOR_ROWS),
-    (r"attn/absorbed_u[kv]/", P("tensor")),  # V3.2's held W_UK / W_UV [H, 128, kv_lora]: heads, as wkv_b's rows
+    (r"attn/absorbed/", P(None, "tensor")),  # V3.2's held W_UK / W_UV [2, H, 128, kv_lora]: heads, as wkv_b's rows
     (r"attn/wo/(weight|scale)", _TENSOR_COLS),
     (r"attn/attn_sink", P("tensor")),
     (r"attn/wo_a/(weight|scale)", "groups_rows"),

@@ -27,7 +27,6 @@ from jds.ops.records import FloatRows, MlaRecord656
 from jds.ops.rope import cached_inv_freqs as _inv_freqs
 from jds.ops.rope import rope_cos_sin
 from pallas_kernels.fused_insert_v32 import fused_kv_insert_v32, fused_q_v32
-from pallas_kernels.group_linear import group_linear
 from pallas_kernels.sparse_mqa import sparse_mqa
 
 AttnForm = Literal["absorbed", "mha"]
@@ -67,9 +66,8 @@ class V32Indexer(Indexer):
 
 
 class AbsorbedHeads(nnx.Variable):
-    """W_UK or W_UV [H, 128, kv_lora] in the activation dtype, dequantised from an FP8 ``wkv_b`` once
-    (``V32Attention.hold_absorbed``); each its own array, which ``pallas_kernels.group_linear`` reads as it is.
-    Derived, not a parameter: never exported, loaded or checkpointed."""
+    """W_UK and W_UV [2, H, 128, kv_lora] in the activation dtype, dequantised from an FP8 ``wkv_b`` once
+    (``V32Attention.hold_absorbed``). Derived, not a parameter: never exported, loaded or checkpointed."""
 
 
 class V32Attention(StagedAttention):
@@ -101,9 +99,7 @@ class V32Attention(StagedAttention):
                             fp8=fp8, rngs=rngs, scale_fmt=sf)
         self.wo = Linear(cfg.n_heads * cfg.v_head_dim, cfg.hidden_size, dtype=dt, fp8=fp8, rngs=rngs, scale_fmt=sf)
         self.indexer = V32Indexer(cfg, numerics, rngs)
-        # hold_absorbed (a runner's own copy of the model)
-        self.absorbed_uk: AbsorbedHeads | None = nnx.data(None)
-        self.absorbed_uv: AbsorbedHeads | None = nnx.data(None)
+        self.absorbed: AbsorbedHeads | None = nnx.data(None)  # hold_absorbed (a runner's own copy of the model)
 
     # ----- cache formats -------------------------------------------------------------------------
     @property
@@ -140,9 +136,10 @@ class V32Attention(StagedAttention):
                                       nope_dim=cfg.qk_nope_head_dim, dtype=dt,
                                       indexer_interleave=cfg.indexer_rope_interleave, hadamard=n.indexer_hadamard,
                                       fp8=n.indexer_fp8, scale_fmt=n.act_scale_fmt, implementation=impl)
+        q_nope = q[..., : cfg.qk_nope_head_dim]
         # absorbed: the latent q and the roped part apart (the sparse MQA reads both into one tile)
-        q, q_rope = (self._absorb_uk(q), q_pe) if self.form == "absorbed" else (
-            jnp.concatenate([q[..., : cfg.qk_nope_head_dim], q_pe], axis=-1), None)
+        q, q_rope = (self._absorb_uk(q_nope), q_pe) if self.form == "absorbed" else (
+            jnp.concatenate([q_nope, q_pe], axis=-1), None)
         # V32Query keeps the dequantised q and the constant-scaled weights; the op's q-scale-folded weights
         # (its 4th output) are score-equivalent for a select that reads e4m3 q
         index_q = qi.astype(jnp.float32) * qs[..., None]
@@ -175,20 +172,14 @@ class V32Attention(StagedAttention):
         an FP8 ``wkv_b`` every step (an FP8 read and a bf16 write of the whole weight a layer). For a runner's
         own copy of the model (``jds.runner``): the values follow ``wkv_b`` only as it is now."""
         if self.form == "absorbed" and self.wkv_b.fp8:
-            w_uk, w_uv = self._dequant_heads()
-            self.absorbed_uk, self.absorbed_uv = AbsorbedHeads(w_uk), AbsorbedHeads(w_uv)
+            self.absorbed = AbsorbedHeads(jnp.stack(self._dequant_heads()))
 
     def _wkv_b_heads(self) -> tuple[jax.Array, jax.Array]:
         """W_UK, W_UV [H, 128, kv_lora] in the activation dtype: held (``hold_absorbed``), else dequantised."""
-        if self.absorbed_uk is not None:
-            return self.absorbed_uk[...], self.absorbed_uv[...]
+        if self.absorbed is not None:
+            w = self.absorbed[...]
+            return w[0], w[1]
         return self._dequant_heads()
-
-    def _held_kernel(self) -> bool:
-        """Whether the per-head products run on ``group_linear`` (its kernel where it applies): with the weights
-        held (a per-step dequantisation would feed it a copy), bf16, off the "xla" implementation (XLA's CPU
-        backend keeps ``_per_head``)."""
-        return self.absorbed_uk is not None and self.op_implementation != "xla" and self.dtype == jnp.bfloat16
 
     def _dequant_heads(self) -> tuple[jax.Array, jax.Array]:
         """W_UK, W_UV from ``wkv_b``: an FP8 one dequantised and rounded to the activation dtype, as DeepSeek's
@@ -209,21 +200,12 @@ class V32Attention(StagedAttention):
             return jnp.einsum(spec, a.astype(jnp.float32), w.astype(jnp.float32), precision=hp).astype(self.dtype)
         return jnp.einsum(spec, a, w)
 
-    def _absorb_uk(self, q: jax.Array) -> jax.Array:
-        """q_nope W_UK: the query's no-rope part (the first nope columns of each head of q [T, H, nope + rope],
-        which the kernel reads in place) in latent space [T, H, kv_lora]."""
-        if self._held_kernel():  # W_UK [H, nope, kv_lora]: each head's [K, N]
-            w = self.absorbed_uk[...]
-            return group_linear(q.astype(self.dtype), w.reshape(-1, w.shape[2]), w_layout="kn",
-                                implementation=self.op_implementation)
+    def _absorb_uk(self, q_nope: jax.Array) -> jax.Array:
+        """q_nope W_UK: the query's no-rope part in latent space [T, H, kv_lora]."""
         w_uk, _ = self._wkv_b_heads()
-        return self._per_head("thd,hdc->thc", q[..., : self.cfg.qk_nope_head_dim], w_uk)
+        return self._per_head("thd,hdc->thc", q_nope, w_uk)
 
     def _apply_uv(self, o_lat: jax.Array) -> jax.Array:
-        if self._held_kernel():  # W_UV [H, v_dim, kv_lora]: each head's [N, K]
-            w = self.absorbed_uv[...]
-            return group_linear(o_lat.astype(self.dtype), w.reshape(-1, w.shape[2]),
-                                implementation=self.op_implementation)
         _, w_uv = self._wkv_b_heads()
         return self._per_head("thc,hdc->thd", o_lat, w_uv)
 

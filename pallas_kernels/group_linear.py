@@ -1,12 +1,11 @@
 """Block-diagonal (grouped) linear with 16-bit weights on Hopper (Pallas Mosaic GPU), with the XLA batched einsum
 (``implementation="xla"``) as reference:
 
-    y[..., g, :] = x[..., g, :K] @ W_g^T       x [..., G, Kx >= K], W = w.reshape(G, N, K), float32 accumulation
+    y[..., g, :] = x[..., g, :] @ W_g^T        x [..., G, K], W = w.reshape(G, N, K), float32 accumulation
 
-This is DeepSeek-V4's grouped output projection ``wo_a`` as released (bf16, 8 groups of [1024, 4096]) and V3.2's
-absorbed MLA products (128 heads: q_nope W_UK into the latent, the latent o W_UV out of it). At serving row counts
-each is a read of the weight, and XLA's batched dot read ``wo_a`` well below the copy rate from 64 rows up
-(docs/perf-log.md, sixty-seventh session). The kernel works on 2-D views, x as [T, G*Kx] and y as [T, G*N], so no
+This is DeepSeek-V4's grouped output projection ``wo_a`` as released (bf16, 8 groups of [1024, 4096]). At serving
+row counts it is a read of the weight, and XLA's batched dot reads it well below the copy rate from 64 rows up
+(docs/perf-log.md, sixty-seventh session). The kernel works on 2-D views, x as [T, G*K] and y as [T, G*N], so no
 group-major copy of x is made: CTA (m, g, n) runs one TMA ring over K for its row tile m (64 rows per compute
 warpgroup) and its ``block_n`` weight rows of group g, one wgmma per step (x from SMEM as A, the weight tile
 transposed as B), and stores its bf16 [rows, block_n] tile from registers. The default ``block_n`` (64 at V4's
@@ -30,7 +29,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from jds.ops.dispatch import Implementation, Unsupported, check_array, on_gpu, resolve_interpret, run_op
+from jds.ops.dispatch import Implementation, Unsupported, check_array, resolve_interpret, run_op
 
 MAX_ROWS = 256  # "auto": the kernel up to this many rows (x's leading dims flattened)
 STAGES = 4
@@ -40,38 +39,28 @@ _SWZ16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 64 16-
 
 def group_linear(x: jax.Array, w: jax.Array, *, out_dtype: jnp.dtype | None = None,
                  implementation: Implementation = "auto", interpret: bool | plgpu.InterpretGPUParams | None = None,
-                 block_n: int | None = None, block_k: int = 128, stages: int = STAGES,
-                 w_layout: str = "nk") -> jax.Array:
-    """y [..., G, N] = per group g, x[..., g, :K] @ W_g^T with W_g = w.reshape(G, N, K)[g] ([N, K] per group).
+                 block_n: int | None = None, block_k: int = 128, stages: int = STAGES) -> jax.Array:
+    """y [..., G, N] = per group g, x[..., g, :] @ W_g^T with W_g = w.reshape(G, N, K)[g].
 
-    x: [..., G, Kx] float with Kx >= K: a group's first K columns are its input, read in place (V3.2's absorbed
-    query: the no-rope part of each head of q [T, H, nope + rope]); w: [G*N, K] float (a ``Linear``'s weight as
-    stored), or with ``w_layout="kn"`` w: [G*K, N], each group's [K, N] (MLA's W_UK [H, nope, kv_lora] as
-    ``wkv_b`` stores it), which the kernel reads as it is; ``out_dtype``: None = x's dtype.
+    x: [..., G, K] float; w: [G*N, K] float (a ``Linear``'s weight as stored); ``out_dtype``: None = x's dtype.
     Tiles (kernel only): ``block_n`` weight rows a CTA (a multiple of 8 up to 256 dividing N; None: the largest
     power of two up to 128 that gives at most one CTA per SM, ``default_block_n``), ``block_k`` columns a pipeline
-    step (a multiple of 64), ``stages`` TMA ring depth (at most what fits SMEM); "kn" takes ``block_n`` a multiple
-    of 64. ``interpret``: GPU interpret mode (None: whenever the default backend is not a GPU)."""
-    if w_layout not in ("nk", "kn"):
-        raise ValueError(f'group_linear: w_layout must be "nk" or "kn", got {w_layout!r}')
+    step (a multiple of 64), ``stages`` TMA ring depth (at most what fits SMEM). ``interpret``: GPU interpret mode
+    (None: whenever the default backend is not a GPU)."""
     if getattr(x, "ndim", 0) < 2:
         raise ValueError(f"group_linear: x must be [..., G, K], got shape {getattr(x, 'shape', None)}")
     check_array("group_linear: x", x, (("...", None),) * (x.ndim - 2) + (("G", None), ("K", None)), "float")
-    g, kx = x.shape[-2:]
-    check_array("group_linear: w", w, (("G*N", None), ("K", None)) if w_layout == "nk" else
-                (("G*K", None), ("N", None)), "float")
+    g, k = x.shape[-2:]
+    check_array("group_linear: w", w, (("G*N", None), ("K", k)), "float")
     if w.shape[0] % g:
         raise ValueError(f"group_linear: w's {w.shape[0]} rows are not a multiple of x's {g} groups")
-    k = w.shape[1] if w_layout == "nk" else w.shape[0] // g
-    if k > kx:
-        raise ValueError(f"group_linear: w's K = {k} is wider than x's groups ({kx} columns)")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if implementation == "auto" and not kernel_wins(math.prod(x.shape[:-2])):
         implementation = "xla"
     return run_op("group_linear", implementation, {
-        "xla": lambda: group_linear_xla(x, w, out_dtype, w_layout),
+        "xla": lambda: group_linear_xla(x, w, out_dtype),
         "pallas": lambda: _pallas(x, w, out_dtype=out_dtype, interpret=interpret, block_n=block_n, block_k=block_k,
-                                  stages=stages, w_layout=w_layout)})
+                                  stages=stages)})
 
 
 def kernel_wins(rows: int) -> bool:
@@ -81,46 +70,38 @@ def kernel_wins(rows: int) -> bool:
     return 0 < rows <= MAX_ROWS and rows % 64 == 0
 
 
-def group_linear_xla(x: jax.Array, w: jax.Array, out_dtype: jnp.dtype, w_layout: str = "nk") -> jax.Array:
-    """The reference: one batched einsum, exact products of x's dtype summed in float32: on the GPU in x's dtype
-    with a float32 output (XLA's GPU dots sum 16-bit products in float32); float32 operands at HIGHEST for a
-    float32 x and off the GPU (XLA's CPU backend has no 16-bit dot with a float32 output)."""
+def group_linear_xla(x: jax.Array, w: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
+    """The reference: one batched einsum in x's dtype with float32 accumulation (float32 operands at HIGHEST)."""
     g = x.shape[-2]
     wg = w.reshape(g, w.shape[0] // g, w.shape[1]).astype(x.dtype)
-    x = x[..., : wg.shape[2 if w_layout == "nk" else 1]]
-    prec = None
-    if x.dtype == jnp.float32 or not on_gpu():
-        x, wg, prec = x.astype(jnp.float32), wg.astype(jnp.float32), lax.Precision.HIGHEST
-    spec = "...gi,goi->...go" if w_layout == "nk" else "...gi,gio->...go"
-    y = jnp.einsum(spec, x, wg, precision=prec, preferred_element_type=jnp.float32)
+    prec = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    y = jnp.einsum("...gi,goi->...go", x, wg, precision=prec, preferred_element_type=jnp.float32)
     return y.astype(out_dtype)
 
 
-def default_block_n(rows: int, g: int, n: int, sms: int = 132, least: int = 16) -> int:
-    """The widest power-of-two tile up to 128 dividing N, halved (down to ``least``) while twice its CTAs (row
-    tiles x groups x N / block_n) still fit one wave of ``sms``: at most a wave, as many SMs reading as that
-    allows."""
+def default_block_n(rows: int, g: int, n: int, sms: int = 132) -> int:
+    """The widest power-of-two tile up to 128 dividing N, halved (down to 16) while twice its CTAs (row tiles x
+    groups x N / block_n) still fit one wave of ``sms``: at most a wave, as many SMs reading as that allows."""
     m_tiles = -(-rows // 128)
     bn = 128
-    while bn > least and n % bn:
+    while bn > 16 and n % bn:
         bn //= 2
-    while bn > least and 2 * m_tiles * g * (n // bn) <= sms:
+    while bn > 16 and 2 * m_tiles * g * (n // bn) <= sms:
         bn //= 2
     return bn
 
 
-def _pallas(x, w, *, out_dtype, interpret, block_n, block_k, stages, w_layout="nk"):
-    lead, (g, kx) = x.shape[:-2], x.shape[-2:]
-    n, k = (w.shape[0] // g, w.shape[1]) if w_layout == "nk" else (w.shape[1], w.shape[0] // g)
+def _pallas(x, w, *, out_dtype, interpret, block_n, block_k, stages):
+    lead, (g, k) = x.shape[:-2], x.shape[-2:]
+    n = w.shape[0] // g
     t = math.prod(lead)
     if x.dtype != w.dtype or x.dtype.itemsize != 2:
         raise Unsupported(f"group_linear kernel: x {x.dtype} and w {w.dtype} must be one 16-bit dtype")
     if t > MAX_ROWS:
         raise Unsupported(f"group_linear kernel: {t} rows > MAX_ROWS {MAX_ROWS} (each row tile re-reads the weight)")
-    bn = block_n or default_block_n(t, g, n, least=16 if w_layout == "nk" else 64)
-    if bn % (8 if w_layout == "nk" else 64) or not 8 <= bn <= 256 or n % bn:
-        raise Unsupported(f"group_linear kernel: block_n {bn} must be a multiple of 8 (64 for w_layout 'kn') up to "
-                          f"256 dividing N = {n}")
+    bn = block_n or default_block_n(t, g, n)
+    if bn % 8 or not 8 <= bn <= 256 or n % bn:
+        raise Unsupported(f"group_linear kernel: block_n {bn} must be a multiple of 8 up to 256 dividing N = {n}")
     if block_k % 64 or k % block_k:
         raise Unsupported(f"group_linear kernel: block_k {block_k} must be a multiple of 64 dividing K = {k}")
     interpret = resolve_interpret(None) if interpret is None else interpret
@@ -130,20 +111,20 @@ def _pallas(x, w, *, out_dtype, interpret, block_n, block_k, stages, w_layout="n
         return jnp.zeros((*lead, g, n), out_dtype)
     bm = 128 if t > 64 else 64
     tp = -(-t // bm) * bm
-    x2 = x.reshape(t, g * kx)
+    x2 = x.reshape(t, g * k)
     if tp != t:
         x2 = jnp.pad(x2, ((0, tp - t), (0, 0)))
     ring = min(stages, k // block_k, SMEM_BUDGET // ((bm + bn) * block_k * x.dtype.itemsize))
     if ring < 1:
         raise Unsupported(f"group_linear kernel: one stage of {bm} + {bn} rows x {block_k} does not fit SMEM")
-    call = _build(tp=tp, g=g, n=n, k=k, kx=kx, bm=bm, bn=bn, bk=block_k, stages=ring, kn=w_layout == "kn",
+    call = _build(tp=tp, g=g, n=n, k=k, bm=bm, bn=bn, bk=block_k, stages=ring,
                   out_dtype=jnp.dtype(out_dtype), interpret=interpret or None)
     y = call(x2, w)
     return (y if tp == t else y[:t]).reshape(*lead, g, n)
 
 
 @functools.lru_cache(maxsize=None)
-def _build(*, tp: int, g: int, n: int, k: int, kx: int, bm: int, bn: int, bk: int, stages: int, kn: bool,
+def _build(*, tp: int, g: int, n: int, k: int, bm: int, bn: int, bk: int, stages: int,
            out_dtype: jnp.dtype, interpret: plgpu.InterpretGPUParams | None):
     nwg = bm // 64
     n_tiles = n // bn
@@ -158,7 +139,7 @@ def _build(*, tp: int, g: int, n: int, k: int, kx: int, bm: int, bn: int, bk: in
             wg = lax.axis_index("wg")
 
             def mma(acc_ref):
-                plgpu.wgmma(acc_ref, x_s.at[pl.ds(wg * 64, 64)], w_s if kn else w_s.T)
+                plgpu.wgmma(acc_ref, x_s.at[pl.ds(wg * 64, 64)], w_s.T)
                 plgpu.wgmma_wait(0)
                 return acc_ref[...]
 
@@ -174,10 +155,8 @@ def _build(*, tp: int, g: int, n: int, k: int, kx: int, bm: int, bn: int, bk: in
             body, grid=(k // bk,), memory_registers=40, wg_axis="wg", num_compute_wgs=nwg,
             max_concurrent_steps=stages, compute_context=compute,
             in_specs=[plgpu.BlockSpec((bm, bk), lambda s: (0, s), transforms=_SWZ16),
-                      plgpu.BlockSpec((bk, bn), lambda s: (s, 0), transforms=_SWZ16) if kn else
                       plgpu.BlockSpec((bn, bk), lambda s: (0, s), transforms=_SWZ16)])
-        w_tiles = w_ref.at[pl.ds(gi * k, k), pl.ds(ni * bn, bn)] if kn else w_ref.at[pl.ds(gi * n + ni * bn, bn)]
-        pipeline(x_ref.at[pl.ds(mi * bm, bm), pl.ds(gi * kx, k)], w_tiles)
+        pipeline(x_ref.at[pl.ds(mi * bm, bm), pl.ds(gi * k, k)], w_ref.at[pl.ds(gi * n + ni * bn, bn)])
 
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
     return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((tp, g * n), out_dtype), grid=(ctas,), grid_names=("cta",),

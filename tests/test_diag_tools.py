@@ -247,3 +247,30 @@ def test_step_kernels_diff(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "== ttft_128: busy 3300.0 -> 3200.0 us (-100.0)" in out
     assert "117.0 ->     118.0 (    +1.0)  v32.py(_per_head) < v32.py(_absorb_uk)" in out
+
+
+def test_hlo_fusions(tmp_path):
+    """hlo_fusions.py: a kernel named as on the timeline (``loop_slice_fusion_2``) found as its instruction
+    (``loop_slice_fusion.2``), with its users and its fused computation; step_kernels.py's ``--fusions`` text."""
+    hf, sk = _script("hlo_fusions"), _script("step_kernels")
+    (tmp_path / "module_0001.jit_full.sm_9.0_gpu_after_optimizations.txt").write_text("\n".join([
+        "HloModule jit_full", "",
+        "%fused_slice (param_0: f32[4,8]) -> f32[4,2] {",
+        "  %param_0 = f32[4,8]{1,0} parameter(0)",
+        "  ROOT %slice.1 = f32[4,2]{1,0} slice(%param_0), slice={[0:4], [0:2]}",
+        "}", "",
+        "ENTRY %main (p: f32[4,8]) -> f32[4,2] {",
+        "  %p = f32[4,8]{1,0} parameter(0)",
+        '  %loop_slice_fusion.2 = f32[4,2]{1,0} fusion(%p), kind=kLoop, calls=%fused_slice, '
+        'metadata={op_name="jit(full)/slice"}',
+        "  ROOT %custom-call.3 = f32[4,2]{1,0} custom-call(%loop_slice_fusion.2), custom_call_target=\"k\"",
+        "}", ""]))
+    out = hf.describe_dump(str(tmp_path), ["loop_slice_fusion_2"])
+    assert out[0] == "# module_0001.jit_full.sm_9.0_gpu_after_optimizations.txt"
+    assert out[1].startswith("== loop_slice_fusion.2: %loop_slice_fusion.2 = f32[4,2]")
+    assert out[2].startswith("  used by: ROOT %custom-call.3")
+    assert any("slice(%param_0)" in line for line in out[3:])
+    assert hf.describe_dump(str(tmp_path), ["loop_slice_fusion_9"]) == []
+    src = {"loop_slice_fusion_2": {"source": "v4.py:193(project_in)"}}
+    assert sk._fusions(str(tmp_path), {"loop_slice_fusion_2": 3.0}, src, "v4.py", 5) == out
+    assert sk._fusions(str(tmp_path), {"loop_slice_fusion_2": 3.0}, src, None, 5) == []

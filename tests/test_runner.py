@@ -274,13 +274,13 @@ def test_runner_holds_v32_absorbed_weights(monkeypatch) -> None:
     kw = dict(mode="fused", num_blocks=8, max_num_seqs=2, max_model_len=64, max_num_tokens=32, token_buckets=(32,))
     held = BoundaryRunner(model=model, **kw)
     for layer, served in zip(model.layers, held._served.layers):
-        assert layer.attn.absorbed_uk is None and served.attn.absorbed_uk is not None
+        assert layer.attn.absorbed is None and served.attn.absorbed is not None
         uk, uv = layer.attn._dequant_heads()
-        assert np.array_equal(np.asarray(served.attn.absorbed_uk[...]), np.asarray(uk))
-        assert np.array_equal(np.asarray(served.attn.absorbed_uv[...]), np.asarray(uv))
+        w = np.asarray(served.attn.absorbed[...])
+        assert np.array_equal(w[0], np.asarray(uk)) and np.array_equal(w[1], np.asarray(uv))
     monkeypatch.setattr(V32Attention, "hold_absorbed", lambda self: None)
     per_step = BoundaryRunner(model=model, **kw)
-    assert all(served.attn.absorbed_uk is None for served in per_step._served.layers)
+    assert all(served.attn.absorbed is None for served in per_step._served.layers)
     ids = np.arange(1, 13, dtype=np.int32)
     bt = np.arange(8, dtype=np.int32).reshape(2, 4)
     chunks = [Chunk(0, 0, 7), Chunk(1, 0, 5)]

@@ -187,9 +187,8 @@ def test_partition_rules() -> None:
     spec = lambda path, shape: sharding.param_spec(path, shape, cfg, mesh)  # noqa: E731
     assert spec("layers/0/attn/wq_b/weight/value", (768, 256)) == P("tensor", None)
     assert spec("layers/1/attn/wkv_b/weight/value", (1024, 512)) == P("tensor", None)
-    # the runner's held W_UK / W_UV [H, 128, kv_lora] (jds.v32.AbsorbedHeads): heads, as wkv_b's rows
-    assert spec("layers/1/attn/absorbed_uk/value", (4, 128, 512)) == P("tensor", None, None)
-    assert spec("layers/1/attn/absorbed_uv/value", (4, 128, 512)) == P("tensor", None, None)
+    # the runner's held W_UK / W_UV [2, H, 128, kv_lora] (jds.v32.AbsorbedHeads): heads, as wkv_b's rows
+    assert spec("layers/1/attn/absorbed/value", (2, 4, 128, 512)) == P(None, "tensor", None, None)
     assert spec("layers/0/attn/wo/weight/value", (256, 512)) == P(None, "tensor")
     assert spec("layers/0/attn/wo/scale/value", (2, 3)) == P(None, None)  # 3 scale columns do not split
     assert spec("layers/0/attn/indexer/wq_b/weight/value", (512, 256)) == P(None, None)

@@ -6,8 +6,11 @@ name, its instruction line from every ``*after_optimizations.txt`` module of the
 (nested fusions' computations too, up to ``--depth``). ``--from-step-kernels F --source REGEX``: the names of F's
 top kernels whose source matches REGEX (XLA's own kernels only: not Pallas / Mosaic ones).
 
-    XLA_FLAGS=--xla_dump_to=/tmp/d python3 scripts/diag/step_kernels.py ... --out sk.json
-    python3 scripts/diag/hlo_fusions.py /tmp/d --from-step-kernels sk.json --source 'v4.py:89' [--names N ...]
+    python3 scripts/diag/hlo_fusions.py DUMP --from-step-kernels sk.json --source 'v4.py:89' [--names N ...]
+
+A runner's executables take their dump directory from ``RunnerConfig.dump_dir`` (a per-executable option that
+``XLA_FLAGS=--xla_dump_to`` does not reach): ``step_kernels.py --fusions REGEX`` keeps this tool's text for its
+top kernels whose source matches REGEX in its output (``fusions``), from the dump it reads anyway.
 """
 
 from __future__ import annotations
@@ -38,13 +41,19 @@ def computations(text: str) -> dict[str, list[str]]:
     return out
 
 
+def _norm(name: str) -> str:
+    """An instruction's name as a kernel carries it on the timeline (``fusion.2`` / ``fusion-2`` -> ``fusion_2``)."""
+    return re.sub(r"[.\-]", "_", name)
+
+
 def describe(text: str, names: list[str], depth: int, width: int) -> list[str]:
     comps = computations(text)
+    wanted = {_norm(n) for n in names}
     lines: list[str] = []
     for comp_lines in comps.values():
         for line in comp_lines:
             m = _INSTR.match(line)
-            if not m or m.group(1) not in names:
+            if not m or _norm(m.group(1)) not in wanted:
                 continue
             lines.append(f"== {m.group(1)}: {line.strip()[:width]}")
             use = re.compile(rf"[(,]\s*%{re.escape(m.group(1))}[,)]")
@@ -57,6 +66,16 @@ def describe(text: str, names: list[str], depth: int, width: int) -> list[str]:
                     if d < depth:
                         todo += [(cc, d + 1) for cc in _CALLS.findall(body)]
     return lines
+
+
+def describe_dump(dump: str, names: list[str], depth: int = 2, width: int = 400, module: str = "") -> list[str]:
+    """``describe`` over every after-optimisation module of ``dump`` whose file name contains ``module``."""
+    out: list[str] = []
+    for path in sorted(glob.glob(os.path.join(dump, "*after_optimizations.txt"))):
+        if module in os.path.basename(path):
+            found = describe(open(path).read(), names, depth, width)
+            out += [f"# {os.path.basename(path)}"] + found if found else []
+    return out
 
 
 def names_from_step_kernels(path: str, source: str) -> list[str]:
@@ -84,13 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.from_step_kernels:
         names += names_from_step_kernels(a.from_step_kernels, a.source)
     print("names:", " ".join(names))
-    for path in sorted(glob.glob(os.path.join(a.dump, "*after_optimizations.txt"))):
-        if a.module not in os.path.basename(path):
-            continue
-        found = describe(open(path).read(), names, a.depth, a.width)
-        if found:
-            print(f"# {os.path.basename(path)}")
-            print("\n".join(found))
+    print("\n".join(describe_dump(a.dump, names, a.depth, a.width, a.module)))
 
 
 if __name__ == "__main__":

@@ -168,6 +168,19 @@ def print_diff(diff: dict[str, Any]) -> None:
             print(f"  {ub:9.1f} -> {un:9.1f} ({un - ub:+8.1f})  {k[:100]}")
 
 
+def _fusions(dump: str, per_kernel: dict[str, float], sources: dict[str, dict[str, str]], regex: str | None,
+             top: int) -> list[str]:
+    """``--fusions``: hlo_fusions.py's text for the top kernels whose source matches ``regex``."""
+    if not regex:
+        return []
+    from hlo_fusions import describe_dump  # noqa: PLC0415 - this directory's tool (run by path)
+
+    rx = re.compile(regex)
+    names = [kernel_key(k) for k, _ in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]
+             if rx.search(sources.get(kernel_key(k), {}).get("source", ""))]
+    return describe_dump(dump, names) if names else []
+
+
 def main(argv: list[str] | None = None) -> None:
     if argv is None:
         argv = sys.argv[1:]
@@ -192,6 +205,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--captured-options", default=None,
                     help="JSON of XLA options for the captured step (RunnerConfig.captured_compiler_options), e.g. "
                          "'{\"xla_gpu_enable_triton_gemm\": false}'")
+    ap.add_argument("--fusions", default=None, metavar="REGEX",
+                    help="keep the optimised HLO (scripts/diag/hlo_fusions.py) of the top kernels whose source "
+                         "matches REGEX, per shape, in the output's 'fusions'")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     import jax
@@ -221,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
                     runner.warmup(buckets=[(first.token_bucket, first.key_blocks)])
                 prof = profile_steps(runner, ids, chunks, bt, a.steps)
                 sources = hlo_sources(dump)
+                fusions = _fusions(dump, prof.get("profile_kernel_us", {}), sources, a.fusions, a.top)
             except Exception as e:  # noqa: BLE001 - a shape that fails records why; the others still run
                 res["shapes"][shape] = {"error": f"{type(e).__name__}: {e}"[:2000]}
                 print(json.dumps({shape: res["shapes"][shape]}), flush=True)
@@ -230,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
         per_kernel = prof.pop("profile_kernel_us", {})
         top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:a.top]
         row = {**prof, "by_source": by_source(per_kernel, sources)[:a.top],
-               "top_kernels": [{"kernel": k, "us": us, **sources.get(kernel_key(k), {})} for k, us in top]}
+               "top_kernels": [{"kernel": k, "us": us, **sources.get(kernel_key(k), {})} for k, us in top],
+               **({"fusions": fusions} if fusions else {})}
         res["shapes"][shape] = row
         print(f"== {shape}: span {prof.get('profile_span_us', 0):.1f} us, busy {prof.get('profile_busy_us', 0):.1f},"
               f" {prof.get('profile_kernels')} kernels", flush=True)
