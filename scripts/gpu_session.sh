@@ -5,7 +5,7 @@
 #   scripts/gpu_session.sh hostpath      # issue 16: graph updates per step (VLOG counts), TTFT variants
 #   scripts/gpu_session.sh ttft-fp8      # issue 19: 8-layer V3.2 TTFT, FP8 weights then bf16 weights (fused:device:8)
 #   scripts/gpu_session.sh ttft-fp8-pad  # issue 19: the same with wkv_a on XLA's path (vt/nopad), padded per call (vt/percall), fused (main)
-#   scripts/gpu_session.sh v4-epilogue   # V4: the compressor's write kernels, wo_a's dot rounding itself (main vs vt/wo), the inverse RoPE in place
+#   scripts/gpu_session.sh v4-next       # V4: native tests of the kv read in place and group_linear, the step with its fusions' HLO
 #   scripts/gpu_session.sh ttft-trees    # the 8-layer TTFT (FP8 weights) of TT_ARCH in each tree of TT_TREES
 #   scripts/gpu_session.sh ttft-parts    # issue 16: TTFT's host time per dispatch, preparation in the loop vs alone, put / spin
 #   scripts/gpu_session.sh invariance    # issue 23: --batch-invariant under preemption (20 pages)
@@ -169,23 +169,18 @@ case "$stage" in
           "$OUT/step_kernels_${a}_${t}.json" --top ${SK_DIFF_TOP:-10}; }
     done; done
     ;;
-  v4-epilogue)
-    # the sixty-seventh session's unmeasured V4 changes: the compressor's state write and record writes as kernels
-    # (write_state, insert_entries, insert_index_keys; closing blocks uncompacted at decode) and the grouped wo_a's
-    # dot rounding to bf16 itself (in main; vt/wo = `git archive 5f419c9 jds pallas_kernels` is before them all),
-    # and the output's inverse RoPE in place (vt/inplace: this tree with the layer passing
-    # rope_part(..., in_place=True), a dynamic-update-slice that XLA's CPU backend miscompiled): the compressor
-    # kernels' native tests, the in-place form's tests in its tree, then the step kernels
-    timeout -k 10 -s INT ${EPI_TEST_TIMEOUT:-150} python3 -m pytest -m gpu -q -p no:cacheprovider \
-      tests/test_kernel_compressor_pool.py tests/test_kernel_fused_insert.py -k "pool_norm_rope or write_state or insert_entries or index_keys or v4_layer or v4_qnorm or v32_kv" \
-      > "$OUT/compressor_tests.log" 2>&1; echo "compressor tests rc=$?"; tail -3 "$OUT/compressor_tests.log"
-    rm -rf vt/inplace && mkdir -p vt/inplace && cp -r jds pallas_kernels tests pyproject.toml vt/inplace/
-    sed -i 's/interleaved=True, inverse=True)/interleaved=True, inverse=True, in_place=True)/' vt/inplace/jds/v4.py
-    grep -q "in_place=True)" vt/inplace/jds/v4.py || { echo "v4-epilogue: the layer's rope_part call not found"; exit 1; }
-    (cd vt/inplace && PYTHONPATH=. timeout -k 10 -s INT ${EPI_TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider \
-      tests/test_primitives.py tests/test_v4_attention.py -k "rope_part or parity or decode_and_chunked or mixed_batch" \
-      > "$OUT/v4_epilogue_tests.log" 2>&1); echo "in-place tests rc=$?"; tail -3 "$OUT/v4_epilogue_tests.log"
-    SK_TREES="wo main inplace" SK_ARCHS=v4 bash "$0" step-kernels
+  v4-next)
+    # after the sixty-eighth session: the native tests its last call did not reach (V4's window insert reading kv
+    # in place, the V4 layer, group_linear), then V4's step kernels with the optimised HLO of the compressors' dot
+    # fusions and the output's inverse RoPE (step_kernels.py --fusions)
+    timeout -k 10 -s INT ${NEXT_TEST_TIMEOUT:-240} python3 -m pytest -m gpu -q -p no:cacheprovider \
+      tests/test_kernel_fused_insert.py tests/test_kernel_group_linear.py -k "v4 or group_linear" \
+      > "$OUT/v4_next_tests.log" 2>&1; echo "v4-next tests rc=$?"; tail -3 "$OUT/v4_next_tests.log"
+    timeout -k 10 ${SK_TIMEOUT:-150} python3 scripts/diag/step_kernels.py --arch v4 --fp8-weights --top 80 \
+      --fusions "${NEXT_FUSIONS:-v4.py:89|rope.py}" --out "$OUT/step_kernels_v4_fusions.json" > "$OUT/step_kernels_v4_fusions.log" 2>&1
+    echo "step kernels v4 fusions rc=$?"; grep "^==" "$OUT/step_kernels_v4_fusions.log"
+    python3 -c "import json, sys; d = json.load(open(sys.argv[1])); [print(k, *v.get('fusions', [])[:40], sep='\n') for k, v in d['shapes'].items()]" \
+      "$OUT/step_kernels_v4_fusions.json" | cut -c1-240 | head -120
     ;;
   ttft-trees)
     # the 8-layer TTFT with FP8 weights (fused:device:8, 50 steps) of arch TT_ARCH in each tree of TT_TREES (main,
