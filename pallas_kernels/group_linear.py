@@ -66,7 +66,7 @@ def group_linear(x: jax.Array, w: jax.Array, *, out_dtype: jnp.dtype | None = No
 def kernel_wins(rows: int) -> bool:
     """Where "auto" takes the kernel: row counts that are a multiple of 64 up to ``MAX_ROWS``. On an H100 at V4's
     shape the kernel was faster than XLA's batched dot at 64, 128 and 256 rows; slower at 1 row (a GEMV XLA runs at
-    the copy rate) and at 200 (the padding copies): benchmarks/results/kernels_group_linear_*.json."""
+    the copy rate) and at 200 (the padding copies): benchmarks/results/shared_x_gemms_*.json (case woa)."""
     return 0 < rows <= MAX_ROWS and rows % 64 == 0
 
 
