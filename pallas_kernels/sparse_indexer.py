@@ -86,6 +86,7 @@ from jds.ops.indexer import indexer_topk_xla, map_token_chunks, masked_index_log
 from jds.ops.select import radix_topk
 from jds.ops.quant import FP8, act_quant
 from jds.ops.records import IndexerRecord132
+from pallas_kernels.topk_rows import topk_rows
 from pallas_kernels.topk_select import TopkSelectConfig, select_config_for, select_unsorted, topk_select
 
 TILE = 64  # keys per MMA tile (wgmma M)
@@ -93,8 +94,8 @@ HEAD_DIM = 128
 DEFAULT_MAX_LOGITS_BYTES = 512 << 20
 
 KeySource = Literal["auto", "paged", "views", "gathered"]
-TopkAlgorithm = Literal["auto", "lax", "radix", "pallas_radix"]
-TOPK_ALGORITHMS = ("auto", "lax", "radix", "pallas_radix")
+TopkAlgorithm = Literal["auto", "lax", "radix", "pallas_radix", "pallas_rows"]
+TOPK_ALGORITHMS = ("auto", "lax", "radix", "pallas_radix", "pallas_rows")
 TopkOrder = Literal["sorted", "set"]
 TOPK_ORDERS = ("sorted", "set")
 AUTO_PALLAS_TOPK_ELEMS = 1 << 19  # rows x candidates from which "auto" selects with the Pallas kernel
@@ -113,7 +114,8 @@ class IndexerKernelConfig:
     #                                  over the segments' winners (exact, same tie rule); None = one stage
     topk_algorithm: TopkAlgorithm = "auto"  # "auto": resolve_topk_algorithm (the Pallas radix select on the GPU
     #                                  from 512K logits, else lax.top_k); "lax"; "radix": jds.ops.select;
-    #                                  "pallas_radix": pallas_kernels.topk_select (all exact, same order)
+    #                                  "pallas_radix": pallas_kernels.topk_select; "pallas_rows":
+    #                                  pallas_kernels.topk_rows (all exact, same order)
     topk_order: TopkOrder = "set"  # "set": the same keys in any order (pallas_radix then skips its sort of the
     #                                k winners; the sparse MQA takes a set); "sorted": lax.top_k's order
     topk_splits: int | None = None  # pallas_radix: programs per row for its prefilter pass (TopkSelectConfig.splits;
@@ -528,7 +530,9 @@ def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
 
     ``algorithm="radix"``: ``jds.ops.select.radix_topk`` (counting passes instead of a sort), identical
     output; ``"pallas_radix"``: the same selection as a Pallas kernel (``pallas_kernels.topk_select``,
-    GPU interpret mode off-GPU), identical output; ``"auto"``: ``resolve_topk_algorithm``. ``segment``
+    GPU interpret mode off-GPU), identical output; ``"pallas_rows"``: ``pallas_kernels.topk_rows`` (a row held
+    in registers, for k a large part of short rows; the same set, in ascending key order unless sorted);
+    ``"auto"``: ``resolve_topk_algorithm``. ``segment``
     applies to ``"lax"`` only, ``splits``, ``split_finish`` and ``invisible_in_kernel`` (``IndexerKernelConfig``'s
     ``topk_splits`` / ``topk_split_finish`` / ``topk_invisible_in_kernel``) to ``"pallas_radix"`` only, the last
     one with ``order="set"``: the kernel marks the invisible keys itself (``minus_one_for_neg_inf``), so the kept
@@ -554,6 +558,11 @@ def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
                                   lengths=lengths)[0]
             return jnp.pad(idx, ((0, 0), (0, k - kk)), constant_values=-1) if kk < k else idx
         vals, idx = topk_select(logits, kk, sort=order == "sorted", config=cfg, lengths=lengths)
+    elif algorithm == "pallas_rows":
+        vals, idx = topk_rows(logits, kk)
+        if order == "sorted":  # values descending, equal values by ascending key (lax.top_k's order)
+            vals, j = lax.top_k(vals, kk)
+            idx = jnp.take_along_axis(idx, j, axis=1)
     elif segment is None or n <= segment or segment < kk:
         vals, idx = lax.top_k(logits, kk)
     else:

@@ -1,5 +1,6 @@
-"""The indexer's top-k below ``AUTO_PALLAS_TOPK_ELEMS``: ``lax.top_k`` against the Pallas radix select, as the
-indexer calls them (``topk_from_logits``, set order, ``select_config_for``'s config, each row's visible length).
+"""The indexer's top-k below ``AUTO_PALLAS_TOPK_ELEMS``: ``lax.top_k`` against the Pallas radix select and the
+row-in-registers select (``rows``: ``pallas_kernels.topk_rows``; rows past its ``MAX_COLS`` record the error), as
+the indexer calls them (``topk_from_logits``, set order, ``select_config_for``'s config, each row's visible length).
 
 Why: "auto" runs ``lax.top_k`` under 512K logits, a size where the kernel was never measured; decode at 4K
 context is 64 x ~4K logits a layer (``scripts/diag/step_kernels.py`` put V3.2's 8 lax.top_k calls at 224 µs of a
@@ -34,7 +35,8 @@ SHAPES = ["1x4096:2048", "16x4096:2048", "64x4096:2048", "128x4096:2048", "64x81
 def _forms(nv: jax.Array, k: int) -> dict:
     return {"lax": jax.jit(lambda lg: topk_from_logits(lg, k, algorithm="lax", order="set")),
             "pallas": jax.jit(lambda lg: topk_from_logits(lg, k, algorithm="pallas_radix", order="set",
-                                                          splits=None, lengths=nv))}
+                                                          splits=None, lengths=nv)),
+            "rows": jax.jit(lambda lg: topk_from_logits(lg, k, algorithm="pallas_rows", order="set"))}
 
 
 def main(argv: list[str] | None = None) -> None:

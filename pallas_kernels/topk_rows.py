@@ -1,0 +1,87 @@
+"""Exact top-k of rows held whole in registers (Pallas on GPU, Triton lowering): for rows where k is a large part of
+the row, the indexer's decode at 4-8K context (k = 2048 of 4096 logits a token).
+
+``topk_rows(x, k)`` keeps the set ``jax.lax.top_k(x, k)`` keeps (equal values: the lower column first; IEEE's total
+order as ``jds.ops.select.ordered_key``), returned in ascending column order with the kept values. One program per
+row loads the row once into registers as order-preserving int32 keys, finds the k-th largest key tau by a binary
+search over its 32 bits (a compare and a sum of the row a bit: ``count(key >= candidate) >= k`` decides it), and
+stores every key > tau and the first ``k - count(key > tau)`` keys == tau at their rank among the kept (exclusive
+prefix sums of the masks).
+
+Why: at these shapes the radix select (``pallas_kernels.topk_select``) has no prefilter to apply (it is built for
+k << N) and its counting passes re-read the row from memory; on an H100 it was no faster than ``lax.top_k``, whose
+sort of the whole row is 27 µs a layer of V3.2's decode step at batch 64 (docs/perf-log.md, sixty-seventh
+session). Backend: the Triton lowering, as ``topk_select`` (its kept keys are stored at data-dependent slots, a
+scatter Mosaic GPU cannot express on Hopper); rows up to ``MAX_COLS`` columns (else ``Unsupported``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jds.ops.dispatch import Unsupported, check_array
+from pallas_kernels import fused_insert_common as C
+
+I32 = jnp.int32
+MAX_COLS = 16384  # a row in registers: 64 keys a thread at 8 warps
+_SIGN = int(np.int32(np.iinfo(np.int32).min))
+
+
+def _key_s(xb: jax.Array) -> jax.Array:
+    """The order-preserving signed key of float32 bits ``xb`` (int32); bits -1 (a masked lane) give the smallest."""
+    return xb ^ (lax.shift_right_arithmetic(xb, 31) & 0x7FFFFFFF)
+
+
+def _kernel(xb_ref, x_ref, idx_ref, val_ref, *, t: int, n: int, npad: int, k: int, interpret: bool):
+    row = pl.program_id(0)
+    col = C.iota((1, npad), 1)
+    inside = col < n
+    s = _key_s(C.load(xb_ref, (row, col), (1, npad), mask=inside, other=-1))
+    # tau: the largest u (u = s ^ sign, the unsigned order) with count(u >= tau) >= k, bit by bit from the top
+    prefix = jnp.zeros((), I32)  # tau's bits decided so far, as u's bit pattern
+    for bit in range(31, -1, -1):
+        cand = prefix | int(np.uint32(1 << bit).view(np.int32))
+        count = jnp.sum((s >= (cand ^ _SIGN)).astype(I32))
+        prefix = jnp.where(count >= k, cand, prefix)
+    tau = prefix ^ _SIGN
+    gt, eq = (s > tau).astype(I32), (s == tau).astype(I32)
+    need = k - jnp.sum(gt)
+    keep = (gt == 1) | ((eq == 1) & (jnp.cumsum(eq, axis=1) - eq < need))
+    ki = keep.astype(I32)
+    slot = jnp.cumsum(ki, axis=1) - ki
+    # interpret mode bounds-checks every lane's index: the dropped lanes point one past the rows (natively the mask
+    # alone keeps them from memory)
+    at = (jnp.where(keep, row, t), jnp.where(keep, slot, 0)) if interpret else (row, slot)
+    C.store(idx_ref, at, col, keep)
+    C.store(val_ref, at, C.load(x_ref, (row, col), (1, npad), mask=inside, other=0.0), keep)
+
+
+def topk_rows(x: jax.Array, k: int, *, interpret: bool | None = None,
+              num_warps: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """(values float32 [T, k], columns int32 [T, k]) of each row's top k, in ascending column order: the set
+    ``lax.top_k(x, k)`` selects. x: float [T, N] with k <= N <= ``MAX_COLS``. ``num_warps``: None = one warp per 1024
+    columns, 4 to 16 (no register spills at 4K / 8K / 16K columns in ptxas's sm_90a report)."""
+    check_array("topk_rows: x", x, (("T", None), ("N", None)), "float")
+    t, n = x.shape
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= n:
+        raise ValueError(f"topk_rows: k must be an int in [1, N = {n}], got {k!r}")
+    if n > MAX_COLS:
+        raise Unsupported(f"topk_rows: rows of {n} columns > MAX_COLS {MAX_COLS} (held in registers)")
+    if t == 0:
+        return jnp.zeros((0, k), jnp.float32), jnp.zeros((0, k), I32)
+    npad = C.next_pow2(n)
+    xf = x.astype(jnp.float32)
+    interpret = C.resolve_interpret(interpret)
+    kernel = functools.partial(_kernel, t=t, n=n, npad=npad, k=int(k), interpret=interpret)
+    out_shape = (jax.ShapeDtypeStruct((t, k), I32), jax.ShapeDtypeStruct((t, k), jnp.float32))
+    idx, vals = C.pallas_call(kernel, out_shape=out_shape, grid=(t,), aliases={},
+                              interpret=interpret, name="topk_rows",
+                              num_warps=num_warps or min(16, max(4, npad // 1024)))(
+        lax.bitcast_convert_type(xf, I32), xf)
+    return vals, idx
