@@ -5,7 +5,7 @@
 
 This is DeepSeek-V4's grouped output projection ``wo_a`` as released (bf16, 8 groups of [1024, 4096]). At serving
 row counts it is a read of the weight, and XLA's batched dot reads it well below the copy rate from 64 rows up
-(docs/perf-log.md, sixty-seventh session). The kernel works on 2-D views, x as [T, G*K] and y as [T, G*N], so no
+(docs/perf-log.md, sixty-fifth and sixty-eighth sessions). The kernel works on 2-D views, x as [T, G*K] and y as [T, G*N], so no
 group-major copy of x is made: CTA (m, g, n) runs one TMA ring over K for its row tile m (64 rows per compute
 warpgroup) and its ``block_n`` weight rows of group g, one wgmma per step (x from SMEM as A, the weight tile
 transposed as B), and stores its bf16 [rows, block_n] tile from registers. The default ``block_n`` (64 at V4's
@@ -31,7 +31,7 @@ from jax import lax
 
 from jds.ops.dispatch import Implementation, Unsupported, check_array, resolve_interpret, run_op
 
-MAX_ROWS = 256  # "auto": the kernel up to this many rows (x's leading dims flattened)
+MAX_ROWS = 256  # the kernel takes at most this many rows (x's leading dims flattened)
 STAGES = 4
 SMEM_BUDGET = 220 * 1024  # the ring's bytes at most (Hopper: 227 KB a CTA)
 _SWZ16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 64 16-bit values: one 128-byte row
