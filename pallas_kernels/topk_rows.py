@@ -27,15 +27,9 @@ from jax.experimental import pallas as pl
 
 from jds.ops.dispatch import Unsupported, check_array
 from pallas_kernels import fused_insert_common as C
+from pallas_kernels.topk_select import _SIGN, I32, _key_s  # the radix select's keys: s, and u = s ^ _SIGN
 
-I32 = jnp.int32
-MAX_COLS = 16384  # a row in registers: 64 keys a thread at 8 warps
-_SIGN = int(np.int32(np.iinfo(np.int32).min))
-
-
-def _key_s(xb: jax.Array) -> jax.Array:
-    """The order-preserving signed key of float32 bits ``xb`` (int32); bits -1 (a masked lane) give the smallest."""
-    return xb ^ (lax.shift_right_arithmetic(xb, 31) & 0x7FFFFFFF)
+MAX_COLS = 16384  # a row in registers: at most 16 warps' worth of keys without register spills (sm_90a report)
 
 
 def _kernel(xb_ref, x_ref, idx_ref, val_ref, *, t: int, n: int, npad: int, k: int, interpret: bool):
