@@ -5,10 +5,10 @@
 
 This is DeepSeek-V4's grouped output projection ``wo_a`` as released (bf16, 8 groups of [1024, 4096]). At serving
 row counts it is a read of the weight, and XLA's batched dot reads it well below the copy rate from 64 rows up
-(docs/perf-log.md, sixty-fifth and sixty-eighth sessions). The kernel works on 2-D views, x as [T, G*K] and y as [T, G*N], so no
-group-major copy of x is made: CTA (m, g, n) runs one TMA ring over K for its row tile m (64 rows per compute
-warpgroup) and its ``block_n`` weight rows of group g, one wgmma per step (x from SMEM as A, the weight tile
-transposed as B), and stores its bf16 [rows, block_n] tile from registers. The default ``block_n`` (64 at V4's
+(docs/perf-log.md, sixty-fifth and sixty-eighth sessions). The kernel works on 2-D views, x as [T, G*K] and y as
+[T, G*N], so no group-major copy of x is made: CTA (m, g, n) runs one TMA ring over K for its row tile m (64 rows
+per compute warpgroup) and its ``block_n`` weight rows of group g, one wgmma per step (x from SMEM as A, the weight
+tile transposed as B), and stores its bf16 [rows, block_n] tile from registers. The default ``block_n`` (64 at V4's
 shape) gives every SM one CTA; x's tiles are re-read from L2 by each of the group's N / ``block_n`` CTAs (sharing
 them by TMA multicast over a cluster measured slower, as did 32- and 128-wide tiles: docs/perf-log.md).
 
@@ -159,6 +159,7 @@ def _build(*, tp: int, g: int, n: int, k: int, bm: int, bn: int, bk: int, stages
         pipeline(x_ref.at[pl.ds(mi * bm, bm), pl.ds(gi * k, k)], w_ref.at[pl.ds(gi * n + ni * bn, bn)])
 
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
-    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((tp, g * n), out_dtype), grid=(ctas,), grid_names=("cta",),
+    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((tp, g * n), out_dtype), grid=(ctas,),
+                        grid_names=("cta",),
                         num_threads=nwg + 1, thread_name="wg", compiler_params=params,
                         interpret=interpret if interpret is not None else False, kernel_name="group_linear")

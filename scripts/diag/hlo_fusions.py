@@ -2,9 +2,10 @@
 
 A step's profile (scripts/diag/step_kernels.py) names kernels by their HLO instruction (``loop_reduce_fusion_5``)
 and the source line of its first op; what the fusion computes is only in the optimized HLO. This prints, for each
-name, its instruction line from every ``*after_optimizations.txt`` module of the dump, its users and the computation it calls
-(nested fusions' computations too, up to ``--depth``). ``--from-step-kernels F --source REGEX``: the names of F's
-top kernels whose source matches REGEX (XLA's own kernels only: not Pallas / Mosaic ones).
+name, its instruction line from every ``*after_optimizations.txt`` module of the dump, its users and the
+computation it calls (nested fusions' computations too, up to ``--depth``). ``--from-step-kernels F --source
+REGEX``: the names of F's top kernels whose source matches REGEX (XLA's own kernels only: not Pallas / Mosaic
+ones).
 
     python3 scripts/diag/hlo_fusions.py DUMP --from-step-kernels sk.json --source 'v4.py:89' [--names N ...]
 

@@ -115,7 +115,8 @@ def run_wo_a(ms: tuple[int, ...], groups: int = 8, o_lora: int = 1024, k: int = 
     (x made group-major first), ``splitk2`` (K in two halves, summed in fp32), ``cublas`` (``f32out`` with XLA's
     Triton GEMMs off), ``fp8`` (the grouped FP8 GEMM on an e4m3 copy of the weight, as vLLM's fp8_einsum runs it;
     a departure from the release's bf16, for reference), ``kernel`` (``group_linear``'s kernel at its defaults;
-    ``kernel_bn32`` / ``_bn128`` other tile widths, ``kernel_s6`` a 6-stage ring) and ``copy`` (-w: the weight read and written once, for the copy rate)."""
+    ``kernel_bn32`` / ``_bn128`` other tile widths, ``kernel_s6`` a 6-stage ring) and ``copy`` (-w: the weight
+    read and written once, for the copy rate)."""
     from pallas_kernels.fp8_grouped_gemm import fp8_grouped_linear
     from pallas_kernels.group_linear import group_linear
 
@@ -171,7 +172,6 @@ def run_wo_a(ms: tuple[int, ...], groups: int = 8, o_lora: int = 1024, k: int = 
                 r["error"] = f"{type(e).__name__}: {e}"[:400]
             out.append(_timed_row(r, fc, x, list(wts), nbytes))
     return out
-
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -173,7 +173,10 @@ def _fusions(dump: str, per_kernel: dict[str, float], sources: dict[str, dict[st
     """``--fusions``: hlo_fusions.py's text for the top kernels whose source matches ``regex``."""
     if not regex:
         return []
-    from hlo_fusions import describe_dump  # noqa: PLC0415 - this directory's tool (run by path)
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:  # this directory's tool, whether this script runs by path or is loaded as a module
+        sys.path.insert(0, here)
+    from hlo_fusions import describe_dump  # noqa: PLC0415
 
     rx = re.compile(regex)
     names = [kernel_key(k) for k, _ in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]
