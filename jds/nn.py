@@ -131,8 +131,8 @@ class FusedLinear(Linear):
 
     ``parts`` = ((name, out_features), ...) in row order. export_weights/load_weights never see the fused
     module's own name: each part is exported/loaded under ``name`` (and ``name.scale``) as a sibling of
-    this module, so checkpoints keep their separate tensors while the step does a single matmul (``split``, or
-    consumers that read their part's columns of the output in place, by ``row_ranges``).
+    this module, so checkpoints keep their separate tensors while the step does a single matmul (its consumers
+    read their part's columns of the output, by ``row_ranges``: kernels in place, XLA fusions through a slice).
     With ``fp8`` every part but the last must span whole 128-row scale blocks.
     """
 
@@ -152,10 +152,6 @@ class FusedLinear(Linear):
             out.append((n, r, r + o) if not scale else (n, r // 128, -(-(r + o) // 128)))
             r += o
         return out
-
-    def split(self, y: jax.Array) -> tuple[jax.Array, ...]:
-        """Cut a fused output [..., sum(out)] into the parts' outputs."""
-        return tuple(y[..., a:b] for _, a, b in self.row_ranges())
 
 
 class RMSNorm(nnx.Module):

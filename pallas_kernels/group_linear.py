@@ -29,7 +29,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from jds.ops.dispatch import Implementation, Unsupported, check_array, resolve_interpret, run_op
+from jds.ops.dispatch import Implementation, Unsupported, check_array, num_sms, resolve_interpret, run_op
 
 MAX_ROWS = 256  # the kernel takes at most this many rows (x's leading dims flattened)
 STAGES = 4
@@ -79,9 +79,11 @@ def group_linear_xla(x: jax.Array, w: jax.Array, out_dtype: jnp.dtype) -> jax.Ar
     return y.astype(out_dtype)
 
 
-def default_block_n(rows: int, g: int, n: int, sms: int = 132) -> int:
+def default_block_n(rows: int, g: int, n: int, sms: int | None = None) -> int:
     """The widest power-of-two tile up to 128 dividing N, halved (down to 16) while twice its CTAs (row tiles x
-    groups x N / block_n) still fit one wave of ``sms``: at most a wave, as many SMs reading as that allows."""
+    groups x N / block_n) still fit one wave of ``sms`` (None: ``num_sms()``): at most a wave, as many SMs reading
+    as that allows."""
+    sms = sms or num_sms()
     m_tiles = -(-rows // 128)
     bn = 128
     while bn > 16 and n % bn:
