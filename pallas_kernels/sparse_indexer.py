@@ -20,8 +20,9 @@ index wins; invisible keys are -inf and come back as -1 (also when fewer than k 
 ``IndexerKernelConfig.topk_segment`` switches to an exact two-stage top-k (per-segment top-k, then top-k
 of the winners in segment order), ``topk_algorithm="radix"`` to radix selection (``jds.ops.select``:
 counting passes, then a sort of the k winners only), ``"pallas_radix"`` to the same selection as a Pallas
-kernel (``pallas_kernels.topk_select``): same indices, same order, same tie rule. ``"auto"`` picks
-between ``lax`` and ``pallas_radix`` by size (``resolve_topk_algorithm``), and is the default.
+kernel (``pallas_kernels.topk_select``): same indices, same order, same tie rule; ``"pallas_rows"`` to a
+select of rows held in registers (``pallas_kernels.topk_rows``). ``"auto"`` picks among ``lax``,
+``pallas_radix`` and ``pallas_rows`` by shape (``resolve_topk_algorithm``), and is the default.
 
 Kernel layout (Mosaic GPU, one warpgroup per CTA):
 - grid = (query groups, key splits). A *group* is up to G consecutive tokens of one request (G = 1 for
@@ -99,6 +100,7 @@ TOPK_ALGORITHMS = ("auto", "lax", "radix", "pallas_radix", "pallas_rows")
 TopkOrder = Literal["sorted", "set"]
 TOPK_ORDERS = ("sorted", "set")
 AUTO_PALLAS_TOPK_ELEMS = 1 << 19  # rows x candidates from which "auto" selects with the Pallas kernel
+AUTO_ROWS_TOPK_COLS = 16384 + TILE  # rows of up to this many candidates: the row-in-registers select (topk_rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +114,8 @@ class IndexerKernelConfig:
     key_source: KeySource = "auto"  # "paged" on the GPU, "views" when interpreting (see module doc)
     topk_segment: int | None = None  # two-stage top-k: lax.top_k per segment of this many keys, then
     #                                  over the segments' winners (exact, same tie rule); None = one stage
-    topk_algorithm: TopkAlgorithm = "auto"  # "auto": resolve_topk_algorithm (the Pallas radix select on the GPU
-    #                                  from 512K logits, else lax.top_k); "lax"; "radix": jds.ops.select;
+    topk_algorithm: TopkAlgorithm = "auto"  # "auto": resolve_topk_algorithm (on the GPU the row select up to 16K
+    #                                  columns, the radix select from 512K logits, else lax.top_k); "lax"; "radix": jds.ops.select;
     #                                  "pallas_radix": pallas_kernels.topk_select; "pallas_rows":
     #                                  pallas_kernels.topk_rows (all exact, same order)
     topk_order: TopkOrder = "set"  # "set": the same keys in any order (pallas_radix then skips its sort of the
@@ -498,11 +500,16 @@ xla_logits = masked_index_logits
 
 
 def resolve_topk_algorithm(rows: int, cols: int, backend: str | None = None) -> str:
-    """What ``topk_algorithm="auto"`` runs for a [rows, cols] logits block: the Pallas radix select on the
-    GPU from ``AUTO_PALLAS_TOPK_ELEMS`` elements, ``lax.top_k`` below that and off the GPU (where the
-    kernel would only run interpreted).
+    """What ``topk_algorithm="auto"`` runs for a [rows, cols] logits block: on the GPU the row-in-registers select
+    (``pallas_kernels.topk_rows``) for rows of up to ``AUTO_ROWS_TOPK_COLS`` columns, else the Pallas radix select
+    from ``AUTO_PALLAS_TOPK_ELEMS`` elements and ``lax.top_k`` below; ``lax.top_k`` off the GPU (where the kernels
+    would only run interpreted).
 
-    Why the threshold: on the H200 at k = 2048 the Pallas radix select beats ``lax.top_k`` at every shape
+    Why the rows' limit: on an H100 (``topk_small_h100_2026-12-07.json``, the indexer's set order, GPU timeline) the
+    row select beat both others at every shape measured with 4160-16448 columns (1 to 1024 rows, k = 512 and
+    2048); above it a row's keys no longer fit the registers (``topk_rows.MAX_COLS``).
+
+    Why the elements' threshold: on the H200 at k = 2048 the Pallas radix select beats ``lax.top_k`` at every shape
     measured from 1M logits (``benchmarks/results/kernels_sparse_indexer_*.json``, rows ``topk_k2048_b*_c*``
     against ``..._pallas_radix*``), and at 16 x 32K (512K logits) in the indexer's unsorted order with
     ``select_config_for``'s split config (``topk_knobs_h200_*.json``, GPU timeline); below that it is unmeasured.
@@ -515,7 +522,11 @@ def resolve_topk_algorithm(rows: int, cols: int, backend: str | None = None) -> 
     no longer read such a row twice (at 16 x 32K the pipelined medians were too noisy to tell: docs/perf-log.md).
     """
     backend = backend or jax.default_backend()
-    return "pallas_radix" if backend == "gpu" and rows * cols >= AUTO_PALLAS_TOPK_ELEMS else "lax"
+    if backend != "gpu":
+        return "lax"
+    if cols <= AUTO_ROWS_TOPK_COLS:
+        return "pallas_rows"
+    return "pallas_radix" if rows * cols >= AUTO_PALLAS_TOPK_ELEMS else "lax"
 
 
 def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
@@ -525,8 +536,9 @@ def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
     """lax.top_k of rows already -inf at invisible keys: int32 [T, k], -1 where fewer are visible.
 
     ``order="set"``: the same keys, in any order (``"pallas_radix"`` then returns them in ascending key order,
-    without its sort of the k winners; the other algorithms sort anyway). The -1 entries are wherever the
-    invisible keys fall, not necessarily at the end (the sparse MQA masks each entry).
+    without its sort of the k winners; the other algorithms sort anyway; rows of at most k keys keep every key, in
+    column order, without a selection). The -1 entries are wherever the invisible keys fall, not necessarily at the
+    end (the sparse MQA masks each entry).
 
     ``algorithm="radix"``: ``jds.ops.select.radix_topk`` (counting passes instead of a sort), identical
     output; ``"pallas_radix"``: the same selection as a Pallas kernel (``pallas_kernels.topk_select``,
@@ -546,6 +558,8 @@ def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
     """
     t, n = logits.shape
     kk = min(k, n)
+    if kk == n and order == "set":  # every key is kept (short contexts): no selection to run, in any algorithm
+        return visible_topk_indices(logits, jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (t, n)), k)
     if algorithm == "auto":  # an explicit segment asks for the two-stage lax selection
         algorithm = "lax" if segment is not None else resolve_topk_algorithm(t, n)
     if algorithm == "radix":

@@ -29,38 +29,63 @@ from jds.ops.dispatch import Unsupported, check_array
 from pallas_kernels import fused_insert_common as C
 from pallas_kernels.topk_select import _SIGN, I32, _key_s  # the radix select's keys: s, and u = s ^ _SIGN
 
-MAX_COLS = 16384  # a row in registers: at most 16 warps' worth of keys without register spills (sm_90a report)
+MAX_COLS = 17408  # a row in registers: 16K keys plus a 1K tail over 16 warps without register spills (sm_90a report)
+CHUNK_ALIGN = 64  # the row is rounded up to this and held as its binary decomposition's power-of-two chunks
 
 
-def _kernel(xb_ref, x_ref, idx_ref, val_ref, *, t: int, n: int, npad: int, k: int, interpret: bool):
+def chunks(n: int) -> list[tuple[int, int]]:
+    """(start, width) of the power-of-two column blocks that hold a row of ``n`` columns, widest first: the binary
+    decomposition of n rounded up to ``CHUNK_ALIGN``. The indexer's rows are a tile past a power of two (4096
+    visible logits arrive as 4160 columns): 4096 + 64 keys in registers instead of the next power of two's 8192."""
+    m, out, start = -(-n // CHUNK_ALIGN) * CHUNK_ALIGN, [], 0
+    for bit in range(m.bit_length() - 1, -1, -1):
+        if m >> bit & 1:
+            out.append((start, 1 << bit))
+            start += 1 << bit
+    return out
+
+
+def default_warps(t: int, n: int) -> int:
+    """8 warps a row up to 8K columns and a tile, 16 above (the widest rows' keys need them to stay in registers);
+    4 from 1024 rows, where more rows share an SM (the GPU timeline on an H100, ``topk_small.py --rows-warps``)."""
+    if n > 8192 + CHUNK_ALIGN:
+        return 16
+    return 4 if t >= 1024 else 8
+
+
+def _kernel(xb_ref, x_ref, idx_ref, val_ref, *, t: int, n: int, k: int, interpret: bool):
     row = pl.program_id(0)
-    col = C.iota((1, npad), 1)
-    inside = col < n
-    s = _key_s(C.load(xb_ref, (row, col), (1, npad), mask=inside, other=-1))
+    parts = []  # (columns [1, w], inside [1, w], keys s [1, w]) per chunk
+    for start, w in chunks(n):
+        col = start + C.iota((1, w), 1)
+        inside = col < n
+        parts.append((col, inside, _key_s(C.load(xb_ref, (row, col), (1, w), mask=inside, other=-1))))
     # tau: the largest u (u = s ^ sign, the unsigned order) with count(u >= tau) >= k, bit by bit from the top
     prefix = jnp.zeros((), I32)  # tau's bits decided so far, as u's bit pattern
     for bit in range(31, -1, -1):
         cand = prefix | int(np.uint32(1 << bit).view(np.int32))
-        count = jnp.sum((s >= (cand ^ _SIGN)).astype(I32))
+        count = sum(jnp.sum((s >= (cand ^ _SIGN)).astype(I32)) for _, _, s in parts)
         prefix = jnp.where(count >= k, cand, prefix)
     tau = prefix ^ _SIGN
-    gt, eq = (s > tau).astype(I32), (s == tau).astype(I32)
-    need = k - jnp.sum(gt)
-    keep = (gt == 1) | ((eq == 1) & (jnp.cumsum(eq, axis=1) - eq < need))
-    ki = keep.astype(I32)
-    slot = jnp.cumsum(ki, axis=1) - ki
-    # interpret mode bounds-checks every lane's index: the dropped lanes point one past the rows (natively the mask
-    # alone keeps them from memory)
-    at = (jnp.where(keep, row, t), jnp.where(keep, slot, 0)) if interpret else (row, slot)
-    C.store(idx_ref, at, col, keep)
-    C.store(val_ref, at, C.load(x_ref, (row, col), (1, npad), mask=inside, other=0.0), keep)
+    need = k - sum(jnp.sum((s > tau).astype(I32)) for _, _, s in parts)
+    eq_before = kept_before = jnp.zeros((), I32)  # equal / kept keys in the chunks to the left
+    for col, inside, s in parts:
+        gt, eq = (s > tau).astype(I32), (s == tau).astype(I32)
+        keep = (gt == 1) | ((eq == 1) & (eq_before + jnp.cumsum(eq, axis=1) - eq < need))
+        ki = keep.astype(I32)
+        slot = kept_before + jnp.cumsum(ki, axis=1) - ki
+        eq_before, kept_before = eq_before + jnp.sum(eq), kept_before + jnp.sum(ki)
+        # interpret mode bounds-checks every lane's index: the dropped lanes point one past the rows (natively the
+        # mask alone keeps them from memory)
+        at = (jnp.where(keep, row, t), jnp.where(keep, slot, 0)) if interpret else (row, slot)
+        C.store(idx_ref, at, col, keep)
+        C.store(val_ref, at, C.load(x_ref, (row, col), col.shape, mask=inside, other=0.0), keep)
 
 
 def topk_rows(x: jax.Array, k: int, *, interpret: bool | None = None,
               num_warps: int | None = None) -> tuple[jax.Array, jax.Array]:
     """(values float32 [T, k], columns int32 [T, k]) of each row's top k, in ascending column order: the set
-    ``lax.top_k(x, k)`` selects. x: float [T, N] with k <= N <= ``MAX_COLS``. ``num_warps``: None = one warp per 1024
-    columns, 4 to 16 (no register spills at 4K / 8K / 16K columns in ptxas's sm_90a report)."""
+    ``lax.top_k(x, k)`` selects. x: float [T, N] with k <= N <= ``MAX_COLS``. ``num_warps``: None = ``default_warps``."""
     check_array("topk_rows: x", x, (("T", None), ("N", None)), "float")
     t, n = x.shape
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= n:
@@ -69,13 +94,12 @@ def topk_rows(x: jax.Array, k: int, *, interpret: bool | None = None,
         raise Unsupported(f"topk_rows: rows of {n} columns > MAX_COLS {MAX_COLS} (held in registers)")
     if t == 0:
         return jnp.zeros((0, k), jnp.float32), jnp.zeros((0, k), I32)
-    npad = C.next_pow2(n)
     xf = x.astype(jnp.float32)
     interpret = C.resolve_interpret(interpret)
-    kernel = functools.partial(_kernel, t=t, n=n, npad=npad, k=int(k), interpret=interpret)
+    kernel = functools.partial(_kernel, t=t, n=n, k=int(k), interpret=interpret)
     out_shape = (jax.ShapeDtypeStruct((t, k), I32), jax.ShapeDtypeStruct((t, k), jnp.float32))
     idx, vals = C.pallas_call(kernel, out_shape=out_shape, grid=(t,), aliases={},
                               interpret=interpret, name="topk_rows",
-                              num_warps=num_warps or min(16, max(4, npad // 1024)))(
+                              num_warps=num_warps or default_warps(t, n))(
         lax.bitcast_convert_type(xf, I32), xf)
     return vals, idx

@@ -862,17 +862,19 @@ def test_set_order_skips_the_sort(mode: str) -> None:
 
 
 def test_auto_resolution() -> None:
-    """"auto" uses the Pallas kernel on the GPU from AUTO_PALLAS_TOPK_ELEMS elements, lax below it, off the
-    GPU and when a two-stage segment is asked for. It is the default (resolve_topk_algorithm says why)."""
-    from pallas_kernels.sparse_indexer import AUTO_PALLAS_TOPK_ELEMS, resolve_topk_algorithm
+    """"auto" on the GPU: the row-in-registers select up to AUTO_ROWS_TOPK_COLS columns, the radix select from
+    AUTO_PALLAS_TOPK_ELEMS elements, lax between; lax off the GPU and when a two-stage segment is asked for. It is
+    the default (resolve_topk_algorithm says why)."""
+    from pallas_kernels.sparse_indexer import AUTO_PALLAS_TOPK_ELEMS, AUTO_ROWS_TOPK_COLS, resolve_topk_algorithm
 
     assert IndexerKernelConfig().topk_algorithm == "auto"
     assert IndexerKernelConfig(topk_algorithm="auto").topk_algorithm == "auto"
     assert resolve_topk_algorithm(16, 32768, "gpu") == "pallas_radix" == resolve_topk_algorithm(64, 32768, "gpu")
-    assert resolve_topk_algorithm(16, 16384, "gpu") == "lax"
-    assert resolve_topk_algorithm(64, 131072, "cpu") == "lax"
+    assert resolve_topk_algorithm(16, AUTO_ROWS_TOPK_COLS + 1, "gpu") == "lax"
+    assert resolve_topk_algorithm(1, 4160, "gpu") == "pallas_rows" == resolve_topk_algorithm(1024, 16448, "gpu")
+    assert resolve_topk_algorithm(64, 131072, "cpu") == "lax" == resolve_topk_algorithm(64, 4160, "cpu")
     assert resolve_topk_algorithm(1, AUTO_PALLAS_TOPK_ELEMS, "gpu") == "pallas_radix"
-    x = jnp.asarray(_mixed(300, np.random.default_rng(3)))  # small: lax on every backend
+    x = jnp.asarray(_mixed(300, np.random.default_rng(3)))  # lax off the GPU, the row select on it
     np.testing.assert_array_equal(np.asarray(topk_from_logits(x, 20, algorithm="auto")),
                                   np.asarray(topk_from_logits(x, 20)))
     np.testing.assert_array_equal(np.asarray(topk_from_logits(x, 20, 64, algorithm="auto")),
