@@ -53,19 +53,27 @@ def default_warps(t: int, n: int) -> int:
     return 4 if t >= 1024 else 8
 
 
-def _kernel(xb_ref, x_ref, idx_ref, val_ref, *, t: int, n: int, k: int, interpret: bool):
+def _kernel(xb_ref, x_ref, idx_ref, val_ref, *, t: int, n: int, k: int, bits: int, interpret: bool):
     row = pl.program_id(0)
     parts = []  # (columns [1, w], inside [1, w], keys s [1, w]) per chunk
     for start, w in chunks(n):
         col = start + C.iota((1, w), 1)
         inside = col < n
         parts.append((col, inside, _key_s(C.load(xb_ref, (row, col), (1, w), mask=inside, other=-1))))
-    # tau: the largest u (u = s ^ sign, the unsigned order) with count(u >= tau) >= k, bit by bit from the top
+    # tau: the largest u (u = s ^ sign, the unsigned order) with count(u >= tau) >= k, ``bits`` of it a round from the
+    # top: the round counts the keys >= each of the digit's 2^bits candidates in one reduction (Triton's shapes are
+    # powers of two: digit 0, which holds by the invariant, is counted too), and the digit is how many of those
+    # counts reach k, less one (they fall as the digit grows)
     prefix = jnp.zeros((), I32)  # tau's bits decided so far, as u's bit pattern
-    for bit in range(31, -1, -1):
-        cand = prefix | int(np.uint32(1 << bit).view(np.int32))
-        count = sum(jnp.sum((s >= (cand ^ _SIGN)).astype(I32)) for _, _, s in parts)
-        prefix = jnp.where(count >= k, cand, prefix)
+    top = 32
+    while top > 0:
+        b = min(bits, top)
+        shift = top - b
+        digit = C.iota((1 << b, 1), 0)
+        cand = (prefix | lax.shift_left(digit, jnp.full(digit.shape, shift, I32))) ^ _SIGN  # in s's order
+        count = sum(jnp.sum((s >= cand).astype(I32), axis=1) for _, _, s in parts)  # [2^b]
+        prefix = prefix | lax.shift_left(jnp.sum((count >= k).astype(I32)) - 1, jnp.asarray(shift, I32))
+        top = shift
     tau = prefix ^ _SIGN
     need = k - sum(jnp.sum((s > tau).astype(I32)) for _, _, s in parts)
     eq_before = kept_before = jnp.zeros((), I32)  # equal / kept keys in the chunks to the left
@@ -83,20 +91,23 @@ def _kernel(xb_ref, x_ref, idx_ref, val_ref, *, t: int, n: int, k: int, interpre
 
 
 def topk_rows(x: jax.Array, k: int, *, interpret: bool | None = None,
-              num_warps: int | None = None) -> tuple[jax.Array, jax.Array]:
+              num_warps: int | None = None, bits: int = 2) -> tuple[jax.Array, jax.Array]:
     """(values float32 [T, k], columns int32 [T, k]) of each row's top k, in ascending column order: the set
-    ``lax.top_k(x, k)`` selects. x: float [T, N] with k <= N <= ``MAX_COLS``. ``num_warps``: None = ``default_warps``."""
+    ``lax.top_k(x, k)`` selects. x: float [T, N] with k <= N <= ``MAX_COLS``. ``num_warps``: None = ``default_warps``.
+    ``bits``: the k-th key's bits decided a round (1-4; a round is one reduction of 2^bits counts)."""
     check_array("topk_rows: x", x, (("T", None), ("N", None)), "float")
     t, n = x.shape
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= n:
         raise ValueError(f"topk_rows: k must be an int in [1, N = {n}], got {k!r}")
+    if bits not in (1, 2, 3, 4):
+        raise ValueError(f"topk_rows: bits must be 1, 2, 3 or 4, got {bits!r}")
     if n > MAX_COLS:
         raise Unsupported(f"topk_rows: rows of {n} columns > MAX_COLS {MAX_COLS} (held in registers)")
     if t == 0:
         return jnp.zeros((0, k), jnp.float32), jnp.zeros((0, k), I32)
     xf = x.astype(jnp.float32)
     interpret = C.resolve_interpret(interpret)
-    kernel = functools.partial(_kernel, t=t, n=n, k=int(k), interpret=interpret)
+    kernel = functools.partial(_kernel, t=t, n=n, k=int(k), bits=bits, interpret=interpret)
     out_shape = (jax.ShapeDtypeStruct((t, k), I32), jax.ShapeDtypeStruct((t, k), jnp.float32))
     idx, vals = C.pallas_call(kernel, out_shape=out_shape, grid=(t,), aliases={},
                               interpret=interpret, name="topk_rows",
