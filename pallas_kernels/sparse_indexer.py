@@ -115,9 +115,9 @@ class IndexerKernelConfig:
     topk_segment: int | None = None  # two-stage top-k: lax.top_k per segment of this many keys, then
     #                                  over the segments' winners (exact, same tie rule); None = one stage
     topk_algorithm: TopkAlgorithm = "auto"  # "auto": resolve_topk_algorithm (on the GPU the row select up to 16K
-    #                                  columns, the radix select from 512K logits, else lax.top_k); "lax"; "radix": jds.ops.select;
-    #                                  "pallas_radix": pallas_kernels.topk_select; "pallas_rows":
-    #                                  pallas_kernels.topk_rows (all exact, same order)
+    #                                  columns, the radix select from 512K logits, else lax.top_k); "lax";
+    #                                  "radix": jds.ops.select; "pallas_radix": pallas_kernels.topk_select;
+    #                                  "pallas_rows": pallas_kernels.topk_rows (all exact, same order)
     topk_order: TopkOrder = "set"  # "set": the same keys in any order (pallas_radix then skips its sort of the
     #                                k winners; the sparse MQA takes a set); "sorted": lax.top_k's order
     topk_splits: int | None = None  # pallas_radix: programs per row for its prefilter pass (TopkSelectConfig.splits;
@@ -505,9 +505,10 @@ def resolve_topk_algorithm(rows: int, cols: int, backend: str | None = None) -> 
     from ``AUTO_PALLAS_TOPK_ELEMS`` elements and ``lax.top_k`` below; ``lax.top_k`` off the GPU (where the kernels
     would only run interpreted).
 
-    Why the rows' limit: on an H100 (``topk_small_h100_2026-12-07.json``, the indexer's set order, GPU timeline) the
-    row select beat both others at every shape measured with 4160-16448 columns (1 to 1024 rows, k = 512 and
-    2048); above it a row's keys no longer fit the registers (``topk_rows.MAX_COLS``).
+    Why the rows' limit: on an H100 (``benchmarks/results/archive/topk_small_rows_h100_2026-12-07.json``, the
+    indexer's set order, GPU timeline) the row select beat both others at every shape measured with 4160-16448
+    columns (1 to 1024 rows, k = 512 and 2048); above it a row's keys no longer fit the registers
+    (``topk_rows.MAX_COLS``).
 
     Why the elements' threshold: on the H200 at k = 2048 the Pallas radix select beats ``lax.top_k`` at every shape
     measured from 1M logits (``benchmarks/results/kernels_sparse_indexer_*.json``, rows ``topk_k2048_b*_c*``

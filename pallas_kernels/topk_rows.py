@@ -69,6 +69,12 @@ def _kernel(xb_ref, x_ref, idx_ref, val_ref, *, t: int, n: int, k: int, bits: in
     while top > 0:
         b = min(bits, top)
         shift = top - b
+        if b == 1:  # one candidate: the count alone decides the bit
+            cand = prefix | int(np.uint32(1 << shift).view(np.int32))
+            count = sum(jnp.sum((s >= (cand ^ _SIGN)).astype(I32)) for _, _, s in parts)
+            prefix = jnp.where(count >= k, cand, prefix)
+            top = shift
+            continue
         digit = C.iota((1 << b, 1), 0)
         cand = (prefix | lax.shift_left(digit, jnp.full(digit.shape, shift, I32))) ^ _SIGN  # in s's order
         count = sum(jnp.sum((s >= cand).astype(I32), axis=1) for _, _, s in parts)  # [2^b]
@@ -91,10 +97,11 @@ def _kernel(xb_ref, x_ref, idx_ref, val_ref, *, t: int, n: int, k: int, bits: in
 
 
 def topk_rows(x: jax.Array, k: int, *, interpret: bool | None = None,
-              num_warps: int | None = None, bits: int = 2) -> tuple[jax.Array, jax.Array]:
+              num_warps: int | None = None, bits: int = 1) -> tuple[jax.Array, jax.Array]:
     """(values float32 [T, k], columns int32 [T, k]) of each row's top k, in ascending column order: the set
     ``lax.top_k(x, k)`` selects. x: float [T, N] with k <= N <= ``MAX_COLS``. ``num_warps``: None = ``default_warps``.
-    ``bits``: the k-th key's bits decided a round (1-4; a round is one reduction of 2^bits counts)."""
+    ``bits``: the k-th key's bits decided a round (1-4; a round is one reduction of 2^bits counts). 1, the form
+    measured natively, is the default; 2 halves the rounds (built 2026-12-07, not yet run on a GPU)."""
     check_array("topk_rows: x", x, (("T", None), ("N", None)), "float")
     t, n = x.shape
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= n:

@@ -50,10 +50,11 @@ def _check(x: np.ndarray, k: int, vals, idx) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("t,n,k", [(5, 300, 128), (4, 64, 1), (4, 64, 64), (6, 4096, 2048), (4, 1400, 700)])
-def test_same_set_as_lax(mode, t, n, k):
+@pytest.mark.parametrize("bits", [1, 2, 3])
+def test_same_set_as_lax(mode, t, n, k, bits):
     interpret = interpret_for(mode)
     x = _rows(t * n + k, t, n)
-    vals, idx = topk_rows(jnp.asarray(x), k, interpret=interpret)
+    vals, idx = topk_rows(jnp.asarray(x), k, interpret=interpret, bits=bits)
     assert idx.dtype == jnp.int32 and vals.dtype == jnp.float32 and idx.shape == (t, k)
     _check(x, k, vals, idx)
 
@@ -61,11 +62,12 @@ def test_same_set_as_lax(mode, t, n, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,n,k", [(64, 4096, 2048), (64, 4160, 2048), (64, 4352, 2048), (16, 16384, 2048),
                                    (16, 16448, 2048), (128, 8192, 2048), (8, 8256, 512), (4, 17408, 2048)])
-def test_decode_shapes_native(t, n, k):
+@pytest.mark.parametrize("bits", [1, 2])
+def test_decode_shapes_native(t, n, k, bits):
     """The indexer's decode rows (4096 visible logits and a tile past them: two register chunks, 8-16K context)."""
     interpret_for("native")
     x = _rows(n, t, n)
-    vals, idx = jax.jit(functools.partial(topk_rows, k=k))(jnp.asarray(x))
+    vals, idx = jax.jit(functools.partial(topk_rows, k=k, bits=bits))(jnp.asarray(x))
     _check(x, k, vals, idx)
 
 
@@ -85,6 +87,8 @@ def test_through_topk_from_logits(mode):
 
 def test_errors():
     x = jnp.zeros((2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="bits must be"):
+        topk_rows(x, 4, bits=5)
     with pytest.raises(ValueError, match="k must be"):
         topk_rows(x, 65)
     with pytest.raises(ValueError, match="topk_rows: x"):
