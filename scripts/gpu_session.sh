@@ -5,7 +5,7 @@
 #   scripts/gpu_session.sh hostpath      # issue 16: graph updates per step (VLOG counts), TTFT variants
 #   scripts/gpu_session.sh ttft-fp8      # issue 19: 8-layer V3.2 TTFT, FP8 weights then bf16 weights (fused:device:8)
 #   scripts/gpu_session.sh ttft-fp8-pad  # issue 19: the same with wkv_a on XLA's path (vt/nopad), padded per call (vt/percall), fused (main)
-#   scripts/gpu_session.sh v4-next       # V4: native tests of the kv read in place and group_linear, the step with its fusions' HLO
+#   scripts/gpu_session.sh topk-rows     # the row select natively with bits=2, timed beside bits=1; V3.2 + V4 steps vs vt/base
 #   scripts/gpu_session.sh ttft-trees    # the 8-layer TTFT (FP8 weights) of TT_ARCH in each tree of TT_TREES
 #   scripts/gpu_session.sh ttft-parts    # issue 16: TTFT's host time per dispatch, preparation in the loop vs alone, put / spin
 #   scripts/gpu_session.sh invariance    # issue 23: --batch-invariant under preemption (20 pages)
@@ -169,18 +169,23 @@ case "$stage" in
           "$OUT/step_kernels_${a}_${t}.json" --top ${SK_DIFF_TOP:-10}; }
     done; done
     ;;
-  v4-next)
-    # after the sixty-eighth session: the native tests its last call did not reach (V4's window insert reading kv
-    # in place, the V4 layer, group_linear), then V4's step kernels with the optimised HLO of the compressors' dot
-    # fusions and the output's inverse RoPE (step_kernels.py --fusions)
-    timeout -k 10 -s INT ${NEXT_TEST_TIMEOUT:-240} python3 -m pytest -m gpu -q -p no:cacheprovider \
-      tests/test_kernel_fused_insert.py tests/test_kernel_group_linear.py -k "v4 or group_linear" \
-      > "$OUT/v4_next_tests.log" 2>&1; echo "v4-next tests rc=$?"; tail -3 "$OUT/v4_next_tests.log"
-    timeout -k 10 ${SK_TIMEOUT:-150} python3 scripts/diag/step_kernels.py --arch v4 --fp8-weights --top 80 \
-      --fusions "${NEXT_FUSIONS:-v4.py:89|rope.py}" --out "$OUT/step_kernels_v4_fusions.json" > "$OUT/step_kernels_v4_fusions.log" 2>&1
-    echo "step kernels v4 fusions rc=$?"; grep "^==" "$OUT/step_kernels_v4_fusions.log"
-    python3 -c "import json, sys; d = json.load(open(sys.argv[1])); [print(k, *v.get('fusions', [])[:40], sep='\n') for k, v in d['shapes'].items()]" \
-      "$OUT/step_kernels_v4_fusions.json" | cut -c1-240 | head -120
+  topk-rows)
+    # after the sixty-ninth session: topk_rows natively with bits=2 (two bits of the k-th key a round, built on the
+    # CPU) beside bits=1 (the default, measured), both timed at the indexer's decode widths; then the steps of
+    # SK_ARCHS (default v32 v4) in each tree of SK_TREES (default "base main": make vt/base from 9708ac8, before the
+    # row select in "auto" and the k >= N shortcut); TR_FUSIONS=1: then V4's compressor projection's fusions (split-K?)
+    timeout -k 10 -s INT ${TR_TEST_TIMEOUT:-90} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernel_topk_rows.py \
+      > "$OUT/topk_rows_tests.log" 2>&1; echo "topk_rows tests rc=$?"; tail -1 "$OUT/topk_rows_tests.log"
+    grep -E "^(FAILED|E )" "$OUT/topk_rows_tests.log" | head -8
+    timeout -k 10 ${TR_TIMEOUT:-90} python3 scripts/diag/topk_small.py --shapes 1x4096:2048 64x4096:2048 64x8192:2048 \
+      64x16384:2048 1024x4096:2048 64x1024:512 --rows-bits 1 2 --out "$OUT/topk_small_bits.json" > "$OUT/topk_small_bits.log" 2>&1
+    echo "topk_small rc=$?"; grep '^{' "$OUT/topk_small_bits.log" | python3 -c 'import json, sys; [print(r["shape"], r["form"], r["profile_span_us"], r["same_sets"], (r["error"] or "")[:120]) for r in map(json.loads, sys.stdin)]'
+    SK_ARCHS="${SK_ARCHS:-v32 v4}" SK_TREES="${SK_TREES:-base main}" SK_TIMEOUT=${SK_TIMEOUT:-110} SK_DIFF_TOP=${SK_DIFF_TOP:-6} \
+      bash "$0" step-kernels
+    [ "${TR_FUSIONS:-0}" = 1 ] && {  # the four steps take about 400 s: the fusions' dump in a call of its own
+      timeout -k 10 ${SK_TIMEOUT:-110} python3 scripts/diag/step_kernels.py --arch v4 --fp8-weights --top 80 \
+        --fusions "${NEXT_FUSIONS:-v4.py:91}" --out "$OUT/step_kernels_v4_fusions.json" > "$OUT/step_kernels_v4_fusions.log" 2>&1
+      echo "step kernels v4 fusions rc=$?"; grep "^==" "$OUT/step_kernels_v4_fusions.log"; }
     ;;
   ttft-trees)
     # the 8-layer TTFT with FP8 weights (fused:device:8, 50 steps) of arch TT_ARCH in each tree of TT_TREES (main,
