@@ -1,12 +1,13 @@
 """Exact top-k of rows held whole in registers (Pallas on GPU, Triton lowering): for rows where k is a large part of
-the row, the indexer's decode at 4-8K context (k = 2048 of 4096 logits a token).
+the row, the indexer's decode up to 16K context (k = 2048 of 4096 logits a token at 4K).
 
-``topk_rows(x, k)`` keeps the set ``jax.lax.top_k(x, k)`` keeps (equal values: the lower column first; IEEE's total
-order as ``jds.ops.select.ordered_key``), returned in ascending column order with the kept values. One program per
-row loads the row once into registers as order-preserving int32 keys, finds the k-th largest key tau by a binary
-search over its 32 bits (a compare and a sum of the row a bit: ``count(key >= candidate) >= k`` decides it), and
-stores every key > tau and the first ``k - count(key > tau)`` keys == tau at their rank among the kept (exclusive
-prefix sums of the masks).
+``topk_rows(x, k)`` keeps each row's k largest values in IEEE's total order (``jds.ops.select.ordered_key``: -0.0
+below +0.0; equal values by the lower column), the set ``lax.top_k`` keeps on the CPU (XLA's GPU sort can rank -0.0
+level with +0.0), returned in ascending column order with the kept values. One program per row loads the row once
+into registers as order-preserving int32 keys (as power-of-two chunks: ``chunks``), finds the k-th largest key tau
+by a search over its 32 bits from the top (a compare and a sum of the row per candidate: ``count(key >= candidate)
+>= k`` decides it; ``bits`` of them a round), and stores every key > tau and the first ``k - count(key > tau)``
+keys == tau at their rank among the kept (exclusive prefix sums of the masks).
 
 Why: at these shapes the radix select (``pallas_kernels.topk_select``) has no prefilter to apply (it is built for
 k << N) and its counting passes re-read the row from memory; on an H100 it was no faster than ``lax.top_k``, whose
@@ -29,7 +30,7 @@ from jds.ops.dispatch import Unsupported, check_array
 from pallas_kernels import fused_insert_common as C
 from pallas_kernels.topk_select import _SIGN, I32, _key_s  # the radix select's keys: s, and u = s ^ _SIGN
 
-MAX_COLS = 17408  # a row in registers: 16K keys plus a 1K tail over 16 warps without register spills (sm_90a report)
+MAX_COLS = 17408  # a row in registers: 16K keys plus a 1K tail over 16 warps (ptxas, sm_90a: a few bytes spilled)
 CHUNK_ALIGN = 64  # the row is rounded up to this and held as its binary decomposition's power-of-two chunks
 
 
@@ -98,10 +99,11 @@ def _kernel(xb_ref, x_ref, idx_ref, val_ref, *, t: int, n: int, k: int, bits: in
 
 def topk_rows(x: jax.Array, k: int, *, interpret: bool | None = None,
               num_warps: int | None = None, bits: int = 1) -> tuple[jax.Array, jax.Array]:
-    """(values float32 [T, k], columns int32 [T, k]) of each row's top k, in ascending column order: the set
-    ``lax.top_k(x, k)`` selects. x: float [T, N] with k <= N <= ``MAX_COLS``. ``num_warps``: None = ``default_warps``.
+    """(values float32 [T, k], columns int32 [T, k]) of each row's top k in IEEE's total order, in ascending column
+    order. x: float [T, N] with k <= N <= ``MAX_COLS``. ``num_warps``: None = ``default_warps``.
     ``bits``: the k-th key's bits decided a round (1-4; a round is one reduction of 2^bits counts). 1, the form
-    measured natively, is the default; 2 halves the rounds (built 2026-12-07, not yet run on a GPU)."""
+    measured natively, is the default; 2 halves the rounds (not yet run natively: docs/perf-log.md, sixty-ninth
+    session)."""
     check_array("topk_rows: x", x, (("T", None), ("N", None)), "float")
     t, n = x.shape
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= n:

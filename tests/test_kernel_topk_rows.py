@@ -1,7 +1,8 @@
-"""pallas_kernels.topk_rows: the set ``lax.top_k`` keeps, every row, in ascending column order with its values
-(integers: exact by construction), on random rows, ties across the k-th value, short rows (-inf tails), signed
-zeros and the edges k = 1 and k = N; through ``topk_from_logits`` in both orders; the lowering for an H200 at the
-indexer's decode shapes. Interpret mode on the CPU, natively on a GPU (``gpu``)."""
+"""pallas_kernels.topk_rows: each row's top k in IEEE's total order (a numpy reference), in ascending column order
+with its values (integers: exact by construction), on random rows, ties across the k-th value, short rows (-inf
+tails), signed zeros and the edges k = 1 and k = N, rows of one to three register chunks, one to three bits a round;
+through ``topk_from_logits`` in both orders; the lowering for an H200 at the indexer's decode shapes. Interpret mode
+on the CPU, natively on a GPU (``gpu``)."""
 
 from __future__ import annotations
 
