@@ -171,11 +171,12 @@ case "$stage" in
     ;;
   topk-rows)
     # after the sixty-ninth session: topk_rows natively with bits=2 (two bits of the k-th key a round, built on the
-    # CPU) beside bits=1 (the default, measured), both timed at the indexer's decode widths; then the steps of
+    # CPU) beside bits=1 (the default, measured), and the indexer's native decode tests ("auto" runs the row select
+    # there now), both forms timed at the indexer's decode widths; then the steps of
     # SK_ARCHS (default v32 v4) in each tree of SK_TREES (default "base main": make vt/base from 9708ac8, before the
     # row select in "auto" and the k >= N shortcut); TR_FUSIONS=1: then V4's compressor projection's fusions (split-K?)
     timeout -k 10 -s INT ${TR_TEST_TIMEOUT:-90} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernel_topk_rows.py \
-      > "$OUT/topk_rows_tests.log" 2>&1; echo "topk_rows tests rc=$?"; tail -1 "$OUT/topk_rows_tests.log"
+      tests/test_kernel_sparse_indexer.py -k "topk_rows or native_decode_larger" > "$OUT/topk_rows_tests.log" 2>&1; echo "topk_rows tests rc=$?"; tail -1 "$OUT/topk_rows_tests.log"
     grep -E "^(FAILED|E )" "$OUT/topk_rows_tests.log" | head -8
     timeout -k 10 ${TR_TIMEOUT:-90} python3 scripts/diag/topk_small.py --shapes 1x4096:2048 64x4096:2048 64x8192:2048 \
       64x16384:2048 1024x4096:2048 64x1024:512 --rows-bits 1 2 --out "$OUT/topk_small_bits.json" > "$OUT/topk_small_bits.log" 2>&1
