@@ -1,8 +1,8 @@
 """pallas_kernels.topk_rows: each row's top k in IEEE's total order (a numpy reference), in ascending column order
 with its values (integers: exact by construction), on random rows, ties across the k-th value, short rows (-inf
-tails), signed zeros and the edges k = 1 and k = N, rows of one to three register chunks, one to three bits a round;
-through ``topk_from_logits`` in both orders; the lowering for an H200 at the indexer's decode shapes. Interpret mode
-on the CPU, natively on a GPU (``gpu``)."""
+tails), signed zeros, NaNs and the edges k = 1 and k = N, rows of one to three register chunks, one to three bits
+a round; through ``topk_from_logits`` in both orders; the lowering for an H200 at the indexer's decode shapes.
+Interpret mode on the CPU, natively on a GPU (``gpu``)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,9 @@ def _rows(seed: int, t: int, n: int) -> np.ndarray:
         x[2, n // 3:] = -np.inf  # a short row: fewer finite values than k when k > n / 3
     if t > 3:
         x[3, ::2], x[3, 1::2] = 0.0, -0.0  # signed zeros only: +0.0 ranks above -0.0
+    if t > 4:  # NaNs by their bits: a positive one above +inf, a negative one (all bits set) below -inf
+        x[4, 1::7] = np.float32(np.nan)
+        x[4, 3::11] = np.uint32(0xFFFFFFFF).view(np.float32)
     return x
 
 
