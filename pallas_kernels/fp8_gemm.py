@@ -105,7 +105,7 @@ import numpy as np
 from jax import lax
 
 from jds.ops import quant
-from jds.ops.dispatch import Implementation, Unsupported, resolve_interpret, run_op
+from jds.ops.dispatch import Implementation, Unsupported, mosaic_interpret, run_op
 
 BLOCK = 128  # quantisation block (both operands) = kernel K step
 SW_ROWS = 8  # staged scales: weight-scale rows a CTA copies (8 x a multiple of 4 floats = 128-byte multiples)
@@ -608,10 +608,7 @@ def _pallas_blocks(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, 
         return jnp.zeros((*lead, n), out_dtype)
     nk = k // BLOCK
     act_quant = act_quant or _auto_act_quant(m)
-    if interpret is None:
-        interpret = resolve_interpret(None)
-    if interpret is True:
-        interpret = plgpu.InterpretGPUParams()
+    interpret = mosaic_interpret(interpret)
     auto_persistent, auto_ring = _auto_large_m(m, nk, split_k, stage_scales, quantize_x, stream_k, swap_ab)
     persistent = auto_persistent if persistent is None else persistent
     ring_scales = auto_ring if ring_scales is None else ring_scales
@@ -825,8 +822,7 @@ def quantize_rows(x: jax.Array, mp: int, scale_fmt: quant.ScaleFmt, *,
         # TMA boxes past the rows need the row count below or a multiple of the 8-row tiling
         raise Unsupported(f"quantize_rows: bfloat16 x with in a multiple of {BLOCK}, M < 8 or a multiple of 8, "
                           f"and mp a multiple of 64 >= M (got {x.dtype}, {x.shape}, mp {mp})")
-    interpret = resolve_interpret(None) if interpret is None else interpret
-    interpret = plgpu.InterpretGPUParams() if interpret is True else interpret or None
+    interpret = mosaic_interpret(interpret)
     return _build_quantize_rows(m=m, mp=mp, k=k, scale_fmt=scale_fmt, interpret=interpret)(x)
 
 

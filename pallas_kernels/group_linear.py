@@ -14,8 +14,8 @@ them by TMA multicast over a cluster measured slower, as did 32- and 128-wide ti
 
 Limits (else ``Unsupported``): 16-bit x and weight of one dtype, K a multiple of ``block_k``, N of ``block_n``, at
 most ``MAX_ROWS`` rows (beyond that each row tile re-reads the weight: XLA's GEMM is the better form). Rows are
-padded to a multiple of 64 (a copy of x and of y then). "auto" takes the kernel only where it measured faster
-than XLA's batched dot, row counts that need no padding (``kernel_wins``).
+padded to a whole row tile, 64 rows up to 64, else 128 (a copy of x and of y then). "auto" takes the kernel at
+multiples of 64 rows (``kernel_wins``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from jds.ops.dispatch import Implementation, Unsupported, check_array, num_sms, resolve_interpret, run_op
+from jds.ops.dispatch import Implementation, Unsupported, check_array, mosaic_interpret, num_sms, run_op
 
 MAX_ROWS = 256  # the kernel takes at most this many rows (x's leading dims flattened)
 STAGES = 4
@@ -65,8 +65,9 @@ def group_linear(x: jax.Array, w: jax.Array, *, out_dtype: jnp.dtype | None = No
 
 def kernel_wins(rows: int) -> bool:
     """Where "auto" takes the kernel: row counts that are a multiple of 64 up to ``MAX_ROWS``. On an H100 at V4's
-    shape the kernel was faster than XLA's batched dot at 64, 128 and 256 rows; slower at 1 row (a GEMV XLA runs at
-    the copy rate) and at 200 (the padding copies): benchmarks/results/shared_x_gemms_*.json (case woa)."""
+    shape the kernel was faster than XLA's batched dot at 64, 128 and 256 rows; slower at 1 to 32 rows and at 200
+    (the padding copies), level at 96, and slower at 192, which this rule still takes (padded to two 128-row tiles):
+    benchmarks/results/shared_x_gemms_*.json and archive/shared_x_gemms_woa_small_* (case woa)."""
     return 0 < rows <= MAX_ROWS and rows % 64 == 0
 
 
@@ -106,9 +107,7 @@ def _pallas(x, w, *, out_dtype, interpret, block_n, block_k, stages):
         raise Unsupported(f"group_linear kernel: block_n {bn} must be a multiple of 8 up to 256 dividing N = {n}")
     if block_k % 64 or k % block_k:
         raise Unsupported(f"group_linear kernel: block_k {block_k} must be a multiple of 64 dividing K = {k}")
-    interpret = resolve_interpret(None) if interpret is None else interpret
-    if interpret is True:
-        interpret = plgpu.InterpretGPUParams()
+    interpret = mosaic_interpret(interpret)
     if t == 0:
         return jnp.zeros((*lead, g, n), out_dtype)
     bm = 128 if t > 64 else 64
@@ -120,7 +119,7 @@ def _pallas(x, w, *, out_dtype, interpret, block_n, block_k, stages):
     if ring < 1:
         raise Unsupported(f"group_linear kernel: one stage of {bm} + {bn} rows x {block_k} does not fit SMEM")
     call = _build(tp=tp, g=g, n=n, k=k, bm=bm, bn=bn, bk=block_k, stages=ring,
-                  out_dtype=jnp.dtype(out_dtype), interpret=interpret or None)
+                  out_dtype=jnp.dtype(out_dtype), interpret=interpret)
     y = call(x2, w)
     return (y if tp == t else y[:t]).reshape(*lead, g, n)
 

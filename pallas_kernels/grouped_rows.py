@@ -17,7 +17,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from jds.ops.dispatch import Implementation, check_int, describe, resolve_interpret, run_op
+from jds.ops.dispatch import Implementation, check_int, describe, mosaic_interpret, resolve_interpret, run_op
 from pallas_kernels import fused_insert_common as C
 
 NUM_SMS = 132  # H100 / H200; only steers the automatic split_k
@@ -313,10 +313,7 @@ def plan(sizes: jax.Array, m: int, e: int, n: int, k: int, block_t: int | None, 
     if layout == "fused" and rows is None:
         raise ValueError('layout="fused" copies e4m3 x with its scales: it needs x_scale (bf16 x: "pallas")')
     bt, bn, bk, s = pick_tiles(m, e, n, k, block_t, block_n, block_k, split_k, k_align)
-    if interpret is None:
-        interpret = resolve_interpret(None)
-    if interpret is True:
-        interpret = plgpu.InterpretGPUParams()
+    interpret = mosaic_interpret(interpret)
     items, n_rows = n_items(m, e, bt), padded_rows(m, e, bt)
     if layout == "auto":
         layout = "xla" if interpret else "pallas"

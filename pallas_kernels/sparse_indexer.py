@@ -81,7 +81,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jds.ops.dispatch import (Implementation, Unsupported, check_array, check_int, describe, num_sms,
-                              resolve_interpret, run_op)
+                              mosaic_interpret, run_op)
 from jds.ops.paging import check_cache
 from jds.ops.indexer import indexer_topk_xla, map_token_chunks, masked_index_logits, visible_topk_indices
 from jds.ops.select import radix_topk
@@ -424,8 +424,7 @@ def paged_logits(q8: jax.Array, w: jax.Array, cache: jax.Array, block_tables: ja
     last): the grid holds ceil(T / G) + R + 1 groups, and rows of groups beyond that would stay unwritten.
     ``interpret``: GPU interpret mode (True, or an ``InterpretGPUParams``: e.g. its race detector).
     """
-    if not isinstance(interpret, plgpu.InterpretGPUParams):  # None: native; else interpret mode's parameters
-        interpret = plgpu.InterpretGPUParams() if resolve_interpret(interpret) else None
+    interpret = mosaic_interpret(interpret)  # None: native; else interpret mode's parameters
     config = config or default_config()
     epp = entries_per_page
     t, hi, d = q8.shape

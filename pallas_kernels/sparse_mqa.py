@@ -136,7 +136,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jds.ops.dispatch import (Implementation, Unsupported, check_array, check_implementation, check_int,
-                              resolve_interpret, run_op)
+                              mosaic_interpret, run_op)
 from jds.ops.paging import RecordFormat, check_cache
 from jds.ops.records import FloatRows, MlaRecord584, MlaRecord656
 from jds.ops.sparse_mqa import paged_sparse_mqa_xla
@@ -430,10 +430,7 @@ def _pallas(q: jax.Array | tuple[jax.Array, ...], caches, formats, slots, *, sca
             raise ValueError(f"cache of shape {c.shape} is not [num_blocks, {f.page_elems}]")
     if t == 0:
         return jnp.zeros((0, h, v_dim), out_dtype)
-    if interpret is None:
-        interpret = resolve_interpret(None)
-    if interpret is True:
-        interpret = plgpu.InterpretGPUParams()
+    interpret = mosaic_interpret(interpret)
     if profile_dir is not None and interpret:
         raise ValueError("profile_dir: Mosaic GPU's profiler runs natively only (interpret mode has no trace)")
     if producer == "registers" and interpret and not one_656:

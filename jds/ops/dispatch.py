@@ -97,6 +97,16 @@ def resolve_interpret(interpret: bool | None) -> bool:
     return not on_gpu() if interpret is None else bool(interpret)
 
 
+def mosaic_interpret(interpret: object) -> object:
+    """A Mosaic GPU kernel's ``interpret`` argument resolved: None to run natively, else the interpreter's
+    ``plgpu.InterpretGPUParams`` (given ones kept; True or, as ``resolve_interpret``, None off the GPU: defaults)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415 - the lowest layer imports no kernels
+
+    if isinstance(interpret, plgpu.InterpretGPUParams):
+        return interpret
+    return plgpu.InterpretGPUParams() if resolve_interpret(interpret) else None
+
+
 def resolve_layer_implementation(implementation: str) -> Literal["xla", "pallas"]:
     """A layer's setting: ``"auto"`` is the kernels on a GPU backend and XLA elsewhere (off-GPU the kernels
     only run in interpret mode: correct but slow). A layer on "pallas" still runs XLA for a config a

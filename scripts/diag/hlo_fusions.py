@@ -7,7 +7,7 @@ computation it calls (nested fusions' computations too, up to ``--depth``). ``--
 REGEX``: the names of F's top kernels whose source matches REGEX (XLA's own kernels only: not Pallas / Mosaic
 ones).
 
-    python3 scripts/diag/hlo_fusions.py DUMP --from-step-kernels sk.json --source 'v4.py:89' [--names N ...]
+    python3 scripts/diag/hlo_fusions.py DUMP --from-step-kernels sk.json --source 'v4.py:91' [--names N ...]
 
 A runner's executables take their dump directory from ``RunnerConfig.dump_dir`` (a per-executable option that
 ``XLA_FLAGS=--xla_dump_to`` does not reach): ``step_kernels.py --fusions REGEX`` keeps this tool's text for its
