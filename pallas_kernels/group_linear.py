@@ -15,7 +15,7 @@ them by TMA multicast over a cluster measured slower, as did 32- and 128-wide ti
 Limits (else ``Unsupported``): 16-bit x and weight of one dtype, K a multiple of ``block_k``, N of ``block_n``, at
 most ``MAX_ROWS`` rows (beyond that each row tile re-reads the weight: XLA's GEMM is the better form). Rows are
 padded to a whole row tile, 64 rows up to 64, else 128 (a copy of x and of y then). "auto" takes the kernel at
-multiples of 64 rows (``kernel_wins``).
+64, 128 and 256 rows (``kernel_wins``).
 """
 
 from __future__ import annotations
@@ -63,12 +63,15 @@ def group_linear(x: jax.Array, w: jax.Array, *, out_dtype: jnp.dtype | None = No
                                   stages=stages)})
 
 
+_WINS = frozenset((64, 128, 256))
+
+
 def kernel_wins(rows: int) -> bool:
-    """Where "auto" takes the kernel: row counts that are a multiple of 64 up to ``MAX_ROWS``. On an H100 at V4's
-    shape the kernel was faster than XLA's batched dot at 64, 128 and 256 rows; slower at 1 to 32 rows and at 200
-    (the padding copies), level at 96, and slower at 192, which this rule still takes (padded to two 128-row tiles):
-    benchmarks/results/shared_x_gemms_*.json and archive/shared_x_gemms_woa_small_* (case woa)."""
-    return 0 < rows <= MAX_ROWS and rows % 64 == 0
+    """Where "auto" takes the kernel: the row counts where it measured faster than XLA's batched dot at V4's shape on
+    an H100 (64, 128, 256). It was slower at 1 to 32 rows, at 192 (padded to two 128-row tiles) and at 200 (the
+    padding copies), and level at 96: benchmarks/results/shared_x_gemms_*.json and archive/shared_x_gemms_woa_small_*
+    (case woa)."""
+    return rows in _WINS
 
 
 def group_linear_xla(x: jax.Array, w: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
