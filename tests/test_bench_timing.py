@@ -128,8 +128,9 @@ def test_split_calls_cuts_at_the_longest_gaps() -> None:
     assert split_calls([], 3) == {}
     assert split_calls(kernels, 1)["profile_span_us"] == 309.0  # one call: everything
     names = ["mqa", "combine", "mqa", "prep", "combine", "mqa"]  # per record; call 3 has no "combine"
-    by = split_calls(kernels, 3, names)["profile_kernel_us"]
-    assert by == {"combine": 3.0, "mqa": 10.0, "prep": 0.0}
+    got = split_calls(kernels, 3, names)
+    assert got["profile_kernel_us"] == {"combine": 3.0, "mqa": 10.0, "prep": 0.0}
+    assert got["profile_kernel_launches"] == {"combine": 1, "mqa": 1, "prep": 0}
     with pytest.raises(ValueError, match="names"):
         split_calls(kernels, 3, names[:2])
 

@@ -280,7 +280,7 @@ def split_calls(kernels: list[tuple[int, int]], calls: int, names: Sequence[str]
         ends.append(end)
     gaps = sorted(range(1, len(kernels)), key=lambda i: kernels[i][0] - ends[i - 1], reverse=True)
     cuts = sorted(gaps[: max(0, calls - 1)])
-    spans, busy, counts, per_name = [], [], [], []
+    spans, busy, counts, per_name, launches = [], [], [], [], []
     for lo, hi in zip([0] + cuts, cuts + [len(kernels)]):
         run = kernels[lo:hi]
         spans.append((max(s + d for s, d in run) - run[0][0]) / 1e3)
@@ -288,14 +288,18 @@ def split_calls(kernels: list[tuple[int, int]], calls: int, names: Sequence[str]
         counts.append(len(run))
         if names is not None:
             call: dict[str, float] = {}
+            count: dict[str, int] = {}
             for n, (_, d) in zip(names[lo:hi], run):
                 call[n] = call.get(n, 0.0) + d / 1e3
+                count[n] = count.get(n, 0) + 1
             per_name.append(call)
+            launches.append(count)
     out: dict[str, Any] = {"profile_span_us": statistics.median(spans), "profile_busy_us": statistics.median(busy),
                            "profile_kernels": statistics.median(counts), "profile_calls": len(spans)}
     if names is not None:  # a name missing from a call counts 0 there
-        out["profile_kernel_us"] = {n: statistics.median(c.get(n, 0.0) for c in per_name)
-                                    for n in sorted({n for c in per_name for n in c})}
+        every = sorted({n for c in per_name for n in c})
+        out["profile_kernel_us"] = {n: statistics.median(c.get(n, 0.0) for c in per_name) for n in every}
+        out["profile_kernel_launches"] = {n: statistics.median(c.get(n, 0) for c in launches) for n in every}
     return out
 
 

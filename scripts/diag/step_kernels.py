@@ -248,9 +248,11 @@ def main(argv: list[str] | None = None) -> None:
             finally:
                 jax.clear_caches()
         per_kernel = prof.pop("profile_kernel_us", {})
+        launches = prof.pop("profile_kernel_launches", {})
         top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:a.top]
         row = {**prof, "by_source": by_source(per_kernel, sources)[:a.top],
-               "top_kernels": [{"kernel": k, "us": us, **sources.get(kernel_key(k), {})} for k, us in top],
+               "top_kernels": [{"kernel": k, "us": us, "launches": launches.get(k), **sources.get(kernel_key(k), {})}
+                               for k, us in top],
                **({"fusions": fusions} if fusions else {})}
         res["shapes"][shape] = row
         print(f"== {shape}: span {prof.get('profile_span_us', 0):.1f} us, busy {prof.get('profile_busy_us', 0):.1f},"
