@@ -20,10 +20,10 @@ from flax import nnx
 
 from jds.batch import PagedBatch
 from jds.config import ModelConfig, preset  # noqa: F401  (defined in jds.config; re-exported here)
-from jds.nn import Linear, RMSNorm, jdtype
+from jds.nn import Linear, RMSNorm, jdtype, norm_into
 from pallas_kernels.fp8_grouped_gemm import fp8_grouped_linear
 from jds.ops.dispatch import op_implementation
-from jds.ops.quant import random_fp8_weight
+from jds.ops.quant import QuantizedRows, random_fp8_weight
 from jds.v4_block import FP4Experts, HCHead, HyperConnection, V4Block, V4BlockConfig, expand_streams
 
 
@@ -34,8 +34,10 @@ class MLP(nnx.Module):
         self.w3 = Linear(hidden, inter, dtype=dtype, fp8=fp8, rngs=rngs, scale_fmt=scale_fmt)
         self.w2 = Linear(inter, hidden, dtype=dtype, fp8=fp8, rngs=rngs, scale_fmt=scale_fmt)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.w2(jax.nn.silu(self.w1(x).astype(jnp.float32)).astype(x.dtype) * self.w3(x))
+    def __call__(self, x: jax.Array | QuantizedRows) -> jax.Array:
+        """x [T, hidden] in the activation dtype, or quantised for FP8 ``w1`` / ``w3`` (``norm_into``)."""
+        dt = self.w1.dtype
+        return self.w2(jax.nn.silu(self.w1(x).astype(jnp.float32)).astype(dt) * self.w3(x))
 
 
 class FP8Experts(nnx.Module):
@@ -132,12 +134,18 @@ class DecoderLayer(nnx.Module):
                     else MLP(cfg.hidden_size, cfg.intermediate_size, dt, cfg.numerics.fp8_linear, rngs,
                              cfg.numerics.act_scale_fmt))
 
-    # The two halves the boundary runner places around the attention consumers.
+    # The two halves the boundary runner places around the attention consumers. Each norm ahead of FP8 linears
+    # quantises its output for them (``norm_into``); the FFN's also takes the residual add.
     def pre_attention(self, h: jax.Array) -> Any:
-        return self.attn.project_in(self.attn_norm(h))
+        nq, xq = norm_into(self.attn_norm, h, self.attn.input_linears())
+        return self.attn.project_in(nq.y, xq=xq)
 
     def post_attention(self, h: jax.Array, o: jax.Array) -> jax.Array:
-        h = h + self.attn.project_out(o).astype(h.dtype)
+        a = self.attn.project_out(o).astype(h.dtype)
+        if isinstance(self.ffn, MLP):
+            nq, x = norm_into(self.ffn_norm, h, (self.ffn.w1, self.ffn.w3), residual=a, want_y=False)
+            return nq.h + self.ffn(x).astype(h.dtype)
+        h = h + a
         return h + self.ffn(self.ffn_norm(h)).astype(h.dtype)
 
     def __call__(self, h: jax.Array, batch: PagedBatch, cache: Any) -> tuple[jax.Array, Any]:

@@ -20,10 +20,11 @@ from flax import nnx
 from jds.attention import Implementation, Indexer, Query, StagedAttention, resolve_implementation
 from jds.batch import PagedBatch
 from jds.config import Numerics, V32Config
-from jds.nn import FusedLinear, Linear, LayerNorm, RMSNorm, jdtype
+from jds.nn import FusedLinear, Linear, LayerNorm, RMSNorm, jdtype, norm_into
 from jds.ops.dispatch import on_gpu
 from jds.ops.paging import RecordFormat, global_slots, read_records
 from jds.ops.records import FloatRows, MlaRecord656
+from jds.ops.quant import QuantizedRows
 from jds.ops.rope import cached_inv_freqs as _inv_freqs
 from jds.ops.rope import rope_cos_sin
 from pallas_kernels.fused_insert_v32 import fused_kv_insert_v32, fused_q_v32
@@ -113,9 +114,15 @@ class V32Attention(StagedAttention):
         return dict(kv=self.kv_format, index_k=self.index_format)
 
     # ----- forward ----------------------------------------------------------------------------------
-    def project_in(self, x: jax.Array) -> V32Inputs:
+    def input_linears(self) -> tuple[Linear, ...]:
+        """The linears that read the normed hidden state as ``project_in``'s ``xq``."""
+        return (self.wq_a_wk_wkv_a,)
+
+    def project_in(self, x: jax.Array, xq: jax.Array | QuantizedRows | None = None) -> V32Inputs:
+        """``xq``: x as the input linears take it (quantised by the norm: ``jds.nn.norm_into``); None: x."""
         x = x.astype(self.dtype)
-        return V32Inputs(proj=self.wq_a_wk_wkv_a(x, padded=True), index_w=self.indexer.head_weights(x))
+        return V32Inputs(proj=self.wq_a_wk_wkv_a(x if xq is None else xq, padded=True),
+                         index_w=self.indexer.head_weights(x))
 
     def prepare(self, inp: V32Inputs, batch: PagedBatch, cache: V32Cache) -> tuple[V32Query, V32Cache]:
         """Norms, RoPE, W_UK absorption and the indexer q prep; the MLA and indexer keys are inserted before
@@ -130,7 +137,9 @@ class V32Attention(StagedAttention):
             index_format=self.index_format, eps=cfg.rms_norm_eps, dtype=dt,
             indexer_interleave=cfg.indexer_rope_interleave, hadamard=n.indexer_hadamard, implementation=impl,
             kv_col=k0, index_col=i0)
-        q_c = self.q_norm(inp.proj[:, q0:q1], dt)
+        # q_norm, quantised once for wq_b and the indexer's wq_b where they are FP8
+        _, q_c = norm_into(self.q_norm, inp.proj, (self.wq_b, self.indexer.wq_b), col=q0, width=q1 - q0,
+                           want_y=False, out_dtype=dt)
         q = self.wq_b(q_c).reshape(-1, cfg.n_heads, cfg.qk_head_dim)
         q_pe, qi, qs, _ = fused_q_v32(q, self.indexer.project_q(q_c, cfg), inp.index_w, cos, sin,
                                       nope_dim=cfg.qk_nope_head_dim, dtype=dt,

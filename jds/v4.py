@@ -27,8 +27,8 @@ from flax import nnx
 from jds.attention import AttentionResult, Implementation, Indexer, Query, StagedAttention, resolve_implementation
 from jds.batch import PagedBatch
 from jds.config import Numerics, V4Config
-from jds.nn import FusedLinear, Linear, RMSNorm, jdtype
-from jds.ops.quant import dequant_weight_blocks, quantize_weight_blocks_jax
+from jds.nn import FusedLinear, Linear, RMSNorm, jdtype, norm_into
+from jds.ops.quant import QuantizedRows, dequant_weight_blocks, quantize_weight_blocks_jax
 from jds.ops import compressor as comp
 from jds.ops.indexer import prepare_indexer_q
 from jds.ops.paging import RecordFormat, global_slots
@@ -188,11 +188,16 @@ class V4Attention(StagedAttention):
         return fmts
 
     # ----- forward ----------------------------------------------------------------------------------
-    def project_in(self, x: jax.Array) -> V4Inputs:
+    def input_linears(self) -> tuple[Linear, ...]:
+        """The linears that read the normed hidden state as ``project_in``'s ``xq``."""
+        return (self.wq_a_wkv,)
+
+    def project_in(self, x: jax.Array, xq: jax.Array | QuantizedRows | None = None) -> V4Inputs:
+        """``xq``: x as the input linears take it (quantised by the norm: ``jds.nn.norm_into``); None: x."""
         x = x.astype(self.dtype)
         t = x.shape[0]
         none = jnp.zeros((t, 0), jnp.float32)
-        proj = self.wq_a_wkv(x, padded=True)
+        proj = self.wq_a_wkv(x if xq is None else xq, padded=True)
         c = self.compressor.project(x) if self.ratio else none
         if self.has_indexer:
             ic = self.indexer.compressor.project(x)
@@ -207,7 +212,9 @@ class V4Attention(StagedAttention):
         cos, sin = rope_cos_sin(freqs, batch.positions)
         # query: q_norm -> wq_b -> weightless per-head RMSNorm -> RoPE (last dims, interleaved)
         (_, q0, q1), (_, k0, _) = self.wq_a_wkv.row_ranges()
-        qr = self.q_norm(inp.proj[:, q0:q1], dt)
+        # q_norm, quantised once for wq_b (and the indexer's wq_b) where they are FP8
+        readers = (self.wq_b, self.indexer.wq_b) if self.has_indexer else (self.wq_b,)
+        _, qr = norm_into(self.q_norm, inp.proj, readers, col=q0, width=q1 - q0, want_y=False, out_dtype=dt)
         q = self.wq_b(qr).reshape(-1, cfg.n_heads, cfg.head_dim)
         # ... and the window K = V (read in place from the projection), inserted before attention reads it (a
         # query sees itself): one op

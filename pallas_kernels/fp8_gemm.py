@@ -147,7 +147,7 @@ INTERPRET_REFUSES_BARRIER_FORMS = True
 
 # ----------------------------------------------------------------------------------------------------
 # public entry points
-def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jnp.dtype = jnp.bfloat16,
+def fp8_linear(x: jax.Array | quant.QuantizedRows, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jnp.dtype = jnp.bfloat16,
                scale_fmt: quant.ScaleFmt = "ue8m0", implementation: Implementation = "auto",
                interpret: bool | plgpu.InterpretGPUParams | None = None, block_m: int | None = None,
                block_n: int | None = None, split_k: int | None = None, stages: int | None = None,
@@ -159,7 +159,10 @@ def fp8_linear(x: jax.Array, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jn
                profile_dir: str | None = None) -> jax.Array:
     """y = x W^T with W = ``wq`` (float8_e4m3fn [out, in]) * ``w_scale`` (float32 [ceil(out/128),
     ceil(in/128)] per 128 x 128 block), x [..., in] re-quantised per 1 x 128 group (``scale_fmt``);
-    [..., out] in ``out_dtype``.
+    [..., out] in ``out_dtype``. x may come quantised already (``quant.QuantizedRows`` [M, in] with the same
+    ``scale_fmt``, e.g. from ``pallas_kernels.norm_quant``): no quantisation kernel then, and linears that read one
+    x share it (the kernel reads its ``q`` / ``st`` as they are where they have ``norm_quant.padded_rows(M)`` rows,
+    the default tiles' padding, else a padded or cut copy).
 
     ``implementation``: "xla" = ``jds.ops.quant.fp8_linear``; "pallas" = the kernel (in a multiple of 128,
     else ``Unsupported``; an out that is not runs on zero-padded weight rows); "auto" = the kernel where it
@@ -249,11 +252,19 @@ def _check_common(x, wq, w_scale, scale_fmt) -> None:
         raise ValueError(f"w_scale must have shape {want} for wq {wq.shape}, got {w_scale.shape}")
     if not jnp.issubdtype(w_scale.dtype, jnp.floating):
         raise ValueError(f"w_scale must be a float array (float32 block scales), got {w_scale.dtype}")
-    if x.ndim < 1 or x.shape[-1] != k:
+    if isinstance(x, quant.QuantizedRows):
+        if x.scale_fmt != scale_fmt:
+            raise ValueError(f"x: quantised with scale_fmt {x.scale_fmt!r}, the linear's is {scale_fmt!r}")
+        mp = x.q.shape[0]
+        if (x.q.ndim != 2 or x.q.shape[1] != k or jnp.dtype(x.q.dtype) != jnp.dtype(quant.FP8) or mp < x.rows
+                or x.st.shape != (k // BLOCK, mp)):
+            raise ValueError(f"x: QuantizedRows of {x.rows} rows for wq {wq.shape} needs q float8_e4m3fn [mp >= "
+                             f"{x.rows}, {k}] and st [{k // BLOCK}, mp], got q {x.q.dtype} {x.q.shape}, st {x.st.shape}")
+    elif x.ndim < 1 or x.shape[-1] != k:
         raise ValueError(f"x must be [..., {k}] for wq {wq.shape}, got shape {x.shape}")
     if k % BLOCK:
         raise ValueError(f"wq: in = {k} must be a multiple of {BLOCK} (x is re-quantised per 1 x {BLOCK} group)")
-    if jnp.dtype(x.dtype) not in _X_DTYPES:
+    if not isinstance(x, quant.QuantizedRows) and jnp.dtype(x.dtype) not in _X_DTYPES:
         raise ValueError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
 
 
@@ -601,6 +612,9 @@ def _pallas_blocks(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, 
     n, k = wq.shape
     if not supports(n, k):
         raise Unsupported(f"fp8_linear kernel: in = {k} (wq shape) must be a multiple of {BLOCK}")
+    given = isinstance(x, quant.QuantizedRows)
+    if given and quantize_x:
+        raise ValueError("quantize_x=True quantises x in the kernel: pass x itself, not a QuantizedRows")
     lead = x.shape[:-1]
     m = math.prod(lead)
     out_dtype = jnp.dtype(out_dtype)
@@ -620,8 +634,9 @@ def _pallas_blocks(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, 
     if swap_store is not None and not swap_ab:
         raise ValueError(f"swap_store={swap_store!r} is the swapped form's output (swap_ab), which this call does not "
                          f"use ({m} rows, swap_ab={swap_ab})")
+    xm = x if given else x.reshape(m, k)
     if swap_ab:
-        return _pallas_swapped(x.reshape(m, k), wq, w_scale, out_dtype=out_dtype, scale_fmt=scale_fmt,
+        return _pallas_swapped(xm, wq, w_scale, out_dtype=out_dtype, scale_fmt=scale_fmt,
                                interpret=interpret, block_m=block_m, block_n=block_n, split_k=split_k, stages=stages,
                                stage_scales=stage_scales, quantize_x=quantize_x, stream_k=stream_k,
                                act_quant=act_quant, swap_store=swap_store,
@@ -708,9 +723,9 @@ def _pallas_blocks(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, 
     elif ring_scales:
         sw = ring_weight_scales(sw, bn if persistent else None)
     if quantize_x:
-        y = call(x.reshape(m, k), wq, sw)
+        y = call(xm, wq, sw)
     else:
-        y = call(*_x_operands(x.reshape(m, k), scale_fmt, act_quant, interpret, mp, mp, mp), wq, sw)
+        y = call(*_x_operands(xm, scale_fmt, act_quant, interpret, mp, mp, mp), wq, sw)
     if stream_k:  # a tile's j-th CTA wrote slot j; slots no CTA wrote hold whatever was there: masked
         _, _, written = stream_k_layout(n // bn, nk, ctas)
         y = jnp.where(jnp.asarray(np.repeat(written, bn, axis=1))[:, None, :], y, 0.0).sum(axis=0)
@@ -759,12 +774,19 @@ def _pallas_swapped(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m,
     return y.astype(out_dtype)
 
 
-def _x_operands(x: jax.Array, scale_fmt: quant.ScaleFmt, act_quant: str, interpret, mp: int, rows: int,
-                cols: int) -> tuple[jax.Array, jax.Array]:
+def _x_operands(x: jax.Array | quant.QuantizedRows, scale_fmt: quant.ScaleFmt, act_quant: str, interpret, mp: int,
+                rows: int, cols: int) -> tuple[jax.Array, jax.Array]:
     """x [M, K] as both kernel forms read it: (xq e4m3, sx^T float32 [K / 128, .]; a CTA's row scales of one K
     block contiguous). ``quantize_rows`` (``mp`` rows, a multiple of 64) where ``act_quant`` is "kernel" and it
     applies (bfloat16, M < 8 or a multiple of 8), else XLA's ``act_quant`` padded to ``rows`` rows of xq and ``cols``
-    columns of sx^T."""
+    columns of sx^T. A ``QuantizedRows`` goes in as ``quantize_rows`` would have made it: ``mp`` rows of both (a
+    padded or cut copy where it has another count)."""
+    if isinstance(x, quant.QuantizedRows):
+        q, st = x.q, x.st
+        if q.shape[0] != mp:
+            q = q[:mp] if q.shape[0] > mp else jnp.pad(q, ((0, mp - q.shape[0]), (0, 0)))
+            st = st[:, :mp] if st.shape[1] > mp else jnp.pad(st, ((0, 0), (0, mp - st.shape[1])), constant_values=1.0)
+        return q, st
     m = x.shape[0]
     if act_quant == "kernel" and jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16) and (m <= 8 or m % 8 == 0):
         return quantize_rows(x, mp, scale_fmt, interpret=interpret or False)

@@ -9,6 +9,7 @@ All math is float32; e4m3 rounding is round-to-nearest-even on a value already c
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Literal
 
 import jax
@@ -168,14 +169,54 @@ def random_fp8_weight(key: jax.Array, shape: tuple[int, ...], std: float, block:
     return quantize_e4m3(w / s).reshape(*lead, o, i), s[..., :, 0, :, 0]
 
 
-def fp8_linear(x: jax.Array, wq: jax.Array, scale: jax.Array, out_dtype: jnp.dtype,
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class QuantizedRows:
+    """x [rows, K] already quantised per 1 x 128 (``act_quant`` with ``scale_fmt``), in the layout the FP8 GEMM
+    kernel reads: ``q`` e4m3 [mp, K] with zero rows past ``rows``, ``st`` float32 [K / 128, mp] (the scales
+    transposed; rows past ``rows`` hold the scale of a zero block). A producer that already holds x (a norm)
+    quantises it there, and every FP8 linear reading x takes it as is (``pallas_kernels.fp8_gemm.fp8_linear``),
+    instead of a quantisation per linear. ``rows`` and ``scale_fmt`` are static."""
+
+    q: jax.Array
+    st: jax.Array
+    rows: int = field(metadata=dict(static=True))
+    scale_fmt: ScaleFmt = field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The shape of the x it stands for: [rows, K]."""
+        return (self.rows, int(self.q.shape[-1]))
+
+    def unpadded(self) -> tuple[jax.Array, jax.Array]:
+        """(q [rows, K], s [rows, K / 128]): ``act_quant``'s layout."""
+        return self.q[: self.rows], self.st[:, : self.rows].T
+
+
+def quantize_rows_xla(x: jax.Array, mp: int, scale_fmt: ScaleFmt) -> QuantizedRows:
+    """``act_quant`` of x [M, K] in ``QuantizedRows``' layout (padded to ``mp`` rows): the reference of the
+    kernels that produce one."""
+    m = x.shape[0]
+    if x.ndim != 2 or mp < m:
+        raise ValueError(f"quantize_rows_xla: x must be [M, K] with M <= mp = {mp}, got shape {x.shape}")
+    q, s = act_quant(jnp.pad(x, ((0, mp - m), (0, 0))), 128, scale_fmt)
+    return QuantizedRows(q=q, st=s.T, rows=m, scale_fmt=scale_fmt)
+
+
+def fp8_linear(x: jax.Array | QuantizedRows, wq: jax.Array, scale: jax.Array, out_dtype: jnp.dtype,
                scale_fmt: ScaleFmt = "ue8m0") -> jax.Array:
     """DeepSeek's ``linear()`` with an FP8 weight: re-quantise x per 128 (``scale_fmt`` scales), fp32 accumulation.
+    x may come quantised already (``QuantizedRows``, with the same ``scale_fmt``).
 
     x_deq = q*s: one float32 matmul of the dequantised operands equals the block-sum of fp8 MMAs up to
     float32 summation order (exactly so for power-of-two scales; amax/448 scales round q*s once).
     """
-    xq, sx = act_quant(x, 128, scale_fmt)
+    if isinstance(x, QuantizedRows):
+        if x.scale_fmt != scale_fmt:
+            raise ValueError(f"x: quantised with scale_fmt {x.scale_fmt!r}, the linear's is {scale_fmt!r}")
+        xq, sx = x.unpadded()
+    else:
+        xq, sx = act_quant(x, 128, scale_fmt)
     xd = dequant(xq, sx, 128)
     w = dequant_weight_blocks(wq, scale)
     y = jnp.einsum("...i,oi->...o", xd, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
