@@ -196,8 +196,10 @@ class V4DecoderLayer(DecoderLayer, V4Block):
         self.attn = make_attention(cfg, layer_id, implementation, rngs, indexer_config)
 
     def pre_attention(self, h: V4Hidden) -> Any:
-        x, _ = V4Block.pre_attention(self, h.streams)
-        return self.attn.project_in(x)
+        # V4Block.pre_attention's mix and norm, the norm quantised for the attention's FP8 input linears (norm_into)
+        x, _, _ = self.hc_attn.pre(h.streams)
+        nq, xq = norm_into((self.attn_norm[...], self.cfg.norm_eps), x, self.attn.input_linears())
+        return self.attn.project_in(nq.y, xq=xq)
 
     def post_attention(self, h: V4Hidden, o: jax.Array) -> V4Hidden:
         # The attention half's (post, comb) mixing weights are recomputed from the same streams (same ops, so

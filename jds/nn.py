@@ -171,27 +171,29 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.weight[...], self.eps, out_dtype)
 
 
-def norm_into(norm: RMSNorm, x: jax.Array, linears: Sequence[Linear], *, residual: jax.Array | None = None,
-              col: int = 0, width: int | None = None, want_y: bool = True, out_dtype: jnp.dtype | None = None
-              ) -> tuple[NormQuant, jax.Array | QuantizedRows]:
-    """``norm`` of x's columns ``col`` to ``col + width`` (of x + ``residual`` where given) for ``linears``, which all
+def norm_into(norm: RMSNorm | tuple[jax.Array, float], x: jax.Array, linears: Sequence[Linear], *,
+              residual: jax.Array | None = None, col: int = 0, width: int | None = None, want_y: bool = True,
+              out_dtype: jnp.dtype | None = None) -> tuple[NormQuant, jax.Array | QuantizedRows]:
+    """``norm`` (an ``RMSNorm``, or its (weight, eps)) of x's columns ``col`` to ``col + width`` (of x + ``residual``
+    where given) for ``linears``, which all
     read it: (the ``NormQuant`` of ``pallas_kernels.norm_quant``, the input to pass them). Where every linear is FP8
     with one scale format, the norm quantises its output for them once and they take the ``QuantizedRows``: on the
     kernels (the linears' own implementation setting) up to ``AUTO_MAX_ROWS`` rows, where one kernel measured
     faster in the model's step than XLA's norm and the linears' quantisation (an H100, 64 and 128 rows; at 2048 it
     is untimed against them); always on "xla", where both forms compute the same values. Else the plain norm's
     output. ``want_y``: a caller that reads the normed rows itself (always computed on the plain path)."""
+    weight, eps = (norm.weight[...], norm.eps) if isinstance(norm, RMSNorm) else norm
     fmts = {lin.scale_fmt for lin in linears if lin.fp8}
     impl = linears[0].implementation if linears else "xla"
     if (linears and all(lin.fp8 for lin in linears) and len(fmts) == 1
             and (impl == "xla" or x.shape[0] <= AUTO_MAX_ROWS)):
-        nq = rms_norm_quant(x, norm.weight[...], norm.eps, scale_fmt=fmts.pop(), residual=residual, col=col,
+        nq = rms_norm_quant(x, weight, eps, scale_fmt=fmts.pop(), residual=residual, col=col,
                             width=width, want_y=want_y, out_dtype=out_dtype,
                             implementation="xla" if impl == "xla" else "auto")
         return nq, nq.x
     h = None if residual is None else x + residual.astype(x.dtype)
     src = h if h is not None else x[:, col:col + (x.shape[1] - col if width is None else width)]
-    y = norm(src, out_dtype)
+    y = rms_norm(src, weight, eps, out_dtype)
     return NormQuant(h=h, y=y, x=None), y
 
 

@@ -147,7 +147,8 @@ INTERPRET_REFUSES_BARRIER_FORMS = True
 
 # ----------------------------------------------------------------------------------------------------
 # public entry points
-def fp8_linear(x: jax.Array | quant.QuantizedRows, wq: jax.Array, w_scale: jax.Array, *, out_dtype: jnp.dtype = jnp.bfloat16,
+def fp8_linear(x: jax.Array | quant.QuantizedRows, wq: jax.Array, w_scale: jax.Array, *,
+               out_dtype: jnp.dtype = jnp.bfloat16,
                scale_fmt: quant.ScaleFmt = "ue8m0", implementation: Implementation = "auto",
                interpret: bool | plgpu.InterpretGPUParams | None = None, block_m: int | None = None,
                block_n: int | None = None, split_k: int | None = None, stages: int | None = None,
@@ -259,7 +260,8 @@ def _check_common(x, wq, w_scale, scale_fmt) -> None:
         if (x.q.ndim != 2 or x.q.shape[1] != k or jnp.dtype(x.q.dtype) != jnp.dtype(quant.FP8) or mp < x.rows
                 or x.st.shape != (k // BLOCK, mp)):
             raise ValueError(f"x: QuantizedRows of {x.rows} rows for wq {wq.shape} needs q float8_e4m3fn [mp >= "
-                             f"{x.rows}, {k}] and st [{k // BLOCK}, mp], got q {x.q.dtype} {x.q.shape}, st {x.st.shape}")
+                             f"{x.rows}, {k}] and st [{k // BLOCK}, mp], got q {x.q.dtype} {x.q.shape}, "
+                             f"st {x.st.shape}")
     elif x.ndim < 1 or x.shape[-1] != k:
         raise ValueError(f"x must be [..., {k}] for wq {wq.shape}, got shape {x.shape}")
     if k % BLOCK:
@@ -785,6 +787,7 @@ def _x_operands(x: jax.Array | quant.QuantizedRows, scale_fmt: quant.ScaleFmt, a
         q, st = x.q, x.st
         if q.shape[0] != mp:
             q = q[:mp] if q.shape[0] > mp else jnp.pad(q, ((0, mp - q.shape[0]), (0, 0)))
+            # a padded row's scale is never read into y (its q is zero): 1.0
             st = st[:, :mp] if st.shape[1] > mp else jnp.pad(st, ((0, 0), (0, mp - st.shape[1])), constant_values=1.0)
         return q, st
     m = x.shape[0]

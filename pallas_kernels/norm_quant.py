@@ -11,9 +11,10 @@ bf16), its e4m3 copy and the scales, and with ``residual`` the sum h as well (th
 One program a row, held as one [blocks, 128] tile (the block count rounded up to a power of two): loaded once, kept
 in registers between the sum of squares and the normalisation, each block's amax a reduction along the tile's rows
 (within a warp; a row of [1, 128] blocks, one after the other, made every reduction a block-wide one through shared
-memory and ran 5-7x slower than XLA's norm on an H100). Rows past M (up to the GEMM's padded row count) are written as zero rows
-with a zero block's scale, as ``quantize_rows`` writes them. Backend: the Triton lowering; Mosaic GPU's register
-layouts hold 64 rows a warpgroup, so at decode (64-128 rows) one or two CTAs would read all of x for the row sums.
+memory and ran several times slower than XLA's norm: docs/perf-log.md, seventieth session). Rows past M (up to the
+GEMM's padded row count) are written as zero rows with a zero block's scale, as ``quantize_rows`` writes them.
+Backend: the Triton lowering; Mosaic GPU's register layouts hold 64 rows a warpgroup, so at decode (64-128 rows)
+one or two CTAs would read all of x for the row sums.
 (q, s) equal ``act_quant`` of the y this kernel stores, bit for bit (same ops on the same bf16 values; amax-format
 scales divide with IEEE rounding); y itself may differ from XLA's rms_norm in the last bit (summation order).
 """
@@ -30,7 +31,8 @@ from jax.experimental import pallas as pl
 
 from jds.ops.dispatch import Implementation, Unsupported, check_array, run_op
 from jds.ops.norms import rms_norm
-from jds.ops.quant import ACT_AMAX_FLOOR, FLT_MIN, FP8, FP8_MAX, QuantizedRows, ScaleFmt, quantize_rows_xla, ue8m0_scale_bits
+from jds.ops.quant import (ACT_AMAX_FLOOR, FLT_MIN, FP8, FP8_MAX, QuantizedRows, ScaleFmt, quantize_rows_xla,
+                           ue8m0_scale_bits)
 from pallas_kernels import fused_insert_common as C
 
 F32 = jnp.float32

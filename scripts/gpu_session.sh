@@ -326,12 +326,13 @@ case "$stage" in
     # issue 19 at 1-128 rows: the decode rows' device time as inside the model's captured step (one CUDA graph a call,
     # the weights cycled through copies spanning twice the L2), q_b / wo / mlp / x_proj at 1 / 64 / 128 rows beside
     # torch: the call's and (the kernels named apart since the sixty-second session) the GEMM kernel's own share of the copy
-    # bandwidth; then the native tests of the decode forms. Forms beside the default: FD_ROWS='pallas
+    # bandwidth, and the call with x handed over quantised (pallas[x=quantized]: the linears behind the model's norms,
+    # seventieth session); then the native tests of the decode forms. Forms beside the default: FD_ROWS='pallas
     # pallas[column_scales=True] ...'. Rows are written after each one, so a call cut short keeps them
     set -f  # the row names' brackets are no glob
     timeout -k 10 -s INT ${FD_TIMEOUT:-240} python3 -m jds.bench.kernels_fp8_gemm --shapes ${FD_SHAPES:-q_b wo mlp x_proj} \
       --ms ${FD_MS:-1 64 128} \
-      --rows ${FD_ROWS:-pallas torch} \
+      --rows ${FD_ROWS:-pallas pallas[x=quantized] torch} \
       --out "$OUT/kernels_fp8_gemm_decode_h200.json" > "$OUT/fp8_decode.log" 2>&1
     echo "fp8 decode rc=$?"; set +f; grep '^{' "$OUT/fp8_decode.log" | python3 -c 'import json, sys; [print(r["case"], r["impl"], r.get("profile_span_us"), r.get("hbm_frac_profile"), r.get("gemm_kernel_us"), r.get("hbm_frac_kernel"), r.get("quantize_kernel_us"), r.get("profile_weight_copies"), r.get("error", "")[:160]) for r in map(json.loads, sys.stdin)]'
     python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist

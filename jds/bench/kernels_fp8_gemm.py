@@ -17,7 +17,9 @@ others still run):
   at M <= 128 also the other ``stage_scales`` choice than the default's (the scales staged in SMEM by TMA) and
   the other ``act_quant`` (x quantised by one kernel, ``fp8_gemm.quantize_rows``, or XLA's three), the other ``stream_k``
   choice up to 128 rows (``quantize_x=True``, x quantised inside the GEMM kernel, measured slower on 2026-12-01:
-  ``--rows`` still runs it);
+  ``--rows`` still runs it), and ``pallas[x=quantized]``: x handed over quantised (a ``QuantizedRows``, as the
+  model's norms give it to the linears behind them: ``jds.nn.norm_into``), so the call is the GEMM kernel alone
+  (its bytes: x in e4m3 with its scales);
   ``--sweep`` adds ``pallas[block_n=..,split_k=..]`` rows for M <= 128 and ``pallas[block_n=..,stages=..,
   group_m=..]`` rows for M >= 2048 (tile tuning data).
 - ``xla``: ``jds.ops.quant.fp8_linear`` (dequantise both to fp32, one HIGHEST matmul: the current path).
@@ -64,6 +66,7 @@ from jds.bench.timing import (CAPTURED_OPTIONS, device_row, measure_ceilings, na
                               rotation_copies, time_fn)
 from jds.ops import quant
 from pallas_kernels import fp8_gemm
+from pallas_kernels.norm_quant import padded_rows
 
 SHAPES = {"q_a": (7168, 1536), "q_b": (1536, 24576), "wo": (16384, 7168), "mlp": (7168, 18432),
           "x_proj": (7168, 2304), "q_kv_a": (7168, 2176)}  # (in, out)
@@ -262,7 +265,8 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch, rows: Sequenc
         #           act_quant (one kernel or XLA's three)
         tile_sets += [dict(stage_scales=m >= fp8_gemm.STAGE_SCALES_BELOW),
                       dict(stream_k=not fp8_gemm._auto_stream_k(m, n, k // 128, None, None, None, None)),
-                      dict(act_quant="xla" if fp8_gemm._auto_act_quant(m) == "kernel" else "kernel")]
+                      dict(act_quant="xla" if fp8_gemm._auto_act_quant(m) == "kernel" else "kernel"),
+                      dict(x="quantized")]  # x arriving quantised, as the model's norms hand it over
     table = (SWEEP if m <= 128 else SWEEP_LARGE if m >= 2048 else []) if sweep else []
     tile_sets += [v for v in table if (k // 128) % v.get("split_k", 1) == 0 and n % v["block_n"] == 0]
     variants = [(_name(v), v) for v in tile_sets]
@@ -273,10 +277,13 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch, rows: Sequenc
         if not wanted(name):
             continue
         r = {**base, "impl": name}
+        tiles = dict(tiles)
+        pre = tiles.pop("x", None) == "quantized"  # x as a QuantizedRows: the call is the GEMM kernel alone
+        xa = quant.quantize_rows_xla(x, padded_rows(m), "ue8m0") if pre else x
         try:
             f = jax.jit(functools.partial(fp8_gemm.fp8_linear, out_dtype=jnp.bfloat16, implementation="pallas",
                                           interpret=True if quick else None, **tiles))
-            jax.block_until_ready(f(x, wq, ws))
+            jax.block_until_ready(f(xa, wq, ws))
             bm, bn, sk = fp8_gemm._pick_tiles(m, n, k // 128, tiles.get("block_m"), tiles.get("block_n"),
                                               tiles.get("split_k"))
             r.update(block_m=bm, block_n=bn, split_k=sk, stages=tiles.get("stages", fp8_gemm.STAGES),
@@ -287,21 +294,22 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch, rows: Sequenc
             if ref is not None:  # fp32 out (same tiles), so that bf16 output rounding does not hide the sums
                 f32 = jax.jit(functools.partial(fp8_gemm.fp8_linear, out_dtype=jnp.float32, implementation="pallas",
                                                 interpret=True if quick else None, **tiles))
-                r.update(_accuracy(f32(x, wq, ws), ref, ab))
-            r.update(time_fn(f, x, wq, ws, iters=3 if quick else iters))
+                r.update(_accuracy(f32(xa, wq, ws), ref, ab))
+            r.update(time_fn(f, xa, wq, ws, iters=3 if quick else iters))
             if not quick:
-                r.update(device_row(f, x, wq, ws, median_us=r["median_us"]))
+                r.update(device_row(f, xa, wq, ws, median_us=r["median_us"]))
                 if m <= 128:  # decode calls of tens of µs: their device time from the GPU's timeline too, the
                     # call one CUDA graph as inside the model's captured step (no host gap between its kernels)
                     fc = jax.jit(functools.partial(fp8_gemm.fp8_linear, out_dtype=jnp.bfloat16, implementation="pallas",
                                                    **tiles), compiler_options=CAPTURED_OPTIONS)
                     # weight copies spanning twice the L2 in turn: q_b's 36 MiB would otherwise stay in L2
-                    r.update(profiled_device_us(fc, x, wq, ws, by_kernel=True, rotate=rot), profile_captured=True,
+                    rot_a = [(xa, w, s) for _, w, s in rot]
+                    r.update(profiled_device_us(fc, xa, wq, ws, by_kernel=True, rotate=rot_a), profile_captured=True,
                              profile_weight_copies=1 + len(rot))
             if name == "pallas":  # act_quant of x alone in XLA (the call quantises x; torch's row excludes it)
                 aq = jax.jit(functools.partial(quant.act_quant, block=128, fmt="ue8m0"))
                 r["act_quant_us"] = time_fn(aq, x, iters=3 if quick else 20)["median_us"]
-            _rates(r, flops, fp8_bytes, ceil, gemm_bytes)
+            _rates(r, flops, gemm_bytes if pre else fp8_bytes, ceil, gemm_bytes)
         except Exception as e:  # noqa: BLE001
             r["error"] = error_text(e)
             r["traceback"] = traceback.format_exc()[-2000:]
