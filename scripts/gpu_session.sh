@@ -6,6 +6,7 @@
 #   scripts/gpu_session.sh ttft-fp8      # issue 19: 8-layer V3.2 TTFT, FP8 weights then bf16 weights (fused:device:8)
 #   scripts/gpu_session.sh ttft-fp8-pad  # issue 19: the same with wkv_a on XLA's path (vt/nopad), padded per call (vt/percall), fused (main)
 #   scripts/gpu_session.sh topk-rows     # the row select natively with bits=2, timed beside bits=1; V3.2 + V4 steps vs vt/base
+#   scripts/gpu_session.sh norm-quant    # the norm that quantises for the FP8 linears: native tests, by rows vs XLA, the steps vs vt/base
 #   scripts/gpu_session.sh ttft-trees    # the 8-layer TTFT (FP8 weights) of TT_ARCH in each tree of TT_TREES
 #   scripts/gpu_session.sh ttft-parts    # issue 16: TTFT's host time per dispatch, preparation in the loop vs alone, put / spin
 #   scripts/gpu_session.sh invariance    # issue 23: --batch-invariant under preemption (20 pages)
@@ -187,6 +188,19 @@ case "$stage" in
       timeout -k 10 ${SK_TIMEOUT:-110} python3 scripts/diag/step_kernels.py --arch v4 --fp8-weights --top 80 \
         --fusions "${NEXT_FUSIONS:-v4.py:91}" --out "$OUT/step_kernels_v4_fusions.json" > "$OUT/step_kernels_v4_fusions.log" 2>&1
       echo "step kernels v4 fusions rc=$?"; grep "^==" "$OUT/step_kernels_v4_fusions.log"; }
+    ;;
+  norm-quant)
+    # after the seventieth session: rms_norm_quant's native tests, the kernel against XLA's norm + quantize_rows by
+    # row count and width (scripts/diag/norm_quant_rows.py: where AUTO_MAX_ROWS should sit), then the 8-layer steps
+    # of SK_ARCHS in each tree of SK_TREES (default "base main": make vt/base from 5858696, before norm_quant)
+    timeout -k 10 -s INT ${NQ_TEST_TIMEOUT:-100} python3 -m pytest -m gpu -n 4 -q -p no:cacheprovider \
+      tests/test_kernel_norm_quant.py > "$OUT/norm_quant_tests.log" 2>&1; echo "norm_quant tests rc=$?"; tail -1 "$OUT/norm_quant_tests.log"
+    grep -E "^(FAILED|E )" "$OUT/norm_quant_tests.log" | head -8
+    timeout -k 10 ${NQ_TIMEOUT:-150} python3 scripts/diag/norm_quant_rows.py ${NQ_WARPS:+--warps $NQ_WARPS} \
+      --out "$OUT/norm_quant_rows.json" > "$OUT/norm_quant_rows.log" 2>&1; echo "norm_quant_rows rc=$?"
+    grep '^{' "$OUT/norm_quant_rows.log" | cut -c1-220
+    SK_ARCHS="${SK_ARCHS:-v4 v32}" SK_TREES="${SK_TREES:-base main}" SK_TIMEOUT=${SK_TIMEOUT:-110} SK_DIFF_TOP=${SK_DIFF_TOP:-8} \
+      bash "$0" step-kernels
     ;;
   ttft-trees)
     # the 8-layer TTFT with FP8 weights (fused:device:8, 50 steps) of arch TT_ARCH in each tree of TT_TREES (main,
