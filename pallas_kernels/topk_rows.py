@@ -103,7 +103,7 @@ def topk_rows(x: jax.Array, k: int, *, interpret: bool | None = None,
     order. x: float [T, N] with k <= N <= ``MAX_COLS``. ``num_warps``: None = ``default_warps``.
     ``bits``: the k-th key's bits decided a round (1-4; a round is one reduction of 2^bits counts). 1 is the
     default: 2 halves the rounds but measured slower at every indexer shape but V4's decode one (64 x 1024 : 512),
-    where it was level (docs/perf-log.md, seventieth session)."""
+    where one run had it slightly faster (docs/perf-log.md, seventieth session)."""
     check_array("topk_rows: x", x, (("T", None), ("N", None)), "float")
     t, n = x.shape
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= n:
