@@ -112,6 +112,8 @@ def _pallas(x, weight, eps, scale_fmt, residual, col, width, want_y, mp, out_dty
         raise Unsupported(f"rms_norm_quant kernel: bfloat16 x, residual and y (got {x.dtype}, "
                           f"{None if residual is None else residual.dtype}, {out_dtype})")
     m = x.shape[0]
+    if m == 0:
+        raise Unsupported("rms_norm_quant kernel: no rows (the XLA form returns the empty outputs)")
     interpret = C.resolve_interpret(interpret)
     kernel = functools.partial(_kernel, m=m, col=col, nblk=width // BLOCK, eps=float(eps), scale_fmt=scale_fmt,
                                add=residual is not None, want_y=want_y, interpret=interpret)

@@ -156,6 +156,8 @@ def test_errors_name_the_field():
     with pytest.raises(ValueError, match="quantize_x=True"):
         fp8_linear(xq, wq, ws, implementation="pallas", quantize_x=True)
     assert isinstance(xq, QuantizedRows) and xq.shape == (4, 256)
+    empty = NQ.rms_norm_quant(x[:0], wt, EPS)  # "auto": no rows go to the XLA form
+    assert empty.y.shape == (0, 256) and empty.x.q.shape == (64, 256) and empty.x.rows == 0
 
 
 def test_linear_refuses_quantized_rows_without_fp8_weight():
