@@ -2,7 +2,7 @@
 the FP8 GEMM's quantisation kernel (``fp8_gemm.quantize_rows``), at the model's widths.
 
 Why: the model quantises in the norm up to ``norm_quant.AUTO_MAX_ROWS`` rows, where the 8-layer steps measured it
-(64 and 128 rows, an H100); above, the kernel is untimed against XLA's form (at 2048 x 7168 it took several times
+(64 and 128 rows, an H100); above, the kernel is untimed against XLA's form (at 2048 x 7168 it took about twice
 what its reads and writes need at the copy rate: docs/perf-log.md, seventieth session). This times both forms per
 (width, rows, residual) so that the limit can follow the measurements.
 
