@@ -19,7 +19,7 @@ from jds.ops.quant import QuantizedRows, act_quant, dequant, quantize_weight_blo
 from pallas_kernels.fp8_gemm import fp8_linear, pad_out_rows
 from pallas_kernels.fp8_grouped_gemm import fp8_grouped_linear
 from pallas_kernels.group_linear import group_linear
-from pallas_kernels.norm_quant import AUTO_MAX_ROWS, NormQuant, rms_norm_quant
+from pallas_kernels.norm_quant import AUTO_MAX_ROWS, NormQuant, residual_norm, rms_norm_quant
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -191,9 +191,7 @@ def norm_into(norm: RMSNorm | tuple[jax.Array, float], x: jax.Array, linears: Se
                             width=width, want_y=want_y, out_dtype=out_dtype,
                             implementation="xla" if impl == "xla" else "auto")
         return nq, nq.x
-    h = None if residual is None else x + residual.astype(x.dtype)
-    src = h if h is not None else x[:, col:col + (x.shape[1] - col if width is None else width)]
-    y = rms_norm(src, weight, eps, out_dtype)
+    h, y = residual_norm(x, weight, eps, residual=residual, col=col, width=width, out_dtype=out_dtype)
     return NormQuant(h=h, y=y, x=None), y
 
 

@@ -162,7 +162,7 @@ def fp8_linear(x: jax.Array | quant.QuantizedRows, wq: jax.Array, w_scale: jax.A
     ceil(in/128)] per 128 x 128 block), x [..., in] re-quantised per 1 x 128 group (``scale_fmt``);
     [..., out] in ``out_dtype``. x may come quantised already (``quant.QuantizedRows`` [M, in] with the same
     ``scale_fmt``, e.g. from ``pallas_kernels.norm_quant``): no quantisation kernel then, and linears that read one
-    x share it (the kernel reads its ``q`` / ``st`` as they are where they have ``norm_quant.padded_rows(M)`` rows,
+    x share it (the kernel reads its ``q`` / ``st`` as they are where they have ``padded_x_rows(M)`` rows,
     the default tiles' padding, else a padded or cut copy).
 
     ``implementation``: "xla" = ``jds.ops.quant.fp8_linear``; "pallas" = the kernel (in a multiple of 128,
@@ -280,6 +280,17 @@ def _check_tiles(block_m: int | None, block_n: int | None, split_k: int | None, 
             raise ValueError(f"{name} must be a positive int, got {v}")
 
 
+def default_block_m(m: int) -> int:
+    """The default row tile: 64 rows (wgmma's minimum M) up to 64 rows, 128 above."""
+    return 64 if m <= 64 else 128
+
+
+def padded_x_rows(m: int) -> int:
+    """The rows the kernel reads x padded to with the default tiles (whole ``default_block_m`` tiles, at least one):
+    a ``quant.QuantizedRows`` of this many rows goes in without a copy."""
+    return max(1, -(-m // default_block_m(m))) * default_block_m(m)
+
+
 def _pick_tiles(m: int, n: int, nk: int, block_m: int | None, block_n: int | None,
                 split_k: int | None) -> tuple[int, int, int]:
     """(block_m, block_n, split_k): the given ones, defaults for the rest.
@@ -290,7 +301,7 @@ def _pick_tiles(m: int, n: int, nk: int, block_m: int | None, block_n: int | Non
     tiles halve the SMEM / L2 traffic per FLOP but were slower at M = 2048 in the tile sweep
     (``jds.bench.kernels_fp8_gemm --sweep``): a 256-wide warpgroup chunk doubles the promotion registers and
     leaves room for fewer TMA stages."""
-    bm = block_m or (64 if m <= 64 else 128)
+    bm = block_m or default_block_m(m)
     mt = -(-m // bm)
     if block_n is None:
         block_n = _default_block_n(m, n, nk, bm)
@@ -416,9 +427,9 @@ def _auto_stream_k(m: int, n: int, nk: int, block_m: int | None, block_n: int | 
     M <= K / ``STREAM_K_ROWS_PER_K``. Exact kernel times (ncu, archive/fp8_decode_ncu_sweep_h200_2026-12-02.json):
     q_b (K = 1536) was faster without stream-K at 64 and 128 rows and level at 1; mlp (K = 7168) faster with
     it at 64 and 128."""
-    if m > 128 or block_m not in (None, 64 if m <= 64 else 128) or split_k is not None or stage_scales:
+    if m > 128 or block_m not in (None, default_block_m(m)) or split_k is not None or stage_scales:
         return False
-    bn = block_n or _default_block_n(m, n, nk, block_m or (64 if m <= 64 else 128))
+    bn = block_n or _default_block_n(m, n, nk, block_m or default_block_m(m))
     return n % bn == 0 and n // bn > NUM_SMS and nk >= 2 and m * STREAM_K_ROWS_PER_K <= nk * BLOCK
 
 
@@ -656,7 +667,7 @@ def _pallas_blocks(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, 
     if persistent and (stream_k or split_k not in (None, 1)):
         raise Unsupported(f"fp8_linear kernel: persistent takes whole tiles, no stream_k or split_k (got stream_k="
                           f"{stream_k}, split_k={split_k})")
-    if stream_k and (m > 128 or split_k is not None or stage_scales or (block_m or (64 if m <= 64 else 128)) < m):
+    if stream_k and (m > 128 or split_k is not None or stage_scales or (block_m or default_block_m(m)) < m):
         raise Unsupported(f"fp8_linear kernel: stream_k takes at most 128 rows in one row tile, with unstaged "
                           f"scales and no split_k (got {m} rows, block_m {block_m}, split_k {split_k}, "
                           f"stage_scales {stage_scales})")

@@ -31,9 +31,10 @@ from jax.experimental import pallas as pl
 
 from jds.ops.dispatch import Implementation, Unsupported, check_array, run_op
 from jds.ops.norms import rms_norm
-from jds.ops.quant import (ACT_AMAX_FLOOR, FLT_MIN, FP8, FP8_MAX, QuantizedRows, ScaleFmt, quantize_rows_xla,
+from jds.ops.quant import (ACT_AMAX_FLOOR, FP8, QuantizedRows, ScaleFmt, block_scale, quantize_rows_xla,
                            ue8m0_scale_bits)
 from pallas_kernels import fused_insert_common as C
+from pallas_kernels.fp8_gemm import padded_x_rows as padded_rows  # the GEMM kernel's padding of x's rows
 
 F32 = jnp.float32
 BLOCK = 128
@@ -50,12 +51,6 @@ class NormQuant(NamedTuple):
     h: jax.Array | None
     y: jax.Array | None
     x: QuantizedRows | None
-
-
-def padded_rows(m: int) -> int:
-    """The rows the FP8 GEMM kernel reads x padded to, by default, for m rows (``fp8_gemm``'s 64-row tiles up to
-    64 rows, 128-row tiles above): a ``QuantizedRows`` of this many rows goes in without a copy."""
-    return 64 if m <= 64 else -(-m // 128) * 128
 
 
 def rms_norm_quant(x: jax.Array, weight: jax.Array, eps: float, *, scale_fmt: ScaleFmt = "ue8m0",
@@ -92,10 +87,17 @@ def rms_norm_quant(x: jax.Array, weight: jax.Array, eps: float, *, scale_fmt: Sc
                                   interpret, num_warps)})
 
 
-def _xla(x, weight, eps, scale_fmt, residual, col, width, want_y, mp, out_dtype) -> NormQuant:
+def residual_norm(x: jax.Array, weight: jax.Array, eps: float, *, residual: jax.Array | None = None, col: int = 0,
+                  width: int | None = None, out_dtype: jnp.dtype | None = None) -> tuple[jax.Array | None, jax.Array]:
+    """The XLA form's first half, what the model ran before: (h = x + residual in x's dtype, or None without a
+    residual; ``rms_norm`` of h, or of x's columns ``col`` to ``col + width``)."""
     h = None if residual is None else x + residual.astype(x.dtype)
-    src = x[:, col:col + width] if h is None else h
-    y = rms_norm(src, weight, eps, out_dtype)
+    src = h if h is not None else x[:, col:col + (x.shape[1] - col if width is None else width)]
+    return h, rms_norm(src, weight, eps, out_dtype)
+
+
+def _xla(x, weight, eps, scale_fmt, residual, col, width, want_y, mp, out_dtype) -> NormQuant:
+    h, y = residual_norm(x, weight, eps, residual=residual, col=col, width=width, out_dtype=out_dtype)
     return NormQuant(h=h, y=y if want_y else None, x=quantize_rows_xla(y, mp, scale_fmt))
 
 
@@ -165,9 +167,8 @@ def _kernel(x_ref, w_ref, *refs, m, col, nblk, eps, scale_fmt, add, want_y, inte
     if scale_fmt == "ue8m0":
         sc, inv, _ = ue8m0_scale_bits(amax)
         q = C.e4m3_bytes(yf * inv, interpret)
-    else:  # block_scale's amax format: max(max(amax, floor) / 448, FLT_MIN), then a true division
-        a = jnp.maximum(amax, np.float32(ACT_AMAX_FLOOR))
-        sc = jnp.maximum(a * np.float32(1.0 / FP8_MAX), FLT_MIN)
+    else:  # the amax format's scale, then a true division
+        sc = block_scale(amax, "amax", ACT_AMAX_FLOOR)
         q = C.e4m3_bytes(C.div_rn(yf, jnp.broadcast_to(sc, yf.shape), interpret), interpret)
     # masked lanes' indices point past the first axis (interpret mode's scatter drops them)
     C.store(q_ref, (jnp.where(ok, t, q_ref.shape[0]), cb), q, ok)

@@ -66,7 +66,6 @@ from jds.bench.timing import (CAPTURED_OPTIONS, device_row, measure_ceilings, na
                               rotation_copies, time_fn)
 from jds.ops import quant
 from pallas_kernels import fp8_gemm
-from pallas_kernels.norm_quant import padded_rows
 
 SHAPES = {"q_a": (7168, 1536), "q_b": (1536, 24576), "wo": (16384, 7168), "mlp": (7168, 18432),
           "x_proj": (7168, 2304), "q_kv_a": (7168, 2176)}  # (in, out)
@@ -279,7 +278,7 @@ def run_case(c: dict, ceil: dict, quick: bool, sweep: bool, torch, rows: Sequenc
         r = {**base, "impl": name}
         tiles = dict(tiles)
         pre = tiles.pop("x", None) == "quantized"  # x as a QuantizedRows: the call is the GEMM kernel alone
-        xa = quant.quantize_rows_xla(x, padded_rows(m), "ue8m0") if pre else x
+        xa = quant.quantize_rows_xla(x, fp8_gemm.padded_x_rows(m), "ue8m0") if pre else x
         try:
             f = jax.jit(functools.partial(fp8_gemm.fp8_linear, out_dtype=jnp.bfloat16, implementation="pallas",
                                           interpret=True if quick else None, **tiles))

@@ -29,8 +29,8 @@ import numpy as np
 from jds.bench.results import write_json
 from jds.bench.timing import profiled_device_us
 from jds.ops.norms import rms_norm
-from pallas_kernels.fp8_gemm import quantize_rows
-from pallas_kernels.norm_quant import padded_rows, rms_norm_quant
+from pallas_kernels.fp8_gemm import padded_x_rows, quantize_rows
+from pallas_kernels.norm_quant import rms_norm_quant
 
 EPS = 1e-6
 
@@ -40,7 +40,7 @@ def _case(m: int, width: int, residual: bool, warps: list[int]) -> dict:
     x = (jax.random.normal(k[0], (m, width), jnp.float32) * 2).astype(jnp.bfloat16)
     r = jax.random.normal(k[1], (m, width), jnp.float32).astype(jnp.bfloat16) if residual else None
     w = 1 + 0.1 * jax.random.normal(k[2], (width,), jnp.float32)
-    mp = padded_rows(m)
+    mp = padded_x_rows(m)
 
     def xla(x, r, w):  # what the model ran before: the add and the norm in XLA, then the quantisation kernel
         h = x if r is None else x + r
