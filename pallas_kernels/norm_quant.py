@@ -148,17 +148,19 @@ def _kernel(x_ref, w_ref, *refs, m, col, nblk, eps, scale_fmt, add, want_y, inte
     cb = b * BLOCK + C.iota((1, BLOCK), 1)
     ok = b < nblk
     inb = ok & live
-    x = C.load(x_ref, (tc, col + jnp.where(ok, cb, 0)), (nb, BLOCK), mask=inb, other=0.0)
+    # plain column offsets (the mask keeps blocks past the width from memory): a select on them hides their
+    # contiguity from Triton, whose loads then went one element at a time
+    x = C.load(x_ref, (tc, col + cb), (nb, BLOCK), mask=inb, other=0.0)
     if add:
         # x + residual rounded to bf16, by explicit conversions: XLA (interpret mode) may skip the rounding of a
         # bf16 add it computes in float32 (excess precision)
-        rv = C.load(r_ref, (tc, jnp.where(ok, cb, 0)), (nb, BLOCK), mask=inb, other=0.0)
+        rv = C.load(r_ref, (tc, cb), (nb, BLOCK), mask=inb, other=0.0)
         x = (x.astype(F32) + rv.astype(F32)).astype(jnp.bfloat16)
         C.store(h_ref, (jnp.where(inb, t, m), cb), x, inb)
     xf = x.astype(F32)
     ss = jnp.sum(jnp.sum(xf * xf, axis=1, keepdims=True), axis=0, keepdims=True)  # [1, 1]
     r = jax.lax.rsqrt(C.div_rn(ss, jnp.full(ss.shape, nblk * BLOCK, F32), interpret) + np.float32(eps))
-    wv = C.load(w_ref, (jnp.where(ok, cb, 0),), (nb, BLOCK), mask=ok, other=0.0)
+    wv = C.load(w_ref, (cb,), (nb, BLOCK), mask=ok, other=0.0)
     y = (xf * r * wv).astype(jnp.bfloat16)
     if want_y:
         C.store(y_ref, (jnp.where(inb, t, m), cb), y, inb)
