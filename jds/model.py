@@ -20,7 +20,7 @@ from flax import nnx
 
 from jds.batch import PagedBatch
 from jds.config import ModelConfig, preset  # noqa: F401  (defined in jds.config; re-exported here)
-from jds.nn import Linear, RMSNorm, jdtype, norm_into
+from jds.nn import Linear, RMSNorm, jdtype, norm_into, swiglu_into
 from pallas_kernels.fp8_grouped_gemm import fp8_grouped_linear
 from jds.ops.dispatch import op_implementation
 from jds.ops.quant import QuantizedRows, random_fp8_weight
@@ -35,9 +35,9 @@ class MLP(nnx.Module):
         self.w2 = Linear(inter, hidden, dtype=dtype, fp8=fp8, rngs=rngs, scale_fmt=scale_fmt)
 
     def __call__(self, x: jax.Array | QuantizedRows) -> jax.Array:
-        """x [T, hidden] in the activation dtype, or quantised for FP8 ``w1`` / ``w3`` (``norm_into``)."""
-        dt = self.w1.dtype
-        return self.w2(jax.nn.silu(self.w1(x).astype(jnp.float32)).astype(dt) * self.w3(x))
+        """x [T, hidden] in the activation dtype, or quantised for FP8 ``w1`` / ``w3`` (``norm_into``). With an FP8
+        ``w2`` the activation is quantised where it is made (``swiglu_into``)."""
+        return self.w2(swiglu_into(self.w1(x), self.w3(x), self.w2))
 
 
 class FP8Experts(nnx.Module):

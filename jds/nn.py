@@ -20,6 +20,8 @@ from pallas_kernels.fp8_gemm import fp8_linear, pad_out_rows
 from pallas_kernels.fp8_grouped_gemm import fp8_grouped_linear
 from pallas_kernels.group_linear import group_linear
 from pallas_kernels.norm_quant import AUTO_MAX_ROWS, NormQuant, residual_norm, rms_norm_quant
+from pallas_kernels.swiglu_quant import AUTO_MAX_ROWS as SWIGLU_MAX_ROWS
+from pallas_kernels.swiglu_quant import swiglu, swiglu_quant
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -193,6 +195,18 @@ def norm_into(norm: RMSNorm | tuple[jax.Array, float], x: jax.Array, linears: Se
         return nq, nq.x
     h, y = residual_norm(x, weight, eps, residual=residual, col=col, width=width, out_dtype=out_dtype)
     return NormQuant(h=h, y=y, x=None), y
+
+
+def swiglu_into(gate: jax.Array, up: jax.Array, linear: Linear) -> jax.Array | QuantizedRows:
+    """The MLP's activation (``pallas_kernels.swiglu_quant.swiglu``) as ``linear`` takes it: quantised for an FP8
+    ``linear`` in the same kernel (on the linear's kernels up to ``swiglu_quant.AUTO_MAX_ROWS`` rows, where it was
+    measured; always on "xla", where both forms compute the same values), else the bf16 rows."""
+    dt = linear.dtype
+    if linear.fp8 and gate.ndim == 2 and (linear.implementation == "xla" or gate.shape[0] <= SWIGLU_MAX_ROWS):
+        xq, _ = swiglu_quant(gate.astype(dt), up.astype(dt), scale_fmt=linear.scale_fmt,
+                             implementation="xla" if linear.implementation == "xla" else "auto")
+        return xq
+    return swiglu(gate, up, dt)
 
 
 class LayerNorm(nnx.Module):

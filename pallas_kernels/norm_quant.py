@@ -164,6 +164,14 @@ def _kernel(x_ref, w_ref, *refs, m, col, nblk, eps, scale_fmt, add, want_y, inte
     y = (xf * r * wv).astype(jnp.bfloat16)
     if want_y:
         C.store(y_ref, (jnp.where(inb, t, m), cb), y, inb)
+    store_quantized(q_ref, st_ref, y, t, b, ok, scale_fmt, interpret)
+
+
+def store_quantized(q_ref, st_ref, y: jax.Array, t: jax.Array, b: jax.Array, ok: jax.Array, scale_fmt: ScaleFmt,
+                    interpret: bool) -> None:
+    """Quantise y [nb, 128] (bf16: blocks ``b`` [nb, 1] of row ``t``) per block as ``act_quant`` does and store
+    the e4m3 bytes into ``q_ref`` [mp, K] and the scales into ``st_ref`` [K/128, mp] (``QuantizedRows``' layout),
+    the blocks where ``ok`` [nb, 1]; a row past the real ones comes in as zeros and leaves a zero block's scale."""
     yf = y.astype(F32)
     amax = jnp.max(jnp.abs(yf), axis=1, keepdims=True)  # [nb, 1]
     if scale_fmt == "ue8m0":
@@ -172,6 +180,7 @@ def _kernel(x_ref, w_ref, *refs, m, col, nblk, eps, scale_fmt, add, want_y, inte
     else:  # the amax format's scale, then a true division
         sc = block_scale(amax, "amax", ACT_AMAX_FLOOR)
         q = C.e4m3_bytes(C.div_rn(yf, jnp.broadcast_to(sc, yf.shape), interpret), interpret)
+    cb = b * BLOCK + C.iota((1, BLOCK), 1)
     # masked lanes' indices point past the first axis (interpret mode's scatter drops them)
     C.store(q_ref, (jnp.where(ok, t, q_ref.shape[0]), cb), q, ok)
-    C.store(st_ref, (jnp.where(ok, b, nblk), jnp.full((nb, 1), t, jnp.int32)), sc, ok)
+    C.store(st_ref, (jnp.where(ok, b, st_ref.shape[0]), jnp.full(b.shape, t, jnp.int32)), sc, ok)

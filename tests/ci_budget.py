@@ -23,6 +23,9 @@ CI_INTERPRET: frozenset[str] = frozenset({
     "test_kernel_norm_quant.py::test_matches_float64[5-384-0-None-True-ue8m0-interpret]",
     "test_kernel_norm_quant.py::test_matches_float64[72-640-128-384-False-amax-interpret]",
     "test_kernel_norm_quant.py::test_fp8_linear_takes_quantized_rows[interpret]",
+    # the MLP's activation quantised for w2: a part-masked tile, several programs a row, both scale formats
+    "test_kernel_swiglu_quant.py::test_matches_float64[5-384-16-ue8m0-interpret]",
+    "test_kernel_swiglu_quant.py::test_matches_float64[72-1280-4-amax-interpret]",
     "test_kernel_group_linear.py::test_matches_float64[lead0-2-128-256-tiles0-interpret]",
     "test_kernel_group_linear.py::test_matches_float64[lead1-1-64-128-tiles1-interpret]",
     "test_kernel_group_linear.py::test_matches_float64[lead2-2-32-128-tiles2-interpret]",
