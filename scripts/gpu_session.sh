@@ -190,15 +190,19 @@ case "$stage" in
       echo "step kernels v4 fusions rc=$?"; grep "^==" "$OUT/step_kernels_v4_fusions.log"; }
     ;;
   norm-quant)
-    # after the seventieth session: rms_norm_quant's native tests, the kernel against XLA's norm + quantize_rows by
-    # row count and width (scripts/diag/norm_quant_rows.py: where AUTO_MAX_ROWS should sit), then the 8-layer steps
-    # of SK_ARCHS in each tree of SK_TREES (default "base main": make vt/base from 5858696, before norm_quant)
-    timeout -k 10 -s INT ${NQ_TEST_TIMEOUT:-100} python3 -m pytest -m gpu -n 4 -q -p no:cacheprovider \
-      tests/test_kernel_norm_quant.py > "$OUT/norm_quant_tests.log" 2>&1; echo "norm_quant tests rc=$?"; tail -1 "$OUT/norm_quant_tests.log"
+    # the quantising producers (seventieth / seventy-first sessions): rms_norm_quant's and swiglu_quant's native
+    # tests, each kernel against XLA's form + quantize_rows by row count and width (scripts/diag/norm_quant_rows.py,
+    # --op norm / swiglu: where their AUTO_MAX_ROWS should sit), then the 8-layer steps of SK_ARCHS in each tree of
+    # SK_TREES (default "base main": make vt/base from the tree before the change timed)
+    timeout -k 10 -s INT ${NQ_TEST_TIMEOUT:-120} python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider \
+      tests/test_kernel_norm_quant.py tests/test_kernel_swiglu_quant.py > "$OUT/norm_quant_tests.log" 2>&1
+    echo "norm_quant / swiglu_quant tests rc=$?"; tail -1 "$OUT/norm_quant_tests.log"
     grep -E "^(FAILED|E )" "$OUT/norm_quant_tests.log" | head -8
-    timeout -k 10 ${NQ_TIMEOUT:-150} python3 scripts/diag/norm_quant_rows.py ${NQ_WARPS:+--warps $NQ_WARPS} \
-      --out "$OUT/norm_quant_rows.json" > "$OUT/norm_quant_rows.log" 2>&1; echo "norm_quant_rows rc=$?"
-    grep '^{' "$OUT/norm_quant_rows.log" | cut -c1-220
+    for op in norm swiglu; do
+      timeout -k 10 ${NQ_TIMEOUT:-150} python3 scripts/diag/norm_quant_rows.py --op $op ${NQ_WARPS:+--warps $NQ_WARPS} \
+        --out "$OUT/${op}_quant_rows.json" > "$OUT/${op}_quant_rows.log" 2>&1; echo "${op}_quant_rows rc=$?"
+      grep '^{' "$OUT/${op}_quant_rows.log" | cut -c1-220
+    done
     SK_ARCHS="${SK_ARCHS:-v4 v32}" SK_TREES="${SK_TREES:-base main}" SK_TIMEOUT=${SK_TIMEOUT:-110} SK_DIFF_TOP=${SK_DIFF_TOP:-8} \
       bash "$0" step-kernels
     ;;
