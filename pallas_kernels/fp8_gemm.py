@@ -739,16 +739,12 @@ def _pallas_blocks(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, 
         y = call(xm, wq, sw)
     else:
         y = call(*_x_operands(xm, scale_fmt, act_quant, interpret, mp, mp, mp), wq, sw)
-    # the real rows taken before the split-K sum, so that the sum's consumers (a cast, a residual add) can join
-    # its fusion
     if stream_k:  # a tile's j-th CTA wrote slot j; slots no CTA wrote hold whatever was there: masked
         _, _, written = stream_k_layout(n // bn, nk, ctas)
-        y = jnp.where(jnp.asarray(np.repeat(written, bn, axis=1))[:, None, :], y[:, :m], 0.0).sum(axis=0)
+        y = jnp.where(jnp.asarray(np.repeat(written, bn, axis=1))[:, None, :], y, 0.0).sum(axis=0)
     elif s > 1:
-        y = jnp.sum(y[:, :m], axis=0)
-    else:
-        y = y[:m]
-    return y.astype(out_dtype).reshape(*lead, n)
+        y = jnp.sum(y, axis=0)
+    return y[:m].astype(out_dtype).reshape(*lead, n)
 
 
 def _pallas_swapped(x, wq, w_scale, *, out_dtype, scale_fmt, interpret, block_m, block_n, split_k, stages,
