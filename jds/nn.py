@@ -20,7 +20,7 @@ from pallas_kernels.fp8_gemm import fp8_linear, pad_out_rows
 from pallas_kernels.fp8_grouped_gemm import fp8_grouped_linear
 from pallas_kernels.group_linear import group_linear
 from pallas_kernels.norm_quant import AUTO_MAX_ROWS, NormQuant, residual_norm, rms_norm_quant
-from pallas_kernels.swiglu_quant import AUTO_MAX_ROWS as SWIGLU_MAX_ROWS
+from pallas_kernels.swiglu_quant import kernel_wins as swiglu_kernel_wins
 from pallas_kernels.swiglu_quant import swiglu, swiglu_quant
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -181,9 +181,9 @@ def norm_into(norm: RMSNorm | tuple[jax.Array, float], x: jax.Array, linears: Se
     read it: (the ``NormQuant`` of ``pallas_kernels.norm_quant``, the input to pass them). Where every linear is FP8
     with one scale format, the norm quantises its output for them once and they take the ``QuantizedRows``: on the
     kernels (the linears' own implementation setting) up to ``AUTO_MAX_ROWS`` rows, where one kernel measured
-    faster in the model's step than XLA's norm and the linears' quantisation (an H100, 64 and 128 rows; at 2048 it
-    is untimed against them); always on "xla", where both forms compute the same values. Else the plain norm's
-    output. ``want_y``: a caller that reads the normed rows itself (always computed on the plain path)."""
+    faster than XLA's norm and the linears' quantisation (an H100: in the model's step at 64 and 128 rows, alone at
+    64 to 2048 rows and the model's widths); always on "xla", where both forms compute the same values. Else the
+    plain norm's output. ``want_y``: a caller that reads the normed rows itself (always computed on the plain path)."""
     weight, eps = (norm.weight[...], norm.eps) if isinstance(norm, RMSNorm) else norm
     fmts = {lin.scale_fmt for lin in linears if lin.fp8}
     impl = linears[0].implementation if linears else "xla"
@@ -199,10 +199,10 @@ def norm_into(norm: RMSNorm | tuple[jax.Array, float], x: jax.Array, linears: Se
 
 def swiglu_into(gate: jax.Array, up: jax.Array, linear: Linear) -> jax.Array | QuantizedRows:
     """The MLP's activation (``pallas_kernels.swiglu_quant.swiglu``) as ``linear`` takes it: quantised for an FP8
-    ``linear`` in the same kernel (on the linear's kernels up to ``swiglu_quant.AUTO_MAX_ROWS`` rows, where it was
-    measured; always on "xla", where both forms compute the same values), else the bf16 rows."""
+    ``linear`` in the same kernel (on the linear's kernels where ``swiglu_quant.kernel_wins``, as measured in the
+    model's step; always on "xla", where both forms compute the same values), else the bf16 rows."""
     dt = linear.dtype
-    if linear.fp8 and gate.ndim == 2 and (linear.implementation == "xla" or gate.shape[0] <= SWIGLU_MAX_ROWS):
+    if linear.fp8 and gate.ndim == 2 and (linear.implementation == "xla" or swiglu_kernel_wins(*gate.shape)):
         xq, _ = swiglu_quant(gate.astype(dt), up.astype(dt), scale_fmt=linear.scale_fmt,
                              implementation="xla" if linear.implementation == "xla" else "auto")
         return xq

@@ -41,7 +41,7 @@ BLOCK = 128
 _SCALE_FMTS = ("ue8m0", "amax")
 
 
-AUTO_MAX_ROWS = 128  # rows up to which the model quantises in the norm on the kernels (``jds.nn.norm_into``)
+AUTO_MAX_ROWS = 2048  # rows up to which the model quantises in the norm on the kernels (``jds.nn.norm_into``)
 
 
 class NormQuant(NamedTuple):

@@ -19,6 +19,7 @@ bit (the sigmoid's exp is Triton's, not XLA's): ``want_h`` returns it for that c
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -27,13 +28,25 @@ from jax.experimental import pallas as pl
 from jds.ops.dispatch import Implementation, Unsupported, check_array, run_op
 from jds.ops.quant import FP8, QuantizedRows, ScaleFmt, quantize_rows_xla
 from pallas_kernels import fused_insert_common as C
+from pallas_kernels.fp8_gemm import NUM_SMS, WAVE_FILL
 from pallas_kernels.norm_quant import BLOCK, padded_rows, store_quantized
 
 F32 = jnp.float32
 _SCALE_FMTS = ("ue8m0", "amax")
-AUTO_MAX_ROWS = 128  # rows up to which the model quantises in the activation on the kernels (``jds.nn.swiglu_into``)
-CHUNK = 16  # blocks of 128 a program (2048 columns)
+AUTO_MAX_ROWS = 2048  # the model's limits for the kernel (``kernel_wins``, ``jds.nn.swiglu_into``)
+MIN_WIDTH = BLOCK * math.ceil(WAVE_FILL * NUM_SMS)
+CHUNK = 8  # blocks of 128 a program (1024 columns)
 NUM_WARPS = 4
+
+
+def kernel_wins(rows: int, width: int) -> bool:
+    """Where the model quantises in the activation on the kernels: up to ``AUTO_MAX_ROWS`` rows (the kernel alone
+    was faster than XLA's activation + ``quantize_rows`` at 64 to 2048 rows at both widths timed), at widths of at
+    least ``MIN_WIDTH``, where the 128-wide column tiles of the FP8 GEMMs that make gate and up fill a wave and those
+    do not split K. Below it they do, XLA fuses their split-K sums into its activation, and the kernel left them
+    as two sum kernels of their own: slower in the step (V4's bench MLP, 2048 wide, on an H100: docs/perf-log.md,
+    seventy-first session)."""
+    return rows <= AUTO_MAX_ROWS and width >= MIN_WIDTH
 
 
 def swiglu(gate: jax.Array, up: jax.Array, dtype: jnp.dtype) -> jax.Array:

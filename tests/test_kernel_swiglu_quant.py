@@ -15,7 +15,7 @@ import pytest
 from jds.ops.quant import QuantizedRows, act_quant, quantize_rows_xla
 from pallas_kernels import swiglu_quant as SQ
 from tests.kernel_modes import MODES, interpret_for
-from tests.tolerances import ulp
+from tests.tolerances import act_quant_on_cpu, ulp
 
 
 def _inputs(seed: int, m: int, cols: int) -> jax.Array:
@@ -39,7 +39,7 @@ def _check(xq: QuantizedRows, h, gate, up, fmt: str, mp: int) -> None:
     got = np.asarray(h, np.float64)
     bad = np.abs(got - ref) > tol
     assert not bad.any(), f"{bad.sum()} of {bad.size} off, worst {np.abs(got - ref).max()}"
-    q_want, s_want = act_quant(h, 128, fmt)  # of the kernel's own h: exact by construction
+    q_want, s_want = act_quant_on_cpu(h, 128, fmt)  # of the kernel's own h: exact by construction
     q, s = xq.unpadded()
     np.testing.assert_array_equal(_bits(q), _bits(q_want))
     np.testing.assert_array_equal(np.asarray(s), np.asarray(s_want))
@@ -106,7 +106,8 @@ def test_errors_name_the_field():
 
 def test_mlp_quantizes_for_fp8_w2_only():
     """``jds.nn.swiglu_into`` in the MLP: an FP8 ``w2`` takes the QuantizedRows (the MLP's output on "xla" equal to
-    its plain form bit for bit); a bf16 ``w2``, or more rows than ``AUTO_MAX_ROWS`` off "xla", takes the bf16 rows."""
+    its plain form bit for bit); a bf16 ``w2``, or off "xla" where the kernel does not win (more rows than
+    ``AUTO_MAX_ROWS``, narrower than ``MIN_WIDTH``), takes the bf16 rows."""
     from flax import nnx
 
     from jds.model import MLP
@@ -119,6 +120,9 @@ def test_mlp_quantizes_for_fp8_w2_only():
         plain = mlp.w2(SQ.swiglu(g, u, jnp.bfloat16))
         assert isinstance(swiglu_into(g, u, mlp.w2), QuantizedRows) == fp8
         np.testing.assert_array_equal(_bits(mlp(x)), _bits(plain))
-    mlp.w2 = type(mlp.w2)(384, 256, dtype=jnp.bfloat16, fp8=True, rngs=nnx.Rngs(1), implementation="auto")
-    big = _inputs(5, SQ.AUTO_MAX_ROWS + 1, 384)
-    assert not isinstance(swiglu_into(big, big, mlp.w2), QuantizedRows)
+    w = SQ.MIN_WIDTH
+    w2 = type(mlp.w2)(w, 128, dtype=jnp.bfloat16, fp8=True, rngs=nnx.Rngs(1), implementation="auto")
+    for rows, width, quantised in ((3, w, True), (SQ.AUTO_MAX_ROWS + 1, w, False), (3, w - 128, False)):
+        x = jnp.zeros((rows, width), jnp.bfloat16)
+        assert isinstance(swiglu_into(x, x, w2), QuantizedRows) == quantised, (rows, width)
+    assert SQ.kernel_wins(64, 18432) and not SQ.kernel_wins(64, 2048)  # V3.2's dense MLP, V4's bench MLP

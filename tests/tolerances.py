@@ -155,3 +155,18 @@ def assert_e4m3_within_step(got, want, block: int, what: str = "", max_frac: flo
     if max_frac is not None and gb.size:
         frac = float((err > 0).mean())
         assert frac <= max_frac, f"{what}: {frac:.3%} of values differ (rounding flips should be rare)"
+
+
+def act_quant_on_cpu(x, block: int, fmt: str):
+    """``jds.ops.quant.act_quant`` of x computed by XLA's CPU backend: the reference for the kernels that quantise.
+    XLA's GPU backend converts float32 to float8_e4m3fn through float16, which rounds twice near e4m3's subnormal
+    range: a quotient just below a tie (3.4999998 steps of 2^-9) becomes the tie in float16 and then rounds to even,
+    one code away from the correct rounding the kernels' conversion instruction makes (docs/perf-log.md,
+    seventy-first session)."""
+    import jax
+
+    from jds.ops.quant import act_quant
+
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        return act_quant(jax.device_put(x, cpu), block, fmt)
