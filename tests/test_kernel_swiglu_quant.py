@@ -126,3 +126,26 @@ def test_mlp_quantizes_for_fp8_w2_only():
         x = jnp.zeros((rows, width), jnp.bfloat16)
         assert isinstance(swiglu_into(x, x, w2), QuantizedRows) == quantised, (rows, width)
     assert SQ.kernel_wins(64, 18432) and not SQ.kernel_wins(64, 2048)  # V3.2's dense MLP, V4's bench MLP
+
+
+@pytest.mark.parametrize("fmt", ["ue8m0", "amax"])
+def test_reference_is_numpys_single_rounding(fmt):
+    """The kernels' quantisation reference (``act_quant`` on XLA's CPU backend) equals a direct float32 derivation in
+    numpy (the scale by ``block_scale``, one correctly rounded quotient, one RNE conversion to e4m3), on the h of a
+    native failure: there XLA's GPU backend rounded h / s = -3.4999998 steps of 2^-9 through float16 to code 132
+    (-4 steps); once rounded it is 131 (-3 steps)."""
+    import ml_dtypes
+
+    from jds.ops.quant import ACT_AMAX_FLOOR, block_scale
+
+    with jax.default_device(jax.devices("cpu")[0]):  # the same h on any machine
+        h = SQ.swiglu(_inputs(64, 64, 2048), _inputs(65, 64, 2048), jnp.bfloat16)
+    q, s = act_quant_on_cpu(h, 128, fmt)
+    blocks = np.asarray(h, np.float32).reshape(64, 16, 128)
+    s_np = np.asarray(block_scale(jnp.asarray(np.abs(blocks).max(axis=-1)), fmt, ACT_AMAX_FLOOR))
+    np.testing.assert_array_equal(np.asarray(s), s_np)
+    quot = (blocks / s_np[..., None]).astype(np.float32)  # numpy: one correctly rounded float32 division
+    want = np.clip(quot, -448, 448).astype(ml_dtypes.float8_e4m3fn).reshape(64, 2048).view(np.uint8)
+    np.testing.assert_array_equal(_bits(q), want)
+    if fmt == "amax":
+        assert want[59, 1380] == 131
