@@ -12,8 +12,10 @@ arrays. Each 128-wide block is quantised on its own, so programs take a [rows, b
 holds ``chunk`` blocks of row t as one [chunk, 128] tile, each block's amax a reduction along the tile's rows (the
 same layout as ``pallas_kernels.norm_quant``, whose block quantiser this shares). Rows past M (up to the GEMM's
 padded row count) are written as zero rows with a zero block's scale, as ``fp8_gemm.quantize_rows`` writes them.
-(q, s) equal ``act_quant`` of the h this kernel computes, bit for bit; h itself may differ from XLA's in the last
-bit (the sigmoid's exp is Triton's, not XLA's): ``want_h`` returns it for that check.
+(q, s) equal ``act_quant`` of the h this kernel computes, bit for bit, as XLA's CPU backend computes it (one
+rounding to e4m3; XLA's GPU backend rounds through float16 first: ``tests.tolerances.act_quant_on_cpu``); h itself
+may differ from XLA's in the last bit (the sigmoid's exp is Triton's, not XLA's): ``want_h`` returns it for that
+check.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ def kernel_wins(rows: int, width: int) -> bool:
 
 
 def swiglu(gate: jax.Array, up: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """The dense MLP's activation as DeepSeek's reference computes it: silu in float32, rounded to ``dtype``, times
-    up in ``dtype``."""
+    """The dense MLP's activation as the model computes it: silu in float32, rounded to ``dtype``, times up in
+    ``dtype``."""
     return jax.nn.silu(gate.astype(F32)).astype(dtype) * up.astype(dtype)
 
 
