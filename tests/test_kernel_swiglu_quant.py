@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
-from jds.ops.quant import QuantizedRows, act_quant, quantize_rows_xla
+from jds.ops.quant import ACT_AMAX_FLOOR, QuantizedRows, act_quant, block_scale, quantize_rows_xla
 from pallas_kernels import swiglu_quant as SQ
 from tests.kernel_modes import MODES, interpret_for
 from tests.tolerances import act_quant_on_cpu, ulp
@@ -134,10 +135,6 @@ def test_reference_is_numpys_single_rounding(fmt):
     numpy (the scale by ``block_scale``, one correctly rounded quotient, one RNE conversion to e4m3), on the h of a
     native failure: there XLA's GPU backend rounded h / s = -3.4999998 steps of 2^-9 through float16 to code 132
     (-4 steps); once rounded it is 131 (-3 steps)."""
-    import ml_dtypes
-
-    from jds.ops.quant import ACT_AMAX_FLOOR, block_scale
-
     with jax.default_device(jax.devices("cpu")[0]):  # the same h on any machine
         h = SQ.swiglu(_inputs(64, 64, 2048), _inputs(65, 64, 2048), jnp.bfloat16)
     q, s = act_quant_on_cpu(h, 128, fmt)

@@ -17,9 +17,12 @@ Formats (significand bits p including the implicit one; ulp(x) = 2^(floor(log2|x
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+
+from jds.ops.quant import act_quant
 
 # (significand bits incl. the implicit one, exponent of the smallest normal)
 _FORMATS = {
@@ -163,10 +166,6 @@ def act_quant_on_cpu(x, block: int, fmt: str):
     range: a quotient just below a tie (3.4999998 steps of 2^-9) becomes the tie in float16 and then rounds to even,
     one code away from the correct rounding the kernels' conversion instruction makes (docs/perf-log.md,
     seventy-first session)."""
-    import jax
-
-    from jds.ops.quant import act_quant
-
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
         return act_quant(jax.device_put(x, cpu), block, fmt)
