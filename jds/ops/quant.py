@@ -58,9 +58,28 @@ def ue8m0_scale_bits(amax: jax.Array, amax_floor: float = ACT_AMAX_FLOOR) -> tup
     return s, inv, e
 
 
+def round_to_grid(x: jax.Array, mantissa_bits: int, min_exp: int) -> jax.Array:
+    """float32 x rounded to nearest even onto the grid of a narrow float with ``mantissa_bits`` stored mantissa
+    bits and smallest normal exponent ``min_exp`` (e4m3: 3, -6; e2m1: 1, 0), as float32; no clamp.
+
+    Why: XLA's GPU backend converts float32 to float8_e4m3fn through float16, so a value just below a tie rounds
+    up to the tie in float16 and then to even: one code off the correct rounding. A value already on the grid
+    converts exactly by any path. Normal range: round the float32 bits to ``mantissa_bits`` (the carry into the
+    exponent is the correct result); below 2^min_exp the grid is uniform, round(x / step) * step, both exact.
+    """
+    x = x.astype(jnp.float32)
+    drop = 23 - mantissa_bits
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    bias = np.uint32((1 << (drop - 1)) - 1) + ((bits >> np.uint32(drop)) & np.uint32(1))
+    normal = jax.lax.bitcast_convert_type((bits + bias) & np.uint32(~((1 << drop) - 1) & 0xFFFFFFFF), jnp.float32)
+    inv_step = np.float32(2.0 ** (mantissa_bits - min_exp))
+    sub = jnp.round(x * inv_step) * np.float32(2.0 ** (min_exp - mantissa_bits))
+    return jnp.where(jnp.abs(x) < np.float32(2.0 ** min_exp), sub, jnp.where(jnp.isnan(x), x, normal))
+
+
 def quantize_e4m3(x_over_s: jax.Array) -> jax.Array:
-    """Clamp to +-448 then round-to-nearest-even into float8_e4m3fn."""
-    return jnp.clip(x_over_s.astype(jnp.float32), -FP8_MAX, FP8_MAX).astype(FP8)
+    """Clamp to +-448 then round-to-nearest-even into float8_e4m3fn (onto the grid first: ``round_to_grid``)."""
+    return jnp.clip(round_to_grid(x_over_s, 3, -6), -FP8_MAX, FP8_MAX).astype(FP8)
 
 
 def true_divide(x: jax.Array, d: jax.Array | float) -> jax.Array:
@@ -104,7 +123,7 @@ def fp4_quant(x: jax.Array, block: int = 32, amax_floor: float = 1e-4) -> tuple[
     xb = x.astype(jnp.float32).reshape(x.shape[:-1] + (n // block, block))
     a = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1), np.float32(amax_floor))
     s = ue8m0_ceil(a * np.float32(1.0 / FP4_MAX))
-    q = jnp.clip(xb / s[..., None], -FP4_MAX, FP4_MAX).astype(jnp.float4_e2m1fn).astype(jnp.float32)
+    q = jnp.clip(round_to_grid(xb / s[..., None], 1, 0), -FP4_MAX, FP4_MAX).astype(jnp.float4_e2m1fn).astype(jnp.float32)
     return q.reshape(x.shape), s
 
 
@@ -146,8 +165,8 @@ def quantize_weight_blocks_jax(w: jax.Array, block: int = 128, fmt: ScaleFmt = "
     s = true_divide(jnp.maximum(amax, np.float32(1e-4)), FP8_MAX)
     if fmt == "ue8m0":
         s = ue8m0_ceil(s)
-    q = jnp.clip(true_divide(blocks, s[:, None, :, None]), -FP8_MAX, FP8_MAX)
-    return q.reshape(ob * block, ib * block)[:o, :i].astype(FP8), s
+    q = quantize_e4m3(true_divide(blocks, s[:, None, :, None]))
+    return q.reshape(ob * block, ib * block)[:o, :i], s
 
 
 def dequant_weight_blocks(wq: jax.Array, scale: jax.Array, block: int = 128) -> jax.Array:
