@@ -233,6 +233,22 @@ def _choose_g(t: int, r: int) -> int:
     return 2 if t <= 2 * r else 4
 
 
+def _q_padding(t: int, hi: int, r: int, config: IndexerKernelConfig) -> tuple[int, int]:
+    """(padded heads, tokens per group g): the kernel reads q as [T + g, hp, 128] (a group's g rows from any first
+    token; rows past T are zeros, never stored)."""
+    hp = -(-hi // 64) * 64
+    # g accumulators of [64, hp] fp32 live in registers at once: keep g * hp <= 256 (128 regs / thread)
+    return hp, max(1, min(config.queries_per_cta or _choose_g(t, r), 256 // hp))
+
+
+def logits_q_shape(t: int, hi: int, requests: int, config: IndexerKernelConfig | None = None) -> tuple[int, int]:
+    """(rows, heads) of the q8 / w that ``paged_logits`` reads for T tokens of ``hi`` heads over ``requests``
+    block-table rows: a caller that quantises q can pad its input to them (zeros), so that the padding is part of
+    the quantisation's fusion instead of a copy of q8 of its own."""
+    hp, g = _q_padding(t, hi, requests, config or default_config())
+    return t + g, hp
+
+
 # ----- the kernel ---------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class _Plan:
@@ -427,7 +443,8 @@ def paged_logits(q8: jax.Array, w: jax.Array, cache: jax.Array, block_tables: ja
     interpret = mosaic_interpret(interpret)  # None: native; else interpret mode's parameters
     config = config or default_config()
     epp = entries_per_page
-    t, hi, d = q8.shape
+    t = req_idx.shape[0]
+    _, hi, d = q8.shape
     if d != HEAD_DIM:
         raise ValueError(f"indexer head dim must be {HEAD_DIM}, got {d}")
     if hi > 256:
@@ -440,9 +457,10 @@ def paged_logits(q8: jax.Array, w: jax.Array, cache: jax.Array, block_tables: ja
     r, nblk = block_tables.shape
     n_cols = nblk * epp
     n_tiles = -(-n_cols // TILE)
-    hp = -(-hi // 64) * 64
-    # g accumulators of [64, hp] fp32 live in registers at once: keep g * hp <= 256 (128 regs / thread)
-    g = max(1, min(config.queries_per_cta or _choose_g(t, r), 256 // hp))
+    hp, g = _q_padding(t, hi, r, config)
+    if q8.shape[0] not in (t, t + g) or w.shape != (q8.shape[0], hi) or n_visible.shape != (t,):
+        raise ValueError(f"q8 must have T = {t} rows (req_idx's) or T + {g} (``logits_q_shape``), w the same rows and "
+                         f"n_visible T: got q8 {q8.shape}, w {w.shape}, n_visible {n_visible.shape}")
     n_groups = t if g == 1 else max(1, min(t, -(-t // g) + r + 1))
     if g > 1 and not isinstance(req_idx, jax.core.Tracer):  # eager callers: check the contiguity contract
         ri = np.asarray(req_idx)
@@ -464,8 +482,9 @@ def paged_logits(q8: jax.Array, w: jax.Array, cache: jax.Array, block_tables: ja
 
     meta = _group_metadata(req_idx, n_visible, g, n_groups)
     nvis = jnp.pad(n_visible.astype(jnp.int32), (0, g))
-    qp = jnp.pad(q8.astype(FP8), ((0, g), (0, hp - hi), (0, 0)))
-    wp = jnp.pad(w.astype(jnp.float32), ((0, g), (0, hp - hi)))
+    pad_rows = t + g - q8.shape[0]  # 0 where the caller made q8 with the rows the kernel reads (``logits_q_shape``)
+    qp = jnp.pad(q8.astype(FP8), ((0, pad_rows), (0, hp - hi), (0, 0)))
+    wp = jnp.pad(w.astype(jnp.float32), ((0, pad_rows), (0, hp - hi)))
     rows_pp = plan.rows_pp
     if mode == "paged":
         kv = cache.reshape(nb, rows_pp, 1, 128)  # free reshape: pages of 128-byte rows
@@ -635,9 +654,14 @@ def _indexer_topk_pallas(index_q, index_w, cache, fmt, block_tables, req_idx, n_
     if t == 0:  # no tokens: no kernel (an empty grid)
         return jnp.zeros((0, k), jnp.int32)
     n_cols = block_tables.shape[1] * fmt.entries_per_page
-    q8, w8 = quantize_q(index_q, index_w)
     width = -(-n_cols // TILE) * TILE
     chunk = max(1, config.max_logits_bytes // (4 * width))
+    if t <= chunk:  # one launch: q padded to the rows / heads it reads ahead of its quantisation (one fusion)
+        rows, hp = logits_q_shape(t, index_q.shape[1], block_tables.shape[0], config)
+        hi = index_q.shape[1]
+        index_q = jnp.pad(index_q, ((0, rows - t), (0, hp - hi), (0, 0)))
+        index_w = jnp.pad(index_w, ((0, rows - t), (0, hp - hi)))
+    q8, w8 = quantize_q(index_q, index_w)
 
     def fn(q, w, r, nv):
         lg = paged_logits(q, w, cache, block_tables, r, nv, entries_per_page=fmt.entries_per_page,
