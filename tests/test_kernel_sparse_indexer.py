@@ -239,6 +239,32 @@ def test_logits_match_reference(case: Case, mode: str) -> None:
     check_logits(out, ref, abssum, _rtol(mode))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_q_padded_by_the_caller(mode: str) -> None:
+    """q quantised from an input the caller padded to ``logits_q_shape`` (as ``indexer_topk`` does, so the pad is
+    part of the quantisation's fusion): the logits of the unpadded call bit for bit (the kernel reads the same
+    arrays: padded heads and rows are zeros either way). Heads not a multiple of 64 and groups of 2 tokens."""
+    c = Case("prepadded", 64, 72, (130, 64), (0,) * 4 + (1,) * 2, (127, 128, 129, 130, 63, 64), g=2)
+    out, _, _, (qd, wf, cache, fmt, bt, req, nvis) = _run_case(c, mode)
+    cfg = si.IndexerKernelConfig(queries_per_cta=c.g, tiles_per_cta=c.tpc, num_buffers=c.nbuf, key_source=c.source)
+    rows, hp = si.logits_q_shape(len(c.req), c.hi, bt.shape[0], cfg)
+    assert (rows, hp) == (len(c.req) + 2, 128)
+    q8, w8 = si.quantize_q(jnp.pad(qd, ((0, rows - len(c.req)), (0, hp - c.hi), (0, 0))),
+                           jnp.pad(wf, ((0, rows - len(c.req)), (0, hp - c.hi))))
+    again = si.paged_logits(q8, w8, cache, bt, req, nvis, entries_per_page=c.epp, config=cfg,
+                            interpret=_interpret(mode))
+    np.testing.assert_array_equal(np.asarray(again), out)
+
+
+def test_q_rows_other_than_t_or_padded_name_q8() -> None:
+    fmt, cache, bt = paged_keys(64, [70], 2, 0)
+    qd, wf = queries(4, 64, 1)
+    q8, w8 = si.quantize_q(qd, wf)
+    req, nvis = jnp.zeros((3,), jnp.int32), jnp.full((3,), 70, jnp.int32)
+    with pytest.raises(ValueError, match="q8 must have T = 3 rows"):
+        si.paged_logits(q8, w8, cache, bt, req, nvis, entries_per_page=64)
+
+
 @pytest.mark.skipif(ON_GPU, reason="interpret mode's race detector")
 @pytest.mark.parametrize("source", ["auto", "gathered"])
 def test_no_races(source: str) -> None:
