@@ -22,6 +22,7 @@ from jds.batch import PagedBatch, validate_batch
 from jds.config import Numerics
 from jds.nn import Linear, jdtype
 from jds.ops.dispatch import Implementation, op_implementation, resolve_layer_implementation
+from jds.ops.indexer import dequant_index_q
 from jds.ops.paging import RecordFormat, empty_cache
 from jds.ops.records import FloatRows, IndexerRecord132, IndexerRecordFP4
 from pallas_kernels.sparse_indexer import indexer_topk
@@ -45,11 +46,20 @@ class Query:
     """What ``prepare`` hands the consumers, alike in both models: ``attend`` reads ``q``, ``select`` the rest."""
 
     q: jax.Array  # V3.2: absorbed [T, H, kv_lora] or MHA [T, H, nope + rope]; V4: [T, H, head_dim]
-    index_q: jax.Array  # [T, Hi, Di] float32 (FP8-dequantised when indexer_fp8); [T, 0, 0] without an indexer
+    # [T, Hi, Di]: e4m3 with ``index_q_scale`` (indexer_fp8: q as the model quantised it), else float32 (FP4
+    # round-tripped with indexer_fp4); [T, 0, 0] without an indexer
+    index_q: jax.Array
     index_w: jax.Array  # [T, Hi] float32, constant scales folded in; [T, 0] without an indexer
     # V3.2 absorbed: the roped [T, H, rope] apart (the query's row is q then q_rope; the sparse MQA reads the two
     # into one tile, so no op writes their concatenation); else None
     q_rope: jax.Array | None = None
+    index_q_scale: jax.Array | None = None  # [T, Hi] float32: index_q's FP8 scales; None: index_q is float
+
+    def indexer_q(self) -> jax.Array:
+        """The indexer's q as real numbers, float32 [T, Hi, Di] (dequantised where FP8)."""
+        if self.index_q_scale is None:
+            return self.index_q
+        return dequant_index_q(self.index_q, self.index_q_scale)
 
     def full_q(self) -> jax.Array:
         """The query's whole row, [T, H, Dk]."""
@@ -151,7 +161,8 @@ class StagedAttention(nnx.Module):
             return jnp.zeros((batch.positions.shape[0], 0), jnp.int32)
         return indexer_topk(query.index_q, query.index_w, cache.index_k, self.index_format, batch.block_tables,
                             batch.req_idx, self.visible_keys(batch.positions), self.cfg.index_topk,
-                            implementation=self.op_implementation, config=self.indexer_config)
+                            implementation=self.op_implementation, config=self.indexer_config,
+                            index_q_scale=query.index_q_scale)
 
     @property
     def op_implementation(self) -> Implementation:

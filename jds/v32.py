@@ -149,11 +149,11 @@ class V32Attention(StagedAttention):
         # absorbed: the latent q and the roped part apart (the sparse MQA reads both into one tile)
         q, q_rope = (self._absorb_uk(q_nope), q_pe) if self.form == "absorbed" else (
             jnp.concatenate([q_nope, q_pe], axis=-1), None)
-        # V32Query keeps the dequantised q and the constant-scaled weights; the op's q-scale-folded weights
-        # (its 4th output) are score-equivalent for a select that reads e4m3 q
-        index_q = qi.astype(jnp.float32) * qs[..., None]
+        # V32Query keeps the e4m3 q with its scales (indexer_fp8) and the constant-scaled weights: the select
+        # folds the scales into them itself (the op's 4th output is that product)
+        index_q, index_q_scale = (qi, qs) if n.indexer_fp8 else (qi.astype(jnp.float32), None)
         index_w = inp.index_w.astype(jnp.float32) * (cfg.index_head_dim ** -0.5) * (cfg.index_n_heads ** -0.5)
-        return (V32Query(q=q, index_q=index_q, index_w=index_w, q_rope=q_rope),
+        return (V32Query(q=q, index_q=index_q, index_w=index_w, q_rope=q_rope, index_q_scale=index_q_scale),
                 V32Cache(kv=kv_cache, index_k=index_cache))
 
     def attend(self, query: V32Query, topk: jax.Array, batch: PagedBatch, cache: V32Cache) -> jax.Array:

@@ -30,7 +30,7 @@ from jds.config import Numerics, V4Config
 from jds.nn import FusedLinear, Linear, RMSNorm, jdtype, norm_into
 from jds.ops.quant import QuantizedRows, dequant_weight_blocks, quantize_weight_blocks_jax
 from jds.ops import compressor as comp
-from jds.ops.indexer import prepare_indexer_q
+from jds.ops.indexer import prepare_indexer_q, prepare_indexer_q8
 from jds.ops.paging import RecordFormat, global_slots
 from jds.ops.records import FloatRows, MlaRecord584
 from jds.ops.rope import cached_inv_freqs, rope_cos_sin, rope_part
@@ -225,6 +225,7 @@ class V4Attention(StagedAttention):
         t = q.shape[0]
         compressed, state, index_k, index_state = cache.compressed, cache.state, cache.index_k, cache.index_state
         index_q, index_w = jnp.zeros((t, 0, 0), jnp.float32), jnp.zeros((t, 0), jnp.float32)
+        index_q_scale = None
         if self.ratio:
             state, e, slots = self._compress(self.compressor, state, inp.comp, batch)
             compressed = insert_entries(compressed, e, slots, fmt=self.compressed_format,
@@ -235,12 +236,15 @@ class V4Attention(StagedAttention):
                                         hadamard=self.numerics.indexer_hadamard, dtype=dt,
                                         implementation=self.op_implementation)
             qi = rope_part(self.indexer.project_q(qr, cfg), cos, sin, rope_dim=rd, first=False, interleaved=True)
-            index_q, index_w = prepare_indexer_q(qi, inp.index_w, head_dim=cfg.index_head_dim,
-                                                 n_heads=cfg.index_n_heads, fp8=self.numerics.indexer_fp8,
-                                                 hadamard=self.numerics.indexer_hadamard, dtype=dt,
-                                                 fp4=self.numerics.indexer_fp4)
+            kw = dict(head_dim=cfg.index_head_dim, n_heads=cfg.index_n_heads, hadamard=self.numerics.indexer_hadamard,
+                      dtype=dt)
+            if self.numerics.indexer_fp8 and not self.numerics.indexer_fp4:  # q as quantised, scales apart
+                index_q, index_q_scale, index_w = prepare_indexer_q8(qi, inp.index_w, **kw)
+            else:
+                index_q, index_w = prepare_indexer_q(qi, inp.index_w, fp8=self.numerics.indexer_fp8,
+                                                     fp4=self.numerics.indexer_fp4, **kw)
         new = V4Cache(window=window, compressed=compressed, state=state, index_k=index_k, index_state=index_state)
-        return V4Query(q=q, index_q=index_q, index_w=index_w), new
+        return V4Query(q=q, index_q=index_q, index_w=index_w, index_q_scale=index_q_scale), new
 
     def attend(self, query: V4Query, topk: jax.Array, batch: PagedBatch, cache: V4Cache) -> jax.Array:
         """One sparse MQA over [window | compressed] candidates with the sink, then inverse RoPE at p:

@@ -83,7 +83,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jds.ops.dispatch import (Implementation, Unsupported, check_array, check_int, describe, num_sms,
                               mosaic_interpret, run_op)
 from jds.ops.paging import check_cache
-from jds.ops.indexer import indexer_topk_xla, map_token_chunks, masked_index_logits, visible_topk_indices
+from jds.ops.indexer import (dequant_index_q, indexer_topk_xla, map_token_chunks, masked_index_logits,
+                             visible_topk_indices)
 from jds.ops.select import radix_topk
 from jds.ops.quant import FP8, act_quant
 from jds.ops.records import IndexerRecord132
@@ -610,29 +611,39 @@ def topk_from_logits(logits: jax.Array, k: int, segment: int | None = None,
 
 def indexer_topk(index_q: jax.Array, index_w: jax.Array, cache: jax.Array, fmt, block_tables: jax.Array,
                  req_idx: jax.Array, n_visible: jax.Array, k: int, *, implementation: Implementation = "pallas",
-                 config: IndexerKernelConfig | None = None, interpret: bool | None = None) -> jax.Array:
+                 config: IndexerKernelConfig | None = None, interpret: bool | None = None,
+                 index_q_scale: jax.Array | None = None) -> jax.Array:
     """Top-k request-local key indices [T, k] int32 (-1 padded) among each token's first n_visible keys.
 
-    index_q [T, Hi, 128] fp32 and index_w [T, Hi] as the layers prepare them (``prepare_indexer_q``).
+    index_q [T, Hi, 128] and index_w [T, Hi] as the layers prepare them: float q (``prepare_indexer_q``), or e4m3
+    q with its float32 scales [T, Hi] in ``index_q_scale`` (``prepare_indexer_q8``: the kernel scores those bytes;
+    a float q is quantised for it with UE8M0 scales, exact for a q that is e4m3 times a power of two).
     Tokens are processed in chunks whose fp32 logits fit ``config.max_logits_bytes``.
     ``implementation="pallas"`` needs an FP8 ``IndexerRecord132`` cache (see ``supports``); ``"auto"`` runs
     the XLA implementation (``jds.ops.indexer.indexer_topk_xla``) for other caches.
     """
-    k = _check_inputs(index_q, index_w, cache, fmt, block_tables, req_idx, n_visible, k, config)
+    k = _check_inputs(index_q, index_w, cache, fmt, block_tables, req_idx, n_visible, k, config, index_q_scale)
     config = config or default_config()
-    args = (index_q, index_w, cache, fmt, block_tables, req_idx, n_visible, k)
+    args = (index_w, cache, fmt, block_tables, req_idx, n_visible, k)
+    real_q = (lambda: index_q) if index_q_scale is None else (lambda: dequant_index_q(index_q, index_q_scale))
     return run_op("indexer_topk", implementation, {
         # the XLA workspace: each chunk's gathered fp32 keys plus its logits
-        "xla": lambda: indexer_topk_xla(*args, max_workspace_bytes=config.max_logits_bytes),
-        "pallas": lambda: _indexer_topk_pallas(*args, config=config, interpret=interpret)})
+        "xla": lambda: indexer_topk_xla(real_q(), *args, max_workspace_bytes=config.max_logits_bytes),
+        "pallas": lambda: _indexer_topk_pallas(index_q, *args, config=config, interpret=interpret,
+                                               q_scale=index_q_scale)})
 
 
-def _check_inputs(index_q, index_w, cache, fmt, block_tables, req_idx, n_visible, k, config) -> int:
+def _check_inputs(index_q, index_w, cache, fmt, block_tables, req_idx, n_visible, k, config,
+                  index_q_scale=None) -> int:
     """Input errors of every implementation (ValueError naming the argument; static shapes and dtypes only).
     Returns ``k`` as an int."""
     check_array("index_q", index_q, (("T", None), ("Hi", None), ("D", None)), "float")
     t, hi, d = index_q.shape
     check_array("index_w", index_w, (("T", t), ("Hi", hi)), "float")
+    if index_q_scale is not None:
+        check_array("index_q_scale", index_q_scale, (("T", t), ("Hi", hi)), "float")
+        if jnp.dtype(index_q.dtype) != jnp.dtype(FP8):
+            raise ValueError(f"index_q must be float8_e4m3fn where index_q_scale is given, got {describe(index_q)}")
     width = check_cache("cache", cache, fmt, "fmt")
     if width != d:
         raise ValueError(f"index_q head dim D = {d} must equal the key width {width} of fmt = {fmt}")
@@ -647,7 +658,8 @@ def _check_inputs(index_q, index_w, cache, fmt, block_tables, req_idx, n_visible
     return check_int("k", k, 1)
 
 
-def _indexer_topk_pallas(index_q, index_w, cache, fmt, block_tables, req_idx, n_visible, k, *, config, interpret):
+def _indexer_topk_pallas(index_q, index_w, cache, fmt, block_tables, req_idx, n_visible, k, *, config, interpret,
+                         q_scale=None):
     if not supports(fmt, index_q.shape[-1]):
         raise Unsupported(f"the Pallas indexer kernel does not support {fmt} (see supports)")
     t = index_q.shape[0]
@@ -658,10 +670,13 @@ def _indexer_topk_pallas(index_q, index_w, cache, fmt, block_tables, req_idx, n_
     chunk = max(1, config.max_logits_bytes // (4 * width))
     if t <= chunk:  # one launch: q padded to the rows / heads it reads ahead of its quantisation (one fusion)
         rows, hp = logits_q_shape(t, index_q.shape[1], block_tables.shape[0], config)
-        hi = index_q.shape[1]
-        index_q = jnp.pad(index_q, ((0, rows - t), (0, hp - hi), (0, 0)))
-        index_w = jnp.pad(index_w, ((0, rows - t), (0, hp - hi)))
-    q8, w8 = quantize_q(index_q, index_w)
+        pads = ((0, rows - t), (0, hp - index_q.shape[1]))
+        index_q = jnp.pad(index_q, (*pads, (0, 0)))
+        index_w = jnp.pad(index_w, pads)
+        q_scale = None if q_scale is None else jnp.pad(q_scale, pads)
+    # the FP8 q as the model quantised it, its scale folded into the weights (exact: the scores' real numbers)
+    q8, w8 = (quantize_q(index_q, index_w) if q_scale is None
+              else (index_q, index_w.astype(jnp.float32) * q_scale.astype(jnp.float32)))
 
     def fn(q, w, r, nv):
         lg = paged_logits(q, w, cache, block_tables, r, nv, entries_per_page=fmt.entries_per_page,
@@ -675,7 +690,8 @@ def _indexer_topk_pallas(index_q, index_w, cache, fmt, block_tables, req_idx, n_
 
 @functools.partial(jax.jit, static_argnames=("fmt", "k", "implementation", "config", "interpret"))
 def indexer_topk_jit(index_q, index_w, cache, fmt, block_tables, req_idx, n_visible, k, implementation="pallas",
-                     config=None, interpret=None):
+                     config=None, interpret=None, index_q_scale=None):
     """jit wrapper of ``indexer_topk`` (benchmarks, tests)."""
     return indexer_topk(index_q, index_w, cache, fmt, block_tables, req_idx, n_visible, k,
-                        implementation=implementation, config=config, interpret=interpret)
+                        implementation=implementation, config=config, interpret=interpret,
+                        index_q_scale=index_q_scale)

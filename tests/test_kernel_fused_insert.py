@@ -417,8 +417,8 @@ def test_v32_layer_prepare(mode, numerics, monkeypatch):
     assert_cache_match(layer.index_format, gc.index_k, wc.index_k, slots, False, "indexer cache")
     assert_q_match(gq.full_q(), wq.full_q(), False, "q", 2e-2)
     assert_q_match(gq.index_w, wq.index_w, True, "index_w", 0)  # f32: one ulp on a few elements
-    np.testing.assert_allclose(np.asarray(gq.index_q), np.asarray(wq.index_q), rtol=0.13,
-                               atol=2e-2 * float(np.abs(np.asarray(wq.index_q)).max()))
+    np.testing.assert_allclose(np.asarray(gq.indexer_q()), np.asarray(wq.indexer_q()), rtol=0.13,
+                               atol=2e-2 * float(np.abs(np.asarray(wq.indexer_q())).max()))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -448,7 +448,7 @@ def test_v4_layer_prepare(mode, layer_id, monkeypatch):
         if name in ("compressed", "index_k"):
             every = np.arange(getattr(gc, name).shape[0] * fmt.entries_per_page)
             assert_cache_match(fmt, getattr(gc, name), getattr(wc, name), every, False, name)
-    np.testing.assert_array_equal(np.asarray(gq.index_q), np.asarray(wq.index_q))
+    np.testing.assert_array_equal(np.asarray(gq.indexer_q()), np.asarray(wq.indexer_q()))
 
 
 # ----- lowering checks (any machine) ----------------------------------------------------------------------------

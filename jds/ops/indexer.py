@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jds.ops.hadamard import hadamard_rotate
 from jds.ops.paging import RecordFormat, gather_request_rows
-from jds.ops.quant import act_quant, dequant, fp4_roundtrip
+from jds.ops.quant import act_quant, fp4_roundtrip
 
 
 def prepare_indexer_q(q: jax.Array, w: jax.Array, *, head_dim: int, n_heads: int, fp8: bool,
@@ -27,16 +27,38 @@ def prepare_indexer_q(q: jax.Array, w: jax.Array, *, head_dim: int, n_heads: int
 
     Weights fold the constant scales Di^-1/2 * Hi^-1/2 (the FP8 q scale stays in the dequantised q).
     """
+    if fp8 and not fp4:
+        q8, s, wf = prepare_indexer_q8(q, w, head_dim=head_dim, n_heads=n_heads, hadamard=hadamard, dtype=dtype,
+                                       scale_fmt=scale_fmt)
+        return dequant_index_q(q8, s), wf
     q = q.astype(dtype)
     if hadamard:
         q = hadamard_rotate(q)
     if fp4:  # MXFP4 (V4 as released): the q values carry their own scales; the weights are not q-scaled
         q = fp4_roundtrip(q)
-    elif fp8:
-        q8, s = act_quant(q, head_dim, scale_fmt, 1e-4)
-        q = dequant(q8, s, head_dim)
-    wf = w.astype(jnp.float32) * (head_dim ** -0.5) * (n_heads ** -0.5)
-    return q.astype(jnp.float32), wf
+    return q.astype(jnp.float32), _fold_weights(w, head_dim, n_heads)
+
+
+def prepare_indexer_q8(q: jax.Array, w: jax.Array, *, head_dim: int, n_heads: int, hadamard: bool,
+                       dtype: jnp.dtype, scale_fmt: str = "ue8m0") -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The FP8 indexer q as the model quantises it: (q8 e4m3 [T, Hi, Di], its scales float32 [T, Hi], folded
+    weights [T, Hi]). The layers hand these to ``indexer_topk`` (``index_q_scale``): its kernel scores q8 with the
+    scale folded into the weights, so q is quantised once (a dequantised q would be quantised again there, which
+    with amax scales is a second rounding)."""
+    q = q.astype(dtype)
+    if hadamard:
+        q = hadamard_rotate(q)
+    q8, s = act_quant(q, head_dim, scale_fmt, 1e-4)
+    return q8, s[..., 0], _fold_weights(w, head_dim, n_heads)
+
+
+def dequant_index_q(q8: jax.Array, s: jax.Array) -> jax.Array:
+    """float32 q = q8 * s, one scale per (token, head)."""
+    return q8.astype(jnp.float32) * s.astype(jnp.float32)[..., None]
+
+
+def _fold_weights(w: jax.Array, head_dim: int, n_heads: int) -> jax.Array:
+    return w.astype(jnp.float32) * (head_dim ** -0.5) * (n_heads ** -0.5)
 
 
 def prepare_indexer_k(k: jax.Array, *, hadamard: bool, dtype: jnp.dtype) -> jax.Array:
