@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jds.ops.indexer import dequant_index_q
 from jds.ops.quant import FP8
 from jds.ops.records import IndexerRecord132
 from jds.ops.select import radix_topk
@@ -69,15 +70,16 @@ def _cache(key, n_pages: int) -> jax.Array:
     return jnp.concatenate([vals, sbytes], axis=1)
 
 
-def _queries(key, t: int) -> tuple[jax.Array, jax.Array]:
+def _queries(key, t: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(q8 e4m3 [t, HI, 128], its power-of-two scales [t, HI], folded weights [t, HI]): the FP8 q as the layers hand
+    it to the select (``prepare_indexer_q8``)."""
     kq, kw = jax.random.split(key)
     # clipped to the e4m3 range: an out-of-range value casts to NaN, and a NaN query makes its whole logits
     # row NaN (before 2026-11-29 about 1 row in 20 was; it sent the Pallas top-k to its slow fallback)
     q8 = jnp.clip(jax.random.normal(kq, (t, HI, 128)) * 100, -448, 448).astype(FP8)
-    s = jnp.exp2(jax.random.randint(kw, (t, HI, 1), -12, -6).astype(jnp.float32))
-    index_q = q8.astype(jnp.float32) * s  # the dequantised q the layers hand over
+    s = jnp.exp2(jax.random.randint(kw, (t, HI), -12, -6).astype(jnp.float32))
     index_w = jax.random.normal(kw, (t, HI), jnp.float32) * (128 ** -0.5) * (HI ** -0.5)
-    return index_q, index_w
+    return q8, s, index_w
 
 
 def _tables(key, rows: int, width: int) -> tuple[jax.Array, int]:
@@ -86,11 +88,11 @@ def _tables(key, rows: int, width: int) -> tuple[jax.Array, int]:
 
 
 def _decode_inputs(key, b: int, c: int) -> tuple[jax.Array, ...]:
-    """(block tables, cache, index_q, index_w, req_idx) of b decode requests over c-key contexts."""
+    """(block tables, cache, q8, q scales, index_w, req_idx) of b decode requests over c-key contexts."""
     k1, k2, k3 = jax.random.split(key, 3)
     bt, nb = _tables(k1, b, c // EPP)
-    iq, iw = _queries(k3, b)
-    return bt, _cache(k2, nb), iq, iw, jnp.arange(b, dtype=jnp.int32)
+    q8, qs, iw = _queries(k3, b)
+    return bt, _cache(k2, nb), q8, qs, iw, jnp.arange(b, dtype=jnp.int32)
 
 
 def _model(t: int, n_cols: int, vis: np.ndarray, g: int, req: np.ndarray, select: bool) -> tuple[int, int]:
@@ -137,8 +139,8 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
     logits_x = jax.jit(si.xla_logits, static_argnums=3)
 
     def selector(impl: str, config: si.IndexerKernelConfig):
-        def run(iq, iw, cache, bt, req, nvis):
-            return si.indexer_topk_jit(iq, iw, cache, fmt, bt, req, nvis, K, impl, config, interpret)
+        def run(q8, qs, iw, cache, bt, req, nvis):  # the layers' FP8 q: e4m3 + scales
+            return si.indexer_topk_jit(q8, iw, cache, fmt, bt, req, nvis, K, impl, config, interpret, qs)
         return run
 
     select_p, select_x = selector("pallas", cfg), selector("xla", xla_cfg)
@@ -154,8 +156,8 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
     decode = decode if "decode" in want else []
     for b, c in decode:
         k, key = jax.random.split(key)
-        bt, cache, iq, iw, req = _decode_inputs(k, b, c)
-        q8, w8 = si.quantize_q(iq, iw)
+        bt, cache, q8, qs, iw, req = _decode_inputs(k, b, c)
+        iq, w8 = dequant_index_q(q8, qs), iw * qs
         nvis = jnp.full((b,), c, jnp.int32)
         vis_np, req_np = np.full(b, c), np.arange(b)
         nbytes, flops = _model(b, c, vis_np, 1, req_np, False)
@@ -167,7 +169,7 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
                              big=b * c >= (1 << 21)))
         nbytes, flops = _model(b, c, vis_np, 1, req_np, True)
         case = f"decode_select_b{b}_c{c}"
-        args = (iq, iw, cache, bt, req, nvis)
+        args = (q8, qs, iw, cache, bt, req, nvis)
         yield (_row(case, "pallas", select_p, args, nbytes, flops, quick))
         yield (_row(case, "xla", select_x, args, nbytes, flops, quick, big=b * c >= (1 << 21)))
         if (b, c) in ((64, 32768), (64, 131072), (16, 131072)):  # tuning sweep at and beyond the target point
@@ -202,13 +204,13 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
                                                         topk_splits=None, topk_invisible_in_kernel=True))
     for b, c in sel:
         k, key = jax.random.split(key)
-        bt, cache, iq, iw, req = _decode_inputs(k, b, c)
+        bt, cache, q8, qs, iw, req = _decode_inputs(k, b, c)
         # full rows, then one request of 1000 tokens among full ones (its row is mostly -inf: the Pallas
         # top-k's prefilter fails on it and that row reads itself again)
         for tag, vis in (("", np.full(b, c)), ("_mixed", np.r_[1000, np.full(b - 1, c)])):
             nvis = jnp.asarray(vis, jnp.int32)
             nbytes, flops = _model(b, c, vis, 1, np.arange(b), True)
-            args = (iq, iw, cache, bt, req, nvis)
+            args = (q8, qs, iw, cache, bt, req, nvis)
             case = f"decode_select_b{b}_c{c}{tag}"
             yield _row(case + "_auto", "pallas", sel_auto, args, nbytes, flops, quick, profile=True,
                        topk=si.resolve_topk_algorithm(b, c))
@@ -274,14 +276,15 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
         k1, k2, k3, key = jax.random.split(key, 4)
         bt, nb = _tables(k1, 1, c // EPP)
         cache = _cache(k2, nb)
-        iq, iw = _queries(k3, q)
+        q8, qs, iw = _queries(k3, q)
+        iq = dequant_index_q(q8, qs)
         req = jnp.zeros((q,), jnp.int32)
         pos = np.arange(c - q, c)
         nvis = jnp.asarray(pos + 1, jnp.int32)
         vis_np, req_np = pos + 1, np.zeros(q, np.int64)
         g = 4
         if q == (128 if quick else 1024):
-            q8, w8 = si.quantize_q(iq, iw)
+            w8 = iw * qs
             nbytes, flops = _model(q, c, vis_np, g, req_np, False)
             case = f"prefill_logits_q{q}_c{c}"
             yield (_row(case, "pallas", logits_p, (q8, w8, cache, bt, req, nvis), nbytes, flops, quick))
@@ -290,7 +293,7 @@ def benchmark(quick: bool, cases: Sequence[str] | None = None) -> Iterator[dict]
                                  big=True))
         nbytes, flops = _model(q, c, vis_np, g, req_np, True)
         case = f"prefill_select_q{q}_c{c}"
-        args = (iq, iw, cache, bt, req, nvis)
+        args = (q8, qs, iw, cache, bt, req, nvis)
         yield (_row(case, "pallas", select_p, args, nbytes, flops, quick, big=q * c >= (1 << 27)))
         yield (_row(case, "xla", select_x, args, nbytes, flops, quick, big=True))
         del cache

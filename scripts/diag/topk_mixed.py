@@ -51,14 +51,13 @@ def _paths_fn(b: int, c: int, hint: bool, interpret: bool):
 def _measure(b: int, c: int, short: int | None, variant: str = "default") -> dict:
     config = si.IndexerKernelConfig(topk_algorithm="auto", **VARIANTS[variant])
     interpret = jax.default_backend() != "gpu"  # a CPU smoke run: interpret mode, no timeline
-    bt, cache, iq, iw, req = ksi._decode_inputs(jax.random.key(b * 7 + c), b, c)
+    bt, cache, q8, qs, iw, req = ksi._decode_inputs(jax.random.key(b * 7 + c), b, c)
     vis = np.full(b, c) if short is None else np.r_[short, np.full(b - 1, c)]
     nvis = jnp.asarray(vis, jnp.int32)
     # the jitted select itself (its static arguments passed along): one executable per config and shape
-    r = profiled_device_us(si.indexer_topk_jit, iq, iw, cache, IndexerRecord132(ksi.EPP), bt, req, nvis, ksi.K,
-                           "pallas", config, interpret, calls=20, by_kernel=True)
-    q8, w8 = si.quantize_q(iq, iw)
-    logits = _logits_fn(config, interpret)(q8, w8, cache, bt, req, nvis)
+    r = profiled_device_us(si.indexer_topk_jit, q8, iw, cache, IndexerRecord132(ksi.EPP), bt, req, nvis, ksi.K,
+                           "pallas", config, interpret, qs, calls=20, by_kernel=True)
+    logits = _logits_fn(config, interpret)(q8, iw * qs, cache, bt, req, nvis)
     paths = np.asarray(_paths_fn(b, c, bool(config.topk_lengths), interpret)(logits, nvis))
     return {"topk": si.resolve_topk_algorithm(b, c), "paths": dict(collections.Counter(PATHS[p] for p in paths)),
             **r}
