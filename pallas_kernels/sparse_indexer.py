@@ -435,7 +435,8 @@ def paged_logits(q8: jax.Array, w: jax.Array, cache: jax.Array, block_tables: ja
                  interpret: bool | plgpu.InterpretGPUParams | None = None) -> jax.Array:
     """One kernel launch: q8 [T, Hi, 128] e4m3, w [T, Hi] fp32 (= w * s_q), cache uint8 [pages, epp*132],
     block_tables [R, nblk], req_idx [T], n_visible [T] -> logits fp32 [T, ceil(nblk*epp / 64) * 64]
-    (-inf at invisible keys and at the padding columns).
+    (-inf at invisible keys and at the padding columns). q8 / w may come with the rows and heads the kernel reads
+    (``logits_q_shape``: zeros past T and Hi), else they are padded here; T is req_idx's length.
 
     The tokens of one request row must be contiguous (as ``jds.batch.PagedBatch`` lays them out, padding
     last): the grid holds ceil(T / G) + R + 1 groups, and rows of groups beyond that would stay unwritten.
