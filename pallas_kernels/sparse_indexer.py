@@ -234,20 +234,22 @@ def _choose_g(t: int, r: int) -> int:
     return 2 if t <= 2 * r else 4
 
 
-def _q_padding(t: int, hi: int, r: int, config: IndexerKernelConfig) -> tuple[int, int]:
-    """(padded heads, tokens per group g): the kernel reads q as [T + g, hp, 128] (a group's g rows from any first
-    token; rows past T are zeros, never stored)."""
+def _q_padding(t: int, hi: int, r: int, config: IndexerKernelConfig) -> tuple[int, int, int]:
+    """(rows, padded heads, tokens per group g) of the q the kernel reads: [T + g, hp, 128] where a group holds
+    g > 1 tokens (its g rows are read from any first token; rows past T are zeros, never stored); [T, hp, 128] for
+    one token a group (a group's row is its token's, always below T)."""
     hp = -(-hi // 64) * 64
     # g accumulators of [64, hp] fp32 live in registers at once: keep g * hp <= 256 (128 regs / thread)
-    return hp, max(1, min(config.queries_per_cta or _choose_g(t, r), 256 // hp))
+    g = max(1, min(config.queries_per_cta or _choose_g(t, r), 256 // hp))
+    return (t if g == 1 else t + g), hp, g
 
 
 def logits_q_shape(t: int, hi: int, requests: int, config: IndexerKernelConfig | None = None) -> tuple[int, int]:
     """(rows, heads) of the q8 / w that ``paged_logits`` reads for T tokens of ``hi`` heads over ``requests``
     block-table rows: a caller that quantises q can pad its input to them (zeros), so that the padding is part of
     the quantisation's fusion instead of a copy of q8 of its own."""
-    hp, g = _q_padding(t, hi, requests, config or default_config())
-    return t + g, hp
+    rows, hp, _ = _q_padding(t, hi, requests, config or default_config())
+    return rows, hp
 
 
 # ----- the kernel ---------------------------------------------------------------------------------
@@ -459,9 +461,9 @@ def paged_logits(q8: jax.Array, w: jax.Array, cache: jax.Array, block_tables: ja
     r, nblk = block_tables.shape
     n_cols = nblk * epp
     n_tiles = -(-n_cols // TILE)
-    hp, g = _q_padding(t, hi, r, config)
-    if q8.shape[0] not in (t, t + g) or w.shape != (q8.shape[0], hi) or n_visible.shape != (t,):
-        raise ValueError(f"q8 must have T = {t} rows (req_idx's) or T + {g} (``logits_q_shape``), w the same rows and "
+    rows, hp, g = _q_padding(t, hi, r, config)
+    if q8.shape[0] not in (t, rows) or w.shape != (q8.shape[0], hi) or n_visible.shape != (t,):
+        raise ValueError(f"q8 must have T = {t} rows (req_idx's) or {rows} (``logits_q_shape``), w the same rows and "
                          f"n_visible T: got q8 {q8.shape}, w {w.shape}, n_visible {n_visible.shape}")
     n_groups = t if g == 1 else max(1, min(t, -(-t // g) + r + 1))
     if g > 1 and not isinstance(req_idx, jax.core.Tracer):  # eager callers: check the contiguity contract
@@ -483,10 +485,12 @@ def paged_logits(q8: jax.Array, w: jax.Array, cache: jax.Array, block_tables: ja
                  n_groups=n_groups, nbuf=min(config.num_buffers, tpc), mode=mode)
 
     meta = _group_metadata(req_idx, n_visible, g, n_groups)
-    nvis = jnp.pad(n_visible.astype(jnp.int32), (0, g))
-    pad_rows = t + g - q8.shape[0]  # 0 where the caller made q8 with the rows the kernel reads (``logits_q_shape``)
-    qp = jnp.pad(q8.astype(FP8), ((0, pad_rows), (0, hp - hi), (0, 0)))
-    wp = jnp.pad(w.astype(jnp.float32), ((0, pad_rows), (0, hp - hi)))
+    nvis = jnp.pad(n_visible.astype(jnp.int32), (0, rows - t))  # a group's g tokens' from its first (empty: T)
+    pad_rows = rows - q8.shape[0]  # 0 where the caller made q8 with the rows the kernel reads (``logits_q_shape``)
+    qp, wp = q8.astype(FP8), w.astype(jnp.float32)
+    if pad_rows or hp != hi:
+        qp = jnp.pad(qp, ((0, pad_rows), (0, hp - hi), (0, 0)))
+        wp = jnp.pad(wp, ((0, pad_rows), (0, hp - hi)))
     rows_pp = plan.rows_pp
     if mode == "paged":
         kv = cache.reshape(nb, rows_pp, 1, 128)  # free reshape: pages of 128-byte rows
@@ -671,10 +675,11 @@ def _indexer_topk_pallas(index_q, index_w, cache, fmt, block_tables, req_idx, n_
     chunk = max(1, config.max_logits_bytes // (4 * width))
     if t <= chunk:  # one launch: q padded to the rows / heads it reads ahead of its quantisation (one fusion)
         rows, hp = logits_q_shape(t, index_q.shape[1], block_tables.shape[0], config)
-        pads = ((0, rows - t), (0, hp - index_q.shape[1]))
-        index_q = jnp.pad(index_q, (*pads, (0, 0)))
-        index_w = jnp.pad(index_w, pads)
-        q_scale = None if q_scale is None else jnp.pad(q_scale, pads)
+        if (rows, hp) != index_q.shape[:2]:
+            pads = ((0, rows - t), (0, hp - index_q.shape[1]))
+            index_q = jnp.pad(index_q, (*pads, (0, 0)))
+            index_w = jnp.pad(index_w, pads)
+            q_scale = None if q_scale is None else jnp.pad(q_scale, pads)
     # the FP8 q as the model quantised it, its scale folded into the weights (exact: the scores' real numbers)
     q8, w8 = (quantize_q(index_q, index_w) if q_scale is None
               else (index_q, index_w.astype(jnp.float32) * q_scale.astype(jnp.float32)))

@@ -249,6 +249,8 @@ def test_q_padded_by_the_caller(mode: str) -> None:
     cfg = si.IndexerKernelConfig(queries_per_cta=c.g, tiles_per_cta=c.tpc, num_buffers=c.nbuf, key_source=c.source)
     rows, hp = si.logits_q_shape(len(c.req), c.hi, bt.shape[0], cfg)
     assert (rows, hp) == (len(c.req) + 2, 128)
+    # one token a group (decode: no more tokens than requests): a group reads its own row only, nothing past T
+    assert si.logits_q_shape(3, 64, 3) == (3, 64) and si.logits_q_shape(4, 64, 3) == (4 + 2, 64)
     q8, w8 = si.quantize_q(jnp.pad(qd, ((0, rows - len(c.req)), (0, hp - c.hi), (0, 0))),
                            jnp.pad(wf, ((0, rows - len(c.req)), (0, hp - c.hi))))
     again = si.paged_logits(q8, w8, cache, bt, req, nvis, entries_per_page=c.epp, config=cfg,
