@@ -407,6 +407,8 @@ def test_layer_select_wiring(mode: str, arch: str, monkeypatch) -> None:
         x = jnp.asarray(rng.standard_normal((batch.num_tokens, cfg.hidden_size)), jnp.float32)
         prep = nnx.jit(lambda m, x, b, c: m.prepare(m.project_in(x), b, c))
         query, cache = prep(layer, x, batch, layer.init_cache(nb))
+        # the FP8 q as the layer quantised it, scales apart (``Query.index_q_scale``)
+        assert query.index_q.dtype == FP8 and query.index_q_scale.shape == query.index_q.shape[:2]
         assert pallas_calls(sel, layer, query, batch, cache) == 0, "the xla layer traced a Pallas kernel"
         want = np.asarray(select(layer, query, batch, cache))
         layer.implementation = "pallas"
