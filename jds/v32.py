@@ -22,6 +22,7 @@ from jds.batch import PagedBatch
 from jds.config import Numerics, V32Config
 from jds.nn import FusedLinear, Linear, LayerNorm, RMSNorm, jdtype, norm_into
 from jds.ops.dispatch import on_gpu
+from jds.ops.indexer import fold_index_weights
 from jds.ops.paging import RecordFormat, global_slots, read_records
 from jds.ops.records import FloatRows, MlaRecord656
 from jds.ops.quant import QuantizedRows
@@ -152,7 +153,7 @@ class V32Attention(StagedAttention):
         # V32Query keeps the e4m3 q with its scales (indexer_fp8) and the constant-scaled weights: the select
         # folds the scales into them itself (the op's 4th output is that product)
         index_q, index_q_scale = (qi, qs) if n.indexer_fp8 else (qi.astype(jnp.float32), None)
-        index_w = inp.index_w.astype(jnp.float32) * (cfg.index_head_dim ** -0.5) * (cfg.index_n_heads ** -0.5)
+        index_w = fold_index_weights(inp.index_w, cfg.index_head_dim, cfg.index_n_heads)
         return (V32Query(q=q, index_q=index_q, index_w=index_w, q_rope=q_rope, index_q_scale=index_q_scale),
                 V32Cache(kv=kv_cache, index_k=index_cache))
 

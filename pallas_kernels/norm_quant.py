@@ -16,9 +16,8 @@ GEMM's padded row count) are written as zero rows with a zero block's scale, as 
 Backend: the Triton lowering; Mosaic GPU's register layouts hold 64 rows a warpgroup, so at decode (64-128 rows)
 one or two CTAs would read all of x for the row sums.
 (q, s) equal ``act_quant`` of the y this kernel stores, bit for bit (same ops on the same bf16 values; amax-format
-scales divide with IEEE rounding), as XLA's CPU backend computes it (XLA's GPU backend converts to e4m3 through
-float16, a second rounding: ``tests.tolerances.act_quant_on_cpu``); y itself may differ from XLA's rms_norm in the
-last bit (summation order).
+scales divide with IEEE rounding; the tests take that reference from XLA's CPU backend,
+``tests.tolerances.act_quant_on_cpu``); y itself may differ from XLA's rms_norm in the last bit (summation order).
 """
 
 from __future__ import annotations

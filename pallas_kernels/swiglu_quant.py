@@ -12,10 +12,9 @@ arrays. Each 128-wide block is quantised on its own, so programs take a [rows, b
 holds ``chunk`` blocks of row t as one [chunk, 128] tile, each block's amax a reduction along the tile's rows (the
 same layout as ``pallas_kernels.norm_quant``, whose block quantiser this shares). Rows past M (up to the GEMM's
 padded row count) are written as zero rows with a zero block's scale, as ``fp8_gemm.quantize_rows`` writes them.
-(q, s) equal ``act_quant`` of the h this kernel computes, bit for bit, as XLA's CPU backend computes it (one
-rounding to e4m3; XLA's GPU backend rounds through float16 first: ``tests.tolerances.act_quant_on_cpu``); h itself
-may differ from XLA's in the last bit (the sigmoid's exp is Triton's, not XLA's): ``want_h`` returns it for that
-check.
+(q, s) equal ``act_quant`` of the h this kernel computes, bit for bit (the tests take that reference from XLA's
+CPU backend, ``tests.tolerances.act_quant_on_cpu``); h itself may differ from XLA's in the last bit (the sigmoid's
+exp is Triton's, not XLA's): ``want_h`` returns it for that check.
 """
 
 from __future__ import annotations

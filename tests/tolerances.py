@@ -161,11 +161,9 @@ def assert_e4m3_within_step(got, want, block: int, what: str = "", max_frac: flo
 
 
 def act_quant_on_cpu(x, block: int, fmt: str):
-    """``jds.ops.quant.act_quant`` of x computed by XLA's CPU backend: the reference for the kernels that quantise.
-    XLA's GPU backend converts float32 to float8_e4m3fn through float16, which rounds twice near e4m3's subnormal
-    range: a quotient just below a tie (3.4999998 steps of 2^-9) becomes the tie in float16 and then rounds to even,
-    one code away from the correct rounding the kernels' conversion instruction makes (docs/perf-log.md,
-    seventy-first session)."""
+    """``jds.ops.quant.act_quant`` of x computed by XLA's CPU backend: the reference for the kernels that quantise,
+    independent of XLA's GPU conversion to float8_e4m3fn, which goes through float16 and rounded twice before
+    ``quant.round_to_grid`` (docs/perf-log.md, seventy-first and seventy-second sessions)."""
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
         return act_quant(jax.device_put(x, cpu), block, fmt)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jds.ops.hadamard import hadamard_rotate
-from jds.ops.indexer import prepare_indexer_k
+from jds.ops.indexer import fold_index_weights, prepare_indexer_k
 from jds.ops.norms import layer_norm, rms_norm
 from jds.ops.paging import RecordFormat, write_records
 from jds.ops.quant import act_quant
@@ -51,7 +51,7 @@ def q_v32_xla(q, index_q, index_w, cos, sin, *, nope_dim: int, dtype, indexer_in
     qi = rope_part(index_q, cos, sin, rope_dim=rd, first=True, interleaved=indexer_interleave).astype(dtype)
     if hadamard:
         qi = hadamard_rotate(qi)
-    wf = index_w.astype(F32) * (di ** -0.5) * (hi ** -0.5)
+    wf = fold_index_weights(index_w, di, hi)
     if fp8:
         qi, s = act_quant(qi, di, scale_fmt, 1e-4)
         s = s[..., 0]

@@ -36,7 +36,7 @@ def prepare_indexer_q(q: jax.Array, w: jax.Array, *, head_dim: int, n_heads: int
         q = hadamard_rotate(q)
     if fp4:  # MXFP4 (V4 as released): the q values carry their own scales; the weights are not q-scaled
         q = fp4_roundtrip(q)
-    return q.astype(jnp.float32), _fold_weights(w, head_dim, n_heads)
+    return q.astype(jnp.float32), fold_index_weights(w, head_dim, n_heads)
 
 
 def prepare_indexer_q8(q: jax.Array, w: jax.Array, *, head_dim: int, n_heads: int, hadamard: bool,
@@ -49,7 +49,7 @@ def prepare_indexer_q8(q: jax.Array, w: jax.Array, *, head_dim: int, n_heads: in
     if hadamard:
         q = hadamard_rotate(q)
     q8, s = act_quant(q, head_dim, scale_fmt, 1e-4)
-    return q8, s[..., 0], _fold_weights(w, head_dim, n_heads)
+    return q8, s[..., 0], fold_index_weights(w, head_dim, n_heads)
 
 
 def dequant_index_q(q8: jax.Array, s: jax.Array) -> jax.Array:
@@ -57,7 +57,8 @@ def dequant_index_q(q8: jax.Array, s: jax.Array) -> jax.Array:
     return q8.astype(jnp.float32) * s.astype(jnp.float32)[..., None]
 
 
-def _fold_weights(w: jax.Array, head_dim: int, n_heads: int) -> jax.Array:
+def fold_index_weights(w: jax.Array, head_dim: int, n_heads: int) -> jax.Array:
+    """The indexer's head weights with the constant scales Di^-1/2 * Hi^-1/2 folded in, float32."""
     return w.astype(jnp.float32) * (head_dim ** -0.5) * (n_heads ** -0.5)
 
 
