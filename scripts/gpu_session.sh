@@ -47,6 +47,7 @@
 #   scripts/gpu_session.sh thunks        # thunk-dump check: graphs, direct launches per step per mode
 #   scripts/gpu_session.sh pending       # the twelfth session's open points: the MQA bench rows, then the decode select
 #   scripts/gpu_session.sh ncu-fp8gsweep # issue 19: FP8 grouped decode calls x variants (row layout), exact kernel durations (ncu)
+#   scripts/gpu_session.sh first         # a session's first call: H200 -> mqa-one + untested gpu tests; H100 -> indexer tests + step-kernels
 #   scripts/gpu_session.sh tests-all     # every gpu-marked test, 6 pytest-xdist workers on the one GPU
 #   scripts/gpu_session.sh kernels       # fused insert (+ tile sweep) + indexer rows with device_us, top-k variants
 #   scripts/gpu_session.sh insert-parts  # issue 20: V3.2's inserts without their Hadamard, a same-size copy, ncu at T = 8192
@@ -789,6 +790,26 @@ PY
         > "$OUT/${mode}_probe.log" 2>&1; echo "$mode probe rc=$?"; grep '^{' "$OUT/${mode}_probe.log" | cut -c1-400
       tail -3 "$OUT/${mode}_probe.log" | cut -c1-300
     done
+    ;;
+  first)
+    # a session's first call, whichever card comes (runbook item 00). On an H200: the MQA's scores="one" against
+    # "split" at V4 decode 64 (issue 20) with its native tests, then the gpu tests the H200 has not run at today's
+    # tree (top-k select + ops; the producers, grid rounding and indexer). On an H100, where the H200's targets
+    # cannot be measured: the indexer's native tests (the unpadded decode q), then the 8-layer steps' kernels in
+    # vt/base (made beforehand: git archive REV jds pallas_kernels | tar -x -C vt/base) against main
+    python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pytest-xdist
+    if nvidia-smi -L 2>/dev/null | grep -q H200; then
+      MQA1_TEST_TIMEOUT=${MQA1_TEST_TIMEOUT:-150} MQA1_TIMEOUT=${MQA1_TIMEOUT:-130} MQA1_MORE=${MQA1_MORE:-0} bash "$0" mqa-one
+      timeout -k 10 -s INT ${FIRST_TESTS_TIMEOUT:-200} python3 -m pytest -m gpu -n 12 -q -p no:cacheprovider -rfE \
+        tests/test_kernel_topk_select.py tests/test_ops.py tests/test_kernel_norm_quant.py tests/test_kernel_swiglu_quant.py \
+        tests/test_grid_rounding.py tests/test_kernel_sparse_indexer.py > "$OUT/gpu_first_tests.log" 2>&1
+      echo "first gpu tests rc=$?"; grep -E "FAILED|ERROR" "$OUT/gpu_first_tests.log" | head; tail -1 "$OUT/gpu_first_tests.log"
+    else
+      timeout -k 10 -s INT ${FIRST_TESTS_TIMEOUT:-150} python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider -rfE \
+        tests/test_kernel_sparse_indexer.py > "$OUT/gpu_first_tests.log" 2>&1
+      echo "first gpu tests rc=$?"; grep -E "FAILED|ERROR" "$OUT/gpu_first_tests.log" | head; tail -1 "$OUT/gpu_first_tests.log"
+      SK_TREES=${SK_TREES:-base main} bash "$0" step-kernels
+    fi
     ;;
   tests-all)
     # every gpu-marked test in one run: pytest-xdist workers share the GPU (the suite is compile-bound;
