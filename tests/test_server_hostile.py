@@ -232,6 +232,8 @@ CASES = [
     # -- stop -----------------------------------------------------------------------------------------
     ("stop-number", "POST", C, {**P, "stop": 5}, None, 400, "stop"),
     ("stop-list-of-numbers", "POST", C, {**P, "stop": [1]}, None, 400, "stop"),
+    ("stop-empty-string", "POST", C, {**P, "stop": ""}, None, 400, "stop"),
+    ("stop-list-with-empty", "POST", C, {**P, "stop": ["a", ""]}, None, 400, "stop"),
     ("stop-five", "POST", C, {**P, "stop": ["a", "b", "c", "d", "e"]}, None, 400, "stop"),
     ("stop-300k", "POST", C, {**P, "stop": [f"s{i}" for i in range(300_000)]}, None, 400, "stop"),
     ("stop-too-long", "POST", C, {**P, "stop": "x" * (MAX_STOP_CHARS + 1)}, None, 400, "stop"),

@@ -289,10 +289,12 @@ def _stop(body: dict) -> list[str]:
     if len(stop) > MAX_STOP_STRINGS:
         raise _bad(f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
     for s in stop:
+        if not s:  # it would match before any text: a stop at once, or (dropped) a stop never asked for
+            raise _bad("each 'stop' string must hold at least one character, got ''", "stop")
         if len(s) > MAX_STOP_CHARS:
             raise _bad(f"each 'stop' string may hold at most {MAX_STOP_CHARS} characters, got {len(s)}", "stop")
         _text(s, "stop")
-    return [s for s in stop if s]
+    return list(stop)
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
