@@ -216,6 +216,8 @@ def check_model_dir_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> N
             p.error(f"--model takes the model from the HF directory; {flag} cannot be combined with it")
     if a.runner == "fake":
         p.error("--model needs --runner model")
+    if not os.path.isfile(os.path.join(a.model, "config.json")):  # before the tokenizer's warning and any build
+        p.error(f"--model {a.model!r}: not a HF checkpoint directory (no config.json)")
 
 
 def checkpoint_alone(a: argparse.Namespace) -> bool:

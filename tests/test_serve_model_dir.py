@@ -129,9 +129,10 @@ def test_numerics_departures_are_explicit(tmp_path, hf_dir) -> None:
         False, False, "bfloat16", False)
 
 
-def test_bad_model_dir_names_the_problem(tmp_path, hf_dir) -> None:
-    with pytest.raises(ValueError, match="no config.json"):
+def test_bad_model_dir_names_the_problem(tmp_path, hf_dir, capsys) -> None:
+    with pytest.raises(SystemExit):  # at parse time: before the tokenizer's warning, before anything is built
         prepare("--model", str(tmp_path))
+    assert "not a HF checkpoint directory (no config.json)" in capsys.readouterr().err
     with pytest.raises(ValueError, match="'layers'"):
         prepare("--model", str(hf_dir), "--cache-dir", str(tmp_path / "c"), "--num-layers", "5")
     assert not any((tmp_path / "c").iterdir())  # nothing half-written in the cache
