@@ -174,7 +174,7 @@ def _comparable_rows(topk_a: list[list[np.ndarray]], topk_b: list[list[np.ndarra
     return out
 
 
-def _check_within_rounding_sensitivity(res: dict, arch: str) -> None:
+def _check_within_rounding_sensitivity(res: dict, arch: str, numerics: Numerics | None = None) -> None:
     """Every torch mode equals torch eager, and jds and torch differ by no more than jds differs from itself under
     a one-ulp change of its input; out-of-graph launches eager > wide > narrow > full = 0.
 
@@ -193,7 +193,7 @@ def _check_within_rounding_sensitivity(res: dict, arch: str) -> None:
     noise_l, noise_t = [0.0] * len(base_l), [[0] * len(t) for t in base_t]
     noise_g = [np.zeros(lj.shape[0], bool) for lj in base_l]  # rows whose greedy pick a nudge moved
     for seed in range(6):
-        ln, tn, _ = _jds_run(_ulp_nudged(_model(arch, Numerics.serving(), False), seed), arch)
+        ln, tn, _ = _jds_run(_ulp_nudged(_model(arch, numerics or Numerics.serving(), False), seed), arch)
         for s in range(len(base_l)):
             noise_l[s] = max(noise_l[s], _rel(ln[s], base_l[s]))
             noise_t[s] = [max(a, b) for a, b in zip(noise_t[s], _differ(tn[s], base_t[s]))]
@@ -230,6 +230,41 @@ def test_serving_numerics_every_mode(arch: str) -> None:
     _check_within_rounding_sensitivity(_compare(arch, Numerics.serving(), TORCH_MODES), arch)
 
 
+@pytest.mark.parametrize("arch,fmt", [("v32", "amax"), pytest.param("v32", "ue8m0", marks=pytest.mark.slow),
+                                      pytest.param("v4", "ue8m0", marks=pytest.mark.slow)])
+def test_fp8_linear_numerics_every_mode(arch: str, fmt: str) -> None:
+    """The checkpoint's own numerics (FP8 linears, activations re-quantised per 128 with the checkpoint's scale
+    format, FP8 caches and indexer): every torch mode bit-identical, jds within its own rounding sensitivity."""
+    numerics = Numerics(dtype="bfloat16", kv_cache_dtype="fp8", fp8_linear=True, indexer_fp8=True,
+                        act_scale_fmt=fmt)
+    _check_within_rounding_sensitivity(_compare(arch, numerics, TORCH_MODES), arch, numerics)
+
+
+@pytest.mark.parametrize("fmt", ["ue8m0", "amax"])
+def test_fp8_linear_matches_jds(fmt: str) -> None:
+    """``K.fp8_linear`` (its dequantised form off CUDA) against jds's ``fp8_linear`` on fresh random rows and a
+    weight with zero rows past its out features: x quantised to the same bytes and scales, y within float32
+    summation order of the same terms (a few float32 ulps of the largest output)."""
+    from jds.nn import pad_out_rows
+    from jds.ops import quant
+
+    rng = np.random.default_rng(5)
+    for m, k, n in ((5, 256, 384), (33, 512, 200)):
+        wq, ws = quant.quantize_weight_blocks_jax(jnp.asarray(rng.standard_normal((n, k)), jnp.float32) * 0.05,
+                                                  128, "amax")
+        wq = pad_out_rows(wq)
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32).astype(jnp.bfloat16)
+        xq, sx = quant.act_quant(x, 128, fmt)
+        tq, ts = K.act_quant(to_torch(x), 128, fmt)
+        np.testing.assert_array_equal(tq.view(torch.uint8).numpy(), np.asarray(xq).view(np.uint8))
+        np.testing.assert_array_equal(ts.numpy(), np.asarray(sx))
+        want = np.asarray(quant.fp8_linear(x, wq, ws, jnp.float32, fmt))
+        got = K.fp8_linear(to_torch(x), to_torch(wq), to_torch(ws), torch.float32, fmt).numpy()
+        assert got.shape == want.shape == (m, wq.shape[0])
+        np.testing.assert_allclose(got, want, rtol=0, atol=k * 2.0 ** -23 * np.abs(want).max())
+        assert not got[:, n:].any()  # the zero rows' outputs
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("arch", ["v32", "v4"])
@@ -255,6 +290,43 @@ def test_gpu_serving_every_mode_within_rounding_sensitivity(arch: str) -> None:
     captured and replayed (``_check_within_rounding_sensitivity``; that the two sides compute the same function is
     test_gpu_exact_every_mode_matches_jds)."""
     _check_within_rounding_sensitivity(_compare(arch, Numerics.serving(), TORCH_MODES, device="cuda"), arch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ["v32", "v4"])
+def test_gpu_fp8_linear_every_mode_within_rounding_sensitivity(arch: str) -> None:
+    """On the GPU, the checkpoint's numerics (FP8 linears on torch's blockwise scaled_mm, amax activation
+    scales): as ``test_fp8_linear_numerics_every_mode``, with the graphs captured and replayed."""
+    numerics = Numerics(dtype="bfloat16", kv_cache_dtype="fp8", fp8_linear=True, indexer_fp8=True,
+                        act_scale_fmt="amax")
+    _check_within_rounding_sensitivity(_compare(arch, numerics, TORCH_MODES, device="cuda"), arch, numerics)
+    assert K.FP8_GEMM["path"] == "blockwise", K.FP8_GEMM
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["ue8m0", "amax"])
+def test_gpu_blockwise_fp8_linear_matches_dequantised(fmt: str) -> None:
+    """torch's blockwise scaled_mm (``K.fp8_linear`` on CUDA) against the same linear as one fp32 matmul of the
+    dequantised operands, at decode and prefill rows and a weight with a partial last scale block."""
+    rng = np.random.default_rng(7)
+    for m, k, n in ((1, 1536, 3072), (64, 7168, 2304), (200, 512, 320)):
+        w = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32) * 0.02).cuda()
+        wb = w.reshape(-1, 128, k // 128, 128) if n % 128 == 0 else None
+        ws = torch.ones((-(-n // 128), k // 128), device="cuda")
+        if wb is not None:
+            ws = K.block_scale(wb.abs().amax((1, 3)), "amax", 1e-12)
+        wq = K.quantize_e4m3(w / ws.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1))
+        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(torch.bfloat16).cuda()
+        got = K.fp8_linear(x, wq, ws, torch.float32, fmt)
+        assert K.FP8_GEMM["path"] == "blockwise", K.FP8_GEMM
+        xq, sx = K.act_quant(x, 128, fmt)
+        want = torch.nn.functional.linear(K.dequant(xq, sx, 128), K.dequant_weight(wq, ws))
+        # Hopper's FP8 MMA accumulates a K block's products in fewer bits than fp32 (DeepSeek-V3's report: about
+        # 14), so the bound is that width's, not fp32's; a wrong scale layout is off by O(1)
+        scale = want.abs().max().item()
+        assert (got - want).abs().max().item() <= 2.0 ** -9 * scale, (m, k, n)
 
 
 def _rows(fmt, n: int, rng) -> np.ndarray:
@@ -301,8 +373,10 @@ def test_bad_mode_and_numerics() -> None:
     model = Decoder(preset("v32-tiny", n_layers=1), implementation="xla")
     with pytest.raises(ValueError, match="mode"):
         TorchStepRunner(TorchDecoder.from_jds(model, 2), "fused")
-    fp8 = Decoder(preset("v32-tiny", n_layers=1, numerics=Numerics.reference()), implementation="xla")
-    with pytest.raises(ValueError, match="fp8_linear"):
+    fp8 = Decoder(preset("v32-tiny", n_layers=1, numerics=Numerics(dtype="bfloat16", kv_cache_dtype="fp8",
+                                                                     fp8_linear=True, experts_fp8=True),
+                         n_routed_experts=4, moe_topk=2, moe_intermediate_size=128), implementation="xla")
+    with pytest.raises(ValueError, match="experts_fp8"):
         TorchDecoder.from_jds(fp8, 2)
 
 

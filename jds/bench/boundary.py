@@ -68,14 +68,16 @@ def bench_arch(arch: str, layers: int, inter: int | None, ctx: int, quick: bool,
                modes: tuple[str, ...] = MODES, warm_only: bool = False, size: str = "bench",
                on_mode: Callable[[dict], None] | None = None, implementation: str = "auto",
                stable_inputs: bool = False, parallel: dict[str, int] | None = None,
-               step_end: str = "logits", fused_segments: int = 1) -> dict:
+               step_end: str = "logits", fused_segments: int = 1, fp8_weights: bool = False) -> dict:
     """Time every step shape in each mode, each step ending as ``step_end`` says (``time_steps``);
+    ``fp8_weights``: the linears (and routed experts) as an FP8 checkpoint stores them (``build_stack``);
     ``fused_segments``: the fused mode's step as that many captured executables (RunnerConfig.segments).
     ``warm_only``: run each shape once (compiles, fills the persistent compilation cache for a later timed run)
     and time nothing. ``on_mode`` gets the partial result after each mode (the caller saves it, so a run cut short by a time limit keeps full stats)."""
     import jax
 
-    model = build_stack(arch, layers, intermediate=inter, size=size, implementation=implementation)
+    model = build_stack(arch, layers, intermediate=inter, size=size, implementation=implementation,
+                        fp8_weights=fp8_weights)
     out: dict = {"arch": arch, "layers": layers, "config": str(model.cfg), "modes": {}}
     n_ttft, n_dec, n_tp = (30, 30, 5) if quick else (300, 100, 20)
     shapes = step_shapes(ctx)
@@ -139,6 +141,8 @@ def precompile(archs: list[str], modes: tuple[str, ...], a: argparse.Namespace, 
                 cmd += ["--intermediate", str(a.intermediate)]
             if a.stable_inputs:
                 cmd += ["--stable-inputs"]
+            if a.fp8_weights:
+                cmd += ["--fp8-weights"]
             cmd += ["--segments", str(a.segments), "--tensor-parallel", str(a.tensor_parallel),
                     "--data-parallel", str(a.data_parallel),
                     "--expert-parallel", str(a.expert_parallel)]
@@ -216,7 +220,8 @@ def _bench_torch(arch: str, a: argparse.Namespace, inter: int, results: dict, sa
 
     results.setdefault("torch", {})[arch] = bench_torch_arch(arch, a.layers, inter, a.ctx, a.quick,
                                                              tuple(a.torch_modes), a.size, on_mode=save_torch,
-                                                             indexer_kernel=a.torch_indexer, step_end=a.step_end)
+                                                             indexer_kernel=a.torch_indexer, step_end=a.step_end,
+                                                             fp8_weights=a.fp8_weights)
     save()
 
 
@@ -264,6 +269,8 @@ def main(argv: list[str] | None = None) -> None:
                          "greedy ids on the host (as the engine reads a token)")
     ap.add_argument("--segments", type=int, default=1,
                     help="the fused mode's step as this many captured executables (RunnerConfig.segments)")
+    ap.add_argument("--fp8-weights", action="store_true",
+                    help="the linears as an FP8 checkpoint stores them (e4m3 + 128x128 scales), on both backends")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if "torch" in a.backend:  # torch shares the GPU: jax must not preallocate most of its memory
@@ -291,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
             "command": cmd, "precompile": {},
             "implementation": a.implementation, "stable_inputs": a.stable_inputs,
             "graph_update_mode": a.graph_update_mode, "parallel": _parallel(a), "step_end": a.step_end,
-            "fused_segments": a.segments,
+            "fused_segments": a.segments, "fp8_weights": a.fp8_weights,
             "complete": False}
     results = {"meta": meta, "archs": {}}
     for arch in a.arch:
@@ -315,7 +322,8 @@ def main(argv: list[str] | None = None) -> None:
             results["archs"][arch] = bench_arch(arch, a.layers, inter, a.ctx, a.quick, tuple(a.modes), a.warm_only,
                                                  a.size, on_mode=save, implementation=a.implementation,
                                                  stable_inputs=a.stable_inputs, parallel=_parallel(a),
-                                                 step_end=a.step_end, fused_segments=a.segments)
+                                                 step_end=a.step_end, fused_segments=a.segments,
+                                                 fp8_weights=a.fp8_weights)
         save()
         if "torch" in a.backend and not a.dump and not a.warm_only:
             _bench_torch(arch, a, inter, results, save)

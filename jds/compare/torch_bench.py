@@ -41,29 +41,30 @@ def time_torch_steps(runner: Any, chunks: list, bt: np.ndarray, n_warm: int, n: 
 
 
 def torch_stack(arch: str, layers: int, inter: int | None, ctx: int, size: str = "bench",
-                device: str | None = None) -> tuple[Any, Any, dict, int, np.ndarray]:
+                device: str | None = None, fp8_weights: bool = False
+                ) -> tuple[Any, Any, dict, int, np.ndarray, dict[str, int]]:
     """jds's benchmark stack (``jds.bench.stack.build_stack``) as torch parameters on ``device`` (default: CUDA
     if there is one), with the page count and the [64, pages] block table of 64 rows of ``ctx`` tokens:
-    (device, config, params, num_blocks, block_tables)."""
+    (device, config, params, num_blocks, block_tables, the FP8 linears' out features: ``fp8_out_features``)."""
     import torch
 
     from jds.bench.stack import build_stack
-    from jds.compare.torch_stack import params_to_torch
+    from jds.compare.torch_stack import fp8_out_features, params_to_torch
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = build_stack(arch, layers, intermediate=inter, size=size, implementation="xla")
+    model = build_stack(arch, layers, intermediate=inter, size=size, implementation="xla", fp8_weights=fp8_weights)
     cfg = model.cfg
-    params = params_to_torch(model, dev)
+    params, outs = params_to_torch(model, dev), fp8_out_features(model)
     del model
     max_blocks = -(-(ctx + cfg.block_size) // cfg.block_size)
     nb = 64 * max_blocks + 8
-    return dev, cfg, params, nb, np.arange(64 * max_blocks, dtype=np.int32).reshape(64, -1) % nb
+    return dev, cfg, params, nb, np.arange(64 * max_blocks, dtype=np.int32).reshape(64, -1) % nb, outs
 
 
 def bench_torch_arch(arch: str, layers: int, inter: int | None, ctx: int, quick: bool,
                      modes: tuple[str, ...] = TORCH_MODES, size: str = "bench", device: str | None = None,
                      on_mode: Callable[[dict], None] | None = None, indexer_kernel: str = "torch",
-                     step_end: str = "logits") -> dict:
+                     step_end: str = "logits", fp8_weights: bool = False) -> dict:
     """Every step shape of jds.bench.boundary in each torch mode; ``launches_per_step``: aten ops run
     outside graphs in one step (kernel-launching ops; view/metadata ops separately)."""
     import torch
@@ -71,7 +72,9 @@ def bench_torch_arch(arch: str, layers: int, inter: int | None, ctx: int, quick:
     from jds.bench.stack import step_shapes
     from jds.compare.torch_stack import TorchDecoder, TorchStepRunner
 
-    dev, cfg, params, nb, bt = torch_stack(arch, layers, inter, ctx, size, device)
+    from jds.compare import torch_kernels as K
+
+    dev, cfg, params, nb, bt, outs = torch_stack(arch, layers, inter, ctx, size, device, fp8_weights)
     out: dict = {"arch": arch, "layers": layers, "device": str(dev), "torch": torch.__version__,
                  "indexer_kernel": indexer_kernel, "step_end": step_end,
                  "config": str(cfg), "modes": {}}
@@ -79,7 +82,7 @@ def bench_torch_arch(arch: str, layers: int, inter: int | None, ctx: int, quick:
     shapes = step_shapes(ctx)
     for mode in modes:
         t0 = time.perf_counter()
-        r = TorchStepRunner(TorchDecoder(cfg, params, nb, dev, indexer_kernel), mode)
+        r = TorchStepRunner(TorchDecoder(cfg, params, nb, dev, indexer_kernel, outs), mode)
         res: dict = {}
         res["ttft_128"] = time_torch_steps(r, shapes["ttft_128"], bt, 20, n_ttft, step_end)
         res["launches_per_step"] = {"ttft_128": r.count_step(r.prepare_inputs(
@@ -93,6 +96,8 @@ def bench_torch_arch(arch: str, layers: int, inter: int | None, ctx: int, quick:
             np.zeros(64, np.int32), shapes[f"decode_b64_ctx{ctx}"], bt))
         res["bench_seconds"] = time.perf_counter() - t0
         out["modes"][mode] = res
+        if fp8_weights:  # which FP8 GEMM the linears ran (torch's blockwise scaled_mm, or why not)
+            out["fp8_gemm"] = dict(K.FP8_GEMM) if dev.type == "cuda" else {"path": "dequantised", "error": "not CUDA"}
         if on_mode:
             on_mode(out)
         del r

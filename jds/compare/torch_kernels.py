@@ -161,6 +161,55 @@ def dequant(q: torch.Tensor, s: torch.Tensor, block: int) -> torch.Tensor:
     return (q.to(F32).reshape(q.shape[:-1] + (n // block, block)) * s[..., None]).reshape(q.shape)
 
 
+def dequant_weight(wq: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """fp32 W = Wq * S[i // block, j // block] (an e4m3 weight with its block scales, jds's ``Linear``)."""
+    o, i = wq.shape
+    s = scale.to(F32).repeat_interleave(block, 0)[:o].repeat_interleave(block, 1)[:, :i]
+    return wq.to(F32) * s
+
+
+# torch's blockwise-scaled FP8 GEMM (1x128 x scales, 128x128 weight scales: DeepGEMM's and vLLM's recipe), where
+# this torch and device take it; else None. Found on the first CUDA call, kept for the process: a comparator
+# step must not change its GEMM between calls (FP8_GEMM["path"] names the one in use, "error" why not blockwise).
+FP8_GEMM: dict[str, Any] = {"path": None, "error": None}
+
+
+def _blockwise_mm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """y [M, N] = blockwise-scaled xq [M, K] @ wq [N, K]^T through ``torch.nn.functional.scaled_mm`` (torch >=
+    2.10, cuBLASLt >= 12.9 on sm90): x scales M-major [M, K/128], weight scales [K/128 padded to 4, N/128]."""
+    F = torch.nn.functional
+    kb = xq.shape[1] // 128
+    sa = sx.t().contiguous().t()
+    sb = F.pad(ws.to(F32), (0, -(-kb // 4) * 4 - kb)).contiguous().t()
+    st, sw = F.ScalingType, F.SwizzleType
+    return F.scaled_mm(xq, wq.t(), sa, st.BlockWise1x128, sb, st.BlockWise128x128, sw.NO_SWIZZLE, sw.NO_SWIZZLE,
+                       output_dtype=out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, out_dtype: torch.dtype,
+               scale_fmt: str = "ue8m0") -> torch.Tensor:
+    """DeepSeek's ``linear()`` with an FP8 weight, as jds's ``fp8_linear``: x re-quantised per 1 x 128 with
+    ``scale_fmt`` scales, e4m3 W [N, K] with 128 x 128 block scales, fp32 accumulation, one rounding to
+    ``out_dtype``; y [..., N] (N: W's stored rows). vLLM runs DeepGEMM's / CUTLASS's blockwise FP8 GEMM here;
+    the stand-in is torch's blockwise ``scaled_mm`` on CUDA where it runs (``FP8_GEMM``), else (the CPU, or a
+    torch without it) one fp32 matmul of the dequantised operands: the same sums up to their order (exactly the
+    same terms for power-of-two scales)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    xq, sx = act_quant(x.reshape(-1, k), 128, scale_fmt)
+    if x.is_cuda and FP8_GEMM["path"] != "dequantised":
+        try:
+            y = _blockwise_mm(xq, sx, wq, ws, out_dtype)
+            FP8_GEMM["path"] = "blockwise"
+            return y.reshape(*lead, wq.shape[0])
+        except Exception as e:  # noqa: BLE001 - this torch / cuBLAS lacks it: the dequantised form, said why
+            if FP8_GEMM["path"] == "blockwise":
+                raise
+            FP8_GEMM.update(path="dequantised", error=f"{type(e).__name__}: {e}"[:300])
+    y = torch.nn.functional.linear(dequant(xq, sx, 128), dequant_weight(wq, ws))
+    return y.to(out_dtype).reshape(*lead, wq.shape[0])
+
+
 def _u8(x: torch.Tensor) -> torch.Tensor:
     """Bytes of ``x`` (little-endian), the element bytes merged into the last axis."""
     x = x.contiguous()

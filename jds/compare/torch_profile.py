@@ -94,8 +94,8 @@ def profile_arch(arch: str, layers: int, inter: int | None, ctx: int, shapes: li
     from jds.compare.torch_bench import torch_stack
     from jds.compare.torch_stack import TorchDecoder, TorchStepRunner
 
-    dev, cfg, params, nb, bt = torch_stack(arch, layers, inter, ctx, size)
-    tm = TorchDecoder(cfg, params, nb, dev, indexer_kernel)
+    dev, cfg, params, nb, bt, outs = torch_stack(arch, layers, inter, ctx, size)
+    tm = TorchDecoder(cfg, params, nb, dev, indexer_kernel, outs)
     instrument(tm)
     runner = TorchStepRunner(tm, "eager")
     all_shapes = step_shapes(ctx)

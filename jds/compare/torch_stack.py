@@ -59,6 +59,17 @@ def params_to_torch(model: Any, device: torch.device | str = "cpu") -> dict[str,
     return out
 
 
+def fp8_out_features(model: Any) -> dict[str, int]:
+    """{dotted path: out features} of a jds ``Decoder``'s FP8 linears whose stored weight has zero rows past their
+    out features (whole 128-row scale blocks)."""
+    from flax import nnx
+
+    from jds.nn import Linear
+
+    return {".".join(str(p) for p in path): node.out_features for path, node in nnx.iter_graph(model)
+            if isinstance(node, Linear) and node.fp8 and node.out_features % 128}
+
+
 def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
     """The inverse of ``to_torch`` for caches and outputs (bf16 -> ml_dtypes bfloat16 by its bits)."""
     t = t.detach().cpu().contiguous()
@@ -119,13 +130,15 @@ class _Layer:
     """Shared FFN and residual halves; subclasses add the attention stages."""
 
     def __init__(self, cfg: Any, p: dict[str, torch.Tensor], prefix: str, device: torch.device,
-                 indexer_kernel: str = "torch"):
+                 indexer_kernel: str = "torch", out_features: dict[str, int] | None = None):
         if indexer_kernel not in ("torch", "triton"):
             raise ValueError(f"indexer_kernel must be 'torch' or 'triton', got {indexer_kernel!r}")
         self.indexer_kernel = indexer_kernel
-        if cfg.numerics.fp8_linear:
-            raise ValueError("numerics.fp8_linear=True is not supported by the torch comparator "
-                             "(use Numerics.serving() or bf16())")
+        grouped = [f for f, on in (("experts_fp8", cfg.numerics.experts_fp8 and cfg.n_routed_experts > 0),
+                                   ("wo_a_fp8", cfg.numerics.wo_a_fp8 and cfg.arch == "v4")) if on]
+        if grouped:
+            raise ValueError(f"numerics.{grouped[0]}=True (a grouped FP8 GEMM) is not implemented by the torch "
+                             "comparator (its FP8 linears are the dense ones: numerics.fp8_linear)")
         if cfg.numerics.indexer_fp4:
             raise ValueError("numerics.indexer_fp4=True (V4's MXFP4 indexer) is not implemented by the torch "
                              "comparator (its indexer records are the FP8 132-byte ones)")
@@ -133,6 +146,7 @@ class _Layer:
         self.dt = K.torch_dtype(cfg.numerics.dtype)
         self.eps = cfg.attn.rms_norm_eps
         self.w = {k[len(prefix):]: v for k, v in p.items() if k.startswith(prefix)}
+        self.out = {k[len(prefix):]: n for k, n in (out_features or {}).items() if k.startswith(prefix)}
         self.moe = cfg.n_routed_experts > 0
         self.h_mat = None
         if cfg.numerics.indexer_hadamard:
@@ -150,12 +164,21 @@ class _Layer:
         keys = K.gather_request_rows(storage, fmt, b["block_tables"], max_entries)
         return K.indexer_logits(e["index_q"], e["index_w"], keys, b["req_idx"])
 
+    def lin(self, x: torch.Tensor, name: str, out_dtype: torch.dtype) -> torch.Tensor:
+        """jds's ``Linear`` ``name``: x @ W^T, through ``K.fp8_linear`` where the weight is FP8 (it has a
+        ``.scale``), cut to its out features."""
+        w, s = self.w[name + ".weight"], self.w.get(name + ".scale")
+        if s is None:
+            return K.linear(x, w, out_dtype)
+        y = K.fp8_linear(x, w, s, out_dtype, self.num.act_scale_fmt)
+        return y[..., :self.out[name]] if name in self.out else y
+
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         w = self.w
         if not self.moe:
             return self._mlp(x, "ffn.")
         # router: fp32 sigmoid scores, normalised top-k weights
-        scores = torch.sigmoid(K.linear(x.to(K.F32), w["ffn.gate.weight"], K.F32))
+        scores = torch.sigmoid(self.lin(x.to(K.F32), "ffn.gate", K.F32))
         tw, idx = torch.topk(scores, self.cfg.moe_topk, dim=-1)
         tw = tw / tw.sum(-1, keepdim=True)
         dense = torch.zeros_like(scores).scatter_(1, idx, tw)  # [T, E] routing weight, 0 when unrouted
@@ -172,10 +195,9 @@ class _Layer:
         return (routed + self._mlp(x, "ffn.shared.").to(K.F32)).to(x.dtype)
 
     def _mlp(self, x: torch.Tensor, pre: str) -> torch.Tensor:
-        w = self.w
-        g = K.linear(x, w[pre + "w1.weight"], self.dt)
-        a = torch.nn.functional.silu(g.to(K.F32)).to(x.dtype) * K.linear(x, w[pre + "w3.weight"], self.dt)
-        return K.linear(a, w[pre + "w2.weight"], self.dt)
+        g = self.lin(x, pre + "w1", self.dt)
+        a = torch.nn.functional.silu(g.to(K.F32)).to(x.dtype) * self.lin(x, pre + "w3", self.dt)
+        return self.lin(a, pre + "w2", self.dt)
 
     def pre_attention(self, h: torch.Tensor) -> Env:
         return self.project_in(K.rms_norm(h, self.w["attn_norm.weight"], self.eps))
@@ -195,8 +217,8 @@ class V32Layer(_Layer):
     """V3.2: MLA (absorbed) + lightning indexer over 656 / 132-byte (or float) caches."""
 
     def __init__(self, cfg: Any, p: dict[str, torch.Tensor], i: int, num_blocks: int, device: torch.device,
-                 indexer_kernel: str = "torch"):
-        super().__init__(cfg, p, f"layers.{i}.", device, indexer_kernel)
+                 indexer_kernel: str = "torch", out_features: dict[str, int] | None = None):
+        super().__init__(cfg, p, f"layers.{i}.", device, indexer_kernel, out_features)
         from jds.ops.rope import cached_inv_freqs  # host-side constant table (numpy)
 
         a = cfg.attn
@@ -204,20 +226,22 @@ class V32Layer(_Layer):
         self.kv_cache = K.new_storage(self.kv_fmt, num_blocks, device)
         self.index_cache = K.new_storage(self.index_fmt, num_blocks, device)
         self.inv_freqs = torch.from_numpy(cached_inv_freqs(a.rope, a.qk_rope_head_dim).copy()).to(device)
-        w = self.w["attn.wkv_b.weight"].to(self.dt).reshape(a.n_heads, a.qk_nope_head_dim + a.v_head_dim,
-                                                            a.kv_lora_rank)
+        w = self.w["attn.wkv_b.weight"]
+        if "attn.wkv_b.scale" in self.w:  # an FP8 wkv_b dequantised and rounded once, as jds absorbs it
+            w = K.dequant_weight(w, self.w["attn.wkv_b.scale"])[: a.n_heads * (a.qk_nope_head_dim + a.v_head_dim)]
+        w = w.to(self.dt).reshape(a.n_heads, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)
         self.w_uk, self.w_uv = w[:, : a.qk_nope_head_dim].contiguous(), w[:, a.qk_nope_head_dim:].contiguous()
 
     def caches(self) -> dict[str, torch.Tensor]:
         return {"kv": self.kv_cache, "index_k": self.index_cache}
 
     def project_in(self, x: torch.Tensor) -> Env:
-        w, x = self.w, x.to(self.dt)
+        x = x.to(self.dt)
         # wq_a, the indexer's wk and wkv_a as jds stores them: one GEMM (vLLM fuses wq_a with wkv_a)
-        y = K.linear(x, w["attn.wq_a_wk_wkv_a.weight"], self.dt)
+        y = self.lin(x, "attn.wq_a_wk_wkv_a", self.dt)
         q, k = self.cfg.attn.q_lora_rank, self.cfg.attn.q_lora_rank + self.cfg.attn.index_head_dim
         return {"q_lat": y[:, :q], "index_k": y[:, q:k], "kv": y[:, k:k + self.cfg.attn.kv_record_dim],
-                "index_w": K.linear(x.to(K.F32), w["attn.indexer.weights_proj.weight"], K.F32)}
+                "index_w": self.lin(x.to(K.F32), "attn.indexer.weights_proj", K.F32)}
 
     def prepare(self, e: Env, b: Env) -> Env:
         """Norms, RoPE, W_UK absorption, indexer q prep and both cache inserts (vLLM: the fused
@@ -225,7 +249,7 @@ class V32Layer(_Layer):
         a, w, dt = self.cfg.attn, self.w, self.dt
         cos, sin = K.rope_cos_sin(self.inv_freqs, b["positions"])
         q_c = K.rms_norm(e["q_lat"], w["attn.q_norm.weight"], self.eps, dt)
-        q = K.linear(q_c, w["attn.wq_b.weight"], dt).reshape(-1, a.n_heads, a.qk_head_dim)
+        q = self.lin(q_c, "attn.wq_b", dt).reshape(-1, a.n_heads, a.qk_head_dim)
         q = K.rope_part(q, cos, sin, rope_dim=a.qk_rope_head_dim, first=False, interleaved=True)
         nope = a.qk_nope_head_dim
         q_lat = K.per_head("thd,hdc->thc", q[..., :nope], self.w_uk, dt)
@@ -240,7 +264,7 @@ class V32Layer(_Layer):
         if self.h_mat is not None:
             ki = K.hadamard_rotate(ki, self.h_mat)
         K.write_records(self.index_cache, self.index_fmt, b["slot_mapping"], ki)
-        qi = K.linear(q_c, w["attn.indexer.wq_b.weight"], dt).reshape(-1, a.index_n_heads, a.index_head_dim)
+        qi = self.lin(q_c, "attn.indexer.wq_b", dt).reshape(-1, a.index_n_heads, a.index_head_dim)
         qi = K.rope_part(qi, cos, sin, rope_dim=a.qk_rope_head_dim, first=True, interleaved=ilv)
         qi, wi = K.prepare_indexer_q(qi, e["index_w"], head_dim=a.index_head_dim, n_heads=a.index_n_heads,
                                      fp8=self.num.indexer_fp8, hadamard=self.h_mat, dtype=dt,
@@ -264,15 +288,15 @@ class V32Layer(_Layer):
         return o.reshape(o.shape[0], -1)
 
     def project_out(self, o: torch.Tensor) -> torch.Tensor:
-        return K.linear(o, self.w["attn.wo.weight"], self.dt)
+        return self.lin(o, "attn.wo", self.dt)
 
 
 class V4Layer(_Layer):
     """V4: window + compressed KV (C4 with indexer, C128), attention sink, grouped output projection."""
 
     def __init__(self, cfg: Any, p: dict[str, torch.Tensor], i: int, num_blocks: int, device: torch.device,
-                 indexer_kernel: str = "torch"):
-        super().__init__(cfg, p, f"layers.{i}.", device, indexer_kernel)
+                 indexer_kernel: str = "torch", out_features: dict[str, int] | None = None):
+        super().__init__(cfg, p, f"layers.{i}.", device, indexer_kernel, out_features)
         from jds.ops import compressor as comp
         from jds.ops.rope import cached_inv_freqs
 
@@ -282,21 +306,20 @@ class V4Layer(_Layer):
         self.store = {k: K.new_storage(f, num_blocks, device) for k, f in self.fmts.items()}
         self.inv_freqs = torch.from_numpy(cached_inv_freqs(a.rope_for(self.ratio), a.rope_head_dim).copy()).to(device)
         self.c = comp.overlap_factor(self.ratio) if self.ratio else 0
-        wq = self.w["attn.wq_a_wkv.weight"]
-        self.split = wq.shape[0] - a.head_dim
+        self.split = a.q_lora_rank  # the q latent's rows, then kv's (an FP8 weight may have zero rows after)
 
     def caches(self) -> dict[str, torch.Tensor]:
         return dict(self.store)
 
     def project_in(self, x: torch.Tensor) -> Env:
-        w, x = self.w, x.to(self.dt)
-        y = K.linear(x, w["attn.wq_a_wkv.weight"], self.dt)
+        x = x.to(self.dt)
+        y = self.lin(x, "attn.wq_a_wkv", self.dt)
         out = {"q_lat": y[:, : self.split], "kv": y[:, self.split:]}
         if self.ratio:
-            out["comp"] = K.linear(x.to(K.F32), w["attn.compressor.wkv_wgate.weight"], K.F32)
+            out["comp"] = self.lin(x.to(K.F32), "attn.compressor.wkv_wgate", K.F32)
         if self.ratio == 4:
-            out["index_comp"] = K.linear(x.to(K.F32), w["attn.indexer.compressor.wkv_wgate.weight"], K.F32)
-            out["index_w"] = K.linear(x.to(K.F32), w["attn.indexer.weights_proj.weight"], K.F32)
+            out["index_comp"] = self.lin(x.to(K.F32), "attn.indexer.compressor.wkv_wgate", K.F32)
+            out["index_w"] = self.lin(x.to(K.F32), "attn.indexer.weights_proj", K.F32)
         return out
 
     def _compress(self, pre: str, state_key: str, proj: torch.Tensor, d: int, ratio: int, b: Env
@@ -315,7 +338,7 @@ class V4Layer(_Layer):
         a, w, dt, rd = self.cfg.attn, self.w, self.dt, self.cfg.attn.rope_head_dim
         cos, sin = K.rope_cos_sin(self.inv_freqs, b["positions"])
         qr = K.rms_norm(e["q_lat"], w["attn.q_norm.weight"], self.eps, dt)
-        q = K.linear(qr, w["attn.wq_b.weight"], dt).reshape(-1, a.n_heads, a.head_dim)
+        q = self.lin(qr, "attn.wq_b", dt).reshape(-1, a.n_heads, a.head_dim)
         q = K.rms_norm(q, None, self.eps, dt)
         q = K.rope_part(q, cos, sin, rope_dim=rd, first=False, interleaved=True)
         k = K.rope_part(K.rms_norm(e["kv"], w["attn.kv_norm.weight"], self.eps, dt), cos, sin, rope_dim=rd,
@@ -332,7 +355,7 @@ class V4Layer(_Layer):
             if self.h_mat is not None:
                 ent = K.hadamard_rotate(ent, self.h_mat)
             K.write_records(self.store["index_k"], self.fmts["index_k"], slots, ent)
-            qi = K.linear(qr, w["attn.indexer.wq_b.weight"], dt).reshape(-1, a.index_n_heads, a.index_head_dim)
+            qi = self.lin(qr, "attn.indexer.wq_b", dt).reshape(-1, a.index_n_heads, a.index_head_dim)
             qi = K.rope_part(qi, cos, sin, rope_dim=rd, first=False, interleaved=True)
             out["index_q"], out["index_w"] = K.prepare_indexer_q(
                 qi, e["index_w"], head_dim=a.index_head_dim, n_heads=a.index_n_heads, fp8=self.num.indexer_fp8,
@@ -384,7 +407,7 @@ class V4Layer(_Layer):
             z = torch.einsum("tgi,goi->tgo", og, wg)
         else:  # bf16 batched GEMM (fp32 accumulation), one rounding
             z = torch.bmm(og.to(wg.dtype).transpose(0, 1), wg.transpose(1, 2)).transpose(0, 1)
-        return K.linear(z.reshape(z.shape[0], -1), self.w["attn.wo_b.weight"], self.dt)
+        return self.lin(z.reshape(z.shape[0], -1), "attn.wo_b", self.dt)
 
 
 def _jdt(name: str) -> Any:
@@ -433,12 +456,15 @@ class TorchDecoder:
     paged caches of ``num_blocks`` pages per cache."""
 
     def __init__(self, cfg: Any, params: dict[str, torch.Tensor], num_blocks: int,
-                 device: torch.device | str = "cpu", indexer_kernel: str = "torch"):
-        """``indexer_kernel``: "torch" (torch ops) or "triton" (jds.compare.triton_kernels, FP8 caches)."""
+                 device: torch.device | str = "cpu", indexer_kernel: str = "torch",
+                 out_features: dict[str, int] | None = None):
+        """``indexer_kernel``: "torch" (torch ops) or "triton" (jds.compare.triton_kernels, FP8 caches).
+        ``out_features``: the out features of FP8 linears stored with zero rows past them (``fp8_out_features``),
+        whose outputs are cut there as jds's ``Linear`` cuts them."""
         self.cfg, self.device, self.num_blocks = cfg, torch.device(device), num_blocks
         self.params = {k: v.to(self.device) for k, v in params.items()}
         layer = V32Layer if cfg.arch == "v32" else V4Layer
-        self.layers = [layer(cfg, self.params, i, num_blocks, self.device, indexer_kernel)
+        self.layers = [layer(cfg, self.params, i, num_blocks, self.device, indexer_kernel, out_features or {})
                        for i in range(cfg.n_layers)]
         self.eps = cfg.attn.rms_norm_eps
         self.dt = K.torch_dtype(cfg.numerics.dtype)
@@ -446,7 +472,8 @@ class TorchDecoder:
     @classmethod
     def from_jds(cls, model: Any, num_blocks: int, device: torch.device | str = "cpu",
                  indexer_kernel: str = "torch") -> "TorchDecoder":
-        return cls(model.cfg, params_to_torch(model, device), num_blocks, device, indexer_kernel)
+        return cls(model.cfg, params_to_torch(model, device), num_blocks, device, indexer_kernel,
+                   fp8_out_features(model))
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.params["embed.weight"][tokens]
