@@ -16,6 +16,7 @@
 #   scripts/gpu_session.sh deep-v4       # issue 16: the 43-layer V4-Flash pattern
 #   scripts/gpu_session.sh async         # issue 16: the server, async stepping on vs --no-async
 #   scripts/gpu_session.sh compare       # issue 18: jds beside the PyTorch comparator, one run, one table (V3.2, 8 layers)
+#   scripts/gpu_session.sh compare-fp8   # issue 19: the same with FP8 linears on both sides (torch: blockwise scaled_mm), its gpu tests first
 #   scripts/gpu_session.sh torch-profile # issue 18: the comparator's eager step, device time per stage (torch.profiler)
 #   scripts/gpu_session.sh fp8gemm       # issue 19: the FP8 block-scaled GEMM kernel: native tests, then the bench
 #   scripts/gpu_session.sh fp8grouped    # issue 19: the grouped FP8 expert GEMM (V3.2 MoE): native tests, then the bench
@@ -280,6 +281,17 @@ case "$stage" in
     timeout -k 10 -s INT ${COMPARE_TIMEOUT:-540} python3 -m jds.bench.boundary --backend jax torch --arch ${COMPARE_ARCH:-v32} \
       --layers 8 --precompile --torch-indexer ${COMPARE_INDEXER:-triton} --step-end ${COMPARE_END:-ids} --out "$OUT/compare_${COMPARE_ARCH:-v32}_h200.json" \
       > "$OUT/compare.log" 2>&1; echo "compare rc=$?"; tail -14 "$OUT/compare.log"
+    ;;
+  compare-fp8)
+    # issue 19: jds and the torch comparator with the checkpoint's FP8 linears (torch's blockwise scaled_mm, the
+    # seventy-third session: untried on a GPU), V3.2 8 layers, jds fused beside torch narrow / full; first the
+    # comparator's FP8 gpu tests (the blockwise GEMM against the dequantised one; every mode against jds)
+    timeout -k 10 -s INT ${COMPARE_FP8_TEST_TIMEOUT:-200} python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
+      tests/test_compare_torch.py -k "fp8" > "$OUT/gpu_compare_fp8_tests.log" 2>&1
+    echo "compare fp8 tests rc=$?"; grep -E "FAILED|ERROR" "$OUT/gpu_compare_fp8_tests.log" | head; tail -1 "$OUT/gpu_compare_fp8_tests.log"
+    timeout -k 10 -s INT ${COMPARE_TIMEOUT:-400} python3 -m jds.bench.boundary --backend jax torch --arch v32 --layers 8 \
+      --fp8-weights --precompile --modes fused --torch-modes narrow full --torch-indexer triton --step-end ids \
+      --out "$OUT/compare_v32_fp8_h200.json" > "$OUT/compare_fp8.log" 2>&1; echo "compare fp8 rc=$?"; tail -14 "$OUT/compare_fp8.log"
     ;;
   torch-profile)
     # issue 18: what each torch stand-in costs on the GPU (the measured side of its docstring's expected gap)
