@@ -491,9 +491,10 @@ def test_bench_boundary_both_backends_one_table(tmp_path) -> None:
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "both.json"
+    # with an FP8 checkpoint's linears on both sides (the bf16 ones are the other comparisons' of this file)
     p = subprocess.run([sys.executable, "-m", "jds.bench.boundary", "--backend", "jax", "torch", "--arch", "v32",
-                        "--size", "tiny", "--layers", "1", "--intermediate", "64", "--ctx", "128", "--quick",
-                        "--modes", "fused", "--torch-modes", "narrow", "full", "--out", str(out)],
+                        "--size", "tiny", "--layers", "1", "--intermediate", "128", "--ctx", "128", "--quick",
+                        "--modes", "fused", "--torch-modes", "narrow", "full", "--fp8-weights", "--out", str(out)],
                        check=True, cwd=root, env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True,
                        timeout=1200)
     assert "fused/full" in p.stdout and "best/best" in p.stdout
@@ -501,6 +502,11 @@ def test_bench_boundary_both_backends_one_table(tmp_path) -> None:
     assert res["meta"]["complete"] and set(res["torch"]["v32"]["modes"]) == {"narrow", "full"}
     assert res["torch"]["v32"]["modes"]["full"]["launches_per_step"]["ttft_128"]["launches"] == 0
     assert res["comparison"]["v32"]["ttft_128:fused/full"] > 0
+    assert res["meta"]["fp8_weights"] and "fp8_linear=True" in res["torch"]["v32"]["config"]
+    assert res["torch"]["v32"]["fp8_gemm"]["path"] == "dequantised"  # on the CPU
+    from jds.bench.report import _boundary_vs_torch
+
+    assert "same FP8 weights (torch's FP8 GEMM: dequantised)" in _boundary_vs_torch(res)[0]
 
 
 class _FakeGraph:

@@ -116,8 +116,11 @@ def _boundary_vs_torch(d: dict) -> list[str]:
         rows.append(["launches outside graphs (ttft)"] + [str(x) if x != "" else "—" for x in c["launches"]]
                     + [""] * len(c["pairs"]))
         nw, fw = (q(c["ratios"].get(f"ttft_128:torch_{m}/torch_wide")) for m in ("narrow", "full"))
+        weights = "same weights"
+        if d.get("meta", {}).get("fp8_weights"):  # which FP8 GEMM torch's linears ran (``torch_kernels.FP8_GEMM``)
+            weights = f"same FP8 weights (torch's FP8 GEMM: {t.get('fp8_gemm', {}).get('path') or '?'})"
         out += [f"{arch}, {t.get('layers', '?')} layers: jds (`jax:`) beside the PyTorch comparator (`torch:`, "
-                f"indexer `{t.get('indexer_kernel', 'torch')}`), same weights, same step, one process; median ms. "
+                f"indexer `{t.get('indexer_kernel', 'torch')}`), {weights}, same step, one process; median ms. "
                 f"Torch's own check (upstream 0.46-0.50): narrow/wide TTFT {nw}, full/wide {fw}.", ""]
         out += _table(["step"] + c["cols"] + c["pairs"], rows)
     return out
