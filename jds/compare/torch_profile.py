@@ -86,7 +86,7 @@ def stage_times(runner: Any, ids: np.ndarray, chunks: list, bt: np.ndarray, n: i
 
 
 def profile_arch(arch: str, layers: int, inter: int | None, ctx: int, shapes: list[str], size: str = "bench",
-                 indexer_kernel: str = "torch", n: int = 5) -> dict:
+                 indexer_kernel: str = "torch", n: int = 5, fp8_weights: bool = False) -> dict:
     """``stage_times`` of the comparator's eager step for each named step shape of ``jds.bench.stack``."""
     import torch
 
@@ -94,7 +94,7 @@ def profile_arch(arch: str, layers: int, inter: int | None, ctx: int, shapes: li
     from jds.compare.torch_bench import torch_stack
     from jds.compare.torch_stack import TorchDecoder, TorchStepRunner
 
-    dev, cfg, params, nb, bt, outs = torch_stack(arch, layers, inter, ctx, size)
+    dev, cfg, params, nb, bt, outs = torch_stack(arch, layers, inter, ctx, size, fp8_weights=fp8_weights)
     tm = TorchDecoder(cfg, params, nb, dev, indexer_kernel, outs)
     instrument(tm)
     runner = TorchStepRunner(tm, "eager")
@@ -143,16 +143,18 @@ def main(argv: list[str] | None = None) -> None:
                     help="step shapes (default: ttft_128, prefill_64x128_step, decode_b1/b64 at --ctx)")
     ap.add_argument("--torch-indexer", nargs="+", default=["torch", "triton"], choices=("torch", "triton"))
     ap.add_argument("--n", type=int, default=5, help="profiled steps per shape")
+    ap.add_argument("--fp8-weights", action="store_true",
+                    help="the linears as an FP8 checkpoint stores them (torch_kernels.fp8_linear)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     shapes = a.shapes or ["ttft_128", "prefill_64x128_step", f"decode_b1_ctx{a.ctx}", f"decode_b64_ctx{a.ctx}"]
     cmd = " ".join(["python -m jds.compare.torch_profile"] + (sys.argv[1:] if argv is None else argv))
     res: dict = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "command": cmd,
-                          "complete": False}, "runs": {}}
+                          "fp8_weights": a.fp8_weights, "complete": False}, "runs": {}}
     for arch in a.arch:
         inter = a.intermediate or (18432 if arch == "v32" else 2048)
         for kern in a.torch_indexer:
-            r = profile_arch(arch, a.layers, inter, a.ctx, shapes, a.size, kern, a.n)
+            r = profile_arch(arch, a.layers, inter, a.ctx, shapes, a.size, kern, a.n, a.fp8_weights)
             res["meta"].setdefault("device", r["device"])
             res["meta"].setdefault("torch", r["torch"])
             res["runs"][f"{arch}/{kern}"] = r
