@@ -194,7 +194,9 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, out_dtype: t
     ``out_dtype``; y [..., N] (N: W's stored rows). vLLM runs DeepGEMM's / CUTLASS's blockwise FP8 GEMM here;
     the stand-in is torch's blockwise ``scaled_mm`` on CUDA where it runs (``FP8_GEMM``), else (the CPU, or a
     torch without it) one fp32 matmul of the dequantised operands: the same sums up to their order (exactly the
-    same terms for power-of-two scales)."""
+    same terms for power-of-two scales). x's quantisation is vLLM's one ``per_token_group_quant_fp8`` kernel; here
+    it is several torch ops (amax, scale, divide, clamp, convert: launches of their own in eager mode), a gap of a
+    few small kernels per linear, measured per stage by ``torch_profile --fp8-weights``."""
     lead, k = x.shape[:-1], x.shape[-1]
     xq, sx = act_quant(x.reshape(-1, k), 128, scale_fmt)
     if x.is_cuda and FP8_GEMM["path"] != "dequantised":
