@@ -296,10 +296,11 @@ def test_gpu_serving_every_mode_within_rounding_sensitivity(arch: str) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("arch", ["v32", "v4"])
 def test_gpu_fp8_linear_every_mode_within_rounding_sensitivity(arch: str) -> None:
-    """On the GPU, the checkpoint's numerics (FP8 linears on torch's blockwise scaled_mm, amax activation
-    scales): as ``test_fp8_linear_numerics_every_mode``, with the graphs captured and replayed."""
+    """On the GPU, the checkpoint's numerics (FP8 linears on torch's blockwise scaled_mm; V3.2 with amax
+    activation scales, V4 with its ue8m0 ones): as ``test_fp8_linear_numerics_every_mode``, with the graphs
+    captured and replayed."""
     numerics = Numerics(dtype="bfloat16", kv_cache_dtype="fp8", fp8_linear=True, indexer_fp8=True,
-                        act_scale_fmt="amax")
+                        act_scale_fmt="amax" if arch == "v32" else "ue8m0")
     _check_within_rounding_sensitivity(_compare(arch, numerics, TORCH_MODES, device="cuda"), arch, numerics)
     assert K.FP8_GEMM["path"] == "blockwise", K.FP8_GEMM
 
