@@ -310,24 +310,24 @@ def test_gpu_fp8_linear_every_mode_within_rounding_sensitivity(arch: str) -> Non
 @pytest.mark.parametrize("fmt", ["ue8m0", "amax"])
 def test_gpu_blockwise_fp8_linear_matches_dequantised(fmt: str) -> None:
     """torch's blockwise scaled_mm (``K.fp8_linear`` on CUDA) against the same linear as one fp32 matmul of the
-    dequantised operands, at decode and prefill rows and a weight with a partial last scale block."""
+    dequantised operands, at decode and prefill rows, and a weight of 320 rows stored as jds stores it (zero rows
+    up to whole 128-row scale blocks)."""
     rng = np.random.default_rng(7)
     for m, k, n in ((1, 1536, 3072), (64, 7168, 2304), (200, 512, 320)):
-        w = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32) * 0.02).cuda()
-        wb = w.reshape(-1, 128, k // 128, 128) if n % 128 == 0 else None
-        ws = torch.ones((-(-n // 128), k // 128), device="cuda")
-        if wb is not None:
-            ws = K.block_scale(wb.abs().amax((1, 3)), "amax", 1e-12)
-        wq = K.quantize_e4m3(w / ws.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1))
+        rows = -(-n // 128) * 128
+        w = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32) * 0.02).cuda()
+        w[n:] = 0
+        ws = K.block_scale(w.reshape(-1, 128, k // 128, 128).abs().amax((1, 3)), "amax", 1e-12)
+        wq = K.quantize_e4m3(w / ws.repeat_interleave(128, 0).repeat_interleave(128, 1))
         x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(torch.bfloat16).cuda()
         got = K.fp8_linear(x, wq, ws, torch.bfloat16, fmt).to(torch.float32)  # the comparator's output dtype
         assert K.FP8_GEMM["path"] == "blockwise", K.FP8_GEMM
         xq, sx = K.act_quant(x, 128, fmt)
         want = torch.nn.functional.linear(K.dequant(xq, sx, 128), K.dequant_weight(wq, ws))
-        # bf16's rounding (2^-9 of a value), and Hopper's FP8 MMA accumulating a K block's products in fewer bits
-        # than fp32 (DeepSeek-V3's report: about 14): a bound of those widths; a wrong scale layout is off by O(1)
+        # bf16's rounding (up to 2^-8 of a value), and Hopper's FP8 MMA accumulating a K block's products in fewer
+        # bits than fp32 (DeepSeek-V3's report: about 14): a bound of those widths; a wrong scale layout is off by O(1)
         scale = want.abs().max().item()
-        assert (got - want).abs().max().item() <= 2.0 ** -8 * scale, (m, k, n)
+        assert (got - want).abs().max().item() <= 2.0 ** -7 * scale, (m, k, n)
 
 
 def _rows(fmt, n: int, rng) -> np.ndarray:
