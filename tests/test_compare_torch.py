@@ -292,6 +292,24 @@ def test_gpu_serving_every_mode_within_rounding_sensitivity(arch: str) -> None:
     _check_within_rounding_sensitivity(_compare(arch, Numerics.serving(), TORCH_MODES, device="cuda"), arch)
 
 
+@pytest.mark.parametrize("fmt", ["ue8m0", "amax"])
+def test_fp8_experts_match_jds(fmt: str) -> None:
+    """FP8 routed experts (``experts_fp8``: e4m3 [E, out, in] + 128 x 128 scales, inputs re-quantised per 128):
+    the comparator's every-expert FFN against jds's MoE (the grouped FP8 GEMM's XLA form) on the same rows, the
+    routing the same (an fp32 router on the same values). The bound is one e4m3 step of a re-quantised activation
+    (2^-3 of one of the 128 terms of a sum), which a bf16 rounding of the activation in another summation order
+    can move; a wrong layout or scale would be off by O(1)."""
+    num = Numerics(dtype="bfloat16", kv_cache_dtype="fp8", fp8_linear=True, indexer_fp8=True, experts_fp8=True,
+                   act_scale_fmt=fmt)
+    model = Decoder(preset("v32-tiny", n_layers=1, numerics=num, n_routed_experts=4, moe_topk=2,
+                           moe_intermediate_size=128), seed=1, implementation="xla")
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((24, model.cfg.hidden_size)), jnp.float32)
+    x = x.astype(jnp.bfloat16)
+    want = np.asarray(model.layers[0].ffn(x).astype(jnp.float32))
+    got = TorchDecoder.from_jds(model, 4).layers[0].ffn(to_torch(x)).float().numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=2.0 ** -5 * np.abs(want).max())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("arch", ["v32", "v4"])
@@ -374,10 +392,10 @@ def test_bad_mode_and_numerics() -> None:
     model = Decoder(preset("v32-tiny", n_layers=1), implementation="xla")
     with pytest.raises(ValueError, match="mode"):
         TorchStepRunner(TorchDecoder.from_jds(model, 2), "fused")
-    fp8 = Decoder(preset("v32-tiny", n_layers=1, numerics=Numerics(dtype="bfloat16", kv_cache_dtype="fp8",
-                                                                     fp8_linear=True, experts_fp8=True),
-                         n_routed_experts=4, moe_topk=2, moe_intermediate_size=128), implementation="xla")
-    with pytest.raises(ValueError, match="experts_fp8"):
+    fp8 = Decoder(preset("v4-tiny", n_layers=1, numerics=Numerics(dtype="bfloat16", kv_cache_dtype="fp8",
+                                                                    fp8_linear=True, wo_a_fp8=True)),
+                  implementation="xla")
+    with pytest.raises(ValueError, match="wo_a_fp8"):
         TorchDecoder.from_jds(fp8, 2)
 
 

@@ -162,9 +162,10 @@ def dequant(q: torch.Tensor, s: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def dequant_weight(wq: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """fp32 W = Wq * S[i // block, j // block] (an e4m3 weight with its block scales, jds's ``Linear``)."""
-    o, i = wq.shape
-    s = scale.to(F32).repeat_interleave(block, 0)[:o].repeat_interleave(block, 1)[:, :i]
+    """fp32 W = Wq * S[..., i // block, j // block] (an e4m3 weight [..., out, in] with its block scales: jds's
+    ``Linear``, or a stack of experts' [E, out, in])."""
+    o, i = wq.shape[-2:]
+    s = scale.to(F32).repeat_interleave(block, -2)[..., :o, :].repeat_interleave(block, -1)[..., :i]
     return wq.to(F32) * s
 
 

@@ -134,11 +134,9 @@ class _Layer:
         if indexer_kernel not in ("torch", "triton"):
             raise ValueError(f"indexer_kernel must be 'torch' or 'triton', got {indexer_kernel!r}")
         self.indexer_kernel = indexer_kernel
-        grouped = [f for f, on in (("experts_fp8", cfg.numerics.experts_fp8 and cfg.n_routed_experts > 0),
-                                   ("wo_a_fp8", cfg.numerics.wo_a_fp8 and cfg.arch == "v4")) if on]
-        if grouped:
-            raise ValueError(f"numerics.{grouped[0]}=True (a grouped FP8 GEMM) is not implemented by the torch "
-                             "comparator (its FP8 linears are the dense ones: numerics.fp8_linear)")
+        if cfg.numerics.wo_a_fp8 and cfg.arch == "v4":
+            raise ValueError("numerics.wo_a_fp8=True (V4's grouped wo_a as an FP8 GEMM, a departure from the release) "
+                             "is not implemented by the torch comparator")
         if cfg.numerics.indexer_fp4:
             raise ValueError("numerics.indexer_fp4=True (V4's MXFP4 indexer) is not implemented by the torch "
                              "comparator (its indexer records are the FP8 132-byte ones)")
@@ -148,6 +146,11 @@ class _Layer:
         self.w = {k[len(prefix):]: v for k, v in p.items() if k.startswith(prefix)}
         self.out = {k[len(prefix):]: n for k, n in (out_features or {}).items() if k.startswith(prefix)}
         self.moe = cfg.n_routed_experts > 0
+        # FP8 routed experts (numerics.experts_fp8: e4m3 [E, out, in] + 128 x 128 scales), dequantised once to fp32
+        # for the every-expert stand-in below; their inputs are re-quantised per 128 on every call, as jds's
+        # grouped FP8 GEMM does
+        self.experts_fp8 = {n: K.dequant_weight(self.w[f"ffn.{n}.weight"], self.w[f"ffn.{n}.scale"])
+                            for n in ("w1", "w3", "w2")} if "ffn.w1.scale" in self.w else None
         self.h_mat = None
         if cfg.numerics.indexer_hadamard:
             from jds.ops.hadamard import hadamard_matrix  # the constant matrix (numpy), not jds's op
@@ -186,11 +189,19 @@ class _Layer:
         # Stands in for vLLM's fused_moe Triton kernel (grouped GEMM over routed tokens only): expect about
         # n_routed_experts / moe_topk times the routed FLOPs.
         # fp32 math on the bf16 values: the fp32 accumulators of jds's ragged_dot, unrounded
-        xf = x.to(K.F32)
-        g = torch.einsum("th,ehf->etf", xf, w["ffn.w1"].to(K.F32))
-        u = torch.einsum("th,ehf->etf", xf, w["ffn.w3"].to(K.F32))
-        a = (torch.nn.functional.silu(g) * u).to(x.dtype)
-        y = torch.einsum("etf,efh->eth", a.to(K.F32), w["ffn.w2"].to(K.F32))
+        if self.experts_fp8 is not None:  # [E, out, in]; x and the activation quantised per 128 first
+            fmt, e8 = self.num.act_scale_fmt, self.experts_fp8
+            xd = K.dequant(*K.act_quant(x, 128, fmt), 128)
+            g = torch.einsum("th,efh->etf", xd, e8["w1"])
+            u = torch.einsum("th,efh->etf", xd, e8["w3"])
+            a = (torch.nn.functional.silu(g) * u).to(x.dtype)
+            y = torch.einsum("etf,ehf->eth", K.dequant(*K.act_quant(a, 128, fmt), 128), e8["w2"])
+        else:
+            xf = x.to(K.F32)
+            g = torch.einsum("th,ehf->etf", xf, w["ffn.w1"].to(K.F32))
+            u = torch.einsum("th,ehf->etf", xf, w["ffn.w3"].to(K.F32))
+            a = (torch.nn.functional.silu(g) * u).to(x.dtype)
+            y = torch.einsum("etf,efh->eth", a.to(K.F32), w["ffn.w2"].to(K.F32))
         routed = torch.einsum("te,eth->th", dense, y)
         return (routed + self._mlp(x, "ffn.shared.").to(K.F32)).to(x.dtype)
 
