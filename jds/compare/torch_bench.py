@@ -70,9 +70,8 @@ def bench_torch_arch(arch: str, layers: int, inter: int | None, ctx: int, quick:
     import torch
 
     from jds.bench.stack import step_shapes
-    from jds.compare.torch_stack import TorchDecoder, TorchStepRunner
-
     from jds.compare import torch_kernels as K
+    from jds.compare.torch_stack import TorchDecoder, TorchStepRunner
 
     dev, cfg, params, nb, bt, outs = torch_stack(arch, layers, inter, ctx, size, device, fp8_weights)
     out: dict = {"arch": arch, "layers": layers, "device": str(dev), "torch": torch.__version__,
